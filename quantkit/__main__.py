@@ -1,0 +1,3 @@
+from quantkit.cli.app import main
+
+main()

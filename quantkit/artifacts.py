@@ -1,0 +1,88 @@
+"""Load an artifact back from disk the way a user would, for evaluation.
+
+Kinds: a transformers checkpoint (plain, compressed-tensors or bitsandbytes: all through
+`from_pretrained`), or a .gguf file (dequantized through gguf-py into the base model's
+transformers architecture). The evaluator never relies on an artifact still being in memory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from quantkit.errors import InputError, ModelError
+
+
+def artifact_kind(path: Path) -> str:
+    """'gguf', 'compressed-tensors', 'bitsandbytes' or 'transformers'."""
+    if path.is_file() and path.suffix == ".gguf":
+        return "gguf"
+    if path.is_dir() and not (path / "config.json").exists() and list(path.glob("*.gguf")):
+        return "gguf"
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ModelError(f"{path} is neither a .gguf file nor a checkpoint directory with config.json")
+    qconfig = json.loads(config_file.read_text()).get("quantization_config") or {}
+    method = qconfig.get("quant_method", "")
+    if method == "compressed-tensors":
+        return "compressed-tensors"
+    if method == "bitsandbytes":
+        return "bitsandbytes"
+    if method:
+        raise InputError(f"{path}: quantization method '{method}' is not one quantkit can evaluate")
+    return "transformers"
+
+
+def gguf_file(path: Path) -> Path:
+    if path.is_file():
+        return path
+    files = sorted(path.glob("*.gguf"))
+    if len(files) != 1:
+        raise InputError(f"{path} holds {len(files)} .gguf files; pass the file itself")
+    return files[0]
+
+
+def load_for_eval(path: Path, base_dir: Path | None = None, device: str = "cpu"):
+    """A model object whose forward gives logits, loaded from the artifact on disk."""
+    kind = artifact_kind(path)
+    if kind == "gguf":
+        if base_dir is None:
+            raise InputError("evaluating a .gguf needs the base checkpoint", hint="pass --against BASE_DIR")
+        return load_gguf_into_base(gguf_file(path), base_dir, device)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, device_map=device)
+    return model.eval()
+
+
+def load_gguf_into_base(path: Path, base_dir: Path, device: str = "cpu"):
+    """Dequantize every GGUF tensor (gguf-py) and load it into the base architecture."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from quantkit.gguf.loader import to_hf_state_dict
+
+    config = AutoConfig.from_pretrained(base_dir, local_files_only=True)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    state = to_hf_state_dict(path, config.to_dict())
+    missing = set(model.state_dict()) - set(state)
+    missing = {m for m in missing if "rotary_emb" not in m}
+    if missing:
+        raise ModelError(f"{path.name} lacks tensors for {sorted(missing)[:3]} (and {max(0, len(missing) - 3)} more)")
+    model.load_state_dict(state, strict=False, assign=True)
+    model.tie_weights()
+    return _materialize_buffers(model, config).to(device).eval()
+
+
+def _materialize_buffers(model, config):
+    """Rotary buffers stay on meta after a meta-device build; recompute them."""
+    for module in model.modules():
+        if hasattr(module, "inv_freq") and getattr(module.inv_freq, "is_meta", False):
+            inv_freq, scaling = module.rope_init_fn(module.config, "cpu")
+            module.register_buffer("inv_freq", inv_freq, persistent=False)
+            module.original_inv_freq = inv_freq
+            module.attention_scaling = scaling
+    return model

@@ -1,0 +1,51 @@
+"""The `quantkit` command. Subcommands live one per module and import heavy libraries lazily,
+so `quantkit --help` stays fast and never imports torch."""
+
+from __future__ import annotations
+
+import typer
+
+from quantkit import __version__
+from quantkit.cli import eval as eval_cmd
+from quantkit.cli import inspect as inspect_cmd
+from quantkit.cli import quantize as quantize_cmd
+from quantkit.cli import recipes as recipes_cmd
+
+app = typer.Typer(
+    name="quantkit",
+    help="Quantize and convert Hugging Face LLMs and VLMs into deployable artifacts, "
+    "each checked by a perplexity/KL quality gate before it is written.\n\n"
+    "Examples:\n\n"
+    "  quantkit quantize ./my-model --method fp8 -o ./my-model-fp8\n\n"
+    "  quantkit quantize --recipe recipes/fp8-dynamic.yaml --model ./ckpt -o ./dist --json report.json\n\n"
+    "  quantkit inspect ./my-model --method fp8\n\n"
+    "  quantkit eval ./my-model-fp8 --against ./my-model\n\n"
+    "Exit codes: 0 ok, 1 internal error, 2 bad input, 3 quality gate failed, 130 interrupted.",
+    no_args_is_help=True,
+    add_completion=False,
+    rich_markup_mode=None,
+    pretty_exceptions_enable=False,
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"quantkit {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def root(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
+) -> None:
+    """quantkit: quantization toolkit and model converter."""
+
+
+app.command("quantize", no_args_is_help=True)(quantize_cmd.quantize)
+app.command("inspect", no_args_is_help=True)(inspect_cmd.inspect)
+app.command("eval", no_args_is_help=True)(eval_cmd.eval_command)
+app.add_typer(recipes_cmd.app, name="recipes")
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,102 @@
+"""CLI plumbing: consoles, the error boundary, and shared output helpers.
+
+Results go to stdout; logs and progress to stderr. Library errors become one line (plus a
+hint) and an exit code; a traceback only with QUANTKIT_DEBUG=1.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+from pathlib import Path
+
+import typer
+from rich.console import Console
+
+out = Console(soft_wrap=True)
+err = Console(stderr=True, soft_wrap=True)
+EXIT_INTERRUPTED = 130
+
+
+def quiet_libraries() -> None:
+    """Progress bars only on a TTY; library warnings only when debugging."""
+    import warnings
+
+    if not sys.stderr.isatty():
+        os.environ.setdefault("TQDM_DISABLE", "1")
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    if not debug():
+        warnings.filterwarnings("ignore")
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+def debug() -> bool:
+    return os.environ.get("QUANTKIT_DEBUG", "") not in ("", "0")
+
+
+def handle_errors(fn):
+    """Turn QuantkitError / KeyboardInterrupt / anything else into a message and an exit code."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        from quantkit.errors import QuantkitError
+
+        quiet_libraries()
+        try:
+            return fn(*args, **kwargs)
+        except typer.Exit:
+            raise
+        except QuantkitError as exc:
+            if debug():
+                err.print_exception()
+            _print_error(exc.message, exc.hint)
+            raise typer.Exit(exc.exit_code) from None
+        except KeyboardInterrupt:
+            err.print("interrupted; nothing was written", style="yellow", highlight=False)
+            raise typer.Exit(EXIT_INTERRUPTED) from None
+        except Exception as exc:  # noqa: BLE001 - the boundary for unexpected failures
+            if debug():
+                err.print_exception()
+            _print_error(f"internal error: {type(exc).__name__}: {exc}".splitlines()[0],
+                         "re-run with QUANTKIT_DEBUG=1 for the traceback, and please report it")
+            raise typer.Exit(1) from None
+
+    return wrapper
+
+
+def _print_error(message: str, hint: str | None) -> None:
+    err.print(f"error: {message}", style="bold red", highlight=False, markup=False)
+    if hint:
+        err.print(f"hint: {hint}", style="dim", highlight=False, markup=False)
+
+
+def progress(message: str) -> None:
+    """Log lines on stderr (plain when not a TTY)."""
+    err.print(f"· {message}", highlight=False, markup=False)
+
+
+def write_json(path: str | None, data: dict) -> None:
+    if not path:
+        return
+    text = json.dumps(data, indent=2, default=str) + "\n"
+    if path == "-":
+        sys.stdout.write(text)
+    else:
+        Path(path).write_text(text)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def human_count(n: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return str(n)

@@ -1,0 +1,87 @@
+"""`quantkit eval`: measure any supported artifact against its base, with the gate's metrics."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from quantkit.cli.common import handle_errors, out, progress, write_json
+
+
+@handle_errors
+def eval_command(
+    model: Path = typer.Argument(..., help="Artifact: a checkpoint dir (compressed-tensors, bitsandbytes, plain) or a .gguf."),
+    against: Optional[str] = typer.Option(None, "--against", "-a", help="Base checkpoint. Default: the base named in the artifact's quantkit.json."),
+    data: str = typer.Option("default", "--data", help="Evaluation text: bundled name, file, or hf:NAME."),
+    num_windows: int = typer.Option(16, help="Held-out windows to score."),
+    seq_len: int = typer.Option(512, help="Tokens per window."),
+    seed: int = typer.Option(0, help="Sampling seed (the same as quantize's gives the same held-out windows)."),
+    device: str = typer.Option("cpu", help="cpu | cuda | auto"),
+    max_ppl_increase: Optional[float] = typer.Option(None, help="Gate: max relative perplexity increase."),
+    max_kld: Optional[float] = typer.Option(None, help="Gate: max mean KL divergence."),
+    min_top1: Optional[float] = typer.Option(None, help="Gate: min top-1 agreement."),
+    json_path: Optional[str] = typer.Option(None, "--json", help="Write the metrics as JSON to FILE ('-' = stdout)."),
+) -> None:
+    """Perplexity, KL divergence and top-1 agreement of MODEL against its base.
+
+    Examples:
+
+      quantkit eval ./my-model-fp8 --against ./my-model
+
+      quantkit eval ./gguf/model-Q4_K_M.gguf --against ./my-model --num-windows 32 --json metrics.json
+
+    With any threshold given, exits 3 when the artifact fails it.
+    """
+    from quantkit import evaluate
+    from quantkit.artifacts import artifact_kind, load_for_eval
+    from quantkit.cli.report import metrics_table, thresholds_table
+    from quantkit.errors import GateFailedError
+    from quantkit.model import check_device, check_model_dir, load_model, load_tokenizer, resolve_model
+    from quantkit.recipe import Gate
+
+    if not model.exists():
+        from quantkit.errors import ModelError
+
+        raise ModelError(f"artifact not found: {model}")
+    kind = artifact_kind(model)
+    check_device(device)
+    base = check_model_dir(resolve_model(against or default_base(model)))
+    windows = eval_windows(load_tokenizer(base), data, num_windows, seq_len, seed)
+    progress(f"baseline: {base.path} on {len(windows)} windows of {seq_len} tokens")
+    base_model = load_model(base, device=device)
+    baseline = evaluate.compute_baseline(evaluate.model_logits_fn(base_model), windows)
+    del base_model
+    progress(f"candidate: {model} ({kind})")
+    candidate = load_for_eval(model, base.path, device)
+    metrics = evaluate.compare(evaluate.model_logits_fn(candidate), windows, baseline)
+    gate = Gate(max_ppl_increase=max_ppl_increase, max_kld=max_kld, min_top1=min_top1)
+    verdict = evaluate.gate_verdict(metrics, gate)
+    row = {"name": model.name, "kind": kind, "base": str(base.path), "metrics": metrics.as_dict(),
+           "gate": verdict.as_dict()}
+    if json_path != "-":
+        out.print(metrics_table([row], f"{model} ({kind}) vs. {base.path}"))
+        if any(c.threshold is not None for c in verdict.checks):
+            out.print(thresholds_table([row]))
+    write_json(json_path, row)
+    if not verdict.passed:
+        raise GateFailedError(f"{model.name} fails the gate: {', '.join(verdict.failed)}")
+
+
+def default_base(artifact: Path) -> str:
+    from quantkit.errors import InputError
+
+    report = (artifact if artifact.is_dir() else artifact.parent) / "quantkit.json"
+    if report.is_file():
+        return json.loads(report.read_text())["model"]["path"]
+    raise InputError(f"no base model for {artifact}", hint="pass --against BASE_DIR")
+
+
+def eval_windows(tokenizer, source: str, num_windows: int, seq_len: int, seed: int):
+    """The held-out windows quantize would use with the same source, seq_len and seed."""
+    from quantkit.calibration import CalibrationSpec, make_windows
+
+    spec = CalibrationSpec(source=source, num_samples=0, seq_len=seq_len, seed=seed, eval_windows=num_windows)
+    return make_windows(tokenizer, spec).eval

@@ -1,0 +1,123 @@
+"""`quantkit inspect`: what a model is and what a method would do to it (no torch needed)."""
+
+from __future__ import annotations
+
+import re
+from typing import Optional
+
+import typer
+from rich.table import Table
+
+from quantkit.cli.common import handle_errors, human_bytes, human_count, out, write_json
+
+LAYER_INDEX = re.compile(r"\.(\d+)\.")
+
+
+@handle_errors
+def inspect(
+    model: str = typer.Argument(..., help="Local checkpoint dir (or a cached hub id)."),
+    method: str = typer.Option("fp8", "--method", "-m", help="Method whose plan to show."),
+    recipe: Optional[str] = typer.Option(None, "--recipe", "-r", help="Show the plan of this recipe's first target."),
+    ignore: list[str] = typer.Option([], "--ignore", help="Extra modules to keep unquantized; repeatable."),
+    context: int = typer.Option(4096, help="Tokens of KV cache in the memory estimate."),
+    json_path: Optional[str] = typer.Option(None, "--json", help="Write the plan as JSON to FILE ('-' = stdout)."),
+) -> None:
+    """Show architecture, parameters, every linear module by role, the precision plan and memory estimates.
+
+    Examples:
+
+      quantkit inspect ./my-model
+
+      quantkit inspect ./my-vlm --method gptq --json plan.json
+
+      quantkit inspect ./my-model --recipe recipes/fp8-dynamic.yaml
+    """
+    from quantkit.model import check_model_dir, resolve_model
+
+    info = check_model_dir(resolve_model(model))
+    target_method, options, patterns = _target(method, recipe, ignore)
+    data = plan_data(info, target_method, options, patterns, context)
+    if json_path == "-":
+        write_json("-", data)
+        return
+    print_plan(data)
+    write_json(json_path, data)
+
+
+def _target(method: str, recipe: str | None, ignore: list[str]):
+    from quantkit.methods import check_method_name, get_method
+    from quantkit.recipe import find_recipe, load_recipe, target_options
+
+    if recipe:
+        target = load_recipe(find_recipe(recipe)).targets[0]
+        return get_method(target.method), target_options(target), target.ignore + ignore
+    module = get_method(check_method_name(method))
+    return module, module.Options(), ignore
+
+
+def plan_data(info, method, options, ignore: list[str], context: int) -> dict:
+    from quantkit.plan import MEMORY_NOTE, build_plan, ignore_patterns, memory_estimate, role_summary
+
+    patterns = ignore_patterns(info, ignore)
+    entries = build_plan(info, method, options, patterns)
+    return {
+        "model": str(info.path),
+        "architecture": info.architecture,
+        "model_type": info.model_type,
+        "parameters": info.num_parameters,
+        "dtype": info.dtype,
+        "method": method.__name__.rsplit(".", 1)[-1],
+        "options": options.model_dump(mode="json"),
+        "ignore": patterns,
+        "roles": role_summary(entries),
+        "modules": [{"name": e.name, "role": e.role, "shape": e.shape, "precision": e.precision} for e in entries],
+        "memory": memory_estimate(info, entries, context),
+        "memory_note": MEMORY_NOTE.format(context=context),
+    }
+
+
+def collapse(modules: list[dict]) -> list[tuple[str, str, str, int]]:
+    """Group decoder modules over layer indices: (name pattern, shape, precision, count)."""
+    groups: dict[tuple[str, str, str], list[int]] = {}
+    for m in modules:
+        pattern = LAYER_INDEX.sub(".{i}.", m["name"], count=1)
+        key = (pattern, "x".join(map(str, m["shape"])), m["precision"])
+        groups.setdefault(key, []).append(1)
+    return [(k[0], k[1], k[2], len(v)) for k, v in groups.items()]
+
+
+def print_plan(data: dict) -> None:
+    out.print(f"[bold]{data['architecture']}[/bold] ({data['model_type']}) · {human_count(data['parameters'])} "
+              f"parameters · stored as {data['dtype']} · plan for method [bold]{data['method']}[/bold]")
+    out.print(_roles_table(data))
+    out.print(_modules_table(data))
+    out.print(_memory_table(data))
+    out.print(f"[dim]{data['memory_note']}[/dim]")
+
+
+def _roles_table(data: dict) -> Table:
+    table = Table(title="modules by role", title_justify="left")
+    for column in ("role", "linear modules", "parameters", "precision"):
+        table.add_column(column)
+    for role, row in data["roles"].items():
+        precisions = "; ".join(f"{p} ×{n}" for p, n in row["precisions"].items())
+        table.add_row(role, str(row["modules"]), human_count(row["params"]), precisions)
+    return table
+
+
+def _modules_table(data: dict) -> Table:
+    table = Table(title="linear modules ({i} = every decoder layer index)", title_justify="left")
+    for column in ("module", "shape", "count", "precision"):
+        table.add_column(column)
+    for name, shape, precision, count in collapse(data["modules"]):
+        table.add_row(name, shape, str(count), precision)
+    return table
+
+
+def _memory_table(data: dict) -> Table:
+    table = Table(title="estimated memory", title_justify="left")
+    for column in ("format", "weights", "with KV + overhead"):
+        table.add_column(column)
+    for fmt, row in data["memory"].items():
+        table.add_row(fmt, human_bytes(row["weights_bytes"]), human_bytes(row["with_overhead_bytes"]))
+    return table

@@ -1,0 +1,172 @@
+"""`quantkit quantize`: one model in, one or more gated artifacts out."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from quantkit.cli.common import err, handle_errors, out, progress, write_json
+
+# CLI flag (parameter name) -> method option field. A flag applies to every target whose
+# method has that option; naming one no target has is an error.
+METHOD_FLAGS = ("scheme", "bits", "group_size", "act_order", "backend", "gguf_type", "imatrix",
+                "smoothing_strength", "double_quant", "compute_dtype")
+
+EXAMPLES = """
+Examples:
+
+  quantkit quantize ./my-model --method fp8 -o ./my-model-fp8
+
+  quantkit quantize ./my-model --method fp8 --scheme fp8-static --calib ./chat.jsonl -o ./fp8-static
+
+  quantkit quantize --recipe recipes/fp8-dynamic.yaml --model ./ckpt -o ./dist --json report.json
+
+  quantkit quantize ./my-model --method gguf --gguf-type Q4_K_M -o ./gguf
+
+CLI flags override recipe fields. Exit codes: 0 ok, 2 bad input, 3 quality gate failed.
+"""
+
+
+@handle_errors
+def quantize(
+    model: Optional[str] = typer.Argument(None, help="Local checkpoint dir (or a cached hub id). Default: the recipe's model."),
+    model_opt: Optional[str] = typer.Option(None, "--model", help="Same as MODEL (handy in CI scripts)."),
+    output: Path = typer.Option(..., "--output", "-o", help="Output directory (must not exist unless --overwrite)."),
+    recipe: Optional[str] = typer.Option(None, "--recipe", "-r", help="Recipe YAML file or bundled recipe name."),
+    method: Optional[str] = typer.Option(None, "--method", "-m", help="fp8 | gptq | awq | smoothquant | nf4 | gguf"),
+    scheme: Optional[str] = typer.Option(None, help="Method scheme, e.g. fp8-dynamic | fp8-static."),
+    bits: Optional[int] = typer.Option(None, help="Weight bits (gptq/awq)."),
+    group_size: Optional[int] = typer.Option(None, help="Quantization group size (-1: per channel)."),
+    act_order: Optional[str] = typer.Option(None, help="GPTQ activation order: none | static | group."),
+    backend: Optional[str] = typer.Option(None, help="Engine backend where a method has several."),
+    gguf_type: Optional[str] = typer.Option(None, help="GGUF type or mixture, e.g. Q4_K_M, Q6_K, Q8_0."),
+    imatrix: Optional[str] = typer.Option(None, help="GGUF importance matrix: auto | none | FILE."),
+    smoothing_strength: Optional[float] = typer.Option(None, help="SmoothQuant alpha."),
+    double_quant: Optional[bool] = typer.Option(None, "--double-quant/--no-double-quant", help="NF4 double quantization."),
+    compute_dtype: Optional[str] = typer.Option(None, help="NF4 compute dtype."),
+    calib: Optional[str] = typer.Option(None, "--calib", help="Calibration source: bundled name, file, or hf:NAME."),
+    num_samples: Optional[int] = typer.Option(None, help="Calibration windows."),
+    seq_len: Optional[int] = typer.Option(None, help="Tokens per window."),
+    eval_windows: Optional[int] = typer.Option(None, help="Held-out windows for the quality gate."),
+    seed: Optional[int] = typer.Option(None, help="Sampling seed."),
+    ignore: list[str] = typer.Option([], "--ignore", help="Keep modules unquantized (name or re:REGEX); repeatable."),
+    lora: list[str] = typer.Option([], "--lora", help="LoRA adapter dir merged before quantizing; repeatable."),
+    device: Optional[str] = typer.Option(None, help="cpu | cuda | auto"),
+    dtype: Optional[str] = typer.Option(None, help="auto | bfloat16 | float16 | float32"),
+    trust_remote_code: bool = typer.Option(False, help="Allow custom model code from the model dir."),
+    max_ppl_increase: Optional[float] = typer.Option(None, help="Gate: max relative perplexity increase."),
+    max_kld: Optional[float] = typer.Option(None, help="Gate: max mean KL divergence."),
+    min_top1: Optional[float] = typer.Option(None, help="Gate: min top-1 agreement."),
+    no_gate: bool = typer.Option(False, "--no-gate", help="Measure but do not enforce the gate (recorded)."),
+    overwrite: bool = typer.Option(False, help="Replace an existing output."),
+    json_path: Optional[str] = typer.Option(None, "--json", help="Write the report as JSON to FILE ('-' = stdout)."),
+) -> None:
+    from quantkit.cli.report import print_report
+    from quantkit.errors import GateFailedError
+    from quantkit.pipeline import RunOptions, run
+
+    flags = dict(scheme=scheme, bits=bits, group_size=group_size, act_order=act_order, backend=backend,
+                 gguf_type=gguf_type, imatrix=imatrix, smoothing_strength=smoothing_strength,
+                 double_quant=double_quant, compute_dtype=compute_dtype)
+    overrides = dict(model=model or model_opt, calib=calib, num_samples=num_samples, seq_len=seq_len, eval_windows=eval_windows,
+                     seed=seed, ignore=ignore, lora=lora, device=device, dtype=dtype,
+                     trust_remote_code=trust_remote_code, max_ppl_increase=max_ppl_increase,
+                     max_kld=max_kld, min_top1=min_top1)
+    resolved = build_recipe(recipe, method, flags, overrides)
+    if no_gate:
+        err.print("warning: --no-gate: the quality gate is measured but not enforced (recorded in quantkit.json)",
+                  style="yellow", highlight=False)
+    opts = RunOptions(model=resolved.model, out=output, overwrite=overwrite, enforce_gate=not no_gate,
+                      progress=progress)
+    try:
+        report = run(resolved, opts)
+    except GateFailedError as exc:
+        print_report(exc.report)
+        write_json(json_path, exc.report)
+        raise
+    print_report(report)
+    write_json(json_path, report)
+    out.print(f"wrote {output}", highlight=False)
+
+
+def build_recipe(recipe_name: str | None, method: str | None, flags: dict, overrides: dict):
+    """Recipe data (file or --method), CLI overrides applied, validated as one."""
+    from quantkit.errors import InputError
+    from quantkit.recipe import find_recipe, load_yaml, validate
+
+    if recipe_name:
+        path = find_recipe(recipe_name)
+        data, origin = load_yaml(path), str(path)
+    elif method:
+        data, origin = {"targets": [{"name": method, "method": method}]}, "command line"
+    else:
+        raise InputError("give --method or --recipe", hint="e.g. quantkit quantize ./model --method fp8 -o ./out")
+    if method and recipe_name:
+        data = _override_method(data, method)
+    data = apply_overrides(data, overrides)
+    data = apply_method_flags(data, flags)
+    if not data.get("model"):
+        raise InputError("no model given", hint="pass MODEL, or set `model:` in the recipe")
+    return validate(data, origin)
+
+
+def _override_method(data: dict, method: str) -> dict:
+    from quantkit.errors import InputError
+
+    targets = data.get("targets") or []
+    if len(targets) != 1:
+        raise InputError("--method cannot override a recipe with several targets", hint="edit the recipe instead")
+    targets[0] = {**targets[0], "method": method, "options": {}}
+    return data
+
+
+def apply_overrides(data: dict, o: dict) -> dict:
+    data = dict(data)
+    for key in ("model", "device", "dtype"):
+        if o[key] is not None:
+            data[key] = o[key]
+    if o["trust_remote_code"]:
+        data["trust_remote_code"] = True
+    if o["lora"]:
+        data["lora"] = list(data.get("lora") or []) + list(o["lora"])
+    calibration = dict(data.get("calibration") or {})
+    for key, field in (("calib", "source"), ("num_samples", "num_samples"), ("seq_len", "seq_len"),
+                       ("eval_windows", "eval_windows"), ("seed", "seed")):
+        if o[key] is not None:
+            calibration[field] = o[key]
+    data["calibration"] = calibration
+    gate = dict(data.get("gate") or {})
+    for key in ("max_ppl_increase", "max_kld", "min_top1"):
+        if o[key] is not None:
+            gate[key] = o[key]
+    data["gate"] = gate
+    if o["ignore"]:
+        data["targets"] = [{**t, "ignore": list(t.get("ignore") or []) + list(o["ignore"])}
+                           for t in data.get("targets") or []]
+    return data
+
+
+def apply_method_flags(data: dict, flags: dict) -> dict:
+    """Put method flags into the options of every target whose method has that option."""
+    from quantkit.errors import InputError
+    from quantkit.methods import METHODS, get_method
+
+    given = {k: v for k, v in flags.items() if v is not None}
+    if not given:
+        return data
+    targets = [dict(t) for t in data.get("targets") or [] if isinstance(t, dict)]
+    for flag, value in given.items():
+        used = False
+        for target in targets:
+            if target.get("method") in METHODS and flag in get_method(target["method"]).Options.model_fields:
+                target["options"] = {**(target.get("options") or {}), flag: value}
+                used = True
+        if not used:
+            methods = ", ".join(sorted({str(t.get("method")) for t in targets}))
+            raise InputError(f"--{flag.replace('_', '-')} does not apply to method {methods}")
+    return {**data, "targets": targets}
+
+
+quantize.__doc__ = "Quantize a model into gated artifacts (compressed-tensors, bitsandbytes, GGUF).\n" + EXAMPLES

@@ -1,0 +1,58 @@
+"""`quantkit recipes list|show|validate`."""
+
+from __future__ import annotations
+
+import typer
+
+from quantkit.cli.common import handle_errors, out
+
+app = typer.Typer(help="Bundled recipes: list them, print one, validate a recipe file.", no_args_is_help=True)
+
+
+@app.command("list")
+@handle_errors
+def list_recipes() -> None:
+    """List the bundled recipes.
+
+    Example: quantkit recipes list
+    """
+    import yaml
+
+    from quantkit.recipe import bundled_recipes_dir
+
+    for path in sorted(bundled_recipes_dir().glob("*.yaml")):
+        data = yaml.safe_load(path.read_text()) or {}
+        methods = ", ".join(f"{t.get('name')}:{t.get('method')}" for t in data.get("targets", []))
+        out.print(f"{path.stem:24} {methods}", highlight=False)
+
+
+@app.command("show")
+@handle_errors
+def show(name: str = typer.Argument(..., help="Bundled recipe name or file.")) -> None:
+    """Print a recipe.
+
+    Example: quantkit recipes show fp8-dynamic
+    """
+    from quantkit.recipe import find_recipe
+
+    path = find_recipe(name)
+    if not path.is_file():
+        from quantkit.errors import RecipeError
+
+        raise RecipeError(f"recipe file not found: {path}")
+    out.print(path.read_text(), highlight=False, markup=False, end="")
+
+
+@app.command("validate")
+@handle_errors
+def validate_cmd(files: list[str] = typer.Argument(..., help="Recipe files to check.")) -> None:
+    """Check recipe files against the schema (and every target's method options).
+
+    Example: quantkit recipes validate recipes/fp8-dynamic.yaml
+    """
+    from quantkit.recipe import find_recipe, load_recipe
+
+    for name in files:
+        recipe = load_recipe(find_recipe(name))
+        targets = ", ".join(f"{t.name} ({t.method})" for t in recipe.targets)
+        out.print(f"ok: {name}: {targets}", highlight=False)

@@ -1,0 +1,77 @@
+"""One exception hierarchy. Each error carries its exit code and an optional hint.
+
+Library code raises these; only the CLI layer turns them into a message and an exit code.
+"""
+
+
+class QuantkitError(Exception):
+    """Base class. `exit_code` follows DESIGN.md: 1 internal, 2 bad input, 3 gate failed."""
+
+    exit_code = 1
+
+    def __init__(self, message: str, hint: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+
+class InternalError(QuantkitError):
+    exit_code = 1
+
+
+class InputError(QuantkitError):
+    """Bad input or usage: missing model, invalid recipe, unsupported architecture, ..."""
+
+    exit_code = 2
+
+
+class RecipeError(InputError):
+    pass
+
+
+class ModelError(InputError):
+    pass
+
+
+class CalibrationError(InputError):
+    pass
+
+
+class UnsupportedError(InputError):
+    """The model or option is not supported by the chosen method."""
+
+
+class OutputExistsError(InputError):
+    pass
+
+
+class MissingExtraError(InputError):
+    """An optional engine is not installed."""
+
+    def __init__(self, package: str, extra: str, purpose: str):
+        super().__init__(
+            f"{purpose} needs the '{package}' package, which is not installed",
+            hint=f"pip install 'quantkit[{extra}]'",
+        )
+        self.package = package
+        self.extra = extra
+
+
+class GateFailedError(QuantkitError):
+    """The quality gate rejected an artifact; nothing was exported."""
+
+    exit_code = 3
+
+    def __init__(self, message: str, report=None, hint: str | None = None):
+        super().__init__(message, hint)
+        self.report = report
+
+
+def require(module: str, extra: str, purpose: str):
+    """Import an optional engine or raise MissingExtraError naming the extra."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise MissingExtraError(module.split(".")[0], extra, purpose) from exc

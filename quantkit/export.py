@@ -1,0 +1,132 @@
+"""Atomic output: everything is written into a staging directory beside OUT, then renamed.
+
+Nothing partial is ever left at OUT: on failure or Ctrl-C the staging directory is removed.
+Also writes the model card (README.md with YAML front matter) and copies the files a user
+needs beside the weights (tokenizer, processor, generation config, chat template).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from quantkit.errors import InputError, OutputExistsError
+
+SIDE_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
+    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+    "generation_config.json", "preprocessor_config.json", "processor_config.json",
+    "video_preprocessor_config.json",
+)
+
+
+def check_output(out: Path, overwrite: bool) -> None:
+    """Fail fast: OUT must not exist (unless overwrite) and its parent must be writable."""
+    if out.exists() and not overwrite:
+        raise OutputExistsError(f"output already exists: {out}", hint="pass --overwrite to replace it")
+    if out.exists() and not out.is_dir():
+        raise InputError(f"output path exists and is not a directory: {out}")
+    parent = out.resolve().parent
+    if not parent.is_dir():
+        raise InputError(f"output parent directory does not exist: {parent}", hint="create it first")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise InputError(f"output parent directory is not writable: {parent}")
+
+
+def make_staging(out: Path) -> Path:
+    """A fresh hidden directory beside OUT (same filesystem, so the final rename is atomic)."""
+    parent = out.resolve().parent
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.staging-", dir=parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(staging, 0o777 & ~umask)  # mkdtemp makes 0700; the result should look like any new dir
+    return staging
+
+
+def discard(staging: Path) -> None:
+    shutil.rmtree(staging, ignore_errors=True)
+
+
+def publish(staging: Path, out: Path, overwrite: bool) -> None:
+    """Move the finished staging directory to OUT; an old OUT is replaced only with overwrite."""
+    out = out.resolve()
+    if out.exists():
+        if not overwrite:
+            raise OutputExistsError(f"output appeared while running: {out}", hint="pass --overwrite")
+        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+        os.rename(out, old / "out")
+        try:
+            os.rename(staging, out)
+        except BaseException:
+            os.rename(old / "out", out)
+            raise
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(staging, out)
+
+
+def copy_side_files(model_dir: Path, dest: Path) -> list[str]:
+    """Tokenizer/processor/generation files the artifact needs; never overwrite what the method wrote."""
+    copied = []
+    for name in SIDE_FILES:
+        src = model_dir / name
+        if src.is_file() and not (dest / name).exists():
+            shutil.copy2(src, dest / name)
+            copied.append(name)
+    return copied
+
+
+def write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
+
+
+def model_card(base_model: str, target: dict, report: dict) -> str:
+    """README.md with YAML front matter (base_model, tags, quantization) and the gate table."""
+    import yaml
+
+    front = {
+        "base_model": base_model,
+        "library_name": "transformers" if target["method"] != "gguf" else "gguf",
+        "tags": ["quantkit", "quantized", target["method"], *_format_tags(target)],
+        "quantization": {
+            "method": target["method"],
+            "format": target["format"],
+            "engine": target["engine"],
+            "options": target["options"],
+        },
+    }
+    lines = ["---", yaml.safe_dump(front, sort_keys=False).strip(), "---", ""]
+    lines += [f"# {Path(base_model).name} — {target['name']} ({target['method']})", ""]
+    lines += [f"Quantized with quantkit {report['quantkit_version']} from `{base_model}`.", ""]
+    lines += _metrics_section(target)
+    lines += ["", "Kept in 16-bit: " + ", ".join(target.get("kept", []) or ["(none)"]), ""]
+    lines += ["Produced by `quantkit quantize`; the full record is in `quantkit.json`.", ""]
+    return "\n".join(lines)
+
+
+def _format_tags(target: dict) -> list[str]:
+    fmt = target["format"]
+    tags = []
+    if "compressed-tensors" in fmt:
+        tags.append("compressed-tensors")
+    if "gguf" in fmt.lower():
+        tags.append("gguf")
+    if "bitsandbytes" in fmt:
+        tags.append("bitsandbytes")
+    return tags
+
+
+def _metrics_section(target: dict) -> list[str]:
+    gate = target.get("gate")
+    if not gate or not gate.get("checks"):
+        return ["Quality: not measured."]
+    lines = ["## Quality gate", "", f"Verdict: **{'PASS' if gate['passed'] else 'FAIL'}**"
+             + ("" if gate.get("enforced", True) else " (not enforced: --no-gate)"), ""]
+    lines += ["| metric | value | threshold | ok |", "|---|---|---|---|"]
+    for check in gate["checks"]:
+        threshold = "—" if check["threshold"] is None else f"{check['op']} {check['threshold']:g}"
+        lines.append(f"| {check['name']} | {check['value']:.6g} | {threshold} | {'yes' if check['passed'] else 'NO'} |")
+    return lines

@@ -1,0 +1,30 @@
+"""Merge LoRA adapters into the full-precision base before quantizing (peft)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from quantkit.errors import InputError, require
+from quantkit.model import ModelInfo, load_model, load_tokenizer
+
+
+def check_adapter(path: Path) -> None:
+    if not (path / "adapter_config.json").is_file():
+        raise InputError(f"{path} is not a LoRA adapter (no adapter_config.json)")
+    if not list(path.glob("adapter_model.safetensors")):
+        raise InputError(f"{path} has no adapter_model.safetensors", hint="quantkit loads safetensors only")
+
+
+def merge_adapters(info: ModelInfo, adapters: list[str], out_dir: Path, dtype: str = "auto") -> Path:
+    """Load the base in its own 16-bit dtype, merge each adapter in order, save safetensors."""
+    require("peft", "lora", "merging LoRA adapters")
+    from peft import PeftModel
+
+    model = load_model(info, dtype=dtype)
+    for adapter in adapters:
+        check_adapter(Path(adapter))
+        model = PeftModel.from_pretrained(model, adapter, local_files_only=True).merge_and_unload()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    load_tokenizer(info).save_pretrained(out_dir)
+    return out_dir

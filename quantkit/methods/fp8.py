@@ -1,0 +1,57 @@
+"""FP8 E4M3 through llm-compressor, saved as compressed-tensors `float-quantized`.
+
+fp8-dynamic: per-channel weight scales, dynamic per-token activation scales; needs no data.
+fp8-static:  per-channel weight scales, one static activation scale per tensor from calibration.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from quantkit.methods import llmc
+
+ENGINE = llmc.ENGINE
+FORMAT = "compressed-tensors (float-quantized, float8_e4m3fn)"
+# FP8 E4M3 is near-lossless on trained models: hold it to a tight gate.
+DEFAULT_GATE = {"max_ppl_increase": 0.02, "max_kld": 0.01, "min_top1": 0.95}
+
+
+class Options(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    scheme: Literal["fp8-dynamic", "fp8-static"] = "fp8-dynamic"
+    quantize_lm_head: bool = False
+
+
+def needs_calibration(options: Options) -> bool:
+    return options.scheme == "fp8-static"
+
+
+def precision(role: str, options: Options, name: str, shape: list[int]) -> str | None:
+    if role in ("decoder", "other") or (role == "lm_head" and options.quantize_lm_head):
+        acts = "dynamic per-token" if options.scheme == "fp8-dynamic" else "static per-tensor"
+        return f"fp8-e4m3 (W per-channel, A {acts})"
+    return None
+
+
+def scheme_config(options: Options) -> dict:
+    activations = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True, "strategy": "token"}
+    if options.scheme == "fp8-static":
+        activations = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False,
+                       "strategy": "tensor", "observer": "minmax"}
+    weights = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": "channel"}
+    return {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": activations}}
+
+
+def quantize(job) -> None:
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+
+    ignore = [p for p in job.ignore if not (options_keep_head(job.options) and p == "lm_head")]
+    modifier = QuantizationModifier(config_groups=scheme_config(job.options), ignore=ignore)
+    llmc.run_oneshot(job, modifier, calibrate=needs_calibration(job.options))
+    llmc.save_compressed(job)
+
+
+def options_keep_head(options: Options) -> bool:
+    return options.quantize_lm_head

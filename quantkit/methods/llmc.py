@@ -1,0 +1,42 @@
+"""Shared glue for the methods that run through llm-compressor (fp8, gptq, awq, smoothquant)."""
+
+from __future__ import annotations
+
+import os
+
+ENGINE = "llmcompressor"
+FORMAT = "compressed-tensors"
+
+
+def quiet_loguru(debug: bool) -> None:
+    """llm-compressor logs through loguru at INFO; keep stderr to warnings unless debugging."""
+    import sys
+
+    from loguru import logger
+
+    logger.remove()
+    logger.add(sys.stderr, level="DEBUG" if debug else "WARNING")
+
+
+def run_oneshot(job, recipe, calibrate: bool) -> None:
+    """Apply llm-compressor modifiers to job.model in place (layer by layer when calibrating)."""
+    from llmcompressor import oneshot
+
+    quiet_loguru(bool(os.environ.get("QUANTKIT_DEBUG")))
+    kwargs = {}
+    if calibrate:
+        kwargs = dict(
+            dataset=job.windows.calib_dataset(),
+            num_calibration_samples=len(job.windows.calib),
+            max_seq_length=job.windows.calib.shape[1],
+            shuffle_calibration_samples=False,
+            pipeline="sequential",
+        )
+    oneshot(model=job.model, recipe=recipe, tokenizer=job.tokenizer, log_dir=None, **kwargs)
+
+
+def save_compressed(job) -> None:
+    """compressed-tensors checkpoint + tokenizer into the staging directory."""
+    job.model.save_pretrained(job.out_dir, save_compressed=True)
+    job.tokenizer.save_pretrained(job.out_dir)
+

@@ -1,0 +1,158 @@
+"""The precision plan: which module gets which precision.
+
+Every weight tensor is classified into a role (decoder, lm_head, embeddings, vision encoder,
+projector, norm, other) from name rules kept as data below. A method then says what precision
+each role gets. Vision encoders and projectors of VLMs stay in 16-bit by rule, whatever the
+method; lm_head stays unquantized by default for the compressed-tensors methods.
+
+The plan works from checkpoint tensor names (safetensors headers), so `quantkit inspect`
+needs no torch. Patterns are unanchored so they match both checkpoint names and the module
+names transformers v5 gives VLMs after loading (`model.vision_tower...`).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from quantkit.model import ModelInfo
+
+# Role rules, checked in order; first match wins. Kept as data: add an architecture here.
+ROLE_RULES: list[tuple[str, str]] = [
+    ("vision", r"(^|\.)(vision_tower|vision_model|visual|vision_encoder|image_encoder|vpm|vision_embed_tokens)\."),
+    ("projector", r"(^|\.)(multi_modal_projector|mm_projector|connector|merger|mlp1|vision_proj)\."),
+    ("audio", r"(^|\.)(audio_tower|audio_model|audio_encoder)\."),
+    ("lm_head", r"(^|\.)(lm_head|embed_out)\.weight$"),
+    ("embeddings", r"(^|\.)(embed_tokens|wte|wpe|word_embeddings|embed_positions|tok_embeddings)\.weight$"),
+    ("norm", r"(norm|ln_\d|ln_f|layernorm)[^.]*\.(weight|bias)$"),
+    ("decoder", r"(^|\.)(layers|h|blocks|block)\.\d+\."),
+]
+
+# Roles never quantized, whatever the method (the VLM rule).
+KEEP_16BIT_ROLES = ("vision", "projector", "audio")
+
+# Patterns handed to llm-compressor's `ignore` for the kept roles (re.match, so lead with .*).
+KEEP_PATTERNS = {
+    "vision": [r"re:.*(vision_tower|vision_model|visual|vision_encoder|image_encoder|vpm|vision_embed_tokens)\..*"],
+    "projector": [r"re:.*(multi_modal_projector|mm_projector|connector|merger|mlp1|vision_proj)\..*"],
+    "audio": [r"re:.*(audio_tower|audio_model|audio_encoder)\..*"],
+}
+
+# Weight bits per parameter of each format (scales and zero points included).
+FORMAT_BITS = {
+    "FP16/BF16": 16.0,
+    "FP8 (E4M3, per-channel)": 8.0,
+    "INT8 (per-channel)": 8.0,
+    "INT4 (group 128)": 4.125,
+    "NF4 (double quant)": 4.127,
+    "GGUF Q4_K_M": 4.85,
+}
+
+
+@dataclass
+class PlanEntry:
+    name: str  # module name (tensor name without .weight)
+    role: str
+    shape: list[int]
+    precision: str  # e.g. "fp8-e4m3", or "bf16 (kept: lm_head)"
+
+    @property
+    def params(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+def classify(tensor_name: str) -> str:
+    for role, pattern in ROLE_RULES:
+        if re.search(pattern, tensor_name):
+            return role
+    return "other"
+
+
+def linear_weights(info: ModelInfo) -> dict[str, list[int]]:
+    """2-D `.weight` tensors that are linear layers (embeddings and lm_head included, for the plan)."""
+    return {
+        name[: -len(".weight")]: shape
+        for name, (_dtype, shape) in info.tensors.items()
+        if name.endswith(".weight") and len(shape) == 2
+    }
+
+
+def matches(name: str, patterns: list[str]) -> bool:
+    """llm-compressor semantics: `re:` = re.match on the name; otherwise exact name or last component."""
+    for pattern in patterns:
+        if pattern.startswith("re:"):
+            if re.match(pattern[3:], name):
+                return True
+        elif name == pattern or name.endswith("." + pattern):
+            return True
+    return False
+
+
+def build_plan(info: ModelInfo, method_module, options, ignore: list[str]) -> list[PlanEntry]:
+    """One entry per linear weight with the precision the method will give it."""
+    kept_dtype = info.dtype.lower()
+    entries = []
+    for name, shape in linear_weights(info).items():
+        role = classify(name + ".weight")
+        if role in KEEP_16BIT_ROLES:
+            precision = f"{kept_dtype} (kept: {role} stays 16-bit)"
+        elif matches(name, ignore):
+            precision = f"{kept_dtype} (kept: ignore pattern)"
+        else:
+            chosen = method_module.precision(role, options, name, shape)
+            precision = chosen if chosen else f"{kept_dtype} (kept: {role})"
+        entries.append(PlanEntry(name, role, shape, precision))
+    return entries
+
+
+def ignore_patterns(info: ModelInfo, user_ignore: list[str], keep_lm_head: bool = True) -> list[str]:
+    """The `ignore` list for llm-compressor: lm_head, VLM towers present in this model, user patterns."""
+    roles = {classify(name) for name in info.tensors}
+    patterns = ["lm_head"] if keep_lm_head else []
+    for role in KEEP_16BIT_ROLES:
+        if role in roles:
+            patterns += KEEP_PATTERNS[role]
+    return patterns + [p for p in user_ignore if p not in patterns]
+
+
+def role_summary(entries: list[PlanEntry]) -> dict[str, dict]:
+    summary: dict[str, dict] = {}
+    for entry in entries:
+        row = summary.setdefault(entry.role, {"modules": 0, "params": 0, "precisions": {}})
+        row["modules"] += 1
+        row["params"] += entry.params
+        row["precisions"][entry.precision] = row["precisions"].get(entry.precision, 0) + 1
+    return summary
+
+
+def kv_cache_bytes(config: dict, context: int = 4096, batch: int = 1, bytes_per_value: int = 2) -> int:
+    """fp16 K and V for `context` tokens: 2 * layers * kv_heads * head_dim * bytes * tokens."""
+    text = config.get("text_config", config)
+    layers = text.get("num_hidden_layers", 0)
+    heads = text.get("num_attention_heads", 1)
+    kv_heads = text.get("num_key_value_heads", heads)
+    head_dim = text.get("head_dim") or text.get("hidden_size", 0) // max(heads, 1)
+    return 2 * layers * kv_heads * head_dim * bytes_per_value * context * batch
+
+
+def memory_estimate(info: ModelInfo, entries: list[PlanEntry], context: int = 4096) -> dict[str, dict]:
+    """Weight memory per format: quantizable decoder linears at the format's bits, the rest at 16-bit."""
+    total = info.num_parameters
+    quantizable = sum(e.params for e in entries if e.role in ("decoder", "other"))
+    kv = kv_cache_bytes(info.config, context)
+    overhead_fraction = 0.10  # activations, buffers and allocator slack on top of weights + KV
+    rows = {}
+    for fmt, bits in FORMAT_BITS.items():
+        weights = (quantizable * bits + (total - quantizable) * 16) / 8
+        if fmt == "GGUF Q4_K_M":  # embeddings Q4_K, output Q6_K
+            weights = (total * bits) / 8
+        rows[fmt] = {"weights_bytes": int(weights), "with_overhead_bytes": int((weights + kv) * (1 + overhead_fraction))}
+    return rows
+
+
+MEMORY_NOTE = (
+    "with overhead = (weights + fp16 KV cache for {context} tokens, batch 1) x 1.10 for activations and buffers"
+)

@@ -1,0 +1,193 @@
+"""Small local models built from scratch: the README demo, test fixtures and the reference model.
+
+Nothing here touches the network. A toy model is a Llama-architecture decoder (GQA) with a
+byte-level BPE tokenizer trained on quantkit's bundled text, optionally trained for a few
+steps on that text so that quantization error shows up in perplexity.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}</s>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>", "<|system|>", "<|user|>", "<|assistant|>"]
+
+
+@dataclass(frozen=True)
+class ToyPreset:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    train_steps: int
+    seq_len: int = 128
+    batch_size: int = 8
+    lr: float = 3e-3
+
+
+PRESETS = {
+    # Shapes are multiples of 256 so every method (GPTQ group 128, GGUF k-quants) applies.
+    "micro": ToyPreset(512, 256, 512, 2, 4, 2, train_steps=0),
+    "tiny": ToyPreset(1024, 256, 768, 2, 4, 2, train_steps=120),
+    "reference": ToyPreset(4096, 512, 1536, 6, 8, 2, train_steps=700, seq_len=256, lr=2e-3),
+}
+
+
+def bundled_texts() -> list[str]:
+    """All bundled calibration text as documents (chat turns flattened to plain text)."""
+    from quantkit.calibration import load_texts
+
+    return load_texts("default", None, chat_template=False)
+
+
+def build_tokenizer(texts: list[str], vocab_size: int):
+    """Train a byte-level BPE tokenizer and wrap it for transformers."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", tok.token_to_id("<s>"))]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=4096,
+    )
+
+
+def build_model(preset: ToyPreset, tokenizer, seed: int = 0):
+    """A randomly initialised LlamaForCausalLM of the preset's shape."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=preset.hidden_size,
+        intermediate_size=preset.intermediate_size,
+        num_hidden_layers=preset.num_hidden_layers,
+        num_attention_heads=preset.num_attention_heads,
+        num_key_value_heads=preset.num_key_value_heads,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    return LlamaForCausalLM(config).float()
+
+
+def token_stream(tokenizer, texts: list[str]):
+    """All texts tokenized into one LongTensor, documents separated by EOS."""
+    import torch
+
+    ids: list[int] = []
+    for enc in tokenizer(texts, add_special_tokens=False)["input_ids"]:
+        ids.extend(enc)
+        ids.append(tokenizer.eos_token_id)
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def train(model, stream, preset: ToyPreset, seed: int = 0) -> list[float]:
+    """Deterministic next-token training on random windows of the stream; returns the losses."""
+    import torch
+
+    if preset.train_steps == 0:
+        return []
+    torch.manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=preset.lr, weight_decay=0.01)
+    warmup = max(1, preset.train_steps // 10)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, warmup, preset.train_steps))
+    model.train()
+    losses = []
+    for _ in range(preset.train_steps):
+        batch = _random_batch(stream, preset, gen)
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss))
+    model.eval()
+    return losses
+
+
+def _lr_factor(step: int, warmup: int, total: int) -> float:
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def _random_batch(stream, preset: ToyPreset, gen):
+    import torch
+
+    starts = torch.randint(0, len(stream) - preset.seq_len - 1, (preset.batch_size,), generator=gen)
+    return torch.stack([stream[s : s + preset.seq_len] for s in starts.tolist()])
+
+
+def make_toy_model(out_dir: str | Path, preset: str = "tiny", seed: int = 0, steps: int | None = None) -> Path:
+    """Build (and briefly train) a toy model and save it as a local HF checkpoint."""
+    import torch
+
+    spec = PRESETS[preset]
+    if steps is not None:
+        spec = ToyPreset(**{**asdict(spec), "train_steps": steps})
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    texts = bundled_texts()
+    tokenizer = build_tokenizer(texts, spec.vocab_size)
+    model = build_model(spec, tokenizer, seed)
+    losses = train(model, token_stream(tokenizer, texts), spec, seed)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    summary = {"preset": preset, "seed": seed, **asdict(spec), "final_loss": losses[-1] if losses else None}
+    (out / "toy_model.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m quantkit.toy OUT [--preset tiny] [--steps N] [--seed S]`: build a local toy model."""
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(prog="python -m quantkit.toy", description=main.__doc__)
+    parser.add_argument("out")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    out = make_toy_model(args.out, args.preset, args.seed, args.steps)
+    summary = json.loads((out / "toy_model.json").read_text())
+    print(f"built {args.preset} toy model at {out} (final training loss {summary['final_loss']})", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
