@@ -48,6 +48,20 @@ class ModelInfo:
         return "quantization_config" in self.config
 
 
+GENERATIVE_SUFFIXES = ("ForCausalLM", "ForConditionalGeneration", "LMHeadModel")
+
+
+def check_generative(info: ModelInfo) -> None:
+    """quantkit handles decoder LMs and VLMs; an encoder or classifier fails here, early."""
+    if not info.architecture.endswith(GENERATIVE_SUFFIXES):
+        from quantkit.errors import UnsupportedError
+
+        raise UnsupportedError(
+            f"unsupported architecture {info.architecture}: quantkit quantizes generative language models",
+            hint="expected an architecture ending in " + ", ".join(GENERATIVE_SUFFIXES),
+        )
+
+
 def resolve_model(spec: str) -> Path:
     """A local directory, or a hub id found in the local Hugging Face cache (never downloaded)."""
     path = Path(spec).expanduser()

@@ -23,7 +23,7 @@ from quantkit import export
 from quantkit.errors import GateFailedError, InputError
 from quantkit.measure import PeakTracker
 from quantkit.methods import get_method
-from quantkit.model import ModelInfo, check_device, check_model_dir, resolve_model, sha256_files
+from quantkit.model import ModelInfo, check_device, check_generative, check_model_dir, resolve_model, sha256_files
 from quantkit.plan import KEEP_16BIT_ROLES, build_plan, ignore_patterns
 from quantkit.recipe import Recipe, Target, target_gate, target_options
 
@@ -65,6 +65,7 @@ def prepare(recipe: Recipe, opts: RunOptions) -> tuple[ModelInfo, list]:
     from quantkit.calibration import validate_source
 
     info = check_model_dir(resolve_model(opts.model))
+    check_generative(info)
     check_device(recipe.device)
     export.check_output(opts.out, opts.overwrite)
     validate_source(recipe.calibration.source)

@@ -35,7 +35,7 @@ class ToyPreset:
 
 PRESETS = {
     # Shapes are multiples of 256 so every method (GPTQ group 128, GGUF k-quants) applies.
-    "micro": ToyPreset(512, 256, 512, 2, 4, 2, train_steps=0),
+    "micro": ToyPreset(512, 256, 512, 2, 4, 2, train_steps=30, seq_len=64),
     "tiny": ToyPreset(1024, 256, 768, 2, 4, 2, train_steps=120),
     "reference": ToyPreset(4096, 512, 1536, 6, 8, 2, train_steps=700, seq_len=256, lr=2e-3),
 }
@@ -133,7 +133,7 @@ def train(model, stream, preset: ToyPreset, seed: int = 0) -> list[float]:
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     model.eval()
     return losses
 

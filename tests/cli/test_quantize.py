@@ -1,0 +1,188 @@
+"""End to end through the CLI: FP8 on a tiny local model, and every bad input of issue 2."""
+
+import json
+import os
+
+import pytest
+from safetensors import safe_open
+
+from tests.util import FAST_CALIB, leftovers
+
+
+def test_fp8_dynamic_end_to_end(cli, micro_model, tmp_path):
+    out = tmp_path / "fp8"
+    result = cli("quantize", micro_model, "--method", "fp8", "-o", out, "--json", tmp_path / "r.json", *FAST_CALIB)
+    assert result.exit_code == 0, result.output
+    assert "PASS" in result.stdout
+    report = json.loads((out / "quantkit.json").read_text())
+    target = report["targets"][0]
+    assert target["gate"]["passed"] and target["metrics"]["positions"] == 4 * 63
+    assert report["model"]["sha256"]["model.safetensors"]
+    assert json.loads((tmp_path / "r.json").read_text())["passed"] is True
+    card = (out / "README.md").read_text()
+    assert card.startswith("---\nbase_model:") and "compressed-tensors" in card
+    for name in ("tokenizer.json", "generation_config.json", "config.json"):
+        assert (out / name).is_file()
+    qconfig = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qconfig["quant_method"] == "compressed-tensors"
+    assert qconfig["config_groups"]["group_0"]["format"] == "float-quantized"
+    assert "lm_head" in qconfig["ignore"]
+    with safe_open(out / "model.safetensors", "pt") as f:
+        dtypes = {f.get_tensor(k).dtype for k in f.keys() if k.endswith("q_proj.weight")}
+    assert {str(d) for d in dtypes} == {"torch.float8_e4m3fn"}
+    assert leftovers(tmp_path, "fp8") == ["fp8"]
+
+
+def test_fp8_reloads_in_transformers_close_to_base(cli, micro_model, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "fp8"
+    assert cli("quantize", micro_model, "--method", "fp8", "-o", out, *FAST_CALIB).exit_code == 0
+    ids = torch.randint(0, 500, (2, 48), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        base = AutoModelForCausalLM.from_pretrained(micro_model, dtype=torch.float32)(ids).logits
+        quant = AutoModelForCausalLM.from_pretrained(out)(ids).logits.float()
+    rel = (quant - base).norm() / base.norm()
+    assert rel < 0.05, rel
+
+
+def test_fp8_static_uses_calibration(cli, micro_model, tmp_path):
+    out = tmp_path / "static"
+    result = cli("quantize", micro_model, "--method", "fp8", "--scheme", "fp8-static", "-o", out, *FAST_CALIB)
+    assert result.exit_code == 0, result.output
+    group = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]
+    assert group["input_activations"]["dynamic"] is False
+    assert group["input_activations"]["strategy"] == "tensor"
+
+
+def test_recipe_with_model_option_and_overrides(cli, micro_model, tmp_path):
+    out = tmp_path / "r"
+    result = cli("quantize", "--recipe", "fp8-dynamic", "--model", micro_model, "-o", out, *FAST_CALIB,
+                 "--min-top1", "0.5")
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "quantkit.json").read_text())
+    assert report["recipe"]["calibration"]["seq_len"] == 64
+    assert report["recipe"]["gate"]["min_top1"] == 0.5
+
+
+def test_output_exists_needs_overwrite(cli, micro_model, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("precious")
+    result = cli("quantize", micro_model, "--method", "fp8", "-o", out, *FAST_CALIB)
+    assert result.exit_code == 2
+    assert "already exists" in result.stderr and "--overwrite" in result.stderr
+    assert (out / "keep.txt").read_text() == "precious"
+    result = cli("quantize", micro_model, "--method", "fp8", "-o", out, "--overwrite", *FAST_CALIB)
+    assert result.exit_code == 0, result.output
+    assert not (out / "keep.txt").exists() and (out / "quantkit.json").is_file()
+    assert leftovers(tmp_path, "out") == ["out"]
+
+
+def _expect_bad_input(result, tmp_path, needle: str):
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and needle in lines[0], result.stderr
+    assert "Traceback" not in result.output
+    assert leftovers(tmp_path, "out") == []
+
+
+def test_nonexistent_model_dir(cli, tmp_path):
+    _expect_bad_input(cli("quantize", tmp_path / "nope", "--method", "fp8", "-o", tmp_path / "out"), tmp_path,
+                      "not found")
+
+
+def test_dir_without_config(cli, tmp_path):
+    (tmp_path / "empty").mkdir()
+    _expect_bad_input(cli("quantize", tmp_path / "empty", "--method", "fp8", "-o", tmp_path / "out"), tmp_path,
+                      "no config.json")
+
+
+def test_truncated_weights(cli, model_copy, tmp_path):
+    weights = model_copy / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:4096])
+    _expect_bad_input(cli("quantize", model_copy, "--method", "fp8", "-o", tmp_path / "out"), tmp_path, "truncated")
+
+
+def test_unsupported_architecture(cli, model_copy, tmp_path):
+    config = json.loads((model_copy / "config.json").read_text())
+    config["architectures"] = ["LlamaForSequenceClassification"]
+    (model_copy / "config.json").write_text(json.dumps(config))
+    _expect_bad_input(cli("quantize", model_copy, "--method", "fp8", "-o", tmp_path / "out"), tmp_path,
+                      "unsupported architecture")
+
+
+def test_unknown_recipe_key(cli, micro_model, tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("targets:\n  - name: a\n    method: fp8\n    optoins: {}\n")
+    _expect_bad_input(cli("quantize", micro_model, "--recipe", recipe, "-o", tmp_path / "out"), tmp_path,
+                      "targets.0.optoins: unknown field")
+
+
+def test_wrong_type_in_recipe(cli, micro_model, tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("calibration: {seq_len: long}\ntargets: [{name: a, method: fp8}]\n")
+    _expect_bad_input(cli("quantize", micro_model, "--recipe", recipe, "-o", tmp_path / "out"), tmp_path,
+                      "calibration.seq_len")
+
+
+def test_unknown_method(cli, micro_model, tmp_path):
+    _expect_bad_input(cli("quantize", micro_model, "--method", "magic", "-o", tmp_path / "out"), tmp_path,
+                      "unknown method")
+
+
+def test_flag_for_another_method(cli, micro_model, tmp_path):
+    _expect_bad_input(cli("quantize", micro_model, "--method", "fp8", "--gguf-type", "Q4_K_M", "-o",
+                          tmp_path / "out"), tmp_path, "--gguf-type does not apply to method fp8")
+
+
+@pytest.mark.parametrize("content,needle", [(None, "not found"), ("", "empty"), ("just a few words\n", "are needed")])
+def test_bad_calibration_file(cli, micro_model, tmp_path, content, needle):
+    calib = tmp_path / "calib.txt"
+    if content is not None:
+        calib.write_text(content)
+    _expect_bad_input(cli("quantize", micro_model, "--method", "fp8", "--calib", calib, "-o", tmp_path / "out",
+                          *FAST_CALIB), tmp_path, needle)
+
+
+def test_hub_id_not_cached(cli, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    _expect_bad_input(cli("quantize", "meta-llama/Llama-3.2-1B", "--method", "fp8", "-o", tmp_path / "out"),
+                      tmp_path, "not in the local Hugging Face cache")
+
+
+def test_output_parent_not_writable(cli, micro_model, tmp_path, monkeypatch):
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: False if str(p) == str(tmp_path) else real_access(p, mode))
+    _expect_bad_input(cli("quantize", micro_model, "--method", "fp8", "-o", tmp_path / "out"), tmp_path,
+                      "not writable")
+
+
+def test_output_parent_missing(cli, micro_model, tmp_path):
+    result = cli("quantize", micro_model, "--method", "fp8", "-o", tmp_path / "no" / "out")
+    assert result.exit_code == 2 and "does not exist" in result.stderr
+
+
+def test_ctrl_c_during_export_leaves_nothing(cli, micro_model, tmp_path, monkeypatch):
+    from quantkit import export
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(export, "publish", interrupted)
+    result = cli("quantize", micro_model, "--method", "fp8", "-o", tmp_path / "out", *FAST_CALIB)
+    assert result.exit_code == 130
+    assert "interrupted" in result.stderr
+    assert leftovers(tmp_path, "out") == []
+
+
+def test_internal_error_is_one_line_exit_1(cli, micro_model, tmp_path, monkeypatch):
+    from quantkit.methods import fp8
+
+    monkeypatch.setattr(fp8, "quantize", lambda job: 1 / 0)
+    result = cli("quantize", micro_model, "--method", "fp8", "-o", tmp_path / "out", *FAST_CALIB)
+    assert result.exit_code == 1
+    assert "internal error: ZeroDivisionError" in result.stderr and "Traceback" not in result.stderr
+    assert leftovers(tmp_path, "out") == []

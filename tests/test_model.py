@@ -1,0 +1,59 @@
+import json
+import shutil
+
+import pytest
+
+from quantkit.errors import ModelError
+from quantkit.model import check_model_dir, resolve_model
+
+
+def test_check_reads_headers_without_torch(micro_model):
+    info = check_model_dir(micro_model)
+    assert info.architecture == "LlamaForCausalLM"
+    assert info.num_parameters > 0 and info.dtype == "BF16"
+
+
+def test_missing_dir(tmp_path):
+    with pytest.raises(ModelError, match="not found"):
+        resolve_model(str(tmp_path / "absent"))
+
+
+def test_dir_without_config(tmp_path):
+    with pytest.raises(ModelError, match="no config.json"):
+        check_model_dir(tmp_path)
+
+
+def test_truncated_safetensors(model_copy):
+    weights = model_copy / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ModelError, match="truncated"):
+        check_model_dir(model_copy)
+
+
+def test_corrupt_header(model_copy):
+    weights = model_copy / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[8:20] = b"not json at!"
+    weights.write_bytes(bytes(data))
+    with pytest.raises(ModelError, match="corrupt"):
+        check_model_dir(model_copy)
+
+
+def test_pickle_only_checkpoint_refused(model_copy):
+    (model_copy / "model.safetensors").rename(model_copy / "pytorch_model.bin")
+    with pytest.raises(ModelError, match="safetensors only"):
+        check_model_dir(model_copy)
+
+
+def test_hub_id_not_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ModelError, match="not in the local Hugging Face cache"):
+        resolve_model("someorg/some-model")
+
+
+def test_config_without_model_type(model_copy):
+    (model_copy / "config.json").write_text(json.dumps({"architectures": ["X"]}))
+    with pytest.raises(ModelError, match="model_type"):
+        check_model_dir(model_copy)

@@ -1,0 +1,69 @@
+import pytest
+
+from quantkit.errors import RecipeError
+from quantkit.recipe import bundled_recipes_dir, load_recipe, target_gate, validate
+
+
+def fp8_target(**extra):
+    return {"name": "fp8", "method": "fp8", **extra}
+
+
+def test_minimal_recipe_gets_defaults():
+    recipe = validate({"targets": [fp8_target()]})
+    assert recipe.calibration.source == "default"
+    assert recipe.targets[0].options == {}
+
+
+def test_unknown_top_level_key_names_the_field():
+    with pytest.raises(RecipeError, match=r"calibartion: unknown field"):
+        validate({"targets": [fp8_target()], "calibartion": {}})
+
+
+def test_wrong_type_names_the_path():
+    with pytest.raises(RecipeError, match=r"calibration\.num_samples"):
+        validate({"targets": [fp8_target()], "calibration": {"num_samples": "many"}})
+
+
+def test_unknown_method_lists_allowed_values():
+    with pytest.raises(RecipeError, match=r"targets\.0\.method.*allowed: fp8, gptq"):
+        validate({"targets": [{"name": "x", "method": "magic"}]})
+
+
+def test_method_options_are_validated_with_path():
+    with pytest.raises(RecipeError, match=r"targets\.0\.options\.scheme"):
+        validate({"targets": [fp8_target(options={"scheme": "fp8-weird"})]})
+    with pytest.raises(RecipeError, match=r"targets\.0\.options\.schema: unknown field"):
+        validate({"targets": [fp8_target(options={"schema": "fp8-static"})]})
+
+
+def test_duplicate_target_names_rejected():
+    with pytest.raises(RecipeError, match="repeated: fp8"):
+        validate({"targets": [fp8_target(), fp8_target()]})
+
+
+def test_bad_ignore_regex_rejected():
+    with pytest.raises(RecipeError, match="bad regex"):
+        validate({"targets": [fp8_target(ignore=["re:(unclosed"])]})
+
+
+def test_gate_layers_method_default_then_recipe_then_target():
+    recipe = validate({"targets": [fp8_target(gate={"min_top1": 0.5})], "gate": {"max_kld": 0.3}})
+    gate = target_gate(recipe, recipe.targets[0])
+    assert gate.min_top1 == 0.5 and gate.max_kld == 0.3
+    assert gate.max_ppl_increase == 0.02  # fp8 default
+
+
+def test_every_bundled_recipe_validates():
+    paths = sorted(bundled_recipes_dir().glob("*.yaml"))
+    assert paths
+    for path in paths:
+        load_recipe(path)
+
+
+def test_missing_and_non_mapping_files(tmp_path):
+    with pytest.raises(RecipeError, match="not found"):
+        load_recipe(tmp_path / "nope.yaml")
+    bad = tmp_path / "list.yaml"
+    bad.write_text("- 1\n- 2\n")
+    with pytest.raises(RecipeError, match="mapping"):
+        load_recipe(bad)
