@@ -125,7 +125,7 @@ def _run_in(staging: Path, recipe: Recipe, opts: RunOptions, info: ModelInfo, re
         out_dir = staging if single else staging / target.name
         out_dir.mkdir(exist_ok=True)
         job = QuantizeJob(model, tokenizer, info, target, options, windows,
-                          ignore_patterns(info, target.ignore), out_dir, recipe.device, workdir)
+                          ignore_patterns(info, target.ignore, options), out_dir, recipe.device, workdir)
         entry = run_target(job, method, recipe, baseline, opts)
         report["targets"].append(entry)
         model = None

@@ -97,19 +97,23 @@ def build_plan(info: ModelInfo, method_module, options, ignore: list[str]) -> li
     entries = []
     for name, shape in linear_weights(info).items():
         role = classify(name + ".weight")
+        chosen = method_module.precision(role, options, name, shape)
         if role in KEEP_16BIT_ROLES:
             precision = f"{kept_dtype} (kept: {role} stays 16-bit)"
+        elif not chosen:
+            precision = f"{kept_dtype} (kept: {role})"
         elif matches(name, ignore):
             precision = f"{kept_dtype} (kept: ignore pattern)"
         else:
-            chosen = method_module.precision(role, options, name, shape)
-            precision = chosen if chosen else f"{kept_dtype} (kept: {role})"
+            precision = chosen
         entries.append(PlanEntry(name, role, shape, precision))
     return entries
 
 
-def ignore_patterns(info: ModelInfo, user_ignore: list[str], keep_lm_head: bool = True) -> list[str]:
-    """The `ignore` list for llm-compressor: lm_head, VLM towers present in this model, user patterns."""
+def ignore_patterns(info: ModelInfo, user_ignore: list[str], options=None) -> list[str]:
+    """The `ignore` list for llm-compressor: lm_head (unless the options quantize it), VLM towers
+    present in this model, then the user's patterns."""
+    keep_lm_head = not getattr(options, "quantize_lm_head", False)
     roles = {classify(name) for name in info.tensors}
     patterns = ["lm_head"] if keep_lm_head else []
     for role in KEEP_16BIT_ROLES:

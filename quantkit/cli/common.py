@@ -15,8 +15,9 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-out = Console(soft_wrap=True)
-err = Console(stderr=True, soft_wrap=True)
+# Pipes and files get a fixed, generous width so tables do not fold at 80 columns.
+out = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 140)
+err = Console(stderr=True, soft_wrap=True, width=None if sys.stderr.isatty() else 140)
 EXIT_INTERRUPTED = 130
 
 

@@ -58,7 +58,7 @@ def _target(method: str, recipe: str | None, ignore: list[str]):
 def plan_data(info, method, options, ignore: list[str], context: int) -> dict:
     from quantkit.plan import MEMORY_NOTE, build_plan, ignore_patterns, memory_estimate, role_summary
 
-    patterns = ignore_patterns(info, ignore)
+    patterns = ignore_patterns(info, ignore, options)
     entries = build_plan(info, method, options, patterns)
     return {
         "model": str(info.path),
@@ -97,8 +97,8 @@ def print_plan(data: dict) -> None:
 
 def _roles_table(data: dict) -> Table:
     table = Table(title="modules by role", title_justify="left")
-    for column in ("role", "linear modules", "parameters", "precision"):
-        table.add_column(column)
+    for column in ("role", "2-D weights", "parameters", "precision"):
+        table.add_column(column, overflow="fold")
     for role, row in data["roles"].items():
         precisions = "; ".join(f"{p} ×{n}" for p, n in row["precisions"].items())
         table.add_row(role, str(row["modules"]), human_count(row["params"]), precisions)
@@ -108,7 +108,7 @@ def _roles_table(data: dict) -> Table:
 def _modules_table(data: dict) -> Table:
     table = Table(title="linear modules ({i} = every decoder layer index)", title_justify="left")
     for column in ("module", "shape", "count", "precision"):
-        table.add_column(column)
+        table.add_column(column, overflow="fold")
     for name, shape, precision, count in collapse(data["modules"]):
         table.add_row(name, shape, str(count), precision)
     return table

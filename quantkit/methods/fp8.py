@@ -30,8 +30,7 @@ def needs_calibration(options: Options) -> bool:
 
 def precision(role: str, options: Options, name: str, shape: list[int]) -> str | None:
     if role in ("decoder", "other") or (role == "lm_head" and options.quantize_lm_head):
-        acts = "dynamic per-token" if options.scheme == "fp8-dynamic" else "static per-tensor"
-        return f"fp8-e4m3 (W per-channel, A {acts})"
+        return "fp8-e4m3 W/channel A/token" if options.scheme == "fp8-dynamic" else "fp8-e4m3 W/channel A/static"
     return None
 
 
@@ -47,11 +46,7 @@ def scheme_config(options: Options) -> dict:
 def quantize(job) -> None:
     from llmcompressor.modifiers.quantization import QuantizationModifier
 
-    ignore = [p for p in job.ignore if not (options_keep_head(job.options) and p == "lm_head")]
-    modifier = QuantizationModifier(config_groups=scheme_config(job.options), ignore=ignore)
+    modifier = QuantizationModifier(config_groups=scheme_config(job.options), ignore=job.ignore)
     llmc.run_oneshot(job, modifier, calibrate=needs_calibration(job.options))
     llmc.save_compressed(job)
 
-
-def options_keep_head(options: Options) -> bool:
-    return options.quantize_lm_head

@@ -1,0 +1,102 @@
+#!/usr/bin/env python
+"""Throughput of quantkit's GGUF kernels vs llama.cpp's ggml_quantize_chunk on the same data.
+
+llama.cpp is called through ctypes in libggml-base.so from scripts/build_llamacpp.sh (the
+function llama-quantize runs per thread); with --threads N both sides split the rows over N
+threads. MB/s counts float32 input bytes. Prints a table; --json writes the rows.
+
+    python scripts/bench_kquants.py [--rows 1024 --cols 4096 --threads 1 --types Q4_K,Q6_K]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType as QT
+
+from quantkit.gguf import quants
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_TYPES = "Q8_0,Q4_0,Q4_1,Q5_0,Q5_1,Q2_K,Q3_K,Q4_K,Q5_K,Q6_K"
+
+
+def load_harness():
+    spec = importlib.util.spec_from_file_location("make_gguf_golden", ROOT / "scripts" / "make_gguf_golden.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def best_time(fn, repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def llamacpp_runner(harness, lib, x, qtype, imatrix, threads):
+    if threads <= 1:
+        return lambda: harness.ggml_quantize(lib, x, qtype, imatrix)
+    parts = np.array_split(x, threads)
+
+    def run():
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(lambda p: harness.ggml_quantize(lib, p, qtype, imatrix), parts))
+    return run
+
+
+def bench(args) -> list[dict]:
+    harness = load_harness()
+    lib = harness.load_ggml()
+    rng = np.random.default_rng(0)
+    x = (rng.standard_t(4, (args.rows, args.cols)) * 0.02).astype(np.float32)
+    imatrix = rng.gamma(0.5, 1.0, args.cols).astype(np.float32)
+    mb = x.nbytes / 1e6
+    rows = []
+    for name in args.types.split(","):
+        qtype = QT[name]
+        for qw in (None, imatrix):
+            ours = best_time(lambda: quants.quantize(x, qtype, qw, threads=args.threads), args.repeat)
+            row = {"type": name, "imatrix": qw is not None, "quantkit_MBps": mb / ours}
+            if lib is not None:
+                ref = best_time(llamacpp_runner(harness, lib, x, qtype, qw, args.threads), args.repeat)
+                row["llamacpp_MBps"] = mb / ref
+                row["slowdown"] = ours / ref
+            rows.append(row)
+    return rows
+
+
+def print_table(rows: list[dict], args) -> None:
+    print(f"{args.rows}x{args.cols} float32, threads={args.threads}, best of {args.repeat}")
+    print(f"{'type':6} {'imatrix':7} {'quantkit MB/s':>14} {'llama.cpp MB/s':>15} {'slowdown':>9}")
+    for r in rows:
+        ref = f"{r['llamacpp_MBps']:15.1f}" if "llamacpp_MBps" in r else f"{'n/a':>15}"
+        slow = f"{r['slowdown']:8.2f}x" if "slowdown" in r else f"{'n/a':>9}"
+        print(f"{r['type']:6} {str(r['imatrix']):7} {r['quantkit_MBps']:14.1f} {ref} {slow}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, default=512)
+    ap.add_argument("--cols", type=int, default=4096)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--types", default=DEFAULT_TYPES)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    rows = bench(args)
+    print_table(rows, args)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()

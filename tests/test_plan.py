@@ -1,0 +1,66 @@
+import pytest
+
+from quantkit.methods import fp8
+from quantkit.model import ModelInfo
+from quantkit.plan import build_plan, classify, ignore_patterns, kv_cache_bytes, matches, memory_estimate
+
+
+@pytest.mark.parametrize("name,role", [
+    ("model.layers.3.self_attn.q_proj.weight", "decoder"),
+    ("model.layers.0.mlp.down_proj.weight", "decoder"),
+    ("lm_head.weight", "lm_head"),
+    ("model.embed_tokens.weight", "embeddings"),
+    ("model.norm.weight", "norm"),
+    ("model.layers.1.input_layernorm.weight", "norm"),
+    # Llava / Gemma3 (checkpoint and transformers v5 module names)
+    ("vision_tower.vision_model.encoder.layers.0.self_attn.q_proj.weight", "vision"),
+    ("model.vision_tower.encoder.layers.0.mlp.fc1.weight", "vision"),
+    ("multi_modal_projector.linear_1.weight", "projector"),
+    ("model.multi_modal_projector.linear_2.weight", "projector"),
+    ("language_model.model.layers.0.self_attn.o_proj.weight", "decoder"),
+    # Qwen2-VL: the merger (projector) sits inside the visual tower and stays 16-bit either way
+    ("visual.blocks.0.attn.qkv.weight", "vision"),
+    ("model.visual.merger.mlp.0.weight", "vision"),
+    # Idefics3
+    ("model.connector.modality_projection.proj.weight", "projector"),
+])
+def test_classify(name, role):
+    assert classify(name) == role
+
+
+def vlm_info() -> ModelInfo:
+    tensors = {
+        "model.language_model.layers.0.self_attn.q_proj.weight": ("BF16", [256, 256]),
+        "model.language_model.embed_tokens.weight": ("BF16", [512, 256]),
+        "model.vision_tower.encoder.layers.0.self_attn.q_proj.weight": ("BF16", [128, 128]),
+        "model.multi_modal_projector.linear_1.weight": ("BF16", [256, 128]),
+        "lm_head.weight": ("BF16", [512, 256]),
+    }
+    config = {"text_config": {"num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+                              "hidden_size": 256}}
+    return ModelInfo(None, config, [], "LlavaForConditionalGeneration", "llava", tensors)
+
+
+def test_vlm_towers_stay_16bit_whatever_the_ignore_list():
+    info = vlm_info()
+    plan = {e.name: e.precision for e in build_plan(info, fp8, fp8.Options(), [])}
+    assert plan["model.language_model.layers.0.self_attn.q_proj"].startswith("fp8")
+    assert "kept: vision" in plan["model.vision_tower.encoder.layers.0.self_attn.q_proj"]
+    assert "kept: projector" in plan["model.multi_modal_projector.linear_1"]
+    assert "kept" in plan["lm_head"]
+
+
+def test_ignore_patterns_cover_present_towers_with_llmcompressor_semantics():
+    patterns = ignore_patterns(vlm_info(), ["re:.*q_proj"])
+    assert patterns[0] == "lm_head" and patterns[-1] == "re:.*q_proj"
+    assert matches("model.vision_tower.encoder.layers.0.mlp.fc1", patterns)
+    assert matches("model.multi_modal_projector.linear_1", patterns)
+    assert not matches("model.language_model.layers.0.mlp.up_proj", patterns)
+
+
+def test_memory_estimate_orders_formats():
+    info = vlm_info()
+    rows = memory_estimate(info, build_plan(info, fp8, fp8.Options(), []))
+    assert rows["FP16/BF16"]["weights_bytes"] > rows["FP8 (E4M3, per-channel)"]["weights_bytes"]
+    assert rows["FP8 (E4M3, per-channel)"]["weights_bytes"] > rows["INT4 (group 128)"]["weights_bytes"]
+    assert kv_cache_bytes(info.config, context=10) == 2 * 1 * 2 * 64 * 2 * 10
