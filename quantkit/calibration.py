@@ -407,11 +407,11 @@ def make_windows(tokenizer, spec: CalibrationSpec) -> TokenWindows:
 
 def check_spec(spec: CalibrationSpec) -> None:
     """Reject impossible sizes before any work."""
-    if spec.seq_len < 2 or spec.num_samples < 1 or spec.eval_windows < 0:
+    if spec.seq_len < 2 or spec.num_samples < 0 or spec.eval_windows < 0 or spec.num_samples + spec.eval_windows < 1:
         raise CalibrationError(
             f"invalid calibration sizes for '{spec.source}': seq_len={spec.seq_len}, "
             f"num_samples={spec.num_samples}, eval_windows={spec.eval_windows}",
-            hint="use seq_len >= 2, num_samples >= 1 and eval_windows >= 0",
+            hint="use seq_len >= 2 and at least one calibration or evaluation window",
         )
 
 

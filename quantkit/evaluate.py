@@ -97,8 +97,9 @@ def iter_batches(windows, batch_size: int):
 def _allocate(shape: tuple[int, int], workdir: Path | None) -> np.ndarray:
     if shape[0] * shape[1] * 2 <= MEMMAP_THRESHOLD:
         return np.empty(shape, dtype=np.float16)
-    handle = tempfile.NamedTemporaryFile(prefix="quantkit-baseline-", suffix=".f16", dir=workdir, delete=False)
-    return np.memmap(handle.name, dtype=np.float16, mode="w+", shape=shape)
+    with tempfile.NamedTemporaryFile(prefix="quantkit-baseline-", suffix=".f16", dir=workdir) as handle:
+        # The mapping outlives the name: the file is unlinked on close, freed when the array goes.
+        return np.memmap(handle.name, dtype=np.float16, mode="w+", shape=shape)
 
 
 def score_batch(logits, ids):

@@ -1,6 +1,9 @@
 """Helpers shared by tests."""
 
-FAST_CALIB = ("--num-samples", "4", "--seq-len", "64", "--eval-windows", "4")
+# Small calibration for speed. The micro model is barely trained, so its next-token
+# distributions are flat and top-1 flips on near-ties even when KLD is ~5e-4: loosen only
+# top-1 (a later --min-top1 on the same command line wins).
+FAST_CALIB = ("--num-samples", "4", "--seq-len", "64", "--eval-windows", "4", "--min-top1", "0.8")
 
 
 def leftovers(parent, name: str) -> list[str]:
