@@ -79,10 +79,16 @@ def load_gguf_into_base(path: Path, base_dir: Path, device: str = "cpu"):
 
 def _materialize_buffers(model, config):
     """Rotary buffers stay on meta after a meta-device build; recompute them."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
     for module in model.modules():
         if hasattr(module, "inv_freq") and getattr(module.inv_freq, "is_meta", False):
-            inv_freq, scaling = module.rope_init_fn(module.config, "cpu")
+            init = getattr(module, "rope_init_fn", None)
+            if init is None:
+                rope_type = getattr(module, "rope_type", "default")
+                init = module.compute_default_rope_parameters if rope_type == "default" else ROPE_INIT_FUNCTIONS[rope_type]
+            inv_freq, scaling = init(module.config, "cpu")
             module.register_buffer("inv_freq", inv_freq, persistent=False)
-            module.original_inv_freq = inv_freq
+            module.register_buffer("original_inv_freq", inv_freq.clone(), persistent=False)
             module.attention_scaling = scaling
     return model

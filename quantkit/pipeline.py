@@ -24,7 +24,7 @@ from quantkit.errors import GateFailedError, InputError
 from quantkit.measure import PeakTracker
 from quantkit.methods import get_method
 from quantkit.model import ModelInfo, check_device, check_generative, check_model_dir, resolve_model, sha256_files
-from quantkit.plan import KEEP_16BIT_ROLES, build_plan, ignore_patterns
+from quantkit.plan import KEEP_16BIT_ROLES, build_plan, ignore_patterns, keeps_lm_head
 from quantkit.recipe import Recipe, Target, target_gate, target_options
 
 Progress = Callable[[str], None]
@@ -73,6 +73,9 @@ def prepare(recipe: Recipe, opts: RunOptions) -> tuple[ModelInfo, list]:
     for target in recipe.targets:
         method = get_method(target.method)
         options = target_options(target)
+        if target.ignore and not getattr(method, "SUPPORTS_IGNORE", True):
+            raise InputError(f"target '{target.name}': method {target.method} does not take ignore patterns",
+                             hint="its type mixture decides every tensor's type; remove `ignore`/--ignore")
         if hasattr(method, "check"):
             method.check(info, options, recipe.calibration)
         resolved.append((target, method, options))
@@ -125,7 +128,7 @@ def _run_in(staging: Path, recipe: Recipe, opts: RunOptions, info: ModelInfo, re
         out_dir = staging if single else staging / target.name
         out_dir.mkdir(exist_ok=True)
         job = QuantizeJob(model, tokenizer, info, target, options, windows,
-                          ignore_patterns(info, target.ignore, options), out_dir, recipe.device, workdir)
+                          ignore_patterns(info, target.ignore, keeps_lm_head(method, options)), out_dir, recipe.device, workdir)
         entry = run_target(job, method, recipe, baseline, opts)
         report["targets"].append(entry)
         model = None

@@ -110,10 +110,17 @@ def build_plan(info: ModelInfo, method_module, options, ignore: list[str]) -> li
     return entries
 
 
-def ignore_patterns(info: ModelInfo, user_ignore: list[str], options=None) -> list[str]:
-    """The `ignore` list for llm-compressor: lm_head (unless the options quantize it), VLM towers
-    present in this model, then the user's patterns."""
-    keep_lm_head = not getattr(options, "quantize_lm_head", False)
+def keeps_lm_head(method_module, options) -> bool:
+    """lm_head stays 16-bit unless the options say otherwise or the method's format quantizes it."""
+    choice = getattr(options, "quantize_lm_head", None)
+    if choice is not None:
+        return not choice
+    return getattr(method_module, "KEEPS_LM_HEAD", True)
+
+
+def ignore_patterns(info: ModelInfo, user_ignore: list[str], keep_lm_head: bool = True) -> list[str]:
+    """The `ignore` list for llm-compressor: lm_head (when kept), the VLM towers present in this
+    model, then the user's patterns."""
     roles = {classify(name) for name in info.tensors}
     patterns = ["lm_head"] if keep_lm_head else []
     for role in KEEP_16BIT_ROLES:

@@ -56,9 +56,9 @@ def _target(method: str, recipe: str | None, ignore: list[str]):
 
 
 def plan_data(info, method, options, ignore: list[str], context: int) -> dict:
-    from quantkit.plan import MEMORY_NOTE, build_plan, ignore_patterns, memory_estimate, role_summary
+    from quantkit.plan import MEMORY_NOTE, build_plan, ignore_patterns, keeps_lm_head, memory_estimate, role_summary
 
-    patterns = ignore_patterns(info, ignore, options)
+    patterns = ignore_patterns(info, ignore, keeps_lm_head(method, options))
     entries = build_plan(info, method, options, patterns)
     return {
         "model": str(info.path),

@@ -1,0 +1,176 @@
+"""Importance matrix: per input column, the mean squared activation entering each GGUF matmul.
+
+Computed like llama-imatrix: forward the calibration windows through the model and, for every
+linear layer of the decoder blocks (llama-imatrix collects MUL_MAT weights named "blk.*"; the
+output head only with --process-output, which quantkit does not do either), sum x_j^2 over all
+tokens and count the tokens. Entries are keyed by GGUF tensor names (blk.N.attn_q.weight ...).
+
+Files: llama.cpp's GGUF imatrix (general.type = "imatrix", imatrix.datasets / chunk_count /
+chunk_size, tensors "<name>.in_sum2" F32 [ncols, nmat] and "<name>.counts" F32 [1, nmat]) is read
+and written; the legacy .dat format is read. The importance vector handed to the quantizer is
+in_sum2 / count computed in float32, as llama-quantize's load_imatrix does.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from quantkit.errors import InputError
+
+SUM_SUFFIX, COUNT_SUFFIX = ".in_sum2", ".counts"
+
+
+@dataclass
+class Imatrix:
+    sums: dict[str, np.ndarray] = field(default_factory=dict)  # name -> float32 (nmat, ncols)
+    counts: dict[str, np.ndarray] = field(default_factory=dict)  # name -> float32 (nmat,)
+    datasets: list[str] = field(default_factory=list)
+    chunk_count: int = 0
+    chunk_size: int = 0
+    legacy: bool = False
+
+    def weights(self) -> dict[str, np.ndarray]:
+        """{name: importance vector (nmat*ncols,) float32} as llama-quantize computes it."""
+        return {name: entry_weights(self.sums[name], self.counts[name]) for name in self.sums}
+
+
+def entry_weights(sums: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    out = np.ones_like(sums, dtype=np.float32)
+    for j, count in enumerate(np.asarray(counts, dtype=np.float32)):
+        if count > 0:
+            out[j] = sums[j].astype(np.float32) / np.float32(count)
+    return out.reshape(-1)
+
+
+# ------------------------------------------------------------------ compute
+
+
+def linear_targets(model, config: dict) -> dict[str, str]:
+    """{HF module name: GGUF tensor name} for the decoder-block linears."""
+    import torch
+
+    from quantkit.gguf.convert import name_map
+
+    tmap = name_map(config)
+    targets = {}
+    for mod_name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            name = tmap.get_name(mod_name + ".weight", try_suffixes=(".weight",))
+            if name is not None and name.startswith("blk."):
+                targets[mod_name] = name
+    return targets
+
+
+def compute(model, windows, config: dict, dataset: str = "quantkit", batch_size: int = 1) -> Imatrix:
+    """Run `windows` (LongTensor (n, seq_len)) through `model`, collecting sums of squares."""
+    import torch
+
+    targets = linear_targets(model, config)
+    sums = {name: None for name in targets.values()}
+    counts = {name: 0 for name in targets.values()}
+
+    def hook(name):
+        def fn(_module, inputs, _output):
+            x = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).to(torch.float64)
+            s = (x * x).sum(0)
+            sums[name] = s if sums[name] is None else sums[name] + s
+            counts[name] += x.shape[0]
+        return fn
+
+    modules = dict(model.named_modules())
+    handles = [modules[m].register_forward_hook(hook(n)) for m, n in targets.items()]
+    device = next(model.parameters()).device
+    try:
+        with torch.no_grad():
+            for start in range(0, len(windows), batch_size):
+                model(input_ids=windows[start:start + batch_size].to(device))
+    finally:
+        for h in handles:
+            h.remove()
+    return Imatrix(
+        sums={n: s.cpu().numpy().astype(np.float32)[None, :] for n, s in sums.items() if s is not None},
+        counts={n: np.array([c], dtype=np.float32) for n, c in counts.items() if c},
+        datasets=[dataset], chunk_count=len(windows), chunk_size=int(windows.shape[1]) if len(windows) else 0,
+    )
+
+
+# ------------------------------------------------------------------ files
+
+
+def write(imatrix: Imatrix, path: Path) -> Path:
+    """llama.cpp's GGUF imatrix format (what llama-imatrix writes by default)."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), arch="")
+    writer.kv_data[0].pop("general.architecture", None)
+    writer.add_string("general.type", "imatrix")
+    writer.add_array("imatrix.datasets", list(imatrix.datasets) or ["unknown"])
+    writer.add_uint32("imatrix.chunk_count", imatrix.chunk_count)
+    writer.add_uint32("imatrix.chunk_size", imatrix.chunk_size)
+    for name in sorted(imatrix.sums):
+        writer.add_tensor(name + SUM_SUFFIX, np.ascontiguousarray(imatrix.sums[name], dtype=np.float32))
+        writer.add_tensor(name + COUNT_SUFFIX, np.asarray(imatrix.counts[name], dtype=np.float32).reshape(-1, 1))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Path(path)
+
+
+def read(path: Path) -> Imatrix:
+    """A GGUF imatrix, or a legacy .dat one."""
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"imatrix file not found: {path}")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    return read_gguf(path) if magic == b"GGUF" else read_legacy(path)
+
+
+def read_gguf(path: Path) -> Imatrix:
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    out = Imatrix(datasets=field_value(reader, "imatrix.datasets") or [],
+                  chunk_count=field_value(reader, "imatrix.chunk_count") or 0,
+                  chunk_size=field_value(reader, "imatrix.chunk_size") or 0)
+    tensors = {t.name: np.array(t.data, dtype=np.float32) for t in reader.tensors}
+    for tname, data in tensors.items():
+        if tname.endswith(SUM_SUFFIX):
+            name = tname[: -len(SUM_SUFFIX)]
+            if name + COUNT_SUFFIX not in tensors:
+                raise InputError(f"{path}: {name} has sums but no counts")
+            out.sums[name] = data.reshape(-1, data.shape[-1])
+            out.counts[name] = tensors[name + COUNT_SUFFIX].reshape(-1)
+    if not out.sums:
+        raise InputError(f"{path}: no imatrix entries (*.in_sum2 tensors)")
+    return out
+
+
+def field_value(reader, key: str):
+    f = reader.get_field(key)
+    return None if f is None else f.contents()
+
+
+def read_legacy(path: Path) -> Imatrix:
+    """The .dat format: values are (sum/count)*ncall with counts {ncall}; weights = values/ncall."""
+    data = path.read_bytes()
+    try:
+        (n_entries,), pos = struct.unpack_from("<i", data, 0), 4
+        out = Imatrix(legacy=True)
+        for _ in range(n_entries):
+            (length,) = struct.unpack_from("<i", data, pos)
+            name = data[pos + 4: pos + 4 + length].decode()
+            ncall, nval = struct.unpack_from("<ii", data, pos + 4 + length)
+            pos += 12 + length
+            values = np.frombuffer(data, dtype="<f4", count=nval, offset=pos).copy()
+            pos += 4 * nval
+            out.sums[name], out.counts[name] = values[None, :], np.array([ncall], dtype=np.float32)
+        out.chunk_count = struct.unpack_from("<i", data, pos)[0] if pos + 4 <= len(data) else 0
+    except (struct.error, ValueError, UnicodeDecodeError) as exc:
+        raise InputError(f"{path} is neither a GGUF imatrix nor a legacy .dat imatrix") from exc
+    return out

@@ -1,0 +1,233 @@
+"""Per-tensor GGUF type choice, exactly as llama-quantize's llama_tensor_get_type (src/llama-quant.cpp).
+
+`choose_types(tensors, "Q4_K_M", facts)` returns {gguf tensor name: GGMLQuantizationType} for every
+tensor of a model, given its GGUF names and numpy shapes (rows, cols) — ggml's ne[0] is the last
+numpy dimension. Tensors are visited in llama-quantize's order (llama_model_loader's weights_map:
+by block number, non-block tensors first, then by name) because the attn_v counter depends on it.
+
+Covered file types: Q2_K, Q3_K_S/M/L, Q4_K_S/M, Q5_K_S/M, Q6_K, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
+F16, BF16, F32 (the IQ* mixes are not offered: quantkit has no IQ kernels).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from gguf import GGMLQuantizationType as T
+from gguf import GGML_QUANT_SIZES, LlamaFileType as F
+
+from quantkit.errors import InputError
+
+# file type name -> (general.file_type, default tensor type) — llama_ftype_get_default_type
+FILE_TYPES: dict[str, tuple[F, T]] = {
+    "F32": (F.ALL_F32, T.F32),
+    "F16": (F.MOSTLY_F16, T.F16),
+    "BF16": (F.MOSTLY_BF16, T.BF16),
+    "Q8_0": (F.MOSTLY_Q8_0, T.Q8_0),
+    "Q4_0": (F.MOSTLY_Q4_0, T.Q4_0),
+    "Q4_1": (F.MOSTLY_Q4_1, T.Q4_1),
+    "Q5_0": (F.MOSTLY_Q5_0, T.Q5_0),
+    "Q5_1": (F.MOSTLY_Q5_1, T.Q5_1),
+    "Q2_K": (F.MOSTLY_Q2_K, T.Q2_K),
+    "Q3_K_S": (F.MOSTLY_Q3_K_S, T.Q3_K),
+    "Q3_K_M": (F.MOSTLY_Q3_K_M, T.Q3_K),
+    "Q3_K_L": (F.MOSTLY_Q3_K_L, T.Q3_K),
+    "Q4_K_S": (F.MOSTLY_Q4_K_S, T.Q4_K),
+    "Q4_K_M": (F.MOSTLY_Q4_K_M, T.Q4_K),
+    "Q5_K_S": (F.MOSTLY_Q5_K_S, T.Q5_K),
+    "Q5_K_M": (F.MOSTLY_Q5_K_M, T.Q5_K),
+    "Q6_K": (F.MOSTLY_Q6_K, T.Q6_K),
+}
+# llama-quantize's aliases (tools/quantize/quantize.cpp QUANT_OPTIONS)
+ALIASES = {"Q3_K": "Q3_K_M", "Q4_K": "Q4_K_M", "Q5_K": "Q5_K_M"}
+UNQUANTIZED = (T.F32, T.F16, T.BF16)
+
+# tensor_type_fallback: a 256-block type on a row that is not a multiple of 256
+FALLBACK = {T.Q2_K: T.Q4_0, T.Q3_K: T.Q4_0, T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_1, T.Q6_K: T.Q8_0}
+
+# tensor_get_category: (category, substring), first match wins after the exact names
+CATEGORIES = [("attn_v", "attn_qkv.weight"), ("attn_v", "attn_kv_b.weight"), ("attn_v", "attn_v.weight"),
+              ("attn_k", "attn_k.weight"), ("attn_q", "attn_q.weight"), ("attn_output", "attn_output.weight"),
+              ("ffn_up", "ffn_up"), ("ffn_gate", "ffn_gate"), ("ffn_down", "ffn_down")]
+# tensor_allows_quantization: substrings that keep a 2-D weight unquantized (those that can occur here)
+NEVER_QUANTIZED = ("_norm.weight", "ffn_gate_inp.weight", "altup", "laurel", "per_layer_model_proj",
+                   "ssm_conv1d", "time_mix_", "attn_rel_b.weight", ".position_embd", ".patch_embd")
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """The hyper-parameters llama_tensor_get_type looks at."""
+
+    arch: str  # GGUF architecture string: llama, qwen2, qwen3, falcon ...
+    n_layer: int
+    n_head: int
+    n_head_kv: int
+    n_expert: int = 0
+
+    @property
+    def n_gqa(self) -> int:
+        return self.n_head // self.n_head_kv if self.n_head_kv else 0
+
+    @property
+    def is_70b(self) -> bool:
+        """LLM_TYPE_70B as llama.cpp's load_hparams sets it for the architectures quantkit converts."""
+        if self.arch == "llama":
+            return self.n_layer == 80 and self.n_head != self.n_head_kv
+        return self.arch == "qwen2" and self.n_layer == 80
+
+
+def file_type(name: str) -> tuple[str, F, T]:
+    """(canonical name, LlamaFileType, default tensor type) or InputError naming the known ones."""
+    key = ALIASES.get(name.upper(), name.upper())
+    if key not in FILE_TYPES:
+        raise InputError(f"unknown GGUF type '{name}'", hint="choose one of: " + ", ".join(FILE_TYPES))
+    return (key, *FILE_TYPES[key])
+
+
+def use_more_bits(i_layer: int, n_layers: int) -> bool:
+    return i_layer < n_layers // 8 or i_layer >= 7 * n_layers // 8 or (i_layer - n_layers // 8) % 3 == 2
+
+
+def layer_of(name: str) -> int:
+    m = re.match(r"blk\.(\d+)\.", name)
+    return int(m.group(1)) if m else -1
+
+
+def llama_order(names) -> list[str]:
+    """llama_model_loader::weight_name_comparer order."""
+    return sorted(names, key=lambda n: (layer_of(n), n))
+
+
+def category(name: str) -> str:
+    if name == "output.weight":
+        return "output"
+    if name in ("token_embd.weight", "per_layer_token_embd.weight"):
+        return "token_embd"
+    for cat, needle in CATEGORIES:
+        if needle in name:
+            return cat
+    return "other"
+
+
+def allows_quantization(name: str, shape: tuple[int, ...]) -> bool:
+    return len(shape) >= 2 and name.endswith("weight") and not any(s in name for s in NEVER_QUANTIZED)
+
+
+@dataclass
+class _State:
+    n_attention_wv: int
+    tied: bool
+    i_attention_wv: int = 0
+    i_ffn_down: int = 0
+
+
+def choose_types(tensors: dict[str, tuple[int, ...]], ftype: str, facts: ModelFacts,
+                 has_imatrix: bool = False) -> dict[str, T]:
+    """GGUF type of every tensor (unquantizable ones: F32, as the converter writes them)."""
+    name, _, default = file_type(ftype)
+    cats = {n: category(n) for n in tensors}
+    state = _State(n_attention_wv=sum(c == "attn_v" for c in cats.values()),
+                   tied="output.weight" not in tensors)
+    types = {}
+    for tname in llama_order(tensors):
+        shape = tuple(tensors[tname])
+        if not allows_quantization(tname, shape):
+            types[tname] = T.F32
+        elif default in UNQUANTIZED:
+            types[tname] = default
+        else:
+            chosen = tensor_type(tname, shape, cats[tname], name, default, facts, state, has_imatrix)
+            types[tname] = fallback(chosen, shape[-1])
+    return types
+
+
+def fallback(qtype: T, ncols: int) -> T:
+    """tensor_type_fallback: demote to a 32-block type, else F16, when ncols is not a block multiple."""
+    if ncols % GGML_QUANT_SIZES[qtype][0] == 0:
+        return qtype
+    new = FALLBACK.get(qtype, qtype)
+    return new if ncols % GGML_QUANT_SIZES[new][0] == 0 else T.F16
+
+
+def tensor_type(name: str, shape, cat: str, ftype: str, new: T, facts: ModelFacts, st: _State,
+                has_imatrix: bool) -> T:
+    """llama_tensor_get_type_impl for the k-quant and legacy file types."""
+    if cat == "output" or (st.tied and cat == "token_embd"):
+        return output_type(shape, ftype, new, facts)
+    if cat == "token_embd":
+        return new
+    if cat == "attn_v":
+        new = attn_v_type(ftype, new, facts, st)
+        st.i_attention_wv += 1
+        return new
+    if cat == "attn_k":
+        return T.Q8_0 if facts.n_expert == 8 else new
+    if cat == "ffn_down":
+        i_layer = layer_of(name) if facts.n_expert > 1 else st.i_ffn_down
+        st.i_ffn_down += 1
+        return ffn_down_type(ftype, new, facts, i_layer, has_imatrix)
+    if cat == "attn_output":
+        return attn_output_type(ftype, new, facts)
+    return new
+
+
+def output_type(shape, ftype: str, new: T, facts: ModelFacts) -> T:
+    if facts.arch == "falcon" or shape[-1] % GGML_QUANT_SIZES[new][0] != 0:
+        return T.Q8_0
+    return T.Q6_K if new != T.Q8_0 else new
+
+
+def attn_v_type(ftype: str, new: T, facts: ModelFacts, st: _State) -> T:
+    i, n = st.i_attention_wv, st.n_attention_wv
+    if ftype == "Q2_K":
+        new = T.Q4_K if facts.n_gqa >= 4 else T.Q3_K
+    elif ftype == "Q3_K_M":
+        new = T.Q5_K if i < 2 else T.Q4_K
+    elif ftype == "Q3_K_L":
+        new = T.Q5_K
+    elif ftype in ("Q4_K_M", "Q5_K_M") and use_more_bits(i, n):
+        new = T.Q6_K
+    elif ftype == "Q4_K_S" and i < 4:
+        new = T.Q5_K
+    if facts.is_70b and new in (T.Q3_K, T.Q4_K):
+        new = T.Q5_K
+    if facts.n_expert == 8:
+        new = T.Q8_0
+    return new
+
+
+def ffn_down_type(ftype: str, new: T, facts: ModelFacts, i: int, has_imatrix: bool) -> T:
+    n, falcon = facts.n_layer, facts.arch == "falcon"
+    if ftype == "Q2_K":
+        return T.Q3_K
+    if ftype == "Q3_K_M":
+        return T.Q5_K if i < n // 16 else T.Q4_K if (not falcon or use_more_bits(i, n)) else T.Q3_K
+    if ftype == "Q3_K_L":
+        return T.Q4_K if falcon else T.Q5_K
+    if ftype == "Q4_K_M":
+        if falcon:
+            return T.Q6_K if i < n // 16 else T.Q5_K if use_more_bits(i, n) else T.Q4_K
+        return T.Q6_K if use_more_bits(i, n) else new
+    if ftype == "Q5_K_M":
+        return T.Q6_K if use_more_bits(i, n) else new
+    if ftype == "Q4_K_S":
+        return T.Q5_K if not falcon and i < n // 8 else new
+    if ftype in ("Q4_0", "Q5_0") and has_imatrix and i < n // 8:
+        return T.Q4_1 if ftype == "Q4_0" else T.Q5_1
+    return new
+
+
+def attn_output_type(ftype: str, new: T, facts: ModelFacts) -> T:
+    if facts.arch == "falcon":
+        return T.Q4_K if ftype == "Q3_K_L" else new
+    if facts.n_expert == 8:
+        return T.Q5_K if ftype in ("Q2_K", "Q3_K_S", "Q3_K_M", "Q4_K_S", "Q4_K_M") else new
+    return {"Q2_K": T.Q3_K, "Q3_K_M": T.Q4_K, "Q3_K_L": T.Q5_K}.get(ftype, new)
+
+
+def type_counts(types: dict[str, T]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for t in types.values():
+        counts[t.name] = counts.get(t.name, 0) + 1
+    return dict(sorted(counts.items()))

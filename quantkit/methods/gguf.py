@@ -1,0 +1,124 @@
+"""GGUF k-quants for llama.cpp / Ollama: quantkit's own HF->GGUF converter, mixtures and kernels.
+
+Writes `<model-name>-<TYPE>.gguf` and an Ollama `Modelfile` into the output directory. The
+per-tensor types follow llama-quantize's mixture rules (quantkit.gguf.mixture); with the same
+input values and imatrix the tensor bytes equal llama-quantize's.
+
+imatrix: "none", a path to an imatrix file (llama.cpp GGUF or legacy .dat), or "auto": computed
+from the calibration windows when the type benefits from it. llama.cpp users apply an imatrix to
+everything at 4 bits and below (it lowers Q4_K_M's KLD by ~10% and Q2_K/Q3_K's by 20-30% in
+llama.cpp's perplexity README); at Q5_K and above the gain is within noise and Q8_0 ignores it.
+So auto = on for Q2_K, Q3_K_S/M/L, Q4_K_S/M, Q4_0, Q4_1; off otherwise.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, field_validator
+
+from quantkit.errors import InputError, UnsupportedError
+
+ENGINE = "quantkit-gguf"
+FORMAT = "GGUF (llama.cpp / Ollama)"
+KEEPS_LM_HEAD = False  # the mixture gives output.weight its own type (Q6_K for most mixes)
+SUPPORTS_IGNORE = False  # per-tensor types come from llama-quantize's mixture rules
+# k-quants lose more than FP8: gate on KLD and top-1 agreement, leave PPL to the recipe.
+DEFAULT_GATE = {"max_ppl_increase": 0.15, "max_kld": 0.1, "min_top1": 0.8}
+IMATRIX_AUTO_TYPES = ("Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L", "Q4_K_S", "Q4_K_M", "Q4_0", "Q4_1")
+
+
+class Options(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    gguf_type: str = "Q4_K_M"
+    imatrix: str = "auto"  # "auto" | "none" | path to an imatrix file
+
+    @field_validator("gguf_type")
+    @classmethod
+    def _known_type(cls, value: str) -> str:
+        from quantkit.gguf.mixture import file_type
+
+        try:
+            return file_type(value)[0]
+        except InputError as exc:
+            raise ValueError(f"{exc.message}; {exc.hint}") from None
+
+
+def needs_calibration(options: Options) -> bool:
+    return uses_imatrix(options)
+
+
+def uses_imatrix(options: Options) -> bool:
+    return options.imatrix != "none" and (options.imatrix != "auto" or options.gguf_type in IMATRIX_AUTO_TYPES)
+
+
+def precision(role: str, options: Options, name: str, shape: list[int]) -> str | None:
+    """Approximate per-role type for the plan (the exact per-tensor types are in the report)."""
+    from quantkit.gguf.mixture import FILE_TYPES, T, fallback
+
+    default = FILE_TYPES[options.gguf_type][1]
+    if default in (T.F32, T.F16, T.BF16):
+        return f"gguf {default.name}"
+    if role == "lm_head":
+        qtype = T.Q8_0 if default == T.Q8_0 else T.Q6_K
+    else:
+        qtype = default
+    qtype = fallback(qtype, shape[-1] if shape else 0)
+    suffix = f" ({options.gguf_type} mix)" if role == "decoder" else ""
+    return f"gguf {qtype.name}{suffix}"
+
+
+def check(info, options: Options, spec=None) -> None:
+    """Architecture supported, type known (validated in Options), imatrix file present."""
+    from quantkit.gguf.convert import arch_spec
+
+    arch_spec(info.config)
+    if options.imatrix not in ("auto", "none") and not Path(options.imatrix).is_file():
+        raise InputError(f"imatrix file not found: {options.imatrix}",
+                         hint='pass a llama.cpp imatrix (.gguf or .dat), "auto" or "none"')
+
+
+def model_name(job) -> str:
+    return Path(job.info.path).name or "model"
+
+
+def load_imatrix(job):
+    """(Imatrix or None, how it was obtained)."""
+    from quantkit.gguf import imatrix as im
+
+    opts = job.options
+    if opts.imatrix == "none" or not uses_imatrix(opts):
+        return None, "none"
+    if opts.imatrix != "auto":
+        return im.read(Path(opts.imatrix)), f"file:{opts.imatrix}"
+    calib = getattr(job.windows, "calib", None)
+    if calib is None or len(calib) == 0 or job.model is None:
+        return None, "none (no calibration windows)"
+    job.model.eval()
+    return im.compute(job.model, calib, job.info.config, dataset=str(getattr(job.windows, "source", ""))), \
+        f"computed ({len(calib)} x {calib.shape[1]} tokens)"
+
+
+def quantize(job) -> None:
+    from quantkit.gguf import imatrix as im
+    from quantkit.gguf.convert import convert
+    from quantkit.gguf.modelfile import read_chat_template, render
+
+    opts = job.options
+    imatrix, source = load_imatrix(job)
+    if imatrix is not None and source.startswith("computed") and job.workdir is not None:
+        im.write(imatrix, Path(job.workdir) / "imatrix.gguf")
+    name = model_name(job)
+    out_path = Path(job.out_dir) / f"{name}-{opts.gguf_type}.gguf"
+    result = convert(job.info.path, out_path, opts.gguf_type,
+                     imatrix=imatrix.weights() if imatrix is not None else None, name=name)
+    (Path(job.out_dir) / "Modelfile").write_text(render(out_path.name, read_chat_template(job.info.path)))
+    job.extra["artifact_path"] = str(out_path)
+    job.extra["report"] = {
+        "gguf": {"file": out_path.name, "type": opts.gguf_type, "tensor_types": result.type_counts,
+                 "tensors": result.tensors, "bytes": result.bytes, "imatrix": source,
+                 "imatrix_tensors": result.imatrix_tensors, "vocab": result.vocab},
+    }
+
+
+__all__ = ["Options", "ENGINE", "FORMAT", "DEFAULT_GATE", "quantize", "precision", "check", "UnsupportedError"]

@@ -1,0 +1,102 @@
+"""The gguf method plugin: options, checks, quantize(job) outputs, Modelfile."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from quantkit.errors import InputError, UnsupportedError
+from quantkit.methods import gguf as method
+from tests.gguf.test_convert import micro  # noqa: F401  (session fixture)
+
+
+def test_options_validate_type_and_aliases():
+    assert method.Options().gguf_type == "Q4_K_M"
+    assert method.Options(gguf_type="q5_k").gguf_type == "Q5_K_M"
+    with pytest.raises(Exception) as info:
+        method.Options(gguf_type="Q9_K")
+    assert "Q4_K_M" in str(info.value)
+    with pytest.raises(Exception):
+        method.Options(bogus=1)
+
+
+@pytest.mark.parametrize("gguf_type,imatrix,uses", [("Q4_K_M", "auto", True), ("Q2_K", "auto", True),
+                                                    ("Q6_K", "auto", False), ("Q8_0", "auto", False),
+                                                    ("Q4_K_M", "none", False), ("Q6_K", "x.gguf", True)])
+def test_imatrix_auto_policy(gguf_type, imatrix, uses):
+    assert method.uses_imatrix(method.Options(gguf_type=gguf_type, imatrix=imatrix)) is uses
+
+
+def test_check_rejects_architecture_and_missing_imatrix(micro, tmp_path):
+    from quantkit.model import check_model_dir
+
+    info = check_model_dir(micro)
+    method.check(info, method.Options(), None)
+    with pytest.raises(InputError, match="imatrix file not found"):
+        method.check(info, method.Options(imatrix=str(tmp_path / "missing.gguf")), None)
+    bad = SimpleNamespace(config={"architectures": ["BloomForCausalLM"]})
+    with pytest.raises(UnsupportedError) as err:
+        method.check(bad, method.Options(), None)
+    assert err.value.exit_code == 2 and "LlamaForCausalLM" in err.value.hint
+
+
+def test_precision_for_plan():
+    opts = method.Options()
+    assert method.precision("decoder", opts, "model.layers.0.mlp.up_proj", [768, 256]) == "gguf Q4_K (Q4_K_M mix)"
+    assert method.precision("lm_head", opts, "lm_head", [1024, 256]) == "gguf Q6_K"
+    assert method.precision("decoder", method.Options(gguf_type="F16"), "x", [8, 8]) == "gguf F16"
+
+
+def make_job(model_dir: Path, out: Path, options, model=None, windows=None):
+    from quantkit.model import check_model_dir
+
+    out.mkdir(parents=True, exist_ok=True)
+    return SimpleNamespace(info=check_model_dir(model_dir), options=options, out_dir=out, model=model,
+                           windows=windows, workdir=out.parent, extra={})
+
+
+def test_quantize_writes_gguf_modelfile_and_report(micro, tmp_path):
+    job = make_job(micro, tmp_path / "out", method.Options(gguf_type="Q4_K_M", imatrix="none"))
+    method.quantize(job)
+    path = Path(job.extra["artifact_path"])
+    assert path.name == "micro-Q4_K_M.gguf" and path.is_file()
+    report = job.extra["report"]["gguf"]
+    assert report["tensor_types"] == {"F32": 5, "Q4_K": 13, "Q6_K": 3} and report["imatrix"] == "none"
+    modelfile = (job.out_dir / "Modelfile").read_text()
+    assert modelfile.startswith("FROM ./micro-Q4_K_M.gguf") and 'PARAMETER stop "</s>"' in modelfile
+    json.dumps(job.extra["report"])  # serialisable for quantkit.json
+
+
+def test_quantize_auto_imatrix_from_windows(micro, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(micro, dtype=torch.float32)
+    windows = SimpleNamespace(calib=torch.randint(0, 500, (2, 32)), source="unit")
+    job = make_job(micro, tmp_path / "out", method.Options(gguf_type="Q2_K"), model, windows)
+    method.quantize(job)
+    report = job.extra["report"]["gguf"]
+    assert report["imatrix"].startswith("computed") and report["imatrix_tensors"] == 14
+    assert (tmp_path / "imatrix.gguf").is_file()
+
+
+@pytest.mark.parametrize("template,name", [
+    ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>{% endfor %}", "chatml"),
+    ("<|start_header_id|>{{ role }}<|end_header_id|>{{ content }}<|eot_id|>", "llama3"),
+    ("{{ bos_token }}[INST] {{ message['content'] }} [/INST]", "mistral"),
+])
+def test_modelfile_templates(template, name):
+    from quantkit.gguf.modelfile import render
+
+    text = render("m.gguf", template)
+    assert f"chat format: {name}" in text and "TEMPLATE" in text and "PARAMETER stop" in text
+
+
+def test_modelfile_unknown_template_omitted():
+    from quantkit.gguf.modelfile import render
+
+    text = render("m.gguf", "{{ something_custom }}")
+    assert "TEMPLATE omitted" in text and "\nTEMPLATE" not in text

@@ -1,0 +1,165 @@
+"""Per-tensor type choice vs llama-quantize (src/llama-quant.cpp llama_tensor_get_type_impl).
+
+Expected tables are derived by hand from llama-quant.cpp (llama.cpp commit 0c1e570, the copy
+llama-cpp-python 0.3.36 vendors); the optional slow test reads llama-quantize's actual output.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from quantkit.gguf.mixture import ModelFacts, T, choose_types, file_type, type_counts, use_more_bits
+
+LAYER_TENSORS = ["attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"]
+
+
+def model(n_layer: int, n_head: int = 32, n_head_kv: int = 8, hidden: int = 4096, ffn: int = 14336,
+          vocab: int = 32000, tied: bool = False) -> dict:
+    head_dim = hidden // n_head
+    shapes = {"attn_q": (hidden, hidden), "attn_k": (n_head_kv * head_dim, hidden),
+              "attn_v": (n_head_kv * head_dim, hidden), "attn_output": (hidden, hidden),
+              "ffn_gate": (ffn, hidden), "ffn_up": (ffn, hidden), "ffn_down": (hidden, ffn)}
+    t = {"token_embd.weight": (vocab, hidden), "output_norm.weight": (hidden,)}
+    if not tied:
+        t["output.weight"] = (vocab, hidden)
+    for i in range(n_layer):
+        t |= {f"blk.{i}.{n}.weight": s for n, s in shapes.items()}
+        t |= {f"blk.{i}.attn_norm.weight": (hidden,), f"blk.{i}.ffn_norm.weight": (hidden,)}
+    return t
+
+
+def facts(n_layer, n_head=32, n_head_kv=8, **kw) -> ModelFacts:
+    return ModelFacts("llama", n_layer, n_head, n_head_kv, **kw)
+
+
+def layers_with(types: dict, tensor: str, qtype: T) -> list[int]:
+    return sorted(int(n.split(".")[1]) for n, t in types.items() if n.endswith(f".{tensor}.weight") and t == qtype)
+
+
+def test_use_more_bits_tables():
+    assert [i for i in range(32) if use_more_bits(i, 32)] == [0, 1, 2, 3, 6, 9, 12, 15, 18, 21, 24, 27, 28, 29, 30, 31]
+    assert [i for i in range(8) if use_more_bits(i, 8)] == [0, 3, 6, 7]
+    assert [i for i in range(2) if use_more_bits(i, 2)] == [1]
+
+
+# Llama-3-8B (32 layers, GQA 4): llama-quantize's well-known per-type tensor counts.
+LLAMA3_8B_COUNTS = {
+    "Q4_K_M": {"F32": 65, "Q4_K": 193, "Q6_K": 33},
+    "Q2_K": {"F32": 65, "Q2_K": 129, "Q3_K": 64, "Q4_K": 32, "Q6_K": 1},
+    "Q3_K_M": {"F32": 65, "Q3_K": 129, "Q4_K": 92, "Q5_K": 4, "Q6_K": 1},
+    "Q3_K_S": {"F32": 65, "Q3_K": 225, "Q6_K": 1},
+    "Q3_K_L": {"F32": 65, "Q3_K": 129, "Q5_K": 96, "Q6_K": 1},
+    "Q4_K_S": {"F32": 65, "Q4_K": 217, "Q5_K": 8, "Q6_K": 1},
+    "Q5_K_M": {"F32": 65, "Q5_K": 193, "Q6_K": 33},
+    "Q5_K_S": {"F32": 65, "Q5_K": 225, "Q6_K": 1},
+    "Q6_K": {"F32": 65, "Q6_K": 226},
+    "Q8_0": {"F32": 65, "Q8_0": 226},
+    "Q4_0": {"F32": 65, "Q4_0": 225, "Q6_K": 1},
+    "F16": {"F16": 226, "F32": 65},
+    "BF16": {"BF16": 226, "F32": 65},
+}
+
+
+@pytest.mark.parametrize("ftype", sorted(LLAMA3_8B_COUNTS))
+def test_llama3_8b_counts(ftype):
+    assert type_counts(choose_types(model(32), ftype, facts(32))) == LLAMA3_8B_COUNTS[ftype]
+
+
+@pytest.mark.parametrize("n_layer,more", [(2, [1]), (8, [0, 3, 6, 7]),
+                                          (32, [0, 1, 2, 3, 6, 9, 12, 15, 18, 21, 24, 27, 28, 29, 30, 31])])
+@pytest.mark.parametrize("ftype,base,bumped", [("Q4_K_M", T.Q4_K, T.Q6_K), ("Q5_K_M", T.Q5_K, T.Q6_K)])
+def test_k_m_bumps_attn_v_and_ffn_down(n_layer, more, ftype, base, bumped):
+    types = choose_types(model(n_layer), ftype, facts(n_layer))
+    for tensor in ("attn_v", "ffn_down"):
+        assert layers_with(types, tensor, bumped) == more
+        assert layers_with(types, tensor, base) == [i for i in range(n_layer) if i not in more]
+    for tensor in ("attn_q", "attn_k", "attn_output", "ffn_gate", "ffn_up"):
+        assert layers_with(types, tensor, base) == list(range(n_layer))
+    assert types["output.weight"] == T.Q6_K and types["token_embd.weight"] == base
+
+
+@pytest.mark.parametrize("n_head_kv,attn_v", [(8, T.Q4_K), (32, T.Q3_K)])  # n_gqa 4 vs 1
+def test_q2_k_attn_v_depends_on_gqa(n_head_kv, attn_v):
+    types = choose_types(model(8, n_head_kv=n_head_kv), "Q2_K", facts(8, n_head_kv=n_head_kv))
+    assert layers_with(types, "attn_v", attn_v) == list(range(8))
+    assert layers_with(types, "ffn_down", T.Q3_K) == list(range(8))
+    assert layers_with(types, "attn_output", T.Q3_K) == list(range(8))
+    assert types["token_embd.weight"] == T.Q2_K and types["output.weight"] == T.Q6_K
+
+
+def test_q3_k_m_rules():
+    types = choose_types(model(32), "Q3_K_M", facts(32))
+    assert layers_with(types, "attn_v", T.Q5_K) == [0, 1]
+    assert layers_with(types, "ffn_down", T.Q5_K) == [0, 1]  # i < n/16
+    assert layers_with(types, "ffn_down", T.Q4_K) == list(range(2, 32))
+    assert layers_with(types, "attn_output", T.Q4_K) == list(range(32))
+    assert layers_with(types, "attn_q", T.Q3_K) == list(range(32))
+
+
+def test_q4_k_s_rules():
+    types = choose_types(model(8), "Q4_K_S", facts(8))
+    assert layers_with(types, "attn_v", T.Q5_K) == [0, 1, 2, 3]
+    assert layers_with(types, "ffn_down", T.Q5_K) == [0]  # i < n/8
+
+
+def test_tied_embeddings_take_output_rule():
+    types = choose_types(model(2, tied=True), "Q4_K_M", facts(2))
+    assert "output.weight" not in types and types["token_embd.weight"] == T.Q6_K
+    assert choose_types(model(2, tied=True), "Q8_0", facts(2))["token_embd.weight"] == T.Q8_0
+
+
+def test_experts_and_70b():
+    moe = choose_types(model(4), "Q4_K_M", facts(4, n_expert=8))
+    assert layers_with(moe, "attn_v", T.Q8_0) == [0, 1, 2, 3] and layers_with(moe, "attn_k", T.Q8_0) == [0, 1, 2, 3]
+    assert layers_with(moe, "attn_output", T.Q5_K) == [0, 1, 2, 3]
+    big = choose_types(model(80, hidden=256, ffn=512, vocab=512), "Q3_K_S", facts(80))
+    assert layers_with(big, "attn_v", T.Q5_K) == list(range(80))  # LLM_TYPE_70B bump
+
+
+def test_row_size_fallbacks():
+    # one layer: use_more_bits(0, 1) holds, so Q4_K_M's attn_v is Q6_K -> Q8_0
+    t = {"output.weight": (1000, 320), "token_embd.weight": (1000, 320),
+         "blk.0.attn_v.weight": (320, 320), "blk.0.ffn_down.weight": (320, 48), "blk.0.attn_q.weight": (320, 320)}
+    for ftype, expect in {
+        "Q4_K_M": {"blk.0.attn_q.weight": T.Q5_0, "blk.0.attn_v.weight": T.Q8_0, "blk.0.ffn_down.weight": T.F16},
+        "Q6_K": {"blk.0.attn_q.weight": T.Q8_0, "blk.0.ffn_down.weight": T.F16},
+        "Q2_K": {"blk.0.attn_v.weight": T.Q4_0, "blk.0.attn_q.weight": T.Q4_0},
+        "Q5_K_S": {"blk.0.attn_q.weight": T.Q5_1},
+    }.items():
+        types = choose_types(t, ftype, ModelFacts("llama", 1, 4, 4))
+        assert types["output.weight"] == T.Q8_0  # ne[0] % 256 != 0 -> Q8_0
+        for name, qtype in expect.items():
+            assert types[name] == qtype, (ftype, name)
+
+
+def test_file_type_names_and_aliases():
+    from quantkit.errors import InputError
+
+    assert file_type("q4_k")[0] == "Q4_K_M" and int(file_type("Q4_K_M")[1]) == 15
+    with pytest.raises(InputError) as info:
+        file_type("IQ2_XXS")
+    assert "Q4_K_M" in info.value.hint
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("gguf_type", ["Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L", "Q4_K_S", "Q4_K_M", "Q5_K_S",
+                                       "Q5_K_M", "Q6_K", "Q8_0", "Q4_0", "Q5_1"])
+def test_types_match_llama_quantize(micro_f16, tmp_path, gguf_type):
+    """llama-quantize's chosen types on quantkit's F16 GGUF == quantkit's choice."""
+    import gguf
+
+    from tests.gguf.test_convert import convert_to, run_quantize
+
+    f16, theirs = tmp_path / "f16.gguf", tmp_path / "theirs.gguf"
+    result = convert_to(micro_f16, f16, "F16")
+    run_quantize(f16, theirs, gguf_type)
+    actual = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(theirs)).tensors}
+    from quantkit.gguf.convert import plan_tensors
+    from quantkit.model import check_model_dir
+
+    info = check_model_dir(micro_f16)
+    ours = {p.name: p.qtype.name for p in plan_tensors(info.config, info.tensors, gguf_type)}
+    assert ours == actual and result.tensors == len(actual)
+
+
+from tests.gguf.test_convert import micro, micro_f16  # noqa: E402,F401  (session fixtures)
