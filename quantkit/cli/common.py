@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -26,11 +27,30 @@ def quiet_libraries() -> None:
     import warnings
 
     if not sys.stderr.isatty():
-        os.environ.setdefault("TQDM_DISABLE", "1")
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        _disable_tqdm()
     if not debug():
         warnings.filterwarnings("ignore")
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+        os.environ.setdefault("LLM_COMPRESSOR_LOG_LEVEL", "ERROR")
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+
+
+def _disable_tqdm() -> None:
+    """Libraries pass disable=False explicitly, which beats TQDM_DISABLE; force it off instead."""
+    from tqdm import std
+
+    if getattr(std.tqdm.__init__, "_quantkit_quiet", False):
+        return
+    original = std.tqdm.__init__
+
+    def quiet_init(self, *args, **kwargs):
+        kwargs["disable"] = True
+        original(self, *args, **kwargs)
+
+    quiet_init._quantkit_quiet = True
+    std.tqdm.__init__ = quiet_init
 
 
 def debug() -> bool:

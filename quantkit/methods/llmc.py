@@ -15,7 +15,7 @@ def quiet_loguru(debug: bool) -> None:
     from loguru import logger
 
     logger.remove()
-    logger.add(sys.stderr, level="DEBUG" if debug else "WARNING")
+    logger.add(sys.stderr, level="DEBUG" if debug else "ERROR")
 
 
 def run_oneshot(job, recipe, calibrate: bool) -> None:
