@@ -15,12 +15,20 @@ def check_adapter(path: Path) -> None:
         raise InputError(f"{path} has no adapter_model.safetensors", hint="quantkit loads safetensors only")
 
 
+def is_bnb(info: ModelInfo) -> bool:
+    return (info.config.get("quantization_config") or {}).get("quant_method") == "bitsandbytes"
+
+
 def merge_adapters(info: ModelInfo, adapters: list[str], out_dir: Path, dtype: str = "auto") -> Path:
     """Load the base in its own 16-bit dtype, merge each adapter in order, save safetensors."""
     require("peft", "lora", "merging LoRA adapters")
     from peft import PeftModel
 
     model = load_model(info, dtype=dtype)
+    if is_bnb(info):
+        # QLoRA base: merge into a dequantized 16-bit copy, never back into 4-bit weights.
+        model = model.dequantize()
+        model.config.__dict__.pop("quantization_config", None)
     for adapter in adapters:
         check_adapter(Path(adapter))
         model = PeftModel.from_pretrained(model, adapter, local_files_only=True).merge_and_unload()

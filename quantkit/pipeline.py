@@ -21,6 +21,7 @@ from typing import Any, Callable
 from quantkit import __version__
 from quantkit import export
 from quantkit.errors import GateFailedError, InputError
+from quantkit.lora import check_adapter
 from quantkit.measure import PeakTracker
 from quantkit.methods import get_method
 from quantkit.model import ModelInfo, check_device, check_generative, check_model_dir, resolve_model, sha256_files
@@ -66,6 +67,7 @@ def prepare(recipe: Recipe, opts: RunOptions) -> tuple[ModelInfo, list]:
 
     info = check_model_dir(resolve_model(opts.model))
     check_generative(info)
+    check_not_quantized(info, recipe)
     check_device(recipe.device)
     export.check_output(opts.out, opts.overwrite)
     validate_source(recipe.calibration.source)
@@ -82,7 +84,19 @@ def prepare(recipe: Recipe, opts: RunOptions) -> tuple[ModelInfo, list]:
     for path in recipe.lora:
         if not Path(path).is_dir():
             raise InputError(f"LoRA adapter directory not found: {path}")
+        check_adapter(Path(path))
     return info, resolved
+
+
+def check_not_quantized(info: ModelInfo, recipe: Recipe) -> None:
+    """Quantizing needs full precision; a QLoRA (bitsandbytes) base is fine when adapters are merged."""
+    method = (info.config.get("quantization_config") or {}).get("quant_method")
+    if not method or (method == "bitsandbytes" and recipe.lora):
+        return
+    raise InputError(
+        f"{info.path} is already quantized ({method}); quantkit quantizes full-precision checkpoints",
+        hint="point at the original 16-bit model (a bitsandbytes QLoRA base is accepted together with --lora)",
+    )
 
 
 def run(recipe: Recipe, opts: RunOptions) -> dict:
