@@ -1,0 +1,44 @@
+"""GGUF through the whole pipeline: quantize via the CLI, gate on the written file, eval it again."""
+
+import json
+
+from tests.util import FAST_CALIB
+
+
+def test_quantize_gguf_then_eval(cli, micro_model, tmp_path):
+    out = tmp_path / "gguf"
+    result = cli("quantize", micro_model, "--method", "gguf", "--gguf-type", "Q8_0", "-o", out, *FAST_CALIB)
+    assert result.exit_code == 0, result.output
+    files = {p.name for p in out.iterdir()}
+    assert {"micro-Q8_0.gguf", "Modelfile", "README.md", "quantkit.json"} <= files
+    report = json.loads((out / "quantkit.json").read_text())
+    target = report["targets"][0]
+    assert target["gguf"]["tensor_types"]["Q8_0"] > 0
+    assert target["metrics"]["kld_mean"] < 0.01 and target["gate"]["passed"]
+    assert "lm_head" not in target["kept"]
+
+    result = cli("eval", out, "--num-windows", "3", "--seq-len", "64", "--json", "-")
+    assert result.exit_code == 0, result.output
+    row = json.loads(result.stdout)
+    assert row["kind"] == "gguf" and row["metrics"]["kld_mean"] < 0.01
+
+    result = cli("eval", out / "micro-Q8_0.gguf", "--against", micro_model, "--num-windows", "3", "--seq-len", "64",
+                 "--json", "-")
+    assert result.exit_code == 0 and json.loads(result.stdout)["kind"] == "gguf"
+
+
+def test_gguf_gate_failure_writes_nothing(cli, micro_model, tmp_path):
+    result = cli("quantize", micro_model, "--method", "gguf", "--gguf-type", "Q2_K", "-o", tmp_path / "out",
+                 *FAST_CALIB, "--max-kld", "0.000001")
+    assert result.exit_code == 3
+    assert not (tmp_path / "out").exists()
+
+
+def test_gguf_rejects_ignore_patterns(cli, micro_model, tmp_path):
+    result = cli("quantize", micro_model, "--method", "gguf", "--ignore", "lm_head", "-o", tmp_path / "out")
+    assert result.exit_code == 2 and "does not take ignore patterns" in result.stderr
+
+
+def test_gguf_unknown_type(cli, micro_model, tmp_path):
+    result = cli("quantize", micro_model, "--method", "gguf", "--gguf-type", "Q4_K_XL", "-o", tmp_path / "out")
+    assert result.exit_code == 2 and "gguf_type" in result.stderr
