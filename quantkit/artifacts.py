@@ -51,9 +51,12 @@ def load_for_eval(path: Path, base_dir: Path | None = None, device: str = "cpu")
             raise InputError("evaluating a .gguf needs the base checkpoint", hint="pass --against BASE_DIR")
         return load_gguf_into_base(gguf_file(path), base_dir, device)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoModelForCausalLM
+    from quantkit.model import auto_model_class
 
-    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, device_map=device)
+    # Same rule as loading the base: a VLM artifact loads whole (towers included) through
+    # AutoModelForImageTextToText; the evaluator feeds it text-only token windows.
+    config = json.loads((path / "config.json").read_text())
+    model = auto_model_class(config).from_pretrained(path, local_files_only=True, device_map=device)
     return model.eval()
 
 

@@ -69,14 +69,78 @@ def publish(staging: Path, out: Path, overwrite: bool) -> None:
 
 
 def copy_side_files(model_dir: Path, dest: Path) -> list[str]:
-    """Tokenizer/processor/generation files the artifact needs; never overwrite what the method wrote."""
+    """Tokenizer/processor/generation files the artifact needs; never overwrite what the method wrote.
+
+    Runs after every method, so it also completes a compressed-tensors `ignore` list with module
+    names (see `add_module_names_to_ignore`)."""
     copied = []
     for name in SIDE_FILES:
         src = model_dir / name
         if src.is_file() and not (dest / name).exists():
             shutil.copy2(src, dest / name)
             copied.append(name)
+    add_module_names_to_ignore(dest)
     return copied
+
+
+def add_module_names_to_ignore(dest: Path) -> list[str]:
+    """Make a compressed-tensors `ignore` list hold both checkpoint names and module names.
+
+    compressed-tensors (>= 0.19) writes `ignore` in *checkpoint* names: it maps module names back
+    through transformers' conversion mapping, as `save_pretrained` does for the weights (Llava:
+    `model.vision_tower.X` -> `vision_tower.X`, `lm_head` -> `language_model.lm_head`). vLLM maps
+    those names itself, but transformers matches `ignore` against the module names of the model it
+    builds on reload without mapping them, so it would wrap the unquantized vision tower, projector
+    and lm_head as quantized and read garbage scales (llm-compressor issue #3159). Adding each
+    entry's module name (the forward mapping transformers applies when loading) serves both.
+    Returns the names added; leaves the file alone when nothing is renamed.
+    """
+    config_file = dest / "config.json"
+    if not config_file.is_file():
+        return []
+    config = json.loads(config_file.read_text())
+    qconfig = config.get("quantization_config") or {}
+    ignore = qconfig.get("ignore") or []
+    names = [n for n in ignore if not n.startswith("re:")]
+    if qconfig.get("quant_method") != "compressed-tensors" or not names:
+        return []
+    try:
+        mapped = _checkpoint_to_module_names(dest, config, names)
+    except Exception:  # transformers internals moved: keep the list as written; the gate still measures it
+        return []
+    added = [m for m in dict.fromkeys(mapped) if m not in ignore]
+    if added:
+        qconfig["ignore"] = ignore + added
+        config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return added
+
+
+def _checkpoint_to_module_names(dest: Path, config: dict, names: list[str]) -> list[str]:
+    """The module name transformers gives each checkpoint name on load (a meta-device model, no weights)."""
+    import torch
+    from transformers import AutoConfig
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    from quantkit.model import auto_model_class
+
+    hf_config = AutoConfig.from_pretrained(dest, local_files_only=True)
+    with torch.device("meta"):
+        model = auto_model_class(config).from_config(hf_config)
+    conversions = get_model_conversion_mapping(model)
+    if not conversions:
+        return []
+    renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
+    converters = [c for c in conversions if isinstance(c, WeightConverter)]
+    meta_state = model.state_dict()
+    modules = dict(model.named_modules())
+    mapped = []
+    for name in names:
+        renamed, _ = rename_source_key(name + ".weight", renamings, converters, model.base_model_prefix, meta_state)
+        renamed = renamed.removesuffix(".weight")
+        if renamed != name and renamed in modules:
+            mapped.append(renamed)
+    return mapped
 
 
 def write_json(path: Path, data: dict) -> None:

@@ -220,12 +220,25 @@ def load_model(info: ModelInfo, dtype: str = "auto", device: str = "cpu", trust_
     return model
 
 
-def _auto_class(info: ModelInfo):
+def is_vlm(config: dict) -> bool:
+    """A vision-language model: a *ForConditionalGeneration architecture with a vision_config.
+
+    The one rule for picking the Auto class, shared by loading the base (`load_model`) and
+    loading an artifact back for evaluation (`quantkit.artifacts.load_for_eval`).
+    """
+    architecture = (config.get("architectures") or [""])[0]
+    return architecture.endswith("ForConditionalGeneration") and "vision_config" in config
+
+
+def auto_model_class(config: dict):
+    """AutoModelForImageTextToText for a VLM, else AutoModelForCausalLM."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    if info.architecture.endswith("ForConditionalGeneration") and "vision_config" in info.config:
-        return AutoModelForImageTextToText
-    return AutoModelForCausalLM
+    return AutoModelForImageTextToText if is_vlm(config) else AutoModelForCausalLM
+
+
+def _auto_class(info: ModelInfo):
+    return auto_model_class(info.config)
 
 
 def _device_map(device: str):

@@ -93,7 +93,9 @@ def target_options(target: Target) -> BaseModel:
 
 def target_gate(recipe: Recipe, target: Target) -> Gate:
     """Gate thresholds for a target: method defaults < recipe gate < target gate (set fields win)."""
-    values = dict(get_method(target.method).DEFAULT_GATE)
+    method = get_method(target.method)
+    defaults = method.default_gate(target_options(target)) if hasattr(method, "default_gate") else method.DEFAULT_GATE
+    values = dict(defaults)
     for layer in (recipe.gate, target.gate):
         if layer is not None:
             values.update(layer.model_dump(exclude_unset=True))

@@ -4,7 +4,8 @@ Each method module defines, light enough to import without torch:
   - `Options`: a pydantic model (extra="forbid") of the method's recipe options;
   - `ENGINE`: the library that does the work (for reports);
   - `FORMAT`: the artifact format it writes;
-  - `DEFAULT_GATE`: per-method default gate thresholds (dict);
+  - `DEFAULT_GATE`: per-method default gate thresholds (dict), or `default_gate(options)` where
+    they depend on the options (GGUF: Q8_0 is held tighter than Q2_K);
 and, importing heavy libraries inside the function:
   - `quantize(job: QuantizeJob) -> None`: quantize `job.model` and save the artifact into
     `job.out_dir` (a staging directory); `job` is quantkit.pipeline.QuantizeJob.

@@ -13,6 +13,7 @@ So auto = on for Q2_K, Q3_K_S/M/L, Q4_K_S/M, Q4_0, Q4_1; off otherwise.
 
 from __future__ import annotations
 
+from functools import lru_cache
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, field_validator
@@ -53,9 +54,17 @@ def uses_imatrix(options: Options) -> bool:
 
 
 def precision(role: str, options: Options, name: str, shape: list[int]) -> str | None:
-    """Approximate per-role type for the plan (the exact per-tensor types are in the report)."""
+    """GGUF type of one weight for the plan.
+
+    Exact (llama-quantize's mixture) when plan_types() has been computed for this model and
+    these options: the mixture needs the whole tensor list (attn_v / ffn_down depend on the
+    layer index and the layer count). Otherwise the per-role default, marked "(… mix)".
+    """
     from quantkit.gguf.mixture import FILE_TYPES, T, fallback
 
+    exact = _LAST_PLAN.get((options.gguf_type, uses_imatrix(options), name, tuple(shape or ())))
+    if exact is not None:
+        return exact
     default = FILE_TYPES[options.gguf_type][1]
     if default in (T.F32, T.F16, T.BF16):
         return f"gguf {default.name}"
@@ -66,6 +75,45 @@ def precision(role: str, options: Options, name: str, shape: list[int]) -> str |
     qtype = fallback(qtype, shape[-1] if shape else 0)
     suffix = f" ({options.gguf_type} mix)" if role == "decoder" else ""
     return f"gguf {qtype.name}{suffix}"
+
+
+# (gguf_type, uses imatrix, module name, shape) -> "gguf TYPE", from the latest plan_types()
+_LAST_PLAN: dict[tuple, str] = {}
+
+
+def plan_types(info, options: Options) -> dict[str, str]:
+    """Exact type of every weight as llama-quantize's mixture gives it, for `quantkit inspect`.
+
+    Keys are module names as quantkit.plan names them (the tensor name without ".weight"),
+    values "gguf <TYPE>" (e.g. "gguf Q6_K"). Empty when the architecture cannot be converted.
+    Cached per (config, tensor list, type, imatrix); also makes precision() exact for this model.
+    """
+    import json
+
+    has_imatrix = uses_imatrix(options)
+    tensors = tuple(sorted((n, tuple(shape)) for n, (_dtype, shape) in info.tensors.items()))
+    types = _exact_types(json.dumps(info.config, sort_keys=True, default=str), tensors, options.gguf_type,
+                         has_imatrix)
+    _LAST_PLAN.clear()
+    shapes = dict(tensors)
+    for module, text in types.items():
+        _LAST_PLAN[(options.gguf_type, has_imatrix, module, shapes[module + ".weight"])] = text
+    return dict(types)
+
+
+@lru_cache(maxsize=8)
+def _exact_types(config_json: str, tensors: tuple, gguf_type: str, has_imatrix: bool) -> dict[str, str]:
+    import json
+
+    from quantkit.gguf.convert import plan_tensors
+
+    hf = {name: ("", list(shape)) for name, shape in tensors}
+    try:
+        plans = plan_tensors(json.loads(config_json), hf, gguf_type, has_imatrix)
+    except UnsupportedError:
+        return {}
+    return {p.hf_name[: -len(".weight")]: f"gguf {p.qtype.name}"
+            for p in plans if p.hf_name.endswith(".weight")}
 
 
 def check(info, options: Options, spec=None) -> None:
@@ -121,4 +169,4 @@ def quantize(job) -> None:
     }
 
 
-__all__ = ["Options", "ENGINE", "FORMAT", "DEFAULT_GATE", "quantize", "precision", "check", "UnsupportedError"]
+__all__ = ["Options", "ENGINE", "FORMAT", "DEFAULT_GATE", "quantize", "precision", "plan_types", "check", "UnsupportedError"]

@@ -44,10 +44,44 @@ def test_check_rejects_architecture_and_missing_imatrix(micro, tmp_path):
 
 
 def test_precision_for_plan():
+    method._LAST_PLAN.clear()  # no plan_types() for this model: per-role defaults
     opts = method.Options()
     assert method.precision("decoder", opts, "model.layers.0.mlp.up_proj", [768, 256]) == "gguf Q4_K (Q4_K_M mix)"
     assert method.precision("lm_head", opts, "lm_head", [1024, 256]) == "gguf Q6_K"
     assert method.precision("decoder", method.Options(gguf_type="F16"), "x", [8, 8]) == "gguf F16"
+
+
+@pytest.mark.parametrize("gguf_type", ["Q4_K_M", "Q2_K", "Q3_K_M"])
+def test_plan_types_are_the_written_types(micro, tmp_path, gguf_type):
+    """plan_types (and precision once it ran) give each weight the type the GGUF file gets."""
+    import gguf
+
+    from quantkit.gguf import convert as conv
+    from quantkit.model import check_model_dir
+
+    info = check_model_dir(micro)
+    opts = method.Options(gguf_type=gguf_type, imatrix="none")
+    types = method.plan_types(info, opts)
+    out = conv.convert(micro, tmp_path / "m.gguf", gguf_type)
+    tmap = conv.name_map(info.config)
+    written = {t.name: gguf.GGMLQuantizationType(t.tensor_type).name for t in gguf.GGUFReader(str(out.path)).tensors}
+    two_d = {n[: -len(".weight")]: shape for n, (_d, shape) in info.tensors.items()
+             if n.endswith(".weight") and len(shape) == 2}
+    assert set(types) >= set(two_d)
+    for module, shape in two_d.items():
+        expected = "gguf " + written[conv.gguf_name(tmap, module + ".weight")]
+        assert types[module] == expected, module
+        assert method.precision("decoder", opts, module, shape) == expected
+    if gguf_type == "Q4_K_M":  # use_more_bits: the last of 2 layers gets Q6_K on attn_v / ffn_down
+        assert types["model.layers.0.self_attn.v_proj"] == "gguf Q4_K"
+        assert types["model.layers.1.self_attn.v_proj"] == "gguf Q6_K"
+
+
+def test_plan_types_unsupported_architecture_is_empty():
+    info = SimpleNamespace(config={"architectures": ["BloomForCausalLM"]}, tensors={"h.0.w.weight": ("BF16", [8, 8])})
+    assert method.plan_types(info, method.Options()) == {}
+    # precision falls back to the per-role default
+    assert method.precision("decoder", method.Options(), "h.0.w", [8, 256]) == "gguf Q4_K (Q4_K_M mix)"
 
 
 def make_job(model_dir: Path, out: Path, options, model=None, windows=None):
