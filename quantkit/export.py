@@ -69,17 +69,13 @@ def publish(staging: Path, out: Path, overwrite: bool) -> None:
 
 
 def copy_side_files(model_dir: Path, dest: Path) -> list[str]:
-    """Tokenizer/processor/generation files the artifact needs; never overwrite what the method wrote.
-
-    Runs after every method, so it also completes a compressed-tensors `ignore` list with module
-    names (see `add_module_names_to_ignore`)."""
+    """Tokenizer/processor/generation files the artifact needs; never overwrite what the method wrote."""
     copied = []
     for name in SIDE_FILES:
         src = model_dir / name
         if src.is_file() and not (dest / name).exists():
             shutil.copy2(src, dest / name)
             copied.append(name)
-    add_module_names_to_ignore(dest)
     return copied
 
 

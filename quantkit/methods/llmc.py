@@ -37,6 +37,9 @@ def run_oneshot(job, recipe, calibrate: bool) -> None:
 
 def save_compressed(job) -> None:
     """compressed-tensors checkpoint + tokenizer into the staging directory."""
+    from quantkit.export import add_module_names_to_ignore
+
     job.model.save_pretrained(job.out_dir, save_compressed=True)
     job.tokenizer.save_pretrained(job.out_dir)
+    add_module_names_to_ignore(job.out_dir)  # so transformers, not only vLLM, reloads VLM artifacts right
 

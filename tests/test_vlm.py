@@ -1,0 +1,216 @@
+"""VLMs end to end on tiny local models: the plan keeps the vision tower and projector in 16-bit,
+fp8 quantizes only the text decoder, the artifact reloads in transformers (AutoModelForImageTextToText)
+and the gate scores the text path on text-only token windows."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from safetensors import safe_open
+
+from tests.util import FAST_CALIB, leftovers
+from tests.vlm_models import build_llava, build_qwen2_vl
+
+# The text models here are random (flat next-token distributions): top-1 flips on near-ties, so
+# only top-1 is loosened; perplexity and KL stay at the fp8 defaults.
+VLM_CALIB = (*FAST_CALIB, "--min-top1", "0.5")
+
+# Checkpoint-name prefixes of the modules that must stay 16-bit, per model.
+KEPT_PREFIXES = {
+    "llava": ("vision_tower.", "multi_modal_projector."),
+    "qwen2_vl": ("visual.",),
+}
+
+
+@pytest.fixture(scope="session")
+def llava_model(tmp_path_factory):
+    return build_llava(tmp_path_factory.mktemp("vlm") / "llava")
+
+
+@pytest.fixture(scope="session")
+def qwen2_vl_model(tmp_path_factory):
+    return build_qwen2_vl(tmp_path_factory.mktemp("vlm") / "qwen2_vl")
+
+
+@pytest.fixture(params=["llava", "qwen2_vl"])
+def vlm(request):
+    """(kind, model dir) for each tiny VLM."""
+    return request.param, request.getfixturevalue(f"{request.param}_model")
+
+
+@pytest.fixture(scope="session")
+def fp8_artifacts(tmp_path_factory):
+    """Quantize each VLM once through the CLI (fp8 dynamic); tests share the outputs."""
+    from typer.testing import CliRunner
+
+    from quantkit.cli.app import app
+
+    made = {}
+
+    def get(kind: str, model_dir):
+        if kind not in made:
+            parent = tmp_path_factory.mktemp(f"{kind}-fp8")
+            out = parent / "fp8"
+            args = ["quantize", str(model_dir), "--method", "fp8", "-o", str(out), "--json", str(parent / "r.json"),
+                    *VLM_CALIB]
+            result = CliRunner().invoke(app, args, catch_exceptions=False)
+            made[kind] = (result, out, parent)
+        return made[kind]
+
+    return get
+
+
+def test_inspect_keeps_towers_16bit(cli, vlm):
+    kind, model_dir = vlm
+    result = cli("inspect", model_dir, "--method", "fp8", "--json", "-")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    roles = data["roles"]
+    assert data["architecture"].endswith("ForConditionalGeneration")
+    assert set(roles["vision"]["precisions"]) == {"bf16 (kept: vision stays 16-bit)"}
+    assert set(roles["decoder"]["precisions"]) == {"fp8-e4m3 W/channel A/token"}
+    assert roles["decoder"]["modules"] == 14  # 2 layers x (q, k, v, o, gate, up, down)
+    assert set(roles["lm_head"]["precisions"]) == {"bf16 (kept: lm_head)"}
+    if kind == "llava":
+        assert set(roles["projector"]["precisions"]) == {"bf16 (kept: projector stays 16-bit)"}
+        assert roles["projector"]["modules"] == 2
+    else:  # Qwen2-VL's projector (visual.merger) lives inside the vision tower
+        assert any(m["name"].endswith("visual.merger.mlp.0") and m["role"] == "vision" for m in data["modules"])
+    assert "lm_head" in data["ignore"] and any("visual" in p for p in data["ignore"])
+    for module in data["modules"]:
+        if module["name"].startswith(("model.vision_tower.", "model.multi_modal_projector.", "model.visual.")):
+            assert "kept" in module["precision"], module
+
+
+def test_inspect_with_vlm_recipe(cli, llava_model):
+    result = cli("inspect", llava_model, "--recipe", "vlm-fp8", "--json", "-")
+    assert result.exit_code == 0, result.output
+    roles = json.loads(result.stdout)["roles"]
+    assert "kept" in next(iter(roles["projector"]["precisions"]))
+    assert "fp8" in next(iter(roles["decoder"]["precisions"]))
+
+
+def test_fp8_end_to_end_keeps_towers_16bit(vlm, fp8_artifacts):
+    kind, model_dir = vlm
+    result, out, parent = fp8_artifacts(kind, model_dir)
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "quantkit.json").read_text())
+    target = report["targets"][0]
+    assert report["model"]["architecture"].endswith("ForConditionalGeneration")
+    assert target["gate"]["passed"] and target["metrics"]["positions"] == 4 * 63  # text-only windows
+    assert "vision" in target["kept"]
+    assert target["quantized_modules"] == 14
+    assert leftovers(parent, "fp8") == ["fp8"]
+    for name in ("tokenizer.json", "config.json", "README.md"):
+        assert (out / name).is_file()
+
+    qconfig = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qconfig["quant_method"] == "compressed-tensors" and qconfig["format"] == "float-quantized"
+    ignore = qconfig["ignore"]
+    assert "lm_head" in ignore  # module name, as transformers names it on reload
+    kept = KEPT_PREFIXES[kind]
+    with safe_open(out / "model.safetensors", "pt") as f:
+        dtypes = {key: f.get_slice(key).get_dtype() for key in f.keys()}
+        ndims = {key: len(f.get_slice(key).get_shape()) for key in f.keys()}
+    tower = {k: d for k, d in dtypes.items() if k.startswith(kept)}
+    assert tower and set(tower.values()) == {"BF16"}, tower
+    assert not any(k.endswith(("weight_scale", "input_scale")) for k in tower)
+    decoder = {k: d for k, d in dtypes.items() if k.endswith("_proj.weight") and ".layers." in k
+               and not k.startswith(kept)}
+    assert len(decoder) == 14 and set(decoder.values()) == {"F8_E4M3"}, decoder
+    assert {d for k, d in dtypes.items() if k.endswith("lm_head.weight")} == {"BF16"}
+    # every tower linear is named in `ignore`, in checkpoint form (vLLM) and module form (transformers)
+    tower_linears = {k.removesuffix(".weight") for k in tower
+                     if k.endswith(".weight") and ndims[k] == 2 and "embedding" not in k}
+    assert tower_linears and tower_linears <= set(ignore), tower_linears - set(ignore)
+    assert all(f"model.{name}" in ignore for name in tower_linears)
+
+
+def test_fp8_reloads_in_transformers_close_to_base(vlm, fp8_artifacts):
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from quantkit.artifacts import load_for_eval
+
+    kind, model_dir = vlm
+    result, out, _ = fp8_artifacts(kind, model_dir)
+    assert result.exit_code == 0, result.output
+    ids = torch.randint(0, 500, (2, 48), generator=torch.Generator().manual_seed(0))
+    base_model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
+    quant_model = AutoModelForImageTextToText.from_pretrained(out)
+    with torch.inference_mode():
+        base = base_model(input_ids=ids).logits
+        quant = quant_model(input_ids=ids).logits.float()
+    assert torch.isfinite(quant).all()
+    rel = (quant - base).norm() / base.norm()
+    assert rel < 0.1, rel  # random text weights: ~0.075 here; the trained micro model stays under 0.05
+    # the towers came back unquantized, with the base's weights
+    base_params = dict(base_model.named_parameters())
+    for name, param in quant_model.named_parameters():
+        if name.startswith(("model.vision_tower.", "model.multi_modal_projector.", "model.visual.")):
+            assert param.dtype == torch.bfloat16 and not name.endswith("_scale"), name
+            assert torch.equal(param.float(), base_params[name]), name
+    # quantkit's evaluator loads it through the same Auto class
+    assert type(load_for_eval(out)).__name__ == type(base_model).__name__
+
+
+def test_fp8_llava_artifact_still_sees_images(llava_model, fp8_artifacts):
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    result, out, _ = fp8_artifacts("llava", llava_model)
+    assert result.exit_code == 0, result.output
+    base_model = AutoModelForImageTextToText.from_pretrained(llava_model, dtype=torch.float32)
+    quant_model = AutoModelForImageTextToText.from_pretrained(out, dtype=torch.float32)
+    image_token = base_model.config.image_token_index
+    ids = torch.tensor([[1] + [image_token] * 16 + list(range(10, 30))])
+    pixels = torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        base = base_model(input_ids=ids, pixel_values=pixels).logits
+        quant = quant_model(input_ids=ids, pixel_values=pixels).logits
+    assert torch.isfinite(quant).all()
+    assert (quant - base).norm() / base.norm() < 0.1
+
+
+def test_is_vlm_rule():
+    from quantkit.model import is_vlm
+
+    assert is_vlm({"architectures": ["LlavaForConditionalGeneration"], "vision_config": {}})
+    assert not is_vlm({"architectures": ["LlamaForCausalLM"]})
+    assert not is_vlm({"architectures": ["T5ForConditionalGeneration"]})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["llava", "qwen2_vl"])
+def test_fp8_static_calibrates_on_text_windows(cli, kind, request, tmp_path):
+    model_dir = request.getfixturevalue(f"{kind}_model")
+    out = tmp_path / "static"
+    result = cli("quantize", model_dir, "--method", "fp8", "--scheme", "fp8-static", "-o", out, *VLM_CALIB)
+    assert result.exit_code == 0, result.output
+    qconfig = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qconfig["config_groups"]["group_0"]["input_activations"]["dynamic"] is False
+    with safe_open(out / "model.safetensors", "pt") as f:
+        keys = list(f.keys())
+    scales = [k for k in keys if k.endswith("input_scale")]
+    assert len(scales) == 14 and not any(k.startswith(KEPT_PREFIXES[kind]) for k in scales)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("builder", [build_llava, build_qwen2_vl])
+def test_trained_text_path_passes_the_fp8_gate(cli, builder, micro_model, tmp_path):
+    """The micro toy model's trained weights inside a VLM: the gate on text windows means something."""
+    model_dir = builder(tmp_path / "vlm", text_from=micro_model)
+    out = tmp_path / "fp8"
+    result = cli("quantize", model_dir, "--recipe", "vlm-fp8", "-o", out, *FAST_CALIB)
+    assert result.exit_code == 0, result.output
+    metrics = json.loads((out / "quantkit.json").read_text())["targets"][0]["metrics"]
+    assert metrics["kld_mean"] < 0.01 and metrics["top1"] > 0.8
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    ids = torch.randint(0, 500, (2, 48), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        text_only = AutoModelForCausalLM.from_pretrained(micro_model, dtype=torch.float32)(input_ids=ids).logits
+        quant = AutoModelForImageTextToText.from_pretrained(out)(input_ids=ids).logits.float()[..., : text_only.shape[-1]]
+    assert (quant - text_only).norm() / text_only.norm() < 0.05
