@@ -23,6 +23,7 @@ def eval_command(
     max_ppl_increase: Optional[float] = typer.Option(None, help="Gate: max relative perplexity increase."),
     max_kld: Optional[float] = typer.Option(None, help="Gate: max mean KL divergence."),
     min_top1: Optional[float] = typer.Option(None, help="Gate: min top-1 agreement."),
+    llama_perplexity: bool = typer.Option(False, "--llama-perplexity", help="For a .gguf, also score the held-out text with llama.cpp's llama-perplexity (needs a llama.cpp build)."),
     json_path: Optional[str] = typer.Option(None, "--json", help="Write the metrics as JSON to FILE ('-' = stdout)."),
 ) -> None:
     """Perplexity, KL divergence and top-1 agreement of MODEL against its base.
@@ -32,6 +33,8 @@ def eval_command(
       quantkit eval ./my-model-fp8 --against ./my-model
 
       quantkit eval ./gguf/model-Q4_K_M.gguf --against ./my-model --num-windows 32 --json metrics.json
+
+      quantkit eval ./gguf --llama-perplexity     # cross-check with llama.cpp when it is built
 
     With any threshold given, exits 3 when the artifact fails it.
     """
@@ -47,6 +50,10 @@ def eval_command(
 
         raise ModelError(f"artifact not found: {model}")
     kind = artifact_kind(model)
+    if llama_perplexity and kind != "gguf":
+        from quantkit.errors import InputError
+
+        raise InputError("--llama-perplexity applies to .gguf artifacts only")
     check_device(device)
     base = check_model_dir(resolve_model(against or default_base(model)))
     windows = eval_windows(load_tokenizer(base), data, num_windows, seq_len, seed)
@@ -61,13 +68,30 @@ def eval_command(
     verdict = evaluate.gate_verdict(metrics, gate)
     row = {"name": model.name, "kind": kind, "base": str(base.path), "metrics": metrics.as_dict(),
            "gate": verdict.as_dict()}
+    if llama_perplexity:
+        row["llama_cpp"] = llama_cpp_check(model, base, windows)
     if json_path != "-":
         out.print(metrics_table([row], f"{model} ({kind}) vs. {base.path}"))
         if any(c.threshold is not None for c in verdict.checks):
             out.print(thresholds_table([row]))
+    if "llama_cpp" in row and json_path != "-":
+        lc = row["llama_cpp"]
+        out.print(f"llama.cpp llama-perplexity on the same held-out text: PPL {lc['ppl']:.3f} ± {lc['ppl_stderr']:.3f} "
+                  f"({lc['chunks']} chunks of {lc['context']} tokens, llama.cpp's own tokenization)", highlight=False)
     write_json(json_path, row)
     if not verdict.passed:
         raise GateFailedError(f"{model.name} fails the gate: {', '.join(verdict.failed)}")
+
+
+def llama_cpp_check(model: Path, base, windows) -> dict:
+    """llama.cpp's perplexity of the .gguf on the held-out windows' text."""
+    from quantkit.artifacts import gguf_file
+    from quantkit.llamacpp import perplexity
+    from quantkit.model import load_tokenizer
+
+    tokenizer = load_tokenizer(base)
+    text = "\n\n".join(tokenizer.decode(w, skip_special_tokens=True) for w in windows.tolist())
+    return perplexity(gguf_file(model), text, context=windows.shape[1])
 
 
 def default_base(artifact: Path) -> str:
