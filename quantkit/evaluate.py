@@ -20,6 +20,7 @@ from typing import Callable
 import numpy as np
 
 MEMMAP_THRESHOLD = 512 * 1024 * 1024
+BATCH_LOGITS_BYTES = 64 * 1024 * 1024  # float32 logits per forward batch; a few copies live at once
 GATE_METRICS = (  # (metric, threshold field, comparison)
     ("ppl_increase", "max_ppl_increase", "<="),
     ("kld_mean", "max_kld", "<="),
@@ -86,7 +87,17 @@ def model_logits_fn(model) -> LogitsFn:
         device = next(model.parameters()).device
         return model(input_ids=ids.to(device)).logits.float().cpu()
 
+    config = getattr(model.config, "text_config", None) or model.config
+    logits.vocab_size = getattr(config, "vocab_size", None)
     return logits
+
+
+def batch_size_for(windows, vocab_size: int | None, limit: int = 8) -> int:
+    """Windows per forward pass so one batch's float32 logits stay near BATCH_LOGITS_BYTES."""
+    if not vocab_size:
+        return 1
+    per_window = windows.shape[1] * vocab_size * 4
+    return max(1, min(limit, BATCH_LOGITS_BYTES // per_window))
 
 
 def iter_batches(windows, batch_size: int):
@@ -111,10 +122,12 @@ def score_batch(logits, ids):
     return logprobs.reshape(-1, logprobs.shape[-1]), targets.reshape(-1)
 
 
-def compute_baseline(logits_fn: LogitsFn, windows, batch_size: int = 4, workdir: Path | None = None) -> Baseline:
+def compute_baseline(logits_fn: LogitsFn, windows, batch_size: int | None = None,
+                     workdir: Path | None = None) -> Baseline:
     """Run the full-precision model once over the evaluation windows and keep what the gate needs."""
     import torch
 
+    batch_size = batch_size or batch_size_for(windows, getattr(logits_fn, "vocab_size", None))
     n_pos = windows.shape[0] * (windows.shape[1] - 1)
     vocab = None
     offset = 0
@@ -148,10 +161,11 @@ def kl_rows(base16: np.ndarray, cand) -> "torch.Tensor":
     return kl.clamp_min(0.0)
 
 
-def compare(logits_fn: LogitsFn, windows, baseline: Baseline, batch_size: int = 4) -> Metrics:
+def compare(logits_fn: LogitsFn, windows, baseline: Baseline, batch_size: int | None = None) -> Metrics:
     """Metrics of a candidate against the stored baseline, streaming over the windows."""
     import torch
 
+    batch_size = batch_size or batch_size_for(windows, getattr(logits_fn, "vocab_size", None))
     kls, nlls, agree = [], [], 0
     offset = 0
     with torch.inference_mode():

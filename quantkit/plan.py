@@ -94,10 +94,12 @@ def matches(name: str, patterns: list[str]) -> bool:
 def build_plan(info: ModelInfo, method_module, options, ignore: list[str]) -> list[PlanEntry]:
     """One entry per linear weight with the precision the method will give it."""
     kept_dtype = info.dtype.lower()
+    exact = getattr(method_module, "plan_types", None)  # methods that know every tensor's type (gguf)
+    exact_types = exact(info, options) if exact is not None else {}
     entries = []
     for name, shape in linear_weights(info).items():
         role = classify(name + ".weight")
-        chosen = method_module.precision(role, options, name, shape)
+        chosen = exact_types.get(name) or method_module.precision(role, options, name, shape)
         if role in KEEP_16BIT_ROLES:
             precision = f"{kept_dtype} (kept: {role} stays 16-bit)"
         elif not chosen:

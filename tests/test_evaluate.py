@@ -62,6 +62,12 @@ def test_gate_without_thresholds_reports_but_passes(windows):
     assert verdict.passed and len(verdict.checks) == 3
 
 
+def test_batch_size_bounds_logits_memory(windows):
+    assert evaluate.batch_size_for(windows, 32) == 8
+    assert evaluate.batch_size_for(torch.zeros(4, 512), 128_000) == 1
+    assert evaluate.batch_size_for(windows, None) == 1
+
+
 def test_large_baseline_spills_to_a_memmap(windows, tmp_path, monkeypatch):
     monkeypatch.setattr(evaluate, "MEMMAP_THRESHOLD", 16)
     baseline = evaluate.compute_baseline(fake_model(), windows, workdir=tmp_path)

@@ -84,10 +84,14 @@ def compute(model, windows, config: dict, dataset: str = "quantkit", batch_size:
     modules = dict(model.named_modules())
     handles = [modules[m].register_forward_hook(hook(n)) for m, n in targets.items()]
     device = next(model.parameters()).device
+    # only the decoder blocks' inputs are collected: run the decoder without the output head
+    # (skips a (seq, vocab) logits tensor and the lm_head matmul per window)
+    body = model.get_decoder() if callable(getattr(model, "get_decoder", None)) else None
+    body = body if body is not None else model
     try:
         with torch.no_grad():
             for start in range(0, len(windows), batch_size):
-                model(input_ids=windows[start:start + batch_size].to(device))
+                body(input_ids=windows[start:start + batch_size].to(device))
     finally:
         for h in handles:
             h.remove()

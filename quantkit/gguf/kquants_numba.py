@@ -5,8 +5,8 @@ Two layers:
 * the four scale searches (make_qkx2/3_quants, make_qx_quants, make_q3_quants, make_qp_quants),
   one sub-block per call (``*_one``) and over the rows of a 2-D array (``SEARCH``, the same
   interface as kquants_numpy.SEARCH, used by the numpy kernels of the other types);
-* whole-row kernels for Q8_0, Q4_K, Q5_K and Q6_K (``FUSED``): search, re-quantization and bit
-  packing all compiled, writing the block bytes directly. Each runs in two compiled passes
+* whole-row kernels for Q8_0 and the k-quants Q2_K..Q6_K (``q8_0``, ``q2_k`` ... ``q6_k``):
+  search, re-quantization and bit packing all compiled, writing the block bytes directly. Each runs in two compiled passes
   around one small numpy step, the fp16 rounding of the per-block d/dmin (numpy's float16
   cast is the GGML_FP32_TO_FP16 rounding, so it is kept rather than re-implemented):
   ``*_search`` (scales, quants, float32 d) -> fp16 -> ``*_pack`` (quants recomputed from the
@@ -564,4 +564,193 @@ def q6_k(x, qw=None):
     out = np.empty((nb, 210), np.uint8)
     _q6_pack(xb, L, sc, fp16_round(d), zero, out)
     out[:, 208:210] = fp16_bits(d)
+    return out
+
+
+# ------------------------------------------------------------------ Q3_K
+
+@jit
+def _q3_search(x, qw, bpr, L, l6, d):
+    """quantize_row_q3_K_ref / _impl up to the fp16 rounding of d: 16 sub-blocks of 16
+    (make_q3_quants(16, 4) for _ref; make_qx_quants(16, 4) with qw*sqrt(sigma2 + x^2) for _impl),
+    then the 16 scales as 6-bit values l6 = q + 32 (against -32/max for _ref, make_qx_quants(16, 32)
+    weighted by the sub-block weight sums for _impl)."""
+    has_qw = qw.shape[0] > 0
+    w = np.empty(16, F32)
+    scales, sw = np.empty(16, F32), np.empty(16, F32)
+    lsc = np.empty(16, np.int32)
+    for b in range(x.shape[0]):
+        xb, Lb = x[b], L[b]
+        if has_qw:  # quantize_row_q3_K_impl
+            sum_x2 = F32(0)
+            for l in range(QK_K):
+                sum_x2 += xb[l] * xb[l]
+            sigma2 = F32(2) * sum_x2 / F32(QK_K)
+            off = (b % bpr) * QK_K
+            for j in range(16):
+                sumw = F32(0)
+                for l in range(16):
+                    v = xb[16 * j + l]
+                    w[l] = qw[off + 16 * j + l] * np.sqrt(sigma2 + v * v)
+                    sumw += w[l]
+                sw[j] = sumw
+                scales[j] = qx_one(xb[16 * j:16 * j + 16], w, 4, Lb[16 * j:16 * j + 16])
+            d[b] = qx_one(scales, sw, 32, lsc)
+            for j in range(16):
+                l6[b, j] = lsc[j]
+        else:  # quantize_row_q3_K_ref
+            max_scale, amax = F32(0), F32(0)
+            for j in range(16):
+                s = q3_one(xb[16 * j:16 * j + 16], 4, Lb[16 * j:16 * j + 16])
+                scales[j] = s
+                if abs(s) > amax:
+                    amax = abs(s)
+                    max_scale = s
+            if max_scale != 0:
+                iscale = F32(-32) / max_scale
+                for j in range(16):
+                    l6[b, j] = max(-32, min(31, nint(iscale * scales[j]))) + 32
+                d[b] = F32(1) / iscale
+            else:
+                l6[b, :] = 0
+                d[b] = F32(0)
+
+
+@jit
+def _q3_pack(x, L, l6, dr, out):
+    """Second half of quantize_row_q3_K_*: quants from the fp16-rounded d and the 6-bit scales,
+    then hmask[32] | qs[64] | scales[12] into out[:, :108] (d bytes by the caller)."""
+    for b in range(x.shape[0]):
+        xb, Lb, ob = x[b], L[b], out[b]
+        for j in range(16):
+            dd = dr[b] * F32(l6[b, j] - 32)
+            if dd == 0:
+                continue
+            for ii in range(16):
+                Lb[16 * j + ii] = max(-4, min(3, nint(xb[16 * j + ii] / dd))) + 4
+        for j in range(32):  # hmask: bit m of byte j = L[32m + j] > 3, which then loses 4
+            hm = 0
+            for m in range(8):
+                if Lb[32 * m + j] > 3:
+                    hm |= 1 << m
+                    Lb[32 * m + j] -= 4
+            ob[j] = hm
+        for h in range(2):  # qs[32h + l] = L[l] | L[l+32] << 2 | L[l+64] << 4 | L[l+96] << 6
+            for l in range(32):
+                base = 128 * h + l
+                ob[32 + 32 * h + l] = (Lb[base] | (Lb[base + 32] << 2) | (Lb[base + 64] << 4)
+                                       | (Lb[base + 96] << 6)) & 0xFF
+        for j in range(8):  # scales: low nibbles of j and j+8, then the high 2 bits 4 at a time
+            ob[96 + j] = ((l6[b, j] & 0xF) | ((l6[b, j + 8] & 0xF) << 4)) & 0xFF
+        for k in range(4):
+            ob[104 + k] = ((l6[b, k] >> 4) | ((l6[b, k + 4] >> 4) << 2) | ((l6[b, k + 8] >> 4) << 4)
+                           | ((l6[b, k + 12] >> 4) << 6)) & 0xFF
+
+
+def q3_k(x, qw=None):
+    """Block: hmask[32] | qs[64] | scales[12] | d f16."""
+    n_per_row = x.shape[-1]
+    xb = np.ascontiguousarray(x.reshape(-1, QK_K))
+    nb = xb.shape[0]
+    L = np.empty((nb, QK_K), np.int32)
+    l6 = np.empty((nb, 16), np.int32)
+    d = np.empty(nb, F32)
+    _q3_search(xb, np.empty(0, F32) if qw is None else qw, n_per_row // QK_K, L, l6, d)
+    out = np.empty((nb, 110), np.uint8)
+    _q3_pack(xb, L, l6, fp16_round(d), out)
+    out[:, 108:110] = fp16_bits(d)
+    return out
+
+
+# ------------------------------------------------------------------ Q2_K
+
+@jit
+def _q2_search(x, qw, bpr, L, packed, d, dmin):
+    """quantize_row_q2_K_ref / _impl up to the fp16 rounding of d/dmin: 16 sub-blocks of 16
+    (make_qkx2_quants(16, 3, weights |x|, -0.5, 0.1, 15, use_mad) for _ref; make_qkx3_quants with
+    qw*sqrt(sigma2 + x^2), -0.9, 0.05, 36 for _impl), then the 4-bit scale (low nibble) and min
+    (high nibble) of each sub-block: against max/15 for _ref, make_qp_quants(16, 15) for _impl."""
+    has_qw = qw.shape[0] > 0
+    w = np.empty(16, F32)
+    laux = np.empty(16, np.int32)
+    scales, mins, sw = np.empty(16, F32), np.empty(16, F32), np.empty(16, F32)
+    ls, lm = np.empty(16, np.uint8), np.empty(16, np.uint8)
+    for b in range(x.shape[0]):
+        xb, Lb = x[b], L[b]
+        if has_qw:  # quantize_row_q2_K_impl
+            sum_x2 = F32(0)
+            for l in range(QK_K):
+                sum_x2 += xb[l] * xb[l]
+            sigma2 = sum_x2 / F32(QK_K)
+            off = (b % bpr) * QK_K
+            for j in range(16):
+                sumw = F32(0)
+                for l in range(16):
+                    v = xb[16 * j + l]
+                    w[l] = qw[off + 16 * j + l] * np.sqrt(sigma2 + v * v)
+                    sumw += w[l]
+                sw[j] = sumw
+                scales[j], mins[j] = qkx_one(xb[16 * j:16 * j + 16], w, 3, F32(-0.9), F32(0.05), 36, False,
+                                             Lb[16 * j:16 * j + 16], laux)
+            d[b] = qp_one(scales, sw, 15, ls)
+            dmin[b] = qp_one(mins, sw, 15, lm)
+            for j in range(16):
+                packed[b, j] = (ls[j] | (lm[j] << 4)) & 0xFF
+        else:  # quantize_row_q2_K_ref
+            for j in range(16):
+                for l in range(16):
+                    w[l] = abs(xb[16 * j + l])
+                scales[j], mins[j] = qkx_one(xb[16 * j:16 * j + 16], w, 3, F32(-0.5), F32(0.1), 15, True,
+                                             Lb[16 * j:16 * j + 16], laux)
+            max_scale, max_min = F32(0), F32(0)
+            for j in range(16):
+                if scales[j] > max_scale:
+                    max_scale = scales[j]
+                if mins[j] > max_min:
+                    max_min = mins[j]
+            iscale = F32(15) / max_scale if max_scale > 0 else F32(0)
+            imin = F32(15) / max_min if max_min > 0 else F32(0)
+            for j in range(16):
+                q = (nint(iscale * scales[j]) & 0xFF) if max_scale > 0 else 0
+                m = ((nint(imin * mins[j]) << 4) & 0xFF) if max_min > 0 else 0
+                packed[b, j] = (q | m) & 0xFF
+            d[b] = max_scale / F32(15) if max_scale > 0 else F32(0)
+            dmin[b] = max_min / F32(15) if max_min > 0 else F32(0)
+
+
+@jit
+def _q2_pack(x, L, packed, dr, dminr, out):
+    """Second half of quantize_row_q2_K_*: quants from the fp16-rounded d/dmin, then
+    scales[16] | qs[64] into out[:, :80] (d/dmin bytes by the caller)."""
+    for b in range(x.shape[0]):
+        xb, Lb, ob = x[b], L[b], out[b]
+        for j in range(16):
+            dd = dr[b] * F32(packed[b, j] & 0xF)
+            if dd == 0:
+                continue
+            dm = dminr[b] * F32(packed[b, j] >> 4)
+            for ii in range(16):
+                Lb[16 * j + ii] = max(0, min(3, nint((xb[16 * j + ii] + dm) / dd)))
+        for j in range(16):
+            ob[j] = packed[b, j]
+        for h in range(2):
+            for l in range(32):
+                base = 128 * h + l
+                ob[16 + 32 * h + l] = (Lb[base] | (Lb[base + 32] << 2) | (Lb[base + 64] << 4)
+                                       | (Lb[base + 96] << 6)) & 0xFF
+
+
+def q2_k(x, qw=None):
+    """Block: scales[16] (low nibble scale, high nibble min) | qs[64] | d f16 | dmin f16."""
+    n_per_row = x.shape[-1]
+    xb = np.ascontiguousarray(x.reshape(-1, QK_K))
+    nb = xb.shape[0]
+    L = np.empty((nb, QK_K), np.int32)
+    packed = np.empty((nb, 16), np.uint8)
+    d, dmin = np.empty(nb, F32), np.empty(nb, F32)
+    _q2_search(xb, np.empty(0, F32) if qw is None else qw, n_per_row // QK_K, L, packed, d, dmin)
+    out = np.empty((nb, 84), np.uint8)
+    _q2_pack(xb, L, packed, fp16_round(d), fp16_round(dmin), out)
+    out[:, 80:82] = fp16_bits(d)
+    out[:, 82:84] = fp16_bits(dmin)
     return out

@@ -34,9 +34,9 @@ chunking and threads) and picks a kernel; ``kquants_numpy`` holds the numpy port
 bit packing, one kernel per type) and ``kquants_numba`` the compiled ones.
 
 Speed: with numba installed (``BACKEND = "numba"``, compiled code cached on disk after the
-first call) Q8_0, Q4_K, Q5_K and Q6_K run as whole compiled kernels (search, re-quantization
-and bit packing; kquants_numba.FUSED), and the other types run the numpy kernels with the
-compiled scale searches. Without numba everything is vectorized numpy (``"numpy"``, ~3-10x
+first call) Q8_0 and the k-quants Q2_K..Q6_K run as whole compiled kernels (search,
+re-quantization and bit packing; ``_FUSED`` below), and the legacy Q4_0/Q4_1/Q5_0/Q5_1 run the
+numpy kernels with the compiled scale searches. Without numba everything is vectorized numpy (``"numpy"``, ~3-10x
 slower). All paths are bit-exact. ``quantize(..., threads=N)`` splits row chunks over N
 threads (numba kernels and large numpy ops release the GIL).
 """
@@ -77,7 +77,8 @@ _NUMPY_KERNELS = {
 }
 _BLOCK_TYPES = (QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K)
 # whole compiled kernels: kernel(x (rows, n_per_row), qw) -> (blocks, block_bytes)
-_FUSED = {QT.Q8_0: kquants_numba.q8_0, QT.Q4_K: kquants_numba.q4_k, QT.Q5_K: kquants_numba.q5_k,
+_FUSED = {QT.Q8_0: kquants_numba.q8_0, QT.Q2_K: kquants_numba.q2_k, QT.Q3_K: kquants_numba.q3_k,
+          QT.Q4_K: kquants_numba.q4_k, QT.Q5_K: kquants_numba.q5_k,
           QT.Q6_K: kquants_numba.q6_k}
 
 

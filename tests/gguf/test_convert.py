@@ -50,12 +50,9 @@ _BUILT: dict[str, Path] = {}  # built once per session even though other test mo
 
 
 @pytest.fixture(scope="session")
-def micro(tmp_path_factory) -> Path:
-    from quantkit.toy import make_toy_model
-
-    if "micro" not in _BUILT:
-        _BUILT["micro"] = make_toy_model(tmp_path_factory.mktemp("gguf-micro") / "micro", preset="micro")
-    return _BUILT["micro"]
+def micro(micro_model) -> Path:
+    """The session's micro model (tests/conftest.py; read-only here): built once for all tests."""
+    return micro_model
 
 
 @pytest.fixture(scope="session")

@@ -88,6 +88,38 @@ def test_nearest_int_matches_magic_trick():
     np.testing.assert_array_equal(quants.nearest_int(f), [0, 2, 2, 0, -2, 3, -8, 4194303])
 
 
+def test_numba_nearest_int_equals_numpy():
+    from quantkit.gguf import kquants_numba
+
+    if kquants_numba.numba is None:
+        pytest.skip("numba not installed")
+    f = np.array([0.5, -2.5, 1e30, -1e30, np.inf, -np.inf, np.nan, 1e-40, 8388607.5, -4194304.5], np.float32)
+    assert [kquants_numba.nint(v) for v in f] == quants.nearest_int(f).tolist()
+
+
+@pytest.mark.parametrize("use_imatrix", [False, True], ids=["ref", "imatrix"])
+def test_backends_agree_on_edge_blocks(use_imatrix, monkeypatch):
+    """Compiled whole-row kernels vs the numpy kernels on zero, constant, tiny and huge blocks."""
+    if quants._numba is None:
+        pytest.skip("numba not installed")
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((6, 512)).astype(np.float32)
+    x[0] = 0
+    x[1, :256] = 0.25
+    x[2] *= 1e-20
+    x[3] *= 1e10  # larger overflows float32 in x*x*x*l (numba then matches llama.cpp, numpy not)
+    x[4, ::7] = 0
+    x[5, :128] = -x[5, 128:256]
+    qw = rng.gamma(0.5, 1.0, 512).astype(np.float32) if use_imatrix else None
+    for qtype in quants._FUSED:
+        with np.errstate(all="ignore"):  # d overflows fp16 on the 1e10 row (inf, as in C)
+            fused = quants.quantize(x, qtype, qw)
+            monkeypatch.setattr(quants, "BACKEND", "numpy")
+            expected = quants.quantize(x, qtype, qw)
+        monkeypatch.setattr(quants, "BACKEND", "numba")
+        np.testing.assert_array_equal(fused, expected, err_msg=qtype.name)
+
+
 # ------------------------------------------------------------------ golden blocks
 
 @pytest.fixture(scope="module")
@@ -134,3 +166,21 @@ def test_live_bit_exact_with_llamacpp(qtype, use_imatrix, ggml):
     imatrix = rng.gamma(0.5, 1.0, 1024).astype(np.float32) if use_imatrix else None
     expected = harness.ggml_quantize(lib, x, qtype, imatrix)
     np.testing.assert_array_equal(quants.quantize(x, qtype, imatrix), expected)
+
+
+def test_live_fused_kernels_on_extreme_blocks(ggml):
+    """The compiled kernels also match llama.cpp where float32 overflows (|x| ~ 1e20)."""
+    harness, lib = ggml
+    if quants._numba is None:
+        pytest.skip("numba not installed")
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((4, 512)).astype(np.float32)
+    x[0] = 0
+    x[1] *= 1e-20
+    x[2] *= 1e20
+    x[3, :256] = -3.0
+    for qtype in quants._FUSED:
+        for qw in (None, rng.gamma(0.5, 1.0, 512).astype(np.float32)):
+            with np.errstate(all="ignore"):
+                got = quants.quantize(x, qtype, qw)
+            np.testing.assert_array_equal(got, harness.ggml_quantize(lib, x, qtype, qw), err_msg=qtype.name)
