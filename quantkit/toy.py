@@ -37,8 +37,8 @@ PRESETS = {
     # Shapes are multiples of 256 so every method (GPTQ group 128, GGUF k-quants) applies.
     "micro": ToyPreset(512, 256, 512, 2, 4, 2, train_steps=30, seq_len=64),
     "tiny": ToyPreset(1024, 256, 768, 2, 4, 2, train_steps=120),
-    # ~5M parameters, trained long enough that its weights grow the
-    # outliers real models have, so 4-bit rounding visibly costs perplexity; a few minutes on CPU.
+    # ~5M parameters. scripts/train_reference_model.py trains it and then injects activation-outlier
+    # channels (function-preserving) so that 4-bit rounding costs measurably; see docs/methods.md.
     "reference": ToyPreset(2048, 256, 1024, 4, 4, 2, train_steps=400, seq_len=128, lr=3e-3),
 }
 

@@ -1,0 +1,143 @@
+"""GPTQ weight-only integer quantization (W4A16 / W8A16) through llm-compressor.
+
+Output: compressed-tensors `pack-quantized` (int weights packed into int32), served by vLLM
+(Marlin kernels). Calibration windows run through the model layer by layer (sequential
+pipeline): each decoder layer's linears collect a Hessian from its inputs, are quantized
+column block by column block with error feedback, and the quantized outputs feed the next layer.
+
+Also home of the checks shared by the weight-only integer methods (awq, smoothquant):
+`check_group_size`, `check_calibration_tokens`, `quantized_linears`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from quantkit.errors import CalibrationError, InputError, UnsupportedError
+from quantkit.methods import llmc
+
+ENGINE = llmc.ENGINE
+FORMAT = "compressed-tensors (pack-quantized, int weights)"
+# 4-bit rounding costs a few percent of perplexity even with GPTQ's error feedback.
+DEFAULT_GATE = {"max_ppl_increase": 0.10, "max_kld": 0.10, "min_top1": 0.80}
+
+SUPPORTED_BITS = (4, 8)
+# GPTQ inverts a Hessian estimated from calibration activations; with fewer tokens than this
+# the estimate is rank-deficient for any real hidden size and the result is noise.
+MIN_CALIBRATION_TOKENS = 1024
+QUANTIZED_ROLES = ("decoder", "other")
+
+
+class Options(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    bits: int = 4
+    group_size: int = 128  # -1: one scale per output channel
+    symmetric: bool = True
+    act_order: Literal["none", "static", "group"] = "static"
+    dampening: float = 0.01  # fraction of the mean Hessian diagonal added before inversion
+    block_size: int = 128
+
+
+def needs_calibration(options: Options) -> bool:
+    return True
+
+
+def granularity(group_size: int) -> str:
+    return "per-channel" if group_size == -1 else f"g{group_size}"
+
+
+def precision(role: str, options: Options, name: str, shape: list[int]) -> str | None:
+    if role not in QUANTIZED_ROLES:
+        return None
+    sym = "sym" if options.symmetric else "asym"
+    order = "" if options.act_order == "none" else f", act-order {options.act_order}"
+    return f"int{options.bits} {granularity(options.group_size)} {sym} (GPTQ{order})"
+
+
+# ---------------------------------------------------------------- checks (shared)
+
+
+def quantized_linears(info) -> dict[str, list[int]]:
+    """Linear weights the int methods quantize: decoder/other roles, VLM towers and lm_head excluded."""
+    from quantkit.plan import classify, linear_weights
+
+    return {name: shape for name, shape in linear_weights(info).items()
+            if classify(name + ".weight") in QUANTIZED_ROLES}
+
+
+def check_bits(bits: int, method: str) -> None:
+    if bits not in SUPPORTED_BITS:
+        raise UnsupportedError(f"{method}: bits={bits} is not supported",
+                               hint=f"use one of: {', '.join(map(str, SUPPORTED_BITS))}")
+
+
+def check_group_size(info, group_size: int, method: str) -> None:
+    """The group size must divide the input width of every quantized linear."""
+    if group_size == -1:
+        return
+    if group_size < 1:
+        raise InputError(f"{method}: group_size={group_size} is invalid", hint="use a positive size, or -1 per channel")
+    for name, (_out_features, in_features) in quantized_linears(info).items():
+        if in_features % group_size:
+            raise InputError(
+                f"{method}: group_size={group_size} does not divide the input width {in_features} of {name}",
+                hint="choose a group size that divides every layer's in_features (e.g. 32, 64), or -1 per channel",
+            )
+
+
+def check_calibration_tokens(calibration, method: str, minimum: int = MIN_CALIBRATION_TOKENS) -> None:
+    tokens = calibration.num_samples * calibration.seq_len
+    if tokens < minimum:
+        raise CalibrationError(
+            f"{method}: {calibration.num_samples} x {calibration.seq_len} = {tokens} calibration tokens "
+            f"is too few (at least {minimum})",
+            hint="raise --num-samples or --seq-len",
+        )
+
+
+def check(info, options: Options, calibration) -> None:
+    check_bits(options.bits, "gptq")
+    check_group_size(info, options.group_size, "gptq")
+    if options.act_order == "group" and options.group_size == -1:
+        raise InputError("gptq: act_order=group needs a group size", hint="use act_order static, or a group_size")
+    if not 0 <= options.dampening < 1:
+        raise InputError(f"gptq: dampening={options.dampening} must be in [0, 1)")
+    if options.block_size < 1:
+        raise InputError(f"gptq: block_size={options.block_size} must be positive")
+    check_calibration_tokens(calibration, "gptq")
+
+
+# ---------------------------------------------------------------- quantize
+
+
+def weight_args(bits: int, group_size: int, symmetric: bool) -> dict:
+    """compressed-tensors QuantizationArgs for static int weights."""
+    args = {"num_bits": bits, "type": "int", "symmetric": symmetric, "dynamic": False}
+    if group_size == -1:
+        return {**args, "strategy": "channel"}
+    return {**args, "strategy": "group", "group_size": group_size}
+
+
+def scheme_config(options: Options) -> dict:
+    weights = weight_args(options.bits, options.group_size, options.symmetric)
+    return {"group_0": {"targets": ["Linear"], "weights": weights}}
+
+
+def modifier(options: Options, ignore: list[str]):
+    from llmcompressor.modifiers.gptq import GPTQModifier
+
+    return GPTQModifier(
+        config_groups=scheme_config(options),
+        ignore=ignore,
+        actorder=None if options.act_order == "none" else options.act_order,
+        dampening_frac=options.dampening,
+        block_size=options.block_size,
+    )
+
+
+def quantize(job) -> None:
+    llmc.run_oneshot(job, modifier(job.options, job.ignore), calibrate=True)
+    llmc.save_compressed(job)
+    job.extra["report"] = {"calibration_tokens": int(job.windows.calib.numel())}

@@ -1,0 +1,107 @@
+"""bitsandbytes 4-bit NF4/FP4 (and LLM.int8) through transformers, saved as a bnb checkpoint.
+
+For QLoRA training and quick experiments: the checkpoint reloads with a plain
+`from_pretrained` (transformers + bitsandbytes, GPU or CPU) and is the base a QLoRA adapter
+is trained against. It is not a fast serving format; use gptq/awq/fp8 for vLLM.
+
+Needs no calibration data: NF4 is blockwise absmax (64 weights per block) onto a fixed
+16-value code book. The 16-bit model the pipeline loaded is dropped and the checkpoint is
+re-loaded with a BitsAndBytesConfig, which is how transformers quantizes with bitsandbytes.
+"""
+
+from __future__ import annotations
+
+import gc
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from quantkit.errors import require
+
+ENGINE = "bitsandbytes"
+FORMAT = "transformers bitsandbytes checkpoint (4-bit NF4/FP4 or LLM.int8)"
+# NF4 is plain round-to-nearest onto 16 levels, without calibration: looser than GPTQ/AWQ.
+DEFAULT_GATE = {"max_ppl_increase": 0.15, "max_kld": 0.15, "min_top1": 0.75}
+
+COMPUTE_DTYPES = ("auto", "bfloat16", "float16", "float32")
+QUANTIZED_ROLES = ("decoder", "other")
+BLOCK_SIZE = 64  # bitsandbytes 4-bit blocksize used by transformers
+
+
+class Options(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    scheme: Literal["nf4", "fp4", "int8"] = "nf4"
+    double_quant: bool = True
+    compute_dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"  # auto: the model's dtype
+
+
+def needs_calibration(options: Options) -> bool:
+    return False
+
+
+def precision(role: str, options: Options, name: str, shape: list[int]) -> str | None:
+    if role not in QUANTIZED_ROLES:
+        return None
+    if options.scheme == "int8":
+        return "int8 per-row absmax (LLM.int8, bitsandbytes)"
+    dq = " + double quant" if options.double_quant else ""
+    return f"{options.scheme} blocks of {BLOCK_SIZE}{dq} (bitsandbytes)"
+
+
+def check(info, options: Options, calibration) -> None:
+    require("bitsandbytes", "nf4", "the nf4 method (bitsandbytes 4-bit)")
+
+
+def compute_dtype(options: Options, model_dtype):
+    import torch
+
+    if options.compute_dtype == "auto":
+        return model_dtype
+    return getattr(torch, options.compute_dtype)
+
+
+def bnb_config(options: Options, dtype, skip: list[str]):
+    """transformers BitsAndBytesConfig for the options; `skip` modules stay 16-bit."""
+    from transformers import BitsAndBytesConfig
+
+    if options.scheme == "int8":
+        return BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=skip)
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=options.scheme,
+        bnb_4bit_use_double_quant=options.double_quant,
+        bnb_4bit_compute_dtype=dtype,
+        llm_int8_skip_modules=skip,
+    )
+
+
+def skip_modules(ignore: list[str]) -> list[str]:
+    """llm-compressor ignore patterns -> transformers skip patterns (re.match, or name suffix)."""
+    return [p[3:] if p.startswith("re:") else p for p in ignore]
+
+
+def quantize(job) -> None:
+    require("bitsandbytes", "nf4", "the nf4 method (bitsandbytes 4-bit)")
+    dtype = job.model.dtype
+    job.model = None
+    gc.collect()
+    config = bnb_config(job.options, compute_dtype(job.options, dtype), skip_modules(job.ignore))
+    model = load_quantized(job.info, dtype, config, job.device)
+    model.save_pretrained(job.out_dir)
+    job.tokenizer.save_pretrained(job.out_dir)
+    job.extra["report"] = {"bnb_quantization_config": model.config.quantization_config.to_dict()}
+    del model
+
+
+def load_quantized(info, dtype, config, device: str):
+    """Re-load the checkpoint with the bitsandbytes config: transformers quantizes while loading."""
+    import os
+
+    from quantkit.model import _device_map, auto_model_class
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    model = auto_model_class(info.config).from_pretrained(
+        info.path, dtype=dtype, quantization_config=config, use_safetensors=True,
+        local_files_only=True, device_map=_device_map(device),
+    )
+    return model.eval()

@@ -1,0 +1,220 @@
+#!/usr/bin/env python
+"""Benchmark quantkit's gptq / awq / smoothquant / nf4 against bare peers, in one run.
+
+    python scripts/bench_methods.py MODEL [--num-samples 32] [--seq-len 128] [--eval-windows 16]
+                                          [--methods gptq,awq,smoothquant,nf4] [--json out.json]
+
+MODEL is normally the reference model (scripts/train_reference_model.py). For each method:
+  * quantkit  - `quantkit quantize MODEL --method M --no-gate` (the whole gated pipeline: load,
+                windows, baseline, quantize, save, reload, measure);
+  * oneshot   - bare `llmcompressor.oneshot` with llm-compressor's own preset scheme for the
+                same thing (W4A16 / W4A16_ASYM / W8A8), on the same calibration windows;
+                for nf4, bare transformers `from_pretrained(quantization_config=...)`;
+  * rtn       - round-to-nearest with the same weight format (QuantizationModifier), no data.
+Each variant runs in its own child process: wall time and peak RSS (wait4) are the child's.
+Every artifact is then reloaded from disk and scored by the same evaluator against one
+baseline on the same held-out windows, so quality numbers are comparable across rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+METHODS = ("gptq", "awq", "smoothquant", "nf4")
+# method -> {variant: llm-compressor preset scheme (None: not applicable)}
+PRESETS = {
+    "gptq": {"oneshot": "W4A16", "rtn": "W4A16"},
+    "awq": {"oneshot": "W4A16_ASYM", "rtn": "W4A16_ASYM"},
+    "smoothquant": {"oneshot": "W8A8", "rtn": "W8A8"},
+    "nf4": {"oneshot": "bnb-nf4", "rtn": None},
+}
+
+
+# ---------------------------------------------------------------- workers (child processes)
+
+
+def windows_for(model: str, args):
+    from quantkit.calibration import CalibrationSpec, make_windows
+    from quantkit.model import check_model_dir, load_tokenizer
+
+    tokenizer = load_tokenizer(check_model_dir(Path(model)))
+    spec = CalibrationSpec(num_samples=args.num_samples, seq_len=args.seq_len, eval_windows=args.eval_windows)
+    return tokenizer, make_windows(tokenizer, spec)
+
+
+def oneshot_recipe(method: str, variant: str) -> list:
+    from llmcompressor.modifiers.gptq import GPTQModifier
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+    from llmcompressor.modifiers.transform.awq import AWQModifier
+    from llmcompressor.modifiers.transform.smoothquant import SmoothQuantModifier
+
+    scheme = PRESETS[method][variant]
+    if variant == "rtn":
+        return [QuantizationModifier(targets="Linear", scheme=scheme, ignore=["lm_head"])]
+    if method == "gptq":
+        return [GPTQModifier(targets="Linear", scheme=scheme, ignore=["lm_head"])]
+    if method == "awq":
+        return [AWQModifier(), QuantizationModifier(targets="Linear", scheme=scheme, ignore=["lm_head"])]
+    return [SmoothQuantModifier(smoothing_strength=0.8),
+            GPTQModifier(targets="Linear", scheme=scheme, ignore=["lm_head"])]
+
+
+def worker_llmcompressor(model_dir: str, out: str, method: str, variant: str, args) -> None:
+    """Bare llm-compressor: load, oneshot, save compressed (what a user script would do)."""
+    from llmcompressor import oneshot
+    from transformers import AutoModelForCausalLM
+
+    from quantkit.methods.awq import cpu_pin_memory_guard
+
+    tokenizer, windows = windows_for(model_dir, args)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto")
+    data = {} if variant == "rtn" else dict(dataset=windows.calib_dataset(), num_calibration_samples=len(windows.calib),
+                                            max_seq_length=args.seq_len)
+    # AWQ cannot run on a CPU-only machine without this (llm-compressor 0.14.0.1 pins memory).
+    with cpu_pin_memory_guard():
+        oneshot(model=model, recipe=oneshot_recipe(method, variant), tokenizer=tokenizer, **data)
+    model.save_pretrained(out, save_compressed=True)
+    tokenizer.save_pretrained(out)
+
+
+def worker_bnb(model_dir: str, out: str) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+
+    config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                bnb_4bit_compute_dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, quantization_config=config,
+                                                 device_map="cpu")
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(model_dir).save_pretrained(out)
+
+
+def worker(argv: list[str]) -> None:
+    kind, model_dir, out, method, variant = argv[:5]
+    args = parse_args(argv[5:])
+    if kind == "bnb":
+        worker_bnb(model_dir, out)
+    else:
+        worker_llmcompressor(model_dir, out, method, variant, args)
+
+
+# ---------------------------------------------------------------- parent: run and measure
+
+
+def run_child(cmd: list[str], log: Path) -> tuple[float, int, int]:
+    """Run a child; (wall seconds, peak RSS bytes, exit code), from wait4."""
+    started = time.time()
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT)
+        _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return time.time() - started, usage.ru_maxrss * 1024, proc.returncode
+
+
+def calib_flags(args) -> list[str]:
+    return ["--num-samples", str(args.num_samples), "--seq-len", str(args.seq_len),
+            "--eval-windows", str(args.eval_windows)]
+
+
+def variant_command(model: str, out: Path, method: str, variant: str, args) -> list[str]:
+    if variant == "quantkit":
+        return [sys.executable, "-m", "quantkit", "quantize", model, "--method", method, "--no-gate",
+                *calib_flags(args), "-o", str(out), "--json", str(out) + ".report.json"]
+    kind = "bnb" if method == "nf4" else "llmc"
+    return [sys.executable, __file__, "--worker", kind, model, str(out), method, variant, model, *calib_flags(args)]
+
+
+def score(artifact: Path, model: str, windows, baseline) -> dict:
+    from quantkit import evaluate
+    from quantkit.artifacts import load_for_eval
+
+    candidate = load_for_eval(artifact, Path(model))
+    metrics = evaluate.compare(evaluate.model_logits_fn(candidate), windows.eval, baseline)
+    return metrics.as_dict()
+
+
+def bench_variant(model: str, method: str, variant: str, args, work: Path, windows, baseline) -> dict:
+    out = work / f"{method}-{variant}"
+    wall, rss, code = run_child(variant_command(model, out, method, variant, args), work / f"{out.name}.log")
+    row = {"method": method, "variant": variant, "wall_s": round(wall, 1), "peak_rss_mib": round(rss / 2**20),
+           "exit_code": code}
+    if code != 0:
+        return {**row, "error": (work / f"{out.name}.log").read_text()[-400:]}
+    if variant == "quantkit":
+        report = json.loads(Path(str(out) + ".report.json").read_text())
+        row["quantize_s"] = report["targets"][0]["timings"]["quantize_s"]
+    return {**row, **score(out, model, windows, baseline)}
+
+
+def variants(method: str) -> list[str]:
+    return ["quantkit"] + [v for v, scheme in PRESETS[method].items() if scheme]
+
+
+def run(args) -> list[dict]:
+    from transformers import AutoModelForCausalLM
+
+    from quantkit import evaluate
+
+    _, windows = windows_for(args.model, args)
+    base = AutoModelForCausalLM.from_pretrained(args.model, dtype="auto").eval()
+    baseline = evaluate.compute_baseline(evaluate.model_logits_fn(base), windows.eval)
+    del base
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench-methods-") as tmp:
+        for method in args.methods.split(","):
+            for variant in variants(method):
+                rows.append(bench_variant(args.model, method, variant, args, Path(tmp), windows, baseline))
+                print(format_row(rows[-1]), file=sys.stderr, flush=True)
+    return rows
+
+
+# ---------------------------------------------------------------- output
+
+
+HEADER = ("| method | tool | wall s | quantize s | peak RSS MiB | ppl (base) | ppl | Δppl | KLD mean | top-1 |\n"
+          "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+
+
+def format_row(r: dict) -> str:
+    if r.get("exit_code"):
+        failed = f"failed (exit {r['exit_code']})"
+        return f"| {r['method']} | {r['variant']} | {r['wall_s']} | | {r['peak_rss_mib']} | {failed} |"
+    return (f"| {r['method']} | {r['variant']} | {r['wall_s']:.1f} | {r.get('quantize_s', '')} | {r['peak_rss_mib']} "
+            f"| {r['ppl_base']:.3f} | {r['ppl']:.3f} | {100 * r['ppl_increase']:+.2f}% | {r['kld_mean']:.5f} "
+            f"| {100 * r['top1']:.2f}% |")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model")
+    parser.add_argument("--num-samples", type=int, default=32)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--eval-windows", type=int, default=16)
+    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--json", dest="json_path", default=None)
+    return parser.parse_args(argv)
+
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        worker(sys.argv[2:])
+        return 0
+    args = parse_args(sys.argv[1:])
+    rows = run(args)
+    print(HEADER)
+    for row in rows:
+        print(format_row(row))
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps(rows, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

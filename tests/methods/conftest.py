@@ -1,0 +1,119 @@
+"""Shared fixtures for the method tests: toy models built once per session, a CLI runner,
+and helpers to check an artifact the way a user would load it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+# Small calibration: 16 x 64 = 1024 tokens, the minimum the calibrated methods accept.
+CALIB_ARGS = ["--num-samples", "16", "--seq-len", "64", "--eval-windows", "4"]
+# The micro fixture is untrained (near-flat logits), so top-1 agreement means nothing there; the
+# perplexity and KL parts of each method's default gate still apply.
+LOOSE_TOP1 = ["--min-top1", "0"]
+
+
+@pytest.fixture(scope="session")
+def micro_model(tmp_path_factory) -> Path:
+    """An untrained micro Llama (2 layers, hidden 256) with the bundled BPE tokenizer (fast to build)."""
+    from quantkit.toy import make_toy_model
+
+    return make_toy_model(tmp_path_factory.mktemp("models") / "micro", preset="micro", steps=0)
+
+
+@pytest.fixture(scope="session")
+def gpt2_model(tmp_path_factory, micro_model) -> Path:
+    """A tiny GPT-2: an architecture with no AWQ/SmoothQuant mappings."""
+    import torch
+    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    tokenizer = AutoTokenizer.from_pretrained(micro_model)
+    config = GPT2Config(vocab_size=len(tokenizer), n_embd=128, n_layer=1, n_head=2, n_positions=256)
+    out = tmp_path_factory.mktemp("models") / "gpt2"
+    GPT2LMHeadModel(config).save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+@pytest.fixture
+def run_cli():
+    """Run `quantkit ARGS...` in-process; returns the click Result."""
+    from typer.testing import CliRunner
+
+    from quantkit.cli.app import app
+
+    def run(*args: str):
+        return CliRunner().invoke(app, [str(a) for a in args], catch_exceptions=False)
+
+    return run
+
+
+def assert_nothing_written(out: Path) -> None:
+    """No output and no staging directory left beside it."""
+    assert not out.exists()
+    assert not [p for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.staging")]
+
+
+def quant_config(out: Path) -> dict:
+    return json.loads((out / "config.json").read_text())["quantization_config"]
+
+
+def report(out: Path) -> dict:
+    return json.loads((out / "quantkit.json").read_text())
+
+
+def assert_metrics(out: Path) -> dict:
+    entry = report(out)["targets"][0]
+    metrics = entry["metrics"]
+    for key in ("ppl_base", "ppl", "ppl_increase", "kld_mean", "top1"):
+        assert isinstance(metrics[key], float), key
+    return entry
+
+
+def mean_kld_vs_base(artifact: Path, base: Path, windows: int = 4) -> float:
+    """Mean KL(base || artifact) of next-token distributions on bundled-text windows, both
+    models reloaded with a plain transformers `from_pretrained` on CPU."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from quantkit.calibration import CalibrationSpec, make_windows
+
+    spec = CalibrationSpec(num_samples=1, seq_len=64, eval_windows=windows, seed=123)
+    ids = make_windows(AutoTokenizer.from_pretrained(base), spec).eval
+    with torch.no_grad():
+        logp = [AutoModelForCausalLM.from_pretrained(p, device_map="cpu")(ids).logits.float().log_softmax(-1)
+                for p in (base, artifact)]
+    return float((logp[0].exp() * (logp[0] - logp[1])).sum(-1).mean())
+
+
+def rtn_artifact(model: Path, scheme: str, out: Path) -> Path:
+    """Round-to-nearest of an llm-compressor preset scheme (the baseline GPTQ/AWQ must beat)."""
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(model, dtype="auto")
+    oneshot(model=loaded, recipe=QuantizationModifier(targets="Linear", scheme=scheme, ignore=["lm_head"]))
+    loaded.save_pretrained(out, save_compressed=True)
+    return out
+
+
+@pytest.fixture(scope="session")
+def reference_model(tmp_path_factory) -> Path:
+    """The trained reference model with outlier channels (slow tests): $QUANTKIT_REFERENCE_MODEL
+    if set (a directory written by scripts/train_reference_model.py), else trained here by that
+    script (several minutes)."""
+    import os
+    import subprocess
+    import sys
+
+    prebuilt = os.environ.get("QUANTKIT_REFERENCE_MODEL")
+    if prebuilt:
+        return Path(prebuilt)
+    out = tmp_path_factory.mktemp("models") / "reference"
+    script = Path(__file__).resolve().parents[2] / "scripts" / "train_reference_model.py"
+    subprocess.run([sys.executable, str(script), str(out)], check=True)
+    return out

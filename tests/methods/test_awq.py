@@ -1,0 +1,122 @@
+"""awq end to end on CPU (exercises the pin_memory workaround), mappings, and bad inputs."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from tests.methods.conftest import (CALIB_ARGS, LOOSE_TOP1, assert_metrics, assert_nothing_written, mean_kld_vs_base,
+                                    quant_config, rtn_artifact)
+
+
+def awq_recipe(tmp_path, **options) -> str:
+    path = tmp_path / "awq.yaml"
+    path.write_text(yaml.safe_dump({"targets": [{"name": "awq", "method": "awq", "options": options}]}))
+    return str(path)
+
+
+def test_awq_end_to_end_on_cpu(run_cli, micro_model, tmp_path):
+    """Fails (exit 1, 'Cannot access accelerator device') if the CPU pin_memory workaround breaks."""
+    out = tmp_path / "out"
+    recipe = awq_recipe(tmp_path, n_grid=4, group_size=64)
+    result = run_cli("quantize", micro_model, "--recipe", recipe, *CALIB_ARGS, *LOOSE_TOP1, "-o", out)
+    assert result.exit_code == 0, result.output
+    config = quant_config(out)
+    assert config["quant_method"] == "compressed-tensors" and config["format"] == "pack-quantized"
+    weights = config["config_groups"]["group_0"]["weights"]
+    assert (weights["num_bits"], weights["group_size"], weights["symmetric"]) == (4, 64, False)
+    entry = assert_metrics(out)
+    import torch
+
+    assert entry["cpu_pin_memory_workaround"] is (not torch.accelerator.is_available())
+    assert mean_kld_vs_base(out, micro_model) < 0.05
+
+
+def test_pin_memory_site_still_exists():
+    """An llm-compressor upgrade that moves or renames the patched method must be noticed."""
+    import inspect
+
+    from llmcompressor.modifiers.transform.awq import base
+
+    from quantkit.methods import awq
+
+    cls = awq.pin_memory_target()
+    assert cls.__name__ == "IntermediatesCache"
+    assert "cache.pin_memory(" in inspect.getsource(base.AWQModifier._apply_smoothing)
+
+
+def test_pin_memory_guard_patches_and_restores():
+    import torch
+    from llmcompressor.pipelines.cache import IntermediatesCache
+
+    from quantkit.methods import awq
+
+    if torch.accelerator.is_available():
+        pytest.skip("the guard is inactive with an accelerator")
+    original = IntermediatesCache.pin_memory
+    cache = IntermediatesCache.empty(1, torch.device("cpu"))
+    cache.update(0, {"hidden": torch.zeros(4)})
+    with pytest.raises(RuntimeError, match="accelerator"):  # the bug the guard works around
+        cache.pin_memory(0)
+    with awq.cpu_pin_memory_guard() as patched:
+        assert patched
+        cache.pin_memory(0)
+    assert IntermediatesCache.pin_memory is original
+
+
+def test_awq_unknown_architecture(run_cli, gpt2_model, tmp_path):
+    out = tmp_path / "out"
+    result = run_cli("quantize", gpt2_model, "--method", "awq", *CALIB_ARGS, "-o", out)
+    assert result.exit_code == 2, result.output
+    assert "architecture 'gpt2'" in result.output
+    assert "llama" in result.output and "qwen3" in result.output
+    assert_nothing_written(out)
+
+
+def test_awq_group_size_and_bits(run_cli, micro_model, tmp_path):
+    out = tmp_path / "out"
+    result = run_cli("quantize", micro_model, "--method", "awq", "--group-size", 96, *CALIB_ARGS, "-o", out)
+    assert result.exit_code == 2 and "does not divide" in result.output
+    result = run_cli("quantize", micro_model, "--method", "awq", "--bits", 2, *CALIB_ARGS, "-o", out)
+    assert result.exit_code == 2 and "bits=2" in result.output
+    assert_nothing_written(out)
+
+
+def test_awq_autoawq_backend_fails_honestly(run_cli, micro_model, tmp_path):
+    out = tmp_path / "out"
+    result = run_cli("quantize", micro_model, "--method", "awq", "--backend", "autoawq", *CALIB_ARGS, "-o", out)
+    assert result.exit_code == 2, result.output
+    assert "autoawq" in result.output.lower()
+    assert_nothing_written(out)
+
+
+def test_mappings_cover_required_architectures():
+    from quantkit.methods.awq_mappings import AWQ_MAPPINGS
+
+    for model_type in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "gemma3_text"):
+        assert AWQ_MAPPINGS[model_type], model_type
+    assert all(smooth.startswith("re:") for smooth, _ in AWQ_MAPPINGS["gemma2"])
+    assert ("re:.*input_layernorm$", ["re:.*q_proj$", "re:.*k_proj$", "re:.*v_proj$"]) not in AWQ_MAPPINGS["gemma3"]
+
+
+def test_autoawq_installed_but_not_loadable(monkeypatch):
+    import importlib.util
+
+    from quantkit.errors import UnsupportedError
+    from quantkit.methods import awq
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "awq" else
+                        (None if name == "gptqmodel" else real(name, *a)))
+    with pytest.raises(UnsupportedError, match="gptqmodel"):
+        awq.check_backend("autoawq")
+
+
+@pytest.mark.slow
+def test_awq_beats_rtn_on_reference_model(run_cli, reference_model, tmp_path):
+    out = tmp_path / "awq"
+    result = run_cli("quantize", reference_model, "--method", "awq", "--num-samples", 32, "--seq-len", 128,
+                     "--eval-windows", 8, "-o", out)
+    assert result.exit_code == 0, result.output  # the default gate holds
+    rtn = rtn_artifact(reference_model, "W4A16_ASYM", tmp_path / "rtn")
+    assert mean_kld_vs_base(out, reference_model) < mean_kld_vs_base(rtn, reference_model)

@@ -1,0 +1,77 @@
+"""gptq end to end through the CLI on a micro model, and its bad-input cases (exit 2)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.methods.conftest import (CALIB_ARGS, LOOSE_TOP1, assert_metrics, assert_nothing_written, mean_kld_vs_base,
+                                    quant_config, rtn_artifact)
+
+
+@pytest.mark.parametrize(
+    "bits, group_size, act_order",
+    [(4, 64, "static"), pytest.param(8, -1, "none", marks=pytest.mark.slow)],
+)
+def test_gptq_end_to_end(run_cli, micro_model, tmp_path, bits, group_size, act_order):
+    out = tmp_path / "out"
+    result = run_cli("quantize", micro_model, "--method", "gptq", "--bits", bits, "--group-size", group_size,
+                     "--act-order", act_order, *CALIB_ARGS, *LOOSE_TOP1, "-o", out)
+    assert result.exit_code == 0, result.output
+    config = quant_config(out)
+    assert config["quant_method"] == "compressed-tensors"
+    assert config["format"] == "pack-quantized"
+    weights = config["config_groups"]["group_0"]["weights"]
+    assert weights["num_bits"] == bits and weights["symmetric"] is True and weights["type"] == "int"
+    assert weights["strategy"] == ("channel" if group_size == -1 else "group")
+    assert weights["actorder"] == (None if act_order == "none" else act_order)
+    assert "lm_head" in config["ignore"]
+    entry = assert_metrics(out)
+    assert entry["calibration_tokens"] == 16 * 64
+    assert mean_kld_vs_base(out, micro_model) < 0.05
+
+
+def test_gptq_group_size_must_divide_widths(run_cli, micro_model, tmp_path):
+    out = tmp_path / "out"
+    result = run_cli("quantize", micro_model, "--method", "gptq", "--group-size", 96, *CALIB_ARGS, "-o", out)
+    assert result.exit_code == 2, result.output
+    assert "group_size=96 does not divide the input width" in result.output
+    assert "model.layers.0." in result.output
+    assert_nothing_written(out)
+
+
+def test_gptq_unsupported_bits(run_cli, micro_model, tmp_path):
+    out = tmp_path / "out"
+    result = run_cli("quantize", micro_model, "--method", "gptq", "--bits", 3, *CALIB_ARGS, "-o", out)
+    assert result.exit_code == 2, result.output
+    assert "bits=3 is not supported" in result.output
+    assert_nothing_written(out)
+
+
+def test_gptq_too_few_calibration_tokens(run_cli, micro_model, tmp_path):
+    out = tmp_path / "out"
+    result = run_cli("quantize", micro_model, "--method", "gptq", "--num-samples", 2, "--seq-len", 64,
+                     "--eval-windows", 2, "-o", out)
+    assert result.exit_code == 2, result.output
+    assert "128 calibration tokens is too few" in result.output
+    assert_nothing_written(out)
+
+
+def test_gptq_precision_strings():
+    from quantkit.methods import gptq
+
+    options = gptq.Options(group_size=128, act_order="none")
+    assert gptq.precision("decoder", options, "x", [256, 256]) == "int4 g128 sym (GPTQ)"
+    assert gptq.precision("lm_head", options, "lm_head", [512, 256]) is None
+    options = gptq.Options(bits=8, group_size=-1, symmetric=False)
+    assert gptq.precision("decoder", options, "x", [256, 256]) == "int8 per-channel asym (GPTQ, act-order static)"
+
+
+@pytest.mark.slow
+def test_gptq_beats_rtn_on_reference_model(run_cli, reference_model, tmp_path):
+    """On a trained model GPTQ's error feedback must beat plain rounding of the same format."""
+    out = tmp_path / "gptq"
+    result = run_cli("quantize", reference_model, "--method", "gptq", "--num-samples", 32, "--seq-len", 128,
+                     "--eval-windows", 8, "-o", out)
+    assert result.exit_code == 0, result.output  # the default gate holds
+    rtn = rtn_artifact(reference_model, "W4A16", tmp_path / "rtn")
+    assert mean_kld_vs_base(out, reference_model) < mean_kld_vs_base(rtn, reference_model)
