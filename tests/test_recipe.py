@@ -67,3 +67,9 @@ def test_missing_and_non_mapping_files(tmp_path):
     bad.write_text("- 1\n- 2\n")
     with pytest.raises(RecipeError, match="mapping"):
         load_recipe(bad)
+
+
+def test_gguf_default_gate_depends_on_the_type():
+    q8 = validate({"targets": [{"name": "a", "method": "gguf", "options": {"gguf_type": "Q8_0"}}]})
+    q2 = validate({"targets": [{"name": "a", "method": "gguf", "options": {"gguf_type": "Q2_K"}}]})
+    assert target_gate(q8, q8.targets[0]).max_kld < target_gate(q2, q2.targets[0]).max_kld

@@ -25,7 +25,16 @@ FORMAT = "GGUF (llama.cpp / Ollama)"
 KEEPS_LM_HEAD = False  # the mixture gives output.weight its own type (Q6_K for most mixes)
 SUPPORTS_IGNORE = False  # per-tensor types come from llama-quantize's mixture rules
 # k-quants lose more than FP8: gate on KLD and top-1 agreement, leave PPL to the recipe.
-DEFAULT_GATE = {"max_ppl_increase": 0.15, "max_kld": 0.1, "min_top1": 0.8}
+DEFAULT_GATE = {"max_ppl_increase": 0.10, "max_kld": 0.10, "min_top1": 0.80}  # the Q4 mixes
+# Default gates by bits: 8-bit and up near-lossless, each step down looser (llama.cpp's own KLD
+# tables show roughly this ordering: Q8_0 << Q6_K < Q5_K_M < Q4_K_M < Q3_K_M < Q2_K).
+GATE_BY_PREFIX = (
+    (("F32", "F16", "BF16", "Q8_0", "Q6_K"), {"max_ppl_increase": 0.02, "max_kld": 0.01, "min_top1": 0.95}),
+    (("Q5",), {"max_ppl_increase": 0.05, "max_kld": 0.03, "min_top1": 0.90}),
+    (("Q4",), DEFAULT_GATE),
+    (("Q3",), {"max_ppl_increase": 0.20, "max_kld": 0.20, "min_top1": 0.70}),
+    (("Q2",), {"max_ppl_increase": 0.40, "max_kld": 0.40, "min_top1": 0.60}),
+)
 IMATRIX_AUTO_TYPES = ("Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L", "Q4_K_S", "Q4_K_M", "Q4_0", "Q4_1")
 
 
@@ -43,6 +52,13 @@ class Options(BaseModel):
             return file_type(value)[0]
         except InputError as exc:
             raise ValueError(f"{exc.message}; {exc.hint}") from None
+
+
+def default_gate(options: "Options") -> dict:
+    for prefixes, gate in GATE_BY_PREFIX:
+        if options.gguf_type.startswith(prefixes):
+            return gate
+    return DEFAULT_GATE
 
 
 def needs_calibration(options: Options) -> bool:
@@ -169,4 +185,4 @@ def quantize(job) -> None:
     }
 
 
-__all__ = ["Options", "ENGINE", "FORMAT", "DEFAULT_GATE", "quantize", "precision", "plan_types", "check", "UnsupportedError"]
+__all__ = ["Options", "ENGINE", "FORMAT", "DEFAULT_GATE", "default_gate", "quantize", "precision", "plan_types", "check", "UnsupportedError"]
