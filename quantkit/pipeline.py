@@ -143,9 +143,8 @@ def _run_in(staging: Path, recipe: Recipe, opts: RunOptions, info: ModelInfo, re
         out_dir.mkdir(exist_ok=True)
         job = QuantizeJob(model, tokenizer, info, target, options, windows,
                           ignore_patterns(info, target.ignore, keeps_lm_head(method, options)), out_dir, recipe.device, workdir)
-        entry = run_target(job, method, recipe, baseline, opts)
-        report["targets"].append(entry)
-        model = None
+        model = None  # the job holds the only reference, so run_target can free it before measuring
+        report["targets"].append(run_target(job, method, recipe, baseline, opts))
         del job
         gc.collect()
     report["passed"] = all(t["gate"]["passed"] for t in report["targets"] if t["gate"])

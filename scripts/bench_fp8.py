@@ -51,7 +51,8 @@ def timed(cmd: list[str]) -> tuple[float, int]:
 def quantkit_cmd(model: Path, out: Path, gate: bool, report: Path) -> list[str]:
     cmd = [sys.executable, "-m", "quantkit", "quantize", str(model), "--method", "fp8", "-o", str(out),
            "--overwrite", "--json", str(report)]
-    return cmd if gate else cmd + ["--eval-windows", "0"]
+    # --no-gate: measure the gate's full work but never refuse (a random-init model would fail it)
+    return cmd + ["--no-gate"] if gate else cmd + ["--eval-windows", "0"]
 
 
 def best_of(repeat: int, make_cmd) -> tuple[float, int]:

@@ -42,4 +42,12 @@ def save_compressed(job) -> None:
     job.model.save_pretrained(job.out_dir, save_compressed=True)
     job.tokenizer.save_pretrained(job.out_dir)
     add_module_names_to_ignore(job.out_dir)  # so transformers, not only vLLM, reloads VLM artifacts right
+    release_session()
+
+
+def release_session() -> None:
+    """llm-compressor keeps the last model in its global session; drop it so memory can be freed."""
+    from llmcompressor.core import reset_session
+
+    reset_session()
 
