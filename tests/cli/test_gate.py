@@ -105,3 +105,19 @@ def test_eval_needs_a_base(cli, model_copy):
 def test_eval_missing_artifact(cli, tmp_path, args):
     result = cli("eval", tmp_path / "missing", *args)
     assert result.exit_code == 2
+
+
+@pytest.mark.parametrize("method,kind", [("gptq", "compressed-tensors"), ("nf4", "bitsandbytes")])
+def test_eval_every_artifact_kind(cli, micro_model, tmp_path, method, kind):
+    out = tmp_path / method
+    result = cli("quantize", micro_model, "--method", method, "-o", out, "--num-samples", "16", "--seq-len", "64",
+                 "--eval-windows", "3", "--min-top1", "0")
+    assert result.exit_code == 0, result.output
+    written = json.loads((out / "quantkit.json").read_text())["targets"][0]["metrics"]
+    result = cli("eval", out, "--num-windows", "3", "--seq-len", "64", "--json", "-")
+    assert result.exit_code == 0, result.output
+    row = json.loads(result.stdout)
+    assert row["kind"] == kind
+    # same held-out windows (same source, seq_len and seed) -> the same numbers as the gate's
+    assert row["metrics"]["kld_mean"] == pytest.approx(written["kld_mean"], rel=1e-6)
+    assert row["metrics"]["top1"] == written["top1"]

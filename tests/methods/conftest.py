@@ -10,17 +10,9 @@ import pytest
 
 # Small calibration: 16 x 64 = 1024 tokens, the minimum the calibrated methods accept.
 CALIB_ARGS = ["--num-samples", "16", "--seq-len", "64", "--eval-windows", "4"]
-# The micro fixture is untrained (near-flat logits), so top-1 agreement means nothing there; the
-# perplexity and KL parts of each method's default gate still apply.
+# The shared micro fixture (tests/conftest.py) is barely trained (near-flat logits), so top-1
+# agreement means little there; the perplexity and KL parts of each method's default gate still apply.
 LOOSE_TOP1 = ["--min-top1", "0"]
-
-
-@pytest.fixture(scope="session")
-def micro_model(tmp_path_factory) -> Path:
-    """An untrained micro Llama (2 layers, hidden 256) with the bundled BPE tokenizer (fast to build)."""
-    from quantkit.toy import make_toy_model
-
-    return make_toy_model(tmp_path_factory.mktemp("models") / "micro", preset="micro", steps=0)
 
 
 @pytest.fixture(scope="session")
