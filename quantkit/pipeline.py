@@ -45,6 +45,7 @@ class QuantizeJob:
     out_dir: Path
     device: str = "cpu"
     workdir: Path | None = None
+    trust_remote_code: bool = False
     extra: dict = field(default_factory=dict)  # method-specific results for the report
 
 
@@ -142,7 +143,8 @@ def _run_in(staging: Path, recipe: Recipe, opts: RunOptions, info: ModelInfo, re
         out_dir = staging if single else staging / target.name
         out_dir.mkdir(exist_ok=True)
         job = QuantizeJob(model, tokenizer, info, target, options, windows,
-                          ignore_patterns(info, target.ignore, keeps_lm_head(method, options)), out_dir, recipe.device, workdir)
+                          ignore_patterns(info, target.ignore, keeps_lm_head(method, options)), out_dir, recipe.device, workdir,
+                          recipe.trust_remote_code)
         model = None  # the job holds the only reference, so run_target can free it before measuring
         report["targets"].append(run_target(job, method, recipe, baseline, opts))
         del job

@@ -86,14 +86,14 @@ def quantize(job) -> None:
     job.model = None
     gc.collect()
     config = bnb_config(job.options, compute_dtype(job.options, dtype), skip_modules(job.ignore))
-    model = load_quantized(job.info, dtype, config, job.device)
+    model = load_quantized(job.info, dtype, config, job.device, job.trust_remote_code)
     model.save_pretrained(job.out_dir)
     job.tokenizer.save_pretrained(job.out_dir)
     job.extra["report"] = {"bnb_quantization_config": model.config.quantization_config.to_dict()}
     del model
 
 
-def load_quantized(info, dtype, config, device: str):
+def load_quantized(info, dtype, config, device: str, trust_remote_code: bool = False):
     """Re-load the checkpoint with the bitsandbytes config: transformers quantizes while loading."""
     import os
 
@@ -102,6 +102,6 @@ def load_quantized(info, dtype, config, device: str):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     model = auto_model_class(info.config).from_pretrained(
         info.path, dtype=dtype, quantization_config=config, use_safetensors=True,
-        local_files_only=True, device_map=_device_map(device),
+        local_files_only=True, device_map=_device_map(device), trust_remote_code=trust_remote_code,
     )
     return model.eval()
