@@ -12,7 +12,19 @@ whose pre-tokenizer hash it does not know (the toy one); the bench patches get_v
 return "gpt-2", which is what quantkit writes for it (see quantkit/gguf/vocab.py), and makes its
 SentencePiece attempt raise FileNotFoundError as it does when sentencepiece is installed.
 
+Optional third tool: auto-round's GGUF export, when `import auto_round` works (skipped with a printed
+reason otherwise). It runs in its own process with HF_HUB_OFFLINE=1 on the local model dir as
+`AutoRound(model, iters=0, disable_opt_rtn=True).quantize_and_save(dir, format="gguf:q4_k_m")`: its
+plain-RTN mode, the same no-imatrix setting as the other two. Its default iters=0 mode ("opt-RTN")
+wants a calibration set and, offline, fails fetching NeelNanda/pile-10k (--autoround-opt-rtn runs it
+anyway). auto-round converts with its own vendored copy of llama.cpp's conversion/ package, which has
+the same two tokenizer problems as convert_hf_to_gguf.py, so the bench applies the same two runtime
+shims to that copy (in the child process; nothing on disk is changed). A failure is reported as its
+last error line in place of the numbers. Same wall / peak RSS / KLD / top-1 columns, plus tensors
+byte-identical to llama-quantize's file and tensors whose type differs from it.
+
 Usage: nice python scripts/bench_gguf.py [--types Q4_K_M Q6_K Q2_K] [--threads 1] [--json out.json]
+       [--model DIR (an existing HF dir is used as is)] [--work DIR] [--no-autoround]
 Needs scripts/build_llamacpp.sh to have run.
 """
 
@@ -20,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
@@ -45,6 +58,21 @@ import sys
 from quantkit.gguf.convert import convert
 convert(sys.argv[1], sys.argv[2], sys.argv[3], threads=int(sys.argv[4]))
 """
+AUTOROUND_CMD = """
+import sys
+model_dir, out_dir, fmt, threads, opt_rtn = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5] == "1"
+import torch
+torch.set_num_threads(threads)
+from auto_round import AutoRound
+from auto_round.export.export_to_gguf.llama_cpp_conversion import get_conversion
+base = sys.modules[get_conversion(model_path=model_dir).module.__name__ + ".base"]  # its vendored conversion/
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+def _no_spm(self):
+    raise FileNotFoundError("tokenizer.model")
+base.TextModel._set_vocab_sentencepiece = _no_spm
+kw = {} if opt_rtn else {"disable_opt_rtn": True}
+AutoRound(model_dir, iters=0, device_map="cpu", **kw).quantize_and_save(out_dir, format=fmt)
+"""
 
 
 def build_model(out: Path, layers: int = 12, hidden: int = 768, ffn: int = 2048, vocab: int = 32000) -> Path:
@@ -68,9 +96,10 @@ def build_model(out: Path, layers: int = 12, hidden: int = 768, ffn: int = 2048,
     return out
 
 
-def timed(cmd: list[str], cwd: Path | None = None) -> tuple[float, int]:
+def timed(cmd: list[str], cwd: Path | None = None, env: dict | None = None) -> tuple[float, int]:
     """(wall seconds, peak RSS bytes) of a command, via /usr/bin/time."""
-    out = subprocess.run(["/usr/bin/time", "-f", "QKTIME %e %M", *cmd], capture_output=True, text=True, cwd=cwd)
+    out = subprocess.run(["/usr/bin/time", "-f", "QKTIME %e %M", *cmd], capture_output=True, text=True, cwd=cwd,
+                         env=env)
     if out.returncode != 0:
         raise RuntimeError(f"{cmd[0]} failed:\n{out.stderr[-3000:]}")
     wall, rss = re.findall(r"QKTIME ([0-9.]+) (\d+)", out.stderr)[-1]
@@ -90,13 +119,46 @@ def llama_run(bf16: Path, out: Path, gguf_type: str, threads: int) -> tuple[floa
     return timed([str(LLAMA / "bin" / "llama-quantize"), str(bf16), str(out), gguf_type, str(threads)])
 
 
-def identical(a: Path, b: Path) -> tuple[int, int]:
+def autoround_available() -> str | None:
+    """None when auto-round imports, else the reason it does not."""
+    out = subprocess.run([sys.executable, "-c", "import auto_round"], capture_output=True, text=True)
+    if out.returncode == 0:
+        return None
+    lines = [ln for ln in out.stderr.strip().splitlines() if ln.strip()]
+    return lines[-1] if lines else f"exit {out.returncode}"
+
+
+def autoround_run(model: Path, out_dir: Path, gguf_type: str, threads: int,
+                  opt_rtn: bool = False) -> tuple[float, int, Path]:
+    """(wall, peak RSS, .gguf path); RuntimeError whose message is auto-round's last error line on failure."""
+    import shutil
+
+    shutil.rmtree(out_dir, ignore_errors=True)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    cmd = [sys.executable, "-c", AUTOROUND_CMD, str(model), str(out_dir), "gguf:" + gguf_type.lower(), str(threads),
+           "1" if opt_rtn else "0"]
+    try:
+        wall, rss = timed(cmd, env=env)
+    except RuntimeError as e:
+        lines = [ln for ln in str(e).splitlines()[1:] if ln.strip() and not ln.startswith(("QKTIME", "Command exited"))]
+        errs = [ln for ln in lines if re.match(r"^\w[\w.]*(Error|Exception|Exit)\b", ln) or " ERROR " in ln]
+        raise RuntimeError(re.sub(r"\x1b\[[0-9;]*m", "", (errs or lines or ["?"])[-1]).strip()) from None
+    files = sorted(out_dir.rglob("*.gguf"))
+    if not files:
+        raise RuntimeError(f"no .gguf written under {out_dir}")
+    return wall, rss, files[0]
+
+
+def identical(a: Path, b: Path) -> tuple[int, int, int]:
+    """(tensors with identical type and bytes, tensors in a, tensors whose type differs between a and b)."""
     import gguf
     import numpy as np
 
     ta = {t.name: (t.tensor_type, np.asarray(t.data).tobytes()) for t in gguf.GGUFReader(str(a)).tensors}
     tb = {t.name: (t.tensor_type, np.asarray(t.data).tobytes()) for t in gguf.GGUFReader(str(b)).tensors}
-    return sum(1 for n in ta if n in tb and ta[n] == tb[n]), len(ta)
+    same = sum(1 for n in ta if n in tb and ta[n] == tb[n])
+    types = sum(1 for n in ta if n not in tb or ta[n][0] != tb[n][0])
+    return same, len(ta), types
 
 
 def kld(model: Path, base: Path, threads: int) -> dict:
@@ -128,14 +190,21 @@ def main() -> int:
     ap.add_argument("--model", type=Path, default=Path(tempfile.gettempdir()) / "quantkit-bench" / "llama150m")
     ap.add_argument("--ctx", type=int, default=256)
     ap.add_argument("--chunks", type=int, default=8)
+    ap.add_argument("--work", type=Path, help="scratch dir (default: MODEL/../work)")
+    ap.add_argument("--no-autoround", action="store_true", help="skip the auto-round column group")
+    ap.add_argument("--autoround-opt-rtn", action="store_true",
+                    help="auto-round's default iters=0 mode (opt-RTN, needs its calibration set) instead of plain RTN")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     if not (LLAMA / "bin" / "llama-quantize").exists():
         print("llama.cpp not built: run scripts/build_llamacpp.sh", file=sys.stderr)
         return 2
     model = build_model(args.model)
-    work = args.model.parent / "work"
-    work.mkdir(exist_ok=True)
+    work = args.work or args.model.parent / "work"
+    work.mkdir(parents=True, exist_ok=True)
+    ar_skip = "--no-autoround" if args.no_autoround else autoround_available()
+    if ar_skip:
+        print(f"auto-round: skipped ({ar_skip})", flush=True)
     f16 = work / "f16.gguf"
     quantkit_run(model, f16, "F16", args.threads)
     base = make_kld_base(f16, work, args.threads, args.ctx, args.chunks)
@@ -146,16 +215,28 @@ def main() -> int:
         ours, theirs = work / f"quantkit-{t}.gguf", work / f"llama-{t}.gguf"
         q_wall, q_rss = quantkit_run(model, ours, t, args.threads)
         l_wall, l_rss = llama_run(bf16, theirs, t, args.threads)
-        same, total = identical(ours, theirs)
+        same, total, _ = identical(ours, theirs)
         rows.append({"type": t, "quantkit_s": q_wall, "quantkit_rss_mib": q_rss / 2**20,
                      "llama_s": conv_wall + l_wall, "llama_convert_s": conv_wall, "llama_quantize_s": l_wall,
                      "llama_rss_mib": max(conv_rss, l_rss) / 2**20, "identical": f"{same}/{total}",
                      "quantkit": kld(ours, base, args.threads), "llama": kld(theirs, base, args.threads),
                      "bytes": ours.stat().st_size})
+        if not ar_skip:
+            rows[-1]["autoround"] = autoround_row(model, work / f"autoround-{t}", theirs, base, t, args)
         print_row(rows[-1])
     if args.json:
         args.json.write_text(json.dumps({"threads": args.threads, "model": str(model), "rows": rows}, indent=2))
     return 0
+
+
+def autoround_row(model: Path, out_dir: Path, llama_file: Path, base: Path, t: str, args) -> dict:
+    try:
+        wall, rss, path = autoround_run(model, out_dir, t, args.threads, args.autoround_opt_rtn)
+    except RuntimeError as e:
+        return {"error": str(e)}
+    same, total, types = identical(path, llama_file)
+    return {"s": wall, "rss_mib": rss / 2**20, "identical": f"{same}/{total}", "type_differs": types,
+            "bytes": path.stat().st_size, "file": str(path), **kld(path, base, args.threads)}
 
 
 def print_row(r: dict) -> None:
@@ -168,6 +249,12 @@ def print_row(r: dict) -> None:
           f"{r['llama_convert_s']:6.1f}+{r['llama_quantize_s']:<6.1f} {r['llama_rss_mib']:8.0f} {r['identical']:>9} "
           f"{fmt(r['quantkit']['kld']):>9} {fmt(r['llama']['kld']):>9} {fmt(r['quantkit']['top1']):>8} "
           f"{fmt(r['llama']['top1']):>8}", flush=True)
+    ar = r.get("autoround")
+    if ar and "error" in ar:
+        print(f"{'':8} auto-round failed: {ar['error']}", flush=True)
+    elif ar:
+        print(f"{'':8} auto-round {ar['s']:.1f} s, {ar['rss_mib']:.0f} MiB, identical to llama.cpp {ar['identical']} "
+              f"(type differs: {ar['type_differs']}), KLD {fmt(ar['kld'])}, top1 {fmt(ar['top1'])}", flush=True)
 
 
 if __name__ == "__main__":
