@@ -124,9 +124,11 @@ def calib_flags(args) -> list[str]:
 
 
 def variant_command(model: str, out: Path, method: str, variant: str, args) -> list[str]:
-    if variant == "quantkit":
+    if variant.startswith("quantkit"):
+        # quantkit-nogate: --eval-windows 0, the same work as the bare engine (for the overhead ratio)
+        flags = calib_flags(args)[:-1] + ["0"] if variant == "quantkit-nogate" else calib_flags(args)
         return [sys.executable, "-m", "quantkit", "quantize", model, "--method", method, "--no-gate",
-                *calib_flags(args), "-o", str(out), "--json", str(out) + ".report.json"]
+                *flags, "-o", str(out), "--json", str(out) + ".report.json"]
     kind = "bnb" if method == "nf4" else "llmc"
     return [sys.executable, __file__, "--worker", kind, model, str(out), method, variant, model, *calib_flags(args)]
 
@@ -147,14 +149,14 @@ def bench_variant(model: str, method: str, variant: str, args, work: Path, windo
            "exit_code": code}
     if code != 0:
         return {**row, "error": (work / f"{out.name}.log").read_text()[-400:]}
-    if variant == "quantkit":
+    if variant.startswith("quantkit"):
         report = json.loads(Path(str(out) + ".report.json").read_text())
         row["quantize_s"] = report["targets"][0]["timings"]["quantize_s"]
     return {**row, **score(out, model, windows, baseline)}
 
 
 def variants(method: str) -> list[str]:
-    return ["quantkit"] + [v for v, scheme in PRESETS[method].items() if scheme]
+    return ["quantkit", "quantkit-nogate"] + [v for v, scheme in PRESETS[method].items() if scheme]
 
 
 def run(args) -> list[dict]:
