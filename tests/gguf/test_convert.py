@@ -245,8 +245,12 @@ def run_quantize(src: Path, dst: Path, gguf_type: str, imatrix: Path | None = No
     subprocess.run(cmd, check=True, capture_output=True, text=True)
 
 
+ALL_MIXES = ["Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L", "Q4_K_S", "Q4_K_M", "Q5_K_S", "Q5_K_M", "Q6_K", "Q8_0",
+             "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("gguf_type", ["Q4_K_M", "Q6_K", "Q2_K", "Q3_K_M", "Q5_K_M"])
+@pytest.mark.parametrize("gguf_type", ALL_MIXES)
 def test_bit_exact_with_llama_quantize(micro_f16, tmp_path, gguf_type):
     need_llama("llama-quantize")
     f16 = tmp_path / "f16.gguf"

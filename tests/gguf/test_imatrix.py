@@ -94,7 +94,7 @@ def test_llama_quantize_uses_our_imatrix_bit_exact(micro_f16, tmp_path):
     weights = im.read(path).weights()
     f16 = tmp_path / "f16.gguf"
     convert_to(micro_f16, f16, "F16")
-    for gguf_type in ("Q4_K_M", "Q2_K"):
+    for gguf_type in ("Q2_K", "Q3_K_S", "Q3_K_L", "Q4_K_S", "Q4_K_M", "Q5_K_M", "Q6_K", "Q4_0", "Q4_1", "Q5_0", "Q5_1"):
         theirs, ours = tmp_path / f"theirs-{gguf_type}.gguf", tmp_path / f"ours-{gguf_type}.gguf"
         run_quantize(f16, theirs, gguf_type, imatrix=path)
         result = convert_to(micro_f16, ours, gguf_type, imatrix=weights)
