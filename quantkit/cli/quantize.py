@@ -25,6 +25,10 @@ Examples:
 
   quantkit quantize ./my-model --method gguf --gguf-type Q4_K_M -o ./gguf
 
+  quantkit quantize ./base --lora ./adapter --method gptq --bits 4 --group-size 128 -o ./gptq
+
+  quantkit quantize ./ckpt --recipe release-multi-target -o ./dist   (one dir per target)
+
 CLI flags override recipe fields. Exit codes: 0 ok, 2 bad input, 3 quality gate failed.
 """
 
