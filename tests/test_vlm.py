@@ -214,3 +214,16 @@ def test_trained_text_path_passes_the_fp8_gate(cli, builder, micro_model, tmp_pa
         text_only = AutoModelForCausalLM.from_pretrained(micro_model, dtype=torch.float32)(input_ids=ids).logits
         quant = AutoModelForImageTextToText.from_pretrained(out)(input_ids=ids).logits.float()[..., : text_only.shape[-1]]
     assert (quant - text_only).norm() / text_only.norm() < 0.05
+
+
+def test_gptq_vlm_recipe_quantizes_only_the_text_decoder(cli, llava_model, tmp_path):
+    out = tmp_path / "w4"
+    result = cli("quantize", llava_model, "--recipe", "vlm-w4a16", "-o", out, "--num-samples", "16",
+                 "--seq-len", "64", "--eval-windows", "4", "--min-top1", "0.5")
+    assert result.exit_code == 0, result.output
+    with safe_open(out / "model.safetensors", "pt") as f:
+        names = list(f.keys())
+    packed = [n for n in names if n.endswith("weight_packed")]
+    assert len(packed) == 14 and all("layers" in n and "vision" not in n for n in packed)
+    assert not any(n.startswith(KEPT_PREFIXES["llava"]) and "packed" in n for n in names)
+    assert leftovers(tmp_path, "w4") == ["w4"]
