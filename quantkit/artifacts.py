@@ -81,7 +81,9 @@ def load_gguf_into_base(path: Path, base_dir: Path, device: str = "cpu"):
 
 
 def _materialize_buffers(model, config):
-    """Rotary buffers stay on meta after a meta-device build; recompute them."""
+    """Non-persistent buffers (rotary frequencies, embedding scales) stay on meta after a
+    meta-device build; recompute them."""
+    import torch
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     for module in model.modules():
@@ -94,4 +96,7 @@ def _materialize_buffers(model, config):
             module.register_buffer("inv_freq", inv_freq, persistent=False)
             module.register_buffer("original_inv_freq", inv_freq.clone(), persistent=False)
             module.attention_scaling = scaling
+        scale = getattr(module, "embed_scale", None)  # Gemma's scaled embedding (sqrt(hidden))
+        if getattr(scale, "is_meta", False):
+            module.register_buffer("embed_scale", torch.tensor(module.scalar_embed_scale), persistent=False)
     return model

@@ -43,8 +43,11 @@ def perplexity(gguf_path: Path, text: str, context: int, threads: int = 2) -> di
         fh.flush()
         cmd = [str(exe), "-m", str(gguf_path), "-f", fh.name, "-c", str(context), "-t", str(threads),
                "-b", str(context)]
-        result = subprocess.run(cmd, capture_output=True, text=True)
-    match = PPL_LINE.search(result.stdout + result.stderr)
+        for _attempt in range(3):  # llama.cpp's log thread occasionally drops the last lines at exit
+            result = subprocess.run(cmd, capture_output=True, text=True)
+            match = PPL_LINE.search(result.stdout + result.stderr)
+            if match or result.returncode != 0:
+                break
     if result.returncode != 0 or not match:
         lines = [line for line in (result.stderr + result.stdout).splitlines() if " E " in line or "error" in line]
         reason = lines[-1].strip() if lines else f"exit code {result.returncode}, no final estimate"

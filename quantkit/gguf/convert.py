@@ -37,6 +37,7 @@ class ArchSpec:
     gguf_arch: str  # gguf.MODEL_ARCH member name
     permute_qk: bool  # llama.cpp LLAMA_ROPE_TYPE_NORM: undo HF's rotate_half layout
     vocab_size_key: bool = False  # LlamaModel.set_gguf_parameters adds vocab_size and rope dims
+    gemma: int = 0  # GemmaModel (1) / Gemma2Model (2): own metadata, norm weights + 1, lm_head dropped
 
 
 # HF `architectures[0]` -> how llama.cpp converts it (convert_hf_to_gguf.py's registrations)
@@ -45,6 +46,8 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "MistralForCausalLM": ArchSpec("LLAMA", True, True),
     "Qwen2ForCausalLM": ArchSpec("QWEN2", False),
     "Qwen3ForCausalLM": ArchSpec("QWEN3", False),
+    "GemmaForCausalLM": ArchSpec("GEMMA", False, gemma=1),
+    "Gemma2ForCausalLM": ArchSpec("GEMMA2", False, gemma=2),
 }
 # HF names that are not weights (convert_hf_to_gguf.py skips them too)
 SKIPPED = re.compile(r"(rotary_emb\.inv_freq|\.attention\.masked_bias|\.attention\.bias)$")
@@ -58,6 +61,7 @@ class TensorPlan:
     shape: tuple[int, ...]  # numpy order
     qtype: T
     permute_heads: int | None = None  # rows permuted in groups of this many heads
+    norm_shift: bool = False  # Gemma: stored weight = HF weight + 1 (HF's RMSNorm scales by 1 + w)
 
 
 @dataclass
@@ -140,14 +144,25 @@ def unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def skipped(config: dict, hf_name: str) -> bool:
+    """Tensors convert_hf_to_gguf.py does not write (Gemma: lm_head, the output is the tied embedding)."""
+    return bool(SKIPPED.search(hf_name)) or (arch_spec(config).gemma > 0 and hf_name == "lm_head.weight")
+
+
+def norm_shift(config: dict, hf_name: str) -> bool:
+    """GemmaModel / Gemma2Model.modify_tensors: `if name.endswith("norm.weight"): data_torch + 1`."""
+    return arch_spec(config).gemma > 0 and hf_name.endswith("norm.weight")
+
+
 def plan_tensors(config: dict, hf_tensors: dict[str, tuple[str, list[int]]], gguf_type: str,
                  has_imatrix: bool = False) -> list[TensorPlan]:
     """One TensorPlan per written tensor, in llama-quantize's tensor order."""
     tmap = name_map(config)
-    names = {gguf_name(tmap, n): n for n in hf_tensors if not SKIPPED.search(n)}
+    names = {gguf_name(tmap, n): n for n in hf_tensors if not skipped(config, n)}
     shapes = {g: tuple(hf_tensors[h][1]) for g, h in names.items()}
     types = mixture.choose_types(shapes, gguf_type, model_facts(config), has_imatrix)
-    return [TensorPlan(g, names[g], shapes[g], types[g], permute_heads(config, names[g]))
+    return [TensorPlan(g, names[g], shapes[g], types[g], permute_heads(config, names[g]),
+                       norm_shift(config, names[g]))
             for g in mixture.llama_order(names)]
 
 
@@ -169,6 +184,9 @@ def add_metadata(writer, config: dict, name: str, ftype) -> None:
     n_head = config["num_attention_heads"]
     writer.add_name(name)
     writer.add_type(gguf.GGUFType.MODEL)
+    if spec.gemma:
+        add_gemma_metadata(writer, config, spec.gemma, ftype)
+        return
     writer.add_block_count(config["num_hidden_layers"])
     if (n_ctx := config.get("max_position_embeddings")) is not None:
         writer.add_context_length(n_ctx)
@@ -186,6 +204,42 @@ def add_metadata(writer, config: dict, name: str, ftype) -> None:
         writer.add_vocab_size(config["vocab_size"])
         writer.add_rope_dimension_count(config.get("head_dim") or config["hidden_size"] // n_head)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+
+
+def add_gemma_metadata(writer, config: dict, version: int, ftype) -> None:
+    """GemmaModel / Gemma2Model.set_gguf_parameters (they do not call TextModel's: no RoPE keys)."""
+    import gguf
+
+    n_head = config["num_attention_heads"]
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(config["num_key_value_heads"] if "num_key_value_heads" in config else n_head)
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_key_length(config["head_dim"])
+    writer.add_value_length(config["head_dim"])
+    writer.add_file_type(int(ftype))
+    if version == 2:
+        writer.add_attn_logit_softcapping(config["attn_logit_softcapping"])
+        writer.add_final_logit_softcapping(config["final_logit_softcapping"])
+        writer.add_sliding_window(config["sliding_window"])
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+
+
+def add_gemma_vocab_extras(writer, model_dir: Path, version: int) -> None:
+    """GemmaModel.set_vocab's CodeGemma special tokens (Gemma 1 only) and add_space_prefix = false."""
+    import gguf
+
+    if version == 1:
+        special = gguf.SpecialVocab(model_dir, load_merges=False,
+                                    special_token_types=["prefix", "suffix", "middle", "fsep", "eot"])
+        for kind, tid in (("prefix", 67), ("suffix", 69), ("middle", 68), ("fsep", 70), ("eot", 107)):
+            special._set_special_token(kind, tid)
+        special.chat_template = None  # written once already, by add_vocab
+        special.add_to_gguf(writer, quiet=True)
+    writer.add_add_space_prefix(False)
 
 
 def add_rope(writer, rope: dict) -> None:
@@ -311,13 +365,23 @@ def read_rows(handle: SafetensorsRows, plan: TensorPlan, start: int, stop: int) 
     return handle.read(plan.hf_name, start, stop)
 
 
+def shift_norm(data: np.ndarray, source_dtype: str) -> np.ndarray:
+    """w + 1 as convert_hf_to_gguf.py computes it: in float32 for F32/BF16 sources (it casts bf16
+    to float32 before modify_tensors), in float16 for F16 sources (torch half add, then exact f32)."""
+    if source_dtype == "F16":
+        return (data.astype(np.float16) + np.float16(1)).astype(np.float32)
+    return data + np.float32(1)
+
+
 def tensor_data(handle, plan: TensorPlan, imatrix: np.ndarray | None, threads: int = 1) -> np.ndarray:
     """Read, permute and quantize one tensor, slab by slab."""
     rows = plan.shape[0] if len(plan.shape) > 1 else 1
-    if len(plan.shape) == 1 or plan.permute_heads:
+    if len(plan.shape) == 1 or plan.permute_heads or plan.norm_shift:
         data = read_rows(handle, plan, 0, rows)
         if plan.permute_heads:
             data = permute(data, plan.permute_heads)
+        if plan.norm_shift:
+            data = shift_norm(data, handle.header[plan.hf_name]["dtype"])
         return quantize_rows(data, plan.qtype, imatrix, threads)
     step = max(1, SLAB_ELEMENTS // max(1, plan.shape[-1]))
     parts = [quantize_rows(read_rows(handle, plan, r, min(rows, r + step)), plan.qtype, imatrix, threads)
@@ -361,9 +425,12 @@ def convert(model_dir: Path, out_path: Path, gguf_type: str = "F16", imatrix: di
     info = check_model_dir(Path(model_dir))
     key, ftype, _ = mixture.file_type(gguf_type)
     plans = plan_tensors(info.config, info.tensors, key, has_imatrix=bool(imatrix))
-    writer = gguf.GGUFWriter(str(out_path), gguf_arch_name(arch_spec(info.config)))
+    spec = arch_spec(info.config)
+    writer = gguf.GGUFWriter(str(out_path), gguf_arch_name(spec))
     add_metadata(writer, info.config, name or Path(model_dir).name, ftype)
-    vocab = add_vocab(writer, info.path, info.config.get("vocab_size"))
+    vocab = add_vocab(writer, info.path, info.config.get("vocab_size"), prefer_sentencepiece=spec.gemma > 0)
+    if spec.gemma:
+        add_gemma_vocab_extras(writer, Path(info.path), spec.gemma)
     for p in plans:
         writer.add_tensor_info(p.name, p.shape, np.dtype(numpy_dtype(p.qtype)), tensor_nbytes(p.shape, p.qtype),
                                raw_dtype=None if p.qtype in (T.F32, T.F16) else p.qtype)

@@ -2,7 +2,8 @@
 
 Every tensor is dequantized with gguf-py, its GGUF name mapped back to the HF name through the
 same TensorNameMap the converter uses (inverted over the HF names this architecture has), and
-the llama Q/K row permutation undone.
+the llama Q/K row permutation undone, Gemma's norm weights shifted back (w - 1) and Gemma's
+output taken from the tied embedding.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from quantkit.errors import ModelError
-from quantkit.gguf.convert import arch_spec, name_map, permute_heads, unpermute
+from quantkit.gguf.convert import arch_spec, name_map, norm_shift, permute_heads, unpermute
 
 # HF tensor names of the supported decoders ({i}: layer). Names absent from a checkpoint are ignored.
 HF_GLOBAL = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
@@ -25,6 +26,7 @@ HF_LAYER = [
     "model.layers.{i}.self_attn.q_norm.weight", "model.layers.{i}.self_attn.k_norm.weight",
     "model.layers.{i}.mlp.gate_proj.weight", "model.layers.{i}.mlp.up_proj.weight",
     "model.layers.{i}.mlp.down_proj.weight",
+    "model.layers.{i}.pre_feedforward_layernorm.weight", "model.layers.{i}.post_feedforward_layernorm.weight",
 ]
 
 
@@ -67,7 +69,9 @@ def to_hf_state_dict(gguf_path, hf_config_dict: dict) -> dict:
         data = dequantize(tensor)
         if (heads := permute_heads(config, hf)) is not None:
             data = unpermute(data, heads)
+        if norm_shift(config, hf):
+            data = data - np.float32(1)
         state[hf] = torch.from_numpy(np.array(data, dtype=np.float32, order="C", copy=True))
-    if "lm_head.weight" not in state and not config.get("tie_word_embeddings", False):
+    if "lm_head.weight" not in state and (arch_spec(config).gemma or not config.get("tie_word_embeddings", False)):
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     return state

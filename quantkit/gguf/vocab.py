@@ -153,9 +153,15 @@ class VocabInfo:
     warnings: list[str] = field(default_factory=list)
 
 
-def add_vocab(writer, model_dir: Path, vocab_size: int | None) -> VocabInfo:
-    """Write tokenizer.* keys for the tokenizer found in model_dir."""
+def add_vocab(writer, model_dir: Path, vocab_size: int | None, prefer_sentencepiece: bool = False) -> VocabInfo:
+    """Write tokenizer.* keys for the tokenizer found in model_dir.
+
+    prefer_sentencepiece: read tokenizer.model when there is one (convert_hf_to_gguf.py's Gemma
+    classes call _set_vocab_sentencepiece), before looking at tokenizer.json.
+    """
     model_dir = Path(model_dir)
+    if prefer_sentencepiece and (model_dir / "tokenizer.model").is_file():
+        return add_sentencepiece_vocab(writer, model_dir, vocab_size)
     tok_json = model_dir / "tokenizer.json"
     if tok_json.is_file():
         data = json.loads(tok_json.read_text(encoding="utf-8"))
