@@ -227,3 +227,14 @@ def test_gptq_vlm_recipe_quantizes_only_the_text_decoder(cli, llava_model, tmp_p
     assert len(packed) == 14 and all("layers" in n and "vision" not in n for n in packed)
     assert not any(n.startswith(KEPT_PREFIXES["llava"]) and "packed" in n for n in names)
     assert leftovers(tmp_path, "w4") == ["w4"]
+
+
+@pytest.mark.parametrize("method", ["awq", "smoothquant"])
+def test_smoothing_methods_refuse_vlm_wrappers_clearly(cli, llava_model, tmp_path, method):
+    """AWQ/SmoothQuant mappings resolve per decoder layer only on plain causal LMs in llm-compressor
+    0.14; a VLM wrapper is refused before any work (GPTQ and FP8 handle VLMs)."""
+    result = cli("quantize", llava_model, "--method", method, "-o", tmp_path / "out", "--num-samples", "16",
+                 "--seq-len", "64", "--eval-windows", "4")
+    assert result.exit_code == 2, result.output
+    assert "no smoothing mappings for architecture 'llava'" in result.stderr
+    assert leftovers(tmp_path, "out") == []
