@@ -21,9 +21,18 @@ def list_recipes() -> None:
     from quantkit.recipe import bundled_recipes_dir
 
     for path in sorted(bundled_recipes_dir().glob("*.yaml")):
-        data = yaml.safe_load(path.read_text()) or {}
+        text = path.read_text()
+        data = yaml.safe_load(text) or {}
         methods = ", ".join(f"{t.get('name')}:{t.get('method')}" for t in data.get("targets", []))
-        out.print(f"{path.stem:24} {methods}", highlight=False)
+        out.print(f"{path.stem:22} {methods:32} {summary(text)}", highlight=False)
+
+
+def summary(text: str) -> str:
+    """The recipe's first comment line (its one-line description)."""
+    for line in text.splitlines():
+        if line.startswith("#"):
+            return line.lstrip("# ").strip()
+    return ""
 
 
 @app.command("show")

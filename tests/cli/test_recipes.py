@@ -1,6 +1,7 @@
 def test_list_shows_bundled(cli):
     result = cli("recipes", "list")
     assert result.exit_code == 0 and "fp8-dynamic" in result.stdout
+    assert "FP8 E4M3 with per-channel weight scales" in result.stdout  # the description line
 
 
 def test_show_prints_yaml(cli):
