@@ -109,15 +109,22 @@ def qkx_one(x, w, nmax, rmin, rdelta, nstep, use_mad, L, laux):
 
 
 @jit
-def qx_one(x, w, nmax, L):
-    """make_qx_quants(n, nmax, x, L, rmse_type=1, w): writes L = l + nmax; returns the scale."""
-    n = x.shape[0]
+def signed_absmax(x):
+    """(the value with the largest |x|, that |x|): the first such value wins, as in the C loops."""
     vmax, amax = F32(0), F32(0)
-    for i in range(n):
+    for i in range(x.shape[0]):
         ax = abs(x[i])
         if ax > amax:
             amax = ax
             vmax = x[i]
+    return vmax, amax
+
+
+@jit
+def qx_one(x, w, nmax, L):
+    """make_qx_quants(n, nmax, x, L, rmse_type=1, w): writes L = l + nmax; returns the scale."""
+    n = x.shape[0]
+    vmax, amax = signed_absmax(x)
     if amax < F32(1e-15):
         L[:] = 0
         return F32(0)
@@ -151,12 +158,7 @@ def qx_one(x, w, nmax, L):
 def q3_one(x, nmax, L):
     """make_q3_quants(n, nmax, x, L, do_rmse=true): writes L = l + nmax; returns the scale."""
     n = x.shape[0]
-    vmax, amax = F32(0), F32(0)
-    for i in range(n):
-        ax = abs(x[i])
-        if ax > amax:
-            amax = ax
-            vmax = x[i]
+    vmax, amax = signed_absmax(x)
     if amax < F32(1e-15):
         L[:] = 0
         return F32(0)
