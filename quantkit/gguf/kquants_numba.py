@@ -109,6 +109,26 @@ def qkx_one(x, w, nmax, rmin, rdelta, nstep, use_mad, L, laux):
 
 
 @jit
+def block_sigma2(xb, factor):
+    """*_K_impl: sigma2 = factor * sum(x^2) / 256 over one super-block, summed left to right."""
+    sum_x2 = F32(0)
+    for l in range(QK_K):
+        sum_x2 += xb[l] * xb[l]
+    return factor * sum_x2 / F32(QK_K)
+
+
+@jit
+def impl_weights(xb, qw, off, sigma2, start, n, w):
+    """*_K_impl: w[l] = qw * sqrt(sigma2 + x^2) over sub-block [start, start + n); returns sum(w)."""
+    sumw = F32(0)
+    for l in range(n):
+        v = xb[start + l]
+        w[l] = qw[off + start + l] * np.sqrt(sigma2 + v * v)
+        sumw += w[l]
+    return sumw
+
+
+@jit
 def signed_absmax(x):
     """(the value with the largest |x|, that |x|): the first such value wins, as in the C loops."""
     vmax, amax = F32(0), F32(0)
@@ -363,18 +383,10 @@ def _k45_search(x, qw, bpr, nmax, rmin, rdelta, nstep, clamp63, L, packed, d, dm
     for b in range(x.shape[0]):
         xb, Lb = x[b], L[b]
         if has_qw:  # quantize_row_q{4,5}_K_impl
-            sum_x2 = F32(0)
-            for l in range(QK_K):
-                sum_x2 += xb[l] * xb[l]
-            sigma2 = F32(2) * sum_x2 / F32(QK_K)
+            sigma2 = block_sigma2(xb, F32(2))
             off = (b % bpr) * QK_K
             for j in range(8):
-                sumw = F32(0)
-                for l in range(32):
-                    v = xb[32 * j + l]
-                    w[l] = qw[off + 32 * j + l] * np.sqrt(sigma2 + v * v)
-                    sumw += w[l]
-                sw[j] = sumw
+                sw[j] = impl_weights(xb, qw, off, sigma2, 32 * j, 32, w)
                 scales[j], mins[j] = qkx_one(xb[32 * j:32 * j + 32], w, nmax, F32(-0.9), F32(0.05), 36, False,
                                              Lb[32 * j:32 * j + 32], laux)
             d[b] = qp_one(scales, sw, 63, ls)
@@ -584,18 +596,10 @@ def _q3_search(x, qw, bpr, L, l6, d):
     for b in range(x.shape[0]):
         xb, Lb = x[b], L[b]
         if has_qw:  # quantize_row_q3_K_impl
-            sum_x2 = F32(0)
-            for l in range(QK_K):
-                sum_x2 += xb[l] * xb[l]
-            sigma2 = F32(2) * sum_x2 / F32(QK_K)
+            sigma2 = block_sigma2(xb, F32(2))
             off = (b % bpr) * QK_K
             for j in range(16):
-                sumw = F32(0)
-                for l in range(16):
-                    v = xb[16 * j + l]
-                    w[l] = qw[off + 16 * j + l] * np.sqrt(sigma2 + v * v)
-                    sumw += w[l]
-                sw[j] = sumw
+                sw[j] = impl_weights(xb, qw, off, sigma2, 16 * j, 16, w)
                 scales[j] = qx_one(xb[16 * j:16 * j + 16], w, 4, Lb[16 * j:16 * j + 16])
             d[b] = qx_one(scales, sw, 32, lsc)
             for j in range(16):
@@ -680,18 +684,10 @@ def _q2_search(x, qw, bpr, L, packed, d, dmin):
     for b in range(x.shape[0]):
         xb, Lb = x[b], L[b]
         if has_qw:  # quantize_row_q2_K_impl
-            sum_x2 = F32(0)
-            for l in range(QK_K):
-                sum_x2 += xb[l] * xb[l]
-            sigma2 = sum_x2 / F32(QK_K)
+            sigma2 = block_sigma2(xb, F32(1))
             off = (b % bpr) * QK_K
             for j in range(16):
-                sumw = F32(0)
-                for l in range(16):
-                    v = xb[16 * j + l]
-                    w[l] = qw[off + 16 * j + l] * np.sqrt(sigma2 + v * v)
-                    sumw += w[l]
-                sw[j] = sumw
+                sw[j] = impl_weights(xb, qw, off, sigma2, 16 * j, 16, w)
                 scales[j], mins[j] = qkx_one(xb[16 * j:16 * j + 16], w, 3, F32(-0.9), F32(0.05), 36, False,
                                              Lb[16 * j:16 * j + 16], laux)
             d[b] = qp_one(scales, sw, 15, ls)

@@ -364,25 +364,23 @@ def _row_weights(x: np.ndarray, qw: np.ndarray) -> np.ndarray:
     return qw[None, :] * np.sqrt(sigma2[:, None] + x * x)
 
 
+def _sym_impl(x, qw, nmax, s):
+    """quantize_row_q4_0_impl / q5_0_impl: make_qx_quants(32, nmax, ..., rmse_type 1, weights)."""
+    w = _row_weights(x, qw).reshape(-1, 32)
+    return s.make_qx_quants(x.reshape(-1, 32), w, nmax)
+
+
 def q4_0(x, qw, s=None):
-    s = s or SEARCH
     """Block: d f16 | qs[16]. With imatrix: quantize_row_q4_0_impl (make_qx_quants, nmax 8)."""
-    if qw is None:
-        d, q = _sym_legacy(x.reshape(-1, 32), 8)
-    else:
-        w = _row_weights(x, qw).reshape(-1, 32)
-        d, q = s.make_qx_quants(x.reshape(-1, 32), w, 8)
+    s = s or SEARCH
+    d, q = _sym_legacy(x.reshape(-1, 32), 8) if qw is None else _sym_impl(x, qw, 8, s)
     return np.concatenate([fp16_bits(d), _pack_legacy4(q)], axis=1)
 
 
 def q5_0(x, qw, s=None):
-    s = s or SEARCH
     """Block: d f16 | qh u32 | qs[16]. With imatrix: quantize_row_q5_0_impl (nmax 16)."""
-    if qw is None:
-        d, q = _sym_legacy(x.reshape(-1, 32), 16)
-    else:
-        w = _row_weights(x, qw).reshape(-1, 32)
-        d, q = s.make_qx_quants(x.reshape(-1, 32), w, 16)
+    s = s or SEARCH
+    d, q = _sym_legacy(x.reshape(-1, 32), 16) if qw is None else _sym_impl(x, qw, 16, s)
     return np.concatenate([fp16_bits(d), _qh_legacy5(q), _pack_legacy4(q)], axis=1)
 
 
@@ -394,15 +392,15 @@ def _asym_impl(x, qw, nmax, s):
 
 
 def q4_1(x, qw, s=None):
-    s = s or SEARCH
     """Block: d f16 | m f16 | qs[16]."""
+    s = s or SEARCH
     d, m, q = _asym_legacy(x.reshape(-1, 32), 15) if qw is None else _asym_impl(x, qw, 15, s)
     return np.concatenate([fp16_bits(d), fp16_bits(m), _pack_legacy4(q)], axis=1)
 
 
 def q5_1(x, qw, s=None):
-    s = s or SEARCH
     """Block: d f16 | m f16 | qh u32 | qs[16]."""
+    s = s or SEARCH
     d, m, q = _asym_legacy(x.reshape(-1, 32), 31) if qw is None else _asym_impl(x, qw, 31, s)
     return np.concatenate([fp16_bits(d), fp16_bits(m), _qh_legacy5(q), _pack_legacy4(q)], axis=1)
 
@@ -438,8 +436,8 @@ def _k_sigma2(x: np.ndarray, factor: float) -> np.ndarray:
 
 
 def q2_k(x, qw, s=None):
-    s = s or SEARCH
     """quantize_row_q2_K_ref / _impl. Block: scales[16] (lo: scale, hi: min) | qs[64] | d | dmin."""
+    s = s or SEARCH
     nb = x.shape[0]
     xs = x.reshape(-1, 16)
     if qw is None:
@@ -474,8 +472,8 @@ def _q2_k_ref_scales(scales, mins):
 
 
 def q3_k(x, qw, s=None):
-    s = s or SEARCH
     """quantize_row_q3_K_ref / _impl. Block: hmask[32] | qs[64] | scales[12] | d."""
+    s = s or SEARCH
     nb = x.shape[0]
     xs = x.reshape(-1, 16)
     if qw is None:
@@ -539,8 +537,8 @@ def _k4_ref_scales(scales, mins):
 
 
 def q4_k(x, qw, s=None):
-    s = s or SEARCH
     """Block: d f16 | dmin f16 | scales[12] | qs[128]."""
+    s = s or SEARCH
     nb = x.shape[0]
     d, dmin, packed, xs, L = _q45_k_scales(x, qw, 15, (-1.0, 0.1, 20), s)
     sc, m = unpack_scale_min_k4(packed)
@@ -549,8 +547,8 @@ def q4_k(x, qw, s=None):
 
 
 def q5_k(x, qw, s=None):
-    s = s or SEARCH
     """Block: d f16 | dmin f16 | scales[12] | qh[32] | qs[128]."""
+    s = s or SEARCH
     nb = x.shape[0]
     d, dmin, packed, xs, L = _q45_k_scales(x, qw, 31, (-0.5, 0.1, 15), s)
     sc, m = unpack_scale_min_k4(packed)
@@ -560,8 +558,8 @@ def q5_k(x, qw, s=None):
 
 
 def q6_k(x, qw, s=None):
-    s = s or SEARCH
     """quantize_row_q6_K_ref / _impl. Block: ql[128] | qh[64] | int8 scales[16] | d."""
+    s = s or SEARCH
     nb = x.shape[0]
     xs = x.reshape(-1, 16)
     w = None if qw is None else _block_qw(qw, nb, 16)  # _impl passes the raw imatrix
