@@ -209,17 +209,26 @@ def test_streamed_slabs_equal_whole_tensor(micro, tmp_path, monkeypatch):
     assert whole.read_bytes() == slabs.read_bytes()
 
 
-def test_q8_0_evaluates_close_to_base(micro, tmp_path):
+def load_gguf_model(path: Path, model_dir: Path):
+    """A float32 model of model_dir's architecture holding the .gguf's dequantized weights (strict load)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from quantkit.gguf.loader import to_hf_state_dict
 
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch.float32).eval()
+    model.load_state_dict(to_hf_state_dict(path, model.config.to_dict()), strict=True)
+    return model
+
+
+def test_q8_0_evaluates_close_to_base(micro, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
     path = tmp_path / "q8.gguf"
     convert_to(micro, path, "Q8_0")
     base = AutoModelForCausalLM.from_pretrained(micro, dtype=torch.float32).eval()
-    quant = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(micro), dtype=torch.float32).eval()
-    quant.load_state_dict(to_hf_state_dict(path, quant.config.to_dict()), strict=True)
+    quant = load_gguf_model(path, micro)
     ids = torch.randint(0, 500, (2, 64), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         lp_b = torch.log_softmax(base(ids).logits, -1)

@@ -18,7 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.gguf.test_convert import convert_to, fields, need_llama, run_quantize, save_f16_copy, tensor_bytes
+from tests.gguf.test_convert import (convert_to, fields, load_gguf_model, need_llama, run_quantize, save_f16_copy,
+                                     tensor_bytes)
 from tests.util import FAST_CALIB
 
 _BUILT: dict[str, Path] = {}
@@ -113,15 +114,12 @@ def test_gemma_mixture_token_embd_uses_output_rule(gemma):
 
 def test_gemma_f32_round_trip_reproduces_logits(gemma, tmp_path):
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from quantkit.gguf.loader import to_hf_state_dict
+    from transformers import AutoModelForCausalLM
 
     path = tmp_path / "g.gguf"
     convert_to(gemma, path, "F32")
     base = AutoModelForCausalLM.from_pretrained(gemma, dtype=torch.float32).eval()
-    loaded = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(gemma), dtype=torch.float32).eval()
-    loaded.load_state_dict(to_hf_state_dict(path, loaded.config.to_dict()), strict=True)
+    loaded = load_gguf_model(path, gemma)
     ref = base.state_dict()
     for name, value in loaded.state_dict().items():
         if name in ref:

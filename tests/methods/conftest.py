@@ -109,3 +109,14 @@ def reference_model(tmp_path_factory) -> Path:
     script = Path(__file__).resolve().parents[2] / "scripts" / "train_reference_model.py"
     subprocess.run([sys.executable, str(script), str(out)], check=True)
     return out
+
+
+def assert_beats_rtn(run_cli, model: Path, tmp_path: Path, method: str, rtn_scheme: str) -> None:
+    """On a trained model the calibrated method passes its default gate and beats plain rounding
+    of the same format (llm-compressor preset `rtn_scheme`) on KL divergence."""
+    out = tmp_path / method
+    result = run_cli("quantize", model, "--method", method, "--num-samples", 32, "--seq-len", 128,
+                     "--eval-windows", 8, "-o", out)
+    assert result.exit_code == 0, result.output  # the default gate holds
+    rtn = rtn_artifact(model, rtn_scheme, tmp_path / "rtn")
+    assert mean_kld_vs_base(out, model) < mean_kld_vs_base(rtn, model)

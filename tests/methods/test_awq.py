@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from tests.methods.conftest import (CALIB_ARGS, LOOSE_TOP1, assert_metrics, assert_nothing_written, mean_kld_vs_base,
-                                    quant_config, rtn_artifact)
+from tests.methods.conftest import (CALIB_ARGS, LOOSE_TOP1, assert_beats_rtn, assert_metrics, assert_nothing_written,
+                                    mean_kld_vs_base, quant_config)
 
 
 def awq_recipe(tmp_path, **options) -> str:
@@ -114,9 +114,4 @@ def test_autoawq_installed_but_not_loadable(monkeypatch):
 
 @pytest.mark.slow
 def test_awq_beats_rtn_on_reference_model(run_cli, reference_model, tmp_path):
-    out = tmp_path / "awq"
-    result = run_cli("quantize", reference_model, "--method", "awq", "--num-samples", 32, "--seq-len", 128,
-                     "--eval-windows", 8, "-o", out)
-    assert result.exit_code == 0, result.output  # the default gate holds
-    rtn = rtn_artifact(reference_model, "W4A16_ASYM", tmp_path / "rtn")
-    assert mean_kld_vs_base(out, reference_model) < mean_kld_vs_base(rtn, reference_model)
+    assert_beats_rtn(run_cli, reference_model, tmp_path, "awq", "W4A16_ASYM")

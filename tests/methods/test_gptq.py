@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.methods.conftest import (CALIB_ARGS, LOOSE_TOP1, assert_metrics, assert_nothing_written, mean_kld_vs_base,
-                                    quant_config, rtn_artifact)
+from tests.methods.conftest import (CALIB_ARGS, LOOSE_TOP1, assert_beats_rtn, assert_metrics, assert_nothing_written,
+                                    mean_kld_vs_base, quant_config)
 
 
 @pytest.mark.parametrize(
@@ -69,9 +69,4 @@ def test_gptq_precision_strings():
 @pytest.mark.slow
 def test_gptq_beats_rtn_on_reference_model(run_cli, reference_model, tmp_path):
     """On a trained model GPTQ's error feedback must beat plain rounding of the same format."""
-    out = tmp_path / "gptq"
-    result = run_cli("quantize", reference_model, "--method", "gptq", "--num-samples", 32, "--seq-len", 128,
-                     "--eval-windows", 8, "-o", out)
-    assert result.exit_code == 0, result.output  # the default gate holds
-    rtn = rtn_artifact(reference_model, "W4A16", tmp_path / "rtn")
-    assert mean_kld_vs_base(out, reference_model) < mean_kld_vs_base(rtn, reference_model)
+    assert_beats_rtn(run_cli, reference_model, tmp_path, "gptq", "W4A16")
