@@ -197,7 +197,7 @@ def load_model(info: ModelInfo, dtype: str = "auto", device: str = "cpu", trust_
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoModelForCausalLM
 
-    auto_class = _auto_class(info)
+    auto_class = auto_model_class(info.config)
     try:
         model = auto_class.from_pretrained(
             info.path,
@@ -205,7 +205,7 @@ def load_model(info: ModelInfo, dtype: str = "auto", device: str = "cpu", trust_
             trust_remote_code=trust_remote_code,
             use_safetensors=True,
             local_files_only=True,
-            device_map=_device_map(device),
+            device_map=device_map(device),
         )
     except ValueError as exc:
         if "trust_remote_code" in str(exc):
@@ -237,11 +237,8 @@ def auto_model_class(config: dict):
     return AutoModelForImageTextToText if is_vlm(config) else AutoModelForCausalLM
 
 
-def _auto_class(info: ModelInfo):
-    return auto_model_class(info.config)
-
-
-def _device_map(device: str):
+def device_map(device: str):
+    """--device to a from_pretrained device_map: auto = cuda when available, else cpu."""
     if device == "auto":
         import torch
 

@@ -11,7 +11,6 @@ OUT/quantkit.json for the whole run.
 from __future__ import annotations
 
 import gc
-import os
 import platform
 import time
 from dataclasses import dataclass, field
@@ -25,7 +24,7 @@ from quantkit.lora import check_adapter
 from quantkit.measure import PeakTracker
 from quantkit.methods import get_method
 from quantkit.model import ModelInfo, check_device, check_generative, check_model_dir, resolve_model, sha256_files
-from quantkit.plan import KEEP_16BIT_ROLES, build_plan, ignore_patterns, keeps_lm_head
+from quantkit.plan import build_plan, ignore_patterns, keeps_lm_head
 from quantkit.recipe import Recipe, Target, target_gate, target_options
 
 Progress = Callable[[str], None]
@@ -56,10 +55,6 @@ class RunOptions:
     overwrite: bool = False
     enforce_gate: bool = True
     progress: Progress = lambda message: None
-
-
-def _noop(message: str) -> None:
-    pass
 
 
 def prepare(recipe: Recipe, opts: RunOptions) -> tuple[ModelInfo, list]:
@@ -137,13 +132,13 @@ def _run_in(staging: Path, recipe: Recipe, opts: RunOptions, info: ModelInfo, re
         report["timings"]["baseline_s"] = t.seconds
         report["baseline"] = {"ppl": baseline.ppl, "positions": int(baseline.nll.shape[0])}
     single = len(resolved) == 1
-    for index, (target, method, options) in enumerate(resolved):
+    for target, method, options in resolved:
         if model is None:
             model = load(info, recipe, opts.progress)
         out_dir = staging if single else staging / target.name
         out_dir.mkdir(exist_ok=True)
-        job = QuantizeJob(model, tokenizer, info, target, options, windows,
-                          ignore_patterns(info, target.ignore, keeps_lm_head(method, options)), out_dir, recipe.device, workdir,
+        ignore = ignore_patterns(info, target.ignore, keeps_lm_head(method, options))
+        job = QuantizeJob(model, tokenizer, info, target, options, windows, ignore, out_dir, recipe.device, workdir,
                           recipe.trust_remote_code)
         model = None  # the job holds the only reference, so run_target can free it before measuring
         report["targets"].append(run_target(job, method, recipe, baseline, opts))
@@ -281,16 +276,4 @@ def _version(package: str) -> str | None:
         return None
 
 
-def seed_everything(seed: int) -> None:
-    import random
-
-    import numpy as np
-    import torch
-
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-    os.environ.setdefault("PYTHONHASHSEED", str(seed))
-
-
-__all__ = ["QuantizeJob", "RunOptions", "run", "prepare", "KEEP_16BIT_ROLES"]
+__all__ = ["QuantizeJob", "RunOptions", "run", "prepare"]

@@ -56,7 +56,8 @@ def eval_command(
         raise InputError("--llama-perplexity applies to .gguf artifacts only")
     check_device(device)
     base = check_model_dir(resolve_model(against or default_base(model)))
-    windows = eval_windows(load_tokenizer(base), data, num_windows, seq_len, seed)
+    tokenizer = load_tokenizer(base)
+    windows = eval_windows(tokenizer, data, num_windows, seq_len, seed)
     progress(f"baseline: {base.path} on {len(windows)} windows of {seq_len} tokens")
     base_model = load_model(base, device=device)
     baseline = evaluate.compute_baseline(evaluate.model_logits_fn(base_model), windows)
@@ -69,7 +70,7 @@ def eval_command(
     row = {"name": model.name, "kind": kind, "base": str(base.path), "metrics": metrics.as_dict(),
            "gate": verdict.as_dict()}
     if llama_perplexity:
-        row["llama_cpp"] = llama_cpp_check(model, base, windows)
+        row["llama_cpp"] = llama_cpp_check(model, tokenizer, windows)
     if json_path != "-":
         out.print(metrics_table([row], f"{model} ({kind}) vs. {base.path}"))
         if any(c.threshold is not None for c in verdict.checks):
@@ -83,13 +84,11 @@ def eval_command(
         raise GateFailedError(f"{model.name} fails the gate: {', '.join(verdict.failed)}")
 
 
-def llama_cpp_check(model: Path, base, windows) -> dict:
+def llama_cpp_check(model: Path, tokenizer, windows) -> dict:
     """llama.cpp's perplexity of the .gguf on the held-out windows' text."""
     from quantkit.artifacts import gguf_file
     from quantkit.llamacpp import perplexity
-    from quantkit.model import load_tokenizer
 
-    tokenizer = load_tokenizer(base)
     text = "\n\n".join(tokenizer.decode(w, skip_special_tokens=True) for w in windows.tolist())
     return perplexity(gguf_file(model), text, context=windows.shape[1])
 

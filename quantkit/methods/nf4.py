@@ -97,11 +97,11 @@ def load_quantized(info, dtype, config, device: str, trust_remote_code: bool = F
     """Re-load the checkpoint with the bitsandbytes config: transformers quantizes while loading."""
     import os
 
-    from quantkit.model import _device_map, auto_model_class
+    from quantkit.model import auto_model_class, device_map
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     model = auto_model_class(info.config).from_pretrained(
         info.path, dtype=dtype, quantization_config=config, use_safetensors=True,
-        local_files_only=True, device_map=_device_map(device), trust_remote_code=trust_remote_code,
+        local_files_only=True, device_map=device_map(device), trust_remote_code=trust_remote_code,
     )
     return model.eval()
