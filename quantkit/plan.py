@@ -17,26 +17,27 @@ from dataclasses import dataclass
 
 from quantkit.model import ModelInfo
 
+# Module names of the towers a VLM keeps in 16-bit, one list per role (the VLM rule).
+TOWER_NAMES = {
+    "vision": "vision_tower|vision_model|visual|vision_encoder|image_encoder|vpm|vision_embed_tokens",
+    "projector": "multi_modal_projector|mm_projector|connector|merger|mlp1|vision_proj",
+    "audio": "audio_tower|audio_model|audio_encoder",
+}
+
+# Roles never quantized, whatever the method.
+KEEP_16BIT_ROLES = tuple(TOWER_NAMES)
+
 # Role rules, checked in order; first match wins. Kept as data: add an architecture here.
 ROLE_RULES: list[tuple[str, str]] = [
-    ("vision", r"(^|\.)(vision_tower|vision_model|visual|vision_encoder|image_encoder|vpm|vision_embed_tokens)\."),
-    ("projector", r"(^|\.)(multi_modal_projector|mm_projector|connector|merger|mlp1|vision_proj)\."),
-    ("audio", r"(^|\.)(audio_tower|audio_model|audio_encoder)\."),
+    *((role, rf"(^|\.)({names})\.") for role, names in TOWER_NAMES.items()),
     ("lm_head", r"(^|\.)(lm_head|embed_out)\.weight$"),
     ("embeddings", r"(^|\.)(embed_tokens|wte|wpe|word_embeddings|embed_positions|tok_embeddings)\.weight$"),
     ("norm", r"(norm|ln_\d|ln_f|layernorm)[^.]*\.(weight|bias)$"),
     ("decoder", r"(^|\.)(layers|h|blocks|block)\.\d+\."),
 ]
 
-# Roles never quantized, whatever the method (the VLM rule).
-KEEP_16BIT_ROLES = ("vision", "projector", "audio")
-
 # Patterns handed to llm-compressor's `ignore` for the kept roles (re.match, so lead with .*).
-KEEP_PATTERNS = {
-    "vision": [r"re:.*(vision_tower|vision_model|visual|vision_encoder|image_encoder|vpm|vision_embed_tokens)\..*"],
-    "projector": [r"re:.*(multi_modal_projector|mm_projector|connector|merger|mlp1|vision_proj)\..*"],
-    "audio": [r"re:.*(audio_tower|audio_model|audio_encoder)\..*"],
-}
+KEEP_PATTERNS = {role: [rf"re:.*({names})\..*"] for role, names in TOWER_NAMES.items()}
 
 # Weight bits per parameter of each format (scales and zero points included).
 FORMAT_BITS = {
