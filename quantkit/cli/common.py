@@ -26,13 +26,15 @@ def quiet_libraries() -> None:
     """Progress bars only on a TTY; library warnings only when debugging."""
     import warnings
 
+    # llm-compressor configures its loguru sink from this when it is first imported.
+    os.environ.setdefault("LLM_COMPRESSOR_LOG_LEVEL", "DEBUG" if debug() else "ERROR")
     if not sys.stderr.isatty():
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
         _disable_tqdm()
     if not debug():
         warnings.filterwarnings("ignore")
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-        os.environ.setdefault("LLM_COMPRESSOR_LOG_LEVEL", "ERROR")
+
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
 

@@ -2,27 +2,14 @@
 
 from __future__ import annotations
 
-import os
-
 ENGINE = "llmcompressor"
 FORMAT = "compressed-tensors"
-
-
-def quiet_loguru(debug: bool) -> None:
-    """llm-compressor logs through loguru at INFO; keep stderr to warnings unless debugging."""
-    import sys
-
-    from loguru import logger
-
-    logger.remove()
-    logger.add(sys.stderr, level="DEBUG" if debug else "ERROR")
 
 
 def run_oneshot(job, recipe, calibrate: bool) -> None:
     """Apply llm-compressor modifiers to job.model in place (layer by layer when calibrating)."""
     from llmcompressor import oneshot
 
-    quiet_loguru(bool(os.environ.get("QUANTKIT_DEBUG")))
     kwargs = {}
     if calibrate:
         kwargs = dict(
