@@ -9,11 +9,6 @@ import typer
 
 from quantkit.cli.common import err, handle_errors, out, progress, write_json
 
-# CLI flag (parameter name) -> method option field. A flag applies to every target whose
-# method has that option; naming one no target has is an error.
-METHOD_FLAGS = ("scheme", "bits", "group_size", "act_order", "backend", "gguf_type", "imatrix",
-                "smoothing_strength", "double_quant", "compute_dtype")
-
 EXAMPLES = """
 Examples:
 
@@ -71,6 +66,8 @@ def quantize(
     from quantkit.errors import GateFailedError
     from quantkit.pipeline import RunOptions, run
 
+    # Method flags name method option fields; each applies to every target whose method has that
+    # option, and naming one no target has is an error (apply_method_flags).
     flags = dict(scheme=scheme, bits=bits, group_size=group_size, act_order=act_order, backend=backend,
                  gguf_type=gguf_type, imatrix=imatrix, smoothing_strength=smoothing_strength,
                  double_quant=double_quant, compute_dtype=compute_dtype)
