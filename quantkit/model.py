@@ -7,7 +7,6 @@ work, so a bad model fails in a second rather than after calibration.
 from __future__ import annotations
 
 import json
-import os
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -194,19 +193,21 @@ def torch_dtype(name: str, info: ModelInfo | None = None):
 
 def load_model(info: ModelInfo, dtype: str = "auto", device: str = "cpu", trust_remote_code: bool = False):
     """Load the model offline from the checked directory."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoModelForCausalLM
+
+    from quantkit.offline import offline
 
     auto_class = auto_model_class(info.config)
     try:
-        model = auto_class.from_pretrained(
-            info.path,
-            dtype=torch_dtype(dtype, info),
-            trust_remote_code=trust_remote_code,
-            use_safetensors=True,
-            local_files_only=True,
-            device_map=device_map(device),
-        )
+        with offline():
+            model = auto_class.from_pretrained(
+                info.path,
+                dtype=torch_dtype(dtype, info),
+                trust_remote_code=trust_remote_code,
+                use_safetensors=True,
+                local_files_only=True,
+                device_map=device_map(device),
+            )
     except ValueError as exc:
         if "trust_remote_code" in str(exc):
             raise ModelError(
@@ -247,11 +248,14 @@ def device_map(device: str):
 
 
 def load_tokenizer(info: ModelInfo, trust_remote_code: bool = False):
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoTokenizer
 
+    from quantkit.offline import offline
+
     try:
-        return AutoTokenizer.from_pretrained(info.path, trust_remote_code=trust_remote_code, local_files_only=True)
+        with offline():
+            return AutoTokenizer.from_pretrained(info.path, trust_remote_code=trust_remote_code,
+                                                 local_files_only=True)
     except (OSError, ValueError) as exc:
         raise ModelError(f"{info.path} has no usable tokenizer: {exc}".splitlines()[0]) from exc
 

@@ -17,9 +17,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict
 
 from quantkit.errors import require
+from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, fixed_gate
 
-ENGINE = "bitsandbytes"
-FORMAT = "transformers bitsandbytes checkpoint (4-bit NF4/FP4 or LLM.int8)"
 # NF4 is plain round-to-nearest onto 16 levels, without calibration: looser than GPTQ/AWQ.
 DEFAULT_GATE = {"max_ppl_increase": 0.15, "max_kld": 0.15, "min_top1": 0.75}
 
@@ -33,10 +32,6 @@ class Options(BaseModel):
     scheme: Literal["nf4", "fp4", "int8"] = "nf4"
     double_quant: bool = True
     compute_dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"  # auto: the model's dtype
-
-
-def needs_calibration(options: Options) -> bool:
-    return False
 
 
 def precision(role: str, options: Options, name: str, shape: list[int]) -> str | None:
@@ -80,7 +75,7 @@ def skip_modules(ignore: list[str]) -> list[str]:
     return [p[3:] if p.startswith("re:") else p for p in ignore]
 
 
-def quantize(job) -> None:
+def quantize(job: QuantizeJob) -> QuantizeResult:
     require("bitsandbytes", "nf4", "the nf4 method (bitsandbytes 4-bit)")
     dtype = job.model.dtype
     job.model = None
@@ -89,19 +84,27 @@ def quantize(job) -> None:
     model = load_quantized(job.info, dtype, config, job.device, job.trust_remote_code)
     model.save_pretrained(job.out_dir)
     job.tokenizer.save_pretrained(job.out_dir)
-    job.extra["report"] = {"bnb_quantization_config": model.config.quantization_config.to_dict()}
+    details = {"bnb_quantization_config": model.config.quantization_config.to_dict()}
     del model
+    return QuantizeResult(job.out_dir, details)
 
 
 def load_quantized(info, dtype, config, device: str, trust_remote_code: bool = False):
     """Re-load the checkpoint with the bitsandbytes config: transformers quantizes while loading."""
-    import os
-
     from quantkit.model import auto_model_class, device_map
+    from quantkit.offline import offline
 
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    model = auto_model_class(info.config).from_pretrained(
-        info.path, dtype=dtype, quantization_config=config, use_safetensors=True,
-        local_files_only=True, device_map=device_map(device), trust_remote_code=trust_remote_code,
-    )
+    with offline():
+        model = auto_model_class(info.config).from_pretrained(
+            info.path, dtype=dtype, quantization_config=config, use_safetensors=True,
+            local_files_only=True, device_map=device_map(device), trust_remote_code=trust_remote_code,
+        )
     return model.eval()
+
+
+METHOD = MethodSpec(
+    name="nf4", engine="bitsandbytes", engine_package="bitsandbytes",
+    format="transformers bitsandbytes checkpoint (4-bit NF4/FP4 or LLM.int8)",
+    options=Options, quantize=quantize, precision=precision, default_gate=fixed_gate(DEFAULT_GATE),
+    check=check,
+)

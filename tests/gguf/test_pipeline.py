@@ -13,7 +13,7 @@ def test_quantize_gguf_then_eval(cli, micro_model, tmp_path):
     assert {"micro-Q8_0.gguf", "Modelfile", "README.md", "quantkit.json"} <= files
     report = json.loads((out / "quantkit.json").read_text())
     target = report["targets"][0]
-    assert target["gguf"]["tensor_types"]["Q8_0"] > 0
+    assert target["details"]["gguf"]["tensor_types"]["Q8_0"] > 0
     assert target["metrics"]["kld_mean"] < 0.01 and target["gate"]["passed"]
     assert "lm_head" not in target["kept"]
 
