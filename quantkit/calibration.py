@@ -379,8 +379,6 @@ def render_chat(messages: list[dict], tokenizer, chat_template: bool) -> str:
 def make_windows(tokenizer, spec: Calibration) -> TokenWindows:
     """Load, tokenize, pack and split a source into calibration and evaluation windows."""
     check_spec(spec)
-    if spec.num_samples + spec.eval_windows == 0:
-        return empty_windows(spec)
     texts = load_texts(
         spec.source, tokenizer, chat_template=spec.chat_template, text_field=spec.text_field
     )
@@ -394,20 +392,12 @@ def make_windows(tokenizer, spec: Calibration) -> TokenWindows:
 
 def check_spec(spec: Calibration) -> None:
     """Reject impossible sizes before any work."""
-    if spec.seq_len < 2 or spec.num_samples < 0 or spec.eval_windows < 0:
+    if spec.seq_len < 2 or spec.num_samples < 0 or spec.eval_windows < 0 or spec.num_samples + spec.eval_windows < 1:
         raise CalibrationError(
             f"invalid calibration sizes for '{spec.source}': seq_len={spec.seq_len}, "
             f"num_samples={spec.num_samples}, eval_windows={spec.eval_windows}",
-            hint="use seq_len >= 2 and non-negative window counts",
+            hint="use seq_len >= 2 and at least one calibration or evaluation window",
         )
-
-
-def empty_windows(spec: Calibration) -> TokenWindows:
-    """No windows at all (nothing to calibrate, nothing to evaluate): the source is not read."""
-    import torch
-
-    empty = torch.empty((0, spec.seq_len), dtype=torch.long)
-    return TokenWindows(calib=empty, eval=empty.clone(), source=spec.source, sha256="")
 
 
 def token_stream(tokenizer, texts: list[str]) -> list[int]:

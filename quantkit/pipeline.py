@@ -44,6 +44,7 @@ class ResolvedTarget:
     gate: Gate
     ignore: list[str]  # the full ignore list handed to the method (lm_head, VLM towers, the user's)
     needs_calibration: bool
+    needs_model: bool  # quantize() gets the model loaded in memory
 
     @property
     def name(self) -> str:
@@ -90,7 +91,8 @@ def resolve_target(recipe: Recipe, target: Target, info: ModelInfo) -> ResolvedT
                                "but num_samples is 0", hint="raise --num-samples")
     method.check(info, options, recipe.calibration)
     ignore = ignore_patterns(info, target.ignore, method.keeps_lm_head(options))
-    return ResolvedTarget(target, method, options, target_gate(recipe, target), ignore, needs_calibration)
+    return ResolvedTarget(target, method, options, target_gate(recipe, target), ignore, needs_calibration,
+                          method.needs_model(options))
 
 
 def check_not_quantized(info: ModelInfo, recipe: Recipe) -> None:
@@ -129,7 +131,8 @@ def run(recipe: Recipe, opts: RunOptions) -> RunReport:
 
 def _run_in(staging: Path, recipe: Recipe, opts: RunOptions, info: ModelInfo,
             targets: list[ResolvedTarget]) -> RunReport:
-    from quantkit import evaluate
+    """Load only what some step needs: no tokenizer, windows or torch model for a run that neither
+    calibrates, nor evaluates, nor hands a target the model (e.g. gguf without imatrix and gate)."""
     from quantkit.model import load_tokenizer
 
     workdir = staging / ".work"
@@ -137,25 +140,29 @@ def _run_in(staging: Path, recipe: Recipe, opts: RunOptions, info: ModelInfo,
     report = base_report(recipe, opts, info)
     if recipe.lora:
         info = merge_lora(info, recipe, workdir, opts.progress)
-    tokenizer = load_tokenizer(info, recipe.trust_remote_code)
-    windows = make_windows(tokenizer, window_settings(recipe, targets), opts.progress)
-    report.calibration.update(source_sha256=windows.sha256, calib_windows=len(windows.calib),
-                              eval_windows=len(windows.eval))
-    model = load(info, recipe, opts.progress)
+    settings = window_settings(recipe, targets)
+    uses_windows = settings.num_samples + settings.eval_windows > 0
+    tokenizer = load_tokenizer(info, recipe.trust_remote_code) if uses_windows or any(
+        t.needs_model for t in targets) else None
+    windows = make_windows(tokenizer, settings, opts.progress) if uses_windows else None
+    if windows is not None:
+        report.calibration.update(source_sha256=windows.sha256, calib_windows=len(windows.calib),
+                                  eval_windows=len(windows.eval))
+    model = None
     baseline = None
-    if len(windows.eval):
-        opts.progress(f"baseline: scoring {len(windows.eval)} held-out windows")
-        with PeakTracker() as t:
-            baseline = evaluate.compute_baseline(evaluate.model_logits_fn(model), windows.eval, workdir=workdir)
-        report.timings["baseline_s"] = t.seconds
-        report.baseline = {"ppl": baseline.ppl, "positions": int(baseline.nll.shape[0])}
+    if windows is not None and len(windows.eval):
+        model = load(info, recipe, opts.progress)
+        baseline = compute_baseline(model, windows.eval, workdir, report, opts.progress)
     for resolved in targets:
-        if model is None:
+        if resolved.needs_model and model is None:
             model = load(info, recipe, opts.progress)
+        if not resolved.needs_model:
+            model = None
+            gc.collect()
         out_dir = target_dir(staging, resolved, targets)
         out_dir.mkdir(exist_ok=True)
-        job = QuantizeJob(model, tokenizer, info, resolved.options, windows, resolved.ignore, out_dir, workdir,
-                          recipe.device, recipe.trust_remote_code)
+        job = QuantizeJob(model, tokenizer if resolved.needs_model else None, info, resolved.options, windows,
+                          resolved.ignore, out_dir, workdir, recipe.dtype, recipe.device, recipe.trust_remote_code)
         model = None  # the job holds the only reference, so run_target can free it before measuring
         report.targets.append(run_target(job, resolved, baseline, opts))
         del job
@@ -165,14 +172,24 @@ def _run_in(staging: Path, recipe: Recipe, opts: RunOptions, info: ModelInfo,
     return report
 
 
+def compute_baseline(model, windows, workdir: Path, report: RunReport, progress: Progress):
+    """Score the full-precision model once on the held-out windows (reused for every target)."""
+    from quantkit import evaluate
+
+    progress(f"baseline: scoring {len(windows)} held-out windows")
+    with PeakTracker() as t:
+        baseline = evaluate.compute_baseline(evaluate.model_logits_fn(model), windows, workdir=workdir)
+    report.timings["baseline_s"] = t.seconds
+    report.baseline = {"ppl": baseline.ppl, "positions": int(baseline.nll.shape[0])}
+    return baseline
+
+
 def target_dir(staging: Path, resolved: ResolvedTarget, targets: list[ResolvedTarget]) -> Path:
     return staging if len(targets) == 1 else staging / resolved.name
 
 
 def run_target(job: QuantizeJob, resolved: ResolvedTarget, baseline, opts: RunOptions) -> TargetReport:
     """Quantize one target into its staging dir, then reload it from disk and measure it."""
-    from quantkit import evaluate
-
     opts.progress(f"[{resolved.name}] quantizing with {resolved.target.method}")
     with PeakTracker() as qt:
         result = resolved.method.quantize(job)
@@ -184,6 +201,8 @@ def run_target(job: QuantizeJob, resolved: ResolvedTarget, baseline, opts: RunOp
     gc.collect()
     if baseline is None:
         return entry
+    from quantkit import evaluate
+
     opts.progress(f"[{resolved.name}] measuring the artifact against the base")
     with PeakTracker() as et:
         entry.metrics = evaluate.evaluate_artifact(result.artifact, job.info.path, job.windows.eval, baseline,
@@ -233,14 +252,10 @@ def _finish(staging: Path, opts: RunOptions, report: RunReport) -> None:
 
 
 def base_report(recipe: Recipe, opts: RunOptions, info: ModelInfo) -> RunReport:
-    import torch
-    import transformers
-
-    packages = ("llmcompressor", "compressed-tensors", "gguf", "bitsandbytes")
+    packages = ("torch", "transformers", "llmcompressor", "compressed-tensors", "gguf", "bitsandbytes")
     return RunReport(
         quantkit_version=__version__,
-        versions={"python": platform.python_version(), "torch": torch.__version__,
-                  "transformers": transformers.__version__, **{p: package_version(p) for p in packages}},
+        versions={"python": platform.python_version(), **{p: package_version(p) for p in packages}},
         recipe=recipe.model_dump(mode="json"),
         model=ModelReport(path=str(info.path), architecture=info.architecture, model_type=info.model_type,
                           parameters=info.num_parameters, dtype=info.dtype, sha256=sha256_files(info.weight_files)),

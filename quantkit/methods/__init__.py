@@ -13,6 +13,7 @@ defaults for the optional ones in one place. Who calls what:
   options            recipe.validate, cli.inspect                 validating a target's `options`
   check              pipeline.prepare                             before any model is loaded
   needs_calibration  pipeline.resolve_target                      deciding whether to cut calibration windows
+  needs_model        pipeline.run                                 deciding whether to load the model in memory
   default_gate       pipeline.resolve_target (recipe.target_gate) the gate thresholds of a target
   keeps_lm_head      pipeline.resolve_target, cli.inspect         building the ignore list
   supports_ignore    pipeline.resolve_target                      refusing `ignore` where a format fixes every type
@@ -53,19 +54,21 @@ GateDefaults = dict[str, float]  # Gate field -> threshold, e.g. {"max_kld": 0.0
 class QuantizeJob:
     """Everything a method gets for one target. The method saves its artifact into out_dir.
 
-    `model` is the full-precision model loaded in memory; a method that re-loads the checkpoint
-    itself (nf4) sets it to None to free it. `windows.calib` is empty unless the target's
-    method said it needs calibration.
+    `model` and `tokenizer` are the full-precision model and its tokenizer loaded in memory when
+    the method's `needs_model` says so, else None (the method reads the checkpoint at
+    `info.path` itself). `windows` is None when no target of the run uses calibration or
+    evaluation windows; `windows.calib` is empty unless the method said it needs calibration.
     """
 
     model: Any
     tokenizer: Any
     info: ModelInfo
     options: BaseModel
-    windows: TokenWindows
+    windows: TokenWindows | None
     ignore: list[str]
     out_dir: Path
     workdir: Path
+    dtype: str = "auto"  # the recipe's dtype for loading (auto: the checkpoint's)
     device: str = "cpu"
     trust_remote_code: bool = False
 
@@ -110,6 +113,8 @@ class MethodSpec:
     default_gate: Callable[[BaseModel], GateDefaults]
     check: Callable[[ModelInfo, BaseModel, Calibration], None] = _no_check  # cheap, before any work
     needs_calibration: Callable[[BaseModel], bool] = _never
+    # True: quantize() gets the model (and tokenizer) loaded in memory; False: it reads the checkpoint itself.
+    needs_model: Callable[[BaseModel], bool] = _always
     # True: lm_head stays 16-bit (added to the ignore list); a format that types lm_head itself says False.
     keeps_lm_head: Callable[[BaseModel], bool] = _always
     supports_ignore: bool = True  # False: the format decides every tensor's type (gguf mixtures)

@@ -61,6 +61,11 @@ def uses_imatrix(options: Options) -> bool:
     return options.imatrix != "none" and (options.imatrix != "auto" or options.gguf_type in IMATRIX_AUTO_TYPES)
 
 
+def computes_imatrix(options: Options) -> bool:
+    """The imatrix is computed here (from the calibration windows, with the model in memory)."""
+    return options.imatrix == "auto" and uses_imatrix(options)
+
+
 def precision(role: str, options: Options, name: str, shape: list[int]) -> str | None:
     """The per-role default GGUF type of one weight, marked "(… mix)" for decoder weights.
 
@@ -117,13 +122,11 @@ def load_imatrix(job):
     from quantkit.gguf import imatrix as im
 
     opts = job.options
-    if opts.imatrix == "none" or not uses_imatrix(opts):
+    if not uses_imatrix(opts):
         return None, "none"
-    if opts.imatrix != "auto":
+    if not computes_imatrix(opts):
         return im.read(Path(opts.imatrix)), f"file:{opts.imatrix}"
     calib = job.windows.calib
-    if len(calib) == 0:
-        return None, "none (no calibration windows)"
     job.model.eval()
     return im.compute(job.model, calib, job.info.config, dataset=job.windows.source), \
         f"computed ({len(calib)} x {calib.shape[1]} tokens)"
@@ -153,7 +156,7 @@ def quantize(job: QuantizeJob) -> QuantizeResult:
 METHOD = MethodSpec(
     name="gguf", engine="quantkit-gguf", engine_package="quantkit", format="GGUF (llama.cpp / Ollama)",
     options=Options, quantize=quantize, precision=precision, default_gate=default_gate, check=check,
-    needs_calibration=uses_imatrix,
+    needs_calibration=computes_imatrix, needs_model=computes_imatrix,
     keeps_lm_head=lambda options: False,  # the mixture gives output.weight its own type (Q6_K for most mixes)
     supports_ignore=False,  # per-tensor types come from llama-quantize's mixture rules
     plan_types=plan_types,

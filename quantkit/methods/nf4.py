@@ -5,13 +5,12 @@ For QLoRA training and quick experiments: the checkpoint reloads with a plain
 is trained against. It is not a fast serving format; use gptq/awq/fp8 for vLLM.
 
 Needs no calibration data: NF4 is blockwise absmax (64 weights per block) onto a fixed
-16-value code book. The 16-bit model the pipeline loaded is dropped and the checkpoint is
-re-loaded with a BitsAndBytesConfig, which is how transformers quantizes with bitsandbytes.
+16-value code book. The checkpoint is loaded with a BitsAndBytesConfig, which is how transformers
+quantizes with bitsandbytes; the pipeline does not load the 16-bit model for this method.
 """
 
 from __future__ import annotations
 
-import gc
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
@@ -76,14 +75,13 @@ def skip_modules(ignore: list[str]) -> list[str]:
 
 
 def quantize(job: QuantizeJob) -> QuantizeResult:
+    from quantkit.model import torch_dtype
+
     require("bitsandbytes", "nf4", "the nf4 method (bitsandbytes 4-bit)")
-    dtype = job.model.dtype
-    job.model = None
-    gc.collect()
+    dtype = torch_dtype(job.dtype, job.info)
     config = bnb_config(job.options, compute_dtype(job.options, dtype), skip_modules(job.ignore))
     model = load_quantized(job.info, dtype, config, job.device, job.trust_remote_code)
-    model.save_pretrained(job.out_dir)
-    job.tokenizer.save_pretrained(job.out_dir)
+    model.save_pretrained(job.out_dir)  # the tokenizer files are copied beside it by the pipeline
     details = {"bnb_quantization_config": model.config.quantization_config.to_dict()}
     del model
     return QuantizeResult(job.out_dir, details)
@@ -106,5 +104,5 @@ METHOD = MethodSpec(
     name="nf4", engine="bitsandbytes", engine_package="bitsandbytes",
     format="transformers bitsandbytes checkpoint (4-bit NF4/FP4 or LLM.int8)",
     options=Options, quantize=quantize, precision=precision, default_gate=fixed_gate(DEFAULT_GATE),
-    check=check,
+    check=check, needs_model=lambda options: False,  # transformers re-loads the checkpoint with a bnb config
 )
