@@ -128,7 +128,7 @@ def _run_in(staging: Path, recipe: Recipe, opts: RunOptions, info: ModelInfo, re
     if len(windows.eval):
         opts.progress(f"baseline: scoring {len(windows.eval)} held-out windows")
         with PeakTracker() as t:
-            baseline = evaluate.compute_baseline(evaluate.model_logits_fn(model), windows.eval, workdir=workdir)
+            baseline = evaluate.compute_baseline(evaluate.model_scorer(model), windows.eval, workdir=workdir)
         report["timings"]["baseline_s"] = t.seconds
         report["baseline"] = {"ppl": baseline.ppl, "positions": int(baseline.nll.shape[0])}
     single = len(resolved) == 1
@@ -168,7 +168,7 @@ def run_target(job: QuantizeJob, method, recipe: Recipe, baseline, opts: RunOpti
         with PeakTracker() as et:
             artifact = job.extra.get("artifact_path", job.out_dir)
             candidate = load_for_eval(Path(artifact), job.info.path, job.device)
-            metrics = evaluate.compare(evaluate.model_logits_fn(candidate), job.windows.eval, baseline)
+            metrics = evaluate.compare(evaluate.model_scorer(candidate), job.windows.eval, baseline)
             del candidate
         entry["timings"]["eval_s"] = et.seconds
         entry["peak_rss_bytes"] = max(qt.peak_rss, et.peak_rss)

@@ -60,11 +60,11 @@ def eval_command(
     windows = eval_windows(tokenizer, data, num_windows, seq_len, seed)
     progress(f"baseline: {base.path} on {len(windows)} windows of {seq_len} tokens")
     base_model = load_model(base, device=device)
-    baseline = evaluate.compute_baseline(evaluate.model_logits_fn(base_model), windows)
+    baseline = evaluate.compute_baseline(evaluate.model_scorer(base_model), windows)
     del base_model
     progress(f"candidate: {model} ({kind})")
     candidate = load_for_eval(model, base.path, device)
-    metrics = evaluate.compare(evaluate.model_logits_fn(candidate), windows, baseline)
+    metrics = evaluate.compare(evaluate.model_scorer(candidate), windows, baseline)
     gate = Gate(max_ppl_increase=max_ppl_increase, max_kld=max_kld, min_top1=min_top1)
     verdict = evaluate.gate_verdict(metrics, gate)
     row = {"name": model.name, "kind": kind, "base": str(base.path), "metrics": metrics.as_dict(),
