@@ -288,3 +288,71 @@ def streamed_scorer(config, source: WeightSource, dtype, device="cpu", activatio
                 yield from score_group(streamed, ids)
 
     return scorer
+
+
+# ------------------------------------------------------------------ scorers for checkpoints and artifacts
+
+
+def streamable(config: dict) -> bool:
+    """Whether the streamed forward applies: a full-precision text decoder (not a VLM, whose towers
+    and forward differ, and not a quantized checkpoint, whose weights need its engine's modules)."""
+    from quantkit.model import is_vlm
+
+    return not is_vlm(config) and "quantization_config" not in config
+
+
+def checkpoint_scorer(model_dir: Path, dtype: str = "auto", device: str = "cpu",
+                      activation_bytes: int = ACTIVATION_BYTES) -> Scorer:
+    """A full-precision checkpoint streamed from its safetensors, in `dtype` ('auto': the stored
+    dtype, as quantkit.model.load_model and from_pretrained load it)."""
+    from transformers import AutoConfig
+
+    from quantkit.model import check_model_dir, device_map, torch_dtype
+
+    info = check_model_dir(Path(model_dir))
+    config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    return streamed_scorer(config, SafetensorsWeights(model_dir), torch_dtype(dtype, info), device_map(device),
+                           activation_bytes)
+
+
+def gguf_scorer(path: Path, base_dir: Path, device: str = "cpu", activation_bytes: int = ACTIVATION_BYTES) -> Scorer:
+    """A .gguf in the base's architecture, dequantized a tensor at a time, computed in float32
+    (as artifacts.load_gguf_into_base does)."""
+    import torch
+    from transformers import AutoConfig
+
+    from quantkit.gguf.loader import GGUFTensors
+    from quantkit.model import device_map
+
+    config = AutoConfig.from_pretrained(base_dir, local_files_only=True)
+    return streamed_scorer(config, GGUFTensors(path, config.to_dict()), torch.float32, device_map(device),
+                           activation_bytes)
+
+
+def loaded_scorer(path: Path, base_dir: Path | None, device: str = "cpu") -> Scorer:
+    """The artifact loaded whole when scoring starts and dropped when it ends (evaluate.model_scorer)."""
+    from quantkit.artifacts import load_for_eval
+    from quantkit.evaluate import model_scorer
+
+    def scorer(windows) -> Iterator[ScoredChunk]:
+        yield from model_scorer(load_for_eval(path, base_dir, device))(windows)
+
+    return scorer
+
+
+def artifact_scorer(path: Path, base_dir: Path | None = None, device: str = "cpu") -> Scorer:
+    """A Scorer for any artifact quantkit evaluates: a .gguf or a full-precision text decoder is
+    streamed layer by layer; a compressed-tensors or bitsandbytes checkpoint (weights already 4-8 bit,
+    restored by its engine's own modules) and a VLM load whole through transformers."""
+    from quantkit.artifacts import artifact_kind, gguf_file
+    from quantkit.errors import InputError
+    from quantkit.model import read_config
+
+    kind = artifact_kind(path)
+    if kind == "gguf":
+        if base_dir is None:
+            raise InputError("evaluating a .gguf needs the base checkpoint", hint="pass --against BASE_DIR")
+        return gguf_scorer(gguf_file(path), base_dir, device)
+    if kind == "transformers" and streamable(read_config(path)):
+        return checkpoint_scorer(path, "auto", device)
+    return loaded_scorer(path, base_dir, device)
