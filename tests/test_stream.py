@@ -177,3 +177,19 @@ def test_safetensors_source_reads_stored_dtype(micro_model):
     for name, tensor in ref.items():
         got = source.get(name)
         assert got.dtype == tensor.dtype and torch.equal(got, tensor), name
+
+
+def test_gguf_tensors_dequantize_in_slabs_exactly(micro_model, tmp_path, monkeypatch):
+    import gguf
+    import numpy as np
+
+    from quantkit.gguf import loader
+    from quantkit.gguf.convert import convert
+
+    path = tmp_path / "q4.gguf"
+    convert(micro_model, path, "Q4_K_M")
+    monkeypatch.setattr(loader, "SLAB_ELEMENTS", 256 * 3)  # 3 rows per slab
+    for tensor in gguf.GGUFReader(str(path)).tensors:
+        whole = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(tuple(reversed(tensor.shape.tolist())))
+        sliced = loader.dequantize(tensor, loader.read_tensor_data(path, tensor))
+        assert np.array_equal(sliced, whole), tensor.name

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from quantkit.errors import ModelError
-from quantkit.gguf.convert import arch_spec, name_map, norm_shift, permute_heads, unpermute
+from quantkit.gguf.convert import SLAB_ELEMENTS, arch_spec, name_map, norm_shift, permute_heads, unpermute
 
 # HF tensor names of the supported decoders ({i}: layer). Names absent from a checkpoint are ignored.
 HF_GLOBAL = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
@@ -54,11 +54,20 @@ def read_tensor_data(path: Path, tensor) -> np.ndarray:
 
 
 def dequantize(tensor, data: np.ndarray | None = None) -> np.ndarray:
+    """float32 values of a tensor, dequantized a slab of rows at a time into the result (gguf-py's
+    whole-tensor temporaries are several times the float32 size of a 128k-vocab embedding)."""
     import gguf
 
-    data = gguf.quants.dequantize(tensor.data if data is None else data, tensor.tensor_type)
-    shape = tuple(int(d) for d in reversed(tensor.shape))
-    return np.asarray(data, dtype=np.float32).reshape(shape)
+    data = tensor.data if data is None else data
+    out = np.empty(tuple(int(d) for d in reversed(tensor.shape)), dtype=np.float32)
+    if out.ndim < 2:
+        out[...] = gguf.quants.dequantize(data, tensor.tensor_type).reshape(out.shape)
+        return out
+    step = max(1, SLAB_ELEMENTS // int(np.prod(out.shape[1:])))
+    for start in range(0, out.shape[0], step):
+        part = out[start : start + step]
+        part[...] = gguf.quants.dequantize(data[start : start + step], tensor.tensor_type).reshape(part.shape)
+    return out
 
 
 def hf_weight(data: np.ndarray, hf_name: str, config: dict):
@@ -69,7 +78,7 @@ def hf_weight(data: np.ndarray, hf_name: str, config: dict):
         data = unpermute(data, heads)
     if norm_shift(config, hf_name):
         data = data - np.float32(1)
-    return torch.from_numpy(np.array(data, dtype=np.float32, order="C", copy=True))
+    return torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32))  # copies only unpermuted rows
 
 
 def tied_output(config: dict) -> bool:
