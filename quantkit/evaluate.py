@@ -30,7 +30,8 @@ from typing import Callable, Iterable, Iterator, NamedTuple
 import numpy as np
 
 MEMMAP_THRESHOLD = 512 * 1024 * 1024
-BATCH_LOGITS_BYTES = 64 * 1024 * 1024  # float32 logits per forward batch / scored chunk; a few copies live at once
+BATCH_LOGITS_BYTES = 64 * 1024 * 1024  # float32 logits per forward batch; a few copies live at once
+CHUNK_BYTES = 32 * 1024 * 1024  # float32 log-probs per scored chunk; a few copies live at once
 GATE_METRICS = (  # (metric, threshold field, comparison)
     ("ppl_increase", "max_ppl_increase", "<="),
     ("kld_mean", "max_kld", "<="),
@@ -107,8 +108,8 @@ def positions(windows) -> int:
 
 
 def chunk_rows(vocab_size: int) -> int:
-    """Positions per scored chunk so its float32 log-probs stay near BATCH_LOGITS_BYTES."""
-    return max(1, BATCH_LOGITS_BYTES // (4 * vocab_size))
+    """Positions per scored chunk so its float32 log-probs stay near CHUNK_BYTES."""
+    return max(1, CHUNK_BYTES // (4 * vocab_size))
 
 
 def score_logits(logits, ids) -> Iterator[ScoredChunk]:
@@ -222,14 +223,13 @@ def kl_rows(base16: np.ndarray, cand) -> "torch.Tensor":  # noqa: F821
     """KL(base || cand) per position from float16-rounded log-probs; tiny negatives clamp to 0.
 
     Terms where the base probability is 0 contribute 0 (not 0 * inf = NaN); a candidate position
-    whose log-probs hold a NaN gets a NaN, never a finite value."""
+    whose log-probs hold a NaN gets a NaN, never a finite value. In place: two float32 copies of
+    the chunk live at once."""
     import torch
 
-    p_log = torch.from_numpy(np.asarray(base16)).float()
-    q_log = cand.to(torch.float16).float()
-    p = p_log.exp()
-    terms = torch.where(p > 0, p * (p_log - q_log), 0.0)
-    kl = terms.sum(-1).clamp_min(0.0)
+    terms = cand.to(torch.float16).float().neg_().add_(torch.from_numpy(np.asarray(base16)).float())
+    p = torch.from_numpy(np.asarray(base16)).float().exp_()
+    kl = terms.mul_(p).masked_fill_(p == 0, 0.0).sum(-1).clamp_min(0.0)
     return torch.where(finite_rows(cand), kl, math.nan)
 
 

@@ -1,6 +1,6 @@
 """Peak RSS of the gate's forwards, streamed layer by layer vs. the model loaded whole.
 
-    python scripts/stream_memory.py build DIR       # synthetic Llama: hidden 1024, 8 layers, vocab 128256, bf16
+    python scripts/stream_memory.py build DIR [--layers 8]  # synthetic Llama: hidden 1024, vocab 128256, bf16
     python scripts/stream_memory.py measure DIR     # one fresh process per (phase, path); prints a table
 
 Phases: `baseline` scores the bf16 checkpoint (in memory: quantkit.model.load_model as the pipeline
@@ -89,11 +89,12 @@ def main() -> None:
     parser.add_argument("command", choices=["build", "measure", "one"])
     parser.add_argument("model_dir", type=Path)
     parser.add_argument("rest", nargs="*")
+    parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--windows", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=256)
     args = parser.parse_args()
     if args.command == "build":
-        build(args.model_dir)
+        build(args.model_dir, args.layers)
     elif args.command == "measure":
         measure(args.model_dir, args.windows, args.seq_len)
     else:

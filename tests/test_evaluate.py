@@ -87,7 +87,7 @@ def test_logits_scorer_batches_windows_and_chunks_positions(windows, monkeypatch
         calls.append(ids.shape[0])
         return fake_logits()(ids)
 
-    monkeypatch.setattr(evaluate, "BATCH_LOGITS_BYTES", 4 * 32 * 10)  # 10 positions per chunk
+    monkeypatch.setattr(evaluate, "CHUNK_BYTES", 4 * 32 * 10)  # 10 positions per chunk
     chunks = list(evaluate.logits_scorer(counting, 32, batch_size=4)(windows))
     assert calls == [4, 2]
     assert [c.logprobs.shape[0] for c in chunks] == [10] * 6 + [4] + [10] * 3 + [2]

@@ -141,7 +141,7 @@ def test_each_tensor_is_read_once_per_group_of_windows(micro_model, windows):
 
 
 def test_logits_come_a_chunk_of_positions_at_a_time(micro_model, windows, monkeypatch):
-    monkeypatch.setattr(evaluate, "BATCH_LOGITS_BYTES", 4 * 512 * 50)  # 50 positions of a 512 vocab
+    monkeypatch.setattr(evaluate, "CHUNK_BYTES", 4 * 512 * 50)  # 50 positions of a 512 vocab
     chunks = list(stream.checkpoint_scorer(micro_model)(windows))
     assert max(c.logprobs.shape[0] for c in chunks) == 50
     assert sum(c.logprobs.shape[0] for c in chunks) == evaluate.positions(windows)
