@@ -260,7 +260,10 @@ def head_logits(head, hidden, softcap: float | None):
 
 
 def score_group(streamed: StreamedModel, ids) -> Iterator[ScoredChunk]:
-    """Run one group of windows through the streamed layers, then score it a chunk at a time."""
+    """Run one group of windows through the streamed layers, then score it a chunk at a time.
+
+    Our own loop for the head only: the CausalLM's forward would make the group's whole
+    [positions x vocab] logits at once, and a hooked head would be re-read for every chunk."""
     import torch
 
     hidden = last_hidden(streamed, ids)
