@@ -185,12 +185,34 @@ def streamed_units(decoder) -> Iterator[tuple[str, object]]:
             yield name, child
 
 
+def release_freed_memory() -> None:
+    """Hand the C heap's free pages back to the OS (glibc's malloc_trim; nothing elsewhere).
+
+    Without it the RSS grew by about half a layer per layer: once glibc's dynamic mmap threshold has
+    risen, freed weights stay in the heap (and the torch threads' arenas) in fragments the next
+    layer's allocations do not fill (measured: +15 MiB per layer on a 24-layer model, flat with it)."""
+    import ctypes
+
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except AttributeError:  # not glibc
+        return
+    trim(0)
+
+
 def offload_hook(weights: WeightsMap, prefix: str, device):
+    """accelerate's offloading hook over the unit's slice of the weights, trimming the heap after."""
     from accelerate.hooks import AlignDevicesHook
     from accelerate.utils import PrefixedDataset
 
-    return AlignDevicesHook(execution_device=device, offload=True, weights_map=PrefixedDataset(weights, prefix),
-                            place_submodules=True)
+    class StreamingHook(AlignDevicesHook):
+        def post_forward(self, module, output):
+            output = super().post_forward(module, output)
+            release_freed_memory()
+            return output
+
+    return StreamingHook(execution_device=device, offload=True, weights_map=PrefixedDataset(weights, prefix),
+                         place_submodules=True)
 
 
 def module_prefixes(model) -> dict[int, str]:
