@@ -11,14 +11,16 @@ locally with quantkit's toy BPE tokenizer. Each run is one process measured by /
   llama.cpp workflow     convert_hf_to_gguf.py --outtype bf16, llama-imatrix (N chunks), llama-quantize
                          --imatrix, llama-perplexity --kl-divergence-base on the bf16 file and
                          --kl-divergence on the Q4_K_M file (E chunks): wall summed, peak = max
-  quantkit fp8 / gptq    `quantkit quantize --method fp8|gptq` with the same windows and gate
+  quantkit fp8 / gptq    `quantkit quantize --method fp8|gptq` with the same windows and gate, in RAM
+                         and with --offload-dir (decoder layers on disk while llm-compressor works)
   quantkit gguf, bare    `--imatrix none --eval-windows 0` against llama.cpp's convert + llama-quantize
 
 Runs pass --no-gate: the gate is measured in full but not enforced (a random model's metrics mean
 nothing); the memory and time are those of a gated run. llama.cpp's text files are the decoded
 calibration / held-out windows, so both tools see the same text and the same number of tokens.
 
-Usage: nice python scripts/bench_memory.py [--work DIR] [--threads 2] [--runs gguf,fp8,gptq,bare]
+Usage: nice python scripts/bench_memory.py [--work DIR] [--threads 2]
+       [--runs gguf,fp8,fp8-offload,gptq,gptq-offload,bare]
        [--hidden 2048 --layers 8 --vocab 128256] [--calib 8 --eval 4 --seq-len 256] [--json out.json]
 Needs scripts/build_llamacpp.sh to have run for the llama.cpp rows (they are skipped otherwise).
 """
@@ -124,9 +126,14 @@ def run_all(args) -> dict:
         rows["quantkit gguf Q4_K_M (imatrix, gate)"] = quantkit_run(model, work / "qk-q4km", args, "--method", "gguf")
         if have_llama:
             rows["llama.cpp workflow (convert, imatrix, quantize, KLD)"] = llama_gguf_workflow(model, work, texts, args)
+    offload = work / "offload"
+    offload.mkdir(exist_ok=True)
     for method in ("fp8", "gptq"):
         if method in runs:
             rows[f"quantkit {method} (gate)"] = quantkit_run(model, work / f"qk-{method}", args, "--method", method)
+        if f"{method}-offload" in runs:
+            rows[f"quantkit {method} (gate, --offload-dir)"] = quantkit_run(
+                model, work / f"qk-{method}-offload", args, "--method", method, "--offload-dir", str(offload))
     if "bare" in runs:
         rows["quantkit gguf Q4_K_M, --imatrix none --eval-windows 0"] = timed_bare(model, work, args)
         if have_llama:
@@ -158,7 +165,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "quantkit-bench-memory")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--runs", default="gguf,fp8,gptq,bare")
+    ap.add_argument("--runs", default="gguf,fp8,fp8-offload,gptq,gptq-offload,bare")
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=128256)
