@@ -99,7 +99,7 @@ def run(recipe: Recipe, opts: RunOptions) -> dict:
     """Execute the recipe; returns the report (also written to OUT/quantkit.json)."""
     started = time.time()
     info, resolved = prepare(recipe, opts)
-    staging = export.make_staging(opts.out)
+    staging = export.make_staging(opts.out, opts.progress)
     try:
         report = _run_in(staging, recipe, opts, info, resolved)
         report["timings"]["total_s"] = round(time.time() - started, 3)

@@ -6,11 +6,14 @@ hint) and an exit code; a traceback only with QUANTKIT_DEBUG=1.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 
 import typer
@@ -20,6 +23,8 @@ from rich.console import Console
 out = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 140)
 err = Console(stderr=True, soft_wrap=True, width=None if sys.stderr.isatty() else 140)
 EXIT_INTERRUPTED = 130
+# Signals handled like Ctrl-C: staging removed, one line on stderr, exit 128 + signal number.
+TERMINATING_SIGNALS = ("SIGTERM", "SIGHUP")
 
 
 def quiet_libraries() -> None:
@@ -64,13 +69,17 @@ def handle_errors(fn):
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        from quantkit.errors import QuantkitError
+        from quantkit.errors import QuantkitError, Terminated
 
         quiet_libraries()
         try:
-            return fn(*args, **kwargs)
+            with signals_as_exceptions():
+                return fn(*args, **kwargs)
         except typer.Exit:
             raise
+        except Terminated as exc:
+            err.print(f"terminated ({exc.name}); nothing was written", style="yellow", highlight=False)
+            raise typer.Exit(exc.exit_code) from None
         except QuantkitError as exc:
             if debug():
                 err.print_exception()
@@ -87,6 +96,34 @@ def handle_errors(fn):
             raise typer.Exit(1) from None
 
     return wrapper
+
+
+@contextlib.contextmanager
+def signals_as_exceptions():
+    """For the duration of one command, SIGTERM/SIGHUP raise quantkit.errors.Terminated in the
+    main thread, so the run's cleanup (the same path as Ctrl-C) removes its staging directory.
+    Later signals of those kinds are ignored while that cleanup runs; the previous handlers are
+    restored on exit. Outside the main thread (where Python cannot install handlers) a no-op."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    signums = [getattr(signal, name) for name in TERMINATING_SIGNALS if hasattr(signal, name)]
+    previous = {signum: signal.getsignal(signum) for signum in signums}
+    for signum in signums:
+        signal.signal(signum, _raise_terminated)
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _raise_terminated(signum, _frame):
+    from quantkit.errors import Terminated
+
+    for other in (getattr(signal, name) for name in TERMINATING_SIGNALS if hasattr(signal, name)):
+        signal.signal(other, signal.SIG_IGN)  # one clean shutdown; restored when the command ends
+    raise Terminated(signum, signal.Signals(signum).name)
 
 
 def _print_error(message: str, hint: str | None) -> None:
