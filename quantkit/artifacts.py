@@ -15,15 +15,21 @@ from quantkit.errors import InputError, ModelError
 
 
 def artifact_kind(path: Path) -> str:
-    """'gguf', 'compressed-tensors', 'bitsandbytes' or 'transformers'."""
-    if path.is_file() and path.suffix == ".gguf":
-        return "gguf"
-    if path.is_dir() and not (path / "config.json").exists() and list(path.glob("*.gguf")):
+    """'gguf', 'compressed-tensors', 'bitsandbytes' or 'transformers'. A .gguf's header is read
+    (cheap, memory-mapped) so that a damaged file fails here, naming it, before any work."""
+    from quantkit.gguf.loader import open_reader
+
+    if (path.is_file() and path.suffix == ".gguf") or (
+            path.is_dir() and not (path / "config.json").exists() and list(path.glob("*.gguf"))):
+        open_reader(gguf_file(path))
         return "gguf"
     config_file = path / "config.json"
     if not config_file.is_file():
         raise ModelError(f"{path} is neither a .gguf file nor a checkpoint directory with config.json")
-    qconfig = json.loads(config_file.read_text()).get("quantization_config") or {}
+    try:
+        qconfig = json.loads(config_file.read_text()).get("quantization_config") or {}
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as exc:
+        raise ModelError(f"{config_file} is not a valid JSON object: {exc}".splitlines()[0]) from exc
     method = qconfig.get("quant_method", "")
     if method == "compressed-tensors":
         return "compressed-tensors"

@@ -40,6 +40,14 @@ def hf_names(config: dict) -> dict[str, str]:
     return {g: n for g, n in pairs if g is not None}
 
 
+def dequantize_checked(tensor, path: Path) -> np.ndarray:
+    try:
+        return dequantize(tensor)
+    except READER_ERRORS as exc:
+        raise ModelError(f"{path.name}: tensor '{tensor.name}' cannot be decoded ({type(exc).__name__}: {exc})"
+                         .splitlines()[0], hint=f"the file is corrupt: {path}") from exc
+
+
 def text_config(hf_config: dict) -> dict:
     return hf_config.get("text_config", hf_config) if "num_hidden_layers" not in hf_config else hf_config
 
@@ -52,6 +60,26 @@ def dequantize(tensor) -> np.ndarray:
     return np.asarray(data, dtype=np.float32).reshape(shape)
 
 
+# What gguf-py raises on a damaged file (bad magic, short header, tensor data past the end, an
+# unknown type id); each becomes a ModelError naming the file.
+READER_ERRORS = (ValueError, IndexError, KeyError, TypeError, OverflowError, NotImplementedError, EOFError)
+
+
+def open_reader(gguf_path):
+    """gguf.GGUFReader over the file (memory-mapped: cheap), or ModelError naming the file."""
+    import gguf
+
+    path = Path(gguf_path)
+    try:
+        reader = gguf.GGUFReader(str(path))
+        for tensor in reader.tensors:  # types known, data within the file
+            gguf.GGMLQuantizationType(tensor.tensor_type)
+    except READER_ERRORS as exc:
+        raise ModelError(f"{path.name} is not a readable GGUF file ({type(exc).__name__}: {exc})".splitlines()[0],
+                         hint=f"the file is truncated or corrupt: {path}") from exc
+    return reader
+
+
 def to_hf_state_dict(gguf_path, hf_config_dict: dict) -> dict:
     """{HF name: float32 torch.Tensor} from a .gguf written for this config."""
     import gguf
@@ -60,13 +88,13 @@ def to_hf_state_dict(gguf_path, hf_config_dict: dict) -> dict:
     config = text_config(hf_config_dict)
     arch_spec(config)
     mapping = hf_names(config)
-    reader = gguf.GGUFReader(str(gguf_path))
+    reader = open_reader(gguf_path)
     state = {}
     for tensor in reader.tensors:
         if tensor.name not in mapping:
             raise ModelError(f"{Path(gguf_path).name}: tensor '{tensor.name}' has no Hugging Face counterpart")
         hf = mapping[tensor.name]
-        data = dequantize(tensor)
+        data = dequantize_checked(tensor, Path(gguf_path))
         if (heads := permute_heads(config, hf)) is not None:
             data = unpermute(data, heads)
         if norm_shift(config, hf):

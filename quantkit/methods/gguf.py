@@ -140,6 +140,10 @@ def check(info, options: Options, spec=None) -> None:
     if options.imatrix not in ("auto", "none") and not Path(options.imatrix).is_file():
         raise InputError(f"imatrix file not found: {options.imatrix}",
                          hint='pass a llama.cpp imatrix (.gguf or .dat), "auto" or "none"')
+    if options.imatrix not in ("auto", "none") and uses_imatrix(options):
+        from quantkit.gguf import imatrix as im
+
+        im.check_fits(im.read(Path(options.imatrix)), info, options.gguf_type, Path(options.imatrix))
 
 
 def model_name(job) -> str:
