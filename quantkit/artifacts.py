@@ -49,31 +49,38 @@ def gguf_file(path: Path) -> Path:
     return files[0]
 
 
-def load_for_eval(path: Path, base_dir: Path | None = None, device: str = "cpu"):
-    """A model object whose forward gives logits, loaded from the artifact on disk."""
+def load_for_eval(path: Path, base_dir: Path | None = None, device: str = "cpu", trust_remote_code: bool = False):
+    """A model object whose forward gives logits, loaded from the artifact on disk. Custom model
+    code (an `auto_map` in config.json) runs only with trust_remote_code, as for the base."""
     kind = artifact_kind(path)
     if kind == "gguf":
         if base_dir is None:
             raise InputError("evaluating a .gguf needs the base checkpoint", hint="pass --against BASE_DIR")
-        return load_gguf_into_base(gguf_file(path), base_dir, device)
+        return load_gguf_into_base(gguf_file(path), base_dir, device, trust_remote_code)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from quantkit.model import auto_model_class
+    from quantkit.model import auto_model_class, custom_code_error, needs_remote_code
 
     # Same rule as loading the base: a VLM artifact loads whole (towers included) through
     # AutoModelForImageTextToText; the evaluator feeds it text-only token windows.
     config = json.loads((path / "config.json").read_text())
-    model = auto_model_class(config).from_pretrained(path, local_files_only=True, device_map=device)
+    try:
+        model = auto_model_class(config).from_pretrained(path, local_files_only=True, device_map=device,
+                                                         trust_remote_code=trust_remote_code)
+    except ValueError as exc:
+        if needs_remote_code(exc):
+            raise custom_code_error(path, (config.get("architectures") or ["unknown"])[0]) from exc
+        raise
     return model.eval()
 
 
-def load_gguf_into_base(path: Path, base_dir: Path, device: str = "cpu"):
+def load_gguf_into_base(path: Path, base_dir: Path, device: str = "cpu", trust_remote_code: bool = False):
     """Dequantize every GGUF tensor (gguf-py) and load it into the base architecture."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from quantkit.gguf.loader import to_hf_state_dict
 
-    config = AutoConfig.from_pretrained(base_dir, local_files_only=True)
+    config = AutoConfig.from_pretrained(base_dir, local_files_only=True, trust_remote_code=trust_remote_code)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     state = to_hf_state_dict(path, config.to_dict())

@@ -283,17 +283,24 @@ def load_model(info: ModelInfo, dtype: str = "auto", device: str = "cpu", trust_
             ignore_mismatched_sizes=True,  # reported by check_loading_info instead of a bare RuntimeError
         )
     except ValueError as exc:
-        if "trust_remote_code" in str(exc):
-            raise ModelError(
-                f"{info.path} needs custom code ({info.architecture})",
-                hint="pass --trust-remote-code if you trust the code in that directory",
-            ) from exc
+        if needs_remote_code(exc):
+            raise custom_code_error(info.path, info.architecture) from exc
         if auto_class is AutoModelForCausalLM and "Unrecognized configuration" in str(exc):
             raise ModelError(f"unsupported architecture {info.architecture} (model_type {info.model_type})") from exc
         raise
     check_loading_info(info, loading)
     model.eval()
     return model
+
+
+def needs_remote_code(exc: Exception) -> bool:
+    """transformers refused to run a checkpoint's custom code (trust_remote_code not given)."""
+    return isinstance(exc, ValueError) and "trust_remote_code" in str(exc)
+
+
+def custom_code_error(path: Path, architecture: str) -> ModelError:
+    return ModelError(f"{path} needs custom code ({architecture})",
+                      hint="pass --trust-remote-code if you trust the code in that directory")
 
 
 def is_vlm(config: dict) -> bool:
@@ -329,6 +336,8 @@ def load_tokenizer(info: ModelInfo, trust_remote_code: bool = False):
     try:
         return AutoTokenizer.from_pretrained(info.path, trust_remote_code=trust_remote_code, local_files_only=True)
     except Exception as exc:  # noqa: BLE001 - tokenizers/transformers raise many kinds on damaged files
+        if needs_remote_code(exc):
+            raise custom_code_error(info.path, info.architecture) from exc
         files = ", ".join(sorted(p.name for p in info.path.glob("tokenizer*"))) or "no tokenizer files"
         raise ModelError(f"{info.path} has no usable tokenizer ({files}): {type(exc).__name__}: {exc}".splitlines()[0],
                          hint="the tokenizer files are missing or damaged") from exc

@@ -169,7 +169,7 @@ def run_target(job: QuantizeJob, method, recipe: Recipe, baseline, opts: RunOpti
         opts.progress(f"[{target.name}] measuring the artifact against the base")
         with PeakTracker() as et:
             artifact = job.extra.get("artifact_path", job.out_dir)
-            candidate = load_for_eval(Path(artifact), job.info.path, job.device)
+            candidate = load_for_eval(Path(artifact), job.info.path, job.device, job.trust_remote_code)
             metrics = evaluate.compare(evaluate.model_logits_fn(candidate), job.windows.eval, baseline)
             del candidate
         entry["timings"]["eval_s"] = et.seconds
@@ -265,7 +265,7 @@ def merge_lora(info: ModelInfo, recipe: Recipe, workdir: Path, progress: Progres
     from quantkit.lora import merge_adapters
 
     progress(f"merging {len(recipe.lora)} LoRA adapter(s)")
-    merged = merge_adapters(info, recipe.lora, workdir / "merged", recipe.dtype)
+    merged = merge_adapters(info, recipe.lora, workdir / "merged", recipe.dtype, recipe.trust_remote_code)
     return check_model_dir(merged)
 
 

@@ -20,6 +20,7 @@ def eval_command(
     seq_len: int = typer.Option(512, help="Tokens per window."),
     seed: int = typer.Option(0, help="Sampling seed (the same as quantize's gives the same held-out windows)."),
     device: str = typer.Option("cpu", help="cpu | cuda | auto"),
+    trust_remote_code: bool = typer.Option(False, help="Allow custom model code from the base and artifact dirs."),
     max_ppl_increase: Optional[float] = typer.Option(None, help="Gate: max relative perplexity increase."),
     max_kld: Optional[float] = typer.Option(None, help="Gate: max mean KL divergence."),
     min_top1: Optional[float] = typer.Option(None, help="Gate: min top-1 agreement."),
@@ -56,14 +57,14 @@ def eval_command(
         raise InputError("--llama-perplexity applies to .gguf artifacts only")
     check_device(device)
     base = check_model_dir(resolve_model(against or default_base(model)))
-    tokenizer = load_tokenizer(base)
+    tokenizer = load_tokenizer(base, trust_remote_code)
     windows = eval_windows(tokenizer, data, num_windows, seq_len, seed)
     progress(f"baseline: {base.path} on {len(windows)} windows of {seq_len} tokens")
-    base_model = load_model(base, device=device)
+    base_model = load_model(base, device=device, trust_remote_code=trust_remote_code)
     baseline = evaluate.compute_baseline(evaluate.model_logits_fn(base_model), windows)
     del base_model
     progress(f"candidate: {model} ({kind})")
-    candidate = load_for_eval(model, base.path, device)
+    candidate = load_for_eval(model, base.path, device, trust_remote_code)
     metrics = evaluate.compare(evaluate.model_logits_fn(candidate), windows, baseline)
     gate = Gate(max_ppl_increase=max_ppl_increase, max_kld=max_kld, min_top1=min_top1)
     verdict = evaluate.gate_verdict(metrics, gate)
