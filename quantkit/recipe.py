@@ -117,6 +117,27 @@ def load_yaml(path: str | Path) -> dict:
     return data
 
 
+# Sections whose type CLI overrides rely on when merging into raw recipe data.
+SECTION_TYPES = {"calibration": dict, "gate": dict, "targets": list, "lora": list}
+TARGET_SECTION_TYPES = {"options": dict, "ignore": list, "gate": dict}
+
+
+def check_structure(data: dict, origin: str = "recipe") -> None:
+    """Sections are mappings/lists where a recipe has them (before CLI overrides merge into them)."""
+    _check_sections(data, SECTION_TYPES, origin, "")
+    for index, target in enumerate(data.get("targets") or []):
+        if not isinstance(target, dict):
+            raise RecipeError(f"{origin}: targets.{index}: must be a mapping (name, method, options, ...)")
+        _check_sections(target, TARGET_SECTION_TYPES, origin, f"targets.{index}.")
+
+
+def _check_sections(data: dict, types: dict, origin: str, prefix: str) -> None:
+    for key, kind in types.items():
+        if data.get(key) is not None and not isinstance(data[key], kind):
+            what = "a mapping" if kind is dict else "a list"
+            raise RecipeError(f"{origin}: {prefix}{key}: must be {what}, not {type(data[key]).__name__}")
+
+
 def validate(data: dict, origin: str = "recipe") -> Recipe:
     """Validate raw recipe data, including every target's method options."""
     try:
@@ -133,7 +154,9 @@ def validate(data: dict, origin: str = "recipe") -> Recipe:
 
 
 def load_recipe(path: str | Path) -> Recipe:
-    return validate(load_yaml(path), origin=str(path))
+    data = load_yaml(path)
+    check_structure(data, str(path))
+    return validate(data, origin=str(path))
 
 
 def format_errors(exc: ValidationError, prefix: str = "") -> str:

@@ -95,11 +95,12 @@ def quantize(
 def build_recipe(recipe_name: str | None, method: str | None, flags: dict, overrides: dict):
     """Recipe data (file or --method), CLI overrides applied, validated as one."""
     from quantkit.errors import InputError
-    from quantkit.recipe import find_recipe, load_yaml, validate
+    from quantkit.recipe import check_structure, find_recipe, load_yaml, validate
 
     if recipe_name:
         path = find_recipe(recipe_name)
         data, origin = load_yaml(path), str(path)
+        check_structure(data, origin)
     elif method:
         data, origin = {"targets": [{"name": method, "method": method}]}, "command line"
     else:
