@@ -26,6 +26,7 @@ from quantkit.methods import get_method
 from quantkit.model import ModelInfo, check_device, check_generative, check_model_dir, resolve_model, sha256_files
 from quantkit.numerics import check_finite
 from quantkit.plan import build_plan, ignore_patterns, keeps_lm_head
+from quantkit.preflight import check_disk, run_estimate
 from quantkit.recipe import Recipe, Target, target_gate, target_options
 
 Progress = Callable[[str], None]
@@ -82,6 +83,7 @@ def prepare(recipe: Recipe, opts: RunOptions) -> tuple[ModelInfo, list]:
         if not Path(path).is_dir():
             raise InputError(f"LoRA adapter directory not found: {path}")
         check_adapter(Path(path))
+    check_disk(opts.out, run_estimate(info, recipe, resolved))
     check_finite([*info.weight_files, *(Path(p) / "adapter_model.safetensors" for p in recipe.lora)])
     return info, resolved
 
