@@ -72,7 +72,11 @@ def make_staging(out: Path, progress: Callable[[str], None] = lambda message: No
             progress(f"removed {removed.staging.name}, left by pid {removed.owner.pid} "
                      f"(started {_when(removed.owner.started)}, no longer running)")
         staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.staging-", dir=out.parent))
-        write_owner(staging, Owner.me())
+        try:
+            write_owner(staging, Owner.me())
+        except BaseException:  # never leave a staging dir without its owner file
+            discard(staging)
+            raise
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(staging, 0o777 & ~umask)  # mkdtemp makes 0700; the result should look like any new dir
