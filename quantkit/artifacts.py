@@ -15,9 +15,11 @@ from quantkit.errors import InputError, ModelError
 
 
 def artifact_kind(path: Path) -> str:
-    """'gguf', 'compressed-tensors', 'bitsandbytes' or 'transformers'. A .gguf's header is read
-    (cheap, memory-mapped) so that a damaged file fails here, naming it, before any work."""
+    """'gguf', 'compressed-tensors', 'bitsandbytes' or 'transformers'. The .gguf header or the
+    config.json and safetensors headers are read (cheap) so that a damaged artifact fails here,
+    naming the file, before any work."""
     from quantkit.gguf.loader import open_reader
+    from quantkit.model import check_model_dir
 
     if (path.is_file() and path.suffix == ".gguf") or (
             path.is_dir() and not (path / "config.json").exists() and list(path.glob("*.gguf"))):
@@ -26,10 +28,7 @@ def artifact_kind(path: Path) -> str:
     config_file = path / "config.json"
     if not config_file.is_file():
         raise ModelError(f"{path} is neither a .gguf file nor a checkpoint directory with config.json")
-    try:
-        qconfig = json.loads(config_file.read_text()).get("quantization_config") or {}
-    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as exc:
-        raise ModelError(f"{config_file} is not a valid JSON object: {exc}".splitlines()[0]) from exc
+    qconfig = check_model_dir(path).config.get("quantization_config") or {}
     method = qconfig.get("quant_method", "")
     if method == "compressed-tensors":
         return "compressed-tensors"

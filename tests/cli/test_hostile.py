@@ -193,3 +193,33 @@ def test_imatrix_file_that_is_not_one(cli, micro_model, tmp_path):
     result = cli("quantize", micro_model, "--method", "gguf", "--gguf-type", "Q4_K_M", "--imatrix", path,
                  "-o", tmp_path / "out", *FAST_CALIB)
     expect_bad_input(result, tmp_path, "junk.imatrix")
+
+
+@pytest.fixture(scope="module")
+def fp8_artifact(micro_model, tmp_path_factory) -> Path:
+    from typer.testing import CliRunner
+
+    from quantkit.cli.app import app
+
+    out = tmp_path_factory.mktemp("artifacts") / "fp8"
+    result = CliRunner().invoke(app, ["quantize", str(micro_model), "--method", "fp8", "-o", str(out), *FAST_CALIB])
+    assert result.exit_code == 0, result.output
+    return out
+
+
+@pytest.mark.parametrize("damage", ["truncate", "config"])
+def test_eval_of_a_damaged_checkpoint_artifact(cli, micro_model, fp8_artifact, tmp_path, damage):
+    import shutil
+
+    artifact = tmp_path / "artifact"
+    shutil.copytree(fp8_artifact, artifact)
+    if damage == "truncate":
+        weights = artifact / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+        needle = "model.safetensors"
+    else:
+        (artifact / "config.json").write_text("[1, 2")
+        needle = "config.json"
+    result = cli("eval", artifact, "--against", micro_model, "--num-windows", 2, "--seq-len", 64)
+    assert result.exit_code == 2, result.output
+    assert needle in result.stderr and "Traceback" not in result.output
