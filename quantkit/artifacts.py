@@ -8,7 +8,6 @@ transformers architecture). The evaluator never relies on an artifact still bein
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from quantkit.errors import InputError, ModelError
@@ -56,15 +55,17 @@ def load_for_eval(path: Path, base_dir: Path | None = None, device: str = "cpu",
         if base_dir is None:
             raise InputError("evaluating a .gguf needs the base checkpoint", hint="pass --against BASE_DIR")
         return load_gguf_into_base(gguf_file(path), base_dir, device, trust_remote_code)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from quantkit.model import auto_model_class, custom_code_error, needs_remote_code
+    from quantkit.model import auto_model_class, custom_code_error, device_map, needs_remote_code
+    from quantkit.offline import offline
 
     # Same rule as loading the base: a VLM artifact loads whole (towers included) through
     # AutoModelForImageTextToText; the evaluator feeds it text-only token windows.
     config = json.loads((path / "config.json").read_text())
     try:
-        model = auto_model_class(config).from_pretrained(path, local_files_only=True, device_map=device,
-                                                         trust_remote_code=trust_remote_code)
+        with offline():
+            model = auto_model_class(config).from_pretrained(path, local_files_only=True,
+                                                             device_map=device_map(device),
+                                                             trust_remote_code=trust_remote_code)
     except ValueError as exc:
         if needs_remote_code(exc):
             raise custom_code_error(path, (config.get("architectures") or ["unknown"])[0]) from exc
@@ -79,7 +80,8 @@ def load_gguf_into_base(path: Path, base_dir: Path, device: str = "cpu", trust_r
 
     from quantkit.gguf.loader import to_hf_state_dict
 
-    config = AutoConfig.from_pretrained(base_dir, local_files_only=True, trust_remote_code=trust_remote_code)
+    config = AutoConfig.from_pretrained(base_dir, local_files_only=True,  # config.json only: no hub lookup
+                                        trust_remote_code=trust_remote_code)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     state = to_hf_state_dict(path, config.to_dict())
@@ -89,7 +91,9 @@ def load_gguf_into_base(path: Path, base_dir: Path, device: str = "cpu", trust_r
         raise ModelError(f"{path.name} lacks tensors for {sorted(missing)[:3]} (and {max(0, len(missing) - 3)} more)")
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
-    return _materialize_buffers(model, config).to(device).eval()
+    from quantkit.model import device_map
+
+    return _materialize_buffers(model, config).to(device_map(device)).eval()
 
 
 def _materialize_buffers(model, config):

@@ -38,6 +38,8 @@ if TYPE_CHECKING:
     import datasets
     import torch
 
+    from quantkit.recipe import Calibration
+
 BUNDLED_FILES = {
     "prose": ("prose.txt",),
     "chat": ("chat.jsonl",),
@@ -60,19 +62,6 @@ SOURCE_HINT = (
     f"use a bundled set ({', '.join(BUNDLED_NAMES)}), a .txt/.jsonl/.json/.parquet file, "
     "or hf:NAME[:CONFIG][:SPLIT] for a locally cached dataset"
 )
-
-
-@dataclass(frozen=True)
-class CalibrationSpec:
-    """What text to use and how to cut it into windows."""
-
-    source: str = "default"
-    num_samples: int = 64
-    seq_len: int = 512
-    seed: int = 0
-    chat_template: bool = True
-    text_field: str = "text"
-    eval_windows: int = 16
 
 
 @dataclass
@@ -306,7 +295,7 @@ def raise_missing_field(source: str, text_field: str, found) -> None:
     raise CalibrationError(
         f"calibration source '{source}' has no '{text_field}' field (nor chat "
         f"'messages'); found: {', '.join(map(str, found)) or 'nothing'}",
-        hint="pass the right text field (text_field / --calib-text-field)",
+        hint="name the field that holds the text: calibration.text_field in the recipe, or --calib-text-field",
     )
 
 
@@ -336,22 +325,18 @@ def load_hf_records(source: str, text_field: str) -> list[Any]:
 
 @contextmanager
 def offline_datasets() -> Iterator[None]:
-    """Force datasets and huggingface_hub offline for the duration of a load."""
+    """Force datasets and huggingface_hub offline for the duration of a load (restored after)."""
     import datasets.config as config
 
-    saved_env = {k: os.environ.get(k) for k in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")}
-    saved_cfg = (config.HF_DATASETS_OFFLINE, config.HF_HUB_OFFLINE)
-    os.environ.update({k: "1" for k in saved_env})
+    from quantkit.offline import offline
+
+    saved = (config.HF_DATASETS_OFFLINE, config.HF_HUB_OFFLINE)
     config.HF_DATASETS_OFFLINE = config.HF_HUB_OFFLINE = True
     try:
-        yield
+        with offline():
+            yield
     finally:
-        config.HF_DATASETS_OFFLINE, config.HF_HUB_OFFLINE = saved_cfg
-        for key, value in saved_env.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        config.HF_DATASETS_OFFLINE, config.HF_HUB_OFFLINE = saved
 
 
 def records_to_texts(records, source: str, tokenizer, chat_template: bool, text_field: str):
@@ -391,7 +376,7 @@ def render_chat(messages: list[dict], tokenizer, chat_template: bool) -> str:
 # ---------------------------------------------------------------- packing
 
 
-def make_windows(tokenizer, spec: CalibrationSpec) -> TokenWindows:
+def make_windows(tokenizer, spec: Calibration) -> TokenWindows:
     """Load, tokenize, pack and split a source into calibration and evaluation windows."""
     check_spec(spec)
     texts = load_texts(
@@ -405,7 +390,7 @@ def make_windows(tokenizer, spec: CalibrationSpec) -> TokenWindows:
     return split_windows(windows, spec, texts_sha256(texts))
 
 
-def check_spec(spec: CalibrationSpec) -> None:
+def check_spec(spec: Calibration) -> None:
     """Reject impossible sizes before any work."""
     if spec.seq_len < 2 or spec.num_samples < 0 or spec.eval_windows < 0 or spec.num_samples + spec.eval_windows < 1:
         raise CalibrationError(
@@ -436,7 +421,7 @@ def pack_windows(stream: list[int], seq_len: int, bos: int | None) -> list[list[
     return [prefix + stream[i * body:(i + 1) * body] for i in range(count)]
 
 
-def split_windows(windows: list[list[int]], spec: CalibrationSpec, sha256: str) -> TokenWindows:
+def split_windows(windows: list[list[int]], spec: Calibration, sha256: str) -> TokenWindows:
     """Seeded shuffle; first eval_windows are evaluation, next num_samples calibration."""
     import numpy as np
     import torch
@@ -461,7 +446,7 @@ def texts_sha256(texts: list[str]) -> str:
     return digest.hexdigest()
 
 
-def raise_too_few(spec: CalibrationSpec, found: int, tokens: int, has_bos: bool) -> None:
+def raise_too_few(spec: Calibration, found: int, tokens: int, has_bos: bool) -> None:
     needed = spec.eval_windows + spec.num_samples
     body = spec.seq_len - 1 if has_bos else spec.seq_len
     raise CalibrationError(

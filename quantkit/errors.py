@@ -5,7 +5,7 @@ Library code raises these; only the CLI layer turns them into a message and an e
 
 
 class QuantkitError(Exception):
-    """Base class. `exit_code` follows DESIGN.md: 1 internal, 2 bad input, 3 gate failed."""
+    """Base class. `exit_code`: 1 internal error, 2 bad input or usage, 3 quality gate failed (README, exit codes)."""
 
     exit_code = 1
 

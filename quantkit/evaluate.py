@@ -203,3 +203,18 @@ def gate_verdict(metrics: Metrics, gate, enforced: bool = True) -> GateResult:
         checks.append(Check(metric, value, threshold, op, ok))
     passed = all(c.passed for c in checks)
     return GateResult(passed, enforced, checks)
+
+
+def evaluate_artifact(artifact: Path, base_dir: Path, windows, baseline: Baseline, device: str = "cpu",
+                      trust_remote_code: bool = False) -> Metrics:
+    """Load an artifact back from disk the way a user would and measure it against the baseline.
+
+    The one measuring step shared by the pipeline's gate and `quantkit eval`.
+    """
+    from quantkit.artifacts import load_for_eval
+
+    candidate = load_for_eval(artifact, base_dir, device, trust_remote_code)
+    try:
+        return compare(model_logits_fn(candidate), windows, baseline)
+    finally:
+        del candidate

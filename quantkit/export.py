@@ -5,8 +5,8 @@ Each staging directory `.OUT.staging-XXXX` has an owner file beside it (`….own
 host, start time). Those files are the lock on OUT: a run refuses an OUT that a live run is
 writing, and removes staging directories whose owner is gone (a crash or kill -9). The check
 and the creation happen under an flock on OUT's parent directory, so two runs cannot both win.
-Also writes the model card (README.md with YAML front matter) and copies the files a user
-needs beside the weights (tokenizer, processor, generation config, chat template).
+Also copies the files a user needs beside the weights (tokenizer, processor, generation
+config, chat template). The model card and quantkit.json are rendered by quantkit.report.
 """
 
 from __future__ import annotations
@@ -277,52 +277,3 @@ def _checkpoint_to_module_names(dest: Path, config: dict, names: list[str]) -> l
 
 def write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
-
-
-def model_card(base_model: str, target: dict, report: dict) -> str:
-    """README.md with YAML front matter (base_model, tags, quantization) and the gate table."""
-    import yaml
-
-    front = {
-        "base_model": base_model,
-        "library_name": "transformers" if target["method"] != "gguf" else "gguf",
-        "tags": ["quantkit", "quantized", target["method"], *_format_tags(target)],
-        "quantization": {
-            "method": target["method"],
-            "format": target["format"],
-            "engine": target["engine"],
-            "options": target["options"],
-        },
-    }
-    lines = ["---", yaml.safe_dump(front, sort_keys=False).strip(), "---", ""]
-    lines += [f"# {Path(base_model).name} — {target['name']} ({target['method']})", ""]
-    lines += [f"Quantized with quantkit {report['quantkit_version']} from `{base_model}`.", ""]
-    lines += _metrics_section(target)
-    lines += ["", "Kept in 16-bit: " + ", ".join(target.get("kept", []) or ["(none)"]), ""]
-    lines += ["Produced by `quantkit quantize`; the full record is in `quantkit.json`.", ""]
-    return "\n".join(lines)
-
-
-def _format_tags(target: dict) -> list[str]:
-    fmt = target["format"]
-    tags = []
-    if "compressed-tensors" in fmt:
-        tags.append("compressed-tensors")
-    if "gguf" in fmt.lower():
-        tags.append("gguf")
-    if "bitsandbytes" in fmt:
-        tags.append("bitsandbytes")
-    return tags
-
-
-def _metrics_section(target: dict) -> list[str]:
-    gate = target.get("gate")
-    if not gate or not gate.get("checks"):
-        return ["Quality: not measured."]
-    lines = ["## Quality gate", "", f"Verdict: **{'PASS' if gate['passed'] else 'FAIL'}**"
-             + ("" if gate.get("enforced", True) else " (not enforced: --no-gate)"), ""]
-    lines += ["| metric | value | threshold | ok |", "|---|---|---|---|"]
-    for check in gate["checks"]:
-        threshold = "—" if check["threshold"] is None else f"{check['op']} {check['threshold']:g}"
-        lines.append(f"| {check['name']} | {check['value']:.6g} | {threshold} | {'yes' if check['passed'] else 'NO'} |")
-    return lines

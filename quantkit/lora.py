@@ -6,6 +6,7 @@ from pathlib import Path
 
 from quantkit.errors import InputError, require
 from quantkit.model import ModelInfo, load_model, load_tokenizer
+from quantkit.offline import offline
 
 
 def check_adapter(path: Path) -> None:
@@ -32,7 +33,8 @@ def merge_adapters(info: ModelInfo, adapters: list[str], out_dir: Path, dtype: s
         model.config.__dict__.pop("quantization_config", None)
     for adapter in adapters:
         check_adapter(Path(adapter))
-        model = PeftModel.from_pretrained(model, adapter, local_files_only=True).merge_and_unload()
+        with offline():
+            model = PeftModel.from_pretrained(model, adapter, local_files_only=True).merge_and_unload()
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
     load_tokenizer(info, trust_remote_code).save_pretrained(out_dir)

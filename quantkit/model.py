@@ -7,7 +7,6 @@ work, so a bad model fails in a second rather than after calibration.
 from __future__ import annotations
 
 import json
-import os
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -267,21 +266,23 @@ def torch_dtype(name: str, info: ModelInfo | None = None):
 
 def load_model(info: ModelInfo, dtype: str = "auto", device: str = "cpu", trust_remote_code: bool = False):
     """Load the model offline from the checked directory."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoModelForCausalLM
+
+    from quantkit.offline import offline
 
     auto_class = auto_model_class(info.config)
     try:
-        model, loading = auto_class.from_pretrained(
-            info.path,
-            dtype=torch_dtype(dtype, info),
-            trust_remote_code=trust_remote_code,
-            use_safetensors=True,
-            local_files_only=True,
-            device_map=device_map(device),
-            output_loading_info=True,
-            ignore_mismatched_sizes=True,  # reported by check_loading_info instead of a bare RuntimeError
-        )
+        with offline():
+            model, loading = auto_class.from_pretrained(
+                info.path,
+                dtype=torch_dtype(dtype, info),
+                trust_remote_code=trust_remote_code,
+                use_safetensors=True,
+                local_files_only=True,
+                device_map=device_map(device),
+                output_loading_info=True,
+                ignore_mismatched_sizes=True,  # reported by check_loading_info instead of a bare RuntimeError
+            )
     except ValueError as exc:
         if needs_remote_code(exc):
             raise custom_code_error(info.path, info.architecture) from exc
@@ -330,11 +331,14 @@ def device_map(device: str):
 
 
 def load_tokenizer(info: ModelInfo, trust_remote_code: bool = False):
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoTokenizer
 
+    from quantkit.offline import offline
+
     try:
-        return AutoTokenizer.from_pretrained(info.path, trust_remote_code=trust_remote_code, local_files_only=True)
+        with offline():
+            return AutoTokenizer.from_pretrained(info.path, trust_remote_code=trust_remote_code,
+                                                 local_files_only=True)
     except Exception as exc:  # noqa: BLE001 - tokenizers/transformers raise many kinds on damaged files
         if needs_remote_code(exc):
             raise custom_code_error(info.path, info.architecture) from exc

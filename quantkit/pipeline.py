@@ -1,8 +1,9 @@
-"""run(recipe) -> report: the only place that sequences the steps of a quantization run.
+"""run(recipe) -> RunReport: the only place that sequences the steps of a quantization run.
 
-check inputs (fast) -> tokenizer + token windows -> [merge LoRA] -> baseline on held-out windows
-(once) -> per target: fresh model, quantize into staging, reload from disk, measure, gate ->
-all targets pass: write reports and rename staging to OUT; otherwise nothing is written.
+check inputs and resolve every target once (fast) -> tokenizer + token windows -> [merge LoRA]
+-> baseline on held-out windows (once) -> per target: fresh model, quantize into staging,
+reload from disk, measure, gate -> all targets pass: write reports and rename staging to OUT;
+otherwise nothing is written.
 
 Output layout: one target -> OUT is that artifact; several -> OUT/<target name>/ each, plus
 OUT/quantkit.json for the whole run.
@@ -13,41 +14,43 @@ from __future__ import annotations
 import gc
 import platform
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from quantkit import __version__
-from quantkit import export
-from quantkit.errors import GateFailedError, InputError
+from pydantic import BaseModel
+
+from quantkit import __version__, export
+from quantkit.errors import CalibrationError, GateFailedError, InputError
 from quantkit.lora import check_adapter
 from quantkit.measure import PeakTracker
-from quantkit.methods import get_method
+from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, get_method
 from quantkit.model import ModelInfo, check_device, check_generative, check_model_dir, resolve_model, sha256_files
 from quantkit.numerics import check_finite
-from quantkit.plan import build_plan, ignore_patterns, keeps_lm_head
+from quantkit.plan import build_plan, ignore_patterns
 from quantkit.preflight import check_disk, run_estimate
-from quantkit.recipe import Recipe, Target, target_gate, target_options
+from quantkit.recipe import Calibration, Gate, Recipe, Target, target_gate, target_options
+from quantkit.report import ModelReport, RunReport, TargetReport, model_card
 
 Progress = Callable[[str], None]
 
 
-@dataclass
-class QuantizeJob:
-    """Everything a method needs for one target. The method saves its artifact into out_dir."""
+@dataclass(frozen=True)
+class ResolvedTarget:
+    """One recipe target, resolved once in prepare(); flows unchanged to quantize, measure,
+    the report and the model card."""
 
-    model: Any
-    tokenizer: Any
-    info: ModelInfo
     target: Target
-    options: Any
-    windows: Any  # quantkit.calibration.TokenWindows
-    ignore: list[str]
-    out_dir: Path
-    device: str = "cpu"
-    workdir: Path | None = None
-    trust_remote_code: bool = False
-    extra: dict = field(default_factory=dict)  # method-specific results for the report
+    method: MethodSpec
+    options: BaseModel
+    gate: Gate
+    ignore: list[str]  # the full ignore list handed to the method (lm_head, VLM towers, the user's)
+    needs_calibration: bool
+    needs_model: bool  # quantize() gets the model loaded in memory
+
+    @property
+    def name(self) -> str:
+        return self.target.name
 
 
 @dataclass
@@ -59,7 +62,7 @@ class RunOptions:
     progress: Progress = lambda message: None
 
 
-def prepare(recipe: Recipe, opts: RunOptions) -> tuple[ModelInfo, list]:
+def prepare(recipe: Recipe, opts: RunOptions) -> tuple[ModelInfo, list[ResolvedTarget]]:
     """All cheap checks, before any long work: model, device, output, calibration, method options."""
     from quantkit.calibration import validate_source
 
@@ -69,23 +72,31 @@ def prepare(recipe: Recipe, opts: RunOptions) -> tuple[ModelInfo, list]:
     check_device(recipe.device)
     export.check_output(opts.out, opts.overwrite)
     validate_source(recipe.calibration.source)
-    resolved = []
-    for target in recipe.targets:
-        method = get_method(target.method)
-        options = target_options(target)
-        if target.ignore and not getattr(method, "SUPPORTS_IGNORE", True):
-            raise InputError(f"target '{target.name}': method {target.method} does not take ignore patterns",
-                             hint="its type mixture decides every tensor's type; remove `ignore`/--ignore")
-        if hasattr(method, "check"):
-            method.check(info, options, recipe.calibration)
-        resolved.append((target, method, options))
+    targets = [resolve_target(recipe, target, info) for target in recipe.targets]
     for path in recipe.lora:
         if not Path(path).is_dir():
             raise InputError(f"LoRA adapter directory not found: {path}")
         check_adapter(Path(path))
-    check_disk(opts.out, run_estimate(info, recipe, resolved))
+    check_disk(opts.out, run_estimate(info, recipe, [(t.target.method, t.options) for t in targets]))
     check_finite([*info.weight_files, *(Path(p) / "adapter_model.safetensors" for p in recipe.lora)])
-    return info, resolved
+    return info, targets
+
+
+def resolve_target(recipe: Recipe, target: Target, info: ModelInfo) -> ResolvedTarget:
+    """Method, options, gate, ignore list and calibration needs of one target, checked."""
+    method = get_method(target.method)
+    options = target_options(target)
+    if target.ignore and not method.supports_ignore:
+        raise InputError(f"target '{target.name}': method {target.method} does not take ignore patterns",
+                         hint="its type mixture decides every tensor's type; remove `ignore`/--ignore")
+    needs_calibration = method.needs_calibration(options)
+    if needs_calibration and recipe.calibration.num_samples == 0:
+        raise CalibrationError(f"target '{target.name}': {target.method} needs calibration windows, "
+                               "but num_samples is 0", hint="raise --num-samples")
+    method.check(info, options, recipe.calibration)
+    ignore = ignore_patterns(info, target.ignore, method.keeps_lm_head(options))
+    return ResolvedTarget(target, method, options, target_gate(recipe, target), ignore, needs_calibration,
+                          method.needs_model(options))
 
 
 def check_not_quantized(info: ModelInfo, recipe: Recipe) -> None:
@@ -99,14 +110,22 @@ def check_not_quantized(info: ModelInfo, recipe: Recipe) -> None:
     )
 
 
-def run(recipe: Recipe, opts: RunOptions) -> dict:
+def window_settings(recipe: Recipe, targets: list[ResolvedTarget]) -> Calibration:
+    """The recipe's calibration settings; no calibration windows when no target uses them
+    (the held-out evaluation windows are the same either way)."""
+    if any(t.needs_calibration for t in targets):
+        return recipe.calibration
+    return recipe.calibration.model_copy(update={"num_samples": 0})
+
+
+def run(recipe: Recipe, opts: RunOptions) -> RunReport:
     """Execute the recipe; returns the report (also written to OUT/quantkit.json)."""
     started = time.time()
-    info, resolved = prepare(recipe, opts)
+    info, targets = prepare(recipe, opts)
     staging = export.make_staging(opts.out, opts.progress)
     try:
-        report = _run_in(staging, recipe, opts, info, resolved)
-        report["timings"]["total_s"] = round(time.time() - started, 3)
+        report = _run_in(staging, recipe, opts, info, targets)
+        report.timings["total_s"] = round(time.time() - started, 3)
         _finish(staging, opts, report)
     except BaseException:
         export.discard(staging)
@@ -114,8 +133,10 @@ def run(recipe: Recipe, opts: RunOptions) -> dict:
     return report
 
 
-def _run_in(staging: Path, recipe: Recipe, opts: RunOptions, info: ModelInfo, resolved) -> dict:
-    from quantkit import evaluate
+def _run_in(staging: Path, recipe: Recipe, opts: RunOptions, info: ModelInfo,
+            targets: list[ResolvedTarget]) -> RunReport:
+    """Load only what some step needs: no tokenizer, windows or torch model for a run that neither
+    calibrates, nor evaluates, nor hands a target the model (e.g. gguf without imatrix and gate)."""
     from quantkit.model import load_tokenizer
 
     workdir = staging / ".work"
@@ -123,139 +144,139 @@ def _run_in(staging: Path, recipe: Recipe, opts: RunOptions, info: ModelInfo, re
     report = base_report(recipe, opts, info)
     if recipe.lora:
         info = merge_lora(info, recipe, workdir, opts.progress)
-    tokenizer = load_tokenizer(info, recipe.trust_remote_code)
-    windows = make_windows(tokenizer, recipe, opts.progress)
-    report["calibration"].update(source_sha256=windows.sha256, calib_windows=len(windows.calib),
-                                 eval_windows=len(windows.eval))
-    model = load(info, recipe, opts.progress)
+    settings = window_settings(recipe, targets)
+    uses_windows = settings.num_samples + settings.eval_windows > 0
+    tokenizer = load_tokenizer(info, recipe.trust_remote_code) if uses_windows or any(
+        t.needs_model for t in targets) else None
+    windows = make_windows(tokenizer, settings, opts.progress) if uses_windows else None
+    if windows is not None:
+        report.calibration.update(source_sha256=windows.sha256, calib_windows=len(windows.calib),
+                                  eval_windows=len(windows.eval))
+    model = None
     baseline = None
-    if len(windows.eval):
-        opts.progress(f"baseline: scoring {len(windows.eval)} held-out windows")
-        with PeakTracker() as t:
-            baseline = evaluate.compute_baseline(evaluate.model_logits_fn(model), windows.eval, workdir=workdir)
-        report["timings"]["baseline_s"] = t.seconds
-        report["baseline"] = {"ppl": baseline.ppl, "positions": int(baseline.nll.shape[0])}
-    single = len(resolved) == 1
-    for target, method, options in resolved:
-        if model is None:
+    if windows is not None and len(windows.eval):
+        model = load(info, recipe, opts.progress)
+        baseline = compute_baseline(model, windows.eval, workdir, report, opts.progress)
+    for resolved in targets:
+        if resolved.needs_model and model is None:
             model = load(info, recipe, opts.progress)
-        out_dir = staging if single else staging / target.name
+        if not resolved.needs_model:
+            model = None
+            gc.collect()
+        out_dir = target_dir(staging, resolved, targets)
         out_dir.mkdir(exist_ok=True)
-        ignore = ignore_patterns(info, target.ignore, keeps_lm_head(method, options))
-        job = QuantizeJob(model, tokenizer, info, target, options, windows, ignore, out_dir, recipe.device, workdir,
-                          recipe.trust_remote_code)
+        job = QuantizeJob(model, tokenizer if resolved.needs_model else None, info, resolved.options, windows,
+                          resolved.ignore, out_dir, workdir, recipe.dtype, recipe.device, recipe.trust_remote_code)
         model = None  # the job holds the only reference, so run_target can free it before measuring
-        report["targets"].append(run_target(job, method, recipe, baseline, opts))
+        report.targets.append(run_target(job, resolved, baseline, opts))
         del job
         gc.collect()
-    report["passed"] = all(t["gate"]["passed"] for t in report["targets"] if t["gate"])
+    measured = [t.gate for t in report.targets if t.gate is not None]
+    report.passed = all(g.passed for g in measured) if measured else None
     return report
 
 
-def run_target(job: QuantizeJob, method, recipe: Recipe, baseline, opts: RunOptions) -> dict:
-    """Quantize one target into its staging dir, then reload it from disk and measure it."""
+def compute_baseline(model, windows, workdir: Path, report: RunReport, progress: Progress):
+    """Score the full-precision model once on the held-out windows (reused for every target)."""
     from quantkit import evaluate
-    from quantkit.artifacts import load_for_eval
 
-    target = job.target
-    opts.progress(f"[{target.name}] quantizing with {target.method}")
+    progress(f"baseline: scoring {len(windows)} held-out windows")
+    with PeakTracker() as t:
+        baseline = evaluate.compute_baseline(evaluate.model_logits_fn(model), windows, workdir=workdir)
+    report.timings["baseline_s"] = t.seconds
+    report.baseline = {"ppl": baseline.ppl, "positions": int(baseline.nll.shape[0])}
+    return baseline
+
+
+def target_dir(staging: Path, resolved: ResolvedTarget, targets: list[ResolvedTarget]) -> Path:
+    return staging if len(targets) == 1 else staging / resolved.name
+
+
+def run_target(job: QuantizeJob, resolved: ResolvedTarget, baseline, opts: RunOptions) -> TargetReport:
+    """Quantize one target into its staging dir, then reload it from disk and measure it."""
+    opts.progress(f"[{resolved.name}] quantizing with {resolved.target.method}")
     with PeakTracker() as qt:
-        method.quantize(job)
+        result = resolved.method.quantize(job)
     export.copy_side_files(job.info.path, job.out_dir)
-    entry = target_entry(job, method, recipe)
-    entry["timings"] = {"quantize_s": qt.seconds}
-    entry["peak_rss_bytes"] = qt.peak_rss
+    entry = target_report(resolved, job.info, result)
+    entry.timings["quantize_s"] = qt.seconds
+    entry.peak_rss_bytes = qt.peak_rss
     job.model = None
     gc.collect()
-    if baseline is not None:
-        opts.progress(f"[{target.name}] measuring the artifact against the base")
-        with PeakTracker() as et:
-            artifact = job.extra.get("artifact_path", job.out_dir)
-            candidate = load_for_eval(Path(artifact), job.info.path, job.device, job.trust_remote_code)
-            metrics = evaluate.compare(evaluate.model_logits_fn(candidate), job.windows.eval, baseline)
-            del candidate
-        entry["timings"]["eval_s"] = et.seconds
-        entry["peak_rss_bytes"] = max(qt.peak_rss, et.peak_rss)
-        gate = target_gate(recipe, target)
-        verdict = evaluate.gate_verdict(metrics, gate, enforced=opts.enforce_gate and gate.enabled)
-        entry["metrics"] = metrics.as_dict()
-        entry["gate"] = verdict.as_dict()
+    if baseline is None:
+        return entry
+    from quantkit import evaluate
+
+    opts.progress(f"[{resolved.name}] measuring the artifact against the base")
+    with PeakTracker() as et:
+        entry.metrics = evaluate.evaluate_artifact(result.artifact, job.info.path, job.windows.eval, baseline,
+                                                   job.device, job.trust_remote_code)
+    entry.timings["eval_s"] = et.seconds
+    entry.peak_rss_bytes = max(qt.peak_rss, et.peak_rss)
+    entry.gate = evaluate.gate_verdict(entry.metrics, resolved.gate,
+                                       enforced=opts.enforce_gate and resolved.gate.enabled)
     return entry
 
 
-def target_entry(job: QuantizeJob, method, recipe: Recipe) -> dict:
-    plan = build_plan(job.info, method, job.options, job.ignore)
-    kept = sorted({e.role for e in plan if "kept" in e.precision})
-    return {
-        "name": job.target.name,
-        "method": job.target.method,
-        "format": method.FORMAT,
-        "engine": method.ENGINE,
-        "engine_version": _version(method.ENGINE.split()[0]),
-        "options": job.options.model_dump(mode="json"),
-        "ignore": job.ignore,
-        "kept": kept,
-        "quantized_modules": sum(1 for e in plan if "kept" not in e.precision),
-        "files": [],
-        "metrics": None,
-        "gate": None,
-        **job.extra.get("report", {}),
-    }
+def target_report(resolved: ResolvedTarget, info: ModelInfo, result: QuantizeResult) -> TargetReport:
+    plan = build_plan(info, resolved.method, resolved.options, resolved.ignore)
+    return TargetReport(
+        name=resolved.name,
+        method=resolved.method.name,
+        format=resolved.method.format,
+        engine=resolved.method.engine,
+        engine_version=package_version(resolved.method.engine_package),
+        options=resolved.options.model_dump(mode="json"),
+        ignore=resolved.ignore,
+        kept=sorted({e.role for e in plan if e.kept}),
+        quantized_modules=sum(1 for e in plan if not e.kept),
+        details=result.details,
+    )
 
 
-def _finish(staging: Path, opts: RunOptions, report: dict) -> None:
+def _finish(staging: Path, opts: RunOptions, report: RunReport) -> None:
     """Write reports and publish, or refuse when an enforced gate failed."""
     import shutil
 
     shutil.rmtree(staging / ".work", ignore_errors=True)
-    failed = [t for t in report["targets"] if t["gate"] and not t["gate"]["passed"] and t["gate"]["enforced"]]
+    failed = [t for t in report.targets if t.failed_enforced_gate]
     if failed:
-        names = ", ".join(f"{t['name']} ({', '.join(t['gate']['failed'])})" for t in failed)
+        names = ", ".join(f"{t.name} ({', '.join(t.gate.failed)})" for t in failed)
         raise GateFailedError(f"quality gate failed for {names}; nothing was written to {opts.out}", report=report,
                               hint="see the table above; loosen the gate in the recipe, or use --no-gate")
-    single = len(report["targets"]) == 1
-    for target in report["targets"]:
-        out_dir = staging if single else staging / target["name"]
-        target["files"] = sorted(p.name for p in out_dir.iterdir() if p.name != ".work")
-        card = export.model_card(report["model"]["path"], target, report)
-        (out_dir / "README.md").write_text(card)
-        export.write_json(out_dir / "quantkit.json", report if single else {**report, "targets": [target]})
+    single = len(report.targets) == 1
+    for target in report.targets:
+        out_dir = staging if single else staging / target.name
+        target.files = sorted(p.name for p in out_dir.iterdir() if p.name != ".work")
+        (out_dir / "README.md").write_text(model_card(target, report))
+        export.write_json(out_dir / "quantkit.json", report.to_dict(None if single else [target]))
     if not single:
-        export.write_json(staging / "quantkit.json", report)
+        export.write_json(staging / "quantkit.json", report.to_dict())
     export.publish(staging, opts.out, opts.overwrite)
 
 
-def base_report(recipe: Recipe, opts: RunOptions, info: ModelInfo) -> dict:
-    import torch
-    import transformers
-
-    return {
-        "quantkit_version": __version__,
-        "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                     "transformers": transformers.__version__,
-                     **{p: _version(p) for p in ("llmcompressor", "compressed-tensors", "gguf", "bitsandbytes")}},
-        "recipe": recipe.model_dump(mode="json"),
-        "model": {"path": str(info.path), "architecture": info.architecture, "model_type": info.model_type,
-                  "parameters": info.num_parameters, "dtype": info.dtype,
-                  "sha256": sha256_files(info.weight_files)},
-        "calibration": recipe.calibration.model_dump(mode="json"),
-        "gate_enforced": opts.enforce_gate,
-        "timings": {},
-        "targets": [],
-    }
+def base_report(recipe: Recipe, opts: RunOptions, info: ModelInfo) -> RunReport:
+    packages = ("torch", "transformers", "llmcompressor", "compressed-tensors", "gguf", "bitsandbytes")
+    return RunReport(
+        quantkit_version=__version__,
+        versions={"python": platform.python_version(), **{p: package_version(p) for p in packages}},
+        recipe=recipe.model_dump(mode="json"),
+        model=ModelReport(path=str(info.path), architecture=info.architecture, model_type=info.model_type,
+                          parameters=info.num_parameters, dtype=info.dtype, sha256=sha256_files(info.weight_files)),
+        calibration=recipe.calibration.model_dump(mode="json"),
+        gate_enforced=opts.enforce_gate,
+    )
 
 
-def make_windows(tokenizer, recipe: Recipe, progress: Progress):
-    from quantkit.calibration import CalibrationSpec, make_windows as build
+def make_windows(tokenizer, settings: Calibration, progress: Progress):
+    from quantkit.calibration import make_windows as build
 
-    c = recipe.calibration
-    progress(f"calibration: {c.num_samples} x {c.seq_len} tokens from '{c.source}' (+{c.eval_windows} held out)")
-    spec = CalibrationSpec(source=c.source, num_samples=c.num_samples, seq_len=c.seq_len, seed=c.seed,
-                           chat_template=c.chat_template, text_field=c.text_field, eval_windows=c.eval_windows)
-    return build(tokenizer, spec)
+    progress(f"calibration: {settings.num_samples} x {settings.seq_len} tokens from '{settings.source}' "
+             f"(+{settings.eval_windows} held out)")
+    return build(tokenizer, settings)
 
 
-def load(info: ModelInfo, recipe: Recipe, progress: Progress):
+def load(info: ModelInfo, recipe: Recipe, progress: Progress) -> Any:
     from quantkit.model import load_model
 
     progress(f"loading {info.path}")
@@ -271,7 +292,7 @@ def merge_lora(info: ModelInfo, recipe: Recipe, workdir: Path, progress: Progres
     return check_model_dir(merged)
 
 
-def _version(package: str) -> str | None:
+def package_version(package: str) -> str | None:
     from importlib.metadata import PackageNotFoundError, version
 
     try:
@@ -280,4 +301,4 @@ def _version(package: str) -> str | None:
         return None
 
 
-__all__ = ["QuantizeJob", "RunOptions", "run", "prepare"]
+__all__ = ["ResolvedTarget", "RunOptions", "run", "prepare"]

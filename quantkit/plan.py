@@ -15,7 +15,12 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from typing import TYPE_CHECKING
+
 from quantkit.model import ModelInfo
+
+if TYPE_CHECKING:
+    from quantkit.methods import MethodSpec
 
 # Module names of the towers a VLM keeps in 16-bit, one list per role (the VLM rule).
 TOWER_NAMES = {
@@ -55,7 +60,8 @@ class PlanEntry:
     name: str  # module name (tensor name without .weight)
     role: str
     shape: list[int]
-    precision: str  # e.g. "fp8-e4m3", or "bf16 (kept: lm_head)"
+    precision: str  # e.g. "fp8-e4m3 W/channel A/token", or "bf16 (kept: lm_head)"
+    kept: bool  # True: the weight stays in the model's 16-bit dtype
 
     @property
     def params(self) -> int:
@@ -92,33 +98,25 @@ def matches(name: str, patterns: list[str]) -> bool:
     return False
 
 
-def build_plan(info: ModelInfo, method_module, options, ignore: list[str]) -> list[PlanEntry]:
+def build_plan(info: ModelInfo, method: MethodSpec, options, ignore: list[str]) -> list[PlanEntry]:
     """One entry per linear weight with the precision the method will give it."""
+    exact_types = method.plan_types(info, options)
+    return [plan_entry(info, name, shape, exact_types.get(name) or method.precision(
+        classify(name + ".weight"), options, name, shape), ignore)
+        for name, shape in linear_weights(info).items()]
+
+
+def plan_entry(info: ModelInfo, name: str, shape: list[int], chosen: str | None, ignore: list[str]) -> PlanEntry:
+    """The entry for one weight: the method's choice, unless a rule or the ignore list keeps it 16-bit."""
+    role = classify(name + ".weight")
     kept_dtype = info.dtype.lower()
-    exact = getattr(method_module, "plan_types", None)  # methods that know every tensor's type (gguf)
-    exact_types = exact(info, options) if exact is not None else {}
-    entries = []
-    for name, shape in linear_weights(info).items():
-        role = classify(name + ".weight")
-        chosen = exact_types.get(name) or method_module.precision(role, options, name, shape)
-        if role in KEEP_16BIT_ROLES:
-            precision = f"{kept_dtype} (kept: {role} stays 16-bit)"
-        elif not chosen:
-            precision = f"{kept_dtype} (kept: {role})"
-        elif matches(name, ignore):
-            precision = f"{kept_dtype} (kept: ignore pattern)"
-        else:
-            precision = chosen
-        entries.append(PlanEntry(name, role, shape, precision))
-    return entries
-
-
-def keeps_lm_head(method_module, options) -> bool:
-    """lm_head stays 16-bit unless the options say otherwise or the method's format quantizes it."""
-    choice = getattr(options, "quantize_lm_head", None)
-    if choice is not None:
-        return not choice
-    return getattr(method_module, "KEEPS_LM_HEAD", True)
+    if role in KEEP_16BIT_ROLES:
+        return PlanEntry(name, role, shape, f"{kept_dtype} (kept: {role} stays 16-bit)", True)
+    if not chosen:
+        return PlanEntry(name, role, shape, f"{kept_dtype} (kept: {role})", True)
+    if matches(name, ignore):
+        return PlanEntry(name, role, shape, f"{kept_dtype} (kept: ignore pattern)", True)
+    return PlanEntry(name, role, shape, chosen, False)
 
 
 def ignore_patterns(info: ModelInfo, user_ignore: list[str], keep_lm_head: bool = True) -> list[str]:

@@ -57,8 +57,8 @@ def gguf_bits(gguf_type: str) -> float:
     return 8 * size / block
 
 
-def run_estimate(info, recipe, resolved) -> DiskEstimate:
-    """The estimate for a prepared run (pipeline.prepare's model info and resolved targets)."""
+def run_estimate(info, recipe, targets: list[tuple[str, object]]) -> DiskEstimate:
+    """The estimate for a run: its model, recipe and each target's (method name, options)."""
     from quantkit.plan import classify
 
     quantized = other = 0
@@ -72,7 +72,7 @@ def run_estimate(info, recipe, resolved) -> DiskEstimate:
             other += count
     text = info.config.get("text_config") or info.config
     c = recipe.calibration
-    return estimate_bytes(quantized, other, [target_bits(t.method, o) for t, _m, o in resolved], bool(recipe.lora),
+    return estimate_bytes(quantized, other, [target_bits(m, o) for m, o in targets], bool(recipe.lora),
                           c.eval_windows, c.seq_len, int(text.get("vocab_size") or 0))
 
 

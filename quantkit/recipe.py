@@ -8,12 +8,13 @@ validation, so a recipe and its overrides are checked together, before any work 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from quantkit.errors import RecipeError
+from quantkit.errors import InputError, RecipeError
 from quantkit.methods import METHODS, get_method
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
@@ -24,8 +25,10 @@ class Strict(BaseModel):
 
 
 class Calibration(Strict):
+    """What text to use and how to cut it into windows (quantkit.calibration.make_windows)."""
+
     source: str = Field("default", description="bundled set name, local file, or hf:NAME[:CONFIG][:SPLIT]")
-    num_samples: int = Field(64, ge=1, le=100_000)
+    num_samples: int = Field(64, ge=0, le=100_000, description="calibration windows (0: none)")
     seq_len: int = Field(512, ge=8, le=131_072)
     seed: int = 0
     chat_template: bool = True
@@ -88,14 +91,12 @@ class Recipe(Strict):
 
 def target_options(target: Target) -> BaseModel:
     """The target's options, validated by its method's Options model."""
-    return get_method(target.method).Options.model_validate(target.options)
+    return get_method(target.method).options.model_validate(target.options)
 
 
 def target_gate(recipe: Recipe, target: Target) -> Gate:
     """Gate thresholds for a target: method defaults < recipe gate < target gate (set fields win)."""
-    method = get_method(target.method)
-    defaults = method.default_gate(target_options(target)) if hasattr(method, "default_gate") else method.DEFAULT_GATE
-    values = dict(defaults)
+    values = get_method(target.method).default_gate(target_options(target))
     for layer in (recipe.gate, target.gate):
         if layer is not None:
             values.update(layer.model_dump(exclude_unset=True))
@@ -179,7 +180,14 @@ def _hint(exc: ValidationError) -> str | None:
 
 
 def bundled_recipes_dir() -> Path:
-    return Path(__file__).resolve().parent.parent / "recipes"
+    """`recipes/` of a source checkout (editable install), else the `quantkit/_recipes` package data."""
+    from importlib.resources import files
+
+    package = Path(str(files("quantkit")))
+    checkout = package.parent / "recipes"
+    if (checkout / "fp8-dynamic.yaml").is_file():
+        return checkout
+    return package / "_recipes"
 
 
 def find_recipe(name_or_path: str) -> Path:
@@ -191,3 +199,84 @@ def find_recipe(name_or_path: str) -> Path:
     if bundled.is_file():
         return bundled
     raise RecipeError(f"no recipe file or bundled recipe named '{name_or_path}'", hint="quantkit recipes list")
+
+
+# ---------------------------------------------------------------- command-line overrides
+
+
+@dataclass
+class Overrides:
+    """Recipe fields given on the command line; None (or empty) leaves the recipe's value."""
+
+    model: str | None = None
+    device: str | None = None
+    dtype: str | None = None
+    trust_remote_code: bool = False
+    lora: list[str] = field(default_factory=list)
+    ignore: list[str] = field(default_factory=list)
+    calibration: dict[str, Any] = field(default_factory=dict)  # Calibration field -> value
+    gate: dict[str, Any] = field(default_factory=dict)  # Gate field -> value
+    method_options: dict[str, Any] = field(default_factory=dict)  # method option field -> value
+
+
+def build_recipe(recipe_name: str | None, method: str | None, overrides: Overrides) -> Recipe:
+    """Recipe data (a file, a bundled name, or a single --method target), overrides applied,
+    validated as one."""
+    if recipe_name:
+        path = find_recipe(recipe_name)
+        data, origin = load_yaml(path), str(path)
+        check_structure(data, origin)
+    elif method:
+        data, origin = {"targets": [{"name": method, "method": method}]}, "command line"
+    else:
+        raise InputError("give --method or --recipe", hint="e.g. quantkit quantize ./model --method fp8 -o ./out")
+    if method and recipe_name:
+        data = override_method(data, method)
+    data = apply_method_options(apply_overrides(data, overrides), overrides.method_options)
+    if not data.get("model"):
+        raise InputError("no model given", hint="pass MODEL, or set `model:` in the recipe")
+    return validate(data, origin)
+
+
+def override_method(data: dict, method: str) -> dict:
+    targets = data.get("targets") or []
+    if len(targets) != 1:
+        raise InputError("--method cannot override a recipe with several targets", hint="edit the recipe instead")
+    return {**data, "targets": [{**targets[0], "method": method, "options": {}}]}
+
+
+def apply_overrides(data: dict, o: Overrides) -> dict:
+    data = {**data, **_given({"model": o.model, "device": o.device, "dtype": o.dtype})}
+    if o.trust_remote_code:
+        data["trust_remote_code"] = True
+    if o.lora:
+        data["lora"] = list(data.get("lora") or []) + list(o.lora)
+    data["calibration"] = {**(data.get("calibration") or {}), **_given(o.calibration)}
+    data["gate"] = {**(data.get("gate") or {}), **_given(o.gate)}
+    if o.ignore:
+        data["targets"] = [{**t, "ignore": list(t.get("ignore") or []) + list(o.ignore)}
+                           for t in data.get("targets") or []]
+    return data
+
+
+def apply_method_options(data: dict, options: dict[str, Any]) -> dict:
+    """Put method flags into the options of every target whose method has that option; a flag
+    that no target's method has is an error."""
+    given = _given(options)
+    if not given:
+        return data
+    targets = [dict(t) for t in data.get("targets") or [] if isinstance(t, dict)]
+    for flag, value in given.items():
+        used = False
+        for target in targets:
+            if target.get("method") in METHODS and flag in get_method(target["method"]).options.model_fields:
+                target["options"] = {**(target.get("options") or {}), flag: value}
+                used = True
+        if not used:
+            methods = ", ".join(sorted({str(t.get("method")) for t in targets}))
+            raise InputError(f"--{flag.replace('_', '-')} does not apply to method {methods}")
+    return {**data, "targets": targets}
+
+
+def _given(values: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in values.items() if v is not None}

@@ -41,11 +41,12 @@ PRESETS = {
 
 
 def windows_for(model: str, args):
-    from quantkit.calibration import CalibrationSpec, make_windows
+    from quantkit.calibration import make_windows
+    from quantkit.recipe import Calibration
     from quantkit.model import check_model_dir, load_tokenizer
 
     tokenizer = load_tokenizer(check_model_dir(Path(model)))
-    spec = CalibrationSpec(num_samples=args.num_samples, seq_len=args.seq_len, eval_windows=args.eval_windows)
+    spec = Calibration(num_samples=args.num_samples, seq_len=args.seq_len, eval_windows=args.eval_windows)
     return tokenizer, make_windows(tokenizer, spec)
 
 

@@ -24,7 +24,7 @@ def model_copy(micro_model, tmp_path) -> Path:
     return dest
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def cli():
     """Run the quantkit CLI in-process: cli("quantize", ...) -> Result with exit_code/stdout/stderr."""
     from typer.testing import CliRunner

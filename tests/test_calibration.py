@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from quantkit import calibration
+from quantkit.recipe import Calibration
 from quantkit.calibration import (
     BUNDLED_NAMES,
-    CalibrationSpec,
     load_texts,
     make_windows,
     resolve_source,
@@ -45,7 +45,7 @@ def tokenizer():
 
 def spec(**kwargs):
     base = dict(source="prose", num_samples=8, seq_len=64, eval_windows=4)
-    return CalibrationSpec(**{**base, **kwargs})
+    return Calibration(**{**base, **kwargs})
 
 
 # ---------------------------------------------------------------- sources

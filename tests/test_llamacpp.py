@@ -9,14 +9,9 @@ from tests.util import FAST_CALIB
 
 
 @pytest.fixture(scope="module")
-def q8_dir(micro_model, tmp_path_factory):
-    from typer.testing import CliRunner
-
-    from quantkit.cli.app import app
-
+def q8_dir(micro_model, tmp_path_factory, cli):
     out = tmp_path_factory.mktemp("q8") / "q8"
-    args = ["quantize", str(micro_model), "--method", "gguf", "--gguf-type", "Q8_0", "-o", str(out), *FAST_CALIB]
-    assert CliRunner().invoke(app, args).exit_code == 0
+    assert cli("quantize", micro_model, "--method", "gguf", "--gguf-type", "Q8_0", "-o", out, *FAST_CALIB).exit_code == 0
     return out
 
 

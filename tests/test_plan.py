@@ -43,7 +43,7 @@ def vlm_info() -> ModelInfo:
 
 def test_vlm_towers_stay_16bit_whatever_the_ignore_list():
     info = vlm_info()
-    plan = {e.name: e.precision for e in build_plan(info, fp8, fp8.Options(), [])}
+    plan = {e.name: e.precision for e in build_plan(info, fp8.METHOD, fp8.Options(), [])}
     assert plan["model.language_model.layers.0.self_attn.q_proj"].startswith("fp8")
     assert "kept: vision" in plan["model.vision_tower.encoder.layers.0.self_attn.q_proj"]
     assert "kept: projector" in plan["model.multi_modal_projector.linear_1"]
@@ -60,7 +60,7 @@ def test_ignore_patterns_cover_present_towers_with_llmcompressor_semantics():
 
 def test_memory_estimate_orders_formats():
     info = vlm_info()
-    rows = memory_estimate(info, build_plan(info, fp8, fp8.Options(), []))
+    rows = memory_estimate(info, build_plan(info, fp8.METHOD, fp8.Options(), []))
     assert rows["FP16/BF16"]["weights_bytes"] > rows["FP8 (E4M3, per-channel)"]["weights_bytes"]
     assert rows["FP8 (E4M3, per-channel)"]["weights_bytes"] > rows["INT4 (group 128)"]["weights_bytes"]
     assert kv_cache_bytes(info.config, context=10) == 2 * 1 * 2 * 64 * 2 * 10

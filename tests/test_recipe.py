@@ -73,3 +73,40 @@ def test_gguf_default_gate_depends_on_the_type():
     q8 = validate({"targets": [{"name": "a", "method": "gguf", "options": {"gguf_type": "Q8_0"}}]})
     q2 = validate({"targets": [{"name": "a", "method": "gguf", "options": {"gguf_type": "Q2_K"}}]})
     assert target_gate(q8, q8.targets[0]).max_kld < target_gate(q2, q2.targets[0]).max_kld
+
+
+def test_bundled_recipes_found_from_package_data(tmp_path, monkeypatch):
+    """A regular (non-editable) install has no recipes/ beside the package: the wheel's
+    quantkit/_recipes is used instead."""
+    import shutil
+    from pathlib import Path
+
+    import quantkit
+
+    package = tmp_path / "site" / "quantkit"
+    shutil.copytree(Path(quantkit.__file__).parent, package, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(bundled_recipes_dir(), package / "_recipes")
+    monkeypatch.setattr("importlib.resources.files", lambda name: package)
+    assert bundled_recipes_dir() == package / "_recipes"
+    from quantkit.recipe import find_recipe
+
+    assert find_recipe("fp8-dynamic") == package / "_recipes" / "fp8-dynamic.yaml"
+
+
+def test_overrides_merge_into_recipe_data():
+    from quantkit.recipe import Overrides, build_recipe
+
+    overrides = Overrides(model="m", calibration={"seq_len": 64, "source": None}, gate={"max_kld": 0.5},
+                          method_options={"scheme": "fp8-static", "bits": None}, ignore=["re:.*q_proj"])
+    recipe = build_recipe("fp8-dynamic", None, overrides)
+    assert recipe.model == "m" and recipe.calibration.seq_len == 64 and recipe.calibration.source == "default"
+    assert recipe.gate.max_kld == 0.5 and recipe.targets[0].options["scheme"] == "fp8-static"
+    assert recipe.targets[0].ignore == ["re:.*q_proj"]
+
+
+def test_method_flag_that_no_target_has_is_an_error():
+    from quantkit.errors import InputError
+    from quantkit.recipe import Overrides, build_recipe
+
+    with pytest.raises(InputError, match="--gguf-type does not apply to method fp8"):
+        build_recipe(None, "fp8", Overrides(model="m", method_options={"gguf_type": "Q4_K_M"}))

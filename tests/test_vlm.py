@@ -40,21 +40,15 @@ def vlm(request):
 
 
 @pytest.fixture(scope="session")
-def fp8_artifacts(tmp_path_factory):
+def fp8_artifacts(tmp_path_factory, cli):
     """Quantize each VLM once through the CLI (fp8 dynamic); tests share the outputs."""
-    from typer.testing import CliRunner
-
-    from quantkit.cli.app import app
-
     made = {}
 
     def get(kind: str, model_dir):
         if kind not in made:
             parent = tmp_path_factory.mktemp(f"{kind}-fp8")
             out = parent / "fp8"
-            args = ["quantize", str(model_dir), "--method", "fp8", "-o", str(out), "--json", str(parent / "r.json"),
-                    *VLM_CALIB]
-            result = CliRunner().invoke(app, args, catch_exceptions=False)
+            result = cli("quantize", model_dir, "--method", "fp8", "-o", out, "--json", parent / "r.json", *VLM_CALIB)
             made[kind] = (result, out, parent)
         return made[kind]
 

@@ -6,7 +6,6 @@ hint) and an exit code; a traceback only with QUANTKIT_DEBUG=1.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import logging
@@ -14,7 +13,9 @@ import os
 import signal
 import sys
 import threading
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
+from typing import Iterator
 
 import typer
 from rich.console import Console
@@ -27,37 +28,57 @@ EXIT_INTERRUPTED = 130
 TERMINATING_SIGNALS = ("SIGTERM", "SIGHUP")
 
 
-def quiet_libraries() -> None:
-    """Progress bars only on a TTY; library warnings only when debugging."""
+# Library settings while a command runs (a value the user already set wins): llm-compressor reads
+# its log level when first imported; the others quiet transformers, the hub and tokenizers.
+def quiet_environment(tty: bool) -> dict[str, str]:
+    env = {"LLM_COMPRESSOR_LOG_LEVEL": "DEBUG" if debug() else "ERROR"}
+    if not tty:
+        env["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+    if not debug():
+        env.update(TRANSFORMERS_VERBOSITY="error", TOKENIZERS_PARALLELISM="false")
+    return env
+
+
+@contextmanager
+def quiet_libraries() -> Iterator[None]:
+    """Progress bars only on a TTY, library warnings only when debugging; all restored on exit."""
     import warnings
 
-    # llm-compressor configures its loguru sink from this when it is first imported.
-    os.environ.setdefault("LLM_COMPRESSOR_LOG_LEVEL", "DEBUG" if debug() else "ERROR")
-    if not sys.stderr.isatty():
-        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-        _disable_tqdm()
-    if not debug():
-        warnings.filterwarnings("ignore")
-        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    from quantkit.offline import restore_env
 
-        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+    tty = sys.stderr.isatty()
+    wanted = quiet_environment(tty)
+    saved_env = {name: os.environ.get(name) for name in wanted}
+    os.environ.update({name: os.environ.get(name, value) for name, value in wanted.items()})
+    bnb_logger = logging.getLogger("bitsandbytes")
+    saved_level = bnb_logger.level
+    try:
+        with warnings.catch_warnings(), (nullcontext() if tty else tqdm_disabled()):
+            if not debug():
+                warnings.filterwarnings("ignore")
+                bnb_logger.setLevel(logging.ERROR)
+            yield
+    finally:
+        bnb_logger.setLevel(saved_level)
+        restore_env(saved_env)
 
 
-def _disable_tqdm() -> None:
-    """Libraries pass disable=False explicitly, which beats TQDM_DISABLE; force it off instead."""
+@contextmanager
+def tqdm_disabled() -> Iterator[None]:
+    """Libraries pass disable=False explicitly, which beats TQDM_DISABLE; force it off while inside."""
     from tqdm import std
 
-    if getattr(std.tqdm.__init__, "_quantkit_quiet", False):
-        return
     original = std.tqdm.__init__
 
     def quiet_init(self, *args, **kwargs):
         kwargs["disable"] = True
         original(self, *args, **kwargs)
 
-    quiet_init._quantkit_quiet = True
     std.tqdm.__init__ = quiet_init
+    try:
+        yield
+    finally:
+        std.tqdm.__init__ = original
 
 
 def debug() -> bool:
@@ -71,9 +92,8 @@ def handle_errors(fn):
     def wrapper(*args, **kwargs):
         from quantkit.errors import QuantkitError, Terminated
 
-        quiet_libraries()
         try:
-            with signals_as_exceptions():
+            with signals_as_exceptions(), quiet_libraries():
                 return fn(*args, **kwargs)
         except typer.Exit:
             raise
@@ -98,7 +118,7 @@ def handle_errors(fn):
     return wrapper
 
 
-@contextlib.contextmanager
+@contextmanager
 def signals_as_exceptions():
     """For the duration of one command, SIGTERM/SIGHUP raise quantkit.errors.Terminated in the
     main thread, so the run's cleanup (the same path as Ctrl-C) removes its staging directory.
@@ -135,6 +155,11 @@ def _print_error(message: str, hint: str | None) -> None:
 def progress(message: str) -> None:
     """Log lines on stderr (plain when not a TTY)."""
     err.print(f"· {message}", highlight=False, markup=False)
+
+
+def results_console(json_path: str | None) -> Console:
+    """Where tables and result lines go: stdout, unless `--json -` has stdout for the JSON alone."""
+    return err if json_path == "-" else out
 
 
 def write_json(path: str | None, data: dict) -> None:

@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from quantkit.cli.common import handle_errors, out, progress, write_json
+from quantkit.cli.common import handle_errors, progress, results_console, write_json
 
 
 @handle_errors
@@ -16,8 +16,8 @@ def eval_command(
     model: Path = typer.Argument(..., help="Artifact: a checkpoint dir (compressed-tensors, bitsandbytes, plain) or a .gguf."),
     against: Optional[str] = typer.Option(None, "--against", "-a", help="Base checkpoint. Default: the base named in the artifact's quantkit.json."),
     data: str = typer.Option("default", "--data", help="Evaluation text: bundled name, file, or hf:NAME."),
-    num_windows: int = typer.Option(16, help="Held-out windows to score."),
-    seq_len: int = typer.Option(512, help="Tokens per window."),
+    num_windows: int = typer.Option(16, min=1, help="Held-out windows to score."),
+    seq_len: int = typer.Option(512, min=8, help="Tokens per window."),
     seed: int = typer.Option(0, help="Sampling seed (the same as quantize's gives the same held-out windows)."),
     device: str = typer.Option("cpu", help="cpu | cuda | auto"),
     trust_remote_code: bool = typer.Option(False, help="Allow custom model code from the base and artifact dirs."),
@@ -40,20 +40,16 @@ def eval_command(
     With any threshold given, exits 3 when the artifact fails it.
     """
     from quantkit import evaluate
-    from quantkit.artifacts import artifact_kind, load_for_eval
+    from quantkit.artifacts import artifact_kind
     from quantkit.cli.report import metrics_table, thresholds_table
-    from quantkit.errors import GateFailedError
+    from quantkit.errors import GateFailedError, InputError, ModelError
     from quantkit.model import check_device, check_model_dir, load_model, load_tokenizer, resolve_model
     from quantkit.recipe import Gate
 
     if not model.exists():
-        from quantkit.errors import ModelError
-
         raise ModelError(f"artifact not found: {model}")
     kind = artifact_kind(model)
     if llama_perplexity and kind != "gguf":
-        from quantkit.errors import InputError
-
         raise InputError("--llama-perplexity applies to .gguf artifacts only")
     check_device(device)
     base = check_model_dir(resolve_model(against or default_base(model)))
@@ -64,23 +60,21 @@ def eval_command(
     baseline = evaluate.compute_baseline(evaluate.model_logits_fn(base_model), windows)
     del base_model
     progress(f"candidate: {model} ({kind})")
-    candidate = load_for_eval(model, base.path, device, trust_remote_code)
-    metrics = evaluate.compare(evaluate.model_logits_fn(candidate), windows, baseline)
-    gate = Gate(max_ppl_increase=max_ppl_increase, max_kld=max_kld, min_top1=min_top1)
-    verdict = evaluate.gate_verdict(metrics, gate)
-    row = {"name": model.name, "kind": kind, "base": str(base.path), "metrics": metrics.as_dict(),
-           "gate": verdict.as_dict()}
-    if llama_perplexity:
-        row["llama_cpp"] = llama_cpp_check(model, tokenizer, windows)
-    if json_path != "-":
-        out.print(metrics_table([row], f"{model} ({kind}) vs. {base.path}"))
-        if any(c.threshold is not None for c in verdict.checks):
-            out.print(thresholds_table([row]))
-    if "llama_cpp" in row and json_path != "-":
-        lc = row["llama_cpp"]
-        out.print(f"llama.cpp llama-perplexity on the same held-out text: PPL {lc['ppl']:.3f} ± {lc['ppl_stderr']:.3f} "
-                  f"({lc['chunks']} chunks of {lc['context']} tokens, llama.cpp's own tokenization)", highlight=False)
-    write_json(json_path, row)
+    metrics = evaluate.evaluate_artifact(model, base.path, windows, baseline, device, trust_remote_code)
+    verdict = evaluate.gate_verdict(metrics, Gate(max_ppl_increase=max_ppl_increase, max_kld=max_kld,
+                                                  min_top1=min_top1))
+    llama_cpp = llama_cpp_check(model, tokenizer, windows) if llama_perplexity else None
+    console = results_console(json_path)
+    rows = [(model.name, metrics, verdict)]
+    console.print(metrics_table(rows, f"{model} ({kind}) vs. {base.path}"))
+    if any(c.threshold is not None for c in verdict.checks):
+        console.print(thresholds_table(rows))
+    if llama_cpp:
+        console.print(f"llama.cpp llama-perplexity on the same held-out text: PPL {llama_cpp['ppl']:.3f} "
+                      f"± {llama_cpp['ppl_stderr']:.3f} ({llama_cpp['chunks']} chunks of {llama_cpp['context']} "
+                      "tokens, llama.cpp's own tokenization)", highlight=False)
+    write_json(json_path, {"name": model.name, "kind": kind, "base": str(base.path), "metrics": metrics.as_dict(),
+                           "gate": verdict.as_dict(), **({"llama_cpp": llama_cpp} if llama_cpp else {})})
     if not verdict.passed:
         raise GateFailedError(f"{model.name} fails the gate: {', '.join(verdict.failed)}")
 
@@ -105,7 +99,8 @@ def default_base(artifact: Path) -> str:
 
 def eval_windows(tokenizer, source: str, num_windows: int, seq_len: int, seed: int):
     """The held-out windows quantize would use with the same source, seq_len and seed."""
-    from quantkit.calibration import CalibrationSpec, make_windows
+    from quantkit.calibration import make_windows
+    from quantkit.recipe import Calibration
 
-    spec = CalibrationSpec(source=source, num_samples=0, seq_len=seq_len, seed=seed, eval_windows=num_windows)
-    return make_windows(tokenizer, spec).eval
+    settings = Calibration(source=source, num_samples=0, seq_len=seq_len, seed=seed, eval_windows=num_windows)
+    return make_windows(tokenizer, settings).eval

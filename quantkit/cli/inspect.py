@@ -45,20 +45,20 @@ def inspect(
 
 
 def _target(method: str, recipe: str | None, ignore: list[str]):
-    from quantkit.methods import check_method_name, get_method
+    from quantkit.methods import get_method
     from quantkit.recipe import find_recipe, load_recipe, target_options
 
     if recipe:
         target = load_recipe(find_recipe(recipe)).targets[0]
         return get_method(target.method), target_options(target), target.ignore + ignore
-    module = get_method(check_method_name(method))
-    return module, module.Options(), ignore
+    spec = get_method(method)
+    return spec, spec.options(), ignore
 
 
 def plan_data(info, method, options, ignore: list[str], context: int) -> dict:
-    from quantkit.plan import MEMORY_NOTE, build_plan, ignore_patterns, keeps_lm_head, memory_estimate, role_summary
+    from quantkit.plan import MEMORY_NOTE, build_plan, ignore_patterns, memory_estimate, role_summary
 
-    patterns = ignore_patterns(info, ignore, keeps_lm_head(method, options))
+    patterns = ignore_patterns(info, ignore, method.keeps_lm_head(options))
     entries = build_plan(info, method, options, patterns)
     return {
         "model": str(info.path),
@@ -66,7 +66,7 @@ def plan_data(info, method, options, ignore: list[str], context: int) -> dict:
         "model_type": info.model_type,
         "parameters": info.num_parameters,
         "dtype": info.dtype,
-        "method": method.__name__.rsplit(".", 1)[-1],
+        "method": method.name,
         "options": options.model_dump(mode="json"),
         "ignore": patterns,
         "roles": role_summary(entries),

@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from quantkit.cli.common import err, handle_errors, out, progress, write_json
+from quantkit.cli.common import err, handle_errors, progress, results_console, write_json
 
 EXAMPLES = """
 Examples:
@@ -46,6 +46,7 @@ def quantize(
     double_quant: Optional[bool] = typer.Option(None, "--double-quant/--no-double-quant", help="NF4 double quantization."),
     compute_dtype: Optional[str] = typer.Option(None, help="NF4 compute dtype."),
     calib: Optional[str] = typer.Option(None, "--calib", help="Calibration source: bundled name, file, or hf:NAME."),
+    calib_text_field: Optional[str] = typer.Option(None, "--calib-text-field", help="Field holding the text in .jsonl/.json/.parquet/hf: records (default: text)."),
     num_samples: Optional[int] = typer.Option(None, help="Calibration windows."),
     seq_len: Optional[int] = typer.Option(None, help="Tokens per window."),
     eval_windows: Optional[int] = typer.Option(None, help="Held-out windows for the quality gate."),
@@ -65,110 +66,36 @@ def quantize(
     from quantkit.cli.report import print_report
     from quantkit.errors import GateFailedError
     from quantkit.pipeline import RunOptions, run
+    from quantkit.recipe import Overrides, build_recipe
 
-    # Method flags name method option fields; each applies to every target whose method has that
-    # option, and naming one no target has is an error (apply_method_flags).
-    flags = dict(scheme=scheme, bits=bits, group_size=group_size, act_order=act_order, backend=backend,
-                 gguf_type=gguf_type, imatrix=imatrix, smoothing_strength=smoothing_strength,
-                 double_quant=double_quant, compute_dtype=compute_dtype)
-    overrides = dict(model=model or model_opt, calib=calib, num_samples=num_samples, seq_len=seq_len, eval_windows=eval_windows,
-                     seed=seed, ignore=ignore, lora=lora, device=device, dtype=dtype,
-                     trust_remote_code=trust_remote_code, max_ppl_increase=max_ppl_increase,
-                     max_kld=max_kld, min_top1=min_top1)
-    resolved = build_recipe(recipe, method, flags, overrides)
+    overrides = Overrides(
+        model=model or model_opt, device=device, dtype=dtype, trust_remote_code=trust_remote_code, lora=lora,
+        ignore=ignore,
+        calibration=dict(source=calib, text_field=calib_text_field, num_samples=num_samples, seq_len=seq_len,
+                         eval_windows=eval_windows, seed=seed),
+        gate=dict(max_ppl_increase=max_ppl_increase, max_kld=max_kld, min_top1=min_top1),
+        # Method flags name method option fields; each applies to every target whose method has that
+        # option, and naming one no target has is an error.
+        method_options=dict(scheme=scheme, bits=bits, group_size=group_size, act_order=act_order, backend=backend,
+                            gguf_type=gguf_type, imatrix=imatrix, smoothing_strength=smoothing_strength,
+                            double_quant=double_quant, compute_dtype=compute_dtype),
+    )
+    resolved = build_recipe(recipe, method, overrides)
     if no_gate:
         err.print("warning: --no-gate: the quality gate is measured but not enforced (recorded in quantkit.json)",
                   style="yellow", highlight=False)
     opts = RunOptions(model=resolved.model, out=output, overwrite=overwrite, enforce_gate=not no_gate,
                       progress=progress)
+    console = results_console(json_path)
     try:
         report = run(resolved, opts)
     except GateFailedError as exc:
-        print_report(exc.report)
-        write_json(json_path, exc.report)
+        print_report(exc.report, console)
+        write_json(json_path, exc.report.to_dict())
         raise
-    print_report(report)
-    write_json(json_path, report)
-    out.print(f"wrote {output}", highlight=False)
-
-
-def build_recipe(recipe_name: str | None, method: str | None, flags: dict, overrides: dict):
-    """Recipe data (file or --method), CLI overrides applied, validated as one."""
-    from quantkit.errors import InputError
-    from quantkit.recipe import check_structure, find_recipe, load_yaml, validate
-
-    if recipe_name:
-        path = find_recipe(recipe_name)
-        data, origin = load_yaml(path), str(path)
-        check_structure(data, origin)
-    elif method:
-        data, origin = {"targets": [{"name": method, "method": method}]}, "command line"
-    else:
-        raise InputError("give --method or --recipe", hint="e.g. quantkit quantize ./model --method fp8 -o ./out")
-    if method and recipe_name:
-        data = _override_method(data, method)
-    data = apply_overrides(data, overrides)
-    data = apply_method_flags(data, flags)
-    if not data.get("model"):
-        raise InputError("no model given", hint="pass MODEL, or set `model:` in the recipe")
-    return validate(data, origin)
-
-
-def _override_method(data: dict, method: str) -> dict:
-    from quantkit.errors import InputError
-
-    targets = data.get("targets") or []
-    if len(targets) != 1:
-        raise InputError("--method cannot override a recipe with several targets", hint="edit the recipe instead")
-    targets[0] = {**targets[0], "method": method, "options": {}}
-    return data
-
-
-def apply_overrides(data: dict, o: dict) -> dict:
-    data = dict(data)
-    for key in ("model", "device", "dtype"):
-        if o[key] is not None:
-            data[key] = o[key]
-    if o["trust_remote_code"]:
-        data["trust_remote_code"] = True
-    if o["lora"]:
-        data["lora"] = list(data.get("lora") or []) + list(o["lora"])
-    calibration = dict(data.get("calibration") or {})
-    for key, field in (("calib", "source"), ("num_samples", "num_samples"), ("seq_len", "seq_len"),
-                       ("eval_windows", "eval_windows"), ("seed", "seed")):
-        if o[key] is not None:
-            calibration[field] = o[key]
-    data["calibration"] = calibration
-    gate = dict(data.get("gate") or {})
-    for key in ("max_ppl_increase", "max_kld", "min_top1"):
-        if o[key] is not None:
-            gate[key] = o[key]
-    data["gate"] = gate
-    if o["ignore"]:
-        data["targets"] = [{**t, "ignore": list(t.get("ignore") or []) + list(o["ignore"])}
-                           for t in data.get("targets") or []]
-    return data
-
-
-def apply_method_flags(data: dict, flags: dict) -> dict:
-    """Put method flags into the options of every target whose method has that option."""
-    from quantkit.errors import InputError
-    from quantkit.methods import METHODS, get_method
-
-    given = {k: v for k, v in flags.items() if v is not None}
-    if not given:
-        return data
-    targets = [dict(t) for t in data.get("targets") or [] if isinstance(t, dict)]
-    for flag, value in given.items():
-        used = False
-        for target in targets:
-            if target.get("method") in METHODS and flag in get_method(target["method"]).Options.model_fields:
-                target["options"] = {**(target.get("options") or {}), flag: value}
-                used = True
-        if not used:
-            methods = ", ".join(sorted({str(t.get("method")) for t in targets}))
-            raise InputError(f"--{flag.replace('_', '-')} does not apply to method {methods}")
-    return {**data, "targets": targets}
+    print_report(report, console)
+    write_json(json_path, report.to_dict())
+    console.print(f"wrote {output}", highlight=False)
 
 
 quantize.__doc__ = "Quantize a model into gated artifacts (compressed-tensors, bitsandbytes, GGUF).\n" + EXAMPLES

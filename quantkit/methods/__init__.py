@@ -1,25 +1,42 @@
-"""Method plugins, looked up through a static name -> module map and imported lazily.
+"""The method contract, and the static name -> module map through which methods are imported lazily.
 
-Each method module defines, light enough to import without torch:
-  - `Options`: a pydantic model (extra="forbid") of the method's recipe options;
-  - `ENGINE`: the library that does the work (for reports);
-  - `FORMAT`: the artifact format it writes;
-  - `DEFAULT_GATE`: per-method default gate thresholds (dict), or `default_gate(options)` where
-    they depend on the options (GGUF: Q8_0 is held tighter than Q2_K);
-and, importing heavy libraries inside the function:
-  - `quantize(job: QuantizeJob) -> None`: quantize `job.model` and save the artifact into
-    `job.out_dir` (a staging directory); `job` is quantkit.pipeline.QuantizeJob.
-  - `precision(role, options, name, shape) -> str | None`: the precision a linear weight of
-    that role gets (None: kept in the model's 16-bit dtype); used by the plan;
-  - optionally `check(info, options, spec) -> None`: cheap checks before long work starts.
+Each method module (fp8, gptq, awq, smoothquant, nf4, gguf) ends with one declaration,
+
+    METHOD = MethodSpec(name=..., engine=..., engine_package=..., format=..., options=Options,
+                        quantize=quantize, precision=precision, default_gate=..., ...)
+
+and is light enough to import without torch (heavy imports happen inside its functions).
+`MethodSpec` below names every member a method provides, required and optional, with the
+defaults for the optional ones in one place. Who calls what:
+
+  member             called by                                    when
+  options            recipe.validate, cli.inspect                 validating a target's `options`
+  check              pipeline.prepare                             before any model is loaded
+  needs_calibration  pipeline.resolve_target                      deciding whether to cut calibration windows
+  needs_model        pipeline.run                                 deciding whether to load the model in memory
+  default_gate       pipeline.resolve_target (recipe.target_gate) the gate thresholds of a target
+  keeps_lm_head      pipeline.resolve_target, cli.inspect         building the ignore list
+  supports_ignore    pipeline.resolve_target                      refusing `ignore` where a format fixes every type
+  precision          plan.build_plan                              the plan (`quantkit inspect`, the report)
+  plan_types         plan.build_plan                              exact per-tensor types (gguf's mixture)
+  quantize           pipeline.run_target                          writing the artifact into a staging dir
 """
 
 from __future__ import annotations
 
 import importlib
-from types import ModuleType
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+from pydantic import BaseModel
 
 from quantkit.errors import InputError
+
+if TYPE_CHECKING:
+    from quantkit.calibration import TokenWindows
+    from quantkit.model import ModelInfo
+    from quantkit.recipe import Calibration
 
 METHODS: dict[str, str] = {
     "fp8": "quantkit.methods.fp8",
@@ -29,6 +46,86 @@ METHODS: dict[str, str] = {
     "nf4": "quantkit.methods.nf4",
     "gguf": "quantkit.methods.gguf",
 }
+
+GateDefaults = dict[str, float]  # Gate field -> threshold, e.g. {"max_kld": 0.01}
+
+
+@dataclass
+class QuantizeJob:
+    """Everything a method gets for one target. The method saves its artifact into out_dir.
+
+    `model` and `tokenizer` are the full-precision model and its tokenizer loaded in memory when
+    the method's `needs_model` says so, else None (the method reads the checkpoint at
+    `info.path` itself). `windows` is None when no target of the run uses calibration or
+    evaluation windows; `windows.calib` is empty unless the method said it needs calibration.
+    """
+
+    model: Any
+    tokenizer: Any
+    info: ModelInfo
+    options: BaseModel
+    windows: TokenWindows | None
+    ignore: list[str]
+    out_dir: Path
+    workdir: Path
+    dtype: str = "auto"  # the recipe's dtype for loading (auto: the checkpoint's)
+    device: str = "cpu"
+    trust_remote_code: bool = False
+
+
+@dataclass
+class QuantizeResult:
+    """What a method returns: where the artifact to measure is, and method-specific report fields."""
+
+    artifact: Path  # the directory or file the gate loads back (gguf: the .gguf inside out_dir)
+    details: dict[str, Any] = field(default_factory=dict)  # JSON-serialisable, copied into the report
+
+
+def _no_check(info: ModelInfo, options: BaseModel, calibration: Calibration) -> None:
+    return None
+
+
+def _never(options: BaseModel) -> bool:
+    return False
+
+
+def _always(options: BaseModel) -> bool:
+    return True
+
+
+def _no_exact_types(info: ModelInfo, options: BaseModel) -> dict[str, str]:
+    return {}
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """Every member a method provides. Required members first; the rest default as shown."""
+
+    name: str
+    engine: str  # the library that does the work, for reports ("llmcompressor")
+    engine_package: str  # distribution whose version is reported ("llmcompressor", "quantkit")
+    format: str  # the artifact format written
+    options: type[BaseModel]  # the method's recipe options (extra="forbid")
+    quantize: Callable[[QuantizeJob], QuantizeResult]
+    # precision(role, options, module name, shape) -> text such as "int4 g128 sym (GPTQ)", or
+    # None: that role stays in the model's 16-bit dtype.
+    precision: Callable[[str, BaseModel, str, list[int]], str | None]
+    default_gate: Callable[[BaseModel], GateDefaults]
+    check: Callable[[ModelInfo, BaseModel, Calibration], None] = _no_check  # cheap, before any work
+    needs_calibration: Callable[[BaseModel], bool] = _never
+    # True: quantize() gets the model (and tokenizer) loaded in memory; False: it reads the checkpoint itself.
+    needs_model: Callable[[BaseModel], bool] = _always
+    # True: lm_head stays 16-bit (added to the ignore list); a format that types lm_head itself says False.
+    keeps_lm_head: Callable[[BaseModel], bool] = _always
+    supports_ignore: bool = True  # False: the format decides every tensor's type (gguf mixtures)
+    # Exact per-module precision for the whole model where one tensor's type depends on the others
+    # (gguf: llama-quantize's mixture rules); {} where `precision` alone is exact.
+    plan_types: Callable[[ModelInfo, BaseModel], dict[str, str]] = _no_exact_types
+
+
+def fixed_gate(thresholds: GateDefaults) -> Callable[[BaseModel], GateDefaults]:
+    """default_gate for a method whose thresholds do not depend on its options."""
+    return lambda options: dict(thresholds)
 
 
 def check_method_name(name: str) -> str:
@@ -40,12 +137,13 @@ def check_method_name(name: str) -> str:
     return name
 
 
-def get_method(name: str) -> ModuleType:
-    """The method's module; a method whose module is not written yet fails loudly."""
+def get_method(name: str) -> MethodSpec:
+    """The method's declaration; a method whose module is not written yet fails loudly."""
     check_method_name(name)
     try:
-        return importlib.import_module(METHODS[name])
+        module = importlib.import_module(METHODS[name])
     except ModuleNotFoundError as exc:
         if exc.name == METHODS[name]:
             raise InputError(f"method '{name}' is not available in this version of quantkit") from exc
         raise
+    return module.METHOD

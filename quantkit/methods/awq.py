@@ -26,11 +26,9 @@ from typing import Iterator, Literal
 from pydantic import BaseModel, ConfigDict
 
 from quantkit.errors import InputError, MissingExtraError, UnsupportedError
-from quantkit.methods import gptq, llmc
-from quantkit.methods.awq_mappings import AWQ_MAPPINGS, supported_model_types
+from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, fixed_gate, gptq, llmc
+from quantkit.methods.mappings import awq_mappings, supported_model_types
 
-ENGINE = llmc.ENGINE
-FORMAT = "compressed-tensors (pack-quantized, int4 asymmetric)"
 # 4-bit weights: the same looser gate as GPTQ.
 DEFAULT_GATE = {"max_ppl_increase": 0.10, "max_kld": 0.10, "min_top1": 0.80}
 
@@ -60,7 +58,7 @@ def precision(role: str, options: Options, name: str, shape: list[int]) -> str |
 
 
 def check_architecture(model_type: str) -> None:
-    if model_type not in AWQ_MAPPINGS:
+    if model_type not in supported_model_types():
         raise UnsupportedError(
             f"awq has no smoothing mappings for architecture '{model_type}'",
             hint="supported model types: " + ", ".join(supported_model_types())
@@ -140,7 +138,7 @@ def cpu_pin_memory_guard() -> Iterator[bool]:
 def mappings(model_type: str) -> list:
     from llmcompressor.modifiers.transform.awq import AWQMapping
 
-    return [AWQMapping(smooth, list(balance)) for smooth, balance in AWQ_MAPPINGS[model_type]]
+    return [AWQMapping(m.smooth, list(m.balance)) for m in awq_mappings(model_type)]
 
 
 def modifiers(options: Options, model_type: str, ignore: list[str]) -> list:
@@ -155,11 +153,19 @@ def modifiers(options: Options, model_type: str, ignore: list[str]) -> list:
     ]
 
 
-def quantize(job) -> None:
+def quantize(job: QuantizeJob) -> QuantizeResult:
     check_architecture(job.info.model_type)
     recipe = modifiers(job.options, job.info.model_type, job.ignore)
     with cpu_pin_memory_guard() as patched:
         llmc.run_oneshot(job, recipe, calibrate=True)
     llmc.save_compressed(job)
-    job.extra["report"] = {"calibration_tokens": int(job.windows.calib.numel()),
-                           "cpu_pin_memory_workaround": patched}
+    return QuantizeResult(job.out_dir, {"calibration_tokens": int(job.windows.calib.numel()),
+                                        "cpu_pin_memory_workaround": patched})
+
+
+METHOD = MethodSpec(
+    name="awq", engine=llmc.ENGINE, engine_package=llmc.ENGINE,
+    format="compressed-tensors (pack-quantized, int4 asymmetric)",
+    options=Options, quantize=quantize, precision=precision, default_gate=fixed_gate(DEFAULT_GATE),
+    check=check, needs_calibration=needs_calibration,
+)

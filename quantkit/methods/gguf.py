@@ -13,17 +13,13 @@ So auto = on for Q2_K, Q3_K_S/M/L, Q4_K_S/M, Q4_0, Q4_1; off otherwise.
 
 from __future__ import annotations
 
-from functools import lru_cache
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
 from quantkit.errors import InputError, UnsupportedError
+from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult
 
-ENGINE = "quantkit-gguf"
-FORMAT = "GGUF (llama.cpp / Ollama)"
-KEEPS_LM_HEAD = False  # the mixture gives output.weight its own type (Q6_K for most mixes)
-SUPPORTS_IGNORE = False  # per-tensor types come from llama-quantize's mixture rules
 # k-quants lose more than FP8: gate on KLD and top-1 agreement, leave PPL to the recipe.
 DEFAULT_GATE = {"max_ppl_increase": 0.10, "max_kld": 0.10, "min_top1": 0.80}  # the Q4 mixes
 # Default gates by bits: 8-bit and up near-lossless, each step down looser (llama.cpp's own KLD
@@ -61,26 +57,24 @@ def default_gate(options: "Options") -> dict:
     return DEFAULT_GATE
 
 
-def needs_calibration(options: Options) -> bool:
-    return uses_imatrix(options)
-
-
 def uses_imatrix(options: Options) -> bool:
     return options.imatrix != "none" and (options.imatrix != "auto" or options.gguf_type in IMATRIX_AUTO_TYPES)
 
 
-def precision(role: str, options: Options, name: str, shape: list[int]) -> str | None:
-    """GGUF type of one weight for the plan.
+def computes_imatrix(options: Options) -> bool:
+    """The imatrix is computed here (from the calibration windows, with the model in memory)."""
+    return options.imatrix == "auto" and uses_imatrix(options)
 
-    Exact (llama-quantize's mixture) when plan_types() has been computed for this model and
-    these options: the mixture needs the whole tensor list (attn_v / ffn_down depend on the
-    layer index and the layer count). Otherwise the per-role default, marked "(… mix)".
+
+def precision(role: str, options: Options, name: str, shape: list[int]) -> str | None:
+    """The per-role default GGUF type of one weight, marked "(… mix)" for decoder weights.
+
+    Only a default: the mixture needs the whole tensor list (attn_v / ffn_down depend on the
+    layer index and the layer count), so the plan takes each weight's exact type from
+    `plan_types` and falls back to this where the architecture cannot be converted.
     """
     from quantkit.gguf.mixture import FILE_TYPES, T, fallback
 
-    exact = _LAST_PLAN.get((options.gguf_type, uses_imatrix(options), name, tuple(shape or ())))
-    if exact is not None:
-        return exact
     default = FILE_TYPES[options.gguf_type][1]
     if default in (T.F32, T.F16, T.BF16):
         return f"gguf {default.name}"
@@ -93,46 +87,23 @@ def precision(role: str, options: Options, name: str, shape: list[int]) -> str |
     return f"gguf {qtype.name}{suffix}"
 
 
-# (gguf_type, uses imatrix, module name, shape) -> "gguf TYPE", from the latest plan_types()
-_LAST_PLAN: dict[tuple, str] = {}
-
-
 def plan_types(info, options: Options) -> dict[str, str]:
-    """Exact type of every weight as llama-quantize's mixture gives it, for `quantkit inspect`.
+    """Exact type of every weight as llama-quantize's mixture gives it.
 
     Keys are module names as quantkit.plan names them (the tensor name without ".weight"),
     values "gguf <TYPE>" (e.g. "gguf Q6_K"). Empty when the architecture cannot be converted.
-    Cached per (config, tensor list, type, imatrix); also makes precision() exact for this model.
     """
-    import json
-
-    has_imatrix = uses_imatrix(options)
-    tensors = tuple(sorted((n, tuple(shape)) for n, (_dtype, shape) in info.tensors.items()))
-    types = _exact_types(json.dumps(info.config, sort_keys=True, default=str), tensors, options.gguf_type,
-                         has_imatrix)
-    _LAST_PLAN.clear()
-    shapes = dict(tensors)
-    for module, text in types.items():
-        _LAST_PLAN[(options.gguf_type, has_imatrix, module, shapes[module + ".weight"])] = text
-    return dict(types)
-
-
-@lru_cache(maxsize=8)
-def _exact_types(config_json: str, tensors: tuple, gguf_type: str, has_imatrix: bool) -> dict[str, str]:
-    import json
-
     from quantkit.gguf.convert import plan_tensors
 
-    hf = {name: ("", list(shape)) for name, shape in tensors}
     try:
-        plans = plan_tensors(json.loads(config_json), hf, gguf_type, has_imatrix)
+        plans = plan_tensors(info.config, info.tensors, options.gguf_type, uses_imatrix(options))
     except UnsupportedError:
         return {}
-    return {p.hf_name[: -len(".weight")]: f"gguf {p.qtype.name}"
+    return {p.hf_name.removesuffix(".weight"): f"gguf {p.qtype.name}"
             for p in plans if p.hf_name.endswith(".weight")}
 
 
-def check(info, options: Options, spec=None) -> None:
+def check(info, options: Options, calibration=None) -> None:
     """Architecture supported, type known (validated in Options), imatrix file present."""
     from quantkit.gguf.convert import arch_spec
 
@@ -155,38 +126,42 @@ def load_imatrix(job):
     from quantkit.gguf import imatrix as im
 
     opts = job.options
-    if opts.imatrix == "none" or not uses_imatrix(opts):
+    if not uses_imatrix(opts):
         return None, "none"
-    if opts.imatrix != "auto":
+    if not computes_imatrix(opts):
         return im.read(Path(opts.imatrix)), f"file:{opts.imatrix}"
-    calib = getattr(job.windows, "calib", None)
-    if calib is None or len(calib) == 0 or job.model is None:
-        return None, "none (no calibration windows)"
+    calib = job.windows.calib
     job.model.eval()
-    return im.compute(job.model, calib, job.info.config, dataset=str(getattr(job.windows, "source", ""))), \
+    return im.compute(job.model, calib, job.info.config, dataset=job.windows.source), \
         f"computed ({len(calib)} x {calib.shape[1]} tokens)"
 
 
-def quantize(job) -> None:
+def quantize(job: QuantizeJob) -> QuantizeResult:
     from quantkit.gguf import imatrix as im
     from quantkit.gguf.convert import convert
     from quantkit.gguf.modelfile import read_chat_template, render
 
     opts = job.options
     imatrix, source = load_imatrix(job)
-    if imatrix is not None and source.startswith("computed") and job.workdir is not None:
+    if imatrix is not None and source.startswith("computed"):
         im.write(imatrix, Path(job.workdir) / "imatrix.gguf")
     name = model_name(job)
     out_path = Path(job.out_dir) / f"{name}-{opts.gguf_type}.gguf"
     result = convert(job.info.path, out_path, opts.gguf_type,
                      imatrix=imatrix.weights() if imatrix is not None else None, name=name)
     (Path(job.out_dir) / "Modelfile").write_text(render(out_path.name, read_chat_template(job.info.path)))
-    job.extra["artifact_path"] = str(out_path)
-    job.extra["report"] = {
+    return QuantizeResult(out_path, {
         "gguf": {"file": out_path.name, "type": opts.gguf_type, "tensor_types": result.type_counts,
                  "tensors": result.tensors, "bytes": result.bytes, "imatrix": source,
                  "imatrix_tensors": result.imatrix_tensors, "vocab": result.vocab},
-    }
+    })
 
 
-__all__ = ["Options", "ENGINE", "FORMAT", "DEFAULT_GATE", "default_gate", "quantize", "precision", "plan_types", "check", "UnsupportedError"]
+METHOD = MethodSpec(
+    name="gguf", engine="quantkit-gguf", engine_package="quantkit", format="GGUF (llama.cpp / Ollama)",
+    options=Options, quantize=quantize, precision=precision, default_gate=default_gate, check=check,
+    needs_calibration=computes_imatrix, needs_model=computes_imatrix,
+    keeps_lm_head=lambda options: False,  # the mixture gives output.weight its own type (Q6_K for most mixes)
+    supports_ignore=False,  # per-tensor types come from llama-quantize's mixture rules
+    plan_types=plan_types,
+)

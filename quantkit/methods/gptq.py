@@ -16,10 +16,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict
 
 from quantkit.errors import CalibrationError, InputError, UnsupportedError
-from quantkit.methods import llmc
+from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, fixed_gate, llmc
 
-ENGINE = llmc.ENGINE
-FORMAT = "compressed-tensors (pack-quantized, int weights)"
 # 4-bit rounding costs a few percent of perplexity even with GPTQ's error feedback.
 DEFAULT_GATE = {"max_ppl_increase": 0.10, "max_kld": 0.10, "min_top1": 0.80}
 
@@ -137,7 +135,15 @@ def modifier(options: Options, ignore: list[str]):
     )
 
 
-def quantize(job) -> None:
+def quantize(job: QuantizeJob) -> QuantizeResult:
     llmc.run_oneshot(job, modifier(job.options, job.ignore), calibrate=True)
     llmc.save_compressed(job)
-    job.extra["report"] = {"calibration_tokens": int(job.windows.calib.numel())}
+    return QuantizeResult(job.out_dir, {"calibration_tokens": int(job.windows.calib.numel())})
+
+
+METHOD = MethodSpec(
+    name="gptq", engine=llmc.ENGINE, engine_package=llmc.ENGINE,
+    format="compressed-tensors (pack-quantized, int weights)",
+    options=Options, quantize=quantize, precision=precision, default_gate=fixed_gate(DEFAULT_GATE),
+    check=check, needs_calibration=needs_calibration,
+)

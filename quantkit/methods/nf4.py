@@ -5,22 +5,20 @@ For QLoRA training and quick experiments: the checkpoint reloads with a plain
 is trained against. It is not a fast serving format; use gptq/awq/fp8 for vLLM.
 
 Needs no calibration data: NF4 is blockwise absmax (64 weights per block) onto a fixed
-16-value code book. The 16-bit model the pipeline loaded is dropped and the checkpoint is
-re-loaded with a BitsAndBytesConfig, which is how transformers quantizes with bitsandbytes.
+16-value code book. The checkpoint is loaded with a BitsAndBytesConfig, which is how transformers
+quantizes with bitsandbytes; the pipeline does not load the 16-bit model for this method.
 """
 
 from __future__ import annotations
 
-import gc
 import re
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
 from quantkit.errors import UnsupportedError, require
+from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, fixed_gate
 
-ENGINE = "bitsandbytes"
-FORMAT = "transformers bitsandbytes checkpoint (4-bit NF4/FP4 or LLM.int8)"
 # NF4 is plain round-to-nearest onto 16 levels, without calibration: looser than GPTQ/AWQ.
 DEFAULT_GATE = {"max_ppl_increase": 0.15, "max_kld": 0.15, "min_top1": 0.75}
 
@@ -39,10 +37,6 @@ class Options(BaseModel):
     scheme: Literal["nf4", "fp4", "int8"] = "nf4"
     double_quant: bool = True
     compute_dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"  # auto: the model's dtype
-
-
-def needs_calibration(options: Options) -> bool:
-    return False
 
 
 def precision(role: str, options: Options, name: str, shape: list[int]) -> str | None:
@@ -122,31 +116,38 @@ def skip_modules(ignore: list[str]) -> list[str]:
     return [p[3:] if p.startswith("re:") else p for p in ignore]
 
 
-def quantize(job) -> None:
+def quantize(job: QuantizeJob) -> QuantizeResult:
+    from quantkit.model import torch_dtype
+
     require("bitsandbytes", "nf4", "the nf4 method (bitsandbytes 4-bit)")
-    dtype = job.model.dtype
-    job.model = None
-    gc.collect()
+    dtype = torch_dtype(job.dtype, job.info)
     odd = kept_for_kernels(job.info, job.options)
     skip = skip_modules(job.ignore) + [exact_module(name) for name in odd]
     config = bnb_config(job.options, compute_dtype(job.options, dtype), skip)
     model = load_quantized(job.info, dtype, config, job.device, job.trust_remote_code)
-    model.save_pretrained(job.out_dir)
-    job.tokenizer.save_pretrained(job.out_dir)
-    job.extra["report"] = {"bnb_quantization_config": model.config.quantization_config.to_dict(),
-                           "kept_for_bnb_kernels": odd}
+    model.save_pretrained(job.out_dir)  # the tokenizer files are copied beside it by the pipeline
+    details = {"bnb_quantization_config": model.config.quantization_config.to_dict(),
+               "kept_for_bnb_kernels": odd}
     del model
+    return QuantizeResult(job.out_dir, details)
 
 
 def load_quantized(info, dtype, config, device: str, trust_remote_code: bool = False):
     """Re-load the checkpoint with the bitsandbytes config: transformers quantizes while loading."""
-    import os
-
     from quantkit.model import auto_model_class, device_map
+    from quantkit.offline import offline
 
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    model = auto_model_class(info.config).from_pretrained(
-        info.path, dtype=dtype, quantization_config=config, use_safetensors=True,
-        local_files_only=True, device_map=device_map(device), trust_remote_code=trust_remote_code,
-    )
+    with offline():
+        model = auto_model_class(info.config).from_pretrained(
+            info.path, dtype=dtype, quantization_config=config, use_safetensors=True,
+            local_files_only=True, device_map=device_map(device), trust_remote_code=trust_remote_code,
+        )
     return model.eval()
+
+
+METHOD = MethodSpec(
+    name="nf4", engine="bitsandbytes", engine_package="bitsandbytes",
+    format="transformers bitsandbytes checkpoint (4-bit NF4/FP4 or LLM.int8)",
+    options=Options, quantize=quantize, precision=precision, default_gate=fixed_gate(DEFAULT_GATE),
+    check=check, needs_model=lambda options: False,  # transformers re-loads the checkpoint with a bnb config
+)

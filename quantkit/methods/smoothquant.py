@@ -19,35 +19,11 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict
 
 from quantkit.errors import InputError, UnsupportedError
-from quantkit.methods import gptq, llmc
+from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, fixed_gate, gptq, llmc
+from quantkit.methods.mappings import Mapping, smoothquant_mappings, supported_model_types
 
-ENGINE = llmc.ENGINE
-FORMAT = "compressed-tensors (int-quantized, W8A8 int8)"
 # int8 weights and per-token int8 activations are near-lossless on trained models: tight gate.
 DEFAULT_GATE = {"max_ppl_increase": 0.03, "max_kld": 0.02, "min_top1": 0.93}
-
-# model_type -> [(smooth layer, [balance layers])]: the norm whose output feeds the linears.
-# o_proj and down_proj are not smoothed (their inputs are not a norm output).
-_LLAMA_LIKE = [
-    ("re:.*input_layernorm$", ["re:.*q_proj$", "re:.*k_proj$", "re:.*v_proj$"]),
-    ("re:.*post_attention_layernorm$", ["re:.*gate_proj$", "re:.*up_proj$"]),
-]
-# Gemma 2/3: post_attention_layernorm normalizes the attention *output*; the MLP input comes
-# from pre_feedforward_layernorm (llm-compressor's own registry maps these models like Llama).
-_GEMMA2_LIKE = [
-    ("re:.*input_layernorm$", ["re:.*q_proj$", "re:.*k_proj$", "re:.*v_proj$"]),
-    ("re:.*pre_feedforward_layernorm$", ["re:.*gate_proj$", "re:.*up_proj$"]),
-]
-SMOOTHQUANT_MAPPINGS: dict[str, list[tuple[str, list[str]]]] = {
-    "llama": _LLAMA_LIKE,
-    "mistral": _LLAMA_LIKE,
-    "qwen2": _LLAMA_LIKE,
-    "qwen3": _LLAMA_LIKE,
-    "gemma": _LLAMA_LIKE,
-    "gemma2": _GEMMA2_LIKE,
-    "gemma3": _GEMMA2_LIKE,
-    "gemma3_text": _GEMMA2_LIKE,
-}
 
 
 class Options(BaseModel):
@@ -67,13 +43,13 @@ def precision(role: str, options: Options, name: str, shape: list[int]) -> str |
     return f"int8 W per-channel ({options.weight_algorithm.upper()}) + A per-token dynamic (SmoothQuant)"
 
 
-def mappings_for(model_type: str) -> list[tuple[str, list[str]]]:
-    if model_type not in SMOOTHQUANT_MAPPINGS:
+def mappings_for(model_type: str) -> list[Mapping]:
+    if model_type not in supported_model_types():
         raise UnsupportedError(
             f"smoothquant has no smoothing mappings for architecture '{model_type}'",
-            hint="supported model types: " + ", ".join(sorted(SMOOTHQUANT_MAPPINGS)),
+            hint="supported model types: " + ", ".join(supported_model_types()),
         )
-    return SMOOTHQUANT_MAPPINGS[model_type]
+    return smoothquant_mappings(model_type)
 
 
 def check(info, options: Options, calibration) -> None:
@@ -94,7 +70,7 @@ def modifiers(options: Options, model_type: str, ignore: list[str]) -> list:
     from llmcompressor.modifiers.quantization import QuantizationModifier
     from llmcompressor.modifiers.transform.smoothquant import SmoothQuantModifier
 
-    mappings = [[balance, smooth] for smooth, balance in mappings_for(model_type)]
+    mappings = [[list(m.balance), m.smooth] for m in mappings_for(model_type)]
     smooth = SmoothQuantModifier(smoothing_strength=options.smoothing_strength, mappings=mappings, ignore=ignore)
     if options.weight_algorithm == "gptq":
         quant = GPTQModifier(config_groups=scheme_config(), ignore=ignore, actorder=None,
@@ -104,9 +80,17 @@ def modifiers(options: Options, model_type: str, ignore: list[str]) -> list:
     return [smooth, quant]
 
 
-def quantize(job) -> None:
+def quantize(job: QuantizeJob) -> QuantizeResult:
     recipe = modifiers(job.options, job.info.model_type, job.ignore)
     llmc.run_oneshot(job, recipe, calibrate=True)
     llmc.save_compressed(job)
-    job.extra["report"] = {"smoothing_strength": job.options.smoothing_strength,
-                           "calibration_tokens": int(job.windows.calib.numel())}
+    return QuantizeResult(job.out_dir, {"smoothing_strength": job.options.smoothing_strength,
+                                        "calibration_tokens": int(job.windows.calib.numel())})
+
+
+METHOD = MethodSpec(
+    name="smoothquant", engine=llmc.ENGINE, engine_package=llmc.ENGINE,
+    format="compressed-tensors (int-quantized, W8A8 int8)",
+    options=Options, quantize=quantize, precision=precision, default_gate=fixed_gate(DEFAULT_GATE),
+    check=check, needs_calibration=needs_calibration,
+)

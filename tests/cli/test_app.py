@@ -1,6 +1,5 @@
 import subprocess
 import sys
-import time
 
 
 def test_help_does_not_import_torch():
@@ -8,10 +7,8 @@ def test_help_does_not_import_torch():
             "try:\n    app(['--help'])\nexcept SystemExit:\n    pass\n"
             "heavy = [m for m in ('torch', 'transformers', 'llmcompressor', 'numpy') if m in sys.modules]\n"
             "print('HEAVY', heavy)")
-    started = time.perf_counter()
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert "HEAVY []" in out and "quantize" in out
-    assert time.perf_counter() - started < 10  # generous: this is a smoke check, the benchmark measures it
 
 
 def test_version(cli):

@@ -11,6 +11,15 @@ from quantkit import errors
 from tests.util import FAST_CALIB, leftovers
 
 
+def replace_quantize(monkeypatch, quantize) -> None:
+    """fp8's quantize entry point replaced (the method table holds the function itself)."""
+    import dataclasses
+
+    from quantkit.methods import fp8
+
+    monkeypatch.setattr(fp8, "METHOD", dataclasses.replace(fp8.METHOD, quantize=quantize))
+
+
 def _raise(exc):
     def fail(*args, **kwargs):
         raise exc
@@ -53,11 +62,12 @@ CASES = [
 @pytest.mark.parametrize("where, action, code, needle", CASES)
 def test_nothing_left_at_or_beside_out(cli, micro_model, tmp_path, monkeypatch, where, action, code, needle):
     from quantkit import evaluate, export
-    from quantkit.methods import fp8
 
-    target = {"quantize": (fp8, "quantize"), "publish": (export, "_publish"),
-              "baseline": (evaluate, "compute_baseline")}[where]
-    monkeypatch.setattr(*target, action)
+    if where == "quantize":
+        replace_quantize(monkeypatch, action)
+    else:
+        monkeypatch.setattr(*{"publish": (export, "_publish"), "baseline": (evaluate, "compute_baseline")}[where],
+                            action)
     result = cli("quantize", micro_model, "--method", "fp8", "-o", tmp_path / "out", *FAST_CALIB)
     assert result.exit_code == code, result.output
     assert needle in result.stderr and "Traceback" not in result.stderr
@@ -77,12 +87,10 @@ def test_bad_input_before_staging_leaves_nothing(cli, micro_model, tmp_path):
 
 
 def test_overwrite_failure_keeps_the_old_output(cli, micro_model, tmp_path, monkeypatch):
-    from quantkit.methods import fp8
-
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("previous artifact")
-    monkeypatch.setattr(fp8, "quantize", _partial_then(_signal(signal.SIGTERM)))
+    replace_quantize(monkeypatch, _partial_then(_signal(signal.SIGTERM)))
     result = cli("quantize", micro_model, "--method", "fp8", "-o", out, "--overwrite", *FAST_CALIB)
     assert result.exit_code == 143, result.output
     assert leftovers(tmp_path, "out") == ["out"] and (out / "keep.txt").read_text() == "previous artifact"

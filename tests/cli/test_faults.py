@@ -86,14 +86,14 @@ def test_two_real_runs_into_one_output(micro_model, tmp_path):
 
 def test_next_run_removes_a_crashed_runs_staging(cli, micro_model, tmp_path, monkeypatch):
     from quantkit.errors import InputError
-    from quantkit.methods import fp8
+    from tests.cli.test_error_paths import replace_quantize
 
     stale = fake_leftover(tmp_path, "out", dead_pid())
 
     def fail(job):
         raise InputError("stop here")
 
-    monkeypatch.setattr(fp8, "quantize", fail)
+    replace_quantize(monkeypatch, fail)
     result = cli("quantize", micro_model, "--method", "fp8", "-o", tmp_path / "out", *FAST_CALIB)
     assert result.exit_code == 2, result.output
     assert f"removed {stale.name}, left by pid" in result.stderr

@@ -179,10 +179,44 @@ def test_ctrl_c_during_export_leaves_nothing(cli, micro_model, tmp_path, monkeyp
 
 
 def test_internal_error_is_one_line_exit_1(cli, micro_model, tmp_path, monkeypatch):
+    import dataclasses
+
     from quantkit.methods import fp8
 
-    monkeypatch.setattr(fp8, "quantize", lambda job: 1 / 0)
+    monkeypatch.setattr(fp8, "METHOD", dataclasses.replace(fp8.METHOD, quantize=lambda job: 1 / 0))
     result = cli("quantize", micro_model, "--method", "fp8", "-o", tmp_path / "out", *FAST_CALIB)
     assert result.exit_code == 1
     assert "internal error: ZeroDivisionError" in result.stderr and "Traceback" not in result.stderr
     assert leftovers(tmp_path, "out") == []
+
+
+def test_json_to_stdout_is_only_json(cli, micro_model, tmp_path):
+    """`--json -`: stdout parses as JSON; the tables and 'wrote' go to stderr."""
+    out = tmp_path / "fp8"
+    result = cli("quantize", micro_model, "--method", "fp8", "-o", out, "--json", "-", *FAST_CALIB)
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["schema_version"] == 1 and report["passed"] is True
+    assert report["targets"][0]["engine_version"]
+    assert "PASS" in result.stderr and f"wrote {out}" in result.stderr
+
+
+def test_no_calibration_windows_for_methods_that_need_none(cli, micro_model, tmp_path):
+    """fp8-dynamic uses no calibration data: a source with only enough text for the held-out
+    windows is fine, and no calibration windows are cut."""
+    text = (tmp_path / "small.txt")
+    text.write_text(" ".join(f"word{i % 50}" for i in range(600)))
+    out = tmp_path / "fp8"
+    result = cli("quantize", micro_model, "--method", "fp8", "-o", out, "--calib", text,
+                 "--num-samples", "512", "--seq-len", "64", "--eval-windows", "2", "--min-top1", "0.5")
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "quantkit.json").read_text())
+    assert report["calibration"]["calib_windows"] == 0 and report["calibration"]["eval_windows"] == 2
+
+
+def test_calibrated_method_refuses_zero_samples(cli, micro_model, tmp_path):
+    out = tmp_path / "static"
+    result = cli("quantize", micro_model, "--method", "fp8", "--scheme", "fp8-static", "-o", out,
+                 "--num-samples", "0", "--seq-len", "64", "--eval-windows", "2")
+    assert result.exit_code == 2 and "num_samples is 0" in result.stderr
+    assert leftovers(tmp_path, "static") == []

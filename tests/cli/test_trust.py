@@ -140,6 +140,7 @@ def test_loads_pass_the_flag_through(monkeypatch, tmp_path):
     monkeypatch.setattr(lora, "require", lambda *args: None)
     monkeypatch.setattr(lora, "load_model", record("merge base"))
     monkeypatch.setattr("quantkit.model.auto_model_class", lambda config: Recorder)
+    monkeypatch.setattr(artifacts, "artifact_kind", lambda path: "transformers")
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
     info = ModelInfo(tmp_path, {}, [], "LlamaForCausalLM", "llama")
     for call in (lambda: lora.merge_adapters(info, [], tmp_path / "merged", trust_remote_code=True),

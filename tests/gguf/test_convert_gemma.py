@@ -153,7 +153,7 @@ def test_gemma_q8_0_pipeline_passes_gate(cli, gemma, tmp_path):
     assert result.exit_code == 0, result.output
     report = json.loads((out / "quantkit.json").read_text())
     target = report["targets"][0]
-    assert target["gguf"]["tensor_types"]["Q8_0"] > 0
+    assert target["details"]["gguf"]["tensor_types"]["Q8_0"] > 0
     assert target["metrics"]["kld_mean"] < 0.01 and target["gate"]["passed"]
     result = cli("eval", out, "--num-windows", "3", "--seq-len", "64", "--json", "-")
     assert result.exit_code == 0, result.output

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from quantkit.errors import InputError, UnsupportedError
+from quantkit.methods import QuantizeJob
 from quantkit.methods import gguf as method
 from tests.gguf.test_convert import micro  # noqa: F401  (session fixture)
 
@@ -44,7 +45,6 @@ def test_check_rejects_architecture_and_missing_imatrix(micro, tmp_path):
 
 
 def test_precision_for_plan():
-    method._LAST_PLAN.clear()  # no plan_types() for this model: per-role defaults
     opts = method.Options()
     assert method.precision("decoder", opts, "model.layers.0.mlp.up_proj", [768, 256]) == "gguf Q4_K (Q4_K_M mix)"
     assert method.precision("lm_head", opts, "lm_head", [1024, 256]) == "gguf Q6_K"
@@ -53,15 +53,17 @@ def test_precision_for_plan():
 
 @pytest.mark.parametrize("gguf_type", ["Q4_K_M", "Q2_K", "Q3_K_M"])
 def test_plan_types_are_the_written_types(micro, tmp_path, gguf_type):
-    """plan_types (and precision once it ran) give each weight the type the GGUF file gets."""
+    """plan_types, and so the plan, give each weight the type the GGUF file gets."""
     import gguf
 
     from quantkit.gguf import convert as conv
     from quantkit.model import check_model_dir
+    from quantkit.plan import build_plan
 
     info = check_model_dir(micro)
     opts = method.Options(gguf_type=gguf_type, imatrix="none")
     types = method.plan_types(info, opts)
+    plan = {e.name: e.precision for e in build_plan(info, method.METHOD, opts, [])}
     out = conv.convert(micro, tmp_path / "m.gguf", gguf_type)
     tmap = conv.name_map(info.config)
     written = {t.name: gguf.GGMLQuantizationType(t.tensor_type).name for t in gguf.GGUFReader(str(out.path)).tensors}
@@ -71,7 +73,7 @@ def test_plan_types_are_the_written_types(micro, tmp_path, gguf_type):
     for module, shape in two_d.items():
         expected = "gguf " + written[conv.gguf_name(tmap, module + ".weight")]
         assert types[module] == expected, module
-        assert method.precision("decoder", opts, module, shape) == expected
+        assert plan[module] == expected
     if gguf_type == "Q4_K_M":  # use_more_bits: the last of 2 layers gets Q6_K on attn_v / ffn_down
         assert types["model.layers.0.self_attn.v_proj"] == "gguf Q4_K"
         assert types["model.layers.1.self_attn.v_proj"] == "gguf Q6_K"
@@ -84,24 +86,29 @@ def test_plan_types_unsupported_architecture_is_empty():
     assert method.precision("decoder", method.Options(), "h.0.w", [8, 256]) == "gguf Q4_K (Q4_K_M mix)"
 
 
-def make_job(model_dir: Path, out: Path, options, model=None, windows=None):
+def make_job(model_dir: Path, out: Path, options, model=None, calib=None) -> QuantizeJob:
+    import torch
+
+    from quantkit.calibration import TokenWindows
     from quantkit.model import check_model_dir
 
     out.mkdir(parents=True, exist_ok=True)
-    return SimpleNamespace(info=check_model_dir(model_dir), options=options, out_dir=out, model=model,
-                           windows=windows, workdir=out.parent, extra={})
+    calib = torch.empty((0, 32), dtype=torch.long) if calib is None else calib
+    windows = TokenWindows(calib=calib, eval=calib[:0], source="unit", sha256="")
+    return QuantizeJob(model=model, tokenizer=None, info=check_model_dir(model_dir), options=options,
+                       windows=windows, ignore=[], out_dir=out, workdir=out.parent)
 
 
 def test_quantize_writes_gguf_modelfile_and_report(micro, tmp_path):
     job = make_job(micro, tmp_path / "out", method.Options(gguf_type="Q4_K_M", imatrix="none"))
-    method.quantize(job)
-    path = Path(job.extra["artifact_path"])
+    result = method.quantize(job)
+    path = result.artifact
     assert path.name == "micro-Q4_K_M.gguf" and path.is_file()
-    report = job.extra["report"]["gguf"]
+    report = result.details["gguf"]
     assert report["tensor_types"] == {"F32": 5, "Q4_K": 13, "Q6_K": 3} and report["imatrix"] == "none"
     modelfile = (job.out_dir / "Modelfile").read_text()
     assert modelfile.startswith("FROM ./micro-Q4_K_M.gguf") and 'PARAMETER stop "</s>"' in modelfile
-    json.dumps(job.extra["report"])  # serialisable for quantkit.json
+    json.dumps(result.details)  # serialisable for quantkit.json
 
 
 def test_quantize_auto_imatrix_from_windows(micro, tmp_path):
@@ -109,10 +116,8 @@ def test_quantize_auto_imatrix_from_windows(micro, tmp_path):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(micro, dtype=torch.float32)
-    windows = SimpleNamespace(calib=torch.randint(0, 500, (2, 32)), source="unit")
-    job = make_job(micro, tmp_path / "out", method.Options(gguf_type="Q2_K"), model, windows)
-    method.quantize(job)
-    report = job.extra["report"]["gguf"]
+    job = make_job(micro, tmp_path / "out", method.Options(gguf_type="Q2_K"), model, torch.randint(0, 500, (2, 32)))
+    report = method.quantize(job).details["gguf"]
     assert report["imatrix"].startswith("computed") and report["imatrix_tensors"] == 14
     assert (tmp_path / "imatrix.gguf").is_file()
 

@@ -13,7 +13,7 @@ def test_quantize_gguf_then_eval(cli, micro_model, tmp_path):
     assert {"micro-Q8_0.gguf", "Modelfile", "README.md", "quantkit.json"} <= files
     report = json.loads((out / "quantkit.json").read_text())
     target = report["targets"][0]
-    assert target["gguf"]["tensor_types"]["Q8_0"] > 0
+    assert target["details"]["gguf"]["tensor_types"]["Q8_0"] > 0
     assert target["metrics"]["kld_mean"] < 0.01 and target["gate"]["passed"]
     assert "lm_head" not in target["kept"]
 
@@ -42,3 +42,20 @@ def test_gguf_rejects_ignore_patterns(cli, micro_model, tmp_path):
 def test_gguf_unknown_type(cli, micro_model, tmp_path):
     result = cli("quantize", micro_model, "--method", "gguf", "--gguf-type", "Q4_K_XL", "-o", tmp_path / "out")
     assert result.exit_code == 2 and "gguf_type" in result.stderr
+
+
+def test_conversion_without_imatrix_or_gate_never_imports_torch(micro_model, tmp_path):
+    """Nothing in that run needs a torch model: no tokenizer, windows or model are loaded."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "q8"
+    code = ("import sys; from quantkit.cli.app import app\n"
+            f"try:\n    app(['quantize', {str(micro_model)!r}, '--method', 'gguf', '--gguf-type', 'Q8_0', "
+            f"'--imatrix', 'none', '--eval-windows', '0', '-o', {str(out)!r}])\n"
+            "except SystemExit as exc:\n    print('EXIT', exc.code)\n"
+            "print('HEAVY', [m for m in ('torch', 'transformers') if m in sys.modules])")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert "EXIT 0" in result.stdout, result.stderr
+    assert "HEAVY []" in result.stdout
+    assert (out / "micro-Q8_0.gguf").is_file() and (out / "quantkit.json").is_file()

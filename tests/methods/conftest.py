@@ -1,5 +1,4 @@
-"""Shared fixtures for the method tests: toy models built once per session, a CLI runner,
-and helpers to check an artifact the way a user would load it."""
+"""Shared fixtures for the method tests: toy models built once per session, and helpers to check an artifact the way a user would load it."""
 
 from __future__ import annotations
 
@@ -30,19 +29,6 @@ def gpt2_model(tmp_path_factory, micro_model) -> Path:
     return out
 
 
-@pytest.fixture
-def run_cli():
-    """Run `quantkit ARGS...` in-process; returns the click Result."""
-    from typer.testing import CliRunner
-
-    from quantkit.cli.app import app
-
-    def run(*args: str):
-        return CliRunner().invoke(app, [str(a) for a in args], catch_exceptions=False)
-
-    return run
-
-
 def assert_nothing_written(out: Path) -> None:
     """No output and no staging directory left beside it."""
     assert not out.exists()
@@ -71,9 +57,10 @@ def mean_kld_vs_base(artifact: Path, base: Path, windows: int = 4) -> float:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from quantkit.calibration import CalibrationSpec, make_windows
+    from quantkit.calibration import make_windows
+    from quantkit.recipe import Calibration
 
-    spec = CalibrationSpec(num_samples=1, seq_len=64, eval_windows=windows, seed=123)
+    spec = Calibration(num_samples=1, seq_len=64, eval_windows=windows, seed=123)
     ids = make_windows(AutoTokenizer.from_pretrained(base), spec).eval
     with torch.no_grad():
         logp = [AutoModelForCausalLM.from_pretrained(p, device_map="cpu")(ids).logits.float().log_softmax(-1)
@@ -111,11 +98,11 @@ def reference_model(tmp_path_factory) -> Path:
     return out
 
 
-def assert_beats_rtn(run_cli, model: Path, tmp_path: Path, method: str, rtn_scheme: str) -> None:
+def assert_beats_rtn(cli, model: Path, tmp_path: Path, method: str, rtn_scheme: str) -> None:
     """On a trained model the calibrated method passes its default gate and beats plain rounding
     of the same format (llm-compressor preset `rtn_scheme`) on KL divergence."""
     out = tmp_path / method
-    result = run_cli("quantize", model, "--method", method, "--num-samples", 32, "--seq-len", 128,
+    result = cli("quantize", model, "--method", method, "--num-samples", 32, "--seq-len", 128,
                      "--eval-windows", 8, "-o", out)
     assert result.exit_code == 0, result.output  # the default gate holds
     rtn = rtn_artifact(model, rtn_scheme, tmp_path / "rtn")

@@ -33,11 +33,11 @@ def build(model_type: str, tokenizer_dir, out):
     pytest.param("smoothquant", "gemma2", marks=pytest.mark.slow),
     pytest.param("smoothquant", "qwen3", marks=pytest.mark.slow),
 ])
-def test_smoothing_methods_run_on_each_family(run_cli, micro_model, tmp_path, method, model_type):
+def test_smoothing_methods_run_on_each_family(cli, micro_model, tmp_path, method, model_type):
     model = build(model_type, micro_model, tmp_path / model_type)
     out = tmp_path / "out"
     extra = ["--smoothing-strength", "0.5"] if method == "smoothquant" else []
-    result = run_cli("quantize", model, "--method", method, *extra, *CALIB_ARGS, *LOOSE_TOP1,
+    result = cli("quantize", model, "--method", method, *extra, *CALIB_ARGS, *LOOSE_TOP1,
                      "--max-kld", "0.5", "--max-ppl-increase", "0.5", "-o", out)
     assert result.exit_code == 0, result.output
     assert quant_config(out)["quant_method"] == "compressed-tensors"

@@ -15,11 +15,11 @@ def awq_recipe(tmp_path, **options) -> str:
     return str(path)
 
 
-def test_awq_end_to_end_on_cpu(run_cli, micro_model, tmp_path):
+def test_awq_end_to_end_on_cpu(cli, micro_model, tmp_path):
     """Fails (exit 1, 'Cannot access accelerator device') if the CPU pin_memory workaround breaks."""
     out = tmp_path / "out"
     recipe = awq_recipe(tmp_path, n_grid=4, group_size=64)
-    result = run_cli("quantize", micro_model, "--recipe", recipe, *CALIB_ARGS, *LOOSE_TOP1, "-o", out)
+    result = cli("quantize", micro_model, "--recipe", recipe, *CALIB_ARGS, *LOOSE_TOP1, "-o", out)
     assert result.exit_code == 0, result.output
     config = quant_config(out)
     assert config["quant_method"] == "compressed-tensors" and config["format"] == "pack-quantized"
@@ -28,7 +28,7 @@ def test_awq_end_to_end_on_cpu(run_cli, micro_model, tmp_path):
     entry = assert_metrics(out)
     import torch
 
-    assert entry["cpu_pin_memory_workaround"] is (not torch.accelerator.is_available())
+    assert entry["details"]["cpu_pin_memory_workaround"] is (not torch.accelerator.is_available())
     assert mean_kld_vs_base(out, micro_model) < 0.05
 
 
@@ -64,39 +64,40 @@ def test_pin_memory_guard_patches_and_restores():
     assert IntermediatesCache.pin_memory is original
 
 
-def test_awq_unknown_architecture(run_cli, gpt2_model, tmp_path):
+def test_awq_unknown_architecture(cli, gpt2_model, tmp_path):
     out = tmp_path / "out"
-    result = run_cli("quantize", gpt2_model, "--method", "awq", *CALIB_ARGS, "-o", out)
+    result = cli("quantize", gpt2_model, "--method", "awq", *CALIB_ARGS, "-o", out)
     assert result.exit_code == 2, result.output
     assert "architecture 'gpt2'" in result.output
     assert "llama" in result.output and "qwen3" in result.output
     assert_nothing_written(out)
 
 
-def test_awq_group_size_and_bits(run_cli, micro_model, tmp_path):
+def test_awq_group_size_and_bits(cli, micro_model, tmp_path):
     out = tmp_path / "out"
-    result = run_cli("quantize", micro_model, "--method", "awq", "--group-size", 96, *CALIB_ARGS, "-o", out)
+    result = cli("quantize", micro_model, "--method", "awq", "--group-size", 96, *CALIB_ARGS, "-o", out)
     assert result.exit_code == 2 and "does not divide" in result.output
-    result = run_cli("quantize", micro_model, "--method", "awq", "--bits", 2, *CALIB_ARGS, "-o", out)
+    result = cli("quantize", micro_model, "--method", "awq", "--bits", 2, *CALIB_ARGS, "-o", out)
     assert result.exit_code == 2 and "bits=2" in result.output
     assert_nothing_written(out)
 
 
-def test_awq_autoawq_backend_fails_honestly(run_cli, micro_model, tmp_path):
+def test_awq_autoawq_backend_fails_honestly(cli, micro_model, tmp_path):
     out = tmp_path / "out"
-    result = run_cli("quantize", micro_model, "--method", "awq", "--backend", "autoawq", *CALIB_ARGS, "-o", out)
+    result = cli("quantize", micro_model, "--method", "awq", "--backend", "autoawq", *CALIB_ARGS, "-o", out)
     assert result.exit_code == 2, result.output
     assert "autoawq" in result.output.lower()
     assert_nothing_written(out)
 
 
 def test_mappings_cover_required_architectures():
-    from quantkit.methods.awq_mappings import AWQ_MAPPINGS
+    from quantkit.methods.mappings import awq_mappings
 
     for model_type in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "gemma3_text"):
-        assert AWQ_MAPPINGS[model_type], model_type
-    assert all(smooth.startswith("re:") for smooth, _ in AWQ_MAPPINGS["gemma2"])
-    assert ("re:.*input_layernorm$", ["re:.*q_proj$", "re:.*k_proj$", "re:.*v_proj$"]) not in AWQ_MAPPINGS["gemma3"]
+        assert len(awq_mappings(model_type)) >= 3, model_type
+    assert all(m.smooth.startswith("re:") for m in awq_mappings("gemma2"))
+    assert "re:.*input_layernorm$" in [m.smooth for m in awq_mappings("gemma2")]
+    assert "re:.*input_layernorm$" not in [m.smooth for m in awq_mappings("gemma3")]
 
 
 def test_autoawq_installed_but_not_loadable(monkeypatch):
@@ -113,5 +114,5 @@ def test_autoawq_installed_but_not_loadable(monkeypatch):
 
 
 @pytest.mark.slow
-def test_awq_beats_rtn_on_reference_model(run_cli, reference_model, tmp_path):
-    assert_beats_rtn(run_cli, reference_model, tmp_path, "awq", "W4A16_ASYM")
+def test_awq_beats_rtn_on_reference_model(cli, reference_model, tmp_path):
+    assert_beats_rtn(cli, reference_model, tmp_path, "awq", "W4A16_ASYM")

@@ -12,9 +12,9 @@ from tests.methods.conftest import (CALIB_ARGS, LOOSE_TOP1, assert_beats_rtn, as
     "bits, group_size, act_order",
     [(4, 64, "static"), pytest.param(8, -1, "none", marks=pytest.mark.slow)],
 )
-def test_gptq_end_to_end(run_cli, micro_model, tmp_path, bits, group_size, act_order):
+def test_gptq_end_to_end(cli, micro_model, tmp_path, bits, group_size, act_order):
     out = tmp_path / "out"
-    result = run_cli("quantize", micro_model, "--method", "gptq", "--bits", bits, "--group-size", group_size,
+    result = cli("quantize", micro_model, "--method", "gptq", "--bits", bits, "--group-size", group_size,
                      "--act-order", act_order, *CALIB_ARGS, *LOOSE_TOP1, "-o", out)
     assert result.exit_code == 0, result.output
     config = quant_config(out)
@@ -26,30 +26,30 @@ def test_gptq_end_to_end(run_cli, micro_model, tmp_path, bits, group_size, act_o
     assert weights["actorder"] == (None if act_order == "none" else act_order)
     assert "lm_head" in config["ignore"]
     entry = assert_metrics(out)
-    assert entry["calibration_tokens"] == 16 * 64
+    assert entry["details"]["calibration_tokens"] == 16 * 64
     assert mean_kld_vs_base(out, micro_model) < 0.05
 
 
-def test_gptq_group_size_must_divide_widths(run_cli, micro_model, tmp_path):
+def test_gptq_group_size_must_divide_widths(cli, micro_model, tmp_path):
     out = tmp_path / "out"
-    result = run_cli("quantize", micro_model, "--method", "gptq", "--group-size", 96, *CALIB_ARGS, "-o", out)
+    result = cli("quantize", micro_model, "--method", "gptq", "--group-size", 96, *CALIB_ARGS, "-o", out)
     assert result.exit_code == 2, result.output
     assert "group_size=96 does not divide the input width" in result.output
     assert "model.layers.0." in result.output
     assert_nothing_written(out)
 
 
-def test_gptq_unsupported_bits(run_cli, micro_model, tmp_path):
+def test_gptq_unsupported_bits(cli, micro_model, tmp_path):
     out = tmp_path / "out"
-    result = run_cli("quantize", micro_model, "--method", "gptq", "--bits", 3, *CALIB_ARGS, "-o", out)
+    result = cli("quantize", micro_model, "--method", "gptq", "--bits", 3, *CALIB_ARGS, "-o", out)
     assert result.exit_code == 2, result.output
     assert "bits=3 is not supported" in result.output
     assert_nothing_written(out)
 
 
-def test_gptq_too_few_calibration_tokens(run_cli, micro_model, tmp_path):
+def test_gptq_too_few_calibration_tokens(cli, micro_model, tmp_path):
     out = tmp_path / "out"
-    result = run_cli("quantize", micro_model, "--method", "gptq", "--num-samples", 2, "--seq-len", 64,
+    result = cli("quantize", micro_model, "--method", "gptq", "--num-samples", 2, "--seq-len", 64,
                      "--eval-windows", 2, "-o", out)
     assert result.exit_code == 2, result.output
     assert "128 calibration tokens is too few" in result.output
@@ -67,6 +67,6 @@ def test_gptq_precision_strings():
 
 
 @pytest.mark.slow
-def test_gptq_beats_rtn_on_reference_model(run_cli, reference_model, tmp_path):
+def test_gptq_beats_rtn_on_reference_model(cli, reference_model, tmp_path):
     """On a trained model GPTQ's error feedback must beat plain rounding of the same format."""
-    assert_beats_rtn(run_cli, reference_model, tmp_path, "gptq", "W4A16")
+    assert_beats_rtn(cli, reference_model, tmp_path, "gptq", "W4A16")

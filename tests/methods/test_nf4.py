@@ -13,13 +13,13 @@ FAST_ARGS = ["--num-samples", "2", "--seq-len", "64", "--eval-windows", "4"]
 
 @pytest.mark.parametrize("scheme, double_quant", [("nf4", True), ("int8", False),
                                                   pytest.param("fp4", False, marks=pytest.mark.slow)])
-def test_nf4_end_to_end(run_cli, micro_model, tmp_path, scheme, double_quant):
+def test_nf4_end_to_end(cli, micro_model, tmp_path, scheme, double_quant):
     import bitsandbytes as bnb
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "out"
     dq = "--double-quant" if double_quant else "--no-double-quant"
-    result = run_cli("quantize", micro_model, "--method", "nf4", "--scheme", scheme, dq,
+    result = cli("quantize", micro_model, "--method", "nf4", "--scheme", scheme, dq,
                      "--compute-dtype", "bfloat16", *FAST_ARGS, *LOOSE_TOP1, "-o", out)
     assert result.exit_code == 0, result.output
     config = quant_config(out)
@@ -39,10 +39,10 @@ def test_nf4_end_to_end(run_cli, micro_model, tmp_path, scheme, double_quant):
     assert mean_kld_vs_base(out, micro_model) < 0.05
 
 
-def test_nf4_without_bitsandbytes(run_cli, micro_model, tmp_path, monkeypatch):
+def test_nf4_without_bitsandbytes(cli, micro_model, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # makes `import bitsandbytes` raise ImportError
     out = tmp_path / "out"
-    result = run_cli("quantize", micro_model, "--method", "nf4", *FAST_ARGS, "-o", out)
+    result = cli("quantize", micro_model, "--method", "nf4", *FAST_ARGS, "-o", out)
     assert result.exit_code == 2, result.output
     assert "bitsandbytes" in result.output and "quantkit[nf4]" in result.output
     assert_nothing_written(out)

@@ -50,15 +50,15 @@ def test_exact_module_pattern():
     assert not re.match(pattern, "model.layers.1.mlp.down_proj_extra")
 
 
-def test_nf4_keeps_odd_layers_16bit(run_cli, odd_model, tmp_path):
+def test_nf4_keeps_odd_layers_16bit(cli, odd_model, tmp_path):
     import bitsandbytes as bnb
     import torch
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "out"
-    result = run_cli("quantize", odd_model, "--method", "nf4", *FAST_ARGS, *LOOSE_TOP1, "--no-gate", "-o", out)
+    result = cli("quantize", odd_model, "--method", "nf4", *FAST_ARGS, *LOOSE_TOP1, "--no-gate", "-o", out)
     assert result.exit_code == 0, result.output
-    kept = report(out)["targets"][0]["kept_for_bnb_kernels"]
+    kept = report(out)["targets"][0]["details"]["kept_for_bnb_kernels"]
     assert sorted(kept) == sorted(f"model.layers.{i}.mlp.{p}" for i in range(2) for p in ("gate_proj", "up_proj", "down_proj"))
     model = AutoModelForCausalLM.from_pretrained(out, device_map="cpu")
     layer = model.model.layers[0]

@@ -1,0 +1,72 @@
+"""Every method module declares the full contract of quantkit.methods.MethodSpec."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import subprocess
+import sys
+from dataclasses import fields
+
+import pytest
+from pydantic import BaseModel
+
+from quantkit.methods import METHODS, MethodSpec, get_method
+from quantkit.recipe import Calibration, Gate
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_method_declares_the_contract(name):
+    spec = get_method(name)
+    assert isinstance(spec, MethodSpec) and spec.name == name
+    assert issubclass(spec.options, BaseModel) and spec.options.model_config.get("extra") == "forbid"
+    options = spec.options()  # every option has a default
+    for member in fields(MethodSpec):
+        value = getattr(spec, member.name)
+        if member.name in ("name", "engine", "engine_package", "format"):
+            assert isinstance(value, str) and value, member.name
+        elif member.name == "supports_ignore":
+            assert isinstance(value, bool)
+        elif member.name != "options":
+            assert callable(value), member.name
+    assert isinstance(spec.needs_calibration(options), bool)
+    assert isinstance(spec.keeps_lm_head(options), bool)
+    Gate(**spec.default_gate(options))  # thresholds are Gate fields
+    assert spec.precision("decoder", options, "model.layers.0.mlp.up_proj", [256, 256])
+    assert spec.precision("vision", options, "model.vision_tower.x", [256, 256]) is None or name == "gguf"
+    assert list(inspect.signature(spec.check).parameters) == ["info", "options", "calibration"]
+    assert list(inspect.signature(spec.quantize).parameters) == ["job"]
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_method_modules_import_without_torch(name):
+    code = (f"import sys, json; from quantkit.methods import get_method; get_method({name!r}); "
+            "print(json.dumps([m for m in ('torch', 'transformers', 'llmcompressor') if m in sys.modules]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert json.loads(out) == []
+
+
+def test_calibration_needs_are_declared():
+    assert get_method("fp8").needs_calibration(get_method("fp8").options(scheme="fp8-static"))
+    assert not get_method("fp8").needs_calibration(get_method("fp8").options())
+    assert not get_method("nf4").needs_calibration(get_method("nf4").options())
+    gguf = get_method("gguf")
+    assert gguf.needs_calibration(gguf.options(gguf_type="Q4_K_M"))
+    assert not gguf.needs_calibration(gguf.options(gguf_type="Q8_0"))
+    for name in ("gptq", "awq", "smoothquant"):
+        assert get_method(name).needs_calibration(get_method(name).options())
+    Calibration(num_samples=0)  # allowed: methods that need windows refuse it in the pipeline
+
+
+def test_no_hidden_module_state_in_the_package():
+    """No function in quantkit/ keeps state between calls: no `global` rebinding, no memoizing caches."""
+    from pathlib import Path
+
+    import quantkit
+
+    offenders = []
+    for path in Path(quantkit.__file__).parent.rglob("*.py"):
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if line.strip().startswith("global ") or "lru_cache" in line or "functools.cache" in line:
+                offenders.append(f"{path.name}:{number}: {line.strip()}")
+    assert offenders == []

@@ -1,0 +1,32 @@
+"""README.md states what the code does: the supported-architecture table equals the code's tables."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def readme_row(method_cell: str) -> str:
+    section = README.read_text().split("### Supported architectures", 1)[1]
+    for line in section.splitlines():
+        if line.startswith(f"| {method_cell} |"):
+            return line.split("|")[2]
+    raise AssertionError(f"README has no supported-architecture row for {method_cell}")
+
+
+def listed(cell: str) -> list[str]:
+    return re.findall(r"[A-Za-z0-9_]+", cell.split(":", 1)[1])
+
+
+def test_smoothing_architectures_match_the_mapping_table():
+    from quantkit.methods.mappings import supported_model_types
+
+    assert listed(readme_row("`awq`, `smoothquant`")) == supported_model_types()
+
+
+def test_gguf_architectures_match_the_converter_table():
+    from quantkit.gguf.convert import supported_architectures
+
+    assert listed(readme_row("`gguf`")) == supported_architectures()
