@@ -96,7 +96,7 @@ def target_options(target: Target) -> BaseModel:
 
 def target_gate(recipe: Recipe, target: Target) -> Gate:
     """Gate thresholds for a target: method defaults < recipe gate < target gate (set fields win)."""
-    values = get_method(target.method).default_gate(target_options(target))
+    values = dict(get_method(target.method).default_gate(target_options(target)))  # never the method's own table
     for layer in (recipe.gate, target.gate):
         if layer is not None:
             values.update(layer.model_dump(exclude_unset=True))
