@@ -43,7 +43,7 @@ def perplexity(gguf_path: Path, text: str, context: int, threads: int = 2) -> di
         fh.flush()
         cmd = [str(exe), "-m", str(gguf_path), "-f", fh.name, "-c", str(context), "-t", str(threads),
                "-b", str(context)]
-        for _attempt in range(3):  # llama.cpp's log thread occasionally drops the last lines at exit
+        for _attempt in range(6):  # llama.cpp's log thread occasionally drops the last lines at exit (more under load)
             result = subprocess.run(cmd, capture_output=True, text=True)
             match = PPL_LINE.search(result.stdout + result.stderr)
             if match or result.returncode != 0:

@@ -152,22 +152,17 @@ def _run_in(staging: Path, recipe: Recipe, opts: RunOptions, info: ModelInfo,
     if windows is not None:
         report.calibration.update(source_sha256=windows.sha256, calib_windows=len(windows.calib),
                                   eval_windows=len(windows.eval))
-    model = None
     baseline = None
     if windows is not None and len(windows.eval):
-        model = load(info, recipe, opts.progress)
-        baseline = compute_baseline(model, windows.eval, workdir, report, opts.progress)
+        baseline = compute_baseline(info, recipe, windows.eval, workdir, report, opts.progress)
     for resolved in targets:
-        if resolved.needs_model and model is None:
-            model = load(info, recipe, opts.progress)
-        if not resolved.needs_model:
-            model = None
-            gc.collect()
         out_dir = target_dir(staging, resolved, targets)
         out_dir.mkdir(exist_ok=True)
-        job = QuantizeJob(model, tokenizer if resolved.needs_model else None, info, resolved.options, windows,
+        # a fresh model per target (methods change it in place); the job holds the only reference,
+        # so run_target can free it before measuring
+        job = QuantizeJob(load(info, recipe, opts.progress) if resolved.needs_model else None,
+                          tokenizer if resolved.needs_model else None, info, resolved.options, windows,
                           resolved.ignore, out_dir, workdir, recipe.dtype, recipe.device, recipe.trust_remote_code)
-        model = None  # the job holds the only reference, so run_target can free it before measuring
         report.targets.append(run_target(job, resolved, baseline, opts))
         del job
         gc.collect()
@@ -176,13 +171,16 @@ def _run_in(staging: Path, recipe: Recipe, opts: RunOptions, info: ModelInfo,
     return report
 
 
-def compute_baseline(model, windows, workdir: Path, report: RunReport, progress: Progress):
-    """Score the full-precision model once on the held-out windows (reused for every target)."""
+def compute_baseline(info: ModelInfo, recipe: Recipe, windows, workdir: Path, report: RunReport,
+                     progress: Progress):
+    """Score the full-precision model once on the held-out windows (reused for every target);
+    a text decoder is streamed from its checkpoint a layer at a time, never loaded whole."""
     from quantkit import evaluate
 
     progress(f"baseline: scoring {len(windows)} held-out windows")
+    scorer = evaluate.base_scorer(info, recipe.dtype, recipe.device, recipe.trust_remote_code)
     with PeakTracker() as t:
-        baseline = evaluate.compute_baseline(evaluate.model_logits_fn(model), windows, workdir=workdir)
+        baseline = evaluate.compute_baseline(scorer, windows, workdir=workdir)
     report.timings["baseline_s"] = t.seconds
     report.baseline = {"ppl": baseline.ppl, "positions": int(baseline.nll.shape[0])}
     return baseline

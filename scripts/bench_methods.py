@@ -139,7 +139,7 @@ def score(artifact: Path, model: str, windows, baseline) -> dict:
     from quantkit.artifacts import load_for_eval
 
     candidate = load_for_eval(artifact, Path(model))
-    metrics = evaluate.compare(evaluate.model_logits_fn(candidate), windows.eval, baseline)
+    metrics = evaluate.compare(evaluate.model_scorer(candidate), windows.eval, baseline)
     return metrics.as_dict()
 
 
@@ -167,7 +167,7 @@ def run(args) -> list[dict]:
 
     _, windows = windows_for(args.model, args)
     base = AutoModelForCausalLM.from_pretrained(args.model, dtype="auto").eval()
-    baseline = evaluate.compute_baseline(evaluate.model_logits_fn(base), windows.eval)
+    baseline = evaluate.compute_baseline(evaluate.model_scorer(base), windows.eval)
     del base
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-methods-") as tmp:

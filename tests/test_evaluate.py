@@ -10,7 +10,7 @@ from quantkit import evaluate
 from quantkit.recipe import Gate
 
 
-def fake_model(scale: float = 1.0, noise: float = 0.0, vocab: int = 32):
+def fake_logits(scale: float = 1.0, noise: float = 0.0, vocab: int = 32):
     """A logits function over token windows: a fixed random bigram table, optionally damaged."""
     gen = torch.Generator().manual_seed(0)
     table = torch.randn(vocab, vocab, generator=gen) * 3
@@ -22,26 +22,30 @@ def fake_model(scale: float = 1.0, noise: float = 0.0, vocab: int = 32):
     return logits
 
 
+def fake_model(scale: float = 1.0, noise: float = 0.0, vocab: int = 32, batch_size: int | None = None):
+    """A Scorer over the bigram logits."""
+    return evaluate.logits_scorer(fake_logits(scale, noise, vocab), vocab, batch_size)
+
+
 @pytest.fixture
 def windows():
     return torch.randint(0, 32, (6, 17), generator=torch.Generator().manual_seed(2))
 
 
 def test_identical_candidate_scores_exactly(windows):
-    baseline = evaluate.compute_baseline(fake_model(), windows, batch_size=4)
-    metrics = evaluate.compare(fake_model(), windows, baseline, batch_size=4)
+    baseline = evaluate.compute_baseline(fake_model(batch_size=4), windows)
+    metrics = evaluate.compare(fake_model(batch_size=4), windows, baseline)
     assert metrics.kld_mean == 0.0 and metrics.kld_p99 == 0.0
     assert metrics.top1 == 1.0
     assert metrics.ppl == metrics.ppl_base and metrics.ppl_increase == 0.0
     assert metrics.positions == 6 * 16
-    assert baseline.forward_passes == 2  # 6 windows in batches of 4
 
 
 def test_kld_matches_direct_computation(windows):
     baseline = evaluate.compute_baseline(fake_model(), windows)
     metrics = evaluate.compare(fake_model(noise=0.5), windows, baseline)
-    p = torch.log_softmax(fake_model()(windows)[:, :-1].double(), -1)
-    q = torch.log_softmax(fake_model(noise=0.5)(windows)[:, :-1].double(), -1)
+    p = torch.log_softmax(fake_logits()(windows)[:, :-1].double(), -1)
+    q = torch.log_softmax(fake_logits(noise=0.5)(windows)[:, :-1].double(), -1)
     direct = (p.exp() * (p - q)).sum(-1).mean().item()
     assert metrics.kld_mean == pytest.approx(direct, rel=2e-3)
     nll = -q.gather(-1, windows[:, 1:, None]).mean().item()
@@ -59,7 +63,7 @@ def test_gate_without_thresholds_reports_but_passes(windows):
     baseline = evaluate.compute_baseline(fake_model(), windows)
     metrics = evaluate.compare(fake_model(noise=2.0), windows, baseline)
     verdict = evaluate.gate_verdict(metrics, Gate())
-    assert verdict.passed and len(verdict.checks) == 3
+    assert verdict.passed and len(verdict.checks) == 4 and verdict.checks[-1].name == "finite"
 
 
 def test_batch_size_bounds_logits_memory(windows):
@@ -74,3 +78,63 @@ def test_large_baseline_spills_to_a_memmap(windows, tmp_path, monkeypatch):
     assert isinstance(baseline.logprobs, np.memmap) and baseline.logprobs.dtype == np.float16
     assert not list(tmp_path.iterdir())  # unlinked at once; nothing to clean up
     assert evaluate.compare(fake_model(), windows, baseline).kld_mean == 0.0
+
+
+def test_logits_scorer_batches_windows_and_chunks_positions(windows, monkeypatch):
+    calls = []
+
+    def counting(ids):
+        calls.append(ids.shape[0])
+        return fake_logits()(ids)
+
+    monkeypatch.setattr(evaluate, "CHUNK_BYTES", 4 * 32 * 10)  # 10 positions per chunk
+    chunks = list(evaluate.logits_scorer(counting, 32, batch_size=4)(windows))
+    assert calls == [4, 2]
+    assert [c.logprobs.shape[0] for c in chunks] == [10] * 6 + [4] + [10] * 3 + [2]
+    assert torch.equal(torch.cat([c.targets for c in chunks]), windows[:, 1:].reshape(-1))
+
+
+def nan_logits(ids):
+    return torch.full((*ids.shape, 32), math.nan)
+
+
+def test_nan_model_never_agrees_and_fails_an_unenforced_gate(windows):
+    baseline = evaluate.compute_baseline(fake_model(), windows)
+    metrics = evaluate.compare(evaluate.logits_scorer(nan_logits, 32), windows, baseline)
+    assert metrics.top1 == 0.0
+    assert math.isnan(metrics.kld_mean) and math.isnan(metrics.ppl) and math.isnan(metrics.kld_p99)
+    verdict = evaluate.gate_verdict(metrics, Gate(), enforced=False)
+    assert not verdict.passed and verdict.enforced and verdict.failed == ["finite"]
+    assert verdict.checks[-1].value == 4.0  # ppl, ppl_increase, kld_mean, kld_p99
+
+
+def test_one_nan_position_shows_in_the_metrics(windows):
+    def partly_nan(ids):
+        logits = fake_logits()(ids).clone()
+        logits[0, 3, 5] = math.nan
+        return logits
+
+    baseline = evaluate.compute_baseline(fake_model(), windows)
+    metrics = evaluate.compare(evaluate.logits_scorer(partly_nan, 32), windows, baseline)
+    assert metrics.top1 == pytest.approx(1 - 1 / metrics.positions)
+    assert math.isnan(metrics.kld_mean)
+    assert evaluate.gate_verdict(metrics, Gate(max_kld=1.0)).failed == ["kld_mean", "finite"]
+
+
+def test_nan_baseline_agrees_with_nothing(windows):
+    baseline = evaluate.compute_baseline(evaluate.logits_scorer(nan_logits, 32), windows)
+    assert (baseline.top1 == evaluate.NO_TOP1).all()
+    metrics = evaluate.compare(fake_model(), windows, baseline)
+    assert metrics.top1 == 0.0 and not evaluate.gate_verdict(metrics, Gate(), enforced=False).passed
+
+
+def test_zero_base_probability_is_not_nan(windows):
+    """A token the base gives probability 0 (log-prob -inf, e.g. a masked vocab entry) adds 0, not NaN."""
+    def masked(ids):
+        logits = fake_logits()(ids).clone()
+        logits[..., 7] = -math.inf
+        return logits
+
+    baseline = evaluate.compute_baseline(evaluate.logits_scorer(masked, 32), windows)
+    metrics = evaluate.compare(evaluate.logits_scorer(masked, 32), windows, baseline)
+    assert metrics.kld_mean == 0.0 and metrics.top1 == 1.0

@@ -43,7 +43,7 @@ def eval_command(
     from quantkit.artifacts import artifact_kind
     from quantkit.cli.report import metrics_table, thresholds_table
     from quantkit.errors import GateFailedError, InputError, ModelError
-    from quantkit.model import check_device, check_model_dir, load_model, load_tokenizer, resolve_model
+    from quantkit.model import check_device, check_model_dir, load_tokenizer, resolve_model
     from quantkit.recipe import Gate
 
     if not model.exists():
@@ -56,9 +56,8 @@ def eval_command(
     tokenizer = load_tokenizer(base, trust_remote_code)
     windows = eval_windows(tokenizer, data, num_windows, seq_len, seed)
     progress(f"baseline: {base.path} on {len(windows)} windows of {seq_len} tokens")
-    base_model = load_model(base, device=device, trust_remote_code=trust_remote_code)
-    baseline = evaluate.compute_baseline(evaluate.model_logits_fn(base_model), windows)
-    del base_model
+    baseline = evaluate.compute_baseline(evaluate.base_scorer(base, device=device, trust_remote_code=trust_remote_code),
+                                         windows)
     progress(f"candidate: {model} ({kind})")
     metrics = evaluate.evaluate_artifact(model, base.path, windows, baseline, device, trust_remote_code)
     verdict = evaluate.gate_verdict(metrics, Gate(max_ppl_increase=max_ppl_increase, max_kld=max_kld,

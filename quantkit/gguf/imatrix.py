@@ -65,8 +65,12 @@ def linear_targets(model, config: dict) -> dict[str, str]:
     return targets
 
 
-def compute(model, windows, config: dict, dataset: str = "quantkit", batch_size: int = 1) -> Imatrix:
-    """Run `windows` (LongTensor (n, seq_len)) through `model`, collecting sums of squares."""
+def compute(model, windows, config: dict, dataset: str = "quantkit", batch_size: int = 1, device=None) -> Imatrix:
+    """Run `windows` (LongTensor (n, seq_len)) through `model`, collecting sums of squares.
+
+    `model` may be a layer-streamed one (quantkit.stream: parameters on the meta device, each
+    decoder layer's weights read while it runs); pass its execution `device` then.
+    """
     import torch
 
     targets = linear_targets(model, config)
@@ -83,7 +87,7 @@ def compute(model, windows, config: dict, dataset: str = "quantkit", batch_size:
 
     modules = dict(model.named_modules())
     handles = [modules[m].register_forward_hook(hook(n)) for m, n in targets.items()]
-    device = next(model.parameters()).device
+    device = device if device is not None else next(model.parameters()).device
     # only the decoder blocks' inputs are collected: run the decoder without the output head
     # (skips a (seq, vocab) logits tensor and the lm_head matmul per window)
     body = model.get_decoder() if callable(getattr(model, "get_decoder", None)) else None

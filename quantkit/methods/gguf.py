@@ -131,9 +131,29 @@ def load_imatrix(job):
     if not computes_imatrix(opts):
         return im.read(Path(opts.imatrix)), f"file:{opts.imatrix}"
     calib = job.windows.calib
-    job.model.eval()
-    return im.compute(job.model, calib, job.info.config, dataset=job.windows.source), \
-        f"computed ({len(calib)} x {calib.shape[1]} tokens)"
+    imatrix = compute_imatrix(job, calib)
+    return imatrix, f"computed ({len(calib)} x {calib.shape[1]} tokens)"
+
+
+def compute_imatrix(job: QuantizeJob, calib):
+    """The imatrix of the full-precision checkpoint on the calibration windows. A text decoder is
+    streamed a layer at a time (all windows through one layer, then the next), so memory stays at
+    one layer's weights; other models (a VLM's language part) are loaded whole."""
+    from quantkit.gguf import imatrix as im
+    from quantkit.model import device_map, load_model, torch_dtype
+    from quantkit.stream import SafetensorsWeights, stream_model, streamable, windows_per_group
+
+    if not streamable(job.info.config):
+        model = load_model(job.info, job.dtype, job.device, job.trust_remote_code)
+        return im.compute(model, calib, job.info.config, dataset=job.windows.source)
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(job.info.path, local_files_only=True)  # config.json only
+    streamed = stream_model(config, SafetensorsWeights(job.info.path), torch_dtype(job.dtype, job.info),
+                            device_map(job.device))
+    group = windows_per_group(config.get_text_config(), calib.shape[1])
+    return im.compute(streamed.model, calib, job.info.config, dataset=job.windows.source, batch_size=group,
+                      device=streamed.device)
 
 
 def quantize(job: QuantizeJob) -> QuantizeResult:
@@ -160,7 +180,8 @@ def quantize(job: QuantizeJob) -> QuantizeResult:
 METHOD = MethodSpec(
     name="gguf", engine="quantkit-gguf", engine_package="quantkit", format="GGUF (llama.cpp / Ollama)",
     options=Options, quantize=quantize, precision=precision, default_gate=default_gate, check=check,
-    needs_calibration=computes_imatrix, needs_model=computes_imatrix,
+    needs_calibration=computes_imatrix,
+    needs_model=lambda options: False,  # conversion reads the checkpoint; the imatrix streams it
     keeps_lm_head=lambda options: False,  # the mixture gives output.weight its own type (Q6_K for most mixes)
     supports_ignore=False,  # per-tensor types come from llama-quantize's mixture rules
     plan_types=plan_types,

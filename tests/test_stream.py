@@ -1,0 +1,195 @@
+"""Layer-streamed forwards: the same metrics as the in-memory models, weights one unit at a time.
+
+Models: the session's micro Llama (bf16 safetensors), a tiny Gemma 2 (final and attention
+softcaps, 32-token sliding window under 64-token windows; built as the GGUF Gemma tests build
+it), and .gguf candidates written by quantkit's converter, against today's load_gguf_into_base.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from quantkit import evaluate, stream
+from quantkit.recipe import Gate
+
+REL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def gemma2(tmp_path_factory) -> Path:
+    from tests.gguf.test_convert_gemma import _BUILT, build_gemma
+
+    if "gemma2" not in _BUILT:
+        _BUILT["gemma2"] = build_gemma(tmp_path_factory.mktemp("gguf-gemma") / "gemma2", 2)
+    return _BUILT["gemma2"]
+
+
+@pytest.fixture(scope="module")
+def windows():
+    return torch.randint(0, 500, (5, 64), generator=torch.Generator().manual_seed(0))
+
+
+_BASELINES: dict[Path, evaluate.Baseline] = {}  # per model, on the module's windows
+
+
+def in_memory_baseline(model_dir: Path, windows):
+    from quantkit.model import check_model_dir, load_model
+
+    if model_dir not in _BASELINES:
+        model = load_model(check_model_dir(model_dir))
+        _BASELINES[model_dir] = evaluate.compute_baseline(evaluate.model_scorer(model), windows)
+    return _BASELINES[model_dir]
+
+
+def assert_same_metrics(a: evaluate.Metrics, b: evaluate.Metrics) -> None:
+    assert a.positions == b.positions
+    for name in ("ppl_base", "ppl", "kld_mean", "kld_p99", "top1"):
+        assert getattr(a, name) == pytest.approx(getattr(b, name), rel=REL, abs=1e-7), name
+
+
+class CountingSource:
+    """A WeightSource that counts reads and can poison one tensor."""
+
+    def __init__(self, source, nan: str | None = None):
+        self.source, self.nan, self.reads = source, nan, {}
+
+    def keys(self):
+        return self.source.keys()
+
+    def get(self, name):
+        self.reads[name] = self.reads.get(name, 0) + 1
+        tensor = self.source.get(name)
+        return torch.full_like(tensor, math.nan) if name == self.nan else tensor
+
+
+def scorer_over(model_dir: Path, source, **kw) -> evaluate.Scorer:
+    from transformers import AutoConfig
+
+    from quantkit.model import check_model_dir, torch_dtype
+
+    dtype = torch_dtype("auto", check_model_dir(model_dir))
+    return stream.streamed_scorer(AutoConfig.from_pretrained(model_dir), source, dtype, **kw)
+
+
+@pytest.mark.parametrize("model", ["micro", "gemma2"])
+def test_streamed_checkpoint_equals_in_memory(request, model, windows):
+    model_dir = request.getfixturevalue("micro_model" if model == "micro" else "gemma2")
+    base = in_memory_baseline(model_dir, windows)
+    streamed = evaluate.compute_baseline(stream.checkpoint_scorer(model_dir), windows)
+    assert streamed.ppl == pytest.approx(base.ppl, rel=REL)
+    assert (streamed.top1 == base.top1).all() and (streamed.targets == base.targets).all()
+    metrics = evaluate.compare(stream.artifact_scorer(model_dir), windows, base)  # a plain checkpoint streams
+    assert metrics.kld_mean < 1e-6 and metrics.top1 == 1.0 and abs(metrics.ppl_increase) < REL
+
+
+@pytest.mark.parametrize("model,gguf_type", [("micro", "Q8_0"), ("micro", "Q4_K_M"), ("gemma2", "Q4_K_M")])
+def test_streamed_gguf_equals_load_gguf_into_base(request, model, gguf_type, windows, tmp_path):
+    from quantkit.artifacts import load_gguf_into_base
+    from quantkit.gguf.convert import convert
+
+    model_dir = request.getfixturevalue("micro_model" if model == "micro" else "gemma2")
+    path = tmp_path / f"{gguf_type}.gguf"
+    convert(model_dir, path, gguf_type)
+    base = in_memory_baseline(model_dir, windows)
+    whole = evaluate.compare(evaluate.model_scorer(load_gguf_into_base(path, model_dir)), windows, base)
+    streamed = evaluate.compare(stream.artifact_scorer(path, model_dir), windows, base)
+    assert_same_metrics(streamed, whole)
+    assert whole.kld_mean > 0
+
+
+def test_layers_are_materialized_one_at_a_time(micro_model, windows, monkeypatch):
+    """At every module's forward, the parameters off the meta device are one unit's at most."""
+    built, live, peak = [], [], [0]
+    real_build = stream.build_meta_model
+
+    def capture(config, dtype):
+        built.append(real_build(config, dtype))
+        return built[-1]
+
+    def count(module, args):
+        size = sum(p.numel() for p in built[0].parameters() if not p.is_meta)
+        peak[0] = max(peak[0], size)
+        live.append(size)
+
+    monkeypatch.setattr(stream, "build_meta_model", capture)
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(count)
+    try:
+        evaluate.compute_baseline(stream.checkpoint_scorer(micro_model), windows)
+    finally:
+        handle.remove()
+    model = built[0]
+    whole = sum(p.numel() for p in model.parameters())
+    units = [sum(p.numel() for p in m.parameters()) for _, m in stream.streamed_units(model.get_decoder())]
+    assert peak[0] == max(units + [model.get_output_embeddings().weight.numel()])
+    assert peak[0] < whole / 2
+    assert all(not p.is_meta for p in model.get_decoder().rotary_emb.buffers())
+    assert all(p.is_meta for p in model.parameters())  # everything freed afterwards
+
+
+def test_each_tensor_is_read_once_per_group_of_windows(micro_model, windows):
+    source = CountingSource(stream.SafetensorsWeights(micro_model))
+    evaluate.compute_baseline(scorer_over(micro_model, source), windows)
+    assert set(source.reads.values()) == {1} and len(source.reads) == len(source.keys())
+    one_window = CountingSource(stream.SafetensorsWeights(micro_model))
+    baseline = evaluate.compute_baseline(scorer_over(micro_model, one_window, activation_bytes=1), windows)
+    assert set(one_window.reads.values()) == {len(windows)}
+    assert baseline.ppl == pytest.approx(in_memory_baseline(micro_model, windows).ppl, rel=REL)
+
+
+def test_logits_come_a_chunk_of_positions_at_a_time(micro_model, windows, monkeypatch):
+    monkeypatch.setattr(evaluate, "CHUNK_BYTES", 4 * 512 * 50)  # 50 positions of a 512 vocab
+    chunks = list(stream.checkpoint_scorer(micro_model)(windows))
+    assert max(c.logprobs.shape[0] for c in chunks) == 50
+    assert sum(c.logprobs.shape[0] for c in chunks) == evaluate.positions(windows)
+    assert torch.equal(torch.cat([c.targets for c in chunks]), windows[:, 1:].reshape(-1))
+
+
+def test_nan_weights_score_no_agreement_and_fail_an_unenforced_gate(micro_model, windows):
+    base = in_memory_baseline(micro_model, windows)
+    poisoned = CountingSource(stream.SafetensorsWeights(micro_model), nan="model.norm.weight")
+    metrics = evaluate.compare(scorer_over(micro_model, poisoned), windows, base)
+    assert metrics.top1 == 0.0 and math.isnan(metrics.kld_mean) and math.isnan(metrics.ppl)
+    verdict = evaluate.gate_verdict(metrics, Gate(), enforced=False)
+    assert not verdict.passed and verdict.enforced and "finite" in verdict.failed
+
+
+def test_missing_tensor_is_a_model_error(micro_model, windows):
+    from quantkit.errors import ModelError
+
+    class Lacking(CountingSource):
+        def keys(self):
+            return [k for k in self.source.keys() if "layers.1.mlp" not in k]
+
+    with pytest.raises(ModelError, match="layers.1.mlp"):
+        list(scorer_over(micro_model, Lacking(stream.SafetensorsWeights(micro_model)))(windows))
+
+
+def test_safetensors_source_reads_stored_dtype(micro_model):
+    from safetensors.torch import load_file
+
+    source = stream.SafetensorsWeights(micro_model)
+    ref = load_file(micro_model / "model.safetensors")
+    assert set(source.keys()) == set(ref)
+    for name, tensor in ref.items():
+        got = source.get(name)
+        assert got.dtype == tensor.dtype and torch.equal(got, tensor), name
+
+
+def test_gguf_tensors_dequantize_in_slabs_exactly(micro_model, tmp_path, monkeypatch):
+    import gguf
+    import numpy as np
+
+    from quantkit.gguf import loader
+    from quantkit.gguf.convert import convert
+
+    path = tmp_path / "q4.gguf"
+    convert(micro_model, path, "Q4_K_M")
+    monkeypatch.setattr(loader, "SLAB_ELEMENTS", 256 * 3)  # 3 rows per slab
+    for tensor in gguf.GGUFReader(str(path)).tensors:
+        whole = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(tuple(reversed(tensor.shape.tolist())))
+        sliced = loader.dequantize(tensor, loader.read_tensor_data(path, tensor))
+        assert np.array_equal(sliced, whole), tensor.name
