@@ -256,7 +256,7 @@ def _checkpoint_to_module_names(dest: Path, config: dict, names: list[str]) -> l
 
     from quantkit.model import auto_model_class
 
-    hf_config = AutoConfig.from_pretrained(dest, local_files_only=True)
+    hf_config = AutoConfig.from_pretrained(dest, local_files_only=True, trust_remote_code=False)  # names only
     with torch.device("meta"):
         model = auto_model_class(config).from_config(hf_config)
     conversions = get_model_conversion_mapping(model)

@@ -294,6 +294,19 @@ def load_model(info: ModelInfo, dtype: str = "auto", device: str = "cpu", trust_
     return model
 
 
+def hf_config(path: Path, trust_remote_code: bool = False):
+    """transformers' config object of a local checkpoint (config.json only, no hub lookup). Custom
+    configuration code runs only with trust_remote_code; never an interactive prompt."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
+    except ValueError as exc:
+        if needs_remote_code(exc):
+            raise custom_code_error(Path(path), "custom configuration") from exc
+        raise
+
+
 def needs_remote_code(exc: Exception) -> bool:
     """transformers refused to run a checkpoint's custom code (trust_remote_code not given)."""
     return isinstance(exc, ValueError) and "trust_remote_code" in str(exc)

@@ -121,8 +121,7 @@ def test_config_missing_required_fields(cli, model_copy, tmp_path):
 
 def test_checkpoint_missing_a_layer(cli, model_copy, tmp_path):
     edit_config(model_copy, num_hidden_layers=3)
-    expect_bad_input(quantize(cli, model_copy, tmp_path), tmp_path, "missing from the checkpoint",
-                     "model.layers.2.")
+    expect_bad_input(quantize(cli, model_copy, tmp_path), tmp_path, "config.json", "model.layers.2.")
 
 
 @pytest.mark.parametrize("content", ["{not json", '{"version": "1.0", "model": {"type": "BPE"}}', ""])
