@@ -7,6 +7,7 @@ work, so a bad model fails in a second rather than after calibration.
 from __future__ import annotations
 
 import json
+import re
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -264,8 +265,10 @@ def torch_dtype(name: str, info: ModelInfo | None = None):
     return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
 
 
-def load_model(info: ModelInfo, dtype: str = "auto", device: str = "cpu", trust_remote_code: bool = False):
-    """Load the model offline from the checked directory."""
+def load_model(info: ModelInfo, dtype: str = "auto", device: str = "cpu", trust_remote_code: bool = False,
+               offload_folder: Path | None = None):
+    """Load the model offline from the checked directory; with `offload_folder`, every decoder layer
+    is offloaded to disk there (accelerate), so RAM holds the embeddings, head and norms only."""
     from transformers import AutoModelForCausalLM
 
     from quantkit.offline import offline
@@ -279,7 +282,8 @@ def load_model(info: ModelInfo, dtype: str = "auto", device: str = "cpu", trust_
                 trust_remote_code=trust_remote_code,
                 use_safetensors=True,
                 local_files_only=True,
-                device_map=device_map(device),
+                device_map=offload_device_map(info, device) if offload_folder else device_map(device),
+                offload_folder=offload_folder,
                 output_loading_info=True,
                 ignore_mismatched_sizes=True,  # reported by check_loading_info instead of a bare RuntimeError
             )
@@ -315,6 +319,23 @@ def needs_remote_code(exc: Exception) -> bool:
 def custom_code_error(path: Path, architecture: str) -> ModelError:
     return ModelError(f"{path} needs custom code ({architecture})",
                       hint="pass --trust-remote-code if you trust the code in that directory")
+
+
+LAYER_PREFIX = re.compile(r"^(.*\.layers\.\d+)\.")
+
+
+def offload_device_map(info: ModelInfo, device: str) -> dict[str, str]:
+    """A from_pretrained device_map with each decoder layer on "disk" and every other module on
+    `device` (llm-compressor's sequential pipeline then onloads one layer at a time)."""
+    mapping = {}
+    for name in info.tensors:
+        match = LAYER_PREFIX.match(name)
+        if match:
+            mapping[match.group(1)] = "disk"
+        else:
+            mapping[name.rsplit(".", 1)[0]] = device_map(device)
+    mapping.setdefault("lm_head", device_map(device))  # tied: not in the checkpoint, still a module
+    return mapping
 
 
 def is_vlm(config: dict) -> bool:

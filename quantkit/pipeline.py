@@ -14,14 +14,15 @@ from __future__ import annotations
 import gc
 import platform
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from pydantic import BaseModel
 
 from quantkit import __version__, export
-from quantkit.errors import CalibrationError, GateFailedError, InputError
+from quantkit.errors import CalibrationError, GateFailedError, InputError, UnsupportedError
 from quantkit.lora import check_adapter
 from quantkit.measure import PeakTracker
 from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, get_method
@@ -72,6 +73,7 @@ def prepare(recipe: Recipe, opts: RunOptions) -> tuple[ModelInfo, list[ResolvedT
     check_device(recipe.device)
     export.check_output(opts.out, opts.overwrite)
     validate_source(recipe.calibration.source)
+    check_offload_dir(recipe, info)
     targets = [resolve_target(recipe, target, info) for target in recipe.targets]
     for path in recipe.lora:
         if not Path(path).is_dir():
@@ -108,6 +110,24 @@ def check_not_quantized(info: ModelInfo, recipe: Recipe) -> None:
         f"{info.path} is already quantized ({method}); quantkit quantizes full-precision checkpoints",
         hint="point at the original 16-bit model (a bitsandbytes QLoRA base is accepted together with --lora)",
     )
+
+
+def check_offload_dir(recipe: Recipe, info: ModelInfo) -> None:
+    """--offload-dir must be a writable directory, and the model a plain decoder (a VLM's checkpoint
+    names differ from its module names, so its layers cannot be mapped to disk by name)."""
+    import os
+
+    from quantkit.model import is_vlm
+
+    if recipe.offload_dir is None:
+        return
+    path = Path(recipe.offload_dir)
+    if not path.is_dir() or not os.access(path, os.W_OK | os.X_OK):
+        raise InputError(f"offload directory is not a writable directory: {path}",
+                         hint="create it on a disk with room for the model's 16-bit weights")
+    if is_vlm(info.config):
+        raise UnsupportedError(f"--offload-dir is not supported for VLMs ({info.architecture})",
+                               hint="run without --offload-dir")
 
 
 def window_settings(recipe: Recipe, targets: list[ResolvedTarget]) -> Calibration:
@@ -160,12 +180,14 @@ def _run_in(staging: Path, recipe: Recipe, opts: RunOptions, info: ModelInfo,
         out_dir.mkdir(exist_ok=True)
         # a fresh model per target (methods change it in place); the job holds the only reference,
         # so run_target can free it before measuring
-        job = QuantizeJob(load(info, recipe, opts.progress) if resolved.needs_model else None,
-                          tokenizer if resolved.needs_model else None, info, resolved.options, windows,
-                          resolved.ignore, out_dir, workdir, recipe.dtype, recipe.device, recipe.trust_remote_code)
-        report.targets.append(run_target(job, resolved, baseline, opts))
-        del job
-        gc.collect()
+        with offload_folder(recipe) as offload:
+            job = QuantizeJob(load(info, recipe, offload, opts.progress) if resolved.needs_model else None,
+                              tokenizer if resolved.needs_model else None, info, resolved.options, windows,
+                              resolved.ignore, out_dir, workdir, recipe.dtype, recipe.device,
+                              recipe.trust_remote_code)
+            report.targets.append(run_target(job, resolved, baseline, opts))
+            del job
+            gc.collect()
     measured = [t.gate for t in report.targets if t.gate is not None]
     report.passed = all(g.passed for g in measured) if measured else None
     return report
@@ -274,11 +296,28 @@ def make_windows(tokenizer, settings: Calibration, progress: Progress):
     return build(tokenizer, settings)
 
 
-def load(info: ModelInfo, recipe: Recipe, progress: Progress) -> Any:
+def load(info: ModelInfo, recipe: Recipe, offload: Path | None, progress: Progress) -> Any:
+    """The full-precision model in memory; with an offload folder, its decoder layers on disk there."""
     from quantkit.model import load_model
 
-    progress(f"loading {info.path}")
-    return load_model(info, recipe.dtype, recipe.device, recipe.trust_remote_code)
+    progress(f"loading {info.path}" + (f" (decoder layers offloaded to {offload})" if offload else ""))
+    return load_model(info, recipe.dtype, recipe.device, recipe.trust_remote_code, offload)
+
+
+@contextmanager
+def offload_folder(recipe: Recipe) -> Iterator[Path | None]:
+    """A fresh folder inside --offload-dir for one target's model, removed afterwards; None without it."""
+    import shutil
+    import tempfile
+
+    if recipe.offload_dir is None:
+        yield None
+        return
+    folder = Path(tempfile.mkdtemp(prefix="quantkit-offload-", dir=recipe.offload_dir))
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def merge_lora(info: ModelInfo, recipe: Recipe, workdir: Path, progress: Progress) -> ModelInfo:

@@ -75,6 +75,7 @@ class Recipe(Strict):
     trust_remote_code: bool = False
     dtype: str = Field("auto", pattern="^(auto|bfloat16|float16|float32)$")
     device: str = Field("cpu", pattern="^(cpu|cuda|auto)$")
+    offload_dir: str | None = Field(None, description="offload decoder layers to disk here while quantizing")
     calibration: Calibration = Field(default_factory=Calibration)
     targets: list[Target] = Field(min_length=1)
     gate: Gate = Field(default_factory=Gate)
@@ -211,6 +212,7 @@ class Overrides:
     model: str | None = None
     device: str | None = None
     dtype: str | None = None
+    offload_dir: str | None = None
     trust_remote_code: bool = False
     lora: list[str] = field(default_factory=list)
     ignore: list[str] = field(default_factory=list)
@@ -246,7 +248,7 @@ def override_method(data: dict, method: str) -> dict:
 
 
 def apply_overrides(data: dict, o: Overrides) -> dict:
-    data = {**data, **_given({"model": o.model, "device": o.device, "dtype": o.dtype})}
+    data = {**data, **_given({"model": o.model, "device": o.device, "dtype": o.dtype, "offload_dir": o.offload_dir})}
     if o.trust_remote_code:
         data["trust_remote_code"] = True
     if o.lora:

@@ -54,6 +54,7 @@ def quantize(
     ignore: list[str] = typer.Option([], "--ignore", help="Keep modules unquantized (name or re:REGEX); repeatable."),
     lora: list[str] = typer.Option([], "--lora", help="LoRA adapter dir merged before quantizing; repeatable."),
     device: Optional[str] = typer.Option(None, help="cpu | cuda | auto"),
+    offload_dir: Optional[str] = typer.Option(None, "--offload-dir", help="Offload decoder layers to disk in this directory while quantizing (gptq/awq/smoothquant/fp8): RAM holds one layer at a time."),
     dtype: Optional[str] = typer.Option(None, help="auto | bfloat16 | float16 | float32"),
     trust_remote_code: bool = typer.Option(False, help="Allow custom model code from the model dir."),
     max_ppl_increase: Optional[float] = typer.Option(None, help="Gate: max relative perplexity increase."),
@@ -69,7 +70,8 @@ def quantize(
     from quantkit.recipe import Overrides, build_recipe
 
     overrides = Overrides(
-        model=model or model_opt, device=device, dtype=dtype, trust_remote_code=trust_remote_code, lora=lora,
+        model=model or model_opt, device=device, dtype=dtype, offload_dir=offload_dir,
+        trust_remote_code=trust_remote_code, lora=lora,
         ignore=ignore,
         calibration=dict(source=calib, text_field=calib_text_field, num_samples=num_samples, seq_len=seq_len,
                          eval_windows=eval_windows, seed=seed),

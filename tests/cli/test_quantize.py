@@ -220,3 +220,32 @@ def test_calibrated_method_refuses_zero_samples(cli, micro_model, tmp_path):
                  "--num-samples", "0", "--seq-len", "64", "--eval-windows", "2")
     assert result.exit_code == 2 and "num_samples is 0" in result.stderr
     assert leftovers(tmp_path, "static") == []
+
+
+def test_offload_dir_keeps_decoder_layers_on_disk(cli, micro_model, tmp_path):
+    """--offload-dir: llm-compressor quantizes a model whose decoder layers are offloaded to disk;
+    the artifact reloads and passes the gate, and the offload folder is removed afterwards."""
+    offload = tmp_path / "offload"
+    offload.mkdir()
+    out = tmp_path / "fp8"
+    result = cli("quantize", micro_model, "--method", "fp8", "--offload-dir", offload, "-o", out, *FAST_CALIB)
+    assert result.exit_code == 0, result.output
+    assert "offloaded to" in result.stderr
+    assert json.loads((out / "quantkit.json").read_text())["targets"][0]["gate"]["passed"]
+    assert list(offload.iterdir()) == []
+
+
+def test_offload_dir_must_be_writable(cli, micro_model, tmp_path):
+    result = cli("quantize", micro_model, "--method", "fp8", "--offload-dir", tmp_path / "missing",
+                 "-o", tmp_path / "out", *FAST_CALIB)
+    assert result.exit_code == 2 and "offload directory" in result.stderr
+    assert leftovers(tmp_path, "out") == []
+
+
+def test_offload_device_map_puts_every_decoder_layer_on_disk(micro_model):
+    from quantkit.model import check_model_dir, offload_device_map
+
+    mapping = offload_device_map(check_model_dir(micro_model), "cpu")
+    assert mapping["model.layers.0"] == mapping["model.layers.1"] == "disk"
+    assert mapping["model.embed_tokens"] == mapping["lm_head"] == mapping["model.norm"] == "cpu"
+    assert not any(".layers.0." in key for key in mapping)
