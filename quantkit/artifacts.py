@@ -14,15 +14,20 @@ from quantkit.errors import InputError, ModelError
 
 
 def artifact_kind(path: Path) -> str:
-    """'gguf', 'compressed-tensors', 'bitsandbytes' or 'transformers'."""
-    if path.is_file() and path.suffix == ".gguf":
-        return "gguf"
-    if path.is_dir() and not (path / "config.json").exists() and list(path.glob("*.gguf")):
+    """'gguf', 'compressed-tensors', 'bitsandbytes' or 'transformers'. The .gguf header or the
+    config.json and safetensors headers are read (cheap) so that a damaged artifact fails here,
+    naming the file, before any work."""
+    from quantkit.gguf.loader import open_reader
+    from quantkit.model import check_model_dir
+
+    if (path.is_file() and path.suffix == ".gguf") or (
+            path.is_dir() and not (path / "config.json").exists() and list(path.glob("*.gguf"))):
+        open_reader(gguf_file(path))
         return "gguf"
     config_file = path / "config.json"
     if not config_file.is_file():
         raise ModelError(f"{path} is neither a .gguf file nor a checkpoint directory with config.json")
-    qconfig = json.loads(config_file.read_text()).get("quantization_config") or {}
+    qconfig = check_model_dir(path).config.get("quantization_config") or {}
     method = qconfig.get("quant_method", "")
     if method == "compressed-tensors":
         return "compressed-tensors"
@@ -43,32 +48,40 @@ def gguf_file(path: Path) -> Path:
 
 
 def load_for_eval(path: Path, base_dir: Path | None = None, device: str = "cpu", trust_remote_code: bool = False):
-    """A model object whose forward gives logits, loaded from the artifact on disk."""
+    """A model object whose forward gives logits, loaded from the artifact on disk. Custom model
+    code (an `auto_map` in config.json) runs only with trust_remote_code, as for the base."""
     kind = artifact_kind(path)
     if kind == "gguf":
         if base_dir is None:
             raise InputError("evaluating a .gguf needs the base checkpoint", hint="pass --against BASE_DIR")
-        return load_gguf_into_base(gguf_file(path), base_dir, device)
-    from quantkit.model import auto_model_class, device_map
+        return load_gguf_into_base(gguf_file(path), base_dir, device, trust_remote_code)
+    from quantkit.model import auto_model_class, custom_code_error, device_map, needs_remote_code
     from quantkit.offline import offline
 
     # Same rule as loading the base: a VLM artifact loads whole (towers included) through
     # AutoModelForImageTextToText; the evaluator feeds it text-only token windows.
     config = json.loads((path / "config.json").read_text())
-    with offline():
-        model = auto_model_class(config).from_pretrained(path, local_files_only=True, device_map=device_map(device),
-                                                         trust_remote_code=trust_remote_code)
+    try:
+        with offline():
+            model = auto_model_class(config).from_pretrained(path, local_files_only=True,
+                                                             device_map=device_map(device),
+                                                             trust_remote_code=trust_remote_code)
+    except ValueError as exc:
+        if needs_remote_code(exc):
+            raise custom_code_error(path, (config.get("architectures") or ["unknown"])[0]) from exc
+        raise
     return model.eval()
 
 
-def load_gguf_into_base(path: Path, base_dir: Path, device: str = "cpu"):
+def load_gguf_into_base(path: Path, base_dir: Path, device: str = "cpu", trust_remote_code: bool = False):
     """Dequantize every GGUF tensor (gguf-py) and load it into the base architecture."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from quantkit.gguf.loader import to_hf_state_dict
 
-    config = AutoConfig.from_pretrained(base_dir, local_files_only=True)  # config.json only: no hub lookup
+    config = AutoConfig.from_pretrained(base_dir, local_files_only=True,  # config.json only: no hub lookup
+                                        trust_remote_code=trust_remote_code)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     state = to_hf_state_dict(path, config.to_dict())

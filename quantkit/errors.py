@@ -67,6 +67,24 @@ class GateFailedError(QuantkitError):
         self.report = report
 
 
+class Terminated(KeyboardInterrupt):
+    """A termination signal (SIGTERM, SIGHUP) turned into an exception by the CLI layer.
+
+    A KeyboardInterrupt, so every cleanup path that handles Ctrl-C handles it the same way;
+    the exit code is the shell's 128 + signal number (143 for SIGTERM, 129 for SIGHUP).
+    """
+
+    def __init__(self, signum: int, name: str):
+        super().__init__(name)
+        self.signum = signum
+        self.name = name
+        self.exit_code = 128 + signum
+
+
+class OutputBusyError(InputError):
+    """Another live quantkit run is writing the same output."""
+
+
 def require(module: str, extra: str, purpose: str):
     """Import an optional engine or raise MissingExtraError naming the extra."""
     import importlib

@@ -1,19 +1,31 @@
 """Atomic output: everything is written into a staging directory beside OUT, then renamed.
 
 Nothing partial is ever left at OUT: on failure or Ctrl-C the staging directory is removed.
+Each staging directory `.OUT.staging-XXXX` has an owner file beside it (`….owner.json`: pid,
+host, start time). Those files are the lock on OUT: a run refuses an OUT that a live run is
+writing, and removes staging directories whose owner is gone (a crash or kill -9). The check
+and the creation happen under an flock on OUT's parent directory, so two runs cannot both win.
 Also copies the files a user needs beside the weights (tokenizer, processor, generation
 config, chat template). The model card and quantkit.json are rendered by quantkit.report.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
+import socket
 import tempfile
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
-from quantkit.errors import InputError, OutputExistsError
+from quantkit.errors import InputError, OutputBusyError, OutputExistsError
+
+OWNER_SUFFIX = ".owner.json"
 
 SIDE_FILES = (
     "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
@@ -24,35 +36,159 @@ SIDE_FILES = (
 
 
 def check_output(out: Path, overwrite: bool) -> None:
-    """Fail fast: OUT must not exist (unless overwrite) and its parent must be writable."""
-    if out.exists() and not overwrite:
-        raise OutputExistsError(f"output already exists: {out}", hint="pass --overwrite to replace it")
-    if out.exists() and not out.is_dir():
-        raise InputError(f"output path exists and is not a directory: {out}")
+    """Fail fast: parent writable, no live run writing OUT, OUT absent (unless overwrite)."""
     parent = out.resolve().parent
     if not parent.is_dir():
         raise InputError(f"output parent directory does not exist: {parent}", hint="create it first")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise InputError(f"output parent directory is not writable: {parent}")
+    check_not_busy(out)
+    if out.exists() and not overwrite:
+        raise OutputExistsError(f"output already exists: {out}", hint="pass --overwrite to replace it")
+    if out.exists() and not out.is_dir():
+        raise InputError(f"output path exists and is not a directory: {out}")
 
 
-def make_staging(out: Path) -> Path:
-    """A fresh hidden directory beside OUT (same filesystem, so the final rename is atomic)."""
-    parent = out.resolve().parent
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.staging-", dir=parent))
+@dataclass(frozen=True)
+class Owner:
+    """Who is writing a staging directory."""
+
+    pid: int
+    host: str
+    started: float  # time.time() when the staging directory was made
+
+    @classmethod
+    def me(cls) -> "Owner":
+        return cls(os.getpid(), socket.gethostname(), time.time())
+
+
+def make_staging(out: Path, progress: Callable[[str], None] = lambda message: None) -> Path:
+    """A fresh hidden directory beside OUT (same filesystem, so the final rename is atomic),
+    with its owner file. Under the parent's lock: refuse when a live run writes OUT (exit 2),
+    remove what dead runs left (said through `progress`)."""
+    out = out.resolve()
+    with locked(out.parent):
+        for removed in claim(out):
+            progress(f"removed {removed.staging.name}, left by pid {removed.owner.pid} "
+                     f"(started {_when(removed.owner.started)}, no longer running)")
+        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.staging-", dir=out.parent))
+        try:
+            write_owner(staging, Owner.me())
+        except BaseException:  # never leave a staging dir without its owner file
+            discard(staging)
+            raise
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(staging, 0o777 & ~umask)  # mkdtemp makes 0700; the result should look like any new dir
     return staging
 
 
+@dataclass(frozen=True)
+class Leftover:
+    staging: Path
+    owner: Owner
+
+
+def claim(out: Path) -> list[Leftover]:
+    """Refuse OUT when a live run owns one of its staging dirs; remove the dead runs' ones.
+    Call with the parent locked. Staging dirs without a readable owner file are left alone."""
+    found = [Leftover(s, o) for s in stagings(out) if (o := read_owner(s)) is not None]
+    check_none_alive(out, [f.owner for f in found])
+    for leftover in found:  # all dead
+        discard(leftover.staging)
+    return found
+
+
+def check_not_busy(out: Path) -> None:
+    """The early, read-only form of claim(): fail at once when a live run is writing OUT."""
+    out = out.resolve()
+    check_none_alive(out, [o for s in stagings(out) if (o := read_owner(s)) is not None])
+
+
+def check_none_alive(out: Path, owners: list[Owner]) -> None:
+    live = [o for o in owners if owner_alive(o)]
+    if live:
+        other = live[0]
+        raise OutputBusyError(
+            f"another quantkit run (pid {other.pid} on {other.host}, started {_when(other.started)}) "
+            f"is writing {out}", hint="wait for it to finish, or choose another output")
+
+
+def stagings(out: Path) -> list[Path]:
+    return sorted(p for p in out.parent.glob(f".{out.name}.staging-*") if p.is_dir())
+
+
+def owner_file(staging: Path) -> Path:
+    return staging.with_name(staging.name + OWNER_SUFFIX)
+
+
+def write_owner(staging: Path, owner: Owner) -> None:
+    owner_file(staging).write_text(json.dumps(asdict(owner)) + "\n")
+
+
+def read_owner(staging: Path) -> Owner | None:
+    try:
+        data = json.loads(owner_file(staging).read_text())
+        return Owner(int(data["pid"]), str(data["host"]), float(data["started"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def owner_alive(owner: Owner) -> bool:
+    """True unless the owner is surely gone: same host, and its pid is not running or now
+    belongs to a process started after the staging directory (pid reuse)."""
+    if owner.host != socket.gethostname():
+        return True  # another machine's run (shared filesystem): never ours to judge
+    try:
+        os.kill(owner.pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # exists, another user's
+    started = process_start_time(owner.pid)
+    return started is None or started <= owner.started + 1.0
+
+
+def process_start_time(pid: int) -> float | None:
+    """Wall-clock start time of a process from /proc (Linux); None where unknown."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        boot = next(line for line in Path("/proc/stat").read_text().splitlines() if line.startswith("btime "))
+        ticks = int(stat.rsplit(")", 1)[1].split()[19])  # field 22, starttime, counted after "(comm)"
+        return int(boot.split()[1]) + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+@contextmanager
+def locked(directory: Path):
+    """An exclusive flock on a directory: serializes the check-and-create of staging dirs."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
+def _when(timestamp: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(timestamp))
+
+
 def discard(staging: Path) -> None:
     shutil.rmtree(staging, ignore_errors=True)
+    owner_file(staging).unlink(missing_ok=True)
 
 
 def publish(staging: Path, out: Path, overwrite: bool) -> None:
-    """Move the finished staging directory to OUT; an old OUT is replaced only with overwrite."""
+    """Move the finished staging directory to OUT; an old OUT is replaced only with overwrite.
+    The owner file goes last, so the staging dir is never unowned while it exists."""
     out = out.resolve()
+    _publish(staging, out, overwrite)
+    owner_file(staging).unlink(missing_ok=True)
+
+
+def _publish(staging: Path, out: Path, overwrite: bool) -> None:
     if out.exists():
         if not overwrite:
             raise OutputExistsError(f"output appeared while running: {out}", hint="pass --overwrite")
@@ -120,7 +256,7 @@ def _checkpoint_to_module_names(dest: Path, config: dict, names: list[str]) -> l
 
     from quantkit.model import auto_model_class
 
-    hf_config = AutoConfig.from_pretrained(dest, local_files_only=True)
+    hf_config = AutoConfig.from_pretrained(dest, local_files_only=True, trust_remote_code=False)  # names only
     with torch.device("meta"):
         model = auto_model_class(config).from_config(hf_config)
     conversions = get_model_conversion_mapping(model)

@@ -20,12 +20,13 @@ def is_bnb(info: ModelInfo) -> bool:
     return (info.config.get("quantization_config") or {}).get("quant_method") == "bitsandbytes"
 
 
-def merge_adapters(info: ModelInfo, adapters: list[str], out_dir: Path, dtype: str = "auto") -> Path:
+def merge_adapters(info: ModelInfo, adapters: list[str], out_dir: Path, dtype: str = "auto",
+                   trust_remote_code: bool = False) -> Path:
     """Load the base in its own 16-bit dtype, merge each adapter in order, save safetensors."""
     require("peft", "lora", "merging LoRA adapters")
     from peft import PeftModel
 
-    model = load_model(info, dtype=dtype)
+    model = load_model(info, dtype=dtype, trust_remote_code=trust_remote_code)
     if is_bnb(info):
         # QLoRA base: merge into a dequantized 16-bit copy, never back into 4-bit weights.
         model = model.dequantize()
@@ -36,5 +37,5 @@ def merge_adapters(info: ModelInfo, adapters: list[str], out_dir: Path, dtype: s
             model = PeftModel.from_pretrained(model, adapter, local_files_only=True).merge_and_unload()
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
-    load_tokenizer(info).save_pretrained(out_dir)
+    load_tokenizer(info, trust_remote_code).save_pretrained(out_dir)
     return out_dir

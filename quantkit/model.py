@@ -101,9 +101,39 @@ def check_model_dir(path: Path) -> ModelInfo:
     files = weight_files(path)
     tensors: dict[str, tuple[str, list[int]]] = {}
     for file in files:
-        tensors.update(read_safetensors_header(file))
+        header = read_safetensors_header(file)
+        if "quantization_config" not in config:
+            check_float_weights(file, header)
+        tensors.update(header)
     architecture = (config.get("architectures") or ["unknown"])[0]
     return ModelInfo(path, config, files, architecture, config.get("model_type", "unknown"), tensors)
+
+
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
+
+
+def check_float_weights(file: Path, tensors: dict[str, tuple[str, list[int]]]) -> None:
+    """A full-precision checkpoint stores its weights and biases as floats; an integer or FP8
+    weight means the file does not match what config.json describes."""
+    for name, (dtype, _shape) in tensors.items():
+        if name.endswith((".weight", ".bias")) and dtype not in FLOAT_DTYPES:
+            raise ModelError(f"{file.name}: tensor {name} is stored as {dtype}, but config.json describes a "
+                             "full-precision model (no quantization_config)",
+                             hint="the checkpoint and its config.json do not belong together")
+
+
+def check_loading_info(info: ModelInfo, loading: dict) -> None:
+    """transformers re-initializes weights it did not find or whose shape disagrees with
+    config.json; quantkit refuses to quantize such a model (naming the first few)."""
+    mismatched = [f"{name} (checkpoint {list(ckpt)}, config.json {list(model)})"
+                  for name, ckpt, model in loading.get("mismatched_keys") or []]
+    missing = sorted(loading.get("missing_keys") or [])
+    for problems, what in ((mismatched, "shapes disagree with config.json"),
+                           (missing, "tensors are missing from the checkpoint")):
+        if problems:
+            more = f" and {len(problems) - 3} more" if len(problems) > 3 else ""
+            raise ModelError(f"{info.path}: {len(problems)} {what}: {', '.join(problems[:3])}{more}",
+                             hint="config.json and the safetensors files do not belong together, or a file is damaged")
 
 
 def read_config(path: Path) -> dict:
@@ -133,6 +163,12 @@ def weight_files(path: Path) -> list[Path]:
 
 def read_safetensors_header(file: Path) -> dict[str, tuple[str, list[int]]]:
     """Parse and check one safetensors header: JSON valid, offsets consistent with the file size."""
+    header, data_start = safetensors_layout(file)
+    return _check_tensor_entries(file, header, file.stat().st_size - data_start)
+
+
+def safetensors_layout(file: Path) -> tuple[dict, int]:
+    """(raw header JSON, byte offset where the tensor data starts) of a safetensors file."""
     size = file.stat().st_size
     with open(file, "rb") as fh:
         raw = fh.read(8)
@@ -145,29 +181,66 @@ def read_safetensors_header(file: Path) -> dict[str, tuple[str, list[int]]]:
             header = json.loads(fh.read(header_len))
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ModelError(f"{file.name} has a corrupt safetensors header") from exc
-    return _check_tensor_entries(file, header, size - 8 - header_len)
+    if not isinstance(header, dict):
+        raise ModelError(f"{file.name} has a corrupt safetensors header (not a JSON object)")
+    return header, 8 + header_len
 
 
 def _check_tensor_entries(file: Path, header: dict, data_size: int) -> dict[str, tuple[str, list[int]]]:
+    """Every entry well formed, sized as its dtype and shape say, and the entries tiling the data
+    exactly (what the safetensors library itself insists on when loading)."""
     tensors = {}
-    end = 0
+    spans = []
     for name, entry in header.items():
         if name == "__metadata__":
             continue
-        begin, stop = entry["data_offsets"]
+        dtype, shape, begin, stop = _tensor_entry(file, name, entry)
         count = 1
-        for d in entry["shape"]:
+        for d in shape:
             count *= d
-        if stop - begin != count * DTYPE_BYTES.get(entry["dtype"], 0) and entry["dtype"] in DTYPE_BYTES:
-            raise ModelError(f"{file.name}: tensor {name} has inconsistent size")
-        end = max(end, stop)
-        tensors[name] = (entry["dtype"], list(entry["shape"]))
+        if stop - begin != count * DTYPE_BYTES[dtype]:
+            raise ModelError(f"{file.name}: tensor {name} has inconsistent size "
+                             f"({dtype} {shape} needs {count * DTYPE_BYTES[dtype]} bytes, the header gives {stop - begin})")
+        spans.append((begin, stop, name))
+        tensors[name] = (dtype, shape)
+    end = _check_tiling(file, sorted(spans))
     if end > data_size:
         raise ModelError(
             f"{file.name} is truncated: the header needs {end} data bytes, the file has {data_size}",
             hint="re-copy or re-download the checkpoint",
         )
+    if end < data_size:
+        raise ModelError(f"{file.name} is corrupt: {data_size - end} bytes follow the last tensor the header lists",
+                         hint="re-copy or re-download the checkpoint")
     return tensors
+
+
+def _tensor_entry(file: Path, name: str, entry) -> tuple[str, list[int], int, int]:
+    """(dtype, shape, begin, stop) of one header entry; ModelError when malformed."""
+    try:
+        dtype, shape, (begin, stop) = entry["dtype"], list(entry["shape"]), entry["data_offsets"]
+        ok = (dtype in DTYPE_BYTES and all(_natural(v) for v in (*shape, begin, stop)) and begin <= stop)
+    except (TypeError, KeyError, ValueError):
+        ok = False
+    if not ok:
+        raise ModelError(f"{file.name}: tensor {name} has a malformed safetensors header entry: {entry!r}"[:300],
+                         hint="the file is corrupt; re-copy or re-download the checkpoint")
+    return dtype, shape, begin, stop
+
+
+def _natural(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _check_tiling(file: Path, spans: list[tuple[int, int, str]]) -> int:
+    """Tensors must follow each other without gaps or overlaps from offset 0; returns the end."""
+    end = 0
+    for begin, stop, name in spans:
+        if begin != end:
+            raise ModelError(f"{file.name}: tensor {name} starts at byte {begin}, expected {end} "
+                             "(overlapping or gapped data offsets)", hint="the file is corrupt")
+        end = stop
+    return end
 
 
 def sha256_files(files: list[Path]) -> dict[str, str]:
@@ -203,7 +276,7 @@ def load_model(info: ModelInfo, dtype: str = "auto", device: str = "cpu", trust_
     auto_class = auto_model_class(info.config)
     try:
         with offline():
-            model = auto_class.from_pretrained(
+            model, loading = auto_class.from_pretrained(
                 info.path,
                 dtype=torch_dtype(dtype, info),
                 trust_remote_code=trust_remote_code,
@@ -211,18 +284,41 @@ def load_model(info: ModelInfo, dtype: str = "auto", device: str = "cpu", trust_
                 local_files_only=True,
                 device_map=offload_device_map(info, device) if offload_folder else device_map(device),
                 offload_folder=offload_folder,
+                output_loading_info=True,
+                ignore_mismatched_sizes=True,  # reported by check_loading_info instead of a bare RuntimeError
             )
     except ValueError as exc:
-        if "trust_remote_code" in str(exc):
-            raise ModelError(
-                f"{info.path} needs custom code ({info.architecture})",
-                hint="pass --trust-remote-code if you trust the code in that directory",
-            ) from exc
+        if needs_remote_code(exc):
+            raise custom_code_error(info.path, info.architecture) from exc
         if auto_class is AutoModelForCausalLM and "Unrecognized configuration" in str(exc):
             raise ModelError(f"unsupported architecture {info.architecture} (model_type {info.model_type})") from exc
         raise
+    check_loading_info(info, loading)
     model.eval()
     return model
+
+
+def hf_config(path: Path, trust_remote_code: bool = False):
+    """transformers' config object of a local checkpoint (config.json only, no hub lookup). Custom
+    configuration code runs only with trust_remote_code; never an interactive prompt."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
+    except ValueError as exc:
+        if needs_remote_code(exc):
+            raise custom_code_error(Path(path), "custom configuration") from exc
+        raise
+
+
+def needs_remote_code(exc: Exception) -> bool:
+    """transformers refused to run a checkpoint's custom code (trust_remote_code not given)."""
+    return isinstance(exc, ValueError) and "trust_remote_code" in str(exc)
+
+
+def custom_code_error(path: Path, architecture: str) -> ModelError:
+    return ModelError(f"{path} needs custom code ({architecture})",
+                      hint="pass --trust-remote-code if you trust the code in that directory")
 
 
 LAYER_PREFIX = re.compile(r"^(.*\.layers\.\d+)\.")
@@ -277,8 +373,12 @@ def load_tokenizer(info: ModelInfo, trust_remote_code: bool = False):
         with offline():
             return AutoTokenizer.from_pretrained(info.path, trust_remote_code=trust_remote_code,
                                                  local_files_only=True)
-    except (OSError, ValueError) as exc:
-        raise ModelError(f"{info.path} has no usable tokenizer: {exc}".splitlines()[0]) from exc
+    except Exception as exc:  # noqa: BLE001 - tokenizers/transformers raise many kinds on damaged files
+        if needs_remote_code(exc):
+            raise custom_code_error(info.path, info.architecture) from exc
+        files = ", ".join(sorted(p.name for p in info.path.glob("tokenizer*"))) or "no tokenizer files"
+        raise ModelError(f"{info.path} has no usable tokenizer ({files}): {type(exc).__name__}: {exc}".splitlines()[0],
+                         hint="the tokenizer files are missing or damaged") from exc
 
 
 def check_device(device: str) -> None:

@@ -27,7 +27,9 @@ from quantkit.lora import check_adapter
 from quantkit.measure import PeakTracker
 from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, get_method
 from quantkit.model import ModelInfo, check_device, check_generative, check_model_dir, resolve_model, sha256_files
+from quantkit.numerics import check_finite
 from quantkit.plan import build_plan, ignore_patterns
+from quantkit.preflight import check_disk, run_estimate
 from quantkit.recipe import Calibration, Gate, Recipe, Target, target_gate, target_options
 from quantkit.report import ModelReport, RunReport, TargetReport, model_card
 
@@ -77,6 +79,8 @@ def prepare(recipe: Recipe, opts: RunOptions) -> tuple[ModelInfo, list[ResolvedT
         if not Path(path).is_dir():
             raise InputError(f"LoRA adapter directory not found: {path}")
         check_adapter(Path(path))
+    check_disk(opts.out, run_estimate(info, recipe, [(t.target.method, t.options) for t in targets]))
+    check_finite([*info.weight_files, *(Path(p) / "adapter_model.safetensors" for p in recipe.lora)])
     return info, targets
 
 
@@ -138,7 +142,7 @@ def run(recipe: Recipe, opts: RunOptions) -> RunReport:
     """Execute the recipe; returns the report (also written to OUT/quantkit.json)."""
     started = time.time()
     info, targets = prepare(recipe, opts)
-    staging = export.make_staging(opts.out)
+    staging = export.make_staging(opts.out, opts.progress)
     try:
         report = _run_in(staging, recipe, opts, info, targets)
         report.timings["total_s"] = round(time.time() - started, 3)
@@ -321,7 +325,7 @@ def merge_lora(info: ModelInfo, recipe: Recipe, workdir: Path, progress: Progres
     from quantkit.lora import merge_adapters
 
     progress(f"merging {len(recipe.lora)} LoRA adapter(s)")
-    merged = merge_adapters(info, recipe.lora, workdir / "merged", recipe.dtype)
+    merged = merge_adapters(info, recipe.lora, workdir / "merged", recipe.dtype, recipe.trust_remote_code)
     return check_model_dir(merged)
 
 

@@ -97,7 +97,7 @@ def target_options(target: Target) -> BaseModel:
 
 def target_gate(recipe: Recipe, target: Target) -> Gate:
     """Gate thresholds for a target: method defaults < recipe gate < target gate (set fields win)."""
-    values = get_method(target.method).default_gate(target_options(target))
+    values = dict(get_method(target.method).default_gate(target_options(target)))  # never the method's own table
     for layer in (recipe.gate, target.gate):
         if layer is not None:
             values.update(layer.model_dump(exclude_unset=True))
@@ -119,6 +119,27 @@ def load_yaml(path: str | Path) -> dict:
     return data
 
 
+# Sections whose type CLI overrides rely on when merging into raw recipe data.
+SECTION_TYPES = {"calibration": dict, "gate": dict, "targets": list, "lora": list}
+TARGET_SECTION_TYPES = {"options": dict, "ignore": list, "gate": dict}
+
+
+def check_structure(data: dict, origin: str = "recipe") -> None:
+    """Sections are mappings/lists where a recipe has them (before CLI overrides merge into them)."""
+    _check_sections(data, SECTION_TYPES, origin, "")
+    for index, target in enumerate(data.get("targets") or []):
+        if not isinstance(target, dict):
+            raise RecipeError(f"{origin}: targets.{index}: must be a mapping (name, method, options, ...)")
+        _check_sections(target, TARGET_SECTION_TYPES, origin, f"targets.{index}.")
+
+
+def _check_sections(data: dict, types: dict, origin: str, prefix: str) -> None:
+    for key, kind in types.items():
+        if data.get(key) is not None and not isinstance(data[key], kind):
+            what = "a mapping" if kind is dict else "a list"
+            raise RecipeError(f"{origin}: {prefix}{key}: must be {what}, not {type(data[key]).__name__}")
+
+
 def validate(data: dict, origin: str = "recipe") -> Recipe:
     """Validate raw recipe data, including every target's method options."""
     try:
@@ -135,7 +156,9 @@ def validate(data: dict, origin: str = "recipe") -> Recipe:
 
 
 def load_recipe(path: str | Path) -> Recipe:
-    return validate(load_yaml(path), origin=str(path))
+    data = load_yaml(path)
+    check_structure(data, str(path))
+    return validate(data, origin=str(path))
 
 
 def format_errors(exc: ValidationError, prefix: str = "") -> str:
@@ -204,6 +227,7 @@ def build_recipe(recipe_name: str | None, method: str | None, overrides: Overrid
     if recipe_name:
         path = find_recipe(recipe_name)
         data, origin = load_yaml(path), str(path)
+        check_structure(data, origin)
     elif method:
         data, origin = {"targets": [{"name": method, "method": method}]}, "command line"
     else:

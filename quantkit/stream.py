@@ -49,6 +49,8 @@ class WeightSource(Protocol):
 
     def get(self, name: str) -> "torch.Tensor": ...  # noqa: F821
 
+    def shape(self, name: str) -> tuple[int, ...]: ...  # the tensor's Hugging Face shape, without reading it
+
 
 # ------------------------------------------------------------------ sources
 
@@ -107,6 +109,9 @@ class SafetensorsWeights:
     def get(self, name: str) -> "torch.Tensor":  # noqa: F821
         return read_stored(self.index[name])
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.index[name].shape
+
 
 class WeightsMap(Mapping):
     """A WeightSource as the lazy Mapping accelerate's hooks read, by the model's parameter names.
@@ -146,8 +151,22 @@ def source_names(model, source: WeightSource) -> dict[str, str]:
             missing += group
         names.update({n: found[0] for n in group} if found else {})
     if missing:
-        raise ModelError(f"the weights lack tensors for {sorted(missing)[:3]} (and {max(0, len(missing) - 3)} more)")
+        raise ModelError(f"the weights lack tensors that config.json calls for: {sorted(missing)[:3]} "
+                         f"(and {max(0, len(missing) - 3)} more)",
+                         hint="config.json and the weights do not belong together, or a file is missing")
+    check_shapes(model, source, names)
     return names
+
+
+def check_shapes(model, source: WeightSource, names: dict[str, str]) -> None:
+    """ModelError when a stored tensor's shape is not the one the config gives its parameter."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    wrong = [f"{source_name} (stored {list(source.shape(source_name))}, config.json {list(params[name].shape)})"
+             for name, source_name in names.items() if tuple(source.shape(source_name)) != tuple(params[name].shape)]
+    if wrong:
+        more = f" and {len(wrong) - 3} more" if len(wrong) > 3 else ""
+        raise ModelError(f"{len(wrong)} shapes disagree with config.json: {', '.join(sorted(wrong)[:3])}{more}",
+                         hint="config.json and the weights do not belong together, or a file is damaged")
 
 
 # ------------------------------------------------------------------ the streamed model
@@ -330,12 +349,10 @@ def checkpoint_scorer(model_dir: Path, dtype: str = "auto", device: str = "cpu",
                       activation_bytes: int = ACTIVATION_BYTES) -> Scorer:
     """A full-precision checkpoint streamed from its safetensors, in `dtype` ('auto': the stored
     dtype, as quantkit.model.load_model and from_pretrained load it)."""
-    from transformers import AutoConfig
-
-    from quantkit.model import check_model_dir, device_map, torch_dtype
+    from quantkit.model import check_model_dir, device_map, hf_config, torch_dtype
 
     info = check_model_dir(Path(model_dir))
-    config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    config = hf_config(model_dir)  # streamed only without trust_remote_code
     return streamed_scorer(config, SafetensorsWeights(model_dir), torch_dtype(dtype, info), device_map(device),
                            activation_bytes)
 
@@ -344,12 +361,11 @@ def gguf_scorer(path: Path, base_dir: Path, device: str = "cpu", activation_byte
     """A .gguf in the base's architecture, dequantized a tensor at a time, computed in float32
     (as artifacts.load_gguf_into_base does)."""
     import torch
-    from transformers import AutoConfig
 
     from quantkit.gguf.loader import GGUFTensors
-    from quantkit.model import device_map
+    from quantkit.model import device_map, hf_config
 
-    config = AutoConfig.from_pretrained(base_dir, local_files_only=True)
+    config = hf_config(base_dir)  # streamed only without trust_remote_code
     return streamed_scorer(config, GGUFTensors(path, config.to_dict()), torch.float32, device_map(device),
                            activation_bytes)
 

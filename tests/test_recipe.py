@@ -110,3 +110,12 @@ def test_method_flag_that_no_target_has_is_an_error():
 
     with pytest.raises(InputError, match="--gguf-type does not apply to method fp8"):
         build_recipe(None, "fp8", Overrides(model="m", method_options={"gguf_type": "Q4_K_M"}))
+
+
+def test_gate_overrides_never_change_the_method_defaults():
+    """A run's --max-kld must not leak into the next run in the same process (gguf's table)."""
+    q2 = validate({"targets": [{"name": "a", "method": "gguf", "options": {"gguf_type": "Q2_K"}}],
+                   "gate": {"max_kld": 0.000001}})
+    assert target_gate(q2, q2.targets[0]).max_kld == 0.000001
+    fresh = validate({"targets": [{"name": "a", "method": "gguf", "options": {"gguf_type": "Q2_K"}}]})
+    assert target_gate(fresh, fresh.targets[0]).max_kld == 0.40

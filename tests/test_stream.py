@@ -60,6 +60,9 @@ class CountingSource:
     def keys(self):
         return self.source.keys()
 
+    def shape(self, name):
+        return self.source.shape(name)
+
     def get(self, name):
         self.reads[name] = self.reads.get(name, 0) + 1
         tensor = self.source.get(name)

@@ -20,7 +20,8 @@ app = typer.Typer(
     "  quantkit quantize --recipe recipes/fp8-dynamic.yaml --model ./ckpt -o ./dist --json report.json\n\n"
     "  quantkit inspect ./my-model --method fp8\n\n"
     "  quantkit eval ./my-model-fp8 --against ./my-model\n\n"
-    "Exit codes: 0 ok, 1 internal error, 2 bad input, 3 quality gate failed, 130 interrupted.",
+    "Exit codes: 0 ok, 1 internal error, 2 bad input, 3 quality gate failed, 129 hung up (SIGHUP), "
+    "130 interrupted (Ctrl-C), 143 terminated (SIGTERM).",
     no_args_is_help=True,
     add_completion=False,
     rich_markup_mode=None,

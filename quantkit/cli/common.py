@@ -10,7 +10,9 @@ import functools
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Iterator
@@ -22,6 +24,8 @@ from rich.console import Console
 out = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 140)
 err = Console(stderr=True, soft_wrap=True, width=None if sys.stderr.isatty() else 140)
 EXIT_INTERRUPTED = 130
+# Signals handled like Ctrl-C: staging removed, one line on stderr, exit 128 + signal number.
+TERMINATING_SIGNALS = ("SIGTERM", "SIGHUP")
 
 
 # Library settings while a command runs (a value the user already set wins): llm-compressor reads
@@ -86,13 +90,16 @@ def handle_errors(fn):
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        from quantkit.errors import QuantkitError
+        from quantkit.errors import QuantkitError, Terminated
 
         try:
-            with quiet_libraries():
+            with signals_as_exceptions(), quiet_libraries():
                 return fn(*args, **kwargs)
         except typer.Exit:
             raise
+        except Terminated as exc:
+            err.print(f"terminated ({exc.name}); nothing was written", style="yellow", highlight=False)
+            raise typer.Exit(exc.exit_code) from None
         except QuantkitError as exc:
             if debug():
                 err.print_exception()
@@ -109,6 +116,34 @@ def handle_errors(fn):
             raise typer.Exit(1) from None
 
     return wrapper
+
+
+@contextmanager
+def signals_as_exceptions():
+    """For the duration of one command, SIGTERM/SIGHUP raise quantkit.errors.Terminated in the
+    main thread, so the run's cleanup (the same path as Ctrl-C) removes its staging directory.
+    Later signals of those kinds are ignored while that cleanup runs; the previous handlers are
+    restored on exit. Outside the main thread (where Python cannot install handlers) a no-op."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    signums = [getattr(signal, name) for name in TERMINATING_SIGNALS if hasattr(signal, name)]
+    previous = {signum: signal.getsignal(signum) for signum in signums}
+    for signum in signums:
+        signal.signal(signum, _raise_terminated)
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _raise_terminated(signum, _frame):
+    from quantkit.errors import Terminated
+
+    for other in (getattr(signal, name) for name in TERMINATING_SIGNALS if hasattr(signal, name)):
+        signal.signal(other, signal.SIG_IGN)  # one clean shutdown; restored when the command ends
+    raise Terminated(signum, signal.Signals(signum).name)
 
 
 def _print_error(message: str, hint: str | None) -> None:

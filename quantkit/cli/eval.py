@@ -20,6 +20,7 @@ def eval_command(
     seq_len: int = typer.Option(512, min=8, help="Tokens per window."),
     seed: int = typer.Option(0, help="Sampling seed (the same as quantize's gives the same held-out windows)."),
     device: str = typer.Option("cpu", help="cpu | cuda | auto"),
+    trust_remote_code: bool = typer.Option(False, help="Allow custom model code from the base and artifact dirs."),
     max_ppl_increase: Optional[float] = typer.Option(None, help="Gate: max relative perplexity increase."),
     max_kld: Optional[float] = typer.Option(None, help="Gate: max mean KL divergence."),
     min_top1: Optional[float] = typer.Option(None, help="Gate: min top-1 agreement."),
@@ -52,12 +53,13 @@ def eval_command(
         raise InputError("--llama-perplexity applies to .gguf artifacts only")
     check_device(device)
     base = check_model_dir(resolve_model(against or default_base(model)))
-    tokenizer = load_tokenizer(base)
+    tokenizer = load_tokenizer(base, trust_remote_code)
     windows = eval_windows(tokenizer, data, num_windows, seq_len, seed)
     progress(f"baseline: {base.path} on {len(windows)} windows of {seq_len} tokens")
-    baseline = evaluate.compute_baseline(evaluate.base_scorer(base, device=device), windows)
+    baseline = evaluate.compute_baseline(evaluate.base_scorer(base, device=device, trust_remote_code=trust_remote_code),
+                                         windows)
     progress(f"candidate: {model} ({kind})")
-    metrics = evaluate.evaluate_artifact(model, base.path, windows, baseline, device)
+    metrics = evaluate.evaluate_artifact(model, base.path, windows, baseline, device, trust_remote_code)
     verdict = evaluate.gate_verdict(metrics, Gate(max_ppl_increase=max_ppl_increase, max_kld=max_kld,
                                                   min_top1=min_top1))
     llama_cpp = llama_cpp_check(model, tokenizer, windows) if llama_perplexity else None

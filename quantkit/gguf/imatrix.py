@@ -140,9 +140,9 @@ def read(path: Path) -> Imatrix:
 
 
 def read_gguf(path: Path) -> Imatrix:
-    import gguf
+    from quantkit.gguf.loader import open_reader
 
-    reader = gguf.GGUFReader(str(path))
+    reader = open_reader(path)
     out = Imatrix(datasets=field_value(reader, "imatrix.datasets") or [],
                   chunk_count=field_value(reader, "imatrix.chunk_count") or 0,
                   chunk_size=field_value(reader, "imatrix.chunk_size") or 0)
@@ -182,3 +182,21 @@ def read_legacy(path: Path) -> Imatrix:
     except (struct.error, ValueError, UnicodeDecodeError) as exc:
         raise InputError(f"{path} is neither a GGUF imatrix nor a legacy .dat imatrix") from exc
     return out
+
+
+def check_fits(imatrix: Imatrix, info, gguf_type: str, path: Path) -> None:
+    """InputError naming the file when the imatrix was made for another model: an entry for a
+    tensor this model lacks, or a row size that differs (what llama-quantize would reject)."""
+    from quantkit.gguf.convert import plan_tensors
+
+    rows = {p.name: p.shape[-1] for p in plan_tensors(info.config, info.tensors, gguf_type, has_imatrix=True)}
+    unknown = sorted(n for n in imatrix.sums if n not in rows)
+    if unknown:
+        raise InputError(f"imatrix {path} has entries for {len(unknown)} tensor(s) this model lacks "
+                         f"(e.g. {unknown[0]}): it was computed for another model",
+                         hint="compute one for this model, or use --imatrix auto")
+    for name, sums in sorted(imatrix.sums.items()):
+        if name != "token_embd.weight" and sums.size != rows[name]:
+            raise InputError(f"imatrix {path}: {name} has {sums.size} columns, this model's tensor has "
+                             f"{rows[name]}: it was computed for another model",
+                             hint="compute one for this model, or use --imatrix auto")

@@ -40,6 +40,15 @@ def hf_names(config: dict) -> dict[str, str]:
     return {g: n for g, n in pairs if g is not None}
 
 
+def dequantize_checked(tensor, path: Path) -> np.ndarray:
+    """dequantize(tensor) from the file, or ModelError naming the file when its data is damaged."""
+    try:
+        return dequantize(tensor, read_tensor_data(path, tensor))
+    except READER_ERRORS as exc:
+        raise ModelError(f"{path.name}: tensor '{tensor.name}' cannot be decoded ({type(exc).__name__}: {exc})"
+                         .splitlines()[0], hint=f"the file is corrupt: {path}") from exc
+
+
 def text_config(hf_config: dict) -> dict:
     return hf_config.get("text_config", hf_config) if "num_hidden_layers" not in hf_config else hf_config
 
@@ -93,12 +102,10 @@ class GGUFTensors:
     """
 
     def __init__(self, gguf_path, hf_config_dict: dict):
-        import gguf
-
         self.path = Path(gguf_path)
         self.config = text_config(hf_config_dict)
         mapping = hf_names(self.config)
-        reader = gguf.GGUFReader(str(self.path))
+        reader = open_reader(self.path)
         self.tensors = {}
         for tensor in reader.tensors:
             if tensor.name not in mapping:
@@ -111,10 +118,33 @@ class GGUFTensors:
     def keys(self) -> list[str]:
         return [*self.tensors, *self.aliases]
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(int(d) for d in reversed(self.tensors[self.aliases.get(name, name)].shape))
+
     def get(self, name: str):
         name = self.aliases.get(name, name)
         tensor = self.tensors[name]
-        return hf_weight(dequantize(tensor, read_tensor_data(self.path, tensor)), name, self.config)
+        return hf_weight(dequantize_checked(tensor, self.path), name, self.config)
+
+
+# What gguf-py raises on a damaged file (bad magic, short header, tensor data past the end, an
+# unknown type id); each becomes a ModelError naming the file.
+READER_ERRORS = (ValueError, IndexError, KeyError, TypeError, OverflowError, NotImplementedError, EOFError)
+
+
+def open_reader(gguf_path):
+    """gguf.GGUFReader over the file (memory-mapped: cheap), or ModelError naming the file."""
+    import gguf
+
+    path = Path(gguf_path)
+    try:
+        reader = gguf.GGUFReader(str(path))
+        for tensor in reader.tensors:  # types known, data within the file
+            gguf.GGMLQuantizationType(tensor.tensor_type)
+    except READER_ERRORS as exc:
+        raise ModelError(f"{path.name} is not a readable GGUF file ({type(exc).__name__}: {exc})".splitlines()[0],
+                         hint=f"the file is truncated or corrupt: {path}") from exc
+    return reader
 
 
 def to_hf_state_dict(gguf_path, hf_config_dict: dict) -> dict:

@@ -111,6 +111,10 @@ def check(info, options: Options, calibration=None) -> None:
     if options.imatrix not in ("auto", "none") and not Path(options.imatrix).is_file():
         raise InputError(f"imatrix file not found: {options.imatrix}",
                          hint='pass a llama.cpp imatrix (.gguf or .dat), "auto" or "none"')
+    if options.imatrix not in ("auto", "none") and uses_imatrix(options):
+        from quantkit.gguf import imatrix as im
+
+        im.check_fits(im.read(Path(options.imatrix)), info, options.gguf_type, Path(options.imatrix))
 
 
 def model_name(job) -> str:
@@ -136,15 +140,13 @@ def compute_imatrix(job: QuantizeJob, calib):
     streamed a layer at a time (all windows through one layer, then the next), so memory stays at
     one layer's weights; other models (a VLM's language part) are loaded whole."""
     from quantkit.gguf import imatrix as im
-    from quantkit.model import device_map, load_model, torch_dtype
+    from quantkit.model import device_map, hf_config, load_model, torch_dtype
     from quantkit.stream import SafetensorsWeights, stream_model, streamable, windows_per_group
 
     if not streamable(job.info.config):
         model = load_model(job.info, job.dtype, job.device, job.trust_remote_code)
         return im.compute(model, calib, job.info.config, dataset=job.windows.source)
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(job.info.path, local_files_only=True)  # config.json only
+    config = hf_config(job.info.path, job.trust_remote_code)  # config.json only
     streamed = stream_model(config, SafetensorsWeights(job.info.path), torch_dtype(job.dtype, job.info),
                             device_map(job.device))
     group = windows_per_group(config.get_text_config(), calib.shape[1])

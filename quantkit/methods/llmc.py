@@ -19,7 +19,8 @@ def run_oneshot(job, recipe, calibrate: bool) -> None:
             shuffle_calibration_samples=False,
             pipeline="sequential",
         )
-    oneshot(model=job.model, recipe=recipe, tokenizer=job.tokenizer, log_dir=None, **kwargs)
+    oneshot(model=job.model, recipe=recipe, tokenizer=job.tokenizer, log_dir=None,
+            trust_remote_code_model=job.trust_remote_code, **kwargs)  # it re-reads config.json
 
 
 def save_compressed(job) -> None:

@@ -11,11 +11,12 @@ quantizes with bitsandbytes; the pipeline does not load the 16-bit model for thi
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from quantkit.errors import require
+from quantkit.errors import UnsupportedError, require
 from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, fixed_gate
 
 # NF4 is plain round-to-nearest onto 16 levels, without calibration: looser than GPTQ/AWQ.
@@ -24,6 +25,11 @@ DEFAULT_GATE = {"max_ppl_increase": 0.15, "max_kld": 0.15, "min_top1": 0.75}
 COMPUTE_DTYPES = ("auto", "bfloat16", "float16", "float32")
 QUANTIZED_ROLES = ("decoder", "other")
 BLOCK_SIZE = 64  # bitsandbytes 4-bit blocksize used by transformers
+# bitsandbytes' CPU 4-bit matmul (on AVX512-BF16 machines) repacks each weight on the first
+# forward (functional._convert_weight_packed_for_cpu): out_features must be a multiple of its
+# block_n (32) and in_features of the 64-weight block (absmax reshaped to [out, in // 64]).
+# Other shapes fail inside bitsandbytes, so such layers stay 16-bit on every machine.
+CPU_BLOCK_N = 32
 
 
 class Options(BaseModel):
@@ -34,7 +40,7 @@ class Options(BaseModel):
 
 
 def precision(role: str, options: Options, name: str, shape: list[int]) -> str | None:
-    if role not in QUANTIZED_ROLES:
+    if role not in QUANTIZED_ROLES or not fits_kernels(options, shape):
         return None
     if options.scheme == "int8":
         return "int8 per-row absmax (LLM.int8, bitsandbytes)"
@@ -43,7 +49,43 @@ def precision(role: str, options: Options, name: str, shape: list[int]) -> str |
 
 
 def check(info, options: Options, calibration) -> None:
+    """bitsandbytes installed, and at least one layer it can quantize (odd shapes stay 16-bit)."""
     require("bitsandbytes", "nf4", "the nf4 method (bitsandbytes 4-bit)")
+    layers = quantizable_layers(info)
+    if layers and not any(fits_kernels(options, shape) for shape in layers.values()):
+        name, shape = next(iter(layers.items()))
+        raise UnsupportedError(
+            f"no layer of {info.path} fits bitsandbytes' {options.scheme} kernels (e.g. {name} {shape}): "
+            f"4-bit needs out_features % {CPU_BLOCK_N} == 0 and in_features % {BLOCK_SIZE} == 0",
+            hint="use gguf or fp8 for this model")
+
+
+def quantizable_layers(info) -> dict[str, list[int]]:
+    """{module name: [out, in]} of the linear weights nf4 quantizes (by role)."""
+    from quantkit.plan import classify, linear_weights
+
+    return {n: s for n, s in linear_weights(info).items() if classify(n + ".weight") in QUANTIZED_ROLES}
+
+
+def fits_kernels(options: Options, shape: list[int]) -> bool:
+    """Whether bitsandbytes can run this [out_features, in_features] weight in 4-bit on CPU."""
+    if options.scheme == "int8":
+        return True
+    out_features, in_features = shape
+    return out_features % CPU_BLOCK_N == 0 and in_features % BLOCK_SIZE == 0
+
+
+def kept_for_kernels(info, options: Options) -> list[str]:
+    """Quantizable layers whose shape bitsandbytes' kernels cannot take (kept 16-bit)."""
+    return [name for name, shape in quantizable_layers(info).items() if not fits_kernels(options, shape)]
+
+
+def exact_module(name: str) -> str:
+    """A transformers skip pattern for one module, robust to the VLM checkpoint-vs-module renaming:
+    the name from its layer stack on (`layers.3.mlp.down_proj`), anchored at a dot and the end."""
+    parts = name.split(".")
+    start = next((i - 1 for i, part in enumerate(parts) if part.isdigit() and i > 0), 0)
+    return rf"(.*\.)?{re.escape('.'.join(parts[start:]))}$"
 
 
 def compute_dtype(options: Options, model_dtype):
@@ -79,10 +121,13 @@ def quantize(job: QuantizeJob) -> QuantizeResult:
 
     require("bitsandbytes", "nf4", "the nf4 method (bitsandbytes 4-bit)")
     dtype = torch_dtype(job.dtype, job.info)
-    config = bnb_config(job.options, compute_dtype(job.options, dtype), skip_modules(job.ignore))
+    odd = kept_for_kernels(job.info, job.options)
+    skip = skip_modules(job.ignore) + [exact_module(name) for name in odd]
+    config = bnb_config(job.options, compute_dtype(job.options, dtype), skip)
     model = load_quantized(job.info, dtype, config, job.device, job.trust_remote_code)
     model.save_pretrained(job.out_dir)  # the tokenizer files are copied beside it by the pipeline
-    details = {"bnb_quantization_config": model.config.quantization_config.to_dict()}
+    details = {"bnb_quantization_config": model.config.quantization_config.to_dict(),
+               "kept_for_bnb_kernels": odd}
     del model
     return QuantizeResult(job.out_dir, details)
 

@@ -1,0 +1,55 @@
+"""Disk preflight: the estimate (pure) and the refusal before any work."""
+
+from __future__ import annotations
+
+import shutil
+from collections import namedtuple
+
+import pytest
+
+from quantkit.errors import InputError
+from quantkit.preflight import estimate_bytes, gguf_bits, target_bits
+from tests.util import FAST_CALIB, leftovers
+
+
+def test_estimate_adds_artifacts_merged_lora_and_baseline():
+    e = estimate_bytes(quantized_params=1000, other_params=100, target_bits=[8.0, 4.0], lora=True,
+                       eval_windows=4, seq_len=64, vocab=512)
+    assert e.artifacts == (1000 + 200) + (500 + 200)
+    assert e.merged_lora == 2 * 1100
+    assert e.baseline == 4 * 64 * 512 * 2
+    assert e.total == e.artifacts + e.merged_lora + e.baseline
+    assert estimate_bytes(1000, 100, [8.0], False, 0, 64, 512).total == 1200
+
+
+def test_bits_per_method():
+    from quantkit.methods import awq, gguf, gptq, nf4
+
+    assert target_bits("fp8", None) == 8.0 and target_bits("smoothquant", None) == 8.0
+    assert target_bits("gptq", gptq.Options(bits=4, group_size=128)) == 4.25
+    assert target_bits("awq", awq.Options(group_size=-1)) == 4
+    assert target_bits("nf4", nf4.Options()) < 4.2 and target_bits("nf4", nf4.Options(scheme="int8")) == 8
+    assert gguf_bits("Q8_0") == 8.5 and gguf_bits("Q4_K_M") == 4.5
+    assert target_bits("gguf", gguf.Options(gguf_type="Q4_K_M")) > 4.5
+
+
+Usage = namedtuple("Usage", "total used free")
+
+
+def test_refuses_when_the_disk_is_too_small(cli, micro_model, tmp_path, monkeypatch):
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: Usage(10**9, 10**9 - 1000, 1000))
+    result = cli("quantize", micro_model, "--method", "fp8", "-o", tmp_path / "out", *FAST_CALIB)
+    assert result.exit_code == 2, result.output
+    assert "not enough disk space" in result.stderr and "the run writes about" in result.stderr
+    assert "0.0 MiB is free" in result.stderr and "artifacts" in result.stderr and "baseline" in result.stderr
+    assert leftovers(tmp_path, "out") == []
+
+
+def test_enough_disk_passes_the_check(micro_model, tmp_path, monkeypatch):
+    from quantkit.preflight import check_disk, estimate_bytes
+
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: Usage(10**12, 0, 10**12))
+    check_disk(tmp_path / "out", estimate_bytes(10**9, 10**8, [8.0], True, 16, 512, 32000))
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: Usage(10**12, 0, 10**9))
+    with pytest.raises(InputError, match="merged LoRA model"):
+        check_disk(tmp_path / "out", estimate_bytes(10**9, 10**8, [8.0], True, 16, 512, 32000))
