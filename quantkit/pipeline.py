@@ -29,7 +29,7 @@ from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, get_method
 from quantkit.model import ModelInfo, check_device, check_generative, check_model_dir, resolve_model, sha256_files
 from quantkit.numerics import check_finite
 from quantkit.plan import build_plan, ignore_patterns
-from quantkit.preflight import check_disk, run_estimate
+from quantkit.preflight import check_disk, check_ram, ram_estimate, run_estimate
 from quantkit.recipe import Calibration, Gate, Recipe, Target, target_gate, target_options
 from quantkit.report import ModelReport, RunReport, TargetReport, model_card
 
@@ -60,6 +60,7 @@ class RunOptions:
     out: Path
     overwrite: bool = False
     enforce_gate: bool = True
+    max_memory: int | None = None  # bytes; None: the memory available when the run starts
     progress: Progress = lambda message: None
 
 
@@ -80,6 +81,7 @@ def prepare(recipe: Recipe, opts: RunOptions) -> tuple[ModelInfo, list[ResolvedT
             raise InputError(f"LoRA adapter directory not found: {path}")
         check_adapter(Path(path))
     check_disk(opts.out, run_estimate(info, recipe, [(t.target.method, t.options) for t in targets]))
+    check_ram(ram_estimate(info, recipe, targets), opts.max_memory)
     check_finite([*info.weight_files, *(Path(p) / "adapter_model.safetensors" for p in recipe.lora)])
     return info, targets
 

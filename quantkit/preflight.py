@@ -9,6 +9,7 @@ filesystem (the staging directory is beside OUT).
 
 from __future__ import annotations
 
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,3 +95,108 @@ def check_disk(out: Path, estimate: DiskEstimate) -> None:
 
 def _size(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+# ---------------------------------------------------------------- memory
+
+FIXED_RAM = 768 * 2**20  # interpreter, torch, transformers and kernels before any weight (measured ~0.6-0.7 GiB)
+ACTIVATIONS_RAM = 512 * 2**20  # streamed forwards: one group of windows inside one layer (stream.ACTIVATION_BYTES)
+LAYER_PREFIX = r"^(.*\.layers\.\d+)\."
+DTYPE_BYTES = {"F32": 4, "F64": 8, "BF16": 2, "F16": 2}
+
+
+@dataclass(frozen=True)
+class RamEstimate:
+    """Peak resident memory of each step of a run; the run's peak is the largest plus FIXED_RAM."""
+
+    steps: dict[str, int]
+
+    @property
+    def peak(self) -> int:
+        return FIXED_RAM + max(self.steps.values(), default=0)
+
+    def describe(self) -> str:
+        return ", ".join(f"{name} {_size(n)}" for name, n in self.steps.items())
+
+
+def unit_bytes(info) -> dict[str, int]:
+    """Stored bytes per streamed unit: each decoder layer, and every other module (embeddings, head, norms)."""
+    import re
+
+    units: dict[str, int] = {}
+    for name, (dtype, shape) in info.tensors.items():
+        match = re.match(LAYER_PREFIX, name)
+        unit = match.group(1) if match else name.rsplit(".", 1)[0]
+        count = 1
+        for d in shape:
+            count *= d
+        units[unit] = units.get(unit, 0) + count * DTYPE_BYTES.get(dtype, 1)
+    return units
+
+
+def ram_estimate(info, recipe, targets) -> RamEstimate:
+    """Per step: the streamed baseline and gate hold one unit (a layer or a vocabulary matrix, the
+    .gguf candidate in float32) plus a group's activations and the in-memory baseline; a target
+    that needs the model holds it whole in its stored dtype (or, with --offload-dir, everything but
+    the decoder layers plus one layer); a compressed-tensors/bitsandbytes artifact is reloaded whole."""
+    units = unit_bytes(info)
+    largest = max(units.values(), default=0)
+    layers = {u: b for u, b in units.items() if re.search(r"\.layers\.\d+$", u)}  # decoder layers
+    model = sum(units.values())
+    c = recipe.calibration
+    text = info.config.get("text_config") or info.config
+    store = 2 * c.eval_windows * c.seq_len * int(text.get("vocab_size") or 0)
+    store = store if store <= 512 * 2**20 else 0  # above that it is memory-mapped
+    steps = {"baseline": largest + ACTIVATIONS_RAM + store} if c.eval_windows else {}
+    for t in targets:
+        if t.needs_model:
+            held = model - sum(layers.values()) + max(layers.values(), default=0) if recipe.offload_dir else model
+            steps[f"{t.name}: quantize"] = held + ACTIVATIONS_RAM
+        if c.eval_windows:
+            steps[f"{t.name}: gate"] = candidate_bytes(t, model, largest) + ACTIVATIONS_RAM + store
+    return RamEstimate(steps)
+
+
+def candidate_bytes(target, model: int, largest: int) -> int:
+    """What the gate holds of one artifact: a .gguf streamed in float32 (twice a 16-bit unit), a
+    compressed-tensors/bitsandbytes checkpoint whole at its bits."""
+    if target.target.method == "gguf":
+        return 2 * largest
+    return int(model * target_bits(target.target.method, target.options) / 16)
+
+
+def available_ram() -> int:
+    """MemAvailable from /proc/meminfo (0 where unknown: no check)."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def check_ram(estimate: RamEstimate, limit: int | None) -> None:
+    """InputError with the numbers when the run's estimated peak exceeds --max-memory (or the
+    memory available now, when no limit is given)."""
+    budget = limit or available_ram()
+    if not budget or estimate.peak <= budget:
+        return
+    source = "--max-memory" if limit else "available memory"
+    raise InputError(f"not enough memory: the run needs about {_size(estimate.peak)} at its peak "
+                     f"({estimate.describe()}, plus {_size(FIXED_RAM)} fixed), {source} is {_size(budget)}",
+                     hint="use --offload-dir for the llm-compressor methods, fewer --eval-windows, "
+                     "or a machine with more memory")
+
+
+def parse_size(text: str) -> int:
+    """'16GiB', '500MB', '2G', '1073741824' -> bytes."""
+    import re
+
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]?)(i?B?)\s*", text, re.IGNORECASE)
+    if not match:
+        raise InputError(f"cannot read the size '{text}'", hint="write e.g. 16GiB, 500MB or 2G")
+    number, unit, binary = float(match.group(1)), match.group(2).upper(), match.group(3).lower().startswith("i")
+    power = "KMGT".index(unit) + 1 if unit else 0
+    return int(number * (1024 if binary or not match.group(3) else 1000) ** power)

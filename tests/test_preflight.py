@@ -53,3 +53,34 @@ def test_enough_disk_passes_the_check(micro_model, tmp_path, monkeypatch):
     monkeypatch.setattr(shutil, "disk_usage", lambda path: Usage(10**12, 0, 10**9))
     with pytest.raises(InputError, match="merged LoRA model"):
         check_disk(tmp_path / "out", estimate_bytes(10**9, 10**8, [8.0], True, 16, 512, 32000))
+
+
+def test_ram_estimate_streams_the_gate_and_refuses_over_the_limit(micro_model, cli, tmp_path):
+    from quantkit.model import check_model_dir
+    from quantkit.pipeline import RunOptions, prepare
+    from quantkit.preflight import FIXED_RAM, ram_estimate, unit_bytes
+    from quantkit.recipe import Overrides, build_recipe
+
+    info = check_model_dir(micro_model)
+    recipe = build_recipe(None, "gguf", Overrides(model=str(micro_model)))
+    _info, targets = prepare(recipe, RunOptions(model=str(micro_model), out=tmp_path / "x"))
+    estimate = ram_estimate(info, recipe, targets)
+    largest = max(unit_bytes(info).values())
+    model = sum(unit_bytes(info).values())
+    assert "gguf: quantize" not in estimate.steps  # conversion and imatrix stream the checkpoint
+    assert estimate.steps["gguf: gate"] < model + 2 * largest + 2**30
+    assert estimate.peak > FIXED_RAM
+    result = cli("quantize", micro_model, "--method", "fp8", "--max-memory", "100MiB", "-o", tmp_path / "out")
+    assert result.exit_code == 2 and "not enough memory" in result.stderr and "--max-memory is 100.0 MiB" in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_parse_size():
+    import pytest
+
+    from quantkit.errors import InputError
+    from quantkit.preflight import parse_size
+
+    assert parse_size("16GiB") == 16 * 2**30 and parse_size("500MB") == 500 * 10**6 and parse_size("2G") == 2 * 2**30
+    with pytest.raises(InputError):
+        parse_size("lots")

@@ -37,6 +37,7 @@ def inspect(
     info = check_model_dir(resolve_model(model))
     target_method, options, patterns = _target(method, recipe, ignore)
     data = plan_data(info, target_method, options, patterns, context)
+    data["run"] = run_estimates(info, model, method, recipe)
     if json_path == "-":
         write_json("-", data)
         return
@@ -76,6 +77,27 @@ def plan_data(info, method, options, ignore: list[str], context: int) -> dict:
     }
 
 
+def run_estimates(info, model: str, method: str, recipe: str | None) -> dict:
+    """What `quantkit quantize` with this method (or recipe) and default calibration would need:
+    peak RAM per step and bytes written (the same estimates its preflight checks)."""
+    from quantkit.methods import get_method
+    from quantkit.pipeline import ResolvedTarget
+    from quantkit.preflight import FIXED_RAM, ram_estimate, run_estimate
+    from quantkit.recipe import Gate, Overrides, build_recipe
+
+    resolved = build_recipe(recipe, None if recipe else method, Overrides(model=model))
+    targets = []
+    for target in resolved.targets:
+        spec = get_method(target.method)
+        options = spec.options.model_validate(target.options)
+        targets.append(ResolvedTarget(target, spec, options, Gate(), [], spec.needs_calibration(options),
+                                      spec.needs_model(options)))
+    ram = ram_estimate(info, resolved, targets)
+    disk = run_estimate(info, resolved, [(t.target.method, t.options) for t in targets])
+    return {"peak_ram_bytes": ram.peak, "fixed_ram_bytes": FIXED_RAM, "ram_steps": ram.steps,
+            "disk_bytes": disk.total}
+
+
 def collapse(modules: list[dict]) -> list[tuple[str, str, str, int]]:
     """Group decoder modules over layer indices: (name pattern, shape, precision, count)."""
     groups: dict[tuple[str, str, str], list[int]] = {}
@@ -93,6 +115,11 @@ def print_plan(data: dict) -> None:
     out.print(_modules_table(data))
     out.print(_memory_table(data))
     out.print(f"[dim]{data['memory_note']}[/dim]")
+    run = data["run"]
+    steps = ", ".join(f"{name} {human_bytes(n)}" for name, n in run["ram_steps"].items())
+    out.print(f"quantize run (default calibration): peak RAM about {human_bytes(run['peak_ram_bytes'])} "
+              f"({steps}; plus {human_bytes(run['fixed_ram_bytes'])} fixed), writes about "
+              f"{human_bytes(run['disk_bytes'])}", highlight=False)
 
 
 def _roles_table(data: dict) -> Table:

@@ -62,6 +62,7 @@ def quantize(
     min_top1: Optional[float] = typer.Option(None, help="Gate: min top-1 agreement."),
     no_gate: bool = typer.Option(False, "--no-gate", help="Measure but do not enforce the gate (recorded)."),
     overwrite: bool = typer.Option(False, help="Replace an existing output."),
+    max_memory: Optional[str] = typer.Option(None, "--max-memory", help="RAM the run may use, e.g. 16GiB (default: what is available); a run estimated above it is refused before work."),
     json_path: Optional[str] = typer.Option(None, "--json", help="Write the report as JSON to FILE ('-' = stdout)."),
 ) -> None:
     from quantkit.cli.report import print_report
@@ -86,8 +87,10 @@ def quantize(
     if no_gate:
         err.print("warning: --no-gate: the quality gate is measured but not enforced (recorded in quantkit.json)",
                   style="yellow", highlight=False)
+    from quantkit.preflight import parse_size
+
     opts = RunOptions(model=resolved.model, out=output, overwrite=overwrite, enforce_gate=not no_gate,
-                      progress=progress)
+                      max_memory=parse_size(max_memory) if max_memory else None, progress=progress)
     console = results_console(json_path)
     try:
         report = run(resolved, opts)
