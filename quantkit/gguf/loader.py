@@ -2,8 +2,12 @@
 
 Every tensor is dequantized with gguf-py, its GGUF name mapped back to the HF name through the
 same TensorNameMap the converter uses (inverted over the HF names this architecture has), and
-the llama Q/K row permutation undone, Gemma's norm weights shifted back (w - 1) and Gemma's
-output taken from the tied embedding.
+each conversion step undone: the llama Q/K row permutation, Gemma's norm shift (w - 1), stacked
+experts split back into one tensor per expert, Gemma 3's trimmed embedding rows restored (zero;
+they are ids no tokenizer produces), a missing output taken from the tied embedding. Generated
+tensors (rope_freqs, LongRoPE factors) have no HF counterpart and are skipped. Phi-3's fused
+qkv_proj / gate_up_proj are fused in HF too. A VLM's language model gets the VLM's names
+(`model.language_model.*`); its towers are not in the file.
 """
 
 from __future__ import annotations
@@ -13,7 +17,8 @@ from pathlib import Path
 import numpy as np
 
 from quantkit.errors import ModelError
-from quantkit.gguf.convert import arch_spec, name_map, norm_shift, permute_heads, unpermute
+from quantkit.gguf.convert import (EXPERT_LAYOUTS, arch_spec, n_experts, name_map, norm_shift, permute_heads,
+                                   text_hparams, unpermute)
 
 # HF tensor names of the supported decoders ({i}: layer). Names absent from a checkpoint are ignored.
 HF_GLOBAL = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
@@ -24,20 +29,32 @@ HF_LAYER = [
     "model.layers.{i}.self_attn.q_proj.bias", "model.layers.{i}.self_attn.k_proj.bias",
     "model.layers.{i}.self_attn.v_proj.bias", "model.layers.{i}.self_attn.o_proj.bias",
     "model.layers.{i}.self_attn.q_norm.weight", "model.layers.{i}.self_attn.k_norm.weight",
+    "model.layers.{i}.self_attn.qkv_proj.weight", "model.layers.{i}.mlp.gate_up_proj.weight",
     "model.layers.{i}.mlp.gate_proj.weight", "model.layers.{i}.mlp.up_proj.weight",
     "model.layers.{i}.mlp.down_proj.weight",
+    "model.layers.{i}.block_sparse_moe.gate.weight", "model.layers.{i}.mlp.gate.weight",
     "model.layers.{i}.pre_feedforward_layernorm.weight", "model.layers.{i}.post_feedforward_layernorm.weight",
 ]
+GENERATED = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
+# HF prefix of the language model inside a VLM (the converter strips "language_model.")
+LANGUAGE_MODEL_PREFIX = {"Gemma3ForConditionalGeneration": "model.language_model."}
+# stacked experts: HF per-expert name ({i} layer, {x} expert, {w} weight)
+EXPERT_NAMES = {"mixtral": "model.layers.{i}.block_sparse_moe.experts.{x}.{w}.weight",
+                "qwen": "model.layers.{i}.mlp.experts.{x}.{w}.weight"}
 
 
-def hf_names(config: dict) -> dict[str, str]:
-    """GGUF name -> HF name for every tensor the architecture can have."""
-    tmap = name_map(config)
-    names = list(HF_GLOBAL)
-    for i in range(config["num_hidden_layers"]):
-        names += [n.format(i=i) for n in HF_LAYER]
-    pairs = ((tmap.get_name(n, try_suffixes=(".weight", ".bias")), n) for n in names)
-    return {g: n for g, n in pairs if g is not None}
+def hf_names(config: dict) -> dict[str, tuple[str, ...]]:
+    """GGUF name -> HF name(s) (one per expert for stacked experts) for every possible tensor."""
+    tmap, hp, spec = name_map(config), text_hparams(config), arch_spec(config)
+    names = list(HF_GLOBAL) + [n.format(i=i) for i in range(hp["num_hidden_layers"]) for n in HF_LAYER]
+    out = {g: (n,) for g, n in ((tmap.get_name(n, try_suffixes=(".weight", ".bias")), n) for n in names) if g}
+    if spec.experts:
+        _, stacked, weights = EXPERT_LAYOUTS[spec.experts]
+        for i in range(hp["num_hidden_layers"]):
+            for w in weights:
+                gguf_name = tmap.get_name(stacked.format(bid=i, w=w), try_suffixes=(".weight",))
+                out[gguf_name] = tuple(EXPERT_NAMES[spec.experts].format(i=i, x=x, w=w) for x in range(n_experts(hp)))
+    return out
 
 
 def text_config(hf_config: dict) -> dict:
@@ -52,26 +69,38 @@ def dequantize(tensor) -> np.ndarray:
     return np.asarray(data, dtype=np.float32).reshape(shape)
 
 
+def restore(config: dict, hf: str, data: np.ndarray) -> np.ndarray:
+    """Undo the converter's per-tensor transformation (permutation, norm shift, vocabulary trim)."""
+    hp = text_hparams(config)
+    if (heads := permute_heads(config, hf)) is not None:
+        data = unpermute(data, heads)
+    if norm_shift(config, hf):
+        data = data - np.float32(1)
+    if hf == "model.embed_tokens.weight" and data.shape[0] < hp["vocab_size"]:
+        data = np.concatenate([data, np.zeros((hp["vocab_size"] - data.shape[0], data.shape[1]), np.float32)])
+    return data
+
+
 def to_hf_state_dict(gguf_path, hf_config_dict: dict) -> dict:
     """{HF name: float32 torch.Tensor} from a .gguf written for this config."""
     import gguf
     import torch
 
-    config = text_config(hf_config_dict)
-    arch_spec(config)
+    config = hf_config_dict
     mapping = hf_names(config)
-    reader = gguf.GGUFReader(str(gguf_path))
     state = {}
-    for tensor in reader.tensors:
+    for tensor in gguf.GGUFReader(str(gguf_path)).tensors:
+        if tensor.name in GENERATED:
+            continue
         if tensor.name not in mapping:
             raise ModelError(f"{Path(gguf_path).name}: tensor '{tensor.name}' has no Hugging Face counterpart")
-        hf = mapping[tensor.name]
-        data = dequantize(tensor)
-        if (heads := permute_heads(config, hf)) is not None:
-            data = unpermute(data, heads)
-        if norm_shift(config, hf):
-            data = data - np.float32(1)
-        state[hf] = torch.from_numpy(np.array(data, dtype=np.float32, order="C", copy=True))
-    if "lm_head.weight" not in state and (arch_spec(config).gemma or not config.get("tie_word_embeddings", False)):
+        names, data = mapping[tensor.name], dequantize(tensor)
+        parts = [data] if len(names) == 1 else list(data)
+        for hf, part in zip(names, parts):
+            state[hf] = torch.from_numpy(np.array(restore(config, hf, part), dtype=np.float32, order="C"))
+    if "lm_head.weight" not in state:  # no output tensor: llama.cpp uses the token embedding
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    prefix = LANGUAGE_MODEL_PREFIX.get((config.get("architectures") or [""])[0])
+    if prefix:
+        state = {k if k == "lm_head.weight" else prefix + k[len("model."):]: v for k, v in state.items()}
     return state
