@@ -1,0 +1,117 @@
+"""Tiny random checkpoints of every architecture family the GGUF converter supports.
+
+Each is built locally (no hub): a transformers config with hidden 256 (rows stay multiples of
+256, so the k-quants apply), 2 layers, 4 heads of 64 (GQA 2), random weights (norm weights
+randomised too), stored in bf16, with either the toy byte-level BPE tokenizer or a small
+SentencePiece tokenizer.model trained on the bundled text.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+COMMON = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=4096, rms_norm_eps=1e-5)
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 256, "rope_theta": 500000.0}
+
+
+def family_config(family: str, vocab: int, ids: dict):
+    """The transformers config of a family (ids: bos/eos/pad token ids)."""
+    import transformers as tf
+
+    c = {**COMMON, "vocab_size": vocab, **ids}
+    builders = {
+        "llama31": lambda: tf.LlamaConfig(**c, rope_parameters=dict(LLAMA3_ROPE), tie_word_embeddings=False),
+        "llama32": lambda: tf.LlamaConfig(**c, rope_parameters={**LLAMA3_ROPE, "factor": 32.0},
+                                          tie_word_embeddings=True),
+        "mistral": lambda: tf.MistralConfig(**c, sliding_window=None, head_dim=64),
+        "mixtral": lambda: tf.MixtralConfig(**c, num_local_experts=4, num_experts_per_tok=2, head_dim=64),
+        "mixtral8": lambda: tf.MixtralConfig(**c, num_local_experts=8, num_experts_per_tok=2, head_dim=64),
+        "qwen25": lambda: tf.Qwen2Config(**c, tie_word_embeddings=False),
+        "qwen3moe": lambda: tf.Qwen3MoeConfig(**c, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256,
+                                              head_dim=64, norm_topk_prob=True),
+        "gemma3": lambda: tf.Gemma3TextConfig(**c, head_dim=64, query_pre_attn_scalar=64, sliding_window=32),
+        "phi3": lambda: tf.Phi3Config(**{**c, "max_position_embeddings": 8192}, original_max_position_embeddings=4096,
+                                      rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                                       "long_factor": [1.0 + i / 8 for i in range(32)],
+                                                       "short_factor": [1.0 + i / 64 for i in range(32)]},
+                                      sliding_window=None),
+    }
+    if family == "gemma3vlm":
+        return tf.Gemma3Config(text_config={**c, "head_dim": 64, "query_pre_attn_scalar": 64, "sliding_window": 32},
+                               vision_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                                  num_attention_heads=2, image_size=32, patch_size=8),
+                               mm_tokens_per_image=4, image_token_index=5, boi_token_index=6, eoi_token_index=7)
+    return builders[family]()
+
+
+MODEL_CLASSES = {"llama31": "LlamaForCausalLM", "llama32": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                 "mixtral": "MixtralForCausalLM", "mixtral8": "MixtralForCausalLM", "qwen25": "Qwen2ForCausalLM",
+                 "qwen3moe": "Qwen3MoeForCausalLM", "gemma3": "Gemma3ForCausalLM",
+                 "gemma3vlm": "Gemma3ForConditionalGeneration", "phi3": "Phi3ForCausalLM"}
+FAMILIES = list(MODEL_CLASSES)
+
+
+def randomize(model, seed: int) -> None:
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3 + (0.0 if "gemma" in type(model).__name__.lower()
+                                                                       else 1.0))
+            elif p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+
+
+def build_family(family: str, out: Path, tokenizer: str = "bpe", seed: int = 0) -> Path:
+    """Save a tiny `family` checkpoint with a "bpe" (toy) or "spm" (tokenizer.model) tokenizer."""
+    import torch
+    import transformers
+
+    out.mkdir(parents=True, exist_ok=True)
+    vocab, ids = (write_bpe_tokenizer(out) if tokenizer == "bpe" else write_spm_tokenizer(out))
+    config = family_config(family, vocab, ids)
+    torch.manual_seed(seed)
+    model = getattr(transformers, MODEL_CLASSES[family])(config)
+    randomize(model, seed)
+    model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+    return out
+
+
+def write_bpe_tokenizer(out: Path) -> tuple[int, dict]:
+    from quantkit.toy import build_tokenizer, bundled_texts
+
+    tok = build_tokenizer(bundled_texts(), 512)
+    tok.save_pretrained(out)
+    return len(tok), dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+
+
+def write_spm_tokenizer(out: Path, vocab: int = 512) -> tuple[int, dict]:
+    """A byte-fallback SentencePiece BPE model (Llama-2 style ids: <unk> 0, <s> 1, </s> 2) plus a
+    tokenizer_config.json listing them as special added tokens, as Llama-2 / Mistral ship it."""
+    import io
+
+    import sentencepiece as spm
+
+    from quantkit.toy import bundled_texts
+
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(bundled_texts()), model_writer=buf, vocab_size=vocab,
+                                   model_type="bpe", byte_fallback=True, character_coverage=1.0,
+                                   unk_id=0, bos_id=1, eos_id=2, pad_id=-1, minloglevel=2)
+    (out / "tokenizer.model").write_bytes(buf.getvalue())
+    decoder = {str(i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
+                        "single_word": False, "special": True} for i, t in enumerate(["<unk>", "<s>", "</s>"])}
+    config = {"add_bos_token": True, "add_eos_token": False, "added_tokens_decoder": decoder,
+              "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": None,
+              "chat_template": CHAT_TEMPLATE, "legacy": False, "model_max_length": 4096,
+              "tokenizer_class": "LlamaTokenizer"}
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    return vocab, dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
