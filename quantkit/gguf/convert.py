@@ -51,6 +51,7 @@ class ArchSpec:
     drops_lm_head: bool = False  # lm_head never written (Gemma 1/2): the output is the tied embedding
     experts: str = ""  # per-expert HF layout stacked into ffn_*_exps: "mixtral" or "qwen"
     trims_vocab: bool = False  # Gemma 3: token_embd rows beyond the tokenizer's vocabulary dropped
+    fused_qkv_mlp: bool = False  # Phi-3: qkv_proj -> attn_qkv, gate_up_proj -> ffn_up (fused on both sides)
     rope_types: tuple[str, ...] = ("default", "linear", "yarn")
     sliding_window: str = "refused"  # how a sliding window is handled: refused, gemma2, gemma3, phi3
 
@@ -74,7 +75,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "Gemma3ForConditionalGeneration": ArchSpec("GEMMA3", "gemma3", "gemma3", norm_shift=True, trims_vocab=True,
                                                rope_types=("default", "linear"), sliding_window="gemma3"),
     "Phi3ForCausalLM": ArchSpec("PHI3", "phi3", "phi3", rope_types=("default", "longrope", "su"),
-                                sliding_window="phi3"),
+                                sliding_window="phi3", fused_qkv_mlp=True),
 }
 # HF names that are not weights (convert_hf_to_gguf.py skips them too)
 SKIPPED = re.compile(r"(rotary_emb\.inv_freq|\.attention\.masked_bias|\.attention\.bias)$")
@@ -207,7 +208,7 @@ def check_rope(arch: str, spec: ArchSpec, hp: dict) -> None:
     if "mrope_section" in rope:
         refuse(arch, "multimodal RoPE sections are not supported", supported)
     if kind in ("longrope", "su") and not (rope.get("long_factor") and rope.get("short_factor")):
-        refuse(arch, "LongRoPE without long_factor / short_factor", "a Phi-3 LongRoPE config lists both")
+        refuse(arch, "LongRoPE without long_factor / short_factor", "supported: LongRoPE with both factor lists, as Phi-3 configs give them")
 
 
 def check_sliding_window(arch: str, spec: ArchSpec, hp: dict) -> None:

@@ -3,7 +3,8 @@
 Every tensor is dequantized with gguf-py, its GGUF name mapped back to the HF name through the
 same TensorNameMap the converter uses (inverted over the HF names this architecture has), and
 each conversion step undone: the llama Q/K row permutation, Gemma's norm shift (w - 1), stacked
-experts split back into one tensor per expert, Gemma 3's trimmed embedding rows restored (zero;
+experts turned into transformers' in-memory expert tensors (mlp.experts.gate_up_proj = gate and
+up concatenated per expert, mlp.experts.down_proj; the router is mlp.gate), Gemma 3's trimmed embedding rows restored (zero;
 they are ids no tokenizer produces), a missing output taken from the tied embedding. Generated
 tensors (rope_freqs, LongRoPE factors) have no HF counterpart and are skipped. Phi-3's fused
 qkv_proj / gate_up_proj are fused in HF too. A VLM's language model gets the VLM's names
@@ -12,13 +13,13 @@ qkv_proj / gate_up_proj are fused in HF too. A VLM's language model gets the VLM
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
 
 from quantkit.errors import ModelError
-from quantkit.gguf.convert import (EXPERT_LAYOUTS, arch_spec, n_experts, name_map, norm_shift, permute_heads,
-                                   text_hparams, unpermute)
+from quantkit.gguf.convert import arch_spec, name_map, norm_shift, permute_heads, text_hparams, unpermute
 
 # HF tensor names of the supported decoders ({i}: layer). Names absent from a checkpoint are ignored.
 HF_GLOBAL = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
@@ -29,31 +30,34 @@ HF_LAYER = [
     "model.layers.{i}.self_attn.q_proj.bias", "model.layers.{i}.self_attn.k_proj.bias",
     "model.layers.{i}.self_attn.v_proj.bias", "model.layers.{i}.self_attn.o_proj.bias",
     "model.layers.{i}.self_attn.q_norm.weight", "model.layers.{i}.self_attn.k_norm.weight",
-    "model.layers.{i}.self_attn.qkv_proj.weight", "model.layers.{i}.mlp.gate_up_proj.weight",
     "model.layers.{i}.mlp.gate_proj.weight", "model.layers.{i}.mlp.up_proj.weight",
     "model.layers.{i}.mlp.down_proj.weight",
     "model.layers.{i}.block_sparse_moe.gate.weight", "model.layers.{i}.mlp.gate.weight",
     "model.layers.{i}.pre_feedforward_layernorm.weight", "model.layers.{i}.post_feedforward_layernorm.weight",
 ]
+HF_LAYER_FUSED = ["model.layers.{i}.self_attn.qkv_proj.weight", "model.layers.{i}.mlp.gate_up_proj.weight"]
 GENERATED = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
 # HF prefix of the language model inside a VLM (the converter strips "language_model.")
 LANGUAGE_MODEL_PREFIX = {"Gemma3ForConditionalGeneration": "model.language_model."}
-# stacked experts: HF per-expert name ({i} layer, {x} expert, {w} weight)
-EXPERT_NAMES = {"mixtral": "model.layers.{i}.block_sparse_moe.experts.{x}.{w}.weight",
-                "qwen": "model.layers.{i}.mlp.experts.{x}.{w}.weight"}
+EXPERTS = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
 
 
-def hf_names(config: dict) -> dict[str, tuple[str, ...]]:
-    """GGUF name -> HF name(s) (one per expert for stacked experts) for every possible tensor."""
-    tmap, hp, spec = name_map(config), text_hparams(config), arch_spec(config)
-    names = list(HF_GLOBAL) + [n.format(i=i) for i in range(hp["num_hidden_layers"]) for n in HF_LAYER]
-    out = {g: (n,) for g, n in ((tmap.get_name(n, try_suffixes=(".weight", ".bias")), n) for n in names) if g}
-    if spec.experts:
-        _, stacked, weights = EXPERT_LAYOUTS[spec.experts]
-        for i in range(hp["num_hidden_layers"]):
-            for w in weights:
-                gguf_name = tmap.get_name(stacked.format(bid=i, w=w), try_suffixes=(".weight",))
-                out[gguf_name] = tuple(EXPERT_NAMES[spec.experts].format(i=i, x=x, w=w) for x in range(n_experts(hp)))
+def hf_names(config: dict) -> dict[str, str]:
+    """GGUF name -> HF name for every tensor the architecture can have (experts: see EXPERTS)."""
+    tmap, hp = name_map(config), text_hparams(config)
+    layer = HF_LAYER + HF_LAYER_FUSED if arch_spec(config).fused_qkv_mlp else HF_LAYER
+    names = list(HF_GLOBAL) + [n.format(i=i) for i in range(hp["num_hidden_layers"]) for n in layer]
+    pairs = ((tmap.get_name(n, try_suffixes=(".weight", ".bias")), n) for n in names)
+    return {g: n for g, n in pairs if g is not None}
+
+
+def expert_tensors(experts: dict[tuple[int, str], np.ndarray]) -> dict[str, np.ndarray]:
+    """transformers' fused in-memory expert weights from the stacked GGUF ones."""
+    out = {}
+    for layer in sorted({i for i, _ in experts}):
+        prefix = f"model.layers.{layer}.mlp.experts."
+        out[prefix + "gate_up_proj"] = np.concatenate([experts[layer, "gate"], experts[layer, "up"]], axis=1)
+        out[prefix + "down_proj"] = experts[layer, "down"]
     return out
 
 
@@ -88,16 +92,18 @@ def to_hf_state_dict(gguf_path, hf_config_dict: dict) -> dict:
 
     config = hf_config_dict
     mapping = hf_names(config)
-    state = {}
+    arrays, experts = {}, {}
     for tensor in gguf.GGUFReader(str(gguf_path)).tensors:
         if tensor.name in GENERATED:
             continue
-        if tensor.name not in mapping:
+        if (m := EXPERTS.match(tensor.name)) is not None:
+            experts[int(m.group(1)), m.group(2)] = dequantize(tensor)
+        elif tensor.name in mapping:
+            arrays[mapping[tensor.name]] = restore(config, mapping[tensor.name], dequantize(tensor))
+        else:
             raise ModelError(f"{Path(gguf_path).name}: tensor '{tensor.name}' has no Hugging Face counterpart")
-        names, data = mapping[tensor.name], dequantize(tensor)
-        parts = [data] if len(names) == 1 else list(data)
-        for hf, part in zip(names, parts):
-            state[hf] = torch.from_numpy(np.array(restore(config, hf, part), dtype=np.float32, order="C"))
+    arrays.update(expert_tensors(experts))
+    state = {k: torch.from_numpy(np.array(v, dtype=np.float32, order="C")) for k, v in arrays.items()}
     if "lm_head.weight" not in state:  # no output tensor: llama.cpp uses the token embedding
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     prefix = LANGUAGE_MODEL_PREFIX.get((config.get("architectures") or [""])[0])
