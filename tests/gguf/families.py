@@ -3,7 +3,11 @@
 Each is built locally (no hub): a transformers config with hidden 256 (rows stay multiples of
 256, so the k-quants apply), 2 layers, 4 heads of 64 (GQA 2), random weights (norm weights
 randomised too), stored in bf16, with either the toy byte-level BPE tokenizer or a small
-SentencePiece tokenizer.model trained on the bundled text.
+SentencePiece tokenizer.model trained on the bundled text, or (when the llama.cpp source tree is
+present) the real Llama 3 / Qwen2 byte-level BPE vocabulary rebuilt from llama.cpp's test vocab
+files (models/ggml-vocab-llama-bpe.gguf, ggml-vocab-qwen2.gguf): their pre-tokenizer check hashes
+equal the converter's known "llama-bpe" / "qwen2" entries. Those large-vocabulary checkpoints use
+hidden 64 to stay small.
 """
 
 from __future__ import annotations
@@ -70,14 +74,26 @@ def randomize(model, seed: int) -> None:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
 
 
-def build_family(family: str, out: Path, tokenizer: str = "bpe", seed: int = 0) -> Path:
-    """Save a tiny `family` checkpoint with a "bpe" (toy) or "spm" (tokenizer.model) tokenizer."""
+SMALL = dict(hidden_size=64, intermediate_size=128, head_dim=16)
+GGUF_VOCABS = {"llama-bpe": ("ggml-vocab-llama-bpe.gguf", "LLAMA3_REGEX", "<|begin_of_text|>", "<|end_of_text|>"),
+               "qwen2": ("ggml-vocab-qwen2.gguf", "QWEN2_REGEX", None, "<|endoftext|>")}
+
+
+def build_family(family: str, out: Path, tokenizer: str = "bpe", seed: int = 0, vocab_dir: Path | None = None) -> Path:
+    """Save a tiny `family` checkpoint with a "bpe" (toy), "spm" (tokenizer.model), "llama-bpe" or
+    "qwen2" (rebuilt from the vocab files in vocab_dir) tokenizer."""
     import torch
     import transformers
 
     out.mkdir(parents=True, exist_ok=True)
-    vocab, ids = (write_bpe_tokenizer(out) if tokenizer == "bpe" else write_spm_tokenizer(out))
+    if tokenizer in GGUF_VOCABS:
+        vocab, ids = write_gguf_vocab_tokenizer(out, vocab_dir, tokenizer)
+    else:
+        vocab, ids = write_bpe_tokenizer(out) if tokenizer == "bpe" else write_spm_tokenizer(out)
     config = family_config(family, vocab, ids)
+    if tokenizer in GGUF_VOCABS:
+        for key, value in SMALL.items():
+            setattr(config, key, value)
     torch.manual_seed(seed)
     model = getattr(transformers, MODEL_CLASSES[family])(config)
     randomize(model, seed)
@@ -115,3 +131,32 @@ def write_spm_tokenizer(out: Path, vocab: int = 512) -> tuple[int, dict]:
               "tokenizer_class": "LlamaTokenizer"}
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
     return vocab, dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+def write_gguf_vocab_tokenizer(out: Path, vocab_dir: Path, kind: str) -> tuple[int, dict]:
+    """A tokenizer.json rebuilt from one of llama.cpp's ggml-vocab-*.gguf files: byte-level BPE
+    (merges ignored for whole-word hits, as Llama 3's), the model's split regex, control tokens as
+    special added tokens, BOS template for Llama 3."""
+    import gguf
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    from quantkit.gguf import vocab as qv
+
+    file, regex, bos, eos = GGUF_VOCABS[kind]
+    fields = {k: f.contents() for k, f in gguf.GGUFReader(str(vocab_dir / file)).fields.items()}
+    tokens, types = fields["tokenizer.ggml.tokens"], fields["tokenizer.ggml.token_type"]
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens) if types[i] == 1},
+                               merges=[tuple(m.split(" ")) for m in fields["tokenizer.ggml.merges"]],
+                               ignore_merges=True, byte_fallback=False))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(getattr(qv, regex)), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for i, t in enumerate(tokens) if types[i] == 3])
+    if bos:
+        tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                                                           special_tokens=[(bos, tok.token_to_id(bos))])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=eos, chat_template=CHAT_TEMPLATE)
+    fast.save_pretrained(out)
+    return len(tokens), dict(bos_token_id=tok.token_to_id(bos) if bos else None, eos_token_id=tok.token_to_id(eos))

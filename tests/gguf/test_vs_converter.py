@@ -12,7 +12,8 @@ are descriptive labels that gguf.Metadata guesses from the directory name and mo
 The toy BPE tokenizer's pre-tokenizer hash is not in the converter's table of known models (it
 refuses such tokenizers); for it the converter runs with get_vocab_base_pre patched to return
 "gpt-2", the name quantkit derives from the tokenizer's structure (a plain ByteLevel regex).
-SentencePiece tokenizers need no such patch.
+SentencePiece tokenizers need no such patch, nor do the real Llama 3 and Qwen2 vocabularies
+rebuilt from llama.cpp's vocab test files (their hashes are in the table: "llama-bpe", "qwen2").
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ runpy.run_path({script!r}, run_name="__main__")
 """
 CASES = [("llama31", "bpe"), ("llama31", "spm"), ("llama32", "bpe"), ("mistral", "spm"), ("mixtral", "spm"),
          ("mixtral8", "bpe"), ("qwen25", "bpe"), ("qwen3moe", "bpe"), ("gemma3", "spm"), ("gemma3", "bpe"),
-         ("gemma3vlm", "spm"), ("phi3", "spm")]
+         ("gemma3vlm", "spm"), ("phi3", "spm"), ("llama31", "llama-bpe"), ("qwen25", "qwen2")]
 _BUILT: dict[str, Path] = {}
 
 
@@ -88,7 +89,8 @@ def tensors(path: Path) -> dict[str, tuple[str, tuple, bytes]]:
 def family_model(tmp_path_factory, family: str, tokenizer: str) -> Path:
     key = f"{family}-{tokenizer}"
     if key not in _BUILT:
-        _BUILT[key] = build_family(family, tmp_path_factory.mktemp("vs-converter") / key, tokenizer)
+        _BUILT[key] = build_family(family, tmp_path_factory.mktemp("vs-converter") / key, tokenizer,
+                                   vocab_dir=LLAMA_SRC / "models")
     return _BUILT[key]
 
 
@@ -113,5 +115,7 @@ def test_equal_to_convert_hf_to_gguf(tmp_path_factory, tmp_path, family, tokeniz
     model = family_model(tmp_path_factory, family, tokenizer)
     theirs = reference_gguf(model, tmp_path / "theirs.gguf", outtype, "gpt-2" if tokenizer == "bpe" else None)
     ours = tmp_path / "ours.gguf"
-    convert_to(model, ours, outtype.upper())
+    result = convert_to(model, ours, outtype.upper())
     assert_same_file(ours, theirs)
+    if tokenizer in ("llama-bpe", "qwen2"):  # found by the converter's own hash table
+        assert result.vocab["pre"] == tokenizer and result.vocab["pre_source"] == "hash"
