@@ -565,20 +565,21 @@ def add_gemma2_params(writer, hp: dict, ftype: int) -> None:
     writer.add_sliding_window(hp["sliding_window"])
 
 
+GEMMA3_DEFAULTS = {"max_position_embeddings": 131072, "num_attention_heads": 8, "rms_norm_eps": 1e-6,
+                   "head_dim": 256, "num_key_value_heads": 4}
+
+
 def add_gemma3_params(writer, hp: dict, ftype: int) -> None:
-    """Gemma3Model.set_gguf_parameters: TextModel's, then its defaults written again (same position)."""
-    add_text_params(writer, hp, ftype)
-    writer.add_context_length(hp.get("max_position_embeddings", 131072))
-    writer.add_head_count(hp.get("num_attention_heads", 8))
-    writer.add_layer_norm_rms_eps(hp.get("rms_norm_eps", 1e-6))
-    writer.add_key_length(hp.get("head_dim", 256))
-    writer.add_value_length(hp.get("head_dim", 256))
-    writer.add_rope_freq_base(full_rope(hp).get("rope_theta", 1_000_000.0))
+    """Gemma3Model.set_gguf_parameters: TextModel's keys, Gemma 3's defaults for absent hyper-
+    parameters (the converter writes those keys twice; each is written once here with the value
+    the converter's overwrite leaves), the final softcap and the sliding window."""
+    add_text_params(writer, {**GEMMA3_DEFAULTS, **hp}, ftype)
+    if "rope_theta" not in full_rope(hp):
+        writer.add_rope_freq_base(1_000_000.0)
     if hp.get("final_logit_softcapping"):
         writer.add_final_logit_softcapping(hp["final_logit_softcapping"])
     if hp.get("sliding_window_pattern") != 1:
         writer.add_sliding_window(hp["sliding_window"])
-    writer.add_head_count_kv(hp.get("num_key_value_heads", 4))
 
 
 def add_phi3_params(writer, hp: dict, ftype: int) -> None:

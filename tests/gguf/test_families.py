@@ -191,3 +191,18 @@ def test_sentencepiece_vocab_as_converter(tmp_path):
     assert types[:3] == [3, 3, 3] and scores[:3] == [-1000.0] * 3  # <unk>, <s>, </s>
     assert np.allclose(scores[3:], [sp.GetScore(i) for i in range(3, sp.vocab_size())])
     assert meta["tokenizer.ggml.model"] == "llama" and meta["tokenizer.ggml.add_bos_token"] is True
+
+
+@pytest.mark.parametrize("name", ["mixtral", "gemma3", "gemma3vlm"])
+def test_pipeline_gate_reads_family_back(cli, name, tmp_path):
+    """quantkit quantize --method gguf: the gate evaluates the .gguf read back into the HF
+    architecture (experts fused in memory, Gemma 3's per-layer-type RoPE, a VLM's towers from the base)."""
+    from tests.util import FAST_CALIB
+
+    model = build_family(name, tmp_path / name)
+    out = tmp_path / "out"
+    result = cli("quantize", model, "--method", "gguf", "--gguf-type", "Q8_0", "-o", out, *FAST_CALIB,
+                 "--min-top1", "0.5")
+    assert result.exit_code == 0, result.output
+    target = json.loads((out / "quantkit.json").read_text())["targets"][0]
+    assert target["gate"]["passed"] and target["metrics"]["kld_mean"] < 0.01
