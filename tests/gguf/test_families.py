@@ -206,3 +206,27 @@ def test_pipeline_gate_reads_family_back(cli, name, tmp_path):
     assert result.exit_code == 0, result.output
     target = json.loads((out / "quantkit.json").read_text())["targets"][0]
     assert target["gate"]["passed"] and target["metrics"]["kld_mean"] < 0.01
+
+
+@pytest.mark.parametrize("name", ["mixtral", "gemma3vlm"])
+def test_imatrix_covers_experts_and_vlm_language_model(name, tmp_path):
+    """quantkit's imatrix: per-expert rows for stacked experts (routed tokens only, as
+    llama-imatrix's MUL_MAT_ID collection; top-2 -> 2 rows per token), a VLM's language model."""
+    import torch
+
+    from quantkit.gguf import imatrix as im
+
+    model_dir = build_family(name, tmp_path / name)
+    base = load_base(model_dir)
+    windows = torch.randint(3, 500, (2, 32), generator=torch.Generator().manual_seed(1))
+    result = im.compute(base, windows, base.config.to_dict())
+    assert "blk.1.attn_q.weight" in result.sums and "blk.0.ffn_down.weight" not in result.sums or name != "mixtral"
+    if name == "mixtral":
+        assert result.sums["blk.0.ffn_gate_exps.weight"].shape == (4, 256)
+        assert result.sums["blk.0.ffn_down_exps.weight"].shape == (4, 512)
+        assert result.counts["blk.1.ffn_up_exps.weight"].sum() == 2 * 64
+        back = im.read(im.write(result, tmp_path / "im.gguf"))
+        np.testing.assert_array_equal(back.weights()["blk.0.ffn_down_exps.weight"],
+                                      result.weights()["blk.0.ffn_down_exps.weight"])
+    else:
+        assert result.counts["blk.0.ffn_down.weight"][0] == 64
