@@ -159,6 +159,7 @@ KNOWN_SPLIT_REGEXES = {LLAMA3_REGEX: "llama-bpe", QWEN2_REGEX: "qwen2", QWEN2_RE
 VOCAB_KINDS = ("llama", "qwen2", "gemma", "gemma2", "gemma3", "phi3")
 SPM_PAD_SCORE = -10000.0  # ids of the config's vocabulary that the tokenizer.model lacks
 ADDED_SCORE = -1000.0
+CONTROL, USER_DEFINED, UNUSED = 3, 4, 5  # gguf.TokenType values (SentencePieceTokenTypes in the converter)
 
 
 @dataclass
@@ -365,9 +366,6 @@ def add_sentencepiece_vocab(writer, model_dir: Path, hparams: dict) -> VocabInfo
     return VocabInfo("llama", "default", len(tokens), "spm")
 
 
-USER_DEFINED, CONTROL = 4, 3  # gguf.TokenType values (SentencePieceTokenTypes in the converter)
-
-
 def set_added_token(tokens: list, scores: list, types: list, tid: int, entry: dict) -> None:
     """One tokenizer_config.json added_tokens_decoder entry, as _create_vocab_sentencepiece applies it."""
     token = entry["content"]
@@ -385,7 +383,7 @@ def sentencepiece_base(model_dir: Path, hparams: dict) -> tuple[list, list, list
     sp = load_sentencepiece(model_dir)
     n = hparams.get("vocab_size_per_layer_input") or hparams.get("vocab_size") or sp.vocab_size()
     tokens = [f"[PAD{i}]".encode() for i in range(n)]
-    scores, types = [SPM_PAD_SCORE] * n, [5] * n  # UNUSED
+    scores, types = [SPM_PAD_SCORE] * n, [UNUSED] * n
     for i in range(min(n, sp.vocab_size())):
         tokens[i], scores[i], types[i] = sp.IdToPiece(i).encode("utf-8"), sp.GetScore(i), spm_type(sp, i)
     return tokens, scores, types

@@ -43,6 +43,7 @@ def family_config(family: str, vocab: int, ids: dict):
                                                        "long_factor": [1.0 + i / 8 for i in range(32)],
                                                        "short_factor": [1.0 + i / 64 for i in range(32)]},
                                       sliding_window=None),
+        "phi4": lambda: tf.Phi3Config(**c, original_max_position_embeddings=4096, sliding_window=None),
     }
     if family == "gemma3vlm":
         return tf.Gemma3Config(text_config={**c, "head_dim": 64, "query_pre_attn_scalar": 64, "sliding_window": 32},
@@ -55,7 +56,8 @@ def family_config(family: str, vocab: int, ids: dict):
 MODEL_CLASSES = {"llama31": "LlamaForCausalLM", "llama32": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "mixtral": "MixtralForCausalLM", "mixtral8": "MixtralForCausalLM", "qwen25": "Qwen2ForCausalLM",
                  "qwen3moe": "Qwen3MoeForCausalLM", "gemma3": "Gemma3ForCausalLM",
-                 "gemma3vlm": "Gemma3ForConditionalGeneration", "phi3": "Phi3ForCausalLM"}
+                 "gemma3vlm": "Gemma3ForConditionalGeneration", "phi3": "Phi3ForCausalLM",
+                 "phi4": "Phi3ForCausalLM"}
 FAMILIES = list(MODEL_CLASSES)
 
 
@@ -98,6 +100,9 @@ def build_family(family: str, out: Path, tokenizer: str = "bpe", seed: int = 0, 
     model = getattr(transformers, MODEL_CLASSES[family])(config)
     randomize(model, seed)
     model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+    if family == "phi4":  # Phi-4 ships a GPT2Tokenizer (byte-level BPE), no tokenizer.model
+        config_file = out / "tokenizer_config.json"
+        config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "tokenizer_class": "GPT2Tokenizer"}))
     return out
 
 

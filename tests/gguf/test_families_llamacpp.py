@@ -21,7 +21,7 @@ from tests.gguf.test_convert import (ALL_MIXES, convert_to, need_llama, run_quan
                                      tensor_bytes)
 
 FAMILIES = ["llama31", "llama32", "mistral", "mixtral", "mixtral8", "qwen25", "qwen3moe", "gemma3", "gemma3vlm",
-            "phi3"]
+            "phi3", "phi4"]
 TOKENIZER = {"mistral": "spm", "phi3": "spm", "gemma3vlm": "spm"}
 IMATRIX_MIXES = ["Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L", "Q4_K_S", "Q4_K_M", "Q5_K_S", "Q5_K_M", "Q6_K",
                  "Q4_0", "Q4_1", "Q5_0", "Q5_1"]

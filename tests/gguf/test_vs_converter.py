@@ -46,7 +46,7 @@ runpy.run_path({script!r}, run_name="__main__")
 """
 CASES = [("llama31", "bpe"), ("llama31", "spm"), ("llama32", "bpe"), ("mistral", "spm"), ("mixtral", "spm"),
          ("mixtral8", "bpe"), ("qwen25", "bpe"), ("qwen3moe", "bpe"), ("gemma3", "spm"), ("gemma3", "bpe"),
-         ("gemma3vlm", "spm"), ("phi3", "spm"), ("llama31", "llama-bpe"), ("qwen25", "qwen2")]
+         ("gemma3vlm", "spm"), ("phi3", "spm"), ("phi4", "bpe"), ("llama31", "llama-bpe"), ("qwen25", "qwen2")]
 _BUILT: dict[str, Path] = {}
 
 
