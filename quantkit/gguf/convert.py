@@ -142,6 +142,18 @@ def load_hparams(model_dir: Path) -> dict:
     return text_hparams(config)
 
 
+def complete_config(config: dict) -> dict:
+    """config.json's dict with transformers' defaults filled in (what AutoConfig.to_dict() gives
+    for the checkpoint; config.json may omit values equal to the defaults)."""
+    from transformers import AutoConfig
+
+    rest = {k: v for k, v in config.items() if k != "model_type"}
+    try:
+        return AutoConfig.for_model(config["model_type"], **rest).to_dict()
+    except (KeyError, ValueError, TypeError):
+        return dict(config)
+
+
 def find(hp: dict, keys: tuple[str, ...]):
     """ModelBase.find_hparam(optional=True): the value of the first key present."""
     return next((hp[k] for k in keys if k in hp), None)
@@ -219,7 +231,7 @@ def check_sliding_window(arch: str, spec: ArchSpec, hp: dict) -> None:
                f"equivalent for this architecture", hint)
     if spec.sliding_window == "gemma3":
         expected = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
-                    for i in range(hp["num_hidden_layers"])]
+                    for i in range(hp.get("num_hidden_layers", 26))]
         if hp.get("layer_types") not in (None, expected):
             refuse(arch, "layer_types differ from llama.cpp's Gemma 3 pattern (every 6th layer global)", hint)
 
@@ -242,8 +254,8 @@ def check_attention(arch: str, spec: ArchSpec, hp: dict) -> None:
         return
     if hp.get("attn_logit_softcapping") is not None:
         refuse(arch, "attention logit softcapping", "Gemma 3 checkpoints have none")
-    expected = (hp["hidden_size"] // hp["num_attention_heads"] if hp["num_hidden_layers"] == 62
-                else hp.get("head_dim", 256))
+    expected = (hp.get("hidden_size", 2304) // hp.get("num_attention_heads", 8)
+                if hp.get("num_hidden_layers", 26) == 62 else hp.get("head_dim", 256))
     if hp.get("query_pre_attn_scalar", expected) != expected:
         refuse(arch, f"query_pre_attn_scalar {hp.get('query_pre_attn_scalar')} differs from llama.cpp's "
                f"attention scale (1/sqrt({expected}))", "use a checkpoint with query_pre_attn_scalar = head_dim")
@@ -384,7 +396,9 @@ def vocab_rows(model_dir: Path | None, hp: dict) -> int | None:
 
 def plan_tensors(config: dict, hf_tensors: dict[str, tuple[str, list[int]]], gguf_type: str,
                  has_imatrix: bool = False, model_dir: Path | None = None) -> list[TensorPlan]:
-    """One TensorPlan per written tensor, in llama-quantize's tensor order."""
+    """One TensorPlan per written tensor, in llama-quantize's tensor order (config: config.json's
+    dict or load_hparams'; model_dir: the checkpoint, for Gemma 3's vocabulary trim)."""
+    config = config if model_dir is not None else complete_config(config)
     check_convertible(config, hf_tensors)
     tmap = name_map(config)
     single, groups = group_experts(config, source_tensors(config, hf_tensors))
@@ -652,7 +666,7 @@ class SafetensorsRows:
 
     No torch and no mmap: the converter's memory is its working set (one slab), not the pages of
     the checkpoint it has visited (a memory map keeps every page it touched resident, which for
-    a 250 MB checkpoint was a third of the peak RSS), and `import torch` (~200 MiB) is skipped.
+    a 250 MB checkpoint was a third of the peak RSS); tensors are decoded without torch.
     F32 / F16 / BF16 are decoded here (bf16 -> f32 is a 16-bit shift, exact); other dtypes go
     through safetensors' torch reader.
     """

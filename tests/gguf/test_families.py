@@ -230,3 +230,19 @@ def test_imatrix_covers_experts_and_vlm_language_model(name, tmp_path):
                                       result.weights()["blk.0.ffn_down_exps.weight"])
     else:
         assert result.counts["blk.0.ffn_down.weight"][0] == 64
+
+
+def test_plan_from_sparse_config_json():
+    """config.json may omit values equal to transformers' defaults (a Gemma 3 VLM's text_config):
+    planning fills them in as AutoConfig does, and the towers are left out."""
+    from quantkit.gguf.convert import plan_tensors
+
+    config = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+              "text_config": {"model_type": "gemma3_text", "hidden_size": 256, "intermediate_size": 512,
+                              "num_hidden_layers": 2, "head_dim": 64, "query_pre_attn_scalar": 64},
+              "vision_config": {"model_type": "siglip_vision_model"}}
+    hf = {"language_model.model.embed_tokens.weight": ("BF16", [512, 256]),
+          "language_model.model.layers.0.self_attn.q_proj.weight": ("BF16", [512, 256]),
+          "vision_tower.vision_model.post_layernorm.weight": ("BF16", [64])}
+    types = {p.name: p.qtype.name for p in plan_tensors(config, hf, "Q4_K_M")}
+    assert types == {"token_embd.weight": "Q6_K", "blk.0.attn_q.weight": "Q4_K"}
