@@ -119,7 +119,9 @@ def write_spm_tokenizer(out: Path, vocab: int = 512) -> tuple[int, dict]:
     tokenizer_config.json listing them as special added tokens, as Llama-2 / Mistral ship it."""
     import io
 
-    import sentencepiece as spm
+    import pytest
+
+    spm = pytest.importorskip("sentencepiece", reason="SentencePiece vocabularies need quantkit[gguf]")
 
     from quantkit.toy import bundled_texts
 
