@@ -87,6 +87,8 @@ def load_gguf_into_base(path: Path, base_dir: Path, device: str = "cpu", trust_r
     state = to_hf_state_dict(path, config.to_dict())
     missing = set(model.state_dict()) - set(state)
     missing = {m for m in missing if "rotary_emb" not in m}
+    if missing and all(is_tower(m) for m in missing):  # a VLM's .gguf holds its language model only
+        return base_with(base_dir, state).to(device).eval()
     if missing:
         raise ModelError(f"{path.name} lacks tensors for {sorted(missing)[:3]} (and {max(0, len(missing) - 3)} more)")
     model.load_state_dict(state, strict=False, assign=True)
@@ -96,12 +98,39 @@ def load_gguf_into_base(path: Path, base_dir: Path, device: str = "cpu", trust_r
     return _materialize_buffers(model, config).to(device_map(device)).eval()
 
 
+def is_tower(name: str) -> bool:
+    return "vision_tower" in name or "multi_modal_projector" in name or "audio_tower" in name
+
+
+def base_with(base_dir: Path, state: dict):
+    """The base model (float32) with the GGUF's tensors loaded over it: a VLM's towers, which GGUF
+    conversion leaves out, stay the base's."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base_dir, local_files_only=True, dtype=torch.float32)
+    model.load_state_dict(state, strict=False)
+    return model
+
+
+def rebuild_rotary(model) -> None:
+    """Rotary modules whose frequencies are still on meta and that keep one buffer set per layer
+    type (Gemma 3's sliding_attention_inv_freq / full_attention_inv_freq): built again on the CPU."""
+    for parent in list(model.modules()):
+        for child_name, child in list(parent.named_children()):
+            meta = [b for b in child.buffers(recurse=False) if b.is_meta]
+            if meta and type(child).__name__.endswith("RotaryEmbedding") and "inv_freq" not in dict(
+                    child.named_buffers(recurse=False)):
+                setattr(parent, child_name, type(child)(child.config))
+
+
 def _materialize_buffers(model, config):
     """Non-persistent buffers (rotary frequencies, embedding scales) stay on meta after a
     meta-device build; recompute them."""
     import torch
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+    rebuild_rotary(model)
     for module in model.modules():
         if hasattr(module, "inv_freq") and getattr(module.inv_freq, "is_meta", False):
             init = getattr(module, "rope_init_fn", None)

@@ -338,11 +338,16 @@ def streamed_scorer(config, source: WeightSource, dtype, device="cpu", activatio
 
 
 def streamable(config: dict) -> bool:
-    """Whether the streamed forward applies: a full-precision text decoder (not a VLM, whose towers
-    and forward differ, and not a quantized checkpoint, whose weights need its engine's modules)."""
+    """Whether the streamed forward applies: a full-precision text decoder whose checkpoint names
+    are its module names (not a VLM, whose towers and forward differ; not a quantized checkpoint,
+    whose weights need its engine's modules; not a model transformers converts while loading,
+    such as Mixtral's and Qwen3-MoE's per-expert tensors fused into one)."""
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
     from quantkit.model import is_vlm
 
-    return not is_vlm(config) and "quantization_config" not in config
+    return (not is_vlm(config) and "quantization_config" not in config
+            and not get_checkpoint_conversion_mapping(config.get("model_type", "")))
 
 
 def checkpoint_scorer(model_dir: Path, dtype: str = "auto", device: str = "cpu",
@@ -388,12 +393,14 @@ def artifact_scorer(path: Path, base_dir: Path | None = None, device: str = "cpu
     restored by its engine's own modules) and a VLM load whole through transformers."""
     from quantkit.artifacts import artifact_kind, gguf_file
     from quantkit.errors import InputError
-    from quantkit.model import read_config
+    from quantkit.model import is_vlm, read_config
 
     kind = artifact_kind(path)
     if kind == "gguf":
         if base_dir is None:
             raise InputError("evaluating a .gguf needs the base checkpoint", hint="pass --against BASE_DIR")
+        if is_vlm(read_config(Path(base_dir))):  # the language model goes into the whole base (its towers)
+            return loaded_scorer(path, base_dir, device, trust_remote_code)
         return gguf_scorer(gguf_file(path), base_dir, device)
     if kind == "transformers" and streamable(read_config(path)) and not trust_remote_code:
         return checkpoint_scorer(path, "auto", device)

@@ -1,9 +1,16 @@
 """HF checkpoint (local safetensors) -> GGUF, streamed one tensor at a time.
 
 What convert_hf_to_gguf.py + llama-quantize do in two passes, in one: names through gguf-py's
-TensorNameMap, Q/K rows permuted for the llama architecture (LlamaModel.permute), metadata as
-TextModel.set_gguf_parameters writes it, the tokenizer (quantkit.gguf.vocab), and every tensor
+TensorNameMap, Q/K rows permuted for the llama architecture (LlamaModel.permute), per-expert
+weights stacked into 3-D ffn_*_exps tensors (Mixtral, Qwen3-MoE), Gemma's norm weights + 1,
+generated tensors (llama3 RoPE's rope_freqs, Phi-3's LongRoPE factors), metadata as each
+converter class's set_gguf_parameters writes it (hyper-parameters read through transformers'
+AutoConfig, as the converter reads them), the tokenizer (quantkit.gguf.vocab), and every tensor
 quantized to the type quantkit.gguf.mixture chooses (llama-quantize's rules).
+
+Per-architecture knowledge is the ARCHITECTURES table (ArchSpec). `arch_spec(config)` refuses,
+from config.json alone, every feature the conversion does not reproduce (RoPE types, sliding
+windows llama.cpp lacks, expert variants, attention scales), naming what is supported.
 
 Streaming: all tensor infos are added first (shapes and types are known from the safetensors
 header), then header, metadata and tensor infos are written, then each tensor is read from the
@@ -34,34 +41,68 @@ from quantkit.gguf.mixture import T
 
 @dataclass(frozen=True)
 class ArchSpec:
+    """How convert_hf_to_gguf.py converts one HF architecture (its model class, as data)."""
+
     gguf_arch: str  # gguf.MODEL_ARCH member name
-    permute_qk: bool  # llama.cpp LLAMA_ROPE_TYPE_NORM: undo HF's rotate_half layout
-    vocab_size_key: bool = False  # LlamaModel.set_gguf_parameters adds vocab_size and rope dims
-    gemma: int = 0  # GemmaModel (1) / Gemma2Model (2): own metadata, norm weights + 1, lm_head dropped
+    metadata: str  # set_gguf_parameters flavour: text, llama, qwen_moe, gemma, gemma2, gemma3, phi3
+    vocab: str  # set_vocab flavour (quantkit.gguf.vocab.VOCAB_KINDS)
+    permute_qk: bool = False  # llama.cpp LLAMA_ROPE_TYPE_NORM: undo HF's rotate_half layout
+    norm_shift: bool = False  # Gemma RMSNorm scales by (1 + w): stored weight = w + 1
+    drops_lm_head: bool = False  # lm_head never written (Gemma 1/2): the output is the tied embedding
+    experts: str = ""  # per-expert HF layout stacked into ffn_*_exps: "mixtral" or "qwen"
+    trims_vocab: bool = False  # Gemma 3: token_embd rows beyond the tokenizer's vocabulary dropped
+    fused_qkv_mlp: bool = False  # Phi-3: qkv_proj -> attn_qkv, gate_up_proj -> ffn_up (fused on both sides)
+    rope_types: tuple[str, ...] = ("default", "linear", "yarn")
+    sliding_window: str = "refused"  # how a sliding window is handled: refused, gemma2, gemma3, phi3
 
 
+LLAMA_ROPE = ("default", "linear", "yarn", "llama3")
 # HF `architectures[0]` -> how llama.cpp converts it (convert_hf_to_gguf.py's registrations)
 ARCHITECTURES: dict[str, ArchSpec] = {
-    "LlamaForCausalLM": ArchSpec("LLAMA", True, True),
-    "MistralForCausalLM": ArchSpec("LLAMA", True, True),
-    "Qwen2ForCausalLM": ArchSpec("QWEN2", False),
-    "Qwen3ForCausalLM": ArchSpec("QWEN3", False),
-    "GemmaForCausalLM": ArchSpec("GEMMA", False, gemma=1),
-    "Gemma2ForCausalLM": ArchSpec("GEMMA2", False, gemma=2),
+    "LlamaForCausalLM": ArchSpec("LLAMA", "llama", "llama", permute_qk=True, rope_types=LLAMA_ROPE),
+    "MistralForCausalLM": ArchSpec("LLAMA", "llama", "llama", permute_qk=True, rope_types=LLAMA_ROPE),
+    "MixtralForCausalLM": ArchSpec("LLAMA", "llama", "llama", permute_qk=True, rope_types=LLAMA_ROPE,
+                                   experts="mixtral"),
+    "Qwen2ForCausalLM": ArchSpec("QWEN2", "text", "qwen2"),
+    "Qwen3ForCausalLM": ArchSpec("QWEN3", "text", "qwen2"),
+    "Qwen3MoeForCausalLM": ArchSpec("QWEN3MOE", "qwen_moe", "qwen2", experts="qwen"),
+    "GemmaForCausalLM": ArchSpec("GEMMA", "gemma", "gemma", norm_shift=True, drops_lm_head=True,
+                                 rope_types=("default",)),
+    "Gemma2ForCausalLM": ArchSpec("GEMMA2", "gemma2", "gemma2", norm_shift=True, drops_lm_head=True,
+                                  rope_types=("default",), sliding_window="gemma2"),
+    "Gemma3ForCausalLM": ArchSpec("GEMMA3", "gemma3", "gemma3", norm_shift=True, trims_vocab=True,
+                                  rope_types=("default", "linear"), sliding_window="gemma3"),
+    "Gemma3ForConditionalGeneration": ArchSpec("GEMMA3", "gemma3", "gemma3", norm_shift=True, trims_vocab=True,
+                                               rope_types=("default", "linear"), sliding_window="gemma3"),
+    "Phi3ForCausalLM": ArchSpec("PHI3", "phi3", "phi3", rope_types=("default", "longrope", "su"),
+                                sliding_window="phi3", fused_qkv_mlp=True),
 }
 # HF names that are not weights (convert_hf_to_gguf.py skips them too)
 SKIPPED = re.compile(r"(rotary_emb\.inv_freq|\.attention\.masked_bias|\.attention\.bias)$")
+# TextModel.filter_tensors: multimodal parts of a VLM checkpoint (only the language model is converted)
+MULTIMODAL = re.compile(r"^(mlp|vit\.|vpm\.|siglip2\.|merger\.|resampler\.)|visual\.|vision\.|vision_|audio|"
+                        r"projector\.|pre_mm_projector_norm|image_newline|patch_embed|patch_merger\.")
+# per-expert weights: (layer, expert, weight) and the stacked name TensorNameMap knows
+EXPERT_LAYOUTS = {
+    "mixtral": (re.compile(r"^model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w1|w2|w3)\.weight$"),
+                "layers.{bid}.feed_forward.experts.{w}.weight", ("w1", "w2", "w3")),
+    "qwen": (re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$"),
+             "model.layers.{bid}.mlp.experts.{w}.weight", ("gate_proj", "up_proj", "down_proj")),
+}
+FUSED_EXPERTS = re.compile(r"experts\.(gate_up_proj|down_proj|gate_proj|up_proj)(\.weight)?$")
 SLAB_ELEMENTS = 1 << 22  # rows read per slab: about 16 MiB of float32
 
 
 @dataclass
 class TensorPlan:
     name: str  # GGUF name
-    hf_name: str
+    hf_name: str  # source tensor (the first expert's for stacked experts; "" for generated tensors)
     shape: tuple[int, ...]  # numpy order
     qtype: T
     permute_heads: int | None = None  # rows permuted in groups of this many heads
     norm_shift: bool = False  # Gemma: stored weight = HF weight + 1 (HF's RMSNorm scales by 1 + w)
+    sources: tuple[str, ...] = ()  # experts stacked along a new first axis, in expert order
+    values: np.ndarray | None = None  # generated tensors (rope_freqs, LongRoPE factors)
 
 
 @dataclass
@@ -79,31 +120,174 @@ def supported_architectures() -> list[str]:
     return sorted(ARCHITECTURES)
 
 
+# ------------------------------------------------------------------ configuration and refusals
+
+
+def text_hparams(config: dict) -> dict:
+    """TextModel.__init__: a VLM's text_config moved to the root level."""
+    return {**config, **config["text_config"]} if isinstance(config.get("text_config"), dict) else dict(config)
+
+
+def load_hparams(model_dir: Path) -> dict:
+    """ModelBase.load_hparams: transformers' AutoConfig.to_dict() (it fills defaults config.json
+    omits, e.g. head_dim), config.json when transformers cannot read it; then text_hparams."""
+    import json
+
+    try:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False, local_files_only=True).to_dict()
+    except (OSError, ValueError, KeyError):
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    return text_hparams(config)
+
+
+def complete_config(config: dict) -> dict:
+    """config.json's dict with transformers' defaults filled in (what AutoConfig.to_dict() gives
+    for the checkpoint; config.json may omit values equal to the defaults)."""
+    from transformers import AutoConfig
+
+    rest = {k: v for k, v in config.items() if k != "model_type"}
+    try:
+        return AutoConfig.for_model(config["model_type"], **rest).to_dict()
+    except (KeyError, ValueError, TypeError):
+        return dict(config)
+
+
+def find(hp: dict, keys: tuple[str, ...]):
+    """ModelBase.find_hparam(optional=True): the value of the first key present."""
+    return next((hp[k] for k in keys if k in hp), None)
+
+
+def rope_parameters(hp: dict) -> dict:
+    """TextModel.__init__'s rope_parameters (rope_scaling / top-level theta mirrored in)."""
+    rope = dict(hp.get("rope_parameters", hp.get("rope_scaling")) or {})
+    if "full_attention" in rope or "sliding_attention" in rope:
+        return rope
+    local = find(hp, ("local_rope_theta", "rope_local_theta", "rope_theta_local", "swa_rope_theta",
+                      "rope_local_base_freq"))
+    if local is not None:
+        rope["sliding_attention"] = {"rope_theta": local}
+    mirrored = {"rope_theta": ("global_rope_theta", "rope_global_theta", "rope_theta_global", "rope_theta",
+                               "rotary_emb_base"),
+                "partial_rotary_factor": ("partial_rotary_factor", "rope_pct", "rope_percent"),
+                "original_max_position_embeddings": ("original_max_position_embeddings",)}
+    for key, names in mirrored.items():
+        if key not in rope and (value := find(hp, names)) is not None:
+            rope[key] = value
+    if "rope_type" not in rope and rope.get("type") is not None:
+        rope["rope_type"] = rope["type"]
+    return rope
+
+
+def full_rope(hp: dict) -> dict:
+    rope = rope_parameters(hp)
+    return rope.get("full_attention", rope)
+
+
 def arch_spec(config: dict) -> ArchSpec:
+    """The architecture's conversion, or UnsupportedError for anything the converter does not
+    handle (checked from config.json alone, before any model is loaded)."""
     archs = config.get("architectures") or []
     arch = archs[0] if archs else config.get("model_type", "?")
     if arch not in ARCHITECTURES:
-        raise UnsupportedError(
-            f"GGUF conversion does not support architecture '{arch}'",
-            hint="supported: " + ", ".join(supported_architectures()),
-        )
-    return ARCHITECTURES[arch]
+        raise UnsupportedError(f"GGUF conversion does not support architecture '{arch}'",
+                               hint="supported: " + ", ".join(supported_architectures()))
+    spec = ARCHITECTURES[arch]
+    hp = text_hparams(config)
+    for check in (check_quantized, check_rope, check_sliding_window, check_experts, check_attention):
+        check(arch, spec, hp)
+    return spec
+
+
+def refuse(arch: str, what: str, hint: str) -> None:
+    raise UnsupportedError(f"GGUF conversion of {arch}: {what}", hint=hint)
+
+
+def check_quantized(arch: str, spec: ArchSpec, hp: dict) -> None:
+    if hp.get("quantization_config"):
+        refuse(arch, "the checkpoint is already quantized", "convert the full-precision checkpoint")
+
+
+def check_rope(arch: str, spec: ArchSpec, hp: dict) -> None:
+    rope = rope_parameters(hp)
+    kind = full_rope(hp).get("rope_type") or "default"
+    supported = "supported RoPE types for this architecture: " + ", ".join(spec.rope_types)
+    if kind not in spec.rope_types:
+        refuse(arch, f"RoPE type '{kind}' is not supported", supported)
+    if (rope.get("sliding_attention") or {}).get("rope_type", "default") != "default":
+        refuse(arch, "a scaled RoPE on the sliding-window layers is not supported", supported)
+    if "mrope_section" in rope:
+        refuse(arch, "multimodal RoPE sections are not supported", supported)
+    if kind in ("longrope", "su") and not (rope.get("long_factor") and rope.get("short_factor")):
+        refuse(arch, "LongRoPE without long_factor / short_factor", "supported: LongRoPE with both factor lists, as Phi-3 configs give them")
+
+
+def check_sliding_window(arch: str, spec: ArchSpec, hp: dict) -> None:
+    hint = "sliding-window attention converts for Gemma 2, Gemma 3 and Phi-3 only"
+    if spec.sliding_window == "refused" and (hp.get("use_sliding_window") or
+                                             (hp.get("sliding_window") and "use_sliding_window" not in hp)):
+        refuse(arch, f"sliding-window attention (window {hp.get('sliding_window')}) has no llama.cpp "
+               f"equivalent for this architecture", hint)
+    if spec.sliding_window == "gemma3":
+        expected = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+                    for i in range(hp.get("num_hidden_layers", 26))]
+        if hp.get("layer_types") not in (None, expected):
+            refuse(arch, "layer_types differ from llama.cpp's Gemma 3 pattern (every 6th layer global)", hint)
+
+
+def check_experts(arch: str, spec: ArchSpec, hp: dict) -> None:
+    if not spec.experts:
+        return
+    hint = "supported: every layer a routed-expert layer, top-k weights renormalised, no shared experts"
+    if hp.get("mlp_only_layers") or hp.get("decoder_sparse_step", 1) not in (None, 1):
+        refuse(arch, "dense (non-expert) layers mixed with expert layers", hint)
+    if spec.experts == "qwen" and not hp.get("norm_topk_prob", False):
+        refuse(arch, "norm_topk_prob = false (llama.cpp's qwen3moe always renormalises the top-k weights)", hint)
+    if hp.get("shared_expert_intermediate_size"):
+        refuse(arch, "shared experts", hint)
+
+
+def check_attention(arch: str, spec: ArchSpec, hp: dict) -> None:
+    """Gemma 3: llama.cpp scales queries by 1/sqrt(head_dim) (27B: 1/sqrt(hidden/heads))."""
+    if spec.metadata != "gemma3":
+        return
+    if hp.get("attn_logit_softcapping") is not None:
+        refuse(arch, "attention logit softcapping", "Gemma 3 checkpoints have none")
+    expected = (hp.get("hidden_size", 2304) // hp.get("num_attention_heads", 8)
+                if hp.get("num_hidden_layers", 26) == 62 else hp.get("head_dim", 256))
+    if hp.get("query_pre_attn_scalar", expected) != expected:
+        refuse(arch, f"query_pre_attn_scalar {hp.get('query_pre_attn_scalar')} differs from llama.cpp's "
+               f"attention scale (1/sqrt({expected}))", "use a checkpoint with query_pre_attn_scalar = head_dim")
+
+
+def check_convertible(config: dict, hf_tensors) -> ArchSpec:
+    """arch_spec plus the checks that need the checkpoint's tensor names (fused expert layouts)."""
+    spec = arch_spec(config)
+    fused = [n for n in hf_tensors if FUSED_EXPERTS.search(n)]
+    if fused:
+        raise UnsupportedError(f"GGUF conversion: fused expert tensors ('{fused[0]}') are not supported",
+                               hint="supported: one tensor per expert (experts.N.*), as transformers' "
+                                    "save_pretrained writes Mixtral and Qwen3-MoE")
+    return spec
 
 
 def gguf_arch_name(spec: ArchSpec) -> str:
     import gguf
 
-    return gguf.MODEL_ARCH_NAMES[getattr(gguf.MODEL_ARCH, spec.gguf_arch)]
+    return gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH[spec.gguf_arch]]
+
+
+def n_experts(hp: dict) -> int:
+    return find(hp, ("num_local_experts", "num_experts", "n_routed_experts")) or 0
 
 
 def model_facts(config: dict) -> mixture.ModelFacts:
-    spec = arch_spec(config)
-    n_head = config["num_attention_heads"]
-    return mixture.ModelFacts(
-        arch=gguf_arch_name(spec), n_layer=config["num_hidden_layers"], n_head=n_head,
-        n_head_kv=config.get("num_key_value_heads") or n_head,
-        n_expert=config.get("num_local_experts") or config.get("num_experts") or 0,
-    )
+    spec, hp = arch_spec(config), text_hparams(config)
+    n_head = hp["num_attention_heads"]
+    return mixture.ModelFacts(arch=gguf_arch_name(spec), n_layer=hp["num_hidden_layers"], n_head=n_head,
+                              n_head_kv=hp.get("num_key_value_heads") or n_head,
+                              n_expert=n_experts(hp) if spec.experts else 0)
 
 
 # ------------------------------------------------------------------ names
@@ -113,7 +297,7 @@ def name_map(config: dict):
     import gguf
 
     spec = arch_spec(config)
-    return gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, spec.gguf_arch), config["num_hidden_layers"])
+    return gguf.get_tensor_name_map(gguf.MODEL_ARCH[spec.gguf_arch], text_hparams(config)["num_hidden_layers"])
 
 
 def gguf_name(tmap, hf_name: str) -> str:
@@ -123,14 +307,22 @@ def gguf_name(tmap, hf_name: str) -> str:
     return name
 
 
+def source_name(hf_name: str) -> str | None:
+    """ModelBase/TextModel.filter_tensors: the name the converter maps, None when it skips it."""
+    if MULTIMODAL.search(hf_name):
+        return None
+    return hf_name.replace("language_model.", "")
+
+
 def permute_heads(config: dict, hf_name: str) -> int | None:
     """Head count whose row groups LlamaModel.permute interleaves (q: n_head, k: n_head_kv)."""
     if not arch_spec(config).permute_qk:
         return None
+    hp = text_hparams(config)
     if re.search(r"q_proj\.(weight|bias)$", hf_name):
-        return config["num_attention_heads"]
+        return hp["num_attention_heads"]
     if re.search(r"k_proj\.(weight|bias)$", hf_name):
-        return config.get("num_key_value_heads") or config["num_attention_heads"]
+        return hp.get("num_key_value_heads") or hp["num_attention_heads"]
     return None
 
 
@@ -145,119 +337,297 @@ def unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def skipped(config: dict, hf_name: str) -> bool:
-    """Tensors convert_hf_to_gguf.py does not write (Gemma: lm_head, the output is the tied embedding)."""
-    return bool(SKIPPED.search(hf_name)) or (arch_spec(config).gemma > 0 and hf_name == "lm_head.weight")
+    """Tensors convert_hf_to_gguf.py does not write (Gemma 1/2: lm_head, the output is the tied embedding)."""
+    return bool(SKIPPED.search(hf_name)) or (arch_spec(config).drops_lm_head and hf_name == "lm_head.weight")
 
 
 def norm_shift(config: dict, hf_name: str) -> bool:
-    """GemmaModel / Gemma2Model.modify_tensors: `if name.endswith("norm.weight"): data_torch + 1`."""
-    return arch_spec(config).gemma > 0 and hf_name.endswith("norm.weight")
+    """Gemma*Model.modify_tensors: `if name.endswith("norm.weight"): data_torch + 1`."""
+    return arch_spec(config).norm_shift and hf_name.endswith("norm.weight")
+
+
+def source_tensors(config: dict, hf_tensors) -> dict[str, str]:
+    """{name the converter maps: HF tensor name} for the tensors it writes."""
+    out = {}
+    for hf in hf_tensors:
+        name = source_name(hf)
+        if name is not None and not skipped(config, name):
+            out[name] = hf
+    return out
+
+
+def group_experts(config: dict, names: dict[str, str]) -> tuple[dict[str, str], dict[str, tuple[str, ...]]]:
+    """Split off per-expert tensors: (other names, {stacked name: HF names in expert order})."""
+    spec = arch_spec(config)
+    if not spec.experts:
+        return names, {}
+    pattern, stacked, _ = EXPERT_LAYOUTS[spec.experts]
+    found: dict[str, dict[int, str]] = {}
+    rest = {}
+    for name, hf in names.items():
+        m = pattern.match(name)
+        if m is None:
+            rest[name] = hf
+            continue
+        found.setdefault(stacked.format(bid=m.group(1), w=m.group(3)), {})[int(m.group(2))] = hf
+    count = n_experts(text_hparams(config))
+    groups = {}
+    for key, experts in found.items():
+        if sorted(experts) != list(range(count)):
+            raise UnsupportedError(f"GGUF conversion: {key} has experts {sorted(experts)}, expected 0..{count - 1}")
+        groups[key] = tuple(experts[i] for i in range(count))
+    return rest, groups
+
+
+def vocab_rows(model_dir: Path | None, hp: dict) -> int | None:
+    """Gemma3Model.modify_tensors: the tokenizer's real vocabulary size (token_embd is cut to it)."""
+    import json
+
+    if model_dir is None:
+        return None
+    if (Path(model_dir) / "tokenizer.model").is_file():
+        from quantkit.gguf.vocab import load_sentencepiece
+
+        return max(hp.get("vocab_size_per_layer_input") or hp.get("vocab_size") or 0,
+                   load_sentencepiece(Path(model_dir)).vocab_size())
+    data = json.loads((Path(model_dir) / "tokenizer.json").read_text(encoding="utf-8"))
+    return len(data["model"]["vocab"]) + len(data["added_tokens"])
 
 
 def plan_tensors(config: dict, hf_tensors: dict[str, tuple[str, list[int]]], gguf_type: str,
-                 has_imatrix: bool = False) -> list[TensorPlan]:
-    """One TensorPlan per written tensor, in llama-quantize's tensor order."""
+                 has_imatrix: bool = False, model_dir: Path | None = None) -> list[TensorPlan]:
+    """One TensorPlan per written tensor, in llama-quantize's tensor order (config: config.json's
+    dict or load_hparams'; model_dir: the checkpoint, for Gemma 3's vocabulary trim)."""
+    config = config if model_dir is not None else complete_config(config)
+    check_convertible(config, hf_tensors)
     tmap = name_map(config)
-    names = {gguf_name(tmap, n): n for n in hf_tensors if not skipped(config, n)}
-    shapes = {g: tuple(hf_tensors[h][1]) for g, h in names.items()}
-    types = mixture.choose_types(shapes, gguf_type, model_facts(config), has_imatrix)
-    return [TensorPlan(g, names[g], shapes[g], types[g], permute_heads(config, names[g]),
-                       norm_shift(config, names[g]))
-            for g in mixture.llama_order(names)]
+    single, groups = group_experts(config, source_tensors(config, hf_tensors))
+    plans = {gguf_name(tmap, n): TensorPlan(gguf_name(tmap, n), hf, tuple(hf_tensors[hf][1]), T.F32,
+                                            permute_heads(config, n), norm_shift(config, n))
+             for n, hf in single.items()}
+    for n, hfs in groups.items():
+        plans[gguf_name(tmap, n)] = TensorPlan(gguf_name(tmap, n), hfs[0], (len(hfs), *hf_tensors[hfs[0]][1]),
+                                               T.F32, sources=hfs)
+    for name, values in generated_tensors(config).items():
+        plans[name] = TensorPlan(name, "", values.shape, T.F32, values=values)
+    trim_vocab(config, plans, model_dir)
+    types = mixture.choose_types({g: p.shape for g, p in plans.items()}, gguf_type, model_facts(config), has_imatrix)
+    for g, p in plans.items():
+        p.qtype = types[g]
+    return [plans[g] for g in mixture.llama_order(plans)]
+
+
+def trim_vocab(config: dict, plans: dict[str, TensorPlan], model_dir: Path | None) -> None:
+    embd = plans.get("token_embd.weight")
+    if embd is None or not arch_spec(config).trims_vocab:
+        return
+    rows = vocab_rows(model_dir, text_hparams(config))
+    if rows is not None and rows < embd.shape[0]:
+        embd.shape = (rows, *embd.shape[1:])
+
+
+# ------------------------------------------------------------------ generated tensors
+
+
+def generated_tensors(config: dict) -> dict[str, np.ndarray]:
+    """generate_extra_tensors: LlamaModel's rope_freqs (llama3 RoPE), Phi3's LongRoPE factors."""
+    hp = text_hparams(config)
+    rope = full_rope(hp)
+    kind = (rope.get("rope_type") or "").lower()
+    spec = arch_spec(config)
+    if spec.metadata == "llama" and kind == "llama3":
+        return {"rope_freqs.weight": llama3_rope_factors(hp, rope)}
+    if spec.metadata == "phi3" and rope.get("long_factor"):
+        return {"rope_factors_long.weight": np.asarray(rope["long_factor"], dtype=np.float32),
+                "rope_factors_short.weight": np.asarray(rope["short_factor"], dtype=np.float32)}
+    return {}
+
+
+def llama3_rope_factors(hp: dict, rope: dict) -> np.ndarray:
+    """LlamaModel.generate_extra_tensors, computed with torch in float32 as the converter does
+    (numpy's float32 pow may differ from torch's in the last bit)."""
+    import math
+
+    import torch
+
+    base = rope.get("rope_theta", 10000.0)
+    dim = hp.get("head_dim") or hp["hidden_size"] // hp["num_attention_heads"]
+    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor = rope.get("factor", 8.0)
+    low, high = rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
+    old_ctx = rope.get("original_max_position_embeddings", 8192)
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old_ctx / high:
+            factors.append(1)
+        elif wavelen > old_ctx / low:
+            factors.append(factor)
+        else:
+            smooth = (old_ctx / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(factors, dtype=torch.float32).numpy()
 
 
 # ------------------------------------------------------------------ metadata
 
 
-def rope_parameters(config: dict) -> dict:
-    params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
-    if "rope_theta" in config and "rope_theta" not in params:
-        params["rope_theta"] = config["rope_theta"]
-    return params
-
-
-def add_metadata(writer, config: dict, name: str, ftype) -> None:
-    """TextModel.set_gguf_parameters (+ LlamaModel's extras) for the supported decoders."""
+def add_metadata(writer, hp: dict, spec: ArchSpec, name: str, ftype) -> None:
+    """general.name / general.type, the architecture's set_gguf_parameters, quantization version."""
     import gguf
 
-    spec = arch_spec(config)
-    n_head = config["num_attention_heads"]
     writer.add_name(name)
     writer.add_type(gguf.GGUFType.MODEL)
-    if spec.gemma:
-        add_gemma_metadata(writer, config, spec.gemma, ftype)
-        return
-    writer.add_block_count(config["num_hidden_layers"])
-    if (n_ctx := config.get("max_position_embeddings")) is not None:
-        writer.add_context_length(n_ctx)
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_head_count(n_head)
-    writer.add_head_count_kv(config.get("num_key_value_heads") or n_head)
-    add_rope(writer, rope_parameters(config))
-    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    if (head_dim := config.get("head_dim")) is not None:
+    METADATA_WRITERS[spec.metadata](writer, hp, int(ftype))
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+
+
+def add_text_params(writer, hp: dict, ftype: int) -> None:
+    """TextModel.set_gguf_parameters (the keys that can occur for the supported architectures)."""
+    writer.add_block_count(hp["num_hidden_layers"])
+    for keys, add in ((("max_position_embeddings", "n_ctx", "n_positions", "max_length", "max_sequence_length",
+                        "model_max_length"), writer.add_context_length),
+                      (("hidden_size", "n_embd", "dim"), writer.add_embedding_length),
+                      (("prefix_dense_intermediate_size", "dense_intermediate_size", "intermediate_size",
+                        "n_inner", "hidden_dim"), writer.add_feed_forward_length),
+                      (("num_attention_heads", "n_head", "n_heads"), writer.add_head_count),
+                      (("num_key_value_heads", "n_kv_heads"), writer.add_head_count_kv)):
+        if (value := find(hp, keys)) is not None:
+            add(value)
+    if hp.get("is_causal") is False:
+        writer.add_causal_attention(False)
+    add_rope(writer, rope_parameters(hp))
+    for keys, add in ((("rms_norm_eps", "norm_eps"), writer.add_layer_norm_rms_eps),
+                      (("layer_norm_eps", "layer_norm_epsilon", "norm_epsilon"), writer.add_layer_norm_eps),
+                      (("num_local_experts", "num_experts", "n_routed_experts"), writer.add_expert_count),
+                      (("num_experts_per_tok", "num_experts_per_token", "top_k_experts"),
+                       writer.add_expert_used_count)):
+        if (value := find(hp, keys)) is not None:
+            add(value)
+    if (head_dim := hp.get("head_dim")) is not None:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
-    writer.add_file_type(int(ftype))
-    if spec.vocab_size_key:
-        writer.add_vocab_size(config["vocab_size"])
-        writer.add_rope_dimension_count(config.get("head_dim") or config["hidden_size"] // n_head)
-    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-
-
-def add_gemma_metadata(writer, config: dict, version: int, ftype) -> None:
-    """GemmaModel / Gemma2Model.set_gguf_parameters (they do not call TextModel's: no RoPE keys)."""
-    import gguf
-
-    n_head = config["num_attention_heads"]
-    writer.add_context_length(config["max_position_embeddings"])
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_block_count(config["num_hidden_layers"])
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_head_count(n_head)
-    writer.add_head_count_kv(config["num_key_value_heads"] if "num_key_value_heads" in config else n_head)
-    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_key_length(config["head_dim"])
-    writer.add_value_length(config["head_dim"])
-    writer.add_file_type(int(ftype))
-    if version == 2:
-        writer.add_attn_logit_softcapping(config["attn_logit_softcapping"])
-        writer.add_final_logit_softcapping(config["final_logit_softcapping"])
-        writer.add_sliding_window(config["sliding_window"])
-    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-
-
-def add_gemma_vocab_extras(writer, model_dir: Path, version: int) -> None:
-    """GemmaModel.set_vocab's CodeGemma special tokens (Gemma 1 only) and add_space_prefix = false."""
-    import gguf
-
-    if version == 1:
-        special = gguf.SpecialVocab(model_dir, load_merges=False,
-                                    special_token_types=["prefix", "suffix", "middle", "fsep", "eot"])
-        for kind, tid in (("prefix", 67), ("suffix", 69), ("middle", 68), ("fsep", 70), ("eot", 107)):
-            special._set_special_token(kind, tid)
-        special.chat_template = None  # written once already, by add_vocab
-        special.add_to_gguf(writer, quiet=True)
-    writer.add_add_space_prefix(False)
+    writer.add_file_type(ftype)
 
 
 def add_rope(writer, rope: dict) -> None:
+    """TextModel.set_gguf_parameters' RoPE keys (full-attention parameters; swa theta)."""
     import gguf
 
-    kind, factor = rope.get("rope_type") or rope.get("type"), rope.get("factor")
+    params = rope.get("full_attention", rope)
+    kind, factor = params.get("rope_type"), params.get("factor")
     if kind == "linear" and factor is not None:
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(factor)
     elif kind == "yarn" and factor is not None:
-        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
-        writer.add_rope_scaling_factor(factor)
-        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
-    elif kind not in (None, "default"):
-        raise UnsupportedError(f"RoPE scaling type '{kind}' is not supported by quantkit's GGUF converter",
-                               hint="supported: default, linear, yarn")
-    if (theta := rope.get("rope_theta")) is not None:
+        add_yarn(writer, params)
+    elif kind in ("su", "longrope"):
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LONGROPE)
+    if (theta := params.get("rope_theta")) is not None:
         writer.add_rope_freq_base(theta)
+    if (local := (rope.get("sliding_attention") or {}).get("rope_theta")) is not None:
+        writer.add_rope_freq_base_swa(local)
+
+
+def add_yarn(writer, params: dict) -> None:
+    import gguf
+
+    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(params["factor"])
+    writer.add_rope_scaling_orig_ctx_len(params["original_max_position_embeddings"])
+    for key, add in (("extrapolation_factor", writer.add_rope_scaling_yarn_ext_factor),
+                     ("beta_fast", writer.add_rope_scaling_yarn_beta_fast),
+                     ("beta_slow", writer.add_rope_scaling_yarn_beta_slow)):
+        if params.get(key) is not None:
+            add(params[key])
+    if (attn := params.get("attention_factor", params.get("attn_factor"))) is not None:
+        writer.add_rope_scaling_yarn_attn_factor(attn)
+
+
+def add_llama_params(writer, hp: dict, ftype: int) -> None:
+    """LlamaModel.set_gguf_parameters: TextModel's + vocab_size and the RoPE dimension count."""
+    add_text_params(writer, hp, ftype)
+    writer.add_vocab_size(hp["vocab_size"])
+    writer.add_rope_dimension_count(hp.get("head_dim") or hp["hidden_size"] // hp["num_attention_heads"])
+
+
+def add_qwen_moe_params(writer, hp: dict, ftype: int) -> None:
+    """Qwen2MoeModel.set_gguf_parameters: TextModel's + the expert feed-forward length."""
+    add_text_params(writer, hp, ftype)
+    if (n_ff := hp.get("moe_intermediate_size")) is not None:
+        writer.add_expert_feed_forward_length(n_ff)
+
+
+def add_gemma_params(writer, hp: dict, ftype: int) -> None:
+    """GemmaModel.set_gguf_parameters (it does not call TextModel's: no RoPE keys)."""
+    writer.add_context_length(hp["max_position_embeddings"])
+    writer.add_embedding_length(hp["hidden_size"])
+    writer.add_block_count(hp["num_hidden_layers"])
+    writer.add_feed_forward_length(hp["intermediate_size"])
+    writer.add_head_count(hp["num_attention_heads"])
+    writer.add_head_count_kv(hp["num_key_value_heads"] if "num_key_value_heads" in hp else hp["num_attention_heads"])
+    writer.add_layer_norm_rms_eps(hp["rms_norm_eps"])
+    writer.add_key_length(hp["head_dim"])
+    writer.add_value_length(hp["head_dim"])
+    writer.add_file_type(ftype)
+
+
+def add_gemma2_params(writer, hp: dict, ftype: int) -> None:
+    add_gemma_params(writer, hp, ftype)
+    writer.add_attn_logit_softcapping(hp["attn_logit_softcapping"])
+    writer.add_final_logit_softcapping(hp["final_logit_softcapping"])
+    writer.add_sliding_window(hp["sliding_window"])
+
+
+GEMMA3_DEFAULTS = {"max_position_embeddings": 131072, "num_attention_heads": 8, "rms_norm_eps": 1e-6,
+                   "head_dim": 256, "num_key_value_heads": 4}
+
+
+def add_gemma3_params(writer, hp: dict, ftype: int) -> None:
+    """Gemma3Model.set_gguf_parameters: TextModel's keys, Gemma 3's defaults for absent hyper-
+    parameters (the converter writes those keys twice; each is written once here with the value
+    the converter's overwrite leaves), the final softcap and the sliding window."""
+    add_text_params(writer, {**GEMMA3_DEFAULTS, **hp}, ftype)
+    if "rope_theta" not in full_rope(hp):
+        writer.add_rope_freq_base(1_000_000.0)
+    if hp.get("final_logit_softcapping"):
+        writer.add_final_logit_softcapping(hp["final_logit_softcapping"])
+    if hp.get("sliding_window_pattern") != 1:
+        writer.add_sliding_window(hp["sliding_window"])
+
+
+def add_phi3_params(writer, hp: dict, ftype: int) -> None:
+    """Phi3MiniModel.set_gguf_parameters (its own keys; LongRoPE factors are tensors)."""
+    rope = rope_parameters(hp)
+    n_embd, n_head = find(hp, ("hidden_size", "n_embd")), find(hp, ("num_attention_heads", "n_head"))
+    writer.add_context_length(find(hp, ("n_positions", "max_position_embeddings")))
+    writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    writer.add_embedding_length(n_embd)
+    writer.add_feed_forward_length(hp["intermediate_size"])
+    writer.add_block_count(hp["num_hidden_layers"])
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(find(hp, ("num_key_value_heads", "n_head_kv")))
+    writer.add_layer_norm_rms_eps(hp["rms_norm_eps"])
+    writer.add_rope_dimension_count(int(rope.get("partial_rotary_factor", 1.0) * n_embd) // n_head)
+    writer.add_rope_freq_base(rope.get("full_attention", rope)["rope_theta"])
+    writer.add_file_type(ftype)
+    writer.add_sliding_window(hp.get("sliding_window") or 0)
+    if rope.get("long_factor"):
+        writer.add_rope_scaling_attn_factors(phi3_attn_factor(hp, rope))
+
+
+def phi3_attn_factor(hp: dict, rope: dict) -> float:
+    """Phi3MiniModel.generate_extra_tensors' attention factor for LongRoPE."""
+    import math
+
+    orig = rope["original_max_position_embeddings"]
+    scale = find(hp, ("n_positions", "max_position_embeddings")) / orig
+    return math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1.0 else 1.0
+
+
+METADATA_WRITERS = {"text": add_text_params, "llama": add_llama_params, "qwen_moe": add_qwen_moe_params,
+                    "gemma": add_gemma_params, "gemma2": add_gemma2_params, "gemma3": add_gemma3_params,
+                    "phi3": add_phi3_params}
 
 
 # ------------------------------------------------------------------ tensor data
@@ -296,7 +666,7 @@ class SafetensorsRows:
 
     No torch and no mmap: the converter's memory is its working set (one slab), not the pages of
     the checkpoint it has visited (a memory map keeps every page it touched resident, which for
-    a 250 MB checkpoint was a third of the peak RSS), and `import torch` (~200 MiB) is skipped.
+    a 250 MB checkpoint was a third of the peak RSS); tensors are decoded without torch.
     F32 / F16 / BF16 are decoded here (bf16 -> f32 is a 16-bit shift, exact); other dtypes go
     through safetensors' torch reader.
     """
@@ -361,8 +731,8 @@ class SafetensorsRows:
         self._torch = None
 
 
-def read_rows(handle: SafetensorsRows, plan: TensorPlan, start: int, stop: int) -> np.ndarray:
-    return handle.read(plan.hf_name, start, stop)
+def read_rows(handle: SafetensorsRows, name: str, start: int, stop: int) -> np.ndarray:
+    return handle.read(name, start, stop)
 
 
 def shift_norm(data: np.ndarray, source_dtype: str) -> np.ndarray:
@@ -373,31 +743,45 @@ def shift_norm(data: np.ndarray, source_dtype: str) -> np.ndarray:
     return data + np.float32(1)
 
 
-def tensor_data(handle, plan: TensorPlan, imatrix: np.ndarray | None, threads: int = 1) -> np.ndarray:
-    """Read, permute and quantize one tensor, slab by slab."""
-    rows = plan.shape[0] if len(plan.shape) > 1 else 1
-    if len(plan.shape) == 1 or plan.permute_heads or plan.norm_shift:
-        data = read_rows(handle, plan, 0, rows)
+def tensor_data(handles: dict, plan: TensorPlan, imatrix: np.ndarray | None, threads: int = 1) -> np.ndarray:
+    """Read, transform and quantize one tensor (experts one at a time, large matrices by slabs)."""
+    if plan.values is not None:
+        return quantize_rows(plan.values, plan.qtype, imatrix, threads)
+    if plan.sources:
+        n = plan.shape[-1]
+        return np.stack([matrix_data(handles[hf], plan, hf, plan.shape[1:],
+                                     None if imatrix is None else imatrix[i * n:(i + 1) * n], threads)
+                         for i, hf in enumerate(plan.sources)])
+    return matrix_data(handles[plan.hf_name], plan, plan.hf_name, plan.shape, imatrix, threads)
+
+
+def matrix_data(handle, plan: TensorPlan, hf_name: str, shape: tuple[int, ...], imatrix, threads: int) -> np.ndarray:
+    """One 1-D or 2-D source tensor: permuted / shifted whole, otherwise streamed by row slabs."""
+    rows = shape[0] if len(shape) > 1 else 1
+    if len(shape) == 1 or plan.permute_heads or plan.norm_shift:
+        data = read_rows(handle, hf_name, 0, rows)
         if plan.permute_heads:
             data = permute(data, plan.permute_heads)
         if plan.norm_shift:
-            data = shift_norm(data, handle.header[plan.hf_name]["dtype"])
+            data = shift_norm(data, handle.header[hf_name]["dtype"])
         return quantize_rows(data, plan.qtype, imatrix, threads)
-    step = max(1, SLAB_ELEMENTS // max(1, plan.shape[-1]))
-    parts = [quantize_rows(read_rows(handle, plan, r, min(rows, r + step)), plan.qtype, imatrix, threads)
+    step = max(1, SLAB_ELEMENTS // max(1, shape[-1]))
+    parts = [quantize_rows(read_rows(handle, hf_name, r, min(rows, r + step)), plan.qtype, imatrix, threads)
              for r in range(0, rows, step)]
     return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
 def imatrix_for(plan: TensorPlan, imatrix: dict | None) -> np.ndarray | None:
-    """The tensor's importance vector, when it is quantized (llama-quantize's size check)."""
+    """The tensor's importance vector (one row-sized vector per expert for stacked experts),
+    when it is quantized (llama-quantize's size check)."""
     if not imatrix or plan.qtype in (T.F32, T.F16, T.BF16) or plan.name not in imatrix:
         return None
     values = np.asarray(imatrix[plan.name], dtype=np.float32)
-    if values.size != plan.shape[-1]:
+    expected = plan.shape[-1] * (plan.shape[0] if plan.sources else 1)
+    if values.size != expected:
         if plan.name == "token_embd.weight":
             return None
-        raise InputError(f"imatrix size {values.size} differs from the row size {plan.shape[-1]} of {plan.name}")
+        raise InputError(f"imatrix size {values.size} differs from the expected {expected} of {plan.name}")
     return values
 
 
@@ -424,13 +808,12 @@ def convert(model_dir: Path, out_path: Path, gguf_type: str = "F16", imatrix: di
 
     info = check_model_dir(Path(model_dir))
     key, ftype, _ = mixture.file_type(gguf_type)
-    plans = plan_tensors(info.config, info.tensors, key, has_imatrix=bool(imatrix))
-    spec = arch_spec(info.config)
+    hp = {**load_hparams(info.path), "architectures": info.config.get("architectures")}
+    plans = plan_tensors(hp, info.tensors, key, has_imatrix=bool(imatrix), model_dir=info.path)
+    spec = arch_spec(hp)
     writer = gguf.GGUFWriter(str(out_path), gguf_arch_name(spec))
-    add_metadata(writer, info.config, name or Path(model_dir).name, ftype)
-    vocab = add_vocab(writer, info.path, info.config.get("vocab_size"), prefer_sentencepiece=spec.gemma > 0)
-    if spec.gemma:
-        add_gemma_vocab_extras(writer, Path(info.path), spec.gemma)
+    add_metadata(writer, hp, spec, name or Path(model_dir).name, ftype)
+    vocab = add_vocab(writer, info.path, hp, spec.vocab)
     for p in plans:
         writer.add_tensor_info(p.name, p.shape, np.dtype(numpy_dtype(p.qtype)), tensor_nbytes(p.shape, p.qtype),
                                raw_dtype=None if p.qtype in (T.F32, T.F16) else p.qtype)
@@ -443,7 +826,7 @@ def convert(model_dir: Path, out_path: Path, gguf_type: str = "F16", imatrix: di
         progress(f"[{i + 1}/{len(plans)}] {p.name} -> {p.qtype.name}")
         weights = imatrix_for(p, imatrix)
         used += weights is not None
-        writer.write_tensor_data(tensor_data(handles[p.hf_name], p, weights, threads))
+        writer.write_tensor_data(tensor_data(handles, p, weights, threads))
     writer.close()
     for h in set(handles.values()):
         h.close()

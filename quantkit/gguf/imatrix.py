@@ -53,16 +53,46 @@ def linear_targets(model, config: dict) -> dict[str, str]:
     """{HF module name: GGUF tensor name} for the decoder-block linears."""
     import torch
 
-    from quantkit.gguf.convert import name_map
+    from quantkit.gguf.convert import name_map, source_name
 
     tmap = name_map(config)
     targets = {}
     for mod_name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear):
-            name = tmap.get_name(mod_name + ".weight", try_suffixes=(".weight",))
+        hf = source_name(mod_name + ".weight")  # a VLM's language_model.* as the converter names it
+        if isinstance(module, torch.nn.Linear) and hf is not None:
+            name = tmap.get_name(hf, try_suffixes=(".weight",))
             if name is not None and name.startswith("blk."):
                 targets[mod_name] = name
     return targets
+
+
+def expert_targets(model) -> dict[str, int]:
+    """{module name: layer} of transformers' fused expert modules (3-D gate_up_proj / down_proj)."""
+    import re
+
+    targets = {}
+    for mod_name, module in model.named_modules():
+        params = dict(module.named_parameters(recurse=False))
+        match = re.search(r"layers\.(\d+)\.", mod_name + ".")
+        if match and {"gate_up_proj", "down_proj"} <= params.keys() and params["gate_up_proj"].dim() == 3:
+            targets[mod_name] = int(match.group(1))
+    return targets
+
+
+def expert_inputs(module, inputs) -> dict[str, list]:
+    """Per expert, the rows entering ffn_gate/up_exps and ffn_down_exps (llama-imatrix's MUL_MAT_ID
+    collection): the routed tokens' hidden states, and act(gate) * up for the down projection."""
+    import torch
+
+    hidden, top_k = inputs[0].detach().reshape(-1, inputs[0].shape[-1]), inputs[1].reshape(inputs[0].shape[0], -1)
+    params = dict(module.named_parameters(recurse=False))
+    out: dict[str, list] = {"gate_up": [], "down": []}
+    for e in range(params["gate_up_proj"].shape[0]):
+        x = hidden[(top_k == e).any(-1)]
+        gate, up = torch.nn.functional.linear(x, params["gate_up_proj"][e]).chunk(2, dim=-1)
+        out["gate_up"].append(x.to(torch.float64))
+        out["down"].append((module.act_fn(gate) * up).to(torch.float64))
+    return out
 
 
 def compute(model, windows, config: dict, dataset: str = "quantkit", batch_size: int = 1, device=None) -> Imatrix:
@@ -76,6 +106,8 @@ def compute(model, windows, config: dict, dataset: str = "quantkit", batch_size:
     targets = linear_targets(model, config)
     sums = {name: None for name in targets.values()}
     counts = {name: 0 for name in targets.values()}
+    experts = expert_targets(model)
+    expert_sums: dict[str, list] = {}
 
     def hook(name):
         def fn(_module, inputs, _output):
@@ -85,8 +117,17 @@ def compute(model, windows, config: dict, dataset: str = "quantkit", batch_size:
             counts[name] += x.shape[0]
         return fn
 
+    def expert_hook(layer):
+        def fn(module, inputs, _output):
+            rows = expert_inputs(module, inputs)
+            for kind, names in (("gate_up", ("ffn_gate_exps", "ffn_up_exps")), ("down", ("ffn_down_exps",))):
+                for tensor in names:
+                    add_expert_rows(expert_sums, f"blk.{layer}.{tensor}.weight", rows[kind])
+        return fn
+
     modules = dict(model.named_modules())
     handles = [modules[m].register_forward_hook(hook(n)) for m, n in targets.items()]
+    handles += [modules[m].register_forward_hook(expert_hook(layer)) for m, layer in experts.items()]
     device = device if device is not None else next(model.parameters()).device
     # only the decoder blocks' inputs are collected: run the decoder without the output head
     # (skips a (seq, vocab) logits tensor and the lm_head matmul per window)
@@ -99,11 +140,26 @@ def compute(model, windows, config: dict, dataset: str = "quantkit", batch_size:
     finally:
         for h in handles:
             h.remove()
-    return Imatrix(
+    result = Imatrix(
         sums={n: s.cpu().numpy().astype(np.float32)[None, :] for n, s in sums.items() if s is not None},
         counts={n: np.array([c], dtype=np.float32) for n, c in counts.items() if c},
         datasets=[dataset], chunk_count=len(windows), chunk_size=int(windows.shape[1]) if len(windows) else 0,
     )
+    for name, (s, c) in expert_sums.items():
+        result.sums[name] = np.stack([v.cpu().numpy() for v in s]).astype(np.float32)
+        result.counts[name] = np.asarray(c, dtype=np.float32)
+    return result
+
+
+def add_expert_rows(expert_sums: dict, name: str, rows: list) -> None:
+    """Accumulate per-expert sums of squares and row counts."""
+    import torch
+
+    s, c = expert_sums.setdefault(name, ([torch.zeros(r.shape[-1], dtype=torch.float64) for r in rows],
+                                         [0] * len(rows)))
+    for e, r in enumerate(rows):
+        s[e] += (r * r).sum(0)
+        c[e] += r.shape[0]
 
 
 # ------------------------------------------------------------------ files

@@ -1,19 +1,26 @@
-"""GGUF -> Hugging Face state dict (float32 torch tensors), for evaluating a .gguf in transformers.
+"""GGUF -> Hugging Face tensors (float32 torch), for evaluating a .gguf in transformers.
 
-Every tensor is dequantized with gguf-py, its GGUF name mapped back to the HF name through the
+`GGUFTensors` gives one HF tensor on demand (the layer-streamed forwards read a .gguf that way);
+`to_hf_state_dict` builds the whole state dict from it. Every tensor is dequantized with gguf-py, its GGUF name mapped back to the HF name through the
 same TensorNameMap the converter uses (inverted over the HF names this architecture has), and
-the llama Q/K row permutation undone, Gemma's norm weights shifted back (w - 1) and Gemma's
-output taken from the tied embedding.
+each conversion step undone: the llama Q/K row permutation, Gemma's norm shift (w - 1), stacked
+experts turned into transformers' in-memory expert tensors (mlp.experts.gate_up_proj = gate and
+up concatenated per expert, mlp.experts.down_proj; the router is mlp.gate), Gemma 3's trimmed embedding rows restored (zero;
+they are ids no tokenizer produces), a missing output taken from the tied embedding. Generated
+tensors (rope_freqs, LongRoPE factors) have no HF counterpart and are skipped. Phi-3's fused
+qkv_proj / gate_up_proj are fused in HF too. A VLM's language model gets the VLM's names
+(`model.language_model.*`); its towers are not in the file.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
 
 from quantkit.errors import ModelError
-from quantkit.gguf.convert import SLAB_ELEMENTS, arch_spec, name_map, norm_shift, permute_heads, unpermute
+from quantkit.gguf.convert import SLAB_ELEMENTS, arch_spec, name_map, norm_shift, permute_heads, text_hparams, unpermute
 
 # HF tensor names of the supported decoders ({i}: layer). Names absent from a checkpoint are ignored.
 HF_GLOBAL = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
@@ -26,31 +33,23 @@ HF_LAYER = [
     "model.layers.{i}.self_attn.q_norm.weight", "model.layers.{i}.self_attn.k_norm.weight",
     "model.layers.{i}.mlp.gate_proj.weight", "model.layers.{i}.mlp.up_proj.weight",
     "model.layers.{i}.mlp.down_proj.weight",
+    "model.layers.{i}.block_sparse_moe.gate.weight", "model.layers.{i}.mlp.gate.weight",
     "model.layers.{i}.pre_feedforward_layernorm.weight", "model.layers.{i}.post_feedforward_layernorm.weight",
 ]
+HF_LAYER_FUSED = ["model.layers.{i}.self_attn.qkv_proj.weight", "model.layers.{i}.mlp.gate_up_proj.weight"]
+GENERATED = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
+# HF prefix of the language model inside a VLM (the converter strips "language_model.")
+LANGUAGE_MODEL_PREFIX = {"Gemma3ForConditionalGeneration": "model.language_model."}
+EXPERTS = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
 
 
 def hf_names(config: dict) -> dict[str, str]:
-    """GGUF name -> HF name for every tensor the architecture can have."""
-    tmap = name_map(config)
-    names = list(HF_GLOBAL)
-    for i in range(config["num_hidden_layers"]):
-        names += [n.format(i=i) for n in HF_LAYER]
+    """GGUF name -> HF name for every tensor the architecture can have (experts: see EXPERTS)."""
+    tmap, hp = name_map(config), text_hparams(config)
+    layer = HF_LAYER + HF_LAYER_FUSED if arch_spec(config).fused_qkv_mlp else HF_LAYER
+    names = list(HF_GLOBAL) + [n.format(i=i) for i in range(hp["num_hidden_layers"]) for n in layer]
     pairs = ((tmap.get_name(n, try_suffixes=(".weight", ".bias")), n) for n in names)
     return {g: n for g, n in pairs if g is not None}
-
-
-def dequantize_checked(tensor, path: Path) -> np.ndarray:
-    """dequantize(tensor) from the file, or ModelError naming the file when its data is damaged."""
-    try:
-        return dequantize(tensor, read_tensor_data(path, tensor))
-    except READER_ERRORS as exc:
-        raise ModelError(f"{path.name}: tensor '{tensor.name}' cannot be decoded ({type(exc).__name__}: {exc})"
-                         .splitlines()[0], hint=f"the file is corrupt: {path}") from exc
-
-
-def text_config(hf_config: dict) -> dict:
-    return hf_config.get("text_config", hf_config) if "num_hidden_layers" not in hf_config else hf_config
 
 
 def read_tensor_data(path: Path, tensor) -> np.ndarray:
@@ -79,52 +78,87 @@ def dequantize(tensor, data: np.ndarray | None = None) -> np.ndarray:
     return out
 
 
-def hf_weight(data: np.ndarray, hf_name: str, config: dict):
-    """A dequantized GGUF tensor as the HF weight: Q/K rows unpermuted, Gemma's norm shift undone."""
-    import torch
+def dequantize_checked(tensor, path: Path) -> np.ndarray:
+    """dequantize(tensor) from the file, or ModelError naming the file when its data is damaged."""
+    try:
+        return dequantize(tensor, read_tensor_data(path, tensor))
+    except READER_ERRORS as exc:
+        raise ModelError(f"{path.name}: tensor '{tensor.name}' cannot be decoded ({type(exc).__name__}: {exc})"
+                         .splitlines()[0], hint=f"the file is corrupt: {path}") from exc
 
-    if (heads := permute_heads(config, hf_name)) is not None:
+
+def restore(config: dict, hf: str, data: np.ndarray) -> np.ndarray:
+    """Undo the converter's per-tensor transformation (permutation, norm shift, vocabulary trim)."""
+    hp = text_hparams(config)
+    if (heads := permute_heads(config, hf)) is not None:
         data = unpermute(data, heads)
-    if norm_shift(config, hf_name):
+    if norm_shift(config, hf):
         data = data - np.float32(1)
-    return torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32))  # copies only unpermuted rows
-
-
-def tied_output(config: dict) -> bool:
-    """lm_head is the token embedding when the file has no output tensor (Gemma always; else when tied)."""
-    return bool(arch_spec(config).gemma) or not config.get("tie_word_embeddings", False)
+    if hf == "model.embed_tokens.weight" and data.shape[0] < hp["vocab_size"]:
+        data = np.concatenate([data, np.zeros((hp["vocab_size"] - data.shape[0], data.shape[1]), np.float32)])
+    return data
 
 
 class GGUFTensors:
-    """The tensors of a .gguf by HF name, each dequantized on demand (float32 torch tensors).
+    """The tensors of a .gguf by HF name (the language model's plain names, `model.*`), each
+    dequantized and restored on demand as a float32 torch tensor.
 
-    Only the header is parsed up front; `get(name)` reads, dequantizes and transforms one tensor.
+    Only the header is parsed up front. Stacked experts become transformers' fused
+    `mlp.experts.gate_up_proj` / `down_proj`; a missing output is the tied token embedding.
     """
 
     def __init__(self, gguf_path, hf_config_dict: dict):
         self.path = Path(gguf_path)
-        self.config = text_config(hf_config_dict)
+        self.config = hf_config_dict
         mapping = hf_names(self.config)
-        reader = open_reader(self.path)
-        self.tensors = {}
-        for tensor in reader.tensors:
-            if tensor.name not in mapping:
+        self.tensors, self.experts = {}, {}
+        for tensor in open_reader(self.path).tensors:
+            if tensor.name in GENERATED:
+                continue
+            if (m := EXPERTS.match(tensor.name)) is not None:
+                self.experts[int(m.group(1)), m.group(2)] = tensor
+            elif tensor.name in mapping:
+                self.tensors[mapping[tensor.name]] = tensor
+            else:
                 raise ModelError(f"{self.path.name}: tensor '{tensor.name}' has no Hugging Face counterpart")
-            self.tensors[mapping[tensor.name]] = tensor
-        self.aliases = {}
-        if "lm_head.weight" not in self.tensors and tied_output(self.config):
-            self.aliases["lm_head.weight"] = "model.embed_tokens.weight"
+        self.aliases = {} if "lm_head.weight" in self.tensors else {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def expert_names(self) -> list[str]:
+        layers = sorted({i for i, _ in self.experts})
+        return [f"model.layers.{i}.mlp.experts.{kind}" for i in layers for kind in ("gate_up_proj", "down_proj")]
 
     def keys(self) -> list[str]:
-        return [*self.tensors, *self.aliases]
+        return [*self.tensors, *self.expert_names(), *self.aliases]
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(int(d) for d in reversed(self.tensors[self.aliases.get(name, name)].shape))
+        name = self.aliases.get(name, name)
+        if name in self.tensors:
+            return stored_shape(self.tensors[name])
+        layer, kinds = self.expert_parts(name)
+        shapes = [stored_shape(self.experts[layer, k]) for k in kinds]
+        return (shapes[0][0], sum(s[1] for s in shapes), *shapes[0][2:])
 
     def get(self, name: str):
+        import torch
+
         name = self.aliases.get(name, name)
-        tensor = self.tensors[name]
-        return hf_weight(dequantize_checked(tensor, self.path), name, self.config)
+        if name in self.tensors:
+            data = restore(self.config, name, dequantize_checked(self.tensors[name], self.path))
+        else:
+            layer, kinds = self.expert_parts(name)
+            data = np.concatenate([dequantize_checked(self.experts[layer, k], self.path) for k in kinds], axis=1)
+        return torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32))  # copies only unpermuted rows
+
+    @staticmethod
+    def expert_parts(name: str) -> tuple[int, tuple[str, ...]]:
+        """(layer, stacked GGUF tensors) of a fused expert weight: gate_up_proj = gate then up (per
+        expert, along the output rows), down_proj = down."""
+        layer = int(re.search(r"layers\.(\d+)\.", name).group(1))
+        return layer, ("down",) if name.endswith("down_proj") else ("gate", "up")
+
+
+def stored_shape(tensor) -> tuple[int, ...]:
+    return tuple(int(d) for d in reversed(tensor.shape))
 
 
 # What gguf-py raises on a damaged file (bad magic, short header, tensor data past the end, an
@@ -148,9 +182,13 @@ def open_reader(gguf_path):
 
 
 def to_hf_state_dict(gguf_path, hf_config_dict: dict) -> dict:
-    """{HF name: float32 torch.Tensor} from a .gguf written for this config."""
+    """{HF name: float32 torch.Tensor} from a .gguf written for this config (a VLM's language
+    model under the VLM's names)."""
     source = GGUFTensors(gguf_path, hf_config_dict)
-    state = {name: source.get(name) for name in source.tensors}
+    state = {name: source.get(name) for name in source.keys() if name not in source.aliases}
     for alias, name in source.aliases.items():
         state[alias] = state[name]
+    prefix = LANGUAGE_MODEL_PREFIX.get((hf_config_dict.get("architectures") or [""])[0])
+    if prefix:
+        state = {k if k == "lm_head.weight" else prefix + k[len("model."):]: v for k, v in state.items()}
     return state

@@ -1,12 +1,26 @@
-"""Tokenizer -> GGUF vocabulary, as convert_hf_to_gguf.py writes it.
+"""Tokenizer -> GGUF vocabulary, as convert_hf_to_gguf.py writes it (llama.cpp 0c1e570).
 
-Kinds (picked from the files in the model directory):
-  * byte-level BPE tokenizer.json  -> tokenizer.ggml.model "gpt2" with tokens, token types, merges
-    and tokenizer.ggml.pre (the pre-tokenizer llama.cpp must apply, see `pre_tokenizer_name`);
-  * SentencePiece-style tokenizer.json (Metaspace / byte fallback) -> "llama" via gguf.LlamaHfVocab;
-  * tokenizer.model only -> "llama" via sentencepiece (optional dependency).
-Special token ids, add_bos/add_eos, merges and the chat template come from gguf.SpecialVocab,
-exactly as in convert_hf_to_gguf.py.
+Each architecture's converter class picks its tokenizer path (its `set_vocab`); VOCAB_KINDS
+below names them and `add_vocab(writer, model_dir, hparams, kind)` follows the same order:
+
+  * "llama" (LlamaModel: Llama, Mistral, Mixtral): tokenizer.model through sentencepiece, else a
+    SentencePiece-style tokenizer.json through gguf.LlamaHfVocab, else byte-level BPE ("gpt2");
+    add_space_prefix from tokenizer_config.json's add_prefix_space;
+  * "qwen2" (Qwen2 / Qwen3 / Qwen3-MoE): tokenizer.model if present, else BPE;
+  * "gemma" / "gemma2": tokenizer.model (add_space_prefix false; Gemma 1 adds CodeGemma ids);
+  * "gemma3": tokenizer.model (add_space_prefix false) if present, else BPE;
+  * "phi3": BPE when tokenizer_config.json says GPT2Tokenizer (Phi-4), else Phi3MiniModel's own
+    SentencePiece reading (added tokens from tokenizer_config.json and tokenizer.json).
+
+SentencePiece vocabularies carry the model's scores and types (UNKNOWN/CONTROL/UNUSED/BYTE/
+NORMAL), ids up to the config's vocab_size padded with "[PAD{i}]" (score -10000, UNUSED), added
+tokens scored -1000 and typed CONTROL/USER_DEFINED: llama.cpp's SentencePiece tokenizer works
+from those scores, so they are written exactly as the converter writes them.
+BPE vocabularies come from transformers' AutoTokenizer as the converter reads them (added tokens
+that are not normalized are encoded and decoded once; special ones CONTROL, others USER_DEFINED).
+Special ids, add_bos/add_eos, merges and the chat template come from `SpecialVocab`, gguf-py's
+class with the newer rules of llama.cpp's own copy (post-processor flags win over
+tokenizer_config.json; normalizer flags), see quantkit.gguf.special_vocab.
 
 Pre-tokenizer name: convert_hf_to_gguf.py hashes the token ids of a fixed check text (CHKTXT)
 and looks the hash up in a table generated from known models (KNOWN_PRE_HASHES below, copied
@@ -25,7 +39,7 @@ from dataclasses import dataclass, field
 from hashlib import sha256
 from pathlib import Path
 
-from quantkit.errors import MissingExtraError, UnsupportedError
+from quantkit.errors import InputError, UnsupportedError
 
 KNOWN_PRE_HASHES: dict[str, str] = {
     "b6e8e1518dc4305be2fe39c313ed643381c4da5db34a98f6a04c093f8afbe99b": "chatglm-bpe",
@@ -142,6 +156,12 @@ QWEN2_REGEX_I = (
 KNOWN_SPLIT_REGEXES = {LLAMA3_REGEX: "llama-bpe", QWEN2_REGEX: "qwen2", QWEN2_REGEX_I: "qwen2"}
 
 
+VOCAB_KINDS = ("llama", "qwen2", "gemma", "gemma2", "gemma3", "phi3")
+SPM_PAD_SCORE = -10000.0  # ids of the config's vocabulary that the tokenizer.model lacks
+ADDED_SCORE = -1000.0
+CONTROL, USER_DEFINED, UNUSED = 3, 4, 5  # gguf.TokenType values (SentencePieceTokenTypes in the converter)
+
+
 @dataclass
 class VocabInfo:
     """What was written, for the report."""
@@ -149,80 +169,125 @@ class VocabInfo:
     model: str
     pre: str | None
     size: int
-    pre_source: str = ""  # "hash", "structure" or "fallback"
+    pre_source: str = ""  # "hash", "structure", "fallback" or "spm"
     warnings: list[str] = field(default_factory=list)
 
 
-def add_vocab(writer, model_dir: Path, vocab_size: int | None, prefer_sentencepiece: bool = False) -> VocabInfo:
-    """Write tokenizer.* keys for the tokenizer found in model_dir.
-
-    prefer_sentencepiece: read tokenizer.model when there is one (convert_hf_to_gguf.py's Gemma
-    classes call _set_vocab_sentencepiece), before looking at tokenizer.json.
-    """
+def add_vocab(writer, model_dir: Path, hparams: dict, kind: str) -> VocabInfo:
+    """Write the tokenizer.* keys the architecture's converter class writes."""
     model_dir = Path(model_dir)
-    if prefer_sentencepiece and (model_dir / "tokenizer.model").is_file():
-        return add_sentencepiece_vocab(writer, model_dir, vocab_size)
-    tok_json = model_dir / "tokenizer.json"
-    if tok_json.is_file():
-        data = json.loads(tok_json.read_text(encoding="utf-8"))
-        if is_spm_style(data):
-            return add_llama_hf_vocab(writer, model_dir)
-        if data.get("model", {}).get("type") == "BPE":
-            return add_bpe_vocab(writer, model_dir, data, vocab_size)
-        raise UnsupportedError(
-            f"tokenizer model '{data.get('model', {}).get('type')}' cannot be written to GGUF",
-            hint="supported: byte-level BPE (tokenizer.json) and SentencePiece (tokenizer.model)",
-        )
+    if kind == "llama":
+        return add_llama_family_vocab(writer, model_dir, hparams)
+    has_spm = (model_dir / "tokenizer.model").is_file()
+    if kind == "phi3":
+        return add_phi3_vocab(writer, model_dir, hparams)
+    if kind in ("gemma", "gemma2") or (kind == "gemma3" and has_spm):
+        info = add_sentencepiece_vocab(writer, model_dir, hparams) if has_spm else add_bpe_vocab(writer, model_dir, hparams)
+        if kind == "gemma":
+            add_codegemma_tokens(writer, model_dir)
+        writer.add_add_space_prefix(False)
+        return info
+    if kind in ("qwen2", "gemma3"):
+        return add_sentencepiece_vocab(writer, model_dir, hparams) if has_spm else add_bpe_vocab(writer, model_dir, hparams)
+    raise UnsupportedError(f"unknown vocabulary kind '{kind}'", hint="one of: " + ", ".join(VOCAB_KINDS))
+
+
+def add_llama_family_vocab(writer, model_dir: Path, hparams: dict) -> VocabInfo:
+    """LlamaModel.set_vocab: sentencepiece, else LlamaHfVocab, else BPE; CodeLlama / Granite extras."""
+    import gguf
+
+    config = read_json(model_dir / "tokenizer_config.json")
+    if config.get("add_prefix_space") is not None:
+        writer.add_add_space_prefix(config["add_prefix_space"])
     if (model_dir / "tokenizer.model").is_file():
-        return add_sentencepiece_vocab(writer, model_dir, vocab_size)
-    raise UnsupportedError(f"no tokenizer.json or tokenizer.model in {model_dir}")
+        info = add_sentencepiece_vocab(writer, model_dir, hparams)
+    else:
+        try:
+            info = add_llama_hf_vocab(writer, model_dir)
+        except (FileNotFoundError, TypeError):
+            info = add_bpe_vocab(writer, model_dir, hparams)
+    if hparams.get("vocab_size", 32000) == 32016:  # CodeLlama infill tokens
+        special = gguf.SpecialVocab(model_dir, load_merges=False,
+                                    special_token_types=["prefix", "suffix", "middle", "eot"])
+        for kind, tid in (("prefix", 32007), ("suffix", 32008), ("middle", 32009), ("eot", 32010)):
+            special._set_special_token(kind, tid)
+        special.add_to_gguf(writer, quiet=True)
+    if hparams.get("vocab_size", 32000) == 49152:  # Granite small models
+        writer.add_add_bos_token(False)
+    return info
 
 
-def is_spm_style(data: dict) -> bool:
-    """A tokenizer.json converted from SentencePiece (Llama-2, Mistral v0.1): Metaspace / byte fallback."""
-    model = data.get("model", {})
-    text = json.dumps([data.get("pre_tokenizer"), data.get("decoder"), data.get("normalizer")])
-    return model.get("type") == "BPE" and (bool(model.get("byte_fallback")) or "Metaspace" in text or "\u2581" in text)
+def add_codegemma_tokens(writer, model_dir: Path) -> None:
+    """GemmaModel.set_vocab's CodeGemma special token ids (eot is the one gguf-py can write)."""
+    import gguf
+
+    special = gguf.SpecialVocab(model_dir, load_merges=False,
+                                special_token_types=["prefix", "suffix", "middle", "fsep", "eot"])
+    for kind, tid in (("prefix", 67), ("suffix", 69), ("middle", 68), ("fsep", 70), ("eot", 107)):
+        special._set_special_token(kind, tid)
+    special.chat_template = None  # written once already
+    special.add_to_gguf(writer, quiet=True)
+
+
+def read_json(path: Path) -> dict:
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
 
 
 # ------------------------------------------------------------------ byte-level BPE ("gpt2")
 
 
-def add_bpe_vocab(writer, model_dir: Path, data: dict, vocab_size: int | None) -> VocabInfo:
-    import gguf
+def add_bpe_vocab(writer, model_dir: Path, hparams: dict) -> VocabInfo:
+    """TextModel._set_vocab_gpt2."""
+    from transformers import AutoTokenizer
 
-    tokens, types = bpe_tokens(data, vocab_size)
-    pre, source, warnings = pre_tokenizer_name(model_dir, data)
+    from quantkit.gguf.special_vocab import SpecialVocab
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    tokens, types = bpe_tokens(tokenizer, hparams.get("vocab_size"))
+    data = read_json(model_dir / "tokenizer.json")
+    pre, source, warnings = pre_tokenizer_name(tokenizer, data)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     writer.add_token_types(types)
-    gguf.SpecialVocab(model_dir, load_merges=True, n_vocab=len(tokens)).add_to_gguf(writer, quiet=True)
+    SpecialVocab(model_dir, load_merges=True).add_to_gguf(writer, quiet=True)
     return VocabInfo("gpt2", pre, len(tokens), source, warnings)
 
 
-def bpe_tokens(data: dict, vocab_size: int | None) -> tuple[list[str], list[int]]:
-    """Tokens by id and their types (NORMAL / CONTROL / USER_DEFINED / UNUSED padding)."""
+def bpe_tokens(tokenizer, vocab_size: int | None) -> tuple[list[str], list[int]]:
+    """TextModel.get_vocab_base: tokens by id and their types."""
     import gguf
 
-    by_id = {i: t for t, i in data["model"]["vocab"].items()}
-    added = {a["id"]: a for a in data.get("added_tokens", [])}
-    for i, a in added.items():
-        by_id[i] = a["content"]
-    n = max(vocab_size or 0, max(by_id) + 1)
+    vocab = tokenizer.vocab
+    n = vocab_size if vocab_size is not None else len(vocab)
+    if max(vocab.values()) >= n:
+        raise UnsupportedError(f"the tokenizer has ids up to {max(vocab.values())}, beyond vocab_size {n}")
+    by_id = {i: t for t, i in vocab.items()}
+    added, decoder = tokenizer.get_added_vocab(), tokenizer.added_tokens_decoder
     tokens, types = [], []
     for i in range(n):
         if i not in by_id:
             tokens.append(f"[PAD{i}]")
             types.append(gguf.TokenType.UNUSED)
-        elif i in added:
-            tokens.append(by_id[i])
-            special = added[i].get("special") or looks_special(by_id[i])
-            types.append(gguf.TokenType.CONTROL if special else gguf.TokenType.USER_DEFINED)
+        elif by_id[i] in added:
+            token, kind = added_bpe_token(tokenizer, by_id[i], decoder[i])
+            tokens.append(token)
+            types.append(kind)
         else:
             tokens.append(by_id[i])
             types.append(gguf.TokenType.NORMAL)
     return tokens, types
+
+
+def added_bpe_token(tokenizer, token: str, added) -> tuple[str, int]:
+    """An added token as get_vocab_base writes it: normalized once, CONTROL or USER_DEFINED."""
+    import gguf
+
+    if not added.normalized:
+        token = tokenizer.decode(tokenizer.encode(token, add_special_tokens=False))
+    if added.special or looks_special(token):
+        return token, gguf.TokenType.CONTROL
+    return token.replace("\u2581", " "), gguf.TokenType.USER_DEFINED
 
 
 def looks_special(token: str) -> bool:
@@ -233,9 +298,9 @@ def looks_special(token: str) -> bool:
             or (token.startswith("<unused") and token.endswith(">")))
 
 
-def pre_tokenizer_name(model_dir: Path, data: dict) -> tuple[str, str, list[str]]:
+def pre_tokenizer_name(tokenizer, data: dict) -> tuple[str, str, list[str]]:
     """(name, how it was found, warnings) — see the module docstring."""
-    digest = check_hash(model_dir)
+    digest = check_hash(tokenizer)
     if digest in KNOWN_PRE_HASHES:
         return KNOWN_PRE_HASHES[digest], "hash", []
     name = pre_from_structure(data.get("pre_tokenizer"))
@@ -246,12 +311,9 @@ def pre_tokenizer_name(model_dir: Path, data: dict) -> tuple[str, str, list[str]
     return "default", "fallback", [warning]
 
 
-def check_hash(model_dir: Path) -> str:
+def check_hash(tokenizer) -> str:
     """sha256 of str(token ids of CHKTXT), as convert_hf_to_gguf.py's get_vocab_base_pre."""
-    from tokenizers import Tokenizer
-
-    ids = Tokenizer.from_file(str(model_dir / "tokenizer.json")).encode(CHKTXT).ids
-    return sha256(str(ids).encode()).hexdigest()
+    return sha256(str(tokenizer.encode(CHKTXT)).encode()).hexdigest()
 
 
 def pre_from_structure(pre: dict | None) -> str | None:
@@ -275,49 +337,104 @@ def pre_from_structure(pre: dict | None) -> str | None:
 
 
 def add_llama_hf_vocab(writer, model_dir: Path) -> VocabInfo:
+    """TextModel._set_vocab_llama_hf (raises FileNotFoundError / TypeError when not applicable)."""
     import gguf
 
+    from quantkit.gguf.special_vocab import SpecialVocab
+
     vocab = gguf.LlamaHfVocab(model_dir)
-    tokens, scores, types = zip(*vocab.all_tokens())
-    write_llama_vocab(writer, list(tokens), list(scores), list(types))
-    gguf.SpecialVocab(model_dir, n_vocab=len(tokens)).add_to_gguf(writer, quiet=True)
+    tokens, scores, types = (list(x) for x in zip(*vocab.all_tokens()))
+    write_llama_vocab(writer, tokens, scores, types)
+    SpecialVocab(model_dir, n_vocab=len(tokens)).add_to_gguf(writer, quiet=True)
     return VocabInfo("llama", "default", len(tokens), "spm")
 
 
-def add_sentencepiece_vocab(writer, model_dir: Path, vocab_size: int | None) -> VocabInfo:
-    import gguf
+def add_sentencepiece_vocab(writer, model_dir: Path, hparams: dict) -> VocabInfo:
+    """TextModel._set_vocab_sentencepiece."""
+    from quantkit.gguf.special_vocab import SpecialVocab
 
+    tokens, scores, types = sentencepiece_base(model_dir, hparams)
+    for text, tid in read_json(model_dir / "added_tokens.json").items():
+        if tid < len(tokens):
+            tokens[tid], scores[tid], types[tid] = text.encode("utf-8"), ADDED_SCORE, USER_DEFINED
+    decoder = read_json(model_dir / "tokenizer_config.json").get("added_tokens_decoder", {})
+    for tid, entry in decoder.items():
+        if int(tid) < len(tokens):
+            set_added_token(tokens, scores, types, int(tid), entry)
+    write_llama_vocab(writer, tokens, scores, types)
+    SpecialVocab(model_dir, n_vocab=len(tokens)).add_to_gguf(writer, quiet=True)
+    return VocabInfo("llama", "default", len(tokens), "spm")
+
+
+def set_added_token(tokens: list, scores: list, types: list, tid: int, entry: dict) -> None:
+    """One tokenizer_config.json added_tokens_decoder entry, as _create_vocab_sentencepiece applies it."""
+    token = entry["content"]
+    if entry.get("special") or looks_special(token):
+        types[tid] = CONTROL
+    else:
+        token = token.replace("\u2581", " ")
+        types[tid] = USER_DEFINED
+    scores[tid] = ADDED_SCORE
+    tokens[tid] = token.encode("utf-8")
+
+
+def sentencepiece_base(model_dir: Path, hparams: dict) -> tuple[list, list, list]:
+    """The pieces of tokenizer.model with their scores and types, padded to the config's vocab_size."""
+    sp = load_sentencepiece(model_dir)
+    n = hparams.get("vocab_size_per_layer_input") or hparams.get("vocab_size") or sp.vocab_size()
+    tokens = [f"[PAD{i}]".encode() for i in range(n)]
+    scores, types = [SPM_PAD_SCORE] * n, [UNUSED] * n
+    for i in range(min(n, sp.vocab_size())):
+        tokens[i], scores[i], types[i] = sp.IdToPiece(i).encode("utf-8"), sp.GetScore(i), spm_type(sp, i)
+    return tokens, scores, types
+
+
+def load_sentencepiece(model_dir: Path):
     try:
         from sentencepiece import SentencePieceProcessor
     except ImportError as exc:
-        raise MissingExtraError("sentencepiece", "gguf", "converting a tokenizer.model") from exc
-    sp = SentencePieceProcessor(model_file=str(model_dir / "tokenizer.model"))
-    tokens, scores, types = [], [], []
-    for i in range(sp.vocab_size()):
-        tokens.append(sp.id_to_piece(i).encode("utf-8"))
-        scores.append(sp.get_score(i))
-        types.append(spm_type(sp, i))
-    for i in range(len(tokens), vocab_size or 0):
-        tokens.append(f"[PAD{i}]".encode())
-        scores.append(-1000.0)
-        types.append(gguf.TokenType.UNUSED)
-    write_llama_vocab(writer, tokens, scores, types)
-    gguf.SpecialVocab(model_dir, n_vocab=len(tokens)).add_to_gguf(writer, quiet=True)
-    return VocabInfo("llama", "default", len(tokens), "spm")
+        raise InputError("converting a tokenizer.model needs the 'sentencepiece' package, which is not installed",
+                         hint="pip install sentencepiece (a quantkit dependency: reinstalling quantkit brings it)") from exc
+    sp = SentencePieceProcessor()
+    sp.LoadFromFile(str(model_dir / "tokenizer.model"))
+    return sp
 
 
 def spm_type(sp, i: int) -> int:
     import gguf
 
-    if sp.is_unknown(i):
+    if sp.IsUnknown(i):
         return gguf.TokenType.UNKNOWN
-    if sp.is_control(i):
+    if sp.IsControl(i):
         return gguf.TokenType.CONTROL
-    if sp.is_unused(i):
+    if sp.IsUnused(i):
         return gguf.TokenType.UNUSED
-    if sp.is_byte(i):
+    if sp.IsByte(i):
         return gguf.TokenType.BYTE
     return gguf.TokenType.NORMAL
+
+
+def add_phi3_vocab(writer, model_dir: Path, hparams: dict) -> VocabInfo:
+    """Phi3MiniModel.set_vocab: BPE for GPT2Tokenizer (Phi-4), else its own SentencePiece reading."""
+    from quantkit.gguf.special_vocab import SpecialVocab
+
+    config = read_json(model_dir / "tokenizer_config.json")
+    if config.get("tokenizer_class") == "GPT2Tokenizer":
+        return add_bpe_vocab(writer, model_dir, hparams)
+    if not (model_dir / "tokenizer.model").is_file():
+        raise UnsupportedError("Phi-3 conversion needs tokenizer.model (or a GPT2Tokenizer tokenizer_config.json)")
+    tokens, scores, types = sentencepiece_base(model_dir, {"vocab_size": hparams.get("vocab_size")})
+    for text, tid in read_json(model_dir / "added_tokens.json").items():
+        if tid < len(tokens):
+            tokens[tid], scores[tid], types[tid] = text.encode("utf-8"), ADDED_SCORE, USER_DEFINED
+    entries = [(int(i), e) for i, e in config.get("added_tokens_decoder", {}).items()]
+    entries += [(int(e["id"]), e) for e in read_json(model_dir / "tokenizer.json").get("added_tokens", [])]
+    for tid, entry in entries:
+        tokens[tid], scores[tid] = entry["content"].encode("utf-8"), ADDED_SCORE
+        types[tid] = CONTROL if entry.get("special") else USER_DEFINED
+    write_llama_vocab(writer, tokens, scores, types)
+    SpecialVocab(model_dir, n_vocab=len(tokens)).add_to_gguf(writer, quiet=True)
+    return VocabInfo("llama", "default", len(tokens), "spm")
 
 
 def write_llama_vocab(writer, tokens: list, scores: list, types: list) -> None:

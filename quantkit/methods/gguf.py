@@ -104,10 +104,11 @@ def plan_types(info, options: Options) -> dict[str, str]:
 
 
 def check(info, options: Options, calibration=None) -> None:
-    """Architecture supported, type known (validated in Options), imatrix file present."""
-    from quantkit.gguf.convert import arch_spec
+    """Architecture and its features supported (from config.json and the tensor names), type known
+    (validated in Options), imatrix file present and made for this model."""
+    from quantkit.gguf.convert import check_convertible
 
-    arch_spec(info.config)
+    check_convertible(info.config, info.tensors)
     if options.imatrix not in ("auto", "none") and not Path(options.imatrix).is_file():
         raise InputError(f"imatrix file not found: {options.imatrix}",
                          hint='pass a llama.cpp imatrix (.gguf or .dat), "auto" or "none"')
