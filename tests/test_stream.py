@@ -21,11 +21,9 @@ REL = 1e-4
 
 @pytest.fixture(scope="module")
 def gemma2(tmp_path_factory) -> Path:
-    from tests.gguf.test_convert_gemma import _BUILT, build_gemma
+    from tests.gguf.helpers import build_gemma
 
-    if "gemma2" not in _BUILT:
-        _BUILT["gemma2"] = build_gemma(tmp_path_factory.mktemp("gguf-gemma") / "gemma2", 2)
-    return _BUILT["gemma2"]
+    return build_gemma(tmp_path_factory.mktemp("gguf-gemma") / "gemma2", 2)
 
 
 @pytest.fixture(scope="module")

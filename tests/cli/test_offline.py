@@ -86,7 +86,6 @@ def test_the_block_works(no_network_env):
     assert log.is_file()
 
 
-@pytest.mark.slow
 def test_fp8_and_gguf_run_with_the_network_blocked(micro_model, tmp_path, no_network_env):
     env, log = no_network_env
     out = tmp_path / "dist"

@@ -10,70 +10,14 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-LLAMA_DIR = ROOT / "third_party" / "llama.cpp"
-SAMPLE = "Quantization keeps 4.5 bits per weight; llama.cpp's Q4_K_M mixes Q4_K and Q6_K.\n  Hello,   world! 123"
-
-
-def llama_bin(tool: str) -> Path | None:
-    for d in (LLAMA_DIR / "bin", LLAMA_DIR / "build" / "bin"):
-        if (d / tool).is_file():
-            return d / tool
-    return None
-
-
-def need_llama(tool: str) -> Path:
-    path = llama_bin(tool)
-    if path is None:
-        pytest.skip(f"{tool} not built (run scripts/build_llamacpp.sh)")
-    return path
-
-
-def save_f16_copy(src: Path, dst: Path) -> Path:
-    """The checkpoint with weights stored in f16 (so an F16 GGUF holds exactly the source values)."""
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(src, dst)
-    state = {k: v.half() for k, v in load_file(src / "model.safetensors").items()}
-    save_file(state, dst / "model.safetensors", metadata={"format": "pt"})
-    return dst
-
-
-_BUILT: dict[str, Path] = {}  # built once per session even though other test modules import the fixtures
-
-
-@pytest.fixture(scope="session")
-def micro(micro_model) -> Path:
-    """The session's micro model (tests/conftest.py; read-only here): built once for all tests."""
-    return micro_model
-
-
-@pytest.fixture(scope="session")
-def micro_f16(micro, tmp_path_factory) -> Path:
-    if "micro16" not in _BUILT:
-        _BUILT["micro16"] = save_f16_copy(micro, tmp_path_factory.mktemp("gguf-micro16") / "micro16")
-    return _BUILT["micro16"]
-
-
-def convert_to(model: Path, out: Path, gguf_type: str, **kw):
-    from quantkit.gguf.convert import convert
-
-    return convert(model, out, gguf_type, **kw)
-
-
-def fields(path: Path) -> dict:
-    import gguf
-
-    reader = gguf.GGUFReader(str(path))
-    return {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
-
+from tests.gguf.helpers import (ALL_MIXES, SAMPLE, convert_to, fields, load_gguf_model, need_llama, run_quantize,
+                                tensor_bytes)
 
 # ------------------------------------------------------------------ metadata and names
 
@@ -209,18 +153,6 @@ def test_streamed_slabs_equal_whole_tensor(micro, tmp_path, monkeypatch):
     assert whole.read_bytes() == slabs.read_bytes()
 
 
-def load_gguf_model(path: Path, model_dir: Path):
-    """A float32 model of model_dir's architecture holding the .gguf's dequantized weights (strict load)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from quantkit.gguf.loader import to_hf_state_dict
-
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch.float32).eval()
-    model.load_state_dict(to_hf_state_dict(path, model.config.to_dict()), strict=True)
-    return model
-
-
 def test_q8_0_evaluates_close_to_base(micro, tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
@@ -238,24 +170,6 @@ def test_q8_0_evaluates_close_to_base(micro, tmp_path):
 
 
 # ------------------------------------------------------------------ against llama.cpp (optional)
-
-
-def tensor_bytes(path: Path) -> dict[str, tuple[str, bytes]]:
-    import gguf
-
-    return {t.name: (t.tensor_type.name, bytes(np.asarray(t.data).tobytes())) for t in gguf.GGUFReader(str(path)).tensors}
-
-
-def run_quantize(src: Path, dst: Path, gguf_type: str, imatrix: Path | None = None) -> None:
-    cmd = [str(need_llama("llama-quantize"))]
-    if imatrix is not None:
-        cmd += ["--imatrix", str(imatrix)]
-    cmd += [str(src), str(dst), gguf_type, "1"]
-    subprocess.run(cmd, check=True, capture_output=True, text=True)
-
-
-ALL_MIXES = ["Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L", "Q4_K_S", "Q4_K_M", "Q5_K_S", "Q5_K_M", "Q6_K", "Q8_0",
-             "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
 
 
 @pytest.mark.slow

@@ -18,12 +18,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.gguf.test_convert import (convert_to, fields, load_gguf_model, need_llama, run_quantize, save_f16_copy,
-                                     tensor_bytes)
+from tests.gguf.helpers import (build_gemma, convert_to, fields, load_gguf_model, need_llama, run_quantize,
+                                save_f16_copy, tensor_bytes)
 from tests.util import FAST_CALIB
-
-_BUILT: dict[str, Path] = {}
-
 
 def run_perplexity(cmd: list[str]) -> tuple[subprocess.CompletedProcess, float | None]:
     """llama-perplexity and its final PPL; run again (up to 3 times) when its log thread dropped the
@@ -36,42 +33,10 @@ def run_perplexity(cmd: list[str]) -> tuple[subprocess.CompletedProcess, float |
     return run, float(match.group(1)) if match else None
 
 
-def build_gemma(out: Path, version: int, seed: int = 0) -> Path:
-    import torch
-    from transformers import Gemma2Config, Gemma2ForCausalLM, GemmaConfig, GemmaForCausalLM
-
-    from quantkit.toy import build_tokenizer, bundled_texts
-
-    tokenizer = build_tokenizer(bundled_texts(), 512)
-    common = dict(vocab_size=len(tokenizer), hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=2048,
-                  rms_norm_eps=1e-6, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                  pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True)
-    torch.manual_seed(seed)
-    if version == 1:
-        model = GemmaForCausalLM(GemmaConfig(**common))
-    else:
-        config = Gemma2Config(**common, query_pre_attn_scalar=64, sliding_window=32,
-                              attn_logit_softcapping=50.0, final_logit_softcapping=30.0)
-        model = Gemma2ForCausalLM(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.normal_(0.0, 0.3)
-            elif p.dim() == 2:
-                p.normal_(0.0, 0.05)
-    out.mkdir(parents=True, exist_ok=True)
-    model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
-    return out
-
-
 @pytest.fixture(scope="session", params=[1, 2], ids=["gemma", "gemma2"])
 def gemma(request, tmp_path_factory) -> Path:
     key = f"gemma{request.param}"
-    if key not in _BUILT:
-        _BUILT[key] = build_gemma(tmp_path_factory.mktemp("gguf-gemma") / key, request.param)
-    return _BUILT[key]
+    return build_gemma(tmp_path_factory.mktemp("gguf-gemma") / key, request.param)
 
 
 def hf_config(model: Path) -> dict:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from tests.gguf.families import build_family
-from tests.gguf.test_convert import convert_to, fields
+from tests.gguf.helpers import convert_to, fields
 
 _BUILT: dict[str, Path] = {}
 ROUND_TRIP = ["llama31", "llama32", "mixtral", "qwen25", "qwen3moe", "gemma3", "gemma3vlm", "phi3"]

@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 from quantkit.gguf import imatrix as im
-from tests.gguf.test_convert import micro, micro_f16  # noqa: F401  (session fixtures)
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +84,7 @@ def test_llama_quantize_uses_our_imatrix_bit_exact(micro_f16, tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from tests.gguf.test_convert import convert_to, need_llama, run_quantize, tensor_bytes
+    from tests.gguf.helpers import convert_to, need_llama, run_quantize, tensor_bytes
 
     need_llama("llama-quantize")
     model = AutoModelForCausalLM.from_pretrained(micro_f16, dtype=torch.float32).eval()

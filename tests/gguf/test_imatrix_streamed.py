@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 
 from quantkit.gguf import imatrix as im
-from tests.gguf.test_convert import micro  # noqa: F401  (session fixture)
 
 
 def test_streamed_imatrix_equals_in_memory(micro, tmp_path):

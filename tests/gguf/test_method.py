@@ -11,7 +11,6 @@ import pytest
 from quantkit.errors import InputError, UnsupportedError
 from quantkit.methods import QuantizeJob
 from quantkit.methods import gguf as method
-from tests.gguf.test_convert import micro  # noqa: F401  (session fixture)
 
 
 def test_options_validate_type_and_aliases():
@@ -38,7 +37,7 @@ def test_check_rejects_architecture_and_missing_imatrix(micro, tmp_path):
     method.check(info, method.Options(), None)
     with pytest.raises(InputError, match="imatrix file not found"):
         method.check(info, method.Options(imatrix=str(tmp_path / "missing.gguf")), None)
-    bad = SimpleNamespace(config={"architectures": ["BloomForCausalLM"]})
+    bad = SimpleNamespace(config={"architectures": ["BloomForCausalLM"]}, tensors={})
     with pytest.raises(UnsupportedError) as err:
         method.check(bad, method.Options(), None)
     assert err.value.exit_code == 2 and "LlamaForCausalLM" in err.value.hint

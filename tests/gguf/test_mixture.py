@@ -148,7 +148,7 @@ def test_types_match_llama_quantize(micro_f16, tmp_path, gguf_type):
     """llama-quantize's chosen types on quantkit's F16 GGUF == quantkit's choice."""
     import gguf
 
-    from tests.gguf.test_convert import convert_to, run_quantize
+    from tests.gguf.helpers import convert_to, run_quantize
 
     f16, theirs = tmp_path / "f16.gguf", tmp_path / "theirs.gguf"
     result = convert_to(micro_f16, f16, "F16")
@@ -162,4 +162,3 @@ def test_types_match_llama_quantize(micro_f16, tmp_path, gguf_type):
     assert ours == actual and result.tensors == len(actual)
 
 
-from tests.gguf.test_convert import micro, micro_f16  # noqa: E402,F401  (session fixtures)

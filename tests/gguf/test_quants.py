@@ -91,8 +91,6 @@ def test_nearest_int_matches_magic_trick():
 def test_numba_nearest_int_equals_numpy():
     from quantkit.gguf import kquants_numba
 
-    if kquants_numba.numba is None:
-        pytest.skip("numba not installed")
     f = np.array([0.5, -2.5, 1e30, -1e30, np.inf, -np.inf, np.nan, 1e-40, 8388607.5, -4194304.5], np.float32)
     assert [kquants_numba.nint(v) for v in f] == quants.nearest_int(f).tolist()
 
@@ -100,8 +98,6 @@ def test_numba_nearest_int_equals_numpy():
 @pytest.mark.parametrize("use_imatrix", [False, True], ids=["ref", "imatrix"])
 def test_backends_agree_on_edge_blocks(use_imatrix, monkeypatch):
     """Compiled whole-row kernels vs the numpy kernels on zero, constant, tiny and huge blocks."""
-    if quants._numba is None:
-        pytest.skip("numba not installed")
     rng = np.random.default_rng(7)
     x = rng.standard_normal((6, 512)).astype(np.float32)
     x[0] = 0
@@ -129,9 +125,7 @@ def golden():
 
 @pytest.fixture(params=["numba", "numpy"])
 def backend(request, monkeypatch):
-    """Run a test with the numba search kernels and with the numpy fallback."""
-    if request.param == "numba" and quants._numba is None:
-        pytest.skip("numba not installed")
+    """Run a test with the numba kernels and with the numpy ones (the reference they are checked against)."""
     monkeypatch.setattr(quants, "BACKEND", request.param)
     return request.param
 
@@ -171,8 +165,6 @@ def test_live_bit_exact_with_llamacpp(qtype, use_imatrix, ggml):
 def test_live_fused_kernels_on_extreme_blocks(ggml):
     """The compiled kernels also match llama.cpp where float32 overflows (|x| ~ 1e20)."""
     harness, lib = ggml
-    if quants._numba is None:
-        pytest.skip("numba not installed")
     rng = np.random.default_rng(7)
     x = rng.standard_normal((4, 512)).astype(np.float32)
     x[0] = 0

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 from tests.gguf.families import build_family
-from tests.gguf.test_convert import convert_to
+from tests.gguf.helpers import convert_to
 
 ROOT = Path(__file__).resolve().parents[2]
 LLAMA_SRC = ROOT / "third_party" / "llama.cpp" / "src"
