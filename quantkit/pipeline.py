@@ -206,7 +206,7 @@ def compute_baseline(info: ModelInfo, recipe: Recipe, windows, workdir: Path, re
     with PeakTracker() as t:
         baseline = evaluate.compute_baseline(scorer, windows, workdir=workdir)
     report.timings["baseline_s"] = t.seconds
-    report.baseline = {"ppl": baseline.ppl, "positions": int(baseline.nll.shape[0])}
+    report.baseline = {"ppl": baseline.ppl, "positions": int(baseline.nll.shape[0]), "peak_rss_bytes": t.peak_rss}
     return baseline
 
 
@@ -223,6 +223,7 @@ def run_target(job: QuantizeJob, resolved: ResolvedTarget, baseline, opts: RunOp
     entry = target_report(resolved, job.info, result)
     entry.timings["quantize_s"] = qt.seconds
     entry.peak_rss_bytes = qt.peak_rss
+    entry.peak_rss_by_step["quantize"] = qt.peak_rss
     job.model = None
     gc.collect()
     if baseline is None:
@@ -235,6 +236,7 @@ def run_target(job: QuantizeJob, resolved: ResolvedTarget, baseline, opts: RunOp
                                                    job.device, job.trust_remote_code)
     entry.timings["eval_s"] = et.seconds
     entry.peak_rss_bytes = max(qt.peak_rss, et.peak_rss)
+    entry.peak_rss_by_step["eval"] = et.peak_rss
     entry.gate = evaluate.gate_verdict(entry.metrics, resolved.gate,
                                        enforced=opts.enforce_gate and resolved.gate.enabled)
     return entry

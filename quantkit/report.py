@@ -42,7 +42,8 @@ class TargetReport:
     metrics: Metrics | None = None
     gate: GateResult | None = None
     timings: dict[str, float] = field(default_factory=dict)
-    peak_rss_bytes: int = 0
+    peak_rss_bytes: int = 0  # the larger of the steps below
+    peak_rss_by_step: dict[str, int] = field(default_factory=dict)  # "quantize", "eval"
 
     @property
     def failed_enforced_gate(self) -> bool:

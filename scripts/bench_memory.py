@@ -81,7 +81,20 @@ def quantkit_run(model: Path, out: Path, args, *flags: str) -> dict:
            "--num-samples", str(args.calib), "--seq-len", str(args.seq_len), "--eval-windows", str(args.eval),
            "--json", str(out.parent / f"{out.name}.json"), *flags]
     wall, rss = timed(cmd)
-    return {"wall_s": wall, "peak_rss": rss}
+    return {"wall_s": wall, "peak_rss": rss, "steps": report_steps(out.parent / f"{out.name}.json")}
+
+
+def report_steps(path: Path) -> dict:
+    """Seconds and peak RSS of the run's steps, from its quantkit.json (baseline, quantize, gate)."""
+    report = json.loads(path.read_text())
+    target = report["targets"][0]
+    steps = {}
+    if report.get("baseline"):
+        steps["baseline"] = {"wall_s": report["timings"]["baseline_s"], "peak_rss": report["baseline"]["peak_rss_bytes"]}
+    for step, timing in (("quantize", "quantize_s"), ("eval", "eval_s")):
+        if step in target.get("peak_rss_by_step", {}):
+            steps[step] = {"wall_s": target["timings"][timing], "peak_rss": target["peak_rss_by_step"][step]}
+    return steps
 
 
 def llama(tool: str, *argv: str) -> tuple[float, int]:
