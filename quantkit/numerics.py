@@ -1,7 +1,8 @@
 """Streamed checks of the input weight values: no NaN or Inf anywhere, before any long work.
 
-Reads each safetensors file through a memory map, one tensor (in bounded chunks) at a time,
-so the whole model is never in memory. A float is non-finite exactly when all its exponent
+Reads each safetensors file with plain reads, one bounded chunk of one tensor at a time, so the
+whole model is never in memory (a memory map would keep every page it touched resident: the
+whole checkpoint, counted in the process's RSS). A float is non-finite exactly when all its exponent
 bits are set, so one bit mask per dtype covers float32/16, bfloat16 and both FP8 kinds
 (E4M3 has no Inf; its NaN is the all-ones exponent and mantissa, hence the wider mask).
 """
@@ -42,22 +43,25 @@ def nonfinite_tensors(file: Path):
     entries = sorted((e["data_offsets"][0], n, e) for n, e in header.items() if n != "__metadata__")
     if not entries:
         return
-    data = np.memmap(file, dtype=np.uint8, mode="r")
-    for begin, name, entry in entries:
-        if entry["dtype"] not in NONFINITE_MASKS:
-            continue
-        view, mask = NONFINITE_MASKS[entry["dtype"]]
-        raw = data[data_start + begin: data_start + entry["data_offsets"][1]]
-        count = count_nonfinite(raw.view(view), mask)
-        if count:
-            yield name, count
+    with open(file, "rb") as fh:
+        for begin, name, entry in entries:
+            if entry["dtype"] not in NONFINITE_MASKS:
+                continue
+            view, mask = NONFINITE_MASKS[entry["dtype"]]
+            count = count_nonfinite(fh, data_start + begin, data_start + entry["data_offsets"][1], view, mask)
+            if count:
+                yield name, count
 
 
-def count_nonfinite(bits: np.ndarray, mask: int) -> int:
-    """How many values have every bit of `mask` set (a NaN or Inf for the dtype's mask)."""
-    mask = bits.dtype.type(mask)
+def count_nonfinite(fh, begin: int, end: int, view: str, mask: int) -> int:
+    """How many values in bytes [begin, end) of the file have every bit of `mask` set (a NaN or
+    Inf for the dtype's mask), read CHUNK_ELEMENTS at a time."""
+    dtype = np.dtype(view)
+    mask = dtype.type(mask)
+    step = CHUNK_ELEMENTS * dtype.itemsize
     total = 0
-    for start in range(0, bits.size, CHUNK_ELEMENTS):
-        chunk = bits[start: start + CHUNK_ELEMENTS]
+    for start in range(begin, end, step):
+        fh.seek(start)
+        chunk = np.frombuffer(fh.read(min(step, end - start)), dtype=dtype)
         total += int(np.count_nonzero((chunk & mask) == mask))
     return total
