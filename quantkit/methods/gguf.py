@@ -118,6 +118,13 @@ def check(info, options: Options, calibration=None) -> None:
         im.check_fits(im.read(Path(options.imatrix)), info, options.gguf_type, Path(options.imatrix))
 
 
+def cpu_threads() -> int:
+    """The cores this process may use (llama-quantize's default is all of them too)."""
+    import os
+
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def model_name(job) -> str:
     return Path(job.info.path).name or "model"
 
@@ -167,7 +174,7 @@ def quantize(job: QuantizeJob) -> QuantizeResult:
     name = model_name(job)
     out_path = Path(job.out_dir) / f"{name}-{opts.gguf_type}.gguf"
     result = convert(job.info.path, out_path, opts.gguf_type,
-                     imatrix=imatrix.weights() if imatrix is not None else None, name=name)
+                     imatrix=imatrix.weights() if imatrix is not None else None, name=name, threads=cpu_threads())
     (Path(job.out_dir) / "Modelfile").write_text(render(out_path.name, read_chat_template(job.info.path)))
     return QuantizeResult(out_path, {
         "gguf": {"file": out_path.name, "type": opts.gguf_type, "tensor_types": result.type_counts,
