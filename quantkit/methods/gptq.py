@@ -77,12 +77,23 @@ def check_group_size(info, group_size: int, method: str) -> None:
         return
     if group_size < 1:
         raise InputError(f"{method}: group_size={group_size} is invalid", hint="use a positive size, or -1 per channel")
-    for name, (_out_features, in_features) in quantized_linears(info).items():
+    widths = {name: in_features for name, (_out, in_features) in quantized_linears(info).items()}
+    for name, in_features in widths.items():
         if in_features % group_size:
             raise InputError(
                 f"{method}: group_size={group_size} does not divide the input width {in_features} of {name}",
-                hint="choose a group size that divides every layer's in_features (e.g. 32, 64), or -1 per channel",
+                hint=f"group sizes that divide every layer's input width: {dividing_group_sizes(widths.values())}; "
+                "or -1 (one scale per output channel)",
             )
+
+
+def dividing_group_sizes(widths) -> str:
+    """The powers of two from 16 up (kernels want those) that divide every width, else the largest that does."""
+    import math
+
+    common = math.gcd(*widths)
+    sizes = [g for g in (16, 32, 64, 128, 256) if common % g == 0]
+    return ", ".join(map(str, sizes)) if sizes else str(common & -common)
 
 
 def check_calibration_tokens(calibration, method: str, minimum: int = MIN_CALIBRATION_TOKENS) -> None:
