@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from quantkit.errors import InputError, ModelError
+from quantkit.errors import ArtifactReloadError, InputError, ModelError
 
 
 def artifact_kind(path: Path) -> str:
@@ -63,14 +63,30 @@ def load_for_eval(path: Path, base_dir: Path | None = None, device: str = "cpu",
     config = json.loads((path / "config.json").read_text())
     try:
         with offline():
-            model = auto_model_class(config).from_pretrained(path, local_files_only=True,
-                                                             device_map=device_map(device),
-                                                             trust_remote_code=trust_remote_code)
+            model, loading = auto_model_class(config).from_pretrained(
+                path, local_files_only=True, device_map=device_map(device), trust_remote_code=trust_remote_code,
+                output_loading_info=True)
     except ValueError as exc:
         if needs_remote_code(exc):
             raise custom_code_error(path, (config.get("architectures") or ["unknown"])[0]) from exc
         raise
+    check_strict_reload(path, loading)
     return model.eval()
+
+
+def check_strict_reload(path: Path, loading: dict) -> None:
+    """Every tensor of the artifact loads into the model transformers builds for it, and every
+    parameter comes from the artifact: else a user's reload would run with weights filled at
+    random (ArtifactReloadError, exit 3)."""
+    problems = {what: sorted(str(k) for k in loading.get(key) or [])
+                for key, what in (("missing_keys", "missing"), ("unexpected_keys", "unexpected"),
+                                  ("mismatched_keys", "of the wrong shape"))}
+    found = {what: names for what, names in problems.items() if names}
+    if found:
+        detail = "; ".join(f"{len(names)} {what} ({', '.join(names[:3])})" for what, names in found.items())
+        raise ArtifactReloadError(f"{path.name} does not reload strictly in transformers: {detail}",
+                                  hint="the method wrote tensors under names transformers does not expect; "
+                                  "nothing was written")
 
 
 def load_gguf_into_base(path: Path, base_dir: Path, device: str = "cpu", trust_remote_code: bool = False):

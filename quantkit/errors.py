@@ -85,6 +85,13 @@ class OutputBusyError(InputError):
     """Another live quantkit run is writing the same output."""
 
 
+class ArtifactReloadError(QuantkitError):
+    """The written artifact does not load back strictly (missing, unexpected or mis-shaped tensors):
+    it fails the run like a failed gate, whatever the gate settings; nothing is exported."""
+
+    exit_code = 3
+
+
 def require(module: str, extra: str, purpose: str):
     """Import an optional engine or raise MissingExtraError naming the extra."""
     import importlib

@@ -138,3 +138,20 @@ def test_zero_base_probability_is_not_nan(windows):
     baseline = evaluate.compute_baseline(evaluate.logits_scorer(masked, 32), windows)
     metrics = evaluate.compare(evaluate.logits_scorer(masked, 32), windows, baseline)
     assert metrics.kld_mean == 0.0 and metrics.top1 == 1.0
+
+
+def test_a_non_strict_reload_fails_the_run():
+    """Missing, unexpected or mis-shaped tensors on reload are exit 3, whatever the gate says."""
+    from pathlib import Path
+
+    import pytest
+
+    from quantkit.artifacts import check_strict_reload
+    from quantkit.errors import ArtifactReloadError
+
+    check_strict_reload(Path("ok"), {"missing_keys": set(), "unexpected_keys": set(), "mismatched_keys": []})
+    with pytest.raises(ArtifactReloadError) as err:
+        check_strict_reload(Path("art"), {"missing_keys": {"model.layers.0.mlp.experts.gate_up_proj"},
+                                          "unexpected_keys": {"model.layers.0.block_sparse_moe.experts.0.w1.weight"},
+                                          "mismatched_keys": []})
+    assert err.value.exit_code == 3 and "1 missing" in err.value.message and "1 unexpected" in err.value.message
