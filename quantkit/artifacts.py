@@ -84,7 +84,7 @@ def check_strict_reload(path: Path, loading: dict) -> None:
     found = {what: names for what, names in problems.items() if names}
     if found:
         detail = "; ".join(f"{len(names)} {what} ({', '.join(names[:3])})" for what, names in found.items())
-        raise ArtifactReloadError(f"{path.name} does not reload strictly in transformers: {detail}",
+        raise ArtifactReloadError(f"the written artifact does not reload strictly in transformers: {detail}",
                                   hint="the method wrote tensors under names transformers does not expect; "
                                   "nothing was written")
 
