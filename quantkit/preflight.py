@@ -9,7 +9,7 @@ filesystem (the staging directory is beside OUT).
 
 from __future__ import annotations
 
-import re
+import math
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,9 +100,6 @@ def _size(n: int) -> str:
 # ---------------------------------------------------------------- memory
 
 FIXED_RAM = 768 * 2**20  # interpreter, torch, transformers and kernels before any weight (measured ~0.6-0.7 GiB)
-ACTIVATIONS_RAM = 512 * 2**20  # streamed forwards: one group of windows inside one layer (stream.ACTIVATION_BYTES)
-LAYER_PREFIX = r"^(.*\.layers\.\d+)\."
-DTYPE_BYTES = {"F32": 4, "F64": 8, "BF16": 2, "F16": 2}
 
 
 @dataclass(frozen=True)
@@ -119,19 +116,18 @@ class RamEstimate:
         return ", ".join(f"{name} {_size(n)}" for name, n in self.steps.items())
 
 
-def unit_bytes(info) -> dict[str, int]:
-    """Stored bytes per streamed unit: each decoder layer, and every other module (embeddings, head, norms)."""
-    import re
+def unit_bytes(info) -> tuple[dict[str, int], dict[str, int]]:
+    """Stored bytes per streamed unit: (every other module: embeddings, head, norms; each decoder
+    layer), grouped by the same rule as quantkit.model.offload_device_map."""
+    from quantkit.model import DTYPE_BYTES, LAYER_PREFIX
 
-    units: dict[str, int] = {}
+    others: dict[str, int] = {}
+    layers: dict[str, int] = {}
     for name, (dtype, shape) in info.tensors.items():
-        match = re.match(LAYER_PREFIX, name)
-        unit = match.group(1) if match else name.rsplit(".", 1)[0]
-        count = 1
-        for d in shape:
-            count *= d
-        units[unit] = units.get(unit, 0) + count * DTYPE_BYTES.get(dtype, 1)
-    return units
+        match = LAYER_PREFIX.match(name)
+        units, unit = (layers, match.group(1)) if match else (others, name.rsplit(".", 1)[0])
+        units[unit] = units.get(unit, 0) + math.prod(shape) * DTYPE_BYTES.get(dtype, 1)
+    return others, layers
 
 
 def ram_estimate(info, recipe, targets) -> RamEstimate:
@@ -139,21 +135,23 @@ def ram_estimate(info, recipe, targets) -> RamEstimate:
     .gguf candidate in float32) plus a group's activations and the in-memory baseline; a target
     that needs the model holds it whole in its stored dtype (or, with --offload-dir, everything but
     the decoder layers plus one layer); a compressed-tensors/bitsandbytes artifact is reloaded whole."""
-    units = unit_bytes(info)
-    largest = max(units.values(), default=0)
-    layers = {u: b for u, b in units.items() if re.search(r"\.layers\.\d+$", u)}  # decoder layers
-    model = sum(units.values())
+    from quantkit.evaluate import MEMMAP_THRESHOLD
+    from quantkit.stream import ACTIVATION_BYTES
+
+    others, layers = unit_bytes(info)
+    largest = max([*others.values(), *layers.values()], default=0)
+    model = sum(others.values()) + sum(layers.values())
     c = recipe.calibration
     text = info.config.get("text_config") or info.config
     store = 2 * c.eval_windows * c.seq_len * int(text.get("vocab_size") or 0)
-    store = store if store <= 512 * 2**20 else 0  # above that it is memory-mapped
-    steps = {"baseline": largest + ACTIVATIONS_RAM + store} if c.eval_windows else {}
+    store = store if store <= MEMMAP_THRESHOLD else 0  # above that it is memory-mapped
+    steps = {"baseline": largest + ACTIVATION_BYTES + store} if c.eval_windows else {}
     for t in targets:
         if t.needs_model:
-            held = model - sum(layers.values()) + max(layers.values(), default=0) if recipe.offload_dir else model
-            steps[f"{t.name}: quantize"] = held + ACTIVATIONS_RAM
+            held = sum(others.values()) + max(layers.values(), default=0) if recipe.offload_dir else model
+            steps[f"{t.name}: quantize"] = held + ACTIVATION_BYTES
         if c.eval_windows:
-            steps[f"{t.name}: gate"] = candidate_bytes(t, model, largest) + ACTIVATIONS_RAM + store
+            steps[f"{t.name}: gate"] = candidate_bytes(t, model, largest) + ACTIVATION_BYTES + store
     return RamEstimate(steps)
 
 

@@ -65,8 +65,10 @@ def test_ram_estimate_streams_the_gate_and_refuses_over_the_limit(micro_model, c
     recipe = build_recipe(None, "gguf", Overrides(model=str(micro_model)))
     _info, targets = prepare(recipe, RunOptions(model=str(micro_model), out=tmp_path / "x"))
     estimate = ram_estimate(info, recipe, targets)
-    largest = max(unit_bytes(info).values())
-    model = sum(unit_bytes(info).values())
+    others, layers = unit_bytes(info)
+    largest = max([*others.values(), *layers.values()])
+    model = sum(others.values()) + sum(layers.values())
+    assert set(layers) == {"model.layers.0", "model.layers.1"} and "lm_head" in others
     assert "gguf: quantize" not in estimate.steps  # conversion and imatrix stream the checkpoint
     assert estimate.steps["gguf: gate"] < model + 2 * largest + 2**30
     assert estimate.peak > FIXED_RAM
