@@ -24,8 +24,6 @@ the head (and softcap), as `evaluate.model_logits_fn` does.
 
 from __future__ import annotations
 
-import json
-import struct
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -65,15 +63,13 @@ class StoredTensor:
 
 
 def safetensors_index(file: Path) -> dict[str, StoredTensor]:
-    """Where each tensor of one .safetensors file lies (its header only)."""
-    with open(file, "rb") as fh:
-        (header_len,) = struct.unpack("<Q", fh.read(8))
-        header = json.loads(fh.read(header_len))
-    header.pop("__metadata__", None)
-    base = 8 + header_len
+    """Where each tensor of one .safetensors file lies (its header only, read by quantkit.model)."""
+    from quantkit.model import safetensors_layout
+
+    header, base = safetensors_layout(file)
     return {name: StoredTensor(file, e["dtype"], tuple(e["shape"]), base + e["data_offsets"][0],
                                e["data_offsets"][1] - e["data_offsets"][0])
-            for name, e in header.items()}
+            for name, e in header.items() if name != "__metadata__"}
 
 
 def read_stored(entry: StoredTensor) -> "torch.Tensor":  # noqa: F821
