@@ -3,8 +3,8 @@
 Protocol (also in README): held-out windows of `seq_len` tokens that never overlap the
 calibration windows, each starting with BOS where the tokenizer has one. Every next-token
 prediction inside a window is scored (seq_len - 1 per window). The baseline is run once per
-run; its log-probabilities are kept in float16 (in memory, or in a memory-mapped file when
-they would exceed MEMMAP_THRESHOLD bytes) together with its float32 NLL and argmax. A
+run; its log-probabilities are kept in float16 (in memory, or in a temporary file read and written
+with plain I/O when they would exceed SPILL_THRESHOLD bytes) together with its float32 NLL and argmax. A
 candidate's log-probabilities are rounded to float16 the same way before the KL divergence
 KL(base || candidate) is taken, so an artifact identical to the base scores exactly 0.
 
@@ -22,14 +22,13 @@ check fails any non-finite metric even when the gate is not enforced.
 from __future__ import annotations
 
 import math
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, NamedTuple
 
 import numpy as np
 
-MEMMAP_THRESHOLD = 512 * 1024 * 1024
+SPILL_THRESHOLD = 64 * 1024 * 1024  # float16 baseline log-probs above this go to a file (quantkit.rowio)
 BATCH_LOGITS_BYTES = 64 * 1024 * 1024  # float32 logits per forward batch; a few copies live at once
 CHUNK_BYTES = 32 * 1024 * 1024  # float32 log-probs per scored chunk; a few copies live at once
 GATE_METRICS = (  # (metric, threshold field, comparison)
@@ -51,7 +50,7 @@ LogitsFn = Callable[["torch.Tensor"], "torch.Tensor"]  # noqa: F821  (input_ids 
 
 @dataclass
 class Baseline:
-    logprobs: np.ndarray  # float16 (positions, vocab)
+    logprobs: "np.ndarray | RowFile"  # noqa: F821  float16 (positions, vocab), read by row ranges
     nll: np.ndarray  # float32 (positions,)
     top1: np.ndarray  # int32 (positions,); NO_TOP1 where the base's log-probs are not finite
     targets: np.ndarray  # int64 (positions,)
@@ -166,12 +165,14 @@ def model_scorer(model) -> Scorer:
 # ------------------------------------------------------------------ baseline and comparison
 
 
-def _allocate(shape: tuple[int, int], workdir: Path | None) -> np.ndarray:
-    if shape[0] * shape[1] * 2 <= MEMMAP_THRESHOLD:
+def _allocate(shape: tuple[int, int], workdir: Path | None):
+    """float16 rows in memory when small, else in an unlinked file (a memory map would keep every
+    page written or read resident: the baseline's whole size in the RSS)."""
+    from quantkit.rowio import RowFile
+
+    if shape[0] * shape[1] * 2 <= SPILL_THRESHOLD:
         return np.empty(shape, dtype=np.float16)
-    with tempfile.NamedTemporaryFile(prefix="quantkit-baseline-", suffix=".f16", dir=workdir) as handle:
-        # The mapping outlives the name: the file is unlinked on close, freed when the array goes.
-        return np.memmap(handle.name, dtype=np.float16, mode="w+", shape=shape)
+    return RowFile(shape, np.float16, workdir, prefix="quantkit-baseline-")
 
 
 def empty_baseline(n_positions: int, vocab: int, workdir: Path | None) -> Baseline:
@@ -296,7 +297,7 @@ def gate_verdict(metrics: Metrics, gate, enforced: bool = True) -> GateResult:
 
 
 def evaluate_artifact(artifact: Path, base_dir: Path, windows, baseline: Baseline, device: str = "cpu",
-                      trust_remote_code: bool = False) -> Metrics:
+                      trust_remote_code: bool = False, workdir: Path | None = None) -> Metrics:
     """Read an artifact back from disk the way a user would and measure it against the baseline.
 
     The one measuring step shared by the pipeline's gate and `quantkit eval`: a .gguf or a
@@ -305,16 +306,17 @@ def evaluate_artifact(artifact: Path, base_dir: Path, windows, baseline: Baselin
     """
     from quantkit.stream import artifact_scorer
 
-    return compare(artifact_scorer(artifact, base_dir, device, trust_remote_code), windows, baseline)
+    return compare(artifact_scorer(artifact, base_dir, device, trust_remote_code, workdir), windows, baseline)
 
 
-def base_scorer(info, dtype: str = "auto", device: str = "cpu", trust_remote_code: bool = False) -> Scorer:
+def base_scorer(info, dtype: str = "auto", device: str = "cpu", trust_remote_code: bool = False,
+                workdir: Path | None = None) -> Scorer:
     """The full-precision base: streamed from its safetensors where the streamed forward applies
     (a text decoder), else loaded whole for the duration of the scoring (a VLM, remote code)."""
     from quantkit import stream
 
     if stream.streamable(info.config) and not trust_remote_code:
-        return stream.checkpoint_scorer(info.path, dtype, device)
+        return stream.checkpoint_scorer(info.path, dtype, device, workdir=workdir)
 
     def scorer(windows):
         from quantkit.model import load_model

@@ -202,7 +202,7 @@ def compute_baseline(info: ModelInfo, recipe: Recipe, windows, workdir: Path, re
     from quantkit import evaluate
 
     progress(f"baseline: scoring {len(windows)} held-out windows")
-    scorer = evaluate.base_scorer(info, recipe.dtype, recipe.device, recipe.trust_remote_code)
+    scorer = evaluate.base_scorer(info, recipe.dtype, recipe.device, recipe.trust_remote_code, workdir)
     with PeakTracker() as t:
         baseline = evaluate.compute_baseline(scorer, windows, workdir=workdir)
     report.timings["baseline_s"] = t.seconds
@@ -233,7 +233,7 @@ def run_target(job: QuantizeJob, resolved: ResolvedTarget, baseline, opts: RunOp
     opts.progress(f"[{resolved.name}] measuring the artifact against the base")
     with PeakTracker() as et:
         entry.metrics = evaluate.evaluate_artifact(result.artifact, job.info.path, job.windows.eval, baseline,
-                                                   job.device, job.trust_remote_code)
+                                                   job.device, job.trust_remote_code, job.workdir)
     entry.timings["eval_s"] = et.seconds
     entry.peak_rss_bytes = max(qt.peak_rss, et.peak_rss)
     entry.peak_rss_by_step["eval"] = et.peak_rss

@@ -2,9 +2,10 @@
 filesystem lacks it (exit 2, with the numbers), instead of failing after the long work.
 
 Rough on purpose: per target, the decoder's linear weights at the method's bits and everything
-else at 16 bits; a merged LoRA checkpoint at 16 bits; the memory-mapped float16 baseline
-(eval_windows x seq_len x vocab). Staging, merged checkpoint and baseline all live on OUT's
-filesystem (the staging directory is beside OUT).
+else at 16 bits; a merged LoRA checkpoint at 16 bits; the float16 baseline log-probs and the
+float32 logits a streamed scorer spills (eval_windows x seq_len x vocab, 2 + 4 bytes at most).
+Staging, merged checkpoint and these files all live on OUT's filesystem (the staging directory
+is beside OUT).
 """
 
 from __future__ import annotations
@@ -32,10 +33,11 @@ class DiskEstimate:
 
 def estimate_bytes(quantized_params: int, other_params: int, target_bits: list[float], lora: bool,
                    eval_windows: int, seq_len: int, vocab: int) -> DiskEstimate:
-    """Bytes a run writes: one artifact per target, the merged LoRA model, the float16 baseline."""
+    """Bytes a run writes: one artifact per target, the merged LoRA model, the float16 baseline
+    and the spilled float32 logits of one scorer (both at most eval_windows x seq_len x vocab)."""
     artifacts = sum(int(quantized_params * bits / 8) + 2 * other_params for bits in target_bits)
     merged = 2 * (quantized_params + other_params) if lora else 0
-    return DiskEstimate(artifacts, merged, 2 * eval_windows * seq_len * vocab)
+    return DiskEstimate(artifacts, merged, (2 + 4) * eval_windows * seq_len * vocab)
 
 
 def target_bits(method: str, options) -> float:
@@ -87,7 +89,7 @@ def check_disk(out: Path, estimate: DiskEstimate) -> None:
     if estimate.merged_lora:
         parts.append(f"merged LoRA model {_size(estimate.merged_lora)}")
     if estimate.baseline:
-        parts.append(f"baseline logits {_size(estimate.baseline)}")
+        parts.append(f"baseline and spilled logits {_size(estimate.baseline)}")
     raise InputError(f"not enough disk space in {parent}: the run writes about {_size(estimate.total)} "
                      f"({', '.join(parts)}), {_size(free)} is free",
                      hint="free some space, write to another filesystem, or run fewer targets or eval windows")
@@ -131,35 +133,37 @@ def unit_bytes(info) -> tuple[dict[str, int], dict[str, int]]:
 
 
 def ram_estimate(info, recipe, targets) -> RamEstimate:
-    """Per step: the streamed baseline and gate hold one unit (a layer or a vocabulary matrix, the
-    .gguf candidate in float32) plus a group's activations and the in-memory baseline; a target
-    that needs the model holds it whole in its stored dtype (or, with --offload-dir, everything but
-    the decoder layers plus one layer); a compressed-tensors/bitsandbytes artifact is reloaded whole."""
-    from quantkit.evaluate import MEMMAP_THRESHOLD
-    from quantkit.stream import ACTIVATION_BYTES
+    """Per step: the streamed baseline and gate hold one decoder layer (the .gguf candidate's in
+    float32), a group's activations, a slice of the output head and its logits, and the baseline
+    log-probs while they are small enough to stay in memory; a target that needs the model holds it
+    whole in its stored dtype (or, with --offload-dir, everything but the decoder layers plus one
+    layer); a compressed-tensors/bitsandbytes artifact is reloaded whole."""
+    from quantkit.evaluate import SPILL_THRESHOLD
+    from quantkit.stream import ACTIVATION_BYTES, HEAD_SLICE_BYTES
 
     others, layers = unit_bytes(info)
-    largest = max([*others.values(), *layers.values()], default=0)
+    layer = max(layers.values(), default=0) or max(others.values(), default=0)
     model = sum(others.values()) + sum(layers.values())
     c = recipe.calibration
     text = info.config.get("text_config") or info.config
     store = 2 * c.eval_windows * c.seq_len * int(text.get("vocab_size") or 0)
-    store = store if store <= MEMMAP_THRESHOLD else 0  # above that it is memory-mapped
-    steps = {"baseline": largest + ACTIVATION_BYTES + store} if c.eval_windows else {}
+    store = store if store <= SPILL_THRESHOLD else 0  # above that it is kept in a file
+    streamed = ACTIVATION_BYTES + 2 * HEAD_SLICE_BYTES + store
+    steps = {"baseline": layer + streamed} if c.eval_windows else {}
     for t in targets:
         if t.needs_model:
             held = sum(others.values()) + max(layers.values(), default=0) if recipe.offload_dir else model
             steps[f"{t.name}: quantize"] = held + ACTIVATION_BYTES
         if c.eval_windows:
-            steps[f"{t.name}: gate"] = candidate_bytes(t, model, largest) + ACTIVATION_BYTES + store
+            steps[f"{t.name}: gate"] = candidate_bytes(t, model, layer) + streamed
     return RamEstimate(steps)
 
 
-def candidate_bytes(target, model: int, largest: int) -> int:
-    """What the gate holds of one artifact: a .gguf streamed in float32 (twice a 16-bit unit), a
+def candidate_bytes(target, model: int, layer: int) -> int:
+    """What the gate holds of one artifact: a .gguf streamed in float32 (twice a 16-bit layer), a
     compressed-tensors/bitsandbytes checkpoint whole at its bits."""
     if target.target.method == "gguf":
-        return 2 * largest
+        return 2 * layer
     return int(model * target_bits(target.target.method, target.options) / 16)
 
 

@@ -1,20 +1,22 @@
 """Layer-streamed forwards: evaluate a model whose weights are never all in memory at once.
 
 The transformers model is built on the meta device (parameters only; buffers such as rotary
-frequencies and Gemma's embedding scale are computed as usual). Every streamed unit (the token
-embedding, each decoder layer, the final norm) carries accelerate's AlignDevicesHook with
+frequencies and Gemma's embedding scale are computed as usual). Every streamed unit (each module
+of the decoder with parameters of its own: each projection, each norm) carries accelerate's AlignDevicesHook with
 `offload=True` and a lazy `weights_map`: just before the unit runs, its weights are read from a
 WeightSource (a safetensors checkpoint or a .gguf, one tensor at a time), cast to the compute
 dtype and placed on the execution device; right after, they go back to meta and are freed. The
 model's own forward runs unchanged (masks, rotary, sliding windows, Gemma's scaling and attention
 softcaps) for every architecture transformers has.
 
+The token embedding is not loaded whole: its hook reads only the rows of the ids in the batch.
 The windows go through in groups (all at once when the activations fit ACTIVATION_BYTES), so each
 layer is read once per group, not once per window. The base model stops at the last hidden states;
-the output head is materialized once per group and applied to a chunk of positions at a time
-(with the config's final_logit_softcapping, as the model's forward does), and each chunk's
-log-probs are handed to the evaluator as a ScoredChunk and dropped. Peak memory: one unit's
-weights + one group's activations + one chunk of logits, whatever the model's size.
+the output head is applied a slice of its vocabulary rows at a time (with the config's
+final_logit_softcapping, as the model's forward does), the float32 logits written to a file in
+the run's work directory, and read back a chunk of positions at a time: each chunk's log-probs
+are handed to the evaluator as a ScoredChunk and dropped. Peak memory: one weight matrix + one
+group's activations + one slice of the head, whatever the model's size or its vocabulary.
 
 Numerics equal the in-memory path's: the same modules run in the same dtype (the stored dtype
 for a checkpoint, as `quantkit.model.load_model` loads it; float32 for a .gguf, as
@@ -25,7 +27,6 @@ the head (and softcap), as `evaluate.model_logits_fn` does.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -34,6 +35,7 @@ from quantkit.errors import ModelError
 from quantkit.evaluate import ScoredChunk, Scorer, chunk_rows, iter_batches
 
 ACTIVATION_BYTES = 512 * 1024 * 1024  # working set of one group of windows inside one decoder layer
+HEAD_SLICE_BYTES = 64 * 1024 * 1024  # one slice of the output head's rows, and of the logits for it
 # safetensors dtype -> torch dtype name
 TORCH_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
                 "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
@@ -48,6 +50,8 @@ class WeightSource(Protocol):
     def get(self, name: str) -> "torch.Tensor": ...  # noqa: F821
 
     def shape(self, name: str) -> tuple[int, ...]: ...  # the tensor's Hugging Face shape, without reading it
+
+    def rows(self, name: str, index) -> "torch.Tensor": ...  # noqa: F821  rows `index` (sorted, unique) of dim 0
 
 
 # ------------------------------------------------------------------ sources
@@ -70,6 +74,39 @@ def safetensors_index(file: Path) -> dict[str, StoredTensor]:
     return {name: StoredTensor(file, e["dtype"], tuple(e["shape"]), base + e["data_offsets"][0],
                                e["data_offsets"][1] - e["data_offsets"][0])
             for name, e in header.items() if name != "__metadata__"}
+
+
+def stored_tensor(entry: StoredTensor, rows: int) -> "torch.Tensor":  # noqa: F821
+    import torch
+
+    return torch.empty((rows, *entry.shape[1:]), dtype=getattr(torch, TORCH_DTYPES[entry.dtype]))
+
+
+def as_bytes(tensor) -> memoryview:
+    import torch
+
+    return memoryview(tensor.view(-1).view(torch.uint8).numpy()) if tensor.numel() else memoryview(bytearray())
+
+
+def read_stored_rows(entry: StoredTensor, index) -> "torch.Tensor":  # noqa: F821
+    """Rows `index` (sorted, unique) of a stored tensor along its first dimension, one plain read
+    per run of consecutive rows (an embedding's rows for the ids of a batch, a slice of the head)."""
+    import os
+
+    from quantkit.rowio import pread_into, row_runs
+
+    out = stored_tensor(entry, len(index))
+    row_bytes = entry.nbytes // max(1, entry.shape[0])
+    raw = as_bytes(out)
+    fd = os.open(entry.file, os.O_RDONLY)
+    try:
+        for position, row, count in row_runs(index):
+            pread_into(fd, raw[position * row_bytes : (position + count) * row_bytes], entry.offset + row * row_bytes)
+    except EOFError as exc:
+        raise ModelError(f"{entry.file.name}: tensor data is truncated") from exc
+    finally:
+        os.close(fd)
+    return out
 
 
 def read_stored(entry: StoredTensor) -> "torch.Tensor":  # noqa: F821
@@ -108,6 +145,9 @@ class SafetensorsWeights:
     def shape(self, name: str) -> tuple[int, ...]:
         return self.index[name].shape
 
+    def rows(self, name: str, index) -> "torch.Tensor":  # noqa: F821
+        return read_stored_rows(self.index[name], index)
+
 
 class WeightsMap(Mapping):
     """A WeightSource as the lazy Mapping accelerate's hooks read, by the model's parameter names.
@@ -127,6 +167,9 @@ class WeightsMap(Mapping):
 
     def __len__(self) -> int:
         return len(self.names)
+
+    def rows(self, name: str, index):
+        return self.source.rows(self.names[name], index)
 
 
 def tied_groups(model) -> list[list[str]]:
@@ -189,15 +232,12 @@ def build_meta_model(config, dtype):
 
 
 def streamed_units(decoder) -> Iterator[tuple[str, object]]:
-    """(name, module) of each unit loaded at a time: each element of the decoder's layer lists
-    and each other child holding parameters (embedding, final norm)."""
-    import torch
-
-    for name, child in decoder.named_children():
-        if isinstance(child, torch.nn.ModuleList):
-            yield from ((f"{name}.{i}", layer) for i, layer in enumerate(child))
-        elif any(True for _ in child.parameters()):
-            yield name, child
+    """(name, module) of each unit loaded at a time: every module of the decoder holding
+    parameters of its own (each linear projection, each norm, the embedding, a fused experts
+    block), so at most one weight matrix is materialized at any moment, not a whole layer."""
+    for name, module in decoder.named_modules():
+        if any(True for _ in module.parameters(recurse=False)):
+            yield name, module
 
 
 def release_freed_memory() -> None:
@@ -227,11 +267,47 @@ def offload_hook(weights: WeightsMap, prefix: str, device):
             return output
 
     return StreamingHook(execution_device=device, offload=True, weights_map=PrefixedDataset(weights, prefix),
-                         place_submodules=True)
+                         place_submodules=False)
 
 
 def module_prefixes(model) -> dict[int, str]:
     return {id(module): f"{name}." if name else "" for name, module in model.named_modules()}
+
+
+def gather_hook(weights: WeightsMap, name: str, device):
+    """A hook that gives the token embedding only the rows of the ids it is called with.
+
+    Before the call the embedding's weight becomes those rows (read from the source) and the ids
+    are renumbered into them; after it the weight goes back to meta. A 128k-row vocabulary then
+    costs a batch's distinct ids, not the whole matrix. The module's own forward still runs (Gemma's
+    scaled embedding included); padding_idx, which only matters for gradients, is lifted for the
+    call since the compact weight may have fewer rows than it."""
+    import torch
+    from accelerate.hooks import ModelHook
+
+    class GatherRowsHook(ModelHook):
+        def pre_forward(self, module, ids, *args, **kwargs):
+            unique, compact = torch.unique(ids, sorted=True, return_inverse=True)
+            rows = weights.rows(name, unique.cpu().numpy()).to(device, module.weight.dtype)
+            self.meta_weight, self.padding_idx = module.weight, module.padding_idx
+            module.weight, module.padding_idx = torch.nn.Parameter(rows, requires_grad=False), None
+            return (compact.to(device), *args), kwargs
+
+        def post_forward(self, module, output):
+            module.weight, module.padding_idx = self.meta_weight, self.padding_idx
+            release_freed_memory()
+            return output
+
+    return GatherRowsHook()
+
+
+def unit_hook(model, unit, weights: WeightsMap, prefix: str, device):
+    """The token embedding gathers the rows it needs; every other unit loads whole while it runs."""
+    import torch
+
+    if unit is model.get_input_embeddings() and isinstance(unit, torch.nn.Embedding):
+        return gather_hook(weights, f"{prefix}weight", device)
+    return offload_hook(weights, prefix, device)
 
 
 def attach_streaming(model, weights: WeightsMap, device) -> None:
@@ -241,22 +317,9 @@ def attach_streaming(model, weights: WeightsMap, device) -> None:
 
     prefixes = module_prefixes(model)
     for _, unit in streamed_units(model.get_decoder()):
-        add_hook_to_module(unit, offload_hook(weights, prefixes[id(unit)], device))
+        add_hook_to_module(unit, unit_hook(model, unit, weights, prefixes[id(unit)], device))
     for name, _ in model.named_buffers():
         set_module_tensor_to_device(model, name, device)
-
-
-@contextmanager
-def materialized(module, weights: WeightsMap, prefix: str, device):
-    """The module's weights loaded for the duration (the same hook, driven by hand: the output
-    head serves many chunks per load)."""
-    hook = offload_hook(weights, prefix, device)
-    hook.init_hook(module)
-    hook.pre_forward(module)
-    try:
-        yield module
-    finally:
-        hook.post_forward(module, None)
 
 
 @dataclass
@@ -286,37 +349,68 @@ def last_hidden(streamed: StreamedModel, ids):
     return hidden[:, :-1].reshape(-1, hidden.shape[-1])
 
 
-def head_logits(head, hidden, softcap: float | None):
-    """Logits of a block of positions, softcapped as the model's own forward does it."""
+def head_slice_rows(positions: int, hidden: int) -> int:
+    """Vocabulary rows per slice of the head: its float32 weight rows and the float32 logits of
+    every position for them both stay near HEAD_SLICE_BYTES."""
+    return max(1, min(HEAD_SLICE_BYTES // (4 * hidden), HEAD_SLICE_BYTES // (4 * max(1, positions))))
+
+
+def head_block(streamed: StreamedModel, hidden, index):
+    """Logits of every position for vocabulary rows `index` (the head's rows read for them only),
+    softcapped as the model's own forward does, in float32."""
     import torch
 
-    logits = head(hidden)
-    if softcap is not None:
-        logits = torch.tanh(logits / softcap) * softcap
+    head, prefix = streamed.head, module_prefixes(streamed.model)[id(streamed.head)]
+    weight = streamed.weights.rows(f"{prefix}weight", index).to(streamed.device, head.weight.dtype)
+    bias = None
+    if head.bias is not None:
+        bias = streamed.weights.rows(f"{prefix}bias", index).to(streamed.device, head.bias.dtype)
+    logits = torch.nn.functional.linear(hidden, weight, bias)
+    if streamed.softcap is not None:
+        logits = torch.tanh(logits / streamed.softcap) * streamed.softcap
+    return logits.float().cpu().numpy()
+
+
+def spilled_logits(streamed: StreamedModel, hidden, workdir: Path | None):
+    """float32 logits (positions, vocab) written to a RowFile a slice of the vocabulary at a time.
+
+    Our own loop for the head: the CausalLM's forward would make all the logits at once with the
+    whole head materialized (a 128k x 4096 matrix is 2 GB in float32); here only one slice of the
+    head and one slice of logits are in memory, and every head row is read once per group."""
+    import numpy as np
+
+    from quantkit.rowio import RowFile
+
+    vocab = streamed.head.out_features
+    logits = RowFile((hidden.shape[0], vocab), np.float32, workdir, prefix="quantkit-logits-")
+    step = head_slice_rows(hidden.shape[0], hidden.shape[1])
+    for start in range(0, vocab, step):
+        index = np.arange(start, min(vocab, start + step))
+        logits.write_columns(0, start, head_block(streamed, hidden, index))
+        release_freed_memory()
     return logits
 
 
-def score_group(streamed: StreamedModel, ids) -> Iterator[ScoredChunk]:
-    """Run one group of windows through the streamed layers, then score it a chunk at a time.
-
-    Our own loop for the head only: the CausalLM's forward would make the group's whole
-    [positions x vocab] logits at once, and a hooked head would be re-read for every chunk."""
+def score_group(streamed: StreamedModel, ids, workdir: Path | None = None) -> Iterator[ScoredChunk]:
+    """Run one group of windows through the streamed layers, then score it a chunk of positions
+    at a time from its spilled logits."""
     import torch
 
     hidden = last_hidden(streamed, ids)
     targets = ids[:, 1:].reshape(-1)
-    step = chunk_rows(streamed.head.out_features)
-    prefix = module_prefixes(streamed.model)[id(streamed.head)]
-    with materialized(streamed.head, streamed.weights, prefix, streamed.device) as head:
-        for start in range(0, hidden.shape[0], step):
-            logits = head_logits(head, hidden[start : start + step], streamed.softcap)
-            yield ScoredChunk(torch.log_softmax(logits.float(), dim=-1).cpu(), targets[start : start + step])
+    logits = spilled_logits(streamed, hidden, workdir)
+    del hidden
+    step = chunk_rows(logits.shape[1])
+    for start in range(0, len(logits), step):
+        rows = torch.from_numpy(logits[start : start + step])
+        yield ScoredChunk(torch.log_softmax(rows, dim=-1), targets[start : start + step])
+        release_freed_memory()  # the consumer's copies of the chunk are gone by now
 
 
-def streamed_scorer(config, source: WeightSource, dtype, device="cpu", activation_bytes: int = ACTIVATION_BYTES
-                    ) -> Scorer:
+def streamed_scorer(config, source: WeightSource, dtype, device="cpu", activation_bytes: int = ACTIVATION_BYTES,
+                    workdir: Path | None = None) -> Scorer:
     """A Scorer (evaluate.compute_baseline / compare) running `config`'s model layer by layer
-    from `source`, in `dtype` on `device`."""
+    from `source`, in `dtype` on `device`; its logits are spilled to a file in `workdir`."""
 
     def scorer(windows) -> Iterator[ScoredChunk]:
         import torch
@@ -325,7 +419,7 @@ def streamed_scorer(config, source: WeightSource, dtype, device="cpu", activatio
         group = windows_per_group(config.get_text_config(), windows.shape[1], activation_bytes)
         with torch.inference_mode():
             for ids in iter_batches(windows, group):
-                yield from score_group(streamed, ids)
+                yield from score_group(streamed, ids, workdir)
 
     return scorer
 
@@ -347,7 +441,7 @@ def streamable(config: dict) -> bool:
 
 
 def checkpoint_scorer(model_dir: Path, dtype: str = "auto", device: str = "cpu",
-                      activation_bytes: int = ACTIVATION_BYTES) -> Scorer:
+                      activation_bytes: int = ACTIVATION_BYTES, workdir: Path | None = None) -> Scorer:
     """A full-precision checkpoint streamed from its safetensors, in `dtype` ('auto': the stored
     dtype, as quantkit.model.load_model and from_pretrained load it)."""
     from quantkit.model import check_model_dir, device_map, hf_config, torch_dtype
@@ -355,10 +449,11 @@ def checkpoint_scorer(model_dir: Path, dtype: str = "auto", device: str = "cpu",
     info = check_model_dir(Path(model_dir))
     config = hf_config(model_dir)  # streamed only without trust_remote_code
     return streamed_scorer(config, SafetensorsWeights(model_dir), torch_dtype(dtype, info), device_map(device),
-                           activation_bytes)
+                           activation_bytes, workdir)
 
 
-def gguf_scorer(path: Path, base_dir: Path, device: str = "cpu", activation_bytes: int = ACTIVATION_BYTES) -> Scorer:
+def gguf_scorer(path: Path, base_dir: Path, device: str = "cpu", activation_bytes: int = ACTIVATION_BYTES,
+                workdir: Path | None = None) -> Scorer:
     """A .gguf in the base's architecture, dequantized a tensor at a time, computed in float32
     (as artifacts.load_gguf_into_base does)."""
     import torch
@@ -368,7 +463,7 @@ def gguf_scorer(path: Path, base_dir: Path, device: str = "cpu", activation_byte
 
     config = hf_config(base_dir)  # streamed only without trust_remote_code
     return streamed_scorer(config, GGUFTensors(path, config.to_dict()), torch.float32, device_map(device),
-                           activation_bytes)
+                           activation_bytes, workdir)
 
 
 def loaded_scorer(path: Path, base_dir: Path | None, device: str = "cpu", trust_remote_code: bool = False) -> Scorer:
@@ -383,7 +478,7 @@ def loaded_scorer(path: Path, base_dir: Path | None, device: str = "cpu", trust_
 
 
 def artifact_scorer(path: Path, base_dir: Path | None = None, device: str = "cpu",
-                    trust_remote_code: bool = False) -> Scorer:
+                    trust_remote_code: bool = False, workdir: Path | None = None) -> Scorer:
     """A Scorer for any artifact quantkit evaluates: a .gguf or a full-precision text decoder is
     streamed layer by layer; a compressed-tensors or bitsandbytes checkpoint (weights already 4-8 bit,
     restored by its engine's own modules) and a VLM load whole through transformers."""
@@ -397,7 +492,7 @@ def artifact_scorer(path: Path, base_dir: Path | None = None, device: str = "cpu
             raise InputError("evaluating a .gguf needs the base checkpoint", hint="pass --against BASE_DIR")
         if is_vlm(read_config(Path(base_dir))):  # the language model goes into the whole base (its towers)
             return loaded_scorer(path, base_dir, device, trust_remote_code)
-        return gguf_scorer(gguf_file(path), base_dir, device)
+        return gguf_scorer(gguf_file(path), base_dir, device, workdir=workdir)
     if kind == "transformers" and streamable(read_config(path)) and not trust_remote_code:
-        return checkpoint_scorer(path, "auto", device)
+        return checkpoint_scorer(path, "auto", device, workdir=workdir)
     return loaded_scorer(path, base_dir, device, trust_remote_code)

@@ -72,10 +72,14 @@ def test_batch_size_bounds_logits_memory(windows):
     assert evaluate.batch_size_for(windows, None) == 1
 
 
-def test_large_baseline_spills_to_a_memmap(windows, tmp_path, monkeypatch):
-    monkeypatch.setattr(evaluate, "MEMMAP_THRESHOLD", 16)
+def test_large_baseline_spills_to_a_file(windows, tmp_path, monkeypatch):
+    from quantkit.rowio import RowFile
+
+    in_memory = evaluate.compute_baseline(fake_model(), windows)
+    monkeypatch.setattr(evaluate, "SPILL_THRESHOLD", 16)
     baseline = evaluate.compute_baseline(fake_model(), windows, workdir=tmp_path)
-    assert isinstance(baseline.logprobs, np.memmap) and baseline.logprobs.dtype == np.float16
+    assert isinstance(baseline.logprobs, RowFile) and baseline.logprobs.dtype == np.float16
+    assert np.array_equal(baseline.logprobs[0 : len(baseline.logprobs)], in_memory.logprobs)
     assert not list(tmp_path.iterdir())  # unlinked at once; nothing to clean up
     assert evaluate.compare(fake_model(), windows, baseline).kld_mean == 0.0
 

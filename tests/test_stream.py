@@ -50,10 +50,10 @@ def assert_same_metrics(a: evaluate.Metrics, b: evaluate.Metrics) -> None:
 
 
 class CountingSource:
-    """A WeightSource that counts reads and can poison one tensor."""
+    """A WeightSource that counts reads (whole tensors, and rows read by `rows`) and can poison one tensor."""
 
     def __init__(self, source, nan: str | None = None):
-        self.source, self.nan, self.reads = source, nan, {}
+        self.source, self.nan, self.reads, self.rows_read = source, nan, {}, {}
 
     def keys(self):
         return self.source.keys()
@@ -64,6 +64,11 @@ class CountingSource:
     def get(self, name):
         self.reads[name] = self.reads.get(name, 0) + 1
         tensor = self.source.get(name)
+        return torch.full_like(tensor, math.nan) if name == self.nan else tensor
+
+    def rows(self, name, index):
+        self.rows_read[name] = self.rows_read.get(name, 0) + len(index)
+        tensor = self.source.rows(name, index)
         return torch.full_like(tensor, math.nan) if name == self.nan else tensor
 
 
@@ -103,42 +108,58 @@ def test_streamed_gguf_equals_load_gguf_into_base(request, model, gguf_type, win
 
 
 def test_layers_are_materialized_one_at_a_time(micro_model, windows, monkeypatch):
-    """At every module's forward, the parameters off the meta device are one unit's at most."""
-    built, live, peak = [], [], [0]
+    """At every module's forward, the parameters off the meta device are one weight matrix at most;
+    the embedding holds only the rows of the windows' distinct ids and the head is never a parameter."""
+    built, peak = [], [0]
     real_build = stream.build_meta_model
 
     def capture(config, dtype):
         built.append(real_build(config, dtype))
         return built[-1]
 
-    def count(module, args):
-        size = sum(p.numel() for p in built[0].parameters() if not p.is_meta)
-        peak[0] = max(peak[0], size)
-        live.append(size)
+    class Count(torch.overrides.TorchFunctionMode):  # at every torch call inside the forwards
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if built:
+                peak[0] = max(peak[0], sum(p.numel() for p in built[0].parameters() if not p.is_meta))
+            return func(*args, **(kwargs or {}))
 
     monkeypatch.setattr(stream, "build_meta_model", capture)
-    handle = torch.nn.modules.module.register_module_forward_pre_hook(count)
-    try:
+    with Count():
         evaluate.compute_baseline(stream.checkpoint_scorer(micro_model), windows)
-    finally:
-        handle.remove()
     model = built[0]
-    whole = sum(p.numel() for p in model.parameters())
-    units = [sum(p.numel() for p in m.parameters()) for _, m in stream.streamed_units(model.get_decoder())]
-    assert peak[0] == max(units + [model.get_output_embeddings().weight.numel()])
-    assert peak[0] < whole / 2
+    matrices = [p.numel() for p in model.get_decoder().layers.parameters()]
+    embedding = len(windows.unique()) * model.config.hidden_size
+    assert peak[0] == max(matrices + [embedding])
+    assert peak[0] < sum(p.numel() for p in model.get_decoder().layers[0].parameters()) / 2
     assert all(not p.is_meta for p in model.get_decoder().rotary_emb.buffers())
     assert all(p.is_meta for p in model.parameters())  # everything freed afterwards
 
 
 def test_each_tensor_is_read_once_per_group_of_windows(micro_model, windows):
+    """Layers are read whole once per group; the head's rows once each per group; the embedding's
+    only for the ids that occur."""
+    embed, head = "model.embed_tokens.weight", "lm_head.weight"
     source = CountingSource(stream.SafetensorsWeights(micro_model))
     evaluate.compute_baseline(scorer_over(micro_model, source), windows)
-    assert set(source.reads.values()) == {1} and len(source.reads) == len(source.keys())
+    assert set(source.reads.values()) == {1}
+    assert set(source.reads) | set(source.rows_read) == set(source.keys())
+    vocab = source.shape(head)[0]
+    assert source.rows_read == {embed: len(windows.unique()), head: vocab}
     one_window = CountingSource(stream.SafetensorsWeights(micro_model))
     baseline = evaluate.compute_baseline(scorer_over(micro_model, one_window, activation_bytes=1), windows)
     assert set(one_window.reads.values()) == {len(windows)}
+    assert one_window.rows_read[head] == vocab * len(windows)
+    assert one_window.rows_read[embed] == sum(len(w.unique()) for w in windows)
     assert baseline.ppl == pytest.approx(in_memory_baseline(micro_model, windows).ppl, rel=REL)
+
+
+def test_head_in_many_vocabulary_slices_gives_the_same_metrics(micro_model, windows, monkeypatch, tmp_path):
+    base = in_memory_baseline(micro_model, windows)
+    monkeypatch.setattr(stream, "HEAD_SLICE_BYTES", 4 * 64 * 7)  # 7 rows of the 64-wide head per slice
+    assert stream.head_slice_rows(10, 64) == 7
+    metrics = evaluate.compare(stream.checkpoint_scorer(micro_model, workdir=tmp_path), windows, base)
+    assert metrics.kld_mean < 1e-6 and metrics.top1 == 1.0 and abs(metrics.ppl_increase) < REL
+    assert not list(tmp_path.iterdir())  # the spilled logits' file is unlinked at once
 
 
 def test_logits_come_a_chunk_of_positions_at_a_time(micro_model, windows, monkeypatch):
@@ -178,6 +199,33 @@ def test_safetensors_source_reads_stored_dtype(micro_model):
     for name, tensor in ref.items():
         got = source.get(name)
         assert got.dtype == tensor.dtype and torch.equal(got, tensor), name
+
+
+def test_safetensors_rows_equal_the_tensors_rows(micro_model):
+    import numpy as np
+
+    source = stream.SafetensorsWeights(micro_model)
+    index = np.array([0, 1, 2, 7, 9, 10, 200, 499])
+    for name in ("model.embed_tokens.weight", "lm_head.weight", "model.layers.0.mlp.up_proj.weight"):
+        assert torch.equal(source.rows(name, index), source.get(name)[index]), name
+    assert source.rows("lm_head.weight", np.array([], dtype=np.int64)).shape[0] == 0
+
+
+def test_gguf_rows_equal_the_dequantized_rows(micro_model, tmp_path):
+    import numpy as np
+
+    from quantkit.gguf.convert import convert
+    from quantkit.gguf.loader import GGUFTensors
+    from quantkit.model import read_config
+
+    path = tmp_path / "q4.gguf"
+    convert(micro_model, path, "Q4_K_M")
+    source = GGUFTensors(path, read_config(micro_model))
+    for name in source.keys():
+        if len(source.shape(name)) == 2:
+            index = np.array([0, 3, 4, 5, 100, 255]) % source.shape(name)[0]
+            index = np.unique(index)
+            assert torch.equal(source.rows(name, index), source.get(name)[index]), name
 
 
 def test_gguf_tensors_dequantize_in_slabs_exactly(micro_model, tmp_path, monkeypatch):

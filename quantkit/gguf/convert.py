@@ -30,7 +30,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -743,19 +743,47 @@ def shift_norm(data: np.ndarray, source_dtype: str) -> np.ndarray:
     return data + np.float32(1)
 
 
-def tensor_data(handles: dict, plan: TensorPlan, imatrix: np.ndarray | None, threads: int = 1) -> np.ndarray:
+def whole(data) -> np.ndarray:
+    """A SlabbedTensor's slabs joined (an expert's matrix, stacked with the others)."""
+    return np.concatenate(list(data.slabs())) if isinstance(data, SlabbedTensor) else data
+
+
+def tensor_data(handles: dict, plan: TensorPlan, imatrix: np.ndarray | None, threads: int = 1):
     """Read, transform and quantize one tensor (experts one at a time, large matrices by slabs)."""
     if plan.values is not None:
         return quantize_rows(plan.values, plan.qtype, imatrix, threads)
     if plan.sources:
         n = plan.shape[-1]
-        return np.stack([matrix_data(handles[hf], plan, hf, plan.shape[1:],
-                                     None if imatrix is None else imatrix[i * n:(i + 1) * n], threads)
+        return np.stack([whole(matrix_data(handles[hf], plan, hf, plan.shape[1:],
+                                           None if imatrix is None else imatrix[i * n:(i + 1) * n], threads))
                          for i, hf in enumerate(plan.sources)])
     return matrix_data(handles[plan.hf_name], plan, plan.hf_name, plan.shape, imatrix, threads)
 
 
-def matrix_data(handle, plan: TensorPlan, hf_name: str, shape: tuple[int, ...], imatrix, threads: int) -> np.ndarray:
+class SlabbedTensor:
+    """A large 2-D tensor quantized and written a slab of rows at a time, for GGUFWriter's
+    write_tensor_data (which asks a tensor for `nbytes` and `tofile`, as gguf-py's own lazy
+    tensors answer): the quantized tensor is never whole in memory (a 128k-vocab Q6_K output is
+    200+ MB, and joining slabs would hold it twice)."""
+
+    def __init__(self, handle, hf_name: str, plan: TensorPlan, shape: tuple[int, ...], imatrix, threads: int):
+        self.handle, self.hf_name, self.plan, self.shape = handle, hf_name, plan, shape
+        self.imatrix, self.threads = imatrix, threads
+        self.nbytes = tensor_nbytes(shape, plan.qtype)
+
+    def slabs(self) -> Iterator[np.ndarray]:
+        rows = self.shape[0]
+        step = max(1, SLAB_ELEMENTS // max(1, self.shape[-1]))
+        for r in range(0, rows, step):
+            data = read_rows(self.handle, self.hf_name, r, min(rows, r + step))
+            yield quantize_rows(data, self.plan.qtype, self.imatrix, self.threads)
+
+    def tofile(self, fout) -> None:
+        for slab in self.slabs():
+            slab.tofile(fout)
+
+
+def matrix_data(handle, plan: TensorPlan, hf_name: str, shape: tuple[int, ...], imatrix, threads: int):
     """One 1-D or 2-D source tensor: permuted / shifted whole, otherwise streamed by row slabs."""
     rows = shape[0] if len(shape) > 1 else 1
     if len(shape) == 1 or plan.permute_heads or plan.norm_shift:
@@ -765,10 +793,7 @@ def matrix_data(handle, plan: TensorPlan, hf_name: str, shape: tuple[int, ...], 
         if plan.norm_shift:
             data = shift_norm(data, handle.header[hf_name]["dtype"])
         return quantize_rows(data, plan.qtype, imatrix, threads)
-    step = max(1, SLAB_ELEMENTS // max(1, shape[-1]))
-    parts = [quantize_rows(read_rows(handle, hf_name, r, min(rows, r + step)), plan.qtype, imatrix, threads)
-             for r in range(0, rows, step)]
-    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+    return SlabbedTensor(handle, hf_name, plan, shape, imatrix, threads)
 
 
 def imatrix_for(plan: TensorPlan, imatrix: dict | None) -> np.ndarray | None:

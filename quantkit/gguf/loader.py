@@ -61,13 +61,31 @@ def read_tensor_data(path: Path, tensor) -> np.ndarray:
     return data.view(view.dtype).reshape(view.shape)
 
 
+def read_rows_data(path: Path, tensor, index: np.ndarray) -> np.ndarray:
+    """The stored data of rows `index` (sorted, unique; along the first HF dimension) of a tensor,
+    one plain read per run of consecutive rows."""
+    from quantkit.rowio import byte_view, pread_into, row_runs
+
+    view = tensor.data  # dtype and shape only
+    out = np.empty((len(index), *view.shape[1:]), dtype=view.dtype)
+    row_bytes = int(tensor.n_bytes) // int(view.shape[0])
+    raw = byte_view(out)
+    with open(path, "rb") as fh:
+        for position, row, count in row_runs(index):
+            pread_into(fh.fileno(), raw[position * row_bytes : (position + count) * row_bytes],
+                       int(tensor.data_offset) + row * row_bytes)
+    return out
+
+
 def dequantize(tensor, data: np.ndarray | None = None) -> np.ndarray:
-    """float32 values of a tensor, dequantized a slab of rows at a time into the result (gguf-py's
-    whole-tensor temporaries are several times the float32 size of a 128k-vocab embedding)."""
+    """float32 values of a tensor (or of the rows of it in `data`), dequantized a slab of rows at a
+    time into the result (gguf-py's whole-tensor temporaries are several times the float32 size of
+    a 128k-vocab embedding)."""
     import gguf
 
     data = tensor.data if data is None else data
-    out = np.empty(tuple(int(d) for d in reversed(tensor.shape)), dtype=np.float32)
+    shape = tuple(int(d) for d in reversed(tensor.shape))
+    out = np.empty((data.shape[0], *shape[1:]) if len(shape) > 1 else shape, dtype=np.float32)
     if out.ndim < 2:
         out[...] = gguf.quants.dequantize(data, tensor.tensor_type).reshape(out.shape)
         return out
@@ -78,10 +96,12 @@ def dequantize(tensor, data: np.ndarray | None = None) -> np.ndarray:
     return out
 
 
-def dequantize_checked(tensor, path: Path) -> np.ndarray:
-    """dequantize(tensor) from the file, or ModelError naming the file when its data is damaged."""
+def dequantize_checked(tensor, path: Path, index: np.ndarray | None = None) -> np.ndarray:
+    """dequantize(tensor) from the file (only rows `index` when given), or ModelError naming the
+    file when its data is damaged."""
     try:
-        return dequantize(tensor, read_tensor_data(path, tensor))
+        data = read_tensor_data(path, tensor) if index is None else read_rows_data(path, tensor, index)
+        return dequantize(tensor, data)
     except READER_ERRORS as exc:
         raise ModelError(f"{path.name}: tensor '{tensor.name}' cannot be decoded ({type(exc).__name__}: {exc})"
                          .splitlines()[0], hint=f"the file is corrupt: {path}") from exc
@@ -148,6 +168,23 @@ class GGUFTensors:
             layer, kinds = self.expert_parts(name)
             data = np.concatenate([dequantize_checked(self.experts[layer, k], self.path) for k in kinds], axis=1)
         return torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32))  # copies only unpermuted rows
+
+    def rows(self, name: str, index):
+        """Rows `index` (sorted, unique) of a tensor, dequantizing only those rows where the
+        converter stored them as they are (embeddings, the head, plain projections); Gemma 3's
+        trimmed embedding rows are zero, as in restore()."""
+        import torch
+
+        name = self.aliases.get(name, name)
+        tensor = self.tensors.get(name)
+        if (tensor is None or len(tensor.shape) != 2 or permute_heads(self.config, name) is not None
+                or norm_shift(self.config, name)):
+            return self.get(name)[torch.as_tensor(np.asarray(index), dtype=torch.long)]
+        index = np.asarray(index, dtype=np.int64)
+        stored = int(np.searchsorted(index, int(tensor.shape[1])))  # rows past the file's are trimmed ones
+        out = np.zeros((len(index), int(tensor.shape[0])), dtype=np.float32)
+        out[:stored] = dequantize_checked(tensor, self.path, index[:stored])
+        return torch.from_numpy(out)
 
     @staticmethod
     def expert_parts(name: str) -> tuple[int, tuple[str, ...]]:
