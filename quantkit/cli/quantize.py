@@ -24,8 +24,7 @@ Examples:
 
   quantkit quantize ./ckpt --recipe release -o ./dist   (one dir per target)
 
-  quantkit quantize ./ckpt --lora ./adapter --recipe release -o ./dist --skip-existing --partial \
-      --quiet --json report.json --summary "$GITHUB_STEP_SUMMARY"   (CI)
+  quantkit quantize ./ckpt --lora ./adapter --recipe release -o ./dist --skip-existing --partial --quiet --summary "$GITHUB_STEP_SUMMARY"   (CI)
 
 CLI flags override recipe fields. Exit codes: 0 ok, 1 internal error, 2 bad input, 3 quality gate
 failed (with --partial: the worst target's code, 1 before 2 before 3).
@@ -68,11 +67,11 @@ def quantize(
     overwrite: bool = typer.Option(False, help="Replace an existing output."),
     max_memory: Optional[str] = typer.Option(None, "--max-memory", help="RAM the run may use, e.g. 16GiB (default: what is available); a run estimated above it is refused before work."),
     json_path: Optional[str] = typer.Option(None, "--json", help="Write the report as JSON to FILE ('-' = stdout)."),
-    only: list[str] = typer.Option([], "--only", help="Run only these targets: NAME[,NAME]; repeatable."),
+    only: list[str] = typer.Option([], "--only", metavar="NAME[,NAME]", help="Run only these targets: NAME[,NAME]; repeatable."),
     skip_existing: bool = typer.Option(False, "--skip-existing", help="Skip a target whose output's quantkit.json shows the same inputs, recipe and quantkit version; re-run and replace a stale one."),
     partial: bool = typer.Option(False, "--partial", help="Publish the targets that pass; a target that fails or raises does not stop the others (exit code still non-zero)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only errors and one summary line per target."),
-    summary: Optional[Path] = typer.Option(None, "--summary", help="Append a Markdown gate table to FILE (e.g. $GITHUB_STEP_SUMMARY)."),
+    summary: Optional[Path] = typer.Option(None, "--summary", metavar="FILE", help="Append a Markdown gate table to FILE (e.g. $GITHUB_STEP_SUMMARY)."),
 ) -> None:
     from quantkit.errors import GateFailedError, RunFailedError
     from quantkit.pipeline import RunOptions, run
