@@ -67,6 +67,17 @@ class GateFailedError(QuantkitError):
         self.report = report
 
 
+class RunFailedError(QuantkitError):
+    """Some targets of a --partial run raised (and maybe others failed the gate); the targets that
+    passed were published. Carries the report; the exit code is the worst target's: 1 internal
+    error, then 2 bad input, then 3 gate."""
+
+    def __init__(self, message: str, report, exit_code: int, hint: str | None = None):
+        super().__init__(message, hint)
+        self.report = report
+        self.exit_code = exit_code
+
+
 class Terminated(KeyboardInterrupt):
     """A termination signal (SIGTERM, SIGHUP) turned into an exception by the CLI layer.
 

@@ -184,24 +184,33 @@ def publish(staging: Path, out: Path, overwrite: bool) -> None:
     """Move the finished staging directory to OUT; an old OUT is replaced only with overwrite.
     The owner file goes last, so the staging dir is never unowned while it exists."""
     out = out.resolve()
-    _publish(staging, out, overwrite)
+    move_into_place(staging, out, overwrite)
     owner_file(staging).unlink(missing_ok=True)
 
 
-def _publish(staging: Path, out: Path, overwrite: bool) -> None:
+def move_into_place(src: Path, out: Path, overwrite: bool) -> None:
+    """Rename the finished directory SRC to OUT (same filesystem); an old OUT is replaced only
+    with overwrite, and stays as it was if the rename fails."""
     if out.exists():
         if not overwrite:
             raise OutputExistsError(f"output appeared while running: {out}", hint="pass --overwrite")
         old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
         os.rename(out, old / "out")
         try:
-            os.rename(staging, out)
+            os.rename(src, out)
         except BaseException:
             os.rename(old / "out", out)
             raise
         shutil.rmtree(old, ignore_errors=True)
     else:
-        os.rename(staging, out)
+        os.rename(src, out)
+
+
+def remove_output(out: Path) -> None:
+    """Remove an output directory: renamed aside first, so OUT is either whole or absent."""
+    old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+    os.rename(out, old / "out")
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def copy_side_files(model_dir: Path, dest: Path) -> list[str]:
@@ -277,3 +286,10 @@ def _checkpoint_to_module_names(dest: Path, config: dict, names: list[str]) -> l
 
 def write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
+
+
+def replace_json(path: Path, data: dict) -> None:
+    """Write a JSON file in place of an existing one atomically (a temporary file renamed over it)."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    write_json(tmp, data)
+    os.replace(tmp, path)

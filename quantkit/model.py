@@ -243,19 +243,6 @@ def _check_tiling(file: Path, spans: list[tuple[int, int, str]]) -> int:
     return end
 
 
-def sha256_files(files: list[Path]) -> dict[str, str]:
-    import hashlib
-
-    digests = {}
-    for file in files:
-        h = hashlib.sha256()
-        with open(file, "rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 22), b""):
-                h.update(chunk)
-        digests[file.name] = h.hexdigest()
-    return digests
-
-
 def torch_dtype(name: str, info: ModelInfo | None = None):
     import torch
 

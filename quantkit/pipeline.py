@@ -1,12 +1,17 @@
 """run(recipe) -> RunReport: the only place that sequences the steps of a quantization run.
 
-check inputs and resolve every target once (fast) -> tokenizer + token windows -> [merge LoRA]
--> baseline on held-out windows (once) -> per target: fresh model, quantize into staging,
-reload from disk, measure, gate -> all targets pass: write reports and rename staging to OUT;
-otherwise nothing is written.
+check inputs and resolve every selected target once (fast) -> hash the inputs; with
+--skip-existing, set aside the targets whose output is up to date -> tokenizer + token windows
+-> [merge LoRA] -> baseline on held-out windows (once) -> per target: fresh model, quantize into
+staging, reload from disk, measure, gate -> all targets pass: write reports and rename staging to
+OUT; otherwise nothing is written. With --partial, a target that fails its gate or raises does
+not stop the others, and those that passed are published.
 
-Output layout: one target -> OUT is that artifact; several -> OUT/<target name>/ each, plus
-OUT/quantkit.json for the whole run.
+Output layout (by the recipe's target count, whatever --only selects): one target -> OUT is that
+artifact; several -> OUT/<target name>/ each, plus OUT/quantkit.json for the run. A run with
+several targets and --only, --partial or --skip-existing publishes target by target: each
+OUT/<target> is renamed into place from staging on its own, and the other targets' directories in
+OUT are left alone.
 """
 
 from __future__ import annotations
@@ -15,18 +20,20 @@ import gc
 import platform
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from pydantic import BaseModel
 
 from quantkit import __version__, export
-from quantkit.errors import CalibrationError, GateFailedError, InputError, UnsupportedError
+from quantkit.cache import fingerprint, input_hashes, up_to_date
+from quantkit.errors import (CalibrationError, GateFailedError, InputError, OutputExistsError, QuantkitError,
+                             RunFailedError, UnsupportedError)
 from quantkit.lora import check_adapter
 from quantkit.measure import PeakTracker
 from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, get_method
-from quantkit.model import ModelInfo, check_device, check_generative, check_model_dir, resolve_model, sha256_files
+from quantkit.model import ModelInfo, check_device, check_generative, check_model_dir, resolve_model
 from quantkit.numerics import check_finite
 from quantkit.plan import build_plan, ignore_patterns
 from quantkit.preflight import check_disk, check_ram, ram_estimate, run_estimate
@@ -61,21 +68,26 @@ class RunOptions:
     overwrite: bool = False
     enforce_gate: bool = True
     max_memory: int | None = None  # bytes; None: the memory available when the run starts
+    only: list[str] = field(default_factory=list)  # target names to run (empty: all)
+    skip_existing: bool = False  # skip targets whose output is up to date; replace stale ones
+    partial: bool = False  # publish the targets that pass; a failing or raising one does not stop the others
     progress: Progress = lambda message: None
 
 
 def prepare(recipe: Recipe, opts: RunOptions) -> tuple[ModelInfo, list[ResolvedTarget]]:
-    """All cheap checks, before any long work: model, device, output, calibration, method options."""
+    """All cheap checks, before any long work: targets selected, model, device, output,
+    calibration, method options. Returns the model and the selected targets, resolved."""
     from quantkit.calibration import validate_source
 
+    selected = select_targets(recipe.targets, opts.only)
     info = check_model_dir(resolve_model(opts.model))
     check_generative(info)
     check_not_quantized(info, recipe)
     check_device(recipe.device)
-    export.check_output(opts.out, opts.overwrite)
+    check_outputs(recipe, opts, selected)
     validate_source(recipe.calibration.source)
     check_offload_dir(recipe, info)
-    targets = [resolve_target(recipe, target, info) for target in recipe.targets]
+    targets = [resolve_target(recipe, target, info) for target in selected]
     for path in recipe.lora:
         if not Path(path).is_dir():
             raise InputError(f"LoRA adapter directory not found: {path}")
@@ -84,6 +96,46 @@ def prepare(recipe: Recipe, opts: RunOptions) -> tuple[ModelInfo, list[ResolvedT
     check_ram(ram_estimate(info, recipe, targets), opts.max_memory)
     check_finite([*info.weight_files, *(Path(p) / "adapter_model.safetensors" for p in recipe.lora)])
     return info, targets
+
+
+def select_targets(targets: list[Target], only: list[str]) -> list[Target]:
+    """The targets --only names, in the recipe's order; all of them without --only."""
+    if not only:
+        return targets
+    names = [t.name for t in targets]
+    unknown = [name for name in only if name not in names]
+    if unknown:
+        raise InputError(f"--only: no target named {', '.join(unknown)}; the recipe's targets are {', '.join(names)}")
+    return [t for t in targets if t.name in only]
+
+
+def multi_target(recipe: Recipe) -> bool:
+    """The output layout: OUT/<target>/ per target when the recipe has several."""
+    return len(recipe.targets) > 1
+
+
+def per_target_outputs(recipe: Recipe, opts: RunOptions) -> bool:
+    """Publish target by target into OUT (which may hold other targets' outputs) instead of
+    renaming the whole run into place at once."""
+    return multi_target(recipe) and bool(opts.only or opts.partial or opts.skip_existing)
+
+
+def output_dir(out: Path, recipe: Recipe, name: str) -> Path:
+    return out / name if multi_target(recipe) else out
+
+
+def check_outputs(recipe: Recipe, opts: RunOptions, targets: list[Target]) -> None:
+    """OUT (or, when publishing target by target, each selected OUT/<target>) must not exist
+    unless --overwrite or --skip-existing (which replaces a stale output)."""
+    replace = opts.overwrite or opts.skip_existing
+    if not per_target_outputs(recipe, opts):
+        export.check_output(opts.out, replace)
+        return
+    export.check_output(opts.out, overwrite=True)  # a directory of targets: parent, lock, not a file
+    existing = [opts.out / t.name for t in targets if (opts.out / t.name).exists()]
+    if existing and not replace:
+        raise OutputExistsError(f"output already exists: {existing[0]}",
+                                hint="pass --overwrite to replace it, or --skip-existing to keep it when up to date")
 
 
 def resolve_target(recipe: Recipe, target: Target, info: ModelInfo) -> ResolvedTarget:
@@ -144,26 +196,45 @@ def run(recipe: Recipe, opts: RunOptions) -> RunReport:
     """Execute the recipe; returns the report (also written to OUT/quantkit.json)."""
     started = time.time()
     info, targets = prepare(recipe, opts)
+    inputs = input_hashes(info, recipe)
+    report = base_report(recipe, opts, info, inputs)
+    prints = {t.name: fingerprint(recipe, t.target, t.gate, inputs, opts.enforce_gate) for t in targets}
+    todo = [t for t in targets if not (opts.skip_existing and skipped(recipe, opts, t, prints[t.name], report))]
     staging = export.make_staging(opts.out, opts.progress)
     try:
-        report = _run_in(staging, recipe, opts, info, targets)
+        if todo:
+            _run_in(staging, recipe, opts, info, todo, prints, report)
         report.timings["total_s"] = round(time.time() - started, 3)
-        _finish(staging, opts, report)
+        _finish(staging, recipe, opts, report)
     except BaseException:
         export.discard(staging)
         raise
     return report
 
 
-def _run_in(staging: Path, recipe: Recipe, opts: RunOptions, info: ModelInfo,
-            targets: list[ResolvedTarget]) -> RunReport:
+def skipped(recipe: Recipe, opts: RunOptions, resolved: ResolvedTarget, wanted: dict[str, Any],
+            report: RunReport) -> bool:
+    """--skip-existing: when the target's output is up to date, report it as skipped (with the
+    entry of that output's quantkit.json) and return True."""
+    out_dir = output_dir(opts.out, recipe, resolved.name)
+    existing = up_to_date(out_dir, resolved.name, wanted)
+    if existing is None:
+        return False
+    opts.progress(f"[{resolved.name}] skipped: {out_dir} is up to date")
+    entry = TargetReport.from_dict(existing)
+    entry.status, entry.written, entry.exit_code, entry.error = "skipped", False, 0, None
+    report.targets.append(entry)
+    return True
+
+
+def _run_in(staging: Path, recipe: Recipe, opts: RunOptions, info: ModelInfo, targets: list[ResolvedTarget],
+            prints: dict[str, dict], report: RunReport) -> None:
     """Load only what some step needs: no tokenizer, windows or torch model for a run that neither
     calibrates, nor evaluates, nor hands a target the model (e.g. gguf without imatrix and gate)."""
     from quantkit.model import load_tokenizer
 
     workdir = staging / ".work"
     workdir.mkdir()
-    report = base_report(recipe, opts, info)
     if recipe.lora:
         info = merge_lora(info, recipe, workdir, opts.progress)
     settings = window_settings(recipe, targets)
@@ -178,21 +249,26 @@ def _run_in(staging: Path, recipe: Recipe, opts: RunOptions, info: ModelInfo,
     if windows is not None and len(windows.eval):
         baseline = compute_baseline(info, recipe, windows.eval, workdir, report, opts.progress)
     for resolved in targets:
-        out_dir = target_dir(staging, resolved, targets)
+        out_dir = output_dir(staging, recipe, resolved.name)
         out_dir.mkdir(exist_ok=True)
-        # a fresh model per target (methods change it in place); the job holds the only reference,
-        # so run_target can free it before measuring
-        with offload_folder(recipe) as offload:
-            job = QuantizeJob(load(info, recipe, offload, opts.progress) if resolved.needs_model else None,
-                              tokenizer if resolved.needs_model else None, info, resolved.options, windows,
-                              resolved.ignore, out_dir, workdir, recipe.dtype, recipe.device,
-                              recipe.trust_remote_code)
-            report.targets.append(run_target(job, resolved, baseline, opts))
-            del job
-            gc.collect()
-    measured = [t.gate for t in report.targets if t.gate is not None]
-    report.passed = all(g.passed for g in measured) if measured else None
-    return report
+        try:
+            # a fresh model per target (methods change it in place); the job holds the only reference,
+            # so run_target can free it before measuring
+            with offload_folder(recipe) as offload:
+                job = QuantizeJob(load(info, recipe, offload, opts.progress) if resolved.needs_model else None,
+                                  tokenizer if resolved.needs_model else None, info, resolved.options, windows,
+                                  resolved.ignore, out_dir, workdir, recipe.dtype, recipe.device,
+                                  recipe.trust_remote_code)
+                entry = run_target(job, resolved, baseline, opts)
+                del job
+        except Exception as exc:
+            if not opts.partial:
+                raise
+            entry = error_report(resolved, exc)
+            opts.progress(f"[{resolved.name}] {entry.status}: {entry.error}")
+        gc.collect()
+        entry.fingerprint = prints[resolved.name]
+        report.targets.append(entry)
 
 
 def compute_baseline(info: ModelInfo, recipe: Recipe, windows, workdir: Path, report: RunReport,
@@ -208,10 +284,6 @@ def compute_baseline(info: ModelInfo, recipe: Recipe, windows, workdir: Path, re
     report.timings["baseline_s"] = t.seconds
     report.baseline = {"ppl": baseline.ppl, "positions": int(baseline.nll.shape[0]), "peak_rss_bytes": t.peak_rss}
     return baseline
-
-
-def target_dir(staging: Path, resolved: ResolvedTarget, targets: list[ResolvedTarget]) -> Path:
-    return staging if len(targets) == 1 else staging / resolved.name
 
 
 def run_target(job: QuantizeJob, resolved: ResolvedTarget, baseline, opts: RunOptions) -> TargetReport:
@@ -239,7 +311,24 @@ def run_target(job: QuantizeJob, resolved: ResolvedTarget, baseline, opts: RunOp
     entry.peak_rss_by_step["eval"] = et.peak_rss
     entry.gate = evaluate.gate_verdict(entry.metrics, resolved.gate,
                                        enforced=opts.enforce_gate and resolved.gate.enabled)
+    if entry.failed_enforced_gate:
+        entry.status, entry.exit_code = "failed", GateFailedError.exit_code
     return entry
+
+
+def error_report(resolved: ResolvedTarget, exc: Exception) -> TargetReport:
+    """A target that raised (--partial): reported with the error's message and exit code; an
+    artifact that did not reload (exit 3) counts as failed, anything else as an error."""
+    if isinstance(exc, QuantkitError):
+        message, exit_code = exc.message, exc.exit_code
+    else:
+        message, exit_code = f"internal error: {type(exc).__name__}: {exc}".splitlines()[0], 1
+    return TargetReport(
+        name=resolved.name, method=resolved.method.name, format=resolved.method.format,
+        engine=resolved.method.engine, engine_version=package_version(resolved.method.engine_package),
+        options=resolved.options.model_dump(mode="json"), ignore=resolved.ignore, kept=[], quantized_modules=0,
+        status="failed" if exit_code == GateFailedError.exit_code else "error", error=message, exit_code=exit_code,
+    )
 
 
 def target_report(resolved: ResolvedTarget, info: ModelInfo, result: QuantizeResult) -> TargetReport:
@@ -258,37 +347,88 @@ def target_report(resolved: ResolvedTarget, info: ModelInfo, result: QuantizeRes
     )
 
 
-def _finish(staging: Path, opts: RunOptions, report: RunReport) -> None:
-    """Write reports and publish, or refuse when an enforced gate failed."""
+def _finish(staging: Path, recipe: Recipe, opts: RunOptions, report: RunReport) -> None:
+    """Write reports and publish. Without --partial, any failed target publishes nothing; with it,
+    the targets that passed are published and the run still fails (with the worst exit code)."""
     import shutil
 
     shutil.rmtree(staging / ".work", ignore_errors=True)
-    failed = [t for t in report.targets if t.failed_enforced_gate]
-    if failed:
-        names = ", ".join(f"{t.name} ({', '.join(t.gate.failed)})" for t in failed)
-        raise GateFailedError(f"quality gate failed for {names}; nothing was written to {opts.out}", report=report,
-                              hint="see the table above; loosen the gate in the recipe, or use --no-gate")
-    single = len(report.targets) == 1
+    order = [t.name for t in recipe.targets]
+    report.targets.sort(key=lambda t: order.index(t.name))
+    measured = [t.gate for t in report.targets if t.gate is not None]
+    report.passed = all(g.passed for g in measured) if measured else None
+    bad = [t for t in report.targets if t.status in ("failed", "error")]
+    if bad and not opts.partial:
+        raise run_failure(report, opts, bad)
+    if per_target_outputs(recipe, opts):
+        publish_targets(staging, opts, report)
+    elif not bad and any(t.status == "passed" for t in report.targets):
+        publish_run(staging, recipe, opts, report)
+    else:
+        export.discard(staging)  # one target, skipped (up to date) or not passed
+    if bad:
+        raise run_failure(report, opts, bad)
+
+
+def finalize_target(out_dir: Path, target: TargetReport, report: RunReport, single: bool) -> None:
+    """The model card and quantkit.json of a target about to be published."""
+    target.files = sorted(p.name for p in out_dir.iterdir() if p.name != ".work")
+    target.written = True
+    (out_dir / "README.md").write_text(model_card(target, report))
+    export.write_json(out_dir / "quantkit.json", report.to_dict(None if single else [target]))
+
+
+def publish_run(staging: Path, recipe: Recipe, opts: RunOptions, report: RunReport) -> None:
+    """Every target passed: rename the whole staging dir to OUT at once."""
+    single = not multi_target(recipe)
     for target in report.targets:
-        out_dir = staging if single else staging / target.name
-        target.files = sorted(p.name for p in out_dir.iterdir() if p.name != ".work")
-        (out_dir / "README.md").write_text(model_card(target, report))
-        export.write_json(out_dir / "quantkit.json", report.to_dict(None if single else [target]))
+        finalize_target(staging if single else staging / target.name, target, report, single)
     if not single:
         export.write_json(staging / "quantkit.json", report.to_dict())
-    export.publish(staging, opts.out, opts.overwrite)
+    export.publish(staging, opts.out, opts.overwrite or opts.skip_existing)
 
 
-def base_report(recipe: Recipe, opts: RunOptions, info: ModelInfo) -> RunReport:
+def publish_targets(staging: Path, opts: RunOptions, report: RunReport) -> None:
+    """Rename each passed target's staging dir to OUT/<target> on its own (replacing a stale
+    one), leave the others in OUT alone, and rewrite OUT/quantkit.json for this run."""
+    out = opts.out.resolve()
+    ready = [t for t in report.targets if t.status == "passed"]
+    if ready:
+        out.mkdir(exist_ok=True)
+    for target in ready:
+        finalize_target(staging / target.name, target, report, single=False)
+        export.move_into_place(staging / target.name, out / target.name, opts.overwrite or opts.skip_existing)
+    if out.is_dir():
+        export.replace_json(out / "quantkit.json", report.to_dict())
+    export.discard(staging)
+
+
+def run_failure(report: RunReport, opts: RunOptions, bad: list[TargetReport]) -> QuantkitError:
+    """The error a run with failed targets ends with: a gate failure (exit 3) when every bad target
+    failed its gate (or did not reload); otherwise the worst error's code (1 before 2 before 3)."""
+    written = [t.name for t in report.targets if t.written]
+    where = f"written to {opts.out}: {', '.join(written)}" if written else f"nothing was written to {opts.out}"
+    if all(t.exit_code == GateFailedError.exit_code for t in bad):
+        names = ", ".join(f"{t.name} ({', '.join(t.gate.failed) if t.gate else t.error})" for t in bad)
+        return GateFailedError(f"quality gate failed for {names}; {where}", report=report,
+                               hint="see the table above; loosen the gate in the recipe, or use --no-gate")
+    names = "; ".join(f"{t.name}: {t.error or 'quality gate failed'}" for t in bad)
+    return RunFailedError(f"{len(bad)} of {len(report.targets)} targets failed ({names}); {where}", report,
+                          min(t.exit_code for t in bad), hint="see the per-target lines above")
+
+
+def base_report(recipe: Recipe, opts: RunOptions, info: ModelInfo, inputs: dict[str, str]) -> RunReport:
     packages = ("torch", "transformers", "llmcompressor", "compressed-tensors", "gguf", "bitsandbytes")
     return RunReport(
         quantkit_version=__version__,
         versions={"python": platform.python_version(), **{p: package_version(p) for p in packages}},
         recipe=recipe.model_dump(mode="json"),
         model=ModelReport(path=str(info.path), architecture=info.architecture, model_type=info.model_type,
-                          parameters=info.num_parameters, dtype=info.dtype, sha256=sha256_files(info.weight_files)),
+                          parameters=info.num_parameters, dtype=info.dtype,
+                          sha256={p.name: inputs[f"model/{p.name}"] for p in info.weight_files}),
         calibration=recipe.calibration.model_dump(mode="json"),
         gate_enforced=opts.enforce_gate,
+        inputs=inputs,
     )
 
 

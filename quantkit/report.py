@@ -2,6 +2,11 @@
 
 `RunReport.to_dict()` is what `quantkit.json` holds (and `--json` prints); `SCHEMA_VERSION`
 changes whenever a field is renamed or removed, so CI scripts can check what they read.
+
+Each target has a `status`: "passed" (gate passed, or measured without enforcing, or not
+measured), "failed" (an enforced gate, or the artifact did not reload), "error" (the target raised;
+`error` holds the message) or "skipped" (--skip-existing: its output was up to date; the entry is
+the one that output's quantkit.json holds). `written` says whether this run published it.
 """
 
 from __future__ import annotations
@@ -44,6 +49,11 @@ class TargetReport:
     timings: dict[str, float] = field(default_factory=dict)
     peak_rss_bytes: int = 0  # the larger of the steps below
     peak_rss_by_step: dict[str, int] = field(default_factory=dict)  # "quantize", "eval"
+    status: str = "passed"  # passed | failed | error | skipped
+    error: str | None = None  # the message, for status "error" (or "failed" by a reload error)
+    exit_code: int = 0  # what this target alone would exit with: 0, 3 gate, 1/2 error
+    written: bool = False  # published by this run
+    fingerprint: dict[str, Any] = field(default_factory=dict)  # what --skip-existing compares (quantkit.cache)
 
     @property
     def failed_enforced_gate(self) -> bool:
@@ -55,6 +65,20 @@ class TargetReport:
         data["gate"] = self.gate.as_dict() if self.gate else None
         return data
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "TargetReport":
+        """A target entry read back from a quantkit.json (fields it lacks get their defaults)."""
+        from quantkit.evaluate import Check, GateResult, Metrics
+
+        names = {f.name for f in fields(cls)} - {"metrics", "gate"}
+        entry = cls(**{k: v for k, v in data.items() if k in names})
+        if data.get("metrics"):
+            entry.metrics = Metrics(**data["metrics"])
+        if data.get("gate"):
+            gate = data["gate"]
+            entry.gate = GateResult(gate["passed"], gate["enforced"], [Check(**c) for c in gate["checks"]])
+        return entry
+
 
 @dataclass
 class RunReport:
@@ -64,6 +88,7 @@ class RunReport:
     model: ModelReport
     calibration: dict[str, Any]
     gate_enforced: bool
+    inputs: dict[str, str] = field(default_factory=dict)  # "model/…", "lora0/…", "calibration/…" -> sha256
     timings: dict[str, float] = field(default_factory=dict)
     baseline: dict[str, Any] | None = None
     targets: list[TargetReport] = field(default_factory=list)
@@ -120,3 +145,50 @@ def gate_section(gate: GateResult | None) -> list[str]:
 
 def threshold_text(check) -> str:
     return "—" if check.threshold is None else f"{check.op} {check.threshold:g}"
+
+
+# ---------------------------------------------------------------- CI job summary
+
+
+STATUS_TEXT = {"passed": "passed", "failed": "FAILED", "error": "ERROR", "skipped": "skipped (up to date)"}
+
+
+def summary_markdown(report: RunReport, out: Path) -> str:
+    """A Markdown gate table of the run, one row per target (for $GITHUB_STEP_SUMMARY)."""
+    lines = [f"### quantkit: {Path(report.model.path).name} → `{out}`", "",
+             "| target | method | status | ppl base | ppl | Δppl | KLD mean | top-1 | gate | written |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for t in report.targets:
+        lines.append(f"| {t.name} | {t.method} | {STATUS_TEXT.get(t.status, t.status)} | {metric_cells(t)} | "
+                     f"{gate_cell(t)} | {written_cell(t)} |")
+    errors = [t for t in report.targets if t.error]
+    if errors:
+        lines += ["", *(f"- **{t.name}**: {markdown_text(t.error)}" for t in errors)]
+    return "\n".join(lines) + "\n"
+
+
+def metric_cells(target: TargetReport) -> str:
+    m = target.metrics
+    if m is None:
+        return " | ".join(["—"] * 5)
+    return f"{m.ppl_base:.3f} | {m.ppl:.3f} | {m.ppl_increase:+.2%} | {m.kld_mean:.5f} | {m.top1:.2%}"
+
+
+def gate_cell(target: TargetReport) -> str:
+    gate = target.gate
+    if gate is None:
+        return "not measured"
+    if gate.passed:
+        return "PASS" if gate.enforced else "pass (not enforced)"
+    return ("FAIL: " if gate.enforced else "fail (not enforced): ") + ", ".join(gate.failed)
+
+
+def written_cell(target: TargetReport) -> str:
+    if target.status == "skipped":
+        return "kept"
+    return "yes" if target.written else "no"
+
+
+def markdown_text(text: str) -> str:
+    """One line, safe inside a Markdown list item or table cell."""
+    return " ".join(text.split()).replace("|", "\\|")

@@ -22,9 +22,12 @@ Examples:
 
   quantkit quantize ./base --lora ./adapter --method gptq --bits 4 --group-size 128 -o ./gptq
 
-  quantkit quantize ./ckpt --recipe release-multi-target -o ./dist   (one dir per target)
+  quantkit quantize ./ckpt --recipe release -o ./dist   (one dir per target)
 
-CLI flags override recipe fields. Exit codes: 0 ok, 2 bad input, 3 quality gate failed.
+  quantkit quantize ./ckpt --lora ./adapter --recipe release -o ./dist --skip-existing --partial --quiet --summary "$GITHUB_STEP_SUMMARY"   (CI)
+
+CLI flags override recipe fields. Exit codes: 0 ok, 1 internal error, 2 bad input, 3 quality gate
+failed (with --partial: the worst target's code, 1 before 2 before 3).
 """
 
 
@@ -64,9 +67,13 @@ def quantize(
     overwrite: bool = typer.Option(False, help="Replace an existing output."),
     max_memory: Optional[str] = typer.Option(None, "--max-memory", help="RAM the run may use, e.g. 16GiB (default: what is available); a run estimated above it is refused before work."),
     json_path: Optional[str] = typer.Option(None, "--json", help="Write the report as JSON to FILE ('-' = stdout)."),
+    only: list[str] = typer.Option([], "--only", metavar="NAME[,NAME]", help="Run only these targets: NAME[,NAME]; repeatable."),
+    skip_existing: bool = typer.Option(False, "--skip-existing", help="Skip a target whose output's quantkit.json shows the same inputs, recipe and quantkit version; re-run and replace a stale one."),
+    partial: bool = typer.Option(False, "--partial", help="Publish the targets that pass; a target that fails or raises does not stop the others (exit code still non-zero)."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only errors and one summary line per target."),
+    summary: Optional[Path] = typer.Option(None, "--summary", metavar="FILE", help="Append a Markdown gate table to FILE (e.g. $GITHUB_STEP_SUMMARY)."),
 ) -> None:
-    from quantkit.cli.report import print_report
-    from quantkit.errors import GateFailedError
+    from quantkit.errors import GateFailedError, RunFailedError
     from quantkit.pipeline import RunOptions, run
     from quantkit.recipe import Overrides, build_recipe
 
@@ -84,23 +91,37 @@ def quantize(
                             double_quant=double_quant, compute_dtype=compute_dtype),
     )
     resolved = build_recipe(recipe, method, overrides)
-    if no_gate:
+    if no_gate and not quiet:
         err.print("warning: --no-gate: the quality gate is measured but not enforced (recorded in quantkit.json)",
                   style="yellow", highlight=False)
     from quantkit.preflight import parse_size
 
     opts = RunOptions(model=resolved.model, out=output, overwrite=overwrite, enforce_gate=not no_gate,
-                      max_memory=parse_size(max_memory) if max_memory else None, progress=progress)
-    console = results_console(json_path)
+                      max_memory=parse_size(max_memory) if max_memory else None,
+                      only=[name.strip() for names in only for name in names.split(",") if name.strip()],
+                      skip_existing=skip_existing, partial=partial,
+                      progress=(lambda message: None) if quiet else progress)
     try:
         report = run(resolved, opts)
-    except GateFailedError as exc:
-        print_report(exc.report, console)
-        write_json(json_path, exc.report.to_dict())
+    except (GateFailedError, RunFailedError) as exc:
+        show_results(exc.report, output, json_path, summary, quiet)
         raise
-    print_report(report, console)
+    show_results(report, output, json_path, summary, quiet)
+    if not quiet:
+        written = any(t.written for t in report.targets)
+        results_console(json_path).print(f"wrote {output}" if written else f"up to date: {output}", highlight=False)
+
+
+def show_results(report, output: Path, json_path: str | None, summary: Path | None, quiet: bool) -> None:
+    """The tables and per-target lines, the JSON report, the Markdown summary."""
+    from quantkit.cli.report import print_report
+    from quantkit.report import summary_markdown
+
+    print_report(report, results_console(json_path), output, quiet)
     write_json(json_path, report.to_dict())
-    console.print(f"wrote {output}", highlight=False)
+    if summary:
+        with open(summary, "a") as fh:
+            fh.write(summary_markdown(report, output))
 
 
 quantize.__doc__ = "Quantize a model into gated artifacts (compressed-tensors, bitsandbytes, GGUF).\n" + EXAMPLES

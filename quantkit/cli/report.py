@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rich.console import Console
@@ -11,7 +12,7 @@ from quantkit.cli.common import human_bytes
 
 if TYPE_CHECKING:
     from quantkit.evaluate import GateResult, Metrics
-    from quantkit.report import RunReport
+    from quantkit.report import RunReport, TargetReport
 
 Row = tuple[str, "Metrics | None", "GateResult | None"]  # (target name, metrics, gate verdict)
 
@@ -51,12 +52,28 @@ def thresholds_table(rows: list[Row]) -> Table:
     return table
 
 
-def print_report(report: RunReport, console: Console) -> None:
+def print_report(report: RunReport, console: Console, out: Path, quiet: bool = False) -> None:
+    """The quality tables (unless quiet), then one summary line per target."""
     rows = [(t.name, t.metrics, t.gate) for t in report.targets]
-    console.print(metrics_table(rows, "quality (held-out windows vs. the full-precision base)"))
-    if any(t.gate for t in report.targets):
-        console.print(thresholds_table(rows))
+    if not quiet:
+        console.print(metrics_table(rows, "quality (held-out windows vs. the full-precision base)"))
+        if any(t.gate for t in report.targets):
+            console.print(thresholds_table(rows))
+    multi = len(report.recipe.get("targets") or []) > 1
     for t in report.targets:
-        console.print(f"{t.name}: {t.method} → {t.format}; quantize {t.timings.get('quantize_s', 0):.1f}s, "
-                      f"eval {t.timings.get('eval_s', 0):.1f}s, peak RSS {human_bytes(t.peak_rss_bytes)}",
-                      highlight=False)
+        console.print(summary_line(t, out / t.name if multi else out), highlight=False, markup=False)
+
+
+def summary_line(t: TargetReport, where: Path) -> str:
+    """`name: verdict; metrics; method, timings → where` (or why it was not written)."""
+    if t.status == "skipped":
+        return f"{t.name}: skipped (up to date) → {where}"
+    if t.status == "error" or (t.error and t.gate is None):
+        return f"{t.name}: {t.status.upper()}: {t.error}; not written"
+    parts = [f"{t.name}: {verdict_text(t.gate) if t.gate else 'not measured'}"]
+    if t.metrics:
+        m = t.metrics
+        parts.append(f"Δppl {m.ppl_increase:+.2%}, KLD {m.kld_mean:.5f}, top-1 {m.top1:.2%}")
+    parts.append(f"{t.method} → {t.format}, quantize {t.timings.get('quantize_s', 0):.1f}s, "
+                 f"eval {t.timings.get('eval_s', 0):.1f}s, peak RSS {human_bytes(t.peak_rss_bytes)}")
+    return "; ".join(parts) + (f" → {where}" if t.written else "; not written")

@@ -66,7 +66,7 @@ def test_nothing_left_at_or_beside_out(cli, micro_model, tmp_path, monkeypatch, 
     if where == "quantize":
         replace_quantize(monkeypatch, action)
     else:
-        monkeypatch.setattr(*{"publish": (export, "_publish"), "baseline": (evaluate, "compute_baseline")}[where],
+        monkeypatch.setattr(*{"publish": (export, "move_into_place"), "baseline": (evaluate, "compute_baseline")}[where],
                             action)
     result = cli("quantize", micro_model, "--method", "fp8", "-o", tmp_path / "out", *FAST_CALIB)
     assert result.exit_code == code, result.output

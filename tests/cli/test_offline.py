@@ -89,8 +89,8 @@ def test_the_block_works(no_network_env):
 def test_fp8_and_gguf_run_with_the_network_blocked(micro_model, tmp_path, no_network_env):
     env, log = no_network_env
     out = tmp_path / "dist"
-    cmd = [sys.executable, "-m", "quantkit", "quantize", "--recipe", "release-multi-target", "--model",
-           str(micro_model), "-o", str(out), "--num-samples", "16", "--seq-len", "64", "--eval-windows", "4",
+    cmd = [sys.executable, "-m", "quantkit", "quantize", "--recipe", "release", "--only", "fp8-dynamic,gguf-q4_k_m",
+           "--model", str(micro_model), "-o", str(out), "--num-samples", "16", "--seq-len", "64", "--eval-windows", "4",
            "--no-gate", "--json", str(tmp_path / "report.json")]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
@@ -99,4 +99,4 @@ def test_fp8_and_gguf_run_with_the_network_blocked(micro_model, tmp_path, no_net
     assert [t["method"] for t in report["targets"]] == ["fp8", "gguf"]
     assert all(t["metrics"] for t in report["targets"])
     assert (out / "fp8-dynamic" / "model.safetensors").is_file()
-    assert [p.suffix for p in (out / "q4_k_m").glob("*.gguf")] == [".gguf"]
+    assert [p.suffix for p in (out / "gguf-q4_k_m").glob("*.gguf")] == [".gguf"]
