@@ -183,3 +183,62 @@ def test_qlora_merges_into_the_original_when_asked(base, qlora, tmp_path):
         assert_exact(merged[f"{module}.weight"], merged_weight(before[f"{module}.weight"], tensors, module,
                                                                config(adapter)))
     assert (merged["model.layers.0.mlp.up_proj.weight"] == before["model.layers.0.mlp.up_proj.weight"]).all()
+
+
+# ---------------------------------------------------------------- merge-then-quantize
+
+
+@pytest.fixture(scope="module")
+def micro_adapter(micro_model, tmp_path_factory):
+    return make_adapter(micro_model, tmp_path_factory.mktemp("adapters") / "micro-lora", seed=9)
+
+
+def test_quantize_with_lora_measures_against_the_merged_model(cli, micro_model, micro_adapter, tmp_path):
+    from tests.util import FAST_CALIB
+
+    out = tmp_path / "out"
+    result = cli("quantize", micro_model, "--lora", micro_adapter, "--lora-weight", "0.5", "--method", "fp8",
+                 "-o", out, *FAST_CALIB)
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "quantkit.json").read_text())
+    assert report["recipe"]["lora"] == [str(micro_adapter)] and report["recipe"]["lora_weights"] == [0.5]
+    assert report["merge"]["adapters"][0]["weight"] == 0.5 and report["merge"]["merge_base"] == "16-bit"
+    assert report["targets"][0]["metrics"]["kld_mean"] < 0.01  # vs the merged base, not the original
+    assert report["model"]["path"] == str(micro_model)
+
+
+def test_missing_adapter_is_bad_input(cli, micro_model, tmp_path):
+    result = cli("quantize", micro_model, "--lora", tmp_path / "none", "--method", "fp8", "-o", tmp_path / "out")
+    assert result.exit_code == 2 and "LoRA adapter directory not found" in result.stderr
+
+
+def test_not_an_adapter(cli, micro_model, tmp_path):
+    from tests.util import FAST_CALIB
+
+    (tmp_path / "empty").mkdir()
+    result = cli("quantize", micro_model, "--lora", tmp_path / "empty", "--method", "fp8", "-o", tmp_path / "out",
+                 *FAST_CALIB)
+    assert result.exit_code == 2 and "not a LoRA adapter" in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_already_quantized_model_refused(cli, micro_model, tmp_path):
+    from tests.util import FAST_CALIB
+
+    fp8 = tmp_path / "fp8"
+    assert cli("quantize", micro_model, "--method", "fp8", "-o", fp8, *FAST_CALIB).exit_code == 0
+    result = cli("quantize", fp8, "--method", "fp8", "-o", tmp_path / "again")
+    assert result.exit_code == 2 and "already quantized" in result.stderr
+
+
+def test_quantize_a_qlora_base_with_its_adapter(cli, qlora, tmp_path):
+    """The QLoRA case: a 4-bit base plus its adapter quantizes (the base dequantized, then merged)."""
+    from tests.util import FAST_CALIB
+
+    nf4, adapter = qlora
+    out = tmp_path / "out"
+    result = cli("quantize", nf4, "--lora", adapter, "--method", "fp8", "-o", out, *FAST_CALIB, "--no-gate")
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "quantkit.json").read_text())
+    assert report["merge"]["merge_base"] == "dequantized"
+    assert report["targets"][0]["metrics"]["kld_mean"] < 0.05
