@@ -227,8 +227,8 @@ def check_ranks(adapter: Adapter, ranks: dict[str, dict[str, int]]) -> None:
     for module, found in ranks.items():
         values = set(found.values())
         if len(found) != 2 or len(values) != 1:
-            raise InputError(f"adapter {adapter.path}: {module} has incompatible LoRA ranks "
-                             f"({', '.join(f'{p.strip(chr(46))} {v}' for p, v in sorted(found.items()))})",
+            parts = ", ".join(f"{part.lstrip('.')} {rank}" for part, rank in sorted(found.items()))
+            raise InputError(f"adapter {adapter.path}: {module} has incompatible LoRA ranks ({parts})",
                              hint="lora_A and lora_B of a module must share the rank r; the file is damaged "
                              "or mixed from two adapters")
         if not adapter.config.get("rank_pattern") and values != {r}:
@@ -237,13 +237,7 @@ def check_ranks(adapter: Adapter, ranks: dict[str, dict[str, int]]) -> None:
 
 def check_tokenizer(adapter_dir: Path, rows: int, trust_remote_code: bool) -> None:
     """An adapter's tokenizer must fit the embedding rows the merged model will have."""
-    from transformers import AutoTokenizer
-
-    from quantkit.offline import offline
-
-    with offline():
-        tokenizer = AutoTokenizer.from_pretrained(adapter_dir, local_files_only=True,
-                                                  trust_remote_code=trust_remote_code)
+    tokenizer = load_tokenizer_dir(adapter_dir, trust_remote_code)
     if len(tokenizer) > rows:
         raise InputError(f"the tokenizer in {adapter_dir} has {len(tokenizer)} tokens, but the merged model's "
                          f"embeddings hold {rows} rows and the adapter carries no embedding weights for the rest",
@@ -313,11 +307,10 @@ def check_merge_base(base: ModelInfo, merge_base: str, original_base: str | None
     if merge_base == "original" and not is_bnb(base):
         raise InputError(f"{base.path} is not a bitsandbytes (QLoRA) base; --merge-base original applies to those",
                          hint="drop --merge-base/--original-base to merge into the given 16-bit base")
-    if is_bnb(base) and not (base.config["quantization_config"].get("load_in_4bit")
-                             or base.config["quantization_config"].get("_load_in_4bit")):
-        raise UnsupportedError(f"{base.path} is an 8-bit bitsandbytes checkpoint; quantkit merges into 4-bit "
-                               "(QLoRA) bases or 16-bit ones", hint="use --merge-base original --original-base DIR"
-                               if merge_base != "original" else None)
+    qconfig = base.config.get("quantization_config") or {}
+    if merge_base == "dequantized" and is_bnb(base) and not (qconfig.get("load_in_4bit") or qconfig.get("_load_in_4bit")):
+        raise UnsupportedError(f"{base.path} is an 8-bit bitsandbytes checkpoint; quantkit dequantizes 4-bit "
+                               "(QLoRA) bases only", hint="use --merge-base original --original-base DIR")
     if original_base is None:
         return None
     original = check_model_dir(resolve(original_base))
@@ -393,12 +386,20 @@ def untie_embeddings(model) -> None:
 
 
 def load_tokenizer_dir(path: Path, trust_remote_code: bool):
+    """The tokenizer saved in a directory (an adapter's or the base's); InputError when unusable."""
     from transformers import AutoTokenizer
 
+    from quantkit.model import custom_code_error, needs_remote_code
     from quantkit.offline import offline
 
-    with offline():
-        return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
+    try:
+        with offline():
+            return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
+    except Exception as exc:  # noqa: BLE001 - tokenizers/transformers raise many kinds on damaged files
+        if needs_remote_code(exc):
+            raise custom_code_error(path, "custom tokenizer") from exc
+        raise InputError(f"the tokenizer in {path} does not load: {type(exc).__name__}: {exc}".splitlines()[0],
+                         hint="its tokenizer files are incomplete or damaged") from exc
 
 
 def adapter_record(adapter: Adapter) -> dict[str, Any]:

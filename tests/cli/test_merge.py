@@ -92,6 +92,15 @@ def damaged(kind, adapter, base, tmp_path, micro_model):
     if kind == "weighted-modules-to-save":
         whole = make_adapter(base, tmp_path / "whole", seed=2, modules_to_save=["lm_head"])
         return [base, "--lora", whole, "--lora-weight", "0.5"], "replaces lm_head whole"
+    if kind == "tokens-without-embeddings":  # the adapter's tokenizer grew, its embedding rows were not saved
+        from transformers import AutoTokenizer
+
+        bad = tmp_path / "tokens"
+        shutil.copytree(adapter, bad)
+        tokenizer = AutoTokenizer.from_pretrained(base)
+        tokenizer.add_tokens(["<|tool|>"])
+        tokenizer.save_pretrained(bad)
+        return [base, "--lora", bad], "has 513 tokens, but the merged model's embeddings hold 512 rows"
     if kind == "original-without-mode":
         return [base, "--lora", adapter, "--original-base", base], "--merge-base original and --original-base DIR go together"
     if kind == "original-of-16-bit":
@@ -101,7 +110,8 @@ def damaged(kind, adapter, base, tmp_path, micro_model):
 
 
 @pytest.mark.parametrize("kind", ["missing-module", "pickle", "truncated", "ranks", "shape", "weight-count",
-                                  "weighted-modules-to-save", "original-without-mode", "original-of-16-bit"])
+                                  "weighted-modules-to-save", "tokens-without-embeddings", "original-without-mode",
+                                  "original-of-16-bit"])
 def test_bad_input_exits_2_before_work(cli, base, adapter, micro_model, tmp_path, kind):
     args, message = damaged(kind, adapter, base, tmp_path, micro_model)
     result = cli("merge", *args, "-o", tmp_path / "out")
