@@ -2,7 +2,8 @@
 
 A target's fingerprint is what its artifact depends on: the sha256 of every input file (the
 model's weights, config and tokenizer files, each LoRA adapter's files, the calibration text
-files), the target's recipe entry, the calibration settings, its resolved gate thresholds,
+files, a QLoRA base's 16-bit original), the merge settings (adapter weights, merge base), the
+target's recipe entry, the calibration settings, its resolved gate thresholds,
 whether the gate is enforced, the dtype, and the quantkit version. It is stored with the target
 in quantkit.json; an output whose stored fingerprint equals this run's, and whose listed files
 are all present, is up to date.
@@ -34,6 +35,10 @@ def input_files(info: ModelInfo, recipe: Recipe) -> dict[str, Path]:
     files.update({f"model/{name}": info.path / name for name in MODEL_FILES if (info.path / name).is_file()})
     for index, adapter in enumerate(recipe.lora):
         files.update({f"lora{index}/{p.name}": p for p in sorted(Path(adapter).iterdir()) if p.is_file()})
+    if recipe.original_base and recipe.merge_base == "original":
+        original = Path(recipe.original_base)
+        files.update({f"original_base/{p.name}": p for p in sorted(original.iterdir())
+                      if p.is_file() and (p.suffix == ".safetensors" or p.name in MODEL_FILES)})
     source = resolve_source(recipe.calibration.source)
     if not isinstance(source, str):  # hf: datasets are named by their spec (in the calibration settings)
         files.update({f"calibration/{p.name}": p for p in source})
@@ -59,6 +64,7 @@ def fingerprint(recipe: Recipe, target: Target, gate: Gate, inputs: dict[str, st
         "inputs": inputs,
         "target": target.model_dump(mode="json"),
         "calibration": recipe.calibration.model_dump(mode="json"),
+        "merge": {"lora_weights": recipe.lora_weights, "merge_base": recipe.merge_base} if recipe.lora else None,
         "gate": gate.model_dump(mode="json"),
         "gate_enforced": enforce_gate,
         "dtype": recipe.dtype,

@@ -30,7 +30,7 @@ from quantkit import __version__, export
 from quantkit.cache import fingerprint, input_hashes, up_to_date
 from quantkit.errors import (CalibrationError, GateFailedError, InputError, OutputExistsError, QuantkitError,
                              RunFailedError, UnsupportedError)
-from quantkit.lora import check_adapter
+from quantkit.lora import plan_merge
 from quantkit.measure import PeakTracker
 from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, get_method
 from quantkit.model import ModelInfo, check_device, check_generative, check_model_dir, resolve_model
@@ -88,10 +88,8 @@ def prepare(recipe: Recipe, opts: RunOptions) -> tuple[ModelInfo, list[ResolvedT
     validate_source(recipe.calibration.source)
     check_offload_dir(recipe, info)
     targets = [resolve_target(recipe, target, info) for target in selected]
-    for path in recipe.lora:
-        if not Path(path).is_dir():
-            raise InputError(f"LoRA adapter directory not found: {path}")
-        check_adapter(Path(path))
+    if recipe.lora:
+        lora_plan(info, recipe)  # every adapter checked against the base before work
     check_disk(opts.out, run_estimate(info, recipe, [(t.target.method, t.options) for t in targets]))
     check_ram(ram_estimate(info, recipe, targets), opts.max_memory)
     check_finite([*info.weight_files, *(Path(p) / "adapter_model.safetensors" for p in recipe.lora)])
@@ -236,7 +234,7 @@ def _run_in(staging: Path, recipe: Recipe, opts: RunOptions, info: ModelInfo, ta
     workdir = staging / ".work"
     workdir.mkdir()
     if recipe.lora:
-        info = merge_lora(info, recipe, workdir, opts.progress)
+        info = merge_lora(info, recipe, workdir, report, opts.progress)
     settings = window_settings(recipe, targets)
     uses_windows = settings.num_samples + settings.eval_windows > 0
     tokenizer = load_tokenizer(info, recipe.trust_remote_code) if uses_windows or any(
@@ -464,13 +462,18 @@ def offload_folder(recipe: Recipe) -> Iterator[Path | None]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def merge_lora(info: ModelInfo, recipe: Recipe, workdir: Path, progress: Progress) -> ModelInfo:
-    """Merge adapters into the full-precision base and continue from the merged checkpoint."""
-    from quantkit.lora import merge_adapters
+def lora_plan(info: ModelInfo, recipe: Recipe):
+    return plan_merge(info, recipe.model or str(info.path), recipe.lora, recipe.lora_weights, recipe.merge_base,
+                      recipe.original_base, recipe.trust_remote_code)
+
+
+def merge_lora(info: ModelInfo, recipe: Recipe, workdir: Path, report: RunReport, progress: Progress) -> ModelInfo:
+    """Merge adapters into the full-precision base (quantkit.lora) and continue from the merged checkpoint."""
+    from quantkit.lora import merge
 
     progress(f"merging {len(recipe.lora)} LoRA adapter(s)")
-    merged = merge_adapters(info, recipe.lora, workdir / "merged", recipe.dtype, recipe.trust_remote_code)
-    return check_model_dir(merged)
+    report.merge = merge(lora_plan(info, recipe), workdir / "merged", workdir, progress).to_dict()
+    return check_model_dir(workdir / "merged")
 
 
 def package_version(package: str) -> str | None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -72,6 +72,9 @@ class Target(Strict):
 class Recipe(Strict):
     model: str | None = None
     lora: list[str] = Field(default_factory=list)
+    lora_weights: list[float] = Field(default_factory=list, description="one per lora entry; empty: all 1.0")
+    merge_base: Literal["dequantized", "original"] = "dequantized"  # for a bitsandbytes (QLoRA) base
+    original_base: str | None = Field(None, description="16-bit original of a QLoRA base (merge_base original)")
     trust_remote_code: bool = False
     dtype: str = Field("auto", pattern="^(auto|bfloat16|float16|float32)$")
     device: str = Field("cpu", pattern="^(cpu|cuda|auto)$")
@@ -120,7 +123,7 @@ def load_yaml(path: str | Path) -> dict:
 
 
 # Sections whose type CLI overrides rely on when merging into raw recipe data.
-SECTION_TYPES = {"calibration": dict, "gate": dict, "targets": list, "lora": list}
+SECTION_TYPES = {"calibration": dict, "gate": dict, "targets": list, "lora": list, "lora_weights": list}
 TARGET_SECTION_TYPES = {"options": dict, "ignore": list, "gate": dict}
 
 
@@ -215,6 +218,9 @@ class Overrides:
     offload_dir: str | None = None
     trust_remote_code: bool = False
     lora: list[str] = field(default_factory=list)
+    lora_weights: list[float] = field(default_factory=list)
+    merge_base: str | None = None
+    original_base: str | None = None
     ignore: list[str] = field(default_factory=list)
     calibration: dict[str, Any] = field(default_factory=dict)  # Calibration field -> value
     gate: dict[str, Any] = field(default_factory=dict)  # Gate field -> value
@@ -248,11 +254,14 @@ def override_method(data: dict, method: str) -> dict:
 
 
 def apply_overrides(data: dict, o: Overrides) -> dict:
-    data = {**data, **_given({"model": o.model, "device": o.device, "dtype": o.dtype, "offload_dir": o.offload_dir})}
+    data = {**data, **_given({"model": o.model, "device": o.device, "dtype": o.dtype, "offload_dir": o.offload_dir,
+                              "merge_base": o.merge_base, "original_base": o.original_base})}
     if o.trust_remote_code:
         data["trust_remote_code"] = True
     if o.lora:
         data["lora"] = list(data.get("lora") or []) + list(o.lora)
+    if o.lora_weights:
+        data["lora_weights"] = list(data.get("lora_weights") or []) + list(o.lora_weights)
     data["calibration"] = {**(data.get("calibration") or {}), **_given(o.calibration)}
     data["gate"] = {**(data.get("gate") or {}), **_given(o.gate)}
     if o.ignore:

@@ -93,6 +93,7 @@ class RunReport:
     baseline: dict[str, Any] | None = None
     targets: list[TargetReport] = field(default_factory=list)
     passed: bool | None = None  # None: nothing was measured
+    merge: dict[str, Any] | None = None  # LoRA merge (quantkit.lora.MergeReport) when adapters were merged
 
     def to_dict(self, targets: list[TargetReport] | None = None) -> dict[str, Any]:
         """The JSON form; `targets` restricts it to some targets (a per-target quantkit.json)."""

@@ -56,6 +56,9 @@ def quantize(
     seed: Optional[int] = typer.Option(None, help="Sampling seed."),
     ignore: list[str] = typer.Option([], "--ignore", help="Keep modules unquantized (name or re:REGEX); repeatable."),
     lora: list[str] = typer.Option([], "--lora", help="LoRA adapter dir merged before quantizing; repeatable."),
+    lora_weight: list[float] = typer.Option([], "--lora-weight", help="Scale of each adapter's update, one per --lora (default 1.0)."),
+    merge_base: Optional[str] = typer.Option(None, "--merge-base", help="QLoRA base: dequantized | original (see quantkit merge --help)."),
+    original_base: Optional[str] = typer.Option(None, "--original-base", help="16-bit original of a QLoRA base (--merge-base original)."),
     device: Optional[str] = typer.Option(None, help="cpu | cuda | auto"),
     offload_dir: Optional[str] = typer.Option(None, "--offload-dir", help="Offload decoder layers to disk in this directory while quantizing (gptq/awq/smoothquant/fp8): RAM holds one layer at a time."),
     dtype: Optional[str] = typer.Option(None, help="auto | bfloat16 | float16 | float32"),
@@ -80,6 +83,7 @@ def quantize(
     overrides = Overrides(
         model=model or model_opt, device=device, dtype=dtype, offload_dir=offload_dir,
         trust_remote_code=trust_remote_code, lora=lora,
+        lora_weights=lora_weight, merge_base=merge_base, original_base=original_base,
         ignore=ignore,
         calibration=dict(source=calib, text_field=calib_text_field, num_samples=num_samples, seq_len=seq_len,
                          eval_windows=eval_windows, seed=seed),

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_lora import adapter  # noqa: F401 - the shared LoRA adapter fixture
+from tests.test_lora import micro_adapter  # noqa: F401 - the shared LoRA adapter fixture
 from tests.util import FAST_CALIB, leftovers
 
 CONFIG_CODE = '''
@@ -110,9 +110,9 @@ def test_eval_of_a_custom_artifact_needs_the_flag(cli, micro_model, custom_type,
     assert not marker.exists()
 
 
-def test_lora_merge_needs_the_flag(cli, custom_type, adapter, tmp_path):
+def test_lora_merge_needs_the_flag(cli, custom_type, micro_adapter, tmp_path):
     model, marker = custom_type
-    result = cli("quantize", model, "--lora", adapter, "--method", "fp8", "-o", tmp_path / "out", *FAST_CALIB)
+    result = cli("quantize", model, "--lora", micro_adapter, "--method", "fp8", "-o", tmp_path / "out", *FAST_CALIB)
     assert result.exit_code == 2, result.output
     assert not marker.exists()
 
@@ -143,7 +143,9 @@ def test_loads_pass_the_flag_through(monkeypatch, tmp_path):
     monkeypatch.setattr(artifacts, "artifact_kind", lambda path: "transformers")
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
     info = ModelInfo(tmp_path, {}, [], "LlamaForCausalLM", "llama")
-    for call in (lambda: lora.merge_adapters(info, [], tmp_path / "merged", trust_remote_code=True),
+    plan = lora.MergePlan(base=info, adapters=[], merge_base="16-bit", original=None, vocab_size=None, untie=False,
+                          tokenizer_dir=tmp_path, trust_remote_code=True)
+    for call in (lambda: lora.merge(plan, tmp_path / "merged", tmp_path / "work"),
                  lambda: artifacts.load_for_eval(tmp_path, trust_remote_code=True)):
         with pytest.raises(Stop):
             call()

@@ -1,0 +1,52 @@
+"""`quantkit merge`: LoRA adapters merged into their base, written as a 16-bit safetensors checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from quantkit.cli.common import err, handle_errors, progress, results_console, write_json
+
+
+@handle_errors
+def merge(
+    base: str = typer.Argument(..., help="Base checkpoint dir (or a cached hub id); a bitsandbytes 4-bit (QLoRA) base is dequantized first."),
+    lora: list[str] = typer.Option(..., "--lora", help="LoRA adapter dir (peft, safetensors); repeatable, merged in order."),
+    lora_weight: list[float] = typer.Option([], "--lora-weight", help="Scale of each adapter's update, one per --lora in order (default 1.0)."),
+    output: Path = typer.Option(..., "--output", "-o", help="Output directory (must not exist unless --overwrite)."),
+    merge_base: str = typer.Option("dequantized", "--merge-base", help="For a QLoRA base: dequantized (the 4-bit weights the adapter was trained against) | original (the 16-bit --original-base)."),
+    original_base: Optional[str] = typer.Option(None, "--original-base", help="The 16-bit original of a QLoRA base (with --merge-base original)."),
+    trust_remote_code: bool = typer.Option(False, help="Allow custom model code from the base dir."),
+    overwrite: bool = typer.Option(False, help="Replace an existing output."),
+    json_path: Optional[str] = typer.Option(None, "--json", help="Write the merge record as JSON to FILE ('-' = stdout)."),
+) -> None:
+    """Merge LoRA adapters into their base and save a safetensors checkpoint (tokenizer, model card,
+    quantkit.json), ready for `quantkit quantize`.
+
+    Examples:
+
+      quantkit merge ./base --lora ./adapter -o ./merged
+
+      quantkit merge ./base --lora ./style --lora ./domain --lora-weight 0.5 --lora-weight 1.0 -o ./merged
+
+      quantkit merge ./base-bnb-4bit --lora ./qlora-adapter -o ./merged          (dequantized 4-bit base)
+
+      quantkit merge ./base-bnb-4bit --lora ./qlora-adapter --merge-base original --original-base ./base -o ./merged
+
+    The update is computed in float32 and rounded once to the base's dtype. Exit codes: 0 ok,
+    2 bad input (checked before any work).
+    """
+    from quantkit import export
+    from quantkit.lora import plan_merge, write_merged
+    from quantkit.model import check_model_dir, resolve_model
+
+    info = check_model_dir(resolve_model(base))
+    export.check_output(output, overwrite)
+    plan = plan_merge(info, base, lora, lora_weight, merge_base, original_base, trust_remote_code)
+    for warning in plan.warnings:
+        err.print(f"warning: {warning}", style="yellow", highlight=False, markup=False)
+    record = write_merged(plan, output, overwrite, progress)
+    write_json(json_path, record)
+    results_console(json_path).print(f"wrote {output}", highlight=False)
