@@ -34,7 +34,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from quantkit.errors import InputError, UnsupportedError, require
-from quantkit.model import ModelInfo, check_model_dir, load_model, read_safetensors_header, sha256_files, torch_dtype
+from quantkit.cache import sha256_file
+from quantkit.model import ModelInfo, check_model_dir, load_model, read_safetensors_header, torch_dtype
 
 ADAPTER_PREFIX = "base_model.model."
 ADAPTER_FILE = "adapter_model.safetensors"
@@ -410,7 +411,7 @@ def adapter_record(adapter: Adapter) -> dict[str, Any]:
         "use_dora": bool(config.get("use_dora")), "target_modules": config.get("target_modules"),
         "modules_to_save": config.get("modules_to_save"), "replaced_modules": adapter.replaced_modules,
         "base_model_name_or_path": config.get("base_model_name_or_path"),
-        "sha256": sha256_files([adapter.path / ADAPTER_FILE])[ADAPTER_FILE],
+        "sha256": sha256_file(adapter.path / ADAPTER_FILE),
     }
 
 
@@ -487,7 +488,7 @@ def write_merged(plan: MergePlan, out: Path, overwrite: bool,
         record = {
             "schema_version": 1, "command": "merge", "quantkit_version": __version__, "versions": versions,
             "model": {"path": str(plan.base.path), "architecture": plan.base.architecture,
-                      "sha256": sha256_files(plan.base.weight_files)},
+                      "sha256": {p.name: sha256_file(p) for p in plan.base.weight_files}},
             "merge": report.to_dict(),
             "files": sorted(p.name for p in staging.iterdir()) + ["README.md", "quantkit.json"],
         }
