@@ -28,9 +28,10 @@ def calibration_details(job) -> dict:
     """Report fields of a calibrated method: the calibration tokens, and for an MoE model the tokens
     routed to each expert (counted before quantization, quantkit.methods.moe)."""
     from quantkit.methods.moe import routing_details
+    from quantkit.model import device_map
 
     return {"calibration_tokens": int(job.windows.calib.numel()),
-            **routing_details(job.model, job.info, job.windows.calib)}
+            **routing_details(job.model, job.info, job.windows.calib, device_map(job.device))}
 
 
 def save_compressed(job) -> None:

@@ -132,10 +132,11 @@ def routers(model, model_type: str) -> dict[str, object]:
     return {name: module for name, module in model.named_modules() if pattern.match(name)}
 
 
-def count_routed_tokens(model, model_type: str, num_experts: int, windows,
+def count_routed_tokens(model, model_type: str, num_experts: int, windows, device: str = "cpu",
                         batch_size: int = 4) -> dict[str, list[int]]:
     """{router module name: tokens routed to each expert} over the calibration windows (top-k
-    choices of every token), from forward hooks on the routers during one no-grad forward."""
+    choices of every token), from forward hooks on the routers during one no-grad forward. `device`
+    is where the embeddings live (decoder layers may be offloaded; accelerate onloads them)."""
     import torch
 
     counts = {name: torch.zeros(num_experts, dtype=torch.long) for name in routers(model, model_type)}
@@ -147,7 +148,6 @@ def count_routed_tokens(model, model_type: str, num_experts: int, windows,
         return record
 
     handles = [module.register_forward_hook(hook(name)) for name, module in routers(model, model_type).items()]
-    device = next(model.parameters()).device
     try:
         with torch.no_grad():
             for start in range(0, len(windows), batch_size):
@@ -164,10 +164,10 @@ def starved_experts(counts: dict[str, list[int]], minimum: int = MIN_EXPERT_TOKE
             for name, row in counts.items() for expert, tokens in enumerate(row) if tokens < minimum]
 
 
-def routing_details(model, info, windows) -> dict:
+def routing_details(model, info, windows, device: str = "cpu") -> dict:
     """Report fields for a calibrated method on an MoE model (empty for a dense model)."""
     if not is_moe(info.model_type):
         return {}
-    counts = count_routed_tokens(model, info.model_type, expert_count(info.config), windows)
+    counts = count_routed_tokens(model, info.model_type, expert_count(info.config), windows, device)
     return {"expert_routed_tokens": counts, "min_expert_tokens": MIN_EXPERT_TOKENS,
             "experts_under_min_tokens": starved_experts(counts)}
