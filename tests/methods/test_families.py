@@ -24,7 +24,7 @@ MOE = ("mixtral", "qwen3moe", "qwen2moe")
 # (family, method) -> the words exit 2 must name, for what a method refuses on a family.
 REFUSED = {(family, "smoothquant"): "int-quantized" for family in MOE}
 FAMILIES = ("llama31", "gemma3", "phi3", "mistral", "mixtral", "qwen25", "qwen3", "qwen3moe", "qwen2moe")
-FAST = {("mixtral", "fp8"), ("phi3", "awq"), ("qwen3moe", "gptq"), ("mixtral", "smoothquant")}
+FAST = {("mixtral", "gptq"), ("phi3", "awq"), ("mixtral", "smoothquant")}  # reload fix + routing report, fused Phi-3 rows, a refusal
 
 
 def build_extra(family: str, out: Path) -> Path:
