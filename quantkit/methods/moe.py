@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 from quantkit.errors import UnsupportedError
 
 # An expert routed fewer calibration tokens than this is listed in the report (`details` of the
-# target in quantkit.json, and a warning line): 256 tokens is two GPTQ/AWQ groups of 128 columns'
-# worth of samples, below which the router's own view of the calibration data gives that expert
-# no meaningful coverage.
+# target in quantkit.json, and a printed line). A round number: with 64 windows of 512 tokens and
+# top-2 of 8 experts, an expert's even share is 8192 tokens, so one under 256 got less than 1/32 of
+# it: the calibration text hardly exercises that expert.
 MIN_EXPERT_TOKENS = 256
 
 

@@ -24,7 +24,8 @@ MOE = ("mixtral", "qwen3moe", "qwen2moe")
 # (family, method) -> the words exit 2 must name, for what a method refuses on a family.
 REFUSED = {(family, "smoothquant"): "int-quantized" for family in MOE}
 FAMILIES = ("llama31", "gemma3", "phi3", "mistral", "mixtral", "qwen25", "qwen3", "qwen3moe", "qwen2moe")
-FAST = {("mixtral", "gptq"), ("phi3", "awq"), ("mixtral", "smoothquant")}  # reload fix + routing report, fused Phi-3 rows, a refusal
+# Fast: the Mixtral reload fix with the routing report, the fused Phi-3 rows, a refusal.
+FAST = {("mixtral", "gptq"), ("phi3", "awq"), ("mixtral", "smoothquant")}
 
 
 def build_extra(family: str, out: Path) -> Path:
@@ -137,7 +138,8 @@ def test_unknown_moe_architecture_is_refused_before_work(cli, family_models, tmp
     model = tmp_path / "moe"
     shutil.copytree(family_models("qwen3moe"), model)
     config = json.loads((model / "config.json").read_text())
-    (model / "config.json").write_text(json.dumps({**config, "model_type": "olmoe", "architectures": ["OlmoeForCausalLM"]}))
+    config.update(model_type="olmoe", architectures=["OlmoeForCausalLM"])
+    (model / "config.json").write_text(json.dumps(config))
     result = cli("quantize", model, "--method", "gptq", *CALIB_ARGS, "-o", tmp_path / "out")
     assert result.exit_code == 2, result.output
     assert "olmoe" in result.output and "qwen3_moe" in result.output
