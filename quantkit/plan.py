@@ -32,17 +32,28 @@ TOWER_NAMES = {
 # Roles never quantized, whatever the method.
 KEEP_16BIT_ROLES = tuple(TOWER_NAMES)
 
+# MoE routers: the linear that scores the experts (Mixtral `block_sparse_moe.gate`, Qwen-MoE
+# `mlp.gate`, transformers 5's `mlp.router`) and Qwen2-MoE's `shared_expert_gate`. Tiny, and their
+# top-k choice is discontinuous: rounding them changes which experts run. Kept 16-bit by every
+# compressed-tensors method and nf4 (no method's precision() quantizes the "router" role, and the
+# ignore list names them); gguf keeps llama.cpp's own type for them (its mixture rules).
+ROUTER_NAMES = r"(block_sparse_moe|mlp)\.(gate|router)|shared_expert_gate"
+
 # Role rules, checked in order; first match wins. Kept as data: add an architecture here.
 ROLE_RULES: list[tuple[str, str]] = [
     *((role, rf"(^|\.)({names})\.") for role, names in TOWER_NAMES.items()),
     ("lm_head", r"(^|\.)(lm_head|embed_out)\.weight$"),
+    ("router", rf"(^|\.)({ROUTER_NAMES})\.weight$"),
     ("embeddings", r"(^|\.)(embed_tokens|wte|wpe|word_embeddings|embed_positions|tok_embeddings)\.weight$"),
     ("norm", r"(norm|ln_\d|ln_f|layernorm)[^.]*\.(weight|bias)$"),
     ("decoder", r"(^|\.)(layers|h|blocks|block)\.\d+\."),
 ]
 
 # Patterns handed to llm-compressor's `ignore` for the kept roles (re.match, so lead with .*).
-KEEP_PATTERNS = {role: [rf"re:.*({names})\..*"] for role, names in TOWER_NAMES.items()}
+KEEP_PATTERNS = {**{role: [rf"re:.*({names})\..*"] for role, names in TOWER_NAMES.items()},
+                 "router": [rf"re:.*\.({ROUTER_NAMES})$"]}
+# Roles whose modules are added to every method's ignore list when the model has them.
+IGNORED_ROLES = (*KEEP_16BIT_ROLES, "router")
 
 # Weight bits per parameter of each format (scales and zero points included).
 FORMAT_BITS = {
@@ -120,11 +131,11 @@ def plan_entry(info: ModelInfo, name: str, shape: list[int], chosen: str | None,
 
 
 def ignore_patterns(info: ModelInfo, user_ignore: list[str], keep_lm_head: bool = True) -> list[str]:
-    """The `ignore` list for llm-compressor: lm_head (when kept), the VLM towers present in this
-    model, then the user's patterns."""
+    """The `ignore` list for llm-compressor: lm_head (when kept), the VLM towers and MoE routers
+    present in this model, then the user's patterns."""
     roles = {classify(name) for name in info.tensors}
     patterns = ["lm_head"] if keep_lm_head else []
-    for role in KEEP_16BIT_ROLES:
+    for role in IGNORED_ROLES:
         if role in roles:
             patterns += KEEP_PATTERNS[role]
     return patterns + [p for p in user_ignore if p not in patterns]

@@ -30,3 +30,23 @@ def test_gguf_architectures_match_the_converter_table():
     from quantkit.gguf.convert import supported_architectures
 
     assert listed(readme_row("`gguf`")) == supported_architectures()
+
+
+def test_moe_architectures_match_the_moe_table():
+    from quantkit.methods.moe import MOE_LAYOUTS
+
+    cell = readme_row("`fp8`, `gptq`, `nf4`")
+    assert re.findall(r"[a-z0-9_]+", cell.split("model_type`:", 1)[1]) == sorted(MOE_LAYOUTS)
+
+
+def test_family_table_is_generated_from_the_methods_tables():
+    """README's family x method table equals quantkit.support.family_table() (print it to update README)."""
+    from quantkit.support import family_table
+
+    section = README.read_text().split("| family (`model_type`)", 1)[1]
+    table = []
+    for line in ("| family (`model_type`)" + section).splitlines():
+        if not line.startswith("|"):
+            break
+        table.append(line)
+    assert table == family_table()

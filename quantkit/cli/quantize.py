@@ -42,6 +42,7 @@ def quantize(
     bits: Optional[int] = typer.Option(None, help="Weight bits (gptq/awq)."),
     group_size: Optional[int] = typer.Option(None, help="Quantization group size (-1: per channel)."),
     act_order: Optional[str] = typer.Option(None, help="GPTQ activation order: none | static | group."),
+    symmetric: Optional[bool] = typer.Option(None, "--symmetric/--asymmetric", help="Integer weights without / with a zero point (gptq/awq)."),
     backend: Optional[str] = typer.Option(None, help="Engine backend where a method has several."),
     gguf_type: Optional[str] = typer.Option(None, help="GGUF type or mixture, e.g. Q4_K_M, Q6_K, Q8_0."),
     imatrix: Optional[str] = typer.Option(None, help="GGUF importance matrix: auto | none | FILE."),
@@ -90,7 +91,8 @@ def quantize(
         gate=dict(max_ppl_increase=max_ppl_increase, max_kld=max_kld, min_top1=min_top1),
         # Method flags name method option fields; each applies to every target whose method has that
         # option, and naming one no target has is an error.
-        method_options=dict(scheme=scheme, bits=bits, group_size=group_size, act_order=act_order, backend=backend,
+        method_options=dict(scheme=scheme, bits=bits, group_size=group_size, act_order=act_order, symmetric=symmetric,
+                            backend=backend,
                             gguf_type=gguf_type, imatrix=imatrix, smoothing_strength=smoothing_strength,
                             double_quant=double_quant, compute_dtype=compute_dtype),
     )

@@ -62,6 +62,8 @@ def print_report(report: RunReport, console: Console, out: Path, quiet: bool = F
     multi = len(report.recipe.get("targets") or []) > 1
     for t in report.targets:
         console.print(summary_line(t, out / t.name if multi else out), highlight=False, markup=False)
+        if line := starved_experts_text(t.details):
+            console.print(f"{t.name}: {line}", highlight=False, markup=False)
 
 
 def summary_line(t: TargetReport, where: Path) -> str:
@@ -77,3 +79,15 @@ def summary_line(t: TargetReport, where: Path) -> str:
     parts.append(f"{t.method} → {t.format}, quantize {t.timings.get('quantize_s', 0):.1f}s, "
                  f"eval {t.timings.get('eval_s', 0):.1f}s, peak RSS {human_bytes(t.peak_rss_bytes)}")
     return "; ".join(parts) + (f" → {where}" if t.written else "; not written")
+
+
+def starved_experts_text(details: dict) -> str:
+    """One line naming the MoE experts the router sent fewer calibration tokens than the threshold
+    (quantkit.methods.moe), or '' when there are none."""
+    starved = details.get("experts_under_min_tokens") or []
+    if not starved:
+        return ""
+    listed = ", ".join(f"{s['router']} expert {s['expert']} ({s['tokens']})" for s in starved[:8])
+    more = f" and {len(starved) - 8} more" if len(starved) > 8 else ""
+    return (f"{len(starved)} experts were routed fewer than {details['min_expert_tokens']} calibration tokens "
+            f"(calibrated on all tokens anyway): {listed}{more}")

@@ -90,6 +90,7 @@ def check_backend(backend: str) -> None:
 def check(info, options: Options, calibration) -> None:
     check_backend(options.backend)
     check_architecture(info.model_type)
+    gptq.check_moe(info, options.symmetric, "none", "awq")
     gptq.check_bits(options.bits, "awq")
     gptq.check_group_size(info, options.group_size, "awq")
     if options.n_grid < 1:
@@ -156,11 +157,11 @@ def modifiers(options: Options, model_type: str, ignore: list[str]) -> list:
 def quantize(job: QuantizeJob) -> QuantizeResult:
     check_architecture(job.info.model_type)
     recipe = modifiers(job.options, job.info.model_type, job.ignore)
+    details = llmc.calibration_details(job)
     with cpu_pin_memory_guard() as patched:
         llmc.run_oneshot(job, recipe, calibrate=True)
     llmc.save_compressed(job)
-    return QuantizeResult(job.out_dir, {"calibration_tokens": int(job.windows.calib.numel()),
-                                        "cpu_pin_memory_workaround": patched})
+    return QuantizeResult(job.out_dir, {**details, "cpu_pin_memory_workaround": patched})
 
 
 METHOD = MethodSpec(

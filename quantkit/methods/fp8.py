@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, fixed_gate, llmc
+from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, fixed_gate, llmc, moe
 
 # FP8 E4M3 is near-lossless on trained models: hold it to a tight gate.
 DEFAULT_GATE = {"max_ppl_increase": 0.02, "max_kld": 0.01, "min_top1": 0.95}
@@ -41,6 +41,12 @@ def scheme_config(options: Options) -> dict:
     return {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": activations}}
 
 
+def check(info, options: Options, calibration) -> None:
+    moe.check_supported(info, "fp8")
+    moe.check_expert_storage(info, "fp8", "fp8-static stores a static activation scale per expert"
+                             if options.scheme == "fp8-static" else None, hint="use scheme fp8-dynamic")
+
+
 def keeps_lm_head(options: Options) -> bool:
     return not options.quantize_lm_head
 
@@ -49,15 +55,16 @@ def quantize(job: QuantizeJob) -> QuantizeResult:
     from llmcompressor.modifiers.quantization import QuantizationModifier
 
     modifier = QuantizationModifier(config_groups=scheme_config(job.options), ignore=job.ignore)
+    details = llmc.calibration_details(job) if needs_calibration(job.options) else {}
     llmc.run_oneshot(job, modifier, calibrate=needs_calibration(job.options))
     llmc.save_compressed(job)
-    return QuantizeResult(job.out_dir)
+    return QuantizeResult(job.out_dir, details)
 
 
 METHOD = MethodSpec(
     name="fp8", engine=llmc.ENGINE, engine_package=llmc.ENGINE,
     format="compressed-tensors (float-quantized, float8_e4m3fn)",
     options=Options, quantize=quantize, precision=precision, default_gate=fixed_gate(DEFAULT_GATE),
-    needs_calibration=needs_calibration, keeps_lm_head=keeps_lm_head,
+    check=check, needs_calibration=needs_calibration, keeps_lm_head=keeps_lm_head,
 )
 

@@ -16,7 +16,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict
 
 from quantkit.errors import CalibrationError, InputError, UnsupportedError
-from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, fixed_gate, llmc
+from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, fixed_gate, llmc, moe
 
 # 4-bit rounding costs a few percent of perplexity even with GPTQ's error feedback.
 DEFAULT_GATE = {"max_ppl_increase": 0.10, "max_kld": 0.10, "min_top1": 0.80}
@@ -106,7 +106,23 @@ def check_calibration_tokens(calibration, method: str, minimum: int = MIN_CALIBR
         )
 
 
+def expert_storage_problem(symmetric: bool, act_order: str = "none") -> str | None:
+    """What int weights would store per MoE expert that transformers cannot reload (None: nothing)."""
+    if not symmetric:
+        return "asymmetric int weights store a zero point per expert"
+    if act_order == "group":
+        return "act_order=group stores a g_idx per expert"
+    return None
+
+
+def check_moe(info, symmetric: bool, act_order: str, method: str) -> None:
+    moe.check_supported(info, method)
+    moe.check_expert_storage(info, method, expert_storage_problem(symmetric, act_order),
+                             hint="use --symmetric (option symmetric: true) and act_order none or static")
+
+
 def check(info, options: Options, calibration) -> None:
+    check_moe(info, options.symmetric, options.act_order, "gptq")
     check_bits(options.bits, "gptq")
     check_group_size(info, options.group_size, "gptq")
     if options.act_order == "group" and options.group_size == -1:
@@ -147,9 +163,10 @@ def modifier(options: Options, ignore: list[str]):
 
 
 def quantize(job: QuantizeJob) -> QuantizeResult:
+    details = llmc.calibration_details(job)
     llmc.run_oneshot(job, modifier(job.options, job.ignore), calibrate=True)
     llmc.save_compressed(job)
-    return QuantizeResult(job.out_dir, {"calibration_tokens": int(job.windows.calib.numel())})
+    return QuantizeResult(job.out_dir, details)
 
 
 METHOD = MethodSpec(

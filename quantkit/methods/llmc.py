@@ -18,15 +18,29 @@ def run_oneshot(job, recipe, calibrate: bool) -> None:
             max_seq_length=job.windows.calib.shape[1],
             shuffle_calibration_samples=False,
             pipeline="sequential",
+            moe_calibrate_all_experts=True,  # every expert sees every token (quantkit.methods.moe)
         )
     oneshot(model=job.model, recipe=recipe, tokenizer=job.tokenizer, log_dir=None,
             trust_remote_code_model=job.trust_remote_code, **kwargs)  # it re-reads config.json
 
 
-def save_compressed(job) -> None:
-    """compressed-tensors checkpoint + tokenizer into the staging directory."""
-    from quantkit.export import add_module_names_to_ignore
+def calibration_details(job) -> dict:
+    """Report fields of a calibrated method: the calibration tokens, and for an MoE model the tokens
+    routed to each expert (counted before quantization, quantkit.methods.moe)."""
+    from quantkit.methods.moe import routing_details
+    from quantkit.model import device_map
 
+    return {"calibration_tokens": int(job.windows.calib.numel()),
+            **routing_details(job.model, job.info, job.windows.calib, device_map(job.device))}
+
+
+def save_compressed(job) -> None:
+    """compressed-tensors checkpoint + tokenizer into the staging directory (MoE experts under the
+    checkpoint's tensor names, quantkit.methods.moe)."""
+    from quantkit.export import add_module_names_to_ignore
+    from quantkit.methods.moe import set_save_names
+
+    set_save_names(job.model, job.info.model_type)
     job.model.save_pretrained(job.out_dir, save_compressed=True)
     job.tokenizer.save_pretrained(job.out_dir)
     add_module_names_to_ignore(job.out_dir)  # so transformers, not only vLLM, reloads VLM artifacts right

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict
 
 from quantkit.errors import UnsupportedError, require
 from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, fixed_gate
+from quantkit.methods.moe import is_expert_weight
 
 # NF4 is plain round-to-nearest onto 16 levels, without calibration: looser than GPTQ/AWQ.
 DEFAULT_GATE = {"max_ppl_increase": 0.15, "max_kld": 0.15, "min_top1": 0.75}
@@ -30,6 +31,8 @@ BLOCK_SIZE = 64  # bitsandbytes 4-bit blocksize used by transformers
 # block_n (32) and in_features of the 64-weight block (absmax reshaped to [out, in // 64]).
 # Other shapes fail inside bitsandbytes, so such layers stay 16-bit on every machine.
 CPU_BLOCK_N = 32
+# MoE routed experts stay 16-bit: transformers 5 holds them fused as 3-D parameters (not nn.Linear),
+# which its bitsandbytes integration does not quantize (`kept_moe_experts` in the report).
 
 
 class Options(BaseModel):
@@ -40,7 +43,7 @@ class Options(BaseModel):
 
 
 def precision(role: str, options: Options, name: str, shape: list[int]) -> str | None:
-    if role not in QUANTIZED_ROLES or not fits_kernels(options, shape):
+    if role not in QUANTIZED_ROLES or not fits_kernels(options, shape) or is_expert_weight(name):
         return None
     if options.scheme == "int8":
         return "int8 per-row absmax (LLM.int8, bitsandbytes)"
@@ -127,7 +130,8 @@ def quantize(job: QuantizeJob) -> QuantizeResult:
     model = load_quantized(job.info, dtype, config, job.device, job.trust_remote_code)
     model.save_pretrained(job.out_dir)  # the tokenizer files are copied beside it by the pipeline
     details = {"bnb_quantization_config": model.config.quantization_config.to_dict(),
-               "kept_for_bnb_kernels": odd}
+               "kept_for_bnb_kernels": odd,
+               "kept_moe_experts": len([n for n in quantizable_layers(job.info) if is_expert_weight(n)])}
     del model
     return QuantizeResult(job.out_dir, details)
 

@@ -19,7 +19,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict
 
 from quantkit.errors import InputError, UnsupportedError
-from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, fixed_gate, gptq, llmc
+from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, fixed_gate, gptq, llmc, moe
 from quantkit.methods.mappings import Mapping, smoothquant_mappings, supported_model_types
 
 # int8 weights and per-token int8 activations are near-lossless on trained models: tight gate.
@@ -56,6 +56,9 @@ def check(info, options: Options, calibration) -> None:
     if not 0 <= options.smoothing_strength <= 1:
         raise InputError(f"smoothquant: smoothing_strength={options.smoothing_strength} must be in [0, 1]")
     mappings_for(info.model_type)
+    moe.check_supported(info, "smoothquant")
+    moe.check_expert_storage(info, "smoothquant", "W8A8 stores every expert as int8 `int-quantized` weights",
+                             hint="use gptq --bits 8 --symmetric, or fp8, for this model")
     gptq.check_calibration_tokens(calibration, "smoothquant")
 
 
@@ -82,10 +85,10 @@ def modifiers(options: Options, model_type: str, ignore: list[str]) -> list:
 
 def quantize(job: QuantizeJob) -> QuantizeResult:
     recipe = modifiers(job.options, job.info.model_type, job.ignore)
+    details = llmc.calibration_details(job)
     llmc.run_oneshot(job, recipe, calibrate=True)
     llmc.save_compressed(job)
-    return QuantizeResult(job.out_dir, {"smoothing_strength": job.options.smoothing_strength,
-                                        "calibration_tokens": int(job.windows.calib.numel())})
+    return QuantizeResult(job.out_dir, {"smoothing_strength": job.options.smoothing_strength, **details})
 
 
 METHOD = MethodSpec(

@@ -1,0 +1,173 @@
+"""Mixture-of-experts models under the llm-compressor methods, as data: one row per model_type.
+
+transformers 5 loads MoE experts fused (`mlp.experts.gate_up_proj`, one 3-D tensor per layer,
+Mixtral's `block_sparse_moe` renamed to `mlp`). llm-compressor's `oneshot` linearizes them into
+one `nn.Linear` per expert projection (`mlp.experts.N.{gate,up,down}_proj`), calibrates every
+expert on every token (`moe_calibrate_all_experts`: the expert's output is still weighted by the
+router, but its Hessian/activation statistics come from all tokens), and quantizes them.
+
+Saving: transformers reverts its load-time conversion; the fused-expert converters no longer
+match the linear experts, so only the renamings are reverted. Where the checkpoint names the
+expert projections differently (Mixtral's `w1`/`w3`/`w2`), `expert_names` says how, and the
+save mapping turns the linear names back into the checkpoint's; transformers then reloads the
+artifact strictly, dequantizing the per-expert tensors into its fused experts.
+
+Routed tokens: the router of each MoE block (a module returning logits, top-k weights and top-k
+indices) is hooked during a separate forward over the calibration windows, counting the tokens
+the router sends to each expert. An expert routed fewer than MIN_EXPERT_TOKENS tokens is listed
+in the report: llm-compressor still calibrates it on every token, but on inputs the router rarely
+sends it, so a short calibration set or one far from the model's use shows up there.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from quantkit.errors import UnsupportedError
+
+# An expert routed fewer calibration tokens than this is listed in the report (`details` of the
+# target in quantkit.json, and a printed line). A round number: with 64 windows of 512 tokens and
+# top-2 of 8 experts, an expert's even share is 8192 tokens, so one under 256 got less than 1/32 of
+# it: the calibration text hardly exercises that expert.
+MIN_EXPERT_TOKENS = 256
+
+
+@dataclass(frozen=True)
+class MoeLayout:
+    router: str = r".*\.mlp\.gate$"  # module-name regex of the router (transformers 5 names)
+    # linear expert projection (llm-compressor's name) -> the checkpoint's name, where they differ
+    expert_names: dict[str, str] = field(default_factory=dict)
+    # (checkpoint block name, transformers 5 block name) renamed while loading
+    block_rename: tuple[str, str] | None = None
+
+
+MOE_LAYOUTS: dict[str, MoeLayout] = {
+    "mixtral": MoeLayout(expert_names={"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"},
+                         block_rename=("block_sparse_moe", "mlp")),
+    "qwen2_moe": MoeLayout(),
+    "qwen3_moe": MoeLayout(),
+}
+
+
+# config.json keys holding a model's number of routed experts (Qwen-MoE's `num_experts` is written
+# `num_local_experts` by transformers 5): a model with one of them > 0 is MoE.
+EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+# What transformers 5.17 reloads of quantized MoE experts (integrations.compressed_tensors.
+# DecompressExperts): per expert, an fp8 `weight` + `weight_scale`, or a packed int `weight_packed`
+# + `weight_scale` + `weight_shape`, dequantized into its fused experts. Anything else stored per
+# expert (zero points, static activation scales, act-order g_idx, int8 `int-quantized` weights)
+# fails the reload, so the methods refuse those options on MoE models before any work.
+RELOADABLE_EXPERTS = ("fp8 weights with per-channel scales (dynamic activations), or symmetric int4/int8 "
+                      "packed weights without act-order groups")
+
+
+# What each method does with an MoE model of the table (README's family x method table).
+MOE_SUPPORT = {
+    "fp8": "✅ fp8-dynamic (fp8-static refused)",
+    "gptq": "✅ symmetric (asymmetric, act_order group refused)",
+    "awq": "✅ with `--symmetric` (asymmetric refused)",
+    "smoothquant": "refused: int8 experts do not reload",
+    "nf4": "✅ experts stay bf16",
+}
+
+
+def is_moe(model_type: str) -> bool:
+    return model_type in MOE_LAYOUTS
+
+
+def expert_count(config: dict) -> int:
+    text = config.get("text_config") or config
+    return max([int(text.get(key) or 0) for key in EXPERT_COUNT_KEYS])
+
+
+def check_supported(info, method: str) -> None:
+    """An MoE architecture the table does not know would save its experts under names transformers
+    does not reload: refused before any work (exit 2)."""
+    if expert_count(info.config) and not is_moe(info.model_type):
+        raise UnsupportedError(
+            f"{method}: mixture-of-experts architecture '{info.model_type}' is not supported",
+            hint="supported MoE model types: " + ", ".join(sorted(MOE_LAYOUTS)) + "; or use gguf where it converts it")
+
+
+def check_expert_storage(info, method: str, problem: str | None, hint: str) -> None:
+    """Refuse (exit 2, before any work) options that would store MoE experts in a form transformers
+    cannot reload (`problem` says which); dense models pass."""
+    if problem and is_moe(info.model_type):
+        raise UnsupportedError(
+            f"{method} on MoE model '{info.model_type}': {problem}, which transformers cannot reload into its "
+            f"fused experts, so the artifact could not be gated (it reloads {RELOADABLE_EXPERTS})", hint=hint)
+
+
+def is_expert_weight(name: str) -> bool:
+    """A routed expert's projection in the checkpoint (`...experts.3.w1`, `...experts.3.gate_proj`)."""
+    return re.search(r"(^|\.)experts\.\d+\.", name) is not None
+
+
+def save_renamings(model_type: str) -> list:
+    """transformers WeightRenaming rows (checkpoint name -> module name) whose reversal on save writes
+    the linear experts under the checkpoint's names; [] where the names already agree."""
+    from transformers.core_model_loading import WeightRenaming
+
+    layout = MOE_LAYOUTS[model_type]
+    rows = []
+    if layout.block_rename:
+        old, new = layout.block_rename
+        rows.append(WeightRenaming(f".{old}.", f".{new}."))
+    rows += [WeightRenaming(rf"\.experts\.(\d+)\.{stored}\.", rf".experts.\1.{linear}.")
+             for linear, stored in layout.expert_names.items()]
+    return rows
+
+
+def set_save_names(model, model_type: str) -> None:
+    """Before save_pretrained: write linearized experts under the checkpoint's tensor names."""
+    from llmcompressor.modeling.moe.conversion_mappings import set_save_conversion_mapping
+
+    if is_moe(model_type) and (rows := save_renamings(model_type)):
+        set_save_conversion_mapping(model, rows)
+
+
+def routers(model, model_type: str) -> dict[str, object]:
+    pattern = re.compile(MOE_LAYOUTS[model_type].router)
+    return {name: module for name, module in model.named_modules() if pattern.match(name)}
+
+
+def count_routed_tokens(model, model_type: str, num_experts: int, windows, device: str = "cpu",
+                        batch_size: int = 4) -> dict[str, list[int]]:
+    """{router module name: tokens routed to each expert} over the calibration windows (top-k
+    choices of every token), from forward hooks on the routers during one no-grad forward. `device`
+    is where the embeddings live (decoder layers may be offloaded; accelerate onloads them)."""
+    import torch
+
+    counts = {name: torch.zeros(num_experts, dtype=torch.long) for name in routers(model, model_type)}
+
+    def hook(name):
+        def record(module, args, output):
+            indices = output[2]  # (tokens, top_k) expert indices
+            counts[name] += torch.bincount(indices.reshape(-1).cpu(), minlength=num_experts)
+        return record
+
+    handles = [module.register_forward_hook(hook(name)) for name, module in routers(model, model_type).items()]
+    try:
+        with torch.no_grad():
+            for start in range(0, len(windows), batch_size):
+                model(windows[start:start + batch_size].to(device))
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {name: [int(n) for n in row] for name, row in counts.items()}
+
+
+def starved_experts(counts: dict[str, list[int]], minimum: int = MIN_EXPERT_TOKENS) -> list[dict]:
+    """The experts routed fewer than `minimum` tokens: [{"router", "expert", "tokens"}]."""
+    return [{"router": name, "expert": expert, "tokens": tokens}
+            for name, row in counts.items() for expert, tokens in enumerate(row) if tokens < minimum]
+
+
+def routing_details(model, info, windows, device: str = "cpu") -> dict:
+    """Report fields for a calibrated method on an MoE model (empty for a dense model)."""
+    if not is_moe(info.model_type):
+        return {}
+    counts = count_routed_tokens(model, info.model_type, expert_count(info.config), windows, device)
+    return {"expert_routed_tokens": counts, "min_expert_tokens": MIN_EXPERT_TOKENS,
+            "experts_under_min_tokens": starved_experts(counts)}

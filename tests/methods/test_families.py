@@ -1,0 +1,157 @@
+"""The compressed-tensors methods and nf4 on tiny random models of each family people fine-tune:
+exit 0 with an artifact transformers reloads strictly, or exit 2 before any work with the reason.
+
+Families come from tests/gguf/families.py (Llama 3.1, Gemma 3 text, Phi-3, Mistral, Mixtral,
+Qwen2.5, Qwen3-MoE) plus dense Qwen3 and Qwen2-MoE built here the same way. The full
+family x method matrix is slow; a few representative cases stay in the fast suite.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.methods.conftest import CALIB_ARGS, assert_nothing_written, report
+
+# Random weights: the gate is loosened; strict reload is enforced whatever the gate says.
+LOOSE_GATE = ["--max-kld", "1", "--max-ppl-increase", "1", "--min-top1", "0"]
+# MoE experts reload in transformers only without zero points (quantkit.methods.moe).
+METHOD_ARGS = {"fp8": [], "gptq": [], "awq": ["--symmetric"], "smoothquant": ["--smoothing-strength", "0.5"],
+               "nf4": []}
+MOE = ("mixtral", "qwen3moe", "qwen2moe")
+# (family, method) -> the words exit 2 must name, for what a method refuses on a family.
+REFUSED = {(family, "smoothquant"): "int-quantized" for family in MOE}
+FAMILIES = ("llama31", "gemma3", "phi3", "mistral", "mixtral", "qwen25", "qwen3", "qwen3moe", "qwen2moe")
+# Fast: the Mixtral reload fix with the routing report, the fused Phi-3 rows, a refusal.
+FAST = {("mixtral", "gptq"), ("phi3", "awq"), ("mixtral", "smoothquant")}
+
+
+def build_extra(family: str, out: Path) -> Path:
+    """Dense Qwen3 and Qwen2-MoE (with a shared expert), shaped as tests/gguf/families.py's models."""
+    import torch
+    import transformers
+
+    from tests.gguf.families import COMMON, randomize, write_bpe_tokenizer
+
+    out.mkdir(parents=True, exist_ok=True)
+    vocab, ids = write_bpe_tokenizer(out)
+    if family == "qwen3":
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**COMMON, vocab_size=vocab, **ids, head_dim=64))
+    else:
+        config = transformers.Qwen2MoeConfig(**COMMON, vocab_size=vocab, **ids, num_experts=4, num_experts_per_tok=2,
+                                             moe_intermediate_size=256, shared_expert_intermediate_size=512)
+        model = transformers.Qwen2MoeForCausalLM(config)
+    randomize(model, 0)
+    model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+    return out
+
+
+@pytest.fixture(scope="session")
+def family_models(tmp_path_factory):
+    """family name -> a tiny checkpoint, built on first use."""
+    from tests.gguf.families import build_family
+
+    root = tmp_path_factory.mktemp("families")
+    built: dict[str, Path] = {}
+
+    def get(family: str) -> Path:
+        if family not in built:
+            build = build_extra if family in ("qwen3", "qwen2moe") else build_family
+            built[family] = build(family, root / family)
+        return built[family]
+
+    return get
+
+
+def strict_reload_info(out: Path) -> dict:
+    """transformers' loading info of the artifact: every list empty when it reloads strictly."""
+    from transformers import AutoModelForCausalLM
+
+    _model, info = AutoModelForCausalLM.from_pretrained(out, device_map="cpu", output_loading_info=True)
+    return {key: list(value) for key, value in info.items() if value}
+
+
+def assert_routing_reported(out: Path, family: str) -> None:
+    """MoE + calibrated method: tokens routed to each expert, summing to tokens x top-k per router."""
+    from quantkit.methods.moe import MIN_EXPERT_TOKENS, starved_experts
+
+    details = report(out)["targets"][0]["details"]
+    counts = details["expert_routed_tokens"]
+    config = json.loads((out / "config.json").read_text())
+    assert len(counts) == config["num_hidden_layers"]
+    for row in counts.values():
+        assert sum(row) == details["calibration_tokens"] * config["num_experts_per_tok"]
+    assert details["min_expert_tokens"] == MIN_EXPERT_TOKENS
+    assert details["experts_under_min_tokens"] == starved_experts(counts)
+
+
+def run_case(cli, family_models, tmp_path, family: str, method: str) -> None:
+    model = family_models(family)
+    out = tmp_path / "out"
+    result = cli("quantize", model, "--method", method, *METHOD_ARGS[method], *CALIB_ARGS, *LOOSE_GATE, "-o", out)
+    if (family, method) in REFUSED:
+        assert result.exit_code == 2, result.output
+        assert REFUSED[family, method] in result.output
+        assert "loading" not in result.output and "measuring" not in result.output  # refused before any work
+        assert_nothing_written(out)
+        return
+    assert result.exit_code == 0, result.output
+    assert strict_reload_info(out) == {}
+    entry = report(out)["targets"][0]
+    assert entry["gate"]["passed"]
+    if family in MOE and method in ("gptq", "awq", "smoothquant"):
+        assert_routing_reported(out, family)
+    if method != "nf4":
+        ignore = json.loads((out / "config.json").read_text())["quantization_config"]["ignore"]
+        assert family not in MOE or any(name.endswith("mlp.gate") for name in ignore)  # routers kept 16-bit
+
+
+CASES = [pytest.param(f, m, marks=() if (f, m) in FAST else pytest.mark.slow, id=f"{f}-{m}")
+         for f in FAMILIES for m in METHOD_ARGS]
+
+
+@pytest.mark.parametrize("family,method", CASES)
+def test_method_on_family(cli, family_models, tmp_path, family, method):
+    run_case(cli, family_models, tmp_path, family, method)
+
+
+@pytest.mark.parametrize("method,args,reason", [
+    ("awq", [], "zero point"),
+    ("gptq", ["--asymmetric"], "zero point"),
+    ("gptq", ["--act-order", "group"], "g_idx"),
+    ("fp8", ["--scheme", "fp8-static"], "activation scale"),
+])
+def test_moe_refuses_expert_formats_transformers_cannot_reload(cli, family_models, tmp_path, method, args, reason):
+    out = tmp_path / "out"
+    result = cli("quantize", family_models("mixtral"), "--method", method, *args, *CALIB_ARGS, "-o", out)
+    assert result.exit_code == 2, result.output
+    assert reason in result.output and "MoE" in result.output
+    assert_nothing_written(out)
+
+
+def test_unknown_moe_architecture_is_refused_before_work(cli, family_models, tmp_path):
+    """An MoE model_type without a row in quantkit.methods.moe's table: exit 2 naming the supported ones."""
+    import shutil
+
+    model = tmp_path / "moe"
+    shutil.copytree(family_models("qwen3moe"), model)
+    config = json.loads((model / "config.json").read_text())
+    config.update(model_type="olmoe", architectures=["OlmoeForCausalLM"])
+    (model / "config.json").write_text(json.dumps(config))
+    result = cli("quantize", model, "--method", "gptq", *CALIB_ARGS, "-o", tmp_path / "out")
+    assert result.exit_code == 2, result.output
+    assert "olmoe" in result.output and "qwen3_moe" in result.output
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3moe", "qwen2moe"])
+def test_plan_keeps_routers(cli, family_models, family):
+    """`quantkit inspect` shows every router (and Qwen2-MoE's shared_expert_gate) kept 16-bit."""
+    result = cli("inspect", family_models(family), "--method", "gptq", "--json", "-")
+    assert result.exit_code == 0, result.output
+    modules = json.loads(result.stdout)["modules"]
+    routers = [m for m in modules if m["role"] == "router"]
+    assert len(routers) == 2 * (2 if family == "qwen2moe" else 1)  # 2 layers; Qwen2-MoE adds shared_expert_gate
+    assert all("kept: router" in m["precision"] for m in routers)
+    assert all(m["precision"].startswith("int4") for m in modules if ".experts." in m["name"])
