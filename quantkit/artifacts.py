@@ -71,7 +71,43 @@ def load_for_eval(path: Path, base_dir: Path | None = None, device: str = "cpu",
             raise custom_code_error(path, (config.get("architectures") or ["unknown"])[0]) from exc
         raise
     check_strict_reload(path, loading)
+    if kind == "compressed-tensors":
+        decompress_per_module(model)
     return model.eval()
+
+
+def decompress_per_module(model) -> None:
+    """Keep a compressed-tensors model compressed in memory and decompress each quantized module
+    only while it runs.
+
+    transformers leaves the loaded weights compressed and decompresses the whole model on the first
+    forward (a hook that calls compressed-tensors' decompress_model): the gate then held the whole
+    model in 16 bits, more than the model it measures. This replaces that hook with one per module
+    doing the same thing for one module (compressed-tensors' own decompress_module) before its
+    forward, and putting the compressed tensors back after it, so memory holds the 4-8 bit model
+    plus one 16-bit module. The numbers are the same: the same decompression, the same quantized
+    forward wrapper on a module in the same DECOMPRESSED state."""
+    from compressed_tensors.compressors.base import decompress_module
+    from compressed_tensors.quantization import QuantizationStatus
+    from compressed_tensors.quantization.utils import is_module_quantized
+    from compressed_tensors.utils.module import get_direct_state_dict, replace_direct_state_dict
+
+    model.hf_quantizer.compressor.remove_decompression_hook(model)  # transformers' quantizer for this model
+    compressed: dict[int, dict] = {}
+
+    def decompress(module, _args):
+        compressed[id(module)] = get_direct_state_dict(module)
+        decompress_module(module)
+
+    def recompress(module, _args, output):
+        replace_direct_state_dict(module, compressed.pop(id(module)))
+        module.quantization_status = QuantizationStatus.COMPRESSED
+        return output
+
+    for module in model.modules():
+        if is_module_quantized(module):
+            module.register_forward_pre_hook(decompress)
+            module.register_forward_hook(recompress)
 
 
 def check_strict_reload(path: Path, loading: dict) -> None:

@@ -137,7 +137,8 @@ def ram_estimate(info, recipe, targets) -> RamEstimate:
     float32), a group's activations, a slice of the output head and its logits, and the baseline
     log-probs while they are small enough to stay in memory; a target that needs the model holds it
     whole in its stored dtype (or, with --offload-dir, everything but the decoder layers plus one
-    layer); a compressed-tensors/bitsandbytes artifact is reloaded whole."""
+    layer); a compressed-tensors/bitsandbytes artifact is reloaded whole at its bits (a
+    compressed-tensors one decompressed a module at a time, quantkit.artifacts)."""
     from quantkit.evaluate import SPILL_THRESHOLD
     from quantkit.stream import ACTIVATION_BYTES, HEAD_SLICE_BYTES
 
