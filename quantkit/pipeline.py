@@ -33,12 +33,14 @@ from quantkit.errors import (CalibrationError, GateFailedError, InputError, Outp
 from quantkit.lora import plan_merge
 from quantkit.measure import PeakTracker
 from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, get_method
-from quantkit.model import ModelInfo, check_device, check_generative, check_model_dir, resolve_model
+from quantkit.model import ModelInfo, check_device, check_generative, check_model_dir, device_map, resolve_model
 from quantkit.numerics import check_finite
 from quantkit.plan import build_plan, ignore_patterns
-from quantkit.preflight import check_disk, check_ram, ram_estimate, run_estimate
+from quantkit.preflight import (available_vram, check_disk, check_ram, check_vram, ram_estimate, run_estimate,
+                                vram_estimate)
 from quantkit.recipe import Calibration, Gate, Recipe, Target, target_gate, target_options
 from quantkit.report import ModelReport, RunReport, TargetReport, model_card
+from quantkit.stream import release_freed_memory
 
 Progress = Callable[[str], None]
 
@@ -92,6 +94,8 @@ def prepare(recipe: Recipe, opts: RunOptions) -> tuple[ModelInfo, list[ResolvedT
         lora_plan(info, recipe)  # every adapter checked against the base before work
     check_disk(opts.out, run_estimate(info, recipe, [(t.target.method, t.options) for t in targets]))
     check_ram(ram_estimate(info, recipe, targets), opts.max_memory)
+    if device_map(recipe.device) == "cuda":
+        check_vram(vram_estimate(info, recipe, targets), available_vram())
     check_finite([*info.weight_files, *(Path(p) / "adapter_model.safetensors" for p in recipe.lora)])
     return info, targets
 
@@ -296,6 +300,7 @@ def run_target(job: QuantizeJob, resolved: ResolvedTarget, baseline, opts: RunOp
     entry.peak_rss_by_step["quantize"] = qt.peak_rss
     job.model = None
     gc.collect()
+    release_freed_memory()  # the engine's freed model goes back to the OS before the gate loads the artifact
     if baseline is None:
         return entry
     from quantkit import evaluate

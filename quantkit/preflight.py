@@ -102,17 +102,20 @@ def _size(n: int) -> str:
 # ---------------------------------------------------------------- memory
 
 FIXED_RAM = 768 * 2**20  # interpreter, torch, transformers and kernels before any weight (measured ~0.6-0.7 GiB)
+FIXED_VRAM = 512 * 2**20  # CUDA context, cuBLAS workspaces and kernels before any weight
 
 
 @dataclass(frozen=True)
 class RamEstimate:
-    """Peak resident memory of each step of a run; the run's peak is the largest plus FIXED_RAM."""
+    """Peak memory of each step of a run (RAM, or the GPU's for a VramEstimate); the run's peak
+    is the largest step plus the fixed part."""
 
     steps: dict[str, int]
+    fixed: int = FIXED_RAM
 
     @property
     def peak(self) -> int:
-        return FIXED_RAM + max(self.steps.values(), default=0)
+        return self.fixed + max(self.steps.values(), default=0)
 
     def describe(self) -> str:
         return ", ".join(f"{name} {_size(n)}" for name, n in self.steps.items())
@@ -168,6 +171,56 @@ def candidate_bytes(target, model: int, layer: int) -> int:
     return int(model * target_bits(target.target.method, target.options) / 16)
 
 
+def largest_matrix(info) -> int:
+    """Stored bytes of the largest decoder-layer tensor (what a streamed forward holds at once)."""
+    from quantkit.model import DTYPE_BYTES, LAYER_PREFIX
+
+    sizes = [math.prod(shape) * DTYPE_BYTES.get(dtype, 1) for name, (dtype, shape) in info.tensors.items()
+             if LAYER_PREFIX.match(name)]
+    return max(sizes, default=0)
+
+
+def vram_estimate(info, recipe, targets) -> RamEstimate:
+    """Per step, what the GPU holds when the run uses one: a streamed forward one weight matrix (in
+    float32 for a .gguf) with a group's activations and a slice of the head; a target that needs
+    the model, one decoder layer and the calibration activations with --offload-dir (llm-compressor's
+    sequential pipeline onloads a layer at a time), else the whole model; a compressed-tensors or
+    bitsandbytes gate, the artifact at its bits."""
+    from quantkit.stream import ACTIVATION_BYTES, HEAD_SLICE_BYTES
+
+    others, layers = unit_bytes(info)
+    model = sum(others.values()) + sum(layers.values())
+    streamed = 2 * largest_matrix(info) + ACTIVATION_BYTES + 2 * HEAD_SLICE_BYTES
+    steps = {"baseline": streamed} if recipe.calibration.eval_windows else {}
+    for t in targets:
+        if t.needs_model:
+            held = max(layers.values(), default=0) if recipe.offload_dir else model
+            steps[f"{t.name}: quantize"] = held + ACTIVATION_BYTES
+        if recipe.calibration.eval_windows:
+            steps[f"{t.name}: gate"] = streamed if t.target.method == "gguf" else (
+                candidate_bytes(t, model, 0) + ACTIVATION_BYTES)
+    return RamEstimate(steps, FIXED_VRAM)
+
+
+def available_vram() -> int:
+    """Free memory of the current CUDA device (0 without one: no check)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return 0
+    free, _total = torch.cuda.mem_get_info()
+    return int(free)
+
+
+def check_vram(estimate: RamEstimate, available: int) -> None:
+    """InputError with the numbers when the GPU's free memory is below the run's estimated peak."""
+    if not available or estimate.peak <= available:
+        return
+    raise InputError(f"not enough GPU memory: the run needs about {_size(estimate.peak)} on the GPU at its peak "
+                     f"({estimate.describe()}, plus {_size(estimate.fixed)} fixed), {_size(available)} is free",
+                     hint="use --offload-dir so llm-compressor onloads one layer at a time, or --device cpu")
+
+
 def available_ram() -> int:
     """MemAvailable from /proc/meminfo (0 where unknown: no check)."""
     try:
@@ -188,7 +241,7 @@ def check_ram(estimate: RamEstimate, limit: int | None) -> None:
         return
     source = "--max-memory" if limit else "available memory"
     raise InputError(f"not enough memory: the run needs about {_size(estimate.peak)} at its peak "
-                     f"({estimate.describe()}, plus {_size(FIXED_RAM)} fixed), {source} is {_size(budget)}",
+                     f"({estimate.describe()}, plus {_size(estimate.fixed)} fixed), {source} is {_size(budget)}",
                      hint="use --offload-dir for the llm-compressor methods, fewer --eval-windows, "
                      "or a machine with more memory")
 

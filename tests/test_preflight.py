@@ -77,6 +77,33 @@ def test_ram_estimate_streams_the_gate_and_refuses_over_the_limit(micro_model, c
     assert not (tmp_path / "out").exists()
 
 
+def test_vram_estimate_streams_and_refuses_when_the_gpu_is_too_small(micro_model, tmp_path):
+    from quantkit.errors import InputError
+    from quantkit.model import check_model_dir
+    from quantkit.pipeline import RunOptions, prepare
+    from quantkit.preflight import FIXED_VRAM, check_vram, largest_matrix, unit_bytes, vram_estimate
+    from quantkit.recipe import Overrides, build_recipe
+    from quantkit.stream import ACTIVATION_BYTES, HEAD_SLICE_BYTES
+
+    info = check_model_dir(micro_model)
+    model = sum(sum(part.values()) for part in unit_bytes(info))
+    for method, offload in (("gguf", None), ("gptq", None), ("gptq", str(tmp_path))):
+        recipe = build_recipe(None, method, Overrides(model=str(micro_model), offload_dir=offload))
+        _info, targets = prepare(recipe, RunOptions(model=str(micro_model), out=tmp_path / "x"))
+        steps = vram_estimate(info, recipe, targets).steps
+        assert steps["baseline"] == 2 * largest_matrix(info) + ACTIVATION_BYTES + 2 * HEAD_SLICE_BYTES
+        assert 0 < largest_matrix(info) < model / 4
+        if method == "gptq":  # the whole model on the GPU, or one layer with --offload-dir
+            layer = max(unit_bytes(info)[1].values())
+            assert steps["gptq: quantize"] - ACTIVATION_BYTES == (model if offload is None else layer)
+    estimate = vram_estimate(info, recipe, targets)
+    assert estimate.fixed == FIXED_VRAM
+    check_vram(estimate, 0)  # no GPU: nothing to check
+    check_vram(estimate, estimate.peak)
+    with pytest.raises(InputError, match="not enough GPU memory"):
+        check_vram(estimate, estimate.peak - 1)
+
+
 def test_parse_size():
     import pytest
 

@@ -82,7 +82,7 @@ def run_estimates(info, model: str, method: str, recipe: str | None) -> dict:
     peak RAM per step and bytes written (the same estimates its preflight checks)."""
     from quantkit.methods import get_method
     from quantkit.pipeline import ResolvedTarget
-    from quantkit.preflight import FIXED_RAM, ram_estimate, run_estimate
+    from quantkit.preflight import FIXED_RAM, ram_estimate, run_estimate, vram_estimate
     from quantkit.recipe import Gate, Overrides, build_recipe
 
     resolved = build_recipe(recipe, None if recipe else method, Overrides(model=model))
@@ -94,8 +94,9 @@ def run_estimates(info, model: str, method: str, recipe: str | None) -> dict:
                                       spec.needs_model(options)))
     ram = ram_estimate(info, resolved, targets)
     disk = run_estimate(info, resolved, [(t.target.method, t.options) for t in targets])
+    vram = vram_estimate(info, resolved, targets)
     return {"peak_ram_bytes": ram.peak, "fixed_ram_bytes": FIXED_RAM, "ram_steps": ram.steps,
-            "disk_bytes": disk.total}
+            "peak_vram_bytes": vram.peak, "vram_steps": vram.steps, "disk_bytes": disk.total}
 
 
 def collapse(modules: list[dict]) -> list[tuple[str, str, str, int]]:
@@ -119,7 +120,8 @@ def print_plan(data: dict) -> None:
     steps = ", ".join(f"{name} {human_bytes(n)}" for name, n in run["ram_steps"].items())
     out.print(f"quantize run (default calibration): peak RAM about {human_bytes(run['peak_ram_bytes'])} "
               f"({steps}; plus {human_bytes(run['fixed_ram_bytes'])} fixed), writes about "
-              f"{human_bytes(run['disk_bytes'])}", highlight=False)
+              f"{human_bytes(run['disk_bytes'])}; on a GPU (--device cuda) peak GPU memory about "
+              f"{human_bytes(run['peak_vram_bytes'])}", highlight=False)
 
 
 def _roles_table(data: dict) -> Table:
