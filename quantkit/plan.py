@@ -40,8 +40,8 @@ ROLE_RULES: list[tuple[str, str]] = [
 ]
 
 # Every known family's towers at once: the rule for a name seen without its model.
-GENERIC_TOWERS = Towers(tuple(sorted({pair for model_type in FAMILIES for pair in family_towers(model_type).components},
-                                     key=lambda rc: (-rc[1].count("."), rc))))
+GENERIC_TOWERS = Towers(tuple(dict.fromkeys(pair for role in ("projector", "audio", "vision") for model_type in FAMILIES
+                                            for pair in family_towers(model_type).components if pair[0] == role)))
 
 # Roles never quantized, whatever the method: every VLM tower (quantkit.vlm.TOWER_ROLES).
 KEEP_16BIT_ROLES = TOWER_ROLES

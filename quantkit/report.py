@@ -138,7 +138,7 @@ def tower_section(towers: dict | None, proof: dict | None) -> list[str]:
     family = towers["family"] or "unknown VLM (towers found by look)"
     lines = ["## Vision-language model", "", f"Family: {family}. Kept in 16-bit, never quantized:"]
     lines += [f"- {role}: " + ", ".join(f"`{c}`" for c in towers[role])
-              for role in ("vision", "projector", "audio", "tower") if towers.get(role)]
+              for role in ("vision", "projector", "audio", "cross_attention") if towers.get(role)]
     if towers["unknown_towers"]:
         lines.append("- unknown towers (no table row; found by convolution weights, names or config): "
                      + ", ".join(f"`{c}`" for c in towers["unknown_towers"]))

@@ -23,7 +23,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-TOWER_ROLES = ("vision", "projector", "audio", "tower")  # "tower": found by look in an unknown VLM
+# "tower": found by look in an unknown VLM; "cross_attention": decoder layers that attend to image
+# features (Mllama): text-only calibration never runs them (transformers skips them without an
+# image) and the text gate never measures them, so they stay 16-bit like the towers.
+TOWER_ROLES = ("vision", "projector", "audio", "tower", "cross_attention")
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,7 @@ class Family:
     vision: tuple[str, ...]
     projector: tuple[str, ...]
     audio: tuple[str, ...] = ()
+    cross_attention: str | None = None  # text_config key listing the decoder layers that attend to images
 
 
 LLAVA_LIKE = dict(language="language_model", vision=("vision_tower",), projector=("multi_modal_projector",))
@@ -59,7 +63,8 @@ FAMILIES: dict[str, Family] = {
                       vision=("vision_tower",), projector=("embed_vision", "embed_audio"), audio=("audio_tower",)),
     "paligemma": Family("PaliGemma", "PaliGemmaForConditionalGeneration", **LLAVA_LIKE),
     "mllama": Family("Llama 3.2 Vision (Mllama)", "MllamaForConditionalGeneration", language="language_model",
-                     vision=("vision_model",), projector=("multi_modal_projector",)),
+                     vision=("vision_model",), projector=("multi_modal_projector",),
+                     cross_attention="cross_attention_layers"),
     "mistral3": Family("Mistral 3 (Small 3.1)", "Mistral3ForConditionalGeneration", **LLAVA_LIKE),
     "internvl": Family("InternVL 3 (HF)", "InternVLForConditionalGeneration", **LLAVA_LIKE),
     "llama4": Family("Llama 4", "Llama4ForConditionalGeneration", language="language_model",
@@ -108,18 +113,21 @@ def ignore_pattern(component: str) -> str:
     return rf"re:(.*\.)?{re.escape(component)}(\..*)?$"
 
 
-def family_towers(model_type: str) -> Towers:
+def family_towers(model_type: str, config: dict | None = None) -> Towers:
+    """A family's components in match order: projectors first (Qwen's `visual.merger` sits inside the
+    vision tower), then audio, vision, and the cross-attention decoder layers `config` lists."""
     family = FAMILIES[model_type]
+    text = (config or {}).get("text_config") or {}
+    layers = text.get(family.cross_attention) or [] if family.cross_attention else []
     pairs = [("projector", c) for c in family.projector] + [("audio", c) for c in family.audio] + [
-        ("vision", c) for c in family.vision]
-    # a projector inside the vision tower (Qwen's `visual.merger`) is matched before the tower
-    return Towers(tuple(sorted(pairs, key=lambda rc: -rc[1].count("."))), model_type)
+        ("vision", c) for c in family.vision] + [("cross_attention", f"layers.{i}") for i in layers]
+    return Towers(tuple(pairs), model_type)
 
 
 def model_towers(model_type: str, config: dict, tensors: dict[str, tuple[str, list[int]]]) -> Towers:
     """The towers of a model: its family's row, else those found by look (none for a text LM)."""
     if model_type in FAMILIES:
-        return family_towers(model_type)
+        return family_towers(model_type, config)
     found = find_unknown_towers(config, tensors)
     return Towers(tuple(("tower", c) for c in found), None, tuple(found))
 
@@ -177,3 +185,17 @@ def tower_summary(towers: Towers) -> dict:
             "model_type": towers.family,
             **{role: towers.names(role) for role in TOWER_ROLES if towers.names(role)},
             "unknown_towers": list(towers.unknown)}
+
+
+# Why AWQ and SmoothQuant refuse VLMs (README's family x method table says the same).
+SMOOTHING_REFUSAL = ("smoothing mappings are not resolved inside a VLM's language model path yet "
+                     "(text-only calibration through the wrapper is untested there)")
+
+
+def check_smoothing(towers: Towers, architecture: str, method: str) -> None:
+    """AWQ/SmoothQuant refuse every model with towers (known family or found by look), before any work."""
+    from quantkit.errors import UnsupportedError
+
+    if towers.components:
+        raise UnsupportedError(f"{method}: vision-language model {architecture} refused: {SMOOTHING_REFUSAL}",
+                               hint="use gptq (W4A16) or fp8 for this model; its towers stay 16-bit either way")

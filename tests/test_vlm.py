@@ -225,10 +225,9 @@ def test_gptq_vlm_recipe_quantizes_only_the_text_decoder(cli, llava_model, tmp_p
 
 @pytest.mark.parametrize("method", ["awq", "smoothquant"])
 def test_smoothing_methods_refuse_vlm_wrappers_clearly(cli, llava_model, tmp_path, method):
-    """AWQ/SmoothQuant mappings resolve per decoder layer only on plain causal LMs in llm-compressor
-    0.14; a VLM wrapper is refused before any work (GPTQ and FP8 handle VLMs)."""
+    """AWQ/SmoothQuant refuse every VLM before any work, with the reason (GPTQ and FP8 handle VLMs)."""
     result = cli("quantize", llava_model, "--method", method, "-o", tmp_path / "out", "--num-samples", "16",
                  "--seq-len", "64", "--eval-windows", "4")
     assert result.exit_code == 2, result.output
-    assert "no smoothing mappings for architecture 'llava'" in result.stderr
+    assert f"{method}: vision-language model LlavaForConditionalGeneration refused: smoothing mappings" in result.stderr
     assert leftovers(tmp_path, "out") == []

@@ -106,3 +106,12 @@ def test_unknown_towers_kept_16bit_in_the_plan_and_the_ignore_list():
         assert matches(name, ignore)
     assert not plan["model.layers.0.self_attn.q_proj"].kept
     assert set(gptq.quantized_linears(info)) == {"model.layers.0.self_attn.q_proj", "model.layers.0.mlp.down_proj"}
+
+
+def test_mllama_cross_attention_layers_stay_16bit():
+    """Layers that attend to image features get no text-only calibration and no text gate: kept."""
+    towers = model_towers("mllama", {"text_config": {"cross_attention_layers": [1]}}, {})
+    assert towers.role("language_model.model.layers.1.cross_attn.k_proj.weight") == "cross_attention"
+    assert towers.role("model.language_model.layers.1.mlp.down_proj") == "cross_attention"
+    assert towers.role("model.language_model.layers.0.self_attn.q_proj") is None
+    assert towers.role("model.vision_model.transformer.layers.1.mlp.fc1") == "vision"

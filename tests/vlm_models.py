@@ -64,6 +64,42 @@ def _save(model, tokenizer, out: Path) -> Path:
     return out
 
 
+def chat_template(placeholder: str) -> str:
+    """A minimal chat template: the family's image placeholder where an image goes, then the text."""
+    return ("{% for m in messages %}{% for c in m['content'] %}{% if c['type'] == 'image' %}" + placeholder
+            + "{% else %}{{ c['text'] }}{% endif %}{% endfor %}{% endfor %}")
+
+
+def save_processor(kind: str, out: Path) -> None:
+    """Real processor files (image processor sized for the tiny tower, the tokenizer, a chat template)
+    for the families whose processors build without torchvision (Qwen's need its video processor)."""
+    import transformers as T
+
+    if kind not in PROCESSOR_KINDS:
+        return
+    if kind == "gemma3":
+        tokenizer = T.AutoTokenizer.from_pretrained(out, extra_special_tokens={
+            "boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"})
+    else:
+        tokenizer = T.AutoTokenizer.from_pretrained(out)
+    clip = dict(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    llava = dict(patch_size=8, vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                 chat_template=chat_template("<image>"))
+    processor = {
+        "llava": lambda: T.LlavaProcessor(T.CLIPImageProcessor(**clip), tokenizer, **llava),
+        "llava_next": lambda: T.LlavaNextProcessor(
+            T.LlavaNextImageProcessor(**clip, image_grid_pinpoints=[[32, 32], [32, 64]]), tokenizer, **llava),
+        "mllama": lambda: T.MllamaProcessor(T.MllamaImageProcessor(size={"height": 32, "width": 32}, max_image_tiles=1),
+                                            tokenizer, chat_template=chat_template("<|image|>")),
+        "gemma3": lambda: T.Gemma3Processor(T.Gemma3ImageProcessor(size={"height": 32, "width": 32}), tokenizer,
+                                            image_seq_length=4, chat_template=chat_template("<start_of_image>")),
+    }[kind]()
+    processor.save_pretrained(out)
+
+
+PROCESSOR_KINDS = ("llava", "llava_next", "mllama", "gemma3")
+
+
 def build_llava(out: str | Path, text_from: str | Path | None = None, seed: int = 0) -> Path:
     """LlavaForConditionalGeneration: tiny CLIP vision tower (32 px, 8 px patches) + micro Llama text model."""
     import torch
@@ -79,7 +115,9 @@ def build_llava(out: str | Path, text_from: str | Path | None = None, seed: int 
                          image_seq_length=(32 // 8) ** 2, tie_word_embeddings=False)
     model = LlavaForConditionalGeneration(config).float().eval()
     _copy_text_weights(model.model.language_model, model.lm_head, text_from and Path(text_from))
-    return _save(model, tokenizer, Path(out))
+    _save(model, tokenizer, Path(out))
+    save_processor("llava", Path(out))
+    return Path(out)
 
 
 QWEN2_VL_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
@@ -200,7 +238,9 @@ def build_family(kind: str, out: str | Path, seed: int = 0) -> Path:
     config = _family_config(kind, text, ids)
     config.tie_word_embeddings = False
     model = AutoModelForImageTextToText.from_config(config).float().eval()
-    return _save(model, tokenizer, Path(out))
+    _save(model, tokenizer, Path(out))
+    save_processor(kind, Path(out))
+    return Path(out)
 
 
 FAMILY_KINDS = ("llava", "llava_next", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "idefics3", "smolvlm", "gemma3",

@@ -127,7 +127,7 @@ def print_plan(data: dict) -> None:
 
 
 def towers_line(towers: dict) -> str:
-    parts = [f"{role}: {', '.join(towers[role])}" for role in ("vision", "projector", "audio") if towers.get(role)]
+    parts = [f"{role}: {', '.join(towers[role])}" for role in ("vision", "projector", "audio", "cross_attention") if towers.get(role)]
     if towers["unknown_towers"]:
         parts.append("UNKNOWN towers found by look (kept 16-bit): " + ", ".join(towers["unknown_towers"]))
     return f"VLM {towers['family'] or '(no table row)'}; towers kept 16-bit: " + "; ".join(parts)
