@@ -189,7 +189,8 @@ def _family_config(kind: str, text: dict, ids: dict):
         return cls(text_config={**text, "model_type": "llama"}, vision_config=SIGLIP, scale_factor=2,
                    image_token_id=ids["<image>"])
     if kind == "gemma3":
-        return T.Gemma3Config(text_config={**text, "head_dim": 64}, vision_config=SIGLIP, mm_tokens_per_image=4,
+        return T.Gemma3Config(text_config={**text, "head_dim": 64, "query_pre_attn_scalar": 64},
+                              vision_config=SIGLIP, mm_tokens_per_image=4,
                               image_token_index=ids["<image_soft_token>"], boi_token_index=ids["<start_of_image>"],
                               eoi_token_index=ids["<end_of_image>"])
     if kind == "paligemma":
