@@ -69,9 +69,10 @@ def test_inspect_keeps_towers_16bit(cli, vlm):
     if kind == "llava":
         assert set(roles["projector"]["precisions"]) == {"bf16 (kept: projector stays 16-bit)"}
         assert roles["projector"]["modules"] == 2
-    else:  # Qwen2-VL's projector (visual.merger) lives inside the vision tower
-        assert any(m["name"].endswith("visual.merger.mlp.0") and m["role"] == "vision" for m in data["modules"])
-    assert "lm_head" in data["ignore"] and any("visual" in p for p in data["ignore"])
+    else:  # Qwen2-VL: the projector (visual.merger) lives inside the vision tower; its own role
+        assert any(m["name"].endswith("visual.merger.mlp.0") and m["role"] == "projector" for m in data["modules"])
+    tower = "vision_tower" if kind == "llava" else "visual"
+    assert "lm_head" in data["ignore"] and any(tower in p for p in data["ignore"])
     for module in data["modules"]:
         if module["name"].startswith(("model.vision_tower.", "model.multi_modal_projector.", "model.visual.")):
             assert "kept" in module["precision"], module
