@@ -103,6 +103,11 @@ class ArtifactReloadError(QuantkitError):
     exit_code = 3
 
 
+class TowerChangedError(ArtifactReloadError):
+    """A VLM tower or projector tensor of the reloaded artifact differs from the source (or is
+    missing), or the reloaded VLM cannot run an image+text forward: exit 3, nothing is exported."""
+
+
 def require(module: str, extra: str, purpose: str):
     """Import an optional engine or raise MissingExtraError naming the extra."""
     import importlib

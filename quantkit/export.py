@@ -224,6 +224,29 @@ def copy_side_files(model_dir: Path, dest: Path) -> list[str]:
     return copied
 
 
+def add_patterns_to_ignore(dest: Path, patterns: list[str]) -> list[str]:
+    """Write the run's regex ignore entries into a compressed-tensors config's `ignore` list.
+
+    compressed-tensors writes `ignore` as the plain `Linear` modules it skipped, by name; a Linear
+    subclass inside a kept tower (nn.MultiheadAttention's `out_proj`, a
+    NonDynamicallyQuantizableLinear in SigLIP's pooling head) is not listed, so transformers would
+    build it as quantized on reload and look for scales that were never written. The regexes that
+    kept each tower whole (quantkit.vlm.ignore_pattern; `re:` is understood by compressed-tensors,
+    transformers and vLLM) name every module under it. Returns the entries added.
+    """
+    config_file = dest / "config.json"
+    config = json.loads(config_file.read_text())
+    qconfig = config.get("quantization_config") or {}
+    if qconfig.get("quant_method") != "compressed-tensors":
+        return []
+    ignore = qconfig.get("ignore") or []
+    added = [p for p in patterns if p.startswith("re:") and p not in ignore]
+    if added:
+        qconfig["ignore"] = ignore + added
+        config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return added
+
+
 def add_module_names_to_ignore(dest: Path) -> list[str]:
     """Make a compressed-tensors `ignore` list hold both checkpoint names and module names.
 

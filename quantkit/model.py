@@ -10,6 +10,7 @@ import json
 import re
 import struct
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 from quantkit.errors import ModelError
@@ -42,6 +43,13 @@ class ModelInfo:
     def dtype(self) -> str:
         dtypes = [d for d, _ in self.tensors.values()]
         return max(set(dtypes), key=dtypes.count) if dtypes else "unknown"
+
+    @cached_property
+    def towers(self):
+        """The VLM towers (quantkit.vlm.Towers): the family's row, or those found by look."""
+        from quantkit.vlm import model_towers
+
+        return model_towers(self.model_type, self.config, self.tensors)
 
     @property
     def is_quantized(self) -> bool:

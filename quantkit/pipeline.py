@@ -41,6 +41,7 @@ from quantkit.preflight import (available_vram, check_disk, check_ram, check_vra
 from quantkit.recipe import Calibration, Gate, Recipe, Target, target_gate, target_options
 from quantkit.report import ModelReport, RunReport, TargetReport, model_card
 from quantkit.stream import release_freed_memory
+from quantkit.vlm import tower_summary
 
 Progress = Callable[[str], None]
 
@@ -301,6 +302,8 @@ def run_target(job: QuantizeJob, resolved: ResolvedTarget, baseline, opts: RunOp
     job.model = None
     gc.collect()
     release_freed_memory()  # the engine's freed model goes back to the OS before the gate loads the artifact
+    if job.info.towers.components:
+        entry.details["towers"] = tower_proof(job, result)
     if baseline is None:
         return entry
     from quantkit import evaluate
@@ -317,6 +320,16 @@ def run_target(job: QuantizeJob, resolved: ResolvedTarget, baseline, opts: RunOp
     if entry.failed_enforced_gate:
         entry.status, entry.exit_code = "failed", GateFailedError.exit_code
     return entry
+
+
+def tower_proof(job: QuantizeJob, result: QuantizeResult) -> dict:
+    """A VLM artifact reloaded: towers bit-identical to the source and an image+text forward
+    (quantkit.vlm_proof; exit 3 otherwise). A .gguf holds the language model only."""
+    from quantkit.vlm_proof import prove_towers
+
+    if not result.artifact.is_dir():
+        return {"tower_tensors_identical": 0, "image_forward": "skipped: the .gguf holds the language model only"}
+    return prove_towers(result.artifact, job.info, job.device, job.trust_remote_code)
 
 
 def error_report(resolved: ResolvedTarget, exc: Exception) -> TargetReport:
@@ -428,6 +441,7 @@ def base_report(recipe: Recipe, opts: RunOptions, info: ModelInfo, inputs: dict[
         recipe=recipe.model_dump(mode="json"),
         model=ModelReport(path=str(info.path), architecture=info.architecture, model_type=info.model_type,
                           parameters=info.num_parameters, dtype=info.dtype,
+                          towers=tower_summary(info.towers) if info.towers.components else None,
                           sha256={p.name: inputs[f"model/{p.name}"] for p in info.weight_files}),
         calibration=recipe.calibration.model_dump(mode="json"),
         gate_enforced=opts.enforce_gate,

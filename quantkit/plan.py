@@ -18,19 +18,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from quantkit.model import ModelInfo
+from quantkit.vlm import FAMILIES, TOWER_ROLES, Towers, component_pattern, family_towers, ignore_pattern
 
 if TYPE_CHECKING:
     from quantkit.methods import MethodSpec
-
-# Module names of the towers a VLM keeps in 16-bit, one list per role (the VLM rule).
-TOWER_NAMES = {
-    "vision": "vision_tower|vision_model|visual|vision_encoder|image_encoder|vpm|vision_embed_tokens",
-    "projector": "multi_modal_projector|mm_projector|connector|merger|mlp1|vision_proj",
-    "audio": "audio_tower|audio_model|audio_encoder",
-}
-
-# Roles never quantized, whatever the method.
-KEEP_16BIT_ROLES = tuple(TOWER_NAMES)
 
 # MoE routers: the linear that scores the experts (Mixtral `block_sparse_moe.gate`, Qwen-MoE
 # `mlp.gate`, transformers 5's `mlp.router`) and Qwen2-MoE's `shared_expert_gate`. Tiny, and their
@@ -39,9 +30,8 @@ KEEP_16BIT_ROLES = tuple(TOWER_NAMES)
 # ignore list names them); gguf keeps llama.cpp's own type for them (its mixture rules).
 ROUTER_NAMES = r"(block_sparse_moe|mlp)\.(gate|router)|shared_expert_gate"
 
-# Role rules, checked in order; first match wins. Kept as data: add an architecture here.
+# Role rules after the towers (quantkit.vlm), checked in order; first match wins.
 ROLE_RULES: list[tuple[str, str]] = [
-    *((role, rf"(^|\.)({names})\.") for role, names in TOWER_NAMES.items()),
     ("lm_head", r"(^|\.)(lm_head|embed_out)\.weight$"),
     ("router", rf"(^|\.)({ROUTER_NAMES})\.weight$"),
     ("embeddings", r"(^|\.)(embed_tokens|wte|wpe|word_embeddings|embed_positions|tok_embeddings)\.weight$"),
@@ -49,11 +39,13 @@ ROLE_RULES: list[tuple[str, str]] = [
     ("decoder", r"(^|\.)(layers|h|blocks|block)\.\d+\."),
 ]
 
-# Patterns handed to llm-compressor's `ignore` for the kept roles (re.match, so lead with .*).
-KEEP_PATTERNS = {**{role: [rf"re:.*({names})\..*"] for role, names in TOWER_NAMES.items()},
-                 "router": [rf"re:.*\.({ROUTER_NAMES})$"]}
-# Roles whose modules are added to every method's ignore list when the model has them.
-IGNORED_ROLES = (*KEEP_16BIT_ROLES, "router")
+# Every known family's towers at once: the rule for a name seen without its model.
+GENERIC_TOWERS = Towers(tuple(dict.fromkeys(pair for role in ("projector", "audio", "vision") for model_type in FAMILIES
+                                            for pair in family_towers(model_type).components if pair[0] == role)))
+
+# Roles never quantized, whatever the method: every VLM tower (quantkit.vlm.TOWER_ROLES).
+KEEP_16BIT_ROLES = TOWER_ROLES
+ROUTER_PATTERN = rf"re:.*\.({ROUTER_NAMES})$"
 
 # Weight bits per parameter of each format (scales and zero points included).
 FORMAT_BITS = {
@@ -82,7 +74,12 @@ class PlanEntry:
         return n
 
 
-def classify(tensor_name: str) -> str:
+def classify(tensor_name: str, towers: Towers | None = None) -> str:
+    """The role of a tensor (or module) name: a tower of `towers` (the model's, `info.towers`;
+    without it, the towers of every known VLM family), else by the name rules."""
+    role = (GENERIC_TOWERS if towers is None else towers).role(tensor_name)
+    if role:
+        return role
     for role, pattern in ROLE_RULES:
         if re.search(pattern, tensor_name):
             return role
@@ -113,14 +110,16 @@ def build_plan(info: ModelInfo, method: MethodSpec, options, ignore: list[str]) 
     """One entry per linear weight with the precision the method will give it."""
     exact_types = method.plan_types(info, options)
     return [plan_entry(info, name, shape, exact_types.get(name) or method.precision(
-        classify(name + ".weight"), options, name, shape), ignore)
+        classify(name + ".weight", info.towers), options, name, shape), ignore)
         for name, shape in linear_weights(info).items()]
 
 
 def plan_entry(info: ModelInfo, name: str, shape: list[int], chosen: str | None, ignore: list[str]) -> PlanEntry:
     """The entry for one weight: the method's choice, unless a rule or the ignore list keeps it 16-bit."""
-    role = classify(name + ".weight")
+    role = classify(name + ".weight", info.towers)
     kept_dtype = info.dtype.lower()
+    if role == "tower":
+        return PlanEntry(name, role, shape, f"{kept_dtype} (kept: unknown tower stays 16-bit)", True)
     if role in KEEP_16BIT_ROLES:
         return PlanEntry(name, role, shape, f"{kept_dtype} (kept: {role} stays 16-bit)", True)
     if not chosen:
@@ -131,13 +130,16 @@ def plan_entry(info: ModelInfo, name: str, shape: list[int], chosen: str | None,
 
 
 def ignore_patterns(info: ModelInfo, user_ignore: list[str], keep_lm_head: bool = True) -> list[str]:
-    """The `ignore` list for llm-compressor: lm_head (when kept), the VLM towers and MoE routers
-    present in this model, then the user's patterns."""
-    roles = {classify(name) for name in info.tensors}
+    """The `ignore` list for llm-compressor: lm_head (when kept), every VLM tower component (the
+    component itself and everything under it: a projector that is a single Linear, the Linear
+    subclasses inside a tower such as nn.MultiheadAttention's out_proj), the MoE routers present
+    in this model, then the user's patterns."""
     patterns = ["lm_head"] if keep_lm_head else []
-    for role in IGNORED_ROLES:
-        if role in roles:
-            patterns += KEEP_PATTERNS[role]
+    present = {component for _role, component in info.towers.components
+               if any(re.search(component_pattern(component), name) for name in info.tensors)}
+    patterns += [ignore_pattern(c) for _role, c in info.towers.components if c in present]
+    if any(classify(name, info.towers) == "router" for name in info.tensors):
+        patterns.append(ROUTER_PATTERN)
     return patterns + [p for p in user_ignore if p not in patterns]
 
 

@@ -69,7 +69,7 @@ def run_estimate(info, recipe, targets: list[tuple[str, object]]) -> DiskEstimat
         count = 1
         for d in shape:
             count *= d
-        if len(shape) == 2 and classify(name) == "decoder":
+        if len(shape) == 2 and classify(name, info.towers) == "decoder":
             quantized += count
         else:
             other += count

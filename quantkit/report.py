@@ -29,6 +29,7 @@ class ModelReport:
     parameters: int
     dtype: str
     sha256: dict[str, str]  # weight file name -> digest
+    towers: dict[str, Any] | None = None  # a VLM's towers (quantkit.vlm.tower_summary), kept 16-bit
 
 
 @dataclass
@@ -125,8 +126,26 @@ def model_card(target: TargetReport, report: RunReport) -> str:
     lines += [f"Quantized with quantkit {report.quantkit_version} from `{base_model}`.", ""]
     lines += gate_section(target.gate)
     lines += ["", "Kept in 16-bit: " + ", ".join(target.kept or ["(none)"]), ""]
+    lines += tower_section(report.model.towers, target.details.get("towers"))
     lines += ["Produced by `quantkit quantize`; the full record is in `quantkit.json`.", ""]
     return "\n".join(lines)
+
+
+def tower_section(towers: dict | None, proof: dict | None) -> list[str]:
+    """The VLM's towers kept in 16-bit (unknown ones named), and what the gate proved about them."""
+    if not towers:
+        return []
+    family = towers["family"] or "unknown VLM (towers found by look)"
+    lines = ["## Vision-language model", "", f"Family: {family}. Kept in 16-bit, never quantized:"]
+    lines += [f"- {role}: " + ", ".join(f"`{c}`" for c in towers[role])
+              for role in ("vision", "projector", "audio", "cross_attention") if towers.get(role)]
+    if towers["unknown_towers"]:
+        lines.append("- unknown towers (no table row; found by convolution weights, names or config): "
+                     + ", ".join(f"`{c}`" for c in towers["unknown_towers"]))
+    if proof:
+        lines += ["", f"After reload: {proof['tower_tensors_identical']} tower tensors bit-identical to the source; "
+                  f"image+text forward: {proof['image_forward']}."]
+    return lines + [""]
 
 
 def format_tags(fmt: str) -> list[str]:

@@ -18,9 +18,14 @@ from quantkit.plan import build_plan, classify, ignore_patterns, kv_cache_bytes,
     ("multi_modal_projector.linear_1.weight", "projector"),
     ("model.multi_modal_projector.linear_2.weight", "projector"),
     ("language_model.model.layers.0.self_attn.o_proj.weight", "decoder"),
-    # Qwen2-VL: the merger (projector) sits inside the visual tower and stays 16-bit either way
+    # Qwen2-VL: the merger (projector) sits inside the visual tower; the more specific component wins
     ("visual.blocks.0.attn.qkv.weight", "vision"),
-    ("model.visual.merger.mlp.0.weight", "vision"),
+    ("model.visual.merger.mlp.0.weight", "projector"),
+    # Mllama: the projector is itself a Linear (checkpoint and module name)
+    ("multi_modal_projector.weight", "projector"),
+    ("model.multi_modal_projector", "projector"),
+    # SigLIP's attention-pooling head (nn.MultiheadAttention) inside Gemma 3's vision tower
+    ("model.vision_tower.head.attention.out_proj", "vision"),
     # Idefics3
     ("model.connector.modality_projection.proj.weight", "projector"),
 ])

@@ -50,3 +50,16 @@ def test_family_table_is_generated_from_the_methods_tables():
             break
         table.append(line)
     assert table == family_table()
+
+
+def test_vlm_table_is_generated_from_the_methods_tables():
+    """README's VLM family x method table equals quantkit.support.vlm_table()."""
+    from quantkit.support import vlm_table
+
+    section = README.read_text().split("| VLM family (`model_type`)", 1)[1]
+    table = []
+    for line in ("| VLM family (`model_type`)" + section).splitlines():
+        if not line.startswith("|"):
+            break
+        table.append(line)
+    assert table == vlm_table()

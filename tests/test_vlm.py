@@ -69,9 +69,10 @@ def test_inspect_keeps_towers_16bit(cli, vlm):
     if kind == "llava":
         assert set(roles["projector"]["precisions"]) == {"bf16 (kept: projector stays 16-bit)"}
         assert roles["projector"]["modules"] == 2
-    else:  # Qwen2-VL's projector (visual.merger) lives inside the vision tower
-        assert any(m["name"].endswith("visual.merger.mlp.0") and m["role"] == "vision" for m in data["modules"])
-    assert "lm_head" in data["ignore"] and any("visual" in p for p in data["ignore"])
+    else:  # Qwen2-VL: the projector (visual.merger) lives inside the vision tower; its own role
+        assert any(m["name"].endswith("visual.merger.mlp.0") and m["role"] == "projector" for m in data["modules"])
+    tower = "vision_tower" if kind == "llava" else "visual"
+    assert "lm_head" in data["ignore"] and any(tower in p for p in data["ignore"])
     for module in data["modules"]:
         if module["name"].startswith(("model.vision_tower.", "model.multi_modal_projector.", "model.visual.")):
             assert "kept" in module["precision"], module
@@ -225,10 +226,9 @@ def test_gptq_vlm_recipe_quantizes_only_the_text_decoder(cli, llava_model, tmp_p
 
 @pytest.mark.parametrize("method", ["awq", "smoothquant"])
 def test_smoothing_methods_refuse_vlm_wrappers_clearly(cli, llava_model, tmp_path, method):
-    """AWQ/SmoothQuant mappings resolve per decoder layer only on plain causal LMs in llm-compressor
-    0.14; a VLM wrapper is refused before any work (GPTQ and FP8 handle VLMs)."""
+    """AWQ/SmoothQuant refuse every VLM before any work, with the reason (GPTQ and FP8 handle VLMs)."""
     result = cli("quantize", llava_model, "--method", method, "-o", tmp_path / "out", "--num-samples", "16",
                  "--seq-len", "64", "--eval-windows", "4")
     assert result.exit_code == 2, result.output
-    assert "no smoothing mappings for architecture 'llava'" in result.stderr
+    assert f"{method}: vision-language model LlavaForConditionalGeneration refused: smoothing mappings" in result.stderr
     assert leftovers(tmp_path, "out") == []

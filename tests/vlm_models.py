@@ -64,6 +64,42 @@ def _save(model, tokenizer, out: Path) -> Path:
     return out
 
 
+def chat_template(placeholder: str) -> str:
+    """A minimal chat template: the family's image placeholder where an image goes, then the text."""
+    return ("{% for m in messages %}{% for c in m['content'] %}{% if c['type'] == 'image' %}" + placeholder
+            + "{% else %}{{ c['text'] }}{% endif %}{% endfor %}{% endfor %}")
+
+
+def save_processor(kind: str, out: Path) -> None:
+    """Real processor files (image processor sized for the tiny tower, the tokenizer, a chat template)
+    for the families whose processors build without torchvision (Qwen's need its video processor)."""
+    import transformers as T
+
+    if kind not in PROCESSOR_KINDS:
+        return
+    if kind == "gemma3":
+        tokenizer = T.AutoTokenizer.from_pretrained(out, extra_special_tokens={
+            "boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"})
+    else:
+        tokenizer = T.AutoTokenizer.from_pretrained(out)
+    clip = dict(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    llava = dict(patch_size=8, vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                 chat_template=chat_template("<image>"))
+    processor = {
+        "llava": lambda: T.LlavaProcessor(T.CLIPImageProcessor(**clip), tokenizer, **llava),
+        "llava_next": lambda: T.LlavaNextProcessor(
+            T.LlavaNextImageProcessor(**clip, image_grid_pinpoints=[[32, 32], [32, 64]]), tokenizer, **llava),
+        "mllama": lambda: T.MllamaProcessor(T.MllamaImageProcessor(size={"height": 32, "width": 32}, max_image_tiles=1),
+                                            tokenizer, chat_template=chat_template("<|image|>")),
+        "gemma3": lambda: T.Gemma3Processor(T.Gemma3ImageProcessor(size={"height": 32, "width": 32}), tokenizer,
+                                            image_seq_length=4, chat_template=chat_template("<start_of_image>")),
+    }[kind]()
+    processor.save_pretrained(out)
+
+
+PROCESSOR_KINDS = ("llava", "llava_next", "mllama", "gemma3")
+
+
 def build_llava(out: str | Path, text_from: str | Path | None = None, seed: int = 0) -> Path:
     """LlavaForConditionalGeneration: tiny CLIP vision tower (32 px, 8 px patches) + micro Llama text model."""
     import torch
@@ -79,7 +115,9 @@ def build_llava(out: str | Path, text_from: str | Path | None = None, seed: int 
                          image_seq_length=(32 // 8) ** 2, tie_word_embeddings=False)
     model = LlavaForConditionalGeneration(config).float().eval()
     _copy_text_weights(model.model.language_model, model.lm_head, text_from and Path(text_from))
-    return _save(model, tokenizer, Path(out))
+    _save(model, tokenizer, Path(out))
+    save_processor("llava", Path(out))
+    return Path(out)
 
 
 QWEN2_VL_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
@@ -109,3 +147,102 @@ def build_qwen2_vl(out: str | Path, text_from: str | Path | None = None, seed: i
 
 
 BUILDERS = {"llava": build_llava, "qwen2_vl": build_qwen2_vl}
+
+
+# ---------------------------------------------------------------- every family of quantkit.vlm.FAMILIES
+# (config class, model class, image placeholder tokens, config kwargs given the tokenizer's ids);
+# text models take TEXT_SHAPE, vision towers are 1-2 tiny layers on 32 px images with 8 px patches.
+
+def _mrope(text: dict) -> dict:
+    head_dim = TEXT_SHAPE["hidden_size"] // TEXT_SHAPE["num_attention_heads"]
+    return {**text, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                        "mrope_section": [head_dim // 8, head_dim // 8 * 3 // 2, head_dim // 8 * 3 // 2]}}
+
+
+SIGLIP = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2, image_size=32,
+              patch_size=8)
+
+
+def _family_config(kind: str, text: dict, ids: dict):
+    import transformers as T
+
+    if kind == "llava_next":
+        return T.LlavaNextConfig(vision_config=T.CLIPVisionConfig(**SIGLIP), text_config=T.LlamaConfig(**text),
+                                 image_token_index=ids["<image>"], image_grid_pinpoints=[[32, 32], [32, 64]])
+    if kind == "qwen2_5_vl":
+        return T.Qwen2_5_VLConfig(
+            text_config=_mrope(text), vision_config=dict(depth=1, hidden_size=64, intermediate_size=128, num_heads=2,
+                                                         out_hidden_size=text["hidden_size"], patch_size=8,
+                                                         fullatt_block_indexes=[0]),
+            image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+            vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
+    if kind == "qwen3_vl":
+        return T.Qwen3VLConfig(
+            text_config={**_mrope(text), "head_dim": 64},
+            vision_config=dict(depth=1, hidden_size=64, intermediate_size=128, num_heads=2,
+                               out_hidden_size=text["hidden_size"], patch_size=8, deepstack_visual_indexes=[0],
+                               num_position_embeddings=16),
+            image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+            vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
+    if kind in ("idefics3", "smolvlm"):
+        cls = T.Idefics3Config if kind == "idefics3" else T.SmolVLMConfig
+        return cls(text_config={**text, "model_type": "llama"}, vision_config=SIGLIP, scale_factor=2,
+                   image_token_id=ids["<image>"])
+    if kind == "gemma3":
+        return T.Gemma3Config(text_config={**text, "head_dim": 64, "query_pre_attn_scalar": 64},
+                              vision_config=SIGLIP, mm_tokens_per_image=4,
+                              image_token_index=ids["<image_soft_token>"], boi_token_index=ids["<start_of_image>"],
+                              eoi_token_index=ids["<end_of_image>"])
+    if kind == "paligemma":
+        return T.PaliGemmaConfig(text_config={**text, "model_type": "gemma", "head_dim": 64},
+                                 vision_config={**SIGLIP, "projection_dim": text["hidden_size"]},
+                                 image_token_index=ids["<image>"])
+    if kind == "mllama":
+        return T.MllamaConfig(
+            text_config={**text, "num_hidden_layers": 3, "cross_attention_layers": [1]},
+            vision_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_global_layers=1,
+                               attention_heads=2, image_size=32, patch_size=8, vision_output_dim=128,
+                               intermediate_layers_indices=[0], max_num_tiles=1, supported_aspect_ratios=[[1, 1]]),
+            image_token_index=ids["<|image|>"])
+    if kind == "mistral3":
+        return T.Mistral3Config(text_config={**text, "model_type": "mistral"},
+                                vision_config={**SIGLIP, "head_dim": 32}, image_token_index=ids["[IMG]"],
+                                spatial_merge_size=2)
+    if kind == "internvl":
+        return T.InternVLConfig(text_config={**text, "model_type": "qwen2"},
+                                vision_config={**SIGLIP, "image_size": [32, 32], "patch_size": [8, 8]},
+                                image_token_id=ids["<IMG_CONTEXT>"], downsample_ratio=0.5)
+    raise KeyError(kind)
+
+
+FAMILY_TOKENS = {
+    "llava_next": ["<image>"], "qwen2_5_vl": QWEN2_VL_TOKENS, "qwen3_vl": QWEN2_VL_TOKENS,
+    "idefics3": ["<image>", "<fake_token_around_image>", "<global-img>"],
+    "smolvlm": ["<image>", "<fake_token_around_image>", "<global-img>"],
+    "gemma3": ["<image_soft_token>", "<start_of_image>", "<end_of_image>"], "paligemma": ["<image>"],
+    "mllama": ["<|image|>"], "mistral3": ["[IMG]", "[IMG_BREAK]", "[IMG_END]"],
+    "internvl": ["<IMG_CONTEXT>", "<img>", "</img>"],
+}
+
+
+def build_family(kind: str, out: str | Path, seed: int = 0) -> Path:
+    """A tiny random VLM of one family (transformers 5.17 classes), saved with its tokenizer."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    if kind in BUILDERS:
+        return BUILDERS[kind](out, seed=seed)
+    torch.manual_seed(seed)
+    tokenizer = vlm_tokenizer(FAMILY_TOKENS[kind])
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in FAMILY_TOKENS[kind]}
+    text = dict(vocab_size=len(tokenizer), tie_word_embeddings=False, **TEXT_SHAPE, **_ids(tokenizer))
+    config = _family_config(kind, text, ids)
+    config.tie_word_embeddings = False
+    model = AutoModelForImageTextToText.from_config(config).float().eval()
+    _save(model, tokenizer, Path(out))
+    save_processor(kind, Path(out))
+    return Path(out)
+
+
+FAMILY_KINDS = ("llava", "llava_next", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "idefics3", "smolvlm", "gemma3",
+                "paligemma", "mllama", "mistral3", "internvl")

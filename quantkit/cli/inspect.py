@@ -58,6 +58,7 @@ def _target(method: str, recipe: str | None, ignore: list[str]):
 
 def plan_data(info, method, options, ignore: list[str], context: int) -> dict:
     from quantkit.plan import MEMORY_NOTE, build_plan, ignore_patterns, memory_estimate, role_summary
+    from quantkit.vlm import tower_summary
 
     patterns = ignore_patterns(info, ignore, method.keeps_lm_head(options))
     entries = build_plan(info, method, options, patterns)
@@ -70,6 +71,7 @@ def plan_data(info, method, options, ignore: list[str], context: int) -> dict:
         "method": method.name,
         "options": options.model_dump(mode="json"),
         "ignore": patterns,
+        "towers": tower_summary(info.towers) if info.towers.components else None,
         "roles": role_summary(entries),
         "modules": [{"name": e.name, "role": e.role, "shape": e.shape, "precision": e.precision} for e in entries],
         "memory": memory_estimate(info, entries, context),
@@ -112,6 +114,8 @@ def collapse(modules: list[dict]) -> list[tuple[str, str, str, int]]:
 def print_plan(data: dict) -> None:
     out.print(f"[bold]{data['architecture']}[/bold] ({data['model_type']}) · {human_count(data['parameters'])} "
               f"parameters · stored as {data['dtype']} · plan for method [bold]{data['method']}[/bold]")
+    if data["towers"]:
+        out.print(towers_line(data["towers"]), highlight=False)
     out.print(_roles_table(data))
     out.print(_modules_table(data))
     out.print(_memory_table(data))
@@ -122,6 +126,13 @@ def print_plan(data: dict) -> None:
               f"({steps}; plus {human_bytes(run['fixed_ram_bytes'])} fixed), writes about "
               f"{human_bytes(run['disk_bytes'])}; on a GPU (--device cuda) peak GPU memory about "
               f"{human_bytes(run['peak_vram_bytes'])}", highlight=False)
+
+
+def towers_line(towers: dict) -> str:
+    parts = [f"{role}: {', '.join(towers[role])}" for role in ("vision", "projector", "audio", "cross_attention") if towers.get(role)]
+    if towers["unknown_towers"]:
+        parts.append("UNKNOWN towers found by look (kept 16-bit): " + ", ".join(towers["unknown_towers"]))
+    return f"VLM {towers['family'] or '(no table row)'}; towers kept 16-bit: " + "; ".join(parts)
 
 
 def _roles_table(data: dict) -> Table:

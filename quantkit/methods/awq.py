@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict
 from quantkit.errors import InputError, MissingExtraError, UnsupportedError
 from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, fixed_gate, gptq, llmc
 from quantkit.methods.mappings import awq_mappings, supported_model_types
+from quantkit.vlm import check_smoothing
 
 # 4-bit weights: the same looser gate as GPTQ.
 DEFAULT_GATE = {"max_ppl_increase": 0.10, "max_kld": 0.10, "min_top1": 0.80}
@@ -89,6 +90,7 @@ def check_backend(backend: str) -> None:
 
 def check(info, options: Options, calibration) -> None:
     check_backend(options.backend)
+    check_smoothing(info.towers, info.architecture, "awq")
     check_architecture(info.model_type)
     gptq.check_moe(info, options.symmetric, "none", "awq")
     gptq.check_bits(options.bits, "awq")

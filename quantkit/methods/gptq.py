@@ -62,7 +62,7 @@ def quantized_linears(info) -> dict[str, list[int]]:
     from quantkit.plan import classify, linear_weights
 
     return {name: shape for name, shape in linear_weights(info).items()
-            if classify(name + ".weight") in QUANTIZED_ROLES}
+            if classify(name + ".weight", info.towers) in QUANTIZED_ROLES}
 
 
 def check_bits(bits: int, method: str) -> None:

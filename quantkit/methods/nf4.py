@@ -67,7 +67,7 @@ def quantizable_layers(info) -> dict[str, list[int]]:
     """{module name: [out, in]} of the linear weights nf4 quantizes (by role)."""
     from quantkit.plan import classify, linear_weights
 
-    return {n: s for n, s in linear_weights(info).items() if classify(n + ".weight") in QUANTIZED_ROLES}
+    return {n: s for n, s in linear_weights(info).items() if classify(n + ".weight", info.towers) in QUANTIZED_ROLES}
 
 
 def fits_kernels(options: Options, shape: list[int]) -> bool:

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict
 from quantkit.errors import InputError, UnsupportedError
 from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, fixed_gate, gptq, llmc, moe
 from quantkit.methods.mappings import Mapping, smoothquant_mappings, supported_model_types
+from quantkit.vlm import check_smoothing
 
 # int8 weights and per-token int8 activations are near-lossless on trained models: tight gate.
 DEFAULT_GATE = {"max_ppl_increase": 0.03, "max_kld": 0.02, "min_top1": 0.93}
@@ -55,6 +56,7 @@ def mappings_for(model_type: str) -> list[Mapping]:
 def check(info, options: Options, calibration) -> None:
     if not 0 <= options.smoothing_strength <= 1:
         raise InputError(f"smoothquant: smoothing_strength={options.smoothing_strength} must be in [0, 1]")
+    check_smoothing(info.towers, info.architecture, "smoothquant")
     mappings_for(info.model_type)
     moe.check_supported(info, "smoothquant")
     moe.check_expert_storage(info, "smoothquant", "W8A8 stores every expert as int8 `int-quantized` weights",

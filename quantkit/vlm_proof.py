@@ -1,0 +1,140 @@
+"""The proof a VLM artifact carries, checked in the gate: its towers are the source's.
+
+After the artifact is reloaded from disk through transformers (as a user would), every tensor of
+every tower and projector (quantkit.vlm) must be bit-identical to the source checkpoint's: same
+dtype, same bytes. A missing tensor (quantized under another name) or a changed one fails the run
+(TowerChangedError, exit 3). Then one image+text forward runs on the reloaded model: a synthetic
+image through the artifact's own processor (its processor and chat-template files), so the
+vision path is exercised end to end; without processor files that step is reported as skipped.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from quantkit.errors import TowerChangedError
+from quantkit.model import ModelInfo
+
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
+IMAGE_SIZE = 64  # the synthetic image's side in pixels; processors resize it to what the model wants
+
+
+def source_tower_tensors(info: ModelInfo) -> list[str]:
+    """Checkpoint names of every tower tensor of the source."""
+    return sorted(name for name in info.tensors if info.towers.role(name))
+
+
+def checkpoint_to_module_names(model, names: list[str]) -> dict[str, str]:
+    """The state-dict name transformers gives each checkpoint tensor name when loading `model`'s class."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    conversions = get_model_conversion_mapping(model) or []
+    renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
+    converters = [c for c in conversions if isinstance(c, WeightConverter)]
+    meta_state = model.state_dict()
+    return {name: rename_source_key(name, renamings, converters, model.base_model_prefix, meta_state)[0]
+            for name in names}
+
+
+def read_source(info: ModelInfo, names: list[str]) -> dict:
+    """The source's tensors `names`, read from its safetensors files (nothing else loaded)."""
+    from safetensors import safe_open
+
+    wanted, found = set(names), {}
+    for file in info.weight_files:
+        with safe_open(str(file), "pt") as f:
+            for key in wanted.intersection(f.keys()):
+                found[key] = f.get_tensor(key)
+    return found
+
+
+def same_bits(a, b) -> bool:
+    import torch
+
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8),
+                                                                     b.contiguous().view(torch.uint8))
+
+
+def tower_differences(model, info: ModelInfo) -> tuple[int, list[str]]:
+    """(tower tensors compared, the ones that differ or are missing after reload)."""
+    names = source_tower_tensors(info)
+    module_names = checkpoint_to_module_names(model, names)
+    state = model.state_dict()
+    source = read_source(info, names)
+    bad = []
+    for name in names:
+        reloaded = state.get(module_names[name])
+        if reloaded is None:
+            bad.append(f"{name} (missing)")
+        elif not same_bits(reloaded.detach().cpu(), source[name]):
+            bad.append(f"{name} ({dtype_name(source[name])} -> {dtype_name(reloaded)}, bits differ)")
+    return len(names), bad
+
+
+def dtype_name(tensor) -> str:
+    return str(tensor.dtype).removeprefix("torch.")
+
+
+def synthetic_image():
+    """A deterministic RGB gradient."""
+    import numpy as np
+    from PIL import Image
+
+    ramp = np.linspace(0, 255, IMAGE_SIZE, dtype=np.uint8)
+    pixels = np.stack([np.add.outer(ramp, ramp) // 2, np.tile(ramp, (IMAGE_SIZE, 1)),
+                       np.tile(ramp[:, None], (1, IMAGE_SIZE))], axis=-1).astype(np.uint8)
+    return Image.fromarray(pixels, "RGB")
+
+
+def image_text_inputs(artifact: Path):
+    """Image+text model inputs from the artifact's own processor and chat template; None when it
+    has no processor files."""
+    from transformers import AutoProcessor
+
+    from quantkit.offline import offline
+
+    if not any((artifact / name).is_file() for name in PROCESSOR_FILES):
+        return None
+    with offline():
+        processor = AutoProcessor.from_pretrained(artifact, local_files_only=True)
+    messages = [{"role": "user", "content": [{"type": "image", "image": synthetic_image()},
+                                             {"type": "text", "text": "What is in the picture?"}]}]
+    return processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True,
+                                         return_tensors="pt")
+
+
+def image_forward(model, artifact: Path) -> str:
+    """Run one image+text forward on the reloaded model; 'ran' or 'skipped: ...'."""
+    import torch
+
+    inputs = image_text_inputs(artifact)
+    if inputs is None:
+        return "skipped: the artifact has no processor files"
+    device = next(model.parameters()).device
+    inputs = {k: v.to(device) for k, v in inputs.items()}
+    try:
+        with torch.inference_mode():
+            logits = model(**inputs).logits
+    except Exception as exc:  # noqa: BLE001 - any failure of the reloaded VLM on an image is the finding
+        raise TowerChangedError(f"the reloaded VLM fails an image+text forward: {type(exc).__name__}: {exc}"
+                                .splitlines()[0], hint="the artifact was not written") from exc
+    if not torch.isfinite(logits.float()).all():
+        raise TowerChangedError("the reloaded VLM gives non-finite logits on an image+text forward",
+                                hint="the artifact was not written")
+    return "ran"
+
+
+def prove_towers(artifact: Path, info: ModelInfo, device: str = "cpu", trust_remote_code: bool = False) -> dict:
+    """Reload the artifact, check every tower tensor bit-identical to the source and run an
+    image+text forward; the report fields, or TowerChangedError (exit 3)."""
+    from quantkit.artifacts import load_for_eval
+
+    model = load_for_eval(artifact, device=device, trust_remote_code=trust_remote_code)
+    checked, bad = tower_differences(model, info)
+    if bad:
+        more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+        raise TowerChangedError(f"{len(bad)} of {checked} tower/projector tensors changed after reload: "
+                                f"{', '.join(bad[:3])}{more}",
+                                hint="a VLM tower was quantized or renamed; nothing was written")
+    return {"tower_tensors_identical": checked, "image_forward": image_forward(model, artifact)}

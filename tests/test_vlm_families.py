@@ -1,0 +1,124 @@
+"""Every VLM family of quantkit.vlm.FAMILIES through every method via the CLI: exit 0 with the towers
+bit-identical after reload (and an image+text forward where the fixture has a processor), or exit 2
+before any work with the reason. Full matrix slow; Mllama gptq (a Linear projector), Gemma 3 gptq
+(SigLIP's MultiheadAttention pooling head) and the smoothing refusal are fast."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from safetensors import safe_open
+
+from tests.util import leftovers
+from tests.vlm_models import FAMILY_KINDS, PROCESSOR_KINDS, build_family
+
+CALIB = ("--num-samples", "16", "--seq-len", "64", "--eval-windows", "4", "--no-gate")
+METHODS = ("fp8", "gptq", "awq", "smoothquant", "nf4", "gguf")
+
+
+def test_the_matrix_covers_the_readme_families():
+    from quantkit.support import VLM_TESTED
+
+    assert FAMILY_KINDS == VLM_TESTED
+
+
+@pytest.fixture(scope="session")
+def family_model(tmp_path_factory):
+    made = {}
+
+    def get(kind: str):
+        if kind not in made:
+            made[kind] = build_family(kind, tmp_path_factory.mktemp("families") / kind)
+        return made[kind]
+
+    return get
+
+
+def tensors(path) -> dict:
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+def run_case(cli, model_dir, kind: str, method: str, tmp_path):
+    """What README's VLM table says for (family, method): exit 2 before work, or exit 0 with the proof."""
+    from quantkit.support import vlm_support
+
+    out = tmp_path / "out"
+    result = cli("quantize", model_dir, "--method", method, "-o", out, "--json", tmp_path / "r.json", *CALIB)
+    if vlm_support(kind, method).startswith("refused"):
+        assert result.exit_code == 2, result.output
+        assert leftovers(tmp_path, "out") == []
+        assert method == "gguf" or f"{method}: vision-language model" in result.stderr
+        return None
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "quantkit.json").read_text())
+    proof = report["targets"][0]["details"]["towers"]
+    if method == "gguf":  # the language model only: the towers are not in the .gguf
+        assert proof["image_forward"].startswith("skipped: the .gguf")
+        return out
+    assert proof["tower_tensors_identical"] > 0
+    assert proof["image_forward"] == ("ran" if kind in PROCESSOR_KINDS else
+                                      "skipped: the artifact has no processor files")
+    assert report["model"]["towers"]["model_type"] == kind
+    # the checkpoint itself: every tower tensor of the source is stored unchanged
+    source, written = tensors(model_dir), tensors(out)
+    from quantkit.model import check_model_dir
+
+    towers = check_model_dir(model_dir).towers
+    kept = [k for k in source if towers.role(k)]
+    assert kept and all(k in written and written[k].dtype == source[k].dtype and written[k].equal(source[k])
+                        for k in kept)
+    if kind in PROCESSOR_KINDS:
+        assert (out / "processor_config.json").is_file() and (out / "chat_template.jinja").is_file()
+    assert "## Vision-language model" in (out / "README.md").read_text()
+    return out
+
+
+@pytest.mark.parametrize("kind,method", [("mllama", "gptq"), ("gemma3", "gptq"), ("gemma3", "awq"),
+                                         ("gemma3", "smoothquant")])
+def test_representative_family_cases(cli, family_model, tmp_path, kind, method):
+    out = run_case(cli, family_model(kind), kind, method, tmp_path)
+    if kind == "mllama" and out is not None:  # the projector is one Linear: stored 16-bit, not packed
+        qconfig = json.loads((out / "config.json").read_text())["quantization_config"]
+        assert "model.multi_modal_projector" in qconfig["ignore"] or any(
+            p.startswith("re:") and "multi_modal_projector" in p for p in qconfig["ignore"])
+        assert "multi_modal_projector.weight" in tensors(out)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("kind", FAMILY_KINDS)
+def test_family_method_matrix(cli, family_model, tmp_path, kind, method):
+    run_case(cli, family_model(kind), kind, method, tmp_path)
+
+
+def test_changed_tower_tensor_fails_the_proof(cli, family_model, tmp_path):
+    """A tower tensor altered in the written artifact: the proof names it (exit 3 in a run)."""
+    from safetensors.torch import save_file
+
+    from quantkit.errors import TowerChangedError
+    from quantkit.model import check_model_dir
+    from quantkit.vlm_proof import prove_towers
+
+    model_dir = family_model("mllama")
+    out = tmp_path / "out"
+    assert cli("quantize", model_dir, "--method", "fp8", "-o", out, *CALIB).exit_code == 0
+    info = check_model_dir(model_dir)
+    assert prove_towers(out, info)["image_forward"] == "ran"
+    state = tensors(out)
+    state["multi_modal_projector.weight"] = state["multi_modal_projector.weight"] * 2
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(TowerChangedError, match=r"1 of \d+ tower/projector tensors changed.*multi_modal_projector"):
+        prove_towers(out, info)
+    assert TowerChangedError.exit_code == 3
+
+
+def test_inspect_names_the_towers(cli, family_model):
+    result = cli("inspect", family_model("mllama"), "--method", "gptq", "--json", "-")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["towers"]["family"] == "Llama 3.2 Vision (Mllama)"
+    assert data["towers"]["projector"] == ["multi_modal_projector"] and data["towers"]["unknown_towers"] == []
+    projector = next(m for m in data["modules"] if m["name"] == "multi_modal_projector")
+    assert projector["role"] == "projector" and "kept" in projector["precision"]
