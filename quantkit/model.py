@@ -268,10 +268,6 @@ def load_model(info: ModelInfo, dtype: str = "auto", device: str = "cpu", trust_
 
     from quantkit.offline import offline
 
-    from quantkit.stream import streamable
-
-    if offload_folder is None and not trust_remote_code and streamable(info.config):
-        return load_by_tensor(info, dtype, device)
     auto_class = auto_model_class(info.config)
     try:
         with offline():
@@ -321,37 +317,6 @@ def custom_code_error(path: Path, architecture: str) -> ModelError:
 
 
 LAYER_PREFIX = re.compile(r"^(.*\.layers\.\d+)\.")
-
-
-def load_by_tensor(info: ModelInfo, dtype: str = "auto", device: str = "cpu"):
-    """A text decoder whose checkpoint names are its parameter names, read one tensor at a time with
-    plain reads into a model built on the meta device (quantkit.stream's sources).
-
-    Not from_pretrained's memory map: every page of the map that is read stays resident (and in
-    the RSS) as long as any tensor of the file lives, so when llm-compressor wrote its quantized
-    copy of each layer the process held the 16-bit model and the copy at once; read into ordinary
-    memory, each 16-bit weight is freed as its quantized replacement is made. A tensor the model
-    lacks or does not use is a ModelError, as from_pretrained's loading report is."""
-    from accelerate.utils import set_module_tensor_to_device
-    from transformers import GenerationConfig
-
-    from quantkit.stream import SafetensorsWeights, build_meta_model, source_names, tied_groups
-
-    model = build_meta_model(hf_config(info.path), torch_dtype(dtype, info))
-    source = SafetensorsWeights(info.path)
-    names = source_names(model, source)
-    unused = sorted(set(source.keys()) - set(names.values()))
-    if unused:
-        raise ModelError(f"{info.path.name}: tensors the architecture does not use: {unused[:3]}",
-                         hint="config.json and the weights do not belong together")
-    for group in tied_groups(model):  # one read per tensor; tie_weights shares it again
-        set_module_tensor_to_device(model, group[0], device_map(device), value=source.get(names[group[0]]))
-    model.tie_weights()
-    for name, _ in model.named_buffers():
-        set_module_tensor_to_device(model, name, device_map(device))
-    if (info.path / "generation_config.json").is_file():
-        model.generation_config = GenerationConfig.from_pretrained(info.path)
-    return model.eval()
 
 
 def offload_device_map(info: ModelInfo, device: str) -> dict[str, str]:

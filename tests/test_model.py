@@ -56,34 +56,3 @@ def test_config_without_model_type(model_copy):
     (model_copy / "config.json").write_text(json.dumps({"architectures": ["X"]}))
     with pytest.raises(ModelError, match="model_type"):
         check_model_dir(model_copy)
-
-
-def test_load_by_tensor_equals_from_pretrained(micro_model):
-    """The plain-read loader builds the same model, tensor for tensor, as from_pretrained."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from quantkit.model import load_by_tensor
-
-    info = check_model_dir(micro_model)
-    ours = load_by_tensor(info)
-    theirs = AutoModelForCausalLM.from_pretrained(micro_model, dtype="auto")
-    assert dict(ours.named_parameters()).keys() == dict(theirs.named_parameters()).keys()
-    for (name, a), (_, b) in zip(ours.state_dict().items(), theirs.state_dict().items()):
-        assert a.dtype == b.dtype and torch.equal(a, b), name
-    assert ours.generation_config.to_dict() == theirs.generation_config.to_dict()
-    ids = torch.tensor([[1, 5, 9, 2]])
-    with torch.no_grad():
-        assert torch.equal(ours(input_ids=ids).logits, theirs(input_ids=ids).logits)
-
-
-def test_load_by_tensor_refuses_tensors_the_model_does_not_use(model_copy):
-    from safetensors.torch import load_file, save_file
-
-    from quantkit.model import load_by_tensor
-
-    weights = load_file(model_copy / "model.safetensors")
-    weights["model.extra.weight"] = weights["model.norm.weight"].clone()
-    save_file(weights, model_copy / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(ModelError, match="model.extra.weight"):
-        load_by_tensor(check_model_dir(model_copy))
