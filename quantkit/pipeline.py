@@ -299,6 +299,7 @@ def run_target(job: QuantizeJob, resolved: ResolvedTarget, baseline, opts: RunOp
     entry.timings["quantize_s"] = qt.seconds
     entry.peak_rss_bytes = qt.peak_rss
     entry.peak_rss_by_step["quantize"] = qt.peak_rss
+    drop_weights(job.model)
     job.model = None
     gc.collect()
     release_freed_memory()  # the engine's freed model goes back to the OS before the gate loads the artifact
@@ -320,6 +321,17 @@ def run_target(job: QuantizeJob, resolved: ResolvedTarget, baseline, opts: RunOp
     if entry.failed_enforced_gate:
         entry.status, entry.exit_code = "failed", GateFailedError.exit_code
     return entry
+
+
+def drop_weights(model) -> None:
+    """Free the weights of a model the engine is done with, whoever still refers to the object:
+    llm-compressor's sequential pipeline leaves the model reachable from its traced code, which kept
+    the whole base model resident through the gate and every later target. compressed-tensors'
+    to_meta, module by module: it also empties the offload caches llm-compressor dispatches."""
+    from compressed_tensors.offload import to_meta
+
+    for module in model.modules() if model is not None else ():
+        to_meta(module)
 
 
 def tower_proof(job: QuantizeJob, result: QuantizeResult) -> dict:

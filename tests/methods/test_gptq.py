@@ -30,6 +30,31 @@ def test_gptq_end_to_end(cli, micro_model, tmp_path, bits, group_size, act_order
     assert mean_kld_vs_base(out, micro_model) < 0.05
 
 
+def test_base_weights_are_freed_after_the_quantize_step(cli, micro_model, tmp_path, monkeypatch):
+    """llm-compressor's sequential pipeline keeps the model object reachable from its traced code;
+    the pipeline empties it before the gate, so the base model is not held through the gate."""
+    import weakref
+
+    from compressed_tensors.offload import disable_onloading
+
+    from quantkit import pipeline
+
+    seen, real = {}, pipeline.run_target
+
+    def spy(job, resolved, baseline, opts):
+        seen["model"] = weakref.ref(job.model)
+        entry = real(job, resolved, baseline, opts)
+        model = seen["model"]()
+        with disable_onloading():
+            seen["left"] = 0 if model is None else sum(p.numel() for p in model.parameters() if not p.is_meta)
+        return entry
+
+    monkeypatch.setattr(pipeline, "run_target", spy)
+    result = cli("quantize", micro_model, "--method", "gptq", *CALIB_ARGS, *LOOSE_TOP1, "-o", tmp_path / "out")
+    assert result.exit_code == 0, result.output
+    assert seen["left"] == 0
+
+
 def test_gptq_group_size_must_divide_widths(cli, micro_model, tmp_path):
     out = tmp_path / "out"
     result = cli("quantize", micro_model, "--method", "gptq", "--group-size", 96, *CALIB_ARGS, "-o", out)
