@@ -35,16 +35,15 @@ from bench_gguf import LLAMA, make_kld_base  # noqa: E402  (the shared llama.cpp
 
 
 def kld(model: Path, base: Path, threads: int, ctx: int) -> dict:
-    """llama-perplexity --kl-divergence against the saved base logits (same -c as the base); retried
-    because llama.cpp's log thread sometimes drops the last lines at exit."""
+    """llama-perplexity --kl-divergence against the saved base logits (same -c as the base). stdout and
+    stderr share one pipe (with two, the summary lines were lost); retried as quantkit.llamacpp does."""
     import re
     import subprocess
 
     cmd = [str(LLAMA / "bin" / "llama-perplexity"), "-m", str(model), "--kl-divergence-base", str(base),
            "--kl-divergence", "-t", str(threads), "-c", str(ctx)]
-    for _attempt in range(6):
-        out = subprocess.run(cmd, capture_output=True, text=True)
-        text = out.stdout + out.stderr
+    for _attempt in range(10):
+        text = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True).stdout
         mean = re.search(r"Mean\s+KLD:\s+([-0-9.eE+]+)", text)
         top = re.search(r"Same top p:\s+([0-9.]+)", text)
         if mean and top:
