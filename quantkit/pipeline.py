@@ -318,6 +318,8 @@ def run_target(job: QuantizeJob, resolved: ResolvedTarget, baseline, opts: RunOp
     entry.peak_rss_by_step["eval"] = et.peak_rss
     entry.gate = evaluate.gate_verdict(entry.metrics, resolved.gate,
                                        enforced=opts.enforce_gate and resolved.gate.enabled)
+    if not entry.gate.passed and resolved.method.wants_fallback(resolved.options):
+        run_fallback(job, resolved, result, entry, baseline, opts)
     if entry.failed_enforced_gate:
         entry.status, entry.exit_code = "failed", GateFailedError.exit_code
     return entry
@@ -342,6 +344,47 @@ def tower_proof(job: QuantizeJob, result: QuantizeResult) -> dict:
     if not result.artifact.is_dir():
         return {"tower_tensors_identical": 0, "image_forward": "skipped: the .gguf holds the language model only"}
     return prove_towers(result.artifact, job.info, job.device, job.trust_remote_code)
+
+
+def run_fallback(job: QuantizeJob, resolved: ResolvedTarget, result: QuantizeResult, entry: TargetReport,
+                 baseline, opts: RunOptions) -> None:
+    """Gate-driven fallback: while the gate fails, let the method raise the precision where the
+    measured damage is largest, re-quantize and re-measure, until the gate passes or the method's
+    size budget is spent. Every step, the final per-tensor plan and the size cost go into
+    entry.details["fallback"]; entry's metrics, gate and details become the last artifact's."""
+    from quantkit import evaluate
+
+    first = artifact_bytes(result.artifact)
+    steps = [{"step": 0, "raised": {}, "bytes": first, "metrics": entry.metrics.as_dict(), "passed": False}]
+    started = time.time()
+    while not entry.gate.passed:
+        opts.progress(f"[{resolved.name}] gate failed ({', '.join(entry.gate.failed)}): raising the precision "
+                      f"of the most damaging tensors (step {len(steps)})")
+        raised = resolved.method.fallback(job, result)
+        if raised is None:
+            opts.progress(f"[{resolved.name}] fallback: the size budget is spent")
+            break
+        result = raised
+        entry.metrics = evaluate.evaluate_artifact(result.artifact, job.info.path, job.windows.eval, baseline,
+                                                   job.device, job.trust_remote_code, job.workdir)
+        entry.gate = evaluate.gate_verdict(entry.metrics, resolved.gate,
+                                           enforced=opts.enforce_gate and resolved.gate.enabled)
+        steps.append({"step": len(steps), "raised": result.details["fallback_state"]["raised"],
+                      "bytes": artifact_bytes(result.artifact), "metrics": entry.metrics.as_dict(),
+                      "passed": entry.gate.passed})
+    details = {k: v for k, v in result.details.items() if k != "fallback_state"}
+    final = steps[-1]["bytes"]
+    details["fallback"] = {"passed": entry.gate.passed, "steps": steps, "first_bytes": first, "final_bytes": final,
+                           "size_cost_bytes": final - first,
+                           "types": details.get("mixed_precision", {}).get("types", {}),
+                           "seconds": round(time.time() - started, 3)}
+    entry.details = details
+    entry.timings["fallback_s"] = details["fallback"]["seconds"]
+
+
+def artifact_bytes(path: Path) -> int:
+    path = Path(path)
+    return path.stat().st_size if path.is_file() else sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
 def error_report(resolved: ResolvedTarget, exc: Exception) -> TargetReport:

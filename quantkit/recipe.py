@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from quantkit.errors import InputError, RecipeError
+from quantkit.errors import InputError, RecipeError, UnsupportedError
 from quantkit.methods import METHODS, get_method
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
@@ -150,12 +150,27 @@ def validate(data: dict, origin: str = "recipe") -> Recipe:
     except ValidationError as exc:
         raise RecipeError(f"{origin}: {format_errors(exc)}", hint=_hint(exc)) from None
     for index, target in enumerate(recipe.targets):
+        check_mixed_precision(target.method, target.options)
         try:
             target_options(target)
         except ValidationError as exc:
             prefix = f"targets.{index}.options"
             raise RecipeError(f"{origin}: {format_errors(exc, prefix)}", hint=_hint(exc)) from None
     return recipe
+
+
+# mixed-precision options quantkit has for some methods only
+MIXED_PRECISION = {"auto_precision": "--auto-precision / auto_precision", "fallback": "--fallback / fallback"}
+MIXED_PRECISION_METHODS = ("gguf",)
+
+
+def check_mixed_precision(method: str, options: dict) -> None:
+    """auto_precision / fallback exist for gguf only: a clear refusal (exit 2) for the other methods."""
+    for key, label in MIXED_PRECISION.items():
+        if key in options and method not in MIXED_PRECISION_METHODS:
+            raise UnsupportedError(f"{label} is implemented for method gguf only, not {method}",
+                                   hint="per-layer 4/8/16-bit for gptq/awq (compressed-tensors config groups) is "
+                                        "not built yet; use --method gguf, or drop the option")
 
 
 def load_recipe(path: str | Path) -> Recipe:
@@ -277,11 +292,15 @@ def apply_method_options(data: dict, options: dict[str, Any]) -> dict:
     if not given:
         return data
     targets = [dict(t) for t in data.get("targets") or [] if isinstance(t, dict)]
+    for target in targets:
+        check_mixed_precision(str(target.get("method")), {k: v for k, v in given.items() if k in MIXED_PRECISION})
     for flag, value in given.items():
         used = False
         for target in targets:
             if target.get("method") in METHODS and flag in get_method(target["method"]).options.model_fields:
-                target["options"] = {**(target.get("options") or {}), flag: value}
+                current = (target.get("options") or {}).get(flag)
+                merged = {**current, **value} if isinstance(current, dict) and isinstance(value, dict) else value
+                target["options"] = {**(target.get("options") or {}), flag: merged}
                 used = True
         if not used:
             methods = ", ".join(sorted({str(t.get("method")) for t in targets}))

@@ -21,6 +21,7 @@ def inspect(
     ignore: list[str] = typer.Option([], "--ignore", help="Extra modules to keep unquantized; repeatable."),
     context: int = typer.Option(4096, help="Tokens of KV cache in the memory estimate."),
     json_path: Optional[str] = typer.Option(None, "--json", help="Write the plan as JSON to FILE ('-' = stdout)."),
+    sensitivity: bool = typer.Option(False, "--sensitivity", help="Show the per-tensor sensitivity table of a quantkit output (MODEL: its directory or its quantkit.json), as --auto-precision / --fallback recorded it."),
 ) -> None:
     """Show architecture, parameters, every linear module by role, the precision plan and memory estimates.
 
@@ -31,8 +32,18 @@ def inspect(
       quantkit inspect ./my-vlm --method gptq --json plan.json
 
       quantkit inspect ./my-model --recipe recipes/fp8-dynamic.yaml
+
+      quantkit inspect ./my-model-gguf --sensitivity
     """
     from quantkit.model import check_model_dir, resolve_model
+
+    if sensitivity:
+        tables = sensitivity_tables(read_report(model))
+        if json_path != "-":
+            for name, table in tables.items():
+                out.print(_sensitivity_table(name, table))
+        write_json(json_path, tables)
+        return
 
     info = check_model_dir(resolve_model(model))
     target_method, options, patterns = _target(method, recipe, ignore)
@@ -160,4 +171,47 @@ def _memory_table(data: dict) -> Table:
         table.add_column(column)
     for fmt, row in data["memory"].items():
         table.add_row(fmt, human_bytes(row["weights_bytes"]), human_bytes(row["with_overhead_bytes"]))
+    return table
+
+
+def read_report(path: str) -> dict:
+    """The quantkit.json of an output directory (or the file itself)."""
+    import json
+    from pathlib import Path
+
+    from quantkit.errors import InputError
+
+    file = Path(path) / "quantkit.json" if Path(path).is_dir() else Path(path)
+    if not file.is_file() or file.suffix != ".json":
+        raise InputError(f"no quantkit.json at {path}", hint="--sensitivity reads a quantkit output directory")
+    return json.loads(file.read_text())
+
+
+def sensitivity_tables(report: dict) -> dict[str, dict]:
+    """{target name: {"sensitivity": ..., "types": {tensor: chosen type}}} of the targets that have one."""
+    from quantkit.errors import InputError
+
+    tables = {}
+    for target in report.get("targets", []):
+        details = target.get("details") or {}
+        if "sensitivity" in details:
+            types = (details.get("mixed_precision") or {}).get("types", {})
+            tables[target["name"]] = {"sensitivity": details["sensitivity"], "types": types}
+    if not tables:
+        raise InputError("this report has no sensitivity table",
+                         hint="quantize with --method gguf --auto-precision (or --fallback, once a gate failed)")
+    return tables
+
+
+def _sensitivity_table(name: str, data: dict) -> Table:
+    table_data = data["sensitivity"]
+    how = (f"damage = KLD at the probe type x weighted-error ratio, measured on {table_data['windows']} windows"
+           if table_data["measured"] else "damage = imatrix-weighted squared error (not measured)")
+    table = Table(title=f"{name}: per-tensor sensitivity ({how})", title_justify="left")
+    for column in ("tensor", "mixture", "chosen", "KLD@probe", *table_data["candidates"]):
+        table.add_column(column, overflow="fold")
+    for row in table_data["tensors"]:
+        kld = "—" if row["kld"] is None else f"{row['kld']:.3g} @{row['probe']}"
+        damage = [f"{row['damage'][c]:.3g}" if c in row["damage"] else "—" for c in table_data["candidates"]]
+        table.add_row(row["tensor"], row["mixture"], data["types"].get(row["tensor"], row["mixture"]), kld, *damage)
     return table

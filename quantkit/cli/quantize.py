@@ -20,6 +20,8 @@ Examples:
 
   quantkit quantize ./my-model --method gguf --gguf-type Q4_K_M -o ./gguf
 
+  quantkit quantize ./my-model --method gguf --gguf-type Q4_K_M --auto-precision --fallback -o ./gguf
+
   quantkit quantize ./base --lora ./adapter --method gptq --bits 4 --group-size 128 -o ./gptq
 
   quantkit quantize ./ckpt --recipe release -o ./dist   (one dir per target)
@@ -46,6 +48,10 @@ def quantize(
     backend: Optional[str] = typer.Option(None, help="Engine backend where a method has several."),
     gguf_type: Optional[str] = typer.Option(None, help="GGUF type or mixture, e.g. Q4_K_M, Q6_K, Q8_0."),
     imatrix: Optional[str] = typer.Option(None, help="GGUF importance matrix: auto | none | FILE."),
+    auto_precision: bool = typer.Option(False, "--auto-precision", help="GGUF: per-tensor k-quant types chosen by measured sensitivity, at the size of llama.cpp's --gguf-type mixture (or --budget-bpw)."),
+    budget_bpw: Optional[float] = typer.Option(None, "--budget-bpw", help="GGUF --auto-precision: bits per weight of the whole file instead of the mixture's size."),
+    fallback: bool = typer.Option(False, "--fallback", help="GGUF: when the gate fails, raise the most damaging tensors' types and re-measure until it passes or --max-size is reached."),
+    max_size: Optional[str] = typer.Option(None, "--max-size", help="--fallback size limit: +N% of the first artifact (default +25%) or a size such as 120MB."),
     smoothing_strength: Optional[float] = typer.Option(None, help="SmoothQuant alpha."),
     double_quant: Optional[bool] = typer.Option(None, "--double-quant/--no-double-quant", help="NF4 double quantization."),
     compute_dtype: Optional[str] = typer.Option(None, help="NF4 compute dtype."),
@@ -96,6 +102,7 @@ def quantize(
                             gguf_type=gguf_type, imatrix=imatrix, smoothing_strength=smoothing_strength,
                             double_quant=double_quant, compute_dtype=compute_dtype),
     )
+    overrides.method_options.update(mixed_precision_options(auto_precision, budget_bpw, fallback, max_size))
     resolved = build_recipe(recipe, method, overrides)
     if no_gate and not quiet:
         err.print("warning: --no-gate: the quality gate is measured but not enforced (recorded in quantkit.json)",
@@ -116,6 +123,18 @@ def quantize(
     if not quiet:
         written = any(t.written for t in report.targets)
         results_console(json_path).print(f"wrote {output}" if written else f"up to date: {output}", highlight=False)
+
+
+def mixed_precision_options(auto_precision: bool, budget_bpw: float | None, fallback: bool,
+                            max_size: str | None) -> dict:
+    """--auto-precision / --budget-bpw and --fallback / --max-size as the gguf options they set."""
+    from quantkit.errors import InputError
+
+    if max_size is not None and not fallback:
+        raise InputError("--max-size is the --fallback size limit", hint="add --fallback")
+    auto = {"budget_bpw": budget_bpw} if budget_bpw is not None else {}
+    return {"auto_precision": auto if auto_precision or budget_bpw is not None else None,
+            "fallback": ({"max_size": max_size} if max_size else {}) if fallback else None}
 
 
 def show_results(report, output: Path, json_path: str | None, summary: Path | None, quiet: bool) -> None:

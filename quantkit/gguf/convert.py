@@ -417,6 +417,23 @@ def plan_tensors(config: dict, hf_tensors: dict[str, tuple[str, list[int]]], ggu
     return [plans[g] for g in mixture.llama_order(plans)]
 
 
+def override_types(plans: list[TensorPlan], types: dict[str, T]) -> list[TensorPlan]:
+    """The plans with `types` replacing the mixture's choice; each named tensor must be one the
+    mixture quantizes and the type must fit its rows."""
+    from gguf import GGML_QUANT_SIZES
+
+    by_name = {p.name: p for p in plans}
+    for name, qtype in types.items():
+        plan = by_name.get(name)
+        if plan is None or plan.qtype in mixture.UNQUANTIZED:
+            raise InputError(f"per-tensor type for '{name}': not a quantized tensor of this model")
+        if plan.shape[-1] % GGML_QUANT_SIZES[qtype][0] != 0:
+            raise InputError(f"per-tensor type {qtype.name} for '{name}': rows of {plan.shape[-1]} values "
+                             f"are not a multiple of its block size")
+        plan.qtype = qtype
+    return plans
+
+
 def trim_vocab(config: dict, plans: dict[str, TensorPlan], model_dir: Path | None) -> None:
     embd = plans.get("token_embd.weight")
     if embd is None or not arch_spec(config).trims_vocab:
@@ -824,8 +841,11 @@ def open_handles(files: list[Path]) -> dict[str, SafetensorsRows]:
 
 def convert(model_dir: Path, out_path: Path, gguf_type: str = "F16", imatrix: dict | None = None,
             name: str | None = None, progress: Callable[[str], None] = lambda m: None,
-            threads: int = 1) -> ConvertResult:
-    """Write `out_path` (.gguf) from the checkpoint in model_dir; returns what was written."""
+            threads: int = 1, types: dict[str, T] | None = None) -> ConvertResult:
+    """Write `out_path` (.gguf) from the checkpoint in model_dir; returns what was written.
+
+    `types` ({GGUF name: type}) replaces the mixture's type of those tensors (per-tensor types
+    chosen by quantkit.gguf.budget; llama-quantize --tensor-type gives the same file)."""
     import gguf
 
     from quantkit.gguf.vocab import add_vocab
@@ -834,7 +854,8 @@ def convert(model_dir: Path, out_path: Path, gguf_type: str = "F16", imatrix: di
     info = check_model_dir(Path(model_dir))
     key, ftype, _ = mixture.file_type(gguf_type)
     hp = {**load_hparams(info.path), "architectures": info.config.get("architectures")}
-    plans = plan_tensors(hp, info.tensors, key, has_imatrix=bool(imatrix), model_dir=info.path)
+    plans = override_types(plan_tensors(hp, info.tensors, key, has_imatrix=bool(imatrix), model_dir=info.path),
+                           types or {})
     spec = arch_spec(hp)
     writer = gguf.GGUFWriter(str(out_path), gguf_arch_name(spec))
     add_metadata(writer, hp, spec, name or Path(model_dir).name, ftype)

@@ -19,6 +19,8 @@ defaults for the optional ones in one place. Who calls what:
   supports_ignore    pipeline.resolve_target                      refusing `ignore` where a format fixes every type
   precision          plan.build_plan                              the plan (`quantkit inspect`, the report)
   plan_types         plan.build_plan                              exact per-tensor types (gguf's mixture)
+  wants_fallback     pipeline.run_target                          whether a failed gate triggers `fallback`
+  fallback           pipeline.run_target                          re-quantizing with more bits after a failed gate
   quantize           pipeline.run_target                          writing the artifact into a staging dir
 """
 
@@ -97,6 +99,10 @@ def _no_exact_types(info: ModelInfo, options: BaseModel) -> dict[str, str]:
     return {}
 
 
+def _no_fallback(job: QuantizeJob, result: QuantizeResult) -> QuantizeResult | None:
+    return None
+
+
 @dataclass(frozen=True)
 class MethodSpec:
     """Every member a method provides. Required members first; the rest default as shown."""
@@ -121,6 +127,11 @@ class MethodSpec:
     # Exact per-module precision for the whole model where one tensor's type depends on the others
     # (gguf: llama-quantize's mixture rules); {} where `precision` alone is exact.
     plan_types: Callable[[ModelInfo, BaseModel], dict[str, str]] = _no_exact_types
+    # Gate-driven fallback: after a failed gate, `fallback(job, last result)` writes the artifact again
+    # with more bits where the measured damage is largest (into job.out_dir), or returns None when
+    # its size budget is spent. The pipeline re-measures after each step.
+    wants_fallback: Callable[[BaseModel], bool] = _never
+    fallback: Callable[[QuantizeJob, QuantizeResult], QuantizeResult | None] = _no_fallback
 
 
 def fixed_gate(thresholds: GateDefaults) -> Callable[[BaseModel], GateDefaults]:

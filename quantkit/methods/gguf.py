@@ -13,9 +13,10 @@ So auto = on for Q2_K, Q3_K_S/M/L, Q4_K_S/M, Q4_0, Q4_1; off otherwise.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from quantkit.errors import InputError, UnsupportedError
 from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult
@@ -31,13 +32,40 @@ GATE_BY_PREFIX = (
     (("Q3",), {"max_ppl_increase": 0.20, "max_kld": 0.20, "min_top1": 0.70}),
     (("Q2",), {"max_ppl_increase": 0.40, "max_kld": 0.40, "min_top1": 0.60}),
 )
+TENSOR_TYPES_FILE = "tensor-types.txt"  # llama-quantize --tensor-type-file reproducing per-tensor types
 IMATRIX_AUTO_TYPES = ("Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L", "Q4_K_S", "Q4_K_M", "Q4_0", "Q4_1")
+
+
+class AutoPrecision(BaseModel):
+    """Per-tensor k-quant types chosen by measured sensitivity under a size budget."""
+
+    model_config = ConfigDict(extra="forbid")
+    budget_bpw: float | None = Field(None, gt=1, le=16, description="bits per weight of the whole file; "
+                                     "default: the size of llama.cpp's mixture for gguf_type")
+    measure_windows: int = Field(8, ge=0, le=1024, description="calibration windows the per-tensor KL "
+                                 "divergence is measured on (0: imatrix-weighted error only)")
+
+
+class Fallback(BaseModel):
+    """On a failed gate, raise the most damaging tensors' types step by step until it passes."""
+
+    model_config = ConfigDict(extra="forbid")
+    max_size: str = Field("+25%", description="size limit: +N% of the first artifact, or a size (120MB, 4GiB)")
+    tensors_per_step: int = Field(0, ge=0, description="tensors raised per step (0: a tenth of them, at least 1)")
+
+    @field_validator("max_size")
+    @classmethod
+    def _readable(cls, value: str) -> str:
+        size_limit(value, 1)
+        return value
 
 
 class Options(BaseModel):
     model_config = ConfigDict(extra="forbid")
     gguf_type: str = "Q4_K_M"
     imatrix: str = "auto"  # "auto" | "none" | path to an imatrix file
+    auto_precision: AutoPrecision | None = None
+    fallback: Fallback | None = None
 
     @field_validator("gguf_type")
     @classmethod
@@ -48,6 +76,30 @@ class Options(BaseModel):
             return file_type(value)[0]
         except InputError as exc:
             raise ValueError(f"{exc.message}; {exc.hint}") from None
+
+    @model_validator(mode="after")
+    def _quantized_type(self) -> "Options":
+        if mixed(self) and self.gguf_type in ("F32", "F16", "BF16"):
+            raise ValueError(f"auto_precision / fallback choose k-quant types; {self.gguf_type} is not quantized")
+        return self
+
+
+def size_limit(max_size: str, first_bytes: int) -> int:
+    """Fallback.max_size in bytes: '+25%' of the first artifact's size, or an absolute size."""
+    from quantkit.preflight import parse_size
+
+    text = max_size.strip()
+    if text.startswith("+") and text.endswith("%"):
+        try:
+            return int(first_bytes * (1 + float(text[1:-1]) / 100))
+        except ValueError:
+            raise InputError(f"cannot read the size limit '{max_size}'", hint="write e.g. +25% or 120MB") from None
+    return parse_size(text)
+
+
+def mixed(options: "Options") -> bool:
+    """Per-tensor types are chosen by quantkit (auto_precision), or may be raised (fallback)."""
+    return options.auto_precision is not None or options.fallback is not None
 
 
 def default_gate(options: "Options") -> dict:
@@ -162,33 +214,150 @@ def compute_imatrix(job: QuantizeJob, calib):
                       device=streamed.device)
 
 
-def quantize(job: QuantizeJob) -> QuantizeResult:
+def needs_calibration(options: Options) -> bool:
+    """Windows for the imatrix, and for the sensitivity pass of auto_precision / fallback."""
+    return computes_imatrix(options) or mixed(options)
+
+
+def importance(job: QuantizeJob, imatrix):
+    """The imatrix weighting the sensitivity errors: the quantizer's own, else one computed from
+    the calibration windows (kept in the work dir for the fallback's later steps)."""
     from quantkit.gguf import imatrix as im
+
+    if imatrix is not None:
+        return imatrix
+    path = Path(job.workdir) / "importance.gguf"
+    if path.is_file():
+        return im.read(path)
+    computed = compute_imatrix(job, job.windows.calib)
+    im.write(computed, path)
+    return computed
+
+
+def plans_of(job: QuantizeJob, has_imatrix: bool):
+    from quantkit.gguf.convert import load_hparams, plan_tensors
+
+    hp = {**load_hparams(job.info.path), "architectures": job.info.config.get("architectures")}
+    return plan_tensors(hp, job.info.tensors, job.options.gguf_type, has_imatrix=has_imatrix, model_dir=job.info.path)
+
+
+def sensitivity_table(job: QuantizeJob, plans, imatrix, measure_windows: int):
+    """quantkit.gguf.sensitivity.measure for this job's checkpoint and calibration windows."""
+    from quantkit.gguf import sensitivity
+
+    weights = imatrix.weights() if imatrix is not None else None
+    return sensitivity.measure(job.info.path, plans, weights, importance(job, imatrix).weights(), job.windows.calib,
+                               measure_windows, cpu_threads(), Path(job.workdir))
+
+
+def budget_bytes(auto: AutoPrecision, plans, table) -> tuple[int, int]:
+    """(bytes the budgeted tensors may take, bytes of llama.cpp's mixture for them)."""
+    from quantkit.gguf.budget import mixture_types, total_bytes
+    from quantkit.gguf.convert import tensor_nbytes
+
+    mixture = total_bytes(table, mixture_types(table))
+    if auto.budget_bpw is None:
+        return mixture, mixture
+    budgeted = {t.name for t in table}
+    fixed = sum(tensor_nbytes(p.shape, p.qtype) for p in plans if p.name not in budgeted)
+    params = sum(math.prod(p.shape) for p in plans)
+    return int(auto.budget_bpw * params / 8) - fixed, mixture
+
+
+def write_gguf(job: QuantizeJob, imatrix, types: dict | None, details: dict) -> QuantizeResult:
+    """Convert with the mixture (types None) or per-tensor types; the Modelfile, and for per-tensor
+    types the llama-quantize --tensor-type-file that reproduces them."""
+    from quantkit.gguf.budget import override_lines
     from quantkit.gguf.convert import convert
     from quantkit.gguf.modelfile import read_chat_template, render
+
+    opts = job.options
+    name = model_name(job)
+    out_path = Path(job.out_dir) / f"{name}-{opts.gguf_type}.gguf"
+    result = convert(job.info.path, out_path, opts.gguf_type,
+                     imatrix=imatrix.weights() if imatrix is not None else None, name=name, threads=cpu_threads(),
+                     types=types)
+    (Path(job.out_dir) / "Modelfile").write_text(render(out_path.name, read_chat_template(job.info.path)))
+    gguf = {**details.get("gguf", {}), "file": out_path.name, "type": opts.gguf_type,
+            "tensor_types": result.type_counts, "tensors": result.tensors, "bytes": result.bytes,
+            "imatrix_tensors": result.imatrix_tensors, "vocab": result.vocab}
+    if types:
+        (Path(job.out_dir) / TENSOR_TYPES_FILE).write_text("\n".join(override_lines(types)) + "\n")
+        gguf["tensor_types_file"] = TENSOR_TYPES_FILE
+    return QuantizeResult(out_path, {**details, "gguf": gguf})
+
+
+def quantize(job: QuantizeJob) -> QuantizeResult:
+    import time
+
+    from quantkit.gguf import budget
+    from quantkit.gguf import imatrix as im
 
     opts = job.options
     imatrix, source = load_imatrix(job)
     if imatrix is not None and source.startswith("computed"):
         im.write(imatrix, Path(job.workdir) / "imatrix.gguf")
-    name = model_name(job)
-    out_path = Path(job.out_dir) / f"{name}-{opts.gguf_type}.gguf"
-    result = convert(job.info.path, out_path, opts.gguf_type,
-                     imatrix=imatrix.weights() if imatrix is not None else None, name=name, threads=cpu_threads())
-    (Path(job.out_dir) / "Modelfile").write_text(render(out_path.name, read_chat_template(job.info.path)))
-    return QuantizeResult(out_path, {
-        "gguf": {"file": out_path.name, "type": opts.gguf_type, "tensor_types": result.type_counts,
-                 "tensors": result.tensors, "bytes": result.bytes, "imatrix": source,
-                 "imatrix_tensors": result.imatrix_tensors, "vocab": result.vocab},
-    })
+    details: dict = {"gguf": {"imatrix": source}}
+    if opts.auto_precision is None:
+        return write_gguf(job, imatrix, None, details)
+    started = time.perf_counter()
+    plans = plans_of(job, imatrix is not None)
+    table = sensitivity_table(job, plans, imatrix, opts.auto_precision.measure_windows)
+    allowed, mixture = budget_bytes(opts.auto_precision, plans, table.tensors)
+    types = budget.assign_types(table.tensors, allowed)
+    table.seconds["total"] = round(time.perf_counter() - started, 3)
+    details["sensitivity"] = table.as_dict()
+    details["mixed_precision"] = mixed_report(table.tensors, types, allowed, mixture)
+    return write_gguf(job, imatrix, types, details)
+
+
+def mixed_report(table, types: dict, allowed: int, mixture: int) -> dict:
+    from quantkit.gguf.budget import total_bytes
+
+    return {"budget_bytes": allowed, "mixture_bytes": mixture, "bytes": total_bytes(table, types),
+            "types": {name: t.name for name, t in sorted(types.items())},
+            "changed": {t.name: f"{t.mixture}->{types[t.name].name}" for t in table if types[t.name].name != t.mixture}}
+
+
+def fallback(job: QuantizeJob, result: QuantizeResult) -> QuantizeResult | None:
+    """The artifact with the tensors of largest predicted damage raised one candidate type, or
+    None when no raise fits in Fallback.max_size (measured against the first artifact)."""
+    from quantkit.gguf import budget
+    from quantkit.gguf import imatrix as im
+    from quantkit.gguf.sensitivity import Sensitivity
+
+    opts = job.options
+    details = dict(result.details)
+    imatrix = im.read(Path(job.workdir) / "imatrix.gguf") if computes_imatrix(opts) else load_imatrix(job)[0]
+    if "sensitivity" in details:
+        table = Sensitivity.from_dict(details["sensitivity"])
+    else:
+        measure_windows = opts.auto_precision.measure_windows if opts.auto_precision else AutoPrecision().measure_windows
+        table = sensitivity_table(job, plans_of(job, imatrix is not None), imatrix, measure_windows)
+        details["sensitivity"] = table.as_dict()
+    current = {name: budget.T[t] for name, t in details.get("mixed_precision", {}).get("types", {}).items()}
+    current = current or budget.mixture_types(table.tensors)
+    state = details.get("fallback_state") or {"first_bytes": result.details["gguf"]["bytes"]}
+    limit = size_limit(opts.fallback.max_size, state["first_bytes"])
+    count = opts.fallback.tensors_per_step or max(1, len(table.tensors) // 10)
+    raised = budget.raise_types(table.tensors, current, count, limit - result.details["gguf"]["bytes"])
+    if not raised:
+        return None
+    types = {**current, **{name: new for name, (_, new) in raised.items()}}
+    mixture = budget.total_bytes(table.tensors, budget.mixture_types(table.tensors))
+    details["mixed_precision"] = mixed_report(table.tensors, types, limit, mixture)
+    details["fallback_state"] = {**state, "raised": {n: f"{a.name}->{b.name}" for n, (a, b) in raised.items()}}
+    return write_gguf(job, imatrix, types, details)
 
 
 METHOD = MethodSpec(
     name="gguf", engine="quantkit-gguf", engine_package="quantkit", format="GGUF (llama.cpp / Ollama)",
     options=Options, quantize=quantize, precision=precision, default_gate=default_gate, check=check,
-    needs_calibration=computes_imatrix,
+    needs_calibration=needs_calibration,
     needs_model=lambda options: False,  # conversion reads the checkpoint; the imatrix streams it
     keeps_lm_head=lambda options: False,  # the mixture gives output.weight its own type (Q6_K for most mixes)
     supports_ignore=False,  # per-tensor types come from llama-quantize's mixture rules
     plan_types=plan_types,
+    fallback=fallback,
+    wants_fallback=lambda options: options.fallback is not None,
 )
