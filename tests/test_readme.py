@@ -16,6 +16,17 @@ def readme_row(method_cell: str) -> str:
     raise AssertionError(f"README has no supported-architecture row for {method_cell}")
 
 
+def readme_table(header: str) -> list[str]:
+    """The README's table lines from the one starting with `header` to the first non-table line."""
+    section = header + README.read_text().split(header, 1)[1]
+    table = []
+    for line in section.splitlines():
+        if not line.startswith("|"):
+            break
+        table.append(line)
+    return table
+
+
 def listed(cell: str) -> list[str]:
     return re.findall(r"[A-Za-z0-9_]+", cell.split(":", 1)[1])
 
@@ -43,23 +54,11 @@ def test_family_table_is_generated_from_the_methods_tables():
     """README's family x method table equals quantkit.support.family_table() (print it to update README)."""
     from quantkit.support import family_table
 
-    section = README.read_text().split("| family (`model_type`)", 1)[1]
-    table = []
-    for line in ("| family (`model_type`)" + section).splitlines():
-        if not line.startswith("|"):
-            break
-        table.append(line)
-    assert table == family_table()
+    assert readme_table("| family (`model_type`)") == family_table()
 
 
 def test_vlm_table_is_generated_from_the_methods_tables():
     """README's VLM family x method table equals quantkit.support.vlm_table()."""
     from quantkit.support import vlm_table
 
-    section = README.read_text().split("| VLM family (`model_type`)", 1)[1]
-    table = []
-    for line in ("| VLM family (`model_type`)" + section).splitlines():
-        if not line.startswith("|"):
-            break
-        table.append(line)
-    assert table == vlm_table()
+    assert readme_table("| VLM family (`model_type`)") == vlm_table()
