@@ -76,36 +76,31 @@ def safetensors_index(file: Path) -> dict[str, StoredTensor]:
             for name, e in header.items() if name != "__metadata__"}
 
 
-def stored_tensor(entry: StoredTensor, rows: int) -> "torch.Tensor":  # noqa: F821
+def empty_stored(entry: StoredTensor, shape: tuple[int, ...]) -> "torch.Tensor":  # noqa: F821
     import torch
 
-    return torch.empty((rows, *entry.shape[1:]), dtype=getattr(torch, TORCH_DTYPES[entry.dtype]))
+    return torch.empty(shape, dtype=getattr(torch, TORCH_DTYPES[entry.dtype]))
 
 
-def as_bytes(tensor) -> memoryview:
+def tensor_bytes(tensor) -> memoryview:
+    """The bytes of a contiguous tensor of any dtype (bfloat16 has no numpy view of its own)."""
     import torch
 
-    return memoryview(tensor.view(-1).view(torch.uint8).numpy()) if tensor.numel() else memoryview(bytearray())
+    from quantkit.rowio import byte_view
+
+    return byte_view(tensor.view(-1).view(torch.uint8).numpy())
 
 
 def read_stored_rows(entry: StoredTensor, index) -> "torch.Tensor":  # noqa: F821
     """Rows `index` (sorted, unique) of a stored tensor along its first dimension, one plain read
     per run of consecutive rows (an embedding's rows for the ids of a batch, a slice of the head)."""
-    import os
+    from quantkit.rowio import row_runs
 
-    from quantkit.rowio import pread_into, row_runs
-
-    out = stored_tensor(entry, len(index))
+    out = empty_stored(entry, (len(index), *entry.shape[1:]))
     row_bytes = entry.nbytes // max(1, entry.shape[0])
-    raw = as_bytes(out)
-    fd = os.open(entry.file, os.O_RDONLY)
-    try:
-        for position, row, count in row_runs(index):
-            pread_into(fd, raw[position * row_bytes : (position + count) * row_bytes], entry.offset + row * row_bytes)
-    except EOFError as exc:
-        raise ModelError(f"{entry.file.name}: tensor data is truncated") from exc
-    finally:
-        os.close(fd)
+    raw = tensor_bytes(out)
+    read_spans(entry, [(raw[position * row_bytes : (position + count) * row_bytes], row * row_bytes)
+                       for position, row, count in row_runs(index)])
     return out
 
 
@@ -115,15 +110,25 @@ def read_stored(entry: StoredTensor) -> "torch.Tensor":  # noqa: F821
     Not safe_open: its memory map keeps every page it has served resident (counted in the RSS and
     growing with the checkpoint), which is what streaming is meant to avoid (see
     quantkit.gguf.convert.SafetensorsRows)."""
-    import torch
-
-    tensor = torch.empty(entry.shape, dtype=getattr(torch, TORCH_DTYPES[entry.dtype]))
-    raw = tensor.view(-1).view(torch.uint8).numpy() if tensor.numel() else bytearray()
-    with open(entry.file, "rb") as fh:
-        fh.seek(entry.offset)
-        if fh.readinto(memoryview(raw)) != entry.nbytes:
-            raise ModelError(f"{entry.file.name}: tensor data is truncated")
+    tensor = empty_stored(entry, entry.shape)
+    read_spans(entry, [(tensor_bytes(tensor), 0)])
     return tensor
+
+
+def read_spans(entry: StoredTensor, spans: list[tuple[memoryview, int]]) -> None:
+    """Fill each buffer from the tensor's data at its byte offset; ModelError when the file ends first."""
+    import os
+
+    from quantkit.rowio import pread_into
+
+    fd = os.open(entry.file, os.O_RDONLY)
+    try:
+        for buffer, offset in spans:
+            pread_into(fd, buffer, entry.offset + offset)
+    except EOFError as exc:
+        raise ModelError(f"{entry.file.name}: tensor data is truncated") from exc
+    finally:
+        os.close(fd)
 
 
 class SafetensorsWeights:
@@ -355,12 +360,12 @@ def head_slice_rows(positions: int, hidden: int) -> int:
     return max(1, min(HEAD_SLICE_BYTES // (4 * hidden), HEAD_SLICE_BYTES // (4 * max(1, positions))))
 
 
-def head_block(streamed: StreamedModel, hidden, index):
-    """Logits of every position for vocabulary rows `index` (the head's rows read for them only),
-    softcapped as the model's own forward does, in float32."""
+def head_block(streamed: StreamedModel, prefix: str, hidden, index):
+    """Logits of every position for vocabulary rows `index` (the head's rows, under parameter
+    prefix `prefix`, read for them only), softcapped as the model's own forward does, in float32."""
     import torch
 
-    head, prefix = streamed.head, module_prefixes(streamed.model)[id(streamed.head)]
+    head = streamed.head
     weight = streamed.weights.rows(f"{prefix}weight", index).to(streamed.device, head.weight.dtype)
     bias = None
     if head.bias is not None:
@@ -381,12 +386,12 @@ def spilled_logits(streamed: StreamedModel, hidden, workdir: Path | None):
 
     from quantkit.rowio import RowFile
 
-    vocab = streamed.head.out_features
+    vocab, prefix = streamed.head.out_features, module_prefixes(streamed.model)[id(streamed.head)]
     logits = RowFile((hidden.shape[0], vocab), np.float32, workdir, prefix="quantkit-logits-")
     step = head_slice_rows(hidden.shape[0], hidden.shape[1])
     for start in range(0, vocab, step):
         index = np.arange(start, min(vocab, start + step))
-        logits.write_columns(0, start, head_block(streamed, hidden, index))
+        logits.write_columns(0, start, head_block(streamed, prefix, hidden, index))
         release_freed_memory()
     return logits
 
