@@ -55,10 +55,7 @@ def hf_names(config: dict) -> dict[str, str]:
 def read_tensor_data(path: Path, tensor) -> np.ndarray:
     """One tensor's stored data (raw blocks or floats, shaped like gguf-py's view of it), read with
     a plain file read: the reader's memory map would keep every page visited resident."""
-    view = tensor.data  # a memmap view: its dtype and shape only, no page is touched
-    with open(path, "rb") as fh:
-        data = np.fromfile(fh, dtype=np.uint8, count=int(tensor.n_bytes), offset=int(tensor.data_offset))
-    return data.view(view.dtype).reshape(view.shape)
+    return read_rows_data(path, tensor, np.arange(int(tensor.data.shape[0])))
 
 
 def read_rows_data(path: Path, tensor, index: np.ndarray) -> np.ndarray:
@@ -66,7 +63,7 @@ def read_rows_data(path: Path, tensor, index: np.ndarray) -> np.ndarray:
     one plain read per run of consecutive rows."""
     from quantkit.rowio import byte_view, pread_into, row_runs
 
-    view = tensor.data  # dtype and shape only
+    view = tensor.data  # a memmap view: its dtype and shape only, no page is touched
     out = np.empty((len(index), *view.shape[1:]), dtype=view.dtype)
     row_bytes = int(tensor.n_bytes) // int(view.shape[0])
     raw = byte_view(out)
