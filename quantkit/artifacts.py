@@ -110,6 +110,24 @@ def decompress_per_module(model) -> None:
             module.register_forward_hook(recompress)
 
 
+def decompressed_weight(module):
+    """The weight one module's forward sees: a compressed-tensors module is decompressed (its own
+    decompress_module) for the copy and left compressed; any other module's weight as it is."""
+    from compressed_tensors.compressors.base import decompress_module
+    from compressed_tensors.quantization import QuantizationStatus
+    from compressed_tensors.quantization.utils import is_module_quantized
+    from compressed_tensors.utils.module import get_direct_state_dict, replace_direct_state_dict
+
+    if not is_module_quantized(module) or module.quantization_status != QuantizationStatus.COMPRESSED:
+        return module.weight.detach().clone()
+    compressed = get_direct_state_dict(module)
+    decompress_module(module)
+    weight = module.weight.detach().clone()
+    replace_direct_state_dict(module, compressed)
+    module.quantization_status = QuantizationStatus.COMPRESSED
+    return weight
+
+
 def check_strict_reload(path: Path, loading: dict) -> None:
     """Every tensor of the artifact loads into the model transformers builds for it, and every
     parameter comes from the artifact: else a user's reload would run with weights filled at
@@ -139,7 +157,7 @@ def load_gguf_into_base(path: Path, base_dir: Path, device: str = "cpu", trust_r
     state = to_hf_state_dict(path, config.to_dict())
     missing = set(model.state_dict()) - set(state)
     missing = {m for m in missing if "rotary_emb" not in m}
-    if missing and all(is_tower(m) for m in missing):  # a VLM's .gguf holds its language model only
+    if missing and all(in_tower(m) for m in missing):  # a VLM's .gguf holds its language model only
         return base_with(base_dir, state).to(device).eval()
     if missing:
         raise ModelError(f"{path.name} lacks tensors for {sorted(missing)[:3]} (and {max(0, len(missing) - 3)} more)")
@@ -150,8 +168,12 @@ def load_gguf_into_base(path: Path, base_dir: Path, device: str = "cpu", trust_r
     return _materialize_buffers(model, config).to(device_map(device)).eval()
 
 
-def is_tower(name: str) -> bool:
-    return "vision_tower" in name or "multi_modal_projector" in name or "audio_tower" in name
+def in_tower(name: str) -> bool:
+    """A module or tensor name inside a tower of any known VLM family (quantkit.vlm.FAMILIES)."""
+    from quantkit.plan import classify
+    from quantkit.vlm import TOWER_ROLES
+
+    return classify(name) in TOWER_ROLES
 
 
 def base_with(base_dir: Path, state: dict):

@@ -152,10 +152,29 @@ def resolve_target(recipe: Recipe, target: Target, info: ModelInfo) -> ResolvedT
     if needs_calibration and recipe.calibration.num_samples == 0:
         raise CalibrationError(f"target '{target.name}': {target.method} needs calibration windows, "
                                "but num_samples is 0", hint="raise --num-samples")
+    check_tower_precision(target, info, method)
     method.check(info, options, recipe.calibration)
-    ignore = ignore_patterns(info, target.ignore, method.keeps_lm_head(options))
+    ignore = ignore_patterns(info, target.ignore, method.keeps_lm_head(options), tuple(target.tower_precision()))
     return ResolvedTarget(target, method, options, target_gate(recipe, target), ignore, needs_calibration,
                           method.needs_model(options))
+
+
+def check_tower_precision(target: Target, info: ModelInfo, method: MethodSpec) -> None:
+    """A target's `vision`/`projector` other than keep: a method that can store it, on a model that has
+    that tower in a known family's table (towers found by look always stay 16-bit)."""
+    asked = target.tower_precision()
+    if not asked:
+        return
+    fields = ", ".join(f"{role}: {value}" for role, value in asked.items())
+    if not method.quantizes_towers:
+        raise UnsupportedError(f"target '{target.name}': {fields} is not available with {method.name}",
+                               hint="use fp8, gptq, awq or smoothquant, or keep the towers 16-bit")
+    missing = [role for role in asked if not info.towers.names(role)]
+    if missing:
+        found = f" (its towers were found by look: {', '.join(info.towers.unknown)})" if info.towers.unknown else ""
+        raise InputError(f"target '{target.name}': {fields}, but {info.architecture} has no "
+                         f"{' or '.join(missing)} in quantkit's VLM table{found}",
+                         hint="remove the option; towers found by look stay 16-bit")
 
 
 def check_not_quantized(info: ModelInfo, recipe: Recipe) -> None:
@@ -261,7 +280,7 @@ def _run_in(staging: Path, recipe: Recipe, opts: RunOptions, info: ModelInfo, ta
                 job = QuantizeJob(load(info, recipe, offload, opts.progress) if resolved.needs_model else None,
                                   tokenizer if resolved.needs_model else None, info, resolved.options, windows,
                                   resolved.ignore, out_dir, workdir, recipe.dtype, recipe.device,
-                                  recipe.trust_remote_code)
+                                  recipe.trust_remote_code, resolved.target.tower_precision())
                 entry = run_target(job, resolved, baseline, opts)
                 del job
         except Exception as exc:
@@ -343,7 +362,8 @@ def tower_proof(job: QuantizeJob, result: QuantizeResult) -> dict:
 
     if not result.artifact.is_dir():
         return {"tower_tensors_identical": 0, "image_forward": "skipped: the .gguf holds the language model only"}
-    return prove_towers(result.artifact, job.info, job.device, job.trust_remote_code)
+    proof = prove_towers(result.artifact, job.info, job.device, job.trust_remote_code, tuple(job.towers))
+    return {**proof, "tower_precision": job.towers, "forced": "int4" in job.towers.values()} if job.towers else proof
 
 
 def run_fallback(job: QuantizeJob, resolved: ResolvedTarget, result: QuantizeResult, entry: TargetReport,
@@ -403,7 +423,7 @@ def error_report(resolved: ResolvedTarget, exc: Exception) -> TargetReport:
 
 
 def target_report(resolved: ResolvedTarget, info: ModelInfo, result: QuantizeResult) -> TargetReport:
-    plan = build_plan(info, resolved.method, resolved.options, resolved.ignore)
+    plan = build_plan(info, resolved.method, resolved.options, resolved.ignore, resolved.target.tower_precision())
     return TargetReport(
         name=resolved.name,
         method=resolved.method.name,

@@ -106,18 +106,36 @@ def matches(name: str, patterns: list[str]) -> bool:
     return False
 
 
-def build_plan(info: ModelInfo, method: MethodSpec, options, ignore: list[str]) -> list[PlanEntry]:
-    """One entry per linear weight with the precision the method will give it."""
+# A tower quantized on request (a target's `vision`/`projector`): round-to-nearest, weights only,
+# symmetric; int8 per output channel, int4 in groups of the largest of these dividing every input width.
+TOWER_BITS = {"int8": 8, "int4": 4}
+TOWER_GROUP_SIZES = (128, 64, 32, 16)
+# 2-D tower weights that are not linear layers (position and patch embeddings) stay 16-bit.
+TOWER_EMBEDDING = re.compile(r"embed")
+
+
+def tower_precision_text(precision: str, forced: bool) -> str:
+    granularity = "W/channel" if precision == "int8" else "W/group"
+    return f"{precision} {granularity} sym RTN (tower{', forced' if forced else ''})"
+
+
+def build_plan(info: ModelInfo, method: MethodSpec, options, ignore: list[str],
+               towers: dict[str, str] | None = None) -> list[PlanEntry]:
+    """One entry per linear weight with the precision the method will give it; `towers` maps the
+    tower roles a target quantizes to their precision (int8/int4), {} keeps every tower 16-bit."""
     exact_types = method.plan_types(info, options)
     return [plan_entry(info, name, shape, exact_types.get(name) or method.precision(
-        classify(name + ".weight", info.towers), options, name, shape), ignore)
+        classify(name + ".weight", info.towers), options, name, shape), ignore, towers or {})
         for name, shape in linear_weights(info).items()]
 
 
-def plan_entry(info: ModelInfo, name: str, shape: list[int], chosen: str | None, ignore: list[str]) -> PlanEntry:
+def plan_entry(info: ModelInfo, name: str, shape: list[int], chosen: str | None, ignore: list[str],
+               towers: dict[str, str] | None = None) -> PlanEntry:
     """The entry for one weight: the method's choice, unless a rule or the ignore list keeps it 16-bit."""
     role = classify(name + ".weight", info.towers)
     kept_dtype = info.dtype.lower()
+    if role in (towers or {}) and not TOWER_EMBEDDING.search(name):
+        return PlanEntry(name, role, shape, tower_precision_text(towers[role], towers[role] == "int4"), False)
     if role == "tower":
         return PlanEntry(name, role, shape, f"{kept_dtype} (kept: unknown tower stays 16-bit)", True)
     if role in KEEP_16BIT_ROLES:
@@ -129,15 +147,18 @@ def plan_entry(info: ModelInfo, name: str, shape: list[int], chosen: str | None,
     return PlanEntry(name, role, shape, chosen, False)
 
 
-def ignore_patterns(info: ModelInfo, user_ignore: list[str], keep_lm_head: bool = True) -> list[str]:
+def ignore_patterns(info: ModelInfo, user_ignore: list[str], keep_lm_head: bool = True,
+                    quantized_towers: tuple[str, ...] = ()) -> list[str]:
     """The `ignore` list for llm-compressor: lm_head (when kept), every VLM tower component (the
     component itself and everything under it: a projector that is a single Linear, the Linear
-    subclasses inside a tower such as nn.MultiheadAttention's out_proj), the MoE routers present
-    in this model, then the user's patterns."""
+    subclasses inside a tower such as nn.MultiheadAttention's out_proj) but those of the roles in
+    `quantized_towers`, the MoE routers present in this model, then the user's patterns."""
     patterns = ["lm_head"] if keep_lm_head else []
     present = {component for _role, component in info.towers.components
                if any(re.search(component_pattern(component), name) for name in info.tensors)}
-    patterns += [ignore_pattern(c) for _role, c in info.towers.components if c in present]
+    quantized = [c for role, c in info.towers.components if role in quantized_towers]
+    patterns += [ignore_pattern(c, tuple(q[len(c) + 1:] for q in quantized if q.startswith(c + ".")))
+                 for role, c in info.towers.components if c in present and role not in quantized_towers]
     if any(classify(name, info.towers) == "router" for name in info.tensors):
         patterns.append(ROUTER_PATTERN)
     return patterns + [p for p in user_ignore if p not in patterns]

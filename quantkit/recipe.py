@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from quantkit.errors import InputError, RecipeError, UnsupportedError
 from quantkit.methods import METHODS, get_method
@@ -43,12 +43,19 @@ class Gate(Strict):
     min_top1: float | None = Field(None, ge=0, le=1)
 
 
+# A VLM tower's weights in a target: 16-bit (the rule), or round-to-nearest W8A16 / W4A16 on request.
+TowerPrecision = Literal["keep", "int8", "int4"]
+
+
 class Target(Strict):
     name: str = Field(pattern=NAME_PATTERN)
     method: str
     options: dict[str, Any] = Field(default_factory=dict)
     ignore: list[str] = Field(default_factory=list, description="module names or re:REGEX kept unquantized")
     gate: Gate | None = None
+    vision: TowerPrecision = Field("keep", description="a VLM's vision encoder: keep (16-bit), int8 or int4 (W/A16)")
+    projector: TowerPrecision = Field("keep", description="a VLM's projector: keep (16-bit), int8 or int4 (W/A16)")
+    force: bool = Field(False, description="allow 4-bit towers (recorded in the report and the model card)")
 
     @field_validator("method")
     @classmethod
@@ -67,6 +74,19 @@ class Target(Strict):
                 except re.error as exc:
                     raise ValueError(f"bad regex {pattern!r}: {exc}") from exc
         return patterns
+
+    @model_validator(mode="after")
+    def _four_bit_towers_need_force(self) -> "Target":
+        four_bit = [role for role, value in self.tower_precision().items() if value == "int4"]
+        if four_bit and not self.force:
+            raise ValueError(f"{' and '.join(four_bit)}: int4 refused: 4-bit towers lose image understanding "
+                             "that the text-only gate cannot measure; set `force: true` (--force) to accept that")
+        return self
+
+    def tower_precision(self) -> dict[str, str]:
+        """The tower roles this target quantizes, and how: {} keeps every tower 16-bit."""
+        return {role: value for role, value in (("vision", self.vision), ("projector", self.projector))
+                if value != "keep"}
 
 
 class Recipe(Strict):
@@ -237,6 +257,7 @@ class Overrides:
     merge_base: str | None = None
     original_base: str | None = None
     ignore: list[str] = field(default_factory=list)
+    towers: dict[str, Any] = field(default_factory=dict)  # Target tower field (vision, projector, force) -> value
     calibration: dict[str, Any] = field(default_factory=dict)  # Calibration field -> value
     gate: dict[str, Any] = field(default_factory=dict)  # Gate field -> value
     method_options: dict[str, Any] = field(default_factory=dict)  # method option field -> value
@@ -282,6 +303,8 @@ def apply_overrides(data: dict, o: Overrides) -> dict:
     if o.ignore:
         data["targets"] = [{**t, "ignore": list(t.get("ignore") or []) + list(o.ignore)}
                            for t in data.get("targets") or []]
+    if _given(o.towers):
+        data["targets"] = [{**t, **_given(o.towers)} for t in data.get("targets") or []]
     return data
 
 

@@ -136,15 +136,21 @@ def tower_section(towers: dict | None, proof: dict | None) -> list[str]:
     if not towers:
         return []
     family = towers["family"] or "unknown VLM (towers found by look)"
-    lines = ["## Vision-language model", "", f"Family: {family}. Kept in 16-bit, never quantized:"]
+    lines = ["## Vision-language model", "", f"Family: {family}. Towers (16-bit unless listed as quantized):"]
     lines += [f"- {role}: " + ", ".join(f"`{c}`" for c in towers[role])
               for role in ("vision", "projector", "audio", "cross_attention") if towers.get(role)]
     if towers["unknown_towers"]:
         lines.append("- unknown towers (no table row; found by convolution weights, names or config): "
                      + ", ".join(f"`{c}`" for c in towers["unknown_towers"]))
+    if proof and proof.get("tower_precision"):
+        forced = " (4-bit towers allowed with --force)" if proof.get("forced") else ""
+        lines.append("- quantized on request, round-to-nearest weights: "
+                     + ", ".join(f"{role} {value}" for role, value in proof["tower_precision"].items()) + forced)
     if proof:
-        lines += ["", f"After reload: {proof['tower_tensors_identical']} tower tensors bit-identical to the source; "
-                  f"image+text forward: {proof['image_forward']}."]
+        rounded = proof.get("tower_weights_quantized", 0)
+        lines += ["", f"After reload: {proof['tower_tensors_identical']} tower tensors bit-identical to the source"
+                  + (f", {rounded} quantized tower weights within half a step of it" if rounded else "")
+                  + f"; image+text forward: {proof['image_forward']}."]
     return lines + [""]
 
 

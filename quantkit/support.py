@@ -16,6 +16,12 @@ FAMILIES: list[tuple[str, str, str]] = [
     ("Qwen2-MoE", "qwen2_moe", "Qwen2MoeForCausalLM"),
     ("Qwen3-MoE", "qwen3_moe", "Qwen3MoeForCausalLM"),
 ]
+# The text model (`text_config.model_type`) of each tested VLM family's checkpoints: what AWQ and
+# SmoothQuant look up in the smoothing table (a checkpoint with another text model is checked by its own).
+VLM_TEXT_TYPES = {"llava": "llama", "llava_next": "llama", "qwen2_vl": "qwen2_vl_text",
+                  "qwen2_5_vl": "qwen2_5_vl_text", "qwen3_vl": "qwen3_vl_text", "idefics3": "llama",
+                  "smolvlm": "llama", "gemma3": "gemma3_text", "paligemma": "gemma", "mllama": "mllama_text_model",
+                  "mistral3": "mistral", "internvl": "qwen2"}
 METHOD_COLUMNS = ("fp8", "gptq", "awq", "smoothquant", "nf4", "gguf")
 
 
@@ -52,11 +58,16 @@ VLM_TESTED = ("llava", "llava_next", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "idef
 def vlm_support(model_type: str, method: str) -> str:
     """One cell of the VLM table, as the methods' checks decide."""
     from quantkit.gguf.convert import supported_architectures
+    from quantkit.methods.mappings import supported_model_types
     from quantkit.vlm import FAMILIES
 
     family = FAMILIES[model_type]
     if method in ("awq", "smoothquant"):
-        return "refused: no smoothing mappings inside a VLM yet"
+        if family.cross_attention:
+            return "refused: cross-attention k/v read image features"
+        text_type = VLM_TEXT_TYPES[model_type]
+        if text_type not in supported_model_types():
+            return f"refused: no smoothing mappings for its text model `{text_type}`"
     if method == "gguf":
         if family.architecture in supported_architectures():
             return "✅ language model only (no mmproj yet)"

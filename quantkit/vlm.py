@@ -108,9 +108,13 @@ def component_pattern(component: str) -> str:
     return rf"(^|\.){re.escape(component)}(\.|$)"
 
 
-def ignore_pattern(component: str) -> str:
-    """An llm-compressor / transformers ignore entry (re.match) for a component and everything under it."""
-    return rf"re:(.*\.)?{re.escape(component)}(\..*)?$"
+def ignore_pattern(component: str, except_under: tuple[str, ...] = ()) -> str:
+    """An llm-compressor / transformers ignore entry (re.match) for a component and everything under
+    it, but the sub-components `except_under` (relative names: Qwen2-VL's `merger` inside `visual`)."""
+    if not except_under:
+        return rf"re:(.*\.)?{re.escape(component)}(\..*)?$"
+    skipped = "|".join(re.escape(sub) for sub in except_under)
+    return rf"re:(.*\.)?{re.escape(component)}(\.(?!({skipped})(\.|$)).*)?$"
 
 
 def family_towers(model_type: str, config: dict | None = None) -> Towers:
@@ -185,17 +189,3 @@ def tower_summary(towers: Towers) -> dict:
             "model_type": towers.family,
             **{role: towers.names(role) for role in TOWER_ROLES if towers.names(role)},
             "unknown_towers": list(towers.unknown)}
-
-
-# Why AWQ and SmoothQuant refuse VLMs (README's family x method table says the same).
-SMOOTHING_REFUSAL = ("smoothing mappings are not resolved inside a VLM's language model path yet "
-                     "(text-only calibration through the wrapper is untested there)")
-
-
-def check_smoothing(towers: Towers, architecture: str, method: str) -> None:
-    """AWQ/SmoothQuant refuse every model with towers (known family or found by look), before any work."""
-    from quantkit.errors import UnsupportedError
-
-    if towers.components:
-        raise UnsupportedError(f"{method}: vision-language model {architecture} refused: {SMOOTHING_REFUSAL}",
-                               hint="use gptq (W4A16) or fp8 for this model; its towers stay 16-bit either way")

@@ -6,6 +6,11 @@ dtype, same bytes. A missing tensor (quantized under another name) or a changed 
 (TowerChangedError, exit 3). Then one image+text forward runs on the reloaded model: a synthetic
 image through the artifact's own processor (its processor and chat-template files), so the
 vision path is exercised end to end; without processor files that step is reported as skipped.
+
+A target that quantizes a tower on request (`vision`/`projector`: int8 or int4, round-to-nearest)
+writes those Linear modules in their own config group: their weights must then be within half a
+quantization step of the source (symmetric, the row's largest step; plus the 16-bit rounding of the
+reloaded value), and every other tower tensor (norms, biases, patch embeddings) still bit-identical.
 """
 
 from __future__ import annotations
@@ -56,20 +61,52 @@ def same_bits(a, b) -> bool:
                                                                      b.contiguous().view(torch.uint8))
 
 
-def tower_differences(model, info: ModelInfo) -> tuple[int, list[str]]:
-    """(tower tensors compared, the ones that differ or are missing after reload)."""
+def within_rounding(reloaded, source, bits: int) -> bool:
+    """Symmetric round-to-nearest: each element within half a step (its row's largest) of the source,
+    plus the 16-bit rounding of the dequantized value."""
+    qmax = 2 ** (bits - 1) - 1
+    s, r = source.float(), reloaded.float()
+    step = s.abs().amax(dim=1, keepdim=True) / qmax
+    return reloaded.shape == source.shape and bool(((r - s).abs() <= step * 0.5 + s.abs() * 2 ** -7 + 1e-6).all())
+
+
+def weight_bits(model, module_name: str) -> int | None:
+    """The weight bits of a reloaded compressed-tensors module, None for a 16-bit one."""
+    from compressed_tensors.quantization.utils import is_module_quantized
+
+    module = model.get_submodule(module_name)
+    if not is_module_quantized(module) or module.quantization_scheme.weights is None:
+        return None
+    return module.quantization_scheme.weights.num_bits
+
+
+def tower_differences(model, info: ModelInfo, quantized_roles: tuple[str, ...] = ()) -> tuple[int, int, list[str]]:
+    """(tower tensors bit-identical, weights of the `quantized_roles` towers the artifact quantized and
+    within rounding, the ones that differ, are out of bounds or are missing after reload)."""
+    from quantkit.artifacts import decompressed_weight
+
     names = source_tower_tensors(info)
     module_names = checkpoint_to_module_names(model, names)
     state = model.state_dict()
     source = read_source(info, names)
-    bad = []
+    identical, rounded, bad = 0, 0, []
     for name in names:
         reloaded = state.get(module_names[name])
-        if reloaded is None:
+        module = module_names[name].removesuffix(".weight")
+        asked = info.towers.role(name) in quantized_roles and module != module_names[name]
+        bits = weight_bits(model, module) if asked else None
+        if bits:
+            weight = decompressed_weight(model.get_submodule(module))
+            ok = within_rounding(weight.cpu(), source[name], bits)
+            rounded += ok
+            bad += [] if ok else [f"{name} (int{bits} on request, off by more than half a step)"]
+        elif reloaded is None:
             bad.append(f"{name} (missing)")
-        elif not same_bits(reloaded.detach().cpu(), source[name]):
+        elif same_bits(reloaded.detach().cpu(), source[name]):
+            identical += 1
+        else:
             bad.append(f"{name} ({dtype_name(source[name])} -> {dtype_name(reloaded)}, bits differ)")
-    return len(names), bad
+    return identical, rounded, bad
 
 
 def dtype_name(tensor) -> str:
@@ -125,16 +162,18 @@ def image_forward(model, artifact: Path) -> str:
     return "ran"
 
 
-def prove_towers(artifact: Path, info: ModelInfo, device: str = "cpu", trust_remote_code: bool = False) -> dict:
+def prove_towers(artifact: Path, info: ModelInfo, device: str = "cpu", trust_remote_code: bool = False,
+                 quantized_roles: tuple[str, ...] = ()) -> dict:
     """Reload the artifact, check every tower tensor bit-identical to the source and run an
     image+text forward; the report fields, or TowerChangedError (exit 3)."""
     from quantkit.artifacts import load_for_eval
 
     model = load_for_eval(artifact, device=device, trust_remote_code=trust_remote_code)
-    checked, bad = tower_differences(model, info)
+    identical, rounded, bad = tower_differences(model, info, quantized_roles)
     if bad:
         more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
-        raise TowerChangedError(f"{len(bad)} of {checked} tower/projector tensors changed after reload: "
-                                f"{', '.join(bad[:3])}{more}",
+        raise TowerChangedError(f"{len(bad)} of {identical + rounded + len(bad)} tower/projector tensors changed "
+                                f"after reload: {', '.join(bad[:3])}{more}",
                                 hint="a VLM tower was quantized or renamed; nothing was written")
-    return {"tower_tensors_identical": checked, "image_forward": image_forward(model, artifact)}
+    return {"tower_tensors_identical": identical, "tower_weights_quantized": rounded,
+            "image_forward": image_forward(model, artifact)}

@@ -119,3 +119,13 @@ def test_gate_overrides_never_change_the_method_defaults():
     assert target_gate(q2, q2.targets[0]).max_kld == 0.000001
     fresh = validate({"targets": [{"name": "a", "method": "gguf", "options": {"gguf_type": "Q2_K"}}]})
     assert target_gate(fresh, fresh.targets[0]).max_kld == 0.40
+
+
+def test_four_bit_towers_need_force_in_the_recipe():
+    data = {"model": "m", "targets": [{"name": "t", "method": "gptq", "projector": "int4"}]}
+    with pytest.raises(RecipeError, match=r"targets\.0.*projector: int4 refused.*force: true"):
+        validate(data)
+    target = validate({**data, "targets": [{**data["targets"][0], "force": True}]}).targets[0]
+    assert target.tower_precision() == {"projector": "int4"}
+    with pytest.raises(RecipeError, match=r"targets\.0\.vision"):
+        validate({"model": "m", "targets": [{"name": "t", "method": "gptq", "vision": "int2"}]})

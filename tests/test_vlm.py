@@ -225,10 +225,92 @@ def test_gptq_vlm_recipe_quantizes_only_the_text_decoder(cli, llava_model, tmp_p
 
 
 @pytest.mark.parametrize("method", ["awq", "smoothquant"])
-def test_smoothing_methods_refuse_vlm_wrappers_clearly(cli, llava_model, tmp_path, method):
-    """AWQ/SmoothQuant refuse every VLM before any work, with the reason (GPTQ and FP8 handle VLMs)."""
-    result = cli("quantize", llava_model, "--method", method, "-o", tmp_path / "out", "--num-samples", "16",
-                 "--seq-len", "64", "--eval-windows", "4")
-    assert result.exit_code == 2, result.output
-    assert f"{method}: vision-language model LlavaForConditionalGeneration refused: smoothing mappings" in result.stderr
+def test_smoothing_methods_smooth_only_the_language_model(cli, llava_model, tmp_path, method):
+    """AWQ/SmoothQuant on a VLM: the language model's norms are rescaled, every tower tensor is stored
+    unchanged (the proof in the report), and the image+text forward runs on the reloaded artifact."""
+    out = tmp_path / "out"
+    result = cli("quantize", llava_model, "--method", method, "-o", out, "--num-samples", "16",
+                 "--seq-len", "64", "--eval-windows", "4", "--no-gate", "--json", tmp_path / "r.json")
+    assert result.exit_code == 0, result.output
+    proof = json.loads((out / "quantkit.json").read_text())["targets"][0]["details"]["towers"]
+    assert proof["tower_tensors_identical"] > 0 and proof["image_forward"] == "ran"
+    with safe_open(llava_model / "model.safetensors", "pt") as src, safe_open(out / "model.safetensors", "pt") as dst:
+        norms = [n for n in src.keys() if n.endswith("layernorm.weight") or "layer_norm" in n]
+        changed = {n for n in norms if not src.get_tensor(n).equal(dst.get_tensor(n))}
+    assert changed and all("language_model" in n for n in changed)
+    assert any("vision_tower" in n for n in norms)
+
+
+# ---------------------------------------------------------------- towers quantized on request
+
+
+def test_towers_int8_on_request_are_rounded_not_changed(cli, qwen2_vl_model, tmp_path):
+    """gptq with `--vision int8 --projector int8`: the towers' Linear weights go to their own int8
+    config group (round-to-nearest, before GPTQ), the proof checks them within half a step of the
+    source after reload and every other tower tensor bit-identical; report and card say so."""
+    out = tmp_path / "out"
+    result = cli("quantize", qwen2_vl_model, "--method", "gptq", "--vision", "int8", "--projector", "int8",
+                 "-o", out, "--num-samples", "16", "--seq-len", "64", "--eval-windows", "4", "--no-gate")
+    assert result.exit_code == 0, result.output
+    proof = json.loads((out / "quantkit.json").read_text())["targets"][0]["details"]["towers"]
+    assert proof["tower_precision"] == {"vision": "int8", "projector": "int8"} and proof["forced"] is False
+    assert proof["tower_weights_quantized"] > 0 and proof["tower_tensors_identical"] > 0
+    qconfig = json.loads((out / "config.json").read_text())["quantization_config"]
+    bits = {g["weights"]["num_bits"]: g["targets"] for g in qconfig["config_groups"].values()}
+    assert bits[4] == ["Linear"] and all("visual" in name for name in bits[8])
+    assert any("merger" in name for name in bits[8]) and any("blocks" in name for name in bits[8])
+    assert not any("visual" in pattern for pattern in qconfig["ignore"])
+    assert "quantized on request, round-to-nearest weights: vision int8, projector int8" in (out / "README.md").read_text()
+
+
+def test_projector_alone_int8_keeps_the_vision_tower_around_it(cli, qwen2_vl_model, tmp_path):
+    """Qwen2-VL's projector (`visual.merger`) sits inside the vision tower: quantizing it alone leaves
+    every other `visual.` tensor bit-identical, and the ignore list keeps the tower but not the merger."""
+    out = tmp_path / "out"
+    result = cli("quantize", qwen2_vl_model, "--method", "fp8", "--projector", "int8", "-o", out, *VLM_CALIB)
+    assert result.exit_code == 0, result.output
+    qconfig = json.loads((out / "config.json").read_text())["quantization_config"]
+    tower_targets = [t for g in qconfig["config_groups"].values() for t in g["targets"] if t != "Linear"]
+    assert tower_targets and all("visual.merger" in t for t in tower_targets)
+    proof = json.loads((out / "quantkit.json").read_text())["targets"][0]["details"]["towers"]
+    assert proof["tower_weights_quantized"] == len(tower_targets)
+
+
+def test_four_bit_towers_need_force(cli, llava_model, tmp_path):
+    out = tmp_path / "out"
+    refused = cli("quantize", llava_model, "--method", "fp8", "--vision", "int4", "-o", out, *VLM_CALIB)
+    assert refused.exit_code == 2 and "vision: int4 refused" in refused.stderr and "--force" in refused.stderr
     assert leftovers(tmp_path, "out") == []
+    forced = cli("quantize", llava_model, "--method", "fp8", "--vision", "int4", "--force", "-o", out,
+                 "--num-samples", "16", "--seq-len", "64", "--eval-windows", "4", "--no-gate")
+    assert forced.exit_code == 0, forced.output
+    proof = json.loads((out / "quantkit.json").read_text())["targets"][0]["details"]["towers"]
+    assert proof["forced"] is True and proof["tower_weights_quantized"] > 0
+    assert "4-bit towers allowed with --force" in (out / "README.md").read_text()
+
+
+@pytest.mark.parametrize("method,model,message", [
+    ("nf4", "llava_model", "vision: int8 is not available with nf4"),
+    ("gguf", "llava_model", "not available with gguf"),
+    ("fp8", "micro_model", "has no vision in quantkit's VLM table"),
+])
+def test_tower_precision_refused_before_work(cli, request, tmp_path, method, model, message):
+    out = tmp_path / "out"
+    result = cli("quantize", request.getfixturevalue(model), "--method", method, "--vision", "int8", "-o", out,
+                 *VLM_CALIB)
+    assert result.exit_code == 2, result.output
+    assert message in result.stderr
+    assert leftovers(tmp_path, "out") == []
+
+
+def test_rounding_bound_catches_a_wrong_scale():
+    import torch
+
+    from quantkit.vlm_proof import within_rounding
+
+    weight = torch.randn(16, 32, dtype=torch.bfloat16)
+    step = weight.float().abs().amax(dim=1, keepdim=True) / 127
+    rounded = (torch.round(weight.float() / step) * step).to(torch.bfloat16)
+    assert within_rounding(rounded, weight, 8)
+    assert not within_rounding(rounded * 0.9, weight, 8)
+    assert not within_rounding(torch.zeros_like(weight), weight, 8)

@@ -115,3 +115,54 @@ def test_mllama_cross_attention_layers_stay_16bit():
     assert towers.role("model.language_model.layers.1.mlp.down_proj") == "cross_attention"
     assert towers.role("model.language_model.layers.0.self_attn.q_proj") is None
     assert towers.role("model.vision_model.transformer.layers.1.mlp.fc1") == "vision"
+
+
+def test_vlm_smoothing_rows_resolve_inside_the_language_model_only():
+    """A VLM's AWQ/SmoothQuant rows are its text model's rows anchored under the language model, so a
+    vision layer with the same names (Mllama's, SigLIP's) is never smoothed."""
+    from quantkit.methods.mappings import model_mappings, rows_for
+
+    info = info_of("llava", {"model.vision_tower.vision_model.encoder.layers.0.self_attn.q_proj.weight":
+                             ("BF16", [64, 64])}, {"text_config": {"model_type": "llama"}})
+    rows = model_mappings(info, "awq")
+    assert len(rows) == len(rows_for("llama", "awq"))
+    norm_row = rows[0]
+    assert matches("model.language_model.layers.0.input_layernorm", [norm_row.smooth])
+    assert matches("language_model.model.layers.3.input_layernorm", [norm_row.smooth])
+    assert not matches("model.vision_tower.vision_model.encoder.layers.0.input_layernorm", [norm_row.smooth])
+    assert matches("model.language_model.layers.0.self_attn.q_proj", list(norm_row.balance))
+    assert not matches("model.vision_tower.vision_model.encoder.layers.0.self_attn.q_proj", list(norm_row.balance))
+
+
+@pytest.mark.parametrize("model_type,config,reason", [
+    ("mllama", {"text_config": {"model_type": "mllama_text_model"}}, "cross-attention layers"),
+    ("llava", {"text_config": {"model_type": "falcon"}}, "'falcon' .the text model of LLaVA"),
+    ("tinyeye", {"vision_config": {}}, "towers found by look .*model.retina"),
+])
+def test_vlm_smoothing_refusals_name_the_reason(model_type, config, reason):
+    from quantkit.errors import UnsupportedError
+    from quantkit.methods.mappings import model_mappings
+
+    tensors = {**LLAMA_DECODER, "model.retina.stem.weight": ("BF16", [64, 3, 8, 8]),
+               "model.vision_model.layers.0.fc.weight": ("BF16", [64, 64]),
+               "model.multi_modal_projector.weight": ("BF16", [256, 64])}
+    with pytest.raises(UnsupportedError, match=reason):
+        model_mappings(info_of(model_type, tensors, config), "smoothquant")
+
+
+def test_towers_quantized_on_request_in_the_plan_and_the_ignore_list():
+    """A target's `vision: int8`: the vision Linears get the tower precision in the plan (not its
+    embeddings), the projector stays kept, and the ignore list drops the vision component only, with
+    a projector nested inside it (Qwen2-VL's `visual.merger`) still ignored."""
+    tensors = {**LLAMA_DECODER, "model.visual.blocks.0.attn.qkv.weight": ("BF16", [96, 32]),
+               "model.visual.pos_embed.weight": ("BF16", [64, 32]),
+               "model.visual.merger.mlp.0.weight": ("BF16", [128, 128])}
+    info = info_of("qwen2_vl", tensors)
+    ignore = ignore_patterns(info, [], quantized_towers=("vision",))
+    plan = {e.name: e for e in build_plan(info, fp8.METHOD, fp8.Options(), ignore, {"vision": "int8"})}
+    assert not plan["model.visual.blocks.0.attn.qkv"].kept
+    assert plan["model.visual.blocks.0.attn.qkv"].precision.startswith("int8 W/channel sym RTN")
+    assert plan["model.visual.pos_embed"].kept and plan["model.visual.merger.mlp.0"].kept
+    assert matches("model.visual.merger.mlp.0", ignore) and not matches("model.visual.blocks.0.attn.qkv", ignore)
+    ignore = ignore_patterns(info, [], quantized_towers=("projector",))
+    assert not matches("model.visual.merger.mlp.0", ignore) and matches("model.visual.blocks.0.attn.qkv", ignore)

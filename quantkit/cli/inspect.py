@@ -19,6 +19,8 @@ def inspect(
     method: str = typer.Option("fp8", "--method", "-m", help="Method whose plan to show."),
     recipe: Optional[str] = typer.Option(None, "--recipe", "-r", help="Show the plan of this recipe's first target."),
     ignore: list[str] = typer.Option([], "--ignore", help="Extra modules to keep unquantized; repeatable."),
+    vision: Optional[str] = typer.Option(None, "--vision", help="Show the plan with the VLM vision encoder at keep | int8 | int4."),
+    projector: Optional[str] = typer.Option(None, "--projector", help="Show the plan with the VLM projector at keep | int8 | int4."),
     context: int = typer.Option(4096, help="Tokens of KV cache in the memory estimate."),
     json_path: Optional[str] = typer.Option(None, "--json", help="Write the plan as JSON to FILE ('-' = stdout)."),
     sensitivity: bool = typer.Option(False, "--sensitivity", help="Show the per-tensor sensitivity table of a quantkit output (MODEL: its directory or its quantkit.json), as --auto-precision / --fallback recorded it."),
@@ -46,8 +48,9 @@ def inspect(
         return
 
     info = check_model_dir(resolve_model(model))
-    target_method, options, patterns = _target(method, recipe, ignore)
-    data = plan_data(info, target_method, options, patterns, context)
+    target_method, options, patterns, towers = _target(method, recipe, ignore)
+    towers.update({role: value for role, value in (("vision", vision), ("projector", projector)) if value})
+    data = plan_data(info, target_method, options, patterns, context, towers)
     data["run"] = run_estimates(info, model, method, recipe)
     if json_path == "-":
         write_json("-", data)
@@ -62,17 +65,18 @@ def _target(method: str, recipe: str | None, ignore: list[str]):
 
     if recipe:
         target = load_recipe(find_recipe(recipe)).targets[0]
-        return get_method(target.method), target_options(target), target.ignore + ignore
+        return get_method(target.method), target_options(target), target.ignore + ignore, target.tower_precision()
     spec = get_method(method)
-    return spec, spec.options(), ignore
+    return spec, spec.options(), ignore, {}
 
 
-def plan_data(info, method, options, ignore: list[str], context: int) -> dict:
+def plan_data(info, method, options, ignore: list[str], context: int, towers: dict[str, str] | None = None) -> dict:
     from quantkit.plan import MEMORY_NOTE, build_plan, ignore_patterns, memory_estimate, role_summary
     from quantkit.vlm import tower_summary
 
-    patterns = ignore_patterns(info, ignore, method.keeps_lm_head(options))
-    entries = build_plan(info, method, options, patterns)
+    towers = {role: value for role, value in (towers or {}).items() if value != "keep"}
+    patterns = ignore_patterns(info, ignore, method.keeps_lm_head(options), tuple(towers))
+    entries = build_plan(info, method, options, patterns, towers)
     return {
         "model": str(info.path),
         "architecture": info.architecture,
@@ -143,7 +147,7 @@ def towers_line(towers: dict) -> str:
     parts = [f"{role}: {', '.join(towers[role])}" for role in ("vision", "projector", "audio", "cross_attention") if towers.get(role)]
     if towers["unknown_towers"]:
         parts.append("UNKNOWN towers found by look (kept 16-bit): " + ", ".join(towers["unknown_towers"]))
-    return f"VLM {towers['family'] or '(no table row)'}; towers kept 16-bit: " + "; ".join(parts)
+    return f"VLM {towers['family'] or '(no table row)'}; towers (16-bit unless the plan below says otherwise): " + "; ".join(parts)
 
 
 def _roles_table(data: dict) -> Table:

@@ -73,6 +73,7 @@ class QuantizeJob:
     dtype: str = "auto"  # the recipe's dtype for loading (auto: the checkpoint's)
     device: str = "cpu"
     trust_remote_code: bool = False
+    towers: dict[str, str] = field(default_factory=dict)  # tower role -> int8/int4 (Target.tower_precision())
 
 
 @dataclass
@@ -124,6 +125,7 @@ class MethodSpec:
     # True: lm_head stays 16-bit (added to the ignore list); a format that types lm_head itself says False.
     keeps_lm_head: Callable[[BaseModel], bool] = _always
     supports_ignore: bool = True  # False: the format decides every tensor's type (gguf mixtures)
+    quantizes_towers: bool = False  # True: takes a target's `vision`/`projector` int8/int4 (llmc.tower_modifiers)
     # Exact per-module precision for the whole model where one tensor's type depends on the others
     # (gguf: llama-quantize's mixture rules); {} where `precision` alone is exact.
     plan_types: Callable[[ModelInfo, BaseModel], dict[str, str]] = _no_exact_types

@@ -27,8 +27,7 @@ from pydantic import BaseModel, ConfigDict
 
 from quantkit.errors import InputError, MissingExtraError, UnsupportedError
 from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, fixed_gate, gptq, llmc
-from quantkit.methods.mappings import awq_mappings, supported_model_types
-from quantkit.vlm import check_smoothing
+from quantkit.methods.mappings import model_mappings
 
 # 4-bit weights: the same looser gate as GPTQ.
 DEFAULT_GATE = {"max_ppl_increase": 0.10, "max_kld": 0.10, "min_top1": 0.80}
@@ -58,15 +57,6 @@ def precision(role: str, options: Options, name: str, shape: list[int]) -> str |
     return f"int{options.bits} {gptq.granularity(options.group_size)} {sym} (AWQ)"
 
 
-def check_architecture(model_type: str) -> None:
-    if model_type not in supported_model_types():
-        raise UnsupportedError(
-            f"awq has no smoothing mappings for architecture '{model_type}'",
-            hint="supported model types: " + ", ".join(supported_model_types())
-            + "; or use gptq, which needs no mappings",
-        )
-
-
 def check_backend(backend: str) -> None:
     """autoawq: say honestly why it cannot be used here (missing, or its output cannot be gated)."""
     if backend != "autoawq":
@@ -90,8 +80,7 @@ def check_backend(backend: str) -> None:
 
 def check(info, options: Options, calibration) -> None:
     check_backend(options.backend)
-    check_smoothing(info.towers, info.architecture, "awq")
-    check_architecture(info.model_type)
+    model_mappings(info, "awq")
     gptq.check_moe(info, options.symmetric, "none", "awq")
     gptq.check_bits(options.bits, "awq")
     gptq.check_group_size(info, options.group_size, "awq")
@@ -138,27 +127,27 @@ def cpu_pin_memory_guard() -> Iterator[bool]:
 # ---------------------------------------------------------------- quantize
 
 
-def mappings(model_type: str) -> list:
+def mappings(info) -> list:
+    """llm-compressor's AWQ mappings: the table's AWQ rows for this model (quantkit.methods.mappings)."""
     from llmcompressor.modifiers.transform.awq import AWQMapping
 
-    return [AWQMapping(m.smooth, list(m.balance)) for m in awq_mappings(model_type)]
+    return [AWQMapping(m.smooth, list(m.balance)) for m in model_mappings(info, "awq") if m.awq]
 
 
-def modifiers(options: Options, model_type: str, ignore: list[str]) -> list:
+def modifiers(options: Options, info, ignore: list[str]) -> list:
     from llmcompressor.modifiers.quantization import QuantizationModifier
     from llmcompressor.modifiers.transform.awq import AWQModifier
 
     weights = gptq.weight_args(options.bits, options.group_size, options.symmetric)
     return [
-        AWQModifier(mappings=mappings(model_type), duo_scaling=options.duo_scaling,
+        AWQModifier(mappings=mappings(info), duo_scaling=options.duo_scaling,
                     n_grid=options.n_grid),
         QuantizationModifier(config_groups={"group_0": {"targets": ["Linear"], "weights": weights}}, ignore=ignore),
     ]
 
 
 def quantize(job: QuantizeJob) -> QuantizeResult:
-    check_architecture(job.info.model_type)
-    recipe = modifiers(job.options, job.info.model_type, job.ignore)
+    recipe = modifiers(job.options, job.info, llmc.decoder_ignore(job))
     details = llmc.calibration_details(job)
     with cpu_pin_memory_guard() as patched:
         llmc.run_oneshot(job, recipe, calibrate=True)
@@ -167,7 +156,7 @@ def quantize(job: QuantizeJob) -> QuantizeResult:
 
 
 METHOD = MethodSpec(
-    name="awq", engine=llmc.ENGINE, engine_package=llmc.ENGINE,
+    quantizes_towers=True, name="awq", engine=llmc.ENGINE, engine_package=llmc.ENGINE,
     format="compressed-tensors (pack-quantized, int4 asymmetric)",
     options=Options, quantize=quantize, precision=precision, default_gate=fixed_gate(DEFAULT_GATE),
     check=check, needs_calibration=needs_calibration,

@@ -54,7 +54,7 @@ def keeps_lm_head(options: Options) -> bool:
 def quantize(job: QuantizeJob) -> QuantizeResult:
     from llmcompressor.modifiers.quantization import QuantizationModifier
 
-    modifier = QuantizationModifier(config_groups=scheme_config(job.options), ignore=job.ignore)
+    modifier = QuantizationModifier(config_groups=scheme_config(job.options), ignore=llmc.decoder_ignore(job))
     details = llmc.calibration_details(job) if needs_calibration(job.options) else {}
     llmc.run_oneshot(job, modifier, calibrate=needs_calibration(job.options))
     llmc.save_compressed(job)
@@ -62,7 +62,7 @@ def quantize(job: QuantizeJob) -> QuantizeResult:
 
 
 METHOD = MethodSpec(
-    name="fp8", engine=llmc.ENGINE, engine_package=llmc.ENGINE,
+    quantizes_towers=True, name="fp8", engine=llmc.ENGINE, engine_package=llmc.ENGINE,
     format="compressed-tensors (float-quantized, float8_e4m3fn)",
     options=Options, quantize=quantize, precision=precision, default_gate=fixed_gate(DEFAULT_GATE),
     check=check, needs_calibration=needs_calibration, keeps_lm_head=keeps_lm_head,

@@ -164,13 +164,13 @@ def modifier(options: Options, ignore: list[str]):
 
 def quantize(job: QuantizeJob) -> QuantizeResult:
     details = llmc.calibration_details(job)
-    llmc.run_oneshot(job, modifier(job.options, job.ignore), calibrate=True)
+    llmc.run_oneshot(job, modifier(job.options, llmc.decoder_ignore(job)), calibrate=True)
     llmc.save_compressed(job)
     return QuantizeResult(job.out_dir, details)
 
 
 METHOD = MethodSpec(
-    name="gptq", engine=llmc.ENGINE, engine_package=llmc.ENGINE,
+    quantizes_towers=True, name="gptq", engine=llmc.ENGINE, engine_package=llmc.ENGINE,
     format="compressed-tensors (pack-quantized, int weights)",
     options=Options, quantize=quantize, precision=precision, default_gate=fixed_gate(DEFAULT_GATE),
     check=check, needs_calibration=needs_calibration,

@@ -20,8 +20,57 @@ def run_oneshot(job, recipe, calibrate: bool) -> None:
             pipeline="sequential",
             moe_calibrate_all_experts=True,  # every expert sees every token (quantkit.methods.moe)
         )
+    towers = tower_modifiers(job)
+    if towers:  # data-free first: the sequential pipeline computes scales only for modules that run
+        oneshot(model=job.model, recipe=towers, tokenizer=job.tokenizer, log_dir=None,
+                trust_remote_code_model=job.trust_remote_code)
     oneshot(model=job.model, recipe=recipe, tokenizer=job.tokenizer, log_dir=None,
             trust_remote_code_model=job.trust_remote_code, **kwargs)  # it re-reads config.json
+
+
+def tower_linears(job) -> dict[str, list[str]]:
+    """int8/int4 -> the Linear modules of the tower roles the target quantizes (job.towers). Linear
+    subclasses (nn.MultiheadAttention's out_proj in SigLIP's pooling head) stay 16-bit: transformers
+    cannot reload them quantized."""
+    import torch
+
+    from quantkit.plan import TOWER_EMBEDDING, classify
+
+    chosen: dict[str, list[str]] = {}
+    for name, module in job.model.named_modules():
+        role = classify(name, job.info.towers)
+        if role in job.towers and type(module) is torch.nn.Linear and not TOWER_EMBEDDING.search(name):
+            chosen.setdefault(job.towers[role], []).append(name)
+    return chosen
+
+
+def tower_group_size(widths: list[int]) -> int:
+    """The largest of plan.TOWER_GROUP_SIZES dividing every input width; -1 (per channel) if none does."""
+    from quantkit.plan import TOWER_GROUP_SIZES
+
+    return next((g for g in TOWER_GROUP_SIZES if all(w % g == 0 for w in widths)), -1)
+
+
+def tower_modifiers(job) -> list:
+    """Round-to-nearest weight-only quantization of the towers a target asks for (`vision`/`projector`),
+    as its own config group, before the method's modifiers (text-only calibration never runs a tower,
+    so GPTQ/AWQ could not calibrate them)."""
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+
+    from quantkit.methods.gptq import weight_args
+    from quantkit.plan import TOWER_BITS
+
+    groups = {}
+    for precision, names in tower_linears(job).items():
+        widths = [job.model.get_submodule(n).in_features for n in names]
+        group_size = -1 if precision == "int8" else tower_group_size(widths)
+        groups[f"towers_{precision}"] = {"targets": names, "weights": weight_args(TOWER_BITS[precision], group_size, True)}
+    return [QuantizationModifier(config_groups=groups)] if groups else []
+
+
+def decoder_ignore(job) -> list[str]:
+    """The method's own modifiers' ignore list: the target's, plus the tower modules tower_modifiers quantizes."""
+    return job.ignore + [name for names in tower_linears(job).values() for name in names]
 
 
 def calibration_details(job) -> dict:

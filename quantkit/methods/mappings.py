@@ -26,11 +26,21 @@ entry and would fall back to the dense rows, which leave the router uncompensate
 takes the MoE rows). Qwen2-MoE also feeds its shared expert and `shared_expert_gate` from that
 norm: they are balance layers of the same row (llm-compressor's MoE list leaves them out, which
 would scale the shared expert's input uncompensated).
+
+VLMs: the rows of the text model (`text_config.model_type`) resolved inside the family's language
+model component (`re:(.*\.)?language_model\..*q_proj$`), so a vision tower's own norms and
+projections (Mllama's vision layers are named `input_layernorm`/`q_proj` too) are never smoothed.
+Refused before work: towers found by look (where the language model sits is not known), Mllama-style
+cross-attention layers (their k/v projections read image features, not the norm's output), and a
+text model without a row.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, replace
+
+from quantkit.errors import UnsupportedError
 
 
 @dataclass(frozen=True)
@@ -87,6 +97,10 @@ SMOOTHING_MAPPINGS: dict[str, list[Mapping]] = {
     "gemma3": GEMMA3,
     "gemma3_text": GEMMA3,
     "phi3": PHI3,
+    # the text models of VLM families (their decoder layers are Llama's)
+    "qwen2_vl_text": LLAMA_LIKE,
+    "qwen2_5_vl_text": LLAMA_LIKE,
+    "qwen3_vl_text": LLAMA_LIKE,
     "mixtral": MOE,
     "qwen2_moe": QWEN2_MOE,
     "qwen3_moe": MOE,
@@ -103,3 +117,44 @@ def awq_mappings(model_type: str) -> list[Mapping]:
 
 def smoothquant_mappings(model_type: str) -> list[Mapping]:
     return [m for m in SMOOTHING_MAPPINGS[model_type] if m.smoothquant]
+
+
+def inside(component: str, rows: list[Mapping]) -> list[Mapping]:
+    """`rows` with every pattern resolved only under the module `component` (a VLM's language model)."""
+    prefix = rf"re:(.*\.)?{re.escape(component)}\."
+
+    def anchored(pattern: str) -> str:
+        return prefix + pattern.removeprefix("re:")
+
+    return [replace(row, smooth=anchored(row.smooth), balance=tuple(anchored(b) for b in row.balance))
+            for row in rows]
+
+
+def model_mappings(info, method: str) -> list[Mapping]:
+    """Every row for this model (text model or VLM), or UnsupportedError before any work."""
+    from quantkit.vlm import FAMILIES
+
+    towers = info.towers
+    if not towers.components:
+        return rows_for(info.model_type, method)
+    if towers.family is None:
+        raise UnsupportedError(
+            f"{method}: {info.architecture} has towers found by look ({', '.join(towers.unknown)}), so where "
+            "its language model sits is not known and the smoothing mappings cannot be resolved inside it",
+            hint="use gptq (W4A16) or fp8 for this model; its towers stay 16-bit either way")
+    family = FAMILIES[towers.family]
+    if family.cross_attention:
+        raise UnsupportedError(
+            f"{method}: {family.name} refused: its cross-attention layers' k/v projections read image "
+            "features, not the norm's output, so the smoothing rows do not hold there",
+            hint="use gptq (W4A16) or fp8 for this model")
+    text_type = (info.config.get("text_config") or {}).get("model_type", "unknown")
+    return inside(family.language, rows_for(text_type, method, f" (the text model of {family.name})"))
+
+
+def rows_for(model_type: str, method: str, what: str = "") -> list[Mapping]:
+    if model_type not in SMOOTHING_MAPPINGS:
+        raise UnsupportedError(
+            f"{method} has no smoothing mappings for architecture '{model_type}'{what}",
+            hint="supported model types: " + ", ".join(supported_model_types()) + "; or use gptq, which needs no mappings")
+    return SMOOTHING_MAPPINGS[model_type]

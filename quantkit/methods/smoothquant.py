@@ -18,10 +18,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from quantkit.errors import InputError, UnsupportedError
+from quantkit.errors import InputError
 from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, fixed_gate, gptq, llmc, moe
-from quantkit.methods.mappings import Mapping, smoothquant_mappings, supported_model_types
-from quantkit.vlm import check_smoothing
+from quantkit.methods.mappings import Mapping, model_mappings
 
 # int8 weights and per-token int8 activations are near-lossless on trained models: tight gate.
 DEFAULT_GATE = {"max_ppl_increase": 0.03, "max_kld": 0.02, "min_top1": 0.93}
@@ -44,20 +43,15 @@ def precision(role: str, options: Options, name: str, shape: list[int]) -> str |
     return f"int8 W per-channel ({options.weight_algorithm.upper()}) + A per-token dynamic (SmoothQuant)"
 
 
-def mappings_for(model_type: str) -> list[Mapping]:
-    if model_type not in supported_model_types():
-        raise UnsupportedError(
-            f"smoothquant has no smoothing mappings for architecture '{model_type}'",
-            hint="supported model types: " + ", ".join(supported_model_types()),
-        )
-    return smoothquant_mappings(model_type)
+def mappings_for(info) -> list[Mapping]:
+    """The table's SmoothQuant rows for this model (quantkit.methods.mappings), or refused before work."""
+    return [m for m in model_mappings(info, "smoothquant") if m.smoothquant]
 
 
 def check(info, options: Options, calibration) -> None:
     if not 0 <= options.smoothing_strength <= 1:
         raise InputError(f"smoothquant: smoothing_strength={options.smoothing_strength} must be in [0, 1]")
-    check_smoothing(info.towers, info.architecture, "smoothquant")
-    mappings_for(info.model_type)
+    mappings_for(info)
     moe.check_supported(info, "smoothquant")
     moe.check_expert_storage(info, "smoothquant", "W8A8 stores every expert as int8 `int-quantized` weights",
                              hint="use gptq --bits 8 --symmetric, or fp8, for this model")
@@ -70,12 +64,12 @@ def scheme_config() -> dict:
     return {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": activations}}
 
 
-def modifiers(options: Options, model_type: str, ignore: list[str]) -> list:
+def modifiers(options: Options, info, ignore: list[str]) -> list:
     from llmcompressor.modifiers.gptq import GPTQModifier
     from llmcompressor.modifiers.quantization import QuantizationModifier
     from llmcompressor.modifiers.transform.smoothquant import SmoothQuantModifier
 
-    mappings = [[list(m.balance), m.smooth] for m in mappings_for(model_type)]
+    mappings = [[list(m.balance), m.smooth] for m in mappings_for(info)]
     smooth = SmoothQuantModifier(smoothing_strength=options.smoothing_strength, mappings=mappings, ignore=ignore)
     if options.weight_algorithm == "gptq":
         quant = GPTQModifier(config_groups=scheme_config(), ignore=ignore, actorder=None,
@@ -86,7 +80,7 @@ def modifiers(options: Options, model_type: str, ignore: list[str]) -> list:
 
 
 def quantize(job: QuantizeJob) -> QuantizeResult:
-    recipe = modifiers(job.options, job.info.model_type, job.ignore)
+    recipe = modifiers(job.options, job.info, llmc.decoder_ignore(job))
     details = llmc.calibration_details(job)
     llmc.run_oneshot(job, recipe, calibrate=True)
     llmc.save_compressed(job)
@@ -94,7 +88,7 @@ def quantize(job: QuantizeJob) -> QuantizeResult:
 
 
 METHOD = MethodSpec(
-    name="smoothquant", engine=llmc.ENGINE, engine_package=llmc.ENGINE,
+    quantizes_towers=True, name="smoothquant", engine=llmc.ENGINE, engine_package=llmc.ENGINE,
     format="compressed-tensors (int-quantized, W8A8 int8)",
     options=Options, quantize=quantize, precision=precision, default_gate=fixed_gate(DEFAULT_GATE),
     check=check, needs_calibration=needs_calibration,
