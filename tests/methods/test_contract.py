@@ -25,7 +25,7 @@ def test_method_declares_the_contract(name):
         value = getattr(spec, member.name)
         if member.name in ("name", "engine", "engine_package", "format"):
             assert isinstance(value, str) and value, member.name
-        elif member.name == "supports_ignore":
+        elif member.name in ("supports_ignore", "quantizes_towers"):
             assert isinstance(value, bool)
         elif member.name != "options":
             assert callable(value), member.name
