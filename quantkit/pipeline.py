@@ -338,12 +338,16 @@ def drop_weights(model) -> None:
 
 def tower_proof(job: QuantizeJob, result: QuantizeResult) -> dict:
     """A VLM artifact reloaded: towers bit-identical to the source and an image+text forward
-    (quantkit.vlm_proof; exit 3 otherwise). A .gguf holds the language model only."""
-    from quantkit.vlm_proof import prove_towers
+    (quantkit.vlm_proof; exit 3 otherwise). A .gguf's towers are its mmproj file's."""
+    from quantkit.vlm_proof import prove_mmproj, prove_towers
 
-    if not result.artifact.is_dir():
-        return {"tower_tensors_identical": 0, "image_forward": "skipped: the .gguf holds the language model only"}
-    return prove_towers(result.artifact, job.info, job.device, job.trust_remote_code)
+    if result.artifact.is_dir():
+        return prove_towers(result.artifact, job.info, job.device, job.trust_remote_code)
+    projector = result.details.get("gguf", {}).get("mmproj") or {}
+    if not projector.get("file"):
+        return {"tower_tensors_identical": 0, "mmproj": None,
+                "image_forward": "skipped: mmproj: none, the .gguf holds the language model only"}
+    return prove_mmproj(result.artifact.parent / projector["file"], job.info, job.options.mmproj)
 
 
 def run_fallback(job: QuantizeJob, resolved: ResolvedTarget, result: QuantizeResult, entry: TargetReport,

@@ -71,6 +71,7 @@ class Family:
     rules: tuple[Rule, ...]
     dropped: tuple[tuple[str, str], ...] = ()  # (regex over Hub names, why the converter leaves it out)
     renames: tuple[tuple[str, str], ...] = ()  # other checkpoint layouts -> the Hub layout (re.sub, in order)
+    note: str = ""  # what README's VLM table adds
 
 
 def blocks(prefix: str, parts: dict[str, str]) -> tuple[Rule, ...]:
@@ -112,7 +113,7 @@ FAMILIES: dict[str, Family] = {
          *blocks(f"{TOWER}.encoder.layers", LEGACY_CLIP_BLOCK)),
         dropped=((rf"{TOWER}\.post_layernorm\..*", "LLaVA reads the second-to-last layer, before post_layernorm"),
                  (rf"{TOWER}\.embeddings\.position_ids", "a buffer, not a weight")),
-        renames=NESTED_RENAMES),
+        renames=NESTED_RENAMES, note="CLIP towers; a Pixtral tower is refused"),
     "qwen2_vl": Family(
         "Qwen2-VL", MODERN, "qwen2vl_merger",
         QWEN_COMMON + blocks("visual.blocks", {**QWEN_BLOCK, "mlp.fc1": "ffn_up", "mlp.fc2": "ffn_down"}),
@@ -285,7 +286,7 @@ def plan(model_dir: Path, mmproj_type: str = "auto") -> MmprojPlan:
         pieces = legacy_order(family, pieces)
         outtype = T.F32 if mmproj_type == "f32" else T.F16
     else:
-        outtype = OUTTYPES.get(mmproj_type) or guessed_outtype(pieces)
+        outtype = OUTTYPES[mmproj_type] if mmproj_type in OUTTYPES else guessed_outtype(pieces)
     for piece in pieces:
         piece.qtype = (legacy_type if family.converter == LEGACY else modern_type)(piece, outtype)
     return MmprojPlan(config["model_type"], family.converter, outtype, pieces, dropped, config)
@@ -536,13 +537,17 @@ def add_general(writer, model_dir: Path) -> None:
 
 def convert(model_dir: Path, out_path: Path, mmproj_type: str = "auto") -> MmprojResult:
     """Write the mmproj .gguf of the VLM in model_dir; returns what was written."""
+    return write(plan(Path(model_dir), mmproj_type), Path(model_dir), out_path)
+
+
+def write(mp: MmprojPlan, model_dir: Path, out_path: Path) -> MmprojResult:
+    """Write a planned mmproj: header and metadata first, then each tensor read, transformed, typed."""
     import gguf
 
     from quantkit.gguf.convert import open_handles, tensor_nbytes
     from quantkit.model import check_model_dir
 
     model_dir = Path(model_dir)
-    mp = plan(model_dir, mmproj_type)
     family = FAMILIES[mp.family]
     stats = image_stats(model_dir)
     writer = gguf.GGUFWriter(str(out_path), "clip")
