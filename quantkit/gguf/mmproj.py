@@ -221,8 +221,9 @@ def check(config: dict, mmproj_type: str) -> Family:
         if mmproj_type == "bf16":
             refuse("the legacy CLIP format has no bf16", "use mmproj: auto (f16) or f32")
         if vision.get("model_type", "clip_vision_model") != "clip_vision_model":
-            refuse(f"vision tower '{vision.get('model_type')}' (only a CLIP tower converts; Pixtral-based "
-                   "Llava checkpoints use llama.cpp's own converter)", "convert it with convert_hf_to_gguf.py --mmproj")
+            refuse(f"vision tower '{vision.get('model_type')}' (only a CLIP tower converts here)",
+                   "convert a Pixtral tower with llama.cpp's convert_hf_to_gguf.py --mmproj, and the language "
+                   "model with quantkit --mmproj none")
         layer, strategy = config.get("vision_feature_layer", -2), config.get("vision_feature_select_strategy", "default")
         if layer != -2 or strategy != "default":
             refuse(f"vision_feature_layer {layer} / select strategy '{strategy}' (llama.cpp's LLaVA mmproj reads "
