@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.gguf.test_vs_converter import LLAMA_SRC, ROOT, need_llama_src
+from tests.gguf.test_vs_converter import LLAMA_SRC, ROOT, assert_same_file, need_llama_src, reference_gguf
 from tests.gguf.vlms import build_vlm
 
 MODERN_RUNNER = """
@@ -154,6 +154,21 @@ def test_f16_checkpoint_mmproj_is_byte_identical_to_llama_cpp(vlm, tmp_path):
     theirs = modern_reference(model, tmp_path / "theirs.gguf", "auto")
     assert tensor_types(ours)["v.patch_embd.weight"] == "F16"
     assert ours.read_bytes() == theirs.read_bytes()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["llava", "qwen2_vl", "qwen2_5_vl", "gemma3"])
+def test_language_model_equals_convert_hf_to_gguf(vlm, tmp_path, kind):
+    """The VLM's language model .gguf: every metadata key (Qwen2-VL's rope.dimension_sections
+    included) and tensor equal to convert_hf_to_gguf.py's (as tests/gguf/test_vs_converter.py; the
+    toy BPE tokenizer needs its pre-tokenizer name patched in there)."""
+    from quantkit.gguf.convert import convert
+
+    need_llama_src()
+    theirs = reference_gguf(vlm(kind), tmp_path / "theirs.gguf", "bf16", "gpt-2")
+    ours = tmp_path / "ours.gguf"
+    convert(vlm(kind), ours, "BF16")
+    assert_same_file(ours, theirs)
 
 
 @pytest.mark.parametrize("kind", ["llava", "gemma3"])
