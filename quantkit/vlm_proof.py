@@ -180,14 +180,17 @@ def prove_mmproj(mmproj: Path, info: ModelInfo, mmproj_type: str = "auto") -> di
 
     planned = plan(info.path, mmproj_type)
     stored = {t.name: t for t in open_reader(mmproj).tensors}
-    sources = read_source(info, sorted({p.source for p in planned.pieces}))
+    written = {p.source for p in planned.pieces}
     towers = source_tower_tensors(info)
-    bad = [f"{n} (not in {mmproj.name})" for n in towers if n not in sources and n not in planned.dropped]
+    bad = [f"{n} (not in {mmproj.name})" for n in towers if n not in written and n not in planned.dropped]
     bad += [f"{n} (unexpected)" for n in sorted(set(stored) - {p.name for p in planned.pieces})]
     exact, rounded, shifted = 0, [], []
-    for piece in planned.pieces:
+    source_name, source = None, None
+    for piece in planned.pieces:  # one source tensor in memory at a time (split parts are adjacent)
+        if piece.source != source_name:
+            source_name, source = piece.source, read_source(info, [piece.source])[piece.source]
         tensor = stored.get(piece.name)
-        expected, unrounded = mmproj_expected(piece, sources[piece.source])
+        expected, unrounded = mmproj_expected(piece, source)
         if tensor is None:
             bad.append(f"{piece.name} (missing)")
             continue

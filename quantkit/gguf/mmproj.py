@@ -567,9 +567,12 @@ def write(mp: MmprojPlan, model_dir: Path, out_path: Path) -> MmprojResult:
     writer.write_ti_data_to_file()
     handles = open_handles(check_model_dir(model_dir).weight_files)
     try:
-        for p in mp.pieces:
-            values = piece_values(p, read_source(handles, p.source, tuple(handles[p.source].header[p.source]["shape"])))
-            writer.write_tensor_data(encode(values, p.qtype))
+        source_name, source = None, None
+        for p in mp.pieces:  # one source tensor in memory at a time (a split tensor's parts are adjacent)
+            if p.source != source_name:
+                source_name = p.source
+                source = read_source(handles, p.source, tuple(handles[p.source].header[p.source]["shape"]))
+            writer.write_tensor_data(encode(piece_values(p, source), p.qtype))
     finally:
         writer.close()
         for h in set(handles.values()):
