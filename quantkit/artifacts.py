@@ -39,12 +39,22 @@ def artifact_kind(path: Path) -> str:
 
 
 def gguf_file(path: Path) -> Path:
+    """The language model .gguf: the file itself, or the one .gguf of a directory that is not a
+    multimodal projector (a VLM's output holds the language model and its `mmproj-*.gguf`)."""
     if path.is_file():
         return path
-    files = sorted(path.glob("*.gguf"))
+    files = [f for f in sorted(path.glob("*.gguf")) if not is_projector(f)]
     if len(files) != 1:
-        raise InputError(f"{path} holds {len(files)} .gguf files; pass the file itself")
+        raise InputError(f"{path} holds {len(files)} language-model .gguf files; pass the file itself")
     return files[0]
+
+
+def is_projector(path: Path) -> bool:
+    """A llama.cpp multimodal projector (general.architecture "clip"), read from the header."""
+    from quantkit.gguf.loader import open_reader
+
+    field = open_reader(path).fields.get("general.architecture")
+    return field is not None and field.contents() == "clip"
 
 
 def load_for_eval(path: Path, base_dir: Path | None = None, device: str = "cpu", trust_remote_code: bool = False):
@@ -144,46 +154,47 @@ def check_strict_reload(path: Path, loading: dict) -> None:
 
 
 def load_gguf_into_base(path: Path, base_dir: Path, device: str = "cpu", trust_remote_code: bool = False):
-    """Dequantize every GGUF tensor (gguf-py) and load it into the base architecture."""
+    """Dequantize every GGUF tensor (gguf-py) and load it into the base architecture; a VLM's
+    language model goes into the whole base VLM (its towers are the base's: the .gguf lacks them)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from quantkit.gguf.loader import to_hf_state_dict
+    from quantkit.model import device_map, is_vlm
 
     config = AutoConfig.from_pretrained(base_dir, local_files_only=True,  # config.json only: no hub lookup
                                         trust_remote_code=trust_remote_code)
+    state = to_hf_state_dict(path, config.to_dict())
+    if is_vlm(config.to_dict()):
+        return vlm_with(base_dir, state, path, trust_remote_code).to(device_map(device)).eval()
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    state = to_hf_state_dict(path, config.to_dict())
     missing = set(model.state_dict()) - set(state)
     missing = {m for m in missing if "rotary_emb" not in m}
-    if missing and all(in_tower(m) for m in missing):  # a VLM's .gguf holds its language model only
-        return base_with(base_dir, state).to(device).eval()
     if missing:
         raise ModelError(f"{path.name} lacks tensors for {sorted(missing)[:3]} (and {max(0, len(missing) - 3)} more)")
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
-    from quantkit.model import device_map
-
     return _materialize_buffers(model, config).to(device_map(device)).eval()
 
 
-def in_tower(name: str) -> bool:
-    """A module or tensor name inside a tower of any known VLM family (quantkit.vlm.FAMILIES)."""
-    from quantkit.plan import classify
-    from quantkit.vlm import TOWER_ROLES
-
-    return classify(name) in TOWER_ROLES
-
-
-def base_with(base_dir: Path, state: dict):
-    """The base model (float32) with the GGUF's tensors loaded over it: a VLM's towers, which GGUF
-    conversion leaves out, stay the base's."""
+def vlm_with(base_dir: Path, state: dict, path: Path, trust_remote_code: bool = False):
+    """The base VLM (float32) with the GGUF's language model loaded over it. Every GGUF tensor
+    must land on a parameter, and every parameter the GGUF does not give must be a tower's."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(base_dir, local_files_only=True, dtype=torch.float32)
-    model.load_state_dict(state, strict=False)
+    from quantkit.model import auto_model_class, check_model_dir
+
+    info = check_model_dir(Path(base_dir))
+    model = auto_model_class(info.config).from_pretrained(base_dir, local_files_only=True, dtype=torch.float32,
+                                                          trust_remote_code=trust_remote_code)
+    loading = model.load_state_dict(state, strict=False)
+    missing = [m for m in loading.missing_keys if not info.towers.role(m) and "rotary_emb" not in m]
+    if loading.unexpected_keys or missing:
+        names = sorted(loading.unexpected_keys)[:3] + sorted(missing)[:3]
+        raise ModelError(f"{path.name} does not match the language model of {base_dir}: "
+                         f"{len(loading.unexpected_keys)} unexpected, {len(missing)} missing ({', '.join(names)})")
+    model.tie_weights()
     return model
 
 

@@ -357,13 +357,17 @@ def drop_weights(model) -> None:
 
 def tower_proof(job: QuantizeJob, result: QuantizeResult) -> dict:
     """A VLM artifact reloaded: towers bit-identical to the source and an image+text forward
-    (quantkit.vlm_proof; exit 3 otherwise). A .gguf holds the language model only."""
-    from quantkit.vlm_proof import prove_towers
+    (quantkit.vlm_proof; exit 3 otherwise). A .gguf's towers are its mmproj file's."""
+    from quantkit.vlm_proof import prove_mmproj, prove_towers
 
-    if not result.artifact.is_dir():
-        return {"tower_tensors_identical": 0, "image_forward": "skipped: the .gguf holds the language model only"}
-    proof = prove_towers(result.artifact, job.info, job.device, job.trust_remote_code, tuple(job.towers))
-    return {**proof, "tower_precision": job.towers, "forced": "int4" in job.towers.values()} if job.towers else proof
+    if result.artifact.is_dir():
+        proof = prove_towers(result.artifact, job.info, job.device, job.trust_remote_code, tuple(job.towers))
+        return {**proof, "tower_precision": job.towers, "forced": "int4" in job.towers.values()} if job.towers else proof
+    projector = result.details.get("gguf", {}).get("mmproj") or {}
+    if not projector.get("file"):
+        return {"tower_tensors_identical": 0, "mmproj": None,
+                "image_forward": "skipped: mmproj: none, the .gguf holds the language model only"}
+    return prove_mmproj(result.artifact.parent / projector["file"], job.info, job.options.mmproj)
 
 
 def run_fallback(job: QuantizeJob, resolved: ResolvedTarget, result: QuantizeResult, entry: TargetReport,

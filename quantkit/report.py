@@ -147,11 +147,31 @@ def tower_section(towers: dict | None, proof: dict | None) -> list[str]:
         lines.append("- quantized on request, round-to-nearest weights: "
                      + ", ".join(f"{role} {value}" for role, value in proof["tower_precision"].items()) + forced)
     if proof:
-        rounded = proof.get("tower_weights_quantized", 0)
-        lines += ["", f"After reload: {proof['tower_tensors_identical']} tower tensors bit-identical to the source"
-                  + (f", {rounded} quantized tower weights within half a step of it" if rounded else "")
-                  + f"; image+text forward: {proof['image_forward']}."]
+        lines += ["", *proof_lines(proof)]
     return lines + [""]
+
+
+def proof_lines(proof: dict) -> list[str]:
+    """What the gate proved about the towers: a checkpoint's after reload, or a .gguf's mmproj file."""
+    if "tower_tensors_identical" in proof:
+        rounded = proof.get("tower_weights_quantized", 0)
+        lines = [f"After reload: {proof['tower_tensors_identical']} tower tensors bit-identical to the source"
+                 + (f", {rounded} quantized tower weights within half a step of it" if rounded else "")
+                 + f"; image+text forward: {proof['image_forward']}."]
+        if proof.get("mmproj", "") is None:
+            lines.append("No mmproj was written (`mmproj: none`): this .gguf cannot read images.")
+        return lines
+    lines = [f"Vision tower and projector: `{proof['mmproj']}` (as {proof['converter']} writes it). Read back, its "
+             f"{proof['tensors']} tensors equal the source towers byte for byte after the converter's changes; "
+             f"{proof['source_values_exact']} hold the source values exactly."]
+    if proof["rounded_to_stored_type"]:
+        lines.append("Rounded to their stored type: " + ", ".join(f"`{n}`" for n in proof["rounded_to_stored_type"]) + ".")
+    if proof["stored_plus_one"]:
+        lines.append("Stored as w + 1 (llama.cpp's RMSNorm): " + ", ".join(f"`{n}`" for n in proof["stored_plus_one"]) + ".")
+    if proof["left_out"]:
+        lines.append(f"Left out as llama.cpp does: {len(proof['left_out'])} tensors ("
+                     + "; ".join(sorted(set(proof["left_out"].values()))) + ").")
+    return lines
 
 
 def format_tags(fmt: str) -> list[str]:

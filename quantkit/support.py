@@ -69,11 +69,23 @@ def vlm_support(model_type: str, method: str) -> str:
         if text_type not in supported_model_types():
             return f"refused: no smoothing mappings for its text model `{text_type}`"
     if method == "gguf":
-        if family.architecture in supported_architectures():
-            return "✅ language model only (no mmproj yet)"
-        return "refused: the converter lacks this architecture"
+        return gguf_vlm_support(model_type, family.architecture in supported_architectures())
     kept = "towers and cross-attention layers 16-bit" if family.cross_attention else "towers 16-bit"
     return f"✅ {kept}"
+
+
+def gguf_vlm_support(model_type: str, converts: bool) -> str:
+    """The gguf cell: the language model's architecture converts, and the towers have an mmproj
+    conversion (quantkit.gguf.mmproj), or the family is refused (mmproj: none is the opt-in
+    language-model-only output for a family whose language model converts)."""
+    from quantkit.gguf.mmproj import FAMILIES
+
+    if not converts:
+        return "refused: the converter lacks this architecture"
+    if model_type not in FAMILIES:
+        return "refused: no mmproj conversion (`mmproj: none` writes the language model alone)"
+    family = FAMILIES[model_type]
+    return f"✅ language model + mmproj, as llama.cpp's {family.converter}" + (f" ({family.note})" if family.note else "")
 
 
 def vlm_table() -> list[str]:

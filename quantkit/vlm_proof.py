@@ -11,6 +11,17 @@ A target that quantizes a tower on request (`vision`/`projector`: int8 or int4, 
 writes those Linear modules in their own config group: their weights must then be within half a
 quantization step of the source (symmetric, the row's largest step; plus the 16-bit rounding of the
 reloaded value), and every other tower tensor (norms, biases, patch embeddings) still bit-identical.
+
+A .gguf artifact keeps its towers in the mmproj file beside the language model (quantkit.gguf.mmproj).
+`prove_mmproj` reads that file back from disk and checks it against the source checkpoint, read
+independently (safetensors' torch reader, torch casts): every tower tensor of the source is in it
+or left out for a reason llama.cpp's converter has (LLaVA's unused last CLIP layer, SigLIP's
+pooling head), and every stored tensor's bytes equal the source tensor after the converter's
+documented change (qkv split, Conv3D split per time step, Gemma's w + 1) cast to the stored type.
+"Bit-identical" for a GGUF tower means exactly that. Whether the stored values are the source's
+own values is reported per tensor: a bf16 tower written BF16 or F32 holds them exactly, a bf16
+tensor written F16 (LLaVA's legacy format, Gemma 3's input projection, mmproj: f16) is rounded
+to nearest even, and the w + 1 norm holds w + 1.
 """
 
 from __future__ import annotations
@@ -177,3 +188,65 @@ def prove_towers(artifact: Path, info: ModelInfo, device: str = "cpu", trust_rem
                                 hint="a VLM tower was quantized or renamed; nothing was written")
     return {"tower_tensors_identical": identical, "tower_weights_quantized": rounded,
             "image_forward": image_forward(model, artifact)}
+
+
+def mmproj_expected(piece, source):
+    """The bytes the converter stores for one mmproj tensor, computed with torch from the source tensor."""
+    import torch
+
+    from quantkit.gguf.mixture import T
+
+    data = source if source.dtype == torch.float16 else source.float()  # the converter keeps f16, else f32
+    if piece.rule.split == "rows":
+        n = data.shape[0] // 3
+        data = data[piece.part * n:(piece.part + 1) * n]
+    elif piece.rule.split == "time":
+        data = data[:, :, piece.part]
+    if piece.rule.shift:
+        data = data + 1
+    cast = {T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat16}[piece.qtype]
+    return data.to(cast).contiguous(), data.float()
+
+
+def prove_mmproj(mmproj: Path, info: ModelInfo, mmproj_type: str = "auto") -> dict:
+    """Check the written mmproj against the source towers (see the module docstring); the report
+    fields, or TowerChangedError (exit 3)."""
+    import numpy as np
+    import torch
+
+    from quantkit.gguf.loader import open_reader
+    from quantkit.gguf.mmproj import plan
+
+    planned = plan(info.path, mmproj_type)
+    stored = {t.name: t for t in open_reader(mmproj).tensors}
+    written = {p.source for p in planned.pieces}
+    towers = source_tower_tensors(info)
+    bad = [f"{n} (not in {mmproj.name})" for n in towers if n not in written and n not in planned.dropped]
+    bad += [f"{n} (unexpected)" for n in sorted(set(stored) - {p.name for p in planned.pieces})]
+    exact, rounded, shifted = 0, [], []
+    source_name, source = None, None
+    for piece in planned.pieces:  # one source tensor in memory at a time (split parts are adjacent)
+        if piece.source != source_name:
+            source_name, source = piece.source, read_source(info, [piece.source])[piece.source]
+        tensor = stored.get(piece.name)
+        expected, unrounded = mmproj_expected(piece, source)
+        if tensor is None:
+            bad.append(f"{piece.name} (missing)")
+            continue
+        if tensor.tensor_type.name != piece.qtype.name or bytes(np.asarray(tensor.data).tobytes()) != \
+                expected.view(torch.uint8).numpy().tobytes():
+            bad.append(f"{piece.name} <- {piece.source} ({tensor.tensor_type.name}, bytes differ)")
+        elif piece.rule.shift:
+            shifted.append(piece.name)
+        elif torch.equal(expected.float(), unrounded):
+            exact += 1
+        else:
+            rounded.append(piece.name)
+    if bad:
+        more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+        raise TowerChangedError(f"{len(bad)} mmproj tensors differ from the source towers: {', '.join(bad[:3])}{more}",
+                                hint="the mmproj .gguf does not hold the source's vision tower; nothing was written")
+    return {"mmproj": mmproj.name, "converter": f"llama.cpp {planned.converter}", "tensors": len(planned.pieces),
+            "tower_tensors_covered": len(towers), "source_values_exact": exact,
+            "rounded_to_stored_type": rounded, "stored_plus_one": shifted, "left_out": planned.dropped,
+            "image_forward": "skipped: a .gguf VLM runs in llama.cpp (llama-mtmd-cli -m MODEL --mmproj MMPROJ)"}

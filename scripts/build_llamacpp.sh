@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Build the llama.cpp reference tools (llama-quantize, llama-perplexity, llama-imatrix)
+# Build the llama.cpp reference tools (llama-quantize, llama-perplexity, llama-imatrix,
+# llama-mtmd-cli: the multimodal CLI that runs a VLM .gguf with its mmproj)
 # from the llama.cpp that the llama-cpp-python source distribution vendors.
 #
 # Output (all under third_party/llama.cpp/, which is gitignored):
 #   src/      the vendored llama.cpp source tree (vendor/llama.cpp of the sdist)
 #   build/    the cmake build tree
-#   bin/      -> build/bin: llama-quantize, llama-perplexity, llama-imatrix and the
+#   bin/      -> build/bin: llama-quantize, llama-perplexity, llama-imatrix, llama-mtmd-cli and the
 #             shared libraries (libggml-base.so holds ggml_quantize_chunk, used by
 #             scripts/make_gguf_golden.py and tests/gguf/test_quants.py via ctypes)
 #   VERSION   llama-cpp-python version, vendored llama.cpp commit, build flags
@@ -27,7 +28,7 @@
 #   -DBUILD_SHARED_LIBS=ON   libggml-base.so can be loaded with ctypes.
 #   -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF, no tests/examples/server/app.
 #
-# Idempotent: does nothing when the three tools and VERSION exist (FORCE=1 rebuilds).
+# Idempotent: does nothing when the tools and VERSION exist (FORCE=1 rebuilds; a missing tool is built).
 # Usage: scripts/build_llamacpp.sh [-j N]      (run it under `nice` on shared machines)
 set -euo pipefail
 
@@ -35,7 +36,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 DEST="$ROOT/third_party/llama.cpp"
 JOBS="${JOBS:-2}"
 if [[ "${1:-}" == "-j" ]]; then JOBS="$2"; fi
-TOOLS=(llama-quantize llama-perplexity llama-imatrix)
+TOOLS=(llama-quantize llama-perplexity llama-imatrix llama-mtmd-cli)
 
 built() {
     [[ -f "$DEST/VERSION" ]] || return 1

@@ -36,6 +36,20 @@ def family_model(tmp_path_factory):
     return get
 
 
+def with_image_stats(model_dir, tmp_path):
+    """The Qwen fixtures ship no processor files (Qwen's processor needs torchvision); a Qwen
+    checkpoint's preprocessor_config.json gives the image_mean / image_std the mmproj needs."""
+    import shutil
+
+    from tests.gguf.vlms import QWEN_PREPROCESSOR
+
+    if (model_dir / "preprocessor_config.json").is_file() or (model_dir / "processor_config.json").is_file():
+        return model_dir
+    copy = shutil.copytree(model_dir, tmp_path / model_dir.name)
+    (copy / "preprocessor_config.json").write_text(json.dumps(QWEN_PREPROCESSOR))
+    return copy
+
+
 def tensors(path) -> dict:
     with safe_open(str(path / "model.safetensors"), "pt") as f:
         return {k: f.get_tensor(k) for k in f.keys()}
@@ -46,6 +60,8 @@ def run_case(cli, model_dir, kind: str, method: str, tmp_path):
     from quantkit.support import vlm_support
 
     out = tmp_path / "out"
+    if method == "gguf":
+        model_dir = with_image_stats(model_dir, tmp_path)
     result = cli("quantize", model_dir, "--method", method, "-o", out, "--json", tmp_path / "r.json", *CALIB)
     if vlm_support(kind, method).startswith("refused"):
         assert result.exit_code == 2, result.output
@@ -55,8 +71,13 @@ def run_case(cli, model_dir, kind: str, method: str, tmp_path):
     assert result.exit_code == 0, result.output
     report = json.loads((out / "quantkit.json").read_text())
     proof = report["targets"][0]["details"]["towers"]
-    if method == "gguf":  # the language model only: the towers are not in the .gguf
-        assert proof["image_forward"].startswith("skipped: the .gguf")
+    if method == "gguf":  # the towers are in the mmproj .gguf beside the language model
+        assert (out / proof["mmproj"]).is_file() and proof["tensors"] > 0
+        from quantkit.model import check_model_dir
+
+        towers = check_model_dir(model_dir).towers
+        assert proof["tower_tensors_covered"] == len([n for n in tensors(model_dir) if towers.role(n)])
+        assert f"FROM ./{proof['mmproj']}" in (out / "Modelfile").read_text()
         return out
     assert proof["tower_tensors_identical"] > 0
     assert proof["image_forward"] == ("ran" if kind in PROCESSOR_KINDS else

@@ -48,6 +48,7 @@ def quantize(
     backend: Optional[str] = typer.Option(None, help="Engine backend where a method has several."),
     gguf_type: Optional[str] = typer.Option(None, help="GGUF type or mixture, e.g. Q4_K_M, Q6_K, Q8_0."),
     imatrix: Optional[str] = typer.Option(None, help="GGUF importance matrix: auto | none | FILE."),
+    mmproj: Optional[str] = typer.Option(None, "--mmproj", help="GGUF of a VLM: its vision tower as llama.cpp's mmproj .gguf, auto | f16 | bf16 | f32; none = the language model alone (no image input)."),
     auto_precision: bool = typer.Option(False, "--auto-precision", help="GGUF: per-tensor k-quant types chosen by measured sensitivity, at the size of llama.cpp's --gguf-type mixture (or --budget-bpw)."),
     budget_bpw: Optional[float] = typer.Option(None, "--budget-bpw", help="GGUF --auto-precision: bits per weight of the whole file instead of the mixture's size."),
     fallback: bool = typer.Option(False, "--fallback", help="GGUF: when the gate fails, raise the most damaging tensors' types and re-measure until it passes or --max-size is reached."),
@@ -103,7 +104,7 @@ def quantize(
         # option, and naming one no target has is an error.
         method_options=dict(scheme=scheme, bits=bits, group_size=group_size, act_order=act_order, symmetric=symmetric,
                             backend=backend,
-                            gguf_type=gguf_type, imatrix=imatrix, smoothing_strength=smoothing_strength,
+                            gguf_type=gguf_type, imatrix=imatrix, mmproj=mmproj, smoothing_strength=smoothing_strength,
                             double_quant=double_quant, compute_dtype=compute_dtype),
     )
     overrides.method_options.update(mixed_precision_options(auto_precision, budget_bpw, fallback, max_size))

@@ -54,6 +54,7 @@ class ArchSpec:
     fused_qkv_mlp: bool = False  # Phi-3: qkv_proj -> attn_qkv, gate_up_proj -> ffn_up (fused on both sides)
     rope_types: tuple[str, ...] = ("default", "linear", "yarn")
     sliding_window: str = "refused"  # how a sliding window is handled: refused, gemma2, gemma3, phi3
+    mrope: bool = False  # Qwen2-VL's multimodal RoPE: mrope_section written as rope.dimension_sections
 
 
 LLAMA_ROPE = ("default", "linear", "yarn", "llama3")
@@ -74,6 +75,10 @@ ARCHITECTURES: dict[str, ArchSpec] = {
                                   rope_types=("default", "linear"), sliding_window="gemma3"),
     "Gemma3ForConditionalGeneration": ArchSpec("GEMMA3", "gemma3", "gemma3", norm_shift=True, trims_vocab=True,
                                                rope_types=("default", "linear"), sliding_window="gemma3"),
+    # VLMs: convert_hf_to_gguf.py converts their language model (LlamaModel for Llava, Qwen2VLModel)
+    "LlavaForConditionalGeneration": ArchSpec("LLAMA", "llama", "llama", permute_qk=True, rope_types=LLAMA_ROPE),
+    "Qwen2VLForConditionalGeneration": ArchSpec("QWEN2VL", "text", "qwen2", mrope=True),
+    "Qwen2_5_VLForConditionalGeneration": ArchSpec("QWEN2VL", "text", "qwen2", mrope=True),
     "Phi3ForCausalLM": ArchSpec("PHI3", "phi3", "phi3", rope_types=("default", "longrope", "su"),
                                 sliding_window="phi3", fused_qkv_mlp=True),
 }
@@ -217,8 +222,10 @@ def check_rope(arch: str, spec: ArchSpec, hp: dict) -> None:
         refuse(arch, f"RoPE type '{kind}' is not supported", supported)
     if (rope.get("sliding_attention") or {}).get("rope_type", "default") != "default":
         refuse(arch, "a scaled RoPE on the sliding-window layers is not supported", supported)
-    if "mrope_section" in rope:
-        refuse(arch, "multimodal RoPE sections are not supported", supported)
+    if ("mrope_section" in rope) != spec.mrope:
+        what = "a RoPE without mrope_section is" if spec.mrope else "multimodal RoPE sections are"
+        refuse(arch, f"{what} not supported", "multimodal RoPE (mrope_section) converts for Qwen2-VL and "
+               "Qwen2.5-VL only, and those need it")
     if kind in ("longrope", "su") and not (rope.get("long_factor") and rope.get("short_factor")):
         refuse(arch, "LongRoPE without long_factor / short_factor", "supported: LongRoPE with both factor lists, as Phi-3 configs give them")
 
@@ -540,6 +547,8 @@ def add_rope(writer, rope: dict) -> None:
         add_yarn(writer, params)
     elif kind in ("su", "longrope"):
         writer.add_rope_scaling_type(gguf.RopeScalingType.LONGROPE)
+    if (sections := rope.get("mrope_section")) is not None:  # padded to [time, height, width, extra]
+        writer.add_rope_dimension_sections((list(sections) + [0, 0, 0, 0])[:4])
     if (theta := params.get("rope_theta")) is not None:
         writer.add_rope_freq_base(theta)
     if (local := (rope.get("sliding_attention") or {}).get("rope_theta")) is not None:

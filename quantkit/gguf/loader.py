@@ -9,7 +9,7 @@ up concatenated per expert, mlp.experts.down_proj; the router is mlp.gate), Gemm
 they are ids no tokenizer produces), a missing output taken from the tied embedding. Generated
 tensors (rope_freqs, LongRoPE factors) have no HF counterpart and are skipped. Phi-3's fused
 qkv_proj / gate_up_proj are fused in HF too. A VLM's language model gets the VLM's names
-(`model.language_model.*`); its towers are not in the file.
+(`model.language_model.*`); its towers are not in the file (they are in the mmproj .gguf beside it).
 """
 
 from __future__ import annotations
@@ -39,7 +39,9 @@ HF_LAYER = [
 HF_LAYER_FUSED = ["model.layers.{i}.self_attn.qkv_proj.weight", "model.layers.{i}.mlp.gate_up_proj.weight"]
 GENERATED = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
 # HF prefix of the language model inside a VLM (the converter strips "language_model.")
-LANGUAGE_MODEL_PREFIX = {"Gemma3ForConditionalGeneration": "model.language_model."}
+LANGUAGE_MODEL_PREFIX = {arch: "model.language_model." for arch in (
+    "Gemma3ForConditionalGeneration", "LlavaForConditionalGeneration", "Qwen2VLForConditionalGeneration",
+    "Qwen2_5_VLForConditionalGeneration")}
 EXPERTS = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
 
 

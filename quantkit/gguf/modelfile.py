@@ -1,4 +1,4 @@
-"""Ollama Modelfile for a written .gguf: FROM, TEMPLATE (Go template) and stop PARAMETERs.
+"""Ollama Modelfile for a written .gguf (and a VLM's mmproj): FROM, TEMPLATE (Go template) and stop PARAMETERs.
 
 The HF chat template (Jinja) is recognised by its markers and replaced by the equivalent Ollama
 template; an unrecognised template is left out with a comment (Ollama then uses the GGUF's own
@@ -53,9 +53,10 @@ def detect_format(chat_template: str | None) -> ChatFormat | None:
     return None
 
 
-def render(gguf_filename: str, chat_template: str | None) -> str:
-    """The Modelfile text (FROM is relative to the Modelfile's directory)."""
-    lines = [f"FROM ./{gguf_filename}", ""]
+def render(gguf_filename: str, chat_template: str | None, projector: str | None = None) -> str:
+    """The Modelfile text (FROM is relative to the Modelfile's directory); a VLM's multimodal
+    projector (mmproj .gguf) is a second FROM, which Ollama recognises by its `clip` architecture."""
+    lines = [f"FROM ./{gguf_filename}", *([f"FROM ./{projector}"] if projector else []), ""]
     fmt = detect_format(chat_template)
     if fmt is None:
         note = "no chat template" if not chat_template else "chat template not recognised"

@@ -9,12 +9,21 @@ from the calibration windows when the type benefits from it. llama.cpp users app
 everything at 4 bits and below (it lowers Q4_K_M's KLD by ~10% and Q2_K/Q3_K's by 20-30% in
 llama.cpp's perplexity README); at Q5_K and above the gain is within noise and Q8_0 ignores it.
 So auto = on for Q2_K, Q3_K_S/M/L, Q4_K_S/M, Q4_0, Q4_1; off otherwise.
+
+A VLM gets two files, as llama.cpp runs one: the language model (quantized as above) and its
+vision tower + projector as `mmproj-<model-name>-<TYPE>.gguf` (quantkit.gguf.mmproj: 16-bit, byte
+for byte what llama.cpp's converter writes), and a Modelfile naming both. `mmproj` chooses that
+file's type (auto: the source's 16-bit type, as llama.cpp's converter does without --outtype;
+f16, bf16, f32), or "none": the language model alone, which then cannot read images; a VLM family
+without an mmproj conversion is refused unless that is asked for.
 """
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
+
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -66,6 +75,9 @@ class Options(BaseModel):
     imatrix: str = "auto"  # "auto" | "none" | path to an imatrix file
     auto_precision: AutoPrecision | None = None
     fallback: Fallback | None = None
+    mmproj: Literal["auto", "f16", "bf16", "f32", "none"] = Field(
+        "auto", description="a VLM's vision tower + projector as llama.cpp's mmproj .gguf: auto (the source's "
+        "16-bit type, as convert_hf_to_gguf.py --mmproj), f16, bf16, f32; none: the language model alone")
 
     @field_validator("gguf_type")
     @classmethod
@@ -161,6 +173,8 @@ def check(info, options: Options, calibration=None) -> None:
     from quantkit.gguf.convert import check_convertible
 
     check_convertible(info.config, info.tensors)
+    if info.towers.components and options.mmproj != "none":
+        check_mmproj(info, options.mmproj)
     if options.imatrix not in ("auto", "none") and not Path(options.imatrix).is_file():
         raise InputError(f"imatrix file not found: {options.imatrix}",
                          hint='pass a llama.cpp imatrix (.gguf or .dat), "auto" or "none"')
@@ -168,6 +182,22 @@ def check(info, options: Options, calibration=None) -> None:
         from quantkit.gguf import imatrix as im
 
         im.check_fits(im.read(Path(options.imatrix)), info, options.gguf_type, Path(options.imatrix))
+
+
+def check_mmproj(info, mmproj_type: str) -> None:
+    """A VLM's mmproj converts: its family has a conversion, the converter's features are the
+    checkpoint's, every tower tensor has a GGUF name, and the image processor config gives
+    image_mean / image_std (the mmproj metadata needs them)."""
+    from quantkit.gguf import mmproj
+
+    if info.towers.family is None:
+        raise UnsupportedError(f"gguf: {info.architecture} has towers found by look ({', '.join(info.towers.unknown)}) "
+                               "and no mmproj conversion",
+                               hint="set the gguf option mmproj: none to write the language model alone "
+                                    "(no image input)")
+    planned = mmproj.plan(info.path, mmproj_type)
+    if planned.converter == mmproj.MODERN:
+        mmproj.need_stats(mmproj.image_stats(info.path), mmproj.FAMILIES[planned.family])
 
 
 def cpu_threads() -> int:
@@ -277,14 +307,37 @@ def write_gguf(job: QuantizeJob, imatrix, types: dict | None, details: dict) -> 
     result = convert(job.info.path, out_path, opts.gguf_type,
                      imatrix=imatrix.weights() if imatrix is not None else None, name=name, threads=cpu_threads(),
                      types=types)
-    (Path(job.out_dir) / "Modelfile").write_text(render(out_path.name, read_chat_template(job.info.path)))
+    projector = write_mmproj(job, name)
+    (Path(job.out_dir) / "Modelfile").write_text(render(out_path.name, read_chat_template(job.info.path),
+                                                        projector.get("file")))
     gguf = {**details.get("gguf", {}), "file": out_path.name, "type": opts.gguf_type,
             "tensor_types": result.type_counts, "tensors": result.tensors, "bytes": result.bytes,
             "imatrix_tensors": result.imatrix_tensors, "vocab": result.vocab}
+    if projector:
+        gguf["mmproj"] = projector
     if types:
         (Path(job.out_dir) / TENSOR_TYPES_FILE).write_text("\n".join(override_lines(types)) + "\n")
         gguf["tensor_types_file"] = TENSOR_TYPES_FILE
     return QuantizeResult(out_path, {**details, "gguf": gguf})
+
+
+def write_mmproj(job: QuantizeJob, name: str) -> dict:
+    """A VLM's mmproj file beside the language model (what quantkit.json reports about it); {} for
+    a text model; for mmproj: none, the report says the language model was written alone."""
+    from quantkit.gguf import mmproj
+
+    opts = job.options
+    if not job.info.towers.components:
+        return {}
+    if opts.mmproj == "none":
+        return {"file": None, "written": False,
+                "reason": "mmproj: none: the language model alone, without its vision tower (no image input)"}
+    planned = mmproj.plan(job.info.path, opts.mmproj)
+    path = Path(job.out_dir) / f"mmproj-{name}-{planned.outtype.name}.gguf"
+    result = mmproj.write(planned, job.info.path, path)
+    return {"file": path.name, "written": True, "requested": opts.mmproj, "type": result.file_type,
+            "converter": f"llama.cpp {result.converter}", "family": result.family,
+            "tensor_types": result.type_counts, "tensors": result.tensors, "bytes": result.bytes}
 
 
 def quantize(job: QuantizeJob) -> QuantizeResult:

@@ -18,7 +18,7 @@ from quantkit.methods import METHODS  # noqa: E402
 FUZZ = settings(max_examples=30, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow,
                                                                                       HealthCheck.function_scoped_fixture])
 
-OPTION_NAMES = ["scheme", "bits", "group_size", "act_order", "backend", "gguf_type", "imatrix", "smoothing_strength",
+OPTION_NAMES = ["scheme", "bits", "group_size", "act_order", "backend", "gguf_type", "imatrix", "mmproj", "smoothing_strength",
                 "double_quant", "compute_dtype", "quantize_lm_head", "ignore"]
 scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=True),
                     st.text(max_size=12), st.sampled_from(["Q4_K_M", "Q8_0", "fp8-dynamic", "nf4", "auto", "none",

@@ -140,7 +140,10 @@ REFUSED = [
     (base_config("Qwen3MoeForCausalLM", num_experts=4, norm_topk_prob=True, mlp_only_layers=[1]), "dense"),
     (base_config("Phi3ForCausalLM", rope_scaling={"rope_type": "linear", "factor": 2.0}), "RoPE type 'linear'"),
     (base_config("Phi3ForCausalLM", rope_scaling={"rope_type": "longrope"}), "long_factor"),
-    (base_config("Qwen2VLForConditionalGeneration"), "does not support architecture"),
+    (base_config("Qwen3VLForConditionalGeneration"), "does not support architecture"),
+    (base_config("Qwen2ForCausalLM", rope_scaling={"rope_type": "default", "mrope_section": [8, 12, 12]}),
+     "multimodal RoPE sections are not supported"),
+    (base_config("Qwen2VLForConditionalGeneration"), "a RoPE without mrope_section is not supported"),
     (base_config("LlamaForCausalLM", quantization_config={"quant_method": "awq"}), "already quantized"),
 ]
 
@@ -196,13 +199,15 @@ def test_sentencepiece_vocab_as_converter(tmp_path):
 @pytest.mark.parametrize("name", ["mixtral", "gemma3", "gemma3vlm"])
 def test_pipeline_gate_reads_family_back(cli, name, tmp_path):
     """quantkit quantize --method gguf: the gate evaluates the .gguf read back into the HF
-    architecture (experts fused in memory, Gemma 3's per-layer-type RoPE, a VLM's towers from the base)."""
+    architecture (experts fused in memory, Gemma 3's per-layer-type RoPE, a VLM's towers from the base).
+    The VLM fixture has no image processor config, so its mmproj cannot be written: --mmproj none
+    asks for the language model alone (tests/gguf/test_vlm_gguf.py covers the mmproj)."""
     from tests.util import FAST_CALIB
 
     model = build_family(name, tmp_path / name)
     out = tmp_path / "out"
     result = cli("quantize", model, "--method", "gguf", "--gguf-type", "Q8_0", "-o", out, *FAST_CALIB,
-                 "--min-top1", "0.5")
+                 "--min-top1", "0.5", *(["--mmproj", "none"] if name == "gemma3vlm" else []))
     assert result.exit_code == 0, result.output
     target = json.loads((out / "quantkit.json").read_text())["targets"][0]
     assert target["gate"]["passed"] and target["metrics"]["kld_mean"] < 0.01

@@ -1,0 +1,584 @@
+"""A VLM's vision tower and projector as llama.cpp's multimodal projector file (`mmproj-*.gguf`).
+
+llama.cpp runs a VLM from two files: the language model (quantkit.gguf.convert) and this one,
+which its clip code (llama-mtmd-cli, llama-server --mmproj, Ollama's second FROM) loads. Each
+family is written the way llama.cpp's own converter writes it, byte for byte:
+
+* Qwen2-VL, Qwen2.5-VL, Gemma 3: `convert_hf_to_gguf.py MODEL --mmproj` (its MmprojModel and the
+  family's vision class): tensor names, the fused qkv split into q/k/v, Qwen's Conv3D patch
+  embedding split into one Conv2D kernel per time step, Gemma's `soft_emb_norm` stored as w + 1,
+  the `clip.*` metadata, gguf.Metadata's general.* keys, and its types (below).
+* LLaVA 1.5 (LlavaForConditionalGeneration with a CLIP tower): convert_hf_to_gguf.py refuses it
+  (its LlavaVisionModel takes Pixtral towers only); llama.cpp's documented path is
+  tools/mtmd/legacy-models/llava_surgery_v2.py + convert_image_encoder_to_gguf.py on the split-off
+  CLIP tower, which writes the legacy CLIP layout (`clip.has_llava_projector`, projector type
+  `mlp`, fc1 stored as `ffn_down`, the last encoder layer and post_layernorm dropped because LLaVA
+  reads the second-to-last layer). That is what is written for LLaVA.
+
+Types (`mmproj` option):
+* auto: what the converter does without --outtype. convert_hf_to_gguf: the first 2-D tower
+  weight decides, BF16 for bf16, F16 for f16 or anything else (so a 16-bit tower keeps its own
+  type); the legacy LLaVA converter: f16.
+* f16 / bf16 / f32: --outtype f16|bf16|f32 (legacy LLaVA: f16, or --use-f32; no bf16).
+Within a file the converter's rules apply: 1-D tensors, norms, biases and position embeddings
+F32; the patch embedding F16 in an f16 file, else F32 (legacy: always F16); Gemma 3's input
+projection F16 (llama.cpp issue 13025). A bf16 source written F16 is rounded (round to nearest
+even, as numpy's astype does in the converter); quantkit.gguf.mmproj.tensor_report says per tensor
+whether the file holds the source values exactly.
+
+Checkpoint layouts: names are read in the Hub layout (`vision_tower.vision_model.*`, `visual.*`,
+`multi_modal_projector.*`); checkpoints saved by transformers >= 4.52 (`model.` prefix) or 5.x
+(no `vision_model.` level inside a CLIP/SigLIP tower) are renamed to it first (`hub_name`), so they
+give the same file as their Hub-layout twin (llama.cpp's converters read the Hub layout only).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from quantkit.errors import InputError, UnsupportedError
+from quantkit.gguf.mixture import T
+
+LEGACY = "convert_image_encoder_to_gguf.py"  # tools/mtmd/legacy-models (LLaVA 1.5 with a CLIP tower)
+MODERN = "convert_hf_to_gguf.py --mmproj"
+MMPROJ_TYPES = ("auto", "f16", "bf16", "f32")
+OUTTYPES = {"f16": T.F16, "bf16": T.BF16, "f32": T.F32}
+FILE_TYPES = {T.F32: 0, T.F16: 1, T.BF16: 32}  # gguf.LlamaFileType ALL_F32 / MOSTLY_F16 / MOSTLY_BF16
+CLIP_DEFAULT_MEAN = [0.48145466, 0.4578275, 0.40821073]  # convert_image_encoder_to_gguf.py's defaults
+CLIP_DEFAULT_STD = [0.26862954, 0.26130258, 0.27577711]
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One checkpoint tensor (a full-match regex over its Hub-layout name) and what it becomes."""
+
+    pattern: str
+    names: tuple[str, ...]  # GGUF name(s), formatted with the match groups; several: the tensor is split
+    split: str = ""  # "rows": equal parts along the first axis (fused qkv); "time": Conv3D kernel per time step
+    shift: bool = False  # stored w + 1 (Gemma's RMSNorm scales by 1 + w)
+    force: T | str | None = None  # the converter's tensor_force_quant: a type, "patch" (F16 in an f16 file, else F32)
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    converter: str  # MODERN or LEGACY
+    projector_type: str  # clip.projector_type
+    rules: tuple[Rule, ...]
+    dropped: tuple[tuple[str, str], ...] = ()  # (regex over Hub names, why the converter leaves it out)
+    renames: tuple[tuple[str, str], ...] = ()  # other checkpoint layouts -> the Hub layout (re.sub, in order)
+    note: str = ""  # what README's VLM table adds
+
+
+def blocks(prefix: str, parts: dict[str, str]) -> tuple[Rule, ...]:
+    """Rules for the encoder blocks: `{prefix}.N.{hf}.(weight|bias)` -> `v.blk.N.{gguf}.(weight|bias)`."""
+    return tuple(Rule(rf"{re.escape(prefix)}\.(\d+)\.{re.escape(hf)}\.(weight|bias)", (f"v.blk.{{0}}.{g}.{{1}}",))
+                 for hf, g in parts.items())
+
+
+QWEN_BLOCK = {"attn.proj": "attn_out", "norm1": "ln1", "norm2": "ln2"}
+QWEN_COMMON = (
+    Rule(r"visual\.blocks\.(\d+)\.attn\.qkv\.(weight|bias)",
+         ("v.blk.{0}.attn_q.{1}", "v.blk.{0}.attn_k.{1}", "v.blk.{0}.attn_v.{1}"), split="rows"),
+    Rule(r"visual\.merger\.ln_q\.(weight|bias)", ("v.post_ln.{0}",)),
+    Rule(r"visual\.merger\.mlp\.(0|2)\.(weight|bias)", ("mm.{0}.{1}",)),
+    Rule(r"visual\.patch_embed\.proj\.weight", ("v.patch_embd.weight", "v.patch_embd.weight.1"), split="time",
+         force="patch"),
+)
+SIGLIP_BLOCK = {"layer_norm1": "ln1", "layer_norm2": "ln2", "mlp.fc1": "ffn_up", "mlp.fc2": "ffn_down",
+                "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+                "self_attn.out_proj": "attn_out"}
+# the legacy converter's string replacements, in CLIPEncoderLayer's module order (its tensor order)
+LEGACY_CLIP_BLOCK = {"self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.q_proj": "attn_q",
+                     "self_attn.out_proj": "attn_out", "layer_norm1": "ln1", "mlp.fc1": "ffn_down",
+                     "mlp.fc2": "ffn_up", "layer_norm2": "ln2"}
+TOWER = "vision_tower.vision_model"
+# transformers >= 4.52 saves `model.`-prefixed towers; 5.x drops the `vision_model.` level of CLIP/SigLIP
+NESTED_RENAMES = ((r"^model\.(vision_tower|multi_modal_projector)\.", r"\1."),
+                  (r"^vision_tower\.(?!vision_model\.)", "vision_tower.vision_model."))
+
+FAMILIES: dict[str, Family] = {
+    "llava": Family(
+        "LLaVA 1.5 (CLIP tower)", LEGACY, "mlp",
+        (Rule(r"multi_modal_projector\.linear_1\.(weight|bias)", ("mm.0.{0}",)),
+         Rule(r"multi_modal_projector\.linear_2\.(weight|bias)", ("mm.2.{0}",)),
+         Rule(rf"{TOWER}\.embeddings\.class_embedding", ("v.class_embd",)),
+         Rule(rf"{TOWER}\.embeddings\.patch_embedding\.weight", ("v.patch_embd.weight",)),
+         Rule(rf"{TOWER}\.embeddings\.position_embedding\.weight", ("v.position_embd.weight",)),
+         Rule(rf"{TOWER}\.pre_layrnorm\.(weight|bias)", ("v.pre_ln.{0}",)),
+         *blocks(f"{TOWER}.encoder.layers", LEGACY_CLIP_BLOCK)),
+        dropped=((rf"{TOWER}\.post_layernorm\..*", "LLaVA reads the second-to-last layer, before post_layernorm"),
+                 (rf"{TOWER}\.embeddings\.position_ids", "a buffer, not a weight")),
+        renames=NESTED_RENAMES, note="CLIP towers; a Pixtral tower is refused"),
+    "qwen2_vl": Family(
+        "Qwen2-VL", MODERN, "qwen2vl_merger",
+        QWEN_COMMON + blocks("visual.blocks", {**QWEN_BLOCK, "mlp.fc1": "ffn_up", "mlp.fc2": "ffn_down"}),
+        renames=((r"^model\.visual\.", "visual."),)),
+    "qwen2_5_vl": Family(
+        "Qwen2.5-VL", MODERN, "qwen2.5vl_merger",
+        QWEN_COMMON + blocks("visual.blocks", {**QWEN_BLOCK, "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+                                               "mlp.down_proj": "ffn_down"}),
+        renames=((r"^model\.visual\.", "visual."),)),
+    "gemma3": Family(
+        "Gemma 3", MODERN, "gemma3",
+        (Rule(r"multi_modal_projector\.mm_input_projection_weight", ("mm.input_projection.weight",), force=T.F16),
+         Rule(r"multi_modal_projector\.mm_soft_emb_norm\.weight", ("mm.soft_emb_norm.weight",), shift=True),
+         Rule(rf"{TOWER}\.embeddings\.patch_embedding\.(weight|bias)", ("v.patch_embd.{0}",), force=T.F32),
+         Rule(rf"{TOWER}\.embeddings\.position_embedding\.weight", ("v.position_embd.weight",), force=T.F32),
+         *blocks(f"{TOWER}.encoder.layers", SIGLIP_BLOCK),
+         Rule(rf"{TOWER}\.post_layernorm\.(weight|bias)", ("v.post_ln.{0}",))),
+        dropped=((rf"{TOWER}\.head\..*", "SigLIP's pooling head: Gemma 3 does not use it (the converter skips it)"),),
+        renames=NESTED_RENAMES),
+}
+
+
+@dataclass
+class Piece:
+    """One GGUF tensor of the mmproj: a (part of a) checkpoint tensor, transformed and typed."""
+
+    name: str  # GGUF name
+    source: str  # checkpoint name (as stored)
+    hub: str  # the Hub-layout name the rules matched
+    rule: Rule
+    part: int  # which part of a split tensor (0 otherwise)
+    shape: tuple[int, ...]  # numpy order, as written
+    qtype: T = T.F32
+    source_dtype: str = "BF16"
+
+
+@dataclass
+class MmprojPlan:
+    family: str  # model_type
+    converter: str
+    outtype: T  # the file type (general.file_type)
+    pieces: list[Piece]
+    dropped: dict[str, str] = field(default_factory=dict)  # checkpoint name -> why it is not written
+    config: dict = field(default_factory=dict)
+
+
+@dataclass
+class MmprojResult:
+    path: Path
+    family: str
+    converter: str
+    file_type: str
+    type_counts: dict[str, int]
+    tensors: int
+    bytes: int
+
+
+def supported_families() -> list[str]:
+    return sorted(FAMILIES)
+
+
+def family_of(config: dict) -> Family:
+    """The config's family row, or UnsupportedError naming the supported ones."""
+    model_type = config.get("model_type", "?")
+    if model_type not in FAMILIES:
+        raise UnsupportedError(
+            f"gguf: no mmproj (vision tower) conversion for '{model_type}' "
+            f"({(config.get('architectures') or ['?'])[0]})",
+            hint="mmproj supported for: " + ", ".join(f"{FAMILIES[k].name} ({k})" for k in supported_families())
+                 + "; set the gguf option mmproj: none to write the language model alone (no image input)")
+    return FAMILIES[model_type]
+
+
+def hub_name(family: Family, name: str) -> str:
+    for pattern, repl in family.renames:
+        name = re.sub(pattern, repl, name)
+    return name
+
+
+def match(family: Family, hub: str) -> tuple[Rule, tuple[str, ...]] | None:
+    for rule in family.rules:
+        if (m := re.fullmatch(rule.pattern, hub)) is not None:
+            return rule, m.groups()
+    return None
+
+
+def is_language_model(name: str) -> bool:
+    return bool(re.match(r"^(model\.)?(language_model\.|layers\.|embed_tokens\.|norm\.)|^lm_head\.", name))
+
+
+# ------------------------------------------------------------------ checks (config.json only)
+
+
+def check(config: dict, mmproj_type: str) -> Family:
+    """Refuse, before any work, what the family's llama.cpp converter does not convert."""
+    family = family_of(config)
+    vision = config.get("vision_config") or {}
+
+    def refuse(what: str, hint: str):
+        raise UnsupportedError(f"gguf mmproj of {family.name}: {what}", hint=hint)
+
+    if mmproj_type not in MMPROJ_TYPES:
+        refuse(f"unknown mmproj type '{mmproj_type}'", "one of: " + ", ".join((*MMPROJ_TYPES, "none")))
+    if family.converter == LEGACY:
+        if mmproj_type == "bf16":
+            refuse("the legacy CLIP format has no bf16", "use mmproj: auto (f16) or f32")
+        if vision.get("model_type", "clip_vision_model") != "clip_vision_model":
+            refuse(f"vision tower '{vision.get('model_type')}' (only a CLIP tower converts here)",
+                   "convert a Pixtral tower with llama.cpp's convert_hf_to_gguf.py --mmproj, and the language "
+                   "model with quantkit --mmproj none")
+        layer, strategy = config.get("vision_feature_layer", -2), config.get("vision_feature_select_strategy", "default")
+        if layer != -2 or strategy != "default":
+            refuse(f"vision_feature_layer {layer} / select strategy '{strategy}' (llama.cpp's LLaVA mmproj reads "
+                   "the second-to-last CLIP layer without the class token)",
+                   "supported: vision_feature_layer -2, vision_feature_select_strategy default (LLaVA 1.5)")
+        if config.get("projector_hidden_act", "gelu") != "gelu" or config.get("multimodal_projector_bias") is False:
+            refuse("a projector other than Linear-GELU-Linear with biases", "LLaVA 1.5's projector is supported")
+    if any(r.split == "time" for r in family.rules) and vision.get("temporal_patch_size", 2) != 2:
+        refuse("temporal_patch_size other than 2", "llama.cpp splits the Conv3D patch embedding into 2 kernels")
+    if config.get("model_type") == "qwen2_5_vl":
+        n_wa_pattern(vision, family)
+    return family
+
+
+def n_wa_pattern(vision: dict, family: Family) -> int:
+    """Qwen2.5-VL's window-attention pattern: full attention every n-th block (evenly spaced)."""
+    full = vision.get("fullatt_block_indexes")
+    if not full:
+        raise UnsupportedError(f"gguf mmproj of {family.name}: vision_config has no fullatt_block_indexes",
+                               hint="Qwen2.5-VL checkpoints list their full-attention blocks")
+    step = full[0] + 1
+    if any(b - a != step for a, b in zip(full, full[1:])):
+        raise UnsupportedError(f"gguf mmproj of {family.name}: full-attention blocks {full} are not evenly spaced",
+                               hint="llama.cpp's clip code supports one window pattern (n_wa_pattern)")
+    return step
+
+
+# ------------------------------------------------------------------ plan
+
+
+def plan(model_dir: Path, mmproj_type: str = "auto") -> MmprojPlan:
+    """Which tensors the mmproj holds, their names, shapes and types (nothing read but headers)."""
+    from quantkit.model import check_model_dir
+
+    info = check_model_dir(Path(model_dir))
+    config = complete(info.config)
+    family = check(config, mmproj_type)
+    pieces, dropped = [], {}
+    skip = legacy_skipped_layer(config) if family.converter == LEGACY else None
+    for name, (dtype, shape) in info.tensors.items():
+        if is_language_model(name):
+            continue
+        hub = hub_name(family, name)
+        why = next((reason for pattern, reason in family.dropped if re.fullmatch(pattern, hub)), None)
+        if why is None and skip is not None and re.match(rf"{re.escape(TOWER)}\.encoder\.layers\.{skip}\.", hub):
+            why = f"encoder layer {skip} is the last one: LLaVA reads the second-to-last layer's output"
+        if why is not None:
+            dropped[name] = why
+            continue
+        found = match(family, hub)
+        if found is None:
+            raise UnsupportedError(f"gguf mmproj of {family.name}: no GGUF name for tensor '{name}'",
+                                   hint="the checkpoint has a tower tensor llama.cpp's converter does not know")
+        rule, groups = found
+        for part, shape_out in enumerate(split_shapes(rule, tuple(shape), family.converter == LEGACY)):
+            pieces.append(Piece(rule.names[part].format(*groups), name, hub, rule, part, shape_out,
+                                source_dtype=dtype))
+    if not pieces:
+        raise UnsupportedError(f"gguf mmproj of {family.name}: the checkpoint has no vision tower tensors")
+    if family.converter == LEGACY:
+        pieces = legacy_order(family, pieces)
+        outtype = T.F32 if mmproj_type == "f32" else T.F16
+    else:
+        outtype = OUTTYPES[mmproj_type] if mmproj_type in OUTTYPES else guessed_outtype(pieces)
+    for piece in pieces:
+        piece.qtype = (legacy_type if family.converter == LEGACY else modern_type)(piece, outtype)
+    return MmprojPlan(config["model_type"], family.converter, outtype, pieces, dropped, config)
+
+
+def complete(config: dict) -> dict:
+    """config.json with transformers' defaults filled in (AutoConfig.to_dict(), as the converters read it)."""
+    from quantkit.gguf.convert import complete_config
+
+    return complete_config(config)
+
+
+def legacy_skipped_layer(config: dict) -> int:
+    """The encoder layer the legacy converter pops (LLaVA reads layer -2's output)."""
+    return int(config["vision_config"]["num_hidden_layers"]) - 1
+
+
+def split_shapes(rule: Rule, shape: tuple[int, ...], squeeze: bool) -> list[tuple[int, ...]]:
+    """The shape of each written part (the legacy converter squeezes size-1 axes)."""
+    if squeeze:
+        return [tuple(d for d in shape if d != 1)]
+    if rule.split == "rows":
+        if shape[0] % 3:
+            raise InputError(f"fused qkv with {shape[0]} rows is not divisible by 3")
+        return [(shape[0] // 3, *shape[1:])] * 3
+    if rule.split == "time":
+        return [(shape[0], shape[1], *shape[3:])] * shape[2]
+    return [shape]
+
+
+def legacy_order(family: Family, pieces: list[Piece]) -> list[Piece]:
+    """convert_image_encoder_to_gguf.py's order: projector tensors as llava.projector holds them
+    (checkpoint order), then the CLIP tower's state_dict (module order: rule order, per layer)."""
+    rank = {rule.pattern: i for i, rule in enumerate(family.rules)}
+
+    def key(piece: Piece):
+        if piece.hub.startswith("multi_modal_projector."):
+            return (0, 0, 0, 0)
+        layer = re.search(r"\.layers\.(\d+)\.", piece.hub)
+        return (1, int(layer.group(1)) if layer else -1, rank[piece.rule.pattern], piece.hub.endswith(".bias"))
+
+    return sorted(pieces, key=key)  # stable: projector tensors keep their checkpoint order
+
+
+def guessed_outtype(pieces: list[Piece]) -> T:
+    """ModelBase's --outtype auto: the first 2-D (or larger) tower tensor stored as bf16 or f16 decides."""
+    for piece in pieces:
+        if len(piece.shape) >= 2 and piece.source_dtype in ("BF16", "F16"):
+            return T.BF16 if piece.source_dtype == "BF16" else T.F16
+    return T.F16
+
+
+def modern_type(piece: Piece, outtype: T) -> T:
+    """ModelBase.prepare_tensors' type rules (with the family's tensor_force_quant)."""
+    forced = piece.rule.force
+    if forced == "patch":
+        forced = T.F16 if outtype == T.F16 else T.F32
+    if len(piece.shape) <= 1 or piece.name.endswith("_norm.weight"):
+        return T.F32
+    if forced is not None:
+        return forced
+    if piece.name == "v.position_embd.weight" or not piece.name.endswith(".weight"):
+        return T.F32
+    return outtype
+
+
+def legacy_type(piece: Piece, outtype: T) -> T:
+    """convert_image_encoder_to_gguf.py: projector 2-D/4-D F16, else F32; tower 4-D F16, 2-D
+    `.weight` F16 in an f16 file, everything else F32."""
+    ndim = len(piece.shape)
+    if piece.hub.startswith("multi_modal_projector."):
+        return T.F16 if ndim in (2, 4) else T.F32
+    if ndim == 4:
+        return T.F16
+    return T.F16 if outtype == T.F16 and ndim == 2 and piece.name.endswith(".weight") else T.F32
+
+
+# ------------------------------------------------------------------ tensor data
+
+
+def piece_values(piece: Piece, data: np.ndarray) -> np.ndarray:
+    """The float32 values of one piece from its whole source tensor (float32 as read)."""
+    from quantkit.gguf.convert import shift_norm
+
+    if piece.rule.split == "rows":
+        n = data.shape[0] // 3
+        data = data[piece.part * n:(piece.part + 1) * n]
+    elif piece.rule.split == "time":
+        data = data[:, :, piece.part]
+    if piece.rule.shift:
+        data = shift_norm(data, piece.source_dtype)
+    return np.ascontiguousarray(data.reshape(piece.shape), dtype=np.float32)
+
+
+def encode(values: np.ndarray, qtype: T) -> np.ndarray:
+    """float32 values as the converter stores them (numpy's round-to-nearest-even casts, gguf-py's bf16)."""
+    import gguf
+
+    if qtype == T.F32:
+        return values
+    if qtype == T.F16:
+        return values.astype(np.float16)
+    return gguf.quants.quantize(values, qtype)
+
+
+def read_source(handles: dict, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    handle = handles[name]
+    return handle.read(name, 0, shape[0] if len(shape) > 1 else 1)
+
+
+# ------------------------------------------------------------------ metadata
+
+
+def image_stats(model_dir: Path) -> dict:
+    """MmprojModel's preprocessor config: preprocessor_config.json, then processor_config.json
+    (its image_processor moved to the top level) merged over it."""
+    import json
+
+    merged: dict = {}
+    pre, proc = Path(model_dir) / "preprocessor_config.json", Path(model_dir) / "processor_config.json"
+    if pre.is_file():
+        cfg = json.loads(pre.read_text(encoding="utf-8"))
+        merged.update({**cfg, **cfg["media_proc_cfg"]} if "media_proc_cfg" in cfg else cfg)
+    if proc.is_file():
+        cfg = json.loads(proc.read_text(encoding="utf-8"))
+        merged.update({**cfg, **cfg["image_processor"]} if "image_processor" in cfg else cfg)
+    return merged
+
+
+def need_stats(stats: dict, family: Family) -> tuple[list, list]:
+    if "image_mean" not in stats or "image_std" not in stats:
+        raise InputError(f"gguf mmproj of {family.name}: the checkpoint has no image processor config with "
+                         "image_mean / image_std", hint="copy the model's preprocessor_config.json into its directory")
+    return stats["image_mean"], stats["image_std"]
+
+
+def text_hidden(config: dict) -> int:
+    text = {**config, **(config.get("text_config") or {})}
+    return text.get("hidden_size", text.get("n_embd", 0))
+
+
+def find(obj: dict, keys: tuple[str, ...]):
+    key = next((k for k in keys if k in obj), None)
+    if key is None:
+        raise InputError(f"vision_config has none of {', '.join(keys)}")
+    return obj[key]
+
+
+BLOCK_KEYS = ("n_layers", "num_hidden_layers", "n_layer", "num_layers", "depth", "layers", "encoder_layers",
+              "vt_num_hidden_layers")
+
+
+def vision_params(config: dict) -> dict:
+    """vision_config as the family's converter sees it (Qwen2VLVisionModel renames its keys)."""
+    vision = dict(config["vision_config"])
+    if config["model_type"] in ("qwen2_vl", "qwen2_5_vl"):
+        vision["image_size"] = vision.get("image_size", 560)
+        vision["num_attention_heads"] = vision.get("num_heads")
+        vision["num_hidden_layers"] = vision.get("depth")
+        if "embed_dim" in vision:
+            vision["intermediate_size"] = vision.get("hidden_size")
+            vision["hidden_size"] = vision.get("embed_dim")
+    return vision
+
+
+def modern_metadata(config: dict, family: Family, stats: dict, outtype: T) -> list[tuple[str, str, object]]:
+    """MmprojModel.set_gguf_parameters + the family's own keys, in the converter's order."""
+    vision = vision_params(config)
+    mean, std = need_stats(stats, family)
+    items = [("general.file_type", "u32", FILE_TYPES[outtype]),
+             ("clip.has_vision_encoder", "bool", True),
+             ("clip.vision.projection_dim", "u32", text_hidden(config)),
+             ("clip.vision.image_size", "u32", find(vision, ("image_size",))),
+             ("clip.vision.patch_size", "u32", find(vision, ("patch_size",))),
+             ("clip.vision.embedding_length", "u32", find(vision, ("hidden_size", "width", "vt_hidden_size"))),
+             ("clip.vision.feed_forward_length", "u32", find(vision, ("intermediate_size", "vt_intermediate_size"))),
+             ("clip.vision.block_count", "u32", find(vision, BLOCK_KEYS)),
+             ("clip.vision.attention.head_count", "u32",
+              find(vision, ("num_attention_heads", "num_heads", "heads", "vt_num_attention_heads"))),
+             ("clip.vision.image_mean", "arr", mean),
+             ("clip.vision.image_std", "arr", std),
+             ("clip.projector_type", "str", family.projector_type)]
+    if config["model_type"] == "qwen2_5_vl":
+        items += [("clip.use_silu", "bool", True), ("clip.vision.n_wa_pattern", "u32", n_wa_pattern(vision, family))]
+    if config["model_type"] in ("qwen2_vl", "qwen2_5_vl"):
+        items.append(("clip.vision.attention.layer_norm_epsilon", "f32", config.get("rms_norm_eps", 1e-6)))
+    if config["model_type"] == "gemma3":
+        items += [("clip.vision.attention.layer_norm_epsilon", "f32", vision.get("layer_norm_eps", 1e-6)),
+                  ("clip.use_gelu", "bool", True)]
+        n_per_side = int(stats.get("image_seq_length", 256) ** 0.5)
+        scale = (vision["image_size"] // vision["patch_size"]) // n_per_side
+        if scale > 0 and scale != 4:  # written only when it is not llama.cpp's default
+            items.append(("clip.vision.projector.scale_factor", "u32", scale))
+    return items
+
+
+def legacy_metadata(config: dict, family: Family, stats: dict, outtype: T, name: str) -> list[tuple[str, str, object]]:
+    """convert_image_encoder_to_gguf.py's keys for a LLaVA projector over a CLIP vision model."""
+    vision = config["vision_config"]
+    return [("clip.has_text_encoder", "bool", False),
+            ("clip.has_vision_encoder", "bool", True),
+            ("clip.has_llava_projector", "bool", True),
+            ("general.file_type", "u32", FILE_TYPES[outtype]),
+            ("general.name", "str", name),
+            ("general.description", "str", "image encoder for LLaVA"),
+            ("clip.projector_type", "str", family.projector_type),
+            ("clip.vision.image_size", "u32", vision["image_size"]),
+            ("clip.vision.patch_size", "u32", vision["patch_size"]),
+            ("clip.vision.embedding_length", "u32", vision["hidden_size"]),
+            ("clip.vision.feed_forward_length", "u32", vision["intermediate_size"]),
+            ("clip.vision.projection_dim", "u32", vision["projection_dim"]),
+            ("clip.vision.attention.head_count", "u32", vision["num_attention_heads"]),
+            ("clip.vision.attention.layer_norm_epsilon", "f32", vision["layer_norm_eps"]),
+            ("clip.vision.block_count", "u32", legacy_skipped_layer(config)),
+            ("clip.vision.image_mean", "arr", stats.get("image_mean", CLIP_DEFAULT_MEAN)),
+            ("clip.vision.image_std", "arr", stats.get("image_std", CLIP_DEFAULT_STD)),
+            ("clip.use_gelu", "bool", vision["hidden_act"] == "gelu")]
+
+
+def add_items(writer, items: list[tuple[str, str, object]]) -> None:
+    adders = {"u32": writer.add_uint32, "f32": writer.add_float32, "bool": writer.add_bool,
+              "str": writer.add_string, "arr": writer.add_array}
+    for key, kind, value in items:
+        adders[kind](key, value)
+
+
+def add_general(writer, model_dir: Path) -> None:
+    """ModelBase.prepare_metadata's general.* keys: gguf.Metadata's heuristics over the model directory
+    (name from the directory, size label from the parameter count, model card, generation config)."""
+    import json
+
+    import gguf
+
+    total, shared, expert, count = writer.get_total_parameter_count()
+    metadata = gguf.Metadata.load(None, Path(model_dir), None, total)
+    gen = Path(model_dir) / "generation_config.json"
+    if gen.is_file() and metadata.sampling_penalty_repeat is None:  # gguf-py >= 0.19.1 reads this key too
+        metadata.sampling_penalty_repeat = json.loads(gen.read_text()).get("repetition_penalty")
+    if metadata.name is None:
+        metadata.name = Path(model_dir).name
+    if metadata.size_label is None and total > 0:
+        metadata.size_label = gguf.size_label(total, shared, expert, count)
+    metadata.set_gguf_meta_model(writer)
+
+
+# ------------------------------------------------------------------ driver
+
+
+def convert(model_dir: Path, out_path: Path, mmproj_type: str = "auto") -> MmprojResult:
+    """Write the mmproj .gguf of the VLM in model_dir; returns what was written."""
+    return write(plan(Path(model_dir), mmproj_type), Path(model_dir), out_path)
+
+
+def write(mp: MmprojPlan, model_dir: Path, out_path: Path) -> MmprojResult:
+    """Write a planned mmproj: header and metadata first, then each tensor read, transformed, typed."""
+    import gguf
+
+    from quantkit.gguf.convert import open_handles, tensor_nbytes
+    from quantkit.model import check_model_dir
+
+    model_dir = Path(model_dir)
+    family = FAMILIES[mp.family]
+    stats = image_stats(model_dir)
+    writer = gguf.GGUFWriter(str(out_path), "clip")
+    for p in mp.pieces:
+        writer.add_tensor_info(p.name, p.shape, np.dtype(np.float16 if p.qtype == T.F16 else np.float32),
+                               tensor_nbytes(p.shape, p.qtype), raw_dtype=p.qtype if p.qtype == T.BF16 else None)
+    if family.converter == LEGACY:
+        add_items(writer, legacy_metadata(mp.config, family, stats, mp.outtype, model_dir.name))
+    else:
+        writer.add_type(gguf.GGUFType.MMPROJ)
+        add_general(writer, model_dir)
+        add_items(writer, modern_metadata(mp.config, family, stats, mp.outtype))
+        writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    handles = open_handles(check_model_dir(model_dir).weight_files)
+    try:
+        source_name, source = None, None
+        for p in mp.pieces:  # one source tensor in memory at a time (a split tensor's parts are adjacent)
+            if p.source != source_name:
+                source_name = p.source
+                source = read_source(handles, p.source, tuple(handles[p.source].header[p.source]["shape"]))
+            writer.write_tensor_data(encode(piece_values(p, source), p.qtype))
+    finally:
+        writer.close()
+        for h in set(handles.values()):
+            h.close()
+    counts: dict[str, int] = {}
+    for p in mp.pieces:
+        counts[p.qtype.name] = counts.get(p.qtype.name, 0) + 1
+    return MmprojResult(Path(out_path), mp.family, family.converter, mp.outtype.name, counts, len(mp.pieces),
+                        Path(out_path).stat().st_size)
