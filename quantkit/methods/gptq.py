@@ -5,6 +5,9 @@ Output: compressed-tensors `pack-quantized` (int weights packed into int32), ser
 pipeline): each decoder layer's linears collect a Hessian from its inputs, are quantized
 column block by column block with error feedback, and the quantized outputs feed the next layer.
 
+`auto_precision`: some layers int8 (per channel) or 16-bit instead of int4, chosen by measured
+sensitivity under a size budget (quantkit.methods.intmix), as extra config groups / ignore entries.
+
 Also home of the checks shared by the weight-only integer methods (awq, smoothquant):
 `check_group_size`, `check_calibration_tokens`, `quantized_linears`.
 """
@@ -141,6 +144,7 @@ def check(info, options: Options, calibration) -> None:
 def check_auto_precision(info, options: Options) -> None:
     """auto_precision starts every layer at int4 and gives some int8 (per channel) or 16-bit."""
     from quantkit.methods.moe import is_moe
+    from quantkit.model import is_vlm
 
     if options.bits != 4:
         raise InputError(f"gptq: auto_precision starts every layer at int4; bits={options.bits} leaves nothing "
@@ -148,8 +152,10 @@ def check_auto_precision(info, options: Options) -> None:
     if options.act_order == "group":
         raise InputError("gptq: auto_precision's int8 layers are per channel, which act_order=group cannot order",
                          hint="use act_order static or none")
-    if is_moe(info.model_type):
-        raise UnsupportedError(f"gptq: auto_precision is not supported for MoE models ({info.architecture})",
+    if is_moe(info.model_type) or is_vlm(info.config):
+        kind = "MoE models" if is_moe(info.model_type) else "VLMs"
+        raise UnsupportedError(f"gptq: auto_precision is not supported for {kind} ({info.architecture}): its "
+                               "sensitivity pass reads the checkpoint's layers by module name and streams a text decoder",
                                hint="quantize without --auto-precision")
 
 
@@ -185,9 +191,10 @@ def quantize(job: QuantizeJob) -> QuantizeResult:
     details = llmc.calibration_details(job)
     ignore, groups = llmc.decoder_ignore(job), None
     if job.options.auto_precision is not None:
-        choice, mixed = auto_precision(job, ignore)
+        chosen = scheme(job)
+        choice, mixed = auto_precision(job, ignore, chosen)
         details.update(mixed)
-        ignore, groups = ignore + intmix.kept_16bit(choice), intmix.config_groups(choice, scheme(job))
+        ignore, groups = ignore + intmix.kept_16bit(choice), intmix.config_groups(choice, chosen)
     llmc.run_oneshot(job, modifier(job.options, ignore, groups), calibrate=True)
     llmc.save_compressed(job)
     return QuantizeResult(job.out_dir, details)
@@ -221,14 +228,14 @@ def importance(job: QuantizeJob, names) -> dict:
     return compute_imatrix(job, job.windows.calib, {name: name for name in names}).weights()
 
 
-def auto_precision(job: QuantizeJob, ignore: list[str]) -> tuple[dict[str, str], dict]:
+def auto_precision(job: QuantizeJob, ignore: list[str], chosen: intmix.Scheme) -> tuple[dict[str, str], dict]:
     """({module name: int4|int8|16-bit}, report details): the sensitivity table and the plan under the budget."""
     import time
 
     from quantkit.mixed import assign
 
     auto, started = job.options.auto_precision, time.perf_counter()
-    layers, chosen = budgeted_layers(job, ignore), scheme(job)
+    layers = budgeted_layers(job, ignore)
     allowed, int4 = intmix.budget_bytes(auto, list(layers.values()), chosen)
     weights = importance(job, layers)
     imatrix_s = round(time.perf_counter() - started, 3)
