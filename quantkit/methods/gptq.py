@@ -155,8 +155,8 @@ def check_auto_precision(info, options: Options) -> None:
     if is_moe(info.model_type) or is_vlm(info.config):
         kind = "MoE models" if is_moe(info.model_type) else "VLMs"
         raise UnsupportedError(f"gptq: auto_precision is not supported for {kind} ({info.architecture}): its "
-                               "sensitivity pass reads the checkpoint's layers by module name and streams a text decoder",
-                               hint="quantize without --auto-precision")
+                               "sensitivity pass reads the checkpoint's layers by module name and streams a "
+                               "text decoder", hint="quantize without --auto-precision")
 
 
 # ---------------------------------------------------------------- quantize
