@@ -179,18 +179,24 @@ def validate(data: dict, origin: str = "recipe") -> Recipe:
     return recipe
 
 
-# mixed-precision options quantkit has for some methods only
-MIXED_PRECISION = {"auto_precision": "--auto-precision / auto_precision", "fallback": "--fallback / fallback"}
-MIXED_PRECISION_METHODS = ("gguf",)
+# mixed-precision options quantkit has for some methods only: option -> (label, methods that have it)
+MIXED_PRECISION = {"auto_precision": ("--auto-precision / auto_precision", ("gguf", "gptq")),
+                   "fallback": ("--fallback / fallback", ("gguf",))}
 
 
 def check_mixed_precision(method: str, options: dict) -> None:
-    """auto_precision / fallback exist for gguf only: a clear refusal (exit 2) for the other methods."""
-    for key, label in MIXED_PRECISION.items():
-        if key in options and method not in MIXED_PRECISION_METHODS:
-            raise UnsupportedError(f"{label} is implemented for method gguf only, not {method}",
-                                   hint="per-layer 4/8/16-bit for gptq/awq (compressed-tensors config groups) is "
-                                        "not built yet; use --method gguf, or drop the option")
+    """auto_precision (gguf, gptq) / fallback (gguf): a clear refusal (exit 2) for the other methods."""
+    for key, (label, methods) in MIXED_PRECISION.items():
+        if key in options and method not in methods:
+            raise UnsupportedError(f"{label} is implemented for method {' and '.join(methods)} only, not {method}",
+                                   hint=REFUSAL_HINTS.get(method, f"use --method {methods[0]}, or drop the option"))
+
+
+REFUSAL_HINTS = {
+    "awq": "awq has no per-layer mixed precision yet; use --method gptq --auto-precision "
+           "(per-layer int4/int8/16-bit), or drop the option",
+    "gptq": "gptq has --auto-precision (chosen before quantizing), not the gate-driven --fallback; drop --fallback",
+}
 
 
 def load_recipe(path: str | Path) -> Recipe:

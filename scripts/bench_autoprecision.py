@@ -1,9 +1,10 @@
 #!/usr/bin/env python
-"""Benchmark: GGUF --auto-precision vs llama.cpp's fixed mixtures at the same size and imatrix.
+"""Benchmark: --auto-precision against fixed formats of the same size (GGUF and gptq).
 
-For one model (an HF checkpoint dir): the imatrix is computed once from the bundled calibration
-text (quantkit.gguf.imatrix, in memory: the models here are small); then for each mixture type
-(default Q3_K_M Q4_K_M Q5_K_M):
+Section gguf (default): GGUF --auto-precision vs llama.cpp's fixed mixtures at the same size and
+imatrix. For one model (an HF checkpoint dir): the imatrix is computed once from the bundled
+calibration text (quantkit.gguf.imatrix, in memory: the models here are small); then for each
+mixture type (default Q3_K_M Q4_K_M Q5_K_M):
 
   mixture  quantkit's file for that type with the imatrix: the types and bytes of llama-quantize
            --imatrix (tests/gguf prove it byte for byte)
@@ -14,10 +15,18 @@ KLD and top-1 agreement are measured by llama-perplexity --kl-divergence against
 the checkpoint (exact: bf16 -> f32) on the bundled text. Also reported: the Spearman correlation of
 the raw weighted error and of the KLD-scaled damage with the measured single-tensor KLD at
 Q2_K (--validate), and the sensitivity pass's seconds next to the quantization's.
-
-Usage: nice python scripts/bench_autoprecision.py --model DIR [--types Q4_K_M ...] [--work DIR]
-       [--measure-windows 8] [--threads 2] [--json out.json] [--validate]
 Needs llama-perplexity (scripts/build_llamacpp.sh).
+
+Section gptq: `quantkit quantize --method gptq` three ways, each in its own process with the same
+calibration windows (--num-samples x --seq-len of the bundled text) and the same held-out
+evaluation windows (--eval-windows x --seq-len): plain W4A16 (int4 g128 sym), plain W8A16 (int8 per
+channel), and --auto-precision (int4/int8/16-bit per layer at W4A16 size +5%). KLD and top-1 are
+quantkit's gate metrics against the full-precision model; bytes are the artifact's safetensors; the
+sensitivity pass's seconds (details.sensitivity.seconds.total, measure_windows 8, its default) are set
+against the quantization's (the rest of the quantize step).
+
+Usage: nice python scripts/bench_autoprecision.py --model DIR [--sections gguf gptq] [--types Q4_K_M ...]
+       [--work DIR] [--measure-windows 8] [--threads 2] [--eval-windows 40] [--json out.json] [--validate]
 """
 
 from __future__ import annotations
@@ -54,6 +63,7 @@ def kld(model: Path, base: Path, threads: int, ctx: int) -> dict:
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, required=True)
+    parser.add_argument("--sections", nargs="+", choices=["gguf", "gptq"], default=["gguf"])
     parser.add_argument("--types", nargs="+", default=["Q3_K_M", "Q4_K_M", "Q5_K_M"])
     parser.add_argument("--work", type=Path, default=Path("/tmp/bench-autoprecision"))
     parser.add_argument("--num-samples", type=int, default=32)
@@ -62,6 +72,7 @@ def parse_args(argv):
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--ctx", type=int, default=128)
     parser.add_argument("--chunks", type=int, default=40)
+    parser.add_argument("--eval-windows", type=int, default=40, help="gptq: held-out windows of --seq-len tokens")
     parser.add_argument("--validate", action="store_true", help="also measure single-tensor KLD at Q2_K")
     parser.add_argument("--json", type=Path)
     return parser.parse_args(argv)
@@ -112,13 +123,10 @@ def validate(info, table, plans, weights, windows) -> dict:
             "spearman_damage": spearman([r.damage(T.Q2_K) for r in rows], measured)}
 
 
-def main(argv=None) -> int:
+def gguf_section(args, work: Path) -> dict:
     from quantkit.gguf import budget, sensitivity
     from quantkit.gguf.convert import convert
 
-    args = parse_args(sys.argv[1:] if argv is None else argv)
-    work = args.work
-    work.mkdir(parents=True, exist_ok=True)
     info, windows = calibration(args.model, args.num_samples, args.seq_len)
     started = time.perf_counter()
     imatrix = compute_imatrix(args.model, windows, work / "imatrix.gguf")
@@ -151,6 +159,69 @@ def main(argv=None) -> int:
         result["validation"] = validate(info, table, plans_for(info, args.types[-1]), weights, windows)
         print(json.dumps(result["validation"]), flush=True)
     result["rows"] = rows
+    return result
+
+
+# ---------------------------------------------------------------- gptq
+
+GPTQ_VARIANTS = {
+    "W4A16 g128": ["--bits", "4", "--group-size", "128"],
+    "W8A16": ["--bits", "8", "--group-size", "-1"],
+    "auto @W4A16+5%": ["--bits", "4", "--group-size", "128", "--auto-precision"],
+}
+
+
+def quantkit_quantize(model: Path, out: Path, flags: list[str], args) -> dict:
+    """One `quantkit quantize --method gptq --no-gate` in a child process; its report's target entry."""
+    import os
+    import shutil
+    import subprocess
+
+    shutil.rmtree(out, ignore_errors=True)
+    report = out.with_suffix(".json")
+    cmd = [sys.executable, "-c", "from quantkit.cli.app import main; main()", "quantize", str(model),
+           "--method", "gptq", *flags, "--num-samples", str(args.num_samples), "--seq-len", str(args.seq_len),
+           "--eval-windows", str(args.eval_windows), "--no-gate", "--quiet", "-o", str(out), "--json", str(report)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    subprocess.run(cmd, check=True, env=env)
+    return json.loads(report.read_text())["targets"][0]
+
+
+def gptq_row(label: str, target: dict, out: Path) -> dict:
+    details = target["details"]
+    sens = details.get("sensitivity", {}).get("seconds", {}).get("total", 0.0)
+    row = {"artifact": label, "bytes": sum(f.stat().st_size for f in out.glob("*.safetensors")),
+           "kld": target["metrics"]["kld_mean"], "top1": target["metrics"]["top1"],
+           "quantize_s": round(target["timings"]["quantize_s"] - sens, 2), "sensitivity_s": sens}
+    if "mixed_precision" in details:
+        mixed = details["mixed_precision"]
+        row.update(counts=mixed["counts"], layer_bytes=mixed["bytes"], w4a16_layer_bytes=mixed["w4a16_bytes"],
+                   sensitivity_parts=details["sensitivity"]["seconds"])
+    return row
+
+
+def gptq_section(args, work: Path) -> dict:
+    rows = []
+    for label, flags in GPTQ_VARIANTS.items():
+        out = work / ("gptq-" + "".join(c if c.isalnum() else "-" for c in label))
+        rows.append(gptq_row(label, quantkit_quantize(args.model, out, flags, args), out))
+        print(json.dumps(rows[-1]), flush=True)
+    plain, auto = rows[0], rows[-1]
+    return {"rows": rows, "kld_ratio_vs_w4a16": round(auto["kld"] / plain["kld"], 3),
+            "bytes_ratio_vs_w4a16": round(auto["bytes"] / plain["bytes"], 4),
+            "sensitivity_vs_quantize": round(auto["sensitivity_s"] / auto["quantize_s"], 2)}
+
+
+def main(argv=None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    work = args.work
+    work.mkdir(parents=True, exist_ok=True)
+    result = {"model": str(args.model)}
+    if "gguf" in args.sections:
+        result.update(gguf_section(args, work))  # top level, as before the gptq section existed
+    if "gptq" in args.sections:
+        result["gptq"] = gptq_section(args, work)
+        print(json.dumps({k: v for k, v in result["gptq"].items() if k != "rows"}), flush=True)
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
     return 0

@@ -203,7 +203,7 @@ def sensitivity_tables(report: dict) -> dict[str, dict]:
             tables[target["name"]] = {"sensitivity": details["sensitivity"], "types": types}
     if not tables:
         raise InputError("this report has no sensitivity table",
-                         hint="quantize with --method gguf --auto-precision (or --fallback, once a gate failed)")
+                         hint="quantize with --auto-precision (gguf, gptq), or gguf's --fallback once a gate failed")
     return tables
 
 
@@ -211,8 +211,9 @@ def _sensitivity_table(name: str, data: dict) -> Table:
     table_data = data["sensitivity"]
     how = (f"damage = KLD at the probe type x weighted-error ratio, measured on {table_data['windows']} windows"
            if table_data["measured"] else "damage = imatrix-weighted squared error (not measured)")
+    # default: the type llama.cpp's mixture gives the tensor (gguf), int4 (gptq's plain W4A16)
     table = Table(title=f"{name}: per-tensor sensitivity ({how})", title_justify="left")
-    for column in ("tensor", "mixture", "chosen", "KLD@probe", *table_data["candidates"]):
+    for column in ("tensor", "default", "chosen", "KLD@probe", *table_data["candidates"]):
         table.add_column(column, overflow="fold")
     for row in table_data["tensors"]:
         kld = "—" if row["kld"] is None else f"{row['kld']:.3g} @{row['probe']}"

@@ -24,6 +24,8 @@ Examples:
 
   quantkit quantize ./base --lora ./adapter --method gptq --bits 4 --group-size 128 -o ./gptq
 
+  quantkit quantize ./my-model --method gptq --auto-precision -o ./gptq-mixed   (int4/int8/16-bit per layer)
+
   quantkit quantize ./ckpt --recipe release -o ./dist   (one dir per target)
 
   quantkit quantize ./ckpt --lora ./adapter --recipe release -o ./dist --skip-existing --partial --quiet --summary "$GITHUB_STEP_SUMMARY"   (CI)
@@ -49,8 +51,8 @@ def quantize(
     gguf_type: Optional[str] = typer.Option(None, help="GGUF type or mixture, e.g. Q4_K_M, Q6_K, Q8_0."),
     imatrix: Optional[str] = typer.Option(None, help="GGUF importance matrix: auto | none | FILE."),
     mmproj: Optional[str] = typer.Option(None, "--mmproj", help="GGUF of a VLM: its vision tower as llama.cpp's mmproj .gguf, auto | f16 | bf16 | f32; none = the language model alone (no image input)."),
-    auto_precision: bool = typer.Option(False, "--auto-precision", help="GGUF: per-tensor k-quant types chosen by measured sensitivity, at the size of llama.cpp's --gguf-type mixture (or --budget-bpw)."),
-    budget_bpw: Optional[float] = typer.Option(None, "--budget-bpw", help="GGUF --auto-precision: bits per weight of the whole file instead of the mixture's size."),
+    auto_precision: bool = typer.Option(False, "--auto-precision", help="Precision chosen per tensor by measured sensitivity under a size budget. gguf: k-quant types at the size of llama.cpp's --gguf-type mixture; gptq: int4, int8 or 16-bit per layer at the W4A16 size +5% (awq: not supported)."),
+    budget_bpw: Optional[float] = typer.Option(None, "--budget-bpw", help="--auto-precision budget in bits per weight (gguf: of the whole file; gptq: of the quantized layers, scales and zero points included)."),
     fallback: bool = typer.Option(False, "--fallback", help="GGUF: when the gate fails, raise the most damaging tensors' types and re-measure until it passes or --max-size is reached."),
     max_size: Optional[str] = typer.Option(None, "--max-size", help="--fallback size limit: +N% of the first artifact (default +25%) or a size such as 120MB."),
     smoothing_strength: Optional[float] = typer.Option(None, help="SmoothQuant alpha."),
@@ -132,7 +134,7 @@ def quantize(
 
 def mixed_precision_options(auto_precision: bool, budget_bpw: float | None, fallback: bool,
                             max_size: str | None) -> dict:
-    """--auto-precision / --budget-bpw and --fallback / --max-size as the gguf options they set."""
+    """--auto-precision / --budget-bpw and --fallback / --max-size as the method options they set."""
     from quantkit.errors import InputError
 
     if max_size is not None and not fallback:

@@ -1,9 +1,8 @@
 """Per-tensor GGUF types under a size budget, from a sensitivity table (quantkit.gguf.sensitivity).
 
-`assign_types`: every tensor starts at its cheapest candidate type; then, while the budget allows,
-the single upgrade (one tensor to any higher candidate) with the largest predicted damage removed
-per added byte is applied (greedy marginal-gain knapsack). `raise_types`: one fallback step, the
-tensors with the largest predicted damage moved to their next candidate type.
+`assign_types`: quantkit.mixed.assign (greedy marginal-gain knapsack) with the k-quant byte sizes.
+`raise_types`: one fallback step, the tensors with the largest predicted damage moved to their next
+candidate type.
 
 The result is an ordinary per-tensor type map. `override_lines` writes it as llama-quantize
 `--tensor-type-file` lines: one anchored regex per quantized tensor. llama-quantize matches each
@@ -19,6 +18,7 @@ import re
 
 from gguf import GGML_QUANT_SIZES
 
+from quantkit import mixed
 from quantkit.gguf.mixture import T
 from quantkit.gguf.sensitivity import TensorSensitivity
 
@@ -31,40 +31,23 @@ def nbytes(shape: tuple[int, ...], qtype: T) -> int:
     return count // block * size
 
 
+def tensor_size(row: TensorSensitivity, qtype: T) -> int:
+    """The size model of quantkit.mixed.assign: a tensor's bytes at a k-quant type."""
+    return nbytes(row.shape, qtype)
+
+
 def total_bytes(table: list[TensorSensitivity], types: dict[str, T]) -> int:
-    return sum(nbytes(t.shape, types[t.name]) for t in table)
+    return mixed.total_bytes(table, types, tensor_size)
 
 
 def mixture_types(table: list[TensorSensitivity]) -> dict[str, T]:
     return {t.name: T[t.mixture] for t in table}
 
 
-def best_upgrade(table: list[TensorSensitivity], types: dict[str, T], room: int):
-    """(gain per byte, name, type, added bytes) of the best upgrade that fits in `room`, or None."""
-    best = None
-    for t in table:
-        current = types[t.name]
-        cands = t.candidates
-        base_bytes, base_damage = nbytes(t.shape, current), t.damage(current)
-        for up in cands[cands.index(current) + 1:]:
-            added = nbytes(t.shape, up) - base_bytes
-            gain = base_damage - t.damage(up)
-            if added <= 0 or added > room or gain <= 0:
-                continue
-            if best is None or gain / added > best[0]:
-                best = (gain / added, t.name, up, added)
-    return best
-
-
 def assign_types(table: list[TensorSensitivity], budget: int) -> dict[str, T]:
-    """Per-tensor types whose total bytes stay within `budget`, the predicted damage reduced greedily."""
-    types = {t.name: t.candidates[0] for t in table}
-    room = budget - total_bytes(table, types)
-    while (step := best_upgrade(table, types, room)) is not None:
-        _, name, qtype, added = step
-        types[name] = qtype
-        room -= added
-    return types
+    """Per-tensor types whose total bytes stay within `budget`, the predicted damage reduced greedily
+    (quantkit.mixed.assign)."""
+    return mixed.assign(table, budget, tensor_size)
 
 
 def raise_types(table: list[TensorSensitivity], types: dict[str, T], count: int, room: int) -> dict[str, tuple[T, T]]:

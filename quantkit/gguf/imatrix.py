@@ -95,15 +95,18 @@ def expert_inputs(module, inputs) -> dict[str, list]:
     return out
 
 
-def compute(model, windows, config: dict, dataset: str = "quantkit", batch_size: int = 1, device=None) -> Imatrix:
+def compute(model, windows, config: dict, dataset: str = "quantkit", batch_size: int = 1, device=None,
+            targets: dict[str, str] | None = None) -> Imatrix:
     """Run `windows` (LongTensor (n, seq_len)) through `model`, collecting sums of squares.
 
     `model` may be a layer-streamed one (quantkit.stream: parameters on the meta device, each
-    decoder layer's weights read while it runs); pass its execution `device` then.
+    decoder layer's weights read while it runs); pass its execution `device` then. `targets`:
+    {module name: entry name} of the linears to collect (default: the decoder-block linears under
+    their GGUF tensor names, `linear_targets`).
     """
     import torch
 
-    targets = linear_targets(model, config)
+    targets = linear_targets(model, config) if targets is None else targets
     sums = {name: None for name in targets.values()}
     counts = {name: 0 for name in targets.values()}
     experts = expert_targets(model)

@@ -32,8 +32,8 @@ from typing import Iterator
 
 import numpy as np
 
-from quantkit.errors import UnsupportedError
 from quantkit.gguf.mixture import UNQUANTIZED, T
+from quantkit.mixed import scaled_damage
 
 CANDIDATES = (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0)  # the k-quant family, fewest bits first
 PROBE = T.Q3_K  # the type each tensor's KL divergence is measured at
@@ -54,11 +54,7 @@ class TensorSensitivity:
         return [T[name] for name in self.errors]
 
     def damage(self, qtype: T) -> float:
-        error = self.errors[qtype.name]
-        if self.kld is None:
-            return error
-        reference = self.errors[self.probe]
-        return self.kld * error / reference if reference > 0 else 0.0
+        return scaled_damage(self.kld, self.errors[qtype.name], self.errors[self.probe])
 
     def as_dict(self) -> dict:
         return {"tensor": self.name, "shape": list(self.shape), "mixture": self.mixture, "probe": self.probe,
@@ -178,25 +174,6 @@ def error_table(model_dir: Path, plans, quant_imatrix: dict | None, importance: 
 # ------------------------------------------------------------------ measured KL divergence
 
 
-class PatchedWeights:
-    """A WeightSource (quantkit.stream) giving `patch`'s tensors in place of the base's."""
-
-    def __init__(self, base, patch: dict):
-        self.base, self.patch = base, patch
-
-    def keys(self):
-        return self.base.keys()
-
-    def get(self, name: str):
-        return self.patch[name] if name in self.patch else self.base.get(name)
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return self.base.shape(name)
-
-    def rows(self, name: str, index):
-        return self.patch[name][index] if name in self.patch else self.base.rows(name, index)
-
-
 def quantized_matrices(handles, plan, qtype: T, quant_imatrix) -> dict:
     """{HF name: float32 torch tensor} of a plan's matrices quantized at qtype and dequantized."""
     import torch
@@ -214,33 +191,25 @@ def measure_klds(model_dir: Path, table: list[TensorSensitivity], plans, quant_i
                  workdir: Path | None = None) -> None:
     """Fill each row's `kld`: the calibration windows through the streamed float32 forward with only
     that tensor quantized at its probe type, against the unquantized forward."""
-    import torch
-
-    from quantkit import evaluate
     from quantkit.gguf.convert import imatrix_for, open_handles
-    from quantkit.model import check_model_dir, hf_config
-    from quantkit.stream import SafetensorsWeights, streamable, streamed_scorer
+    from quantkit.mixed import single_tensor_klds
+    from quantkit.model import check_model_dir
 
-    info = check_model_dir(Path(model_dir))
-    if not streamable(info.config):
-        raise UnsupportedError(f"measured sensitivity needs the layer-streamed forward, which {info.architecture} "
-                               "does not have (a VLM, or experts transformers fuses while loading)",
-                               hint="set auto_precision.measure: false (the imatrix-weighted error alone)")
-    config = hf_config(model_dir)
-    base = SafetensorsWeights(model_dir)
-    baseline = evaluate.compute_baseline(streamed_scorer(config, base, torch.float32, workdir=workdir), windows,
-                                         workdir)
     plan_of = {p.name: p for p in plans}
-    handles = open_handles(info.weight_files)
-    try:
+    handles = open_handles(check_model_dir(Path(model_dir)).weight_files)
+
+    def patches():
         for row in table:
             plan = plan_of[row.name]
-            patch = quantized_matrices(handles, plan, T[row.probe], imatrix_for(plan, quant_imatrix))
-            scorer = streamed_scorer(config, PatchedWeights(base, patch), torch.float32, workdir=workdir)
-            row.kld = max(0.0, evaluate.compare(scorer, windows, baseline).kld_mean)
+            yield row.name, quantized_matrices(handles, plan, T[row.probe], imatrix_for(plan, quant_imatrix))
+
+    try:
+        klds = single_tensor_klds(model_dir, patches(), windows, "auto_precision.measure_windows: 0", workdir)
     finally:
         for h in set(handles.values()):
             h.close()
+    for row in table:
+        row.kld = klds[row.name]
 
 
 def measure(model_dir: Path, plans, quant_imatrix: dict | None, importance: dict | None, calib_windows,

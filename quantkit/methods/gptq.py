@@ -5,6 +5,9 @@ Output: compressed-tensors `pack-quantized` (int weights packed into int32), ser
 pipeline): each decoder layer's linears collect a Hessian from its inputs, are quantized
 column block by column block with error feedback, and the quantized outputs feed the next layer.
 
+`auto_precision`: some layers int8 (per channel) or 16-bit instead of int4, chosen by measured
+sensitivity under a size budget (quantkit.methods.intmix), as extra config groups / ignore entries.
+
 Also home of the checks shared by the weight-only integer methods (awq, smoothquant):
 `check_group_size`, `check_calibration_tokens`, `quantized_linears`.
 """
@@ -16,7 +19,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict
 
 from quantkit.errors import CalibrationError, InputError, UnsupportedError
-from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, fixed_gate, llmc, moe
+from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, fixed_gate, intmix, llmc, moe
 
 # 4-bit rounding costs a few percent of perplexity even with GPTQ's error feedback.
 DEFAULT_GATE = {"max_ppl_increase": 0.10, "max_kld": 0.10, "min_top1": 0.80}
@@ -36,6 +39,7 @@ class Options(BaseModel):
     act_order: Literal["none", "static", "group"] = "static"
     dampening: float = 0.01  # fraction of the mean Hessian diagonal added before inversion
     block_size: int = 128
+    auto_precision: intmix.AutoPrecision | None = None  # per-layer int4/int8/16-bit (quantkit.methods.intmix)
 
 
 def needs_calibration(options: Options) -> bool:
@@ -51,7 +55,8 @@ def precision(role: str, options: Options, name: str, shape: list[int]) -> str |
         return None
     sym = "sym" if options.symmetric else "asym"
     order = "" if options.act_order == "none" else f", act-order {options.act_order}"
-    return f"int{options.bits} {granularity(options.group_size)} {sym} (GPTQ{order})"
+    auto = "; auto-precision: int8 or 16-bit where measured sensitive" if options.auto_precision else ""
+    return f"int{options.bits} {granularity(options.group_size)} {sym} (GPTQ{order}{auto})"
 
 
 # ---------------------------------------------------------------- checks (shared)
@@ -132,6 +137,26 @@ def check(info, options: Options, calibration) -> None:
     if options.block_size < 1:
         raise InputError(f"gptq: block_size={options.block_size} must be positive")
     check_calibration_tokens(calibration, "gptq")
+    if options.auto_precision is not None:
+        check_auto_precision(info, options)
+
+
+def check_auto_precision(info, options: Options) -> None:
+    """auto_precision starts every layer at int4 and gives some int8 (per channel) or 16-bit."""
+    from quantkit.methods.moe import is_moe
+    from quantkit.model import is_vlm
+
+    if options.bits != 4:
+        raise InputError(f"gptq: auto_precision starts every layer at int4; bits={options.bits} leaves nothing "
+                         "to choose", hint="drop --bits (4 is the default) or --auto-precision")
+    if options.act_order == "group":
+        raise InputError("gptq: auto_precision's int8 layers are per channel, which act_order=group cannot order",
+                         hint="use act_order static or none")
+    if is_moe(info.model_type) or is_vlm(info.config):
+        kind = "MoE models" if is_moe(info.model_type) else "VLMs"
+        raise UnsupportedError(f"gptq: auto_precision is not supported for {kind} ({info.architecture}): its "
+                               "sensitivity pass reads the checkpoint's layers by module name and streams a "
+                               "text decoder", hint="quantize without --auto-precision")
 
 
 # ---------------------------------------------------------------- quantize
@@ -150,11 +175,11 @@ def scheme_config(options: Options) -> dict:
     return {"group_0": {"targets": ["Linear"], "weights": weights}}
 
 
-def modifier(options: Options, ignore: list[str]):
+def modifier(options: Options, ignore: list[str], config_groups: dict | None = None):
     from llmcompressor.modifiers.gptq import GPTQModifier
 
     return GPTQModifier(
-        config_groups=scheme_config(options),
+        config_groups=config_groups or scheme_config(options),
         ignore=ignore,
         actorder=None if options.act_order == "none" else options.act_order,
         dampening_frac=options.dampening,
@@ -164,9 +189,61 @@ def modifier(options: Options, ignore: list[str]):
 
 def quantize(job: QuantizeJob) -> QuantizeResult:
     details = llmc.calibration_details(job)
-    llmc.run_oneshot(job, modifier(job.options, llmc.decoder_ignore(job)), calibrate=True)
+    ignore, groups = llmc.decoder_ignore(job), None
+    if job.options.auto_precision is not None:
+        chosen = scheme(job)
+        choice, mixed = auto_precision(job, ignore, chosen)
+        details.update(mixed)
+        ignore, groups = ignore + intmix.kept_16bit(choice), intmix.config_groups(choice, chosen)
+    llmc.run_oneshot(job, modifier(job.options, ignore, groups), calibrate=True)
     llmc.save_compressed(job)
     return QuantizeResult(job.out_dir, details)
+
+
+# ---------------------------------------------------------------- auto precision
+
+
+def budgeted_layers(job: QuantizeJob, ignore: list[str]) -> dict[str, tuple[int, int]]:
+    """{module name: (out, in)} of the Linear layers the int4 group quantizes (the ones a budget may raise)."""
+    import torch
+
+    from quantkit.plan import classify, matches
+
+    return {name: tuple(module.weight.shape) for name, module in job.model.named_modules()
+            if type(module) is torch.nn.Linear and classify(name + ".weight", job.info.towers) in QUANTIZED_ROLES
+            and not matches(name, ignore)}
+
+
+def scheme(job: QuantizeJob) -> intmix.Scheme:
+    import torch
+
+    linear = next(m for m in job.model.modules() if type(m) is torch.nn.Linear)
+    return intmix.Scheme(job.options.group_size, job.options.symmetric, linear.weight.element_size())
+
+
+def importance(job: QuantizeJob, names) -> dict:
+    """{module name: mean x_j^2 per input column} on the calibration windows (streamed forward)."""
+    from quantkit.methods.gguf import compute_imatrix
+
+    return compute_imatrix(job, job.windows.calib, {name: name for name in names}).weights()
+
+
+def auto_precision(job: QuantizeJob, ignore: list[str], chosen: intmix.Scheme) -> tuple[dict[str, str], dict]:
+    """({module name: int4|int8|16-bit}, report details): the sensitivity table and the plan under the budget."""
+    import time
+
+    from quantkit.mixed import assign
+
+    auto, started = job.options.auto_precision, time.perf_counter()
+    layers = budgeted_layers(job, ignore)
+    allowed, int4 = intmix.budget_bytes(auto, list(layers.values()), chosen)
+    weights = importance(job, layers)
+    imatrix_s = round(time.perf_counter() - started, 3)
+    table = intmix.measure(job.info.path, layers, weights, job.windows.calib, auto, chosen, job.workdir)
+    table.seconds = {"importance": imatrix_s, **table.seconds, "total": round(time.perf_counter() - started, 3)}
+    choice = assign(table.layers, allowed, chosen.size)
+    return choice, {"sensitivity": table.as_dict(),
+                    "mixed_precision": intmix.plan_report(table.layers, choice, allowed, int4, chosen)}
 
 
 METHOD = MethodSpec(
