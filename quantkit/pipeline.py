@@ -155,7 +155,7 @@ def resolve_target(recipe: Recipe, target: Target, info: ModelInfo) -> ResolvedT
     method.check(info, options, recipe.calibration)
     ignore = ignore_patterns(info, target.ignore, method.keeps_lm_head(options))
     return ResolvedTarget(target, method, options, target_gate(recipe, target), ignore, needs_calibration,
-                          method.needs_model(options))
+                          method.needs_model(info, options))
 
 
 def check_not_quantized(info: ModelInfo, recipe: Recipe) -> None:
