@@ -178,11 +178,12 @@ def test_every_vlm_family_as_oneshot_writes_it(kind, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["llama31", "mistral", "qwen25", "phi3", "phi4"])
+@pytest.mark.parametrize("family", ["llama31", "mistral", "qwen25", "qwen3", "phi3", "phi4"])
 def test_every_text_family_as_oneshot_writes_it(family, tmp_path):
     from tests.gguf.families import build_family
+    from tests.methods.test_families import build_extra
 
-    model = build_family(family, tmp_path / family)
+    model = (build_extra if family == "qwen3" else build_family)(family, tmp_path / family)
     loaded, free = oneshot(model, tmp_path / "oneshot"), model_free_run(model, tmp_path / "model-free")
     assert differing(loaded, free) == [] and config(free) == config(loaded)
 
@@ -256,3 +257,20 @@ def test_a_plan_refusal_falls_back_to_oneshot_with_the_reason(micro_model, tmp_p
     assert result.details["path"].startswith("oneshot: checkpoint tensors the model does not have")
     assert job.model is not None  # the pipeline frees it
     assert "mtp.proj.weight" not in tensors(job.out_dir)  # transformers drops it on load, as before
+
+
+def test_a_quantize_run_takes_the_model_free_path(cli, micro_model, tmp_path):
+    out = tmp_path / "fp8"
+    result = cli("quantize", micro_model, "--method", "fp8", "-o", out, "--num-samples", "4", "--seq-len", "64",
+                 "--eval-windows", "2", "--min-top1", "0")
+    assert result.exit_code == 0, result.output
+    entry = json.loads((out / "quantkit.json").read_text())["targets"][0]
+    assert entry["details"]["path"] == "model-free" and entry["gate"]["passed"]
+    assert {"model.safetensors", "config.json", "recipe.yaml", "tokenizer.json", "generation_config.json",
+            "chat_template.jinja"} <= set(entry["files"])
+    static = tmp_path / "static"
+    result = cli("quantize", micro_model, "--method", "fp8", "--scheme", "fp8-static", "-o", static, "--num-samples",
+                 "16", "--seq-len", "64", "--eval-windows", "2", "--min-top1", "0")
+    assert result.exit_code == 0, result.output
+    details = json.loads((static / "quantkit.json").read_text())["targets"][0]["details"]
+    assert details["path"] == "oneshot: fp8-static calibrates activation scales on the loaded model"
