@@ -303,7 +303,7 @@ def write_copied(writer, item: Copied, budget: int = SLAB_BYTES) -> None:
     if not item.source.shape:  # a scalar
         writer.write(item.name, tensor_bytes(read_stored(item.source).to(dtype).contiguous()))
         return
-    row_bytes = item.outputs[0].nbytes // item.source.shape[0]
+    row_bytes = item.outputs[0].nbytes // max(1, item.source.shape[0])
     for start, stop in row_slabs(item.source.shape[0], slab_rows(item.source, budget)):
         writer.write(item.name, tensor_bytes(read_rows(item.source, start, stop).to(dtype).contiguous()),
                      start * row_bytes)
