@@ -156,7 +156,7 @@ def resolve_target(recipe: Recipe, target: Target, info: ModelInfo) -> ResolvedT
     method.check(info, options, recipe.calibration)
     ignore = ignore_patterns(info, target.ignore, method.keeps_lm_head(options), tuple(target.tower_precision()))
     return ResolvedTarget(target, method, options, target_gate(recipe, target), ignore, needs_calibration,
-                          method.needs_model(options))
+                          method.needs_model(info, options) or bool(target.tower_precision()))
 
 
 def check_tower_precision(target: Target, info: ModelInfo, method: MethodSpec) -> None:

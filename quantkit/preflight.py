@@ -140,9 +140,11 @@ def ram_estimate(info, recipe, targets) -> RamEstimate:
     float32), a group's activations, a slice of the output head and its logits, and the baseline
     log-probs while they are small enough to stay in memory; a target that needs the model holds it
     whole in its stored dtype (or, with --offload-dir, everything but the decoder layers plus one
-    layer); a compressed-tensors/bitsandbytes artifact is reloaded whole at its bits (a
+    layer); fp8 without the model (quantkit.methods.model_free) one slab of one weight and its
+    quantizer's copies; a compressed-tensors/bitsandbytes artifact is reloaded whole at its bits (a
     compressed-tensors one decompressed a module at a time, quantkit.artifacts)."""
     from quantkit.evaluate import SPILL_THRESHOLD
+    from quantkit.methods.model_free import working_set_bytes
     from quantkit.stream import ACTIVATION_BYTES, HEAD_SLICE_BYTES
 
     others, layers = unit_bytes(info)
@@ -158,6 +160,8 @@ def ram_estimate(info, recipe, targets) -> RamEstimate:
         if t.needs_model:
             held = sum(others.values()) + max(layers.values(), default=0) if recipe.offload_dir else model
             steps[f"{t.name}: quantize"] = held + ACTIVATION_BYTES
+        elif t.target.method == "fp8":
+            steps[f"{t.name}: quantize"] = working_set_bytes(info)
         if c.eval_windows:
             steps[f"{t.name}: gate"] = candidate_bytes(t, model, layer) + streamed
     return RamEstimate(steps)
@@ -185,7 +189,8 @@ def vram_estimate(info, recipe, targets) -> RamEstimate:
     float32 for a .gguf) with a group's activations and a slice of the head; a target that needs
     the model, one decoder layer and the calibration activations with --offload-dir (llm-compressor's
     sequential pipeline onloads a layer at a time), else the whole model; a compressed-tensors or
-    bitsandbytes gate, the artifact at its bits."""
+    bitsandbytes gate, the artifact at its bits; fp8 without the model, one slab of one weight."""
+    from quantkit.methods.model_free import working_set_bytes
     from quantkit.stream import ACTIVATION_BYTES, HEAD_SLICE_BYTES
 
     others, layers = unit_bytes(info)
@@ -196,6 +201,8 @@ def vram_estimate(info, recipe, targets) -> RamEstimate:
         if t.needs_model:
             held = max(layers.values(), default=0) if recipe.offload_dir else model
             steps[f"{t.name}: quantize"] = held + ACTIVATION_BYTES
+        elif t.target.method == "fp8":
+            steps[f"{t.name}: quantize"] = working_set_bytes(info)
         if recipe.calibration.eval_windows:
             steps[f"{t.name}: gate"] = streamed if t.target.method == "gguf" else (
                 candidate_bytes(t, model, 0) + ACTIVATION_BYTES)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import shutil
 from collections import namedtuple
 
@@ -113,3 +114,23 @@ def test_parse_size():
     assert parse_size("16GiB") == 16 * 2**30 and parse_size("500MB") == 500 * 10**6 and parse_size("2G") == 2 * 2**30
     with pytest.raises(InputError):
         parse_size("lots")
+
+
+def test_ram_estimate_of_fp8_follows_its_path(micro_model, tmp_path):
+    """fp8-dynamic reads the checkpoint a slab at a time (quantkit.methods.model_free): its quantize
+    step is one slab's working set, not the model; fp8-static loads the model."""
+    from quantkit.methods.model_free import SLAB_WORKING_SET
+    from quantkit.model import check_model_dir
+    from quantkit.pipeline import RunOptions, prepare
+    from quantkit.preflight import ram_estimate, unit_bytes
+    from quantkit.recipe import Overrides, build_recipe
+    from quantkit.stream import ACTIVATION_BYTES
+
+    info = check_model_dir(micro_model)
+    model = sum(sum(part.values()) for part in unit_bytes(info))
+    largest = max(2 * math.prod(shape) for _dtype, shape in info.tensors.values())  # bf16
+    for scheme, expected in (("fp8-dynamic", SLAB_WORKING_SET * largest), ("fp8-static", model + ACTIVATION_BYTES)):
+        recipe = build_recipe(None, "fp8", Overrides(model=str(micro_model), method_options={"scheme": scheme}))
+        _info, targets = prepare(recipe, RunOptions(model=str(micro_model), out=tmp_path / "x"))
+        assert targets[0].needs_model == (scheme == "fp8-static")
+        assert ram_estimate(info, recipe, targets).steps["fp8: quantize"] == expected

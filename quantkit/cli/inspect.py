@@ -108,7 +108,7 @@ def run_estimates(info, model: str, method: str, recipe: str | None) -> dict:
         spec = get_method(target.method)
         options = spec.options.model_validate(target.options)
         targets.append(ResolvedTarget(target, spec, options, Gate(), [], spec.needs_calibration(options),
-                                      spec.needs_model(options)))
+                                      spec.needs_model(info, options)))
     ram = ram_estimate(info, resolved, targets)
     disk = run_estimate(info, resolved, [(t.target.method, t.options) for t in targets])
     vram = vram_estimate(info, resolved, targets)

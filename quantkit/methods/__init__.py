@@ -13,7 +13,7 @@ defaults for the optional ones in one place. Who calls what:
   options            recipe.validate, cli.inspect                 validating a target's `options`
   check              pipeline.prepare                             before any model is loaded
   needs_calibration  pipeline.resolve_target                      deciding whether to cut calibration windows
-  needs_model        pipeline.run                                 deciding whether to load the model in memory
+  needs_model        pipeline.resolve_target, cli.inspect         deciding whether to load the model in memory
   default_gate       pipeline.resolve_target (recipe.target_gate) the gate thresholds of a target
   keeps_lm_head      pipeline.resolve_target, cli.inspect         building the ignore list
   supports_ignore    pipeline.resolve_target                      refusing `ignore` where a format fixes every type
@@ -96,6 +96,10 @@ def _always(options: BaseModel) -> bool:
     return True
 
 
+def _loads_model(info: ModelInfo, options: BaseModel) -> bool:
+    return True
+
+
 def _no_exact_types(info: ModelInfo, options: BaseModel) -> dict[str, str]:
     return {}
 
@@ -120,8 +124,9 @@ class MethodSpec:
     default_gate: Callable[[BaseModel], GateDefaults]
     check: Callable[[ModelInfo, BaseModel, Calibration], None] = _no_check  # cheap, before any work
     needs_calibration: Callable[[BaseModel], bool] = _never
-    # True: quantize() gets the model (and tokenizer) loaded in memory; False: it reads the checkpoint itself.
-    needs_model: Callable[[BaseModel], bool] = _always
+    # needs_model(info, options) -> True: quantize() gets the model (and tokenizer) loaded in memory;
+    # False: it reads the checkpoint itself. Cheap (config.json and safetensors headers, no torch).
+    needs_model: Callable[[ModelInfo, BaseModel], bool] = _loads_model
     # True: lm_head stays 16-bit (added to the ignore list); a format that types lm_head itself says False.
     keeps_lm_head: Callable[[BaseModel], bool] = _always
     supports_ignore: bool = True  # False: the format decides every tensor's type (gguf mixtures)

@@ -2,6 +2,14 @@
 
 fp8-dynamic: per-channel weight scales, dynamic per-token activation scales; needs no data.
 fp8-static:  per-channel weight scales, one static activation scale per tensor from calibration.
+
+Two paths, one output. fp8-dynamic needs no forward, so it runs model-free where that is exact
+(quantkit.methods.model_free: the checkpoint read a slab of one weight at a time, the model never
+loaded); fp8-static, and models whose checkpoint is more than a renaming of the transformers model
+(MoE experts fused on load, custom code, extra tensors), load the model and run `oneshot`.
+`path_blocker` says which, before any work (the preflight and `quantkit inspect` use it), and
+`model_free.plan_stream` checks the rest on the meta-device model; the report's `details.path`
+names the path taken and why.
 """
 
 from __future__ import annotations
@@ -10,7 +18,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, fixed_gate, llmc, moe
+from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, fixed_gate, llmc, model_free, moe
 
 # FP8 E4M3 is near-lossless on trained models: hold it to a tight gate.
 DEFAULT_GATE = {"max_ppl_increase": 0.02, "max_kld": 0.01, "min_top1": 0.95}
@@ -51,20 +59,63 @@ def keeps_lm_head(options: Options) -> bool:
     return not options.quantize_lm_head
 
 
-def quantize(job: QuantizeJob) -> QuantizeResult:
+# A target's `vision`/`projector` int8/int4 (llmc.tower_modifiers) needs the loaded model: oneshot.
+TOWERS_BLOCKER = "towers quantized on request go through oneshot"
+
+
+def path_blocker(info, options: Options) -> str | None:
+    """Why this target needs the model loaded (the oneshot path); None: the model-free path."""
+    if options.scheme != "fp8-dynamic":
+        return "fp8-static calibrates activation scales on the loaded model"
+    return model_free.config_blocker(info, options.quantize_lm_head)
+
+
+def needs_model(info, options: Options) -> bool:
+    return path_blocker(info, options) is not None
+
+
+def modifier(options: Options, ignore: list[str]):
     from llmcompressor.modifiers.quantization import QuantizationModifier
 
-    modifier = QuantizationModifier(config_groups=scheme_config(job.options), ignore=llmc.decoder_ignore(job))
+    return QuantizationModifier(config_groups=scheme_config(options), ignore=ignore)
+
+
+def quantize(job: QuantizeJob) -> QuantizeResult:
+    """Model-free where path_blocker and the meta-model plan allow it; else oneshot on the loaded model
+    (loaded here when the pipeline did not: the plan found what the cheap check could not see)."""
+    from quantkit.model import load_model, load_tokenizer, torch_dtype
+
+    blocker = TOWERS_BLOCKER if job.towers else path_blocker(job.info, job.options)
+    if blocker is None:
+        plan = model_free.plan_stream(job.info, torch_dtype(job.dtype, job.info), modifier(job.options, job.ignore),
+                                      job.trust_remote_code)
+        if isinstance(plan, model_free.StreamPlan):
+            save_model_free(job, plan)
+            return QuantizeResult(job.out_dir, {"path": "model-free"})
+        blocker = plan
+        job.model = load_model(job.info, job.dtype, job.device, job.trust_remote_code)  # freed by the pipeline
+        job.tokenizer = load_tokenizer(job.info, job.trust_remote_code)
     details = llmc.calibration_details(job) if needs_calibration(job.options) else {}
-    llmc.run_oneshot(job, modifier, calibrate=needs_calibration(job.options))
+    llmc.run_oneshot(job, modifier(job.options, llmc.decoder_ignore(job)), calibrate=needs_calibration(job.options))
     llmc.save_compressed(job)
-    return QuantizeResult(job.out_dir, details)
+    return QuantizeResult(job.out_dir, {"path": f"oneshot: {blocker}", **details})
+
+
+def save_model_free(job: QuantizeJob, plan) -> None:
+    """The model-free artifact: the weights, config.json and recipe.yaml as oneshot's save writes them."""
+    from quantkit.model import device_map, load_tokenizer
+
+    model_free.write_weights(plan, job.out_dir, device_map(job.device))
+    model_free.write_config(plan, job.out_dir)
+    model_free.write_generation_config(plan, job.info.path, job.out_dir)
+    model_free.write_recipe(plan.modifier, job.info.path, job.out_dir)
+    llmc.finish_artifact(job.out_dir, load_tokenizer(job.info, job.trust_remote_code), job.ignore)
 
 
 METHOD = MethodSpec(
     quantizes_towers=True, name="fp8", engine=llmc.ENGINE, engine_package=llmc.ENGINE,
     format="compressed-tensors (float-quantized, float8_e4m3fn)",
     options=Options, quantize=quantize, precision=precision, default_gate=fixed_gate(DEFAULT_GATE),
-    check=check, needs_calibration=needs_calibration, keeps_lm_head=keeps_lm_head,
+    check=check, needs_calibration=needs_calibration, needs_model=needs_model, keeps_lm_head=keeps_lm_head,
 )
 

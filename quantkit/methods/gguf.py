@@ -409,7 +409,7 @@ METHOD = MethodSpec(
     name="gguf", engine="quantkit-gguf", engine_package="quantkit", format="GGUF (llama.cpp / Ollama)",
     options=Options, quantize=quantize, precision=precision, default_gate=default_gate, check=check,
     needs_calibration=needs_calibration,
-    needs_model=lambda options: False,  # conversion reads the checkpoint; the imatrix streams it
+    needs_model=lambda info, options: False,  # conversion reads the checkpoint; the imatrix streams it
     keeps_lm_head=lambda options: False,  # the mixture gives output.weight its own type (Q6_K for most mixes)
     supports_ignore=False,  # per-tensor types come from llama-quantize's mixture rules
     plan_types=plan_types,

@@ -86,15 +86,22 @@ def calibration_details(job) -> dict:
 def save_compressed(job) -> None:
     """compressed-tensors checkpoint + tokenizer into the staging directory (MoE experts under the
     checkpoint's tensor names, quantkit.methods.moe)."""
-    from quantkit.export import add_module_names_to_ignore, add_patterns_to_ignore
     from quantkit.methods.moe import set_save_names
 
     set_save_names(job.model, job.info.model_type)
     job.model.save_pretrained(job.out_dir, save_compressed=True)
-    job.tokenizer.save_pretrained(job.out_dir)
-    add_module_names_to_ignore(job.out_dir)  # so transformers, not only vLLM, reloads VLM artifacts right
-    add_patterns_to_ignore(job.out_dir, job.ignore)  # every module of a kept tower, Linear subclasses too
+    finish_artifact(job.out_dir, job.tokenizer, job.ignore)
     release_session()
+
+
+def finish_artifact(out_dir, tokenizer, ignore: list[str]) -> None:
+    """Beside a compressed-tensors checkpoint: the tokenizer, and the ignore list completed for
+    transformers (the oneshot and the model-free paths alike)."""
+    from quantkit.export import add_module_names_to_ignore, add_patterns_to_ignore
+
+    tokenizer.save_pretrained(out_dir)
+    add_module_names_to_ignore(out_dir)  # so transformers, not only vLLM, reloads VLM artifacts right
+    add_patterns_to_ignore(out_dir, ignore)  # every module of a kept tower, Linear subclasses too
 
 
 def release_session() -> None:

@@ -153,5 +153,5 @@ METHOD = MethodSpec(
     name="nf4", engine="bitsandbytes", engine_package="bitsandbytes",
     format="transformers bitsandbytes checkpoint (4-bit NF4/FP4 or LLM.int8)",
     options=Options, quantize=quantize, precision=precision, default_gate=fixed_gate(DEFAULT_GATE),
-    check=check, needs_model=lambda options: False,  # transformers re-loads the checkpoint with a bnb config
+    check=check, needs_model=lambda info, options: False,  # transformers re-loads the checkpoint with a bnb config
 )

@@ -223,12 +223,14 @@ def test_calibrated_method_refuses_zero_samples(cli, micro_model, tmp_path):
 
 
 def test_offload_dir_keeps_decoder_layers_on_disk(cli, micro_model, tmp_path):
-    """--offload-dir: llm-compressor quantizes a model whose decoder layers are offloaded to disk;
-    the artifact reloads and passes the gate, and the offload folder is removed afterwards."""
+    """--offload-dir: llm-compressor quantizes a model whose decoder layers are offloaded to disk
+    (fp8-static: it loads the model, fp8-dynamic reads the checkpoint itself); the artifact reloads
+    and passes the gate, and the offload folder is removed afterwards."""
     offload = tmp_path / "offload"
     offload.mkdir()
     out = tmp_path / "fp8"
-    result = cli("quantize", micro_model, "--method", "fp8", "--offload-dir", offload, "-o", out, *FAST_CALIB)
+    result = cli("quantize", micro_model, "--method", "fp8", "--scheme", "fp8-static", "--offload-dir", offload,
+                 "-o", out, *FAST_CALIB)
     assert result.exit_code == 0, result.output
     assert "offloaded to" in result.stderr
     assert json.loads((out / "quantkit.json").read_text())["targets"][0]["gate"]["passed"]

@@ -1,0 +1,173 @@
+"""Write safetensors checkpoints a piece at a time: bounded shards, each tensor written in place.
+
+A safetensors file is an 8-byte header length, a JSON header giving every tensor's dtype, shape and
+byte range, then the data. When every tensor's dtype and shape are known before any data exists
+(quantkit.methods.model_free plans its output on the meta device first), the header can be
+written first and each tensor's bytes put at their offset as they are produced: a row range of a
+tensor with `write`, or a tensor of another file copied by the kernel with `copy`. Nothing needs
+the whole shard, or even a whole tensor, in memory.
+
+The files are what `safetensors.torch.save_file` writes (header padded with spaces to a multiple of
+8 bytes, `__metadata__: {"format": "pt"}`), named as transformers names them: one shard is
+`model.safetensors`; several are `model-0000i-of-0000n.safetensors` with a
+`model.safetensors.index.json` mapping each tensor to its file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from quantkit.errors import InternalError
+from quantkit.model import DTYPE_BYTES
+
+SHARD_BYTES = 512 * 1024 * 1024  # data bytes per output shard (a tensor larger than this gets a shard of its own)
+COPY_BYTES = 64 * 1024 * 1024  # one os.sendfile call when copying a stored tensor
+# torch dtype name -> safetensors dtype (the inverse of quantkit.stream.TORCH_DTYPES)
+SAFETENSORS_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
+                      "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
+                      "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2"}
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor of the output: its name, safetensors dtype and shape."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPE_BYTES[self.dtype]
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """One output file: its header and where each tensor's data starts (absolute file offsets)."""
+
+    file: str
+    header: bytes  # the 8-byte length and the padded JSON header
+    offsets: dict[str, int]
+    specs: dict[str, TensorSpec]
+
+    @property
+    def size(self) -> int:
+        return len(self.header) + sum(s.nbytes for s in self.specs.values())
+
+
+def safetensors_dtype(dtype) -> str:
+    """The safetensors name of a torch dtype (torch.bfloat16 -> "BF16")."""
+    return SAFETENSORS_DTYPES[str(dtype).removeprefix("torch.")]
+
+
+def group_shards(units: list[list[TensorSpec]], max_bytes: int = SHARD_BYTES) -> list[list[TensorSpec]]:
+    """Consecutive units (tensors that stay in one file: a weight and its scale) in shards of at most
+    max_bytes of data; a unit larger than that gets a shard of its own."""
+    groups: list[list[TensorSpec]] = []
+    size = 0
+    for unit in units:
+        unit_bytes = sum(spec.nbytes for spec in unit)
+        if not groups or (groups[-1] and size + unit_bytes > max_bytes):
+            groups.append([])
+            size = 0
+        groups[-1].extend(unit)
+        size += unit_bytes
+    return groups
+
+
+def shard_file_names(count: int) -> list[str]:
+    if count == 1:
+        return ["model.safetensors"]
+    return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+
+
+def header_bytes(specs: list[TensorSpec]) -> tuple[bytes, dict[str, int]]:
+    """The header of a file holding `specs` in this order, and each tensor's data offset in the file."""
+    entries: dict[str, object] = {"__metadata__": {"format": "pt"}}
+    relative, position = {}, 0
+    for spec in specs:
+        entries[spec.name] = {"dtype": spec.dtype, "shape": list(spec.shape),
+                              "data_offsets": [position, position + spec.nbytes]}
+        relative[spec.name] = position
+        position += spec.nbytes
+    text = json.dumps(entries, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    head = len(text).to_bytes(8, "little") + text
+    return head, {name: len(head) + offset for name, offset in relative.items()}
+
+
+def layout_shards(units: list[list[TensorSpec]], max_bytes: int = SHARD_BYTES) -> list[ShardLayout]:
+    """The files for `units` in order: names, headers and offsets, before any data is written."""
+    groups = group_shards(units, max_bytes)
+    layouts = []
+    for name, group in zip(shard_file_names(len(groups)), groups):
+        head, offsets = header_bytes(group)
+        layouts.append(ShardLayout(name, head, offsets, {s.name: s for s in group}))
+    return layouts
+
+
+@dataclass
+class ShardWriter:
+    """An output shard being filled: its header is on disk, each tensor's bytes are written at their
+    offset (in any order, a row range at a time); `close` checks every byte was written."""
+
+    layout: ShardLayout
+    path: Path
+    fd: int = -1
+    written: dict[str, int] = field(default_factory=dict)
+
+    def __enter__(self) -> "ShardWriter":
+        from quantkit.rowio import pwrite_all
+
+        self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.ftruncate(self.fd, self.layout.size)
+        pwrite_all(self.fd, memoryview(self.layout.header), 0)
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        os.close(self.fd)
+        if exc_type is None:
+            self.check_complete()
+
+    def write(self, name: str, data: memoryview, start: int = 0) -> None:
+        """Bytes of tensor `name` from byte `start` of its data (a row range, or all of it)."""
+        from quantkit.rowio import pwrite_all
+
+        spec = self.layout.specs[name]
+        if start + len(data) > spec.nbytes:
+            raise InternalError(f"{name}: {start + len(data)} bytes written into a {spec.nbytes}-byte tensor")
+        pwrite_all(self.fd, data, self.layout.offsets[name] + start)
+        self.written[name] = self.written.get(name, 0) + len(data)
+
+    def copy(self, name: str, source: Path, offset: int) -> None:
+        """Tensor `name` copied whole from `source` at byte `offset` (the kernel moves the bytes; none
+        pass through this process's memory)."""
+        size = self.layout.specs[name].nbytes
+        with open(source, "rb") as fh:
+            done = 0
+            while done < size:
+                os.lseek(self.fd, self.layout.offsets[name] + done, os.SEEK_SET)
+                sent = os.sendfile(self.fd, fh.fileno(), offset + done, min(COPY_BYTES, size - done))
+                if sent == 0:
+                    raise InternalError(f"{source.name}: file ends inside the data of {name}")
+                done += sent
+        self.written[name] = self.written.get(name, 0) + size
+
+    def check_complete(self) -> None:
+        short = [n for n, s in self.layout.specs.items() if self.written.get(n, 0) != s.nbytes]
+        if short:
+            raise InternalError(f"{self.path.name}: tensors not written in full: {short[:3]}")
+
+
+def write_index(out_dir: Path, layouts: list[ShardLayout]) -> None:
+    """model.safetensors.index.json for a checkpoint of several shards (none for a single file)."""
+    if len(layouts) < 2:
+        return
+    from compressed_tensors.utils.safetensors_load import update_safetensors_index
+
+    total = sum(s.nbytes for layout in layouts for s in layout.specs.values())
+    update_safetensors_index(str(out_dir), total, {name: layout.file for layout in layouts for name in layout.specs})

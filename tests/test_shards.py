@@ -1,0 +1,67 @@
+"""quantkit.shards: safetensors files written header first and filled tensor by tensor."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from quantkit.errors import InternalError
+from quantkit.shards import (ShardWriter, TensorSpec, group_shards, layout_shards, safetensors_dtype, shard_file_names,
+                             write_index)
+from quantkit.stream import safetensors_index, tensor_bytes
+
+
+def spec(name: str, tensor) -> TensorSpec:
+    return TensorSpec(name, safetensors_dtype(tensor.dtype), tuple(tensor.shape))
+
+
+def test_units_stay_together_and_shards_stay_under_the_limit():
+    a, b, c = (TensorSpec(n, "BF16", (64,)) for n in "abc")  # 128 bytes each
+    big = TensorSpec("big", "F32", (1000,))
+    groups = group_shards([[a, b], [c], [big], [a]], max_bytes=300)
+    assert [[s.name for s in g] for g in groups] == [["a", "b"], ["c"], ["big"], ["a"]]
+    assert [[s.name for s in g] for g in group_shards([[a], [b], [c]], max_bytes=300)] == [["a", "b"], ["c"]]
+    assert shard_file_names(1) == ["model.safetensors"]
+    assert shard_file_names(2) == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+
+
+def test_a_file_filled_out_of_order_reads_back_as_save_file_writes_it(tmp_path):
+    tensors = {"w": torch.randn(5, 3).to(torch.bfloat16), "s": torch.randn(5, 1).to(torch.float8_e4m3fn),
+               "n": torch.arange(7, dtype=torch.int64)}
+    save_file({"stored": tensors["n"]}, tmp_path / "source.safetensors")
+    stored = safetensors_index(tmp_path / "source.safetensors")["stored"]
+    (layout,) = layout_shards([[spec(k, v) for k, v in tensors.items()]])
+    assert len(layout.header) % 8 == 0
+    with ShardWriter(layout, tmp_path / layout.file) as writer:
+        writer.write("s", tensor_bytes(tensors["s"]))
+        writer.write("w", tensor_bytes(tensors["w"][2:]), start=2 * 3 * 2)  # rows 2.. then rows 0..1
+        writer.write("w", tensor_bytes(tensors["w"][:2]))
+        writer.copy("n", stored.file, stored.offset)
+    with safe_open(tmp_path / "model.safetensors", "pt") as f:
+        assert f.metadata() == {"format": "pt"}
+        for name, tensor in tensors.items():
+            assert f.get_tensor(name).dtype == tensor.dtype
+            assert torch.equal(f.get_tensor(name).view(torch.uint8), tensor.view(torch.uint8))
+
+
+def test_an_unfinished_file_is_an_internal_error(tmp_path):
+    (layout,) = layout_shards([[TensorSpec("w", "F32", (4,))]])
+    with pytest.raises(InternalError, match="not written in full"):
+        with ShardWriter(layout, tmp_path / layout.file) as writer:
+            writer.write("w", tensor_bytes(torch.zeros(2)))
+    with pytest.raises(InternalError, match="bytes written into"):
+        with ShardWriter(layout, tmp_path / layout.file) as writer:
+            writer.write("w", tensor_bytes(torch.zeros(4)), start=4)
+
+
+def test_the_index_names_every_tensor_of_several_shards(tmp_path):
+    layouts = layout_shards([[TensorSpec("a", "F32", (4,))], [TensorSpec("b", "F32", (4,))]], max_bytes=16)
+    write_index(tmp_path, layouts)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert index["weight_map"] == {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}
+    assert index["metadata"]["total_size"] == 32
+    write_index(tmp_path / "none", layouts[:1])  # one file: no index (the directory need not exist)
