@@ -26,7 +26,7 @@ the head (and softcap), as `evaluate.model_logits_fn` does.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -341,7 +341,12 @@ class StreamedModel:
 
 def stream_model(config, source: WeightSource, dtype, device="cpu") -> StreamedModel:
     """A meta-device model of `config` whose weights come from `source` unit by unit."""
-    model = build_meta_model(config, dtype)
+    return stream_built(build_meta_model(config, dtype), config, source, device)
+
+
+def stream_built(model, config, source: WeightSource, device="cpu") -> StreamedModel:
+    """A model already built on the meta device (build_meta_model, perhaps with more done to it)
+    streamed from `source` unit by unit."""
     weights = WeightsMap(source, source_names(model, source))
     attach_streaming(model, weights, device)
     softcap = config.get_text_config().to_dict().get("final_logit_softcapping")
@@ -416,12 +421,20 @@ def streamed_scorer(config, source: WeightSource, dtype, device="cpu", activatio
                     workdir: Path | None = None) -> Scorer:
     """A Scorer (evaluate.compute_baseline / compare) running `config`'s model layer by layer
     from `source`, in `dtype` on `device`; its logits are spilled to a file in `workdir`."""
+    return group_scorer(lambda: stream_model(config, source, dtype, device), config.get_text_config(),
+                        activation_bytes, workdir)
+
+
+def group_scorer(make: Callable[[], StreamedModel], text_config, activation_bytes: int = ACTIVATION_BYTES,
+                 workdir: Path | None = None) -> Scorer:
+    """A Scorer over the streamed model `make` builds when scoring starts: the windows go through it
+    in groups sized for `text_config`'s activations."""
 
     def scorer(windows) -> Iterator[ScoredChunk]:
         import torch
 
-        streamed = stream_model(config, source, dtype, device)
-        group = windows_per_group(config.get_text_config(), windows.shape[1], activation_bytes)
+        streamed = make()
+        group = windows_per_group(text_config, windows.shape[1], activation_bytes)
         with torch.inference_mode():
             for ids in iter_batches(windows, group):
                 yield from score_group(streamed, ids, workdir)
