@@ -30,6 +30,11 @@ ARTIFACTS = {
     "smoothquant": ["--method", "smoothquant", *CALIB],
 }
 ACTIVATIONS_QUANTIZED = {"fp8", "fp8-static", "smoothquant"}
+SLOW = {"fp8-static", "gptq-asym"}  # a second scheme of the same compressor (stored input_scale, packed zero points)
+
+
+def names(*chosen: str) -> list:
+    return [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in chosen]
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +73,7 @@ def loading_refused(*args, **kwargs):
     raise AssertionError("the artifact was loaded whole")
 
 
-@pytest.mark.parametrize("name", list(ARTIFACTS))
+@pytest.mark.parametrize("name", names(*ARTIFACTS))
 def test_streamed_gate_equals_the_loaded_artifact(name, built, micro_model, windows, baseline, monkeypatch):
     path = built(name)
     loaded = evaluate.compare(stream.loaded_scorer(path, micro_model), windows, baseline)
@@ -100,7 +105,7 @@ def test_activation_quantization_is_part_of_the_streamed_forward(name, built, wi
         assert_same_metrics(streamed, dequantized)
 
 
-@pytest.mark.parametrize("name", ["fp8", "gptq-asym", "smoothquant"])
+@pytest.mark.parametrize("name", names("fp8", "gptq", "gptq-asym", "smoothquant"))
 def test_weights_are_compressed_tensors_own_decompression(name, built):
     """A quantized module's weight equals the one transformers' loading decompresses it to, in the
     Hugging Face shape; unquantized tensors are the stored ones."""
