@@ -300,9 +300,9 @@ def evaluate_artifact(artifact: Path, base_dir: Path, windows, baseline: Baselin
                       trust_remote_code: bool = False, workdir: Path | None = None) -> Metrics:
     """Read an artifact back from disk the way a user would and measure it against the baseline.
 
-    The one measuring step shared by the pipeline's gate and `quantkit eval`: a .gguf or a
-    full-precision text decoder is streamed layer by layer, the rest loads through transformers
-    (quantkit.stream.artifact_scorer).
+    The one measuring step shared by the pipeline's gate and `quantkit eval`: a .gguf, a
+    full-precision text decoder and a compressed-tensors text decoder are streamed layer by layer,
+    the rest loads through transformers (quantkit.stream.artifact_scorer).
     """
     from quantkit.stream import artifact_scorer
 

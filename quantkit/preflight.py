@@ -141,8 +141,9 @@ def ram_estimate(info, recipe, targets) -> RamEstimate:
     log-probs while they are small enough to stay in memory; a target that needs the model holds it
     whole in its stored dtype (or, with --offload-dir, everything but the decoder layers plus one
     layer); fp8 without the model (quantkit.methods.model_free) one slab of one weight and its
-    quantizer's copies; a compressed-tensors/bitsandbytes artifact is reloaded whole at its bits (a
-    compressed-tensors one decompressed a module at a time, quantkit.artifacts)."""
+    quantizer's copies; a compressed-tensors text decoder is streamed like the base, a module
+    decompressed at a time (quantkit.compressed); any other compressed-tensors or bitsandbytes
+    artifact is reloaded whole at its bits."""
     from quantkit.evaluate import SPILL_THRESHOLD
     from quantkit.methods.model_free import working_set_bytes
     from quantkit.stream import ACTIVATION_BYTES, HEAD_SLICE_BYTES
@@ -163,15 +164,27 @@ def ram_estimate(info, recipe, targets) -> RamEstimate:
         elif t.target.method == "fp8":
             steps[f"{t.name}: quantize"] = working_set_bytes(info)
         if c.eval_windows:
-            steps[f"{t.name}: gate"] = candidate_bytes(t, model, layer) + streamed
+            steps[f"{t.name}: gate"] = candidate_bytes(t, model, layer, streams_gate(t, info, recipe)) + streamed
     return RamEstimate(steps)
 
 
-def candidate_bytes(target, model: int, layer: int) -> int:
+def streams_gate(target, info, recipe) -> bool:
+    """Whether the gate streams the target's compressed-tensors artifact (quantkit.compressed.streams):
+    a text decoder the stream applies to, its output head left 16-bit, no custom model code."""
+    from quantkit.stream import streamable
+
+    return (target.method.format.startswith("compressed-tensors") and streamable(info.config)
+            and target.method.keeps_lm_head(target.options) and not recipe.trust_remote_code)
+
+
+def candidate_bytes(target, model: int, layer: int, streamed: bool) -> int:
     """What the gate holds of one artifact: a .gguf streamed in float32 (twice a 16-bit layer), a
-    compressed-tensors/bitsandbytes checkpoint whole at its bits."""
+    streamed compressed-tensors one a 16-bit layer (its modules decompressed one at a time), any
+    other checkpoint whole at its bits."""
     if target.target.method == "gguf":
         return 2 * layer
+    if streamed:
+        return layer
     return int(model * target_bits(target.target.method, target.options) / 16)
 
 
@@ -188,8 +201,9 @@ def vram_estimate(info, recipe, targets) -> RamEstimate:
     """Per step, what the GPU holds when the run uses one: a streamed forward one weight matrix (in
     float32 for a .gguf) with a group's activations and a slice of the head; a target that needs
     the model, one decoder layer and the calibration activations with --offload-dir (llm-compressor's
-    sequential pipeline onloads a layer at a time), else the whole model; a compressed-tensors or
-    bitsandbytes gate, the artifact at its bits; fp8 without the model, one slab of one weight."""
+    sequential pipeline onloads a layer at a time), else the whole model; a gate that does not stream
+    (bitsandbytes, streams_gate false), the artifact at its bits; fp8 without the model, one slab of
+    one weight."""
     from quantkit.methods.model_free import working_set_bytes
     from quantkit.stream import ACTIVATION_BYTES, HEAD_SLICE_BYTES
 
@@ -204,8 +218,8 @@ def vram_estimate(info, recipe, targets) -> RamEstimate:
         elif t.target.method == "fp8":
             steps[f"{t.name}: quantize"] = working_set_bytes(info)
         if recipe.calibration.eval_windows:
-            steps[f"{t.name}: gate"] = streamed if t.target.method == "gguf" else (
-                candidate_bytes(t, model, 0) + ACTIVATION_BYTES)
+            steps[f"{t.name}: gate"] = streamed if t.target.method == "gguf" or streams_gate(t, info, recipe) else (
+                candidate_bytes(t, model, 0, False) + ACTIVATION_BYTES)
     return RamEstimate(steps, FIXED_VRAM)
 
 

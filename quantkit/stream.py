@@ -4,8 +4,9 @@ The transformers model is built on the meta device (parameters only; buffers suc
 frequencies and Gemma's embedding scale are computed as usual). Every streamed unit (each module
 of the decoder with parameters of its own: each projection, each norm) carries accelerate's AlignDevicesHook with
 `offload=True` and a lazy `weights_map`: just before the unit runs, its weights are read from a
-WeightSource (a safetensors checkpoint or a .gguf, one tensor at a time), cast to the compute
-dtype and placed on the execution device; right after, they go back to meta and are freed. The
+WeightSource (a safetensors checkpoint or a .gguf, one tensor at a time; a compressed-tensors
+checkpoint one module's weight at a time, quantkit.compressed), cast to the compute dtype and
+placed on the execution device; right after, they go back to meta and are freed. The
 model's own forward runs unchanged (masks, rotary, sliding windows, Gemma's scaling and attention
 softcaps) for every architecture transformers has.
 
@@ -26,7 +27,7 @@ the head (and softcap), as `evaluate.model_logits_fn` does.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -341,7 +342,12 @@ class StreamedModel:
 
 def stream_model(config, source: WeightSource, dtype, device="cpu") -> StreamedModel:
     """A meta-device model of `config` whose weights come from `source` unit by unit."""
-    model = build_meta_model(config, dtype)
+    return stream_built(build_meta_model(config, dtype), config, source, device)
+
+
+def stream_built(model, config, source: WeightSource, device="cpu") -> StreamedModel:
+    """A model already built on the meta device (build_meta_model, perhaps with more done to it)
+    streamed from `source` unit by unit."""
     weights = WeightsMap(source, source_names(model, source))
     attach_streaming(model, weights, device)
     softcap = config.get_text_config().to_dict().get("final_logit_softcapping")
@@ -416,12 +422,20 @@ def streamed_scorer(config, source: WeightSource, dtype, device="cpu", activatio
                     workdir: Path | None = None) -> Scorer:
     """A Scorer (evaluate.compute_baseline / compare) running `config`'s model layer by layer
     from `source`, in `dtype` on `device`; its logits are spilled to a file in `workdir`."""
+    return group_scorer(lambda: stream_model(config, source, dtype, device), config.get_text_config(),
+                        activation_bytes, workdir)
+
+
+def group_scorer(make: Callable[[], StreamedModel], text_config, activation_bytes: int = ACTIVATION_BYTES,
+                 workdir: Path | None = None) -> Scorer:
+    """A Scorer over the streamed model `make` builds when scoring starts: the windows go through it
+    in groups sized for `text_config`'s activations."""
 
     def scorer(windows) -> Iterator[ScoredChunk]:
         import torch
 
-        streamed = stream_model(config, source, dtype, device)
-        group = windows_per_group(config.get_text_config(), windows.shape[1], activation_bytes)
+        streamed = make()
+        group = windows_per_group(text_config, windows.shape[1], activation_bytes)
         with torch.inference_mode():
             for ids in iter_batches(windows, group):
                 yield from score_group(streamed, ids, workdir)
@@ -435,8 +449,9 @@ def streamed_scorer(config, source: WeightSource, dtype, device="cpu", activatio
 def streamable(config: dict) -> bool:
     """Whether the streamed forward applies: a full-precision text decoder whose checkpoint names
     are its module names (not a VLM, whose towers and forward differ; not a quantized checkpoint,
-    whose weights need its engine's modules; not a model transformers converts while loading,
-    such as Mixtral's and Qwen3-MoE's per-expert tensors fused into one)."""
+    whose weights need its engine's modules, quantkit.compressed.streamable says which compressed-tensors
+    ones stream; not a model transformers converts while loading, such as Mixtral's and Qwen3-MoE's
+    per-expert tensors fused into one)."""
     from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 
     from quantkit.model import is_vlm
@@ -484,9 +499,11 @@ def loaded_scorer(path: Path, base_dir: Path | None, device: str = "cpu", trust_
 
 def artifact_scorer(path: Path, base_dir: Path | None = None, device: str = "cpu",
                     trust_remote_code: bool = False, workdir: Path | None = None) -> Scorer:
-    """A Scorer for any artifact quantkit evaluates: a .gguf or a full-precision text decoder is
-    streamed layer by layer; a compressed-tensors or bitsandbytes checkpoint (weights already 4-8 bit,
-    restored by its engine's own modules) and a VLM load whole through transformers."""
+    """A Scorer for any artifact quantkit evaluates: a .gguf, a full-precision text decoder and a
+    compressed-tensors text decoder (quantkit.compressed.streams) are streamed layer by layer; a
+    bitsandbytes checkpoint (restored by its engine's own modules), a VLM, custom model code and
+    any other compressed-tensors artifact load whole through transformers."""
+    from quantkit import compressed
     from quantkit.artifacts import artifact_kind, gguf_file
     from quantkit.errors import InputError
     from quantkit.model import is_vlm, read_config
@@ -500,4 +517,6 @@ def artifact_scorer(path: Path, base_dir: Path | None = None, device: str = "cpu
         return gguf_scorer(gguf_file(path), base_dir, device, workdir=workdir)
     if kind == "transformers" and streamable(read_config(path)) and not trust_remote_code:
         return checkpoint_scorer(path, "auto", device, workdir=workdir)
+    if kind == "compressed-tensors" and not trust_remote_code and compressed.streams(path):
+        return compressed.compressed_scorer(path, device, workdir=workdir)
     return loaded_scorer(path, base_dir, device, trust_remote_code)

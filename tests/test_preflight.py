@@ -78,6 +78,26 @@ def test_ram_estimate_streams_the_gate_and_refuses_over_the_limit(micro_model, c
     assert not (tmp_path / "out").exists()
 
 
+def test_compressed_tensors_gates_stream_unless_the_head_is_quantized(micro_model, tmp_path):
+    """A compressed-tensors text decoder's gate holds what the streamed baseline does (a 16-bit
+    layer); with its head quantized it loads whole (quantkit.compressed.streams), at its bits."""
+    from quantkit.model import check_model_dir
+    from quantkit.pipeline import RunOptions, prepare
+    from quantkit.preflight import ram_estimate, unit_bytes
+    from quantkit.recipe import Overrides, build_recipe
+
+    info = check_model_dir(micro_model)
+    model = sum(sum(part.values()) for part in unit_bytes(info))
+    for method, options in (("fp8", {}), ("gptq", {}), ("smoothquant", {}), ("fp8", {"quantize_lm_head": True})):
+        recipe = build_recipe(None, method, Overrides(model=str(micro_model), method_options=options))
+        _info, targets = prepare(recipe, RunOptions(model=str(micro_model), out=tmp_path / "x"))
+        steps = ram_estimate(info, recipe, targets).steps
+        if options:
+            assert steps[f"{method}: gate"] - steps["baseline"] == model * 8 // 16 - max(unit_bytes(info)[1].values())
+        else:
+            assert steps[f"{method}: gate"] == steps["baseline"]
+
+
 def test_vram_estimate_streams_and_refuses_when_the_gpu_is_too_small(micro_model, tmp_path):
     from quantkit.errors import InputError
     from quantkit.model import check_model_dir
