@@ -139,6 +139,10 @@ def check(info, options: Options, calibration) -> None:
     check_calibration_tokens(calibration, "gptq")
     if options.auto_precision is not None:
         check_auto_precision(info, options)
+    if options.act_order == "group":  # llm-compressor raises only after loading and calibrating
+        raise UnsupportedError("gptq: act_order=group is not supported by llm-compressor's GPTQ "
+                               "(it orders by static or weight activation order only)",
+                               hint="use act_order static (the default) or none")
 
 
 def check_auto_precision(info, options: Options) -> None:

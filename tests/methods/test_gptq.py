@@ -95,3 +95,11 @@ def test_gptq_precision_strings():
 def test_gptq_beats_rtn_on_reference_model(cli, reference_model, tmp_path):
     """On a trained model GPTQ's error feedback must beat plain rounding of the same format."""
     assert_beats_rtn(cli, reference_model, tmp_path, "gptq", "W4A16")
+
+def test_gptq_act_order_group_refused_before_work(cli, micro_model, tmp_path):
+    """llm-compressor's GPTQ rejects group ordering only after loading and calibrating: refused at once."""
+    out = tmp_path / "out"
+    result = cli("quantize", micro_model, "--method", "gptq", "--act-order", "group", *CALIB_ARGS, "-o", out)
+    assert result.exit_code == 2, result.output
+    assert "act_order=group is not supported" in result.output and "act_order static" in result.output
+    assert_nothing_written(out)
