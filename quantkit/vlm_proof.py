@@ -104,8 +104,8 @@ def tower_differences(model, info: ModelInfo, quantized_roles: tuple[str, ...] =
     for name in names:
         reloaded = state.get(module_names[name])
         module = module_names[name].removesuffix(".weight")
-        asked = info.towers.role(name) in quantized_roles and module != module_names[name]
-        bits = weight_bits(model, module) if asked else None
+        is_weight = module_names[name].endswith(".weight")
+        bits = weight_bits(model, module) if is_weight and info.towers.role(name) in quantized_roles else None
         if bits:
             weight = decompressed_weight(model.get_submodule(module))
             ok = within_rounding(weight.cpu(), source[name], bits)

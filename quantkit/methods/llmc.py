@@ -37,6 +37,8 @@ def tower_linears(job) -> dict[str, list[str]]:
     from quantkit.plan import TOWER_EMBEDDING, classify
 
     chosen: dict[str, list[str]] = {}
+    if not job.towers:  # the rule: every tower stays 16-bit, nothing to look for
+        return chosen
     for name, module in job.model.named_modules():
         role = classify(name, job.info.towers)
         if role in job.towers and type(module) is torch.nn.Linear and not TOWER_EMBEDDING.search(name):
