@@ -41,7 +41,7 @@ from quantkit.preflight import (available_vram, check_disk, check_ram, check_vra
 from quantkit.recipe import Calibration, Gate, Recipe, Target, target_gate, target_options
 from quantkit.report import ModelReport, RunReport, TargetReport, model_card
 from quantkit.stream import release_freed_memory
-from quantkit.vlm import tower_summary
+from quantkit.vlm import FAMILIES, tower_summary
 
 Progress = Callable[[str], None]
 
@@ -169,12 +169,28 @@ def check_tower_precision(target: Target, info: ModelInfo, method: MethodSpec) -
     if not method.quantizes_towers:
         raise UnsupportedError(f"target '{target.name}': {fields} is not available with {method.name}",
                                hint="use fp8, gptq, awq or smoothquant, or keep the towers 16-bit")
+    family = FAMILIES.get(info.towers.family or "")
+    if "vision" in asked and family and family.vision_stays_16bit:
+        raise UnsupportedError(f"target '{target.name}': vision: {asked['vision']} refused for {family.name}: "
+                               f"{family.vision_stays_16bit}", hint="keep the vision tower 16-bit (vision: keep)")
     missing = [role for role in asked if not info.towers.names(role)]
     if missing:
         found = f" (its towers were found by look: {', '.join(info.towers.unknown)})" if info.towers.unknown else ""
         raise InputError(f"target '{target.name}': {fields}, but {info.architecture} has no "
                          f"{' or '.join(missing)} in quantkit's VLM table{found}",
                          hint="remove the option; towers found by look stay 16-bit")
+    without_linears = [role for role in asked if not tower_weights(info, role)]
+    if without_linears:
+        raise UnsupportedError(f"target '{target.name}': {' and '.join(without_linears)}: {info.architecture} has "
+                               "no linear layer there to quantize", hint=f"set {without_linears[0]}: keep")
+
+
+def tower_weights(info: ModelInfo, role: str) -> list[str]:
+    """The linear weights of a tower role (2-D `.weight`s, its embeddings left out), from the headers."""
+    from quantkit.plan import TOWER_EMBEDDING, classify, linear_weights
+
+    return [name for name in linear_weights(info)
+            if classify(name + ".weight", info.towers) == role and not TOWER_EMBEDDING.search(name)]
 
 
 def check_not_quantized(info: ModelInfo, recipe: Recipe) -> None:

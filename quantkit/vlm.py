@@ -38,6 +38,13 @@ class Family:
     projector: tuple[str, ...]
     audio: tuple[str, ...] = ()
     cross_attention: str | None = None  # text_config key listing the decoder layers that attend to images
+    # Why a quantized vision tower of this family would not reload in transformers (None: it does).
+    vision_stays_16bit: str | None = None
+
+
+# SigLIP's _init_weights reads each attention projection's `.weight`, which a compressed-tensors module
+# does not have: transformers fails to build such an artifact (AttributeError while loading).
+SIGLIP_RELOAD = "transformers' SigLIP initializer reads q_proj.weight, which a quantized module does not have"
 
 
 LLAVA_LIKE = dict(language="language_model", vision=("vision_tower",), projector=("multi_modal_projector",))
@@ -58,10 +65,11 @@ FAMILIES: dict[str, Family] = {
                        vision=("vision_model",), projector=("connector",)),
     "smolvlm": Family("SmolVLM", "SmolVLMForConditionalGeneration", language="text_model",
                       vision=("vision_model",), projector=("connector",)),
-    "gemma3": Family("Gemma 3", "Gemma3ForConditionalGeneration", **LLAVA_LIKE),
+    "gemma3": Family("Gemma 3", "Gemma3ForConditionalGeneration", **LLAVA_LIKE, vision_stays_16bit=SIGLIP_RELOAD),
     "gemma3n": Family("Gemma 3n", "Gemma3nForConditionalGeneration", language="language_model",
                       vision=("vision_tower",), projector=("embed_vision", "embed_audio"), audio=("audio_tower",)),
-    "paligemma": Family("PaliGemma", "PaliGemmaForConditionalGeneration", **LLAVA_LIKE),
+    "paligemma": Family("PaliGemma", "PaliGemmaForConditionalGeneration", **LLAVA_LIKE,
+                        vision_stays_16bit=SIGLIP_RELOAD),
     "mllama": Family("Llama 3.2 Vision (Mllama)", "MllamaForConditionalGeneration", language="language_model",
                      vision=("vision_model",), projector=("multi_modal_projector",),
                      cross_attention="cross_attention_layers"),

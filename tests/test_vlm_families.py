@@ -144,3 +144,17 @@ def test_inspect_names_the_towers(cli, family_model):
     assert data["towers"]["projector"] == ["multi_modal_projector"] and data["towers"]["unknown_towers"] == []
     projector = next(m for m in data["modules"] if m["name"] == "multi_modal_projector")
     assert projector["role"] == "projector" and "kept" in projector["precision"]
+
+
+@pytest.mark.parametrize("option,message", [
+    ("--vision", "vision: int8 refused for Gemma 3: transformers' SigLIP initializer reads q_proj.weight"),
+    ("--projector", "projector: Gemma3ForConditionalGeneration has no linear layer there to quantize"),
+])
+def test_gemma3_towers_that_cannot_be_quantized_are_refused_before_work(cli, family_model, tmp_path, option, message):
+    """SigLIP towers quantized do not reload in transformers, and Gemma 3's projector is a bare weight
+    matrix, not a Linear: both refused before any work, not after quantizing."""
+    out = tmp_path / "out"
+    result = cli("quantize", family_model("gemma3"), "--method", "fp8", option, "int8", "-o", out, *CALIB)
+    assert result.exit_code == 2, result.output
+    assert message in result.stderr
+    assert leftovers(tmp_path, "out") == []
