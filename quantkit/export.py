@@ -77,10 +77,24 @@ def make_staging(out: Path, progress: Callable[[str], None] = lambda message: No
         except BaseException:  # never leave a staging dir without its owner file
             discard(staging)
             raise
+    os.chmod(staging, 0o777 & ~current_umask())  # mkdtemp makes 0700; the result should look like any new dir
+    return staging
+
+
+def current_umask() -> int:
     umask = os.umask(0)
     os.umask(umask)
-    os.chmod(staging, 0o777 & ~umask)  # mkdtemp makes 0700; the result should look like any new dir
-    return staging
+    return umask
+
+
+def share_modes(staging: Path) -> None:
+    """Give every file and directory of the result the modes of any new file under the user's umask:
+    some writers create private files (safetensors writes its files 0600), and a model directory
+    is usually served by another user (a vLLM or Ollama container)."""
+    umask = current_umask()
+    for path in staging.rglob("*"):
+        if not path.is_symlink():
+            os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~umask)
 
 
 @dataclass(frozen=True)
@@ -184,6 +198,7 @@ def publish(staging: Path, out: Path, overwrite: bool) -> None:
     """Move the finished staging directory to OUT; an old OUT is replaced only with overwrite.
     The owner file goes last, so the staging dir is never unowned while it exists."""
     out = out.resolve()
+    share_modes(staging)
     move_into_place(staging, out, overwrite)
     owner_file(staging).unlink(missing_ok=True)
 

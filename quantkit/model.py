@@ -320,17 +320,21 @@ LAYER_PREFIX = re.compile(r"^(.*\.layers\.\d+)\.")
 
 
 def offload_device_map(info: ModelInfo, device: str) -> dict[str, str]:
-    """A from_pretrained device_map with each decoder layer on "disk" and every other module on
-    `device` (llm-compressor's sequential pipeline then onloads one layer at a time)."""
+    """A from_pretrained device_map with each decoder layer, the embeddings and the head on "disk"
+    and every other module (norms) on `device`: llm-compressor's sequential pipeline then onloads
+    one layer at a time, and the embedding table only while the first subgraph runs."""
     mapping = {}
     for name in info.tensors:
         match = LAYER_PREFIX.match(name)
-        if match:
-            mapping[match.group(1)] = "disk"
-        else:
-            mapping[name.rsplit(".", 1)[0]] = device_map(device)
-    mapping.setdefault("lm_head", device_map(device))  # tied: not in the checkpoint, still a module
+        module = match.group(1) if match else name.rsplit(".", 1)[0]
+        mapping[module] = "disk" if match or is_offloaded_table(module) else device_map(device)
+    mapping.setdefault("lm_head", "disk")  # tied: not in the checkpoint, still a module
     return mapping
+
+
+def is_offloaded_table(module: str) -> bool:
+    """The vocabulary-sized modules --offload-dir keeps on disk: the input embeddings and the head."""
+    return module.endswith("embed_tokens") or module == "lm_head"
 
 
 def is_vlm(config: dict) -> bool:

@@ -139,8 +139,8 @@ def ram_estimate(info, recipe, targets) -> RamEstimate:
     """Per step: the streamed baseline and gate hold one decoder layer (the .gguf candidate's in
     float32), a group's activations, a slice of the output head and its logits, and the baseline
     log-probs while they are small enough to stay in memory; a target that needs the model holds it
-    whole in its stored dtype (or, with --offload-dir, everything but the decoder layers plus one
-    layer); fp8 without the model (quantkit.methods.model_free) one slab of one weight and its
+    whole in its stored dtype (or, with --offload-dir, its norms plus the largest of one decoder
+    layer and the embedding table), and for gptq one layer's Hessians; fp8 without the model (quantkit.methods.model_free) one slab of one weight and its
     quantizer's copies; a compressed-tensors text decoder is streamed like the base, a module
     decompressed at a time (quantkit.compressed); any other compressed-tensors or bitsandbytes
     artifact is reloaded whole at its bits."""
@@ -159,13 +159,42 @@ def ram_estimate(info, recipe, targets) -> RamEstimate:
     steps = {"baseline": layer + streamed} if c.eval_windows else {}
     for t in targets:
         if t.needs_model:
-            held = sum(others.values()) + max(layers.values(), default=0) if recipe.offload_dir else model
+            hessians = hessian_bytes(t, info)
+            held = offloaded_bytes(others, layers, hessians) if recipe.offload_dir else model + hessians
             steps[f"{t.name}: quantize"] = held + ACTIVATION_BYTES
         elif t.target.method == "fp8":
             steps[f"{t.name}: quantize"] = working_set_bytes(info)
         if c.eval_windows:
             steps[f"{t.name}: gate"] = candidate_bytes(t, model, layer, streams_gate(t, info, recipe)) + streamed
     return RamEstimate(steps)
+
+
+def offloaded_bytes(others: dict[str, int], layers: dict[str, int], per_layer: int) -> int:
+    """What RAM holds of a model loaded with --offload-dir (quantkit.model.offload_device_map): the
+    modules left in memory (norms), plus the larger of the embedding table (onloaded while the first
+    subgraph runs) and one decoder layer with the method's per-layer working set."""
+    from quantkit.model import is_offloaded_table
+
+    kept = sum(n for unit, n in others.items() if not is_offloaded_table(unit))
+    tables = [n for unit, n in others.items() if is_offloaded_table(unit)]
+    return kept + max([*tables, max(layers.values(), default=0) + per_layer])
+
+
+def hessian_bytes(target, info) -> int:
+    """GPTQ's working set for one decoder layer: a float32 Hessian (in x in) per quantized Linear,
+    and for the widest one the copies its ordering and Cholesky factorization make (two more);
+    0 for the methods without Hessians."""
+    from quantkit.methods.gptq import quantized_linears
+    from quantkit.model import LAYER_PREFIX
+
+    if target.target.method != "gptq":
+        return 0
+    widths: dict[str, list[int]] = {}
+    for name, (_out, width) in quantized_linears(info).items():
+        match = LAYER_PREFIX.match(name + ".")
+        widths.setdefault(match.group(1) if match else name, []).append(width)
+    per_layer = [4 * sum(w * w for w in ws) + 8 * max(ws) ** 2 for ws in widths.values()]
+    return max(per_layer, default=0)
 
 
 def streams_gate(target, info, recipe) -> bool:
@@ -214,7 +243,7 @@ def vram_estimate(info, recipe, targets) -> RamEstimate:
     for t in targets:
         if t.needs_model:
             held = max(layers.values(), default=0) if recipe.offload_dir else model
-            steps[f"{t.name}: quantize"] = held + ACTIVATION_BYTES
+            steps[f"{t.name}: quantize"] = held + ACTIVATION_BYTES + hessian_bytes(t, info)
         elif t.target.method == "fp8":
             steps[f"{t.name}: quantize"] = working_set_bytes(info)
         if recipe.calibration.eval_windows:

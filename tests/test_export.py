@@ -45,6 +45,26 @@ def test_staging_has_an_owner_file_and_publish_removes_it(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["a.txt"]
 
 
+def test_published_files_get_the_modes_of_new_files_under_the_umask(tmp_path):
+    """safetensors writes 0600 files; the published model must be readable as any new file is."""
+    from safetensors.torch import save_file
+    import torch
+
+    out = tmp_path / "out"
+    staging = export.make_staging(out)
+    (staging / "sub").mkdir(mode=0o700)
+    save_file({"w": torch.zeros(2)}, staging / "sub" / "model.safetensors")
+    (staging / "private.txt").write_text("x")
+    os.chmod(staging / "private.txt", 0o600)
+    old = os.umask(0o022)
+    try:
+        export.publish(staging, out, overwrite=False)
+    finally:
+        os.umask(old)
+    assert {p.relative_to(out).as_posix(): oct(p.stat().st_mode & 0o777) for p in out.rglob("*")} == {
+        "sub": "0o755", "sub/model.safetensors": "0o644", "private.txt": "0o644"}
+
+
 def test_discard_removes_staging_and_owner(tmp_path):
     staging = export.make_staging(tmp_path / "out")
     export.discard(staging)

@@ -102,7 +102,7 @@ def test_vram_estimate_streams_and_refuses_when_the_gpu_is_too_small(micro_model
     from quantkit.errors import InputError
     from quantkit.model import check_model_dir
     from quantkit.pipeline import RunOptions, prepare
-    from quantkit.preflight import FIXED_VRAM, check_vram, largest_matrix, unit_bytes, vram_estimate
+    from quantkit.preflight import FIXED_VRAM, check_vram, hessian_bytes, largest_matrix, unit_bytes, vram_estimate
     from quantkit.recipe import Overrides, build_recipe
     from quantkit.stream import ACTIVATION_BYTES, HEAD_SLICE_BYTES
 
@@ -114,15 +114,41 @@ def test_vram_estimate_streams_and_refuses_when_the_gpu_is_too_small(micro_model
         steps = vram_estimate(info, recipe, targets).steps
         assert steps["baseline"] == 2 * largest_matrix(info) + ACTIVATION_BYTES + 2 * HEAD_SLICE_BYTES
         assert 0 < largest_matrix(info) < model / 4
-        if method == "gptq":  # the whole model on the GPU, or one layer with --offload-dir
+        if method == "gptq":  # the whole model on the GPU, or one layer with --offload-dir; one layer's Hessians
             layer = max(unit_bytes(info)[1].values())
-            assert steps["gptq: quantize"] - ACTIVATION_BYTES == (model if offload is None else layer)
+            held = steps["gptq: quantize"] - ACTIVATION_BYTES - hessian_bytes(targets[0], info)
+            assert held == (model if offload is None else layer)
     estimate = vram_estimate(info, recipe, targets)
     assert estimate.fixed == FIXED_VRAM
     check_vram(estimate, 0)  # no GPU: nothing to check
     check_vram(estimate, estimate.peak)
     with pytest.raises(InputError, match="not enough GPU memory"):
         check_vram(estimate, estimate.peak - 1)
+
+
+def test_offloaded_ram_holds_the_norms_and_the_larger_of_a_table_and_a_layer_with_its_hessians(micro_model, tmp_path):
+    """--offload-dir keeps decoder layers, the embeddings and the head on disk (quantkit.model.
+    offload_device_map); GPTQ adds a float32 Hessian per Linear of a layer, two more copies of the widest."""
+    from quantkit.methods.gptq import quantized_linears
+    from quantkit.model import check_model_dir, offload_device_map
+    from quantkit.pipeline import RunOptions, prepare
+    from quantkit.preflight import hessian_bytes, ram_estimate, unit_bytes
+    from quantkit.recipe import Overrides, build_recipe
+    from quantkit.stream import ACTIVATION_BYTES
+
+    info = check_model_dir(micro_model)
+    others, layers = unit_bytes(info)
+    mapping = offload_device_map(info, "cpu")
+    assert {unit for unit, where in mapping.items() if where != "disk"} == {"model.norm"}
+    widths = [w for name, (_o, w) in quantized_linears(info).items() if name.startswith("model.layers.0.")]
+    for method in ("gptq", "awq"):
+        recipe = build_recipe(None, method, Overrides(model=str(micro_model), offload_dir=str(tmp_path)))
+        _info, targets = prepare(recipe, RunOptions(model=str(micro_model), out=tmp_path / "x"))
+        hessians = hessian_bytes(targets[0], info)
+        assert hessians == (4 * sum(w * w for w in widths) + 8 * max(widths) ** 2 if method == "gptq" else 0)
+        held = others["model.norm"] + max(others["model.embed_tokens"], others["lm_head"],
+                                          max(layers.values()) + hessians)
+        assert ram_estimate(info, recipe, targets).steps[f"{method}: quantize"] == held + ACTIVATION_BYTES
 
 
 def test_parse_size():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from quantkit.shards import SHARD_BYTES
+
 ENGINE = "llmcompressor"
 FORMAT = "compressed-tensors"
 
@@ -91,7 +93,8 @@ def save_compressed(job) -> None:
     from quantkit.methods.moe import set_save_names
 
     set_save_names(job.model, job.info.model_type)
-    job.model.save_pretrained(job.out_dir, save_compressed=True)
+    # bounded shards: safetensors maps each output file while writing it, so its pages count in RSS
+    job.model.save_pretrained(job.out_dir, save_compressed=True, max_shard_size=SHARD_BYTES)
     finish_artifact(job.out_dir, job.tokenizer, job.ignore)
     release_session()
 

@@ -249,5 +249,24 @@ def test_offload_device_map_puts_every_decoder_layer_on_disk(micro_model):
 
     mapping = offload_device_map(check_model_dir(micro_model), "cpu")
     assert mapping["model.layers.0"] == mapping["model.layers.1"] == "disk"
-    assert mapping["model.embed_tokens"] == mapping["lm_head"] == mapping["model.norm"] == "cpu"
+    assert mapping["model.embed_tokens"] == mapping["lm_head"] == "disk"  # vocabulary-sized, not changed
+    assert mapping["model.norm"] == "cpu"
     assert not any(".layers.0." in key for key in mapping)
+
+
+def test_gptq_with_offload_dir_writes_the_same_tensors_as_in_memory(cli, micro_model, tmp_path):
+    """Layers, embeddings and head on disk change where the weights wait, not what GPTQ computes."""
+    import torch
+    from safetensors.torch import load_file
+
+    offload = tmp_path / "offload"
+    offload.mkdir()
+    tensors = {}
+    for name, extra in (("ram", ()), ("disk", ("--offload-dir", offload))):
+        result = cli("quantize", micro_model, "--method", "gptq", "-o", tmp_path / name, "--eval-windows", "0",
+                     "--num-samples", "16", "--seq-len", "64", *extra)
+        assert result.exit_code == 0, result.output
+        tensors[name] = load_file(tmp_path / name / "model.safetensors")
+    assert tensors["ram"].keys() == tensors["disk"].keys()
+    assert all(torch.equal(tensors["ram"][k], tensors["disk"][k]) for k in tensors["ram"])
+    assert list(offload.iterdir()) == []
