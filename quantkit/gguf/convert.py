@@ -44,7 +44,7 @@ class ArchSpec:
     """How convert_hf_to_gguf.py converts one HF architecture (its model class, as data)."""
 
     gguf_arch: str  # gguf.MODEL_ARCH member name
-    metadata: str  # set_gguf_parameters flavour: text, llama, qwen_moe, gemma, gemma2, gemma3, phi3
+    metadata: str  # set_gguf_parameters flavour: text, llama, qwen_moe, qwen3vl, gemma, gemma2, gemma3, phi3
     vocab: str  # set_vocab flavour (quantkit.gguf.vocab.VOCAB_KINDS)
     permute_qk: bool = False  # llama.cpp LLAMA_ROPE_TYPE_NORM: undo HF's rotate_half layout
     norm_shift: bool = False  # Gemma RMSNorm scales by (1 + w): stored weight = w + 1
@@ -54,7 +54,7 @@ class ArchSpec:
     fused_qkv_mlp: bool = False  # Phi-3: qkv_proj -> attn_qkv, gate_up_proj -> ffn_up (fused on both sides)
     rope_types: tuple[str, ...] = ("default", "linear", "yarn")
     sliding_window: str = "refused"  # how a sliding window is handled: refused, gemma2, gemma3, phi3
-    mrope: bool = False  # Qwen2-VL's multimodal RoPE: mrope_section written as rope.dimension_sections
+    mrope: bool = False  # Qwen2/2.5/3-VL's multimodal RoPE: mrope_section written as rope.dimension_sections
 
 
 LLAMA_ROPE = ("default", "linear", "yarn", "llama3")
@@ -79,6 +79,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "LlavaForConditionalGeneration": ArchSpec("LLAMA", "llama", "llama", permute_qk=True, rope_types=LLAMA_ROPE),
     "Qwen2VLForConditionalGeneration": ArchSpec("QWEN2VL", "text", "qwen2", mrope=True),
     "Qwen2_5_VLForConditionalGeneration": ArchSpec("QWEN2VL", "text", "qwen2", mrope=True),
+    "Qwen3VLForConditionalGeneration": ArchSpec("QWEN3VL", "qwen3vl", "qwen2", mrope=True),
     "Phi3ForCausalLM": ArchSpec("PHI3", "phi3", "phi3", rope_types=("default", "longrope", "su"),
                                 sliding_window="phi3", fused_qkv_mlp=True),
 }
@@ -224,8 +225,8 @@ def check_rope(arch: str, spec: ArchSpec, hp: dict) -> None:
         refuse(arch, "a scaled RoPE on the sliding-window layers is not supported", supported)
     if ("mrope_section" in rope) != spec.mrope:
         what = "a RoPE without mrope_section is" if spec.mrope else "multimodal RoPE sections are"
-        refuse(arch, f"{what} not supported", "multimodal RoPE (mrope_section) converts for Qwen2-VL and "
-               "Qwen2.5-VL only, and those need it")
+        refuse(arch, f"{what} not supported", "multimodal RoPE (mrope_section) converts for Qwen2-VL, "
+               "Qwen2.5-VL and Qwen3-VL only, and those need it")
     if kind in ("longrope", "su") and not (rope.get("long_factor") and rope.get("short_factor")):
         refuse(arch, "LongRoPE without long_factor / short_factor", "supported: LongRoPE with both factor lists, as Phi-3 configs give them")
 
@@ -584,6 +585,12 @@ def add_qwen_moe_params(writer, hp: dict, ftype: int) -> None:
         writer.add_expert_feed_forward_length(n_ff)
 
 
+def add_qwen3vl_params(writer, hp: dict, ftype: int) -> None:
+    """Qwen3VLTextModel.set_gguf_parameters: TextModel's + how many deepstack mergers feed the decoder."""
+    add_text_params(writer, hp, ftype)
+    writer.add_num_deepstack_layers(len((hp.get("vision_config") or {}).get("deepstack_visual_indexes", [])))
+
+
 def add_gemma_params(writer, hp: dict, ftype: int) -> None:
     """GemmaModel.set_gguf_parameters (it does not call TextModel's: no RoPE keys)."""
     writer.add_context_length(hp["max_position_embeddings"])
@@ -652,6 +659,7 @@ def phi3_attn_factor(hp: dict, rope: dict) -> float:
 
 
 METADATA_WRITERS = {"text": add_text_params, "llama": add_llama_params, "qwen_moe": add_qwen_moe_params,
+                    "qwen3vl": add_qwen3vl_params,
                     "gemma": add_gemma_params, "gemma2": add_gemma2_params, "gemma3": add_gemma3_params,
                     "phi3": add_phi3_params}
 

@@ -61,6 +61,7 @@ class Rule:
     split: str = ""  # "rows": equal parts along the first axis (fused qkv); "time": Conv3D kernel per time step
     shift: bool = False  # stored w + 1 (Gemma's RMSNorm scales by 1 + w)
     force: T | str | None = None  # the converter's tensor_force_quant: a type, "patch" (F16 in an f16 file, else F32)
+    index: str = ""  # a vision_config list the first match group indexes (Qwen3-VL's deepstack_visual_indexes)
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,14 @@ TOWER = "vision_tower.vision_model"
 NESTED_RENAMES = ((r"^model\.(vision_tower|multi_modal_projector)\.", r"\1."),
                   (r"^vision_tower\.(?!vision_model\.)", "vision_tower.vision_model."))
 
+IDEFICS3_TOWER = "model.vision_model"
+IDEFICS3_RULES = (  # SmolVLMModel: the SigLIP embeddings forced F32 (even in an f16 file)
+    Rule(r"model\.connector\.modality_projection\.proj\.weight", ("mm.model.fc.weight",)),
+    Rule(rf"{IDEFICS3_TOWER}\.embeddings\.patch_embedding\.(weight|bias)", ("v.patch_embd.{0}",), force=T.F32),
+    Rule(rf"{IDEFICS3_TOWER}\.embeddings\.position_embedding\.weight", ("v.position_embd.weight",), force=T.F32),
+    *blocks(f"{IDEFICS3_TOWER}.encoder.layers", SIGLIP_BLOCK),
+    Rule(rf"{IDEFICS3_TOWER}\.post_layernorm\.(weight|bias)", ("v.post_ln.{0}",)))
+
 FAMILIES: dict[str, Family] = {
     "llava": Family(
         "LLaVA 1.5 (CLIP tower)", LEGACY, "mlp",
@@ -123,6 +132,23 @@ FAMILIES: dict[str, Family] = {
         QWEN_COMMON + blocks("visual.blocks", {**QWEN_BLOCK, "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
                                                "mlp.down_proj": "ffn_down"}),
         renames=((r"^model\.visual\.", "visual."),)),
+    "qwen3_vl": Family(
+        "Qwen3-VL", MODERN, "qwen3vl_merger",
+        (*(Rule(rf"visual\.deepstack_merger_list\.(\d+)\.{hf}\.(weight|bias)", (f"v.deepstack.{{0}}.{g}.{{1}}",),
+                index="deepstack_visual_indexes") for hf, g in (("norm", "norm"), ("linear_fc1", "fc1"),
+                                                                 ("linear_fc2", "fc2"))),
+         Rule(r"visual\.merger\.linear_fc1\.(weight|bias)", ("mm.0.{0}",)),
+         Rule(r"visual\.merger\.linear_fc2\.(weight|bias)", ("mm.2.{0}",)),
+         Rule(r"visual\.merger\.norm\.(weight|bias)", ("v.post_ln.{0}",)),
+         Rule(r"visual\.patch_embed\.proj\.weight", ("v.patch_embd.weight", "v.patch_embd.weight.1"), split="time",
+              force="patch"),
+         Rule(r"visual\.patch_embed\.proj\.bias", ("v.patch_embd.bias",)),
+         Rule(r"visual\.pos_embed\.weight", ("v.position_embd.weight",)),
+         *blocks("visual.blocks", {"attn.qkv": "attn_qkv", "attn.proj": "attn_out", "norm1": "ln1", "norm2": "ln2",
+                                   "mlp.linear_fc1": "ffn_up", "mlp.linear_fc2": "ffn_down"})),
+        renames=((r"^model\.visual\.", "visual."),)),
+    "idefics3": Family("Idefics3", MODERN, "idefics3", IDEFICS3_RULES),
+    "smolvlm": Family("SmolVLM", MODERN, "idefics3", IDEFICS3_RULES),
     "gemma3": Family(
         "Gemma 3", MODERN, "gemma3",
         (Rule(r"multi_modal_projector\.mm_input_projection_weight", ("mm.input_projection.weight",), force=T.F16),
@@ -201,7 +227,7 @@ def match(family: Family, hub: str) -> tuple[Rule, tuple[str, ...]] | None:
 
 
 def is_language_model(name: str) -> bool:
-    return bool(re.match(r"^(model\.)?(language_model\.|layers\.|embed_tokens\.|norm\.)|^lm_head\.", name))
+    return bool(re.match(r"^(model\.)?(language_model\.|text_model\.|layers\.|embed_tokens\.|norm\.)|^lm_head\.", name))
 
 
 # ------------------------------------------------------------------ checks (config.json only)
@@ -235,6 +261,17 @@ def check(config: dict, mmproj_type: str) -> Family:
         refuse("temporal_patch_size other than 2", "llama.cpp splits the Conv3D patch embedding into 2 kernels")
     if config.get("model_type") == "qwen2_5_vl":
         n_wa_pattern(vision, family)
+    if config.get("model_type") == "qwen3_vl":
+        depth, deepstack = vision.get("depth", 27), vision.get("deepstack_visual_indexes", [8, 16, 24])
+        if any(not 0 <= i < depth for i in deepstack):
+            refuse(f"deepstack_visual_indexes {deepstack} outside the {depth} encoder blocks",
+                   "each deepstack merger reads one encoder block")
+        layers = text_layers(config)
+        if len(deepstack) >= layers:
+            refuse(f"{len(deepstack)} deepstack mergers for {layers} decoder layers (llama.cpp's qwen3vl graph adds "
+                   "deepstack features to the last layer after its output rows are selected: GGML_ASSERT("
+                   "ggml_can_repeat(b, a)) aborts)", "fewer deepstack mergers than decoder layers, as every "
+                   "released Qwen3-VL has")
     return family
 
 
@@ -277,7 +314,7 @@ def plan(model_dir: Path, mmproj_type: str = "auto") -> MmprojPlan:
         if found is None:
             raise UnsupportedError(f"gguf mmproj of {family.name}: no GGUF name for tensor '{name}'",
                                    hint="the checkpoint has a tower tensor llama.cpp's converter does not know")
-        rule, groups = found
+        rule, groups = indexed(*found, config)
         for part, shape_out in enumerate(split_shapes(rule, tuple(shape), family.converter == LEGACY)):
             pieces.append(Piece(rule.names[part].format(*groups), name, hub, rule, part, shape_out,
                                 source_dtype=dtype))
@@ -291,6 +328,14 @@ def plan(model_dir: Path, mmproj_type: str = "auto") -> MmprojPlan:
     for piece in pieces:
         piece.qtype = (legacy_type if family.converter == LEGACY else modern_type)(piece, outtype)
     return MmprojPlan(config["model_type"], family.converter, outtype, pieces, dropped, config)
+
+
+def indexed(rule: Rule, groups: tuple[str, ...], config: dict) -> tuple[Rule, tuple[str, ...]]:
+    """The match groups with the first one looked up in the rule's vision_config list (Qwen3-VL's
+    deepstack merger N is written under the number of the encoder block it reads)."""
+    if not rule.index:
+        return rule, groups
+    return rule, (str(config["vision_config"][rule.index][int(groups[0])]), *groups[1:])
 
 
 def complete(config: dict) -> dict:
@@ -424,6 +469,10 @@ def need_stats(stats: dict, family: Family) -> tuple[list, list]:
     return stats["image_mean"], stats["image_std"]
 
 
+def text_layers(config: dict) -> int:
+    return int({**config, **(config.get("text_config") or {})}.get("num_hidden_layers", 0))
+
+
 def text_hidden(config: dict) -> int:
     text = {**config, **(config.get("text_config") or {})}
     return text.get("hidden_size", text.get("n_embd", 0))
@@ -443,6 +492,11 @@ BLOCK_KEYS = ("n_layers", "num_hidden_layers", "n_layer", "num_layers", "depth",
 def vision_params(config: dict) -> dict:
     """vision_config as the family's converter sees it (Qwen2VLVisionModel renames its keys)."""
     vision = dict(config["vision_config"])
+    if config["model_type"] == "qwen3_vl":  # Qwen3VLVisionModel: image_size from the position embedding grid
+        if "image_size" not in vision:
+            vision["image_size"] = int(vision.get("num_position_embeddings", 2304) ** 0.5 * vision.get("patch_size", 16))
+        vision["num_attention_heads"] = vision.get("num_heads")
+        vision["num_hidden_layers"] = vision.get("depth")
     if config["model_type"] in ("qwen2_vl", "qwen2_5_vl"):
         vision["image_size"] = vision.get("image_size", 560)
         vision["num_attention_heads"] = vision.get("num_heads")
@@ -474,6 +528,22 @@ def modern_metadata(config: dict, family: Family, stats: dict, outtype: T) -> li
         items += [("clip.use_silu", "bool", True), ("clip.vision.n_wa_pattern", "u32", n_wa_pattern(vision, family))]
     if config["model_type"] in ("qwen2_vl", "qwen2_5_vl"):
         items.append(("clip.vision.attention.layer_norm_epsilon", "f32", config.get("rms_norm_eps", 1e-6)))
+    if config["model_type"] == "qwen3_vl":
+        items.append(("clip.use_gelu", "bool", True))
+        if vision.get("spatial_merge_size") is not None:
+            items.append(("clip.vision.spatial_merge_size", "u32", int(vision["spatial_merge_size"])))
+        items.append(("clip.vision.attention.layer_norm_epsilon", "f32",
+                      (config.get("text_config") or {}).get("rms_norm_eps", 1e-6)))
+        deepstack = set(vision.get("deepstack_visual_indexes", []))
+        if vision["num_hidden_layers"]:
+            items.append(("clip.vision.is_deepstack_layers", "arr",
+                          [i in deepstack for i in range(int(vision["num_hidden_layers"]))]))
+    if config["model_type"] in ("idefics3", "smolvlm"):
+        items += [("clip.vision.attention.layer_norm_epsilon", "f32", vision.get("layer_norm_eps", 1e-5)),
+                  ("clip.vision.projector.scale_factor", "u32", config.get("scale_factor", 2)),
+                  ("clip.use_gelu", "bool", True),
+                  ("clip.vision.preproc_image_size", "u32",
+                   (stats.get("size") or {}).get("longest_edge", vision["image_size"]))]
     if config["model_type"] == "gemma3":
         items += [("clip.vision.attention.layer_norm_epsilon", "f32", vision.get("layer_norm_eps", 1e-6)),
                   ("clip.use_gelu", "bool", True)]

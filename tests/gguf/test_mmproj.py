@@ -60,7 +60,7 @@ sys.argv = ["convert_image_encoder_to_gguf.py", *{args!r}]
 runpy.run_path({script!r}, run_name="__main__")
 """
 CASES = [("llava", "auto"), ("llava", "f32"), ("qwen2_vl", "auto"), ("qwen2_vl", "f16"), ("qwen2_5_vl", "auto"),
-         ("qwen2_5_vl", "f32"), ("gemma3", "auto"), ("gemma3", "f16"), ("gemma3", "bf16")]
+         ("qwen2_5_vl", "f32"), ("qwen3_vl", "auto"), ("qwen3_vl", "f16"), ("gemma3", "auto"), ("gemma3", "f16"), ("gemma3", "bf16")]
 _BUILT: dict[tuple, Path] = {}
 
 
@@ -157,7 +157,7 @@ def test_f16_checkpoint_mmproj_is_byte_identical_to_llama_cpp(vlm, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["llava", "qwen2_vl", "qwen2_5_vl", "gemma3"])
+@pytest.mark.parametrize("kind", ["llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "gemma3"])
 def test_language_model_equals_convert_hf_to_gguf(vlm, tmp_path, kind):
     """The VLM's language model .gguf: every metadata key (Qwen2-VL's rope.dimension_sections
     included) and tensor equal to convert_hf_to_gguf.py's (as tests/gguf/test_vs_converter.py; the
@@ -281,6 +281,8 @@ REFUSALS = [
     ("llava", {}, "bf16", "legacy CLIP format has no bf16"),
     ("qwen2_5_vl", {"vision_config__fullatt_block_indexes": [0, 3]}, "auto", "not evenly spaced"),
     ("qwen2_vl", {"vision_config__temporal_patch_size": 3}, "auto", "temporal_patch_size"),
+    ("qwen3_vl", {"vision_config__deepstack_visual_indexes": [0, 3]}, "auto", "outside the 3 encoder blocks"),
+    ("qwen3_vl", {"vision_config__deepstack_visual_indexes": [0, 2]}, "auto", "2 deepstack mergers for 2 decoder"),
 ]
 
 

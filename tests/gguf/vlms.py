@@ -17,7 +17,7 @@ from pathlib import Path
 
 from tests.vlm_models import QWEN2_VL_TOKENS, TEXT_SHAPE, _ids, _save, save_processor, vlm_tokenizer
 
-KINDS = ("llava", "qwen2_vl", "qwen2_5_vl", "gemma3")
+KINDS = ("llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "gemma3")
 # the towers whose Hub checkpoints keep the vision model's own `vision_model.` level
 NESTED_TOWERS = {"llava": "vision_tower.", "gemma3": "vision_tower."}
 QWEN_PREPROCESSOR = {"image_processor_type": "Qwen2VLImageProcessor", "min_pixels": 32 * 32, "max_pixels": 64 * 64,
@@ -64,6 +64,13 @@ def _config(kind: str, text: dict, ids: dict):
                                                      out_hidden_size=text["hidden_size"], patch_size=8,
                                                      spatial_merge_size=2, temporal_patch_size=2, window_size=32,
                                                      fullatt_block_indexes=[1, 3]), **qwen_ids)
+    if kind == "qwen3_vl":  # the deepstack merger 0 reads block 1: it is written under the block's number
+        return T.Qwen3VLConfig(text_config={**text, "rope_parameters": mrope, "head_dim": head_dim},
+                               vision_config=dict(depth=3, hidden_size=64, intermediate_size=128, num_heads=2,
+                                                  out_hidden_size=text["hidden_size"], patch_size=8,
+                                                  spatial_merge_size=2, temporal_patch_size=2,
+                                                  num_position_embeddings=16, deepstack_visual_indexes=[1]),
+                               **qwen_ids)
     if kind == "gemma3":
         siglip = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
                       image_size=32, patch_size=8, vision_use_head=False)
@@ -74,7 +81,7 @@ def _config(kind: str, text: dict, ids: dict):
     raise KeyError(kind)
 
 
-TOKENS = {"llava": ["<image>"], "qwen2_vl": QWEN2_VL_TOKENS, "qwen2_5_vl": QWEN2_VL_TOKENS,
+TOKENS = {"llava": ["<image>"], "qwen2_vl": QWEN2_VL_TOKENS, "qwen2_5_vl": QWEN2_VL_TOKENS, "qwen3_vl": QWEN2_VL_TOKENS,
           "gemma3": ["<image_soft_token>", "<start_of_image>", "<end_of_image>"]}
 
 
