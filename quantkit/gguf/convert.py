@@ -80,14 +80,23 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "Qwen2VLForConditionalGeneration": ArchSpec("QWEN2VL", "text", "qwen2", mrope=True),
     "Qwen2_5_VLForConditionalGeneration": ArchSpec("QWEN2VL", "text", "qwen2", mrope=True),
     "Qwen3VLForConditionalGeneration": ArchSpec("QWEN3VL", "qwen3vl", "qwen2", mrope=True),
+    # SmolVLM's text_config.architectures (the converter converts an Idefics3 / SmolVLM language model through it)
+    "VLlama3ForCausalLM": ArchSpec("LLAMA", "llama", "llama", permute_qk=True, rope_types=LLAMA_ROPE),
     "Phi3ForCausalLM": ArchSpec("PHI3", "phi3", "phi3", rope_types=("default", "longrope", "su"),
                                 sliding_window="phi3", fused_qkv_mlp=True),
+}
+# VLMs whose language model convert_hf_to_gguf.py converts only through text_config.architectures
+# (get_model_architecture prefers it over architectures[0]; neither class is registered as a text model)
+ROUTED_BY_TEXT_CONFIG = {
+    "Idefics3ForConditionalGeneration": "SmolVLM checkpoints name VLlama3ForCausalLM",
+    "SmolVLMForConditionalGeneration": "SmolVLM checkpoints name VLlama3ForCausalLM",
 }
 # HF names that are not weights (convert_hf_to_gguf.py skips them too)
 SKIPPED = re.compile(r"(rotary_emb\.inv_freq|\.attention\.masked_bias|\.attention\.bias)$")
 # TextModel.filter_tensors: multimodal parts of a VLM checkpoint (only the language model is converted)
 MULTIMODAL = re.compile(r"^(mlp|vit\.|vpm\.|siglip2\.|merger\.|resampler\.)|visual\.|vision\.|vision_|audio|"
-                        r"projector\.|pre_mm_projector_norm|image_newline|patch_embed|patch_merger\.")
+                        r"projector\.|pre_mm_projector_norm|image_newline|view_seperator|patch_embed|"
+                        r"patch_merger\.|patch_merge_mlp\.|model\.connector\.")
 # per-expert weights: (layer, expert, weight) and the stacked name TensorNameMap knows
 EXPERT_LAYOUTS = {
     "mixtral": (re.compile(r"^model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w1|w2|w3)\.weight$"),
@@ -191,11 +200,26 @@ def full_rope(hp: dict) -> dict:
     return rope.get("full_attention", rope)
 
 
+def hf_architecture(config: dict) -> str:
+    """get_model_architecture(hparams, TEXT): architectures[0], or text_config.architectures[0]
+    where a VLM's text config names one (config.json's dict or text_hparams', which keeps text_config)."""
+    archs = config.get("architectures") or []
+    arch = archs[0] if archs else config.get("model_type", "?")
+    text = config.get("text_config")
+    if isinstance(text, dict) and text.get("architectures"):
+        arch = text["architectures"][0]
+    return arch
+
+
 def arch_spec(config: dict) -> ArchSpec:
     """The architecture's conversion, or UnsupportedError for anything the converter does not
     handle (checked from config.json alone, before any model is loaded)."""
-    archs = config.get("architectures") or []
-    arch = archs[0] if archs else config.get("model_type", "?")
+    arch = hf_architecture(config)
+    if arch in ROUTED_BY_TEXT_CONFIG:
+        raise UnsupportedError(f"GGUF conversion of {arch}: its config names no text_config.architectures (llama.cpp's "
+                               "converter converts this VLM's language model only through it)",
+                               hint=f"{ROUTED_BY_TEXT_CONFIG[arch]}; supported there: "
+                                    + ", ".join(supported_architectures()))
     if arch not in ARCHITECTURES:
         raise UnsupportedError(f"GGUF conversion does not support architecture '{arch}'",
                                hint="supported: " + ", ".join(supported_architectures()))
@@ -315,8 +339,11 @@ def gguf_name(tmap, hf_name: str) -> str:
     return name
 
 
-def source_name(hf_name: str) -> str | None:
-    """ModelBase/TextModel.filter_tensors: the name the converter maps, None when it skips it."""
+def source_name(hf_name: str, spec: ArchSpec | None = None) -> str | None:
+    """ModelBase/TextModel.filter_tensors: the name the converter maps, None when it skips it
+    (LlamaModel.filter_tensors first drops SmolVLM's `text_model.`)."""
+    if spec is not None and spec.metadata == "llama":
+        hf_name = hf_name.replace("text_model.", "")
     if MULTIMODAL.search(hf_name):
         return None
     return hf_name.replace("language_model.", "")
@@ -356,9 +383,9 @@ def norm_shift(config: dict, hf_name: str) -> bool:
 
 def source_tensors(config: dict, hf_tensors) -> dict[str, str]:
     """{name the converter maps: HF tensor name} for the tensors it writes."""
-    out = {}
+    out, spec = {}, arch_spec(config)
     for hf in hf_tensors:
-        name = source_name(hf)
+        name = source_name(hf, spec)
         if name is not None and not skipped(config, name):
             out[name] = hf
     return out

@@ -102,6 +102,7 @@ TOWER = "vision_tower.vision_model"
 NESTED_RENAMES = ((r"^model\.(vision_tower|multi_modal_projector)\.", r"\1."),
                   (r"^vision_tower\.(?!vision_model\.)", "vision_tower.vision_model."))
 
+TEXT_CONFIG_NOTE = "the language model when text_config.architectures names a converted one, as SmolVLM's do"
 IDEFICS3_TOWER = "model.vision_model"
 IDEFICS3_RULES = (  # SmolVLMModel: the SigLIP embeddings forced F32 (even in an f16 file)
     Rule(r"model\.connector\.modality_projection\.proj\.weight", ("mm.model.fc.weight",)),
@@ -147,8 +148,8 @@ FAMILIES: dict[str, Family] = {
          *blocks("visual.blocks", {"attn.qkv": "attn_qkv", "attn.proj": "attn_out", "norm1": "ln1", "norm2": "ln2",
                                    "mlp.linear_fc1": "ffn_up", "mlp.linear_fc2": "ffn_down"})),
         renames=((r"^model\.visual\.", "visual."),)),
-    "idefics3": Family("Idefics3", MODERN, "idefics3", IDEFICS3_RULES),
-    "smolvlm": Family("SmolVLM", MODERN, "idefics3", IDEFICS3_RULES),
+    "idefics3": Family("Idefics3", MODERN, "idefics3", IDEFICS3_RULES, note=TEXT_CONFIG_NOTE),
+    "smolvlm": Family("SmolVLM", MODERN, "idefics3", IDEFICS3_RULES, note=TEXT_CONFIG_NOTE),
     "gemma3": Family(
         "Gemma 3", MODERN, "gemma3",
         (Rule(r"multi_modal_projector\.mm_input_projection_weight", ("mm.input_projection.weight",), force=T.F16),

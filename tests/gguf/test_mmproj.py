@@ -60,7 +60,8 @@ sys.argv = ["convert_image_encoder_to_gguf.py", *{args!r}]
 runpy.run_path({script!r}, run_name="__main__")
 """
 CASES = [("llava", "auto"), ("llava", "f32"), ("qwen2_vl", "auto"), ("qwen2_vl", "f16"), ("qwen2_5_vl", "auto"),
-         ("qwen2_5_vl", "f32"), ("qwen3_vl", "auto"), ("qwen3_vl", "f16"), ("gemma3", "auto"), ("gemma3", "f16"), ("gemma3", "bf16")]
+         ("qwen2_5_vl", "f32"), ("qwen3_vl", "auto"), ("qwen3_vl", "f16"), ("idefics3", "auto"),
+         ("idefics3", "f16"), ("smolvlm", "auto"), ("gemma3", "auto"), ("gemma3", "f16"), ("gemma3", "bf16")]
 _BUILT: dict[tuple, Path] = {}
 
 
@@ -157,7 +158,7 @@ def test_f16_checkpoint_mmproj_is_byte_identical_to_llama_cpp(vlm, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "gemma3"])
+@pytest.mark.parametrize("kind", ["llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "idefics3", "smolvlm", "gemma3"])
 def test_language_model_equals_convert_hf_to_gguf(vlm, tmp_path, kind):
     """The VLM's language model .gguf: every metadata key (Qwen2-VL's rope.dimension_sections
     included) and tensor equal to convert_hf_to_gguf.py's (as tests/gguf/test_vs_converter.py; the
@@ -317,3 +318,18 @@ def test_tower_tensor_without_a_gguf_name_is_refused(vlm, tmp_path):
     save_file(state, str(copy / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(UnsupportedError, match="no GGUF name for tensor 'visual.extra_norm.weight'"):
         plan(copy)
+
+
+def test_idefics3_language_model_needs_text_config_architectures():
+    """convert_hf_to_gguf.py converts an Idefics3 / SmolVLM language model only through
+    text_config.architectures (SmolVLM's name VLlama3ForCausalLM); without it: refused, saying so."""
+    from quantkit.errors import UnsupportedError
+    from quantkit.gguf.convert import arch_spec
+
+    config = {"architectures": ["Idefics3ForConditionalGeneration"], "model_type": "idefics3",
+              "text_config": {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 2}}
+    with pytest.raises(UnsupportedError, match="names no text_config.architectures") as err:
+        arch_spec(config)
+    assert err.value.exit_code == 2 and "VLlama3ForCausalLM" in err.value.hint
+    config["text_config"]["architectures"] = ["VLlama3ForCausalLM"]
+    assert arch_spec(config).gguf_arch == "LLAMA"

@@ -19,7 +19,7 @@ from tests.util import leftovers
 CALIB = ("--num-samples", "8", "--seq-len", "64", "--eval-windows", "4", "--no-gate")
 # llama.cpp's built-in chat template for each family (the tiny fixtures' own templates are minimal Jinja)
 CHAT_TEMPLATES = {"llava": "vicuna", "qwen2_vl": "chatml", "qwen2_5_vl": "chatml", "qwen3_vl": "chatml",
-                  "gemma3": "gemma"}
+                  "idefics3": "smolvlm", "smolvlm": "smolvlm", "gemma3": "gemma"}
 
 
 @pytest.fixture(scope="session")
