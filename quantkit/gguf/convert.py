@@ -54,6 +54,8 @@ class ArchSpec:
     fused_qkv_mlp: bool = False  # Phi-3: qkv_proj -> attn_qkv, gate_up_proj -> ffn_up (fused on both sides)
     rope_types: tuple[str, ...] = ("default", "linear", "yarn")
     sliding_window: str = "refused"  # how a sliding window is handled: refused, gemma2, gemma3, phi3
+    text_types: tuple[str, ...] = ()  # a VLM's text_config.model_type values converted (Mistral3: ministral3 and
+    # mistral4 take other converter classes); empty: any
     mrope: bool = False  # Qwen2/2.5/3-VL's multimodal RoPE: mrope_section written as rope.dimension_sections
 
 
@@ -80,6 +82,8 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "Qwen2VLForConditionalGeneration": ArchSpec("QWEN2VL", "text", "qwen2", mrope=True),
     "Qwen2_5_VLForConditionalGeneration": ArchSpec("QWEN2VL", "text", "qwen2", mrope=True),
     "Qwen3VLForConditionalGeneration": ArchSpec("QWEN3VL", "qwen3vl", "qwen2", mrope=True),
+    "Mistral3ForConditionalGeneration": ArchSpec("MISTRAL3", "llama", "llama", permute_qk=True, rope_types=LLAMA_ROPE,
+                                                 text_types=("mistral",)),
     # SmolVLM's text_config.architectures (the converter converts an Idefics3 / SmolVLM language model through it)
     "VLlama3ForCausalLM": ArchSpec("LLAMA", "llama", "llama", permute_qk=True, rope_types=LLAMA_ROPE),
     "Phi3ForCausalLM": ArchSpec("PHI3", "phi3", "phi3", rope_types=("default", "longrope", "su"),
@@ -225,7 +229,7 @@ def arch_spec(config: dict) -> ArchSpec:
                                hint="supported: " + ", ".join(supported_architectures()))
     spec = ARCHITECTURES[arch]
     hp = text_hparams(config)
-    for check in (check_quantized, check_rope, check_sliding_window, check_experts, check_attention):
+    for check in (check_quantized, check_text_type, check_rope, check_sliding_window, check_experts, check_attention):
         check(arch, spec, hp)
     return spec
 
@@ -237,6 +241,12 @@ def refuse(arch: str, what: str, hint: str) -> None:
 def check_quantized(arch: str, spec: ArchSpec, hp: dict) -> None:
     if hp.get("quantization_config"):
         refuse(arch, "the checkpoint is already quantized", "convert the full-precision checkpoint")
+
+
+def check_text_type(arch: str, spec: ArchSpec, hp: dict) -> None:
+    if spec.text_types and hp.get("model_type") not in spec.text_types:
+        refuse(arch, f"text model '{hp.get('model_type')}' (llama.cpp converts it with another model class)",
+               "supported text_config.model_type: " + ", ".join(spec.text_types))
 
 
 def check_rope(arch: str, spec: ArchSpec, hp: dict) -> None:
