@@ -69,7 +69,10 @@ def vlm_support(model_type: str, method: str) -> str:
         if text_type not in supported_model_types():
             return f"refused: no smoothing mappings for its text model `{text_type}`"
     if method == "gguf":
-        return gguf_vlm_support(model_type, family.architecture in supported_architectures())
+        from quantkit.gguf.convert import ROUTED_BY_TEXT_CONFIG
+
+        return gguf_vlm_support(model_type, family.architecture in supported_architectures()
+                                or family.architecture in ROUTED_BY_TEXT_CONFIG)
     kept = "towers and cross-attention layers 16-bit" if family.cross_attention else "towers 16-bit"
     return f"✅ {kept}"
 
@@ -85,6 +88,9 @@ def gguf_vlm_support(model_type: str, converts: bool) -> str:
     if model_type not in FAMILIES:
         return "refused: no mmproj conversion (`mmproj: none` writes the language model alone)"
     family = FAMILIES[model_type]
+    if family.blocked:
+        return "refused: mmproj (llama.cpp's converter leaves out a tensor its loader needs; `mmproj: none` writes " \
+               "the language model alone)"
     return f"✅ language model + mmproj, as llama.cpp's {family.converter}" + (f" ({family.note})" if family.note else "")
 
 

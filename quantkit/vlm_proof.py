@@ -17,7 +17,8 @@ A .gguf artifact keeps its towers in the mmproj file beside the language model (
 independently (safetensors' torch reader, torch casts): every tower tensor of the source is in it
 or left out for a reason llama.cpp's converter has (LLaVA's unused last CLIP layer, SigLIP's
 pooling head), and every stored tensor's bytes equal the source tensor after the converter's
-documented change (qkv split, Conv3D split per time step, Gemma's w + 1) cast to the stored type.
+documented change (qkv split, Conv3D split per time step, Gemma's w + 1, Pixtral's q/k rows permuted) cast
+to the stored type.
 "Bit-identical" for a GGUF tower means exactly that. Whether the stored values are the source's
 own values is reported per tensor: a bf16 tower written BF16 or F32 holds them exactly, a bf16
 tensor written F16 (LLaVA's legacy format, Gemma 3's input projection, mmproj: f16) is rounded
@@ -197,6 +198,9 @@ def mmproj_expected(piece, source):
     from quantkit.gguf.mixture import T
 
     data = source if source.dtype == torch.float16 else source.float()  # the converter keeps f16, else f32
+    if piece.heads:  # LlamaModel.permute: each head's rotate_half halves interleaved
+        n = piece.heads
+        data = data.reshape(n, 2, data.shape[0] // n // 2, *data.shape[1:]).swapaxes(1, 2).reshape(data.shape)
     if piece.rule.split == "rows":
         n = data.shape[0] // 3
         data = data[piece.part * n:(piece.part + 1) * n]

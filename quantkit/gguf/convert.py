@@ -44,7 +44,7 @@ class ArchSpec:
     """How convert_hf_to_gguf.py converts one HF architecture (its model class, as data)."""
 
     gguf_arch: str  # gguf.MODEL_ARCH member name
-    metadata: str  # set_gguf_parameters flavour: text, llama, qwen_moe, gemma, gemma2, gemma3, phi3
+    metadata: str  # set_gguf_parameters flavour: text, llama, qwen_moe, qwen3vl, gemma, gemma2, gemma3, phi3
     vocab: str  # set_vocab flavour (quantkit.gguf.vocab.VOCAB_KINDS)
     permute_qk: bool = False  # llama.cpp LLAMA_ROPE_TYPE_NORM: undo HF's rotate_half layout
     norm_shift: bool = False  # Gemma RMSNorm scales by (1 + w): stored weight = w + 1
@@ -54,7 +54,9 @@ class ArchSpec:
     fused_qkv_mlp: bool = False  # Phi-3: qkv_proj -> attn_qkv, gate_up_proj -> ffn_up (fused on both sides)
     rope_types: tuple[str, ...] = ("default", "linear", "yarn")
     sliding_window: str = "refused"  # how a sliding window is handled: refused, gemma2, gemma3, phi3
-    mrope: bool = False  # Qwen2-VL's multimodal RoPE: mrope_section written as rope.dimension_sections
+    text_types: tuple[str, ...] = ()  # a VLM's text_config.model_type values converted (Mistral3: ministral3 and
+    # mistral4 take other converter classes); empty: any
+    mrope: bool = False  # Qwen2/2.5/3-VL's multimodal RoPE: mrope_section written as rope.dimension_sections
 
 
 LLAMA_ROPE = ("default", "linear", "yarn", "llama3")
@@ -79,14 +81,26 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "LlavaForConditionalGeneration": ArchSpec("LLAMA", "llama", "llama", permute_qk=True, rope_types=LLAMA_ROPE),
     "Qwen2VLForConditionalGeneration": ArchSpec("QWEN2VL", "text", "qwen2", mrope=True),
     "Qwen2_5_VLForConditionalGeneration": ArchSpec("QWEN2VL", "text", "qwen2", mrope=True),
+    "Qwen3VLForConditionalGeneration": ArchSpec("QWEN3VL", "qwen3vl", "qwen2", mrope=True),
+    "Mistral3ForConditionalGeneration": ArchSpec("MISTRAL3", "llama", "llama", permute_qk=True, rope_types=LLAMA_ROPE,
+                                                 text_types=("mistral",)),
+    # SmolVLM's text_config.architectures (the converter converts an Idefics3 / SmolVLM language model through it)
+    "VLlama3ForCausalLM": ArchSpec("LLAMA", "llama", "llama", permute_qk=True, rope_types=LLAMA_ROPE),
     "Phi3ForCausalLM": ArchSpec("PHI3", "phi3", "phi3", rope_types=("default", "longrope", "su"),
                                 sliding_window="phi3", fused_qkv_mlp=True),
+}
+# VLMs whose language model convert_hf_to_gguf.py converts only through text_config.architectures
+# (get_model_architecture prefers it over architectures[0]; neither class is registered as a text model)
+ROUTED_BY_TEXT_CONFIG = {
+    "Idefics3ForConditionalGeneration": "SmolVLM checkpoints name VLlama3ForCausalLM",
+    "SmolVLMForConditionalGeneration": "SmolVLM checkpoints name VLlama3ForCausalLM",
 }
 # HF names that are not weights (convert_hf_to_gguf.py skips them too)
 SKIPPED = re.compile(r"(rotary_emb\.inv_freq|\.attention\.masked_bias|\.attention\.bias)$")
 # TextModel.filter_tensors: multimodal parts of a VLM checkpoint (only the language model is converted)
 MULTIMODAL = re.compile(r"^(mlp|vit\.|vpm\.|siglip2\.|merger\.|resampler\.)|visual\.|vision\.|vision_|audio|"
-                        r"projector\.|pre_mm_projector_norm|image_newline|patch_embed|patch_merger\.")
+                        r"projector\.|pre_mm_projector_norm|image_newline|view_seperator|patch_embed|"
+                        r"patch_merger\.|patch_merge_mlp\.|model\.connector\.")
 # per-expert weights: (layer, expert, weight) and the stacked name TensorNameMap knows
 EXPERT_LAYOUTS = {
     "mixtral": (re.compile(r"^model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w1|w2|w3)\.weight$"),
@@ -190,17 +204,32 @@ def full_rope(hp: dict) -> dict:
     return rope.get("full_attention", rope)
 
 
+def hf_architecture(config: dict) -> str:
+    """get_model_architecture(hparams, TEXT): architectures[0], or text_config.architectures[0]
+    where a VLM's text config names one (config.json's dict or text_hparams', which keeps text_config)."""
+    archs = config.get("architectures") or []
+    arch = archs[0] if archs else config.get("model_type", "?")
+    text = config.get("text_config")
+    if isinstance(text, dict) and text.get("architectures"):
+        arch = text["architectures"][0]
+    return arch
+
+
 def arch_spec(config: dict) -> ArchSpec:
     """The architecture's conversion, or UnsupportedError for anything the converter does not
     handle (checked from config.json alone, before any model is loaded)."""
-    archs = config.get("architectures") or []
-    arch = archs[0] if archs else config.get("model_type", "?")
+    arch = hf_architecture(config)
+    if arch in ROUTED_BY_TEXT_CONFIG:
+        raise UnsupportedError(f"GGUF conversion of {arch}: its config names no text_config.architectures (llama.cpp's "
+                               "converter converts this VLM's language model only through it)",
+                               hint=f"{ROUTED_BY_TEXT_CONFIG[arch]}; supported there: "
+                                    + ", ".join(supported_architectures()))
     if arch not in ARCHITECTURES:
         raise UnsupportedError(f"GGUF conversion does not support architecture '{arch}'",
                                hint="supported: " + ", ".join(supported_architectures()))
     spec = ARCHITECTURES[arch]
     hp = text_hparams(config)
-    for check in (check_quantized, check_rope, check_sliding_window, check_experts, check_attention):
+    for check in (check_quantized, check_text_type, check_rope, check_sliding_window, check_experts, check_attention):
         check(arch, spec, hp)
     return spec
 
@@ -214,6 +243,12 @@ def check_quantized(arch: str, spec: ArchSpec, hp: dict) -> None:
         refuse(arch, "the checkpoint is already quantized", "convert the full-precision checkpoint")
 
 
+def check_text_type(arch: str, spec: ArchSpec, hp: dict) -> None:
+    if spec.text_types and hp.get("model_type") not in spec.text_types:
+        refuse(arch, f"text model '{hp.get('model_type')}' (llama.cpp converts it with another model class)",
+               "supported text_config.model_type: " + ", ".join(spec.text_types))
+
+
 def check_rope(arch: str, spec: ArchSpec, hp: dict) -> None:
     rope = rope_parameters(hp)
     kind = full_rope(hp).get("rope_type") or "default"
@@ -224,8 +259,8 @@ def check_rope(arch: str, spec: ArchSpec, hp: dict) -> None:
         refuse(arch, "a scaled RoPE on the sliding-window layers is not supported", supported)
     if ("mrope_section" in rope) != spec.mrope:
         what = "a RoPE without mrope_section is" if spec.mrope else "multimodal RoPE sections are"
-        refuse(arch, f"{what} not supported", "multimodal RoPE (mrope_section) converts for Qwen2-VL and "
-               "Qwen2.5-VL only, and those need it")
+        refuse(arch, f"{what} not supported", "multimodal RoPE (mrope_section) converts for Qwen2-VL, "
+               "Qwen2.5-VL and Qwen3-VL only, and those need it")
     if kind in ("longrope", "su") and not (rope.get("long_factor") and rope.get("short_factor")):
         refuse(arch, "LongRoPE without long_factor / short_factor", "supported: LongRoPE with both factor lists, as Phi-3 configs give them")
 
@@ -314,8 +349,11 @@ def gguf_name(tmap, hf_name: str) -> str:
     return name
 
 
-def source_name(hf_name: str) -> str | None:
-    """ModelBase/TextModel.filter_tensors: the name the converter maps, None when it skips it."""
+def source_name(hf_name: str, spec: ArchSpec | None = None) -> str | None:
+    """ModelBase/TextModel.filter_tensors: the name the converter maps, None when it skips it
+    (LlamaModel.filter_tensors first drops SmolVLM's `text_model.`)."""
+    if spec is not None and spec.metadata == "llama":
+        hf_name = hf_name.replace("text_model.", "")
     if MULTIMODAL.search(hf_name):
         return None
     return hf_name.replace("language_model.", "")
@@ -355,9 +393,9 @@ def norm_shift(config: dict, hf_name: str) -> bool:
 
 def source_tensors(config: dict, hf_tensors) -> dict[str, str]:
     """{name the converter maps: HF tensor name} for the tensors it writes."""
-    out = {}
+    out, spec = {}, arch_spec(config)
     for hf in hf_tensors:
-        name = source_name(hf)
+        name = source_name(hf, spec)
         if name is not None and not skipped(config, name):
             out[name] = hf
     return out
@@ -584,6 +622,12 @@ def add_qwen_moe_params(writer, hp: dict, ftype: int) -> None:
         writer.add_expert_feed_forward_length(n_ff)
 
 
+def add_qwen3vl_params(writer, hp: dict, ftype: int) -> None:
+    """Qwen3VLTextModel.set_gguf_parameters: TextModel's + how many deepstack mergers feed the decoder."""
+    add_text_params(writer, hp, ftype)
+    writer.add_num_deepstack_layers(len((hp.get("vision_config") or {}).get("deepstack_visual_indexes", [])))
+
+
 def add_gemma_params(writer, hp: dict, ftype: int) -> None:
     """GemmaModel.set_gguf_parameters (it does not call TextModel's: no RoPE keys)."""
     writer.add_context_length(hp["max_position_embeddings"])
@@ -652,6 +696,7 @@ def phi3_attn_factor(hp: dict, rope: dict) -> float:
 
 
 METADATA_WRITERS = {"text": add_text_params, "llama": add_llama_params, "qwen_moe": add_qwen_moe_params,
+                    "qwen3vl": add_qwen3vl_params,
                     "gemma": add_gemma_params, "gemma2": add_gemma2_params, "gemma3": add_gemma3_params,
                     "phi3": add_phi3_params}
 

@@ -39,9 +39,10 @@ HF_LAYER = [
 HF_LAYER_FUSED = ["model.layers.{i}.self_attn.qkv_proj.weight", "model.layers.{i}.mlp.gate_up_proj.weight"]
 GENERATED = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
 # HF prefix of the language model inside a VLM (the converter strips "language_model.")
-LANGUAGE_MODEL_PREFIX = {arch: "model.language_model." for arch in (
+LANGUAGE_MODEL_PREFIX = {**{arch: "model.language_model." for arch in (
     "Gemma3ForConditionalGeneration", "LlavaForConditionalGeneration", "Qwen2VLForConditionalGeneration",
-    "Qwen2_5_VLForConditionalGeneration")}
+    "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration", "Mistral3ForConditionalGeneration")},
+    "Idefics3ForConditionalGeneration": "model.text_model.", "SmolVLMForConditionalGeneration": "model.text_model."}
 EXPERTS = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
 
 

@@ -61,6 +61,8 @@ class Rule:
     split: str = ""  # "rows": equal parts along the first axis (fused qkv); "time": Conv3D kernel per time step
     shift: bool = False  # stored w + 1 (Gemma's RMSNorm scales by 1 + w)
     force: T | str | None = None  # the converter's tensor_force_quant: a type, "patch" (F16 in an f16 file, else F32)
+    permute: bool = False  # LlamaModel.permute of the rows by vision heads (Pixtral's q/k: rotary pairs interleaved)
+    index: str = ""  # a vision_config list the first match group indexes (Qwen3-VL's deepstack_visual_indexes)
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,7 @@ class Family:
     dropped: tuple[tuple[str, str], ...] = ()  # (regex over Hub names, why the converter leaves it out)
     renames: tuple[tuple[str, str], ...] = ()  # other checkpoint layouts -> the Hub layout (re.sub, in order)
     note: str = ""  # what README's VLM table adds
+    blocked: str = ""  # why the converter's file does not run in llama.cpp: refused (tests still compare the file)
 
 
 def blocks(prefix: str, parts: dict[str, str]) -> tuple[Rule, ...]:
@@ -101,6 +104,15 @@ TOWER = "vision_tower.vision_model"
 NESTED_RENAMES = ((r"^model\.(vision_tower|multi_modal_projector)\.", r"\1."),
                   (r"^vision_tower\.(?!vision_model\.)", "vision_tower.vision_model."))
 
+TEXT_CONFIG_NOTE = "the language model when text_config.architectures names a converted one, as SmolVLM's do"
+IDEFICS3_TOWER = "model.vision_model"
+IDEFICS3_RULES = (  # SmolVLMModel: the SigLIP embeddings forced F32 (even in an f16 file)
+    Rule(r"model\.connector\.modality_projection\.proj\.weight", ("mm.model.fc.weight",)),
+    Rule(rf"{IDEFICS3_TOWER}\.embeddings\.patch_embedding\.(weight|bias)", ("v.patch_embd.{0}",), force=T.F32),
+    Rule(rf"{IDEFICS3_TOWER}\.embeddings\.position_embedding\.weight", ("v.position_embd.weight",), force=T.F32),
+    *blocks(f"{IDEFICS3_TOWER}.encoder.layers", SIGLIP_BLOCK),
+    Rule(rf"{IDEFICS3_TOWER}\.post_layernorm\.(weight|bias)", ("v.post_ln.{0}",)))
+
 FAMILIES: dict[str, Family] = {
     "llava": Family(
         "LLaVA 1.5 (CLIP tower)", LEGACY, "mlp",
@@ -123,6 +135,42 @@ FAMILIES: dict[str, Family] = {
         QWEN_COMMON + blocks("visual.blocks", {**QWEN_BLOCK, "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
                                                "mlp.down_proj": "ffn_down"}),
         renames=((r"^model\.visual\.", "visual."),)),
+    "qwen3_vl": Family(
+        "Qwen3-VL", MODERN, "qwen3vl_merger",
+        (*(Rule(rf"visual\.deepstack_merger_list\.(\d+)\.{hf}\.(weight|bias)", (f"v.deepstack.{{0}}.{g}.{{1}}",),
+                index="deepstack_visual_indexes") for hf, g in (("norm", "norm"), ("linear_fc1", "fc1"),
+                                                                 ("linear_fc2", "fc2"))),
+         Rule(r"visual\.merger\.linear_fc1\.(weight|bias)", ("mm.0.{0}",)),
+         Rule(r"visual\.merger\.linear_fc2\.(weight|bias)", ("mm.2.{0}",)),
+         Rule(r"visual\.merger\.norm\.(weight|bias)", ("v.post_ln.{0}",)),
+         Rule(r"visual\.patch_embed\.proj\.weight", ("v.patch_embd.weight", "v.patch_embd.weight.1"), split="time",
+              force="patch"),
+         Rule(r"visual\.patch_embed\.proj\.bias", ("v.patch_embd.bias",)),
+         Rule(r"visual\.pos_embed\.weight", ("v.position_embd.weight",)),
+         *blocks("visual.blocks", {"attn.qkv": "attn_qkv", "attn.proj": "attn_out", "norm1": "ln1", "norm2": "ln2",
+                                   "mlp.linear_fc1": "ffn_up", "mlp.linear_fc2": "ffn_down"})),
+        renames=((r"^model\.visual\.", "visual."),)),
+    "idefics3": Family("Idefics3", MODERN, "idefics3", IDEFICS3_RULES, note=TEXT_CONFIG_NOTE),
+    "smolvlm": Family("SmolVLM", MODERN, "idefics3", IDEFICS3_RULES, note=TEXT_CONFIG_NOTE),
+    "mistral3": Family(
+        "Mistral 3 (Pixtral tower)", MODERN, "pixtral",
+        (Rule(r"multi_modal_projector\.linear_(1|2)\.(weight|bias)", ("mm.{0}.{1}",)),
+         Rule(r"multi_modal_projector\.norm\.weight", ("mm.input_norm.weight",)),
+         Rule(r"multi_modal_projector\.patch_merger\.merging_layer\.weight", ("mm.patch_merger.weight",),
+              force="patch"),
+         Rule(r"vision_tower\.ln_pre\.weight", ("v.pre_ln.weight",)),
+         Rule(r"vision_tower\.patch_conv\.weight", ("v.patch_embd.weight",), force="patch"),
+         *(Rule(rf"vision_tower\.transformer\.layers\.(\d+)\.attention\.{p}_proj\.(weight|bias)",
+                (f"v.blk.{{0}}.attn_{p}.{{1}}",), permute=True) for p in ("q", "k")),
+         *blocks("vision_tower.transformer.layers", {
+             "attention.v_proj": "attn_v", "attention.o_proj": "attn_out", "attention_norm": "ln1",
+             "ffn_norm": "ln2", "feed_forward.gate_proj": "ffn_gate", "feed_forward.up_proj": "ffn_up",
+             "feed_forward.down_proj": "ffn_down"})),
+        renames=((r"^model\.(vision_tower|multi_modal_projector)\.", r"\1."),),
+        blocked="convert_hf_to_gguf.py --mmproj leaves out v.token_embd.img_break for a Hugging Face-layout "
+                "checkpoint (MmprojModel.filter_tensors drops every language_model.* tensor before LlavaVisionModel "
+                "takes the [IMG_BREAK] row of embed_tokens), and llama.cpp's clip loader requires it: "
+                "'unable to find tensor v.token_embd.img_break'"),
     "gemma3": Family(
         "Gemma 3", MODERN, "gemma3",
         (Rule(r"multi_modal_projector\.mm_input_projection_weight", ("mm.input_projection.weight",), force=T.F16),
@@ -148,6 +196,7 @@ class Piece:
     shape: tuple[int, ...]  # numpy order, as written
     qtype: T = T.F32
     source_dtype: str = "BF16"
+    heads: int = 0  # rows permuted in groups of this many heads (Rule.permute)
 
 
 @dataclass
@@ -201,14 +250,15 @@ def match(family: Family, hub: str) -> tuple[Rule, tuple[str, ...]] | None:
 
 
 def is_language_model(name: str) -> bool:
-    return bool(re.match(r"^(model\.)?(language_model\.|layers\.|embed_tokens\.|norm\.)|^lm_head\.", name))
+    return bool(re.match(r"^(model\.)?(language_model\.|text_model\.|layers\.|embed_tokens\.|norm\.)|^lm_head\.", name))
 
 
 # ------------------------------------------------------------------ checks (config.json only)
 
 
-def check(config: dict, mmproj_type: str) -> Family:
-    """Refuse, before any work, what the family's llama.cpp converter does not convert."""
+def check(config: dict, mmproj_type: str, blocked_ok: bool = False) -> Family:
+    """Refuse, before any work, what the family's llama.cpp converter does not convert (and a family
+    whose converted file llama.cpp cannot load, unless blocked_ok: the tests compare that file)."""
     family = family_of(config)
     vision = config.get("vision_config") or {}
 
@@ -233,8 +283,32 @@ def check(config: dict, mmproj_type: str) -> Family:
             refuse("a projector other than Linear-GELU-Linear with biases", "LLaVA 1.5's projector is supported")
     if any(r.split == "time" for r in family.rules) and vision.get("temporal_patch_size", 2) != 2:
         refuse("temporal_patch_size other than 2", "llama.cpp splits the Conv3D patch embedding into 2 kernels")
+    if config.get("model_type") == "mistral3":
+        if vision.get("model_type") != "pixtral":
+            refuse(f"vision tower '{vision.get('model_type')}' (llama.cpp's LlavaVisionModel takes Pixtral towers)",
+                   "a Mistral 3 checkpoint with its Pixtral tower")
+        if vision.get("hidden_act") not in ("gelu", "silu"):
+            refuse(f"Pixtral hidden_act '{vision.get('hidden_act')}'", "llama.cpp's Pixtral tower runs gelu or silu")
+        if vision.get("num_hidden_layers", 24) < 3:
+            refuse(f"a Pixtral tower of {vision.get('num_hidden_layers')} layers (the converter maps the projector's "
+                   "linear_1 / linear_2 through a tensor map sized by the tower's depth: 'Can not map tensor')",
+                   "a tower of at least 3 layers, as every released Mistral 3 has")
     if config.get("model_type") == "qwen2_5_vl":
         n_wa_pattern(vision, family)
+    if config.get("model_type") == "qwen3_vl":
+        depth, deepstack = vision.get("depth", 27), vision.get("deepstack_visual_indexes", [8, 16, 24])
+        if any(not 0 <= i < depth for i in deepstack):
+            refuse(f"deepstack_visual_indexes {deepstack} outside the {depth} encoder blocks",
+                   "each deepstack merger reads one encoder block")
+        layers = text_layers(config)
+        if len(deepstack) >= layers:
+            refuse(f"{len(deepstack)} deepstack mergers for {layers} decoder layers (llama.cpp's qwen3vl graph adds "
+                   "deepstack features to the last layer after its output rows are selected: GGML_ASSERT("
+                   "ggml_can_repeat(b, a)) aborts)", "fewer deepstack mergers than decoder layers, as every "
+                   "released Qwen3-VL has")
+    if family.blocked and not blocked_ok:
+        refuse(family.blocked, "set the gguf option mmproj: none to write the language model alone (no image "
+                               "input), or convert the Mistral-format checkpoint with llama.cpp's converter")
     return family
 
 
@@ -254,13 +328,13 @@ def n_wa_pattern(vision: dict, family: Family) -> int:
 # ------------------------------------------------------------------ plan
 
 
-def plan(model_dir: Path, mmproj_type: str = "auto") -> MmprojPlan:
+def plan(model_dir: Path, mmproj_type: str = "auto", blocked_ok: bool = False) -> MmprojPlan:
     """Which tensors the mmproj holds, their names, shapes and types (nothing read but headers)."""
     from quantkit.model import check_model_dir
 
     info = check_model_dir(Path(model_dir))
     config = complete(info.config)
-    family = check(config, mmproj_type)
+    family = check(config, mmproj_type, blocked_ok)
     pieces, dropped = [], {}
     skip = legacy_skipped_layer(config) if family.converter == LEGACY else None
     for name, (dtype, shape) in info.tensors.items():
@@ -277,10 +351,10 @@ def plan(model_dir: Path, mmproj_type: str = "auto") -> MmprojPlan:
         if found is None:
             raise UnsupportedError(f"gguf mmproj of {family.name}: no GGUF name for tensor '{name}'",
                                    hint="the checkpoint has a tower tensor llama.cpp's converter does not know")
-        rule, groups = found
+        rule, groups = indexed(*found, config)
         for part, shape_out in enumerate(split_shapes(rule, tuple(shape), family.converter == LEGACY)):
             pieces.append(Piece(rule.names[part].format(*groups), name, hub, rule, part, shape_out,
-                                source_dtype=dtype))
+                                source_dtype=dtype, heads=vision_heads(config) if rule.permute else 0))
     if not pieces:
         raise UnsupportedError(f"gguf mmproj of {family.name}: the checkpoint has no vision tower tensors")
     if family.converter == LEGACY:
@@ -291,6 +365,18 @@ def plan(model_dir: Path, mmproj_type: str = "auto") -> MmprojPlan:
     for piece in pieces:
         piece.qtype = (legacy_type if family.converter == LEGACY else modern_type)(piece, outtype)
     return MmprojPlan(config["model_type"], family.converter, outtype, pieces, dropped, config)
+
+
+def indexed(rule: Rule, groups: tuple[str, ...], config: dict) -> tuple[Rule, tuple[str, ...]]:
+    """The match groups with the first one looked up in the rule's vision_config list (Qwen3-VL's
+    deepstack merger N is written under the number of the encoder block it reads)."""
+    if not rule.index:
+        return rule, groups
+    return rule, (str(config["vision_config"][rule.index][int(groups[0])]), *groups[1:])
+
+
+def vision_heads(config: dict) -> int:
+    return int(find(vision_params(config), ("num_attention_heads", "num_heads", "heads", "vt_num_attention_heads")))
 
 
 def complete(config: dict) -> dict:
@@ -370,8 +456,10 @@ def legacy_type(piece: Piece, outtype: T) -> T:
 
 def piece_values(piece: Piece, data: np.ndarray) -> np.ndarray:
     """The float32 values of one piece from its whole source tensor (float32 as read)."""
-    from quantkit.gguf.convert import shift_norm
+    from quantkit.gguf.convert import permute, shift_norm
 
+    if piece.heads:
+        data = permute(data, piece.heads)
     if piece.rule.split == "rows":
         n = data.shape[0] // 3
         data = data[piece.part * n:(piece.part + 1) * n]
@@ -424,6 +512,10 @@ def need_stats(stats: dict, family: Family) -> tuple[list, list]:
     return stats["image_mean"], stats["image_std"]
 
 
+def text_layers(config: dict) -> int:
+    return int({**config, **(config.get("text_config") or {})}.get("num_hidden_layers", 0))
+
+
 def text_hidden(config: dict) -> int:
     text = {**config, **(config.get("text_config") or {})}
     return text.get("hidden_size", text.get("n_embd", 0))
@@ -443,6 +535,11 @@ BLOCK_KEYS = ("n_layers", "num_hidden_layers", "n_layer", "num_layers", "depth",
 def vision_params(config: dict) -> dict:
     """vision_config as the family's converter sees it (Qwen2VLVisionModel renames its keys)."""
     vision = dict(config["vision_config"])
+    if config["model_type"] == "qwen3_vl":  # Qwen3VLVisionModel: image_size from the position embedding grid
+        if "image_size" not in vision:
+            vision["image_size"] = int(vision.get("num_position_embeddings", 2304) ** 0.5 * vision.get("patch_size", 16))
+        vision["num_attention_heads"] = vision.get("num_heads")
+        vision["num_hidden_layers"] = vision.get("depth")
     if config["model_type"] in ("qwen2_vl", "qwen2_5_vl"):
         vision["image_size"] = vision.get("image_size", 560)
         vision["num_attention_heads"] = vision.get("num_heads")
@@ -474,6 +571,27 @@ def modern_metadata(config: dict, family: Family, stats: dict, outtype: T) -> li
         items += [("clip.use_silu", "bool", True), ("clip.vision.n_wa_pattern", "u32", n_wa_pattern(vision, family))]
     if config["model_type"] in ("qwen2_vl", "qwen2_5_vl"):
         items.append(("clip.vision.attention.layer_norm_epsilon", "f32", config.get("rms_norm_eps", 1e-6)))
+    if config["model_type"] == "qwen3_vl":
+        items.append(("clip.use_gelu", "bool", True))
+        if vision.get("spatial_merge_size") is not None:
+            items.append(("clip.vision.spatial_merge_size", "u32", int(vision["spatial_merge_size"])))
+        items.append(("clip.vision.attention.layer_norm_epsilon", "f32",
+                      (config.get("text_config") or {}).get("rms_norm_eps", 1e-6)))
+        deepstack = set(vision.get("deepstack_visual_indexes", []))
+        if vision["num_hidden_layers"]:
+            items.append(("clip.vision.is_deepstack_layers", "arr",
+                          [i in deepstack for i in range(int(vision["num_hidden_layers"]))]))
+    if config["model_type"] in ("idefics3", "smolvlm"):
+        items += [("clip.vision.attention.layer_norm_epsilon", "f32", vision.get("layer_norm_eps", 1e-5)),
+                  ("clip.vision.projector.scale_factor", "u32", config.get("scale_factor", 2)),
+                  ("clip.use_gelu", "bool", True),
+                  ("clip.vision.preproc_image_size", "u32",
+                   (stats.get("size") or {}).get("longest_edge", vision["image_size"]))]
+    if config["model_type"] == "mistral3":  # LlavaVisionModel (a Pixtral tower)
+        items += [("clip.vision.attention.layer_norm_epsilon", "f32", vision.get("layer_norm_eps", 1e-5)),
+                  (f"clip.use_{vision['hidden_act']}", "bool", True)]
+        if "spatial_merge_size" in config:
+            items.append(("clip.vision.spatial_merge_size", "u32", config["spatial_merge_size"]))
     if config["model_type"] == "gemma3":
         items += [("clip.vision.attention.layer_norm_epsilon", "f32", vision.get("layer_norm_eps", 1e-6)),
                   ("clip.use_gelu", "bool", True)]

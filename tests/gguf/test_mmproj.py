@@ -60,7 +60,9 @@ sys.argv = ["convert_image_encoder_to_gguf.py", *{args!r}]
 runpy.run_path({script!r}, run_name="__main__")
 """
 CASES = [("llava", "auto"), ("llava", "f32"), ("qwen2_vl", "auto"), ("qwen2_vl", "f16"), ("qwen2_5_vl", "auto"),
-         ("qwen2_5_vl", "f32"), ("gemma3", "auto"), ("gemma3", "f16"), ("gemma3", "bf16")]
+         ("qwen2_5_vl", "f32"), ("qwen3_vl", "auto"), ("qwen3_vl", "f16"), ("idefics3", "auto"),
+         ("idefics3", "f16"), ("smolvlm", "auto"), ("mistral3", "auto"),
+         ("mistral3", "f16"), ("gemma3", "auto"), ("gemma3", "f16"), ("gemma3", "bf16")]
 _BUILT: dict[tuple, Path] = {}
 
 
@@ -130,11 +132,11 @@ def tensor_types(path: Path) -> dict[str, str]:
 @pytest.mark.slow
 @pytest.mark.parametrize("kind,mmproj_type", CASES, ids=[f"{k}-{t}" for k, t in CASES])
 def test_mmproj_is_byte_identical_to_llama_cpp(vlm, tmp_path, kind, mmproj_type):
-    from quantkit.gguf.mmproj import convert
+    from quantkit.gguf.mmproj import plan, write
 
     need_llama_src()
-    model = vlm(kind)
-    ours = convert(model, tmp_path / "ours.gguf", mmproj_type).path
+    model = vlm(kind)  # a blocked family's file (Mistral 3, refused by quantize) is compared too
+    ours = write(plan(model, mmproj_type, blocked_ok=True), model, tmp_path / "ours.gguf").path
     if kind == "llava":
         theirs = legacy_reference(model, tmp_path, mmproj_type)
     else:
@@ -157,7 +159,8 @@ def test_f16_checkpoint_mmproj_is_byte_identical_to_llama_cpp(vlm, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["llava", "qwen2_vl", "qwen2_5_vl", "gemma3"])
+@pytest.mark.parametrize("kind", ["llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "idefics3", "smolvlm", "mistral3",
+                                  "gemma3"])
 def test_language_model_equals_convert_hf_to_gguf(vlm, tmp_path, kind):
     """The VLM's language model .gguf: every metadata key (Qwen2-VL's rope.dimension_sections
     included) and tensor equal to convert_hf_to_gguf.py's (as tests/gguf/test_vs_converter.py; the
@@ -281,6 +284,10 @@ REFUSALS = [
     ("llava", {}, "bf16", "legacy CLIP format has no bf16"),
     ("qwen2_5_vl", {"vision_config__fullatt_block_indexes": [0, 3]}, "auto", "not evenly spaced"),
     ("qwen2_vl", {"vision_config__temporal_patch_size": 3}, "auto", "temporal_patch_size"),
+    ("qwen3_vl", {"vision_config__deepstack_visual_indexes": [0, 3]}, "auto", "outside the 3 encoder blocks"),
+    ("mistral3", {"vision_config__num_hidden_layers": 2}, "auto", "a Pixtral tower of 2 layers"),
+    ("mistral3", {"vision_config__hidden_act": "relu"}, "auto", "Pixtral hidden_act 'relu'"),
+    ("qwen3_vl", {"vision_config__deepstack_visual_indexes": [0, 2]}, "auto", "2 deepstack mergers for 2 decoder"),
 ]
 
 
@@ -315,3 +322,31 @@ def test_tower_tensor_without_a_gguf_name_is_refused(vlm, tmp_path):
     save_file(state, str(copy / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(UnsupportedError, match="no GGUF name for tensor 'visual.extra_norm.weight'"):
         plan(copy)
+
+
+def test_idefics3_language_model_needs_text_config_architectures():
+    """convert_hf_to_gguf.py converts an Idefics3 / SmolVLM language model only through
+    text_config.architectures (SmolVLM's name VLlama3ForCausalLM); without it: refused, saying so."""
+    from quantkit.errors import UnsupportedError
+    from quantkit.gguf.convert import arch_spec
+
+    config = {"architectures": ["Idefics3ForConditionalGeneration"], "model_type": "idefics3",
+              "text_config": {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 2}}
+    with pytest.raises(UnsupportedError, match="names no text_config.architectures") as err:
+        arch_spec(config)
+    assert err.value.exit_code == 2 and "VLlama3ForCausalLM" in err.value.hint
+    config["text_config"]["architectures"] = ["VLlama3ForCausalLM"]
+    assert arch_spec(config).gguf_arch == "LLAMA"
+
+
+def test_mistral3_with_another_text_model_is_refused():
+    """Mistral3ForConditionalGeneration's converter takes a ministral3 / mistral4 text model through other
+    classes (YaRN keys, DeepSeek-V2 layers): only a `mistral` text model converts here."""
+    from quantkit.errors import UnsupportedError
+    from quantkit.gguf.convert import arch_spec
+
+    config = {"architectures": ["Mistral3ForConditionalGeneration"], "model_type": "mistral3",
+              "text_config": {"model_type": "ministral3", "hidden_size": 64, "num_attention_heads": 2}}
+    with pytest.raises(UnsupportedError, match="text model 'ministral3'") as err:
+        arch_spec(config)
+    assert err.value.exit_code == 2 and "mistral" in err.value.hint

@@ -17,13 +17,21 @@ from pathlib import Path
 
 from tests.vlm_models import QWEN2_VL_TOKENS, TEXT_SHAPE, _ids, _save, save_processor, vlm_tokenizer
 
-KINDS = ("llava", "qwen2_vl", "qwen2_5_vl", "gemma3")
+KINDS = ("llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "idefics3", "smolvlm", "mistral3", "gemma3")
 # the towers whose Hub checkpoints keep the vision model's own `vision_model.` level
 NESTED_TOWERS = {"llava": "vision_tower.", "gemma3": "vision_tower."}
 QWEN_PREPROCESSOR = {"image_processor_type": "Qwen2VLImageProcessor", "min_pixels": 32 * 32, "max_pixels": 64 * 64,
                      "patch_size": 8, "temporal_patch_size": 2, "merge_size": 2,
                      "image_mean": [0.48145466, 0.4578275, 0.40821073],
                      "image_std": [0.26862954, 0.26130258, 0.27577711]}
+
+PREPROCESSORS = {kind: {"image_processor_type": "Idefics3ImageProcessor", "size": {"longest_edge": 32},
+                        "max_image_size": {"longest_edge": 32}, "image_mean": [0.5, 0.5, 0.5],
+                        "image_std": [0.5, 0.5, 0.5]} for kind in ("idefics3", "smolvlm")}
+PREPROCESSORS["mistral3"] = {"image_processor_type": "PixtralImageProcessor", "patch_size": 8,
+                             "size": {"longest_edge": 32}, "image_mean": [0.48145466, 0.4578275, 0.40821073],
+                             "image_std": [0.26862954, 0.26130258, 0.27577711]}
+
 
 
 def hub_layout(model_dir: Path, kind: str) -> Path:
@@ -64,6 +72,25 @@ def _config(kind: str, text: dict, ids: dict):
                                                      out_hidden_size=text["hidden_size"], patch_size=8,
                                                      spatial_merge_size=2, temporal_patch_size=2, window_size=32,
                                                      fullatt_block_indexes=[1, 3]), **qwen_ids)
+    if kind == "qwen3_vl":  # the deepstack merger 0 reads block 1: it is written under the block's number
+        return T.Qwen3VLConfig(text_config={**text, "rope_parameters": mrope, "head_dim": head_dim},
+                               vision_config=dict(depth=3, hidden_size=64, intermediate_size=128, num_heads=2,
+                                                  out_hidden_size=text["hidden_size"], patch_size=8,
+                                                  spatial_merge_size=2, temporal_patch_size=2,
+                                                  num_position_embeddings=16, deepstack_visual_indexes=[1]),
+                               **qwen_ids)
+    if kind in ("idefics3", "smolvlm"):  # the converter converts their language model through text_config.architectures
+        cls = T.Idefics3Config if kind == "idefics3" else T.SmolVLMConfig
+        return cls(text_config={**text, "model_type": "llama", "architectures": [TEXT_ARCHITECTURES[kind]]},
+                   vision_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=2, image_size=32, patch_size=8),
+                   scale_factor=2, image_token_id=ids["<image>"])
+    if kind == "mistral3":  # a Pixtral tower 3 layers deep: the converter maps linear_1 / linear_2 as blocks 1 / 2
+        return T.Mistral3Config(text_config={**text, "model_type": "mistral", "sliding_window": None},
+                                vision_config=dict(model_type="pixtral", hidden_size=64, intermediate_size=128,
+                                                   num_hidden_layers=3, num_attention_heads=2, head_dim=32,
+                                                   image_size=32, patch_size=8),
+                                image_token_index=ids["[IMG]"], spatial_merge_size=2)
     if kind == "gemma3":
         siglip = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
                       image_size=32, patch_size=8, vision_use_head=False)
@@ -74,7 +101,13 @@ def _config(kind: str, text: dict, ids: dict):
     raise KeyError(kind)
 
 
-TOKENS = {"llava": ["<image>"], "qwen2_vl": QWEN2_VL_TOKENS, "qwen2_5_vl": QWEN2_VL_TOKENS,
+TEXT_ARCHITECTURES = {"idefics3": "LlamaForCausalLM", "smolvlm": "VLlama3ForCausalLM"}  # as their Hub checkpoints
+# llama.cpp's mtmd wraps an Idefics3 image in "\n\n<fake_token_around_image><global-img>", each looked up as one
+# vocabulary token (aborting, GGML_ASSERT(idx >= 0), when one is missing): the Hub tokenizers have "\n\n", the toy one
+# gets it as an added token
+IDEFICS3_TOKENS = ["<image>", "<fake_token_around_image>", "<global-img>", "\n\n"]
+TOKENS = {"llava": ["<image>"], "qwen2_vl": QWEN2_VL_TOKENS, "qwen2_5_vl": QWEN2_VL_TOKENS, "qwen3_vl": QWEN2_VL_TOKENS,
+          "idefics3": IDEFICS3_TOKENS, "smolvlm": IDEFICS3_TOKENS, "mistral3": ["[IMG]", "[IMG_BREAK]", "[IMG_END]"],
           "gemma3": ["<image_soft_token>", "<start_of_image>", "<end_of_image>"]}
 
 
@@ -100,5 +133,5 @@ def build_vlm(kind: str, out: str | Path, seed: int = 0, layout: str = "hub") ->
     if kind in ("llava", "gemma3"):
         save_processor(kind, out)
     else:
-        (out / "preprocessor_config.json").write_text(json.dumps(QWEN_PREPROCESSOR, indent=2))
+        (out / "preprocessor_config.json").write_text(json.dumps(PREPROCESSORS.get(kind, QWEN_PREPROCESSOR), indent=2))
     return hub_layout(out, kind) if layout == "hub" else out
