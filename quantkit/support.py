@@ -88,9 +88,6 @@ def gguf_vlm_support(model_type: str, converts: bool) -> str:
     if model_type not in FAMILIES:
         return "refused: no mmproj conversion (`mmproj: none` writes the language model alone)"
     family = FAMILIES[model_type]
-    if family.blocked:
-        return "refused: mmproj (llama.cpp's converter leaves out a tensor its loader needs; `mmproj: none` writes " \
-               "the language model alone)"
     return f"✅ language model + mmproj, as llama.cpp's {family.converter}" + (f" ({family.note})" if family.note else "")
 
 

@@ -206,6 +206,8 @@ def mmproj_expected(piece, source):
         data = data[piece.part * n:(piece.part + 1) * n]
     elif piece.rule.split == "time":
         data = data[:, :, piece.part]
+    elif piece.rule.split == "token":  # one embedding row
+        data = data[piece.part]
     if piece.rule.shift:
         data = data + 1
     cast = {T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat16}[piece.qtype]

@@ -8,6 +8,9 @@ family is written the way llama.cpp's own converter writes it, byte for byte:
   family's vision class): tensor names, the fused qkv split into q/k/v, Qwen's Conv3D patch
   embedding split into one Conv2D kernel per time step, Gemma's `soft_emb_norm` stored as w + 1,
   the `clip.*` metadata, gguf.Metadata's general.* keys, and its types (below).
+* Mistral 3 (Pixtral tower): convert_hf_to_gguf.py's LlavaVisionModel, with the `[IMG_BREAK]` row of
+  embed_tokens (v.token_embd.img_break) that it takes but its MmprojModel.filter_tensors drops for a
+  Hugging Face-layout checkpoint; llama.cpp's clip loader cannot load the file without it.
 * LLaVA 1.5 (LlavaForConditionalGeneration with a CLIP tower): convert_hf_to_gguf.py refuses it
   (its LlavaVisionModel takes Pixtral towers only); llama.cpp's documented path is
   tools/mtmd/legacy-models/llava_surgery_v2.py + convert_image_encoder_to_gguf.py on the split-off
@@ -58,11 +61,13 @@ class Rule:
 
     pattern: str
     names: tuple[str, ...]  # GGUF name(s), formatted with the match groups; several: the tensor is split
-    split: str = ""  # "rows": equal parts along the first axis (fused qkv); "time": Conv3D kernel per time step
+    split: str = ""  # "rows": equal parts along the first axis (fused qkv); "time": Conv3D kernel per time step;
+    # "token": the row of the added token `token` (its id from the tokenizer files)
     shift: bool = False  # stored w + 1 (Gemma's RMSNorm scales by 1 + w)
     force: T | str | None = None  # the converter's tensor_force_quant: a type, "patch" (F16 in an f16 file, else F32)
     permute: bool = False  # LlamaModel.permute of the rows by vision heads (Pixtral's q/k: rotary pairs interleaved)
     index: str = ""  # a vision_config list the first match group indexes (Qwen3-VL's deepstack_visual_indexes)
+    token: str = ""  # split "token": the added token whose embedding row is written (llama.cpp's loader needs it)
 
 
 @dataclass(frozen=True)
@@ -74,7 +79,6 @@ class Family:
     dropped: tuple[tuple[str, str], ...] = ()  # (regex over Hub names, why the converter leaves it out)
     renames: tuple[tuple[str, str], ...] = ()  # other checkpoint layouts -> the Hub layout (re.sub, in order)
     note: str = ""  # what README's VLM table adds
-    blocked: str = ""  # why the converter's file does not run in llama.cpp: refused (tests still compare the file)
 
 
 def blocks(prefix: str, parts: dict[str, str]) -> tuple[Rule, ...]:
@@ -112,6 +116,12 @@ IDEFICS3_RULES = (  # SmolVLMModel: the SigLIP embeddings forced F32 (even in an
     Rule(rf"{IDEFICS3_TOWER}\.embeddings\.position_embedding\.weight", ("v.position_embd.weight",), force=T.F32),
     *blocks(f"{IDEFICS3_TOWER}.encoder.layers", SIGLIP_BLOCK),
     Rule(rf"{IDEFICS3_TOWER}\.post_layernorm\.(weight|bias)", ("v.post_ln.{0}",)))
+
+# LlavaVisionModel writes the [IMG_BREAK] row of embed_tokens (llama.cpp's clip loader requires it), but this
+# converter's MmprojModel.filter_tensors drops every `language_model.*` tensor before it gets there: its own file
+# for a Hugging Face-layout checkpoint fails to load ('unable to find tensor v.token_embd.img_break')
+IMG_BREAK_NOTE = ("with the [IMG_BREAK] embedding row the converter's LlavaVisionModel takes, which its "
+                  "language_model.* filter drops")
 
 FAMILIES: dict[str, Family] = {
     "llava": Family(
@@ -154,7 +164,9 @@ FAMILIES: dict[str, Family] = {
     "smolvlm": Family("SmolVLM", MODERN, "idefics3", IDEFICS3_RULES, note=TEXT_CONFIG_NOTE),
     "mistral3": Family(
         "Mistral 3 (Pixtral tower)", MODERN, "pixtral",
-        (Rule(r"multi_modal_projector\.linear_(1|2)\.(weight|bias)", ("mm.{0}.{1}",)),
+        (Rule(r"(?:model\.)?language_model\.(?:model\.)?embed_tokens\.weight", ("v.token_embd.img_break",),
+              split="token", token="[IMG_BREAK]"),
+         Rule(r"multi_modal_projector\.linear_(1|2)\.(weight|bias)", ("mm.{0}.{1}",)),
          Rule(r"multi_modal_projector\.norm\.weight", ("mm.input_norm.weight",)),
          Rule(r"multi_modal_projector\.patch_merger\.merging_layer\.weight", ("mm.patch_merger.weight",),
               force="patch"),
@@ -167,10 +179,7 @@ FAMILIES: dict[str, Family] = {
              "ffn_norm": "ln2", "feed_forward.gate_proj": "ffn_gate", "feed_forward.up_proj": "ffn_up",
              "feed_forward.down_proj": "ffn_down"})),
         renames=((r"^model\.(vision_tower|multi_modal_projector)\.", r"\1."),),
-        blocked="convert_hf_to_gguf.py --mmproj leaves out v.token_embd.img_break for a Hugging Face-layout "
-                "checkpoint (MmprojModel.filter_tensors drops every language_model.* tensor before LlavaVisionModel "
-                "takes the [IMG_BREAK] row of embed_tokens), and llama.cpp's clip loader requires it: "
-                "'unable to find tensor v.token_embd.img_break'"),
+        note=IMG_BREAK_NOTE),
     "gemma3": Family(
         "Gemma 3", MODERN, "gemma3",
         (Rule(r"multi_modal_projector\.mm_input_projection_weight", ("mm.input_projection.weight",), force=T.F16),
@@ -192,7 +201,7 @@ class Piece:
     source: str  # checkpoint name (as stored)
     hub: str  # the Hub-layout name the rules matched
     rule: Rule
-    part: int  # which part of a split tensor (0 otherwise)
+    part: int  # which part of a split tensor; split "token": the token id (the row); else 0
     shape: tuple[int, ...]  # numpy order, as written
     qtype: T = T.F32
     source_dtype: str = "BF16"
@@ -256,9 +265,8 @@ def is_language_model(name: str) -> bool:
 # ------------------------------------------------------------------ checks (config.json only)
 
 
-def check(config: dict, mmproj_type: str, blocked_ok: bool = False) -> Family:
-    """Refuse, before any work, what the family's llama.cpp converter does not convert (and a family
-    whose converted file llama.cpp cannot load, unless blocked_ok: the tests compare that file)."""
+def check(config: dict, mmproj_type: str) -> Family:
+    """Refuse, before any work, what the family's llama.cpp converter does not convert."""
     family = family_of(config)
     vision = config.get("vision_config") or {}
 
@@ -306,9 +314,6 @@ def check(config: dict, mmproj_type: str, blocked_ok: bool = False) -> Family:
                    "deepstack features to the last layer after its output rows are selected: GGML_ASSERT("
                    "ggml_can_repeat(b, a)) aborts)", "fewer deepstack mergers than decoder layers, as every "
                    "released Qwen3-VL has")
-    if family.blocked and not blocked_ok:
-        refuse(family.blocked, "set the gguf option mmproj: none to write the language model alone (no image "
-                               "input), or convert the Mistral-format checkpoint with llama.cpp's converter")
     return family
 
 
@@ -328,19 +333,19 @@ def n_wa_pattern(vision: dict, family: Family) -> int:
 # ------------------------------------------------------------------ plan
 
 
-def plan(model_dir: Path, mmproj_type: str = "auto", blocked_ok: bool = False) -> MmprojPlan:
+def plan(model_dir: Path, mmproj_type: str = "auto") -> MmprojPlan:
     """Which tensors the mmproj holds, their names, shapes and types (nothing read but headers)."""
     from quantkit.model import check_model_dir
 
     info = check_model_dir(Path(model_dir))
     config = complete(info.config)
-    family = check(config, mmproj_type, blocked_ok)
+    family = check(config, mmproj_type)
     pieces, dropped = [], {}
     skip = legacy_skipped_layer(config) if family.converter == LEGACY else None
     for name, (dtype, shape) in info.tensors.items():
-        if is_language_model(name):
-            continue
         hub = hub_name(family, name)
+        if is_language_model(name) and not any(r.token and re.fullmatch(r.pattern, hub) for r in family.rules):
+            continue
         why = next((reason for pattern, reason in family.dropped if re.fullmatch(pattern, hub)), None)
         if why is None and skip is not None and re.match(rf"{re.escape(TOWER)}\.encoder\.layers\.{skip}\.", hub):
             why = f"encoder layer {skip} is the last one: LLaVA reads the second-to-last layer's output"
@@ -352,11 +357,19 @@ def plan(model_dir: Path, mmproj_type: str = "auto", blocked_ok: bool = False) -
             raise UnsupportedError(f"gguf mmproj of {family.name}: no GGUF name for tensor '{name}'",
                                    hint="the checkpoint has a tower tensor llama.cpp's converter does not know")
         rule, groups = indexed(*found, config)
+        if rule.split == "token":
+            pieces.append(Piece(rule.names[0], name, hub, rule, token_id(Path(model_dir), rule.token, family),
+                                tuple(shape[1:]), source_dtype=dtype))
+            continue
         for part, shape_out in enumerate(split_shapes(rule, tuple(shape), family.converter == LEGACY)):
             pieces.append(Piece(rule.names[part].format(*groups), name, hub, rule, part, shape_out,
                                 source_dtype=dtype, heads=vision_heads(config) if rule.permute else 0))
     if not pieces:
         raise UnsupportedError(f"gguf mmproj of {family.name}: the checkpoint has no vision tower tensors")
+    for rule in family.rules:
+        if rule.token and not any(p.rule is rule for p in pieces):
+            raise UnsupportedError(f"gguf mmproj of {family.name}: no token embedding for {rule.names[0]} (the "
+                                   f"{rule.token} row)", hint="the checkpoint's language model embed_tokens.weight")
     if family.converter == LEGACY:
         pieces = legacy_order(family, pieces)
         outtype = T.F32 if mmproj_type == "f32" else T.F16
@@ -365,6 +378,29 @@ def plan(model_dir: Path, mmproj_type: str = "auto", blocked_ok: bool = False) -
     for piece in pieces:
         piece.qtype = (legacy_type if family.converter == LEGACY else modern_type)(piece, outtype)
     return MmprojPlan(config["model_type"], family.converter, outtype, pieces, dropped, config)
+
+
+def token_id(model_dir: Path, token: str, family: Family) -> int:
+    """LlavaVisionModel.get_token_id: the added token's id from tokenizer_config.json's
+    added_tokens_decoder, else tokenizer.json's added_tokens; refused when absent (or id 0, which the
+    converter does not write): llama.cpp's clip loader cannot load the mmproj without its row."""
+    import json
+
+    found = None
+    for file, key in (("tokenizer_config.json", "added_tokens_decoder"), ("tokenizer.json", "added_tokens")):
+        path = model_dir / file
+        if found is None and path.is_file():
+            entries = json.loads(path.read_text(encoding="utf-8")).get(key) or {}
+            items = entries.items() if isinstance(entries, dict) else ((e.get("id"), e) for e in entries)
+            found = next((int(i) for i, e in items if e.get("content") == token), None)
+    if not found:
+        raise UnsupportedError(
+            f"gguf mmproj of {family.name}: the tokenizer has no {token} added token"
+            + (" (id 0: llama.cpp's converter writes no row for it)" if found == 0 else ""),
+            hint=f"llama.cpp's clip loader needs the {token} embedding row; use the model's own tokenizer files "
+                 "(tokenizer.json / tokenizer_config.json), or set the gguf option mmproj: none to write the "
+                 "language model alone (no image input)")
+    return found
 
 
 def indexed(rule: Rule, groups: tuple[str, ...], config: dict) -> tuple[Rule, tuple[str, ...]]:
@@ -465,6 +501,8 @@ def piece_values(piece: Piece, data: np.ndarray) -> np.ndarray:
         data = data[piece.part * n:(piece.part + 1) * n]
     elif piece.rule.split == "time":
         data = data[:, :, piece.part]
+    elif piece.rule.split == "token":
+        data = data[piece.part]
     if piece.rule.shift:
         data = shift_norm(data, piece.source_dtype)
     return np.ascontiguousarray(data.reshape(piece.shape), dtype=np.float32)

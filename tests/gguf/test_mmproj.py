@@ -10,6 +10,10 @@ The references (slow; skipped, saying so, without third_party/llama.cpp/src):
   transformers 4; under transformers 5 it is run with a shim that gives CLIPVisionModel back its
   transformers-4 face (float32 weights, a `vision_model` level, `vision_model.`-prefixed state
   dict names) and changes nothing in the script.
+* Mistral 3: convert_hf_to_gguf.py with one line of its MmprojModel.filter_tensors let through:
+  LlavaVisionModel writes the [IMG_BREAK] row of `embed_tokens.weight` as v.token_embd.img_break,
+  but the filter drops every `language_model.*` tensor first, so the unpatched converter's file
+  lacks the tensor and llama.cpp cannot load it (test_vlm_gguf shows both).
 The whole files are compared: header, every metadata key (general.* included), tensor infos and
 data.
 """
@@ -33,7 +37,19 @@ MODERN_RUNNER = """
 import runpy, sys
 sys.path.insert(0, {src!r})
 sys.argv = ["convert_hf_to_gguf.py", *{args!r}]
+{patch}
 runpy.run_path({script!r}, run_name="__main__")
+"""
+# MmprojModel.filter_tensors drops `language_model.*` before LlavaVisionModel takes the [IMG_BREAK] row: let
+# embed_tokens.weight through to it (ModelBase's filter), everything else filtered as before
+IMG_BREAK_PATCH = """
+from conversion import base
+mmproj_filter = base.MmprojModel.filter_tensors.__func__
+def filter_tensors(cls, item):
+    if item[0].endswith("embed_tokens.weight"):
+        return base.ModelBase.filter_tensors.__func__(cls, item)
+    return mmproj_filter(cls, item)
+base.MmprojModel.filter_tensors = classmethod(filter_tensors)
 """
 LEGACY_SHIM = """
 import runpy, sys
@@ -94,9 +110,12 @@ def run_python(code: str, cwd: Path) -> None:
     assert run.returncode == 0, run.stderr[-3000:]
 
 
-def modern_reference(model: Path, out: Path, mmproj_type: str) -> Path:
+def modern_reference(model: Path, out: Path, mmproj_type: str, img_break: bool = True) -> Path:
+    """convert_hf_to_gguf.py --mmproj; img_break: with the [IMG_BREAK] row let through its filter
+    (IMG_BREAK_PATCH; only a Pixtral tower takes it, other families are unaffected)."""
     args = [str(model), "--mmproj", "--outfile", str(out)] + ([] if mmproj_type == "auto" else ["--outtype", mmproj_type])
-    run_python(MODERN_RUNNER.format(src=str(LLAMA_SRC), args=args, script=str(LLAMA_SRC / "convert_hf_to_gguf.py")), out.parent)
+    run_python(MODERN_RUNNER.format(src=str(LLAMA_SRC), args=args, script=str(LLAMA_SRC / "convert_hf_to_gguf.py"),
+                                    patch=IMG_BREAK_PATCH if img_break else ""), out.parent)
     return out
 
 
@@ -135,8 +154,8 @@ def test_mmproj_is_byte_identical_to_llama_cpp(vlm, tmp_path, kind, mmproj_type)
     from quantkit.gguf.mmproj import plan, write
 
     need_llama_src()
-    model = vlm(kind)  # a blocked family's file (Mistral 3, refused by quantize) is compared too
-    ours = write(plan(model, mmproj_type, blocked_ok=True), model, tmp_path / "ours.gguf").path
+    model = vlm(kind)
+    ours = write(plan(model, mmproj_type), model, tmp_path / "ours.gguf").path
     if kind == "llava":
         theirs = legacy_reference(model, tmp_path, mmproj_type)
     else:
@@ -350,3 +369,39 @@ def test_mistral3_with_another_text_model_is_refused():
     with pytest.raises(UnsupportedError, match="text model 'ministral3'") as err:
         arch_spec(config)
     assert err.value.exit_code == 2 and "mistral" in err.value.hint
+
+
+def test_mistral3_mmproj_has_the_img_break_row(vlm):
+    """LlavaVisionModel's v.token_embd.img_break: row [IMG_BREAK] of embed_tokens, F32, in checkpoint order."""
+    import json
+
+    from quantkit.gguf.mmproj import plan
+
+    model = vlm("mistral3")
+    added = {t["content"]: t["id"] for t in json.loads((model / "tokenizer.json").read_text())["added_tokens"]}
+    (piece,) = [p for p in plan(model).pieces if p.name == "v.token_embd.img_break"]
+    assert piece.source.endswith("embed_tokens.weight") and piece.part == added["[IMG_BREAK]"] > 0
+    assert piece.shape == (json.loads((model / "config.json").read_text())["text_config"]["hidden_size"],)
+    assert piece.qtype.name == "F32"
+
+
+@pytest.mark.parametrize("where", ["tokenizer.json", "tokenizer_config.json"])
+def test_mistral3_without_an_img_break_token_is_refused(vlm, tmp_path, where):
+    """No [IMG_BREAK] in the tokenizer: llama.cpp cannot load the mmproj, refused naming the token
+    (tokenizer_config.json's added_tokens_decoder is looked at first, as by the converter)."""
+    from quantkit.errors import UnsupportedError
+    from quantkit.gguf.mmproj import plan
+
+    copy = shutil.copytree(vlm("mistral3"), tmp_path / "m")
+    tok = json.loads((copy / "tokenizer.json").read_text())
+    tok["added_tokens"] = [t for t in tok["added_tokens"] if t["content"] != "[IMG_BREAK]"]
+    (copy / "tokenizer.json").write_text(json.dumps(tok))
+    if where == "tokenizer_config.json":  # found there: the tokenizer.json fallthrough is not needed
+        config = json.loads((copy / "tokenizer_config.json").read_text())
+        config["added_tokens_decoder"] = {"7": {"content": "[IMG_BREAK]", "special": True}}
+        (copy / "tokenizer_config.json").write_text(json.dumps(config))
+        assert next(p for p in plan(copy).pieces if p.name == "v.token_embd.img_break").part == 7
+        return
+    with pytest.raises(UnsupportedError, match=r"the tokenizer has no \[IMG_BREAK\] added token") as err:
+        plan(copy)
+    assert err.value.exit_code == 2 and "mmproj: none" in err.value.hint

@@ -1,7 +1,8 @@
 """`quantkit quantize VLM --method gguf`: the language model .gguf, its mmproj .gguf and a Modelfile
 using both; quantkit.json reports both and the mmproj proof; the gate scores the language model.
 Slow: llama.cpp's multimodal CLI (llama-mtmd-cli, scripts/build_llamacpp.sh) runs an image through
-quantkit's two files for every family (skipped, saying so, without the binary)."""
+quantkit's two files for every family, Mistral 3 included (its mmproj has the [IMG_BREAK] row that
+llama.cpp's own converter drops; skipped, saying so, without the binary)."""
 
 from __future__ import annotations
 
@@ -20,8 +21,7 @@ from tests.util import leftovers
 CALIB = ("--num-samples", "8", "--seq-len", "64", "--eval-windows", "4", "--no-gate")
 # llama.cpp's built-in chat template for each family (the tiny fixtures' own templates are minimal Jinja)
 CHAT_TEMPLATES = {"llava": "vicuna", "qwen2_vl": "chatml", "qwen2_5_vl": "chatml", "qwen3_vl": "chatml",
-                  "idefics3": "smolvlm", "smolvlm": "smolvlm",
-                  "gemma3": "gemma"}
+                  "idefics3": "smolvlm", "smolvlm": "smolvlm", "mistral3": "mistral-v7", "gemma3": "gemma"}
 
 
 @pytest.fixture(scope="session")
@@ -92,28 +92,29 @@ def test_mmproj_type_f16_names_and_types_the_file(cli, hub_vlm, tmp_path):
     assert proof["source_values_exact"] + len(proof["rounded_to_stored_type"]) == len(types)
 
 
-def test_mistral3_mmproj_is_refused_before_work_and_mmproj_none_writes_the_language_model(cli, hub_vlm, tmp_path):
-    model = hub_vlm("mistral3")
+def test_mistral3_without_img_break_token_is_refused_before_work(cli, hub_vlm, tmp_path):
+    model = shutil.copytree(hub_vlm("mistral3"), tmp_path / "m")
+    tok = json.loads((model / "tokenizer.json").read_text())
+    tok["added_tokens"] = [t for t in tok["added_tokens"] if t["content"] != "[IMG_BREAK]"]
+    (model / "tokenizer.json").write_text(json.dumps(tok))
     result = quantize(cli, model, tmp_path / "out")
     assert result.exit_code == 2, result.output
-    assert "v.token_embd.img_break" in result.stderr and "mmproj: none" in result.stderr
+    assert "no [IMG_BREAK] added token" in result.stderr and "mmproj: none" in result.stderr
     assert leftovers(tmp_path, "out") == []
-    out = tmp_path / "lm"
-    assert quantize(cli, model, out, "--gguf-type", "Q8_0", "--mmproj", "none").exit_code == 0
-    assert [p.name for p in out.glob("*.gguf")] == ["mistral3-Q8_0.gguf"]
 
 
 @pytest.mark.slow
-def test_llama_cpp_cannot_load_its_own_mistral3_mmproj(hub_vlm, tmp_path):
-    """Why Mistral 3's mmproj is refused: llama.cpp's converter output for the Hugging Face layout
-    lacks the [IMG_BREAK] embedding its clip loader requires."""
+def test_llama_cpp_cannot_load_its_converters_mistral3_mmproj(hub_vlm, tmp_path):
+    """Why quantkit's Mistral 3 mmproj is compared with a converter whose filter lets the [IMG_BREAK]
+    row through: the unpatched converter's file for a Hugging Face-layout checkpoint lacks
+    v.token_embd.img_break, and llama.cpp's clip loader refuses it."""
     from tests.gguf.test_mmproj import modern_reference
     from tests.gguf.test_vs_converter import reference_gguf
 
     exe = need_llama("llama-mtmd-cli")
     need_llama_src()
     model = hub_vlm("mistral3")
-    mmproj = modern_reference(model, tmp_path / "mmproj.gguf", "auto")
+    mmproj = modern_reference(model, tmp_path / "mmproj.gguf", "auto", img_break=False)
     language_model = reference_gguf(model, tmp_path / "model.gguf", "bf16", "gpt-2")
     run = subprocess.run([str(exe), "-m", str(language_model), "--mmproj", str(mmproj), "-p", "x", "-n", "1",
                           "-t", "2"], capture_output=True, timeout=600)
@@ -122,7 +123,7 @@ def test_llama_cpp_cannot_load_its_own_mistral3_mmproj(hub_vlm, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", [k for k in KINDS if k != "mistral3"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_llama_mtmd_cli_runs_an_image_through_quantkits_files(cli, hub_vlm, tmp_path, kind):
     """llama.cpp loads the Q4_K_M language model and the mmproj, encodes the image and generates."""
     from quantkit.vlm_proof import synthetic_image
