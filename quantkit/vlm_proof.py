@@ -66,6 +66,22 @@ def read_source(info: ModelInfo, names: list[str]) -> dict:
     return found
 
 
+def read_piece_source(info: ModelInfo, piece):
+    """The source rows an mmproj piece is made from (quantkit.gguf.mmproj.source_rows): one
+    embedding row for a "token" piece, else the whole tensor."""
+    from safetensors import safe_open
+
+    from quantkit.gguf.mmproj import source_rows
+
+    for file in info.weight_files:
+        with safe_open(str(file), "pt") as f:
+            if piece.source in f.keys():
+                part = f.get_slice(piece.source)
+                start, stop = source_rows(piece, tuple(part.get_shape()))
+                return part[start:stop] if piece.rule.split == "token" else f.get_tensor(piece.source)
+    raise KeyError(piece.source)
+
+
 def same_bits(a, b) -> bool:
     import torch
 
@@ -206,8 +222,8 @@ def mmproj_expected(piece, source):
         data = data[piece.part * n:(piece.part + 1) * n]
     elif piece.rule.split == "time":
         data = data[:, :, piece.part]
-    elif piece.rule.split == "token":  # one embedding row
-        data = data[piece.part]
+    elif piece.rule.split == "token":  # one embedding row, read as such
+        data = data[0]
     if piece.rule.shift:
         data = data + 1
     cast = {T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat16}[piece.qtype]
@@ -233,7 +249,7 @@ def prove_mmproj(mmproj: Path, info: ModelInfo, mmproj_type: str = "auto") -> di
     source_name, source = None, None
     for piece in planned.pieces:  # one source tensor in memory at a time (split parts are adjacent)
         if piece.source != source_name:
-            source_name, source = piece.source, read_source(info, [piece.source])[piece.source]
+            source_name, source = piece.source, read_piece_source(info, piece)
         tensor = stored.get(piece.name)
         expected, unrounded = mmproj_expected(piece, source)
         if tensor is None:

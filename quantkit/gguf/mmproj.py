@@ -491,7 +491,7 @@ def legacy_type(piece: Piece, outtype: T) -> T:
 
 
 def piece_values(piece: Piece, data: np.ndarray) -> np.ndarray:
-    """The float32 values of one piece from its whole source tensor (float32 as read)."""
+    """The float32 values of one piece from the rows of its source tensor source_rows names (float32 as read)."""
     from quantkit.gguf.convert import permute, shift_norm
 
     if piece.heads:
@@ -501,8 +501,8 @@ def piece_values(piece: Piece, data: np.ndarray) -> np.ndarray:
         data = data[piece.part * n:(piece.part + 1) * n]
     elif piece.rule.split == "time":
         data = data[:, :, piece.part]
-    elif piece.rule.split == "token":
-        data = data[piece.part]
+    elif piece.rule.split == "token":  # read as its one row
+        data = data[0]
     if piece.rule.shift:
         data = shift_norm(data, piece.source_dtype)
     return np.ascontiguousarray(data.reshape(piece.shape), dtype=np.float32)
@@ -519,9 +519,17 @@ def encode(values: np.ndarray, qtype: T) -> np.ndarray:
     return gguf.quants.quantize(values, qtype)
 
 
-def read_source(handles: dict, name: str, shape: tuple[int, ...]) -> np.ndarray:
-    handle = handles[name]
-    return handle.read(name, 0, shape[0] if len(shape) > 1 else 1)
+def source_rows(piece: Piece, shape: tuple[int, ...]) -> tuple[int, int]:
+    """The rows of its source tensor a piece needs: one embedding row for a "token" piece (not the
+    whole vocabulary table), else all of them."""
+    if piece.rule.split == "token":
+        return piece.part, piece.part + 1
+    return 0, shape[0] if len(shape) > 1 else 1
+
+
+def read_source(handles: dict, piece: Piece) -> np.ndarray:
+    handle = handles[piece.source]
+    return handle.read(piece.source, *source_rows(piece, tuple(handle.header[piece.source]["shape"])))
 
 
 # ------------------------------------------------------------------ metadata
@@ -727,7 +735,7 @@ def write(mp: MmprojPlan, model_dir: Path, out_path: Path) -> MmprojResult:
         for p in mp.pieces:  # one source tensor in memory at a time (a split tensor's parts are adjacent)
             if p.source != source_name:
                 source_name = p.source
-                source = read_source(handles, p.source, tuple(handles[p.source].header[p.source]["shape"]))
+                source = read_source(handles, p)
             writer.write_tensor_data(encode(piece_values(p, source), p.qtype))
     finally:
         writer.close()
