@@ -181,11 +181,11 @@ def validate(data: dict, origin: str = "recipe") -> Recipe:
 
 # mixed-precision options quantkit has for some methods only: option -> (label, methods that have it)
 MIXED_PRECISION = {"auto_precision": ("--auto-precision / auto_precision", ("gguf", "gptq")),
-                   "fallback": ("--fallback / fallback", ("gguf",))}
+                   "fallback": ("--fallback / fallback", ("gguf", "gptq"))}
 
 
 def check_mixed_precision(method: str, options: dict) -> None:
-    """auto_precision (gguf, gptq) / fallback (gguf): a clear refusal (exit 2) for the other methods."""
+    """auto_precision / fallback (gguf, gptq): a clear refusal (exit 2) for the other methods."""
     for key, (label, methods) in MIXED_PRECISION.items():
         if key in options and method not in methods:
             raise UnsupportedError(f"{label} is implemented for method {' and '.join(methods)} only, not {method}",
@@ -193,9 +193,8 @@ def check_mixed_precision(method: str, options: dict) -> None:
 
 
 REFUSAL_HINTS = {
-    "awq": "awq has no per-layer mixed precision yet; use --method gptq --auto-precision "
+    "awq": "awq has no per-layer mixed precision yet; use --method gptq with --auto-precision or --fallback "
            "(per-layer int4/int8/16-bit), or drop the option",
-    "gptq": "gptq has --auto-precision (chosen before quantizing), not the gate-driven --fallback; drop --fallback",
 }
 
 
