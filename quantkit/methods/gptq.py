@@ -278,17 +278,22 @@ def layer_table(job: QuantizeJob, layers: dict[str, tuple[int, int]], chosen: in
     return table
 
 
-def auto_precision(job: QuantizeJob, ignore: list[str], chosen: intmix.Scheme,
-                   adjust: Callable[[dict[str, str]], dict[str, str]] | None = None) -> tuple[dict[str, str], dict]:
-    """({module name: int4|int8|16-bit}, report details): the sensitivity table and the plan under the budget.
-    `adjust`: a method's own constraint on the plan (awq), which may only lower precisions (so bytes)."""
+def greedy_plan(rows: list[intmix.LayerSensitivity], allowed: int, chosen: intmix.Scheme) -> dict[str, str]:
+    """gptq's plan: every layer on its own (quantkit.mixed.assign)."""
     from quantkit.mixed import assign
 
+    return assign(rows, allowed, chosen.size)
+
+
+def auto_precision(job: QuantizeJob, ignore: list[str], chosen: intmix.Scheme,
+                   plan: Callable[[list, int, intmix.Scheme], dict[str, str]] = greedy_plan
+                   ) -> tuple[dict[str, str], dict]:
+    """({module name: int4|int8|16-bit}, report details): the sensitivity table and the plan under the budget.
+    `plan(rows, allowed bytes, scheme)`: how the budget is spent (awq ties layers that share a scale)."""
     layers = budgeted_layers(job, ignore)
     allowed, int4 = intmix.budget_bytes(job.options.auto_precision, list(layers.values()), chosen)
     table = layer_table(job, layers, chosen)
-    choice = assign(table.layers, allowed, chosen.size)
-    choice = adjust(choice) if adjust is not None else choice
+    choice = plan(table.layers, allowed, chosen)
     return choice, {"sensitivity": table.as_dict(),
                     "mixed_precision": intmix.plan_report(table.layers, choice, allowed, int4, chosen)}
 
