@@ -221,6 +221,12 @@ def move_into_place(src: Path, out: Path, overwrite: bool) -> None:
         os.rename(src, out)
 
 
+def artifact_bytes(path: Path) -> int:
+    """Bytes of an artifact: a file's size, or every file under a directory."""
+    path = Path(path)
+    return path.stat().st_size if path.is_file() else sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
 def remove_output(out: Path) -> None:
     """Remove an output directory: renamed aside first, so OUT is either whole or absent."""
     old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))

@@ -11,6 +11,8 @@
 * `assign`: precisions under a byte budget. Every tensor starts at its cheapest candidate; then,
   while the budget allows, the single upgrade (one tensor to any higher candidate) with the largest
   predicted damage removed per added byte is applied (greedy marginal-gain knapsack).
+* `raise_step`: one step of the gate-driven fallback, the tensors with the largest predicted damage at
+  their current precision moved to their next candidate, within the room left under `Fallback.max_size`.
 
 A sensitivity row is anything with `name`, `candidates` (cheapest first) and `damage(candidate)`
 (the `Row` protocol); a size model is a function (row, candidate) -> bytes.
@@ -21,7 +23,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable, Hashable, Iterable, Protocol, Sequence
 
-from quantkit.errors import UnsupportedError
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from quantkit.errors import InputError, UnsupportedError
 
 
 class Row(Protocol):
@@ -78,6 +82,60 @@ def assign(rows: Sequence[Row], budget: int, size: SizeModel) -> dict:
         choice[name] = candidate
         room -= added
     return choice
+
+
+def raise_step(rows: Sequence[Row], choice: dict, count: int, room: int, size: SizeModel) -> dict:
+    """One fallback step: up to `count` rows with the largest predicted damage at their current
+    candidate, each moved to its next candidate, while the added bytes fit in `room`. A row whose
+    current choice is its last candidate (or not one of them) stays.
+    Returns {name: (old, new)} (empty: nothing can be raised within the room)."""
+    raised = {}
+    for r in sorted(rows, key=lambda r: r.damage(choice[r.name]), reverse=True):
+        cands = list(r.candidates)
+        position = cands.index(choice[r.name]) if choice[r.name] in cands else len(cands)
+        if position + 1 >= len(cands):
+            continue
+        new = cands[position + 1]
+        added = size(r, new) - size(r, choice[r.name])
+        if added > room:
+            continue
+        raised[r.name] = (choice[r.name], new)
+        room -= added
+        if len(raised) == count:
+            break
+    return raised
+
+
+def step_count(tensors_per_step: int, rows: int) -> int:
+    """Tensors raised per fallback step: the option, or (0) a tenth of them, at least 1."""
+    return tensors_per_step or max(1, rows // 10)
+
+
+class Fallback(BaseModel):
+    """On a failed gate, raise the most damaging tensors' precision step by step until it passes."""
+
+    model_config = ConfigDict(extra="forbid")
+    max_size: str = Field("+25%", description="size limit: +N% of the first artifact, or a size (120MB, 4GiB)")
+    tensors_per_step: int = Field(0, ge=0, description="tensors raised per step (0: a tenth of them, at least 1)")
+
+    @field_validator("max_size")
+    @classmethod
+    def _readable(cls, value: str) -> str:
+        size_limit(value, 1)
+        return value
+
+
+def size_limit(max_size: str, first_bytes: int) -> int:
+    """Fallback.max_size in bytes: '+25%' of the first artifact's size, or an absolute size."""
+    from quantkit.preflight import parse_size
+
+    text = max_size.strip()
+    if text.startswith("+") and text.endswith("%"):
+        try:
+            return int(first_bytes * (1 + float(text[1:-1]) / 100))
+        except ValueError:
+            raise InputError(f"cannot read the size limit '{max_size}'", hint="write e.g. +25% or 120MB") from None
+    return parse_size(text)
 
 
 # ------------------------------------------------------------------ measured KL divergence

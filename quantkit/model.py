@@ -386,3 +386,14 @@ def check_device(device: str) -> None:
 
         if not torch.cuda.is_available():
             raise ModelError("--device cuda was asked for but no CUDA device is available", hint="use --device cpu")
+
+
+def drop_weights(model) -> None:
+    """Free the weights of a model the engine is done with, whoever still refers to the object:
+    llm-compressor's sequential pipeline leaves the model reachable from its traced code, which kept
+    the whole base model resident through the gate and every later target. compressed-tensors'
+    to_meta, module by module: it also empties the offload caches llm-compressor dispatches."""
+    from compressed_tensors.offload import to_meta
+
+    for module in model.modules() if model is not None else ():
+        to_meta(module)

@@ -33,7 +33,8 @@ from quantkit.errors import (CalibrationError, GateFailedError, InputError, Outp
 from quantkit.lora import plan_merge
 from quantkit.measure import PeakTracker
 from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, get_method
-from quantkit.model import ModelInfo, check_device, check_generative, check_model_dir, device_map, resolve_model
+from quantkit.model import (ModelInfo, check_device, check_generative, check_model_dir, device_map, drop_weights,
+                            resolve_model)
 from quantkit.numerics import check_finite
 from quantkit.plan import build_plan, ignore_patterns
 from quantkit.preflight import (available_vram, check_disk, check_ram, check_vram, ram_estimate, run_estimate,
@@ -296,7 +297,7 @@ def _run_in(staging: Path, recipe: Recipe, opts: RunOptions, info: ModelInfo, ta
                 job = QuantizeJob(load(info, recipe, offload, opts.progress) if resolved.needs_model else None,
                                   tokenizer if resolved.needs_model else None, info, resolved.options, windows,
                                   resolved.ignore, out_dir, workdir, recipe.dtype, recipe.device,
-                                  recipe.trust_remote_code, resolved.target.tower_precision())
+                                  recipe.trust_remote_code, resolved.target.tower_precision(), offload)
                 entry = run_target(job, resolved, baseline, opts)
                 del job
         except Exception as exc:
@@ -360,17 +361,6 @@ def run_target(job: QuantizeJob, resolved: ResolvedTarget, baseline, opts: RunOp
     return entry
 
 
-def drop_weights(model) -> None:
-    """Free the weights of a model the engine is done with, whoever still refers to the object:
-    llm-compressor's sequential pipeline leaves the model reachable from its traced code, which kept
-    the whole base model resident through the gate and every later target. compressed-tensors'
-    to_meta, module by module: it also empties the offload caches llm-compressor dispatches."""
-    from compressed_tensors.offload import to_meta
-
-    for module in model.modules() if model is not None else ():
-        to_meta(module)
-
-
 def tower_proof(job: QuantizeJob, result: QuantizeResult) -> dict:
     """A VLM artifact reloaded: towers bit-identical to the source and an image+text forward
     (quantkit.vlm_proof; exit 3 otherwise). A .gguf's towers are its mmproj file's."""
@@ -394,7 +384,7 @@ def run_fallback(job: QuantizeJob, resolved: ResolvedTarget, result: QuantizeRes
     entry.details["fallback"]; entry's metrics, gate and details become the last artifact's."""
     from quantkit import evaluate
 
-    first = artifact_bytes(result.artifact)
+    first = export.artifact_bytes(result.artifact)
     steps = [{"step": 0, "raised": {}, "bytes": first, "metrics": entry.metrics.as_dict(), "passed": False}]
     started = time.time()
     while not entry.gate.passed:
@@ -410,7 +400,7 @@ def run_fallback(job: QuantizeJob, resolved: ResolvedTarget, result: QuantizeRes
         entry.gate = evaluate.gate_verdict(entry.metrics, resolved.gate,
                                            enforced=opts.enforce_gate and resolved.gate.enabled)
         steps.append({"step": len(steps), "raised": result.details["fallback_state"]["raised"],
-                      "bytes": artifact_bytes(result.artifact), "metrics": entry.metrics.as_dict(),
+                      "bytes": export.artifact_bytes(result.artifact), "metrics": entry.metrics.as_dict(),
                       "passed": entry.gate.passed})
     details = {k: v for k, v in result.details.items() if k != "fallback_state"}
     final = steps[-1]["bytes"]
@@ -420,11 +410,6 @@ def run_fallback(job: QuantizeJob, resolved: ResolvedTarget, result: QuantizeRes
                            "seconds": round(time.time() - started, 3)}
     entry.details = details
     entry.timings["fallback_s"] = details["fallback"]["seconds"]
-
-
-def artifact_bytes(path: Path) -> int:
-    path = Path(path)
-    return path.stat().st_size if path.is_file() else sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
 def error_report(resolved: ResolvedTarget, exc: Exception) -> TargetReport:

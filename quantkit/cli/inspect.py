@@ -203,7 +203,8 @@ def sensitivity_tables(report: dict) -> dict[str, dict]:
             tables[target["name"]] = {"sensitivity": details["sensitivity"], "types": types}
     if not tables:
         raise InputError("this report has no sensitivity table",
-                         hint="quantize with --auto-precision (gguf, gptq), or gguf's --fallback once a gate failed")
+                         hint="quantize with --auto-precision (gguf, gptq, awq), or --fallback (gguf, gptq) "
+                         "once a gate failed")
     return tables
 
 

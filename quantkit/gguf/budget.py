@@ -52,23 +52,9 @@ def assign_types(table: list[TensorSensitivity], budget: int) -> dict[str, T]:
 
 def raise_types(table: list[TensorSensitivity], types: dict[str, T], count: int, room: int) -> dict[str, tuple[T, T]]:
     """One fallback step: up to `count` tensors with the largest predicted damage at their current
-    type, each moved to its next candidate type, while the added bytes fit in `room`.
-    Returns {name: (old type, new type)} (empty: nothing can be raised within the room)."""
-    raised = {}
-    for t in sorted(table, key=lambda t: t.damage(types[t.name]), reverse=True):
-        cands = t.candidates
-        position = cands.index(types[t.name]) if types[t.name] in cands else len(cands)
-        if position + 1 >= len(cands):
-            continue
-        new = cands[position + 1]
-        added = nbytes(t.shape, new) - nbytes(t.shape, types[t.name])
-        if added > room:
-            continue
-        raised[t.name] = (types[t.name], new)
-        room -= added
-        if len(raised) == count:
-            break
-    return raised
+    type, each moved to its next candidate type, while the added bytes fit in `room`
+    (quantkit.mixed.raise_step). Returns {name: (old type, new type)} (empty: nothing can be raised)."""
+    return mixed.raise_step(table, types, count, room, tensor_size)
 
 
 def override_lines(types: dict[str, T]) -> list[str]:

@@ -74,6 +74,7 @@ class QuantizeJob:
     device: str = "cpu"
     trust_remote_code: bool = False
     towers: dict[str, str] = field(default_factory=dict)  # tower role -> int8/int4 (Target.tower_precision())
+    offload: Path | None = None  # the folder the model's decoder layers were offloaded to (--offload-dir), if any
 
 
 @dataclass

@@ -10,6 +10,20 @@ recipes can name it, but it is refused before any work with a clear reason: not 
 (MissingExtraError), or installed but its GEMM checkpoint cannot be reloaded by transformers 5
 without `gptqmodel`, so the gate could not measure it (see docs/methods.md).
 
+`auto_precision`: per-layer int4 / int8 (per channel) / 16-bit under a size budget, with gptq's
+machinery (quantkit.methods.intmix: the same sensitivity table, size model and config groups), and two
+constraints from llm-compressor 0.14.0.1's AWQModifier (modifiers/transform/awq/base.py):
+* its grid search (`_compute_best_scale`) fake-quantizes every balance layer of a mapping with the
+  scheme of the *last* balance layer (`w_qscheme` is read in the loop before, not per layer): mixed
+  int4 / int8 balance layers under one smoothing scale crash (a per-channel scale against a group
+  weight) or are searched with the wrong scheme. So the quantized balance layers of one mapping in one
+  decoder layer (q/k/v, gate/up) share one precision: the plan chooses per such group (`tied_plan`).
+  16-bit balance layers have no scheme, are left exact in the search and smoothed like the others.
+* with duo_scaling, `_compute_layer_means` averages over the quantized balance layers and divides by
+  their count: a mapping whose smooth layer is a quantized Linear (up_proj -> down_proj; v_proj ->
+  o_proj where the widths match) must keep a balance layer quantized; where the plan keeps them all
+  16-bit they go back to int8 (fewer bytes, so still within the budget; `keep_balance_quantized`).
+
 CPU workaround: llm-compressor 0.14.0.1 pins the cached parent-module inputs in host memory
 before AWQ's grid search (`IntermediatesCache.pin_memory`, called from
 `AWQModifier._apply_smoothing`); `Tensor.pin_memory()` raises "Cannot access accelerator
@@ -20,13 +34,15 @@ turns exactly that method into a no-op while AWQ runs, and only when no accelera
 
 from __future__ import annotations
 
+import re
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Iterator, Literal
 
 from pydantic import BaseModel, ConfigDict
 
 from quantkit.errors import InputError, MissingExtraError, UnsupportedError
-from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, fixed_gate, gptq, llmc
+from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, fixed_gate, gptq, intmix, llmc
 from quantkit.methods.mappings import model_mappings
 
 # 4-bit weights: the same looser gate as GPTQ.
@@ -44,6 +60,7 @@ class Options(BaseModel):
     duo_scaling: bool | Literal["both"] = True
     n_grid: int = 20
     backend: Literal["llmcompressor", "autoawq"] = "llmcompressor"
+    auto_precision: intmix.AutoPrecision | None = None  # per-layer int4/int8/16-bit (quantkit.methods.intmix)
 
 
 def needs_calibration(options: Options) -> bool:
@@ -54,7 +71,8 @@ def precision(role: str, options: Options, name: str, shape: list[int]) -> str |
     if role not in gptq.QUANTIZED_ROLES:
         return None
     sym = "sym" if options.symmetric else "asym"
-    return f"int{options.bits} {gptq.granularity(options.group_size)} {sym} (AWQ)"
+    auto = "; auto-precision: int8 or 16-bit where measured sensitive" if options.auto_precision else ""
+    return f"int{options.bits} {gptq.granularity(options.group_size)} {sym} (AWQ{auto})"
 
 
 def check_backend(backend: str) -> None:
@@ -87,6 +105,8 @@ def check(info, options: Options, calibration) -> None:
     if options.n_grid < 1:
         raise InputError(f"awq: n_grid={options.n_grid} must be positive")
     gptq.check_calibration_tokens(calibration, "awq")
+    if options.auto_precision is not None:
+        gptq.check_auto_precision(info, options, "awq")
 
 
 # ---------------------------------------------------------------- the CPU workaround
@@ -134,7 +154,7 @@ def mappings(info) -> list:
     return [AWQMapping(m.smooth, list(m.balance)) for m in model_mappings(info, "awq") if m.awq]
 
 
-def modifiers(options: Options, info, ignore: list[str]) -> list:
+def modifiers(options: Options, info, ignore: list[str], config_groups: dict | None = None) -> list:
     from llmcompressor.modifiers.quantization import QuantizationModifier
     from llmcompressor.modifiers.transform.awq import AWQModifier
 
@@ -142,17 +162,111 @@ def modifiers(options: Options, info, ignore: list[str]) -> list:
     return [
         AWQModifier(mappings=mappings(info), duo_scaling=options.duo_scaling,
                     n_grid=options.n_grid),
-        QuantizationModifier(config_groups={"group_0": {"targets": ["Linear"], "weights": weights}}, ignore=ignore),
+        QuantizationModifier(config_groups=config_groups or {"group_0": {"targets": ["Linear"], "weights": weights}},
+                             ignore=ignore),
     ]
 
 
 def quantize(job: QuantizeJob) -> QuantizeResult:
-    recipe = modifiers(job.options, job.info, llmc.decoder_ignore(job))
+    ignore, groups = llmc.decoder_ignore(job), None
     details = llmc.calibration_details(job)
+    if job.options.auto_precision is not None:
+        chosen = gptq.scheme(job)
+        layers = gptq.budgeted_layers(job, ignore)
+        ties, rows = balance_groups(job.info, list(layers)), linear_rows(job.info, layers)
+        choice, mixed = gptq.auto_precision(
+            job, ignore, chosen, lambda table, allowed, scheme: keep_balance_quantized(
+                tied_plan(table, ties, allowed, scheme), rows))
+        details.update(mixed)
+        ignore, groups = ignore + intmix.kept_16bit(choice), intmix.config_groups(choice, chosen)
+    recipe = modifiers(job.options, job.info, ignore, groups)
     with cpu_pin_memory_guard() as patched:
         llmc.run_oneshot(job, recipe, calibrate=True)
     llmc.save_compressed(job)
     return QuantizeResult(job.out_dir, {**details, "cpu_pin_memory_workaround": patched})
+
+
+# ---------------------------------------------------------------- auto precision
+
+DECODER_LAYER = re.compile(r"^(.*\.layers\.\d+)\.")
+
+
+def balance_groups(info, names: list[str]) -> list[list[str]]:
+    """The layers of `names` that must share one precision: the balance layers of one AWQ mapping in
+    one decoder layer (q/k/v, gate/up); every other layer alone."""
+    from quantkit.plan import matches
+
+    keyed: dict[tuple, list[str]] = {}
+    for index, row in enumerate(model_mappings(info, "awq")):
+        if not row.awq:
+            continue
+        for name in names:
+            if matches(name, list(row.balance)):
+                layer = DECODER_LAYER.match(name)
+                keyed.setdefault((index, layer.group(1) if layer else name), []).append(name)
+    groups: list[list[str]] = []
+    for members in keyed.values():  # merge groups sharing a layer (none in the mapping table today)
+        overlapping = [g for g in groups if set(g) & set(members)]
+        merged = [n for g in overlapping for n in g] + [n for n in members if not any(n in g for g in overlapping)]
+        groups = [g for g in groups if g not in overlapping] + [merged]
+    grouped = {n for g in groups for n in g}
+    return groups + [[n] for n in names if n not in grouped]
+
+
+@dataclass
+class TiedLayers:
+    """Layers that take one precision together (a quantkit.mixed Row): their damages and bytes add."""
+
+    name: str
+    members: list[intmix.LayerSensitivity]
+
+    @property
+    def candidates(self) -> list[str]:
+        return self.members[0].candidates
+
+    def damage(self, precision: str) -> float:
+        return sum(m.damage(precision) for m in self.members)
+
+
+def tied_plan(table: list[intmix.LayerSensitivity], groups: list[list[str]], allowed: int,
+              scheme: intmix.Scheme) -> dict[str, str]:
+    """quantkit.mixed.assign over the balance groups: {module name: precision}, one per group."""
+    from quantkit.mixed import assign
+
+    rows = {r.name: r for r in table}
+    tied = [TiedLayers(group[0], [rows[n] for n in group]) for group in groups if all(n in rows for n in group)]
+    choice = assign(tied, allowed, lambda t, p: sum(scheme.nbytes(m.shape, p) for m in t.members))
+    return {m.name: choice[t.name] for t in tied for m in t.members}
+
+
+def linear_rows(info, layers: dict[str, tuple[int, int]]) -> list[tuple[str, list[str]]]:
+    """(smooth layer, its balance layers) of the AWQ rows whose smooth layer is one of `layers`
+    ({module name: (out, in)}), resolved per decoder layer (the balance layers are the smooth layer's
+    siblings), leaving out those llm-compressor skips (a balance layer whose input width differs from
+    the smooth layer's output width: v_proj -> o_proj under grouped-query attention)."""
+    from quantkit.plan import matches
+
+    rows = []
+    for row in model_mappings(info, "awq"):
+        if not row.awq:
+            continue
+        for smooth in (name for name in layers if matches(name, [row.smooth])):
+            parent = smooth.rsplit(".", 1)[0]
+            balance = [name for name in layers
+                       if name.rsplit(".", 1)[0] == parent and matches(name, list(row.balance))]
+            if balance and all(layers[b][1] == layers[smooth][0] for b in balance):
+                rows.append((smooth, balance))
+    return rows
+
+
+def keep_balance_quantized(choice: dict[str, str], rows: list[tuple[str, list[str]]]) -> dict[str, str]:
+    """The plan with the balance layers of each linear_rows row at int8 where its smooth layer is
+    quantized and the plan kept every balance layer 16-bit (see the module docstring)."""
+    fixed = dict(choice)
+    for smooth, balance in rows:
+        if fixed[smooth] != "16-bit" and all(fixed[b] == "16-bit" for b in balance):
+            fixed.update({b: "int8" for b in balance})
+    return fixed
 
 
 METHOD = MethodSpec(

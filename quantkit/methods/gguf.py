@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from quantkit.errors import InputError, UnsupportedError
 from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult
+from quantkit.mixed import Fallback, size_limit, step_count
 
 # k-quants lose more than FP8: gate on KLD and top-1 agreement, leave PPL to the recipe.
 DEFAULT_GATE = {"max_ppl_increase": 0.10, "max_kld": 0.10, "min_top1": 0.80}  # the Q4 mixes
@@ -53,20 +54,6 @@ class AutoPrecision(BaseModel):
                                      "default: the size of llama.cpp's mixture for gguf_type")
     measure_windows: int = Field(8, ge=0, le=1024, description="calibration windows the per-tensor KL "
                                  "divergence is measured on (0: imatrix-weighted error only)")
-
-
-class Fallback(BaseModel):
-    """On a failed gate, raise the most damaging tensors' types step by step until it passes."""
-
-    model_config = ConfigDict(extra="forbid")
-    max_size: str = Field("+25%", description="size limit: +N% of the first artifact, or a size (120MB, 4GiB)")
-    tensors_per_step: int = Field(0, ge=0, description="tensors raised per step (0: a tenth of them, at least 1)")
-
-    @field_validator("max_size")
-    @classmethod
-    def _readable(cls, value: str) -> str:
-        size_limit(value, 1)
-        return value
 
 
 class Options(BaseModel):
@@ -94,19 +81,6 @@ class Options(BaseModel):
         if mixed(self) and self.gguf_type in ("F32", "F16", "BF16"):
             raise ValueError(f"auto_precision / fallback choose k-quant types; {self.gguf_type} is not quantized")
         return self
-
-
-def size_limit(max_size: str, first_bytes: int) -> int:
-    """Fallback.max_size in bytes: '+25%' of the first artifact's size, or an absolute size."""
-    from quantkit.preflight import parse_size
-
-    text = max_size.strip()
-    if text.startswith("+") and text.endswith("%"):
-        try:
-            return int(first_bytes * (1 + float(text[1:-1]) / 100))
-        except ValueError:
-            raise InputError(f"cannot read the size limit '{max_size}'", hint="write e.g. +25% or 120MB") from None
-    return parse_size(text)
 
 
 def mixed(options: "Options") -> bool:
@@ -394,7 +368,7 @@ def fallback(job: QuantizeJob, result: QuantizeResult) -> QuantizeResult | None:
     current = current or budget.mixture_types(table.tensors)
     state = details.get("fallback_state") or {"first_bytes": result.details["gguf"]["bytes"]}
     limit = size_limit(opts.fallback.max_size, state["first_bytes"])
-    count = opts.fallback.tensors_per_step or max(1, len(table.tensors) // 10)
+    count = step_count(opts.fallback.tensors_per_step, len(table.tensors))
     raised = budget.raise_types(table.tensors, current, count, limit - result.details["gguf"]["bytes"])
     if not raised:
         return None

@@ -8,18 +8,30 @@ column block by column block with error feedback, and the quantized outputs feed
 `auto_precision`: some layers int8 (per channel) or 16-bit instead of int4, chosen by measured
 sensitivity under a size budget (quantkit.methods.intmix), as extra config groups / ignore entries.
 
+`fallback` (gate-driven): when the artifact fails its gate, the layers with the largest predicted
+damage at their current precision go one step up (int4 -> int8 -> 16-bit) and the model is quantized
+again from the base, until the gate passes or `max_size` is spent (quantkit.pipeline.run_fallback
+re-measures after each step). The damage is the sensitivity table auto_precision recorded, else one
+measured at the first fallback step. GPTQ quantizes and compresses job.model in place, and the pipeline
+frees it before measuring, so every step loads the base model again (llmc.reloaded_model).
+
 Also home of the checks shared by the weight-only integer methods (awq, smoothquant):
 `check_group_size`, `check_calibration_tokens`, `quantized_linears`.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Callable, Literal
 
 from pydantic import BaseModel, ConfigDict
 
 from quantkit.errors import CalibrationError, InputError, UnsupportedError
 from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, fixed_gate, intmix, llmc, moe
+from quantkit.mixed import Fallback
+
+# A fallback step's room for what config.json and the safetensors header add per raised layer (its name in
+# the int8 config group or the ignore list, its tensors' entries): the size model counts tensor bytes only.
+METADATA_BYTES = 256
 
 # 4-bit rounding costs a few percent of perplexity even with GPTQ's error feedback.
 DEFAULT_GATE = {"max_ppl_increase": 0.10, "max_kld": 0.10, "min_top1": 0.80}
@@ -40,6 +52,7 @@ class Options(BaseModel):
     dampening: float = 0.01  # fraction of the mean Hessian diagonal added before inversion
     block_size: int = 128
     auto_precision: intmix.AutoPrecision | None = None  # per-layer int4/int8/16-bit (quantkit.methods.intmix)
+    fallback: Fallback | None = None  # on a failed gate, raise the most damaging layers' precision (quantkit.mixed)
 
 
 def needs_calibration(options: Options) -> bool:
@@ -56,6 +69,7 @@ def precision(role: str, options: Options, name: str, shape: list[int]) -> str |
     sym = "sym" if options.symmetric else "asym"
     order = "" if options.act_order == "none" else f", act-order {options.act_order}"
     auto = "; auto-precision: int8 or 16-bit where measured sensitive" if options.auto_precision else ""
+    auto += "; fallback: int8 or 16-bit where the gate fails" if options.fallback else ""
     return f"int{options.bits} {granularity(options.group_size)} {sym} (GPTQ{order}{auto})"
 
 
@@ -137,7 +151,7 @@ def check(info, options: Options, calibration) -> None:
     if options.block_size < 1:
         raise InputError(f"gptq: block_size={options.block_size} must be positive")
     check_calibration_tokens(calibration, "gptq")
-    if options.auto_precision is not None:
+    if mixed(options):
         check_auto_precision(info, options)
     if options.act_order == "group":  # llm-compressor raises only after loading and calibrating
         raise UnsupportedError("gptq: act_order=group is not supported by llm-compressor's GPTQ "
@@ -145,22 +159,34 @@ def check(info, options: Options, calibration) -> None:
                                hint="use act_order static (the default) or none")
 
 
-def check_auto_precision(info, options: Options) -> None:
-    """auto_precision starts every layer at int4 and gives some int8 (per channel) or 16-bit."""
+def mixed(options) -> bool:
+    """Per-layer precisions are chosen by quantkit (auto_precision), or may be raised (fallback)."""
+    return getattr(options, "auto_precision", None) is not None or getattr(options, "fallback", None) is not None
+
+
+def mixed_label(options) -> str:
+    return "auto_precision" if getattr(options, "auto_precision", None) is not None else "fallback"
+
+
+def check_auto_precision(info, options, method: str = "gptq") -> None:
+    """auto_precision and fallback start every layer at int4 and give some int8 (per channel) or 16-bit
+    (gptq's and awq's options)."""
     from quantkit.methods.moe import is_moe
     from quantkit.model import is_vlm
 
+    label = mixed_label(options)
+    flag = "--" + label.replace("_", "-")
     if options.bits != 4:
-        raise InputError(f"gptq: auto_precision starts every layer at int4; bits={options.bits} leaves nothing "
-                         "to choose", hint="drop --bits (4 is the default) or --auto-precision")
-    if options.act_order == "group":
-        raise InputError("gptq: auto_precision's int8 layers are per channel, which act_order=group cannot order",
+        raise InputError(f"{method}: {label} starts every layer at int4; bits={options.bits} leaves nothing "
+                         "to choose", hint=f"drop --bits (4 is the default) or {flag}")
+    if getattr(options, "act_order", "none") == "group":
+        raise InputError(f"{method}: {label}'s int8 layers are per channel, which act_order=group cannot order",
                          hint="use act_order static or none")
     if is_moe(info.model_type) or is_vlm(info.config):
         kind = "MoE models" if is_moe(info.model_type) else "VLMs"
-        raise UnsupportedError(f"gptq: auto_precision is not supported for {kind} ({info.architecture}): its "
+        raise UnsupportedError(f"{method}: {label} is not supported for {kind} ({info.architecture}): its "
                                "sensitivity pass reads the checkpoint's layers by module name and streams a "
-                               "text decoder", hint="quantize without --auto-precision")
+                               "text decoder", hint=f"quantize without {flag}")
 
 
 # ---------------------------------------------------------------- quantize
@@ -193,15 +219,22 @@ def modifier(options: Options, ignore: list[str], config_groups: dict | None = N
 
 def quantize(job: QuantizeJob) -> QuantizeResult:
     details = llmc.calibration_details(job)
-    ignore, groups = llmc.decoder_ignore(job), None
+    ignore, choice = llmc.decoder_ignore(job), None
     if job.options.auto_precision is not None:
-        chosen = scheme(job)
-        choice, mixed = auto_precision(job, ignore, chosen)
-        details.update(mixed)
-        ignore, groups = ignore + intmix.kept_16bit(choice), intmix.config_groups(choice, chosen)
+        choice, mixed_details = auto_precision(job, ignore, scheme(job))
+        details.update(mixed_details)
+    write(job, ignore, choice)
+    return QuantizeResult(job.out_dir, details)
+
+
+def write(job: QuantizeJob, ignore: list[str], choice: dict[str, str] | None) -> None:
+    """GPTQ of job.model into job.out_dir: one int4 group for every Linear, or the per-layer `choice`
+    ({module name: int4|int8|16-bit}: an int8 group by exact names, the 16-bit layers ignored)."""
+    groups = None
+    if choice is not None:
+        ignore, groups = ignore + intmix.kept_16bit(choice), intmix.config_groups(choice, scheme(job))
     llmc.run_oneshot(job, modifier(job.options, ignore, groups), calibrate=True)
     llmc.save_compressed(job)
-    return QuantizeResult(job.out_dir, details)
 
 
 # ---------------------------------------------------------------- auto precision
@@ -232,22 +265,97 @@ def importance(job: QuantizeJob, names) -> dict:
     return compute_imatrix(job, job.windows.calib, {name: name for name in names}).weights()
 
 
-def auto_precision(job: QuantizeJob, ignore: list[str], chosen: intmix.Scheme) -> tuple[dict[str, str], dict]:
-    """({module name: int4|int8|16-bit}, report details): the sensitivity table and the plan under the budget."""
+def layer_table(job: QuantizeJob, layers: dict[str, tuple[int, int]], chosen: intmix.Scheme) -> intmix.LayerTable:
+    """The sensitivity table of `layers` (budgeted_layers), with the auto_precision options'
+    measure_windows (their default for a fallback without auto_precision)."""
     import time
 
-    from quantkit.mixed import assign
-
-    auto, started = job.options.auto_precision, time.perf_counter()
-    layers = budgeted_layers(job, ignore)
-    allowed, int4 = intmix.budget_bytes(auto, list(layers.values()), chosen)
+    auto, started = job.options.auto_precision or intmix.AutoPrecision(), time.perf_counter()
     weights = importance(job, layers)
     imatrix_s = round(time.perf_counter() - started, 3)
     table = intmix.measure(job.info.path, layers, weights, job.windows.calib, auto, chosen, job.workdir)
     table.seconds = {"importance": imatrix_s, **table.seconds, "total": round(time.perf_counter() - started, 3)}
-    choice = assign(table.layers, allowed, chosen.size)
+    return table
+
+
+def greedy_plan(rows: list[intmix.LayerSensitivity], allowed: int, chosen: intmix.Scheme) -> dict[str, str]:
+    """gptq's plan: every layer on its own (quantkit.mixed.assign)."""
+    from quantkit.mixed import assign
+
+    return assign(rows, allowed, chosen.size)
+
+
+def auto_precision(job: QuantizeJob, ignore: list[str], chosen: intmix.Scheme,
+                   plan: Callable[[list, int, intmix.Scheme], dict[str, str]] = greedy_plan
+                   ) -> tuple[dict[str, str], dict]:
+    """({module name: int4|int8|16-bit}, report details): the sensitivity table and the plan under the budget.
+    `plan(rows, allowed bytes, scheme)`: how the budget is spent (awq ties layers that share a scale)."""
+    layers = budgeted_layers(job, ignore)
+    allowed, int4 = intmix.budget_bytes(job.options.auto_precision, list(layers.values()), chosen)
+    table = layer_table(job, layers, chosen)
+    choice = plan(table.layers, allowed, chosen)
     return choice, {"sensitivity": table.as_dict(),
                     "mixed_precision": intmix.plan_report(table.layers, choice, allowed, int4, chosen)}
+
+
+# ---------------------------------------------------------------- gate-driven fallback
+
+
+def fallback(job: QuantizeJob, result: QuantizeResult) -> QuantizeResult | None:
+    """The artifact quantized again from the base model with the layers of largest predicted damage one
+    precision up, or None when no raise fits in Fallback.max_size (measured against the first artifact)."""
+    from contextlib import ExitStack
+
+    details = dict(result.details)
+    with ExitStack() as loaded:
+        if "sensitivity" not in details:  # plain W4A16 first: measure the table once, with the model loaded
+            loaded.enter_context(llmc.reloaded_model(job))
+            layers = budgeted_layers(job, llmc.decoder_ignore(job))
+            details["sensitivity"] = layer_table(job, layers, scheme(job)).as_dict()
+        choice = next_plan(job, result, details)
+        if choice is None:
+            return None
+        if job.model is None:
+            loaded.enter_context(llmc.reloaded_model(job))
+        llmc.clear_weights(job.out_dir)
+        write(job, llmc.decoder_ignore(job), choice)
+    return QuantizeResult(job.out_dir, details)
+
+
+def next_plan(job: QuantizeJob, result: QuantizeResult, details: dict) -> dict[str, str] | None:
+    """One fallback step's per-layer plan ({module name: precision}); details gets its mixed_precision
+    report and fallback_state (the first artifact's bytes, the layers raised). None: nothing fits."""
+    from quantkit.export import artifact_bytes
+    from quantkit.mixed import raise_step, size_limit, step_count, total_bytes
+
+    opts = job.options
+    table = intmix.LayerTable.from_dict(details["sensitivity"]).layers
+    chosen = intmix.Scheme(opts.group_size, opts.symmetric, element_bytes(job))
+    current = details.get("mixed_precision", {}).get("types") or {r.name: "int4" for r in table}
+    now = artifact_bytes(result.artifact)
+    state = details.get("fallback_state") or {"first_bytes": now}
+    limit = size_limit(opts.fallback.max_size, state["first_bytes"])
+    raised = raise_step(table, current, step_count(opts.fallback.tensors_per_step, len(table)), limit - now,
+                        lambda row, p: chosen.size(row, p) + (0 if p == "int4" else METADATA_BYTES))
+    choice = {**current, **{name: new for name, (_, new) in raised.items()}}
+    if raised and set(choice.values()) == {"16-bit"}:  # GPTQ needs one quantized layer: the last raised stays
+        last = list(raised)[-1]
+        choice[last] = current[last]
+        del raised[last]
+    if not raised:
+        return None
+    layers_budget = limit - (now - total_bytes(table, current, chosen.size))  # what the layers may take
+    int4 = total_bytes(table, {r.name: "int4" for r in table}, chosen.size)
+    details["mixed_precision"] = intmix.plan_report(table, choice, layers_budget, int4, chosen)
+    details["fallback_state"] = {**state, "raised": {n: f"{a}->{b}" for n, (a, b) in raised.items()}}
+    return choice
+
+
+def element_bytes(job: QuantizeJob) -> int:
+    """Bytes per element of the model as loaded (its scales and 16-bit layers are saved in that dtype)."""
+    from quantkit.model import torch_dtype
+
+    return torch_dtype(job.dtype, job.info).itemsize
 
 
 METHOD = MethodSpec(
@@ -255,4 +363,6 @@ METHOD = MethodSpec(
     format="compressed-tensors (pack-quantized, int weights)",
     options=Options, quantize=quantize, precision=precision, default_gate=fixed_gate(DEFAULT_GATE),
     check=check, needs_calibration=needs_calibration,
+    fallback=fallback,
+    wants_fallback=lambda options: options.fallback is not None,
 )

@@ -74,6 +74,10 @@ class LayerSensitivity:
     def damage(self, precision: str) -> float:
         return scaled_damage(self.kld, self.errors[precision], self.errors[self.probe])
 
+    @classmethod
+    def from_dict(cls, row: dict) -> "LayerSensitivity":
+        return cls(row["tensor"], tuple(row["shape"]), dict(row["errors"]), row["kld"], row["probe"])
+
     def as_dict(self) -> dict:
         """A row of the report's table (`mixture`: the precision plain W4A16 gives the layer)."""
         return {"tensor": self.name, "shape": list(self.shape), "mixture": PROBE, "probe": self.probe,
@@ -86,6 +90,12 @@ class LayerTable:
     measured: bool  # damage scaled by measured KL divergence (else: the weighted error alone)
     windows: int = 0  # calibration windows the KL divergences were measured on
     seconds: dict[str, float] = field(default_factory=dict)  # "importance", "errors", "kld"
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "LayerTable":
+        """The table as the report recorded it (as_dict)."""
+        return cls([LayerSensitivity.from_dict(r) for r in data["tensors"]], data["measured"], data["windows"],
+                   dict(data.get("seconds", {})))
 
     def as_dict(self) -> dict:
         return {"measured": self.measured, "windows": self.windows, "seconds": self.seconds,

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
 from quantkit.shards import SHARD_BYTES
 
 ENGINE = "llmcompressor"
@@ -115,3 +119,40 @@ def release_session() -> None:
 
     reset_session()
 
+
+
+@contextmanager
+def reloaded_model(job) -> Iterator[None]:
+    """The full-precision model loaded again into job.model for the time inside, then freed (to_meta,
+    as the pipeline frees it) and job.model set back to None. A gate-driven fallback step needs it:
+    llm-compressor quantized and compressed the previous model in place, and the pipeline freed it
+    before measuring. With --offload-dir the decoder layers go to a fresh folder inside the target's,
+    removed on exit."""
+    import gc
+    import shutil
+    import tempfile
+
+    from quantkit.model import drop_weights, load_model
+    from quantkit.stream import release_freed_memory
+
+    folder = Path(tempfile.mkdtemp(prefix="reload-", dir=job.offload)) if job.offload else None
+    try:
+        job.model = load_model(job.info, job.dtype, job.device, job.trust_remote_code, folder)
+        yield
+    finally:
+        release_session()
+        drop_weights(job.model)
+        job.model = None
+        gc.collect()
+        release_freed_memory()
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def clear_weights(out_dir) -> None:
+    """Remove the safetensors weights (and their index) of an earlier save from out_dir, so a re-save
+    that shards differently leaves no stale shard behind."""
+    for path in Path(out_dir).glob("*.safetensors"):
+        path.unlink()
+    for path in Path(out_dir).glob("*.safetensors.index.json"):
+        path.unlink()

@@ -46,11 +46,12 @@ def test_override_lines_are_anchored_regexes():
 
 
 def test_flags_refused_for_other_methods(cli, micro_model, tmp_path):
-    """--auto-precision exists for gguf and gptq, --fallback for gguf: the others are refused (exit 2)."""
-    for method, flag, message in (("awq", "--auto-precision", "implemented for method gguf and gptq only, not awq"),
-                                  ("fp8", "--auto-precision", "implemented for method gguf and gptq only, not fp8"),
-                                  ("gptq", "--fallback", "implemented for method gguf only, not gptq"),
-                                  ("awq", "--fallback", "implemented for method gguf only, not awq")):
+    """--auto-precision exists for gguf, gptq and awq, --fallback for gguf and gptq: the others are refused (exit 2)."""
+    auto = "implemented for method gguf, gptq and awq only, not"
+    for method, flag, message in (("fp8", "--auto-precision", f"{auto} fp8"),
+                                  ("nf4", "--auto-precision", f"{auto} nf4"),
+                                  ("fp8", "--fallback", "implemented for method gguf and gptq only, not fp8"),
+                                  ("awq", "--fallback", "implemented for method gguf and gptq only, not awq")):
         result = cli("quantize", micro_model, "--method", method, flag, "-o", tmp_path / "out")
         assert result.exit_code == 2 and message in result.stderr, (method, flag, result.stderr)
 
