@@ -156,6 +156,7 @@ def resolve_target(recipe: Recipe, target: Target, info: ModelInfo) -> ResolvedT
     check_tower_precision(target, info, method)
     method.check(info, options, recipe.calibration)
     ignore = ignore_patterns(info, target.ignore, method.keeps_lm_head(options), tuple(target.tower_precision()))
+    method.check_ignore(info, options, ignore)
     return ResolvedTarget(target, method, options, target_gate(recipe, target), ignore, needs_calibration,
                           method.needs_model(info, options) or bool(target.tower_precision()))
 

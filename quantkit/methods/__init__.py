@@ -17,6 +17,7 @@ defaults for the optional ones in one place. Who calls what:
   default_gate       pipeline.resolve_target (recipe.target_gate) the gate thresholds of a target
   keeps_lm_head      pipeline.resolve_target, cli.inspect         building the ignore list
   supports_ignore    pipeline.resolve_target                      refusing `ignore` where a format fixes every type
+  check_ignore       pipeline.resolve_target                      refusing an ignore list the engine cannot take
   precision          plan.build_plan                              the plan (`quantkit inspect`, the report)
   plan_types         plan.build_plan                              exact per-tensor types (gguf's mixture)
   wants_fallback     pipeline.run_target                          whether a failed gate triggers `fallback`
@@ -89,6 +90,10 @@ def _no_check(info: ModelInfo, options: BaseModel, calibration: Calibration) -> 
     return None
 
 
+def _any_ignore(info: ModelInfo, options: BaseModel, ignore: list[str]) -> None:
+    return None
+
+
 def _never(options: BaseModel) -> bool:
     return False
 
@@ -124,6 +129,9 @@ class MethodSpec:
     precision: Callable[[str, BaseModel, str, list[int]], str | None]
     default_gate: Callable[[BaseModel], GateDefaults]
     check: Callable[[ModelInfo, BaseModel, Calibration], None] = _no_check  # cheap, before any work
+    # check_ignore(info, options, full ignore list): refuse, before any work, an ignore list the engine
+    # cannot take (awq: a smoothing row whose balance layers would all stay 16-bit)
+    check_ignore: Callable[[ModelInfo, BaseModel, list[str]], None] = _any_ignore
     needs_calibration: Callable[[BaseModel], bool] = _never
     # needs_model(info, options) -> True: quantize() gets the model (and tokenizer) loaded in memory;
     # False: it reads the checkpoint itself. Cheap (config.json and safetensors headers, no torch).

@@ -269,9 +269,21 @@ def keep_balance_quantized(choice: dict[str, str], rows: list[tuple[str, list[st
     return fixed
 
 
+def check_ignore(info, options: Options, ignore: list[str]) -> None:
+    """A smoothing row whose smooth layer is quantized needs a quantized balance layer: llm-compressor's
+    duo scaling divides by their count (ZeroDivisionError after loading and calibrating)."""
+    from quantkit.plan import matches
+
+    for smooth, balance in linear_rows(info, gptq.quantized_linears(info)):
+        if not matches(smooth, ignore) and all(matches(b, ignore) for b in balance):
+            raise InputError(f"awq: the ignore list keeps {', '.join(balance)} 16-bit while {smooth}, whose "
+                             "output it smooths them against, is quantized; llm-compressor's AWQ cannot "
+                             "search that scale", hint=f"ignore {smooth} as well, or quantize {balance[0]}")
+
+
 METHOD = MethodSpec(
     quantizes_towers=True, name="awq", engine=llmc.ENGINE, engine_package=llmc.ENGINE,
     format="compressed-tensors (pack-quantized, int4 asymmetric)",
     options=Options, quantize=quantize, precision=precision, default_gate=fixed_gate(DEFAULT_GATE),
-    check=check, needs_calibration=needs_calibration,
+    check=check, needs_calibration=needs_calibration, check_ignore=check_ignore,
 )

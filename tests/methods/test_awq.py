@@ -82,6 +82,31 @@ def test_awq_group_size_and_bits(cli, micro_model, tmp_path):
     assert_nothing_written(out)
 
 
+def test_awq_refuses_an_ignore_list_that_leaves_a_quantized_smooth_layer_nothing_to_balance(cli, micro_model, tmp_path):
+    """up_proj -> down_proj: with down_proj 16-bit and up_proj int4, llm-compressor's duo scaling divided
+    by zero after loading and calibrating (exit 1); refused before work. Both ignored, or all of a norm's
+    balance layers ignored, is fine (the latter is what the end-to-end run below does)."""
+    from quantkit.methods.awq import check_ignore
+    from quantkit.model import check_model_dir
+
+    out = tmp_path / "out"
+    result = cli("quantize", micro_model, "--method", "awq", "--ignore", "model.layers.0.mlp.down_proj",
+                 *CALIB_ARGS, "-o", out)
+    assert result.exit_code == 2, result.output
+    assert "model.layers.0.mlp.down_proj" in result.stderr and "ignore model.layers.0.mlp.up_proj" in result.stderr
+    assert_nothing_written(out)
+    info = check_model_dir(micro_model)
+    check_ignore(info, None, ["lm_head", "model.layers.0.mlp.down_proj", "model.layers.0.mlp.up_proj"])
+    check_ignore(info, None, ["lm_head", r"re:.*layers\.0\.self_attn\.[qkv]_proj$"])
+
+
+def test_awq_with_a_norms_balance_layers_all_ignored_runs(cli, micro_model, tmp_path):
+    out = tmp_path / "out"
+    result = cli("quantize", micro_model, "--method", "awq", "--ignore", r"re:.*layers\.0\.self_attn\.[qkv]_proj$",
+                 *CALIB_ARGS, "-o", out)
+    assert result.exit_code == 0, result.output
+
+
 def test_awq_autoawq_backend_fails_honestly(cli, micro_model, tmp_path):
     out = tmp_path / "out"
     result = cli("quantize", micro_model, "--method", "awq", "--backend", "autoawq", *CALIB_ARGS, "-o", out)
