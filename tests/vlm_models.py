@@ -186,8 +186,9 @@ def _family_config(kind: str, text: dict, ids: dict):
             vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
     if kind in ("idefics3", "smolvlm"):
         cls = T.Idefics3Config if kind == "idefics3" else T.SmolVLMConfig
-        return cls(text_config={**text, "model_type": "llama"}, vision_config=SIGLIP, scale_factor=2,
-                   image_token_id=ids["<image>"])
+        # as on the Hub, text_config names its architecture (llama.cpp's converter reads it, quantkit.gguf too)
+        return cls(text_config={**text, "model_type": "llama", "architectures": [TEXT_ARCHITECTURES[kind]]},
+                   vision_config=SIGLIP, scale_factor=2, image_token_id=ids["<image>"])
     if kind == "gemma3":
         return T.Gemma3Config(text_config={**text, "head_dim": 64, "query_pre_attn_scalar": 64},
                               vision_config=SIGLIP, mm_tokens_per_image=4,
@@ -205,8 +206,11 @@ def _family_config(kind: str, text: dict, ids: dict):
                                intermediate_layers_indices=[0], max_num_tiles=1, supported_aspect_ratios=[[1, 1]]),
             image_token_index=ids["<|image|>"])
     if kind == "mistral3":
-        return T.Mistral3Config(text_config={**text, "model_type": "mistral"},
-                                vision_config={**SIGLIP, "head_dim": 32}, image_token_index=ids["[IMG]"],
+        return T.Mistral3Config(text_config={**text, "model_type": "mistral", "sliding_window": None},  # as Mistral Small 3.1
+                                # 3 layers, as every released Pixtral tower has more (llama.cpp's converter maps
+                                # the projector's linear_1 / linear_2 as blocks 1 / 2 of the tower's tensor map)
+                                vision_config={**SIGLIP, "head_dim": 32, "num_hidden_layers": 3},
+                                image_token_index=ids["[IMG]"],
                                 spatial_merge_size=2)
     if kind == "internvl":
         return T.InternVLConfig(text_config={**text, "model_type": "qwen2"},
@@ -244,5 +248,6 @@ def build_family(kind: str, out: str | Path, seed: int = 0) -> Path:
     return Path(out)
 
 
+TEXT_ARCHITECTURES = {"idefics3": "LlamaForCausalLM", "smolvlm": "VLlama3ForCausalLM"}  # as their Hub checkpoints
 FAMILY_KINDS = ("llava", "llava_next", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "idefics3", "smolvlm", "gemma3",
                 "paligemma", "mllama", "mistral3", "internvl")

@@ -15,7 +15,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tests.vlm_models import QWEN2_VL_TOKENS, TEXT_SHAPE, _ids, _save, save_processor, vlm_tokenizer
+from tests.vlm_models import (QWEN2_VL_TOKENS, TEXT_ARCHITECTURES, TEXT_SHAPE, _ids, _save, save_processor,
+                              vlm_tokenizer)
 
 KINDS = ("llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "idefics3", "smolvlm", "mistral3", "gemma3")
 # the towers whose Hub checkpoints keep the vision model's own `vision_model.` level
@@ -101,7 +102,6 @@ def _config(kind: str, text: dict, ids: dict):
     raise KeyError(kind)
 
 
-TEXT_ARCHITECTURES = {"idefics3": "LlamaForCausalLM", "smolvlm": "VLlama3ForCausalLM"}  # as their Hub checkpoints
 # llama.cpp's mtmd wraps an Idefics3 image in "\n\n<fake_token_around_image><global-img>", each looked up as one
 # vocabulary token (aborting, GGML_ASSERT(idx >= 0), when one is missing): the Hub tokenizers have "\n\n", the toy one
 # gets it as an added token
