@@ -207,6 +207,38 @@ def test_quantize_with_lora_measures_against_the_merged_model(cli, micro_model, 
     assert report["model"]["path"] == str(micro_model)
 
 
+def test_a_vlm_with_a_language_model_adapter_keeps_its_processor_files_and_towers(cli, tmp_path):
+    """LLaVA + a LoRA adapter on its language model: the merged checkpoint carries the processor,
+    chat template and tokenizer files into the artifact; the towers stay bit-identical to the base's
+    (the gate's proof) and an image+text forward runs on the reloaded artifact."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForImageTextToText
+
+    from tests.vlm_models import build_family
+
+    base = build_family("llava", tmp_path / "llava")
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_pretrained(base, dtype=torch.float32)
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8,
+                                                  target_modules=r".*language_model.*\.(q_proj|v_proj)"))
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                torch.nn.init.normal_(param, std=0.05)
+    peft_model.save_pretrained(tmp_path / "adapter")
+    out = tmp_path / "out"
+    result = cli("quantize", base, "--lora", tmp_path / "adapter", "--method", "fp8", "-o", out,
+                 "--num-samples", "8", "--seq-len", "64", "--eval-windows", "2", "--no-gate")  # random model
+    assert result.exit_code == 0, result.output
+    side = ("processor_config.json", "chat_template.jinja", "tokenizer.json")  # tokenizer_config.json is re-saved
+    assert all((out / name).read_bytes() == (base / name).read_bytes() for name in side)
+    assert (out / "tokenizer_config.json").is_file()
+    report = json.loads((out / "quantkit.json").read_text())
+    towers = report["targets"][0]["details"]["towers"]
+    assert report["merge"] and towers["tower_tensors_identical"] > 0 and towers["image_forward"] == "ran"
+
+
 def test_missing_adapter_is_bad_input(cli, micro_model, tmp_path):
     result = cli("quantize", micro_model, "--lora", tmp_path / "none", "--method", "fp8", "-o", tmp_path / "out")
     assert result.exit_code == 2 and "LoRA adapter directory not found" in result.stderr
