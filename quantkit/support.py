@@ -84,7 +84,7 @@ def gguf_vlm_support(model_type: str, converts: bool) -> str:
     from quantkit.gguf.mmproj import FAMILIES
 
     if not converts:
-        return "refused: the converter lacks this architecture"
+        return "refused: llama.cpp's convert_hf_to_gguf.py has no conversion for its architecture"
     if model_type not in FAMILIES:
         return "refused: no mmproj conversion (`mmproj: none` writes the language model alone)"
     family = FAMILIES[model_type]
