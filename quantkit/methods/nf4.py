@@ -52,8 +52,12 @@ def precision(role: str, options: Options, name: str, shape: list[int]) -> str |
 
 
 def check(info, options: Options, calibration) -> None:
-    """bitsandbytes installed, and at least one layer it can quantize (odd shapes stay 16-bit)."""
+    """bitsandbytes installed, an MoE layout transformers reloads, and at least one layer it can
+    quantize (odd shapes stay 16-bit)."""
+    from quantkit.methods.moe import check_supported
+
     require("bitsandbytes", "nf4", "the nf4 method (bitsandbytes 4-bit)")
+    check_supported(info, "nf4")  # an unknown layout crashed reloading the artifact (Llama 4)
     layers = quantizable_layers(info)
     if layers and not any(fits_kernels(options, shape) for shape in layers.values()):
         name, shape = next(iter(layers.items()))

@@ -78,3 +78,22 @@ def test_phi3_rows_use_the_fused_projections():
         ("re:.*gate_up_proj$", ("re:.*down_proj$",)),
     ]
     assert [m.balance for m in smoothquant_mappings("phi3")] == [("re:.*qkv_proj$",), ("re:.*gate_up_proj$",)]
+
+
+@pytest.mark.parametrize("method", ["fp8", "gptq", "nf4"])
+def test_an_moe_architecture_without_a_table_row_is_refused_before_work(method, micro_model):
+    """Experts in a layout quantkit.methods.moe does not know (Llama 4's) would be saved under names
+    transformers does not reload; nf4's artifact crashed on reload. Every method refuses it first."""
+    import dataclasses
+
+    from quantkit.errors import UnsupportedError
+    from quantkit.methods import get_method
+    from quantkit.model import check_model_dir
+    from quantkit.recipe import Calibration
+
+    info = check_model_dir(micro_model)
+    unknown = dataclasses.replace(info, model_type="llama4_text",
+                                  config={**info.config, "model_type": "llama4_text", "num_local_experts": 4})
+    spec = get_method(method)
+    with pytest.raises(UnsupportedError, match=f"{method}: mixture-of-experts architecture 'llama4_text'"):
+        spec.check(unknown, spec.options(), Calibration())
