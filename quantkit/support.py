@@ -21,7 +21,9 @@ FAMILIES: list[tuple[str, str, str]] = [
 VLM_TEXT_TYPES = {"llava": "llama", "llava_next": "llama", "qwen2_vl": "qwen2_vl_text",
                   "qwen2_5_vl": "qwen2_5_vl_text", "qwen3_vl": "qwen3_vl_text", "idefics3": "llama",
                   "smolvlm": "llama", "gemma3": "gemma3_text", "paligemma": "gemma", "mllama": "mllama_text_model",
-                  "mistral3": "mistral", "internvl": "qwen2"}
+                  "mistral3": "mistral", "internvl": "qwen2", "llama4": "llama4_text"}
+# VLM families whose language model is a mixture of experts (its experts' layout decides fp8/gptq/nf4)
+VLM_EXPERTS = ("llama4",)
 METHOD_COLUMNS = ("fp8", "gptq", "awq", "smoothquant", "nf4", "gguf")
 
 
@@ -49,15 +51,16 @@ def family_table() -> list[str]:
 
 
 # VLM families (quantkit.vlm.FAMILIES) that tiny models of go through every method in the tests
-# (tests/test_vlm_families.py builds exactly these). Gemma 3n and Llama 4 have table rows (their
-# towers are planned and kept) but no tiny model in the tests, so README does not claim them.
+# (tests/test_vlm_families.py builds exactly these). Gemma 3n has a table row (its towers are planned
+# and kept) but no tiny model in the tests (its vision tower needs timm), so README does not claim it.
 VLM_TESTED = ("llava", "llava_next", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "idefics3", "smolvlm", "gemma3",
-              "paligemma", "mllama", "mistral3", "internvl")
+              "paligemma", "mllama", "mistral3", "internvl", "llama4")
 
 
 def vlm_support(model_type: str, method: str) -> str:
     """One cell of the VLM table, as the methods' checks decide."""
     from quantkit.gguf.convert import supported_architectures
+    from quantkit.methods import moe
     from quantkit.methods.mappings import supported_model_types
     from quantkit.vlm import FAMILIES
 
@@ -73,6 +76,8 @@ def vlm_support(model_type: str, method: str) -> str:
 
         return gguf_vlm_support(model_type, family.architecture in supported_architectures()
                                 or family.architecture in ROUTED_BY_TEXT_CONFIG)
+    if model_type in VLM_EXPERTS and not moe.is_moe(VLM_TEXT_TYPES[model_type]):
+        return f"refused: no expert layout row for its text model `{VLM_TEXT_TYPES[model_type]}` (quantkit.methods.moe)"
     kept = "towers and cross-attention layers 16-bit" if family.cross_attention else "towers 16-bit"
     return f"✅ {kept}"
 

@@ -216,6 +216,14 @@ def _family_config(kind: str, text: dict, ids: dict):
         return T.InternVLConfig(text_config={**text, "model_type": "qwen2"},
                                 vision_config={**SIGLIP, "image_size": [32, 32], "patch_size": [8, 8]},
                                 image_token_id=ids["<IMG_CONTEXT>"], downsample_ratio=0.5)
+    if kind == "llama4":  # a mixture of experts in every text layer, as Llama 4 Scout / Maverick
+        return T.Llama4Config(text_config={**text, "head_dim": 64, "intermediate_size_mlp": 512, "num_local_experts": 4,
+                                           "num_experts_per_tok": 1, "interleave_moe_layer_step": 1},
+                              vision_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                                 num_attention_heads=2, image_size=32, patch_size=8,
+                                                 vision_output_dim=64, projector_input_dim=64,
+                                                 projector_output_dim=text["hidden_size"]),
+                              image_token_index=ids["<|patch|>"])
     raise KeyError(kind)
 
 
@@ -225,7 +233,8 @@ FAMILY_TOKENS = {
     "smolvlm": ["<image>", "<fake_token_around_image>", "<global-img>"],
     "gemma3": ["<image_soft_token>", "<start_of_image>", "<end_of_image>"], "paligemma": ["<image>"],
     "mllama": ["<|image|>"], "mistral3": ["[IMG]", "[IMG_BREAK]", "[IMG_END]"],
-    "internvl": ["<IMG_CONTEXT>", "<img>", "</img>"],
+    "internvl": ["<IMG_CONTEXT>", "<img>", "</img>"], "llama4": ["<|image|>", "<|patch|>", "<|image_start|>",
+                                                                 "<|image_end|>"],
 }
 
 
@@ -250,4 +259,4 @@ def build_family(kind: str, out: str | Path, seed: int = 0) -> Path:
 
 TEXT_ARCHITECTURES = {"idefics3": "LlamaForCausalLM", "smolvlm": "VLlama3ForCausalLM"}  # as their Hub checkpoints
 FAMILY_KINDS = ("llava", "llava_next", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "idefics3", "smolvlm", "gemma3",
-                "paligemma", "mllama", "mistral3", "internvl")
+                "paligemma", "mllama", "mistral3", "internvl", "llama4")
