@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import re
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Iterator, Literal
 
 from pydantic import BaseModel, ConfigDict
@@ -213,28 +212,13 @@ def balance_groups(info, names: list[str]) -> list[list[str]]:
     return groups + [[n] for n in names if n not in grouped]
 
 
-@dataclass
-class TiedLayers:
-    """Layers that take one precision together (a quantkit.mixed Row): their damages and bytes add."""
-
-    name: str
-    members: list[intmix.LayerSensitivity]
-
-    @property
-    def candidates(self) -> list[str]:
-        return self.members[0].candidates
-
-    def damage(self, precision: str) -> float:
-        return sum(m.damage(precision) for m in self.members)
-
-
 def tied_plan(table: list[intmix.LayerSensitivity], groups: list[list[str]], allowed: int,
               scheme: intmix.Scheme) -> dict[str, str]:
     """quantkit.mixed.assign over the balance groups: {module name: precision}, one per group."""
     from quantkit.mixed import assign
 
     rows = {r.name: r for r in table}
-    tied = [TiedLayers(group[0], [rows[n] for n in group]) for group in groups if all(n in rows for n in group)]
+    tied = [intmix.TiedLayers(group[0], [rows[n] for n in group]) for group in groups if all(n in rows for n in group)]
     choice = assign(tied, allowed, lambda t, p: sum(scheme.nbytes(m.shape, p) for m in t.members))
     return {m.name: choice[t.name] for t in tied for m in t.members}
 
