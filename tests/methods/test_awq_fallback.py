@@ -1,0 +1,109 @@
+"""awq --fallback: gptq's fallback step (quantkit.methods.gptq.next_plan) over AWQ's raise units (a
+mapping's balance layers raised together; a quantized smooth layer's balance layers at most int8), and
+end to end a failing gate turned into a passing mixed int4/int8 artifact, or stopped with exit 3 when
+max_size is spent."""
+
+from __future__ import annotations
+
+import json
+from functools import partial
+from pathlib import Path
+
+import pytest
+
+from quantkit.methods import QuantizeJob, QuantizeResult, awq, intmix
+from quantkit.mixed import Fallback
+from tests.methods.conftest import CALIB_ARGS, assert_nothing_written, quant_config, report
+from tests.methods.test_gptq_fallback import GATE, SPIKED, spiky  # noqa: F401 (spiky: the module fixture)
+
+ATTENTION, MLP = "model.layers.0.self_attn.", "model.layers.0.mlp."
+SHAPES = {ATTENTION + "q_proj": (256, 256), ATTENTION + "k_proj": (64, 256), ATTENTION + "v_proj": (64, 256),
+          ATTENTION + "o_proj": (256, 256), MLP + "gate_proj": (512, 256), MLP + "up_proj": (512, 256),
+          MLP + "down_proj": (256, 512)}  # one decoder layer of a GQA Llama: no v -> o row, up -> down stays
+QKV = [ATTENTION + p for p in ("q_proj", "k_proj", "v_proj")]
+GATE_UP, UP, DOWN = [MLP + "gate_proj", MLP + "up_proj"], MLP + "up_proj", MLP + "down_proj"
+
+
+def llama(path: Path):
+    from quantkit.model import ModelInfo
+
+    return ModelInfo(path, {"torch_dtype": "bfloat16"}, [], "LlamaForCausalLM", "llama")
+
+
+def table(int4: dict[str, float]) -> list[intmix.LayerSensitivity]:
+    """Every layer's damage: `int4` at int4 (default 1), half of it at int8 (so a raised layer can stay
+    the worst), none at 16-bit."""
+    return [intmix.LayerSensitivity(name, shape, {"int4": int4.get(name, 1.0), "int8": int4.get(name, 1.0) / 2,
+                                                  "16-bit": 0.0}) for name, shape in SHAPES.items()]
+
+
+def test_fallback_units_tie_balance_layers_and_cap_a_smoothed_down_proj_at_int8(tmp_path):
+    info, rows = llama(tmp_path), table({})
+    units = {u.name: u for u in awq.fallback_units(info, rows, {name: "int4" for name in SHAPES})}
+    assert sorted(sorted(m.name for m in u.members) for u in units.values()) == sorted(
+        [sorted(QKV), [ATTENTION + "o_proj"], sorted(GATE_UP), [DOWN]])
+    assert units[DOWN].candidates == ["int4", "int8"]  # up_proj quantized: down_proj may not go 16-bit
+    assert units[QKV[0]].candidates == units[ATTENTION + "o_proj"].candidates == ["int4", "int8", "16-bit"]
+    assert units[QKV[0]].damage("int4") == 3.0  # a unit's damage: its members' together
+    up_kept = {name: "16-bit" if name in GATE_UP else "int8" for name in SHAPES}
+    down = next(u for u in awq.fallback_units(info, rows, up_kept) if u.name == DOWN)
+    assert down.candidates == ["int4", "int8", "16-bit"]  # nothing left to smooth against: no cap
+
+
+def plan_job(tmp_path: Path, tensors_per_step: int) -> QuantizeJob:
+    options = awq.Options(fallback=Fallback(max_size="10MB", tensors_per_step=tensors_per_step))
+    return QuantizeJob(None, None, llama(tmp_path), options, None, [], tmp_path, tmp_path)
+
+
+def test_next_plan_raises_tied_groups_together_and_never_a_smoothed_down_proj_to_16_bit(tmp_path):
+    """down_proj does the most damage at int4 and at int8, but at int8 it stays while up_proj is quantized:
+    the next step raises q/k/v, together."""
+    from quantkit.methods.gptq import next_plan
+
+    job = plan_job(tmp_path, tensors_per_step=1)
+    units = partial(awq.fallback_units, job.info)
+    artifact = tmp_path / "model.safetensors"
+    artifact.write_bytes(b"\0" * 200_000)
+    details = {"sensitivity": intmix.LayerTable(table({DOWN: 1000.0, QKV[0]: 10.0}), False).as_dict()}
+    first = next_plan(job, QuantizeResult(artifact, details), details, units)
+    assert first == {**{name: "int4" for name in SHAPES}, DOWN: "int8"}
+    assert details["fallback_state"]["raised"] == {DOWN: "int4->int8"}
+    second = next_plan(job, QuantizeResult(artifact, details), details, units)
+    assert second == {**first, **{name: "int8" for name in QKV}}
+    assert details["fallback_state"]["raised"] == {name: "int4->int8" for name in QKV}
+    assert details["mixed_precision"]["types"] == second
+
+
+def test_every_fallback_step_keeps_awq_constraints_until_nothing_is_left_to_raise(tmp_path):
+    """Step after step, two units at a time, from plain int4 to the top: each plan gives a tied group one
+    precision and keeps a quantized balance layer under a quantized up_proj; one layer stays quantized."""
+    from quantkit.methods.gptq import next_plan
+
+    job = plan_job(tmp_path, tensors_per_step=2)
+    units = partial(awq.fallback_units, job.info)
+    rows = awq.linear_rows(job.info, SHAPES)
+    artifact = tmp_path / "model.safetensors"
+    artifact.write_bytes(b"\0" * 200_000)
+    details = {"sensitivity": intmix.LayerTable(table({DOWN: 1000.0, MLP + "gate_proj": 50.0}), False).as_dict()}
+    plans = []
+    while (plan := next_plan(job, QuantizeResult(artifact, details), details, units)) is not None:
+        plans.append(plan)
+        assert len({plan[n] for n in QKV}) == 1 and len({plan[n] for n in GATE_UP}) == 1
+        assert awq.keep_balance_quantized(plan, rows) == plan
+        assert len(plans) < 20
+    assert len(plans) >= 3 and set(plans[-1].values()) != {"16-bit"}
+    assert plans[-1][DOWN] == "16-bit" and plans[-1][UP] == "16-bit"  # once up_proj was 16-bit, down_proj went
+
+
+def test_recipe_fallback_is_accepted_for_awq(tmp_path):
+    from quantkit.recipe import target_options, validate
+
+    recipe = validate({"targets": [{"name": "a", "method": "awq", "options": {"fallback": {"max_size": "+10%"}}}]})
+    options = target_options(recipe.targets[0])
+    assert options.fallback == Fallback(max_size="+10%") and "fallback" in awq.precision("decoder", options, "x", [1, 1])
+
+
+def test_fallback_refuses_bits_8_before_work(cli, micro_model, tmp_path):
+    result = cli("quantize", micro_model, "--method", "awq", "--fallback", "--bits", "8", *CALIB_ARGS,
+                 "-o", tmp_path / "out")
+    assert result.exit_code == 2 and "awq: fallback starts every layer at int4" in result.stderr, result.output
