@@ -14,7 +14,7 @@ import pytest
 from quantkit.methods import QuantizeJob, QuantizeResult, awq, intmix
 from quantkit.mixed import Fallback
 from tests.methods.conftest import CALIB_ARGS, assert_nothing_written, quant_config, report
-from tests.methods.test_gptq_fallback import GATE, SPIKED, spiky  # noqa: F401 (spiky: the module fixture)
+from tests.methods.test_gptq_fallback import SPIKED, spiky  # noqa: F401 (spiky: the module fixture)
 
 ATTENTION, MLP = "model.layers.0.self_attn.", "model.layers.0.mlp."
 SHAPES = {ATTENTION + "q_proj": (256, 256), ATTENTION + "k_proj": (64, 256), ATTENTION + "v_proj": (64, 256),
@@ -107,3 +107,65 @@ def test_fallback_refuses_bits_8_before_work(cli, micro_model, tmp_path):
     result = cli("quantize", micro_model, "--method", "awq", "--fallback", "--bits", "8", *CALIB_ARGS,
                  "-o", tmp_path / "out")
     assert result.exit_code == 2 and "awq: fallback starts every layer at int4" in result.stderr, result.output
+
+
+# ------------------------------------------------------------------ end to end
+
+# measured on the spiky model (plain AWQ W4A16 asymmetric g128, KLD 1.31e-3): layers.1 down_proj at int8
+# 1.03e-3, then layers.1 gate/up at int8 together 6.0e-4 (then q/k/v of layer 0, 5.6e-4; layer 0's
+# down_proj, 1.6e-4)
+GATE = ("--max-kld", "0.0008", "--min-top1", "0", "--max-ppl-increase", "10")
+
+
+@pytest.mark.slow
+def test_fallback_turns_a_failing_gate_into_a_passing_artifact(cli, spiky, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "out"
+    result = cli("quantize", spiky, "--method", "awq", "--fallback", *CALIB_ARGS, *GATE, "-o", out)
+    assert result.exit_code == 0, result.output
+    target = report(out)["targets"][0]
+    details = target["details"]
+    fallback, steps = details["fallback"], details["fallback"]["steps"]
+    assert not steps[0]["passed"] and steps[0]["metrics"]["kld_mean"] > 0.0008
+    assert steps[-1]["passed"] and target["gate"]["passed"] and target["metrics"] == steps[-1]["metrics"]
+    assert not any(s["passed"] for s in steps[:-1]) and all(s["raised"] for s in steps[1:])
+    assert steps[1]["raised"] == {SPIKED: "int4->int8"}  # the measured worst layer first
+    # then its smooth layer up_proj, which shares AWQ's scale with gate_proj: raised together
+    assert steps[2]["raised"] == {f"model.layers.1.mlp.{p}": "int4->int8" for p in ("gate_proj", "up_proj")}
+    assert fallback["size_cost_bytes"] == steps[-1]["bytes"] - steps[0]["bytes"] > 0
+    assert steps[-1]["bytes"] <= int(steps[0]["bytes"] * 1.25)  # the default max_size, +25%
+    assert details["sensitivity"]["measured"]
+    types = details["mixed_precision"]["types"]
+    assert fallback["types"] == types and types[SPIKED] == "int8"
+    for i in (0, 1):  # AWQ's constraints hold in the final plan
+        assert len({types[f"model.layers.{i}.self_attn.{p}"] for p in ("q_proj", "k_proj", "v_proj")}) == 1
+        assert len({types[f"model.layers.{i}.mlp.{p}"] for p in ("gate_proj", "up_proj")}) == 1
+        assert not (types[f"model.layers.{i}.mlp.up_proj"] != "16-bit" and types[f"model.layers.{i}.mlp.down_proj"]
+                    == "16-bit")
+    # the artifact: an asymmetric int8 group of exact names, reloaded by transformers
+    groups = quant_config(out)["config_groups"]
+    assert groups["group_1"]["targets"] == sorted(n for n, p in types.items() if p == "int8")
+    assert groups["group_1"]["weights"]["num_bits"] == 8 and groups["group_1"]["weights"]["symmetric"] is False
+    model = AutoModelForCausalLM.from_pretrained(out, device_map="cpu")
+    for name, precision in types.items():
+        assert model.get_submodule(name).quantization_scheme.weights.num_bits == {"int4": 4, "int8": 8}[precision]
+
+
+@pytest.mark.slow
+def test_fallback_stops_with_exit_3_when_max_size_is_spent(cli, spiky, tmp_path):
+    """+4% of the first artifact holds layers.1 down_proj at int8 (+3.7%), not gate/up after it: the gate
+    still fails, exit 3, nothing written, both steps in the JSON report."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("targets:\n  - name: awq\n    method: awq\n    options: {fallback: {max_size: '+4%'}}\n")
+    out, json_path = tmp_path / "out", tmp_path / "report.json"
+    result = cli("quantize", spiky, "--recipe", recipe, *CALIB_ARGS, *GATE, "-o", out, "--json", json_path)
+    assert result.exit_code == 3, result.output
+    assert "the size budget is spent" in result.stderr
+    assert_nothing_written(out)
+    target = json.loads(json_path.read_text())["targets"][0]
+    fallback = target["details"]["fallback"]
+    steps = fallback["steps"]
+    assert not fallback["passed"] and not target["gate"]["passed"] and len(steps) == 2
+    assert steps[1]["raised"] == {SPIKED: "int4->int8"} and not steps[1]["passed"]
+    assert steps[0]["bytes"] < steps[1]["bytes"] <= int(steps[0]["bytes"] * 1.04)
