@@ -181,27 +181,21 @@ def validate(data: dict, origin: str = "recipe") -> Recipe:
 
 # mixed-precision options quantkit has for some methods only: option -> (label, methods that have it)
 MIXED_PRECISION = {"auto_precision": ("--auto-precision / auto_precision", ("gguf", "gptq", "awq")),
-                   "fallback": ("--fallback / fallback", ("gguf", "gptq"))}
+                   "fallback": ("--fallback / fallback", ("gguf", "gptq", "awq"))}
 
 
 def check_mixed_precision(method: str, options: dict) -> None:
-    """auto_precision (gguf, gptq, awq) / fallback (gguf, gptq): a clear refusal (exit 2) for the other methods."""
+    """auto_precision / fallback (gguf, gptq, awq): a clear refusal (exit 2) for the other methods."""
     for key, (label, methods) in MIXED_PRECISION.items():
         if key in options and method not in methods:
             raise UnsupportedError(f"{label} is implemented for method {listing(methods)} only, not {method}",
-                                   hint=REFUSAL_HINTS.get(method, f"use --method {methods[0]}, or drop the option"))
+                                   hint=f"use --method {methods[0]}, or drop the option")
 
 
 def listing(names) -> str:
     """'a', 'a and b', 'a, b and c'."""
     names = list(names)
     return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
-
-
-REFUSAL_HINTS = {
-    "awq": "awq has --auto-precision (chosen before quantizing), not the gate-driven --fallback; use "
-           "--method gptq --fallback, or drop --fallback",
-}
 
 
 def load_recipe(path: str | Path) -> Recipe:

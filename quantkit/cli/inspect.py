@@ -203,7 +203,7 @@ def sensitivity_tables(report: dict) -> dict[str, dict]:
             tables[target["name"]] = {"sensitivity": details["sensitivity"], "types": types}
     if not tables:
         raise InputError("this report has no sensitivity table",
-                         hint="quantize with --auto-precision (gguf, gptq, awq), or --fallback (gguf, gptq) "
+                         hint="quantize with --auto-precision or --fallback (gguf, gptq, awq; the latter "
                          "once a gate failed")
     return tables
 

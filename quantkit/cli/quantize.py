@@ -55,7 +55,7 @@ def quantize(
     mmproj: Optional[str] = typer.Option(None, "--mmproj", help="GGUF of a VLM: its vision tower as llama.cpp's mmproj .gguf, auto | f16 | bf16 | f32; none = the language model alone (no image input)."),
     auto_precision: bool = typer.Option(False, "--auto-precision", help="Precision chosen per tensor by measured sensitivity under a size budget. gguf: k-quant types at the size of llama.cpp's --gguf-type mixture; gptq, awq: int4, int8 or 16-bit per layer at the W4A16 size +5%."),
     budget_bpw: Optional[float] = typer.Option(None, "--budget-bpw", help="--auto-precision budget in bits per weight (gguf: of the whole file; gptq, awq: of the quantized layers, scales and zero points included)."),
-    fallback: bool = typer.Option(False, "--fallback", help="gguf, gptq: when the gate fails, raise the precision of the most damaging tensors (gguf: the next k-quant type; gptq: int4 -> int8 -> 16-bit, re-quantized from the base) and re-measure until it passes or --max-size is reached."),
+    fallback: bool = typer.Option(False, "--fallback", help="gguf, gptq, awq: when the gate fails, raise the precision of the most damaging tensors (gguf: the next k-quant type; gptq, awq: int4 -> int8 -> 16-bit, re-quantized from the base) and re-measure until it passes or --max-size is reached."),
     max_size: Optional[str] = typer.Option(None, "--max-size", help="--fallback size limit: +N% of the first artifact (default +25%) or a size such as 120MB."),
     smoothing_strength: Optional[float] = typer.Option(None, help="SmoothQuant alpha."),
     double_quant: Optional[bool] = typer.Option(None, "--double-quant/--no-double-quant", help="NF4 double quantization."),

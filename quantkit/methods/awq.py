@@ -24,6 +24,12 @@ constraints from llm-compressor 0.14.0.1's AWQModifier (modifiers/transform/awq/
   o_proj where the widths match) must keep a balance layer quantized; where the plan keeps them all
   16-bit they go back to int8 (fewer bytes, so still within the budget; `keep_balance_quantized`).
 
+`fallback` (gate-driven): gptq's (gptq.fallback / next_plan: the base model reloaded, the plan one
+precision up where the predicted damage is largest, AWQ run again and re-gated until the gate passes or
+`max_size` is spent), with the same two constraints on every raised plan (`fallback_units`): a tied group
+of balance layers is raised as one unit, and the balance layers of a row whose smooth layer is quantized
+go no higher than int8 (a step never leaves them all 16-bit).
+
 CPU workaround: llm-compressor 0.14.0.1 pins the cached parent-module inputs in host memory
 before AWQ's grid search (`IntermediatesCache.pin_memory`, called from
 `AWQModifier._apply_smoothing`); `Tensor.pin_memory()` raises "Cannot access accelerator
@@ -36,7 +42,6 @@ from __future__ import annotations
 
 import re
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Iterator, Literal
 
 from pydantic import BaseModel, ConfigDict
@@ -44,6 +49,7 @@ from pydantic import BaseModel, ConfigDict
 from quantkit.errors import InputError, MissingExtraError, UnsupportedError
 from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, fixed_gate, gptq, intmix, llmc
 from quantkit.methods.mappings import model_mappings
+from quantkit.mixed import Fallback
 
 # 4-bit weights: the same looser gate as GPTQ.
 DEFAULT_GATE = {"max_ppl_increase": 0.10, "max_kld": 0.10, "min_top1": 0.80}
@@ -61,6 +67,7 @@ class Options(BaseModel):
     n_grid: int = 20
     backend: Literal["llmcompressor", "autoawq"] = "llmcompressor"
     auto_precision: intmix.AutoPrecision | None = None  # per-layer int4/int8/16-bit (quantkit.methods.intmix)
+    fallback: Fallback | None = None  # on a failed gate, raise the most damaging layers' precision (quantkit.mixed)
 
 
 def needs_calibration(options: Options) -> bool:
@@ -72,6 +79,7 @@ def precision(role: str, options: Options, name: str, shape: list[int]) -> str |
         return None
     sym = "sym" if options.symmetric else "asym"
     auto = "; auto-precision: int8 or 16-bit where measured sensitive" if options.auto_precision else ""
+    auto += "; fallback: int8 or 16-bit where the gate fails" if options.fallback else ""
     return f"int{options.bits} {gptq.granularity(options.group_size)} {sym} (AWQ{auto})"
 
 
@@ -105,7 +113,7 @@ def check(info, options: Options, calibration) -> None:
     if options.n_grid < 1:
         raise InputError(f"awq: n_grid={options.n_grid} must be positive")
     gptq.check_calibration_tokens(calibration, "awq")
-    if options.auto_precision is not None:
+    if gptq.mixed(options):
         gptq.check_auto_precision(info, options, "awq")
 
 
@@ -168,22 +176,31 @@ def modifiers(options: Options, info, ignore: list[str], config_groups: dict | N
 
 
 def quantize(job: QuantizeJob) -> QuantizeResult:
-    ignore, groups = llmc.decoder_ignore(job), None
+    ignore, choice = llmc.decoder_ignore(job), None
     details = llmc.calibration_details(job)
     if job.options.auto_precision is not None:
-        chosen = gptq.scheme(job)
         layers = gptq.budgeted_layers(job, ignore)
         ties, rows = balance_groups(job.info, list(layers)), linear_rows(job.info, layers)
         choice, mixed = gptq.auto_precision(
-            job, ignore, chosen, lambda table, allowed, scheme: keep_balance_quantized(
+            job, ignore, gptq.scheme(job), lambda table, allowed, scheme: keep_balance_quantized(
                 tied_plan(table, ties, allowed, scheme), rows))
         details.update(mixed)
-        ignore, groups = ignore + intmix.kept_16bit(choice), intmix.config_groups(choice, chosen)
+    patched = write(job, ignore, choice)
+    return QuantizeResult(job.out_dir, {**details, "cpu_pin_memory_workaround": patched})
+
+
+def write(job: QuantizeJob, ignore: list[str], choice: dict[str, str] | None) -> bool:
+    """AWQ of job.model into job.out_dir: int4 for every Linear, or the per-layer `choice` ({module
+    name: int4|int8|16-bit}: an int8 group by exact names, the 16-bit layers ignored). Returns whether
+    the CPU pin_memory workaround was active."""
+    groups = None
+    if choice is not None:
+        ignore, groups = ignore + intmix.kept_16bit(choice), intmix.config_groups(choice, gptq.scheme(job))
     recipe = modifiers(job.options, job.info, ignore, groups)
     with cpu_pin_memory_guard() as patched:
         llmc.run_oneshot(job, recipe, calibrate=True)
     llmc.save_compressed(job)
-    return QuantizeResult(job.out_dir, {**details, "cpu_pin_memory_workaround": patched})
+    return patched
 
 
 # ---------------------------------------------------------------- auto precision
@@ -213,28 +230,13 @@ def balance_groups(info, names: list[str]) -> list[list[str]]:
     return groups + [[n] for n in names if n not in grouped]
 
 
-@dataclass
-class TiedLayers:
-    """Layers that take one precision together (a quantkit.mixed Row): their damages and bytes add."""
-
-    name: str
-    members: list[intmix.LayerSensitivity]
-
-    @property
-    def candidates(self) -> list[str]:
-        return self.members[0].candidates
-
-    def damage(self, precision: str) -> float:
-        return sum(m.damage(precision) for m in self.members)
-
-
 def tied_plan(table: list[intmix.LayerSensitivity], groups: list[list[str]], allowed: int,
               scheme: intmix.Scheme) -> dict[str, str]:
     """quantkit.mixed.assign over the balance groups: {module name: precision}, one per group."""
     from quantkit.mixed import assign
 
     rows = {r.name: r for r in table}
-    tied = [TiedLayers(group[0], [rows[n] for n in group]) for group in groups if all(n in rows for n in group)]
+    tied = [intmix.TiedLayers(group[0], [rows[n] for n in group]) for group in groups if all(n in rows for n in group)]
     choice = assign(tied, allowed, lambda t, p: sum(scheme.nbytes(m.shape, p) for m in t.members))
     return {m.name: choice[t.name] for t in tied for m in t.members}
 
@@ -269,6 +271,27 @@ def keep_balance_quantized(choice: dict[str, str], rows: list[tuple[str, list[st
     return fixed
 
 
+# ---------------------------------------------------------------- gate-driven fallback
+
+
+def fallback_units(info, table: list[intmix.LayerSensitivity], current: dict[str, str]) -> list[intmix.TiedLayers]:
+    """What one fallback raise moves together, so that every raised plan keeps AWQ's constraints: the
+    balance groups (q/k/v, gate/up share one precision), each capped at int8 while it holds a balance
+    layer of a linear_rows row whose smooth layer `current` keeps quantized (raised to 16-bit, that row's
+    balance layers would leave AWQ's duo scaling nothing to average over)."""
+    rows = {r.name: r for r in table}
+    shapes = {r.name: r.shape for r in table}
+    capped = {name for smooth, balance in linear_rows(info, shapes) if current[smooth] != "16-bit"
+              for name in balance}
+    return [intmix.TiedLayers(group[0], [rows[n] for n in group], "int8" if set(group) & capped else None)
+            for group in balance_groups(info, list(rows))]
+
+
+def fallback(job: QuantizeJob, result: QuantizeResult) -> QuantizeResult | None:
+    """gptq.fallback with AWQ as the writer and its tied, capped units (fallback_units)."""
+    return gptq.fallback(job, result, write, lambda table, current: fallback_units(job.info, table, current))
+
+
 def check_ignore(info, options: Options, ignore: list[str]) -> None:
     """A smoothing row whose smooth layer is quantized needs a quantized balance layer: llm-compressor's
     duo scaling divides by their count (ZeroDivisionError after loading and calibrating)."""
@@ -286,4 +309,5 @@ METHOD = MethodSpec(
     format="compressed-tensors (pack-quantized, int4 asymmetric)",
     options=Options, quantize=quantize, precision=precision, default_gate=fixed_gate(DEFAULT_GATE),
     check=check, needs_calibration=needs_calibration, check_ignore=check_ignore,
+    fallback=fallback, wants_fallback=lambda options: options.fallback is not None,
 )

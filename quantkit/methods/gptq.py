@@ -301,9 +301,21 @@ def auto_precision(job: QuantizeJob, ignore: list[str], chosen: intmix.Scheme,
 # ---------------------------------------------------------------- gate-driven fallback
 
 
-def fallback(job: QuantizeJob, result: QuantizeResult) -> QuantizeResult | None:
+Writer = Callable[[QuantizeJob, list[str], dict[str, str]], object]
+Units = Callable[[list[intmix.LayerSensitivity], dict[str, str]], list[intmix.TiedLayers]]
+
+
+def single_layers(table: list[intmix.LayerSensitivity], current: dict[str, str]) -> list[intmix.TiedLayers]:
+    """gptq's fallback units: every layer raised on its own."""
+    return [intmix.TiedLayers(row.name, [row]) for row in table]
+
+
+def fallback(job: QuantizeJob, result: QuantizeResult, write: Writer = write,
+             units: Units = single_layers) -> QuantizeResult | None:
     """The artifact quantized again from the base model with the layers of largest predicted damage one
-    precision up, or None when no raise fits in Fallback.max_size (measured against the first artifact)."""
+    precision up, or None when no raise fits in Fallback.max_size (measured against the first artifact).
+    `write(job, ignore, plan)` quantizes job.model into job.out_dir with a per-layer plan; `units(table,
+    current plan)` are what one raise moves together (awq: its tied balance layers, capped at int8)."""
     from contextlib import ExitStack
 
     details = dict(result.details)
@@ -312,7 +324,7 @@ def fallback(job: QuantizeJob, result: QuantizeResult) -> QuantizeResult | None:
             loaded.enter_context(llmc.reloaded_model(job))
             layers = budgeted_layers(job, llmc.decoder_ignore(job))
             details["sensitivity"] = layer_table(job, layers, scheme(job)).as_dict()
-        choice = next_plan(job, result, details)
+        choice = next_plan(job, result, details, units)
         if choice is None:
             return None
         if job.model is None:
@@ -322,9 +334,11 @@ def fallback(job: QuantizeJob, result: QuantizeResult) -> QuantizeResult | None:
     return QuantizeResult(job.out_dir, details)
 
 
-def next_plan(job: QuantizeJob, result: QuantizeResult, details: dict) -> dict[str, str] | None:
+def next_plan(job: QuantizeJob, result: QuantizeResult, details: dict,
+              units: Units = single_layers) -> dict[str, str] | None:
     """One fallback step's per-layer plan ({module name: precision}); details gets its mixed_precision
-    report and fallback_state (the first artifact's bytes, the layers raised). None: nothing fits."""
+    report and fallback_state (the first artifact's bytes, the layers raised). None: nothing fits.
+    A unit moves as one: its members take the unit's next candidate (from its lowest member's)."""
     from quantkit.export import artifact_bytes
     from quantkit.mixed import raise_step, size_limit, step_count, total_bytes
 
@@ -335,13 +349,21 @@ def next_plan(job: QuantizeJob, result: QuantizeResult, details: dict) -> dict[s
     now = artifact_bytes(result.artifact)
     state = details.get("fallback_state") or {"first_bytes": now}
     limit = size_limit(opts.fallback.max_size, state["first_bytes"])
-    raised = raise_step(table, current, step_count(opts.fallback.tensors_per_step, len(table)), limit - now,
-                        lambda row, p: chosen.size(row, p) + (0 if p == "int4" else METADATA_BYTES))
-    choice = {**current, **{name: new for name, (_, new) in raised.items()}}
-    if raised and set(choice.values()) == {"16-bit"}:  # GPTQ needs one quantized layer: the last raised stays
-        last = list(raised)[-1]
-        choice[last] = current[last]
-        del raised[last]
+    moved = units(table, current)
+    unit_current = {u.name: min((current[m.name] for m in u.members), key=intmix.PRECISIONS.index) for u in moved}
+    raised_units = raise_step(moved, unit_current, step_count(opts.fallback.tensors_per_step, len(moved)), limit - now,
+                              lambda unit, p: sum(chosen.size(m, p) + (0 if p == "int4" else METADATA_BYTES)
+                                                  for m in unit.members))
+    members = {u.name: u.members for u in moved}
+    choice = dict(current)
+    for name, (_, new) in raised_units.items():
+        choice.update({m.name: new for m in members[name]})
+    if raised_units and set(choice.values()) == {"16-bit"}:  # one quantized layer needed: the last raised stays
+        last = list(raised_units)[-1]
+        choice.update({m.name: current[m.name] for m in members[last]})
+        del raised_units[last]
+    raised = {m.name: (current[m.name], choice[m.name]) for name in raised_units for m in members[name]
+              if choice[m.name] != current[m.name]}  # most damaging unit first
     if not raised:
         return None
     layers_budget = limit - (now - total_bytes(table, current, chosen.size))  # what the layers may take

@@ -102,6 +102,24 @@ class LayerTable:
                 "candidates": list(PRECISIONS), "tensors": [r.as_dict() for r in self.layers]}
 
 
+@dataclass
+class TiedLayers:
+    """Layers that take one precision together (a quantkit.mixed Row): their damages and bytes add.
+    `highest`: the highest candidate they may take (None: every candidate of the first member)."""
+
+    name: str
+    members: list[LayerSensitivity]
+    highest: str | None = None
+
+    @property
+    def candidates(self) -> list[str]:
+        cands = self.members[0].candidates
+        return cands if self.highest is None else cands[:cands.index(self.highest) + 1]
+
+    def damage(self, precision: str) -> float:
+        return sum(m.damage(precision) for m in self.members)
+
+
 # ------------------------------------------------------------------ scheme and size model
 
 

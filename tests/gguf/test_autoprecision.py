@@ -46,12 +46,12 @@ def test_override_lines_are_anchored_regexes():
 
 
 def test_flags_refused_for_other_methods(cli, micro_model, tmp_path):
-    """--auto-precision exists for gguf, gptq and awq, --fallback for gguf and gptq: the others are refused (exit 2)."""
-    auto = "implemented for method gguf, gptq and awq only, not"
-    for method, flag, message in (("fp8", "--auto-precision", f"{auto} fp8"),
-                                  ("nf4", "--auto-precision", f"{auto} nf4"),
-                                  ("fp8", "--fallback", "implemented for method gguf and gptq only, not fp8"),
-                                  ("awq", "--fallback", "implemented for method gguf and gptq only, not awq")):
+    """--auto-precision and --fallback exist for gguf, gptq and awq: the others are refused (exit 2)."""
+    listed = "implemented for method gguf, gptq and awq only, not"
+    for method, flag, message in (("fp8", "--auto-precision", f"{listed} fp8"),
+                                  ("nf4", "--auto-precision", f"{listed} nf4"),
+                                  ("fp8", "--fallback", f"{listed} fp8"),
+                                  ("smoothquant", "--fallback", f"{listed} smoothquant")):
         result = cli("quantize", micro_model, "--method", method, flag, "-o", tmp_path / "out")
         assert result.exit_code == 2 and message in result.stderr, (method, flag, result.stderr)
 

@@ -67,11 +67,6 @@ def test_a_quantized_smooth_layer_keeps_one_balance_layer_quantized():
         "v": "int4", "o1": "int8", "o2": "int8"}  # a row's balance layers go back together
 
 
-def test_awq_fallback_is_refused_before_work(cli, micro_model, tmp_path):
-    result = cli("quantize", micro_model, "--method", "awq", "--fallback", "-o", tmp_path / "out")
-    assert result.exit_code == 2 and "not awq" in result.stderr and "--method gptq --fallback" in result.stderr
-
-
 def test_auto_precision_refuses_bits_8(cli, micro_model, tmp_path):
     result = cli("quantize", micro_model, "--method", "awq", "--auto-precision", "--bits", "8", *CALIB_ARGS,
                  "-o", tmp_path / "out")
