@@ -70,6 +70,25 @@ def check_generative(info: ModelInfo) -> None:
         )
 
 
+# Sub-model types whose transformers classes import a package quantkit does not install
+# (Gemma 3n's MobileNet vision tower is a timm model).
+SUBMODEL_PACKAGES = {"timm_wrapper": "timm"}
+
+
+def check_submodel_packages(info: ModelInfo) -> None:
+    """A sub-model (vision/audio/text config) whose transformers class needs a package that is not
+    installed fails here, before any work, instead of as an ImportError after it (exit 1)."""
+    import importlib.util
+
+    for key, sub in info.config.items():
+        package = SUBMODEL_PACKAGES.get(sub.get("model_type", "")) if isinstance(sub, dict) else None
+        if package and importlib.util.find_spec(package) is None:
+            raise ModelError(
+                f"{info.architecture}'s {key} is a {sub['model_type']} model, which transformers builds with "
+                f"the `{package}` package, not installed",
+                hint=f"pip install {package} (into the same environment as quantkit)")
+
+
 def resolve_model(spec: str) -> Path:
     """A local directory, or a hub id found in the local Hugging Face cache (never downloaded)."""
     path = Path(spec).expanduser()

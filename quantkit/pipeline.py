@@ -86,6 +86,7 @@ def prepare(recipe: Recipe, opts: RunOptions) -> tuple[ModelInfo, list[ResolvedT
     selected = select_targets(recipe.targets, opts.only)
     info = check_model_dir(resolve_model(opts.model))
     check_generative(info)
+    check_submodel_packages(info)
     check_not_quantized(info, recipe)
     check_device(recipe.device)
     check_outputs(recipe, opts, selected)

@@ -56,3 +56,23 @@ def test_config_without_model_type(model_copy):
     (model_copy / "config.json").write_text(json.dumps({"architectures": ["X"]}))
     with pytest.raises(ModelError, match="model_type"):
         check_model_dir(model_copy)
+
+
+def test_a_sub_model_whose_package_is_missing_is_refused_before_work(micro_model, tmp_path, monkeypatch):
+    """Gemma 3n's vision tower is a timm model: without timm, transformers raised ImportError after
+    the run had started (exit 1); the config says so up front (exit 2, naming the package)."""
+    import importlib.util
+    import shutil
+
+    from quantkit.model import check_submodel_packages
+
+    model = shutil.copytree(micro_model, tmp_path / "m")
+    config = json.loads((model / "config.json").read_text())
+    config["vision_config"] = {"model_type": "timm_wrapper", "architecture": "mobilenetv5_300m_enc"}
+    (model / "config.json").write_text(json.dumps(config))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "timm" else real(name, *a))
+    with pytest.raises(ModelError, match="vision_config is a timm_wrapper model.*`timm` package") as err:
+        check_submodel_packages(check_model_dir(model))
+    assert err.value.hint.startswith("pip install timm")
+    check_submodel_packages(check_model_dir(micro_model))  # nothing to import
