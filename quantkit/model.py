@@ -71,8 +71,8 @@ def check_generative(info: ModelInfo) -> None:
 
 
 # Sub-model types whose transformers classes import a package quantkit does not install
-# (Gemma 3n's MobileNet vision tower is a timm model).
-SUBMODEL_PACKAGES = {"timm_wrapper": "timm"}
+# (Gemma 3n's MobileNet vision tower is a timm model, built through TimmWrapperModel).
+SUBMODEL_PACKAGES = {"timm_wrapper": "timm", "gemma3n_vision": "timm"}
 
 
 def check_submodel_packages(info: ModelInfo) -> None:

@@ -68,11 +68,11 @@ def test_a_sub_model_whose_package_is_missing_is_refused_before_work(micro_model
 
     model = shutil.copytree(micro_model, tmp_path / "m")
     config = json.loads((model / "config.json").read_text())
-    config["vision_config"] = {"model_type": "timm_wrapper", "architecture": "mobilenetv5_300m_enc"}
+    config["vision_config"] = {"model_type": "gemma3n_vision", "architecture": "mobilenetv5_300m_enc"}
     (model / "config.json").write_text(json.dumps(config))
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "timm" else real(name, *a))
-    with pytest.raises(ModelError, match="vision_config is a timm_wrapper model.*`timm` package") as err:
+    with pytest.raises(ModelError, match="vision_config is a gemma3n_vision model.*`timm` package") as err:
         check_submodel_packages(check_model_dir(model))
     assert err.value.hint.startswith("pip install timm")
     check_submodel_packages(check_model_dir(micro_model))  # nothing to import
