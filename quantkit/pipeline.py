@@ -33,8 +33,8 @@ from quantkit.errors import (CalibrationError, GateFailedError, InputError, Outp
 from quantkit.lora import plan_merge
 from quantkit.measure import PeakTracker
 from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, get_method
-from quantkit.model import (ModelInfo, check_device, check_generative, check_model_dir, device_map, drop_weights,
-                            resolve_model)
+from quantkit.model import (ModelInfo, check_device, check_generative, check_model_dir, check_submodel_packages,
+                            device_map, drop_weights, resolve_model)
 from quantkit.numerics import check_finite
 from quantkit.plan import build_plan, ignore_patterns
 from quantkit.preflight import (available_vram, check_disk, check_ram, check_vram, ram_estimate, run_estimate,
