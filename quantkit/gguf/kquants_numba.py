@@ -21,7 +21,6 @@ without numba the functions stay plain Python (correct but slow, and unused: qua
 
 from __future__ import annotations
 
-import math
 from types import SimpleNamespace
 
 import numpy as np
