@@ -98,7 +98,7 @@ class Recipe(Strict):
     trust_remote_code: bool = False
     dtype: str = Field("auto", pattern="^(auto|bfloat16|float16|float32)$")
     device: str = Field("cpu", pattern="^(cpu|cuda|auto)$")
-    offload_dir: str | None = Field(None, description="offload decoder layers to disk here while quantizing")
+    offload_dir: str | None = Field(None, description="offload decoder layers, embeddings and head to disk here while quantizing")
     calibration: Calibration = Field(default_factory=Calibration)
     targets: list[Target] = Field(min_length=1)
     gate: Gate = Field(default_factory=Gate)

@@ -22,6 +22,7 @@ def inspect(
     vision: Optional[str] = typer.Option(None, "--vision", help="Show the plan with the VLM vision encoder at keep | int8 | int4."),
     projector: Optional[str] = typer.Option(None, "--projector", help="Show the plan with the VLM projector at keep | int8 | int4."),
     context: int = typer.Option(4096, help="Tokens of KV cache in the memory estimate."),
+    offload_dir: Optional[str] = typer.Option(None, "--offload-dir", help="Estimate the quantize run as with quantize --offload-dir DIR (decoder layers, embeddings and head on disk); nothing is written there."),
     json_path: Optional[str] = typer.Option(None, "--json", help="Write the plan as JSON to FILE ('-' = stdout)."),
     sensitivity: bool = typer.Option(False, "--sensitivity", help="Show the per-tensor sensitivity table of a quantkit output (MODEL: its directory or its quantkit.json), as --auto-precision / --fallback recorded it."),
 ) -> None:
@@ -34,6 +35,8 @@ def inspect(
       quantkit inspect ./my-vlm --method gptq --json plan.json
 
       quantkit inspect ./my-model --recipe recipes/fp8-dynamic.yaml
+
+      quantkit inspect ./my-model --method gptq --offload-dir /fast-disk/offload
 
       quantkit inspect ./my-model-gguf --sensitivity
     """
@@ -51,7 +54,7 @@ def inspect(
     target_method, options, patterns, towers = _target(method, recipe, ignore)
     towers.update({role: value for role, value in (("vision", vision), ("projector", projector)) if value})
     data = plan_data(info, target_method, options, patterns, context, towers)
-    data["run"] = run_estimates(info, model, method, recipe)
+    data["run"] = run_estimates(info, model, method, recipe, offload_dir)
     if json_path == "-":
         write_json("-", data)
         return
@@ -94,15 +97,15 @@ def plan_data(info, method, options, ignore: list[str], context: int, towers: di
     }
 
 
-def run_estimates(info, model: str, method: str, recipe: str | None) -> dict:
-    """What `quantkit quantize` with this method (or recipe) and default calibration would need:
-    peak RAM per step and bytes written (the same estimates its preflight checks)."""
+def run_estimates(info, model: str, method: str, recipe: str | None, offload_dir: str | None = None) -> dict:
+    """What `quantkit quantize` with this method (or recipe), default calibration and `offload_dir`
+    would need: peak RAM per step and bytes written (the same estimates its preflight checks)."""
     from quantkit.methods import get_method
     from quantkit.pipeline import ResolvedTarget
     from quantkit.preflight import FIXED_RAM, ram_estimate, run_estimate, vram_estimate
     from quantkit.recipe import Gate, Overrides, build_recipe
 
-    resolved = build_recipe(recipe, None if recipe else method, Overrides(model=model))
+    resolved = build_recipe(recipe, None if recipe else method, Overrides(model=model, offload_dir=offload_dir))
     targets = []
     for target in resolved.targets:
         spec = get_method(target.method)
@@ -112,7 +115,7 @@ def run_estimates(info, model: str, method: str, recipe: str | None) -> dict:
     ram = ram_estimate(info, resolved, targets)
     disk = run_estimate(info, resolved, [(t.target.method, t.options) for t in targets])
     vram = vram_estimate(info, resolved, targets)
-    return {"peak_ram_bytes": ram.peak, "fixed_ram_bytes": FIXED_RAM, "ram_steps": ram.steps,
+    return {"offload_dir": offload_dir, "peak_ram_bytes": ram.peak, "fixed_ram_bytes": FIXED_RAM, "ram_steps": ram.steps,
             "peak_vram_bytes": vram.peak, "vram_steps": vram.steps, "disk_bytes": disk.total}
 
 
@@ -137,7 +140,8 @@ def print_plan(data: dict) -> None:
     out.print(f"[dim]{data['memory_note']}[/dim]")
     run = data["run"]
     steps = ", ".join(f"{name} {human_bytes(n)}" for name, n in run["ram_steps"].items())
-    out.print(f"quantize run (default calibration): peak RAM about {human_bytes(run['peak_ram_bytes'])} "
+    offload = ", --offload-dir" if run["offload_dir"] else ""
+    out.print(f"quantize run (default calibration{offload}): peak RAM about {human_bytes(run['peak_ram_bytes'])} "
               f"({steps}; plus {human_bytes(run['fixed_ram_bytes'])} fixed), writes about "
               f"{human_bytes(run['disk_bytes'])}; on a GPU (--device cuda) peak GPU memory about "
               f"{human_bytes(run['peak_vram_bytes'])}", highlight=False)

@@ -21,6 +21,28 @@ def test_inspect_json_lists_every_linear(cli, micro_model):
                                    "INT4 (group 128)", "NF4 (double quant)", "GGUF Q4_K_M"}
 
 
+def test_inspect_estimates_the_run_as_quantize_would_preflight_it(cli, micro_model, tmp_path):
+    """The run estimate is the preflight's (quantkit.preflight), with --offload-dir as quantize takes it:
+    gptq's quantize step then holds the norms and the larger of a table and a layer with its Hessians."""
+    from quantkit.model import check_model_dir
+    from quantkit.pipeline import RunOptions, prepare
+    from quantkit.preflight import ram_estimate
+    from quantkit.recipe import Overrides, build_recipe
+
+    info = check_model_dir(micro_model)
+    for offload in (None, str(tmp_path)):
+        extra = ("--offload-dir", offload) if offload else ()
+        result = cli("inspect", micro_model, "--method", "gptq", "--json", "-", *extra)
+        assert result.exit_code == 0, result.output
+        run = json.loads(result.stdout)["run"]
+        recipe = build_recipe(None, "gptq", Overrides(model=str(micro_model), offload_dir=offload))
+        _info, targets = prepare(recipe, RunOptions(model=str(micro_model), out=tmp_path / "x"))
+        assert run["offload_dir"] == offload and run["ram_steps"] == ram_estimate(info, recipe, targets).steps
+    assert list(tmp_path.iterdir()) == []  # inspect writes nothing there
+    text = cli("inspect", micro_model, "--method", "gptq", "--offload-dir", tmp_path).stdout
+    assert "quantize run (default calibration, --offload-dir)" in text
+
+
 def test_inspect_with_recipe_and_ignore(cli, micro_model):
     result = cli("inspect", micro_model, "--recipe", "fp8-dynamic", "--ignore", "re:.*down_proj", "--json", "-")
     data = json.loads(result.stdout)
