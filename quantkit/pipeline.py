@@ -34,14 +34,13 @@ from quantkit.lora import plan_merge
 from quantkit.measure import PeakTracker
 from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, get_method
 from quantkit.model import (ModelInfo, check_device, check_generative, check_model_dir, check_submodel_packages,
-                            device_map, drop_weights, resolve_model)
+                            device_map, resolve_model)
 from quantkit.numerics import check_finite
 from quantkit.plan import build_plan, ignore_patterns
 from quantkit.preflight import (available_vram, check_disk, check_ram, check_vram, ram_estimate, run_estimate,
                                 vram_estimate)
 from quantkit.recipe import Calibration, Gate, Recipe, Target, target_gate, target_options
 from quantkit.report import ModelReport, RunReport, TargetReport, model_card
-from quantkit.stream import release_freed_memory
 from quantkit.vlm import FAMILIES, tower_summary
 
 Progress = Callable[[str], None]
@@ -337,10 +336,7 @@ def run_target(job: QuantizeJob, resolved: ResolvedTarget, baseline, opts: RunOp
     entry.timings["quantize_s"] = qt.seconds
     entry.peak_rss_bytes = qt.peak_rss
     entry.peak_rss_by_step["quantize"] = qt.peak_rss
-    drop_weights(job.model)
-    job.model = None
-    gc.collect()
-    release_freed_memory()  # the engine's freed model goes back to the OS before the gate loads the artifact
+    job.free_model()  # the engine's freed model goes back to the OS before the gate loads the artifact
     if job.info.towers.components:
         entry.details["towers"] = tower_proof(job, result)
     if baseline is None:

@@ -73,12 +73,13 @@ def read_piece_source(info: ModelInfo, piece):
 
     from quantkit.gguf.mmproj import source_rows
 
+    if piece.rule.split != "token":
+        return read_source(info, [piece.source])[piece.source]
     for file in info.weight_files:
         with safe_open(str(file), "pt") as f:
             if piece.source in f.keys():
                 part = f.get_slice(piece.source)
-                start, stop = source_rows(piece, tuple(part.get_shape()))
-                return part[start:stop] if piece.rule.split == "token" else f.get_tensor(piece.source)
+                return part[slice(*source_rows(piece, tuple(part.get_shape())))]
     raise KeyError(piece.source)
 
 

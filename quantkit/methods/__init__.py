@@ -77,6 +77,19 @@ class QuantizeJob:
     towers: dict[str, str] = field(default_factory=dict)  # tower role -> int8/int4 (Target.tower_precision())
     offload: Path | None = None  # the folder the model's decoder layers were offloaded to (--offload-dir), if any
 
+    def free_model(self) -> None:
+        """Drop the loaded model: its weights to the meta device (llm-compressor's offload caches
+        emptied too), the reference gone, the freed memory handed back to the OS."""
+        import gc
+
+        from quantkit.model import drop_weights
+        from quantkit.stream import release_freed_memory
+
+        drop_weights(self.model)
+        self.model = None
+        gc.collect()
+        release_freed_memory()
+
 
 @dataclass
 class QuantizeResult:

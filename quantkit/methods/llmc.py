@@ -128,12 +128,10 @@ def reloaded_model(job) -> Iterator[None]:
     llm-compressor quantized and compressed the previous model in place, and the pipeline freed it
     before measuring. With --offload-dir the decoder layers go to a fresh folder inside the target's,
     removed on exit."""
-    import gc
     import shutil
     import tempfile
 
-    from quantkit.model import drop_weights, load_model
-    from quantkit.stream import release_freed_memory
+    from quantkit.model import load_model
 
     folder = Path(tempfile.mkdtemp(prefix="reload-", dir=job.offload)) if job.offload else None
     try:
@@ -141,10 +139,7 @@ def reloaded_model(job) -> Iterator[None]:
         yield
     finally:
         release_session()
-        drop_weights(job.model)
-        job.model = None
-        gc.collect()
-        release_freed_memory()
+        job.free_model()
         if folder is not None:
             shutil.rmtree(folder, ignore_errors=True)
 
