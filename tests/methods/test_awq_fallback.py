@@ -5,7 +5,6 @@ max_size is spent."""
 
 from __future__ import annotations
 
-import json
 from functools import partial
 from pathlib import Path
 
@@ -13,8 +12,9 @@ import pytest
 
 from quantkit.methods import QuantizeJob, QuantizeResult, awq, intmix
 from quantkit.mixed import Fallback
-from tests.methods.conftest import CALIB_ARGS, assert_nothing_written, quant_config, report
-from tests.methods.test_gptq_fallback import SPIKED, spiky  # noqa: F401 (spiky: the module fixture)
+from tests.methods.conftest import CALIB_ARGS, quant_config, report
+from tests.methods.test_gptq_fallback import (SPIKED, assert_fallback_passed, spent_budget_run,  # noqa: F401
+                                             spiky)  # spiky: the module fixture
 
 ATTENTION, MLP = "model.layers.0.self_attn.", "model.layers.0.mlp."
 SHAPES = {ATTENTION + "q_proj": (256, 256), ATTENTION + "k_proj": (64, 256), ATTENTION + "v_proj": (64, 256),
@@ -127,14 +127,9 @@ def test_fallback_turns_a_failing_gate_into_a_passing_artifact(cli, spiky, tmp_p
     target = report(out)["targets"][0]
     details = target["details"]
     fallback, steps = details["fallback"], details["fallback"]["steps"]
-    assert not steps[0]["passed"] and steps[0]["metrics"]["kld_mean"] > 0.0008
-    assert steps[-1]["passed"] and target["gate"]["passed"] and target["metrics"] == steps[-1]["metrics"]
-    assert not any(s["passed"] for s in steps[:-1]) and all(s["raised"] for s in steps[1:])
-    assert steps[1]["raised"] == {SPIKED: "int4->int8"}  # the measured worst layer first
+    assert_fallback_passed(target, 0.0008)
     # then its smooth layer up_proj, which shares AWQ's scale with gate_proj: raised together
     assert steps[2]["raised"] == {f"model.layers.1.mlp.{p}": "int4->int8" for p in ("gate_proj", "up_proj")}
-    assert fallback["size_cost_bytes"] == steps[-1]["bytes"] - steps[0]["bytes"] > 0
-    assert steps[-1]["bytes"] <= int(steps[0]["bytes"] * 1.25)  # the default max_size, +25%
     assert details["sensitivity"]["measured"]
     types = details["mixed_precision"]["types"]
     assert fallback["types"] == types and types[SPIKED] == "int8"
@@ -156,14 +151,8 @@ def test_fallback_turns_a_failing_gate_into_a_passing_artifact(cli, spiky, tmp_p
 def test_fallback_stops_with_exit_3_when_max_size_is_spent(cli, spiky, tmp_path):
     """+4% of the first artifact holds layers.1 down_proj at int8 (+3.7%), not gate/up after it: the gate
     still fails, exit 3, nothing written, both steps in the JSON report."""
-    recipe = tmp_path / "r.yaml"
-    recipe.write_text("targets:\n  - name: awq\n    method: awq\n    options: {fallback: {max_size: '+4%'}}\n")
-    out, json_path = tmp_path / "out", tmp_path / "report.json"
-    result = cli("quantize", spiky, "--recipe", recipe, *CALIB_ARGS, *GATE, "-o", out, "--json", json_path)
-    assert result.exit_code == 3, result.output
-    assert "the size budget is spent" in result.stderr
-    assert_nothing_written(out)
-    target = json.loads(json_path.read_text())["targets"][0]
+    target = spent_budget_run(cli, spiky, tmp_path,
+                              "  - name: awq\n    method: awq\n    options: {fallback: {max_size: '+4%'}}\n", *GATE)
     fallback = target["details"]["fallback"]
     steps = fallback["steps"]
     assert not fallback["passed"] and not target["gate"]["passed"] and len(steps) == 2

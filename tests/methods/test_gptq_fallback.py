@@ -121,6 +121,33 @@ GATE = ("--max-kld", "0.0003", "--min-top1", "0", "--max-ppl-increase", "10")
 SPIKED = "model.layers.1.mlp.down_proj"
 
 
+def assert_fallback_passed(target: dict, max_kld: float) -> None:
+    """A fallback report that turned a failing gate (kld_mean above max_kld) into a passing artifact:
+    every later step raised something, only the last passed, the measured worst layer went first, and
+    the size cost is the last step's bytes over the first's, within the default max_size (+25%)."""
+    fallback = target["details"]["fallback"]
+    steps = fallback["steps"]
+    assert not steps[0]["passed"] and steps[0]["metrics"]["kld_mean"] > max_kld
+    assert steps[-1]["passed"] and target["gate"]["passed"] and target["metrics"] == steps[-1]["metrics"]
+    assert steps[1]["raised"] == {SPIKED: "int4->int8"}  # the measured worst layer first
+    assert all(s["raised"] for s in steps[1:]) and not any(s["passed"] for s in steps[:-1])
+    assert fallback["size_cost_bytes"] == steps[-1]["bytes"] - steps[0]["bytes"] > 0
+    assert steps[-1]["bytes"] <= int(steps[0]["bytes"] * 1.25)
+
+
+def spent_budget_run(cli, model, tmp_path, target_yaml: str, *args) -> dict:
+    """Run a one-target recipe (`target_yaml`: its name, method and options lines) whose fallback runs
+    out of max_size: exit 3, said on stderr, nothing written. Returns the target's JSON report."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("targets:\n" + target_yaml)
+    out, json_path = tmp_path / "out", tmp_path / "report.json"
+    result = cli("quantize", model, "--recipe", recipe, *CALIB_ARGS, *args, "-o", out, "--json", json_path)
+    assert result.exit_code == 3, result.output
+    assert "the size budget is spent" in result.stderr
+    assert_nothing_written(out)
+    return json.loads(json_path.read_text())["targets"][0]
+
+
 @pytest.mark.slow
 def test_fallback_turns_a_failing_gate_into_a_passing_artifact(cli, spiky, tmp_path):
     from transformers import AutoModelForCausalLM
@@ -131,12 +158,7 @@ def test_fallback_turns_a_failing_gate_into_a_passing_artifact(cli, spiky, tmp_p
     target = report(out)["targets"][0]
     details = target["details"]
     fallback, steps = details["fallback"], details["fallback"]["steps"]
-    assert not steps[0]["passed"] and steps[0]["metrics"]["kld_mean"] > 0.0003
-    assert steps[-1]["passed"] and target["gate"]["passed"] and target["metrics"] == steps[-1]["metrics"]
-    assert steps[1]["raised"] == {SPIKED: "int4->int8"}  # the measured worst layer first
-    assert all(s["raised"] for s in steps[1:]) and not any(s["passed"] for s in steps[:-1])
-    assert fallback["size_cost_bytes"] == steps[-1]["bytes"] - steps[0]["bytes"] > 0
-    assert steps[-1]["bytes"] <= int(steps[0]["bytes"] * 1.25)  # the default max_size, +25%
+    assert_fallback_passed(target, 0.0003)
     assert sum(f.stat().st_size for f in out.rglob("*") if f.is_file() and f.name != "quantkit.json"
                and f.name != "README.md") == steps[-1]["bytes"]
     # the sensitivity table measured at the first step, and the final plan
@@ -160,16 +182,9 @@ def test_auto_precision_with_fallback_stops_when_max_size_is_spent(cli, spiky, t
     """An unreachable gate: auto_precision's own table drives the raises until no raise fits in +4%
     of the first artifact (measured: one step, KLD 9.8e-4 -> 7.5e-5); exit 3, nothing written, every
     step in the JSON report."""
-    recipe = tmp_path / "r.yaml"
-    recipe.write_text("targets:\n  - name: mixed\n    method: gptq\n"
-                      "    options: {auto_precision: {}, fallback: {max_size: '+4%'}}\n")
-    out, json_path = tmp_path / "out", tmp_path / "report.json"
-    result = cli("quantize", spiky, "--recipe", recipe, *CALIB_ARGS, "--max-kld", "0.000001", "--min-top1", "0",
-                 "-o", out, "--json", json_path)
-    assert result.exit_code == 3, result.output
-    assert "the size budget is spent" in result.stderr
-    assert_nothing_written(out)
-    target = json.loads(json_path.read_text())["targets"][0]
+    target = spent_budget_run(cli, spiky, tmp_path, "  - name: mixed\n    method: gptq\n"
+                              "    options: {auto_precision: {}, fallback: {max_size: '+4%'}}\n",
+                              "--max-kld", "0.000001", "--min-top1", "0")
     fallback = target["details"]["fallback"]
     steps = fallback["steps"]
     assert not fallback["passed"] and not target["gate"]["passed"] and len(steps) >= 2
