@@ -17,6 +17,7 @@ OUT are left alone.
 from __future__ import annotations
 
 import gc
+import os
 import platform
 import time
 from contextlib import contextmanager
@@ -28,6 +29,7 @@ from pydantic import BaseModel
 
 from quantkit import __version__, export
 from quantkit.cache import fingerprint, input_hashes, up_to_date
+from quantkit.distributed import check_single_process
 from quantkit.errors import (CalibrationError, GateFailedError, InputError, OutputExistsError, QuantkitError,
                              RunFailedError, UnsupportedError)
 from quantkit.lora import plan_merge
@@ -82,6 +84,7 @@ def prepare(recipe: Recipe, opts: RunOptions) -> tuple[ModelInfo, list[ResolvedT
     calibration, method options. Returns the model and the selected targets, resolved."""
     from quantkit.calibration import validate_source
 
+    check_single_process(os.environ)
     selected = select_targets(recipe.targets, opts.only)
     info = check_model_dir(resolve_model(opts.model))
     check_generative(info)
@@ -209,8 +212,6 @@ def check_not_quantized(info: ModelInfo, recipe: Recipe) -> None:
 def check_offload_dir(recipe: Recipe, info: ModelInfo) -> None:
     """--offload-dir must be a writable directory, and the model a plain decoder (a VLM's checkpoint
     names differ from its module names, so its layers cannot be mapped to disk by name)."""
-    import os
-
     from quantkit.model import is_vlm
 
     if recipe.offload_dir is None:

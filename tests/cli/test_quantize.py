@@ -270,3 +270,12 @@ def test_gptq_with_offload_dir_writes_the_same_tensors_as_in_memory(cli, micro_m
     assert tensors["ram"].keys() == tensors["disk"].keys()
     assert all(torch.equal(tensors["ram"][k], tensors["disk"][k]) for k in tensors["ram"])
     assert list(offload.iterdir()) == []
+
+
+def test_a_torchrun_launch_is_refused_before_work(cli, micro_model, tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    result = cli("quantize", micro_model, "--method", "gptq", "-o", tmp_path / "out", *FAST_CALIB)
+    assert result.exit_code == 2
+    assert "one of 2 ranks" in result.stderr and "without torchrun" in result.stderr
+    assert leftovers(tmp_path, "out") == []
