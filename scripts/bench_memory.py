@@ -21,7 +21,7 @@ calibration / held-out windows, so both tools see the same text and the same num
 
 Usage: nice python scripts/bench_memory.py [--work DIR] [--threads 2]
        [--runs gguf,fp8,fp8-offload,gptq,gptq-offload,bare]
-       [--hidden 2048 --layers 8 --vocab 128256] [--calib 8 --eval 4 --seq-len 256] [--json out.json]
+       [--hidden 2048 --layers 8 --vocab 128256 --ffn 8192] [--model-dir DIR] [--calib 8 --eval 4 --seq-len 256] [--json out.json]
 Needs scripts/build_llamacpp.sh to have run for the llama.cpp rows (they are skipped otherwise).
 """
 
@@ -39,9 +39,13 @@ from bench_gguf import LLAMA, llama_convert, timed  # noqa: E402  (the shared ll
 MIB = 1 << 20
 
 
-def build_model(out: Path, hidden: int, layers: int, vocab: int) -> Path:
-    """Random-init Llama in bf16 with quantkit's toy tokenizer (shape of Llama 3.2 1B, fewer layers)."""
+def build_model(out: Path, hidden: int, layers: int, vocab: int, ffn: int) -> Path:
+    """Random-init Llama in bf16 (std 0.02, norms 1) with quantkit's toy tokenizer.
+
+    The weights are drawn one tensor at a time and written in shards of about 2 GB, so a model
+    larger than RAM can be built (transformers' init would hold it whole in float32)."""
     import torch
+    from safetensors.torch import save_file
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from quantkit.toy import build_tokenizer, bundled_texts
@@ -49,16 +53,39 @@ def build_model(out: Path, hidden: int, layers: int, vocab: int) -> Path:
     if (out / "config.json").exists():
         return out
     tok = build_tokenizer(bundled_texts(), 4096)
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
                       num_attention_heads=max(1, hidden // 64), num_key_value_heads=max(1, hidden // 256),
                       max_position_embeddings=4096, rms_norm_eps=1e-5, bos_token_id=tok.bos_token_id,
-                      eos_token_id=tok.eos_token_id, tie_word_embeddings=False, dtype="bfloat16")
-    with torch.device("cpu"):
-        model = LlamaForCausalLM(cfg).to(torch.bfloat16)
-    model.save_pretrained(out, safe_serialization=True)
+                      eos_token_id=tok.eos_token_id, tie_word_embeddings=False, dtype="bfloat16",
+                      architectures=["LlamaForCausalLM"])
+    with torch.device("meta"):
+        shapes = {name: t.shape for name, t in LlamaForCausalLM(cfg).state_dict().items()}
+    out.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(0)
+    shards, shard, last = [], {}, next(reversed(shapes))
+    for name, shape in shapes.items():
+        weight = torch.ones(shape) if name.endswith("norm.weight") else torch.randn(shape, generator=gen).mul_(0.02)
+        shard[name] = weight.to(torch.bfloat16)
+        if sum(t.nbytes for t in shard.values()) >= 2 << 30 or name == last:
+            shards.append(list(shard))
+            save_file(shard, out / f"part-{len(shards)}.safetensors", metadata={"format": "pt"})
+            shard = {}
+    write_shards_index(out, shards)
+    cfg.save_pretrained(out)
     tok.save_pretrained(out)
     return out
+
+
+def write_shards_index(out: Path, shards: list[list[str]]) -> None:
+    """Give the part files transformers' shard names and write model.safetensors.index.json."""
+    weight_map = {}
+    for i, names in enumerate(shards, 1):
+        path = out / f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        (out / f"part-{i}.safetensors").rename(path)
+        weight_map.update(dict.fromkeys(names, path.name))
+    index = {"metadata": {"total_size": sum(path.stat().st_size for path in out.glob("model-*.safetensors"))},
+             "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
 def window_texts(model: Path, calib: int, evaluate: int, seq_len: int, work: Path) -> tuple[Path, Path]:
@@ -129,7 +156,7 @@ def llama_bare(model: Path, work: Path, args) -> dict:
 def run_all(args) -> dict:
     work = args.work
     work.mkdir(parents=True, exist_ok=True)
-    model = build_model(work / "model", args.hidden, args.layers, args.vocab)
+    model = build_model(args.model_dir or work / "model", args.hidden, args.layers, args.vocab, args.ffn or 4 * args.hidden)
     model_bytes = sum(f.stat().st_size for f in model.glob("*.safetensors"))
     have_llama = (LLAMA / "bin" / "llama-quantize").exists()
     texts = window_texts(model, args.calib, args.eval, args.seq_len, work)
@@ -182,6 +209,8 @@ def main() -> int:
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=128256)
+    ap.add_argument("--ffn", type=int, help="intermediate size (default 4 × hidden)")
+    ap.add_argument("--model-dir", type=Path, help="where the model is built or found (default WORK/model)")
     ap.add_argument("--calib", type=int, default=8)
     ap.add_argument("--eval", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=256)
