@@ -279,10 +279,22 @@ def torch_dtype(name: str, info: ModelInfo | None = None):
     return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
 
 
+@dataclass(frozen=True)
+class Offload:
+    """What load_model puts on disk, and where: the vocabulary tables (embeddings, head) always, every
+    decoder layer too with `layers` (--offload-dir). accelerate's offload reads them back from the
+    checkpoint's own safetensors where transformers can (`folder` holds the rest). With the tables alone
+    on disk, the decoder layers stay in RAM while llm-compressor onloads the embeddings only to compute
+    the first layer's inputs and the head only to save it, so a large vocabulary's two biggest tensors
+    are never resident beside a whole quantized decoder."""
+
+    folder: Path
+    layers: bool
+
+
 def load_model(info: ModelInfo, dtype: str = "auto", device: str = "cpu", trust_remote_code: bool = False,
-               offload_folder: Path | None = None):
-    """Load the model offline from the checked directory; with `offload_folder`, every decoder layer
-    is offloaded to disk there (accelerate), so RAM holds the embeddings, head and norms only."""
+               offload: Offload | None = None):
+    """Load the model offline from the checked directory, with the modules `offload` names on disk."""
     from transformers import AutoModelForCausalLM
 
     from quantkit.offline import offline
@@ -296,8 +308,8 @@ def load_model(info: ModelInfo, dtype: str = "auto", device: str = "cpu", trust_
                 trust_remote_code=trust_remote_code,
                 use_safetensors=True,
                 local_files_only=True,
-                device_map=offload_device_map(info, device) if offload_folder else device_map(device),
-                offload_folder=offload_folder,
+                device_map=offload_device_map(info, device, offload.layers) if offload else device_map(device),
+                offload_folder=offload.folder if offload else None,
                 output_loading_info=True,
                 ignore_mismatched_sizes=True,  # reported by check_loading_info instead of a bare RuntimeError
             )
@@ -338,15 +350,16 @@ def custom_code_error(path: Path, architecture: str) -> ModelError:
 LAYER_PREFIX = re.compile(r"^(.*\.layers\.\d+)\.")
 
 
-def offload_device_map(info: ModelInfo, device: str) -> dict[str, str]:
-    """A from_pretrained device_map with each decoder layer, the embeddings and the head on "disk"
-    and every other module (norms) on `device`: llm-compressor's sequential pipeline then onloads
-    one layer at a time, and the embedding table only while the first subgraph runs."""
+def offload_device_map(info: ModelInfo, device: str, layers: bool = True) -> dict[str, str]:
+    """A from_pretrained device_map with the embeddings, the head and (with `layers`) each decoder layer
+    on "disk" and every other module on `device`: llm-compressor's sequential pipeline then onloads one
+    layer at a time, and the embedding table only while the first subgraph runs."""
     mapping = {}
     for name in info.tensors:
         match = LAYER_PREFIX.match(name)
         module = match.group(1) if match else name.rsplit(".", 1)[0]
-        mapping[module] = "disk" if match or is_offloaded_table(module) else device_map(device)
+        on_disk = layers if match else is_offloaded_table(module)
+        mapping[module] = "disk" if on_disk else device_map(device)
     mapping.setdefault("lm_head", "disk")  # tied: not in the checkpoint, still a module
     return mapping
 

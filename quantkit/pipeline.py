@@ -35,7 +35,7 @@ from quantkit.errors import (CalibrationError, GateFailedError, InputError, Outp
 from quantkit.lora import plan_merge
 from quantkit.measure import PeakTracker
 from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, get_method
-from quantkit.model import (ModelInfo, check_device, check_generative, check_model_dir, check_submodel_packages,
+from quantkit.model import (ModelInfo, Offload, check_device, check_generative, check_model_dir, check_submodel_packages,
                             device_map, resolve_model)
 from quantkit.numerics import check_finite
 from quantkit.plan import build_plan, ignore_patterns
@@ -295,7 +295,7 @@ def _run_in(staging: Path, recipe: Recipe, opts: RunOptions, info: ModelInfo, ta
         try:
             # a fresh model per target (methods change it in place); the job holds the only reference,
             # so run_target can free it before measuring
-            with offload_folder(recipe) as offload:
+            with offload_plan(recipe, info, workdir) as offload:
                 job = QuantizeJob(load(info, recipe, offload, opts.progress) if resolved.needs_model else None,
                                   tokenizer if resolved.needs_model else None, info, resolved.options, windows,
                                   resolved.ignore, out_dir, workdir, recipe.dtype, recipe.device,
@@ -536,26 +536,32 @@ def make_windows(tokenizer, settings: Calibration, progress: Progress):
     return build(tokenizer, settings)
 
 
-def load(info: ModelInfo, recipe: Recipe, offload: Path | None, progress: Progress) -> Any:
-    """The full-precision model in memory; with an offload folder, its decoder layers on disk there."""
+def load(info: ModelInfo, recipe: Recipe, offload: Offload | None, progress: Progress) -> Any:
+    """The full-precision model in memory, with the modules `offload` names on disk."""
     from quantkit.model import load_model
 
-    progress(f"loading {info.path}" + (f" (decoder layers offloaded to {offload})" if offload else ""))
+    where = "decoder layers, embeddings and head" if offload and offload.layers else "embeddings and head"
+    progress(f"loading {info.path}" + (f" ({where} offloaded to {offload.folder})" if offload else ""))
     return load_model(info, recipe.dtype, recipe.device, recipe.trust_remote_code, offload)
 
 
 @contextmanager
-def offload_folder(recipe: Recipe) -> Iterator[Path | None]:
-    """A fresh folder inside --offload-dir for one target's model, removed afterwards; None without it."""
+def offload_plan(recipe: Recipe, info: ModelInfo, workdir: Path) -> Iterator[Offload | None]:
+    """What one target's model keeps on disk, in a fresh folder removed afterwards: with --offload-dir
+    every decoder layer and the vocabulary tables, in a folder there; otherwise the tables alone, in the
+    run's work directory (a text decoder's; a VLM loads whole). quantkit.model.Offload says why."""
     import shutil
     import tempfile
 
-    if recipe.offload_dir is None:
+    from quantkit.model import Offload, is_vlm
+
+    if recipe.offload_dir is None and is_vlm(info.config):
         yield None
         return
-    folder = Path(tempfile.mkdtemp(prefix="quantkit-offload-", dir=recipe.offload_dir))
+    parent = recipe.offload_dir or workdir
+    folder = Path(tempfile.mkdtemp(prefix="quantkit-offload-", dir=parent))
     try:
-        yield folder
+        yield Offload(folder, layers=recipe.offload_dir is not None)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 

@@ -138,9 +138,8 @@ def unit_bytes(info) -> tuple[dict[str, int], dict[str, int]]:
 def ram_estimate(info, recipe, targets) -> RamEstimate:
     """Per step: the streamed baseline and gate hold one decoder layer (the .gguf candidate's in
     float32), a group's activations, a slice of the output head and its logits, and the baseline
-    log-probs while they are small enough to stay in memory; a target that needs the model holds it
-    whole in its stored dtype (or, with --offload-dir, its norms plus the largest of one decoder
-    layer and the embedding table), and for gptq one layer's Hessians; fp8 without the model (quantkit.methods.model_free) one slab of one weight and its
+    log-probs while they are small enough to stay in memory; a target that needs the model holds what
+    held_bytes says (GPTQ's per-layer Hessians included); fp8 without the model (quantkit.methods.model_free) one slab of one weight and its
     quantizer's copies; a compressed-tensors text decoder is streamed like the base, a module
     decompressed at a time (quantkit.compressed); any other compressed-tensors or bitsandbytes
     artifact is reloaded whole at its bits."""
@@ -160,13 +159,29 @@ def ram_estimate(info, recipe, targets) -> RamEstimate:
     for t in targets:
         if t.needs_model:
             hessians = hessian_bytes(t, info)
-            held = offloaded_bytes(others, layers, hessians) if recipe.offload_dir else model + hessians
+            held = held_bytes(info, recipe, others, layers, hessians)
             steps[f"{t.name}: quantize"] = held + ACTIVATION_BYTES
         elif t.target.method == "fp8":
             steps[f"{t.name}: quantize"] = working_set_bytes(info)
         if c.eval_windows:
             steps[f"{t.name}: gate"] = candidate_bytes(t, model, layer, streams_gate(t, info, recipe)) + streamed
     return RamEstimate(steps)
+
+
+def held_bytes(info, recipe, others: dict[str, int], layers: dict[str, int], hessians: int) -> int:
+    """What RAM holds of a model loaded for a method (quantkit.pipeline.offload_plan): with --offload-dir
+    the norms and one onloaded unit; a text decoder in RAM every decoder layer, the norms, and the larger
+    of one table (onloaded for the first layer's inputs, or to save the head) and GPTQ's Hessians; a VLM
+    all of it."""
+    from quantkit.model import is_offloaded_table, is_vlm
+
+    if recipe.offload_dir:
+        return offloaded_bytes(others, layers, hessians)
+    if is_vlm(info.config):
+        return sum(others.values()) + sum(layers.values()) + hessians
+    kept = sum(n for unit, n in others.items() if not is_offloaded_table(unit))
+    tables = [n for unit, n in others.items() if is_offloaded_table(unit)]
+    return kept + sum(layers.values()) + max([*tables, hessians])
 
 
 def offloaded_bytes(others: dict[str, int], layers: dict[str, int], per_layer: int) -> int:

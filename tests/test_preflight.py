@@ -151,6 +151,26 @@ def test_offloaded_ram_holds_the_norms_and_the_larger_of_a_table_and_a_layer_wit
         assert ram_estimate(info, recipe, targets).steps[f"{method}: quantize"] == held + ACTIVATION_BYTES
 
 
+def test_ram_holds_the_decoder_layers_and_one_table_at_a_time_without_offload_dir(micro_model, tmp_path):
+    """Without --offload-dir a text decoder's embeddings and head still go to disk (quantkit.pipeline.
+    offload_plan): RAM holds the decoder layers and norms, plus the larger of one table and GPTQ's Hessians."""
+    from quantkit.model import check_model_dir, offload_device_map
+    from quantkit.pipeline import RunOptions, prepare
+    from quantkit.preflight import hessian_bytes, ram_estimate, unit_bytes
+    from quantkit.recipe import Overrides, build_recipe
+    from quantkit.stream import ACTIVATION_BYTES
+
+    info = check_model_dir(micro_model)
+    others, layers = unit_bytes(info)
+    mapping = offload_device_map(info, "cpu", layers=False)
+    assert {unit for unit, where in mapping.items() if where == "disk"} == {"model.embed_tokens", "lm_head"}
+    recipe = build_recipe(None, "gptq", Overrides(model=str(micro_model)))
+    _info, targets = prepare(recipe, RunOptions(model=str(micro_model), out=tmp_path / "x"))
+    hessians = hessian_bytes(targets[0], info)
+    held = others["model.norm"] + sum(layers.values()) + max(others["model.embed_tokens"], others["lm_head"], hessians)
+    assert ram_estimate(info, recipe, targets).steps["gptq: quantize"] == held + ACTIVATION_BYTES
+
+
 def test_parse_size():
     import pytest
 
@@ -173,9 +193,10 @@ def test_ram_estimate_of_fp8_follows_its_path(micro_model, tmp_path):
     from quantkit.stream import ACTIVATION_BYTES
 
     info = check_model_dir(micro_model)
-    model = sum(sum(part.values()) for part in unit_bytes(info))
+    others, layers = unit_bytes(info)
+    in_ram = others["model.norm"] + sum(layers.values()) + max(others["model.embed_tokens"], others["lm_head"])
     largest = max(2 * math.prod(shape) for _dtype, shape in info.tensors.values())  # bf16
-    for scheme, expected in (("fp8-dynamic", SLAB_WORKING_SET * largest), ("fp8-static", model + ACTIVATION_BYTES)):
+    for scheme, expected in (("fp8-dynamic", SLAB_WORKING_SET * largest), ("fp8-static", in_ram + ACTIVATION_BYTES)):
         recipe = build_recipe(None, "fp8", Overrides(model=str(micro_model), method_options={"scheme": scheme}))
         _info, targets = prepare(recipe, RunOptions(model=str(micro_model), out=tmp_path / "x"))
         assert targets[0].needs_model == (scheme == "fp8-static")

@@ -38,7 +38,7 @@ from quantkit.errors import InputError
 
 if TYPE_CHECKING:
     from quantkit.calibration import TokenWindows
-    from quantkit.model import ModelInfo
+    from quantkit.model import ModelInfo, Offload
     from quantkit.recipe import Calibration
 
 METHODS: dict[str, str] = {
@@ -75,7 +75,7 @@ class QuantizeJob:
     device: str = "cpu"
     trust_remote_code: bool = False
     towers: dict[str, str] = field(default_factory=dict)  # tower role -> int8/int4 (Target.tower_precision())
-    offload: Path | None = None  # the folder the model's decoder layers were offloaded to (--offload-dir), if any
+    offload: Offload | None = None  # what the model was loaded with on disk, and where (quantkit.model.Offload)
 
     def free_model(self) -> None:
         """Drop the loaded model: its weights to the meta device (llm-compressor's offload caches

@@ -93,7 +93,7 @@ def quantize(job: QuantizeJob) -> QuantizeResult:
             save_model_free(job, plan)
             return QuantizeResult(job.out_dir, {"path": "model-free"})
         blocker = plan
-        job.model = load_model(job.info, job.dtype, job.device, job.trust_remote_code)  # freed by the pipeline
+        job.model = load_model(job.info, job.dtype, job.device, job.trust_remote_code, job.offload)  # freed by the pipeline
         job.tokenizer = load_tokenizer(job.info, job.trust_remote_code)
     details = llmc.calibration_details(job) if needs_calibration(job.options) else {}
     llmc.run_oneshot(job, modifier(job.options, llmc.decoder_ignore(job)), calibrate=needs_calibration(job.options))

@@ -126,22 +126,24 @@ def reloaded_model(job) -> Iterator[None]:
     """The full-precision model loaded again into job.model for the time inside, then freed (to_meta,
     as the pipeline frees it) and job.model set back to None. A gate-driven fallback step needs it:
     llm-compressor quantized and compressed the previous model in place, and the pipeline freed it
-    before measuring. With --offload-dir the decoder layers go to a fresh folder inside the target's,
+    before measuring. What the first load put on disk goes to a fresh folder inside the target's,
     removed on exit."""
     import shutil
     import tempfile
 
-    from quantkit.model import load_model
+    from quantkit.model import Offload, load_model
 
-    folder = Path(tempfile.mkdtemp(prefix="reload-", dir=job.offload)) if job.offload else None
+    offload = None
+    if job.offload is not None:
+        offload = Offload(Path(tempfile.mkdtemp(prefix="reload-", dir=job.offload.folder)), job.offload.layers)
     try:
-        job.model = load_model(job.info, job.dtype, job.device, job.trust_remote_code, folder)
+        job.model = load_model(job.info, job.dtype, job.device, job.trust_remote_code, offload)
         yield
     finally:
         release_session()
         job.free_model()
-        if folder is not None:
-            shutil.rmtree(folder, ignore_errors=True)
+        if offload is not None:
+            shutil.rmtree(offload.folder, ignore_errors=True)
 
 
 def clear_weights(out_dir) -> None:
