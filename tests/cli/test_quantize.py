@@ -255,7 +255,8 @@ def test_offload_device_map_puts_every_decoder_layer_on_disk(micro_model):
 
 
 def test_gptq_with_offload_dir_writes_the_same_tensors_as_in_memory(cli, micro_model, tmp_path):
-    """Layers, embeddings and head on disk change where the weights wait, not what GPTQ computes."""
+    """Layers, embeddings and head on disk (--offload-dir), the tables alone (the default) or nothing
+    (the model whole in RAM) change where the weights wait, not what GPTQ computes."""
     import torch
     from safetensors.torch import load_file
 
@@ -267,9 +268,33 @@ def test_gptq_with_offload_dir_writes_the_same_tensors_as_in_memory(cli, micro_m
                      "--num-samples", "16", "--seq-len", "64", *extra)
         assert result.exit_code == 0, result.output
         tensors[name] = load_file(tmp_path / name / "model.safetensors")
-    assert tensors["ram"].keys() == tensors["disk"].keys()
-    assert all(torch.equal(tensors["ram"][k], tensors["disk"][k]) for k in tensors["ram"])
+    tensors["whole"] = whole_model_gptq(micro_model, tmp_path)
+    for name in ("disk", "whole"):
+        assert tensors["ram"].keys() == tensors[name].keys()
+        assert all(torch.equal(tensors["ram"][k], tensors[name][k]) for k in tensors["ram"]), name
     assert list(offload.iterdir()) == []
+
+
+def whole_model_gptq(model_dir, tmp_path):
+    """The same gptq target with the model loaded whole in RAM (no table on disk), through the method
+    itself: the tensors it saves."""
+    from safetensors.torch import load_file
+
+    from quantkit.methods import QuantizeJob
+    from quantkit.model import load_model, load_tokenizer
+    from quantkit.pipeline import RunOptions, make_windows, prepare, window_settings
+    from quantkit.recipe import Overrides, build_recipe
+
+    calibration = dict(num_samples=16, seq_len=64, eval_windows=0)
+    recipe = build_recipe(None, "gptq", Overrides(model=str(model_dir), calibration=calibration))
+    info, targets = prepare(recipe, RunOptions(model=str(model_dir), out=tmp_path / "whole"))
+    tokenizer = load_tokenizer(info)
+    windows = make_windows(tokenizer, window_settings(recipe, targets), lambda message: None)
+    (tmp_path / "whole").mkdir()
+    job = QuantizeJob(load_model(info), tokenizer, info, targets[0].options, windows, targets[0].ignore,
+                      tmp_path / "whole", tmp_path)
+    targets[0].method.quantize(job)
+    return load_file(tmp_path / "whole" / "model.safetensors")
 
 
 def test_a_torchrun_launch_is_refused_before_work(cli, micro_model, tmp_path, monkeypatch):
