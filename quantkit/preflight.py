@@ -173,14 +173,13 @@ def held_bytes(info, recipe, others: dict[str, int], layers: dict[str, int], hes
     the norms and one onloaded unit; a text decoder in RAM every decoder layer, the norms, and the larger
     of one table (onloaded for the first layer's inputs, or to save the head) and GPTQ's Hessians; a VLM
     all of it."""
-    from quantkit.model import is_offloaded_table, is_vlm
+    from quantkit.model import is_vlm
 
     if recipe.offload_dir:
         return offloaded_bytes(others, layers, hessians)
     if is_vlm(info.config):
         return sum(others.values()) + sum(layers.values()) + hessians
-    kept = sum(n for unit, n in others.items() if not is_offloaded_table(unit))
-    tables = [n for unit, n in others.items() if is_offloaded_table(unit)]
+    kept, tables = split_tables(others)
     return kept + sum(layers.values()) + max([*tables, hessians])
 
 
@@ -188,11 +187,17 @@ def offloaded_bytes(others: dict[str, int], layers: dict[str, int], per_layer: i
     """What RAM holds of a model loaded with --offload-dir (quantkit.model.offload_device_map): the
     modules left in memory (norms), plus the larger of the embedding table (onloaded while the first
     subgraph runs) and one decoder layer with the method's per-layer working set."""
+    kept, tables = split_tables(others)
+    return kept + max([*tables, max(layers.values(), default=0) + per_layer])
+
+
+def split_tables(others: dict[str, int]) -> tuple[int, list[int]]:
+    """The non-layer units' bytes split by quantkit.model.is_offloaded_table: (what stays in memory
+    in total, each vocabulary table's bytes)."""
     from quantkit.model import is_offloaded_table
 
     kept = sum(n for unit, n in others.items() if not is_offloaded_table(unit))
-    tables = [n for unit, n in others.items() if is_offloaded_table(unit)]
-    return kept + max([*tables, max(layers.values(), default=0) + per_layer])
+    return kept, [n for unit, n in others.items() if is_offloaded_table(unit)]
 
 
 def hessian_bytes(target, info) -> int:
