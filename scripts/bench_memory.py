@@ -62,14 +62,15 @@ def build_model(out: Path, hidden: int, layers: int, vocab: int, ffn: int) -> Pa
         shapes = {name: t.shape for name, t in LlamaForCausalLM(cfg).state_dict().items()}
     out.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator().manual_seed(0)
-    shards, shard, last = [], {}, next(reversed(shapes))
+    shards, shard, size, last = [], {}, 0, next(reversed(shapes))
     for name, shape in shapes.items():
         weight = torch.ones(shape) if name.endswith("norm.weight") else torch.randn(shape, generator=gen).mul_(0.02)
         shard[name] = weight.to(torch.bfloat16)
-        if sum(t.nbytes for t in shard.values()) >= 2 << 30 or name == last:
+        size += shard[name].nbytes
+        if size >= 2 << 30 or name == last:
             shards.append(list(shard))
             save_file(shard, out / f"part-{len(shards)}.safetensors", metadata={"format": "pt"})
-            shard = {}
+            shard, size = {}, 0
     write_shards_index(out, shards)
     cfg.save_pretrained(out)
     tok.save_pretrained(out)
