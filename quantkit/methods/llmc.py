@@ -13,8 +13,11 @@ FORMAT = "compressed-tensors"
 
 
 def run_oneshot(job, recipe, calibrate: bool) -> None:
-    """Apply llm-compressor modifiers to job.model in place (layer by layer when calibrating)."""
+    """Apply llm-compressor modifiers to job.model in place (layer by layer when calibrating). GPTQ keeps
+    one copy of each Hessian (quantkit.methods.lean_hessian)."""
     from llmcompressor import oneshot
+
+    from quantkit.methods import lean_hessian
 
     kwargs = {}
     if calibrate:
@@ -30,8 +33,9 @@ def run_oneshot(job, recipe, calibrate: bool) -> None:
     if towers:  # data-free first: the sequential pipeline computes scales only for modules that run
         oneshot(model=job.model, recipe=towers, tokenizer=job.tokenizer, log_dir=None,
                 trust_remote_code_model=job.trust_remote_code)
-    oneshot(model=job.model, recipe=recipe, tokenizer=job.tokenizer, log_dir=None,
-            trust_remote_code_model=job.trust_remote_code, **kwargs)  # it re-reads config.json
+    with lean_hessian.lean_hessians():
+        oneshot(model=job.model, recipe=recipe, tokenizer=job.tokenizer, log_dir=None,
+                trust_remote_code_model=job.trust_remote_code, **kwargs)  # it re-reads config.json
 
 
 def tower_linears(job) -> dict[str, list[str]]:

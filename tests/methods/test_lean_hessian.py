@@ -1,0 +1,117 @@
+"""quantkit.methods.lean_hessian: llm-compressor's GPTQ with the Hessian kept in place gives the same bits."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from quantkit.methods import lean_hessian
+
+
+def hessian(width: int, dead: tuple[int, ...] = (), seed: int = 0) -> torch.Tensor:
+    """An accumulated-looking Hessian: X Xᵀ in float32 (not exactly symmetric bit for bit), columns in `dead` zero."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(width, 3 * width, generator=generator) * torch.linspace(0.1, 3.0, width).unsqueeze(1)
+    x[list(dead)] = 0
+    return x @ x.t()
+
+
+@pytest.mark.parametrize("width", [7, 1024, 1500, 2100])
+def test_transpose_and_permute_in_place(width):
+    matrix = torch.randn(width, width)
+    expected = matrix.t().clone()
+    lean_hessian.transpose_in_place(matrix)
+    assert torch.equal(matrix, expected)
+    perm = torch.randperm(width)
+    expected = matrix[:, perm][perm, :]
+    lean_hessian.permute_square_in_place(matrix, perm)
+    assert torch.equal(matrix, expected)
+
+
+def test_sites_exist():
+    for module_name, name in lean_hessian.SITES:
+        assert callable(vars(importlib.import_module(module_name))[name]), (module_name, name)
+
+
+def test_guard_restores_the_originals():
+    before = [vars(importlib.import_module(m))[n] for m, n in lean_hessian.SITES]
+    with lean_hessian.lean_hessians():
+        inside = [vars(importlib.import_module(m))[n] for m, n in lean_hessian.SITES]
+    after = [vars(importlib.import_module(m))[n] for m, n in lean_hessian.SITES]
+    assert after == before and not set(inside) & set(before)
+
+
+def quantize(weight, h, actorder, group_size, lean: bool):
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.utils import calculate_qparams
+    from llmcompressor.modifiers.gptq.gptq_quantize import quantize_weight
+
+    args = QuantizationArgs(num_bits=4, symmetric=True, strategy="group" if group_size else "channel",
+                            group_size=group_size, actorder=actorder)
+    rows = weight.reshape(weight.shape[0], -1, group_size) if group_size else weight.unsqueeze(-1)
+    scale, zero = calculate_qparams(rows.amin(-1), rows.amax(-1), args)
+    batch = (weight.clone().unsqueeze(0), h.clone().unsqueeze(0), scale.unsqueeze(0), zero.unsqueeze(0), None)
+    if not lean:
+        return quantize_weight(*batch, quant_args=args)
+    with lean_hessian.lean_hessians():  # quantize_weight looks its helpers up in its module's globals
+        return quantize_weight(*batch, quant_args=args)
+
+
+@pytest.mark.parametrize("actorder, group_size, dead", [
+    (None, 64, ()), ("static", 64, (3, 200)), ("weight", 128, ()), ("weight", 64, (5, 6)), ("static", None, ()),
+])
+def test_quantize_weight_bit_identical(actorder, group_size, dead):
+    torch.manual_seed(1)
+    weight = torch.randn(96, 1280)
+    h = hessian(1280, dead)
+    expected = quantize(weight, h, actorder, group_size, lean=False)
+    got = quantize(weight, h, actorder, group_size, lean=True)
+    for a, b in zip(expected, got):
+        assert torch.equal(a, b)
+
+
+def test_not_positive_definite_falls_back_to_rtn_as_upstream():
+    torch.manual_seed(2)
+    weight = torch.randn(32, 256)
+    h = -torch.eye(256)  # cholesky fails: llm-compressor rounds to nearest and flags it
+    expected = quantize(weight, h, None, 64, lean=False)
+    got = quantize(weight, h, None, 64, lean=True)
+    assert bool(got[2][0]) and all(torch.equal(a, b) for a, b in zip(expected, got))
+
+
+def test_prepare_batch_normalizes_in_place_and_matches_upstream():
+    from llmcompressor.modifiers.gptq import helpers
+
+    linear = torch.nn.Linear(300, 40, bias=False).requires_grad_(False)
+    qparams = [{"scale": torch.rand(40, 5), "zero_point": torch.zeros(40, 5), "global_scale": None}]
+    h = hessian(300)
+    upstream = helpers.prepare_batch([linear], qparams, {linear: h.clone()}, {linear: torch.tensor(48.0)})
+    own = {linear: h.clone()}
+    got = lean_hessian.prepare_batch([linear], qparams, own, {linear: torch.tensor(48.0)})
+    assert not own
+    for a, b in zip(upstream, got):
+        assert (a is None and b is None) or torch.equal(a, b)
+
+
+def test_gptq_writes_the_same_tensors_as_with_llm_compressors_own_functions(cli, micro_model, tmp_path, monkeypatch):
+    """Through the CLI (act-order static, the default): the artifact's tensors with the lean Hessians equal
+    those of llm-compressor's unpatched GPTQ."""
+    from contextlib import nullcontext
+
+    from safetensors.torch import load_file
+
+    calls, factorize = [], lean_hessian.factorize_hessian
+    monkeypatch.setattr(lean_hessian, "factorize_hessian", lambda *args: calls.append(1) or factorize(*args))
+    tensors = {}
+    for name in ("lean", "upstream"):
+        if name == "upstream":
+            monkeypatch.setattr(lean_hessian, "lean_hessians", nullcontext)
+        result = cli("quantize", micro_model, "--method", "gptq", "--group-size", "32", "-o", tmp_path / name,
+                     "--eval-windows", "0", "--num-samples", "16", "--seq-len", "64")
+        assert result.exit_code == 0, result.output
+        tensors[name] = load_file(tmp_path / name / "model.safetensors")
+    assert calls  # the lean run went through quantkit's functions
+    assert tensors["lean"].keys() == tensors["upstream"].keys()
+    assert all(torch.equal(tensors["lean"][k], tensors["upstream"][k]) for k in tensors["lean"])
