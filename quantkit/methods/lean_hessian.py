@@ -1,17 +1,21 @@
 """llm-compressor's GPTQ with one copy of each Hessian instead of three.
 
-GPTQ keeps a float32 Hessian per Linear (in² × 4 B: 256 MiB for an 8192-wide `down_proj`, 0.8 GiB
-for Llama-3-70B's 28672-wide one). llm-compressor 0.14.0.1 copies the one being quantized twice
-over, so a layer's peak is three times the widest Hessian:
+GPTQ keeps a float32 Hessian per Linear (in² × 4 B: 256 MiB for an 8192-wide `down_proj`, 3 GiB
+for Llama-3-70B's 28672-wide one). llm-compressor 0.14.0.1 makes a whole second Hessian each time
+it adds a batch of inputs, and copies the one being quantized twice over, so a layer's peak is three
+times the widest Hessian:
+- `helpers.accumulate_hessian` computes a batch's X Xᵀ as a new in × in matrix before adding it, and
+  scales the float32 copy of the inputs into another copy;
 - `helpers.prepare_batch` divides it by the sample count into a new tensor and stacks that into a
   third, while the popped original is still referenced;
 - `helpers.apply_activation_ordering` (act-order) gathers it twice, the original alive beside both;
 - `helpers.factorize_hessian` calls cholesky / cholesky_inverse / cholesky with `out=` a row-major
   matrix; LAPACK works on column-major data, so torch computes in a column-major temporary.
 
-The three functions here do the same arithmetic in place, on a batch of one module (the only batch
-size on a CPU, where `batched_quantization="auto"` gives one): the division in place and the stack
-as a view; the permutation by row chunks and block transposes; the factorization on the
+The functions here do the same arithmetic in place: X Xᵀ added a block of rows at a time (each
+block's product is bit-identical to the same rows of the whole product) from inputs scaled in place;
+and, on a batch of one module (the only batch size on a CPU, where `batched_quantization="auto"`
+gives one), the division in place and the stack as a view; the permutation by row chunks and block transposes; the factorization on the
 column-major view of the transposed matrix. Results are bit-identical to llm-compressor's
 (tests/methods/test_lean_hessian.py); a batch of several modules (GPU batching) goes to
 llm-compressor's own functions unchanged.
@@ -27,6 +31,7 @@ from typing import Iterator
 
 # (module, function) pairs whose global name GPTQ calls through.
 SITES = (
+    ("llmcompressor.modifiers.gptq.base", "accumulate_hessian"),
     ("llmcompressor.modifiers.gptq.base", "prepare_batch"),
     ("llmcompressor.modifiers.gptq.gptq_quantize", "apply_activation_ordering"),
     ("llmcompressor.modifiers.gptq.gptq_quantize", "factorize_hessian"),
@@ -59,6 +64,30 @@ def permute_square_in_place(matrix, perm) -> None:
     transpose_in_place(matrix)
     permute_columns_in_place(matrix, perm)
     transpose_in_place(matrix)
+
+
+def accumulate_hessian(inp, module, hessian, num_samples):
+    """llm-compressor's accumulate_hessian for a Linear: hessian += 2 X Xᵀ a block of rows at a time."""
+    import math
+
+    import torch
+    from llmcompressor.modifiers.gptq import helpers
+
+    if type(module) is not torch.nn.Linear:
+        return helpers.accumulate_hessian(inp, module, hessian, num_samples)
+    inp = inp.to(device=hessian.device)
+    batch = 1 if inp.dim() == 2 else inp.shape[0]
+    inp = inp.reshape(-1, inp.shape[-1])
+    scaled = inp.to(dtype=helpers.GPTQ_PRECISION)
+    if scaled.data_ptr() == inp.data_ptr():
+        scaled = math.sqrt(2) * scaled  # the caller's tensor: scale a copy
+    else:
+        scaled.mul_(math.sqrt(2))
+    columns = scaled.t()
+    for i in range(0, columns.shape[0], BLOCK):
+        hessian[i:i + BLOCK] += columns[i:i + BLOCK].matmul(columns.t())
+    num_samples += batch
+    return hessian, num_samples
 
 
 def prepare_batch(batch, batch_qparams, hessians_by_module, num_samples_by_module):
@@ -131,7 +160,7 @@ def lean_hessians() -> Iterator[None]:
     """Route llm-compressor's GPTQ through the functions above while inside; restored on exit."""
     import importlib
 
-    lean = {"prepare_batch": prepare_batch, "apply_activation_ordering": apply_activation_ordering,
+    lean = {"accumulate_hessian": accumulate_hessian, "prepare_batch": prepare_batch, "apply_activation_ordering": apply_activation_ordering,
             "factorize_hessian": factorize_hessian}
     originals = []
     for module_name, name in SITES:

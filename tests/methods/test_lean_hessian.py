@@ -81,6 +81,21 @@ def test_not_positive_definite_falls_back_to_rtn_as_upstream():
     assert bool(got[2][0]) and all(torch.equal(a, b) for a, b in zip(expected, got))
 
 
+@pytest.mark.parametrize("shape, dtype", [((2, 48, 1300), torch.bfloat16), ((48, 1300), torch.float32),
+                                          ((1, 3, 16, 1100), torch.float32)])
+def test_accumulate_hessian_matches_upstream_and_leaves_the_input_alone(shape, dtype):
+    from llmcompressor.modifiers.gptq import helpers
+
+    linear = torch.nn.Linear(shape[-1], 8, bias=False)
+    inp = torch.randn(shape).to(dtype)
+    kept = inp.clone()
+    start = hessian(shape[-1])
+    expected = helpers.accumulate_hessian(inp, linear, start.clone(), torch.tensor(3.0))
+    got = lean_hessian.accumulate_hessian(inp, linear, start.clone(), torch.tensor(3.0))
+    assert torch.equal(expected[0], got[0]) and torch.equal(expected[1], got[1])
+    assert torch.equal(inp, kept)
+
+
 def test_prepare_batch_normalizes_in_place_and_matches_upstream():
     from llmcompressor.modifiers.gptq import helpers
 
