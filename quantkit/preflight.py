@@ -201,19 +201,20 @@ def split_tables(others: dict[str, int]) -> tuple[int, list[int]]:
 
 
 def hessian_bytes(target, info) -> int:
-    """GPTQ's working set for one decoder layer: a float32 Hessian (in x in) per quantized Linear,
-    and for the widest one the copies its ordering and Cholesky factorization make (two more);
-    0 for the methods without Hessians."""
+    """GPTQ's working set for one decoder layer: a float32 Hessian (in x in) per quantized Linear, all
+    of them alive while the layer calibrates, and two float32 copies of the largest weight while it is
+    quantized (the Hessians stay single copies: quantkit.methods.lean_hessian); 0 for the methods
+    without Hessians."""
     from quantkit.methods.gptq import quantized_linears
     from quantkit.model import LAYER_PREFIX
 
     if target.target.method != "gptq":
         return 0
-    widths: dict[str, list[int]] = {}
-    for name, (_out, width) in quantized_linears(info).items():
+    shapes: dict[str, list[tuple[int, int]]] = {}
+    for name, (out, width) in quantized_linears(info).items():
         match = LAYER_PREFIX.match(name + ".")
-        widths.setdefault(match.group(1) if match else name, []).append(width)
-    per_layer = [4 * sum(w * w for w in ws) + 8 * max(ws) ** 2 for ws in widths.values()]
+        shapes.setdefault(match.group(1) if match else name, []).append((out, width))
+    per_layer = [4 * sum(w * w for _o, w in s) + 8 * max(o * w for o, w in s) for s in shapes.values()]
     return max(per_layer, default=0)
 
 

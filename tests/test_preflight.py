@@ -128,7 +128,7 @@ def test_vram_estimate_streams_and_refuses_when_the_gpu_is_too_small(micro_model
 
 def test_offloaded_ram_holds_the_norms_and_the_larger_of_a_table_and_a_layer_with_its_hessians(micro_model, tmp_path):
     """--offload-dir keeps decoder layers, the embeddings and the head on disk (quantkit.model.
-    offload_device_map); GPTQ adds a float32 Hessian per Linear of a layer, two more copies of the widest."""
+    offload_device_map); GPTQ adds a float32 Hessian per Linear of a layer and two float32 copies of its largest weight."""
     from quantkit.methods.gptq import quantized_linears
     from quantkit.model import check_model_dir, offload_device_map
     from quantkit.pipeline import RunOptions, prepare
@@ -140,12 +140,13 @@ def test_offloaded_ram_holds_the_norms_and_the_larger_of_a_table_and_a_layer_wit
     others, layers = unit_bytes(info)
     mapping = offload_device_map(info, "cpu")
     assert {unit for unit, where in mapping.items() if where != "disk"} == {"model.norm"}
-    widths = [w for name, (_o, w) in quantized_linears(info).items() if name.startswith("model.layers.0.")]
+    shapes = [shape for name, shape in quantized_linears(info).items() if name.startswith("model.layers.0.")]
     for method in ("gptq", "awq"):
         recipe = build_recipe(None, method, Overrides(model=str(micro_model), offload_dir=str(tmp_path)))
         _info, targets = prepare(recipe, RunOptions(model=str(micro_model), out=tmp_path / "x"))
         hessians = hessian_bytes(targets[0], info)
-        assert hessians == (4 * sum(w * w for w in widths) + 8 * max(widths) ** 2 if method == "gptq" else 0)
+        assert hessians == (4 * sum(w * w for _o, w in shapes) + 8 * max(o * w for o, w in shapes)
+                            if method == "gptq" else 0)
         held = others["model.norm"] + max(others["model.embed_tokens"], others["lm_head"],
                                           max(layers.values()) + hessians)
         assert ram_estimate(info, recipe, targets).steps[f"{method}: quantize"] == held + ACTIVATION_BYTES
