@@ -26,6 +26,7 @@ from quantkit.model import DTYPE_BYTES
 
 SHARD_BYTES = 512 * 1024 * 1024  # data bytes per output shard (a tensor larger than this gets a shard of its own)
 COPY_BYTES = 64 * 1024 * 1024  # one os.sendfile call when copying a stored tensor
+PT_METADATA = (("format", "pt"),)  # the header's __metadata__ of a torch checkpoint
 # torch dtype name -> safetensors dtype (the inverse of quantkit.stream.TORCH_DTYPES)
 SAFETENSORS_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
                       "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
@@ -85,9 +86,11 @@ def shard_file_names(count: int) -> list[str]:
     return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
 
 
-def header_bytes(specs: list[TensorSpec]) -> tuple[bytes, dict[str, int]]:
-    """The header of a file holding `specs` in this order, and each tensor's data offset in the file."""
-    entries: dict[str, object] = {"__metadata__": {"format": "pt"}}
+def header_bytes(specs: list[TensorSpec], metadata: dict[str, str] | None = None) -> tuple[bytes, dict[str, int]]:
+    """The header of a file holding `specs` in this order, and each tensor's data offset in the file
+    (`__metadata__`: `metadata`, by default {"format": "pt"}; none when it is empty)."""
+    metadata = dict(PT_METADATA) if metadata is None else metadata
+    entries: dict[str, object] = {"__metadata__": metadata} if metadata else {}
     relative, position = {}, 0
     for spec in specs:
         entries[spec.name] = {"dtype": spec.dtype, "shape": list(spec.shape),
@@ -161,6 +164,37 @@ class ShardWriter:
         short = [n for n, s in self.layout.specs.items() if self.written.get(n, 0) != s.nbytes]
         if short:
             raise InternalError(f"{self.path.name}: tensors not written in full: {short[:3]}")
+
+
+# safetensors orders a file's tensors by dtype, wider first and then by its Dtype enum from the last
+# (the order below), then by name; its Rust writer sorts that way before laying out the data.
+DTYPE_ENUM = ("BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "I16", "F16", "BF16", "I32", "F32", "F64", "I64")
+DTYPE_BITS = {"BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "I16": 16, "F16": 16, "BF16": 16,
+              "I32": 32, "F32": 32, "F64": 64, "I64": 64}
+
+
+def save_file(tensors: dict, path: Path, metadata: dict[str, str] | None = None) -> None:
+    """What `safetensors.torch.save_file` writes (byte for byte when the metadata has one key), put
+    on disk with plain writes a tensor at a time. safetensors maps the output file while it fills it,
+    so the whole file's pages count in the process's RSS until it is closed; written here they are
+    page cache. What safetensors refuses (a non-contiguous tensor, tensors sharing memory) and dtypes
+    outside DTYPE_ENUM go to safetensors itself."""
+    import torch
+    from safetensors.torch import save_file as safetensors_save_file
+
+    codes = {name: SAFETENSORS_DTYPES.get(str(t.dtype).removeprefix("torch.")) for name, t in tensors.items()}
+    storages = [t.untyped_storage().data_ptr() for t in tensors.values() if t.numel()]
+    if (not set(codes.values()) <= set(DTYPE_ENUM) or len(set(storages)) < len(storages)
+            or not all(t.is_contiguous() for t in tensors.values())):
+        return safetensors_save_file(tensors, str(path), metadata=metadata)
+    order = sorted(tensors, key=lambda n: (-DTYPE_BITS[codes[n]], -DTYPE_ENUM.index(codes[n]), n))
+    specs = [TensorSpec(name, codes[name], tuple(tensors[name].shape)) for name in order]
+    head, offsets = header_bytes(specs, metadata or {})
+    layout = ShardLayout(Path(path).name, head, offsets, {spec.name: spec for spec in specs})
+    with ShardWriter(layout, Path(path)) as writer:
+        for name in order:
+            flat = tensors[name].detach().to("cpu").reshape(-1)
+            writer.write(name, memoryview(flat.view(torch.uint8).numpy()))
 
 
 def write_index(out_dir: Path, layouts: list[ShardLayout]) -> None:

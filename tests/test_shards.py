@@ -65,3 +65,63 @@ def test_the_index_names_every_tensor_of_several_shards(tmp_path):
     assert index["weight_map"] == {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}
     assert index["metadata"]["total_size"] == 32
     write_index(tmp_path / "none", layouts[:1])  # one file: no index (the directory need not exist)
+
+
+def mixed_tensors() -> dict:
+    torch.manual_seed(0)
+    return {"layer.b.weight": torch.randn(3, 5).to(torch.bfloat16), "layer.a.weight": torch.randn(7).to(torch.bfloat16),
+            "packed": torch.randint(-9, 9, (4, 2), dtype=torch.int32), "scale": torch.rand(3),
+            "g_idx": torch.arange(6), "half": torch.randn(2, 2).half(), "fp8": torch.randn(5).to(torch.float8_e4m3fn),
+            "fp8b": torch.randn(1).to(torch.float8_e5m2), "mask": torch.tensor([True, False]),
+            "i8": torch.tensor([-3, 4], dtype=torch.int8), "u8": torch.tensor([200], dtype=torch.uint8),
+            "i16": torch.tensor([7], dtype=torch.int16), "f64": torch.tensor([1.5], dtype=torch.float64),
+            "empty": torch.zeros(0, 4), "scalar": torch.tensor(2.0)}
+
+
+def test_save_file_writes_what_safetensors_writes(tmp_path):
+    """Byte for byte for {"format": "pt"}, as transformers passes it: every dtype, tensor order, strides, empties."""
+    from quantkit.shards import save_file as plain_save_file
+
+    tensors = mixed_tensors()
+    save_file(tensors, tmp_path / "theirs.safetensors", metadata={"format": "pt"})
+    plain_save_file(tensors, tmp_path / "ours.safetensors", metadata={"format": "pt"})
+    assert (tmp_path / "ours.safetensors").read_bytes() == (tmp_path / "theirs.safetensors").read_bytes()
+
+
+@pytest.mark.parametrize("metadata", [None, {"format": "pt", "note": "x"}])
+def test_save_file_round_trips_with_any_metadata(tmp_path, metadata):
+    from safetensors.torch import load_file
+
+    from quantkit.shards import save_file as plain_save_file
+
+    tensors = mixed_tensors()
+    plain_save_file(tensors, tmp_path / "ours.safetensors", metadata=metadata)
+    loaded = load_file(tmp_path / "ours.safetensors")
+    assert loaded.keys() == tensors.keys()
+    assert all(torch.equal(loaded[k].view(torch.uint8) if loaded[k].dtype.is_floating_point and loaded[k].element_size() == 1
+                           else loaded[k], tensors[k].view(torch.uint8) if tensors[k].dtype.is_floating_point
+                           and tensors[k].element_size() == 1 else tensors[k]) for k in tensors)
+    with safe_open(tmp_path / "ours.safetensors", "pt") as fh:
+        assert fh.metadata() == metadata
+
+
+def test_save_file_leaves_dtypes_it_does_not_order_to_safetensors(tmp_path):
+    """Other dtypes are written by safetensors, and what it refuses it still refuses."""
+    from quantkit.shards import save_file as plain_save_file
+
+    strided, whole = torch.randn(4, 6).t(), torch.randn(8)
+    for bad in ({"strided": strided}, {"a": whole, "b": whole[:4]}):
+        with pytest.raises((ValueError, RuntimeError)):
+            plain_save_file(bad, tmp_path / "bad.safetensors", metadata={"format": "pt"})
+
+    tensors = {"a": torch.tensor([1, 2], dtype=torch.uint32), "b": torch.ones(2)}
+    plain_save_file(tensors, tmp_path / "ours.safetensors", metadata={"format": "pt"})
+    save_file(tensors, tmp_path / "theirs.safetensors", metadata={"format": "pt"})
+    assert (tmp_path / "ours.safetensors").read_bytes() == (tmp_path / "theirs.safetensors").read_bytes()
+
+
+def test_the_transformers_save_site_exists():
+    from quantkit.methods.llmc import SAFETENSORS_SAVE_SITE
+    from quantkit.patching import site_function
+
+    assert site_function(SAFETENSORS_SAVE_SITE) is save_file

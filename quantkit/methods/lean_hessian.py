@@ -158,20 +158,9 @@ def factorize_hessian(weights, hessians, percdamp, used_rtn_fallback):
 @contextmanager
 def lean_hessians() -> Iterator[None]:
     """Route llm-compressor's GPTQ through the functions above while inside; restored on exit."""
-    import importlib
+    from quantkit.patching import swapped
 
-    lean = {"accumulate_hessian": accumulate_hessian, "prepare_batch": prepare_batch, "apply_activation_ordering": apply_activation_ordering,
-            "factorize_hessian": factorize_hessian}
-    originals = []
-    for module_name, name in SITES:
-        module = importlib.import_module(module_name)
-        if name not in vars(module):
-            raise AttributeError(f"{module_name}.{name} no longer exists")
-        originals.append((module, name, vars(module)[name]))
-    try:
-        for module, name, _ in originals:
-            setattr(module, name, lean[name])
+    lean = {"accumulate_hessian": accumulate_hessian, "prepare_batch": prepare_batch,
+            "apply_activation_ordering": apply_activation_ordering, "factorize_hessian": factorize_hessian}
+    with swapped({site: lean[site[1]] for site in SITES}):
         yield
-    finally:
-        for module, name, original in originals:
-            setattr(module, name, original)

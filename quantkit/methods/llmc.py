@@ -6,10 +6,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from quantkit.shards import SHARD_BYTES
+from quantkit.patching import swapped
+from quantkit.shards import SHARD_BYTES, save_file
 
 ENGINE = "llmcompressor"
 FORMAT = "compressed-tensors"
+SAFETENSORS_SAVE_SITE = ("transformers.modeling_utils", "safe_save_file")  # how save_pretrained writes a shard
 
 
 def run_oneshot(job, recipe, calibrate: bool) -> None:
@@ -101,8 +103,10 @@ def save_compressed(job) -> None:
     from quantkit.methods.moe import set_save_names
 
     set_save_names(job.model, job.info.model_type)
-    # bounded shards: safetensors maps each output file while writing it, so its pages count in RSS
-    job.model.save_pretrained(job.out_dir, save_compressed=True, max_shard_size=SHARD_BYTES)
+    # bounded shards, each written with plain writes: safetensors maps the output file while it fills
+    # it, so a whole shard's pages would count in the RSS beside the model (quantkit.shards.save_file)
+    with swapped({SAFETENSORS_SAVE_SITE: save_file}):
+        job.model.save_pretrained(job.out_dir, save_compressed=True, max_shard_size=SHARD_BYTES)
     finish_artifact(job.out_dir, job.tokenizer, job.ignore)
     release_session()
 
