@@ -331,6 +331,7 @@ def merge(plan: MergePlan, out_dir: Path, workdir: Path, progress: Callable[[str
     """Merge the planned adapters and save a safetensors checkpoint with its tokenizer in out_dir."""
     require("peft", "lora", "merging LoRA adapters")
     from quantkit.export import copy_side_files
+    from quantkit.shards import plain_writes
 
     base = plan.original if plan.merge_base == "original" else plan.base
     if plan.merge_base == "dequantized":
@@ -346,7 +347,8 @@ def merge(plan: MergePlan, out_dir: Path, workdir: Path, progress: Callable[[str
         progress(f"merging {adapter.path} (weight {adapter.weight:g})")
         model = apply_adapter(model, adapter)
     out_dir.mkdir(parents=True, exist_ok=True)
-    model.to(dtype).save_pretrained(out_dir, safe_serialization=True)
+    with plain_writes():  # no memory map of the output beside the merged model (quantkit.shards.save_file)
+        model.to(dtype).save_pretrained(out_dir, safe_serialization=True)
     del model
     load_tokenizer_dir(plan.tokenizer_dir, plan.trust_remote_code).save_pretrained(out_dir)
     copy_side_files(plan.tokenizer_dir, out_dir)  # a chat_template.jinja the tokenizer did not write

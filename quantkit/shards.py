@@ -18,8 +18,10 @@ from __future__ import annotations
 import json
 import math
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 from quantkit.errors import InternalError
 from quantkit.model import DTYPE_BYTES
@@ -195,6 +197,19 @@ def save_file(tensors: dict, path: Path, metadata: dict[str, str] | None = None)
         for name in order:
             flat = tensors[name].detach().to("cpu").reshape(-1)
             writer.write(name, memoryview(flat.view(torch.uint8).numpy()))
+
+
+# how transformers' save_pretrained writes each shard
+SAFETENSORS_SAVE_SITE = ("transformers.modeling_utils", "safe_save_file")
+
+
+@contextmanager
+def plain_writes() -> Iterator[None]:
+    """transformers' save_pretrained writes its shards through save_file while inside."""
+    from quantkit.patching import swapped
+
+    with swapped({SAFETENSORS_SAVE_SITE: save_file}):
+        yield
 
 
 def write_index(out_dir: Path, layouts: list[ShardLayout]) -> None:

@@ -121,7 +121,7 @@ def test_save_file_leaves_dtypes_it_does_not_order_to_safetensors(tmp_path):
 
 
 def test_the_transformers_save_site_exists():
-    from quantkit.methods.llmc import SAFETENSORS_SAVE_SITE
     from quantkit.patching import site_function
+    from quantkit.shards import SAFETENSORS_SAVE_SITE
 
     assert site_function(SAFETENSORS_SAVE_SITE) is save_file

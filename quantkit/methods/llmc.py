@@ -6,12 +6,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from quantkit.patching import swapped
-from quantkit.shards import SHARD_BYTES, save_file
+from quantkit.shards import SHARD_BYTES, plain_writes
 
 ENGINE = "llmcompressor"
 FORMAT = "compressed-tensors"
-SAFETENSORS_SAVE_SITE = ("transformers.modeling_utils", "safe_save_file")  # how save_pretrained writes a shard
 
 
 def run_oneshot(job, recipe, calibrate: bool) -> None:
@@ -105,7 +103,7 @@ def save_compressed(job) -> None:
     set_save_names(job.model, job.info.model_type)
     # bounded shards, each written with plain writes: safetensors maps the output file while it fills
     # it, so a whole shard's pages would count in the RSS beside the model (quantkit.shards.save_file)
-    with swapped({SAFETENSORS_SAVE_SITE: save_file}):
+    with plain_writes():
         job.model.save_pretrained(job.out_dir, save_compressed=True, max_shard_size=SHARD_BYTES)
     finish_artifact(job.out_dir, job.tokenizer, job.ignore)
     release_session()

@@ -125,6 +125,7 @@ def skip_modules(ignore: list[str]) -> list[str]:
 
 def quantize(job: QuantizeJob) -> QuantizeResult:
     from quantkit.model import torch_dtype
+    from quantkit.shards import plain_writes
 
     require("bitsandbytes", "nf4", "the nf4 method (bitsandbytes 4-bit)")
     dtype = torch_dtype(job.dtype, job.info)
@@ -132,7 +133,8 @@ def quantize(job: QuantizeJob) -> QuantizeResult:
     skip = skip_modules(job.ignore) + [exact_module(name) for name in odd]
     config = bnb_config(job.options, compute_dtype(job.options, dtype), skip)
     model = load_quantized(job.info, dtype, config, job.device, job.trust_remote_code)
-    model.save_pretrained(job.out_dir)  # the tokenizer files are copied beside it by the pipeline
+    with plain_writes():  # no memory map of the output beside the model (quantkit.shards.save_file)
+        model.save_pretrained(job.out_dir)  # the tokenizer files are copied beside it by the pipeline
     details = {"bnb_quantization_config": model.config.quantization_config.to_dict(),
                "kept_for_bnb_kernels": odd,
                "kept_moe_experts": len([n for n in quantizable_layers(job.info) if is_expert_weight(n)])}
