@@ -7,11 +7,29 @@ in memory once it has been filled and read back. Plain I/O keeps only the rows b
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import os
+import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
+
+
+MADV_PAGEOUT = 21  # Linux 5.4+: reclaim these pages now (their contents are kept)
+
+
+def page_out(address: int, length: int) -> bool:
+    """Hand the whole pages of [address, address + length) back to the kernel. Clean pages of a
+    memory-mapped file (a checkpoint tensor read to be copied) leave the RSS at once and are read
+    again if touched; anonymous pages stay where there is no swap. Nothing is lost either way. A
+    hint: other systems and older kernels refuse it, which changes nothing. Whether it was taken."""
+    start = -(-address // mmap.PAGESIZE) * mmap.PAGESIZE
+    end = (address + length) // mmap.PAGESIZE * mmap.PAGESIZE
+    if sys.platform != "linux" or end <= start:
+        return False
+    return ctypes.CDLL(None).madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_PAGEOUT) == 0
 
 
 def pread_into(fd: int, buffer: memoryview, offset: int) -> None:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Iterator
 
 from quantkit.errors import InternalError
+from quantkit.rowio import page_out
 from quantkit.model import DTYPE_BYTES
 
 SHARD_BYTES = 512 * 1024 * 1024  # data bytes per output shard (a tensor larger than this gets a shard of its own)
@@ -179,7 +180,8 @@ def save_file(tensors: dict, path: Path, metadata: dict[str, str] | None = None)
     """What `safetensors.torch.save_file` writes (byte for byte when the metadata has one key), put
     on disk with plain writes a tensor at a time. safetensors maps the output file while it fills it,
     so the whole file's pages count in the process's RSS until it is closed; written here they are
-    page cache. What safetensors refuses (a non-contiguous tensor, tensors sharing memory) and dtypes
+    page cache, and the pages of each tensor are handed back once written (rowio.page_out: a tensor
+    transformers reads from a memory-mapped checkpoint would otherwise stay resident). What safetensors refuses (a non-contiguous tensor, tensors sharing memory) and dtypes
     outside DTYPE_ENUM go to safetensors itself."""
     import torch
     from safetensors.torch import save_file as safetensors_save_file
@@ -195,8 +197,11 @@ def save_file(tensors: dict, path: Path, metadata: dict[str, str] | None = None)
     layout = ShardLayout(Path(path).name, head, offsets, {spec.name: spec for spec in specs})
     with ShardWriter(layout, Path(path)) as writer:
         for name in order:
-            flat = tensors[name].detach().to("cpu").reshape(-1)
-            writer.write(name, memoryview(flat.view(torch.uint8).numpy()))
+            data = tensors[name].detach().to("cpu").reshape(-1).view(torch.uint8)
+            for start in range(0, data.numel(), COPY_BYTES):
+                chunk = data[start:start + COPY_BYTES]
+                writer.write(name, memoryview(chunk.numpy()), start)
+                page_out(chunk.data_ptr(), chunk.numel())  # a table read from the checkpoint's map
 
 
 # how transformers' save_pretrained writes each shard

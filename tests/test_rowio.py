@@ -27,3 +27,30 @@ def test_rows_and_column_blocks_round_trip(tmp_path):
 def test_strided_ranges_are_refused(tmp_path):
     with pytest.raises(ValueError, match="contiguous"):
         RowFile((4, 2), np.float16, tmp_path)[0:4:2]
+
+
+def resident_file_mib() -> int:
+    with open("/proc/self/status") as fh:
+        return next(int(line.split()[1]) for line in fh if line.startswith("RssFile:")) // 1024
+
+
+def test_page_out_keeps_contents_and_drops_a_mapped_files_pages(tmp_path):
+    """Anonymous memory keeps its bytes; a memory-mapped file's clean pages leave the RSS and read back the same."""
+    import numpy as np
+
+    from quantkit.rowio import page_out
+
+    anonymous = np.arange(4 << 20, dtype=np.int32)
+    expected = anonymous.copy()
+    page_out(anonymous.ctypes.data, anonymous.nbytes)
+    assert np.array_equal(anonymous, expected)
+
+    path = tmp_path / "data.bin"
+    np.arange(16 << 20, dtype=np.int32).tofile(path)  # 64 MiB
+    mapped = np.memmap(path, dtype=np.int32, mode="r")
+    total = int(mapped.sum(dtype=np.int64))  # every page read: resident
+    before = resident_file_mib()
+    if not page_out(mapped.ctypes.data, mapped.nbytes):
+        pytest.skip("the kernel does not take MADV_PAGEOUT")
+    assert before - resident_file_mib() >= 32
+    assert int(mapped.sum(dtype=np.int64)) == total
