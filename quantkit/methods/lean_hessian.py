@@ -13,10 +13,11 @@ times the widest Hessian:
   matrix; LAPACK works on column-major data, so torch computes in a column-major temporary.
 
 The functions here do the same arithmetic in place: X Xᵀ added a block of rows at a time (each
-block's product is bit-identical to the same rows of the whole product) from inputs scaled in place;
-and, on a batch of one module (the only batch size on a CPU, where `batched_quantization="auto"`
-gives one), the division in place and the stack as a view; the permutation by row chunks and block transposes; the factorization on the
-column-major view of the transposed matrix. Results are bit-identical to llm-compressor's
+block's product is bit-identical to the same rows of the whole product) from inputs scaled in
+place; and, on a batch of one module (the only batch size on a CPU, where
+`batched_quantization="auto"` gives one), the division in place and the stack as a view, the
+permutation by row chunks and block transposes, the factorization on the column-major view of the
+transposed matrix. Results are bit-identical to llm-compressor's on this project's CPU torch
 (tests/methods/test_lean_hessian.py); a batch of several modules (GPU batching) goes to
 llm-compressor's own functions unchanged.
 
@@ -114,10 +115,8 @@ def apply_activation_ordering(weights, hessians, actorder):
     from compressed_tensors.quantization import ActivationOrdering
     from llmcompressor.modifiers.gptq import helpers
 
-    if not actorder or hessians.shape[0] != 1:
-        return helpers.apply_activation_ordering(weights, hessians, actorder)
-    if actorder not in (ActivationOrdering.WEIGHT, ActivationOrdering.STATIC):
-        return helpers.apply_activation_ordering(weights, hessians, actorder)  # raises its own error
+    if hessians.shape[0] != 1 or actorder not in (ActivationOrdering.WEIGHT, ActivationOrdering.STATIC):
+        return helpers.apply_activation_ordering(weights, hessians, actorder)  # no order, several, or its error
     num_rows = weights.shape[-2]
     perm = torch.argsort(torch.diagonal(hessians, dim1=-2, dim2=-1), dim=-1, descending=True)
     permute_square_in_place(hessians[0], perm[0].to(device=hessians.device))
