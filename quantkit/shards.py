@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Iterator
 
 from quantkit.errors import InternalError
-from quantkit.rowio import page_out
 from quantkit.model import DTYPE_BYTES
+from quantkit.rowio import page_out
 
 SHARD_BYTES = 512 * 1024 * 1024  # data bytes per output shard (a tensor larger than this gets a shard of its own)
 COPY_BYTES = 64 * 1024 * 1024  # one os.sendfile call when copying a stored tensor
@@ -169,11 +169,9 @@ class ShardWriter:
             raise InternalError(f"{self.path.name}: tensors not written in full: {short[:3]}")
 
 
-# safetensors orders a file's tensors by dtype, wider first and then by its Dtype enum from the last
-# (the order below), then by name; its Rust writer sorts that way before laying out the data.
+# safetensors orders a file's tensors by dtype, wider first (DTYPE_BYTES) and then by its Dtype enum
+# from the last (the order below), then by name; its Rust writer sorts that way before laying out the data.
 DTYPE_ENUM = ("BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "I16", "F16", "BF16", "I32", "F32", "F64", "I64")
-DTYPE_BITS = {"BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "I16": 16, "F16": 16, "BF16": 16,
-              "I32": 32, "F32": 32, "F64": 64, "I64": 64}
 
 
 def save_file(tensors: dict, path: Path, metadata: dict[str, str] | None = None) -> None:
@@ -181,8 +179,9 @@ def save_file(tensors: dict, path: Path, metadata: dict[str, str] | None = None)
     on disk with plain writes a tensor at a time. safetensors maps the output file while it fills it,
     so the whole file's pages count in the process's RSS until it is closed; written here they are
     page cache, and the pages of each tensor are handed back once written (rowio.page_out: a tensor
-    transformers reads from a memory-mapped checkpoint would otherwise stay resident). What safetensors refuses (a non-contiguous tensor, tensors sharing memory) and dtypes
-    outside DTYPE_ENUM go to safetensors itself."""
+    transformers reads from a memory-mapped checkpoint would otherwise stay resident). What
+    safetensors refuses (a non-contiguous tensor, tensors sharing memory) and dtypes outside
+    DTYPE_ENUM go to safetensors itself."""
     import torch
     from safetensors.torch import save_file as safetensors_save_file
 
@@ -191,7 +190,7 @@ def save_file(tensors: dict, path: Path, metadata: dict[str, str] | None = None)
     if (not set(codes.values()) <= set(DTYPE_ENUM) or len(set(storages)) < len(storages)
             or not all(t.is_contiguous() for t in tensors.values())):
         return safetensors_save_file(tensors, str(path), metadata=metadata)
-    order = sorted(tensors, key=lambda n: (-DTYPE_BITS[codes[n]], -DTYPE_ENUM.index(codes[n]), n))
+    order = sorted(tensors, key=lambda n: (-DTYPE_BYTES[codes[n]], -DTYPE_ENUM.index(codes[n]), n))
     specs = [TensorSpec(name, codes[name], tuple(tensors[name].shape)) for name in order]
     head, offsets = header_bytes(specs, metadata or {})
     layout = ShardLayout(Path(path).name, head, offsets, {spec.name: spec for spec in specs})
