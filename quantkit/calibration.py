@@ -73,11 +73,12 @@ class TokenWindows:
     source: str
     sha256: str
 
-    def calib_dataset(self) -> datasets.Dataset:
-        """The calibration windows as a Dataset with input_ids and attention_mask."""
+    def calib_dataset(self, share: slice = slice(None)) -> datasets.Dataset:
+        """The calibration windows (those in `share`: a torchrun rank's) as a Dataset with input_ids
+        and attention_mask."""
         import datasets
 
-        ids = self.calib.tolist()
+        ids = self.calib[share].tolist()
         mask = [[1] * len(row) for row in ids]
         return datasets.Dataset.from_dict({"input_ids": ids, "attention_mask": mask})
 

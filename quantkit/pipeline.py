@@ -29,7 +29,7 @@ from pydantic import BaseModel
 
 from quantkit import __version__, export
 from quantkit.cache import fingerprint, input_hashes, up_to_date
-from quantkit.distributed import check_single_process
+from quantkit.distributed import Ranks, check_launch, process_group
 from quantkit.errors import (CalibrationError, GateFailedError, InputError, OutputExistsError, QuantkitError,
                              RunFailedError, UnsupportedError)
 from quantkit.lora import plan_merge
@@ -76,6 +76,7 @@ class RunOptions:
     only: list[str] = field(default_factory=list)  # target names to run (empty: all)
     skip_existing: bool = False  # skip targets whose output is up to date; replace stale ones
     partial: bool = False  # publish the targets that pass; a failing or raising one does not stop the others
+    ranks: Ranks = Ranks()  # this process's place in a torchrun launch (quantkit.distributed)
     progress: Progress = lambda message: None
 
 
@@ -84,7 +85,6 @@ def prepare(recipe: Recipe, opts: RunOptions) -> tuple[ModelInfo, list[ResolvedT
     calibration, method options. Returns the model and the selected targets, resolved."""
     from quantkit.calibration import validate_source
 
-    check_single_process(os.environ)
     selected = select_targets(recipe.targets, opts.only)
     info = check_model_dir(resolve_model(opts.model))
     check_generative(info)
@@ -95,6 +95,9 @@ def prepare(recipe: Recipe, opts: RunOptions) -> tuple[ModelInfo, list[ResolvedT
     validate_source(recipe.calibration.source)
     check_offload_dir(recipe, info)
     targets = [resolve_target(recipe, target, info) for target in selected]
+    check_launch(opts.ranks, [(t.name, t.target.method, t.options) for t in targets],
+                 window_settings(recipe, targets).num_samples, bool(recipe.lora), opts.skip_existing,
+                 recipe.offload_dir is not None)
     if recipe.lora:
         lora_plan(info, recipe)  # every adapter checked against the base before work
     check_disk(opts.out, run_estimate(info, recipe, [(t.target.method, t.options) for t in targets]))
@@ -233,10 +236,20 @@ def window_settings(recipe: Recipe, targets: list[ResolvedTarget]) -> Calibratio
     return recipe.calibration.model_copy(update={"num_samples": 0})
 
 
-def run(recipe: Recipe, opts: RunOptions) -> RunReport:
-    """Execute the recipe; returns the report (also written to OUT/quantkit.json)."""
+def run(recipe: Recipe, opts: RunOptions) -> RunReport | None:
+    """Execute the recipe; returns the report (also written to OUT/quantkit.json). Under torchrun,
+    a rank other than 0 does its share of the calibration, writes nothing and returns None."""
     started = time.time()
     info, targets = prepare(recipe, opts)
+    with process_group(opts.ranks, recipe.device):
+        if not opts.ranks.is_main:
+            run_share(recipe, opts, info, targets)
+            return None
+        return run_main(recipe, opts, info, targets, started)
+
+
+def run_main(recipe: Recipe, opts: RunOptions, info: ModelInfo, targets: list[ResolvedTarget],
+             started: float) -> RunReport:
     inputs = input_hashes(info, recipe)
     report = base_report(recipe, opts, info, inputs)
     prints = {t.name: fingerprint(recipe, t.target, t.gate, inputs, opts.enforce_gate) for t in targets}
@@ -299,7 +312,7 @@ def _run_in(staging: Path, recipe: Recipe, opts: RunOptions, info: ModelInfo, ta
                 job = QuantizeJob(load(info, recipe, offload, opts.progress) if resolved.needs_model else None,
                                   tokenizer if resolved.needs_model else None, info, resolved.options, windows,
                                   resolved.ignore, out_dir, workdir, recipe.dtype, recipe.device,
-                                  recipe.trust_remote_code, resolved.target.tower_precision(), offload)
+                                  recipe.trust_remote_code, resolved.target.tower_precision(), offload, opts.ranks)
                 entry = run_target(job, resolved, baseline, opts)
                 del job
         except Exception as exc:
@@ -310,6 +323,29 @@ def _run_in(staging: Path, recipe: Recipe, opts: RunOptions, info: ModelInfo, ta
         gc.collect()
         entry.fingerprint = prints[resolved.name]
         report.targets.append(entry)
+
+
+def run_share(recipe: Recipe, opts: RunOptions, info: ModelInfo, targets: list[ResolvedTarget]) -> None:
+    """A rank other than 0 (quantkit.distributed): each target's GPTQ on this rank's share of the
+    windows, in step with rank 0's; nothing written outside a private work directory next to OUT."""
+    import tempfile
+
+    from quantkit.model import load_tokenizer
+
+    tokenizer = load_tokenizer(info, recipe.trust_remote_code)
+    windows = make_windows(tokenizer, window_settings(recipe, targets), lambda message: None)
+    parent = opts.out.resolve().parent
+    with tempfile.TemporaryDirectory(prefix=f".quantkit-rank{opts.ranks.rank}-", dir=parent) as tmp:
+        workdir = Path(tmp)
+        for resolved in targets:
+            with offload_plan(recipe, info, workdir) as offload:
+                job = QuantizeJob(load(info, recipe, offload, lambda message: None), tokenizer, info,
+                                  resolved.options, windows, resolved.ignore, workdir, workdir, recipe.dtype,
+                                  recipe.device, recipe.trust_remote_code, resolved.target.tower_precision(),
+                                  offload, opts.ranks)
+                resolved.method.quantize(job)
+                job.free_model()
+                del job
 
 
 def compute_baseline(info: ModelInfo, recipe: Recipe, windows, workdir: Path, report: RunReport,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -116,18 +117,25 @@ def quantize(
     if no_gate and not quiet:
         err.print("warning: --no-gate: the quality gate is measured but not enforced (recorded in quantkit.json)",
                   style="yellow", highlight=False)
+    from quantkit.distributed import ranks_from
     from quantkit.preflight import parse_size
 
+    ranks = ranks_from(os.environ)
     opts = RunOptions(model=resolved.model, out=output, overwrite=overwrite, enforce_gate=not no_gate,
                       max_memory=parse_size(max_memory) if max_memory else None,
                       only=[name.strip() for names in only for name in names.split(",") if name.strip()],
-                      skip_existing=skip_existing, partial=partial,
-                      progress=(lambda message: None) if quiet else progress)
+                      skip_existing=skip_existing, partial=partial, ranks=ranks,
+                      progress=(lambda message: None) if quiet or not ranks.is_main else progress)
     try:
         report = run(resolved, opts)
     except (GateFailedError, RunFailedError) as exc:
         show_results(exc.report, output, json_path, summary, quiet)
         raise
+    if report is None:  # a torchrun rank other than 0
+        if not quiet:
+            err.print(f"rank {ranks.rank} of {ranks.world_size}: calibration share done; rank 0 writes {output}",
+                      highlight=False)
+        return
     show_results(report, output, json_path, summary, quiet)
     if not quiet:
         written = any(t.written for t in report.targets)

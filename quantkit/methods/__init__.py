@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from pydantic import BaseModel
 
+from quantkit.distributed import Ranks
 from quantkit.errors import InputError
 
 if TYPE_CHECKING:
@@ -76,6 +77,7 @@ class QuantizeJob:
     trust_remote_code: bool = False
     towers: dict[str, str] = field(default_factory=dict)  # tower role -> int8/int4 (Target.tower_precision())
     offload: Offload | None = None  # what the model was loaded with on disk, and where (quantkit.model.Offload)
+    ranks: Ranks = Ranks()  # under torchrun: this rank's share of the windows; only rank 0 saves (quantkit.distributed)
 
     def free_model(self) -> None:
         """Drop the loaded model: its weights to the meta device (llm-compressor's offload caches

@@ -14,16 +14,19 @@ FORMAT = "compressed-tensors"
 
 def run_oneshot(job, recipe, calibrate: bool) -> None:
     """Apply llm-compressor modifiers to job.model in place (layer by layer when calibrating). GPTQ keeps
-    one copy of each Hessian (quantkit.methods.lean_hessian)."""
+    one copy of each Hessian (quantkit.methods.lean_hessian). Under torchrun each rank calibrates on
+    its own share of the windows (quantkit.distributed)."""
     from llmcompressor import oneshot
 
+    from quantkit.distributed import synchronized_gptq
     from quantkit.methods import lean_hessian
 
     kwargs = {}
     if calibrate:
+        share = job.ranks.share(len(job.windows.calib))  # all of them in one process
         kwargs = dict(
-            dataset=job.windows.calib_dataset(),
-            num_calibration_samples=len(job.windows.calib),
+            dataset=job.windows.calib_dataset(share),
+            num_calibration_samples=share.stop - share.start,
             max_seq_length=job.windows.calib.shape[1],
             shuffle_calibration_samples=False,
             pipeline="sequential",
@@ -33,7 +36,7 @@ def run_oneshot(job, recipe, calibrate: bool) -> None:
     if towers:  # data-free first: the sequential pipeline computes scales only for modules that run
         oneshot(model=job.model, recipe=towers, tokenizer=job.tokenizer, log_dir=None,
                 trust_remote_code_model=job.trust_remote_code)
-    with lean_hessian.lean_hessians():
+    with lean_hessian.lean_hessians(), synchronized_gptq(job.ranks):
         oneshot(model=job.model, recipe=recipe, tokenizer=job.tokenizer, log_dir=None,
                 trust_remote_code_model=job.trust_remote_code, **kwargs)  # it re-reads config.json
 
@@ -103,9 +106,10 @@ def save_compressed(job) -> None:
     set_save_names(job.model, job.info.model_type)
     # bounded shards, each written with plain writes: safetensors maps the output file while it fills
     # it, so a whole shard's pages would count in the RSS beside the model (quantkit.shards.save_file)
-    with plain_writes():
+    with plain_writes():  # under torchrun every rank compresses a share of the modules, rank 0 writes
         job.model.save_pretrained(job.out_dir, save_compressed=True, max_shard_size=SHARD_BYTES)
-    finish_artifact(job.out_dir, job.tokenizer, job.ignore)
+    if job.ranks.is_main:
+        finish_artifact(job.out_dir, job.tokenizer, job.ignore)
     release_session()
 
 
