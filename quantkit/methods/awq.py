@@ -54,8 +54,8 @@ from quantkit.mixed import Fallback
 # 4-bit weights: the same looser gate as GPTQ.
 DEFAULT_GATE = {"max_ppl_increase": 0.10, "max_kld": 0.10, "min_top1": 0.80}
 
-# Where llm-compressor pins memory (module, class, method): checked by the test suite.
-PIN_MEMORY_SITE = ("llmcompressor.pipelines.cache", "IntermediatesCache", "pin_memory")
+# Where llm-compressor pins memory (a quantkit.patching site): checked by the test suite.
+PIN_MEMORY_SITE = ("llmcompressor.pipelines.cache", "IntermediatesCache.pin_memory")
 
 
 class Options(BaseModel):
@@ -120,15 +120,8 @@ def check(info, options: Options, calibration) -> None:
 # ---------------------------------------------------------------- the CPU workaround
 
 
-def pin_memory_target():
-    """The class whose pin_memory AWQ calls (raises if an upgrade moved or renamed it)."""
-    import importlib
-
-    module_name, class_name, method = PIN_MEMORY_SITE
-    cls = getattr(importlib.import_module(module_name), class_name)
-    if not callable(getattr(cls, method, None)):
-        raise AttributeError(f"{module_name}.{class_name}.{method} no longer exists")
-    return cls
+def no_pinning(self, *args, **kwargs) -> None:
+    """IntermediatesCache.pin_memory without an accelerator: nothing to pin for."""
 
 
 @contextmanager
@@ -139,17 +132,13 @@ def cpu_pin_memory_guard() -> Iterator[bool]:
     """
     import torch
 
+    from quantkit.patching import swapped
+
     if torch.accelerator.is_available():
         yield False
         return
-    cls = pin_memory_target()
-    method = PIN_MEMORY_SITE[2]
-    original = cls.__dict__[method]
-    setattr(cls, method, lambda self, *args, **kwargs: None)
-    try:
+    with swapped({PIN_MEMORY_SITE: no_pinning}):
         yield True
-    finally:
-        setattr(cls, method, original)
 
 
 # ---------------------------------------------------------------- quantize

@@ -1,4 +1,4 @@
-"""llm-compressor's GPTQ with one copy of each Hessian instead of three.
+"""llm-compressor's GPTQ with one copy of each Hessian instead of three, and one of each weight.
 
 GPTQ keeps a float32 Hessian per Linear (in² × 4 B: 256 MiB for an 8192-wide `down_proj`, 3 GiB
 for Llama-3-70B's 28672-wide one). llm-compressor 0.14.0.1 makes a whole second Hessian each time
@@ -12,12 +12,21 @@ times the widest Hessian:
 - `helpers.factorize_hessian` calls cholesky / cholesky_inverse / cholesky with `out=` a row-major
   matrix; LAPACK works on column-major data, so torch computes in a column-major temporary.
 
+Around the Hessian, the quantization itself holds more float32 copies of the weight than it needs:
+- `gptq_quantize.quantize_weight` subtracts each block's error from the columns to its right as one
+  rows × columns product, and makes the next block's product before the last one is dropped (two
+  weight-sized temporaries), and undoes act-order's permutation into a second weight;
+- `GPTQModifier.compress_module_list` keeps a module's stacked weights and quantized result in its
+  loop variables while it quantizes the next module.
+
 The functions here do the same arithmetic in place: X Xᵀ added a block of rows at a time (each
 block's product is bit-identical to the same rows of the whole product) from inputs scaled in
 place; and, on a batch of one module (the only batch size on a CPU, where
 `batched_quantization="auto"` gives one), the division in place and the stack as a view, the
 permutation by row chunks and block transposes, the factorization on the column-major view of the
-transposed matrix. Results are bit-identical to llm-compressor's on this project's CPU torch
+transposed matrix; the block error and the inverse permutation a slab of rows at a time; and
+compress_module_list called once per batch, so a batch's tensors are freed with its call. Results are
+bit-identical to llm-compressor's on this project's CPU torch
 (tests/methods/test_lean_hessian.py); a batch of several modules (GPU batching) goes to
 llm-compressor's own functions unchanged.
 
@@ -36,8 +45,13 @@ SITES = (
     ("llmcompressor.modifiers.gptq.base", "prepare_batch"),
     ("llmcompressor.modifiers.gptq.gptq_quantize", "apply_activation_ordering"),
     ("llmcompressor.modifiers.gptq.gptq_quantize", "factorize_hessian"),
+    ("llmcompressor.modifiers.gptq.base", "quantize_weight"),
+    ("llmcompressor.modifiers.gptq.base", "GPTQModifier.compress_module_list"),
 )
+COMPRESS_SITE = SITES[-1]
 BLOCK = 1024  # rows (and block width) of the temporaries the in-place steps use
+ERROR_SLAB = 1 << 22  # elements (16 MiB in float32) of each slab of the block-error product,
+SLAB_ROWS = 256  # in slabs of at least this many rows: BLAS takes other paths for a few rows
 
 
 def transpose_in_place(matrix) -> None:
@@ -154,12 +168,92 @@ def factorize_hessian(weights, hessians, percdamp, used_rtn_fallback):
     return hessians
 
 
+def propagate_block_error(W, err, hinv_right, i2: int) -> None:
+    """W[:, :, i2:] -= err @ hinv_right, a slab of rows at a time (each slab's product is the same rows
+    of the whole product, bit for bit)."""
+    import torch
+
+    rows = max(SLAB_ROWS, ERROR_SLAB // max(1, W.shape[-1] - i2))
+    for r in range(0, W.shape[-2], rows):
+        W[:, r:r + rows, i2:] -= torch.bmm(err[:, r:r + rows], hinv_right)
+
+
+def unpermute_in_place(W, perm) -> None:
+    """W <- W with the columns put back in the original order (llm-compressor's gather by argsort),
+    a slab of rows at a time."""
+    import torch
+
+    invperm = torch.argsort(perm, dim=-1)
+    rows = max(SLAB_ROWS, ERROR_SLAB // W.shape[-1])
+    for r in range(0, W.shape[-2], rows):
+        slab = W[:, r:r + rows]
+        slab.copy_(torch.gather(slab, -1, invperm.unsqueeze(-2).expand(-1, slab.shape[-2], -1)))
+
+
+def quantize_weight(weights, hessians, scale, zero_point, global_scale, quant_args, blocksize=128, percdamp=0.01):
+    """llm-compressor's gptq_quantize.quantize_weight for one module, with the block error propagated
+    and the act-order permutation undone a slab of rows at a time; several modules go upstream."""
+    import torch
+    from compressed_tensors.quantization import ActivationOrdering, QuantizationStrategy
+    from llmcompressor.modifiers.gptq import gptq_quantize, helpers
+
+    if weights.ndim != 3 or hessians.ndim != 3 or weights.shape[0] != 1 or hessians.shape[0] != 1:
+        return gptq_quantize.quantize_weight(weights, hessians, scale, zero_point, global_scale, quant_args,
+                                             blocksize=blocksize, percdamp=percdamp)
+    _, num_rows, num_columns = weights.shape
+    final_dtype, device = weights.dtype, weights.device
+    W = weights.to(device=device, dtype=helpers.GPTQ_PRECISION)
+    H = hessians.to(device=device, dtype=helpers.GPTQ_PRECISION)
+    del weights, hessians
+    scale, zero_point = scale.to(device=device), zero_point.to(device=device)
+    global_scale = None if global_scale is None else global_scale.to(device=device)
+    W, H, perm = apply_activation_ordering(W, H, quant_args.actorder)
+    g_idx = None
+    if quant_args.strategy in (QuantizationStrategy.GROUP, QuantizationStrategy.TENSOR_GROUP,
+                               QuantizationStrategy.BLOCK):
+        divisor = (quant_args.group_size if quant_args.strategy != QuantizationStrategy.BLOCK
+                   else quant_args.block_structure[1])
+        g_idx = torch.arange(num_columns, device=device, dtype=torch.int) // divisor
+        if quant_args.actorder == ActivationOrdering.WEIGHT:
+            g_idx = torch.gather(g_idx.unsqueeze(0).expand(1, -1), 1, perm)
+    losses = torch.zeros(1, num_rows, device=device)
+    used_rtn_fallback = torch.zeros(1, dtype=torch.bool, device=device)
+    Hinv = factorize_hessian(W, H, percdamp, used_rtn_fallback)
+    for i1 in range(0, num_columns, blocksize):
+        i2 = min(i1 + blocksize, num_columns)
+        W1 = W[:, :, i1:i2].clone()
+        Q1, Err1, losses1 = torch.zeros_like(W1), torch.zeros_like(W1), torch.zeros_like(W1)
+        gptq_quantize.gptq_block_update(W1, Hinv[:, i1:i2, i1:i2], Q1, Err1, losses1, scale=scale,
+                                        zero_point=zero_point, global_scale=global_scale, g_idx=g_idx,
+                                        quant_args=quant_args, i1=i1)
+        W[:, :, i1:i2] = Q1
+        losses += torch.sum(losses1, 2) / 2
+        propagate_block_error(W, Err1, Hinv[:, i1:i2, i2:], i2)
+    if perm is not None:
+        unpermute_in_place(W, perm)
+    return W.to(final_dtype), losses.sum(dim=1), used_rtn_fallback
+
+
+def one_batch_per_call(compress_module_list):
+    """GPTQModifier.compress_module_list called once per batch of modules: its loop keeps a batch's
+    float32 weights and quantized result in its variables while the next batch is quantized; a call
+    per batch frees them when it returns."""
+    def compress_batch_by_batch(self, module_list):
+        from llmcompressor.modifiers.gptq import helpers
+
+        for batch in helpers.assign_batches(module_list, self.batched_quantization, self.block_size):
+            compress_module_list(self, batch)
+    return compress_batch_by_batch
+
+
 @contextmanager
 def lean_hessians() -> Iterator[None]:
     """Route llm-compressor's GPTQ through the functions above while inside; restored on exit."""
-    from quantkit.patching import swapped
+    from quantkit.patching import site_function, swapped
 
     lean = {"accumulate_hessian": accumulate_hessian, "prepare_batch": prepare_batch,
-            "apply_activation_ordering": apply_activation_ordering, "factorize_hessian": factorize_hessian}
+            "apply_activation_ordering": apply_activation_ordering, "factorize_hessian": factorize_hessian,
+            "quantize_weight": quantize_weight,
+            "GPTQModifier.compress_module_list": one_batch_per_call(site_function(COMPRESS_SITE))}
     with swapped({site: lean[site[1]] for site in SITES}):
         yield

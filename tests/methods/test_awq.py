@@ -39,9 +39,10 @@ def test_pin_memory_site_still_exists():
     from llmcompressor.modifiers.transform.awq import base
 
     from quantkit.methods import awq
+    from quantkit.patching import site_function, site_owner
 
-    cls = awq.pin_memory_target()
-    assert cls.__name__ == "IntermediatesCache"
+    assert site_owner(awq.PIN_MEMORY_SITE)[0].__name__ == "IntermediatesCache"
+    assert site_function(awq.PIN_MEMORY_SITE).__name__ == "pin_memory"
     assert "cache.pin_memory(" in inspect.getsource(base.AWQModifier._apply_smoothing)
 
 

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 import torch
 
 from quantkit.methods import lean_hessian
+from quantkit.patching import site_function
 
 
 def hessian(width: int, dead: tuple[int, ...] = (), seed: int = 0) -> torch.Tensor:
@@ -31,15 +30,15 @@ def test_transpose_and_permute_in_place(width):
 
 
 def test_sites_exist():
-    for module_name, name in lean_hessian.SITES:
-        assert callable(vars(importlib.import_module(module_name))[name]), (module_name, name)
+    for site in lean_hessian.SITES:
+        assert callable(site_function(site)), site
 
 
 def test_guard_restores_the_originals():
-    before = [vars(importlib.import_module(m))[n] for m, n in lean_hessian.SITES]
+    before = [site_function(site) for site in lean_hessian.SITES]
     with lean_hessian.lean_hessians():
-        inside = [vars(importlib.import_module(m))[n] for m, n in lean_hessian.SITES]
-    after = [vars(importlib.import_module(m))[n] for m, n in lean_hessian.SITES]
+        inside = [site_function(site) for site in lean_hessian.SITES]
+    after = [site_function(site) for site in lean_hessian.SITES]
     assert after == before and not set(inside) & set(before)
 
 
@@ -70,6 +69,62 @@ def test_quantize_weight_bit_identical(actorder, group_size, dead):
     got = quantize(weight, h, actorder, group_size, lean=True)
     for a, b in zip(expected, got):
         assert torch.equal(a, b)
+
+
+def quantize_args(weight, actorder, group_size):
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    args = QuantizationArgs(num_bits=4, symmetric=True, strategy="group" if group_size else "channel",
+                            group_size=group_size, actorder=actorder)
+    rows = weight.reshape(weight.shape[0], -1, group_size) if group_size else weight.unsqueeze(-1)
+    scale, zero = calculate_qparams(rows.amin(-1), rows.amax(-1), args)
+    return scale.unsqueeze(0), zero.unsqueeze(0), args
+
+
+@pytest.mark.parametrize("actorder, group_size, dead, slab", [
+    (None, 64, (), 1), ("static", 64, (3, 200), 300_000), ("weight", 128, (), 777), ("weight", 32, (5,), 1),
+    ("static", None, (), 10**9), (None, None, (7,), 3000),
+])
+def test_lean_quantize_weight_bit_identical_to_upstream(actorder, group_size, dead, slab, monkeypatch):
+    """quantkit's quantize_weight (block error and inverse permutation by slabs of rows: the sizes here
+    make slabs of 256 rows and a remainder, up to the whole weight) against llm-compressor's own, all
+    helpers upstream."""
+    from llmcompressor.modifiers.gptq.gptq_quantize import quantize_weight as upstream
+
+    torch.manual_seed(3)
+    weight = torch.randn(700, 640)
+    h = hessian(640, dead, seed=4)
+    scale, zero, args = quantize_args(weight, actorder, group_size)
+    expected = upstream(weight.clone().unsqueeze(0), h.clone().unsqueeze(0), scale, zero, None, args, blocksize=64)
+    monkeypatch.setattr(lean_hessian, "ERROR_SLAB", slab)
+    got = lean_hessian.quantize_weight(weight.clone().unsqueeze(0), h.clone().unsqueeze(0), scale, zero, None, args,
+                                       blocksize=64)
+    for a, b in zip(expected, got):
+        assert torch.equal(a, b)
+
+
+def test_several_modules_go_to_upstream_quantize_weight():
+    from llmcompressor.modifiers.gptq.gptq_quantize import quantize_weight as upstream
+
+    torch.manual_seed(5)
+    weights = torch.randn(2, 16, 128)
+    hessians = torch.stack([hessian(128, seed=1), hessian(128, seed=2)])
+    scale, zero, args = quantize_args(weights[0], None, 32)
+    scales, zeros = torch.cat([scale, scale]), torch.cat([zero, zero])
+    expected = upstream(weights.clone(), hessians.clone(), scales, zeros, None, args)
+    got = lean_hessian.quantize_weight(weights.clone(), hessians.clone(), scales, zeros, None, args)
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+
+
+def test_compress_module_list_is_called_once_per_batch():
+    from types import SimpleNamespace
+
+    calls = []
+    wrapped = lean_hessian.one_batch_per_call(lambda self, batch: calls.append(list(batch)))
+    modules = [torch.nn.Linear(8, 4), torch.nn.Linear(8, 4), torch.nn.Linear(16, 4)]
+    wrapped(SimpleNamespace(batched_quantization=None, block_size=128), modules)
+    assert calls == [[m] for m in modules]
 
 
 def test_not_positive_definite_falls_back_to_rtn_as_upstream():
