@@ -202,10 +202,11 @@ def split_tables(others: dict[str, int]) -> tuple[int, list[int]]:
 
 def hessian_bytes(target, info) -> int:
     """GPTQ's working set for one decoder layer: a float32 Hessian (in x in) per quantized Linear, all
-    of them alive while the layer calibrates, and two float32 copies of the largest weight while it is
-    quantized (the Hessians stay single copies: quantkit.methods.lean_hessian); 0 for the methods
-    without Hessians."""
+    of them alive while the layer calibrates, and one float32 copy of the largest weight with a slab of
+    its block-error product while it is quantized (single copies: quantkit.methods.lean_hessian); 0
+    for the methods without Hessians."""
     from quantkit.methods.gptq import quantized_linears
+    from quantkit.methods.lean_hessian import ERROR_SLAB, SLAB_ROWS
     from quantkit.model import LAYER_PREFIX
 
     if target.target.method != "gptq":
@@ -214,7 +215,10 @@ def hessian_bytes(target, info) -> int:
     for name, (out, width) in quantized_linears(info).items():
         match = LAYER_PREFIX.match(name + ".")
         shapes.setdefault(match.group(1) if match else name, []).append((out, width))
-    per_layer = [4 * sum(w * w for _o, w in s) + 8 * max(o * w for o, w in s) for s in shapes.values()]
+    def quantizing(out: int, width: int) -> int:
+        return 4 * out * width + 4 * min(out * width, max(SLAB_ROWS * width, ERROR_SLAB))
+
+    per_layer = [4 * sum(w * w for _o, w in s) + max(quantizing(o, w) for o, w in s) for s in shapes.values()]
     return max(per_layer, default=0)
 
 

@@ -81,6 +81,27 @@ def permute_square_in_place(matrix, perm) -> None:
     transpose_in_place(matrix)
 
 
+def propagate_block_error(W, err, hinv_right, i2: int) -> None:
+    """W[:, :, i2:] -= err @ hinv_right, a slab of rows at a time (each slab's product is the same rows
+    of the whole product, bit for bit)."""
+    import torch
+
+    rows = max(SLAB_ROWS, ERROR_SLAB // max(1, W.shape[-1] - i2))
+    for r in range(0, W.shape[-2], rows):
+        W[:, r:r + rows, i2:] -= torch.bmm(err[:, r:r + rows], hinv_right)
+
+
+def gather_columns_in_place(W, index) -> None:
+    """W <- torch.gather(W, -1, index expanded over the rows), a slab of rows at a time: for a
+    permutation `index`, the same values without a second weight."""
+    import torch
+
+    rows = max(SLAB_ROWS, ERROR_SLAB // W.shape[-1])
+    for r in range(0, W.shape[-2], rows):
+        slab = W[:, r:r + rows]
+        slab.copy_(torch.gather(slab, -1, index.unsqueeze(-2).expand(-1, slab.shape[-2], -1)))
+
+
 def accumulate_hessian(inp, module, hessian, num_samples):
     """llm-compressor's accumulate_hessian for a Linear: hessian += 2 X Xᵀ a block of rows at a time."""
     import math
@@ -124,18 +145,17 @@ def prepare_batch(batch, batch_qparams, hessians_by_module, num_samples_by_modul
 
 
 def apply_activation_ordering(weights, hessians, actorder):
-    """llm-compressor's apply_activation_ordering, the Hessian permuted in place (one module)."""
+    """llm-compressor's apply_activation_ordering, the Hessian and the weight permuted in place (one module)."""
     import torch
     from compressed_tensors.quantization import ActivationOrdering
     from llmcompressor.modifiers.gptq import helpers
 
     if hessians.shape[0] != 1 or actorder not in (ActivationOrdering.WEIGHT, ActivationOrdering.STATIC):
         return helpers.apply_activation_ordering(weights, hessians, actorder)  # no order, several, or its error
-    num_rows = weights.shape[-2]
     perm = torch.argsort(torch.diagonal(hessians, dim1=-2, dim2=-1), dim=-1, descending=True)
     permute_square_in_place(hessians[0], perm[0].to(device=hessians.device))
     weight_perm = perm.to(device=weights.device)
-    weights.copy_(torch.gather(weights, -1, weight_perm.unsqueeze(-2).expand(-1, num_rows, -1)))
+    gather_columns_in_place(weights, weight_perm)
     return weights, hessians, weight_perm
 
 
@@ -166,28 +186,6 @@ def factorize_hessian(weights, hessians, percdamp, used_rtn_fallback):
         matrix.copy_(torch.eye(matrix.shape[0], dtype=matrix.dtype, device=matrix.device))
         used_rtn_fallback[0] = True
     return hessians
-
-
-def propagate_block_error(W, err, hinv_right, i2: int) -> None:
-    """W[:, :, i2:] -= err @ hinv_right, a slab of rows at a time (each slab's product is the same rows
-    of the whole product, bit for bit)."""
-    import torch
-
-    rows = max(SLAB_ROWS, ERROR_SLAB // max(1, W.shape[-1] - i2))
-    for r in range(0, W.shape[-2], rows):
-        W[:, r:r + rows, i2:] -= torch.bmm(err[:, r:r + rows], hinv_right)
-
-
-def unpermute_in_place(W, perm) -> None:
-    """W <- W with the columns put back in the original order (llm-compressor's gather by argsort),
-    a slab of rows at a time."""
-    import torch
-
-    invperm = torch.argsort(perm, dim=-1)
-    rows = max(SLAB_ROWS, ERROR_SLAB // W.shape[-1])
-    for r in range(0, W.shape[-2], rows):
-        slab = W[:, r:r + rows]
-        slab.copy_(torch.gather(slab, -1, invperm.unsqueeze(-2).expand(-1, slab.shape[-2], -1)))
 
 
 def quantize_weight(weights, hessians, scale, zero_point, global_scale, quant_args, blocksize=128, percdamp=0.01):
@@ -230,7 +228,7 @@ def quantize_weight(weights, hessians, scale, zero_point, global_scale, quant_ar
         losses += torch.sum(losses1, 2) / 2
         propagate_block_error(W, Err1, Hinv[:, i1:i2, i2:], i2)
     if perm is not None:
-        unpermute_in_place(W, perm)
+        gather_columns_in_place(W, torch.argsort(perm, dim=-1))  # back to the original column order
     return W.to(final_dtype), losses.sum(dim=1), used_rtn_fallback
 
 
