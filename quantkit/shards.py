@@ -174,14 +174,15 @@ class ShardWriter:
 DTYPE_ENUM = ("BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "I16", "F16", "BF16", "I32", "F32", "F64", "I64")
 
 
-def save_file(tensors: dict, path: Path, metadata: dict[str, str] | None = None) -> None:
+def save_file(tensors: dict, path: Path, metadata: dict[str, str] | None = None, release_source: bool = True) -> None:
     """What `safetensors.torch.save_file` writes (byte for byte when the metadata has one key), put
     on disk with plain writes a tensor at a time. safetensors maps the output file while it fills it,
     so the whole file's pages count in the process's RSS until it is closed; written here they are
     page cache, and the pages of each tensor are handed back once written (rowio.page_out: a tensor
     transformers reads from a memory-mapped checkpoint would otherwise stay resident). What
     safetensors refuses (a non-contiguous tensor, tensors sharing memory) and dtypes outside
-    DTYPE_ENUM go to safetensors itself."""
+    DTYPE_ENUM go to safetensors itself. `release_source=False` skips the hand-back, for tensors that
+    are fresh temporaries (with swap, their anonymous pages would be written out for nothing)."""
     import torch
     from safetensors.torch import save_file as safetensors_save_file
 
@@ -200,20 +201,29 @@ def save_file(tensors: dict, path: Path, metadata: dict[str, str] | None = None)
             for start in range(0, data.numel(), COPY_BYTES):
                 chunk = data[start:start + COPY_BYTES]
                 writer.write(name, memoryview(chunk.numpy()), start)
-                page_out(chunk.data_ptr(), chunk.numel())  # a table read from the checkpoint's map
+                if release_source:
+                    page_out(chunk.data_ptr(), chunk.numel())  # a table read from the checkpoint's map
 
 
 # how transformers' save_pretrained writes each shard
 SAFETENSORS_SAVE_SITE = ("transformers.modeling_utils", "safe_save_file")
+# compressed-tensors' disk offload rewrites a layer's file each time llm-compressor updates a weight
+OFFLOAD_SAVE_SITE = ("compressed_tensors.offload.cache.disk", "save_file")
 
 
 @contextmanager
 def plain_writes() -> Iterator[None]:
-    """transformers' save_pretrained writes its shards through save_file while inside."""
+    """transformers' save_pretrained and compressed-tensors' disk offload write their safetensors
+    files through save_file while inside."""
     from quantkit.patching import swapped
 
-    with swapped({SAFETENSORS_SAVE_SITE: save_file}):
+    with swapped({SAFETENSORS_SAVE_SITE: save_file, OFFLOAD_SAVE_SITE: save_temporaries}):
         yield
+
+
+def save_temporaries(tensors: dict, path: Path, metadata: dict[str, str] | None = None) -> None:
+    """save_file for the disk offload's updates: each tensor is a fresh copy about to be dropped."""
+    save_file(tensors, path, metadata, release_source=False)
 
 
 def write_index(out_dir: Path, layouts: list[ShardLayout]) -> None:

@@ -125,3 +125,25 @@ def test_the_transformers_save_site_exists():
     from quantkit.shards import SAFETENSORS_SAVE_SITE
 
     assert site_function(SAFETENSORS_SAVE_SITE) is save_file
+
+
+def test_the_offload_save_site_exists_and_is_swapped_inside_plain_writes():
+    from quantkit.patching import site_function
+    from quantkit.shards import OFFLOAD_SAVE_SITE, SAFETENSORS_SAVE_SITE, plain_writes, save_temporaries
+    from quantkit.shards import save_file as plain_save_file
+
+    original = site_function(OFFLOAD_SAVE_SITE)
+    assert original is save_file
+    with plain_writes():
+        assert site_function(OFFLOAD_SAVE_SITE) is save_temporaries
+        assert site_function(SAFETENSORS_SAVE_SITE) is plain_save_file
+    assert site_function(OFFLOAD_SAVE_SITE) is original
+
+
+def test_the_offload_writes_are_the_same_bytes(tmp_path):
+    from quantkit.shards import save_temporaries
+
+    tensors = {"weight": torch.randn(64, 48).to(torch.bfloat16)}
+    save_temporaries(tensors, tmp_path / "ours.safetensors")
+    save_file(tensors, tmp_path / "theirs.safetensors")
+    assert (tmp_path / "ours.safetensors").read_bytes() == (tmp_path / "theirs.safetensors").read_bytes()

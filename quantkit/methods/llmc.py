@@ -36,7 +36,8 @@ def run_oneshot(job, recipe, calibrate: bool) -> None:
     if towers:  # data-free first: the sequential pipeline computes scales only for modules that run
         oneshot(model=job.model, recipe=towers, tokenizer=job.tokenizer, log_dir=None,
                 trust_remote_code_model=job.trust_remote_code)
-    with lean_hessian.lean_hessians(), synchronized_gptq(job.ranks):
+    # plain writes: with --offload-dir every weight GPTQ updates is rewritten to disk (quantkit.shards)
+    with lean_hessian.lean_hessians(), synchronized_gptq(job.ranks), plain_writes():
         oneshot(model=job.model, recipe=recipe, tokenizer=job.tokenizer, log_dir=None,
                 trust_remote_code_model=job.trust_remote_code, **kwargs)  # it re-reads config.json
 
