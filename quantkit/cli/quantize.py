@@ -31,6 +31,8 @@ Examples:
 
   quantkit quantize ./ckpt --recipe release -o ./dist   (one dir per target)
 
+  torchrun --standalone --nproc-per-node 4 -m quantkit quantize ./my-model --method gptq --device cuda -o ./gptq   (one rank per GPU)
+
   quantkit quantize ./ckpt --lora ./adapter --recipe release -o ./dist --skip-existing --partial --quiet --summary "$GITHUB_STEP_SUMMARY"   (CI)
 
 CLI flags override recipe fields. Exit codes: 0 ok, 1 internal error, 2 bad input, 3 quality gate
