@@ -19,9 +19,8 @@ computed from half-written weights in some runs (on gloo: top-1 agreement 5% ins
 toy model, one run in three). `synchronized_gptq()` adds a barrier after it.
 
 Only a plain GPTQ target runs on several ranks: a method other than gptq, auto-precision and
-fallback (which re-quantize from rank 0's measurements), --skip-existing (rank 0 would decide which
-targets run), LoRA adapters (merged into a file that would be rank 0's alone) and --offload-dir are
-refused before any work. With --offload-dir each rank keeps its own disk copy, and the weights a rank
+fallback (which re-quantize from rank 0's measurements), and the run-wide options in
+ONE_PROCESS_FLAGS are refused before any work. With --offload-dir each rank keeps its own disk copy, and the weights a rank
 quantizes never reach the others' copies: on gloo every layer after the first came out different.
 """
 
@@ -35,6 +34,16 @@ from quantkit.errors import InputError, UnsupportedError
 
 DISTRIBUTED_METHODS = ("gptq",)
 BROADCAST_SITE = ("llmcompressor.modifiers.gptq.base", "broadcast_qparams_and_cleanup")
+# run-wide options that need one process: flag -> (why, what to do instead)
+ONE_PROCESS_FLAGS = {
+    "--lora": ("the adapters are merged into a checkpoint that rank 0 alone would write",
+               "merge first (`quantkit merge BASE --lora ADAPTER -o MERGED`), then launch on the merged checkpoint"),
+    "--offload-dir": ("each rank would keep its own disk copy, and llm-compressor does not hand the weights a "
+                      "rank quantizes to the others' copies: they would calibrate the next layer on stale weights",
+                      "drop --offload-dir (each rank holds the model in RAM), or run one process with it"),
+    "--skip-existing": ("rank 0 alone would decide which targets run", "name the targets to run with --only"),
+    "--partial": ("rank 0 alone would go on past a target that fails", "drop --partial"),
+}
 TIMEOUT_HOURS = 6  # the other ranks wait at the first collective while rank 0 scores the baseline
 
 
@@ -72,9 +81,9 @@ def ranks_from(env: Mapping[str, str]) -> Ranks:
     return Ranks(rank, world, local)
 
 
-def check_launch(ranks: Ranks, targets: list[tuple[str, str, object]], num_samples: int, lora: bool,
-                 skip_existing: bool, offload_dir: bool) -> None:
-    """Refuse, before work, what cannot run on several ranks. `targets` are (name, method, options)."""
+def check_launch(ranks: Ranks, targets: list[tuple[str, str, object]], num_samples: int, flags: list[str]) -> None:
+    """Refuse, before work, what cannot run on several ranks. `targets` are (name, method, options);
+    `flags` the run-wide options given (names as in ONE_PROCESS_FLAGS)."""
     if not ranks.distributed:
         return
     launch = f"this is one of {ranks.world_size} torchrun ranks"
@@ -87,19 +96,9 @@ def check_launch(ranks: Ranks, targets: list[tuple[str, str, object]], num_sampl
         if extras:
             raise UnsupportedError(f"target '{name}': gptq with {' and '.join(extras)} runs in one process only, "
                                    f"but {launch}", hint="drop it, or run without torchrun")
-    if lora:
-        raise UnsupportedError(f"LoRA adapters are merged in one process, but {launch}",
-                               hint="merge first (`quantkit merge BASE --lora ADAPTER -o MERGED`), "
-                               "then launch on the merged checkpoint")
-    if offload_dir:
-        raise UnsupportedError(f"--offload-dir keeps a private disk copy of the model per rank, but {launch}: "
-                               "llm-compressor does not hand the quantized weights of offloaded layers to the "
-                               "other ranks, which would calibrate the next layer on stale weights",
-                               hint="drop --offload-dir (each rank holds the model in RAM), or run one process "
-                               "with --offload-dir")
-    if skip_existing:
-        raise UnsupportedError(f"--skip-existing decides on rank 0 which targets run, but {launch}",
-                               hint="name the targets to run with --only instead")
+    for flag in flags:
+        why, hint = ONE_PROCESS_FLAGS[flag]
+        raise UnsupportedError(f"{flag} runs in one process only ({why}), but {launch}", hint=hint)
     if num_samples < ranks.world_size:
         raise InputError(f"{num_samples} calibration windows cannot be shared by {ranks.world_size} ranks",
                          hint=f"raise --num-samples to at least {ranks.world_size}")

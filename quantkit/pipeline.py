@@ -95,9 +95,10 @@ def prepare(recipe: Recipe, opts: RunOptions) -> tuple[ModelInfo, list[ResolvedT
     validate_source(recipe.calibration.source)
     check_offload_dir(recipe, info)
     targets = [resolve_target(recipe, target, info) for target in selected]
+    given = {"--lora": bool(recipe.lora), "--offload-dir": recipe.offload_dir is not None,
+             "--skip-existing": opts.skip_existing, "--partial": opts.partial}
     check_launch(opts.ranks, [(t.name, t.target.method, t.options) for t in targets],
-                 window_settings(recipe, targets).num_samples, bool(recipe.lora), opts.skip_existing,
-                 recipe.offload_dir is not None)
+                 window_settings(recipe, targets).num_samples, [flag for flag, on in given.items() if on])
     if recipe.lora:
         lora_plan(info, recipe)  # every adapter checked against the base before work
     check_disk(opts.out, run_estimate(info, recipe, [(t.target.method, t.options) for t in targets]))

@@ -2,7 +2,8 @@
 
 import pytest
 
-from quantkit.distributed import BROADCAST_SITE, Ranks, check_launch, ranks_from, synchronized_gptq
+from quantkit.distributed import (BROADCAST_SITE, ONE_PROCESS_FLAGS, Ranks, check_launch, ranks_from,
+                                  synchronized_gptq)
 from quantkit.errors import InputError, UnsupportedError
 from quantkit.methods.gptq import Options
 from quantkit.patching import site_function
@@ -36,13 +37,12 @@ def test_the_shares_split_the_windows_as_llm_compressor_does(world):
         assert [(s.start, s.stop) for s in shares] == [_get_partition_start_end(count, r, world) for r in range(world)]
 
 
-def launch(world=2, targets=(("gptq", "gptq", Options()),), num_samples=8, lora=False, skip_existing=False,
-           offload_dir=False):
-    check_launch(Ranks(0, world), list(targets), num_samples, lora, skip_existing, offload_dir)
+def launch(world=2, targets=(("gptq", "gptq", Options()),), num_samples=8, flags=()):
+    check_launch(Ranks(0, world), list(targets), num_samples, list(flags))
 
 
 def test_one_process_is_never_refused():
-    launch(world=1, targets=[("fp8", "fp8", None)], num_samples=0, lora=True, skip_existing=True, offload_dir=True)
+    launch(world=1, targets=[("fp8", "fp8", None)], num_samples=0, flags=list(ONE_PROCESS_FLAGS))
 
 
 def test_a_plain_gptq_target_runs_on_several_ranks():
@@ -54,9 +54,7 @@ def test_a_plain_gptq_target_runs_on_several_ranks():
     (dict(targets=[("q", "gptq", Options()), ("f", "fp8", None)]), "target 'f': fp8 runs in one process only"),
     (dict(targets=[("q", "gptq", Options(fallback={}))]), "gptq with fallback"),
     (dict(targets=[("q", "gptq", Options(auto_precision={}))]), "gptq with auto-precision"),
-    (dict(lora=True), "LoRA adapters are merged in one process"),
-    (dict(skip_existing=True), "--skip-existing"),
-    (dict(offload_dir=True), "--offload-dir keeps a private disk copy"),
+    *[(dict(flags=[flag]), f"{flag} runs in one process only") for flag in ONE_PROCESS_FLAGS],
 ])
 def test_what_needs_one_process_is_refused(change, message):
     with pytest.raises(UnsupportedError, match=message) as info:

@@ -107,7 +107,8 @@ def save_compressed(job) -> None:
     set_save_names(job.model, job.info.model_type)
     # bounded shards, each written with plain writes: safetensors maps the output file while it fills
     # it, so a whole shard's pages would count in the RSS beside the model (quantkit.shards.save_file)
-    with plain_writes():  # under torchrun every rank compresses a share of the modules, rank 0 writes
+    # under torchrun every rank compresses a share of the modules and rank 0 writes them
+    with plain_writes():
         job.model.save_pretrained(job.out_dir, save_compressed=True, max_shard_size=SHARD_BYTES)
     if job.ranks.is_main:
         finish_artifact(job.out_dir, job.tokenizer, job.ignore)
