@@ -149,13 +149,12 @@ def test_fallback_turns_a_failing_gate_into_a_passing_artifact(cli, spiky, tmp_p
 
 @pytest.mark.slow
 def test_fallback_stops_with_exit_3_when_max_size_is_spent(cli, spiky, tmp_path):
-    """+0.6% of the first artifact holds layers.1 down_proj at int8 (+0.5%: the artifact's 16-bit
-    embeddings and head weigh most), and no other layer after it (o_proj alone: +0.25% more): the gate
+    """+4% of the first artifact holds layers.1 down_proj at int8 (+3.7%), not gate/up after it: the gate
     still fails, exit 3, nothing written, both steps in the JSON report."""
     target = spent_budget_run(cli, spiky, tmp_path,
-                              "  - name: awq\n    method: awq\n    options: {fallback: {max_size: '+0.6%'}}\n", *GATE)
+                              "  - name: awq\n    method: awq\n    options: {fallback: {max_size: '+4%'}}\n", *GATE)
     fallback = target["details"]["fallback"]
     steps = fallback["steps"]
     assert not fallback["passed"] and not target["gate"]["passed"] and len(steps) == 2
     assert steps[1]["raised"] == {SPIKED: "int4->int8"} and not steps[1]["passed"]
-    assert steps[0]["bytes"] < steps[1]["bytes"] <= int(steps[0]["bytes"] * 1.006)
+    assert steps[0]["bytes"] < steps[1]["bytes"] <= int(steps[0]["bytes"] * 1.04)
