@@ -26,6 +26,7 @@ from typing import Callable
 from quantkit.errors import InputError, OutputBusyError, OutputExistsError
 
 OWNER_SUFFIX = ".owner.json"
+WORK_DIR = ".work"  # a run's scratch directory inside its staging directory (baseline, offloaded tables)
 
 SIDE_FILES = (
     "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
@@ -222,9 +223,12 @@ def move_into_place(src: Path, out: Path, overwrite: bool) -> None:
 
 
 def artifact_bytes(path: Path) -> int:
-    """Bytes of an artifact: a file's size, or every file under a directory."""
+    """Bytes of an artifact: a file's size, or every file under a directory but the run's work
+    directory (WORK_DIR: a one-target run's artifact is the staging directory that holds it)."""
     path = Path(path)
-    return path.stat().st_size if path.is_file() else sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    if path.is_file():
+        return path.stat().st_size
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and WORK_DIR not in f.relative_to(path).parts)
 
 
 def remove_output(out: Path) -> None:

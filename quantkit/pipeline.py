@@ -288,7 +288,7 @@ def _run_in(staging: Path, recipe: Recipe, opts: RunOptions, info: ModelInfo, ta
     calibrates, nor evaluates, nor hands a target the model (e.g. gguf without imatrix and gate)."""
     from quantkit.model import load_tokenizer
 
-    workdir = staging / ".work"
+    workdir = staging / export.WORK_DIR
     workdir.mkdir()
     if recipe.lora:
         info = merge_lora(info, recipe, workdir, report, opts.progress)
@@ -484,7 +484,7 @@ def _finish(staging: Path, recipe: Recipe, opts: RunOptions, report: RunReport) 
     the targets that passed are published and the run still fails (with the worst exit code)."""
     import shutil
 
-    shutil.rmtree(staging / ".work", ignore_errors=True)
+    shutil.rmtree(staging / export.WORK_DIR, ignore_errors=True)
     order = [t.name for t in recipe.targets]
     report.targets.sort(key=lambda t: order.index(t.name))
     measured = [t.gate for t in report.targets if t.gate is not None]
@@ -504,7 +504,7 @@ def _finish(staging: Path, recipe: Recipe, opts: RunOptions, report: RunReport) 
 
 def finalize_target(out_dir: Path, target: TargetReport, report: RunReport, single: bool) -> None:
     """The model card and quantkit.json of a target about to be published."""
-    target.files = sorted(p.name for p in out_dir.iterdir() if p.name != ".work")
+    target.files = sorted(p.name for p in out_dir.iterdir() if p.name != export.WORK_DIR)
     target.written = True
     (out_dir / "README.md").write_text(model_card(target, report))
     export.write_json(out_dir / "quantkit.json", report.to_dict(None if single else [target]))

@@ -137,3 +137,17 @@ def test_concurrent_claims_only_one_wins(tmp_path):
             p.communicate(input="", timeout=30)
     assert sum(line == "won" for line in lines) == 1, lines
     assert all(line.startswith("busy another quantkit run (pid ") for line in lines if line != "won"), lines
+
+
+def test_artifact_bytes_leave_the_runs_work_directory_out(tmp_path):
+    """A one-target run's artifact is its staging directory, which also holds the run's work directory
+    (the baseline, the offloaded tables): the fallback's size budget must not count it."""
+    from quantkit.export import WORK_DIR, artifact_bytes
+
+    (tmp_path / "model.safetensors").write_bytes(b"x" * 100)
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / WORK_DIR / "offload").mkdir(parents=True)
+    (tmp_path / WORK_DIR / "offload" / "lm_head.safetensors").write_bytes(b"y" * 5000)
+    (tmp_path / WORK_DIR / "baseline.f16").write_bytes(b"z" * 700)
+    assert artifact_bytes(tmp_path) == 102
+    assert artifact_bytes(tmp_path / "model.safetensors") == 100
