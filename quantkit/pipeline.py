@@ -310,10 +310,7 @@ def _run_in(staging: Path, recipe: Recipe, opts: RunOptions, info: ModelInfo, ta
             # a fresh model per target (methods change it in place); the job holds the only reference,
             # so run_target can free it before measuring
             with offload_plan(recipe, info, workdir) as offload:
-                job = QuantizeJob(load(info, recipe, offload, opts.progress) if resolved.needs_model else None,
-                                  tokenizer if resolved.needs_model else None, info, resolved.options, windows,
-                                  resolved.ignore, out_dir, workdir, recipe.dtype, recipe.device,
-                                  recipe.trust_remote_code, resolved.target.tower_precision(), offload, opts.ranks)
+                job = target_job(recipe, opts, info, resolved, tokenizer, windows, out_dir, workdir, offload)
                 entry = run_target(job, resolved, baseline, opts)
                 del job
         except Exception as exc:
@@ -324,6 +321,16 @@ def _run_in(staging: Path, recipe: Recipe, opts: RunOptions, info: ModelInfo, ta
         gc.collect()
         entry.fingerprint = prints[resolved.name]
         report.targets.append(entry)
+
+
+def target_job(recipe: Recipe, opts: RunOptions, info: ModelInfo, resolved: ResolvedTarget, tokenizer, windows,
+               out_dir: Path, workdir: Path, offload: Offload | None) -> QuantizeJob:
+    """One target's job, with the full-precision model (`offload` on disk) and the tokenizer when its
+    method needs them."""
+    model = load(info, recipe, offload, opts.progress) if resolved.needs_model else None
+    return QuantizeJob(model, tokenizer if resolved.needs_model else None, info, resolved.options, windows,
+                       resolved.ignore, out_dir, workdir, recipe.dtype, recipe.device, recipe.trust_remote_code,
+                       resolved.target.tower_precision(), offload, opts.ranks)
 
 
 def run_share(recipe: Recipe, opts: RunOptions, info: ModelInfo, targets: list[ResolvedTarget]) -> None:
@@ -340,10 +347,7 @@ def run_share(recipe: Recipe, opts: RunOptions, info: ModelInfo, targets: list[R
         workdir = Path(tmp)
         for resolved in targets:
             with offload_plan(recipe, info, workdir) as offload:
-                job = QuantizeJob(load(info, recipe, offload, lambda message: None), tokenizer, info,
-                                  resolved.options, windows, resolved.ignore, workdir, workdir, recipe.dtype,
-                                  recipe.device, recipe.trust_remote_code, resolved.target.tower_precision(),
-                                  offload, opts.ranks)
+                job = target_job(recipe, opts, info, resolved, tokenizer, windows, workdir, workdir, offload)
                 resolved.method.quantize(job)
                 job.free_model()
                 del job

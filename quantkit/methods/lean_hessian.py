@@ -50,8 +50,8 @@ SITES = (
 )
 COMPRESS_SITE = SITES[-1]
 BLOCK = 1024  # rows (and block width) of the temporaries the in-place steps use
-ERROR_SLAB = 1 << 22  # elements (16 MiB in float32) of each slab of the block-error product,
-SLAB_ROWS = 256  # in slabs of at least this many rows: BLAS takes other paths for a few rows
+ERROR_SLAB = 1 << 22  # elements (16 MiB in float32) of each slab of the block error and permutations
+SLAB_ROWS = 256  # but at least this many rows per slab: BLAS takes other paths for a few rows
 
 
 def transpose_in_place(matrix) -> None:
@@ -81,12 +81,17 @@ def permute_square_in_place(matrix, perm) -> None:
     transpose_in_place(matrix)
 
 
+def slab_rows(width: int) -> int:
+    """Rows per slab of a row-slab loop over a `width`-wide float32 matrix."""
+    return max(SLAB_ROWS, ERROR_SLAB // max(1, width))
+
+
 def propagate_block_error(W, err, hinv_right, i2: int) -> None:
     """W[:, :, i2:] -= err @ hinv_right, a slab of rows at a time (each slab's product is the same rows
     of the whole product, bit for bit)."""
     import torch
 
-    rows = max(SLAB_ROWS, ERROR_SLAB // max(1, W.shape[-1] - i2))
+    rows = slab_rows(W.shape[-1] - i2)
     for r in range(0, W.shape[-2], rows):
         W[:, r:r + rows, i2:] -= torch.bmm(err[:, r:r + rows], hinv_right)
 
@@ -96,7 +101,7 @@ def gather_columns_in_place(W, index) -> None:
     permutation `index`, the same values without a second weight."""
     import torch
 
-    rows = max(SLAB_ROWS, ERROR_SLAB // W.shape[-1])
+    rows = slab_rows(W.shape[-1])
     for r in range(0, W.shape[-2], rows):
         slab = W[:, r:r + rows]
         slab.copy_(torch.gather(slab, -1, index.unsqueeze(-2).expand(-1, slab.shape[-2], -1)))
