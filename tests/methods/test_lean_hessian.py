@@ -18,7 +18,9 @@ def hessian(width: int, dead: tuple[int, ...] = (), seed: int = 0) -> torch.Tens
 
 
 @pytest.mark.parametrize("width", [7, 1024, 1500, 2100])
-def test_transpose_and_permute_in_place(width):
+@pytest.mark.parametrize("slab", [lean_hessian.ERROR_SLAB, 1 << 18])  # the default; blocks of 256 rows
+def test_transpose_and_permute_in_place(width, slab, monkeypatch):
+    monkeypatch.setattr(lean_hessian, "ERROR_SLAB", slab)
     matrix = torch.randn(width, width)
     expected = matrix.t().clone()
     lean_hessian.transpose_in_place(matrix)
@@ -98,10 +100,11 @@ def test_lean_quantize_weight_bit_identical_to_upstream(actorder, group_size, de
     scale, zero, args = quantize_args(weight, actorder, group_size)
     expected = upstream(weight.clone().unsqueeze(0), h.clone().unsqueeze(0), scale, zero, None, args, blocksize=64)
     monkeypatch.setattr(lean_hessian, "ERROR_SLAB", slab)
-    got = lean_hessian.quantize_weight(weight.clone().unsqueeze(0), h.clone().unsqueeze(0), scale, zero, None, args,
-                                       blocksize=64)
+    hessians = h.clone().unsqueeze(0)
+    got = lean_hessian.quantize_weight(weight.clone().unsqueeze(0), hessians, scale, zero, None, args, blocksize=64)
     for a, b in zip(expected, got):
         assert torch.equal(a, b)
+    assert hessians.untyped_storage().nbytes() == 0  # the factorized Hessian freed before the caller writes back
 
 
 def test_several_modules_go_to_upstream_quantize_weight():
@@ -138,8 +141,11 @@ def test_not_positive_definite_falls_back_to_rtn_as_upstream():
 
 @pytest.mark.parametrize("shape, dtype", [((2, 48, 1300), torch.bfloat16), ((48, 1300), torch.float32),
                                           ((1, 3, 16, 1100), torch.float32)])
-def test_accumulate_hessian_matches_upstream_and_leaves_the_input_alone(shape, dtype):
+@pytest.mark.parametrize("slab", [lean_hessian.ERROR_SLAB, 1 << 18])  # the default; blocks of 256 rows
+def test_accumulate_hessian_matches_upstream_and_leaves_the_input_alone(shape, dtype, slab, monkeypatch):
     from llmcompressor.modifiers.gptq import helpers
+
+    monkeypatch.setattr(lean_hessian, "ERROR_SLAB", slab)
 
     linear = torch.nn.Linear(shape[-1], 8, bias=False)
     inp = torch.randn(shape).to(dtype)
