@@ -37,6 +37,8 @@ from quantkit.evaluate import ScoredChunk, Scorer, chunk_rows, iter_batches
 
 ACTIVATION_BYTES = 512 * 1024 * 1024  # working set of one group of windows inside one decoder layer
 HEAD_SLICE_BYTES = 64 * 1024 * 1024  # one slice of the output head's rows, and of the logits for it
+LARGE_ALLOCATION = 16 * 1024 * 1024  # C-heap blocks at least this big get a memory map of their own
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number for it
 # safetensors dtype -> torch dtype name
 TORCH_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
                 "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
@@ -259,6 +261,26 @@ def release_freed_memory() -> None:
     except AttributeError:  # not glibc
         return
     trim(0)
+
+
+def map_large_allocations() -> None:
+    """Serve each C-heap allocation of LARGE_ALLOCATION bytes or more with a memory map of its own,
+    returned to the OS when freed (glibc's mallopt M_MMAP_THRESHOLD; nothing elsewhere). Process-wide
+    and lasting: called where llm-compressor starts calibrating.
+
+    glibc's default threshold starts at 128 KiB and rises to the size of each mapped block freed, up
+    to 32 MiB, after which the 16-32 MiB tensors of GPTQ (a 2048-wide Hessian, a layer's weights read
+    for a forward, block products) come from the heap and leave it fragmented. Measured with
+    scripts/bench_memory.py's 1B model, gptq with --offload-dir: peak RSS 1188 -> 1126 MiB and the
+    quantize step 184 -> 167 s. A 1 MiB threshold lowered the peak further but ran 33% slower (a
+    mapped block's pages are zeroed on first touch, for every small temporary)."""
+    import ctypes
+
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except AttributeError:  # not glibc
+        return
+    mallopt(M_MMAP_THRESHOLD, LARGE_ALLOCATION)
 
 
 def offload_hook(weights: WeightsMap, prefix: str, device):

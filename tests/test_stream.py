@@ -242,3 +242,38 @@ def test_gguf_tensors_dequantize_in_slabs_exactly(micro_model, tmp_path, monkeyp
         whole = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(tuple(reversed(tensor.shape.tolist())))
         sliced = loader.dequantize(tensor, loader.read_tensor_data(path, tensor))
         assert np.array_equal(sliced, whole), tensor.name
+
+
+LARGE_BLOCKS_SCRIPT = """
+import sys, torch
+from quantkit.stream import LARGE_ALLOCATION, map_large_allocations
+def rss_anon():
+    return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("RssAnon"))
+scratch = torch.ones(3 * LARGE_ALLOCATION // 8); del scratch  # glibc's threshold rises past 16 MiB, as in a long run
+if sys.argv[1] == "mapped":
+    map_large_allocations()
+blocks, kept = [], []
+for _ in range(6):  # each large block between two small ones that stay: the heap cannot shrink past them
+    blocks.append(torch.ones(LARGE_ALLOCATION // 4))
+    kept.append(torch.ones(1 << 18))
+during = rss_anon()
+del blocks
+print(during - rss_anon())
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists() or __import__("platform").libc_ver()[0] != "glibc",
+                    reason="glibc on Linux only")
+def test_large_allocations_go_back_to_the_os_when_freed():
+    """map_large_allocations: blocks of LARGE_ALLOCATION bytes freed between live small ones leave the
+    RSS (each had a memory map of its own); with glibc's rising default they stay in the heap."""
+    import subprocess
+    import sys
+
+    def released(mode: str) -> int:
+        run = subprocess.run([sys.executable, "-c", LARGE_BLOCKS_SCRIPT, mode], capture_output=True, text=True,
+                             check=True)
+        return int(run.stdout.split()[-1])
+
+    assert released("mapped") >= 5 * stream.LARGE_ALLOCATION
+    assert released("default") < released("mapped")
