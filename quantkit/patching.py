@@ -4,7 +4,8 @@ a call runs, and put it back after.
 Used only where quantkit does the same work as a library function with less memory or where the
 library is wrong for quantkit's case, each one documented at its site: quantkit.methods.lean_hessian
 (llm-compressor's GPTQ), quantkit.shards.save_file (the safetensors writes transformers makes),
-quantkit.distributed (a barrier in distributed GPTQ) and quantkit.methods.awq (pin_memory on CPU).
+quantkit.distributed (a barrier in distributed GPTQ), quantkit.methods.awq (pin_memory on CPU) and
+quantkit.methods.llmc (a subgraph's weights held onloaded, with the layers on disk on CPU).
 A site is (module, attribute): a function's name, or "Class.method". A site that is gone (an
 upgrade moved it) raises before anything is swapped, and the test suite checks every site.
 """

@@ -233,7 +233,7 @@ def write(job: QuantizeJob, ignore: list[str], choice: dict[str, str] | None) ->
     groups = None
     if choice is not None:
         ignore, groups = ignore + intmix.kept_16bit(choice), intmix.config_groups(choice, scheme(job))
-    llmc.run_oneshot(job, modifier(job.options, ignore, groups), calibrate=True)
+    llmc.run_oneshot(job, modifier(job.options, ignore, groups), calibrate=True, reads_weights_only=True)
     llmc.save_compressed(job)
 
 

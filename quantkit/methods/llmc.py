@@ -10,19 +10,25 @@ from quantkit.shards import SHARD_BYTES, plain_writes
 
 ENGINE = "llmcompressor"
 FORMAT = "compressed-tensors"
+# the sequential pipeline holds every weight of a subgraph onloaded while it runs it (onloaded_per_forward)
+SUBGRAPH_ONLOAD_SITE = ("llmcompressor.pipelines.sequential.pipeline", "disable_offloading")
 
 
-def run_oneshot(job, recipe, calibrate: bool) -> None:
+def run_oneshot(job, recipe, calibrate: bool, reads_weights_only: bool = False) -> None:
     """Apply llm-compressor modifiers to job.model in place (layer by layer when calibrating). GPTQ keeps
     one copy of each Hessian (quantkit.methods.lean_hessian). Under torchrun each rank calibrates on
-    its own share of the windows (quantkit.distributed)."""
+    its own share of the windows (quantkit.distributed). `reads_weights_only`: the recipe's modifiers
+    never change an onloaded weight in place between forwards (GPTQ; not AWQ, whose grid search
+    does), so a subgraph's weights need not stay onloaded (onloaded_per_forward)."""
     from llmcompressor import oneshot
 
     from quantkit.distributed import synchronized_gptq
     from quantkit.methods import lean_hessian
+    from quantkit.stream import map_large_allocations
 
     kwargs = {}
     if calibrate:
+        map_large_allocations()
         share = job.ranks.share(len(job.windows.calib))  # all of them in one process
         kwargs = dict(
             dataset=job.windows.calib_dataset(share),
@@ -37,9 +43,42 @@ def run_oneshot(job, recipe, calibrate: bool) -> None:
         oneshot(model=job.model, recipe=towers, tokenizer=job.tokenizer, log_dir=None,
                 trust_remote_code_model=job.trust_remote_code)
     # plain writes: with --offload-dir every weight GPTQ updates is rewritten to disk (quantkit.shards)
-    with lean_hessian.lean_hessians(), synchronized_gptq(job.ranks), plain_writes():
+    with (lean_hessian.lean_hessians(), synchronized_gptq(job.ranks), plain_writes(),
+          onloaded_per_forward(job, reads_weights_only)):
         oneshot(model=job.model, recipe=recipe, tokenizer=job.tokenizer, log_dir=None,
                 trust_remote_code_model=job.trust_remote_code, **kwargs)  # it re-reads config.json
+
+
+def reads_layers_per_forward(job) -> bool:
+    """Decoder layers on disk and the CPU doing the work: --offload-dir on a machine without a GPU."""
+    from quantkit.model import device_map
+
+    return job.offload is not None and job.offload.layers and device_map(job.device) == "cpu"
+
+
+@contextmanager
+def onloaded_per_forward(job, reads_weights_only: bool) -> Iterator[None]:
+    """With reads_layers_per_forward and modifiers that only read the weights between forwards, each
+    module's weight is read from disk for each forward and dropped after it, instead of a whole
+    layer held onloaded for the time llm-compressor works on it.
+
+    llm-compressor keeps a subgraph's weights for its calibration pass, its GPTQ step and its
+    propagation pass (compressed-tensors' disable_offloading) to spare a GPU the same host-to-device
+    copies batch after batch. On a CPU the onloaded copy is the disk copy read again: here it was a
+    whole layer (116 MiB on the 1B benchmark model) resident beside the layer's Hessians, at the
+    run's peak, for no saving but page-cache reads. GPTQ's own step still holds the one module it
+    quantizes (its compress_module_list keeps its disable_offloading). AWQ's grid search writes trial
+    scales into the onloaded weights (`weight.data.copy_`) and relies on them staying: it keeps
+    llm-compressor's behaviour."""
+    from contextlib import nullcontext
+
+    from quantkit.patching import swapped
+
+    if not (reads_weights_only and reads_layers_per_forward(job)):
+        yield
+        return
+    with swapped({SUBGRAPH_ONLOAD_SITE: nullcontext}):
+        yield
 
 
 def tower_linears(job) -> dict[str, list[str]]:
