@@ -271,8 +271,8 @@ def map_large_allocations() -> None:
     glibc's default threshold starts at 128 KiB and rises to the size of each mapped block freed, up
     to 32 MiB, after which the 16-32 MiB tensors of GPTQ (a 2048-wide Hessian, a layer's weights read
     for a forward, block products) come from the heap and leave it fragmented. Measured with
-    scripts/bench_memory.py's 1B model, gptq with --offload-dir: peak RSS 1188 -> 1126 MiB and the
-    quantize step 184 -> 167 s. A 1 MiB threshold lowered the peak further but ran 33% slower (a
+    scripts/bench_memory.py's 1B model, gptq with --offload-dir: peak RSS 1188 -> 1130 MiB, the
+    quantize step 184 -> 181 s. A 1 MiB threshold lowered the peak further but ran 33% slower (a
     mapped block's pages are zeroed on first touch, for every small temporary)."""
     import ctypes
 

@@ -265,9 +265,8 @@ def release_storage(hinv) -> None:
 def one_batch_per_call(compress_module_list):
     """GPTQModifier.compress_module_list called once per batch of modules: its loop keeps a batch's
     float32 weights and quantized result in its variables while the next batch is quantized; a call
-    per batch frees them when it returns, and the C heap hands their pages back before the next
-    batch (quantkit.stream.release_freed_memory: without it, the heap kept the freed Hessians and
-    weights in fragments and the 1B benchmark's peak rose by about 150 MiB over eight layers)."""
+    per batch frees them when it returns, and the C heap hands their free pages back before the
+    next batch (quantkit.stream.release_freed_memory)."""
     def compress_batch_by_batch(self, module_list):
         from llmcompressor.modifiers.gptq import helpers
 
