@@ -97,9 +97,9 @@ def check_launch(ranks: Ranks, targets: list[tuple[str, str, object]], num_sampl
         if extras:
             raise UnsupportedError(f"target '{name}': gptq with {' and '.join(extras)} runs in one process only, "
                                    f"but {launch}", hint="drop it, or run without torchrun")
-    for flag in flags:
-        why, hint = ONE_PROCESS_FLAGS[flag]
-        raise UnsupportedError(f"{flag} runs in one process only ({why}), but {launch}", hint=hint)
+    if flags:  # the first one given is named
+        why, hint = ONE_PROCESS_FLAGS[flags[0]]
+        raise UnsupportedError(f"{flags[0]} runs in one process only ({why}), but {launch}", hint=hint)
     if num_samples < ranks.world_size:
         raise InputError(f"{num_samples} calibration windows cannot be shared by {ranks.world_size} ranks",
                          hint=f"raise --num-samples to at least {ranks.world_size}")
