@@ -319,7 +319,9 @@ def write_quantized(writer, item: Quantized, device, budget: int = SLAB_BYTES) -
     step = slab_rows(item.source, budget) if item.slabs else rows
     specs = {s.name: s for s in item.outputs}
     for start, stop in row_slabs(rows, step):
-        weight = read_rows(item.source, start, stop).to(device=device, dtype=item.dtype)
+        # + 0.0 turns an exact -0 into +0, as oneshot's quantize does by adding the zero point (the
+        # converter keeps the sign: fp8 0x80 where oneshot writes 0x00); every other value is unchanged
+        weight = read_rows(item.source, start, stop).to(device=device, dtype=item.dtype) + 0.0
         with torch.no_grad():
             out = item.converter.process({f"{item.module}.weight": weight})
         del weight
