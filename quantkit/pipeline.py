@@ -60,6 +60,7 @@ class ResolvedTarget:
     ignore: list[str]  # the full ignore list handed to the method (lm_head, VLM towers, the user's)
     needs_calibration: bool
     needs_model: bool  # quantize() gets the model loaded in memory
+    choices: dict[str, str] = field(default_factory=dict)  # what method.resolve chose for this model, and why
 
     @property
     def name(self) -> str:
@@ -152,7 +153,7 @@ def check_outputs(recipe: Recipe, opts: RunOptions, targets: list[Target]) -> No
 def resolve_target(recipe: Recipe, target: Target, info: ModelInfo) -> ResolvedTarget:
     """Method, options, gate, ignore list and calibration needs of one target, checked."""
     method = get_method(target.method)
-    options = target_options(target)
+    options, choices = method.resolve(info, target_options(target))
     if target.ignore and not method.supports_ignore:
         raise InputError(f"target '{target.name}': method {target.method} does not take ignore patterns",
                          hint="its type mixture decides every tensor's type; remove `ignore`/--ignore")
@@ -165,7 +166,7 @@ def resolve_target(recipe: Recipe, target: Target, info: ModelInfo) -> ResolvedT
     ignore = ignore_patterns(info, target.ignore, method.keeps_lm_head(options), tuple(target.tower_precision()))
     method.check_ignore(info, options, ignore)
     return ResolvedTarget(target, method, options, target_gate(recipe, target), ignore, needs_calibration,
-                          method.needs_model(info, options) or bool(target.tower_precision()))
+                          method.needs_model(info, options) or bool(target.tower_precision()), choices)
 
 
 def check_tower_precision(target: Target, info: ModelInfo, method: MethodSpec) -> None:
@@ -330,7 +331,8 @@ def target_job(recipe: Recipe, opts: RunOptions, info: ModelInfo, resolved: Reso
     model = load(info, recipe, offload, opts.progress) if resolved.needs_model else None
     return QuantizeJob(model, tokenizer if resolved.needs_model else None, info, resolved.options, windows,
                        resolved.ignore, out_dir, workdir, recipe.dtype, recipe.device, recipe.trust_remote_code,
-                       resolved.target.tower_precision(), offload, opts.ranks)
+                       resolved.target.tower_precision(), offload, opts.ranks,
+                       lambda message: opts.progress(f"[{resolved.name}] {message}"))
 
 
 def run_share(recipe: Recipe, opts: RunOptions, info: ModelInfo, targets: list[ResolvedTarget]) -> None:
@@ -394,7 +396,7 @@ def run_target(job: QuantizeJob, resolved: ResolvedTarget, baseline, opts: RunOp
     entry.peak_rss_by_step["eval"] = et.peak_rss
     entry.gate = evaluate.gate_verdict(entry.metrics, resolved.gate,
                                        enforced=opts.enforce_gate and resolved.gate.enabled)
-    if not entry.gate.passed and resolved.method.wants_fallback(resolved.options):
+    if not entry.gate.passed and fallback_options(resolved) is not None:
         run_fallback(job, resolved, result, entry, baseline, opts)
     if entry.failed_enforced_gate:
         entry.status, entry.exit_code = "failed", GateFailedError.exit_code
@@ -416,40 +418,58 @@ def tower_proof(job: QuantizeJob, result: QuantizeResult) -> dict:
     return prove_mmproj(result.artifact.parent / projector["file"], job.info, job.options.mmproj)
 
 
+def fallback_options(resolved: ResolvedTarget):
+    """The target's fallback options (quantkit.mixed.Fallback), None when it has none."""
+    return getattr(resolved.options, "fallback", None)
+
+
 def run_fallback(job: QuantizeJob, resolved: ResolvedTarget, result: QuantizeResult, entry: TargetReport,
                  baseline, opts: RunOptions) -> None:
-    """Gate-driven fallback: while the gate fails, let the method raise the precision where the
-    measured damage is largest, re-quantize and re-measure, until the gate passes or the method's
-    size budget is spent. Every step, the final per-tensor plan and the size cost go into
+    """Gate-driven fallback: while the gate fails, raise the precision of the units the method's ladder
+    predicts most damaging (quantkit.mixed.raise_plan), let the method write the artifact again and
+    re-measure it, until the gate passes or Fallback.max_size leaves no room. A step whose artifact
+    came out larger than the limit (the size model missed what the format adds) is undone: the last
+    plan within the limit is written again. Every step, the final plan and the size cost go into
     entry.details["fallback"]; entry's metrics, gate and details become the last artifact's."""
     from quantkit import evaluate
+    from quantkit.mixed import raise_plan, size_limit, step_count
 
+    method, options, started = resolved.method, fallback_options(resolved), time.time()
     first = export.artifact_bytes(result.artifact)
+    limit = size_limit(options.max_size, first)
     steps = [{"step": 0, "raised": {}, "bytes": first, "metrics": entry.metrics.as_dict(), "passed": False}]
-    started = time.time()
+    job.progress(f"gate failed ({', '.join(entry.gate.failed)}): measuring which layers to raise first")
+    ladder = method.fallback_ladder(job, result)
+    details, plan, note = {**result.details, **ladder.details}, dict(ladder.plan), "passed"
+    count = step_count(options.tensors_per_step, len(ladder.units_for(plan)))
     while not entry.gate.passed:
-        opts.progress(f"[{resolved.name}] gate failed ({', '.join(entry.gate.failed)}): raising the precision "
-                      f"of the most damaging tensors (step {len(steps)})")
-        raised = resolved.method.fallback(job, result)
-        if raised is None:
-            opts.progress(f"[{resolved.name}] fallback: the size budget is spent")
+        new, raised = raise_plan(ladder, plan, count, limit - steps[-1]["bytes"])
+        if not raised:
+            note = f"no raise fits in --max-size {options.max_size} ({limit:,} bytes)"
             break
-        result = raised
-        entry.metrics = evaluate.evaluate_artifact(result.artifact, job.info.path, job.windows.eval, baseline,
+        job.progress(f"fallback step {len(steps)}: raising {len(raised)} layers ({', '.join(list(raised)[:3])}"
+                     f"{', ...' if len(raised) > 3 else ''}); gate failed on {', '.join(entry.gate.failed)}")
+        candidate = method.requantize(job, new, details)
+        size = export.artifact_bytes(candidate.artifact)
+        if size > limit:
+            note = f"step {len(steps)} came to {size:,} bytes, over --max-size ({limit:,}): undone"
+            result = method.requantize(job, plan, details)
+            break
+        entry.metrics = evaluate.evaluate_artifact(candidate.artifact, job.info.path, job.windows.eval, baseline,
                                                    job.device, job.trust_remote_code, job.workdir)
         entry.gate = evaluate.gate_verdict(entry.metrics, resolved.gate,
                                            enforced=opts.enforce_gate and resolved.gate.enabled)
-        steps.append({"step": len(steps), "raised": result.details["fallback_state"]["raised"],
-                      "bytes": export.artifact_bytes(result.artifact), "metrics": entry.metrics.as_dict(),
-                      "passed": entry.gate.passed})
-    details = {k: v for k, v in result.details.items() if k != "fallback_state"}
+        plan, result = new, candidate
+        steps.append({"step": len(steps), "raised": {n: f"{a}->{b}" for n, (a, b) in raised.items()}, "bytes": size,
+                      "metrics": entry.metrics.as_dict(), "passed": entry.gate.passed})
+    job.progress(f"fallback: {note}" if not entry.gate.passed else f"fallback: gate passed after {len(steps) - 1} "
+                 f"step(s), {steps[-1]['bytes'] - first:+,} bytes")
     final = steps[-1]["bytes"]
-    details["fallback"] = {"passed": entry.gate.passed, "steps": steps, "first_bytes": first, "final_bytes": final,
-                           "size_cost_bytes": final - first,
-                           "types": details.get("mixed_precision", {}).get("types", {}),
-                           "seconds": round(time.time() - started, 3)}
-    entry.details = details
-    entry.timings["fallback_s"] = details["fallback"]["seconds"]
+    entry.details = {**result.details, "fallback": {
+        "passed": entry.gate.passed, "stopped": note, "steps": steps, "first_bytes": first, "limit_bytes": limit,
+        "final_bytes": final, "size_cost_bytes": final - first, "types": dict(sorted(plan.items())),
+        "seconds": round(time.time() - started, 3)}}
+    entry.timings["fallback_s"] = entry.details["fallback"]["seconds"]
 
 
 def error_report(resolved: ResolvedTarget, exc: Exception) -> TargetReport:
@@ -479,7 +499,7 @@ def target_report(resolved: ResolvedTarget, info: ModelInfo, result: QuantizeRes
         ignore=resolved.ignore,
         kept=sorted({e.role for e in plan if e.kept}),
         quantized_modules=sum(1 for e in plan if not e.kept),
-        details=result.details,
+        details={**({"choices": resolved.choices} if resolved.choices else {}), **result.details},
     )
 
 
@@ -546,11 +566,24 @@ def run_failure(report: RunReport, opts: RunOptions, bad: list[TargetReport]) ->
     where = f"written to {opts.out}: {', '.join(written)}" if written else f"nothing was written to {opts.out}"
     if all(t.exit_code == GateFailedError.exit_code for t in bad):
         names = ", ".join(f"{t.name} ({', '.join(t.gate.failed) if t.gate else t.error})" for t in bad)
-        return GateFailedError(f"quality gate failed for {names}; {where}", report=report,
-                               hint="see the table above; loosen the gate in the recipe, or use --no-gate")
+        return GateFailedError(f"quality gate failed for {names}; {where}", report=report, hint=gate_hint(report, bad))
     names = "; ".join(f"{t.name}: {t.error or 'quality gate failed'}" for t in bad)
     return RunFailedError(f"{len(bad)} of {len(report.targets)} targets failed ({names}); {where}", report,
                           min(t.exit_code for t in bad), hint="see the per-target lines above")
+
+
+def gate_hint(report: RunReport, bad: list[TargetReport]) -> str:
+    """What to try after failed gates: --fallback where a failed target's method has it and it was not
+    used, a larger --max-size where it was used and ran out of room."""
+    hint = "see the table above; loosen the gate in the recipe, or use --no-gate"
+    methods = {t.method for t in bad if "fallback" in get_method(t.method).options.model_fields}
+    spent = [t for t in bad if "fallback" in t.details]
+    if spent:
+        return f"{hint}; or raise --max-size (the fallback ran out of room: {spent[0].details['fallback']['stopped']})"
+    if methods:
+        return (f"{hint}; or add --fallback ({', '.join(sorted(methods))}: keep the most damaging layers at a "
+                "higher precision until the gate passes, within --max-size)")
+    return hint
 
 
 def base_report(recipe: Recipe, opts: RunOptions, info: ModelInfo, inputs: dict[str, str]) -> RunReport:

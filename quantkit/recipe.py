@@ -179,15 +179,20 @@ def validate(data: dict, origin: str = "recipe") -> Recipe:
     return recipe
 
 
-# mixed-precision options quantkit has for some methods only: option -> (label, methods that have it)
-MIXED_PRECISION = {"auto_precision": ("--auto-precision / auto_precision", ("gguf", "gptq", "awq")),
-                   "fallback": ("--fallback / fallback", ("gguf", "gptq", "awq"))}
+# mixed-precision options some methods have: option -> its label in messages
+MIXED_PRECISION = {"auto_precision": "--auto-precision / auto_precision", "fallback": "--fallback / fallback"}
+
+
+def methods_with(option: str) -> list[str]:
+    """The methods whose options have `option` (their declared contract says so)."""
+    return [name for name in METHODS if option in get_method(name).options.model_fields]
 
 
 def check_mixed_precision(method: str, options: dict) -> None:
-    """auto_precision / fallback (gguf, gptq, awq): a clear refusal (exit 2) for the other methods."""
-    for key, (label, methods) in MIXED_PRECISION.items():
-        if key in options and method not in methods:
+    """auto_precision / fallback for a method that has no such option: a clear refusal (exit 2)."""
+    for key, label in MIXED_PRECISION.items():
+        methods = methods_with(key)
+        if key in options and method in METHODS and method not in methods:
             raise UnsupportedError(f"{label} is implemented for method {listing(methods)} only, not {method}",
                                    hint=f"use --method {methods[0]}, or drop the option")
 

@@ -126,9 +126,25 @@ def model_card(target: TargetReport, report: RunReport) -> str:
     lines += [f"Quantized with quantkit {report.quantkit_version} from `{base_model}`.", ""]
     lines += gate_section(target.gate)
     lines += ["", "Kept in 16-bit: " + ", ".join(target.kept or ["(none)"]), ""]
+    lines += [f"Chosen for this model: {option} {why}." for option, why in target.details.get("choices", {}).items()]
+    lines += mixed_lines(target.details)
     lines += tower_section(report.model.towers, target.details.get("towers"))
     lines += ["Produced by `quantkit quantize`; the full record is in `quantkit.json`.", ""]
     return "\n".join(lines)
+
+
+def mixed_lines(details: dict) -> list[str]:
+    """Per-layer precision chosen by --auto-precision or raised by --fallback, in two lines."""
+    lines = []
+    mixed = details.get("mixed_precision")
+    if mixed and mixed.get("changed"):
+        lines.append(f"Mixed precision: {len(mixed['changed'])} of {len(mixed['types'])} layers differ from the plain "
+                     "plan (the list is in `quantkit.json`, details.mixed_precision).")
+    fallback = details.get("fallback")
+    if fallback:
+        lines.append(f"Gate-driven fallback: {len(fallback['steps']) - 1} step(s), {fallback['size_cost_bytes']:+,} "
+                     f"bytes; {fallback['stopped']}.")
+    return lines + ([""] if lines else [])
 
 
 def tower_section(towers: dict | None, proof: dict | None) -> list[str]:

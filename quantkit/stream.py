@@ -28,6 +28,7 @@ the head (and softcap), as `evaluate.model_logits_fn` does.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -461,6 +462,89 @@ def group_scorer(make: Callable[[], StreamedModel], text_config, activation_byte
         with torch.inference_mode():
             for ids in iter_batches(windows, group):
                 yield from score_group(streamed, ids, workdir)
+
+    return scorer
+
+
+# ------------------------------------------------------------------ forwards that start at a layer
+
+
+def decoder_layers(model) -> list:
+    """The decoder's stack of layers, in the order its forward runs them."""
+    return list(model.get_decoder().layers)
+
+
+@contextmanager
+def recording_layer_inputs(model, starts, record: dict[int, list]) -> Iterator[None]:
+    """While inside, each forward appends to record[L] the input of decoder layer L (the output of
+    layer L-1, as that layer returns it) for every L of `starts` from 1 to the layer count."""
+    layers = decoder_layers(model)
+
+    def hook(start: int):
+        def keep(_module, _args, output):
+            record.setdefault(start, []).append(output)
+        return keep
+
+    handles = [layers[start - 1].register_forward_hook(hook(start)) for start in sorted(set(starts))
+               if 0 < start <= len(layers)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def passthrough(*args, **kwargs):
+    """A decoder layer that gives back its hidden states unchanged."""
+    return args[0] if args else kwargs["hidden_states"]
+
+
+@contextmanager
+def starting_at(model, start: int, recorded) -> Iterator[None]:
+    """While inside, the decoder's forward computes layers `start` onwards only: the layers before
+    start-1 pass their input through and layer start-1 returns `recorded` (its output on the same
+    windows, from recording_layer_inputs). Their weights are never read. start 0: the whole forward."""
+    layers = decoder_layers(model)[:start]
+    for layer in layers[:-1]:
+        layer.forward = passthrough
+    if layers:
+        layers[-1].forward = lambda *args, **kwargs: recorded
+    try:
+        yield
+    finally:
+        for layer in layers:
+            del layer.forward
+
+
+def recording_scorer(streamed: StreamedModel, text_config, starts, record: dict[int, list],
+                     activation_bytes: int = ACTIVATION_BYTES, workdir: Path | None = None) -> Scorer:
+    """The streamed model's Scorer that also records, group by group, the inputs of the layers
+    `starts` names (recording_layer_inputs), for start_scorer to resume from."""
+
+    def scorer(windows) -> Iterator[ScoredChunk]:
+        import torch
+
+        group = windows_per_group(text_config, windows.shape[1], activation_bytes)
+        with torch.inference_mode(), recording_layer_inputs(streamed.model, starts, record):
+            for ids in iter_batches(windows, group):
+                yield from score_group(streamed, ids, workdir)
+
+    return scorer
+
+
+def start_scorer(streamed: StreamedModel, text_config, start: int, record: dict[int, list],
+                 activation_bytes: int = ACTIVATION_BYTES, workdir: Path | None = None) -> Scorer:
+    """The streamed model's Scorer computing from decoder layer `start` on, each group of windows
+    resuming from the input recording_scorer recorded for it (the same windows, in the same groups)."""
+
+    def scorer(windows) -> Iterator[ScoredChunk]:
+        import torch
+
+        group = windows_per_group(text_config, windows.shape[1], activation_bytes)
+        with torch.inference_mode():
+            for index, ids in enumerate(iter_batches(windows, group)):
+                with starting_at(streamed.model, start, record[start][index] if start else None):
+                    yield from score_group(streamed, ids, workdir)
 
     return scorer
 

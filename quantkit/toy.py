@@ -31,6 +31,7 @@ class ToyPreset:
     seq_len: int = 128
     batch_size: int = 8
     lr: float = 3e-3
+    tie_word_embeddings: bool = False
 
 
 PRESETS = {
@@ -40,6 +41,13 @@ PRESETS = {
     # ~5M parameters. scripts/train_reference_model.py trains it and then injects activation-outlier
     # channels (function-preserving) so that 4-bit rounding costs measurably; see docs/methods.md.
     "reference": ToyPreset(2048, 256, 1024, 4, 4, 2, train_steps=400, seq_len=128, lr=3e-3),
+    # The general case: widths that neither group size 128 nor the k-quant block of 256 divide (only
+    # ffn_down's input width, the intermediate size, takes k-quants), an odd vocabulary, tied embeddings.
+    "odd": ToyPreset(700, 192, 512, 2, 3, 1, train_steps=60, seq_len=64, tie_word_embeddings=True),
+    # SmolLM-135M's widths (hidden 576, intermediate 1536, 9 heads of 64, 3 KV heads, tied embeddings)
+    # and Qwen2.5-0.5B's (hidden 896, intermediate 4864, 14 heads, 2 KV heads), fewer layers; for benchmarks.
+    "smol576": ToyPreset(3001, 576, 1536, 6, 9, 3, train_steps=300, tie_word_embeddings=True),
+    "qwen896": ToyPreset(3001, 896, 4864, 4, 14, 2, train_steps=200, tie_word_embeddings=True),
 }
 
 
@@ -98,7 +106,7 @@ def build_model(preset: ToyPreset, tokenizer, seed: int = 0):
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=False,
+        tie_word_embeddings=preset.tie_word_embeddings,
     )
     return LlamaForCausalLM(config).float()
 

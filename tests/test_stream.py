@@ -277,3 +277,31 @@ def test_large_allocations_go_back_to_the_os_when_freed():
 
     assert released("mapped") >= 5 * stream.LARGE_ALLOCATION
     assert released("default") < released("mapped")
+
+
+@pytest.mark.parametrize("family", ["micro", "gemma2", "phi3"])
+def test_a_forward_started_at_a_layer_equals_the_whole_forward(request, family, windows, tmp_path):
+    """The probes' forwards (quantkit.mixed.probe_klds) resume at a layer from its recorded input: with
+    one weight changed in that layer, the logits equal the whole forward's with the same change."""
+    from quantkit.mixed import PatchedWeights
+    from quantkit.model import hf_config
+
+    if family in ("micro", "gemma2"):
+        model_dir = request.getfixturevalue("micro_model" if family == "micro" else "gemma2")
+    else:
+        from tests.gguf.families import build_family
+
+        model_dir = build_family(family, tmp_path / family)
+    config = hf_config(model_dir)
+    base = stream.SafetensorsWeights(model_dir)
+    streamed = stream.stream_model(config, base, torch.float32)
+    text, record = config.get_text_config(), {}
+    layers = text.num_hidden_layers
+    baseline = evaluate.compute_baseline(stream.recording_scorer(streamed, text, {1, layers}, record), windows)
+    name = next(n for n in base.keys() if n.startswith("model.layers.1.") and n.endswith("proj.weight"))
+    streamed.weights.source = PatchedWeights(base, {name: base.get(name).float() * 0.5})
+    whole = evaluate.compare(stream.start_scorer(streamed, text, 0, record), windows, baseline)
+    resumed = evaluate.compare(stream.start_scorer(streamed, text, 1, record), windows, baseline)
+    assert whole.kld_mean > 1e-6 and resumed.kld_mean == pytest.approx(whole.kld_mean, rel=1e-5)
+    streamed.weights.source = base
+    assert evaluate.compare(stream.start_scorer(streamed, text, layers, record), windows, baseline).kld_mean < 1e-9

@@ -78,6 +78,7 @@ def plan_data(info, method, options, ignore: list[str], context: int, towers: di
     from quantkit.vlm import tower_summary
 
     towers = {role: value for role, value in (towers or {}).items() if value != "keep"}
+    options, choices = method.resolve(info, options)
     patterns = ignore_patterns(info, ignore, method.keeps_lm_head(options), tuple(towers))
     entries = build_plan(info, method, options, patterns, towers)
     return {
@@ -88,6 +89,7 @@ def plan_data(info, method, options, ignore: list[str], context: int, towers: di
         "dtype": info.dtype,
         "method": method.name,
         "options": options.model_dump(mode="json"),
+        "choices": choices,
         "ignore": patterns,
         "towers": tower_summary(info.towers) if info.towers.components else None,
         "roles": role_summary(entries),
@@ -109,7 +111,7 @@ def run_estimates(info, model: str, method: str, recipe: str | None, offload_dir
     targets = []
     for target in resolved.targets:
         spec = get_method(target.method)
-        options = spec.options.model_validate(target.options)
+        options, _ = spec.resolve(info, spec.options.model_validate(target.options))
         targets.append(ResolvedTarget(target, spec, options, Gate(), [], spec.needs_calibration(options),
                                       spec.needs_model(info, options)))
     ram = ram_estimate(info, resolved, targets)
@@ -134,6 +136,8 @@ def print_plan(data: dict) -> None:
               f"parameters · stored as {data['dtype']} · plan for method [bold]{data['method']}[/bold]")
     if data["towers"]:
         out.print(towers_line(data["towers"]), highlight=False)
+    for option, why in data["choices"].items():
+        out.print(f"{option}: {why}", highlight=False)
     out.print(_roles_table(data))
     out.print(_modules_table(data))
     out.print(_memory_table(data))
@@ -207,21 +211,26 @@ def sensitivity_tables(report: dict) -> dict[str, dict]:
             tables[target["name"]] = {"sensitivity": details["sensitivity"], "types": types}
     if not tables:
         raise InputError("this report has no sensitivity table",
-                         hint="quantize with --auto-precision or --fallback (gguf, gptq, awq; the latter "
-                         "once a gate failed")
+                         hint="quantize with --auto-precision (gguf, gptq, awq) or --fallback (any method; "
+                         "recorded once a gate failed)")
     return tables
 
 
 def _sensitivity_table(name: str, data: dict) -> Table:
+    """One row per tensor: its plain and chosen precision, its measured KLD (a probe) or none (its gain
+    interpolated), and the predicted damage (KL divergence) at each of its candidates, cheapest first."""
     table_data = data["sensitivity"]
-    how = (f"damage = KLD at the probe type x weighted-error ratio, measured on {table_data['windows']} windows"
-           if table_data["measured"] else "damage = imatrix-weighted squared error (not measured)")
-    # default: the type llama.cpp's mixture gives the tensor (gguf), int4 (gptq's plain W4A16)
+    how = (f"damage = gain x weighted error, gains measured on {table_data.get('probes', '?')} probe tensors "
+           f"over {table_data['windows']} windows and interpolated by role and depth"
+           if table_data["measured"] else "damage = importance-weighted squared error (not measured)")
+    # plain: the type llama.cpp's mixture gives the tensor (gguf), the method's one precision (int4 for gptq)
     table = Table(title=f"{name}: per-tensor sensitivity ({how})", title_justify="left")
-    for column in ("tensor", "default", "chosen", "KLD@probe", *table_data["candidates"]):
+    for column in ("tensor", "plain", "chosen", "KLD@probe", "damage by candidate"):
         table.add_column(column, overflow="fold")
     for row in table_data["tensors"]:
-        kld = "—" if row["kld"] is None else f"{row['kld']:.3g} @{row['probe']}"
-        damage = [f"{row['damage'][c]:.3g}" if c in row["damage"] else "—" for c in table_data["candidates"]]
-        table.add_row(row["tensor"], row["mixture"], data["types"].get(row["tensor"], row["mixture"]), kld, *damage)
+        kld = "interp." if row["kld"] is None else f"{row['kld']:.3g} @{row['probe']}"
+        candidates = row.get("candidates") or list(row["damage"])
+        damage = " ".join(f"{c} {row['damage'][c]:.2g}" for c in candidates)
+        plain = row.get("plain", row.get("mixture"))
+        table.add_row(row["tensor"], plain, data["types"].get(row["tensor"], plain), kld, damage)
     return table

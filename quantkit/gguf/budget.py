@@ -1,8 +1,9 @@
 """Per-tensor GGUF types under a size budget, from a sensitivity table (quantkit.gguf.sensitivity).
 
-`assign_types`: quantkit.mixed.assign (greedy marginal-gain knapsack) with the k-quant byte sizes.
-`raise_types`: one fallback step, the tensors with the largest predicted damage moved to their next
-candidate type.
+`assign_types`: quantkit.mixed.assign (greedy marginal-gain knapsack) with the GGUF byte sizes.
+The size of a tensor is its data padded to the file's alignment (32 bytes, gguf-py's writer and
+llama.cpp's default), so the tensors' total is exactly what they take in the file: a budget of the
+mixture's total gives a file no larger than the mixture's (the metadata is the same).
 
 The result is an ordinary per-tensor type map. `override_lines` writes it as llama-quantize
 `--tensor-type-file` lines: one anchored regex per quantized tensor. llama-quantize matches each
@@ -16,45 +17,44 @@ from __future__ import annotations
 
 import re
 
-from gguf import GGML_QUANT_SIZES
+from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT
 
 from quantkit import mixed
 from quantkit.gguf.mixture import T
-from quantkit.gguf.sensitivity import TensorSensitivity
+from quantkit.mixed import SensitivityRow
 
 
 def nbytes(shape: tuple[int, ...], qtype: T) -> int:
+    """A tensor's data at `qtype`, padded to the file's alignment."""
     block, size = GGML_QUANT_SIZES[qtype]
     count = 1
     for d in shape:
         count *= d
-    return count // block * size
+    data = count // block * size
+    return (data + GGUF_DEFAULT_ALIGNMENT - 1) // GGUF_DEFAULT_ALIGNMENT * GGUF_DEFAULT_ALIGNMENT
 
 
-def tensor_size(row: TensorSensitivity, qtype: T) -> int:
-    """The size model of quantkit.mixed.assign: a tensor's bytes at a k-quant type."""
-    return nbytes(row.shape, qtype)
+def tensor_size(row: SensitivityRow, qtype: str) -> int:
+    """The size model of quantkit.mixed: a tensor's bytes in the file at a type (by name)."""
+    return nbytes(row.shape, T[qtype])
 
 
-def total_bytes(table: list[TensorSensitivity], types: dict[str, T]) -> int:
-    return mixed.total_bytes(table, types, tensor_size)
+def total_bytes(table: list[SensitivityRow], types: dict[str, T]) -> int:
+    return mixed.total_bytes(table, {name: t.name for name, t in types.items()}, tensor_size)
 
 
-def mixture_types(table: list[TensorSensitivity]) -> dict[str, T]:
-    return {t.name: T[t.mixture] for t in table}
+def mixture_types(table: list[SensitivityRow]) -> dict[str, T]:
+    return {t.name: T[t.plain] for t in table}
 
 
-def assign_types(table: list[TensorSensitivity], budget: int) -> dict[str, T]:
+def cheapest_bytes(table: list[SensitivityRow]) -> int:
+    return mixed.cheapest_bytes(table, tensor_size)
+
+
+def assign_types(table: list[SensitivityRow], budget: int) -> dict[str, T]:
     """Per-tensor types whose total bytes stay within `budget`, the predicted damage reduced greedily
-    (quantkit.mixed.assign)."""
-    return mixed.assign(table, budget, tensor_size)
-
-
-def raise_types(table: list[TensorSensitivity], types: dict[str, T], count: int, room: int) -> dict[str, tuple[T, T]]:
-    """One fallback step: up to `count` tensors with the largest predicted damage at their current
-    type, each moved to its next candidate type, while the added bytes fit in `room`
-    (quantkit.mixed.raise_step). Returns {name: (old type, new type)} (empty: nothing can be raised)."""
-    return mixed.raise_step(table, types, count, room, tensor_size)
+    (quantkit.mixed.assign; BudgetError when the cheapest types exceed it)."""
+    return {name: T[c] for name, c in mixed.assign(table, budget, tensor_size).items()}
 
 
 def override_lines(types: dict[str, T]) -> list[str]:

@@ -1,25 +1,26 @@
-"""Per-tensor sensitivity of a GGUF quantization: what quantizing one tensor at each k-quant costs.
+"""Per-tensor sensitivity of a GGUF quantization: what quantizing one tensor at each type costs.
 
-For every quantized tensor of the plan and every candidate type of llama.cpp's k-quant family
-(Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_0) the tensor is quantized with quantkit's own kernels (the
-bytes llama-quantize would write, imatrix included) and dequantized with gguf-py, and the error
-is weighted by what the tensor's input carries:
+The candidates of a tensor are the types llama.cpp can give it: the k-quants (Q2_K ... Q6_K) where its
+rows are a multiple of 256 values, the legacy 32-value types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) everywhere
+(where the rows are not a multiple of 256 they are the only ones: llama.cpp's fallback types). For
+every quantized tensor of the plan and every candidate, the tensor is quantized with quantkit's own
+kernels (the bytes llama-quantize would write, imatrix included) and dequantized with gguf-py, and
+the error is weighted by what the tensor's input carries:
 
     error(t, type) = sum_rows sum_j importance_j * (w - dequant(quant(w, type)))_j^2
 
 importance_j is the imatrix entry (mean x_j^2 of the input column on the calibration windows), so
 the error is the mean squared error the matmul's output takes on. token_embd has no matmul input:
 its rows are weighted by how often each token occurs in the calibration windows instead; the
-output head (no imatrix entry, as llama-imatrix) is weighted uniformly.
+output head (no imatrix entry, as llama-imatrix) is weighted uniformly. A candidate that is no
+smaller than another with less error (Q4_0 beside Q4_K, both 4.5 bits per weight) is dropped from
+the tensor's choices (quantkit.mixed.frontier).
 
 Errors of different tensors are in different units (an attn_k error passes a softmax, an
-ffn_down error lands on the residual stream), so with `measure` each tensor's error curve is
-scaled by a measured KL divergence: the calibration windows are run through the layer-streamed
-forward (quantkit.stream) with only that tensor quantized at PROBE, and
-
-    damage(t, type) = kld(t, PROBE) * error(t, type) / error(t, PROBE)
-
-(KL divergence is quadratic in a small output perturbation, and so is the error). Without
+ffn_down error lands on the residual stream), so with `measure` the errors are scaled into KL
+divergence by gains measured on a few probe tensors per role and interpolated over depth
+(quantkit.mixed: the calibration windows through the layer-streamed forward with only the probe
+quantized at PROBE, or at its cheapest candidate where PROBE does not fit its rows). Without
 `measure`, damage = error. The table is plain data (`Sensitivity.as_dict`), stored in the
 report's details and read back by the fallback.
 """
@@ -28,68 +29,59 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
+from gguf import GGML_QUANT_SIZES
 
 from quantkit.gguf.mixture import UNQUANTIZED, T
-from quantkit.mixed import scaled_damage
+from quantkit.mixed import PROBES_PER_ROLE, SensitivityRow, frontier
 
-CANDIDATES = (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0)  # the k-quant family, fewest bits first
-PROBE = T.Q3_K  # the type each tensor's KL divergence is measured at
+K_QUANTS = (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K)  # rows of 256 values
+LEGACY = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0)  # rows of 32 values
+
+
+def bits_per_weight(qtype: T) -> float:
+    block, size = GGML_QUANT_SIZES[qtype]
+    return 8 * size / block
+
+
+CANDIDATES = tuple(sorted(K_QUANTS + LEGACY, key=bits_per_weight))  # fewest bits first
+PROBE = T.Q3_K  # the type each probe tensor's KL divergence is measured at (where its rows take it)
 SLAB_ELEMENTS = 1 << 21  # float32 values read and quantized at a time
 
 
-@dataclass
-class TensorSensitivity:
-    name: str  # GGUF tensor name
-    shape: tuple[int, ...]
-    mixture: str  # the type llama.cpp's mixture gives it
-    errors: dict[str, float]  # candidate type name -> importance-weighted squared error
-    kld: float | None = None  # measured KL divergence with only this tensor at `probe`
-    probe: str = PROBE.name
-
-    @property
-    def candidates(self) -> list[T]:
-        return [T[name] for name in self.errors]
-
-    def damage(self, qtype: T) -> float:
-        return scaled_damage(self.kld, self.errors[qtype.name], self.errors[self.probe])
-
-    def as_dict(self) -> dict:
-        return {"tensor": self.name, "shape": list(self.shape), "mixture": self.mixture, "probe": self.probe,
-                "kld": self.kld, "errors": self.errors,
-                "damage": {c.name: self.damage(c) for c in self.candidates}}
-
-    @classmethod
-    def from_dict(cls, row: dict) -> "TensorSensitivity":
-        return cls(row["tensor"], tuple(row["shape"]), row["mixture"], dict(row["errors"]), row["kld"], row["probe"])
+def table_row(name: str, shape: tuple[int, ...], plain: str, errors: dict[str, float]) -> SensitivityRow:
+    """A sensitivity row of one tensor: candidates in size order with the dominated ones left out,
+    probed at PROBE where its rows take it, else at its cheapest candidate."""
+    order = frontier(errors, lambda name: bits_per_weight(T[name]))
+    probe = PROBE.name if PROBE.name in errors else next(iter(errors))
+    return SensitivityRow(name, tuple(shape), dict(errors), probe, plain, order=order)
 
 
 @dataclass
 class Sensitivity:
-    tensors: list[TensorSensitivity]
+    tensors: list[SensitivityRow]
     measured: bool  # damage scaled by measured KL divergence (else: the weighted error alone)
     windows: int = 0  # calibration windows the KL divergences were measured on
     seconds: dict[str, float] = field(default_factory=dict)  # "errors", "kld"
+    probes: int = 0  # tensors whose KL divergence was measured
 
-    def by_name(self) -> dict[str, TensorSensitivity]:
+    def by_name(self) -> dict[str, SensitivityRow]:
         return {t.name: t for t in self.tensors}
 
     def as_dict(self) -> dict:
-        return {"measured": self.measured, "windows": self.windows, "seconds": self.seconds,
+        return {"measured": self.measured, "windows": self.windows, "probes": self.probes, "seconds": self.seconds,
                 "candidates": [c.name for c in CANDIDATES], "tensors": [t.as_dict() for t in self.tensors]}
 
     @classmethod
     def from_dict(cls, data: dict) -> "Sensitivity":
-        return cls([TensorSensitivity.from_dict(r) for r in data["tensors"]], data["measured"], data["windows"],
-                   dict(data["seconds"]))
+        return cls([SensitivityRow.from_dict(r) for r in data["tensors"]], data["measured"], data["windows"],
+                   dict(data["seconds"]), data.get("probes", 0))
 
 
 def candidates(ncols: int) -> list[T]:
-    """The candidate types whose block size divides a row (k-quants need multiples of 256)."""
-    from gguf import GGML_QUANT_SIZES
-
+    """The candidate types whose block size divides a row (k-quants need multiples of 256), fewest bits first."""
     return [c for c in CANDIDATES if ncols % GGML_QUANT_SIZES[c][0] == 0]
 
 
@@ -150,7 +142,7 @@ def tensor_errors(handles, plan, quant_imatrix, importance, row_weights, threads
 
 
 def error_table(model_dir: Path, plans, quant_imatrix: dict | None, importance: dict | None, calib_windows,
-                threads: int = 1) -> list[TensorSensitivity]:
+                threads: int = 1) -> list[SensitivityRow]:
     """Weighted errors of every quantized tensor of the plan (quant_imatrix: what the quantizer uses,
     importance: the imatrix that weights the error; both {GGUF name: vector})."""
     from quantkit.gguf.convert import imatrix_for, open_handles
@@ -163,8 +155,7 @@ def error_table(model_dir: Path, plans, quant_imatrix: dict | None, importance: 
             imp = imatrix_for(p, importance)
             row_weights = token_frequencies(calib_windows, p.shape[0]) if p.name == "token_embd.weight" else None
             errors = tensor_errors(handles, p, imatrix_for(p, quant_imatrix), imp, row_weights, threads)
-            probe = PROBE.name if PROBE.name in errors else next(iter(errors))
-            table.append(TensorSensitivity(p.name, tuple(p.shape), p.qtype.name, errors, probe=probe))
+            table.append(table_row(p.name, p.shape, p.qtype.name, errors))
     finally:
         for h in set(handles.values()):
             h.close()
@@ -187,43 +178,64 @@ def quantized_matrices(handles, plan, qtype: T, quant_imatrix) -> dict:
     return out
 
 
-def measure_klds(model_dir: Path, table: list[TensorSensitivity], plans, quant_imatrix: dict | None, windows,
-                 workdir: Path | None = None) -> None:
-    """Fill each row's `kld`: the calibration windows through the streamed float32 forward with only
-    that tensor quantized at its probe type, against the unquantized forward."""
+def start_layer(name: str, layers: int) -> int:
+    """The first decoder layer a GGUF tensor changes: its block's; the head's is after the last one."""
+    from quantkit.gguf.mixture import layer_of
+
+    if name == "output.weight":
+        return layers
+    return max(0, layer_of(name))
+
+
+def measure_klds(model_dir: Path, rows: list[SensitivityRow], plans, quant_imatrix: dict | None, windows,
+                 workdir: Path | None = None, progress: Callable[[str], None] = lambda message: None) -> dict:
+    """{tensor: KL divergence} of the calibration windows through the streamed float32 forward with only
+    that tensor quantized at its row's probe type, against the unquantized forward; each row's `kld`
+    and `gain` are set (quantkit.mixed.set_gains)."""
     from quantkit.gguf.convert import imatrix_for, open_handles
-    from quantkit.mixed import single_tensor_klds
+    from quantkit.mixed import Probe, layer_count, probe_klds, set_gains
     from quantkit.model import check_model_dir
 
-    plan_of = {p.name: p for p in plans}
+    plan_of, layers = {p.name: p for p in plans}, layer_count(model_dir)
     handles = open_handles(check_model_dir(Path(model_dir)).weight_files)
 
-    def patches():
-        for row in table:
-            plan = plan_of[row.name]
-            yield row.name, quantized_matrices(handles, plan, T[row.probe], imatrix_for(plan, quant_imatrix))
+    def probe(row: SensitivityRow) -> Probe:
+        plan = plan_of[row.name]
+        return Probe(row.name, start_layer(row.name, layers),
+                     lambda: quantized_matrices(handles, plan, T[row.probe], imatrix_for(plan, quant_imatrix)))
 
     try:
-        klds = single_tensor_klds(model_dir, patches(), windows, "auto_precision.measure_windows: 0", workdir)
+        klds = probe_klds(model_dir, [probe(r) for r in rows], windows, "auto_precision.measure_windows: 0", workdir,
+                          progress)
     finally:
         for h in set(handles.values()):
             h.close()
-    for row in table:
-        row.kld = klds[row.name]
+    set_gains(rows, klds)
+    return klds
 
 
 def measure(model_dir: Path, plans, quant_imatrix: dict | None, importance: dict | None, calib_windows,
-            measure_windows: int, threads: int = 1, workdir: Path | None = None) -> Sensitivity:
-    """The sensitivity table of a plan: weighted errors, and with measure_windows > 0 the KL
-    divergences measured on that many calibration windows."""
+            measure_windows: int, threads: int = 1, workdir: Path | None = None,
+            probes_per_role: int = PROBES_PER_ROLE, progress: Callable[[str], None] = lambda message: None
+            ) -> Sensitivity:
+    """The sensitivity table of a plan: weighted errors, and with measure_windows > 0 the gains
+    measured on that many calibration windows for `probes_per_role` tensors of each role
+    (quantkit.mixed.probe_names) and interpolated for the others."""
     import time
 
+    from quantkit.mixed import probe_names, set_gains
+
     started = time.perf_counter()
+    progress(f"sensitivity: weighted errors of {len(quantized_plans(plans))} tensors at every candidate type")
     table = error_table(model_dir, plans, quant_imatrix, importance, calib_windows, threads)
     seconds = {"errors": round(time.perf_counter() - started, 3)}
+    if measure_windows <= 0:
+        return Sensitivity(table, False, 0, seconds)
+    started = time.perf_counter()
     windows = calib_windows[:measure_windows]
-    if measure_windows > 0:
-        started = time.perf_counter()
-        measure_klds(model_dir, table, plans, quant_imatrix, windows, workdir)
-        seconds["kld"] = round(time.perf_counter() - started, 3)
-    return Sensitivity(table, measure_windows > 0, len(windows) if measure_windows > 0 else 0, seconds)
+    probes = set(probe_names(table, probes_per_role))
+    klds = measure_klds(model_dir, [r for r in table if r.name in probes], plans, quant_imatrix, windows, workdir,
+                        progress)
+    set_gains(table, klds)
+    seconds["kld"] = round(time.perf_counter() - started, 3)
+    return Sensitivity(table, True, len(windows), seconds, len(klds))

@@ -11,6 +11,7 @@ defaults for the optional ones in one place. Who calls what:
 
   member             called by                                    when
   options            recipe.validate, cli.inspect                 validating a target's `options`
+  resolve            pipeline.resolve_target, cli.inspect         options completed for the model (group_size auto)
   check              pipeline.prepare                             before any model is loaded
   needs_calibration  pipeline.resolve_target                      deciding whether to cut calibration windows
   needs_model        pipeline.resolve_target, cli.inspect         deciding whether to load the model in memory
@@ -20,8 +21,8 @@ defaults for the optional ones in one place. Who calls what:
   check_ignore       pipeline.resolve_target                      refusing an ignore list the engine cannot take
   precision          plan.build_plan                              the plan (`quantkit inspect`, the report)
   plan_types         plan.build_plan                              exact per-tensor types (gguf's mixture)
-  wants_fallback     pipeline.run_target                          whether a failed gate triggers `fallback`
-  fallback           pipeline.run_target                          re-quantizing with more bits after a failed gate
+  fallback_ladder    pipeline.run_fallback                        the units a failed gate raises (quantkit.mixed.Ladder)
+  requantize         pipeline.run_fallback                        writing the artifact again with a per-unit plan
   quantize           pipeline.run_target                          writing the artifact into a staging dir
 """
 
@@ -39,6 +40,7 @@ from quantkit.errors import InputError
 
 if TYPE_CHECKING:
     from quantkit.calibration import TokenWindows
+    from quantkit.mixed import Ladder
     from quantkit.model import ModelInfo, Offload
     from quantkit.recipe import Calibration
 
@@ -78,6 +80,7 @@ class QuantizeJob:
     towers: dict[str, str] = field(default_factory=dict)  # tower role -> int8/int4 (Target.tower_precision())
     offload: Offload | None = None  # what the model was loaded with on disk, and where (quantkit.model.Offload)
     ranks: Ranks = Ranks()  # under torchrun: this rank's share of the windows; only rank 0 saves (quantkit.distributed)
+    progress: Callable[[str], None] = lambda message: None  # one line per phase of a long step (the CLI shows it)
 
     def free_model(self) -> None:
         """Drop the loaded model: its weights to the meta device (llm-compressor's offload caches
@@ -121,12 +124,12 @@ def _loads_model(info: ModelInfo, options: BaseModel) -> bool:
     return True
 
 
+def _as_given(info: ModelInfo, options: BaseModel) -> tuple[BaseModel, dict[str, str]]:
+    return options, {}
+
+
 def _no_exact_types(info: ModelInfo, options: BaseModel) -> dict[str, str]:
     return {}
-
-
-def _no_fallback(job: QuantizeJob, result: QuantizeResult) -> QuantizeResult | None:
-    return None
 
 
 @dataclass(frozen=True)
@@ -143,6 +146,9 @@ class MethodSpec:
     # None: that role stays in the model's 16-bit dtype.
     precision: Callable[[str, BaseModel, str, list[int]], str | None]
     default_gate: Callable[[BaseModel], GateDefaults]
+    # resolve(info, options) -> (options, notes): choices left to the model made (gptq's group_size auto),
+    # with a line per choice for the report and the model card saying what was chosen and why
+    resolve: Callable[[ModelInfo, BaseModel], tuple[BaseModel, dict[str, str]]] = _as_given
     check: Callable[[ModelInfo, BaseModel, Calibration], None] = _no_check  # cheap, before any work
     # check_ignore(info, options, full ignore list): refuse, before any work, an ignore list the engine
     # cannot take (awq: a smoothing row whose balance layers would all stay 16-bit)
@@ -158,11 +164,12 @@ class MethodSpec:
     # Exact per-module precision for the whole model where one tensor's type depends on the others
     # (gguf: llama-quantize's mixture rules); {} where `precision` alone is exact.
     plan_types: Callable[[ModelInfo, BaseModel], dict[str, str]] = _no_exact_types
-    # Gate-driven fallback: after a failed gate, `fallback(job, last result)` writes the artifact again
-    # with more bits where the measured damage is largest (into job.out_dir), or returns None when
-    # its size budget is spent. The pipeline re-measures after each step.
-    wants_fallback: Callable[[BaseModel], bool] = _never
-    fallback: Callable[[QuantizeJob, QuantizeResult], QuantizeResult | None] = _no_fallback
+    # Gate-driven fallback (a method whose options have `fallback`; the loop is quantkit.pipeline.run_fallback):
+    # fallback_ladder(job, first result) -> quantkit.mixed.Ladder: the units, their precisions in the
+    # artifact, their candidates, damages and bytes; requantize(job, plan, details) writes the artifact
+    # again into job.out_dir with a per-unit plan ({unit name: precision}), `details` its report fields.
+    fallback_ladder: Callable[[QuantizeJob, QuantizeResult], Ladder] | None = None
+    requantize: Callable[[QuantizeJob, dict[str, str], dict], QuantizeResult] | None = None
 
 
 def fixed_gate(thresholds: GateDefaults) -> Callable[[BaseModel], GateDefaults]:

@@ -24,11 +24,13 @@ constraints from llm-compressor 0.14.0.1's AWQModifier (modifiers/transform/awq/
   o_proj where the widths match) must keep a balance layer quantized; where the plan keeps them all
   16-bit they go back to int8 (fewer bytes, so still within the budget; `keep_balance_quantized`).
 
-`fallback` (gate-driven): gptq's (gptq.fallback / next_plan: the base model reloaded, the plan one
+`fallback` (gate-driven): gptq's ladder (gptq.fallback_ladder: the base model reloaded, the plan one
 precision up where the predicted damage is largest, AWQ run again and re-gated until the gate passes or
 `max_size` is spent), with the same two constraints on every raised plan (`fallback_units`): a tied group
 of balance layers is raised as one unit, and the balance layers of a row whose smooth layer is quantized
 go no higher than int8 (a step never leaves them all 16-bit).
+
+`group_size: auto` (the default) as gptq's (gptq.auto_group_size).
 
 CPU workaround: llm-compressor 0.14.0.1 pins the cached parent-module inputs in host memory
 before AWQ's grid search (`IntermediatesCache.pin_memory`, called from
@@ -49,7 +51,7 @@ from pydantic import BaseModel, ConfigDict
 from quantkit.errors import InputError, MissingExtraError, UnsupportedError
 from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, fixed_gate, gptq, intmix, llmc
 from quantkit.methods.mappings import model_mappings
-from quantkit.mixed import Fallback
+from quantkit.mixed import Fallback, SensitivityRow
 
 # 4-bit weights: the same looser gate as GPTQ.
 DEFAULT_GATE = {"max_ppl_increase": 0.10, "max_kld": 0.10, "min_top1": 0.80}
@@ -61,7 +63,7 @@ PIN_MEMORY_SITE = ("llmcompressor.pipelines.cache", "IntermediatesCache.pin_memo
 class Options(BaseModel):
     model_config = ConfigDict(extra="forbid")
     bits: int = 4
-    group_size: int = 128
+    group_size: int | Literal["auto"] = "auto"  # -1: one scale per output channel; auto: gptq.auto_group_size
     symmetric: bool = False
     duo_scaling: bool | Literal["both"] = True
     n_grid: int = 20
@@ -168,7 +170,7 @@ def quantize(job: QuantizeJob) -> QuantizeResult:
     ignore, choice = llmc.decoder_ignore(job), None
     details = llmc.calibration_details(job)
     if job.options.auto_precision is not None:
-        layers = gptq.budgeted_layers(job, ignore)
+        layers = gptq.budgeted_layers(job.info, ignore)
         ties, rows = balance_groups(job.info, list(layers)), linear_rows(job.info, layers)
         choice, mixed = gptq.auto_precision(
             job, ignore, gptq.scheme(job), lambda table, allowed, scheme: keep_balance_quantized(
@@ -219,13 +221,13 @@ def balance_groups(info, names: list[str]) -> list[list[str]]:
     return groups + [[n] for n in names if n not in grouped]
 
 
-def tied_plan(table: list[intmix.LayerSensitivity], groups: list[list[str]], allowed: int,
+def tied_plan(table: list[SensitivityRow], groups: list[list[str]], allowed: int,
               scheme: intmix.Scheme) -> dict[str, str]:
     """quantkit.mixed.assign over the balance groups: {module name: precision}, one per group."""
-    from quantkit.mixed import assign
+    from quantkit.mixed import Unit, assign
 
     rows = {r.name: r for r in table}
-    tied = [intmix.TiedLayers(group[0], [rows[n] for n in group]) for group in groups if all(n in rows for n in group)]
+    tied = [Unit(group[0], [rows[n] for n in group]) for group in groups if all(n in rows for n in group)]
     choice = assign(tied, allowed, lambda t, p: sum(scheme.nbytes(m.shape, p) for m in t.members))
     return {m.name: choice[t.name] for t in tied for m in t.members}
 
@@ -263,22 +265,29 @@ def keep_balance_quantized(choice: dict[str, str], rows: list[tuple[str, list[st
 # ---------------------------------------------------------------- gate-driven fallback
 
 
-def fallback_units(info, table: list[intmix.LayerSensitivity], current: dict[str, str]) -> list[intmix.TiedLayers]:
-    """What one fallback raise moves together, so that every raised plan keeps AWQ's constraints: the
-    balance groups (q/k/v, gate/up share one precision), each capped at int8 while it holds a balance
-    layer of a linear_rows row whose smooth layer `current` keeps quantized (raised to 16-bit, that row's
-    balance layers would leave AWQ's duo scaling nothing to average over)."""
+def fallback_units(info, table: list[SensitivityRow], current: dict[str, str]) -> list:
+    """What one fallback raise moves together (quantkit.mixed.Unit), so that every raised plan keeps AWQ's
+    constraints: the balance groups (q/k/v, gate/up share one precision), each capped at int8 while it
+    holds a balance layer of a linear_rows row whose smooth layer `current` keeps quantized (raised to
+    16-bit, that row's balance layers would leave AWQ's duo scaling nothing to average over)."""
+    from quantkit.mixed import Unit
+
     rows = {r.name: r for r in table}
     shapes = {r.name: r.shape for r in table}
     capped = {name for smooth, balance in linear_rows(info, shapes) if current[smooth] != "16-bit"
               for name in balance}
-    return [intmix.TiedLayers(group[0], [rows[n] for n in group], "int8" if set(group) & capped else None)
+    return [Unit(group[0], [rows[n] for n in group], "int8" if set(group) & capped else None)
             for group in balance_groups(info, list(rows))]
 
 
-def fallback(job: QuantizeJob, result: QuantizeResult) -> QuantizeResult | None:
-    """gptq.fallback with AWQ as the writer and its tied, capped units (fallback_units)."""
-    return gptq.fallback(job, result, write, lambda table, current: fallback_units(job.info, table, current))
+def fallback_ladder(job: QuantizeJob, result: QuantizeResult):
+    """gptq's ladder with AWQ's tied, capped units (fallback_units)."""
+    return gptq.fallback_ladder(job, result, lambda table: lambda plan: fallback_units(job.info, table, plan))
+
+
+def requantize(job: QuantizeJob, plan: dict[str, str], details: dict) -> QuantizeResult:
+    """AWQ again from the base model with the per-layer plan."""
+    return gptq.requantize_with(write, job, plan, details)
 
 
 def check_ignore(info, options: Options, ignore: list[str]) -> None:
@@ -298,5 +307,5 @@ METHOD = MethodSpec(
     format="compressed-tensors (pack-quantized, int4 asymmetric)",
     options=Options, quantize=quantize, precision=precision, default_gate=fixed_gate(DEFAULT_GATE),
     check=check, needs_calibration=needs_calibration, check_ignore=check_ignore,
-    fallback=fallback, wants_fallback=lambda options: options.fallback is not None,
+    resolve=gptq.resolve, fallback_ladder=fallback_ladder, requantize=requantize,
 )

@@ -10,6 +10,11 @@ loaded); fp8-static, and models whose checkpoint is more than a renaming of the 
 `path_blocker` says which, before any work (the preflight and `quantkit inspect` use it), and
 `model_free.plan_stream` checks the rest on the meta-device model; the report's `details.path`
 names the path taken and why.
+
+`fallback` (gate-driven, quantkit.pipeline.run_fallback): the Linear layers whose FP8 weights and
+activations are predicted to cost the most (quantkit.methods.intmix: the weight's and the per-token
+activation's rounding error, scaled by KL divergences measured on a few probe layers) stay 16-bit, a
+few more each step, until the gate passes or `max_size` is spent.
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, fixed_gate, llmc, model_free, moe
+from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, fixed_gate, intmix, llmc, model_free, moe
+from quantkit.mixed import Fallback
 
 # FP8 E4M3 is near-lossless on trained models: hold it to a tight gate.
 DEFAULT_GATE = {"max_ppl_increase": 0.02, "max_kld": 0.01, "min_top1": 0.95}
@@ -28,10 +34,12 @@ class Options(BaseModel):
     model_config = ConfigDict(extra="forbid")
     scheme: Literal["fp8-dynamic", "fp8-static"] = "fp8-dynamic"
     quantize_lm_head: bool = False
+    fallback: Fallback | None = None  # on a failed gate, keep the most damaging layers 16-bit (quantkit.mixed)
 
 
 def needs_calibration(options: Options) -> bool:
-    return options.scheme == "fp8-static"
+    """fp8-static's activation scales, and a fallback's sensitivity pass."""
+    return options.scheme == "fp8-static" or options.fallback is not None
 
 
 def precision(role: str, options: Options, name: str, shape: list[int]) -> str | None:
@@ -53,6 +61,12 @@ def check(info, options: Options, calibration) -> None:
     moe.check_supported(info, "fp8")
     moe.check_expert_storage(info, "fp8", "fp8-static stores a static activation scale per expert"
                              if options.scheme == "fp8-static" else None, hint="use scheme fp8-dynamic")
+    if options.fallback is not None:
+        from quantkit.mixed import check_max_size
+
+        intmix.check_streamable(info, "fp8: fallback", "--fallback")
+        layers = intmix.quantized_layers(info, [])
+        check_max_size(options.fallback, intmix.artifact_estimate(info, layers, layer_bytes, PRECISION), "fp8 fallback")
 
 
 def keeps_lm_head(options: Options) -> bool:
@@ -112,10 +126,55 @@ def save_model_free(job: QuantizeJob, plan) -> None:
     llmc.finish_artifact(job.out_dir, load_tokenizer(job.info, job.trust_remote_code), job.ignore)
 
 
+# ---------------------------------------------------------------- gate-driven fallback
+
+PRECISION = "fp8"  # the one precision of the fallback ladder below 16-bit
+
+
+def layer_bytes(shape: tuple[int, int], precision: str, element: int = 2) -> int:
+    """A Linear's stored bytes: fp8 weight and a per-channel scale, or the model's dtype (`element` bytes per
+    value); plus the room a layer's name takes in the ignore list and the header."""
+    out, inp = shape
+    return (out * inp + out * element if precision == PRECISION else out * inp * element) + intmix.METADATA_BYTES
+
+
+def simulation(options: Options) -> intmix.Simulation:
+    """FP8 of one layer, simulated with compressed-tensors' rounding: its weight per channel, its input per
+    token (fp8-dynamic) or with one scale (fp8-static)."""
+    from compressed_tensors.quantization import QuantizationArgs
+
+    group = scheme_config(options)["group_0"]
+    weights, activations = QuantizationArgs(**group["weights"]), intmix.activation_quantizer(group["input_activations"])
+    return intmix.Simulation((PRECISION,), lambda layer, precision, weight: intmix.rtn(weight, weights),
+                             lambda layer, precision: activations)
+
+
+def fallback_ladder(job: QuantizeJob, result: QuantizeResult):
+    return intmix.keep_ladder(job, intmix.quantized_layers(job.info, job.ignore), simulation(job.options),
+                              intmix.sized(layer_bytes, job))
+
+
+def requantize(job: QuantizeJob, plan: dict[str, str], details: dict) -> QuantizeResult:
+    """The artifact again with the plan's 16-bit layers added to the ignore list."""
+    import dataclasses
+    from contextlib import nullcontext
+
+    kept = dataclasses.replace(job, ignore=job.ignore + intmix.kept_16bit(plan), model=None)
+    llmc.clear_weights(job.out_dir)
+    with llmc.reloaded_model(kept) if needs_model(job.info, job.options) else nullcontext():
+        result = quantize(kept)
+    if kept.model is not None:  # quantize loaded it (the oneshot path found late)
+        kept.free_model()
+    return QuantizeResult(result.artifact, {**details, **result.details,
+                                            "mixed_precision": intmix.keep_report(details, plan,
+                                                                                 intmix.sized(layer_bytes, job))})
+
+
 METHOD = MethodSpec(
     quantizes_towers=True, name="fp8", engine=llmc.ENGINE, engine_package=llmc.ENGINE,
     format="compressed-tensors (float-quantized, float8_e4m3fn)",
     options=Options, quantize=quantize, precision=precision, default_gate=fixed_gate(DEFAULT_GATE),
     check=check, needs_calibration=needs_calibration, needs_model=needs_model, keeps_lm_head=keeps_lm_head,
+    fallback_ladder=fallback_ladder, requantize=requantize,
 )
 

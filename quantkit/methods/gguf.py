@@ -21,6 +21,7 @@ without an mmproj conversion is refused unless that is asked for.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 from typing import Literal
@@ -29,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from quantkit.errors import InputError, UnsupportedError
 from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult
-from quantkit.mixed import Fallback, size_limit, step_count
+from quantkit.mixed import Fallback
 
 # k-quants lose more than FP8: gate on KLD and top-1 agreement, leave PPL to the recipe.
 DEFAULT_GATE = {"max_ppl_increase": 0.10, "max_kld": 0.10, "min_top1": 0.80}  # the Q4 mixes
@@ -52,8 +53,10 @@ class AutoPrecision(BaseModel):
     model_config = ConfigDict(extra="forbid")
     budget_bpw: float | None = Field(None, gt=1, le=16, description="bits per weight of the whole file; "
                                      "default: the size of llama.cpp's mixture for gguf_type")
-    measure_windows: int = Field(8, ge=0, le=1024, description="calibration windows the per-tensor KL "
+    measure_windows: int = Field(8, ge=0, le=1024, description="calibration windows the probe tensors' KL "
                                  "divergence is measured on (0: imatrix-weighted error only)")
+    probes_per_role: int = Field(3, ge=1, le=64, description="tensors of each role (attn_q, ffn_down, ...) whose "
+                                 "KL divergence is measured, spread over depth; the others' are interpolated")
 
 
 class Options(BaseModel):
@@ -79,7 +82,7 @@ class Options(BaseModel):
     @model_validator(mode="after")
     def _quantized_type(self) -> "Options":
         if mixed(self) and self.gguf_type in ("F32", "F16", "BF16"):
-            raise ValueError(f"auto_precision / fallback choose k-quant types; {self.gguf_type} is not quantized")
+            raise ValueError(f"auto_precision / fallback choose quantized types; {self.gguf_type} is not quantized")
         return self
 
 
@@ -156,6 +159,23 @@ def check(info, options: Options, calibration=None) -> None:
         from quantkit.gguf import imatrix as im
 
         im.check_fits(im.read(Path(options.imatrix)), info, options.gguf_type, Path(options.imatrix))
+    if mixed(options):
+        check_sizes(info, options)
+
+
+def check_sizes(info, options: Options) -> None:
+    """Before any work: an auto_precision budget the cheapest types cannot meet, or an absolute
+    fallback max_size below the first artifact's tensors, is BudgetError (exit 2) with the numbers."""
+    from quantkit.mixed import check_budget, check_max_size
+
+    plans = model_plans(info, options.gguf_type, uses_imatrix(options))
+    sizes = budget_sizes(options.auto_precision, plans)
+    if options.auto_precision is not None:
+        check_budget(sizes.cheapest, sizes.allowed, "gguf auto_precision",
+                     f"the cheapest types take {8 * (sizes.cheapest + sizes.fixed) / sizes.weights:.3f} bits per "
+                     "weight; raise budget_bpw")
+    check_max_size(options.fallback, sizes.fixed + (sizes.allowed if options.auto_precision else sizes.mixture),
+                   "gguf fallback")
 
 
 def check_mmproj(info, mmproj_type: str) -> None:
@@ -241,33 +261,50 @@ def importance(job: QuantizeJob, imatrix):
 
 
 def plans_of(job: QuantizeJob, has_imatrix: bool):
+    return model_plans(job.info, job.options.gguf_type, has_imatrix)
+
+
+def model_plans(info, gguf_type: str, has_imatrix: bool):
+    """Every tensor the converter writes for this model, with the mixture's type (quantkit.gguf.convert)."""
     from quantkit.gguf.convert import load_hparams, plan_tensors
 
-    hp = {**load_hparams(job.info.path), "architectures": job.info.config.get("architectures")}
-    return plan_tensors(hp, job.info.tensors, job.options.gguf_type, has_imatrix=has_imatrix, model_dir=job.info.path)
+    hp = {**load_hparams(info.path), "architectures": info.config.get("architectures")}
+    return plan_tensors(hp, info.tensors, gguf_type, has_imatrix=has_imatrix, model_dir=info.path)
 
 
-def sensitivity_table(job: QuantizeJob, plans, imatrix, measure_windows: int):
+def sensitivity_table(job: QuantizeJob, plans, imatrix, auto: AutoPrecision):
     """quantkit.gguf.sensitivity.measure for this job's checkpoint and calibration windows."""
     from quantkit.gguf import sensitivity
 
     weights = imatrix.weights() if imatrix is not None else None
     return sensitivity.measure(job.info.path, plans, weights, importance(job, imatrix).weights(), job.windows.calib,
-                               measure_windows, cpu_threads(), Path(job.workdir))
+                               auto.measure_windows, cpu_threads(), Path(job.workdir), auto.probes_per_role,
+                               job.progress)
 
 
-def budget_bytes(auto: AutoPrecision, plans, table) -> tuple[int, int]:
-    """(bytes the budgeted tensors may take, bytes of llama.cpp's mixture for them)."""
-    from quantkit.gguf.budget import mixture_types, total_bytes
-    from quantkit.gguf.convert import tensor_nbytes
+@dataclass(frozen=True)
+class BudgetSizes:
+    """Tensor bytes in the file (quantkit.gguf.budget.nbytes) of the tensors a budget may retype
+    (every quantized one with a candidate type) and of the rest."""
 
-    mixture = total_bytes(table, mixture_types(table))
-    if auto.budget_bpw is None:
-        return mixture, mixture
-    budgeted = {t.name for t in table}
-    fixed = sum(tensor_nbytes(p.shape, p.qtype) for p in plans if p.name not in budgeted)
-    params = sum(math.prod(p.shape) for p in plans)
-    return int(auto.budget_bpw * params / 8) - fixed, mixture
+    allowed: int  # what the budgeted tensors may take: budget_bpw's share, or the mixture's
+    mixture: int  # what llama.cpp's mixture gives them
+    cheapest: int  # their cheapest candidate types
+    fixed: int  # every other tensor (norms, 16-bit tensors)
+    weights: int  # values in all tensors
+
+
+def budget_sizes(auto: AutoPrecision | None, plans) -> BudgetSizes:
+    from quantkit.gguf.budget import nbytes
+    from quantkit.gguf.sensitivity import candidates, quantized_plans
+
+    budgeted = {p.name for p in quantized_plans(plans)}
+    mixture = sum(nbytes(p.shape, p.qtype) for p in plans if p.name in budgeted)
+    cheapest = sum(nbytes(p.shape, candidates(p.shape[-1])[0]) for p in plans if p.name in budgeted)
+    fixed = sum(nbytes(p.shape, p.qtype) for p in plans if p.name not in budgeted)
+    weights = sum(math.prod(p.shape) for p in plans)
+    allowed = mixture if auto is None or auto.budget_bpw is None else int(auto.budget_bpw * weights / 8) - fixed
+    return BudgetSizes(allowed, mixture, cheapest, fixed, weights)
 
 
 def write_gguf(job: QuantizeJob, imatrix, types: dict | None, details: dict) -> QuantizeResult:
@@ -331,52 +368,68 @@ def quantize(job: QuantizeJob) -> QuantizeResult:
         return write_gguf(job, imatrix, None, details)
     started = time.perf_counter()
     plans = plans_of(job, imatrix is not None)
-    table = sensitivity_table(job, plans, imatrix, opts.auto_precision.measure_windows)
-    allowed, mixture = budget_bytes(opts.auto_precision, plans, table.tensors)
-    types = budget.assign_types(table.tensors, allowed)
+    table = sensitivity_table(job, plans, imatrix, opts.auto_precision)
+    sizes = budget_sizes(opts.auto_precision, plans)
+    types = budget.assign_types(table.tensors, sizes.allowed)
     table.seconds["total"] = round(time.perf_counter() - started, 3)
     details["sensitivity"] = table.as_dict()
-    details["mixed_precision"] = mixed_report(table.tensors, types, allowed, mixture)
+    details["mixed_precision"] = mixed_report(table.tensors, types, sizes, sizes.allowed)
+    job.progress(f"auto-precision: {len(details['mixed_precision']['changed'])} of {len(types)} tensors differ "
+                 f"from the {opts.gguf_type} mixture; {details['mixed_precision']['bytes']:,} of "
+                 f"{sizes.allowed:,} budgeted bytes")
     return write_gguf(job, imatrix, types, details)
 
 
-def mixed_report(table, types: dict, allowed: int, mixture: int) -> dict:
+def mixed_report(table, types: dict, sizes: BudgetSizes, budget: int | None) -> dict:
+    """details.mixed_precision: the bytes of the budgeted tensors (and their budget, checked: InternalError
+    if the types broke it), every tensor's type and the ones that differ from the mixture."""
+    from quantkit.errors import InternalError
     from quantkit.gguf.budget import total_bytes
 
-    return {"budget_bytes": allowed, "mixture_bytes": mixture, "bytes": total_bytes(table, types),
-            "types": {name: t.name for name, t in sorted(types.items())},
-            "changed": {t.name: f"{t.mixture}->{types[t.name].name}" for t in table if types[t.name].name != t.mixture}}
+    used = total_bytes(table, types)
+    if budget is not None and used > budget:
+        raise InternalError(f"gguf: the per-tensor types take {used:,} bytes, over the budget of {budget:,}")
+    limit = {} if budget is None else {"budget_bytes": budget}
+    return {**limit, "mixture_bytes": sizes.mixture, "cheapest_bytes": sizes.cheapest, "bytes": used, "types": {name: t.name for name, t in sorted(types.items())},
+            "changed": {t.name: f"{t.plain}->{types[t.name].name}" for t in table if types[t.name].name != t.plain}}
 
 
-def fallback(job: QuantizeJob, result: QuantizeResult) -> QuantizeResult | None:
-    """The artifact with the tensors of largest predicted damage raised one candidate type, or
-    None when no raise fits in Fallback.max_size (measured against the first artifact)."""
+def fallback_ladder(job: QuantizeJob, result: QuantizeResult):
+    """What the gate-driven fallback raises: every budgeted tensor, from its type in the artifact (the
+    mixture's, or auto_precision's) through its candidate types (quantkit.mixed.Ladder)."""
     from quantkit.gguf import budget
-    from quantkit.gguf import imatrix as im
+    from quantkit.gguf.sensitivity import Sensitivity
+    from quantkit.mixed import Ladder
+
+    if "sensitivity" in result.details:
+        table = Sensitivity.from_dict(result.details["sensitivity"])
+    else:
+        imatrix = current_imatrix(job)
+        table = sensitivity_table(job, plans_of(job, imatrix is not None), imatrix,
+                                  job.options.auto_precision or AutoPrecision())
+    plan = result.details.get("mixed_precision", {}).get("types") or {t.name: t.plain for t in table.tensors}
+    return Ladder(table.tensors, dict(plan), budget.tensor_size, details={"sensitivity": table.as_dict()})
+
+
+def requantize(job: QuantizeJob, plan: dict[str, str], details: dict) -> QuantizeResult:
+    """The .gguf written again with per-tensor types `plan` ({tensor: type name})."""
+    from quantkit.gguf.mixture import T
     from quantkit.gguf.sensitivity import Sensitivity
 
-    opts = job.options
-    details = dict(result.details)
-    imatrix = im.read(Path(job.workdir) / "imatrix.gguf") if computes_imatrix(opts) else load_imatrix(job)[0]
-    if "sensitivity" in details:
-        table = Sensitivity.from_dict(details["sensitivity"])
-    else:
-        measure_windows = opts.auto_precision.measure_windows if opts.auto_precision else AutoPrecision().measure_windows
-        table = sensitivity_table(job, plans_of(job, imatrix is not None), imatrix, measure_windows)
-        details["sensitivity"] = table.as_dict()
-    current = {name: budget.T[t] for name, t in details.get("mixed_precision", {}).get("types", {}).items()}
-    current = current or budget.mixture_types(table.tensors)
-    state = details.get("fallback_state") or {"first_bytes": result.details["gguf"]["bytes"]}
-    limit = size_limit(opts.fallback.max_size, state["first_bytes"])
-    count = step_count(opts.fallback.tensors_per_step, len(table.tensors))
-    raised = budget.raise_types(table.tensors, current, count, limit - result.details["gguf"]["bytes"])
-    if not raised:
-        return None
-    types = {**current, **{name: new for name, (_, new) in raised.items()}}
-    mixture = budget.total_bytes(table.tensors, budget.mixture_types(table.tensors))
-    details["mixed_precision"] = mixed_report(table.tensors, types, limit, mixture)
-    details["fallback_state"] = {**state, "raised": {n: f"{a.name}->{b.name}" for n, (a, b) in raised.items()}}
-    return write_gguf(job, imatrix, types, details)
+    imatrix = current_imatrix(job)
+    sizes = budget_sizes(job.options.auto_precision, plans_of(job, imatrix is not None))
+    table = Sensitivity.from_dict(details["sensitivity"]).tensors
+    types = {name: T[t] for name, t in plan.items()}
+    return write_gguf(job, imatrix, types, {**details, "mixed_precision": mixed_report(table, types, sizes, None)})
+
+
+def current_imatrix(job: QuantizeJob):
+    """The imatrix the first artifact was quantized with (computed once into the work dir)."""
+    from quantkit.gguf import imatrix as im
+
+    if computes_imatrix(job.options):
+        return im.read(Path(job.workdir) / "imatrix.gguf")
+    return load_imatrix(job)[0]
 
 
 METHOD = MethodSpec(
@@ -387,6 +440,6 @@ METHOD = MethodSpec(
     keeps_lm_head=lambda options: False,  # the mixture gives output.weight its own type (Q6_K for most mixes)
     supports_ignore=False,  # per-tensor types come from llama-quantize's mixture rules
     plan_types=plan_types,
-    fallback=fallback,
-    wants_fallback=lambda options: options.fallback is not None,
+    fallback_ladder=fallback_ladder,
+    requantize=requantize,
 )

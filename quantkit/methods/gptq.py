@@ -8,12 +8,16 @@ column block by column block with error feedback, and the quantized outputs feed
 `auto_precision`: some layers int8 (per channel) or 16-bit instead of int4, chosen by measured
 sensitivity under a size budget (quantkit.methods.intmix), as extra config groups / ignore entries.
 
-`fallback` (gate-driven): when the artifact fails its gate, the layers with the largest predicted
-damage at their current precision go one step up (int4 -> int8 -> 16-bit) and the model is quantized
-again from the base, until the gate passes or `max_size` is spent (quantkit.pipeline.run_fallback
-re-measures after each step). The damage is the sensitivity table auto_precision recorded, else one
-measured at the first fallback step. GPTQ quantizes and compresses job.model in place, and the pipeline
-frees it before measuring, so every step loads the base model again (llmc.reloaded_model).
+`group_size: auto` (the default): the largest of 128, 64 and 32 that divides every quantized layer's
+input width (each is a group size vLLM's Marlin kernels take), else one scale per output channel; the
+report says which and why. An explicit group size that does not divide a width is refused.
+
+`fallback` (gate-driven, quantkit.pipeline.run_fallback): when the artifact fails its gate, the layers
+with the largest predicted damage at their current precision go one step up (int4 -> int8 -> 16-bit)
+and the model is quantized again from the base, until the gate passes or `max_size` is spent. The
+damage is the sensitivity table auto_precision recorded, else one measured at the first fallback step.
+GPTQ quantizes and compresses job.model in place, and the pipeline frees it before measuring, so every
+step loads the base model again (llmc.reloaded_model).
 
 Also home of the checks shared by the weight-only integer methods (awq, smoothquant):
 `check_group_size`, `check_calibration_tokens`, `quantized_linears`.
@@ -21,17 +25,14 @@ Also home of the checks shared by the weight-only integer methods (awq, smoothqu
 
 from __future__ import annotations
 
+import time
 from typing import Callable, Literal
 
 from pydantic import BaseModel, ConfigDict
 
 from quantkit.errors import CalibrationError, InputError, UnsupportedError
 from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, fixed_gate, intmix, llmc, moe
-from quantkit.mixed import Fallback
-
-# A fallback step's room for what config.json and the safetensors header add per raised layer (its name in
-# the int8 config group or the ignore list, its tensors' entries): the size model counts tensor bytes only.
-METADATA_BYTES = 256
+from quantkit.mixed import Fallback, SensitivityRow
 
 # 4-bit rounding costs a few percent of perplexity even with GPTQ's error feedback.
 DEFAULT_GATE = {"max_ppl_increase": 0.10, "max_kld": 0.10, "min_top1": 0.80}
@@ -46,7 +47,7 @@ QUANTIZED_ROLES = ("decoder", "other")
 class Options(BaseModel):
     model_config = ConfigDict(extra="forbid")
     bits: int = 4
-    group_size: int = 128  # -1: one scale per output channel
+    group_size: int | Literal["auto"] = "auto"  # -1: one scale per output channel; auto: see auto_group_size
     symmetric: bool = True
     act_order: Literal["none", "static", "group"] = "static"
     dampening: float = 0.01  # fraction of the mean Hessian diagonal added before inversion
@@ -59,8 +60,8 @@ def needs_calibration(options: Options) -> bool:
     return True
 
 
-def granularity(group_size: int) -> str:
-    return "per-channel" if group_size == -1 else f"g{group_size}"
+def granularity(group_size) -> str:
+    return {-1: "per-channel", "auto": "group size for the model's widths"}.get(group_size, f"g{group_size}")
 
 
 def precision(role: str, options: Options, name: str, shape: list[int]) -> str | None:
@@ -90,9 +91,35 @@ def check_bits(bits: int, method: str) -> None:
                                hint=f"use one of: {', '.join(map(str, SUPPORTED_BITS))}")
 
 
+GROUP_SIZES = (128, 64, 32)  # what group_size auto tries, largest first (group sizes vLLM's Marlin kernels take)
+
+
+def auto_group_size(info) -> tuple[int, str]:
+    """(group size, why): the largest of GROUP_SIZES dividing every quantized layer's input width, else
+    -1 (one scale per output channel)."""
+    widths = {name: in_features for name, (_out, in_features) in quantized_linears(info).items()}
+    refused = []
+    for size in GROUP_SIZES:
+        blocking = next((name for name, width in widths.items() if width % size), None)
+        if blocking is None:
+            why = f"the largest of {', '.join(map(str, GROUP_SIZES))} dividing every quantized layer's input width"
+            return size, why + "".join(f"; {r}" for r in refused)
+        refused.append(f"{size} does not divide {widths[blocking]} ({blocking})")
+    return -1, "no group size of " + ", ".join(map(str, GROUP_SIZES)) + " divides every input width (" + \
+        "; ".join(refused) + "): one scale per output channel"
+
+
+def resolve(info, options):
+    """The options with group_size auto replaced by auto_group_size's choice; (options, notes for the report)."""
+    if options.group_size != "auto":
+        return options, {}
+    size, why = auto_group_size(info)
+    return options.model_copy(update={"group_size": size}), {"group_size": f"auto: {size} ({why})"}
+
+
 def check_group_size(info, group_size: int, method: str) -> None:
     """The group size must divide the input width of every quantized linear."""
-    if group_size == -1:
+    if group_size in (-1, "auto"):
         return
     if group_size < 1:
         raise InputError(f"{method}: group_size={group_size} is invalid", hint="use a positive size, or -1 per channel")
@@ -171,9 +198,6 @@ def mixed_label(options) -> str:
 def check_auto_precision(info, options, method: str = "gptq") -> None:
     """auto_precision and fallback start every layer at int4 and give some int8 (per channel) or 16-bit
     (gptq's and awq's options)."""
-    from quantkit.methods.moe import is_moe
-    from quantkit.model import is_vlm
-
     label = mixed_label(options)
     flag = "--" + label.replace("_", "-")
     if options.bits != 4:
@@ -182,11 +206,8 @@ def check_auto_precision(info, options, method: str = "gptq") -> None:
     if getattr(options, "act_order", "none") == "group":
         raise InputError(f"{method}: {label}'s int8 layers are per channel, which act_order=group cannot order",
                          hint="use act_order static or none")
-    if is_moe(info.model_type) or is_vlm(info.config):
-        kind = "MoE models" if is_moe(info.model_type) else "VLMs"
-        raise UnsupportedError(f"{method}: {label} is not supported for {kind} ({info.architecture}): its "
-                               "sensitivity pass reads the checkpoint's layers by module name and streams a "
-                               "text decoder", hint=f"quantize without {flag}")
+    intmix.check_streamable(info, f"{method}: {label}", flag)
+    check_sizes(info, options, method)
 
 
 # ---------------------------------------------------------------- quantize
@@ -240,45 +261,31 @@ def write(job: QuantizeJob, ignore: list[str], choice: dict[str, str] | None) ->
 # ---------------------------------------------------------------- auto precision
 
 
-def budgeted_layers(job: QuantizeJob, ignore: list[str]) -> dict[str, tuple[int, int]]:
-    """{module name: (out, in)} of the Linear layers the int4 group quantizes (the ones a budget may raise)."""
-    import torch
+def budgeted_layers(info, ignore: list[str]) -> dict[str, tuple[int, int]]:
+    """{module name: (out, in)} of the Linear layers the int4 group quantizes (the ones a budget may raise),
+    from the checkpoint's headers (a text decoder's module names are its tensor names)."""
+    from quantkit.plan import matches
 
-    from quantkit.plan import classify, matches
-
-    return {name: tuple(module.weight.shape) for name, module in job.model.named_modules()
-            if type(module) is torch.nn.Linear and classify(name + ".weight", job.info.towers) in QUANTIZED_ROLES
-            and not matches(name, ignore)}
+    return {name: tuple(shape) for name, shape in quantized_linears(info).items() if not matches(name, ignore)}
 
 
 def scheme(job: QuantizeJob) -> intmix.Scheme:
-    import torch
-
-    linear = next(m for m in job.model.modules() if type(m) is torch.nn.Linear)
-    return intmix.Scheme(job.options.group_size, job.options.symmetric, linear.weight.element_size())
-
-
-def importance(job: QuantizeJob, names) -> dict:
-    """{module name: mean x_j^2 per input column} on the calibration windows (streamed forward)."""
-    from quantkit.methods.gguf import compute_imatrix
-
-    return compute_imatrix(job, job.windows.calib, {name: name for name in names}).weights()
+    return intmix.Scheme(job.options.group_size, job.options.symmetric, element_bytes(job))
 
 
 def layer_table(job: QuantizeJob, layers: dict[str, tuple[int, int]], chosen: intmix.Scheme) -> intmix.LayerTable:
     """The sensitivity table of `layers` (budgeted_layers), with the auto_precision options'
-    measure_windows (their default for a fallback without auto_precision)."""
-    import time
+    measure_windows and probes (their defaults for a fallback without auto_precision)."""
+    from quantkit.model import torch_dtype
 
     auto, started = job.options.auto_precision or intmix.AutoPrecision(), time.perf_counter()
-    weights = importance(job, layers)
-    imatrix_s = round(time.perf_counter() - started, 3)
-    table = intmix.measure(job.info.path, layers, weights, job.windows.calib, auto, chosen, job.workdir)
-    table.seconds = {"importance": imatrix_s, **table.seconds, "total": round(time.perf_counter() - started, 3)}
+    table = intmix.measure(job.info.path, layers, job.windows.calib, auto, intmix.int_simulation(chosen),
+                           torch_dtype(job.dtype, job.info), "int4", job.workdir, job.progress)
+    table.seconds["total"] = round(time.perf_counter() - started, 3)
     return table
 
 
-def greedy_plan(rows: list[intmix.LayerSensitivity], allowed: int, chosen: intmix.Scheme) -> dict[str, str]:
+def greedy_plan(rows: list[SensitivityRow], allowed: int, chosen: intmix.Scheme) -> dict[str, str]:
     """gptq's plan: every layer on its own (quantkit.mixed.assign)."""
     from quantkit.mixed import assign
 
@@ -290,87 +297,62 @@ def auto_precision(job: QuantizeJob, ignore: list[str], chosen: intmix.Scheme,
                    ) -> tuple[dict[str, str], dict]:
     """({module name: int4|int8|16-bit}, report details): the sensitivity table and the plan under the budget.
     `plan(rows, allowed bytes, scheme)`: how the budget is spent (awq ties layers that share a scale)."""
-    layers = budgeted_layers(job, ignore)
+    layers = budgeted_layers(job.info, ignore)
     allowed, int4 = intmix.budget_bytes(job.options.auto_precision, list(layers.values()), chosen)
     table = layer_table(job, layers, chosen)
     choice = plan(table.layers, allowed, chosen)
-    return choice, {"sensitivity": table.as_dict(),
-                    "mixed_precision": intmix.plan_report(table.layers, choice, allowed, int4, chosen)}
+    report = intmix.plan_report(table.layers, choice, allowed, int4, chosen.size)
+    job.progress(f"auto-precision: {report['counts']} within {allowed:,} budgeted bytes")
+    return choice, {"sensitivity": table.as_dict(), "mixed_precision": report}
+
+
+def check_sizes(info, options, method: str = "gptq") -> None:
+    """Before any work: a budget_bpw below all-int4, or an absolute fallback max_size below the first
+    artifact's quantized layers, is BudgetError (exit 2) with the numbers."""
+    from quantkit.mixed import check_max_size
+
+    shapes = list(budgeted_layers(info, []).values())
+    chosen = intmix.Scheme(options.group_size, options.symmetric, dtype_bytes(info))
+    if options.auto_precision is not None:
+        allowed, _ = intmix.budget_bytes(options.auto_precision, shapes, chosen)
+    else:
+        allowed = sum(chosen.nbytes(shape, "int4") for shape in shapes)
+    check_max_size(options.fallback, allowed, f"{method} fallback")
 
 
 # ---------------------------------------------------------------- gate-driven fallback
 
 
-Writer = Callable[[QuantizeJob, list[str], dict[str, str]], object]
-Units = Callable[[list[intmix.LayerSensitivity], dict[str, str]], list[intmix.TiedLayers]]
+def fallback_ladder(job: QuantizeJob, result: QuantizeResult, units=None):
+    """The layers the fallback raises (int4 -> int8 -> 16-bit, quantkit.mixed.Ladder): the sensitivity table
+    auto_precision recorded, else one measured now; `units(rows)(plan)`: what a raise moves together (awq)."""
+    from quantkit.mixed import Ladder
+
+    chosen = scheme(job)
+    if "sensitivity" in result.details:
+        table = intmix.LayerTable.from_dict(result.details["sensitivity"])
+    else:
+        table = layer_table(job, budgeted_layers(job.info, llmc.decoder_ignore(job)), chosen)
+    plan = result.details.get("mixed_precision", {}).get("types") or {r.name: "int4" for r in table.layers}
+    return Ladder(table.layers, dict(plan), lambda row, p: chosen.size(row, p) + (0 if p == "int4" else intmix.METADATA_BYTES),
+                  units(table.layers) if units else None, keep_one=True, details={"sensitivity": table.as_dict()})
 
 
-def single_layers(table: list[intmix.LayerSensitivity], current: dict[str, str]) -> list[intmix.TiedLayers]:
-    """gptq's fallback units: every layer raised on its own."""
-    return [intmix.TiedLayers(row.name, [row]) for row in table]
+def requantize(job: QuantizeJob, plan: dict[str, str], details: dict) -> QuantizeResult:
+    """GPTQ again from the base model with the per-layer plan, into job.out_dir."""
+    return requantize_with(write, job, plan, details)
 
 
-def fallback(job: QuantizeJob, result: QuantizeResult, write: Writer = write,
-             units: Units = single_layers) -> QuantizeResult | None:
-    """The artifact quantized again from the base model with the layers of largest predicted damage one
-    precision up, or None when no raise fits in Fallback.max_size (measured against the first artifact).
-    `write(job, ignore, plan)` quantizes job.model into job.out_dir with a per-layer plan; `units(table,
-    current plan)` are what one raise moves together (awq: its tied balance layers, capped at int8)."""
-    from contextlib import ExitStack
-
-    details = dict(result.details)
-    with ExitStack() as loaded:
-        if "sensitivity" not in details:  # plain W4A16 first: measure the table once, with the model loaded
-            loaded.enter_context(llmc.reloaded_model(job))
-            layers = budgeted_layers(job, llmc.decoder_ignore(job))
-            details["sensitivity"] = layer_table(job, layers, scheme(job)).as_dict()
-        choice = next_plan(job, result, details, units)
-        if choice is None:
-            return None
-        if job.model is None:
-            loaded.enter_context(llmc.reloaded_model(job))
+def requantize_with(writer: Callable, job: QuantizeJob, plan: dict[str, str], details: dict) -> QuantizeResult:
+    """The base model loaded again and quantized by `writer(job, ignore, plan)` into job.out_dir."""
+    chosen = scheme(job)
+    with llmc.reloaded_model(job):
         llmc.clear_weights(job.out_dir)
-        write(job, llmc.decoder_ignore(job), choice)
-    return QuantizeResult(job.out_dir, details)
-
-
-def next_plan(job: QuantizeJob, result: QuantizeResult, details: dict,
-              units: Units = single_layers) -> dict[str, str] | None:
-    """One fallback step's per-layer plan ({module name: precision}); details gets its mixed_precision
-    report and fallback_state (the first artifact's bytes, the layers raised). None: nothing fits.
-    A unit moves as one: its members take the unit's next candidate (from its lowest member's)."""
-    from quantkit.export import artifact_bytes
-    from quantkit.mixed import raise_step, size_limit, step_count, total_bytes
-
-    opts = job.options
+        writer(job, llmc.decoder_ignore(job), plan)
     table = intmix.LayerTable.from_dict(details["sensitivity"]).layers
-    chosen = intmix.Scheme(opts.group_size, opts.symmetric, element_bytes(job))
-    current = details.get("mixed_precision", {}).get("types") or {r.name: "int4" for r in table}
-    now = artifact_bytes(result.artifact)
-    state = details.get("fallback_state") or {"first_bytes": now}
-    limit = size_limit(opts.fallback.max_size, state["first_bytes"])
-    moved = units(table, current)
-    unit_current = {u.name: min((current[m.name] for m in u.members), key=intmix.PRECISIONS.index) for u in moved}
-    raised_units = raise_step(moved, unit_current, step_count(opts.fallback.tensors_per_step, len(moved)), limit - now,
-                              lambda unit, p: sum(chosen.size(m, p) + (0 if p == "int4" else METADATA_BYTES)
-                                                  for m in unit.members))
-    members = {u.name: u.members for u in moved}
-    choice = dict(current)
-    for name, (_, new) in raised_units.items():
-        choice.update({m.name: new for m in members[name]})
-    if raised_units and set(choice.values()) == {"16-bit"}:  # one quantized layer needed: the last raised stays
-        last = list(raised_units)[-1]
-        choice.update({m.name: current[m.name] for m in members[last]})
-        del raised_units[last]
-    raised = {m.name: (current[m.name], choice[m.name]) for name in raised_units for m in members[name]
-              if choice[m.name] != current[m.name]}  # most damaging unit first
-    if not raised:
-        return None
-    layers_budget = limit - (now - total_bytes(table, current, chosen.size))  # what the layers may take
-    int4 = total_bytes(table, {r.name: "int4" for r in table}, chosen.size)
-    details["mixed_precision"] = intmix.plan_report(table, choice, layers_budget, int4, chosen)
-    details["fallback_state"] = {**state, "raised": {n: f"{a}->{b}" for n, (a, b) in raised.items()}}
-    return choice
+    int4 = sum(chosen.size(r, "int4") for r in table)
+    return QuantizeResult(job.out_dir, {**details, "mixed_precision": intmix.plan_report(table, plan, None, int4,
+                                                                                          chosen.size)})
 
 
 def element_bytes(job: QuantizeJob) -> int:
@@ -380,11 +362,17 @@ def element_bytes(job: QuantizeJob) -> int:
     return torch_dtype(job.dtype, job.info).itemsize
 
 
+def dtype_bytes(info) -> int:
+    """Bytes per element of the checkpoint's dtype (what an auto-dtype run saves scales in)."""
+    from quantkit.model import torch_dtype
+
+    return torch_dtype("auto", info).itemsize
+
+
 METHOD = MethodSpec(
     quantizes_towers=True, name="gptq", engine=llmc.ENGINE, engine_package=llmc.ENGINE,
     format="compressed-tensors (pack-quantized, int weights)",
     options=Options, quantize=quantize, precision=precision, default_gate=fixed_gate(DEFAULT_GATE),
-    check=check, needs_calibration=needs_calibration,
-    fallback=fallback,
-    wants_fallback=lambda options: options.fallback is not None,
+    check=check, needs_calibration=needs_calibration, resolve=resolve,
+    fallback_ladder=fallback_ladder, requantize=requantize,
 )

@@ -1,18 +1,22 @@
-"""Per-layer int4 / int8 / 16-bit for the compressed-tensors int methods (gptq `auto_precision`).
+"""Per-layer precision of Linear layers: int4 / int8 / 16-bit for gptq and awq (`auto_precision`,
+`fallback`), and the 16-bit fallback of fp8, smoothquant and nf4.
 
-Sensitivity: for every Linear the method quantizes, the round-to-nearest error of its weight at
-int4 (the target's group size and symmetry) and at int8 (per output channel, same symmetry),
-weighted per input column by its importance (mean x_j^2 of that input column over the calibration
-windows, collected by quantkit.gguf.imatrix.compute with the layer-streamed forward):
+A method's precisions of one layer are simulated (`Simulation`): the weight the layer effectively
+applies to its own input, dequantized (compressed-tensors' own rounding for int and fp8 weights,
+bitsandbytes' for nf4, the artifact's own GPTQ weights for smoothquant), and, for a method that
+quantizes activations, the transform its input goes through (per-token fp8 or int8, after
+SmoothQuant's division by the smoothing scales). The error of a precision p is the mean squared
+error it adds to the layer's output, for inputs with the calibration windows' statistics:
 
-    error(layer, p) = sum_ij importance_j * (w_ij - rtn_p(w)_ij)^2        (16-bit: 0)
+    error(layer, p) = sum_j imp_j * |W - W_p|^2_j + sum_j act_j(p) * |W_p|^2_j        (16-bit: 0)
 
-The rounding is compressed-tensors' own (calculate_qparams + fake_quantize of the scheme's
-QuantizationArgs). With measure_windows > 0, each layer's error curve is scaled into KL divergence
-units by the KLD measured with only that layer at int4 (quantkit.mixed.scaled_damage).
+imp_j = mean x_j^2 of the layer's input column j and act_j(p) = mean (t_p(x) - x)_j^2 of what the
+activation quantization moves it by, both over the calibration windows (one layer-streamed forward,
+`input_statistics`); |.|^2_j sums a weight column's squares. The errors become KL divergence through
+gains measured for a few probe layers per role and interpolated over depth (quantkit.mixed).
 
-Size model: the bytes a compressed-tensors pack-quantized checkpoint stores for one Linear of
-shape (out, in), E = bytes per element of the checkpoint's dtype (2 for bf16/fp16):
+Size model of gptq/awq: the bytes a compressed-tensors pack-quantized checkpoint stores for one
+Linear of shape (out, in), E = bytes per element of the checkpoint's dtype (2 for bf16/fp16):
 
     int4 (group g):  weight_packed  out * ceil(in/8) * 4          (8 values per int32)
                      weight_scale   out * (in/g) * E
@@ -22,11 +26,11 @@ shape (out, in), E = bytes per element of the checkpoint's dtype (2 for bf16/fp1
                      zero point     ceil(out/4) * 4 (asymmetric only),  weight_shape 16
     16-bit:          weight         out * in * E
 
-Budget: the W4A16 bytes of the budgeted layers x (1 + headroom), or budget_bpw bits per weight of
-them. quantkit.mixed.assign raises layers from int4 to int8 (or 16-bit) by the largest damage removed
-per added byte. Quantization: one config group int4 targeting "Linear", one int8 targeting the
-chosen modules by exact name (compressed-tensors matches exact names before class names), the
-16-bit layers in the ignore list.
+Budget (auto_precision): the W4A16 bytes of the budgeted layers x (1 + headroom), or budget_bpw bits
+per weight of them. quantkit.mixed.assign raises layers from int4 to int8 (or 16-bit) by the largest
+damage removed per added byte. Quantization: one config group int4 targeting "Linear", one int8
+targeting the chosen modules by exact name (compressed-tensors matches exact names before class
+names), the 16-bit layers in the ignore list.
 """
 
 from __future__ import annotations
@@ -35,16 +39,20 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from quantkit.errors import InputError
-from quantkit.mixed import scaled_damage
+from quantkit.mixed import PROBES_PER_ROLE, SensitivityRow
 
-PRECISIONS = ("int4", "int8", "16-bit")  # cheapest first
-PROBE = "int4"  # the precision each layer's KL divergence is measured at
+PRECISIONS = ("int4", "int8", "16-bit")  # gptq / awq, cheapest first
+KEEP = "16-bit"  # the top of every ladder: the layer stays in the model's dtype
 BITS = {"int4": 4, "int8": 8}
 SHAPE_BYTES = 16  # weight_shape: two int64
+# A fallback step's room for what config.json and the safetensors header add per raised layer (its name in
+# a config group or the ignore list, its tensors' entries): the size models count tensor bytes only.
+METADATA_BYTES = 256
 
 
 class AutoPrecision(BaseModel):
@@ -55,69 +63,74 @@ class AutoPrecision(BaseModel):
                                      "layers (scales and zero points included); default: W4A16 x (1 + headroom)")
     headroom: float = Field(0.05, ge=0, le=4, description="budget above the all-int4 (W4A16) size of the "
                             "quantized layers, as a fraction (0.05: +5%)")
-    measure_windows: int = Field(8, ge=0, le=1024, description="calibration windows the per-layer KL "
+    measure_windows: int = Field(8, ge=0, le=1024, description="calibration windows the probe layers' KL "
                                  "divergence is measured on (0: importance-weighted error only)")
-
-
-@dataclass
-class LayerSensitivity:
-    name: str  # module name
-    shape: tuple[int, int]  # (out_features, in_features)
-    errors: dict[str, float]  # precision -> importance-weighted squared error
-    kld: float | None = None  # measured KL divergence with only this layer at `probe`
-    probe: str = PROBE
-
-    @property
-    def candidates(self) -> list[str]:
-        return list(self.errors)
-
-    def damage(self, precision: str) -> float:
-        return scaled_damage(self.kld, self.errors[precision], self.errors[self.probe])
-
-    @classmethod
-    def from_dict(cls, row: dict) -> "LayerSensitivity":
-        return cls(row["tensor"], tuple(row["shape"]), dict(row["errors"]), row["kld"], row["probe"])
-
-    def as_dict(self) -> dict:
-        """A row of the report's table (`mixture`: the precision plain W4A16 gives the layer)."""
-        return {"tensor": self.name, "shape": list(self.shape), "mixture": PROBE, "probe": self.probe,
-                "kld": self.kld, "errors": self.errors, "damage": {p: self.damage(p) for p in self.candidates}}
+    probes_per_role: int = Field(PROBES_PER_ROLE, ge=1, le=64, description="layers of each role (q_proj, "
+                                 "down_proj, ...) whose KL divergence is measured, spread over depth")
 
 
 @dataclass
 class LayerTable:
-    layers: list[LayerSensitivity]
+    layers: list[SensitivityRow]
     measured: bool  # damage scaled by measured KL divergence (else: the weighted error alone)
     windows: int = 0  # calibration windows the KL divergences were measured on
-    seconds: dict[str, float] = field(default_factory=dict)  # "importance", "errors", "kld"
+    seconds: dict[str, float] = field(default_factory=dict)  # "statistics", "errors", "kld"
+    probes: int = 0  # layers whose KL divergence was measured
 
     @classmethod
     def from_dict(cls, data: dict) -> "LayerTable":
         """The table as the report recorded it (as_dict)."""
-        return cls([LayerSensitivity.from_dict(r) for r in data["tensors"]], data["measured"], data["windows"],
-                   dict(data.get("seconds", {})))
+        return cls([SensitivityRow.from_dict(r) for r in data["tensors"]], data["measured"], data["windows"],
+                    dict(data.get("seconds", {})), data.get("probes", 0))
 
     def as_dict(self) -> dict:
-        return {"measured": self.measured, "windows": self.windows, "seconds": self.seconds,
-                "candidates": list(PRECISIONS), "tensors": [r.as_dict() for r in self.layers]}
+        candidates = list(dict.fromkeys(c for r in self.layers for c in r.candidates))
+        return {"measured": self.measured, "windows": self.windows, "probes": self.probes, "seconds": self.seconds,
+                "candidates": candidates, "tensors": [r.as_dict() for r in self.layers]}
 
 
-@dataclass
-class TiedLayers:
-    """Layers that take one precision together (a quantkit.mixed Row): their damages and bytes add.
-    `highest`: the highest candidate they may take (None: every candidate of the first member)."""
+# ------------------------------------------------------------------ simulated precisions
 
-    name: str
-    members: list[LayerSensitivity]
-    highest: str | None = None
+
+@dataclass(frozen=True)
+class Simulation:
+    """A method's precisions of one Linear layer, cheapest first (16-bit, exact, is added at the top).
+
+    `weight(layer, precision, w)`: the float32 weight the layer effectively applies to its own
+    input at that precision, from its float32 source weight `w`; `inputs(layer, precision)`: the
+    transform of its input (activation quantization), None for weight-only precisions."""
+
+    precisions: tuple[str, ...]
+    weight: Callable
+    inputs: Callable = lambda layer, precision: None
+    probe: str = ""  # the precision probes are measured at (default: the first)
 
     @property
-    def candidates(self) -> list[str]:
-        cands = self.members[0].candidates
-        return cands if self.highest is None else cands[:cands.index(self.highest) + 1]
+    def probe_precision(self) -> str:
+        return self.probe or self.precisions[0]
 
-    def damage(self, precision: str) -> float:
-        return sum(m.damage(precision) for m in self.members)
+
+def activation_quantizer(args: dict) -> Callable:
+    """x -> x fake-quantized as compressed-tensors quantizes a Linear's input: per token (dynamic), or with one
+    scale for the whole batch (static: the batch's range, where calibration took the windows' range)."""
+    from compressed_tensors.quantization import QuantizationArgs
+
+    parsed = QuantizationArgs(**{k: v for k, v in args.items() if k != "observer"})
+
+    def quantize(x):
+        rows = x.reshape(-1, x.shape[-1])
+        if args.get("strategy") == "tensor":
+            rows = rtn(rows.reshape(1, -1), parsed).reshape(rows.shape)
+        else:
+            rows = rtn(rows, parsed)
+        return rows.reshape(x.shape)
+
+    return quantize
+
+
+def int_simulation(scheme: "Scheme", precisions: tuple[str, ...] = ("int4", "int8")) -> Simulation:
+    """gptq / awq: round-to-nearest int weights in the target's scheme (int8 per channel)."""
+    return Simulation(precisions, lambda layer, precision, weight: rtn(weight, scheme.args(precision)))
 
 
 # ------------------------------------------------------------------ scheme and size model
@@ -146,7 +159,7 @@ class Scheme:
     def nbytes(self, shape: tuple[int, int], precision: str) -> int:
         return layer_bytes(shape, precision, self.group_size, self.symmetric, self.element_bytes)
 
-    def size(self, row: "LayerSensitivity", precision: str) -> int:
+    def size(self, row: SensitivityRow, precision: str) -> int:
         """quantkit.mixed's size model."""
         return self.nbytes(row.shape, precision)
 
@@ -159,7 +172,7 @@ def packed_bytes(count: int, bits: int) -> int:
 def layer_bytes(shape: tuple[int, int], precision: str, group_size: int, symmetric: bool, element_bytes: int) -> int:
     """Bytes stored for one Linear weight at `precision` (the size model above; group_size -1: per channel)."""
     out, inp = shape
-    if precision == "16-bit":
+    if precision == KEEP:
         return out * inp * element_bytes
     bits = BITS[precision]
     groups = 1 if precision == "int8" or group_size == -1 else inp // group_size
@@ -168,16 +181,18 @@ def layer_bytes(shape: tuple[int, int], precision: str, group_size: int, symmetr
 
 
 def budget_bytes(auto: AutoPrecision, shapes: list[tuple[int, int]], scheme: Scheme) -> tuple[int, int]:
-    """(bytes the budgeted layers may take, their all-int4 bytes); InputError when budget_bpw is below all-int4."""
+    """(bytes the budgeted layers may take, their all-int4 bytes); BudgetError when budget_bpw is below
+    all-int4 (the cheapest plan)."""
+    from quantkit.mixed import check_budget
+
     int4 = sum(scheme.nbytes(shape, "int4") for shape in shapes)
     if auto.budget_bpw is None:
         return int(int4 * (1 + auto.headroom)), int4
     weights = sum(o * i for o, i in shapes)
     allowed = int(auto.budget_bpw * weights / 8)
-    if allowed < int4:
-        raise InputError(f"auto_precision: budget_bpw={auto.budget_bpw} is below the all-int4 size of the "
-                         f"quantized layers ({8 * int4 / weights:.3f} bits per weight)",
-                         hint="raise budget_bpw, or leave it out (W4A16 size + headroom)")
+    check_budget(int4, allowed, f"auto_precision: budget_bpw={auto.budget_bpw}",
+                 f"all-int4 takes {8 * int4 / weights:.3f} bits per weight; raise budget_bpw, or leave it out "
+                 "(W4A16 size + headroom)")
     return allowed, int4
 
 
@@ -198,15 +213,21 @@ def rtn(weight, args):
     return fake_quantize(weight, scale, zero_point, args)
 
 
-def weighted_error(weight, importance, args) -> float:
-    """sum_ij importance_j * (w - rtn(w))_ij^2 in float64."""
-    diff = (weight - rtn(weight, args)).double()
-    return float((diff * diff * importance.double()).sum())
+def column_error(diff, weights) -> float:
+    """sum_ij weights_j * diff_ij^2 in float64."""
+    diff = diff.double()
+    return float((diff * diff * weights.double()).sum())
 
 
-def layer_errors(weight, importance, scheme: Scheme) -> dict[str, float]:
-    errors = {p: weighted_error(weight, importance, scheme.args(p)) for p in BITS}
-    return {**errors, "16-bit": 0.0}
+def layer_errors(name: str, weight, stats: "InputStats", sim: Simulation) -> dict[str, float]:
+    """Weighted error of one layer at each of the simulation's precisions, and 0 at 16-bit."""
+    errors = {}
+    for precision in sim.precisions:
+        quantized = sim.weight(name, precision, weight)
+        error = column_error(weight - quantized, stats.importance)
+        moved = stats.moved.get(precision)
+        errors[precision] = error + (column_error(quantized, moved) if moved is not None else 0.0)
+    return {**errors, KEEP: 0.0}
 
 
 def read_weight(source, name: str):
@@ -215,57 +236,187 @@ def read_weight(source, name: str):
 
     key = name + ".weight"
     if key not in source.index:
-        raise UnsupportedError(f"auto_precision: {key} is not a tensor of the checkpoint (its modules are "
-                               "renamed while loading)", hint="quantize without --auto-precision")
+        raise UnsupportedError(f"per-layer precision: {key} is not a tensor of the checkpoint (its modules are "
+                               "renamed while loading)", hint="quantize without --auto-precision / --fallback")
     return source.get(key).float()
 
 
-def error_table(model_dir: Path, shapes: dict[str, tuple[int, int]], importance: dict,
-                scheme: Scheme) -> list[LayerSensitivity]:
-    """Weighted errors of every layer ({module name: (out, in)}); importance: {module name: vector},
-    uniform for a layer the calibration windows never reached."""
+# ------------------------------------------------------------------ input statistics
+
+
+@dataclass
+class InputStats:
+    importance: object  # float64 (in,): mean x_j^2
+    moved: dict = field(default_factory=dict)  # precision -> float64 (in,): mean (t(x) - x)_j^2
+
+
+def input_statistics(model_dir: Path, windows, layers: list[str], sim: Simulation, dtype,
+                     progress: Callable[[str], None] = lambda message: None) -> dict[str, InputStats]:
+    """{layer: InputStats} over `windows` through the layer-streamed forward (one layer's weights in
+    memory at a time), in `dtype` as the checkpoint runs; a layer the windows never reach gets a
+    uniform importance."""
     import torch
 
+    from quantkit.model import hf_config
+    from quantkit.stream import SafetensorsWeights, iter_batches, stream_model, windows_per_group
+
+    config = hf_config(model_dir)
+    streamed = stream_model(config, SafetensorsWeights(model_dir), dtype)
+    modules = dict(streamed.model.named_modules())
+    sums: dict[str, dict] = {name: {} for name in layers}
+    counts = dict.fromkeys(layers, 0)
+
+    def hook(name: str):
+        def collect(_module, args):
+            x = args[0].detach().reshape(-1, args[0].shape[-1])
+            add(sums[name], "importance", x.double())
+            for precision in sim.precisions:
+                transform = sim.inputs(name, precision)
+                if transform is not None:
+                    add(sums[name], precision, (transform(x) - x).double())
+            counts[name] += x.shape[0]
+        return collect
+
+    handles = [modules[name].register_forward_pre_hook(hook(name)) for name in layers]
+    group = windows_per_group(config.get_text_config(), windows.shape[1])
+    progress(f"sensitivity: input statistics of {len(layers)} layers on {len(windows)} calibration windows")
+    try:
+        with torch.inference_mode():
+            for ids in iter_batches(windows, group):
+                streamed.model.get_decoder()(input_ids=ids, use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {name: stats_of(sums[name], counts[name], modules[name].in_features) for name in layers}
+
+
+def add(sums: dict, key: str, values) -> None:
+    squares = (values * values).sum(0)
+    sums[key] = squares if key not in sums else sums[key] + squares
+
+
+def stats_of(sums: dict, count: int, width: int) -> InputStats:
+    import torch
+
+    if not count:
+        return InputStats(torch.ones(width, dtype=torch.float64))
+    return InputStats(sums["importance"] / count, {k: v / count for k, v in sums.items() if k != "importance"})
+
+
+# ------------------------------------------------------------------ the table
+
+
+def error_table(model_dir: Path, shapes: dict[str, tuple[int, int]], stats: dict[str, InputStats],
+                sim: Simulation, plain: str) -> list[SensitivityRow]:
+    """Weighted errors of every layer ({module name: (out, in)}) at every precision of `sim`."""
     from quantkit.stream import SafetensorsWeights
 
     source = SafetensorsWeights(model_dir)
-    table = []
-    for name, shape in shapes.items():
-        weight = read_weight(source, name)
-        imp = importance.get(name)
-        imp = torch.ones(shape[1]) if imp is None else torch.as_tensor(imp, dtype=torch.float32)
-        table.append(LayerSensitivity(name, tuple(shape), layer_errors(weight, imp, scheme)))
-    return table
+    return [SensitivityRow(name, tuple(shape), layer_errors(name, read_weight(source, name), stats[name], sim),
+                           sim.probe_precision, plain) for name, shape in shapes.items()]
 
 
-def probe_patches(model_dir: Path, table: list[LayerSensitivity], scheme: Scheme):
-    """(layer, {its weight name: its weight at the probe precision}) one layer at a time."""
+def probe(model_dir: Path, row: SensitivityRow, sim: Simulation):
+    """The quantkit.mixed.Probe of one layer at the simulation's probe precision."""
+    from quantkit.mixed import Probe, role_and_depth
     from quantkit.stream import SafetensorsWeights
 
-    source = SafetensorsWeights(model_dir)
-    for row in table:
-        weight = read_weight(source, row.name)
-        yield row.name, {row.name + ".weight": rtn(weight, scheme.args(row.probe))}
+    def patch() -> dict:
+        weight = read_weight(SafetensorsWeights(model_dir), row.name)
+        return {row.name + ".weight": sim.weight(row.name, row.probe, weight)}
+
+    transform = sim.inputs(row.name, row.probe)
+    return Probe(row.name, role_and_depth(row.name)[1] or 0, patch, {row.name: transform} if transform else {})
 
 
-def measure(model_dir: Path, shapes: dict[str, tuple[int, int]], importance: dict, calib_windows, auto: AutoPrecision,
-            scheme: Scheme, workdir: Path | None = None) -> LayerTable:
-    """The sensitivity table: weighted errors, and with measure_windows > 0 the single-layer KLDs."""
-    from quantkit.mixed import single_tensor_klds
+def measure(model_dir: Path, shapes: dict[str, tuple[int, int]], calib_windows, auto: AutoPrecision,
+            sim: Simulation, dtype, plain: str, workdir: Path | None = None,
+            progress: Callable[[str], None] = lambda message: None) -> LayerTable:
+    """The sensitivity table: input statistics on the calibration windows, weighted errors, and with
+    measure_windows > 0 the gains of probes_per_role layers per role measured and the others' interpolated."""
+    from quantkit.mixed import probe_klds, probe_names, set_gains
 
     started = time.perf_counter()
-    table = error_table(model_dir, shapes, importance, scheme)
-    seconds = {"errors": round(time.perf_counter() - started, 3)}
+    stats = input_statistics(model_dir, calib_windows, list(shapes), sim, dtype, progress)
+    seconds = {"statistics": round(time.perf_counter() - started, 3)}
+    started = time.perf_counter()
+    table = error_table(model_dir, shapes, stats, sim, plain)
+    seconds["errors"] = round(time.perf_counter() - started, 3)
     if auto.measure_windows == 0:
         return LayerTable(table, False, 0, seconds)
-    windows = calib_windows[:auto.measure_windows]
     started = time.perf_counter()
-    klds = single_tensor_klds(model_dir, probe_patches(model_dir, table, scheme), windows,
-                              "auto_precision.measure_windows: 0", workdir)
-    for row in table:
-        row.kld = klds[row.name]
+    windows = calib_windows[:auto.measure_windows]
+    chosen = set(probe_names(table, auto.probes_per_role))
+    klds = probe_klds(model_dir, [probe(model_dir, r, sim) for r in table if r.name in chosen], windows,
+                      "auto_precision.measure_windows: 0", workdir, progress)
+    set_gains(table, klds)
     seconds["kld"] = round(time.perf_counter() - started, 3)
-    return LayerTable(table, True, len(windows), seconds)
+    return LayerTable(table, True, len(windows), seconds, len(klds))
+
+
+def check_streamable(info, label: str, flag: str) -> None:
+    """Per-layer precision reads the checkpoint's layers by module name and streams a text decoder:
+    MoE models and VLMs are refused before work."""
+    from quantkit.errors import UnsupportedError
+    from quantkit.methods.moe import is_moe
+    from quantkit.model import is_vlm
+
+    if is_moe(info.model_type) or is_vlm(info.config):
+        kind = "MoE models" if is_moe(info.model_type) else "VLMs"
+        raise UnsupportedError(f"{label} is not supported for {kind} ({info.architecture}): its sensitivity pass "
+                               "reads the checkpoint's layers by module name and streams a text decoder",
+                               hint=f"quantize without {flag}")
+
+
+# ------------------------------------------------------------------ the 16-bit fallback of single-precision methods
+
+
+def quantized_layers(info, ignore: list[str], roles=("decoder", "other")) -> dict[str, tuple[int, int]]:
+    """{module name: (out, in)} of the Linear weights a method quantizes, from the checkpoint's headers
+    (a text decoder's module names are its tensor names), those matching `ignore` left out."""
+    from quantkit.plan import classify, linear_weights, matches
+
+    return {name: tuple(shape) for name, shape in linear_weights(info).items()
+            if classify(name + ".weight", info.towers) in roles and not matches(name, ignore)}
+
+
+def sized(layer_bytes: Callable, job) -> Callable[[tuple, str], int]:
+    """layer_bytes(shape, precision, element) with the bytes per element of the model as the job loads it."""
+    from quantkit.model import torch_dtype
+
+    element = torch_dtype(job.dtype, job.info).itemsize
+    return lambda shape, precision: layer_bytes(shape, precision, element)
+
+
+def keep_ladder(job, layers: dict[str, tuple[int, int]], sim: Simulation, size: Callable[[tuple, str], int]):
+    """The fallback ladder of a method with one precision (fp8, smoothquant, nf4): each layer at it, or 16-bit
+    (quantkit.mixed.Ladder), its sensitivity measured on the calibration windows."""
+    from quantkit.mixed import Ladder
+    from quantkit.model import torch_dtype
+
+    plain = sim.precisions[0]
+    table = measure(job.info.path, layers, job.windows.calib, AutoPrecision(), sim, torch_dtype(job.dtype, job.info),
+                    plain, job.workdir, job.progress)
+    return Ladder(table.layers, {name: plain for name in layers}, lambda row, p: size(row.shape, p), keep_one=True,
+                  details={"sensitivity": table.as_dict()})
+
+
+def keep_report(details: dict, plan: dict[str, str], size: Callable[[tuple, str], int]) -> dict:
+    """details.mixed_precision of a fallback plan of a one-precision method (keep_ladder)."""
+    table = LayerTable.from_dict(details["sensitivity"]).layers
+    plain = sum(size(r.shape, r.plain) for r in table)
+    return plan_report(table, plan, None, plain, lambda row, p: size(row.shape, p))
+
+
+def artifact_estimate(info, layers: dict[str, tuple[int, int]], size: Callable[[tuple, str], int], plain: str) -> int:
+    """The first artifact's weight bytes before any raise: the checkpoint's, with each quantized layer at
+    the plain precision instead of 16-bit (for --max-size's check before work)."""
+    from quantkit.model import DTYPE_BYTES
+
+    total = sum(DTYPE_BYTES.get(dtype, 2) * math.prod(shape) for dtype, shape in info.tensors.values())
+    stored = {name: DTYPE_BYTES.get(info.tensors[name + ".weight"][0], 2) for name in layers}
+    return total - sum(o * i * stored[name] for name, (o, i) in layers.items()) + \
+        sum(size(shape, plain) for shape in layers.values())
 
 
 # ------------------------------------------------------------------ plan, config groups, report
@@ -282,14 +433,20 @@ def config_groups(choice: dict[str, str], scheme: Scheme) -> dict:
 
 def kept_16bit(choice: dict[str, str]) -> list[str]:
     """The layers the plan keeps in 16 bits (added to the ignore list)."""
-    return sorted(name for name, p in choice.items() if p == "16-bit")
+    return sorted(name for name, p in choice.items() if p == KEEP)
 
 
-def plan_report(table: list[LayerSensitivity], choice: dict[str, str], allowed: int, int4: int, scheme: Scheme) -> dict:
-    """details.mixed_precision: the budget, the bytes, every layer's precision and the counts."""
+def plan_report(table: list[SensitivityRow], choice: dict[str, str], allowed: int | None, plain_bytes: int,
+                size: Callable[[SensitivityRow, str], int]) -> dict:
+    """details.mixed_precision: the budget (None: a fallback plan, bounded by its max_size), the bytes,
+    every layer's precision and the counts."""
     from quantkit.mixed import total_bytes
 
-    counts = {p: sum(1 for c in choice.values() if c == p) for p in PRECISIONS}
-    return {"budget_bytes": allowed, "w4a16_bytes": int4, "bytes": total_bytes(table, choice, scheme.size),
-            "counts": counts, "types": dict(sorted(choice.items())),
-            "changed": {name: f"int4->{p}" for name, p in sorted(choice.items()) if p != "int4"}}
+    counts: dict[str, int] = {}
+    for precision in choice.values():
+        counts[precision] = counts.get(precision, 0) + 1
+    plain = table[0].plain if table else ""
+    return {**({} if allowed is None else {"budget_bytes": allowed}), "plain_bytes": plain_bytes,
+            "bytes": total_bytes(table, choice, size), "counts": dict(sorted(counts.items())),
+            "types": dict(sorted(choice.items())),
+            "changed": {name: f"{plain}->{p}" for name, p in sorted(choice.items()) if p != plain}}

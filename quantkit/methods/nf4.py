@@ -7,6 +7,12 @@ is trained against. It is not a fast serving format; use gptq/awq/fp8 for vLLM.
 Needs no calibration data: NF4 is blockwise absmax (64 weights per block) onto a fixed
 16-value code book. The checkpoint is loaded with a BitsAndBytesConfig, which is how transformers
 quantizes with bitsandbytes; the pipeline does not load the 16-bit model for this method.
+
+`fallback` (gate-driven, quantkit.pipeline.run_fallback): the Linear layers whose rounding is predicted
+to cost the most (bitsandbytes' own quantize/dequantize of each weight, weighted by the calibration
+windows' input statistics and scaled by KL divergences measured on a few probe layers,
+quantkit.methods.intmix) are added to `llm_int8_skip_modules` (16-bit), a few more each step, until the
+gate passes or `max_size` is spent.
 """
 
 from __future__ import annotations
@@ -17,8 +23,9 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict
 
 from quantkit.errors import UnsupportedError, require
-from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, fixed_gate
+from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, fixed_gate, intmix
 from quantkit.methods.moe import is_expert_weight
+from quantkit.mixed import Fallback
 
 # NF4 is plain round-to-nearest onto 16 levels, without calibration: looser than GPTQ/AWQ.
 DEFAULT_GATE = {"max_ppl_increase": 0.15, "max_kld": 0.15, "min_top1": 0.75}
@@ -40,6 +47,12 @@ class Options(BaseModel):
     scheme: Literal["nf4", "fp4", "int8"] = "nf4"
     double_quant: bool = True
     compute_dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"  # auto: the model's dtype
+    fallback: Fallback | None = None  # on a failed gate, keep the most damaging layers 16-bit (quantkit.mixed)
+
+
+def needs_calibration(options: Options) -> bool:
+    """Only a fallback's sensitivity pass: NF4 itself needs no data."""
+    return options.fallback is not None
 
 
 def precision(role: str, options: Options, name: str, shape: list[int]) -> str | None:
@@ -65,6 +78,12 @@ def check(info, options: Options, calibration) -> None:
             f"no layer of {info.path} fits bitsandbytes' {options.scheme} kernels (e.g. {name} {shape}): "
             f"4-bit needs out_features % {CPU_BLOCK_N} == 0 and in_features % {BLOCK_SIZE} == 0",
             hint="use gguf or fp8 for this model")
+    if options.fallback is not None:
+        from quantkit.mixed import check_max_size
+
+        intmix.check_streamable(info, "nf4: fallback", "--fallback")
+        check_max_size(options.fallback, intmix.artifact_estimate(info, fallback_layers(info, options, []),
+                                                                  sized_for(options), options.scheme), "nf4 fallback")
 
 
 def quantizable_layers(info) -> dict[str, list[int]]:
@@ -124,13 +143,19 @@ def skip_modules(ignore: list[str]) -> list[str]:
 
 
 def quantize(job: QuantizeJob) -> QuantizeResult:
+    return write(job, [])
+
+
+def write(job: QuantizeJob, kept: list[str]) -> QuantizeResult:
+    """The checkpoint loaded with a bitsandbytes config and saved; `kept` layers stay 16-bit too (a
+    fallback plan)."""
     from quantkit.model import torch_dtype
     from quantkit.shards import plain_writes
 
     require("bitsandbytes", "nf4", "the nf4 method (bitsandbytes 4-bit)")
     dtype = torch_dtype(job.dtype, job.info)
     odd = kept_for_kernels(job.info, job.options)
-    skip = skip_modules(job.ignore) + [exact_module(name) for name in odd]
+    skip = skip_modules(job.ignore) + [exact_module(name) for name in [*odd, *kept]]
     config = bnb_config(job.options, compute_dtype(job.options, dtype), skip)
     model = load_quantized(job.info, dtype, config, job.device, job.trust_remote_code)
     with plain_writes():  # no memory map of the output beside the model (quantkit.shards.save_file)
@@ -155,9 +180,78 @@ def load_quantized(info, dtype, config, device: str, trust_remote_code: bool = F
     return model.eval()
 
 
+# ---------------------------------------------------------------- gate-driven fallback
+
+
+def layer_bytes(shape: tuple[int, int], precision: str, element: int = 2, double_quant: bool = True) -> int:
+    """A Linear's stored bytes: 4 bits per weight and one absmax per block of 64 (one byte with double
+    quantization, float32 without; LLM.int8: a byte per weight and a float32 scale per row), or the model's
+    dtype (`element` bytes); plus the room its name takes in the skip list and the header."""
+    out, inp = shape
+    if precision == "16-bit":
+        stored = out * inp * element
+    elif precision == "int8":
+        stored = out * inp + out * 4
+    else:
+        stored = out * inp // 2 + out * inp // BLOCK_SIZE * (1 if double_quant else 4)
+    return stored + intmix.METADATA_BYTES
+
+
+def sized_for(options: Options, element: int = 2):
+    return lambda shape, precision: layer_bytes(shape, precision, element, options.double_quant)
+
+
+def fallback_layers(info, options: Options, ignore: list[str]) -> dict[str, tuple[int, int]]:
+    """The layers the plain artifact quantizes (kernel shapes fit, routed experts and `ignore` left out)."""
+    from quantkit.plan import matches
+
+    return {name: tuple(shape) for name, shape in quantizable_layers(info).items()
+            if fits_kernels(options, shape) and not is_expert_weight(name) and not matches(name, ignore)}
+
+
+def simulation(options: Options, dtype) -> intmix.Simulation:
+    """bitsandbytes' rounding of one weight, in the model's dtype as transformers hands it over: 4-bit blocks
+    of 64 (double quantization as asked) or LLM.int8's per-row absmax (its outlier columns, computed in
+    16-bit at run time, are not simulated)."""
+
+    def weight(layer, precision, source):
+        import bitsandbytes.functional as bnb
+
+        w = source.to(dtype)
+        if options.scheme == "int8":
+            scale = w.float().abs().amax(-1, keepdim=True).clamp_min(1e-12) / 127
+            return (w.float() / scale).round().clamp(-127, 127) * scale
+        packed, state = bnb.quantize_4bit(w, blocksize=BLOCK_SIZE, compress_statistics=options.double_quant,
+                                          quant_type=options.scheme)
+        return bnb.dequantize_4bit(packed, state).float()
+
+    return intmix.Simulation((options.scheme,), weight)
+
+
+def fallback_ladder(job: QuantizeJob, result: QuantizeResult):
+    from quantkit.model import torch_dtype
+
+    dtype = torch_dtype(job.dtype, job.info)
+    return intmix.keep_ladder(job, fallback_layers(job.info, job.options, job.ignore), simulation(job.options, dtype),
+                              sized_for(job.options, dtype.itemsize))
+
+
+def requantize(job: QuantizeJob, plan: dict[str, str], details: dict) -> QuantizeResult:
+    """The checkpoint quantized again with the plan's 16-bit layers skipped."""
+    from quantkit.methods.llmc import clear_weights
+    from quantkit.model import torch_dtype
+
+    clear_weights(job.out_dir)
+    result = write(job, intmix.kept_16bit(plan))
+    size = sized_for(job.options, torch_dtype(job.dtype, job.info).itemsize)
+    return QuantizeResult(result.artifact, {**details, **result.details,
+                                            "mixed_precision": intmix.keep_report(details, plan, size)})
+
+
 METHOD = MethodSpec(
     name="nf4", engine="bitsandbytes", engine_package="bitsandbytes",
     format="transformers bitsandbytes checkpoint (4-bit NF4/FP4 or LLM.int8)",
     options=Options, quantize=quantize, precision=precision, default_gate=fixed_gate(DEFAULT_GATE),
     check=check, needs_model=lambda info, options: False,  # transformers re-loads the checkpoint with a bnb config
+    needs_calibration=needs_calibration, fallback_ladder=fallback_ladder, requantize=requantize,
 )

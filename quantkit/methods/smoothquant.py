@@ -10,6 +10,13 @@ alpha (`smoothing_strength`) defaults to 0.8: the value of llm-compressor's W8A8
 close to the SmoothQuant authors' tuned values for Llama-2/3 (0.85) and Mistral (0.8). The
 SmoothQuant/llm-compressor generic default is 0.5; lower it for models whose activations
 have few outliers.
+
+`fallback` (gate-driven, quantkit.pipeline.run_fallback): the Linear layers predicted to cost the most
+stay 16-bit, a few more each step, until the gate passes or `max_size` is spent. The prediction reads
+the first artifact: each layer's int8 weights as GPTQ left them and its smoothing scales (the source
+norm's weight over the artifact's), and the per-token int8 rounding of its smoothed input on the
+calibration windows (quantkit.methods.intmix). Kept layers stay smoothed (SmoothQuant scales every
+balance layer of a mapping), which leaves their function unchanged.
 """
 
 from __future__ import annotations
@@ -19,8 +26,9 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict
 
 from quantkit.errors import InputError
-from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, fixed_gate, gptq, llmc, moe
+from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, fixed_gate, gptq, intmix, llmc, moe
 from quantkit.methods.mappings import Mapping, model_mappings
+from quantkit.mixed import Fallback
 
 # int8 weights and per-token int8 activations are near-lossless on trained models: tight gate.
 DEFAULT_GATE = {"max_ppl_increase": 0.03, "max_kld": 0.02, "min_top1": 0.93}
@@ -31,6 +39,7 @@ class Options(BaseModel):
     smoothing_strength: float = 0.8
     weight_algorithm: Literal["gptq", "rtn"] = "gptq"
     dampening: float = 0.01  # GPTQ only
+    fallback: Fallback | None = None  # on a failed gate, keep the most damaging layers 16-bit (quantkit.mixed)
 
 
 def needs_calibration(options: Options) -> bool:
@@ -56,6 +65,13 @@ def check(info, options: Options, calibration) -> None:
     moe.check_expert_storage(info, "smoothquant", "W8A8 stores every expert as int8 `int-quantized` weights",
                              hint="use gptq --bits 8 --symmetric, or fp8, for this model")
     gptq.check_calibration_tokens(calibration, "smoothquant")
+    if options.fallback is not None:
+        from quantkit.mixed import check_max_size
+
+        intmix.check_streamable(info, "smoothquant: fallback", "--fallback")
+        layers = intmix.quantized_layers(info, [])
+        check_max_size(options.fallback, intmix.artifact_estimate(info, layers, layer_bytes, PRECISION),
+                       "smoothquant fallback")
 
 
 def scheme_config() -> dict:
@@ -64,7 +80,9 @@ def scheme_config() -> dict:
     return {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": activations}}
 
 
-def modifiers(options: Options, info, ignore: list[str]) -> list:
+def modifiers(options: Options, info, ignore: list[str], kept: list[str] = ()) -> list:
+    """SmoothQuant over the mappings, then int8 weights (GPTQ or RTN) for every Linear but `ignore` and the
+    `kept` layers (16-bit, still smoothed: a fallback plan)."""
     from llmcompressor.modifiers.gptq import GPTQModifier
     from llmcompressor.modifiers.quantization import QuantizationModifier
     from llmcompressor.modifiers.transform.smoothquant import SmoothQuantModifier
@@ -72,24 +90,110 @@ def modifiers(options: Options, info, ignore: list[str]) -> list:
     mappings = [[list(m.balance), m.smooth] for m in mappings_for(info)]
     smooth = SmoothQuantModifier(smoothing_strength=options.smoothing_strength, mappings=mappings, ignore=ignore)
     if options.weight_algorithm == "gptq":
-        quant = GPTQModifier(config_groups=scheme_config(), ignore=ignore, actorder=None,
+        quant = GPTQModifier(config_groups=scheme_config(), ignore=ignore + list(kept), actorder=None,
                              dampening_frac=options.dampening)
     else:
-        quant = QuantizationModifier(config_groups=scheme_config(), ignore=ignore)
+        quant = QuantizationModifier(config_groups=scheme_config(), ignore=ignore + list(kept))
     return [smooth, quant]
 
 
 def quantize(job: QuantizeJob) -> QuantizeResult:
-    recipe = modifiers(job.options, job.info, llmc.decoder_ignore(job))
+    return write(job, [])
+
+
+def write(job: QuantizeJob, kept: list[str]) -> QuantizeResult:
+    """SmoothQuant + int8 of job.model into job.out_dir, the `kept` layers 16-bit (a fallback plan)."""
+    recipe = modifiers(job.options, job.info, llmc.decoder_ignore(job), kept)
     details = llmc.calibration_details(job)
     llmc.run_oneshot(job, recipe, calibrate=True)
     llmc.save_compressed(job)
     return QuantizeResult(job.out_dir, {"smoothing_strength": job.options.smoothing_strength, **details})
 
 
+# ---------------------------------------------------------------- gate-driven fallback
+
+PRECISION = "int8"  # W8A8: the one precision of the fallback ladder below 16-bit
+ACTIVATIONS = scheme_config()["group_0"]["input_activations"]
+
+
+def layer_bytes(shape: tuple[int, int], precision: str, element: int = 2) -> int:
+    """A Linear's stored bytes: int8 weight and a per-channel scale, or the model's dtype (`element` bytes);
+    plus the room its name takes in the ignore list and the header."""
+    out, inp = shape
+    return (out * inp + out * element if precision == PRECISION else out * inp * element) + intmix.METADATA_BYTES
+
+
+def smoothing_scales(info, artifact) -> dict:
+    """{layer: s} for every balance layer SmoothQuant scaled: the smooth layer's (a norm's) source weight over
+    its weight in the artifact (SmoothQuant divided it by s and multiplied the balance columns by s)."""
+    from quantkit.plan import matches
+    from quantkit.stream import SafetensorsWeights
+
+    source, smoothed = SafetensorsWeights(info.path), SafetensorsWeights(artifact)
+    layers = intmix.quantized_layers(info, [])
+    offset = 1.0 if info.model_type.startswith("gemma") else 0.0  # Gemma's RMSNorm scales by (1 + w)
+    scales = {}
+    for mapping in mappings_for(info):
+        for smooth in (n.removesuffix(".weight") for n in info.tensors if matches(n.removesuffix(".weight"),
+                                                                                   [mapping.smooth])):
+            base = source.get(smooth + ".weight").float() + offset
+            stored = smoothed.get(smooth + ".weight").float() + offset
+            s = torch_where_nonzero(base, stored)
+            parent = smooth.rsplit(".", 1)[0]
+            scales.update({name: s for name in layers if name.startswith(parent + ".")
+                           and matches(name, list(mapping.balance))})
+    return scales
+
+
+def torch_where_nonzero(base, stored):
+    """base / stored elementwise, 1 where either is 0 (a channel SmoothQuant left alone)."""
+    import torch
+
+    ok = (base != 0) & (stored != 0)
+    return torch.where(ok, base / torch.where(ok, stored, torch.ones_like(stored)), torch.ones_like(base))
+
+
+def simulation(info, artifact) -> intmix.Simulation:
+    """W8A8 of one layer as the first artifact has it: its int8 weights (GPTQ's, decompressed) over its
+    smoothing scales, and its input divided by them, int8-quantized per token and multiplied back."""
+    import torch
+
+    from quantkit.compressed import CompressedWeights, quantized_meta_model
+    from quantkit.model import hf_config
+
+    stored = CompressedWeights(artifact, quantized_meta_model(hf_config(artifact), torch.float32))
+    scales, quantize = smoothing_scales(info, artifact), intmix.activation_quantizer(ACTIVATIONS)
+
+    def weight(layer, precision, source):
+        s = scales.get(layer)
+        dequantized = stored.get(layer + ".weight").float()
+        return dequantized if s is None else dequantized / s
+
+    def inputs(layer, precision):
+        s = scales.get(layer)
+        return quantize if s is None else (lambda x: quantize(x / s.to(x.dtype)) * s.to(x.dtype))
+
+    return intmix.Simulation((PRECISION,), weight, inputs)
+
+
+def fallback_ladder(job: QuantizeJob, result: QuantizeResult):
+    return intmix.keep_ladder(job, intmix.quantized_layers(job.info, llmc.decoder_ignore(job)),
+                              simulation(job.info, result.artifact), intmix.sized(layer_bytes, job))
+
+
+def requantize(job: QuantizeJob, plan: dict[str, str], details: dict) -> QuantizeResult:
+    """SmoothQuant + int8 again from the base model, the plan's 16-bit layers kept out of the quantization."""
+    with llmc.reloaded_model(job):
+        llmc.clear_weights(job.out_dir)
+        result = write(job, intmix.kept_16bit(plan))
+    return QuantizeResult(result.artifact, {**details, **result.details,
+                                            "mixed_precision": intmix.keep_report(details, plan,
+                                                                                  intmix.sized(layer_bytes, job))})
+
+
 METHOD = MethodSpec(
     quantizes_towers=True, name="smoothquant", engine=llmc.ENGINE, engine_package=llmc.ENGINE,
     format="compressed-tensors (int-quantized, W8A8 int8)",
     options=Options, quantize=quantize, precision=precision, default_gate=fixed_gate(DEFAULT_GATE),
-    check=check, needs_calibration=needs_calibration,
+    check=check, needs_calibration=needs_calibration, fallback_ladder=fallback_ladder, requantize=requantize,
 )

@@ -9,35 +9,61 @@ from pathlib import Path
 
 import pytest
 
+from quantkit import mixed
 from quantkit.gguf import budget
 from quantkit.gguf.mixture import T
-from quantkit.gguf.sensitivity import TensorSensitivity
+from quantkit.gguf.sensitivity import candidates, table_row
 
 CALIB = ("--num-samples", "4", "--seq-len", "64", "--eval-windows", "4")
 
 
-def row(name: str, scale: float, shape=(256, 256), mixture: str = "Q4_K") -> TensorSensitivity:
-    """A table row whose error quarters with each candidate step (roughly what k-quants do)."""
-    errors = {t.name: scale * 4.0 ** -i for i, t in enumerate((T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0))}
-    return TensorSensitivity(name, shape, mixture, errors)
+def row(name: str, scale: float, shape=(256, 256), mixture: str = "Q4_K"):
+    """A table row whose error falls by 4 per bit of its candidate types (roughly what the quants do)."""
+    from quantkit.gguf.sensitivity import bits_per_weight
+
+    errors = {t.name: scale * 4.0 ** -bits_per_weight(t) for t in candidates(shape[-1])}
+    return table_row(name, shape, mixture, errors)
+
+
+def test_candidates_are_what_llama_cpp_allows_for_the_row():
+    assert candidates(512) == [T.Q2_K, T.Q3_K, T.Q4_K, T.Q4_0, T.Q4_1, T.Q5_K, T.Q5_0, T.Q5_1, T.Q6_K, T.Q8_0]
+    assert candidates(576) == [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0]  # llama.cpp's fallback types
+    assert candidates(100) == []  # F16: not budgeted
+
+
+def test_a_dominated_candidate_is_never_chosen():
+    """Q4_0 is as large as Q4_K: with more error it leaves the tensor's choices; Q4_1 sits between sizes."""
+    r = table_row("t", (256, 512), "Q4_K", {"Q2_K": 9.0, "Q3_K": 5.0, "Q4_0": 3.0, "Q4_K": 2.0, "Q4_1": 2.5,
+                                             "Q5_0": 1.0, "Q5_K": 0.8, "Q5_1": 0.7, "Q6_K": 0.5, "Q8_0": 0.1})
+    assert r.candidates == ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q5_1", "Q6_K", "Q8_0"]
+
+
+def test_the_size_model_is_the_bytes_in_the_file():
+    assert budget.nbytes((576, 576), T.Q4_0) == 576 * 576 // 32 * 18
+    assert budget.nbytes((3, 32), T.Q4_0) == 64  # 54 bytes of blocks, padded to the 32-byte alignment
 
 
 def test_assign_types_stays_within_budget_and_favours_damage():
-    table = [row("a", 100.0), row("b", 1.0), row("c", 1.0)]
+    table = [row("a", 100.0), row("b", 1.0), row("c", 1.0), row("d", 1.0, shape=(256, 576), mixture="Q5_0")]
     mixture = budget.total_bytes(table, budget.mixture_types(table))
     types = budget.assign_types(table, mixture)
     assert budget.total_bytes(table, types) <= mixture
     assert types["a"] > types["b"] and types["b"] == types["c"]  # the sensitive tensor gets the bits
-    assert budget.assign_types(table, 0) == {"a": T.Q2_K, "b": T.Q2_K, "c": T.Q2_K}  # floor: cheapest types
+    assert types["d"] in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0)
+    cheapest = budget.cheapest_bytes(table)
+    assert budget.assign_types(table, cheapest) == {"a": T.Q2_K, "b": T.Q2_K, "c": T.Q2_K, "d": T.Q4_0}
+    with pytest.raises(mixed.BudgetError, match=f"{cheapest - 1:,} bytes cannot be met.*{cheapest:,} bytes"):
+        budget.assign_types(table, cheapest - 1)
 
 
-def test_raise_types_takes_the_most_damaging_first_within_room():
+def test_raise_plan_takes_the_most_damaging_first_within_room():
     table = [row("a", 1.0), row("b", 50.0), row("c", 10.0)]
-    types = {"a": T.Q2_K, "b": T.Q2_K, "c": T.Q2_K}
-    raised = budget.raise_types(table, types, count=2, room=10**9)
-    assert raised == {"b": (T.Q2_K, T.Q3_K), "c": (T.Q2_K, T.Q3_K)}
-    assert budget.raise_types(table, types, count=2, room=10) == {}  # no raise fits
-    assert budget.raise_types(table, {"a": T.Q8_0, "b": T.Q8_0, "c": T.Q8_0}, 2, 10**9) == {}  # at the top
+    ladder = mixed.Ladder(table, {"a": "Q2_K", "b": "Q2_K", "c": "Q2_K"}, budget.tensor_size)
+    plan, raised = mixed.raise_plan(ladder, ladder.plan, count=2, room=10**9)
+    assert raised == {"b": ("Q2_K", "Q3_K"), "c": ("Q2_K", "Q3_K")} and plan["a"] == "Q2_K"
+    assert mixed.raise_plan(ladder, ladder.plan, 2, 10)[1] == {}  # no raise fits
+    top = {name: "Q8_0" for name in ladder.plan}
+    assert mixed.raise_plan(ladder, top, 2, 10**9)[1] == {}  # at the top
 
 
 def test_override_lines_are_anchored_regexes():
@@ -45,15 +71,12 @@ def test_override_lines_are_anchored_regexes():
     assert lines == ["^blk\\.0\\.attn_output\\.weight$=q4_k", "^output\\.weight$=q6_k"]
 
 
-def test_flags_refused_for_other_methods(cli, micro_model, tmp_path):
-    """--auto-precision and --fallback exist for gguf, gptq and awq: the others are refused (exit 2)."""
-    listed = "implemented for method gguf, gptq and awq only, not"
-    for method, flag, message in (("fp8", "--auto-precision", f"{listed} fp8"),
-                                  ("nf4", "--auto-precision", f"{listed} nf4"),
-                                  ("fp8", "--fallback", f"{listed} fp8"),
-                                  ("smoothquant", "--fallback", f"{listed} smoothquant")):
-        result = cli("quantize", micro_model, "--method", method, flag, "-o", tmp_path / "out")
-        assert result.exit_code == 2 and message in result.stderr, (method, flag, result.stderr)
+def test_auto_precision_is_refused_for_methods_without_it(cli, micro_model, tmp_path):
+    """--auto-precision exists for gguf, gptq and awq; --fallback for every method."""
+    listed = "implemented for method gptq, awq and gguf only, not"
+    for method in ("fp8", "nf4", "smoothquant"):
+        result = cli("quantize", micro_model, "--method", method, "--auto-precision", "-o", tmp_path / "out")
+        assert result.exit_code == 2 and f"{listed} {method}" in result.stderr, (method, result.stderr)
 
 
 def sharpen(src: Path, dst: Path) -> Path:
@@ -101,12 +124,14 @@ def test_auto_precision_keeps_the_mixture_size(auto_out, sharp):
     assert mixed["bytes"] <= mixed["budget_bytes"] == mixed["mixture_bytes"]
     assert mixed["changed"]  # some tensor got another type than llama.cpp's rule gives it
     mixture_file = convert(sharp, auto_out.parent / "mixture.gguf", "Q4_K_M")
-    assert details["gguf"]["bytes"] <= mixture_file.bytes * 1.01
+    assert details["gguf"]["bytes"] <= mixture_file.bytes
     table = details["sensitivity"]
     assert table["measured"] and table["windows"] == 4
     assert {r["tensor"] for r in table["tensors"]} == set(mixed["types"])
-    for r in table["tensors"]:  # damage falls with every step up the k-quant family
-        damages = list(r["damage"].values())
+    assert all(r["gain"] is not None for r in table["tensors"])
+    assert 0 < table["probes"] <= len(table["tensors"])  # up to 3 per role (2 layers here: every tensor)
+    for r in table["tensors"]:  # damage falls with every step up the tensor's candidates
+        damages = [r["damage"][c] for c in r["candidates"]]
         assert all(a >= b for a, b in zip(damages, damages[1:])), r
     lines = (auto_out / "tensor-types.txt").read_text().split()
     assert len(lines) == len(mixed["types"]) and all(ln.startswith("^") for ln in lines)
@@ -124,27 +149,29 @@ def test_inspect_shows_the_sensitivity_table(cli, auto_out, sharp):
 
 @pytest.mark.slow
 def test_damage_model_ranks_tensors_like_measured_kld(auto_out, sharp):
-    """The damage predicted at Q2_K from the KLD measured at Q3_K and the weighted-error ratio ranks
-    the decoder tensors as their KL divergence measured at Q2_K does. (The weighted error alone does
-    not: its units differ between tensor kinds; docs/gguf.md reports both correlations.)"""
+    """The damage predicted at Q2_K (gains measured at Q3_K on a few probes per role, interpolated over
+    depth for the rest, times the weighted error) ranks the decoder tensors as their KL divergence
+    measured at Q2_K does. (The weighted error alone does not: its units differ between tensor kinds;
+    docs/gguf.md reports both correlations.)"""
     import torch
     from scipy.stats import spearmanr
 
     from quantkit.calibration import make_windows
     from quantkit.gguf.convert import load_hparams, plan_tensors
     from quantkit.gguf.sensitivity import Sensitivity, measure_klds
+    from quantkit.mixed import SensitivityRow
     from quantkit.model import check_model_dir, load_tokenizer
     from quantkit.recipe import Calibration
 
     table = Sensitivity.from_dict(json.loads((auto_out / "quantkit.json").read_text())["targets"][0]["details"]
                                   ["sensitivity"]).tensors
     rows = [r for r in table if r.name.startswith("blk.")]
-    predicted = [r.damage(T.Q2_K) for r in rows]
+    predicted = [r.damage("Q2_K") for r in rows]
     info = check_model_dir(sharp)
     plans = plan_tensors({**load_hparams(sharp), "architectures": info.config["architectures"]}, info.tensors,
                          "Q4_K_M", model_dir=sharp)
     windows = make_windows(load_tokenizer(info), Calibration(num_samples=4, seq_len=64, eval_windows=4)).calib
-    probes = [TensorSensitivity(r.name, r.shape, r.mixture, r.errors, probe="Q2_K") for r in rows]
+    probes = [SensitivityRow(r.name, r.shape, r.errors, "Q2_K") for r in rows]
     with torch.inference_mode():
         measure_klds(sharp, probes, plans, None, windows)
     rho = spearmanr(predicted, [r.kld for r in probes]).statistic

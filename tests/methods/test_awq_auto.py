@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from quantkit.mixed import SensitivityRow
 from quantkit.methods import awq, intmix
 from tests.methods.conftest import CALIB_ARGS, LOOSE_TOP1, quant_config, report
 from tests.methods.test_gptq_auto import layer_stored_bytes, stored
@@ -44,7 +45,7 @@ def test_balance_layers_of_one_mapping_are_grouped_per_decoder_layer(micro_model
 def test_tied_plan_gives_a_group_one_precision_within_the_budget():
     """q alone is worth raising, but it shares AWQ's scale with k and v: the three move together."""
     scheme = intmix.Scheme(group_size=128, symmetric=False, element_bytes=2)
-    rows = [intmix.LayerSensitivity(n, (256, 256), {"int4": e, "int8": e / 256, "16-bit": 0.0})
+    rows = [SensitivityRow(n, (256, 256), {"int4": e, "int8": e / 256, "16-bit": 0.0}, "int4", "int4")
             for n, e in (("q", 100.0), ("k", 0.1), ("v", 0.1), ("o", 1.0))]
     int4 = sum(scheme.nbytes(r.shape, "int4") for r in rows)
     up = scheme.nbytes((256, 256), "int8") - scheme.nbytes((256, 256), "int4")
@@ -87,7 +88,7 @@ def test_auto_precision_end_to_end_within_the_budget(cli, micro_model, tmp_path)
     mixed = details["mixed_precision"]
     weights = sum(r["shape"][0] * r["shape"][1] for r in details["sensitivity"]["tensors"])
     assert mixed["budget_bytes"] == int(4.6 * weights / 8)
-    assert mixed["w4a16_bytes"] < mixed["bytes"] <= mixed["budget_bytes"]
+    assert mixed["plain_bytes"] < mixed["bytes"] <= mixed["budget_bytes"]
     assert mixed["counts"]["int8"] >= 1 and set(mixed["types"].values()) <= {"int4", "int8"}
     assert details["sensitivity"]["measured"] and {r["tensor"] for r in details["sensitivity"]["tensors"]} == set(
         mixed["types"])

@@ -1,17 +1,16 @@
-"""awq --fallback: gptq's fallback step (quantkit.methods.gptq.next_plan) over AWQ's raise units (a
+"""awq --fallback: a fallback step (quantkit.mixed.raise_plan on awq's ladder) over AWQ's raise units (a
 mapping's balance layers raised together; a quantized smooth layer's balance layers at most int8), and
 end to end a failing gate turned into a passing mixed int4/int8 artifact, or stopped with exit 3 when
 max_size is spent."""
 
 from __future__ import annotations
 
-from functools import partial
 from pathlib import Path
 
 import pytest
 
 from quantkit.methods import QuantizeJob, QuantizeResult, awq, intmix
-from quantkit.mixed import Fallback
+from quantkit.mixed import Fallback, SensitivityRow, raise_plan
 from tests.methods.conftest import CALIB_ARGS, quant_config, report
 from tests.methods.test_gptq_fallback import (SPIKED, assert_fallback_passed, spent_budget_run,  # noqa: F401
                                              spiky)  # spiky: the module fixture
@@ -30,11 +29,11 @@ def llama(path: Path):
     return ModelInfo(path, {"torch_dtype": "bfloat16"}, [], "LlamaForCausalLM", "llama")
 
 
-def table(int4: dict[str, float]) -> list[intmix.LayerSensitivity]:
+def table(int4: dict[str, float]) -> list[SensitivityRow]:
     """Every layer's damage: `int4` at int4 (default 1), half of it at int8 (so a raised layer can stay
     the worst), none at 16-bit."""
-    return [intmix.LayerSensitivity(name, shape, {"int4": int4.get(name, 1.0), "int8": int4.get(name, 1.0) / 2,
-                                                  "16-bit": 0.0}) for name, shape in SHAPES.items()]
+    return [SensitivityRow(name, shape, {"int4": int4.get(name, 1.0), "int8": int4.get(name, 1.0) / 2,
+                                         "16-bit": 0.0}, "int4", "int4") for name, shape in SHAPES.items()]
 
 
 def test_fallback_units_tie_balance_layers_and_cap_a_smoothed_down_proj_at_int8(tmp_path):
@@ -51,42 +50,35 @@ def test_fallback_units_tie_balance_layers_and_cap_a_smoothed_down_proj_at_int8(
 
 
 def plan_job(tmp_path: Path, tensors_per_step: int) -> QuantizeJob:
-    options = awq.Options(fallback=Fallback(max_size="10MB", tensors_per_step=tensors_per_step))
+    options = awq.Options(group_size=128, fallback=Fallback(max_size="10MB", tensors_per_step=tensors_per_step))
     return QuantizeJob(None, None, llama(tmp_path), options, None, [], tmp_path, tmp_path)
 
 
-def test_next_plan_raises_tied_groups_together_and_never_a_smoothed_down_proj_to_16_bit(tmp_path):
+def ladder_for(tmp_path: Path, rows: list[SensitivityRow]):
+    job = plan_job(tmp_path, tensors_per_step=1)
+    details = {"sensitivity": intmix.LayerTable(rows, False).as_dict()}
+    return awq.fallback_ladder(job, QuantizeResult(tmp_path, details))
+
+
+def test_a_step_raises_tied_groups_together_and_never_a_smoothed_down_proj_to_16_bit(tmp_path):
     """down_proj does the most damage at int4 and at int8, but at int8 it stays while up_proj is quantized:
     the next step raises q/k/v, together."""
-    from quantkit.methods.gptq import next_plan
-
-    job = plan_job(tmp_path, tensors_per_step=1)
-    units = partial(awq.fallback_units, job.info)
-    artifact = tmp_path / "model.safetensors"
-    artifact.write_bytes(b"\0" * 200_000)
-    details = {"sensitivity": intmix.LayerTable(table({DOWN: 1000.0, QKV[0]: 10.0}), False).as_dict()}
-    first = next_plan(job, QuantizeResult(artifact, details), details, units)
-    assert first == {**{name: "int4" for name in SHAPES}, DOWN: "int8"}
-    assert details["fallback_state"]["raised"] == {DOWN: "int4->int8"}
-    second = next_plan(job, QuantizeResult(artifact, details), details, units)
+    ladder = ladder_for(tmp_path, table({DOWN: 1000.0, QKV[0]: 10.0}))
+    first, raised = raise_plan(ladder, ladder.plan, 1, 10**9)
+    assert first == {**{name: "int4" for name in SHAPES}, DOWN: "int8"} and raised == {DOWN: ("int4", "int8")}
+    second, raised = raise_plan(ladder, first, 1, 10**9)
     assert second == {**first, **{name: "int8" for name in QKV}}
-    assert details["fallback_state"]["raised"] == {name: "int4->int8" for name in QKV}
-    assert details["mixed_precision"]["types"] == second
+    assert raised == {name: ("int4", "int8") for name in QKV}
 
 
 def test_every_fallback_step_keeps_awq_constraints_until_nothing_is_left_to_raise(tmp_path):
     """Step after step, two units at a time, from plain int4 to the top: each plan gives a tied group one
     precision and keeps a quantized balance layer under a quantized up_proj; one layer stays quantized."""
-    from quantkit.methods.gptq import next_plan
-
-    job = plan_job(tmp_path, tensors_per_step=2)
-    units = partial(awq.fallback_units, job.info)
-    rows = awq.linear_rows(job.info, SHAPES)
-    artifact = tmp_path / "model.safetensors"
-    artifact.write_bytes(b"\0" * 200_000)
-    details = {"sensitivity": intmix.LayerTable(table({DOWN: 1000.0, MLP + "gate_proj": 50.0}), False).as_dict()}
-    plans = []
-    while (plan := next_plan(job, QuantizeResult(artifact, details), details, units)) is not None:
+    ladder = ladder_for(tmp_path, table({DOWN: 1000.0, MLP + "gate_proj": 50.0}))
+    rows = awq.linear_rows(llama(tmp_path), SHAPES)
+    plan, plans = ladder.plan, []
+    while (step := raise_plan(ladder, plan, 2, 10**9))[1]:
+        plan = step[0]
         plans.append(plan)
         assert len({plan[n] for n in QKV}) == 1 and len({plan[n] for n in GATE_UP}) == 1
         assert awq.keep_balance_quantized(plan, rows) == plan

@@ -11,14 +11,15 @@ from pathlib import Path
 import pytest
 
 from quantkit.methods import QuantizeJob, QuantizeResult, gptq, intmix
-from quantkit.mixed import Fallback, raise_step
+from quantkit.mixed import Fallback, SensitivityRow, raise_plan, raise_step
 from tests.methods.conftest import CALIB_ARGS, assert_nothing_written, quant_config, report
 
 G64_SYM = intmix.Scheme(group_size=64, symmetric=True, element_bytes=2)
 
 
-def layer(name: str, int4: float, shape=(256, 256), kld: float | None = None) -> intmix.LayerSensitivity:
-    return intmix.LayerSensitivity(name, shape, {"int4": int4, "int8": int4 / 256, "16-bit": 0.0}, kld)
+def layer(name: str, int4: float, shape=(256, 256), kld: float | None = None) -> SensitivityRow:
+    return SensitivityRow(name, shape, {"int4": int4, "int8": int4 / 256, "16-bit": 0.0}, "int4", "int4", kld,
+                          None if kld is None else kld / int4)
 
 
 def test_raise_step_takes_the_most_damaging_layer_one_precision_up_within_room():
@@ -42,43 +43,33 @@ def test_sensitivity_table_round_trips_through_the_report():
     assert again == table and again.layers[0].candidates == ["int4", "int8", "16-bit"]
 
 
-def plan_job(tmp_path: Path, max_size: str, tensors_per_step: int = 1) -> QuantizeJob:
-    """A job for next_plan, a bfloat16 checkpoint (the plan needs no model)."""
+def plan_job(tmp_path: Path, tensors_per_step: int = 1) -> QuantizeJob:
+    """A job for fallback_ladder, a bfloat16 checkpoint (the ladder reads the recorded table: no model)."""
     from quantkit.model import ModelInfo
 
     info = ModelInfo(tmp_path, {"torch_dtype": "bfloat16"}, [], "LlamaForCausalLM", "llama")
-    options = gptq.Options(group_size=64, fallback=Fallback(max_size=max_size, tensors_per_step=tensors_per_step))
+    options = gptq.Options(group_size=64, fallback=Fallback(tensors_per_step=tensors_per_step))
     return QuantizeJob(None, None, info, options, None, [], tmp_path, tmp_path)
 
 
-def test_next_plan_raises_within_max_size_and_records_the_step(tmp_path):
+def test_the_ladder_raises_within_the_room_and_keeps_the_plan(tmp_path):
     table = intmix.LayerTable([layer("a", 100.0), layer("b", 1.0)], False)
-    artifact = tmp_path / "artifact"
-    artifact.mkdir()
-    (artifact / "model.safetensors").write_bytes(b"\0" * 200_000)
-    first = QuantizeResult(artifact, {"sensitivity": table.as_dict()})
-    job = plan_job(tmp_path, "+25%")
-    details = dict(first.details)
-    assert gptq.next_plan(job, first, details) == {"a": "int8", "b": "int4"}
-    assert details["fallback_state"] == {"first_bytes": 200_000, "raised": {"a": "int4->int8"}}
-    mixed = details["mixed_precision"]
-    assert mixed["types"] == {"a": "int8", "b": "int4"} and mixed["changed"] == {"a": "int4->int8"}
-    assert mixed["bytes"] == G64_SYM.nbytes((256, 256), "int8") + G64_SYM.nbytes((256, 256), "int4")
-    # budget of the layers: the 250 000 bytes allowed less what is not a layer (the rest of the artifact)
-    assert mixed["budget_bytes"] == 250_000 - (200_000 - 2 * G64_SYM.nbytes((256, 256), "int4"))
-    # an absolute limit no raise fits in: budget spent
-    assert gptq.next_plan(plan_job(tmp_path, "200KB"), first, dict(first.details)) is None
+    first = QuantizeResult(tmp_path, {"sensitivity": table.as_dict()})
+    ladder = gptq.fallback_ladder(plan_job(tmp_path), first)
+    assert ladder.plan == {"a": "int4", "b": "int4"} and ladder.keep_one
+    up = G64_SYM.nbytes((256, 256), "int8") - G64_SYM.nbytes((256, 256), "int4") + intmix.METADATA_BYTES
+    plan, raised = raise_plan(ladder, ladder.plan, 1, up)
+    assert plan == {"a": "int8", "b": "int4"} and raised == {"a": ("int4", "int8")}
+    assert raise_plan(ladder, ladder.plan, 1, up - 1)[1] == {}  # no raise fits: the budget is spent
 
 
-def test_next_plan_keeps_one_layer_quantized(tmp_path):
+def test_the_ladder_keeps_one_layer_quantized(tmp_path):
     """GPTQ has nothing to do without a quantized layer: the last raise to 16-bit is held back."""
     table = intmix.LayerTable([layer("a", 100.0), layer("b", 1.0)], False)
-    artifact = tmp_path / "model.safetensors"
-    artifact.write_bytes(b"\0" * 200_000)
     details = {"sensitivity": table.as_dict(), "mixed_precision": {"types": {"a": "int8", "b": "int8"}}}
-    result = QuantizeResult(artifact, details)
-    plan = gptq.next_plan(plan_job(tmp_path, "10MB", tensors_per_step=2), result, dict(details))
-    assert plan == {"a": "16-bit", "b": "int8"}
+    ladder = gptq.fallback_ladder(plan_job(tmp_path), QuantizeResult(tmp_path, details))
+    plan, raised = raise_plan(ladder, ladder.plan, 2, 10**9)
+    assert plan == {"a": "16-bit", "b": "int8"} and raised == {"a": ("int8", "16-bit")}
 
 
 def test_fallback_refuses_bits_8_before_work(cli, micro_model, tmp_path):
@@ -143,7 +134,7 @@ def spent_budget_run(cli, model, tmp_path, target_yaml: str, *args) -> dict:
     out, json_path = tmp_path / "out", tmp_path / "report.json"
     result = cli("quantize", model, "--recipe", recipe, *CALIB_ARGS, *args, "-o", out, "--json", json_path)
     assert result.exit_code == 3, result.output
-    assert "the size budget is spent" in result.stderr
+    assert "no raise fits in --max-size" in result.stderr
     assert_nothing_written(out)
     return json.loads(json_path.read_text())["targets"][0]
 
