@@ -446,7 +446,7 @@ def probe_klds(model_dir: Path, probes: Iterable[Probe], windows, setting: str, 
                                                           workdir=workdir), windows, workdir)
     klds = {}
     for index, probe in enumerate(probes):
-        progress(f"sensitivity: measuring {probe.name} alone ({index + 1}/{len(probes)})")
+        progress(f"sensitivity: {probe.name} alone ({index + 1}/{len(probes)})")
         streamed.weights.source = PatchedWeights(base, probe.patch())
         hooks = transform_inputs(streamed.model, probe.inputs)
         try:

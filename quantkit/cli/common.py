@@ -10,6 +10,7 @@ import functools
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import threading
@@ -155,6 +156,44 @@ def _print_error(message: str, hint: str | None) -> None:
 def progress(message: str) -> None:
     """Log lines on stderr (plain when not a TTY)."""
     err.print(f"· {message}", highlight=False, markup=False)
+
+
+STEP = re.compile(r"\s*\((\d+)/(\d+)\)$")
+
+
+class ProgressLog:
+    """The run's progress on stderr. A message is a phase line, printed; one that ends in a step count
+    `(i/n)` is a step of a long loop: on a terminal it drives a transient progress bar (one per series of
+    steps), elsewhere it is left out, so logs keep one line per phase."""
+
+    def __init__(self, console: Console):
+        self.console, self.bar, self.series = console, None, None
+
+    def __call__(self, message: str) -> None:
+        step = STEP.search(message)
+        if step is None:
+            self.close()
+            self.console.print(f"· {message}", highlight=False, markup=False)
+        elif self.console.is_terminal:
+            self.advance(message[:step.start()], int(step.group(1)), int(step.group(2)))
+
+    def advance(self, text: str, done: int, total: int) -> None:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        series = (text.split(":")[0], total)
+        if series != self.series:
+            self.close()
+            self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                TimeElapsedColumn(), console=self.console, transient=True)
+            self.bar.add_task(text, total=total)
+            self.bar.start()
+            self.series = series
+        self.bar.update(self.bar.task_ids[0], completed=done - 1, description=text)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+        self.bar, self.series = None, None
 
 
 def results_console(json_path: str | None) -> Console:

@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from quantkit.cli.common import err, handle_errors, progress, results_console, write_json
+from quantkit.cli.common import ProgressLog, err, handle_errors, results_console, write_json
 
 EXAMPLES = """
 Examples:
@@ -49,16 +49,16 @@ def quantize(
     method: Optional[str] = typer.Option(None, "--method", "-m", help="fp8 | gptq | awq | smoothquant | nf4 | gguf"),
     scheme: Optional[str] = typer.Option(None, help="Method scheme, e.g. fp8-dynamic | fp8-static."),
     bits: Optional[int] = typer.Option(None, help="Weight bits (gptq/awq)."),
-    group_size: Optional[int] = typer.Option(None, help="Quantization group size (-1: per channel)."),
+    group_size: Optional[str] = typer.Option(None, help="gptq/awq group size: auto (default: the largest of 128, 64, 32 dividing every layer's input width) | N | -1 (per channel)."),
     act_order: Optional[str] = typer.Option(None, help="GPTQ activation order: none | static | group."),
     symmetric: Optional[bool] = typer.Option(None, "--symmetric/--asymmetric", help="Integer weights without / with a zero point (gptq/awq)."),
     backend: Optional[str] = typer.Option(None, help="Engine backend where a method has several."),
     gguf_type: Optional[str] = typer.Option(None, help="GGUF type or mixture, e.g. Q4_K_M, Q6_K, Q8_0."),
     imatrix: Optional[str] = typer.Option(None, help="GGUF importance matrix: auto | none | FILE."),
     mmproj: Optional[str] = typer.Option(None, "--mmproj", help="GGUF of a VLM: its vision tower as llama.cpp's mmproj .gguf, auto | f16 | bf16 | f32; none = the language model alone (no image input)."),
-    auto_precision: bool = typer.Option(False, "--auto-precision", help="Precision chosen per tensor by measured sensitivity under a size budget. gguf: k-quant types at the size of llama.cpp's --gguf-type mixture; gptq, awq: int4, int8 or 16-bit per layer at the W4A16 size +5%."),
+    auto_precision: bool = typer.Option(False, "--auto-precision", help="Precision chosen per tensor by measured sensitivity under a size budget, never exceeded. gguf: the types llama.cpp allows for each tensor's rows, at the size of llama.cpp's --gguf-type mixture; gptq, awq: int4, int8 or 16-bit per layer at the W4A16 size +5%."),
     budget_bpw: Optional[float] = typer.Option(None, "--budget-bpw", help="--auto-precision budget in bits per weight (gguf: of the whole file; gptq, awq: of the quantized layers, scales and zero points included)."),
-    fallback: bool = typer.Option(False, "--fallback", help="gguf, gptq, awq: when the gate fails, raise the precision of the most damaging tensors (gguf: the next k-quant type; gptq, awq: int4 -> int8 -> 16-bit, re-quantized from the base) and re-measure until it passes or --max-size is reached."),
+    fallback: bool = typer.Option(False, "--fallback", help="When the gate fails, raise the precision of the most damaging tensors and re-measure until it passes or --max-size is reached (gguf: the next type; gptq, awq: int4 -> int8 -> 16-bit; fp8, smoothquant, nf4: 16-bit)."),
     max_size: Optional[str] = typer.Option(None, "--max-size", help="--fallback size limit: +N% of the first artifact (default +25%) or a size such as 120MB."),
     smoothing_strength: Optional[float] = typer.Option(None, help="SmoothQuant alpha."),
     double_quant: Optional[bool] = typer.Option(None, "--double-quant/--no-double-quant", help="NF4 double quantization."),
@@ -109,7 +109,8 @@ def quantize(
         gate=dict(max_ppl_increase=max_ppl_increase, max_kld=max_kld, min_top1=min_top1),
         # Method flags name method option fields; each applies to every target whose method has that
         # option, and naming one no target has is an error.
-        method_options=dict(scheme=scheme, bits=bits, group_size=group_size, act_order=act_order, symmetric=symmetric,
+        method_options=dict(scheme=scheme, bits=bits, group_size=group_size_option(group_size), act_order=act_order,
+                            symmetric=symmetric,
                             backend=backend,
                             gguf_type=gguf_type, imatrix=imatrix, mmproj=mmproj, smoothing_strength=smoothing_strength,
                             double_quant=double_quant, compute_dtype=compute_dtype),
@@ -123,16 +124,20 @@ def quantize(
     from quantkit.preflight import parse_size
 
     ranks = ranks_from(os.environ)
+    log = ProgressLog(err)
     opts = RunOptions(model=resolved.model, out=output, overwrite=overwrite, enforce_gate=not no_gate,
                       max_memory=parse_size(max_memory) if max_memory else None,
                       only=[name.strip() for names in only for name in names.split(",") if name.strip()],
                       skip_existing=skip_existing, partial=partial, ranks=ranks,
-                      progress=(lambda message: None) if quiet or not ranks.is_main else progress)
+                      progress=(lambda message: None) if quiet or not ranks.is_main else log)
     try:
         report = run(resolved, opts)
     except (GateFailedError, RunFailedError) as exc:
+        log.close()
         show_results(exc.report, output, json_path, summary, quiet)
         raise
+    finally:
+        log.close()
     if report is None:  # a torchrun rank other than 0
         if not quiet:
             err.print(f"rank {ranks.rank} of {ranks.world_size}: calibration share done; rank 0 writes {output}",
@@ -142,6 +147,18 @@ def quantize(
     if not quiet:
         written = any(t.written for t in report.targets)
         results_console(json_path).print(f"wrote {output}" if written else f"up to date: {output}", highlight=False)
+
+
+def group_size_option(value: str | None) -> int | str | None:
+    """--group-size: auto, or a whole number."""
+    from quantkit.errors import InputError
+
+    if value is None or value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise InputError(f"--group-size {value}: give auto or a whole number", hint="e.g. --group-size 64") from None
 
 
 def mixed_precision_options(auto_precision: bool, budget_bpw: float | None, fallback: bool,

@@ -923,7 +923,7 @@ def convert(model_dir: Path, out_path: Path, gguf_type: str = "F16", imatrix: di
     handles = open_handles(info.weight_files)
     used = 0
     for i, p in enumerate(plans):
-        progress(f"[{i + 1}/{len(plans)}] {p.name} -> {p.qtype.name}")
+        progress(f"converting: {p.name} -> {p.qtype.name} ({i + 1}/{len(plans)})")
         weights = imatrix_for(p, imatrix)
         used += weights is not None
         writer.write_tensor_data(tensor_data(handles, p, weights, threads))

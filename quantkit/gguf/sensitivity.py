@@ -142,7 +142,7 @@ def tensor_errors(handles, plan, quant_imatrix, importance, row_weights, threads
 
 
 def error_table(model_dir: Path, plans, quant_imatrix: dict | None, importance: dict | None, calib_windows,
-                threads: int = 1) -> list[SensitivityRow]:
+                threads: int = 1, progress: Callable[[str], None] = lambda message: None) -> list[SensitivityRow]:
     """Weighted errors of every quantized tensor of the plan (quant_imatrix: what the quantizer uses,
     importance: the imatrix that weights the error; both {GGUF name: vector})."""
     from quantkit.gguf.convert import imatrix_for, open_handles
@@ -150,8 +150,10 @@ def error_table(model_dir: Path, plans, quant_imatrix: dict | None, importance: 
 
     handles = open_handles(check_model_dir(Path(model_dir)).weight_files)
     table = []
+    budgeted = quantized_plans(plans)
     try:
-        for p in quantized_plans(plans):
+        for index, p in enumerate(budgeted):
+            progress(f"sensitivity: weighted errors of {p.name} ({index + 1}/{len(budgeted)})")
             imp = imatrix_for(p, importance)
             row_weights = token_frequencies(calib_windows, p.shape[0]) if p.name == "token_embd.weight" else None
             errors = tensor_errors(handles, p, imatrix_for(p, quant_imatrix), imp, row_weights, threads)
@@ -227,13 +229,14 @@ def measure(model_dir: Path, plans, quant_imatrix: dict | None, importance: dict
 
     started = time.perf_counter()
     progress(f"sensitivity: weighted errors of {len(quantized_plans(plans))} tensors at every candidate type")
-    table = error_table(model_dir, plans, quant_imatrix, importance, calib_windows, threads)
+    table = error_table(model_dir, plans, quant_imatrix, importance, calib_windows, threads, progress)
     seconds = {"errors": round(time.perf_counter() - started, 3)}
     if measure_windows <= 0:
         return Sensitivity(table, False, 0, seconds)
     started = time.perf_counter()
     windows = calib_windows[:measure_windows]
     probes = set(probe_names(table, probes_per_role))
+    progress(f"sensitivity: KL divergence of {len(probes)} probe tensors alone on {len(windows)} windows")
     klds = measure_klds(model_dir, [r for r in table if r.name in probes], plans, quant_imatrix, windows, workdir,
                         progress)
     set_gains(table, klds)

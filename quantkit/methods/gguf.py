@@ -215,6 +215,7 @@ def load_imatrix(job):
     if not computes_imatrix(opts):
         return im.read(Path(opts.imatrix)), f"file:{opts.imatrix}"
     calib = job.windows.calib
+    job.progress(f"imatrix: {len(calib)} calibration windows through the model")
     imatrix = compute_imatrix(job, calib)
     return imatrix, f"computed ({len(calib)} x {calib.shape[1]} tokens)"
 
@@ -317,9 +318,10 @@ def write_gguf(job: QuantizeJob, imatrix, types: dict | None, details: dict) -> 
     opts = job.options
     name = model_name(job)
     out_path = Path(job.out_dir) / f"{name}-{opts.gguf_type}.gguf"
+    job.progress(f"writing {out_path.name}")
     result = convert(job.info.path, out_path, opts.gguf_type,
                      imatrix=imatrix.weights() if imatrix is not None else None, name=name, threads=cpu_threads(),
-                     types=types)
+                     types=types, progress=job.progress)
     projector = write_mmproj(job, name)
     (Path(job.out_dir) / "Modelfile").write_text(render(out_path.name, read_chat_template(job.info.path),
                                                         projector.get("file")))

@@ -307,13 +307,17 @@ def stats_of(sums: dict, count: int, width: int) -> InputStats:
 
 
 def error_table(model_dir: Path, shapes: dict[str, tuple[int, int]], stats: dict[str, InputStats],
-                sim: Simulation, plain: str) -> list[SensitivityRow]:
+                sim: Simulation, plain: str, progress: Callable[[str], None] = lambda message: None
+                ) -> list[SensitivityRow]:
     """Weighted errors of every layer ({module name: (out, in)}) at every precision of `sim`."""
     from quantkit.stream import SafetensorsWeights
 
-    source = SafetensorsWeights(model_dir)
-    return [SensitivityRow(name, tuple(shape), layer_errors(name, read_weight(source, name), stats[name], sim),
-                           sim.probe_precision, plain) for name, shape in shapes.items()]
+    source, rows = SafetensorsWeights(model_dir), []
+    for index, (name, shape) in enumerate(shapes.items()):
+        progress(f"sensitivity: weighted errors of {name} ({index + 1}/{len(shapes)})")
+        errors = layer_errors(name, read_weight(source, name), stats[name], sim)
+        rows.append(SensitivityRow(name, tuple(shape), errors, sim.probe_precision, plain))
+    return rows
 
 
 def probe(model_dir: Path, row: SensitivityRow, sim: Simulation):
@@ -340,13 +344,15 @@ def measure(model_dir: Path, shapes: dict[str, tuple[int, int]], calib_windows, 
     stats = input_statistics(model_dir, calib_windows, list(shapes), sim, dtype, progress)
     seconds = {"statistics": round(time.perf_counter() - started, 3)}
     started = time.perf_counter()
-    table = error_table(model_dir, shapes, stats, sim, plain)
+    progress(f"sensitivity: weighted errors of {len(shapes)} layers at {', '.join(sim.precisions)}")
+    table = error_table(model_dir, shapes, stats, sim, plain, progress)
     seconds["errors"] = round(time.perf_counter() - started, 3)
     if auto.measure_windows == 0:
         return LayerTable(table, False, 0, seconds)
     started = time.perf_counter()
     windows = calib_windows[:auto.measure_windows]
     chosen = set(probe_names(table, auto.probes_per_role))
+    progress(f"sensitivity: KL divergence of {len(chosen)} probe layers alone on {len(windows)} windows")
     klds = probe_klds(model_dir, [probe(model_dir, r, sim) for r in table if r.name in chosen], windows,
                       "auto_precision.measure_windows: 0", workdir, progress)
     set_gains(table, klds)

@@ -230,3 +230,33 @@ def test_llama_quantize_reproduces_auto_precision_bytes(cli, micro_f16, tmp_path
     assert tensor_bytes(theirs) == ours
     changed = json.loads((out / "quantkit.json").read_text())["targets"][0]["details"]["mixed_precision"]["changed"]
     assert changed  # the types differ from the mixture's, and llama-quantize still gives the same bytes
+
+
+def test_auto_precision_on_rows_no_k_quant_fits_stays_within_the_mixture(cli, odd_model, tmp_path):
+    """hidden 192: every tensor but ffn_down has only llama.cpp's fallback types; the chosen types are
+    those, the file is no larger than the Q4_K_M mixture's, and llama.cpp's mixture is what it beats."""
+    from quantkit.gguf.convert import convert
+
+    out = tmp_path / "auto"
+    result = cli("quantize", odd_model, "--method", "gguf", "--gguf-type", "Q4_K_M", "--auto-precision", *CALIB,
+                 "--no-gate", "-o", out)
+    assert result.exit_code == 0, result.output
+    details = json.loads((out / "quantkit.json").read_text())["targets"][0]["details"]
+    mixed_precision, table = details["mixed_precision"], details["sensitivity"]["tensors"]
+    assert mixed_precision["bytes"] <= mixed_precision["budget_bytes"] == mixed_precision["mixture_bytes"]
+    legacy = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"}
+    narrow = [r for r in table if r["shape"][-1] == 192]
+    assert narrow and all(set(r["candidates"]) <= legacy for r in narrow)
+    assert all(mixed_precision["types"][r["tensor"]] in legacy for r in narrow)
+    mixture = convert(odd_model, tmp_path / "mixture.gguf", "Q4_K_M", imatrix=None)
+    assert (out / "odd-Q4_K_M.gguf").stat().st_size <= mixture.path.stat().st_size
+
+
+def test_a_budget_no_type_can_meet_is_refused_before_work(cli, odd_model, tmp_path):
+    out = tmp_path / "out"
+    result = cli("quantize", odd_model, "--method", "gguf", "--gguf-type", "Q4_K_M", "--budget-bpw", "2.5", *CALIB,
+                 "-o", out)
+    assert result.exit_code == 2, result.output
+    assert "gguf auto_precision: a budget of" in result.stderr and "cannot be met" in result.stderr
+    assert "the cheapest types take" in result.stderr and "imatrix" not in result.stderr
+    assert not out.exists()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tests.methods.conftest import (CALIB_ARGS, LOOSE_TOP1, assert_beats_rtn, assert_metrics, assert_nothing_written,
@@ -62,6 +64,36 @@ def test_gptq_group_size_must_divide_widths(cli, micro_model, tmp_path):
     assert "group_size=96 does not divide the input width" in result.output
     assert "model.layers.0." in result.output
     assert_nothing_written(out)
+
+
+def test_auto_group_size_is_the_largest_that_divides_every_width():
+    from quantkit.methods.gptq import auto_group_size
+    from quantkit.model import ModelInfo
+
+    def info(widths):
+        tensors = {f"model.layers.0.mlp.p{i}.weight": ("BF16", [64, w]) for i, w in enumerate(widths)}
+        return ModelInfo(Path("m"), {}, [], "LlamaForCausalLM", "llama", tensors)
+
+    assert auto_group_size(info([896, 4864]))[0] == 128  # Qwen2.5-0.5B
+    size, why = auto_group_size(info([576, 1536]))  # SmolLM-135M
+    assert size == 64 and "128 does not divide 576 (model.layers.0.mlp.p0)" in why
+    assert auto_group_size(info([960, 2560]))[0] == 64
+    assert auto_group_size(info([200]))[0] == -1  # none of 128, 64, 32: one scale per output channel
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_default_group_size_runs_on_widths_128_does_not_divide(cli, odd_model, tmp_path, method):
+    """hidden 192: the default (auto) takes 64 and says why; an explicit 128 keeps the strict refusal."""
+    out = tmp_path / "out"
+    result = cli("quantize", odd_model, "--method", method, *CALIB_ARGS, "--no-gate", "-o", out)
+    assert result.exit_code == 0, result.output
+    entry = assert_metrics(out)
+    assert entry["options"]["group_size"] == 64 and quant_config(out)["config_groups"]["group_0"]["weights"][
+        "group_size"] == 64
+    assert entry["details"]["choices"]["group_size"].startswith("auto: 64 (the largest of 128, 64, 32")
+    assert "group_size auto: 64" in (out / "README.md").read_text()
+    refused = cli("quantize", odd_model, "--method", method, "--group-size", "128", *CALIB_ARGS, "-o", tmp_path / "x")
+    assert refused.exit_code == 2 and "group sizes that divide every layer's input width: 16, 32, 64" in refused.stderr
 
 
 def test_gptq_unsupported_bits(cli, micro_model, tmp_path):

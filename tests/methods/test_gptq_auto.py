@@ -194,3 +194,11 @@ def test_auto_precision_refuses_bits_8_and_group_act_order(cli, micro_model, tmp
         result = cli("quantize", micro_model, "--method", "gptq", "--auto-precision", *extra, *CALIB_ARGS,
                      "-o", tmp_path / "out")
         assert result.exit_code == 2 and message in result.stderr, result.output
+
+
+def test_a_budget_below_all_int4_is_refused_before_work(cli, micro_model, tmp_path):
+    out = tmp_path / "out"
+    result = cli("quantize", micro_model, "--method", "gptq", "--budget-bpw", "3", *CALIB_ARGS, "-o", out)
+    assert result.exit_code == 2 and "budget_bpw=3.0: a budget of" in result.stderr, result.output
+    assert "cannot be met" in result.stderr and "quantizing" not in result.stderr
+    assert not out.exists()
