@@ -1,38 +1,44 @@
 #!/usr/bin/env python
-"""Benchmark: --auto-precision against fixed formats of the same size (GGUF and gptq).
+"""Benchmark: --auto-precision against fixed formats of the same size (GGUF and gptq), and --fallback.
 
-Section gguf (default): GGUF --auto-precision vs llama.cpp's fixed mixtures at the same size and
-imatrix. For one model (an HF checkpoint dir): the imatrix is computed once from the bundled
-calibration text (quantkit.gguf.imatrix, in memory: the models here are small); then for each
-mixture type (default Q3_K_M Q4_K_M Q5_K_M):
+Section gguf (default): for one model (an HF checkpoint dir) the imatrix is computed once from the
+bundled calibration text (quantkit.gguf.imatrix, in memory: the models here are small) and written to a
+file; then for each mixture type (default Q3_K_M Q4_K_M Q5_K_M) two whole gated runs of
+`quantkit quantize --method gguf --gguf-type T --imatrix FILE`, each in its own process with the same
+calibration and evaluation windows:
 
-  mixture  quantkit's file for that type with the imatrix: the types and bytes of llama-quantize
-           --imatrix (tests/gguf prove it byte for byte)
-  auto     quantkit's sensitivity table (weighted errors + single-tensor KLD measured on
-           --measure-windows calibration windows) and the greedy knapsack at the mixture's byte size
+  mixture  the plain run: llama.cpp's mixture for the type (tensor bytes equal to llama-quantize
+           --imatrix FILE, tests/gguf prove it byte for byte), wall seconds of the whole run
+  auto     the same run with --auto-precision (sensitivity, the budget at the mixture's size), wall
 
 KLD and top-1 agreement are measured by llama-perplexity --kl-divergence against the F32 GGUF of
-the checkpoint (exact: bf16 -> f32) on the bundled text. Also reported: the Spearman correlation of
-the raw weighted error and of the KLD-scaled damage with the measured single-tensor KLD at
-Q2_K (--validate), and the sensitivity pass's seconds next to the quantization's.
+the checkpoint (exact: bf16 -> f32) on the bundled text. Reported per type: bytes, KLD and wall of
+both, and the ratios auto / mixture. --validate also measures every tensor's KL divergence alone at its
+cheapest candidate type and gives the Spearman correlation of the weighted error and of the predicted
+damage (gains measured on the probes, interpolated for the rest) with it.
 Needs llama-perplexity (scripts/build_llamacpp.sh).
 
 Section gptq: `quantkit quantize --method gptq` three ways, each in its own process with the same
 calibration windows (--num-samples x --seq-len of the bundled text) and the same held-out
-evaluation windows (--eval-windows x --seq-len): plain W4A16 (int4 g128 sym), plain W8A16 (int8 per
-channel), and --auto-precision (int4/int8/16-bit per layer at W4A16 size +5%). KLD and top-1 are
-quantkit's gate metrics against the full-precision model; bytes are the artifact's safetensors; the
-sensitivity pass's seconds (details.sensitivity.seconds.total, measure_windows 8, its default) are set
-against the quantization's (the rest of the quantize step).
+evaluation windows (--eval-windows x --seq-len): plain W4A16 (int4, group size auto), plain W8A16
+(int8 per channel), and --auto-precision (int4/int8/16-bit per layer at W4A16 size +5%). KLD and top-1
+are quantkit's gate metrics against the full-precision model; bytes are the artifact's safetensors; the
+sensitivity pass's seconds are set against the quantization's.
 
-Usage: nice python scripts/bench_autoprecision.py --model DIR [--sections gguf gptq] [--types Q4_K_M ...]
-       [--work DIR] [--measure-windows 8] [--threads 2] [--eval-windows 40] [--json out.json] [--validate]
+Section fallback: fp8, smoothquant and nf4 with their default gates, plain and with --fallback (default
+max_size +25%): the plain run's metrics and verdict, the fallback's steps, size cost and final metrics.
+
+Usage: nice python scripts/bench_autoprecision.py --model DIR [--sections gguf gptq fallback]
+       [--types Q4_K_M ...] [--work DIR] [--threads 2] [--num-samples 32] [--seq-len 128]
+       [--eval-windows 40] [--json out.json] [--validate]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -63,7 +69,7 @@ def kld(model: Path, base: Path, threads: int, ctx: int) -> dict:
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, required=True)
-    parser.add_argument("--sections", nargs="+", choices=["gguf", "gptq"], default=["gguf"])
+    parser.add_argument("--sections", nargs="+", choices=["gguf", "gptq", "fallback"], default=["gguf"])
     parser.add_argument("--types", nargs="+", default=["Q3_K_M", "Q4_K_M", "Q5_K_M"])
     parser.add_argument("--work", type=Path, default=Path("/tmp/bench-autoprecision"))
     parser.add_argument("--num-samples", type=int, default=32)
@@ -72,7 +78,7 @@ def parse_args(argv):
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--ctx", type=int, default=128)
     parser.add_argument("--chunks", type=int, default=40)
-    parser.add_argument("--eval-windows", type=int, default=40, help="gptq: held-out windows of --seq-len tokens")
+    parser.add_argument("--eval-windows", type=int, default=40, help="held-out windows of --seq-len tokens (gates)")
     parser.add_argument("--validate", action="store_true", help="also measure single-tensor KLD at Q2_K")
     parser.add_argument("--json", type=Path)
     return parser.parse_args(argv)
@@ -111,52 +117,83 @@ def spearman(a, b) -> float:
 
 
 def validate(info, table, plans, weights, windows) -> dict:
-    """Single-tensor KLD at Q2_K vs the raw weighted error and vs the damage predicted from Q3_K."""
-    from quantkit.gguf.mixture import T
-    from quantkit.gguf.sensitivity import TensorSensitivity, measure_klds
+    """Every decoder tensor's KL divergence alone at its cheapest candidate type, against the raw
+    weighted error and the predicted damage there (gains from the probes, interpolated for the rest)."""
+    from quantkit.gguf.sensitivity import measure_klds
+    from quantkit.mixed import SensitivityRow
 
-    rows = [r for r in table.tensors if r.name.startswith("blk.")]
-    probes = [TensorSensitivity(r.name, r.shape, r.mixture, r.errors, probe="Q2_K") for r in rows]
-    measure_klds(info.path, probes, plans, weights, windows)
-    measured = [p.kld for p in probes]
-    return {"tensors": len(rows), "spearman_error": spearman([r.errors["Q2_K"] for r in rows], measured),
-            "spearman_damage": spearman([r.damage(T.Q2_K) for r in rows], measured)}
+    rows = [r for r in table if r.name.startswith("blk.")]
+    at = {r.name: r.candidates[0] for r in rows}
+    probes = [SensitivityRow(r.name, r.shape, r.errors, at[r.name]) for r in rows]
+    measured = measure_klds(info.path, probes, plans, weights, windows)
+    return {"tensors": len(rows), "probed": sum(r.kld is not None for r in rows),
+            "spearman_error": spearman([r.errors[at[r.name]] for r in rows], [measured[r.name] for r in rows]),
+            "spearman_damage": spearman([r.damage(at[r.name]) for r in rows], [measured[r.name] for r in rows])}
+
+
+def quantkit_run(model: Path, out: Path, flags: list[str], args, enforce: bool = False) -> tuple[dict, float]:
+    """One `quantkit quantize` in a child process, its gate measured (and enforced with `enforce`: a failed
+    gate writes nothing, exit 3): its report's target entry and the run's wall seconds."""
+    import shutil
+
+    shutil.rmtree(out, ignore_errors=True)
+    report = out.with_suffix(".json")
+    cmd = [sys.executable, "-c", "from quantkit.cli.app import main; main()", "quantize", str(model), *flags,
+           "--num-samples", str(args.num_samples), "--seq-len", str(args.seq_len),
+           "--eval-windows", str(args.eval_windows), *([] if enforce else ["--no-gate"]), "--quiet", "-o", str(out),
+           "--json", str(report)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    started = time.perf_counter()
+    code = subprocess.run(cmd, env=env).returncode
+    if code not in ((0, 3) if enforce else (0,)):
+        raise RuntimeError(f"quantkit quantize exited {code}: {' '.join(cmd)}")
+    return json.loads(report.read_text())["targets"][0], round(time.perf_counter() - started, 2)
+
+
+def gguf_row(label: str, target: dict, wall: float, out: Path, base: Path, args) -> dict:
+    gguf = next(out.glob("*.gguf"))
+    details = target["details"]
+    row = {"file": label, "bytes": gguf.stat().st_size, "wall_s": wall, "types": details["gguf"]["tensor_types"],
+           "gate_kld": target["metrics"]["kld_mean"], **kld(gguf, base, args.threads, args.ctx)}
+    if "sensitivity" in details:
+        row["sensitivity_s"] = details["sensitivity"]["seconds"]
+        row["probes"] = details["sensitivity"]["probes"]
+        row["budget_bytes"] = details["mixed_precision"]["budget_bytes"]
+    return row
 
 
 def gguf_section(args, work: Path) -> dict:
-    from quantkit.gguf import budget, sensitivity
+    from quantkit.gguf import sensitivity
     from quantkit.gguf.convert import convert
 
     info, windows = calibration(args.model, args.num_samples, args.seq_len)
     started = time.perf_counter()
-    imatrix = compute_imatrix(args.model, windows, work / "imatrix.gguf")
-    imatrix_s = time.perf_counter() - started
-    weights = imatrix.weights()
+    imatrix_file = work / "imatrix.gguf"
+    imatrix = compute_imatrix(args.model, windows, imatrix_file)
+    result = {"model": str(args.model), "imatrix_s": round(time.perf_counter() - started, 2), "types": {}}
     f32 = work / "f32.gguf"
     convert(args.model, f32, "F32")
     base = make_kld_base(f32, work, args.threads, args.ctx, args.chunks)
-    rows, result = [], {"model": str(args.model), "imatrix_s": round(imatrix_s, 2)}
-    started = time.perf_counter()
-    table = sensitivity.measure(info.path, plans_for(info, args.types[0]), weights, weights, windows,
-                                args.measure_windows, args.threads, work)
-    result["sensitivity_s"] = round(time.perf_counter() - started, 2)
-    result["sensitivity_parts"] = table.seconds
-    print(json.dumps(result), flush=True)
+    rows = []
     for gguf_type in args.types:
-        started = time.perf_counter()
-        mixture = convert(args.model, work / f"mix-{gguf_type}.gguf", gguf_type, imatrix=weights, threads=args.threads)
-        quantize_s = time.perf_counter() - started
-        allowed = sum(budget.nbytes(p.shape, p.qtype) for p in sensitivity.quantized_plans(plans_for(info, gguf_type)))
-        types = budget.assign_types(table.tensors, allowed)
-        auto = convert(args.model, work / f"auto-{gguf_type}.gguf", gguf_type, imatrix=weights, threads=args.threads,
-                       types=types)
-        for label, res in (("llama.cpp " + gguf_type, mixture), ("auto @" + gguf_type, auto)):
-            row = {"file": label, "bytes": res.bytes, "quantize_s": round(quantize_s, 2), "types": res.type_counts,
-                   **kld(res.path, base, args.threads, args.ctx)}
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+        flags = ["--method", "gguf", "--gguf-type", gguf_type, "--imatrix", str(imatrix_file)]
+        plain = gguf_row(f"llama.cpp {gguf_type}", *quantkit_run(args.model, work / f"mix-{gguf_type}", flags, args),
+                         work / f"mix-{gguf_type}", base, args)
+        auto_out = work / f"auto-{gguf_type}"
+        auto = gguf_row(f"auto @{gguf_type}", *quantkit_run(args.model, auto_out, flags + ["--auto-precision"], args),
+                        auto_out, base, args)
+        rows += [plain, auto]
+        result["types"][gguf_type] = {"bytes_ratio": round(auto["bytes"] / plain["bytes"], 4),
+                                      "kld_ratio": round(auto["kld"] / plain["kld"], 3),
+                                      "wall_ratio": round(auto["wall_s"] / plain["wall_s"], 2)}
+        print(json.dumps({"type": gguf_type, **result["types"][gguf_type]}), flush=True)
     if args.validate:
-        result["validation"] = validate(info, table, plans_for(info, args.types[-1]), weights, windows)
+        from quantkit.gguf.sensitivity import Sensitivity
+
+        report = json.loads((work / f"auto-{args.types[0]}.json").read_text())["targets"][0]
+        table = Sensitivity.from_dict(report["details"]["sensitivity"]).tensors
+        result["validation"] = validate(info, table, plans_for(info, args.types[0]), imatrix.weights(),
+                                        windows[:args.measure_windows])
         print(json.dumps(result["validation"]), flush=True)
     result["rows"] = rows
     return result
@@ -165,37 +202,22 @@ def gguf_section(args, work: Path) -> dict:
 # ---------------------------------------------------------------- gptq
 
 GPTQ_VARIANTS = {
-    "W4A16 g128": ["--bits", "4", "--group-size", "128"],
+    "W4A16": ["--bits", "4"],
     "W8A16": ["--bits", "8", "--group-size", "-1"],
-    "auto @W4A16+5%": ["--bits", "4", "--group-size", "128", "--auto-precision"],
+    "auto @W4A16+5%": ["--bits", "4", "--auto-precision"],
 }
 
 
-def quantkit_quantize(model: Path, out: Path, flags: list[str], args) -> dict:
-    """One `quantkit quantize --method gptq --no-gate` in a child process; its report's target entry."""
-    import os
-    import shutil
-    import subprocess
-
-    shutil.rmtree(out, ignore_errors=True)
-    report = out.with_suffix(".json")
-    cmd = [sys.executable, "-c", "from quantkit.cli.app import main; main()", "quantize", str(model),
-           "--method", "gptq", *flags, "--num-samples", str(args.num_samples), "--seq-len", str(args.seq_len),
-           "--eval-windows", str(args.eval_windows), "--no-gate", "--quiet", "-o", str(out), "--json", str(report)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    subprocess.run(cmd, check=True, env=env)
-    return json.loads(report.read_text())["targets"][0]
-
-
-def gptq_row(label: str, target: dict, out: Path) -> dict:
+def gptq_row(label: str, target: dict, wall: float, out: Path) -> dict:
     details = target["details"]
     sens = details.get("sensitivity", {}).get("seconds", {}).get("total", 0.0)
     row = {"artifact": label, "bytes": sum(f.stat().st_size for f in out.glob("*.safetensors")),
-           "kld": target["metrics"]["kld_mean"], "top1": target["metrics"]["top1"],
-           "quantize_s": round(target["timings"]["quantize_s"] - sens, 2), "sensitivity_s": sens}
+           "kld": target["metrics"]["kld_mean"], "top1": target["metrics"]["top1"], "wall_s": wall,
+           "quantize_s": round(target["timings"]["quantize_s"] - sens, 2), "sensitivity_s": sens,
+           "group_size": target["options"]["group_size"]}
     if "mixed_precision" in details:
         mixed = details["mixed_precision"]
-        row.update(counts=mixed["counts"], layer_bytes=mixed["bytes"], w4a16_layer_bytes=mixed["w4a16_bytes"],
+        row.update(counts=mixed["counts"], layer_bytes=mixed["bytes"], w4a16_layer_bytes=mixed["plain_bytes"],
                    sensitivity_parts=details["sensitivity"]["seconds"])
     return row
 
@@ -204,12 +226,42 @@ def gptq_section(args, work: Path) -> dict:
     rows = []
     for label, flags in GPTQ_VARIANTS.items():
         out = work / ("gptq-" + "".join(c if c.isalnum() else "-" for c in label))
-        rows.append(gptq_row(label, quantkit_quantize(args.model, out, flags, args), out))
+        rows.append(gptq_row(label, *quantkit_run(args.model, out, ["--method", "gptq", *flags], args), out))
         print(json.dumps(rows[-1]), flush=True)
     plain, auto = rows[0], rows[-1]
     return {"rows": rows, "kld_ratio_vs_w4a16": round(auto["kld"] / plain["kld"], 3),
             "bytes_ratio_vs_w4a16": round(auto["bytes"] / plain["bytes"], 4),
-            "sensitivity_vs_quantize": round(auto["sensitivity_s"] / auto["quantize_s"], 2)}
+            "wall_ratio_vs_w4a16": round(auto["wall_s"] / plain["wall_s"], 2)}
+
+
+# ---------------------------------------------------------------- fallback
+
+
+def fallback_section(args, work: Path) -> dict:
+    """fp8, smoothquant, nf4 with their default gates: plain, then --fallback (default +25%)."""
+    from quantkit.methods import get_method
+
+    result = {}
+    for method in ("fp8", "smoothquant", "nf4"):
+        plain, plain_wall = quantkit_run(args.model, work / f"plain-{method}", ["--method", method], args, True)
+        fallback, wall = quantkit_run(args.model, work / f"fallback-{method}", ["--method", method, "--fallback"],
+                                      args, True)
+        spec = get_method(method)
+        steps = fallback["details"].get("fallback", {}).get("steps", [])
+        result[method] = {
+            "gate": spec.default_gate(spec.options()), "plain": {**pick(plain["metrics"]),
+                                                                 "passed": plain["gate"]["passed"], "wall_s": plain_wall},
+            "fallback": {**pick(fallback["metrics"]), "passed": fallback["gate"]["passed"], "wall_s": wall,
+                         "steps": len(steps) - 1 if steps else 0,
+                         "raised": sum(len(s["raised"]) for s in steps[1:]),
+                         "size_cost": round(steps[-1]["bytes"] / steps[0]["bytes"] - 1, 4) if steps else 0.0,
+                         "stopped": fallback["details"].get("fallback", {}).get("stopped")}}
+        print(json.dumps({method: result[method]}), flush=True)
+    return result
+
+
+def pick(metrics: dict) -> dict:
+    return {k: round(metrics[k], 6) for k in ("kld_mean", "top1", "ppl_increase")}
 
 
 def main(argv=None) -> int:
@@ -222,6 +274,8 @@ def main(argv=None) -> int:
     if "gptq" in args.sections:
         result["gptq"] = gptq_section(args, work)
         print(json.dumps({k: v for k, v in result["gptq"].items() if k != "rows"}), flush=True)
+    if "fallback" in args.sections:
+        result["fallback"] = fallback_section(args, work)
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
     return 0

@@ -95,18 +95,16 @@ def expert_inputs(module, inputs) -> dict[str, list]:
     return out
 
 
-def compute(model, windows, config: dict, dataset: str = "quantkit", batch_size: int = 1, device=None,
-            targets: dict[str, str] | None = None) -> Imatrix:
-    """Run `windows` (LongTensor (n, seq_len)) through `model`, collecting sums of squares.
+def compute(model, windows, config: dict, dataset: str = "quantkit", batch_size: int = 1, device=None) -> Imatrix:
+    """Run `windows` (LongTensor (n, seq_len)) through `model`, collecting sums of squares of the
+    inputs of the decoder-block linears, under their GGUF tensor names (`linear_targets`).
 
     `model` may be a layer-streamed one (quantkit.stream: parameters on the meta device, each
-    decoder layer's weights read while it runs); pass its execution `device` then. `targets`:
-    {module name: entry name} of the linears to collect (default: the decoder-block linears under
-    their GGUF tensor names, `linear_targets`).
+    decoder layer's weights read while it runs); pass its execution `device` then.
     """
     import torch
 
-    targets = linear_targets(model, config) if targets is None else targets
+    targets = linear_targets(model, config)
     sums = {name: None for name in targets.values()}
     counts = {name: 0 for name in targets.values()}
     experts = expert_targets(model)

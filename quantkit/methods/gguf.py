@@ -220,11 +220,11 @@ def load_imatrix(job):
     return imatrix, f"computed ({len(calib)} x {calib.shape[1]} tokens)"
 
 
-def compute_imatrix(job: QuantizeJob, calib, targets: dict[str, str] | None = None):
+def compute_imatrix(job: QuantizeJob, calib):
     """The imatrix of the full-precision checkpoint on the calibration windows. A text decoder is
     streamed a layer at a time (all windows through one layer, then the next), so memory stays at
     one layer's weights; other models (a VLM's language part) are loaded whole, or `job.model` is
-    used where the method has it loaded. `targets`: as imatrix.compute."""
+    used where the method has it loaded."""
     from quantkit.gguf import imatrix as im
     from quantkit.model import device_map, hf_config, load_model, torch_dtype
     from quantkit.stream import SafetensorsWeights, stream_model, streamable, windows_per_group
@@ -232,13 +232,13 @@ def compute_imatrix(job: QuantizeJob, calib, targets: dict[str, str] | None = No
     if not streamable(job.info.config):
         model = job.model if job.model is not None else load_model(job.info, job.dtype, job.device,
                                                                     job.trust_remote_code)
-        return im.compute(model, calib, job.info.config, dataset=job.windows.source, targets=targets)
+        return im.compute(model, calib, job.info.config, dataset=job.windows.source)
     config = hf_config(job.info.path, job.trust_remote_code)  # config.json only
     streamed = stream_model(config, SafetensorsWeights(job.info.path), torch_dtype(job.dtype, job.info),
                             device_map(job.device))
     group = windows_per_group(config.get_text_config(), calib.shape[1])
     return im.compute(streamed.model, calib, job.info.config, dataset=job.windows.source, batch_size=group,
-                      device=streamed.device, targets=targets)
+                      device=streamed.device)
 
 
 def needs_calibration(options: Options) -> bool:

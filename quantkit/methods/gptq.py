@@ -276,11 +276,9 @@ def scheme(job: QuantizeJob) -> intmix.Scheme:
 def layer_table(job: QuantizeJob, layers: dict[str, tuple[int, int]], chosen: intmix.Scheme) -> intmix.LayerTable:
     """The sensitivity table of `layers` (budgeted_layers), with the auto_precision options'
     measure_windows and probes (their defaults for a fallback without auto_precision)."""
-    from quantkit.model import torch_dtype
-
     auto, started = job.options.auto_precision or intmix.AutoPrecision(), time.perf_counter()
-    table = intmix.measure(job.info.path, layers, job.windows.calib, auto, intmix.int_simulation(chosen),
-                           torch_dtype(job.dtype, job.info), "int4", job.workdir, job.progress)
+    table = intmix.measure(job.info.path, layers, job.windows.calib, auto, intmix.int_simulation(chosen), "int4",
+                           job.workdir, job.progress)
     table.seconds["total"] = round(time.perf_counter() - started, 3)
     return table
 

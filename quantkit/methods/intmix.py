@@ -250,18 +250,19 @@ class InputStats:
     moved: dict = field(default_factory=dict)  # precision -> float64 (in,): mean (t(x) - x)_j^2
 
 
-def input_statistics(model_dir: Path, windows, layers: list[str], sim: Simulation, dtype,
+def input_statistics(model_dir: Path, windows, layers: list[str], sim: Simulation,
                      progress: Callable[[str], None] = lambda message: None) -> dict[str, InputStats]:
     """{layer: InputStats} over `windows` through the layer-streamed forward (one layer's weights in
-    memory at a time), in `dtype` as the checkpoint runs; a layer the windows never reach gets a
-    uniform importance."""
+    memory at a time), computed in float32 like the probes (a statistic: it needs no 16-bit rounding,
+    and 16-bit matmuls are several times slower on CPUs without native support for them); a layer the
+    windows never reach gets a uniform importance."""
     import torch
 
     from quantkit.model import hf_config
     from quantkit.stream import SafetensorsWeights, iter_batches, stream_model, windows_per_group
 
     config = hf_config(model_dir)
-    streamed = stream_model(config, SafetensorsWeights(model_dir), dtype)
+    streamed = stream_model(config, SafetensorsWeights(model_dir), torch.float32)
     modules = dict(streamed.model.named_modules())
     sums: dict[str, dict] = {name: {} for name in layers}
     counts = dict.fromkeys(layers, 0)
@@ -334,14 +335,14 @@ def probe(model_dir: Path, row: SensitivityRow, sim: Simulation):
 
 
 def measure(model_dir: Path, shapes: dict[str, tuple[int, int]], calib_windows, auto: AutoPrecision,
-            sim: Simulation, dtype, plain: str, workdir: Path | None = None,
+            sim: Simulation, plain: str, workdir: Path | None = None,
             progress: Callable[[str], None] = lambda message: None) -> LayerTable:
     """The sensitivity table: input statistics on the calibration windows, weighted errors, and with
     measure_windows > 0 the gains of probes_per_role layers per role measured and the others' interpolated."""
     from quantkit.mixed import probe_klds, probe_names, set_gains
 
     started = time.perf_counter()
-    stats = input_statistics(model_dir, calib_windows, list(shapes), sim, dtype, progress)
+    stats = input_statistics(model_dir, calib_windows, list(shapes), sim, progress)
     seconds = {"statistics": round(time.perf_counter() - started, 3)}
     started = time.perf_counter()
     progress(f"sensitivity: weighted errors of {len(shapes)} layers at {', '.join(sim.precisions)}")
@@ -398,11 +399,9 @@ def keep_ladder(job, layers: dict[str, tuple[int, int]], sim: Simulation, size: 
     """The fallback ladder of a method with one precision (fp8, smoothquant, nf4): each layer at it, or 16-bit
     (quantkit.mixed.Ladder), its sensitivity measured on the calibration windows."""
     from quantkit.mixed import Ladder
-    from quantkit.model import torch_dtype
 
     plain = sim.precisions[0]
-    table = measure(job.info.path, layers, job.windows.calib, AutoPrecision(), sim, torch_dtype(job.dtype, job.info),
-                    plain, job.workdir, job.progress)
+    table = measure(job.info.path, layers, job.windows.calib, AutoPrecision(), sim, plain, job.workdir, job.progress)
     return Ladder(table.layers, {name: plain for name in layers}, lambda row, p: size(row.shape, p), keep_one=True,
                   details={"sensitivity": table.as_dict()})
 
