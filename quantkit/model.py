@@ -46,8 +46,8 @@ class ModelInfo:
 
     @cached_property
     def towers(self):
-        """The VLM towers (quantkit.vlm.Towers): the family's row, or those found by look."""
-        from quantkit.vlm import model_towers
+        """The VLM towers (quantkit.arch.vlm.Towers): the family's row, or those found by look."""
+        from quantkit.arch.vlm import model_towers
 
         return model_towers(self.model_type, self.config, self.tensors)
 
@@ -297,7 +297,7 @@ def load_model(info: ModelInfo, dtype: str = "auto", device: str = "cpu", trust_
     """Load the model offline from the checked directory, with the modules `offload` names on disk."""
     from transformers import AutoModelForCausalLM
 
-    from quantkit.offline import offline
+    from quantkit.io.offline import offline
 
     auto_class = auto_model_class(info.config)
     try:
@@ -373,7 +373,7 @@ def is_vlm(config: dict) -> bool:
     """A vision-language model: a *ForConditionalGeneration architecture with a vision_config.
 
     The one rule for picking the Auto class, shared by loading the base (`load_model`) and
-    loading an artifact back for evaluation (`quantkit.artifacts.load_for_eval`).
+    loading an artifact back for evaluation (`quantkit.eval.artifacts.load_for_eval`).
     """
     architecture = (config.get("architectures") or [""])[0]
     return architecture.endswith("ForConditionalGeneration") and "vision_config" in config
@@ -398,7 +398,7 @@ def device_map(device: str):
 def load_tokenizer(info: ModelInfo, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
-    from quantkit.offline import offline
+    from quantkit.io.offline import offline
 
     try:
         with offline():

@@ -53,7 +53,7 @@ PRESETS = {
 
 def bundled_texts() -> list[str]:
     """All bundled calibration text as documents (chat turns flattened to plain text)."""
-    from quantkit.calibration import load_texts
+    from quantkit.run.calibration import load_texts
 
     return load_texts("default", None, chat_template=False)
 

@@ -51,7 +51,7 @@ from bench_gguf import LLAMA, make_kld_base  # noqa: E402  (the shared llama.cpp
 
 def kld(model: Path, base: Path, threads: int, ctx: int) -> dict:
     """llama-perplexity --kl-divergence against the saved base logits (same -c as the base). stdout and
-    stderr share one pipe (with two, the summary lines were lost); retried as quantkit.llamacpp does."""
+    stderr share one pipe (with two, the summary lines were lost); retried as quantkit.eval.llamacpp does."""
     import re
     import subprocess
 
@@ -85,9 +85,9 @@ def parse_args(argv):
 
 
 def calibration(model: Path, num_samples: int, seq_len: int):
-    from quantkit.calibration import make_windows
+    from quantkit.run.calibration import make_windows
     from quantkit.model import check_model_dir, load_tokenizer
-    from quantkit.recipe import Calibration
+    from quantkit.run.recipe import Calibration
 
     info = check_model_dir(model)
     return info, make_windows(load_tokenizer(info), Calibration(num_samples=num_samples, seq_len=seq_len)).calib
@@ -119,8 +119,8 @@ def spearman(a, b) -> float:
 def validate(info, table, plans, weights, windows) -> dict:
     """Every decoder tensor's KL divergence alone at its cheapest candidate type, against the raw
     weighted error and the predicted damage there (gains from the probes, interpolated for the rest)."""
-    from quantkit.gguf.sensitivity import measure_klds
-    from quantkit.mixed import SensitivityRow
+    from quantkit.mixed.gguf import measure_klds
+    from quantkit.mixed.core import SensitivityRow
 
     rows = [r for r in table if r.name.startswith("blk.")]
     at = {r.name: r.candidates[0] for r in rows}
@@ -163,7 +163,7 @@ def gguf_row(label: str, target: dict, wall: float, out: Path, base: Path, args)
 
 
 def gguf_section(args, work: Path) -> dict:
-    from quantkit.gguf import sensitivity
+    from quantkit.mixed import gguf as sensitivity
     from quantkit.gguf.convert import convert
 
     info, windows = calibration(args.model, args.num_samples, args.seq_len)
@@ -188,7 +188,7 @@ def gguf_section(args, work: Path) -> dict:
                                       "wall_ratio": round(auto["wall_s"] / plain["wall_s"], 2)}
         print(json.dumps({"type": gguf_type, **result["types"][gguf_type]}), flush=True)
     if args.validate:
-        from quantkit.gguf.sensitivity import Sensitivity
+        from quantkit.mixed.gguf import Sensitivity
 
         report = json.loads((work / f"auto-{args.types[0]}.json").read_text())["targets"][0]
         table = Sensitivity.from_dict(report["details"]["sensitivity"]).tensors

@@ -93,8 +93,8 @@ def window_texts(model: Path, calib: int, evaluate: int, seq_len: int, work: Pat
     """The calibration and held-out windows quantkit cuts, decoded to text for llama.cpp."""
     from transformers import AutoTokenizer
 
-    from quantkit.calibration import make_windows
-    from quantkit.recipe import Calibration
+    from quantkit.run.calibration import make_windows
+    from quantkit.run.recipe import Calibration
 
     tok = AutoTokenizer.from_pretrained(model)
     windows = make_windows(tok, Calibration(num_samples=calib, seq_len=seq_len, eval_windows=evaluate))

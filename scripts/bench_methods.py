@@ -41,8 +41,8 @@ PRESETS = {
 
 
 def windows_for(model: str, args):
-    from quantkit.calibration import make_windows
-    from quantkit.recipe import Calibration
+    from quantkit.run.calibration import make_windows
+    from quantkit.run.recipe import Calibration
     from quantkit.model import check_model_dir, load_tokenizer
 
     tokenizer = load_tokenizer(check_model_dir(Path(model)))
@@ -135,8 +135,8 @@ def variant_command(model: str, out: Path, method: str, variant: str, args) -> l
 
 
 def score(artifact: Path, model: str, windows, baseline) -> dict:
-    from quantkit import evaluate
-    from quantkit.artifacts import load_for_eval
+    from quantkit.eval import evaluate
+    from quantkit.eval.artifacts import load_for_eval
 
     candidate = load_for_eval(artifact, Path(model))
     metrics = evaluate.compare(evaluate.model_scorer(candidate), windows.eval, baseline)
@@ -163,7 +163,7 @@ def variants(method: str) -> list[str]:
 def run(args) -> list[dict]:
     from transformers import AutoModelForCausalLM
 
-    from quantkit import evaluate
+    from quantkit.eval import evaluate
 
     _, windows = windows_for(args.model, args)
     base = AutoModelForCausalLM.from_pretrained(args.model, dtype="auto").eval()

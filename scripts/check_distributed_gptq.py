@@ -4,7 +4,7 @@
 It runs the same GPTQ W4A16 oneshot on quantkit's tiny toy model (random init, 16 windows of 64 random
 tokens, sequential pipeline) in one process, in one process on the first 8 windows only, in two
 torchrun ranks left to llm-compressor, and in two ranks the way `quantkit quantize` runs under
-torchrun (quantkit.distributed: each rank given its own half of the windows, and a barrier after
+torchrun (quantkit.engines.llmcompressor.distributed: each rank given its own half of the windows, and a barrier after
 GPTQ hands the quantized weights over). It prints each decoder Linear's relative weight error
 ||W_q - W|| / ||W|| against the base (for the two-rank runs, rank 0's weights: the rank that saves).
 
@@ -39,7 +39,7 @@ def quantize(model_dir: Path, out: Path, load: str, windows: int, split: str) ->
     from llmcompressor.modifiers.gptq import GPTQModifier
     from transformers import AutoModelForCausalLM
 
-    from quantkit.distributed import ranks_from, synchronized_gptq
+    from quantkit.engines.llmcompressor.distributed import ranks_from, synchronized_gptq
 
     launch = ranks_from(os.environ)
     if launch.distributed:

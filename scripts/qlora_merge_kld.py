@@ -62,7 +62,7 @@ def train_adapter(nf4: Path, out: Path, stream, spec, steps: int, rank: int) -> 
 
 
 def merged(nf4: Path, adapter: Path, out: Path, mode: str, original: Path) -> Path:
-    from quantkit.lora import merge, plan_merge
+    from quantkit.run.lora import merge, plan_merge
     from quantkit.model import check_model_dir
 
     plan = plan_merge(check_model_dir(nf4), str(nf4), [str(adapter)], merge_base=mode,

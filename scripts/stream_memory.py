@@ -4,9 +4,9 @@
     python scripts/stream_memory.py measure DIR     # one fresh process per (phase, path); prints a table
 
 Phases: `baseline` scores the bf16 checkpoint (in memory: quantkit.model.load_model as the pipeline
-loads it; streamed: quantkit.stream.checkpoint_scorer); `gguf` compares a Q8_0 .gguf of it with the
+loads it; streamed: quantkit.eval.stream.checkpoint_scorer); `gguf` compares a Q8_0 .gguf of it with the
 baseline (in memory: artifacts.load_gguf_into_base, a whole float32 model; streamed:
-stream.gguf_scorer). Every number is the process's RSS (quantkit.measure.PeakTracker); `before` is
+stream.gguf_scorer). Every number is the process's RSS (quantkit.io.measure.PeakTracker); `before` is
 the RSS when the measured phase starts (interpreter, torch, the baseline arrays for `gguf`).
 """
 
@@ -47,9 +47,9 @@ def windows(n: int, seq_len: int):
 def one(model_dir: Path, phase: str, path: str, n: int, seq_len: int) -> dict:
     import gc
 
-    from quantkit import evaluate, stream
-    from quantkit.artifacts import load_gguf_into_base
-    from quantkit.measure import PeakTracker, current_rss
+    from quantkit.eval import evaluate, stream
+    from quantkit.eval.artifacts import load_gguf_into_base
+    from quantkit.io.measure import PeakTracker, current_rss
     from quantkit.model import check_model_dir, load_model
 
     w = windows(n, seq_len)

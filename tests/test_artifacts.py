@@ -1,4 +1,4 @@
-"""quantkit.artifacts: compressed-tensors artifacts are measured one decompressed module at a time,
+"""quantkit.eval.artifacts: compressed-tensors artifacts are measured one decompressed module at a time,
 with the same logits as transformers' whole-model decompression."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from quantkit import artifacts
+from quantkit.eval import artifacts
 
 METHOD_ARGS = {
     "fp8": ["--method", "fp8"],

@@ -1,19 +1,13 @@
-"""Tests for quantkit.calibration: sources, chat rendering, packing, errors."""
+"""Tests for quantkit.run.calibration: sources, chat rendering, packing, errors."""
 
 import json
 
 import pytest
 import torch
 
-from quantkit import calibration
-from quantkit.recipe import Calibration
-from quantkit.calibration import (
-    BUNDLED_NAMES,
-    load_texts,
-    make_windows,
-    resolve_source,
-    validate_source,
-)
+from quantkit.run import calibration
+from quantkit.run.recipe import Calibration
+from quantkit.run.calibration import BUNDLED_NAMES, load_texts, make_windows, resolve_source, validate_source
 from quantkit.errors import CalibrationError
 
 CHAT_TEMPLATE = (

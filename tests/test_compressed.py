@@ -1,5 +1,5 @@
-"""quantkit.compressed: compressed-tensors artifacts streamed a module at a time, with the metrics of
-the artifact loaded whole through transformers (quantkit.artifacts.load_for_eval), activation
+"""quantkit.eval.compressed: compressed-tensors artifacts streamed a module at a time, with the metrics of
+the artifact loaded whole through transformers (quantkit.eval.artifacts.load_for_eval), activation
 quantization included.
 
 Artifacts are written by quantkit itself from the session's micro Llama: fp8 dynamic (W8A8 float,
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from quantkit import artifacts, compressed, evaluate, stream
+from quantkit.eval import artifacts, compressed, evaluate, stream
 from quantkit.errors import ArtifactReloadError
 from quantkit.model import hf_config
 

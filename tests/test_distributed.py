@@ -1,12 +1,12 @@
-"""quantkit.distributed: a torchrun launch read, its limits checked, the windows shared between ranks."""
+"""quantkit.engines.llmcompressor.distributed: a torchrun launch read, its limits checked, the windows shared between ranks."""
 
 import pytest
 
-from quantkit.distributed import (BROADCAST_SITE, ONE_PROCESS_FLAGS, Ranks, check_launch, ranks_from,
-                                  synchronized_gptq)
+from quantkit.engines.llmcompressor.distributed import (BROADCAST_SITE, ONE_PROCESS_FLAGS, Ranks, check_launch,
+                                                        ranks_from, synchronized_gptq)
 from quantkit.errors import InputError, UnsupportedError
 from quantkit.methods.gptq import Options
-from quantkit.patching import site_function
+from quantkit.engines.patching import site_function
 
 
 @pytest.mark.parametrize("env, ranks", [

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from quantkit import evaluate
-from quantkit.recipe import Gate
+from quantkit.eval import evaluate
+from quantkit.run.recipe import Gate
 
 
 def fake_logits(scale: float = 1.0, noise: float = 0.0, vocab: int = 32):
@@ -73,7 +73,7 @@ def test_batch_size_bounds_logits_memory(windows):
 
 
 def test_large_baseline_spills_to_a_file(windows, tmp_path, monkeypatch):
-    from quantkit.rowio import RowFile
+    from quantkit.io.rowio import RowFile
 
     in_memory = evaluate.compute_baseline(fake_model(), windows)
     monkeypatch.setattr(evaluate, "SPILL_THRESHOLD", 16)
@@ -150,7 +150,7 @@ def test_a_non_strict_reload_fails_the_run():
 
     import pytest
 
-    from quantkit.artifacts import check_strict_reload
+    from quantkit.eval.artifacts import check_strict_reload
     from quantkit.errors import ArtifactReloadError
 
     check_strict_reload(Path("ok"), {"missing_keys": set(), "unexpected_keys": set(), "mismatched_keys": []})

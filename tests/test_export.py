@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from quantkit import export
+from quantkit.io import export
 from quantkit.errors import OutputBusyError
 from tests.util import leftovers, sleeping_child, subprocess_env
 
@@ -114,7 +114,7 @@ def test_other_hosts_and_unowned_staging_dirs_are_left_alone(tmp_path):
 CLAIM = """
 import sys
 from pathlib import Path
-from quantkit import export
+from quantkit.io import export
 from quantkit.errors import OutputBusyError
 try:
     export.make_staging(Path(sys.argv[1]))
@@ -142,7 +142,7 @@ def test_concurrent_claims_only_one_wins(tmp_path):
 def test_artifact_bytes_leave_the_runs_work_directory_out(tmp_path):
     """A one-target run's artifact is its staging directory, which also holds the run's work directory
     (the baseline, the offloaded tables): the fallback's size budget must not count it."""
-    from quantkit.export import WORK_DIR, artifact_bytes
+    from quantkit.io.export import WORK_DIR, artifact_bytes
 
     (tmp_path / "model.safetensors").write_bytes(b"x" * 100)
     (tmp_path / "config.json").write_text("{}")

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from quantkit import llamacpp
+from quantkit.eval import llamacpp
 from tests.util import FAST_CALIB
 
 

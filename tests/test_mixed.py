@@ -1,12 +1,12 @@
-"""quantkit.mixed: roles and probes, gains interpolated over depth, the frontier of candidates, budgets as
+"""quantkit.mixed.core: roles and probes, gains interpolated over depth, the frontier of candidates, budgets as
 hard limits, and the fallback step on tied units."""
 
 from __future__ import annotations
 
 import pytest
 
-from quantkit import mixed
-from quantkit.mixed import Ladder, SensitivityRow, Unit
+from quantkit.mixed import core as mixed
+from quantkit.mixed.core import Ladder, SensitivityRow, Unit
 
 
 def row(name: str, error: float = 1.0, candidates=("a", "b", "c")) -> SensitivityRow:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from quantkit.errors import ModelError
-from quantkit.numerics import check_finite, nonfinite_tensors
+from quantkit.io.numerics import check_finite, nonfinite_tensors
 
 DTYPES = ["float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"]
 
@@ -37,7 +37,7 @@ def test_scan_is_chunked(tmp_path, monkeypatch):
     import torch
     from safetensors.torch import save_file
 
-    from quantkit import numerics
+    from quantkit.io import numerics
 
     monkeypatch.setattr(numerics, "CHUNK_ELEMENTS", 7)
     t = torch.zeros(100, dtype=torch.bfloat16)

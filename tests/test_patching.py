@@ -1,8 +1,8 @@
-"""quantkit.patching: module functions and class methods swapped while inside, restored after."""
+"""quantkit.engines.patching: module functions and class methods swapped while inside, restored after."""
 
 import pytest
 
-from quantkit.patching import site_function, site_owner, swapped
+from quantkit.engines.patching import site_function, site_owner, swapped
 
 
 def helper() -> str:

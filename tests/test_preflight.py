@@ -9,7 +9,7 @@ from collections import namedtuple
 import pytest
 
 from quantkit.errors import InputError
-from quantkit.preflight import estimate_bytes, gguf_bits, target_bits
+from quantkit.run.preflight import estimate_bytes, gguf_bits, target_bits
 from tests.util import FAST_CALIB, leftovers
 
 
@@ -47,7 +47,7 @@ def test_refuses_when_the_disk_is_too_small(cli, micro_model, tmp_path, monkeypa
 
 
 def test_enough_disk_passes_the_check(micro_model, tmp_path, monkeypatch):
-    from quantkit.preflight import check_disk, estimate_bytes
+    from quantkit.run.preflight import check_disk, estimate_bytes
 
     monkeypatch.setattr(shutil, "disk_usage", lambda path: Usage(10**12, 0, 10**12))
     check_disk(tmp_path / "out", estimate_bytes(10**9, 10**8, [8.0], True, 16, 512, 32000))
@@ -58,9 +58,9 @@ def test_enough_disk_passes_the_check(micro_model, tmp_path, monkeypatch):
 
 def test_ram_estimate_streams_the_gate_and_refuses_over_the_limit(micro_model, cli, tmp_path):
     from quantkit.model import check_model_dir
-    from quantkit.pipeline import RunOptions, prepare
-    from quantkit.preflight import FIXED_RAM, ram_estimate, unit_bytes
-    from quantkit.recipe import Overrides, build_recipe
+    from quantkit.run.pipeline import RunOptions, prepare
+    from quantkit.run.preflight import FIXED_RAM, ram_estimate, unit_bytes
+    from quantkit.run.recipe import Overrides, build_recipe
 
     info = check_model_dir(micro_model)
     recipe = build_recipe(None, "gguf", Overrides(model=str(micro_model)))
@@ -80,11 +80,11 @@ def test_ram_estimate_streams_the_gate_and_refuses_over_the_limit(micro_model, c
 
 def test_compressed_tensors_gates_stream_unless_the_head_is_quantized(micro_model, tmp_path):
     """A compressed-tensors text decoder's gate holds what the streamed baseline does (a 16-bit
-    layer); with its head quantized it loads whole (quantkit.compressed.streams), at its bits."""
+    layer); with its head quantized it loads whole (quantkit.eval.compressed.streams), at its bits."""
     from quantkit.model import check_model_dir
-    from quantkit.pipeline import RunOptions, prepare
-    from quantkit.preflight import ram_estimate, unit_bytes
-    from quantkit.recipe import Overrides, build_recipe
+    from quantkit.run.pipeline import RunOptions, prepare
+    from quantkit.run.preflight import ram_estimate, unit_bytes
+    from quantkit.run.recipe import Overrides, build_recipe
 
     info = check_model_dir(micro_model)
     model = sum(sum(part.values()) for part in unit_bytes(info))
@@ -101,10 +101,10 @@ def test_compressed_tensors_gates_stream_unless_the_head_is_quantized(micro_mode
 def test_vram_estimate_streams_and_refuses_when_the_gpu_is_too_small(micro_model, tmp_path):
     from quantkit.errors import InputError
     from quantkit.model import check_model_dir
-    from quantkit.pipeline import RunOptions, prepare
-    from quantkit.preflight import FIXED_VRAM, check_vram, hessian_bytes, largest_matrix, unit_bytes, vram_estimate
-    from quantkit.recipe import Overrides, build_recipe
-    from quantkit.stream import ACTIVATION_BYTES, HEAD_SLICE_BYTES
+    from quantkit.run.pipeline import RunOptions, prepare
+    from quantkit.run.preflight import FIXED_VRAM, check_vram, hessian_bytes, largest_matrix, unit_bytes, vram_estimate
+    from quantkit.run.recipe import Overrides, build_recipe
+    from quantkit.eval.stream import ACTIVATION_BYTES, HEAD_SLICE_BYTES
 
     info = check_model_dir(micro_model)
     model = sum(sum(part.values()) for part in unit_bytes(info))
@@ -131,10 +131,10 @@ def test_offloaded_ram_holds_the_norms_and_the_larger_of_a_table_and_a_layer_wit
     offload_device_map); GPTQ adds a float32 Hessian per Linear of a layer and two float32 copies of its largest weight."""
     from quantkit.methods.gptq import quantized_linears
     from quantkit.model import check_model_dir, offload_device_map
-    from quantkit.pipeline import RunOptions, prepare
-    from quantkit.preflight import hessian_bytes, ram_estimate, unit_bytes
-    from quantkit.recipe import Overrides, build_recipe
-    from quantkit.stream import ACTIVATION_BYTES
+    from quantkit.run.pipeline import RunOptions, prepare
+    from quantkit.run.preflight import hessian_bytes, ram_estimate, unit_bytes
+    from quantkit.run.recipe import Overrides, build_recipe
+    from quantkit.eval.stream import ACTIVATION_BYTES
 
     info = check_model_dir(micro_model)
     others, layers = unit_bytes(info)
@@ -153,13 +153,13 @@ def test_offloaded_ram_holds_the_norms_and_the_larger_of_a_table_and_a_layer_wit
 
 
 def test_ram_holds_the_decoder_layers_and_one_table_at_a_time_without_offload_dir(micro_model, tmp_path):
-    """Without --offload-dir a text decoder's embeddings and head still go to disk (quantkit.pipeline.
+    """Without --offload-dir a text decoder's embeddings and head still go to disk (quantkit.run.pipeline.
     offload_plan): RAM holds the decoder layers and norms, plus the larger of one table and GPTQ's Hessians."""
     from quantkit.model import check_model_dir, offload_device_map
-    from quantkit.pipeline import RunOptions, prepare
-    from quantkit.preflight import hessian_bytes, ram_estimate, unit_bytes
-    from quantkit.recipe import Overrides, build_recipe
-    from quantkit.stream import ACTIVATION_BYTES
+    from quantkit.run.pipeline import RunOptions, prepare
+    from quantkit.run.preflight import hessian_bytes, ram_estimate, unit_bytes
+    from quantkit.run.recipe import Overrides, build_recipe
+    from quantkit.eval.stream import ACTIVATION_BYTES
 
     info = check_model_dir(micro_model)
     others, layers = unit_bytes(info)
@@ -176,7 +176,7 @@ def test_parse_size():
     import pytest
 
     from quantkit.errors import InputError
-    from quantkit.preflight import parse_size
+    from quantkit.run.preflight import parse_size
 
     assert parse_size("16GiB") == 16 * 2**30 and parse_size("500MB") == 500 * 10**6 and parse_size("2G") == 2 * 2**30
     with pytest.raises(InputError):
@@ -184,14 +184,14 @@ def test_parse_size():
 
 
 def test_ram_estimate_of_fp8_follows_its_path(micro_model, tmp_path):
-    """fp8-dynamic reads the checkpoint a slab at a time (quantkit.methods.model_free): its quantize
+    """fp8-dynamic reads the checkpoint a slab at a time (quantkit.engines.llmcompressor.model_free): its quantize
     step is one slab's working set, not the model; fp8-static loads the model."""
-    from quantkit.methods.model_free import SLAB_WORKING_SET
+    from quantkit.engines.llmcompressor.model_free import SLAB_WORKING_SET
     from quantkit.model import check_model_dir
-    from quantkit.pipeline import RunOptions, prepare
-    from quantkit.preflight import ram_estimate, unit_bytes
-    from quantkit.recipe import Overrides, build_recipe
-    from quantkit.stream import ACTIVATION_BYTES
+    from quantkit.run.pipeline import RunOptions, prepare
+    from quantkit.run.preflight import ram_estimate, unit_bytes
+    from quantkit.run.recipe import Overrides, build_recipe
+    from quantkit.eval.stream import ACTIVATION_BYTES
 
     info = check_model_dir(micro_model)
     others, layers = unit_bytes(info)

@@ -32,7 +32,7 @@ def listed(cell: str) -> list[str]:
 
 
 def test_smoothing_architectures_match_the_mapping_table():
-    from quantkit.methods.mappings import supported_model_types
+    from quantkit.arch.mappings import supported_model_types
 
     assert listed(readme_row("`awq`, `smoothquant`")) == supported_model_types()
 
@@ -44,21 +44,21 @@ def test_gguf_architectures_match_the_converter_table():
 
 
 def test_moe_architectures_match_the_moe_table():
-    from quantkit.methods.moe import MOE_LAYOUTS
+    from quantkit.arch.moe import MOE_LAYOUTS
 
     cell = readme_row("`fp8`, `gptq`, `nf4`")
     assert re.findall(r"[a-z0-9_]+", cell.split("model_type`:", 1)[1]) == sorted(MOE_LAYOUTS)
 
 
 def test_family_table_is_generated_from_the_methods_tables():
-    """README's family x method table equals quantkit.support.family_table() (print it to update README)."""
-    from quantkit.support import family_table
+    """README's family x method table equals quantkit.run.support.family_table() (print it to update README)."""
+    from quantkit.run.support import family_table
 
     assert readme_table("| family (`model_type`)") == family_table()
 
 
 def test_vlm_table_is_generated_from_the_methods_tables():
-    """README's VLM family x method table equals quantkit.support.vlm_table()."""
-    from quantkit.support import vlm_table
+    """README's VLM family x method table equals quantkit.run.support.vlm_table()."""
+    from quantkit.run.support import vlm_table
 
     assert readme_table("| VLM family (`model_type`)") == vlm_table()

@@ -1,7 +1,7 @@
 import pytest
 
 from quantkit.errors import RecipeError
-from quantkit.recipe import bundled_recipes_dir, load_recipe, target_gate, validate
+from quantkit.run.recipe import bundled_recipes_dir, load_recipe, target_gate, validate
 
 
 def fp8_target(**extra):
@@ -88,13 +88,13 @@ def test_bundled_recipes_found_from_package_data(tmp_path, monkeypatch):
     shutil.copytree(bundled_recipes_dir(), package / "_recipes")
     monkeypatch.setattr("importlib.resources.files", lambda name: package)
     assert bundled_recipes_dir() == package / "_recipes"
-    from quantkit.recipe import find_recipe
+    from quantkit.run.recipe import find_recipe
 
     assert find_recipe("fp8-dynamic") == package / "_recipes" / "fp8-dynamic.yaml"
 
 
 def test_overrides_merge_into_recipe_data():
-    from quantkit.recipe import Overrides, build_recipe
+    from quantkit.run.recipe import Overrides, build_recipe
 
     overrides = Overrides(model="m", calibration={"seq_len": 64, "source": None}, gate={"max_kld": 0.5},
                           method_options={"scheme": "fp8-static", "bits": None}, ignore=["re:.*q_proj"])
@@ -106,7 +106,7 @@ def test_overrides_merge_into_recipe_data():
 
 def test_method_flag_that_no_target_has_is_an_error():
     from quantkit.errors import InputError
-    from quantkit.recipe import Overrides, build_recipe
+    from quantkit.run.recipe import Overrides, build_recipe
 
     with pytest.raises(InputError, match="--gguf-type does not apply to method fp8"):
         build_recipe(None, "fp8", Overrides(model="m", method_options={"gguf_type": "Q4_K_M"}))

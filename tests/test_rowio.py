@@ -1,11 +1,11 @@
-"""quantkit.rowio: row ranges of arrays on disk through plain file I/O."""
+"""quantkit.io.rowio: row ranges of arrays on disk through plain file I/O."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from quantkit.rowio import RowFile, row_runs
+from quantkit.io.rowio import RowFile, row_runs
 
 
 def test_row_runs_groups_consecutive_rows():
@@ -38,7 +38,7 @@ def test_page_out_keeps_contents_and_drops_a_mapped_files_pages(tmp_path):
     """Anonymous memory keeps its bytes; a memory-mapped file's clean pages leave the RSS and read back the same."""
     import numpy as np
 
-    from quantkit.rowio import page_out
+    from quantkit.io.rowio import page_out
 
     anonymous = np.arange(4 << 20, dtype=np.int32)
     expected = anonymous.copy()

@@ -1,4 +1,4 @@
-"""quantkit.shards: safetensors files written header first and filled tensor by tensor."""
+"""quantkit.io.shards: safetensors files written header first and filled tensor by tensor."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from quantkit.errors import InternalError
-from quantkit.shards import (ShardWriter, TensorSpec, group_shards, layout_shards, safetensors_dtype, shard_file_names,
-                             write_index)
-from quantkit.stream import safetensors_index, tensor_bytes
+from quantkit.io.shards import (ShardWriter, TensorSpec, group_shards, layout_shards, safetensors_dtype,
+                                shard_file_names, write_index)
+from quantkit.eval.stream import safetensors_index, tensor_bytes
 
 
 def spec(name: str, tensor) -> TensorSpec:
@@ -80,7 +80,7 @@ def mixed_tensors() -> dict:
 
 def test_save_file_writes_what_safetensors_writes(tmp_path):
     """Byte for byte for {"format": "pt"}, as transformers passes it: every dtype, tensor order, strides, empties."""
-    from quantkit.shards import save_file as plain_save_file
+    from quantkit.io.shards import save_file as plain_save_file
 
     tensors = mixed_tensors()
     save_file(tensors, tmp_path / "theirs.safetensors", metadata={"format": "pt"})
@@ -92,7 +92,7 @@ def test_save_file_writes_what_safetensors_writes(tmp_path):
 def test_save_file_round_trips_with_any_metadata(tmp_path, metadata):
     from safetensors.torch import load_file
 
-    from quantkit.shards import save_file as plain_save_file
+    from quantkit.io.shards import save_file as plain_save_file
 
     tensors = mixed_tensors()
     plain_save_file(tensors, tmp_path / "ours.safetensors", metadata=metadata)
@@ -107,7 +107,7 @@ def test_save_file_round_trips_with_any_metadata(tmp_path, metadata):
 
 def test_save_file_leaves_dtypes_it_does_not_order_to_safetensors(tmp_path):
     """Other dtypes are written by safetensors, and what it refuses it still refuses."""
-    from quantkit.shards import save_file as plain_save_file
+    from quantkit.io.shards import save_file as plain_save_file
 
     strided, whole = torch.randn(4, 6).t(), torch.randn(8)
     for bad in ({"strided": strided}, {"a": whole, "b": whole[:4]}):
@@ -121,16 +121,16 @@ def test_save_file_leaves_dtypes_it_does_not_order_to_safetensors(tmp_path):
 
 
 def test_the_transformers_save_site_exists():
-    from quantkit.patching import site_function
-    from quantkit.shards import SAFETENSORS_SAVE_SITE
+    from quantkit.engines.patching import site_function
+    from quantkit.io.shards import SAFETENSORS_SAVE_SITE
 
     assert site_function(SAFETENSORS_SAVE_SITE) is save_file
 
 
 def test_the_offload_save_site_exists_and_is_swapped_inside_plain_writes():
-    from quantkit.patching import site_function
-    from quantkit.shards import OFFLOAD_SAVE_SITE, SAFETENSORS_SAVE_SITE, plain_writes, save_temporaries
-    from quantkit.shards import save_file as plain_save_file
+    from quantkit.engines.patching import site_function
+    from quantkit.io.shards import OFFLOAD_SAVE_SITE, SAFETENSORS_SAVE_SITE, plain_writes, save_temporaries
+    from quantkit.io.shards import save_file as plain_save_file
 
     original = site_function(OFFLOAD_SAVE_SITE)
     assert original is save_file
@@ -141,7 +141,7 @@ def test_the_offload_save_site_exists_and_is_swapped_inside_plain_writes():
 
 
 def test_the_offload_writes_are_the_same_bytes(tmp_path):
-    from quantkit.shards import save_temporaries
+    from quantkit.io.shards import save_temporaries
 
     tensors = {"weight": torch.randn(64, 48).to(torch.bfloat16)}
     save_temporaries(tensors, tmp_path / "ours.safetensors")

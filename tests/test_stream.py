@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from quantkit import evaluate, stream
-from quantkit.recipe import Gate
+from quantkit.eval import evaluate, stream
+from quantkit.run.recipe import Gate
 
 REL = 1e-4
 
@@ -94,7 +94,7 @@ def test_streamed_checkpoint_equals_in_memory(request, model, windows):
 
 @pytest.mark.parametrize("model,gguf_type", [("micro", "Q8_0"), ("micro", "Q4_K_M"), ("gemma2", "Q4_K_M")])
 def test_streamed_gguf_equals_load_gguf_into_base(request, model, gguf_type, windows, tmp_path):
-    from quantkit.artifacts import load_gguf_into_base
+    from quantkit.eval.artifacts import load_gguf_into_base
     from quantkit.gguf.convert import convert
 
     model_dir = request.getfixturevalue("micro_model" if model == "micro" else "gemma2")
@@ -246,7 +246,7 @@ def test_gguf_tensors_dequantize_in_slabs_exactly(micro_model, tmp_path, monkeyp
 
 LARGE_BLOCKS_SCRIPT = """
 import sys, torch
-from quantkit.stream import LARGE_ALLOCATION, map_large_allocations
+from quantkit.eval.stream import LARGE_ALLOCATION, map_large_allocations
 def rss_anon():
     return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("RssAnon"))
 scratch = torch.ones(3 * LARGE_ALLOCATION // 8); del scratch  # glibc's threshold rises past 16 MiB, as in a long run
@@ -281,9 +281,9 @@ def test_large_allocations_go_back_to_the_os_when_freed():
 
 @pytest.mark.parametrize("family", ["micro", "gemma2", "phi3"])
 def test_a_forward_started_at_a_layer_equals_the_whole_forward(request, family, windows, tmp_path):
-    """The probes' forwards (quantkit.mixed.probe_klds) resume at a layer from its recorded input: with
+    """The probes' forwards (quantkit.mixed.core.probe_klds) resume at a layer from its recorded input: with
     one weight changed in that layer, the logits equal the whole forward's with the same change."""
-    from quantkit.mixed import PatchedWeights
+    from quantkit.mixed.core import PatchedWeights
     from quantkit.model import hf_config
 
     if family in ("micro", "gemma2"):

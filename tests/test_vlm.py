@@ -126,7 +126,7 @@ def test_fp8_reloads_in_transformers_close_to_base(vlm, fp8_artifacts):
     import torch
     from transformers import AutoModelForImageTextToText
 
-    from quantkit.artifacts import load_for_eval
+    from quantkit.eval.artifacts import load_for_eval
 
     kind, model_dir = vlm
     result, out, _ = fp8_artifacts(kind, model_dir)
@@ -306,7 +306,7 @@ def test_tower_precision_refused_before_work(cli, request, tmp_path, method, mod
 def test_rounding_bound_catches_a_wrong_scale():
     import torch
 
-    from quantkit.vlm_proof import within_rounding
+    from quantkit.eval.vlm_proof import within_rounding
 
     weight = torch.randn(16, 32, dtype=torch.bfloat16)
     step = weight.float().abs().amax(dim=1, keepdim=True) / 127

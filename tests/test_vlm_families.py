@@ -1,4 +1,4 @@
-"""Every VLM family of quantkit.vlm.FAMILIES through every method via the CLI: exit 0 with the towers
+"""Every VLM family of quantkit.arch.vlm.FAMILIES through every method via the CLI: exit 0 with the towers
 bit-identical after reload (and an image+text forward where the fixture has a processor), or exit 2
 before any work with the reason. Full matrix slow; Mllama gptq (a Linear projector), Gemma 3 gptq
 (SigLIP's MultiheadAttention pooling head), Gemma 3 awq/smoothquant (smoothed inside its language model)
@@ -19,7 +19,7 @@ METHODS = ("fp8", "gptq", "awq", "smoothquant", "nf4", "gguf")
 
 
 def test_the_matrix_covers_the_readme_families():
-    from quantkit.support import VLM_TESTED
+    from quantkit.run.support import VLM_TESTED
 
     assert FAMILY_KINDS == VLM_TESTED
 
@@ -57,7 +57,7 @@ def tensors(path) -> dict:
 
 def run_case(cli, model_dir, kind: str, method: str, tmp_path):
     """What README's VLM table says for (family, method): exit 2 before work, or exit 0 with the proof."""
-    from quantkit.support import vlm_support
+    from quantkit.run.support import vlm_support
 
     out = tmp_path / "out"
     if method == "gguf":
@@ -121,7 +121,7 @@ def test_changed_tower_tensor_fails_the_proof(cli, family_model, tmp_path):
 
     from quantkit.errors import TowerChangedError
     from quantkit.model import check_model_dir
-    from quantkit.vlm_proof import prove_towers
+    from quantkit.eval.vlm_proof import prove_towers
 
     model_dir = family_model("mllama")
     out = tmp_path / "out"

@@ -6,8 +6,8 @@ import pytest
 
 from quantkit.methods import fp8
 from quantkit.model import ModelInfo
-from quantkit.plan import build_plan, ignore_patterns, matches
-from quantkit.vlm import FAMILIES, find_unknown_towers, language_root, model_towers
+from quantkit.run.plan import build_plan, ignore_patterns, matches
+from quantkit.arch.vlm import FAMILIES, find_unknown_towers, language_root, model_towers
 
 LLAMA_DECODER = {
     "model.embed_tokens.weight": ("BF16", [512, 256]),
@@ -120,7 +120,7 @@ def test_mllama_cross_attention_layers_stay_16bit():
 def test_vlm_smoothing_rows_resolve_inside_the_language_model_only():
     """A VLM's AWQ/SmoothQuant rows are its text model's rows anchored under the language model, so a
     vision layer with the same names (Mllama's, SigLIP's) is never smoothed."""
-    from quantkit.methods.mappings import model_mappings, rows_for
+    from quantkit.arch.mappings import model_mappings, rows_for
 
     info = info_of("llava", {"model.vision_tower.vision_model.encoder.layers.0.self_attn.q_proj.weight":
                              ("BF16", [64, 64])}, {"text_config": {"model_type": "llama"}})
@@ -141,7 +141,7 @@ def test_vlm_smoothing_rows_resolve_inside_the_language_model_only():
 ])
 def test_vlm_smoothing_refusals_name_the_reason(model_type, config, reason):
     from quantkit.errors import UnsupportedError
-    from quantkit.methods.mappings import model_mappings
+    from quantkit.arch.mappings import model_mappings
 
     tensors = {**LLAMA_DECODER, "model.retina.stem.weight": ("BF16", [64, 3, 8, 8]),
                "model.vision_model.layers.0.fc.weight": ("BF16", [64, 64]),

@@ -149,7 +149,7 @@ def build_qwen2_vl(out: str | Path, text_from: str | Path | None = None, seed: i
 BUILDERS = {"llava": build_llava, "qwen2_vl": build_qwen2_vl}
 
 
-# ---------------------------------------------------------------- every family of quantkit.vlm.FAMILIES
+# ---------------------------------------------------------------- every family of quantkit.arch.vlm.FAMILIES
 # (config class, model class, image placeholder tokens, config kwargs given the tokenizer's ids);
 # text models take TEXT_SHAPE, vision towers are 1-2 tiny layers on 32 px images with 8 px patches.
 

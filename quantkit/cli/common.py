@@ -45,7 +45,7 @@ def quiet_libraries() -> Iterator[None]:
     """Progress bars only on a TTY, library warnings only when debugging; all restored on exit."""
     import warnings
 
-    from quantkit.offline import restore_env
+    from quantkit.io.offline import restore_env
 
     tty = sys.stderr.isatty()
     wanted = quiet_environment(tty)

@@ -39,12 +39,12 @@ def eval_command(
 
     With any threshold given, exits 3 when the artifact fails it.
     """
-    from quantkit import evaluate
-    from quantkit.artifacts import artifact_kind
+    from quantkit.eval import evaluate
+    from quantkit.eval.artifacts import artifact_kind
     from quantkit.cli.report import metrics_table, thresholds_table
     from quantkit.errors import GateFailedError, InputError, ModelError
     from quantkit.model import check_device, check_model_dir, load_tokenizer, resolve_model
-    from quantkit.recipe import Gate
+    from quantkit.run.recipe import Gate
 
     if not model.exists():
         raise ModelError(f"artifact not found: {model}")
@@ -80,8 +80,8 @@ def eval_command(
 
 def llama_cpp_check(model: Path, tokenizer, windows) -> dict:
     """llama.cpp's perplexity of the .gguf on the held-out windows' text."""
-    from quantkit.artifacts import gguf_file
-    from quantkit.llamacpp import perplexity
+    from quantkit.eval.artifacts import gguf_file
+    from quantkit.eval.llamacpp import perplexity
 
     text = "\n\n".join(tokenizer.decode(w, skip_special_tokens=True) for w in windows.tolist())
     return perplexity(gguf_file(model), text, context=windows.shape[1])
@@ -98,8 +98,8 @@ def default_base(artifact: Path) -> str:
 
 def eval_windows(tokenizer, source: str, num_windows: int, seq_len: int, seed: int):
     """The held-out windows quantize would use with the same source, seq_len and seed."""
-    from quantkit.calibration import make_windows
-    from quantkit.recipe import Calibration
+    from quantkit.run.calibration import make_windows
+    from quantkit.run.recipe import Calibration
 
     settings = Calibration(source=source, num_samples=0, seq_len=seq_len, seed=seed, eval_windows=num_windows)
     return make_windows(tokenizer, settings).eval

@@ -64,7 +64,7 @@ def inspect(
 
 def _target(method: str, recipe: str | None, ignore: list[str]):
     from quantkit.methods import get_method
-    from quantkit.recipe import find_recipe, load_recipe, target_options
+    from quantkit.run.recipe import find_recipe, load_recipe, target_options
 
     if recipe:
         target = load_recipe(find_recipe(recipe)).targets[0]
@@ -74,8 +74,8 @@ def _target(method: str, recipe: str | None, ignore: list[str]):
 
 
 def plan_data(info, method, options, ignore: list[str], context: int, towers: dict[str, str] | None = None) -> dict:
-    from quantkit.plan import MEMORY_NOTE, build_plan, ignore_patterns, memory_estimate, role_summary
-    from quantkit.vlm import tower_summary
+    from quantkit.run.plan import MEMORY_NOTE, build_plan, ignore_patterns, memory_estimate, role_summary
+    from quantkit.arch.vlm import tower_summary
 
     towers = {role: value for role, value in (towers or {}).items() if value != "keep"}
     options, choices = method.resolve(info, options)
@@ -103,9 +103,9 @@ def run_estimates(info, model: str, method: str, recipe: str | None, offload_dir
     """What `quantkit quantize` with this method (or recipe), default calibration and `offload_dir`
     would need: peak RAM per step and bytes written (the same estimates its preflight checks)."""
     from quantkit.methods import get_method
-    from quantkit.pipeline import ResolvedTarget
-    from quantkit.preflight import FIXED_RAM, ram_estimate, run_estimate, vram_estimate
-    from quantkit.recipe import Gate, Overrides, build_recipe
+    from quantkit.run.pipeline import ResolvedTarget
+    from quantkit.run.preflight import FIXED_RAM, ram_estimate, run_estimate, vram_estimate
+    from quantkit.run.recipe import Gate, Overrides, build_recipe
 
     resolved = build_recipe(recipe, None if recipe else method, Overrides(model=model, offload_dir=offload_dir))
     targets = []

@@ -38,8 +38,8 @@ def merge(
     The update is computed in float32 and rounded once to the base's dtype. Exit codes: 0 ok,
     2 bad input (checked before any work).
     """
-    from quantkit import export
-    from quantkit.lora import plan_merge, write_merged
+    from quantkit.io import export
+    from quantkit.run.lora import plan_merge, write_merged
     from quantkit.model import check_model_dir, resolve_model
 
     info = check_model_dir(resolve_model(base))

@@ -95,8 +95,8 @@ def quantize(
     summary: Optional[Path] = typer.Option(None, "--summary", metavar="FILE", help="Append a Markdown gate table to FILE (e.g. $GITHUB_STEP_SUMMARY)."),
 ) -> None:
     from quantkit.errors import GateFailedError, RunFailedError
-    from quantkit.pipeline import RunOptions, run
-    from quantkit.recipe import Overrides, build_recipe
+    from quantkit.run.pipeline import RunOptions, run
+    from quantkit.run.recipe import Overrides, build_recipe
 
     overrides = Overrides(
         model=model or model_opt, device=device, dtype=dtype, offload_dir=offload_dir,
@@ -120,8 +120,8 @@ def quantize(
     if no_gate and not quiet:
         err.print("warning: --no-gate: the quality gate is measured but not enforced (recorded in quantkit.json)",
                   style="yellow", highlight=False)
-    from quantkit.distributed import ranks_from
-    from quantkit.preflight import parse_size
+    from quantkit.engines.llmcompressor.distributed import ranks_from
+    from quantkit.run.preflight import parse_size
 
     ranks = ranks_from(os.environ)
     log = ProgressLog(err)
@@ -176,7 +176,7 @@ def mixed_precision_options(auto_precision: bool, budget_bpw: float | None, fall
 def show_results(report, output: Path, json_path: str | None, summary: Path | None, quiet: bool) -> None:
     """The tables and per-target lines, the JSON report, the Markdown summary."""
     from quantkit.cli.report import print_report
-    from quantkit.report import summary_markdown
+    from quantkit.run.report import summary_markdown
 
     print_report(report, results_console(json_path), output, quiet)
     write_json(json_path, report.to_dict())

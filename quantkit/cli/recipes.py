@@ -18,7 +18,7 @@ def list_recipes() -> None:
     """
     import yaml
 
-    from quantkit.recipe import bundled_recipes_dir
+    from quantkit.run.recipe import bundled_recipes_dir
 
     for path in sorted(bundled_recipes_dir().glob("*.yaml")):
         text = path.read_text()
@@ -42,7 +42,7 @@ def show(name: str = typer.Argument(..., help="Bundled recipe name or file.")) -
 
     Example: quantkit recipes show fp8-dynamic
     """
-    from quantkit.recipe import find_recipe
+    from quantkit.run.recipe import find_recipe
 
     path = find_recipe(name)
     if not path.is_file():
@@ -59,7 +59,7 @@ def validate_cmd(files: list[str] = typer.Argument(..., help="Recipe files to ch
 
     Example: quantkit recipes validate recipes/fp8-dynamic.yaml
     """
-    from quantkit.recipe import find_recipe, load_recipe
+    from quantkit.run.recipe import find_recipe, load_recipe
 
     for name in files:
         recipe = load_recipe(find_recipe(name))

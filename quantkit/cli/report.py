@@ -11,8 +11,8 @@ from rich.table import Table
 from quantkit.cli.common import human_bytes
 
 if TYPE_CHECKING:
-    from quantkit.evaluate import GateResult, Metrics
-    from quantkit.report import RunReport, TargetReport
+    from quantkit.eval.evaluate import GateResult, Metrics
+    from quantkit.run.report import RunReport, TargetReport
 
 Row = tuple[str, "Metrics | None", "GateResult | None"]  # (target name, metrics, gate verdict)
 
@@ -40,7 +40,7 @@ def verdict_text(gate: GateResult | None) -> str:
 
 
 def thresholds_table(rows: list[Row]) -> Table:
-    from quantkit.report import threshold_text
+    from quantkit.run.report import threshold_text
 
     table = Table(title="gate thresholds", title_justify="left")
     for column in ("target", "metric", "value", "threshold", "ok"):
@@ -83,7 +83,7 @@ def summary_line(t: TargetReport, where: Path) -> str:
 
 def starved_experts_text(details: dict) -> str:
     """One line naming the MoE experts the router sent fewer calibration tokens than the threshold
-    (quantkit.methods.moe), or '' when there are none."""
+    (quantkit.arch.moe), or '' when there are none."""
     starved = details.get("experts_under_min_tokens") or []
     if not starved:
         return ""

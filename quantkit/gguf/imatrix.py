@@ -99,7 +99,7 @@ def compute(model, windows, config: dict, dataset: str = "quantkit", batch_size:
     """Run `windows` (LongTensor (n, seq_len)) through `model`, collecting sums of squares of the
     inputs of the decoder-block linears, under their GGUF tensor names (`linear_targets`).
 
-    `model` may be a layer-streamed one (quantkit.stream: parameters on the meta device, each
+    `model` may be a layer-streamed one (quantkit.eval.stream: parameters on the meta device, each
     decoder layer's weights read while it runs); pass its execution `device` then.
     """
     import torch

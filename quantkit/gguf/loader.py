@@ -64,7 +64,7 @@ def read_tensor_data(path: Path, tensor) -> np.ndarray:
 def read_rows_data(path: Path, tensor, index: np.ndarray) -> np.ndarray:
     """The stored data of rows `index` (sorted, unique; along the first HF dimension) of a tensor,
     one plain read per run of consecutive rows."""
-    from quantkit.rowio import byte_view, pread_into, row_runs
+    from quantkit.io.rowio import byte_view, pread_into, row_runs
 
     view = tensor.data  # a memmap view: its dtype and shape only, no page is touched
     out = np.empty((len(index), *view.shape[1:]), dtype=view.dtype)

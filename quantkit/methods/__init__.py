@@ -21,7 +21,7 @@ defaults for the optional ones in one place. Who calls what:
   check_ignore       pipeline.resolve_target                      refusing an ignore list the engine cannot take
   precision          plan.build_plan                              the plan (`quantkit inspect`, the report)
   plan_types         plan.build_plan                              exact per-tensor types (gguf's mixture)
-  fallback_ladder    pipeline.run_fallback                        the units a failed gate raises (quantkit.mixed.Ladder)
+  fallback_ladder    pipeline.run_fallback                        the units a failed gate raises (quantkit.mixed.core.Ladder)
   requantize         pipeline.run_fallback                        writing the artifact again with a per-unit plan
   quantize           pipeline.run_target                          writing the artifact into a staging dir
 """
@@ -35,14 +35,14 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from pydantic import BaseModel
 
-from quantkit.distributed import Ranks
+from quantkit.engines.llmcompressor.distributed import Ranks
 from quantkit.errors import InputError
 
 if TYPE_CHECKING:
-    from quantkit.calibration import TokenWindows
-    from quantkit.mixed import Ladder
+    from quantkit.run.calibration import TokenWindows
+    from quantkit.mixed.core import Ladder
     from quantkit.model import ModelInfo, Offload
-    from quantkit.recipe import Calibration
+    from quantkit.run.recipe import Calibration
 
 METHODS: dict[str, str] = {
     "fp8": "quantkit.methods.fp8",
@@ -79,7 +79,7 @@ class QuantizeJob:
     trust_remote_code: bool = False
     towers: dict[str, str] = field(default_factory=dict)  # tower role -> int8/int4 (Target.tower_precision())
     offload: Offload | None = None  # what the model was loaded with on disk, and where (quantkit.model.Offload)
-    ranks: Ranks = Ranks()  # under torchrun: this rank's share of the windows; only rank 0 saves (quantkit.distributed)
+    ranks: Ranks = Ranks()  # under torchrun: this rank's share of the windows; only rank 0 saves (quantkit.engines.llmcompressor.distributed)
     progress: Callable[[str], None] = lambda message: None  # one line per phase of a long step (the CLI shows it)
 
     def free_model(self) -> None:
@@ -88,7 +88,7 @@ class QuantizeJob:
         import gc
 
         from quantkit.model import drop_weights
-        from quantkit.stream import release_freed_memory
+        from quantkit.eval.stream import release_freed_memory
 
         drop_weights(self.model)
         self.model = None
@@ -164,8 +164,8 @@ class MethodSpec:
     # Exact per-module precision for the whole model where one tensor's type depends on the others
     # (gguf: llama-quantize's mixture rules); {} where `precision` alone is exact.
     plan_types: Callable[[ModelInfo, BaseModel], dict[str, str]] = _no_exact_types
-    # Gate-driven fallback (a method whose options have `fallback`; the loop is quantkit.pipeline.run_fallback):
-    # fallback_ladder(job, first result) -> quantkit.mixed.Ladder: the units, their precisions in the
+    # Gate-driven fallback (a method whose options have `fallback`; the loop is quantkit.run.pipeline.run_fallback):
+    # fallback_ladder(job, first result) -> quantkit.mixed.core.Ladder: the units, their precisions in the
     # artifact, their candidates, damages and bytes; requantize(job, plan, details) writes the artifact
     # again into job.out_dir with a per-unit plan ({unit name: precision}), `details` its report fields.
     fallback_ladder: Callable[[QuantizeJob, QuantizeResult], Ladder] | None = None

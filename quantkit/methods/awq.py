@@ -11,7 +11,7 @@ recipes can name it, but it is refused before any work with a clear reason: not 
 without `gptqmodel`, so the gate could not measure it (see docs/methods.md).
 
 `auto_precision`: per-layer int4 / int8 (per channel) / 16-bit under a size budget, with gptq's
-machinery (quantkit.methods.intmix: the same sensitivity table, size model and config groups), and two
+machinery (quantkit.mixed.layers: the same sensitivity table, size model and config groups), and two
 constraints from llm-compressor 0.14.0.1's AWQModifier (modifiers/transform/awq/base.py):
 * its grid search (`_compute_best_scale`) fake-quantizes every balance layer of a mapping with the
   scheme of the *last* balance layer (`w_qscheme` is read in the loop before, not per layer): mixed
@@ -49,14 +49,16 @@ from typing import Iterator, Literal
 from pydantic import BaseModel, ConfigDict
 
 from quantkit.errors import InputError, MissingExtraError, UnsupportedError
-from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, fixed_gate, gptq, intmix, llmc
-from quantkit.methods.mappings import model_mappings
-from quantkit.mixed import Fallback, SensitivityRow
+from quantkit.engines.llmcompressor import llmc
+from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, fixed_gate, gptq
+from quantkit.mixed import layers as intmix
+from quantkit.arch.mappings import model_mappings
+from quantkit.mixed.core import Fallback, SensitivityRow
 
 # 4-bit weights: the same looser gate as GPTQ.
 DEFAULT_GATE = {"max_ppl_increase": 0.10, "max_kld": 0.10, "min_top1": 0.80}
 
-# Where llm-compressor pins memory (a quantkit.patching site): checked by the test suite.
+# Where llm-compressor pins memory (a quantkit.engines.patching site): checked by the test suite.
 PIN_MEMORY_SITE = ("llmcompressor.pipelines.cache", "IntermediatesCache.pin_memory")
 
 
@@ -68,8 +70,8 @@ class Options(BaseModel):
     duo_scaling: bool | Literal["both"] = True
     n_grid: int = 20
     backend: Literal["llmcompressor", "autoawq"] = "llmcompressor"
-    auto_precision: intmix.AutoPrecision | None = None  # per-layer int4/int8/16-bit (quantkit.methods.intmix)
-    fallback: Fallback | None = None  # on a failed gate, raise the most damaging layers' precision (quantkit.mixed)
+    auto_precision: intmix.AutoPrecision | None = None  # per-layer int4/int8/16-bit (quantkit.mixed.layers)
+    fallback: Fallback | None = None  # on a failed gate, raise the most damaging layers' precision (quantkit.mixed.core)
 
 
 def needs_calibration(options: Options) -> bool:
@@ -134,7 +136,7 @@ def cpu_pin_memory_guard() -> Iterator[bool]:
     """
     import torch
 
-    from quantkit.patching import swapped
+    from quantkit.engines.patching import swapped
 
     if torch.accelerator.is_available():
         yield False
@@ -147,7 +149,7 @@ def cpu_pin_memory_guard() -> Iterator[bool]:
 
 
 def mappings(info) -> list:
-    """llm-compressor's AWQ mappings: the table's AWQ rows for this model (quantkit.methods.mappings)."""
+    """llm-compressor's AWQ mappings: the table's AWQ rows for this model (quantkit.arch.mappings)."""
     from llmcompressor.modifiers.transform.awq import AWQMapping
 
     return [AWQMapping(m.smooth, list(m.balance)) for m in model_mappings(info, "awq") if m.awq]
@@ -202,7 +204,7 @@ DECODER_LAYER = re.compile(r"^(.*\.layers\.\d+)\.")
 def balance_groups(info, names: list[str]) -> list[list[str]]:
     """The layers of `names` that must share one precision: the balance layers of one AWQ mapping in
     one decoder layer (q/k/v, gate/up); every other layer alone."""
-    from quantkit.plan import matches
+    from quantkit.run.plan import matches
 
     keyed: dict[tuple, list[str]] = {}
     for index, row in enumerate(model_mappings(info, "awq")):
@@ -223,8 +225,8 @@ def balance_groups(info, names: list[str]) -> list[list[str]]:
 
 def tied_plan(table: list[SensitivityRow], groups: list[list[str]], allowed: int,
               scheme: intmix.Scheme) -> dict[str, str]:
-    """quantkit.mixed.assign over the balance groups: {module name: precision}, one per group."""
-    from quantkit.mixed import Unit, assign
+    """quantkit.mixed.core.assign over the balance groups: {module name: precision}, one per group."""
+    from quantkit.mixed.core import Unit, assign
 
     rows = {r.name: r for r in table}
     tied = [Unit(group[0], [rows[n] for n in group]) for group in groups if all(n in rows for n in group)]
@@ -237,7 +239,7 @@ def linear_rows(info, layers: dict[str, tuple[int, int]]) -> list[tuple[str, lis
     ({module name: (out, in)}), resolved per decoder layer (the balance layers are the smooth layer's
     siblings), leaving out those llm-compressor skips (a balance layer whose input width differs from
     the smooth layer's output width: v_proj -> o_proj under grouped-query attention)."""
-    from quantkit.plan import matches
+    from quantkit.run.plan import matches
 
     rows = []
     for row in model_mappings(info, "awq"):
@@ -266,11 +268,11 @@ def keep_balance_quantized(choice: dict[str, str], rows: list[tuple[str, list[st
 
 
 def fallback_units(info, table: list[SensitivityRow], current: dict[str, str]) -> list:
-    """What one fallback raise moves together (quantkit.mixed.Unit), so that every raised plan keeps AWQ's
+    """What one fallback raise moves together (quantkit.mixed.core.Unit), so that every raised plan keeps AWQ's
     constraints: the balance groups (q/k/v, gate/up share one precision), each capped at int8 while it
     holds a balance layer of a linear_rows row whose smooth layer `current` keeps quantized (raised to
     16-bit, that row's balance layers would leave AWQ's duo scaling nothing to average over)."""
-    from quantkit.mixed import Unit
+    from quantkit.mixed.core import Unit
 
     rows = {r.name: r for r in table}
     shapes = {r.name: r.shape for r in table}
@@ -293,7 +295,7 @@ def requantize(job: QuantizeJob, plan: dict[str, str], details: dict) -> Quantiz
 def check_ignore(info, options: Options, ignore: list[str]) -> None:
     """A smoothing row whose smooth layer is quantized needs a quantized balance layer: llm-compressor's
     duo scaling divides by their count (ZeroDivisionError after loading and calibrating)."""
-    from quantkit.plan import matches
+    from quantkit.run.plan import matches
 
     for smooth, balance in linear_rows(info, gptq.quantized_linears(info)):
         if not matches(smooth, ignore) and all(matches(b, ignore) for b in balance):

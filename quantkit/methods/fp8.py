@@ -4,15 +4,15 @@ fp8-dynamic: per-channel weight scales, dynamic per-token activation scales; nee
 fp8-static:  per-channel weight scales, one static activation scale per tensor from calibration.
 
 Two paths, one output. fp8-dynamic needs no forward, so it runs model-free where that is exact
-(quantkit.methods.model_free: the checkpoint read a slab of one weight at a time, the model never
+(quantkit.engines.llmcompressor.model_free: the checkpoint read a slab of one weight at a time, the model never
 loaded); fp8-static, and models whose checkpoint is more than a renaming of the transformers model
 (MoE experts fused on load, custom code, extra tensors), load the model and run `oneshot`.
 `path_blocker` says which, before any work (the preflight and `quantkit inspect` use it), and
 `model_free.plan_stream` checks the rest on the meta-device model; the report's `details.path`
 names the path taken and why.
 
-`fallback` (gate-driven, quantkit.pipeline.run_fallback): the Linear layers whose FP8 weights and
-activations are predicted to cost the most (quantkit.methods.intmix: the weight's and the per-token
+`fallback` (gate-driven, quantkit.run.pipeline.run_fallback): the Linear layers whose FP8 weights and
+activations are predicted to cost the most (quantkit.mixed.layers: the weight's and the per-token
 activation's rounding error, scaled by KL divergences measured on a few probe layers) stay 16-bit, a
 few more each step, until the gate passes or `max_size` is spent.
 """
@@ -23,8 +23,11 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, fixed_gate, intmix, llmc, model_free, moe
-from quantkit.mixed import Fallback
+from quantkit.arch import moe
+from quantkit.engines.llmcompressor import llmc, model_free
+from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, fixed_gate
+from quantkit.mixed import layers as intmix
+from quantkit.mixed.core import Fallback
 
 # FP8 E4M3 is near-lossless on trained models: hold it to a tight gate.
 DEFAULT_GATE = {"max_ppl_increase": 0.02, "max_kld": 0.01, "min_top1": 0.95}
@@ -34,7 +37,7 @@ class Options(BaseModel):
     model_config = ConfigDict(extra="forbid")
     scheme: Literal["fp8-dynamic", "fp8-static"] = "fp8-dynamic"
     quantize_lm_head: bool = False
-    fallback: Fallback | None = None  # on a failed gate, keep the most damaging layers 16-bit (quantkit.mixed)
+    fallback: Fallback | None = None  # on a failed gate, keep the most damaging layers 16-bit (quantkit.mixed.core)
 
 
 def needs_calibration(options: Options) -> bool:
@@ -62,7 +65,7 @@ def check(info, options: Options, calibration) -> None:
     moe.check_expert_storage(info, "fp8", "fp8-static stores a static activation scale per expert"
                              if options.scheme == "fp8-static" else None, hint="use scheme fp8-dynamic")
     if options.fallback is not None:
-        from quantkit.mixed import check_max_size
+        from quantkit.mixed.core import check_max_size
 
         intmix.check_streamable(info, "fp8: fallback", "--fallback")
         layers = intmix.quantized_layers(info, [])

@@ -30,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from quantkit.errors import InputError, UnsupportedError
 from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult
-from quantkit.mixed import Fallback
+from quantkit.mixed.core import Fallback
 
 # k-quants lose more than FP8: gate on KLD and top-1 agreement, leave PPL to the recipe.
 DEFAULT_GATE = {"max_ppl_increase": 0.10, "max_kld": 0.10, "min_top1": 0.80}  # the Q4 mixes
@@ -131,7 +131,7 @@ def precision(role: str, options: Options, name: str, shape: list[int]) -> str |
 def plan_types(info, options: Options) -> dict[str, str]:
     """Exact type of every weight as llama-quantize's mixture gives it.
 
-    Keys are module names as quantkit.plan names them (the tensor name without ".weight"),
+    Keys are module names as quantkit.run.plan names them (the tensor name without ".weight"),
     values "gguf <TYPE>" (e.g. "gguf Q6_K"). Empty when the architecture cannot be converted.
     """
     from quantkit.gguf.convert import plan_tensors
@@ -166,7 +166,7 @@ def check(info, options: Options, calibration=None) -> None:
 def check_sizes(info, options: Options) -> None:
     """Before any work: an auto_precision budget the cheapest types cannot meet, or an absolute
     fallback max_size below the first artifact's tensors, is BudgetError (exit 2) with the numbers."""
-    from quantkit.mixed import check_budget, check_max_size
+    from quantkit.mixed.core import check_budget, check_max_size
 
     plans = model_plans(info, options.gguf_type, uses_imatrix(options))
     sizes = budget_sizes(options.auto_precision, plans)
@@ -227,7 +227,7 @@ def compute_imatrix(job: QuantizeJob, calib):
     used where the method has it loaded."""
     from quantkit.gguf import imatrix as im
     from quantkit.model import device_map, hf_config, load_model, torch_dtype
-    from quantkit.stream import SafetensorsWeights, stream_model, streamable, windows_per_group
+    from quantkit.eval.stream import SafetensorsWeights, stream_model, streamable, windows_per_group
 
     if not streamable(job.info.config):
         model = job.model if job.model is not None else load_model(job.info, job.dtype, job.device,
@@ -274,8 +274,8 @@ def model_plans(info, gguf_type: str, has_imatrix: bool):
 
 
 def sensitivity_table(job: QuantizeJob, plans, imatrix, auto: AutoPrecision):
-    """quantkit.gguf.sensitivity.measure for this job's checkpoint and calibration windows."""
-    from quantkit.gguf import sensitivity
+    """quantkit.mixed.gguf.measure for this job's checkpoint and calibration windows."""
+    from quantkit.mixed import gguf as sensitivity
 
     weights = imatrix.weights() if imatrix is not None else None
     return sensitivity.measure(job.info.path, plans, weights, importance(job, imatrix).weights(), job.windows.calib,
@@ -285,7 +285,7 @@ def sensitivity_table(job: QuantizeJob, plans, imatrix, auto: AutoPrecision):
 
 @dataclass(frozen=True)
 class BudgetSizes:
-    """Tensor bytes in the file (quantkit.gguf.budget.nbytes) of the tensors a budget may retype
+    """Tensor bytes in the file (quantkit.mixed.gguf_budget.nbytes) of the tensors a budget may retype
     (every quantized one with a candidate type) and of the rest."""
 
     allowed: int  # what the budgeted tensors may take: budget_bpw's share, or the mixture's
@@ -296,8 +296,8 @@ class BudgetSizes:
 
 
 def budget_sizes(auto: AutoPrecision | None, plans) -> BudgetSizes:
-    from quantkit.gguf.budget import nbytes
-    from quantkit.gguf.sensitivity import candidates, quantized_plans
+    from quantkit.mixed.gguf_budget import nbytes
+    from quantkit.mixed.gguf import candidates, quantized_plans
 
     budgeted = {p.name for p in quantized_plans(plans)}
     mixture = sum(nbytes(p.shape, p.qtype) for p in plans if p.name in budgeted)
@@ -311,7 +311,7 @@ def budget_sizes(auto: AutoPrecision | None, plans) -> BudgetSizes:
 def write_gguf(job: QuantizeJob, imatrix, types: dict | None, details: dict) -> QuantizeResult:
     """Convert with the mixture (types None) or per-tensor types; the Modelfile, and for per-tensor
     types the llama-quantize --tensor-type-file that reproduces them."""
-    from quantkit.gguf.budget import override_lines
+    from quantkit.mixed.gguf_budget import override_lines
     from quantkit.gguf.convert import convert
     from quantkit.gguf.modelfile import read_chat_template, render
 
@@ -358,7 +358,7 @@ def write_mmproj(job: QuantizeJob, name: str) -> dict:
 def quantize(job: QuantizeJob) -> QuantizeResult:
     import time
 
-    from quantkit.gguf import budget
+    from quantkit.mixed import gguf_budget as budget
     from quantkit.gguf import imatrix as im
 
     opts = job.options
@@ -386,7 +386,7 @@ def mixed_report(table, types: dict, sizes: BudgetSizes, budget: int | None) -> 
     """details.mixed_precision: the bytes of the budgeted tensors (and their budget, checked: InternalError
     if the types broke it), every tensor's type and the ones that differ from the mixture."""
     from quantkit.errors import InternalError
-    from quantkit.gguf.budget import total_bytes
+    from quantkit.mixed.gguf_budget import total_bytes
 
     used = total_bytes(table, types)
     if budget is not None and used > budget:
@@ -398,10 +398,10 @@ def mixed_report(table, types: dict, sizes: BudgetSizes, budget: int | None) -> 
 
 def fallback_ladder(job: QuantizeJob, result: QuantizeResult):
     """What the gate-driven fallback raises: every budgeted tensor, from its type in the artifact (the
-    mixture's, or auto_precision's) through its candidate types (quantkit.mixed.Ladder)."""
-    from quantkit.gguf import budget
-    from quantkit.gguf.sensitivity import Sensitivity
-    from quantkit.mixed import Ladder
+    mixture's, or auto_precision's) through its candidate types (quantkit.mixed.core.Ladder)."""
+    from quantkit.mixed import gguf_budget as budget
+    from quantkit.mixed.gguf import Sensitivity
+    from quantkit.mixed.core import Ladder
 
     if "sensitivity" in result.details:
         table = Sensitivity.from_dict(result.details["sensitivity"])
@@ -416,7 +416,7 @@ def fallback_ladder(job: QuantizeJob, result: QuantizeResult):
 def requantize(job: QuantizeJob, plan: dict[str, str], details: dict) -> QuantizeResult:
     """The .gguf written again with per-tensor types `plan` ({tensor: type name})."""
     from quantkit.gguf.mixture import T
-    from quantkit.gguf.sensitivity import Sensitivity
+    from quantkit.mixed.gguf import Sensitivity
 
     imatrix = current_imatrix(job)
     sizes = budget_sizes(job.options.auto_precision, plans_of(job, imatrix is not None))

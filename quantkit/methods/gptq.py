@@ -6,13 +6,13 @@ pipeline): each decoder layer's linears collect a Hessian from its inputs, are q
 column block by column block with error feedback, and the quantized outputs feed the next layer.
 
 `auto_precision`: some layers int8 (per channel) or 16-bit instead of int4, chosen by measured
-sensitivity under a size budget (quantkit.methods.intmix), as extra config groups / ignore entries.
+sensitivity under a size budget (quantkit.mixed.layers), as extra config groups / ignore entries.
 
 `group_size: auto` (the default): the largest of 128, 64 and 32 that divides every quantized layer's
 input width (each is a group size vLLM's Marlin kernels take), else one scale per output channel; the
 report says which and why. An explicit group size that does not divide a width is refused.
 
-`fallback` (gate-driven, quantkit.pipeline.run_fallback): when the artifact fails its gate, the layers
+`fallback` (gate-driven, quantkit.run.pipeline.run_fallback): when the artifact fails its gate, the layers
 with the largest predicted damage at their current precision go one step up (int4 -> int8 -> 16-bit)
 and the model is quantized again from the base, until the gate passes or `max_size` is spent. The
 damage is the sensitivity table auto_precision recorded, else one measured at the first fallback step.
@@ -31,8 +31,11 @@ from typing import Callable, Literal
 from pydantic import BaseModel, ConfigDict
 
 from quantkit.errors import CalibrationError, InputError, UnsupportedError
-from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, fixed_gate, intmix, llmc, moe
-from quantkit.mixed import Fallback, SensitivityRow
+from quantkit.arch import moe
+from quantkit.engines.llmcompressor import llmc
+from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, fixed_gate
+from quantkit.mixed import layers as intmix
+from quantkit.mixed.core import Fallback, SensitivityRow
 
 # 4-bit rounding costs a few percent of perplexity even with GPTQ's error feedback.
 DEFAULT_GATE = {"max_ppl_increase": 0.10, "max_kld": 0.10, "min_top1": 0.80}
@@ -52,8 +55,8 @@ class Options(BaseModel):
     act_order: Literal["none", "static", "group"] = "static"
     dampening: float = 0.01  # fraction of the mean Hessian diagonal added before inversion
     block_size: int = 128
-    auto_precision: intmix.AutoPrecision | None = None  # per-layer int4/int8/16-bit (quantkit.methods.intmix)
-    fallback: Fallback | None = None  # on a failed gate, raise the most damaging layers' precision (quantkit.mixed)
+    auto_precision: intmix.AutoPrecision | None = None  # per-layer int4/int8/16-bit (quantkit.mixed.layers)
+    fallback: Fallback | None = None  # on a failed gate, raise the most damaging layers' precision (quantkit.mixed.core)
 
 
 def needs_calibration(options: Options) -> bool:
@@ -79,7 +82,7 @@ def precision(role: str, options: Options, name: str, shape: list[int]) -> str |
 
 def quantized_linears(info) -> dict[str, list[int]]:
     """Linear weights the int methods quantize: decoder/other roles, VLM towers and lm_head excluded."""
-    from quantkit.plan import classify, linear_weights
+    from quantkit.run.plan import classify, linear_weights
 
     return {name: shape for name, shape in linear_weights(info).items()
             if classify(name + ".weight", info.towers) in QUANTIZED_ROLES}
@@ -264,7 +267,7 @@ def write(job: QuantizeJob, ignore: list[str], choice: dict[str, str] | None) ->
 def budgeted_layers(info, ignore: list[str]) -> dict[str, tuple[int, int]]:
     """{module name: (out, in)} of the Linear layers the int4 group quantizes (the ones a budget may raise),
     from the checkpoint's headers (a text decoder's module names are its tensor names)."""
-    from quantkit.plan import matches
+    from quantkit.run.plan import matches
 
     return {name: tuple(shape) for name, shape in quantized_linears(info).items() if not matches(name, ignore)}
 
@@ -284,8 +287,8 @@ def layer_table(job: QuantizeJob, layers: dict[str, tuple[int, int]], chosen: in
 
 
 def greedy_plan(rows: list[SensitivityRow], allowed: int, chosen: intmix.Scheme) -> dict[str, str]:
-    """gptq's plan: every layer on its own (quantkit.mixed.assign)."""
-    from quantkit.mixed import assign
+    """gptq's plan: every layer on its own (quantkit.mixed.core.assign)."""
+    from quantkit.mixed.core import assign
 
     return assign(rows, allowed, chosen.size)
 
@@ -307,7 +310,7 @@ def auto_precision(job: QuantizeJob, ignore: list[str], chosen: intmix.Scheme,
 def check_sizes(info, options, method: str = "gptq") -> None:
     """Before any work: a budget_bpw below all-int4, or an absolute fallback max_size below the first
     artifact's quantized layers, is BudgetError (exit 2) with the numbers."""
-    from quantkit.mixed import check_max_size
+    from quantkit.mixed.core import check_max_size
 
     shapes = list(budgeted_layers(info, []).values())
     chosen = intmix.Scheme(options.group_size, options.symmetric, dtype_bytes(info))
@@ -322,9 +325,9 @@ def check_sizes(info, options, method: str = "gptq") -> None:
 
 
 def fallback_ladder(job: QuantizeJob, result: QuantizeResult, units=None):
-    """The layers the fallback raises (int4 -> int8 -> 16-bit, quantkit.mixed.Ladder): the sensitivity table
+    """The layers the fallback raises (int4 -> int8 -> 16-bit, quantkit.mixed.core.Ladder): the sensitivity table
     auto_precision recorded, else one measured now; `units(rows)(plan)`: what a raise moves together (awq)."""
-    from quantkit.mixed import Ladder
+    from quantkit.mixed.core import Ladder
 
     chosen = scheme(job)
     if "sensitivity" in result.details:

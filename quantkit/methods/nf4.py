@@ -8,10 +8,10 @@ Needs no calibration data: NF4 is blockwise absmax (64 weights per block) onto a
 16-value code book. The checkpoint is loaded with a BitsAndBytesConfig, which is how transformers
 quantizes with bitsandbytes; the pipeline does not load the 16-bit model for this method.
 
-`fallback` (gate-driven, quantkit.pipeline.run_fallback): the Linear layers whose rounding is predicted
+`fallback` (gate-driven, quantkit.run.pipeline.run_fallback): the Linear layers whose rounding is predicted
 to cost the most (bitsandbytes' own quantize/dequantize of each weight, weighted by the calibration
 windows' input statistics and scaled by KL divergences measured on a few probe layers,
-quantkit.methods.intmix) are added to `llm_int8_skip_modules` (16-bit), a few more each step, until the
+quantkit.mixed.layers) are added to `llm_int8_skip_modules` (16-bit), a few more each step, until the
 gate passes or `max_size` is spent.
 """
 
@@ -23,9 +23,10 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict
 
 from quantkit.errors import UnsupportedError, require
-from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, fixed_gate, intmix
-from quantkit.methods.moe import is_expert_weight
-from quantkit.mixed import Fallback
+from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, fixed_gate
+from quantkit.mixed import layers as intmix
+from quantkit.arch.moe import is_expert_weight
+from quantkit.mixed.core import Fallback
 
 # NF4 is plain round-to-nearest onto 16 levels, without calibration: looser than GPTQ/AWQ.
 DEFAULT_GATE = {"max_ppl_increase": 0.15, "max_kld": 0.15, "min_top1": 0.75}
@@ -47,7 +48,7 @@ class Options(BaseModel):
     scheme: Literal["nf4", "fp4", "int8"] = "nf4"
     double_quant: bool = True
     compute_dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"  # auto: the model's dtype
-    fallback: Fallback | None = None  # on a failed gate, keep the most damaging layers 16-bit (quantkit.mixed)
+    fallback: Fallback | None = None  # on a failed gate, keep the most damaging layers 16-bit (quantkit.mixed.core)
 
 
 def needs_calibration(options: Options) -> bool:
@@ -67,7 +68,7 @@ def precision(role: str, options: Options, name: str, shape: list[int]) -> str |
 def check(info, options: Options, calibration) -> None:
     """bitsandbytes installed, an MoE layout transformers reloads, and at least one layer it can
     quantize (odd shapes stay 16-bit)."""
-    from quantkit.methods.moe import check_supported
+    from quantkit.arch.moe import check_supported
 
     require("bitsandbytes", "nf4", "the nf4 method (bitsandbytes 4-bit)")
     check_supported(info, "nf4")  # an unknown layout crashed reloading the artifact (Llama 4)
@@ -79,7 +80,7 @@ def check(info, options: Options, calibration) -> None:
             f"4-bit needs out_features % {CPU_BLOCK_N} == 0 and in_features % {BLOCK_SIZE} == 0",
             hint="use gguf or fp8 for this model")
     if options.fallback is not None:
-        from quantkit.mixed import check_max_size
+        from quantkit.mixed.core import check_max_size
 
         intmix.check_streamable(info, "nf4: fallback", "--fallback")
         check_max_size(options.fallback, intmix.artifact_estimate(info, fallback_layers(info, options, []),
@@ -88,7 +89,7 @@ def check(info, options: Options, calibration) -> None:
 
 def quantizable_layers(info) -> dict[str, list[int]]:
     """{module name: [out, in]} of the linear weights nf4 quantizes (by role)."""
-    from quantkit.plan import classify, linear_weights
+    from quantkit.run.plan import classify, linear_weights
 
     return {n: s for n, s in linear_weights(info).items() if classify(n + ".weight", info.towers) in QUANTIZED_ROLES}
 
@@ -150,7 +151,7 @@ def write(job: QuantizeJob, kept: list[str]) -> QuantizeResult:
     """The checkpoint loaded with a bitsandbytes config and saved; `kept` layers stay 16-bit too (a
     fallback plan)."""
     from quantkit.model import torch_dtype
-    from quantkit.shards import plain_writes
+    from quantkit.io.shards import plain_writes
 
     require("bitsandbytes", "nf4", "the nf4 method (bitsandbytes 4-bit)")
     dtype = torch_dtype(job.dtype, job.info)
@@ -158,7 +159,7 @@ def write(job: QuantizeJob, kept: list[str]) -> QuantizeResult:
     skip = skip_modules(job.ignore) + [exact_module(name) for name in [*odd, *kept]]
     config = bnb_config(job.options, compute_dtype(job.options, dtype), skip)
     model = load_quantized(job.info, dtype, config, job.device, job.trust_remote_code)
-    with plain_writes():  # no memory map of the output beside the model (quantkit.shards.save_file)
+    with plain_writes():  # no memory map of the output beside the model (quantkit.io.shards.save_file)
         model.save_pretrained(job.out_dir)  # the tokenizer files are copied beside it by the pipeline
     details = {"bnb_quantization_config": model.config.quantization_config.to_dict(),
                "kept_for_bnb_kernels": odd,
@@ -170,7 +171,7 @@ def write(job: QuantizeJob, kept: list[str]) -> QuantizeResult:
 def load_quantized(info, dtype, config, device: str, trust_remote_code: bool = False):
     """Re-load the checkpoint with the bitsandbytes config: transformers quantizes while loading."""
     from quantkit.model import auto_model_class, device_map
-    from quantkit.offline import offline
+    from quantkit.io.offline import offline
 
     with offline():
         model = auto_model_class(info.config).from_pretrained(
@@ -203,7 +204,7 @@ def sized_for(options: Options, element: int = 2):
 
 def fallback_layers(info, options: Options, ignore: list[str]) -> dict[str, tuple[int, int]]:
     """The layers the plain artifact quantizes (kernel shapes fit, routed experts and `ignore` left out)."""
-    from quantkit.plan import matches
+    from quantkit.run.plan import matches
 
     return {name: tuple(shape) for name, shape in quantizable_layers(info).items()
             if fits_kernels(options, shape) and not is_expert_weight(name) and not matches(name, ignore)}
@@ -238,7 +239,7 @@ def fallback_ladder(job: QuantizeJob, result: QuantizeResult):
 
 def requantize(job: QuantizeJob, plan: dict[str, str], details: dict) -> QuantizeResult:
     """The checkpoint quantized again with the plan's 16-bit layers skipped."""
-    from quantkit.methods.llmc import clear_weights
+    from quantkit.engines.llmcompressor.llmc import clear_weights
     from quantkit.model import torch_dtype
 
     clear_weights(job.out_dir)

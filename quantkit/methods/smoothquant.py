@@ -11,11 +11,11 @@ close to the SmoothQuant authors' tuned values for Llama-2/3 (0.85) and Mistral 
 SmoothQuant/llm-compressor generic default is 0.5; lower it for models whose activations
 have few outliers.
 
-`fallback` (gate-driven, quantkit.pipeline.run_fallback): the Linear layers predicted to cost the most
+`fallback` (gate-driven, quantkit.run.pipeline.run_fallback): the Linear layers predicted to cost the most
 stay 16-bit, a few more each step, until the gate passes or `max_size` is spent. The prediction reads
 the first artifact: each layer's int8 weights as GPTQ left them and its smoothing scales (the source
 norm's weight over the artifact's), and the per-token int8 rounding of its smoothed input on the
-calibration windows (quantkit.methods.intmix). Kept layers stay smoothed (SmoothQuant scales every
+calibration windows (quantkit.mixed.layers). Kept layers stay smoothed (SmoothQuant scales every
 balance layer of a mapping), which leaves their function unchanged.
 """
 
@@ -26,9 +26,12 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict
 
 from quantkit.errors import InputError
-from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, fixed_gate, gptq, intmix, llmc, moe
-from quantkit.methods.mappings import Mapping, model_mappings
-from quantkit.mixed import Fallback
+from quantkit.arch import moe
+from quantkit.engines.llmcompressor import llmc
+from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, fixed_gate, gptq
+from quantkit.mixed import layers as intmix
+from quantkit.arch.mappings import Mapping, model_mappings
+from quantkit.mixed.core import Fallback
 
 # int8 weights and per-token int8 activations are near-lossless on trained models: tight gate.
 DEFAULT_GATE = {"max_ppl_increase": 0.03, "max_kld": 0.02, "min_top1": 0.93}
@@ -39,7 +42,7 @@ class Options(BaseModel):
     smoothing_strength: float = 0.8
     weight_algorithm: Literal["gptq", "rtn"] = "gptq"
     dampening: float = 0.01  # GPTQ only
-    fallback: Fallback | None = None  # on a failed gate, keep the most damaging layers 16-bit (quantkit.mixed)
+    fallback: Fallback | None = None  # on a failed gate, keep the most damaging layers 16-bit (quantkit.mixed.core)
 
 
 def needs_calibration(options: Options) -> bool:
@@ -53,7 +56,7 @@ def precision(role: str, options: Options, name: str, shape: list[int]) -> str |
 
 
 def mappings_for(info) -> list[Mapping]:
-    """The table's SmoothQuant rows for this model (quantkit.methods.mappings), or refused before work."""
+    """The table's SmoothQuant rows for this model (quantkit.arch.mappings), or refused before work."""
     return [m for m in model_mappings(info, "smoothquant") if m.smoothquant]
 
 
@@ -66,7 +69,7 @@ def check(info, options: Options, calibration) -> None:
                              hint="use gptq --bits 8 --symmetric, or fp8, for this model")
     gptq.check_calibration_tokens(calibration, "smoothquant")
     if options.fallback is not None:
-        from quantkit.mixed import check_max_size
+        from quantkit.mixed.core import check_max_size
 
         intmix.check_streamable(info, "smoothquant: fallback", "--fallback")
         layers = intmix.quantized_layers(info, [])
@@ -126,8 +129,8 @@ def layer_bytes(shape: tuple[int, int], precision: str, element: int = 2) -> int
 def smoothing_scales(info, artifact) -> dict:
     """{layer: s} for every balance layer SmoothQuant scaled: the smooth layer's (a norm's) source weight over
     its weight in the artifact (SmoothQuant divided it by s and multiplied the balance columns by s)."""
-    from quantkit.plan import matches
-    from quantkit.stream import SafetensorsWeights
+    from quantkit.run.plan import matches
+    from quantkit.eval.stream import SafetensorsWeights
 
     source, smoothed = SafetensorsWeights(info.path), SafetensorsWeights(artifact)
     layers = intmix.quantized_layers(info, [])
@@ -158,7 +161,7 @@ def simulation(info, artifact) -> intmix.Simulation:
     smoothing scales, and its input divided by them, int8-quantized per token and multiplied back."""
     import torch
 
-    from quantkit.compressed import CompressedWeights, quantized_meta_model
+    from quantkit.eval.compressed import CompressedWeights, quantized_meta_model
     from quantkit.model import hf_config
 
     stored = CompressedWeights(artifact, quantized_meta_model(hf_config(artifact), torch.float32))

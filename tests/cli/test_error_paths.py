@@ -61,7 +61,8 @@ CASES = [
 
 @pytest.mark.parametrize("where, action, code, needle", CASES)
 def test_nothing_left_at_or_beside_out(cli, micro_model, tmp_path, monkeypatch, where, action, code, needle):
-    from quantkit import evaluate, export
+    from quantkit.eval import evaluate
+    from quantkit.io import export
 
     if where == "quantize":
         replace_quantize(monkeypatch, action)

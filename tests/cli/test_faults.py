@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from quantkit import export
+from quantkit.io import export
 from tests.test_export import dead_pid, fake_leftover
 from tests.util import FAST_CALIB, leftovers, sleeping_child, subprocess_env
 

@@ -39,7 +39,7 @@ def test_no_gate_is_recorded_and_warned(cli, micro_model, tmp_path):
 
 
 def test_baseline_is_computed_once_for_several_targets(cli, micro_model, tmp_path, monkeypatch):
-    from quantkit import evaluate
+    from quantkit.eval import evaluate
 
     calls = []
     real = evaluate.compute_baseline

@@ -38,7 +38,7 @@ def test_only_runs_the_named_targets_into_an_existing_out(cli, micro_model, tmp_
 
 
 def test_only_unknown_name_lists_the_targets_before_work(cli, micro_model, tmp_path, monkeypatch):
-    from quantkit import evaluate
+    from quantkit.eval import evaluate
 
     monkeypatch.setattr(evaluate, "compute_baseline", lambda *a, **k: (_ for _ in ()).throw(AssertionError))
     result = cli("quantize", micro_model, "--recipe", write_recipe(tmp_path), "--only", "dyn,nope", "-o",
@@ -91,9 +91,9 @@ def test_skip_existing_single_target(cli, micro_model, tmp_path):
 
 
 def test_input_hashes_cover_the_adapter_and_calibration_files(micro_model, tmp_path):
-    from quantkit.cache import input_hashes
+    from quantkit.run.cache import input_hashes
     from quantkit.model import check_model_dir
-    from quantkit.recipe import validate
+    from quantkit.run.recipe import validate
 
     adapter = tmp_path / "adapter"
     adapter.mkdir()

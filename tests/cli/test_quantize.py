@@ -167,7 +167,7 @@ def test_output_parent_missing(cli, micro_model, tmp_path):
 
 
 def test_ctrl_c_during_export_leaves_nothing(cli, micro_model, tmp_path, monkeypatch):
-    from quantkit import export
+    from quantkit.io import export
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
@@ -283,8 +283,8 @@ def whole_model_gptq(model_dir, tmp_path):
 
     from quantkit.methods import QuantizeJob
     from quantkit.model import load_model, load_tokenizer
-    from quantkit.pipeline import RunOptions, make_windows, prepare, window_settings
-    from quantkit.recipe import Overrides, build_recipe
+    from quantkit.run.pipeline import RunOptions, make_windows, prepare, window_settings
+    from quantkit.run.recipe import Overrides, build_recipe
 
     calibration = dict(num_samples=16, seq_len=64, eval_windows=0)
     recipe = build_recipe(None, "gptq", Overrides(model=str(model_dir), calibration=calibration))

@@ -123,7 +123,8 @@ class Stop(Exception):
 
 def test_loads_pass_the_flag_through(monkeypatch, tmp_path):
     """The LoRA merge and the artifact reload forward trust_remote_code (recorded, nothing loaded)."""
-    from quantkit import artifacts, lora
+    from quantkit.eval import artifacts
+    from quantkit.run import lora
     from quantkit.model import ModelInfo
 
     seen = []

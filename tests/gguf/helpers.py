@@ -16,8 +16,8 @@ ALL_MIXES = ["Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L", "Q4_K_S", "Q4_K_M", "Q5_K_S",
 
 
 def need_llama(tool: str) -> Path:
-    """A llama.cpp tool found the way quantkit finds one (quantkit.llamacpp.find_binary), or skip."""
-    from quantkit.llamacpp import find_binary
+    """A llama.cpp tool found the way quantkit finds one (quantkit.eval.llamacpp.find_binary), or skip."""
+    from quantkit.eval.llamacpp import find_binary
 
     path = find_binary(tool)
     if path is None:

@@ -9,17 +9,17 @@ from pathlib import Path
 
 import pytest
 
-from quantkit import mixed
-from quantkit.gguf import budget
+from quantkit.mixed import core as mixed
+from quantkit.mixed import gguf_budget as budget
 from quantkit.gguf.mixture import T
-from quantkit.gguf.sensitivity import candidates, table_row
+from quantkit.mixed.gguf import candidates, table_row
 
 CALIB = ("--num-samples", "4", "--seq-len", "64", "--eval-windows", "4")
 
 
 def row(name: str, scale: float, shape=(256, 256), mixture: str = "Q4_K"):
     """A table row whose error falls by 4 per bit of its candidate types (roughly what the quants do)."""
-    from quantkit.gguf.sensitivity import bits_per_weight
+    from quantkit.mixed.gguf import bits_per_weight
 
     errors = {t.name: scale * 4.0 ** -bits_per_weight(t) for t in candidates(shape[-1])}
     return table_row(name, shape, mixture, errors)
@@ -156,12 +156,12 @@ def test_damage_model_ranks_tensors_like_measured_kld(auto_out, sharp):
     import torch
     from scipy.stats import spearmanr
 
-    from quantkit.calibration import make_windows
+    from quantkit.run.calibration import make_windows
     from quantkit.gguf.convert import load_hparams, plan_tensors
-    from quantkit.gguf.sensitivity import Sensitivity, measure_klds
-    from quantkit.mixed import SensitivityRow
+    from quantkit.mixed.gguf import Sensitivity, measure_klds
+    from quantkit.mixed.core import SensitivityRow
     from quantkit.model import check_model_dir, load_tokenizer
-    from quantkit.recipe import Calibration
+    from quantkit.run.recipe import Calibration
 
     table = Sensitivity.from_dict(json.loads((auto_out / "quantkit.json").read_text())["targets"][0]["details"]
                                   ["sensitivity"]).tensors

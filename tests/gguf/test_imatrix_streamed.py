@@ -11,7 +11,7 @@ def test_streamed_imatrix_equals_in_memory(micro, tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from quantkit.calibration import TokenWindows
+    from quantkit.run.calibration import TokenWindows
     from quantkit.methods import QuantizeJob
     from quantkit.methods.gguf import Options, compute_imatrix
     from quantkit.model import check_model_dir

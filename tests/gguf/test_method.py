@@ -57,7 +57,7 @@ def test_plan_types_are_the_written_types(micro, tmp_path, gguf_type):
 
     from quantkit.gguf import convert as conv
     from quantkit.model import check_model_dir
-    from quantkit.plan import build_plan
+    from quantkit.run.plan import build_plan
 
     info = check_model_dir(micro)
     opts = method.Options(gguf_type=gguf_type, imatrix="none")
@@ -88,7 +88,7 @@ def test_plan_types_unsupported_architecture_is_empty():
 def make_job(model_dir: Path, out: Path, options, model=None, calib=None) -> QuantizeJob:
     import torch
 
-    from quantkit.calibration import TokenWindows
+    from quantkit.run.calibration import TokenWindows
     from quantkit.model import check_model_dir
 
     out.mkdir(parents=True, exist_ok=True)

@@ -228,7 +228,7 @@ def test_types_keep_a_bf16_tower_exactly(vlm, tmp_path):
     rules); every stored value is the source's own, so the proof reports them all exact."""
     from quantkit.gguf.mmproj import convert
     from quantkit.model import check_model_dir
-    from quantkit.vlm_proof import prove_mmproj
+    from quantkit.eval.vlm_proof import prove_mmproj
 
     model = vlm("qwen2_5_vl")
     path = convert(model, tmp_path / "mmproj.gguf").path
@@ -245,7 +245,7 @@ def test_llava_legacy_layout_and_proof(vlm, tmp_path):
     out with their reason, 2-D weights rounded to F16."""
     from quantkit.gguf.mmproj import convert
     from quantkit.model import check_model_dir
-    from quantkit.vlm_proof import prove_mmproj
+    from quantkit.eval.vlm_proof import prove_mmproj
 
     import gguf
 
@@ -267,7 +267,7 @@ def test_changed_mmproj_tensor_fails_the_proof(vlm, tmp_path):
     from quantkit.errors import TowerChangedError
     from quantkit.gguf.mmproj import convert
     from quantkit.model import check_model_dir
-    from quantkit.vlm_proof import prove_mmproj
+    from quantkit.eval.vlm_proof import prove_mmproj
 
     import gguf
 

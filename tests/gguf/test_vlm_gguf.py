@@ -126,7 +126,7 @@ def test_llama_cpp_cannot_load_its_converters_mistral3_mmproj(hub_vlm, tmp_path)
 @pytest.mark.parametrize("kind", KINDS)
 def test_llama_mtmd_cli_runs_an_image_through_quantkits_files(cli, hub_vlm, tmp_path, kind):
     """llama.cpp loads the Q4_K_M language model and the mmproj, encodes the image and generates."""
-    from quantkit.vlm_proof import synthetic_image
+    from quantkit.eval.vlm_proof import synthetic_image
 
     exe = need_llama("llama-mtmd-cli")
     out = tmp_path / "out"

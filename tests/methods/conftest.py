@@ -57,8 +57,8 @@ def mean_kld_vs_base(artifact: Path, base: Path, windows: int = 4) -> float:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from quantkit.calibration import make_windows
-    from quantkit.recipe import Calibration
+    from quantkit.run.calibration import make_windows
+    from quantkit.run.recipe import Calibration
 
     spec = Calibration(num_samples=1, seq_len=64, eval_windows=windows, seed=123)
     ids = make_windows(AutoTokenizer.from_pretrained(base), spec).eval

@@ -39,7 +39,7 @@ def test_pin_memory_site_still_exists():
     from llmcompressor.modifiers.transform.awq import base
 
     from quantkit.methods import awq
-    from quantkit.patching import site_function, site_owner
+    from quantkit.engines.patching import site_function, site_owner
 
     assert site_owner(awq.PIN_MEMORY_SITE)[0].__name__ == "IntermediatesCache"
     assert site_function(awq.PIN_MEMORY_SITE).__name__ == "pin_memory"
@@ -117,7 +117,7 @@ def test_awq_autoawq_backend_fails_honestly(cli, micro_model, tmp_path):
 
 
 def test_mappings_cover_required_architectures():
-    from quantkit.methods.mappings import awq_mappings
+    from quantkit.arch.mappings import awq_mappings
 
     for model_type in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "gemma3_text"):
         assert len(awq_mappings(model_type)) >= 3, model_type

@@ -1,4 +1,4 @@
-"""awq --auto-precision: gptq's per-layer int4/int8/16-bit plan (quantkit.methods.intmix) through
+"""awq --auto-precision: gptq's per-layer int4/int8/16-bit plan (quantkit.mixed.layers) through
 llm-compressor's AWQModifier, with the constraints AWQ puts on a plan (one precision per mapping's
 quantized balance layers; a quantized smooth Linear keeps a quantized balance layer), and the mixed
 artifact reloaded by transformers with its config groups."""
@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from quantkit.mixed import SensitivityRow
-from quantkit.methods import awq, intmix
+from quantkit.mixed.core import SensitivityRow
+from quantkit.methods import awq
+from quantkit.mixed import layers as intmix
 from tests.methods.conftest import CALIB_ARGS, LOOSE_TOP1, quant_config, report
 from tests.methods.test_gptq_auto import layer_stored_bytes, stored
 

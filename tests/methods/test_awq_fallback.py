@@ -1,4 +1,4 @@
-"""awq --fallback: a fallback step (quantkit.mixed.raise_plan on awq's ladder) over AWQ's raise units (a
+"""awq --fallback: a fallback step (quantkit.mixed.core.raise_plan on awq's ladder) over AWQ's raise units (a
 mapping's balance layers raised together; a quantized smooth layer's balance layers at most int8), and
 end to end a failing gate turned into a passing mixed int4/int8 artifact, or stopped with exit 3 when
 max_size is spent."""
@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from quantkit.methods import QuantizeJob, QuantizeResult, awq, intmix
-from quantkit.mixed import Fallback, SensitivityRow, raise_plan
+from quantkit.methods import QuantizeJob, QuantizeResult, awq
+from quantkit.mixed import layers as intmix
+from quantkit.mixed.core import Fallback, SensitivityRow, raise_plan
 from tests.methods.conftest import CALIB_ARGS, quant_config, report
 from tests.methods.test_gptq_fallback import (SPIKED, assert_fallback_passed, spent_budget_run,  # noqa: F401
                                              spiky)  # spiky: the module fixture
@@ -88,7 +89,7 @@ def test_every_fallback_step_keeps_awq_constraints_until_nothing_is_left_to_rais
 
 
 def test_recipe_fallback_is_accepted_for_awq(tmp_path):
-    from quantkit.recipe import target_options, validate
+    from quantkit.run.recipe import target_options, validate
 
     recipe = validate({"targets": [{"name": "a", "method": "awq", "options": {"fallback": {"max_size": "+10%"}}}]})
     options = target_options(recipe.targets[0])

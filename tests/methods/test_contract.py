@@ -12,7 +12,7 @@ import pytest
 from pydantic import BaseModel
 
 from quantkit.methods import METHODS, MethodSpec, get_method
-from quantkit.recipe import Calibration, Gate
+from quantkit.run.recipe import Calibration, Gate
 
 
 @pytest.mark.parametrize("name", list(METHODS))

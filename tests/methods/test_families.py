@@ -17,7 +17,7 @@ from tests.methods.conftest import CALIB_ARGS, assert_nothing_written, report
 
 # Random weights: the gate is loosened; strict reload is enforced whatever the gate says.
 LOOSE_GATE = ["--max-kld", "1", "--max-ppl-increase", "1", "--min-top1", "0"]
-# MoE experts reload in transformers only without zero points (quantkit.methods.moe).
+# MoE experts reload in transformers only without zero points (quantkit.arch.moe).
 METHOD_ARGS = {"fp8": [], "gptq": [], "awq": ["--symmetric"], "smoothquant": ["--smoothing-strength", "0.5"],
                "nf4": []}
 MOE = ("mixtral", "qwen3moe", "qwen2moe")
@@ -75,7 +75,7 @@ def strict_reload_info(out: Path) -> dict:
 
 def assert_routing_reported(out: Path, family: str) -> None:
     """MoE + calibrated method: tokens routed to each expert, summing to tokens x top-k per router."""
-    from quantkit.methods.moe import MIN_EXPERT_TOKENS, starved_experts
+    from quantkit.arch.moe import MIN_EXPERT_TOKENS, starved_experts
 
     details = report(out)["targets"][0]["details"]
     counts = details["expert_routed_tokens"]
@@ -132,7 +132,7 @@ def test_moe_refuses_expert_formats_transformers_cannot_reload(cli, family_model
 
 
 def test_unknown_moe_architecture_is_refused_before_work(cli, family_models, tmp_path):
-    """An MoE model_type without a row in quantkit.methods.moe's table: exit 2 naming the supported ones."""
+    """An MoE model_type without a row in quantkit.arch.moe's table: exit 2 naming the supported ones."""
     import shutil
 
     model = tmp_path / "moe"

@@ -39,7 +39,7 @@ def test_base_weights_are_freed_after_the_quantize_step(cli, micro_model, tmp_pa
 
     from compressed_tensors.offload import disable_onloading
 
-    from quantkit import pipeline
+    from quantkit.run import pipeline
 
     seen, real = {}, pipeline.run_target
 

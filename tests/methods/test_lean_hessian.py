@@ -1,12 +1,12 @@
-"""quantkit.methods.lean_hessian: llm-compressor's GPTQ with the Hessian kept in place gives the same bits."""
+"""quantkit.engines.llmcompressor.lean_hessian: llm-compressor's GPTQ with the Hessian kept in place gives the same bits."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from quantkit.methods import lean_hessian
-from quantkit.patching import site_function
+from quantkit.engines.llmcompressor import lean_hessian
+from quantkit.engines.patching import site_function
 
 
 def hessian(width: int, dead: tuple[int, ...] = (), seed: int = 0) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""quantkit.methods.llmc: the glue around llm-compressor's oneshot."""
+"""quantkit.engines.llmcompressor.llmc: the glue around llm-compressor's oneshot."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from quantkit.methods import llmc
+from quantkit.engines.llmcompressor import llmc
 from quantkit.model import Offload
-from quantkit.patching import site_function
+from quantkit.engines.patching import site_function
 
 
 def job(offload: Offload | None, device: str) -> SimpleNamespace:

@@ -1,4 +1,4 @@
-"""fp8-dynamic without loading the model (quantkit.methods.model_free) against llm-compressor's
+"""fp8-dynamic without loading the model (quantkit.engines.llmcompressor.model_free) against llm-compressor's
 oneshot on the loaded model: the same tensors bit for bit, the same config.json and recipe.yaml, the
 same logits after transformers reloads them; and the function choosing the path."""
 
@@ -12,9 +12,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from quantkit.methods import QuantizeJob, fp8, llmc, model_free
+from quantkit.engines.llmcompressor import llmc, model_free
+from quantkit.methods import QuantizeJob, fp8
 from quantkit.model import check_model_dir, load_model, load_tokenizer
-from quantkit.plan import ignore_patterns
+from quantkit.run.plan import ignore_patterns
 
 
 def job_for(model_dir: Path, out: Path, options: fp8.Options | None = None, dtype: str = "auto") -> QuantizeJob:

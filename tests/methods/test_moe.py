@@ -1,11 +1,11 @@
-"""quantkit.methods.moe's tables and pure functions, and the MoE smoothing rows (no model runs)."""
+"""quantkit.arch.moe's tables and pure functions, and the MoE smoothing rows (no model runs)."""
 
 from __future__ import annotations
 
 import pytest
 
-from quantkit.methods import moe
-from quantkit.methods.mappings import awq_mappings, smoothquant_mappings
+from quantkit.arch import moe
+from quantkit.arch.mappings import awq_mappings, smoothquant_mappings
 
 
 def test_starved_experts_lists_only_those_under_the_threshold():
@@ -82,14 +82,14 @@ def test_phi3_rows_use_the_fused_projections():
 
 @pytest.mark.parametrize("method", ["fp8", "gptq", "nf4"])
 def test_an_moe_architecture_without_a_table_row_is_refused_before_work(method, micro_model):
-    """Experts in a layout quantkit.methods.moe does not know (Llama 4's) would be saved under names
+    """Experts in a layout quantkit.arch.moe does not know (Llama 4's) would be saved under names
     transformers does not reload; nf4's artifact crashed on reload. Every method refuses it first."""
     import dataclasses
 
     from quantkit.errors import UnsupportedError
     from quantkit.methods import get_method
     from quantkit.model import check_model_dir
-    from quantkit.recipe import Calibration
+    from quantkit.run.recipe import Calibration
 
     info = check_model_dir(micro_model)
     unknown = dataclasses.replace(info, model_type="llama4_text",

@@ -42,7 +42,7 @@ def test_smoothquant_bad_strength_and_too_few_tokens(cli, micro_model, tmp_path)
 
 
 def test_gemma2_maps_the_mlp_to_pre_feedforward_norm():
-    from quantkit.methods.mappings import smoothquant_mappings
+    from quantkit.arch.mappings import smoothquant_mappings
 
     smooth_layers = [m.smooth for m in smoothquant_mappings("gemma2")]
     assert "re:.*pre_feedforward_layernorm$" in smooth_layers

@@ -1,0 +1,160 @@
+"""Smoothing mappings per architecture, as data: one table for AWQ and SmoothQuant.
+
+model_type -> [Mapping(smooth layer, balance layers)], llm-compressor regex syntax (`re:` +
+re.match). The smooth layer's output is the balance layers' input: a per-channel scale s
+divides the smooth layer's output channels and multiplies the balance layers' input columns
+(mathematically a no-op), chosen by AWQ to minimise the quantized block's output error, and by
+SmoothQuant as s_j = max|X_j|^alpha / max|W_j|^(1-alpha).
+
+- AWQ uses the rows marked `awq` (norm -> linears and linear -> linear).
+- SmoothQuant uses the rows marked `smoothquant`: only rows whose smooth layer is a norm (o_proj's
+  and down_proj's inputs are not a norm output, so they are never smoothed there), and for MoE
+  models not the norm feeding the experts (one scale shared by every expert unbalances them;
+  llm-compressor's Mixtral/Qwen-MoE convention, as TensorRT-LLM's).
+
+Sources: llm-compressor 0.14 `modifiers/transform/awq/mappings.py` (default, Phi-3, MoE, Gemma2
+and Gemma3 lists) and `modifiers/transform/smoothquant/utils.py` (default, Phi-3, Mixtral and
+Qwen-MoE lists), and the model definitions in transformers 5. Offset norms (Gemma's x * (1 + w))
+are converted by llm-compressor around calibration, so smoothing them is sound.
+
+MoE (module names after transformers 5 loads the model and llm-compressor linearizes the
+experts: `mlp.gate` router, `mlp.experts.N.{gate,up,down}_proj`, Mixtral's `block_sparse_moe`
+renamed to `mlp`): the MLP norm's row balances the router together with the experts' gate/up
+projections, so scaling the norm's output leaves the routing unchanged (llm-compressor's
+`_moe_default_mappings`, used there for Qwen2-MoE/Qwen3-MoE; llm-compressor has no Mixtral AWQ
+entry and would fall back to the dense rows, which leave the router uncompensated, so Mixtral
+takes the MoE rows). Qwen2-MoE also feeds its shared expert and `shared_expert_gate` from that
+norm: they are balance layers of the same row (llm-compressor's MoE list leaves them out, which
+would scale the shared expert's input uncompensated).
+
+VLMs: the rows of the text model (`text_config.model_type`) resolved inside the family's language
+model component (`re:(.*\.)?language_model\..*q_proj$`), so a vision tower's own norms and
+projections (Mllama's vision layers are named `input_layernorm`/`q_proj` too) are never smoothed.
+Refused before work: towers found by look (where the language model sits is not known), Mllama-style
+cross-attention layers (their k/v projections read image features, not the norm's output), and a
+text model without a row.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+
+from quantkit.errors import UnsupportedError
+
+
+@dataclass(frozen=True)
+class Mapping:
+    smooth: str  # the layer whose output channels are divided by s
+    balance: tuple[str, ...]  # the layers whose input columns are multiplied by s
+    smoothquant: bool  # SmoothQuant uses this row (a norm's row)
+    awq: bool = True  # False: AWQ leaves this row out
+
+
+QKV = ("re:.*q_proj$", "re:.*k_proj$", "re:.*v_proj$")
+GATE_UP = ("re:.*gate_proj$", "re:.*up_proj$")
+MOE_GATE_UP = ("re:.*mlp.gate$", "re:.*mlp.experts.*.gate_proj$", "re:.*mlp.experts.*.up_proj$")
+SHARED_EXPERT = ("re:.*mlp.shared_expert.gate_proj$", "re:.*mlp.shared_expert.up_proj$", "re:.*mlp.shared_expert_gate$")
+
+
+def decoder_rows(mlp_norm: str, awq_attention_norm: bool = True, mlp_balance: tuple[str, ...] = GATE_UP,
+                 smoothquant_mlp: bool = True) -> list[Mapping]:
+    """The four rows of a Llama-style decoder layer; `mlp_norm` is the norm feeding the MLP,
+    `mlp_balance` the layers it feeds."""
+    return [
+        Mapping("re:.*input_layernorm$", QKV, smoothquant=True, awq=awq_attention_norm),
+        Mapping("re:.*v_proj$", ("re:.*o_proj$",), smoothquant=False),
+        Mapping(f"re:.*{mlp_norm}$", mlp_balance, smoothquant=smoothquant_mlp),
+        Mapping("re:.*up_proj$", ("re:.*down_proj$",), smoothquant=False),
+    ]
+
+
+LLAMA_LIKE = decoder_rows("post_attention_layernorm")
+# Gemma 2/3: the MLP input is pre_feedforward_layernorm (post_attention_layernorm normalizes
+# the attention output before the residual add).
+GEMMA2 = decoder_rows("pre_feedforward_layernorm")
+# Gemma 3 normalizes q and k after projection (q_norm/k_norm); AWQ smoothing input_layernorm ->
+# q/k/v was measured worse than round-to-nearest (llm-compressor issue #2522), so AWQ leaves it out.
+GEMMA3 = decoder_rows("pre_feedforward_layernorm", awq_attention_norm=False)
+# Phi-3/Phi-4 fuse q/k/v into qkv_proj and gate/up into gate_up_proj. AWQ's qkv_proj -> o_proj row
+# is skipped by llm-compressor wherever qkv_proj's width differs from o_proj's input (GQA).
+PHI3 = [
+    Mapping("re:.*input_layernorm$", ("re:.*qkv_proj$",), smoothquant=True),
+    Mapping("re:.*qkv_proj$", ("re:.*o_proj$",), smoothquant=False),
+    Mapping("re:.*post_attention_layernorm$", ("re:.*gate_up_proj$",), smoothquant=True),
+    Mapping("re:.*gate_up_proj$", ("re:.*down_proj$",), smoothquant=False),
+]
+MOE = decoder_rows("post_attention_layernorm", mlp_balance=MOE_GATE_UP, smoothquant_mlp=False)
+QWEN2_MOE = decoder_rows("post_attention_layernorm", mlp_balance=MOE_GATE_UP + SHARED_EXPERT, smoothquant_mlp=False)
+
+SMOOTHING_MAPPINGS: dict[str, list[Mapping]] = {
+    "llama": LLAMA_LIKE,
+    "mistral": LLAMA_LIKE,
+    "qwen2": LLAMA_LIKE,
+    "qwen3": LLAMA_LIKE,
+    "gemma": LLAMA_LIKE,
+    "gemma2": GEMMA2,
+    "gemma3": GEMMA3,
+    "gemma3_text": GEMMA3,
+    "phi3": PHI3,
+    # the text models of VLM families (their decoder layers are Llama's)
+    "qwen2_vl_text": LLAMA_LIKE,
+    "qwen2_5_vl_text": LLAMA_LIKE,
+    "qwen3_vl_text": LLAMA_LIKE,
+    "mixtral": MOE,
+    "qwen2_moe": QWEN2_MOE,
+    "qwen3_moe": MOE,
+}
+
+
+def supported_model_types() -> list[str]:
+    return sorted(SMOOTHING_MAPPINGS)
+
+
+def awq_mappings(model_type: str) -> list[Mapping]:
+    return [m for m in SMOOTHING_MAPPINGS[model_type] if m.awq]
+
+
+def smoothquant_mappings(model_type: str) -> list[Mapping]:
+    return [m for m in SMOOTHING_MAPPINGS[model_type] if m.smoothquant]
+
+
+def inside(component: str, rows: list[Mapping]) -> list[Mapping]:
+    """`rows` with every pattern resolved only under the module `component` (a VLM's language model)."""
+    prefix = rf"re:(.*\.)?{re.escape(component)}\."
+
+    def anchored(pattern: str) -> str:
+        return prefix + pattern.removeprefix("re:")
+
+    return [replace(row, smooth=anchored(row.smooth), balance=tuple(anchored(b) for b in row.balance))
+            for row in rows]
+
+
+def model_mappings(info, method: str) -> list[Mapping]:
+    """Every row for this model (text model or VLM), or UnsupportedError before any work."""
+    from quantkit.arch.vlm import FAMILIES
+
+    towers = info.towers
+    if not towers.components:
+        return rows_for(info.model_type, method)
+    if towers.family is None:
+        raise UnsupportedError(
+            f"{method}: {info.architecture} has towers found by look ({', '.join(towers.unknown)}), so where "
+            "its language model sits is not known and the smoothing mappings cannot be resolved inside it",
+            hint="use gptq (W4A16) or fp8 for this model; its towers stay 16-bit either way")
+    family = FAMILIES[towers.family]
+    if family.cross_attention:
+        raise UnsupportedError(
+            f"{method}: {family.name} refused: its cross-attention layers' k/v projections read image "
+            "features, not the norm's output, so the smoothing rows do not hold there",
+            hint="use gptq (W4A16) or fp8 for this model")
+    text_type = (info.config.get("text_config") or {}).get("model_type", "unknown")
+    return inside(family.language, rows_for(text_type, method, f" (the text model of {family.name})"))
+
+
+def rows_for(model_type: str, method: str, what: str = "") -> list[Mapping]:
+    if model_type not in SMOOTHING_MAPPINGS:
+        raise UnsupportedError(
+            f"{method} has no smoothing mappings for architecture '{model_type}'{what}",
+            hint="supported model types: " + ", ".join(supported_model_types()) + "; or use gptq, which needs no mappings")
+    return SMOOTHING_MAPPINGS[model_type]

@@ -1,0 +1,150 @@
+"""Several ranks under torchrun: llm-compressor's distributed GPTQ, with rank 0 the only rank that
+scores, gates and publishes.
+
+torchrun starts one quantkit per rank (one per GPU). Every rank checks the same inputs, loads the
+model, takes its own share of the calibration windows and runs the same GPTQ oneshot. llm-compressor
+sums each layer's Hessians onto the rank that quantizes that Linear and hands the quantized weights
+to every rank, so each rank ends with the whole quantized model. Rank 0 alone scores the baseline,
+saves the artifact, gates it and publishes it; the other ranks write nothing and exit 0.
+
+quantkit gives each rank its share itself. llm-compressor 0.14.0.1 splits a dataset that is the same
+on every rank on its own, but it builds the sampler on the split and the DataLoader on the whole set
+(`llmcompressor.datasets.utils._make_sampler`), so every rank calibrates on the first share:
+`scripts/check_distributed_gptq.py` shows it, and that quantkit's split gives the one-process result.
+
+llm-compressor 0.14.0.1 does not hand a rank's quantized weights to the others when the module runs
+on the CPU (`broadcast_qparams_and_cleanup(skip_cpu=True)`: CPU weights are shared between the ranks),
+and nothing waits for the owning rank to finish writing them, so the next layer's inputs were
+computed from half-written weights in some runs (on gloo: top-1 agreement 5% instead of 61% on the
+toy model, one run in three). `synchronized_gptq()` adds a barrier after it.
+
+Only a plain GPTQ target runs on several ranks: a method other than gptq, auto-precision and
+fallback (which re-quantize from rank 0's measurements), and the run-wide options in
+ONE_PROCESS_FLAGS are refused before any work. With --offload-dir each rank keeps its own disk
+copy, and the weights a rank quantizes never reach the others' copies: on gloo the toy model's
+second layer came out different (70-92% of its int4 values).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator, Mapping
+
+from quantkit.errors import InputError, UnsupportedError
+
+DISTRIBUTED_METHODS = ("gptq",)
+BROADCAST_SITE = ("llmcompressor.modifiers.gptq.base", "broadcast_qparams_and_cleanup")
+# run-wide options that need one process: flag -> (why, what to do instead)
+ONE_PROCESS_FLAGS = {
+    "--lora": ("the adapters are merged into a checkpoint that rank 0 alone would write",
+               "merge first (`quantkit merge BASE --lora ADAPTER -o MERGED`), then launch on the merged checkpoint"),
+    "--offload-dir": ("each rank would keep its own disk copy, and llm-compressor does not hand the weights a "
+                      "rank quantizes to the others' copies: they would calibrate the next layer on stale weights",
+                      "drop --offload-dir (each rank holds the model in RAM), or run one process with it"),
+    "--skip-existing": ("rank 0 alone would decide which targets run", "name the targets to run with --only"),
+    "--partial": ("rank 0 alone would go on past a target that fails", "drop --partial"),
+}
+TIMEOUT_HOURS = 6  # the other ranks wait at the first collective while rank 0 scores the baseline
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """Where this process stands in a torchrun launch; Ranks() is a plain single process."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    def share(self, count: int) -> slice:
+        """This rank's contiguous share of `count` items: floor boundaries, as llm-compressor splits."""
+        return slice(count * self.rank // self.world_size, count * (self.rank + 1) // self.world_size)
+
+
+def ranks_from(env: Mapping[str, str]) -> Ranks:
+    """The launcher's RANK / WORLD_SIZE / LOCAL_RANK; a plain single process without them."""
+    try:
+        world = int(env.get("WORLD_SIZE", "1"))
+        rank, local = int(env.get("RANK", "0")), int(env.get("LOCAL_RANK", env.get("RANK", "0")))
+    except ValueError as exc:
+        raise InputError(f"cannot read the torchrun environment: {exc}",
+                         hint="launch with `torchrun --nproc-per-node N quantkit quantize ...`, or without torchrun")
+    if world < 1 or not 0 <= rank < world:
+        raise InputError(f"RANK={rank} is not one of WORLD_SIZE={world} ranks", hint="launch with torchrun")
+    return Ranks(rank, world, local)
+
+
+def check_launch(ranks: Ranks, targets: list[tuple[str, str, object]], num_samples: int, flags: list[str]) -> None:
+    """Refuse, before work, what cannot run on several ranks. `targets` are (name, method, options);
+    `flags` the run-wide options given (names as in ONE_PROCESS_FLAGS)."""
+    if not ranks.distributed:
+        return
+    launch = f"this is one of {ranks.world_size} torchrun ranks"
+    for name, method, options in targets:
+        if method not in DISTRIBUTED_METHODS:
+            raise UnsupportedError(f"target '{name}': {method} runs in one process only, but {launch}",
+                                   hint="launch gptq targets with torchrun (--only), the others without it")
+        extras = [flag for flag, value in (("auto-precision", options.auto_precision),
+                                           ("fallback", options.fallback)) if value is not None]
+        if extras:
+            raise UnsupportedError(f"target '{name}': gptq with {' and '.join(extras)} runs in one process only, "
+                                   f"but {launch}", hint="drop it, or run without torchrun")
+    if flags:  # the first one given is named
+        why, hint = ONE_PROCESS_FLAGS[flags[0]]
+        raise UnsupportedError(f"{flags[0]} runs in one process only ({why}), but {launch}", hint=hint)
+    if num_samples < ranks.world_size:
+        raise InputError(f"{num_samples} calibration windows cannot be shared by {ranks.world_size} ranks",
+                         hint=f"raise --num-samples to at least {ranks.world_size}")
+
+
+@contextmanager
+def process_group(ranks: Ranks, device: str) -> Iterator[None]:
+    """Join the process group torchrun set up (NCCL with one GPU per rank, gloo on CPU) while inside;
+    nothing for a single process."""
+    if not ranks.distributed:
+        yield
+        return
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    cuda = device != "cpu" and torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(ranks.local_rank)
+    dist.init_process_group("nccl" if cuda else "gloo", rank=ranks.rank, world_size=ranks.world_size,
+                            timeout=datetime.timedelta(hours=TIMEOUT_HOURS))
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def broadcast_then_wait(*args, **kwargs) -> None:
+    """llm-compressor's broadcast_qparams_and_cleanup, then every rank waits for the others: the
+    CPU modules it skips are written in place by their owning rank."""
+    import torch.distributed as dist
+    from llmcompressor.utils.dist import broadcast_qparams_and_cleanup
+
+    broadcast_qparams_and_cleanup(*args, **kwargs)
+    dist.barrier()
+
+
+@contextmanager
+def synchronized_gptq(ranks: Ranks) -> Iterator[None]:
+    """GPTQ's hand-over of quantized weights followed by a barrier while inside (several ranks only)."""
+    if not ranks.distributed:
+        yield
+        return
+    from quantkit.engines.patching import swapped
+
+    with swapped({BROADCAST_SITE: broadcast_then_wait}):
+        yield

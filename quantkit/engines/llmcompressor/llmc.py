@@ -1,0 +1,206 @@
+"""Shared glue for the methods that run through llm-compressor (fp8, gptq, awq, smoothquant)."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+from quantkit.io.shards import SHARD_BYTES, plain_writes
+
+ENGINE = "llmcompressor"
+FORMAT = "compressed-tensors"
+# the sequential pipeline holds every weight of a subgraph onloaded while it runs it (onloaded_per_forward)
+SUBGRAPH_ONLOAD_SITE = ("llmcompressor.pipelines.sequential.pipeline", "disable_offloading")
+
+
+def run_oneshot(job, recipe, calibrate: bool, reads_weights_only: bool = False) -> None:
+    """Apply llm-compressor modifiers to job.model in place (layer by layer when calibrating). GPTQ keeps
+    one copy of each Hessian (quantkit.engines.llmcompressor.lean_hessian). Under torchrun each rank calibrates on
+    its own share of the windows (quantkit.engines.llmcompressor.distributed). `reads_weights_only`: the recipe's modifiers
+    never change an onloaded weight in place between forwards (GPTQ; not AWQ, whose grid search
+    does), so a subgraph's weights need not stay onloaded (onloaded_per_forward)."""
+    from llmcompressor import oneshot
+
+    from quantkit.engines.llmcompressor.distributed import synchronized_gptq
+    from quantkit.engines.llmcompressor import lean_hessian
+    from quantkit.eval.stream import map_large_allocations
+
+    kwargs = {}
+    if calibrate:
+        map_large_allocations()
+        share = job.ranks.share(len(job.windows.calib))  # all of them in one process
+        kwargs = dict(
+            dataset=job.windows.calib_dataset(share),
+            num_calibration_samples=share.stop - share.start,
+            max_seq_length=job.windows.calib.shape[1],
+            shuffle_calibration_samples=False,
+            pipeline="sequential",
+            moe_calibrate_all_experts=True,  # every expert sees every token (quantkit.arch.moe)
+        )
+    towers = tower_modifiers(job)
+    if towers:  # data-free first: the sequential pipeline computes scales only for modules that run
+        oneshot(model=job.model, recipe=towers, tokenizer=job.tokenizer, log_dir=None,
+                trust_remote_code_model=job.trust_remote_code)
+    # plain writes: with --offload-dir every weight GPTQ updates is rewritten to disk (quantkit.io.shards)
+    with (lean_hessian.lean_hessians(), synchronized_gptq(job.ranks), plain_writes(),
+          onloaded_per_forward(job, reads_weights_only)):
+        oneshot(model=job.model, recipe=recipe, tokenizer=job.tokenizer, log_dir=None,
+                trust_remote_code_model=job.trust_remote_code, **kwargs)  # it re-reads config.json
+
+
+def reads_layers_per_forward(job) -> bool:
+    """Decoder layers on disk and the CPU doing the work: --offload-dir on a machine without a GPU."""
+    from quantkit.model import device_map
+
+    return job.offload is not None and job.offload.layers and device_map(job.device) == "cpu"
+
+
+@contextmanager
+def onloaded_per_forward(job, reads_weights_only: bool) -> Iterator[None]:
+    """With reads_layers_per_forward and modifiers that only read the weights between forwards, each
+    module's weight is read from disk for each forward and dropped after it, instead of a whole
+    layer held onloaded for the time llm-compressor works on it.
+
+    llm-compressor keeps a subgraph's weights for its calibration pass, its GPTQ step and its
+    propagation pass (compressed-tensors' disable_offloading) to spare a GPU the same host-to-device
+    copies batch after batch. On a CPU the onloaded copy is the disk copy read again: here it was a
+    whole layer (116 MiB on the 1B benchmark model) resident beside the layer's Hessians, at the
+    run's peak, for no saving but page-cache reads. GPTQ's own step still holds the one module it
+    quantizes (its compress_module_list keeps its disable_offloading). AWQ's grid search writes trial
+    scales into the onloaded weights (`weight.data.copy_`) and relies on them staying: it keeps
+    llm-compressor's behaviour."""
+    from contextlib import nullcontext
+
+    from quantkit.engines.patching import swapped
+
+    if not (reads_weights_only and reads_layers_per_forward(job)):
+        yield
+        return
+    with swapped({SUBGRAPH_ONLOAD_SITE: nullcontext}):
+        yield
+
+
+def tower_linears(job) -> dict[str, list[str]]:
+    """int8/int4 -> the Linear modules of the tower roles the target quantizes (job.towers). Linear
+    subclasses (nn.MultiheadAttention's out_proj in SigLIP's pooling head) stay 16-bit: transformers
+    cannot reload them quantized."""
+    import torch
+
+    from quantkit.run.plan import TOWER_EMBEDDING, classify
+
+    chosen: dict[str, list[str]] = {}
+    if not job.towers:  # the rule: every tower stays 16-bit, nothing to look for
+        return chosen
+    for name, module in job.model.named_modules():
+        role = classify(name, job.info.towers)
+        if role in job.towers and type(module) is torch.nn.Linear and not TOWER_EMBEDDING.search(name):
+            chosen.setdefault(job.towers[role], []).append(name)
+    return chosen
+
+
+def tower_group_size(widths: list[int]) -> int:
+    """The largest of plan.TOWER_GROUP_SIZES dividing every input width; -1 (per channel) if none does."""
+    from quantkit.run.plan import TOWER_GROUP_SIZES
+
+    return next((g for g in TOWER_GROUP_SIZES if all(w % g == 0 for w in widths)), -1)
+
+
+def tower_modifiers(job) -> list:
+    """Round-to-nearest weight-only quantization of the towers a target asks for (`vision`/`projector`),
+    as its own config group, before the method's modifiers (text-only calibration never runs a tower,
+    so GPTQ/AWQ could not calibrate them)."""
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+
+    from quantkit.methods.gptq import weight_args
+    from quantkit.run.plan import TOWER_BITS
+
+    groups = {}
+    for precision, names in tower_linears(job).items():
+        widths = [job.model.get_submodule(n).in_features for n in names]
+        group_size = -1 if precision == "int8" else tower_group_size(widths)
+        groups[f"towers_{precision}"] = {"targets": names, "weights": weight_args(TOWER_BITS[precision], group_size, True)}
+    return [QuantizationModifier(config_groups=groups)] if groups else []
+
+
+def decoder_ignore(job) -> list[str]:
+    """The method's own modifiers' ignore list: the target's, plus the tower modules tower_modifiers quantizes."""
+    return job.ignore + [name for names in tower_linears(job).values() for name in names]
+
+
+def calibration_details(job) -> dict:
+    """Report fields of a calibrated method: the calibration tokens, and for an MoE model the tokens
+    routed to each expert (counted before quantization, quantkit.arch.moe)."""
+    from quantkit.arch.moe import routing_details
+    from quantkit.model import device_map
+
+    return {"calibration_tokens": int(job.windows.calib.numel()),
+            **routing_details(job.model, job.info, job.windows.calib, device_map(job.device))}
+
+
+def save_compressed(job) -> None:
+    """compressed-tensors checkpoint + tokenizer into the staging directory (MoE experts under the
+    checkpoint's tensor names, quantkit.arch.moe)."""
+    from quantkit.arch.moe import set_save_names
+
+    set_save_names(job.model, job.info.model_type)
+    # bounded shards, each written with plain writes: safetensors maps the output file while it fills
+    # it, so a whole shard's pages would count in the RSS beside the model (quantkit.io.shards.save_file)
+    # under torchrun every rank compresses a share of the modules and rank 0 writes them
+    with plain_writes():
+        job.model.save_pretrained(job.out_dir, save_compressed=True, max_shard_size=SHARD_BYTES)
+    if job.ranks.is_main:
+        finish_artifact(job.out_dir, job.tokenizer, job.ignore)
+    release_session()
+
+
+def finish_artifact(out_dir, tokenizer, ignore: list[str]) -> None:
+    """Beside a compressed-tensors checkpoint: the tokenizer, and the ignore list completed for
+    transformers (the oneshot and the model-free paths alike)."""
+    from quantkit.io.export import add_module_names_to_ignore, add_patterns_to_ignore
+
+    tokenizer.save_pretrained(out_dir)
+    add_module_names_to_ignore(out_dir)  # so transformers, not only vLLM, reloads VLM artifacts right
+    add_patterns_to_ignore(out_dir, ignore)  # every module of a kept tower, Linear subclasses too
+
+
+def release_session() -> None:
+    """llm-compressor keeps the last model in its global session; drop it so memory can be freed."""
+    from llmcompressor.core import reset_session
+
+    reset_session()
+
+
+
+@contextmanager
+def reloaded_model(job) -> Iterator[None]:
+    """The full-precision model loaded again into job.model for the time inside, then freed (to_meta,
+    as the pipeline frees it) and job.model set back to None. A gate-driven fallback step needs it:
+    llm-compressor quantized and compressed the previous model in place, and the pipeline freed it
+    before measuring. What the first load put on disk goes to a fresh folder inside the target's,
+    removed on exit."""
+    import shutil
+    import tempfile
+
+    from quantkit.model import Offload, load_model
+
+    offload = None
+    if job.offload is not None:
+        offload = Offload(Path(tempfile.mkdtemp(prefix="reload-", dir=job.offload.folder)), job.offload.layers)
+    try:
+        job.model = load_model(job.info, job.dtype, job.device, job.trust_remote_code, offload)
+        yield
+    finally:
+        release_session()
+        job.free_model()
+        if offload is not None:
+            shutil.rmtree(offload.folder, ignore_errors=True)
+
+
+def clear_weights(out_dir) -> None:
+    """Remove the safetensors weights (and their index) of an earlier save from out_dir, so a re-save
+    that shards differently leaves no stale shard behind."""
+    for path in Path(out_dir).glob("*.safetensors"):
+        path.unlink()
+    for path in Path(out_dir).glob("*.safetensors.index.json"):
+        path.unlink()

@@ -1,0 +1,326 @@
+"""Quality metrics and the gate: perplexity, KL divergence and top-1 agreement against the base.
+
+Protocol (also in README): held-out windows of `seq_len` tokens that never overlap the
+calibration windows, each starting with BOS where the tokenizer has one. Every next-token
+prediction inside a window is scored (seq_len - 1 per window). The baseline is run once per
+run; its log-probabilities are kept in float16 (in memory, or in a temporary file read and written
+with plain I/O when they would exceed SPILL_THRESHOLD bytes) together with its float32 NLL and argmax. A
+candidate's log-probabilities are rounded to float16 the same way before the KL divergence
+KL(base || candidate) is taken, so an artifact identical to the base scores exactly 0.
+
+A model is seen through a Scorer: windows -> an iterator of ScoredChunks, each the log-probs of
+a block of consecutive positions (window-major, predictions 0..L-2 of each window) and their
+targets. The baseline and the comparison consume the chunks on the fly, so no [positions x
+vocab] float32 array is ever whole; a model object gives chunks through `model_scorer`, a
+layer-streamed forward through `quantkit.eval.stream.streamed_scorer`.
+
+Non-finite values (issue 13): a candidate position whose log-probs hold a NaN never agrees on
+top-1 and has a NaN KL divergence, so NaN/Inf shows in the metrics, and the gate's `finite`
+check fails any non-finite metric even when the gate is not enforced.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Iterator, NamedTuple
+
+import numpy as np
+
+SPILL_THRESHOLD = 64 * 1024 * 1024  # float16 baseline log-probs above this go to a file (quantkit.io.rowio)
+BATCH_LOGITS_BYTES = 64 * 1024 * 1024  # float32 logits per forward batch; a few copies live at once
+CHUNK_BYTES = 32 * 1024 * 1024  # float32 log-probs per scored chunk; a few copies live at once
+GATE_METRICS = (  # (metric, threshold field, comparison)
+    ("ppl_increase", "max_ppl_increase", "<="),
+    ("kld_mean", "max_kld", "<="),
+    ("top1", "min_top1", ">="),
+)
+NO_TOP1 = -1  # a baseline position whose log-probs are not finite: nothing agrees with it
+
+
+class ScoredChunk(NamedTuple):
+    logprobs: "torch.Tensor"  # noqa: F821  float32 (n, vocab): log-softmax of the next-token logits
+    targets: "torch.Tensor"  # noqa: F821  int64 (n,): the tokens that followed
+
+
+Scorer = Callable[["torch.Tensor"], Iterator[ScoredChunk]]  # noqa: F821  windows (w, L) -> chunks in position order
+LogitsFn = Callable[["torch.Tensor"], "torch.Tensor"]  # noqa: F821  (input_ids (b, L) -> logits (b, L, V))
+
+
+@dataclass
+class Baseline:
+    logprobs: "np.ndarray | RowFile"  # noqa: F821  float16 (positions, vocab), read by row ranges
+    nll: np.ndarray  # float32 (positions,)
+    top1: np.ndarray  # int32 (positions,); NO_TOP1 where the base's log-probs are not finite
+    targets: np.ndarray  # int64 (positions,)
+
+    @property
+    def ppl(self) -> float:
+        return float(math.exp(float(np.mean(self.nll, dtype=np.float64))))
+
+
+@dataclass
+class Metrics:
+    positions: int
+    ppl_base: float
+    ppl: float
+    ppl_increase: float
+    kld_mean: float
+    kld_p99: float
+    top1: float
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Check:
+    name: str
+    value: float
+    threshold: float | None
+    op: str
+    passed: bool
+
+
+@dataclass
+class GateResult:
+    passed: bool
+    enforced: bool
+    checks: list[Check] = field(default_factory=list)
+
+    @property
+    def failed(self) -> list[str]:
+        return [c.name for c in self.checks if not c.passed]
+
+    def as_dict(self) -> dict:
+        return {"passed": self.passed, "enforced": self.enforced, "failed": self.failed,
+                "checks": [asdict(c) for c in self.checks]}
+
+
+# ------------------------------------------------------------------ scorers
+
+
+def positions(windows) -> int:
+    """Scored positions of the windows: seq_len - 1 next-token predictions each."""
+    return int(windows.shape[0]) * (int(windows.shape[1]) - 1)
+
+
+def chunk_rows(vocab_size: int) -> int:
+    """Positions per scored chunk so its float32 log-probs stay near CHUNK_BYTES."""
+    return max(1, CHUNK_BYTES // (4 * vocab_size))
+
+
+def score_logits(logits, ids) -> Iterator[ScoredChunk]:
+    """float32 log-probs of predictions 0..L-2 of each window, flattened, a chunk of rows at a time."""
+    import torch
+
+    flat = logits[:, :-1, :].reshape(-1, logits.shape[-1])
+    targets = ids[:, 1:].reshape(-1)
+    step = chunk_rows(logits.shape[-1])
+    for start in range(0, flat.shape[0], step):
+        rows = flat[start : start + step]
+        yield ScoredChunk(torch.log_softmax(rows.float(), dim=-1), targets[start : start + step])
+
+
+def model_logits_fn(model) -> LogitsFn:
+    def logits(ids):
+        device = next(model.parameters()).device
+        return model(input_ids=ids.to(device)).logits.float().cpu()
+
+    return logits
+
+
+def batch_size_for(windows, vocab_size: int | None, limit: int = 8) -> int:
+    """Windows per forward pass so one batch's float32 logits stay near BATCH_LOGITS_BYTES."""
+    if not vocab_size:
+        return 1
+    per_window = windows.shape[1] * vocab_size * 4
+    return max(1, min(limit, BATCH_LOGITS_BYTES // per_window))
+
+
+def iter_batches(windows, batch_size: int):
+    for start in range(0, len(windows), batch_size):
+        yield windows[start : start + batch_size]
+
+
+def logits_scorer(logits_fn: LogitsFn, vocab_size: int | None = None, batch_size: int | None = None) -> Scorer:
+    """A Scorer over a whole-batch logits function (batches sized by vocab_size unless given)."""
+
+    def scorer(windows) -> Iterator[ScoredChunk]:
+        import torch
+
+        with torch.inference_mode():
+            for batch in iter_batches(windows, batch_size or batch_size_for(windows, vocab_size)):
+                yield from score_logits(logits_fn(batch), batch)
+
+    return scorer
+
+
+def model_scorer(model) -> Scorer:
+    """A Scorer over a model object in memory (its own forward, whole-batch logits)."""
+    return logits_scorer(model_logits_fn(model), model.config.get_text_config().vocab_size)
+
+
+# ------------------------------------------------------------------ baseline and comparison
+
+
+def _allocate(shape: tuple[int, int], workdir: Path | None):
+    """float16 rows in memory when small, else in an unlinked file (a memory map would keep every
+    page written or read resident: the baseline's whole size in the RSS)."""
+    from quantkit.io.rowio import RowFile
+
+    if shape[0] * shape[1] * 2 <= SPILL_THRESHOLD:
+        return np.empty(shape, dtype=np.float16)
+    return RowFile(shape, np.float16, workdir, prefix="quantkit-baseline-")
+
+
+def empty_baseline(n_positions: int, vocab: int, workdir: Path | None) -> Baseline:
+    return Baseline(_allocate((n_positions, vocab), workdir), np.empty(n_positions, np.float32),
+                    np.empty(n_positions, np.int32), np.empty(n_positions, np.int64))
+
+
+def finite_rows(logprobs) -> "torch.Tensor":  # noqa: F821
+    """Positions whose log-probs hold no NaN (-inf is a legitimate log-prob of 0; +inf cannot occur)."""
+    return ~logprobs.isnan().any(-1)
+
+
+def top1_or_none(logprobs) -> "torch.Tensor":  # noqa: F821
+    """argmax per position, NO_TOP1 where the log-probs are not finite (argmax over NaN means nothing)."""
+    import torch
+
+    return torch.where(finite_rows(logprobs), logprobs.argmax(-1), NO_TOP1)
+
+
+def target_nll(chunk: ScoredChunk) -> np.ndarray:
+    return -chunk.logprobs.gather(1, chunk.targets[:, None])[:, 0].numpy()
+
+
+def baseline_from_chunks(chunks: Iterable[ScoredChunk], n_positions: int, workdir: Path | None = None) -> Baseline:
+    """Keep what the gate needs from the base's scored chunks (log-probs rounded to float16)."""
+    import torch
+
+    baseline, offset = None, 0
+    for chunk in chunks:
+        baseline = baseline or empty_baseline(n_positions, chunk.logprobs.shape[-1], workdir)
+        end = offset + chunk.logprobs.shape[0]
+        baseline.logprobs[offset:end] = chunk.logprobs.to(torch.float16).numpy()
+        baseline.nll[offset:end] = target_nll(chunk)
+        baseline.top1[offset:end] = top1_or_none(chunk.logprobs).numpy()
+        baseline.targets[offset:end] = chunk.targets.numpy()
+        offset = end
+    return baseline
+
+
+def compute_baseline(scorer: Scorer, windows, workdir: Path | None = None) -> Baseline:
+    """Run the full-precision model once over the evaluation windows and keep what the gate needs."""
+    import torch
+
+    with torch.inference_mode():
+        return baseline_from_chunks(scorer(windows), positions(windows), workdir)
+
+
+def kl_rows(base16: np.ndarray, cand) -> "torch.Tensor":  # noqa: F821
+    """KL(base || cand) per position from float16-rounded log-probs; tiny negatives clamp to 0.
+
+    Terms where the base probability is 0 contribute 0 (not 0 * inf = NaN); a candidate position
+    whose log-probs hold a NaN gets a NaN, never a finite value. In place: two float32 copies of
+    the chunk live at once."""
+    import torch
+
+    terms = cand.to(torch.float16).float().neg_().add_(torch.from_numpy(np.asarray(base16)).float())
+    p = torch.from_numpy(np.asarray(base16)).float().exp_()
+    kl = terms.mul_(p).masked_fill_(p == 0, 0.0).sum(-1).clamp_min(0.0)
+    return torch.where(finite_rows(cand), kl, math.nan)
+
+
+def compare_chunks(chunks: Iterable[ScoredChunk], baseline: Baseline) -> Metrics:
+    """Metrics of a candidate's scored chunks against the stored baseline, chunk by chunk."""
+    kls, nlls, agree, offset = [], [], 0, 0
+    for chunk in chunks:
+        end = offset + chunk.logprobs.shape[0]
+        kls.append(kl_rows(baseline.logprobs[offset:end], chunk.logprobs).numpy())
+        nlls.append(target_nll(chunk))
+        agree += int((top1_or_none(chunk.logprobs).numpy() == baseline.top1[offset:end]).sum())
+        offset = end
+    return summarize(np.concatenate(kls), np.concatenate(nlls), agree, baseline)
+
+
+def compare(scorer: Scorer, windows, baseline: Baseline) -> Metrics:
+    """Metrics of a candidate against the stored baseline, streaming over the windows."""
+    import torch
+
+    with torch.inference_mode():
+        return compare_chunks(scorer(windows), baseline)
+
+
+def summarize(kl: np.ndarray, nll: np.ndarray, agree: int, baseline: Baseline) -> Metrics:
+    ppl = float(math.exp(float(np.mean(nll, dtype=np.float64))))
+    base = baseline.ppl
+    return Metrics(
+        positions=int(kl.shape[0]),
+        ppl_base=base,
+        ppl=ppl,
+        ppl_increase=ppl / base - 1.0,
+        kld_mean=float(np.mean(kl, dtype=np.float64)),
+        kld_p99=float(np.percentile(kl, 99)),
+        top1=agree / max(1, kl.shape[0]),
+    )
+
+
+# ------------------------------------------------------------------ gate
+
+
+def non_finite(metrics: Metrics) -> list[str]:
+    """Names of the metrics that are NaN or infinite."""
+    return [name for name, value in metrics.as_dict().items() if not math.isfinite(value)]
+
+
+def gate_verdict(metrics: Metrics, gate, enforced: bool = True) -> GateResult:
+    """Check each metric against its threshold (a None threshold is reported, never fails).
+
+    A last check, `finite` (value: how many metrics are NaN or infinite), fails whenever any
+    metric is not finite, thresholds or not, and it is always enforced: the result's `enforced`
+    is then True even when `enforced=False` was asked for (--no-gate), so a NaN artifact is never
+    published. NaN compares false against every threshold, so its own check fails too.
+    """
+    checks = []
+    for metric, threshold_field, op in GATE_METRICS:
+        value = getattr(metrics, metric)
+        threshold = getattr(gate, threshold_field)
+        ok = threshold is None or (value <= threshold if op == "<=" else value >= threshold)
+        checks.append(Check(metric, value, threshold, op, ok))
+    bad = non_finite(metrics)
+    checks.append(Check("finite", float(len(bad)), None, "==", not bad))
+    passed = all(c.passed for c in checks)
+    return GateResult(passed, enforced or bool(bad), checks)
+
+
+def evaluate_artifact(artifact: Path, base_dir: Path, windows, baseline: Baseline, device: str = "cpu",
+                      trust_remote_code: bool = False, workdir: Path | None = None) -> Metrics:
+    """Read an artifact back from disk the way a user would and measure it against the baseline.
+
+    The one measuring step shared by the pipeline's gate and `quantkit eval`: a .gguf, a
+    full-precision text decoder and a compressed-tensors text decoder are streamed layer by layer,
+    the rest loads through transformers (quantkit.eval.stream.artifact_scorer).
+    """
+    from quantkit.eval.stream import artifact_scorer
+
+    return compare(artifact_scorer(artifact, base_dir, device, trust_remote_code, workdir), windows, baseline)
+
+
+def base_scorer(info, dtype: str = "auto", device: str = "cpu", trust_remote_code: bool = False,
+                workdir: Path | None = None) -> Scorer:
+    """The full-precision base: streamed from its safetensors where the streamed forward applies
+    (a text decoder), else loaded whole for the duration of the scoring (a VLM, remote code)."""
+    from quantkit.eval import stream
+
+    if stream.streamable(info.config) and not trust_remote_code:
+        return stream.checkpoint_scorer(info.path, dtype, device, workdir=workdir)
+
+    def scorer(windows):
+        from quantkit.model import load_model
+
+        yield from model_scorer(load_model(info, dtype, device, trust_remote_code))(windows)
+
+    return scorer

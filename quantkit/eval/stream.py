@@ -1,0 +1,628 @@
+"""Layer-streamed forwards: evaluate a model whose weights are never all in memory at once.
+
+The transformers model is built on the meta device (parameters only; buffers such as rotary
+frequencies and Gemma's embedding scale are computed as usual). Every streamed unit (each module
+of the decoder with parameters of its own: each projection, each norm) carries accelerate's AlignDevicesHook with
+`offload=True` and a lazy `weights_map`: just before the unit runs, its weights are read from a
+WeightSource (a safetensors checkpoint or a .gguf, one tensor at a time; a compressed-tensors
+checkpoint one module's weight at a time, quantkit.eval.compressed), cast to the compute dtype and
+placed on the execution device; right after, they go back to meta and are freed. The
+model's own forward runs unchanged (masks, rotary, sliding windows, Gemma's scaling and attention
+softcaps) for every architecture transformers has.
+
+The token embedding is not loaded whole: its hook reads only the rows of the ids in the batch.
+The windows go through in groups (all at once when the activations fit ACTIVATION_BYTES), so each
+layer is read once per group, not once per window. The base model stops at the last hidden states;
+the output head is applied a slice of its vocabulary rows at a time (with the config's
+final_logit_softcapping, as the model's forward does), the float32 logits written to a file in
+the run's work directory, and read back a chunk of positions at a time: each chunk's log-probs
+are handed to the evaluator as a ScoredChunk and dropped. Peak memory: one weight matrix + one
+group's activations + one slice of the head, whatever the model's size or its vocabulary.
+
+Numerics equal the in-memory path's: the same modules run in the same dtype (the stored dtype
+for a checkpoint, as `quantkit.model.load_model` loads it; float32 for a .gguf, as
+`quantkit.eval.artifacts.load_gguf_into_base` builds it), and logits are cast to float32 only after
+the head (and softcap), as `evaluate.model_logits_fn` does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from quantkit.errors import ModelError
+from quantkit.eval.evaluate import ScoredChunk, Scorer, chunk_rows, iter_batches
+
+ACTIVATION_BYTES = 512 * 1024 * 1024  # working set of one group of windows inside one decoder layer
+HEAD_SLICE_BYTES = 64 * 1024 * 1024  # one slice of the output head's rows, and of the logits for it
+LARGE_ALLOCATION = 16 * 1024 * 1024  # C-heap blocks at least this big get a memory map of their own
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number for it
+# safetensors dtype -> torch dtype name
+TORCH_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+                "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+                "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+
+
+class WeightSource(Protocol):
+    """Weights by Hugging Face tensor name, each produced on demand (nothing is kept)."""
+
+    def keys(self) -> Iterable[str]: ...
+
+    def get(self, name: str) -> "torch.Tensor": ...  # noqa: F821
+
+    def shape(self, name: str) -> tuple[int, ...]: ...  # the tensor's Hugging Face shape, without reading it
+
+    def rows(self, name: str, index) -> "torch.Tensor": ...  # noqa: F821  rows `index` (sorted, unique) of dim 0
+
+
+# ------------------------------------------------------------------ sources
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    file: Path
+    dtype: str  # safetensors dtype
+    shape: tuple[int, ...]
+    offset: int  # absolute byte offset of the data in the file
+    nbytes: int
+
+
+def safetensors_index(file: Path) -> dict[str, StoredTensor]:
+    """Where each tensor of one .safetensors file lies (its header only, read by quantkit.model)."""
+    from quantkit.model import safetensors_layout
+
+    header, base = safetensors_layout(file)
+    return {name: StoredTensor(file, e["dtype"], tuple(e["shape"]), base + e["data_offsets"][0],
+                               e["data_offsets"][1] - e["data_offsets"][0])
+            for name, e in header.items() if name != "__metadata__"}
+
+
+def empty_stored(entry: StoredTensor, shape: tuple[int, ...]) -> "torch.Tensor":  # noqa: F821
+    import torch
+
+    return torch.empty(shape, dtype=getattr(torch, TORCH_DTYPES[entry.dtype]))
+
+
+def tensor_bytes(tensor) -> memoryview:
+    """The bytes of a contiguous tensor of any dtype (bfloat16 has no numpy view of its own)."""
+    import torch
+
+    from quantkit.io.rowio import byte_view
+
+    return byte_view(tensor.view(-1).view(torch.uint8).numpy())
+
+
+def read_stored_rows(entry: StoredTensor, index) -> "torch.Tensor":  # noqa: F821
+    """Rows `index` (sorted, unique) of a stored tensor along its first dimension, one plain read
+    per run of consecutive rows (an embedding's rows for the ids of a batch, a slice of the head)."""
+    from quantkit.io.rowio import row_runs
+
+    out = empty_stored(entry, (len(index), *entry.shape[1:]))
+    row_bytes = entry.nbytes // max(1, entry.shape[0])
+    raw = tensor_bytes(out)
+    read_spans(entry, [(raw[position * row_bytes : (position + count) * row_bytes], row * row_bytes)
+                       for position, row, count in row_runs(index)])
+    return out
+
+
+def read_stored(entry: StoredTensor) -> "torch.Tensor":  # noqa: F821
+    """One tensor in its stored dtype, read with a plain file read.
+
+    Not safe_open: its memory map keeps every page it has served resident (counted in the RSS and
+    growing with the checkpoint), which is what streaming is meant to avoid (see
+    quantkit.gguf.convert.SafetensorsRows)."""
+    tensor = empty_stored(entry, entry.shape)
+    read_spans(entry, [(tensor_bytes(tensor), 0)])
+    return tensor
+
+
+def read_spans(entry: StoredTensor, spans: list[tuple[memoryview, int]]) -> None:
+    """Fill each buffer from the tensor's data at its byte offset; ModelError when the file ends first."""
+    import os
+
+    from quantkit.io.rowio import pread_into
+
+    fd = os.open(entry.file, os.O_RDONLY)
+    try:
+        for buffer, offset in spans:
+            pread_into(fd, buffer, entry.offset + offset)
+    except EOFError as exc:
+        raise ModelError(f"{entry.file.name}: tensor data is truncated") from exc
+    finally:
+        os.close(fd)
+
+
+class SafetensorsWeights:
+    """The tensors of a checkpoint directory's *.safetensors files, read one at a time."""
+
+    def __init__(self, model_dir: Path):
+        from quantkit.model import weight_files
+
+        self.index: dict[str, StoredTensor] = {}
+        for file in weight_files(Path(model_dir)):
+            self.index.update(safetensors_index(file))
+
+    def keys(self) -> list[str]:
+        return list(self.index)
+
+    def get(self, name: str) -> "torch.Tensor":  # noqa: F821
+        return read_stored(self.index[name])
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.index[name].shape
+
+    def rows(self, name: str, index) -> "torch.Tensor":  # noqa: F821
+        return read_stored_rows(self.index[name], index)
+
+
+class WeightsMap(Mapping):
+    """A WeightSource as the lazy Mapping accelerate's hooks read, by the model's parameter names.
+
+    A tied parameter (lm_head.weight = model.embed_tokens.weight) is read under whichever of its
+    names the source has."""
+
+    def __init__(self, source: WeightSource, names: dict[str, str]):
+        self.source = source
+        self.names = names  # model parameter name -> source name
+
+    def __getitem__(self, name: str):
+        return self.source.get(self.names[name])
+
+    def __iter__(self):
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def rows(self, name: str, index):
+        return self.source.rows(self.names[name], index)
+
+
+def tied_groups(model) -> list[list[str]]:
+    """Parameter names grouped by the tensor they share (a group of one for an untied parameter)."""
+    groups: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(param), []).append(name)
+    return list(groups.values())
+
+
+def source_names(model, source: WeightSource) -> dict[str, str]:
+    """Every parameter of the model -> the source tensor holding it; ModelError for any missing."""
+    available = set(source.keys())
+    names, missing = {}, []
+    for group in tied_groups(model):
+        found = [n for n in group if n in available]
+        if not found:
+            missing += group
+        names.update({n: found[0] for n in group} if found else {})
+    if missing:
+        raise ModelError(f"the weights lack tensors that config.json calls for: {sorted(missing)[:3]} "
+                         f"(and {max(0, len(missing) - 3)} more)",
+                         hint="config.json and the weights do not belong together, or a file is missing")
+    check_shapes(model, source, names)
+    return names
+
+
+def check_shapes(model, source: WeightSource, names: dict[str, str]) -> None:
+    """ModelError when a stored tensor's shape is not the one the config gives its parameter."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    wrong = [f"{source_name} (stored {list(source.shape(source_name))}, config.json {list(params[name].shape)})"
+             for name, source_name in names.items() if tuple(source.shape(source_name)) != tuple(params[name].shape)]
+    if wrong:
+        more = f" and {len(wrong) - 3} more" if len(wrong) > 3 else ""
+        raise ModelError(f"{len(wrong)} shapes disagree with config.json: {', '.join(sorted(wrong)[:3])}{more}",
+                         hint="config.json and the weights do not belong together, or a file is damaged")
+
+
+# ------------------------------------------------------------------ the streamed model
+
+
+def windows_per_group(config, seq_len: int, budget: int = ACTIVATION_BYTES) -> int:
+    """Windows run through a layer together so one layer's float32 working set stays near budget:
+    per token a few hidden-size vectors, the MLP's intermediate activations (gate, up, product)
+    and one row of attention scores per head."""
+    heads = config.num_attention_heads
+    per_token = 8 * config.hidden_size + 3 * config.intermediate_size + 2 * heads * seq_len
+    return max(1, budget // (4 * per_token * seq_len))
+
+
+def build_meta_model(config, dtype):
+    """The CausalLM of this config, parameters on the meta device, buffers real."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.tie_weights()  # not done under init_empty_weights; tied_groups relies on it
+    return model.eval()
+
+
+def streamed_units(decoder) -> Iterator[tuple[str, object]]:
+    """(name, module) of each unit loaded at a time: every module of the decoder holding
+    parameters of its own (each linear projection, each norm, the embedding, a fused experts
+    block), so at most one weight matrix is materialized at any moment, not a whole layer."""
+    for name, module in decoder.named_modules():
+        if any(True for _ in module.parameters(recurse=False)):
+            yield name, module
+
+
+def release_freed_memory() -> None:
+    """Hand the C heap's free pages back to the OS (glibc's malloc_trim; nothing elsewhere).
+
+    Without it the RSS grew by about half a layer per layer: once glibc's dynamic mmap threshold has
+    risen, freed weights stay in the heap (and the torch threads' arenas) in fragments the next
+    layer's allocations do not fill (measured: +15 MiB per layer on a 24-layer model, flat with it)."""
+    import ctypes
+
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except AttributeError:  # not glibc
+        return
+    trim(0)
+
+
+def map_large_allocations() -> None:
+    """Serve each C-heap allocation of LARGE_ALLOCATION bytes or more with a memory map of its own,
+    returned to the OS when freed (glibc's mallopt M_MMAP_THRESHOLD; nothing elsewhere). Process-wide
+    and lasting: called where llm-compressor starts calibrating.
+
+    glibc's default threshold starts at 128 KiB and rises to the size of each mapped block freed, up
+    to 32 MiB, after which the 16-32 MiB tensors of GPTQ (a 2048-wide Hessian, a layer's weights read
+    for a forward, block products) come from the heap and leave it fragmented. Measured with
+    scripts/bench_memory.py's 1B model, gptq with --offload-dir: peak RSS 1188 -> 1130 MiB, the
+    quantize step 184 -> 181 s. A 1 MiB threshold lowered the peak further but ran 33% slower (a
+    mapped block's pages are zeroed on first touch, for every small temporary)."""
+    import ctypes
+
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except AttributeError:  # not glibc
+        return
+    mallopt(M_MMAP_THRESHOLD, LARGE_ALLOCATION)
+
+
+def offload_hook(weights: WeightsMap, prefix: str, device):
+    """accelerate's offloading hook over the unit's slice of the weights, trimming the heap after."""
+    from accelerate.hooks import AlignDevicesHook
+    from accelerate.utils import PrefixedDataset
+
+    class StreamingHook(AlignDevicesHook):
+        def post_forward(self, module, output):
+            output = super().post_forward(module, output)
+            release_freed_memory()
+            return output
+
+    return StreamingHook(execution_device=device, offload=True, weights_map=PrefixedDataset(weights, prefix),
+                         place_submodules=False)
+
+
+def module_prefixes(model) -> dict[int, str]:
+    return {id(module): f"{name}." if name else "" for name, module in model.named_modules()}
+
+
+def gather_hook(weights: WeightsMap, name: str, device):
+    """A hook that gives the token embedding only the rows of the ids it is called with.
+
+    Before the call the embedding's weight becomes those rows (read from the source) and the ids
+    are renumbered into them; after it the weight goes back to meta. A 128k-row vocabulary then
+    costs a batch's distinct ids, not the whole matrix. The module's own forward still runs (Gemma's
+    scaled embedding included); padding_idx, which only matters for gradients, is lifted for the
+    call since the compact weight may have fewer rows than it."""
+    import torch
+    from accelerate.hooks import ModelHook
+
+    class GatherRowsHook(ModelHook):
+        def pre_forward(self, module, ids, *args, **kwargs):
+            unique, compact = torch.unique(ids, sorted=True, return_inverse=True)
+            rows = weights.rows(name, unique.cpu().numpy()).to(device, module.weight.dtype)
+            self.meta_weight, self.padding_idx = module.weight, module.padding_idx
+            module.weight, module.padding_idx = torch.nn.Parameter(rows, requires_grad=False), None
+            return (compact.to(device), *args), kwargs
+
+        def post_forward(self, module, output):
+            module.weight, module.padding_idx = self.meta_weight, self.padding_idx
+            release_freed_memory()
+            return output
+
+    return GatherRowsHook()
+
+
+def unit_hook(model, unit, weights: WeightsMap, prefix: str, device):
+    """The token embedding gathers the rows it needs; every other unit loads whole while it runs."""
+    import torch
+
+    if unit is model.get_input_embeddings() and isinstance(unit, torch.nn.Embedding):
+        return gather_hook(weights, f"{prefix}weight", device)
+    return offload_hook(weights, prefix, device)
+
+
+def attach_streaming(model, weights: WeightsMap, device) -> None:
+    """Hook every streamed unit of the decoder so its weights live only while it runs."""
+    from accelerate.hooks import add_hook_to_module
+    from accelerate.utils import set_module_tensor_to_device
+
+    prefixes = module_prefixes(model)
+    for _, unit in streamed_units(model.get_decoder()):
+        add_hook_to_module(unit, unit_hook(model, unit, weights, prefixes[id(unit)], device))
+    for name, _ in model.named_buffers():
+        set_module_tensor_to_device(model, name, device)
+
+
+@dataclass
+class StreamedModel:
+    model: object  # transformers CausalLM on the meta device, streamed units hooked
+    weights: WeightsMap
+    device: object
+    softcap: float | None  # final_logit_softcapping
+
+    @property
+    def head(self):
+        return self.model.get_output_embeddings()
+
+
+def stream_model(config, source: WeightSource, dtype, device="cpu") -> StreamedModel:
+    """A meta-device model of `config` whose weights come from `source` unit by unit."""
+    return stream_built(build_meta_model(config, dtype), config, source, device)
+
+
+def stream_built(model, config, source: WeightSource, device="cpu") -> StreamedModel:
+    """A model already built on the meta device (build_meta_model, perhaps with more done to it)
+    streamed from `source` unit by unit."""
+    weights = WeightsMap(source, source_names(model, source))
+    attach_streaming(model, weights, device)
+    softcap = config.get_text_config().to_dict().get("final_logit_softcapping")
+    return StreamedModel(model, weights, device, softcap)
+
+
+def last_hidden(streamed: StreamedModel, ids):
+    """Hidden states after the final norm for predictions 0..L-2, flattened to (positions, hidden)."""
+    hidden = streamed.model.get_decoder()(input_ids=ids.to(streamed.device), use_cache=False).last_hidden_state
+    return hidden[:, :-1].reshape(-1, hidden.shape[-1])
+
+
+def head_slice_rows(positions: int, hidden: int) -> int:
+    """Vocabulary rows per slice of the head: its float32 weight rows and the float32 logits of
+    every position for them both stay near HEAD_SLICE_BYTES."""
+    return max(1, min(HEAD_SLICE_BYTES // (4 * hidden), HEAD_SLICE_BYTES // (4 * max(1, positions))))
+
+
+def head_block(streamed: StreamedModel, prefix: str, hidden, index):
+    """Logits of every position for vocabulary rows `index` (the head's rows, under parameter
+    prefix `prefix`, read for them only), softcapped as the model's own forward does, in float32."""
+    import torch
+
+    head = streamed.head
+    weight = streamed.weights.rows(f"{prefix}weight", index).to(streamed.device, head.weight.dtype)
+    bias = None
+    if head.bias is not None:
+        bias = streamed.weights.rows(f"{prefix}bias", index).to(streamed.device, head.bias.dtype)
+    logits = torch.nn.functional.linear(hidden, weight, bias)
+    if streamed.softcap is not None:
+        logits = torch.tanh(logits / streamed.softcap) * streamed.softcap
+    return logits.float().cpu().numpy()
+
+
+def spilled_logits(streamed: StreamedModel, hidden, workdir: Path | None):
+    """float32 logits (positions, vocab) written to a RowFile a slice of the vocabulary at a time.
+
+    Our own loop for the head: the CausalLM's forward would make all the logits at once with the
+    whole head materialized (a 128k x 4096 matrix is 2 GB in float32); here only one slice of the
+    head and one slice of logits are in memory, and every head row is read once per group."""
+    import numpy as np
+
+    from quantkit.io.rowio import RowFile
+
+    vocab, prefix = streamed.head.out_features, module_prefixes(streamed.model)[id(streamed.head)]
+    logits = RowFile((hidden.shape[0], vocab), np.float32, workdir, prefix="quantkit-logits-")
+    step = head_slice_rows(hidden.shape[0], hidden.shape[1])
+    for start in range(0, vocab, step):
+        index = np.arange(start, min(vocab, start + step))
+        logits.write_columns(0, start, head_block(streamed, prefix, hidden, index))
+        release_freed_memory()
+    return logits
+
+
+def score_group(streamed: StreamedModel, ids, workdir: Path | None = None) -> Iterator[ScoredChunk]:
+    """Run one group of windows through the streamed layers, then score it a chunk of positions
+    at a time from its spilled logits."""
+    import torch
+
+    hidden = last_hidden(streamed, ids)
+    targets = ids[:, 1:].reshape(-1)
+    logits = spilled_logits(streamed, hidden, workdir)
+    del hidden
+    step = chunk_rows(logits.shape[1])
+    for start in range(0, len(logits), step):
+        rows = torch.from_numpy(logits[start : start + step])
+        yield ScoredChunk(torch.log_softmax(rows, dim=-1), targets[start : start + step])
+        release_freed_memory()  # the consumer's copies of the chunk are gone by now
+
+
+def streamed_scorer(config, source: WeightSource, dtype, device="cpu", activation_bytes: int = ACTIVATION_BYTES,
+                    workdir: Path | None = None) -> Scorer:
+    """A Scorer (evaluate.compute_baseline / compare) running `config`'s model layer by layer
+    from `source`, in `dtype` on `device`; its logits are spilled to a file in `workdir`."""
+    return group_scorer(lambda: stream_model(config, source, dtype, device), config.get_text_config(),
+                        activation_bytes, workdir)
+
+
+def group_scorer(make: Callable[[], StreamedModel], text_config, activation_bytes: int = ACTIVATION_BYTES,
+                 workdir: Path | None = None) -> Scorer:
+    """A Scorer over the streamed model `make` builds when scoring starts: the windows go through it
+    in groups sized for `text_config`'s activations."""
+
+    def scorer(windows) -> Iterator[ScoredChunk]:
+        import torch
+
+        streamed = make()
+        group = windows_per_group(text_config, windows.shape[1], activation_bytes)
+        with torch.inference_mode():
+            for ids in iter_batches(windows, group):
+                yield from score_group(streamed, ids, workdir)
+
+    return scorer
+
+
+# ------------------------------------------------------------------ forwards that start at a layer
+
+
+def decoder_layers(model) -> list:
+    """The decoder's stack of layers, in the order its forward runs them."""
+    return list(model.get_decoder().layers)
+
+
+@contextmanager
+def recording_layer_inputs(model, starts, record: dict[int, list]) -> Iterator[None]:
+    """While inside, each forward appends to record[L] the input of decoder layer L (the output of
+    layer L-1, as that layer returns it) for every L of `starts` from 1 to the layer count."""
+    layers = decoder_layers(model)
+
+    def hook(start: int):
+        def keep(_module, _args, output):
+            record.setdefault(start, []).append(output)
+        return keep
+
+    handles = [layers[start - 1].register_forward_hook(hook(start)) for start in sorted(set(starts))
+               if 0 < start <= len(layers)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def passthrough(*args, **kwargs):
+    """A decoder layer that gives back its hidden states unchanged."""
+    return args[0] if args else kwargs["hidden_states"]
+
+
+@contextmanager
+def starting_at(model, start: int, recorded) -> Iterator[None]:
+    """While inside, the decoder's forward computes layers `start` onwards only: the layers before
+    start-1 pass their input through and layer start-1 returns `recorded` (its output on the same
+    windows, from recording_layer_inputs). Their weights are never read. start 0: the whole forward."""
+    layers = decoder_layers(model)[:start]
+    for layer in layers[:-1]:
+        layer.forward = passthrough
+    if layers:
+        layers[-1].forward = lambda *args, **kwargs: recorded
+    try:
+        yield
+    finally:
+        for layer in layers:
+            del layer.forward
+
+
+def recording_scorer(streamed: StreamedModel, text_config, starts, record: dict[int, list],
+                     activation_bytes: int = ACTIVATION_BYTES, workdir: Path | None = None) -> Scorer:
+    """The streamed model's Scorer that also records, group by group, the inputs of the layers
+    `starts` names (recording_layer_inputs), for start_scorer to resume from."""
+
+    def scorer(windows) -> Iterator[ScoredChunk]:
+        import torch
+
+        group = windows_per_group(text_config, windows.shape[1], activation_bytes)
+        with torch.inference_mode(), recording_layer_inputs(streamed.model, starts, record):
+            for ids in iter_batches(windows, group):
+                yield from score_group(streamed, ids, workdir)
+
+    return scorer
+
+
+def start_scorer(streamed: StreamedModel, text_config, start: int, record: dict[int, list],
+                 activation_bytes: int = ACTIVATION_BYTES, workdir: Path | None = None) -> Scorer:
+    """The streamed model's Scorer computing from decoder layer `start` on, each group of windows
+    resuming from the input recording_scorer recorded for it (the same windows, in the same groups)."""
+
+    def scorer(windows) -> Iterator[ScoredChunk]:
+        import torch
+
+        group = windows_per_group(text_config, windows.shape[1], activation_bytes)
+        with torch.inference_mode():
+            for index, ids in enumerate(iter_batches(windows, group)):
+                with starting_at(streamed.model, start, record[start][index] if start else None):
+                    yield from score_group(streamed, ids, workdir)
+
+    return scorer
+
+
+# ------------------------------------------------------------------ scorers for checkpoints and artifacts
+
+
+def streamable(config: dict) -> bool:
+    """Whether the streamed forward applies: a full-precision text decoder whose checkpoint names
+    are its module names (not a VLM, whose towers and forward differ; not a quantized checkpoint,
+    whose weights need its engine's modules, quantkit.eval.compressed.streamable says which compressed-tensors
+    ones stream; not a model transformers converts while loading, such as Mixtral's and Qwen3-MoE's
+    per-expert tensors fused into one)."""
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+    from quantkit.model import is_vlm
+
+    return (not is_vlm(config) and "quantization_config" not in config
+            and not get_checkpoint_conversion_mapping(config.get("model_type", "")))
+
+
+def checkpoint_scorer(model_dir: Path, dtype: str = "auto", device: str = "cpu",
+                      activation_bytes: int = ACTIVATION_BYTES, workdir: Path | None = None) -> Scorer:
+    """A full-precision checkpoint streamed from its safetensors, in `dtype` ('auto': the stored
+    dtype, as quantkit.model.load_model and from_pretrained load it)."""
+    from quantkit.model import check_model_dir, device_map, hf_config, torch_dtype
+
+    info = check_model_dir(Path(model_dir))
+    config = hf_config(model_dir)  # streamed only without trust_remote_code
+    return streamed_scorer(config, SafetensorsWeights(model_dir), torch_dtype(dtype, info), device_map(device),
+                           activation_bytes, workdir)
+
+
+def gguf_scorer(path: Path, base_dir: Path, device: str = "cpu", activation_bytes: int = ACTIVATION_BYTES,
+                workdir: Path | None = None) -> Scorer:
+    """A .gguf in the base's architecture, dequantized a tensor at a time, computed in float32
+    (as artifacts.load_gguf_into_base does)."""
+    import torch
+
+    from quantkit.gguf.loader import GGUFTensors
+    from quantkit.model import device_map, hf_config
+
+    config = hf_config(base_dir)  # streamed only without trust_remote_code
+    return streamed_scorer(config, GGUFTensors(path, config.to_dict()), torch.float32, device_map(device),
+                           activation_bytes, workdir)
+
+
+def loaded_scorer(path: Path, base_dir: Path | None, device: str = "cpu", trust_remote_code: bool = False) -> Scorer:
+    """The artifact loaded whole when scoring starts and dropped when it ends (evaluate.model_scorer)."""
+    from quantkit.eval.artifacts import load_for_eval
+    from quantkit.eval.evaluate import model_scorer
+
+    def scorer(windows) -> Iterator[ScoredChunk]:
+        yield from model_scorer(load_for_eval(path, base_dir, device, trust_remote_code))(windows)
+
+    return scorer
+
+
+def artifact_scorer(path: Path, base_dir: Path | None = None, device: str = "cpu",
+                    trust_remote_code: bool = False, workdir: Path | None = None) -> Scorer:
+    """A Scorer for any artifact quantkit evaluates: a .gguf, a full-precision text decoder and a
+    compressed-tensors text decoder (quantkit.eval.compressed.streams) are streamed layer by layer; a
+    bitsandbytes checkpoint (restored by its engine's own modules), a VLM, custom model code and
+    any other compressed-tensors artifact load whole through transformers."""
+    from quantkit.eval import compressed
+    from quantkit.eval.artifacts import artifact_kind, gguf_file
+    from quantkit.errors import InputError
+    from quantkit.model import is_vlm, read_config
+
+    kind = artifact_kind(path)
+    if kind == "gguf":
+        if base_dir is None:
+            raise InputError("evaluating a .gguf needs the base checkpoint", hint="pass --against BASE_DIR")
+        if is_vlm(read_config(Path(base_dir))):  # the language model goes into the whole base (its towers)
+            return loaded_scorer(path, base_dir, device, trust_remote_code)
+        return gguf_scorer(gguf_file(path), base_dir, device, workdir=workdir)
+    if kind == "transformers" and streamable(read_config(path)) and not trust_remote_code:
+        return checkpoint_scorer(path, "auto", device, workdir=workdir)
+    if kind == "compressed-tensors" and not trust_remote_code and compressed.streams(path):
+        return compressed.compressed_scorer(path, device, workdir=workdir)
+    return loaded_scorer(path, base_dir, device, trust_remote_code)

@@ -1,0 +1,244 @@
+"""Per-tensor sensitivity of a GGUF quantization: what quantizing one tensor at each type costs.
+
+The candidates of a tensor are the types llama.cpp can give it: the k-quants (Q2_K ... Q6_K) where its
+rows are a multiple of 256 values, the legacy 32-value types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) everywhere
+(where the rows are not a multiple of 256 they are the only ones: llama.cpp's fallback types). For
+every quantized tensor of the plan and every candidate, the tensor is quantized with quantkit's own
+kernels (the bytes llama-quantize would write, imatrix included) and dequantized with gguf-py, and
+the error is weighted by what the tensor's input carries:
+
+    error(t, type) = sum_rows sum_j importance_j * (w - dequant(quant(w, type)))_j^2
+
+importance_j is the imatrix entry (mean x_j^2 of the input column on the calibration windows), so
+the error is the mean squared error the matmul's output takes on. token_embd has no matmul input:
+its rows are weighted by how often each token occurs in the calibration windows instead; the
+output head (no imatrix entry, as llama-imatrix) is weighted uniformly. A candidate that is no
+smaller than another with less error (Q4_0 beside Q4_K, both 4.5 bits per weight) is dropped from
+the tensor's choices (quantkit.mixed.core.frontier).
+
+Errors of different tensors are in different units (an attn_k error passes a softmax, an
+ffn_down error lands on the residual stream), so with `measure` the errors are scaled into KL
+divergence by gains measured on a few probe tensors per role and interpolated over depth
+(quantkit.mixed.core: the calibration windows through the layer-streamed forward with only the probe
+quantized at PROBE, or at its cheapest candidate where PROBE does not fit its rows). Without
+`measure`, damage = error. The table is plain data (`Sensitivity.as_dict`), stored in the
+report's details and read back by the fallback.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES
+
+from quantkit.gguf.mixture import UNQUANTIZED, T
+from quantkit.mixed.core import PROBES_PER_ROLE, SensitivityRow, frontier
+
+K_QUANTS = (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K)  # rows of 256 values
+LEGACY = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0)  # rows of 32 values
+
+
+def bits_per_weight(qtype: T) -> float:
+    block, size = GGML_QUANT_SIZES[qtype]
+    return 8 * size / block
+
+
+CANDIDATES = tuple(sorted(K_QUANTS + LEGACY, key=bits_per_weight))  # fewest bits first
+PROBE = T.Q3_K  # the type each probe tensor's KL divergence is measured at (where its rows take it)
+SLAB_ELEMENTS = 1 << 21  # float32 values read and quantized at a time
+
+
+def table_row(name: str, shape: tuple[int, ...], plain: str, errors: dict[str, float]) -> SensitivityRow:
+    """A sensitivity row of one tensor: candidates in size order with the dominated ones left out,
+    probed at PROBE where its rows take it, else at its cheapest candidate."""
+    order = frontier(errors, lambda name: bits_per_weight(T[name]))
+    probe = PROBE.name if PROBE.name in errors else next(iter(errors))
+    return SensitivityRow(name, tuple(shape), dict(errors), probe, plain, order=order)
+
+
+@dataclass
+class Sensitivity:
+    tensors: list[SensitivityRow]
+    measured: bool  # damage scaled by measured KL divergence (else: the weighted error alone)
+    windows: int = 0  # calibration windows the KL divergences were measured on
+    seconds: dict[str, float] = field(default_factory=dict)  # "errors", "kld"
+    probes: int = 0  # tensors whose KL divergence was measured
+
+    def by_name(self) -> dict[str, SensitivityRow]:
+        return {t.name: t for t in self.tensors}
+
+    def as_dict(self) -> dict:
+        return {"measured": self.measured, "windows": self.windows, "probes": self.probes, "seconds": self.seconds,
+                "candidates": [c.name for c in CANDIDATES], "tensors": [t.as_dict() for t in self.tensors]}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Sensitivity":
+        return cls([SensitivityRow.from_dict(r) for r in data["tensors"]], data["measured"], data["windows"],
+                   dict(data["seconds"]), data.get("probes", 0))
+
+
+def candidates(ncols: int) -> list[T]:
+    """The candidate types whose block size divides a row (k-quants need multiples of 256), fewest bits first."""
+    return [c for c in CANDIDATES if ncols % GGML_QUANT_SIZES[c][0] == 0]
+
+
+def quantized_plans(plans) -> list:
+    """The TensorPlans the mixture quantizes (the ones whose type a budget may change)."""
+    return [p for p in plans if p.qtype not in UNQUANTIZED and candidates(p.shape[-1])]
+
+
+def token_frequencies(windows, rows: int) -> np.ndarray:
+    """Share of each token id among the calibration windows' tokens (token_embd's row weights)."""
+    ids = np.asarray(windows).reshape(-1)
+    counts = np.bincount(ids[ids < rows], minlength=rows).astype(np.float64)
+    return (counts / max(1, ids.size)).astype(np.float32)
+
+
+def slabs(handle, hf_name: str, rows: int, ncols: int) -> Iterator[tuple[int, np.ndarray]]:
+    """(first row, float32 rows) of one source matrix, a slab at a time."""
+    step = max(1, SLAB_ELEMENTS // ncols)
+    for start in range(0, rows, step):
+        yield start, handle.read(hf_name, start, min(rows, start + step))
+
+
+def matrices(handles, plan, quant_imatrix, importance) -> Iterator[tuple[str, int, np.ndarray | None, np.ndarray | None]]:
+    """(HF name, rows, quantizer's imatrix, importance) of each 2-D matrix of a plan (one per expert)."""
+    n = plan.shape[-1]
+    if not plan.sources:
+        yield plan.hf_name, plan.shape[0], quant_imatrix, importance
+        return
+    for i, hf in enumerate(plan.sources):
+        part = slice(i * n, (i + 1) * n)
+        yield (hf, plan.shape[1], None if quant_imatrix is None else quant_imatrix[part],
+               None if importance is None else importance[part])
+
+
+def weighted_error(rows: np.ndarray, qtype: T, quant_imatrix, col_weights, row_weights, threads: int = 1) -> float:
+    """sum over the slab of col_weight_j * row_weight_i * (w - dequant(quant(w)))^2."""
+    from quantkit.gguf.quants import dequantize, quantize
+
+    diff = rows - dequantize(quantize(rows, qtype, quant_imatrix, threads=threads), qtype)
+    diff *= diff
+    if col_weights is not None:
+        diff *= col_weights
+    if row_weights is not None:
+        diff *= row_weights[:, None]
+    return float(diff.sum(dtype=np.float64))
+
+
+def tensor_errors(handles, plan, quant_imatrix, importance, row_weights, threads: int = 1) -> dict[str, float]:
+    """Importance-weighted squared error of one tensor at each candidate type."""
+    cands = candidates(plan.shape[-1])
+    errors = dict.fromkeys((c.name for c in cands), 0.0)
+    for hf, rows, qim, imp in matrices(handles, plan, quant_imatrix, importance):
+        for start, data in slabs(handles[hf], hf, rows, plan.shape[-1]):
+            weights = None if row_weights is None else row_weights[start:start + len(data)]
+            for c in cands:
+                errors[c.name] += weighted_error(data, c, qim, imp, weights, threads)
+    return errors
+
+
+def error_table(model_dir: Path, plans, quant_imatrix: dict | None, importance: dict | None, calib_windows,
+                threads: int = 1, progress: Callable[[str], None] = lambda message: None) -> list[SensitivityRow]:
+    """Weighted errors of every quantized tensor of the plan (quant_imatrix: what the quantizer uses,
+    importance: the imatrix that weights the error; both {GGUF name: vector})."""
+    from quantkit.gguf.convert import imatrix_for, open_handles
+    from quantkit.model import check_model_dir
+
+    handles = open_handles(check_model_dir(Path(model_dir)).weight_files)
+    table = []
+    budgeted = quantized_plans(plans)
+    try:
+        for index, p in enumerate(budgeted):
+            progress(f"sensitivity: weighted errors of {p.name} ({index + 1}/{len(budgeted)})")
+            imp = imatrix_for(p, importance)
+            row_weights = token_frequencies(calib_windows, p.shape[0]) if p.name == "token_embd.weight" else None
+            errors = tensor_errors(handles, p, imatrix_for(p, quant_imatrix), imp, row_weights, threads)
+            table.append(table_row(p.name, p.shape, p.qtype.name, errors))
+    finally:
+        for h in set(handles.values()):
+            h.close()
+    return table
+
+
+# ------------------------------------------------------------------ measured KL divergence
+
+
+def quantized_matrices(handles, plan, qtype: T, quant_imatrix) -> dict:
+    """{HF name: float32 torch tensor} of a plan's matrices quantized at qtype and dequantized."""
+    import torch
+
+    from quantkit.gguf.quants import dequantize, quantize
+
+    out = {}
+    for hf, rows, qim, _ in matrices(handles, plan, quant_imatrix, None):
+        data = handles[hf].read(hf, 0, rows)
+        out[hf] = torch.from_numpy(dequantize(quantize(data, qtype, qim), qtype))
+    return out
+
+
+def start_layer(name: str, layers: int) -> int:
+    """The first decoder layer a GGUF tensor changes: its block's; the head's is after the last one."""
+    from quantkit.gguf.mixture import layer_of
+
+    if name == "output.weight":
+        return layers
+    return max(0, layer_of(name))
+
+
+def measure_klds(model_dir: Path, rows: list[SensitivityRow], plans, quant_imatrix: dict | None, windows,
+                 workdir: Path | None = None, progress: Callable[[str], None] = lambda message: None) -> dict:
+    """{tensor: KL divergence} of the calibration windows through the streamed float32 forward with only
+    that tensor quantized at its row's probe type, against the unquantized forward; each row's `kld`
+    and `gain` are set (quantkit.mixed.core.set_gains)."""
+    from quantkit.gguf.convert import imatrix_for, open_handles
+    from quantkit.mixed.core import Probe, layer_count, probe_klds, set_gains
+    from quantkit.model import check_model_dir
+
+    plan_of, layers = {p.name: p for p in plans}, layer_count(model_dir)
+    handles = open_handles(check_model_dir(Path(model_dir)).weight_files)
+
+    def probe(row: SensitivityRow) -> Probe:
+        plan = plan_of[row.name]
+        return Probe(row.name, start_layer(row.name, layers),
+                     lambda: quantized_matrices(handles, plan, T[row.probe], imatrix_for(plan, quant_imatrix)))
+
+    try:
+        klds = probe_klds(model_dir, [probe(r) for r in rows], windows, "auto_precision.measure_windows: 0", workdir,
+                          progress)
+    finally:
+        for h in set(handles.values()):
+            h.close()
+    set_gains(rows, klds)
+    return klds
+
+
+def measure(model_dir: Path, plans, quant_imatrix: dict | None, importance: dict | None, calib_windows,
+            measure_windows: int, threads: int = 1, workdir: Path | None = None,
+            probes_per_role: int = PROBES_PER_ROLE, progress: Callable[[str], None] = lambda message: None
+            ) -> Sensitivity:
+    """The sensitivity table of a plan: weighted errors, and with measure_windows > 0 the gains
+    measured on that many calibration windows for `probes_per_role` tensors of each role
+    (quantkit.mixed.core.probe_names) and interpolated for the others."""
+    import time
+
+    from quantkit.mixed.core import probe_names, set_gains
+
+    started = time.perf_counter()
+    progress(f"sensitivity: weighted errors of {len(quantized_plans(plans))} tensors at every candidate type")
+    table = error_table(model_dir, plans, quant_imatrix, importance, calib_windows, threads, progress)
+    seconds = {"errors": round(time.perf_counter() - started, 3)}
+    if measure_windows <= 0:
+        return Sensitivity(table, False, 0, seconds)
+    started = time.perf_counter()
+    windows = calib_windows[:measure_windows]
+    probes = set(probe_names(table, probes_per_role))
+    progress(f"sensitivity: KL divergence of {len(probes)} probe tensors alone on {len(windows)} windows")
+    klds = measure_klds(model_dir, [r for r in table if r.name in probes], plans, quant_imatrix, windows, workdir,
+                        progress)
+    set_gains(table, klds)
+    seconds["kld"] = round(time.perf_counter() - started, 3)
+    return Sensitivity(table, True, len(windows), seconds, len(klds))

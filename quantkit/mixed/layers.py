@@ -1,0 +1,457 @@
+"""Per-layer precision of Linear layers: int4 / int8 / 16-bit for gptq and awq (`auto_precision`,
+`fallback`), and the 16-bit fallback of fp8, smoothquant and nf4.
+
+A method's precisions of one layer are simulated (`Simulation`): the weight the layer effectively
+applies to its own input, dequantized (compressed-tensors' own rounding for int and fp8 weights,
+bitsandbytes' for nf4, the artifact's own GPTQ weights for smoothquant), and, for a method that
+quantizes activations, the transform its input goes through (per-token fp8 or int8, after
+SmoothQuant's division by the smoothing scales). The error of a precision p is the mean squared
+error it adds to the layer's output, for inputs with the calibration windows' statistics:
+
+    error(layer, p) = sum_j imp_j * |W - W_p|^2_j + sum_j act_j(p) * |W_p|^2_j        (16-bit: 0)
+
+imp_j = mean x_j^2 of the layer's input column j and act_j(p) = mean (t_p(x) - x)_j^2 of what the
+activation quantization moves it by, both over the calibration windows (one layer-streamed forward,
+`input_statistics`); |.|^2_j sums a weight column's squares. The errors become KL divergence through
+gains measured for a few probe layers per role and interpolated over depth (quantkit.mixed.core).
+
+Size model of gptq/awq: the bytes a compressed-tensors pack-quantized checkpoint stores for one
+Linear of shape (out, in), E = bytes per element of the checkpoint's dtype (2 for bf16/fp16):
+
+    int4 (group g):  weight_packed  out * ceil(in/8) * 4          (8 values per int32)
+                     weight_scale   out * (in/g) * E
+                     zero point     ceil(out/8) * (in/g) * 4      (asymmetric only; packed along out)
+                     weight_shape   16                            (2 x int64)
+    int8 (channel):  weight_packed  out * ceil(in/4) * 4,  weight_scale out * E,
+                     zero point     ceil(out/4) * 4 (asymmetric only),  weight_shape 16
+    16-bit:          weight         out * in * E
+
+Budget (auto_precision): the W4A16 bytes of the budgeted layers x (1 + headroom), or budget_bpw bits
+per weight of them. quantkit.mixed.core.assign raises layers from int4 to int8 (or 16-bit) by the largest
+damage removed per added byte. Quantization: one config group int4 targeting "Linear", one int8
+targeting the chosen modules by exact name (compressed-tensors matches exact names before class
+names), the 16-bit layers in the ignore list.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from quantkit.errors import InputError
+from quantkit.mixed.core import PROBES_PER_ROLE, SensitivityRow
+
+PRECISIONS = ("int4", "int8", "16-bit")  # gptq / awq, cheapest first
+KEEP = "16-bit"  # the top of every ladder: the layer stays in the model's dtype
+BITS = {"int4": 4, "int8": 8}
+SHAPE_BYTES = 16  # weight_shape: two int64
+# A fallback step's room for what config.json and the safetensors header add per raised layer (its name in
+# a config group or the ignore list, its tensors' entries): the size models count tensor bytes only.
+METADATA_BYTES = 256
+
+
+class AutoPrecision(BaseModel):
+    """Per-layer int4 / int8 / 16-bit chosen by measured sensitivity under a size budget."""
+
+    model_config = ConfigDict(extra="forbid")
+    budget_bpw: float | None = Field(None, gt=0, le=16, description="bits per weight of the quantized "
+                                     "layers (scales and zero points included); default: W4A16 x (1 + headroom)")
+    headroom: float = Field(0.05, ge=0, le=4, description="budget above the all-int4 (W4A16) size of the "
+                            "quantized layers, as a fraction (0.05: +5%)")
+    measure_windows: int = Field(8, ge=0, le=1024, description="calibration windows the probe layers' KL "
+                                 "divergence is measured on (0: importance-weighted error only)")
+    probes_per_role: int = Field(PROBES_PER_ROLE, ge=1, le=64, description="layers of each role (q_proj, "
+                                 "down_proj, ...) whose KL divergence is measured, spread over depth")
+
+
+@dataclass
+class LayerTable:
+    layers: list[SensitivityRow]
+    measured: bool  # damage scaled by measured KL divergence (else: the weighted error alone)
+    windows: int = 0  # calibration windows the KL divergences were measured on
+    seconds: dict[str, float] = field(default_factory=dict)  # "statistics", "errors", "kld"
+    probes: int = 0  # layers whose KL divergence was measured
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "LayerTable":
+        """The table as the report recorded it (as_dict)."""
+        return cls([SensitivityRow.from_dict(r) for r in data["tensors"]], data["measured"], data["windows"],
+                    dict(data.get("seconds", {})), data.get("probes", 0))
+
+    def as_dict(self) -> dict:
+        candidates = list(dict.fromkeys(c for r in self.layers for c in r.candidates))
+        return {"measured": self.measured, "windows": self.windows, "probes": self.probes, "seconds": self.seconds,
+                "candidates": candidates, "tensors": [r.as_dict() for r in self.layers]}
+
+
+# ------------------------------------------------------------------ simulated precisions
+
+
+@dataclass(frozen=True)
+class Simulation:
+    """A method's precisions of one Linear layer, cheapest first (16-bit, exact, is added at the top).
+
+    `weight(layer, precision, w)`: the float32 weight the layer effectively applies to its own
+    input at that precision, from its float32 source weight `w`; `inputs(layer, precision)`: the
+    transform of its input (activation quantization), None for weight-only precisions."""
+
+    precisions: tuple[str, ...]
+    weight: Callable
+    inputs: Callable = lambda layer, precision: None
+    probe: str = ""  # the precision probes are measured at (default: the first)
+
+    @property
+    def probe_precision(self) -> str:
+        return self.probe or self.precisions[0]
+
+
+def activation_quantizer(args: dict) -> Callable:
+    """x -> x fake-quantized as compressed-tensors quantizes a Linear's input: per token (dynamic), or with one
+    scale for the whole batch (static: the batch's range, where calibration took the windows' range)."""
+    from compressed_tensors.quantization import QuantizationArgs
+
+    parsed = QuantizationArgs(**{k: v for k, v in args.items() if k != "observer"})
+
+    def quantize(x):
+        rows = x.reshape(-1, x.shape[-1])
+        if args.get("strategy") == "tensor":
+            rows = rtn(rows.reshape(1, -1), parsed).reshape(rows.shape)
+        else:
+            rows = rtn(rows, parsed)
+        return rows.reshape(x.shape)
+
+    return quantize
+
+
+def int_simulation(scheme: "Scheme", precisions: tuple[str, ...] = ("int4", "int8")) -> Simulation:
+    """gptq / awq: round-to-nearest int weights in the target's scheme (int8 per channel)."""
+    return Simulation(precisions, lambda layer, precision, weight: rtn(weight, scheme.args(precision)))
+
+
+# ------------------------------------------------------------------ scheme and size model
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """The target's int4 scheme (int8 is per channel with the same symmetry) and the checkpoint's
+    bytes per element (scales and 16-bit layers are stored in its dtype)."""
+
+    group_size: int  # -1: per channel
+    symmetric: bool
+    element_bytes: int = 2
+
+    def weights(self, precision: str) -> dict:
+        """compressed-tensors weight QuantizationArgs fields of an int precision."""
+        from quantkit.methods.gptq import weight_args
+
+        return weight_args(BITS[precision], -1 if precision == "int8" else self.group_size, self.symmetric)
+
+    def args(self, precision: str):
+        from compressed_tensors.quantization import QuantizationArgs
+
+        return QuantizationArgs(**self.weights(precision))
+
+    def nbytes(self, shape: tuple[int, int], precision: str) -> int:
+        return layer_bytes(shape, precision, self.group_size, self.symmetric, self.element_bytes)
+
+    def size(self, row: SensitivityRow, precision: str) -> int:
+        """quantkit.mixed.core's size model."""
+        return self.nbytes(row.shape, precision)
+
+
+def packed_bytes(count: int, bits: int) -> int:
+    """int32 words holding `count` values of `bits` bits, in bytes."""
+    return math.ceil(count * bits / 32) * 4
+
+
+def layer_bytes(shape: tuple[int, int], precision: str, group_size: int, symmetric: bool, element_bytes: int) -> int:
+    """Bytes stored for one Linear weight at `precision` (the size model above; group_size -1: per channel)."""
+    out, inp = shape
+    if precision == KEEP:
+        return out * inp * element_bytes
+    bits = BITS[precision]
+    groups = 1 if precision == "int8" or group_size == -1 else inp // group_size
+    zero_points = 0 if symmetric else packed_bytes(out, bits) * groups
+    return out * packed_bytes(inp, bits) + out * groups * element_bytes + zero_points + SHAPE_BYTES
+
+
+def budget_bytes(auto: AutoPrecision, shapes: list[tuple[int, int]], scheme: Scheme) -> tuple[int, int]:
+    """(bytes the budgeted layers may take, their all-int4 bytes); BudgetError when budget_bpw is below
+    all-int4 (the cheapest plan)."""
+    from quantkit.mixed.core import check_budget
+
+    int4 = sum(scheme.nbytes(shape, "int4") for shape in shapes)
+    if auto.budget_bpw is None:
+        return int(int4 * (1 + auto.headroom)), int4
+    weights = sum(o * i for o, i in shapes)
+    allowed = int(auto.budget_bpw * weights / 8)
+    check_budget(int4, allowed, f"auto_precision: budget_bpw={auto.budget_bpw}",
+                 f"all-int4 takes {8 * int4 / weights:.3f} bits per weight; raise budget_bpw, or leave it out "
+                 "(W4A16 size + headroom)")
+    return allowed, int4
+
+
+# ------------------------------------------------------------------ weighted errors
+
+
+def rtn(weight, args):
+    """Round-to-nearest of a float32 (out, in) weight in `args`'s scheme, dequantized (compressed-tensors' own)."""
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    if args.group_size:
+        grouped = weight.reshape(weight.shape[0], -1, args.group_size)
+        lo, hi = grouped.amin(-1), grouped.amax(-1)
+    else:
+        lo, hi = weight.amin(-1, keepdim=True), weight.amax(-1, keepdim=True)
+    scale, zero_point = calculate_qparams(lo, hi, args)
+    return fake_quantize(weight, scale, zero_point, args)
+
+
+def column_error(diff, weights) -> float:
+    """sum_ij weights_j * diff_ij^2 in float64."""
+    diff = diff.double()
+    return float((diff * diff * weights.double()).sum())
+
+
+def layer_errors(name: str, weight, stats: "InputStats", sim: Simulation) -> dict[str, float]:
+    """Weighted error of one layer at each of the simulation's precisions, and 0 at 16-bit."""
+    errors = {}
+    for precision in sim.precisions:
+        quantized = sim.weight(name, precision, weight)
+        error = column_error(weight - quantized, stats.importance)
+        moved = stats.moved.get(precision)
+        errors[precision] = error + (column_error(quantized, moved) if moved is not None else 0.0)
+    return {**errors, KEEP: 0.0}
+
+
+def read_weight(source, name: str):
+    """A layer's weight from the checkpoint, float32."""
+    from quantkit.errors import UnsupportedError
+
+    key = name + ".weight"
+    if key not in source.index:
+        raise UnsupportedError(f"per-layer precision: {key} is not a tensor of the checkpoint (its modules are "
+                               "renamed while loading)", hint="quantize without --auto-precision / --fallback")
+    return source.get(key).float()
+
+
+# ------------------------------------------------------------------ input statistics
+
+
+@dataclass
+class InputStats:
+    importance: object  # float64 (in,): mean x_j^2
+    moved: dict = field(default_factory=dict)  # precision -> float64 (in,): mean (t(x) - x)_j^2
+
+
+def input_statistics(model_dir: Path, windows, layers: list[str], sim: Simulation,
+                     progress: Callable[[str], None] = lambda message: None) -> dict[str, InputStats]:
+    """{layer: InputStats} over `windows` through the layer-streamed forward (one layer's weights in
+    memory at a time), computed in float32 like the probes (a statistic: it needs no 16-bit rounding,
+    and 16-bit matmuls are several times slower on CPUs without native support for them); a layer the
+    windows never reach gets a uniform importance."""
+    import torch
+
+    from quantkit.model import hf_config
+    from quantkit.eval.stream import SafetensorsWeights, iter_batches, stream_model, windows_per_group
+
+    config = hf_config(model_dir)
+    streamed = stream_model(config, SafetensorsWeights(model_dir), torch.float32)
+    modules = dict(streamed.model.named_modules())
+    sums: dict[str, dict] = {name: {} for name in layers}
+    counts = dict.fromkeys(layers, 0)
+
+    def hook(name: str):
+        def collect(_module, args):
+            x = args[0].detach().reshape(-1, args[0].shape[-1])
+            add(sums[name], "importance", x.double())
+            for precision in sim.precisions:
+                transform = sim.inputs(name, precision)
+                if transform is not None:
+                    add(sums[name], precision, (transform(x) - x).double())
+            counts[name] += x.shape[0]
+        return collect
+
+    handles = [modules[name].register_forward_pre_hook(hook(name)) for name in layers]
+    group = windows_per_group(config.get_text_config(), windows.shape[1])
+    progress(f"sensitivity: input statistics of {len(layers)} layers on {len(windows)} calibration windows")
+    try:
+        with torch.inference_mode():
+            for ids in iter_batches(windows, group):
+                streamed.model.get_decoder()(input_ids=ids, use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {name: stats_of(sums[name], counts[name], modules[name].in_features) for name in layers}
+
+
+def add(sums: dict, key: str, values) -> None:
+    squares = (values * values).sum(0)
+    sums[key] = squares if key not in sums else sums[key] + squares
+
+
+def stats_of(sums: dict, count: int, width: int) -> InputStats:
+    import torch
+
+    if not count:
+        return InputStats(torch.ones(width, dtype=torch.float64))
+    return InputStats(sums["importance"] / count, {k: v / count for k, v in sums.items() if k != "importance"})
+
+
+# ------------------------------------------------------------------ the table
+
+
+def error_table(model_dir: Path, shapes: dict[str, tuple[int, int]], stats: dict[str, InputStats],
+                sim: Simulation, plain: str, progress: Callable[[str], None] = lambda message: None
+                ) -> list[SensitivityRow]:
+    """Weighted errors of every layer ({module name: (out, in)}) at every precision of `sim`."""
+    from quantkit.eval.stream import SafetensorsWeights
+
+    source, rows = SafetensorsWeights(model_dir), []
+    for index, (name, shape) in enumerate(shapes.items()):
+        progress(f"sensitivity: weighted errors of {name} ({index + 1}/{len(shapes)})")
+        errors = layer_errors(name, read_weight(source, name), stats[name], sim)
+        rows.append(SensitivityRow(name, tuple(shape), errors, sim.probe_precision, plain))
+    return rows
+
+
+def probe(model_dir: Path, row: SensitivityRow, sim: Simulation):
+    """The quantkit.mixed.core.Probe of one layer at the simulation's probe precision."""
+    from quantkit.mixed.core import Probe, role_and_depth
+    from quantkit.eval.stream import SafetensorsWeights
+
+    def patch() -> dict:
+        weight = read_weight(SafetensorsWeights(model_dir), row.name)
+        return {row.name + ".weight": sim.weight(row.name, row.probe, weight)}
+
+    transform = sim.inputs(row.name, row.probe)
+    return Probe(row.name, role_and_depth(row.name)[1] or 0, patch, {row.name: transform} if transform else {})
+
+
+def measure(model_dir: Path, shapes: dict[str, tuple[int, int]], calib_windows, auto: AutoPrecision,
+            sim: Simulation, plain: str, workdir: Path | None = None,
+            progress: Callable[[str], None] = lambda message: None) -> LayerTable:
+    """The sensitivity table: input statistics on the calibration windows, weighted errors, and with
+    measure_windows > 0 the gains of probes_per_role layers per role measured and the others' interpolated."""
+    from quantkit.mixed.core import probe_klds, probe_names, set_gains
+
+    started = time.perf_counter()
+    stats = input_statistics(model_dir, calib_windows, list(shapes), sim, progress)
+    seconds = {"statistics": round(time.perf_counter() - started, 3)}
+    started = time.perf_counter()
+    progress(f"sensitivity: weighted errors of {len(shapes)} layers at {', '.join(sim.precisions)}")
+    table = error_table(model_dir, shapes, stats, sim, plain, progress)
+    seconds["errors"] = round(time.perf_counter() - started, 3)
+    if auto.measure_windows == 0:
+        return LayerTable(table, False, 0, seconds)
+    started = time.perf_counter()
+    windows = calib_windows[:auto.measure_windows]
+    chosen = set(probe_names(table, auto.probes_per_role))
+    progress(f"sensitivity: KL divergence of {len(chosen)} probe layers alone on {len(windows)} windows")
+    klds = probe_klds(model_dir, [probe(model_dir, r, sim) for r in table if r.name in chosen], windows,
+                      "auto_precision.measure_windows: 0", workdir, progress)
+    set_gains(table, klds)
+    seconds["kld"] = round(time.perf_counter() - started, 3)
+    return LayerTable(table, True, len(windows), seconds, len(klds))
+
+
+def check_streamable(info, label: str, flag: str) -> None:
+    """Per-layer precision reads the checkpoint's layers by module name and streams a text decoder:
+    MoE models and VLMs are refused before work."""
+    from quantkit.errors import UnsupportedError
+    from quantkit.arch.moe import is_moe
+    from quantkit.model import is_vlm
+
+    if is_moe(info.model_type) or is_vlm(info.config):
+        kind = "MoE models" if is_moe(info.model_type) else "VLMs"
+        raise UnsupportedError(f"{label} is not supported for {kind} ({info.architecture}): its sensitivity pass "
+                               "reads the checkpoint's layers by module name and streams a text decoder",
+                               hint=f"quantize without {flag}")
+
+
+# ------------------------------------------------------------------ the 16-bit fallback of single-precision methods
+
+
+def quantized_layers(info, ignore: list[str], roles=("decoder", "other")) -> dict[str, tuple[int, int]]:
+    """{module name: (out, in)} of the Linear weights a method quantizes, from the checkpoint's headers
+    (a text decoder's module names are its tensor names), those matching `ignore` left out."""
+    from quantkit.run.plan import classify, linear_weights, matches
+
+    return {name: tuple(shape) for name, shape in linear_weights(info).items()
+            if classify(name + ".weight", info.towers) in roles and not matches(name, ignore)}
+
+
+def sized(layer_bytes: Callable, job) -> Callable[[tuple, str], int]:
+    """layer_bytes(shape, precision, element) with the bytes per element of the model as the job loads it."""
+    from quantkit.model import torch_dtype
+
+    element = torch_dtype(job.dtype, job.info).itemsize
+    return lambda shape, precision: layer_bytes(shape, precision, element)
+
+
+def keep_ladder(job, layers: dict[str, tuple[int, int]], sim: Simulation, size: Callable[[tuple, str], int]):
+    """The fallback ladder of a method with one precision (fp8, smoothquant, nf4): each layer at it, or 16-bit
+    (quantkit.mixed.core.Ladder), its sensitivity measured on the calibration windows."""
+    from quantkit.mixed.core import Ladder
+
+    plain = sim.precisions[0]
+    table = measure(job.info.path, layers, job.windows.calib, AutoPrecision(), sim, plain, job.workdir, job.progress)
+    return Ladder(table.layers, {name: plain for name in layers}, lambda row, p: size(row.shape, p), keep_one=True,
+                  details={"sensitivity": table.as_dict()})
+
+
+def keep_report(details: dict, plan: dict[str, str], size: Callable[[tuple, str], int]) -> dict:
+    """details.mixed_precision of a fallback plan of a one-precision method (keep_ladder)."""
+    table = LayerTable.from_dict(details["sensitivity"]).layers
+    plain = sum(size(r.shape, r.plain) for r in table)
+    return plan_report(table, plan, None, plain, lambda row, p: size(row.shape, p))
+
+
+def artifact_estimate(info, layers: dict[str, tuple[int, int]], size: Callable[[tuple, str], int], plain: str) -> int:
+    """The first artifact's weight bytes before any raise: the checkpoint's, with each quantized layer at
+    the plain precision instead of 16-bit (for --max-size's check before work)."""
+    from quantkit.model import DTYPE_BYTES
+
+    total = sum(DTYPE_BYTES.get(dtype, 2) * math.prod(shape) for dtype, shape in info.tensors.values())
+    stored = {name: DTYPE_BYTES.get(info.tensors[name + ".weight"][0], 2) for name in layers}
+    return total - sum(o * i * stored[name] for name, (o, i) in layers.items()) + \
+        sum(size(shape, plain) for shape in layers.values())
+
+
+# ------------------------------------------------------------------ plan, config groups, report
+
+
+def config_groups(choice: dict[str, str], scheme: Scheme) -> dict:
+    """compressed-tensors config groups: int4 for every Linear, int8 for the chosen layers by exact name."""
+    groups = {"group_0": {"targets": ["Linear"], "weights": scheme.weights("int4")}}
+    int8 = sorted(name for name, p in choice.items() if p == "int8")
+    if int8:
+        groups["group_1"] = {"targets": int8, "weights": scheme.weights("int8")}
+    return groups
+
+
+def kept_16bit(choice: dict[str, str]) -> list[str]:
+    """The layers the plan keeps in 16 bits (added to the ignore list)."""
+    return sorted(name for name, p in choice.items() if p == KEEP)
+
+
+def plan_report(table: list[SensitivityRow], choice: dict[str, str], allowed: int | None, plain_bytes: int,
+                size: Callable[[SensitivityRow, str], int]) -> dict:
+    """details.mixed_precision: the budget (None: a fallback plan, bounded by its max_size), the bytes,
+    every layer's precision and the counts."""
+    from quantkit.mixed.core import total_bytes
+
+    counts: dict[str, int] = {}
+    for precision in choice.values():
+        counts[precision] = counts.get(precision, 0) + 1
+    plain = table[0].plain if table else ""
+    return {**({} if allowed is None else {"budget_bytes": allowed}), "plain_bytes": plain_bytes,
+            "bytes": total_bytes(table, choice, size), "counts": dict(sorted(counts.items())),
+            "types": dict(sorted(choice.items())),
+            "changed": {name: f"{plain}->{p}" for name, p in sorted(choice.items()) if p != plain}}

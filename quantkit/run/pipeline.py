@@ -1,0 +1,667 @@
+"""run(recipe) -> RunReport: the only place that sequences the steps of a quantization run.
+
+check inputs and resolve every selected target once (fast) -> hash the inputs; with
+--skip-existing, set aside the targets whose output is up to date -> tokenizer + token windows
+-> [merge LoRA] -> baseline on held-out windows (once) -> per target: fresh model, quantize into
+staging, reload from disk, measure, gate -> all targets pass: write reports and rename staging to
+OUT; otherwise nothing is written. With --partial, a target that fails its gate or raises does
+not stop the others, and those that passed are published.
+
+Output layout (by the recipe's target count, whatever --only selects): one target -> OUT is that
+artifact; several -> OUT/<target name>/ each, plus OUT/quantkit.json for the run. A run with
+several targets and --only, --partial or --skip-existing publishes target by target: each
+OUT/<target> is renamed into place from staging on its own, and the other targets' directories in
+OUT are left alone.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import platform
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from pydantic import BaseModel
+
+from quantkit import __version__
+from quantkit.io import export
+from quantkit.run.cache import fingerprint, input_hashes, up_to_date
+from quantkit.engines.llmcompressor.distributed import Ranks, check_launch, process_group
+from quantkit.errors import (CalibrationError, GateFailedError, InputError, OutputExistsError, QuantkitError,
+                             RunFailedError, UnsupportedError)
+from quantkit.run.lora import plan_merge
+from quantkit.io.measure import PeakTracker
+from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, get_method
+from quantkit.model import (ModelInfo, Offload, check_device, check_generative, check_model_dir, check_submodel_packages,
+                            device_map, resolve_model)
+from quantkit.io.numerics import check_finite
+from quantkit.run.plan import build_plan, ignore_patterns
+from quantkit.run.preflight import (available_vram, check_disk, check_ram, check_vram, ram_estimate, run_estimate,
+                                    vram_estimate)
+from quantkit.run.recipe import Calibration, Gate, Recipe, Target, target_gate, target_options
+from quantkit.run.report import ModelReport, RunReport, TargetReport, model_card
+from quantkit.arch.vlm import FAMILIES, tower_summary
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class ResolvedTarget:
+    """One recipe target, resolved once in prepare(); flows unchanged to quantize, measure,
+    the report and the model card."""
+
+    target: Target
+    method: MethodSpec
+    options: BaseModel
+    gate: Gate
+    ignore: list[str]  # the full ignore list handed to the method (lm_head, VLM towers, the user's)
+    needs_calibration: bool
+    needs_model: bool  # quantize() gets the model loaded in memory
+    choices: dict[str, str] = field(default_factory=dict)  # what method.resolve chose for this model, and why
+
+    @property
+    def name(self) -> str:
+        return self.target.name
+
+
+@dataclass
+class RunOptions:
+    model: str
+    out: Path
+    overwrite: bool = False
+    enforce_gate: bool = True
+    max_memory: int | None = None  # bytes; None: the memory available when the run starts
+    only: list[str] = field(default_factory=list)  # target names to run (empty: all)
+    skip_existing: bool = False  # skip targets whose output is up to date; replace stale ones
+    partial: bool = False  # publish the targets that pass; a failing or raising one does not stop the others
+    ranks: Ranks = Ranks()  # this process's place in a torchrun launch (quantkit.engines.llmcompressor.distributed)
+    progress: Progress = lambda message: None
+
+
+def prepare(recipe: Recipe, opts: RunOptions) -> tuple[ModelInfo, list[ResolvedTarget]]:
+    """All cheap checks, before any long work: targets selected, model, device, output,
+    calibration, method options. Returns the model and the selected targets, resolved."""
+    from quantkit.run.calibration import validate_source
+
+    selected = select_targets(recipe.targets, opts.only)
+    info = check_model_dir(resolve_model(opts.model))
+    check_generative(info)
+    check_submodel_packages(info)
+    check_not_quantized(info, recipe)
+    check_device(recipe.device)
+    check_outputs(recipe, opts, selected)
+    validate_source(recipe.calibration.source)
+    check_offload_dir(recipe, info)
+    targets = [resolve_target(recipe, target, info) for target in selected]
+    given = {"--lora": bool(recipe.lora), "--offload-dir": recipe.offload_dir is not None,
+             "--skip-existing": opts.skip_existing, "--partial": opts.partial}
+    check_launch(opts.ranks, [(t.name, t.target.method, t.options) for t in targets],
+                 window_settings(recipe, targets).num_samples, [flag for flag, on in given.items() if on])
+    if recipe.lora:
+        lora_plan(info, recipe)  # every adapter checked against the base before work
+    check_disk(opts.out, run_estimate(info, recipe, [(t.target.method, t.options) for t in targets]))
+    check_ram(ram_estimate(info, recipe, targets), opts.max_memory)
+    if device_map(recipe.device) == "cuda":
+        check_vram(vram_estimate(info, recipe, targets), available_vram())
+    check_finite([*info.weight_files, *(Path(p) / "adapter_model.safetensors" for p in recipe.lora)])
+    return info, targets
+
+
+def select_targets(targets: list[Target], only: list[str]) -> list[Target]:
+    """The targets --only names, in the recipe's order; all of them without --only."""
+    if not only:
+        return targets
+    names = [t.name for t in targets]
+    unknown = [name for name in only if name not in names]
+    if unknown:
+        raise InputError(f"--only: no target named {', '.join(unknown)}; the recipe's targets are {', '.join(names)}")
+    return [t for t in targets if t.name in only]
+
+
+def multi_target(recipe: Recipe) -> bool:
+    """The output layout: OUT/<target>/ per target when the recipe has several."""
+    return len(recipe.targets) > 1
+
+
+def per_target_outputs(recipe: Recipe, opts: RunOptions) -> bool:
+    """Publish target by target into OUT (which may hold other targets' outputs) instead of
+    renaming the whole run into place at once."""
+    return multi_target(recipe) and bool(opts.only or opts.partial or opts.skip_existing)
+
+
+def output_dir(out: Path, recipe: Recipe, name: str) -> Path:
+    return out / name if multi_target(recipe) else out
+
+
+def check_outputs(recipe: Recipe, opts: RunOptions, targets: list[Target]) -> None:
+    """OUT (or, when publishing target by target, each selected OUT/<target>) must not exist
+    unless --overwrite or --skip-existing (which replaces a stale output)."""
+    replace = opts.overwrite or opts.skip_existing
+    if not per_target_outputs(recipe, opts):
+        export.check_output(opts.out, replace)
+        return
+    export.check_output(opts.out, overwrite=True)  # a directory of targets: parent, lock, not a file
+    existing = [opts.out / t.name for t in targets if (opts.out / t.name).exists()]
+    if existing and not replace:
+        raise OutputExistsError(f"output already exists: {existing[0]}",
+                                hint="pass --overwrite to replace it, or --skip-existing to keep it when up to date")
+
+
+def resolve_target(recipe: Recipe, target: Target, info: ModelInfo) -> ResolvedTarget:
+    """Method, options, gate, ignore list and calibration needs of one target, checked."""
+    method = get_method(target.method)
+    options, choices = method.resolve(info, target_options(target))
+    if target.ignore and not method.supports_ignore:
+        raise InputError(f"target '{target.name}': method {target.method} does not take ignore patterns",
+                         hint="its type mixture decides every tensor's type; remove `ignore`/--ignore")
+    needs_calibration = method.needs_calibration(options)
+    if needs_calibration and recipe.calibration.num_samples == 0:
+        raise CalibrationError(f"target '{target.name}': {target.method} needs calibration windows, "
+                               "but num_samples is 0", hint="raise --num-samples")
+    check_tower_precision(target, info, method)
+    method.check(info, options, recipe.calibration)
+    ignore = ignore_patterns(info, target.ignore, method.keeps_lm_head(options), tuple(target.tower_precision()))
+    method.check_ignore(info, options, ignore)
+    return ResolvedTarget(target, method, options, target_gate(recipe, target), ignore, needs_calibration,
+                          method.needs_model(info, options) or bool(target.tower_precision()), choices)
+
+
+def check_tower_precision(target: Target, info: ModelInfo, method: MethodSpec) -> None:
+    """A target's `vision`/`projector` other than keep: a method that can store it, on a model that has
+    that tower in a known family's table (towers found by look always stay 16-bit)."""
+    asked = target.tower_precision()
+    if not asked:
+        return
+    fields = ", ".join(f"{role}: {value}" for role, value in asked.items())
+    if not method.quantizes_towers:
+        raise UnsupportedError(f"target '{target.name}': {fields} is not available with {method.name}",
+                               hint="use fp8, gptq, awq or smoothquant, or keep the towers 16-bit")
+    family = FAMILIES.get(info.towers.family or "")
+    if "vision" in asked and family and family.vision_stays_16bit:
+        raise UnsupportedError(f"target '{target.name}': vision: {asked['vision']} refused for {family.name}: "
+                               f"{family.vision_stays_16bit}", hint="keep the vision tower 16-bit (vision: keep)")
+    missing = [role for role in asked if not info.towers.names(role)]
+    if missing:
+        found = f" (its towers were found by look: {', '.join(info.towers.unknown)})" if info.towers.unknown else ""
+        raise InputError(f"target '{target.name}': {fields}, but {info.architecture} has no "
+                         f"{' or '.join(missing)} in quantkit's VLM table{found}",
+                         hint="remove the option; towers found by look stay 16-bit")
+    without_linears = [role for role in asked if not tower_weights(info, role)]
+    if without_linears:
+        raise UnsupportedError(f"target '{target.name}': {' and '.join(without_linears)}: {info.architecture} has "
+                               "no linear layer there to quantize", hint=f"set {without_linears[0]}: keep")
+
+
+def tower_weights(info: ModelInfo, role: str) -> list[str]:
+    """The linear weights of a tower role (2-D `.weight`s, its embeddings left out), from the headers."""
+    from quantkit.run.plan import TOWER_EMBEDDING, classify, linear_weights
+
+    return [name for name in linear_weights(info)
+            if classify(name + ".weight", info.towers) == role and not TOWER_EMBEDDING.search(name)]
+
+
+def check_not_quantized(info: ModelInfo, recipe: Recipe) -> None:
+    """Quantizing needs full precision; a QLoRA (bitsandbytes) base is fine when adapters are merged."""
+    method = (info.config.get("quantization_config") or {}).get("quant_method")
+    if not method or (method == "bitsandbytes" and recipe.lora):
+        return
+    raise InputError(
+        f"{info.path} is already quantized ({method}); quantkit quantizes full-precision checkpoints",
+        hint="point at the original 16-bit model (a bitsandbytes QLoRA base is accepted together with --lora)",
+    )
+
+
+def check_offload_dir(recipe: Recipe, info: ModelInfo) -> None:
+    """--offload-dir must be a writable directory, and the model a plain decoder (a VLM's checkpoint
+    names differ from its module names, so its layers cannot be mapped to disk by name)."""
+    from quantkit.model import is_vlm
+
+    if recipe.offload_dir is None:
+        return
+    path = Path(recipe.offload_dir)
+    if not path.is_dir() or not os.access(path, os.W_OK | os.X_OK):
+        raise InputError(f"offload directory is not a writable directory: {path}",
+                         hint="create it on a disk with room for the model's 16-bit weights")
+    if is_vlm(info.config):
+        raise UnsupportedError(f"--offload-dir is not supported for VLMs ({info.architecture})",
+                               hint="run without --offload-dir")
+
+
+def window_settings(recipe: Recipe, targets: list[ResolvedTarget]) -> Calibration:
+    """The recipe's calibration settings; no calibration windows when no target uses them
+    (the held-out evaluation windows are the same either way)."""
+    if any(t.needs_calibration for t in targets):
+        return recipe.calibration
+    return recipe.calibration.model_copy(update={"num_samples": 0})
+
+
+def run(recipe: Recipe, opts: RunOptions) -> RunReport | None:
+    """Execute the recipe; returns the report (also written to OUT/quantkit.json). Under torchrun,
+    a rank other than 0 does its share of the calibration, writes nothing and returns None."""
+    started = time.time()
+    info, targets = prepare(recipe, opts)
+    with process_group(opts.ranks, recipe.device):
+        if not opts.ranks.is_main:
+            run_share(recipe, opts, info, targets)
+            return None
+        return run_main(recipe, opts, info, targets, started)
+
+
+def run_main(recipe: Recipe, opts: RunOptions, info: ModelInfo, targets: list[ResolvedTarget],
+             started: float) -> RunReport:
+    inputs = input_hashes(info, recipe)
+    report = base_report(recipe, opts, info, inputs)
+    prints = {t.name: fingerprint(recipe, t.target, t.gate, inputs, opts.enforce_gate) for t in targets}
+    todo = [t for t in targets if not (opts.skip_existing and skipped(recipe, opts, t, prints[t.name], report))]
+    staging = export.make_staging(opts.out, opts.progress)
+    try:
+        if todo:
+            _run_in(staging, recipe, opts, info, todo, prints, report)
+        report.timings["total_s"] = round(time.time() - started, 3)
+        _finish(staging, recipe, opts, report)
+    except BaseException:
+        export.discard(staging)
+        raise
+    return report
+
+
+def skipped(recipe: Recipe, opts: RunOptions, resolved: ResolvedTarget, wanted: dict[str, Any],
+            report: RunReport) -> bool:
+    """--skip-existing: when the target's output is up to date, report it as skipped (with the
+    entry of that output's quantkit.json) and return True."""
+    out_dir = output_dir(opts.out, recipe, resolved.name)
+    existing = up_to_date(out_dir, resolved.name, wanted)
+    if existing is None:
+        return False
+    opts.progress(f"[{resolved.name}] skipped: {out_dir} is up to date")
+    entry = TargetReport.from_dict(existing)
+    entry.status, entry.written, entry.exit_code, entry.error = "skipped", False, 0, None
+    report.targets.append(entry)
+    return True
+
+
+def _run_in(staging: Path, recipe: Recipe, opts: RunOptions, info: ModelInfo, targets: list[ResolvedTarget],
+            prints: dict[str, dict], report: RunReport) -> None:
+    """Load only what some step needs: no tokenizer, windows or torch model for a run that neither
+    calibrates, nor evaluates, nor hands a target the model (e.g. gguf without imatrix and gate)."""
+    from quantkit.model import load_tokenizer
+
+    workdir = staging / export.WORK_DIR
+    workdir.mkdir()
+    if recipe.lora:
+        info = merge_lora(info, recipe, workdir, report, opts.progress)
+    settings = window_settings(recipe, targets)
+    uses_windows = settings.num_samples + settings.eval_windows > 0
+    tokenizer = load_tokenizer(info, recipe.trust_remote_code) if uses_windows or any(
+        t.needs_model for t in targets) else None
+    windows = make_windows(tokenizer, settings, opts.progress) if uses_windows else None
+    if windows is not None:
+        report.calibration.update(source_sha256=windows.sha256, calib_windows=len(windows.calib),
+                                  eval_windows=len(windows.eval))
+    baseline = None
+    if windows is not None and len(windows.eval):
+        baseline = compute_baseline(info, recipe, windows.eval, workdir, report, opts.progress)
+    for resolved in targets:
+        out_dir = output_dir(staging, recipe, resolved.name)
+        out_dir.mkdir(exist_ok=True)
+        try:
+            # a fresh model per target (methods change it in place); the job holds the only reference,
+            # so run_target can free it before measuring
+            with offload_plan(recipe, info, workdir) as offload:
+                job = target_job(recipe, opts, info, resolved, tokenizer, windows, out_dir, workdir, offload)
+                entry = run_target(job, resolved, baseline, opts)
+                del job
+        except Exception as exc:
+            if not opts.partial:
+                raise
+            entry = error_report(resolved, exc)
+            opts.progress(f"[{resolved.name}] {entry.status}: {entry.error}")
+        gc.collect()
+        entry.fingerprint = prints[resolved.name]
+        report.targets.append(entry)
+
+
+def target_job(recipe: Recipe, opts: RunOptions, info: ModelInfo, resolved: ResolvedTarget, tokenizer, windows,
+               out_dir: Path, workdir: Path, offload: Offload | None) -> QuantizeJob:
+    """One target's job, with the full-precision model (`offload` on disk) and the tokenizer when its
+    method needs them."""
+    model = load(info, recipe, offload, opts.progress) if resolved.needs_model else None
+    return QuantizeJob(model, tokenizer if resolved.needs_model else None, info, resolved.options, windows,
+                       resolved.ignore, out_dir, workdir, recipe.dtype, recipe.device, recipe.trust_remote_code,
+                       resolved.target.tower_precision(), offload, opts.ranks,
+                       lambda message: opts.progress(f"[{resolved.name}] {message}"))
+
+
+def run_share(recipe: Recipe, opts: RunOptions, info: ModelInfo, targets: list[ResolvedTarget]) -> None:
+    """A rank other than 0 (quantkit.engines.llmcompressor.distributed): each target's GPTQ on this rank's share of the
+    windows, in step with rank 0's; nothing written outside a private work directory next to OUT."""
+    import tempfile
+
+    from quantkit.model import load_tokenizer
+
+    tokenizer = load_tokenizer(info, recipe.trust_remote_code)
+    windows = make_windows(tokenizer, window_settings(recipe, targets), lambda message: None)
+    parent = opts.out.resolve().parent
+    with tempfile.TemporaryDirectory(prefix=f".quantkit-rank{opts.ranks.rank}-", dir=parent) as tmp:
+        workdir = Path(tmp)
+        for resolved in targets:
+            with offload_plan(recipe, info, workdir) as offload:
+                job = target_job(recipe, opts, info, resolved, tokenizer, windows, workdir, workdir, offload)
+                resolved.method.quantize(job)
+                job.free_model()
+                del job
+
+
+def compute_baseline(info: ModelInfo, recipe: Recipe, windows, workdir: Path, report: RunReport,
+                     progress: Progress):
+    """Score the full-precision model once on the held-out windows (reused for every target);
+    a text decoder is streamed from its checkpoint a layer at a time, never loaded whole."""
+    from quantkit.eval import evaluate
+
+    progress(f"baseline: scoring {len(windows)} held-out windows")
+    scorer = evaluate.base_scorer(info, recipe.dtype, recipe.device, recipe.trust_remote_code, workdir)
+    with PeakTracker() as t:
+        baseline = evaluate.compute_baseline(scorer, windows, workdir=workdir)
+    report.timings["baseline_s"] = t.seconds
+    report.baseline = {"ppl": baseline.ppl, "positions": int(baseline.nll.shape[0]), "peak_rss_bytes": t.peak_rss}
+    return baseline
+
+
+def run_target(job: QuantizeJob, resolved: ResolvedTarget, baseline, opts: RunOptions) -> TargetReport:
+    """Quantize one target into its staging dir, then reload it from disk and measure it."""
+    opts.progress(f"[{resolved.name}] quantizing with {resolved.target.method}")
+    with PeakTracker() as qt:
+        result = resolved.method.quantize(job)
+    export.copy_side_files(job.info.path, job.out_dir)
+    entry = target_report(resolved, job.info, result)
+    entry.timings["quantize_s"] = qt.seconds
+    entry.peak_rss_bytes = qt.peak_rss
+    entry.peak_rss_by_step["quantize"] = qt.peak_rss
+    job.free_model()  # the engine's freed model goes back to the OS before the gate loads the artifact
+    if job.info.towers.components:
+        entry.details["towers"] = tower_proof(job, result)
+    if baseline is None:
+        return entry
+    from quantkit.eval import evaluate
+
+    opts.progress(f"[{resolved.name}] measuring the artifact against the base")
+    with PeakTracker() as et:
+        entry.metrics = evaluate.evaluate_artifact(result.artifact, job.info.path, job.windows.eval, baseline,
+                                                   job.device, job.trust_remote_code, job.workdir)
+    entry.timings["eval_s"] = et.seconds
+    entry.peak_rss_bytes = max(qt.peak_rss, et.peak_rss)
+    entry.peak_rss_by_step["eval"] = et.peak_rss
+    entry.gate = evaluate.gate_verdict(entry.metrics, resolved.gate,
+                                       enforced=opts.enforce_gate and resolved.gate.enabled)
+    if not entry.gate.passed and fallback_options(resolved) is not None:
+        run_fallback(job, resolved, result, entry, baseline, opts)
+    if entry.failed_enforced_gate:
+        entry.status, entry.exit_code = "failed", GateFailedError.exit_code
+    return entry
+
+
+def tower_proof(job: QuantizeJob, result: QuantizeResult) -> dict:
+    """A VLM artifact reloaded: towers bit-identical to the source and an image+text forward
+    (quantkit.eval.vlm_proof; exit 3 otherwise). A .gguf's towers are its mmproj file's."""
+    from quantkit.eval.vlm_proof import prove_mmproj, prove_towers
+
+    if result.artifact.is_dir():
+        proof = prove_towers(result.artifact, job.info, job.device, job.trust_remote_code, tuple(job.towers))
+        return {**proof, "tower_precision": job.towers, "forced": "int4" in job.towers.values()} if job.towers else proof
+    projector = result.details.get("gguf", {}).get("mmproj") or {}
+    if not projector.get("file"):
+        return {"tower_tensors_identical": 0, "mmproj": None,
+                "image_forward": "skipped: mmproj: none, the .gguf holds the language model only"}
+    return prove_mmproj(result.artifact.parent / projector["file"], job.info, job.options.mmproj)
+
+
+def fallback_options(resolved: ResolvedTarget):
+    """The target's fallback options (quantkit.mixed.core.Fallback), None when it has none."""
+    return getattr(resolved.options, "fallback", None)
+
+
+def run_fallback(job: QuantizeJob, resolved: ResolvedTarget, result: QuantizeResult, entry: TargetReport,
+                 baseline, opts: RunOptions) -> None:
+    """Gate-driven fallback: while the gate fails, raise the precision of the units the method's ladder
+    predicts most damaging (quantkit.mixed.core.raise_plan), let the method write the artifact again and
+    re-measure it, until the gate passes or Fallback.max_size leaves no room. A step whose artifact
+    came out larger than the limit (the size model missed what the format adds) is undone: the last
+    plan within the limit is written again. Every step, the final plan and the size cost go into
+    entry.details["fallback"]; entry's metrics, gate and details become the last artifact's."""
+    from quantkit.eval import evaluate
+    from quantkit.mixed.core import raise_plan, size_limit, step_count
+
+    method, options, started = resolved.method, fallback_options(resolved), time.time()
+    first = export.artifact_bytes(result.artifact)
+    limit = size_limit(options.max_size, first)
+    steps = [{"step": 0, "raised": {}, "bytes": first, "metrics": entry.metrics.as_dict(), "passed": False}]
+    job.progress(f"gate failed ({', '.join(entry.gate.failed)}): measuring which layers to raise first")
+    ladder = method.fallback_ladder(job, result)
+    details, plan, note = {**result.details, **ladder.details}, dict(ladder.plan), "passed"
+    count = step_count(options.tensors_per_step, len(ladder.units_for(plan)))
+    while not entry.gate.passed:
+        new, raised = raise_plan(ladder, plan, count, limit - steps[-1]["bytes"])
+        if not raised:
+            note = f"no raise fits in --max-size {options.max_size} ({limit:,} bytes)"
+            break
+        job.progress(f"fallback step {len(steps)}: raising {len(raised)} layers ({', '.join(list(raised)[:3])}"
+                     f"{', ...' if len(raised) > 3 else ''}); gate failed on {', '.join(entry.gate.failed)}")
+        candidate = method.requantize(job, new, details)
+        size = export.artifact_bytes(candidate.artifact)
+        if size > limit:
+            note = f"step {len(steps)} came to {size:,} bytes, over --max-size ({limit:,}): undone"
+            result = method.requantize(job, plan, details)
+            break
+        entry.metrics = evaluate.evaluate_artifact(candidate.artifact, job.info.path, job.windows.eval, baseline,
+                                                   job.device, job.trust_remote_code, job.workdir)
+        entry.gate = evaluate.gate_verdict(entry.metrics, resolved.gate,
+                                           enforced=opts.enforce_gate and resolved.gate.enabled)
+        plan, result = new, candidate
+        steps.append({"step": len(steps), "raised": {n: f"{a}->{b}" for n, (a, b) in raised.items()}, "bytes": size,
+                      "metrics": entry.metrics.as_dict(), "passed": entry.gate.passed})
+    job.progress(f"fallback: {note}" if not entry.gate.passed else f"fallback: gate passed after {len(steps) - 1} "
+                 f"step(s), {steps[-1]['bytes'] - first:+,} bytes")
+    final = steps[-1]["bytes"]
+    entry.details = {**result.details, "fallback": {
+        "passed": entry.gate.passed, "stopped": note, "steps": steps, "first_bytes": first, "limit_bytes": limit,
+        "final_bytes": final, "size_cost_bytes": final - first, "types": dict(sorted(plan.items())),
+        "seconds": round(time.time() - started, 3)}}
+    entry.timings["fallback_s"] = entry.details["fallback"]["seconds"]
+
+
+def error_report(resolved: ResolvedTarget, exc: Exception) -> TargetReport:
+    """A target that raised (--partial): reported with the error's message and exit code; an
+    artifact that did not reload (exit 3) counts as failed, anything else as an error."""
+    if isinstance(exc, QuantkitError):
+        message, exit_code = exc.message, exc.exit_code
+    else:
+        message, exit_code = f"internal error: {type(exc).__name__}: {exc}".splitlines()[0], 1
+    return TargetReport(
+        name=resolved.name, method=resolved.method.name, format=resolved.method.format,
+        engine=resolved.method.engine, engine_version=package_version(resolved.method.engine_package),
+        options=resolved.options.model_dump(mode="json"), ignore=resolved.ignore, kept=[], quantized_modules=0,
+        status="failed" if exit_code == GateFailedError.exit_code else "error", error=message, exit_code=exit_code,
+    )
+
+
+def target_report(resolved: ResolvedTarget, info: ModelInfo, result: QuantizeResult) -> TargetReport:
+    plan = build_plan(info, resolved.method, resolved.options, resolved.ignore, resolved.target.tower_precision())
+    return TargetReport(
+        name=resolved.name,
+        method=resolved.method.name,
+        format=resolved.method.format,
+        engine=resolved.method.engine,
+        engine_version=package_version(resolved.method.engine_package),
+        options=resolved.options.model_dump(mode="json"),
+        ignore=resolved.ignore,
+        kept=sorted({e.role for e in plan if e.kept}),
+        quantized_modules=sum(1 for e in plan if not e.kept),
+        details={**({"choices": resolved.choices} if resolved.choices else {}), **result.details},
+    )
+
+
+def _finish(staging: Path, recipe: Recipe, opts: RunOptions, report: RunReport) -> None:
+    """Write reports and publish. Without --partial, any failed target publishes nothing; with it,
+    the targets that passed are published and the run still fails (with the worst exit code)."""
+    import shutil
+
+    shutil.rmtree(staging / export.WORK_DIR, ignore_errors=True)
+    order = [t.name for t in recipe.targets]
+    report.targets.sort(key=lambda t: order.index(t.name))
+    measured = [t.gate for t in report.targets if t.gate is not None]
+    report.passed = all(g.passed for g in measured) if measured else None
+    bad = [t for t in report.targets if t.status in ("failed", "error")]
+    if bad and not opts.partial:
+        raise run_failure(report, opts, bad)
+    if per_target_outputs(recipe, opts):
+        publish_targets(staging, opts, report)
+    elif not bad and any(t.status == "passed" for t in report.targets):
+        publish_run(staging, recipe, opts, report)
+    else:
+        export.discard(staging)  # one target, skipped (up to date) or not passed
+    if bad:
+        raise run_failure(report, opts, bad)
+
+
+def finalize_target(out_dir: Path, target: TargetReport, report: RunReport, single: bool) -> None:
+    """The model card and quantkit.json of a target about to be published."""
+    target.files = sorted(p.name for p in out_dir.iterdir() if p.name != export.WORK_DIR)
+    target.written = True
+    (out_dir / "README.md").write_text(model_card(target, report))
+    export.write_json(out_dir / "quantkit.json", report.to_dict(None if single else [target]))
+
+
+def publish_run(staging: Path, recipe: Recipe, opts: RunOptions, report: RunReport) -> None:
+    """Every target passed: rename the whole staging dir to OUT at once."""
+    single = not multi_target(recipe)
+    for target in report.targets:
+        finalize_target(staging if single else staging / target.name, target, report, single)
+    if not single:
+        export.write_json(staging / "quantkit.json", report.to_dict())
+    export.publish(staging, opts.out, opts.overwrite or opts.skip_existing)
+
+
+def publish_targets(staging: Path, opts: RunOptions, report: RunReport) -> None:
+    """Rename each passed target's staging dir to OUT/<target> on its own (replacing a stale
+    one), leave the others in OUT alone, and rewrite OUT/quantkit.json for this run."""
+    out = opts.out.resolve()
+    ready = [t for t in report.targets if t.status == "passed"]
+    if ready:
+        out.mkdir(exist_ok=True)
+    for target in ready:
+        finalize_target(staging / target.name, target, report, single=False)
+        export.move_into_place(staging / target.name, out / target.name, opts.overwrite or opts.skip_existing)
+    if out.is_dir():
+        export.replace_json(out / "quantkit.json", report.to_dict())
+    export.discard(staging)
+
+
+def run_failure(report: RunReport, opts: RunOptions, bad: list[TargetReport]) -> QuantkitError:
+    """The error a run with failed targets ends with: a gate failure (exit 3) when every bad target
+    failed its gate (or did not reload); otherwise the worst error's code (1 before 2 before 3)."""
+    written = [t.name for t in report.targets if t.written]
+    where = f"written to {opts.out}: {', '.join(written)}" if written else f"nothing was written to {opts.out}"
+    if all(t.exit_code == GateFailedError.exit_code for t in bad):
+        names = ", ".join(f"{t.name} ({', '.join(t.gate.failed) if t.gate else t.error})" for t in bad)
+        return GateFailedError(f"quality gate failed for {names}; {where}", report=report, hint=gate_hint(report, bad))
+    names = "; ".join(f"{t.name}: {t.error or 'quality gate failed'}" for t in bad)
+    return RunFailedError(f"{len(bad)} of {len(report.targets)} targets failed ({names}); {where}", report,
+                          min(t.exit_code for t in bad), hint="see the per-target lines above")
+
+
+def gate_hint(report: RunReport, bad: list[TargetReport]) -> str:
+    """What to try after failed gates: --fallback where a failed target's method has it and it was not
+    used, a larger --max-size where it was used and ran out of room."""
+    hint = "see the table above; loosen the gate in the recipe, or use --no-gate"
+    methods = {t.method for t in bad if "fallback" in get_method(t.method).options.model_fields}
+    spent = [t for t in bad if "fallback" in t.details]
+    if spent:
+        return f"{hint}; or raise --max-size (the fallback ran out of room: {spent[0].details['fallback']['stopped']})"
+    if methods:
+        return (f"{hint}; or add --fallback ({', '.join(sorted(methods))}: keep the most damaging layers at a "
+                "higher precision until the gate passes, within --max-size)")
+    return hint
+
+
+def base_report(recipe: Recipe, opts: RunOptions, info: ModelInfo, inputs: dict[str, str]) -> RunReport:
+    packages = ("torch", "transformers", "llmcompressor", "compressed-tensors", "gguf", "bitsandbytes")
+    return RunReport(
+        quantkit_version=__version__,
+        versions={"python": platform.python_version(), **{p: package_version(p) for p in packages}},
+        recipe=recipe.model_dump(mode="json"),
+        model=ModelReport(path=str(info.path), architecture=info.architecture, model_type=info.model_type,
+                          parameters=info.num_parameters, dtype=info.dtype,
+                          towers=tower_summary(info.towers) if info.towers.components else None,
+                          sha256={p.name: inputs[f"model/{p.name}"] for p in info.weight_files}),
+        calibration=recipe.calibration.model_dump(mode="json"),
+        gate_enforced=opts.enforce_gate,
+        inputs=inputs,
+    )
+
+
+def make_windows(tokenizer, settings: Calibration, progress: Progress):
+    from quantkit.run.calibration import make_windows as build
+
+    progress(f"calibration: {settings.num_samples} x {settings.seq_len} tokens from '{settings.source}' "
+             f"(+{settings.eval_windows} held out)")
+    return build(tokenizer, settings)
+
+
+def load(info: ModelInfo, recipe: Recipe, offload: Offload | None, progress: Progress) -> Any:
+    """The full-precision model in memory, with the modules `offload` names on disk."""
+    from quantkit.model import load_model
+
+    where = "decoder layers, embeddings and head" if offload and offload.layers else "embeddings and head"
+    progress(f"loading {info.path}" + (f" ({where} offloaded to {offload.folder})" if offload else ""))
+    return load_model(info, recipe.dtype, recipe.device, recipe.trust_remote_code, offload)
+
+
+@contextmanager
+def offload_plan(recipe: Recipe, info: ModelInfo, workdir: Path) -> Iterator[Offload | None]:
+    """What one target's model keeps on disk, in a fresh folder removed afterwards: with --offload-dir
+    every decoder layer and the vocabulary tables, in a folder there; otherwise the tables alone, in the
+    run's work directory (a text decoder's; a VLM loads whole). quantkit.model.Offload says why."""
+    import shutil
+    import tempfile
+
+    from quantkit.model import Offload, is_vlm
+
+    if recipe.offload_dir is None and is_vlm(info.config):
+        yield None
+        return
+    parent = recipe.offload_dir or workdir
+    folder = Path(tempfile.mkdtemp(prefix="quantkit-offload-", dir=parent))
+    try:
+        yield Offload(folder, layers=recipe.offload_dir is not None)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def lora_plan(info: ModelInfo, recipe: Recipe):
+    return plan_merge(info, recipe.model or str(info.path), recipe.lora, recipe.lora_weights, recipe.merge_base,
+                      recipe.original_base, recipe.trust_remote_code)
+
+
+def merge_lora(info: ModelInfo, recipe: Recipe, workdir: Path, report: RunReport, progress: Progress) -> ModelInfo:
+    """Merge adapters into the full-precision base (quantkit.run.lora) and continue from the merged checkpoint."""
+    from quantkit.run.lora import merge
+
+    progress(f"merging {len(recipe.lora)} LoRA adapter(s)")
+    report.merge = merge(lora_plan(info, recipe), workdir / "merged", workdir, progress).to_dict()
+    return check_model_dir(workdir / "merged")
+
+
+def package_version(package: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
+
+
+__all__ = ["ResolvedTarget", "RunOptions", "run", "prepare"]

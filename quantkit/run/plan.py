@@ -1,0 +1,204 @@
+"""The precision plan: which module gets which precision.
+
+Every weight tensor is classified into a role (decoder, lm_head, embeddings, vision encoder,
+projector, norm, other) from name rules kept as data below. A method then says what precision
+each role gets. Vision encoders and projectors of VLMs stay in 16-bit by rule, whatever the
+method; lm_head stays unquantized by default for the compressed-tensors methods.
+
+The plan works from checkpoint tensor names (safetensors headers), so `quantkit inspect`
+needs no torch. Patterns are unanchored so they match both checkpoint names and the module
+names transformers v5 gives VLMs after loading (`model.vision_tower...`).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from typing import TYPE_CHECKING
+
+from quantkit.model import ModelInfo
+from quantkit.arch.vlm import FAMILIES, TOWER_ROLES, Towers, component_pattern, family_towers, ignore_pattern
+
+if TYPE_CHECKING:
+    from quantkit.methods import MethodSpec
+
+# MoE routers: the linear that scores the experts (Mixtral `block_sparse_moe.gate`, Qwen-MoE
+# `mlp.gate`, transformers 5's `mlp.router`) and Qwen2-MoE's `shared_expert_gate`. Tiny, and their
+# top-k choice is discontinuous: rounding them changes which experts run. Kept 16-bit by every
+# compressed-tensors method and nf4 (no method's precision() quantizes the "router" role, and the
+# ignore list names them); gguf keeps llama.cpp's own type for them (its mixture rules).
+ROUTER_NAMES = r"(block_sparse_moe|mlp)\.(gate|router)|shared_expert_gate"
+
+# Role rules after the towers (quantkit.arch.vlm), checked in order; first match wins.
+ROLE_RULES: list[tuple[str, str]] = [
+    ("lm_head", r"(^|\.)(lm_head|embed_out)\.weight$"),
+    ("router", rf"(^|\.)({ROUTER_NAMES})\.weight$"),
+    ("embeddings", r"(^|\.)(embed_tokens|wte|wpe|word_embeddings|embed_positions|tok_embeddings)\.weight$"),
+    ("norm", r"(norm|ln_\d|ln_f|layernorm)[^.]*\.(weight|bias)$"),
+    ("decoder", r"(^|\.)(layers|h|blocks|block)\.\d+\."),
+]
+
+# Every known family's towers at once: the rule for a name seen without its model.
+GENERIC_TOWERS = Towers(tuple(dict.fromkeys(pair for role in ("projector", "audio", "vision") for model_type in FAMILIES
+                                            for pair in family_towers(model_type).components if pair[0] == role)))
+
+# Roles never quantized, whatever the method: every VLM tower (quantkit.arch.vlm.TOWER_ROLES).
+KEEP_16BIT_ROLES = TOWER_ROLES
+ROUTER_PATTERN = rf"re:.*\.({ROUTER_NAMES})$"
+
+# Weight bits per parameter of each format (scales and zero points included).
+FORMAT_BITS = {
+    "FP16/BF16": 16.0,
+    "FP8 (E4M3, per-channel)": 8.0,
+    "INT8 (per-channel)": 8.0,
+    "INT4 (group 128)": 4.125,
+    "NF4 (double quant)": 4.127,
+    "GGUF Q4_K_M": 4.85,
+}
+
+
+@dataclass
+class PlanEntry:
+    name: str  # module name (tensor name without .weight)
+    role: str
+    shape: list[int]
+    precision: str  # e.g. "fp8-e4m3 W/channel A/token", or "bf16 (kept: lm_head)"
+    kept: bool  # True: the weight stays in the model's 16-bit dtype
+
+    @property
+    def params(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+def classify(tensor_name: str, towers: Towers | None = None) -> str:
+    """The role of a tensor (or module) name: a tower of `towers` (the model's, `info.towers`;
+    without it, the towers of every known VLM family), else by the name rules."""
+    role = (GENERIC_TOWERS if towers is None else towers).role(tensor_name)
+    if role:
+        return role
+    for role, pattern in ROLE_RULES:
+        if re.search(pattern, tensor_name):
+            return role
+    return "other"
+
+
+def linear_weights(info: ModelInfo) -> dict[str, list[int]]:
+    """2-D `.weight` tensors that are linear layers (embeddings and lm_head included, for the plan)."""
+    return {
+        name[: -len(".weight")]: shape
+        for name, (_dtype, shape) in info.tensors.items()
+        if name.endswith(".weight") and len(shape) == 2
+    }
+
+
+def matches(name: str, patterns: list[str]) -> bool:
+    """llm-compressor semantics: `re:` = re.match on the name; otherwise exact name or last component."""
+    for pattern in patterns:
+        if pattern.startswith("re:"):
+            if re.match(pattern[3:], name):
+                return True
+        elif name == pattern or name.endswith("." + pattern):
+            return True
+    return False
+
+
+# A tower quantized on request (a target's `vision`/`projector`): round-to-nearest, weights only,
+# symmetric; int8 per output channel, int4 in groups of the largest of these dividing every input width.
+TOWER_BITS = {"int8": 8, "int4": 4}
+TOWER_GROUP_SIZES = (128, 64, 32, 16)
+# 2-D tower weights that are not linear layers (position and patch embeddings) stay 16-bit.
+TOWER_EMBEDDING = re.compile(r"embed")
+
+
+def tower_precision_text(precision: str, forced: bool) -> str:
+    granularity = "W/channel" if precision == "int8" else "W/group"
+    return f"{precision} {granularity} sym RTN (tower{', forced' if forced else ''})"
+
+
+def build_plan(info: ModelInfo, method: MethodSpec, options, ignore: list[str],
+               towers: dict[str, str] | None = None) -> list[PlanEntry]:
+    """One entry per linear weight with the precision the method will give it; `towers` maps the
+    tower roles a target quantizes to their precision (int8/int4), {} keeps every tower 16-bit."""
+    exact_types = method.plan_types(info, options)
+    return [plan_entry(info, name, shape, exact_types.get(name) or method.precision(
+        classify(name + ".weight", info.towers), options, name, shape), ignore, towers or {})
+        for name, shape in linear_weights(info).items()]
+
+
+def plan_entry(info: ModelInfo, name: str, shape: list[int], chosen: str | None, ignore: list[str],
+               towers: dict[str, str] | None = None) -> PlanEntry:
+    """The entry for one weight: the method's choice, unless a rule or the ignore list keeps it 16-bit."""
+    role = classify(name + ".weight", info.towers)
+    kept_dtype = info.dtype.lower()
+    if role in (towers or {}) and not TOWER_EMBEDDING.search(name):
+        return PlanEntry(name, role, shape, tower_precision_text(towers[role], towers[role] == "int4"), False)
+    if role == "tower":
+        return PlanEntry(name, role, shape, f"{kept_dtype} (kept: unknown tower stays 16-bit)", True)
+    if role in KEEP_16BIT_ROLES:
+        return PlanEntry(name, role, shape, f"{kept_dtype} (kept: {role} stays 16-bit)", True)
+    if not chosen:
+        return PlanEntry(name, role, shape, f"{kept_dtype} (kept: {role})", True)
+    if matches(name, ignore):
+        return PlanEntry(name, role, shape, f"{kept_dtype} (kept: ignore pattern)", True)
+    return PlanEntry(name, role, shape, chosen, False)
+
+
+def ignore_patterns(info: ModelInfo, user_ignore: list[str], keep_lm_head: bool = True,
+                    quantized_towers: tuple[str, ...] = ()) -> list[str]:
+    """The `ignore` list for llm-compressor: lm_head (when kept), every VLM tower component (the
+    component itself and everything under it: a projector that is a single Linear, the Linear
+    subclasses inside a tower such as nn.MultiheadAttention's out_proj) but those of the roles in
+    `quantized_towers`, the MoE routers present in this model, then the user's patterns."""
+    patterns = ["lm_head"] if keep_lm_head else []
+    present = {component for _role, component in info.towers.components
+               if any(re.search(component_pattern(component), name) for name in info.tensors)}
+    quantized = [c for role, c in info.towers.components if role in quantized_towers]
+    patterns += [ignore_pattern(c, tuple(q[len(c) + 1:] for q in quantized if q.startswith(c + ".")))
+                 for role, c in info.towers.components if c in present and role not in quantized_towers]
+    if any(classify(name, info.towers) == "router" for name in info.tensors):
+        patterns.append(ROUTER_PATTERN)
+    return patterns + [p for p in user_ignore if p not in patterns]
+
+
+def role_summary(entries: list[PlanEntry]) -> dict[str, dict]:
+    summary: dict[str, dict] = {}
+    for entry in entries:
+        row = summary.setdefault(entry.role, {"modules": 0, "params": 0, "precisions": {}})
+        row["modules"] += 1
+        row["params"] += entry.params
+        row["precisions"][entry.precision] = row["precisions"].get(entry.precision, 0) + 1
+    return summary
+
+
+def kv_cache_bytes(config: dict, context: int = 4096, batch: int = 1, bytes_per_value: int = 2) -> int:
+    """fp16 K and V for `context` tokens: 2 * layers * kv_heads * head_dim * bytes * tokens."""
+    text = config.get("text_config", config)
+    layers = text.get("num_hidden_layers", 0)
+    heads = text.get("num_attention_heads", 1)
+    kv_heads = text.get("num_key_value_heads", heads)
+    head_dim = text.get("head_dim") or text.get("hidden_size", 0) // max(heads, 1)
+    return 2 * layers * kv_heads * head_dim * bytes_per_value * context * batch
+
+
+def memory_estimate(info: ModelInfo, entries: list[PlanEntry], context: int = 4096) -> dict[str, dict]:
+    """Weight memory per format: quantizable decoder linears at the format's bits, the rest at 16-bit."""
+    total = info.num_parameters
+    quantizable = sum(e.params for e in entries if e.role in ("decoder", "other"))
+    kv = kv_cache_bytes(info.config, context)
+    overhead_fraction = 0.10  # activations, buffers and allocator slack on top of weights + KV
+    rows = {}
+    for fmt, bits in FORMAT_BITS.items():
+        weights = (quantizable * bits + (total - quantizable) * 16) / 8
+        if fmt == "GGUF Q4_K_M":  # embeddings Q4_K, output Q6_K
+            weights = (total * bits) / 8
+        rows[fmt] = {"weights_bytes": int(weights), "with_overhead_bytes": int((weights + kv) * (1 + overhead_fraction))}
+    return rows
+
+
+MEMORY_NOTE = (
+    "with overhead = (weights + fp16 KV cache for {context} tokens, batch 1) x 1.10 for activations and buffers"
+)

@@ -1,0 +1,333 @@
+"""Disk preflight: estimate what a run will write beside OUT and refuse at once when the
+filesystem lacks it (exit 2, with the numbers), instead of failing after the long work.
+
+Rough on purpose: per target, the decoder's linear weights at the method's bits and everything
+else at 16 bits; a merged LoRA checkpoint at 16 bits; the float16 baseline log-probs and the
+float32 logits a streamed scorer spills (eval_windows x seq_len x vocab, 2 + 4 bytes at most).
+Staging, merged checkpoint and these files all live on OUT's filesystem (the staging directory
+is beside OUT).
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from quantkit.errors import InputError
+
+GGUF_MIX_MARGIN = 1.15  # mixtures give some tensors more bits than the base type (Q4_K_M: Q6_K parts)
+
+
+@dataclass(frozen=True)
+class DiskEstimate:
+    artifacts: int
+    merged_lora: int
+    baseline: int
+
+    @property
+    def total(self) -> int:
+        return self.artifacts + self.merged_lora + self.baseline
+
+
+def estimate_bytes(quantized_params: int, other_params: int, target_bits: list[float], lora: bool,
+                   eval_windows: int, seq_len: int, vocab: int) -> DiskEstimate:
+    """Bytes a run writes: one artifact per target, the merged LoRA model, the float16 baseline
+    and the spilled float32 logits of one scorer (both at most eval_windows x seq_len x vocab)."""
+    artifacts = sum(int(quantized_params * bits / 8) + 2 * other_params for bits in target_bits)
+    merged = 2 * (quantized_params + other_params) if lora else 0
+    return DiskEstimate(artifacts, merged, (2 + 4) * eval_windows * seq_len * vocab)
+
+
+def target_bits(method: str, options) -> float:
+    """Stored bits per quantized weight, scales included (roughly)."""
+    if method in ("gptq", "awq"):
+        return options.bits + (32 / options.group_size if options.group_size > 0 else 0)  # fp16 scale + zero
+    if method == "nf4":
+        return 8.0 if options.scheme == "int8" else 4.127
+    if method == "gguf":
+        return gguf_bits(options.gguf_type) * GGUF_MIX_MARGIN
+    return 8.0  # fp8, smoothquant (int8)
+
+
+def gguf_bits(gguf_type: str) -> float:
+    from gguf import GGML_QUANT_SIZES
+
+    from quantkit.gguf.mixture import FILE_TYPES
+
+    block, size = GGML_QUANT_SIZES[FILE_TYPES[gguf_type][1]]
+    return 8 * size / block
+
+
+def run_estimate(info, recipe, targets: list[tuple[str, object]]) -> DiskEstimate:
+    """The estimate for a run: its model, recipe and each target's (method name, options)."""
+    from quantkit.run.plan import classify
+
+    quantized = other = 0
+    for name, (_dtype, shape) in info.tensors.items():
+        count = 1
+        for d in shape:
+            count *= d
+        if len(shape) == 2 and classify(name, info.towers) == "decoder":
+            quantized += count
+        else:
+            other += count
+    text = info.config.get("text_config") or info.config
+    c = recipe.calibration
+    return estimate_bytes(quantized, other, [target_bits(m, o) for m, o in targets], bool(recipe.lora),
+                          c.eval_windows, c.seq_len, int(text.get("vocab_size") or 0))
+
+
+def check_disk(out: Path, estimate: DiskEstimate) -> None:
+    """InputError with the numbers when OUT's filesystem has less free space than the estimate."""
+    parent = out.resolve().parent
+    free = shutil.disk_usage(parent).free
+    if free >= estimate.total:
+        return
+    parts = [f"artifacts {_size(estimate.artifacts)}"]
+    if estimate.merged_lora:
+        parts.append(f"merged LoRA model {_size(estimate.merged_lora)}")
+    if estimate.baseline:
+        parts.append(f"baseline and spilled logits {_size(estimate.baseline)}")
+    raise InputError(f"not enough disk space in {parent}: the run writes about {_size(estimate.total)} "
+                     f"({', '.join(parts)}), {_size(free)} is free",
+                     hint="free some space, write to another filesystem, or run fewer targets or eval windows")
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+# ---------------------------------------------------------------- memory
+
+FIXED_RAM = 768 * 2**20  # interpreter, torch, transformers and kernels before any weight (measured ~0.6-0.7 GiB)
+FIXED_VRAM = 512 * 2**20  # CUDA context, cuBLAS workspaces and kernels before any weight
+
+
+@dataclass(frozen=True)
+class RamEstimate:
+    """Peak memory of each step of a run (RAM, or the GPU's for a VramEstimate); the run's peak
+    is the largest step plus the fixed part."""
+
+    steps: dict[str, int]
+    fixed: int = FIXED_RAM
+
+    @property
+    def peak(self) -> int:
+        return self.fixed + max(self.steps.values(), default=0)
+
+    def describe(self) -> str:
+        return ", ".join(f"{name} {_size(n)}" for name, n in self.steps.items())
+
+
+def unit_bytes(info) -> tuple[dict[str, int], dict[str, int]]:
+    """Stored bytes per streamed unit: (every other module: embeddings, head, norms; each decoder
+    layer), grouped by the same rule as quantkit.model.offload_device_map."""
+    from quantkit.model import DTYPE_BYTES, LAYER_PREFIX
+
+    others: dict[str, int] = {}
+    layers: dict[str, int] = {}
+    for name, (dtype, shape) in info.tensors.items():
+        match = LAYER_PREFIX.match(name)
+        units, unit = (layers, match.group(1)) if match else (others, name.rsplit(".", 1)[0])
+        units[unit] = units.get(unit, 0) + math.prod(shape) * DTYPE_BYTES.get(dtype, 1)
+    return others, layers
+
+
+def ram_estimate(info, recipe, targets) -> RamEstimate:
+    """Per step: the streamed baseline and gate hold one decoder layer (the .gguf candidate's in
+    float32), a group's activations, a slice of the output head and its logits, and the baseline
+    log-probs while they are small enough to stay in memory; a target that needs the model holds what
+    held_bytes says (GPTQ's per-layer Hessians included); fp8 without the model (quantkit.engines.llmcompressor.model_free) one slab of one weight and its
+    quantizer's copies; a compressed-tensors text decoder is streamed like the base, a module
+    decompressed at a time (quantkit.eval.compressed); any other compressed-tensors or bitsandbytes
+    artifact is reloaded whole at its bits."""
+    from quantkit.eval.evaluate import SPILL_THRESHOLD
+    from quantkit.engines.llmcompressor.model_free import working_set_bytes
+    from quantkit.eval.stream import ACTIVATION_BYTES, HEAD_SLICE_BYTES
+
+    others, layers = unit_bytes(info)
+    layer = max(layers.values(), default=0) or max(others.values(), default=0)
+    model = sum(others.values()) + sum(layers.values())
+    c = recipe.calibration
+    text = info.config.get("text_config") or info.config
+    store = 2 * c.eval_windows * c.seq_len * int(text.get("vocab_size") or 0)
+    store = store if store <= SPILL_THRESHOLD else 0  # above that it is kept in a file
+    streamed = ACTIVATION_BYTES + 2 * HEAD_SLICE_BYTES + store
+    steps = {"baseline": layer + streamed} if c.eval_windows else {}
+    for t in targets:
+        if t.needs_model:
+            hessians = hessian_bytes(t, info)
+            held = held_bytes(info, recipe, others, layers, hessians)
+            steps[f"{t.name}: quantize"] = held + ACTIVATION_BYTES
+        elif t.target.method == "fp8":
+            steps[f"{t.name}: quantize"] = working_set_bytes(info)
+        if c.eval_windows:
+            steps[f"{t.name}: gate"] = candidate_bytes(t, model, layer, streams_gate(t, info, recipe)) + streamed
+    return RamEstimate(steps)
+
+
+def held_bytes(info, recipe, others: dict[str, int], layers: dict[str, int], hessians: int) -> int:
+    """What RAM holds of a model loaded for a method (quantkit.run.pipeline.offload_plan): with --offload-dir
+    the norms and one onloaded unit; a text decoder in RAM every decoder layer, the norms, and the larger
+    of one table (onloaded for the first layer's inputs, or to save the head) and GPTQ's Hessians; a VLM
+    all of it."""
+    from quantkit.model import is_vlm
+
+    if recipe.offload_dir:
+        return offloaded_bytes(others, layers, hessians)
+    if is_vlm(info.config):
+        return sum(others.values()) + sum(layers.values()) + hessians
+    kept, tables = split_tables(others)
+    return kept + sum(layers.values()) + max([*tables, hessians])
+
+
+def offloaded_bytes(others: dict[str, int], layers: dict[str, int], per_layer: int) -> int:
+    """What RAM holds of a model loaded with --offload-dir (quantkit.model.offload_device_map): the
+    modules left in memory (norms), plus the larger of the embedding table (onloaded while the first
+    subgraph runs) and one decoder layer with the method's per-layer working set."""
+    kept, tables = split_tables(others)
+    return kept + max([*tables, max(layers.values(), default=0) + per_layer])
+
+
+def split_tables(others: dict[str, int]) -> tuple[int, list[int]]:
+    """The non-layer units' bytes split by quantkit.model.is_offloaded_table: (what stays in memory
+    in total, each vocabulary table's bytes)."""
+    from quantkit.model import is_offloaded_table
+
+    kept = sum(n for unit, n in others.items() if not is_offloaded_table(unit))
+    return kept, [n for unit, n in others.items() if is_offloaded_table(unit)]
+
+
+def hessian_bytes(target, info) -> int:
+    """GPTQ's working set for one decoder layer: a float32 Hessian (in x in) per quantized Linear, all
+    of them alive while the layer calibrates, and one float32 copy of the largest weight with a slab of
+    its block-error product while it is quantized (single copies: quantkit.engines.llmcompressor.lean_hessian); 0
+    for the methods without Hessians."""
+    from quantkit.methods.gptq import quantized_linears
+    from quantkit.engines.llmcompressor.lean_hessian import ERROR_SLAB, SLAB_ROWS
+    from quantkit.model import LAYER_PREFIX
+
+    if target.target.method != "gptq":
+        return 0
+    shapes: dict[str, list[tuple[int, int]]] = {}
+    for name, (out, width) in quantized_linears(info).items():
+        match = LAYER_PREFIX.match(name + ".")
+        shapes.setdefault(match.group(1) if match else name, []).append((out, width))
+    def quantizing(out: int, width: int) -> int:
+        return 4 * out * width + 4 * min(out * width, max(SLAB_ROWS * width, ERROR_SLAB))
+
+    per_layer = [4 * sum(w * w for _o, w in s) + max(quantizing(o, w) for o, w in s) for s in shapes.values()]
+    return max(per_layer, default=0)
+
+
+def streams_gate(target, info, recipe) -> bool:
+    """Whether the gate streams the target's compressed-tensors artifact (quantkit.eval.compressed.streams):
+    a text decoder the stream applies to, its output head left 16-bit, no custom model code."""
+    from quantkit.eval.stream import streamable
+
+    return (target.method.format.startswith("compressed-tensors") and streamable(info.config)
+            and target.method.keeps_lm_head(target.options) and not recipe.trust_remote_code)
+
+
+def candidate_bytes(target, model: int, layer: int, streamed: bool) -> int:
+    """What the gate holds of one artifact: a .gguf streamed in float32 (twice a 16-bit layer), a
+    streamed compressed-tensors one a 16-bit layer (its modules decompressed one at a time), any
+    other checkpoint whole at its bits."""
+    if target.target.method == "gguf":
+        return 2 * layer
+    if streamed:
+        return layer
+    return int(model * target_bits(target.target.method, target.options) / 16)
+
+
+def largest_matrix(info) -> int:
+    """Stored bytes of the largest decoder-layer tensor (what a streamed forward holds at once)."""
+    from quantkit.model import DTYPE_BYTES, LAYER_PREFIX
+
+    sizes = [math.prod(shape) * DTYPE_BYTES.get(dtype, 1) for name, (dtype, shape) in info.tensors.items()
+             if LAYER_PREFIX.match(name)]
+    return max(sizes, default=0)
+
+
+def vram_estimate(info, recipe, targets) -> RamEstimate:
+    """Per step, what the GPU holds when the run uses one: a streamed forward one weight matrix (in
+    float32 for a .gguf) with a group's activations and a slice of the head; a target that needs
+    the model, one decoder layer and the calibration activations with --offload-dir (llm-compressor's
+    sequential pipeline onloads a layer at a time), else the whole model; a gate that does not stream
+    (bitsandbytes, streams_gate false), the artifact at its bits; fp8 without the model, one slab of
+    one weight."""
+    from quantkit.engines.llmcompressor.model_free import working_set_bytes
+    from quantkit.eval.stream import ACTIVATION_BYTES, HEAD_SLICE_BYTES
+
+    others, layers = unit_bytes(info)
+    model = sum(others.values()) + sum(layers.values())
+    streamed = 2 * largest_matrix(info) + ACTIVATION_BYTES + 2 * HEAD_SLICE_BYTES
+    steps = {"baseline": streamed} if recipe.calibration.eval_windows else {}
+    for t in targets:
+        if t.needs_model:
+            held = max(layers.values(), default=0) if recipe.offload_dir else model
+            steps[f"{t.name}: quantize"] = held + ACTIVATION_BYTES + hessian_bytes(t, info)
+        elif t.target.method == "fp8":
+            steps[f"{t.name}: quantize"] = working_set_bytes(info)
+        if recipe.calibration.eval_windows:
+            steps[f"{t.name}: gate"] = streamed if t.target.method == "gguf" or streams_gate(t, info, recipe) else (
+                candidate_bytes(t, model, 0, False) + ACTIVATION_BYTES)
+    return RamEstimate(steps, FIXED_VRAM)
+
+
+def available_vram() -> int:
+    """Free memory of the current CUDA device (0 without one: no check)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return 0
+    free, _total = torch.cuda.mem_get_info()
+    return int(free)
+
+
+def check_vram(estimate: RamEstimate, available: int) -> None:
+    """InputError with the numbers when the GPU's free memory is below the run's estimated peak."""
+    if not available or estimate.peak <= available:
+        return
+    raise InputError(f"not enough GPU memory: the run needs about {_size(estimate.peak)} on the GPU at its peak "
+                     f"({estimate.describe()}, plus {_size(estimate.fixed)} fixed), {_size(available)} is free",
+                     hint="use --offload-dir so llm-compressor onloads one layer at a time, or --device cpu")
+
+
+def available_ram() -> int:
+    """MemAvailable from /proc/meminfo (0 where unknown: no check)."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def check_ram(estimate: RamEstimate, limit: int | None) -> None:
+    """InputError with the numbers when the run's estimated peak exceeds --max-memory (or the
+    memory available now, when no limit is given)."""
+    budget = limit or available_ram()
+    if not budget or estimate.peak <= budget:
+        return
+    source = "--max-memory" if limit else "available memory"
+    raise InputError(f"not enough memory: the run needs about {_size(estimate.peak)} at its peak "
+                     f"({estimate.describe()}, plus {_size(estimate.fixed)} fixed), {source} is {_size(budget)}",
+                     hint="use --offload-dir for the llm-compressor methods, fewer --eval-windows, "
+                     "or a machine with more memory")
+
+
+def parse_size(text: str) -> int:
+    """'16GiB', '500MB', '2G', '1073741824' -> bytes."""
+    import re
+
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]?)(i?B?)\s*", text, re.IGNORECASE)
+    if not match:
+        raise InputError(f"cannot read the size '{text}'", hint="write e.g. 16GiB, 500MB or 2G")
+    number, unit, binary = float(match.group(1)), match.group(2).upper(), match.group(3).lower().startswith("i")
+    power = "KMGT".index(unit) + 1 if unit else 0
+    return int(number * (1024 if binary or not match.group(3) else 1000) ** power)

@@ -1,0 +1,345 @@
+"""Recipes: the validated description of one run (model, calibration, targets, gate).
+
+A recipe is YAML checked by pydantic models with extra="forbid". Each target's `options` are
+checked by its method's own `Options` model. CLI flags are applied to the raw data before
+validation, so a recipe and its overrides are checked together, before any work starts.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from quantkit.errors import InputError, RecipeError, UnsupportedError
+from quantkit.methods import METHODS, get_method
+
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Calibration(Strict):
+    """What text to use and how to cut it into windows (quantkit.run.calibration.make_windows)."""
+
+    source: str = Field("default", description="bundled set name, local file, or hf:NAME[:CONFIG][:SPLIT]")
+    num_samples: int = Field(64, ge=0, le=100_000, description="calibration windows (0: none)")
+    seq_len: int = Field(512, ge=8, le=131_072)
+    seed: int = 0
+    chat_template: bool = True
+    text_field: str = "text"
+    eval_windows: int = Field(16, ge=0, le=100_000, description="held-out windows for the quality gate")
+
+
+class Gate(Strict):
+    enabled: bool = True
+    max_ppl_increase: float | None = Field(None, ge=0, description="relative, 0.05 = +5%")
+    max_kld: float | None = Field(None, ge=0)
+    min_top1: float | None = Field(None, ge=0, le=1)
+
+
+# A VLM tower's weights in a target: 16-bit (the rule), or round-to-nearest W8A16 / W4A16 on request.
+TowerPrecision = Literal["keep", "int8", "int4"]
+
+
+class Target(Strict):
+    name: str = Field(pattern=NAME_PATTERN)
+    method: str
+    options: dict[str, Any] = Field(default_factory=dict)
+    ignore: list[str] = Field(default_factory=list, description="module names or re:REGEX kept unquantized")
+    gate: Gate | None = None
+    vision: TowerPrecision = Field("keep", description="a VLM's vision encoder: keep (16-bit), int8 or int4 (W/A16)")
+    projector: TowerPrecision = Field("keep", description="a VLM's projector: keep (16-bit), int8 or int4 (W/A16)")
+    force: bool = Field(False, description="allow 4-bit towers (recorded in the report and the model card)")
+
+    @field_validator("method")
+    @classmethod
+    def _known_method(cls, value: str) -> str:
+        if value not in METHODS:
+            raise ValueError(f"unknown method '{value}'; allowed: {', '.join(METHODS)}")
+        return value
+
+    @field_validator("ignore")
+    @classmethod
+    def _valid_patterns(cls, patterns: list[str]) -> list[str]:
+        for pattern in patterns:
+            if pattern.startswith("re:"):
+                try:
+                    re.compile(pattern[3:])
+                except re.error as exc:
+                    raise ValueError(f"bad regex {pattern!r}: {exc}") from exc
+        return patterns
+
+    @model_validator(mode="after")
+    def _four_bit_towers_need_force(self) -> "Target":
+        four_bit = [role for role, value in self.tower_precision().items() if value == "int4"]
+        if four_bit and not self.force:
+            raise ValueError(f"{' and '.join(four_bit)}: int4 refused: 4-bit towers lose image understanding "
+                             "that the text-only gate cannot measure; set `force: true` (--force) to accept that")
+        return self
+
+    def tower_precision(self) -> dict[str, str]:
+        """The tower roles this target quantizes, and how: {} keeps every tower 16-bit."""
+        return {role: value for role, value in (("vision", self.vision), ("projector", self.projector))
+                if value != "keep"}
+
+
+class Recipe(Strict):
+    model: str | None = None
+    lora: list[str] = Field(default_factory=list)
+    lora_weights: list[float] = Field(default_factory=list, description="one per lora entry; empty: all 1.0")
+    merge_base: Literal["dequantized", "original"] = "dequantized"  # for a bitsandbytes (QLoRA) base
+    original_base: str | None = Field(None, description="16-bit original of a QLoRA base (merge_base original)")
+    trust_remote_code: bool = False
+    dtype: str = Field("auto", pattern="^(auto|bfloat16|float16|float32)$")
+    device: str = Field("cpu", pattern="^(cpu|cuda|auto)$")
+    offload_dir: str | None = Field(None, description="offload decoder layers, embeddings and head to disk here while quantizing")
+    calibration: Calibration = Field(default_factory=Calibration)
+    targets: list[Target] = Field(min_length=1)
+    gate: Gate = Field(default_factory=Gate)
+
+    @field_validator("targets")
+    @classmethod
+    def _unique_names(cls, targets: list[Target]) -> list[Target]:
+        names = [t.name for t in targets]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"target names must be unique; repeated: {', '.join(duplicates)}")
+        return targets
+
+
+def target_options(target: Target) -> BaseModel:
+    """The target's options, validated by its method's Options model."""
+    return get_method(target.method).options.model_validate(target.options)
+
+
+def target_gate(recipe: Recipe, target: Target) -> Gate:
+    """Gate thresholds for a target: method defaults < recipe gate < target gate (set fields win)."""
+    values = dict(get_method(target.method).default_gate(target_options(target)))  # never the method's own table
+    for layer in (recipe.gate, target.gate):
+        if layer is not None:
+            values.update(layer.model_dump(exclude_unset=True))
+    return Gate(**values)
+
+
+def load_yaml(path: str | Path) -> dict:
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeError(f"recipe file not found: {path}", hint="quantkit recipes list shows the bundled ones")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise RecipeError(f"{path}: not valid YAML: {exc}".splitlines()[0]) from exc
+    if not isinstance(data, dict):
+        raise RecipeError(f"{path}: a recipe must be a YAML mapping with a 'targets' list")
+    return data
+
+
+# Sections whose type CLI overrides rely on when merging into raw recipe data.
+SECTION_TYPES = {"calibration": dict, "gate": dict, "targets": list, "lora": list, "lora_weights": list}
+TARGET_SECTION_TYPES = {"options": dict, "ignore": list, "gate": dict}
+
+
+def check_structure(data: dict, origin: str = "recipe") -> None:
+    """Sections are mappings/lists where a recipe has them (before CLI overrides merge into them)."""
+    _check_sections(data, SECTION_TYPES, origin, "")
+    for index, target in enumerate(data.get("targets") or []):
+        if not isinstance(target, dict):
+            raise RecipeError(f"{origin}: targets.{index}: must be a mapping (name, method, options, ...)")
+        _check_sections(target, TARGET_SECTION_TYPES, origin, f"targets.{index}.")
+
+
+def _check_sections(data: dict, types: dict, origin: str, prefix: str) -> None:
+    for key, kind in types.items():
+        if data.get(key) is not None and not isinstance(data[key], kind):
+            what = "a mapping" if kind is dict else "a list"
+            raise RecipeError(f"{origin}: {prefix}{key}: must be {what}, not {type(data[key]).__name__}")
+
+
+def validate(data: dict, origin: str = "recipe") -> Recipe:
+    """Validate raw recipe data, including every target's method options."""
+    try:
+        recipe = Recipe.model_validate(data)
+    except ValidationError as exc:
+        raise RecipeError(f"{origin}: {format_errors(exc)}", hint=_hint(exc)) from None
+    for index, target in enumerate(recipe.targets):
+        check_mixed_precision(target.method, target.options)
+        try:
+            target_options(target)
+        except ValidationError as exc:
+            prefix = f"targets.{index}.options"
+            raise RecipeError(f"{origin}: {format_errors(exc, prefix)}", hint=_hint(exc)) from None
+    return recipe
+
+
+# mixed-precision options some methods have: option -> its label in messages
+MIXED_PRECISION = {"auto_precision": "--auto-precision / auto_precision", "fallback": "--fallback / fallback"}
+
+
+def methods_with(option: str) -> list[str]:
+    """The methods whose options have `option` (their declared contract says so)."""
+    return [name for name in METHODS if option in get_method(name).options.model_fields]
+
+
+def check_mixed_precision(method: str, options: dict) -> None:
+    """auto_precision / fallback for a method that has no such option: a clear refusal (exit 2)."""
+    for key, label in MIXED_PRECISION.items():
+        methods = methods_with(key)
+        if key in options and method in METHODS and method not in methods:
+            raise UnsupportedError(f"{label} is implemented for method {listing(methods)} only, not {method}",
+                                   hint=f"use --method {methods[0]}, or drop the option")
+
+
+def listing(names) -> str:
+    """'a', 'a and b', 'a, b and c'."""
+    names = list(names)
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+
+
+def load_recipe(path: str | Path) -> Recipe:
+    data = load_yaml(path)
+    check_structure(data, str(path))
+    return validate(data, origin=str(path))
+
+
+def format_errors(exc: ValidationError, prefix: str = "") -> str:
+    """One line per problem: the field path and what is wrong."""
+    parts = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in (prefix, *err["loc"]) if p != "")
+        message = err["msg"]
+        if err["type"] == "extra_forbidden":
+            message = "unknown field"
+        parts.append(f"{loc or '(top level)'}: {message}")
+    return "; ".join(parts)
+
+
+def _hint(exc: ValidationError) -> str | None:
+    err = exc.errors()[0]
+    if err["type"] == "extra_forbidden":
+        return "check the spelling; `quantkit recipes show fp8-dynamic` prints a complete recipe"
+    return None
+
+
+def bundled_recipes_dir() -> Path:
+    """`recipes/` of a source checkout (editable install), else the `quantkit/_recipes` package data."""
+    from importlib.resources import files
+
+    package = Path(str(files("quantkit")))
+    checkout = package.parent / "recipes"
+    if (checkout / "fp8-dynamic.yaml").is_file():
+        return checkout
+    return package / "_recipes"
+
+
+def find_recipe(name_or_path: str) -> Path:
+    """A recipe path, or the bundled recipe of that name."""
+    path = Path(name_or_path)
+    if path.exists() or path.suffix in (".yaml", ".yml"):
+        return path
+    bundled = bundled_recipes_dir() / f"{name_or_path}.yaml"
+    if bundled.is_file():
+        return bundled
+    raise RecipeError(f"no recipe file or bundled recipe named '{name_or_path}'", hint="quantkit recipes list")
+
+
+# ---------------------------------------------------------------- command-line overrides
+
+
+@dataclass
+class Overrides:
+    """Recipe fields given on the command line; None (or empty) leaves the recipe's value."""
+
+    model: str | None = None
+    device: str | None = None
+    dtype: str | None = None
+    offload_dir: str | None = None
+    trust_remote_code: bool = False
+    lora: list[str] = field(default_factory=list)
+    lora_weights: list[float] = field(default_factory=list)
+    merge_base: str | None = None
+    original_base: str | None = None
+    ignore: list[str] = field(default_factory=list)
+    towers: dict[str, Any] = field(default_factory=dict)  # Target tower field (vision, projector, force) -> value
+    calibration: dict[str, Any] = field(default_factory=dict)  # Calibration field -> value
+    gate: dict[str, Any] = field(default_factory=dict)  # Gate field -> value
+    method_options: dict[str, Any] = field(default_factory=dict)  # method option field -> value
+
+
+def build_recipe(recipe_name: str | None, method: str | None, overrides: Overrides) -> Recipe:
+    """Recipe data (a file, a bundled name, or a single --method target), overrides applied,
+    validated as one."""
+    if recipe_name:
+        path = find_recipe(recipe_name)
+        data, origin = load_yaml(path), str(path)
+        check_structure(data, origin)
+    elif method:
+        data, origin = {"targets": [{"name": method, "method": method}]}, "command line"
+    else:
+        raise InputError("give --method or --recipe", hint="e.g. quantkit quantize ./model --method fp8 -o ./out")
+    if method and recipe_name:
+        data = override_method(data, method)
+    data = apply_method_options(apply_overrides(data, overrides), overrides.method_options)
+    if not data.get("model"):
+        raise InputError("no model given", hint="pass MODEL, or set `model:` in the recipe")
+    return validate(data, origin)
+
+
+def override_method(data: dict, method: str) -> dict:
+    targets = data.get("targets") or []
+    if len(targets) != 1:
+        raise InputError("--method cannot override a recipe with several targets", hint="edit the recipe instead")
+    return {**data, "targets": [{**targets[0], "method": method, "options": {}}]}
+
+
+def apply_overrides(data: dict, o: Overrides) -> dict:
+    data = {**data, **_given({"model": o.model, "device": o.device, "dtype": o.dtype, "offload_dir": o.offload_dir,
+                              "merge_base": o.merge_base, "original_base": o.original_base})}
+    if o.trust_remote_code:
+        data["trust_remote_code"] = True
+    if o.lora:
+        data["lora"] = list(data.get("lora") or []) + list(o.lora)
+    if o.lora_weights:
+        data["lora_weights"] = list(data.get("lora_weights") or []) + list(o.lora_weights)
+    data["calibration"] = {**(data.get("calibration") or {}), **_given(o.calibration)}
+    data["gate"] = {**(data.get("gate") or {}), **_given(o.gate)}
+    if o.ignore:
+        data["targets"] = [{**t, "ignore": list(t.get("ignore") or []) + list(o.ignore)}
+                           for t in data.get("targets") or []]
+    if _given(o.towers):
+        data["targets"] = [{**t, **_given(o.towers)} for t in data.get("targets") or []]
+    return data
+
+
+def apply_method_options(data: dict, options: dict[str, Any]) -> dict:
+    """Put method flags into the options of every target whose method has that option; a flag
+    that no target's method has is an error."""
+    given = _given(options)
+    if not given:
+        return data
+    targets = [dict(t) for t in data.get("targets") or [] if isinstance(t, dict)]
+    for target in targets:
+        check_mixed_precision(str(target.get("method")), {k: v for k, v in given.items() if k in MIXED_PRECISION})
+    for flag, value in given.items():
+        used = False
+        for target in targets:
+            if target.get("method") in METHODS and flag in get_method(target["method"]).options.model_fields:
+                current = (target.get("options") or {}).get(flag)
+                merged = {**current, **value} if isinstance(current, dict) and isinstance(value, dict) else value
+                target["options"] = {**(target.get("options") or {}), flag: merged}
+                used = True
+        if not used:
+            methods = ", ".join(sorted({str(t.get("method")) for t in targets}))
+            raise InputError(f"--{flag.replace('_', '-')} does not apply to method {methods}")
+    return {**data, "targets": targets}
+
+
+def _given(values: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in values.items() if v is not None}
