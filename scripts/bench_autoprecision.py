@@ -86,7 +86,8 @@ def parse_args(argv):
 
 def calibration(model: Path, num_samples: int, seq_len: int):
     from quantkit.run.calibration import make_windows
-    from quantkit.model import check_model_dir, load_tokenizer
+    from quantkit.engines.transformers import load_tokenizer
+    from quantkit.io.checkpoint import check_model_dir
     from quantkit.run.recipe import Calibration
 
     info = check_model_dir(model)
@@ -163,7 +164,6 @@ def gguf_row(label: str, target: dict, wall: float, out: Path, base: Path, args)
 
 
 def gguf_section(args, work: Path) -> dict:
-    from quantkit.mixed import gguf as sensitivity
     from quantkit.gguf.convert import convert
 
     info, windows = calibration(args.model, args.num_samples, args.seq_len)

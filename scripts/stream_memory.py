@@ -3,10 +3,10 @@
     python scripts/stream_memory.py build DIR [--layers 8]  # synthetic Llama: hidden 1024, vocab 128256, bf16
     python scripts/stream_memory.py measure DIR     # one fresh process per (phase, path); prints a table
 
-Phases: `baseline` scores the bf16 checkpoint (in memory: quantkit.model.load_model as the pipeline
-loads it; streamed: quantkit.eval.stream.checkpoint_scorer); `gguf` compares a Q8_0 .gguf of it with the
+Phases: `baseline` scores the bf16 checkpoint (in memory: quantkit.engines.transformers.load_model as the pipeline
+loads it; streamed: quantkit.eval.scorers.checkpoint_scorer); `gguf` compares a Q8_0 .gguf of it with the
 baseline (in memory: artifacts.load_gguf_into_base, a whole float32 model; streamed:
-stream.gguf_scorer). Every number is the process's RSS (quantkit.io.measure.PeakTracker); `before` is
+scorers.gguf_scorer). Every number is the process's RSS (quantkit.io.memory.PeakTracker); `before` is
 the RSS when the measured phase starts (interpreter, torch, the baseline arrays for `gguf`).
 """
 
@@ -47,23 +47,24 @@ def windows(n: int, seq_len: int):
 def one(model_dir: Path, phase: str, path: str, n: int, seq_len: int) -> dict:
     import gc
 
-    from quantkit.eval import evaluate, stream
+    from quantkit.engines.transformers import load_model
+    from quantkit.eval import evaluate, scorers
     from quantkit.eval.artifacts import load_gguf_into_base
-    from quantkit.io.measure import PeakTracker, current_rss
-    from quantkit.model import check_model_dir, load_model
+    from quantkit.io.checkpoint import check_model_dir
+    from quantkit.io.memory import PeakTracker, current_rss
 
     w = windows(n, seq_len)
-    baseline = evaluate.compute_baseline(stream.checkpoint_scorer(model_dir), w) if phase == "gguf" else None
+    baseline = evaluate.compute_baseline(scorers.checkpoint_scorer(model_dir), w) if phase == "gguf" else None
     gc.collect()
     before = current_rss()
     with PeakTracker() as t:
         if phase == "baseline":
-            scorer = (stream.checkpoint_scorer(model_dir) if path == "streamed"
+            scorer = (scorers.checkpoint_scorer(model_dir) if path == "streamed"
                       else evaluate.model_scorer(load_model(check_model_dir(model_dir))))
             result = evaluate.compute_baseline(scorer, w).ppl
         else:
             gguf = model_dir / "q8_0.gguf"
-            scorer = (stream.gguf_scorer(gguf, model_dir) if path == "streamed"
+            scorer = (scorers.gguf_scorer(gguf, model_dir) if path == "streamed"
                       else evaluate.model_scorer(load_gguf_into_base(gguf, model_dir)))
             result = evaluate.compare(scorer, w, baseline).kld_mean
     return {"phase": phase, "path": path, "before_mib": before // MIB, "peak_mib": t.peak_rss // MIB,

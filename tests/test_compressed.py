@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from quantkit.eval import artifacts, compressed, evaluate, stream
+from quantkit.engines.transformers import hf_config
 from quantkit.errors import ArtifactReloadError
-from quantkit.model import hf_config
+from quantkit.eval import artifacts, compressed, evaluate, scorers
 
 REL = 1e-4
 CALIB = ["--num-samples", "16", "--seq-len", "64"]
@@ -60,7 +60,7 @@ def windows():
 
 @pytest.fixture(scope="module")
 def baseline(micro_model, windows):
-    return evaluate.compute_baseline(stream.checkpoint_scorer(micro_model), windows)
+    return evaluate.compute_baseline(scorers.checkpoint_scorer(micro_model), windows)
 
 
 def assert_same_metrics(a: evaluate.Metrics, b: evaluate.Metrics) -> None:
@@ -76,9 +76,9 @@ def loading_refused(*args, **kwargs):
 @pytest.mark.parametrize("name", names(*ARTIFACTS))
 def test_streamed_gate_equals_the_loaded_artifact(name, built, micro_model, windows, baseline, monkeypatch):
     path = built(name)
-    loaded = evaluate.compare(stream.loaded_scorer(path, micro_model), windows, baseline)
+    loaded = evaluate.compare(scorers.loaded_scorer(path, micro_model), windows, baseline)
     monkeypatch.setattr(artifacts, "load_for_eval", loading_refused)
-    streamed = evaluate.evaluate_artifact(path, micro_model, windows, baseline)  # the gate's own call
+    streamed = scorers.evaluate_artifact(path, micro_model, windows, baseline)  # the gate's own call
     assert_same_metrics(streamed, loaded)
     assert loaded.kld_mean > 0
 
@@ -203,5 +203,5 @@ def test_an_artifact_that_does_not_reload_strictly_fails_the_gate(built, micro_m
                         (extra, "1 unexpected (model.layers.0.mlp.experts.0.w1.weight)")):
         assert compressed.streams(path)
         with pytest.raises(ArtifactReloadError) as err:
-            evaluate.evaluate_artifact(path, micro_model, windows, baseline)
+            scorers.evaluate_artifact(path, micro_model, windows, baseline)
         assert err.value.exit_code == 3 and words in err.value.message

@@ -29,7 +29,7 @@ def adapters(base, tmp_path_factory):
 def merge(base, adapter_dirs, out, weights=None, **kwargs):
     from quantkit.run.lora import merge as run_merge
     from quantkit.run.lora import plan_merge
-    from quantkit.model import check_model_dir
+    from quantkit.io.checkpoint import check_model_dir
 
     plan = plan_merge(check_model_dir(base), str(base), [str(a) for a in adapter_dirs], weights, **kwargs)
     report = run_merge(plan, out / "merged", out / "work")

@@ -3,7 +3,7 @@ import json
 import pytest
 
 from quantkit.errors import ModelError
-from quantkit.model import check_model_dir, resolve_model
+from quantkit.io.checkpoint import check_model_dir, resolve_model
 
 
 def test_check_reads_headers_without_torch(micro_model):
@@ -64,7 +64,7 @@ def test_a_sub_model_whose_package_is_missing_is_refused_before_work(micro_model
     import importlib.util
     import shutil
 
-    from quantkit.model import check_submodel_packages
+    from quantkit.io.checkpoint import check_submodel_packages
 
     model = shutil.copytree(micro_model, tmp_path / "m")
     config = json.loads((model / "config.json").read_text())

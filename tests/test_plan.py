@@ -1,7 +1,7 @@
 import pytest
 
 from quantkit.methods import fp8
-from quantkit.model import ModelInfo
+from quantkit.io.checkpoint import ModelInfo
 from quantkit.run.plan import build_plan, classify, ignore_patterns, kv_cache_bytes, matches, memory_estimate
 
 

@@ -57,7 +57,7 @@ def test_enough_disk_passes_the_check(micro_model, tmp_path, monkeypatch):
 
 
 def test_ram_estimate_streams_the_gate_and_refuses_over_the_limit(micro_model, cli, tmp_path):
-    from quantkit.model import check_model_dir
+    from quantkit.io.checkpoint import check_model_dir
     from quantkit.run.pipeline import RunOptions, prepare
     from quantkit.run.preflight import FIXED_RAM, ram_estimate, unit_bytes
     from quantkit.run.recipe import Overrides, build_recipe
@@ -81,7 +81,7 @@ def test_ram_estimate_streams_the_gate_and_refuses_over_the_limit(micro_model, c
 def test_compressed_tensors_gates_stream_unless_the_head_is_quantized(micro_model, tmp_path):
     """A compressed-tensors text decoder's gate holds what the streamed baseline does (a 16-bit
     layer); with its head quantized it loads whole (quantkit.eval.compressed.streams), at its bits."""
-    from quantkit.model import check_model_dir
+    from quantkit.io.checkpoint import check_model_dir
     from quantkit.run.pipeline import RunOptions, prepare
     from quantkit.run.preflight import ram_estimate, unit_bytes
     from quantkit.run.recipe import Overrides, build_recipe
@@ -100,7 +100,7 @@ def test_compressed_tensors_gates_stream_unless_the_head_is_quantized(micro_mode
 
 def test_vram_estimate_streams_and_refuses_when_the_gpu_is_too_small(micro_model, tmp_path):
     from quantkit.errors import InputError
-    from quantkit.model import check_model_dir
+    from quantkit.io.checkpoint import check_model_dir
     from quantkit.run.pipeline import RunOptions, prepare
     from quantkit.run.preflight import FIXED_VRAM, check_vram, hessian_bytes, largest_matrix, unit_bytes, vram_estimate
     from quantkit.run.recipe import Overrides, build_recipe
@@ -127,10 +127,11 @@ def test_vram_estimate_streams_and_refuses_when_the_gpu_is_too_small(micro_model
 
 
 def test_offloaded_ram_holds_the_norms_and_the_larger_of_a_table_and_a_layer_with_its_hessians(micro_model, tmp_path):
-    """--offload-dir keeps decoder layers, the embeddings and the head on disk (quantkit.model.
+    """--offload-dir keeps decoder layers, the embeddings and the head on disk (quantkit.io.checkpoint.
     offload_device_map); GPTQ adds a float32 Hessian per Linear of a layer and two float32 copies of its largest weight."""
     from quantkit.methods.gptq import quantized_linears
-    from quantkit.model import check_model_dir, offload_device_map
+    from quantkit.engines.transformers import offload_device_map
+    from quantkit.io.checkpoint import check_model_dir
     from quantkit.run.pipeline import RunOptions, prepare
     from quantkit.run.preflight import hessian_bytes, ram_estimate, unit_bytes
     from quantkit.run.recipe import Overrides, build_recipe
@@ -155,7 +156,8 @@ def test_offloaded_ram_holds_the_norms_and_the_larger_of_a_table_and_a_layer_wit
 def test_ram_holds_the_decoder_layers_and_one_table_at_a_time_without_offload_dir(micro_model, tmp_path):
     """Without --offload-dir a text decoder's embeddings and head still go to disk (quantkit.run.pipeline.
     offload_plan): RAM holds the decoder layers and norms, plus the larger of one table and GPTQ's Hessians."""
-    from quantkit.model import check_model_dir, offload_device_map
+    from quantkit.engines.transformers import offload_device_map
+    from quantkit.io.checkpoint import check_model_dir
     from quantkit.run.pipeline import RunOptions, prepare
     from quantkit.run.preflight import hessian_bytes, ram_estimate, unit_bytes
     from quantkit.run.recipe import Overrides, build_recipe
@@ -187,7 +189,7 @@ def test_ram_estimate_of_fp8_follows_its_path(micro_model, tmp_path):
     """fp8-dynamic reads the checkpoint a slab at a time (quantkit.engines.llmcompressor.model_free): its quantize
     step is one slab's working set, not the model; fp8-static loads the model."""
     from quantkit.engines.llmcompressor.model_free import SLAB_WORKING_SET
-    from quantkit.model import check_model_dir
+    from quantkit.io.checkpoint import check_model_dir
     from quantkit.run.pipeline import RunOptions, prepare
     from quantkit.run.preflight import ram_estimate, unit_bytes
     from quantkit.run.recipe import Overrides, build_recipe

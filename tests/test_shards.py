@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 from quantkit.errors import InternalError
 from quantkit.io.shards import (ShardWriter, TensorSpec, group_shards, layout_shards, safetensors_dtype,
                                 shard_file_names, write_index)
-from quantkit.eval.stream import safetensors_index, tensor_bytes
+from quantkit.io.safetensors import safetensors_index, tensor_bytes
 
 
 def spec(name: str, tensor) -> TensorSpec:

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from quantkit.eval import evaluate, stream
+from quantkit.eval import evaluate, scorers, stream
+from quantkit.io import checkpoint, memory
 from quantkit.run.recipe import Gate
 
 REL = 1e-4
@@ -35,7 +36,8 @@ _BASELINES: dict[Path, evaluate.Baseline] = {}  # per model, on the module's win
 
 
 def in_memory_baseline(model_dir: Path, windows):
-    from quantkit.model import check_model_dir, load_model
+    from quantkit.engines.transformers import load_model
+    from quantkit.io.checkpoint import check_model_dir
 
     if model_dir not in _BASELINES:
         model = load_model(check_model_dir(model_dir))
@@ -75,7 +77,8 @@ class CountingSource:
 def scorer_over(model_dir: Path, source, **kw) -> evaluate.Scorer:
     from transformers import AutoConfig
 
-    from quantkit.model import check_model_dir, torch_dtype
+    from quantkit.engines.transformers import torch_dtype
+    from quantkit.io.checkpoint import check_model_dir
 
     dtype = torch_dtype("auto", check_model_dir(model_dir))
     return stream.streamed_scorer(AutoConfig.from_pretrained(model_dir), source, dtype, **kw)
@@ -85,10 +88,10 @@ def scorer_over(model_dir: Path, source, **kw) -> evaluate.Scorer:
 def test_streamed_checkpoint_equals_in_memory(request, model, windows):
     model_dir = request.getfixturevalue("micro_model" if model == "micro" else "gemma2")
     base = in_memory_baseline(model_dir, windows)
-    streamed = evaluate.compute_baseline(stream.checkpoint_scorer(model_dir), windows)
+    streamed = evaluate.compute_baseline(scorers.checkpoint_scorer(model_dir), windows)
     assert streamed.ppl == pytest.approx(base.ppl, rel=REL)
     assert (streamed.top1 == base.top1).all() and (streamed.targets == base.targets).all()
-    metrics = evaluate.compare(stream.artifact_scorer(model_dir), windows, base)  # a plain checkpoint streams
+    metrics = evaluate.compare(scorers.artifact_scorer(model_dir), windows, base)  # a plain checkpoint streams
     assert metrics.kld_mean < 1e-6 and metrics.top1 == 1.0 and abs(metrics.ppl_increase) < REL
 
 
@@ -102,7 +105,7 @@ def test_streamed_gguf_equals_load_gguf_into_base(request, model, gguf_type, win
     convert(model_dir, path, gguf_type)
     base = in_memory_baseline(model_dir, windows)
     whole = evaluate.compare(evaluate.model_scorer(load_gguf_into_base(path, model_dir)), windows, base)
-    streamed = evaluate.compare(stream.artifact_scorer(path, model_dir), windows, base)
+    streamed = evaluate.compare(scorers.artifact_scorer(path, model_dir), windows, base)
     assert_same_metrics(streamed, whole)
     assert whole.kld_mean > 0
 
@@ -125,7 +128,7 @@ def test_layers_are_materialized_one_at_a_time(micro_model, windows, monkeypatch
 
     monkeypatch.setattr(stream, "build_meta_model", capture)
     with Count():
-        evaluate.compute_baseline(stream.checkpoint_scorer(micro_model), windows)
+        evaluate.compute_baseline(scorers.checkpoint_scorer(micro_model), windows)
     model = built[0]
     matrices = [p.numel() for p in model.get_decoder().layers.parameters()]
     embedding = len(windows.unique()) * model.config.hidden_size
@@ -139,13 +142,13 @@ def test_each_tensor_is_read_once_per_group_of_windows(micro_model, windows):
     """Layers are read whole once per group; the head's rows once each per group; the embedding's
     only for the ids that occur."""
     embed, head = "model.embed_tokens.weight", "lm_head.weight"
-    source = CountingSource(stream.SafetensorsWeights(micro_model))
+    source = CountingSource(checkpoint.SafetensorsWeights(micro_model))
     evaluate.compute_baseline(scorer_over(micro_model, source), windows)
     assert set(source.reads.values()) == {1}
     assert set(source.reads) | set(source.rows_read) == set(source.keys())
     vocab = source.shape(head)[0]
     assert source.rows_read == {embed: len(windows.unique()), head: vocab}
-    one_window = CountingSource(stream.SafetensorsWeights(micro_model))
+    one_window = CountingSource(checkpoint.SafetensorsWeights(micro_model))
     baseline = evaluate.compute_baseline(scorer_over(micro_model, one_window, activation_bytes=1), windows)
     assert set(one_window.reads.values()) == {len(windows)}
     assert one_window.rows_read[head] == vocab * len(windows)
@@ -157,14 +160,14 @@ def test_head_in_many_vocabulary_slices_gives_the_same_metrics(micro_model, wind
     base = in_memory_baseline(micro_model, windows)
     monkeypatch.setattr(stream, "HEAD_SLICE_BYTES", 4 * 64 * 7)  # 7 rows of the 64-wide head per slice
     assert stream.head_slice_rows(10, 64) == 7
-    metrics = evaluate.compare(stream.checkpoint_scorer(micro_model, workdir=tmp_path), windows, base)
+    metrics = evaluate.compare(scorers.checkpoint_scorer(micro_model, workdir=tmp_path), windows, base)
     assert metrics.kld_mean < 1e-6 and metrics.top1 == 1.0 and abs(metrics.ppl_increase) < REL
     assert not list(tmp_path.iterdir())  # the spilled logits' file is unlinked at once
 
 
 def test_logits_come_a_chunk_of_positions_at_a_time(micro_model, windows, monkeypatch):
     monkeypatch.setattr(evaluate, "CHUNK_BYTES", 4 * 512 * 50)  # 50 positions of a 512 vocab
-    chunks = list(stream.checkpoint_scorer(micro_model)(windows))
+    chunks = list(scorers.checkpoint_scorer(micro_model)(windows))
     assert max(c.logprobs.shape[0] for c in chunks) == 50
     assert sum(c.logprobs.shape[0] for c in chunks) == evaluate.positions(windows)
     assert torch.equal(torch.cat([c.targets for c in chunks]), windows[:, 1:].reshape(-1))
@@ -172,7 +175,7 @@ def test_logits_come_a_chunk_of_positions_at_a_time(micro_model, windows, monkey
 
 def test_nan_weights_score_no_agreement_and_fail_an_unenforced_gate(micro_model, windows):
     base = in_memory_baseline(micro_model, windows)
-    poisoned = CountingSource(stream.SafetensorsWeights(micro_model), nan="model.norm.weight")
+    poisoned = CountingSource(checkpoint.SafetensorsWeights(micro_model), nan="model.norm.weight")
     metrics = evaluate.compare(scorer_over(micro_model, poisoned), windows, base)
     assert metrics.top1 == 0.0 and math.isnan(metrics.kld_mean) and math.isnan(metrics.ppl)
     verdict = evaluate.gate_verdict(metrics, Gate(), enforced=False)
@@ -187,13 +190,13 @@ def test_missing_tensor_is_a_model_error(micro_model, windows):
             return [k for k in self.source.keys() if "layers.1.mlp" not in k]
 
     with pytest.raises(ModelError, match="layers.1.mlp"):
-        list(scorer_over(micro_model, Lacking(stream.SafetensorsWeights(micro_model)))(windows))
+        list(scorer_over(micro_model, Lacking(checkpoint.SafetensorsWeights(micro_model)))(windows))
 
 
 def test_safetensors_source_reads_stored_dtype(micro_model):
     from safetensors.torch import load_file
 
-    source = stream.SafetensorsWeights(micro_model)
+    source = checkpoint.SafetensorsWeights(micro_model)
     ref = load_file(micro_model / "model.safetensors")
     assert set(source.keys()) == set(ref)
     for name, tensor in ref.items():
@@ -204,7 +207,7 @@ def test_safetensors_source_reads_stored_dtype(micro_model):
 def test_safetensors_rows_equal_the_tensors_rows(micro_model):
     import numpy as np
 
-    source = stream.SafetensorsWeights(micro_model)
+    source = checkpoint.SafetensorsWeights(micro_model)
     index = np.array([0, 1, 2, 7, 9, 10, 200, 499])
     for name in ("model.embed_tokens.weight", "lm_head.weight", "model.layers.0.mlp.up_proj.weight"):
         assert torch.equal(source.rows(name, index), source.get(name)[index]), name
@@ -216,7 +219,7 @@ def test_gguf_rows_equal_the_dequantized_rows(micro_model, tmp_path):
 
     from quantkit.gguf.convert import convert
     from quantkit.gguf.loader import GGUFTensors
-    from quantkit.model import read_config
+    from quantkit.io.checkpoint import read_config
 
     path = tmp_path / "q4.gguf"
     convert(micro_model, path, "Q4_K_M")
@@ -246,7 +249,7 @@ def test_gguf_tensors_dequantize_in_slabs_exactly(micro_model, tmp_path, monkeyp
 
 LARGE_BLOCKS_SCRIPT = """
 import sys, torch
-from quantkit.eval.stream import LARGE_ALLOCATION, map_large_allocations
+from quantkit.io.memory import LARGE_ALLOCATION, map_large_allocations
 def rss_anon():
     return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("RssAnon"))
 scratch = torch.ones(3 * LARGE_ALLOCATION // 8); del scratch  # glibc's threshold rises past 16 MiB, as in a long run
@@ -275,7 +278,7 @@ def test_large_allocations_go_back_to_the_os_when_freed():
                              check=True)
         return int(run.stdout.split()[-1])
 
-    assert released("mapped") >= 5 * stream.LARGE_ALLOCATION
+    assert released("mapped") >= 5 * memory.LARGE_ALLOCATION
     assert released("default") < released("mapped")
 
 
@@ -283,8 +286,8 @@ def test_large_allocations_go_back_to_the_os_when_freed():
 def test_a_forward_started_at_a_layer_equals_the_whole_forward(request, family, windows, tmp_path):
     """The probes' forwards (quantkit.mixed.core.probe_klds) resume at a layer from its recorded input: with
     one weight changed in that layer, the logits equal the whole forward's with the same change."""
+    from quantkit.engines.transformers import hf_config
     from quantkit.mixed.core import PatchedWeights
-    from quantkit.model import hf_config
 
     if family in ("micro", "gemma2"):
         model_dir = request.getfixturevalue("micro_model" if family == "micro" else "gemma2")
@@ -293,7 +296,7 @@ def test_a_forward_started_at_a_layer_equals_the_whole_forward(request, family, 
 
         model_dir = build_family(family, tmp_path / family)
     config = hf_config(model_dir)
-    base = stream.SafetensorsWeights(model_dir)
+    base = checkpoint.SafetensorsWeights(model_dir)
     streamed = stream.stream_model(config, base, torch.float32)
     text, record = config.get_text_config(), {}
     layers = text.num_hidden_layers

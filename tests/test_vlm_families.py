@@ -73,7 +73,7 @@ def run_case(cli, model_dir, kind: str, method: str, tmp_path):
     proof = report["targets"][0]["details"]["towers"]
     if method == "gguf":  # the towers are in the mmproj .gguf beside the language model
         assert (out / proof["mmproj"]).is_file() and proof["tensors"] > 0
-        from quantkit.model import check_model_dir
+        from quantkit.io.checkpoint import check_model_dir
 
         towers = check_model_dir(model_dir).towers
         assert proof["tower_tensors_covered"] == len([n for n in tensors(model_dir) if towers.role(n)])
@@ -85,7 +85,7 @@ def run_case(cli, model_dir, kind: str, method: str, tmp_path):
     assert report["model"]["towers"]["model_type"] == kind
     # the checkpoint itself: every tower tensor of the source is stored unchanged
     source, written = tensors(model_dir), tensors(out)
-    from quantkit.model import check_model_dir
+    from quantkit.io.checkpoint import check_model_dir
 
     towers = check_model_dir(model_dir).towers
     kept = [k for k in source if towers.role(k)]
@@ -120,7 +120,7 @@ def test_changed_tower_tensor_fails_the_proof(cli, family_model, tmp_path):
     from safetensors.torch import save_file
 
     from quantkit.errors import TowerChangedError
-    from quantkit.model import check_model_dir
+    from quantkit.io.checkpoint import check_model_dir
     from quantkit.eval.vlm_proof import prove_towers
 
     model_dir = family_model("mllama")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from quantkit.methods import fp8
-from quantkit.model import ModelInfo
+from quantkit.io.checkpoint import ModelInfo
 from quantkit.run.plan import build_plan, ignore_patterns, matches
 from quantkit.arch.vlm import FAMILIES, find_unknown_towers, language_root, model_towers
 

@@ -39,11 +39,12 @@ def eval_command(
 
     With any threshold given, exits 3 when the artifact fails it.
     """
-    from quantkit.eval import evaluate
-    from quantkit.eval.artifacts import artifact_kind
     from quantkit.cli.report import metrics_table, thresholds_table
+    from quantkit.engines.transformers import check_device, load_tokenizer
     from quantkit.errors import GateFailedError, InputError, ModelError
-    from quantkit.model import check_device, check_model_dir, load_tokenizer, resolve_model
+    from quantkit.eval import evaluate, scorers
+    from quantkit.eval.artifacts import artifact_kind
+    from quantkit.io.checkpoint import check_model_dir, resolve_model
     from quantkit.run.recipe import Gate
 
     if not model.exists():
@@ -56,10 +57,10 @@ def eval_command(
     tokenizer = load_tokenizer(base, trust_remote_code)
     windows = eval_windows(tokenizer, data, num_windows, seq_len, seed)
     progress(f"baseline: {base.path} on {len(windows)} windows of {seq_len} tokens")
-    baseline = evaluate.compute_baseline(evaluate.base_scorer(base, device=device, trust_remote_code=trust_remote_code),
+    baseline = evaluate.compute_baseline(scorers.base_scorer(base, device=device, trust_remote_code=trust_remote_code),
                                          windows)
     progress(f"candidate: {model} ({kind})")
-    metrics = evaluate.evaluate_artifact(model, base.path, windows, baseline, device, trust_remote_code)
+    metrics = scorers.evaluate_artifact(model, base.path, windows, baseline, device, trust_remote_code)
     verdict = evaluate.gate_verdict(metrics, Gate(max_ppl_increase=max_ppl_increase, max_kld=max_kld,
                                                   min_top1=min_top1))
     llama_cpp = llama_cpp_check(model, tokenizer, windows) if llama_perplexity else None

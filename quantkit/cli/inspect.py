@@ -40,7 +40,7 @@ def inspect(
 
       quantkit inspect ./my-model-gguf --sensitivity
     """
-    from quantkit.model import check_model_dir, resolve_model
+    from quantkit.io.checkpoint import check_model_dir, resolve_model
 
     if sensitivity:
         tables = sensitivity_tables(read_report(model))

@@ -40,7 +40,7 @@ def merge(
     """
     from quantkit.io import export
     from quantkit.run.lora import plan_merge, write_merged
-    from quantkit.model import check_model_dir, resolve_model
+    from quantkit.io.checkpoint import check_model_dir, resolve_model
 
     info = check_model_dir(resolve_model(base))
     export.check_output(output, overwrite)

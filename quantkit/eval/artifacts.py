@@ -18,7 +18,7 @@ def artifact_kind(path: Path) -> str:
     config.json and safetensors headers are read (cheap) so that a damaged artifact fails here,
     naming the file, before any work."""
     from quantkit.gguf.loader import open_reader
-    from quantkit.model import check_model_dir
+    from quantkit.io.checkpoint import check_model_dir
 
     if (path.is_file() and path.suffix == ".gguf") or (
             path.is_dir() and not (path / "config.json").exists() and list(path.glob("*.gguf"))):
@@ -65,7 +65,7 @@ def load_for_eval(path: Path, base_dir: Path | None = None, device: str = "cpu",
         if base_dir is None:
             raise InputError("evaluating a .gguf needs the base checkpoint", hint="pass --against BASE_DIR")
         return load_gguf_into_base(gguf_file(path), base_dir, device, trust_remote_code)
-    from quantkit.model import auto_model_class, custom_code_error, device_map, needs_remote_code
+    from quantkit.engines.transformers import auto_model_class, custom_code_error, device_map, needs_remote_code
     from quantkit.io.offline import offline
 
     # Same rule as loading the base: a VLM artifact loads whole (towers included) through
@@ -160,7 +160,8 @@ def load_gguf_into_base(path: Path, base_dir: Path, device: str = "cpu", trust_r
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from quantkit.gguf.loader import to_hf_state_dict
-    from quantkit.model import device_map, is_vlm
+    from quantkit.engines.transformers import device_map
+    from quantkit.io.checkpoint import is_vlm
 
     config = AutoConfig.from_pretrained(base_dir, local_files_only=True,  # config.json only: no hub lookup
                                         trust_remote_code=trust_remote_code)
@@ -183,7 +184,8 @@ def vlm_with(base_dir: Path, state: dict, path: Path, trust_remote_code: bool = 
     must land on a parameter, and every parameter the GGUF does not give must be a tower's."""
     import torch
 
-    from quantkit.model import auto_model_class, check_model_dir
+    from quantkit.engines.transformers import auto_model_class
+    from quantkit.io.checkpoint import check_model_dir
 
     info = check_model_dir(Path(base_dir))
     model = auto_model_class(info.config).from_pretrained(base_dir, local_files_only=True, dtype=torch.float32,

@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from quantkit.eval.evaluate import Scorer
-from quantkit.eval.stream import (ACTIVATION_BYTES, SafetensorsWeights, StreamedModel, build_meta_model, group_scorer,
-                                  stream_built)
+from quantkit.eval.stream import ACTIVATION_BYTES, StreamedModel, build_meta_model, group_scorer, stream_built
+from quantkit.io.checkpoint import SafetensorsWeights
 
 # compressed-tensors formats whose compressor decompresses one module from its own tensors
 STREAMED_FORMATS = frozenset({"dense", "naive-quantized", "int-quantized", "float-quantized", "pack-quantized"})
@@ -103,7 +103,8 @@ def streams(path: Path) -> bool:
     """Whether the gate streams this compressed-tensors artifact (else it loads whole)."""
     import torch
 
-    from quantkit.model import hf_config, read_config
+    from quantkit.engines.transformers import hf_config
+    from quantkit.io.checkpoint import read_config
 
     return streamable(read_config(path)) and streams_modules(quantized_meta_model(hf_config(path), torch.float32))
 
@@ -221,7 +222,8 @@ def compressed_scorer(path: Path, device: str = "cpu", activation_bytes: int = A
                       workdir: Path | None = None) -> Scorer:
     """A compressed-tensors artifact streamed a module at a time, in its stored dtype (as
     from_pretrained loads it), each quantized module decompressed while it runs."""
-    from quantkit.model import check_model_dir, device_map, hf_config, torch_dtype
+    from quantkit.engines.transformers import device_map, hf_config, torch_dtype
+    from quantkit.io.checkpoint import check_model_dir
 
     config = hf_config(path)  # streamed only without trust_remote_code
     dtype = torch_dtype("auto", check_model_dir(path))

@@ -294,33 +294,3 @@ def gate_verdict(metrics: Metrics, gate, enforced: bool = True) -> GateResult:
     checks.append(Check("finite", float(len(bad)), None, "==", not bad))
     passed = all(c.passed for c in checks)
     return GateResult(passed, enforced or bool(bad), checks)
-
-
-def evaluate_artifact(artifact: Path, base_dir: Path, windows, baseline: Baseline, device: str = "cpu",
-                      trust_remote_code: bool = False, workdir: Path | None = None) -> Metrics:
-    """Read an artifact back from disk the way a user would and measure it against the baseline.
-
-    The one measuring step shared by the pipeline's gate and `quantkit eval`: a .gguf, a
-    full-precision text decoder and a compressed-tensors text decoder are streamed layer by layer,
-    the rest loads through transformers (quantkit.eval.stream.artifact_scorer).
-    """
-    from quantkit.eval.stream import artifact_scorer
-
-    return compare(artifact_scorer(artifact, base_dir, device, trust_remote_code, workdir), windows, baseline)
-
-
-def base_scorer(info, dtype: str = "auto", device: str = "cpu", trust_remote_code: bool = False,
-                workdir: Path | None = None) -> Scorer:
-    """The full-precision base: streamed from its safetensors where the streamed forward applies
-    (a text decoder), else loaded whole for the duration of the scoring (a VLM, remote code)."""
-    from quantkit.eval import stream
-
-    if stream.streamable(info.config) and not trust_remote_code:
-        return stream.checkpoint_scorer(info.path, dtype, device, workdir=workdir)
-
-    def scorer(windows):
-        from quantkit.model import load_model
-
-        yield from model_scorer(load_model(info, dtype, device, trust_remote_code))(windows)
-
-    return scorer

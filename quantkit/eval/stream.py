@@ -20,7 +20,7 @@ are handed to the evaluator as a ScoredChunk and dropped. Peak memory: one weigh
 group's activations + one slice of the head, whatever the model's size or its vocabulary.
 
 Numerics equal the in-memory path's: the same modules run in the same dtype (the stored dtype
-for a checkpoint, as `quantkit.model.load_model` loads it; float32 for a .gguf, as
+for a checkpoint, as `quantkit.engines.transformers.load_model` loads it; float32 for a .gguf, as
 `quantkit.eval.artifacts.load_gguf_into_base` builds it), and logits are cast to float32 only after
 the head (and softcap), as `evaluate.model_logits_fn` does.
 """
@@ -35,15 +35,13 @@ from typing import Protocol
 
 from quantkit.errors import ModelError
 from quantkit.eval.evaluate import ScoredChunk, Scorer, chunk_rows, iter_batches
+from quantkit.io.memory import release_freed_memory
+
 
 ACTIVATION_BYTES = 512 * 1024 * 1024  # working set of one group of windows inside one decoder layer
+
+
 HEAD_SLICE_BYTES = 64 * 1024 * 1024  # one slice of the output head's rows, and of the logits for it
-LARGE_ALLOCATION = 16 * 1024 * 1024  # C-heap blocks at least this big get a memory map of their own
-M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number for it
-# safetensors dtype -> torch dtype name
-TORCH_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
-                "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
-                "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
 
 
 class WeightSource(Protocol):
@@ -56,106 +54,6 @@ class WeightSource(Protocol):
     def shape(self, name: str) -> tuple[int, ...]: ...  # the tensor's Hugging Face shape, without reading it
 
     def rows(self, name: str, index) -> "torch.Tensor": ...  # noqa: F821  rows `index` (sorted, unique) of dim 0
-
-
-# ------------------------------------------------------------------ sources
-
-
-@dataclass(frozen=True)
-class StoredTensor:
-    file: Path
-    dtype: str  # safetensors dtype
-    shape: tuple[int, ...]
-    offset: int  # absolute byte offset of the data in the file
-    nbytes: int
-
-
-def safetensors_index(file: Path) -> dict[str, StoredTensor]:
-    """Where each tensor of one .safetensors file lies (its header only, read by quantkit.model)."""
-    from quantkit.model import safetensors_layout
-
-    header, base = safetensors_layout(file)
-    return {name: StoredTensor(file, e["dtype"], tuple(e["shape"]), base + e["data_offsets"][0],
-                               e["data_offsets"][1] - e["data_offsets"][0])
-            for name, e in header.items() if name != "__metadata__"}
-
-
-def empty_stored(entry: StoredTensor, shape: tuple[int, ...]) -> "torch.Tensor":  # noqa: F821
-    import torch
-
-    return torch.empty(shape, dtype=getattr(torch, TORCH_DTYPES[entry.dtype]))
-
-
-def tensor_bytes(tensor) -> memoryview:
-    """The bytes of a contiguous tensor of any dtype (bfloat16 has no numpy view of its own)."""
-    import torch
-
-    from quantkit.io.rowio import byte_view
-
-    return byte_view(tensor.view(-1).view(torch.uint8).numpy())
-
-
-def read_stored_rows(entry: StoredTensor, index) -> "torch.Tensor":  # noqa: F821
-    """Rows `index` (sorted, unique) of a stored tensor along its first dimension, one plain read
-    per run of consecutive rows (an embedding's rows for the ids of a batch, a slice of the head)."""
-    from quantkit.io.rowio import row_runs
-
-    out = empty_stored(entry, (len(index), *entry.shape[1:]))
-    row_bytes = entry.nbytes // max(1, entry.shape[0])
-    raw = tensor_bytes(out)
-    read_spans(entry, [(raw[position * row_bytes : (position + count) * row_bytes], row * row_bytes)
-                       for position, row, count in row_runs(index)])
-    return out
-
-
-def read_stored(entry: StoredTensor) -> "torch.Tensor":  # noqa: F821
-    """One tensor in its stored dtype, read with a plain file read.
-
-    Not safe_open: its memory map keeps every page it has served resident (counted in the RSS and
-    growing with the checkpoint), which is what streaming is meant to avoid (see
-    quantkit.gguf.convert.SafetensorsRows)."""
-    tensor = empty_stored(entry, entry.shape)
-    read_spans(entry, [(tensor_bytes(tensor), 0)])
-    return tensor
-
-
-def read_spans(entry: StoredTensor, spans: list[tuple[memoryview, int]]) -> None:
-    """Fill each buffer from the tensor's data at its byte offset; ModelError when the file ends first."""
-    import os
-
-    from quantkit.io.rowio import pread_into
-
-    fd = os.open(entry.file, os.O_RDONLY)
-    try:
-        for buffer, offset in spans:
-            pread_into(fd, buffer, entry.offset + offset)
-    except EOFError as exc:
-        raise ModelError(f"{entry.file.name}: tensor data is truncated") from exc
-    finally:
-        os.close(fd)
-
-
-class SafetensorsWeights:
-    """The tensors of a checkpoint directory's *.safetensors files, read one at a time."""
-
-    def __init__(self, model_dir: Path):
-        from quantkit.model import weight_files
-
-        self.index: dict[str, StoredTensor] = {}
-        for file in weight_files(Path(model_dir)):
-            self.index.update(safetensors_index(file))
-
-    def keys(self) -> list[str]:
-        return list(self.index)
-
-    def get(self, name: str) -> "torch.Tensor":  # noqa: F821
-        return read_stored(self.index[name])
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return self.index[name].shape
-
-    def rows(self, name: str, index) -> "torch.Tensor":  # noqa: F821
-        return read_stored_rows(self.index[name], index)
 
 
 class WeightsMap(Mapping):
@@ -217,9 +115,6 @@ def check_shapes(model, source: WeightSource, names: dict[str, str]) -> None:
                          hint="config.json and the weights do not belong together, or a file is damaged")
 
 
-# ------------------------------------------------------------------ the streamed model
-
-
 def windows_per_group(config, seq_len: int, budget: int = ACTIVATION_BYTES) -> int:
     """Windows run through a layer together so one layer's float32 working set stays near budget:
     per token a few hidden-size vectors, the MLP's intermediate activations (gate, up, product)
@@ -247,41 +142,6 @@ def streamed_units(decoder) -> Iterator[tuple[str, object]]:
     for name, module in decoder.named_modules():
         if any(True for _ in module.parameters(recurse=False)):
             yield name, module
-
-
-def release_freed_memory() -> None:
-    """Hand the C heap's free pages back to the OS (glibc's malloc_trim; nothing elsewhere).
-
-    Without it the RSS grew by about half a layer per layer: once glibc's dynamic mmap threshold has
-    risen, freed weights stay in the heap (and the torch threads' arenas) in fragments the next
-    layer's allocations do not fill (measured: +15 MiB per layer on a 24-layer model, flat with it)."""
-    import ctypes
-
-    try:
-        trim = ctypes.CDLL(None).malloc_trim
-    except AttributeError:  # not glibc
-        return
-    trim(0)
-
-
-def map_large_allocations() -> None:
-    """Serve each C-heap allocation of LARGE_ALLOCATION bytes or more with a memory map of its own,
-    returned to the OS when freed (glibc's mallopt M_MMAP_THRESHOLD; nothing elsewhere). Process-wide
-    and lasting: called where llm-compressor starts calibrating.
-
-    glibc's default threshold starts at 128 KiB and rises to the size of each mapped block freed, up
-    to 32 MiB, after which the 16-32 MiB tensors of GPTQ (a 2048-wide Hessian, a layer's weights read
-    for a forward, block products) come from the heap and leave it fragmented. Measured with
-    scripts/bench_memory.py's 1B model, gptq with --offload-dir: peak RSS 1188 -> 1130 MiB, the
-    quantize step 184 -> 181 s. A 1 MiB threshold lowered the peak further but ran 33% slower (a
-    mapped block's pages are zeroed on first touch, for every small temporary)."""
-    import ctypes
-
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except AttributeError:  # not glibc
-        return
-    mallopt(M_MMAP_THRESHOLD, LARGE_ALLOCATION)
 
 
 def offload_hook(weights: WeightsMap, prefix: str, device):
@@ -466,9 +326,6 @@ def group_scorer(make: Callable[[], StreamedModel], text_config, activation_byte
     return scorer
 
 
-# ------------------------------------------------------------------ forwards that start at a layer
-
-
 def decoder_layers(model) -> list:
     """The decoder's stack of layers, in the order its forward runs them."""
     return list(model.get_decoder().layers)
@@ -549,9 +406,6 @@ def start_scorer(streamed: StreamedModel, text_config, start: int, record: dict[
     return scorer
 
 
-# ------------------------------------------------------------------ scorers for checkpoints and artifacts
-
-
 def streamable(config: dict) -> bool:
     """Whether the streamed forward applies: a full-precision text decoder whose checkpoint names
     are its module names (not a VLM, whose towers and forward differ; not a quantized checkpoint,
@@ -560,69 +414,7 @@ def streamable(config: dict) -> bool:
     per-expert tensors fused into one)."""
     from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 
-    from quantkit.model import is_vlm
+    from quantkit.io.checkpoint import is_vlm
 
     return (not is_vlm(config) and "quantization_config" not in config
             and not get_checkpoint_conversion_mapping(config.get("model_type", "")))
-
-
-def checkpoint_scorer(model_dir: Path, dtype: str = "auto", device: str = "cpu",
-                      activation_bytes: int = ACTIVATION_BYTES, workdir: Path | None = None) -> Scorer:
-    """A full-precision checkpoint streamed from its safetensors, in `dtype` ('auto': the stored
-    dtype, as quantkit.model.load_model and from_pretrained load it)."""
-    from quantkit.model import check_model_dir, device_map, hf_config, torch_dtype
-
-    info = check_model_dir(Path(model_dir))
-    config = hf_config(model_dir)  # streamed only without trust_remote_code
-    return streamed_scorer(config, SafetensorsWeights(model_dir), torch_dtype(dtype, info), device_map(device),
-                           activation_bytes, workdir)
-
-
-def gguf_scorer(path: Path, base_dir: Path, device: str = "cpu", activation_bytes: int = ACTIVATION_BYTES,
-                workdir: Path | None = None) -> Scorer:
-    """A .gguf in the base's architecture, dequantized a tensor at a time, computed in float32
-    (as artifacts.load_gguf_into_base does)."""
-    import torch
-
-    from quantkit.gguf.loader import GGUFTensors
-    from quantkit.model import device_map, hf_config
-
-    config = hf_config(base_dir)  # streamed only without trust_remote_code
-    return streamed_scorer(config, GGUFTensors(path, config.to_dict()), torch.float32, device_map(device),
-                           activation_bytes, workdir)
-
-
-def loaded_scorer(path: Path, base_dir: Path | None, device: str = "cpu", trust_remote_code: bool = False) -> Scorer:
-    """The artifact loaded whole when scoring starts and dropped when it ends (evaluate.model_scorer)."""
-    from quantkit.eval.artifacts import load_for_eval
-    from quantkit.eval.evaluate import model_scorer
-
-    def scorer(windows) -> Iterator[ScoredChunk]:
-        yield from model_scorer(load_for_eval(path, base_dir, device, trust_remote_code))(windows)
-
-    return scorer
-
-
-def artifact_scorer(path: Path, base_dir: Path | None = None, device: str = "cpu",
-                    trust_remote_code: bool = False, workdir: Path | None = None) -> Scorer:
-    """A Scorer for any artifact quantkit evaluates: a .gguf, a full-precision text decoder and a
-    compressed-tensors text decoder (quantkit.eval.compressed.streams) are streamed layer by layer; a
-    bitsandbytes checkpoint (restored by its engine's own modules), a VLM, custom model code and
-    any other compressed-tensors artifact load whole through transformers."""
-    from quantkit.eval import compressed
-    from quantkit.eval.artifacts import artifact_kind, gguf_file
-    from quantkit.errors import InputError
-    from quantkit.model import is_vlm, read_config
-
-    kind = artifact_kind(path)
-    if kind == "gguf":
-        if base_dir is None:
-            raise InputError("evaluating a .gguf needs the base checkpoint", hint="pass --against BASE_DIR")
-        if is_vlm(read_config(Path(base_dir))):  # the language model goes into the whole base (its towers)
-            return loaded_scorer(path, base_dir, device, trust_remote_code)
-        return gguf_scorer(gguf_file(path), base_dir, device, workdir=workdir)
-    if kind == "transformers" and streamable(read_config(path)) and not trust_remote_code:
-        return checkpoint_scorer(path, "auto", device, workdir=workdir)
-    if kind == "compressed-tensors" and not trust_remote_code and compressed.streams(path):
-        return compressed.compressed_scorer(path, device, workdir=workdir)
-    return loaded_scorer(path, base_dir, device, trust_remote_code)

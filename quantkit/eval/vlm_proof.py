@@ -30,7 +30,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from quantkit.errors import TowerChangedError
-from quantkit.model import ModelInfo
+from quantkit.io.checkpoint import ModelInfo
 
 PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
 IMAGE_SIZE = 64  # the synthetic image's side in pixels; processors resize it to what the model wants

@@ -903,7 +903,7 @@ def convert(model_dir: Path, out_path: Path, gguf_type: str = "F16", imatrix: di
     import gguf
 
     from quantkit.gguf.vocab import add_vocab
-    from quantkit.model import check_model_dir
+    from quantkit.io.checkpoint import check_model_dir
 
     info = check_model_dir(Path(model_dir))
     key, ftype, _ = mixture.file_type(gguf_type)

@@ -335,7 +335,7 @@ def n_wa_pattern(vision: dict, family: Family) -> int:
 
 def plan(model_dir: Path, mmproj_type: str = "auto") -> MmprojPlan:
     """Which tensors the mmproj holds, their names, shapes and types (nothing read but headers)."""
-    from quantkit.model import check_model_dir
+    from quantkit.io.checkpoint import check_model_dir
 
     info = check_model_dir(Path(model_dir))
     config = complete(info.config)
@@ -710,7 +710,7 @@ def write(mp: MmprojPlan, model_dir: Path, out_path: Path) -> MmprojResult:
     import gguf
 
     from quantkit.gguf.convert import open_handles, tensor_nbytes
-    from quantkit.model import check_model_dir
+    from quantkit.io.checkpoint import check_model_dir
 
     model_dir = Path(model_dir)
     family = FAMILIES[mp.family]

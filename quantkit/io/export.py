@@ -311,7 +311,7 @@ def _checkpoint_to_module_names(dest: Path, config: dict, names: list[str]) -> l
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
-    from quantkit.model import auto_model_class
+    from quantkit.engines.transformers import auto_model_class
 
     hf_config = AutoConfig.from_pretrained(dest, local_files_only=True, trust_remote_code=False)  # names only
     with torch.device("meta"):

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from quantkit.errors import ModelError
-from quantkit.model import read_safetensors_header, safetensors_layout
+from quantkit.io.safetensors import read_safetensors_header, safetensors_layout
 
 # safetensors dtype -> (unsigned integer view, mask whose bits are all set for NaN/Inf)
 NONFINITE_MASKS = {

@@ -41,7 +41,8 @@ from quantkit.errors import InputError
 if TYPE_CHECKING:
     from quantkit.run.calibration import TokenWindows
     from quantkit.mixed.core import Ladder
-    from quantkit.model import ModelInfo, Offload
+    from quantkit.engines.transformers import Offload
+    from quantkit.io.checkpoint import ModelInfo
     from quantkit.run.recipe import Calibration
 
 METHODS: dict[str, str] = {
@@ -78,7 +79,7 @@ class QuantizeJob:
     device: str = "cpu"
     trust_remote_code: bool = False
     towers: dict[str, str] = field(default_factory=dict)  # tower role -> int8/int4 (Target.tower_precision())
-    offload: Offload | None = None  # what the model was loaded with on disk, and where (quantkit.model.Offload)
+    offload: Offload | None = None  # what the model was loaded with on disk, and where (quantkit.engines.transformers.Offload)
     ranks: Ranks = Ranks()  # under torchrun: this rank's share of the windows; only rank 0 saves (quantkit.engines.llmcompressor.distributed)
     progress: Callable[[str], None] = lambda message: None  # one line per phase of a long step (the CLI shows it)
 
@@ -87,8 +88,8 @@ class QuantizeJob:
         emptied too), the reference gone, the freed memory handed back to the OS."""
         import gc
 
-        from quantkit.model import drop_weights
-        from quantkit.eval.stream import release_freed_memory
+        from quantkit.engines.transformers import drop_weights
+        from quantkit.io.memory import release_freed_memory
 
         drop_weights(self.model)
         self.model = None

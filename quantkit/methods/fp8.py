@@ -100,7 +100,7 @@ def modifier(options: Options, ignore: list[str]):
 def quantize(job: QuantizeJob) -> QuantizeResult:
     """Model-free where path_blocker and the meta-model plan allow it; else oneshot on the loaded model
     (loaded here when the pipeline did not: the plan found what the cheap check could not see)."""
-    from quantkit.model import load_model, load_tokenizer, torch_dtype
+    from quantkit.engines.transformers import load_model, load_tokenizer, torch_dtype
 
     blocker = TOWERS_BLOCKER if job.towers else path_blocker(job.info, job.options)
     if blocker is None:
@@ -120,7 +120,7 @@ def quantize(job: QuantizeJob) -> QuantizeResult:
 
 def save_model_free(job: QuantizeJob, plan) -> None:
     """The model-free artifact: the weights, config.json and recipe.yaml as oneshot's save writes them."""
-    from quantkit.model import device_map, load_tokenizer
+    from quantkit.engines.transformers import device_map, load_tokenizer
 
     model_free.write_weights(plan, job.out_dir, device_map(job.device))
     model_free.write_config(plan, job.out_dir)

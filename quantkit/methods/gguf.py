@@ -226,8 +226,9 @@ def compute_imatrix(job: QuantizeJob, calib):
     one layer's weights; other models (a VLM's language part) are loaded whole, or `job.model` is
     used where the method has it loaded."""
     from quantkit.gguf import imatrix as im
-    from quantkit.model import device_map, hf_config, load_model, torch_dtype
-    from quantkit.eval.stream import SafetensorsWeights, stream_model, streamable, windows_per_group
+    from quantkit.engines.transformers import device_map, hf_config, load_model, torch_dtype
+    from quantkit.eval.stream import stream_model, streamable, windows_per_group
+    from quantkit.io.checkpoint import SafetensorsWeights
 
     if not streamable(job.info.config):
         model = job.model if job.model is not None else load_model(job.info, job.dtype, job.device,

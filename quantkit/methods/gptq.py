@@ -358,14 +358,14 @@ def requantize_with(writer: Callable, job: QuantizeJob, plan: dict[str, str], de
 
 def element_bytes(job: QuantizeJob) -> int:
     """Bytes per element of the model as loaded (its scales and 16-bit layers are saved in that dtype)."""
-    from quantkit.model import torch_dtype
+    from quantkit.engines.transformers import torch_dtype
 
     return torch_dtype(job.dtype, job.info).itemsize
 
 
 def dtype_bytes(info) -> int:
     """Bytes per element of the checkpoint's dtype (what an auto-dtype run saves scales in)."""
-    from quantkit.model import torch_dtype
+    from quantkit.engines.transformers import torch_dtype
 
     return torch_dtype("auto", info).itemsize
 

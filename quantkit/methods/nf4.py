@@ -150,7 +150,7 @@ def quantize(job: QuantizeJob) -> QuantizeResult:
 def write(job: QuantizeJob, kept: list[str]) -> QuantizeResult:
     """The checkpoint loaded with a bitsandbytes config and saved; `kept` layers stay 16-bit too (a
     fallback plan)."""
-    from quantkit.model import torch_dtype
+    from quantkit.engines.transformers import torch_dtype
     from quantkit.io.shards import plain_writes
 
     require("bitsandbytes", "nf4", "the nf4 method (bitsandbytes 4-bit)")
@@ -170,7 +170,7 @@ def write(job: QuantizeJob, kept: list[str]) -> QuantizeResult:
 
 def load_quantized(info, dtype, config, device: str, trust_remote_code: bool = False):
     """Re-load the checkpoint with the bitsandbytes config: transformers quantizes while loading."""
-    from quantkit.model import auto_model_class, device_map
+    from quantkit.engines.transformers import auto_model_class, device_map
     from quantkit.io.offline import offline
 
     with offline():
@@ -230,7 +230,7 @@ def simulation(options: Options, dtype) -> intmix.Simulation:
 
 
 def fallback_ladder(job: QuantizeJob, result: QuantizeResult):
-    from quantkit.model import torch_dtype
+    from quantkit.engines.transformers import torch_dtype
 
     dtype = torch_dtype(job.dtype, job.info)
     return intmix.keep_ladder(job, fallback_layers(job.info, job.options, job.ignore), simulation(job.options, dtype),
@@ -240,7 +240,7 @@ def fallback_ladder(job: QuantizeJob, result: QuantizeResult):
 def requantize(job: QuantizeJob, plan: dict[str, str], details: dict) -> QuantizeResult:
     """The checkpoint quantized again with the plan's 16-bit layers skipped."""
     from quantkit.engines.llmcompressor.llmc import clear_weights
-    from quantkit.model import torch_dtype
+    from quantkit.engines.transformers import torch_dtype
 
     clear_weights(job.out_dir)
     result = write(job, intmix.kept_16bit(plan))

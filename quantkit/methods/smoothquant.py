@@ -130,7 +130,7 @@ def smoothing_scales(info, artifact) -> dict:
     """{layer: s} for every balance layer SmoothQuant scaled: the smooth layer's (a norm's) source weight over
     its weight in the artifact (SmoothQuant divided it by s and multiplied the balance columns by s)."""
     from quantkit.run.plan import matches
-    from quantkit.eval.stream import SafetensorsWeights
+    from quantkit.io.checkpoint import SafetensorsWeights
 
     source, smoothed = SafetensorsWeights(info.path), SafetensorsWeights(artifact)
     layers = intmix.quantized_layers(info, [])
@@ -162,7 +162,7 @@ def simulation(info, artifact) -> intmix.Simulation:
     import torch
 
     from quantkit.eval.compressed import CompressedWeights, quantized_meta_model
-    from quantkit.model import hf_config
+    from quantkit.engines.transformers import hf_config
 
     stored = CompressedWeights(artifact, quantized_meta_model(hf_config(artifact), torch.float32))
     scales, quantize = smoothing_scales(info, artifact), intmix.activation_quantizer(ACTIVATIONS)

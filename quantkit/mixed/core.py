@@ -393,7 +393,7 @@ class Probe:
 def check_streamable(model_dir: Path, setting: str) -> None:
     """UnsupportedError when the checkpoint has no layer-streamed forward (`setting`: the option
     that turns the measurement off, for the hint)."""
-    from quantkit.model import check_model_dir
+    from quantkit.io.checkpoint import check_model_dir
     from quantkit.eval.stream import streamable
 
     info = check_model_dir(Path(model_dir))
@@ -404,7 +404,7 @@ def check_streamable(model_dir: Path, setting: str) -> None:
 
 
 def layer_count(model_dir: Path) -> int:
-    from quantkit.model import hf_config
+    from quantkit.engines.transformers import hf_config
 
     return hf_config(model_dir).get_text_config().num_hidden_layers
 
@@ -433,8 +433,9 @@ def probe_klds(model_dir: Path, probes: Iterable[Probe], windows, setting: str, 
     import torch
 
     from quantkit.eval import evaluate
-    from quantkit.model import hf_config
-    from quantkit.eval.stream import SafetensorsWeights, recording_scorer, start_scorer, stream_model
+    from quantkit.engines.transformers import hf_config
+    from quantkit.eval.stream import recording_scorer, start_scorer, stream_model
+    from quantkit.io.checkpoint import SafetensorsWeights
 
     check_streamable(model_dir, setting)
     probes = list(probes)

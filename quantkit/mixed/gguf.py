@@ -146,7 +146,7 @@ def error_table(model_dir: Path, plans, quant_imatrix: dict | None, importance: 
     """Weighted errors of every quantized tensor of the plan (quant_imatrix: what the quantizer uses,
     importance: the imatrix that weights the error; both {GGUF name: vector})."""
     from quantkit.gguf.convert import imatrix_for, open_handles
-    from quantkit.model import check_model_dir
+    from quantkit.io.checkpoint import check_model_dir
 
     handles = open_handles(check_model_dir(Path(model_dir)).weight_files)
     table = []
@@ -196,7 +196,7 @@ def measure_klds(model_dir: Path, rows: list[SensitivityRow], plans, quant_imatr
     and `gain` are set (quantkit.mixed.core.set_gains)."""
     from quantkit.gguf.convert import imatrix_for, open_handles
     from quantkit.mixed.core import Probe, layer_count, probe_klds, set_gains
-    from quantkit.model import check_model_dir
+    from quantkit.io.checkpoint import check_model_dir
 
     plan_of, layers = {p.name: p for p in plans}, layer_count(model_dir)
     handles = open_handles(check_model_dir(Path(model_dir)).weight_files)

@@ -43,7 +43,6 @@ from typing import Callable
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from quantkit.errors import InputError
 from quantkit.mixed.core import PROBES_PER_ROLE, SensitivityRow
 
 PRECISIONS = ("int4", "int8", "16-bit")  # gptq / awq, cheapest first
@@ -258,8 +257,9 @@ def input_statistics(model_dir: Path, windows, layers: list[str], sim: Simulatio
     windows never reach gets a uniform importance."""
     import torch
 
-    from quantkit.model import hf_config
-    from quantkit.eval.stream import SafetensorsWeights, iter_batches, stream_model, windows_per_group
+    from quantkit.engines.transformers import hf_config
+    from quantkit.eval.stream import iter_batches, stream_model, windows_per_group
+    from quantkit.io.checkpoint import SafetensorsWeights
 
     config = hf_config(model_dir)
     streamed = stream_model(config, SafetensorsWeights(model_dir), torch.float32)
@@ -311,7 +311,7 @@ def error_table(model_dir: Path, shapes: dict[str, tuple[int, int]], stats: dict
                 sim: Simulation, plain: str, progress: Callable[[str], None] = lambda message: None
                 ) -> list[SensitivityRow]:
     """Weighted errors of every layer ({module name: (out, in)}) at every precision of `sim`."""
-    from quantkit.eval.stream import SafetensorsWeights
+    from quantkit.io.checkpoint import SafetensorsWeights
 
     source, rows = SafetensorsWeights(model_dir), []
     for index, (name, shape) in enumerate(shapes.items()):
@@ -324,7 +324,7 @@ def error_table(model_dir: Path, shapes: dict[str, tuple[int, int]], stats: dict
 def probe(model_dir: Path, row: SensitivityRow, sim: Simulation):
     """The quantkit.mixed.core.Probe of one layer at the simulation's probe precision."""
     from quantkit.mixed.core import Probe, role_and_depth
-    from quantkit.eval.stream import SafetensorsWeights
+    from quantkit.io.checkpoint import SafetensorsWeights
 
     def patch() -> dict:
         weight = read_weight(SafetensorsWeights(model_dir), row.name)
@@ -366,7 +366,7 @@ def check_streamable(info, label: str, flag: str) -> None:
     MoE models and VLMs are refused before work."""
     from quantkit.errors import UnsupportedError
     from quantkit.arch.moe import is_moe
-    from quantkit.model import is_vlm
+    from quantkit.io.checkpoint import is_vlm
 
     if is_moe(info.model_type) or is_vlm(info.config):
         kind = "MoE models" if is_moe(info.model_type) else "VLMs"
@@ -389,7 +389,7 @@ def quantized_layers(info, ignore: list[str], roles=("decoder", "other")) -> dic
 
 def sized(layer_bytes: Callable, job) -> Callable[[tuple, str], int]:
     """layer_bytes(shape, precision, element) with the bytes per element of the model as the job loads it."""
-    from quantkit.model import torch_dtype
+    from quantkit.engines.transformers import torch_dtype
 
     element = torch_dtype(job.dtype, job.info).itemsize
     return lambda shape, precision: layer_bytes(shape, precision, element)
@@ -416,7 +416,7 @@ def keep_report(details: dict, plan: dict[str, str], size: Callable[[tuple, str]
 def artifact_estimate(info, layers: dict[str, tuple[int, int]], size: Callable[[tuple, str], int], plain: str) -> int:
     """The first artifact's weight bytes before any raise: the checkpoint's, with each quantized layer at
     the plain precision instead of 16-bit (for --max-size's check before work)."""
-    from quantkit.model import DTYPE_BYTES
+    from quantkit.io.safetensors import DTYPE_BYTES
 
     total = sum(DTYPE_BYTES.get(dtype, 2) * math.prod(shape) for dtype, shape in info.tensors.values())
     stored = {name: DTYPE_BYTES.get(info.tensors[name + ".weight"][0], 2) for name in layers}

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from quantkit import __version__
 
 if TYPE_CHECKING:
-    from quantkit.model import ModelInfo
+    from quantkit.io.checkpoint import ModelInfo
     from quantkit.run.recipe import Gate, Recipe, Target
 
 MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",

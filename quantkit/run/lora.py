@@ -35,7 +35,9 @@ from typing import Any, Callable
 
 from quantkit.errors import InputError, UnsupportedError, require
 from quantkit.run.cache import sha256_file
-from quantkit.model import ModelInfo, check_model_dir, load_model, read_safetensors_header, torch_dtype
+from quantkit.engines.transformers import load_model, torch_dtype
+from quantkit.io.checkpoint import ModelInfo, check_model_dir
+from quantkit.io.safetensors import read_safetensors_header
 
 ADAPTER_PREFIX = "base_model.model."
 ADAPTER_FILE = "adapter_model.safetensors"
@@ -161,7 +163,7 @@ def base_shapes(info: ModelInfo, trust_remote_code: bool = False) -> BaseShapes:
     """Module names and shapes as transformers builds the model (names as peft sees them)."""
     import torch
 
-    from quantkit.model import auto_model_class, hf_config
+    from quantkit.engines.transformers import auto_model_class, hf_config
 
     config = hf_config(info.path, trust_remote_code)
     with torch.device("meta"):
@@ -264,7 +266,7 @@ def plan_merge(base: ModelInfo, base_spec: str, adapters: list[str], weights: li
                merge_base: str = "dequantized", original_base: str | None = None,
                trust_remote_code: bool = False) -> MergePlan:
     """Read and check every adapter against the base (headers and configs only, no weights)."""
-    from quantkit.model import resolve_model
+    from quantkit.io.checkpoint import resolve_model
 
     if not adapters:
         raise InputError("no LoRA adapter given", hint="pass --lora DIR (repeatable)")
@@ -392,7 +394,7 @@ def load_tokenizer_dir(path: Path, trust_remote_code: bool):
     """The tokenizer saved in a directory (an adapter's or the base's); InputError when unusable."""
     from transformers import AutoTokenizer
 
-    from quantkit.model import custom_code_error, needs_remote_code
+    from quantkit.engines.transformers import custom_code_error, needs_remote_code
     from quantkit.io.offline import offline
 
     try:

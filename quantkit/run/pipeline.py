@@ -28,23 +28,37 @@ from typing import Any, Callable, Iterator
 from pydantic import BaseModel
 
 from quantkit import __version__
-from quantkit.io import export
-from quantkit.run.cache import fingerprint, input_hashes, up_to_date
+from quantkit.arch.vlm import FAMILIES, tower_summary
 from quantkit.engines.llmcompressor.distributed import Ranks, check_launch, process_group
-from quantkit.errors import (CalibrationError, GateFailedError, InputError, OutputExistsError, QuantkitError,
-                             RunFailedError, UnsupportedError)
-from quantkit.run.lora import plan_merge
-from quantkit.io.measure import PeakTracker
-from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, get_method
-from quantkit.model import (ModelInfo, Offload, check_device, check_generative, check_model_dir, check_submodel_packages,
-                            device_map, resolve_model)
+from quantkit.engines.transformers import Offload, check_device, device_map
+from quantkit.errors import (
+    CalibrationError,
+    GateFailedError,
+    InputError,
+    OutputExistsError,
+    QuantkitError,
+    RunFailedError,
+    UnsupportedError,
+)
+from quantkit.io import export
+from quantkit.io.checkpoint import ModelInfo, check_generative, check_model_dir, check_submodel_packages, resolve_model
+from quantkit.io.memory import PeakTracker
 from quantkit.io.numerics import check_finite
+from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, get_method
+from quantkit.run.cache import fingerprint, input_hashes, up_to_date
+from quantkit.run.lora import plan_merge
 from quantkit.run.plan import build_plan, ignore_patterns
-from quantkit.run.preflight import (available_vram, check_disk, check_ram, check_vram, ram_estimate, run_estimate,
-                                    vram_estimate)
+from quantkit.run.preflight import (
+    available_vram,
+    check_disk,
+    check_ram,
+    check_vram,
+    ram_estimate,
+    run_estimate,
+    vram_estimate,
+)
 from quantkit.run.recipe import Calibration, Gate, Recipe, Target, target_gate, target_options
 from quantkit.run.report import ModelReport, RunReport, TargetReport, model_card
-from quantkit.arch.vlm import FAMILIES, tower_summary
 
 Progress = Callable[[str], None]
 
@@ -218,7 +232,7 @@ def check_not_quantized(info: ModelInfo, recipe: Recipe) -> None:
 def check_offload_dir(recipe: Recipe, info: ModelInfo) -> None:
     """--offload-dir must be a writable directory, and the model a plain decoder (a VLM's checkpoint
     names differ from its module names, so its layers cannot be mapped to disk by name)."""
-    from quantkit.model import is_vlm
+    from quantkit.io.checkpoint import is_vlm
 
     if recipe.offload_dir is None:
         return
@@ -288,7 +302,7 @@ def _run_in(staging: Path, recipe: Recipe, opts: RunOptions, info: ModelInfo, ta
             prints: dict[str, dict], report: RunReport) -> None:
     """Load only what some step needs: no tokenizer, windows or torch model for a run that neither
     calibrates, nor evaluates, nor hands a target the model (e.g. gguf without imatrix and gate)."""
-    from quantkit.model import load_tokenizer
+    from quantkit.engines.transformers import load_tokenizer
 
     workdir = staging / export.WORK_DIR
     workdir.mkdir()
@@ -341,7 +355,7 @@ def run_share(recipe: Recipe, opts: RunOptions, info: ModelInfo, targets: list[R
     windows, in step with rank 0's; nothing written outside a private work directory next to OUT."""
     import tempfile
 
-    from quantkit.model import load_tokenizer
+    from quantkit.engines.transformers import load_tokenizer
 
     tokenizer = load_tokenizer(info, recipe.trust_remote_code)
     windows = make_windows(tokenizer, window_settings(recipe, targets), lambda message: None)
@@ -360,10 +374,10 @@ def compute_baseline(info: ModelInfo, recipe: Recipe, windows, workdir: Path, re
                      progress: Progress):
     """Score the full-precision model once on the held-out windows (reused for every target);
     a text decoder is streamed from its checkpoint a layer at a time, never loaded whole."""
-    from quantkit.eval import evaluate
+    from quantkit.eval import evaluate, scorers
 
     progress(f"baseline: scoring {len(windows)} held-out windows")
-    scorer = evaluate.base_scorer(info, recipe.dtype, recipe.device, recipe.trust_remote_code, workdir)
+    scorer = scorers.base_scorer(info, recipe.dtype, recipe.device, recipe.trust_remote_code, workdir)
     with PeakTracker() as t:
         baseline = evaluate.compute_baseline(scorer, windows, workdir=workdir)
     report.timings["baseline_s"] = t.seconds
@@ -386,11 +400,11 @@ def run_target(job: QuantizeJob, resolved: ResolvedTarget, baseline, opts: RunOp
         entry.details["towers"] = tower_proof(job, result)
     if baseline is None:
         return entry
-    from quantkit.eval import evaluate
+    from quantkit.eval import evaluate, scorers
 
     opts.progress(f"[{resolved.name}] measuring the artifact against the base")
     with PeakTracker() as et:
-        entry.metrics = evaluate.evaluate_artifact(result.artifact, job.info.path, job.windows.eval, baseline,
+        entry.metrics = scorers.evaluate_artifact(result.artifact, job.info.path, job.windows.eval, baseline,
                                                    job.device, job.trust_remote_code, job.workdir)
     entry.timings["eval_s"] = et.seconds
     entry.peak_rss_bytes = max(qt.peak_rss, et.peak_rss)
@@ -432,7 +446,7 @@ def run_fallback(job: QuantizeJob, resolved: ResolvedTarget, result: QuantizeRes
     came out larger than the limit (the size model missed what the format adds) is undone: the last
     plan within the limit is written again. Every step, the final plan and the size cost go into
     entry.details["fallback"]; entry's metrics, gate and details become the last artifact's."""
-    from quantkit.eval import evaluate
+    from quantkit.eval import evaluate, scorers
     from quantkit.mixed.core import raise_plan, size_limit, step_count
 
     method, options, started = resolved.method, fallback_options(resolved), time.time()
@@ -456,7 +470,7 @@ def run_fallback(job: QuantizeJob, resolved: ResolvedTarget, result: QuantizeRes
             note = f"step {len(steps)} came to {size:,} bytes, over --max-size ({limit:,}): undone"
             result = method.requantize(job, plan, details)
             break
-        entry.metrics = evaluate.evaluate_artifact(candidate.artifact, job.info.path, job.windows.eval, baseline,
+        entry.metrics = scorers.evaluate_artifact(candidate.artifact, job.info.path, job.windows.eval, baseline,
                                                    job.device, job.trust_remote_code, job.workdir)
         entry.gate = evaluate.gate_verdict(entry.metrics, resolved.gate,
                                            enforced=opts.enforce_gate and resolved.gate.enabled)
@@ -613,7 +627,7 @@ def make_windows(tokenizer, settings: Calibration, progress: Progress):
 
 def load(info: ModelInfo, recipe: Recipe, offload: Offload | None, progress: Progress) -> Any:
     """The full-precision model in memory, with the modules `offload` names on disk."""
-    from quantkit.model import load_model
+    from quantkit.engines.transformers import load_model
 
     where = "decoder layers, embeddings and head" if offload and offload.layers else "embeddings and head"
     progress(f"loading {info.path}" + (f" ({where} offloaded to {offload.folder})" if offload else ""))
@@ -624,11 +638,12 @@ def load(info: ModelInfo, recipe: Recipe, offload: Offload | None, progress: Pro
 def offload_plan(recipe: Recipe, info: ModelInfo, workdir: Path) -> Iterator[Offload | None]:
     """What one target's model keeps on disk, in a fresh folder removed afterwards: with --offload-dir
     every decoder layer and the vocabulary tables, in a folder there; otherwise the tables alone, in the
-    run's work directory (a text decoder's; a VLM loads whole). quantkit.model.Offload says why."""
+    run's work directory (a text decoder's; a VLM loads whole). quantkit.engines.transformers.Offload says why."""
     import shutil
     import tempfile
 
-    from quantkit.model import Offload, is_vlm
+    from quantkit.engines.transformers import Offload
+    from quantkit.io.checkpoint import is_vlm
 
     if recipe.offload_dir is None and is_vlm(info.config):
         yield None

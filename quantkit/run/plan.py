@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from typing import TYPE_CHECKING
 
-from quantkit.model import ModelInfo
+from quantkit.io.checkpoint import ModelInfo
 from quantkit.arch.vlm import FAMILIES, TOWER_ROLES, Towers, component_pattern, family_towers, ignore_pattern
 
 if TYPE_CHECKING:

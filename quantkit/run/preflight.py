@@ -123,8 +123,9 @@ class RamEstimate:
 
 def unit_bytes(info) -> tuple[dict[str, int], dict[str, int]]:
     """Stored bytes per streamed unit: (every other module: embeddings, head, norms; each decoder
-    layer), grouped by the same rule as quantkit.model.offload_device_map."""
-    from quantkit.model import DTYPE_BYTES, LAYER_PREFIX
+    layer), grouped by the same rule as quantkit.engines.transformers.offload_device_map."""
+    from quantkit.io.checkpoint import LAYER_PREFIX
+    from quantkit.io.safetensors import DTYPE_BYTES
 
     others: dict[str, int] = {}
     layers: dict[str, int] = {}
@@ -173,7 +174,7 @@ def held_bytes(info, recipe, others: dict[str, int], layers: dict[str, int], hes
     the norms and one onloaded unit; a text decoder in RAM every decoder layer, the norms, and the larger
     of one table (onloaded for the first layer's inputs, or to save the head) and GPTQ's Hessians; a VLM
     all of it."""
-    from quantkit.model import is_vlm
+    from quantkit.io.checkpoint import is_vlm
 
     if recipe.offload_dir:
         return offloaded_bytes(others, layers, hessians)
@@ -184,7 +185,7 @@ def held_bytes(info, recipe, others: dict[str, int], layers: dict[str, int], hes
 
 
 def offloaded_bytes(others: dict[str, int], layers: dict[str, int], per_layer: int) -> int:
-    """What RAM holds of a model loaded with --offload-dir (quantkit.model.offload_device_map): the
+    """What RAM holds of a model loaded with --offload-dir (quantkit.engines.transformers.offload_device_map): the
     modules left in memory (norms), plus the larger of the embedding table (onloaded while the first
     subgraph runs) and one decoder layer with the method's per-layer working set."""
     kept, tables = split_tables(others)
@@ -192,9 +193,9 @@ def offloaded_bytes(others: dict[str, int], layers: dict[str, int], per_layer: i
 
 
 def split_tables(others: dict[str, int]) -> tuple[int, list[int]]:
-    """The non-layer units' bytes split by quantkit.model.is_offloaded_table: (what stays in memory
+    """The non-layer units' bytes split by quantkit.io.checkpoint.is_offloaded_table: (what stays in memory
     in total, each vocabulary table's bytes)."""
-    from quantkit.model import is_offloaded_table
+    from quantkit.io.checkpoint import is_offloaded_table
 
     kept = sum(n for unit, n in others.items() if not is_offloaded_table(unit))
     return kept, [n for unit, n in others.items() if is_offloaded_table(unit)]
@@ -207,7 +208,7 @@ def hessian_bytes(target, info) -> int:
     for the methods without Hessians."""
     from quantkit.methods.gptq import quantized_linears
     from quantkit.engines.llmcompressor.lean_hessian import ERROR_SLAB, SLAB_ROWS
-    from quantkit.model import LAYER_PREFIX
+    from quantkit.io.checkpoint import LAYER_PREFIX
 
     if target.target.method != "gptq":
         return 0
@@ -244,7 +245,8 @@ def candidate_bytes(target, model: int, layer: int, streamed: bool) -> int:
 
 def largest_matrix(info) -> int:
     """Stored bytes of the largest decoder-layer tensor (what a streamed forward holds at once)."""
-    from quantkit.model import DTYPE_BYTES, LAYER_PREFIX
+    from quantkit.io.checkpoint import LAYER_PREFIX
+    from quantkit.io.safetensors import DTYPE_BYTES
 
     sizes = [math.prod(shape) * DTYPE_BYTES.get(dtype, 1) for name, (dtype, shape) in info.tensors.items()
              if LAYER_PREFIX.match(name)]

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from quantkit.model import safetensors_layout
+from quantkit.io.safetensors import safetensors_layout
 from tests.util import FAST_CALIB, leftovers
 
 WEIGHT = "model.layers.1.mlp.down_proj.weight"

@@ -24,7 +24,7 @@ def test_inspect_json_lists_every_linear(cli, micro_model):
 def test_inspect_estimates_the_run_as_quantize_would_preflight_it(cli, micro_model, tmp_path):
     """The run estimate is the preflight's (quantkit.run.preflight), with --offload-dir as quantize takes it:
     gptq's quantize step then holds the norms and the larger of a table and a layer with its Hessians."""
-    from quantkit.model import check_model_dir
+    from quantkit.io.checkpoint import check_model_dir
     from quantkit.run.pipeline import RunOptions, prepare
     from quantkit.run.preflight import ram_estimate
     from quantkit.run.recipe import Overrides, build_recipe

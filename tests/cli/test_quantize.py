@@ -246,7 +246,8 @@ def test_offload_dir_must_be_writable(cli, micro_model, tmp_path):
 
 
 def test_offload_device_map_puts_every_decoder_layer_on_disk(micro_model):
-    from quantkit.model import check_model_dir, offload_device_map
+    from quantkit.engines.transformers import offload_device_map
+    from quantkit.io.checkpoint import check_model_dir
 
     mapping = offload_device_map(check_model_dir(micro_model), "cpu")
     assert mapping["model.layers.0"] == mapping["model.layers.1"] == "disk"
@@ -282,7 +283,7 @@ def whole_model_gptq(model_dir, tmp_path):
     from safetensors.torch import load_file
 
     from quantkit.methods import QuantizeJob
-    from quantkit.model import load_model, load_tokenizer
+    from quantkit.engines.transformers import load_model, load_tokenizer
     from quantkit.run.pipeline import RunOptions, make_windows, prepare, window_settings
     from quantkit.run.recipe import Overrides, build_recipe
 

@@ -125,7 +125,7 @@ def test_loads_pass_the_flag_through(monkeypatch, tmp_path):
     """The LoRA merge and the artifact reload forward trust_remote_code (recorded, nothing loaded)."""
     from quantkit.eval import artifacts
     from quantkit.run import lora
-    from quantkit.model import ModelInfo
+    from quantkit.io.checkpoint import ModelInfo
 
     seen = []
 
@@ -140,7 +140,7 @@ def test_loads_pass_the_flag_through(monkeypatch, tmp_path):
 
     monkeypatch.setattr(lora, "require", lambda *args: None)
     monkeypatch.setattr(lora, "load_model", record("merge base"))
-    monkeypatch.setattr("quantkit.model.auto_model_class", lambda config: Recorder)
+    monkeypatch.setattr("quantkit.engines.transformers.auto_model_class", lambda config: Recorder)
     monkeypatch.setattr(artifacts, "artifact_kind", lambda path: "transformers")
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
     info = ModelInfo(tmp_path, {}, [], "LlamaForCausalLM", "llama")

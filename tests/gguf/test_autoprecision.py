@@ -160,7 +160,8 @@ def test_damage_model_ranks_tensors_like_measured_kld(auto_out, sharp):
     from quantkit.gguf.convert import load_hparams, plan_tensors
     from quantkit.mixed.gguf import Sensitivity, measure_klds
     from quantkit.mixed.core import SensitivityRow
-    from quantkit.model import check_model_dir, load_tokenizer
+    from quantkit.engines.transformers import load_tokenizer
+    from quantkit.io.checkpoint import check_model_dir
     from quantkit.run.recipe import Calibration
 
     table = Sensitivity.from_dict(json.loads((auto_out / "quantkit.json").read_text())["targets"][0]["details"]

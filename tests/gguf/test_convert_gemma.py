@@ -80,7 +80,7 @@ def test_gemma_metadata_and_names(gemma, tmp_path):
 
 def test_gemma_mixture_token_embd_uses_output_rule(gemma):
     from quantkit.gguf.convert import plan_tensors
-    from quantkit.model import check_model_dir
+    from quantkit.io.checkpoint import check_model_dir
 
     info = check_model_dir(gemma)
     types = {p.name: p.qtype.name for p in plan_tensors(info.config, info.tensors, "Q4_K_M")}

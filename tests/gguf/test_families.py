@@ -110,7 +110,7 @@ def test_family_metadata_and_tensors(family, tmp_path):
 def test_eight_experts_bump_attention(tmp_path):
     """llama-quantize's n_expert == 8 rules: attn_v and attn_k Q8_0, attn_output Q5_K (Q4_K_M)."""
     from quantkit.gguf.convert import plan_tensors
-    from quantkit.model import check_model_dir
+    from quantkit.io.checkpoint import check_model_dir
 
     info = check_model_dir(build_family("mixtral8", tmp_path / "m8"))
     types = {p.name: p.qtype.name for p in plan_tensors(info.config, info.tensors, "Q4_K_M")}

@@ -14,7 +14,7 @@ def test_streamed_imatrix_equals_in_memory(micro, tmp_path):
     from quantkit.run.calibration import TokenWindows
     from quantkit.methods import QuantizeJob
     from quantkit.methods.gguf import Options, compute_imatrix
-    from quantkit.model import check_model_dir
+    from quantkit.io.checkpoint import check_model_dir
 
     windows = torch.randint(0, 500, (3, 32), generator=torch.Generator().manual_seed(1))
     info = check_model_dir(micro)

@@ -31,7 +31,7 @@ def test_imatrix_auto_policy(gguf_type, imatrix, uses):
 
 
 def test_check_rejects_architecture_and_missing_imatrix(micro, tmp_path):
-    from quantkit.model import check_model_dir
+    from quantkit.io.checkpoint import check_model_dir
 
     info = check_model_dir(micro)
     method.check(info, method.Options(), None)
@@ -56,7 +56,7 @@ def test_plan_types_are_the_written_types(micro, tmp_path, gguf_type):
     import gguf
 
     from quantkit.gguf import convert as conv
-    from quantkit.model import check_model_dir
+    from quantkit.io.checkpoint import check_model_dir
     from quantkit.run.plan import build_plan
 
     info = check_model_dir(micro)
@@ -89,7 +89,7 @@ def make_job(model_dir: Path, out: Path, options, model=None, calib=None) -> Qua
     import torch
 
     from quantkit.run.calibration import TokenWindows
-    from quantkit.model import check_model_dir
+    from quantkit.io.checkpoint import check_model_dir
 
     out.mkdir(parents=True, exist_ok=True)
     calib = torch.empty((0, 32), dtype=torch.long) if calib is None else calib

@@ -155,7 +155,7 @@ def test_types_match_llama_quantize(micro_f16, tmp_path, gguf_type):
     run_quantize(f16, theirs, gguf_type)
     actual = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(theirs)).tensors}
     from quantkit.gguf.convert import plan_tensors
-    from quantkit.model import check_model_dir
+    from quantkit.io.checkpoint import check_model_dir
 
     info = check_model_dir(micro_f16)
     ours = {p.name: p.qtype.name for p in plan_tensors(info.config, info.tensors, gguf_type)}

@@ -47,7 +47,7 @@ def test_gguf_unknown_type(cli, micro_model, tmp_path):
 def test_conversion_without_imatrix_or_gate_loads_no_model(cli, micro_model, tmp_path, monkeypatch):
     """Nothing in that run needs a torch model: no model is loaded, no tokenizer, no windows
     (the converter reads the checkpoint tensor by tensor; transformers only reads its config)."""
-    from quantkit import model
+    from quantkit.engines import transformers as model
     from quantkit.run import pipeline
 
     def refuse(*args, **kwargs):

@@ -88,7 +88,7 @@ def test_awq_refuses_an_ignore_list_that_leaves_a_quantized_smooth_layer_nothing
     by zero after loading and calibrating (exit 1); refused before work. Both ignored, or all of a norm's
     balance layers ignored, is fine (the latter is what the end-to-end run below does)."""
     from quantkit.methods.awq import check_ignore
-    from quantkit.model import check_model_dir
+    from quantkit.io.checkpoint import check_model_dir
 
     out = tmp_path / "out"
     result = cli("quantize", micro_model, "--method", "awq", "--ignore", "model.layers.0.mlp.down_proj",

@@ -21,7 +21,7 @@ def test_linear_rows_are_the_up_down_pairs_under_grouped_query_attention(micro_m
     """The micro model's v_proj is narrower than o_proj's input (GQA): llm-compressor skips v -> o,
     and so does the constraint; up_proj -> down_proj stays, per decoder layer."""
     from quantkit.methods.gptq import quantized_linears
-    from quantkit.model import check_model_dir
+    from quantkit.io.checkpoint import check_model_dir
 
     info = check_model_dir(micro_model)
     rows = awq.linear_rows(info, {name: tuple(shape) for name, shape in quantized_linears(info).items()})
@@ -30,7 +30,7 @@ def test_linear_rows_are_the_up_down_pairs_under_grouped_query_attention(micro_m
 
 def test_balance_layers_of_one_mapping_are_grouped_per_decoder_layer(micro_model):
     from quantkit.methods.gptq import quantized_linears
-    from quantkit.model import check_model_dir
+    from quantkit.io.checkpoint import check_model_dir
 
     info = check_model_dir(micro_model)
     groups = awq.balance_groups(info, list(quantized_linears(info)))

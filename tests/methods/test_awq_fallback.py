@@ -25,7 +25,7 @@ GATE_UP, UP, DOWN = [MLP + "gate_proj", MLP + "up_proj"], MLP + "up_proj", MLP +
 
 
 def llama(path: Path):
-    from quantkit.model import ModelInfo
+    from quantkit.io.checkpoint import ModelInfo
 
     return ModelInfo(path, {"torch_dtype": "bfloat16"}, [], "LlamaForCausalLM", "llama")
 

@@ -68,7 +68,7 @@ def test_gptq_group_size_must_divide_widths(cli, micro_model, tmp_path):
 
 def test_auto_group_size_is_the_largest_that_divides_every_width():
     from quantkit.methods.gptq import auto_group_size
-    from quantkit.model import ModelInfo
+    from quantkit.io.checkpoint import ModelInfo
 
     def info(widths):
         tensors = {f"model.layers.0.mlp.p{i}.weight": ("BF16", [64, w]) for i, w in enumerate(widths)}

@@ -46,7 +46,7 @@ def test_sensitivity_table_round_trips_through_the_report():
 
 def plan_job(tmp_path: Path, tensors_per_step: int = 1) -> QuantizeJob:
     """A job for fallback_ladder, a bfloat16 checkpoint (the ladder reads the recorded table: no model)."""
-    from quantkit.model import ModelInfo
+    from quantkit.io.checkpoint import ModelInfo
 
     info = ModelInfo(tmp_path, {"torch_dtype": "bfloat16"}, [], "LlamaForCausalLM", "llama")
     options = gptq.Options(group_size=64, fallback=Fallback(tensors_per_step=tensors_per_step))

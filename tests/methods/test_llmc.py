@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from quantkit.engines.llmcompressor import llmc
-from quantkit.model import Offload
+from quantkit.engines.transformers import Offload
 from quantkit.engines.patching import site_function
 
 

@@ -14,7 +14,8 @@ from safetensors import safe_open
 
 from quantkit.engines.llmcompressor import llmc, model_free
 from quantkit.methods import QuantizeJob, fp8
-from quantkit.model import check_model_dir, load_model, load_tokenizer
+from quantkit.engines.transformers import load_model, load_tokenizer
+from quantkit.io.checkpoint import check_model_dir
 from quantkit.run.plan import ignore_patterns
 
 

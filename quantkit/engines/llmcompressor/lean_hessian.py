@@ -266,11 +266,11 @@ def one_batch_per_call(compress_module_list):
     """GPTQModifier.compress_module_list called once per batch of modules: its loop keeps a batch's
     float32 weights and quantized result in its variables while the next batch is quantized; a call
     per batch frees them when it returns, and the C heap hands their free pages back before the
-    next batch (quantkit.eval.stream.release_freed_memory)."""
+    next batch (quantkit.io.memory.release_freed_memory)."""
     def compress_batch_by_batch(self, module_list):
         from llmcompressor.modifiers.gptq import helpers
 
-        from quantkit.eval.stream import release_freed_memory
+        from quantkit.io.memory import release_freed_memory
 
         for batch in helpers.assign_batches(module_list, self.batched_quantization, self.block_size):
             compress_module_list(self, batch)

@@ -24,7 +24,7 @@ def run_oneshot(job, recipe, calibrate: bool, reads_weights_only: bool = False) 
 
     from quantkit.engines.llmcompressor.distributed import synchronized_gptq
     from quantkit.engines.llmcompressor import lean_hessian
-    from quantkit.eval.stream import map_large_allocations
+    from quantkit.io.memory import map_large_allocations
 
     kwargs = {}
     if calibrate:
@@ -51,7 +51,7 @@ def run_oneshot(job, recipe, calibrate: bool, reads_weights_only: bool = False) 
 
 def reads_layers_per_forward(job) -> bool:
     """Decoder layers on disk and the CPU doing the work: --offload-dir on a machine without a GPU."""
-    from quantkit.model import device_map
+    from quantkit.engines.transformers import device_map
 
     return job.offload is not None and job.offload.layers and device_map(job.device) == "cpu"
 
@@ -132,7 +132,7 @@ def calibration_details(job) -> dict:
     """Report fields of a calibrated method: the calibration tokens, and for an MoE model the tokens
     routed to each expert (counted before quantization, quantkit.arch.moe)."""
     from quantkit.arch.moe import routing_details
-    from quantkit.model import device_map
+    from quantkit.engines.transformers import device_map
 
     return {"calibration_tokens": int(job.windows.calib.numel()),
             **routing_details(job.model, job.info, job.windows.calib, device_map(job.device))}
@@ -182,7 +182,7 @@ def reloaded_model(job) -> Iterator[None]:
     import shutil
     import tempfile
 
-    from quantkit.model import Offload, load_model
+    from quantkit.engines.transformers import Offload, load_model
 
     offload = None
     if job.offload is not None:

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from quantkit.errors import InternalError
-from quantkit.model import ModelInfo
+from quantkit.io.checkpoint import ModelInfo
 from quantkit.io.shards import TensorSpec, safetensors_dtype
 
 SLAB_BYTES = 32 * 1024 * 1024  # stored bytes of the rows of one weight quantized (or cast) at a time
@@ -72,7 +72,7 @@ def config_blocker(info: ModelInfo, quantize_lm_head: bool) -> str | None:
 def working_set_bytes(info: ModelInfo) -> int:
     """Memory the model-free path holds above the interpreter's (preflight): one slab of the largest
     stored tensor, SLAB_WORKING_SET times over; a tensor kept as stored never passes through memory."""
-    from quantkit.model import DTYPE_BYTES
+    from quantkit.io.safetensors import DTYPE_BYTES
 
     largest = max((math.prod(shape) * DTYPE_BYTES.get(dtype, 1) for dtype, shape in info.tensors.values()), default=0)
     return SLAB_WORKING_SET * min(SLAB_BYTES, largest)
@@ -86,7 +86,7 @@ class Copied:
     """A tensor kept as it is: copied byte for byte, or cast to the dtype transformers loads it in."""
 
     name: str
-    source: Any  # quantkit.eval.stream.StoredTensor
+    source: Any  # quantkit.io.safetensors.StoredTensor
     dtype: str  # safetensors dtype written
 
     @property
@@ -99,7 +99,7 @@ class Quantized:
     """A Linear weight quantized through llm-compressor's model-free converter."""
 
     module: str  # checkpoint name of the module: outputs are `module.weight`, `module.weight_scale`, ...
-    source: Any  # quantkit.eval.stream.StoredTensor of `module.weight`
+    source: Any  # quantkit.io.safetensors.StoredTensor of `module.weight`
     dtype: Any  # torch dtype transformers would load the weight in (what oneshot quantizes)
     converter: Any  # llmcompressor ModelFreePtqConverter holding this module's scheme
     outputs: list[TensorSpec]  # what the converter writes for it (planned on the meta device)
@@ -115,11 +115,11 @@ class StreamPlan:
 
 
 def meta_model(info: ModelInfo, dtype, trust_remote_code: bool = False):
-    """The model transformers would load from info.path (the Auto class quantkit.model.load_model
+    """The model transformers would load from info.path (the Auto class quantkit.engines.transformers.load_model
     uses), parameters on the meta device, tied as from_pretrained ties them."""
     from accelerate import init_empty_weights
 
-    from quantkit.model import auto_model_class, hf_config
+    from quantkit.engines.transformers import auto_model_class, hf_config
 
     with init_empty_weights(include_buffers=False):
         model = auto_model_class(info.config).from_config(hf_config(info.path, trust_remote_code), dtype=dtype,
@@ -185,7 +185,7 @@ def plan_stream(info: ModelInfo, dtype, modifier, trust_remote_code: bool = Fals
     """The model-free plan for this checkpoint loaded in `dtype` and quantized by `modifier` (an
     llm-compressor QuantizationModifier of a data-free scheme), or the reason it would not equal
     oneshot's output."""
-    from quantkit.eval.stream import SafetensorsWeights
+    from quantkit.io.checkpoint import SafetensorsWeights
 
     model = meta_model(info, dtype, trust_remote_code)
     if model._get_dtype_plan(dtype):  # transformers keeps some modules in float32 at this dtype
@@ -284,7 +284,7 @@ def row_slabs(rows: int, step: int) -> list[tuple[int, int]]:
 def read_rows(entry, start: int, stop: int):
     import numpy as np
 
-    from quantkit.eval.stream import read_stored_rows
+    from quantkit.io.safetensors import read_stored_rows
 
     return read_stored_rows(entry, np.arange(start, stop))
 
@@ -294,7 +294,7 @@ def write_copied(writer, item: Copied, budget: int = SLAB_BYTES) -> None:
     of rows at a time, as from_pretrained casts it."""
     import torch
 
-    from quantkit.eval.stream import TORCH_DTYPES, read_stored, tensor_bytes
+    from quantkit.io.safetensors import TORCH_DTYPES, read_stored, tensor_bytes
 
     if item.dtype == item.source.dtype:
         writer.copy(item.name, item.source.file, item.source.offset)
@@ -313,7 +313,7 @@ def write_quantized(writer, item: Quantized, device, budget: int = SLAB_BYTES) -
     """One Linear weight through the converter, a slab of rows at a time when its rows are independent."""
     import torch
 
-    from quantkit.eval.stream import tensor_bytes
+    from quantkit.io.safetensors import tensor_bytes
 
     rows = item.source.shape[0]
     step = slab_rows(item.source, budget) if item.slabs else rows
@@ -343,7 +343,7 @@ def write_weights(plan: StreamPlan, out_dir: Path, device="cpu", shard_bytes: in
     """Every tensor of the plan into bounded safetensors shards in out_dir (plus the index when there
     are several); returns the shard file names. A module's outputs stay in one shard."""
     from quantkit.io.shards import SHARD_BYTES, ShardWriter, layout_shards, write_index
-    from quantkit.eval.stream import release_freed_memory
+    from quantkit.io.memory import release_freed_memory
 
     layouts = layout_shards([item.outputs for item in plan.items], shard_bytes or SHARD_BYTES)
     shard_of = {name: index for index, layout in enumerate(layouts) for name in layout.specs}
