@@ -2,7 +2,8 @@ import pytest
 
 from quantkit.methods import fp8
 from quantkit.io.checkpoint import ModelInfo
-from quantkit.run.plan import build_plan, classify, ignore_patterns, kv_cache_bytes, matches, memory_estimate
+from quantkit.arch.roles import classify, matches
+from quantkit.run.plan import build_plan, ignore_patterns, kv_cache_bytes, memory_estimate
 
 
 @pytest.mark.parametrize("name,role", [

@@ -6,7 +6,8 @@ import pytest
 
 from quantkit.methods import fp8
 from quantkit.io.checkpoint import ModelInfo
-from quantkit.run.plan import build_plan, ignore_patterns, matches
+from quantkit.arch.roles import matches
+from quantkit.run.plan import build_plan, ignore_patterns
 from quantkit.arch.vlm import FAMILIES, find_unknown_towers, language_root, model_towers
 
 LLAMA_DECODER = {

@@ -204,7 +204,7 @@ DECODER_LAYER = re.compile(r"^(.*\.layers\.\d+)\.")
 def balance_groups(info, names: list[str]) -> list[list[str]]:
     """The layers of `names` that must share one precision: the balance layers of one AWQ mapping in
     one decoder layer (q/k/v, gate/up); every other layer alone."""
-    from quantkit.run.plan import matches
+    from quantkit.arch.roles import matches
 
     keyed: dict[tuple, list[str]] = {}
     for index, row in enumerate(model_mappings(info, "awq")):
@@ -239,7 +239,7 @@ def linear_rows(info, layers: dict[str, tuple[int, int]]) -> list[tuple[str, lis
     ({module name: (out, in)}), resolved per decoder layer (the balance layers are the smooth layer's
     siblings), leaving out those llm-compressor skips (a balance layer whose input width differs from
     the smooth layer's output width: v_proj -> o_proj under grouped-query attention)."""
-    from quantkit.run.plan import matches
+    from quantkit.arch.roles import matches
 
     rows = []
     for row in model_mappings(info, "awq"):
@@ -295,7 +295,7 @@ def requantize(job: QuantizeJob, plan: dict[str, str], details: dict) -> Quantiz
 def check_ignore(info, options: Options, ignore: list[str]) -> None:
     """A smoothing row whose smooth layer is quantized needs a quantized balance layer: llm-compressor's
     duo scaling divides by their count (ZeroDivisionError after loading and calibrating)."""
-    from quantkit.run.plan import matches
+    from quantkit.arch.roles import matches
 
     for smooth, balance in linear_rows(info, gptq.quantized_linears(info)):
         if not matches(smooth, ignore) and all(matches(b, ignore) for b in balance):

@@ -82,7 +82,7 @@ def precision(role: str, options: Options, name: str, shape: list[int]) -> str |
 
 def quantized_linears(info) -> dict[str, list[int]]:
     """Linear weights the int methods quantize: decoder/other roles, VLM towers and lm_head excluded."""
-    from quantkit.run.plan import classify, linear_weights
+    from quantkit.arch.roles import classify, linear_weights
 
     return {name: shape for name, shape in linear_weights(info).items()
             if classify(name + ".weight", info.towers) in QUANTIZED_ROLES}
@@ -267,7 +267,7 @@ def write(job: QuantizeJob, ignore: list[str], choice: dict[str, str] | None) ->
 def budgeted_layers(info, ignore: list[str]) -> dict[str, tuple[int, int]]:
     """{module name: (out, in)} of the Linear layers the int4 group quantizes (the ones a budget may raise),
     from the checkpoint's headers (a text decoder's module names are its tensor names)."""
-    from quantkit.run.plan import matches
+    from quantkit.arch.roles import matches
 
     return {name: tuple(shape) for name, shape in quantized_linears(info).items() if not matches(name, ignore)}
 

@@ -89,7 +89,7 @@ def check(info, options: Options, calibration) -> None:
 
 def quantizable_layers(info) -> dict[str, list[int]]:
     """{module name: [out, in]} of the linear weights nf4 quantizes (by role)."""
-    from quantkit.run.plan import classify, linear_weights
+    from quantkit.arch.roles import classify, linear_weights
 
     return {n: s for n, s in linear_weights(info).items() if classify(n + ".weight", info.towers) in QUANTIZED_ROLES}
 
@@ -204,7 +204,7 @@ def sized_for(options: Options, element: int = 2):
 
 def fallback_layers(info, options: Options, ignore: list[str]) -> dict[str, tuple[int, int]]:
     """The layers the plain artifact quantizes (kernel shapes fit, routed experts and `ignore` left out)."""
-    from quantkit.run.plan import matches
+    from quantkit.arch.roles import matches
 
     return {name: tuple(shape) for name, shape in quantizable_layers(info).items()
             if fits_kernels(options, shape) and not is_expert_weight(name) and not matches(name, ignore)}

@@ -129,7 +129,7 @@ def layer_bytes(shape: tuple[int, int], precision: str, element: int = 2) -> int
 def smoothing_scales(info, artifact) -> dict:
     """{layer: s} for every balance layer SmoothQuant scaled: the smooth layer's (a norm's) source weight over
     its weight in the artifact (SmoothQuant divided it by s and multiplied the balance columns by s)."""
-    from quantkit.run.plan import matches
+    from quantkit.arch.roles import matches
     from quantkit.io.checkpoint import SafetensorsWeights
 
     source, smoothed = SafetensorsWeights(info.path), SafetensorsWeights(artifact)

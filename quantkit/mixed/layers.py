@@ -381,7 +381,7 @@ def check_streamable(info, label: str, flag: str) -> None:
 def quantized_layers(info, ignore: list[str], roles=("decoder", "other")) -> dict[str, tuple[int, int]]:
     """{module name: (out, in)} of the Linear weights a method quantizes, from the checkpoint's headers
     (a text decoder's module names are its tensor names), those matching `ignore` left out."""
-    from quantkit.run.plan import classify, linear_weights, matches
+    from quantkit.arch.roles import classify, linear_weights, matches
 
     return {name: tuple(shape) for name, shape in linear_weights(info).items()
             if classify(name + ".weight", info.towers) in roles and not matches(name, ignore)}

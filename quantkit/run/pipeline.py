@@ -212,7 +212,7 @@ def check_tower_precision(target: Target, info: ModelInfo, method: MethodSpec) -
 
 def tower_weights(info: ModelInfo, role: str) -> list[str]:
     """The linear weights of a tower role (2-D `.weight`s, its embeddings left out), from the headers."""
-    from quantkit.run.plan import TOWER_EMBEDDING, classify, linear_weights
+    from quantkit.arch.roles import TOWER_EMBEDDING, classify, linear_weights
 
     return [name for name in linear_weights(info)
             if classify(name + ".weight", info.towers) == role and not TOWER_EMBEDDING.search(name)]

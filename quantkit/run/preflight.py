@@ -62,7 +62,7 @@ def gguf_bits(gguf_type: str) -> float:
 
 def run_estimate(info, recipe, targets: list[tuple[str, object]]) -> DiskEstimate:
     """The estimate for a run: its model, recipe and each target's (method name, options)."""
-    from quantkit.run.plan import classify
+    from quantkit.arch.roles import classify
 
     quantized = other = 0
     for name, (_dtype, shape) in info.tensors.items():

@@ -87,7 +87,7 @@ def tower_linears(job) -> dict[str, list[str]]:
     cannot reload them quantized."""
     import torch
 
-    from quantkit.run.plan import TOWER_EMBEDDING, classify
+    from quantkit.arch.roles import TOWER_EMBEDDING, classify
 
     chosen: dict[str, list[str]] = {}
     if not job.towers:  # the rule: every tower stays 16-bit, nothing to look for
@@ -101,7 +101,7 @@ def tower_linears(job) -> dict[str, list[str]]:
 
 def tower_group_size(widths: list[int]) -> int:
     """The largest of plan.TOWER_GROUP_SIZES dividing every input width; -1 (per channel) if none does."""
-    from quantkit.run.plan import TOWER_GROUP_SIZES
+    from quantkit.arch.roles import TOWER_GROUP_SIZES
 
     return next((g for g in TOWER_GROUP_SIZES if all(w % g == 0 for w in widths)), -1)
 
@@ -113,7 +113,7 @@ def tower_modifiers(job) -> list:
     from llmcompressor.modifiers.quantization import QuantizationModifier
 
     from quantkit.methods.gptq import weight_args
-    from quantkit.run.plan import TOWER_BITS
+    from quantkit.arch.roles import TOWER_BITS
 
     groups = {}
     for precision, names in tower_linears(job).items():
