@@ -121,7 +121,7 @@ def validate(info, table, plans, weights, windows) -> dict:
     """Every decoder tensor's KL divergence alone at its cheapest candidate type, against the raw
     weighted error and the predicted damage there (gains from the probes, interpolated for the rest)."""
     from quantkit.mixed.gguf import measure_klds
-    from quantkit.mixed.core import SensitivityRow
+    from quantkit.mixed.sensitivity import SensitivityRow
 
     rows = [r for r in table if r.name.startswith("blk.")]
     at = {r.name: r.candidates[0] for r in rows}

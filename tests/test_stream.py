@@ -284,10 +284,10 @@ def test_large_allocations_go_back_to_the_os_when_freed():
 
 @pytest.mark.parametrize("family", ["micro", "gemma2", "phi3"])
 def test_a_forward_started_at_a_layer_equals_the_whole_forward(request, family, windows, tmp_path):
-    """The probes' forwards (quantkit.mixed.core.probe_klds) resume at a layer from its recorded input: with
+    """The probes' forwards (quantkit.mixed.sensitivity.probe_klds) resume at a layer from its recorded input: with
     one weight changed in that layer, the logits equal the whole forward's with the same change."""
     from quantkit.engines.transformers import hf_config
-    from quantkit.mixed.core import PatchedWeights
+    from quantkit.mixed.sensitivity import PatchedWeights
 
     if family in ("micro", "gemma2"):
         model_dir = request.getfixturevalue("micro_model" if family == "micro" else "gemma2")

@@ -899,7 +899,7 @@ def convert(model_dir: Path, out_path: Path, gguf_type: str = "F16", imatrix: di
     """Write `out_path` (.gguf) from the checkpoint in model_dir; returns what was written.
 
     `types` ({GGUF name: type}) replaces the mixture's type of those tensors (per-tensor types
-    chosen by quantkit.mixed.gguf_budget; llama-quantize --tensor-type gives the same file)."""
+    chosen by quantkit.mixed.gguf; llama-quantize --tensor-type gives the same file)."""
     import gguf
 
     from quantkit.gguf.vocab import add_vocab

@@ -21,7 +21,7 @@ defaults for the optional ones in one place. Who calls what:
   check_ignore       pipeline.resolve_target                      refusing an ignore list the engine cannot take
   precision          plan.build_plan                              the plan (`quantkit inspect`, the report)
   plan_types         plan.build_plan                              exact per-tensor types (gguf's mixture)
-  fallback_ladder    pipeline.run_fallback                        the units a failed gate raises (quantkit.mixed.core.Ladder)
+  fallback_ladder    pipeline.run_fallback                        the units a failed gate raises (quantkit.mixed.budget.Ladder)
   requantize         pipeline.run_fallback                        writing the artifact again with a per-unit plan
   quantize           pipeline.run_target                          writing the artifact into a staging dir
 """
@@ -40,7 +40,7 @@ from quantkit.errors import InputError
 
 if TYPE_CHECKING:
     from quantkit.run.calibration import TokenWindows
-    from quantkit.mixed.core import Ladder
+    from quantkit.mixed.budget import Ladder
     from quantkit.engines.transformers import Offload
     from quantkit.io.checkpoint import ModelInfo
     from quantkit.run.recipe import Calibration
@@ -166,7 +166,7 @@ class MethodSpec:
     # (gguf: llama-quantize's mixture rules); {} where `precision` alone is exact.
     plan_types: Callable[[ModelInfo, BaseModel], dict[str, str]] = _no_exact_types
     # Gate-driven fallback (a method whose options have `fallback`; the loop is quantkit.run.pipeline.run_fallback):
-    # fallback_ladder(job, first result) -> quantkit.mixed.core.Ladder: the units, their precisions in the
+    # fallback_ladder(job, first result) -> quantkit.mixed.budget.Ladder: the units, their precisions in the
     # artifact, their candidates, damages and bytes; requantize(job, plan, details) writes the artifact
     # again into job.out_dir with a per-unit plan ({unit name: precision}), `details` its report fields.
     fallback_ladder: Callable[[QuantizeJob, QuantizeResult], Ladder] | None = None

@@ -53,7 +53,8 @@ from quantkit.engines.llmcompressor import llmc
 from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, fixed_gate, gptq
 from quantkit.mixed import layers as intmix
 from quantkit.arch.mappings import model_mappings
-from quantkit.mixed.core import Fallback, SensitivityRow
+from quantkit.mixed.budget import Fallback
+from quantkit.mixed.sensitivity import SensitivityRow
 
 # 4-bit weights: the same looser gate as GPTQ.
 DEFAULT_GATE = {"max_ppl_increase": 0.10, "max_kld": 0.10, "min_top1": 0.80}
@@ -71,7 +72,7 @@ class Options(BaseModel):
     n_grid: int = 20
     backend: Literal["llmcompressor", "autoawq"] = "llmcompressor"
     auto_precision: intmix.AutoPrecision | None = None  # per-layer int4/int8/16-bit (quantkit.mixed.layers)
-    fallback: Fallback | None = None  # on a failed gate, raise the most damaging layers' precision (quantkit.mixed.core)
+    fallback: Fallback | None = None  # on a failed gate, raise the most damaging layers' precision (quantkit.mixed.budget)
 
 
 def needs_calibration(options: Options) -> bool:
@@ -225,8 +226,8 @@ def balance_groups(info, names: list[str]) -> list[list[str]]:
 
 def tied_plan(table: list[SensitivityRow], groups: list[list[str]], allowed: int,
               scheme: intmix.Scheme) -> dict[str, str]:
-    """quantkit.mixed.core.assign over the balance groups: {module name: precision}, one per group."""
-    from quantkit.mixed.core import Unit, assign
+    """quantkit.mixed.budget.assign over the balance groups: {module name: precision}, one per group."""
+    from quantkit.mixed.budget import Unit, assign
 
     rows = {r.name: r for r in table}
     tied = [Unit(group[0], [rows[n] for n in group]) for group in groups if all(n in rows for n in group)]
@@ -268,11 +269,11 @@ def keep_balance_quantized(choice: dict[str, str], rows: list[tuple[str, list[st
 
 
 def fallback_units(info, table: list[SensitivityRow], current: dict[str, str]) -> list:
-    """What one fallback raise moves together (quantkit.mixed.core.Unit), so that every raised plan keeps AWQ's
+    """What one fallback raise moves together (quantkit.mixed.budget.Unit), so that every raised plan keeps AWQ's
     constraints: the balance groups (q/k/v, gate/up share one precision), each capped at int8 while it
     holds a balance layer of a linear_rows row whose smooth layer `current` keeps quantized (raised to
     16-bit, that row's balance layers would leave AWQ's duo scaling nothing to average over)."""
-    from quantkit.mixed.core import Unit
+    from quantkit.mixed.budget import Unit
 
     rows = {r.name: r for r in table}
     shapes = {r.name: r.shape for r in table}

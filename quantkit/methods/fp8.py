@@ -27,7 +27,7 @@ from quantkit.arch import moe
 from quantkit.engines.llmcompressor import llmc, model_free
 from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, fixed_gate
 from quantkit.mixed import layers as intmix
-from quantkit.mixed.core import Fallback
+from quantkit.mixed.budget import Fallback
 
 # FP8 E4M3 is near-lossless on trained models: hold it to a tight gate.
 DEFAULT_GATE = {"max_ppl_increase": 0.02, "max_kld": 0.01, "min_top1": 0.95}
@@ -37,7 +37,7 @@ class Options(BaseModel):
     model_config = ConfigDict(extra="forbid")
     scheme: Literal["fp8-dynamic", "fp8-static"] = "fp8-dynamic"
     quantize_lm_head: bool = False
-    fallback: Fallback | None = None  # on a failed gate, keep the most damaging layers 16-bit (quantkit.mixed.core)
+    fallback: Fallback | None = None  # on a failed gate, keep the most damaging layers 16-bit (quantkit.mixed.budget)
 
 
 def needs_calibration(options: Options) -> bool:
@@ -65,7 +65,7 @@ def check(info, options: Options, calibration) -> None:
     moe.check_expert_storage(info, "fp8", "fp8-static stores a static activation scale per expert"
                              if options.scheme == "fp8-static" else None, hint="use scheme fp8-dynamic")
     if options.fallback is not None:
-        from quantkit.mixed.core import check_max_size
+        from quantkit.mixed.budget import check_max_size
 
         intmix.check_streamable(info, "fp8: fallback", "--fallback")
         layers = intmix.quantized_layers(info, [])

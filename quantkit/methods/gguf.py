@@ -30,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from quantkit.errors import InputError, UnsupportedError
 from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult
-from quantkit.mixed.core import Fallback
+from quantkit.mixed.budget import Fallback
 
 # k-quants lose more than FP8: gate on KLD and top-1 agreement, leave PPL to the recipe.
 DEFAULT_GATE = {"max_ppl_increase": 0.10, "max_kld": 0.10, "min_top1": 0.80}  # the Q4 mixes
@@ -166,7 +166,7 @@ def check(info, options: Options, calibration=None) -> None:
 def check_sizes(info, options: Options) -> None:
     """Before any work: an auto_precision budget the cheapest types cannot meet, or an absolute
     fallback max_size below the first artifact's tensors, is BudgetError (exit 2) with the numbers."""
-    from quantkit.mixed.core import check_budget, check_max_size
+    from quantkit.mixed.budget import check_budget, check_max_size
 
     plans = model_plans(info, options.gguf_type, uses_imatrix(options))
     sizes = budget_sizes(options.auto_precision, plans)
@@ -286,7 +286,7 @@ def sensitivity_table(job: QuantizeJob, plans, imatrix, auto: AutoPrecision):
 
 @dataclass(frozen=True)
 class BudgetSizes:
-    """Tensor bytes in the file (quantkit.mixed.gguf_budget.nbytes) of the tensors a budget may retype
+    """Tensor bytes in the file (quantkit.mixed.gguf.nbytes) of the tensors a budget may retype
     (every quantized one with a candidate type) and of the rest."""
 
     allowed: int  # what the budgeted tensors may take: budget_bpw's share, or the mixture's
@@ -297,7 +297,7 @@ class BudgetSizes:
 
 
 def budget_sizes(auto: AutoPrecision | None, plans) -> BudgetSizes:
-    from quantkit.mixed.gguf_budget import nbytes
+    from quantkit.mixed.gguf import nbytes
     from quantkit.mixed.gguf import candidates, quantized_plans
 
     budgeted = {p.name for p in quantized_plans(plans)}
@@ -312,7 +312,7 @@ def budget_sizes(auto: AutoPrecision | None, plans) -> BudgetSizes:
 def write_gguf(job: QuantizeJob, imatrix, types: dict | None, details: dict) -> QuantizeResult:
     """Convert with the mixture (types None) or per-tensor types; the Modelfile, and for per-tensor
     types the llama-quantize --tensor-type-file that reproduces them."""
-    from quantkit.mixed.gguf_budget import override_lines
+    from quantkit.mixed.gguf import override_lines
     from quantkit.gguf.convert import convert
     from quantkit.gguf.modelfile import read_chat_template, render
 
@@ -359,7 +359,7 @@ def write_mmproj(job: QuantizeJob, name: str) -> dict:
 def quantize(job: QuantizeJob) -> QuantizeResult:
     import time
 
-    from quantkit.mixed import gguf_budget as budget
+    from quantkit.mixed import gguf as budget
     from quantkit.gguf import imatrix as im
 
     opts = job.options
@@ -387,7 +387,7 @@ def mixed_report(table, types: dict, sizes: BudgetSizes, budget: int | None) -> 
     """details.mixed_precision: the bytes of the budgeted tensors (and their budget, checked: InternalError
     if the types broke it), every tensor's type and the ones that differ from the mixture."""
     from quantkit.errors import InternalError
-    from quantkit.mixed.gguf_budget import total_bytes
+    from quantkit.mixed.gguf import total_bytes
 
     used = total_bytes(table, types)
     if budget is not None and used > budget:
@@ -399,10 +399,10 @@ def mixed_report(table, types: dict, sizes: BudgetSizes, budget: int | None) -> 
 
 def fallback_ladder(job: QuantizeJob, result: QuantizeResult):
     """What the gate-driven fallback raises: every budgeted tensor, from its type in the artifact (the
-    mixture's, or auto_precision's) through its candidate types (quantkit.mixed.core.Ladder)."""
-    from quantkit.mixed import gguf_budget as budget
+    mixture's, or auto_precision's) through its candidate types (quantkit.mixed.budget.Ladder)."""
+    from quantkit.mixed import gguf as budget
     from quantkit.mixed.gguf import Sensitivity
-    from quantkit.mixed.core import Ladder
+    from quantkit.mixed.budget import Ladder
 
     if "sensitivity" in result.details:
         table = Sensitivity.from_dict(result.details["sensitivity"])

@@ -35,7 +35,8 @@ from quantkit.arch import moe
 from quantkit.engines.llmcompressor import llmc
 from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, fixed_gate
 from quantkit.mixed import layers as intmix
-from quantkit.mixed.core import Fallback, SensitivityRow
+from quantkit.mixed.budget import Fallback
+from quantkit.mixed.sensitivity import SensitivityRow
 
 # 4-bit rounding costs a few percent of perplexity even with GPTQ's error feedback.
 DEFAULT_GATE = {"max_ppl_increase": 0.10, "max_kld": 0.10, "min_top1": 0.80}
@@ -56,7 +57,7 @@ class Options(BaseModel):
     dampening: float = 0.01  # fraction of the mean Hessian diagonal added before inversion
     block_size: int = 128
     auto_precision: intmix.AutoPrecision | None = None  # per-layer int4/int8/16-bit (quantkit.mixed.layers)
-    fallback: Fallback | None = None  # on a failed gate, raise the most damaging layers' precision (quantkit.mixed.core)
+    fallback: Fallback | None = None  # on a failed gate, raise the most damaging layers' precision (quantkit.mixed.budget)
 
 
 def needs_calibration(options: Options) -> bool:
@@ -287,8 +288,8 @@ def layer_table(job: QuantizeJob, layers: dict[str, tuple[int, int]], chosen: in
 
 
 def greedy_plan(rows: list[SensitivityRow], allowed: int, chosen: intmix.Scheme) -> dict[str, str]:
-    """gptq's plan: every layer on its own (quantkit.mixed.core.assign)."""
-    from quantkit.mixed.core import assign
+    """gptq's plan: every layer on its own (quantkit.mixed.budget.assign)."""
+    from quantkit.mixed.budget import assign
 
     return assign(rows, allowed, chosen.size)
 
@@ -310,7 +311,7 @@ def auto_precision(job: QuantizeJob, ignore: list[str], chosen: intmix.Scheme,
 def check_sizes(info, options, method: str = "gptq") -> None:
     """Before any work: a budget_bpw below all-int4, or an absolute fallback max_size below the first
     artifact's quantized layers, is BudgetError (exit 2) with the numbers."""
-    from quantkit.mixed.core import check_max_size
+    from quantkit.mixed.budget import check_max_size
 
     shapes = list(budgeted_layers(info, []).values())
     chosen = intmix.Scheme(options.group_size, options.symmetric, dtype_bytes(info))
@@ -325,9 +326,9 @@ def check_sizes(info, options, method: str = "gptq") -> None:
 
 
 def fallback_ladder(job: QuantizeJob, result: QuantizeResult, units=None):
-    """The layers the fallback raises (int4 -> int8 -> 16-bit, quantkit.mixed.core.Ladder): the sensitivity table
+    """The layers the fallback raises (int4 -> int8 -> 16-bit, quantkit.mixed.budget.Ladder): the sensitivity table
     auto_precision recorded, else one measured now; `units(rows)(plan)`: what a raise moves together (awq)."""
-    from quantkit.mixed.core import Ladder
+    from quantkit.mixed.budget import Ladder
 
     chosen = scheme(job)
     if "sensitivity" in result.details:

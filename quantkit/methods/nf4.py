@@ -26,7 +26,7 @@ from quantkit.errors import UnsupportedError, require
 from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, fixed_gate
 from quantkit.mixed import layers as intmix
 from quantkit.arch.moe import is_expert_weight
-from quantkit.mixed.core import Fallback
+from quantkit.mixed.budget import Fallback
 
 # NF4 is plain round-to-nearest onto 16 levels, without calibration: looser than GPTQ/AWQ.
 DEFAULT_GATE = {"max_ppl_increase": 0.15, "max_kld": 0.15, "min_top1": 0.75}
@@ -48,7 +48,7 @@ class Options(BaseModel):
     scheme: Literal["nf4", "fp4", "int8"] = "nf4"
     double_quant: bool = True
     compute_dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"  # auto: the model's dtype
-    fallback: Fallback | None = None  # on a failed gate, keep the most damaging layers 16-bit (quantkit.mixed.core)
+    fallback: Fallback | None = None  # on a failed gate, keep the most damaging layers 16-bit (quantkit.mixed.budget)
 
 
 def needs_calibration(options: Options) -> bool:
@@ -80,7 +80,7 @@ def check(info, options: Options, calibration) -> None:
             f"4-bit needs out_features % {CPU_BLOCK_N} == 0 and in_features % {BLOCK_SIZE} == 0",
             hint="use gguf or fp8 for this model")
     if options.fallback is not None:
-        from quantkit.mixed.core import check_max_size
+        from quantkit.mixed.budget import check_max_size
 
         intmix.check_streamable(info, "nf4: fallback", "--fallback")
         check_max_size(options.fallback, intmix.artifact_estimate(info, fallback_layers(info, options, []),

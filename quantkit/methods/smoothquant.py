@@ -31,7 +31,7 @@ from quantkit.engines.llmcompressor import llmc
 from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, fixed_gate, gptq
 from quantkit.mixed import layers as intmix
 from quantkit.arch.mappings import Mapping, model_mappings
-from quantkit.mixed.core import Fallback
+from quantkit.mixed.budget import Fallback
 
 # int8 weights and per-token int8 activations are near-lossless on trained models: tight gate.
 DEFAULT_GATE = {"max_ppl_increase": 0.03, "max_kld": 0.02, "min_top1": 0.93}
@@ -42,7 +42,7 @@ class Options(BaseModel):
     smoothing_strength: float = 0.8
     weight_algorithm: Literal["gptq", "rtn"] = "gptq"
     dampening: float = 0.01  # GPTQ only
-    fallback: Fallback | None = None  # on a failed gate, keep the most damaging layers 16-bit (quantkit.mixed.core)
+    fallback: Fallback | None = None  # on a failed gate, keep the most damaging layers 16-bit (quantkit.mixed.budget)
 
 
 def needs_calibration(options: Options) -> bool:
@@ -69,7 +69,7 @@ def check(info, options: Options, calibration) -> None:
                              hint="use gptq --bits 8 --symmetric, or fp8, for this model")
     gptq.check_calibration_tokens(calibration, "smoothquant")
     if options.fallback is not None:
-        from quantkit.mixed.core import check_max_size
+        from quantkit.mixed.budget import check_max_size
 
         intmix.check_streamable(info, "smoothquant: fallback", "--fallback")
         layers = intmix.quantized_layers(info, [])

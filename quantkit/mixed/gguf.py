@@ -1,4 +1,4 @@
-"""Per-tensor sensitivity of a GGUF quantization: what quantizing one tensor at each type costs.
+"""GGUF mixed precision: what quantizing one tensor at each type costs, and per-tensor types under a budget.
 
 The candidates of a tensor are the types llama.cpp can give it: the k-quants (Q2_K ... Q6_K) where its
 rows are a multiple of 256 values, the legacy 32-value types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) everywhere
@@ -14,28 +14,42 @@ the error is the mean squared error the matmul's output takes on. token_embd has
 its rows are weighted by how often each token occurs in the calibration windows instead; the
 output head (no imatrix entry, as llama-imatrix) is weighted uniformly. A candidate that is no
 smaller than another with less error (Q4_0 beside Q4_K, both 4.5 bits per weight) is dropped from
-the tensor's choices (quantkit.mixed.core.frontier).
+the tensor's choices (quantkit.mixed.sensitivity.frontier).
 
 Errors of different tensors are in different units (an attn_k error passes a softmax, an
 ffn_down error lands on the residual stream), so with `measure` the errors are scaled into KL
 divergence by gains measured on a few probe tensors per role and interpolated over depth
-(quantkit.mixed.core: the calibration windows through the layer-streamed forward with only the probe
-quantized at PROBE, or at its cheapest candidate where PROBE does not fit its rows). Without
+(quantkit.mixed.sensitivity: the calibration windows through the layer-streamed forward with only
+the probe quantized at PROBE, or at its cheapest candidate where PROBE does not fit its rows). Without
 `measure`, damage = error. The table is plain data (`Sensitivity.as_dict`), stored in the
 report's details and read back by the fallback.
+
+Per-tensor types under a size budget: `assign_types` is quantkit.mixed.budget.assign (greedy
+marginal-gain knapsack) with the GGUF byte sizes. The size of a tensor is its data padded to the file's alignment (32 bytes, gguf-py's writer and
+llama.cpp's default), so the tensors' total is exactly what they take in the file: a budget of the
+mixture's total gives a file no larger than the mixture's (the metadata is the same).
+
+The result is an ordinary per-tensor type map. `override_lines` writes it as llama-quantize
+`--tensor-type-file` lines: one anchored regex per quantized tensor. llama-quantize matches each
+pattern with std::regex_search on the tensor name (so `attn_v` alone would match every layer and
+`output.weight` would match `attn_output.weight`), and a tensor matched by a pattern skips the
+mixture rules entirely; every quantized tensor is named, so the mixture's attn_v / ffn_down
+counters never matter and the file reproduces the types exactly.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES
+from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT
 
 from quantkit.gguf.mixture import UNQUANTIZED, T
-from quantkit.mixed.core import PROBES_PER_ROLE, SensitivityRow, frontier
+from quantkit.mixed import budget
+from quantkit.mixed.sensitivity import PROBES_PER_ROLE, SensitivityRow, frontier
 
 K_QUANTS = (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K)  # rows of 256 values
 LEGACY = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0)  # rows of 32 values
@@ -193,10 +207,10 @@ def measure_klds(model_dir: Path, rows: list[SensitivityRow], plans, quant_imatr
                  workdir: Path | None = None, progress: Callable[[str], None] = lambda message: None) -> dict:
     """{tensor: KL divergence} of the calibration windows through the streamed float32 forward with only
     that tensor quantized at its row's probe type, against the unquantized forward; each row's `kld`
-    and `gain` are set (quantkit.mixed.core.set_gains)."""
+    and `gain` are set (quantkit.mixed.sensitivity.set_gains)."""
     from quantkit.gguf.convert import imatrix_for, open_handles
-    from quantkit.mixed.core import Probe, layer_count, probe_klds, set_gains
     from quantkit.io.checkpoint import check_model_dir
+    from quantkit.mixed.sensitivity import Probe, layer_count, probe_klds, set_gains
 
     plan_of, layers = {p.name: p for p in plans}, layer_count(model_dir)
     handles = open_handles(check_model_dir(Path(model_dir)).weight_files)
@@ -222,10 +236,10 @@ def measure(model_dir: Path, plans, quant_imatrix: dict | None, importance: dict
             ) -> Sensitivity:
     """The sensitivity table of a plan: weighted errors, and with measure_windows > 0 the gains
     measured on that many calibration windows for `probes_per_role` tensors of each role
-    (quantkit.mixed.core.probe_names) and interpolated for the others."""
+    (quantkit.mixed.sensitivity.probe_names) and interpolated for the others."""
     import time
 
-    from quantkit.mixed.core import probe_names, set_gains
+    from quantkit.mixed.sensitivity import probe_names, set_gains
 
     started = time.perf_counter()
     progress(f"sensitivity: weighted errors of {len(quantized_plans(plans))} tensors at every candidate type")
@@ -242,3 +256,44 @@ def measure(model_dir: Path, plans, quant_imatrix: dict | None, importance: dict
     set_gains(table, klds)
     seconds["kld"] = round(time.perf_counter() - started, 3)
     return Sensitivity(table, True, len(windows), seconds, len(klds))
+
+
+# ------------------------------------------------------------------ budget
+
+
+def nbytes(shape: tuple[int, ...], qtype: T) -> int:
+    """A tensor's data at `qtype`, padded to the file's alignment."""
+    block, size = GGML_QUANT_SIZES[qtype]
+    count = 1
+    for d in shape:
+        count *= d
+    data = count // block * size
+    return (data + GGUF_DEFAULT_ALIGNMENT - 1) // GGUF_DEFAULT_ALIGNMENT * GGUF_DEFAULT_ALIGNMENT
+
+
+def tensor_size(row: SensitivityRow, qtype: str) -> int:
+    """The size model of quantkit.mixed.budget: a tensor's bytes in the file at a type (by name)."""
+    return nbytes(row.shape, T[qtype])
+
+
+def total_bytes(table: list[SensitivityRow], types: dict[str, T]) -> int:
+    return budget.total_bytes(table, {name: t.name for name, t in types.items()}, tensor_size)
+
+
+def mixture_types(table: list[SensitivityRow]) -> dict[str, T]:
+    return {t.name: T[t.plain] for t in table}
+
+
+def cheapest_bytes(table: list[SensitivityRow]) -> int:
+    return budget.cheapest_bytes(table, tensor_size)
+
+
+def assign_types(table: list[SensitivityRow], allowed: int) -> dict[str, T]:
+    """Per-tensor types whose total bytes stay within `allowed`, the predicted damage reduced greedily
+    (quantkit.mixed.budget.assign; BudgetError when the cheapest types exceed it)."""
+    return {name: T[c] for name, c in budget.assign(table, allowed, tensor_size).items()}
+
+
+def override_lines(types: dict[str, T]) -> list[str]:
+    """llama-quantize --tensor-type-file lines (anchored regex = type) naming every tensor."""
+    return [f"^{re.escape(name)}$={qtype.name.lower()}" for name, qtype in sorted(types.items())]

@@ -13,7 +13,7 @@ error it adds to the layer's output, for inputs with the calibration windows' st
 imp_j = mean x_j^2 of the layer's input column j and act_j(p) = mean (t_p(x) - x)_j^2 of what the
 activation quantization moves it by, both over the calibration windows (one layer-streamed forward,
 `input_statistics`); |.|^2_j sums a weight column's squares. The errors become KL divergence through
-gains measured for a few probe layers per role and interpolated over depth (quantkit.mixed.core).
+gains measured for a few probe layers per role and interpolated over depth (quantkit.mixed.budget).
 
 Size model of gptq/awq: the bytes a compressed-tensors pack-quantized checkpoint stores for one
 Linear of shape (out, in), E = bytes per element of the checkpoint's dtype (2 for bf16/fp16):
@@ -27,7 +27,7 @@ Linear of shape (out, in), E = bytes per element of the checkpoint's dtype (2 fo
     16-bit:          weight         out * in * E
 
 Budget (auto_precision): the W4A16 bytes of the budgeted layers x (1 + headroom), or budget_bpw bits
-per weight of them. quantkit.mixed.core.assign raises layers from int4 to int8 (or 16-bit) by the largest
+per weight of them. quantkit.mixed.budget.assign raises layers from int4 to int8 (or 16-bit) by the largest
 damage removed per added byte. Quantization: one config group int4 targeting "Linear", one int8
 targeting the chosen modules by exact name (compressed-tensors matches exact names before class
 names), the 16-bit layers in the ignore list.
@@ -43,7 +43,7 @@ from typing import Callable
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from quantkit.mixed.core import PROBES_PER_ROLE, SensitivityRow
+from quantkit.mixed.sensitivity import PROBES_PER_ROLE, SensitivityRow
 
 PRECISIONS = ("int4", "int8", "16-bit")  # gptq / awq, cheapest first
 KEEP = "16-bit"  # the top of every ladder: the layer stays in the model's dtype
@@ -159,7 +159,7 @@ class Scheme:
         return layer_bytes(shape, precision, self.group_size, self.symmetric, self.element_bytes)
 
     def size(self, row: SensitivityRow, precision: str) -> int:
-        """quantkit.mixed.core's size model."""
+        """quantkit.mixed.budget's size model."""
         return self.nbytes(row.shape, precision)
 
 
@@ -182,7 +182,7 @@ def layer_bytes(shape: tuple[int, int], precision: str, group_size: int, symmetr
 def budget_bytes(auto: AutoPrecision, shapes: list[tuple[int, int]], scheme: Scheme) -> tuple[int, int]:
     """(bytes the budgeted layers may take, their all-int4 bytes); BudgetError when budget_bpw is below
     all-int4 (the cheapest plan)."""
-    from quantkit.mixed.core import check_budget
+    from quantkit.mixed.budget import check_budget
 
     int4 = sum(scheme.nbytes(shape, "int4") for shape in shapes)
     if auto.budget_bpw is None:
@@ -322,9 +322,9 @@ def error_table(model_dir: Path, shapes: dict[str, tuple[int, int]], stats: dict
 
 
 def probe(model_dir: Path, row: SensitivityRow, sim: Simulation):
-    """The quantkit.mixed.core.Probe of one layer at the simulation's probe precision."""
-    from quantkit.mixed.core import Probe, role_and_depth
+    """The quantkit.mixed.sensitivity.Probe of one layer at the simulation's probe precision."""
     from quantkit.io.checkpoint import SafetensorsWeights
+    from quantkit.mixed.sensitivity import Probe, role_and_depth
 
     def patch() -> dict:
         weight = read_weight(SafetensorsWeights(model_dir), row.name)
@@ -339,7 +339,7 @@ def measure(model_dir: Path, shapes: dict[str, tuple[int, int]], calib_windows, 
             progress: Callable[[str], None] = lambda message: None) -> LayerTable:
     """The sensitivity table: input statistics on the calibration windows, weighted errors, and with
     measure_windows > 0 the gains of probes_per_role layers per role measured and the others' interpolated."""
-    from quantkit.mixed.core import probe_klds, probe_names, set_gains
+    from quantkit.mixed.sensitivity import probe_klds, probe_names, set_gains
 
     started = time.perf_counter()
     stats = input_statistics(model_dir, calib_windows, list(shapes), sim, progress)
@@ -364,8 +364,8 @@ def measure(model_dir: Path, shapes: dict[str, tuple[int, int]], calib_windows, 
 def check_streamable(info, label: str, flag: str) -> None:
     """Per-layer precision reads the checkpoint's layers by module name and streams a text decoder:
     MoE models and VLMs are refused before work."""
-    from quantkit.errors import UnsupportedError
     from quantkit.arch.moe import is_moe
+    from quantkit.errors import UnsupportedError
     from quantkit.io.checkpoint import is_vlm
 
     if is_moe(info.model_type) or is_vlm(info.config):
@@ -397,8 +397,8 @@ def sized(layer_bytes: Callable, job) -> Callable[[tuple, str], int]:
 
 def keep_ladder(job, layers: dict[str, tuple[int, int]], sim: Simulation, size: Callable[[tuple, str], int]):
     """The fallback ladder of a method with one precision (fp8, smoothquant, nf4): each layer at it, or 16-bit
-    (quantkit.mixed.core.Ladder), its sensitivity measured on the calibration windows."""
-    from quantkit.mixed.core import Ladder
+    (quantkit.mixed.budget.Ladder), its sensitivity measured on the calibration windows."""
+    from quantkit.mixed.budget import Ladder
 
     plain = sim.precisions[0]
     table = measure(job.info.path, layers, job.windows.calib, AutoPrecision(), sim, plain, job.workdir, job.progress)
@@ -445,7 +445,7 @@ def plan_report(table: list[SensitivityRow], choice: dict[str, str], allowed: in
                 size: Callable[[SensitivityRow, str], int]) -> dict:
     """details.mixed_precision: the budget (None: a fallback plan, bounded by its max_size), the bytes,
     every layer's precision and the counts."""
-    from quantkit.mixed.core import total_bytes
+    from quantkit.mixed.budget import total_bytes
 
     counts: dict[str, int] = {}
     for precision in choice.values():

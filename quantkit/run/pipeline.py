@@ -434,20 +434,20 @@ def tower_proof(job: QuantizeJob, result: QuantizeResult) -> dict:
 
 
 def fallback_options(resolved: ResolvedTarget):
-    """The target's fallback options (quantkit.mixed.core.Fallback), None when it has none."""
+    """The target's fallback options (quantkit.mixed.budget.Fallback), None when it has none."""
     return getattr(resolved.options, "fallback", None)
 
 
 def run_fallback(job: QuantizeJob, resolved: ResolvedTarget, result: QuantizeResult, entry: TargetReport,
                  baseline, opts: RunOptions) -> None:
     """Gate-driven fallback: while the gate fails, raise the precision of the units the method's ladder
-    predicts most damaging (quantkit.mixed.core.raise_plan), let the method write the artifact again and
+    predicts most damaging (quantkit.mixed.budget.raise_plan), let the method write the artifact again and
     re-measure it, until the gate passes or Fallback.max_size leaves no room. A step whose artifact
     came out larger than the limit (the size model missed what the format adds) is undone: the last
     plan within the limit is written again. Every step, the final plan and the size cost go into
     entry.details["fallback"]; entry's metrics, gate and details become the last artifact's."""
     from quantkit.eval import evaluate, scorers
-    from quantkit.mixed.core import raise_plan, size_limit, step_count
+    from quantkit.mixed.budget import raise_plan, size_limit, step_count
 
     method, options, started = resolved.method, fallback_options(resolved), time.time()
     first = export.artifact_bytes(result.artifact)

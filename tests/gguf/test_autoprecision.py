@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from quantkit.mixed import core as mixed
-from quantkit.mixed import gguf_budget as budget
+from quantkit.mixed import budget as mixed
+from quantkit.mixed import gguf as budget
 from quantkit.gguf.mixture import T
 from quantkit.mixed.gguf import candidates, table_row
 
@@ -159,7 +159,7 @@ def test_damage_model_ranks_tensors_like_measured_kld(auto_out, sharp):
     from quantkit.run.calibration import make_windows
     from quantkit.gguf.convert import load_hparams, plan_tensors
     from quantkit.mixed.gguf import Sensitivity, measure_klds
-    from quantkit.mixed.core import SensitivityRow
+    from quantkit.mixed.sensitivity import SensitivityRow
     from quantkit.engines.transformers import load_tokenizer
     from quantkit.io.checkpoint import check_model_dir
     from quantkit.run.recipe import Calibration

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from quantkit.mixed.core import SensitivityRow
+from quantkit.mixed.sensitivity import SensitivityRow
 from quantkit.methods import awq
 from quantkit.mixed import layers as intmix
 from tests.methods.conftest import CALIB_ARGS, LOOSE_TOP1, quant_config, report

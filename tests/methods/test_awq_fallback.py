@@ -1,4 +1,4 @@
-"""awq --fallback: a fallback step (quantkit.mixed.core.raise_plan on awq's ladder) over AWQ's raise units (a
+"""awq --fallback: a fallback step (quantkit.mixed.budget.raise_plan on awq's ladder) over AWQ's raise units (a
 mapping's balance layers raised together; a quantized smooth layer's balance layers at most int8), and
 end to end a failing gate turned into a passing mixed int4/int8 artifact, or stopped with exit 3 when
 max_size is spent."""
@@ -11,7 +11,8 @@ import pytest
 
 from quantkit.methods import QuantizeJob, QuantizeResult, awq
 from quantkit.mixed import layers as intmix
-from quantkit.mixed.core import Fallback, SensitivityRow, raise_plan
+from quantkit.mixed.budget import Fallback, raise_plan
+from quantkit.mixed.sensitivity import SensitivityRow
 from tests.methods.conftest import CALIB_ARGS, quant_config, report
 from tests.methods.test_gptq_fallback import (SPIKED, assert_fallback_passed, spent_budget_run,  # noqa: F401
                                              spiky)  # spiky: the module fixture

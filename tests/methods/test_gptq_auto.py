@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from quantkit.mixed import layers as intmix
-from quantkit.mixed.core import BudgetError, SensitivityRow, assign, set_gains, total_bytes
+from quantkit.mixed.budget import BudgetError, assign, total_bytes
+from quantkit.mixed.sensitivity import SensitivityRow, set_gains
 from tests.methods.conftest import CALIB_ARGS, LOOSE_TOP1, quant_config, report
 
 G64_SYM = intmix.Scheme(group_size=64, symmetric=True, element_bytes=2)

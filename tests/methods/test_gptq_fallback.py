@@ -12,7 +12,8 @@ import pytest
 
 from quantkit.methods import QuantizeJob, QuantizeResult, gptq
 from quantkit.mixed import layers as intmix
-from quantkit.mixed.core import Fallback, SensitivityRow, raise_plan, raise_step
+from quantkit.mixed.budget import Fallback, raise_plan, raise_step
+from quantkit.mixed.sensitivity import SensitivityRow
 from tests.methods.conftest import CALIB_ARGS, assert_nothing_written, quant_config, report
 
 G64_SYM = intmix.Scheme(group_size=64, symmetric=True, element_bytes=2)

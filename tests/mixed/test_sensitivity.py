@@ -1,0 +1,46 @@
+"""quantkit.mixed.sensitivity: roles and probes, gains measured on probes and interpolated over depth,
+the frontier of candidates."""
+
+from __future__ import annotations
+
+import pytest
+
+from quantkit.mixed import sensitivity
+from quantkit.mixed.sensitivity import SensitivityRow
+
+
+def row(name: str, error: float = 1.0, candidates=("a", "b", "c")) -> SensitivityRow:
+    errors = {c: error / 4 ** i for i, c in enumerate(candidates)}
+    return SensitivityRow(name, (4, 4), errors, candidates[0], candidates[0])
+
+
+def test_role_and_depth_fold_the_layer_index_and_experts():
+    assert sensitivity.role_and_depth("blk.12.ffn_down.weight") == ("blk.N.ffn_down.weight", 12)
+    assert sensitivity.role_and_depth("model.layers.3.mlp.experts.5.down_proj") == ("model.layers.N.mlp.experts.*.down_proj", 3)
+    assert sensitivity.role_and_depth("output.weight") == ("output.weight", None)
+
+
+def test_probes_spread_over_depth_per_role():
+    rows = [row(f"model.layers.{i}.{kind}") for i in range(10) for kind in ("q_proj", "down_proj")] + [row("lm_head")]
+    chosen = sensitivity.probe_names(rows, 3)
+    assert sorted(chosen) == sorted([f"model.layers.{i}.{k}" for i in (0, 4, 9) for k in ("q_proj", "down_proj")]
+                                    + ["lm_head"])  # round(4.5) is 4
+    assert len(sensitivity.probe_names(rows[:4], 3)) == 4  # two layers: every row
+
+
+def test_gains_are_measured_on_probes_and_interpolated_over_depth():
+    rows = [row(f"blk.{i}.attn_q.weight", error=2.0) for i in range(5)] + [row("blk.0.ffn_up.weight"),
+                                                                            row("output.weight", error=4.0)]
+    sensitivity.set_gains(rows, {"blk.0.attn_q.weight": 2.0, "blk.4.attn_q.weight": 10.0, "output.weight": 4.0})
+    gains = {r.name: r.gain for r in rows}
+    assert gains["blk.0.attn_q.weight"] == 1.0 and gains["blk.4.attn_q.weight"] == 5.0  # kld / error(probe)
+    assert gains["blk.2.attn_q.weight"] == pytest.approx(3.0)  # halfway in depth
+    assert gains["blk.0.ffn_up.weight"] == pytest.approx((1.0 + 5.0 + 1.0) / 3)  # a role without probes: the mean
+    assert rows[2].kld is None and rows[0].kld == 2.0
+    assert rows[2].damage("b") == pytest.approx(3.0 * 2.0 / 4)
+
+
+def test_the_frontier_drops_dominated_candidates():
+    errors = {"small": 4.0, "same_size_worse": 5.0, "same_size": 3.0, "bigger_worse": 3.5, "biggest": 1.0}
+    cost = {"small": 1, "same_size_worse": 2, "same_size": 2, "bigger_worse": 3, "biggest": 4}
+    assert sensitivity.frontier(errors, cost.__getitem__) == ("small", "same_size", "biggest")
