@@ -85,9 +85,9 @@ def parse_args(argv):
 
 
 def calibration(model: Path, num_samples: int, seq_len: int):
-    from quantkit.run.calibration import make_windows
     from quantkit.engines.transformers import load_tokenizer
     from quantkit.io.checkpoint import check_model_dir
+    from quantkit.run.calibration import make_windows
     from quantkit.run.recipe import Calibration
 
     info = check_model_dir(model)

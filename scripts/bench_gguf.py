@@ -80,7 +80,7 @@ def build_model(out: Path, layers: int = 12, hidden: int = 768, ffn: int = 2048,
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from quantkit.toy import bundled_texts, build_tokenizer
+    from quantkit.toy import build_tokenizer, bundled_texts
 
     if (out / "model.safetensors").exists():
         return out

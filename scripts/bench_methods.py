@@ -41,10 +41,10 @@ PRESETS = {
 
 
 def windows_for(model: str, args):
-    from quantkit.run.calibration import make_windows
-    from quantkit.run.recipe import Calibration
     from quantkit.engines.transformers import load_tokenizer
     from quantkit.io.checkpoint import check_model_dir
+    from quantkit.run.calibration import make_windows
+    from quantkit.run.recipe import Calibration
 
     tokenizer = load_tokenizer(check_model_dir(Path(model)))
     spec = Calibration(num_samples=args.num_samples, seq_len=args.seq_len, eval_windows=args.eval_windows)

@@ -62,8 +62,8 @@ def train_adapter(nf4: Path, out: Path, stream, spec, steps: int, rank: int) -> 
 
 
 def merged(nf4: Path, adapter: Path, out: Path, mode: str, original: Path) -> Path:
-    from quantkit.run.lora import merge, plan_merge
     from quantkit.io.checkpoint import check_model_dir
+    from quantkit.run.lora import merge, plan_merge
 
     plan = plan_merge(check_model_dir(nf4), str(nf4), [str(adapter)], merge_base=mode,
                       original_base=str(original) if mode == "original" else None)
@@ -101,9 +101,9 @@ def compare(reference, candidate, targets) -> dict[str, float]:
 def main() -> None:
     import torch
 
-    from quantkit.toy import PRESETS, bundled_texts, make_toy_model, token_stream
     from quantkit.engines.transformers import load_tokenizer
     from quantkit.io.checkpoint import check_model_dir
+    from quantkit.toy import PRESETS, bundled_texts, make_toy_model, token_stream
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")

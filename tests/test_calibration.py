@@ -5,10 +5,10 @@ import json
 import pytest
 import torch
 
-from quantkit.run import calibration
-from quantkit.run.recipe import Calibration
-from quantkit.run.calibration import BUNDLED_NAMES, load_texts, make_windows, resolve_source, validate_source
 from quantkit.errors import CalibrationError
+from quantkit.run import calibration
+from quantkit.run.calibration import BUNDLED_NAMES, load_texts, make_windows, resolve_source, validate_source
+from quantkit.run.recipe import Calibration
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"

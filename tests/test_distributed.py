@@ -2,11 +2,17 @@
 
 import pytest
 
-from quantkit.engines.llmcompressor.distributed import (BROADCAST_SITE, ONE_PROCESS_FLAGS, Ranks, check_launch,
-                                                        ranks_from, synchronized_gptq)
+from quantkit.engines.llmcompressor.distributed import (
+    BROADCAST_SITE,
+    ONE_PROCESS_FLAGS,
+    Ranks,
+    check_launch,
+    ranks_from,
+    synchronized_gptq,
+)
+from quantkit.engines.patching import site_function
 from quantkit.errors import InputError, UnsupportedError
 from quantkit.methods.gptq import Options
-from quantkit.engines.patching import site_function
 
 
 @pytest.mark.parametrize("env, ranks", [

@@ -150,8 +150,8 @@ def test_a_non_strict_reload_fails_the_run():
 
     import pytest
 
-    from quantkit.eval.artifacts import check_strict_reload
     from quantkit.errors import ArtifactReloadError
+    from quantkit.eval.artifacts import check_strict_reload
 
     check_strict_reload(Path("ok"), {"missing_keys": set(), "unexpected_keys": set(), "mismatched_keys": []})
     with pytest.raises(ArtifactReloadError) as err:

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from quantkit.io import export
 from quantkit.errors import OutputBusyError
+from quantkit.io import export
 from tests.util import leftovers, sleeping_child, subprocess_env
 
 
@@ -47,8 +47,8 @@ def test_staging_has_an_owner_file_and_publish_removes_it(tmp_path):
 
 def test_published_files_get_the_modes_of_new_files_under_the_umask(tmp_path):
     """safetensors writes 0600 files; the published model must be readable as any new file is."""
-    from safetensors.torch import save_file
     import torch
+    from safetensors.torch import save_file
 
     out = tmp_path / "out"
     staging = export.make_staging(out)

@@ -5,8 +5,16 @@ import json
 
 import pytest
 
-from tests.lora_util import (adapter_tensors, lora_modules, make_adapter, make_base, make_nf4_base,
-                             make_qlora_adapter, merged_weight, read)
+from tests.lora_util import (
+    adapter_tensors,
+    lora_modules,
+    make_adapter,
+    make_base,
+    make_nf4_base,
+    make_qlora_adapter,
+    merged_weight,
+    read,
+)
 
 
 @pytest.fixture(scope="module")
@@ -27,9 +35,9 @@ def adapters(base, tmp_path_factory):
 
 
 def merge(base, adapter_dirs, out, weights=None, **kwargs):
+    from quantkit.io.checkpoint import check_model_dir
     from quantkit.run.lora import merge as run_merge
     from quantkit.run.lora import plan_merge
-    from quantkit.io.checkpoint import check_model_dir
 
     plan = plan_merge(check_model_dir(base), str(base), [str(a) for a in adapter_dirs], weights, **kwargs)
     report = run_merge(plan, out / "merged", out / "work")

@@ -1,8 +1,8 @@
 import pytest
 
-from quantkit.methods import fp8
-from quantkit.io.checkpoint import ModelInfo
 from quantkit.arch.roles import classify, matches
+from quantkit.io.checkpoint import ModelInfo
+from quantkit.methods import fp8
 from quantkit.run.plan import build_plan, ignore_patterns, kv_cache_bytes, memory_estimate
 
 

@@ -100,11 +100,11 @@ def test_compressed_tensors_gates_stream_unless_the_head_is_quantized(micro_mode
 
 def test_vram_estimate_streams_and_refuses_when_the_gpu_is_too_small(micro_model, tmp_path):
     from quantkit.errors import InputError
+    from quantkit.eval.stream import ACTIVATION_BYTES, HEAD_SLICE_BYTES
     from quantkit.io.checkpoint import check_model_dir
     from quantkit.run.pipeline import RunOptions, prepare
     from quantkit.run.preflight import FIXED_VRAM, check_vram, hessian_bytes, largest_matrix, unit_bytes, vram_estimate
     from quantkit.run.recipe import Overrides, build_recipe
-    from quantkit.eval.stream import ACTIVATION_BYTES, HEAD_SLICE_BYTES
 
     info = check_model_dir(micro_model)
     model = sum(sum(part.values()) for part in unit_bytes(info))
@@ -129,13 +129,13 @@ def test_vram_estimate_streams_and_refuses_when_the_gpu_is_too_small(micro_model
 def test_offloaded_ram_holds_the_norms_and_the_larger_of_a_table_and_a_layer_with_its_hessians(micro_model, tmp_path):
     """--offload-dir keeps decoder layers, the embeddings and the head on disk (quantkit.io.checkpoint.
     offload_device_map); GPTQ adds a float32 Hessian per Linear of a layer and two float32 copies of its largest weight."""
-    from quantkit.methods.gptq import quantized_linears
     from quantkit.engines.transformers import offload_device_map
+    from quantkit.eval.stream import ACTIVATION_BYTES
     from quantkit.io.checkpoint import check_model_dir
+    from quantkit.methods.gptq import quantized_linears
     from quantkit.run.pipeline import RunOptions, prepare
     from quantkit.run.preflight import hessian_bytes, ram_estimate, unit_bytes
     from quantkit.run.recipe import Overrides, build_recipe
-    from quantkit.eval.stream import ACTIVATION_BYTES
 
     info = check_model_dir(micro_model)
     others, layers = unit_bytes(info)
@@ -157,11 +157,11 @@ def test_ram_holds_the_decoder_layers_and_one_table_at_a_time_without_offload_di
     """Without --offload-dir a text decoder's embeddings and head still go to disk (quantkit.run.pipeline.
     offload_plan): RAM holds the decoder layers and norms, plus the larger of one table and GPTQ's Hessians."""
     from quantkit.engines.transformers import offload_device_map
+    from quantkit.eval.stream import ACTIVATION_BYTES
     from quantkit.io.checkpoint import check_model_dir
     from quantkit.run.pipeline import RunOptions, prepare
     from quantkit.run.preflight import hessian_bytes, ram_estimate, unit_bytes
     from quantkit.run.recipe import Overrides, build_recipe
-    from quantkit.eval.stream import ACTIVATION_BYTES
 
     info = check_model_dir(micro_model)
     others, layers = unit_bytes(info)
@@ -189,11 +189,11 @@ def test_ram_estimate_of_fp8_follows_its_path(micro_model, tmp_path):
     """fp8-dynamic reads the checkpoint a slab at a time (quantkit.engines.llmcompressor.model_free): its quantize
     step is one slab's working set, not the model; fp8-static loads the model."""
     from quantkit.engines.llmcompressor.model_free import SLAB_WORKING_SET
+    from quantkit.eval.stream import ACTIVATION_BYTES
     from quantkit.io.checkpoint import check_model_dir
     from quantkit.run.pipeline import RunOptions, prepare
     from quantkit.run.preflight import ram_estimate, unit_bytes
     from quantkit.run.recipe import Overrides, build_recipe
-    from quantkit.eval.stream import ACTIVATION_BYTES
 
     info = check_model_dir(micro_model)
     others, layers = unit_bytes(info)

@@ -10,9 +10,16 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from quantkit.errors import InternalError
-from quantkit.io.shards import (ShardWriter, TensorSpec, group_shards, layout_shards, safetensors_dtype,
-                                shard_file_names, write_index)
 from quantkit.io.safetensors import safetensors_index, tensor_bytes
+from quantkit.io.shards import (
+    ShardWriter,
+    TensorSpec,
+    group_shards,
+    layout_shards,
+    safetensors_dtype,
+    shard_file_names,
+    write_index,
+)
 
 
 def spec(name: str, tensor) -> TensorSpec:

@@ -120,8 +120,8 @@ def test_changed_tower_tensor_fails_the_proof(cli, family_model, tmp_path):
     from safetensors.torch import save_file
 
     from quantkit.errors import TowerChangedError
-    from quantkit.io.checkpoint import check_model_dir
     from quantkit.eval.vlm_proof import prove_towers
+    from quantkit.io.checkpoint import check_model_dir
 
     model_dir = family_model("mllama")
     out = tmp_path / "out"

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from quantkit.methods import fp8
-from quantkit.io.checkpoint import ModelInfo
 from quantkit.arch.roles import matches
-from quantkit.run.plan import build_plan, ignore_patterns
 from quantkit.arch.vlm import FAMILIES, find_unknown_towers, language_root, model_towers
+from quantkit.io.checkpoint import ModelInfo
+from quantkit.methods import fp8
+from quantkit.run.plan import build_plan, ignore_patterns
 
 LLAMA_DECODER = {
     "model.embed_tokens.weight": ("BF16", [512, 256]),
@@ -141,8 +141,8 @@ def test_vlm_smoothing_rows_resolve_inside_the_language_model_only():
     ("tinyeye", {"vision_config": {}}, "towers found by look .*model.retina"),
 ])
 def test_vlm_smoothing_refusals_name_the_reason(model_type, config, reason):
-    from quantkit.errors import UnsupportedError
     from quantkit.arch.mappings import model_mappings
+    from quantkit.errors import UnsupportedError
 
     tensors = {**LLAMA_DECODER, "model.retina.stem.weight": ("BF16", [64, 3, 8, 8]),
                "model.vision_model.layers.0.fc.weight": ("BF16", [64, 64]),

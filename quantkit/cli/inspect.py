@@ -74,8 +74,8 @@ def _target(method: str, recipe: str | None, ignore: list[str]):
 
 
 def plan_data(info, method, options, ignore: list[str], context: int, towers: dict[str, str] | None = None) -> dict:
-    from quantkit.run.plan import MEMORY_NOTE, build_plan, ignore_patterns, memory_estimate, role_summary
     from quantkit.arch.vlm import tower_summary
+    from quantkit.run.plan import MEMORY_NOTE, build_plan, ignore_patterns, memory_estimate, role_summary
 
     towers = {role: value for role, value in (towers or {}).items() if value != "keep"}
     options, choices = method.resolve(info, options)

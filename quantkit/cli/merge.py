@@ -39,8 +39,8 @@ def merge(
     2 bad input (checked before any work).
     """
     from quantkit.io import export
-    from quantkit.run.lora import plan_merge, write_merged
     from quantkit.io.checkpoint import check_model_dir, resolve_model
+    from quantkit.run.lora import plan_merge, write_merged
 
     info = check_model_dir(resolve_model(base))
     export.check_output(output, overwrite)

@@ -159,8 +159,8 @@ def load_gguf_into_base(path: Path, base_dir: Path, device: str = "cpu", trust_r
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from quantkit.gguf.loader import to_hf_state_dict
     from quantkit.engines.transformers import device_map
+    from quantkit.gguf.loader import to_hf_state_dict
     from quantkit.io.checkpoint import is_vlm
 
     config = AutoConfig.from_pretrained(base_dir, local_files_only=True,  # config.json only: no hub lookup

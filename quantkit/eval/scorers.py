@@ -35,8 +35,8 @@ def gguf_scorer(path: Path, base_dir: Path, device: str = "cpu", activation_byte
     (as artifacts.load_gguf_into_base does)."""
     import torch
 
-    from quantkit.gguf.loader import GGUFTensors
     from quantkit.engines.transformers import device_map, hf_config
+    from quantkit.gguf.loader import GGUFTensors
 
     config = hf_config(base_dir)  # streamed only without trust_remote_code
     return streamed_scorer(config, GGUFTensors(path, config.to_dict()), torch.float32, device_map(device),
@@ -60,9 +60,9 @@ def artifact_scorer(path: Path, base_dir: Path | None = None, device: str = "cpu
     compressed-tensors text decoder (quantkit.eval.compressed.streams) are streamed layer by layer; a
     bitsandbytes checkpoint (restored by its engine's own modules), a VLM, custom model code and
     any other compressed-tensors artifact load whole through transformers."""
+    from quantkit.errors import InputError
     from quantkit.eval import compressed
     from quantkit.eval.artifacts import artifact_kind, gguf_file
-    from quantkit.errors import InputError
     from quantkit.io.checkpoint import is_vlm, read_config
 
     kind = artifact_kind(path)

@@ -37,7 +37,6 @@ from quantkit.errors import ModelError
 from quantkit.eval.evaluate import ScoredChunk, Scorer, chunk_rows, iter_batches
 from quantkit.io.memory import release_freed_memory
 
-
 ACTIVATION_BYTES = 512 * 1024 * 1024  # working set of one group of windows inside one decoder layer
 
 

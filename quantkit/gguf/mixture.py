@@ -14,8 +14,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
-from gguf import GGML_QUANT_SIZES, LlamaFileType as F
+from gguf import LlamaFileType as F
 
 from quantkit.errors import InputError
 

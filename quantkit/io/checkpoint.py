@@ -12,8 +12,13 @@ from functools import cached_property
 from pathlib import Path
 
 from quantkit.errors import ModelError
-from quantkit.io.safetensors import (StoredTensor, read_safetensors_header, read_stored, read_stored_rows,
-                                    safetensors_index)
+from quantkit.io.safetensors import (
+    StoredTensor,
+    read_safetensors_header,
+    read_stored,
+    read_stored_rows,
+    safetensors_index,
+)
 
 
 @dataclass

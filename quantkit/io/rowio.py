@@ -16,7 +16,6 @@ from pathlib import Path
 
 import numpy as np
 
-
 MADV_PAGEOUT = 21  # Linux 5.4+: reclaim these pages now (their contents are kept)
 
 

@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Iterator
 
 from quantkit.errors import InternalError
-from quantkit.io.safetensors import DTYPE_BYTES
 from quantkit.io.rowio import page_out
+from quantkit.io.safetensors import DTYPE_BYTES
 
 SHARD_BYTES = 512 * 1024 * 1024  # data bytes per output shard (a tensor larger than this gets a shard of its own)
 COPY_BYTES = 64 * 1024 * 1024  # one os.sendfile call when copying a stored tensor

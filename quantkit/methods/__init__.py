@@ -39,10 +39,10 @@ from quantkit.engines.llmcompressor.distributed import Ranks
 from quantkit.errors import InputError
 
 if TYPE_CHECKING:
-    from quantkit.run.calibration import TokenWindows
-    from quantkit.mixed.budget import Ladder
     from quantkit.engines.transformers import Offload
     from quantkit.io.checkpoint import ModelInfo
+    from quantkit.mixed.budget import Ladder
+    from quantkit.run.calibration import TokenWindows
     from quantkit.run.recipe import Calibration
 
 METHODS: dict[str, str] = {

@@ -48,11 +48,11 @@ from typing import Iterator, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from quantkit.errors import InputError, MissingExtraError, UnsupportedError
+from quantkit.arch.mappings import model_mappings
 from quantkit.engines.llmcompressor import llmc
+from quantkit.errors import InputError, MissingExtraError, UnsupportedError
 from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, fixed_gate, gptq
 from quantkit.mixed import layers as intmix
-from quantkit.arch.mappings import model_mappings
 from quantkit.mixed.budget import Fallback
 from quantkit.mixed.sensitivity import SensitivityRow
 
@@ -71,7 +71,7 @@ class Options(BaseModel):
     duo_scaling: bool | Literal["both"] = True
     n_grid: int = 20
     backend: Literal["llmcompressor", "autoawq"] = "llmcompressor"
-    auto_precision: intmix.AutoPrecision | None = None  # per-layer int4/int8/16-bit (quantkit.mixed.layers)
+    auto_precision: gptq.AutoPrecision | None = None  # per-layer int4/int8/16-bit (quantkit.mixed.layers)
     fallback: Fallback | None = None  # on a failed gate, raise the most damaging layers' precision (quantkit.mixed.budget)
 
 
@@ -160,7 +160,7 @@ def modifiers(options: Options, info, ignore: list[str], config_groups: dict | N
     from llmcompressor.modifiers.quantization import QuantizationModifier
     from llmcompressor.modifiers.transform.awq import AWQModifier
 
-    weights = gptq.weight_args(options.bits, options.group_size, options.symmetric)
+    weights = llmc.weight_args(options.bits, options.group_size, options.symmetric)
     return [
         AWQModifier(mappings=mappings(info), duo_scaling=options.duo_scaling,
                     n_grid=options.n_grid),
@@ -189,7 +189,7 @@ def write(job: QuantizeJob, ignore: list[str], choice: dict[str, str] | None) ->
     the CPU pin_memory workaround was active."""
     groups = None
     if choice is not None:
-        ignore, groups = ignore + intmix.kept_16bit(choice), intmix.config_groups(choice, gptq.scheme(job))
+        ignore, groups = ignore + intmix.kept_16bit(choice), gptq.config_groups(choice, gptq.scheme(job))
     recipe = modifiers(job.options, job.info, ignore, groups)
     with cpu_pin_memory_guard() as patched:
         llmc.run_oneshot(job, recipe, calibrate=True)
@@ -225,7 +225,7 @@ def balance_groups(info, names: list[str]) -> list[list[str]]:
 
 
 def tied_plan(table: list[SensitivityRow], groups: list[list[str]], allowed: int,
-              scheme: intmix.Scheme) -> dict[str, str]:
+              scheme: gptq.Scheme) -> dict[str, str]:
     """quantkit.mixed.budget.assign over the balance groups: {module name: precision}, one per group."""
     from quantkit.mixed.budget import Unit, assign
 

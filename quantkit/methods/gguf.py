@@ -23,7 +23,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -225,9 +224,9 @@ def compute_imatrix(job: QuantizeJob, calib):
     streamed a layer at a time (all windows through one layer, then the next), so memory stays at
     one layer's weights; other models (a VLM's language part) are loaded whole, or `job.model` is
     used where the method has it loaded."""
-    from quantkit.gguf import imatrix as im
     from quantkit.engines.transformers import device_map, hf_config, load_model, torch_dtype
     from quantkit.eval.stream import stream_model, streamable, windows_per_group
+    from quantkit.gguf import imatrix as im
     from quantkit.io.checkpoint import SafetensorsWeights
 
     if not streamable(job.info.config):
@@ -297,8 +296,7 @@ class BudgetSizes:
 
 
 def budget_sizes(auto: AutoPrecision | None, plans) -> BudgetSizes:
-    from quantkit.mixed.gguf import nbytes
-    from quantkit.mixed.gguf import candidates, quantized_plans
+    from quantkit.mixed.gguf import candidates, nbytes, quantized_plans
 
     budgeted = {p.name for p in quantized_plans(plans)}
     mixture = sum(nbytes(p.shape, p.qtype) for p in plans if p.name in budgeted)
@@ -312,9 +310,9 @@ def budget_sizes(auto: AutoPrecision | None, plans) -> BudgetSizes:
 def write_gguf(job: QuantizeJob, imatrix, types: dict | None, details: dict) -> QuantizeResult:
     """Convert with the mixture (types None) or per-tensor types; the Modelfile, and for per-tensor
     types the llama-quantize --tensor-type-file that reproduces them."""
-    from quantkit.mixed.gguf import override_lines
     from quantkit.gguf.convert import convert
     from quantkit.gguf.modelfile import read_chat_template, render
+    from quantkit.mixed.gguf import override_lines
 
     opts = job.options
     name = model_name(job)
@@ -359,8 +357,8 @@ def write_mmproj(job: QuantizeJob, name: str) -> dict:
 def quantize(job: QuantizeJob) -> QuantizeResult:
     import time
 
-    from quantkit.mixed import gguf as budget
     from quantkit.gguf import imatrix as im
+    from quantkit.mixed import gguf as budget
 
     opts = job.options
     imatrix, source = load_imatrix(job)
@@ -401,8 +399,8 @@ def fallback_ladder(job: QuantizeJob, result: QuantizeResult):
     """What the gate-driven fallback raises: every budgeted tensor, from its type in the artifact (the
     mixture's, or auto_precision's) through its candidate types (quantkit.mixed.budget.Ladder)."""
     from quantkit.mixed import gguf as budget
-    from quantkit.mixed.gguf import Sensitivity
     from quantkit.mixed.budget import Ladder
+    from quantkit.mixed.gguf import Sensitivity
 
     if "sensitivity" in result.details:
         table = Sensitivity.from_dict(result.details["sensitivity"])

@@ -25,18 +25,20 @@ Also home of the checks shared by the weight-only integer methods (awq, smoothqu
 
 from __future__ import annotations
 
+import math
 import time
+from dataclasses import dataclass
 from typing import Callable, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
-from quantkit.errors import CalibrationError, InputError, UnsupportedError
 from quantkit.arch import moe
 from quantkit.engines.llmcompressor import llmc
+from quantkit.errors import CalibrationError, InputError, UnsupportedError
 from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, fixed_gate
 from quantkit.mixed import layers as intmix
 from quantkit.mixed.budget import Fallback
-from quantkit.mixed.sensitivity import SensitivityRow
+from quantkit.mixed.sensitivity import PROBES_PER_ROLE, SensitivityRow
 
 # 4-bit rounding costs a few percent of perplexity even with GPTQ's error feedback.
 DEFAULT_GATE = {"max_ppl_increase": 0.10, "max_kld": 0.10, "min_top1": 0.80}
@@ -48,6 +50,99 @@ MIN_CALIBRATION_TOKENS = 1024
 QUANTIZED_ROLES = ("decoder", "other")
 
 
+# ---------------------------------------------------------------- per-layer int4 / int8 / 16-bit
+
+PRECISIONS = ("int4", "int8", "16-bit")  # gptq / awq, cheapest first
+BITS = {"int4": 4, "int8": 8}
+SHAPE_BYTES = 16  # weight_shape: two int64
+
+
+class AutoPrecision(BaseModel):
+    """Per-layer int4 / int8 / 16-bit chosen by measured sensitivity under a size budget."""
+
+    model_config = ConfigDict(extra="forbid")
+    budget_bpw: float | None = Field(None, gt=0, le=16, description="bits per weight of the quantized "
+                                     "layers (scales and zero points included); default: W4A16 x (1 + headroom)")
+    headroom: float = Field(0.05, ge=0, le=4, description="budget above the all-int4 (W4A16) size of the "
+                            "quantized layers, as a fraction (0.05: +5%)")
+    measure_windows: int = Field(8, ge=0, le=1024, description="calibration windows the probe layers' KL "
+                                 "divergence is measured on (0: importance-weighted error only)")
+    probes_per_role: int = Field(PROBES_PER_ROLE, ge=1, le=64, description="layers of each role (q_proj, "
+                                 "down_proj, ...) whose KL divergence is measured, spread over depth")
+
+
+def int_simulation(scheme: "Scheme", precisions: tuple[str, ...] = ("int4", "int8")) -> intmix.Simulation:
+    """gptq / awq: round-to-nearest int weights in the target's scheme (int8 per channel)."""
+    return intmix.Simulation(precisions, lambda layer, precision, weight: intmix.rtn(weight, scheme.args(precision)))
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """The target's int4 scheme (int8 is per channel with the same symmetry) and the checkpoint's
+    bytes per element (scales and 16-bit layers are stored in its dtype)."""
+
+    group_size: int  # -1: per channel
+    symmetric: bool
+    element_bytes: int = 2
+
+    def weights(self, precision: str) -> dict:
+        """compressed-tensors weight QuantizationArgs fields of an int precision."""
+        return llmc.weight_args(BITS[precision], -1 if precision == "int8" else self.group_size, self.symmetric)
+
+    def args(self, precision: str):
+        from compressed_tensors.quantization import QuantizationArgs
+
+        return QuantizationArgs(**self.weights(precision))
+
+    def nbytes(self, shape: tuple[int, int], precision: str) -> int:
+        return layer_bytes(shape, precision, self.group_size, self.symmetric, self.element_bytes)
+
+    def size(self, row: SensitivityRow, precision: str) -> int:
+        """quantkit.mixed.budget's size model."""
+        return self.nbytes(row.shape, precision)
+
+
+def packed_bytes(count: int, bits: int) -> int:
+    """int32 words holding `count` values of `bits` bits, in bytes."""
+    return math.ceil(count * bits / 32) * 4
+
+
+def layer_bytes(shape: tuple[int, int], precision: str, group_size: int, symmetric: bool, element_bytes: int) -> int:
+    """Bytes stored for one Linear weight at `precision` (the size model above; group_size -1: per channel)."""
+    out, inp = shape
+    if precision == intmix.KEEP:
+        return out * inp * element_bytes
+    bits = BITS[precision]
+    groups = 1 if precision == "int8" or group_size == -1 else inp // group_size
+    zero_points = 0 if symmetric else packed_bytes(out, bits) * groups
+    return out * packed_bytes(inp, bits) + out * groups * element_bytes + zero_points + SHAPE_BYTES
+
+
+def budget_bytes(auto: AutoPrecision, shapes: list[tuple[int, int]], scheme: Scheme) -> tuple[int, int]:
+    """(bytes the budgeted layers may take, their all-int4 bytes); BudgetError when budget_bpw is below
+    all-int4 (the cheapest plan)."""
+    from quantkit.mixed.budget import check_budget
+
+    int4 = sum(scheme.nbytes(shape, "int4") for shape in shapes)
+    if auto.budget_bpw is None:
+        return int(int4 * (1 + auto.headroom)), int4
+    weights = sum(o * i for o, i in shapes)
+    allowed = int(auto.budget_bpw * weights / 8)
+    check_budget(int4, allowed, f"auto_precision: budget_bpw={auto.budget_bpw}",
+                 f"all-int4 takes {8 * int4 / weights:.3f} bits per weight; raise budget_bpw, or leave it out "
+                 "(W4A16 size + headroom)")
+    return allowed, int4
+
+
+def config_groups(choice: dict[str, str], scheme: Scheme) -> dict:
+    """compressed-tensors config groups: int4 for every Linear, int8 for the chosen layers by exact name."""
+    groups = {"group_0": {"targets": ["Linear"], "weights": scheme.weights("int4")}}
+    int8 = sorted(name for name, p in choice.items() if p == "int8")
+    if int8:
+        groups["group_1"] = {"targets": int8, "weights": scheme.weights("int8")}
+    return groups
+
+
 class Options(BaseModel):
     model_config = ConfigDict(extra="forbid")
     bits: int = 4
@@ -56,7 +151,7 @@ class Options(BaseModel):
     act_order: Literal["none", "static", "group"] = "static"
     dampening: float = 0.01  # fraction of the mean Hessian diagonal added before inversion
     block_size: int = 128
-    auto_precision: intmix.AutoPrecision | None = None  # per-layer int4/int8/16-bit (quantkit.mixed.layers)
+    auto_precision: AutoPrecision | None = None  # per-layer int4/int8/16-bit (quantkit.mixed.layers)
     fallback: Fallback | None = None  # on a failed gate, raise the most damaging layers' precision (quantkit.mixed.budget)
 
 
@@ -217,16 +312,8 @@ def check_auto_precision(info, options, method: str = "gptq") -> None:
 # ---------------------------------------------------------------- quantize
 
 
-def weight_args(bits: int, group_size: int, symmetric: bool) -> dict:
-    """compressed-tensors QuantizationArgs for static int weights."""
-    args = {"num_bits": bits, "type": "int", "symmetric": symmetric, "dynamic": False}
-    if group_size == -1:
-        return {**args, "strategy": "channel"}
-    return {**args, "strategy": "group", "group_size": group_size}
-
-
 def scheme_config(options: Options) -> dict:
-    weights = weight_args(options.bits, options.group_size, options.symmetric)
+    weights = llmc.weight_args(options.bits, options.group_size, options.symmetric)
     return {"group_0": {"targets": ["Linear"], "weights": weights}}
 
 
@@ -257,7 +344,7 @@ def write(job: QuantizeJob, ignore: list[str], choice: dict[str, str] | None) ->
     ({module name: int4|int8|16-bit}: an int8 group by exact names, the 16-bit layers ignored)."""
     groups = None
     if choice is not None:
-        ignore, groups = ignore + intmix.kept_16bit(choice), intmix.config_groups(choice, scheme(job))
+        ignore, groups = ignore + intmix.kept_16bit(choice), config_groups(choice, scheme(job))
     llmc.run_oneshot(job, modifier(job.options, ignore, groups), calibrate=True, reads_weights_only=True)
     llmc.save_compressed(job)
 
@@ -273,34 +360,34 @@ def budgeted_layers(info, ignore: list[str]) -> dict[str, tuple[int, int]]:
     return {name: tuple(shape) for name, shape in quantized_linears(info).items() if not matches(name, ignore)}
 
 
-def scheme(job: QuantizeJob) -> intmix.Scheme:
-    return intmix.Scheme(job.options.group_size, job.options.symmetric, element_bytes(job))
+def scheme(job: QuantizeJob) -> Scheme:
+    return Scheme(job.options.group_size, job.options.symmetric, element_bytes(job))
 
 
-def layer_table(job: QuantizeJob, layers: dict[str, tuple[int, int]], chosen: intmix.Scheme) -> intmix.LayerTable:
+def layer_table(job: QuantizeJob, layers: dict[str, tuple[int, int]], chosen: Scheme) -> intmix.LayerTable:
     """The sensitivity table of `layers` (budgeted_layers), with the auto_precision options'
     measure_windows and probes (their defaults for a fallback without auto_precision)."""
-    auto, started = job.options.auto_precision or intmix.AutoPrecision(), time.perf_counter()
-    table = intmix.measure(job.info.path, layers, job.windows.calib, auto, intmix.int_simulation(chosen), "int4",
-                           job.workdir, job.progress)
+    auto, started = job.options.auto_precision or AutoPrecision(), time.perf_counter()
+    table = intmix.measure(job.info.path, layers, job.windows.calib, int_simulation(chosen), "int4",
+                           auto.measure_windows, auto.probes_per_role, job.workdir, job.progress)
     table.seconds["total"] = round(time.perf_counter() - started, 3)
     return table
 
 
-def greedy_plan(rows: list[SensitivityRow], allowed: int, chosen: intmix.Scheme) -> dict[str, str]:
+def greedy_plan(rows: list[SensitivityRow], allowed: int, chosen: Scheme) -> dict[str, str]:
     """gptq's plan: every layer on its own (quantkit.mixed.budget.assign)."""
     from quantkit.mixed.budget import assign
 
     return assign(rows, allowed, chosen.size)
 
 
-def auto_precision(job: QuantizeJob, ignore: list[str], chosen: intmix.Scheme,
-                   plan: Callable[[list, int, intmix.Scheme], dict[str, str]] = greedy_plan
+def auto_precision(job: QuantizeJob, ignore: list[str], chosen: Scheme,
+                   plan: Callable[[list, int, Scheme], dict[str, str]] = greedy_plan
                    ) -> tuple[dict[str, str], dict]:
     """({module name: int4|int8|16-bit}, report details): the sensitivity table and the plan under the budget.
     `plan(rows, allowed bytes, scheme)`: how the budget is spent (awq ties layers that share a scale)."""
     layers = budgeted_layers(job.info, ignore)
-    allowed, int4 = intmix.budget_bytes(job.options.auto_precision, list(layers.values()), chosen)
+    allowed, int4 = budget_bytes(job.options.auto_precision, list(layers.values()), chosen)
     table = layer_table(job, layers, chosen)
     choice = plan(table.layers, allowed, chosen)
     report = intmix.plan_report(table.layers, choice, allowed, int4, chosen.size)
@@ -314,9 +401,9 @@ def check_sizes(info, options, method: str = "gptq") -> None:
     from quantkit.mixed.budget import check_max_size
 
     shapes = list(budgeted_layers(info, []).values())
-    chosen = intmix.Scheme(options.group_size, options.symmetric, dtype_bytes(info))
+    chosen = Scheme(options.group_size, options.symmetric, dtype_bytes(info))
     if options.auto_precision is not None:
-        allowed, _ = intmix.budget_bytes(options.auto_precision, shapes, chosen)
+        allowed, _ = budget_bytes(options.auto_precision, shapes, chosen)
     else:
         allowed = sum(chosen.nbytes(shape, "int4") for shape in shapes)
     check_max_size(options.fallback, allowed, f"{method} fallback")

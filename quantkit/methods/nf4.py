@@ -22,10 +22,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from quantkit.arch.moe import is_expert_weight
 from quantkit.errors import UnsupportedError, require
 from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, fixed_gate
 from quantkit.mixed import layers as intmix
-from quantkit.arch.moe import is_expert_weight
 from quantkit.mixed.budget import Fallback
 
 # NF4 is plain round-to-nearest onto 16 levels, without calibration: looser than GPTQ/AWQ.

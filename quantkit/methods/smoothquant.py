@@ -25,12 +25,12 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from quantkit.errors import InputError
 from quantkit.arch import moe
+from quantkit.arch.mappings import Mapping, model_mappings
 from quantkit.engines.llmcompressor import llmc
+from quantkit.errors import InputError
 from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, fixed_gate, gptq
 from quantkit.mixed import layers as intmix
-from quantkit.arch.mappings import Mapping, model_mappings
 from quantkit.mixed.budget import Fallback
 
 # int8 weights and per-token int8 activations are near-lossless on trained models: tight gate.
@@ -78,7 +78,7 @@ def check(info, options: Options, calibration) -> None:
 
 
 def scheme_config() -> dict:
-    weights = gptq.weight_args(8, -1, True)
+    weights = llmc.weight_args(8, -1, True)
     activations = {"num_bits": 8, "type": "int", "symmetric": True, "dynamic": True, "strategy": "token"}
     return {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": activations}}
 
@@ -161,8 +161,8 @@ def simulation(info, artifact) -> intmix.Simulation:
     smoothing scales, and its input divided by them, int8-quantized per token and multiplied back."""
     import torch
 
-    from quantkit.eval.compressed import CompressedWeights, quantized_meta_model
     from quantkit.engines.transformers import hf_config
+    from quantkit.eval.compressed import CompressedWeights, quantized_meta_model
 
     stored = CompressedWeights(artifact, quantized_meta_model(hf_config(artifact), torch.float32))
     scales, quantize = smoothing_scales(info, artifact), intmix.activation_quantizer(ACTIVATIONS)

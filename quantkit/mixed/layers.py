@@ -41,31 +41,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from pydantic import BaseModel, ConfigDict, Field
-
 from quantkit.mixed.sensitivity import PROBES_PER_ROLE, SensitivityRow
 
-PRECISIONS = ("int4", "int8", "16-bit")  # gptq / awq, cheapest first
 KEEP = "16-bit"  # the top of every ladder: the layer stays in the model's dtype
-BITS = {"int4": 4, "int8": 8}
-SHAPE_BYTES = 16  # weight_shape: two int64
 # A fallback step's room for what config.json and the safetensors header add per raised layer (its name in
 # a config group or the ignore list, its tensors' entries): the size models count tensor bytes only.
 METADATA_BYTES = 256
-
-
-class AutoPrecision(BaseModel):
-    """Per-layer int4 / int8 / 16-bit chosen by measured sensitivity under a size budget."""
-
-    model_config = ConfigDict(extra="forbid")
-    budget_bpw: float | None = Field(None, gt=0, le=16, description="bits per weight of the quantized "
-                                     "layers (scales and zero points included); default: W4A16 x (1 + headroom)")
-    headroom: float = Field(0.05, ge=0, le=4, description="budget above the all-int4 (W4A16) size of the "
-                            "quantized layers, as a fraction (0.05: +5%)")
-    measure_windows: int = Field(8, ge=0, le=1024, description="calibration windows the probe layers' KL "
-                                 "divergence is measured on (0: importance-weighted error only)")
-    probes_per_role: int = Field(PROBES_PER_ROLE, ge=1, le=64, description="layers of each role (q_proj, "
-                                 "down_proj, ...) whose KL divergence is measured, spread over depth")
+MEASURE_WINDOWS = 8  # calibration windows the probes' KL divergence is measured on (the options' default)
 
 
 @dataclass
@@ -127,72 +109,7 @@ def activation_quantizer(args: dict) -> Callable:
     return quantize
 
 
-def int_simulation(scheme: "Scheme", precisions: tuple[str, ...] = ("int4", "int8")) -> Simulation:
-    """gptq / awq: round-to-nearest int weights in the target's scheme (int8 per channel)."""
-    return Simulation(precisions, lambda layer, precision, weight: rtn(weight, scheme.args(precision)))
-
-
 # ------------------------------------------------------------------ scheme and size model
-
-
-@dataclass(frozen=True)
-class Scheme:
-    """The target's int4 scheme (int8 is per channel with the same symmetry) and the checkpoint's
-    bytes per element (scales and 16-bit layers are stored in its dtype)."""
-
-    group_size: int  # -1: per channel
-    symmetric: bool
-    element_bytes: int = 2
-
-    def weights(self, precision: str) -> dict:
-        """compressed-tensors weight QuantizationArgs fields of an int precision."""
-        from quantkit.methods.gptq import weight_args
-
-        return weight_args(BITS[precision], -1 if precision == "int8" else self.group_size, self.symmetric)
-
-    def args(self, precision: str):
-        from compressed_tensors.quantization import QuantizationArgs
-
-        return QuantizationArgs(**self.weights(precision))
-
-    def nbytes(self, shape: tuple[int, int], precision: str) -> int:
-        return layer_bytes(shape, precision, self.group_size, self.symmetric, self.element_bytes)
-
-    def size(self, row: SensitivityRow, precision: str) -> int:
-        """quantkit.mixed.budget's size model."""
-        return self.nbytes(row.shape, precision)
-
-
-def packed_bytes(count: int, bits: int) -> int:
-    """int32 words holding `count` values of `bits` bits, in bytes."""
-    return math.ceil(count * bits / 32) * 4
-
-
-def layer_bytes(shape: tuple[int, int], precision: str, group_size: int, symmetric: bool, element_bytes: int) -> int:
-    """Bytes stored for one Linear weight at `precision` (the size model above; group_size -1: per channel)."""
-    out, inp = shape
-    if precision == KEEP:
-        return out * inp * element_bytes
-    bits = BITS[precision]
-    groups = 1 if precision == "int8" or group_size == -1 else inp // group_size
-    zero_points = 0 if symmetric else packed_bytes(out, bits) * groups
-    return out * packed_bytes(inp, bits) + out * groups * element_bytes + zero_points + SHAPE_BYTES
-
-
-def budget_bytes(auto: AutoPrecision, shapes: list[tuple[int, int]], scheme: Scheme) -> tuple[int, int]:
-    """(bytes the budgeted layers may take, their all-int4 bytes); BudgetError when budget_bpw is below
-    all-int4 (the cheapest plan)."""
-    from quantkit.mixed.budget import check_budget
-
-    int4 = sum(scheme.nbytes(shape, "int4") for shape in shapes)
-    if auto.budget_bpw is None:
-        return int(int4 * (1 + auto.headroom)), int4
-    weights = sum(o * i for o, i in shapes)
-    allowed = int(auto.budget_bpw * weights / 8)
-    check_budget(int4, allowed, f"auto_precision: budget_bpw={auto.budget_bpw}",
-                 f"all-int4 takes {8 * int4 / weights:.3f} bits per weight; raise budget_bpw, or leave it out "
-                 "(W4A16 size + headroom)")
-    return allowed, int4
 
 
 # ------------------------------------------------------------------ weighted errors
@@ -334,9 +251,9 @@ def probe(model_dir: Path, row: SensitivityRow, sim: Simulation):
     return Probe(row.name, role_and_depth(row.name)[1] or 0, patch, {row.name: transform} if transform else {})
 
 
-def measure(model_dir: Path, shapes: dict[str, tuple[int, int]], calib_windows, auto: AutoPrecision,
-            sim: Simulation, plain: str, workdir: Path | None = None,
-            progress: Callable[[str], None] = lambda message: None) -> LayerTable:
+def measure(model_dir: Path, shapes: dict[str, tuple[int, int]], calib_windows, sim: Simulation, plain: str,
+            measure_windows: int = MEASURE_WINDOWS, probes_per_role: int = PROBES_PER_ROLE,
+            workdir: Path | None = None, progress: Callable[[str], None] = lambda message: None) -> LayerTable:
     """The sensitivity table: input statistics on the calibration windows, weighted errors, and with
     measure_windows > 0 the gains of probes_per_role layers per role measured and the others' interpolated."""
     from quantkit.mixed.sensitivity import probe_klds, probe_names, set_gains
@@ -348,11 +265,11 @@ def measure(model_dir: Path, shapes: dict[str, tuple[int, int]], calib_windows, 
     progress(f"sensitivity: weighted errors of {len(shapes)} layers at {', '.join(sim.precisions)}")
     table = error_table(model_dir, shapes, stats, sim, plain, progress)
     seconds["errors"] = round(time.perf_counter() - started, 3)
-    if auto.measure_windows == 0:
+    if measure_windows == 0:
         return LayerTable(table, False, 0, seconds)
     started = time.perf_counter()
-    windows = calib_windows[:auto.measure_windows]
-    chosen = set(probe_names(table, auto.probes_per_role))
+    windows = calib_windows[:measure_windows]
+    chosen = set(probe_names(table, probes_per_role))
     progress(f"sensitivity: KL divergence of {len(chosen)} probe layers alone on {len(windows)} windows")
     klds = probe_klds(model_dir, [probe(model_dir, r, sim) for r in table if r.name in chosen], windows,
                       "auto_precision.measure_windows: 0", workdir, progress)
@@ -401,7 +318,7 @@ def keep_ladder(job, layers: dict[str, tuple[int, int]], sim: Simulation, size: 
     from quantkit.mixed.budget import Ladder
 
     plain = sim.precisions[0]
-    table = measure(job.info.path, layers, job.windows.calib, AutoPrecision(), sim, plain, job.workdir, job.progress)
+    table = measure(job.info.path, layers, job.windows.calib, sim, plain, workdir=job.workdir, progress=job.progress)
     return Ladder(table.layers, {name: plain for name in layers}, lambda row, p: size(row.shape, p), keep_one=True,
                   details={"sensitivity": table.as_dict()})
 
@@ -425,15 +342,6 @@ def artifact_estimate(info, layers: dict[str, tuple[int, int]], size: Callable[[
 
 
 # ------------------------------------------------------------------ plan, config groups, report
-
-
-def config_groups(choice: dict[str, str], scheme: Scheme) -> dict:
-    """compressed-tensors config groups: int4 for every Linear, int8 for the chosen layers by exact name."""
-    groups = {"group_0": {"targets": ["Linear"], "weights": scheme.weights("int4")}}
-    int8 = sorted(name for name, p in choice.items() if p == "int8")
-    if int8:
-        groups["group_1"] = {"targets": int8, "weights": scheme.weights("int8")}
-    return groups
 
 
 def kept_16bit(choice: dict[str, str]) -> list[str]:

@@ -33,11 +33,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from quantkit.errors import InputError, UnsupportedError, require
-from quantkit.run.cache import sha256_file
 from quantkit.engines.transformers import load_model, torch_dtype
+from quantkit.errors import InputError, UnsupportedError, require
 from quantkit.io.checkpoint import ModelInfo, check_model_dir
 from quantkit.io.safetensors import read_safetensors_header
+from quantkit.run.cache import sha256_file
 
 ADAPTER_PREFIX = "base_model.model."
 ADAPTER_FILE = "adapter_model.safetensors"

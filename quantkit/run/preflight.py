@@ -144,8 +144,8 @@ def ram_estimate(info, recipe, targets) -> RamEstimate:
     quantizer's copies; a compressed-tensors text decoder is streamed like the base, a module
     decompressed at a time (quantkit.eval.compressed); any other compressed-tensors or bitsandbytes
     artifact is reloaded whole at its bits."""
-    from quantkit.eval.evaluate import SPILL_THRESHOLD
     from quantkit.engines.llmcompressor.model_free import working_set_bytes
+    from quantkit.eval.evaluate import SPILL_THRESHOLD
     from quantkit.eval.stream import ACTIVATION_BYTES, HEAD_SLICE_BYTES
 
     others, layers = unit_bytes(info)
@@ -206,9 +206,9 @@ def hessian_bytes(target, info) -> int:
     of them alive while the layer calibrates, and one float32 copy of the largest weight with a slab of
     its block-error product while it is quantized (single copies: quantkit.engines.llmcompressor.lean_hessian); 0
     for the methods without Hessians."""
-    from quantkit.methods.gptq import quantized_linears
     from quantkit.engines.llmcompressor.lean_hessian import ERROR_SLAB, SLAB_ROWS
     from quantkit.io.checkpoint import LAYER_PREFIX
+    from quantkit.methods.gptq import quantized_linears
 
     if target.target.method != "gptq":
         return 0

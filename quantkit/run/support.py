@@ -29,9 +29,9 @@ METHOD_COLUMNS = ("fp8", "gptq", "awq", "smoothquant", "nf4", "gguf")
 
 def support(model_type: str, architecture: str, method: str) -> str:
     """One cell: ✅ (with conditions) or 'refused: reason', as the method's check() decides."""
-    from quantkit.gguf.convert import supported_architectures
     from quantkit.arch import moe
     from quantkit.arch.mappings import supported_model_types
+    from quantkit.gguf.convert import supported_architectures
 
     if method == "gguf":
         return "✅" if architecture in supported_architectures() else "refused: the converter lacks this architecture"
@@ -59,10 +59,10 @@ VLM_TESTED = ("llava", "llava_next", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "idef
 
 def vlm_support(model_type: str, method: str) -> str:
     """One cell of the VLM table, as the methods' checks decide."""
-    from quantkit.gguf.convert import supported_architectures
     from quantkit.arch import moe
     from quantkit.arch.mappings import supported_model_types
     from quantkit.arch.vlm import FAMILIES
+    from quantkit.gguf.convert import supported_architectures
 
     family = FAMILIES[model_type]
     if method in ("awq", "smoothquant"):

@@ -91,8 +91,8 @@ def test_skip_existing_single_target(cli, micro_model, tmp_path):
 
 
 def test_input_hashes_cover_the_adapter_and_calibration_files(micro_model, tmp_path):
-    from quantkit.run.cache import input_hashes
     from quantkit.io.checkpoint import check_model_dir
+    from quantkit.run.cache import input_hashes
     from quantkit.run.recipe import validate
 
     adapter = tmp_path / "adapter"

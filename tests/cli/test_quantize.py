@@ -282,8 +282,8 @@ def whole_model_gptq(model_dir, tmp_path):
     itself: the tensors it saves."""
     from safetensors.torch import load_file
 
-    from quantkit.methods import QuantizeJob
     from quantkit.engines.transformers import load_model, load_tokenizer
+    from quantkit.methods import QuantizeJob
     from quantkit.run.pipeline import RunOptions, make_windows, prepare, window_settings
     from quantkit.run.recipe import Overrides, build_recipe
 

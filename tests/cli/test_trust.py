@@ -124,8 +124,8 @@ class Stop(Exception):
 def test_loads_pass_the_flag_through(monkeypatch, tmp_path):
     """The LoRA merge and the artifact reload forward trust_remote_code (recorded, nothing loaded)."""
     from quantkit.eval import artifacts
-    from quantkit.run import lora
     from quantkit.io.checkpoint import ModelInfo
+    from quantkit.run import lora
 
     seen = []
 

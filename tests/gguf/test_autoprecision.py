@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from quantkit.gguf.mixture import T
 from quantkit.mixed import budget as mixed
 from quantkit.mixed import gguf as budget
-from quantkit.gguf.mixture import T
 from quantkit.mixed.gguf import candidates, table_row
 
 CALIB = ("--num-samples", "4", "--seq-len", "64", "--eval-windows", "4")
@@ -156,12 +156,12 @@ def test_damage_model_ranks_tensors_like_measured_kld(auto_out, sharp):
     import torch
     from scipy.stats import spearmanr
 
-    from quantkit.run.calibration import make_windows
+    from quantkit.engines.transformers import load_tokenizer
     from quantkit.gguf.convert import load_hparams, plan_tensors
+    from quantkit.io.checkpoint import check_model_dir
     from quantkit.mixed.gguf import Sensitivity, measure_klds
     from quantkit.mixed.sensitivity import SensitivityRow
-    from quantkit.engines.transformers import load_tokenizer
-    from quantkit.io.checkpoint import check_model_dir
+    from quantkit.run.calibration import make_windows
     from quantkit.run.recipe import Calibration
 
     table = Sensitivity.from_dict(json.loads((auto_out / "quantkit.json").read_text())["targets"][0]["details"]

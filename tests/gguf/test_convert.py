@@ -16,8 +16,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.gguf.helpers import (ALL_MIXES, SAMPLE, convert_to, fields, load_gguf_model, need_llama, run_quantize,
-                                tensor_bytes)
+from tests.gguf.helpers import (
+    ALL_MIXES,
+    SAMPLE,
+    convert_to,
+    fields,
+    load_gguf_model,
+    need_llama,
+    run_quantize,
+    tensor_bytes,
+)
 
 # ------------------------------------------------------------------ metadata and names
 

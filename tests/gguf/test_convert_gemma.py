@@ -18,9 +18,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.gguf.helpers import (build_gemma, convert_to, fields, load_gguf_model, need_llama, run_quantize,
-                                save_f16_copy, tensor_bytes)
+from tests.gguf.helpers import (
+    build_gemma,
+    convert_to,
+    fields,
+    load_gguf_model,
+    need_llama,
+    run_quantize,
+    save_f16_copy,
+    tensor_bytes,
+)
 from tests.util import FAST_CALIB
+
 
 def run_perplexity(cmd: list[str]) -> tuple[subprocess.CompletedProcess, float | None]:
     """llama-perplexity and its final PPL; run again (up to 3 times) when its log thread dropped the

@@ -17,8 +17,7 @@ import numpy as np
 import pytest
 
 from tests.gguf.families import build_family
-from tests.gguf.helpers import (ALL_MIXES, convert_to, need_llama, run_quantize, save_f16_copy,
-                                     tensor_bytes)
+from tests.gguf.helpers import ALL_MIXES, convert_to, need_llama, run_quantize, save_f16_copy, tensor_bytes
 
 FAMILIES = ["llama31", "llama32", "mistral", "mixtral", "mixtral8", "qwen25", "qwen3moe", "gemma3", "gemma3vlm",
             "phi3", "phi4"]

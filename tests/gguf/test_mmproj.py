@@ -226,9 +226,9 @@ def _without_name(path: Path) -> dict:
 def test_types_keep_a_bf16_tower_exactly(vlm, tmp_path):
     """auto on a bf16 tower: weights BF16, norms / biases / patch embedding F32 (the converter's
     rules); every stored value is the source's own, so the proof reports them all exact."""
+    from quantkit.eval.vlm_proof import prove_mmproj
     from quantkit.gguf.mmproj import convert
     from quantkit.io.checkpoint import check_model_dir
-    from quantkit.eval.vlm_proof import prove_mmproj
 
     model = vlm("qwen2_5_vl")
     path = convert(model, tmp_path / "mmproj.gguf").path
@@ -243,11 +243,11 @@ def test_types_keep_a_bf16_tower_exactly(vlm, tmp_path):
 def test_llava_legacy_layout_and_proof(vlm, tmp_path):
     """LLaVA: the legacy CLIP format (fc1 stored as ffn_down), the last layer and post_layernorm left
     out with their reason, 2-D weights rounded to F16."""
+    import gguf
+
+    from quantkit.eval.vlm_proof import prove_mmproj
     from quantkit.gguf.mmproj import convert
     from quantkit.io.checkpoint import check_model_dir
-    from quantkit.eval.vlm_proof import prove_mmproj
-
-    import gguf
 
     model = vlm("llava")
     path = convert(model, tmp_path / "mmproj.gguf").path
@@ -264,12 +264,12 @@ def test_llava_legacy_layout_and_proof(vlm, tmp_path):
 
 
 def test_changed_mmproj_tensor_fails_the_proof(vlm, tmp_path):
+    import gguf
+
     from quantkit.errors import TowerChangedError
+    from quantkit.eval.vlm_proof import prove_mmproj
     from quantkit.gguf.mmproj import convert
     from quantkit.io.checkpoint import check_model_dir
-    from quantkit.eval.vlm_proof import prove_mmproj
-
-    import gguf
 
     model = vlm("gemma3")
     path = convert(model, tmp_path / "mmproj.gguf").path

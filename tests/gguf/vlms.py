@@ -15,8 +15,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tests.vlm_models import (QWEN2_VL_TOKENS, TEXT_ARCHITECTURES, TEXT_SHAPE, _ids, _save, save_processor,
-                              vlm_tokenizer)
+from tests.vlm_models import QWEN2_VL_TOKENS, TEXT_ARCHITECTURES, TEXT_SHAPE, _ids, _save, save_processor, vlm_tokenizer
 
 KINDS = ("llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "idefics3", "smolvlm", "mistral3", "gemma3")
 # the towers whose Hub checkpoints keep the vision model's own `vision_model.` level

@@ -5,8 +5,15 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from tests.methods.conftest import (CALIB_ARGS, LOOSE_TOP1, assert_beats_rtn, assert_metrics, assert_nothing_written,
-                                    mean_kld_vs_base, quant_config)
+from tests.methods.conftest import (
+    CALIB_ARGS,
+    LOOSE_TOP1,
+    assert_beats_rtn,
+    assert_metrics,
+    assert_nothing_written,
+    mean_kld_vs_base,
+    quant_config,
+)
 
 
 def awq_recipe(tmp_path, **options) -> str:
@@ -38,8 +45,8 @@ def test_pin_memory_site_still_exists():
 
     from llmcompressor.modifiers.transform.awq import base
 
-    from quantkit.methods import awq
     from quantkit.engines.patching import site_function, site_owner
+    from quantkit.methods import awq
 
     assert site_owner(awq.PIN_MEMORY_SITE)[0].__name__ == "IntermediatesCache"
     assert site_function(awq.PIN_MEMORY_SITE).__name__ == "pin_memory"
@@ -87,8 +94,8 @@ def test_awq_refuses_an_ignore_list_that_leaves_a_quantized_smooth_layer_nothing
     """up_proj -> down_proj: with down_proj 16-bit and up_proj int4, llm-compressor's duo scaling divided
     by zero after loading and calibrating (exit 1); refused before work. Both ignored, or all of a norm's
     balance layers ignored, is fine (the latter is what the end-to-end run below does)."""
-    from quantkit.methods.awq import check_ignore
     from quantkit.io.checkpoint import check_model_dir
+    from quantkit.methods.awq import check_ignore
 
     out = tmp_path / "out"
     result = cli("quantize", micro_model, "--method", "awq", "--ignore", "model.layers.0.mlp.down_proj",

@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import pytest
 
+from quantkit.methods import awq, gptq
 from quantkit.mixed.sensitivity import SensitivityRow
-from quantkit.methods import awq
-from quantkit.mixed import layers as intmix
 from tests.methods.conftest import CALIB_ARGS, LOOSE_TOP1, quant_config, report
 from tests.methods.test_gptq_auto import layer_stored_bytes, stored
 
@@ -20,8 +19,8 @@ UP = ["model.layers.0.mlp.up_proj", "model.layers.1.mlp.up_proj"]
 def test_linear_rows_are_the_up_down_pairs_under_grouped_query_attention(micro_model):
     """The micro model's v_proj is narrower than o_proj's input (GQA): llm-compressor skips v -> o,
     and so does the constraint; up_proj -> down_proj stays, per decoder layer."""
-    from quantkit.methods.gptq import quantized_linears
     from quantkit.io.checkpoint import check_model_dir
+    from quantkit.methods.gptq import quantized_linears
 
     info = check_model_dir(micro_model)
     rows = awq.linear_rows(info, {name: tuple(shape) for name, shape in quantized_linears(info).items()})
@@ -29,8 +28,8 @@ def test_linear_rows_are_the_up_down_pairs_under_grouped_query_attention(micro_m
 
 
 def test_balance_layers_of_one_mapping_are_grouped_per_decoder_layer(micro_model):
-    from quantkit.methods.gptq import quantized_linears
     from quantkit.io.checkpoint import check_model_dir
+    from quantkit.methods.gptq import quantized_linears
 
     info = check_model_dir(micro_model)
     groups = awq.balance_groups(info, list(quantized_linears(info)))
@@ -45,7 +44,7 @@ def test_balance_layers_of_one_mapping_are_grouped_per_decoder_layer(micro_model
 
 def test_tied_plan_gives_a_group_one_precision_within_the_budget():
     """q alone is worth raising, but it shares AWQ's scale with k and v: the three move together."""
-    scheme = intmix.Scheme(group_size=128, symmetric=False, element_bytes=2)
+    scheme = gptq.Scheme(group_size=128, symmetric=False, element_bytes=2)
     rows = [SensitivityRow(n, (256, 256), {"int4": e, "int8": e / 256, "16-bit": 0.0}, "int4", "int4")
             for n, e in (("q", 100.0), ("k", 0.1), ("v", 0.1), ("o", 1.0))]
     int4 = sum(scheme.nbytes(r.shape, "int4") for r in rows)

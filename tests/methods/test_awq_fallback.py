@@ -14,8 +14,12 @@ from quantkit.mixed import layers as intmix
 from quantkit.mixed.budget import Fallback, raise_plan
 from quantkit.mixed.sensitivity import SensitivityRow
 from tests.methods.conftest import CALIB_ARGS, quant_config, report
-from tests.methods.test_gptq_fallback import (SPIKED, assert_fallback_passed, spent_budget_run,  # noqa: F401
-                                             spiky)  # spiky: the module fixture
+from tests.methods.test_gptq_fallback import (  # noqa: F401
+    SPIKED,
+    assert_fallback_passed,
+    spent_budget_run,
+    spiky,  # spiky: the module fixture
+)
 
 ATTENTION, MLP = "model.layers.0.self_attn.", "model.layers.0.mlp."
 SHAPES = {ATTENTION + "q_proj": (256, 256), ATTENTION + "k_proj": (64, 256), ATTENTION + "v_proj": (64, 256),

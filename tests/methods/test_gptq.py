@@ -6,8 +6,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.methods.conftest import (CALIB_ARGS, LOOSE_TOP1, assert_beats_rtn, assert_metrics, assert_nothing_written,
-                                    mean_kld_vs_base, quant_config)
+from tests.methods.conftest import (
+    CALIB_ARGS,
+    LOOSE_TOP1,
+    assert_beats_rtn,
+    assert_metrics,
+    assert_nothing_written,
+    mean_kld_vs_base,
+    quant_config,
+)
 
 
 @pytest.mark.parametrize(
@@ -67,8 +74,8 @@ def test_gptq_group_size_must_divide_widths(cli, micro_model, tmp_path):
 
 
 def test_auto_group_size_is_the_largest_that_divides_every_width():
-    from quantkit.methods.gptq import auto_group_size
     from quantkit.io.checkpoint import ModelInfo
+    from quantkit.methods.gptq import auto_group_size
 
     def info(widths):
         tensors = {f"model.layers.0.mlp.p{i}.weight": ("BF16", [64, w]) for i, w in enumerate(widths)}

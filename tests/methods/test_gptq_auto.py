@@ -8,37 +8,38 @@ from pathlib import Path
 
 import pytest
 
+from quantkit.methods import gptq
 from quantkit.mixed import layers as intmix
 from quantkit.mixed.budget import BudgetError, assign, total_bytes
 from quantkit.mixed.sensitivity import SensitivityRow, set_gains
 from tests.methods.conftest import CALIB_ARGS, LOOSE_TOP1, quant_config, report
 
-G64_SYM = intmix.Scheme(group_size=64, symmetric=True, element_bytes=2)
+G64_SYM = gptq.Scheme(group_size=64, symmetric=True, element_bytes=2)
 
 
 def test_layer_bytes_counts_packed_weights_scales_zero_points_and_shape():
     # (512, 256) int4 g64: 512 rows x 32 int32 words, 512 x 4 bf16 scales, the int64 shape pair
-    assert intmix.layer_bytes((512, 256), "int4", 64, True, 2) == 512 * 32 * 4 + 512 * 4 * 2 + 16
+    assert gptq.layer_bytes((512, 256), "int4", 64, True, 2) == 512 * 32 * 4 + 512 * 4 * 2 + 16
     # asymmetric: zero points packed 8 to an int32 along the output rows, one column per group
-    assert intmix.layer_bytes((512, 256), "int4", 64, False, 2) == 512 * 32 * 4 + 512 * 4 * 2 + 64 * 4 * 4 + 16
+    assert gptq.layer_bytes((512, 256), "int4", 64, False, 2) == 512 * 32 * 4 + 512 * 4 * 2 + 64 * 4 * 4 + 16
     # int8 is per channel whatever the group size: one scale (and zero point) per output row
-    assert intmix.layer_bytes((512, 256), "int8", 64, True, 2) == 512 * 64 * 4 + 512 * 2 + 16
-    assert intmix.layer_bytes((512, 256), "int8", 64, False, 2) == 512 * 64 * 4 + 512 * 2 + 128 * 4 + 16
-    assert intmix.layer_bytes((512, 256), "16-bit", 64, True, 2) == 512 * 256 * 2
-    assert intmix.layer_bytes((512, 256), "int4", -1, True, 2) == 512 * 32 * 4 + 512 * 2 + 16  # per channel
+    assert gptq.layer_bytes((512, 256), "int8", 64, True, 2) == 512 * 64 * 4 + 512 * 2 + 16
+    assert gptq.layer_bytes((512, 256), "int8", 64, False, 2) == 512 * 64 * 4 + 512 * 2 + 128 * 4 + 16
+    assert gptq.layer_bytes((512, 256), "16-bit", 64, True, 2) == 512 * 256 * 2
+    assert gptq.layer_bytes((512, 256), "int4", -1, True, 2) == 512 * 32 * 4 + 512 * 2 + 16  # per channel
     # W4A16 g128 sym is 4 + 16/128 bits per weight, plus the shape pair
-    assert intmix.layer_bytes((4096, 4096), "int4", 128, True, 2) * 8 / 4096**2 == pytest.approx(4.125, abs=1e-5)
+    assert gptq.layer_bytes((4096, 4096), "int4", 128, True, 2) * 8 / 4096**2 == pytest.approx(4.125, abs=1e-5)
 
 
 def test_budget_is_w4a16_plus_headroom_or_bits_per_weight():
     shapes = [(512, 256), (256, 256)]
     int4 = sum(G64_SYM.nbytes(s, "int4") for s in shapes)
-    assert intmix.budget_bytes(intmix.AutoPrecision(), shapes, G64_SYM) == (int(int4 * 1.05), int4)
-    assert intmix.budget_bytes(intmix.AutoPrecision(headroom=0.5), shapes, G64_SYM)[0] == int(int4 * 1.5)
+    assert gptq.budget_bytes(gptq.AutoPrecision(), shapes, G64_SYM) == (int(int4 * 1.05), int4)
+    assert gptq.budget_bytes(gptq.AutoPrecision(headroom=0.5), shapes, G64_SYM)[0] == int(int4 * 1.5)
     weights = 512 * 256 + 256 * 256
-    assert intmix.budget_bytes(intmix.AutoPrecision(budget_bpw=6), shapes, G64_SYM) == (weights * 6 // 8, int4)
+    assert gptq.budget_bytes(gptq.AutoPrecision(budget_bpw=6), shapes, G64_SYM) == (weights * 6 // 8, int4)
     with pytest.raises(BudgetError, match="cannot be met"):
-        intmix.budget_bytes(intmix.AutoPrecision(budget_bpw=4.1), shapes, G64_SYM)  # int4 g64 is 4.25 bpw
+        gptq.budget_bytes(gptq.AutoPrecision(budget_bpw=4.1), shapes, G64_SYM)  # int4 g64 is 4.25 bpw
 
 
 def layer(name: str, int4: float, shape=(256, 256)) -> SensitivityRow:

@@ -16,7 +16,7 @@ from quantkit.mixed.budget import Fallback, raise_plan, raise_step
 from quantkit.mixed.sensitivity import SensitivityRow
 from tests.methods.conftest import CALIB_ARGS, assert_nothing_written, quant_config, report
 
-G64_SYM = intmix.Scheme(group_size=64, symmetric=True, element_bytes=2)
+G64_SYM = gptq.Scheme(group_size=64, symmetric=True, element_bytes=2)
 
 
 def layer(name: str, int4: float, shape=(256, 256), kld: float | None = None) -> SensitivityRow:

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 
 from quantkit.engines.llmcompressor import llmc
-from quantkit.engines.transformers import Offload
 from quantkit.engines.patching import site_function
+from quantkit.engines.transformers import Offload
 
 
 def job(offload: Offload | None, device: str) -> SimpleNamespace:

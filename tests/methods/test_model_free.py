@@ -13,9 +13,9 @@ import torch
 from safetensors import safe_open
 
 from quantkit.engines.llmcompressor import llmc, model_free
-from quantkit.methods import QuantizeJob, fp8
 from quantkit.engines.transformers import load_model, load_tokenizer
 from quantkit.io.checkpoint import check_model_dir
+from quantkit.methods import QuantizeJob, fp8
 from quantkit.run.plan import ignore_patterns
 
 

@@ -87,8 +87,8 @@ def test_an_moe_architecture_without_a_table_row_is_refused_before_work(method, 
     import dataclasses
 
     from quantkit.errors import UnsupportedError
-    from quantkit.methods import get_method
     from quantkit.io.checkpoint import check_model_dir
+    from quantkit.methods import get_method
     from quantkit.run.recipe import Calibration
 
     info = check_model_dir(micro_model)

@@ -70,8 +70,8 @@ def test_nf4_keeps_odd_layers_16bit(cli, odd_model, tmp_path):
 
 def test_nf4_refuses_a_model_no_layer_of_which_fits(odd_model):
     from quantkit.errors import UnsupportedError
-    from quantkit.methods import nf4
     from quantkit.io.checkpoint import check_model_dir
+    from quantkit.methods import nf4
 
     info = check_model_dir(odd_model)
     info.tensors = {n: (d, [s[0] + 1, s[1]] if len(s) == 2 else s) for n, (d, s) in info.tensors.items()}

@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
-from tests.methods.conftest import (CALIB_ARGS, LOOSE_TOP1, assert_metrics, assert_nothing_written, mean_kld_vs_base,
-                                    quant_config)
+from tests.methods.conftest import (
+    CALIB_ARGS,
+    LOOSE_TOP1,
+    assert_metrics,
+    assert_nothing_written,
+    mean_kld_vs_base,
+    quant_config,
+)
 
 
 def test_smoothquant_end_to_end(cli, micro_model, tmp_path):

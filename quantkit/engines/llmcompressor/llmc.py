@@ -22,8 +22,8 @@ def run_oneshot(job, recipe, calibrate: bool, reads_weights_only: bool = False) 
     does), so a subgraph's weights need not stay onloaded (onloaded_per_forward)."""
     from llmcompressor import oneshot
 
-    from quantkit.engines.llmcompressor.distributed import synchronized_gptq
     from quantkit.engines.llmcompressor import lean_hessian
+    from quantkit.engines.llmcompressor.distributed import synchronized_gptq
     from quantkit.io.memory import map_large_allocations
 
     kwargs = {}
@@ -112,7 +112,6 @@ def tower_modifiers(job) -> list:
     so GPTQ/AWQ could not calibrate them)."""
     from llmcompressor.modifiers.quantization import QuantizationModifier
 
-    from quantkit.methods.gptq import weight_args
     from quantkit.arch.roles import TOWER_BITS
 
     groups = {}
@@ -204,3 +203,11 @@ def clear_weights(out_dir) -> None:
         path.unlink()
     for path in Path(out_dir).glob("*.safetensors.index.json"):
         path.unlink()
+
+
+def weight_args(bits: int, group_size: int, symmetric: bool) -> dict:
+    """compressed-tensors QuantizationArgs for static int weights."""
+    args = {"num_bits": bits, "type": "int", "symmetric": symmetric, "dynamic": False}
+    if group_size == -1:
+        return {**args, "strategy": "channel"}
+    return {**args, "strategy": "group", "group_size": group_size}

@@ -342,8 +342,8 @@ def write_weights(plan: StreamPlan, out_dir: Path, device="cpu", shard_bytes: in
                   slab_bytes: int = SLAB_BYTES) -> list[str]:
     """Every tensor of the plan into bounded safetensors shards in out_dir (plus the index when there
     are several); returns the shard file names. A module's outputs stay in one shard."""
-    from quantkit.io.shards import SHARD_BYTES, ShardWriter, layout_shards, write_index
     from quantkit.io.memory import release_freed_memory
+    from quantkit.io.shards import SHARD_BYTES, ShardWriter, layout_shards, write_index
 
     layouts = layout_shards([item.outputs for item in plan.items], shard_bytes or SHARD_BYTES)
     shard_of = {name: index for index, layout in enumerate(layouts) for name in layout.specs}
