@@ -3,14 +3,13 @@
 import pytest
 
 from quantkit.engines.llmcompressor.distributed import (
-    BROADCAST_SITE,
     ONE_PROCESS_FLAGS,
     Ranks,
     check_launch,
     ranks_from,
     synchronized_gptq,
 )
-from quantkit.engines.patching import site_function
+from quantkit.engines.patches import PATCHES, site_function
 from quantkit.errors import InputError, UnsupportedError
 from quantkit.methods.gptq import Options
 
@@ -74,9 +73,9 @@ def test_every_rank_needs_a_window():
 
 
 def test_the_barrier_goes_in_only_for_several_ranks():
-    original = site_function(BROADCAST_SITE)
+    original = site_function(PATCHES["gptq.broadcast_qparams_and_cleanup"].site)
     with synchronized_gptq(Ranks()):
-        assert site_function(BROADCAST_SITE) is original
+        assert site_function(PATCHES["gptq.broadcast_qparams_and_cleanup"].site) is original
     with synchronized_gptq(Ranks(1, 2)):
-        assert site_function(BROADCAST_SITE) is not original
-    assert site_function(BROADCAST_SITE) is original
+        assert site_function(PATCHES["gptq.broadcast_qparams_and_cleanup"].site) is not original
+    assert site_function(PATCHES["gptq.broadcast_qparams_and_cleanup"].site) is original

@@ -178,7 +178,7 @@ def test_parse_size():
     import pytest
 
     from quantkit.errors import InputError
-    from quantkit.run.preflight import parse_size
+    from quantkit.units import parse_size
 
     assert parse_size("16GiB") == 16 * 2**30 and parse_size("500MB") == 500 * 10**6 and parse_size("2G") == 2 * 2**30
     with pytest.raises(InputError):

@@ -127,17 +127,23 @@ def test_save_file_leaves_dtypes_it_does_not_order_to_safetensors(tmp_path):
     assert (tmp_path / "ours.safetensors").read_bytes() == (tmp_path / "theirs.safetensors").read_bytes()
 
 
-def test_the_transformers_save_site_exists():
-    from quantkit.engines.patching import site_function
-    from quantkit.io.shards import SAFETENSORS_SAVE_SITE
+SAFETENSORS_SAVE_SITE = ("transformers.modeling_utils", "safe_save_file")
+OFFLOAD_SAVE_SITE = ("compressed_tensors.offload.cache.disk", "save_file")
 
+
+def test_the_transformers_save_site_exists():
+    from quantkit.engines.patches import PATCHES, site_function
+
+    assert PATCHES["transformers.safe_save_file"].site == SAFETENSORS_SAVE_SITE
     assert site_function(SAFETENSORS_SAVE_SITE) is save_file
 
 
 def test_the_offload_save_site_exists_and_is_swapped_inside_plain_writes():
-    from quantkit.engines.patching import site_function
-    from quantkit.io.shards import OFFLOAD_SAVE_SITE, SAFETENSORS_SAVE_SITE, plain_writes, save_temporaries
+    from quantkit.engines.patches import PATCHES, plain_writes, site_function
     from quantkit.io.shards import save_file as plain_save_file
+    from quantkit.io.shards import save_temporaries
+
+    assert PATCHES["compressed_tensors.disk_save_file"].site == OFFLOAD_SAVE_SITE
 
     original = site_function(OFFLOAD_SAVE_SITE)
     assert original is save_file

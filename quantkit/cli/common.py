@@ -64,22 +64,12 @@ def quiet_libraries() -> Iterator[None]:
         restore_env(saved_env)
 
 
-@contextmanager
-def tqdm_disabled() -> Iterator[None]:
-    """Libraries pass disable=False explicitly, which beats TQDM_DISABLE; force it off while inside."""
-    from tqdm import std
+def tqdm_disabled():
+    """Libraries pass disable=False explicitly, which beats TQDM_DISABLE; force it off while inside
+    (quantkit.engines.patches "tqdm.init")."""
+    from quantkit.engines.patches import patched
 
-    original = std.tqdm.__init__
-
-    def quiet_init(self, *args, **kwargs):
-        kwargs["disable"] = True
-        original(self, *args, **kwargs)
-
-    std.tqdm.__init__ = quiet_init
-    try:
-        yield
-    finally:
-        std.tqdm.__init__ = original
+    return patched("tqdm.init")
 
 
 def debug() -> bool:

@@ -121,7 +121,7 @@ def quantize(
         err.print("warning: --no-gate: the quality gate is measured but not enforced (recorded in quantkit.json)",
                   style="yellow", highlight=False)
     from quantkit.engines.llmcompressor.distributed import ranks_from
-    from quantkit.run.preflight import parse_size
+    from quantkit.units import parse_size
 
     ranks = ranks_from(os.environ)
     log = ProgressLog(err)

@@ -166,3 +166,11 @@ def drop_weights(model) -> None:
 
     for module in model.modules() if model is not None else ():
         to_meta(module)
+
+
+def tied_groups(model) -> list[list[str]]:
+    """Parameter names grouped by the tensor they share (a group of one for an untied parameter)."""
+    groups: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(param), []).append(name)
+    return list(groups.values())

@@ -186,7 +186,7 @@ def reload_problems(model, source: CompressedWeights) -> dict[str, list[str]]:
     model's class ignores on load), tensors of the wrong shape."""
     import re
 
-    from quantkit.eval.stream import tied_groups
+    from quantkit.engines.transformers import tied_groups
 
     stored = source.stored.index
     params = dict(model.named_parameters(remove_duplicate=False))

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from quantkit.engines.transformers import tied_groups
 from quantkit.errors import ModelError
 from quantkit.eval.evaluate import ScoredChunk, Scorer, chunk_rows, iter_batches
 from quantkit.io.memory import release_freed_memory
@@ -76,14 +77,6 @@ class WeightsMap(Mapping):
 
     def rows(self, name: str, index):
         return self.source.rows(self.names[name], index)
-
-
-def tied_groups(model) -> list[list[str]]:
-    """Parameter names grouped by the tensor they share (a group of one for an untied parameter)."""
-    groups: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        groups.setdefault(id(param), []).append(name)
-    return list(groups.values())
 
 
 def source_names(model, source: WeightSource) -> dict[str, str]:

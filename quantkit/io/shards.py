@@ -18,10 +18,8 @@ from __future__ import annotations
 import json
 import math
 import os
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 from quantkit.errors import InternalError
 from quantkit.io.rowio import page_out
@@ -203,22 +201,6 @@ def save_file(tensors: dict, path: Path, metadata: dict[str, str] | None = None,
                 writer.write(name, memoryview(chunk.numpy()), start)
                 if release_source:
                     page_out(chunk.data_ptr(), chunk.numel())  # a table read from the checkpoint's map
-
-
-# how transformers' save_pretrained writes each shard
-SAFETENSORS_SAVE_SITE = ("transformers.modeling_utils", "safe_save_file")
-# compressed-tensors' disk offload rewrites a layer's file each time llm-compressor updates a weight
-OFFLOAD_SAVE_SITE = ("compressed_tensors.offload.cache.disk", "save_file")
-
-
-@contextmanager
-def plain_writes() -> Iterator[None]:
-    """transformers' save_pretrained and compressed-tensors' disk offload write their safetensors
-    files through save_file while inside."""
-    from quantkit.engines.patching import swapped
-
-    with swapped({SAFETENSORS_SAVE_SITE: save_file, OFFLOAD_SAVE_SITE: save_temporaries}):
-        yield
 
 
 def save_temporaries(tensors: dict, path: Path, metadata: dict[str, str] | None = None) -> None:

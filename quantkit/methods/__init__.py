@@ -31,7 +31,7 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from pydantic import BaseModel
 
@@ -40,10 +40,9 @@ from quantkit.errors import InputError
 
 if TYPE_CHECKING:
     from quantkit.engines.transformers import Offload
+    from quantkit.eval.windows import TokenWindows
     from quantkit.io.checkpoint import ModelInfo
     from quantkit.mixed.budget import Ladder
-    from quantkit.run.calibration import TokenWindows
-    from quantkit.run.recipe import Calibration
 
 METHODS: dict[str, str] = {
     "fp8": "quantkit.methods.fp8",
@@ -55,6 +54,13 @@ METHODS: dict[str, str] = {
 }
 
 GateDefaults = dict[str, float]  # Gate field -> threshold, e.g. {"max_kld": 0.01}
+
+
+class Calibration(Protocol):
+    """The run's calibration settings a method's check reads (the recipe's `calibration`)."""
+
+    num_samples: int
+    seq_len: int
 
 
 @dataclass

@@ -59,8 +59,6 @@ from quantkit.mixed.sensitivity import SensitivityRow
 # 4-bit weights: the same looser gate as GPTQ.
 DEFAULT_GATE = {"max_ppl_increase": 0.10, "max_kld": 0.10, "min_top1": 0.80}
 
-# Where llm-compressor pins memory (a quantkit.engines.patching site): checked by the test suite.
-PIN_MEMORY_SITE = ("llmcompressor.pipelines.cache", "IntermediatesCache.pin_memory")
 
 
 class Options(BaseModel):
@@ -125,10 +123,6 @@ def check(info, options: Options, calibration) -> None:
 # ---------------------------------------------------------------- the CPU workaround
 
 
-def no_pinning(self, *args, **kwargs) -> None:
-    """IntermediatesCache.pin_memory without an accelerator: nothing to pin for."""
-
-
 @contextmanager
 def cpu_pin_memory_guard() -> Iterator[bool]:
     """No-op `IntermediatesCache.pin_memory` while inside, only without an accelerator.
@@ -137,12 +131,12 @@ def cpu_pin_memory_guard() -> Iterator[bool]:
     """
     import torch
 
-    from quantkit.engines.patching import swapped
+    from quantkit.engines.patches import patched
 
     if torch.accelerator.is_available():
         yield False
         return
-    with swapped({PIN_MEMORY_SITE: no_pinning}):
+    with patched("awq.pin_memory"):
         yield True
 
 

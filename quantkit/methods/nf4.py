@@ -150,8 +150,8 @@ def quantize(job: QuantizeJob) -> QuantizeResult:
 def write(job: QuantizeJob, kept: list[str]) -> QuantizeResult:
     """The checkpoint loaded with a bitsandbytes config and saved; `kept` layers stay 16-bit too (a
     fallback plan)."""
+    from quantkit.engines.patches import plain_writes
     from quantkit.engines.transformers import torch_dtype
-    from quantkit.io.shards import plain_writes
 
     require("bitsandbytes", "nf4", "the nf4 method (bitsandbytes 4-bit)")
     dtype = torch_dtype(job.dtype, job.info)

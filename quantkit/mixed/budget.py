@@ -145,7 +145,7 @@ class Fallback(BaseModel):
 
 def size_limit(max_size: str, first_bytes: int) -> int:
     """Fallback.max_size in bytes: '+25%' of the first artifact's size, or an absolute size."""
-    from quantkit.run.preflight import parse_size
+    from quantkit.units import parse_size
 
     text = max_size.strip()
     if text.startswith("+") and text.endswith("%"):

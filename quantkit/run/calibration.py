@@ -28,15 +28,13 @@ import json
 import os
 import re
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
 from quantkit.errors import CalibrationError
+from quantkit.eval.windows import TokenWindows
 
 if TYPE_CHECKING:
-    import datasets
-    import torch
 
     from quantkit.run.recipe import Calibration
 
@@ -62,25 +60,6 @@ SOURCE_HINT = (
     f"use a bundled set ({', '.join(BUNDLED_NAMES)}), a .txt/.jsonl/.json/.parquet file, "
     "or hf:NAME[:CONFIG][:SPLIT] for a locally cached dataset"
 )
-
-
-@dataclass
-class TokenWindows:
-    """Packed token windows: calibration and held-out evaluation sets, disjoint."""
-
-    calib: torch.LongTensor
-    eval: torch.LongTensor
-    source: str
-    sha256: str
-
-    def calib_dataset(self, share: slice = slice(None)) -> datasets.Dataset:
-        """The calibration windows (those in `share`: a torchrun rank's) as a Dataset with input_ids
-        and attention_mask."""
-        import datasets
-
-        ids = self.calib[share].tolist()
-        mask = [[1] * len(row) for row in ids]
-        return datasets.Dataset.from_dict({"input_ids": ids, "attention_mask": mask})
 
 
 # ---------------------------------------------------------------- locating sources

@@ -332,8 +332,8 @@ def merge(plan: MergePlan, out_dir: Path, workdir: Path, progress: Callable[[str
           ) -> MergeReport:
     """Merge the planned adapters and save a safetensors checkpoint with its tokenizer in out_dir."""
     require("peft", "lora", "merging LoRA adapters")
+    from quantkit.engines.patches import plain_writes
     from quantkit.io.export import copy_side_files
-    from quantkit.io.shards import plain_writes
 
     base = plan.original if plan.merge_base == "original" else plan.base
     if plan.merge_base == "dequantized":
@@ -481,7 +481,7 @@ def write_merged(plan: MergePlan, out: Path, overwrite: bool,
 
     from quantkit import __version__
     from quantkit.io import export
-    from quantkit.run.pipeline import package_version
+    from quantkit.run.report import package_version
 
     versions = {"python": platform.python_version(),
                 **{p: package_version(p) for p in ("torch", "transformers", "peft", "bitsandbytes")}}

@@ -58,7 +58,7 @@ from quantkit.run.preflight import (
     vram_estimate,
 )
 from quantkit.run.recipe import Calibration, Gate, Recipe, Target, target_gate, target_options
-from quantkit.run.report import ModelReport, RunReport, TargetReport, model_card
+from quantkit.run.report import ModelReport, RunReport, TargetReport, model_card, package_version
 
 Progress = Callable[[str], None]
 
@@ -668,15 +668,6 @@ def merge_lora(info: ModelInfo, recipe: Recipe, workdir: Path, report: RunReport
     progress(f"merging {len(recipe.lora)} LoRA adapter(s)")
     report.merge = merge(lora_plan(info, recipe), workdir / "merged", workdir, progress).to_dict()
     return check_model_dir(workdir / "merged")
-
-
-def package_version(package: str) -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(package)
-    except PackageNotFoundError:
-        return None
 
 
 __all__ = ["ResolvedTarget", "RunOptions", "run", "prepare"]

@@ -254,3 +254,12 @@ def written_cell(target: TargetReport) -> str:
 def markdown_text(text: str) -> str:
     """One line, safe inside a Markdown list item or table cell."""
     return " ".join(text.split()).replace("|", "\\|")
+
+
+def package_version(package: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None

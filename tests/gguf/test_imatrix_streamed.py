@@ -11,10 +11,10 @@ def test_streamed_imatrix_equals_in_memory(micro, tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
 
+    from quantkit.eval.windows import TokenWindows
     from quantkit.io.checkpoint import check_model_dir
     from quantkit.methods import QuantizeJob
     from quantkit.methods.gguf import Options, compute_imatrix
-    from quantkit.run.calibration import TokenWindows
 
     windows = torch.randint(0, 500, (3, 32), generator=torch.Generator().manual_seed(1))
     info = check_model_dir(micro)

@@ -88,8 +88,8 @@ def test_plan_types_unsupported_architecture_is_empty():
 def make_job(model_dir: Path, out: Path, options, model=None, calib=None) -> QuantizeJob:
     import torch
 
+    from quantkit.eval.windows import TokenWindows
     from quantkit.io.checkpoint import check_model_dir
-    from quantkit.run.calibration import TokenWindows
 
     out.mkdir(parents=True, exist_ok=True)
     calib = torch.empty((0, 32), dtype=torch.long) if calib is None else calib

@@ -45,11 +45,10 @@ def test_pin_memory_site_still_exists():
 
     from llmcompressor.modifiers.transform.awq import base
 
-    from quantkit.engines.patching import site_function, site_owner
-    from quantkit.methods import awq
+    from quantkit.engines.patches import PATCHES, site_function, site_owner
 
-    assert site_owner(awq.PIN_MEMORY_SITE)[0].__name__ == "IntermediatesCache"
-    assert site_function(awq.PIN_MEMORY_SITE).__name__ == "pin_memory"
+    assert site_owner(PATCHES["awq.pin_memory"].site)[0].__name__ == "IntermediatesCache"
+    assert site_function(PATCHES["awq.pin_memory"].site).__name__ == "pin_memory"
     assert "cache.pin_memory(" in inspect.getsource(base.AWQModifier._apply_smoothing)
 
 

@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from quantkit.engines.llmcompressor import lean_hessian
-from quantkit.engines.patching import site_function
+from quantkit.engines.patches import LEAN_GPTQ, PATCHES, site_function
+
+SITES = [PATCHES[name].site for name in LEAN_GPTQ]
 
 
 def hessian(width: int, dead: tuple[int, ...] = (), seed: int = 0) -> torch.Tensor:
@@ -32,15 +34,15 @@ def test_transpose_and_permute_in_place(width, slab, monkeypatch):
 
 
 def test_sites_exist():
-    for site in lean_hessian.SITES:
+    for site in SITES:
         assert callable(site_function(site)), site
 
 
 def test_guard_restores_the_originals():
-    before = [site_function(site) for site in lean_hessian.SITES]
+    before = [site_function(site) for site in SITES]
     with lean_hessian.lean_hessians():
-        inside = [site_function(site) for site in lean_hessian.SITES]
-    after = [site_function(site) for site in lean_hessian.SITES]
+        inside = [site_function(site) for site in SITES]
+    after = [site_function(site) for site in SITES]
     assert after == before and not set(inside) & set(before)
 
 

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 from quantkit.engines.llmcompressor import llmc
-from quantkit.engines.patching import site_function
+from quantkit.engines.patches import PATCHES, site_function, weights_per_forward
 from quantkit.engines.transformers import Offload
 
 
@@ -28,13 +27,13 @@ def test_layers_are_read_per_forward_only_from_disk_on_a_cpu(offload, device, ex
 
 
 def test_the_pipeline_holds_no_subgraph_onloaded_inside_and_is_restored_after():
-    original = site_function(llmc.SUBGRAPH_ONLOAD_SITE)
+    original = site_function(PATCHES["sequential.disable_offloading"].site)
     on_disk = job(Offload(Path("o"), layers=True), "cpu")
     with llmc.onloaded_per_forward(on_disk, reads_weights_only=True):
-        assert site_function(llmc.SUBGRAPH_ONLOAD_SITE) is nullcontext
-    assert site_function(llmc.SUBGRAPH_ONLOAD_SITE) is original
+        assert site_function(PATCHES["sequential.disable_offloading"].site) is weights_per_forward
+    assert site_function(PATCHES["sequential.disable_offloading"].site) is original
     with llmc.onloaded_per_forward(job(None, "cpu"), reads_weights_only=True):
-        assert site_function(llmc.SUBGRAPH_ONLOAD_SITE) is original
+        assert site_function(PATCHES["sequential.disable_offloading"].site) is original
     # AWQ's grid search writes trial scales into the onloaded weights: they must stay onloaded
     with llmc.onloaded_per_forward(on_disk, reads_weights_only=False):
-        assert site_function(llmc.SUBGRAPH_ONLOAD_SITE) is original
+        assert site_function(PATCHES["sequential.disable_offloading"].site) is original

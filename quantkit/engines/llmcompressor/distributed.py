@@ -34,7 +34,6 @@ from typing import Iterator, Mapping
 from quantkit.errors import InputError, UnsupportedError
 
 DISTRIBUTED_METHODS = ("gptq",)
-BROADCAST_SITE = ("llmcompressor.modifiers.gptq.base", "broadcast_qparams_and_cleanup")
 # run-wide options that need one process: flag -> (why, what to do instead)
 ONE_PROCESS_FLAGS = {
     "--lora": ("the adapters are merged into a checkpoint that rank 0 alone would write",
@@ -144,7 +143,7 @@ def synchronized_gptq(ranks: Ranks) -> Iterator[None]:
     if not ranks.distributed:
         yield
         return
-    from quantkit.engines.patching import swapped
+    from quantkit.engines.patches import patched
 
-    with swapped({BROADCAST_SITE: broadcast_then_wait}):
+    with patched("gptq.broadcast_qparams_and_cleanup"):
         yield

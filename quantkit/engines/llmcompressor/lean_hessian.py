@@ -30,25 +30,12 @@ bit-identical to llm-compressor's on this project's CPU torch
 (tests/methods/test_lean_hessian.py); a batch of several modules (GPU batching) goes to
 llm-compressor's own functions unchanged.
 
-`lean_hessians()` swaps them into llm-compressor's modules while GPTQ runs and restores them after.
-The sites are checked by the test suite, so an llm-compressor upgrade that moves them fails there.
+`lean_hessians()` swaps them into llm-compressor's modules while GPTQ runs and restores them after;
+the sites are entries of quantkit.engines.patches, checked by the test suite.
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from typing import Iterator
-
-# (module, function) pairs whose global name GPTQ calls through.
-SITES = (
-    ("llmcompressor.modifiers.gptq.base", "accumulate_hessian"),
-    ("llmcompressor.modifiers.gptq.base", "prepare_batch"),
-    ("llmcompressor.modifiers.gptq.gptq_quantize", "apply_activation_ordering"),
-    ("llmcompressor.modifiers.gptq.gptq_quantize", "factorize_hessian"),
-    ("llmcompressor.modifiers.gptq.base", "quantize_weight"),
-    ("llmcompressor.modifiers.gptq.base", "GPTQModifier.compress_module_list"),
-)
-COMPRESS_SITE = SITES[-1]
 BLOCK = 1024  # rows (and block width) of the temporaries the in-place steps use
 ERROR_SLAB = 1 << 22  # elements (16 MiB in float32) of each slab of the block error and permutations
 SLAB_ROWS = 256  # but at least this many rows per slab: BLAS takes other paths for a few rows
@@ -278,14 +265,9 @@ def one_batch_per_call(compress_module_list):
     return compress_batch_by_batch
 
 
-@contextmanager
-def lean_hessians() -> Iterator[None]:
-    """Route llm-compressor's GPTQ through the functions above while inside; restored on exit."""
-    from quantkit.engines.patching import site_function, swapped
+def lean_hessians():
+    """Route llm-compressor's GPTQ through the functions above while inside; restored on exit
+    (quantkit.engines.patches.LEAN_GPTQ)."""
+    from quantkit.engines.patches import LEAN_GPTQ, patched
 
-    lean = {"accumulate_hessian": accumulate_hessian, "prepare_batch": prepare_batch,
-            "apply_activation_ordering": apply_activation_ordering, "factorize_hessian": factorize_hessian,
-            "quantize_weight": quantize_weight,
-            "GPTQModifier.compress_module_list": one_batch_per_call(site_function(COMPRESS_SITE))}
-    with swapped({site: lean[site[1]] for site in SITES}):
-        yield
+    return patched(*LEAN_GPTQ)

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
+import json
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from quantkit.io.shards import SHARD_BYTES, plain_writes
+from quantkit.engines.patches import plain_writes
+from quantkit.io.shards import SHARD_BYTES
 
 ENGINE = "llmcompressor"
 FORMAT = "compressed-tensors"
-# the sequential pipeline holds every weight of a subgraph onloaded while it runs it (onloaded_per_forward)
-SUBGRAPH_ONLOAD_SITE = ("llmcompressor.pipelines.sequential.pipeline", "disable_offloading")
 
 
 def run_oneshot(job, recipe, calibrate: bool, reads_weights_only: bool = False) -> None:
@@ -70,14 +70,12 @@ def onloaded_per_forward(job, reads_weights_only: bool) -> Iterator[None]:
     quantizes (its compress_module_list keeps its disable_offloading). AWQ's grid search writes trial
     scales into the onloaded weights (`weight.data.copy_`) and relies on them staying: it keeps
     llm-compressor's behaviour."""
-    from contextlib import nullcontext
-
-    from quantkit.engines.patching import swapped
+    from quantkit.engines.patches import patched
 
     if not (reads_weights_only and reads_layers_per_forward(job)):
         yield
         return
-    with swapped({SUBGRAPH_ONLOAD_SITE: nullcontext}):
+    with patched("sequential.disable_offloading"):
         yield
 
 
@@ -156,8 +154,6 @@ def save_compressed(job) -> None:
 def finish_artifact(out_dir, tokenizer, ignore: list[str]) -> None:
     """Beside a compressed-tensors checkpoint: the tokenizer, and the ignore list completed for
     transformers (the oneshot and the model-free paths alike)."""
-    from quantkit.io.export import add_module_names_to_ignore, add_patterns_to_ignore
-
     tokenizer.save_pretrained(out_dir)
     add_module_names_to_ignore(out_dir)  # so transformers, not only vLLM, reloads VLM artifacts right
     add_patterns_to_ignore(out_dir, ignore)  # every module of a kept tower, Linear subclasses too
@@ -211,3 +207,89 @@ def weight_args(bits: int, group_size: int, symmetric: bool) -> dict:
     if group_size == -1:
         return {**args, "strategy": "channel"}
     return {**args, "strategy": "group", "group_size": group_size}
+
+
+# ---------------------------------------------------------------- the ignore list completed for transformers
+
+
+def add_patterns_to_ignore(dest: Path, patterns: list[str]) -> list[str]:
+    """Write the run's regex ignore entries into a compressed-tensors config's `ignore` list.
+
+    compressed-tensors writes `ignore` as the plain `Linear` modules it skipped, by name; a Linear
+    subclass inside a kept tower (nn.MultiheadAttention's `out_proj`, a
+    NonDynamicallyQuantizableLinear in SigLIP's pooling head) is not listed, so transformers would
+    build it as quantized on reload and look for scales that were never written. The regexes that
+    kept each tower whole (quantkit.arch.vlm.ignore_pattern; `re:` is understood by compressed-tensors,
+    transformers and vLLM) name every module under it. Returns the entries added.
+    """
+    config_file = dest / "config.json"
+    config = json.loads(config_file.read_text())
+    qconfig = config.get("quantization_config") or {}
+    if qconfig.get("quant_method") != "compressed-tensors":
+        return []
+    ignore = qconfig.get("ignore") or []
+    added = [p for p in patterns if p.startswith("re:") and p not in ignore]
+    if added:
+        qconfig["ignore"] = ignore + added
+        config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return added
+
+
+def add_module_names_to_ignore(dest: Path) -> list[str]:
+    """Make a compressed-tensors `ignore` list hold both checkpoint names and module names.
+
+    compressed-tensors (>= 0.19) writes `ignore` in *checkpoint* names: it maps module names back
+    through transformers' conversion mapping, as `save_pretrained` does for the weights (Llava:
+    `model.vision_tower.X` -> `vision_tower.X`, `lm_head` -> `language_model.lm_head`). vLLM maps
+    those names itself, but transformers matches `ignore` against the module names of the model it
+    builds on reload without mapping them, so it would wrap the unquantized vision tower, projector
+    and lm_head as quantized and read garbage scales (llm-compressor issue #3159). Adding each
+    entry's module name (the forward mapping transformers applies when loading) serves both.
+    Returns the names added; leaves the file alone when nothing is renamed.
+    """
+    config_file = dest / "config.json"
+    if not config_file.is_file():
+        return []
+    config = json.loads(config_file.read_text())
+    qconfig = config.get("quantization_config") or {}
+    ignore = qconfig.get("ignore") or []
+    names = [n for n in ignore if not n.startswith("re:")]
+    if qconfig.get("quant_method") != "compressed-tensors" or not names:
+        return []
+    try:
+        mapped = _checkpoint_to_module_names(dest, config, names)
+    except Exception:  # transformers internals moved: keep the list as written; the gate still measures it
+        return []
+    added = [m for m in dict.fromkeys(mapped) if m not in ignore]
+    if added:
+        qconfig["ignore"] = ignore + added
+        config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return added
+
+
+def _checkpoint_to_module_names(dest: Path, config: dict, names: list[str]) -> list[str]:
+    """The module name transformers gives each checkpoint name on load (a meta-device model, no weights)."""
+    import torch
+    from transformers import AutoConfig
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    from quantkit.engines.transformers import auto_model_class
+
+    hf_config = AutoConfig.from_pretrained(dest, local_files_only=True, trust_remote_code=False)  # names only
+    with torch.device("meta"):
+        model = auto_model_class(config).from_config(hf_config)
+    conversions = get_model_conversion_mapping(model)
+    if not conversions:
+        return []
+    renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
+    converters = [c for c in conversions if isinstance(c, WeightConverter)]
+    meta_state = model.state_dict()
+    modules = dict(model.named_modules())
+    mapped = []
+    for name in names:
+        renamed, _ = rename_source_key(name + ".weight", renamings, converters, model.base_model_prefix, meta_state)
+        renamed = renamed.removesuffix(".weight")
+        if renamed != name and renamed in modules:
+            mapped.append(renamed)
+    return mapped

@@ -175,7 +175,7 @@ def quantized_modules(model, modifier) -> dict[str, Any]:
 def tied_names(model) -> dict[str, list[str]]:
     """state-dict name (parameters and persistent buffers) -> every name sharing its tensor (itself
     included)."""
-    from quantkit.eval.stream import tied_groups
+    from quantkit.engines.transformers import tied_groups
 
     tied = {name: group for group in tied_groups(model) for name in group}
     return {name: tied.get(name, [name]) for name in model.state_dict()}

@@ -1,0 +1,222 @@
+"""Every run-time replacement of third-party code quantkit makes, in one inventory.
+
+quantkit swaps a library's function for its own only where it does the same work with less memory,
+or where the library is wrong for quantkit's case. Each entry of PATCHES names its site (module and
+attribute; "Class.method" for a method), the package that owns it, the versions the replacement was
+verified against, the replacement ("module:function"; with `wraps`, a function that builds the
+replacement from the original), and why. `patched(*names)` swaps the named entries while inside and
+restores the originals on exit, also when the body raises. A site that is gone, or a package at a
+version outside the verified ones, raises before anything is swapped (InternalError naming the
+entry): an upgrade of a pinned engine is refused rather than patched blind.
+tests/engines/test_patches.py checks that every site exists with the signature its replacement
+takes.
+
+Attributes quantkit writes on third-party objects are listed in WRITES (they replace no code).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+from quantkit.errors import InternalError
+
+Site = tuple[str, str]  # (module, "function" or "Class.method") the library calls through
+
+LLMCOMPRESSOR = "==0.14.0.1"
+COMPRESSED_TENSORS = "==0.19.0"
+TRANSFORMERS = ">=5.0,<=5.17"
+
+
+@dataclass(frozen=True)
+class Patch:
+    site: Site
+    package: str  # the distribution that owns the site
+    verified: str  # the versions it was verified against, as a specifier
+    replacement: str  # "module:function"
+    why: str
+    wraps: bool = False  # the replacement is built by calling the function with the original
+
+
+PATCHES: dict[str, Patch] = {
+    "gptq.accumulate_hessian": Patch(
+        ("llmcompressor.modifiers.gptq.base", "accumulate_hessian"), "llmcompressor", LLMCOMPRESSOR,
+        "quantkit.engines.llmcompressor.lean_hessian:accumulate_hessian",
+        "X X^T accumulated a block of rows at a time into one Hessian (llm-compressor makes a second one "
+        "per calibration batch)"),
+    "gptq.prepare_batch": Patch(
+        ("llmcompressor.modifiers.gptq.base", "prepare_batch"), "llmcompressor", LLMCOMPRESSOR,
+        "quantkit.engines.llmcompressor.lean_hessian:prepare_batch",
+        "the Hessian divided in place and the batch stacked as a view, no copies"),
+    "gptq.apply_activation_ordering": Patch(
+        ("llmcompressor.modifiers.gptq.gptq_quantize", "apply_activation_ordering"), "llmcompressor",
+        LLMCOMPRESSOR, "quantkit.engines.llmcompressor.lean_hessian:apply_activation_ordering",
+        "act-order's permutation of the Hessian and the weight gathered in place by row slabs"),
+    "gptq.factorize_hessian": Patch(
+        ("llmcompressor.modifiers.gptq.gptq_quantize", "factorize_hessian"), "llmcompressor", LLMCOMPRESSOR,
+        "quantkit.engines.llmcompressor.lean_hessian:factorize_hessian",
+        "the Cholesky factorization on the column-major view of the one Hessian"),
+    "gptq.quantize_weight": Patch(
+        ("llmcompressor.modifiers.gptq.base", "quantize_weight"), "llmcompressor", LLMCOMPRESSOR,
+        "quantkit.engines.llmcompressor.lean_hessian:quantize_weight",
+        "one float32 copy of the weight: the block error propagated and act-order undone a slab of rows "
+        "at a time"),
+    "gptq.compress_module_list": Patch(
+        ("llmcompressor.modifiers.gptq.base", "GPTQModifier.compress_module_list"), "llmcompressor",
+        LLMCOMPRESSOR, "quantkit.engines.llmcompressor.lean_hessian:one_batch_per_call",
+        "one call per batch, so a batch's tensors are freed before the next one is quantized", wraps=True),
+    "sequential.disable_offloading": Patch(
+        ("llmcompressor.pipelines.sequential.pipeline", "disable_offloading"), "llmcompressor", LLMCOMPRESSOR,
+        "quantkit.engines.patches:weights_per_forward",
+        "with --offload-dir on a CPU, a module's weight read per forward instead of a whole layer held "
+        "onloaded (quantkit.engines.llmcompressor.llmc.onloaded_per_forward)"),
+    "gptq.broadcast_qparams_and_cleanup": Patch(
+        ("llmcompressor.modifiers.gptq.base", "broadcast_qparams_and_cleanup"), "llmcompressor", LLMCOMPRESSOR,
+        "quantkit.engines.llmcompressor.distributed:broadcast_then_wait",
+        "under torchrun, a barrier after the broadcast: nothing waited for the rank writing a CPU weight "
+        "(quantkit.engines.llmcompressor.distributed)"),
+    "awq.pin_memory": Patch(
+        ("llmcompressor.pipelines.cache", "IntermediatesCache.pin_memory"), "llmcompressor", LLMCOMPRESSOR,
+        "quantkit.engines.patches:no_pinning",
+        "Tensor.pin_memory() raises without an accelerator; pinning only speeds up host-to-device copies, "
+        "which never happen then (quantkit.methods.awq)"),
+    "transformers.safe_save_file": Patch(
+        ("transformers.modeling_utils", "safe_save_file"), "transformers", TRANSFORMERS,
+        "quantkit.io.shards:save_file",
+        "save_pretrained's shards written with plain writes: safetensors maps the output file while "
+        "filling it, so a whole shard's pages counted in the RSS beside the model"),
+    "compressed_tensors.disk_save_file": Patch(
+        ("compressed_tensors.offload.cache.disk", "save_file"), "compressed-tensors", COMPRESSED_TENSORS,
+        "quantkit.io.shards:save_temporaries",
+        "the disk offload's rewrite of each updated weight with plain writes (as above)"),
+    "tqdm.init": Patch(
+        ("tqdm.std", "tqdm.__init__"), "tqdm", ">=4.60", "quantkit.engines.patches:quiet_tqdm_init",
+        "engines' progress bars off where stderr is not a terminal (logs keep one line per phase)", wraps=True),
+}
+
+# Attributes quantkit writes on third-party objects: (object, attribute) -> why.
+WRITES = {
+    ("transformers PreTrainedModel", "_weight_conversions"): (
+        "the meta-device model of the model-free fp8 path records the checkpoint renamings it used, as "
+        "from_pretrained does, so compressed-tensors' save names tensors as transformers wrote them "
+        "(quantkit.engines.llmcompressor.model_free)"),
+}
+
+
+@contextmanager
+def weights_per_forward() -> Iterator[None]:
+    """disable_offloading that holds nothing onloaded: each module's weight is read for each forward."""
+    yield
+
+
+def no_pinning(self, *args, **kwargs) -> None:
+    """IntermediatesCache.pin_memory without an accelerator: nothing to pin for."""
+
+
+def quiet_tqdm_init(original: Callable) -> Callable:
+    """tqdm.__init__ with disable=True forced."""
+
+    def init(self, *args, **kwargs):
+        kwargs["disable"] = True
+        original.__get__(self, type(self))(*args, **kwargs)  # a function, or tqdm 4.70's partialmethod
+
+    return init
+
+
+def site_owner(site: Site) -> tuple[Any, str]:
+    """The module or class that holds the site's attribute, and the attribute's name."""
+    module_name, path = site
+    *classes, name = path.split(".")
+    owner = importlib.import_module(module_name)
+    for class_name in classes:
+        owner = vars(owner).get(class_name)
+        if not isinstance(owner, type):
+            raise AttributeError(f"{module_name}.{path}: {class_name} no longer exists")
+    return owner, name
+
+
+def site_function(site: Site) -> Callable:
+    owner, name = site_owner(site)
+    function = vars(owner).get(name)
+    if not (callable(function) or hasattr(function, "__get__")):  # a function, or a method descriptor
+        raise AttributeError(f"{site[0]}.{site[1]} no longer exists")
+    return function
+
+
+def load(reference: str) -> Callable:
+    """The function a "module:function" reference names."""
+    module, _, name = reference.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def check_version(name: str, patch: Patch) -> None:
+    """InternalError when the installed package is outside the versions the patch was verified against."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from packaging.specifiers import SpecifierSet
+
+    try:
+        installed = version(patch.package)
+    except PackageNotFoundError:
+        return
+    if installed not in SpecifierSet(patch.verified):
+        raise InternalError(f"quantkit's patch {name} of {patch.site[0]}.{patch.site[1]} was verified against "
+                            f"{patch.package}{patch.verified}; {installed} is installed",
+                            hint=f"install {patch.package}{patch.verified} (pyproject.toml pins it)")
+
+
+def replacement(patch: Patch, original: Callable) -> Callable:
+    built = load(patch.replacement)
+    return built(original) if patch.wraps else built
+
+
+def signature_matches(patch: Patch) -> bool:
+    """The replacement takes every call the site's function takes: as many positional parameters as it
+    has without a default, each parameter with a default under the same name (callers pass those by
+    keyword), and a default for anything more (a wrapper is built around the original: always)."""
+    if patch.wraps:
+        return True
+    theirs = list(inspect.signature(site_function(patch.site)).parameters.values())
+    mine = list(inspect.signature(load(patch.replacement)).parameters.values())
+    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in mine):
+        return True
+    required = [p for p in theirs if p.default is inspect.Parameter.empty and p.kind is not p.VAR_KEYWORD]
+    named = {p.name for p in mine}
+    keywords = all(p.name in named or any(m.kind is m.VAR_KEYWORD for m in mine)
+                   for p in theirs if p.default is not inspect.Parameter.empty)
+    extra = [p for p in mine[len(theirs):] if p.kind is not p.VAR_KEYWORD]
+    return len(mine) >= len(required) and keywords and all(p.default is not inspect.Parameter.empty for p in extra)
+
+
+def patched(*names: str):
+    """The named PATCHES swapped in while inside, the originals restored on exit."""
+    for name in names:
+        check_version(name, PATCHES[name])
+    return swapped({PATCHES[name].site: replacement(PATCHES[name], site_function(PATCHES[name].site))
+                    for name in names})
+
+
+@contextmanager
+def swapped(replacements: dict[Site, Callable]) -> Iterator[None]:
+    """Each site's function replaced by its replacement while inside; the originals restored on exit."""
+    originals = {site: site_function(site) for site in replacements}
+    try:
+        for site, function in replacements.items():
+            setattr(*site_owner(site), function)
+        yield
+    finally:
+        for site, function in originals.items():
+            setattr(*site_owner(site), function)
+
+
+def plain_writes():
+    """transformers' save_pretrained and compressed-tensors' disk offload write their safetensors files
+    with plain writes while inside (quantkit.io.shards.save_file)."""
+    return patched("transformers.safe_save_file", "compressed_tensors.disk_save_file")
+
+
+LEAN_GPTQ = ("gptq.accumulate_hessian", "gptq.prepare_batch", "gptq.apply_activation_ordering",
+             "gptq.factorize_hessian", "gptq.quantize_weight", "gptq.compress_module_list")
