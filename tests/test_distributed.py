@@ -43,7 +43,10 @@ def test_the_shares_split_the_windows_as_llm_compressor_does(world):
 
 
 def launch(world=2, targets=(("gptq", "gptq", Options()),), num_samples=8, flags=()):
-    check_launch(Ranks(0, world), list(targets), num_samples, list(flags))
+    from quantkit.methods import get_method
+
+    check_launch(Ranks(0, world), [(name, method, get_method(method).distributed, options)
+                                   for name, method, options in targets], num_samples, list(flags))
 
 
 def test_one_process_is_never_refused():

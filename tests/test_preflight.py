@@ -9,7 +9,7 @@ from collections import namedtuple
 import pytest
 
 from quantkit.errors import InputError
-from quantkit.run.preflight import estimate_bytes, gguf_bits, target_bits
+from quantkit.run.preflight import estimate_bytes
 from tests.util import FAST_CALIB, leftovers
 
 
@@ -21,17 +21,6 @@ def test_estimate_adds_artifacts_merged_lora_and_baseline():
     assert e.baseline == 4 * 64 * 512 * (2 + 4)  # float16 baseline + float32 spilled logits
     assert e.total == e.artifacts + e.merged_lora + e.baseline
     assert estimate_bytes(1000, 100, [8.0], False, 0, 64, 512).total == 1200
-
-
-def test_bits_per_method():
-    from quantkit.methods import awq, gguf, gptq, nf4
-
-    assert target_bits("fp8", None) == 8.0 and target_bits("smoothquant", None) == 8.0
-    assert target_bits("gptq", gptq.Options(bits=4, group_size=128)) == 4.25
-    assert target_bits("awq", awq.Options(group_size=-1)) == 4
-    assert target_bits("nf4", nf4.Options()) < 4.2 and target_bits("nf4", nf4.Options(scheme="int8")) == 8
-    assert gguf_bits("Q8_0") == 8.5 and gguf_bits("Q4_K_M") == 4.5
-    assert target_bits("gguf", gguf.Options(gguf_type="Q4_K_M")) > 4.5
 
 
 Usage = namedtuple("Usage", "total used free")
@@ -103,7 +92,7 @@ def test_vram_estimate_streams_and_refuses_when_the_gpu_is_too_small(micro_model
     from quantkit.eval.stream import ACTIVATION_BYTES, HEAD_SLICE_BYTES
     from quantkit.io.checkpoint import check_model_dir
     from quantkit.run.pipeline import RunOptions, prepare
-    from quantkit.run.preflight import FIXED_VRAM, check_vram, hessian_bytes, largest_matrix, unit_bytes, vram_estimate
+    from quantkit.run.preflight import FIXED_VRAM, check_vram, largest_matrix, unit_bytes, vram_estimate
     from quantkit.run.recipe import Overrides, build_recipe
 
     info = check_model_dir(micro_model)
@@ -116,7 +105,7 @@ def test_vram_estimate_streams_and_refuses_when_the_gpu_is_too_small(micro_model
         assert 0 < largest_matrix(info) < model / 4
         if method == "gptq":  # the whole model on the GPU, or one layer with --offload-dir; one layer's Hessians
             layer = max(unit_bytes(info)[1].values())
-            held = steps["gptq: quantize"] - ACTIVATION_BYTES - hessian_bytes(targets[0], info)
+            held = steps["gptq: quantize"] - ACTIVATION_BYTES - working_set(targets[0], info)
             assert held == (model if offload is None else layer)
     estimate = vram_estimate(info, recipe, targets)
     assert estimate.fixed == FIXED_VRAM
@@ -134,7 +123,7 @@ def test_offloaded_ram_holds_the_norms_and_the_larger_of_a_table_and_a_layer_wit
     from quantkit.io.checkpoint import check_model_dir
     from quantkit.methods.gptq import quantized_linears
     from quantkit.run.pipeline import RunOptions, prepare
-    from quantkit.run.preflight import hessian_bytes, ram_estimate, unit_bytes
+    from quantkit.run.preflight import ram_estimate, unit_bytes
     from quantkit.run.recipe import Overrides, build_recipe
 
     info = check_model_dir(micro_model)
@@ -145,7 +134,7 @@ def test_offloaded_ram_holds_the_norms_and_the_larger_of_a_table_and_a_layer_wit
     for method in ("gptq", "awq"):
         recipe = build_recipe(None, method, Overrides(model=str(micro_model), offload_dir=str(tmp_path)))
         _info, targets = prepare(recipe, RunOptions(model=str(micro_model), out=tmp_path / "x"))
-        hessians = hessian_bytes(targets[0], info)
+        hessians = working_set(targets[0], info)
         assert hessians == (4 * sum(w * w for _o, w in shapes) + 8 * max(o * w for o, w in shapes)
                             if method == "gptq" else 0)
         held = others["model.norm"] + max(others["model.embed_tokens"], others["lm_head"],
@@ -160,7 +149,7 @@ def test_ram_holds_the_decoder_layers_and_one_table_at_a_time_without_offload_di
     from quantkit.eval.stream import ACTIVATION_BYTES
     from quantkit.io.checkpoint import check_model_dir
     from quantkit.run.pipeline import RunOptions, prepare
-    from quantkit.run.preflight import hessian_bytes, ram_estimate, unit_bytes
+    from quantkit.run.preflight import ram_estimate, unit_bytes
     from quantkit.run.recipe import Overrides, build_recipe
 
     info = check_model_dir(micro_model)
@@ -169,7 +158,7 @@ def test_ram_holds_the_decoder_layers_and_one_table_at_a_time_without_offload_di
     assert {unit for unit, where in mapping.items() if where == "disk"} == {"model.embed_tokens", "lm_head"}
     recipe = build_recipe(None, "gptq", Overrides(model=str(micro_model)))
     _info, targets = prepare(recipe, RunOptions(model=str(micro_model), out=tmp_path / "x"))
-    hessians = hessian_bytes(targets[0], info)
+    hessians = working_set(targets[0], info)
     held = others["model.norm"] + sum(layers.values()) + max(others["model.embed_tokens"], others["lm_head"], hessians)
     assert ram_estimate(info, recipe, targets).steps["gptq: quantize"] == held + ACTIVATION_BYTES
 
@@ -204,3 +193,7 @@ def test_ram_estimate_of_fp8_follows_its_path(micro_model, tmp_path):
         _info, targets = prepare(recipe, RunOptions(model=str(micro_model), out=tmp_path / "x"))
         assert targets[0].needs_model == (scheme == "fp8-static")
         assert ram_estimate(info, recipe, targets).steps["fp8: quantize"] == expected
+
+
+def working_set(target, info) -> int:
+    return target.method.working_set(info, target.options)

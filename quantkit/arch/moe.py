@@ -62,16 +62,6 @@ RELOADABLE_EXPERTS = ("fp8 weights with per-channel scales (dynamic activations)
                       "packed weights without act-order groups")
 
 
-# What each method does with an MoE model of the table (README's family x method table).
-MOE_SUPPORT = {
-    "fp8": "✅ fp8-dynamic (fp8-static refused)",
-    "gptq": "✅ symmetric (asymmetric, act_order group refused)",
-    "awq": "✅ with `--symmetric` (asymmetric refused)",
-    "smoothquant": "refused: int8 experts do not reload",
-    "nf4": "✅ experts stay bf16",
-}
-
-
 def is_moe(model_type: str) -> bool:
     return model_type in MOE_LAYOUTS
 

@@ -115,7 +115,7 @@ def run_estimates(info, model: str, method: str, recipe: str | None, offload_dir
         targets.append(ResolvedTarget(target, spec, options, Gate(), [], spec.needs_calibration(options),
                                       spec.needs_model(info, options)))
     ram = ram_estimate(info, resolved, targets)
-    disk = run_estimate(info, resolved, [(t.target.method, t.options) for t in targets])
+    disk = run_estimate(info, resolved, [(t.method, t.options) for t in targets])
     vram = vram_estimate(info, resolved, targets)
     return {"offload_dir": offload_dir, "peak_ram_bytes": ram.peak, "fixed_ram_bytes": FIXED_RAM, "ram_steps": ram.steps,
             "peak_vram_bytes": vram.peak, "vram_steps": vram.steps, "disk_bytes": disk.total}

@@ -14,7 +14,7 @@ targets. The baseline and the comparison consume the chunks on the fly, so no [p
 vocab] float32 array is ever whole; a model object gives chunks through `model_scorer`, a
 layer-streamed forward through `quantkit.eval.stream.streamed_scorer`.
 
-Non-finite values (issue 13): a candidate position whose log-probs hold a NaN never agrees on
+Non-finite values: a candidate position whose log-probs hold a NaN never agrees on
 top-1 and has a NaN KL divergence, so NaN/Inf shows in the metrics, and the gate's `finite`
 check fails any non-finite metric even when the gate is not enforced.
 """

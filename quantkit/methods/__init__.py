@@ -23,6 +23,12 @@ defaults for the optional ones in one place. Who calls what:
   plan_types         plan.build_plan                              exact per-tensor types (gguf's mixture)
   fallback_ladder    pipeline.run_fallback                        the units a failed gate raises (quantkit.mixed.budget.Ladder)
   requantize         pipeline.run_fallback                        writing the artifact again with a per-unit plan
+  artifact           preflight, report, pipeline                  the artifact's kind: how the gate reads it back
+  stored_bits        preflight                                    disk and memory estimates of the artifact
+  working_set        preflight                                    memory the method's own work holds
+  distributed        engines.llmcompressor.distributed            whether a torchrun launch may run it
+  support            run.support                                  README's family x method tables
+  tower_proof        pipeline.tower_proof                         proving a VLM artifact's towers (gguf: its mmproj)
   quantize           pipeline.run_target                          writing the artifact into a staging dir
 """
 
@@ -39,6 +45,7 @@ from quantkit.engines.llmcompressor.distributed import Ranks
 from quantkit.errors import InputError
 
 if TYPE_CHECKING:
+    from quantkit.arch.families import Family
     from quantkit.engines.transformers import Offload
     from quantkit.eval.windows import TokenWindows
     from quantkit.io.checkpoint import ModelInfo
@@ -64,17 +71,41 @@ class Calibration(Protocol):
 
 
 @dataclass
-class QuantizeJob:
-    """Everything a method gets for one target. The method saves its artifact into out_dir.
+class ModelHandle:
+    """The full-precision model and tokenizer one target works on, loaded at most once at a time.
+    The run owns its lifetime: the pipeline loads the model before `quantize` when the method's
+    `needs_model` says so and frees it before the gate; a method that finds late that it needs the
+    model calls QuantizeJob.load_model, and a fallback step that quantizes again works on a fresh
+    handle it frees itself (quantkit.engines.llmcompressor.llmc.reloaded_model)."""
 
-    `model` and `tokenizer` are the full-precision model and its tokenizer loaded in memory when
-    the method's `needs_model` says so, else None (the method reads the checkpoint at
-    `info.path` itself). `windows` is None when no target of the run uses calibration or
-    evaluation windows; `windows.calib` is empty unless the method said it needs calibration.
+    model: Any = None
+    tokenizer: Any = None
+
+    def free(self) -> None:
+        """Drop the loaded model: its weights to the meta device (llm-compressor's offload caches
+        emptied too), the reference gone, the freed memory handed back to the OS."""
+        import gc
+
+        from quantkit.engines.transformers import drop_weights
+        from quantkit.io.memory import release_freed_memory
+
+        if self.model is None:
+            return
+        drop_weights(self.model)
+        self.model = None
+        gc.collect()
+        release_freed_memory()
+
+
+@dataclass(frozen=True)
+class QuantizeJob:
+    """Everything a method gets for one target, fixed for the run; the method saves its artifact into
+    out_dir. `handle` holds the model the run loaded for it (ModelHandle); `model` and `tokenizer`
+    read it (None when the method's `needs_model` said no: the method reads the checkpoint at
+    `info.path` itself). `windows` is None when no target of the run uses calibration or evaluation
+    windows; `windows.calib` is empty unless the method said it needs calibration.
     """
 
-    model: Any
-    tokenizer: Any
     info: ModelInfo
     options: BaseModel
     windows: TokenWindows | None
@@ -85,22 +116,34 @@ class QuantizeJob:
     device: str = "cpu"
     trust_remote_code: bool = False
     towers: dict[str, str] = field(default_factory=dict)  # tower role -> int8/int4 (Target.tower_precision())
-    offload: Offload | None = None  # what the model was loaded with on disk, and where (quantkit.engines.transformers.Offload)
+    offload: Offload | None = None  # what the model is loaded with on disk, and where (quantkit.engines.transformers.Offload)
     ranks: Ranks = Ranks()  # under torchrun: this rank's share of the windows; only rank 0 saves (quantkit.engines.llmcompressor.distributed)
     progress: Callable[[str], None] = lambda message: None  # one line per phase of a long step (the CLI shows it)
+    handle: ModelHandle = field(default_factory=ModelHandle)
+
+    @property
+    def model(self) -> Any:
+        return self.handle.model
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.handle.tokenizer
+
+    def load_model(self, offload: Offload | None) -> Any:
+        """The full-precision model in the handle (loaded now unless it is there), the modules `offload`
+        names on disk, and its tokenizer."""
+        from quantkit.engines.transformers import load_model, load_tokenizer
+
+        if self.handle.model is None:
+            where = "decoder layers, embeddings and head" if offload and offload.layers else "embeddings and head"
+            self.progress(f"loading {self.info.path}" + (f" ({where} offloaded to {offload.folder})" if offload else ""))
+            self.handle.model = load_model(self.info, self.dtype, self.device, self.trust_remote_code, offload)
+        if self.handle.tokenizer is None:
+            self.handle.tokenizer = load_tokenizer(self.info, self.trust_remote_code)
+        return self.handle.model
 
     def free_model(self) -> None:
-        """Drop the loaded model: its weights to the meta device (llm-compressor's offload caches
-        emptied too), the reference gone, the freed memory handed back to the OS."""
-        import gc
-
-        from quantkit.engines.transformers import drop_weights
-        from quantkit.io.memory import release_freed_memory
-
-        drop_weights(self.model)
-        self.model = None
-        gc.collect()
-        release_freed_memory()
+        self.handle.free()
 
 
 @dataclass
@@ -137,6 +180,14 @@ def _as_given(info: ModelInfo, options: BaseModel) -> tuple[BaseModel, dict[str,
 
 def _no_exact_types(info: ModelInfo, options: BaseModel) -> dict[str, str]:
     return {}
+
+
+def _no_working_set(info: ModelInfo, options: BaseModel) -> int:
+    return 0
+
+
+def _supports_every_family(family: Family) -> str:
+    return family.kept()
 
 
 @dataclass(frozen=True)
@@ -177,6 +228,21 @@ class MethodSpec:
     # again into job.out_dir with a per-unit plan ({unit name: precision}), `details` its report fields.
     fallback_ladder: Callable[[QuantizeJob, QuantizeResult], Ladder] | None = None
     requantize: Callable[[QuantizeJob, dict[str, str], dict], QuantizeResult] | None = None
+    # How the gate reads the artifact back: "compressed-tensors" (streamed for a text decoder, else
+    # loaded whole), "bitsandbytes" (loaded whole by transformers), "gguf" (streamed in float32).
+    artifact: str = "compressed-tensors"
+    # stored_bits(options) -> bits per quantized weight in the artifact, scales included (roughly)
+    stored_bits: Callable[[BaseModel], float] = lambda options: 8.0
+    # working_set(info, options) -> bytes the method's own work holds beyond the model it had loaded
+    # (GPTQ's Hessians; fp8's model-free slabs, where it loads no model)
+    working_set: Callable[[ModelInfo, BaseModel], int] = _no_working_set
+    distributed: bool = False  # True: one target may run on several torchrun ranks
+    # support(family) -> "✅ ..." or "refused: why": what the method does with a family of
+    # quantkit.arch.families, as its check() decides (README's tables)
+    support: Callable[[Family], str] = _supports_every_family
+    # tower_proof(job, result) -> report fields proving a VLM artifact's towers (exit 3 otherwise);
+    # None: the pipeline reloads a checkpoint directory (quantkit.eval.vlm_proof.prove_towers)
+    tower_proof: Callable[[QuantizeJob, QuantizeResult], dict] | None = None
 
 
 def fixed_gate(thresholds: GateDefaults) -> Callable[[BaseModel], GateDefaults]:

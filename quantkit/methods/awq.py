@@ -299,10 +299,15 @@ def check_ignore(info, options: Options, ignore: list[str]) -> None:
                              "search that scale", hint=f"ignore {smooth} as well, or quantize {balance[0]}")
 
 
+def support(family) -> str:
+    return family.smoothing_refusal() or family.decoder_support("✅ with `--symmetric` (asymmetric refused)")
+
+
 METHOD = MethodSpec(
     quantizes_towers=True, name="awq", engine=llmc.ENGINE, engine_package=llmc.ENGINE,
     format="compressed-tensors (pack-quantized, int4 asymmetric)",
     options=Options, quantize=quantize, precision=precision, default_gate=fixed_gate(DEFAULT_GATE),
     check=check, needs_calibration=needs_calibration, check_ignore=check_ignore,
-    resolve=gptq.resolve, fallback_ladder=fallback_ladder, requantize=requantize,
+    resolve=gptq.resolve, fallback_ladder=fallback_ladder, requantize=requantize, stored_bits=gptq.stored_bits,
+    support=support,
 )

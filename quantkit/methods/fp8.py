@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict
 
 from quantkit.arch import moe
 from quantkit.engines.llmcompressor import llmc, model_free
-from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, fixed_gate
+from quantkit.methods import MethodSpec, ModelHandle, QuantizeJob, QuantizeResult, fixed_gate
 from quantkit.mixed import layers as intmix
 from quantkit.mixed.budget import Fallback
 
@@ -91,6 +91,15 @@ def needs_model(info, options: Options) -> bool:
     return path_blocker(info, options) is not None
 
 
+def working_set(info, options: Options) -> int:
+    """The model-free path's slabs (quantkit.engines.llmcompressor.model_free); 0 on the oneshot path."""
+    return 0 if needs_model(info, options) else model_free.working_set_bytes(info)
+
+
+def support(family) -> str:
+    return family.decoder_support("✅ fp8-dynamic (fp8-static refused)")
+
+
 def modifier(options: Options, ignore: list[str]):
     from llmcompressor.modifiers.quantization import QuantizationModifier
 
@@ -100,7 +109,7 @@ def modifier(options: Options, ignore: list[str]):
 def quantize(job: QuantizeJob) -> QuantizeResult:
     """Model-free where path_blocker and the meta-model plan allow it; else oneshot on the loaded model
     (loaded here when the pipeline did not: the plan found what the cheap check could not see)."""
-    from quantkit.engines.transformers import load_model, load_tokenizer, torch_dtype
+    from quantkit.engines.transformers import torch_dtype
 
     blocker = TOWERS_BLOCKER if job.towers else path_blocker(job.info, job.options)
     if blocker is None:
@@ -110,8 +119,7 @@ def quantize(job: QuantizeJob) -> QuantizeResult:
             save_model_free(job, plan)
             return QuantizeResult(job.out_dir, {"path": "model-free"})
         blocker = plan
-        job.model = load_model(job.info, job.dtype, job.device, job.trust_remote_code, job.offload)  # freed by the pipeline
-        job.tokenizer = load_tokenizer(job.info, job.trust_remote_code)
+        job.load_model(job.offload)  # freed by the pipeline
     details = llmc.calibration_details(job) if needs_calibration(job.options) else {}
     llmc.run_oneshot(job, modifier(job.options, llmc.decoder_ignore(job)), calibrate=needs_calibration(job.options))
     llmc.save_compressed(job)
@@ -162,12 +170,11 @@ def requantize(job: QuantizeJob, plan: dict[str, str], details: dict) -> Quantiz
     import dataclasses
     from contextlib import nullcontext
 
-    kept = dataclasses.replace(job, ignore=job.ignore + intmix.kept_16bit(plan), model=None)
+    kept = dataclasses.replace(job, ignore=job.ignore + intmix.kept_16bit(plan), handle=ModelHandle())
     llmc.clear_weights(job.out_dir)
     with llmc.reloaded_model(kept) if needs_model(job.info, job.options) else nullcontext():
         result = quantize(kept)
-    if kept.model is not None:  # quantize loaded it (the oneshot path found late)
-        kept.free_model()
+    kept.free_model()  # quantize may have loaded it (the oneshot path found late)
     return QuantizeResult(result.artifact, {**details, **result.details,
                                             "mixed_precision": intmix.keep_report(details, plan,
                                                                                  intmix.sized(layer_bytes, job))})
@@ -178,6 +185,6 @@ METHOD = MethodSpec(
     format="compressed-tensors (float-quantized, float8_e4m3fn)",
     options=Options, quantize=quantize, precision=precision, default_gate=fixed_gate(DEFAULT_GATE),
     check=check, needs_calibration=needs_calibration, needs_model=needs_model, keeps_lm_head=keeps_lm_head,
-    fallback_ladder=fallback_ladder, requantize=requantize,
+    fallback_ladder=fallback_ladder, requantize=requantize, working_set=working_set, support=support,
 )
 

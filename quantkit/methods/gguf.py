@@ -31,6 +31,8 @@ from quantkit.errors import InputError, UnsupportedError
 from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult
 from quantkit.mixed.budget import Fallback
 
+MIX_MARGIN = 1.15  # mixtures give some tensors more bits than the base type (Q4_K_M: Q6_K parts)
+
 # k-quants lose more than FP8: gate on KLD and top-1 agreement, leave PPL to the recipe.
 DEFAULT_GATE = {"max_ppl_increase": 0.10, "max_kld": 0.10, "min_top1": 0.80}  # the Q4 mixes
 # Default gates by bits: 8-bit and up near-lossless, each step down looser (llama.cpp's own KLD
@@ -433,6 +435,51 @@ def current_imatrix(job: QuantizeJob):
     return load_imatrix(job)[0]
 
 
+def stored_bits(options: Options) -> float:
+    """The base type's bits per weight, with a margin for the mixture's larger parts (Q4_K_M: Q6_K)."""
+    return type_bits(options.gguf_type) * MIX_MARGIN
+
+
+def type_bits(gguf_type: str) -> float:
+    """Bits per weight of a file type's base ggml type (Q4_K_M: Q4_K, 4.5)."""
+    from gguf import GGML_QUANT_SIZES
+
+    from quantkit.gguf.mixture import FILE_TYPES
+
+    block, size = GGML_QUANT_SIZES[FILE_TYPES[gguf_type][1]]
+    return 8 * size / block
+
+
+def support(family) -> str:
+    """A text family converts when llama.cpp's converter has its architecture; a VLM also needs an
+    mmproj conversion for its towers (`mmproj: none` is the opt-in language-model-only output)."""
+    from quantkit.gguf import mmproj
+    from quantkit.gguf.convert import ROUTED_BY_TEXT_CONFIG, supported_architectures
+
+    converts = family.architecture in supported_architectures()
+    if not family.is_vlm:
+        return "✅" if converts else "refused: the converter lacks this architecture"
+    if not (converts or family.architecture in ROUTED_BY_TEXT_CONFIG):
+        return "refused: llama.cpp's convert_hf_to_gguf.py has no conversion for its architecture"
+    if family.model_type not in mmproj.FAMILIES:
+        return "refused: no mmproj conversion (`mmproj: none` writes the language model alone)"
+    projector = mmproj.FAMILIES[family.model_type]
+    note = f" ({projector.note})" if projector.note else ""
+    return f"✅ language model + mmproj, as llama.cpp's {projector.converter}{note}"
+
+
+def tower_proof(job: QuantizeJob, result: QuantizeResult) -> dict:
+    """A VLM's towers are its mmproj file's: bit-identical to the source and an image+text forward
+    (quantkit.eval.vlm_proof.prove_mmproj); none to prove when `mmproj: none` was asked for."""
+    from quantkit.eval.vlm_proof import prove_mmproj
+
+    projector = result.details.get("gguf", {}).get("mmproj") or {}
+    if not projector.get("file"):
+        return {"tower_tensors_identical": 0, "mmproj": None,
+                "image_forward": "skipped: mmproj: none, the .gguf holds the language model only"}
+    return prove_mmproj(result.artifact.parent / projector["file"], job.info, job.options.mmproj)
+
+
 METHOD = MethodSpec(
     name="gguf", engine="quantkit-gguf", engine_package="quantkit", format="GGUF (llama.cpp / Ollama)",
     options=Options, quantize=quantize, precision=precision, default_gate=default_gate, check=check,
@@ -443,4 +490,5 @@ METHOD = MethodSpec(
     plan_types=plan_types,
     fallback_ladder=fallback_ladder,
     requantize=requantize,
+    artifact="gguf", stored_bits=stored_bits, support=support, tower_proof=tower_proof,
 )

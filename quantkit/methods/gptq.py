@@ -458,10 +458,41 @@ def dtype_bytes(info) -> int:
     return torch_dtype("auto", info).itemsize
 
 
+def stored_bits(options) -> float:
+    """Bits per quantized weight with its 16-bit scale and zero point per group (awq's too); group_size
+    auto not yet resolved counts as its smallest choice."""
+    size = options.group_size if isinstance(options.group_size, int) else min(GROUP_SIZES)
+    return options.bits + (32 / size if size > 0 else 0)
+
+
+def working_set(info, options) -> int:
+    """GPTQ's working set for one decoder layer: a float32 Hessian (in x in) per quantized Linear, all
+    of them alive while the layer calibrates, and one float32 copy of the largest weight with a slab of
+    its block-error product while it is quantized (single copies: quantkit.engines.llmcompressor.lean_hessian)."""
+    from quantkit.engines.llmcompressor.lean_hessian import ERROR_SLAB, SLAB_ROWS
+    from quantkit.io.checkpoint import LAYER_PREFIX
+
+    shapes: dict[str, list[tuple[int, int]]] = {}
+    for name, (out, width) in quantized_linears(info).items():
+        match = LAYER_PREFIX.match(name + ".")
+        shapes.setdefault(match.group(1) if match else name, []).append((out, width))
+
+    def quantizing(out: int, width: int) -> int:
+        return 4 * out * width + 4 * min(out * width, max(SLAB_ROWS * width, ERROR_SLAB))
+
+    per_layer = [4 * sum(w * w for _o, w in s) + max(quantizing(o, w) for o, w in s) for s in shapes.values()]
+    return max(per_layer, default=0)
+
+
+def support(family) -> str:
+    return family.decoder_support("✅ symmetric (asymmetric, act_order group refused)")
+
+
 METHOD = MethodSpec(
     quantizes_towers=True, name="gptq", engine=llmc.ENGINE, engine_package=llmc.ENGINE,
     format="compressed-tensors (pack-quantized, int weights)",
     options=Options, quantize=quantize, precision=precision, default_gate=fixed_gate(DEFAULT_GATE),
     check=check, needs_calibration=needs_calibration, resolve=resolve,
-    fallback_ladder=fallback_ladder, requantize=requantize,
+    fallback_ladder=fallback_ladder, requantize=requantize, stored_bits=stored_bits, working_set=working_set,
+    distributed=True, support=support,
 )

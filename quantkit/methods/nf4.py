@@ -249,10 +249,20 @@ def requantize(job: QuantizeJob, plan: dict[str, str], details: dict) -> Quantiz
                                             "mixed_precision": intmix.keep_report(details, plan, size)})
 
 
+def stored_bits(options: Options) -> float:
+    """NF4/FP4 with one absmax per 64 weights (double-quantized: 8 bits and a share of a second level), or int8."""
+    return 8.0 if options.scheme == "int8" else 4.127
+
+
+def support(family) -> str:
+    return family.decoder_support("✅ experts stay bf16")
+
+
 METHOD = MethodSpec(
     name="nf4", engine="bitsandbytes", engine_package="bitsandbytes",
     format="transformers bitsandbytes checkpoint (4-bit NF4/FP4 or LLM.int8)",
     options=Options, quantize=quantize, precision=precision, default_gate=fixed_gate(DEFAULT_GATE),
     check=check, needs_model=lambda info, options: False,  # transformers re-loads the checkpoint with a bnb config
     needs_calibration=needs_calibration, fallback_ladder=fallback_ladder, requantize=requantize,
+    artifact="bitsandbytes", stored_bits=stored_bits, support=support,
 )

@@ -194,9 +194,14 @@ def requantize(job: QuantizeJob, plan: dict[str, str], details: dict) -> Quantiz
                                                                                   intmix.sized(layer_bytes, job))})
 
 
+def support(family) -> str:
+    return family.smoothing_refusal() or family.decoder_support("refused: int8 experts do not reload")
+
+
 METHOD = MethodSpec(
     quantizes_towers=True, name="smoothquant", engine=llmc.ENGINE, engine_package=llmc.ENGINE,
     format="compressed-tensors (int-quantized, W8A8 int8)",
     options=Options, quantize=quantize, precision=precision, default_gate=fixed_gate(DEFAULT_GATE),
     check=check, needs_calibration=needs_calibration, fallback_ladder=fallback_ladder, requantize=requantize,
+    support=support,
 )

@@ -44,7 +44,7 @@ from quantkit.io import export
 from quantkit.io.checkpoint import ModelInfo, check_generative, check_model_dir, check_submodel_packages, resolve_model
 from quantkit.io.memory import PeakTracker
 from quantkit.io.numerics import check_finite
-from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, get_method
+from quantkit.methods import MethodSpec, ModelHandle, QuantizeJob, QuantizeResult, get_method
 from quantkit.run.cache import fingerprint, input_hashes, up_to_date
 from quantkit.run.lora import plan_merge
 from quantkit.run.plan import build_plan, ignore_patterns
@@ -113,11 +113,11 @@ def prepare(recipe: Recipe, opts: RunOptions) -> tuple[ModelInfo, list[ResolvedT
     targets = [resolve_target(recipe, target, info) for target in selected]
     given = {"--lora": bool(recipe.lora), "--offload-dir": recipe.offload_dir is not None,
              "--skip-existing": opts.skip_existing, "--partial": opts.partial}
-    check_launch(opts.ranks, [(t.name, t.target.method, t.options) for t in targets],
+    check_launch(opts.ranks, [(t.name, t.target.method, t.method.distributed, t.options) for t in targets],
                  window_settings(recipe, targets).num_samples, [flag for flag, on in given.items() if on])
     if recipe.lora:
         lora_plan(info, recipe)  # every adapter checked against the base before work
-    check_disk(opts.out, run_estimate(info, recipe, [(t.target.method, t.options) for t in targets]))
+    check_disk(opts.out, run_estimate(info, recipe, [(t.method, t.options) for t in targets]))
     check_ram(ram_estimate(info, recipe, targets), opts.max_memory)
     if device_map(recipe.device) == "cuda":
         check_vram(vram_estimate(info, recipe, targets), available_vram())
@@ -343,11 +343,13 @@ def target_job(recipe: Recipe, opts: RunOptions, info: ModelInfo, resolved: Reso
                out_dir: Path, workdir: Path, offload: Offload | None) -> QuantizeJob:
     """One target's job, with the full-precision model (`offload` on disk) and the tokenizer when its
     method needs them."""
-    model = load(info, recipe, offload, opts.progress) if resolved.needs_model else None
-    return QuantizeJob(model, tokenizer if resolved.needs_model else None, info, resolved.options, windows,
-                       resolved.ignore, out_dir, workdir, recipe.dtype, recipe.device, recipe.trust_remote_code,
-                       resolved.target.tower_precision(), offload, opts.ranks,
-                       lambda message: opts.progress(f"[{resolved.name}] {message}"))
+    job = QuantizeJob(info, resolved.options, windows, resolved.ignore, out_dir, workdir, recipe.dtype, recipe.device,
+                      recipe.trust_remote_code, resolved.target.tower_precision(), offload, opts.ranks,
+                      lambda message: opts.progress(f"[{resolved.name}] {message}"),
+                      ModelHandle(tokenizer=tokenizer if resolved.needs_model else None))
+    if resolved.needs_model:
+        job.load_model(offload)
+    return job
 
 
 def run_share(recipe: Recipe, opts: RunOptions, info: ModelInfo, targets: list[ResolvedTarget]) -> None:
@@ -397,7 +399,7 @@ def run_target(job: QuantizeJob, resolved: ResolvedTarget, baseline, opts: RunOp
     entry.peak_rss_by_step["quantize"] = qt.peak_rss
     job.free_model()  # the engine's freed model goes back to the OS before the gate loads the artifact
     if job.info.towers.components:
-        entry.details["towers"] = tower_proof(job, result)
+        entry.details["towers"] = (resolved.method.tower_proof or tower_proof)(job, result)
     if baseline is None:
         return entry
     from quantkit.eval import evaluate, scorers
@@ -419,18 +421,13 @@ def run_target(job: QuantizeJob, resolved: ResolvedTarget, baseline, opts: RunOp
 
 
 def tower_proof(job: QuantizeJob, result: QuantizeResult) -> dict:
-    """A VLM artifact reloaded: towers bit-identical to the source and an image+text forward
-    (quantkit.eval.vlm_proof; exit 3 otherwise). A .gguf's towers are its mmproj file's."""
-    from quantkit.eval.vlm_proof import prove_mmproj, prove_towers
+    """A VLM checkpoint artifact reloaded: towers bit-identical to the source and an image+text forward
+    (quantkit.eval.vlm_proof; exit 3 otherwise). A method whose artifact is not a checkpoint directory
+    proves its towers itself (MethodSpec.tower_proof)."""
+    from quantkit.eval.vlm_proof import prove_towers
 
-    if result.artifact.is_dir():
-        proof = prove_towers(result.artifact, job.info, job.device, job.trust_remote_code, tuple(job.towers))
-        return {**proof, "tower_precision": job.towers, "forced": "int4" in job.towers.values()} if job.towers else proof
-    projector = result.details.get("gguf", {}).get("mmproj") or {}
-    if not projector.get("file"):
-        return {"tower_tensors_identical": 0, "mmproj": None,
-                "image_forward": "skipped: mmproj: none, the .gguf holds the language model only"}
-    return prove_mmproj(result.artifact.parent / projector["file"], job.info, job.options.mmproj)
+    proof = prove_towers(result.artifact, job.info, job.device, job.trust_remote_code, tuple(job.towers))
+    return {**proof, "tower_precision": job.towers, "forced": "int4" in job.towers.values()} if job.towers else proof
 
 
 def fallback_options(resolved: ResolvedTarget):
@@ -623,15 +620,6 @@ def make_windows(tokenizer, settings: Calibration, progress: Progress):
     progress(f"calibration: {settings.num_samples} x {settings.seq_len} tokens from '{settings.source}' "
              f"(+{settings.eval_windows} held out)")
     return build(tokenizer, settings)
-
-
-def load(info: ModelInfo, recipe: Recipe, offload: Offload | None, progress: Progress) -> Any:
-    """The full-precision model in memory, with the modules `offload` names on disk."""
-    from quantkit.engines.transformers import load_model
-
-    where = "decoder layers, embeddings and head" if offload and offload.layers else "embeddings and head"
-    progress(f"loading {info.path}" + (f" ({where} offloaded to {offload.folder})" if offload else ""))
-    return load_model(info, recipe.dtype, recipe.device, recipe.trust_remote_code, offload)
 
 
 @contextmanager

@@ -16,9 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from quantkit.errors import InputError
-
-GGUF_MIX_MARGIN = 1.15  # mixtures give some tensors more bits than the base type (Q4_K_M: Q6_K parts)
-
+from quantkit.methods import MethodSpec
 
 @dataclass(frozen=True)
 class DiskEstimate:
@@ -40,28 +38,8 @@ def estimate_bytes(quantized_params: int, other_params: int, target_bits: list[f
     return DiskEstimate(artifacts, merged, (2 + 4) * eval_windows * seq_len * vocab)
 
 
-def target_bits(method: str, options) -> float:
-    """Stored bits per quantized weight, scales included (roughly)."""
-    if method in ("gptq", "awq"):
-        return options.bits + (32 / options.group_size if options.group_size > 0 else 0)  # fp16 scale + zero
-    if method == "nf4":
-        return 8.0 if options.scheme == "int8" else 4.127
-    if method == "gguf":
-        return gguf_bits(options.gguf_type) * GGUF_MIX_MARGIN
-    return 8.0  # fp8, smoothquant (int8)
-
-
-def gguf_bits(gguf_type: str) -> float:
-    from gguf import GGML_QUANT_SIZES
-
-    from quantkit.gguf.mixture import FILE_TYPES
-
-    block, size = GGML_QUANT_SIZES[FILE_TYPES[gguf_type][1]]
-    return 8 * size / block
-
-
-def run_estimate(info, recipe, targets: list[tuple[str, object]]) -> DiskEstimate:
-    """The estimate for a run: its model, recipe and each target's (method name, options)."""
+def run_estimate(info, recipe, targets: list[tuple[MethodSpec, object]]) -> DiskEstimate:
+    """The estimate for a run: its model, recipe and each target's (method, options)."""
     from quantkit.arch.roles import classify
 
     quantized = other = 0
@@ -75,7 +53,7 @@ def run_estimate(info, recipe, targets: list[tuple[str, object]]) -> DiskEstimat
             other += count
     text = info.config.get("text_config") or info.config
     c = recipe.calibration
-    return estimate_bytes(quantized, other, [target_bits(m, o) for m, o in targets], bool(recipe.lora),
+    return estimate_bytes(quantized, other, [m.stored_bits(o) for m, o in targets], bool(recipe.lora),
                           c.eval_windows, c.seq_len, int(text.get("vocab_size") or 0))
 
 
@@ -140,11 +118,10 @@ def ram_estimate(info, recipe, targets) -> RamEstimate:
     """Per step: the streamed baseline and gate hold one decoder layer (the .gguf candidate's in
     float32), a group's activations, a slice of the output head and its logits, and the baseline
     log-probs while they are small enough to stay in memory; a target that needs the model holds what
-    held_bytes says (GPTQ's per-layer Hessians included); fp8 without the model (quantkit.engines.llmcompressor.model_free) one slab of one weight and its
-    quantizer's copies; a compressed-tensors text decoder is streamed like the base, a module
+    held_bytes says with the method's working set (MethodSpec.working_set: GPTQ's per-layer Hessians);
+    one that loads no model its working set alone (fp8's model-free slabs); a compressed-tensors text decoder is streamed like the base, a module
     decompressed at a time (quantkit.eval.compressed); any other compressed-tensors or bitsandbytes
     artifact is reloaded whole at its bits."""
-    from quantkit.engines.llmcompressor.model_free import working_set_bytes
     from quantkit.eval.evaluate import SPILL_THRESHOLD
     from quantkit.eval.stream import ACTIVATION_BYTES, HEAD_SLICE_BYTES
 
@@ -158,30 +135,29 @@ def ram_estimate(info, recipe, targets) -> RamEstimate:
     streamed = ACTIVATION_BYTES + 2 * HEAD_SLICE_BYTES + store
     steps = {"baseline": layer + streamed} if c.eval_windows else {}
     for t in targets:
+        working = t.method.working_set(info, t.options)
         if t.needs_model:
-            hessians = hessian_bytes(t, info)
-            held = held_bytes(info, recipe, others, layers, hessians)
-            steps[f"{t.name}: quantize"] = held + ACTIVATION_BYTES
-        elif t.target.method == "fp8":
-            steps[f"{t.name}: quantize"] = working_set_bytes(info)
+            steps[f"{t.name}: quantize"] = held_bytes(info, recipe, others, layers, working) + ACTIVATION_BYTES
+        elif working:
+            steps[f"{t.name}: quantize"] = working
         if c.eval_windows:
             steps[f"{t.name}: gate"] = candidate_bytes(t, model, layer, streams_gate(t, info, recipe)) + streamed
     return RamEstimate(steps)
 
 
-def held_bytes(info, recipe, others: dict[str, int], layers: dict[str, int], hessians: int) -> int:
+def held_bytes(info, recipe, others: dict[str, int], layers: dict[str, int], working: int) -> int:
     """What RAM holds of a model loaded for a method (quantkit.run.pipeline.offload_plan): with --offload-dir
     the norms and one onloaded unit; a text decoder in RAM every decoder layer, the norms, and the larger
-    of one table (onloaded for the first layer's inputs, or to save the head) and GPTQ's Hessians; a VLM
+    of one table (onloaded for the first layer's inputs, or to save the head) and the method's working set; a VLM
     all of it."""
     from quantkit.io.checkpoint import is_vlm
 
     if recipe.offload_dir:
-        return offloaded_bytes(others, layers, hessians)
+        return offloaded_bytes(others, layers, working)
     if is_vlm(info.config):
-        return sum(others.values()) + sum(layers.values()) + hessians
+        return sum(others.values()) + sum(layers.values()) + working
     kept, tables = split_tables(others)
-    return kept + sum(layers.values()) + max([*tables, hessians])
+    return kept + sum(layers.values()) + max([*tables, working])
 
 
 def offloaded_bytes(others: dict[str, int], layers: dict[str, int], per_layer: int) -> int:
@@ -201,34 +177,12 @@ def split_tables(others: dict[str, int]) -> tuple[int, list[int]]:
     return kept, [n for unit, n in others.items() if is_offloaded_table(unit)]
 
 
-def hessian_bytes(target, info) -> int:
-    """GPTQ's working set for one decoder layer: a float32 Hessian (in x in) per quantized Linear, all
-    of them alive while the layer calibrates, and one float32 copy of the largest weight with a slab of
-    its block-error product while it is quantized (single copies: quantkit.engines.llmcompressor.lean_hessian); 0
-    for the methods without Hessians."""
-    from quantkit.engines.llmcompressor.lean_hessian import ERROR_SLAB, SLAB_ROWS
-    from quantkit.io.checkpoint import LAYER_PREFIX
-    from quantkit.methods.gptq import quantized_linears
-
-    if target.target.method != "gptq":
-        return 0
-    shapes: dict[str, list[tuple[int, int]]] = {}
-    for name, (out, width) in quantized_linears(info).items():
-        match = LAYER_PREFIX.match(name + ".")
-        shapes.setdefault(match.group(1) if match else name, []).append((out, width))
-    def quantizing(out: int, width: int) -> int:
-        return 4 * out * width + 4 * min(out * width, max(SLAB_ROWS * width, ERROR_SLAB))
-
-    per_layer = [4 * sum(w * w for _o, w in s) + max(quantizing(o, w) for o, w in s) for s in shapes.values()]
-    return max(per_layer, default=0)
-
-
 def streams_gate(target, info, recipe) -> bool:
     """Whether the gate streams the target's compressed-tensors artifact (quantkit.eval.compressed.streams):
     a text decoder the stream applies to, its output head left 16-bit, no custom model code."""
     from quantkit.eval.stream import streamable
 
-    return (target.method.format.startswith("compressed-tensors") and streamable(info.config)
+    return (target.method.artifact == "compressed-tensors" and streamable(info.config)
             and target.method.keeps_lm_head(target.options) and not recipe.trust_remote_code)
 
 
@@ -236,11 +190,11 @@ def candidate_bytes(target, model: int, layer: int, streamed: bool) -> int:
     """What the gate holds of one artifact: a .gguf streamed in float32 (twice a 16-bit layer), a
     streamed compressed-tensors one a 16-bit layer (its modules decompressed one at a time), any
     other checkpoint whole at its bits."""
-    if target.target.method == "gguf":
+    if target.method.artifact == "gguf":
         return 2 * layer
     if streamed:
         return layer
-    return int(model * target_bits(target.target.method, target.options) / 16)
+    return int(model * target.method.stored_bits(target.options) / 16)
 
 
 def largest_matrix(info) -> int:
@@ -260,7 +214,6 @@ def vram_estimate(info, recipe, targets) -> RamEstimate:
     sequential pipeline onloads a layer at a time), else the whole model; a gate that does not stream
     (bitsandbytes, streams_gate false), the artifact at its bits; fp8 without the model, one slab of
     one weight."""
-    from quantkit.engines.llmcompressor.model_free import working_set_bytes
     from quantkit.eval.stream import ACTIVATION_BYTES, HEAD_SLICE_BYTES
 
     others, layers = unit_bytes(info)
@@ -268,13 +221,15 @@ def vram_estimate(info, recipe, targets) -> RamEstimate:
     streamed = 2 * largest_matrix(info) + ACTIVATION_BYTES + 2 * HEAD_SLICE_BYTES
     steps = {"baseline": streamed} if recipe.calibration.eval_windows else {}
     for t in targets:
+        working = t.method.working_set(info, t.options)
         if t.needs_model:
             held = max(layers.values(), default=0) if recipe.offload_dir else model
-            steps[f"{t.name}: quantize"] = held + ACTIVATION_BYTES + hessian_bytes(t, info)
-        elif t.target.method == "fp8":
-            steps[f"{t.name}: quantize"] = working_set_bytes(info)
+            steps[f"{t.name}: quantize"] = held + ACTIVATION_BYTES + working
+        elif working:
+            steps[f"{t.name}: quantize"] = working
         if recipe.calibration.eval_windows:
-            steps[f"{t.name}: gate"] = streamed if t.target.method == "gguf" or streams_gate(t, info, recipe) else (
+            gguf = t.method.artifact == "gguf"
+            steps[f"{t.name}: gate"] = streamed if gguf or streams_gate(t, info, recipe) else (
                 candidate_bytes(t, model, 0, False) + ACTIVATION_BYTES)
     return RamEstimate(steps, FIXED_VRAM)
 

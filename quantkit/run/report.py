@@ -15,6 +15,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from quantkit.methods import get_method
+
 if TYPE_CHECKING:
     from quantkit.eval.evaluate import GateResult, Metrics
 
@@ -116,7 +118,7 @@ def model_card(target: TargetReport, report: RunReport) -> str:
     base_model = report.model.path
     front = {
         "base_model": base_model,
-        "library_name": "gguf" if target.method == "gguf" else "transformers",
+        "library_name": "gguf" if get_method(target.method).artifact == "gguf" else "transformers",
         "tags": ["quantkit", "quantized", target.method, *format_tags(target.format)],
         "quantization": {"method": target.method, "format": target.format, "engine": target.engine,
                          "options": target.options},

@@ -283,7 +283,7 @@ def whole_model_gptq(model_dir, tmp_path):
     from safetensors.torch import load_file
 
     from quantkit.engines.transformers import load_model, load_tokenizer
-    from quantkit.methods import QuantizeJob
+    from quantkit.methods import ModelHandle, QuantizeJob
     from quantkit.run.pipeline import RunOptions, make_windows, prepare, window_settings
     from quantkit.run.recipe import Overrides, build_recipe
 
@@ -293,8 +293,8 @@ def whole_model_gptq(model_dir, tmp_path):
     tokenizer = load_tokenizer(info)
     windows = make_windows(tokenizer, window_settings(recipe, targets), lambda message: None)
     (tmp_path / "whole").mkdir()
-    job = QuantizeJob(load_model(info), tokenizer, info, targets[0].options, windows, targets[0].ignore,
-                      tmp_path / "whole", tmp_path)
+    job = QuantizeJob(info, targets[0].options, windows, targets[0].ignore, tmp_path / "whole", tmp_path,
+                      handle=ModelHandle(load_model(info), tokenizer))
     targets[0].method.quantize(job)
     return load_file(tmp_path / "whole" / "model.safetensors")
 

@@ -18,7 +18,7 @@ def test_streamed_imatrix_equals_in_memory(micro, tmp_path):
 
     windows = torch.randint(0, 500, (3, 32), generator=torch.Generator().manual_seed(1))
     info = check_model_dir(micro)
-    job = QuantizeJob(model=None, tokenizer=None, info=info, options=Options(gguf_type="Q4_K_M"),
+    job = QuantizeJob(info=info, options=Options(gguf_type="Q4_K_M"),
                       windows=TokenWindows(windows, windows[:0], "unit", ""), ignore=[], out_dir=tmp_path,
                       workdir=tmp_path)
     streamed = compute_imatrix(job, windows)

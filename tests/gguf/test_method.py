@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from quantkit.errors import InputError, UnsupportedError
-from quantkit.methods import QuantizeJob
+from quantkit.methods import ModelHandle, QuantizeJob
 from quantkit.methods import gguf as method
 
 
@@ -94,8 +94,8 @@ def make_job(model_dir: Path, out: Path, options, model=None, calib=None) -> Qua
     out.mkdir(parents=True, exist_ok=True)
     calib = torch.empty((0, 32), dtype=torch.long) if calib is None else calib
     windows = TokenWindows(calib=calib, eval=calib[:0], source="unit", sha256="")
-    return QuantizeJob(model=model, tokenizer=None, info=check_model_dir(model_dir), options=options,
-                       windows=windows, ignore=[], out_dir=out, workdir=out.parent)
+    return QuantizeJob(info=check_model_dir(model_dir), options=options, windows=windows, ignore=[], out_dir=out,
+                       workdir=out.parent, handle=ModelHandle(model=model))
 
 
 def test_quantize_writes_gguf_modelfile_and_report(micro, tmp_path):

@@ -57,7 +57,7 @@ def test_fallback_units_tie_balance_layers_and_cap_a_smoothed_down_proj_at_int8(
 
 def plan_job(tmp_path: Path, tensors_per_step: int) -> QuantizeJob:
     options = awq.Options(group_size=128, fallback=Fallback(max_size="10MB", tensors_per_step=tensors_per_step))
-    return QuantizeJob(None, None, llama(tmp_path), options, None, [], tmp_path, tmp_path)
+    return QuantizeJob(llama(tmp_path), options, None, [], tmp_path, tmp_path)
 
 
 def ladder_for(tmp_path: Path, rows: list[SensitivityRow]):

@@ -23,12 +23,16 @@ def test_method_declares_the_contract(name):
     options = spec.options()  # every option has a default
     for member in fields(MethodSpec):
         value = getattr(spec, member.name)
-        if member.name in ("name", "engine", "engine_package", "format"):
+        if member.name in ("name", "engine", "engine_package", "format", "artifact"):
             assert isinstance(value, str) and value, member.name
-        elif member.name in ("supports_ignore", "quantizes_towers"):
+        elif member.name in ("supports_ignore", "quantizes_towers", "distributed"):
             assert isinstance(value, bool)
+        elif member.name == "tower_proof":
+            assert value is None or callable(value)
         elif member.name != "options":
             assert callable(value), member.name
+    assert spec.artifact in ("compressed-tensors", "bitsandbytes", "gguf")
+    assert spec.stored_bits(options) > 0
     assert isinstance(spec.needs_calibration(options), bool)
     assert isinstance(spec.keeps_lm_head(options), bool)
     Gate(**spec.default_gate(options))  # thresholds are Gate fields
@@ -36,6 +40,11 @@ def test_method_declares_the_contract(name):
     assert spec.precision("vision", options, "model.vision_tower.x", [256, 256]) is None or name == "gguf"
     assert list(inspect.signature(spec.check).parameters) == ["info", "options", "calibration"]
     assert list(inspect.signature(spec.quantize).parameters) == ["job"]
+    from quantkit.arch.families import TEXT_FAMILIES, VLM_FAMILIES
+
+    for family in TEXT_FAMILIES + VLM_FAMILIES:
+        verdict = spec.support(family)
+        assert verdict.startswith(("✅", "refused: ")), (family.name, verdict)
 
 
 @pytest.mark.parametrize("name", list(METHODS))
@@ -70,3 +79,14 @@ def test_no_hidden_module_state_in_the_package():
             if line.strip().startswith("global ") or "lru_cache" in line or "functools.cache" in line:
                 offenders.append(f"{path.name}:{number}: {line.strip()}")
     assert offenders == []
+
+
+def test_stored_bits_per_method():
+    from quantkit.methods import awq, get_method, gguf, gptq, nf4
+
+    assert get_method("fp8").stored_bits(None) == 8.0 and get_method("smoothquant").stored_bits(None) == 8.0
+    assert gptq.METHOD.stored_bits(gptq.Options(bits=4, group_size=128)) == 4.25
+    assert awq.METHOD.stored_bits(awq.Options(group_size=-1)) == 4
+    assert nf4.METHOD.stored_bits(nf4.Options()) < 4.2 and nf4.METHOD.stored_bits(nf4.Options(scheme="int8")) == 8
+    assert gguf.type_bits("Q8_0") == 8.5 and gguf.type_bits("Q4_K_M") == 4.5
+    assert gguf.METHOD.stored_bits(gguf.Options(gguf_type="Q4_K_M")) > 4.5

@@ -51,7 +51,7 @@ def plan_job(tmp_path: Path, tensors_per_step: int = 1) -> QuantizeJob:
 
     info = ModelInfo(tmp_path, {"torch_dtype": "bfloat16"}, [], "LlamaForCausalLM", "llama")
     options = gptq.Options(group_size=64, fallback=Fallback(tensors_per_step=tensors_per_step))
-    return QuantizeJob(None, None, info, options, None, [], tmp_path, tmp_path)
+    return QuantizeJob(info, options, None, [], tmp_path, tmp_path)
 
 
 def test_the_ladder_raises_within_the_room_and_keeps_the_plan(tmp_path):

@@ -23,14 +23,14 @@ def job_for(model_dir: Path, out: Path, options: fp8.Options | None = None, dtyp
     info = check_model_dir(model_dir)
     options = options or fp8.Options()
     out.mkdir(parents=True)
-    return QuantizeJob(None, None, info, options, None, ignore_patterns(info, [], fp8.keeps_lm_head(options)), out,
+    return QuantizeJob(info, options, None, ignore_patterns(info, [], fp8.keeps_lm_head(options)), out,
                        out, dtype)
 
 
 def oneshot(model_dir: Path, out: Path, options: fp8.Options | None = None, dtype: str = "auto") -> Path:
     """The loaded path, as fp8.quantize runs it when the model is needed."""
     job = job_for(model_dir, out, options, dtype)
-    job.model, job.tokenizer = load_model(job.info, dtype), load_tokenizer(job.info)
+    job.handle.model, job.handle.tokenizer = load_model(job.info, dtype), load_tokenizer(job.info)
     llmc.run_oneshot(job, fp8.modifier(job.options, job.ignore), calibrate=False)
     llmc.save_compressed(job)
     return out

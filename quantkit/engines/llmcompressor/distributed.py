@@ -33,7 +33,6 @@ from typing import Iterator, Mapping
 
 from quantkit.errors import InputError, UnsupportedError
 
-DISTRIBUTED_METHODS = ("gptq",)
 # run-wide options that need one process: flag -> (why, what to do instead)
 ONE_PROCESS_FLAGS = {
     "--lora": ("the adapters are merged into a checkpoint that rank 0 alone would write",
@@ -81,20 +80,23 @@ def ranks_from(env: Mapping[str, str]) -> Ranks:
     return Ranks(rank, world, local)
 
 
-def check_launch(ranks: Ranks, targets: list[tuple[str, str, object]], num_samples: int, flags: list[str]) -> None:
-    """Refuse, before work, what cannot run on several ranks. `targets` are (name, method, options);
-    `flags` the run-wide options given (names as in ONE_PROCESS_FLAGS)."""
+def check_launch(ranks: Ranks, targets: list[tuple[str, str, bool, object]], num_samples: int,
+                 flags: list[str]) -> None:
+    """Refuse, before work, what cannot run on several ranks. `targets` are (name, method, whether the
+    method runs on several ranks, options); `flags` the run-wide options given (names as in
+    ONE_PROCESS_FLAGS)."""
     if not ranks.distributed:
         return
     launch = f"this is one of {ranks.world_size} torchrun ranks"
-    for name, method, options in targets:
-        if method not in DISTRIBUTED_METHODS:
+    for name, method, distributed, options in targets:
+        if not distributed:
             raise UnsupportedError(f"target '{name}': {method} runs in one process only, but {launch}",
-                                   hint="launch gptq targets with torchrun (--only), the others without it")
-        extras = [flag for flag, value in (("auto-precision", options.auto_precision),
-                                           ("fallback", options.fallback)) if value is not None]
+                                   hint="launch the targets whose method runs on several ranks with torchrun "
+                                   "(--only), the others without it")
+        extras = [flag for flag, value in (("auto-precision", getattr(options, "auto_precision", None)),
+                                           ("fallback", getattr(options, "fallback", None))) if value is not None]
         if extras:
-            raise UnsupportedError(f"target '{name}': gptq with {' and '.join(extras)} runs in one process only, "
+            raise UnsupportedError(f"target '{name}': {method} with {' and '.join(extras)} runs in one process only, "
                                    f"but {launch}", hint="drop it, or run without torchrun")
     if flags:  # the first one given is named
         why, hint = ONE_PROCESS_FLAGS[flags[0]]

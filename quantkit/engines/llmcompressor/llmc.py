@@ -98,7 +98,7 @@ def tower_linears(job) -> dict[str, list[str]]:
 
 
 def tower_group_size(widths: list[int]) -> int:
-    """The largest of plan.TOWER_GROUP_SIZES dividing every input width; -1 (per channel) if none does."""
+    """The largest of quantkit.arch.roles.TOWER_GROUP_SIZES dividing every input width; -1 (per channel) if none does."""
     from quantkit.arch.roles import TOWER_GROUP_SIZES
 
     return next((g for g in TOWER_GROUP_SIZES if all(w % g == 0 for w in widths)), -1)
@@ -169,21 +169,21 @@ def release_session() -> None:
 
 @contextmanager
 def reloaded_model(job) -> Iterator[None]:
-    """The full-precision model loaded again into job.model for the time inside, then freed (to_meta,
-    as the pipeline frees it) and job.model set back to None. A gate-driven fallback step needs it:
+    """The full-precision model loaded again into the job's handle for the time inside, then freed
+    (to_meta, as the pipeline frees it). A gate-driven fallback step needs it:
     llm-compressor quantized and compressed the previous model in place, and the pipeline freed it
     before measuring. What the first load put on disk goes to a fresh folder inside the target's,
     removed on exit."""
     import shutil
     import tempfile
 
-    from quantkit.engines.transformers import Offload, load_model
+    from quantkit.engines.transformers import Offload
 
     offload = None
     if job.offload is not None:
         offload = Offload(Path(tempfile.mkdtemp(prefix="reload-", dir=job.offload.folder)), job.offload.layers)
     try:
-        job.model = load_model(job.info, job.dtype, job.device, job.trust_remote_code, offload)
+        job.load_model(offload)
         yield
     finally:
         release_session()
