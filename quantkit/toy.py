@@ -183,6 +183,34 @@ def make_toy_model(out_dir: str | Path, preset: str = "tiny", seed: int = 0, ste
     return out
 
 
+def sharpen(src: Path, dst: Path, channels: int = 4, factor: float = 16.0, logit_scale: float = 8.0,
+            dtype: str = "float32") -> Path:
+    """A copy of a Llama checkpoint that quantization visibly hurts, stored in `dtype`: the final norm
+    scaled by `logit_scale` (peaked next-token distributions, as trained models of real size have),
+    and `channels` seeded input channels of every attention block carrying `factor` x activations
+    against 1/factor weight columns (function preserving, as scripts/train_reference_model.py does)."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    state = {k: v.float() for k, v in load_file(src / "model.safetensors").items()}
+    state["model.norm.weight"] *= logit_scale
+    config = json.loads((src / "config.json").read_text())
+    hidden = config["hidden_size"]
+    for layer in range(config["num_hidden_layers"]):
+        prefix = f"model.layers.{layer}."
+        picked = torch.randperm(hidden, generator=torch.Generator().manual_seed(layer))[:channels]
+        state[prefix + "input_layernorm.weight"][picked] *= factor
+        for proj in ("q_proj", "k_proj", "v_proj"):
+            state[f"{prefix}self_attn.{proj}.weight"][:, picked] /= factor
+    state = {k: v.to(getattr(torch, dtype)) for k, v in state.items()}
+    save_file(state, dst / "model.safetensors", metadata={"format": "pt"})
+    (dst / "config.json").write_text(json.dumps({**config, "dtype": dtype}))
+    return dst
+
+
 def main(argv: list[str] | None = None) -> None:
     """`python -m quantkit.toy OUT [--preset tiny] [--steps N] [--seed S]`: build a local toy model."""
     import argparse

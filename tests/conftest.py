@@ -20,9 +20,9 @@ def micro_model(tmp_path_factory) -> Path:
 def odd_model(tmp_path_factory) -> Path:
     """The general case: a briefly trained Llama whose widths neither group size 128 nor the k-quant
     block of 256 divides (hidden 192, intermediate 512: only ffn_down's rows take k-quants), with a
-    700-token vocabulary and tied embeddings; sharpened so quantization shows (tests.util.sharpen)."""
+    700-token vocabulary and tied embeddings; sharpened so quantization shows (quantkit.toy.sharpen)."""
     from quantkit.toy import make_toy_model
-    from tests.util import sharpen
+    from quantkit.toy import sharpen
 
     root = tmp_path_factory.mktemp("models")
     return sharpen(make_toy_model(root / "odd-trained", "odd"), root / "odd")

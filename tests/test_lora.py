@@ -262,6 +262,22 @@ def test_not_an_adapter(cli, micro_model, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("targets", [["c_attn", "c_proj"], r".*\.attn\.c_attn"])
+def test_an_adapter_targeting_modules_the_base_lacks_is_bad_input(cli, base, adapters, tmp_path, targets):
+    """Names (as list or regex) that match no module of the base: exit 2 naming them, before any work,
+    whatever the installed peft raises when it meets them (NoMatchingPeftModuleError in 0.21)."""
+    import shutil
+
+    import peft
+
+    adapter = tmp_path / "other"
+    shutil.copytree(adapters["lora"], adapter)
+    (adapter / "adapter_config.json").write_text(json.dumps({**config(adapters["lora"]), "target_modules": targets}))
+    result = cli("merge", base, "--lora", adapter, "-o", tmp_path / "out")
+    assert result.exit_code == 2, (peft.__version__, result.output)
+    assert "c_attn" in result.stderr and "q_proj" in result.stderr and not (tmp_path / "out").exists()
+
+
 def test_already_quantized_model_refused(cli, micro_model, tmp_path):
     from tests.util import FAST_CALIB
 

@@ -36,28 +36,3 @@ def subprocess_env(**extra: str) -> dict:
     return {**os.environ, "PYTHONPATH": pythonpath, **extra}
 
 
-def sharpen(src: Path, dst: Path, channels: int = 4, factor: float = 16.0, logit_scale: float = 8.0) -> Path:
-    """A copy of a Llama checkpoint that quantization visibly hurts, in float32: the final norm scaled by
-    `logit_scale` (peaked next-token distributions), and `channels` input channels of every attention
-    block carrying `factor` x activations against 1/factor weight columns (function preserving, as
-    scripts/train_reference_model.py does)."""
-    import json
-    import shutil
-
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(src, dst)
-    state = {k: v.float() for k, v in load_file(src / "model.safetensors").items()}
-    state["model.norm.weight"] *= logit_scale
-    config = json.loads((src / "config.json").read_text())
-    hidden = config["hidden_size"]
-    for layer in range(config["num_hidden_layers"]):
-        prefix = f"model.layers.{layer}."
-        picked = torch.randperm(hidden, generator=torch.Generator().manual_seed(layer))[:channels]
-        state[prefix + "input_layernorm.weight"][picked] *= factor
-        for proj in ("q_proj", "k_proj", "v_proj"):
-            state[f"{prefix}self_attn.{proj}.weight"][:, picked] /= factor
-    save_file(state, dst / "model.safetensors", metadata={"format": "pt"})
-    (dst / "config.json").write_text(json.dumps({**config, "dtype": "float32"}))
-    return dst

@@ -208,6 +208,45 @@ def check_adapter_tensors(adapter: Adapter, base: BaseShapes) -> int | None:
     return rows.pop() if rows else None
 
 
+def check_target_modules(adapter: Adapter, base: BaseShapes) -> None:
+    """The adapter's config targets at least one module of the base, by peft's own matching rule
+    (target_modules as names or suffixes, or one regex; exclude_modules, layers_to_transform); an
+    adapter whose targets the base lacks was trained on another architecture."""
+    from peft import PeftConfig
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    try:
+        config = PeftConfig.from_pretrained(str(adapter.path), local_files_only=True)
+    except (TypeError, ValueError) as exc:
+        raise InputError(f"{adapter.path / 'adapter_config.json'} is not a config the installed peft reads: {exc}",
+                         hint="re-save the adapter with the peft version quantkit pins") from None
+    if config.target_modules is None:
+        return  # target_parameters only: its tensors were checked against the base's parameters
+    modules = module_names(base)
+    if any(check_target_module_exists(config, name) for name in modules):
+        return
+    targets = config.target_modules if isinstance(config.target_modules, str) else ", ".join(sorted(config.target_modules))
+    raise InputError(f"adapter {adapter.path} targets {targets}, which the base has no module of",
+                     hint="the adapter was trained on another model (check base_model_name_or_path in its "
+                     f"adapter_config.json); the base's weights are in modules named like {example_linears(base)}")
+
+
+def module_names(base: BaseShapes) -> list[str]:
+    """Every module name of the base (each prefix of a parameter name), as peft matches them."""
+    names = set()
+    for parameter in base.shapes:
+        parts = parameter.split(".")[:-1]
+        names.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+    return sorted(names)
+
+
+def example_linears(base: BaseShapes) -> str:
+    """A few distinct module names of the base's 2-D weights (q_proj, v_proj, ...), for hints."""
+    leaves = sorted({name.split(".")[-2] for name, shape in base.shapes.items()
+                     if name.endswith(".weight") and len(shape) == 2 and name.count(".") >= 2})
+    return ", ".join(leaves[:6])
+
+
 def expected_shape(part: str, target: list[int], shape: list[int]) -> tuple[list[int], int | None, int | None]:
     """(shape the base module requires, axis holding the vocabulary, axis holding the rank) for one
     adapter tensor; the rank itself is taken from the tensor (checked across A and B separately)."""
@@ -277,6 +316,8 @@ def plan_merge(base: ModelInfo, base_spec: str, adapters: list[str], weights: li
     original = check_merge_base(base, merge_base, original_base, resolve_model)
     read = [read_adapter(Path(a), w) for a, w in zip(adapters, weights or [1.0] * len(adapters))]
     shapes = base_shapes(original or base, trust_remote_code)
+    for adapter in read:
+        check_target_modules(adapter, shapes)
     vocab_sizes = {rows for adapter in read if (rows := check_adapter_tensors(adapter, shapes)) is not None}
     if len(vocab_sizes) > 1:
         raise InputError(f"the adapters resize the vocabulary differently ({sorted(vocab_sizes)})")
