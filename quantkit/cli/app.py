@@ -9,6 +9,7 @@ from quantkit import __version__
 from quantkit.cli import eval as eval_cmd
 from quantkit.cli import inspect as inspect_cmd
 from quantkit.cli import merge as merge_cmd
+from quantkit.cli import plan as plan_cmd
 from quantkit.cli import quantize as quantize_cmd
 from quantkit.cli import recipes as recipes_cmd
 
@@ -22,6 +23,7 @@ app = typer.Typer(
     "  quantkit inspect ./my-model --method fp8\n\n"
     "  quantkit eval ./my-model-fp8 --against ./my-model\n\n"
     "  quantkit merge ./base --lora ./adapter -o ./merged\n\n"
+    "  quantkit plan ./my-model --gpu L4 --context 8192\n\n"
     "Exit codes: 0 ok, 1 internal error, 2 bad input, 3 quality gate failed, 129 hung up (SIGHUP), "
     "130 interrupted (Ctrl-C), 143 terminated (SIGTERM).",
     no_args_is_help=True,
@@ -48,6 +50,7 @@ app.command("quantize", no_args_is_help=True)(quantize_cmd.quantize)
 app.command("inspect", no_args_is_help=True)(inspect_cmd.inspect)
 app.command("eval", no_args_is_help=True)(eval_cmd.eval_command)
 app.command("merge", no_args_is_help=True)(merge_cmd.merge)
+app.command("plan", no_args_is_help=True)(plan_cmd.plan)
 app.add_typer(recipes_cmd.app, name="recipes")
 
 

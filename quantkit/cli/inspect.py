@@ -1,4 +1,4 @@
-"""`quantkit inspect`: what a model is and what a method would do to it (no torch needed)."""
+"""`quantkit inspect`: what a model is and what a method would do to it (reads headers and config, loads no weights)."""
 
 from __future__ import annotations
 

@@ -29,6 +29,9 @@ defaults for the optional ones in one place. Who calls what:
   distributed        engines.llmcompressor.distributed            whether a torchrun launch may run it
   support            run.support                                  README's family x method tables
   tower_proof        pipeline.tower_proof                         proving a VLM artifact's towers (gguf: its mmproj)
+  precision_bits     run.serving                                  bits of one plan entry's precision (gguf: its ggml type)
+  runtimes           run.serving (quantkit plan, model cards)     which runtime and kernel serve the artifact, where
+  serve_command      run.serving                                  the command line that serves the artifact
   quantize           pipeline.run_target                          writing the artifact into a staging dir
 """
 
@@ -191,6 +194,24 @@ def _supports_every_family(family: Family) -> str:
 
 
 @dataclass(frozen=True)
+class Runtime:
+    """One way to serve a method's artifact: the runtime and its kernel, the device kinds it runs on
+    ("cuda", "apple", "cpu"), the CUDA compute capability the kernel needs, and where that is stated."""
+
+    name: str
+    kinds: tuple[str, ...]
+    min_capability: float = 0.0
+    source: str = ""
+
+    def serves(self, kind: str, capability: float = 0.0) -> bool:
+        return kind in self.kinds and (kind != "cuda" or capability >= self.min_capability)
+
+
+def vllm_serve(path: str) -> str:
+    return f"vllm serve {path}"
+
+
+@dataclass(frozen=True)
 class MethodSpec:
     """Every member a method provides. Required members first; the rest default as shown."""
 
@@ -243,6 +264,11 @@ class MethodSpec:
     # tower_proof(job, result) -> report fields proving a VLM artifact's towers (exit 3 otherwise);
     # None: the pipeline reloads a checkpoint directory (quantkit.eval.vlm_proof.prove_towers)
     tower_proof: Callable[[QuantizeJob, QuantizeResult], dict] | None = None
+    # precision_bits(options, precision) -> bits per weight of a plan entry's precision string, scales
+    # included; None: stored_bits(options) for every quantized entry
+    precision_bits: Callable[[BaseModel, str], float] | None = None
+    runtimes: tuple[Runtime, ...] = ()  # in order of preference: the first that runs on a device serves there
+    serve_command: Callable[[str], str] = vllm_serve  # serve_command(artifact path) -> a command line
 
 
 def fixed_gate(thresholds: GateDefaults) -> Callable[[BaseModel], GateDefaults]:

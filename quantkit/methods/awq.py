@@ -309,5 +309,5 @@ METHOD = MethodSpec(
     options=Options, quantize=quantize, precision=precision, default_gate=fixed_gate(DEFAULT_GATE),
     check=check, needs_calibration=needs_calibration, check_ignore=check_ignore,
     resolve=gptq.resolve, fallback_ladder=fallback_ladder, requantize=requantize, stored_bits=gptq.stored_bits,
-    support=support,
+    support=support, runtimes=gptq.RUNTIMES,
 )

@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict
 
 from quantkit.arch import moe
 from quantkit.engines.llmcompressor import llmc, model_free
-from quantkit.methods import MethodSpec, ModelHandle, QuantizeJob, QuantizeResult, fixed_gate
+from quantkit.methods import MethodSpec, ModelHandle, QuantizeJob, Runtime, QuantizeResult, fixed_gate
 from quantkit.mixed import layers as intmix
 from quantkit.mixed.budget import Fallback
 
@@ -180,11 +180,19 @@ def requantize(job: QuantizeJob, plan: dict[str, str], details: dict) -> Quantiz
                                                                                  intmix.sized(layer_bytes, job))})
 
 
+RUNTIMES = (
+    Runtime("vLLM: FP8 W8A8 (CUTLASS)", ("cuda",), 8.9, "vLLM docs, features/quantization (supported hardware): FP8 W8A8 on Ada and Hopper"),
+    Runtime("vLLM: FP8 Marlin, weights only", ("cuda",), 8.0,
+            "vLLM docs, features/quantization/fp8: Ampere runs FP8 checkpoints as W8A16 through FP8 Marlin"),
+)
+
+
 METHOD = MethodSpec(
     quantizes_towers=True, name="fp8", engine=llmc.ENGINE, engine_package=llmc.ENGINE,
     format="compressed-tensors (float-quantized, float8_e4m3fn)",
     options=Options, quantize=quantize, precision=precision, default_gate=fixed_gate(DEFAULT_GATE),
     check=check, needs_calibration=needs_calibration, needs_model=needs_model, keeps_lm_head=keeps_lm_head,
     fallback_ladder=fallback_ladder, requantize=requantize, working_set=working_set, support=support,
+    runtimes=RUNTIMES,
 )
 

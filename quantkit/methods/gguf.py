@@ -28,7 +28,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from quantkit.errors import InputError, UnsupportedError
-from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult
+from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, Runtime
 from quantkit.mixed.budget import Fallback
 
 MIX_MARGIN = 1.15  # mixtures give some tensors more bits than the base type (Q4_K_M: Q6_K parts)
@@ -450,6 +450,29 @@ def type_bits(gguf_type: str) -> float:
     return 8 * size / block
 
 
+def precision_bits(options: Options, precision: str) -> float:
+    """Bits per weight of a plan entry's ggml type ("gguf Q6_K": 6.5625)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[precision.removeprefix("gguf ")]]
+    return 8 * size / block
+
+
+LLAMACPP = "llama.cpp docs/build.md: CUDA, Metal and CPU backends (Ollama runs llama.cpp)"
+RUNTIMES = (
+    Runtime("llama.cpp / Ollama: CUDA", ("cuda",), 5.0, LLAMACPP),
+    Runtime("llama.cpp / Ollama: Metal", ("apple",), 0.0, LLAMACPP),
+    Runtime("llama.cpp / Ollama: CPU", ("cpu",), 0.0, LLAMACPP),
+)
+
+
+def serve_command(path: str) -> str:
+    """llama-server on the .gguf (a VLM: with its mmproj file), or Ollama on the Modelfile beside it."""
+    folder = str(Path(path).parent) if path.endswith(".gguf") else path
+    model = path if path.endswith(".gguf") else f"{path}/MODEL.gguf"
+    return f"llama-server -m {model} (or: ollama create NAME -f {folder}/Modelfile && ollama run NAME)"
+
+
 def support(family) -> str:
     """A text family converts when llama.cpp's converter has its architecture; a VLM also needs an
     mmproj conversion for its towers (`mmproj: none` is the opt-in language-model-only output)."""
@@ -491,4 +514,5 @@ METHOD = MethodSpec(
     fallback_ladder=fallback_ladder,
     requantize=requantize,
     artifact="gguf", stored_bits=stored_bits, support=support, tower_proof=tower_proof,
+    precision_bits=precision_bits, runtimes=RUNTIMES, serve_command=serve_command,
 )

@@ -35,7 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from quantkit.arch import moe
 from quantkit.engines.llmcompressor import llmc
 from quantkit.errors import CalibrationError, InputError, UnsupportedError
-from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, fixed_gate
+from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, Runtime, fixed_gate
 from quantkit.mixed import layers as intmix
 from quantkit.mixed.budget import Fallback
 from quantkit.mixed.sensitivity import PROBES_PER_ROLE, SensitivityRow
@@ -484,6 +484,14 @@ def working_set(info, options) -> int:
     return max(per_layer, default=0)
 
 
+# compressed-tensors int weights (W4A16 / W8A16): vLLM's mixed-precision linear kernels
+RUNTIMES = (
+    Runtime("vLLM: Machete WNA16", ("cuda",), 9.0, "vLLM mixed-precision kernels: Machete needs Hopper (9.0)"),
+    Runtime("vLLM: Marlin WNA16", ("cuda",), 7.5, "vLLM docs, features/quantization (supported hardware): Marlin on Turing (7.5) and newer"),
+    Runtime("vLLM CPU backend: WNA16", ("cpu",), 0.0, "vLLM docs, features/quantization (supported hardware): GPTQ/AWQ int weights on x86 CPU"),
+)
+
+
 def support(family) -> str:
     return family.decoder_support("✅ symmetric (asymmetric, act_order group refused)")
 
@@ -494,5 +502,5 @@ METHOD = MethodSpec(
     options=Options, quantize=quantize, precision=precision, default_gate=fixed_gate(DEFAULT_GATE),
     check=check, needs_calibration=needs_calibration, resolve=resolve,
     fallback_ladder=fallback_ladder, requantize=requantize, stored_bits=stored_bits, working_set=working_set,
-    distributed=True, support=support,
+    distributed=True, support=support, runtimes=RUNTIMES,
 )

@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict
 
 from quantkit.arch.moe import is_expert_weight
 from quantkit.errors import UnsupportedError, require
-from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, fixed_gate
+from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, Runtime, fixed_gate
 from quantkit.mixed import layers as intmix
 from quantkit.mixed.budget import Fallback
 
@@ -254,6 +254,17 @@ def stored_bits(options: Options) -> float:
     return 8.0 if options.scheme == "int8" else 4.127
 
 
+RUNTIMES = (
+    Runtime("vLLM: bitsandbytes", ("cuda",), 7.0, "vLLM docs, features/quantization (supported hardware): bitsandbytes on Volta (7.0) and newer"),
+    Runtime("transformers + bitsandbytes", ("cuda", "cpu", "apple"), 6.0,
+            "bitsandbytes 0.50 installation guide: NF4/FP4 on CUDA 6.0+, CPU and Apple Silicon"),
+)
+
+
+def serve_command(path: str) -> str:
+    return f"vllm serve {path} --quantization bitsandbytes"
+
+
 def support(family) -> str:
     return family.decoder_support("✅ experts stay bf16")
 
@@ -264,5 +275,6 @@ METHOD = MethodSpec(
     options=Options, quantize=quantize, precision=precision, default_gate=fixed_gate(DEFAULT_GATE),
     check=check, needs_model=lambda info, options: False,  # transformers re-loads the checkpoint with a bnb config
     needs_calibration=needs_calibration, fallback_ladder=fallback_ladder, requantize=requantize,
-    artifact="bitsandbytes", stored_bits=stored_bits, support=support,
+    artifact="bitsandbytes", stored_bits=stored_bits, support=support, runtimes=RUNTIMES,
+    serve_command=serve_command,
 )

@@ -29,7 +29,7 @@ from quantkit.arch import moe
 from quantkit.arch.mappings import Mapping, model_mappings
 from quantkit.engines.llmcompressor import llmc
 from quantkit.errors import InputError
-from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, fixed_gate, gptq
+from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, Runtime, fixed_gate, gptq
 from quantkit.mixed import layers as intmix
 from quantkit.mixed.budget import Fallback
 
@@ -194,6 +194,12 @@ def requantize(job: QuantizeJob, plan: dict[str, str], details: dict) -> Quantiz
                                                                                   intmix.sized(layer_bytes, job))})
 
 
+RUNTIMES = (
+    Runtime("vLLM: INT8 W8A8 (CUTLASS)", ("cuda",), 7.5, "vLLM docs, features/quantization (supported hardware): INT8 W8A8 on Turing (7.5) and newer"),
+    Runtime("vLLM CPU backend: INT8 W8A8", ("cpu",), 0.0, "vLLM docs, features/quantization (supported hardware): INT8 W8A8 on x86 and Arm CPUs"),
+)
+
+
 def support(family) -> str:
     return family.smoothing_refusal() or family.decoder_support("refused: int8 experts do not reload")
 
@@ -203,5 +209,5 @@ METHOD = MethodSpec(
     format="compressed-tensors (int-quantized, W8A8 int8)",
     options=Options, quantize=quantize, precision=precision, default_gate=fixed_gate(DEFAULT_GATE),
     check=check, needs_calibration=needs_calibration, fallback_ladder=fallback_ladder, requantize=requantize,
-    support=support,
+    support=support, runtimes=RUNTIMES,
 )

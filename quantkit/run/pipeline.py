@@ -45,6 +45,7 @@ from quantkit.io.checkpoint import ModelInfo, check_generative, check_model_dir,
 from quantkit.io.memory import PeakTracker
 from quantkit.io.numerics import check_finite
 from quantkit.methods import MethodSpec, ModelHandle, QuantizeJob, QuantizeResult, get_method
+from quantkit.run import serving
 from quantkit.run.cache import fingerprint, input_hashes, up_to_date
 from quantkit.run.lora import plan_merge
 from quantkit.run.plan import build_plan, ignore_patterns
@@ -401,6 +402,7 @@ def run_target(job: QuantizeJob, resolved: ResolvedTarget, baseline, opts: RunOp
     if job.info.towers.components:
         entry.details["towers"] = (resolved.method.tower_proof or tower_proof)(job, result)
     if baseline is None:
+        entry.details["serving"] = serving.artifact_plan(job.info, resolved.method, result.artifact)
         return entry
     from quantkit.eval import evaluate, scorers
 
@@ -417,6 +419,7 @@ def run_target(job: QuantizeJob, resolved: ResolvedTarget, baseline, opts: RunOp
         run_fallback(job, resolved, result, entry, baseline, opts)
     if entry.failed_enforced_gate:
         entry.status, entry.exit_code = "failed", GateFailedError.exit_code
+    entry.details["serving"] = serving.artifact_plan(job.info, resolved.method, result.artifact)
     return entry
 
 

@@ -131,8 +131,28 @@ def model_card(target: TargetReport, report: RunReport) -> str:
     lines += [f"Chosen for this model: {option} {why}." for option, why in target.details.get("choices", {}).items()]
     lines += mixed_lines(target.details)
     lines += tower_section(report.model.towers, target.details.get("towers"))
+    lines += serving_section(target.details.get("serving"), base_model)
     lines += ["Produced by `quantkit quantize`; the full record is in `quantkit.json`.", ""]
     return "\n".join(lines)
+
+
+def serving_section(plan: dict | None, base_model: str) -> list[str]:
+    """This artifact's line of the serving plan (quantkit.run.serving.artifact_plan) and its serve command."""
+    if not plan:
+        return []
+    by_verdict: dict[str, list[str]] = {}
+    for device, fit in plan["devices"].items():
+        where = f"{device} ({fit['runtime']})" if fit["runtime"] and fit["verdict"] != "too small" else device
+        by_verdict.setdefault(fit["verdict"], []).append(where)
+    parts = [f"{verdict}: {', '.join(devices)}" for verdict, devices in by_verdict.items()]
+    return ["## Serving", "",
+            f"{size_text(plan['weights_bytes'])} on disk, fp16 KV cache {size_text(plan['kv_cache_bytes'])} for "
+            f"{plan['context']} tokens; " + "; ".join(parts) + f". Other devices and contexts: `quantkit plan {base_model}`.",
+            "", f"From this directory: `{plan['serve']}`", ""]
+
+
+def size_text(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def mixed_lines(details: dict) -> list[str]:

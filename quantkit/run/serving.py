@@ -1,0 +1,221 @@
+"""Where an artifact quantkit writes can be served: its weights, the KV cache at a context length and
+batch, and the overhead, against named devices, with the runtime and kernel that serve the format
+there (each method's `runtimes`). Devices and their figures are the table below, each with its
+source; nothing is fetched."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from quantkit.errors import InputError
+from quantkit.methods import METHODS, MethodSpec, Runtime, get_method
+
+OVERHEAD = 0.10  # activations, buffers and allocator slack on top of weights + KV (as quantkit inspect's estimate)
+KV_SHARE = 0.40  # below this share of the usable memory left for the KV cache, batching has little room
+KV_BYTES = {"fp16": 2, "fp8": 1}  # per cached value; llama.cpp's nearest to fp8 is --cache-type-k/v q8_0
+GB = 10**9
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str
+    memory: int  # bytes
+    kind: str  # "cuda", "apple", "cpu"
+    capability: float = 0.0  # CUDA compute capability
+    usable: float = 0.90
+    source: str = ""
+
+    @property
+    def usable_bytes(self) -> int:
+        return int(self.memory * self.usable)
+
+
+NVIDIA = "NVIDIA datasheet (memory) and CUDA GPUs list (compute capability); usable 0.90: vLLM's default gpu_memory_utilization"
+APPLE = "Apple specifications (unified memory); usable about 3/4: Metal's recommendedMaxWorkingSetSize"
+
+
+def cuda(name: str, gigabytes: float, capability: float) -> Device:
+    return Device(name, int(gigabytes * GB), "cuda", capability, 0.90, NVIDIA)
+
+
+def apple(name: str, gigabytes: float) -> Device:
+    return Device(name, int(gigabytes * GB), "apple", 0.0, 0.75, APPLE)
+
+
+DEVICES = {d.name: d for d in (
+    cuda("B200", 180, 10.0), cuda("H200", 141, 9.0), cuda("H100", 80, 9.0), cuda("A100-80G", 80, 8.0),
+    cuda("A100-40G", 40, 8.0), cuda("L40S", 48, 8.9), cuda("A10G", 24, 8.6), cuda("L4", 24, 8.9),
+    cuda("RTX4090", 24, 8.9), cuda("RTX3090", 24, 8.6), cuda("T4", 16, 7.5), cuda("V100-32G", 32, 7.0),
+    apple("M2-Ultra-192G", 192), apple("M4-Max-128G", 128), apple("M3-Max-64G", 64), apple("M3-Pro-36G", 36),
+    apple("M2-16G", 16),
+)}
+DEFAULT_DEVICES = ("H100", "A100-80G", "L40S", "RTX4090", "M3-Max-64G", "cpu")
+CPU_SIZE = re.compile(r"cpu-(\d+(?:\.\d+)?)G", re.IGNORECASE)
+
+
+def device(name: str, ram: int = 0) -> Device:
+    """A device of the table by name (case-insensitive); `cpu` is this machine (`ram` bytes), `cpu-64G` a
+    CPU with that much memory."""
+    if name.lower() == "cpu":
+        return Device("cpu", ram, "cpu", 0.0, 0.90, "this machine's MemTotal; usable 0.90 (the OS and other processes)")
+    size = CPU_SIZE.fullmatch(name)
+    if size:
+        return Device(name, int(float(size.group(1)) * GB), "cpu", 0.0, 0.90, "as named; usable 0.90")
+    known = {key.lower(): d for key, d in DEVICES.items()}
+    if name.lower() not in known:
+        raise InputError(f"unknown device '{name}'",
+                         hint="choose from " + ", ".join([*DEVICES, "cpu", "cpu-64G"]))
+    return known[name.lower()]
+
+
+def kv_bytes_per_token(config: dict, kv_cache: str = "fp16") -> int:
+    """K and V of one token over every layer: 2 x layers x kv_heads x head_dim x bytes per value."""
+    text = config.get("text_config") or config
+    heads = text.get("num_attention_heads") or 1
+    kv_heads = text.get("num_key_value_heads") or heads
+    head_dim = text.get("head_dim") or (text.get("hidden_size") or 0) // heads
+    return 2 * (text.get("num_hidden_layers") or 0) * kv_heads * head_dim * KV_BYTES[kv_cache]
+
+
+def runtime_for(method: MethodSpec, target: Device) -> Runtime | None:
+    """The first of the method's runtimes that runs on the device; None when none does."""
+    return next((r for r in method.runtimes if r.serves(target.kind, target.capability)), None)
+
+
+@dataclass(frozen=True)
+class Fit:
+    """One artifact on one device: the runtime that serves it there, what it needs (weights and the
+    KV cache, each with the overhead), what the device offers, and the KV tokens the weights leave room for."""
+
+    device: str
+    runtime: str | None
+    weights: int
+    kv: int
+    usable: int
+    kv_tokens: int
+
+    @property
+    def needs(self) -> int:
+        return self.weights + self.kv
+
+    @property
+    def kv_room(self) -> float:
+        """Share of the usable memory the weights leave for the KV cache."""
+        return max(0.0, 1 - self.weights / self.usable) if self.usable else 0.0
+
+    @property
+    def verdict(self) -> str:
+        """'no runtime', 'too small', 'tight' (the weights leave under KV_SHARE of the memory to the
+        KV cache: little room for longer contexts or batching), or 'fits'."""
+        if self.runtime is None:
+            return "no runtime"
+        if self.needs > self.usable:
+            return "too small"
+        return "tight" if self.kv_room < KV_SHARE else "fits"
+
+    def as_dict(self) -> dict:
+        return {"device": self.device, "runtime": self.runtime, "verdict": self.verdict, "needs_bytes": self.needs,
+                "usable_bytes": self.usable, "kv_room": round(self.kv_room, 3), "kv_tokens": self.kv_tokens}
+
+
+def fit(weights: int, kv_per_token: int, tokens: int, runtimes: tuple[Runtime, ...], target: Device) -> Fit:
+    """How an artifact of `weights` bytes with a KV cache of `tokens` tokens fits a device."""
+    runtime = next((r for r in runtimes if r.serves(target.kind, target.capability)), None)
+    held = math.ceil(weights * (1 + OVERHEAD))
+    per_token = kv_per_token * (1 + OVERHEAD)
+    kv_tokens = max(0, int((target.usable_bytes - held) / per_token)) if per_token else 0
+    return Fit(target.name, runtime.name if runtime else None, held, math.ceil(per_token * tokens),
+               target.usable_bytes, kv_tokens)
+
+
+# The unquantized checkpoint, for comparison: vLLM needs compute capability 7.0 (its installation guide)
+SOURCE_RUNTIMES = (
+    Runtime("vLLM: 16-bit", ("cuda",), 7.0, "vLLM docs, getting_started/installation/gpu: compute capability 7.0+"),
+    Runtime("llama.cpp / transformers: 16-bit", ("cpu", "apple"), 0.0, "runs anywhere torch or llama.cpp runs"),
+)
+
+
+def source_bytes(info) -> int:
+    """The checkpoint's tensors at 16 bits (float32 ones halved: what serving in bfloat16 holds)."""
+    from quantkit.io.safetensors import DTYPE_BYTES
+
+    return sum(math.prod(shape) * min(DTYPE_BYTES.get(dtype, 2), 2) for dtype, shape in info.tensors.values())
+
+
+def weight_bytes(info, method: MethodSpec, options) -> int:
+    """The artifact's weights as the method's precision plan gives them: each quantized weight at its
+    precision's bits (MethodSpec.precision_bits, else stored_bits), everything else at 16 bits."""
+    from quantkit.run.plan import build_plan, ignore_patterns
+
+    entries = build_plan(info, method, options, ignore_patterns(info, [], method.keeps_lm_head(options)))
+    quantized = {e.name + ".weight": e.precision for e in entries if not e.kept}
+    total = 0.0
+    for name, (dtype, shape) in info.tensors.items():
+        count = math.prod(shape)
+        if name in quantized:
+            bits = (method.precision_bits(options, quantized[name]) if method.precision_bits
+                    else method.stored_bits(options))
+            total += count * bits / 8
+        else:
+            total += count * 2
+    return int(total)
+
+
+@dataclass(frozen=True)
+class FormatPlan:
+    """One format quantkit writes (a method with its default options) and how it fits each device."""
+
+    method: str
+    format: str
+    weights: int
+    fits: list[Fit]
+    serve: str
+
+    def as_dict(self) -> dict:
+        return {"method": self.method, "format": self.format, "weights_bytes": self.weights,
+                "serve": self.serve, "devices": [f.as_dict() for f in self.fits]}
+
+
+def serving_plan(info, devices: list[Device], context: int, batch: int, kv_cache: str,
+                 methods: list[str] | None = None) -> dict:
+    """The plan for a model: the 16-bit checkpoint, then each method's artifact at its default options."""
+    per_token = kv_bytes_per_token(info.config, kv_cache)
+    tokens = context * batch
+    rows = [FormatPlan("source", f"16-bit ({info.dtype})", source_bytes(info),
+                       [fit(source_bytes(info), per_token, tokens, SOURCE_RUNTIMES, d) for d in devices], "")]
+    for name in methods or list(METHODS):
+        method = get_method(name)
+        options, _choices = method.resolve(info, method.options())
+        weights = weight_bytes(info, method, options)
+        rows.append(FormatPlan(name, method.format, weights,
+                               [fit(weights, per_token, tokens, method.runtimes, d) for d in devices],
+                               method.serve_command("OUT")))
+    return {"model": str(info.path), "context": context, "batch": batch, "kv_cache": kv_cache,
+            "kv_bytes_per_token": per_token, "overhead": OVERHEAD, "kv_share": KV_SHARE,
+            "devices": [{"name": d.name, "memory_bytes": d.memory, "kind": d.kind, "capability": d.capability,
+                         "usable": d.usable, "source": d.source} for d in devices],
+            "formats": [row.as_dict() for row in rows],
+            "sources": sorted({r.source for n in (methods or list(METHODS)) for r in get_method(n).runtimes}
+                              | {r.source for r in SOURCE_RUNTIMES} | {d.source for d in devices})}
+
+
+CARD_DEVICES = ("H100", "A100-80G", "L40S", "L4", "RTX4090", "M3-Max-64G")
+CARD_CONTEXT = 4096
+
+
+def artifact_plan(info, method: MethodSpec, artifact) -> dict:
+    """A written artifact's line of the plan for its model card: its bytes on disk with an fp16 KV cache of
+    CARD_CONTEXT tokens on the CARD_DEVICES, and the command that serves it from its directory."""
+    from pathlib import Path
+
+    from quantkit.io.export import artifact_bytes
+
+    artifact = Path(artifact)
+    weights = artifact_bytes(artifact)
+    per_token = kv_bytes_per_token(info.config)
+    fits = [fit(weights, per_token, CARD_CONTEXT, method.runtimes, DEVICES[name]) for name in CARD_DEVICES]
+    return {"weights_bytes": weights, "context": CARD_CONTEXT, "kv_cache_bytes": per_token * CARD_CONTEXT,
+            "devices": {f.device: {"verdict": f.verdict, "runtime": f.runtime} for f in fits},
+            "serve": method.serve_command(artifact.name if artifact.is_file() else ".")}

@@ -1,0 +1,98 @@
+"""The serving plan: KV cache and weight sizes, which runtime serves a format on a device, and the
+verdicts `quantkit plan` and the model cards print."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from quantkit.methods import get_method
+from quantkit.run.serving import (
+    DEVICES,
+    GB,
+    KV_SHARE,
+    OVERHEAD,
+    device,
+    fit,
+    kv_bytes_per_token,
+    runtime_for,
+)
+
+
+def test_kv_cache_per_token_counts_k_and_v_of_every_layer():
+    config = {"num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2, "hidden_size": 896}
+    assert kv_bytes_per_token(config) == 2 * 24 * 2 * 64 * 2  # head_dim from hidden / heads
+    assert kv_bytes_per_token({**config, "head_dim": 128}, "fp8") == 2 * 24 * 2 * 128
+    assert kv_bytes_per_token({"text_config": config}) == kv_bytes_per_token(config)  # a VLM's language model
+
+
+@pytest.mark.parametrize("method, name, expected", [
+    ("fp8", "H100", "vLLM: FP8 W8A8 (CUTLASS)"),
+    ("fp8", "A100-80G", "vLLM: FP8 Marlin, weights only"),
+    ("fp8", "T4", None),
+    ("fp8", "M3-Max-64G", None),
+    ("gptq", "H100", "vLLM: Machete WNA16"),
+    ("gptq", "T4", "vLLM: Marlin WNA16"),
+    ("awq", "V100-32G", None),
+    ("smoothquant", "cpu-64G", "vLLM CPU backend: INT8 W8A8"),
+    ("nf4", "V100-32G", "vLLM: bitsandbytes"),
+    ("nf4", "M2-16G", "transformers + bitsandbytes"),
+    ("gguf", "M3-Max-64G", "llama.cpp / Ollama: Metal"),
+    ("gguf", "cpu", "llama.cpp / Ollama: CPU"),
+])
+def test_the_runtime_follows_the_kernels_compute_capability(method, name, expected):
+    runtime = runtime_for(get_method(method), device(name, 8 * GB))
+    assert (runtime.name if runtime else None) == expected
+
+
+def test_verdicts():
+    runtimes = get_method("gptq").runtimes
+    l4 = DEVICES["L4"]  # 24 GB x 0.90 usable, compute capability 8.9
+    small = fit(4 * GB, 100_000, 4096, runtimes, l4)
+    assert small.verdict == "fits" and small.runtime == "vLLM: Marlin WNA16"
+    assert small.needs == small.weights + small.kv and small.weights == int(4 * GB * (1 + OVERHEAD))
+    assert small.kv_tokens == int((l4.usable_bytes - small.weights) / (100_000 * (1 + OVERHEAD)))
+    tight = fit(15 * GB, 100_000, 4096, runtimes, l4)  # the weights leave under 40% to the KV cache
+    assert tight.kv_room < KV_SHARE and tight.verdict == "tight"
+    assert fit(15 * GB, 2_000_000, 8192, runtimes, l4).verdict == "too small"
+    assert fit(1 * GB, 1, 1, get_method("fp8").runtimes, DEVICES["M3-Max-64G"]).verdict == "no runtime"
+
+
+def test_unknown_device_is_bad_input(cli, micro_model):
+    result = cli("plan", micro_model, "--gpu", "H800")
+    assert result.exit_code == 2 and "unknown device 'H800'" in result.stderr and "RTX4090" in result.stderr
+
+
+def test_plan_json_sizes_every_format(cli, micro_model, tmp_path):
+    """Weights by the precision plan; the gguf row by the exact per-tensor mixture, so it matches the
+    written file's tensor data."""
+    result = cli("plan", micro_model, "--gpu", "T4", "--gpu", "cpu-2G", "--context", "2048", "--batch", "2",
+                 "--kv-cache", "fp8", "--json", "-")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    rows = {row["method"]: row for row in data["formats"]}
+    assert list(rows) == ["source", "fp8", "gptq", "awq", "smoothquant", "nf4", "gguf"]
+    assert data["kv_bytes_per_token"] == kv_bytes_per_token(json.loads((micro_model / "config.json").read_text()), "fp8")
+    assert rows["gptq"]["weights_bytes"] < rows["fp8"]["weights_bytes"] < rows["source"]["weights_bytes"]
+    t4 = {row: rows[row]["devices"][0] for row in rows}
+    assert t4["fp8"]["verdict"] == "no runtime" and t4["gptq"]["runtime"] == "vLLM: Marlin WNA16"
+    assert all(row["devices"][1]["device"] == "cpu-2G" for row in rows.values())
+    out = tmp_path / "gguf"
+    assert cli("quantize", micro_model, "--method", "gguf", "--eval-windows", "0", "-o", out).exit_code == 0
+    from gguf import GGUFReader
+
+    (written,) = out.glob("*.gguf")
+    tensor_bytes = sum(int(t.n_bytes) for t in GGUFReader(written).tensors)
+    assert abs(rows["gguf"]["weights_bytes"] - tensor_bytes) <= 0.01 * tensor_bytes
+    card = (out / "README.md").read_text()
+    assert "## Serving" in card and f"`llama-server -m {written.name}" in card
+    serving = json.loads((out / "quantkit.json").read_text())["targets"][0]["details"]["serving"]
+    assert serving["devices"]["M3-Max-64G"] == {"verdict": "fits", "runtime": "llama.cpp / Ollama: Metal"}
+
+
+def test_plan_prints_a_table_and_the_serve_commands(cli, micro_model):
+    result = cli("plan", micro_model, "--method", "gptq", "--method", "gguf")
+    assert result.exit_code == 0, result.output
+    assert "serving plan" in result.stdout and "vllm serve OUT" in result.stdout and "llama-server" in result.stdout
+    assert "vLLM docs" in result.stdout  # the sources of the figures
