@@ -11,7 +11,7 @@ from dataclasses import fields
 import pytest
 from pydantic import BaseModel
 
-from quantkit.methods import METHODS, MethodSpec, get_method
+from quantkit.methods import METHODS, MethodSpec, Runtime, get_method
 from quantkit.run.recipe import Calibration, Gate
 
 
@@ -27,12 +27,15 @@ def test_method_declares_the_contract(name):
             assert isinstance(value, str) and value, member.name
         elif member.name in ("supports_ignore", "quantizes_towers", "distributed"):
             assert isinstance(value, bool)
-        elif member.name == "tower_proof":
+        elif member.name in ("tower_proof", "precision_bits"):
             assert value is None or callable(value)
+        elif member.name == "runtimes":
+            assert value and all(isinstance(r, Runtime) and r.source for r in value)
         elif member.name != "options":
             assert callable(value), member.name
     assert spec.artifact in ("compressed-tensors", "bitsandbytes", "gguf")
     assert spec.stored_bits(options) > 0
+    assert spec.serve_command("OUT").split()[0] in ("vllm", "llama-server")
     assert isinstance(spec.needs_calibration(options), bool)
     assert isinstance(spec.keeps_lm_head(options), bool)
     Gate(**spec.default_gate(options))  # thresholds are Gate fields
