@@ -30,7 +30,7 @@ max_size +25%): the plain run's metrics and verdict, the fallback's steps, size 
 
 Usage: nice python scripts/bench_autoprecision.py --model DIR [--sections gguf gptq fallback]
        [--types Q4_K_M ...] [--work DIR] [--threads 2] [--num-samples 32] [--seq-len 128]
-       [--eval-windows 40] [--json out.json] [--validate]
+       [--eval-windows 40] [--json out.json] [--validate] [--fallback-methods fp8 smoothquant nf4]
 """
 
 from __future__ import annotations
@@ -71,6 +71,8 @@ def parse_args(argv):
     parser.add_argument("--model", type=Path, required=True)
     parser.add_argument("--sections", nargs="+", choices=["gguf", "gptq", "fallback"], default=["gguf"])
     parser.add_argument("--types", nargs="+", default=["Q3_K_M", "Q4_K_M", "Q5_K_M"])
+    parser.add_argument("--fallback-methods", nargs="+", choices=["fp8", "smoothquant", "nf4"],
+                        default=["fp8", "smoothquant", "nf4"], help="methods of the fallback section")
     parser.add_argument("--work", type=Path, default=Path("/tmp/bench-autoprecision"))
     parser.add_argument("--num-samples", type=int, default=32)
     parser.add_argument("--seq-len", type=int, default=128)
@@ -242,7 +244,7 @@ def fallback_section(args, work: Path) -> dict:
     from quantkit.methods import get_method
 
     result = {}
-    for method in ("fp8", "smoothquant", "nf4"):
+    for method in args.fallback_methods:
         plain, plain_wall = quantkit_run(args.model, work / f"plain-{method}", ["--method", method], args, True)
         fallback, wall = quantkit_run(args.model, work / f"fallback-{method}", ["--method", method, "--fallback"],
                                       args, True)

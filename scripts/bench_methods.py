@@ -1,8 +1,9 @@
 #!/usr/bin/env python
-"""Benchmark quantkit's gptq / awq / smoothquant / nf4 against bare peers, in one run.
+"""Benchmark quantkit's gptq / awq / autoround / smoothquant / nf4 against bare peers, in one run.
 
     python scripts/bench_methods.py MODEL [--num-samples 32] [--seq-len 128] [--eval-windows 16]
                                           [--methods gptq,awq,smoothquant,nf4] [--json out.json]
+                                          [--extras]
 
 MODEL is normally the reference model (scripts/train_reference_model.py). For each method:
   * quantkit  - `quantkit quantize MODEL --method M --no-gate` (the whole gated pipeline: load,
@@ -11,6 +12,10 @@ MODEL is normally the reference model (scripts/train_reference_model.py). For ea
                 same thing (W4A16 / W4A16_ASYM / W8A8), on the same calibration windows;
                 for nf4, bare transformers `from_pretrained(quantization_config=...)`;
   * rtn       - round-to-nearest with the same weight format (QuantizationModifier), no data.
+With --extras, also quantkit's other settings of the same format: gptq --asymmetric, autoround's
+light preset. autoround's bare run is llm-compressor's AutoRoundModifier with the W4A16 preset and
+its defaults (200 iterations, batch 8), torch.compile off on both sides (on CPU it compiles longer
+than it tunes).
 Each variant runs in its own child process: wall time and peak RSS (wait4) are the child's.
 Every artifact is then reloaded from disk and scored by the same evaluator against one
 baseline on the same held-out windows, so quality numbers are comparable across rows.
@@ -27,14 +32,17 @@ import tempfile
 import time
 from pathlib import Path
 
-METHODS = ("gptq", "awq", "smoothquant", "nf4")
+METHODS = ("gptq", "awq", "smoothquant", "nf4")  # the default; autoround is opt-in (minutes per run)
 # method -> {variant: llm-compressor preset scheme (None: not applicable)}
 PRESETS = {
     "gptq": {"oneshot": "W4A16", "rtn": "W4A16"},
     "awq": {"oneshot": "W4A16_ASYM", "rtn": "W4A16_ASYM"},
     "smoothquant": {"oneshot": "W8A8", "rtn": "W8A8"},
     "nf4": {"oneshot": "bnb-nf4", "rtn": None},
+    "autoround": {"oneshot": "W4A16", "rtn": "W4A16"},
 }
+# method -> {quantkit variant: extra flags} (--extras)
+EXTRAS = {"gptq": {"quantkit-asym": ["--asymmetric"]}, "autoround": {"quantkit-light": ["--preset", "light"]}}
 
 
 # ---------------------------------------------------------------- workers (child processes)
@@ -52,6 +60,7 @@ def windows_for(model: str, args):
 
 
 def oneshot_recipe(method: str, variant: str) -> list:
+    from llmcompressor.modifiers.autoround import AutoRoundModifier
     from llmcompressor.modifiers.gptq import GPTQModifier
     from llmcompressor.modifiers.quantization import QuantizationModifier
     from llmcompressor.modifiers.transform.awq import AWQModifier
@@ -62,6 +71,8 @@ def oneshot_recipe(method: str, variant: str) -> list:
         return [QuantizationModifier(targets="Linear", scheme=scheme, ignore=["lm_head"])]
     if method == "gptq":
         return [GPTQModifier(targets="Linear", scheme=scheme, ignore=["lm_head"])]
+    if method == "autoround":
+        return [AutoRoundModifier(targets="Linear", scheme=scheme, ignore=["lm_head"], enable_torch_compile=False)]
     if method == "awq":
         return [AWQModifier(), QuantizationModifier(targets="Linear", scheme=scheme, ignore=["lm_head"])]
     return [SmoothQuantModifier(smoothing_strength=0.8),
@@ -130,7 +141,7 @@ def variant_command(model: str, out: Path, method: str, variant: str, args) -> l
         # quantkit-nogate: --eval-windows 0, the same work as the bare engine (for the overhead ratio)
         flags = calib_flags(args)[:-1] + ["0"] if variant == "quantkit-nogate" else calib_flags(args)
         return [sys.executable, "-m", "quantkit", "quantize", model, "--method", method, "--no-gate",
-                *flags, "-o", str(out), "--json", str(out) + ".report.json"]
+                *flags, *EXTRAS.get(method, {}).get(variant, []), "-o", str(out), "--json", str(out) + ".report.json"]
     kind = "bnb" if method == "nf4" else "llmc"
     return [sys.executable, __file__, "--worker", kind, model, str(out), method, variant, model, *calib_flags(args)]
 
@@ -157,8 +168,9 @@ def bench_variant(model: str, method: str, variant: str, args, work: Path, windo
     return {**row, **score(out, model, windows, baseline)}
 
 
-def variants(method: str) -> list[str]:
-    return ["quantkit", "quantkit-nogate"] + [v for v, scheme in PRESETS[method].items() if scheme]
+def variants(method: str, extras: bool = False) -> list[str]:
+    extra = list(EXTRAS.get(method, {})) if extras else []
+    return ["quantkit", "quantkit-nogate", *extra] + [v for v, scheme in PRESETS[method].items() if scheme]
 
 
 def run(args) -> list[dict]:
@@ -173,7 +185,7 @@ def run(args) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-methods-") as tmp:
         for method in args.methods.split(","):
-            for variant in variants(method):
+            for variant in variants(method, args.extras):
                 rows.append(bench_variant(args.model, method, variant, args, Path(tmp), windows, baseline))
                 print(format_row(rows[-1]), file=sys.stderr, flush=True)
     return rows
@@ -203,6 +215,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--eval-windows", type=int, default=16)
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--json", dest="json_path", default=None)
+    parser.add_argument("--extras", action="store_true", help="also gptq --asymmetric and autoround's light preset")
     return parser.parse_args(argv)
 
 

@@ -15,7 +15,7 @@ from tests.util import leftovers
 from tests.vlm_models import FAMILY_KINDS, PROCESSOR_KINDS, build_family
 
 CALIB = ("--num-samples", "16", "--seq-len", "64", "--eval-windows", "4", "--no-gate")
-METHODS = ("fp8", "gptq", "awq", "smoothquant", "nf4", "gguf")
+METHODS = ("fp8", "gptq", "awq", "autoround", "smoothquant", "nf4", "gguf")
 
 
 def test_the_matrix_covers_the_readme_families():
@@ -57,13 +57,13 @@ def tensors(path) -> dict:
 
 def run_case(cli, model_dir, kind: str, method: str, tmp_path):
     """What README's VLM table says for (family, method): exit 2 before work, or exit 0 with the proof."""
-    from quantkit.run.support import vlm_support
+    from quantkit.run.support import verdict
 
     out = tmp_path / "out"
     if method == "gguf":
         model_dir = with_image_stats(model_dir, tmp_path)
     result = cli("quantize", model_dir, "--method", method, "-o", out, "--json", tmp_path / "r.json", *CALIB)
-    if vlm_support(kind, method).startswith("refused"):
+    if verdict(kind, method).startswith("refused"):
         assert result.exit_code == 2, result.output
         assert leftovers(tmp_path, "out") == []
         assert "error: " in result.stderr and (method == "gguf" or method in result.stderr)  # the method's own check

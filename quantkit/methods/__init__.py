@@ -1,6 +1,6 @@
 """The method contract, and the static name -> module map through which methods are imported lazily.
 
-Each method module (fp8, gptq, awq, smoothquant, nf4, gguf) ends with one declaration,
+Each method module (fp8, gptq, awq, autoround, smoothquant, nf4, gguf) ends with one declaration,
 
     METHOD = MethodSpec(name=..., engine=..., engine_package=..., format=..., options=Options,
                         quantize=quantize, precision=precision, default_gate=..., ...)
@@ -58,6 +58,7 @@ METHODS: dict[str, str] = {
     "fp8": "quantkit.methods.fp8",
     "gptq": "quantkit.methods.gptq",
     "awq": "quantkit.methods.awq",
+    "autoround": "quantkit.methods.autoround",
     "smoothquant": "quantkit.methods.smoothquant",
     "nf4": "quantkit.methods.nf4",
     "gguf": "quantkit.methods.gguf",

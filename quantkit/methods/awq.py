@@ -52,7 +52,6 @@ from quantkit.arch.mappings import model_mappings
 from quantkit.engines.llmcompressor import llmc
 from quantkit.errors import InputError, MissingExtraError, UnsupportedError
 from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, fixed_gate, gptq
-from quantkit.mixed import layers as intmix
 from quantkit.mixed.budget import Fallback
 from quantkit.mixed.sensitivity import SensitivityRow
 
@@ -81,9 +80,7 @@ def precision(role: str, options: Options, name: str, shape: list[int]) -> str |
     if role not in gptq.QUANTIZED_ROLES:
         return None
     sym = "sym" if options.symmetric else "asym"
-    auto = "; auto-precision: int8 or 16-bit where measured sensitive" if options.auto_precision else ""
-    auto += "; fallback: int8 or 16-bit where the gate fails" if options.fallback else ""
-    return f"int{options.bits} {gptq.granularity(options.group_size)} {sym} (AWQ{auto})"
+    return f"int{options.bits} {gptq.granularity(options.group_size)} {sym} (AWQ{gptq.mixed_suffix(options)})"
 
 
 def check_backend(backend: str) -> None:
@@ -181,9 +178,7 @@ def write(job: QuantizeJob, ignore: list[str], choice: dict[str, str] | None) ->
     """AWQ of job.model into job.out_dir: int4 for every Linear, or the per-layer `choice` ({module
     name: int4|int8|16-bit}: an int8 group by exact names, the 16-bit layers ignored). Returns whether
     the CPU pin_memory workaround was active."""
-    groups = None
-    if choice is not None:
-        ignore, groups = ignore + intmix.kept_16bit(choice), gptq.config_groups(choice, gptq.scheme(job))
+    ignore, groups = gptq.choice_groups(job, ignore, choice)
     recipe = modifiers(job.options, job.info, ignore, groups)
     with cpu_pin_memory_guard() as patched:
         llmc.run_oneshot(job, recipe, calibrate=True)

@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict
 
 from quantkit.arch import moe
 from quantkit.engines.llmcompressor import llmc, model_free
-from quantkit.methods import MethodSpec, ModelHandle, QuantizeJob, Runtime, QuantizeResult, fixed_gate
+from quantkit.methods import MethodSpec, ModelHandle, QuantizeJob, QuantizeResult, Runtime, fixed_gate
 from quantkit.mixed import layers as intmix
 from quantkit.mixed.budget import Fallback
 

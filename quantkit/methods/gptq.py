@@ -168,9 +168,7 @@ def precision(role: str, options: Options, name: str, shape: list[int]) -> str |
         return None
     sym = "sym" if options.symmetric else "asym"
     order = "" if options.act_order == "none" else f", act-order {options.act_order}"
-    auto = "; auto-precision: int8 or 16-bit where measured sensitive" if options.auto_precision else ""
-    auto += "; fallback: int8 or 16-bit where the gate fails" if options.fallback else ""
-    return f"int{options.bits} {granularity(options.group_size)} {sym} (GPTQ{order}{auto})"
+    return f"int{options.bits} {granularity(options.group_size)} {sym} (GPTQ{order}{mixed_suffix(options)})"
 
 
 # ---------------------------------------------------------------- checks (shared)
@@ -330,21 +328,37 @@ def modifier(options: Options, ignore: list[str], config_groups: dict | None = N
 
 
 def quantize(job: QuantizeJob) -> QuantizeResult:
-    details = llmc.calibration_details(job)
+    return quantize_with(write, job, llmc.calibration_details(job))
+
+
+def quantize_with(writer: Callable, job: QuantizeJob, details: dict) -> QuantizeResult:
+    """The per-layer plan when auto_precision asks for one, then `writer(job, ignore, plan)` (gptq, autoround)."""
     ignore, choice = llmc.decoder_ignore(job), None
     if job.options.auto_precision is not None:
         choice, mixed_details = auto_precision(job, ignore, scheme(job))
         details.update(mixed_details)
-    write(job, ignore, choice)
+    writer(job, ignore, choice)
     return QuantizeResult(job.out_dir, details)
+
+
+def choice_groups(job: QuantizeJob, ignore: list[str], choice: dict[str, str] | None) -> tuple[list[str], dict | None]:
+    """The ignore list and config groups of a per-layer `choice` ({module name: int4|int8|16-bit}: an int8
+    group by exact names, the 16-bit layers ignored); (ignore, None) without one: the int4 group for all."""
+    if choice is None:
+        return ignore, None
+    return ignore + intmix.kept_16bit(choice), config_groups(choice, scheme(job))
+
+
+def mixed_suffix(options) -> str:
+    """The precision plan's words for auto_precision and fallback (gptq, awq, autoround)."""
+    auto = "; auto-precision: int8 or 16-bit where measured sensitive" if options.auto_precision else ""
+    return auto + ("; fallback: int8 or 16-bit where the gate fails" if options.fallback else "")
 
 
 def write(job: QuantizeJob, ignore: list[str], choice: dict[str, str] | None) -> None:
     """GPTQ of job.model into job.out_dir: one int4 group for every Linear, or the per-layer `choice`
-    ({module name: int4|int8|16-bit}: an int8 group by exact names, the 16-bit layers ignored)."""
-    groups = None
-    if choice is not None:
-        ignore, groups = ignore + intmix.kept_16bit(choice), config_groups(choice, scheme(job))
+    (choice_groups)."""
+    ignore, groups = choice_groups(job, ignore, choice)
     llmc.run_oneshot(job, modifier(job.options, ignore, groups), calibrate=True, reads_weights_only=True)
     llmc.save_compressed(job)
 

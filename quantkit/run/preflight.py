@@ -18,6 +18,7 @@ from pathlib import Path
 from quantkit.errors import InputError
 from quantkit.methods import MethodSpec
 
+
 @dataclass(frozen=True)
 class DiskEstimate:
     artifacts: int

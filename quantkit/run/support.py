@@ -8,6 +8,12 @@ from quantkit.arch.families import TEXT_FAMILIES, VLM_FAMILIES, Family
 from quantkit.methods import METHODS, get_method
 
 
+def verdict(model_type: str, method: str) -> str:
+    """One cell: what `method` does with the family of README's tables whose model_type this is."""
+    family = next(f for f in TEXT_FAMILIES + VLM_FAMILIES if f.model_type == model_type)
+    return get_method(method).support(family)
+
+
 def table(header: str, families: list[Family]) -> list[str]:
     """Markdown rows: a header cell, one column per method, one row per family."""
     lines = [f"| {header} | " + " | ".join(f"`{m}`" for m in METHODS) + " |", "|---" * (len(METHODS) + 1) + "|"]

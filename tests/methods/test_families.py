@@ -19,7 +19,7 @@ from tests.methods.conftest import CALIB_ARGS, assert_nothing_written, report
 LOOSE_GATE = ["--max-kld", "1", "--max-ppl-increase", "1", "--min-top1", "0"]
 # MoE experts reload in transformers only without zero points (quantkit.arch.moe).
 METHOD_ARGS = {"fp8": [], "gptq": [], "awq": ["--symmetric"], "smoothquant": ["--smoothing-strength", "0.5"],
-               "nf4": []}
+               "nf4": [], "autoround": ["--iters", "2"]}
 MOE = ("mixtral", "qwen3moe", "qwen2moe")
 # (family, method) -> the words exit 2 must name, for what a method refuses on a family.
 REFUSED = {(family, "smoothquant"): "int-quantized" for family in MOE}
@@ -101,7 +101,7 @@ def run_case(cli, family_models, tmp_path, family: str, method: str) -> None:
     assert strict_reload_info(out) == {}
     entry = report(out)["targets"][0]
     assert entry["gate"]["passed"]
-    if family in MOE and method in ("gptq", "awq", "smoothquant"):
+    if family in MOE and method in ("gptq", "awq", "autoround", "smoothquant"):
         assert_routing_reported(out, family)
     if method != "nf4":
         ignore = json.loads((out / "config.json").read_text())["quantization_config"]["ignore"]

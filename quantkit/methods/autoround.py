@@ -1,0 +1,157 @@
+"""AutoRound (SignRound) weight-only integer quantization (W4A16 / W8A16) through llm-compressor's
+`AutoRoundModifier`.
+
+Output: compressed-tensors `pack-quantized`, the same format and vLLM kernels as gptq. Calibration
+windows run through the model layer by layer (llm-compressor's sequential pipeline); for each decoder
+layer, AutoRound learns a rounding offset per weight and a clipping range per group with signed
+gradient descent, minimising the layer's output error against the 16-bit layer on those windows
+(https://aclanthology.org/2024.findings-emnlp.662.pdf), then the quantized outputs feed the next layer.
+
+Presets (auto-round's own): `default` 200 iterations per layer at lr 1/iters, `light` 50 at 5e-3;
+`iters` and `lr` override them. The tuning is seeded (auto-round's seed 42, torch's generator
+reset by quantkit before the run), so the same inputs give the same bytes. torch.compile is off:
+on CPU it compiles longer than the tuning it would speed up.
+
+`group_size: auto`, the checks, MoE rules, `auto_precision` and `fallback` are gptq's (int4 -> int8
+-> 16-bit per layer, extra config groups or ignore entries), with AutoRound as the writer.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from quantkit.engines.llmcompressor import llmc
+from quantkit.errors import InputError
+from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, fixed_gate, gptq
+from quantkit.mixed.budget import Fallback
+
+# auto-round's recipes (auto_round's `--iters`/`--lr` defaults and its "light" recipe)
+PRESETS = {"default": (200, None), "light": (50, 5e-3)}
+SEED = 42  # auto-round's default seed
+
+
+class Options(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    bits: int = 4
+    group_size: int | Literal["auto"] = "auto"  # -1: one scale per output channel; auto: gptq.auto_group_size
+    symmetric: bool = True
+    preset: Literal["default", "light"] = "default"
+    iters: int | None = Field(None, ge=1, le=10000, description="tuning iterations per decoder layer "
+                              "(default: the preset's, 200 or 50)")
+    lr: float | None = Field(None, gt=0, le=1, description="SignSGD step (default: the preset's, 1/iters or 5e-3)")
+    batch_size: int = Field(8, ge=1, le=1024, description="calibration windows per tuning step")
+    auto_precision: gptq.AutoPrecision | None = None  # per-layer int4/int8/16-bit (quantkit.mixed.layers)
+    fallback: Fallback | None = None  # on a failed gate, raise the most damaging layers' precision
+
+
+def tuning(options: Options) -> tuple[int, float | None]:
+    """(iterations, learning rate) of the options: the preset's unless given."""
+    iters, lr = PRESETS[options.preset]
+    return options.iters or iters, options.lr if options.lr is not None else (None if options.iters else lr)
+
+
+def needs_calibration(options: Options) -> bool:
+    return True
+
+
+def precision(role: str, options: Options, name: str, shape: list[int]) -> str | None:
+    if role not in gptq.QUANTIZED_ROLES:
+        return None
+    sym = "sym" if options.symmetric else "asym"
+    iters, _lr = tuning(options)
+    return (f"int{options.bits} {gptq.granularity(options.group_size)} {sym} "
+            f"(AutoRound, {iters} iters{gptq.mixed_suffix(options)})")
+
+
+def check(info, options: Options, calibration) -> None:
+    gptq.check_moe(info, options.symmetric, "none", "autoround")
+    gptq.check_bits(options.bits, "autoround")
+    gptq.check_group_size(info, options.group_size, "autoround")
+    gptq.check_calibration_tokens(calibration, "autoround")
+    if calibration.num_samples < options.batch_size:
+        raise InputError(f"autoround: batch_size={options.batch_size} is more than the {calibration.num_samples} "
+                         "calibration windows", hint=f"lower batch_size or raise --num-samples to {options.batch_size}")
+    if gptq.mixed(options):
+        gptq.check_auto_precision(info, options, "autoround")
+
+
+def modifier(options: Options, ignore: list[str], config_groups: dict | None = None):
+    from llmcompressor.modifiers.autoround import AutoRoundModifier
+
+    iters, lr = tuning(options)
+    weights = llmc.weight_args(options.bits, options.group_size, options.symmetric)
+    return AutoRoundModifier(config_groups=config_groups or {"group_0": {"targets": ["Linear"], "weights": weights}},
+                             ignore=ignore, iters=iters, lr=lr, batch_size=options.batch_size,
+                             enable_torch_compile=False)
+
+
+def quantize(job: QuantizeJob) -> QuantizeResult:
+    details = {**llmc.calibration_details(job), "tuning": dict(zip(("iters", "lr"), tuning(job.options)))}
+    return gptq.quantize_with(write, job, details)
+
+
+def write(job: QuantizeJob, ignore: list[str], choice: dict[str, str] | None) -> None:
+    """AutoRound of job.model into job.out_dir: one int group for every Linear, or the per-layer `choice`
+    (gptq.choice_groups), seeded."""
+    import torch
+
+    ignore, groups = gptq.choice_groups(job, ignore, choice)
+    torch.manual_seed(SEED)
+    llmc.run_oneshot(job, modifier(job.options, ignore, groups), calibrate=True)
+    restore_dtype(job.model, next(p.dtype for p in job.model.get_input_embeddings().parameters()))
+    llmc.save_compressed(job)
+
+
+def restore_dtype(model, dtype) -> list[str]:
+    """AutoRound tunes each decoder layer in float32 on CPU and leaves the layer's unquantized parameters
+    there (norms, MoE routers: a float32 router then meets bfloat16 hidden states on reload). Cast those
+    back to the model's dtype; quantized modules are left to compression. Returns the names cast."""
+    import torch
+
+    cast = []
+    for name, module in model.named_modules():
+        if getattr(module, "quantization_scheme", None) is not None:
+            continue
+        for key, param in list(module.named_parameters(recurse=False)):
+            if param.is_floating_point() and param.dtype != dtype:
+                cast_parameter = torch.nn.Parameter(param.data.to(dtype), requires_grad=param.requires_grad)
+                del module._parameters[key]  # an offload cache copies into a present key, keeping its dtype
+                module._parameters[key] = cast_parameter
+                cast.append(f"{name}.{key}")
+    return cast
+
+
+def fallback_ladder(job: QuantizeJob, result: QuantizeResult):
+    return gptq.fallback_ladder(job, result)
+
+
+def requantize(job: QuantizeJob, plan: dict[str, str], details: dict) -> QuantizeResult:
+    """AutoRound again from the base model with the per-layer plan."""
+    return gptq.requantize_with(write, job, plan, details)
+
+
+def working_set(info, options: Options) -> int:
+    """One decoder layer's trainable state while it is tuned: a float32 rounding offset per weight with
+    its gradient and best copy (4 x 3 bytes a weight), and the layer's 16-bit outputs on every window are
+    held by the sequential pipeline anyway."""
+    layers: dict[str, int] = {}
+    for name, (out, width) in gptq.quantized_linears(info).items():
+        layer = name.rsplit(".", 2)[0]
+        layers[layer] = layers.get(layer, 0) + out * width
+    return 12 * max(layers.values(), default=0)
+
+
+def support(family) -> str:
+    return family.decoder_support("✅ symmetric (asymmetric refused)")
+
+
+METHOD = MethodSpec(
+    quantizes_towers=True, name="autoround", engine=llmc.ENGINE, engine_package=llmc.ENGINE,
+    format="compressed-tensors (pack-quantized, int weights)",
+    options=Options, quantize=quantize, precision=precision, default_gate=fixed_gate(gptq.DEFAULT_GATE),
+    check=check, needs_calibration=needs_calibration, resolve=gptq.resolve,
+    fallback_ladder=fallback_ladder, requantize=requantize, stored_bits=gptq.stored_bits, working_set=working_set,
+    support=support, runtimes=gptq.RUNTIMES,
+)

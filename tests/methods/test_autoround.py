@@ -1,0 +1,83 @@
+"""autoround end to end through the CLI on a micro model, its options and its bad-input cases (exit 2)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+
+from quantkit.methods import autoround
+from tests.methods.conftest import (
+    CALIB_ARGS,
+    LOOSE_TOP1,
+    assert_beats_rtn,
+    assert_metrics,
+    assert_nothing_written,
+    mean_kld_vs_base,
+    quant_config,
+)
+
+FEW_ITERS = ["--iters", "4"]
+
+
+def digest(out: Path) -> str:
+    return hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest()
+
+
+def test_autoround_end_to_end_and_deterministic(cli, micro_model, tmp_path):
+    """W4A16 compressed-tensors with auto group size, every 16-bit tensor back in the model's dtype,
+    reloaded by transformers; a second run writes the same bytes."""
+    from safetensors import safe_open
+
+    outs = [tmp_path / "a", tmp_path / "b"]
+    for out in outs:
+        result = cli("quantize", micro_model, "--method", "autoround", *FEW_ITERS, *CALIB_ARGS, *LOOSE_TOP1, "-o", out)
+        assert result.exit_code == 0, result.output
+    config = quant_config(outs[0])
+    assert config["format"] == "pack-quantized" and "lm_head" in config["ignore"]
+    weights = config["config_groups"]["group_0"]["weights"]
+    assert (weights["num_bits"], weights["group_size"], weights["symmetric"]) == (4, 128, True)
+    entry = assert_metrics(outs[0])
+    assert entry["details"]["tuning"] == {"iters": 4, "lr": None}
+    with safe_open(outs[0] / "model.safetensors", "pt") as f:  # AutoRound tunes in float32; nothing stays there
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} <= {"BF16", "I32", "I64"}
+    assert mean_kld_vs_base(outs[0], micro_model) < 0.05
+    assert digest(outs[0]) == digest(outs[1])
+
+
+def test_presets_and_overrides():
+    assert autoround.tuning(autoround.Options()) == (200, None)
+    assert autoround.tuning(autoround.Options(preset="light")) == (50, 5e-3)
+    assert autoround.tuning(autoround.Options(preset="light", iters=80)) == (80, None)  # auto-round's 1/iters
+    assert autoround.tuning(autoround.Options(iters=80, lr=1e-3)) == (80, 1e-3)
+    text = autoround.METHOD.precision("decoder", autoround.Options(preset="light"), "model.layers.0.mlp.up_proj",
+                                      [256, 256])
+    assert text.startswith("int4") and "AutoRound, 50 iters" in text
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--bits", "3"], "bits"),
+    (["--group-size", "96"], "group"),
+    (["--batch-size", "32"], "batch_size=32"),
+])
+def test_bad_options_are_refused_before_work(cli, micro_model, tmp_path, args, message):
+    out = tmp_path / "out"
+    result = cli("quantize", micro_model, "--method", "autoround", *args, *CALIB_ARGS, "-o", out)
+    assert result.exit_code == 2, result.output
+    assert message in result.output and "loading" not in result.output
+    assert_nothing_written(out)
+
+
+def test_inspect_shows_the_autoround_plan(cli, micro_model):
+    result = cli("inspect", micro_model, "--method", "autoround", "--json", "-")
+    assert result.exit_code == 0, result.output
+    modules = json.loads(result.stdout)["modules"]
+    decoder = [m["precision"] for m in modules if m["role"] == "decoder"]
+    assert decoder and all(p.startswith("int4 g128 sym (AutoRound, 200 iters") for p in decoder)
+
+
+@pytest.mark.slow
+def test_autoround_beats_rtn_on_reference_model(cli, reference_model, tmp_path):
+    assert_beats_rtn(cli, reference_model, tmp_path, "autoround", "W4A16")
