@@ -106,15 +106,17 @@ def write(job: QuantizeJob, ignore: list[str], choice: dict[str, str] | None) ->
 
 def restore_dtype(model, dtype) -> list[str]:
     """AutoRound tunes each decoder layer in float32 on CPU and leaves the layer's unquantized parameters
-    there (norms, MoE routers: a float32 router then meets bfloat16 hidden states on reload). Cast those
-    back to the model's dtype; quantized modules are left to compression. Returns the names cast."""
+    there (norms, MoE routers, the biases of quantized layers: a float32 router then meets bfloat16 hidden
+    states on reload). Cast those back to the model's dtype; quantized weights and their quantization
+    parameters are left to compression. Returns the names cast."""
     import torch
 
     cast = []
     for name, module in model.named_modules():
-        if getattr(module, "quantization_scheme", None) is not None:
-            continue
+        quantized = getattr(module, "quantization_scheme", None) is not None
         for key, param in list(module.named_parameters(recurse=False)):
+            if quantized and key != "bias":  # the weight and its quantization parameters: compression's
+                continue
             if param.is_floating_point() and param.dtype != dtype:
                 cast_parameter = torch.nn.Parameter(param.data.to(dtype), requires_grad=param.requires_grad)
                 del module._parameters[key]  # an offload cache copies into a present key, keeping its dtype

@@ -81,3 +81,18 @@ def test_inspect_shows_the_autoround_plan(cli, micro_model):
 @pytest.mark.slow
 def test_autoround_beats_rtn_on_reference_model(cli, reference_model, tmp_path):
     assert_beats_rtn(cli, reference_model, tmp_path, "autoround", "W4A16")
+
+
+def test_restore_dtype_casts_what_autoround_left_in_float32():
+    """Norms and biases (also of quantized layers) go back to the model's dtype; a quantized weight and its
+    quantization parameters are compression's."""
+    import torch
+
+    layer = torch.nn.Linear(4, 4)
+    layer.quantization_scheme = object()
+    layer.register_parameter("weight_scale", torch.nn.Parameter(torch.ones(4, 1)))
+    model = torch.nn.Sequential(layer, torch.nn.LayerNorm(4))
+    cast = autoround.restore_dtype(model, torch.bfloat16)
+    assert sorted(cast) == ["0.bias", "1.bias", "1.weight"]
+    assert layer.bias.dtype == model[1].weight.dtype == torch.bfloat16
+    assert layer.weight.dtype == layer.weight_scale.dtype == torch.float32
