@@ -72,7 +72,9 @@ def test_plan_json_sizes_every_format(cli, micro_model, tmp_path):
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     rows = {row["method"]: row for row in data["formats"]}
-    assert list(rows) == ["source", "fp8", "gptq", "awq", "smoothquant", "nf4", "gguf"]
+    from quantkit.methods import METHODS
+
+    assert list(rows) == ["source", *METHODS]
     assert data["kv_bytes_per_token"] == kv_bytes_per_token(json.loads((micro_model / "config.json").read_text()), "fp8")
     assert rows["gptq"]["weights_bytes"] < rows["fp8"]["weights_bytes"] < rows["source"]["weights_bytes"]
     t4 = {row: rows[row]["devices"][0] for row in rows}

@@ -72,8 +72,8 @@ def test_override_lines_are_anchored_regexes():
 
 
 def test_auto_precision_is_refused_for_methods_without_it(cli, micro_model, tmp_path):
-    """--auto-precision exists for gguf, gptq and awq; --fallback for every method."""
-    listed = "implemented for method gptq, awq and gguf only, not"
+    """--auto-precision exists for gguf, gptq, awq and autoround; --fallback for every method."""
+    listed = "implemented for method gptq, awq, autoround and gguf only, not"
     for method in ("fp8", "nf4", "smoothquant"):
         result = cli("quantize", micro_model, "--method", method, "--auto-precision", "-o", tmp_path / "out")
         assert result.exit_code == 2 and f"{listed} {method}" in result.stderr, (method, result.stderr)

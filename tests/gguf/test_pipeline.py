@@ -53,7 +53,7 @@ def test_conversion_without_imatrix_or_gate_loads_no_model(cli, micro_model, tmp
     def refuse(*args, **kwargs):
         raise AssertionError("loaded a model or tokenizer")
 
-    monkeypatch.setattr(pipeline, "load", refuse)
+    monkeypatch.setattr(model, "load_model", refuse)
     monkeypatch.setattr(pipeline, "make_windows", refuse)
     monkeypatch.setattr(model, "load_tokenizer", refuse)
     out = tmp_path / "q8"
