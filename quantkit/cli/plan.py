@@ -39,7 +39,7 @@ def plan(
     from quantkit.errors import InputError
     from quantkit.io.checkpoint import check_model_dir, resolve_model
     from quantkit.methods import check_method_name
-    from quantkit.run.preflight import available_ram
+    from quantkit.run.preflight import available_ram, total_ram
     from quantkit.run.serving import DEFAULT_DEVICES, KV_BYTES, device, serving_plan
 
     if kv_cache not in KV_BYTES:
@@ -53,18 +53,6 @@ def plan(
     if json_path != "-":
         print_plan(data)
     write_json(json_path, data)
-
-
-def total_ram() -> int:
-    """MemTotal from /proc/meminfo (0 where unknown)."""
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 def print_plan(data: dict) -> None:

@@ -23,15 +23,12 @@ from pathlib import Path
 
 from quantkit.errors import InternalError
 from quantkit.io.rowio import page_out
-from quantkit.io.safetensors import DTYPE_BYTES
+from quantkit.io.safetensors import DTYPE_BYTES, TORCH_DTYPES
 
 SHARD_BYTES = 512 * 1024 * 1024  # data bytes per output shard (a tensor larger than this gets a shard of its own)
 COPY_BYTES = 64 * 1024 * 1024  # one os.sendfile call when copying a stored tensor
 PT_METADATA = (("format", "pt"),)  # the header's __metadata__ of a torch checkpoint
-# torch dtype name -> safetensors dtype (the inverse of quantkit.io.safetensors.TORCH_DTYPES)
-SAFETENSORS_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
-                      "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
-                      "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2"}
+SAFETENSORS_DTYPES = {name: dtype for dtype, name in TORCH_DTYPES.items()}  # torch dtype name -> safetensors dtype
 
 
 @dataclass(frozen=True)

@@ -442,19 +442,23 @@ def stored_bits(options: Options) -> float:
 
 def type_bits(gguf_type: str) -> float:
     """Bits per weight of a file type's base ggml type (Q4_K_M: Q4_K, 4.5)."""
-    from gguf import GGML_QUANT_SIZES
-
     from quantkit.gguf.mixture import FILE_TYPES
 
-    block, size = GGML_QUANT_SIZES[FILE_TYPES[gguf_type][1]]
-    return 8 * size / block
+    return ggml_bits(FILE_TYPES[gguf_type][1])
 
 
 def precision_bits(options: Options, precision: str) -> float:
     """Bits per weight of a plan entry's ggml type ("gguf Q6_K": 6.5625)."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf import GGMLQuantizationType
 
-    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[precision.removeprefix("gguf ")]]
+    return ggml_bits(GGMLQuantizationType[precision.removeprefix("gguf ")])
+
+
+def ggml_bits(qtype) -> float:
+    """Bits per weight of a ggml type, block scales included (gguf-py's GGML_QUANT_SIZES)."""
+    from gguf import GGML_QUANT_SIZES
+
+    block, size = GGML_QUANT_SIZES[qtype]
     return 8 * size / block
 
 

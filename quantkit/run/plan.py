@@ -112,13 +112,13 @@ def role_summary(entries: list[PlanEntry]) -> dict[str, dict]:
 
 
 def kv_cache_bytes(config: dict, context: int = 4096, batch: int = 1, bytes_per_value: int = 2) -> int:
-    """fp16 K and V for `context` tokens: 2 * layers * kv_heads * head_dim * bytes * tokens."""
-    text = config.get("text_config", config)
-    layers = text.get("num_hidden_layers", 0)
-    heads = text.get("num_attention_heads", 1)
-    kv_heads = text.get("num_key_value_heads", heads)
-    head_dim = text.get("head_dim") or text.get("hidden_size", 0) // max(heads, 1)
-    return 2 * layers * kv_heads * head_dim * bytes_per_value * context * batch
+    """K and V for `context` tokens x `batch` sequences: 2 * layers * kv_heads * head_dim * bytes * tokens
+    (a VLM's language model; an absent or null key takes transformers' default: KV heads = heads)."""
+    text = config.get("text_config") or config
+    heads = text.get("num_attention_heads") or 1
+    kv_heads = text.get("num_key_value_heads") or heads
+    head_dim = text.get("head_dim") or (text.get("hidden_size") or 0) // heads
+    return 2 * (text.get("num_hidden_layers") or 0) * kv_heads * head_dim * bytes_per_value * context * batch
 
 
 def memory_estimate(info: ModelInfo, entries: list[PlanEntry], context: int = 4096) -> dict[str, dict]:

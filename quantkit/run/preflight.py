@@ -256,10 +256,20 @@ def check_vram(estimate: RamEstimate, available: int) -> None:
 
 def available_ram() -> int:
     """MemAvailable from /proc/meminfo (0 where unknown: no check)."""
+    return meminfo("MemAvailable")
+
+
+def total_ram() -> int:
+    """MemTotal from /proc/meminfo (0 where unknown)."""
+    return meminfo("MemTotal")
+
+
+def meminfo(field: str) -> int:
+    """One field of /proc/meminfo in bytes (0 where unknown)."""
     try:
         with open("/proc/meminfo") as fh:
             for line in fh:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass

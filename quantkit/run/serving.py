@@ -71,17 +71,19 @@ def device(name: str, ram: int = 0) -> Device:
 
 
 def kv_bytes_per_token(config: dict, kv_cache: str = "fp16") -> int:
-    """K and V of one token over every layer: 2 x layers x kv_heads x head_dim x bytes per value."""
-    text = config.get("text_config") or config
-    heads = text.get("num_attention_heads") or 1
-    kv_heads = text.get("num_key_value_heads") or heads
-    head_dim = text.get("head_dim") or (text.get("hidden_size") or 0) // heads
-    return 2 * (text.get("num_hidden_layers") or 0) * kv_heads * head_dim * KV_BYTES[kv_cache]
+    """K and V of one token over every layer at `kv_cache` precision (quantkit.run.plan.kv_cache_bytes)."""
+    from quantkit.run.plan import kv_cache_bytes
+
+    return kv_cache_bytes(config, context=1, batch=1, bytes_per_value=KV_BYTES[kv_cache])
 
 
 def runtime_for(method: MethodSpec, target: Device) -> Runtime | None:
     """The first of the method's runtimes that runs on the device; None when none does."""
-    return next((r for r in method.runtimes if r.serves(target.kind, target.capability)), None)
+    return first_runtime(method.runtimes, target)
+
+
+def first_runtime(runtimes: tuple[Runtime, ...], target: Device) -> Runtime | None:
+    return next((r for r in runtimes if r.serves(target.kind, target.capability)), None)
 
 
 @dataclass(frozen=True)
@@ -122,7 +124,7 @@ class Fit:
 
 def fit(weights: int, kv_per_token: int, tokens: int, runtimes: tuple[Runtime, ...], target: Device) -> Fit:
     """How an artifact of `weights` bytes with a KV cache of `tokens` tokens fits a device."""
-    runtime = next((r for r in runtimes if r.serves(target.kind, target.capability)), None)
+    runtime = first_runtime(runtimes, target)
     held = math.ceil(weights * (1 + OVERHEAD))
     per_token = kv_per_token * (1 + OVERHEAD)
     kv_tokens = max(0, int((target.usable_bytes - held) / per_token)) if per_token else 0
@@ -183,8 +185,9 @@ def serving_plan(info, devices: list[Device], context: int, batch: int, kv_cache
     """The plan for a model: the 16-bit checkpoint, then each method's artifact at its default options."""
     per_token = kv_bytes_per_token(info.config, kv_cache)
     tokens = context * batch
-    rows = [FormatPlan("source", f"16-bit ({info.dtype})", source_bytes(info),
-                       [fit(source_bytes(info), per_token, tokens, SOURCE_RUNTIMES, d) for d in devices], "")]
+    source = source_bytes(info)
+    rows = [FormatPlan("source", f"16-bit ({info.dtype})", source,
+                       [fit(source, per_token, tokens, SOURCE_RUNTIMES, d) for d in devices], "")]
     for name in methods or list(METHODS):
         method = get_method(name)
         options, _choices = method.resolve(info, method.options())
