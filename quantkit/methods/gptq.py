@@ -12,6 +12,12 @@ sensitivity under a size budget (quantkit.mixed.layers), as extra config groups 
 input width (each is a group size vLLM's Marlin kernels take), else one scale per output channel; the
 report says which and why. An explicit group size that does not divide a width is refused.
 
+`symmetric: auto` (the default): 4-bit weights get a zero point per group (asymmetric: a lower KL
+divergence at +1 bit per group of 32..128 weights, served by vLLM's Marlin on 7.5+ and Machete on
+Hopper as `uint4` with zero points); 8-bit weights and MoE experts stay symmetric (Marlin takes no
+8-bit zero points; transformers cannot reload expert zero points). int8 layers of a per-layer plan are
+always symmetric per channel, for the same reason.
+
 `fallback` (gate-driven, quantkit.run.pipeline.run_fallback): when the artifact fails its gate, the layers
 with the largest predicted damage at their current precision go one step up (int4 -> int8 -> 16-bit)
 and the model is quantized again from the base, until the gate passes or `max_size` is spent. The
@@ -78,8 +84,8 @@ def int_simulation(scheme: "Scheme", precisions: tuple[str, ...] = ("int4", "int
 
 @dataclass(frozen=True)
 class Scheme:
-    """The target's int4 scheme (int8 is per channel with the same symmetry) and the checkpoint's
-    bytes per element (scales and 16-bit layers are stored in its dtype)."""
+    """The target's int4 scheme (int8 is symmetric per channel: vLLM's Marlin takes no 8-bit zero points)
+    and the checkpoint's bytes per element (scales and 16-bit layers are stored in its dtype)."""
 
     group_size: int  # -1: per channel
     symmetric: bool
@@ -87,7 +93,9 @@ class Scheme:
 
     def weights(self, precision: str) -> dict:
         """compressed-tensors weight QuantizationArgs fields of an int precision."""
-        return llmc.weight_args(BITS[precision], -1 if precision == "int8" else self.group_size, self.symmetric)
+        if precision == "int8":
+            return llmc.weight_args(8, -1, True)
+        return llmc.weight_args(BITS[precision], self.group_size, self.symmetric)
 
     def args(self, precision: str):
         from compressed_tensors.quantization import QuantizationArgs
@@ -114,7 +122,7 @@ def layer_bytes(shape: tuple[int, int], precision: str, group_size: int, symmetr
         return out * inp * element_bytes
     bits = BITS[precision]
     groups = 1 if precision == "int8" or group_size == -1 else inp // group_size
-    zero_points = 0 if symmetric else packed_bytes(out, bits) * groups
+    zero_points = 0 if symmetric or precision == "int8" else packed_bytes(out, bits) * groups
     return out * packed_bytes(inp, bits) + out * groups * element_bytes + zero_points + SHAPE_BYTES
 
 
@@ -147,7 +155,7 @@ class Options(BaseModel):
     model_config = ConfigDict(extra="forbid")
     bits: int = 4
     group_size: int | Literal["auto"] = "auto"  # -1: one scale per output channel; auto: see auto_group_size
-    symmetric: bool = True
+    symmetric: bool | Literal["auto"] = "auto"  # auto: see auto_symmetric
     act_order: Literal["none", "static", "group"] = "static"
     dampening: float = 0.01  # fraction of the mean Hessian diagonal added before inversion
     block_size: int = 128
@@ -207,11 +215,27 @@ def auto_group_size(info) -> tuple[int, str]:
 
 
 def resolve(info, options):
-    """The options with group_size auto replaced by auto_group_size's choice; (options, notes for the report)."""
-    if options.group_size != "auto":
-        return options, {}
-    size, why = auto_group_size(info)
-    return options.model_copy(update={"group_size": size}), {"group_size": f"auto: {size} ({why})"}
+    """The options with group_size auto and symmetric auto replaced by their choices for the model;
+    (options, notes for the report)."""
+    notes = {}
+    if options.group_size == "auto":
+        size, why = auto_group_size(info)
+        options, notes["group_size"] = options.model_copy(update={"group_size": size}), f"auto: {size} ({why})"
+    if options.symmetric == "auto":
+        symmetric, why = auto_symmetric(info, options.bits)
+        words = "symmetric" if symmetric else "asymmetric"
+        options, notes["symmetric"] = options.model_copy(update={"symmetric": symmetric}), f"auto: {words} ({why})"
+    return options, notes
+
+
+def auto_symmetric(info, bits: int) -> tuple[bool, str]:
+    """(symmetric, why): zero points for 4-bit dense weights, where they lower the error and vLLM's Marlin
+    and Machete kernels take them; none for MoE experts or 8-bit weights."""
+    if moe.is_moe(info.model_type):
+        return True, "MoE experts: transformers cannot reload expert zero points"
+    if bits == 8:
+        return True, "8-bit: vLLM's Marlin kernels take no 8-bit zero points"
+    return False, "4-bit: a zero point per group lowers the error; vLLM's Marlin and Machete serve it"
 
 
 def check_group_size(info, group_size: int, method: str) -> None:

@@ -98,7 +98,7 @@ def test_auto_precision_end_to_end_within_the_budget(cli, micro_model, tmp_path)
     int8 = sorted(n for n, p in mixed["types"].items() if p == "int8")
     assert groups["group_0"]["targets"] == ["Linear"] and groups["group_0"]["weights"]["symmetric"] is False
     assert groups["group_1"]["targets"] == int8 and groups["group_1"]["weights"]["strategy"] == "channel"
-    assert groups["group_1"]["weights"]["num_bits"] == 8 and groups["group_1"]["weights"]["symmetric"] is False
+    assert groups["group_1"]["weights"]["num_bits"] == 8 and groups["group_1"]["weights"]["symmetric"] is True
     model = AutoModelForCausalLM.from_pretrained(out, device_map="cpu")
     for name, precision in mixed["types"].items():
         assert model.get_submodule(name).quantization_scheme.weights.num_bits == {"int4": 4, "int8": 8}[precision]

@@ -136,10 +136,10 @@ def test_fallback_turns_a_failing_gate_into_a_passing_artifact(cli, spiky, tmp_p
         assert len({types[f"model.layers.{i}.mlp.{p}"] for p in ("gate_proj", "up_proj")}) == 1
         assert not (types[f"model.layers.{i}.mlp.up_proj"] != "16-bit" and types[f"model.layers.{i}.mlp.down_proj"]
                     == "16-bit")
-    # the artifact: an asymmetric int8 group of exact names, reloaded by transformers
+    # the artifact: a symmetric int8 group of exact names, reloaded by transformers
     groups = quant_config(out)["config_groups"]
     assert groups["group_1"]["targets"] == sorted(n for n, p in types.items() if p == "int8")
-    assert groups["group_1"]["weights"]["num_bits"] == 8 and groups["group_1"]["weights"]["symmetric"] is False
+    assert groups["group_1"]["weights"]["num_bits"] == 8 and groups["group_1"]["weights"]["symmetric"] is True
     model = AutoModelForCausalLM.from_pretrained(out, device_map="cpu")
     for name, precision in types.items():
         assert model.get_submodule(name).quantization_scheme.weights.num_bits == {"int4": 4, "int8": 8}[precision]

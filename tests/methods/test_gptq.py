@@ -30,12 +30,14 @@ def test_gptq_end_to_end(cli, micro_model, tmp_path, bits, group_size, act_order
     assert config["quant_method"] == "compressed-tensors"
     assert config["format"] == "pack-quantized"
     weights = config["config_groups"]["group_0"]["weights"]
-    assert weights["num_bits"] == bits and weights["symmetric"] is True and weights["type"] == "int"
+    # symmetric auto: zero points at 4 bits, none at 8 (Marlin takes no 8-bit zero points)
+    assert weights["num_bits"] == bits and weights["symmetric"] is (bits == 8) and weights["type"] == "int"
     assert weights["strategy"] == ("channel" if group_size == -1 else "group")
     assert weights["actorder"] == (None if act_order == "none" else act_order)
     assert "lm_head" in config["ignore"]
     entry = assert_metrics(out)
     assert entry["details"]["calibration_tokens"] == 16 * 64
+    assert entry["details"]["choices"]["symmetric"].startswith("auto: " + ("symmetric" if bits == 8 else "asymmetric"))
     assert mean_kld_vs_base(out, micro_model) < 0.05
 
 
@@ -120,10 +122,25 @@ def test_gptq_too_few_calibration_tokens(cli, micro_model, tmp_path):
     assert_nothing_written(out)
 
 
+def test_auto_symmetric_by_bits_and_moe():
+    from types import SimpleNamespace
+
+    from quantkit.methods import gptq
+
+    dense, moe = SimpleNamespace(model_type="llama"), SimpleNamespace(model_type="mixtral")
+    assert gptq.auto_symmetric(dense, 4)[0] is False
+    assert gptq.auto_symmetric(dense, 8)[0] is True
+    assert gptq.auto_symmetric(moe, 4)[0] is True
+    # int8 layers of a per-layer plan are symmetric per channel whatever the int4 scheme
+    scheme = gptq.Scheme(group_size=64, symmetric=False)
+    assert scheme.weights("int8")["symmetric"] is True and scheme.weights("int4")["symmetric"] is False
+    assert scheme.nbytes((64, 256), "int8") == gptq.Scheme(64, True).nbytes((64, 256), "int8")
+
+
 def test_gptq_precision_strings():
     from quantkit.methods import gptq
 
-    options = gptq.Options(group_size=128, act_order="none")
+    options = gptq.Options(group_size=128, act_order="none", symmetric=True)
     assert gptq.precision("decoder", options, "x", [256, 256]) == "int4 g128 sym (GPTQ)"
     assert gptq.precision("lm_head", options, "lm_head", [512, 256]) is None
     options = gptq.Options(bits=8, group_size=-1, symmetric=False)

@@ -22,9 +22,9 @@ def test_layer_bytes_counts_packed_weights_scales_zero_points_and_shape():
     assert gptq.layer_bytes((512, 256), "int4", 64, True, 2) == 512 * 32 * 4 + 512 * 4 * 2 + 16
     # asymmetric: zero points packed 8 to an int32 along the output rows, one column per group
     assert gptq.layer_bytes((512, 256), "int4", 64, False, 2) == 512 * 32 * 4 + 512 * 4 * 2 + 64 * 4 * 4 + 16
-    # int8 is per channel whatever the group size: one scale (and zero point) per output row
+    # int8 is symmetric per channel whatever the int4 scheme: one scale per output row, no zero point
     assert gptq.layer_bytes((512, 256), "int8", 64, True, 2) == 512 * 64 * 4 + 512 * 2 + 16
-    assert gptq.layer_bytes((512, 256), "int8", 64, False, 2) == 512 * 64 * 4 + 512 * 2 + 128 * 4 + 16
+    assert gptq.layer_bytes((512, 256), "int8", 64, False, 2) == 512 * 64 * 4 + 512 * 2 + 16
     assert gptq.layer_bytes((512, 256), "16-bit", 64, True, 2) == 512 * 256 * 2
     assert gptq.layer_bytes((512, 256), "int4", -1, True, 2) == 512 * 32 * 4 + 512 * 2 + 16  # per channel
     # W4A16 g128 sym is 4 + 16/128 bits per weight, plus the shape pair
@@ -181,7 +181,9 @@ def test_recipe_budget_bpw_keeps_some_layers_16_bit(cli, micro_model, tmp_path):
     assert kept and mixed["counts"]["int8"] >= 1
     config = quant_config(out)
     assert set(kept) <= set(config["ignore"])
-    assert config["config_groups"]["group_0"]["weights"]["symmetric"] is False
+    # int4 with the recipe's zero points; int8 symmetric per channel whatever the int4 scheme
+    assert {g["weights"]["num_bits"]: g["weights"]["symmetric"] for g in config["config_groups"].values()} \
+        in ({4: False, 8: True}, {8: True})
     tensors = stored(out)
     assert sum(layer_stored_bytes(tensors, name) for name in mixed["types"]) == mixed["bytes"]  # zero points too
     model = AutoModelForCausalLM.from_pretrained(out, device_map="cpu")
