@@ -92,6 +92,18 @@ PATCHES: dict[str, Patch] = {
         ("compressed_tensors.offload.cache.disk", "save_file"), "compressed-tensors", COMPRESSED_TENSORS,
         "quantkit.io.shards:save_temporaries",
         "the disk offload's rewrite of each updated weight with plain writes (as above)"),
+    "autoround.on_initialize": Patch(
+        ("llmcompressor.modifiers.autoround.base", "AutoRoundModifier.on_initialize"), "llmcompressor",
+        LLMCOMPRESSOR, "quantkit.engines.patches:quantization_params_offloaded",
+        "it creates the scales and zero points inside compressed-tensors' disable_onloading (to spare "
+        "multi-GPU groups a broadcast), which leaves them in a disk offload cache as tensors the cache "
+        "cannot read back (KeyError at the next read): with --offload-dir, in one process, they are "
+        "offloaded like every other method's (quantkit.methods.autoround)", wraps=True),
+    "autoround.suspend_offloading": Patch(
+        ("llmcompressor.modifiers.autoround.base", "suspend_offloading"), "llmcompressor", LLMCOMPRESSOR,
+        "quantkit.engines.patches:suspend_offloading_keeping_disk",
+        "after tuning a layer it offloads the layer's modules again without the disk cache's folder, which "
+        "a disk offload cannot be made without (ValueError): with --offload-dir the folder is passed back"),
     "tqdm.init": Patch(
         ("tqdm.std", "tqdm.__init__"), "tqdm", ">=4.60", "quantkit.engines.patches:quiet_tqdm_init",
         "engines' progress bars off where stderr is not a terminal (logs keep one line per phase)", wraps=True),
@@ -114,6 +126,42 @@ def weights_per_forward() -> Iterator[None]:
 
 def no_pinning(self, *args, **kwargs) -> None:
     """IntermediatesCache.pin_memory without an accelerator: nothing to pin for."""
+
+
+def quantization_params_offloaded(original: Callable) -> Callable:
+    """AutoRoundModifier.on_initialize with compressed-tensors' disable_onloading a no-op while it runs
+    (it imports the function when called, so only its own use changes)."""
+    from contextlib import nullcontext
+
+    def on_initialize(self, *args, **kwargs):
+        import llmcompressor.pipelines.sequential.helpers  # noqa: F401 - bound to the original before the swap
+
+        with swapped({("compressed_tensors.offload", "disable_onloading"): nullcontext}):
+            return original(self, *args, **kwargs)
+
+    return on_initialize
+
+
+@contextmanager
+def suspend_offloading_keeping_disk(model) -> Iterator[None]:
+    """llm-compressor's autoround suspend_offloading (every offloaded module of `model` onloaded for
+    AutoRound to place, offloaded again after), with a disk cache's folder passed back on the way out."""
+    from compressed_tensors.offload import get_execution_device, get_offloaded_device
+    from compressed_tensors.offload.cache.base import OffloadCache
+    from compressed_tensors.offload.module import offload_module, remove_module_offload
+
+    suspended = {}
+    for name, module in model.named_modules():
+        if isinstance(module._parameters, OffloadCache):
+            folder = getattr(module._parameters, "offload_dir", None)
+            suspended[name] = (get_execution_device(module), get_offloaded_device(module),
+                               {"offload_dir": folder} if folder is not None else {})
+            remove_module_offload(module, onload_tensors=True)
+    yield
+    for name, module in model.named_modules():
+        if name in suspended:
+            onload, offload, extra = suspended[name]
+            offload_module(module, onload, offload, **extra)
 
 
 def quiet_tqdm_init(original: Callable) -> Callable:

@@ -97,9 +97,12 @@ def write(job: QuantizeJob, ignore: list[str], choice: dict[str, str] | None) ->
     (gptq.choice_groups), seeded."""
     import torch
 
+    from quantkit.engines.patches import patched
+
     ignore, groups = gptq.choice_groups(job, ignore, choice)
     torch.manual_seed(SEED)
-    llmc.run_oneshot(job, modifier(job.options, ignore, groups), calibrate=True)
+    with patched("autoround.on_initialize", "autoround.suspend_offloading"):  # layers on disk (--offload-dir)
+        llmc.run_oneshot(job, modifier(job.options, ignore, groups), calibrate=True)
     restore_dtype(job.model, next(p.dtype for p in job.model.get_input_embeddings().parameters()))
     llmc.save_compressed(job)
 
