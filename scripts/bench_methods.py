@@ -3,19 +3,24 @@
 
     python scripts/bench_methods.py MODEL [--num-samples 32] [--seq-len 128] [--eval-windows 16]
                                           [--methods gptq,awq,smoothquant,nf4] [--json out.json]
-                                          [--extras]
+                                          [--extras] [--iters N] [--variants quantkit,oneshot,...]
 
 MODEL is normally the reference model (scripts/train_reference_model.py). For each method:
   * quantkit  - `quantkit quantize MODEL --method M --no-gate` (the whole gated pipeline: load,
                 windows, baseline, quantize, save, reload, measure);
   * oneshot   - bare `llmcompressor.oneshot` with llm-compressor's own preset scheme for the
-                same thing (W4A16 / W4A16_ASYM / W8A8), on the same calibration windows;
-                for nf4, bare transformers `from_pretrained(quantization_config=...)`;
-  * rtn       - round-to-nearest with the same weight format (QuantizationModifier), no data.
-With --extras, also quantkit's other settings of the same format: gptq --asymmetric, autoround's
-light preset. autoround's bare run is llm-compressor's AutoRoundModifier with the W4A16 preset and
-its defaults (200 iterations, batch 8), torch.compile off on both sides (on CPU it compiles longer
-than it tunes).
+                same thing (W4A16 / W4A16_ASYM / W8A8), on the same calibration windows; the W4A16
+                presets at the group size quantkit's group_size auto picks for the model (128, else
+                64 or 32: a preset's 128 cannot quantize a width such as 576); for nf4, bare
+                transformers `from_pretrained(quantization_config=...)`;
+  * rtn       - round-to-nearest with the same weight format (QuantizationModifier), no data;
+  * autoround-lib (autoround only) - the auto-round library itself (`AutoRound(...)`, what its command
+                line runs) on the same calibration windows, same bits, group size, symmetry, iterations
+                and batch size, saved in its `fake` format (dequantized weights) and scored the same way.
+With --extras, also quantkit's other settings of the same format: gptq --symmetric (what the bare
+W4A16 preset does), autoround's light preset. autoround's bare run is llm-compressor's
+AutoRoundModifier with its defaults (200 iterations, batch 8) or --iters, torch.compile off on every
+side (on CPU it compiles longer than it tunes). --variants keeps only the named variants.
 Each variant runs in its own child process: wall time and peak RSS (wait4) are the child's.
 Every artifact is then reloaded from disk and scored by the same evaluator against one
 baseline on the same held-out windows, so quality numbers are comparable across rows.
@@ -42,7 +47,8 @@ PRESETS = {
     "autoround": {"oneshot": "W4A16", "rtn": "W4A16"},
 }
 # method -> {quantkit variant: extra flags} (--extras)
-EXTRAS = {"gptq": {"quantkit-asym": ["--asymmetric"]}, "autoround": {"quantkit-light": ["--preset", "light"]}}
+EXTRAS = {"gptq": {"quantkit-sym": ["--symmetric"]}, "autoround": {"quantkit-light": ["--preset", "light"]}}
+W4A16 = ("gptq", "autoround")  # methods whose bare preset is W4A16 (built at the model's group size)
 
 
 # ---------------------------------------------------------------- workers (child processes)
@@ -59,7 +65,22 @@ def windows_for(model: str, args):
     return tokenizer, make_windows(tokenizer, spec)
 
 
-def oneshot_recipe(method: str, variant: str) -> list:
+def model_group_size(model_dir: str) -> int:
+    """The group size quantkit's group_size auto picks for the model (what the bare W4A16 runs use)."""
+    from quantkit.io.checkpoint import check_model_dir
+    from quantkit.methods.gptq import auto_group_size
+
+    return auto_group_size(check_model_dir(Path(model_dir)))[0]
+
+
+def w4a16_groups(model_dir: str) -> dict:
+    """llm-compressor's W4A16 preset (int4 symmetric, static) at the model's group size."""
+    from quantkit.engines.llmcompressor import llmc
+
+    return {"group_0": {"targets": ["Linear"], "weights": llmc.weight_args(4, model_group_size(model_dir), True)}}
+
+
+def oneshot_recipe(method: str, variant: str, model_dir: str, args) -> list:
     from llmcompressor.modifiers.autoround import AutoRoundModifier
     from llmcompressor.modifiers.gptq import GPTQModifier
     from llmcompressor.modifiers.quantization import QuantizationModifier
@@ -67,12 +88,14 @@ def oneshot_recipe(method: str, variant: str) -> list:
     from llmcompressor.modifiers.transform.smoothquant import SmoothQuantModifier
 
     scheme = PRESETS[method][variant]
+    given = {"config_groups": w4a16_groups(model_dir)} if method in W4A16 else {"targets": "Linear", "scheme": scheme}
     if variant == "rtn":
-        return [QuantizationModifier(targets="Linear", scheme=scheme, ignore=["lm_head"])]
+        return [QuantizationModifier(**given, ignore=["lm_head"])]
     if method == "gptq":
-        return [GPTQModifier(targets="Linear", scheme=scheme, ignore=["lm_head"])]
+        return [GPTQModifier(**given, ignore=["lm_head"])]
     if method == "autoround":
-        return [AutoRoundModifier(targets="Linear", scheme=scheme, ignore=["lm_head"], enable_torch_compile=False)]
+        tuning = {"iters": args.iters} if args.iters else {}
+        return [AutoRoundModifier(**given, ignore=["lm_head"], enable_torch_compile=False, **tuning)]
     if method == "awq":
         return [AWQModifier(), QuantizationModifier(targets="Linear", scheme=scheme, ignore=["lm_head"])]
     return [SmoothQuantModifier(smoothing_strength=0.8),
@@ -92,9 +115,26 @@ def worker_llmcompressor(model_dir: str, out: str, method: str, variant: str, ar
                                             max_seq_length=args.seq_len)
     # AWQ cannot run on a CPU-only machine without this (llm-compressor 0.14.0.1 pins memory).
     with cpu_pin_memory_guard():
-        oneshot(model=model, recipe=oneshot_recipe(method, variant), tokenizer=tokenizer, **data)
+        oneshot(model=model, recipe=oneshot_recipe(method, variant, model_dir, args), tokenizer=tokenizer, **data)
     model.save_pretrained(out, save_compressed=True)
     tokenizer.save_pretrained(out)
+
+
+def worker_autoround_lib(model_dir: str, out: str, args) -> None:
+    """The auto-round library on the same windows: W4A16 symmetric at the model's group size, 200
+    iterations (or --iters), batch 8, seed 42, CPU, torch.compile off; saved as dequantized weights."""
+    import torch
+    from auto_round import AutoRound
+    from transformers import AutoModelForCausalLM
+
+    tokenizer, windows = windows_for(model_dir, args)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto")
+    dataset = [torch.as_tensor(w).reshape(1, -1) for w in windows.calib]
+    tuning = {"iters": args.iters} if args.iters else {}
+    rounder = AutoRound(model, tokenizer=tokenizer, bits=4, group_size=model_group_size(model_dir), sym=True,
+                        dataset=dataset, nsamples=len(dataset), seqlen=args.seq_len, batch_size=8, seed=42,
+                        device_map="cpu", enable_torch_compile=False, **tuning)
+    rounder.quantize_and_save(out, format="fake")
 
 
 def worker_bnb(model_dir: str, out: str) -> None:
@@ -114,6 +154,8 @@ def worker(argv: list[str]) -> None:
     args = parse_args(argv[5:])
     if kind == "bnb":
         worker_bnb(model_dir, out)
+    elif kind == "autoround-lib":
+        worker_autoround_lib(model_dir, out, args)
     else:
         worker_llmcompressor(model_dir, out, method, variant, args)
 
@@ -141,9 +183,15 @@ def variant_command(model: str, out: Path, method: str, variant: str, args) -> l
         # quantkit-nogate: --eval-windows 0, the same work as the bare engine (for the overhead ratio)
         flags = calib_flags(args)[:-1] + ["0"] if variant == "quantkit-nogate" else calib_flags(args)
         return [sys.executable, "-m", "quantkit", "quantize", model, "--method", method, "--no-gate",
-                *flags, *EXTRAS.get(method, {}).get(variant, []), "-o", str(out), "--json", str(out) + ".report.json"]
-    kind = "bnb" if method == "nf4" else "llmc"
+                *flags, *EXTRAS.get(method, {}).get(variant, []), *iters_flags(method, variant, args),
+                "-o", str(out), "--json", str(out) + ".report.json"]
+    kind = {"nf4": "bnb"}.get(method, "autoround-lib" if variant == "autoround-lib" else "llmc")
     return [sys.executable, __file__, "--worker", kind, model, str(out), method, variant, model, *calib_flags(args)]
+
+
+def iters_flags(method: str, variant: str, args) -> list[str]:
+    """--iters for quantkit's autoround variants (the light preset keeps its own)."""
+    return ["--iters", str(args.iters)] if method == "autoround" and args.iters and variant != "quantkit-light" else []
 
 
 def score(artifact: Path, model: str, windows, baseline) -> dict:
@@ -168,9 +216,11 @@ def bench_variant(model: str, method: str, variant: str, args, work: Path, windo
     return {**row, **score(out, model, windows, baseline)}
 
 
-def variants(method: str, extras: bool = False) -> list[str]:
+def variants(method: str, extras: bool = False, only: str | None = None) -> list[str]:
     extra = list(EXTRAS.get(method, {})) if extras else []
-    return ["quantkit", "quantkit-nogate", *extra] + [v for v, scheme in PRESETS[method].items() if scheme]
+    lib = ["autoround-lib"] if method == "autoround" else []
+    every = ["quantkit", "quantkit-nogate", *extra] + [v for v, scheme in PRESETS[method].items() if scheme] + lib
+    return [v for v in every if only is None or v in only.split(",")]
 
 
 def run(args) -> list[dict]:
@@ -185,7 +235,7 @@ def run(args) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-methods-") as tmp:
         for method in args.methods.split(","):
-            for variant in variants(method, args.extras):
+            for variant in variants(method, args.extras, args.variants):
                 rows.append(bench_variant(args.model, method, variant, args, Path(tmp), windows, baseline))
                 print(format_row(rows[-1]), file=sys.stderr, flush=True)
     return rows
@@ -215,7 +265,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--eval-windows", type=int, default=16)
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--json", dest="json_path", default=None)
-    parser.add_argument("--extras", action="store_true", help="also gptq --asymmetric and autoround's light preset")
+    parser.add_argument("--extras", action="store_true", help="also gptq --symmetric and autoround's light preset")
+    parser.add_argument("--iters", type=int, default=None, help="autoround's iterations on every side (default 200)")
+    parser.add_argument("--variants", default=None, help="only these variants (comma-separated)")
     return parser.parse_args(argv)
 
 
