@@ -24,7 +24,7 @@ kept for the process.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 
 import numpy as np
 from gguf import GGMLQuantizationType as QT
@@ -124,7 +124,7 @@ def grid_tables(qtype: QT) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return _tables(QT.IQ1_S if qtype == QT.IQ1_M else qtype)  # IQ1_M shares IQ1_S's grid
 
 
-@lru_cache(maxsize=None)
+@cache
 def _tables(qtype: QT) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     spec = GRIDS[qtype]
     grid = grid_points(spec)
