@@ -3,7 +3,9 @@
 
 llama.cpp is called through ctypes in libggml-base.so from scripts/build_llamacpp.sh (the
 function llama-quantize runs per thread); with --threads N both sides split the rows over N
-threads. MB/s counts float32 input bytes. Prints a table; --json writes the rows.
+threads. MB/s counts float32 input bytes. Prints a table; --json writes the rows. Both sides
+are timed after a warm-up call (best of --repeat), so numba compilation and llama.cpp's one-time
+ggml_quantize_init of the i-quant grids are not counted.
 
     python scripts/bench_kquants.py [--rows 1024 --cols 4096 --threads 1 --types Q4_K,Q6_K]
 """
@@ -24,6 +26,7 @@ from quantkit.gguf import quants
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_TYPES = "Q8_0,Q4_0,Q4_1,Q5_0,Q5_1,Q2_K,Q3_K,Q4_K,Q5_K,Q6_K"
+GRID_IQ_TYPES = "IQ3_XXS,IQ3_S,IQ2_XXS,IQ2_XS,IQ2_S,IQ1_S,IQ1_M"  # IQ2_XXS, IQ2_XS, IQ1_S: imatrix rows only
 
 
 def load_harness():
@@ -34,6 +37,7 @@ def load_harness():
 
 
 def best_time(fn, repeat: int) -> float:
+    fn()  # warm-up: compilation, grid tables
     times = []
     for _ in range(repeat):
         t0 = time.perf_counter()
@@ -64,6 +68,8 @@ def bench(args) -> list[dict]:
     for name in args.types.split(","):
         qtype = QT[name]
         for qw in (None, imatrix):
+            if qw is None and qtype in quants.REQUIRES_IMATRIX:
+                continue
             ours = best_time(lambda: quants.quantize(x, qtype, qw, threads=args.threads), args.repeat)
             row = {"type": name, "imatrix": qw is not None, "quantkit_MBps": mb / ours}
             if lib is not None:
@@ -89,7 +95,7 @@ def main() -> None:
     ap.add_argument("--cols", type=int, default=4096)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeat", type=int, default=2)
-    ap.add_argument("--types", default=DEFAULT_TYPES)
+    ap.add_argument("--types", default=DEFAULT_TYPES + "," + GRID_IQ_TYPES)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     rows = bench(args)

@@ -24,12 +24,14 @@ import numpy as np
 from gguf import GGMLQuantizationType as QT
 
 from quantkit.gguf.iquants_grid import grid_tables
-from quantkit.gguf.kquants_numba import jit, nint, qp_one
+from quantkit.gguf.kquants_numba import jit, nint, numba, qp_one
 from quantkit.gguf.kquants_numpy import fp16_bits
 
 F32 = np.float32
 QK_K = 256
 FLT_MAX = F32(np.finfo(np.float32).max)
+# hot helpers inlined into their callers by numba (no call and array reference-count overhead)
+jit_inline = numba.njit(cache=True, nogil=True, error_model="numpy", inline="always") if numba else jit
 
 
 # ------------------------------------------------------------------ shared pieces
@@ -43,7 +45,7 @@ def _sigma2(xb, factor):
     return factor * s / F32(QK_K)
 
 
-@jit
+@jit_inline
 def _weights(xb, start, n, qw, off, sigma2, no_qw_sigma, weight):
     """weight = qw*sqrt(sigma2 + x^2) with an imatrix; without: x^2 (+ 0.25*sigma2 for IQ2_S)."""
     for i in range(n):
@@ -96,7 +98,7 @@ def _even_signs(xb, start, n, weight, xval, signs):
         signs[k] = s & 127
 
 
-@jit
+@jit_inline
 def _fmax(a, n):
     """C's max = a[0]; max = MAX(max, a[i])."""
     m = a[0]
@@ -106,7 +108,7 @@ def _fmax(a, n):
     return m
 
 
-@jit
+@jit_inline
 def _key(L, start, dim, bits):
     u = 0
     for i in range(dim):
@@ -114,7 +116,7 @@ def _key(L, start, dim, bits):
     return u
 
 
-@jit
+@jit_inline
 def _best_neighbour(neigh, pos, grid, xval, waux, start, scale, L):
     """iq2_find_best_neighbour / iq3_find_best_neighbour: the listed point with the least
     sum w*(scale*q - x)^2 (first on ties); writes its levels into L[start:]."""
@@ -125,7 +127,7 @@ def _best_neighbour(neigh, pos, grid, xval, waux, start, scale, L):
         p = neigh[pos + j]
         d2 = F32(0)
         for i in range(dim):
-            diff = scale * F32(grid[p, i]) - xval[start + i]
+            diff = scale * grid[p, i] - xval[start + i]
             d2 += waux[start + i] * diff * diff
         if d2 < best_d2:
             best_d2 = d2
@@ -133,11 +135,11 @@ def _best_neighbour(neigh, pos, grid, xval, waux, start, scale, L):
     if gi < 0:
         raise ValueError("i-quant grid search found no point (non-finite input?)")
     for i in range(dim):
-        L[start + i] = (grid[gi, i] - 1) // 2
+        L[start + i] = (np.int64(grid[gi, i]) - 1) // 2
     return gi
 
 
-@jit
+@jit_inline
 def _round_groups(xval, n, id_, kmaxq, bits, grid, kmap, neigh, waux, scale, L, on_grid):
     """Levels l = clamp(nearest_int(0.5*(id*x - 1))) per group; an off-grid group takes its best
     neighbour at `scale`. on_grid[k] says whether group k's key was on the grid."""
@@ -153,7 +155,7 @@ def _round_groups(xval, n, id_, kmaxq, bits, grid, kmap, neigh, waux, scale, L, 
             _best_neighbour(neigh, -kmap[u] - 1, grid, xval, waux, dim * k, scale, L)
 
 
-@jit
+@jit_inline
 def _sums(weight, xval, L, n):
     """sumqx = sum w*x*q, sumq2 = sum w*q*q with q = 2*L + 1."""
     sumqx, sumq2 = F32(0), F32(0)
@@ -211,17 +213,24 @@ def _grid_index(L, start, dim, bits, kmap):
     return gi
 
 
-@jit
+@jit_inline
 def _scale_nibble(id_, s):
     """nearest_int(0.5*(id*scale - 1)) clamped to 0..15."""
     return max(0, min(15, nint(F32(0.5) * (id_ * s - F32(1)))))
 
 
 def _prepare(x, qw, qtype):
+    """(blocks of 256, imatrix or empty, blocks per row, (grid, kmap, neighbours)). The kernels get
+    the grid as they use it: float32 coordinates (IQ2/IQ3), int levels 0..2 (IQ1, C's (q - 1)/2)."""
     xb = np.ascontiguousarray(x, dtype=F32).reshape(-1, QK_K)
     bpr = x.shape[-1] // QK_K
     qw_arr = np.empty(0, F32) if qw is None else np.ascontiguousarray(qw, dtype=F32)
-    return xb, qw_arr, bpr, grid_tables(qtype)
+    grid, kmap, neigh = grid_tables(qtype)
+    if qtype in (QT.IQ1_S, QT.IQ1_M):
+        grid = (grid.astype(np.int64) - 1) // 2
+    else:
+        grid = grid.astype(F32)
+    return xb, qw_arr, bpr, (grid, kmap, neigh)
 
 
 def _with_d(out, d, at=0):
@@ -470,7 +479,7 @@ def iq3_s(x, qw=None):
 
 # ------------------------------------------------------------------ IQ1_S / IQ1_M
 
-@jit
+@jit_inline
 def _stable_order(xb, start, n, idx):
     """Indices of xb[start:start+n] sorted by value, ties in index order (glibc's qsort here)."""
     for j in range(n):
@@ -482,16 +491,17 @@ def _stable_order(xb, start, n, idx):
         idx[m] = j
 
 
-@jit
+@jit_inline
 def _best_neighbour2(neigh, pos, grid, xb, start, weight, wstart, scale, xx, L, lstart):
-    """iq1_find_best_neighbour2: the listed point minimizing sum w*(scale*xx[level] - x)^2."""
+    """iq1_find_best_neighbour2: the listed point minimizing sum w*(scale*xx[level] - x)^2
+    (grid: the levels of each point)."""
     best = FLT_MAX
     gi = -1
     for j in range(1, neigh[pos] + 1):
         p = neigh[pos + j]
         d2 = F32(0)
         for i in range(8):
-            q = xx[(grid[p, i] - 1) // 2]
+            q = xx[grid[p, i]]
             diff = scale * q - xb[start + i]
             d2 += weight[wstart + i] * diff * diff
         if d2 < best:
@@ -500,11 +510,11 @@ def _best_neighbour2(neigh, pos, grid, xb, start, weight, wstart, scale, xx, L, 
     if gi < 0:  # C then scans the whole grid reading past its inputs; only non-finite data gets here
         raise ValueError("i-quant grid search found no point (non-finite input?)")
     for i in range(8):
-        L[lstart + i] = (grid[gi, i] - 1) // 2
+        L[lstart + i] = grid[gi, i]
     return gi
 
 
-@jit
+@jit_inline
 def _splits_iq1_s(xb, start, weight, idx, x_p, x_m, sumx, sumw):
     """The exhaustive 3-group split of quantize_row_iq1_s_impl: (scale, i1, i2, shift)."""
     n = 32
@@ -513,20 +523,26 @@ def _splits_iq1_s(xb, start, weight, idx, x_p, x_m, sumx, sumw):
         i = idx[j]
         sumx[j + 1] = sumx[j] + weight[i] * xb[start + i]
         sumw[j + 1] = sumw[j] + weight[i]
+    p0, p1, p2 = x_p[0], x_p[1], x_p[2]
+    m0, m1, m2 = x_m[0], x_m[1], x_m[2]
     best, scale = -FLT_MAX, F32(0)
     bi1, bi2, shift = -1, -1, 0
     for i1 in range(n + 1):
         for i2 in range(i1, n + 1):
             a, bb, c = sumx[i1] - sumx[0], sumx[i2] - sumx[i1], sumx[n] - sumx[i2]
             wa, wb, wc = sumw[i1] - sumw[0], sumw[i2] - sumw[i1], sumw[n] - sumw[i2]
-            for sgn in range(2):
-                xx = x_p if sgn == 0 else x_m
-                sumqx = a * xx[0] + bb * xx[1] + c * xx[2]
-                sumq2 = wa * xx[0] * xx[0] + wb * xx[1] * xx[1] + wc * xx[2] * xx[2]
-                if sumq2 > 0 and sumqx * sumqx > best * sumq2:
-                    scale = sumqx / sumq2
-                    best = scale * sumqx
-                    bi1, bi2, shift = i1, i2, (1 if sgn == 0 else -1)
+            sumqx = a * p0 + bb * p1 + c * p2
+            sumq2 = wa * p0 * p0 + wb * p1 * p1 + wc * p2 * p2
+            if sumq2 > 0 and sumqx * sumqx > best * sumq2:
+                scale = sumqx / sumq2
+                best = scale * sumqx
+                bi1, bi2, shift = i1, i2, 1
+            sumqx = a * m0 + bb * m1 + c * m2
+            sumq2 = wa * m0 * m0 + wb * m1 * m1 + wc * m2 * m2
+            if sumq2 > 0 and sumqx * sumqx > best * sumq2:
+                scale = sumqx / sumq2
+                best = scale * sumqx
+                bi1, bi2, shift = i1, i2, -1
     return scale, bi1, bi2, shift
 
 
@@ -582,7 +598,7 @@ def _iq1_s(x, qw, bpr, grid, kmap, neigh, d, out):
                 for k in range(4):
                     for j in range(8):
                         w = weight[8 * k + j]
-                        q = xx[(grid[index[k], j] - 1) // 2]
+                        q = xx[grid[index[k], j]]
                         sumqx += w * q * xbl[32 * ib + 8 * k + j]
                         sumq2 += w * q * q
                 if sumqx > 0 and sumq2 > 0:
@@ -619,7 +635,7 @@ def iq1_s(x, qw=None):
     return _with_d(out, d)
 
 
-@jit
+@jit_inline
 def _splits_iq1_m(xb, start, weight, idx, x_p, x_m, px, pw):
     """The split search of quantize_row_iq1_m_impl (prefix sums per half of the 16 values, each
     half with its own shift): (scale, i1, i2, k) with k = 2*(first half -) + (second half -)."""
@@ -635,27 +651,25 @@ def _splits_iq1_m(xb, start, weight, idx, x_p, x_m, px, pw):
     p2, m2 = x_p[2], x_m[2]
     cp1, cp2 = x_p[0] * x_p[0] - x_p[1] * x_p[1], x_p[1] * x_p[1] - x_p[2] * x_p[2]
     cm1, cm2 = x_m[0] * x_m[0] - x_m[1] * x_m[1], x_m[1] * x_m[1] - x_m[2] * x_m[2]
-    qx_p, qx_m = np.empty(2, F32), np.empty(2, F32)
-    q2_p, q2_m = np.empty(2, F32), np.empty(2, F32)
-    sumqx, sumq2 = np.empty(4, F32), np.empty(4, F32)
+    tx0, tx1, tw0, tw1 = px[0, n], px[1, n], pw[0, n], pw[1, n]
     best, scale = -FLT_MAX, F32(0)
     bi1, bi2, bk = -1, -1, -1
     for i1 in range(n + 1):
         for i2 in range(i1, n + 1):
-            for h in range(2):
-                sx = px[h, i1] + px[h, i2]
-                qx_p[h] = px[h, n] * p2 - sx
-                qx_m[h] = px[h, n] * m2 - sx
-                q2_p[h] = pw[h, n] * p2 * p2 + pw[h, i1] * cp1 + pw[h, i2] * cp2
-                q2_m[h] = pw[h, n] * m2 * m2 + pw[h, i1] * cm1 + pw[h, i2] * cm2
-            sumqx[0], sumqx[1] = qx_p[0] + qx_p[1], qx_p[0] + qx_m[1]
-            sumqx[2], sumqx[3] = qx_m[0] + qx_p[1], qx_m[0] + qx_m[1]
-            sumq2[0], sumq2[1] = q2_p[0] + q2_p[1], q2_p[0] + q2_m[1]
-            sumq2[2], sumq2[3] = q2_m[0] + q2_p[1], q2_m[0] + q2_m[1]
-            for k in range(4):
-                if sumq2[k] > 0 and sumqx[k] * sumqx[k] > best * sumq2[k]:
-                    scale = sumqx[k] / sumq2[k]
-                    best = scale * sumqx[k]
+            sx0 = px[0, i1] + px[0, i2]
+            sx1 = px[1, i1] + px[1, i2]
+            qxp0, qxm0 = tx0 * p2 - sx0, tx0 * m2 - sx0
+            qxp1, qxm1 = tx1 * p2 - sx1, tx1 * m2 - sx1
+            q2p0 = tw0 * p2 * p2 + pw[0, i1] * cp1 + pw[0, i2] * cp2
+            q2m0 = tw0 * m2 * m2 + pw[0, i1] * cm1 + pw[0, i2] * cm2
+            q2p1 = tw1 * p2 * p2 + pw[1, i1] * cp1 + pw[1, i2] * cp2
+            q2m1 = tw1 * m2 * m2 + pw[1, i1] * cm1 + pw[1, i2] * cm2
+            for k in range(4):  # 0: +,+  1: +,-  2: -,+  3: -,-
+                sumqx = (qxp0 if k < 2 else qxm0) + (qxp1 if k % 2 == 0 else qxm1)
+                sumq2 = (q2p0 if k < 2 else q2m0) + (q2p1 if k % 2 == 0 else q2m1)
+                if sumq2 > 0 and sumqx * sumqx > best * sumq2:
+                    scale = sumqx / sumq2
+                    best = scale * sumqx
                     bi1, bi2, bk = i1, i2, k
     return scale, bi1, bi2, bk
 
@@ -714,7 +728,7 @@ def _iq1_m(x, qw, bpr, grid, kmap, neigh, d, out):
                     xx = _iq1m_levels(bk, k, x_p, x_m)
                     for j in range(8):
                         w = weight[8 * k + j]
-                        q = xx[(grid[index[k], j] - 1) // 2]
+                        q = xx[grid[index[k], j]]
                         sumqx += w * q * xbl[16 * ib + 8 * k + j]
                         sumq2 += w * q * q
                 if sumqx > 0 and sumq2 > 0:
@@ -741,7 +755,7 @@ def _iq1_m(x, qw, bpr, grid, kmap, neigh, d, out):
                 gi = np.int64(ob[2 * ib + k]) + ((np.int64(ob[32 + ib]) << (8 - 4 * k)) & 0x700)
                 for j in range(8):
                     w = weight[8 * k + j]
-                    q = xx[(grid[gi, j] - 1) // 2] * F32(2 * l + 1)
+                    q = xx[grid[gi, j]] * F32(2 * l + 1)
                     sumqx += w * q * xbl[16 * ib + 8 * k + j]
                     sumq2 += w * q * q
         if sumq2 > 0:
@@ -752,7 +766,7 @@ def _iq1_m(x, qw, bpr, grid, kmap, neigh, d, out):
             ob[49 + 2 * j] = (sc[j] >> 8) & 0xFF
 
 
-@jit
+@jit_inline
 def _iq1m_levels(k_shift, k, x_p, x_m):
     """The level values of point k (0: first 8, 1: last 8) for shift code k_shift (0..3)."""
     if k == 0:
