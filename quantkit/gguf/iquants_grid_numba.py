@@ -140,11 +140,14 @@ def _best_neighbour(neigh, pos, grid, xval, waux, start, scale, L):
 
 
 @jit_inline
-def _round_groups(xval, n, id_, kmaxq, bits, grid, kmap, neigh, waux, scale, L, on_grid):
+def _round_groups(xval, n, id_, kmaxq, bits, grid, kmap, neigh, waux, scale, L, on_grid, skip):
     """Levels l = clamp(nearest_int(0.5*(id*x - 1))) per group; an off-grid group takes its best
-    neighbour at `scale`. on_grid[k] says whether group k's key was on the grid."""
+    neighbour at `scale`. on_grid[k] says whether group k's key was on the grid. Groups with
+    skip[k] (if skip is not empty) are left alone."""
     dim = grid.shape[1]
     for k in range(n // dim):
+        if skip.shape[0] > 0 and skip[k]:
+            continue
         u = 0
         for i in range(dim):
             l = max(0, min(kmaxq - 1, nint(F32(0.5) * (id_ * xval[dim * k + i] - F32(1)))))
@@ -181,7 +184,7 @@ def _grid_search(xval, weight, waux, n, kmaxq, bits, nis, step, vmax, scale, on_
         on[k] = on_init
     for is_ in range(-nis, nis + 1):
         id_ = (F32(2 * kmaxq - 1) + F32(is_) * step) / vmax
-        _round_groups(xval, n, id_, kmaxq, bits, grid, kmap, neigh, waux, F32(1) / id_, Laux, on_aux)
+        _round_groups(xval, n, id_, kmaxq, bits, grid, kmap, neigh, waux, F32(1) / id_, Laux, on_aux, on[:0])
         sumqx, sumq2 = _sums(weight, xval, Laux, n)
         if sumq2 > 0 and sumqx * sumqx > best * sumq2:
             scale = sumqx / sumq2
@@ -194,7 +197,8 @@ def _grid_search(xval, weight, waux, n, kmaxq, bits, nis, step, vmax, scale, on_
             n_off += 1
     if (n_off > 0 or not need_off) and scale > 0:
         id_ = F32(1) / scale
-        _round_groups(xval, n, id_, kmaxq, bits, grid, kmap, neigh, waux, scale, Laux, on_aux)
+        _round_groups(xval, n, id_, kmaxq, bits, grid, kmap, neigh, waux, scale, Laux, on_aux,
+                      on[:0] if refit_all else on)
         dim = grid.shape[1]
         for k in range(ngroups):
             if refit_all or not on[k]:
