@@ -70,7 +70,7 @@ SUPPORTED = (
 )
 
 # grid-based i-quants (iquants_grid_numba): kernel(x (rows, n_per_row), qw) -> (blocks, block_bytes);
-# compiled with numba, or plain (slow) Python without it
+# numba-compiled only (as plain Python they would take hours per tensor)
 _GRID_IQUANTS = {
     QT.IQ3_XXS: iquants_grid_numba.iq3_xxs, QT.IQ3_S: iquants_grid_numba.iq3_s,
     QT.IQ2_XXS: iquants_grid_numba.iq2_xxs, QT.IQ2_XS: iquants_grid_numba.iq2_xs,
@@ -109,6 +109,8 @@ def _check(data: np.ndarray, qtype, imatrix):
             f"{QT(qtype).name} needs rows that are a multiple of {block_size} values, got {n}")
     if imatrix is not None and np.shape(imatrix) != (n,):
         raise InputError(f"imatrix has shape {np.shape(imatrix)}, expected ({n},)")
+    if qtype in _GRID_IQUANTS and _numba is None:
+        raise UnsupportedError(f"{QT(qtype).name} needs numba (pip install numba)")
     if imatrix is None and qtype in REQUIRES_IMATRIX:
         raise InputError(f"{QT(qtype).name} needs an imatrix (as in llama.cpp); pass one")
 

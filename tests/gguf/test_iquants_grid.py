@@ -60,9 +60,12 @@ def ggml(harness):
 
 
 def _data(rows: int, n: int, seed: int):
-    """Normal rows, heavy-tailed weight-like rows and an imatrix with zero columns."""
+    """Normal rows, heavy-tailed weight-like rows (the first with zero runs of 16 and 32 values:
+    all-zero sub-blocks) and an imatrix with zero columns."""
     rng = np.random.default_rng(seed)
     x = np.concatenate([rng.standard_normal((rows, n)) * 0.05, rng.standard_t(3, (rows, n)) * 0.02])
+    x[rows, 64:96] = 0.0
+    x[rows, 272:288] = 0.0
     imatrix = rng.gamma(0.7, 1.0, n) + 1e-3
     imatrix[rng.random(n) < 0.03] = 0.0
     return x.astype(np.float32), imatrix.astype(np.float32)
