@@ -142,7 +142,8 @@ def quantize(data: np.ndarray, qtype: QT, imatrix: np.ndarray | None = None,
     """Quantize float data along its last axis exactly like llama.cpp's ggml_quantize_chunk.
 
     data: float array (..., n_per_row). imatrix: None or (n_per_row,) per-column importance
-    (selects the weighted quantize_row_*_impl paths; ignored by Q8_0/F16/BF16/F32).
+    (selects the weighted quantize_row_*_impl paths; ignored by Q8_0/F16/BF16/F32; required by
+    REQUIRES_IMATRIX: IQ2_XXS, IQ2_XS, IQ1_S).
     threads: row chunks are spread over this many threads (numpy releases the GIL).
     Returns uint8 of shape gguf.quant_shape_to_byte_shape(data.shape, qtype).
     """
