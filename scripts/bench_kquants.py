@@ -3,9 +3,12 @@
 
 llama.cpp is called through ctypes in libggml-base.so from scripts/build_llamacpp.sh (the
 function llama-quantize runs per thread); with --threads N both sides split the rows over N
-threads. MB/s counts float32 input bytes. Prints a table; --json writes the rows.
+threads. MB/s counts float32 input bytes. Prints a table; --json writes the rows. Both sides
+are timed after a warm-up call (best of --repeat), so numba compilation and llama.cpp's one-time
+ggml_quantize_init of the i-quant grids are not counted.
 
-    python scripts/bench_kquants.py [--rows 1024 --cols 4096 --threads 1 --types Q4_K,Q6_K]
+    PYTHONPATH=. python scripts/bench_kquants.py [--rows 1024 --cols 4096 --threads 1 --types Q4_K,Q6_K]
+    PYTHONPATH=. python scripts/bench_kquants.py --rows 64 --types IQ3_XXS,IQ2_XS,IQ1_M --clock cpu
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from quantkit.gguf import quants
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_TYPES = "Q8_0,Q4_0,Q4_1,Q5_0,Q5_1,Q2_K,Q3_K,Q4_K,Q5_K,Q6_K"
+GRID_IQ_TYPES = "IQ3_XXS,IQ3_S,IQ2_XXS,IQ2_XS,IQ2_S,IQ1_S,IQ1_M"  # IQ2_XXS, IQ2_XS, IQ1_S: imatrix rows only
 
 
 def load_harness():
@@ -33,12 +37,13 @@ def load_harness():
     return module
 
 
-def best_time(fn, repeat: int) -> float:
+def best_time(fn, repeat: int, clock=time.perf_counter) -> float:
+    fn()  # warm-up: compilation, grid tables
     times = []
     for _ in range(repeat):
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
     return min(times)
 
 
@@ -60,14 +65,17 @@ def bench(args) -> list[dict]:
     x = (rng.standard_t(4, (args.rows, args.cols)) * 0.02).astype(np.float32)
     imatrix = rng.gamma(0.5, 1.0, args.cols).astype(np.float32)
     mb = x.nbytes / 1e6
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     rows = []
     for name in args.types.split(","):
         qtype = QT[name]
         for qw in (None, imatrix):
-            ours = best_time(lambda: quants.quantize(x, qtype, qw, threads=args.threads), args.repeat)
+            if qw is None and qtype in quants.REQUIRES_IMATRIX:
+                continue
+            ours = best_time(lambda: quants.quantize(x, qtype, qw, threads=args.threads), args.repeat, clock)
             row = {"type": name, "imatrix": qw is not None, "quantkit_MBps": mb / ours}
             if lib is not None:
-                ref = best_time(llamacpp_runner(harness, lib, x, qtype, qw, args.threads), args.repeat)
+                ref = best_time(llamacpp_runner(harness, lib, x, qtype, qw, args.threads), args.repeat, clock)
                 row["llamacpp_MBps"] = mb / ref
                 row["slowdown"] = ours / ref
             rows.append(row)
@@ -75,7 +83,7 @@ def bench(args) -> list[dict]:
 
 
 def print_table(rows: list[dict], args) -> None:
-    print(f"{args.rows}x{args.cols} float32, threads={args.threads}, best of {args.repeat}")
+    print(f"{args.rows}x{args.cols} float32, threads={args.threads}, best of {args.repeat}, {args.clock} clock")
     print(f"{'type':6} {'imatrix':7} {'quantkit MB/s':>14} {'llama.cpp MB/s':>15} {'slowdown':>9}")
     for r in rows:
         ref = f"{r['llamacpp_MBps']:15.1f}" if "llamacpp_MBps" in r else f"{'n/a':>15}"
@@ -89,7 +97,9 @@ def main() -> None:
     ap.add_argument("--cols", type=int, default=4096)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeat", type=int, default=2)
-    ap.add_argument("--types", default=DEFAULT_TYPES)
+    ap.add_argument("--types", default=DEFAULT_TYPES + "," + GRID_IQ_TYPES)
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="cpu: process CPU time, steadier on a busy machine (compare at --threads 1)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     rows = bench(args)

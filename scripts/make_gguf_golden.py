@@ -7,7 +7,8 @@ so the bytes are exactly what llama-quantize writes for the same rows and imatri
 
 One golden.npz: inputs ``x`` (rows, n_per_row) float32, ``imatrix`` (n_per_row,), and per
 type the expected bytes ``<TYPE>`` (without imatrix) and ``<TYPE>_imatrix`` (with it), plus
-the llama.cpp version string. Run once; re-run after changing the llama.cpp version:
+the llama.cpp version string; golden_iq_grid.npz the same for the grid i-quants (IQ3_XXS ...
+IQ1_M; no ``<TYPE>`` entry for the types llama.cpp quantizes only with an imatrix). Run once; re-run after changing the llama.cpp version:
 
     python scripts/make_gguf_golden.py [--out tests/data/gguf_golden]
 
@@ -95,6 +96,21 @@ def make_inputs(n: int, n_random: int, seed: int):
     return x, imatrix
 
 
+# the grid i-quants go to a file of their own (tests/gguf/test_iquants_grid.py); llama.cpp
+# refuses the imatrix-only ones without an imatrix, so those have no plain entry
+GRID_IQ_TYPES = (QT.IQ3_XXS, QT.IQ3_S, QT.IQ2_XXS, QT.IQ2_XS, QT.IQ2_S, QT.IQ1_S, QT.IQ1_M)
+IMATRIX_ONLY = (QT.IQ2_XXS, QT.IQ2_XS, QT.IQ1_S)
+
+
+def write_grid_iq_golden(lib, x: np.ndarray, imatrix: np.ndarray, path: Path) -> None:
+    arrays = {"x": x, "imatrix": imatrix, "version": np.array(llamacpp_version())}
+    for qtype in GRID_IQ_TYPES:
+        if qtype not in IMATRIX_ONLY:
+            arrays[qtype.name] = ggml_quantize(lib, x, qtype)
+        arrays[qtype.name + "_imatrix"] = ggml_quantize(lib, x, qtype, imatrix)
+    np.savez_compressed(path, **arrays)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=ROOT / "tests" / "data" / "gguf_golden")
@@ -115,6 +131,9 @@ def main() -> None:
     np.savez_compressed(path, **arrays)
     print(f"{path.relative_to(ROOT)}: {x.shape[0]} rows x {x.shape[1]} values, "
           f"{len(TYPES)} types with and without imatrix, {path.stat().st_size} bytes")
+    iq_path = args.out / "golden_iq_grid.npz"
+    write_grid_iq_golden(lib, x, imatrix, iq_path)
+    print(f"{iq_path.relative_to(ROOT)}: {len(GRID_IQ_TYPES)} grid i-quant types, {iq_path.stat().st_size} bytes")
 
 if __name__ == "__main__":
     main()

@@ -29,6 +29,11 @@ Floating point rules followed to stay bit-exact:
 * make_qkx2/3_quants update ``min`` in place during the search, so later trial scales are
   measured from the best min found so far (easy to miss, changes ~80% of blocks).
 
+Grid i-quants: IQ3_XXS, IQ3_S, IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S and IQ1_M run the compiled ports
+of ``quantize_row_iq*_impl`` in ``iquants_grid_numba`` (grids and neighbour maps in
+``iquants_grid``), bit-exact too; IQ2_XXS, IQ2_XS and IQ1_S need an imatrix, as in llama.cpp
+(``REQUIRES_IMATRIX``; InputError without one).
+
 Modules: this one is the public API (``quantize``, ``dequantize``, the type table, row
 chunking and threads) and picks a kernel; ``kquants_numpy`` holds the numpy ports (searches,
 bit packing, one kernel per type) and ``kquants_numba`` the compiled ones.
@@ -52,7 +57,7 @@ from gguf.quants import dequantize as _gguf_dequantize
 from gguf.quants import quantize as _gguf_quantize
 
 from quantkit.errors import InputError, UnsupportedError
-from quantkit.gguf import kquants_numba, kquants_numpy
+from quantkit.gguf import iquants_grid_numba, kquants_numba, kquants_numpy
 from quantkit.gguf.kquants_numpy import fp16_bits, fp16_round, nearest_int, seq_sum  # noqa: F401 (API)
 
 F32 = np.float32
@@ -63,6 +68,17 @@ SUPPORTED = (
     QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1,
     QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K,
 )
+
+# grid-based i-quants (iquants_grid_numba): kernel(x (rows, n_per_row), qw) -> (blocks, block_bytes);
+# numba-compiled only (as plain Python they would take hours per tensor)
+_GRID_IQUANTS = {
+    QT.IQ3_XXS: iquants_grid_numba.iq3_xxs, QT.IQ3_S: iquants_grid_numba.iq3_s,
+    QT.IQ2_XXS: iquants_grid_numba.iq2_xxs, QT.IQ2_XS: iquants_grid_numba.iq2_xs,
+    QT.IQ2_S: iquants_grid_numba.iq2_s, QT.IQ1_S: iquants_grid_numba.iq1_s, QT.IQ1_M: iquants_grid_numba.iq1_m,
+}
+# llama.cpp refuses to quantize these without an imatrix (ggml_quantize_requires_imatrix)
+REQUIRES_IMATRIX = (QT.IQ2_XXS, QT.IQ2_XS, QT.IQ1_S)
+SUPPORTED = SUPPORTED + tuple(_GRID_IQUANTS)
 
 _numba = kquants_numba.numba  # None when numba is not installed
 # "numba": compiled kernels (FUSED types) and searches; "numpy": the vectorized fallback
@@ -93,11 +109,17 @@ def _check(data: np.ndarray, qtype, imatrix):
             f"{QT(qtype).name} needs rows that are a multiple of {block_size} values, got {n}")
     if imatrix is not None and np.shape(imatrix) != (n,):
         raise InputError(f"imatrix has shape {np.shape(imatrix)}, expected ({n},)")
+    if qtype in _GRID_IQUANTS and _numba is None:
+        raise UnsupportedError(f"{QT(qtype).name} needs numba (pip install numba)")
+    if imatrix is None and qtype in REQUIRES_IMATRIX:
+        raise InputError(f"{QT(qtype).name} needs an imatrix (as in llama.cpp); pass one")
 
 
 def _quantize_rows(x: np.ndarray, qtype, qw) -> np.ndarray:
     """Quantize a (rows, n_per_row) float32 chunk to (rows, row_bytes) uint8."""
     rows = x.shape[0]
+    if qtype in _GRID_IQUANTS:
+        return _GRID_IQUANTS[qtype](x, qw).reshape(rows, -1)
     if BACKEND == "numba":
         if qtype in _FUSED:
             return _FUSED[qtype](x, qw).reshape(rows, -1)
@@ -120,7 +142,8 @@ def quantize(data: np.ndarray, qtype: QT, imatrix: np.ndarray | None = None,
     """Quantize float data along its last axis exactly like llama.cpp's ggml_quantize_chunk.
 
     data: float array (..., n_per_row). imatrix: None or (n_per_row,) per-column importance
-    (selects the weighted quantize_row_*_impl paths; ignored by Q8_0/F16/BF16/F32).
+    (selects the weighted quantize_row_*_impl paths; ignored by Q8_0/F16/BF16/F32; required by
+    REQUIRES_IMATRIX: IQ2_XXS, IQ2_XS, IQ1_S).
     threads: row chunks are spread over this many threads (numpy releases the GIL).
     Returns uint8 of shape gguf.quant_shape_to_byte_shape(data.shape, qtype).
     """
