@@ -214,7 +214,7 @@ def check_sizes(info, options: Options) -> None:
     from quantkit.mixed.budget import check_budget, check_max_size
 
     plans = model_plans(info, options.gguf_type, uses_imatrix(options))
-    sizes = budget_sizes(options.auto_precision, plans)
+    sizes = budget_sizes(options.auto_precision, plans, uses_imatrix(options))
     if options.auto_precision is not None:
         check_budget(sizes.cheapest, sizes.allowed, "gguf auto_precision",
                      f"the cheapest types take {8 * (sizes.cheapest + sizes.fixed) / sizes.weights:.3f} bits per "
@@ -341,12 +341,12 @@ class BudgetSizes:
     weights: int  # values in all tensors
 
 
-def budget_sizes(auto: AutoPrecision | None, plans) -> BudgetSizes:
-    from quantkit.mixed.gguf import candidates, nbytes, quantized_plans
+def budget_sizes(auto: AutoPrecision | None, plans, has_imatrix: bool) -> BudgetSizes:
+    from quantkit.mixed.gguf import nbytes, plan_candidates, quantized_plans
 
     budgeted = {p.name for p in quantized_plans(plans)}
     mixture = sum(nbytes(p.shape, p.qtype) for p in plans if p.name in budgeted)
-    cheapest = sum(nbytes(p.shape, candidates(p.shape[-1])[0]) for p in plans if p.name in budgeted)
+    cheapest = sum(nbytes(p.shape, plan_candidates(p, has_imatrix)[0]) for p in plans if p.name in budgeted)
     fixed = sum(nbytes(p.shape, p.qtype) for p in plans if p.name not in budgeted)
     weights = sum(math.prod(p.shape) for p in plans)
     allowed = mixture if auto is None or auto.budget_bpw is None else int(auto.budget_bpw * weights / 8) - fixed
@@ -416,7 +416,7 @@ def quantize(job: QuantizeJob) -> QuantizeResult:
     started = time.perf_counter()
     plans = plans_of(job, imatrix is not None)
     table = sensitivity_table(job, plans, imatrix, opts.auto_precision)
-    sizes = budget_sizes(opts.auto_precision, plans)
+    sizes = budget_sizes(opts.auto_precision, plans, imatrix is not None)
     types = budget.assign_types(table.tensors, sizes.allowed)
     table.seconds["total"] = round(time.perf_counter() - started, 3)
     details["sensitivity"] = table.as_dict()
@@ -464,7 +464,7 @@ def requantize(job: QuantizeJob, plan: dict[str, str], details: dict) -> Quantiz
     from quantkit.mixed.gguf import Sensitivity
 
     imatrix = current_imatrix(job)
-    sizes = budget_sizes(job.options.auto_precision, plans_of(job, imatrix is not None))
+    sizes = budget_sizes(job.options.auto_precision, plans_of(job, imatrix is not None), imatrix is not None)
     table = Sensitivity.from_dict(details["sensitivity"]).tensors
     types = {name: T[t] for name, t in plan.items()}
     return write_gguf(job, imatrix, types, {**details, "mixed_precision": mixed_report(table, types, sizes, None)})
