@@ -5,7 +5,7 @@ llama.cpp is called through ctypes in libggml-base.so from scripts/build_llamacp
 function llama-quantize runs per thread); with --threads N both sides split the rows over N
 threads. MB/s counts float32 input bytes. Prints a table; --json writes the rows.
 
-    python scripts/bench_kquants.py [--rows 1024 --cols 4096 --threads 1 --types Q4_K,Q6_K]
+    python scripts/bench_kquants.py [--rows 1024 --cols 4096 --threads 1 --types Q4_K,IQ4_XS]
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from gguf import GGMLQuantizationType as QT
 from quantkit.gguf import quants
 
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_TYPES = "Q8_0,Q4_0,Q4_1,Q5_0,Q5_1,Q2_K,Q3_K,Q4_K,Q5_K,Q6_K"
+# every quantized type quantkit has a kernel for (k-quants, legacy, i-quants)
+DEFAULT_TYPES = ",".join(t.name for t in quants.SUPPORTED if t not in (QT.F32, QT.F16, QT.BF16))
 
 
 def load_harness():
@@ -76,11 +77,11 @@ def bench(args) -> list[dict]:
 
 def print_table(rows: list[dict], args) -> None:
     print(f"{args.rows}x{args.cols} float32, threads={args.threads}, best of {args.repeat}")
-    print(f"{'type':6} {'imatrix':7} {'quantkit MB/s':>14} {'llama.cpp MB/s':>15} {'slowdown':>9}")
+    print(f"{'type':7} {'imatrix':7} {'quantkit MB/s':>14} {'llama.cpp MB/s':>15} {'slowdown':>9}")
     for r in rows:
         ref = f"{r['llamacpp_MBps']:15.1f}" if "llamacpp_MBps" in r else f"{'n/a':>15}"
         slow = f"{r['slowdown']:8.2f}x" if "slowdown" in r else f"{'n/a':>9}"
-        print(f"{r['type']:6} {str(r['imatrix']):7} {r['quantkit_MBps']:14.1f} {ref} {slow}")
+        print(f"{r['type']:7} {str(r['imatrix']):7} {r['quantkit_MBps']:14.1f} {ref} {slow}")
 
 
 def main() -> None:

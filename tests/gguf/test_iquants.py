@@ -129,3 +129,46 @@ def test_live_extreme_blocks(ggml, backend):
             with np.errstate(all="ignore"):
                 got = quants.quantize(x, qtype, qw)
             np.testing.assert_array_equal(got, harness.ggml_quantize(lib, x, qtype, qw), err_msg=qtype.name)
+
+
+# -------------------------------------------------- whole files against llama-quantize (optional)
+
+@pytest.fixture(scope="module", params=["micro", "smol576"])
+def iq_model(request, tmp_path_factory) -> dict:
+    """{model: f16 checkpoint, f16: quantkit's F16 GGUF, imatrix: llama-imatrix's file on it} for the toy
+    presets micro (hidden 256) and smol576 (SmolLM-135M's widths: IQ4_XS falls back to IQ4_NL)."""
+    import subprocess
+
+    from quantkit.toy import make_toy_model
+    from tests.gguf.helpers import convert_to, need_llama, save_f16_copy
+    from tests.gguf.test_families_llamacpp import text_file
+
+    need_llama("llama-quantize")
+    root = tmp_path_factory.mktemp(f"iq-{request.param}")
+    model = save_f16_copy(make_toy_model(root / "bf16", request.param, steps=20), root / "f16")
+    f16 = root / "f16.gguf"
+    convert_to(model, f16, "F16")
+    imatrix = root / "imatrix.gguf"
+    run = subprocess.run([str(need_llama("llama-imatrix")), "-m", str(f16), "-f", str(text_file(root / "t.txt")),
+                          "-c", "128", "-b", "128", "--chunks", "4", "-t", "2", "-o", str(imatrix)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and imatrix.is_file(), run.stderr[-2000:]
+    return {"model": model, "f16": f16, "imatrix": imatrix}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("gguf_type", ["IQ4_NL", "IQ4_XS"])
+def test_iq4_files_bit_exact_with_llama_quantize(iq_model, gguf_type, tmp_path):
+    """Every tensor's type and bytes equal llama-quantize's, with llama-imatrix's imatrix and without."""
+    from quantkit.gguf import imatrix as im
+    from tests.gguf.helpers import convert_to, run_quantize
+    from tests.gguf.test_families_llamacpp import assert_same_tensors
+
+    weights = im.read(iq_model["imatrix"]).weights()
+    for imatrix in (iq_model["imatrix"], None):
+        theirs, ours = tmp_path / "theirs.gguf", tmp_path / "ours.gguf"
+        run_quantize(iq_model["f16"], theirs, gguf_type, imatrix=imatrix)
+        result = convert_to(iq_model["model"], ours, gguf_type, imatrix=weights if imatrix else None)
+        assert (result.imatrix_tensors > 0) == (imatrix is not None)
+        assert gguf_type in result.type_counts or "IQ4_NL" in result.type_counts
+        assert_same_tensors(theirs, ours, f"{gguf_type} imatrix={imatrix is not None}")
