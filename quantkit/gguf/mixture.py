@@ -255,15 +255,11 @@ def attn_v_type(ftype: str, new: T, facts: ModelFacts, st: _State, has_imatrix: 
         new = T.Q4_K if gqa4 else T.Q3_K
     elif ftype == "IQ3_XXS":
         new = T.Q4_K if gqa4 else T.IQ3_XXS if has_imatrix else T.IQ3_S
-    elif ftype in ("IQ3_XS", "IQ3_S") and gqa4:
-        new = T.Q4_K
-    elif ftype == "IQ3_M":
+    elif (ftype in ("IQ3_XS", "IQ3_S") and gqa4) or ftype == "IQ3_M":
         new = T.Q4_K
     elif ftype == "Q3_K_M":
         new = T.Q5_K if i < 2 else T.Q4_K
-    elif ftype == "Q3_K_L":
-        new = T.Q5_K
-    elif ftype in ("IQ4_NL", "IQ4_XS") and gqa4:
+    elif ftype == "Q3_K_L" or (ftype in ("IQ4_NL", "IQ4_XS") and gqa4):
         new = T.Q5_K
     elif ftype in ("Q4_K_M", "Q5_K_M") and use_more_bits(i, n):
         new = T.Q6_K

@@ -105,7 +105,7 @@ def missing_kernel(gguf_type: str, types: dict) -> None:
                                hint="choose a mix whose types quantkit quantizes: the k-quants, IQ4_NL or IQ4_XS")
 
 
-def check_mix(info, options: "Options", imatrix_entries=None) -> None:
+def check_mix(info, options: Options, imatrix_entries=None) -> None:
     """Before any work: every type the mix gives this model's tensors has a kernel, and with imatrix
     "none" no tensor needs an imatrix (llama.cpp refuses IQ3_XXS, IQ2_* and IQ1_* tensors without one);
     an imatrix file (`imatrix_entries`: its tensor names) has an entry for each tensor that needs one."""

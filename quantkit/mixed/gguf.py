@@ -54,6 +54,7 @@ from quantkit.gguf.mixture import IMATRIX_TYPES, UNQUANTIZED, T, category
 from quantkit.mixed import budget
 from quantkit.mixed.sensitivity import PROBES_PER_ROLE, SensitivityRow, frontier
 
+
 def bits_per_weight(qtype: T) -> float:
     block, size = GGML_QUANT_SIZES[qtype]
     return 8 * size / block
