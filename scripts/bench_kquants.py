@@ -7,8 +7,8 @@ threads. MB/s counts float32 input bytes. Prints a table; --json writes the rows
 are timed after a warm-up call (best of --repeat), so numba compilation and llama.cpp's one-time
 ggml_quantize_init of the i-quant grids are not counted.
 
-    PYTHONPATH=. python scripts/bench_kquants.py [--rows 1024 --cols 4096 --threads 1 --types Q4_K,Q6_K]
-    PYTHONPATH=. python scripts/bench_kquants.py --rows 64 --types IQ3_XXS,IQ2_XS,IQ1_M --clock cpu
+    python scripts/bench_kquants.py [--rows 1024 --cols 4096 --threads 1 --types Q4_K,IQ4_XS]
+    python scripts/bench_kquants.py --rows 64 --types IQ3_XXS,IQ2_XS,IQ1_M --clock cpu
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from gguf import GGMLQuantizationType as QT
 from quantkit.gguf import quants
 
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_TYPES = "Q8_0,Q4_0,Q4_1,Q5_0,Q5_1,Q2_K,Q3_K,Q4_K,Q5_K,Q6_K"
-GRID_IQ_TYPES = "IQ3_XXS,IQ3_S,IQ2_XXS,IQ2_XS,IQ2_S,IQ1_S,IQ1_M"  # IQ2_XXS, IQ2_XS, IQ1_S: imatrix rows only
+# every quantized type quantkit has a kernel for (k-quants, legacy, i-quants; REQUIRES_IMATRIX: imatrix rows only)
+DEFAULT_TYPES = ",".join(t.name for t in quants.SUPPORTED if t not in (QT.F32, QT.F16, QT.BF16))
 
 
 def load_harness():
@@ -84,11 +84,11 @@ def bench(args) -> list[dict]:
 
 def print_table(rows: list[dict], args) -> None:
     print(f"{args.rows}x{args.cols} float32, threads={args.threads}, best of {args.repeat}, {args.clock} clock")
-    print(f"{'type':6} {'imatrix':7} {'quantkit MB/s':>14} {'llama.cpp MB/s':>15} {'slowdown':>9}")
+    print(f"{'type':7} {'imatrix':7} {'quantkit MB/s':>14} {'llama.cpp MB/s':>15} {'slowdown':>9}")
     for r in rows:
         ref = f"{r['llamacpp_MBps']:15.1f}" if "llamacpp_MBps" in r else f"{'n/a':>15}"
         slow = f"{r['slowdown']:8.2f}x" if "slowdown" in r else f"{'n/a':>9}"
-        print(f"{r['type']:6} {str(r['imatrix']):7} {r['quantkit_MBps']:14.1f} {ref} {slow}")
+        print(f"{r['type']:7} {str(r['imatrix']):7} {r['quantkit_MBps']:14.1f} {ref} {slow}")
 
 
 def main() -> None:
@@ -97,7 +97,7 @@ def main() -> None:
     ap.add_argument("--cols", type=int, default=4096)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeat", type=int, default=2)
-    ap.add_argument("--types", default=DEFAULT_TYPES + "," + GRID_IQ_TYPES)
+    ap.add_argument("--types", default=DEFAULT_TYPES)
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                     help="cpu: process CPU time, steadier on a busy machine (compare at --threads 1)")
     ap.add_argument("--json", type=Path)

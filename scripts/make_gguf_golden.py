@@ -5,12 +5,14 @@ Needs the build from scripts/build_llamacpp.sh: it calls ``ggml_quantize_chunk``
 function llama-quantize uses) in third_party/llama.cpp/bin/libggml-base.so through ctypes,
 so the bytes are exactly what llama-quantize writes for the same rows and imatrix.
 
-One golden.npz: inputs ``x`` (rows, n_per_row) float32, ``imatrix`` (n_per_row,), and per
-type the expected bytes ``<TYPE>`` (without imatrix) and ``<TYPE>_imatrix`` (with it), plus
-the llama.cpp version string; golden_iq_grid.npz the same for the grid i-quants (IQ3_XXS ...
-IQ1_M; no ``<TYPE>`` entry for the types llama.cpp quantizes only with an imatrix). Run once; re-run after changing the llama.cpp version:
+One .npz per set of types (``SETS``: golden.npz for the k-quants and legacy types,
+golden_iq4.npz for IQ4_NL/IQ4_XS, golden_iq_grid.npz for IQ3_XXS ... IQ1_M): inputs ``x``
+(rows, n_per_row) float32, ``imatrix`` (n_per_row,), and per type the expected bytes ``<TYPE>``
+(without imatrix; none for the types llama.cpp quantizes only with one) and ``<TYPE>_imatrix``
+(with it), plus the llama.cpp version string. Run once per set; re-run after changing the
+llama.cpp version:
 
-    python scripts/make_gguf_golden.py [--out tests/data/gguf_golden]
+    python scripts/make_gguf_golden.py [--out tests/data/gguf_golden] [--set golden_iq4]
 
 The helpers ``load_ggml`` / ``ggml_quantize`` are also used by tests/gguf/test_quants.py
 and scripts/bench_kquants.py.
@@ -30,6 +32,9 @@ ROOT = Path(__file__).resolve().parent.parent
 LLAMACPP = ROOT / "third_party" / "llama.cpp"
 TYPES = (QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1,
          QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.F16, QT.BF16)
+GRID_IQ_TYPES = (QT.IQ3_XXS, QT.IQ3_S, QT.IQ2_XXS, QT.IQ2_XS, QT.IQ2_S, QT.IQ1_S, QT.IQ1_M)
+SETS = {"golden": TYPES, "golden_iq4": (QT.IQ4_NL, QT.IQ4_XS), "golden_iq_grid": GRID_IQ_TYPES}  # file -> types
+IMATRIX_ONLY = (QT.IQ2_XXS, QT.IQ2_XS, QT.IQ1_S)  # llama.cpp refuses these without an imatrix: no plain entry
 
 
 def load_ggml(root: Path = LLAMACPP):
@@ -96,27 +101,13 @@ def make_inputs(n: int, n_random: int, seed: int):
     return x, imatrix
 
 
-# the grid i-quants go to a file of their own (tests/gguf/test_iquants_grid.py); llama.cpp
-# refuses the imatrix-only ones without an imatrix, so those have no plain entry
-GRID_IQ_TYPES = (QT.IQ3_XXS, QT.IQ3_S, QT.IQ2_XXS, QT.IQ2_XS, QT.IQ2_S, QT.IQ1_S, QT.IQ1_M)
-IMATRIX_ONLY = (QT.IQ2_XXS, QT.IQ2_XS, QT.IQ1_S)
-
-
-def write_grid_iq_golden(lib, x: np.ndarray, imatrix: np.ndarray, path: Path) -> None:
-    arrays = {"x": x, "imatrix": imatrix, "version": np.array(llamacpp_version())}
-    for qtype in GRID_IQ_TYPES:
-        if qtype not in IMATRIX_ONLY:
-            arrays[qtype.name] = ggml_quantize(lib, x, qtype)
-        arrays[qtype.name + "_imatrix"] = ggml_quantize(lib, x, qtype, imatrix)
-    np.savez_compressed(path, **arrays)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=ROOT / "tests" / "data" / "gguf_golden")
     ap.add_argument("--n", type=int, default=512, help="values per row (multiple of 256)")
     ap.add_argument("--random-rows", type=int, default=12)
     ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--set", choices=sorted(SETS), default="golden", help="which types (file name)")
     args = ap.parse_args()
     lib = load_ggml()
     if lib is None:
@@ -124,16 +115,15 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     x, imatrix = make_inputs(args.n, args.random_rows, args.seed)
     arrays = {"x": x, "imatrix": imatrix, "version": np.array(llamacpp_version())}
-    for qtype in TYPES:
-        arrays[qtype.name] = ggml_quantize(lib, x, qtype)
+    types = SETS[args.set]
+    for qtype in types:
+        if qtype not in IMATRIX_ONLY:
+            arrays[qtype.name] = ggml_quantize(lib, x, qtype)
         arrays[qtype.name + "_imatrix"] = ggml_quantize(lib, x, qtype, imatrix)
-    path = args.out / "golden.npz"
+    path = args.out / f"{args.set}.npz"
     np.savez_compressed(path, **arrays)
-    print(f"{path.relative_to(ROOT)}: {x.shape[0]} rows x {x.shape[1]} values, "
-          f"{len(TYPES)} types with and without imatrix, {path.stat().st_size} bytes")
-    iq_path = args.out / "golden_iq_grid.npz"
-    write_grid_iq_golden(lib, x, imatrix, iq_path)
-    print(f"{iq_path.relative_to(ROOT)}: {len(GRID_IQ_TYPES)} grid i-quant types, {iq_path.stat().st_size} bytes")
+    print(f"{path}: {x.shape[0]} rows x {x.shape[1]} values, "
+          f"{len(types)} types with and without imatrix, {path.stat().st_size} bytes")
 
 if __name__ == "__main__":
     main()

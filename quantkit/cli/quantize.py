@@ -53,7 +53,7 @@ def quantize(
     act_order: Optional[str] = typer.Option(None, help="GPTQ activation order: none | static | group."),
     symmetric: Optional[bool] = typer.Option(None, "--symmetric/--asymmetric", help="Integer weights without / with a zero point (gptq/awq/autoround)."),
     backend: Optional[str] = typer.Option(None, help="Engine backend where a method has several."),
-    gguf_type: Optional[str] = typer.Option(None, help="GGUF type or mixture, e.g. Q4_K_M, Q6_K, Q8_0."),
+    gguf_type: Optional[str] = typer.Option(None, help="GGUF type or mixture, e.g. Q4_K_M, Q6_K, Q8_0, IQ4_XS."),
     imatrix: Optional[str] = typer.Option(None, help="GGUF importance matrix: auto | none | FILE."),
     mmproj: Optional[str] = typer.Option(None, "--mmproj", help="GGUF of a VLM: its vision tower as llama.cpp's mmproj .gguf, auto | f16 | bf16 | f32; none = the language model alone (no image input)."),
     auto_precision: bool = typer.Option(False, "--auto-precision", help="Precision chosen per tensor by measured sensitivity under a size budget, never exceeded. gguf: the types llama.cpp allows for each tensor's rows, at the size of llama.cpp's --gguf-type mixture; gptq, awq: int4, int8 or 16-bit per layer at the W4A16 size +5%."),

@@ -910,6 +910,11 @@ def convert(model_dir: Path, out_path: Path, gguf_type: str = "F16", imatrix: di
     hp = {**load_hparams(info.path), "architectures": info.config.get("architectures")}
     plans = override_types(plan_tensors(hp, info.tensors, key, has_imatrix=bool(imatrix), model_dir=info.path),
                            types or {})
+    unweighted = {p.name: p.qtype for p in plans if imatrix_for(p, imatrix) is None}
+    needing = mixture.needs_imatrix(unweighted)
+    if needing:
+        raise InputError(f"{needing[0]} is {unweighted[needing[0]].name}: llama.cpp quantizes that type only with "
+                         "an imatrix, and there is none for it", hint="pass --imatrix auto or an imatrix of this model")
     spec = arch_spec(hp)
     writer = gguf.GGUFWriter(str(out_path), gguf_arch_name(spec))
     add_metadata(writer, hp, spec, name or Path(model_dir).name, ftype)

@@ -6,7 +6,10 @@ numpy dimension. Tensors are visited in llama-quantize's order (llama_model_load
 by block number, non-block tensors first, then by name) because the attn_v counter depends on it.
 
 Covered file types: Q2_K, Q3_K_S/M/L, Q4_K_S/M, Q5_K_S/M, Q6_K, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
-F16, BF16, F32 (the IQ* mixes are not offered: quantkit has no IQ kernels).
+F16, BF16, F32 and the i-quant mixes IQ4_NL, IQ4_XS, IQ3_XXS, IQ3_XS, IQ3_S, IQ3_M, IQ2_XXS,
+IQ2_XS, IQ2_S, IQ2_M, IQ1_S, IQ1_M. A mix may name ggml types quantkit has no kernel for yet
+(`missing_kernels` lists them; the CLI refuses such a mix before any work), and the lowest types
+need an imatrix (`needs_imatrix`, llama-quant.cpp's tensor_requires_imatrix).
 """
 
 from __future__ import annotations
@@ -39,13 +42,34 @@ FILE_TYPES: dict[str, tuple[F, T]] = {
     "Q5_K_S": (F.MOSTLY_Q5_K_S, T.Q5_K),
     "Q5_K_M": (F.MOSTLY_Q5_K_M, T.Q5_K),
     "Q6_K": (F.MOSTLY_Q6_K, T.Q6_K),
+    "IQ4_NL": (F.MOSTLY_IQ4_NL, T.IQ4_NL),
+    "IQ4_XS": (F.MOSTLY_IQ4_XS, T.IQ4_XS),
+    "IQ3_XXS": (F.MOSTLY_IQ3_XXS, T.IQ3_XXS),
+    "IQ3_XS": (F.MOSTLY_IQ3_XS, T.IQ3_S),
+    "IQ3_S": (F.MOSTLY_IQ3_S, T.IQ3_S),
+    "IQ3_M": (F.MOSTLY_IQ3_M, T.IQ3_S),
+    "IQ2_XXS": (F.MOSTLY_IQ2_XXS, T.IQ2_XXS),
+    "IQ2_XS": (F.MOSTLY_IQ2_XS, T.IQ2_XS),
+    "IQ2_S": (F.MOSTLY_IQ2_S, T.IQ2_XS),
+    "IQ2_M": (F.MOSTLY_IQ2_M, T.IQ2_S),
+    "IQ1_S": (F.MOSTLY_IQ1_S, T.IQ1_S),
+    "IQ1_M": (F.MOSTLY_IQ1_M, T.IQ1_M),
 }
 # llama-quantize's aliases (tools/quantize/quantize.cpp QUANT_OPTIONS)
 ALIASES = {"Q3_K": "Q3_K_M", "Q4_K": "Q4_K_M", "Q5_K": "Q5_K_M"}
 UNQUANTIZED = (T.F32, T.F16, T.BF16)
 
 # tensor_type_fallback: a 256-block type on a row that is not a multiple of 256
-FALLBACK = {T.Q2_K: T.Q4_0, T.Q3_K: T.Q4_0, T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_1, T.Q6_K: T.Q8_0}
+FALLBACK = {T.Q2_K: T.Q4_0, T.Q3_K: T.Q4_0, T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_1, T.Q6_K: T.Q8_0,
+            **dict.fromkeys((T.IQ1_S, T.IQ1_M, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ4_XS),
+                            T.IQ4_NL)}
+# tensor_requires_imatrix: types llama.cpp refuses to make without an imatrix (except for
+# token_embd / output.weight)
+IMATRIX_TYPES = (T.IQ3_XXS, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ1_M, T.IQ1_S)
+# the i-quant mixes with their own branch in llama_tensor_get_type_impl
+LOW_IQ = ("IQ2_XXS", "IQ2_XS", "IQ1_S", "IQ2_S", "IQ2_M", "IQ1_M")
+# ... and those whose output.weight is Q5_K (the rest: Q6_K)
+OUTPUT_Q5_K = ("IQ2_XXS", "IQ2_XS", "IQ3_XXS", "IQ1_S", "IQ2_S", "IQ2_M", "IQ1_M")
 
 # tensor_get_category: (category, substring), first match wins after the exact names
 CATEGORIES = [("attn_v", "attn_qkv.weight"), ("attn_v", "attn_kv_b.weight"), ("attn_v", "attn_v.weight"),
@@ -121,6 +145,8 @@ class _State:
     tied: bool
     i_attention_wv: int = 0
     i_ffn_down: int = 0
+    i_ffn_gate: int = 0
+    i_ffn_up: int = 0
 
 
 def choose_types(tensors: dict[str, tuple[int, ...]], ftype: str, facts: ModelFacts,
@@ -153,39 +179,87 @@ def fallback(qtype: T, ncols: int) -> T:
 
 def tensor_type(name: str, shape, cat: str, ftype: str, new: T, facts: ModelFacts, st: _State,
                 has_imatrix: bool) -> T:
-    """llama_tensor_get_type_impl for the k-quant and legacy file types."""
+    """llama_tensor_get_type_impl: the branches in llama.cpp's order."""
     if cat == "output" or (st.tied and cat == "token_embd"):
         return output_type(shape, ftype, new, facts)
     if cat == "token_embd":
-        return new
+        return token_embd_type(ftype, new)
+    if ftype in LOW_IQ:
+        return low_iq_type(cat, ftype, new, facts, st)
     if cat == "attn_v":
-        new = attn_v_type(ftype, new, facts, st)
+        new = attn_v_type(ftype, new, facts, st, has_imatrix)
         st.i_attention_wv += 1
         return new
     if cat == "attn_k":
-        return T.Q8_0 if facts.n_expert == 8 else new
+        return T.Q8_0 if facts.n_expert == 8 else {"IQ3_XS": T.IQ3_XXS, "IQ3_XXS": T.IQ2_S}.get(ftype, new)
+    if cat == "attn_q":
+        return {"IQ3_XS": T.IQ3_XXS, "IQ3_XXS": T.IQ2_S}.get(ftype, new)
     if cat == "ffn_down":
         i_layer = layer_of(name) if facts.n_expert > 1 else st.i_ffn_down
         st.i_ffn_down += 1
         return ffn_down_type(ftype, new, facts, i_layer, has_imatrix)
     if cat == "attn_output":
         return attn_output_type(ftype, new, facts)
+    if cat in ("ffn_gate", "ffn_up"):
+        counter = f"i_{cat}"
+        i_layer = layer_of(name) if facts.n_expert > 1 else getattr(st, counter)
+        setattr(st, counter, getattr(st, counter) + 1)
+        n = facts.n_layer
+        return T.IQ3_XXS if ftype == "IQ3_XS" and n // 8 <= i_layer < 7 * n // 8 else new
     return new
 
 
 def output_type(shape, ftype: str, new: T, facts: ModelFacts) -> T:
     if facts.arch == "falcon" or shape[-1] % GGML_QUANT_SIZES[new][0] != 0:
         return T.Q8_0
+    if ftype in OUTPUT_Q5_K:
+        return T.Q5_K
     return T.Q6_K if new != T.Q8_0 else new
 
 
-def attn_v_type(ftype: str, new: T, facts: ModelFacts, st: _State) -> T:
-    i, n = st.i_attention_wv, st.n_attention_wv
+def token_embd_type(ftype: str, new: T) -> T:
+    """An untied token_embd: the 2-bit and 1-bit i-quant mixes give it Q2_K or IQ3_S."""
+    if ftype in ("IQ2_XXS", "IQ2_XS", "IQ1_S", "IQ1_M"):
+        return T.Q2_K
+    if ftype in ("IQ2_S", "IQ2_M", "IQ3_XXS"):
+        return T.IQ3_S
+    return new
+
+
+def low_iq_type(cat: str, ftype: str, new: T, facts: ModelFacts, st: _State) -> T:
+    """The branch of the IQ2_XXS / IQ2_XS / IQ2_S / IQ2_M / IQ1_S / IQ1_M mixes."""
+    iq2_sm = ftype in ("IQ2_S", "IQ2_M")
+    if cat == "attn_v":
+        st.i_attention_wv += 1
+        if facts.n_gqa >= 4 or facts.n_expert >= 4:
+            return T.Q4_K
+        return T.IQ3_S if iq2_sm else T.Q2_K
+    if cat == "attn_k" and facts.n_expert == 8:
+        return T.Q4_K
+    if cat == "ffn_down":
+        first = st.i_ffn_down < facts.n_layer // 8  # the counter, also for experts (llama.cpp)
+        st.i_ffn_down += 1
+        return (T.IQ3_S if iq2_sm else T.Q2_K) if first else new
+    if cat == "attn_output":
+        if facts.n_expert == 8:
+            return T.Q5_K
+        if ftype in ("IQ1_S", "IQ1_M"):
+            return T.IQ2_XXS
+        return T.IQ3_S if iq2_sm else new
+    return new
+
+
+def attn_v_type(ftype: str, new: T, facts: ModelFacts, st: _State, has_imatrix: bool = False) -> T:
+    i, n, gqa4 = st.i_attention_wv, st.n_attention_wv, facts.n_gqa >= 4
     if ftype == "Q2_K":
-        new = T.Q4_K if facts.n_gqa >= 4 else T.Q3_K
+        new = T.Q4_K if gqa4 else T.Q3_K
+    elif ftype == "IQ3_XXS":
+        new = T.Q4_K if gqa4 else T.IQ3_XXS if has_imatrix else T.IQ3_S
+    elif (ftype in ("IQ3_XS", "IQ3_S") and gqa4) or ftype == "IQ3_M":
+        new = T.Q4_K
     elif ftype == "Q3_K_M":
         new = T.Q5_K if i < 2 else T.Q4_K
-    elif ftype == "Q3_K_L":
+    elif ftype == "Q3_K_L" or (ftype in ("IQ4_NL", "IQ4_XS") and gqa4):
         new = T.Q5_K
     elif ftype in ("Q4_K_M", "Q5_K_M") and use_more_bits(i, n):
         new = T.Q6_K
@@ -202,14 +276,20 @@ def ffn_down_type(ftype: str, new: T, facts: ModelFacts, i: int, has_imatrix: bo
     n, falcon = facts.n_layer, facts.arch == "falcon"
     if ftype == "Q2_K":
         return T.Q3_K
+    if ftype == "IQ3_XXS" and not has_imatrix:
+        return T.Q4_K if i < n // 8 else T.Q3_K
     if ftype == "Q3_K_M":
         return T.Q5_K if i < n // 16 else T.Q4_K if (not falcon or use_more_bits(i, n)) else T.Q3_K
+    if ftype == "IQ3_M" and (i < n // 8 or (facts.n_expert == 8 and use_more_bits(i, n))):
+        return T.Q4_K
     if ftype == "Q3_K_L":
         return T.Q4_K if falcon else T.Q5_K
     if ftype == "Q4_K_M":
         if falcon:
             return T.Q6_K if i < n // 16 else T.Q5_K if use_more_bits(i, n) else T.Q4_K
         return T.Q6_K if use_more_bits(i, n) else new
+    if ftype in ("IQ4_NL", "IQ4_XS") and i < n // 8 and not has_imatrix:
+        return T.Q5_K
     if ftype == "Q5_K_M":
         return T.Q6_K if use_more_bits(i, n) else new
     if ftype == "Q4_K_S":
@@ -219,12 +299,27 @@ def ffn_down_type(ftype: str, new: T, facts: ModelFacts, i: int, has_imatrix: bo
     return new
 
 
+# attn_output of an 8-expert model: Q5_K for these mixes
+EXPERT8_ATTN_OUTPUT_Q5_K = ("Q2_K", "IQ3_XS", "IQ3_XXS", "Q3_K_S", "Q3_K_M", "IQ4_NL", "Q4_K_S", "Q4_K_M",
+                            "IQ3_S", "IQ3_M", "IQ4_XS")
+
+
 def attn_output_type(ftype: str, new: T, facts: ModelFacts) -> T:
     if facts.arch == "falcon":
         return T.Q4_K if ftype == "Q3_K_L" else new
     if facts.n_expert == 8:
-        return T.Q5_K if ftype in ("Q2_K", "Q3_K_S", "Q3_K_M", "Q4_K_S", "Q4_K_M") else new
-    return {"Q2_K": T.Q3_K, "Q3_K_M": T.Q4_K, "Q3_K_L": T.Q5_K}.get(ftype, new)
+        return T.Q5_K if ftype in EXPERT8_ATTN_OUTPUT_Q5_K else new
+    return {"Q2_K": T.Q3_K, "IQ3_XXS": T.IQ3_S, "Q3_K_M": T.Q4_K, "Q3_K_L": T.Q5_K, "IQ3_M": T.Q4_K}.get(ftype, new)
+
+
+def needs_imatrix(types: dict[str, T]) -> list[str]:
+    """The tensors llama.cpp will not quantize without an imatrix (tensor_requires_imatrix)."""
+    return [n for n, t in types.items() if t in IMATRIX_TYPES and category(n) not in ("output", "token_embd")]
+
+
+def missing_kernels(types: dict[str, T], supported) -> list[str]:
+    """Names of the ggml types in `types` that are not in `supported` (quantkit.gguf.quants.SUPPORTED)."""
+    return sorted({t.name for t in types.values() if t not in supported})
 
 
 def type_counts(types: dict[str, T]) -> dict[str, int]:

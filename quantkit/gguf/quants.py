@@ -36,10 +36,12 @@ of ``quantize_row_iq*_impl`` in ``iquants_grid_numba`` (grids and neighbour maps
 
 Modules: this one is the public API (``quantize``, ``dequantize``, the type table, row
 chunking and threads) and picks a kernel; ``kquants_numpy`` holds the numpy ports (searches,
-bit packing, one kernel per type) and ``kquants_numba`` the compiled ones.
+bit packing, one kernel per type) and ``kquants_numba`` the compiled ones; the i-quants have one
+numpy module and one numba module per family (``iquants`` / ``iquants_numba``: IQ4_NL, IQ4_XS),
+each exposing ``KERNELS`` {type: kernel(rows, imatrix)}, merged into ``_IQ_NUMPY`` / ``_IQ_NUMBA``.
 
 Speed: with numba installed (``BACKEND = "numba"``, compiled code cached on disk after the
-first call) Q8_0 and the k-quants Q2_K..Q6_K run as whole compiled kernels (search,
+first call) Q8_0, the k-quants Q2_K..Q6_K and the i-quants run as whole compiled kernels (search,
 re-quantization and bit packing; ``_FUSED`` below), and the legacy Q4_0/Q4_1/Q5_0/Q5_1 run the
 numpy kernels with the compiled scale searches. Without numba everything is vectorized numpy (``"numpy"``, ~3-10x
 slower). All paths are bit-exact. ``quantize(..., threads=N)`` splits row chunks over N
@@ -57,17 +59,20 @@ from gguf.quants import dequantize as _gguf_dequantize
 from gguf.quants import quantize as _gguf_quantize
 
 from quantkit.errors import InputError, UnsupportedError
-from quantkit.gguf import iquants_grid_numba, kquants_numba, kquants_numpy
+from quantkit.gguf import iquants, iquants_grid_numba, iquants_numba, kquants_numba, kquants_numpy
 from quantkit.gguf.kquants_numpy import fp16_bits, fp16_round, nearest_int, seq_sum  # noqa: F401 (API)
 
 F32 = np.float32
 QK_K = 256
 CHUNK_ELEMS = 1 << 19  # elements per work item: bounds temporary memory
 
-SUPPORTED = (
-    QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1,
-    QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K,
-)
+# i-quants: one entry per kernel module, kernel(x (rows, n_per_row) float32, qw or None) -> (blocks, bytes)
+_IQ_NUMBA = {
+    **iquants_numba.KERNELS,  # IQ4_NL, IQ4_XS
+}
+_IQ_NUMPY = {
+    **iquants.KERNELS,  # IQ4_NL, IQ4_XS
+}
 
 # grid-based i-quants (iquants_grid_numba): kernel(x (rows, n_per_row), qw) -> (blocks, block_bytes);
 # numba-compiled only (as plain Python they would take hours per tensor)
@@ -78,7 +83,12 @@ _GRID_IQUANTS = {
 }
 # llama.cpp refuses to quantize these without an imatrix (ggml_quantize_requires_imatrix)
 REQUIRES_IMATRIX = (QT.IQ2_XXS, QT.IQ2_XS, QT.IQ1_S)
-SUPPORTED = SUPPORTED + tuple(_GRID_IQUANTS)
+
+SUPPORTED = (
+    QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1,
+    QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K,
+    *_IQ_NUMPY, *_GRID_IQUANTS,
+)
 
 _numba = kquants_numba.numba  # None when numba is not installed
 # "numba": compiled kernels (FUSED types) and searches; "numpy": the vectorized fallback
@@ -120,6 +130,8 @@ def _quantize_rows(x: np.ndarray, qtype, qw) -> np.ndarray:
     rows = x.shape[0]
     if qtype in _GRID_IQUANTS:
         return _GRID_IQUANTS[qtype](x, qw).reshape(rows, -1)
+    if qtype in _IQ_NUMPY:
+        return (_IQ_NUMBA if BACKEND == "numba" else _IQ_NUMPY)[qtype](x, qw).reshape(rows, -1)
     if BACKEND == "numba":
         if qtype in _FUSED:
             return _FUSED[qtype](x, qw).reshape(rows, -1)

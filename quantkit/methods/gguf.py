@@ -8,7 +8,9 @@ imatrix: "none", a path to an imatrix file (llama.cpp GGUF or legacy .dat), or "
 from the calibration windows when the type benefits from it. llama.cpp users apply an imatrix to
 everything at 4 bits and below (it lowers Q4_K_M's KLD by ~10% and Q2_K/Q3_K's by 20-30% in
 llama.cpp's perplexity README); at Q5_K and above the gain is within noise and Q8_0 ignores it.
-So auto = on for Q2_K, Q3_K_S/M/L, Q4_K_S/M, Q4_0, Q4_1; off otherwise.
+So auto = on for Q2_K, Q3_K_S/M/L, Q4_K_S/M, Q4_0, Q4_1 and every i-quant mix (IQ4_XS ... IQ1_M:
+llama.cpp made them for use with an imatrix, and refuses IQ3_XXS, IQ2_* and IQ1_* tensors without
+one); off otherwise. With imatrix "none", a mix whose tensors need one is refused before any work.
 
 A VLM gets two files, as llama.cpp runs one: the language model (quantized as above) and its
 vision tower + projector as `mmproj-<model-name>-<TYPE>.gguf` (quantkit.gguf.mmproj: 16-bit, byte
@@ -40,12 +42,14 @@ DEFAULT_GATE = {"max_ppl_increase": 0.10, "max_kld": 0.10, "min_top1": 0.80}  # 
 GATE_BY_PREFIX = (
     (("F32", "F16", "BF16", "Q8_0", "Q6_K"), {"max_ppl_increase": 0.02, "max_kld": 0.01, "min_top1": 0.95}),
     (("Q5",), {"max_ppl_increase": 0.05, "max_kld": 0.03, "min_top1": 0.90}),
-    (("Q4",), DEFAULT_GATE),
-    (("Q3",), {"max_ppl_increase": 0.20, "max_kld": 0.20, "min_top1": 0.70}),
-    (("Q2",), {"max_ppl_increase": 0.40, "max_kld": 0.40, "min_top1": 0.60}),
+    (("Q4", "IQ4"), DEFAULT_GATE),
+    (("Q3", "IQ3"), {"max_ppl_increase": 0.20, "max_kld": 0.20, "min_top1": 0.70}),
+    (("Q2", "IQ2", "IQ1"), {"max_ppl_increase": 0.40, "max_kld": 0.40, "min_top1": 0.60}),
 )
 TENSOR_TYPES_FILE = "tensor-types.txt"  # llama-quantize --tensor-type-file reproducing per-tensor types
-IMATRIX_AUTO_TYPES = ("Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L", "Q4_K_S", "Q4_K_M", "Q4_0", "Q4_1")
+IMATRIX_AUTO_TYPES = ("Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L", "Q4_K_S", "Q4_K_M", "Q4_0", "Q4_1",
+                      "IQ4_NL", "IQ4_XS", "IQ3_XXS", "IQ3_XS", "IQ3_S", "IQ3_M", "IQ2_XXS", "IQ2_XS", "IQ2_S",
+                      "IQ2_M", "IQ1_S", "IQ1_M")
 
 
 class AutoPrecision(BaseModel):
@@ -76,15 +80,51 @@ class Options(BaseModel):
         from quantkit.gguf.mixture import file_type
 
         try:
-            return file_type(value)[0]
+            name, _, default = file_type(value)
         except InputError as exc:
             raise ValueError(f"{exc.message}; {exc.hint}") from None
+        missing_kernel(name, {"": default})
+        return name
 
     @model_validator(mode="after")
     def _quantized_type(self) -> "Options":
         if mixed(self) and self.gguf_type in ("F32", "F16", "BF16"):
             raise ValueError(f"auto_precision / fallback choose quantized types; {self.gguf_type} is not quantized")
         return self
+
+
+def missing_kernel(gguf_type: str, types: dict) -> None:
+    """UnsupportedError when the mix's types include one quantkit has no kernel for (quantkit.gguf.quants)."""
+    from quantkit.gguf.mixture import missing_kernels
+    from quantkit.gguf.quants import SUPPORTED
+
+    missing = missing_kernels(types, SUPPORTED)
+    if missing:
+        raise UnsupportedError(f"GGUF type {gguf_type} uses {', '.join(missing)}, which quantkit has no "
+                               "quantization kernel for yet",
+                               hint="choose a mix whose types quantkit quantizes: the k-quants, IQ4_NL or IQ4_XS")
+
+
+def check_mix(info, options: Options, imatrix_entries=None) -> None:
+    """Before any work: every type the mix gives this model's tensors has a kernel, and with imatrix
+    "none" no tensor needs an imatrix (llama.cpp refuses IQ3_XXS, IQ2_* and IQ1_* tensors without one);
+    an imatrix file (`imatrix_entries`: its tensor names) has an entry for each tensor that needs one."""
+    from quantkit.gguf.mixture import needs_imatrix
+
+    plans = model_plans(info, options.gguf_type, uses_imatrix(options))
+    types = {p.name: p.qtype for p in plans}
+    missing_kernel(options.gguf_type, types)
+    needing = needs_imatrix(types)
+    if needing and not uses_imatrix(options):
+        raise InputError(f"GGUF type {options.gguf_type} needs an importance matrix: llama.cpp refuses to "
+                         f"quantize {len(needing)} of its tensors (e.g. {needing[0]} as "
+                         f"{types[needing[0]].name}) without one",
+                         hint="pass --imatrix auto (computed from the calibration windows) or --imatrix FILE")
+    uncovered = [n for n in needing if imatrix_entries is not None and n not in imatrix_entries]
+    if uncovered:
+        raise InputError(f"imatrix {options.imatrix} has no entry for {uncovered[0]}, which GGUF type "
+                         f"{options.gguf_type} makes {types[uncovered[0]].name}: llama.cpp refuses that without one",
+                         hint="compute the imatrix on this model (--imatrix auto)")
 
 
 def mixed(options: "Options") -> bool:
@@ -115,13 +155,13 @@ def precision(role: str, options: Options, name: str, shape: list[int]) -> str |
     layer index and the layer count), so the plan takes each weight's exact type from
     `plan_types` and falls back to this where the architecture cannot be converted.
     """
-    from quantkit.gguf.mixture import FILE_TYPES, T, fallback
+    from quantkit.gguf.mixture import FILE_TYPES, OUTPUT_Q5_K, T, fallback
 
     default = FILE_TYPES[options.gguf_type][1]
     if default in (T.F32, T.F16, T.BF16):
         return f"gguf {default.name}"
     if role == "lm_head":
-        qtype = T.Q8_0 if default == T.Q8_0 else T.Q6_K
+        qtype = T.Q8_0 if default == T.Q8_0 else T.Q5_K if options.gguf_type in OUTPUT_Q5_K else T.Q6_K
     else:
         qtype = default
     qtype = fallback(qtype, shape[-1] if shape else 0)
@@ -159,7 +199,11 @@ def check(info, options: Options, calibration=None) -> None:
     if options.imatrix not in ("auto", "none") and uses_imatrix(options):
         from quantkit.gguf import imatrix as im
 
-        im.check_fits(im.read(Path(options.imatrix)), info, options.gguf_type, Path(options.imatrix))
+        loaded = im.read(Path(options.imatrix))
+        im.check_fits(loaded, info, options.gguf_type, Path(options.imatrix))
+        check_mix(info, options, set(loaded.sums))
+    else:
+        check_mix(info, options)
     if mixed(options):
         check_sizes(info, options)
 
@@ -170,7 +214,7 @@ def check_sizes(info, options: Options) -> None:
     from quantkit.mixed.budget import check_budget, check_max_size
 
     plans = model_plans(info, options.gguf_type, uses_imatrix(options))
-    sizes = budget_sizes(options.auto_precision, plans)
+    sizes = budget_sizes(options.auto_precision, plans, uses_imatrix(options))
     if options.auto_precision is not None:
         check_budget(sizes.cheapest, sizes.allowed, "gguf auto_precision",
                      f"the cheapest types take {8 * (sizes.cheapest + sizes.fixed) / sizes.weights:.3f} bits per "
@@ -297,12 +341,12 @@ class BudgetSizes:
     weights: int  # values in all tensors
 
 
-def budget_sizes(auto: AutoPrecision | None, plans) -> BudgetSizes:
-    from quantkit.mixed.gguf import candidates, nbytes, quantized_plans
+def budget_sizes(auto: AutoPrecision | None, plans, has_imatrix: bool) -> BudgetSizes:
+    from quantkit.mixed.gguf import nbytes, plan_candidates, quantized_plans
 
     budgeted = {p.name for p in quantized_plans(plans)}
     mixture = sum(nbytes(p.shape, p.qtype) for p in plans if p.name in budgeted)
-    cheapest = sum(nbytes(p.shape, candidates(p.shape[-1])[0]) for p in plans if p.name in budgeted)
+    cheapest = sum(nbytes(p.shape, plan_candidates(p, has_imatrix)[0]) for p in plans if p.name in budgeted)
     fixed = sum(nbytes(p.shape, p.qtype) for p in plans if p.name not in budgeted)
     weights = sum(math.prod(p.shape) for p in plans)
     allowed = mixture if auto is None or auto.budget_bpw is None else int(auto.budget_bpw * weights / 8) - fixed
@@ -372,7 +416,7 @@ def quantize(job: QuantizeJob) -> QuantizeResult:
     started = time.perf_counter()
     plans = plans_of(job, imatrix is not None)
     table = sensitivity_table(job, plans, imatrix, opts.auto_precision)
-    sizes = budget_sizes(opts.auto_precision, plans)
+    sizes = budget_sizes(opts.auto_precision, plans, imatrix is not None)
     types = budget.assign_types(table.tensors, sizes.allowed)
     table.seconds["total"] = round(time.perf_counter() - started, 3)
     details["sensitivity"] = table.as_dict()
@@ -420,7 +464,7 @@ def requantize(job: QuantizeJob, plan: dict[str, str], details: dict) -> Quantiz
     from quantkit.mixed.gguf import Sensitivity
 
     imatrix = current_imatrix(job)
-    sizes = budget_sizes(job.options.auto_precision, plans_of(job, imatrix is not None))
+    sizes = budget_sizes(job.options.auto_precision, plans_of(job, imatrix is not None), imatrix is not None)
     table = Sensitivity.from_dict(details["sensitivity"]).tensors
     types = {name: T[t] for name, t in plan.items()}
     return write_gguf(job, imatrix, types, {**details, "mixed_precision": mixed_report(table, types, sizes, None)})

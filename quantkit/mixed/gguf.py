@@ -1,8 +1,11 @@
 """GGUF mixed precision: what quantizing one tensor at each type costs, and per-tensor types under a budget.
 
-The candidates of a tensor are the types llama.cpp can give it: the k-quants (Q2_K ... Q6_K) where its
-rows are a multiple of 256 values, the legacy 32-value types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) everywhere
-(where the rows are not a multiple of 256 they are the only ones: llama.cpp's fallback types). For
+The candidates of a tensor are the types llama.cpp can give it and quantkit has a kernel for
+(quantkit.gguf.quants.SUPPORTED, so new kernels join by themselves): the k-quants (Q2_K ... Q6_K) and
+the 256-value i-quants (IQ4_XS, ...) where its rows are a multiple of 256 values, the 32-value types
+(Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL) everywhere (where the rows are not a multiple of 256 they are the
+only ones: llama.cpp's fallback types). The types llama.cpp makes only with an imatrix (IQ3_XXS, IQ2_*,
+IQ1_*) are candidates only when the tensor is quantized with one (never token_embd and output). For
 every quantized tensor of the plan and every candidate, the tensor is quantized with quantkit's own
 kernels (the bytes llama-quantize would write, imatrix included) and dequantized with gguf-py, and
 the error is weighted by what the tensor's input carries:
@@ -47,12 +50,9 @@ from typing import Callable, Iterator
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT
 
-from quantkit.gguf.mixture import UNQUANTIZED, T
+from quantkit.gguf.mixture import IMATRIX_TYPES, UNQUANTIZED, T, category
 from quantkit.mixed import budget
 from quantkit.mixed.sensitivity import PROBES_PER_ROLE, SensitivityRow, frontier
-
-K_QUANTS = (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K)  # rows of 256 values
-LEGACY = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0)  # rows of 32 values
 
 
 def bits_per_weight(qtype: T) -> float:
@@ -60,7 +60,13 @@ def bits_per_weight(qtype: T) -> float:
     return 8 * size / block
 
 
-CANDIDATES = tuple(sorted(K_QUANTS + LEGACY, key=bits_per_weight))  # fewest bits first
+def candidate_types() -> tuple[T, ...]:
+    """Every quantized type quantkit has a kernel for, fewest bits first (a 256-block type before a
+    32-block one of the same size: Q4_K before Q4_0)."""
+    from quantkit.gguf.quants import SUPPORTED
+
+    quantized = [t for t in SUPPORTED if t not in UNQUANTIZED]
+    return tuple(sorted(quantized, key=lambda t: (bits_per_weight(t), -GGML_QUANT_SIZES[t][0])))
 PROBE = T.Q3_K  # the type each probe tensor's KL divergence is measured at (where its rows take it)
 SLAB_ELEMENTS = 1 << 21  # float32 values read and quantized at a time
 
@@ -86,7 +92,7 @@ class Sensitivity:
 
     def as_dict(self) -> dict:
         return {"measured": self.measured, "windows": self.windows, "probes": self.probes, "seconds": self.seconds,
-                "candidates": [c.name for c in CANDIDATES], "tensors": [t.as_dict() for t in self.tensors]}
+                "candidates": [c.name for c in candidate_types()], "tensors": [t.as_dict() for t in self.tensors]}
 
     @classmethod
     def from_dict(cls, data: dict) -> "Sensitivity":
@@ -94,9 +100,17 @@ class Sensitivity:
                    dict(data["seconds"]), data.get("probes", 0))
 
 
-def candidates(ncols: int) -> list[T]:
-    """The candidate types whose block size divides a row (k-quants need multiples of 256), fewest bits first."""
-    return [c for c in CANDIDATES if ncols % GGML_QUANT_SIZES[c][0] == 0]
+def candidates(ncols: int, imatrix: bool = False) -> list[T]:
+    """The candidate types whose block size divides a row (k-quants and IQ4_XS need multiples of 256),
+    fewest bits first; the types that need an imatrix only when the tensor is quantized with one."""
+    return [c for c in candidate_types()
+            if ncols % GGML_QUANT_SIZES[c][0] == 0 and (imatrix or c not in IMATRIX_TYPES)]
+
+
+def plan_candidates(plan, has_imatrix: bool) -> list[T]:
+    """A tensor's candidates when the run has an imatrix or not (token_embd and output never get one)."""
+    weighted = has_imatrix and category(plan.name) not in ("token_embd", "output")
+    return candidates(plan.shape[-1], weighted)
 
 
 def quantized_plans(plans) -> list:
@@ -145,7 +159,7 @@ def weighted_error(rows: np.ndarray, qtype: T, quant_imatrix, col_weights, row_w
 
 def tensor_errors(handles, plan, quant_imatrix, importance, row_weights, threads: int = 1) -> dict[str, float]:
     """Importance-weighted squared error of one tensor at each candidate type."""
-    cands = candidates(plan.shape[-1])
+    cands = candidates(plan.shape[-1], quant_imatrix is not None)
     errors = dict.fromkeys((c.name for c in cands), 0.0)
     for hf, rows, qim, imp in matrices(handles, plan, quant_imatrix, importance):
         for start, data in slabs(handles[hf], hf, rows, plan.shape[-1]):

@@ -26,8 +26,19 @@ def row(name: str, scale: float, shape=(256, 256), mixture: str = "Q4_K"):
 
 
 def test_candidates_are_what_llama_cpp_allows_for_the_row():
-    assert candidates(512) == [T.Q2_K, T.Q3_K, T.Q4_K, T.Q4_0, T.Q4_1, T.Q5_K, T.Q5_0, T.Q5_1, T.Q6_K, T.Q8_0]
-    assert candidates(576) == [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0]  # llama.cpp's fallback types
+    from quantkit.gguf.mixture import IMATRIX_TYPES
+    from quantkit.gguf.quants import SUPPORTED
+    from quantkit.mixed.gguf import bits_per_weight
+
+    classic = [T.Q2_K, T.Q3_K, T.Q4_K, T.Q4_0, T.Q4_1, T.Q5_K, T.Q5_0, T.Q5_1, T.Q6_K, T.Q8_0]
+    c512 = candidates(512)
+    assert [t for t in c512 if t in classic] == classic
+    assert c512.index(T.IQ4_XS) < c512.index(T.Q4_K) < c512.index(T.IQ4_NL)  # 4.25 bpw; 4.5 bpw, 256 first
+    assert [bits_per_weight(t) for t in c512] == sorted(bits_per_weight(t) for t in c512)
+    assert not set(c512) & set(IMATRIX_TYPES)  # those only with an imatrix
+    assert set(candidates(512, imatrix=True)) == {t for t in SUPPORTED if t not in (T.F32, T.F16, T.BF16)}
+    # llama.cpp's fallback types: the 32-value ones
+    assert candidates(576) == candidates(576, imatrix=True) == [T.Q4_0, T.IQ4_NL, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0]
     assert candidates(100) == []  # F16: not budgeted
 
 
@@ -245,7 +256,7 @@ def test_auto_precision_on_rows_no_k_quant_fits_stays_within_the_mixture(cli, od
     details = json.loads((out / "quantkit.json").read_text())["targets"][0]["details"]
     mixed_precision, table = details["mixed_precision"], details["sensitivity"]["tensors"]
     assert mixed_precision["bytes"] <= mixed_precision["budget_bytes"] == mixed_precision["mixture_bytes"]
-    legacy = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"}
+    legacy = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL"}  # the 32-value types
     narrow = [r for r in table if r["shape"][-1] == 192]
     assert narrow and all(set(r["candidates"]) <= legacy for r in narrow)
     assert all(mixed_precision["types"][r["tensor"]] in legacy for r in narrow)

@@ -43,6 +43,36 @@ def test_check_rejects_architecture_and_missing_imatrix(micro, tmp_path):
     assert err.value.exit_code == 2 and "LlamaForCausalLM" in err.value.hint
 
 
+def test_iq_mixes_refused_before_work_without_kernel_or_imatrix(micro, monkeypatch):
+    """A mix using a type without a kernel is refused (exit 2, naming the type); one whose tensors need
+    an imatrix is refused with imatrix none (exit 2, naming --imatrix), as llama.cpp refuses it."""
+    from gguf import GGMLQuantizationType as QT
+
+    from quantkit.gguf import quants
+    from quantkit.io.checkpoint import check_model_dir
+
+    info = check_model_dir(micro)
+    method.check(info, method.Options(gguf_type="IQ4_XS", imatrix="none"), None)
+    monkeypatch.setattr(quants, "SUPPORTED", tuple(t for t in quants.SUPPORTED if t != QT.IQ4_XS))
+    with pytest.raises(Exception, match="IQ4_XS.*no quantization kernel"):
+        method.Options(gguf_type="IQ4_XS")
+    monkeypatch.setattr(quants, "SUPPORTED", tuple(t for t in quants.SUPPORTED if t != QT.Q6_K))
+    with pytest.raises(UnsupportedError, match="uses Q6_K") as err:  # IQ4_NL's output.weight
+        method.check(info, method.Options(gguf_type="IQ4_NL", imatrix="none"), None)
+    assert err.value.exit_code == 2
+    monkeypatch.setattr(quants, "SUPPORTED", tuple(QT))  # as if every kernel existed
+    with pytest.raises(InputError, match="needs an importance matrix") as err:
+        method.check(info, method.Options(gguf_type="IQ2_XXS", imatrix="none"), None)
+    assert err.value.exit_code == 2 and "--imatrix" in err.value.hint
+    method.check(info, method.Options(gguf_type="IQ3_S", imatrix="none"), None)  # IQ3_S needs none
+
+
+def test_iq_mix_imatrix_auto_policy():
+    for gguf_type in ("IQ4_NL", "IQ4_XS"):
+        assert method.uses_imatrix(method.Options(gguf_type=gguf_type))
+    assert method.default_gate(method.Options(gguf_type="IQ4_XS")) == method.DEFAULT_GATE
+
+
 def test_precision_for_plan():
     opts = method.Options()
     assert method.precision("decoder", opts, "model.layers.0.mlp.up_proj", [768, 256]) == "gguf Q4_K (Q4_K_M mix)"

@@ -61,3 +61,40 @@ def test_conversion_without_imatrix_or_gate_loads_no_model(cli, micro_model, tmp
                  "--eval-windows", "0", "-o", out)
     assert result.exit_code == 0, result.output
     assert (out / "micro-Q8_0.gguf").is_file() and (out / "quantkit.json").is_file()
+
+
+def test_iq4_xs_through_the_cli(cli, micro_model, tmp_path):
+    """An i-quant mix end to end, its imatrix from the calibration windows (the micro model's flat
+    next-token distributions make top-1 agreement noise, so the gate is off)."""
+    out = tmp_path / "iq4"
+    result = cli("quantize", micro_model, "--method", "gguf", "--gguf-type", "IQ4_XS", "-o", out, *FAST_CALIB,
+                 "--no-gate")
+    assert result.exit_code == 0, result.output
+    details = json.loads((out / "quantkit.json").read_text())["targets"][0]["details"]["gguf"]
+    assert details["tensor_types"]["IQ4_XS"] > 0 and details["imatrix"].startswith("computed")
+    assert details["imatrix_tensors"] > 0
+
+
+def test_mix_needing_an_imatrix_is_refused_before_work(cli, micro_model, tmp_path, monkeypatch):
+    """llama.cpp refuses IQ2_XXS tensors without an imatrix: exit 2 naming --imatrix, nothing written
+    (every kernel is pretended present, so the imatrix rule is what refuses)."""
+    from gguf import GGMLQuantizationType as QT
+
+    from quantkit.gguf import quants
+
+    monkeypatch.setattr(quants, "SUPPORTED", tuple(QT))
+    result = cli("quantize", micro_model, "--method", "gguf", "--gguf-type", "IQ2_XXS", "--imatrix", "none",
+                 "-o", tmp_path / "out")
+    assert result.exit_code == 2 and "--imatrix" in result.stderr, result.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_mix_without_kernels_is_refused(cli, micro_model, tmp_path, monkeypatch):
+    from gguf import GGMLQuantizationType as QT
+
+    from quantkit.gguf import quants
+
+    monkeypatch.setattr(quants, "SUPPORTED", tuple(t for t in quants.SUPPORTED if t != QT.IQ4_XS))
+    result = cli("quantize", micro_model, "--method", "gguf", "--gguf-type", "IQ4_XS", "-o", tmp_path / "out")
+    assert result.exit_code == 2 and "IQ4_XS" in result.stderr and "kernel" in result.stderr, result.output
+    assert not (tmp_path / "out").exists()
