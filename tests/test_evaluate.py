@@ -109,7 +109,7 @@ def test_nan_model_never_agrees_and_fails_an_unenforced_gate(windows):
     assert math.isnan(metrics.kld_mean) and math.isnan(metrics.ppl) and math.isnan(metrics.kld_p99)
     verdict = evaluate.gate_verdict(metrics, Gate(), enforced=False)
     assert not verdict.passed and verdict.enforced and verdict.failed == ["finite"]
-    assert verdict.checks[-1].value == 4.0  # ppl, ppl_increase, kld_mean, kld_p99
+    assert verdict.checks[-1].value == 9.0  # ppl, ppl_increase, ppl_delta, the four KLD statistics, delta_p
 
 
 def test_one_nan_position_shows_in_the_metrics(windows):
