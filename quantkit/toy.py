@@ -244,7 +244,7 @@ def continuation_items(texts: list[str], samples: int, choices: int = 4, seed: i
         words = sentences[index]
         cut = len(words) // 2
         others = rng.sample([i for i in range(len(sentences)) if i != index], choices - 1)
-        endings = [" " + " ".join(words[cut:])] + [" " + " ".join(sentences[i][len(sentences[i]) // 2:]) for i in others]
+        endings = [" " + " ".join(s[len(s) // 2:]) for s in [words, *(sentences[i] for i in others)]]
         order = list(range(choices))
         rng.shuffle(order)
         items.append({"context": " ".join(words[:cut]), "choices": [endings[i] for i in order],

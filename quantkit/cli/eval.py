@@ -29,6 +29,9 @@ def eval_command(
     task_file: list[Path] = typer.Option([], "--task-file", help="A task YAML in lm-eval's format (dataset_path: json, local data_files); repeatable."),
     limit: Optional[int] = typer.Option(None, "--limit", min=1, help="Samples per task (all without it)."),
     min_recovery: Optional[float] = typer.Option(None, "--min-recovery", min=0, help="Gate: artifact task score / base score at least this (default 0.95)."),
+    flip_prompts: int = typer.Option(0, "--flip-prompts", min=0, help="Greedy continuations of this many held-out prompts, base vs. artifact (the flips metric)."),
+    flip_tokens: int = typer.Option(16, "--flip-tokens", min=1, help="Tokens generated per prompt for flips."),
+    max_flips: Optional[float] = typer.Option(None, "--max-flips", help="Gate: max share of greedy tokens after the first divergence (needs --flip-prompts)."),
     llama_perplexity: bool = typer.Option(False, "--llama-perplexity", help="For a .gguf, also score the held-out text with llama.cpp's llama-perplexity (needs a llama.cpp build)."),
     json_path: Optional[str] = typer.Option(None, "--json", help="Write the metrics as JSON to FILE ('-' = stdout)."),
 ) -> None:
@@ -54,7 +57,7 @@ def eval_command(
     from quantkit.eval import evaluate, scorers
     from quantkit.eval.artifacts import artifact_kind
     from quantkit.io.checkpoint import check_model_dir, resolve_model
-    from quantkit.run.recipe import Gate, TaskGate, cli_tasks
+    from quantkit.run.recipe import cli_tasks
 
     if not model.exists():
         raise ModelError(f"artifact not found: {model}")
@@ -64,11 +67,14 @@ def eval_command(
     if limit is not None and not (tasks or task_file):
         raise InputError("--limit bounds the samples of --tasks / --task-file", hint="add --tasks or --task-file")
     check_device(device)
-    gate_tasks = [TaskGate(**entry) for entry in cli_tasks(tasks, [str(f) for f in task_file], min_recovery)]
-    if gate_tasks:
+    gate = cli_gate(dict(max_ppl_increase=max_ppl_increase, max_kld=max_kld, min_top1=min_top1,
+                         max_ppl_delta=max_ppl_delta, max_flips=max_flips, flip_prompts=flip_prompts,
+                         flip_tokens=flip_tokens, task_limit=limit,
+                         tasks=cli_tasks(tasks, [str(f) for f in task_file], min_recovery)))
+    if gate.tasks:
         from quantkit.eval.tasks import check_tasks
 
-        progress(f"tasks: {', '.join(check_tasks(gate_tasks))} (data found offline)")
+        progress(f"tasks: {', '.join(check_tasks(gate.tasks))} (data found offline)")
     base = check_model_dir(resolve_model(against or default_base(model)))
     tokenizer = load_tokenizer(base, trust_remote_code)
     windows = eval_windows(tokenizer, data, num_windows, seq_len, seed)
@@ -77,9 +83,8 @@ def eval_command(
                                          windows)
     progress(f"candidate: {model} ({kind})")
     metrics = scorers.evaluate_artifact(model, base.path, windows, baseline, device, trust_remote_code)
-    verdict = evaluate.gate_verdict(metrics, Gate(max_ppl_increase=max_ppl_increase, max_kld=max_kld,
-                                                  min_top1=min_top1, max_ppl_delta=max_ppl_delta))
-    task_rows = eval_tasks(model, base, tokenizer, gate_tasks, limit, device, trust_remote_code) if gate_tasks else []
+    metrics.flips, task_rows = measure_extras(model, base, tokenizer, windows, gate, device, trust_remote_code)
+    verdict = evaluate.gate_verdict(metrics, gate)
     if task_rows:
         from quantkit.eval.tasks import task_checks
 
@@ -97,24 +102,47 @@ def eval_command(
                       f"± {llama_cpp['ppl_stderr']:.3f} ({llama_cpp['chunks']} chunks of {llama_cpp['context']} "
                       "tokens, llama.cpp's own tokenization)", highlight=False)
     write_json(json_path, {"name": model.name, "kind": kind, "base": str(base.path), "metrics": metrics.as_dict(),
-                           "gate": verdict.as_dict(), **({"tasks": [r.as_dict() for r in task_rows]} if task_rows else {}),
+                           "gate": verdict.as_dict(),
+                           **({"tasks": [r.as_dict() for r in task_rows]} if task_rows else {}),
                            **({"llama_cpp": llama_cpp} if llama_cpp else {})})
     if not verdict.passed:
         raise GateFailedError(f"{model.name} fails the gate: {', '.join(verdict.failed)}")
 
 
-def eval_tasks(model: Path, base, tokenizer, gate_tasks: list, limit: int | None, device: str,
-               trust_remote_code: bool) -> list:
-    """The base's and the artifact's lm-eval scores on the tasks, and the recovery rule."""
-    from quantkit.eval import scorers, tasks
+def cli_gate(values: dict):
+    """The thresholds and measurements given as flags, validated as a recipe's gate is (exit 2)."""
+    from pydantic import ValidationError
 
-    length = tasks.max_context(base.config)
-    progress(f"tasks: scoring the base on {len(gate_tasks)} task(s)" + (f", {limit} samples each" if limit else ""))
-    base_scores = tasks.base_scores(scorers.base_logits(base, device=device, trust_remote_code=trust_remote_code),
-                                    tokenizer, length, gate_tasks, limit)
-    progress(f"tasks: scoring {model.name}")
+    from quantkit.errors import InputError
+    from quantkit.run.recipe import Gate, format_errors
+
+    try:
+        return Gate(**{k: v for k, v in values.items() if v is not None})
+    except ValidationError as exc:
+        raise InputError(format_errors(exc)) from None
+
+
+def measure_extras(model: Path, base, tokenizer, windows, gate, device: str, trust_remote_code: bool):
+    """(flips, task results) of the artifact against the base, when the flags ask for them: greedy
+    continuations of held-out prompts (quantkit.eval.generate) and lm-eval tasks (quantkit.eval.tasks)."""
+    from quantkit.eval import generate, scorers, tasks
+
+    if not gate.flip_prompts and not gate.tasks:
+        return None, []
+    base_logits = scorers.base_logits(base, device=device, trust_remote_code=trust_remote_code)
     logits = scorers.artifact_logits(model, base.path, device, trust_remote_code)
-    return tasks.score_tasks(logits, tokenizer, length, gate_tasks, limit, base_scores)
+    flips = None
+    if gate.flip_prompts:
+        progress(f"flips: greedy continuations of {gate.flip_prompts} held-out prompts, {gate.flip_tokens} tokens")
+        base_flips = generate.base_flips(base_logits, windows, gate.flip_prompts, gate.flip_tokens)
+        flips = generate.flips(logits, base_flips, gate.flip_prompts, gate.flip_tokens)
+    if not gate.tasks:
+        return flips, []
+    length = tasks.max_context(base.config)
+    progress(f"tasks: scoring the base and {model.name} on {len(gate.tasks)} task(s)"
+             + (f", {gate.task_limit} samples each" if gate.task_limit else ""))
+    base_scores = tasks.base_scores(base_logits, tokenizer, length, gate.tasks, gate.task_limit)
+    return flips, tasks.score_tasks(logits, tokenizer, length, gate.tasks, gate.task_limit, base_scores)
 
 
 def llama_cpp_check(model: Path, tokenizer, windows) -> dict:

@@ -63,6 +63,7 @@ class Baseline:
     top1: np.ndarray  # int32 (positions,); NO_TOP1 where the base's log-probs are not finite
     targets: np.ndarray  # int64 (positions,)
     tasks: "TaskBaseline | None" = None  # noqa: F821  the base's lm-eval scores (quantkit.eval.tasks), once per run
+    flips: "FlipBaseline | None" = None  # noqa: F821  the base's greedy continuations (quantkit.eval.generate)
 
     @property
     def ppl(self) -> float:

@@ -11,7 +11,16 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-from quantkit.eval.evaluate import Baseline, LogitsFn, Metrics, ScoredChunk, Scorer, compare, model_logits_fn, model_scorer
+from quantkit.eval.evaluate import (
+    Baseline,
+    LogitsFn,
+    Metrics,
+    ScoredChunk,
+    Scorer,
+    compare,
+    model_logits_fn,
+    model_scorer,
+)
 from quantkit.eval.stream import ACTIVATION_BYTES, stream_model, streamable, streamed_logits, streamed_scorer
 from quantkit.io.checkpoint import SafetensorsWeights
 

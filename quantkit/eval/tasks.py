@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
 from quantkit.errors import InputError, MissingExtraError, UnsupportedError
+from quantkit.eval.generate import greedy_tokens, right_padded
 
 if TYPE_CHECKING:
     from quantkit.eval.evaluate import Check, LogitsFn
@@ -276,7 +277,8 @@ def logits_lm_class():
                 prompt = self.with_bos(self.tok_encode(context))
                 steps = int(gen_kwargs.get("max_gen_toks", 256))
                 tokens = greedy_tokens(self.logits_fn, [prompt[-(self.max_length - steps):]], steps,
-                                       stop=self.eot_token_id, text_stop=(self.tok_decode, until))[0]
+                                       stop=self.eot_token_id,
+                                       done_when=lambda out: any(s in self.tok_decode(out) for s in until))[0]
                 outputs.append(cut_at(self.tok_decode(tokens), until))
             return outputs
 
@@ -328,16 +330,6 @@ def batches_by_length(lengths: list[int], vocab: int) -> list[list[int]]:
     return groups + ([current] if current else [])
 
 
-def right_padded(rows: list[list[int]]):
-    """int64 (b, longest) with each row left-aligned, padded with 0 on the right."""
-    import torch
-
-    ids = torch.zeros((len(rows), max(len(r) for r in rows)), dtype=torch.long)
-    for i, row in enumerate(rows):
-        ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
-    return ids
-
-
 def score_continuations(logits_fn: "LogitsFn", pairs: list[tuple[list[int], list[int]]], max_length: int,
                         vocab: int) -> list[tuple[float, bool]]:
     """(sum of log p(continuation | context), whether greedy decoding gives the continuation) per
@@ -359,39 +351,6 @@ def score_continuations(logits_fn: "LogitsFn", pairs: list[tuple[list[int], list
     return answers
 
 
-def greedy_tokens(logits_fn: "LogitsFn", prompts: list[list[int]], steps: int, stop: int | None = None,
-                  text_stop=None) -> list[list[int]]:
-    """Greedy continuations of same-length or ragged prompts, `steps` tokens at most, by repeated
-    forwards over the whole sequence (any forward quantkit has, no KV cache needed). A row stops at
-    `stop` (not included) or when its decoded text holds one of text_stop's strings."""
-    import torch
-
-    rows, out, done = [list(p) for p in prompts], [[] for _ in prompts], [False] * len(prompts)
-    with torch.inference_mode():
-        for _ in range(steps):
-            live = [i for i, d in enumerate(done) if not d]
-            if not live:
-                break
-            logits = logits_fn(right_padded([rows[i] for i in live]))
-            for row, index in enumerate(live):
-                token = int(logits[row, len(rows[index]) - 1].argmax())
-                if stop is not None and token == stop:
-                    done[index] = True
-                    continue
-                rows[index].append(token)
-                out[index].append(token)
-                done[index] = stopped(out[index], text_stop)
-    return out
-
-
-def stopped(tokens: list[int], text_stop) -> bool:
-    if text_stop is None:
-        return False
-    decode, strings = text_stop
-    text = decode(tokens)
-    return any(s in text for s in strings)
-
-
 # ------------------------------------------------------------------ running tasks and the rule
 
 
@@ -403,7 +362,8 @@ def run_tasks(logits_fn: "LogitsFn", tokenizer, max_length: int, tasks: list["Ta
     task_dict = load_task_dict(tasks)
     with offline_datasets(), quiet_lm_eval():
         results = simple_evaluate(model=make_lm(logits_fn, tokenizer, max_length), tasks=list(task_dict.values()),
-                                  task_manager=task_manager(False), limit=limit, bootstrap_iters=BOOTSTRAP_ITERS, log_samples=False,
+                                  task_manager=task_manager(False), limit=limit, bootstrap_iters=BOOTSTRAP_ITERS,
+                                  log_samples=False,
                                   random_seed=SEED, numpy_random_seed=SEED, torch_random_seed=SEED,
                                   fewshot_random_seed=SEED)
     return [task_score(results, task_dict, task) for task in tasks]

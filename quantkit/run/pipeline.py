@@ -129,7 +129,7 @@ def prepare(recipe: Recipe, opts: RunOptions) -> tuple[ModelInfo, list[ResolvedT
 
 def gate_tasks(targets: list[ResolvedTarget]) -> list:
     """Every lm-eval task some target's gate names (quantkit.run.recipe.TaskGate)."""
-    return [task for t in targets if t.gate.enabled for task in t.gate.tasks]
+    return [task for t in targets for task in t.gate.tasks]
 
 
 def check_gate_tasks(recipe: Recipe, targets: list[ResolvedTarget], opts: RunOptions) -> None:
@@ -340,7 +340,7 @@ def _run_in(staging: Path, recipe: Recipe, opts: RunOptions, info: ModelInfo, ta
     baseline = None
     if windows is not None and len(windows.eval):
         baseline = compute_baseline(info, recipe, windows.eval, workdir, report, opts.progress)
-        baseline.tasks = base_task_scores(info, recipe, targets, tokenizer, workdir, report, opts.progress)
+        score_base_extras(info, recipe, targets, tokenizer, windows.eval, baseline, workdir, report, opts.progress)
     for resolved in targets:
         out_dir = output_dir(staging, recipe, resolved.name)
         out_dir.mkdir(exist_ok=True)
@@ -409,48 +409,61 @@ def compute_baseline(info: ModelInfo, recipe: Recipe, windows, workdir: Path, re
     return baseline
 
 
-def base_task_scores(info: ModelInfo, recipe: Recipe, targets: list[ResolvedTarget], tokenizer, workdir: Path,
-                     report: RunReport, progress: Progress):
-    """The base's lm-eval scores on every task of the targets' gates, once per run (per task limit),
-    as quantkit.eval.tasks.TaskBaseline; None without tasks."""
-    from quantkit.eval import scorers, tasks
+def score_base_extras(info: ModelInfo, recipe: Recipe, targets: list[ResolvedTarget], tokenizer, windows,
+                      baseline, workdir: Path, report: RunReport, progress: Progress) -> None:
+    """What the targets' gates ask beyond the held-out windows, from the base once per run: greedy
+    continuations for `flips` (baseline.flips, quantkit.eval.generate) and lm-eval task scores
+    (baseline.tasks, quantkit.eval.tasks, per task limit)."""
+    from quantkit.eval import generate, scorers, tasks
 
-    asked = [t for t in targets if t.gate.enabled and t.gate.tasks]
-    if not asked:
-        return None
-    progress(f"tasks: scoring the base on {len(gate_tasks(asked))} task(s)")
+    flipping = [t for t in targets if t.gate.flip_prompts]
+    asked = [t for t in targets if t.gate.tasks]
+    if not flipping and not asked:
+        return
     logits = scorers.base_logits(info, recipe.dtype, recipe.device, recipe.trust_remote_code, workdir)
-    length = tasks.max_context(info.config)
-    scores = {}
-    with PeakTracker() as t:
-        for limit in sorted({t.gate.task_limit for t in asked}, key=lambda n: n or 0):
-            same = [task for t in asked if t.gate.task_limit == limit for task in t.gate.tasks]
-            scores[limit] = tasks.base_scores(logits, tokenizer, length, same, limit)
-    report.timings["baseline_tasks_s"] = t.seconds
-    report.baseline["tasks"] = {f"{key} (limit {limit})": score.value for limit, by_key in scores.items()
-                                for key, score in by_key.items()}
-    return tasks.TaskBaseline(scores, tokenizer, length)
+    if flipping:
+        count, steps = max(t.gate.flip_prompts for t in flipping), max(t.gate.flip_tokens for t in flipping)
+        progress(f"flips: the base's greedy continuations of {count} held-out prompts ({steps} tokens)")
+        with PeakTracker() as t:
+            baseline.flips = generate.base_flips(logits, windows, count, steps)
+        report.timings["baseline_flips_s"] = t.seconds
+    if asked:
+        progress(f"tasks: scoring the base on {len(gate_tasks(asked))} task(s)")
+        length, scores = tasks.max_context(info.config), {}
+        with PeakTracker() as t:
+            for limit in sorted({t.gate.task_limit for t in asked}, key=lambda n: n or 0):
+                same = [task for t in asked if t.gate.task_limit == limit for task in t.gate.tasks]
+                scores[limit] = tasks.base_scores(logits, tokenizer, length, same, limit)
+        report.timings["baseline_tasks_s"] = t.seconds
+        report.baseline["tasks"] = {f"{key} (limit {limit})": score.value for limit, by_key in scores.items()
+                                    for key, score in by_key.items()}
+        baseline.tasks = tasks.TaskBaseline(scores, tokenizer, length)
 
 
 def measure(job: QuantizeJob, resolved: ResolvedTarget, artifact: Path, baseline, entry: TargetReport,
             opts: RunOptions) -> None:
     """The artifact read back and measured against the base: the gate's metrics on the held-out
     windows, its lm-eval tasks when the gate names some, and the verdict, into `entry`."""
-    from quantkit.eval import evaluate, scorers
+    from quantkit.eval import evaluate, generate, scorers
 
+    gate = resolved.gate
     entry.metrics = scorers.evaluate_artifact(artifact, job.info.path, job.windows.eval, baseline,
                                                job.device, job.trust_remote_code, job.workdir)
-    entry.gate = evaluate.gate_verdict(entry.metrics, resolved.gate,
-                                       enforced=opts.enforce_gate and resolved.gate.enabled)
-    if resolved.gate.enabled and resolved.gate.tasks:
+    logits = None
+    if gate.flip_prompts or gate.tasks:
+        logits = scorers.artifact_logits(artifact, job.info.path, job.device, job.trust_remote_code, job.workdir)
+    if gate.flip_prompts:
+        job.progress(f"flips: greedy continuations of {gate.flip_prompts} held-out prompts")
+        entry.metrics.flips = generate.flips(logits, baseline.flips, gate.flip_prompts, gate.flip_tokens)
+    entry.gate = evaluate.gate_verdict(entry.metrics, gate, enforced=opts.enforce_gate and gate.enabled)
+    if gate.tasks:
         from quantkit.eval import tasks
 
-        job.progress(f"tasks: scoring the artifact on {len(resolved.gate.tasks)} task(s)")
+        job.progress(f"tasks: scoring the artifact on {len(gate.tasks)} task(s)")
         started = time.time()
-        logits = scorers.artifact_logits(artifact, job.info.path, job.device, job.trust_remote_code, job.workdir)
         base = baseline.tasks
-        results = tasks.score_tasks(logits, base.tokenizer, base.max_length, resolved.gate.tasks,
-                                    resolved.gate.task_limit, base.scores[resolved.gate.task_limit])
+        results = tasks.score_tasks(logits, base.tokenizer, base.max_length, gate.tasks, gate.task_limit,
+                                    base.scores[gate.task_limit])
         entry.tasks = [r.as_dict() for r in results]
         entry.gate = evaluate.with_checks(entry.gate, tasks.task_checks(results))
         entry.timings["tasks_s"] = round(entry.timings.get("tasks_s", 0.0) + time.time() - started, 3)

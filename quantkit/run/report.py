@@ -49,7 +49,7 @@ class TargetReport:
     files: list[str] = field(default_factory=list)
     metrics: Metrics | None = None
     gate: GateResult | None = None
-    tasks: list[dict[str, Any]] = field(default_factory=list)  # quantkit.eval.tasks.TaskResult.as_dict() per task metric
+    tasks: list[dict[str, Any]] = field(default_factory=list)  # quantkit.eval.tasks.TaskResult.as_dict() per task
     timings: dict[str, float] = field(default_factory=dict)
     peak_rss_bytes: int = 0  # the larger of the steps below
     peak_rss_by_step: dict[str, int] = field(default_factory=dict)  # "quantize", "eval"
