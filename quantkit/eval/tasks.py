@@ -127,6 +127,20 @@ def task_file_config(path: str | Path) -> dict:
     return config
 
 
+def local_files(task_file: str | Path) -> list[Path]:
+    """A task file and the local data files it reads (what --skip-existing hashes)."""
+    files = (task_file_config(task_file).get("dataset_kwargs") or {}).get("data_files") or []
+    return [Path(task_file), *sorted({Path(f) for f in flat_files(files) if Path(f).is_file()})]
+
+
+def flat_files(files) -> list[str]:
+    if isinstance(files, dict):
+        return [f for value in files.values() for f in flat_files(value)]
+    if isinstance(files, (list, tuple)):
+        return [f for value in files for f in flat_files(value)]
+    return [str(files)]
+
+
 def absolute_files(files, folder: Path):
     """data_files (a path, a list, or a split -> path(s) mapping) with relative paths under `folder`."""
     if isinstance(files, dict):
@@ -276,7 +290,7 @@ def logits_lm_class():
                 until = [s for s in as_list(gen_kwargs.get("until")) if s] or [self.tok_decode([self.eot_token_id])]
                 prompt = self.with_bos(self.tok_encode(context))
                 steps = int(gen_kwargs.get("max_gen_toks", 256))
-                tokens = greedy_tokens(self.logits_fn, [prompt[-(self.max_length - steps):]], steps,
+                tokens = greedy_tokens(self.logits_fn, [prompt[-max(1, self.max_length - steps):]], steps,
                                        stop=self.eot_token_id,
                                        done_when=lambda out: any(s in self.tok_decode(out) for s in until))[0]
                 outputs.append(cut_at(self.tok_decode(tokens), until))

@@ -86,6 +86,8 @@ def test_task_file_data_files_resolve_against_the_yaml(tmp_path):
                                      "    test: [a.jsonl, /abs/b.jsonl]\n")
     config = tasks.task_file_config(tmp_path / "t.yaml")
     assert config["dataset_kwargs"]["data_files"] == {"test": [str(tmp_path / "a.jsonl"), "/abs/b.jsonl"]}
+    (tmp_path / "a.jsonl").write_text("{}\n")
+    assert tasks.local_files(tmp_path / "t.yaml") == [tmp_path / "t.yaml", tmp_path / "a.jsonl"]  # hashed by --skip-existing
 
 
 def test_missing_task_data_is_bad_input_naming_the_task(tmp_path):
