@@ -70,7 +70,7 @@ def test_task_gate_passes_into_report_and_model_card(cli, micro_model, task_file
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method,args,artifact", [
-    ("gptq", ("--bits", "4"), ""),
+    ("gptq", ("--bits", "4", "--num-samples", "16"), ""),  # GPTQ needs 1024 calibration tokens
     ("gguf", ("--gguf-type", "Q4_K_M"), "gguf"),
     ("nf4", (), ""),
 ])
@@ -79,7 +79,7 @@ def test_eval_scores_tasks_on_every_artifact_kind(cli, micro_model, task_file, t
     if method == "nf4":
         pytest.importorskip("bitsandbytes", reason="nf4 needs bitsandbytes")
     out = tmp_path / method
-    made = cli("quantize", micro_model, "--method", method, *args, "-o", out, *FAST_CALIB, "--no-gate")
+    made = cli("quantize", micro_model, "--method", method, "-o", out, *FAST_CALIB, *args, "--no-gate")
     assert made.exit_code == 0, made.output
     path = next(out.glob("*.gguf")) if artifact == "gguf" else out
     report_file = tmp_path / "eval.json"
@@ -96,7 +96,7 @@ def test_eval_scores_tasks_on_every_artifact_kind(cli, micro_model, task_file, t
 @pytest.mark.slow
 def test_fallback_treats_a_failed_task_like_any_failed_metric(cli, micro_model, task_file, tmp_path):
     report_file = tmp_path / "report.json"
-    result = cli("quantize", micro_model, "--method", "gptq", "--fallback", "--max-size", "+10%", "-o",
+    result = cli("quantize", micro_model, "--method", "fp8", "--fallback", "--max-size", "+5%", "-o",
                  tmp_path / "out", *FAST_CALIB, "--max-kld", "1", "--min-top1", "0", "--task-file", task_file,
                  *LIMIT, "--min-recovery", "1.5", "--json", report_file)
     assert result.exit_code == 3, result.output
