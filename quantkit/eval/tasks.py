@@ -183,9 +183,13 @@ def load_task_dict(tasks: list["TaskGate"]) -> dict:
                              hint="lm-eval's task names (lm-eval ls tasks), or write a task YAML and pass --task-file")
         try:
             with offline_datasets(), quiet_lm_eval():
-                loaded.update(leaf_tasks(get_task_dict([spec], manager)))
+                leaves = leaf_tasks(get_task_dict([spec], manager))
         except Exception as exc:
             raise missing_data_error(name, task, exc) from exc
+        if name not in leaves:
+            raise UnsupportedError(f"'{name}' is a group of {len(leaves)} lm-eval tasks; the gate takes single tasks",
+                                   hint=f"name its tasks, e.g. --tasks {','.join(sorted(leaves)[:3])}")
+        loaded.update(leaves)
     return loaded
 
 
