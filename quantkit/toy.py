@@ -211,6 +211,59 @@ def sharpen(src: Path, dst: Path, channels: int = 4, factor: float = 16.0, logit
     return dst
 
 
+CONTINUATION_TASK = """\
+task: {name}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {name}.jsonl
+test_split: test
+output_type: multiple_choice
+doc_to_text: context
+doc_to_choice: choices
+doc_to_target: label
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+"""
+
+
+def continuation_items(texts: list[str], samples: int, choices: int = 4, seed: int = 0) -> list[dict]:
+    """Multiple-choice items from the bundled text: the first words of a sentence, its real ending and
+    the endings of other sentences; `label` is the real one's place."""
+    import random
+    import re
+
+    sentences = [s.split() for text in texts for s in re.split(r"(?<=[.!?])\s+", text)]
+    sentences = [s for s in sentences if 12 <= len(s) <= 40]
+    rng = random.Random(seed)
+    picked = rng.sample(range(len(sentences)), min(samples, len(sentences)))
+    items = []
+    for index in picked:
+        words = sentences[index]
+        cut = len(words) // 2
+        others = rng.sample([i for i in range(len(sentences)) if i != index], choices - 1)
+        endings = [" " + " ".join(s[len(s) // 2:]) for s in [words, *(sentences[i] for i in others)]]
+        order = list(range(choices))
+        rng.shuffle(order)
+        items.append({"context": " ".join(words[:cut]), "choices": [endings[i] for i in order],
+                      "label": order.index(0)})
+    return items
+
+
+def make_continuation_task(out_dir: str | Path, samples: int = 200, seed: int = 0,
+                           name: str = "quantkit_continuation") -> Path:
+    """A local lm-evaluation-harness multiple-choice task (which ending is the sentence's own) built
+    from the bundled text: OUT/<name>.jsonl and OUT/<name>.yaml (lm-eval's format); returns the YAML."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    items = continuation_items(bundled_texts(), samples, seed=seed)
+    (out / f"{name}.jsonl").write_text("".join(json.dumps(item) + "\n" for item in items))
+    (out / f"{name}.yaml").write_text(CONTINUATION_TASK.format(name=name))
+    return out / f"{name}.yaml"
+
+
 def main(argv: list[str] | None = None) -> None:
     """`python -m quantkit.toy OUT [--preset tiny] [--steps N] [--seed S]`: build a local toy model."""
     import argparse

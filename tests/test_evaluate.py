@@ -52,6 +52,42 @@ def test_kld_matches_direct_computation(windows):
     assert metrics.ppl == pytest.approx(math.exp(nll), rel=1e-5)
 
 
+def test_divergence_statistics_match_direct_computation(windows):
+    baseline = evaluate.compute_baseline(fake_model(), windows)
+    metrics = evaluate.compare(fake_model(noise=0.5), windows, baseline)
+    p = torch.log_softmax(fake_logits()(windows)[:, :-1].double(), -1).reshape(-1, 32)
+    q = torch.log_softmax(fake_logits(noise=0.5)(windows)[:, :-1].double(), -1).reshape(-1, 32)
+    kl = (p.exp() * (p - q)).sum(-1).numpy()
+    assert metrics.kld_median == pytest.approx(np.percentile(kl, 50), rel=5e-3)
+    assert metrics.kld_p90 == pytest.approx(np.percentile(kl, 90), rel=5e-3)
+    assert metrics.kld_max == pytest.approx(kl.max(), rel=5e-3)
+    targets = windows[:, 1:].reshape(-1, 1)
+    delta = (q.gather(1, targets).exp() - p.gather(1, targets).exp()).abs().mean().item()
+    assert metrics.delta_p == pytest.approx(delta, rel=1e-4)
+    assert metrics.ppl_delta == pytest.approx(metrics.ppl - metrics.ppl_base)
+    assert metrics.kld_median <= metrics.kld_p90 <= metrics.kld_p99 <= metrics.kld_max
+    assert metrics.flips is None  # measured only with generations (quantkit.eval.generate)
+
+
+def test_any_statistic_can_gate(windows):
+    baseline = evaluate.compute_baseline(fake_model(), windows)
+    metrics = evaluate.compare(fake_model(noise=0.5), windows, baseline)
+    loose = evaluate.gate_verdict(metrics, Gate())
+    assert [c.name for c in loose.checks] == ["ppl_increase", "kld_mean", "top1", "finite"]
+    strict = evaluate.gate_verdict(metrics, Gate(max_kld_max=metrics.kld_max / 2, max_delta_p=1.0,
+                                                 max_ppl_delta=metrics.ppl_delta / 2))
+    assert strict.failed == ["ppl_delta", "kld_max"]
+    assert "delta_p" in [c.name for c in strict.checks]
+    tasks = evaluate.with_checks(loose, [evaluate.Check("task:t/acc", 0.5, 0.95, ">=", False)])
+    assert tasks.failed == ["task:t/acc"] and tasks.checks[-1].name == "finite" and tasks.enforced
+
+
+def test_max_flips_needs_prompts():
+    with pytest.raises(ValueError, match="flip_prompts"):
+        Gate(max_flips=0.1)
+    assert Gate(max_flips=0.1, flip_prompts=4).flip_tokens == 16
+
+
 def test_damaged_model_is_caught(windows):
     baseline = evaluate.compute_baseline(fake_model(), windows)
     metrics = evaluate.compare(fake_model(noise=2.0), windows, baseline)
@@ -109,7 +145,7 @@ def test_nan_model_never_agrees_and_fails_an_unenforced_gate(windows):
     assert math.isnan(metrics.kld_mean) and math.isnan(metrics.ppl) and math.isnan(metrics.kld_p99)
     verdict = evaluate.gate_verdict(metrics, Gate(), enforced=False)
     assert not verdict.passed and verdict.enforced and verdict.failed == ["finite"]
-    assert verdict.checks[-1].value == 4.0  # ppl, ppl_increase, kld_mean, kld_p99
+    assert verdict.checks[-1].value == 9.0  # ppl, ppl_increase, ppl_delta, the four KLD statistics, delta_p
 
 
 def test_one_nan_position_shows_in_the_metrics(windows):

@@ -24,6 +24,14 @@ def eval_command(
     max_ppl_increase: Optional[float] = typer.Option(None, help="Gate: max relative perplexity increase."),
     max_kld: Optional[float] = typer.Option(None, help="Gate: max mean KL divergence."),
     min_top1: Optional[float] = typer.Option(None, help="Gate: min top-1 agreement."),
+    max_ppl_delta: Optional[float] = typer.Option(None, help="Gate: max absolute perplexity increase (artifact - base)."),
+    tasks: Optional[str] = typer.Option(None, "--tasks", metavar="TASK[:METRIC][,...]", help="lm-evaluation-harness tasks whose data is in the local Hugging Face cache, e.g. hellaswag,arc_easy:acc_norm (needs quantkit[eval])."),
+    task_file: list[Path] = typer.Option([], "--task-file", help="A task YAML in lm-eval's format (dataset_path: json, local data_files); repeatable."),
+    limit: Optional[int] = typer.Option(None, "--limit", min=1, help="Samples per task (all without it)."),
+    min_recovery: Optional[float] = typer.Option(None, "--min-recovery", min=0, help="Gate: artifact task score / base score at least this (default 0.95)."),
+    flip_prompts: int = typer.Option(0, "--flip-prompts", min=0, help="Greedy continuations of this many held-out prompts, base vs. artifact (the flips metric)."),
+    flip_tokens: int = typer.Option(16, "--flip-tokens", min=1, help="Tokens generated per prompt for flips."),
+    max_flips: Optional[float] = typer.Option(None, "--max-flips", help="Gate: max share of greedy tokens after the first divergence (needs --flip-prompts)."),
     llama_perplexity: bool = typer.Option(False, "--llama-perplexity", help="For a .gguf, also score the held-out text with llama.cpp's llama-perplexity (needs a llama.cpp build)."),
     json_path: Optional[str] = typer.Option(None, "--json", help="Write the metrics as JSON to FILE ('-' = stdout)."),
 ) -> None:
@@ -37,22 +45,36 @@ def eval_command(
 
       quantkit eval ./gguf --llama-perplexity     # cross-check with llama.cpp when it is built
 
-    With any threshold given, exits 3 when the artifact fails it.
+      quantkit eval ./my-model-gptq --tasks hellaswag,arc_easy --task-file my_task.yaml --limit 200
+
+    With any threshold given, exits 3 when the artifact fails it; with tasks, each task's score must
+    recover --min-recovery of the base's (0.95 by default). Tasks run offline: data missing from this
+    machine is exit 2 before any work.
     """
-    from quantkit.cli.report import metrics_table, thresholds_table
+    from quantkit.cli.report import metrics_table, tasks_table, thresholds_table
     from quantkit.engines.transformers import check_device, load_tokenizer
     from quantkit.errors import GateFailedError, InputError, ModelError
     from quantkit.eval import evaluate, scorers
     from quantkit.eval.artifacts import artifact_kind
     from quantkit.io.checkpoint import check_model_dir, resolve_model
-    from quantkit.run.recipe import Gate
+    from quantkit.run.recipe import cli_tasks
 
     if not model.exists():
         raise ModelError(f"artifact not found: {model}")
     kind = artifact_kind(model)
     if llama_perplexity and kind != "gguf":
         raise InputError("--llama-perplexity applies to .gguf artifacts only")
+    if limit is not None and not (tasks or task_file):
+        raise InputError("--limit bounds the samples of --tasks / --task-file", hint="add --tasks or --task-file")
     check_device(device)
+    gate = cli_gate(dict(max_ppl_increase=max_ppl_increase, max_kld=max_kld, min_top1=min_top1,
+                         max_ppl_delta=max_ppl_delta, max_flips=max_flips, flip_prompts=flip_prompts,
+                         flip_tokens=flip_tokens, task_limit=limit,
+                         tasks=cli_tasks(tasks, [str(f) for f in task_file], min_recovery)))
+    if gate.tasks:
+        from quantkit.eval.tasks import check_tasks
+
+        progress(f"tasks: {', '.join(check_tasks(gate.tasks))} (data found offline)")
     base = check_model_dir(resolve_model(against or default_base(model)))
     tokenizer = load_tokenizer(base, trust_remote_code)
     windows = eval_windows(tokenizer, data, num_windows, seq_len, seed)
@@ -61,12 +83,18 @@ def eval_command(
                                          windows)
     progress(f"candidate: {model} ({kind})")
     metrics = scorers.evaluate_artifact(model, base.path, windows, baseline, device, trust_remote_code)
-    verdict = evaluate.gate_verdict(metrics, Gate(max_ppl_increase=max_ppl_increase, max_kld=max_kld,
-                                                  min_top1=min_top1))
+    metrics.flips, task_rows = measure_extras(model, base, tokenizer, windows, gate, device, trust_remote_code)
+    verdict = evaluate.gate_verdict(metrics, gate)
+    if task_rows:
+        from quantkit.eval.tasks import task_checks
+
+        verdict = evaluate.with_checks(verdict, task_checks(task_rows))
     llama_cpp = llama_cpp_check(model, tokenizer, windows) if llama_perplexity else None
     console = results_console(json_path)
     rows = [(model.name, metrics, verdict)]
     console.print(metrics_table(rows, f"{model} ({kind}) vs. {base.path}"))
+    if task_rows:
+        console.print(tasks_table([(model.name, task_rows)], f"task accuracy (lm-eval) vs. {base.path}"))
     if any(c.threshold is not None for c in verdict.checks):
         console.print(thresholds_table(rows))
     if llama_cpp:
@@ -74,9 +102,47 @@ def eval_command(
                       f"± {llama_cpp['ppl_stderr']:.3f} ({llama_cpp['chunks']} chunks of {llama_cpp['context']} "
                       "tokens, llama.cpp's own tokenization)", highlight=False)
     write_json(json_path, {"name": model.name, "kind": kind, "base": str(base.path), "metrics": metrics.as_dict(),
-                           "gate": verdict.as_dict(), **({"llama_cpp": llama_cpp} if llama_cpp else {})})
+                           "gate": verdict.as_dict(),
+                           **({"tasks": [r.as_dict() for r in task_rows]} if task_rows else {}),
+                           **({"llama_cpp": llama_cpp} if llama_cpp else {})})
     if not verdict.passed:
         raise GateFailedError(f"{model.name} fails the gate: {', '.join(verdict.failed)}")
+
+
+def cli_gate(values: dict):
+    """The thresholds and measurements given as flags, validated as a recipe's gate is (exit 2)."""
+    from pydantic import ValidationError
+
+    from quantkit.errors import InputError
+    from quantkit.run.recipe import Gate, format_errors
+
+    try:
+        return Gate(**{k: v for k, v in values.items() if v is not None})
+    except ValidationError as exc:
+        raise InputError(format_errors(exc)) from None
+
+
+def measure_extras(model: Path, base, tokenizer, windows, gate, device: str, trust_remote_code: bool):
+    """(flips, task results) of the artifact against the base, when the flags ask for them: greedy
+    continuations of held-out prompts (quantkit.eval.generate) and lm-eval tasks (quantkit.eval.tasks)."""
+    from quantkit.eval import generate, scorers, tasks
+
+    if not gate.flip_prompts and not gate.tasks:
+        return None, []
+    base_logits = scorers.base_logits(base, device=device, trust_remote_code=trust_remote_code)
+    logits = scorers.artifact_logits(model, base.path, device, trust_remote_code)
+    flips = None
+    if gate.flip_prompts:
+        progress(f"flips: greedy continuations of {gate.flip_prompts} held-out prompts, {gate.flip_tokens} tokens")
+        base_flips = generate.base_flips(base_logits, windows, gate.flip_prompts, gate.flip_tokens)
+        flips = generate.flips(logits, base_flips, gate.flip_prompts, gate.flip_tokens)
+    if not gate.tasks:
+        return flips, []
+    length = tasks.max_context(base.config)
+    progress(f"tasks: scoring the base and {model.name} on {len(gate.tasks)} task(s)"
+             + (f", {gate.task_limit} samples each" if gate.task_limit else ""))
+    base_scores = tasks.base_scores(base_logits, tokenizer, length, gate.tasks, gate.task_limit)
+    return flips, tasks.score_tasks(logits, tokenizer, length, gate.tasks, gate.task_limit, base_scores)
 
 
 def llama_cpp_check(model: Path, tokenizer, windows) -> dict:

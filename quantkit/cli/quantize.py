@@ -31,6 +31,8 @@ Examples:
 
   quantkit quantize ./ckpt --recipe release -o ./dist   (one dir per target)
 
+  quantkit quantize ./my-model --method gptq --task-file my_task.yaml --tasks arc_easy --limit 200 -o ./gptq   (task gate, offline data)
+
   torchrun --standalone --nproc-per-node 4 -m quantkit quantize ./my-model --method gptq --device cuda -o ./gptq   (one rank per GPU)
 
   quantkit quantize ./ckpt --lora ./adapter --recipe release -o ./dist --skip-existing --partial --quiet --summary "$GITHUB_STEP_SUMMARY"   (CI)
@@ -87,6 +89,11 @@ def quantize(
     max_ppl_increase: Optional[float] = typer.Option(None, help="Gate: max relative perplexity increase."),
     max_kld: Optional[float] = typer.Option(None, help="Gate: max mean KL divergence."),
     min_top1: Optional[float] = typer.Option(None, help="Gate: min top-1 agreement."),
+    max_ppl_delta: Optional[float] = typer.Option(None, help="Gate: max absolute perplexity increase (artifact - base)."),
+    tasks: Optional[str] = typer.Option(None, "--tasks", metavar="TASK[:METRIC][,...]", help="Gate: lm-evaluation-harness tasks whose data is in the local Hugging Face cache, e.g. hellaswag,arc_easy:acc_norm (needs quantkit[eval]); added to the recipe's gate.tasks."),
+    task_file: list[Path] = typer.Option([], "--task-file", help="Gate: a task YAML in lm-eval's format (dataset_path: json, local data_files); repeatable."),
+    limit: Optional[int] = typer.Option(None, "--limit", min=1, help="Gate: samples per task (gate.task_limit)."),
+    min_recovery: Optional[float] = typer.Option(None, "--min-recovery", min=0, help="Gate: artifact task score / base score at least this for --tasks/--task-file (default 0.95)."),
     no_gate: bool = typer.Option(False, "--no-gate", help="Measure but do not enforce the gate (recorded)."),
     overwrite: bool = typer.Option(False, help="Replace an existing output."),
     max_memory: Optional[str] = typer.Option(None, "--max-memory", help="RAM the run may use, e.g. 16GiB (default: what is available); a run estimated above it is refused before work."),
@@ -99,7 +106,7 @@ def quantize(
 ) -> None:
     from quantkit.errors import GateFailedError, RunFailedError
     from quantkit.run.pipeline import RunOptions, run
-    from quantkit.run.recipe import Overrides, build_recipe
+    from quantkit.run.recipe import Overrides, build_recipe, cli_tasks
 
     overrides = Overrides(
         model=model or model_opt, device=device, dtype=dtype, offload_dir=offload_dir,
@@ -109,7 +116,8 @@ def quantize(
         towers=dict(vision=vision, projector=projector, force=force or None),
         calibration=dict(source=calib, text_field=calib_text_field, num_samples=num_samples, seq_len=seq_len,
                          eval_windows=eval_windows, seed=seed),
-        gate=dict(max_ppl_increase=max_ppl_increase, max_kld=max_kld, min_top1=min_top1),
+        gate=dict(max_ppl_increase=max_ppl_increase, max_kld=max_kld, min_top1=min_top1, max_ppl_delta=max_ppl_delta,
+                  task_limit=limit, tasks=cli_tasks(tasks, [str(f) for f in task_file], min_recovery) or None),
         # Method flags name method option fields; each applies to every target whose method has that
         # option, and naming one no target has is an error.
         method_options=dict(scheme=scheme, bits=bits, group_size=group_size_option(group_size), act_order=act_order,

@@ -52,11 +52,30 @@ def thresholds_table(rows: list[Row]) -> Table:
     return table
 
 
+def tasks_table(rows: list[tuple[str, list]], title: str) -> Table:
+    """One row per target and task metric (quantkit.eval.tasks.TaskResult or its dict form)."""
+    from quantkit.run.report import stat_text as score_text
+
+    table = Table(title=title, title_justify="left")
+    for column in ("target", "task", "metric", "samples", "base", "artifact", "recovery", "min", "ok"):
+        table.add_column(column, justify="left" if column in ("target", "task", "metric") else "right")
+    for name, results in rows:
+        for r in results:
+            r = r if isinstance(r, dict) else r.as_dict()
+            table.add_row(name, r["task"], r["metric"], str(r["samples"]), score_text(r["base"], r["base_stderr"]),
+                          score_text(r["score"], r["stderr"]), f"{r['recovery']:.3f}", f"{r['min_recovery']:g}",
+                          "yes" if r["passed"] else "NO")
+    return table
+
+
 def print_report(report: RunReport, console: Console, out: Path, quiet: bool = False) -> None:
     """The quality tables (unless quiet), then one summary line per target."""
     rows = [(t.name, t.metrics, t.gate) for t in report.targets]
     if not quiet:
         console.print(metrics_table(rows, "quality (held-out windows vs. the full-precision base)"))
+        task_rows = [(t.name, t.tasks) for t in report.targets if t.tasks]
+        if task_rows:
+            console.print(tasks_table(task_rows, "task accuracy (lm-eval) vs. the full-precision base"))
         if any(t.gate for t in report.targets):
             console.print(thresholds_table(rows))
     multi = len(report.recipe.get("targets") or []) > 1

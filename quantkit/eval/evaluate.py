@@ -33,9 +33,17 @@ BATCH_LOGITS_BYTES = 64 * 1024 * 1024  # float32 logits per forward batch; a few
 CHUNK_BYTES = 32 * 1024 * 1024  # float32 log-probs per scored chunk; a few copies live at once
 GATE_METRICS = (  # (metric, threshold field, comparison)
     ("ppl_increase", "max_ppl_increase", "<="),
+    ("ppl_delta", "max_ppl_delta", "<="),
     ("kld_mean", "max_kld", "<="),
+    ("kld_median", "max_kld_median", "<="),
+    ("kld_p90", "max_kld_p90", "<="),
+    ("kld_p99", "max_kld_p99", "<="),
+    ("kld_max", "max_kld_max", "<="),
+    ("delta_p", "max_delta_p", "<="),
     ("top1", "min_top1", ">="),
+    ("flips", "max_flips", "<="),
 )
+ALWAYS_CHECKED = ("ppl_increase", "kld_mean", "top1")  # in the gate's table with or without a threshold
 NO_TOP1 = -1  # a baseline position whose log-probs are not finite: nothing agrees with it
 
 
@@ -54,6 +62,8 @@ class Baseline:
     nll: np.ndarray  # float32 (positions,)
     top1: np.ndarray  # int32 (positions,); NO_TOP1 where the base's log-probs are not finite
     targets: np.ndarray  # int64 (positions,)
+    tasks: "TaskBaseline | None" = None  # noqa: F821  the base's lm-eval scores (quantkit.eval.tasks), once per run
+    flips: "FlipBaseline | None" = None  # noqa: F821  the base's greedy continuations (quantkit.eval.generate)
 
     @property
     def ppl(self) -> float:
@@ -62,6 +72,15 @@ class Baseline:
 
 @dataclass
 class Metrics:
+    """The gate's metrics of a candidate against the base on the held-out windows.
+
+    kld_*: KL(base || candidate) per position, mean and percentiles (llama.cpp's --kl-divergence
+    table); delta_p: mean |p_candidate - p_base| of the token that followed (llama.cpp's Δp);
+    top1: share of positions whose most likely token is the base's (llama.cpp's "same top p");
+    flips: share of greedily generated tokens from the first one where the candidate's continuation
+    of a held-out prompt leaves the base's (quantkit.eval.generate; None when not measured). Fields
+    a report written before they existed lacks read back as None."""
+
     positions: int
     ppl_base: float
     ppl: float
@@ -69,6 +88,12 @@ class Metrics:
     kld_mean: float
     kld_p99: float
     top1: float
+    ppl_delta: float | None = None
+    kld_median: float | None = None
+    kld_p90: float | None = None
+    kld_max: float | None = None
+    delta_p: float | None = None
+    flips: float | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -246,6 +271,11 @@ def compare_chunks(chunks: Iterable[ScoredChunk], baseline: Baseline) -> Metrics
     return summarize(np.concatenate(kls), np.concatenate(nlls), agree, baseline)
 
 
+def delta_p(nll: np.ndarray, base_nll: np.ndarray) -> float:
+    """Mean |p_candidate - p_base| of the token that followed, from the two NLLs."""
+    return float(np.mean(np.abs(np.exp(-nll.astype(np.float64)) - np.exp(-base_nll.astype(np.float64)))))
+
+
 def compare(scorer: Scorer, windows, baseline: Baseline) -> Metrics:
     """Metrics of a candidate against the stored baseline, streaming over the windows."""
     import torch
@@ -265,6 +295,11 @@ def summarize(kl: np.ndarray, nll: np.ndarray, agree: int, baseline: Baseline) -
         kld_mean=float(np.mean(kl, dtype=np.float64)),
         kld_p99=float(np.percentile(kl, 99)),
         top1=agree / max(1, kl.shape[0]),
+        ppl_delta=ppl - base,
+        kld_median=float(np.percentile(kl, 50)),
+        kld_p90=float(np.percentile(kl, 90)),
+        kld_max=float(np.max(kl)),
+        delta_p=delta_p(nll, baseline.nll),
     )
 
 
@@ -273,7 +308,7 @@ def summarize(kl: np.ndarray, nll: np.ndarray, agree: int, baseline: Baseline) -
 
 def non_finite(metrics: Metrics) -> list[str]:
     """Names of the metrics that are NaN or infinite."""
-    return [name for name, value in metrics.as_dict().items() if not math.isfinite(value)]
+    return [name for name, value in metrics.as_dict().items() if value is not None and not math.isfinite(value)]
 
 
 def gate_verdict(metrics: Metrics, gate, enforced: bool = True) -> GateResult:
@@ -288,9 +323,18 @@ def gate_verdict(metrics: Metrics, gate, enforced: bool = True) -> GateResult:
     for metric, threshold_field, op in GATE_METRICS:
         value = getattr(metrics, metric)
         threshold = getattr(gate, threshold_field)
-        ok = threshold is None or (value <= threshold if op == "<=" else value >= threshold)
-        checks.append(Check(metric, value, threshold, op, ok))
+        if threshold is None and metric not in ALWAYS_CHECKED:
+            continue  # reported in the metrics, checked only when the gate sets a threshold
+        ok = threshold is None or (value is not None and (value <= threshold if op == "<=" else value >= threshold))
+        checks.append(Check(metric, math.nan if value is None else value, threshold, op, ok))
     bad = non_finite(metrics)
     checks.append(Check("finite", float(len(bad)), None, "==", not bad))
     passed = all(c.passed for c in checks)
     return GateResult(passed, enforced or bool(bad), checks)
+
+
+def with_checks(verdict: GateResult, checks: list[Check]) -> GateResult:
+    """The verdict with more checks (task recovery, quantkit.eval.tasks) added before `finite`."""
+    merged = [c for c in verdict.checks if c.name != "finite"] + list(checks)
+    merged += [c for c in verdict.checks if c.name == "finite"]
+    return GateResult(all(c.passed for c in merged), verdict.enforced, merged)

@@ -11,8 +11,17 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-from quantkit.eval.evaluate import Baseline, Metrics, ScoredChunk, Scorer, compare, model_scorer
-from quantkit.eval.stream import ACTIVATION_BYTES, streamable, streamed_scorer
+from quantkit.eval.evaluate import (
+    Baseline,
+    LogitsFn,
+    Metrics,
+    ScoredChunk,
+    Scorer,
+    compare,
+    model_logits_fn,
+    model_scorer,
+)
+from quantkit.eval.stream import ACTIVATION_BYTES, stream_model, streamable, streamed_logits, streamed_scorer
 from quantkit.io.checkpoint import SafetensorsWeights
 
 
@@ -103,3 +112,55 @@ def base_scorer(info, dtype: str = "auto", device: str = "cpu", trust_remote_cod
         yield from model_scorer(load_model(info, dtype, device, trust_remote_code))(windows)
 
     return scorer
+
+
+# ------------------------------------------------------------------ logits functions (tasks, generation)
+
+
+def artifact_logits(path: Path, base_dir: Path | None = None, device: str = "cpu", trust_remote_code: bool = False,
+                    workdir: Path | None = None) -> LogitsFn:
+    """The artifact's forward as a logits function, built the way artifact_scorer reads it (the same
+    streamed or loaded model): for lm-eval's tasks and greedy generations (quantkit.eval.tasks)."""
+    import torch
+
+    from quantkit.engines.transformers import device_map, hf_config, torch_dtype
+    from quantkit.errors import InputError
+    from quantkit.eval import compressed
+    from quantkit.eval.artifacts import artifact_kind, gguf_file, load_for_eval
+    from quantkit.gguf.loader import GGUFTensors
+    from quantkit.io.checkpoint import check_model_dir, is_vlm, read_config
+
+    kind = artifact_kind(path)
+    if kind == "gguf" and base_dir is None:
+        raise InputError("evaluating a .gguf needs the base checkpoint", hint="pass --against BASE_DIR")
+    if kind == "gguf" and not is_vlm(read_config(Path(base_dir))):
+        config = hf_config(base_dir)
+        streamed = stream_model(config, GGUFTensors(gguf_file(path), config.to_dict()), torch.float32,
+                                device_map(device))
+        return streamed_logits_fn(streamed, workdir)
+    if kind == "transformers" and streamable(read_config(path)) and not trust_remote_code:
+        config = hf_config(path)
+        streamed = stream_model(config, SafetensorsWeights(path), torch_dtype("auto", check_model_dir(path)),
+                                device_map(device))
+        return streamed_logits_fn(streamed, workdir)
+    if kind == "compressed-tensors" and not trust_remote_code and compressed.streams(path):
+        config = hf_config(path)
+        dtype = torch_dtype("auto", check_model_dir(path))
+        return streamed_logits_fn(compressed.compressed_model(path, config, dtype, device_map(device)), workdir)
+    return model_logits_fn(load_for_eval(path, base_dir, device, trust_remote_code))
+
+
+def base_logits(info, dtype: str = "auto", device: str = "cpu", trust_remote_code: bool = False,
+                workdir: Path | None = None) -> LogitsFn:
+    """The full-precision base's forward as a logits function, built the way base_scorer reads it."""
+    from quantkit.engines.transformers import device_map, hf_config, load_model, torch_dtype
+
+    if streamable(info.config) and not trust_remote_code:
+        streamed = stream_model(hf_config(info.path), SafetensorsWeights(info.path), torch_dtype(dtype, info),
+                                device_map(device))
+        return streamed_logits_fn(streamed, workdir)
+    return model_logits_fn(load_model(info, dtype, device, trust_remote_code))
+
+
+def streamed_logits_fn(streamed, workdir: Path | None) -> LogitsFn:
+    return lambda ids: streamed_logits(streamed, ids, workdir)

@@ -410,3 +410,15 @@ def streamable(config: dict) -> bool:
 
     return (not is_vlm(config) and "quantization_config" not in config
             and not get_checkpoint_conversion_mapping(config.get("model_type", "")))
+
+
+def streamed_logits(streamed: StreamedModel, ids, workdir: Path | None = None):
+    """float32 logits (b, L, vocab) of every position of `ids`, the streamed model's forward
+    (evaluate.LogitsFn: what lm-eval's model and greedy generation read, quantkit.eval.tasks);
+    the head is applied a vocabulary slice at a time as score_group does."""
+    import torch
+
+    with torch.inference_mode():
+        hidden = streamed.model.get_decoder()(input_ids=ids.to(streamed.device), use_cache=False).last_hidden_state
+        rows = spilled_logits(streamed, hidden.reshape(-1, hidden.shape[-1]), workdir)
+        return torch.from_numpy(rows[0 : len(rows)]).reshape(ids.shape[0], ids.shape[1], -1)

@@ -2,7 +2,7 @@
 
 A target's fingerprint is what its artifact depends on: the sha256 of every input file (the
 model's weights, config and tokenizer files, each LoRA adapter's files, the calibration text
-files, a QLoRA base's 16-bit original), the merge settings (adapter weights, merge base), the
+files, a QLoRA base's 16-bit original, the gate's task files and their data), the merge settings (adapter weights, merge base), the
 target's recipe entry, the calibration settings, its resolved gate thresholds,
 whether the gate is enforced, the dtype, and the quantkit version. It is stored with the target
 in quantkit.json; an output whose stored fingerprint equals this run's, and whose listed files
@@ -42,7 +42,20 @@ def input_files(info: ModelInfo, recipe: Recipe) -> dict[str, Path]:
     source = resolve_source(recipe.calibration.source)
     if not isinstance(source, str):  # hf: datasets are named by their spec (in the calibration settings)
         files.update({f"calibration/{p.name}": p for p in source})
+    files.update(task_input_files(recipe))
     return files
+
+
+def task_input_files(recipe: Recipe) -> dict[str, Path]:
+    """The gate's task files and their local data files, keyed "task/NAME" (a task by name reads the
+    Hugging Face cache and is named by its spec in the gate)."""
+    gates = [recipe.gate, *(t.gate for t in recipe.targets if t.gate is not None)]
+    task_files = sorted({task.file for gate in gates for task in gate.tasks if task.file})
+    if not task_files:
+        return {}
+    from quantkit.eval.tasks import local_files
+
+    return {f"task/{p.name}": p for file in task_files for p in local_files(file)}
 
 
 def input_hashes(info: ModelInfo, recipe: Recipe) -> dict[str, str]:

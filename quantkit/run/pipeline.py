@@ -123,7 +123,27 @@ def prepare(recipe: Recipe, opts: RunOptions) -> tuple[ModelInfo, list[ResolvedT
     if device_map(recipe.device) == "cuda":
         check_vram(vram_estimate(info, recipe, targets), available_vram())
     check_finite([*info.weight_files, *(Path(p) / "adapter_model.safetensors" for p in recipe.lora)])
+    check_gate_tasks(recipe, targets, opts)
     return info, targets
+
+
+def gate_tasks(targets: list[ResolvedTarget]) -> list:
+    """Every lm-eval task some target's gate names (quantkit.run.recipe.TaskGate)."""
+    return [task for t in targets for task in t.gate.tasks]
+
+
+def check_gate_tasks(recipe: Recipe, targets: list[ResolvedTarget], opts: RunOptions) -> None:
+    """The gate's tasks, before any model work: lm-eval installed, every task's data found offline
+    (exit 2 naming the task otherwise), held-out windows to measure with."""
+    tasks = gate_tasks(targets)
+    if not tasks:
+        return
+    if recipe.calibration.eval_windows == 0:
+        raise InputError("the gate's tasks are measured with the gate, but eval_windows is 0",
+                         hint="raise --eval-windows, or drop the tasks")
+    from quantkit.eval.tasks import check_tasks
+
+    opts.progress(f"tasks: {', '.join(check_tasks(tasks))} (data found offline)")
 
 
 def select_targets(targets: list[Target], only: list[str]) -> list[Target]:
@@ -320,6 +340,7 @@ def _run_in(staging: Path, recipe: Recipe, opts: RunOptions, info: ModelInfo, ta
     baseline = None
     if windows is not None and len(windows.eval):
         baseline = compute_baseline(info, recipe, windows.eval, workdir, report, opts.progress)
+        score_base_extras(info, recipe, targets, tokenizer, windows.eval, baseline, workdir, report, opts.progress)
     for resolved in targets:
         out_dir = output_dir(staging, recipe, resolved.name)
         out_dir.mkdir(exist_ok=True)
@@ -388,6 +409,66 @@ def compute_baseline(info: ModelInfo, recipe: Recipe, windows, workdir: Path, re
     return baseline
 
 
+def score_base_extras(info: ModelInfo, recipe: Recipe, targets: list[ResolvedTarget], tokenizer, windows,
+                      baseline, workdir: Path, report: RunReport, progress: Progress) -> None:
+    """What the targets' gates ask beyond the held-out windows, from the base once per run: greedy
+    continuations for `flips` (baseline.flips, quantkit.eval.generate) and lm-eval task scores
+    (baseline.tasks, quantkit.eval.tasks, per task limit)."""
+    from quantkit.eval import generate, scorers, tasks
+
+    flipping = [t for t in targets if t.gate.flip_prompts]
+    asked = [t for t in targets if t.gate.tasks]
+    if not flipping and not asked:
+        return
+    logits = scorers.base_logits(info, recipe.dtype, recipe.device, recipe.trust_remote_code, workdir)
+    if flipping:
+        count, steps = max(t.gate.flip_prompts for t in flipping), max(t.gate.flip_tokens for t in flipping)
+        progress(f"flips: the base's greedy continuations of {count} held-out prompts ({steps} tokens)")
+        with PeakTracker() as t:
+            baseline.flips = generate.base_flips(logits, windows, count, steps)
+        report.timings["baseline_flips_s"] = t.seconds
+    if asked:
+        progress(f"tasks: scoring the base on {len(gate_tasks(asked))} task(s)")
+        length, scores = tasks.max_context(info.config), {}
+        with PeakTracker() as t:
+            for limit in sorted({t.gate.task_limit for t in asked}, key=lambda n: n or 0):
+                same = [task for t in asked if t.gate.task_limit == limit for task in t.gate.tasks]
+                scores[limit] = tasks.base_scores(logits, tokenizer, length, same, limit)
+        report.timings["baseline_tasks_s"] = t.seconds
+        report.baseline["tasks"] = {f"{key} (limit {limit})": score.value for limit, by_key in scores.items()
+                                    for key, score in by_key.items()}
+        baseline.tasks = tasks.TaskBaseline(scores, tokenizer, length)
+
+
+def measure(job: QuantizeJob, resolved: ResolvedTarget, artifact: Path, baseline, entry: TargetReport,
+            opts: RunOptions) -> None:
+    """The artifact read back and measured against the base: the gate's metrics on the held-out
+    windows, its lm-eval tasks when the gate names some, and the verdict, into `entry`."""
+    from quantkit.eval import evaluate, generate, scorers
+
+    gate = resolved.gate
+    entry.metrics = scorers.evaluate_artifact(artifact, job.info.path, job.windows.eval, baseline,
+                                               job.device, job.trust_remote_code, job.workdir)
+    logits = None
+    if gate.flip_prompts or gate.tasks:
+        logits = scorers.artifact_logits(artifact, job.info.path, job.device, job.trust_remote_code, job.workdir)
+    if gate.flip_prompts:
+        job.progress(f"flips: greedy continuations of {gate.flip_prompts} held-out prompts")
+        entry.metrics.flips = generate.flips(logits, baseline.flips, gate.flip_prompts, gate.flip_tokens)
+    entry.gate = evaluate.gate_verdict(entry.metrics, gate, enforced=opts.enforce_gate and gate.enabled)
+    if gate.tasks:
+        from quantkit.eval import tasks
+
+        job.progress(f"tasks: scoring the artifact on {len(gate.tasks)} task(s)")
+        started = time.time()
+        base = baseline.tasks
+        results = tasks.score_tasks(logits, base.tokenizer, base.max_length, gate.tasks, gate.task_limit,
+                                    base.scores[gate.task_limit])
+        entry.tasks = [r.as_dict() for r in results]
+        entry.gate = evaluate.with_checks(entry.gate, tasks.task_checks(results))
+        entry.timings["tasks_s"] = round(entry.timings.get("tasks_s", 0.0) + time.time() - started, 3)
+
+
 def run_target(job: QuantizeJob, resolved: ResolvedTarget, baseline, opts: RunOptions) -> TargetReport:
     """Quantize one target into its staging dir, then reload it from disk and measure it."""
     opts.progress(f"[{resolved.name}] quantizing with {resolved.target.method}")
@@ -404,17 +485,12 @@ def run_target(job: QuantizeJob, resolved: ResolvedTarget, baseline, opts: RunOp
     if baseline is None:
         entry.details["serving"] = serving.artifact_plan(job.info, resolved.method, result.artifact)
         return entry
-    from quantkit.eval import evaluate, scorers
-
     opts.progress(f"[{resolved.name}] measuring the artifact against the base")
     with PeakTracker() as et:
-        entry.metrics = scorers.evaluate_artifact(result.artifact, job.info.path, job.windows.eval, baseline,
-                                                   job.device, job.trust_remote_code, job.workdir)
+        measure(job, resolved, result.artifact, baseline, entry, opts)
     entry.timings["eval_s"] = et.seconds
     entry.peak_rss_bytes = max(qt.peak_rss, et.peak_rss)
     entry.peak_rss_by_step["eval"] = et.peak_rss
-    entry.gate = evaluate.gate_verdict(entry.metrics, resolved.gate,
-                                       enforced=opts.enforce_gate and resolved.gate.enabled)
     if not entry.gate.passed and fallback_options(resolved) is not None:
         run_fallback(job, resolved, result, entry, baseline, opts)
     if entry.failed_enforced_gate:
@@ -446,13 +522,13 @@ def run_fallback(job: QuantizeJob, resolved: ResolvedTarget, result: QuantizeRes
     came out larger than the limit (the size model missed what the format adds) is undone: the last
     plan within the limit is written again. Every step, the final plan and the size cost go into
     entry.details["fallback"]; entry's metrics, gate and details become the last artifact's."""
-    from quantkit.eval import evaluate, scorers
     from quantkit.mixed.budget import raise_plan, size_limit, step_count
 
     method, options, started = resolved.method, fallback_options(resolved), time.time()
     first = export.artifact_bytes(result.artifact)
     limit = size_limit(options.max_size, first)
-    steps = [{"step": 0, "raised": {}, "bytes": first, "metrics": entry.metrics.as_dict(), "passed": False}]
+    steps = [{"step": 0, "raised": {}, "bytes": first, "metrics": entry.metrics.as_dict(), "passed": False,
+              **({"tasks": entry.tasks} if entry.tasks else {})}]
     job.progress(f"gate failed ({', '.join(entry.gate.failed)}): measuring which layers to raise first")
     ladder = method.fallback_ladder(job, result)
     details, plan, note = {**result.details, **ladder.details}, dict(ladder.plan), "passed"
@@ -470,13 +546,11 @@ def run_fallback(job: QuantizeJob, resolved: ResolvedTarget, result: QuantizeRes
             note = f"step {len(steps)} came to {size:,} bytes, over --max-size ({limit:,}): undone"
             result = method.requantize(job, plan, details)
             break
-        entry.metrics = scorers.evaluate_artifact(candidate.artifact, job.info.path, job.windows.eval, baseline,
-                                                   job.device, job.trust_remote_code, job.workdir)
-        entry.gate = evaluate.gate_verdict(entry.metrics, resolved.gate,
-                                           enforced=opts.enforce_gate and resolved.gate.enabled)
+        measure(job, resolved, candidate.artifact, baseline, entry, opts)
         plan, result = new, candidate
         steps.append({"step": len(steps), "raised": {n: f"{a}->{b}" for n, (a, b) in raised.items()}, "bytes": size,
-                      "metrics": entry.metrics.as_dict(), "passed": entry.gate.passed})
+                      "metrics": entry.metrics.as_dict(), "passed": entry.gate.passed,
+                      **({"tasks": entry.tasks} if entry.tasks else {})})
     job.progress(f"fallback: {note}" if not entry.gate.passed else f"fallback: gate passed after {len(steps) - 1} "
                  f"step(s), {steps[-1]['bytes'] - first:+,} bytes")
     final = steps[-1]["bytes"]

@@ -36,11 +36,44 @@ class Calibration(Strict):
     eval_windows: int = Field(16, ge=0, le=100_000, description="held-out windows for the quality gate")
 
 
+class TaskGate(Strict):
+    """One lm-evaluation-harness task in the gate (quantkit.eval.tasks): a task lm-eval knows by
+    name (its data in the local Hugging Face cache) or a task YAML file of lm-eval's format."""
+
+    name: str | None = Field(None, description="lm-eval task name (hellaswag, arc_easy, ...)")
+    file: str | None = Field(None, description="a task YAML (lm-eval's format; dataset_path: json, local data_files)")
+    metric: str | None = Field(None, description="the metric compared (default: the task's first, e.g. acc)")
+    min_recovery: float = Field(0.95, ge=0, description="artifact score / base score at least this")
+
+    @model_validator(mode="after")
+    def _name_or_file(self) -> "TaskGate":
+        if (self.name is None) == (self.file is None):
+            raise ValueError("give a task `name` or a task `file`, one of the two")
+        return self
+
+
 class Gate(Strict):
     enabled: bool = True
     max_ppl_increase: float | None = Field(None, ge=0, description="relative, 0.05 = +5%")
-    max_kld: float | None = Field(None, ge=0)
-    min_top1: float | None = Field(None, ge=0, le=1)
+    max_ppl_delta: float | None = Field(None, ge=0, description="absolute: artifact ppl - base ppl")
+    max_kld: float | None = Field(None, ge=0, description="mean KL divergence")
+    max_kld_median: float | None = Field(None, ge=0)
+    max_kld_p90: float | None = Field(None, ge=0)
+    max_kld_p99: float | None = Field(None, ge=0)
+    max_kld_max: float | None = Field(None, ge=0)
+    max_delta_p: float | None = Field(None, ge=0, le=1, description="mean |Δp| of the token that followed")
+    min_top1: float | None = Field(None, ge=0, le=1, description="same top-1 (llama.cpp's same top p)")
+    max_flips: float | None = Field(None, ge=0, le=1, description="share of greedy tokens after the first divergence")
+    flip_prompts: int = Field(0, ge=0, le=1024, description="held-out prompts generated greedily for `flips`")
+    flip_tokens: int = Field(16, ge=1, le=1024, description="tokens generated per prompt for `flips`")
+    tasks: list[TaskGate] = Field(default_factory=list, description="lm-eval tasks and their recovery rule")
+    task_limit: int | None = Field(None, ge=1, description="samples per task (lm-eval --limit); None: all")
+
+    @model_validator(mode="after")
+    def _flips_need_prompts(self) -> "Gate":
+        if self.max_flips is not None and self.flip_prompts == 0:
+            raise ValueError("max_flips needs generations: set flip_prompts (e.g. 8)")
+        return self
 
 
 # A VLM tower's weights in a target: 16-bit (the rule), or round-to-nearest W8A16 / W4A16 on request.
@@ -111,6 +144,16 @@ class Recipe(Strict):
         if duplicates:
             raise ValueError(f"target names must be unique; repeated: {', '.join(duplicates)}")
         return targets
+
+
+def cli_tasks(names: str | None, files: list[str], min_recovery: float | None = None) -> list[dict]:
+    """--tasks NAME[:METRIC][,...] and --task-file FILE as gate.tasks entries."""
+    extra = {} if min_recovery is None else {"min_recovery": min_recovery}
+    entries = []
+    for item in [n.strip() for n in (names or "").split(",") if n.strip()]:
+        name, _, metric = item.partition(":")
+        entries.append({"name": name, **({"metric": metric} if metric else {}), **extra})
+    return entries + [{"file": str(f), **extra} for f in files]
 
 
 def target_options(target: Target) -> BaseModel:
@@ -309,7 +352,10 @@ def apply_overrides(data: dict, o: Overrides) -> dict:
     if o.lora_weights:
         data["lora_weights"] = list(data.get("lora_weights") or []) + list(o.lora_weights)
     data["calibration"] = {**(data.get("calibration") or {}), **_given(o.calibration)}
-    data["gate"] = {**(data.get("gate") or {}), **_given(o.gate)}
+    gate = {**(data.get("gate") or {}), **_given({k: v for k, v in o.gate.items() if k != "tasks"})}
+    if o.gate.get("tasks"):  # appended to the recipe's tasks
+        gate["tasks"] = list(gate.get("tasks") or []) + list(o.gate["tasks"])
+    data["gate"] = gate
     if o.ignore:
         data["targets"] = [{**t, "ignore": list(t.get("ignore") or []) + list(o.ignore)}
                            for t in data.get("targets") or []]

@@ -49,6 +49,7 @@ class TargetReport:
     files: list[str] = field(default_factory=list)
     metrics: Metrics | None = None
     gate: GateResult | None = None
+    tasks: list[dict[str, Any]] = field(default_factory=list)  # quantkit.eval.tasks.TaskResult.as_dict() per task
     timings: dict[str, float] = field(default_factory=dict)
     peak_rss_bytes: int = 0  # the larger of the steps below
     peak_rss_by_step: dict[str, int] = field(default_factory=dict)  # "quantize", "eval"
@@ -127,6 +128,7 @@ def model_card(target: TargetReport, report: RunReport) -> str:
     lines += [f"# {Path(base_model).name} — {target.name} ({target.method})", ""]
     lines += [f"Quantized with quantkit {report.quantkit_version} from `{base_model}`.", ""]
     lines += gate_section(target.gate)
+    lines += tasks_section(target.tasks)
     lines += ["", "Kept in 16-bit: " + ", ".join(target.kept or ["(none)"]), ""]
     lines += [f"Chosen for this model: {option} {why}." for option, why in target.details.get("choices", {}).items()]
     lines += mixed_lines(target.details)
@@ -225,6 +227,23 @@ def gate_section(gate: GateResult | None) -> list[str]:
     for check in gate.checks:
         lines.append(f"| {check.name} | {check.value:.6g} | {threshold_text(check)} | {'yes' if check.passed else 'NO'} |")
     return lines
+
+
+def tasks_section(tasks: list[dict]) -> list[str]:
+    """Task accuracy of the artifact against the base (lm-evaluation-harness, offline data)."""
+    if not tasks:
+        return []
+    lines = ["", "## Task accuracy", "", "lm-evaluation-harness on local data; recovery = artifact / base.", "",
+             "| task | metric | samples | base | artifact | recovery | min | ok |", "|---|---|---|---|---|---|---|---|"]
+    for r in tasks:
+        lines.append(f"| {r['task']} | {r['metric']} | {r['samples']} | {stat_text(r['base'], r['base_stderr'])} | "
+                     f"{stat_text(r['score'], r['stderr'])} | {r['recovery']:.3f} | {r['min_recovery']:g} | "
+                     f"{'yes' if r['passed'] else 'NO'} |")
+    return lines
+
+
+def stat_text(value: float, stderr: float | None) -> str:
+    return f"{value:.4f}" + ("" if stderr is None else f" ± {stderr:.4f}")
 
 
 def threshold_text(check) -> str:
