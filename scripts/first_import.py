@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's 
 
 
 class FirstImport:
-    """A finder that finds nothing: it prints the importing stack of `module` and steps aside."""
+    """A finder that finds nothing (find_spec returns None): it prints the importing stack of `module` and steps aside."""
 
     def __init__(self, module: str, submodules: bool, out):
         self.module, self.submodules, self.out = module, submodules, out
@@ -35,7 +35,6 @@ class FirstImport:
             print("".join(traceback.format_list(frames)), file=self.out)
             if name == self.module and not self.submodules:
                 sys.meta_path.remove(self)
-        return None
 
     @staticmethod
     def really_importing() -> bool:

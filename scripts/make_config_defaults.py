@@ -66,9 +66,7 @@ def field_defaults(cls) -> dict:
 
 
 def family_entry(model_type: str) -> dict:
-    from transformers import CONFIG_MAPPING
-
-    from transformers import PreTrainedConfig
+    from transformers import CONFIG_MAPPING, PreTrainedConfig
 
     cls, base = CONFIG_MAPPING[model_type], field_defaults(PreTrainedConfig)
     fields = {k: v for k, v in field_defaults(cls).items() if k not in base or base[k] != v}
@@ -80,7 +78,6 @@ def family_entry(model_type: str) -> dict:
 
 def render() -> str:
     import transformers
-
     from transformers import PreTrainedConfig
 
     base = pprint.pformat(field_defaults(PreTrainedConfig), width=118, sort_dicts=True)

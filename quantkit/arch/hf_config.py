@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import copy
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from quantkit.arch.config_defaults import BASE, DEFAULTS
 

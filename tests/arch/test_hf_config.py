@@ -20,7 +20,7 @@ transformers = pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parents[2]
 # bookkeeping keys of to_dict(), not hyper-parameters (the converter reads none of them)
 IGNORED = {"transformers_version", "dtype", "id2label", "label2id", "_name_or_path", "output_attentions"}
-IDS = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+IDS = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
 
 
 def auto_config(config: dict) -> dict:
@@ -41,7 +41,7 @@ def comparable(config: dict) -> dict:
 def test_table_is_generated_from_installed_transformers():
     """scripts/make_config_defaults.py --check: the committed table equals a fresh generation."""
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / "make_config_defaults.py"), "--check"],
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, check=False)
     assert done.returncode == 0, "quantkit/arch/config_defaults.py is stale: run scripts/make_config_defaults.py"
 
 
