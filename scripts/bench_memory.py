@@ -14,13 +14,16 @@ locally with quantkit's toy BPE tokenizer. Each run is one process measured by /
   quantkit fp8 / gptq    `quantkit quantize --method fp8|gptq` with the same windows and gate, in RAM
                          and with --offload-dir (decoder layers on disk while llm-compressor works)
   quantkit gguf, bare    `--imatrix none --eval-windows 0` against llama.cpp's convert + llama-quantize
+  bare-transformers      the same quantkit run in an interpreter that first imported transformers'
+                         AutoConfig and AutoTokenizer (and so torch): what reading the configuration
+                         and tokenizer through transformers would cost
 
 Runs pass --no-gate: the gate is measured in full but not enforced (a random model's metrics mean
 nothing); the memory and time are those of a gated run. llama.cpp's text files are the decoded
 calibration / held-out windows, so both tools see the same text and the same number of tokens.
 
 Usage: nice python scripts/bench_memory.py [--work DIR] [--threads 2]
-       [--runs gguf,fp8,fp8-offload,gptq,gptq-offload,bare]
+       [--runs gguf,fp8,fp8-offload,gptq,gptq-offload,bare,bare-transformers]
        [--hidden 2048 --layers 8 --vocab 128256 --ffn 8192] [--model-dir DIR] [--calib 8 --eval 4 --seq-len 256] [--json out.json]
 Needs scripts/build_llamacpp.sh to have run for the llama.cpp rows (they are skipped otherwise).
 """
@@ -179,13 +182,24 @@ def run_all(args) -> dict:
         rows["quantkit gguf Q4_K_M, --imatrix none --eval-windows 0"] = timed_bare(model, work, args)
         if have_llama:
             rows["llama.cpp convert + llama-quantize"] = llama_bare(model, work, args)
+    if "bare-transformers" in runs:
+        rows["quantkit bare, transformers + torch imported"] = timed_bare(model, work, args, PRELOAD_TRANSFORMERS)
     return {"model": str(model), "model_bytes": model_bytes, "threads": args.threads, "calib": args.calib,
             "eval": args.eval, "seq_len": args.seq_len, "rows": rows}
 
 
-def timed_bare(model: Path, work: Path, args) -> dict:
-    out = work / "qk-bare"
-    cmd = [sys.executable, "-m", "quantkit", "quantize", str(model), "-o", str(out), "--overwrite", "--method",
+PRELOAD_TRANSFORMERS = """
+import runpy, sys
+from transformers import AutoConfig, AutoTokenizer  # noqa: F401  (imports torch)
+sys.argv = ["quantkit", *sys.argv[1:]]
+runpy.run_module("quantkit", run_name="__main__")
+"""
+
+
+def timed_bare(model: Path, work: Path, args, preload: str | None = None) -> dict:
+    out = work / ("qk-bare" if preload is None else "qk-bare-preloaded")
+    run = ["-m", "quantkit"] if preload is None else ["-c", preload]
+    cmd = [sys.executable, *run, "quantize", str(model), "-o", str(out), "--overwrite", "--method",
            "gguf", "--imatrix", "none", "--eval-windows", "0"]
     wall, rss = timed(cmd)
     return {"wall_s": wall, "peak_rss": rss}
@@ -206,7 +220,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "quantkit-bench-memory")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--runs", default="gguf,fp8,fp8-offload,gptq,gptq-offload,bare")
+    ap.add_argument("--runs", default="gguf,fp8,fp8-offload,gptq,gptq-offload,bare,bare-transformers")
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=128256)

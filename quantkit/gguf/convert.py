@@ -4,8 +4,8 @@ What convert_hf_to_gguf.py + llama-quantize do in two passes, in one: names thro
 TensorNameMap, Q/K rows permuted for the llama architecture (LlamaModel.permute), per-expert
 weights stacked into 3-D ffn_*_exps tensors (Mixtral, Qwen3-MoE), Gemma's norm weights + 1,
 generated tensors (llama3 RoPE's rope_freqs, Phi-3's LongRoPE factors), metadata as each
-converter class's set_gguf_parameters writes it (hyper-parameters read through transformers'
-AutoConfig, as the converter reads them), the tokenizer (quantkit.gguf.vocab), and every tensor
+converter class's set_gguf_parameters writes it (hyper-parameters as transformers' AutoConfig
+gives them to the converter, read without transformers by quantkit.arch.hf_config), the tokenizer (quantkit.gguf.vocab), and every tensor
 quantized to the type quantkit.gguf.mixture chooses (llama-quantize's rules).
 
 Per-architecture knowledge is the ARCHITECTURES table (ArchSpec). `arch_spec(config)` refuses,
@@ -152,18 +152,19 @@ def load_hparams(model_dir: Path) -> dict:
     omits, e.g. head_dim), config.json when transformers cannot read it; then text_hparams."""
     import json
 
-    try:
-        from transformers import AutoConfig
-
-        config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False, local_files_only=True).to_dict()
-    except (OSError, ValueError, KeyError):
-        config = json.loads((Path(model_dir) / "config.json").read_text())
-    return text_hparams(config)
+    config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+    return text_hparams(complete_config(config))
 
 
 def complete_config(config: dict) -> dict:
     """config.json's dict with transformers' defaults filled in (what AutoConfig.to_dict() gives
-    for the checkpoint; config.json may omit values equal to the defaults)."""
+    for the checkpoint; config.json may omit values equal to the defaults): read directly for the
+    families quantkit.arch.hf_config knows (no transformers, no torch), through transformers for
+    the others (a VLM's nested configurations)."""
+    from quantkit.arch import hf_config
+
+    if hf_config.known(config):
+        return hf_config.complete(config)
     from transformers import AutoConfig
 
     rest = {k: v for k, v in config.items() if k != "model_type"}

@@ -16,8 +16,9 @@ SentencePiece vocabularies carry the model's scores and types (UNKNOWN/CONTROL/U
 NORMAL), ids up to the config's vocab_size padded with "[PAD{i}]" (score -10000, UNUSED), added
 tokens scored -1000 and typed CONTROL/USER_DEFINED: llama.cpp's SentencePiece tokenizer works
 from those scores, so they are written exactly as the converter writes them.
-BPE vocabularies come from transformers' AutoTokenizer as the converter reads them (added tokens
-that are not normalized are encoded and decoded once; special ones CONTROL, others USER_DEFINED).
+BPE vocabularies are what transformers' AutoTokenizer gives the converter (added tokens that are
+not normalized are encoded and decoded once; special ones CONTROL, others USER_DEFINED), read
+through the tokenizers library alone where that is the same tokenizer (BPETokenizer).
 Special ids, add_bos/add_eos, merges and the chat template come from `SpecialVocab`, gguf-py's
 class with the newer rules of llama.cpp's own copy (post-processor flags win over
 tokenizer_config.json; normalizer flags), see quantkit.gguf.special_vocab.
@@ -238,11 +239,9 @@ def read_json(path: Path) -> dict:
 
 def add_bpe_vocab(writer, model_dir: Path, hparams: dict) -> VocabInfo:
     """TextModel._set_vocab_gpt2."""
-    from transformers import AutoTokenizer
-
     from quantkit.gguf.special_vocab import SpecialVocab
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    tokenizer = load_bpe_tokenizer(model_dir)
     tokens, types = bpe_tokens(tokenizer, hparams.get("vocab_size"))
     data = read_json(model_dir / "tokenizer.json")
     pre, source, warnings = pre_tokenizer_name(tokenizer, data)
@@ -252,6 +251,58 @@ def add_bpe_vocab(writer, model_dir: Path, hparams: dict) -> VocabInfo:
     writer.add_token_types(types)
     SpecialVocab(model_dir, load_merges=True).add_to_gguf(writer, quiet=True)
     return VocabInfo("gpt2", pre, len(tokens), source, warnings)
+
+
+def load_bpe_tokenizer(model_dir: Path):
+    """The tokenizer as AutoTokenizer gives it to the converter: read through the tokenizers
+    library alone (BPETokenizer) where that is the same, else through transformers."""
+    if BPETokenizer.applies(model_dir):
+        return BPETokenizer(model_dir)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+
+
+class BPETokenizer:
+    """What bpe_tokens and check_hash ask of AutoTokenizer's tokenizer, from tokenizer.json through
+    the tokenizers library (transformers imports torch; its fast tokenizer wraps this same object).
+
+    It applies where transformers adds nothing to tokenizer.json: a BPE model (transformers skips
+    its decode clean-up for BPE) and every added token and named special token of
+    tokenizer_config.json already an added token of tokenizer.json (transformers would add the
+    missing ones). tests/gguf/test_vocab_tokenizers.py compares it with AutoTokenizer."""
+
+    SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+
+    def __init__(self, model_dir: Path):
+        from tokenizers import Tokenizer
+
+        self.backend = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
+        self.vocab = self.backend.get_vocab(with_added_tokens=True)
+        self.added_tokens_decoder = self.backend.get_added_tokens_decoder()
+
+    @classmethod
+    def applies(cls, model_dir: Path) -> bool:
+        data = read_json(Path(model_dir) / "tokenizer.json")
+        if (data.get("model") or {}).get("type") != "BPE":
+            return False
+        added = {t.get("content") for t in data.get("added_tokens", [])}
+        config = read_json(Path(model_dir) / "tokenizer_config.json")
+        named = [config.get(key) for key in cls.SPECIAL_KEYS]
+        named = [t.get("content") if isinstance(t, dict) else t for t in named if t]
+        listed = [t.get("content") for t in (config.get("added_tokens_decoder") or {}).values()]
+        extra = config.get("additional_special_tokens") or config.get("extra_special_tokens") or []
+        extra = [t.get("content") if isinstance(t, dict) else t for t in extra] if isinstance(extra, list) else [None]
+        return all(t in added for t in [*named, *listed, *extra])
+
+    def get_added_vocab(self) -> dict[str, int]:
+        return {t.content: i for i, t in sorted(self.added_tokens_decoder.items())}
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.backend.decode(ids, skip_special_tokens=False)
 
 
 def bpe_tokens(tokenizer, vocab_size: int | None) -> tuple[list[str], list[int]]:
