@@ -19,6 +19,10 @@ Examples:
 
   quantkit quantize --recipe recipes/fp8-dynamic.yaml --model ./ckpt -o ./dist --json report.json
 
+  quantkit quantize ./my-model --method fp8 --scheme fp8-block -o ./fp8-block   (as DeepSeek-V3 / Qwen3 ship FP8)
+
+  quantkit quantize ./my-model --method nvfp4 -o ./nvfp4   (W4A4 NVFP4: Blackwell; --scheme a16 for weights only)
+
   quantkit quantize ./my-model --method gguf --gguf-type Q4_K_M -o ./gguf
 
   quantkit quantize ./my-model --method gguf --gguf-type Q4_K_M --auto-precision --fallback -o ./gguf
@@ -46,8 +50,8 @@ def quantize(
     model_opt: Optional[str] = typer.Option(None, "--model", help="Same as MODEL (handy in CI scripts)."),
     output: Path = typer.Option(..., "--output", "-o", help="Output directory (must not exist unless --overwrite)."),
     recipe: Optional[str] = typer.Option(None, "--recipe", "-r", help="Recipe YAML file or bundled recipe name."),
-    method: Optional[str] = typer.Option(None, "--method", "-m", help="fp8 | gptq | awq | autoround | smoothquant | nf4 | gguf"),
-    scheme: Optional[str] = typer.Option(None, help="Method scheme, e.g. fp8-dynamic | fp8-static."),
+    method: Optional[str] = typer.Option(None, "--method", "-m", help="fp8 | gptq | awq | autoround | smoothquant | nf4 | gguf | nvfp4"),
+    scheme: Optional[str] = typer.Option(None, help="Method scheme: fp8: fp8-dynamic | fp8-static | fp8-block (128x128 weight blocks); nvfp4: w4a4 (default) | a16 (weights only)."),
     bits: Optional[int] = typer.Option(None, help="Weight bits (gptq/awq/autoround)."),
     group_size: Optional[str] = typer.Option(None, help="gptq/awq/autoround group size: auto (default: the largest of 128, 64, 32 dividing every layer's input width) | N | -1 (per channel)."),
     act_order: Optional[str] = typer.Option(None, help="GPTQ activation order: none | static | group."),

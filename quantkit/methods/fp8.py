@@ -245,6 +245,19 @@ RUNTIMES = (
             "vLLM docs, features/quantization/fp8: Ampere runs FP8 checkpoints as W8A16 through FP8 Marlin"),
 )
 
+BLOCK_SOURCE = ("vLLM compressed_tensors W8A8Fp8 (block: CUTLASS blockwise on Hopper/Blackwell, Triton "
+                "w8a8_block_fp8_matmul on Ada) and W8A16Fp8 (Marlin FP8, block strategy, Ampere); shape rule: "
+                "fp8_utils.validate_fp8_block_shape")
+BLOCK_RUNTIMES = (
+    Runtime("vLLM: FP8 block W8A8 (CUTLASS blockwise / Triton)", ("cuda",), 8.9, BLOCK_SOURCE,
+            out_multiple=BLOCK, in_multiple=BLOCK),
+    Runtime("vLLM: FP8 Marlin block, weights only", ("cuda",), 8.0, BLOCK_SOURCE, out_multiple=BLOCK, in_multiple=BLOCK),
+)
+
+
+def runtimes(options: Options) -> tuple[Runtime, ...]:
+    return BLOCK_RUNTIMES if options.scheme == "fp8-block" else RUNTIMES
+
 
 METHOD = MethodSpec(
     quantizes_towers=True, name="fp8", engine=llmc.ENGINE, engine_package=llmc.ENGINE,
@@ -252,6 +265,6 @@ METHOD = MethodSpec(
     options=Options, quantize=quantize, precision=precision, default_gate=fixed_gate(DEFAULT_GATE),
     check=check, check_ignore=check_ignore, needs_calibration=needs_calibration, needs_model=needs_model, keeps_lm_head=keeps_lm_head,
     fallback_ladder=fallback_ladder, requantize=requantize, working_set=working_set, support=support,
-    runtimes=RUNTIMES,
+    runtimes=RUNTIMES, scheme_runtimes=runtimes,
 )
 

@@ -402,7 +402,7 @@ def run_target(job: QuantizeJob, resolved: ResolvedTarget, baseline, opts: RunOp
     if job.info.towers.components:
         entry.details["towers"] = (resolved.method.tower_proof or tower_proof)(job, result)
     if baseline is None:
-        entry.details["serving"] = serving.artifact_plan(job.info, resolved.method, result.artifact)
+        entry.details["serving"] = serving.artifact_plan(job.info, resolved.method, result.artifact, job.options)
         return entry
     from quantkit.eval import evaluate, scorers
 
@@ -419,7 +419,7 @@ def run_target(job: QuantizeJob, resolved: ResolvedTarget, baseline, opts: RunOp
         run_fallback(job, resolved, result, entry, baseline, opts)
     if entry.failed_enforced_gate:
         entry.status, entry.exit_code = "failed", GateFailedError.exit_code
-    entry.details["serving"] = serving.artifact_plan(job.info, resolved.method, result.artifact)
+    entry.details["serving"] = serving.artifact_plan(job.info, resolved.method, result.artifact, job.options)
     return entry
 
 
