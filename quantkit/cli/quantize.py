@@ -23,6 +23,8 @@ Examples:
 
   quantkit quantize ./my-model --method nvfp4 -o ./nvfp4   (W4A4 NVFP4: Blackwell; --scheme a16 for weights only)
 
+  quantkit quantize ./my-model --method fp8 --kv-cache fp8 -o ./fp8-kv   (FP8 KV cache with calibrated scales)
+
   quantkit quantize ./my-model --method gguf --gguf-type Q4_K_M -o ./gguf
 
   quantkit quantize ./my-model --method gguf --gguf-type Q4_K_M --auto-precision --fallback -o ./gguf
@@ -70,6 +72,7 @@ def quantize(
     batch_size: Optional[int] = typer.Option(None, help="AutoRound calibration windows per tuning step (default 8)."),
     double_quant: Optional[bool] = typer.Option(None, "--double-quant/--no-double-quant", help="NF4 double quantization."),
     compute_dtype: Optional[str] = typer.Option(None, help="NF4 compute dtype."),
+    kv_cache: Optional[str] = typer.Option(None, "--kv-cache", help="KV-cache precision stored in a compressed-tensors artifact (fp8, gptq, nvfp4): fp8 = calibrated per-layer FP8 k/v scales, served with vLLM's --kv-cache-dtype fp8; the gate reports the KV quantization's own KLD."),
     calib: Optional[str] = typer.Option(None, "--calib", help="Calibration source: bundled name, file, or hf:NAME."),
     calib_text_field: Optional[str] = typer.Option(None, "--calib-text-field", help="Field holding the text in .jsonl/.json/.parquet/hf: records (default: text)."),
     num_samples: Optional[int] = typer.Option(None, help="Calibration windows."),
@@ -121,7 +124,7 @@ def quantize(
                             backend=backend,
                             gguf_type=gguf_type, imatrix=imatrix, mmproj=mmproj, smoothing_strength=smoothing_strength,
                             double_quant=double_quant, compute_dtype=compute_dtype, preset=preset, iters=iters,
-                            batch_size=batch_size),
+                            batch_size=batch_size, kv_cache=kv_cache),
     )
     overrides.method_options.update(mixed_precision_options(auto_precision, budget_bpw, fallback, max_size))
     resolved = build_recipe(recipe, method, overrides)

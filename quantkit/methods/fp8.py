@@ -44,11 +44,12 @@ class Options(BaseModel):
     scheme: Literal["fp8-dynamic", "fp8-static", "fp8-block"] = "fp8-dynamic"
     quantize_lm_head: bool = False
     fallback: Fallback | None = None  # on a failed gate, keep the most damaging layers 16-bit (quantkit.mixed.budget)
+    kv_cache: llmc.KvCache = None  # fp8: calibrated per-layer FP8 k/v scales (llmc.kv_cache_scheme)
 
 
 def needs_calibration(options: Options) -> bool:
-    """fp8-static's activation scales, and a fallback's sensitivity pass."""
-    return options.scheme == "fp8-static" or options.fallback is not None
+    """fp8-static's activation scales, a KV-cache scheme's k/v scales, and a fallback's sensitivity pass."""
+    return options.scheme == "fp8-static" or options.kv_cache is not None or options.fallback is not None
 
 
 PRECISIONS = {"fp8-dynamic": "fp8-e4m3 W/channel A/token", "fp8-static": "fp8-e4m3 W/channel A/static",
@@ -57,7 +58,7 @@ PRECISIONS = {"fp8-dynamic": "fp8-e4m3 W/channel A/token", "fp8-static": "fp8-e4
 
 def precision(role: str, options: Options, name: str, shape: list[int]) -> str | None:
     if role in ("decoder", "other") or (role == "lm_head" and options.quantize_lm_head):
-        return PRECISIONS[options.scheme]
+        return PRECISIONS[options.scheme] + llmc.kv_suffix(options)
     return None
 
 
@@ -143,6 +144,8 @@ def path_blocker(info, options: Options) -> str | None:
         return "fp8-static calibrates activation scales on the loaded model"
     if options.scheme == "fp8-block":
         return "fp8-block's 128x128 weight blocks are quantized on the loaded model"
+    if options.kv_cache is not None:
+        return "the KV-cache scales are calibrated on the loaded model"
     return model_free.config_blocker(info, options.quantize_lm_head)
 
 
@@ -162,7 +165,8 @@ def support(family) -> str:
 def modifier(options: Options, ignore: list[str]):
     from llmcompressor.modifiers.quantization import QuantizationModifier
 
-    return QuantizationModifier(config_groups=scheme_config(options), ignore=ignore)
+    return QuantizationModifier(config_groups=scheme_config(options), ignore=ignore,
+                                kv_cache_scheme=llmc.kv_cache_scheme(options.kv_cache))
 
 
 def quantize(job: QuantizeJob) -> QuantizeResult:

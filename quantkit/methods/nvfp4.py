@@ -41,13 +41,12 @@ QUANTIZED_ROLES = ("decoder", "other")
 # FP4 weights cost more than int4 with GPTQ's error feedback; W4A4 adds the activations' rounding.
 GATES = {"a16": {"max_ppl_increase": 0.10, "max_kld": 0.10, "min_top1": 0.80},
          "w4a4": {"max_ppl_increase": 0.15, "max_kld": 0.15, "min_top1": 0.75}}
-KV_CACHE = ("fp8",)  # KV-cache precisions a compressed-tensors method may add (`kv_cache` option)
 
 
 class Options(BaseModel):
     model_config = ConfigDict(extra="forbid")
     scheme: Literal["w4a4", "a16"] = "w4a4"
-    kv_cache: Literal["fp8"] | None = None  # calibrated per-layer FP8 k/v scales (kv_cache_scheme)
+    kv_cache: llmc.KvCache = None  # fp8: calibrated per-layer FP8 k/v scales (llmc.kv_cache_scheme)
 
 
 def needs_calibration(options: Options) -> bool:
@@ -59,7 +58,7 @@ def precision(role: str, options: Options, name: str, shape: list[int]) -> str |
     if role not in QUANTIZED_ROLES:
         return None
     activations = "A/fp4 g16 (calibrated global scale)" if options.scheme == "w4a4" else "A16"
-    return f"nvfp4 W/g{GROUP} fp8 scales + global {activations}"
+    return f"nvfp4 W/g{GROUP} fp8 scales + global {activations}{llmc.kv_suffix(options)}"
 
 
 def default_gate(options: Options) -> dict[str, float]:
@@ -91,20 +90,12 @@ def check_dense(info, method: str) -> None:
                              hint="use fp8 or gptq for mixture-of-experts models")
 
 
-def kv_cache_scheme(kv_cache: str | None) -> dict | None:
-    """compressed-tensors' kv_cache_scheme of the `kv_cache` option: FP8 E4M3 k and v, one static scale
-    per layer for each, calibrated (vLLM reads k_scale / v_scale)."""
-    if kv_cache is None:
-        return None
-    return {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": "tensor"}
-
-
 def preset_modifier(preset: str, ignore: list[str], kv_cache: str | None):
     """llm-compressor's QuantizationModifier with a preset scheme over every Linear, as its examples write it."""
     from llmcompressor.modifiers.quantization import QuantizationModifier
 
     return QuantizationModifier(targets=["Linear"], scheme=preset, ignore=ignore,
-                                kv_cache_scheme=kv_cache_scheme(kv_cache))
+                                kv_cache_scheme=llmc.kv_cache_scheme(kv_cache))
 
 
 def quantize_preset(job: QuantizeJob, preset: str, calibrate: bool) -> QuantizeResult:

@@ -411,6 +411,11 @@ def run_target(job: QuantizeJob, resolved: ResolvedTarget, baseline, opts: RunOp
         entry.metrics = scorers.evaluate_artifact(result.artifact, job.info.path, job.windows.eval, baseline,
                                                    job.device, job.trust_remote_code, job.workdir)
     entry.timings["eval_s"] = et.seconds
+    if scorers.kv_cache_scheme(result.artifact):
+        opts.progress(f"[{resolved.name}] measuring the KV-cache quantization alone (same weights, KV 16-bit)")
+        kv = scorers.kv_only_metrics(result.artifact, job.windows.eval, job.device, job.trust_remote_code)
+        entry.details["kv_cache"] = {"scheme": scorers.kv_cache_scheme(result.artifact), "kld_mean": kv.kld_mean,
+                                     "kld_p99": kv.kld_p99, "top1": kv.top1, "ppl_increase": kv.ppl_increase}
     entry.peak_rss_bytes = max(qt.peak_rss, et.peak_rss)
     entry.peak_rss_by_step["eval"] = et.peak_rss
     entry.gate = evaluate.gate_verdict(entry.metrics, resolved.gate,
