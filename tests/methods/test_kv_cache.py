@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from tests.methods.conftest import CALIB_ARGS, assert_same_as_llmcompressor, preset_artifact, quant_config, report, stored_tensors
+from tests.methods.conftest import (
+    CALIB_ARGS,
+    assert_same_as_llmcompressor,
+    preset_artifact,
+    quant_config,
+    report,
+    stored_tensors,
+)
 
 
 def test_fp8_kv_cache_is_llmcompressors_kv_cache_scheme(cli, micro_model, tmp_path):
