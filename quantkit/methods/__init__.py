@@ -1,6 +1,6 @@
 """The method contract, and the static name -> module map through which methods are imported lazily.
 
-Each method module (fp8, gptq, awq, autoround, smoothquant, nf4, gguf, nvfp4) ends with one declaration,
+Each method module (fp8, gptq, awq, autoround, smoothquant, nf4, gguf, nvfp4, mxfp4) ends with one declaration,
 
     METHOD = MethodSpec(name=..., engine=..., engine_package=..., format=..., options=Options,
                         quantize=quantize, precision=precision, default_gate=..., ...)
@@ -64,6 +64,7 @@ METHODS: dict[str, str] = {
     "nf4": "quantkit.methods.nf4",
     "gguf": "quantkit.methods.gguf",
     "nvfp4": "quantkit.methods.nvfp4",
+    "mxfp4": "quantkit.methods.mxfp4",
 }
 
 GateDefaults = dict[str, float]  # Gate field -> threshold, e.g. {"max_kld": 0.01}

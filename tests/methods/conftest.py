@@ -109,6 +109,20 @@ def assert_beats_rtn(cli, model: Path, tmp_path: Path, method: str, rtn_scheme: 
     assert mean_kld_vs_base(out, model) < mean_kld_vs_base(rtn, model)
 
 
+@pytest.fixture
+def width_72_model(micro_model, tmp_path):
+    """An untrained Llama whose hidden width 72 the group of 16 does not divide."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(micro_model)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=72, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, head_dim=36)
+    out = tmp_path / "w72"
+    LlamaForCausalLM(config).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
 def preset_artifact(model: Path, scheme: str, out: Path, kv_cache_scheme: dict | None = None,
                     windows: int = 0) -> Path:
     """Bare llm-compressor: one QuantizationModifier with a preset scheme (and a KV-cache scheme) over every
@@ -125,8 +139,8 @@ def preset_artifact(model: Path, scheme: str, out: Path, kv_cache_scheme: dict |
         from datasets import Dataset
 
         ids = torch.randint(0, 500, (windows, 64), generator=torch.Generator().manual_seed(0))
-        data = dict(dataset=Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": [[1] * 64] * windows}),
-                    num_calibration_samples=windows, max_seq_length=64, pipeline="sequential")
+        data = {"dataset": Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": [[1] * 64] * windows}),
+                "num_calibration_samples": windows, "max_seq_length": 64, "pipeline": "sequential"}
     oneshot(model=loaded, recipe=QuantizationModifier(targets="Linear", scheme=scheme, ignore=["lm_head"],
                                                       kv_cache_scheme=kv_cache_scheme), **data)
     loaded.save_pretrained(out, save_compressed=True)

@@ -99,3 +99,4 @@ def test_stored_bits_per_method():
     assert gguf.type_bits("Q8_0") == 8.5 and gguf.type_bits("Q4_K_M") == 4.5
     assert gguf.METHOD.stored_bits(gguf.Options(gguf_type="Q4_K_M")) > 4.5
     assert get_method("nvfp4").stored_bits(None) == 4.5  # fp4 values and an fp8 scale per 16
+    assert get_method("mxfp4").stored_bits(None) == 4.25  # fp4 values and an e8m0 scale per 32

@@ -39,7 +39,7 @@ def test_kv_cache_is_refused_where_the_format_has_no_kv_scheme(cli, micro_model,
     assert result.exit_code == 2 and "--kv-cache does not apply to method nf4" in result.output
 
 
-@pytest.mark.parametrize("method", ["fp8", "gptq", "nvfp4"])
+@pytest.mark.parametrize("method", ["fp8", "gptq", "nvfp4", "mxfp4"])
 def test_the_plan_names_the_kv_cache(method):
     from quantkit.methods import get_method
 

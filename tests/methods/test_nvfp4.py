@@ -73,20 +73,6 @@ def test_nvfp4_a16_is_llmcompressors_nvfp4a16(cli, micro_model, tmp_path):
     assert "input_global_scale" not in " ".join(stored_tensors(out))
 
 
-@pytest.fixture
-def width_72_model(micro_model, tmp_path):
-    """An untrained Llama whose hidden width 72 the group of 16 does not divide."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    tokenizer = AutoTokenizer.from_pretrained(micro_model)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=72, intermediate_size=128, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=2, head_dim=36)
-    out = tmp_path / "w72"
-    LlamaForCausalLM(config).save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
-
-
 def test_a_width_the_group_does_not_divide_is_refused_by_name(cli, width_72_model, tmp_path):
     out = tmp_path / "nvfp4"
     result = cli("quantize", width_72_model, "--method", "nvfp4", "--scheme", "a16", "-o", out)
