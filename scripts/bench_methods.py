@@ -35,6 +35,8 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the worker children import this checkout's quantkit
+
 METHODS = ("gptq", "awq", "smoothquant", "nf4")  # the default; autoround is opt-in (minutes per run)
 # method -> {variant: llm-compressor preset scheme (None: not applicable)}
 PRESETS = {
@@ -210,6 +212,8 @@ def run(args) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="bench-methods-") as tmp:
         for method in args.methods.split(","):
             for variant in variants(method, args.extras):
+                if args.variants and variant not in args.variants.split(","):
+                    continue
                 rows.append(bench_variant(args.model, method, variant, args, Path(tmp), windows, baseline))
                 print(format_row(rows[-1]), file=sys.stderr, flush=True)
     return rows
@@ -239,6 +243,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--eval-windows", type=int, default=16)
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--json", dest="json_path", default=None)
+    parser.add_argument("--variants", default=None, help="only these variants, e.g. quantkit-nogate,oneshot")
     parser.add_argument("--extras", action="store_true", help="also gptq --asymmetric and autoround's light preset")
     return parser.parse_args(argv)
 
