@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Benchmark quantkit's gptq / awq / autoround / smoothquant / nf4 against bare peers, in one run.
+"""Benchmark quantkit's methods and schemes against bare peers doing the same work, in one run.
 
     python scripts/bench_methods.py MODEL [--num-samples 32] [--seq-len 128] [--eval-windows 16]
                                           [--methods gptq,awq,smoothquant,nf4] [--json out.json]
@@ -21,6 +21,9 @@ With --extras, also quantkit's other settings of the same format: gptq --symmetr
 W4A16 preset does), autoround's light preset. autoround's bare run is llm-compressor's
 AutoRoundModifier with its defaults (200 iterations, batch 8) or --iters, torch.compile off on every
 side (on CPU it compiles longer than it tunes). --variants keeps only the named variants.
+The compressed-tensors schemes fp8-block, nvfp4, nvfp4-a16, mxfp4 and fp8-kv (fp8-dynamic with --kv-cache
+fp8) run against bare `oneshot` with llm-compressor's preset (FP8_BLOCK, NVFP4, NVFP4A16, MXFP4A16,
+FP8_DYNAMIC + the same kv_cache_scheme), calibrated only where quantkit calibrates.
 Each variant runs in its own child process: wall time and peak RSS (wait4) are the child's.
 Every artifact is then reloaded from disk and scored by the same evaluator against one
 baseline on the same held-out windows, so quality numbers are comparable across rows.
@@ -37,6 +40,8 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the worker children import this checkout's quantkit
+
 METHODS = ("gptq", "awq", "smoothquant", "nf4")  # the default; autoround is opt-in (minutes per run)
 # method -> {variant: llm-compressor preset scheme (None: not applicable)}
 PRESETS = {
@@ -45,7 +50,18 @@ PRESETS = {
     "smoothquant": {"oneshot": "W8A8", "rtn": "W8A8"},
     "nf4": {"oneshot": "bnb-nf4", "rtn": None},
     "autoround": {"oneshot": "W4A16", "rtn": "W4A16"},
+    "fp8-block": {"oneshot": "FP8_BLOCK", "rtn": None},
+    "nvfp4": {"oneshot": "NVFP4", "rtn": None},
+    "nvfp4-a16": {"oneshot": "NVFP4A16", "rtn": None},
+    "mxfp4": {"oneshot": "MXFP4A16", "rtn": None},
+    "fp8-kv": {"oneshot": "FP8_DYNAMIC", "rtn": None},
 }
+# bench entry -> quantkit flags, where the entry is a scheme rather than a method's default
+QUANTKIT_FLAGS = {"fp8-block": ["--method", "fp8", "--scheme", "fp8-block"],
+                  "nvfp4-a16": ["--method", "nvfp4", "--scheme", "a16"],
+                  "fp8-kv": ["--method", "fp8", "--kv-cache", "fp8"]}
+PRESET_ONLY = ("fp8-block", "nvfp4", "nvfp4-a16", "mxfp4", "fp8-kv")  # one QuantizationModifier with the preset
+DATA_FREE = ("fp8-block", "nvfp4-a16", "mxfp4")  # presets that need no calibration data
 # method -> {quantkit variant: extra flags} (--extras)
 EXTRAS = {"gptq": {"quantkit-sym": ["--symmetric"]}, "autoround": {"quantkit-light": ["--preset", "light"]}}
 W4A16 = ("gptq", "autoround")  # methods whose bare preset is W4A16 (built at the model's group size)
@@ -88,6 +104,11 @@ def oneshot_recipe(method: str, variant: str, model_dir: str, args) -> list:
     from llmcompressor.modifiers.transform.smoothquant import SmoothQuantModifier
 
     scheme = PRESETS[method][variant]
+    if method in PRESET_ONLY:
+        from quantkit.engines.llmcompressor.llmc import kv_cache_scheme
+
+        return [QuantizationModifier(targets="Linear", scheme=scheme, ignore=["lm_head"],
+                                     kv_cache_scheme=kv_cache_scheme("fp8" if method == "fp8-kv" else None))]
     given = {"config_groups": w4a16_groups(model_dir)} if method in W4A16 else {"targets": "Linear", "scheme": scheme}
     if variant == "rtn":
         return [QuantizationModifier(**given, ignore=["lm_head"])]
@@ -111,7 +132,7 @@ def worker_llmcompressor(model_dir: str, out: str, method: str, variant: str, ar
 
     tokenizer, windows = windows_for(model_dir, args)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto")
-    data = {} if variant == "rtn" else dict(dataset=windows.calib_dataset(), num_calibration_samples=len(windows.calib),
+    data = {} if variant == "rtn" or method in DATA_FREE else dict(dataset=windows.calib_dataset(), num_calibration_samples=len(windows.calib),
                                             max_seq_length=args.seq_len)
     # AWQ cannot run on a CPU-only machine without this (llm-compressor 0.14.0.1 pins memory).
     with cpu_pin_memory_guard():
@@ -182,8 +203,8 @@ def variant_command(model: str, out: Path, method: str, variant: str, args) -> l
     if variant.startswith("quantkit"):
         # quantkit-nogate: --eval-windows 0, the same work as the bare engine (for the overhead ratio)
         flags = calib_flags(args)[:-1] + ["0"] if variant == "quantkit-nogate" else calib_flags(args)
-        return [sys.executable, "-m", "quantkit", "quantize", model, "--method", method, "--no-gate",
-                *flags, *EXTRAS.get(method, {}).get(variant, []), *iters_flags(method, variant, args),
+        return [sys.executable, "-m", "quantkit", "quantize", model, *QUANTKIT_FLAGS.get(method, ["--method", method]),
+                "--no-gate", *flags, *EXTRAS.get(method, {}).get(variant, []), *iters_flags(method, variant, args),
                 "-o", str(out), "--json", str(out) + ".report.json"]
     kind = {"nf4": "bnb"}.get(method, "autoround-lib" if variant == "autoround-lib" else "llmc")
     return [sys.executable, __file__, "--worker", kind, model, str(out), method, variant, model, *calib_flags(args)]
@@ -213,6 +234,10 @@ def bench_variant(model: str, method: str, variant: str, args, work: Path, windo
     if variant.startswith("quantkit"):
         report = json.loads(Path(str(out) + ".report.json").read_text())
         row["quantize_s"] = report["targets"][0]["timings"]["quantize_s"]
+        kv = report["targets"][0]["details"].get("kv_cache")
+        if kv:
+            row["kv_only_kld"] = kv["kld_mean"]
+    row["bytes"] = sum(p.stat().st_size for p in out.glob("*.safetensors"))
     return {**row, **score(out, model, windows, baseline)}
 
 
@@ -244,8 +269,8 @@ def run(args) -> list[dict]:
 # ---------------------------------------------------------------- output
 
 
-HEADER = ("| method | tool | wall s | quantize s | peak RSS MiB | ppl (base) | ppl | Δppl | KLD mean | top-1 |\n"
-          "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+HEADER = ("| method | tool | wall s | quantize s | peak RSS MiB | weights MB | ppl (base) | ppl | Δppl | KLD mean | top-1 |\n"
+          "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 
 
 def format_row(r: dict) -> str:
@@ -253,7 +278,7 @@ def format_row(r: dict) -> str:
         failed = f"failed (exit {r['exit_code']})"
         return f"| {r['method']} | {r['variant']} | {r['wall_s']} | | {r['peak_rss_mib']} | {failed} |"
     return (f"| {r['method']} | {r['variant']} | {r['wall_s']:.1f} | {r.get('quantize_s', '')} | {r['peak_rss_mib']} "
-            f"| {r['ppl_base']:.3f} | {r['ppl']:.3f} | {100 * r['ppl_increase']:+.2f}% | {r['kld_mean']:.5f} "
+            f"| {r['bytes'] / 1e6:.2f} | {r['ppl_base']:.3f} | {r['ppl']:.3f} | {100 * r['ppl_increase']:+.2f}% | {r['kld_mean']:.5f} "
             f"| {100 * r['top1']:.2f}% |")
 
 

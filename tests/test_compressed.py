@@ -3,7 +3,8 @@ the artifact loaded whole through transformers (quantkit.eval.artifacts.load_for
 quantization included.
 
 Artifacts are written by quantkit itself from the session's micro Llama: fp8 dynamic (W8A8 float,
-per-token activations), fp8 static (a stored input_scale), gptq W4A16 (packed int4), gptq asymmetric
+per-token activations), fp8 static (a stored input_scale), fp8 block (128x128 weight blocks, activations
+per token and group of 128), gptq W4A16 (packed int4), gptq asymmetric
 (packed zero points) and smoothquant W8A8 (int8 weights, per-token int8 activations).
 """
 
@@ -25,11 +26,12 @@ CALIB = ["--num-samples", "16", "--seq-len", "64"]
 ARTIFACTS = {
     "fp8": ["--method", "fp8"],
     "fp8-static": ["--method", "fp8", "--scheme", "fp8-static", *CALIB],
+    "fp8-block": ["--method", "fp8", "--scheme", "fp8-block"],
     "gptq": ["--method", "gptq", *CALIB],
     "gptq-asym": ["--method", "gptq", "--asymmetric", *CALIB],
     "smoothquant": ["--method", "smoothquant", *CALIB],
 }
-ACTIVATIONS_QUANTIZED = {"fp8", "fp8-static", "smoothquant"}
+ACTIVATIONS_QUANTIZED = {"fp8", "fp8-static", "fp8-block", "smoothquant"}
 SLOW = {"fp8-static", "gptq-asym"}  # a second scheme of the same compressor (stored input_scale, packed zero points)
 
 
@@ -83,7 +85,7 @@ def test_streamed_gate_equals_the_loaded_artifact(name, built, micro_model, wind
     assert loaded.kld_mean > 0
 
 
-@pytest.mark.parametrize("name", ["fp8", "smoothquant", "gptq"])
+@pytest.mark.parametrize("name", ["fp8", "fp8-block", "smoothquant", "gptq"])
 def test_activation_quantization_is_part_of_the_streamed_forward(name, built, windows, baseline, monkeypatch):
     """With the input quantization switched off, W8A8 artifacts measure differently (the loaded
     artifact quantizes activations, so the streamed forward must); a weight-only artifact does not."""
@@ -105,7 +107,7 @@ def test_activation_quantization_is_part_of_the_streamed_forward(name, built, wi
         assert_same_metrics(streamed, dequantized)
 
 
-@pytest.mark.parametrize("name", names("fp8", "gptq", "gptq-asym", "smoothquant"))
+@pytest.mark.parametrize("name", names("fp8", "fp8-block", "gptq", "gptq-asym", "smoothquant"))
 def test_weights_are_compressed_tensors_own_decompression(name, built):
     """A quantized module's weight equals the one transformers' loading decompresses it to, in the
     Hugging Face shape; unquantized tensors are the stored ones."""

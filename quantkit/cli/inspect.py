@@ -75,12 +75,14 @@ def _target(method: str, recipe: str | None, ignore: list[str]):
 
 def plan_data(info, method, options, ignore: list[str], context: int, towers: dict[str, str] | None = None) -> dict:
     from quantkit.arch.vlm import tower_summary
+    from quantkit.methods import runtimes_for
     from quantkit.run.plan import MEMORY_NOTE, build_plan, ignore_patterns, memory_estimate, role_summary
 
     towers = {role: value for role, value in (towers or {}).items() if value != "keep"}
     options, choices = method.resolve(info, options)
     patterns = ignore_patterns(info, ignore, method.keeps_lm_head(options), tuple(towers))
     entries = build_plan(info, method, options, patterns, towers)
+    runtimes = runtimes_for(method, options)
     return {
         "model": str(info.path),
         "architecture": info.architecture,
@@ -93,10 +95,20 @@ def plan_data(info, method, options, ignore: list[str], context: int, towers: di
         "ignore": patterns,
         "towers": tower_summary(info.towers) if info.towers.components else None,
         "roles": role_summary(entries),
-        "modules": [{"name": e.name, "role": e.role, "shape": e.shape, "precision": e.precision} for e in entries],
+        "modules": [{"name": e.name, "role": e.role, "shape": e.shape, "precision": e.precision, "kept": e.kept,
+                     "kernels": [] if e.kept else kernels(runtimes, e.shape)} for e in entries],
+        "runtimes": [{"name": r.name, "kinds": list(r.kinds), "min_capability": r.min_capability,
+                      "widths": [r.out_multiple, r.in_multiple], "source": r.source} for r in runtimes],
         "memory": memory_estimate(info, entries, context),
         "memory_note": MEMORY_NOTE.format(context=context),
     }
+
+
+def kernels(runtimes, shape: list[int]) -> list[str]:
+    """The method's runtimes whose kernel takes a Linear of this [out, in] shape, with the compute
+    capability each needs on CUDA (quantkit.methods.Runtime: its shape multiples and source)."""
+    return [f"{r.name} (sm {r.min_capability:g}+)" if "cuda" in r.kinds else r.name
+            for r in runtimes if r.accepts(shape)]
 
 
 def run_estimates(info, model: str, method: str, recipe: str | None, offload_dir: str | None = None) -> dict:
@@ -121,14 +133,15 @@ def run_estimates(info, model: str, method: str, recipe: str | None, offload_dir
             "peak_vram_bytes": vram.peak, "vram_steps": vram.steps, "disk_bytes": disk.total}
 
 
-def collapse(modules: list[dict]) -> list[tuple[str, str, str, int]]:
-    """Group decoder modules over layer indices: (name pattern, shape, precision, count)."""
-    groups: dict[tuple[str, str, str], list[int]] = {}
+def collapse(modules: list[dict]) -> list[tuple[str, str, str, str, int]]:
+    """Group decoder modules over layer indices: (name pattern, shape, precision, kernels, count)."""
+    groups: dict[tuple[str, str, str, str], list[int]] = {}
     for m in modules:
         pattern = LAYER_INDEX.sub(".{i}.", m["name"], count=1)
-        key = (pattern, "x".join(map(str, m["shape"])), m["precision"])
+        kernel_names = "—" if m.get("kept") else "; ".join(m.get("kernels") or []) or "none"
+        key = (pattern, "x".join(map(str, m["shape"])), m["precision"], kernel_names)
         groups.setdefault(key, []).append(1)
-    return [(k[0], k[1], k[2], len(v)) for k, v in groups.items()]
+    return [(*k, len(v)) for k, v in groups.items()]
 
 
 def print_plan(data: dict) -> None:
@@ -169,11 +182,12 @@ def _roles_table(data: dict) -> Table:
 
 
 def _modules_table(data: dict) -> Table:
-    table = Table(title="linear modules ({i} = every decoder layer index)", title_justify="left")
-    for column in ("module", "shape", "count", "precision"):
+    table = Table(title="linear modules ({i} = every decoder layer index); kernels: the runtimes whose kernels "
+                  "take the layer's widths, with the compute capability they need", title_justify="left")
+    for column in ("module", "shape", "count", "precision", "kernels"):
         table.add_column(column, overflow="fold")
-    for name, shape, precision, count in collapse(data["modules"]):
-        table.add_row(name, shape, str(count), precision)
+    for name, shape, precision, kernel_names, count in collapse(data["modules"]):
+        table.add_row(name, shape, str(count), precision, kernel_names)
     return table
 
 

@@ -19,6 +19,12 @@ Examples:
 
   quantkit quantize --recipe recipes/fp8-dynamic.yaml --model ./ckpt -o ./dist --json report.json
 
+  quantkit quantize ./my-model --method fp8 --scheme fp8-block -o ./fp8-block   (as DeepSeek-V3 / Qwen3 ship FP8)
+
+  quantkit quantize ./my-model --method nvfp4 -o ./nvfp4   (W4A4 NVFP4: Blackwell; --scheme a16 for weights only)
+
+  quantkit quantize ./my-model --method fp8 --kv-cache fp8 -o ./fp8-kv   (FP8 KV cache with calibrated scales)
+
   quantkit quantize ./my-model --method gguf --gguf-type Q4_K_M -o ./gguf
 
   quantkit quantize ./my-model --method gguf --gguf-type Q4_K_M --auto-precision --fallback -o ./gguf
@@ -48,8 +54,8 @@ def quantize(
     model_opt: Optional[str] = typer.Option(None, "--model", help="Same as MODEL (handy in CI scripts)."),
     output: Path = typer.Option(..., "--output", "-o", help="Output directory (must not exist unless --overwrite)."),
     recipe: Optional[str] = typer.Option(None, "--recipe", "-r", help="Recipe YAML file or bundled recipe name."),
-    method: Optional[str] = typer.Option(None, "--method", "-m", help="fp8 | gptq | awq | autoround | smoothquant | nf4 | gguf"),
-    scheme: Optional[str] = typer.Option(None, help="Method scheme, e.g. fp8-dynamic | fp8-static."),
+    method: Optional[str] = typer.Option(None, "--method", "-m", help="fp8 | gptq | awq | autoround | smoothquant | nf4 | gguf | nvfp4 | mxfp4"),
+    scheme: Optional[str] = typer.Option(None, help="Method scheme: fp8: fp8-dynamic | fp8-static | fp8-block (128x128 weight blocks); nvfp4: w4a4 (default) | a16 (weights only)."),
     bits: Optional[int] = typer.Option(None, help="Weight bits (gptq/awq/autoround)."),
     group_size: Optional[str] = typer.Option(None, help="gptq/awq/autoround group size: auto (default: the largest of 128, 64, 32 dividing every layer's input width) | N | -1 (per channel)."),
     act_order: Optional[str] = typer.Option(None, help="GPTQ activation order: none | static | group."),
@@ -68,6 +74,7 @@ def quantize(
     batch_size: Optional[int] = typer.Option(None, help="AutoRound calibration windows per tuning step (default 8)."),
     double_quant: Optional[bool] = typer.Option(None, "--double-quant/--no-double-quant", help="NF4 double quantization."),
     compute_dtype: Optional[str] = typer.Option(None, help="NF4 compute dtype."),
+    kv_cache: Optional[str] = typer.Option(None, "--kv-cache", help="KV-cache precision stored in a compressed-tensors artifact (fp8, gptq, nvfp4, mxfp4): fp8 = calibrated per-layer FP8 k/v scales, served with vLLM's --kv-cache-dtype fp8; the gate reports the KV quantization's own KLD."),
     calib: Optional[str] = typer.Option(None, "--calib", help="Calibration source: bundled name, file, or hf:NAME."),
     calib_text_field: Optional[str] = typer.Option(None, "--calib-text-field", help="Field holding the text in .jsonl/.json/.parquet/hf: records (default: text)."),
     num_samples: Optional[int] = typer.Option(None, help="Calibration windows."),
@@ -125,7 +132,7 @@ def quantize(
                             backend=backend,
                             gguf_type=gguf_type, imatrix=imatrix, mmproj=mmproj, smoothing_strength=smoothing_strength,
                             double_quant=double_quant, compute_dtype=compute_dtype, preset=preset, iters=iters,
-                            batch_size=batch_size),
+                            batch_size=batch_size, kv_cache=kv_cache),
     )
     overrides.method_options.update(mixed_precision_options(auto_precision, budget_bpw, fallback, max_size))
     resolved = build_recipe(recipe, method, overrides)

@@ -164,3 +164,42 @@ def base_logits(info, dtype: str = "auto", device: str = "cpu", trust_remote_cod
 
 def streamed_logits_fn(streamed, workdir: Path | None) -> LogitsFn:
     return lambda ids: streamed_logits(streamed, ids, workdir)
+
+
+# ------------------------------------------------------------------ the KV cache's own damage
+
+
+def kv_cache_scheme(artifact: Path) -> dict | None:
+    """The compressed-tensors kv_cache_scheme of an artifact's config.json, None without one."""
+    import json
+
+    config_file = Path(artifact) / "config.json"
+    if not config_file.is_file():
+        return None
+    return (json.loads(config_file.read_text()).get("quantization_config") or {}).get("kv_cache_scheme")
+
+
+def kv_attention_modules(model) -> list:
+    """The attention modules whose keys and values compressed-tensors quantizes (they hold k_scale)."""
+    return [module for module in model.modules() if hasattr(module, "k_scale") and hasattr(module, "v_scale")]
+
+
+def kv_only_metrics(artifact: Path, windows, device: str = "cpu", trust_remote_code: bool = False) -> Metrics:
+    """The KV-cache quantization's own damage: the artifact loaded whole through transformers, measured
+    against itself with the KV quantization switched off (the same weights and activations). The keys
+    and values are fake-quantized by compressed-tensors' own forward (QuantizedKVCache with the stored
+    k_scale / v_scale), as vLLM's fp8 KV cache stores them."""
+    from quantkit.errors import InternalError
+    from quantkit.eval.artifacts import load_for_eval
+    from quantkit.eval.evaluate import compute_baseline
+
+    model = load_for_eval(artifact, None, device, trust_remote_code)
+    attention = kv_attention_modules(model)
+    if not attention:
+        raise InternalError(f"{artifact}: a kv_cache_scheme but no attention module with k_scale/v_scale")
+    for module in attention:
+        module.quantization_enabled = False
+    without = compute_baseline(model_scorer(model), windows)
+    for module in attention:
+        module.quantization_enabled = True
+    return compare(model_scorer(model), windows, without)

@@ -1,6 +1,6 @@
 """The method contract, and the static name -> module map through which methods are imported lazily.
 
-Each method module (fp8, gptq, awq, autoround, smoothquant, nf4, gguf) ends with one declaration,
+Each method module (fp8, gptq, awq, autoround, smoothquant, nf4, gguf, nvfp4, mxfp4) ends with one declaration,
 
     METHOD = MethodSpec(name=..., engine=..., engine_package=..., format=..., options=Options,
                         quantize=quantize, precision=precision, default_gate=..., ...)
@@ -31,6 +31,7 @@ defaults for the optional ones in one place. Who calls what:
   tower_proof        pipeline.tower_proof                         proving a VLM artifact's towers (gguf: its mmproj)
   precision_bits     run.serving                                  bits of one plan entry's precision (gguf: its ggml type)
   runtimes           run.serving (quantkit plan, model cards)     which runtime and kernel serve the artifact, where
+  scheme_runtimes    runtimes_for (cli.inspect, run.serving)      the runtimes of one scheme of the method
   serve_command      run.serving                                  the command line that serves the artifact
   quantize           pipeline.run_target                          writing the artifact into a staging dir
 """
@@ -62,6 +63,8 @@ METHODS: dict[str, str] = {
     "smoothquant": "quantkit.methods.smoothquant",
     "nf4": "quantkit.methods.nf4",
     "gguf": "quantkit.methods.gguf",
+    "nvfp4": "quantkit.methods.nvfp4",
+    "mxfp4": "quantkit.methods.mxfp4",
 }
 
 GateDefaults = dict[str, float]  # Gate field -> threshold, e.g. {"max_kld": 0.01}
@@ -197,15 +200,22 @@ def _supports_every_family(family: Family) -> str:
 @dataclass(frozen=True)
 class Runtime:
     """One way to serve a method's artifact: the runtime and its kernel, the device kinds it runs on
-    ("cuda", "apple", "cpu"), the CUDA compute capability the kernel needs, and where that is stated."""
+    ("cuda", "apple", "cpu"), the CUDA compute capability the kernel needs, where that is stated, and the
+    widths of a Linear ([out, in]) the kernel takes: multiples of out_multiple and in_multiple."""
 
     name: str
     kinds: tuple[str, ...]
     min_capability: float = 0.0
     source: str = ""
+    out_multiple: int = 1
+    in_multiple: int = 1
 
     def serves(self, kind: str, capability: float = 0.0) -> bool:
         return kind in self.kinds and (kind != "cuda" or capability >= self.min_capability)
+
+    def accepts(self, shape: list[int]) -> bool:
+        """Whether the kernel takes a Linear of this [out, in] shape."""
+        return shape[0] % self.out_multiple == 0 and shape[1] % self.in_multiple == 0
 
 
 def vllm_serve(path: str) -> str:
@@ -269,7 +279,15 @@ class MethodSpec:
     # included; None: stored_bits(options) for every quantized entry
     precision_bits: Callable[[BaseModel, str], float] | None = None
     runtimes: tuple[Runtime, ...] = ()  # in order of preference: the first that runs on a device serves there
+    # scheme_runtimes(options) -> the runtimes of the options' scheme (a weight-only scheme has fewer
+    # kernels); None: `runtimes` for every scheme. Read through `runtimes_for`.
+    scheme_runtimes: Callable[[BaseModel], tuple[Runtime, ...]] | None = None
     serve_command: Callable[[str], str] = vllm_serve  # serve_command(artifact path) -> a command line
+
+
+def runtimes_for(method: MethodSpec, options: BaseModel) -> tuple[Runtime, ...]:
+    """The runtimes that serve the method's artifact with these options (its scheme's)."""
+    return method.scheme_runtimes(options) if method.scheme_runtimes else method.runtimes
 
 
 def fixed_gate(thresholds: GateDefaults) -> Callable[[BaseModel], GateDefaults]:

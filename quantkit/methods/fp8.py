@@ -2,6 +2,10 @@
 
 fp8-dynamic: per-channel weight scales, dynamic per-token activation scales; needs no data.
 fp8-static:  per-channel weight scales, one static activation scale per tensor from calibration.
+fp8-block:   one weight scale per 128x128 block, dynamic activation scales per token and group of 128
+             (llm-compressor's FP8_BLOCK preset, as DeepSeek-V3 and Qwen3 ship FP8); needs no data.
+             vLLM's block kernels need every quantized layer's widths divisible by 128
+             (`block_shape_problem`): a layer that is not is refused before any work, by name.
 
 Two paths, one output. fp8-dynamic needs no forward, so it runs model-free where that is exact
 (quantkit.engines.llmcompressor.model_free: the checkpoint read a slab of one weight at a time, the model never
@@ -25,33 +29,42 @@ from pydantic import BaseModel, ConfigDict
 
 from quantkit.arch import moe
 from quantkit.engines.llmcompressor import llmc, model_free
+from quantkit.errors import UnsupportedError
 from quantkit.methods import MethodSpec, ModelHandle, QuantizeJob, QuantizeResult, Runtime, fixed_gate
 from quantkit.mixed import layers as intmix
 from quantkit.mixed.budget import Fallback
 
+BLOCK = 128  # fp8-block: the weight block (rows and columns) and activation group of FP8_BLOCK and of vLLM's block kernels
 # FP8 E4M3 is near-lossless on trained models: hold it to a tight gate.
 DEFAULT_GATE = {"max_ppl_increase": 0.02, "max_kld": 0.01, "min_top1": 0.95}
 
 
 class Options(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    scheme: Literal["fp8-dynamic", "fp8-static"] = "fp8-dynamic"
+    scheme: Literal["fp8-dynamic", "fp8-static", "fp8-block"] = "fp8-dynamic"
     quantize_lm_head: bool = False
     fallback: Fallback | None = None  # on a failed gate, keep the most damaging layers 16-bit (quantkit.mixed.budget)
+    kv_cache: llmc.KvCache = None  # fp8: calibrated per-layer FP8 k/v scales (llmc.kv_cache_scheme)
 
 
 def needs_calibration(options: Options) -> bool:
-    """fp8-static's activation scales, and a fallback's sensitivity pass."""
-    return options.scheme == "fp8-static" or options.fallback is not None
+    """fp8-static's activation scales, a KV-cache scheme's k/v scales, and a fallback's sensitivity pass."""
+    return options.scheme == "fp8-static" or options.kv_cache is not None or options.fallback is not None
+
+
+PRECISIONS = {"fp8-dynamic": "fp8-e4m3 W/channel A/token", "fp8-static": "fp8-e4m3 W/channel A/static",
+              "fp8-block": f"fp8-e4m3 W/block{BLOCK}x{BLOCK} A/token-group{BLOCK}"}
 
 
 def precision(role: str, options: Options, name: str, shape: list[int]) -> str | None:
     if role in ("decoder", "other") or (role == "lm_head" and options.quantize_lm_head):
-        return "fp8-e4m3 W/channel A/token" if options.scheme == "fp8-dynamic" else "fp8-e4m3 W/channel A/static"
+        return PRECISIONS[options.scheme] + llmc.kv_suffix(options)
     return None
 
 
 def scheme_config(options: Options) -> dict:
+    if options.scheme == "fp8-block":
+        return block_scheme_config()
     activations = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True, "strategy": "token"}
     if options.scheme == "fp8-static":
         activations = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False,
@@ -60,10 +73,55 @@ def scheme_config(options: Options) -> dict:
     return {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": activations}}
 
 
+# ---------------------------------------------------------------- fp8-block
+
+
+def block_scheme_config() -> dict:
+    """llm-compressor's FP8_BLOCK preset (compressed-tensors 0.19) as config groups: fp8 weights with one
+    scale per 128x128 block, fp8 input activations with a dynamic scale per token and group of 128."""
+    weights = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": "block",
+               "block_structure": [BLOCK, BLOCK]}
+    activations = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True, "strategy": "group",
+                   "group_size": BLOCK}
+    return {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": activations}}
+
+
+def block_shape_problem(name: str, shape: list[int]) -> str | None:
+    """Why vLLM's FP8 block kernels cannot serve this Linear ([out, in]), None when they can: the output
+    width of each fused part (q/k/v, gate/up) must be a multiple of the 128-row block, and the input
+    width a multiple of the 128-column block and activation group (vLLM fp8_utils.validate_fp8_block_shape,
+    per-token-group activation quantization)."""
+    out, width = shape
+    bad = [f"{label} {size}" for label, size in (("output width", out), ("input width", width)) if size % BLOCK]
+    return f"{name}: {' and '.join(bad)} not a multiple of {BLOCK}" if bad else None
+
+
+def check_ignore(info, options: Options, ignore: list[str]) -> None:
+    """Before any work (fp8-block): every Linear the target quantizes, the run's ignore list left out,
+    has widths vLLM's block kernels take; the first that has not is refused by name."""
+    if options.scheme != "fp8-block":
+        return
+    roles = ("decoder", "other", "lm_head") if options.quantize_lm_head else ("decoder", "other")
+    for name, shape in intmix.quantized_layers(info, ignore, roles).items():
+        problem = block_shape_problem(name, list(shape))
+        if problem:
+            raise UnsupportedError(f"fp8-block: {problem} (vLLM's FP8 block kernels need both)",
+                                   hint=f"keep it 16-bit with --ignore {name}, or use --scheme fp8-dynamic")
+
+
+# What a scheme would store per MoE expert that transformers cannot reload into fused experts (not tried:
+# refused until a test shows the reload)
+EXPERT_PROBLEMS = {"fp8-static": "fp8-static stores a static activation scale per expert",
+                   "fp8-block": "fp8-block stores 128x128 block scales per expert"}
+
+
 def check(info, options: Options, calibration) -> None:
     moe.check_supported(info, "fp8")
-    moe.check_expert_storage(info, "fp8", "fp8-static stores a static activation scale per expert"
-                             if options.scheme == "fp8-static" else None, hint="use scheme fp8-dynamic")
+    moe.check_expert_storage(info, "fp8", EXPERT_PROBLEMS.get(options.scheme), hint="use scheme fp8-dynamic")
+    if options.fallback is not None and options.scheme == "fp8-block":
+        raise UnsupportedError("fp8: --fallback is not available with fp8-block yet (its sensitivity simulation "
+                               "covers per-channel weights only)", hint="use --scheme fp8-dynamic with --fallback, "
+                               "or keep layers 16-bit with --ignore")
     if options.fallback is not None:
         from quantkit.mixed.budget import check_max_size
 
@@ -82,8 +140,12 @@ TOWERS_BLOCKER = "towers quantized on request go through oneshot"
 
 def path_blocker(info, options: Options) -> str | None:
     """Why this target needs the model loaded (the oneshot path); None: the model-free path."""
-    if options.scheme != "fp8-dynamic":
+    if options.scheme == "fp8-static":
         return "fp8-static calibrates activation scales on the loaded model"
+    if options.scheme == "fp8-block":
+        return "fp8-block's 128x128 weight blocks are quantized on the loaded model"
+    if options.kv_cache is not None:
+        return "the KV-cache scales are calibrated on the loaded model"
     return model_free.config_blocker(info, options.quantize_lm_head)
 
 
@@ -97,13 +159,14 @@ def working_set(info, options: Options) -> int:
 
 
 def support(family) -> str:
-    return family.decoder_support("✅ fp8-dynamic (fp8-static refused)")
+    return family.decoder_support("✅ fp8-dynamic (fp8-static, fp8-block refused)")
 
 
 def modifier(options: Options, ignore: list[str]):
     from llmcompressor.modifiers.quantization import QuantizationModifier
 
-    return QuantizationModifier(config_groups=scheme_config(options), ignore=ignore)
+    return QuantizationModifier(config_groups=scheme_config(options), ignore=ignore,
+                                kv_cache_scheme=llmc.kv_cache_scheme(options.kv_cache))
 
 
 def quantize(job: QuantizeJob) -> QuantizeResult:
@@ -186,13 +249,26 @@ RUNTIMES = (
             "vLLM docs, features/quantization/fp8: Ampere runs FP8 checkpoints as W8A16 through FP8 Marlin"),
 )
 
+BLOCK_SOURCE = ("vLLM compressed_tensors W8A8Fp8 (block: CUTLASS blockwise on Hopper/Blackwell, Triton "
+                "w8a8_block_fp8_matmul on Ada) and W8A16Fp8 (Marlin FP8, block strategy, Ampere); shape rule: "
+                "fp8_utils.validate_fp8_block_shape")
+BLOCK_RUNTIMES = (
+    Runtime("vLLM: FP8 block W8A8 (CUTLASS blockwise / Triton)", ("cuda",), 8.9, BLOCK_SOURCE,
+            out_multiple=BLOCK, in_multiple=BLOCK),
+    Runtime("vLLM: FP8 Marlin block, weights only", ("cuda",), 8.0, BLOCK_SOURCE, out_multiple=BLOCK, in_multiple=BLOCK),
+)
+
+
+def runtimes(options: Options) -> tuple[Runtime, ...]:
+    return BLOCK_RUNTIMES if options.scheme == "fp8-block" else RUNTIMES
+
 
 METHOD = MethodSpec(
     quantizes_towers=True, name="fp8", engine=llmc.ENGINE, engine_package=llmc.ENGINE,
     format="compressed-tensors (float-quantized, float8_e4m3fn)",
     options=Options, quantize=quantize, precision=precision, default_gate=fixed_gate(DEFAULT_GATE),
-    check=check, needs_calibration=needs_calibration, needs_model=needs_model, keeps_lm_head=keeps_lm_head,
+    check=check, check_ignore=check_ignore, needs_calibration=needs_calibration, needs_model=needs_model, keeps_lm_head=keeps_lm_head,
     fallback_ladder=fallback_ladder, requantize=requantize, working_set=working_set, support=support,
-    runtimes=RUNTIMES,
+    runtimes=RUNTIMES, scheme_runtimes=runtimes,
 )
 

@@ -161,6 +161,7 @@ class Options(BaseModel):
     block_size: int = 128
     auto_precision: AutoPrecision | None = None  # per-layer int4/int8/16-bit (quantkit.mixed.layers)
     fallback: Fallback | None = None  # on a failed gate, raise the most damaging layers' precision (quantkit.mixed.budget)
+    kv_cache: llmc.KvCache = None  # fp8: calibrated per-layer FP8 k/v scales (llmc.kv_cache_scheme)
 
 
 def needs_calibration(options: Options) -> bool:
@@ -176,7 +177,8 @@ def precision(role: str, options: Options, name: str, shape: list[int]) -> str |
         return None
     sym = "sym" if options.symmetric else "asym"
     order = "" if options.act_order == "none" else f", act-order {options.act_order}"
-    return f"int{options.bits} {granularity(options.group_size)} {sym} (GPTQ{order}{mixed_suffix(options)})"
+    return (f"int{options.bits} {granularity(options.group_size)} {sym} (GPTQ{order}{mixed_suffix(options)})"
+            + llmc.kv_suffix(options))
 
 
 # ---------------------------------------------------------------- checks (shared)
@@ -348,6 +350,7 @@ def modifier(options: Options, ignore: list[str], config_groups: dict | None = N
         actorder=None if options.act_order == "none" else options.act_order,
         dampening_frac=options.dampening,
         block_size=options.block_size,
+        kv_cache_scheme=llmc.kv_cache_scheme(getattr(options, "kv_cache", None)),
     )
 
 

@@ -483,19 +483,24 @@ def run_target(job: QuantizeJob, resolved: ResolvedTarget, baseline, opts: RunOp
     if job.info.towers.components:
         entry.details["towers"] = (resolved.method.tower_proof or tower_proof)(job, result)
     if baseline is None:
-        entry.details["serving"] = serving.artifact_plan(job.info, resolved.method, result.artifact)
+        entry.details["serving"] = serving.artifact_plan(job.info, resolved.method, result.artifact, job.options)
         return entry
     opts.progress(f"[{resolved.name}] measuring the artifact against the base")
     with PeakTracker() as et:
         measure(job, resolved, result.artifact, baseline, entry, opts)
     entry.timings["eval_s"] = et.seconds
+    if scorers.kv_cache_scheme(result.artifact):
+        opts.progress(f"[{resolved.name}] measuring the KV-cache quantization alone (same weights, KV 16-bit)")
+        kv = scorers.kv_only_metrics(result.artifact, job.windows.eval, job.device, job.trust_remote_code)
+        entry.details["kv_cache"] = {"scheme": scorers.kv_cache_scheme(result.artifact), "kld_mean": kv.kld_mean,
+                                     "kld_p99": kv.kld_p99, "top1": kv.top1, "ppl_increase": kv.ppl_increase}
     entry.peak_rss_bytes = max(qt.peak_rss, et.peak_rss)
     entry.peak_rss_by_step["eval"] = et.peak_rss
     if not entry.gate.passed and fallback_options(resolved) is not None:
         run_fallback(job, resolved, result, entry, baseline, opts)
     if entry.failed_enforced_gate:
         entry.status, entry.exit_code = "failed", GateFailedError.exit_code
-    entry.details["serving"] = serving.artifact_plan(job.info, resolved.method, result.artifact)
+    entry.details["serving"] = serving.artifact_plan(job.info, resolved.method, result.artifact, job.options)
     return entry
 
 

@@ -30,6 +30,7 @@ FORMAT_BITS = {
     "FP8 (E4M3, per-channel)": 8.0,
     "INT8 (per-channel)": 8.0,
     "INT4 (group 128)": 4.125,
+    "NVFP4 (group 16, fp8 scales)": 4.5,
     "NF4 (double quant)": 4.127,
     "GGUF Q4_K_M": 4.85,
 }

@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass
 
 from quantkit.errors import InputError
-from quantkit.methods import METHODS, MethodSpec, Runtime, get_method
+from quantkit.methods import METHODS, MethodSpec, Runtime, get_method, runtimes_for
 
 OVERHEAD = 0.10  # activations, buffers and allocator slack on top of weights + KV (as quantkit inspect's estimate)
 KV_SHARE = 0.40  # below this share of the usable memory left for the KV cache, batching has little room
@@ -47,7 +47,7 @@ def apple(name: str, gigabytes: float) -> Device:
 DEVICES = {d.name: d for d in (
     cuda("B200", 180, 10.0), cuda("H200", 141, 9.0), cuda("H100", 80, 9.0), cuda("A100-80G", 80, 8.0),
     cuda("A100-40G", 40, 8.0), cuda("L40S", 48, 8.9), cuda("A10G", 24, 8.6), cuda("L4", 24, 8.9),
-    cuda("RTX4090", 24, 8.9), cuda("RTX3090", 24, 8.6), cuda("T4", 16, 7.5), cuda("V100-32G", 32, 7.0),
+    cuda("RTX4090", 24, 8.9), cuda("RTX5090", 32, 12.0), cuda("RTX3090", 24, 8.6), cuda("T4", 16, 7.5), cuda("V100-32G", 32, 7.0),
     apple("M2-Ultra-192G", 192), apple("M4-Max-128G", 128), apple("M3-Max-64G", 64), apple("M3-Pro-36G", 36),
     apple("M2-16G", 16),
 )}
@@ -193,7 +193,7 @@ def serving_plan(info, devices: list[Device], context: int, batch: int, kv_cache
         options, _choices = method.resolve(info, method.options())
         weights = weight_bytes(info, method, options)
         rows.append(FormatPlan(name, method.format, weights,
-                               [fit(weights, per_token, tokens, method.runtimes, d) for d in devices],
+                               [fit(weights, per_token, tokens, runtimes_for(method, options), d) for d in devices],
                                method.serve_command("OUT")))
     return {"model": str(info.path), "context": context, "batch": batch, "kv_cache": kv_cache,
             "kv_bytes_per_token": per_token, "overhead": OVERHEAD, "kv_share": KV_SHARE,
@@ -208,9 +208,10 @@ CARD_DEVICES = ("H100", "A100-80G", "L40S", "L4", "RTX4090", "M3-Max-64G")
 CARD_CONTEXT = 4096
 
 
-def artifact_plan(info, method: MethodSpec, artifact) -> dict:
+def artifact_plan(info, method: MethodSpec, artifact, options=None) -> dict:
     """A written artifact's line of the plan for its model card: its bytes on disk with an fp16 KV cache of
-    CARD_CONTEXT tokens on the CARD_DEVICES, and the command that serves it from its directory."""
+    CARD_CONTEXT tokens on the CARD_DEVICES (served by the runtimes of its `options`' scheme), and the
+    command that serves it from its directory."""
     from pathlib import Path
 
     from quantkit.io.export import artifact_bytes
@@ -218,7 +219,8 @@ def artifact_plan(info, method: MethodSpec, artifact) -> dict:
     artifact = Path(artifact)
     weights = artifact_bytes(artifact)
     per_token = kv_bytes_per_token(info.config)
-    fits = [fit(weights, per_token, CARD_CONTEXT, method.runtimes, DEVICES[name]) for name in CARD_DEVICES]
+    runtimes = runtimes_for(method, options) if options is not None else method.runtimes
+    fits = [fit(weights, per_token, CARD_CONTEXT, runtimes, DEVICES[name]) for name in CARD_DEVICES]
     return {"weights_bytes": weights, "context": CARD_CONTEXT, "kv_cache_bytes": per_token * CARD_CONTEXT,
             "devices": {f.device: {"verdict": f.verdict, "runtime": f.runtime} for f in fits},
             "serve": method.serve_command(artifact.name if artifact.is_file() else ".")}

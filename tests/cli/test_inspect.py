@@ -53,3 +53,29 @@ def test_inspect_with_recipe_and_ignore(cli, micro_model):
 def test_inspect_bad_model(cli, tmp_path):
     result = cli("inspect", tmp_path)
     assert result.exit_code == 2 and "no config.json" in result.stderr
+
+
+def test_inspect_names_the_kernels_that_take_each_layer(cli, micro_model):
+    """From the method's runtimes table (quantkit.methods.Runtime): nvfp4 W4A4 layers on the Blackwell FP4 kernels
+    and Marlin FP4; a16 on Marlin FP4 only; a kept layer on none."""
+    data = json.loads(cli("inspect", micro_model, "--method", "nvfp4", "--json", "-").stdout)
+    layers = {m["name"]: m for m in data["modules"]}
+    assert layers["model.layers.0.mlp.down_proj"]["kernels"] == [
+        "vLLM: NVFP4 W4A4 (CUTLASS FP4) (sm 10+)", "vLLM: Marlin FP4, weights only (sm 7.5+)"]
+    assert layers["lm_head"]["kernels"] == [] and layers["lm_head"]["kept"]
+    assert all(r["source"] for r in data["runtimes"]) and "NVFP4 (group 16, fp8 scales)" in data["memory"]
+    from quantkit.cli.inspect import kernels
+    from quantkit.methods import nvfp4
+
+    assert kernels(nvfp4.runtimes(nvfp4.Options(scheme="a16")), [256, 512]) == ["vLLM: Marlin FP4, weights only (sm 7.5+)"]
+    assert kernels(nvfp4.RUNTIMES, [96, 256]) == ["vLLM: NVFP4 W4A4 (CUTLASS FP4) (sm 10+)"]  # Marlin: out % 64
+
+
+def test_inspect_drops_a_kernel_whose_tiles_do_not_fit(odd_model, cli):
+    """fp8-block on hidden 192: the block kernels take no layer reading the hidden state (128 does not divide it)."""
+    data = json.loads(cli("inspect", odd_model, "--method", "fp8", "--json", "-").stdout)
+    assert all(m["kernels"] for m in data["modules"] if not m["kept"])  # per-channel fp8: every width
+    from quantkit.cli.inspect import kernels
+    from quantkit.methods import fp8
+
+    assert kernels(fp8.BLOCK_RUNTIMES, [256, 192]) == [] and len(kernels(fp8.BLOCK_RUNTIMES, [256, 128])) == 2

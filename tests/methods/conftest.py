@@ -107,3 +107,74 @@ def assert_beats_rtn(cli, model: Path, tmp_path: Path, method: str, rtn_scheme: 
     assert result.exit_code == 0, result.output  # the default gate holds
     rtn = rtn_artifact(model, rtn_scheme, tmp_path / "rtn")
     assert mean_kld_vs_base(out, model) < mean_kld_vs_base(rtn, model)
+
+
+@pytest.fixture
+def width_72_model(micro_model, tmp_path):
+    """An untrained Llama whose hidden width 72 the group of 16 does not divide."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(micro_model)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=72, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, head_dim=36)
+    out = tmp_path / "w72"
+    LlamaForCausalLM(config).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def preset_artifact(model: Path, scheme: str, out: Path, kv_cache_scheme: dict | None = None,
+                    windows: int = 0) -> Path:
+    """Bare llm-compressor: one QuantizationModifier with a preset scheme (and a KV-cache scheme) over every
+    Linear but lm_head, saved compressed: what quantkit's output for the same recipe is compared with.
+    `windows` > 0 calibrates on that many random 64-token windows (activation and KV scales)."""
+    import torch
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(model, dtype="auto")
+    data = {}
+    if windows:
+        from datasets import Dataset
+
+        ids = torch.randint(0, 500, (windows, 64), generator=torch.Generator().manual_seed(0))
+        data = {"dataset": Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": [[1] * 64] * windows}),
+                "num_calibration_samples": windows, "max_seq_length": 64, "pipeline": "sequential"}
+    oneshot(model=loaded, recipe=QuantizationModifier(targets="Linear", scheme=scheme, ignore=["lm_head"],
+                                                      kv_cache_scheme=kv_cache_scheme), **data)
+    loaded.save_pretrained(out, save_compressed=True)
+    return out
+
+
+def stored_tensors(out: Path) -> dict[str, tuple[str, list[int]]]:
+    """Every stored tensor's name -> (safetensors dtype, shape), over all shards."""
+    from safetensors import safe_open
+
+    found = {}
+    for shard in sorted(out.glob("*.safetensors")):
+        with safe_open(shard, "pt") as f:
+            for key in f.keys():
+                found[key] = (f.get_slice(key).get_dtype(), list(f.get_slice(key).get_shape()))
+    return found
+
+
+def assert_same_as_llmcompressor(ours: Path, bare: Path, equal_values: tuple[str, ...] = ()) -> None:
+    """quantkit's artifact against bare llm-compressor's for the same recipe: quantization_config key for key
+    (the ignore list may hold more: quantkit adds module names and patterns for transformers), the same
+    tensors with the same dtypes and shapes, and those whose names end with `equal_values` bit for bit."""
+    from safetensors.torch import load_file
+
+    mine, theirs = quant_config(ours), quant_config(bare)
+    assert set(theirs["ignore"]) <= set(mine["ignore"])
+    assert {k: v for k, v in mine.items() if k != "ignore"} == {k: v for k, v in theirs.items() if k != "ignore"}
+    assert stored_tensors(ours) == stored_tensors(bare)
+    a, b = load_file(next(ours.glob("*.safetensors"))), load_file(next(bare.glob("*.safetensors")))
+    for key in [k for k in b if k.endswith(equal_values)]:
+        assert a[key].view(-1).view(torch_uint8()).equal(b[key].view(-1).view(torch_uint8())), key
+
+
+def torch_uint8():
+    import torch
+
+    return torch.uint8

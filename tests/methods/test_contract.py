@@ -27,8 +27,10 @@ def test_method_declares_the_contract(name):
             assert isinstance(value, str) and value, member.name
         elif member.name in ("supports_ignore", "quantizes_towers", "distributed"):
             assert isinstance(value, bool)
-        elif member.name in ("tower_proof", "precision_bits"):
+        elif member.name in ("tower_proof", "precision_bits", "scheme_runtimes"):
             assert value is None or callable(value)
+        elif member.name in ("fallback_ladder", "requantize"):  # exactly the methods with a `fallback` option
+            assert callable(value) if "fallback" in spec.options.model_fields else value is None, member.name
         elif member.name == "runtimes":
             assert value and all(isinstance(r, Runtime) and r.source for r in value)
         elif member.name != "options":
@@ -67,6 +69,9 @@ def test_calibration_needs_are_declared():
     assert not gguf.needs_calibration(gguf.options(gguf_type="Q8_0"))
     for name in ("gptq", "awq", "smoothquant"):
         assert get_method(name).needs_calibration(get_method(name).options())
+    nvfp4 = get_method("nvfp4")
+    assert nvfp4.needs_calibration(nvfp4.options()) and not nvfp4.needs_calibration(nvfp4.options(scheme="a16"))
+    assert nvfp4.needs_calibration(nvfp4.options(scheme="a16", kv_cache="fp8"))
     Calibration(num_samples=0)  # allowed: methods that need windows refuse it in the pipeline
 
 
@@ -93,3 +98,5 @@ def test_stored_bits_per_method():
     assert nf4.METHOD.stored_bits(nf4.Options()) < 4.2 and nf4.METHOD.stored_bits(nf4.Options(scheme="int8")) == 8
     assert gguf.type_bits("Q8_0") == 8.5 and gguf.type_bits("Q4_K_M") == 4.5
     assert gguf.METHOD.stored_bits(gguf.Options(gguf_type="Q4_K_M")) > 4.5
+    assert get_method("nvfp4").stored_bits(None) == 4.5  # fp4 values and an fp8 scale per 16
+    assert get_method("mxfp4").stored_bits(None) == 4.25  # fp4 values and an e8m0 scale per 32

@@ -5,13 +5,28 @@ from __future__ import annotations
 import json
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Literal
 
 from quantkit.engines.patches import plain_writes
 from quantkit.io.shards import SHARD_BYTES
 
 ENGINE = "llmcompressor"
 FORMAT = "compressed-tensors"
+KvCache = Literal["fp8"] | None  # a method's `kv_cache` option: the KV cache's precision in the artifact
+
+
+def kv_cache_scheme(kv_cache: str | None) -> dict | None:
+    """compressed-tensors' kv_cache_scheme of a `kv_cache` option: fp8 = FP8 E4M3 keys and values with one
+    static scale per attention layer for each, calibrated on the windows (vLLM reads k_scale / v_scale
+    with --kv-cache-dtype fp8); None: no KV-cache quantization."""
+    if kv_cache is None:
+        return None
+    return {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": "tensor"}
+
+
+def kv_suffix(options) -> str:
+    """The precision plan's words for a `kv_cache` option."""
+    return " + KV fp8 (calibrated per layer)" if getattr(options, "kv_cache", None) else ""
 
 
 def run_oneshot(job, recipe, calibrate: bool, reads_weights_only: bool = False) -> None:

@@ -1,0 +1,78 @@
+"""MXFP4 weights (W4A16) through llm-compressor's MXFP4A16 preset, saved as compressed-tensors
+`mxfp4-pack-quantized`.
+
+MXFP4 (OCP microscaling): FP4 E2M1 values in groups of 32, each group with a power-of-two E8M0 scale
+(one byte), no global scale: 4.25 bits per weight. Weight-only; needs no data. vLLM serves it with its
+W4A16 MXFP4 scheme through the Marlin FP4 kernel (Turing 7.5 and newer); the activations stay 16-bit.
+compressed-tensors 0.19 also has a W4A4 MXFP4 preset, which vLLM runs by emulation only (dequantizing
+to 16-bit) on NVIDIA GPUs: not offered.
+
+Kernel shape rules, checked before any work (naming the layer): every quantized layer's input width a
+multiple of the group of 32; Marlin's tiles (output width a multiple of 64, input of 128) are shown per
+layer by `quantkit inspect`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from quantkit.engines.llmcompressor import llmc
+from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, Runtime, fixed_gate, nvfp4
+
+GROUP = 32  # one E8M0 scale per 32 weights
+PRESETS = {"a16": "MXFP4A16"}
+# power-of-two scales round more coarsely than NVFP4's fp8 ones: the gate of a 4-bit weight-only method
+DEFAULT_GATE = {"max_ppl_increase": 0.12, "max_kld": 0.12, "min_top1": 0.78}
+
+
+class Options(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    scheme: Literal["a16"] = "a16"
+    kv_cache: llmc.KvCache = None  # fp8: calibrated per-layer FP8 k/v scales (llmc.kv_cache_scheme)
+
+
+def needs_calibration(options: Options) -> bool:
+    """Only a KV-cache scheme's k/v scales."""
+    return options.kv_cache is not None
+
+
+def precision(role: str, options: Options, name: str, shape: list[int]) -> str | None:
+    if role not in nvfp4.QUANTIZED_ROLES:
+        return None
+    return f"mxfp4 W/g{GROUP} e8m0 scales A16{llmc.kv_suffix(options)}"
+
+
+def check(info, options: Options, calibration) -> None:
+    nvfp4.check_dense(info, "mxfp4")
+
+
+def check_ignore(info, options: Options, ignore: list[str]) -> None:
+    nvfp4.check_group_widths(info, ignore, GROUP, "mxfp4")
+
+
+def quantize(job: QuantizeJob) -> QuantizeResult:
+    return nvfp4.quantize_preset(job, PRESETS[job.options.scheme], needs_calibration(job.options))
+
+
+def stored_bits(options: Options) -> float:
+    """4-bit values and an 8-bit E8M0 scale per group of 32."""
+    return 4 + 8 / GROUP
+
+
+RUNTIMES = (
+    Runtime("vLLM: Marlin FP4 (MXFP4), weights only", ("cuda",), 7.5,
+            "vLLM compressed_tensors W4A16Mxfp4 scheme on Marlin FP4 (utils/marlin_utils_fp4: capability 7.5); "
+            "Marlin tiles: output width a multiple of 64, input of 128 (marlin_utils.check_marlin_supports_shape)",
+            out_multiple=64, in_multiple=128),
+)
+
+
+METHOD = MethodSpec(
+    name="mxfp4", engine=llmc.ENGINE, engine_package=llmc.ENGINE,
+    format="compressed-tensors (mxfp4-pack-quantized)",
+    options=Options, quantize=quantize, precision=precision, default_gate=fixed_gate(DEFAULT_GATE),
+    check=check, check_ignore=check_ignore, needs_calibration=needs_calibration, stored_bits=stored_bits,
+    support=nvfp4.fp4_support, runtimes=RUNTIMES,
+)

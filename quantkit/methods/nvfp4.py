@@ -1,0 +1,155 @@
+"""NVFP4 through llm-compressor's presets, saved as compressed-tensors `nvfp4-pack-quantized`.
+
+NVFP4: FP4 E2M1 values in groups of 16, each group with an FP8 E4M3 scale, and one FP32 global scale
+per tensor (compressed-tensors' `tensor_group` strategy); about 4.5 bits per weight with its scales.
+
+w4a4 (default): llm-compressor's NVFP4 preset. Weights as above; input activations quantized to FP4
+             at run time per group of 16 with a calibrated FP32 global scale per layer
+             (`input_global_scale`, from the calibration windows). vLLM runs W4A4 on Blackwell
+             (compute capability 10.0 / 12.0: CUTLASS / FlashInfer FP4 GEMM); on older GPUs it loads
+             the artifact as weight-only NVFP4 through Marlin FP4 (the activations stay 16-bit there).
+a16:         llm-compressor's NVFP4A16 preset: the weights only (no data needed); served by Marlin FP4
+             on Turing (7.5) and newer.
+
+The gate measures what vLLM computes on Blackwell: transformers loads the artifact through
+compressed-tensors, whose forward fake-quantizes each quantized layer's input with the stored global
+scale, as the W4A4 kernels do.
+
+Kernel shape rules, checked before any work (`check_ignore`, naming the layer): every quantized
+layer's input width must be a multiple of the group of 16 (both kernels); the Marlin FP4 kernel also
+needs the output width a multiple of 64 and the input width a multiple of 128, which `quantkit inspect`
+shows per layer (a layer Marlin cannot take runs only where the W4A4 kernels do).
+
+Also home of what the FP4 methods (nvfp4, mxfp4) share: the preset's modifier, the group-width check.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from quantkit.arch import moe
+from quantkit.engines.llmcompressor import llmc
+from quantkit.errors import UnsupportedError
+from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, Runtime
+from quantkit.mixed import layers as intmix
+
+GROUP = 16  # NVFP4's group: one FP8 scale per 16 weights (and per 16 activations for w4a4)
+PRESETS = {"w4a4": "NVFP4", "a16": "NVFP4A16"}  # scheme -> llm-compressor / compressed-tensors preset
+QUANTIZED_ROLES = ("decoder", "other")
+# FP4 weights cost more than int4 with GPTQ's error feedback; W4A4 adds the activations' rounding.
+GATES = {"a16": {"max_ppl_increase": 0.10, "max_kld": 0.10, "min_top1": 0.80},
+         "w4a4": {"max_ppl_increase": 0.15, "max_kld": 0.15, "min_top1": 0.75}}
+
+
+class Options(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    scheme: Literal["w4a4", "a16"] = "w4a4"
+    kv_cache: llmc.KvCache = None  # fp8: calibrated per-layer FP8 k/v scales (llmc.kv_cache_scheme)
+
+
+def needs_calibration(options: Options) -> bool:
+    """w4a4's activation global scales, and a KV-cache scheme's k/v scales."""
+    return options.scheme == "w4a4" or options.kv_cache is not None
+
+
+def precision(role: str, options: Options, name: str, shape: list[int]) -> str | None:
+    if role not in QUANTIZED_ROLES:
+        return None
+    activations = "A/fp4 g16 (calibrated global scale)" if options.scheme == "w4a4" else "A16"
+    return f"nvfp4 W/g{GROUP} fp8 scales + global {activations}{llmc.kv_suffix(options)}"
+
+
+def default_gate(options: Options) -> dict[str, float]:
+    return dict(GATES[options.scheme])
+
+
+# ---------------------------------------------------------------- shared by the FP4 methods
+
+
+def width_problem(name: str, shape: list[int], group: int) -> str | None:
+    """Why a Linear ([out, in]) cannot be stored in groups of `group` along its input, None when it can."""
+    return f"{name}: input width {shape[1]} is not a multiple of the group of {group}" if shape[1] % group else None
+
+
+def check_group_widths(info, ignore: list[str], group: int, method: str) -> None:
+    """Before any work: every Linear the target quantizes (the run's ignore list left out) has an input
+    width the format's groups divide; the first that has not is refused by name."""
+    for name, shape in intmix.quantized_layers(info, ignore, QUANTIZED_ROLES).items():
+        problem = width_problem(name, list(shape), group)
+        if problem:
+            raise UnsupportedError(f"{method}: {problem} (vLLM's kernels need it)",
+                                   hint=f"keep it 16-bit with --ignore {name}")
+
+
+def check_dense(info, method: str) -> None:
+    """MoE experts in FP4 are not reloaded by transformers here yet: refused before any work."""
+    moe.check_supported(info, method)
+    moe.check_expert_storage(info, method, "FP4 stores packed weights and group scales per expert",
+                             hint="use fp8 or gptq for mixture-of-experts models")
+
+
+def preset_modifier(preset: str, ignore: list[str], kv_cache: str | None):
+    """llm-compressor's QuantizationModifier with a preset scheme over every Linear, as its examples write it."""
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+
+    return QuantizationModifier(targets=["Linear"], scheme=preset, ignore=ignore,
+                                kv_cache_scheme=llmc.kv_cache_scheme(kv_cache))
+
+
+def quantize_preset(job: QuantizeJob, preset: str, calibrate: bool) -> QuantizeResult:
+    """oneshot of the preset on the loaded model (calibrated when `calibrate`), saved compressed."""
+    details = llmc.calibration_details(job) if calibrate else {}
+    llmc.run_oneshot(job, preset_modifier(preset, llmc.decoder_ignore(job), job.options.kv_cache),
+                     calibrate=calibrate)
+    llmc.save_compressed(job)
+    return QuantizeResult(job.out_dir, {"preset": preset, **details})
+
+
+def fp4_support(family) -> str:
+    return family.decoder_support("refused: FP4 experts do not reload")
+
+
+# ---------------------------------------------------------------- nvfp4
+
+
+def check(info, options: Options, calibration) -> None:
+    check_dense(info, "nvfp4")
+
+
+def check_ignore(info, options: Options, ignore: list[str]) -> None:
+    check_group_widths(info, ignore, GROUP, "nvfp4")
+
+
+def quantize(job: QuantizeJob) -> QuantizeResult:
+    return quantize_preset(job, PRESETS[job.options.scheme], needs_calibration(job.options))
+
+
+def stored_bits(options: Options) -> float:
+    """4-bit values and an 8-bit scale per group of 16 (the per-tensor global scale is negligible)."""
+    return 4 + 8 / GROUP
+
+
+VLLM_FP4 = "vLLM compressed_tensors W4A4Fp4 scheme (CUTLASS / FlashInfer FP4 GEMM): Blackwell, sm_100 and sm_120"
+MARLIN_FP4 = ("vLLM compressed_tensors W4A16Fp4 scheme, utils/marlin_utils_fp4.is_fp4_marlin_supported "
+              "(capability 7.5); W4A4 artifacts fall back to it where CUTLASS FP4 is missing; Marlin tiles: "
+              "output width a multiple of 64, input width of 128 (marlin_utils.check_marlin_supports_shape)")
+RUNTIMES = (
+    Runtime("vLLM: NVFP4 W4A4 (CUTLASS FP4)", ("cuda",), 10.0, VLLM_FP4, in_multiple=GROUP),
+    Runtime("vLLM: Marlin FP4, weights only", ("cuda",), 7.5, MARLIN_FP4, out_multiple=64, in_multiple=128),
+)
+
+
+def runtimes(options: Options) -> tuple[Runtime, ...]:
+    """a16 runs on Marlin FP4 only (vLLM's W4A16Fp4 scheme, every GPU generation)."""
+    return RUNTIMES if options.scheme == "w4a4" else RUNTIMES[1:]
+
+
+METHOD = MethodSpec(
+    name="nvfp4", engine=llmc.ENGINE, engine_package=llmc.ENGINE,
+    format="compressed-tensors (nvfp4-pack-quantized)",
+    options=Options, quantize=quantize, precision=precision, default_gate=default_gate,
+    check=check, check_ignore=check_ignore, needs_calibration=needs_calibration, stored_bits=stored_bits,
+    support=fp4_support, runtimes=RUNTIMES, scheme_runtimes=runtimes,
+)
