@@ -104,8 +104,12 @@ def layer_plan(info, options: Options, ignore: list[str]) -> dict[str, Precision
 
 
 def family_refusal(model_type: str, is_vlm: bool) -> str | None:
+    from quantkit.arch import moe
+
     if is_vlm:
         return "a VLM's towers are not in mlx-lm (mlx-vlm runs those)"
+    if moe.is_moe(model_type):
+        return "mlx-lm stacks the experts into one tensor per projection, which is not written yet"
     if model_type not in MLX_MODEL_TYPES:
         return "not among the mlx-lm models written with the Hugging Face tensor names"
     return None

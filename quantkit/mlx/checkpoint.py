@@ -26,7 +26,8 @@ import numpy as np
 from quantkit.errors import ModelError
 
 # config.json model_type -> the mlx_lm.models module that loads it, with the Hugging Face names as stored
-MLX_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+MLX_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3_text",
+                   "phi3": "phi3"}
 MODE = "affine"
 SHARD_BYTES = 512 * 1024 ** 2  # data bytes held before a shard is written (mlx_lm loads model*.safetensors)
 QUANTIZED_ROLES = ("decoder", "other", "lm_head", "embeddings")
