@@ -196,17 +196,16 @@ def load_mlx(path: Path, device: str = "cpu"):
     """An mlx-lm directory dequantized (as mlx.core.dequantize does) into its transformers architecture,
     in the dtype its scales are stored in."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from quantkit.engines.transformers import device_map
     from quantkit.mlx.checkpoint import MLXWeights
 
     weights = MLXWeights(path)
-    config = AutoConfig.for_model(**{k: v for k, v in weights.config.items()
-                                     if k not in ("quantization", "quantization_config")})
+    config = weights.transformers_config()
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, weights.stored_dtype()))
-    state = {name: weights.get(name) for name in weights.keys()}
+    state = {name: weights.get(name) for name in weights.keys()}  # noqa: SIM118  (a WeightSource, not a dict)
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
     missing = [n for n, p in model.named_parameters() if p.is_meta]

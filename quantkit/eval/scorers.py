@@ -48,15 +48,12 @@ def mlx_scorer(path: Path, device: str = "cpu", activation_bytes: int = ACTIVATI
     """An mlx-lm directory in its transformers architecture, each quantized weight dequantized exactly as
     mlx.core.dequantize does, computed in the dtype its scales are stored in (as mlx-lm computes)."""
     import torch
-    from transformers import AutoConfig
 
     from quantkit.engines.transformers import device_map
     from quantkit.mlx.checkpoint import MLXWeights
 
     weights = MLXWeights(path)
-    config = AutoConfig.for_model(**{k: v for k, v in weights.config.items()
-                                     if k not in ("quantization", "quantization_config")})
-    return streamed_scorer(config, weights, getattr(torch, weights.stored_dtype()), device_map(device),
+    return streamed_scorer(weights.transformers_config(), weights, getattr(torch, weights.stored_dtype()), device_map(device),
                            activation_bytes, workdir)
 
 

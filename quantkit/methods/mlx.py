@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from quantkit.errors import UnsupportedError
 from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, Runtime
-from quantkit.mlx.affine import BITS, GROUP_SIZES
+from quantkit.mlx.affine import BITS
 from quantkit.mlx.checkpoint import MLX_MODEL_TYPES, QUANTIZED_ROLES, Precision
 
 Bits = Literal[2, 3, 4, 6, 8]
@@ -133,7 +133,7 @@ def support(family) -> str:
 # ---------------------------------------------------------------- calibration: column importances
 
 
-def column_importance(job: QuantizeJob) -> dict[str, "torch.Tensor"]:  # noqa: F821
+def column_importance(job: QuantizeJob) -> dict:
     """{module name: mean squared input activation per column} of every Linear on the calibration
     windows, the base streamed a layer at a time; the output head's from the final hidden states."""
     import torch
@@ -156,7 +156,7 @@ def column_importance(job: QuantizeJob) -> dict[str, "torch.Tensor"]:  # noqa: F
     hooks = [module.register_forward_hook(lambda m, inputs, out, name=name: record(name, inputs[0]))
              for name, module in streamed.model.named_modules() if isinstance(module, torch.nn.Linear)
              and module is not streamed.head]
-    head = [n for n, m in streamed.model.named_modules() if m is streamed.head][0]
+    head = next(n for n, m in streamed.model.named_modules() if m is streamed.head)
     group = windows_per_group(config.get_text_config(), job.windows.calib.shape[1])
     try:
         with torch.no_grad():
@@ -168,7 +168,7 @@ def column_importance(job: QuantizeJob) -> dict[str, "torch.Tensor"]:  # noqa: F
     return {name: (total / max(count, 1)).to(torch.float32) for name, (total, count) in sums.items()}
 
 
-def importance_of(name: str, imp: dict, info) -> "torch.Tensor | None":  # noqa: F821
+def importance_of(name: str, imp: dict, info):
     """The column importances a module's groups are weighted by: its own; a tied embedding's, the head's."""
     if name in imp:
         return imp[name]
@@ -198,7 +198,7 @@ def quantize(job: QuantizeJob) -> QuantizeResult:
     dtype = torch_dtype(job.dtype, job.info)
     source, writer = SafetensorsWeights(job.info.path), ShardedWriter(job.out_dir)
     job.progress(f"writing {sum(p is not None for p in plan.values())} quantized modules")
-    for tensor in source.keys():
+    for tensor in source.keys():  # noqa: SIM118  (a WeightSource, not a dict)
         module = tensor.removesuffix(".weight")
         weight = source.get(tensor)
         if plan.get(module) is None or not tensor.endswith(".weight"):
@@ -248,7 +248,7 @@ def precision_bits(options: Options, text: str) -> float:
     return int(match.group(1)) + 32 / int(match.group(2))
 
 
-MLX_SOURCE = "mlx docs: Metal on Apple silicon, and a CPU backend (pip install mlx[cpu])"
+MLX_SOURCE = "mlx docs: Metal on Apple silicon, and a CPU backend on Linux (the mlx-cpu package)"
 RUNTIMES = (
     Runtime("mlx-lm: Metal", ("apple",), 0.0, MLX_SOURCE),
     Runtime("mlx-lm: CPU", ("cpu",), 0.0, MLX_SOURCE),

@@ -173,6 +173,13 @@ class MLXWeights:
 
         return self.get(name)[torch.as_tensor(np.asarray(index), dtype=torch.long)]
 
+    def transformers_config(self):
+        """The model's transformers config: config.json without the quantization blocks."""
+        from transformers import AutoConfig
+
+        plain = {k: v for k, v in self.config.items() if k not in ("quantization", "quantization_config")}
+        return AutoConfig.for_model(**plain)
+
     def stored_dtype(self) -> str:
         """The float dtype the scales are stored in (what mlx-lm computes in)."""
         from quantkit.io.safetensors import TORCH_DTYPES

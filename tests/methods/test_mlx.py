@@ -56,8 +56,8 @@ def test_mlx_lm_loads_the_weights_the_gate_read_and_generates(artifact, micro_mo
     are those of quantkit's reading within 16-bit arithmetic noise; it generates."""
     mx = pytest.importorskip("mlx.core", reason="mlx is not installed (pip install 'quantkit[mlx]')")
     mlx_lm = pytest.importorskip("mlx_lm", reason="mlx-lm is not installed (pip install 'quantkit[mlx]')")
-    import mlx.nn as nn
     import torch
+    from mlx import nn
     from transformers import AutoModelForCausalLM
 
     from quantkit.eval.artifacts import load_for_eval
@@ -101,14 +101,14 @@ FAMILIES = ("llama31", "mistral", "qwen25", "qwen3", "gemma3", "phi3")
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
-def test_mlx_lm_loads_each_family(cli, family_models, tmp_path, family):
+def test_mlx_lm_loads_each_family(cli, family_models, tmp_path, family):  # noqa: F811
     """Tiny random models of every family mlx writes: mlx_lm.load builds the quantized modules with exactly
     quantkit's weights, and its logits follow quantkit's reading (Gemma's scaled embedding and 1 + w
     norms, Phi-3's fused projections)."""
     mx = pytest.importorskip("mlx.core", reason="mlx is not installed (pip install 'quantkit[mlx]')")
     mlx_lm = pytest.importorskip("mlx_lm", reason="mlx-lm is not installed (pip install 'quantkit[mlx]')")
-    import mlx.nn as nn
     import torch
+    from mlx import nn
     from transformers import AutoModelForCausalLM
 
     from quantkit.eval.artifacts import load_for_eval
@@ -119,7 +119,7 @@ def test_mlx_lm_loads_each_family(cli, family_models, tmp_path, family):
                  "--eval-windows", "2", "--no-gate", "-o", out)
     assert result.exit_code == 0, result.output
     mx.set_default_device(mx.cpu)
-    model, tokenizer = mlx_lm.load(str(out))
+    model, _tokenizer = mlx_lm.load(str(out))
     ours = MLXWeights(out)
     modules = [(n, m) for n, m in model.named_modules() if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))]
     assert len(modules) >= 8
