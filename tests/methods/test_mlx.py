@@ -51,14 +51,13 @@ def test_writes_an_mlx_lm_directory_with_per_module_entries(artifact):
     assert "mlx_lm.generate --model ." in card and "library_name: mlx" in card
 
 
-def test_mlx_lm_loads_the_weights_the_gate_read_and_generates(artifact, micro_model):
+def test_mlx_lm_loads_the_weights_the_gate_read_and_generates(artifact):
     """Every quantized module mlx_lm builds dequantizes (mlx.core) to exactly quantkit's reading; its logits
-    are those of quantkit's reading within 16-bit arithmetic noise; it generates."""
+    are those of quantkit's reading within bfloat16 arithmetic noise; it generates."""
     mx = pytest.importorskip("mlx.core", reason="mlx is not installed (pip install 'quantkit[mlx]')")
     mlx_lm = pytest.importorskip("mlx_lm", reason="mlx-lm is not installed (pip install 'quantkit[mlx]')")
     import torch
     from mlx import nn
-    from transformers import AutoModelForCausalLM
 
     from quantkit.eval.artifacts import load_for_eval
     from quantkit.mlx.checkpoint import MLXWeights
@@ -77,8 +76,7 @@ def test_mlx_lm_loads_the_weights_the_gate_read_and_generates(artifact, micro_mo
     theirs = np.array(model(mx.array(ids)[None]).astype(mx.float32))[0]
     with torch.no_grad():
         read = load_for_eval(artifact)(torch.tensor([ids])).logits[0].float().numpy()
-        base = AutoModelForCausalLM.from_pretrained(micro_model)(torch.tensor([ids])).logits[0].float().numpy()
-    assert np.abs(theirs - read).mean() < 0.5 * np.abs(base - read).mean()
+    assert np.abs(theirs - read).mean() < 0.01 * np.abs(read).mean()  # bfloat16 arithmetic apart
     text = mlx_lm.generate(model, tokenizer, prompt="The quick", max_tokens=8)
     assert isinstance(text, str) and text
 
@@ -109,7 +107,6 @@ def test_mlx_lm_loads_each_family(cli, family_models, tmp_path, family):  # noqa
     mlx_lm = pytest.importorskip("mlx_lm", reason="mlx-lm is not installed (pip install 'quantkit[mlx]')")
     import torch
     from mlx import nn
-    from transformers import AutoModelForCausalLM
 
     from quantkit.eval.artifacts import load_for_eval
     from quantkit.mlx.checkpoint import MLXWeights
@@ -130,5 +127,4 @@ def test_mlx_lm_loads_each_family(cli, family_models, tmp_path, family):  # noqa
     theirs = np.array(model(mx.array(ids)[None]).astype(mx.float32))[0]
     with torch.no_grad():
         read = load_for_eval(out)(torch.tensor([ids])).logits[0].float().numpy()
-        base = AutoModelForCausalLM.from_pretrained(source)(torch.tensor([ids])).logits[0].float().numpy()
-    assert np.abs(theirs - read).mean() < 0.5 * np.abs(base - read).mean()
+    assert np.abs(theirs - read).mean() < 0.01 * np.abs(read).mean()  # bfloat16 arithmetic apart
