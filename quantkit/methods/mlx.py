@@ -135,17 +135,17 @@ def support(family) -> str:
 
 def column_importance(job: QuantizeJob) -> dict:
     """{module name: mean squared input activation per column} of every Linear on the calibration
-    windows, the base streamed a layer at a time; the output head's from the final hidden states."""
+    windows, the base streamed a layer at a time in float32 (CPU kernels are fastest there, and the
+    statistics want it); the output head's from the final hidden states."""
     import torch
 
-    from quantkit.engines.transformers import device_map, hf_config, torch_dtype
+    from quantkit.engines.transformers import device_map, hf_config
     from quantkit.eval.evaluate import iter_batches
     from quantkit.eval.stream import last_hidden, stream_model, windows_per_group
     from quantkit.io.checkpoint import SafetensorsWeights
 
     config = hf_config(job.info.path)
-    streamed = stream_model(config, SafetensorsWeights(job.info.path), torch_dtype(job.dtype, job.info),
-                            device_map(job.device))
+    streamed = stream_model(config, SafetensorsWeights(job.info.path), torch.float32, device_map(job.device))
     sums: dict[str, list] = {}
 
     def record(name: str, x) -> None:
@@ -227,15 +227,18 @@ def quantize(job: QuantizeJob) -> QuantizeResult:
 
 
 def working_set(info, options: Options) -> int:
-    """One weight read whole in float32 with its quantized copy, the search's temporaries on one slab of
-    it, and a shard's tensors waiting to be written."""
+    """The larger of the calibration pass (one float32 tensor streamed at a time with a group of windows'
+    activations) and the writing (one weight read whole and in float32 with its quantized copy, the
+    search's temporaries on one slab of it, a shard's tensors waiting to be written)."""
     import math
 
+    from quantkit.eval.stream import ACTIVATION_BYTES
     from quantkit.mlx.affine import SLAB_VALUES
     from quantkit.mlx.checkpoint import SHARD_BYTES
 
     largest = max((math.prod(shape) for _dtype, shape in info.tensors.values()), default=0)
-    return 6 * largest + 12 * 4 * SLAB_VALUES + SHARD_BYTES
+    calibrating = 2 * 4 * largest + ACTIVATION_BYTES if options.calibrate else 0
+    return max(calibrating, 2 * 4 * largest + 12 * 4 * SLAB_VALUES + SHARD_BYTES)
 
 
 def stored_bits(options: Options) -> float:
