@@ -62,3 +62,9 @@ def test_vlm_table_is_generated_from_the_methods_tables():
     from quantkit.run.support import vlm_table
 
     assert readme_table("| VLM family (`model_type`)") == vlm_table()
+
+
+def test_mlx_model_types_match_the_mlx_table():
+    from quantkit.mlx.checkpoint import MLX_MODEL_TYPES
+
+    assert listed(readme_row("`mlx`")) == sorted(MLX_MODEL_TYPES)

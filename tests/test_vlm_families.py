@@ -15,7 +15,7 @@ from tests.util import leftovers
 from tests.vlm_models import FAMILY_KINDS, PROCESSOR_KINDS, build_family
 
 CALIB = ("--num-samples", "16", "--seq-len", "64", "--eval-windows", "4", "--no-gate")
-METHODS = ("fp8", "gptq", "awq", "autoround", "smoothquant", "nf4", "gguf")
+METHODS = ("fp8", "gptq", "awq", "autoround", "smoothquant", "nf4", "gguf", "mlx")
 
 
 def test_the_matrix_covers_the_readme_families():
@@ -98,7 +98,7 @@ def run_case(cli, model_dir, kind: str, method: str, tmp_path):
 
 
 @pytest.mark.parametrize("kind,method", [("mllama", "gptq"), ("gemma3", "gptq"), ("gemma3", "awq"),
-                                         ("gemma3", "smoothquant"), ("mllama", "awq")])
+                                         ("gemma3", "smoothquant"), ("mllama", "awq"), ("gemma3", "mlx")])
 def test_representative_family_cases(cli, family_model, tmp_path, kind, method):
     out = run_case(cli, family_model(kind), kind, method, tmp_path)
     if kind == "mllama" and out is not None:  # the projector is one Linear: stored 16-bit, not packed

@@ -13,7 +13,7 @@ from quantkit.cli.common import handle_errors, progress, results_console, write_
 
 @handle_errors
 def eval_command(
-    model: Path = typer.Argument(..., help="Artifact: a checkpoint dir (compressed-tensors, bitsandbytes, plain) or a .gguf."),
+    model: Path = typer.Argument(..., help="Artifact: a checkpoint dir (compressed-tensors, bitsandbytes, plain), an mlx-lm dir or a .gguf."),
     against: Optional[str] = typer.Option(None, "--against", "-a", help="Base checkpoint. Default: the base named in the artifact's quantkit.json."),
     data: str = typer.Option("default", "--data", help="Evaluation text: bundled name, file, or hf:NAME."),
     num_windows: int = typer.Option(16, min=1, help="Held-out windows to score."),

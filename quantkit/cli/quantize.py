@@ -31,6 +31,8 @@ Examples:
 
   quantkit quantize ./base --lora ./adapter --method gptq --bits 4 --group-size 128 -o ./gptq
 
+  quantkit quantize ./my-model --method mlx --bits 4 --group-size 64 -o ./mlx   (mlx-lm on Apple silicon)
+
   quantkit quantize ./my-model --method gptq --auto-precision -o ./gptq-mixed   (int4/int8/16-bit per layer)
 
   quantkit quantize ./my-model --method gptq --fallback --max-size +10% -o ./gptq   (raise layers until the gate passes)
@@ -54,10 +56,10 @@ def quantize(
     model_opt: Optional[str] = typer.Option(None, "--model", help="Same as MODEL (handy in CI scripts)."),
     output: Path = typer.Option(..., "--output", "-o", help="Output directory (must not exist unless --overwrite)."),
     recipe: Optional[str] = typer.Option(None, "--recipe", "-r", help="Recipe YAML file or bundled recipe name."),
-    method: Optional[str] = typer.Option(None, "--method", "-m", help="fp8 | gptq | awq | autoround | smoothquant | nf4 | gguf | nvfp4 | mxfp4"),
+    method: Optional[str] = typer.Option(None, "--method", "-m", help="fp8 | gptq | awq | autoround | smoothquant | nf4 | gguf | nvfp4 | mxfp4 | mlx"),
     scheme: Optional[str] = typer.Option(None, help="Method scheme: fp8: fp8-dynamic | fp8-static | fp8-block (128x128 weight blocks); nvfp4: w4a4 (default) | a16 (weights only)."),
-    bits: Optional[int] = typer.Option(None, help="Weight bits (gptq/awq/autoround)."),
-    group_size: Optional[str] = typer.Option(None, help="gptq/awq/autoround group size: auto (default: the largest of 128, 64, 32 dividing every layer's input width) | N | -1 (per channel)."),
+    bits: Optional[int] = typer.Option(None, help="Weight bits (gptq/awq/autoround; mlx: 2 | 3 | 4 | 6 | 8)."),
+    group_size: Optional[str] = typer.Option(None, help="gptq/awq/autoround group size: auto (default: the largest of 128, 64, 32 dividing every layer's input width) | N | -1 (per channel); mlx: 32 | 64 (default) | 128."),
     act_order: Optional[str] = typer.Option(None, help="GPTQ activation order: none | static | group."),
     symmetric: Optional[bool] = typer.Option(None, "--symmetric/--asymmetric", help="Integer weights without / with a zero point (gptq/awq/autoround)."),
     backend: Optional[str] = typer.Option(None, help="Engine backend where a method has several."),
@@ -204,4 +206,4 @@ def show_results(report, output: Path, json_path: str | None, summary: Path | No
             fh.write(summary_markdown(report, output))
 
 
-quantize.__doc__ = "Quantize a model into gated artifacts (compressed-tensors, bitsandbytes, GGUF).\n" + EXAMPLES
+quantize.__doc__ = "Quantize a model into gated artifacts (compressed-tensors, bitsandbytes, GGUF, MLX).\n" + EXAMPLES

@@ -14,7 +14,7 @@ from quantkit.errors import ArtifactReloadError, InputError, ModelError
 
 
 def artifact_kind(path: Path) -> str:
-    """'gguf', 'compressed-tensors', 'bitsandbytes' or 'transformers'. The .gguf header or the
+    """'gguf', 'mlx', 'compressed-tensors', 'bitsandbytes' or 'transformers'. The .gguf header or the
     config.json and safetensors headers are read (cheap) so that a damaged artifact fails here,
     naming the file, before any work."""
     from quantkit.gguf.loader import open_reader
@@ -27,6 +27,10 @@ def artifact_kind(path: Path) -> str:
     config_file = path / "config.json"
     if not config_file.is_file():
         raise ModelError(f"{path} is neither a .gguf file nor a checkpoint directory with config.json")
+    from quantkit.mlx.checkpoint import is_mlx_dir
+
+    if is_mlx_dir(read_json(config_file)):
+        return "mlx"
     qconfig = check_model_dir(path).config.get("quantization_config") or {}
     method = qconfig.get("quant_method", "")
     if method == "compressed-tensors":
@@ -36,6 +40,13 @@ def artifact_kind(path: Path) -> str:
     if method:
         raise InputError(f"{path}: quantization method '{method}' is not one quantkit can evaluate")
     return "transformers"
+
+
+def read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ModelError(f"{path} is not valid JSON: {exc}") from exc
 
 
 def gguf_file(path: Path) -> Path:
@@ -65,6 +76,8 @@ def load_for_eval(path: Path, base_dir: Path | None = None, device: str = "cpu",
         if base_dir is None:
             raise InputError("evaluating a .gguf needs the base checkpoint", hint="pass --against BASE_DIR")
         return load_gguf_into_base(gguf_file(path), base_dir, device, trust_remote_code)
+    if kind == "mlx":
+        return load_mlx(path, device)
     from quantkit.engines.transformers import auto_model_class, custom_code_error, device_map, needs_remote_code
     from quantkit.io.offline import offline
 
@@ -176,6 +189,28 @@ def load_gguf_into_base(path: Path, base_dir: Path, device: str = "cpu", trust_r
         raise ModelError(f"{path.name} lacks tensors for {sorted(missing)[:3]} (and {max(0, len(missing) - 3)} more)")
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
+    return _materialize_buffers(model, config).to(device_map(device)).eval()
+
+
+def load_mlx(path: Path, device: str = "cpu"):
+    """An mlx-lm directory dequantized (as mlx.core.dequantize does) into its transformers architecture,
+    in the dtype its scales are stored in."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from quantkit.engines.transformers import device_map
+    from quantkit.mlx.checkpoint import MLXWeights
+
+    weights = MLXWeights(path)
+    config = weights.transformers_config()
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, weights.stored_dtype()))
+    state = {name: weights.get(name) for name in weights.keys()}  # noqa: SIM118  (a WeightSource, not a dict)
+    model.load_state_dict(state, strict=False, assign=True)
+    model.tie_weights()
+    missing = [n for n, p in model.named_parameters() if p.is_meta]
+    if missing:
+        raise ModelError(f"{path.name} lacks tensors for {missing[:3]} (and {max(0, len(missing) - 3)} more)")
     return _materialize_buffers(model, config).to(device_map(device)).eval()
 
 

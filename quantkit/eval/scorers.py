@@ -1,6 +1,6 @@
 """The Scorer of each thing the gate measures: the full-precision base and every artifact kind.
 
-A .gguf, a full-precision text decoder and a compressed-tensors text decoder
+A .gguf, an mlx-lm directory, a full-precision text decoder and a compressed-tensors text decoder
 (quantkit.eval.compressed.streams) are streamed layer by layer (quantkit.eval.stream); a
 bitsandbytes checkpoint (restored by its engine's own modules), a VLM, custom model code and any
 other compressed-tensors artifact load whole through transformers (quantkit.eval.artifacts).
@@ -52,6 +52,20 @@ def gguf_scorer(path: Path, base_dir: Path, device: str = "cpu", activation_byte
                            activation_bytes, workdir)
 
 
+def mlx_scorer(path: Path, device: str = "cpu", activation_bytes: int = ACTIVATION_BYTES,
+               workdir: Path | None = None) -> Scorer:
+    """An mlx-lm directory in its transformers architecture, each quantized weight dequantized exactly as
+    mlx.core.dequantize does, computed in the dtype its scales are stored in (as mlx-lm computes)."""
+    import torch
+
+    from quantkit.engines.transformers import device_map
+    from quantkit.mlx.checkpoint import MLXWeights
+
+    weights = MLXWeights(path)
+    return streamed_scorer(weights.transformers_config(), weights, getattr(torch, weights.stored_dtype()), device_map(device),
+                           activation_bytes, workdir)
+
+
 def loaded_scorer(path: Path, base_dir: Path | None, device: str = "cpu", trust_remote_code: bool = False) -> Scorer:
     """The artifact loaded whole when scoring starts and dropped when it ends (evaluate.model_scorer)."""
     from quantkit.eval.artifacts import load_for_eval
@@ -75,6 +89,8 @@ def artifact_scorer(path: Path, base_dir: Path | None = None, device: str = "cpu
     from quantkit.io.checkpoint import is_vlm, read_config
 
     kind = artifact_kind(path)
+    if kind == "mlx":
+        return mlx_scorer(path, device, workdir=workdir)
     if kind == "gguf":
         if base_dir is None:
             raise InputError("evaluating a .gguf needs the base checkpoint", hint="pass --against BASE_DIR")

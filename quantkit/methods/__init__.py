@@ -1,6 +1,6 @@
 """The method contract, and the static name -> module map through which methods are imported lazily.
 
-Each method module (fp8, gptq, awq, autoround, smoothquant, nf4, gguf, nvfp4, mxfp4) ends with one declaration,
+Each method module (fp8, gptq, awq, autoround, smoothquant, nf4, gguf, nvfp4, mxfp4, mlx) ends with one declaration,
 
     METHOD = MethodSpec(name=..., engine=..., engine_package=..., format=..., options=Options,
                         quantize=quantize, precision=precision, default_gate=..., ...)
@@ -65,6 +65,7 @@ METHODS: dict[str, str] = {
     "gguf": "quantkit.methods.gguf",
     "nvfp4": "quantkit.methods.nvfp4",
     "mxfp4": "quantkit.methods.mxfp4",
+    "mlx": "quantkit.methods.mlx",
 }
 
 GateDefaults = dict[str, float]  # Gate field -> threshold, e.g. {"max_kld": 0.01}
@@ -261,7 +262,8 @@ class MethodSpec:
     fallback_ladder: Callable[[QuantizeJob, QuantizeResult], Ladder] | None = None
     requantize: Callable[[QuantizeJob, dict[str, str], dict], QuantizeResult] | None = None
     # How the gate reads the artifact back: "compressed-tensors" (streamed for a text decoder, else
-    # loaded whole), "bitsandbytes" (loaded whole by transformers), "gguf" (streamed in float32).
+    # loaded whole), "bitsandbytes" (loaded whole by transformers), "gguf" (streamed in float32),
+    # "mlx" (an mlx-lm directory, dequantized as mlx does and streamed in its stored dtype).
     artifact: str = "compressed-tensors"
     # stored_bits(options) -> bits per quantized weight in the artifact, scales included (roughly)
     stored_bits: Callable[[BaseModel], float] = lambda options: 8.0

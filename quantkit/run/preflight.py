@@ -190,10 +190,10 @@ def streams_gate(target, info, recipe) -> bool:
 def candidate_bytes(target, model: int, layer: int, streamed: bool) -> int:
     """What the gate holds of one artifact: a .gguf streamed in float32 (twice a 16-bit layer), a
     streamed compressed-tensors one a 16-bit layer (its modules decompressed one at a time), any
-    other checkpoint whole at its bits."""
+    other checkpoint whole at its bits; an mlx-lm directory a layer dequantized to its stored dtype."""
     if target.method.artifact == "gguf":
         return 2 * layer
-    if streamed:
+    if streamed or target.method.artifact == "mlx":  # an mlx-lm directory streams dequantized, a layer at a time
         return layer
     return int(model * target.method.stored_bits(target.options) / 16)
 
@@ -229,8 +229,8 @@ def vram_estimate(info, recipe, targets) -> RamEstimate:
         elif working:
             steps[f"{t.name}: quantize"] = working
         if recipe.calibration.eval_windows:
-            gguf = t.method.artifact == "gguf"
-            steps[f"{t.name}: gate"] = streamed if gguf or streams_gate(t, info, recipe) else (
+            own_stream = t.method.artifact in ("gguf", "mlx")
+            steps[f"{t.name}: gate"] = streamed if own_stream or streams_gate(t, info, recipe) else (
                 candidate_bytes(t, model, 0, False) + ACTIVATION_BYTES)
     return RamEstimate(steps, FIXED_VRAM)
 

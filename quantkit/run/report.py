@@ -112,6 +112,9 @@ class RunReport:
 # ---------------------------------------------------------------- model card
 
 
+LIBRARIES = {"gguf": "gguf", "mlx": "mlx"}  # the model card's library_name by artifact kind
+
+
 def model_card(target: TargetReport, report: RunReport) -> str:
     """README.md with YAML front matter (base_model, tags, quantization) and the gate table."""
     import yaml
@@ -119,7 +122,7 @@ def model_card(target: TargetReport, report: RunReport) -> str:
     base_model = report.model.path
     front = {
         "base_model": base_model,
-        "library_name": "gguf" if get_method(target.method).artifact == "gguf" else "transformers",
+        "library_name": LIBRARIES.get(get_method(target.method).artifact, "transformers"),
         "tags": ["quantkit", "quantized", target.method, *format_tags(target.format)],
         "quantization": {"method": target.method, "format": target.format, "engine": target.engine,
                          "options": target.options},
@@ -215,7 +218,8 @@ def proof_lines(proof: dict) -> list[str]:
 
 
 def format_tags(fmt: str) -> list[str]:
-    markers = (("compressed-tensors", "compressed-tensors"), ("GGUF", "gguf"), ("bitsandbytes", "bitsandbytes"))
+    markers = (("compressed-tensors", "compressed-tensors"), ("GGUF", "gguf"), ("bitsandbytes", "bitsandbytes"),
+               ("MLX", "mlx"))
     return [tag for marker, tag in markers if marker in fmt]
 
 

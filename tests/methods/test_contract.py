@@ -35,9 +35,9 @@ def test_method_declares_the_contract(name):
             assert value and all(isinstance(r, Runtime) and r.source for r in value)
         elif member.name != "options":
             assert callable(value), member.name
-    assert spec.artifact in ("compressed-tensors", "bitsandbytes", "gguf")
+    assert spec.artifact in ("compressed-tensors", "bitsandbytes", "gguf", "mlx")
     assert spec.stored_bits(options) > 0
-    assert spec.serve_command("OUT").split()[0] in ("vllm", "llama-server")
+    assert spec.serve_command("OUT").split()[0] in ("vllm", "llama-server", "mlx_lm.generate")
     assert isinstance(spec.needs_calibration(options), bool)
     assert isinstance(spec.keeps_lm_head(options), bool)
     Gate(**spec.default_gate(options))  # thresholds are Gate fields

@@ -1,0 +1,1 @@
+"""MLX's affine quantized format (mlx-lm model directories): packing, calibrated scales, reading back."""

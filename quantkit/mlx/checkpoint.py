@@ -1,0 +1,204 @@
+"""MLX model directories as mlx-lm loads them: which modules are quantized, config.json's
+`quantization` block, writing the safetensors, and reading the weights back dequantized.
+
+mlx-lm (mlx_lm.utils.load_model) builds the model from config.json, and for each module whose path
+is a key of config["quantization"] uses that entry ({"group_size", "bits", "mode"}, or false: kept
+16-bit); any other module with a `<path>.scales` tensor gets the top-level group size and bits. A
+quantized module stores `<path>.weight` (uint32, the packed integers), `<path>.scales` and
+`<path>.biases` (quantkit.mlx.affine). mlx_lm.convert quantizes every Linear and Embedding whose
+input width the group size divides (the token embedding and the output head included); quantkit
+writes the same modules, so the file sizes compare, and names every module that differs from the
+top-level precision, as mlx_lm.convert does for its mixed recipes.
+
+The families written are those whose mlx-lm model takes the Hugging Face tensor names as they are
+(its `sanitize` only drops rotary buffers and a tied head): MLX_MODEL_TYPES.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from quantkit.errors import ModelError
+
+# config.json model_type -> the mlx_lm.models module that loads it, with the Hugging Face names as stored
+MLX_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3_text",
+                   "phi3": "phi3"}
+MODE = "affine"
+SHARD_BYTES = 512 * 1024 ** 2  # data bytes held before a shard is written (mlx_lm loads model*.safetensors)
+QUANTIZED_ROLES = ("decoder", "other", "lm_head", "embeddings")
+
+
+@dataclass(frozen=True)
+class Precision:
+    bits: int
+    group_size: int
+
+    def entry(self) -> dict:
+        return {"group_size": self.group_size, "bits": self.bits, "mode": MODE}
+
+
+def quantization_block(default: Precision, layers: dict[str, Precision | None]) -> dict:
+    """config.json's `quantization` (and `quantization_config`, as mlx_lm writes both): the top-level
+    precision, and an entry for every module whose precision differs from it (None: kept 16-bit)."""
+    block = default.entry()
+    for name, precision in sorted(layers.items()):
+        if precision != default:
+            block[name] = precision.entry() if precision else False
+    return block
+
+
+def module_precision(config: dict, module: str) -> Precision | None:
+    """A module's precision as mlx-lm reads config.json (its own entry, else the top level)."""
+    block = config.get("quantization") or {}
+    entry = block.get(module, block)
+    if entry is False:
+        return None
+    return Precision(int(entry["bits"]), int(entry["group_size"]))
+
+
+def mlx_config(config: dict, block: dict) -> dict:
+    return {**config, "quantization": block, "quantization_config": block}
+
+
+# ------------------------------------------------------------------ writing
+
+
+class ShardedWriter:
+    """Tensors added one at a time, flushed into shards of about SHARD_BYTES; `close` names the files
+    as transformers and mlx_lm do and writes the index of several."""
+
+    def __init__(self, out_dir: Path):
+        self.out_dir, self.pending, self.pending_bytes, self.parts = Path(out_dir), {}, 0, []
+        self.weight_map: dict[str, int] = {}
+
+    def add(self, name: str, tensor) -> None:
+        self.pending[name] = tensor.contiguous()
+        self.pending_bytes += tensor.numel() * tensor.element_size()
+        if self.pending_bytes >= SHARD_BYTES:
+            self.flush()
+
+    def flush(self) -> None:
+        from safetensors.torch import save_file
+
+        if not self.pending:
+            return
+        part = self.out_dir / f".part-{len(self.parts):05d}.safetensors"
+        save_file(self.pending, str(part), metadata={"format": "mlx"})
+        self.weight_map.update({name: len(self.parts) for name in self.pending})
+        self.parts.append(part)
+        self.pending, self.pending_bytes = {}, 0
+
+    def close(self) -> list[str]:
+        self.flush()
+        count = len(self.parts)
+        names = ["model.safetensors"] if count == 1 else [f"model-{i + 1:05d}-of-{count:05d}.safetensors"
+                                                          for i in range(count)]
+        for part, name in zip(self.parts, names):
+            part.rename(self.out_dir / name)
+        if count > 1:
+            total = sum((self.out_dir / n).stat().st_size for n in names)
+            index = {"metadata": {"total_size": total},
+                     "weight_map": {k: names[i] for k, i in sorted(self.weight_map.items())}}
+            (self.out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=4) + "\n")
+        return names
+
+
+def quantized_tensors(name: str, words: np.ndarray, scales, biases) -> dict:
+    """The three tensors of a quantized module stored under `name` (its module path)."""
+    import torch
+
+    return {f"{name}.weight": torch.from_numpy(words), f"{name}.scales": scales, f"{name}.biases": biases}
+
+
+# ------------------------------------------------------------------ reading back
+
+
+class MLXWeights:
+    """An MLX model directory's tensors by Hugging Face name (quantkit.eval.stream.WeightSource), each
+    quantized weight dequantized exactly as mlx.core.dequantize does (quantkit.mlx.affine)."""
+
+    def __init__(self, model_dir: Path):
+        from quantkit.io.checkpoint import weight_files
+        from quantkit.io.safetensors import safetensors_index
+
+        self.path = Path(model_dir)
+        self.config = json.loads((self.path / "config.json").read_text())
+        self.index = {}
+        for file in weight_files(self.path):
+            self.index.update(safetensors_index(file))
+        self.quantized = {name[: -len(".scales")] for name in self.index if name.endswith(".scales")}
+        for module in self.quantized:
+            self.check_module(module)
+
+    def check_module(self, module: str) -> None:
+        precision = module_precision(self.config, module)
+        words, scales = self.index.get(f"{module}.weight"), self.index[f"{module}.scales"]
+        if precision is None or words is None or words.dtype != "U32" or f"{module}.biases" not in self.index:
+            raise ModelError(f"{self.path.name}: {module} is not an affine quantized module as config.json "
+                             "describes it (uint32 weight, scales, biases)")
+        columns = words.shape[-1] * 32 // precision.bits
+        if columns != scales.shape[-1] * precision.group_size or words.shape[0] != scales.shape[0]:
+            raise ModelError(f"{self.path.name}: {module}'s packed weight {list(words.shape)} and scales "
+                             f"{list(scales.shape)} disagree with {precision.bits} bits in groups of "
+                             f"{precision.group_size}")
+
+    def keys(self) -> list[str]:
+        return [n for n in self.index if not n.endswith((".scales", ".biases"))]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        module = name.removesuffix(".weight")
+        if module in self.quantized:
+            rows, words = self.index[name].shape
+            return rows, words * 32 // module_precision(self.config, module).bits
+        return tuple(self.index[name].shape)
+
+    def get(self, name: str):
+        from quantkit.io.safetensors import read_stored
+        from quantkit.mlx.affine import dequantize
+
+        module = name.removesuffix(".weight")
+        if module not in self.quantized:
+            return read_stored(self.index[name])
+        precision = module_precision(self.config, module)
+        return dequantize(read_words(self.index[name]), read_stored(self.index[f"{module}.scales"]),
+                          read_stored(self.index[f"{module}.biases"]), precision.bits, precision.group_size)
+
+    def rows(self, name: str, index):
+        import torch
+
+        return self.get(name)[torch.as_tensor(np.asarray(index), dtype=torch.long)]
+
+    def transformers_config(self):
+        """The model's transformers config: config.json without the quantization blocks."""
+        from transformers import AutoConfig
+
+        plain = {k: v for k, v in self.config.items() if k not in ("quantization", "quantization_config")}
+        return AutoConfig.for_model(**plain)
+
+    def stored_dtype(self) -> str:
+        """The float dtype the scales are stored in (what mlx-lm computes in)."""
+        from quantkit.io.safetensors import TORCH_DTYPES
+
+        first = next(iter(sorted(self.quantized)), None)
+        entry = self.index[f"{first}.scales"] if first else next(e for e in self.index.values() if e.dtype != "U32")
+        return TORCH_DTYPES[entry.dtype]
+
+
+def read_words(entry) -> np.ndarray:
+    """A stored uint32 tensor (the safetensors reader's torch dtypes have no uint32)."""
+    count = math.prod(entry.shape)
+    data = np.fromfile(entry.file, dtype="<u4", count=count, offset=entry.offset)
+    if data.size != count:
+        raise ModelError(f"{entry.file.name}: tensor data is truncated")
+    return data.reshape(entry.shape)
+
+
+def is_mlx_dir(config: dict) -> bool:
+    """config.json of an mlx-lm quantized model: a `quantization` block with bits and group size."""
+    block = config.get("quantization")
+    return isinstance(block, dict) and "bits" in block and "group_size" in block

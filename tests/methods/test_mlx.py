@@ -1,0 +1,130 @@
+"""--method mlx end to end on the micro model: an mlx-lm directory that mlx_lm.load reads on the CPU with
+the weights quantkit's gate measured, per-module overrides in config.json, refusals before work."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.methods.conftest import CALIB_ARGS, LOOSE_TOP1, assert_nothing_written, report
+from tests.methods.test_families import family_models  # noqa: F401  (the fixture)
+
+RECIPE = """
+targets:
+  - name: mlx
+    method: mlx
+    options:
+      bits: 3
+      group_size: 32
+      layer_bits: {"re:.*down_proj": 6, "model.layers.0.self_attn.q_proj": "16-bit"}
+"""
+
+
+@pytest.fixture(scope="module")
+def artifact(micro_model, tmp_path_factory, cli) -> Path:
+    root = tmp_path_factory.mktemp("mlx")
+    recipe = root / "recipe.yaml"
+    recipe.write_text(RECIPE)
+    out = root / "out"
+    result = cli("quantize", micro_model, "--recipe", recipe, *CALIB_ARGS, *LOOSE_TOP1, "--ignore", "lm_head",
+                 "-o", out)
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def test_writes_an_mlx_lm_directory_with_per_module_entries(artifact):
+    config = json.loads((artifact / "config.json").read_text())
+    block = config["quantization"]
+    assert block == config["quantization_config"]
+    assert {k: block[k] for k in ("bits", "group_size", "mode")} == {"bits": 3, "group_size": 32, "mode": "affine"}
+    assert block["model.layers.1.mlp.down_proj"] == {"group_size": 32, "bits": 6, "mode": "affine"}
+    assert block["model.layers.0.self_attn.q_proj"] is False and block["lm_head"] is False
+    assert "model.layers.0.self_attn.k_proj" not in block  # the top-level precision
+    assert (artifact / "model.safetensors").is_file() and (artifact / "tokenizer.json").is_file()
+    entry = report(artifact)["targets"][0]
+    assert entry["details"]["mlx"]["modules"] == {"3-bit": 12, "6-bit": 2, "16-bit": 2}
+    assert entry["metrics"]["kld_mean"] < 0.1
+    card = (artifact / "README.md").read_text()
+    assert "mlx_lm.generate --model ." in card and "library_name: mlx" in card
+
+
+def test_mlx_lm_loads_the_weights_the_gate_read_and_generates(artifact):
+    """Every quantized module mlx_lm builds dequantizes (mlx.core) to exactly quantkit's reading; its logits
+    are those of quantkit's reading within bfloat16 arithmetic noise; it generates."""
+    mx = pytest.importorskip("mlx.core", reason="mlx is not installed (pip install 'quantkit[mlx]')")
+    mlx_lm = pytest.importorskip("mlx_lm", reason="mlx-lm is not installed (pip install 'quantkit[mlx]')")
+    import torch
+    from mlx import nn
+
+    from quantkit.eval.artifacts import load_for_eval
+    from quantkit.mlx.checkpoint import MLXWeights
+
+    mx.set_default_device(mx.cpu)
+    model, tokenizer = mlx_lm.load(str(artifact))
+    ours = MLXWeights(artifact)
+    quantized = {name: m for name, m in model.named_modules() if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))}
+    assert len(quantized) == 14 and quantized["model.layers.0.mlp.down_proj"].bits == 6
+    for name, module in quantized.items():
+        theirs = mx.dequantize(module.weight, module.scales, module.biases, group_size=module.group_size,
+                               bits=module.bits)
+        assert np.array_equal(np.array(theirs.astype(mx.float32)), ours.get(name + ".weight").float().numpy()), name
+
+    ids = tokenizer.encode("The quick brown fox jumps over the lazy dog while the model quantizes")
+    theirs = np.array(model(mx.array(ids)[None]).astype(mx.float32))[0]
+    with torch.no_grad():
+        read = load_for_eval(artifact)(torch.tensor([ids])).logits[0].float().numpy()
+    assert np.abs(theirs - read).mean() < 0.01 * np.abs(read).mean()  # bfloat16 arithmetic apart
+    text = mlx_lm.generate(model, tokenizer, prompt="The quick", max_tokens=8)
+    assert isinstance(text, str) and text
+
+
+def test_unsupported_family_is_refused_before_work(cli, gpt2_model, tmp_path):
+    out = tmp_path / "out"
+    result = cli("quantize", gpt2_model, "--method", "mlx", *CALIB_ARGS, "-o", out)
+    assert result.exit_code == 2
+    assert "mlx: model_type 'gpt2'" in result.output
+    assert_nothing_written(out)
+
+
+def test_unknown_bits_are_refused(cli, micro_model, tmp_path):
+    result = cli("quantize", micro_model, "--method", "mlx", "--bits", "5", "-o", tmp_path / "out")
+    assert result.exit_code == 2 and "bits" in result.output
+
+
+FAMILIES = ("llama31", "mistral", "qwen25", "qwen3", "gemma3", "phi3")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_mlx_lm_loads_each_family(cli, family_models, tmp_path, family):  # noqa: F811
+    """Tiny random models of every family mlx writes: mlx_lm.load builds the quantized modules with exactly
+    quantkit's weights, and its logits follow quantkit's reading (Gemma's scaled embedding and 1 + w
+    norms, Phi-3's fused projections)."""
+    mx = pytest.importorskip("mlx.core", reason="mlx is not installed (pip install 'quantkit[mlx]')")
+    mlx_lm = pytest.importorskip("mlx_lm", reason="mlx-lm is not installed (pip install 'quantkit[mlx]')")
+    import torch
+    from mlx import nn
+
+    from quantkit.eval.artifacts import load_for_eval
+    from quantkit.mlx.checkpoint import MLXWeights
+
+    source, out = family_models(family), tmp_path / "out"
+    result = cli("quantize", source, "--method", "mlx", "--bits", "3", "--num-samples", "4", "--seq-len", "64",
+                 "--eval-windows", "2", "--no-gate", "-o", out)
+    assert result.exit_code == 0, result.output
+    mx.set_default_device(mx.cpu)
+    model, _tokenizer = mlx_lm.load(str(out))
+    ours = MLXWeights(out)
+    modules = [(n, m) for n, m in model.named_modules() if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))]
+    assert len(modules) >= 8
+    for name, m in modules:
+        theirs = mx.dequantize(m.weight, m.scales, m.biases, group_size=m.group_size, bits=m.bits)
+        assert np.array_equal(np.array(theirs.astype(mx.float32)), ours.get(name + ".weight").float().numpy()), name
+    ids = list(range(3, 40))
+    theirs = np.array(model(mx.array(ids)[None]).astype(mx.float32))[0]
+    with torch.no_grad():
+        read = load_for_eval(out)(torch.tensor([ids])).logits[0].float().numpy()
+    assert np.abs(theirs - read).mean() < 0.01 * np.abs(read).mean()  # bfloat16 arithmetic apart

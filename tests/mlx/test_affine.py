@@ -1,0 +1,79 @@
+"""MLX's affine packing and dequantization, exact against mlx.core; the calibrated search against plain rounding."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from quantkit.mlx import affine
+
+CASES = [(bits, group) for bits in affine.BITS for group in affine.GROUP_SIZES]
+
+
+def mlx_core():
+    return pytest.importorskip("mlx.core", reason="mlx is not installed (pip install 'quantkit[mlx]')")
+
+
+@pytest.mark.parametrize("bits", affine.BITS)
+def test_pack_then_unpack_gives_the_values_back(bits):
+    q = np.random.default_rng(bits).integers(0, 2 ** bits, size=(3, 128), dtype=np.uint8)
+    words = affine.pack(q, bits)
+    assert words.dtype == np.dtype("<u4") and words.shape == (3, 128 * bits // 32)
+    assert np.array_equal(affine.unpack(words, bits), q)
+
+
+def test_packing_is_a_little_endian_bit_stream():
+    """3-bit values 1..8 (mod 8): value i at bits 3i..3i+2 of the row's words, lowest bit first."""
+    q = (np.arange(32, dtype=np.uint8) + 1)[None] % 8
+    words = affine.pack(q, 3)
+    stream = sum(int(v) << (3 * i) for i, v in enumerate(q[0]))
+    assert [int(w) for w in words[0]] == [(stream >> (32 * k)) & 0xFFFFFFFF for k in range(3)]
+
+
+@pytest.mark.parametrize("bits,group_size", CASES)
+def test_unpack_reads_what_mlx_quantize_packs(bits, group_size):
+    mx = mlx_core()
+    w = np.random.default_rng(0).standard_normal((4, 256)).astype(np.float32)
+    words, scales, biases = mx.quantize(mx.array(w), group_size=group_size, bits=bits)
+    q = affine.unpack(np.array(words), bits).astype(np.float32)
+    rebuilt = np.repeat(np.array(scales), group_size, -1) * q + np.repeat(np.array(biases), group_size, -1)
+    assert np.array_equal(rebuilt, np.array(mx.dequantize(words, scales, biases, group_size=group_size, bits=bits)))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("bits,group_size", CASES)
+def test_dequantize_is_bit_exact_with_mlx(bits, group_size, dtype):
+    """quantkit's quantize -> mlx.core.dequantize equals quantkit's dequantize, value for value."""
+    mx = mlx_core()
+    w = torch.randn(64, 256, generator=torch.Generator().manual_seed(bits)).to(getattr(torch, dtype))
+    words, scales, biases = affine.quantize(w, bits, group_size)
+    ours = affine.dequantize(words, scales, biases, bits, group_size)
+    as_mx = [mx.array(t.float().numpy()).astype(getattr(mx, dtype)) for t in (scales, biases)]
+    theirs = mx.dequantize(mx.array(words), *as_mx, group_size=group_size, bits=bits)
+    assert ours.dtype == getattr(torch, dtype)
+    assert torch.equal(ours, torch.from_numpy(np.array(theirs.astype(mx.float32))).to(ours.dtype))
+
+
+@pytest.mark.parametrize("bits", affine.BITS)
+def test_calibrated_scales_beat_rounding_on_the_weighted_error(bits):
+    """With importance-weighted columns, the searched (scale, bias) have a lower output error than
+    min/max rounding, in the same format and size."""
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(64, 256, generator=gen)
+    x = torch.randn(256, 256, generator=gen) * torch.exp(torch.randn(256, generator=gen))
+    imp = (x * x).mean(0)
+
+    def output_error(importance):
+        words, scales, biases = affine.quantize(w, bits, 64, importance)
+        return float(((x @ (affine.dequantize(words, scales, biases, bits, 64) - w).T) ** 2).mean())
+
+    assert output_error(imp) < 0.8 * output_error(None)
+
+
+def test_quantize_is_deterministic_and_keeps_the_scale_dtype():
+    w = torch.randn(96, 128, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    first = affine.quantize(w, 4, 32, torch.ones(128))
+    second = affine.quantize(w, 4, 32, torch.ones(128))
+    assert np.array_equal(first[0], second[0]) and torch.equal(first[1], second[1]) and torch.equal(first[2], second[2])
+    assert first[1].dtype == torch.bfloat16 and first[1].shape == (96, 4)
