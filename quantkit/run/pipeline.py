@@ -469,6 +469,21 @@ def measure(job: QuantizeJob, resolved: ResolvedTarget, artifact: Path, baseline
         entry.timings["tasks_s"] = round(entry.timings.get("tasks_s", 0.0) + time.time() - started, 3)
 
 
+def measure_kv_cache(job: QuantizeJob, resolved: ResolvedTarget, artifact: Path, entry: TargetReport,
+                     opts: RunOptions) -> None:
+    """An artifact with a kv_cache_scheme: the KV quantization's own damage (the same weights with the
+    KV cache 16-bit against quantized) into entry.details["kv_cache"]."""
+    from quantkit.eval import scorers
+
+    scheme = scorers.kv_cache_scheme(artifact)
+    if not scheme:
+        return
+    opts.progress(f"[{resolved.name}] measuring the KV-cache quantization alone (same weights, KV 16-bit)")
+    kv = scorers.kv_only_metrics(artifact, job.windows.eval, job.device, job.trust_remote_code)
+    entry.details["kv_cache"] = {"scheme": scheme, "kld_mean": kv.kld_mean, "kld_p99": kv.kld_p99,
+                                 "top1": kv.top1, "ppl_increase": kv.ppl_increase}
+
+
 def run_target(job: QuantizeJob, resolved: ResolvedTarget, baseline, opts: RunOptions) -> TargetReport:
     """Quantize one target into its staging dir, then reload it from disk and measure it."""
     opts.progress(f"[{resolved.name}] quantizing with {resolved.target.method}")
@@ -489,11 +504,7 @@ def run_target(job: QuantizeJob, resolved: ResolvedTarget, baseline, opts: RunOp
     with PeakTracker() as et:
         measure(job, resolved, result.artifact, baseline, entry, opts)
     entry.timings["eval_s"] = et.seconds
-    if scorers.kv_cache_scheme(result.artifact):
-        opts.progress(f"[{resolved.name}] measuring the KV-cache quantization alone (same weights, KV 16-bit)")
-        kv = scorers.kv_only_metrics(result.artifact, job.windows.eval, job.device, job.trust_remote_code)
-        entry.details["kv_cache"] = {"scheme": scorers.kv_cache_scheme(result.artifact), "kld_mean": kv.kld_mean,
-                                     "kld_p99": kv.kld_p99, "top1": kv.top1, "ppl_increase": kv.ppl_increase}
+    measure_kv_cache(job, resolved, result.artifact, entry, opts)
     entry.peak_rss_bytes = max(qt.peak_rss, et.peak_rss)
     entry.peak_rss_by_step["eval"] = et.peak_rss
     if not entry.gate.passed and fallback_options(resolved) is not None:
