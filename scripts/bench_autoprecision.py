@@ -66,11 +66,17 @@ def kld(model: Path, base: Path, threads: int, ctx: int) -> dict:
     raise RuntimeError(f"llama-perplexity gave no KLD for {model.name}: {text[-500:]}")
 
 
+# the KLD vs size curve: the k-quant mixes Q2_K ... Q8_0 and the i-quant mixes
+CURVE_TYPES = ["IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "Q2_K", "IQ3_XXS", "IQ3_XS", "IQ3_S", "IQ3_M",
+               "Q3_K_M", "IQ4_XS", "IQ4_NL", "Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0"]
+
+
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, required=True)
     parser.add_argument("--sections", nargs="+", choices=["gguf", "gptq", "fallback"], default=["gguf"])
-    parser.add_argument("--types", nargs="+", default=["Q3_K_M", "Q4_K_M", "Q5_K_M"])
+    parser.add_argument("--types", nargs="+", default=["Q3_K_M", "Q4_K_M", "Q5_K_M"],
+                        help='mixture types, or "curve": the KLD vs size curve (CURVE_TYPES)')
     parser.add_argument("--fallback-methods", nargs="+", choices=["fp8", "smoothquant", "nf4"],
                         default=["fp8", "smoothquant", "nf4"], help="methods of the fallback section")
     parser.add_argument("--work", type=Path, default=Path("/tmp/bench-autoprecision"))
@@ -83,7 +89,10 @@ def parse_args(argv):
     parser.add_argument("--eval-windows", type=int, default=40, help="held-out windows of --seq-len tokens (gates)")
     parser.add_argument("--validate", action="store_true", help="also measure single-tensor KLD at Q2_K")
     parser.add_argument("--json", type=Path)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.types == ["curve"]:
+        args.types = CURVE_TYPES
+    return args
 
 
 def calibration(model: Path, num_samples: int, seq_len: int):
@@ -185,6 +194,8 @@ def gguf_section(args, work: Path) -> dict:
         auto = gguf_row(f"auto @{gguf_type}", *quantkit_run(args.model, auto_out, flags + ["--auto-precision"], args),
                         auto_out, base, args)
         rows += [plain, auto]
+        for r in (plain, auto):
+            print(json.dumps({k: v for k, v in r.items() if k != "types"}), flush=True)
         result["types"][gguf_type] = {"bytes_ratio": round(auto["bytes"] / plain["bytes"], 4),
                                       "kld_ratio": round(auto["kld"] / plain["kld"], 3),
                                       "wall_ratio": round(auto["wall_s"] / plain["wall_s"], 2)}
@@ -198,7 +209,20 @@ def gguf_section(args, work: Path) -> dict:
                                         windows[:args.measure_windows])
         print(json.dumps(result["validation"]), flush=True)
     result["rows"] = rows
+    print(curve_table(rows, f32.stat().st_size), flush=True)
     return result
+
+
+def curve_table(rows: list[dict], f32_bytes: int) -> str:
+    """Markdown: per type, bits per weight (file bytes against the F32 file's) and KLD of the mixture
+    and of auto-precision at its size (rows come in pairs: mixture, auto)."""
+    lines = ["| type | mixture bpw | mixture KLD | auto bpw | auto KLD | auto / mixture KLD |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for plain, auto in zip(rows[::2], rows[1::2]):
+        bpw = [round(32 * r["bytes"] / f32_bytes, 3) for r in (plain, auto)]
+        lines.append(f"| {plain['file'].split()[-1]} | {bpw[0]} | {plain['kld']:.6f} | {bpw[1]} | {auto['kld']:.6f} | "
+                     f"{auto['kld'] / plain['kld']:.2f}x |")
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------- gptq

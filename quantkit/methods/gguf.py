@@ -102,7 +102,7 @@ def missing_kernel(gguf_type: str, types: dict) -> None:
     if missing:
         raise UnsupportedError(f"GGUF type {gguf_type} uses {', '.join(missing)}, which quantkit has no "
                                "quantization kernel for yet",
-                               hint="choose a mix whose types quantkit quantizes: the k-quants, IQ4_NL or IQ4_XS")
+                               hint="choose a mix whose types quantkit quantizes (quantkit.gguf.quants.SUPPORTED)")
 
 
 def check_mix(info, options: Options, imatrix_entries=None) -> None:

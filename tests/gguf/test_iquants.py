@@ -1,4 +1,5 @@
-"""quantkit.gguf.iquants / iquants_numba (IQ4_NL, IQ4_XS): golden blocks and live comparison with llama.cpp."""
+"""quantkit.gguf.iquants / iquants_numba (IQ4_NL, IQ4_XS): golden blocks and live comparison with llama.cpp;
+the files of every i-quant mix against llama-quantize, and llama-perplexity loading them (slow)."""
 
 from __future__ import annotations
 
@@ -185,3 +186,32 @@ def test_iquant_files_bit_exact_with_llama_quantize(iq_model, gguf_type, tmp_pat
         result = convert_to(iq_model["model"], ours, gguf_type, imatrix=weights if imatrix else None)
         assert (result.imatrix_tensors > 0) == (imatrix is not None)
         assert_same_tensors(theirs, ours, f"{gguf_type} imatrix={imatrix is not None}")
+
+
+def last_perplexity(cmd: list[str]) -> tuple[int, str, float | None]:
+    """llama-perplexity's exit code, output and its last running PPL (`[n]value,` after each chunk; the
+    final estimate line, printed by its log thread at exit, is often lost on a loaded machine)."""
+    import re
+    import subprocess
+
+    run = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300, check=False)
+    values = re.findall(r"\[\d+\]([0-9.]+|nan|inf),", run.stdout)
+    return run.returncode, run.stdout, float(values[-1]) if values else None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("gguf_type", IQ_MIXES)
+def test_llama_perplexity_loads_every_iquant_mix(iq_model, gguf_type, tmp_path):
+    """llama.cpp loads quantkit's file of each i-quant mix (made with the imatrix) and computes a finite
+    perplexity with it (its CPU kernels for every type the mix holds)."""
+    from quantkit.gguf import imatrix as im
+    from tests.gguf.helpers import convert_to, need_llama
+    from tests.gguf.test_families_llamacpp import text_file
+
+    perplexity = need_llama("llama-perplexity")
+    path = tmp_path / f"{gguf_type}.gguf"
+    convert_to(iq_model["model"], path, gguf_type, imatrix=im.read(iq_model["imatrix"]).weights())
+    code, output, ppl = last_perplexity([str(perplexity), "-m", str(path), "-f", str(text_file(tmp_path / "t.txt")),
+                                         "-c", "128", "-b", "128", "--chunks", "2", "-t", "2"])
+    assert code == 0, output[-3000:]
+    assert ppl is not None and np.isfinite(ppl) and ppl > 1.0, (gguf_type, output[-2000:])
