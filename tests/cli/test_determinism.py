@@ -15,8 +15,9 @@ def digests(out) -> dict[str, str]:
             if p.is_file() and p.name not in ("quantkit.json", "README.md")}
 
 
-@pytest.mark.parametrize("method, options", [("gguf", ("--gguf-type", "Q4_K_M", "--auto-precision")),
-                                             ("gptq", ()), ("fp8", ())])
+@pytest.mark.parametrize("method, options", [  # fp8 in the fast suite; the longer two with -m slow
+    pytest.param("gguf", ("--gguf-type", "Q4_K_M", "--auto-precision"), marks=pytest.mark.slow),
+    pytest.param("gptq", (), marks=pytest.mark.slow), ("fp8", ())])
 def test_two_runs_write_the_same_bytes(cli, odd_model, tmp_path, method, options):
     runs = []
     for name in ("first", "second"):

@@ -33,7 +33,8 @@ def wait_for_staging(out, proc, timeout: float = 120.0):
     pytest.fail("no staging directory appeared")
 
 
-@pytest.mark.parametrize("signum, code, name", [(signal.SIGTERM, 143, "SIGTERM"), (signal.SIGHUP, 129, "SIGHUP")])
+@pytest.mark.parametrize("signum, code, name", [(signal.SIGTERM, 143, "SIGTERM"),
+                                                 pytest.param(signal.SIGHUP, 129, "SIGHUP", marks=pytest.mark.slow)])
 def test_termination_signal_during_a_run(micro_model, tmp_path, signum, code, name):
     out = tmp_path / "out"
     proc = quantize_process(micro_model, out)

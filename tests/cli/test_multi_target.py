@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.util import FAST_CALIB, leftovers, subprocess_env
 
 TWO_FP8 = "targets:\n  - {name: dyn, method: fp8}\n  - {name: static, method: fp8, options: {scheme: fp8-static}}\n"
@@ -189,6 +191,7 @@ def test_quiet_prints_one_line_per_target_and_json_stays_alone(cli, micro_model,
                                           f"static: skipped (up to date) → {out / 'static'}"]
 
 
+@pytest.mark.slow
 def test_piped_output_has_no_colour_or_progress_bars(micro_model, tmp_path):
     """Through a real process with pipes (not a TTY): no ANSI escapes, no tqdm bars, no carriage returns."""
     recipe = write_recipe(tmp_path, "targets:\n  - {name: dyn, method: fp8}\n"

@@ -308,6 +308,7 @@ def test_under_torchrun_a_one_process_method_is_refused_before_work(cli, micro_m
     assert leftovers(tmp_path, "out") == []
 
 
+@pytest.mark.slow
 def test_two_torchrun_ranks_give_the_one_process_artifact(cli, micro_model, tmp_path):
     """gloo on CPU: each rank calibrates on half of the windows, rank 0 alone gates and writes;
     the Hessians are summed in another order, so a few int4 values may differ."""
