@@ -15,6 +15,16 @@ ALL_MIXES = ["Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L", "Q4_K_S", "Q4_K_M", "Q5_K_S",
              "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
 
 
+def load_script(name: str):
+    """A module of scripts/ (make_gguf_golden, make_iquant_tables) imported by path."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[2] / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def need_llama(tool: str) -> Path:
     """A llama.cpp tool found the way quantkit finds one (quantkit.eval.llamacpp.find_binary), or skip."""
     from quantkit.eval.llamacpp import find_binary

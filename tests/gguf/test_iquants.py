@@ -12,17 +12,10 @@ from gguf.quants import quant_shape_to_byte_shape
 
 from quantkit.errors import UnsupportedError
 from quantkit.gguf import iquants, quants
-from tests.gguf.test_quants import _load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = ROOT / "tests" / "data" / "gguf_golden" / "golden_iq4.npz"
 IQ4 = [QT.IQ4_NL, QT.IQ4_XS]
-
-
-@pytest.fixture(params=["numba", "numpy"])
-def backend(request, monkeypatch):
-    monkeypatch.setattr(quants, "BACKEND", request.param)
-    return request.param
 
 
 def heavy_tailed(rng, rows: int, n: int) -> np.ndarray:
@@ -91,15 +84,6 @@ def test_golden_blocks_bit_exact(qtype, use_imatrix, backend):
 
 
 # -------------------------------------------------- live comparison with llama.cpp
-
-@pytest.fixture(scope="module")
-def ggml():
-    harness = _load_script("make_gguf_golden")
-    lib = harness.load_ggml()
-    if lib is None:
-        pytest.skip("llama.cpp build not found: run scripts/build_llamacpp.sh")
-    return harness, lib
-
 
 @pytest.mark.parametrize("data", ["gaussian", "heavy"])
 @pytest.mark.parametrize("use_imatrix", [False, True], ids=["plain", "imatrix"])

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import re
 from pathlib import Path
 
@@ -14,6 +13,7 @@ from gguf.quants import quant_shape_to_byte_shape
 
 from quantkit.errors import InputError
 from quantkit.gguf import iquant_tables, iquants_grid, quants
+from tests.gguf.helpers import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = ROOT / "tests" / "data" / "gguf_golden" / "golden_iq_grid.npz"
@@ -39,24 +39,14 @@ MAX_REL_RMSE = {QT.IQ3_S: 0.19, QT.IQ3_XXS: 0.33, QT.IQ2_S: 0.36, QT.IQ2_XS: 0.5
                 QT.IQ1_M: 0.64, QT.IQ1_S: 0.68}
 
 
-def _load_script(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+@pytest.fixture(scope="module")
+def harness(ggml):
+    return ggml[0]
 
 
 @pytest.fixture(scope="module")
-def harness():
-    return _load_script("make_gguf_golden")
-
-
-@pytest.fixture(scope="module")
-def ggml(harness):
-    lib = harness.load_ggml()
-    if lib is None:
-        pytest.skip("llama.cpp build not found (scripts/build_llamacpp.sh)")
-    return lib
+def lib(ggml):
+    return ggml[1]
 
 
 def _data(rows: int, n: int, seed: int):
@@ -77,7 +67,7 @@ def test_tables_match_llamacpp_source():
     """iquant_tables equals the kgrid_* tables of ggml-quants.c, and decodes to ggml-common.h's grids."""
     if not (GGML_SRC / "ggml-quants.c").exists():
         pytest.skip("llama.cpp source not present (third_party/llama.cpp/src)")
-    gen = _load_script("make_iquant_tables")
+    gen = load_script("make_iquant_tables")
     kgrids = gen.read_kgrids(GGML_SRC / "ggml-quants.c")
     for c_name, (py_name, _) in gen.TABLES.items():
         assert tuple(kgrids[c_name]) == getattr(iquant_tables, py_name), py_name
@@ -131,22 +121,22 @@ def test_golden_blocks(qtype, use_imatrix):
 
 
 @pytest.mark.parametrize(("qtype", "use_imatrix"), FAST_CASES, ids=_ids(FAST_CASES))
-def test_bit_exact_with_llamacpp(qtype, use_imatrix, harness, ggml):
+def test_bit_exact_with_llamacpp(qtype, use_imatrix, harness, lib):
     x, imatrix = _data(3, 768, seed=int(qtype))
     qw = imatrix if use_imatrix else None
-    np.testing.assert_array_equal(quants.quantize(x, qtype, qw), harness.ggml_quantize(ggml, x, qtype, qw))
+    np.testing.assert_array_equal(quants.quantize(x, qtype, qw), harness.ggml_quantize(lib, x, qtype, qw))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("qtype", "use_imatrix"), CASES, ids=CASE_IDS)
-def test_bit_exact_with_llamacpp_many_rows(qtype, use_imatrix, harness, ggml):
+def test_bit_exact_with_llamacpp_many_rows(qtype, use_imatrix, harness, lib):
     rng = np.random.default_rng(7)
     rows = harness.edge_rows(1024, rng)
     x, imatrix = _data(24, 1024, seed=100 + int(qtype))
     x = np.concatenate([np.stack(rows), x, np.round(x * 40) / 40]).astype(np.float32)
     qw = imatrix if use_imatrix else None
     np.testing.assert_array_equal(quants.quantize(x, qtype, qw, threads=2),
-                                  harness.ggml_quantize(ggml, x, qtype, qw))
+                                  harness.ggml_quantize(lib, x, qtype, qw))
 
 
 # ------------------------------------------------------------------ round trips and contract
@@ -162,11 +152,11 @@ def _ggml_dequantize(lib, q: np.ndarray, qtype: QT, n: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-def test_gguf_py_dequantizes_like_ggml(qtype, ggml):
+def test_gguf_py_dequantizes_like_ggml(qtype, lib):
     x, imatrix = _data(2, 512, seed=3)
     q = quants.quantize(x, qtype, imatrix)
     ours = quants.dequantize(q, qtype)
-    np.testing.assert_array_equal(ours, _ggml_dequantize(ggml, q, qtype, x.shape[1]))
+    np.testing.assert_array_equal(ours, _ggml_dequantize(lib, q, qtype, x.shape[1]))
     # row 2 has an all-zero sub-block: llama.cpp's IQ3_S then writes the later sub-blocks' grid
     # indices and signs one slot early (its dequantizer reads garbage there), so no error bound
     fine = np.delete(np.arange(len(x)), 2)

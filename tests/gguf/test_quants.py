@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import numpy as np
@@ -24,13 +23,6 @@ MAX_REL_RMSE = {
     QT.Q5_1: 0.06, QT.Q5_K: 0.05, QT.Q4_0: 0.12, QT.Q4_1: 0.11, QT.Q4_K: 0.10, QT.Q3_K: 0.22,
     QT.Q2_K: 0.45,
 }
-
-
-def _load_script(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
@@ -123,13 +115,6 @@ def golden():
     return np.load(GOLDEN)
 
 
-@pytest.fixture(params=["numba", "numpy"])
-def backend(request, monkeypatch):
-    """Run a test with the numba kernels and with the numpy ones (the reference they are checked against)."""
-    monkeypatch.setattr(quants, "BACKEND", request.param)
-    return request.param
-
-
 @pytest.mark.parametrize("use_imatrix", [False, True], ids=["ref", "imatrix"])
 @pytest.mark.parametrize("qtype", [*QUANT_TYPES, QT.F16, QT.BF16], ids=lambda t: t.name)
 def test_golden_blocks_bit_exact(qtype, use_imatrix, golden, backend):
@@ -141,15 +126,6 @@ def test_golden_blocks_bit_exact(qtype, use_imatrix, golden, backend):
 
 
 # -------------------------------------------------- live comparison with llama.cpp
-
-@pytest.fixture(scope="module")
-def ggml():
-    harness = _load_script("make_gguf_golden")
-    lib = harness.load_ggml()
-    if lib is None:
-        pytest.skip("llama.cpp build not found: run scripts/build_llamacpp.sh")
-    return harness, lib
-
 
 @pytest.mark.parametrize("use_imatrix", [False, True], ids=["ref", "imatrix"])
 @pytest.mark.parametrize("qtype", QUANT_TYPES, ids=lambda t: t.name)
