@@ -504,11 +504,11 @@ def run_target(job: QuantizeJob, resolved: ResolvedTarget, baseline, opts: RunOp
     with PeakTracker() as et:
         measure(job, resolved, result.artifact, baseline, entry, opts)
     entry.timings["eval_s"] = et.seconds
-    measure_kv_cache(job, resolved, result.artifact, entry, opts)
     entry.peak_rss_bytes = max(qt.peak_rss, et.peak_rss)
     entry.peak_rss_by_step["eval"] = et.peak_rss
     if not entry.gate.passed and fallback_options(resolved) is not None:
         run_fallback(job, resolved, result, entry, baseline, opts)
+    measure_kv_cache(job, resolved, result.artifact, entry, opts)  # the final artifact's, after any fallback
     if entry.failed_enforced_gate:
         entry.status, entry.exit_code = "failed", GateFailedError.exit_code
     entry.details["serving"] = serving.artifact_plan(job.info, resolved.method, result.artifact, job.options)
