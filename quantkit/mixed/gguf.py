@@ -45,6 +45,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Callable, Iterator
 
 import numpy as np
@@ -242,6 +243,58 @@ def measure_klds(model_dir: Path, rows: list[SensitivityRow], plans, quant_imatr
             h.close()
     set_gains(rows, klds)
     return klds
+
+
+class TypedMatrices(Mapping):
+    """{HF name: float32 torch tensor} of every matrix of the plans `types` names, quantized at its type
+    and dequantized when it is read, so a whole type map is applied one layer at a time; the last
+    CACHED tensors read are kept (the head is read a slice at a time)."""
+
+    CACHED = 2
+
+    def __init__(self, handles, plans, types: dict[str, T], quant_imatrix: dict | None):
+        from quantkit.gguf.convert import imatrix_for
+
+        self.handles, self.cache = handles, {}
+        self.sources = {hf: (rows, types[p.name], qim) for p in plans if p.name in types
+                        for hf, rows, qim, _ in matrices(handles, p, imatrix_for(p, quant_imatrix), None)}
+
+    def __getitem__(self, hf: str):
+        import torch
+
+        from quantkit.gguf.quants import dequantize, quantize
+
+        if hf not in self.cache:
+            rows, qtype, qim = self.sources[hf]
+            data = self.handles[hf].read(hf, 0, rows)
+            self.cache = dict(list(self.cache.items())[1 - self.CACHED:])
+            self.cache[hf] = torch.from_numpy(dequantize(quantize(data, qtype, qim), qtype))
+        return self.cache[hf]
+
+    def __iter__(self):
+        return iter(self.sources)
+
+    def __len__(self) -> int:
+        return len(self.sources)
+
+
+def measure_type_maps(model_dir: Path, plans, maps: dict[str, dict[str, T]], quant_imatrix: dict | None, windows,
+                      workdir: Path | None = None, progress: Callable[[str], None] = lambda message: None
+                      ) -> dict[str, float]:
+    """{label: KL divergence} of the calibration windows through the streamed float32 forward with every
+    tensor of the map `maps[label]` quantized at its type at once, against the unquantized forward."""
+    from quantkit.gguf.convert import open_handles
+    from quantkit.io.checkpoint import check_model_dir
+    from quantkit.mixed.sensitivity import Probe, probe_klds
+
+    handles = open_handles(check_model_dir(Path(model_dir)).weight_files)
+    probes = [Probe(label, 0, lambda types=types: TypedMatrices(handles, plans, types, quant_imatrix))
+              for label, types in maps.items()]
+    try:
+        return probe_klds(model_dir, probes, windows, "auto_precision.measure_windows: 0", workdir, progress)
+    finally:
+        for h in set(handles.values()):
+            h.close()
 
 
 def measure(model_dir: Path, plans, quant_imatrix: dict | None, importance: dict | None, calib_windows,

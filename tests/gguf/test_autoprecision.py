@@ -134,6 +134,9 @@ def test_auto_precision_keeps_the_mixture_size(auto_out, sharp):
     mixed = details["mixed_precision"]
     assert mixed["bytes"] <= mixed["budget_bytes"] == mixed["mixture_bytes"]
     assert mixed["changed"]  # some tensor got another type than llama.cpp's rule gives it
+    measured = mixed["measured"]  # both maps measured whole: the search's is kept where it is no worse
+    assert measured["kept"] == "search" and measured["search_kld"] < measured["mixture_kld"]
+    assert measured["windows"] == 4
     mixture_file = convert(sharp, auto_out.parent / "mixture.gguf", "Q4_K_M")
     assert details["gguf"]["bytes"] <= mixture_file.bytes
     table = details["sensitivity"]
@@ -146,6 +149,28 @@ def test_auto_precision_keeps_the_mixture_size(auto_out, sharp):
         assert all(a >= b for a, b in zip(damages, damages[1:])), r
     lines = (auto_out / "tensor-types.txt").read_text().split()
     assert len(lines) == len(mixed["types"]) and all(ln.startswith("^") for ln in lines)
+
+
+def test_a_search_that_measures_worse_than_the_mixture_gives_way_to_it(cli, sharp, tmp_path, monkeypatch):
+    """The per-tensor damage model is an estimate: when the types it picks measure a higher KL divergence
+    than llama.cpp's mixture of the same size (here forced: every tensor at its cheapest type), the
+    mixture is written, and the report says so with both measurements."""
+    from quantkit.gguf.convert import convert
+    from quantkit.mixed import gguf as budget
+    from tests.gguf.helpers import tensor_bytes
+
+    monkeypatch.setattr(budget, "assign_types",
+                        lambda table, allowed: {t.name: budget.T[t.candidates[0]] for t in table})
+    out = tmp_path / "auto"
+    result = cli("quantize", sharp, "--method", "gguf", "--gguf-type", "Q4_K_M", "--imatrix", "none",
+                 "--auto-precision", *CALIB, "--no-gate", "-o", out)
+    assert result.exit_code == 0, result.output
+    mixed = json.loads((out / "quantkit.json").read_text())["targets"][0]["details"]["mixed_precision"]
+    measured = mixed["measured"]
+    assert measured["kept"] == "mixture" and measured["mixture_kld"] < measured["search_kld"]
+    assert not mixed["changed"] and mixed["bytes"] == mixed["mixture_bytes"]
+    mixture = convert(sharp, tmp_path / "mixture.gguf", "Q4_K_M", imatrix=None)
+    assert tensor_bytes(out / "sharp-Q4_K_M.gguf") == tensor_bytes(mixture.path)
 
 
 def test_inspect_shows_the_sensitivity_table(cli, auto_out, sharp):
