@@ -103,6 +103,9 @@ def quantize(
     task_file: list[Path] = typer.Option([], "--task-file", help="Gate: a task YAML in lm-eval's format (dataset_path: json, local data_files); repeatable."),
     limit: Optional[int] = typer.Option(None, "--limit", min=1, help="Gate: samples per task (gate.task_limit)."),
     min_recovery: Optional[float] = typer.Option(None, "--min-recovery", min=0, help="Gate: artifact task score / base score at least this for --tasks/--task-file (default 0.95)."),
+    flip_prompts: Optional[int] = typer.Option(None, "--flip-prompts", min=0, help="Gate: greedy continuations of this many held-out prompts, base vs. artifact (the flips metric)."),
+    flip_tokens: Optional[int] = typer.Option(None, "--flip-tokens", min=1, help="Gate: tokens generated per prompt for flips (default 16)."),
+    max_flips: Optional[float] = typer.Option(None, "--max-flips", help="Gate: max share of greedy tokens after the first divergence (needs --flip-prompts)."),
     no_gate: bool = typer.Option(False, "--no-gate", help="Measure but do not enforce the gate (recorded)."),
     overwrite: bool = typer.Option(False, help="Replace an existing output."),
     max_memory: Optional[str] = typer.Option(None, "--max-memory", help="RAM the run may use, e.g. 16GiB (default: what is available); a run estimated above it is refused before work."),
@@ -126,7 +129,8 @@ def quantize(
         calibration=dict(source=calib, text_field=calib_text_field, num_samples=num_samples, seq_len=seq_len,
                          eval_windows=eval_windows, seed=seed),
         gate=dict(max_ppl_increase=max_ppl_increase, max_kld=max_kld, min_top1=min_top1, max_ppl_delta=max_ppl_delta,
-                  task_limit=limit, tasks=cli_tasks(tasks, [str(f) for f in task_file], min_recovery) or None),
+                  task_limit=limit, tasks=cli_tasks(tasks, [str(f) for f in task_file], min_recovery) or None,
+                  flip_prompts=flip_prompts, flip_tokens=flip_tokens, max_flips=max_flips),
         # Method flags name method option fields; each applies to every target whose method has that
         # option, and naming one no target has is an error.
         method_options=dict(scheme=scheme, bits=bits, group_size=group_size_option(group_size), act_order=act_order,

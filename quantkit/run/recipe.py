@@ -72,7 +72,7 @@ class Gate(Strict):
     @model_validator(mode="after")
     def _flips_need_prompts(self) -> "Gate":
         if self.max_flips is not None and self.flip_prompts == 0:
-            raise ValueError("max_flips needs generations: set flip_prompts (e.g. 8)")
+            raise ValueError("max_flips needs generations: set flip_prompts (command line: --flip-prompts, e.g. 8)")
         return self
 
 

@@ -338,3 +338,18 @@ def test_two_torchrun_ranks_give_the_one_process_artifact(cli, micro_model, tmp_
     assert metrics[1]["top1"] == pytest.approx(metrics[0]["top1"], abs=0.02)
     report = json.loads((tmp_path / "two" / "quantkit.json").read_text())
     assert report["calibration"]["calib_windows"] == 16
+
+
+def test_flip_flags_gate_greedy_generations(cli, micro_model, tmp_path):
+    """--flip-prompts / --flip-tokens / --max-flips: greedy continuations of held-out prompts, base vs.
+    artifact, in the report and the gate; --max-flips alone is refused before work."""
+    out = tmp_path / "out"
+    result = cli("quantize", micro_model, "--method", "fp8", "-o", out, *FAST_CALIB, "--flip-prompts", "2",
+                 "--flip-tokens", "4", "--max-flips", "1")
+    assert result.exit_code == 0, result.output
+    target = json.loads((out / "quantkit.json").read_text())["targets"][0]
+    assert 0 <= target["metrics"]["flips"] <= 1
+    assert "flips" in [c["name"] for c in target["gate"]["checks"]]
+    refused = cli("quantize", micro_model, "--method", "fp8", "-o", tmp_path / "no", *FAST_CALIB, "--max-flips", "0.1")
+    assert refused.exit_code == 2 and "flip_prompts" in refused.stderr
+    assert "baseline" not in refused.stderr
