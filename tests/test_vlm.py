@@ -224,7 +224,7 @@ def test_gptq_vlm_recipe_quantizes_only_the_text_decoder(cli, llava_model, tmp_p
     assert leftovers(tmp_path, "w4") == ["w4"]
 
 
-@pytest.mark.parametrize("method", ["awq", "smoothquant"])
+@pytest.mark.parametrize("method", [pytest.param("awq", marks=pytest.mark.slow), "smoothquant"])  # awq on a VLM: test_vlm_families
 def test_smoothing_methods_smooth_only_the_language_model(cli, llava_model, tmp_path, method):
     """AWQ/SmoothQuant on a VLM: the language model's norms are rescaled, every tower tensor is stored
     unchanged (the proof in the report), and the image+text forward runs on the reloaded artifact."""

@@ -15,7 +15,7 @@ from tests.util import leftovers
 from tests.vlm_models import FAMILY_KINDS, PROCESSOR_KINDS, build_family
 
 CALIB = ("--num-samples", "16", "--seq-len", "64", "--eval-windows", "4", "--no-gate")
-METHODS = ("fp8", "gptq", "awq", "autoround", "smoothquant", "nf4", "gguf", "mlx")
+METHODS = ("fp8", "gptq", "awq", "autoround", "smoothquant", "nf4", "gguf", "nvfp4", "mxfp4", "mlx")
 
 
 def test_the_matrix_covers_the_readme_families():

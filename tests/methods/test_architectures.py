@@ -25,7 +25,7 @@ def build(model_type: str, tokenizer_dir, out):
 
 
 @pytest.mark.parametrize("method,model_type", [
-    ("awq", "qwen3"),
+    pytest.param("awq", "qwen3", marks=pytest.mark.slow),  # awq fast: test_families, test_awq
     pytest.param("awq", "mistral", marks=pytest.mark.slow),
     pytest.param("awq", "qwen2", marks=pytest.mark.slow),
     pytest.param("awq", "gemma2", marks=pytest.mark.slow),

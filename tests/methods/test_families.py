@@ -19,13 +19,14 @@ from tests.methods.conftest import CALIB_ARGS, assert_nothing_written, report
 LOOSE_GATE = ["--max-kld", "1", "--max-ppl-increase", "1", "--min-top1", "0"]
 # MoE experts reload in transformers only without zero points (quantkit.arch.moe).
 METHOD_ARGS = {"fp8": [], "gptq": [], "awq": ["--symmetric"], "smoothquant": ["--smoothing-strength", "0.5"],
-               "nf4": [], "autoround": ["--iters", "2"]}
+               "nf4": [], "autoround": ["--iters", "2"], "nvfp4": [], "mxfp4": []}
 MOE = ("mixtral", "qwen3moe", "qwen2moe")
 # (family, method) -> the words exit 2 must name, for what a method refuses on a family.
-REFUSED = {(family, "smoothquant"): "int-quantized" for family in MOE}
+REFUSED = {**{(family, "smoothquant"): "int-quantized" for family in MOE},
+           **{(family, method): "FP4" for family in MOE for method in ("nvfp4", "mxfp4")}}
 FAMILIES = ("llama31", "gemma3", "phi3", "mistral", "mixtral", "qwen25", "qwen3", "qwen3moe", "qwen2moe")
-# Fast: the Mixtral reload fix with the routing report, the fused Phi-3 rows, a refusal.
-FAST = {("mixtral", "gptq"), ("phi3", "awq"), ("mixtral", "smoothquant")}
+# Fast: the Mixtral reload fix with the routing report, the fused Phi-3 rows, two refusals.
+FAST = {("mixtral", "gptq"), ("phi3", "awq"), ("mixtral", "smoothquant"), ("qwen3moe", "nvfp4")}
 
 
 def build_extra(family: str, out: Path) -> Path:
