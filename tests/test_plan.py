@@ -3,7 +3,7 @@ import pytest
 from quantkit.arch.roles import classify, matches
 from quantkit.io.checkpoint import ModelInfo
 from quantkit.methods import fp8
-from quantkit.run.plan import build_plan, ignore_patterns, kv_cache_bytes, memory_estimate
+from quantkit.run.plan import build_plan, ignore_patterns, kv_cache_bytes
 
 
 @pytest.mark.parametrize("name,role", [
@@ -64,9 +64,15 @@ def test_ignore_patterns_cover_present_towers_with_llmcompressor_semantics():
     assert not matches("model.language_model.layers.0.mlp.up_proj", patterns)
 
 
-def test_memory_estimate_orders_formats():
+def test_memory_rows_are_the_serving_plans_weights():
+    """inspect's memory table sizes each method's default artifact as `quantkit plan` does."""
+    from quantkit.methods import get_method
+    from quantkit.run.serving import memory_rows, weight_bytes
+
     info = vlm_info()
-    rows = memory_estimate(info, build_plan(info, fp8.METHOD, fp8.Options(), []))
-    assert rows["FP16/BF16"]["weights_bytes"] > rows["FP8 (E4M3, per-channel)"]["weights_bytes"]
-    assert rows["FP8 (E4M3, per-channel)"]["weights_bytes"] > rows["INT4 (group 128)"]["weights_bytes"]
+    rows = memory_rows(info, context=10)
+    assert rows["source"]["weights_bytes"] > rows["fp8"]["weights_bytes"] > rows["gptq"]["weights_bytes"]
+    gptq = get_method("gptq")
+    assert rows["gptq"]["weights_bytes"] == weight_bytes(info, gptq, gptq.resolve(info, gptq.options())[0])
+    assert all(r["with_overhead_bytes"] > r["weights_bytes"] for r in rows.values())
     assert kv_cache_bytes(info.config, context=10) == 2 * 1 * 2 * 64 * 2 * 10

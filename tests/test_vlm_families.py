@@ -158,3 +158,12 @@ def test_gemma3_towers_that_cannot_be_quantized_are_refused_before_work(cli, fam
     assert result.exit_code == 2, result.output
     assert message in result.stderr
     assert leftovers(tmp_path, "out") == []
+
+
+def test_plan_sizes_a_vlm_the_gguf_converter_does_not_take(cli, family_model):
+    """Mllama has no llama.cpp conversion: the gguf row falls back to the per-role default types
+    ("Q4_K (Q4_K_M mix)") and is sized from them, not an internal error."""
+    result = cli("plan", family_model("mllama"), "--json", "-")
+    assert result.exit_code == 0, result.output
+    rows = {row["method"]: row["weights_bytes"] for row in json.loads(result.stdout)["formats"]}
+    assert 0 < rows["gguf"] < rows["fp8"] < rows["source"]

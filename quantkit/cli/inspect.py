@@ -76,7 +76,8 @@ def _target(method: str, recipe: str | None, ignore: list[str]):
 def plan_data(info, method, options, ignore: list[str], context: int, towers: dict[str, str] | None = None) -> dict:
     from quantkit.arch.vlm import tower_summary
     from quantkit.methods import runtimes_for
-    from quantkit.run.plan import MEMORY_NOTE, build_plan, ignore_patterns, memory_estimate, role_summary
+    from quantkit.run.plan import MEMORY_NOTE, build_plan, ignore_patterns, role_summary
+    from quantkit.run.serving import memory_rows
 
     towers = {role: value for role, value in (towers or {}).items() if value != "keep"}
     options, choices = method.resolve(info, options)
@@ -99,7 +100,7 @@ def plan_data(info, method, options, ignore: list[str], context: int, towers: di
                      "kernels": [] if e.kept else kernels(runtimes, e.shape)} for e in entries],
         "runtimes": [{"name": r.name, "kinds": list(r.kinds), "min_capability": r.min_capability,
                       "widths": [r.out_multiple, r.in_multiple], "source": r.source} for r in runtimes],
-        "memory": memory_estimate(info, entries, context),
+        "memory": memory_rows(info, context),
         "memory_note": MEMORY_NOTE.format(context=context),
     }
 
@@ -193,10 +194,10 @@ def _modules_table(data: dict) -> Table:
 
 def _memory_table(data: dict) -> Table:
     table = Table(title="estimated memory", title_justify="left")
-    for column in ("format", "weights", "with KV + overhead"):
+    for column in ("method", "format", "weights", "with KV + overhead"):
         table.add_column(column)
-    for fmt, row in data["memory"].items():
-        table.add_row(fmt, human_bytes(row["weights_bytes"]), human_bytes(row["with_overhead_bytes"]))
+    for name, row in data["memory"].items():
+        table.add_row(name, row["format"], human_bytes(row["weights_bytes"]), human_bytes(row["with_overhead_bytes"]))
     return table
 
 

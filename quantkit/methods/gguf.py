@@ -515,10 +515,11 @@ def type_bits(gguf_type: str) -> float:
 
 
 def precision_bits(options: Options, precision: str) -> float:
-    """Bits per weight of a plan entry's ggml type ("gguf Q6_K": 6.5625)."""
+    """Bits per weight of a plan entry's ggml type ("gguf Q6_K": 6.5625; the default a plan falls back to
+    where the mixture cannot be planned, "gguf Q4_K (Q4_K_M mix)": Q4_K's)."""
     from gguf import GGMLQuantizationType
 
-    return ggml_bits(GGMLQuantizationType[precision.removeprefix("gguf ")])
+    return ggml_bits(GGMLQuantizationType[precision.removeprefix("gguf ").split(" ")[0]])
 
 
 def ggml_bits(qtype) -> float:

@@ -24,18 +24,6 @@ if TYPE_CHECKING:
     from quantkit.methods import MethodSpec
 
 
-# Weight bits per parameter of each format (scales and zero points included).
-FORMAT_BITS = {
-    "FP16/BF16": 16.0,
-    "FP8 (E4M3, per-channel)": 8.0,
-    "INT8 (per-channel)": 8.0,
-    "INT4 (group 128)": 4.125,
-    "NVFP4 (group 16, fp8 scales)": 4.5,
-    "NF4 (double quant)": 4.127,
-    "GGUF Q4_K_M": 4.85,
-}
-
-
 @dataclass
 class PlanEntry:
     name: str  # module name (tensor name without .weight)
@@ -122,21 +110,7 @@ def kv_cache_bytes(config: dict, context: int = 4096, batch: int = 1, bytes_per_
     return 2 * (text.get("num_hidden_layers") or 0) * kv_heads * head_dim * bytes_per_value * context * batch
 
 
-def memory_estimate(info: ModelInfo, entries: list[PlanEntry], context: int = 4096) -> dict[str, dict]:
-    """Weight memory per format: quantizable decoder linears at the format's bits, the rest at 16-bit."""
-    total = info.num_parameters
-    quantizable = sum(e.params for e in entries if e.role in ("decoder", "other"))
-    kv = kv_cache_bytes(info.config, context)
-    overhead_fraction = 0.10  # activations, buffers and allocator slack on top of weights + KV
-    rows = {}
-    for fmt, bits in FORMAT_BITS.items():
-        weights = (quantizable * bits + (total - quantizable) * 16) / 8
-        if fmt == "GGUF Q4_K_M":  # embeddings Q4_K, output Q6_K
-            weights = (total * bits) / 8
-        rows[fmt] = {"weights_bytes": int(weights), "with_overhead_bytes": int((weights + kv) * (1 + overhead_fraction))}
-    return rows
-
-
 MEMORY_NOTE = (
-    "with overhead = (weights + fp16 KV cache for {context} tokens, batch 1) x 1.10 for activations and buffers"
+    "weights as `quantkit plan` sizes each method's default artifact; with overhead = (weights + fp16 KV cache "
+    "for {context} tokens, batch 1) x 1.10 for activations and buffers"
 )

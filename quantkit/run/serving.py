@@ -9,7 +9,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from quantkit.errors import InputError
+from quantkit.errors import InputError, QuantkitError
 from quantkit.methods import METHODS, MethodSpec, Runtime, get_method, runtimes_for
 
 OVERHEAD = 0.10  # activations, buffers and allocator slack on top of weights + KV (as quantkit inspect's estimate)
@@ -163,6 +163,23 @@ def weight_bytes(info, method: MethodSpec, options) -> int:
         else:
             total += count * 2
     return int(total)
+
+
+def memory_rows(info, context: int) -> dict[str, dict]:
+    """`quantkit inspect`'s memory estimate: the 16-bit checkpoint and each method's artifact at its default
+    options, weights sized as `quantkit plan` sizes them (weight_bytes), each with an fp16 KV cache of
+    `context` tokens and OVERHEAD; a method this model cannot take is left out."""
+    sizes = {"source": (f"16-bit ({info.dtype})", source_bytes(info))}
+    for name in METHODS:
+        method = get_method(name)
+        try:
+            options, _choices = method.resolve(info, method.options())
+            sizes[name] = (method.format, weight_bytes(info, method, options))
+        except QuantkitError:
+            continue
+    kv = kv_bytes_per_token(info.config) * context
+    return {name: {"format": fmt, "weights_bytes": weights, "with_overhead_bytes": math.ceil((weights + kv) * (1 + OVERHEAD))}
+            for name, (fmt, weights) in sizes.items()}
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,12 @@ def test_inspect_json_lists_every_linear(cli, micro_model):
     assert "lm_head" in names and "model.layers.1.mlp.down_proj" in names
     assert len([n for n in names if ".layers." in n]) == 2 * 7
     assert data["roles"]["decoder"]["modules"] == 14
-    assert set(data["memory"]) >= {"FP16/BF16", "FP8 (E4M3, per-channel)", "INT8 (per-channel)",
-                                   "INT4 (group 128)", "NF4 (double quant)", "GGUF Q4_K_M"}
+    from quantkit.methods import METHODS
+
+    assert list(data["memory"]) == ["source", *METHODS]  # each method's default artifact, as `quantkit plan`
+    plan = json.loads(cli("plan", micro_model, "--json", "-").stdout)
+    assert {r["method"]: r["weights_bytes"] for r in plan["formats"]} == {
+        name: row["weights_bytes"] for name, row in data["memory"].items()}
 
 
 def test_inspect_estimates_the_run_as_quantize_would_preflight_it(cli, micro_model, tmp_path):
@@ -63,7 +67,7 @@ def test_inspect_names_the_kernels_that_take_each_layer(cli, micro_model):
     assert layers["model.layers.0.mlp.down_proj"]["kernels"] == [
         "vLLM: NVFP4 W4A4 (CUTLASS FP4) (sm 10+)", "vLLM: Marlin FP4, weights only (sm 7.5+)"]
     assert layers["lm_head"]["kernels"] == [] and layers["lm_head"]["kept"]
-    assert all(r["source"] for r in data["runtimes"]) and "NVFP4 (group 16, fp8 scales)" in data["memory"]
+    assert all(r["source"] for r in data["runtimes"]) and "nvfp4" in data["memory"]
     from quantkit.cli.inspect import kernels
     from quantkit.methods import nvfp4
 
