@@ -429,25 +429,30 @@ def quantize(job: QuantizeJob) -> QuantizeResult:
 
 
 def measured_choice(job: QuantizeJob, plans, imatrix, table, types: dict, sizes: BudgetSizes) -> tuple[dict, dict]:
-    """The search's types, or llama.cpp's mixture where the mixture fits the budget and its KL divergence,
-    measured with every tensor quantized on the windows the probes used, is no higher: the damage model
-    sums per-tensor estimates, and at the 2-bit types it can rank the two wrongly. The second value is
+    """The per-tensor types to write, chosen by measurement among the search's, a second search's with the
+    embedding and head kept at the mixture's types or above, and llama.cpp's mixture where it fits the
+    budget: each map applied whole, its KL divergence measured on the windows the probes used. The damage
+    model sums per-tensor estimates, and at the 2-bit types it can rank maps wrongly. The second value is
     details.mixed_precision.measured ({} where nothing was measured)."""
     from quantkit.mixed import gguf as budget
 
-    auto, mixture = job.options.auto_precision, budget.mixture_types(table)
-    if auto.measure_windows <= 0 or sizes.mixture > sizes.allowed or types == mixture:
+    auto = job.options.auto_precision
+    maps = {"search": types, "search, head kept": budget.assign_types(budget.head_kept(table), sizes.allowed)}
+    if sizes.mixture <= sizes.allowed:
+        maps["mixture"] = budget.mixture_types(table)
+    distinct: dict[str, dict] = {}
+    for label, candidate in maps.items():
+        if candidate not in distinct.values():
+            distinct[label] = candidate
+    if auto.measure_windows <= 0 or len(distinct) == 1:
         return types, {}
     windows = job.windows.calib[:auto.measure_windows]
-    job.progress(f"auto-precision: the chosen types and the {job.options.gguf_type} mixture, each whole, "
-                 f"on {len(windows)} windows")
-    klds = budget.measure_type_maps(job.info.path, plans, {"search": types, "mixture": mixture},
-                                    imatrix.weights() if imatrix is not None else None, windows, Path(job.workdir),
-                                    job.progress)
-    kept = "mixture" if klds["mixture"] <= klds["search"] else "search"
-    measured = {"windows": len(windows), "search_kld": round(klds["search"], 8),
-                "mixture_kld": round(klds["mixture"], 8), "kept": kept}
-    return (mixture if kept == "mixture" else types), {"measured": measured}
+    job.progress(f"auto-precision: {', '.join(distinct)} measured whole on {len(windows)} windows")
+    klds = budget.measure_type_maps(job.info.path, plans, distinct, imatrix.weights() if imatrix is not None else None,
+                                    windows, Path(job.workdir), job.progress)
+    kept = min(klds, key=lambda label: (klds[label], list(distinct).index(label)))
+    return distinct[kept], {"measured": {"windows": len(windows), "kld": {k: round(v, 8) for k, v in klds.items()},
+                                         "kept": kept}}
 
 
 def mixed_report(table, types: dict, sizes: BudgetSizes, budget: int | None) -> dict:

@@ -56,6 +56,9 @@ from quantkit.mixed import budget
 from quantkit.mixed.sensitivity import PROBES_PER_ROLE, SensitivityRow, frontier
 
 
+HEAD_TENSORS = ("token_embd.weight", "output.weight")
+
+
 def bits_per_weight(qtype: T) -> float:
     block, size = GGML_QUANT_SIZES[qtype]
     return 8 * size / block
@@ -359,6 +362,19 @@ def assign_types(table: list[SensitivityRow], allowed: int) -> dict[str, T]:
     """Per-tensor types whose total bytes stay within `allowed`, the predicted damage reduced greedily
     (quantkit.mixed.budget.assign; BudgetError when the cheapest types exceed it)."""
     return {name: T[c] for name, c in budget.assign(table, allowed, tensor_size).items()}
+
+
+def head_kept(table: list[SensitivityRow]) -> list[SensitivityRow]:
+    """The table with the token embedding and the output head limited to their mixture's type or above
+    (llama.cpp's rule: a tied embedding is the head, and the head keeps a high type), for a second search."""
+    from dataclasses import replace
+
+    def kept(row: SensitivityRow) -> SensitivityRow:
+        floor = bits_per_weight(T[row.plain])
+        order = tuple(c for c in row.candidates if bits_per_weight(T[c]) >= floor)
+        return replace(row, order=order) if order else row
+
+    return [kept(r) if r.name in HEAD_TENSORS else r for r in table]
 
 
 def override_lines(types: dict[str, T]) -> list[str]:

@@ -67,6 +67,18 @@ def test_assign_types_stays_within_budget_and_favours_damage():
         budget.assign_types(table, cheapest - 1)
 
 
+def test_head_kept_limits_the_embedding_and_head_to_their_mixture_type_or_above():
+    table = [row("token_embd.weight", 1.0, shape=(3001, 576), mixture="Q8_0"),
+             row("output.weight", 1.0, mixture="Q6_K"), row("blk.0.ffn_down.weight", 1.0)]
+    kept = {r.name: r.candidates for r in budget.head_kept(table)}
+    assert kept["token_embd.weight"] == ["Q8_0"]
+    assert kept["output.weight"] == ["Q6_K", "Q8_0"]
+    assert kept["blk.0.ffn_down.weight"] == table[2].candidates  # the rest unchanged
+    assert table[0].candidates[0] == "Q4_0"  # the table itself is left as it was
+    types = budget.assign_types(budget.head_kept(table), budget.total_bytes(table, budget.mixture_types(table)))
+    assert types["token_embd.weight"] == T.Q8_0 and types["output.weight"] in (T.Q6_K, T.Q8_0)
+
+
 def test_raise_plan_takes_the_most_damaging_first_within_room():
     table = [row("a", 1.0), row("b", 50.0), row("c", 10.0)]
     ladder = mixed.Ladder(table, {"a": "Q2_K", "b": "Q2_K", "c": "Q2_K"}, budget.tensor_size)
@@ -134,9 +146,10 @@ def test_auto_precision_keeps_the_mixture_size(auto_out, sharp):
     mixed = details["mixed_precision"]
     assert mixed["bytes"] <= mixed["budget_bytes"] == mixed["mixture_bytes"]
     assert mixed["changed"]  # some tensor got another type than llama.cpp's rule gives it
-    measured = mixed["measured"]  # both maps measured whole: the search's is kept where it is no worse
-    assert measured["kept"] == "search" and measured["search_kld"] < measured["mixture_kld"]
-    assert measured["windows"] == 4
+    measured = mixed["measured"]  # the maps measured whole, the lowest KL divergence kept
+    klds = measured["kld"]
+    assert measured["windows"] == 4 and "search" in klds and "mixture" in klds
+    assert klds[measured["kept"]] == min(klds.values()) and measured["kept"] != "mixture"
     mixture_file = convert(sharp, auto_out.parent / "mixture.gguf", "Q4_K_M")
     assert details["gguf"]["bytes"] <= mixture_file.bytes
     table = details["sensitivity"]
@@ -167,7 +180,7 @@ def test_a_search_that_measures_worse_than_the_mixture_gives_way_to_it(cli, shar
     assert result.exit_code == 0, result.output
     mixed = json.loads((out / "quantkit.json").read_text())["targets"][0]["details"]["mixed_precision"]
     measured = mixed["measured"]
-    assert measured["kept"] == "mixture" and measured["mixture_kld"] < measured["search_kld"]
+    assert measured["kept"] == "mixture" and measured["kld"]["mixture"] < measured["kld"]["search"]
     assert not mixed["changed"] and mixed["bytes"] == mixed["mixture_bytes"]
     mixture = convert(sharp, tmp_path / "mixture.gguf", "Q4_K_M", imatrix=None)
     assert tensor_bytes(out / "sharp-Q4_K_M.gguf") == tensor_bytes(mixture.path)
