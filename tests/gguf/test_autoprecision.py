@@ -174,9 +174,11 @@ def test_a_search_that_measures_worse_than_the_mixture_gives_way_to_it(cli, shar
 
     monkeypatch.setattr(budget, "assign_types",
                         lambda table, allowed: {t.name: budget.T[t.candidates[0]] for t in table})
+    recipe = tmp_path / "auto.yaml"
+    recipe.write_text("targets:\n  - name: auto\n    method: gguf\n    options: {gguf_type: Q4_K_M, imatrix: none,"
+                      " auto_precision: {measure_windows: 2, probes_per_role: 1}}\n")
     out = tmp_path / "auto"
-    result = cli("quantize", sharp, "--method", "gguf", "--gguf-type", "Q4_K_M", "--imatrix", "none",
-                 "--auto-precision", *CALIB, "--no-gate", "-o", out)
+    result = cli("quantize", sharp, "--recipe", recipe, *CALIB, "--no-gate", "-o", out)
     assert result.exit_code == 0, result.output
     mixed = json.loads((out / "quantkit.json").read_text())["targets"][0]["details"]["mixed_precision"]
     measured = mixed["measured"]
