@@ -450,7 +450,7 @@ def measured_choice(job: QuantizeJob, plans, imatrix, table, types: dict, sizes:
     job.progress(f"auto-precision: {', '.join(distinct)} measured whole on {len(windows)} windows")
     klds = budget.measure_type_maps(job.info.path, plans, distinct, imatrix.weights() if imatrix is not None else None,
                                     windows, Path(job.workdir), job.progress)
-    kept = min(klds, key=lambda label: (klds[label], list(distinct).index(label)))
+    kept = min(klds, key=klds.get)  # a tie keeps the earlier map (search first)
     return distinct[kept], {"measured": {"windows": len(windows), "kld": {k: round(v, 8) for k, v in klds.items()},
                                          "kept": kept}}
 

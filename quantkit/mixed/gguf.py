@@ -43,9 +43,9 @@ counters never matter and the file reproduces the types exactly.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Mapping
 from typing import Callable, Iterator
 
 import numpy as np
