@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -155,7 +156,8 @@ def worker_autoround_lib(model_dir: str, out: str, args) -> None:
     rounder = AutoRound(model, tokenizer=tokenizer, bits=4, group_size=model_group_size(model_dir), sym=True,
                         dataset=dataset, nsamples=len(dataset), seqlen=args.seq_len, batch_size=8, seed=42,
                         device_map="cpu", enable_torch_compile=False, **tuning)
-    rounder.quantize_and_save(out, format="fake")
+    _model, folder = rounder.quantize_and_save(f"{out}.lib", format="fake")  # it names a subfolder itself
+    shutil.move(folder if isinstance(folder, str) else folder[0], out)  # one format: the folder itself
 
 
 def worker_bnb(model_dir: str, out: str) -> None:
