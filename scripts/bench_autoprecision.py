@@ -171,6 +171,7 @@ def gguf_row(label: str, target: dict, wall: float, out: Path, base: Path, args)
         row["sensitivity_s"] = details["sensitivity"]["seconds"]
         row["probes"] = details["sensitivity"]["probes"]
         row["budget_bytes"] = details["mixed_precision"]["budget_bytes"]
+        row["kept"] = details["mixed_precision"].get("measured", {}).get("kept", "search (not measured)")
     return row
 
 
@@ -215,13 +216,14 @@ def gguf_section(args, work: Path) -> dict:
 
 def curve_table(rows: list[dict], f32_bytes: int) -> str:
     """Markdown: per type, bits per weight (file bytes against the F32 file's) and KLD of the mixture
-    and of auto-precision at its size (rows come in pairs: mixture, auto)."""
-    lines = ["| type | mixture bpw | mixture KLD | auto bpw | auto KLD | auto / mixture KLD |",
-             "|---|---:|---:|---:|---:|---:|"]
+    and of auto-precision at its size (rows come in pairs: mixture, auto), and the map auto-precision
+    kept after measuring its candidates."""
+    lines = ["| type | mixture bpw | mixture KLD | auto bpw | auto KLD | auto / mixture KLD | map kept |",
+             "|---|---:|---:|---:|---:|---:|---|"]
     for plain, auto in zip(rows[::2], rows[1::2]):
         bpw = [round(32 * r["bytes"] / f32_bytes, 3) for r in (plain, auto)]
         lines.append(f"| {plain['file'].split()[-1]} | {bpw[0]} | {plain['kld']:.6f} | {bpw[1]} | {auto['kld']:.6f} | "
-                     f"{auto['kld'] / plain['kld']:.2f}x |")
+                     f"{auto['kld'] / plain['kld']:.2f}x | {auto.get('kept', '')} |")
     return "\n".join(lines)
 
 
