@@ -210,11 +210,12 @@ def variant_command(model: str, out: Path, method: str, variant: str, args) -> l
                 "--no-gate", *flags, *EXTRAS.get(method, {}).get(variant, []), *iters_flags(method, variant, args),
                 "-o", str(out), "--json", str(out) + ".report.json"]
     kind = {"nf4": "bnb"}.get(method, "autoround-lib" if variant == "autoround-lib" else "llmc")
-    return [sys.executable, __file__, "--worker", kind, model, str(out), method, variant, model, *calib_flags(args)]
+    return [sys.executable, __file__, "--worker", kind, model, str(out), method, variant, model, *calib_flags(args),
+            *iters_flags(method, variant, args)]
 
 
 def iters_flags(method: str, variant: str, args) -> list[str]:
-    """--iters for quantkit's autoround variants (the light preset keeps its own)."""
+    """--iters for every autoround variant, quantkit's and the bare ones (the light preset keeps its own)."""
     return ["--iters", str(args.iters)] if method == "autoround" and args.iters and variant != "quantkit-light" else []
 
 
