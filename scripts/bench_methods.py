@@ -16,7 +16,8 @@ MODEL is normally the reference model (scripts/train_reference_model.py). For ea
   * rtn       - round-to-nearest with the same weight format (QuantizationModifier), no data;
   * autoround-lib (autoround only) - the auto-round library itself (`AutoRound(...)`, what its command
                 line runs) on the same calibration windows, same bits, group size, symmetry, iterations
-                and batch size, saved in its `fake` format (dequantized weights) and scored the same way.
+                and batch size, saved through its `llm_compressor` export (compressed-tensors, as quantkit
+                writes) and scored the same way.
 With --extras, also quantkit's other settings of the same format: gptq --symmetric (what the bare
 W4A16 preset does), autoround's light preset. autoround's bare run is llm-compressor's
 AutoRoundModifier with its defaults (200 iterations, batch 8) or --iters, torch.compile off on every
@@ -144,7 +145,8 @@ def worker_llmcompressor(model_dir: str, out: str, method: str, variant: str, ar
 
 def worker_autoround_lib(model_dir: str, out: str, args) -> None:
     """The auto-round library on the same windows: W4A16 symmetric at the model's group size, 200
-    iterations (or --iters), batch 8, seed 42, CPU, torch.compile off; saved as dequantized weights."""
+    iterations (or --iters), batch 8, seed 42 (or --seed), CPU, torch.compile off; saved through its
+    `llm_compressor` export (compressed-tensors pack-quantized, as quantkit writes)."""
     import torch
     from auto_round import AutoRound
     from transformers import AutoModelForCausalLM
@@ -154,9 +156,10 @@ def worker_autoround_lib(model_dir: str, out: str, args) -> None:
     dataset = [torch.as_tensor(w).reshape(1, -1) for w in windows.calib]
     tuning = {"iters": args.iters} if args.iters else {}
     rounder = AutoRound(model, tokenizer=tokenizer, bits=4, group_size=model_group_size(model_dir), sym=True,
-                        dataset=dataset, nsamples=len(dataset), seqlen=args.seq_len, batch_size=8, seed=42,
+                        dataset=dataset, nsamples=len(dataset), seqlen=args.seq_len, batch_size=8, seed=args.seed,
                         device_map="cpu", enable_torch_compile=False, **tuning)
-    _model, folder = rounder.quantize_and_save(f"{out}.lib", format="fake")  # it names a subfolder itself
+    # its compressed-tensors export: int4 weights with scales in the model's dtype, loaded as quantkit's are
+    _model, folder = rounder.quantize_and_save(f"{out}.lib", format="llm_compressor")  # it adds a subfolder
     shutil.move(folder if isinstance(folder, str) else folder[0], out)  # one format: the folder itself
 
 
@@ -211,7 +214,7 @@ def variant_command(model: str, out: Path, method: str, variant: str, args) -> l
                 "-o", str(out), "--json", str(out) + ".report.json"]
     kind = {"nf4": "bnb"}.get(method, "autoround-lib" if variant == "autoround-lib" else "llmc")
     return [sys.executable, __file__, "--worker", kind, model, str(out), method, variant, model, *calib_flags(args),
-            *iters_flags(method, variant, args)]
+            *iters_flags(method, variant, args), "--seed", str(args.seed)]
 
 
 def iters_flags(method: str, variant: str, args) -> list[str]:
@@ -301,6 +304,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--json", dest="json_path", default=None)
     parser.add_argument("--extras", action="store_true", help="also gptq --symmetric and autoround's light preset")
     parser.add_argument("--iters", type=int, default=None, help="autoround's iterations on every side (default 200)")
+    parser.add_argument("--seed", type=int, default=42, help="the auto-round library's seed (autoround-lib; quantkit "
+                        "and llm-compressor's modifier use 42): two seeds show the run-to-run spread")
     parser.add_argument("--variants", default=None, help="only these variants (comma-separated)")
     return parser.parse_args(argv)
 

@@ -49,6 +49,22 @@ def test_autoround_end_to_end(cli, micro_model, tmp_path):
     assert mean_kld_vs_base(out, micro_model) < 0.05
 
 
+def test_autoround_int8_asymmetric(cli, micro_model, tmp_path):
+    """W8A16 with a zero point per group: the config says so, the zero points are stored, transformers
+    reloads it and it is closer to the base than the 4-bit run is allowed to be."""
+    from safetensors import safe_open
+
+    out = tmp_path / "out"
+    result = cli("quantize", micro_model, "--method", "autoround", "--bits", "8", "--asymmetric", *FEW_ITERS,
+                 *CALIB_ARGS, *LOOSE_TOP1, "-o", out)
+    assert result.exit_code == 0, result.output
+    weights = quant_config(out)["config_groups"]["group_0"]["weights"]
+    assert (weights["num_bits"], weights["symmetric"]) == (8, False)
+    with safe_open(out / "model.safetensors", "pt") as f:
+        assert any(k.endswith("weight_zero_point") for k in f.keys())
+    assert mean_kld_vs_base(out, micro_model) < 0.01
+
+
 def test_autoround_with_offload_dir(cli, micro_model, tmp_path):
     """--offload-dir: decoder layers on disk while AutoRound tunes them; the float32 leftovers are cast
     back through the offload cache, the artifact reloads and passes the gate, the folder is emptied."""
