@@ -171,7 +171,9 @@ def gguf_row(label: str, target: dict, wall: float, out: Path, base: Path, args)
         row["sensitivity_s"] = details["sensitivity"]["seconds"]
         row["probes"] = details["sensitivity"]["probes"]
         row["budget_bytes"] = details["mixed_precision"]["budget_bytes"]
-        row["kept"] = details["mixed_precision"].get("measured", {}).get("kept", "search (not measured)")
+        mixed = details["mixed_precision"]
+        row["kept"] = mixed["measured"]["kept"] if "measured" in mixed else (
+            "search (not measured)" if mixed["changed"] else "mixture (nothing to trade within the budget)")
     return row
 
 
