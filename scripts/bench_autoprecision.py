@@ -173,7 +173,7 @@ def gguf_row(label: str, target: dict, wall: float, out: Path, base: Path, args)
         row["budget_bytes"] = details["mixed_precision"]["budget_bytes"]
         mixed = details["mixed_precision"]
         row["kept"] = mixed["measured"]["kept"] if "measured" in mixed else (
-            "search (not measured)" if mixed["changed"] else "mixture (nothing to trade within the budget)")
+            "search (not measured)" if mixed["changed"] else "mixture (search unchanged)")
     return row
 
 
