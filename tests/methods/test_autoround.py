@@ -49,6 +49,7 @@ def test_autoround_end_to_end(cli, micro_model, tmp_path):
     assert mean_kld_vs_base(out, micro_model) < 0.05
 
 
+@pytest.mark.slow  # the fast end-to-end run covers the pipeline; this one the scheme's other corner
 def test_autoround_int8_asymmetric(cli, micro_model, tmp_path):
     """W8A16 with a zero point per group: the config says so, the zero points are stored, transformers
     reloads it and it is closer to the base than the 4-bit run is allowed to be."""
