@@ -170,8 +170,8 @@ def gguf_row(label: str, target: dict, wall: float, out: Path, base: Path, args)
     if "sensitivity" in details:
         row["sensitivity_s"] = details["sensitivity"]["seconds"]
         row["probes"] = details["sensitivity"]["probes"]
-        row["budget_bytes"] = details["mixed_precision"]["budget_bytes"]
         mixed = details["mixed_precision"]
+        row["budget_bytes"] = mixed["budget_bytes"]
         row["kept"] = mixed["measured"]["kept"] if "measured" in mixed else (
             "search (not measured)" if mixed["changed"] else "mixture (search unchanged)")
     return row

@@ -286,11 +286,11 @@ def format_row(r: dict) -> str:
     if r.get("exit_code"):
         failed = f"failed (exit {r['exit_code']})"
         return f"| {r['method']} | {r['variant']} | {r['wall_s']} | | {r['peak_rss_mib']} | {failed} |"
+    ran = (f"| {r['method']} | {r['variant']} | {r['wall_s']:.1f} | {r.get('quantize_s', '')} | {r['peak_rss_mib']} "
+           f"| {r['bytes'] / 1e6:.2f} |")
     if "kld_mean" not in r:
-        return (f"| {r['method']} | {r['variant']} | {r['wall_s']:.1f} | {r.get('quantize_s', '')} | {r['peak_rss_mib']} "
-                f"| {r['bytes'] / 1e6:.2f} | not scored: calibrated on the scored windows | | | | |")
-    return (f"| {r['method']} | {r['variant']} | {r['wall_s']:.1f} | {r.get('quantize_s', '')} | {r['peak_rss_mib']} "
-            f"| {r['bytes'] / 1e6:.2f} | {r['ppl_base']:.3f} | {r['ppl']:.3f} | {100 * r['ppl_increase']:+.2f}% | {r['kld_mean']:.5f} "
+        return f"{ran} not scored: calibrated on the scored windows | | | | |"
+    return (f"{ran} {r['ppl_base']:.3f} | {r['ppl']:.3f} | {100 * r['ppl_increase']:+.2f}% | {r['kld_mean']:.5f} "
             f"| {100 * r['top1']:.2f}% |")
 
 
