@@ -4,6 +4,7 @@
     python scripts/bench_methods.py MODEL [--num-samples 32] [--seq-len 128] [--eval-windows 16]
                                           [--methods gptq,awq,smoothquant,nf4] [--json out.json]
                                           [--extras] [--iters N] [--variants quantkit,oneshot,...]
+                                          [--device cpu|cuda]
 
 MODEL is normally the reference model (scripts/train_reference_model.py). For each method:
   * quantkit  - `quantkit quantize MODEL --method M --no-gate` (the whole gated pipeline: load,
@@ -25,6 +26,8 @@ side (on CPU it compiles longer than it tunes). --variants keeps only the named 
 The compressed-tensors schemes fp8-block, nvfp4, nvfp4-a16, mxfp4 and fp8-kv (fp8-dynamic with --kv-cache
 fp8) run against bare `oneshot` with llm-compressor's preset (FP8_BLOCK, NVFP4, NVFP4A16, MXFP4A16,
 FP8_DYNAMIC + the same kv_cache_scheme), calibrated only where quantkit calibrates.
+--device cuda runs every variant's quantization on the GPU (quantkit `--device cuda`, the library with
+device_map cuda, llm-compressor's pipeline onloads each layer to the GPU by itself); scoring stays on the CPU.
 Each variant runs in its own child process: wall time and peak RSS (wait4) are the child's.
 Every artifact is then reloaded from disk and scored by the same evaluator against one
 baseline on the same held-out windows, so quality numbers are comparable across rows.
@@ -145,7 +148,7 @@ def worker_llmcompressor(model_dir: str, out: str, method: str, variant: str, ar
 
 def worker_autoround_lib(model_dir: str, out: str, args) -> None:
     """The auto-round library on the same windows: W4A16 symmetric at the model's group size, 200
-    iterations (or --iters), batch 8, seed 42 (or --seed), CPU, torch.compile off; saved through its
+    iterations (or --iters), batch 8, seed 42 (or --seed), on --device, torch.compile off; saved through its
     `llm_compressor` export (compressed-tensors pack-quantized, as quantkit writes)."""
     import torch
     from auto_round import AutoRound
@@ -157,7 +160,7 @@ def worker_autoround_lib(model_dir: str, out: str, args) -> None:
     tuning = {"iters": args.iters} if args.iters else {}
     rounder = AutoRound(model, tokenizer=tokenizer, bits=4, group_size=model_group_size(model_dir), sym=True,
                         dataset=dataset, nsamples=len(dataset), seqlen=args.seq_len, batch_size=8, seed=args.seed,
-                        device_map="cpu", enable_torch_compile=False, **tuning)
+                        device_map=args.device, enable_torch_compile=False, **tuning)
     # its compressed-tensors export: int4 weights with scales in the model's dtype, loaded as quantkit's are
     _model, folder = rounder.quantize_and_save(f"{out}.lib", format="llm_compressor")  # it adds a subfolder
     shutil.move(folder if isinstance(folder, str) else folder[0], out)  # one format: the folder itself
@@ -211,10 +214,11 @@ def variant_command(model: str, out: Path, method: str, variant: str, args) -> l
         flags = calib_flags(args)[:-1] + ["0"] if variant == "quantkit-nogate" else calib_flags(args)
         return [sys.executable, "-m", "quantkit", "quantize", model, *QUANTKIT_FLAGS.get(method, ["--method", method]),
                 "--no-gate", *flags, *EXTRAS.get(method, {}).get(variant, []), *iters_flags(method, variant, args),
+                "--device", args.device,
                 "-o", str(out), "--json", str(out) + ".report.json"]
     kind = {"nf4": "bnb"}.get(method, "autoround-lib" if variant == "autoround-lib" else "llmc")
     return [sys.executable, __file__, "--worker", kind, model, str(out), method, variant, model, *calib_flags(args),
-            *iters_flags(method, variant, args), "--seed", str(args.seed)]
+            *iters_flags(method, variant, args), "--seed", str(args.seed), "--device", args.device]
 
 
 def iters_flags(method: str, variant: str, args) -> list[str]:
@@ -306,6 +310,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--iters", type=int, default=None, help="autoround's iterations on every side (default 200)")
     parser.add_argument("--seed", type=int, default=42, help="the auto-round library's seed (autoround-lib; quantkit "
                         "and llm-compressor's modifier use 42): two seeds show the run-to-run spread")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the variants quantize "
+                        "(scoring stays on the CPU)")
     parser.add_argument("--variants", default=None, help="only these variants (comma-separated)")
     return parser.parse_args(argv)
 
