@@ -103,7 +103,8 @@ def write(job: QuantizeJob, ignore: list[str], choice: dict[str, str] | None) ->
     ignore, groups = gptq.choice_groups(job, ignore, choice)
     torch.manual_seed(SEED)
     # auto-round runs gc.collect() about seven times per layer: not over the libraries' and model's objects
-    with (patched("autoround.on_initialize", "autoround.suspend_offloading"),  # layers on disk (--offload-dir)
+    with (patched("autoround.on_initialize", "autoround.suspend_offloading",  # layers on disk (--offload-dir)
+                  "autoround.zero_points"),
           collector_skips_existing_objects()):
         llmc.run_oneshot(job, modifier(job.options, ignore, groups), calibrate=True)
     restore_dtype(job.model, next(p.dtype for p in job.model.get_input_embeddings().parameters()))

@@ -75,3 +75,43 @@ def test_a_site_that_is_gone_raises_before_anything_is_swapped(site):
     with pytest.raises(AttributeError), swapped({(__name__, "helper"): lambda: "swapped", site: lambda: None}):
         pass
     assert helper() == "original"
+
+
+def autoround_asymmetric_layer(bits: int, group: int = 8):
+    """A weight on AutoRound's asymmetric grid: unsigned levels 0..2^bits-1 minus a zero point per group."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    rows, groups, top = 6, 4, 2**bits - 1
+    scale = torch.rand(rows, groups, generator=gen) + 0.1
+    zero_point = torch.randint(0, top + 1, (rows, groups), generator=gen).float()
+    levels = torch.randint(0, top + 1, (rows, groups, group), generator=gen).float()
+    levels[0, 0, 0], levels[0, 0, 1] = 0, top  # both ends of the grid are used
+    weight = ((levels - zero_point.unsqueeze(-1)) * scale.unsqueeze(-1)).reshape(rows, groups * group)
+    return weight, scale, zero_point
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_autoround_zero_points_reproduce_its_weights_in_compressed_tensors(bits):
+    """AutoRound's unsigned zero points, moved to the signed grid, make compressed-tensors' own rounding
+    give back exactly the weight AutoRound tuned (zero points of 0 would clamp it)."""
+    import torch
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+
+    from quantkit.engines.patches import signed_zero_points
+
+    weight, scale, zero_point = autoround_asymmetric_layer(bits)
+    signed = signed_zero_points(weight, scale, zero_point, bits)
+    assert signed.min() >= -(2 ** (bits - 1)) and signed.max() <= 2 ** (bits - 1) - 1
+    args = QuantizationArgs(num_bits=bits, type="int", symmetric=False, strategy="group", group_size=8)
+    assert torch.equal(fake_quantize(weight, scale, signed, args), weight)
+    assert not torch.equal(fake_quantize(weight, scale, torch.zeros_like(signed), args), weight)
+
+
+def test_a_weight_off_the_grid_the_conversion_knows_is_refused():
+    from quantkit.engines.patches import signed_zero_points
+
+    weight, scale, zero_point = autoround_asymmetric_layer(4)
+    with pytest.raises(InternalError, match="q_proj with 4-bit levels from .* outside compressed-tensors' -8..7"):
+        signed_zero_points(weight, scale, zero_point + 3, 4, "q_proj")

@@ -66,6 +66,40 @@ def test_autoround_int8_asymmetric(cli, micro_model, tmp_path):
     assert mean_kld_vs_base(out, micro_model) < 0.01
 
 
+def stored_levels(out: Path):
+    """Every quantized 4-bit layer's integer levels minus its zero points, as the artifact stores them, and
+    the zero points."""
+    import torch
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+    from safetensors import safe_open
+
+    levels, zero_points = [], []
+    with safe_open(out / "model.safetensors", "pt") as f:
+        for key in [k for k in f.keys() if k.endswith(".weight_packed")]:
+            prefix = key.removesuffix("weight_packed")
+            shape = torch.Size(f.get_tensor(prefix + "weight_shape").tolist())
+            scale = f.get_tensor(prefix + "weight_scale")
+            packed = unpack_from_int32(f.get_tensor(key), 4, shape).int()
+            zero_point = unpack_from_int32(f.get_tensor(prefix + "weight_zero_point"), 4, scale.shape, 0).int()
+            levels.append(packed.reshape(shape[0], scale.shape[1], -1) - zero_point.unsqueeze(-1))
+            zero_points.append(zero_point)
+    return torch.cat([x.flatten() for x in levels]), torch.cat([z.flatten() for z in zero_points])
+
+
+def test_autoround_asymmetric_stores_its_zero_points(cli, micro_model, tmp_path):
+    """W4A16 asymmetric: AutoRound's own zero points are stored (llm-compressor's modifier would leave
+    them 0), so the weights keep the levels AutoRound gave them beyond the symmetric -8..7."""
+    out = tmp_path / "out"
+    result = cli("quantize", micro_model, "--method", "autoround", "--asymmetric", *FEW_ITERS, *CALIB_ARGS,
+                 *LOOSE_TOP1, "-o", out)
+    assert result.exit_code == 0, result.output
+    assert quant_config(out)["config_groups"]["group_0"]["weights"]["symmetric"] is False
+    levels, zero_points = stored_levels(out)
+    assert (zero_points != 0).any() and zero_points.min() >= -8 and zero_points.max() <= 7
+    assert levels.min() < -8 or levels.max() > 7
+    assert mean_kld_vs_base(out, micro_model) < 0.05
+
+
 def test_autoround_with_offload_dir(cli, micro_model, tmp_path):
     """--offload-dir: decoder layers on disk while AutoRound tunes them; the float32 leftovers are cast
     back through the offload cache, the artifact reloads and passes the gate, the folder is emptied."""
