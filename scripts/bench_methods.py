@@ -20,7 +20,7 @@ MODEL is normally the reference model (scripts/train_reference_model.py). For ea
                 and batch size, saved through its `llm_compressor` export (compressed-tensors, as quantkit
                 writes) and scored the same way.
 With --extras, also quantkit's other settings of the same format: gptq --symmetric (what the bare
-W4A16 preset does), autoround's light preset. autoround's bare run is llm-compressor's
+W4A16 preset does), autoround's light preset and autoround --asymmetric. autoround's bare run is llm-compressor's
 AutoRoundModifier with its defaults (200 iterations, batch 8) or --iters, torch.compile off on every
 side (on CPU it compiles longer than it tunes). --variants keeps only the named variants.
 The compressed-tensors schemes fp8-block, nvfp4, nvfp4-a16, mxfp4 and fp8-kv (fp8-dynamic with --kv-cache
@@ -68,7 +68,8 @@ QUANTKIT_FLAGS = {"fp8-block": ["--method", "fp8", "--scheme", "fp8-block"],
 PRESET_ONLY = ("fp8-block", "nvfp4", "nvfp4-a16", "mxfp4", "fp8-kv")  # one QuantizationModifier with the preset
 DATA_FREE = ("fp8-block", "nvfp4-a16", "mxfp4")  # presets that need no calibration data
 # method -> {quantkit variant: extra flags} (--extras)
-EXTRAS = {"gptq": {"quantkit-sym": ["--symmetric"]}, "autoround": {"quantkit-light": ["--preset", "light"]}}
+EXTRAS = {"gptq": {"quantkit-sym": ["--symmetric"]},
+          "autoround": {"quantkit-light": ["--preset", "light"], "quantkit-asym": ["--asymmetric"]}}
 W4A16 = ("gptq", "autoround")  # methods whose bare preset is W4A16 (built at the model's group size)
 
 
@@ -306,7 +307,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--eval-windows", type=int, default=16)
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--json", dest="json_path", default=None)
-    parser.add_argument("--extras", action="store_true", help="also gptq --symmetric and autoround's light preset")
+    parser.add_argument("--extras", action="store_true", help="also gptq --symmetric, autoround's light preset and autoround --asymmetric")
     parser.add_argument("--iters", type=int, default=None, help="autoround's iterations on every side (default 200)")
     parser.add_argument("--seed", type=int, default=42, help="the auto-round library's seed (autoround-lib; quantkit "
                         "and llm-compressor's modifier use 42): two seeds show the run-to-run spread")
