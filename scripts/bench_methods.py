@@ -10,7 +10,7 @@ MODEL is normally the reference model (scripts/train_reference_model.py). For ea
   * quantkit  - `quantkit quantize MODEL --method M --no-gate` (the whole gated pipeline: load,
                 windows, baseline, quantize, save, reload, measure);
   * oneshot   - bare `llmcompressor.oneshot` with llm-compressor's own preset scheme for the
-                same thing (W4A16 / W4A16_ASYM / W8A8), on the same calibration windows; the W4A16
+                same thing (W4A16 / W4A16_ASYM / W8A8), on the same calibration windows; the int4
                 presets at the group size quantkit's group_size auto picks for the model (128, else
                 64 or 32: a preset's 128 cannot quantize a width such as 576); for nf4, bare
                 transformers `from_pretrained(quantization_config=...)`;
@@ -70,7 +70,8 @@ DATA_FREE = ("fp8-block", "nvfp4-a16", "mxfp4")  # presets that need no calibrat
 # method -> {quantkit variant: extra flags} (--extras)
 EXTRAS = {"gptq": {"quantkit-sym": ["--symmetric"]},
           "autoround": {"quantkit-light": ["--preset", "light"], "quantkit-asym": ["--asymmetric"]}}
-W4A16 = ("gptq", "autoround")  # methods whose bare preset is W4A16 (built at the model's group size)
+W4A16 = {"gptq": True, "autoround": True, "awq": False}  # methods whose bare preset is W4A16 / W4A16_ASYM
+# (built at the model's group size) -> symmetric
 
 
 # ---------------------------------------------------------------- workers (child processes)
@@ -95,11 +96,12 @@ def model_group_size(model_dir: str) -> int:
     return auto_group_size(check_model_dir(Path(model_dir)))[0]
 
 
-def w4a16_groups(model_dir: str) -> dict:
-    """llm-compressor's W4A16 preset (int4 symmetric, static) at the model's group size."""
+def w4a16_groups(model_dir: str, symmetric: bool) -> dict:
+    """llm-compressor's W4A16 / W4A16_ASYM preset (int4, static) at the model's group size."""
     from quantkit.engines.llmcompressor import llmc
 
-    return {"group_0": {"targets": ["Linear"], "weights": llmc.weight_args(4, model_group_size(model_dir), True)}}
+    weights = llmc.weight_args(4, model_group_size(model_dir), symmetric)
+    return {"group_0": {"targets": ["Linear"], "weights": weights}}
 
 
 def oneshot_recipe(method: str, variant: str, model_dir: str, args) -> list:
@@ -115,7 +117,8 @@ def oneshot_recipe(method: str, variant: str, model_dir: str, args) -> list:
 
         return [QuantizationModifier(targets="Linear", scheme=scheme, ignore=["lm_head"],
                                      kv_cache_scheme=kv_cache_scheme("fp8" if method == "fp8-kv" else None))]
-    given = {"config_groups": w4a16_groups(model_dir)} if method in W4A16 else {"targets": "Linear", "scheme": scheme}
+    given = ({"config_groups": w4a16_groups(model_dir, W4A16[method])} if method in W4A16
+             else {"targets": "Linear", "scheme": scheme})
     if variant == "rtn":
         return [QuantizationModifier(**given, ignore=["lm_head"])]
     if method == "gptq":
@@ -124,7 +127,7 @@ def oneshot_recipe(method: str, variant: str, model_dir: str, args) -> list:
         tuning = {"iters": args.iters} if args.iters else {}
         return [AutoRoundModifier(**given, ignore=["lm_head"], enable_torch_compile=False, **tuning)]
     if method == "awq":
-        return [AWQModifier(), QuantizationModifier(targets="Linear", scheme=scheme, ignore=["lm_head"])]
+        return [AWQModifier(), QuantizationModifier(**given, ignore=["lm_head"])]
     return [SmoothQuantModifier(smoothing_strength=0.8),
             GPTQModifier(targets="Linear", scheme=scheme, ignore=["lm_head"])]
 
