@@ -285,7 +285,8 @@ def test_large_allocations_go_back_to_the_os_when_freed():
 @pytest.mark.parametrize("family", ["micro", "gemma2", "phi3"])
 def test_a_forward_started_at_a_layer_equals_the_whole_forward(request, family, windows, tmp_path):
     """The probes' forwards (quantkit.mixed.sensitivity.probe_klds) resume at a layer from its recorded input: with
-    one weight changed in that layer, the logits equal the whole forward's with the same change."""
+    one weight changed in that layer, the logits equal the whole forward's with the same change. The change
+    reverses the weight's rows: a scale alone would vanish behind Gemma 2's norms after each block."""
     from quantkit.engines.transformers import hf_config
     from quantkit.mixed.sensitivity import PatchedWeights
 
@@ -302,7 +303,7 @@ def test_a_forward_started_at_a_layer_equals_the_whole_forward(request, family, 
     layers = text.num_hidden_layers
     baseline = evaluate.compute_baseline(stream.recording_scorer(streamed, text, {1, layers}, record), windows)
     name = next(n for n in base.keys() if n.startswith("model.layers.1.") and n.endswith("proj.weight"))
-    streamed.weights.source = PatchedWeights(base, {name: base.get(name).float() * 0.5})
+    streamed.weights.source = PatchedWeights(base, {name: base.get(name).float().flip(0)})
     whole = evaluate.compare(stream.start_scorer(streamed, text, 0, record), windows, baseline)
     resumed = evaluate.compare(stream.start_scorer(streamed, text, 1, record), windows, baseline)
     assert whole.kld_mean > 1e-6 and resumed.kld_mean == pytest.approx(whole.kld_mean, rel=1e-5)
