@@ -70,8 +70,8 @@ DATA_FREE = ("fp8-block", "nvfp4-a16", "mxfp4")  # presets that need no calibrat
 # method -> {quantkit variant: extra flags} (--extras)
 EXTRAS = {"gptq": {"quantkit-sym": ["--symmetric"]},
           "autoround": {"quantkit-light": ["--preset", "light"], "quantkit-asym": ["--asymmetric"]}}
-W4A16 = {"gptq": True, "autoround": True, "awq": False}  # methods whose bare preset is W4A16 / W4A16_ASYM
-# (built at the model's group size) -> symmetric
+# method -> symmetric: bare int4 presets built at the model's group size, W4A16 (True) or W4A16_ASYM (False)
+W4A16 = {"gptq": True, "autoround": True, "awq": False}
 
 
 # ---------------------------------------------------------------- workers (child processes)
