@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Build the llama.cpp reference tools (llama-quantize, llama-perplexity, llama-imatrix,
-# llama-mtmd-cli: the multimodal CLI that runs a VLM .gguf with its mmproj)
-# from the llama.cpp that the llama-cpp-python source distribution vendors.
+# llama-mtmd-cli: the multimodal CLI that runs a VLM .gguf with its mmproj; llama-server: the
+# OpenAI-compatible server `quantkit serve-check` runs) from the llama.cpp that the
+# llama-cpp-python source distribution vendors.
 #
-# Output (all under third_party/llama.cpp/, which is gitignored):
+# Output (all under $LLAMACPP_DIR, default third_party/llama.cpp/, which is gitignored):
 #   src/      the vendored llama.cpp source tree (vendor/llama.cpp of the sdist)
 #   build/    the cmake build tree
-#   bin/      -> build/bin: llama-quantize, llama-perplexity, llama-imatrix, llama-mtmd-cli and the
+#   bin/      -> build/bin: llama-quantize, llama-perplexity, llama-imatrix, llama-mtmd-cli, llama-server and the
 #             shared libraries (libggml-base.so holds ggml_quantize_chunk, used by
 #             scripts/make_gguf_golden.py and tests/gguf/test_quants.py via ctypes)
 #   VERSION   llama-cpp-python version, vendored llama.cpp commit, build flags
@@ -26,17 +27,18 @@
 #                            GCC contracts by default) default builds may differ in rare
 #                            rounding cases; this build does not.
 #   -DBUILD_SHARED_LIBS=ON   libggml-base.so can be loaded with ctypes.
-#   -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF, no tests/examples/server/app.
+#   -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF, no tests/examples/app; the server without SSL
+#                            (it binds to 127.0.0.1 for quantkit).
 #
 # Idempotent: does nothing when the tools and VERSION exist (FORCE=1 rebuilds; a missing tool is built).
 # Usage: scripts/build_llamacpp.sh [-j N]      (run it under `nice` on shared machines)
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-DEST="$ROOT/third_party/llama.cpp"
+DEST="${LLAMACPP_DIR:-$ROOT/third_party/llama.cpp}"
 JOBS="${JOBS:-2}"
 if [[ "${1:-}" == "-j" ]]; then JOBS="$2"; fi
-TOOLS=(llama-quantize llama-perplexity llama-imatrix llama-mtmd-cli)
+TOOLS=(llama-quantize llama-perplexity llama-imatrix llama-mtmd-cli llama-server)
 
 built() {
     [[ -f "$DEST/VERSION" ]] || return 1
@@ -88,7 +90,7 @@ FLAGS=(
     -DLLAMA_OPENSSL=OFF
     -DLLAMA_BUILD_TESTS=OFF
     -DLLAMA_BUILD_EXAMPLES=OFF
-    -DLLAMA_BUILD_SERVER=OFF
+    -DLLAMA_BUILD_SERVER=ON
     -DLLAMA_BUILD_APP=OFF
     -DLLAMA_BUILD_TOOLS=ON
 )
