@@ -53,7 +53,7 @@ def test_ram_estimate_streams_the_gate_and_refuses_over_the_limit(micro_model, c
 
     info = check_model_dir(micro_model)
     recipe = build_recipe(None, "gguf", Overrides(model=str(micro_model)))
-    _info, targets = prepare(recipe, RunOptions(model=str(micro_model), out=tmp_path / "x"))
+    _info, targets, _placement = prepare(recipe, RunOptions(model=str(micro_model), out=tmp_path / "x"))
     estimate = ram_estimate(info, recipe, targets)
     others, layers = unit_bytes(info)
     largest = max([*others.values(), *layers.values()])
@@ -79,7 +79,7 @@ def test_compressed_tensors_gates_stream_unless_the_head_is_quantized(micro_mode
     model = sum(sum(part.values()) for part in unit_bytes(info))
     for method, options in (("fp8", {}), ("gptq", {}), ("smoothquant", {}), ("fp8", {"quantize_lm_head": True})):
         recipe = build_recipe(None, method, Overrides(model=str(micro_model), method_options=options))
-        _info, targets = prepare(recipe, RunOptions(model=str(micro_model), out=tmp_path / "x"))
+        _info, targets, _placement = prepare(recipe, RunOptions(model=str(micro_model), out=tmp_path / "x"))
         steps = ram_estimate(info, recipe, targets).steps
         if options:
             assert steps[f"{method}: gate"] - steps["baseline"] == model * 8 // 16 - max(unit_bytes(info)[1].values())
@@ -99,7 +99,7 @@ def test_vram_estimate_streams_and_refuses_when_the_gpu_is_too_small(micro_model
     model = sum(sum(part.values()) for part in unit_bytes(info))
     for method, offload in (("gguf", None), ("gptq", None), ("gptq", str(tmp_path))):
         recipe = build_recipe(None, method, Overrides(model=str(micro_model), offload_dir=offload))
-        _info, targets = prepare(recipe, RunOptions(model=str(micro_model), out=tmp_path / "x"))
+        _info, targets, _placement = prepare(recipe, RunOptions(model=str(micro_model), out=tmp_path / "x"))
         steps = vram_estimate(info, recipe, targets).steps
         assert steps["baseline"] == 2 * largest_matrix(info) + ACTIVATION_BYTES + 2 * HEAD_SLICE_BYTES
         assert 0 < largest_matrix(info) < model / 4
@@ -133,7 +133,7 @@ def test_offloaded_ram_holds_the_norms_and_the_larger_of_a_table_and_a_layer_wit
     shapes = [shape for name, shape in quantized_linears(info).items() if name.startswith("model.layers.0.")]
     for method in ("gptq", "awq"):
         recipe = build_recipe(None, method, Overrides(model=str(micro_model), offload_dir=str(tmp_path)))
-        _info, targets = prepare(recipe, RunOptions(model=str(micro_model), out=tmp_path / "x"))
+        _info, targets, _placement = prepare(recipe, RunOptions(model=str(micro_model), out=tmp_path / "x"))
         hessians = working_set(targets[0], info)
         assert hessians == (4 * sum(w * w for _o, w in shapes) + 8 * max(o * w for o, w in shapes)
                             if method == "gptq" else 0)
@@ -157,7 +157,7 @@ def test_ram_holds_the_decoder_layers_and_one_table_at_a_time_without_offload_di
     mapping = offload_device_map(info, "cpu", layers=False)
     assert {unit for unit, where in mapping.items() if where == "disk"} == {"model.embed_tokens", "lm_head"}
     recipe = build_recipe(None, "gptq", Overrides(model=str(micro_model)))
-    _info, targets = prepare(recipe, RunOptions(model=str(micro_model), out=tmp_path / "x"))
+    _info, targets, _placement = prepare(recipe, RunOptions(model=str(micro_model), out=tmp_path / "x"))
     hessians = working_set(targets[0], info)
     held = others["model.norm"] + sum(layers.values()) + max(others["model.embed_tokens"], others["lm_head"], hessians)
     assert ram_estimate(info, recipe, targets).steps["gptq: quantize"] == held + ACTIVATION_BYTES
@@ -190,10 +190,67 @@ def test_ram_estimate_of_fp8_follows_its_path(micro_model, tmp_path):
     largest = max(2 * math.prod(shape) for _dtype, shape in info.tensors.values())  # bf16
     for scheme, expected in (("fp8-dynamic", SLAB_WORKING_SET * largest), ("fp8-static", in_ram + ACTIVATION_BYTES)):
         recipe = build_recipe(None, "fp8", Overrides(model=str(micro_model), method_options={"scheme": scheme}))
-        _info, targets = prepare(recipe, RunOptions(model=str(micro_model), out=tmp_path / "x"))
+        _info, targets, _placement = prepare(recipe, RunOptions(model=str(micro_model), out=tmp_path / "x"))
         assert targets[0].needs_model == (scheme == "fp8-static")
         assert ram_estimate(info, recipe, targets).steps["fp8: quantize"] == expected
 
 
 def working_set(target, info) -> int:
     return target.method.working_set(info, target.options)
+
+
+# ---------------------------------------------------------------- where the gate's forwards run
+
+
+def test_placement_is_resident_only_within_the_budget(micro_model, monkeypatch):
+    from quantkit.io.checkpoint import check_model_dir
+    from quantkit.run import preflight
+
+    info = check_model_dir(micro_model)
+    need, _ = preflight.resident_need(10 * 2**30, False, info, 512, 16)
+    monkeypatch.setattr(preflight, "available_ram", lambda: 64 * 2**30)
+    small = preflight.placement_for(10 * 2**30, "cpu", info, 512, 16, (need - 1, "--max-memory 10 GiB"))
+    assert not small.resident and "--max-memory 10 GiB" in small.why
+    assert preflight.placement_for(10 * 2**30, "cpu", info, 512, 16, (need, "x")).resident
+    monkeypatch.setattr(preflight, "available_ram", lambda: need // 2)  # what is free now bounds any budget
+    assert not preflight.placement_for(10 * 2**30, "cpu", info, 512, 16, (10 * need, "x")).resident
+    monkeypatch.setattr(preflight, "available_vram", lambda: 80 * 2**30)
+    gpu = preflight.placement_for(10 * 2**30, "cuda", info, 512, 16, (0, ""))
+    assert gpu.resident and gpu.device == "cuda" and "free on the GPU" in gpu.why
+    assert gpu.activation_bytes == preflight.GPU_ACTIVATION_BYTES
+    assert not preflight.placement_for(100 * 2**30, "cuda", info, 512, 16, (0, "")).resident
+
+
+def test_placement_is_described_in_one_line(micro_model):
+    from quantkit.eval.scorers import Placement
+    from quantkit.io.checkpoint import check_model_dir
+    from quantkit.run.preflight import describe_placement
+
+    info = check_model_dir(micro_model)
+    resident = describe_placement(Placement(True, "cuda", 2**30, "why"), info, 64)
+    assert resident.startswith("gate: resident on cuda, batch ") and resident.endswith("(why)")
+    streamed = describe_placement(Placement(False, "cpu", 2**30, "why"), info, 64)
+    assert streamed.startswith("gate: streamed on cpu, ") and " per layer (why; --max-memory" in streamed
+
+
+def test_whole_bytes_by_kind(micro_model):
+    from quantkit.io.checkpoint import check_model_dir
+    from quantkit.run.preflight import unit_bytes, whole_bytes
+
+    info = check_model_dir(micro_model)
+    others, layers = unit_bytes(info)
+    stored = sum(others.values()) + sum(layers.values())
+    params = sum(math.prod(shape) for _dtype, shape in info.tensors.values())
+    assert whole_bytes(info, "base") == whole_bytes(info, "compressed-tensors") == whole_bytes(info, "mlx") == stored
+    assert whole_bytes(info, "gguf") == whole_bytes(info, "base", "float32") == 4 * params
+
+
+def test_a_run_says_where_its_gate_runs(cli, micro_model, tmp_path):
+    import json
+
+    out = tmp_path / "out"
+    result = cli("quantize", micro_model, "--method", "fp8", "-o", out, *FAST_CALIB, "--max-memory", "4GiB")
+    assert result.exit_code == 0, result.output
+    assert "gate: resident on cpu, batch " in result.stderr and "--max-memory 4.00 GiB" in result.stderr
+    placement = json.loads((out / "quantkit.json").read_text())["gate_placement"]
+    assert placement["resident"] is True and placement["device"] == "cpu"

@@ -20,6 +20,7 @@ def eval_command(
     seq_len: int = typer.Option(512, min=8, help="Tokens per window."),
     seed: int = typer.Option(0, help="Sampling seed (the same as quantize's gives the same held-out windows)."),
     device: str = typer.Option("cpu", help="cpu | cuda | auto"),
+    max_memory: Optional[str] = typer.Option(None, "--max-memory", help="RAM the forwards may use, e.g. 16GiB: with room for the model whole they run resident on a CPU (default: streamed a layer at a time; on a GPU resident whenever it fits)."),
     trust_remote_code: bool = typer.Option(False, help="Allow custom model code from the base and artifact dirs."),
     max_ppl_increase: Optional[float] = typer.Option(None, help="Gate: max relative perplexity increase."),
     max_kld: Optional[float] = typer.Option(None, help="Gate: max mean KL divergence."),
@@ -56,8 +57,11 @@ def eval_command(
     from quantkit.errors import GateFailedError, InputError, ModelError
     from quantkit.eval import evaluate, scorers
     from quantkit.eval.artifacts import artifact_kind
+    from quantkit.engines.transformers import device_map
     from quantkit.io.checkpoint import check_model_dir, resolve_model
+    from quantkit.run.preflight import describe_placement, eval_placement
     from quantkit.run.recipe import cli_tasks
+    from quantkit.units import parse_size
 
     if not model.exists():
         raise ModelError(f"artifact not found: {model}")
@@ -78,12 +82,17 @@ def eval_command(
     base = check_model_dir(resolve_model(against or default_base(model)))
     tokenizer = load_tokenizer(base, trust_remote_code)
     windows = eval_windows(tokenizer, data, num_windows, seq_len, seed)
+    placement = eval_placement(base, kind, device_map(device), seq_len, len(windows),
+                               parse_size(max_memory) if max_memory else None)
+    progress(describe_placement(placement, base, seq_len).replace("gate:", "forwards:", 1))
     progress(f"baseline: {base.path} on {len(windows)} windows of {seq_len} tokens")
-    baseline = evaluate.compute_baseline(scorers.base_scorer(base, device=device, trust_remote_code=trust_remote_code),
-                                         windows)
+    baseline = evaluate.compute_baseline(scorers.base_scorer(base, device=device, trust_remote_code=trust_remote_code,
+                                                             placement=placement, progress=progress), windows)
     progress(f"candidate: {model} ({kind})")
-    metrics = scorers.evaluate_artifact(model, base.path, windows, baseline, device, trust_remote_code)
-    metrics.flips, task_rows = measure_extras(model, base, tokenizer, windows, gate, device, trust_remote_code)
+    metrics = scorers.evaluate_artifact(model, base.path, windows, baseline, device, trust_remote_code,
+                                        placement=placement, progress=progress)
+    metrics.flips, task_rows = measure_extras(model, base, tokenizer, windows, gate, device, trust_remote_code,
+                                              placement)
     verdict = evaluate.gate_verdict(metrics, gate)
     if task_rows:
         from quantkit.eval.tasks import task_checks
@@ -122,15 +131,15 @@ def cli_gate(values: dict):
         raise InputError(format_errors(exc)) from None
 
 
-def measure_extras(model: Path, base, tokenizer, windows, gate, device: str, trust_remote_code: bool):
+def measure_extras(model: Path, base, tokenizer, windows, gate, device: str, trust_remote_code: bool, placement):
     """(flips, task results) of the artifact against the base, when the flags ask for them: greedy
     continuations of held-out prompts (quantkit.eval.generate) and lm-eval tasks (quantkit.eval.tasks)."""
     from quantkit.eval import generate, scorers, tasks
 
     if not gate.flip_prompts and not gate.tasks:
         return None, []
-    base_logits = scorers.base_logits(base, device=device, trust_remote_code=trust_remote_code)
-    logits = scorers.artifact_logits(model, base.path, device, trust_remote_code)
+    base_logits = scorers.base_logits(base, device=device, trust_remote_code=trust_remote_code, placement=placement)
+    logits = scorers.artifact_logits(model, base.path, device, trust_remote_code, placement=placement)
     flips = None
     if gate.flip_prompts:
         progress(f"flips: greedy continuations of {gate.flip_prompts} held-out prompts, {gate.flip_tokens} tokens")

@@ -207,14 +207,20 @@ def reload_problems(model, source: CompressedWeights) -> dict[str, list[str]]:
 # ------------------------------------------------------------------ the scorer
 
 
-def compressed_model(path: Path, config, dtype, device) -> StreamedModel:
-    """The artifact's model on the meta device, its weights streamed from `path`;
-    ArtifactReloadError (exit 3) when the checkpoint does not reload strictly."""
+def compressed_open(path: Path, config, dtype) -> tuple[object, CompressedWeights]:
+    """The artifact's model on the meta device and the source of its weights (decompressed a module at
+    a time); ArtifactReloadError (exit 3) when the checkpoint does not reload strictly."""
     from quantkit.eval.artifacts import check_strict_reload
 
     model = quantized_meta_model(config, dtype)
     source = CompressedWeights(path, model)
     check_strict_reload(path, reload_problems(model, source))
+    return model, source
+
+
+def compressed_model(path: Path, config, dtype, device) -> StreamedModel:
+    """The artifact's model on the meta device, its weights streamed from `path` (compressed_open)."""
+    model, source = compressed_open(path, config, dtype)
     return stream_built(model, config, source, device)
 
 

@@ -206,8 +206,9 @@ def empty_baseline(n_positions: int, vocab: int, workdir: Path | None) -> Baseli
 
 
 def finite_rows(logprobs) -> "torch.Tensor":  # noqa: F821
-    """Positions whose log-probs hold no NaN (-inf is a legitimate log-prob of 0; +inf cannot occur)."""
-    return ~logprobs.isnan().any(-1)
+    """Positions whose log-probs hold no NaN (-inf is a legitimate log-prob of 0; +inf cannot occur, so
+    a row's sum is NaN exactly when the row holds one: one reduction, no mask of the whole chunk)."""
+    return ~logprobs.sum(-1).isnan()
 
 
 def top1_or_none(logprobs) -> "torch.Tensor":  # noqa: F821
@@ -218,7 +219,7 @@ def top1_or_none(logprobs) -> "torch.Tensor":  # noqa: F821
 
 
 def target_nll(chunk: ScoredChunk) -> np.ndarray:
-    return -chunk.logprobs.gather(1, chunk.targets[:, None])[:, 0].numpy()
+    return -chunk.logprobs.gather(1, chunk.targets[:, None])[:, 0].cpu().numpy()
 
 
 def baseline_from_chunks(chunks: Iterable[ScoredChunk], n_positions: int, workdir: Path | None = None) -> Baseline:
@@ -229,10 +230,10 @@ def baseline_from_chunks(chunks: Iterable[ScoredChunk], n_positions: int, workdi
     for chunk in chunks:
         baseline = baseline or empty_baseline(n_positions, chunk.logprobs.shape[-1], workdir)
         end = offset + chunk.logprobs.shape[0]
-        baseline.logprobs[offset:end] = chunk.logprobs.to(torch.float16).numpy()
+        baseline.logprobs[offset:end] = chunk.logprobs.to(torch.float16).cpu().numpy()
         baseline.nll[offset:end] = target_nll(chunk)
-        baseline.top1[offset:end] = top1_or_none(chunk.logprobs).numpy()
-        baseline.targets[offset:end] = chunk.targets.numpy()
+        baseline.top1[offset:end] = top1_or_none(chunk.logprobs).cpu().numpy()
+        baseline.targets[offset:end] = chunk.targets.cpu().numpy()
         offset = end
     return baseline
 
@@ -249,12 +250,13 @@ def kl_rows(base16: np.ndarray, cand) -> "torch.Tensor":  # noqa: F821
     """KL(base || cand) per position from float16-rounded log-probs; tiny negatives clamp to 0.
 
     Terms where the base probability is 0 contribute 0 (not 0 * inf = NaN); a candidate position
-    whose log-probs hold a NaN gets a NaN, never a finite value. In place: two float32 copies of
-    the chunk live at once."""
+    whose log-probs hold a NaN gets a NaN, never a finite value. Computed on the candidate's device
+    (the base's rows are copied there), in place: two float32 copies of the chunk live at once."""
     import torch
 
-    terms = cand.to(torch.float16).float().neg_().add_(torch.from_numpy(np.asarray(base16)).float())
-    p = torch.from_numpy(np.asarray(base16)).float().exp_()
+    base = torch.from_numpy(np.asarray(base16)).to(cand.device).float()
+    terms = cand.to(torch.float16).float().neg_().add_(base)
+    p = base.exp_()
     kl = terms.mul_(p).masked_fill_(p == 0, 0.0).sum(-1).clamp_min(0.0)
     return torch.where(finite_rows(cand), kl, math.nan)
 
@@ -264,9 +266,9 @@ def compare_chunks(chunks: Iterable[ScoredChunk], baseline: Baseline) -> Metrics
     kls, nlls, agree, offset = [], [], 0, 0
     for chunk in chunks:
         end = offset + chunk.logprobs.shape[0]
-        kls.append(kl_rows(baseline.logprobs[offset:end], chunk.logprobs).numpy())
+        kls.append(kl_rows(baseline.logprobs[offset:end], chunk.logprobs).cpu().numpy())
         nlls.append(target_nll(chunk))
-        agree += int((top1_or_none(chunk.logprobs).numpy() == baseline.top1[offset:end]).sum())
+        agree += int((top1_or_none(chunk.logprobs).cpu().numpy() == baseline.top1[offset:end]).sum())
         offset = end
     return summarize(np.concatenate(kls), np.concatenate(nlls), agree, baseline)
 

@@ -1,14 +1,18 @@
 """The Scorer of each thing the gate measures: the full-precision base and every artifact kind.
 
 A .gguf, an mlx-lm directory, a full-precision text decoder and a compressed-tensors text decoder
-(quantkit.eval.compressed.streams) are streamed layer by layer (quantkit.eval.stream); a
-bitsandbytes checkpoint (restored by its engine's own modules), a VLM, custom model code and any
-other compressed-tensors artifact load whole through transformers (quantkit.eval.artifacts).
+(quantkit.eval.compressed.streams) are read by quantkit itself, tensor by tensor (a `Reading`): with a
+resident Placement the whole model goes onto the device once and windows run in batches
+(quantkit.eval.resident), otherwise it is streamed layer by layer (quantkit.eval.stream). Both give
+the same numbers. A bitsandbytes checkpoint (restored by its engine's own modules), a VLM, custom
+model code and any other compressed-tensors artifact load whole through transformers
+(quantkit.eval.artifacts).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from quantkit.eval.evaluate import (
@@ -21,68 +25,92 @@ from quantkit.eval.evaluate import (
     model_logits_fn,
     model_scorer,
 )
-from quantkit.eval.stream import ACTIVATION_BYTES, stream_model, streamable, streamed_logits, streamed_scorer
+from quantkit.eval import stream
+from quantkit.eval.stream import ACTIVATION_BYTES, WeightSource, group_scorer, stream_built, streamable
 from quantkit.io.checkpoint import SafetensorsWeights
 
+Progress = Callable[[str], None]
 
-def checkpoint_scorer(model_dir: Path, dtype: str = "auto", device: str = "cpu",
-                      activation_bytes: int = ACTIVATION_BYTES, workdir: Path | None = None) -> Scorer:
-    """A full-precision checkpoint streamed from its safetensors, in `dtype` ('auto': the stored
-    dtype, as quantkit.engines.transformers.load_model and from_pretrained load it)."""
-    from quantkit.engines.transformers import device_map, hf_config, torch_dtype
+
+def ignore(_message: str) -> None:
+    """A progress callback that says nothing."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the gate's forwards run (chosen once per run by quantkit.run.preflight.gate_placement):
+    the whole model resident on the device, windows batched within `activation_bytes`, or streamed a
+    layer at a time. `why` says what the choice was weighed against."""
+
+    resident: bool
+    device: str = "cpu"
+    activation_bytes: int = ACTIVATION_BYTES
+    why: str = ""
+
+
+STREAMED = Placement(False)
+
+
+@dataclass(frozen=True)
+class Reading:
+    """A model quantkit reads itself, tensor by tensor: `open()` builds it on the meta device and gives
+    the source of its weights (checking the artifact as it does)."""
+
+    config: object  # transformers config
+    open: Callable[[], tuple[object, WeightSource]]
+
+
+def checkpoint_reading(model_dir: Path, dtype: str = "auto") -> Reading:
+    """A full-precision checkpoint from its safetensors, in `dtype` ('auto': the stored dtype, as
+    quantkit.engines.transformers.load_model and from_pretrained load it)."""
+    from quantkit.engines.transformers import hf_config, torch_dtype
     from quantkit.io.checkpoint import check_model_dir
 
     info = check_model_dir(Path(model_dir))
-    config = hf_config(model_dir)  # streamed only without trust_remote_code
-    return streamed_scorer(config, SafetensorsWeights(model_dir), torch_dtype(dtype, info), device_map(device),
-                           activation_bytes, workdir)
+    config = hf_config(model_dir)  # read by quantkit only without trust_remote_code
+    return Reading(config, lambda: (stream.build_meta_model(config, torch_dtype(dtype, info)), SafetensorsWeights(model_dir)))
 
 
-def gguf_scorer(path: Path, base_dir: Path, device: str = "cpu", activation_bytes: int = ACTIVATION_BYTES,
-                workdir: Path | None = None) -> Scorer:
-    """A .gguf in the base's architecture, dequantized a tensor at a time, computed in float32
-    (as artifacts.load_gguf_into_base does)."""
+def gguf_reading(path: Path, base_dir: Path) -> Reading:
+    """A .gguf in the base's architecture, dequantized a tensor at a time, computed in float32 (as
+    artifacts.load_gguf_into_base does)."""
     import torch
 
-    from quantkit.engines.transformers import device_map, hf_config
+    from quantkit.engines.transformers import hf_config
     from quantkit.gguf.loader import GGUFTensors
 
-    config = hf_config(base_dir)  # streamed only without trust_remote_code
-    return streamed_scorer(config, GGUFTensors(path, config.to_dict()), torch.float32, device_map(device),
-                           activation_bytes, workdir)
+    config = hf_config(base_dir)
+    return Reading(config, lambda: (stream.build_meta_model(config, torch.float32), GGUFTensors(path, config.to_dict())))
 
 
-def mlx_scorer(path: Path, device: str = "cpu", activation_bytes: int = ACTIVATION_BYTES,
-               workdir: Path | None = None) -> Scorer:
-    """An mlx-lm directory in its transformers architecture, each quantized weight dequantized exactly as
-    mlx.core.dequantize does, computed in the dtype its scales are stored in (as mlx-lm computes)."""
+def mlx_reading(path: Path) -> Reading:
+    """An mlx-lm directory in its transformers architecture, each quantized weight dequantized exactly
+    as mlx.core.dequantize does, computed in the dtype its scales are stored in (as mlx-lm computes)."""
     import torch
 
-    from quantkit.engines.transformers import device_map
     from quantkit.mlx.checkpoint import MLXWeights
 
     weights = MLXWeights(path)
-    return streamed_scorer(weights.transformers_config(), weights, getattr(torch, weights.stored_dtype()), device_map(device),
-                           activation_bytes, workdir)
+    config = weights.transformers_config()
+    return Reading(config, lambda: (stream.build_meta_model(config, getattr(torch, weights.stored_dtype())), weights))
 
 
-def loaded_scorer(path: Path, base_dir: Path | None, device: str = "cpu", trust_remote_code: bool = False) -> Scorer:
-    """The artifact loaded whole when scoring starts and dropped when it ends (evaluate.model_scorer)."""
-    from quantkit.eval.artifacts import load_for_eval
-    from quantkit.eval.evaluate import model_scorer
+def compressed_reading(path: Path) -> Reading:
+    """A compressed-tensors text decoder, each quantized module decompressed by compressed-tensors'
+    own compressor, in its stored dtype (quantkit.eval.compressed)."""
+    from quantkit.engines.transformers import hf_config, torch_dtype
+    from quantkit.eval.compressed import compressed_open
+    from quantkit.io.checkpoint import check_model_dir
 
-    def scorer(windows) -> Iterator[ScoredChunk]:
-        yield from model_scorer(load_for_eval(path, base_dir, device, trust_remote_code))(windows)
+    config = hf_config(path)
+    dtype = torch_dtype("auto", check_model_dir(path))
+    return Reading(config, lambda: compressed_open(path, config, dtype))
 
-    return scorer
 
-
-def artifact_scorer(path: Path, base_dir: Path | None = None, device: str = "cpu",
-                    trust_remote_code: bool = False, workdir: Path | None = None) -> Scorer:
-    """A Scorer for any artifact quantkit evaluates: a .gguf, a full-precision text decoder and a
-    compressed-tensors text decoder (quantkit.eval.compressed.streams) are streamed layer by layer; a
-    bitsandbytes checkpoint (restored by its engine's own modules), a VLM, custom model code and
-    any other compressed-tensors artifact load whole through transformers."""
+def artifact_reading(path: Path, base_dir: Path | None = None, trust_remote_code: bool = False) -> Reading | None:
+    """How quantkit reads an artifact itself: a .gguf (of a text decoder), an mlx-lm directory, a
+    full-precision text decoder, a compressed-tensors text decoder (quantkit.eval.compressed.streams);
+    None for what loads whole through transformers (bitsandbytes, a VLM, custom model code)."""
     from quantkit.errors import InputError
     from quantkit.eval import compressed
     from quantkit.eval.artifacts import artifact_kind, gguf_file
@@ -90,37 +118,116 @@ def artifact_scorer(path: Path, base_dir: Path | None = None, device: str = "cpu
 
     kind = artifact_kind(path)
     if kind == "mlx":
-        return mlx_scorer(path, device, workdir=workdir)
+        return mlx_reading(path)
     if kind == "gguf":
         if base_dir is None:
             raise InputError("evaluating a .gguf needs the base checkpoint", hint="pass --against BASE_DIR")
         if is_vlm(read_config(Path(base_dir))):  # the language model goes into the whole base (its towers)
-            return loaded_scorer(path, base_dir, device, trust_remote_code)
-        return gguf_scorer(gguf_file(path), base_dir, device, workdir=workdir)
-    if kind == "transformers" and streamable(read_config(path)) and not trust_remote_code:
-        return checkpoint_scorer(path, "auto", device, workdir=workdir)
-    if kind == "compressed-tensors" and not trust_remote_code and compressed.streams(path):
-        return compressed.compressed_scorer(path, device, workdir=workdir)
-    return loaded_scorer(path, base_dir, device, trust_remote_code)
+            return None
+        return gguf_reading(gguf_file(path), base_dir)
+    if trust_remote_code:
+        return None
+    if kind == "transformers" and streamable(read_config(path)):
+        return checkpoint_reading(path)
+    if kind == "compressed-tensors" and compressed.streams(path):
+        return compressed_reading(path)
+    return None
+
+
+def base_reading(info, dtype: str = "auto", trust_remote_code: bool = False) -> Reading | None:
+    """The full-precision base read by quantkit (a text decoder), None when it loads whole (a VLM, remote code)."""
+    if streamable(info.config) and not trust_remote_code:
+        return checkpoint_reading(info.path, dtype)
+    return None
+
+
+# ------------------------------------------------------------------ scorers
+
+
+def streamed_reading(reading: Reading, device):
+    """The Reading's model streamed a unit at a time on `device` (quantkit.eval.stream.StreamedModel)."""
+    model, source = reading.open()
+    return stream_built(model, reading.config, source, device)
+
+
+def resident_reading(reading: Reading, device):
+    """The Reading's model whole on `device` (quantkit.eval.resident.ResidentModel)."""
+    from quantkit.eval.resident import resident_built
+
+    model, source = reading.open()
+    return resident_built(model, reading.config, source, device)
+
+
+def reading_scorer(reading: Reading, device: str = "cpu", placement: Placement = STREAMED,
+                   workdir: Path | None = None, progress: Progress = ignore) -> Scorer:
+    """The Scorer of a Reading: resident on the device when the placement says so (finishing streamed
+    if it runs out of memory), else streamed layer by layer, its logits spilled to `workdir`."""
+    from quantkit.engines.transformers import device_map
+    from quantkit.eval import resident
+
+    target = device_map(device)
+    text_config = reading.config.get_text_config()
+    streamed = group_scorer(lambda: streamed_reading(reading, target), text_config,
+                            ACTIVATION_BYTES, workdir)
+    if not placement.resident:
+        return streamed
+    whole = resident.resident_scorer(lambda: resident_reading(reading, target),
+                                     text_config, placement.activation_bytes)
+    return resident.falling_back(whole, streamed, progress)
+
+
+def checkpoint_scorer(model_dir: Path, dtype: str = "auto", device: str = "cpu",
+                      activation_bytes: int = ACTIVATION_BYTES, workdir: Path | None = None) -> Scorer:
+    """A full-precision checkpoint streamed from its safetensors, in `dtype`."""
+    from quantkit.engines.transformers import device_map
+
+    reading = checkpoint_reading(model_dir, dtype)
+    return group_scorer(lambda: streamed_reading(reading, device_map(device)),
+                        reading.config.get_text_config(), activation_bytes, workdir)
+
+
+def gguf_scorer(path: Path, base_dir: Path, device: str = "cpu", workdir: Path | None = None) -> Scorer:
+    """A .gguf streamed in the base's architecture, in float32."""
+    return reading_scorer(gguf_reading(path, base_dir), device, STREAMED, workdir)
+
+
+def loaded_scorer(path: Path, base_dir: Path | None, device: str = "cpu", trust_remote_code: bool = False) -> Scorer:
+    """The artifact loaded whole when scoring starts and dropped when it ends (evaluate.model_scorer)."""
+    from quantkit.eval.artifacts import load_for_eval
+
+    def scorer(windows) -> Iterator[ScoredChunk]:
+        yield from model_scorer(load_for_eval(path, base_dir, device, trust_remote_code))(windows)
+
+    return scorer
+
+
+def artifact_scorer(path: Path, base_dir: Path | None = None, device: str = "cpu", trust_remote_code: bool = False,
+                    workdir: Path | None = None, placement: Placement = STREAMED,
+                    progress: Progress = ignore) -> Scorer:
+    """A Scorer for any artifact quantkit evaluates: read by quantkit (artifact_reading), resident or
+    streamed as `placement` says, or loaded whole through transformers."""
+    reading = artifact_reading(path, base_dir, trust_remote_code)
+    if reading is None:
+        return loaded_scorer(path, base_dir, device, trust_remote_code)
+    return reading_scorer(reading, device, placement, workdir, progress)
 
 
 def evaluate_artifact(artifact: Path, base_dir: Path, windows, baseline: Baseline, device: str = "cpu",
-                      trust_remote_code: bool = False, workdir: Path | None = None) -> Metrics:
-    """Read an artifact back from disk the way a user would and measure it against the baseline.
-
-    The one measuring step shared by the pipeline's gate and `quantkit eval`: a .gguf, a
-    full-precision text decoder and a compressed-tensors text decoder are streamed layer by layer,
-    the rest loads through transformers (artifact_scorer).
-    """
-    return compare(artifact_scorer(artifact, base_dir, device, trust_remote_code, workdir), windows, baseline)
+                      trust_remote_code: bool = False, workdir: Path | None = None,
+                      placement: Placement = STREAMED, progress: Progress = ignore) -> Metrics:
+    """Read an artifact back from disk the way a user would and measure it against the baseline: the
+    one measuring step shared by the pipeline's gate and `quantkit eval` (artifact_scorer)."""
+    scorer = artifact_scorer(artifact, base_dir, device, trust_remote_code, workdir, placement, progress)
+    return compare(scorer, windows, baseline)
 
 
 def base_scorer(info, dtype: str = "auto", device: str = "cpu", trust_remote_code: bool = False,
-                workdir: Path | None = None) -> Scorer:
-    """The full-precision base: streamed from its safetensors where the streamed forward applies
-    (a text decoder), else loaded whole for the duration of the scoring (a VLM, remote code)."""
-    if streamable(info.config) and not trust_remote_code:
-        return checkpoint_scorer(info.path, dtype, device, workdir=workdir)
+                workdir: Path | None = None, placement: Placement = STREAMED, progress: Progress = ignore) -> Scorer:
+    """The full-precision base: read by quantkit where it can (a text decoder; resident or streamed as
+    `placement` says), else loaded whole for the duration of the scoring (a VLM, remote code)."""
+    reading = base_reading(info, dtype, trust_remote_code)
+    if reading is not None:
+        return reading_scorer(reading, device, placement, workdir, progress)
 
     def scorer(windows):
         from quantkit.engines.transformers import load_model
@@ -133,53 +240,43 @@ def base_scorer(info, dtype: str = "auto", device: str = "cpu", trust_remote_cod
 # ------------------------------------------------------------------ logits functions (tasks, generation)
 
 
+def reading_logits(reading: Reading, device: str = "cpu", placement: Placement = STREAMED,
+                   workdir: Path | None = None) -> LogitsFn:
+    """A Reading's forward as a logits function (b, L, vocab): the model resident on the device, or
+    streamed with the head applied a vocabulary slice at a time."""
+    from quantkit.engines.transformers import device_map
+    from quantkit.eval import resident
+    from quantkit.eval.stream import streamed_logits
+
+    target = device_map(device)
+    if placement.resident:
+        whole = resident_reading(reading, target)
+        return lambda ids: resident.resident_logits(whole, ids)
+    streamed = streamed_reading(reading, target)
+    return lambda ids: streamed_logits(streamed, ids, workdir)
+
+
 def artifact_logits(path: Path, base_dir: Path | None = None, device: str = "cpu", trust_remote_code: bool = False,
-                    workdir: Path | None = None) -> LogitsFn:
+                    workdir: Path | None = None, placement: Placement = STREAMED) -> LogitsFn:
     """The artifact's forward as a logits function, built the way artifact_scorer reads it (the same
-    streamed or loaded model): for lm-eval's tasks and greedy generations (quantkit.eval.tasks)."""
-    import torch
+    model): for lm-eval's tasks and greedy generations (quantkit.eval.tasks, quantkit.eval.generate)."""
+    from quantkit.eval.artifacts import load_for_eval
 
-    from quantkit.engines.transformers import device_map, hf_config, torch_dtype
-    from quantkit.errors import InputError
-    from quantkit.eval import compressed
-    from quantkit.eval.artifacts import artifact_kind, gguf_file, load_for_eval
-    from quantkit.gguf.loader import GGUFTensors
-    from quantkit.io.checkpoint import check_model_dir, is_vlm, read_config
-
-    kind = artifact_kind(path)
-    if kind == "gguf" and base_dir is None:
-        raise InputError("evaluating a .gguf needs the base checkpoint", hint="pass --against BASE_DIR")
-    if kind == "gguf" and not is_vlm(read_config(Path(base_dir))):
-        config = hf_config(base_dir)
-        streamed = stream_model(config, GGUFTensors(gguf_file(path), config.to_dict()), torch.float32,
-                                device_map(device))
-        return streamed_logits_fn(streamed, workdir)
-    if kind == "transformers" and streamable(read_config(path)) and not trust_remote_code:
-        config = hf_config(path)
-        streamed = stream_model(config, SafetensorsWeights(path), torch_dtype("auto", check_model_dir(path)),
-                                device_map(device))
-        return streamed_logits_fn(streamed, workdir)
-    if kind == "compressed-tensors" and not trust_remote_code and compressed.streams(path):
-        config = hf_config(path)
-        dtype = torch_dtype("auto", check_model_dir(path))
-        return streamed_logits_fn(compressed.compressed_model(path, config, dtype, device_map(device)), workdir)
-    return model_logits_fn(load_for_eval(path, base_dir, device, trust_remote_code))
+    reading = artifact_reading(path, base_dir, trust_remote_code)
+    if reading is None:
+        return model_logits_fn(load_for_eval(path, base_dir, device, trust_remote_code))
+    return reading_logits(reading, device, placement, workdir)
 
 
 def base_logits(info, dtype: str = "auto", device: str = "cpu", trust_remote_code: bool = False,
-                workdir: Path | None = None) -> LogitsFn:
+                workdir: Path | None = None, placement: Placement = STREAMED) -> LogitsFn:
     """The full-precision base's forward as a logits function, built the way base_scorer reads it."""
-    from quantkit.engines.transformers import device_map, hf_config, load_model, torch_dtype
+    from quantkit.engines.transformers import load_model
 
-    if streamable(info.config) and not trust_remote_code:
-        streamed = stream_model(hf_config(info.path), SafetensorsWeights(info.path), torch_dtype(dtype, info),
-                                device_map(device))
-        return streamed_logits_fn(streamed, workdir)
-    return model_logits_fn(load_model(info, dtype, device, trust_remote_code))
-
-
-def streamed_logits_fn(streamed, workdir: Path | None) -> LogitsFn:
-    return lambda ids: streamed_logits(streamed, ids, workdir)
+    reading = base_reading(info, dtype, trust_remote_code)
+    if reading is None:
+        return model_logits_fn(load_model(info, dtype, device, trust_remote_code))
+    return reading_logits(reading, device, placement, workdir)
 
 
 # ------------------------------------------------------------------ the KV cache's own damage

@@ -105,6 +105,13 @@ class ModelHandle:
         release_freed_memory()
 
 
+def streamed_placement():
+    """quantkit.eval.scorers.STREAMED (imported when a job is made: `quantkit --help` imports no torch)."""
+    from quantkit.eval.scorers import STREAMED
+
+    return STREAMED
+
+
 @dataclass(frozen=True)
 class QuantizeJob:
     """Everything a method gets for one target, fixed for the run; the method saves its artifact into
@@ -128,6 +135,7 @@ class QuantizeJob:
     ranks: Ranks = Ranks()  # under torchrun: this rank's share of the windows; only rank 0 saves (quantkit.engines.llmcompressor.distributed)
     progress: Callable[[str], None] = lambda message: None  # one line per phase of a long step (the CLI shows it)
     handle: ModelHandle = field(default_factory=ModelHandle)
+    placement: Any = field(default_factory=streamed_placement)  # where quantkit's own forwards run (quantkit.eval.scorers.Placement)
 
     @property
     def model(self) -> Any:

@@ -23,7 +23,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from pydantic import BaseModel
 
@@ -54,12 +54,17 @@ from quantkit.run.preflight import (
     check_disk,
     check_ram,
     check_vram,
+    describe_placement,
+    gate_placement,
     ram_estimate,
     run_estimate,
     vram_estimate,
 )
 from quantkit.run.recipe import Calibration, Gate, Recipe, Target, target_gate, target_options
 from quantkit.run.report import ModelReport, RunReport, TargetReport, model_card, package_version
+
+if TYPE_CHECKING:
+    from quantkit.eval.scorers import Placement
 
 Progress = Callable[[str], None]
 
@@ -97,9 +102,10 @@ class RunOptions:
     progress: Progress = lambda message: None
 
 
-def prepare(recipe: Recipe, opts: RunOptions) -> tuple[ModelInfo, list[ResolvedTarget]]:
+def prepare(recipe: Recipe, opts: RunOptions) -> tuple[ModelInfo, list[ResolvedTarget], Placement]:
     """All cheap checks, before any long work: targets selected, model, device, output,
-    calibration, method options. Returns the model and the selected targets, resolved."""
+    calibration, method options, memory. Returns the model, the selected targets, resolved, and where
+    the gate's forwards run (resident or streamed: preflight.gate_placement)."""
     from quantkit.run.calibration import validate_source
 
     selected = select_targets(recipe.targets, opts.only)
@@ -119,12 +125,13 @@ def prepare(recipe: Recipe, opts: RunOptions) -> tuple[ModelInfo, list[ResolvedT
     if recipe.lora:
         lora_plan(info, recipe)  # every adapter checked against the base before work
     check_disk(opts.out, run_estimate(info, recipe, [(t.method, t.options) for t in targets]))
-    check_ram(ram_estimate(info, recipe, targets), opts.max_memory)
+    placement = gate_placement(info, recipe, targets, opts.max_memory)
+    check_ram(ram_estimate(info, recipe, targets, placement), opts.max_memory)
     if device_map(recipe.device) == "cuda":
-        check_vram(vram_estimate(info, recipe, targets), available_vram())
+        check_vram(vram_estimate(info, recipe, targets, placement), available_vram())
     check_finite([*info.weight_files, *(Path(p) / "adapter_model.safetensors" for p in recipe.lora)])
     check_gate_tasks(recipe, targets, opts)
-    return info, targets
+    return info, targets, placement
 
 
 def gate_tasks(targets: list[ResolvedTarget]) -> list:
@@ -278,24 +285,27 @@ def run(recipe: Recipe, opts: RunOptions) -> RunReport | None:
     """Execute the recipe; returns the report (also written to OUT/quantkit.json). Under torchrun,
     a rank other than 0 does its share of the calibration, writes nothing and returns None."""
     started = time.time()
-    info, targets = prepare(recipe, opts)
+    info, targets, placement = prepare(recipe, opts)
     with process_group(opts.ranks, recipe.device):
         if not opts.ranks.is_main:
             run_share(recipe, opts, info, targets)
             return None
-        return run_main(recipe, opts, info, targets, started)
+        return run_main(recipe, opts, info, targets, placement, started)
 
 
 def run_main(recipe: Recipe, opts: RunOptions, info: ModelInfo, targets: list[ResolvedTarget],
-             started: float) -> RunReport:
+             placement: Placement, started: float) -> RunReport:
     inputs = input_hashes(info, recipe)
     report = base_report(recipe, opts, info, inputs)
+    if placement.why:
+        opts.progress(describe_placement(placement, info, recipe.calibration.seq_len))
+        report.gate_placement = {"resident": placement.resident, "device": placement.device, "why": placement.why}
     prints = {t.name: fingerprint(recipe, t.target, t.gate, inputs, opts.enforce_gate) for t in targets}
     todo = [t for t in targets if not (opts.skip_existing and skipped(recipe, opts, t, prints[t.name], report))]
     staging = export.make_staging(opts.out, opts.progress)
     try:
         if todo:
-            _run_in(staging, recipe, opts, info, todo, prints, report)
+            _run_in(staging, recipe, opts, info, todo, prints, report, placement)
         report.timings["total_s"] = round(time.time() - started, 3)
         _finish(staging, recipe, opts, report)
     except BaseException:
@@ -320,7 +330,7 @@ def skipped(recipe: Recipe, opts: RunOptions, resolved: ResolvedTarget, wanted: 
 
 
 def _run_in(staging: Path, recipe: Recipe, opts: RunOptions, info: ModelInfo, targets: list[ResolvedTarget],
-            prints: dict[str, dict], report: RunReport) -> None:
+            prints: dict[str, dict], report: RunReport, placement: Placement) -> None:
     """Load only what some step needs: no tokenizer, windows or torch model for a run that neither
     calibrates, nor evaluates, nor hands a target the model (e.g. gguf without imatrix and gate)."""
     from quantkit.engines.transformers import load_tokenizer
@@ -339,8 +349,9 @@ def _run_in(staging: Path, recipe: Recipe, opts: RunOptions, info: ModelInfo, ta
                                   eval_windows=len(windows.eval))
     baseline = None
     if windows is not None and len(windows.eval):
-        baseline = compute_baseline(info, recipe, windows.eval, workdir, report, opts.progress)
-        score_base_extras(info, recipe, targets, tokenizer, windows.eval, baseline, workdir, report, opts.progress)
+        baseline = compute_baseline(info, recipe, windows.eval, workdir, report, opts.progress, placement)
+        score_base_extras(info, recipe, targets, tokenizer, windows.eval, baseline, workdir, report, opts.progress,
+                          placement)
     for resolved in targets:
         out_dir = output_dir(staging, recipe, resolved.name)
         out_dir.mkdir(exist_ok=True)
@@ -348,7 +359,8 @@ def _run_in(staging: Path, recipe: Recipe, opts: RunOptions, info: ModelInfo, ta
             # a fresh model per target (methods change it in place); the job holds the only reference,
             # so run_target can free it before measuring
             with offload_plan(recipe, info, workdir) as offload:
-                job = target_job(recipe, opts, info, resolved, tokenizer, windows, out_dir, workdir, offload)
+                job = target_job(recipe, opts, info, resolved, tokenizer, windows, out_dir, workdir, offload,
+                                 placement)
                 entry = run_target(job, resolved, baseline, opts)
                 del job
         except Exception as exc:
@@ -362,13 +374,14 @@ def _run_in(staging: Path, recipe: Recipe, opts: RunOptions, info: ModelInfo, ta
 
 
 def target_job(recipe: Recipe, opts: RunOptions, info: ModelInfo, resolved: ResolvedTarget, tokenizer, windows,
-               out_dir: Path, workdir: Path, offload: Offload | None) -> QuantizeJob:
+               out_dir: Path, workdir: Path, offload: Offload | None, placement: Placement | None = None) -> QuantizeJob:
     """One target's job, with the full-precision model (`offload` on disk) and the tokenizer when its
-    method needs them."""
+    method needs them, and where quantkit's own forwards run (streamed without a placement)."""
     job = QuantizeJob(info, resolved.options, windows, resolved.ignore, out_dir, workdir, recipe.dtype, recipe.device,
                       recipe.trust_remote_code, resolved.target.tower_precision(), offload, opts.ranks,
                       lambda message: opts.progress(f"[{resolved.name}] {message}"),
-                      ModelHandle(tokenizer=tokenizer if resolved.needs_model else None))
+                      ModelHandle(tokenizer=tokenizer if resolved.needs_model else None),
+                      **({"placement": placement} if placement is not None else {}))
     if resolved.needs_model:
         job.load_model(offload)
     return job
@@ -395,13 +408,14 @@ def run_share(recipe: Recipe, opts: RunOptions, info: ModelInfo, targets: list[R
 
 
 def compute_baseline(info: ModelInfo, recipe: Recipe, windows, workdir: Path, report: RunReport,
-                     progress: Progress):
-    """Score the full-precision model once on the held-out windows (reused for every target);
-    a text decoder is streamed from its checkpoint a layer at a time, never loaded whole."""
+                     progress: Progress, placement: Placement):
+    """Score the full-precision model once on the held-out windows (reused for every target); a text
+    decoder is read from its checkpoint, resident or streamed a layer at a time as `placement` says."""
     from quantkit.eval import evaluate, scorers
 
     progress(f"baseline: scoring {len(windows)} held-out windows")
-    scorer = scorers.base_scorer(info, recipe.dtype, recipe.device, recipe.trust_remote_code, workdir)
+    scorer = scorers.base_scorer(info, recipe.dtype, recipe.device, recipe.trust_remote_code, workdir, placement,
+                                 progress)
     with PeakTracker() as t:
         baseline = evaluate.compute_baseline(scorer, windows, workdir=workdir)
     report.timings["baseline_s"] = t.seconds
@@ -410,7 +424,7 @@ def compute_baseline(info: ModelInfo, recipe: Recipe, windows, workdir: Path, re
 
 
 def score_base_extras(info: ModelInfo, recipe: Recipe, targets: list[ResolvedTarget], tokenizer, windows,
-                      baseline, workdir: Path, report: RunReport, progress: Progress) -> None:
+                      baseline, workdir: Path, report: RunReport, progress: Progress, placement: Placement) -> None:
     """What the targets' gates ask beyond the held-out windows, from the base once per run: greedy
     continuations for `flips` (baseline.flips, quantkit.eval.generate) and lm-eval task scores
     (baseline.tasks, quantkit.eval.tasks, per task limit)."""
@@ -420,7 +434,7 @@ def score_base_extras(info: ModelInfo, recipe: Recipe, targets: list[ResolvedTar
     asked = [t for t in targets if t.gate.tasks]
     if not flipping and not asked:
         return
-    logits = scorers.base_logits(info, recipe.dtype, recipe.device, recipe.trust_remote_code, workdir)
+    logits = scorers.base_logits(info, recipe.dtype, recipe.device, recipe.trust_remote_code, workdir, placement)
     if flipping:
         count, steps = max(t.gate.flip_prompts for t in flipping), max(t.gate.flip_tokens for t in flipping)
         progress(f"flips: the base's greedy continuations of {count} held-out prompts ({steps} tokens)")
@@ -447,11 +461,12 @@ def measure(job: QuantizeJob, resolved: ResolvedTarget, artifact: Path, baseline
     from quantkit.eval import evaluate, generate, scorers
 
     gate = resolved.gate
-    entry.metrics = scorers.evaluate_artifact(artifact, job.info.path, job.windows.eval, baseline,
-                                               job.device, job.trust_remote_code, job.workdir)
+    entry.metrics = scorers.evaluate_artifact(artifact, job.info.path, job.windows.eval, baseline, job.device,
+                                               job.trust_remote_code, job.workdir, job.placement, job.progress)
     logits = None
     if gate.flip_prompts or gate.tasks:
-        logits = scorers.artifact_logits(artifact, job.info.path, job.device, job.trust_remote_code, job.workdir)
+        logits = scorers.artifact_logits(artifact, job.info.path, job.device, job.trust_remote_code, job.workdir,
+                                         job.placement)
     if gate.flip_prompts:
         job.progress(f"flips: greedy continuations of {gate.flip_prompts} held-out prompts")
         entry.metrics.flips = generate.flips(logits, baseline.flips, gate.flip_prompts, gate.flip_tokens)

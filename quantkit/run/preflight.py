@@ -115,14 +115,15 @@ def unit_bytes(info) -> tuple[dict[str, int], dict[str, int]]:
     return others, layers
 
 
-def ram_estimate(info, recipe, targets) -> RamEstimate:
+def ram_estimate(info, recipe, targets, placement=None) -> RamEstimate:
     """Per step: the streamed baseline and gate hold one decoder layer (the .gguf candidate's in
     float32), a group's activations, a slice of the output head and its logits, and the baseline
     log-probs while they are small enough to stay in memory; a target that needs the model holds what
     held_bytes says with the method's working set (MethodSpec.working_set: GPTQ's per-layer Hessians);
     one that loads no model its working set alone (fp8's model-free slabs); a compressed-tensors text decoder is streamed like the base, a module
     decompressed at a time (quantkit.eval.compressed); any other compressed-tensors or bitsandbytes
-    artifact is reloaded whole at its bits."""
+    artifact is reloaded whole at its bits. With a resident placement on the CPU (gate_placement) the
+    gate's steps hold the model whole instead (resident_need)."""
     from quantkit.eval.evaluate import SPILL_THRESHOLD
     from quantkit.eval.stream import ACTIVATION_BYTES, HEAD_SLICE_BYTES
 
@@ -143,6 +144,9 @@ def ram_estimate(info, recipe, targets) -> RamEstimate:
             steps[f"{t.name}: quantize"] = working
         if c.eval_windows:
             steps[f"{t.name}: gate"] = candidate_bytes(t, model, layer, streams_gate(t, info, recipe)) + streamed
+    if placement is not None and placement.resident and placement.device == "cpu":
+        steps.update({name: resident_need(n, False, info, c.seq_len, c.eval_windows)[0] + store
+                      for name, n in read_whole_bytes(info, recipe, targets).items()})
     return RamEstimate(steps)
 
 
@@ -208,13 +212,14 @@ def largest_matrix(info) -> int:
     return max(sizes, default=0)
 
 
-def vram_estimate(info, recipe, targets) -> RamEstimate:
+def vram_estimate(info, recipe, targets, placement=None) -> RamEstimate:
     """Per step, what the GPU holds when the run uses one: a streamed forward one weight matrix (in
     float32 for a .gguf) with a group's activations and a slice of the head; a target that needs
     the model, one decoder layer and the calibration activations with --offload-dir (llm-compressor's
     sequential pipeline onloads a layer at a time), else the whole model; a gate that does not stream
     (bitsandbytes, streams_gate false), the artifact at its bits; fp8 without the model, one slab of
-    one weight."""
+    one weight. With a resident placement on the GPU (gate_placement) the gate's steps hold the model
+    whole (resident_need)."""
     from quantkit.eval.stream import ACTIVATION_BYTES, HEAD_SLICE_BYTES
 
     others, layers = unit_bytes(info)
@@ -232,6 +237,9 @@ def vram_estimate(info, recipe, targets) -> RamEstimate:
             own_stream = t.method.artifact in ("gguf", "mlx")
             steps[f"{t.name}: gate"] = streamed if own_stream or streams_gate(t, info, recipe) else (
                 candidate_bytes(t, model, 0, False) + ACTIVATION_BYTES)
+    if placement is not None and placement.resident and placement.device == "cuda":
+        steps.update({name: resident_need(n, True, info, recipe.calibration.seq_len, recipe.calibration.eval_windows)[0]
+                      for name, n in read_whole_bytes(info, recipe, targets).items()})
     return RamEstimate(steps, FIXED_VRAM)
 
 
@@ -287,3 +295,134 @@ def check_ram(estimate: RamEstimate, limit: int | None) -> None:
                      f"({estimate.describe()}, plus {_size(estimate.fixed)} fixed), {source} is {_size(budget)}",
                      hint="use --offload-dir for the llm-compressor methods, fewer --eval-windows, "
                      "or a machine with more memory")
+
+
+# ---------------------------------------------------------------- where the gate's forwards run
+
+GPU_HEADROOM = 0.90  # share of the free GPU memory a resident gate may fill (allocator slack, other processes)
+GPU_ACTIVATION_BYTES = 4 * 2**30  # a GPU's windows batched within this much of activations
+
+
+def read_whole_bytes(info, recipe, targets) -> dict[str, int]:
+    """What each model the gate reads itself (quantkit.eval.scorers.Reading) takes whole on its device, by
+    step: the base at the run's dtype, each artifact as whole_bytes says. What loads through
+    transformers anyway (a VLM, bitsandbytes, custom code) is not here: it is whole either way."""
+    from quantkit.eval.stream import streamable
+
+    if not recipe.calibration.eval_windows or recipe.trust_remote_code or not streamable(info.config):
+        return {}
+    steps = {"baseline": whole_bytes(info, "base", recipe.dtype)}
+    for t in targets:
+        if t.method.artifact in ("gguf", "mlx") or streams_gate(t, info, recipe):
+            steps[f"{t.name}: gate"] = whole_bytes(info, t.method.artifact)
+    return steps
+
+
+def whole_bytes(info, kind: str, dtype: str = "auto") -> int:
+    """Bytes of a model of `info`'s shape read whole by quantkit: the base at `dtype` ('auto': as stored),
+    a .gguf in float32, a compressed-tensors checkpoint decompressed to the stored dtype, an mlx-lm
+    directory at its scales' dtype (16-bit)."""
+    others, layers = unit_bytes(info)
+    params = sum(math.prod(shape) for _dtype, shape in info.tensors.values())
+    if kind == "gguf" or (kind == "base" and dtype == "float32"):
+        return 4 * params
+    if kind == "base" and dtype != "auto":
+        return 2 * params
+    return sum(others.values()) + sum(layers.values())
+
+
+def text_shape(info):
+    """The text model's config as attributes, for quantkit.eval.stream.windows_per_group."""
+    from types import SimpleNamespace
+
+    text = info.config.get("text_config") or info.config
+    hidden = int(text.get("hidden_size") or 0)
+    return SimpleNamespace(hidden_size=hidden, intermediate_size=int(text.get("intermediate_size") or 4 * hidden),
+                           num_attention_heads=int(text.get("num_attention_heads") or 1))
+
+
+def resident_need(largest: int, cuda: bool, info, seq_len: int, windows: int) -> tuple[int, int]:
+    """(bytes a resident gate holds with the largest model read whole, its activation budget): the model,
+    a batch's activations (all the windows, or as many as the device's budget takes) and a few chunks
+    of float32 logits."""
+    from quantkit.eval.resident import CPU_CHUNK_BYTES, GPU_CHUNK_BYTES
+    from quantkit.eval.stream import ACTIVATION_BYTES, windows_per_group
+
+    budget = GPU_ACTIVATION_BYTES if cuda else ACTIVATION_BYTES
+    activation = min(budget, budget // windows_per_group(text_shape(info), seq_len, budget) * windows)
+    text = info.config.get("text_config") or info.config
+    logits = 4 * windows * seq_len * int(text.get("vocab_size") or 0)
+    chunks = 3 * min(GPU_CHUNK_BYTES if cuda else CPU_CHUNK_BYTES, logits)
+    return largest + activation + chunks, budget
+
+
+def run_cpu_budget(info, recipe, targets, max_memory: int | None) -> tuple[int, str]:
+    """(bytes a resident gate may hold in RAM, where that figure comes from): within --max-memory when
+    given; otherwise the run's estimated peak with a streamed gate (a method that loads the model holds
+    it anyway; a streamed gate holds a batch's activations too), so the gate never raises the peak."""
+    if max_memory:
+        return max_memory - FIXED_RAM, f"--max-memory {_size(max_memory)}"
+    return max(ram_estimate(info, recipe, targets).steps.values(), default=0), "this run's peak with a streamed gate"
+
+
+def placement_for(largest: int, device: str, info, seq_len: int, windows: int, cpu_budget: tuple[int, str]):
+    """Resident on `device` when the largest model read whole fits (quantkit.eval.scorers.Placement): on a
+    GPU within its free memory, on a CPU within `cpu_budget` and the memory available now."""
+    from quantkit.eval.scorers import Placement
+
+    cuda = device == "cuda"
+    need, activation = resident_need(largest, cuda, info, seq_len, windows)
+    if cuda:
+        free = available_vram()
+        budget, source = int(GPU_HEADROOM * free) - FIXED_VRAM, f"{_size(free)} free on the GPU"
+    else:
+        budget, source = cpu_budget
+        available = available_ram()
+        if available and available - FIXED_RAM < budget:
+            budget, source = available - FIXED_RAM, "the memory available now"
+    why = f"the model whole needs {_size(need)}; {source}: {_size(max(0, budget))}"
+    return Placement(need <= budget, device, activation, why)
+
+
+def gate_placement(info, recipe, targets, max_memory: int | None = None):
+    """Where a run's gate runs its forwards, chosen once before any work: resident when the largest model
+    it reads itself fits (placement_for; on a CPU within run_cpu_budget), else streamed a layer at a time."""
+    from quantkit.engines.transformers import device_map
+    from quantkit.eval.scorers import Placement
+
+    steps = read_whole_bytes(info, recipe, targets)
+    device = device_map(recipe.device)
+    if not steps:
+        return Placement(False, device)
+    c = recipe.calibration
+    budget = run_cpu_budget(info, recipe, targets, max_memory) if device != "cuda" else (0, "")
+    return placement_for(max(steps.values()), device, info, c.seq_len, c.eval_windows, budget)
+
+
+def describe_placement(placement, info, seq_len: int) -> str:
+    """One line: "gate: resident on cuda, batch 16 (...)" or "gate: streamed on cpu, 0.1 GiB per layer (...)"."""
+    from quantkit.eval.stream import windows_per_group
+
+    if placement.resident:
+        batch = windows_per_group(text_shape(info), seq_len, placement.activation_bytes)
+        return f"gate: resident on {placement.device}, batch {batch} ({placement.why})"
+    _others, layers = unit_bytes(info)
+    hint = "" if placement.device == "cuda" else "; --max-memory lets it stay whole"
+    return (f"gate: streamed on {placement.device}, {_size(max(layers.values(), default=0))} per layer "
+            f"({placement.why}{hint})")
+
+
+def eval_placement(info, kind: str, device: str, seq_len: int, windows: int, max_memory: int | None = None):
+    """Where `quantkit eval` runs its forwards for a base of `info`'s shape and an artifact of `kind`
+    (quantkit.eval.artifacts.artifact_kind): as gate_placement, the CPU's budget being --max-memory or
+    what a streamed forward holds anyway."""
+    from quantkit.eval.stream import ACTIVATION_BYTES, HEAD_SLICE_BYTES
+
+    largest = max(whole_bytes(info, "base"), whole_bytes(info, kind))
+    if max_memory:
+        budget = (max_memory - FIXED_RAM, f"--max-memory {_size(max_memory)}")
+    else:
+        _others, layers = unit_bytes(info)
+        streamed = max(layers.values(), default=0) + ACTIVATION_BYTES + 2 * HEAD_SLICE_BYTES
+        budget = (streamed, "a streamed forward's peak")
+    return placement_for(largest, device, info, seq_len, windows, budget)

@@ -98,6 +98,7 @@ class RunReport:
     targets: list[TargetReport] = field(default_factory=list)
     passed: bool | None = None  # None: nothing was measured
     merge: dict[str, Any] | None = None  # LoRA merge (quantkit.run.lora.MergeReport) when adapters were merged
+    gate_placement: dict[str, Any] | None = None  # where the gate's forwards ran (quantkit.run.preflight.gate_placement)
 
     def to_dict(self, targets: list[TargetReport] | None = None) -> dict[str, Any]:
         """The JSON form; `targets` restricts it to some targets (a per-target quantkit.json)."""

@@ -289,7 +289,7 @@ def whole_model_gptq(model_dir, tmp_path):
 
     calibration = dict(num_samples=16, seq_len=64, eval_windows=0)
     recipe = build_recipe(None, "gptq", Overrides(model=str(model_dir), calibration=calibration))
-    info, targets = prepare(recipe, RunOptions(model=str(model_dir), out=tmp_path / "whole"))
+    info, targets, _placement = prepare(recipe, RunOptions(model=str(model_dir), out=tmp_path / "whole"))
     tokenizer = load_tokenizer(info)
     windows = make_windows(tokenizer, window_settings(recipe, targets), lambda message: None)
     (tmp_path / "whole").mkdir()

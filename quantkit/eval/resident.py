@@ -1,0 +1,176 @@
+"""The gate's forward with the whole model resident on its device, windows batched.
+
+The model is built on the meta device exactly as the streamed forward builds it
+(quantkit.eval.stream.build_meta_model, or compressed-tensors' quantized_meta_model for an artifact)
+and every parameter is read once from the same WeightSource (a safetensors checkpoint, a .gguf
+dequantized, a compressed-tensors checkpoint decompressed a module at a time, an mlx-lm directory),
+cast to the parameter's dtype as accelerate's hooks cast it, and placed on the device. The model's
+own forward then runs with no hooks: the same modules in the same dtype as the streamed path, so
+the numbers are the streamed path's; only the time differs (no weight is read twice, no logits are
+spilled to a file). The output head is applied a chunk of positions at a time (with the config's
+final_logit_softcapping, as the model's forward does), so one chunk's float32 logits are the most
+ever held beside the model; scoring (log-softmax, KL, top-1) runs on the device.
+
+Where the model does not fit, the gate streams it (quantkit.eval.stream). A resident forward that
+runs out of memory anyway (the estimate was wrong) does not fail the run: `falling_back` finishes the
+windows on the streamed path and says so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from quantkit.engines.transformers import tied_groups
+from quantkit.eval.evaluate import ScoredChunk, Scorer, iter_batches
+from quantkit.eval.stream import WeightSource, WeightsMap, build_meta_model, last_hidden, source_names, windows_per_group
+
+CPU_CHUNK_BYTES = 32 * 1024 * 1024  # float32 logits of one chunk of positions on a CPU (a few copies live at once)
+GPU_CHUNK_BYTES = 1024 * 1024 * 1024  # on a GPU: large chunks keep it busy
+
+
+@dataclass
+class ResidentModel:
+    model: object  # transformers CausalLM, every parameter on `device`
+    device: object
+    softcap: float | None  # final_logit_softcapping
+
+    @property
+    def head(self):
+        return self.model.get_output_embeddings()
+
+
+def materialize(model, source: WeightSource, device) -> None:
+    """Every parameter of the meta-device `model` read from `source` once (a tied group shares one
+    tensor), cast to the parameter's dtype and placed on `device`; buffers moved there too."""
+    from accelerate.utils import set_module_tensor_to_device
+
+    weights = WeightsMap(source, source_names(model, source))
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for group in tied_groups(model):
+        value = weights[group[0]].to(device, non_blocking=True).to(params[group[0]].dtype)
+        for name in group:
+            set_module_tensor_to_device(model, name, device, value=value)
+    for name, _ in model.named_buffers():
+        set_module_tensor_to_device(model, name, device)
+
+
+def resident_built(model, config, source: WeightSource, device) -> ResidentModel:
+    """A model built on the meta device (build_meta_model, perhaps with more done to it) with all its
+    weights read from `source` onto `device`."""
+    materialize(model, source, device)
+    softcap = config.get_text_config().to_dict().get("final_logit_softcapping")
+    return ResidentModel(model.eval(), device, softcap)
+
+
+def resident_model(config, source: WeightSource, dtype, device="cpu") -> ResidentModel:
+    """The CausalLM of `config` in `dtype`, its weights from `source`, whole on `device`."""
+    return resident_built(build_meta_model(config, dtype), config, source, device)
+
+
+def head_logits(resident: ResidentModel, hidden) -> "torch.Tensor":  # noqa: F821
+    """float32 logits of hidden states (positions, hidden): the head, then the softcap, as the model's forward."""
+    import torch
+
+    logits = resident.head(hidden)
+    if resident.softcap is not None:
+        logits = torch.tanh(logits / resident.softcap) * resident.softcap
+    return logits.float()
+
+
+def chunk_positions(device, vocab: int) -> int:
+    """Positions per chunk of float32 logits on `device`."""
+    import torch
+
+    budget = GPU_CHUNK_BYTES if torch.device(device).type == "cuda" else CPU_CHUNK_BYTES
+    return max(1, budget // (4 * vocab))
+
+
+def score_batch(resident: ResidentModel, ids) -> Iterator[ScoredChunk]:
+    """Log-probs of predictions 0..L-2 of each window of `ids`, a chunk of positions at a time, on the device."""
+    import torch
+
+    hidden = last_hidden(resident, ids)
+    targets = ids[:, 1:].reshape(-1).to(resident.device)
+    step = chunk_positions(resident.device, resident.head.out_features)
+    for start in range(0, hidden.shape[0], step):
+        logits = head_logits(resident, hidden[start : start + step])
+        yield ScoredChunk(torch.log_softmax(logits, dim=-1), targets[start : start + step])
+
+
+def resident_scorer(make: Callable[[], ResidentModel], text_config, activation_bytes: int) -> Scorer:
+    """A Scorer over the resident model `make` builds when scoring starts (and drops when it ends):
+    windows go through it in batches sized for `text_config`'s activations within activation_bytes."""
+
+    def scorer(windows) -> Iterator[ScoredChunk]:
+        import torch
+
+        resident = make()
+        batch = windows_per_group(text_config, windows.shape[1], activation_bytes)
+        with torch.inference_mode():
+            for ids in iter_batches(windows, batch):
+                yield from score_batch(resident, ids)
+
+    return scorer
+
+
+def resident_logits(resident: ResidentModel, ids) -> "torch.Tensor":  # noqa: F821
+    """float32 logits (b, L, vocab) of every position of `ids` (evaluate.LogitsFn: lm-eval's tasks and
+    greedy generations read it), on the CPU."""
+    import torch
+
+    with torch.inference_mode():
+        hidden = resident.model.get_decoder()(input_ids=ids.to(resident.device), use_cache=False).last_hidden_state
+        return head_logits(resident, hidden).cpu()
+
+
+# ------------------------------------------------------------------ out of memory: finish streamed
+
+
+def out_of_memory(exc: BaseException) -> bool:
+    """A failed allocation on a GPU (torch.OutOfMemoryError) or in RAM (torch's CPU allocator, MemoryError)."""
+    import torch
+
+    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    return isinstance(exc, RuntimeError) and ("out of memory" in str(exc) or "can't allocate memory" in str(exc))
+
+
+def free_device_memory() -> None:
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def falling_back(resident: Scorer, streamed: Scorer, notify: Callable[[str], None]) -> Scorer:
+    """`resident`, unless it runs out of memory: then `streamed` scores the positions not yet given
+    (from the window the failure was in), and `notify` says so. The chunks come in position order
+    either way, so the consumer never sees the switch."""
+
+    def scorer(windows) -> Iterator[ScoredChunk]:
+        done = 0
+        try:
+            for chunk in resident(windows):
+                done += chunk.logprobs.shape[0]
+                yield chunk
+            return
+        except Exception as exc:  # noqa: BLE001 - only an allocation failure is handled; anything else re-raised
+            if not out_of_memory(exc):
+                raise
+            notify(f"gate: the resident model ran out of memory ({str(exc).splitlines()[0][:120]}); "
+                   "streaming the rest a layer at a time")
+        free_device_memory()
+        per_window = windows.shape[1] - 1
+        first, skip = divmod(done, per_window)
+        for chunk in streamed(windows[first:]):
+            if skip >= chunk.logprobs.shape[0]:
+                skip -= chunk.logprobs.shape[0]
+                continue
+            yield ScoredChunk(chunk.logprobs[skip:], chunk.targets[skip:]) if skip else chunk
+            skip = 0
+
+    return scorer
