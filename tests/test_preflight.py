@@ -254,3 +254,30 @@ def test_a_run_says_where_its_gate_runs(cli, micro_model, tmp_path):
     assert "gate: resident on cpu, batch " in result.stderr and "--max-memory 4.00 GiB" in result.stderr
     placement = json.loads((out / "quantkit.json").read_text())["gate_placement"]
     assert placement["resident"] is True and placement["device"] == "cpu"
+
+
+def test_a_gpu_run_keeps_the_model_whole_on_the_gpu_or_onloads_it(micro_model, tmp_path, monkeypatch):
+    """Whole on the GPU (no tables on disk) when the run's GPU peak fits; else the model stays in RAM and
+    llm-compressor onloads a layer at a time, and the estimate counts one layer."""
+    from quantkit.io.checkpoint import check_model_dir
+    from quantkit.run import preflight
+    from quantkit.run.pipeline import RunOptions, offload_plan, prepare
+    from quantkit.run.recipe import Overrides, build_recipe
+
+    info = check_model_dir(micro_model)
+    recipe = build_recipe(None, "gptq", Overrides(model=str(micro_model), calibration={"num_samples": 16, "seq_len": 64}))
+    _info, targets, _placement = prepare(recipe, RunOptions(model=str(micro_model), out=tmp_path / "x"))
+    on_gpu = recipe.model_copy(update={"device": "cuda"})
+    monkeypatch.setattr(preflight, "available_vram", lambda: 80 * 2**30)
+    whole = preflight.gate_placement(info, on_gpu, targets)
+    assert whole.device == "cuda" and whole.resident and not whole.onload
+    with offload_plan(on_gpu, info, tmp_path, whole) as offload:
+        assert offload is None  # nothing on disk: the GPU has room
+    whole_peak = preflight.vram_estimate(info, on_gpu, targets, whole).peak
+    onloaded_peak = preflight.vram_estimate(info, on_gpu, targets, whole, onload=True).steps["gptq: quantize"]
+    assert onloaded_peak < preflight.vram_estimate(info, on_gpu, targets, whole).steps["gptq: quantize"]
+    monkeypatch.setattr(preflight, "available_vram", lambda: int(whole_peak / preflight.GPU_HEADROOM) - 1)
+    tight = preflight.gate_placement(info, on_gpu, targets)
+    assert tight.onload
+    with offload_plan(on_gpu, info, tmp_path, tight) as offload:
+        assert offload is not None and not offload.layers  # in RAM, the vocabulary tables on disk

@@ -38,14 +38,17 @@ def ignore(_message: str) -> None:
 
 @dataclass(frozen=True)
 class Placement:
-    """Where the gate's forwards run (chosen once per run by quantkit.run.preflight.gate_placement):
-    the whole model resident on the device, windows batched within `activation_bytes`, or streamed a
-    layer at a time. `why` says what the choice was weighed against."""
+    """Where a run's models go (chosen once per run by quantkit.run.preflight.gate_placement): the gate's
+    forwards with the whole model resident on the device, windows batched within `activation_bytes`, or
+    streamed a layer at a time (`why` says what the choice was weighed against); on a GPU run, `onload`:
+    a method's model stays in RAM (or on disk with --offload-dir) and llm-compressor's sequential
+    pipeline onloads one layer at a time to the GPU, because the model does not fit the GPU whole."""
 
     resident: bool
     device: str = "cpu"
     activation_bytes: int = ACTIVATION_BYTES
     why: str = ""
+    onload: bool = False
 
 
 STREAMED = Placement(False)

@@ -153,7 +153,8 @@ class QuantizeJob:
         if self.handle.model is None:
             where = "decoder layers, embeddings and head" if offload and offload.layers else "embeddings and head"
             self.progress(f"loading {self.info.path}" + (f" ({where} offloaded to {offload.folder})" if offload else ""))
-            self.handle.model = load_model(self.info, self.dtype, self.device, self.trust_remote_code, offload)
+            device = "cpu" if self.placement.onload else self.device  # llm-compressor onloads layers to the GPU
+            self.handle.model = load_model(self.info, self.dtype, device, self.trust_remote_code, offload)
         if self.handle.tokenizer is None:
             self.handle.tokenizer = load_tokenizer(self.info, self.trust_remote_code)
         return self.handle.model

@@ -128,7 +128,7 @@ def prepare(recipe: Recipe, opts: RunOptions) -> tuple[ModelInfo, list[ResolvedT
     placement = gate_placement(info, recipe, targets, opts.max_memory)
     check_ram(ram_estimate(info, recipe, targets, placement), opts.max_memory)
     if device_map(recipe.device) == "cuda":
-        check_vram(vram_estimate(info, recipe, targets, placement), available_vram())
+        check_vram(vram_estimate(info, recipe, targets, placement, placement.onload), available_vram())
     check_finite([*info.weight_files, *(Path(p) / "adapter_model.safetensors" for p in recipe.lora)])
     check_gate_tasks(recipe, targets, opts)
     return info, targets, placement
@@ -288,7 +288,7 @@ def run(recipe: Recipe, opts: RunOptions) -> RunReport | None:
     info, targets, placement = prepare(recipe, opts)
     with process_group(opts.ranks, recipe.device):
         if not opts.ranks.is_main:
-            run_share(recipe, opts, info, targets)
+            run_share(recipe, opts, info, targets, placement)
             return None
         return run_main(recipe, opts, info, targets, placement, started)
 
@@ -297,6 +297,9 @@ def run_main(recipe: Recipe, opts: RunOptions, info: ModelInfo, targets: list[Re
              placement: Placement, started: float) -> RunReport:
     inputs = input_hashes(info, recipe)
     report = base_report(recipe, opts, info, inputs)
+    if placement.onload:
+        opts.progress("quantize: the model does not fit the GPU whole; it stays in RAM and llm-compressor "
+                      "onloads one layer at a time to the GPU")
     if placement.why:
         opts.progress(describe_placement(placement, info, recipe.calibration.seq_len))
         report.gate_placement = {"resident": placement.resident, "device": placement.device, "why": placement.why}
@@ -358,7 +361,7 @@ def _run_in(staging: Path, recipe: Recipe, opts: RunOptions, info: ModelInfo, ta
         try:
             # a fresh model per target (methods change it in place); the job holds the only reference,
             # so run_target can free it before measuring
-            with offload_plan(recipe, info, workdir) as offload:
+            with offload_plan(recipe, info, workdir, placement) as offload:
                 job = target_job(recipe, opts, info, resolved, tokenizer, windows, out_dir, workdir, offload,
                                  placement)
                 entry = run_target(job, resolved, baseline, opts)
@@ -387,7 +390,8 @@ def target_job(recipe: Recipe, opts: RunOptions, info: ModelInfo, resolved: Reso
     return job
 
 
-def run_share(recipe: Recipe, opts: RunOptions, info: ModelInfo, targets: list[ResolvedTarget]) -> None:
+def run_share(recipe: Recipe, opts: RunOptions, info: ModelInfo, targets: list[ResolvedTarget],
+              placement: Placement) -> None:
     """A rank other than 0 (quantkit.engines.llmcompressor.distributed): each target's GPTQ on this rank's share of the
     windows, in step with rank 0's; nothing written outside a private work directory next to OUT."""
     import tempfile
@@ -400,8 +404,9 @@ def run_share(recipe: Recipe, opts: RunOptions, info: ModelInfo, targets: list[R
     with tempfile.TemporaryDirectory(prefix=f".quantkit-rank{opts.ranks.rank}-", dir=parent) as tmp:
         workdir = Path(tmp)
         for resolved in targets:
-            with offload_plan(recipe, info, workdir) as offload:
-                job = target_job(recipe, opts, info, resolved, tokenizer, windows, workdir, workdir, offload)
+            with offload_plan(recipe, info, workdir, placement) as offload:
+                job = target_job(recipe, opts, info, resolved, tokenizer, windows, workdir, workdir, offload,
+                                 placement)
                 resolved.method.quantize(job)
                 job.free_model()
                 del job
@@ -731,17 +736,20 @@ def make_windows(tokenizer, settings: Calibration, progress: Progress):
 
 
 @contextmanager
-def offload_plan(recipe: Recipe, info: ModelInfo, workdir: Path) -> Iterator[Offload | None]:
+def offload_plan(recipe: Recipe, info: ModelInfo, workdir: Path,
+                 placement: Placement | None = None) -> Iterator[Offload | None]:
     """What one target's model keeps on disk, in a fresh folder removed afterwards: with --offload-dir
     every decoder layer and the vocabulary tables, in a folder there; otherwise the tables alone, in the
-    run's work directory (a text decoder's; a VLM loads whole). quantkit.engines.transformers.Offload says why."""
+    run's work directory (a text decoder's in RAM; a VLM loads whole, and so does a model that fits the
+    GPU of a GPU run). quantkit.engines.transformers.Offload says why."""
     import shutil
     import tempfile
 
     from quantkit.engines.transformers import Offload
     from quantkit.io.checkpoint import is_vlm
 
-    if recipe.offload_dir is None and is_vlm(info.config):
+    whole_on_gpu = placement is not None and placement.device == "cuda" and not placement.onload
+    if recipe.offload_dir is None and (is_vlm(info.config) or whole_on_gpu):
         yield None
         return
     parent = recipe.offload_dir or workdir

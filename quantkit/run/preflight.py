@@ -212,14 +212,15 @@ def largest_matrix(info) -> int:
     return max(sizes, default=0)
 
 
-def vram_estimate(info, recipe, targets, placement=None) -> RamEstimate:
+def vram_estimate(info, recipe, targets, placement=None, onload: bool = False) -> RamEstimate:
     """Per step, what the GPU holds when the run uses one: a streamed forward one weight matrix (in
     float32 for a .gguf) with a group's activations and a slice of the head; a target that needs
     the model, one decoder layer and the calibration activations with --offload-dir (llm-compressor's
     sequential pipeline onloads a layer at a time), else the whole model; a gate that does not stream
     (bitsandbytes, streams_gate false), the artifact at its bits; fp8 without the model, one slab of
     one weight. With a resident placement on the GPU (gate_placement) the gate's steps hold the model
-    whole (resident_need)."""
+    whole (resident_need). With `onload` (the model in RAM, llm-compressor onloading a layer at a time)
+    a method holds one layer, as with --offload-dir."""
     from quantkit.eval.stream import ACTIVATION_BYTES, HEAD_SLICE_BYTES
 
     others, layers = unit_bytes(info)
@@ -229,7 +230,7 @@ def vram_estimate(info, recipe, targets, placement=None) -> RamEstimate:
     for t in targets:
         working = t.method.working_set(info, t.options)
         if t.needs_model:
-            held = max(layers.values(), default=0) if recipe.offload_dir else model
+            held = max(layers.values(), default=0) if recipe.offload_dir or onload else model
             steps[f"{t.name}: quantize"] = held + ACTIVATION_BYTES + working
         elif working:
             steps[f"{t.name}: quantize"] = working
@@ -259,7 +260,7 @@ def check_vram(estimate: RamEstimate, available: int) -> None:
         return
     raise InputError(f"not enough GPU memory: the run needs about {_size(estimate.peak)} on the GPU at its peak "
                      f"({estimate.describe()}, plus {_size(estimate.fixed)} fixed), {_size(available)} is free",
-                     hint="use --offload-dir so llm-compressor onloads one layer at a time, or --device cpu")
+                     hint="fewer --eval-windows or a shorter --seq-len, a GPU with more memory, or --device cpu")
 
 
 def available_ram() -> int:
@@ -385,18 +386,25 @@ def placement_for(largest: int, device: str, info, seq_len: int, windows: int, c
 
 
 def gate_placement(info, recipe, targets, max_memory: int | None = None):
-    """Where a run's gate runs its forwards, chosen once before any work: resident when the largest model
-    it reads itself fits (placement_for; on a CPU within run_cpu_budget), else streamed a layer at a time."""
+    """Where a run's models go, chosen once before any work: the gate resident when the largest model it
+    reads itself fits (placement_for; on a CPU within run_cpu_budget), else streamed a layer at a time;
+    on a GPU, a method's model whole on the GPU when the run's GPU peak with it fits, else onloaded from
+    RAM a layer at a time (`onload`)."""
+    from dataclasses import replace
+
     from quantkit.engines.transformers import device_map
     from quantkit.eval.scorers import Placement
 
     steps = read_whole_bytes(info, recipe, targets)
     device = device_map(recipe.device)
-    if not steps:
-        return Placement(False, device)
     c = recipe.calibration
-    budget = run_cpu_budget(info, recipe, targets, max_memory) if device != "cuda" else (0, "")
-    return placement_for(max(steps.values()), device, info, c.seq_len, c.eval_windows, budget)
+    budget = run_cpu_budget(info, recipe, targets, max_memory) if device != "cuda" and steps else (0, "")
+    placement = (placement_for(max(steps.values()), device, info, c.seq_len, c.eval_windows, budget) if steps
+                 else Placement(False, device))
+    if device != "cuda" or not any(t.needs_model for t in targets):
+        return placement
+    whole = vram_estimate(info, recipe, targets, placement).peak <= GPU_HEADROOM * available_vram()
+    return replace(placement, onload=not whole)
 
 
 def describe_placement(placement, info, seq_len: int) -> str:
