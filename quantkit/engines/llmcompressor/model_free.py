@@ -22,7 +22,8 @@ one 2 GB file is 2 GB in memory) and writes each output shard from memory. Here:
   rows independent, so slabs give the bytes the whole matrix would), and written at its offset;
   tensors kept as they are stored are copied by the kernel, never read into memory.
 
-Peak memory: one slab of one weight and its quantized copy, whatever the model's size.
+Peak memory: one slab of one weight, its quantized copy and the next slab (read from disk while the
+current one is quantized), whatever the model's size; on a GPU the slabs are larger (GPU_SLAB_BYTES).
 `quantkit.methods.fp8.quantize` decides when this path is exact (`plan_stream` returns a reason
 when it is not), and tests/methods/test_model_free.py checks it against `oneshot` tensor by tensor.
 """
@@ -39,10 +40,11 @@ from quantkit.io.checkpoint import ModelInfo
 from quantkit.io.shards import TensorSpec, safetensors_dtype
 
 SLAB_BYTES = 32 * 1024 * 1024  # stored bytes of the rows of one weight quantized (or cast) at a time
+GPU_SLAB_BYTES = 256 * 1024 * 1024  # on a GPU: fewer, larger slabs keep it busy (the next one read meanwhile)
 # What quantizing one slab holds, in multiples of its stored bytes: the slab read, its copy in the
 # converter's Linear, the quantizer's float32 intermediates and the fp8 result (measured on a 1B
 # Llama: ~270 MiB above the streamed baseline's peak with 32 MiB slabs, llm-compressor's imports included).
-SLAB_WORKING_SET = 8
+SLAB_WORKING_SET = 9  # and the next slab, read ahead
 # config.json keys of multi-token-prediction layers: their tensors are in the checkpoint but not in
 # the transformers model (llm-compressor copies them into its output aside from the model).
 MTP_KEYS = ("num_nextn_predict_layers", "num_mtp_layers", "mtp_num_hidden_layers")
@@ -309,52 +311,75 @@ def write_copied(writer, item: Copied, budget: int = SLAB_BYTES) -> None:
                      start * row_bytes)
 
 
-def write_quantized(writer, item: Quantized, device, budget: int = SLAB_BYTES) -> None:
-    """One Linear weight through the converter, a slab of rows at a time when its rows are independent."""
+def quantized_slabs(item: Quantized, budget: int) -> list[tuple[int, int]]:
+    """The row ranges one Linear weight is quantized in: slabs of about `budget` stored bytes when its rows
+    quantize independently, else the whole matrix."""
+    rows = item.source.shape[0]
+    return row_slabs(rows, slab_rows(item.source, budget) if item.slabs else rows)
+
+
+def write_quantized_slab(writer, item: Quantized, start: int, stop: int, rows, device) -> None:
+    """Rows start..stop of one Linear weight (as read) through the converter on `device`, written at their offsets."""
     import torch
 
     from quantkit.io.safetensors import tensor_bytes
 
-    rows = item.source.shape[0]
-    step = slab_rows(item.source, budget) if item.slabs else rows
+    # + 0.0 turns an exact -0 into +0, as oneshot's quantize does by adding the zero point (the
+    # converter keeps the sign: fp8 0x80 where oneshot writes 0x00); every other value is unchanged
+    weight = rows.to(device=device, dtype=item.dtype, non_blocking=True) + 0.0
+    with torch.no_grad():
+        out = item.converter.process({f"{item.module}.weight": weight})
+    del weight
     specs = {s.name: s for s in item.outputs}
-    for start, stop in row_slabs(rows, step):
-        # + 0.0 turns an exact -0 into +0, as oneshot's quantize does by adding the zero point (the
-        # converter keeps the sign: fp8 0x80 where oneshot writes 0x00); every other value is unchanged
-        weight = read_rows(item.source, start, stop).to(device=device, dtype=item.dtype) + 0.0
-        with torch.no_grad():
-            out = item.converter.process({f"{item.module}.weight": weight})
-        del weight
-        if sorted(out) != sorted(specs):
-            raise InternalError(f"{item.module}: the converter wrote {sorted(out)}, planned {sorted(specs)}")
-        for name, tensor in out.items():
-            spec = specs[name]
-            expect = (stop - start, *spec.shape[1:]) if item.slabs else spec.shape
-            if tuple(tensor.shape) != expect or safetensors_dtype(tensor.dtype) != spec.dtype:
-                raise InternalError(f"{name}: the converter wrote {tensor.dtype} {list(tensor.shape)}, planned "
-                                    f"{spec.dtype} {list(expect)}")
-            row_bytes = spec.nbytes // rows if item.slabs else 0
-            writer.write(name, tensor_bytes(tensor.cpu().contiguous()), start * row_bytes)
-        del out
+    if sorted(out) != sorted(specs):
+        raise InternalError(f"{item.module}: the converter wrote {sorted(out)}, planned {sorted(specs)}")
+    for name, tensor in out.items():
+        spec = specs[name]
+        expect = (stop - start, *spec.shape[1:]) if item.slabs else spec.shape
+        if tuple(tensor.shape) != expect or safetensors_dtype(tensor.dtype) != spec.dtype:
+            raise InternalError(f"{name}: the converter wrote {tensor.dtype} {list(tensor.shape)}, planned "
+                                f"{spec.dtype} {list(expect)}")
+        row_bytes = spec.nbytes // item.source.shape[0] if item.slabs else 0
+        writer.write(name, tensor_bytes(tensor.cpu().contiguous()), start * row_bytes)
+
+
+def slab_budget(device) -> int:
+    """Stored bytes of rows quantized at a time: SLAB_BYTES on a CPU, GPU_SLAB_BYTES on a GPU."""
+    import torch
+
+    return GPU_SLAB_BYTES if torch.device(device).type == "cuda" else SLAB_BYTES
+
+
+def write_shard(writer, items: list, device, budget: int) -> None:
+    """One shard's tensors: kept ones copied (or cast), then every slab of every quantized weight, the next
+    slab read from disk while the current one is quantized and written (quantkit.io.readahead)."""
+    from quantkit.io.memory import release_freed_memory
+    from quantkit.io.readahead import read_ahead
+
+    for item in items:
+        if not isinstance(item, Quantized):
+            write_copied(writer, item, budget)
+    slabs = [(item, start, stop) for item in items if isinstance(item, Quantized)
+             for start, stop in quantized_slabs(item, budget)]
+    reads = (lambda s=slab: read_rows(s[0].source, s[1], s[2]) for slab in slabs)
+    for (item, start, stop), rows in zip(slabs, read_ahead(reads)):
+        write_quantized_slab(writer, item, start, stop, rows, device)
+        del rows
+        release_freed_memory()
 
 
 def write_weights(plan: StreamPlan, out_dir: Path, device="cpu", shard_bytes: int | None = None,
-                  slab_bytes: int = SLAB_BYTES) -> list[str]:
+                  slab_bytes: int | None = None) -> list[str]:
     """Every tensor of the plan into bounded safetensors shards in out_dir (plus the index when there
     are several); returns the shard file names. A module's outputs stay in one shard."""
-    from quantkit.io.memory import release_freed_memory
     from quantkit.io.shards import SHARD_BYTES, ShardWriter, layout_shards, write_index
 
     layouts = layout_shards([item.outputs for item in plan.items], shard_bytes or SHARD_BYTES)
     shard_of = {name: index for index, layout in enumerate(layouts) for name in layout.specs}
     for index, layout in enumerate(layouts):
         with ShardWriter(layout, out_dir / layout.file) as writer:
-            for item in (i for i in plan.items if shard_of[i.outputs[0].name] == index):
-                if isinstance(item, Quantized):
-                    write_quantized(writer, item, device, slab_bytes)
-                else:
-                    write_copied(writer, item, slab_bytes)
-                release_freed_memory()
+            items = [i for i in plan.items if shard_of[i.outputs[0].name] == index]
+            write_shard(writer, items, device, slab_bytes or slab_budget(device))
     write_index(out_dir, layouts)
     return [layout.file for layout in layouts]
 
