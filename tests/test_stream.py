@@ -309,3 +309,34 @@ def test_a_forward_started_at_a_layer_equals_the_whole_forward(request, family, 
     assert whole.kld_mean > 1e-6 and resumed.kld_mean == pytest.approx(whole.kld_mean, rel=1e-5)
     streamed.weights.source = base
     assert evaluate.compare(stream.start_scorer(streamed, text, layers, record), windows, baseline).kld_mean < 1e-9
+
+
+def test_reading_the_next_layer_ahead_changes_nothing_but_the_timing(micro_model, windows, monkeypatch):
+    """Forced on (it is a GPU's default): the same log-probs, every tensor still read once per group, and
+    never more than one layer ahead of the forward."""
+    from transformers import AutoConfig
+
+    from quantkit.engines.transformers import torch_dtype
+    from quantkit.io.checkpoint import check_model_dir
+
+    config, dtype = AutoConfig.from_pretrained(micro_model), torch_dtype("auto", check_model_dir(micro_model))
+    plain = evaluate.compute_baseline(scorers.checkpoint_scorer(micro_model), windows)
+    source = CountingSource(checkpoint.SafetensorsWeights(micro_model))
+    built = []
+
+    def make():
+        built.append(stream.stream_built(stream.build_meta_model(config, dtype), config, source, "cpu", prefetch=True))
+        return built[-1]
+
+    ahead = []
+    real_read = stream.PrefetchingSource.read_layer
+    monkeypatch.setattr(stream.PrefetchingSource, "read_layer",
+                        lambda self, layer: ahead.append((layer, set(self.pending))) or real_read(self, layer))
+    prefetched = evaluate.compute_baseline(stream.group_scorer(make, config, activation_bytes=1), windows)
+    assert isinstance(built[0].weights.source, stream.PrefetchingSource)
+    assert (prefetched.logprobs == plain.logprobs).all() and (prefetched.top1 == plain.top1).all()
+    assert set(source.reads.values()) == {len(windows)}  # once per group (one window per group here)
+    layers = len(built[0].model.get_decoder().layers)
+    assert [layer for layer, _ in ahead] == list(range(1, layers)) * len(windows)
+    assert all(pending <= {layer - 1, layer} for layer, pending in ahead)  # the current layer and the next
+    assert built[0].weights.source.pool._shutdown  # the thread is stopped when scoring ends

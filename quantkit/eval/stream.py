@@ -79,6 +79,67 @@ class WeightsMap(Mapping):
         return self.source.rows(self.names[name], index)
 
 
+class PrefetchingSource:
+    """A WeightSource that reads decoder layer i+1's tensors in a background thread as soon as a tensor of
+    layer i is asked for, so the device computes layer i while the disk (or a .gguf's dequantization)
+    produces the next: the first layer of each pass is read when it is asked for. Memory holds one layer
+    more; each tensor is still read once per pass. `pin`: the tensors read ahead go to page-locked memory,
+    from which a GPU copies fastest."""
+
+    def __init__(self, source: WeightSource, layer_of: dict[str, int], pin: bool = False):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.source, self.layer_of, self.pin = source, layer_of, pin
+        self.by_layer: dict[int, list[str]] = {}
+        for name, layer in layer_of.items():
+            self.by_layer.setdefault(layer, []).append(name)
+        self.pending: dict[int, object] = {}  # layer -> Future of {name: tensor}
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="quantkit-prefetch")
+
+    def keys(self):
+        return self.source.keys()
+
+    def shape(self, name: str):
+        return self.source.shape(name)
+
+    def rows(self, name: str, index):
+        return self.source.rows(name, index)
+
+    def read_layer(self, layer: int) -> dict:
+        tensors = {name: self.source.get(name) for name in self.by_layer[layer]}
+        return {name: t.pin_memory() for name, t in tensors.items()} if self.pin else tensors
+
+    def get(self, name: str):
+        layer = self.layer_of.get(name)
+        if layer is None:
+            return self.source.get(name)
+        if layer + 1 in self.by_layer and layer + 1 not in self.pending:
+            self.pending[layer + 1] = self.pool.submit(self.read_layer, layer + 1)
+        ready = self.pending[layer].result() if layer in self.pending else {}
+        if name not in ready:
+            return self.source.get(name)
+        tensor = ready.pop(name)
+        if not ready:
+            del self.pending[layer]
+        return tensor
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        self.pending.clear()
+
+
+def layer_numbers(names: dict[str, str]) -> dict[str, int]:
+    """Source tensor name -> the index of the decoder layer its parameter belongs to (others left out)."""
+    from quantkit.io.checkpoint import LAYER_PREFIX
+
+    found = {}
+    for param, source_name in names.items():
+        match = LAYER_PREFIX.match(param)
+        if match:
+            found[source_name] = int(match.group(1).rsplit(".", 1)[1])
+    return found
+
+
 def source_names(model, source: WeightSource) -> dict[str, str]:
     """Every parameter of the model -> the source tensor holding it; ModelError for any missing."""
     available = set(source.keys())
@@ -214,16 +275,34 @@ class StreamedModel:
     def head(self):
         return self.model.get_output_embeddings()
 
+    def close(self) -> None:
+        """Stop reading ahead (a PrefetchingSource's thread); the model is not streamed further."""
+        if isinstance(self.weights.source, PrefetchingSource):
+            self.weights.source.close()
+
 
 def stream_model(config, source: WeightSource, dtype, device="cpu") -> StreamedModel:
     """A meta-device model of `config` whose weights come from `source` unit by unit."""
     return stream_built(build_meta_model(config, dtype), config, source, device)
 
 
-def stream_built(model, config, source: WeightSource, device="cpu") -> StreamedModel:
+def prefetches(device) -> bool:
+    """Whether a streamed forward reads the next layer ahead: on a GPU, where it would otherwise wait on
+    every read. On a CPU the reads are a small part of the time and the layer read ahead would count in
+    the RAM the streamed path keeps low."""
+    import torch
+
+    return torch.device(device).type == "cuda"
+
+
+def stream_built(model, config, source: WeightSource, device="cpu", prefetch: bool | None = None) -> StreamedModel:
     """A model already built on the meta device (build_meta_model, perhaps with more done to it)
-    streamed from `source` unit by unit."""
-    weights = WeightsMap(source, source_names(model, source))
+    streamed from `source` unit by unit, the next decoder layer read ahead where `prefetch` (default:
+    prefetches(device))."""
+    names = source_names(model, source)
+    if prefetches(device) if prefetch is None else prefetch:
+        source = PrefetchingSource(source, layer_numbers(names), pin=prefetches(device))
+    weights = WeightsMap(source, names)
     attach_streaming(model, weights, device)
     softcap = config.get_text_config().to_dict().get("final_logit_softcapping")
     return StreamedModel(model, weights, device, softcap)
@@ -311,9 +390,12 @@ def group_scorer(make: Callable[[], StreamedModel], text_config, activation_byte
 
         streamed = make()
         group = windows_per_group(text_config, windows.shape[1], activation_bytes)
-        with torch.inference_mode():
-            for ids in iter_batches(windows, group):
-                yield from score_group(streamed, ids, workdir)
+        try:
+            with torch.inference_mode():
+                for ids in iter_batches(windows, group):
+                    yield from score_group(streamed, ids, workdir)
+        finally:
+            streamed.close()
 
     return scorer
 
