@@ -109,6 +109,20 @@ def handle_errors(fn):
     return wrapper
 
 
+def lean_transformers(fn):
+    """A command that loads models runs with transformers told scikit-learn is absent (quantkit.engines.patches
+    "transformers.sklearn": ~150 MiB of scikit-learn, scipy and pandas never imported)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        from quantkit.engines.patches import patched
+
+        with patched("transformers.sklearn"):
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
 @contextmanager
 def signals_as_exceptions():
     """For the duration of one command, SIGTERM/SIGHUP raise quantkit.errors.Terminated in the

@@ -8,10 +8,11 @@ from typing import Optional
 
 import typer
 
-from quantkit.cli.common import handle_errors, progress, results_console, write_json
+from quantkit.cli.common import handle_errors, lean_transformers, progress, results_console, write_json
 
 
 @handle_errors
+@lean_transformers
 def eval_command(
     model: Path = typer.Argument(..., help="Artifact: a checkpoint dir (compressed-tensors, bitsandbytes, plain), an mlx-lm dir or a .gguf."),
     against: Optional[str] = typer.Option(None, "--against", "-a", help="Base checkpoint. Default: the base named in the artifact's quantkit.json."),
@@ -53,11 +54,10 @@ def eval_command(
     machine is exit 2 before any work.
     """
     from quantkit.cli.report import metrics_table, tasks_table, thresholds_table
-    from quantkit.engines.transformers import check_device, load_tokenizer
+    from quantkit.engines.transformers import check_device, device_map, load_tokenizer
     from quantkit.errors import GateFailedError, InputError, ModelError
     from quantkit.eval import evaluate, scorers
     from quantkit.eval.artifacts import artifact_kind
-    from quantkit.engines.transformers import device_map
     from quantkit.io.checkpoint import check_model_dir, resolve_model
     from quantkit.run.preflight import describe_placement, eval_placement
     from quantkit.run.recipe import cli_tasks

@@ -7,10 +7,11 @@ from typing import Optional
 
 import typer
 
-from quantkit.cli.common import err, handle_errors, progress, results_console, write_json
+from quantkit.cli.common import err, handle_errors, lean_transformers, progress, results_console, write_json
 
 
 @handle_errors
+@lean_transformers
 def merge(
     base: str = typer.Argument(..., help="Base checkpoint dir (or a cached hub id); a bitsandbytes 4-bit (QLoRA) base is dequantized first."),
     lora: list[str] = typer.Option(..., "--lora", help="LoRA adapter dir (peft, safetensors); repeatable, merged in order."),

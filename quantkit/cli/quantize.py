@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from quantkit.cli.common import ProgressLog, err, handle_errors, results_console, write_json
+from quantkit.cli.common import ProgressLog, err, handle_errors, lean_transformers, results_console, write_json
 
 EXAMPLES = """
 Examples:
@@ -51,6 +51,7 @@ failed (with --partial: the worst target's code, 1 before 2 before 3).
 
 
 @handle_errors
+@lean_transformers
 def quantize(
     model: Optional[str] = typer.Argument(None, help="Local checkpoint dir (or a cached hub id). Default: the recipe's model."),
     model_opt: Optional[str] = typer.Option(None, "--model", help="Same as MODEL (handy in CI scripts)."),

@@ -111,6 +111,13 @@ PATCHES: dict[str, Patch] = {
         "the zero points of 0 registered before tuning, and compression clamps every weight AutoRound put "
         "above the signed range (KLD 2x worse than symmetric on a sharpened width-576 model). AutoRound's "
         "zero points are registered instead, moved to compressed-tensors' signed range", wraps=True),
+    "transformers.sklearn": Patch(
+        ("transformers.utils", "is_sklearn_available"), "transformers", TRANSFORMERS,
+        "quantkit.engines.patches:sklearn_absent",
+        "transformers' generation module imports scikit-learn whenever it is installed (lm-eval installs it), "
+        "and with it scipy and pandas: about 150 MiB in every process that loads a model, for assisted "
+        "generation's roc_curve, which quantkit never runs. Swapped while a command runs, the generation "
+        "module (imported inside) keeps seeing it absent"),
     "tqdm.init": Patch(
         ("tqdm.std", "tqdm.__init__"), "tqdm", ">=4.60", "quantkit.engines.patches:quiet_tqdm_init",
         "engines' progress bars off where stderr is not a terminal (logs keep one line per phase)", wraps=True),
@@ -129,6 +136,11 @@ WRITES = {
 def weights_per_forward() -> Iterator[None]:
     """disable_offloading that holds nothing onloaded: each module's weight is read for each forward."""
     yield
+
+
+def sklearn_absent() -> bool:
+    """transformers.utils.is_sklearn_available for a quantkit command: no."""
+    return False
 
 
 def no_pinning(self, *args, **kwargs) -> None:

@@ -115,3 +115,19 @@ def test_a_weight_off_the_grid_the_conversion_knows_is_refused():
     weight, scale, zero_point = autoround_asymmetric_layer(4)
     with pytest.raises(InternalError, match="q_proj with 4-bit levels from .* outside compressed-tensors' -8..7"):
         signed_zero_points(weight, scale, zero_point + 3, 4, "q_proj")
+
+
+def test_a_quantize_run_never_imports_scikit_learn(micro_model, tmp_path):
+    """lm-eval installs scikit-learn; transformers would import it (with scipy and pandas) in every run."""
+    import subprocess
+    import sys
+
+    from tests.util import FAST_CALIB, subprocess_env
+
+    code = ("import sys\nfrom quantkit.cli.app import app\n"
+            "try:\n    app(sys.argv[1:], standalone_mode=False)\nfinally:\n"
+            "    print('sklearn imported:', 'sklearn' in sys.modules, 'model class:', 'transformers.generation' in sys.modules)")
+    args = ["quantize", str(micro_model), "--method", "fp8", "-o", str(tmp_path / "out"), *FAST_CALIB, "--no-gate"]
+    done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=subprocess_env())
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "sklearn imported: False model class: True" in done.stdout
