@@ -117,7 +117,14 @@ def run_estimates(info, model: str, method: str, recipe: str | None, offload_dir
     would need: peak RAM per step and bytes written (the same estimates its preflight checks)."""
     from quantkit.methods import get_method
     from quantkit.run.pipeline import ResolvedTarget
-    from quantkit.run.preflight import FIXED_RAM, ram_estimate, run_estimate, vram_estimate
+    from quantkit.run.preflight import (
+        FIXED_RAM,
+        describe_placement,
+        gate_placement,
+        ram_estimate,
+        run_estimate,
+        vram_estimate,
+    )
     from quantkit.run.recipe import Gate, Overrides, build_recipe
 
     resolved = build_recipe(recipe, None if recipe else method, Overrides(model=model, offload_dir=offload_dir))
@@ -127,11 +134,13 @@ def run_estimates(info, model: str, method: str, recipe: str | None, offload_dir
         options, _ = spec.resolve(info, spec.options.model_validate(target.options))
         targets.append(ResolvedTarget(target, spec, options, Gate(), [], spec.needs_calibration(options),
                                       spec.needs_model(info, options)))
-    ram = ram_estimate(info, resolved, targets)
+    placement = gate_placement(info, resolved, targets)
+    ram = ram_estimate(info, resolved, targets, placement)
     disk = run_estimate(info, resolved, [(t.method, t.options) for t in targets])
     vram = vram_estimate(info, resolved, targets)
+    gate = describe_placement(placement, info, resolved.calibration.seq_len) if placement.why else None
     return {"offload_dir": offload_dir, "peak_ram_bytes": ram.peak, "fixed_ram_bytes": FIXED_RAM, "ram_steps": ram.steps,
-            "peak_vram_bytes": vram.peak, "vram_steps": vram.steps, "disk_bytes": disk.total}
+            "peak_vram_bytes": vram.peak, "vram_steps": vram.steps, "disk_bytes": disk.total, "gate": gate}
 
 
 def collapse(modules: list[dict]) -> list[tuple[str, str, str, str, int]]:
@@ -163,6 +172,8 @@ def print_plan(data: dict) -> None:
               f"({steps}; plus {human_bytes(run['fixed_ram_bytes'])} fixed), writes about "
               f"{human_bytes(run['disk_bytes'])}; on a GPU (--device cuda) peak GPU memory about "
               f"{human_bytes(run['peak_vram_bytes'])}", highlight=False)
+    if run["gate"]:
+        out.print(f"on this machine, {run['gate']}", highlight=False)
 
 
 def towers_line(towers: dict) -> str:

@@ -40,11 +40,12 @@ def test_inspect_estimates_the_run_as_quantize_would_preflight_it(cli, micro_mod
         assert result.exit_code == 0, result.output
         run = json.loads(result.stdout)["run"]
         recipe = build_recipe(None, "gptq", Overrides(model=str(micro_model), offload_dir=offload))
-        _info, targets, _placement = prepare(recipe, RunOptions(model=str(micro_model), out=tmp_path / "x"))
-        assert run["offload_dir"] == offload and run["ram_steps"] == ram_estimate(info, recipe, targets).steps
+        _info, targets, placement = prepare(recipe, RunOptions(model=str(micro_model), out=tmp_path / "x"))
+        assert run["offload_dir"] == offload and run["ram_steps"] == ram_estimate(info, recipe, targets, placement).steps
+        assert run["gate"].startswith(f"gate: {'resident' if placement.resident else 'streamed'} on cpu")
     assert list(tmp_path.iterdir()) == []  # inspect writes nothing there
     text = cli("inspect", micro_model, "--method", "gptq", "--offload-dir", tmp_path).stdout
-    assert "quantize run (default calibration, --offload-dir)" in text
+    assert "quantize run (default calibration, --offload-dir)" in text and "on this machine, gate: " in text
 
 
 def test_inspect_with_recipe_and_ignore(cli, micro_model):
