@@ -74,6 +74,8 @@ def _target(method: str, recipe: str | None, ignore: list[str]):
 
 
 def plan_data(info, method, options, ignore: list[str], context: int, towers: dict[str, str] | None = None) -> dict:
+    from dataclasses import replace
+
     from quantkit.arch.vlm import tower_summary
     from quantkit.methods import runtimes_for
     from quantkit.run.plan import MEMORY_NOTE, build_plan, ignore_patterns, role_summary
@@ -82,7 +84,10 @@ def plan_data(info, method, options, ignore: list[str], context: int, towers: di
     towers = {role: value for role, value in (towers or {}).items() if value != "keep"}
     options, choices = method.resolve(info, options)
     patterns = ignore_patterns(info, ignore, method.keeps_lm_head(options), tuple(towers))
-    entries = build_plan(info, method, options, patterns, towers)
+    kept = rule_kept(info, method, options, patterns)
+    patterns = patterns + sorted(kept)
+    entries = [replace(e, precision=f"{e.precision.split(' (')[0]} (kept: {rule_reason(kept[e.name])})")
+               if e.name in kept else e for e in build_plan(info, method, options, patterns, towers)]
     runtimes = runtimes_for(method, options)
     return {
         "model": str(info.path),
@@ -98,11 +103,27 @@ def plan_data(info, method, options, ignore: list[str], context: int, towers: di
         "roles": role_summary(entries),
         "modules": [{"name": e.name, "role": e.role, "shape": e.shape, "precision": e.precision, "kept": e.kept,
                      "kernels": [] if e.kept else kernels(runtimes, e.shape)} for e in entries],
+        "kept_16bit": kept,
         "runtimes": [{"name": r.name, "kinds": list(r.kinds), "min_capability": r.min_capability,
                       "widths": [r.out_multiple, r.in_multiple], "source": r.source} for r in runtimes],
         "memory": memory_rows(info, context),
         "memory_note": MEMORY_NOTE.format(context=context),
     }
+
+
+def rule_kept(info, method, options, ignore: list[str]) -> dict[str, str]:
+    """What `quantize` would keep 16-bit by rule (without --strict-shapes): the layers the format cannot tile
+    and the fused partners of any kept shard (quantkit.run.pipeline.resolve_target)."""
+    from quantkit.run.pipeline import fused_partners_kept
+
+    kept = method.shape_problems(info, options, ignore)
+    kept.update(fused_partners_kept(info, method, ignore + sorted(kept)))
+    return kept
+
+
+def rule_reason(why: str) -> str:
+    """A rule's reason in a few words, the same for every layer it keeps (the table groups layers)."""
+    return "fused with a 16-bit shard" if "fuses it" in why else "widths do not tile"
 
 
 def kernels(runtimes, shape: list[int]) -> list[str]:

@@ -95,6 +95,7 @@ def quantize(
     device: Optional[str] = typer.Option(None, help="cpu | cuda | auto"),
     offload_dir: Optional[str] = typer.Option(None, "--offload-dir", help="Offload decoder layers to disk in this directory while quantizing (gptq/awq/autoround/smoothquant/fp8): RAM holds one layer at a time."),
     dtype: Optional[str] = typer.Option(None, help="auto | bfloat16 | float16 | float32"),
+    strict_shapes: bool = typer.Option(False, "--strict-shapes", help="Refuse (exit 2) a layer whose widths the format's blocks or groups cannot tile (fp8-block, nvfp4, mxfp4, an explicit --group-size), instead of keeping it 16-bit and listing it."),
     trust_remote_code: bool = typer.Option(False, help="Allow custom model code from the model dir."),
     max_ppl_increase: Optional[float] = typer.Option(None, help="Gate: max relative perplexity increase."),
     max_kld: Optional[float] = typer.Option(None, help="Gate: max mean KL divergence."),
@@ -122,7 +123,7 @@ def quantize(
     from quantkit.run.recipe import Overrides, build_recipe, cli_tasks
 
     overrides = Overrides(
-        model=model or model_opt, device=device, dtype=dtype, offload_dir=offload_dir,
+        model=model or model_opt, device=device, dtype=dtype, offload_dir=offload_dir, strict_shapes=strict_shapes,
         trust_remote_code=trust_remote_code, lora=lora,
         lora_weights=lora_weight, merge_base=merge_base, original_base=original_base,
         ignore=ignore,

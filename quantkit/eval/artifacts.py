@@ -117,10 +117,13 @@ def decompress_per_module(model) -> None:
 
     model.hf_quantizer.compressor.remove_decompression_hook(model)  # transformers' quantizer for this model
     compressed: dict[int, dict] = {}
+    dtype = model.config.dtype  # compressed-tensors 0.19 decompresses NVFP4 to bfloat16 whatever the checkpoint's
 
     def decompress(module, _args):
         compressed[id(module)] = get_direct_state_dict(module)
         decompress_module(module)
+        if module.weight.dtype != dtype:
+            module.weight.data = module.weight.data.to(dtype)
 
     def recompress(module, _args, output):
         replace_direct_state_dict(module, compressed.pop(id(module)))

@@ -19,6 +19,7 @@ defaults for the optional ones in one place. Who calls what:
   keeps_lm_head      pipeline.resolve_target, cli.inspect         building the ignore list
   supports_ignore    pipeline.resolve_target                      refusing `ignore` where a format fixes every type
   check_ignore       pipeline.resolve_target                      refusing an ignore list the engine cannot take
+  shape_problems     pipeline.resolve_target, cli.inspect         layers whose widths the format cannot tile (kept 16-bit)
   precision          plan.build_plan                              the plan (`quantkit inspect`, the report)
   plan_types         plan.build_plan                              exact per-tensor types (gguf's mixture)
   fallback_ladder    pipeline.run_fallback                        the units a failed gate raises (quantkit.mixed.budget.Ladder)
@@ -179,6 +180,10 @@ def _any_ignore(info: ModelInfo, options: BaseModel, ignore: list[str]) -> None:
     return None
 
 
+def _every_shape_tiles(info: ModelInfo, options: BaseModel, ignore: list[str]) -> dict[str, str]:
+    return {}
+
+
 def _never(options: BaseModel) -> bool:
     return False
 
@@ -253,6 +258,10 @@ class MethodSpec:
     # check_ignore(info, options, full ignore list): refuse, before any work, an ignore list the engine
     # cannot take (awq: a smoothing row whose balance layers would all stay 16-bit)
     check_ignore: Callable[[ModelInfo, BaseModel, list[str]], None] = _any_ignore
+    # shape_problems(info, options, full ignore list) -> {layer: why}: the quantized layers whose widths the
+    # format's blocks or groups cannot tile (fp8-block, FP4 groups, an explicit int group size). The pipeline
+    # keeps them 16-bit and lists them, or refuses the first with --strict-shapes.
+    shape_problems: Callable[[ModelInfo, BaseModel, list[str]], dict[str, str]] = _every_shape_tiles
     needs_calibration: Callable[[BaseModel], bool] = _never
     # needs_model(info, options) -> True: quantize() gets the model (and tokenizer) loaded in memory;
     # False: it reads the checkpoint itself. Cheap (config.json and safetensors headers, no torch).

@@ -68,7 +68,7 @@ def precision(role: str, options: Options, name: str, shape: list[int]) -> str |
 def check(info, options: Options, calibration) -> None:
     gptq.check_moe(info, options.symmetric, "none", "autoround")
     gptq.check_bits(options.bits, "autoround")
-    gptq.check_group_size(info, options.group_size, "autoround")
+    gptq.check_group_size(options.group_size, "autoround")
     gptq.check_calibration_tokens(calibration, "autoround")
     if calibration.num_samples < options.batch_size:
         raise InputError(f"autoround: batch_size={options.batch_size} is more than the {calibration.num_samples} "
@@ -160,7 +160,7 @@ METHOD = MethodSpec(
     quantizes_towers=True, name="autoround", engine=llmc.ENGINE, engine_package=llmc.ENGINE,
     format="compressed-tensors (pack-quantized, int weights)",
     options=Options, quantize=quantize, precision=precision, default_gate=fixed_gate(gptq.DEFAULT_GATE),
-    check=check, needs_calibration=needs_calibration, resolve=gptq.resolve,
+    check=check, needs_calibration=needs_calibration, resolve=gptq.resolve, shape_problems=gptq.shape_problems,
     fallback_ladder=fallback_ladder, requantize=requantize, stored_bits=gptq.stored_bits, working_set=working_set,
     support=support, runtimes=gptq.RUNTIMES,
 )

@@ -109,7 +109,7 @@ def check(info, options: Options, calibration) -> None:
     model_mappings(info, "awq")
     gptq.check_moe(info, options.symmetric, "none", "awq")
     gptq.check_bits(options.bits, "awq")
-    gptq.check_group_size(info, options.group_size, "awq")
+    gptq.check_group_size(options.group_size, "awq")
     if options.n_grid < 1:
         raise InputError(f"awq: n_grid={options.n_grid} must be positive")
     gptq.check_calibration_tokens(calibration, "awq")
@@ -302,7 +302,7 @@ METHOD = MethodSpec(
     quantizes_towers=True, name="awq", engine=llmc.ENGINE, engine_package=llmc.ENGINE,
     format="compressed-tensors (pack-quantized, int4 asymmetric)",
     options=Options, quantize=quantize, precision=precision, default_gate=fixed_gate(DEFAULT_GATE),
-    check=check, needs_calibration=needs_calibration, check_ignore=check_ignore,
+    check=check, needs_calibration=needs_calibration, check_ignore=check_ignore, shape_problems=gptq.shape_problems,
     resolve=gptq.resolve, fallback_ladder=fallback_ladder, requantize=requantize, stored_bits=gptq.stored_bits,
     support=support, runtimes=gptq.RUNTIMES,
 )

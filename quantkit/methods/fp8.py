@@ -96,17 +96,15 @@ def block_shape_problem(name: str, shape: list[int]) -> str | None:
     return f"{name}: {' and '.join(bad)} not a multiple of {BLOCK}" if bad else None
 
 
-def check_ignore(info, options: Options, ignore: list[str]) -> None:
-    """Before any work (fp8-block): every Linear the target quantizes, the run's ignore list left out,
-    has widths vLLM's block kernels take; the first that has not is refused by name."""
+def shape_problems(info, options: Options, ignore: list[str]) -> dict[str, str]:
+    """fp8-block: every Linear the target quantizes, the run's ignore list left out, whose widths vLLM's
+    block kernels cannot take, with why."""
     if options.scheme != "fp8-block":
-        return
+        return {}
     roles = ("decoder", "other", "lm_head") if options.quantize_lm_head else ("decoder", "other")
-    for name, shape in intmix.quantized_layers(info, ignore, roles).items():
-        problem = block_shape_problem(name, list(shape))
-        if problem:
-            raise UnsupportedError(f"fp8-block: {problem} (vLLM's FP8 block kernels need both)",
-                                   hint=f"keep it 16-bit with --ignore {name}, or use --scheme fp8-dynamic")
+    found = {name: block_shape_problem(name, list(shape))
+             for name, shape in intmix.quantized_layers(info, ignore, roles).items()}
+    return {name: f"{why} (vLLM's FP8 block kernels need both)" for name, why in found.items() if why}
 
 
 # What a scheme would store per MoE expert that transformers cannot reload into fused experts (not tried:
@@ -267,7 +265,7 @@ METHOD = MethodSpec(
     quantizes_towers=True, name="fp8", engine=llmc.ENGINE, engine_package=llmc.ENGINE,
     format="compressed-tensors (float-quantized, float8_e4m3fn)",
     options=Options, quantize=quantize, precision=precision, default_gate=fixed_gate(DEFAULT_GATE),
-    check=check, check_ignore=check_ignore, needs_calibration=needs_calibration, needs_model=needs_model, keeps_lm_head=keeps_lm_head,
+    check=check, shape_problems=shape_problems, needs_calibration=needs_calibration, needs_model=needs_model, keeps_lm_head=keeps_lm_head,
     fallback_ladder=fallback_ladder, requantize=requantize, working_set=working_set, support=support,
     runtimes=RUNTIMES, scheme_runtimes=runtimes,
 )

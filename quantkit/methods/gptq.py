@@ -10,7 +10,8 @@ sensitivity under a size budget (quantkit.mixed.layers), as extra config groups 
 
 `group_size: auto` (the default): the largest of 128, 64 and 32 that divides every quantized layer's
 input width (each is a group size vLLM's Marlin kernels take), else one scale per output channel; the
-report says which and why. An explicit group size that does not divide a width is refused.
+report says which and why. With an explicit group size, the layers whose input width it does not
+divide stay 16-bit (listed in the report; refused with --strict-shapes).
 
 `symmetric: auto` (the default): 4-bit weights get a zero point per group (asymmetric: a lower KL
 divergence at +1 bit per group of 32..128 weights, served by vLLM's Marlin on 7.5+ and Machete on
@@ -240,20 +241,28 @@ def auto_symmetric(info, bits: int) -> tuple[bool, str]:
     return False, "4-bit: a zero point per group lowers the error; vLLM's Marlin and Machete serve it"
 
 
-def check_group_size(info, group_size: int, method: str) -> None:
-    """The group size must divide the input width of every quantized linear."""
-    if group_size in (-1, "auto"):
-        return
-    if group_size < 1:
+def check_group_size(group_size: int, method: str) -> None:
+    """A group size is positive, or -1 (per channel), or auto."""
+    if group_size not in (-1, "auto") and group_size < 1:
         raise InputError(f"{method}: group_size={group_size} is invalid", hint="use a positive size, or -1 per channel")
+
+
+def group_problems(info, group_size, ignore: list[str]) -> dict[str, str]:
+    """The layers the target quantizes (the ignore list left out) whose input width an explicit group size
+    does not divide, with why (auto chooses one that divides every width)."""
+    from quantkit.arch.roles import matches
+
+    if group_size in (-1, "auto"):
+        return {}
     widths = {name: in_features for name, (_out, in_features) in quantized_linears(info).items()}
-    for name, in_features in widths.items():
-        if in_features % group_size:
-            raise InputError(
-                f"{method}: group_size={group_size} does not divide the input width {in_features} of {name}",
-                hint=f"group sizes that divide every layer's input width: {dividing_group_sizes(widths.values())}; "
-                "or -1 (one scale per output channel)",
-            )
+    dividing = dividing_group_sizes(widths.values())
+    return {name: f"{name}: group_size={group_size} does not divide its input width {width} (sizes that divide "
+                  f"every width: {dividing}; or -1, one scale per output channel)"
+            for name, width in widths.items() if width % group_size and not matches(name, ignore)}
+
+
+def shape_problems(info, options, ignore: list[str]) -> dict[str, str]:
+    return group_problems(info, options.group_size, ignore)
 
 
 def dividing_group_sizes(widths) -> str:
@@ -293,7 +302,7 @@ def check_moe(info, symmetric: bool, act_order: str, method: str) -> None:
 def check(info, options: Options, calibration) -> None:
     check_moe(info, options.symmetric, options.act_order, "gptq")
     check_bits(options.bits, "gptq")
-    check_group_size(info, options.group_size, "gptq")
+    check_group_size(options.group_size, "gptq")
     if options.act_order == "group" and options.group_size == -1:
         raise InputError("gptq: act_order=group needs a group size", hint="use act_order static, or a group_size")
     if not 0 <= options.dampening < 1:
@@ -541,7 +550,7 @@ METHOD = MethodSpec(
     quantizes_towers=True, name="gptq", engine=llmc.ENGINE, engine_package=llmc.ENGINE,
     format="compressed-tensors (pack-quantized, int weights)",
     options=Options, quantize=quantize, precision=precision, default_gate=fixed_gate(DEFAULT_GATE),
-    check=check, needs_calibration=needs_calibration, resolve=resolve,
+    check=check, needs_calibration=needs_calibration, resolve=resolve, shape_problems=shape_problems,
     fallback_ladder=fallback_ladder, requantize=requantize, stored_bits=stored_bits, working_set=working_set,
     distributed=True, support=support, runtimes=RUNTIMES,
 )

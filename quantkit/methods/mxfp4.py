@@ -48,8 +48,8 @@ def check(info, options: Options, calibration) -> None:
     nvfp4.check_dense(info, "mxfp4")
 
 
-def check_ignore(info, options: Options, ignore: list[str]) -> None:
-    nvfp4.check_group_widths(info, ignore, GROUP, "mxfp4")
+def shape_problems(info, options: Options, ignore: list[str]) -> dict[str, str]:
+    return nvfp4.group_width_problems(info, ignore, GROUP)
 
 
 def quantize(job: QuantizeJob) -> QuantizeResult:
@@ -73,6 +73,6 @@ METHOD = MethodSpec(
     name="mxfp4", engine=llmc.ENGINE, engine_package=llmc.ENGINE,
     format="compressed-tensors (mxfp4-pack-quantized)",
     options=Options, quantize=quantize, precision=precision, default_gate=fixed_gate(DEFAULT_GATE),
-    check=check, check_ignore=check_ignore, needs_calibration=needs_calibration, stored_bits=stored_bits,
+    check=check, shape_problems=shape_problems, needs_calibration=needs_calibration, stored_bits=stored_bits,
     support=nvfp4.fp4_support, runtimes=RUNTIMES,
 )

@@ -15,7 +15,8 @@ The gate measures what vLLM computes on Blackwell: transformers loads the artifa
 compressed-tensors, whose forward fake-quantizes each quantized layer's input with the stored global
 scale, as the W4A4 kernels do.
 
-Kernel shape rules, checked before any work (`check_ignore`, naming the layer): every quantized
+Kernel shape rules, checked before any work (`shape_problems`: such a layer stays 16-bit, or is refused
+with --strict-shapes): every quantized
 layer's input width must be a multiple of the group of 16 (both kernels); the Marlin FP4 kernel also
 needs the output width a multiple of 64 and the input width a multiple of 128, which `quantkit inspect`
 shows per layer (a layer Marlin cannot take runs only where the W4A4 kernels do).
@@ -73,14 +74,12 @@ def width_problem(name: str, shape: list[int], group: int) -> str | None:
     return f"{name}: input width {shape[1]} is not a multiple of the group of {group}" if shape[1] % group else None
 
 
-def check_group_widths(info, ignore: list[str], group: int, method: str) -> None:
-    """Before any work: every Linear the target quantizes (the run's ignore list left out) has an input
-    width the format's groups divide; the first that has not is refused by name."""
-    for name, shape in intmix.quantized_layers(info, ignore, QUANTIZED_ROLES).items():
-        problem = width_problem(name, list(shape), group)
-        if problem:
-            raise UnsupportedError(f"{method}: {problem} (vLLM's kernels need it)",
-                                   hint=f"keep it 16-bit with --ignore {name}")
+def group_width_problems(info, ignore: list[str], group: int) -> dict[str, str]:
+    """Every Linear the target quantizes (the run's ignore list left out) whose input width the format's
+    groups do not divide, with why."""
+    found = {name: width_problem(name, list(shape), group)
+             for name, shape in intmix.quantized_layers(info, ignore, QUANTIZED_ROLES).items()}
+    return {name: f"{why} (vLLM's kernels need it)" for name, why in found.items() if why}
 
 
 def check_dense(info, method: str) -> None:
@@ -118,8 +117,8 @@ def check(info, options: Options, calibration) -> None:
     check_dense(info, "nvfp4")
 
 
-def check_ignore(info, options: Options, ignore: list[str]) -> None:
-    check_group_widths(info, ignore, GROUP, "nvfp4")
+def shape_problems(info, options: Options, ignore: list[str]) -> dict[str, str]:
+    return group_width_problems(info, ignore, GROUP)
 
 
 def quantize(job: QuantizeJob) -> QuantizeResult:
@@ -150,6 +149,6 @@ METHOD = MethodSpec(
     name="nvfp4", engine=llmc.ENGINE, engine_package=llmc.ENGINE,
     format="compressed-tensors (nvfp4-pack-quantized)",
     options=Options, quantize=quantize, precision=precision, default_gate=default_gate,
-    check=check, check_ignore=check_ignore, needs_calibration=needs_calibration, stored_bits=stored_bits,
+    check=check, shape_problems=shape_problems, needs_calibration=needs_calibration, stored_bits=stored_bits,
     support=fp4_support, runtimes=RUNTIMES, scheme_runtimes=runtimes,
 )

@@ -61,7 +61,7 @@ from quantkit.run.preflight import (
     vram_estimate,
 )
 from quantkit.run.recipe import Calibration, Gate, Recipe, Target, target_gate, target_options
-from quantkit.run.report import ModelReport, RunReport, TargetReport, model_card, package_version
+from quantkit.run.report import ModelReport, RunReport, TargetReport, kept_summary, model_card, package_version
 
 if TYPE_CHECKING:
     from quantkit.eval.scorers import Placement
@@ -82,6 +82,7 @@ class ResolvedTarget:
     needs_calibration: bool
     needs_model: bool  # quantize() gets the model loaded in memory
     choices: dict[str, str] = field(default_factory=dict)  # what method.resolve chose for this model, and why
+    kept_16bit: dict[str, str] = field(default_factory=dict)  # layers added to the ignore list by rule -> why
 
     @property
     def name(self) -> str:
@@ -207,9 +208,43 @@ def resolve_target(recipe: Recipe, target: Target, info: ModelInfo) -> ResolvedT
     check_tower_precision(target, info, method)
     method.check(info, options, recipe.calibration)
     ignore = ignore_patterns(info, target.ignore, method.keeps_lm_head(options), tuple(target.tower_precision()))
+    kept = shapes_kept(recipe, target, method, info, options, ignore)
+    kept.update(fused_partners_kept(info, method, ignore + sorted(kept)))
+    ignore = ignore + sorted(kept)
     method.check_ignore(info, options, ignore)
     return ResolvedTarget(target, method, options, target_gate(recipe, target), ignore, needs_calibration,
-                          method.needs_model(info, options) or bool(target.tower_precision()), choices)
+                          method.needs_model(info, options) or bool(target.tower_precision()), choices, kept)
+
+
+def fused_partners_kept(info: ModelInfo, method: MethodSpec, ignore: list[str]) -> dict[str, str]:
+    """For a vLLM artifact (compressed-tensors): the shards of a fused layer (q/k/v, gate/up) the ignore list
+    leaves quantized while it keeps another shard 16-bit, which vLLM cannot load (quantkit.arch.fused)."""
+    from quantkit.arch.fused import split_groups
+    from quantkit.arch.roles import linear_weights, matches
+
+    if method.artifact != "compressed-tensors":
+        return {}
+    layers = list(linear_weights(info))
+    return split_groups([name for name in layers if matches(name, ignore)], layers)
+
+
+def shapes_kept(recipe: Recipe, target: Target, method: MethodSpec, info: ModelInfo, options: BaseModel,
+                ignore: list[str]) -> dict[str, str]:
+    """The layers the target would quantize whose widths its format cannot tile (MethodSpec.shape_problems),
+    kept 16-bit; with strict_shapes (--strict-shapes) the first is refused instead (exit 2)."""
+    problems = method.shape_problems(info, options, ignore)
+    if not problems:
+        return problems
+    name, why = next(iter(sorted(problems.items())))
+    if recipe.strict_shapes:
+        raise UnsupportedError(f"target '{target.name}': {method.name}: {why}; {len(problems)} layer(s) do not tile",
+                               hint=f"drop --strict-shapes to keep them 16-bit, or --ignore {name}")
+    plan = build_plan(info, method, options, ignore + sorted(problems), target.tower_precision())
+    if not any(not entry.kept for entry in plan):
+        raise UnsupportedError(f"target '{target.name}': {method.name} can tile no layer of this model ({why}, and "
+                               f"{len(problems) - 1} more)", hint="choose a format without that rule (e.g. --scheme "
+                               "fp8-dynamic, or group_size auto)")
+    return problems
 
 
 def check_tower_precision(target: Target, info: ModelInfo, method: MethodSpec) -> None:
@@ -303,6 +338,9 @@ def run_main(recipe: Recipe, opts: RunOptions, info: ModelInfo, targets: list[Re
     if placement.why:
         opts.progress(describe_placement(placement, info, recipe.calibration.seq_len))
         report.gate_placement = {"resident": placement.resident, "device": placement.device, "why": placement.why}
+    for t in targets:
+        if t.kept_16bit:
+            opts.progress(f"[{t.name}] kept 16-bit: {kept_summary(t.kept_16bit)}")
     prints = {t.name: fingerprint(recipe, t.target, t.gate, inputs, opts.enforce_gate) for t in targets}
     todo = [t for t in targets if not (opts.skip_existing and skipped(recipe, opts, t, prints[t.name], report))]
     staging = export.make_staging(opts.out, opts.progress)
@@ -624,7 +662,8 @@ def target_report(resolved: ResolvedTarget, info: ModelInfo, result: QuantizeRes
         ignore=resolved.ignore,
         kept=sorted({e.role for e in plan if e.kept}),
         quantized_modules=sum(1 for e in plan if not e.kept),
-        details={**({"choices": resolved.choices} if resolved.choices else {}), **result.details},
+        details={**({"choices": resolved.choices} if resolved.choices else {}),
+                 **({"kept_16bit": resolved.kept_16bit} if resolved.kept_16bit else {}), **result.details},
     )
 
 

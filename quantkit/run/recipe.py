@@ -132,6 +132,8 @@ class Recipe(Strict):
     dtype: str = Field("auto", pattern="^(auto|bfloat16|float16|float32)$")
     device: str = Field("cpu", pattern="^(cpu|cuda|auto)$")
     offload_dir: str | None = Field(None, description="offload decoder layers, embeddings and head to disk here while quantizing")
+    strict_shapes: bool = Field(False, description="refuse a layer whose widths the format cannot tile, instead of "
+                                "keeping it 16-bit")
     calibration: Calibration = Field(default_factory=Calibration)
     targets: list[Target] = Field(min_length=1)
     gate: Gate = Field(default_factory=Gate)
@@ -304,6 +306,7 @@ class Overrides:
     device: str | None = None
     dtype: str | None = None
     offload_dir: str | None = None
+    strict_shapes: bool = False
     trust_remote_code: bool = False
     lora: list[str] = field(default_factory=list)
     lora_weights: list[float] = field(default_factory=list)
@@ -347,6 +350,8 @@ def apply_overrides(data: dict, o: Overrides) -> dict:
                               "merge_base": o.merge_base, "original_base": o.original_base})}
     if o.trust_remote_code:
         data["trust_remote_code"] = True
+    if o.strict_shapes:
+        data["strict_shapes"] = True
     if o.lora:
         data["lora"] = list(data.get("lora") or []) + list(o.lora)
     if o.lora_weights:

@@ -113,6 +113,15 @@ class RunReport:
 # ---------------------------------------------------------------- model card
 
 
+def kept_summary(kept: dict[str, str]) -> str:
+    """One line: how many layers a rule kept 16-bit (a width the format cannot tile, a shard vLLM fuses with a
+    16-bit one), why, and the first few."""
+    reasons = sorted({"vLLM fuses them with a 16-bit shard" if "fuses it" in why else
+                      "their widths do not tile in the format" for why in kept.values()})
+    names = sorted(kept)
+    return f"{len(kept)} layer(s) ({'; '.join(reasons)}): {', '.join(names[:4])}{', ...' if len(names) > 4 else ''}"
+
+
 LIBRARIES = {"gguf": "gguf", "mlx": "mlx"}  # the model card's library_name by artifact kind
 
 
@@ -134,6 +143,9 @@ def model_card(target: TargetReport, report: RunReport) -> str:
     lines += gate_section(target.gate)
     lines += tasks_section(target.tasks)
     lines += ["", "Kept in 16-bit: " + ", ".join(target.kept or ["(none)"]), ""]
+    if target.details.get("kept_16bit"):
+        lines += [f"Also kept 16-bit: {kept_summary(target.details['kept_16bit'])} (each with its reason in "
+                  "quantkit.json, `details.kept_16bit`).", ""]
     lines += [f"Chosen for this model: {option} {why}." for option, why in target.details.get("choices", {}).items()]
     lines += mixed_lines(target.details)
     lines += tower_section(report.model.towers, target.details.get("towers"))

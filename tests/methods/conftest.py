@@ -178,3 +178,18 @@ def torch_uint8():
     import torch
 
     return torch.uint8
+
+
+@pytest.fixture
+def narrow_kv_model(micro_model, tmp_path):
+    """An untrained Llama whose k and v projections are 64 wide (one KV head of 64): fp8-block's 128-row
+    blocks do not tile them; every other width is a multiple of 128."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(micro_model)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=1, head_dim=64)
+    out = tmp_path / "kv64"
+    LlamaForCausalLM(config).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out

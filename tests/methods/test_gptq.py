@@ -66,13 +66,28 @@ def test_base_weights_are_freed_after_the_quantize_step(cli, micro_model, tmp_pa
     assert seen["left"] == 0
 
 
-def test_gptq_group_size_must_divide_widths(cli, micro_model, tmp_path):
+def test_gptq_group_size_that_divides_no_width_is_refused(cli, micro_model, tmp_path):
     out = tmp_path / "out"
     result = cli("quantize", micro_model, "--method", "gptq", "--group-size", 96, *CALIB_ARGS, "-o", out)
     assert result.exit_code == 2, result.output
-    assert "group_size=96 does not divide the input width" in result.output
+    assert "gptq can tile no layer of this model" in result.output and "group_size=96 does not divide" in result.output
+    assert_nothing_written(out)
+    result = cli("quantize", micro_model, "--method", "gptq", "--group-size", 96, *CALIB_ARGS, "-o", out, "--strict-shapes")
+    assert result.exit_code == 2 and "group_size=96 does not divide its input width" in result.output
     assert "model.layers.0." in result.output
     assert_nothing_written(out)
+
+
+def test_gptq_explicit_group_size_keeps_the_layers_it_does_not_divide(cli, odd_model, tmp_path):
+    """hidden 192, ffn 512: group 128 divides only down_proj's input; the rest stays 16-bit, listed."""
+    import json
+
+    out = tmp_path / "out"
+    result = cli("quantize", odd_model, "--method", "gptq", "--group-size", 128, *CALIB_ARGS, "-o", out, "--no-gate")
+    assert result.exit_code == 0, result.output
+    kept = json.loads((out / "quantkit.json").read_text())["targets"][0]["details"]["kept_16bit"]
+    assert "model.layers.0.mlp.down_proj" not in kept and "model.layers.0.self_attn.q_proj" in kept
+    assert len(kept) == 2 * 6  # q, k, v, o, gate and up read 192-wide inputs, in both layers
 
 
 def test_auto_group_size_is_the_largest_that_divides_every_width():
@@ -92,7 +107,7 @@ def test_auto_group_size_is_the_largest_that_divides_every_width():
 
 @pytest.mark.parametrize("method", ["gptq", "awq"])
 def test_default_group_size_runs_on_widths_128_does_not_divide(cli, odd_model, tmp_path, method):
-    """hidden 192: the default (auto) takes 64 and says why; an explicit 128 keeps the strict refusal."""
+    """hidden 192: the default (auto) takes 64 and says why; an explicit 128 with --strict-shapes is refused."""
     out = tmp_path / "out"
     result = cli("quantize", odd_model, "--method", method, *CALIB_ARGS, "--no-gate", "-o", out)
     assert result.exit_code == 0, result.output
@@ -101,8 +116,9 @@ def test_default_group_size_runs_on_widths_128_does_not_divide(cli, odd_model, t
         "group_size"] == 64
     assert entry["details"]["choices"]["group_size"].startswith("auto: 64 (the largest of 128, 64, 32")
     assert "group_size auto: 64" in (out / "README.md").read_text()
-    refused = cli("quantize", odd_model, "--method", method, "--group-size", "128", *CALIB_ARGS, "-o", tmp_path / "x")
-    assert refused.exit_code == 2 and "group sizes that divide every layer's input width: 16, 32, 64" in refused.stderr
+    refused = cli("quantize", odd_model, "--method", method, "--group-size", "128", *CALIB_ARGS, "-o", tmp_path / "x",
+                  "--strict-shapes")
+    assert refused.exit_code == 2 and "sizes that divide every width: 16, 32, 64" in refused.stderr
 
 
 def test_gptq_unsupported_bits(cli, micro_model, tmp_path):

@@ -73,9 +73,18 @@ def test_nvfp4_a16_is_llmcompressors_nvfp4a16(cli, micro_model, tmp_path):
     assert "input_global_scale" not in " ".join(stored_tensors(out))
 
 
-def test_a_width_the_group_does_not_divide_is_refused_by_name(cli, width_72_model, tmp_path):
+def test_a_width_the_group_does_not_divide_stays_16_bit_or_is_refused(cli, width_72_model, tmp_path):
+    """hidden 72: the layers reading it stay 16-bit (down_proj, reading 128, is FP4); --strict-shapes refuses."""
     out = tmp_path / "nvfp4"
-    result = cli("quantize", width_72_model, "--method", "nvfp4", "--scheme", "a16", "-o", out)
+    result = cli("quantize", width_72_model, "--method", "nvfp4", "--scheme", "a16", "-o", out, "--no-gate",
+                 "--eval-windows", "2")
+    assert result.exit_code == 0, result.output
+    assert ("kept 16-bit: 6 layer(s) (their widths do not tile in the format): model.layers.0.mlp.gate_proj"
+            in result.stderr)
+    assert "model.layers.0.mlp.down_proj.weight_packed" in stored_tensors(out)
+    assert "model.layers.0.self_attn.q_proj.weight_packed" not in stored_tensors(out)
+    strict = tmp_path / "strict"
+    result = cli("quantize", width_72_model, "--method", "nvfp4", "--scheme", "a16", "-o", strict, "--strict-shapes")
     assert result.exit_code == 2
     assert "nvfp4: model.layers.0." in result.output and "not a multiple of the group of 16" in result.output
-    assert_nothing_written(out)
+    assert_nothing_written(strict)
