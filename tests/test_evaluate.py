@@ -195,3 +195,20 @@ def test_a_non_strict_reload_fails_the_run():
                                           "unexpected_keys": {"model.layers.0.block_sparse_moe.experts.0.w1.weight"},
                                           "mismatched_keys": []})
     assert err.value.exit_code == 3 and "1 missing" in err.value.message and "1 unexpected" in err.value.message
+
+
+def test_float16_rounding_adds_no_floor_to_the_kl_divergence():
+    """A KL divergence of 5e-5 (a good fp8 artifact) read through float16 log-probs: within 10% of the exact
+    float32 value (unnormalized rounded rows put a floor of ~5e-4 under it); identical rows score 0."""
+    import torch
+
+    from quantkit.eval.evaluate import kl_rows
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(256, 32000, generator=gen) * 3
+    base = torch.log_softmax(logits, -1)
+    cand = torch.log_softmax(logits + torch.randn(256, 32000, generator=gen) * 0.01, -1)
+    exact = float((base.exp() * (base - cand)).sum(-1).mean())
+    assert 3e-5 < exact < 1e-4
+    assert abs(float(kl_rows(base.half().numpy(), cand).mean()) - exact) < 0.1 * exact
+    assert float(kl_rows(base.half().numpy(), base).max()) == 0.0

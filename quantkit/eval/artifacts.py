@@ -122,8 +122,9 @@ def decompress_per_module(model) -> None:
     def decompress(module, _args):
         compressed[id(module)] = get_direct_state_dict(module)
         decompress_module(module)
-        if module.weight.dtype != dtype:
-            module.weight.data = module.weight.data.to(dtype)
+        weight = getattr(module, "weight", None)  # an attention module quantized for its KV cache has none
+        if weight is not None and weight.dtype != dtype:
+            weight.data = weight.data.to(dtype)
 
     def recompress(module, _args, output):
         replace_direct_state_dict(module, compressed.pop(id(module)))

@@ -5,8 +5,9 @@ calibration windows, each starting with BOS where the tokenizer has one. Every n
 prediction inside a window is scored (seq_len - 1 per window). The baseline is run once per
 run; its log-probabilities are kept in float16 (in memory, or in a temporary file read and written
 with plain I/O when they would exceed SPILL_THRESHOLD bytes) together with its float32 NLL and argmax. A
-candidate's log-probabilities are rounded to float16 the same way before the KL divergence
-KL(base || candidate) is taken, so an artifact identical to the base scores exactly 0.
+candidate's log-probabilities are rounded to float16 the same way, and both rows renormalized, before
+the KL divergence KL(base || candidate) is taken, so an artifact identical to the base scores exactly 0
+and the rounding moves the KL divergence only to second order (kl_rows).
 
 A model is seen through a Scorer: windows -> an iterator of ScoredChunks, each the log-probs of
 a block of consecutive positions (window-major, predictions 0..L-2 of each window) and their
@@ -249,13 +250,20 @@ def compute_baseline(scorer: Scorer, windows, workdir: Path | None = None) -> Ba
 def kl_rows(base16: np.ndarray, cand) -> "torch.Tensor":  # noqa: F821
     """KL(base || cand) per position from float16-rounded log-probs; tiny negatives clamp to 0.
 
-    Terms where the base probability is 0 contribute 0 (not 0 * inf = NaN); a candidate position
-    whose log-probs hold a NaN gets a NaN, never a finite value. Computed on the candidate's device
-    (the base's rows are copied there), in place: two float32 copies of the chunk live at once."""
+    Both rows are renormalized in log space after rounding, so the KL divergence is taken between two
+    distributions: the rounding then enters it only to second order (a float16 step of 1e-3 moves it
+    by about 1e-6), where the rounded, unnormalized rows put noise of their own size into every
+    position, which the clamp at 0 turned into a bias of ~5e-4. Identical rows still score exactly 0.
+    Terms where the base probability is 0 contribute 0 (not 0 * inf = NaN); a candidate position whose
+    log-probs hold a NaN gets a NaN, never a finite value. Computed on the candidate's device (the
+    base's rows are copied there)."""
     import torch
 
     base = torch.from_numpy(np.asarray(base16)).to(cand.device).float()
-    terms = cand.to(torch.float16).float().neg_().add_(base)
+    base -= torch.logsumexp(base, dim=-1, keepdim=True)
+    terms = cand.to(torch.float16).float()
+    terms -= torch.logsumexp(terms, dim=-1, keepdim=True)
+    terms.neg_().add_(base)
     p = base.exp_()
     kl = terms.mul_(p).masked_fill_(p == 0, 0.0).sum(-1).clamp_min(0.0)
     return torch.where(finite_rows(cand), kl, math.nan)
