@@ -12,6 +12,7 @@ from quantkit.cli import merge as merge_cmd
 from quantkit.cli import plan as plan_cmd
 from quantkit.cli import quantize as quantize_cmd
 from quantkit.cli import recipes as recipes_cmd
+from quantkit.cli import serve_check as serve_check_cmd
 
 app = typer.Typer(
     name="quantkit",
@@ -22,6 +23,7 @@ app = typer.Typer(
     "  quantkit quantize --recipe recipes/fp8-dynamic.yaml --model ./ckpt -o ./dist --json report.json\n\n"
     "  quantkit inspect ./my-model --method fp8\n\n"
     "  quantkit eval ./my-model-fp8 --against ./my-model\n\n"
+    "  quantkit serve-check ./my-model-fp8     (served by vLLM, measured from its own log-probs)\n\n"
     "  quantkit merge ./base --lora ./adapter -o ./merged\n\n"
     "  quantkit plan ./my-model --gpu L4 --context 8192\n\n"
     "Exit codes: 0 ok, 1 internal error, 2 bad input, 3 quality gate failed, 129 hung up (SIGHUP), "
@@ -49,6 +51,7 @@ def root(
 app.command("quantize", no_args_is_help=True)(quantize_cmd.quantize)
 app.command("inspect", no_args_is_help=True)(inspect_cmd.inspect)
 app.command("eval", no_args_is_help=True)(eval_cmd.eval_command)
+app.command("serve-check", no_args_is_help=True)(serve_check_cmd.serve_check_command)
 app.command("merge", no_args_is_help=True)(merge_cmd.merge)
 app.command("plan", no_args_is_help=True)(plan_cmd.plan)
 app.add_typer(recipes_cmd.app, name="recipes")

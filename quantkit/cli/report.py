@@ -13,6 +13,7 @@ from quantkit.cli.common import human_bytes
 if TYPE_CHECKING:
     from quantkit.eval.evaluate import GateResult, Metrics
     from quantkit.run.report import RunReport, TargetReport
+    from quantkit.serve.check import ServeReport
 
 Row = tuple[str, "Metrics | None", "GateResult | None"]  # (target name, metrics, gate verdict)
 
@@ -110,3 +111,55 @@ def starved_experts_text(details: dict) -> str:
     more = f" and {len(starved) - 8} more" if len(starved) > 8 else ""
     return (f"{len(starved)} experts were routed fewer than {details['min_expert_tokens']} calibration tokens "
             f"(calibrated on all tokens anyway): {listed}{more}")
+
+
+def agreement_cells(a, ppl: str) -> list[str]:
+    """KLD (lower bound), its p99, tail mass and top-1 of a quantkit.serve.stats.Agreement, then ppl."""
+    if a is None:
+        return ["—"] * 4 + [ppl]
+    return [f"{a.kld_lower_bound:.5f}", f"{a.kld_lower_bound_p99:.5f}", f"{a.tail_mass:.3f}", f"{a.top1:.2%}", ppl]
+
+
+def serve_table(report: ServeReport) -> Table:
+    """The engine's reading against the base and against quantkit's reading (quantkit serve-check)."""
+    e, w = report.engine, report.windows
+    ppl = f"{report.ppl.ppl:.3f}" + ("" if report.ppl.ppl_exact else f" ≥ ({report.ppl.targets_outside} outside top-k)")
+    title = (f"{Path(report.artifact).name} served by {e['name']} {e['version']} on {e['device']}: "
+             f"{w['scored']}/{w['positions']} positions of {w['count']} windows x {w['seq_len']} tokens, "
+             f"top-{report.logprobs or 'all'} log-probs"
+             + ("" if report.logprobs_normalized else " (not normalized by the engine: KLD scale-free, ppl unchecked)"))
+    table = Table(title=title, title_justify="left")
+    for column in ("reading", "against", "KLD ≥", "KLD p99 ≥", "tail", "top-1", "ppl"):
+        table.add_column(column, justify="left" if column in ("reading", "against") else "right", no_wrap=True)
+    table.add_row(e["name"], f"base ({report.base_from})", *agreement_cells(report.vs_base, ppl))
+    table.add_row("quantkit", "base, same cells", *agreement_cells(report.reading_vs_base, f"{report.ppl_reading:.3f}"))
+    table.add_row(e["name"], "quantkit's reading", *agreement_cells(report.vs_reading, f"{report.ppl_reading:.3f}"))
+    if report.reading_vs_base_kld is not None:
+        table.add_row("quantkit", "base, full (the gate's KLD)", f"{report.reading_vs_base_kld:.5f}", "", "0.000", "",
+                      f"{report.ppl_base:.3f} (base)")
+    g = report.greedy
+    table.caption = (f"greedy, {g.prompts} prompts x {g.steps} tokens, {e['name']} vs quantkit: "
+                     f"{g.matching_prefix:.1f} tokens before the first difference, {g.identical_share:.1%} identical")
+    table.caption_justify = "left"
+    return table
+
+
+def load_table(results: list) -> Table:
+    """The load test (quantkit.serve.load.LoadResult per concurrency)."""
+    table = Table(title="load test (streamed, greedy; medians per request)", title_justify="left")
+    for column in ("concurrent", "prompt tok", "gen tok", "TTFT s", "prefill tok/s", "decode tok/s", "total tok/s"):
+        table.add_column(column, justify="right", no_wrap=True)
+    for r in results:
+        table.add_row(str(r.concurrency), str(r.prompt_tokens), str(r.tokens), f"{r.ttft_s:.3f}",
+                      f"{r.prefill_tok_s:.1f}", f"{r.decode_tok_s:.1f}", f"{r.throughput_tok_s:.1f}")
+    return table
+
+
+def serve_checks_table(report: ServeReport) -> Table:
+    """serve-check's verdict, one row per check."""
+    table = Table(title="serve-check verdict", title_justify="left")
+    for column in ("check", "value", "threshold", "ok"):
+        table.add_column(column)
+    for c in report.checks:
+        table.add_row(c.name, f"{c.value:.6g}", f"{c.op} {c.threshold:g}", "yes" if c.passed else "NO")
+    return table

@@ -1,8 +1,10 @@
 """Optional cross-check of a .gguf with llama.cpp's own `llama-perplexity`, when a build exists.
 
-The binary is found in $QUANTKIT_LLAMA_CPP (a bin directory), then third_party/llama.cpp/bin
-(scripts/build_llamacpp.sh), then PATH. llama.cpp tokenizes the text itself, so its perplexity
-is comparable across files it scores, not digit for digit with quantkit's windows.
+The binary is found in $QUANTKIT_LLAMA_CPP (a bin directory), then $QUANTKIT_ENGINES/llama.cpp/bin
+(scripts/setup_engines.sh; QUANTKIT_ENGINES defaults to ~/.cache/quantkit/engines), then
+third_party/llama.cpp/bin (scripts/build_llamacpp.sh), then PATH. llama.cpp tokenizes the text
+itself, so its perplexity is comparable across files it scores, not digit for digit with
+quantkit's windows.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ def find_binary(name: str = "llama-perplexity") -> Path | None:
     candidates = []
     if os.environ.get("QUANTKIT_LLAMA_CPP"):
         candidates.append(Path(os.environ["QUANTKIT_LLAMA_CPP"]) / name)
+    engines = Path(os.environ.get("QUANTKIT_ENGINES") or "~/.cache/quantkit/engines").expanduser()
+    candidates.append(engines / "llama.cpp" / "bin" / name)
     candidates.append(Path(__file__).resolve().parents[2] / "third_party" / "llama.cpp" / "bin" / name)
     found = shutil.which(name)
     if found:

@@ -1,0 +1,410 @@
+"""serve-check: an artifact loaded by the engine that serves it, measured from the engine's own numbers.
+
+The engine runs as a real server on 127.0.0.1 (quantkit.serve.process) and is asked, on the held-out
+windows the gate used, for (1) the log-probs of every next-token prediction, (2) greedy continuations
+of held-out prompts, (3) streamed continuations at a few concurrencies (quantkit.serve.load). Its
+numbers are set against quantkit's own readings of the same windows: the base (quantkit.eval.scorers
+base_scorer, or the base served by the same engine with base_from="engine") and the artifact as the
+gate read it (artifact_scorer, artifact_logits). The statistics are quantkit.serve.stats.
+
+The verdict (Tolerances, checked in this order):
+- reading_kld: the KL divergence of the engine from quantkit's reading of the artifact, a lower bound
+  from the engine's top-k (stats module), at most `max_reading_kld`;
+- ppl_drift: |ppl engine / ppl reading - 1| at most `max_ppl_drift` (where the engine's ppl is only a
+  lower bound, only an excess counts; not checked for an engine whose log-probs are not normalized);
+- reading_top1 (when `min_reading_top1` is set): the engine's most likely token is the reading's at
+  that share of the positions at least;
+- base_kld (when `max_base_kld` is set, e.g. the gate's max_kld): the engine's KL divergence from the
+  base, a lower bound, at most that. A lower bound above the gate's threshold means the served artifact
+  fails the gate, whatever quantkit's reading says (a config edited after the gate changes both).
+Greedy agreement and the load test are reported, not checked.
+
+Independent of quantkit.json: the caller gives the windows and the base, so the pipeline can run it on a
+staged artifact.
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+
+from quantkit.errors import InputError, InternalError, UnsupportedError
+from quantkit.eval.evaluate import Check
+from quantkit.serve import llama_server, mlx_server, stats, support, vllm_server
+from quantkit.serve.engines import Engine, engine_for, find_engine
+from quantkit.serve.load import LoadResult, load_test
+from quantkit.serve.process import failure_reason, free_port, log_tail, running
+from quantkit.serve.settings import Endpoint, ServeOptions, engine_env
+
+CLIENTS: dict[str, ModuleType] = {"vllm": vllm_server, "llama.cpp": llama_server, "mlx": mlx_server}
+BASE_FROM = ("quantkit", "engine")
+CONTEXT_MARGIN = 16  # tokens of context beyond the longest request
+
+
+@dataclass(frozen=True)
+class Tolerances:
+    """Where the engine's reading must agree with the gate's (module docstring).
+
+    Defaults from measurements on small trained Llama models (hidden 256, vocabulary 1024; vLLM CPU in
+    bfloat16, llama-server, mlx_lm.server on a CPU): correct artifacts read by the engine within a KLD
+    of 0.0004-0.0023 of quantkit's reading (the most: llama.cpp's Q4_K_M, whose k-quant dot products
+    quantize the activations too) and a perplexity within 1%; an artifact whose config.json was edited
+    after the gate in a way the engine reads differently (tie_word_embeddings) was 0.19-11.6 off with
+    a perplexity 59% off or more. max_reading_kld sits near 10x from both. Top-1 is not checked by
+    default: on nearly flat distributions it flips on near-ties under bfloat16 rounding (46-82% at a
+    KLD of 1e-4 or less on a barely trained model), while the KLD and perplexity do not move."""
+
+    max_reading_kld: float = 0.02
+    max_ppl_drift: float = 0.05
+    min_reading_top1: float | None = None
+    max_base_kld: float | None = None
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Generation:
+    """Greedy continuations and the load test: how many and how long."""
+
+    prompts: int = 4
+    steps: int = 16
+    load_steps: int = 32
+    concurrencies: tuple[int, ...] = (1, 8)
+
+
+@dataclass
+class ServeReport:
+    artifact: str
+    kind: str
+    base: str
+    engine: dict  # name, version, executable, device, command, queried
+    windows: dict  # count, seq_len, positions, scored
+    base_from: str
+    logprobs: int  # candidates per position asked of the engine (0: the whole vocabulary)
+    logprobs_normalized: bool  # False: the engine's log-probs carry a constant per position (KL scale-free)
+    vs_base: stats.Agreement
+    vs_reading: stats.Agreement
+    reading_vs_base: stats.Agreement | None  # quantkit's reading against the base on the engine's cells
+    reading_vs_base_kld: float | None  # the same, full distributions (the gate's KLD on these windows)
+    ppl: stats.Perplexity
+    ppl_base: float
+    ppl_reading: float
+    greedy: stats.GreedyAgreement
+    load: list[LoadResult]
+    tolerances: Tolerances
+    checks: list[Check] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return all(c.passed for c in self.checks)
+
+    @property
+    def failed(self) -> list[str]:
+        return [c.name for c in self.checks if not c.passed]
+
+    def as_dict(self) -> dict:
+        def plain(value):
+            return value.as_dict() if hasattr(value, "as_dict") else value
+
+        data = {name: plain(value) for name, value in self.__dict__.items() if name not in ("load", "checks")}
+        return {**data, "load": [r.as_dict() for r in self.load], "checks": [asdict(c) for c in self.checks],
+                "passed": self.passed, "failed": self.failed}
+
+
+# ------------------------------------------------------------------ the engine
+
+
+def pick_engine(kind: str, name: str) -> Engine:
+    """The installed engine for the artifact kind (`name` "auto") or the one named."""
+    return find_engine(engine_for(kind) if name == "auto" else name)
+
+
+def prepare(artifact: Path, engine: str = "auto") -> tuple[str, Engine, support.Accelerator]:
+    """(artifact kind, the engine, this device), or exit 2 before any work: the engine is not installed
+    or cannot serve this format on this device (cheap: config.json, headers, nvidia-smi)."""
+    from quantkit.eval.artifacts import artifact_kind
+
+    kind = artifact_kind(Path(artifact))
+    found = pick_engine(kind, engine)
+    accelerator = support.accelerator()
+    support.check_servable(found.name, Path(artifact), kind, accelerator)
+    return kind, found, accelerator
+
+
+def served_path(artifact: Path, kind: str) -> Path:
+    """What the engine loads: the .gguf file for llama-server, the directory otherwise."""
+    if kind == "gguf":
+        from quantkit.eval.artifacts import gguf_file
+
+        return gguf_file(artifact)
+    return artifact
+
+
+def context_needed(seq_len: int, generation: Generation) -> int:
+    """Context for the longest request: a window, or a prompt plus its continuation."""
+    prompt = max(1, seq_len // 2)
+    return max(seq_len, prompt + generation.steps, seq_len + generation.load_steps) + CONTEXT_MARGIN
+
+
+@contextmanager
+def serving(engine: Engine, model: Path, options: ServeOptions, log_dir: Path | None,
+            progress: Callable[[str], None]) -> Iterator[tuple[Path, str, list[str]]]:
+    """The engine serving `model`: yields (its log, its url, the command); stopped on every exit path.
+    The log is in a temporary directory (removed afterwards) unless `log_dir` is given."""
+    client, model = CLIENTS[engine.name], Path(model).resolve()  # the server runs in its log directory
+    with tempfile.TemporaryDirectory(prefix="quantkit-serve-") as tmp:
+        logs = Path(log_dir) if log_dir else Path(tmp)
+        logs.mkdir(parents=True, exist_ok=True)
+        port = free_port()
+        command = client.command(engine, model, port, options)
+        log = logs / f"{engine.name}-{model.name}.log"
+        progress(f"starting {engine.name} on 127.0.0.1:{port} ({model.name}); log: {log}")
+        with running(command, engine_env(client.environment(options)), port, client.HEALTH, log,
+                     options.start_timeout, engine.name, progress) as server:
+            yield log, server.url, command
+
+
+@contextmanager
+def engine_failures(engine: Engine, log: Path) -> Iterator[None]:
+    """A request the server fails (HTTP 5xx, a dropped connection) becomes UnsupportedError (exit 2)
+    with the cause from the server's log: the engine loaded the artifact but cannot run it."""
+    try:
+        yield
+    except (InternalError, OSError) as exc:
+        reason = failure_reason(log_tail(log))
+        raise UnsupportedError(f"{engine.name} failed while serving ({str(exc).splitlines()[0]}): {reason}",
+                               hint="the format loads but does not run in this engine on this device") from exc
+
+
+# ------------------------------------------------------------------ one run
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What one check runs on: the artifact, its engine, the windows and the settings."""
+
+    artifact: Path
+    kind: str
+    base_dir: Path
+    engine: Engine
+    accelerator: support.Accelerator
+    windows: np.ndarray  # int64 (w, L)
+    prompts: list[list[int]]  # held-out prompts for the greedy continuations
+    options: ServeOptions
+    generation: Generation
+    base_from: str
+    engine_base: Path  # what the engine serves as the base with base_from "engine"
+    device: str  # where quantkit computes its own readings
+    trust_remote_code: bool
+
+    @property
+    def client(self) -> ModuleType:
+        return CLIENTS[self.engine.name]
+
+
+@dataclass
+class QuantkitSide:
+    """quantkit's own readings of the windows and prompts."""
+
+    base: object  # quantkit.eval.evaluate.Baseline of the base, None with base_from "engine"
+    reading: object  # Baseline of the artifact
+    greedy: list[list[int]]
+
+
+@dataclass
+class EngineSide:
+    """What the engine answered."""
+
+    version: str
+    command: list[str]
+    topk: stats.TopK
+    greedy: list[list[int] | None]
+    load: list[LoadResult]
+    base_topk: stats.TopK | None = None
+
+
+def plan(artifact: Path, base_dir: Path, windows, engine: str, options: ServeOptions | None,
+         generation: Generation | None, base_from: str, engine_base: Path | None, device: str,
+         trust_remote_code: bool) -> Setup:
+    """The Setup, or exit 2 before any work (prepare)."""
+    from quantkit.eval.generate import flip_prompts
+
+    if base_from not in BASE_FROM:
+        raise InputError(f"unknown base_from '{base_from}'", hint=f"use one of: {', '.join(BASE_FROM)}")
+    kind, found, accelerator = prepare(Path(artifact), engine)
+    generation = generation or Generation()
+    windows = np.asarray(windows, dtype=np.int64)
+    options = replace(options or ServeOptions(), device=accelerator.kind)
+    options = replace(options, max_model_len=options.max_model_len or context_needed(windows.shape[1], generation))
+    prompts = flip_prompts(windows, generation.prompts).tolist()
+    return Setup(Path(artifact), kind, Path(base_dir), found, accelerator, windows, prompts, options, generation,
+                 base_from, Path(engine_base or base_dir), device, trust_remote_code)
+
+
+def quantkit_side(setup: Setup, stop: int | None, progress: Callable[[str], None]) -> QuantkitSide:
+    """The base (unless served by the engine) and the artifact as quantkit reads them, and quantkit's
+    greedy continuations of the prompts (stopping at `stop`, the EOS of engines that stop there)."""
+    import torch
+
+    from quantkit.eval import evaluate, generate, scorers
+    from quantkit.io.checkpoint import check_model_dir
+
+    windows, s = torch.from_numpy(setup.windows), setup
+    base = None
+    if s.base_from == "quantkit":
+        progress(f"quantkit's reading of the base: {s.base_dir}")
+        scorer = scorers.base_scorer(check_model_dir(s.base_dir), device=s.device, trust_remote_code=s.trust_remote_code)
+        base = evaluate.compute_baseline(scorer, windows)
+    progress(f"quantkit's reading of the artifact: {s.artifact}")
+    reading = evaluate.compute_baseline(
+        scorers.artifact_scorer(s.artifact, s.base_dir, s.device, s.trust_remote_code), windows)
+    progress(f"quantkit's greedy continuations of {len(s.prompts)} held-out prompts")
+    logits = scorers.artifact_logits(s.artifact, s.base_dir, s.device, s.trust_remote_code)
+    return QuantkitSide(base, reading, generate.greedy_tokens(logits, s.prompts, s.generation.steps, stop=stop))
+
+
+def ask(setup: Setup, endpoint: Endpoint, progress: Callable[[str], None]) -> tuple:
+    """(top-k per position, greedy continuations, load results) from the running engine."""
+    s, client = setup, setup.client
+    topk = client.prompt_topk(endpoint, s.windows.tolist(), s.options.logprobs, progress)
+    progress(f"greedy continuations of {len(s.prompts)} held-out prompts, {s.generation.steps} tokens")
+    greedy = client.greedy(endpoint, s.prompts, s.generation.steps)
+    bos = getattr(endpoint.tokenizer, "bos_token_id", None)
+    load = load_test(client, endpoint, s.windows.tolist(), s.generation.load_steps, s.generation.concurrencies,
+                     bos, progress)
+    return topk, greedy, load
+
+
+def engine_side(setup: Setup, tokenizer, vocab: int, log_dir: Path | None,
+                progress: Callable[[str], None]) -> EngineSide:
+    """The artifact served by its engine and asked (ask); with base_from "engine", the base too."""
+    s = setup
+    with serving(s.engine, served_path(s.artifact, s.kind), s.options, log_dir, progress) as (log, url, command):
+        endpoint = Endpoint(url, tokenizer, vocab)
+        with engine_failures(s.engine, log):
+            version = s.client.version(endpoint, s.engine)
+            answers = EngineSide(version, command, *ask(s, endpoint, progress))
+    if s.base_from == "engine":
+        answers.base_topk = engine_base_topk(s, tokenizer, vocab, log_dir, progress)
+    return answers
+
+
+def engine_base_topk(setup: Setup, tokenizer, vocab: int, log_dir: Path | None, progress) -> stats.TopK:
+    """The base served by the same engine (llama-server needs a .gguf of it)."""
+    s = setup
+    if s.engine.name == "llama.cpp" and s.engine_base.suffix != ".gguf":
+        raise InputError("llama-server serves .gguf files only: the base must be a .gguf to be served",
+                         hint="quantkit quantize BASE --method gguf --gguf-type F16 -o BASE-f16, then "
+                              "--engine-base BASE-f16/<file>.gguf")
+    with serving(s.engine, s.engine_base, s.options, log_dir, progress) as (log, url, _command), \
+            engine_failures(s.engine, log):
+        return s.client.prompt_topk(Endpoint(url, tokenizer, vocab), s.windows.tolist(), s.options.logprobs, progress)
+
+
+def serve_check(artifact: Path, base_dir: Path, windows, engine: str = "auto",
+                options: ServeOptions | None = None, tolerances: Tolerances | None = None,
+                generation: Generation | None = None, base_from: str = "quantkit", engine_base: Path | None = None,
+                log_dir: Path | None = None, device: str = "cpu", trust_remote_code: bool = False,
+                progress: Callable[[str], None] = lambda message: None) -> ServeReport:
+    """Serve the artifact in its engine and measure it against quantkit's readings (module docstring).
+
+    windows: int64 (w, L) token ids, the held-out windows (each starting with BOS where the tokenizer
+    has one). engine: "auto" (by artifact kind) or vllm | llama.cpp | mlx. base_from: "quantkit" (the
+    base scored by quantkit, full distributions) or "engine" (`engine_base`, default the base dir,
+    served by the same engine). device: where quantkit computes its own readings. Raises
+    UnsupportedError (exit 2) when the engine is missing or cannot serve the artifact here."""
+    from quantkit.engines.transformers import load_tokenizer
+    from quantkit.io.checkpoint import check_model_dir
+
+    setup = plan(artifact, base_dir, windows, engine, options, generation, base_from, engine_base, device,
+                 trust_remote_code)
+    tokenizer = load_tokenizer(check_model_dir(setup.base_dir), trust_remote_code)
+    ours = quantkit_side(setup, tokenizer.eos_token_id if setup.client.STOPS_AT_EOS else None, progress)
+    theirs = engine_side(setup, tokenizer, int(ours.reading.logprobs.shape[1]), log_dir, progress)
+    report = build_report(setup, ours, theirs, tolerances or Tolerances())
+    report.checks = verdict(report)
+    return report
+
+
+# ------------------------------------------------------------------ the report
+
+
+def mean_of(values: np.ndarray, keep: np.ndarray) -> float:
+    return float(np.mean(values[keep])) if keep.any() else math.nan
+
+
+def ppl_drift(ppl: stats.Perplexity, ppl_reading: float) -> float:
+    """|ppl / ppl_reading - 1|; where ppl is a lower bound, only the excess over the reading."""
+    ratio = ppl.ppl / ppl_reading - 1.0
+    return abs(ratio) if ppl.ppl_exact else max(0.0, ratio)
+
+
+def verdict(report: ServeReport) -> list[Check]:
+    t = report.tolerances
+    drift = ppl_drift(report.ppl, report.ppl_reading)
+    checks = [Check("reading_kld", report.vs_reading.kld_lower_bound, t.max_reading_kld, "<=",
+                    report.vs_reading.kld_lower_bound <= t.max_reading_kld)]
+    if report.logprobs_normalized:
+        checks.append(Check("ppl_drift", drift, t.max_ppl_drift, "<=", drift <= t.max_ppl_drift))
+    if t.min_reading_top1 is not None:
+        checks.append(Check("reading_top1", report.vs_reading.top1, t.min_reading_top1, ">=",
+                            report.vs_reading.top1 >= t.min_reading_top1))
+    if t.max_base_kld is not None:
+        checks.append(Check("base_kld", report.vs_base.kld_lower_bound, t.max_base_kld, "<=",
+                            report.vs_base.kld_lower_bound <= t.max_base_kld))
+    return checks
+
+
+def divergence_for(setup: Setup):
+    """The KL bound the engine's log-probs allow: coarse, or scale-free where they are not normalized."""
+    return stats.coarse_kl if setup.client.NORMALIZED else stats.scale_free_kl
+
+
+def against_base(setup: Setup, ours: QuantkitSide, theirs: EngineSide, keep: np.ndarray) -> tuple:
+    """(engine vs base, quantkit's reading vs base on the engine's cells, the same in full, base ppl)."""
+    targets, divergence = ours.reading.targets, divergence_for(setup)
+    if ours.base is None:
+        return (stats.against_topk(theirs.base_topk, theirs.topk, divergence), None, None,
+                stats.perplexity(theirs.base_topk, targets).ppl)
+    base = ours.base
+    return (stats.against_full(base.logprobs, base.top1, theirs.topk, divergence),
+            stats.full_against_full(base.logprobs, ours.reading.logprobs, theirs.topk, divergence),
+            stats.full_kl(base.logprobs, ours.reading.logprobs), math.exp(mean_of(base.nll, keep)))
+
+
+def candidates_asked(setup: Setup) -> int:
+    """Candidates per position the engine was asked for (0: all), within what it gives."""
+    k, most = setup.options.logprobs, setup.client.MAX_LOGPROBS
+    return k if most is None else min(k or most, most)
+
+
+def engine_record(setup: Setup, theirs: EngineSide) -> dict:
+    e = setup.engine
+    return {"name": e.name, "version": theirs.version, "executable": str(e.executable), "found_in": e.found_in,
+            "device": setup.accelerator.describe(), "command": theirs.command, "queried": setup.client.QUERIED}
+
+
+def build_report(setup: Setup, ours: QuantkitSide, theirs: EngineSide, tolerances: Tolerances) -> ServeReport:
+    """The report's numbers from both sides' readings (stats module)."""
+    keep = stats.scored(theirs.topk)
+    vs_base, reading_vs_base, reading_vs_base_kld, ppl_base = against_base(setup, ours, theirs, keep)
+    count, seq_len = setup.windows.shape
+    return ServeReport(
+        artifact=str(setup.artifact), kind=setup.kind, base=str(setup.base_dir), engine=engine_record(setup, theirs),
+        windows={"count": int(count), "seq_len": int(seq_len), "positions": len(keep), "scored": int(keep.sum())},
+        base_from=setup.base_from, logprobs=candidates_asked(setup), logprobs_normalized=setup.client.NORMALIZED,
+        vs_base=vs_base,
+        vs_reading=stats.against_full(ours.reading.logprobs, ours.reading.top1, theirs.topk, divergence_for(setup)),
+        reading_vs_base=reading_vs_base, reading_vs_base_kld=reading_vs_base_kld,
+        ppl=stats.perplexity(theirs.topk, ours.reading.targets), ppl_base=ppl_base,
+        ppl_reading=math.exp(mean_of(ours.reading.nll, keep)),
+        greedy=stats.greedy_agreement(ours.greedy, theirs.greedy, setup.generation.steps), load=theirs.load,
+        tolerances=tolerances)

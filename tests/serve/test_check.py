@@ -1,0 +1,80 @@
+"""quantkit.serve.check without an engine: the verdict, the report's JSON, the context asked for."""
+
+import json
+import math
+
+import pytest
+
+from quantkit.serve import check, stats
+from quantkit.serve.load import LoadResult
+
+
+def agreement(kld: float, top1: float = 1.0) -> stats.Agreement:
+    return stats.Agreement(100, kld, kld * 3, 0.1, top1)
+
+
+def report(vs_reading: stats.Agreement, ppl: stats.Perplexity, tolerances: check.Tolerances,
+           vs_base: stats.Agreement | None = None, normalized: bool = True) -> check.ServeReport:
+    result = check.ServeReport(
+        artifact="a", kind="compressed-tensors", base="b", engine={"name": "vllm", "version": "0"},
+        windows={"count": 1, "seq_len": 101, "positions": 100, "scored": 100}, base_from="quantkit", logprobs=20,
+        logprobs_normalized=normalized, vs_base=vs_base or agreement(0.001), vs_reading=vs_reading, reading_vs_base=agreement(0.001),
+        reading_vs_base_kld=0.0011, ppl=ppl, ppl_base=10.0, ppl_reading=10.2,
+        greedy=stats.GreedyAgreement(2, 8, 8.0, 1.0, [8, 8]),
+        load=[LoadResult(1, 1, 64, 8, 0.01, 6400.0, 100.0, 90.0)], tolerances=tolerances)
+    result.checks = check.verdict(result)
+    return result
+
+
+EXACT = stats.Perplexity(10.25, True, 0)
+
+
+def test_a_close_reading_passes():
+    result = report(agreement(0.001), EXACT, check.Tolerances())
+    assert result.passed and [c.name for c in result.checks] == ["reading_kld", "ppl_drift"]
+
+
+def test_each_check_fails_on_its_own():
+    assert report(agreement(0.5), EXACT, check.Tolerances()).failed == ["reading_kld"]
+    assert report(agreement(0.001), stats.Perplexity(12.0, True, 0), check.Tolerances()).failed == ["ppl_drift"]
+    assert report(agreement(0.001, top1=0.5), EXACT, check.Tolerances(min_reading_top1=0.9)).failed == [
+        "reading_top1"]
+    assert report(agreement(0.001), EXACT, check.Tolerances(max_base_kld=0.01), vs_base=agreement(0.9)).failed == [
+        "base_kld"]
+
+
+def test_a_ppl_lower_bound_fails_only_on_an_excess():
+    below = stats.Perplexity(5.0, False, 40)  # a lower bound far below the reading's: nothing shown
+    assert report(agreement(0.001), below, check.Tolerances()).passed
+    above = stats.Perplexity(20.0, False, 40)
+    assert report(agreement(0.001), above, check.Tolerances()).failed == ["ppl_drift"]
+
+
+def test_ppl_is_not_checked_where_log_probs_are_not_normalized():
+    result = report(agreement(0.001), stats.Perplexity(12.0, True, 0), check.Tolerances(), normalized=False)
+    assert result.passed and [c.name for c in result.checks] == ["reading_kld"]
+
+
+def test_nan_fails():
+    assert not report(agreement(math.nan), EXACT, check.Tolerances()).passed
+
+
+def test_report_json():
+    data = report(agreement(0.001), EXACT, check.Tolerances(max_base_kld=0.01)).as_dict()
+    json.dumps(data)
+    assert data["passed"] and data["failed"] == [] and data["vs_reading"]["kld_lower_bound"] == 0.001
+    assert data["load"][0]["ttft_s"] == 0.01 and data["tolerances"]["max_base_kld"] == 0.01
+    assert {c["name"] for c in data["checks"]} == {"reading_kld", "ppl_drift", "base_kld"}
+
+
+def test_context_covers_the_longest_request():
+    generation = check.Generation(prompts=2, steps=16, load_steps=32)
+    assert check.context_needed(64, generation) == 64 + 32 + check.CONTEXT_MARGIN
+    assert check.context_needed(512, check.Generation(steps=600, load_steps=8)) == 256 + 600 + check.CONTEXT_MARGIN
+
+
+def test_unknown_base_source(tmp_path):
+    import numpy as np
+
+    with pytest.raises(Exception, match="unknown base_from"):
+        check.serve_check(tmp_path, tmp_path, np.zeros((1, 8), np.int64), base_from="hub")

@@ -1,0 +1,211 @@
+"""Finding the engines, choosing one per artifact, refusing what this device cannot serve (exit 2)."""
+
+import json
+import os
+import stat
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from quantkit.errors import InputError, UnsupportedError
+from quantkit.eval import llamacpp
+from quantkit.serve import engines, support
+from quantkit.serve.support import Accelerator
+
+CPU = Accelerator("cpu", "test CPU")
+GPU = Accelerator("cuda", "test GPU", 9.0)
+
+
+@pytest.fixture
+def no_engines(tmp_path, monkeypatch):
+    """Nothing installed: an empty engines dir, no engine variables, a PATH without engines."""
+    empty = tmp_path / "engines"
+    empty.mkdir()
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    monkeypatch.setenv("QUANTKIT_ENGINES", str(empty))
+    monkeypatch.setenv("PATH", str(bin_dir))
+    for name in ("QUANTKIT_VLLM", "QUANTKIT_LLAMA_CPP", "QUANTKIT_MLX_PYTHON"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(engines, "imports_mlx_lm", lambda: False)
+    monkeypatch.setattr(llamacpp, "find_binary", lambda name="llama-perplexity": None)
+    return empty
+
+
+def executable(path: Path, text: str = "#!/bin/sh\n") -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    return path
+
+
+def compressed_dir(path: Path, groups: dict, kv: dict | None = None) -> Path:
+    """A directory that reads as a compressed-tensors checkpoint (config.json and a safetensors header)."""
+    from safetensors.numpy import save_file
+
+    path.mkdir(parents=True)
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+              "quantization_config": {"quant_method": "compressed-tensors", "config_groups": groups,
+                                      "kv_cache_scheme": kv}}
+    (path / "config.json").write_text(json.dumps(config))
+    save_file({"lm_head.weight": np.zeros((2, 2), np.float32)}, str(path / "model.safetensors"))
+    return path
+
+
+def group(bits, kind, acts=None, strategy="channel", fmt="float-quantized", group_size=None):
+    return {"format": fmt, "weights": {"num_bits": bits, "type": kind, "strategy": strategy, "group_size": group_size},
+            "input_activations": acts}
+
+
+FP8_DYNAMIC = group(8, "float", {"num_bits": 8, "type": "float", "dynamic": True})
+FP8_STATIC = group(8, "float", {"num_bits": 8, "type": "float", "dynamic": False, "strategy": "tensor"})
+W4A16 = group(4, "int", fmt="pack-quantized", strategy="group", group_size=128)
+W8A16 = group(8, "int", fmt="pack-quantized", strategy="group", group_size=128)
+W8A8 = group(8, "int", {"num_bits": 8, "type": "int", "dynamic": True}, fmt="int-quantized")
+NVFP4 = group(4, "float", {"num_bits": 4, "type": "float"}, strategy="tensor_group", fmt="nvfp4-pack-quantized",
+              group_size=16)
+NVFP4_A16 = group(4, "float", None, strategy="tensor_group", fmt="nvfp4-pack-quantized", group_size=16)
+MXFP4 = group(4, "float", None, strategy="group", fmt="mxfp4-pack-quantized", group_size=32)
+FP8_BLOCK = group(8, "float", {"num_bits": 8, "type": "float", "dynamic": True, "strategy": "group"}, strategy="block")
+
+
+def test_vllm_found_by_variable_then_engines_dir_then_path(no_engines, tmp_path, monkeypatch):
+    assert engines.find_vllm() is None
+    on_path = executable(tmp_path / "bin" / "vllm")
+    assert engines.find_vllm().executable == on_path
+    installed = executable(no_engines / "vllm" / "bin" / "vllm")
+    assert engines.find_vllm().executable == installed and engines.find_vllm().found_in == "QUANTKIT_ENGINES"
+    chosen = executable(tmp_path / "custom" / "vllm")
+    monkeypatch.setenv("QUANTKIT_VLLM", str(chosen))
+    assert engines.find_vllm().executable == chosen
+
+
+def test_mlx_found_by_variable_then_engines_dir_then_this_python(no_engines, tmp_path, monkeypatch):
+    assert engines.find_mlx() is None
+    monkeypatch.setattr(engines, "imports_mlx_lm", lambda: True)
+    assert engines.find_mlx().executable == Path(sys.executable)
+    installed = executable(no_engines / "mlx" / "bin" / "python")
+    assert engines.find_mlx().executable == installed
+    chosen = executable(tmp_path / "py" / "python3")
+    monkeypatch.setenv("QUANTKIT_MLX_PYTHON", str(chosen))
+    assert engines.find_mlx().executable == chosen
+
+
+def test_llama_cpp_binaries_found_in_the_engines_dir(tmp_path, monkeypatch):
+    monkeypatch.delenv("QUANTKIT_LLAMA_CPP", raising=False)
+    monkeypatch.setenv("QUANTKIT_ENGINES", str(tmp_path))
+    monkeypatch.setenv("PATH", str(tmp_path / "nothing"))
+    server = executable(tmp_path / "llama.cpp" / "bin" / "llama-server")
+    repo_build = Path(llamacpp.__file__).resolve().parents[2] / "third_party" / "llama.cpp" / "bin" / "llama-server"
+    if not repo_build.exists():
+        assert llamacpp.find_binary("llama-server") == server
+    chosen = executable(tmp_path / "mine" / "llama-server")
+    monkeypatch.setenv("QUANTKIT_LLAMA_CPP", str(chosen.parent))
+    assert llamacpp.find_binary("llama-server") == chosen
+
+
+def test_missing_engine_names_the_setup_script(no_engines):
+    with pytest.raises(UnsupportedError, match="vllm is not installed") as info:
+        engines.find_engine("vllm")
+    assert info.value.exit_code == 2
+    assert "scripts/setup_engines.sh" in info.value.hint and "QUANTKIT_VLLM" in info.value.hint
+    with pytest.raises(InputError, match="unknown engine"):
+        engines.find_engine("tgi")
+
+
+def test_engine_by_kind():
+    assert engines.engine_for("compressed-tensors") == "vllm"
+    assert engines.engine_for("gguf") == "llama.cpp"
+    assert engines.engine_for("mlx") == "mlx"
+    assert engines.engine_for("bitsandbytes") == "vllm"
+
+
+def test_script_python_reads_the_shebang(tmp_path):
+    python = executable(tmp_path / "venv" / "bin" / "python3")
+    script = executable(tmp_path / "venv" / "bin" / "vllm", f"#!{python}\nimport sys\n")
+    assert engines.script_python(script) == python
+    assert engines.script_python(executable(tmp_path / "tool", "#!/bin/sh\n")) is None
+
+
+@pytest.mark.parametrize("groups, scheme", [
+    (FP8_DYNAMIC, "fp8-dynamic"), (FP8_STATIC, "fp8-static"), (W4A16, "w4a16"), (W8A16, "w8a16"),
+    (W8A8, "w8a8-int8"), (NVFP4, "nvfp4"), (NVFP4_A16, "nvfp4-a16"), (MXFP4, "mxfp4"), (FP8_BLOCK, "fp8-block"),
+])
+def test_schemes_from_config(groups, scheme):
+    assert support.schemes({"config_groups": {"group_0": groups}}) == {scheme}
+
+
+@pytest.mark.parametrize("groups, served", [
+    (FP8_DYNAMIC, True), (W4A16, True), (W8A8, True), (FP8_STATIC, False), (W8A16, False), (NVFP4, False),
+    (NVFP4_A16, False), (MXFP4, False), (FP8_BLOCK, False),
+])
+def test_vllm_cpu_refuses_what_it_cannot_run(tmp_path, groups, served):
+    artifact = compressed_dir(tmp_path / "artifact", {"group_0": groups})
+    reason = support.refusal("vllm", artifact, "compressed-tensors", CPU)
+    assert (reason is None) == served, reason
+    assert support.refusal("vllm", artifact, "compressed-tensors", GPU) is None
+
+
+def test_nvfp4_reason_names_the_device(tmp_path):
+    artifact = compressed_dir(tmp_path / "artifact", {"group_0": NVFP4})
+    with pytest.raises(UnsupportedError, match="NVFP4 W4A4 on Blackwell GPUs .*this is a CPU") as info:
+        support.check_servable("vllm", artifact, "compressed-tensors", CPU)
+    assert info.value.exit_code == 2
+
+
+def test_amx_lifts_the_fp8_refusals(tmp_path):
+    amx = Accelerator("cpu", "AMX CPU", flags=frozenset({"amx_tile"}))
+    for groups in (FP8_STATIC, FP8_BLOCK):
+        artifact = compressed_dir(tmp_path / str(id(groups)), {"group_0": groups})
+        assert support.refusal("vllm", artifact, "compressed-tensors", amx) is None
+
+
+def test_bitsandbytes_needs_a_gpu(tmp_path):
+    assert "GPUs only" in support.refusal("vllm", tmp_path, "bitsandbytes", CPU)
+    assert support.refusal("vllm", tmp_path, "bitsandbytes", GPU) is None
+
+
+def test_each_engine_serves_its_kinds(tmp_path):
+    assert "serves .gguf" in support.refusal("llama.cpp", tmp_path, "compressed-tensors", CPU)
+    assert "mlx-lm directories" in support.refusal("mlx", tmp_path, "gguf", CPU)
+    assert "checkpoint directories" in support.refusal("vllm", tmp_path, "gguf", CPU)
+    assert support.refusal("llama.cpp", tmp_path, "gguf", CPU) is None
+    assert support.refusal("mlx", tmp_path, "mlx", CPU) is None
+
+
+def test_cli_exits_2_when_the_engine_is_missing(no_engines, tmp_path):
+    from typer.testing import CliRunner
+
+    from quantkit.cli.app import app
+
+    artifact = compressed_dir(tmp_path / "artifact", {"group_0": FP8_DYNAMIC})
+    result = CliRunner().invoke(app, ["serve-check", str(artifact)], catch_exceptions=False)
+    assert result.exit_code == 2, result.output
+    assert "vllm is not installed" in result.stderr and "scripts/setup_engines.sh" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_cli_exits_2_when_this_device_cannot_serve_the_format(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from quantkit.cli.app import app
+
+    monkeypatch.setenv("QUANTKIT_VLLM", str(executable(tmp_path / "bin" / "vllm")))
+    monkeypatch.setattr(support, "accelerator", lambda: CPU)
+    artifact = compressed_dir(tmp_path / "artifact", {"group_0": NVFP4})
+    result = CliRunner().invoke(app, ["serve-check", str(artifact)], catch_exceptions=False)
+    assert result.exit_code == 2, result.output
+    assert "this is a CPU" in result.stderr and "hint:" in result.stderr
+
+
+def test_engine_environment_is_offline_and_drops_python_settings(monkeypatch):
+    from quantkit.serve.settings import engine_env
+
+    monkeypatch.setenv("PYTHONPATH", "/somewhere")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # the user's own value wins
+    env = engine_env({"VLLM_CPU_KVCACHE_SPACE": "1"})
+    assert "PYTHONPATH" not in env and env["TRANSFORMERS_OFFLINE"] == "1" and env["HF_HUB_OFFLINE"] == "0"
+    assert env["VLLM_NO_USAGE_STATS"] == "1" and env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    assert env["PATH"] == os.environ["PATH"]
