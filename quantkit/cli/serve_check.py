@@ -7,7 +7,15 @@ from pathlib import Path
 
 import typer
 
-from quantkit.cli.common import ProgressLog, err, handle_errors, lean_transformers, progress, results_console, write_json
+from quantkit.cli.common import (
+    ProgressLog,
+    err,
+    handle_errors,
+    lean_transformers,
+    progress,
+    results_console,
+    write_json,
+)
 
 
 @handle_errors
