@@ -115,9 +115,9 @@ def lean_transformers(fn):
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        from quantkit.engines.patches import patched
+        from quantkit.engines.patches import patched_on_import
 
-        with patched("transformers.sklearn"):
+        with patched_on_import("transformers.sklearn", "transformers.generation.candidate_generator"):
             return fn(*args, **kwargs)
 
     return wrapper

@@ -116,8 +116,9 @@ PATCHES: dict[str, Patch] = {
         "quantkit.engines.patches:sklearn_absent",
         "transformers' generation module imports scikit-learn whenever it is installed (lm-eval installs it), "
         "and with it scipy and pandas: about 150 MiB in every process that loads a model, for assisted "
-        "generation's roc_curve, which quantkit never runs. Swapped while a command runs, the generation "
-        "module (imported inside) keeps seeing it absent"),
+        "generation's roc_curve, which quantkit never runs. Swapped while a command runs, from the moment the "
+        "generation module is first imported (patched_on_import: a run that never imports it imports no "
+        "transformers), which keeps seeing it absent"),
     "tqdm.init": Patch(
         ("tqdm.std", "tqdm.__init__"), "tqdm", ">=4.60", "quantkit.engines.patches:quiet_tqdm_init",
         "engines' progress bars off where stderr is not a terminal (logs keep one line per phase)", wraps=True),
@@ -318,6 +319,41 @@ def swapped(replacements: dict[Site, Callable]) -> Iterator[None]:
     finally:
         for site, function in originals.items():
             setattr(*site_owner(site), function)
+
+
+class ImportTrigger:
+    """A sys.meta_path finder that calls `fire` once, just before `module` is first imported, and finds
+    nothing itself (the import goes on as usual)."""
+
+    def __init__(self, module: str, fire: Callable[[], None]):
+        self.module, self.fire, self.fired = module, fire, False
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname == self.module and not self.fired:
+            self.fired = True
+            self.fire()
+        return None
+
+
+@contextmanager
+def patched_on_import(name: str, trigger: str) -> Iterator[None]:
+    """The named patch swapped in while inside, but only from the moment `trigger` is about to be imported
+    (at once if it already is), so that a command which never imports it never imports the patched
+    library either; the original restored on exit."""
+    import sys
+    from contextlib import ExitStack
+
+    with ExitStack() as stack:
+        if trigger in sys.modules:
+            stack.enter_context(patched(name))
+            yield
+            return
+        hook = ImportTrigger(trigger, lambda: stack.enter_context(patched(name)))
+        sys.meta_path.insert(0, hook)
+        try:
+            yield
+        finally:
+            sys.meta_path.remove(hook)
 
 
 def plain_writes():

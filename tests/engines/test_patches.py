@@ -131,3 +131,23 @@ def test_a_quantize_run_never_imports_scikit_learn(micro_model, tmp_path):
     done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=subprocess_env())
     assert done.returncode == 0, done.stderr[-2000:]
     assert "sklearn imported: False model class: True" in done.stdout
+
+
+def test_a_patch_on_import_waits_for_its_trigger(monkeypatch):
+    """patched_on_import swaps nothing until the trigger module is about to be imported, then swaps, and
+    restores on exit."""
+    import sys
+
+    import transformers.utils
+
+    from quantkit.engines.patches import patched_on_import, sklearn_absent
+
+    monkeypatch.delitem(sys.modules, "wsgiref.simple_server", raising=False)
+    original = transformers.utils.is_sklearn_available
+    with patched_on_import("transformers.sklearn", "wsgiref.simple_server"):
+        assert transformers.utils.is_sklearn_available is original
+        import wsgiref.simple_server  # noqa: F401  the trigger
+
+        assert transformers.utils.is_sklearn_available is sklearn_absent
+    assert transformers.utils.is_sklearn_available is original
+    assert not any(type(f).__name__ == "ImportTrigger" for f in sys.meta_path)
