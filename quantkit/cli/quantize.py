@@ -95,6 +95,7 @@ def quantize(
     device: Optional[str] = typer.Option(None, help="cpu | cuda | auto"),
     offload_dir: Optional[str] = typer.Option(None, "--offload-dir", help="Offload decoder layers to disk in this directory while quantizing (gptq/awq/autoround/smoothquant/fp8): RAM holds one layer at a time."),
     dtype: Optional[str] = typer.Option(None, help="auto | bfloat16 | float16 | float32"),
+    serve_check: Optional[str] = typer.Option(None, "--serve-check", metavar="ENGINE", help="Gate: also load the staged artifact in the engine that serves it (auto | vllm | llama.cpp | mlx; scripts/setup_engines.sh installs them) and fail the gate when it reads differently (quantkit serve-check --help)."),
     strict_shapes: bool = typer.Option(False, "--strict-shapes", help="Refuse (exit 2) a layer whose widths the format's blocks or groups cannot tile (fp8-block, nvfp4, mxfp4, an explicit --group-size), instead of keeping it 16-bit and listing it."),
     trust_remote_code: bool = typer.Option(False, help="Allow custom model code from the model dir."),
     max_ppl_increase: Optional[float] = typer.Option(None, help="Gate: max relative perplexity increase."),
@@ -132,7 +133,8 @@ def quantize(
                          eval_windows=eval_windows, seed=seed),
         gate=dict(max_ppl_increase=max_ppl_increase, max_kld=max_kld, min_top1=min_top1, max_ppl_delta=max_ppl_delta,
                   task_limit=limit, tasks=cli_tasks(tasks, [str(f) for f in task_file], min_recovery) or None,
-                  flip_prompts=flip_prompts, flip_tokens=flip_tokens, max_flips=max_flips),
+                  flip_prompts=flip_prompts, flip_tokens=flip_tokens, max_flips=max_flips,
+                  serve={"engine": serve_check} if serve_check else None),
         # Method flags name method option fields; each applies to every target whose method has that
         # option, and naming one no target has is an error.
         method_options=dict(scheme=scheme, bits=bits, group_size=group_size_option(group_size), act_order=act_order,

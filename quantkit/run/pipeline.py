@@ -132,6 +132,7 @@ def prepare(recipe: Recipe, opts: RunOptions) -> tuple[ModelInfo, list[ResolvedT
         check_vram(vram_estimate(info, recipe, targets, placement, placement.onload), available_vram())
     check_finite([*info.weight_files, *(Path(p) / "adapter_model.safetensors" for p in recipe.lora)])
     check_gate_tasks(recipe, targets, opts)
+    check_serve_engines(targets)
     return info, targets, placement
 
 
@@ -527,6 +528,39 @@ def measure(job: QuantizeJob, resolved: ResolvedTarget, artifact: Path, baseline
         entry.timings["tasks_s"] = round(entry.timings.get("tasks_s", 0.0) + time.time() - started, 3)
 
 
+def serve_gate(job: QuantizeJob, resolved: ResolvedTarget, artifact: Path, entry: TargetReport) -> None:
+    """gate.serve: the staged artifact loaded by the engine that serves it and measured there
+    (quantkit.serve.check); the result into entry.details["serve_check"], and a failed check fails the gate.
+    An engine that cannot serve this format on this device is exit 2 (nothing written)."""
+    from quantkit.eval.evaluate import Check, with_checks
+    from quantkit.serve.check import Generation, Tolerances, prepare, serve_check
+    from quantkit.serve.settings import ServeOptions
+
+    serve, gate = resolved.gate.serve, resolved.gate
+    prepare(artifact, serve.engine)
+    job.progress(f"serving check: the artifact in {serve.engine if serve.engine != 'auto' else 'its engine'}")
+    report = serve_check(
+        artifact, job.info.path, job.windows.eval[: serve.windows], serve.engine,
+        options=ServeOptions(logprobs=serve.logprobs, concurrency=max(serve.concurrency)),
+        tolerances=Tolerances(serve.max_reading_kld, serve.max_ppl_drift, serve.min_reading_top1,
+                              serve.max_base_kld if serve.max_base_kld is not None else gate.max_kld),
+        generation=Generation(concurrencies=tuple(serve.concurrency)), device=job.device,
+        trust_remote_code=job.trust_remote_code, progress=job.progress)
+    entry.details["serve_check"] = report.as_dict()
+    failed = "; ".join(f"{c.name} {c.value:.4g} (needs {c.op} {c.threshold:g})" for c in report.checks if not c.passed)
+    job.progress(f"serving check: {report.engine['name']} {'agrees with the gate' if report.passed else failed}")
+    entry.gate = with_checks(entry.gate, [Check("serve", float(len(report.failed)), 0.0, "==", report.passed)])
+
+
+def check_serve_engines(targets: list[ResolvedTarget]) -> None:
+    """Before any work: the engine of every target whose gate has `serve` is installed (exit 2 otherwise)."""
+    from quantkit.serve.check import pick_engine
+
+    for t in targets:
+        if t.gate.serve is not None:
+            pick_engine(t.method.artifact, t.gate.serve.engine)
+
+
 def measure_kv_cache(job: QuantizeJob, resolved: ResolvedTarget, artifact: Path, entry: TargetReport,
                      opts: RunOptions) -> None:
     """An artifact with a kv_cache_scheme: the KV quantization's own damage (the same weights with the
@@ -567,6 +601,8 @@ def run_target(job: QuantizeJob, resolved: ResolvedTarget, baseline, opts: RunOp
     if not entry.gate.passed and fallback_options(resolved) is not None:
         run_fallback(job, resolved, result, entry, baseline, opts)
     measure_kv_cache(job, resolved, result.artifact, entry, opts)  # the final artifact's, after any fallback
+    if resolved.gate.serve is not None and entry.gate.passed:
+        serve_gate(job, resolved, result.artifact, entry)
     if entry.failed_enforced_gate:
         entry.status, entry.exit_code = "failed", GateFailedError.exit_code
     entry.details["serving"] = serving.artifact_plan(job.info, resolved.method, result.artifact, job.options)

@@ -52,6 +52,21 @@ class TaskGate(Strict):
         return self
 
 
+class ServeGate(Strict):
+    """The gate's serving check (quantkit.serve.check): the staged artifact loaded by the engine that serves
+    it, as a real server on 127.0.0.1, before anything is published; a failed check fails the gate."""
+
+    engine: Literal["auto", "vllm", "llama.cpp", "mlx"] = Field("auto", description="auto: by the artifact's format")
+    windows: int = Field(4, ge=1, le=1024, description="held-out windows sent to the engine (the first of the gate's)")
+    logprobs: int = Field(20, ge=0, description="candidates per position asked of the engine (0: the whole vocabulary)")
+    max_reading_kld: float = Field(0.02, ge=0, description="KL divergence of the engine from quantkit's reading")
+    max_ppl_drift: float = Field(0.05, ge=0, description="|ppl engine / ppl quantkit's reading - 1|")
+    min_reading_top1: float | None = Field(None, ge=0, le=1, description="top-1 agreement with quantkit's reading")
+    max_base_kld: float | None = Field(None, ge=0, description="KL divergence of the engine from the base "
+                                       "(default: the gate's max_kld)")
+    concurrency: list[int] = Field(default_factory=lambda: [1], description="load test rounds (concurrent requests)")
+
+
 class Gate(Strict):
     enabled: bool = True
     max_ppl_increase: float | None = Field(None, ge=0, description="relative, 0.05 = +5%")
@@ -68,6 +83,7 @@ class Gate(Strict):
     flip_tokens: int = Field(16, ge=1, le=1024, description="tokens generated per prompt for `flips`")
     tasks: list[TaskGate] = Field(default_factory=list, description="lm-eval tasks and their recovery rule")
     task_limit: int | None = Field(None, ge=1, description="samples per task (lm-eval --limit); None: all")
+    serve: ServeGate | None = Field(None, description="also check the artifact in the engine that serves it")
 
     @model_validator(mode="after")
     def _flips_need_prompts(self) -> "Gate":
@@ -357,7 +373,9 @@ def apply_overrides(data: dict, o: Overrides) -> dict:
     if o.lora_weights:
         data["lora_weights"] = list(data.get("lora_weights") or []) + list(o.lora_weights)
     data["calibration"] = {**(data.get("calibration") or {}), **_given(o.calibration)}
-    gate = {**(data.get("gate") or {}), **_given({k: v for k, v in o.gate.items() if k != "tasks"})}
+    gate = {**(data.get("gate") or {}), **_given({k: v for k, v in o.gate.items() if k not in ("tasks", "serve")})}
+    if o.gate.get("serve"):  # --serve-check ENGINE: the recipe's serve block, if any, with that engine
+        gate["serve"] = {**(gate.get("serve") or {}), **o.gate["serve"]}
     if o.gate.get("tasks"):  # appended to the recipe's tasks
         gate["tasks"] = list(gate.get("tasks") or []) + list(o.gate["tasks"])
     data["gate"] = gate

@@ -145,3 +145,17 @@ def test_mlx_server_serves_as_gated(cli, quantized, tmp_path):
     code, data, stderr = serve_check(cli, artifact, tmp_path)
     check_passed(code, data, stderr, artifact, "mlx")
     assert data["logprobs"] == 11 and not data["logprobs_normalized"]  # mlx_lm.server: at most 11, bfloat16
+
+
+def test_the_gate_serves_the_staged_artifact_before_publishing(cli, trained, tmp_path):
+    """quantize --serve-check vllm: the check runs on the staged artifact, its result is in quantkit.json and
+    the gate, and the server is gone when the command ends."""
+    require(engines.find_vllm, "vLLM", "QUANTKIT_VLLM")
+    out = tmp_path / "fp8-served"
+    result = cli("quantize", trained, "--method", "fp8", "-o", out, "--num-samples", "16", "--seq-len", "64",
+                 "--eval-windows", "2", "--serve-check", "vllm")
+    assert result.exit_code == 0, result.stderr
+    entry = json.loads((out / "quantkit.json").read_text())["targets"][0]
+    assert entry["details"]["serve_check"]["passed"] and entry["details"]["serve_check"]["engine"]["name"] == "vllm"
+    assert any(c["name"] == "serve" and c["passed"] for c in entry["gate"]["checks"])
+    assert not live_processes_naming("vllm.entrypoints")
