@@ -87,7 +87,8 @@ def eval_command(
     progress(describe_placement(placement, base, seq_len).replace("gate:", "forwards:", 1))
     progress(f"baseline: {base.path} on {len(windows)} windows of {seq_len} tokens")
     baseline = evaluate.compute_baseline(scorers.base_scorer(base, device=device, trust_remote_code=trust_remote_code,
-                                                             placement=placement, progress=progress), windows)
+                                                             placement=placement, progress=progress), windows,
+                                         spill=not placement.resident)
     progress(f"candidate: {model} ({kind})")
     metrics = scorers.evaluate_artifact(model, base.path, windows, baseline, device, trust_remote_code,
                                         placement=placement, progress=progress)

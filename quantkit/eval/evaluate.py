@@ -191,18 +191,18 @@ def model_scorer(model) -> Scorer:
 # ------------------------------------------------------------------ baseline and comparison
 
 
-def _allocate(shape: tuple[int, int], workdir: Path | None):
-    """float16 rows in memory when small, else in an unlinked file (a memory map would keep every
-    page written or read resident: the baseline's whole size in the RSS)."""
+def _allocate(shape: tuple[int, int], workdir: Path | None, spill: bool = True):
+    """float16 rows in memory when small (or `spill` is False), else in an unlinked file (a memory map
+    would keep every page written or read resident: the baseline's whole size in the RSS)."""
     from quantkit.io.rowio import RowFile
 
-    if shape[0] * shape[1] * 2 <= SPILL_THRESHOLD:
+    if not spill or shape[0] * shape[1] * 2 <= SPILL_THRESHOLD:
         return np.empty(shape, dtype=np.float16)
     return RowFile(shape, np.float16, workdir, prefix="quantkit-baseline-")
 
 
-def empty_baseline(n_positions: int, vocab: int, workdir: Path | None) -> Baseline:
-    return Baseline(_allocate((n_positions, vocab), workdir), np.empty(n_positions, np.float32),
+def empty_baseline(n_positions: int, vocab: int, workdir: Path | None, spill: bool = True) -> Baseline:
+    return Baseline(_allocate((n_positions, vocab), workdir, spill), np.empty(n_positions, np.float32),
                     np.empty(n_positions, np.int32), np.empty(n_positions, np.int64))
 
 
@@ -223,13 +223,15 @@ def target_nll(chunk: ScoredChunk) -> np.ndarray:
     return -chunk.logprobs.gather(1, chunk.targets[:, None])[:, 0].cpu().numpy()
 
 
-def baseline_from_chunks(chunks: Iterable[ScoredChunk], n_positions: int, workdir: Path | None = None) -> Baseline:
-    """Keep what the gate needs from the base's scored chunks (log-probs rounded to float16)."""
+def baseline_from_chunks(chunks: Iterable[ScoredChunk], n_positions: int, workdir: Path | None = None,
+                         spill: bool = True) -> Baseline:
+    """Keep what the gate needs from the base's scored chunks (log-probs rounded to float16; in a file
+    above SPILL_THRESHOLD bytes unless `spill` is False)."""
     import torch
 
     baseline, offset = None, 0
     for chunk in chunks:
-        baseline = baseline or empty_baseline(n_positions, chunk.logprobs.shape[-1], workdir)
+        baseline = baseline or empty_baseline(n_positions, chunk.logprobs.shape[-1], workdir, spill)
         end = offset + chunk.logprobs.shape[0]
         baseline.logprobs[offset:end] = chunk.logprobs.to(torch.float16).cpu().numpy()
         baseline.nll[offset:end] = target_nll(chunk)
@@ -239,12 +241,13 @@ def baseline_from_chunks(chunks: Iterable[ScoredChunk], n_positions: int, workdi
     return baseline
 
 
-def compute_baseline(scorer: Scorer, windows, workdir: Path | None = None) -> Baseline:
-    """Run the full-precision model once over the evaluation windows and keep what the gate needs."""
+def compute_baseline(scorer: Scorer, windows, workdir: Path | None = None, spill: bool = True) -> Baseline:
+    """Run the full-precision model once over the evaluation windows and keep what the gate needs (its
+    log-probs in memory with `spill` False: a resident gate, whose memory was counted for them)."""
     import torch
 
     with torch.inference_mode():
-        return baseline_from_chunks(scorer(windows), positions(windows), workdir)
+        return baseline_from_chunks(scorer(windows), positions(windows), workdir, spill)
 
 
 def kl_rows(base16: np.ndarray, cand) -> "torch.Tensor":  # noqa: F821

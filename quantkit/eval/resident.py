@@ -25,7 +25,8 @@ from quantkit.engines.transformers import tied_groups
 from quantkit.eval.evaluate import ScoredChunk, Scorer, iter_batches
 from quantkit.eval.stream import WeightSource, WeightsMap, build_meta_model, last_hidden, source_names, windows_per_group
 
-CPU_CHUNK_BYTES = 32 * 1024 * 1024  # float32 logits of one chunk of positions on a CPU (a few copies live at once)
+CPU_CHUNK_BYTES = 8 * 1024 * 1024  # float32 logits of one chunk of positions on a CPU: the scoring's passes over
+# a chunk stay in the caches (measured at width 768, vocabulary 32000: 8 MiB 3.4 s, 32 MiB 3.7 s, 2 MiB 4.5 s)
 GPU_CHUNK_BYTES = 1024 * 1024 * 1024  # on a GPU: large chunks keep it busy
 
 
@@ -69,13 +70,14 @@ def resident_model(config, source: WeightSource, dtype, device="cpu") -> Residen
 
 
 def head_logits(resident: ResidentModel, hidden) -> "torch.Tensor":  # noqa: F821
-    """float32 logits of hidden states (positions, hidden): the head, then the softcap, as the model's forward."""
+    """Logits of hidden states (positions, hidden) in the model's dtype: the head, then the softcap, as the
+    model's forward (the callers cast to float32, as evaluate.model_logits_fn does)."""
     import torch
 
     logits = resident.head(hidden)
     if resident.softcap is not None:
         logits = torch.tanh(logits / resident.softcap) * resident.softcap
-    return logits.float()
+    return logits
 
 
 def chunk_positions(device, vocab: int) -> int:
@@ -94,8 +96,8 @@ def score_batch(resident: ResidentModel, ids) -> Iterator[ScoredChunk]:
     targets = ids[:, 1:].reshape(-1).to(resident.device)
     step = chunk_positions(resident.device, resident.head.out_features)
     for start in range(0, hidden.shape[0], step):
-        logits = head_logits(resident, hidden[start : start + step])
-        yield ScoredChunk(torch.log_softmax(logits, dim=-1), targets[start : start + step])
+        logits = head_logits(resident, hidden[start : start + step])  # cast to float32 inside the log-softmax
+        yield ScoredChunk(torch.log_softmax(logits, dim=-1, dtype=torch.float32), targets[start : start + step])
 
 
 def resident_scorer(make: Callable[[], ResidentModel], text_config, activation_bytes: int) -> Scorer:
@@ -121,7 +123,7 @@ def resident_logits(resident: ResidentModel, ids) -> "torch.Tensor":  # noqa: F8
 
     with torch.inference_mode():
         hidden = resident.model.get_decoder()(input_ids=ids.to(resident.device), use_cache=False).last_hidden_state
-        return head_logits(resident, hidden).cpu()
+        return head_logits(resident, hidden).float().cpu()
 
 
 # ------------------------------------------------------------------ out of memory: finish streamed
