@@ -88,7 +88,7 @@ def eval_command(
     progress(f"baseline: {base.path} on {len(windows)} windows of {seq_len} tokens")
     baseline = evaluate.compute_baseline(scorers.base_scorer(base, device=device, trust_remote_code=trust_remote_code,
                                                              placement=placement, progress=progress), windows,
-                                         spill=not placement.resident)
+                                         spill=placement.spill)
     progress(f"candidate: {model} ({kind})")
     metrics = scorers.evaluate_artifact(model, base.path, windows, baseline, device, trust_remote_code,
                                         placement=placement, progress=progress)

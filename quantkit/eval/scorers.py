@@ -42,13 +42,15 @@ class Placement:
     forwards with the whole model resident on the device, windows batched within `activation_bytes`, or
     streamed a layer at a time (`why` says what the choice was weighed against); on a GPU run, `onload`:
     a method's model stays in RAM (or on disk with --offload-dir) and llm-compressor's sequential
-    pipeline onloads one layer at a time to the GPU, because the model does not fit the GPU whole."""
+    pipeline onloads one layer at a time to the GPU, because the model does not fit the GPU whole; `spill`:
+    the baseline's log-probs are written to a file (else kept in memory, where the budget has room)."""
 
     resident: bool
     device: str = "cpu"
     activation_bytes: int = ACTIVATION_BYTES
     why: str = ""
     onload: bool = False
+    spill: bool = True  # the baseline's float16 log-probs go to a file above evaluate.SPILL_THRESHOLD (else: memory)
 
 
 STREAMED = Placement(False)

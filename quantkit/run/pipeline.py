@@ -461,7 +461,7 @@ def compute_baseline(info: ModelInfo, recipe: Recipe, windows, workdir: Path, re
     scorer = scorers.base_scorer(info, recipe.dtype, recipe.device, recipe.trust_remote_code, workdir, placement,
                                  progress)
     with PeakTracker() as t:
-        baseline = evaluate.compute_baseline(scorer, windows, workdir=workdir, spill=not placement.resident)
+        baseline = evaluate.compute_baseline(scorer, windows, workdir=workdir, spill=placement.spill)
     report.timings["baseline_s"] = t.seconds
     report.baseline = {"ppl": baseline.ppl, "positions": int(baseline.nll.shape[0]), "peak_rss_bytes": t.peak_rss}
     return baseline

@@ -133,8 +133,8 @@ def ram_estimate(info, recipe, targets, placement=None) -> RamEstimate:
     c = recipe.calibration
     text = info.config.get("text_config") or info.config
     store = 2 * c.eval_windows * c.seq_len * int(text.get("vocab_size") or 0)
-    resident = placement is not None and placement.resident
-    store = store if store <= SPILL_THRESHOLD or resident else 0  # above that a streamed gate keeps it in a file
+    spill = placement is None or placement.spill
+    store = store if store <= SPILL_THRESHOLD or not spill else 0  # above that it is spilled to a file
     streamed = ACTIVATION_BYTES + 2 * HEAD_SLICE_BYTES + store
     steps = {"baseline": layer + streamed} if c.eval_windows else {}
     for t in targets:
@@ -145,8 +145,8 @@ def ram_estimate(info, recipe, targets, placement=None) -> RamEstimate:
             steps[f"{t.name}: quantize"] = working
         if c.eval_windows:
             steps[f"{t.name}: gate"] = candidate_bytes(t, model, layer, streams_gate(t, info, recipe)) + streamed
-    if resident and placement.device == "cpu":  # the model whole, the baseline log-probs included
-        steps.update({name: resident_need(n, False, info, c.seq_len, c.eval_windows)[0]
+    if placement is not None and placement.resident and placement.device == "cpu":  # the model whole
+        steps.update({name: resident_need(n, False, info, c.seq_len, c.eval_windows)[0] + store
                       for name, n in read_whole_bytes(info, recipe, targets).items()})
     return RamEstimate(steps)
 
@@ -345,8 +345,8 @@ def text_shape(info):
 
 def resident_need(largest: int, cuda: bool, info, seq_len: int, windows: int) -> tuple[int, int]:
     """(bytes a resident gate holds with the largest model read whole, its activation budget): the model,
-    a batch's activations (all the windows, or as many as the device's budget takes), a few chunks of
-    float32 logits and, on a CPU, the float16 baseline log-probs (kept in memory, not spilled)."""
+    a batch's activations (all the windows, or as many as the device's budget takes) and a few chunks of
+    float32 logits."""
     from quantkit.eval.resident import CPU_CHUNK_BYTES, GPU_CHUNK_BYTES
     from quantkit.eval.stream import ACTIVATION_BYTES, windows_per_group
 
@@ -355,7 +355,13 @@ def resident_need(largest: int, cuda: bool, info, seq_len: int, windows: int) ->
     text = info.config.get("text_config") or info.config
     logits = 4 * windows * seq_len * int(text.get("vocab_size") or 0)
     chunks = 3 * min(GPU_CHUNK_BYTES if cuda else CPU_CHUNK_BYTES, logits)
-    return largest + activation + chunks + (0 if cuda else logits // 2), budget
+    return largest + activation + chunks, budget
+
+
+def baseline_bytes(info, seq_len: int, windows: int) -> int:
+    """The float16 baseline log-probs of the held-out windows."""
+    text = info.config.get("text_config") or info.config
+    return 2 * windows * seq_len * int(text.get("vocab_size") or 0)
 
 
 def run_cpu_budget(info, recipe, targets, max_memory: int | None) -> tuple[int, str]:
@@ -383,7 +389,9 @@ def placement_for(largest: int, device: str, info, seq_len: int, windows: int, c
         if available and available - FIXED_RAM < budget:
             budget, source = available - FIXED_RAM, "the memory available now"
     why = f"the model whole needs {_size(need)}; {source}: {_size(max(0, budget))}"
-    return Placement(need <= budget, device, activation, why)
+    stored = baseline_bytes(info, seq_len, windows)
+    room = budget - need if not cuda else (available_ram() or stored * 4) // 4  # a GPU host: a quarter of its RAM
+    return Placement(need <= budget, device, activation, why, spill=need > budget or stored > room)
 
 
 def gate_placement(info, recipe, targets, max_memory: int | None = None):
