@@ -152,7 +152,8 @@ def worker_bare(model: str, out: str, method: str, args) -> dict:
 def worker_gate(model: str, mode: str, args) -> dict:
     """The gate's work on the held-out windows: `plain` two transformers forwards (the model loaded once,
     windows batched as the resident gate batches them), `resident` / `streamed` quantkit's baseline and
-    comparison of the base against itself."""
+    comparison of the base against itself (resident: the baseline's log-probs in memory, as a run with
+    room for them keeps them; streamed: in a file)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -177,8 +178,9 @@ def worker_gate(model: str, mode: str, args) -> dict:
         if cuda:
             torch.cuda.synchronize()
         return {"gate_s": time.time() - started}
-    placement = scorers.Placement(mode == "resident", args.device, activation)
-    baseline = evaluate.compute_baseline(scorers.base_scorer(info, device=args.device, placement=placement), ids)
+    placement = scorers.Placement(mode == "resident", args.device, activation, spill=mode != "resident")
+    baseline = evaluate.compute_baseline(scorers.base_scorer(info, device=args.device, placement=placement), ids,
+                                         spill=placement.spill)
     middle = time.time()
     metrics = evaluate.compare(scorers.base_scorer(info, device=args.device, placement=placement), ids, baseline)
     assert metrics.kld_mean < 1e-5, metrics  # the base against itself

@@ -206,21 +206,30 @@ def empty_baseline(n_positions: int, vocab: int, workdir: Path | None, spill: bo
                     np.empty(n_positions, np.int32), np.empty(n_positions, np.int64))
 
 
-def finite_rows(logprobs) -> "torch.Tensor":  # noqa: F821
-    """Positions whose log-probs hold no NaN (-inf is a legitimate log-prob of 0; +inf cannot occur, so
-    a row's sum is NaN exactly when the row holds one: one reduction, no mask of the whole chunk)."""
-    return ~logprobs.sum(-1).isnan()
-
-
-def top1_or_none(logprobs) -> "torch.Tensor":  # noqa: F821
-    """argmax per position, NO_TOP1 where the log-probs are not finite (argmax over NaN means nothing)."""
+def top1_and_finite(logprobs) -> tuple["torch.Tensor", "torch.Tensor"]:  # noqa: F821
+    """(argmax per position, NO_TOP1 where the log-probs are not finite; which positions hold no NaN), from
+    one max per row: max propagates NaN, so a row's maximum is NaN exactly when the row holds one (-inf is
+    a legitimate log-prob of 0; +inf cannot occur)."""
     import torch
 
-    return torch.where(finite_rows(logprobs), logprobs.argmax(-1), NO_TOP1)
+    values, index = logprobs.max(-1)
+    finite = ~values.isnan()
+    return torch.where(finite, index, NO_TOP1), finite
 
 
 def target_nll(chunk: ScoredChunk) -> np.ndarray:
     return -chunk.logprobs.gather(1, chunk.targets[:, None])[:, 0].cpu().numpy()
+
+
+def store_rows(rows, offset: int, logprobs) -> None:
+    """Log-probs rounded to float16 into rows offset.. of the baseline: converted and written in one pass
+    where the rows are in memory, through a float16 copy into a spilled file (quantkit.io.rowio.RowFile)."""
+    import torch
+
+    if isinstance(rows, np.ndarray):
+        torch.from_numpy(rows[offset : offset + logprobs.shape[0]]).copy_(logprobs)
+    else:
+        rows[offset : offset + logprobs.shape[0]] = logprobs.to(torch.float16).cpu().numpy()
 
 
 def baseline_from_chunks(chunks: Iterable[ScoredChunk], n_positions: int, workdir: Path | None = None,
@@ -233,9 +242,9 @@ def baseline_from_chunks(chunks: Iterable[ScoredChunk], n_positions: int, workdi
     for chunk in chunks:
         baseline = baseline or empty_baseline(n_positions, chunk.logprobs.shape[-1], workdir, spill)
         end = offset + chunk.logprobs.shape[0]
-        baseline.logprobs[offset:end] = chunk.logprobs.to(torch.float16).cpu().numpy()
+        store_rows(baseline.logprobs, offset, chunk.logprobs)
         baseline.nll[offset:end] = target_nll(chunk)
-        baseline.top1[offset:end] = top1_or_none(chunk.logprobs).cpu().numpy()
+        baseline.top1[offset:end] = top1_and_finite(chunk.logprobs)[0].cpu().numpy()
         baseline.targets[offset:end] = chunk.targets.cpu().numpy()
         offset = end
     return baseline
@@ -250,26 +259,35 @@ def compute_baseline(scorer: Scorer, windows, workdir: Path | None = None, spill
         return baseline_from_chunks(scorer(windows), positions(windows), workdir, spill)
 
 
-def kl_rows(base16: np.ndarray, cand) -> "torch.Tensor":  # noqa: F821
+FLOAT16_MIN = -65504.0  # the most negative finite float16: a log-prob of -inf (probability 0) is read as this
+
+
+def kl_rows(base16: np.ndarray, cand, finite=None) -> "torch.Tensor":  # noqa: F821
     """KL(base || cand) per position from float16-rounded log-probs; tiny negatives clamp to 0.
 
-    Both rows are renormalized in log space after rounding, so the KL divergence is taken between two
-    distributions: the rounding then enters it only to second order (a float16 step of 1e-3 moves it
-    by about 1e-6), where the rounded, unnormalized rows put noise of their own size into every
-    position, which the clamp at 0 turned into a bias of ~5e-4. Identical rows still score exactly 0.
-    Terms where the base probability is 0 contribute 0 (not 0 * inf = NaN); a candidate position whose
-    log-probs hold a NaN gets a NaN, never a finite value. Computed on the candidate's device (the
-    base's rows are copied there)."""
+    Both rows are taken as distributions after rounding (each divided by its sum, Z), so the rounding
+    enters the KL divergence only to second order (a float16 step of 1e-3 moves it by about 1e-6), where
+    rounded, unnormalized rows put noise of their own size into every position, which the clamp at 0
+    turned into a bias of ~5e-4. With p~ = exp(base) and d = base - cand:
+        KL = sum(p~ * d) / Z_base - log Z_base + log Z_cand        (one batched dot product)
+    Identical rows score exactly 0. A log-prob of -inf is read as FLOAT16_MIN, so a token both give
+    probability 0 (a masked vocabulary entry) adds exactly 0, and one only the candidate gives 0 adds a
+    large finite term. A candidate position whose log-probs hold a NaN gets a NaN (`finite`: the positions
+    without one, when the caller has them). Computed on the candidate's device (the base's rows are copied
+    there)."""
     import torch
 
-    base = torch.from_numpy(np.asarray(base16)).to(cand.device).float()
-    base -= torch.logsumexp(base, dim=-1, keepdim=True)
-    terms = cand.to(torch.float16).float()
-    terms -= torch.logsumexp(terms, dim=-1, keepdim=True)
-    terms.neg_().add_(base)
-    p = base.exp_()
-    kl = terms.mul_(p).masked_fill_(p == 0, 0.0).sum(-1).clamp_min(0.0)
-    return torch.where(finite_rows(cand), kl, math.nan)
+    base = torch.from_numpy(np.asarray(base16)).to(cand.device).float().clamp_min_(FLOAT16_MIN)
+    diff = cand.to(torch.float16).float().clamp_min_(FLOAT16_MIN)
+    log_z_cand = diff.exp().sum(-1).log_()
+    torch.sub(base, diff, out=diff)
+    weights = base.exp_()
+    z_base = weights.sum(-1)
+    dot = torch.bmm(weights.unsqueeze(1), diff.unsqueeze(2)).reshape(-1)
+    kl = (dot / z_base - z_base.log() + log_z_cand).clamp_min(0.0)
+    if finite is None:
+        finite = top1_and_finite(cand)[1]
+    return torch.where(finite, kl, math.nan)
 
 
 def compare_chunks(chunks: Iterable[ScoredChunk], baseline: Baseline) -> Metrics:
@@ -277,9 +295,10 @@ def compare_chunks(chunks: Iterable[ScoredChunk], baseline: Baseline) -> Metrics
     kls, nlls, agree, offset = [], [], 0, 0
     for chunk in chunks:
         end = offset + chunk.logprobs.shape[0]
-        kls.append(kl_rows(baseline.logprobs[offset:end], chunk.logprobs).cpu().numpy())
+        top1, finite = top1_and_finite(chunk.logprobs)
+        kls.append(kl_rows(baseline.logprobs[offset:end], chunk.logprobs, finite).cpu().numpy())
         nlls.append(target_nll(chunk))
-        agree += int((top1_or_none(chunk.logprobs).cpu().numpy() == baseline.top1[offset:end]).sum())
+        agree += int((top1.cpu().numpy() == baseline.top1[offset:end]).sum())
         offset = end
     return summarize(np.concatenate(kls), np.concatenate(nlls), agree, baseline)
 

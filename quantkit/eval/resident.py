@@ -80,12 +80,16 @@ def head_logits(resident: ResidentModel, hidden) -> "torch.Tensor":  # noqa: F82
     return logits
 
 
+MIN_CHUNK_POSITIONS = 128  # the head's matmul re-reads its whole weight per chunk: fewer rows than this cost more
+# (width 768, vocabulary 32000, 4080 positions on a CPU: 65 rows 0.65 s, 130 or more 0.54 s)
+
+
 def chunk_positions(device, vocab: int) -> int:
-    """Positions per chunk of float32 logits on `device`."""
+    """Positions per chunk of float32 logits on `device`: the chunk budget's worth, at least MIN_CHUNK_POSITIONS."""
     import torch
 
     budget = GPU_CHUNK_BYTES if torch.device(device).type == "cuda" else CPU_CHUNK_BYTES
-    return max(1, budget // (4 * vocab))
+    return max(MIN_CHUNK_POSITIONS, budget // (4 * vocab))
 
 
 def score_batch(resident: ResidentModel, ids) -> Iterator[ScoredChunk]:

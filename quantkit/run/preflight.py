@@ -347,14 +347,15 @@ def resident_need(largest: int, cuda: bool, info, seq_len: int, windows: int) ->
     """(bytes a resident gate holds with the largest model read whole, its activation budget): the model,
     a batch's activations (all the windows, or as many as the device's budget takes) and a few chunks of
     float32 logits."""
-    from quantkit.eval.resident import CPU_CHUNK_BYTES, GPU_CHUNK_BYTES
+    from quantkit.eval.resident import CPU_CHUNK_BYTES, GPU_CHUNK_BYTES, MIN_CHUNK_POSITIONS
     from quantkit.eval.stream import ACTIVATION_BYTES, windows_per_group
 
     budget = GPU_ACTIVATION_BYTES if cuda else ACTIVATION_BYTES
     activation = min(budget, budget // windows_per_group(text_shape(info), seq_len, budget) * windows)
     text = info.config.get("text_config") or info.config
     logits = 4 * windows * seq_len * int(text.get("vocab_size") or 0)
-    chunks = 3 * min(GPU_CHUNK_BYTES if cuda else CPU_CHUNK_BYTES, logits)
+    vocab = int(text.get("vocab_size") or 0)
+    chunks = 3 * min(max(GPU_CHUNK_BYTES if cuda else CPU_CHUNK_BYTES, 4 * MIN_CHUNK_POSITIONS * vocab), logits)
     return largest + activation + chunks, budget
 
 

@@ -110,6 +110,7 @@ def test_each_tensor_is_read_once_whatever_the_batches(micro_model, windows, str
 
 def test_logits_come_a_chunk_of_positions_at_a_time(micro_model, windows, monkeypatch):
     monkeypatch.setattr(resident, "CPU_CHUNK_BYTES", 4 * 512 * 50)  # 50 positions of a 512 vocab
+    monkeypatch.setattr(resident, "MIN_CHUNK_POSITIONS", 1)
     chunks = list(scorers.base_scorer(checkpoint.check_model_dir(micro_model), placement=RESIDENT)(windows))
     assert max(c.logprobs.shape[0] for c in chunks) == 50
     assert sum(c.logprobs.shape[0] for c in chunks) == evaluate.positions(windows)
@@ -141,6 +142,7 @@ def test_out_of_memory_finishes_streamed(micro_model, windows, monkeypatch, chun
     """Chunks of 50 positions cross the 63-position windows: whatever chunk the failure comes after,
     the positions come once each, in order, and the metrics are the streamed ones."""
     monkeypatch.setattr(resident, "CPU_CHUNK_BYTES", 4 * 512 * 50)
+    monkeypatch.setattr(resident, "MIN_CHUNK_POSITIONS", 1)
     info = checkpoint.check_model_dir(micro_model)
     streamed = scorers.base_scorer(info)
     whole = failing_after(scorers.base_scorer(info, placement=RESIDENT), chunks, torch.OutOfMemoryError("CUDA out of memory"))
