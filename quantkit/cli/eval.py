@@ -59,6 +59,7 @@ def eval_command(
     from quantkit.eval import evaluate, scorers
     from quantkit.eval.artifacts import artifact_kind
     from quantkit.io.checkpoint import check_model_dir, resolve_model
+    from quantkit.run.pipeline import gate_with_task_files
     from quantkit.run.preflight import describe_placement, eval_placement
     from quantkit.run.recipe import cli_tasks
     from quantkit.units import parse_size
@@ -75,6 +76,7 @@ def eval_command(
                          max_ppl_delta=max_ppl_delta, max_flips=max_flips, flip_prompts=flip_prompts,
                          flip_tokens=flip_tokens, task_limit=limit,
                          tasks=cli_tasks(tasks, [str(f) for f in task_file], min_recovery)))
+    gate = gate_with_task_files(gate)
     if gate.tasks:
         from quantkit.eval.tasks import check_tasks
 

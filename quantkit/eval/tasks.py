@@ -159,6 +159,21 @@ def task_name(task: "TaskGate") -> str:
     return task.name if task.file is None else task_file_config(task.file)["task"]
 
 
+def with_task_files(tasks: list["TaskGate"]) -> list["TaskGate"]:
+    """The gate's tasks with every name that a given task file defines (its `task:`) read from that file: a
+    recipe's `{name: my_task, metric: acc}` and `--task-file my_task.yaml` are one task, my_task from the
+    file with the named entry's metric and recovery rule (the file's own entry is then dropped)."""
+    files = {task_file_config(t.file)["task"]: t.file for t in tasks if t.file is not None}
+    named = {t.name for t in tasks if t.name in files}
+    resolved = []
+    for task in tasks:
+        if task.name in files:
+            resolved.append(task.model_copy(update={"name": None, "file": files[task.name]}))
+        elif task.file is None or task_file_config(task.file)["task"] not in named:
+            resolved.append(task)
+    return resolved
+
+
 def task_manager(by_name: bool):
     """lm-eval's TaskManager; its index of the built-in task YAMLs (slow to build) only when a task
     is given by name."""

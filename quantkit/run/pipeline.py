@@ -213,8 +213,18 @@ def resolve_target(recipe: Recipe, target: Target, info: ModelInfo) -> ResolvedT
     kept.update(fused_partners_kept(info, method, ignore + sorted(kept)))
     ignore = ignore + sorted(kept)
     method.check_ignore(info, options, ignore)
-    return ResolvedTarget(target, method, options, target_gate(recipe, target), ignore, needs_calibration,
+    return ResolvedTarget(target, method, options, gate_with_task_files(target_gate(recipe, target)), ignore,
+                          needs_calibration,
                           method.needs_model(info, options) or bool(target.tower_precision()), choices, kept)
+
+
+def gate_with_task_files(gate: Gate) -> Gate:
+    """The gate with each task name a given task file defines read from that file (quantkit.eval.tasks.with_task_files)."""
+    if not any(t.file is not None for t in gate.tasks):
+        return gate
+    from quantkit.eval.tasks import with_task_files
+
+    return gate.model_copy(update={"tasks": with_task_files(gate.tasks)})
 
 
 def fused_partners_kept(info: ModelInfo, method: MethodSpec, ignore: list[str]) -> dict[str, str]:

@@ -114,3 +114,25 @@ def test_a_named_task_without_cached_data_is_exit_2(cli, micro_model, tmp_path, 
     result = cli("eval", micro_model, "--against", micro_model, "--tasks", "arc_easy")
     assert result.exit_code == 2, result.output
     assert "task 'arc_easy': its data is not available offline" in result.stderr
+
+
+def test_a_recipe_finds_a_task_of_a_task_file_by_name(cli, micro_model, task_file, tmp_path):
+    """gate.tasks names `quantkit_continuation`, the `task:` of the file given with --task-file: one task,
+    read from the file, with the recipe's metric and recovery rule."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("targets:\n  - {name: fp8, method: fp8}\n"
+                      "gate:\n  tasks: [{name: quantkit_continuation, metric: acc, min_recovery: 1.5}]\n")
+    report_file = tmp_path / "report.json"
+    result = cli("quantize", micro_model, "--recipe", recipe, "-o", tmp_path / "out", *FAST_CALIB, "--max-kld", "1",
+                 "--min-top1", "0", "--task-file", task_file, *LIMIT, "--json", report_file)
+    assert result.exit_code == 3, result.output  # the recipe's impossible recovery: the named entry's rule
+    (task,) = json.loads(report_file.read_text())["targets"][0]["tasks"]
+    assert task["metric"] == "acc" and task["min_recovery"] == 1.5
+
+
+def test_eval_finds_a_task_of_a_task_file_by_name(cli, micro_model, task_file):
+    result = cli("eval", micro_model, "--against", micro_model, "--num-windows", "2", "--seq-len", "64",
+                 "--tasks", "quantkit_continuation:acc", "--task-file", task_file, *LIMIT, "--json", "-")
+    assert result.exit_code == 0, result.output
+    (task,) = json.loads(result.stdout)["tasks"]
+    assert task["metric"] == "acc" and task["samples"] == 4
