@@ -425,10 +425,9 @@ def layer_table(job: QuantizeJob, layers: dict[str, tuple[int, int]], chosen: Sc
 
 
 def greedy_plan(rows: list[SensitivityRow], allowed: int, chosen: Scheme) -> dict[str, str]:
-    """gptq's plan: every layer on its own (quantkit.mixed.budget.assign)."""
-    from quantkit.mixed.budget import assign
-
-    return assign(rows, allowed, chosen.size)
+    """gptq's plan: each layer on its own, the shards vLLM fuses (q/k/v, gate/up) at one precision
+    (quantkit.mixed.layers.fused_assign)."""
+    return intmix.fused_assign(rows, allowed, chosen.size)
 
 
 def auto_precision(job: QuantizeJob, ignore: list[str], chosen: Scheme,
@@ -464,7 +463,8 @@ def check_sizes(info, options, method: str = "gptq") -> None:
 
 def fallback_ladder(job: QuantizeJob, result: QuantizeResult, units=None):
     """The layers the fallback raises (int4 -> int8 -> 16-bit, quantkit.mixed.budget.Ladder): the sensitivity table
-    auto_precision recorded, else one measured now; `units(rows)(plan)`: what a raise moves together (awq)."""
+    auto_precision recorded, else one measured now; `units(rows)(plan)`: what a raise moves together (awq's
+    groups; by default the shards vLLM fuses, quantkit.mixed.layers.fused_units)."""
     from quantkit.mixed.budget import Ladder
 
     chosen = scheme(job)
@@ -473,8 +473,10 @@ def fallback_ladder(job: QuantizeJob, result: QuantizeResult, units=None):
     else:
         table = layer_table(job, budgeted_layers(job.info, llmc.decoder_ignore(job)), chosen)
     plan = result.details.get("mixed_precision", {}).get("types") or {r.name: "int4" for r in table.layers}
+    fused = intmix.fused_units(table.layers)
     return Ladder(table.layers, dict(plan), lambda row, p: chosen.size(row, p) + (0 if p == "int4" else intmix.METADATA_BYTES),
-                  units(table.layers) if units else None, keep_one=True, details={"sensitivity": table.as_dict()})
+                  units(table.layers) if units else lambda plan: fused, keep_one=True,
+                  details={"sensitivity": table.as_dict()})
 
 
 def requantize(job: QuantizeJob, plan: dict[str, str], details: dict) -> QuantizeResult:

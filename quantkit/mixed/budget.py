@@ -125,16 +125,17 @@ def next_candidate(row: Row, current, size: SizeModel):
 
 
 def step_count(tensors_per_step: int, rows: int) -> int:
-    """Units raised per fallback step: the option, or (0) a tenth of them, at least 1."""
+    """Units raised per fixed fallback step: the option, or (0) a tenth of them, at least 1."""
     return tensors_per_step or max(1, rows // 10)
 
 
 class Fallback(BaseModel):
-    """On a failed gate, raise the most damaging tensors' precision step by step until it passes."""
+    """On a failed gate, raise the most damaging tensors' precision until it passes (quantkit.run.fallback)."""
 
     model_config = ConfigDict(extra="forbid")
     max_size: str = Field("+25%", description="size limit: +N% of the first artifact, or a size (120MB, 4GiB)")
-    tensors_per_step: int = Field(0, ge=0, description="tensors raised per step (0: a tenth of them, at least 1)")
+    tensors_per_step: int = Field(0, ge=0, description="0: search for the fewest raises that pass (measured "
+                                  "steps, bisected); N: fixed steps of N raises until the gate passes")
 
     @field_validator("max_size")
     @classmethod
@@ -223,3 +224,130 @@ def raise_plan(ladder: Ladder, plan: dict[str, str], count: int, room: int) -> t
 
 def rank(candidates: list[str], precision: str) -> int:
     return candidates.index(precision) if precision in candidates else -1
+
+
+# ------------------------------------------------------------------ the fallback's search over the raises
+
+
+@dataclass(frozen=True)
+class Raise:
+    """One move of a unit to its next candidate: the bytes it adds and the predicted damage it removes."""
+
+    unit: str
+    members: tuple[str, ...]
+    old: str
+    new: str
+    added: int
+    removed: float
+
+
+def raise_sequence(ladder: Ladder) -> list[Raise]:
+    """Every raise from the ladder's plan, in the order the greedy search takes them: at each point the
+    single unit move removing the most predicted damage per added byte (no room limit). With keep_one, the
+    sequence stops before it would leave no row below its highest candidate."""
+    units = ladder.units_for(ladder.plan)
+    current = {u.name: min((ladder.plan[m.name] for m in u.members), key=lambda p: rank(u.members[0].candidates, p))
+               for u in units}
+    size = lambda u, p: sum(ladder.size(m, p) for m in u.members)  # noqa: E731
+    sequence, left = [], {u.name for u in units if current[u.name] != u.candidates[-1]}
+    while (step := best_upgrade(units, current, 1 << 62, size)) is not None:
+        _, name, new, added = step
+        unit = next(u for u in units if u.name == name)
+        if ladder.keep_one and new == unit.candidates[-1] and left == {name}:
+            break
+        sequence.append(Raise(name, tuple(m.name for m in unit.members), current[name], new, added,
+                              unit.damage(current[name]) - unit.damage(new)))
+        current[name] = new
+        if new == unit.candidates[-1]:
+            left.discard(name)
+    return sequence
+
+
+def plan_after(ladder: Ladder, sequence: list[Raise], count: int) -> dict[str, str]:
+    """The ladder's plan with the first `count` raises of the sequence applied."""
+    plan = dict(ladder.plan)
+    for step in sequence[:count]:
+        plan.update(dict.fromkeys(step.members, step.new))
+    return plan
+
+
+@dataclass(frozen=True)
+class Tried:
+    """A measured point of the search: `count` raises applied, the gate's verdict and the KL divergence."""
+
+    count: int
+    passed: bool
+    kld: float
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """The raise sequence as the search sees it: cumulative bytes added and predicted damage left after k
+    raises (k = 0..len), the room the size limit leaves, and the gate's KL divergence limit (None: the gate
+    fails on another metric, and the search halves its interval instead of predicting)."""
+
+    added: list[int]
+    left: list[float]
+    room: int
+    target: float | None
+
+    @classmethod
+    def of(cls, sequence: list[Raise], total_damage: float, room: int, target: float | None) -> "SearchSpace":
+        added, left = [0], [total_damage]
+        for step in sequence:
+            added.append(added[-1] + step.added)
+            left.append(max(0.0, left[-1] - step.removed))
+        return cls(added, left, room, target)
+
+    @property
+    def reachable(self) -> int:
+        """The most raises whose predicted bytes fit in the room."""
+        return max(k for k, added in enumerate(self.added) if added <= self.room)
+
+    def predicted(self, k: int, at: Tried) -> float:
+        """The KL divergence after k raises, the damage model scaled to the measurement `at`."""
+        return self.left[k] * (at.kld / self.left[at.count]) if self.left[at.count] > 0 else at.kld
+
+    def first_passing(self, at: Tried, low: int, high: int) -> int | None:
+        """The fewest raises in (low, high] predicted under the target with a 15% margin, None if none is."""
+        if self.target is None:
+            return None
+        return next((k for k in range(low + 1, high + 1) if self.predicted(k, at) <= 0.85 * self.target), None)
+
+
+def tolerance(best: int) -> int:
+    """How close to the fewest passing raises the search stops: within a tenth of them, at least one."""
+    return max(1, best // 10)
+
+
+def next_count(space: SearchSpace, tried: list[Tried], steps_left: int) -> int | None:
+    """The number of raises to measure next, or None to stop: the search brackets the fewest raises that
+    pass the gate between the most that failed and the fewest that passed. Without a passing point it
+    jumps to the prediction (or doubles), bounded by the room; with one, it narrows the bracket by the
+    prediction, kept inside the middle half (or halves it)."""
+    failed = max(t.count for t in tried if not t.passed)
+    passing = [t.count for t in tried if t.passed]
+    last = next(t for t in tried if t.count == failed)
+    if not passing:
+        reach = space.reachable
+        if failed >= reach or steps_left <= 0:
+            return None
+        if space.target is None:  # nothing to predict with: double the raises (an eighth of the room first)
+            return min(reach, max(failed + 1, 2 * failed, reach // 8))
+        guess = space.first_passing(last, failed, reach)
+        return reach if guess is None else guess
+    best = min(passing)
+    if best - failed <= tolerance(best) or steps_left <= 0:
+        return None
+    quarter = max(1, (best - failed) // 4)
+    guess = space.first_passing(last, failed, best - 1) or (failed + best) // 2
+    return min(max(guess, failed + quarter), best - quarter)
+
+
+def room_needed(space: SearchSpace, at: Tried) -> int | None:
+    """Bytes the measured trend needs (the damage model scaled to `at`, the most raises measured): the fewest
+    raises predicted under the target, None when none is (or the gate fails on another metric)."""
+    if space.target is None:
+        return None
+    k = next((k for k in range(at.count, len(space.left)) if space.predicted(k, at) <= space.target), None)
+    return None if k is None else space.added[k]

@@ -57,17 +57,19 @@ class LayerTable:
     windows: int = 0  # calibration windows the KL divergences were measured on
     seconds: dict[str, float] = field(default_factory=dict)  # "statistics", "errors", "kld"
     probes: int = 0  # layers whose KL divergence was measured
+    rank_correlation: float | None = None  # the weighted error against the probes' KL divergence (Spearman)
 
     @classmethod
     def from_dict(cls, data: dict) -> "LayerTable":
         """The table as the report recorded it (as_dict)."""
         return cls([SensitivityRow.from_dict(r) for r in data["tensors"]], data["measured"], data["windows"],
-                    dict(data.get("seconds", {})), data.get("probes", 0))
+                    dict(data.get("seconds", {})), data.get("probes", 0), data.get("rank_correlation"))
 
     def as_dict(self) -> dict:
         candidates = list(dict.fromkeys(c for r in self.layers for c in r.candidates))
         return {"measured": self.measured, "windows": self.windows, "probes": self.probes, "seconds": self.seconds,
-                "candidates": candidates, "tensors": [r.as_dict() for r in self.layers]}
+                "rank_correlation": self.rank_correlation, "candidates": candidates,
+                "tensors": [r.as_dict() for r in self.layers]}
 
 
 # ------------------------------------------------------------------ simulated precisions
@@ -256,7 +258,7 @@ def measure(model_dir: Path, shapes: dict[str, tuple[int, int]], calib_windows, 
             workdir: Path | None = None, progress: Callable[[str], None] = lambda message: None) -> LayerTable:
     """The sensitivity table: input statistics on the calibration windows, weighted errors, and with
     measure_windows > 0 the gains of probes_per_role layers per role measured and the others' interpolated."""
-    from quantkit.mixed.sensitivity import probe_klds, probe_names, set_gains
+    from quantkit.mixed.sensitivity import probe_klds, probe_names, proxy_agreement, set_gains
 
     started = time.perf_counter()
     stats = input_statistics(model_dir, calib_windows, list(shapes), sim, progress)
@@ -275,7 +277,11 @@ def measure(model_dir: Path, shapes: dict[str, tuple[int, int]], calib_windows, 
                       "auto_precision.measure_windows: 0", workdir, progress)
     set_gains(table, klds)
     seconds["kld"] = round(time.perf_counter() - started, 3)
-    return LayerTable(table, True, len(windows), seconds, len(klds))
+    agreement = proxy_agreement(table)
+    if agreement is not None:
+        progress(f"sensitivity: the weighted error ranks the {len(klds)} probe layers' measured KL divergence with "
+                 f"Spearman's rho {agreement:.2f}")
+    return LayerTable(table, True, len(windows), seconds, len(klds), agreement)
 
 
 def check_streamable(info, label: str, flag: str) -> None:
@@ -312,15 +318,39 @@ def sized(layer_bytes: Callable, job) -> Callable[[tuple, str], int]:
     return lambda shape, precision: layer_bytes(shape, precision, element)
 
 
+def fused_units(rows: list[SensitivityRow]) -> list:
+    """The layers as units that take one precision (quantkit.mixed.budget.Unit): the shards vLLM loads into one
+    layer (q/k/v, gate/up: quantkit.arch.fused) together, every other layer alone."""
+    from quantkit.arch.fused import partners
+    from quantkit.mixed.budget import Unit
+
+    groups: dict[str, list[SensitivityRow]] = {}
+    for row in rows:
+        found = partners(row.name)
+        groups.setdefault(found[0] if found else row.name, []).append(row)
+    return [Unit(name, members) for name, members in groups.items()]
+
+
+def fused_assign(rows: list[SensitivityRow], allowed: int, size: Callable[[SensitivityRow, str], int]) -> dict[str, str]:
+    """quantkit.mixed.budget.assign over fused_units: {layer: precision}, one precision per fused group."""
+    from quantkit.mixed.budget import assign
+
+    units = fused_units(rows)
+    choice = assign(units, allowed, lambda unit, p: sum(size(m, p) for m in unit.members))
+    return {m.name: choice[unit.name] for unit in units for m in unit.members}
+
+
 def keep_ladder(job, layers: dict[str, tuple[int, int]], sim: Simulation, size: Callable[[tuple, str], int]):
     """The fallback ladder of a method with one precision (fp8, smoothquant, nf4): each layer at it, or 16-bit
-    (quantkit.mixed.budget.Ladder), its sensitivity measured on the calibration windows."""
+    (quantkit.mixed.budget.Ladder), its sensitivity measured on the calibration windows; a fused group
+    (fused_units) raised together."""
     from quantkit.mixed.budget import Ladder
 
     plain = sim.precisions[0]
     table = measure(job.info.path, layers, job.windows.calib, sim, plain, workdir=job.workdir, progress=job.progress)
-    return Ladder(table.layers, {name: plain for name in layers}, lambda row, p: size(row.shape, p), keep_one=True,
-                  details={"sensitivity": table.as_dict()})
+    units = fused_units(table.layers)
+    return Ladder(table.layers, {name: plain for name in layers}, lambda row, p: size(row.shape, p),
+                  lambda plan: units, keep_one=True, details={"sensitivity": table.as_dict()})
 
 
 def keep_report(details: dict, plan: dict[str, str], size: Callable[[tuple, str], int]) -> dict:

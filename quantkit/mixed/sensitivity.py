@@ -123,6 +123,39 @@ def set_gains(rows: Sequence[SensitivityRow], klds: dict[str, float]) -> None:
             r.gain = interpolate(sorted(known[role]), depth or 0) if role in known else fallback
 
 
+def ranks(values: Sequence[float]) -> list[float]:
+    """Ranks from 0, ties sharing the mean of their ranks."""
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    out = [0.0] * len(values)
+    start = 0
+    while start < len(order):
+        end = start
+        while end + 1 < len(order) and values[order[end + 1]] == values[order[start]]:
+            end += 1
+        for i in order[start:end + 1]:
+            out[i] = (start + end) / 2
+        start = end + 1
+    return out
+
+
+def rank_correlation(xs: Sequence[float], ys: Sequence[float]) -> float | None:
+    """Spearman's rank correlation of two equally long sequences (None below three points or without spread)."""
+    if len(xs) < 3:
+        return None
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    spread = (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
+    return cov / spread if spread else None
+
+
+def proxy_agreement(rows: Sequence[SensitivityRow]) -> float | None:
+    """How well the weighted error alone (the cheap proxy) ranks the probes' measured KL divergence: Spearman's
+    rank correlation over the probe rows (1: the same order)."""
+    probes = [r for r in rows if r.kld is not None]
+    return rank_correlation([r.errors[r.probe] for r in probes], [r.kld for r in probes])
+
+
 def interpolate(points: list[tuple[int, float]], x: int) -> float:
     """Piecewise-linear through (x, y) points sorted by x, flat beyond the ends."""
     if x <= points[0][0]:

@@ -636,49 +636,12 @@ def fallback_options(resolved: ResolvedTarget):
 
 def run_fallback(job: QuantizeJob, resolved: ResolvedTarget, result: QuantizeResult, entry: TargetReport,
                  baseline, opts: RunOptions) -> None:
-    """Gate-driven fallback: while the gate fails, raise the precision of the units the method's ladder
-    predicts most damaging (quantkit.mixed.budget.raise_plan), let the method write the artifact again and
-    re-measure it, until the gate passes or Fallback.max_size leaves no room. A step whose artifact
-    came out larger than the limit (the size model missed what the format adds) is undone: the last
-    plan within the limit is written again. Every step, the final plan and the size cost go into
-    entry.details["fallback"]; entry's metrics, gate and details become the last artifact's."""
-    from quantkit.mixed.budget import raise_plan, size_limit, step_count
+    """Gate-driven fallback (quantkit.run.fallback): the artifact written again with the units the method's
+    ladder predicts most damaging raised, each step measured like the first artifact."""
+    from quantkit.run import fallback
 
-    method, options, started = resolved.method, fallback_options(resolved), time.time()
-    first = export.artifact_bytes(result.artifact)
-    limit = size_limit(options.max_size, first)
-    steps = [{"step": 0, "raised": {}, "bytes": first, "metrics": entry.metrics.as_dict(), "passed": False,
-              **({"tasks": entry.tasks} if entry.tasks else {})}]
-    job.progress(f"gate failed ({', '.join(entry.gate.failed)}): measuring which layers to raise first")
-    ladder = method.fallback_ladder(job, result)
-    details, plan, note = {**result.details, **ladder.details}, dict(ladder.plan), "passed"
-    count = step_count(options.tensors_per_step, len(ladder.units_for(plan)))
-    while not entry.gate.passed:
-        new, raised = raise_plan(ladder, plan, count, limit - steps[-1]["bytes"])
-        if not raised:
-            note = f"no raise fits in --max-size {options.max_size} ({limit:,} bytes)"
-            break
-        job.progress(f"fallback step {len(steps)}: raising {len(raised)} layers ({', '.join(list(raised)[:3])}"
-                     f"{', ...' if len(raised) > 3 else ''}); gate failed on {', '.join(entry.gate.failed)}")
-        candidate = method.requantize(job, new, details)
-        size = export.artifact_bytes(candidate.artifact)
-        if size > limit:
-            note = f"step {len(steps)} came to {size:,} bytes, over --max-size ({limit:,}): undone"
-            result = method.requantize(job, plan, details)
-            break
-        measure(job, resolved, candidate.artifact, baseline, entry, opts)
-        plan, result = new, candidate
-        steps.append({"step": len(steps), "raised": {n: f"{a}->{b}" for n, (a, b) in raised.items()}, "bytes": size,
-                      "metrics": entry.metrics.as_dict(), "passed": entry.gate.passed,
-                      **({"tasks": entry.tasks} if entry.tasks else {})})
-    job.progress(f"fallback: {note}" if not entry.gate.passed else f"fallback: gate passed after {len(steps) - 1} "
-                 f"step(s), {steps[-1]['bytes'] - first:+,} bytes")
-    final = steps[-1]["bytes"]
-    entry.details = {**result.details, "fallback": {
-        "passed": entry.gate.passed, "stopped": note, "steps": steps, "first_bytes": first, "limit_bytes": limit,
-        "final_bytes": final, "size_cost_bytes": final - first, "types": dict(sorted(plan.items())),
-        "seconds": round(time.time() - started, 3)}}
-    entry.timings["fallback_s"] = entry.details["fallback"]["seconds"]
+    fallback.run_fallback(job, resolved, result, entry,
+                          lambda artifact: measure(job, resolved, artifact, baseline, entry, opts))
 
 
 def error_report(resolved: ResolvedTarget, exc: Exception) -> TargetReport:

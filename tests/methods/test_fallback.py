@@ -62,3 +62,37 @@ def test_fallback_is_refused_for_a_vlm_before_work(cli, tmp_path):
     model = build_llava(tmp_path / "llava")
     result = cli("quantize", model, "--method", "fp8", "--fallback", *CALIB_ARGS, "-o", tmp_path / "out")
     assert result.exit_code == 2 and "fp8: fallback is not supported for VLMs" in result.stderr, result.output
+
+
+def test_the_search_keeps_the_fewest_raises_that_pass(cli, odd_model, tmp_path):
+    """The default fallback: measured steps each printed with their metrics, the artifact kept is the fewest
+    raises that passed, and q/k/v and gate/up move together (vLLM loads each group as one layer)."""
+    gate = ("--max-kld", f"{plain_kld(cli, odd_model, 'fp8', tmp_path) * 0.5:.3g}", *LOOSE)
+    out = tmp_path / "out"
+    result = cli("quantize", odd_model, "--method", "fp8", "--fallback", "--max-size", "+100%", *CALIB_ARGS, *gate,
+                 "-o", out)
+    assert result.exit_code == 0, result.output
+    target = report(out)["targets"][0]
+    fallback = target["details"]["fallback"]
+    steps = fallback["steps"]
+    passing = [s["raises"] for s in steps[1:] if s["passed"]]
+    assert passing and target["gate"]["passed"] and fallback["passed"]
+    assert "fallback step 1: " in result.stderr and " layers changed), " in result.stderr and "KLD " in result.stderr
+    assert f"gate passed with {min(passing)} of " in fallback["stopped"]
+    kept = {n for n, p in fallback["types"].items() if p == "16-bit"}
+    assert kept and kept == {n for n, v in steps[[s.get("raises") for s in steps].index(min(passing))]["raised"].items()}
+    for layer in range(2):
+        prefix = f"model.layers.{layer}."
+        assert len({prefix + f"self_attn.{p}_proj" in kept for p in "qkv"}) == 1
+        assert (prefix + "mlp.gate_proj" in kept) == (prefix + "mlp.up_proj" in kept)
+    assert set(kept) <= set(json.loads((out / "config.json").read_text())["quantization_config"]["ignore"])
+
+
+def test_the_search_says_how_much_room_a_pass_needs(cli, odd_model, tmp_path):
+    gate = ("--max-kld", f"{plain_kld(cli, odd_model, 'fp8', tmp_path) * 0.2:.3g}", *LOOSE)
+    result = cli("quantize", odd_model, "--method", "fp8", "--fallback", "--max-size", "+3%", *CALIB_ARGS, *gate,
+                 "-o", tmp_path / "out")
+    assert result.exit_code == 3, result.output
+    assert "no passing artifact within --max-size +3%" in result.stderr
+    assert "the measured trend needs about" in result.stderr or "even every raise would stay above" in result.stderr
+    assert "raise --max-size" in result.stderr

@@ -108,18 +108,26 @@ def layer_stored_bytes(tensors: dict, name: str) -> int:
 
 @pytest.fixture(scope="module")
 def auto_out(cli, micro_model, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("gptq-auto") / "out"
-    result = cli("quantize", micro_model, "--method", "gptq", "--auto-precision", *CALIB_ARGS, *LOOSE_TOP1, "-o", out)
+    """+20%: on the micro model a raise of a whole q/k/v or gate/up group to int8 takes more than 5%."""
+    root = tmp_path_factory.mktemp("gptq-auto")
+    recipe = root / "auto.yaml"
+    recipe.write_text("targets:\n  - name: gptq\n    method: gptq\n    options: {auto_precision: {headroom: 0.2}}\n")
+    result = cli("quantize", micro_model, "--recipe", recipe, *CALIB_ARGS, *LOOSE_TOP1, "-o", root / "out")
     assert result.exit_code == 0, result.output
-    return out
+    return root / "out"
 
 
-def test_auto_precision_end_to_end_within_w4a16_plus_5_percent(auto_out):
+def test_auto_precision_end_to_end_within_w4a16_plus_headroom(auto_out):
     details = report(auto_out)["targets"][0]["details"]
     mixed = details["mixed_precision"]
-    assert mixed["budget_bytes"] == int(mixed["plain_bytes"] * 1.05)
+    assert mixed["budget_bytes"] == int(mixed["plain_bytes"] * 1.2)
     assert mixed["plain_bytes"] < mixed["bytes"] <= mixed["budget_bytes"]
     assert mixed["counts"]["int8"] >= 1 and set(mixed["types"].values()) <= {"int4", "int8"}
+    types = mixed["types"]
+    for layer in range(2):  # the shards vLLM fuses into one layer share one precision
+        prefix = f"model.layers.{layer}."
+        assert len({types[prefix + f"self_attn.{p}_proj"] for p in "qkv"}) == 1
+        assert types[prefix + "mlp.gate_proj"] == types[prefix + "mlp.up_proj"]
     tensors = stored(auto_out)
     assert sum(layer_stored_bytes(tensors, name) for name in mixed["types"]) == mixed["bytes"]  # the size model
     table = details["sensitivity"]

@@ -44,3 +44,16 @@ def test_the_frontier_drops_dominated_candidates():
     errors = {"small": 4.0, "same_size_worse": 5.0, "same_size": 3.0, "bigger_worse": 3.5, "biggest": 1.0}
     cost = {"small": 1, "same_size_worse": 2, "same_size": 2, "bigger_worse": 3, "biggest": 4}
     assert sensitivity.frontier(errors, cost.__getitem__) == ("small", "same_size", "biggest")
+
+
+def test_rank_correlation_of_the_proxy_against_measured_klds():
+    from quantkit.mixed.sensitivity import proxy_agreement, rank_correlation, ranks
+
+    assert ranks([3.0, 1.0, 2.0, 1.0]) == [3.0, 0.5, 2.0, 0.5]
+    assert rank_correlation([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert rank_correlation([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert rank_correlation([1, 2], [1, 2]) is None and rank_correlation([1, 1, 1], [1, 2, 3]) is None
+    rows = [SensitivityRow(f"l{i}", (1, 1), {"q": e}, "q") for i, e in enumerate([1.0, 2.0, 3.0, 4.0])]
+    for row, kld in zip(rows, [0.1, 0.3, 0.2, None]):
+        row.kld = kld
+    assert proxy_agreement(rows) == pytest.approx(0.5)  # the unmeasured row is left out
