@@ -277,15 +277,19 @@ def fallback_section(args, work: Path) -> dict:
         fallback, wall = quantkit_run(args.model, work / f"fallback-{method}", ["--method", method, "--fallback"],
                                       args, True)
         spec = get_method(method)
-        steps = fallback["details"].get("fallback", {}).get("steps", [])
+        record = fallback["details"].get("fallback", {})
+        steps, sensitivity = record.get("steps", []), fallback["details"].get("sensitivity", {})
         result[method] = {
             "gate": spec.default_gate(spec.options()), "plain": {**pick(plain["metrics"]),
                                                                  "passed": plain["gate"]["passed"], "wall_s": plain_wall},
             "fallback": {**pick(fallback["metrics"]), "passed": fallback["gate"]["passed"], "wall_s": wall,
-                         "steps": len(steps) - 1 if steps else 0,
-                         "raised": sum(len(s["raised"]) for s in steps[1:]),
-                         "size_cost": round(steps[-1]["bytes"] / steps[0]["bytes"] - 1, 4) if steps else 0.0,
-                         "stopped": fallback["details"].get("fallback", {}).get("stopped")}}
+                         "wall_ratio": round(wall / plain_wall, 2), "steps": max(0, len(steps) - 1),
+                         "kept_16bit": sum(1 for p in record.get("types", {}).values() if p == "16-bit"),
+                         "layers": len(record.get("types", {})),
+                         "size_cost": round(record["size_cost_bytes"] / record["first_bytes"], 4) if record else 0.0,
+                         "sensitivity_s": sensitivity.get("seconds", {}),
+                         "rank_correlation": sensitivity.get("rank_correlation"),
+                         "fallback_s": record.get("seconds"), "stopped": record.get("stopped")}}
         print(json.dumps({method: result[method]}), flush=True)
     return result
 

@@ -23,7 +23,7 @@ from quantkit.serve.engines import Engine
 from quantkit.serve.http import get_json, post_json
 from quantkit.serve.process import HOST
 from quantkit.serve.settings import Endpoint, ServeOptions
-from quantkit.serve.stats import TopK, pack_topk
+from quantkit.serve.stats import TopK, prefix_topk
 
 HEALTH = "/health"
 COMPLETION = "/completion"
@@ -86,13 +86,7 @@ def next_token(endpoint: Endpoint, prefix: list[int], k: int) -> list[tuple[int,
 def prompt_topk(endpoint: Endpoint, windows: list[list[int]], k: int,
                 progress: Callable[[str], None]) -> TopK:
     """Top-k log-probs of every next-token prediction of the windows, one request per prediction."""
-    rows, targets = [], []
-    for i, ids in enumerate(windows):
-        progress(f"llama-server next-token log-probs: window ({i + 1}/{len(windows)})")
-        for j in range(1, len(ids)):
-            rows.append(next_token(endpoint, ids[:j], k))
-            targets.append(None)  # known only when among the candidates (quantkit.serve.stats)
-    return pack_topk(rows, targets)
+    return prefix_topk(lambda prefix: next_token(endpoint, prefix, k), windows, "llama-server", progress)
 
 
 def greedy(endpoint: Endpoint, prompts: list[list[int]], steps: int) -> list[list[int]]:

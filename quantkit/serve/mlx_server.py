@@ -29,7 +29,7 @@ from quantkit.serve.engines import Engine
 from quantkit.serve.http import post_json
 from quantkit.serve.process import HOST
 from quantkit.serve.settings import Endpoint, ServeOptions
-from quantkit.serve.stats import TopK, pack_topk
+from quantkit.serve.stats import TopK, prefix_topk
 
 HEALTH = "/health"
 COMPLETIONS = "/v1/completions"
@@ -95,13 +95,7 @@ def next_token(endpoint: Endpoint, prefix: list[int], k: int) -> list[tuple[int,
 def prompt_topk(endpoint: Endpoint, windows: list[list[int]], k: int,
                 progress: Callable[[str], None]) -> TopK:
     """Top candidates of every next-token prediction of the windows, one request per prediction."""
-    rows, targets = [], []
-    for i, ids in enumerate(windows):
-        progress(f"mlx_lm.server next-token log-probs: window ({i + 1}/{len(windows)})")
-        for j in range(1, len(ids)):
-            rows.append(next_token(endpoint, ids[:j], k))
-            targets.append(None)  # known only when among the candidates (quantkit.serve.stats)
-    return pack_topk(rows, targets)
+    return prefix_topk(lambda prefix: next_token(endpoint, prefix, k), windows, "mlx_lm.server", progress)
 
 
 def continuation(endpoint: Endpoint, prompt: list[int], steps: int) -> list[int] | None:

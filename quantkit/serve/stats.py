@@ -29,6 +29,8 @@ too, but rounding can take it to 0 when the candidates hold nearly all the mass.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import math
 from dataclasses import asdict, dataclass
 from typing import NamedTuple
@@ -82,6 +84,18 @@ def pack_topk(rows: list[list[tuple[int, float]]], targets: list[float | None]) 
             ids[i, j], logprobs[i, j] = token, logprob
     target = np.array([math.nan if t is None else t for t in targets], dtype=np.float64)
     return TopK(ids, logprobs, target)
+
+
+def prefix_topk(next_token: Callable[[list[int]], list[tuple[int, float]]], windows: list[list[int]], name: str,
+                progress: Callable[[str], None]) -> TopK:
+    """TopK of every next-token prediction of the windows from an engine that gives the candidates of the next
+    token only (llama-server, mlx_lm.server): `next_token(prefix)` once per prediction. The actual target's
+    log-prob is known only when it is among the candidates."""
+    rows = []
+    for i, ids in enumerate(windows):
+        progress(f"{name} next-token log-probs: window ({i + 1}/{len(windows)})")
+        rows += [next_token(ids[:j]) for j in range(1, len(ids))]
+    return pack_topk(rows, [None] * len(rows))
 
 
 def scored(topk: TopK) -> np.ndarray:

@@ -11,6 +11,7 @@ import torch
 
 from quantkit.eval import evaluate, resident, scorers, stream
 from quantkit.io import checkpoint
+from tests.test_stream import CountingSource
 
 REL = 1e-4
 RESIDENT = scorers.Placement(True)
@@ -66,27 +67,6 @@ def test_resident_artifact_equals_streamed(cli, micro_model, windows, streamed_b
     whole = scorers.evaluate_artifact(out, micro_model, windows, streamed_baseline, placement=RESIDENT)
     assert_same_metrics(whole, streamed)
     assert whole.kld_mean > 0
-
-
-class CountingSource:
-    """A WeightSource that counts whole-tensor reads and row reads."""
-
-    def __init__(self, source):
-        self.source, self.reads, self.rows_read = source, {}, {}
-
-    def keys(self):
-        return self.source.keys()
-
-    def shape(self, name):
-        return self.source.shape(name)
-
-    def get(self, name):
-        self.reads[name] = self.reads.get(name, 0) + 1
-        return self.source.get(name)
-
-    def rows(self, name, index):
-        self.rows_read[name] = self.rows_read.get(name, 0) + len(index)
-        return self.source.rows(name, index)
 
 
 def test_each_tensor_is_read_once_whatever_the_batches(micro_model, windows, streamed_baseline):

@@ -109,18 +109,21 @@ def assert_beats_rtn(cli, model: Path, tmp_path: Path, method: str, rtn_scheme: 
     assert mean_kld_vs_base(out, model) < mean_kld_vs_base(rtn, model)
 
 
+def untrained_llama(tokenizer_from: Path, out: Path, **config) -> Path:
+    """An untrained Llama of `config` (float32, as transformers builds it) with a trained model's tokenizer."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_from)
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), **config)).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
 @pytest.fixture
 def width_72_model(micro_model, tmp_path):
     """An untrained Llama whose hidden width 72 the group of 16 does not divide."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    tokenizer = AutoTokenizer.from_pretrained(micro_model)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=72, intermediate_size=128, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=2, head_dim=36)
-    out = tmp_path / "w72"
-    LlamaForCausalLM(config).save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
+    return untrained_llama(micro_model, tmp_path / "w72", hidden_size=72, intermediate_size=128, num_hidden_layers=1,
+                           num_attention_heads=2, num_key_value_heads=2, head_dim=36)
 
 
 def preset_artifact(model: Path, scheme: str, out: Path, kv_cache_scheme: dict | None = None,
@@ -184,12 +187,5 @@ def torch_uint8():
 def narrow_kv_model(micro_model, tmp_path):
     """An untrained Llama whose k and v projections are 64 wide (one KV head of 64): fp8-block's 128-row
     blocks do not tile them; every other width is a multiple of 128."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    tokenizer = AutoTokenizer.from_pretrained(micro_model)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=1, head_dim=64)
-    out = tmp_path / "kv64"
-    LlamaForCausalLM(config).save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
+    return untrained_llama(micro_model, tmp_path / "kv64", hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=1, head_dim=64)
