@@ -48,6 +48,7 @@ KEEP = "16-bit"  # the top of every ladder: the layer stays in the model's dtype
 # a config group or the ignore list, its tensors' entries): the size models count tensor bytes only.
 METADATA_BYTES = 256
 MEASURE_WINDOWS = 8  # calibration windows the probes' KL divergence is measured on (the options' default)
+KEEP_PROBES_PER_ROLE = 2  # the fallback of a one-precision method: each role's first and last layer
 
 
 @dataclass
@@ -342,12 +343,16 @@ def fused_assign(rows: list[SensitivityRow], allowed: int, size: Callable[[Sensi
 
 def keep_ladder(job, layers: dict[str, tuple[int, int]], sim: Simulation, size: Callable[[tuple, str], int]):
     """The fallback ladder of a method with one precision (fp8, smoothquant, nf4): each layer at it, or 16-bit
-    (quantkit.mixed.budget.Ladder), its sensitivity measured on the calibration windows; a fused group
-    (fused_units) raised together."""
+    (quantkit.mixed.budget.Ladder), its sensitivity measured on as many calibration windows as the gate holds
+    out (MEASURE_WINDOWS at most; input statistics and probes alike) with KEEP_PROBES_PER_ROLE probes per role:
+    the plain run calibrates little or nothing, and the search measures the artifacts themselves; a fused
+    group (fused_units) raised together."""
     from quantkit.mixed.budget import Ladder
 
     plain = sim.precisions[0]
-    table = measure(job.info.path, layers, job.windows.calib, sim, plain, workdir=job.workdir, progress=job.progress)
+    windows = job.windows.calib[:min(MEASURE_WINDOWS, max(1, len(job.windows.eval)))]
+    table = measure(job.info.path, layers, windows, sim, plain, len(windows), KEEP_PROBES_PER_ROLE, job.workdir,
+                    job.progress)
     units = fused_units(table.layers)
     return Ladder(table.layers, {name: plain for name in layers}, lambda row, p: size(row.shape, p),
                   lambda plan: units, keep_one=True, details={"sensitivity": table.as_dict()})
