@@ -270,6 +270,8 @@ def _sensitivity_table(name: str, data: dict) -> Table:
     how = (f"damage = gain x weighted error, gains measured on {table_data.get('probes', '?')} probe tensors "
            f"over {table_data['windows']} windows and interpolated by role and depth"
            if table_data["measured"] else "damage = importance-weighted squared error (not measured)")
+    if table_data.get("rank_correlation") is not None:
+        how += f"; the weighted error ranks the probes' KLD with Spearman's rho {table_data['rank_correlation']:.2f}"
     # plain: the type llama.cpp's mixture gives the tensor (gguf), the method's one precision (int4 for gptq)
     table = Table(title=f"{name}: per-tensor sensitivity ({how})", title_justify="left")
     for column in ("tensor", "plain", "chosen", "KLD@probe", "damage by candidate"):

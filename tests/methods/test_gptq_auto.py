@@ -165,6 +165,8 @@ def test_inspect_shows_the_layer_sensitivity_table(cli, auto_out):
     assert "per-tensor sensitivity" in result.stdout and "model.layers.1.mlp.down_proj" in result.stdout
     data = json.loads(cli("inspect", auto_out, "--sensitivity", "--json", "-").stdout)
     assert data["gptq"]["types"] and data["gptq"]["sensitivity"]["candidates"] == ["int4", "int8", "16-bit"]
+    rho = data["gptq"]["sensitivity"]["rank_correlation"]  # the weighted error against the probes' measured KLD
+    assert -1 <= rho <= 1 and f"Spearman's rho {rho:.2f}" in result.stdout.replace("\n", " ")
 
 
 def test_recipe_budget_bpw_keeps_some_layers_16_bit(cli, micro_model, tmp_path):
