@@ -19,7 +19,10 @@ Examples:
 
   quantkit quantize --recipe recipes/fp8-dynamic.yaml --model ./ckpt -o ./dist --json report.json
 
-  quantkit quantize ./my-model --method fp8 --scheme fp8-block -o ./fp8-block   (as DeepSeek-V3 / Qwen3 ship FP8)
+  quantkit quantize ./my-model --method fp8 --scheme fp8-block -o ./fp8-block   (as DeepSeek-V3 / Qwen3 ship FP8; layers
+  128 does not tile stay 16-bit, listed)
+
+  quantkit quantize ./my-model --method gptq --serve-check vllm -o ./gptq   (the gate also loads it in vLLM)
 
   quantkit quantize ./my-model --method nvfp4 -o ./nvfp4   (W4A4 NVFP4: Blackwell; --scheme a16 for weights only)
 
