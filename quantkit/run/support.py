@@ -1,15 +1,21 @@
-"""README's family x method tables, each cell what the method says of the family
-(MethodSpec.support over quantkit.arch.families). tests/test_readme.py keeps README equal to
-`family_table()` and `vlm_table()`."""
+"""The generated tables of docs/models.md, each cell what the code says: the family x method tables
+(MethodSpec.support over quantkit.arch.families), the architectures each method takes (the smoothing
+table, the GGUF converter's table, the MLX table, the expert layouts), the VLM towers
+(quantkit.arch.vlm.FAMILIES), the expert layouts (quantkit.arch.moe) and the runtimes that serve each
+format (MethodSpec.runtimes). `python scripts/make_docs_tables.py` writes them into the page;
+tests/test_docs.py keeps the page equal to `docs_tables()`."""
 
 from __future__ import annotations
 
+import re
+import typing
+
 from quantkit.arch.families import TEXT_FAMILIES, VLM_FAMILIES, Family
-from quantkit.methods import METHODS, get_method
+from quantkit.methods import METHODS, Runtime, get_method
 
 
 def verdict(model_type: str, method: str) -> str:
-    """One cell: what `method` does with the family of README's tables whose model_type this is."""
+    """One cell: what `method` does with the family of the docs' tables whose model_type this is."""
     family = next(f for f in TEXT_FAMILIES + VLM_FAMILIES if f.model_type == model_type)
     return get_method(method).support(family)
 
@@ -24,10 +30,153 @@ def table(header: str, families: list[Family]) -> list[str]:
 
 
 def family_table() -> list[str]:
-    """The markdown rows of README's family x method table."""
+    """The markdown rows of the text family x method table."""
     return table("family (`model_type`)", TEXT_FAMILIES)
 
 
 def vlm_table() -> list[str]:
-    """The markdown rows of README's VLM family x method table."""
+    """The markdown rows of the VLM family x method table."""
     return table("VLM family (`model_type`)", VLM_FAMILIES)
+
+
+def code_list(names) -> str:
+    return ", ".join(f"`{name}`" for name in names)
+
+
+def architectures_table() -> list[str]:
+    """Which checkpoints each method takes, from the tables its checks read."""
+    from quantkit.arch.mappings import supported_model_types
+    from quantkit.arch.moe import MOE_LAYOUTS
+    from quantkit.gguf.convert import supported_architectures
+    from quantkit.mlx.checkpoint import MLX_MODEL_TYPES
+
+    return [
+        "| method | architectures |",
+        "|---|---|",
+        "| `fp8`, `gptq`, `autoround`, `nf4` | any transformers causal LM or VLM; mixture-of-experts `model_type`: "
+        + code_list(sorted(MOE_LAYOUTS)) + " |",
+        "| `nvfp4`, `mxfp4` | any transformers causal LM or VLM without experts |",
+        "| `awq`, `smoothquant` | `model_type` (a VLM: its text model's): " + code_list(supported_model_types()) + " |",
+        "| `gguf` | `architectures`: " + code_list(supported_architectures()) + " |",
+        "| `mlx` | `model_type`: " + code_list(sorted(MLX_MODEL_TYPES)) + " |",
+    ]
+
+
+def vlm_towers_table() -> list[str]:
+    """Each VLM family's components: what stays 16-bit, and where the language model is."""
+    from quantkit.arch.vlm import FAMILIES
+
+    lines = ["| VLM family (`model_type`) | architecture | language model | vision | projector | audio "
+             "| also 16-bit | vision tower quantizable |",
+             "|---|---|---|---|---|---|---|---|"]
+    for model_type, f in FAMILIES.items():
+        quantizable = f"no: {f.vision_stays_16bit}" if f.vision_stays_16bit else "yes (`--vision int8`)"
+        lines.append(f"| {f.name} (`{model_type}`) | `{f.architecture}` | `{f.language}` | {code_list(f.vision) or '—'} "
+                     f"| {code_list(f.projector) or '—'} | {code_list(f.audio) or '—'} "
+                     f"| {f'cross-attention layers (`{f.cross_attention}`)' if f.cross_attention else '—'} "
+                     f"| {quantizable} |")
+    return lines
+
+
+def moe_table() -> list[str]:
+    """The expert layouts quantkit knows: the router kept 16-bit, the experts' names."""
+    from quantkit.arch.moe import MIN_EXPERT_TOKENS, MOE_LAYOUTS
+
+    lines = ["| `model_type` | router (kept 16-bit) | expert projections as stored | block renamed on load |",
+             "|---|---|---|---|"]
+    for model_type, layout in sorted(MOE_LAYOUTS.items()):
+        names = (", ".join(f"`{ours}` = `{stored}`" for ours, stored in layout.expert_names.items())
+                 or "`gate_proj`, `up_proj`, `down_proj`")
+        rename = " → ".join(f"`{name}`" for name in layout.block_rename) if layout.block_rename else "—"
+        lines.append(f"| `{model_type}` | `{layout.router}` | {names} | {rename} |")
+    lines.append(f"| (every layout) | experts routed fewer than {MIN_EXPERT_TOKENS} calibration tokens are listed "
+                 "in the report | | |")
+    return lines
+
+
+def scheme_variants(name: str) -> list[tuple[str, tuple[Runtime, ...]]]:
+    """(label, runtimes) per scheme of the method whose runtimes depend on it; consecutive schemes
+    served by the same runtimes share a label."""
+    spec = get_method(name)
+    if not spec.scheme_runtimes:
+        return [(f"`{name}`", spec.runtimes)]
+    field = next(f for f in ("scheme", "activations") if f in spec.options.model_fields)
+    groups: list[tuple[list[str], tuple[Runtime, ...]]] = []
+    for value in typing.get_args(spec.options.model_fields[field].annotation):
+        served = spec.scheme_runtimes(spec.options.model_construct(**{field: value}))
+        if groups and groups[-1][1] == served:
+            groups[-1][0].append(value)
+        else:
+            groups.append(([value], served))
+    prefix = "" if field == "scheme" else f"{field} "
+    return [(f"`{name}` " + ", ".join(f"{prefix}`{v}`" for v in values), served) for values, served in groups]
+
+
+def capability(runtime: Runtime) -> str:
+    if "cuda" not in runtime.kinds:
+        return "—"
+    if runtime.max_capability == runtime.min_capability:
+        return f"{runtime.min_capability:.1f} only"
+    if runtime.max_capability:
+        return f"{runtime.min_capability:.1f} to {runtime.max_capability:.1f}"
+    return f"{runtime.min_capability:.1f}+" if runtime.min_capability else "any"
+
+
+def widths(runtime: Runtime) -> str:
+    rules = [f"{side} a multiple of {n}" for side, n in (("out", runtime.out_multiple), ("in", runtime.in_multiple))
+             if n > 1]
+    return ", ".join(rules) or "any"
+
+
+def runtimes_table() -> list[str]:
+    """Which runtime and kernel serve each method's artifact, where, and on which layer widths (in order of
+    preference: the first that runs on a device serves there); `quantkit plan` reads the same table."""
+    lines = ["| format | runtime and kernel | devices | CUDA compute capability | layer widths | source |",
+             "|---|---|---|---|---|---|"]
+    for name in METHODS:
+        for label, served in scheme_variants(name):
+            for runtime in served:
+                lines.append(f"| {label} | {runtime.name} | {', '.join(runtime.kinds)} | {capability(runtime)} "
+                             f"| {widths(runtime)} | {runtime.source} |")
+    return lines
+
+
+def docs_tables() -> dict[str, list[str]]:
+    """Every generated block of docs/models.md by name."""
+    return {"architectures": architectures_table(), "families": family_table(), "vlm-families": vlm_table(),
+            "vlm-towers": vlm_towers_table(), "moe": moe_table(), "runtimes": runtimes_table()}
+
+
+BEGIN = re.compile(r"^<!-- generated: ([a-z-]+) \(python scripts/make_docs_tables.py\) -->$")
+END = "<!-- end generated -->"
+
+
+def generated_blocks(text: str) -> dict[str, list[str]]:
+    """The lines between each `<!-- generated: NAME ... -->` marker and its end marker, by NAME."""
+    blocks: dict[str, list[str]] = {}
+    name = None
+    for line in text.splitlines():
+        if name is None and (match := BEGIN.match(line)):
+            name = match.group(1)
+            blocks[name] = []
+        elif name is not None and line == END:
+            name = None
+        elif name is not None:
+            blocks[name].append(line)
+    return blocks
+
+
+def render(text: str) -> str:
+    """`text` with every generated block replaced by the table of its name (an unknown name is kept as is)."""
+    tables = docs_tables()
+    lines, name = [], None
+    for line in text.splitlines():
+        if name is None:
+            lines.append(line)
+            if (match := BEGIN.match(line)) and match.group(1) in tables:
+                name = match.group(1)
+                lines.extend(tables[name])
+        elif line == END:
+            lines.append(line)
+            name = None
+    return "\n".join(lines) + "\n"
