@@ -13,6 +13,7 @@ from quantkit.cli import plan as plan_cmd
 from quantkit.cli import quantize as quantize_cmd
 from quantkit.cli import recipes as recipes_cmd
 from quantkit.cli import serve_check as serve_check_cmd
+from quantkit.cli.common import PanelledCommand
 
 app = typer.Typer(
     name="quantkit",
@@ -48,12 +49,12 @@ def root(
     """quantkit: quantization toolkit and model converter."""
 
 
-app.command("quantize", no_args_is_help=True)(quantize_cmd.quantize)
-app.command("inspect", no_args_is_help=True)(inspect_cmd.inspect)
-app.command("eval", no_args_is_help=True)(eval_cmd.eval_command)
-app.command("serve-check", no_args_is_help=True)(serve_check_cmd.serve_check_command)
-app.command("merge", no_args_is_help=True)(merge_cmd.merge)
-app.command("plan", no_args_is_help=True)(plan_cmd.plan)
+app.command("quantize", no_args_is_help=True, cls=PanelledCommand)(quantize_cmd.quantize)
+app.command("inspect", no_args_is_help=True, cls=PanelledCommand)(inspect_cmd.inspect)
+app.command("eval", no_args_is_help=True, cls=PanelledCommand)(eval_cmd.eval_command)
+app.command("serve-check", no_args_is_help=True, cls=PanelledCommand)(serve_check_cmd.serve_check_command)
+app.command("merge", no_args_is_help=True, cls=PanelledCommand)(merge_cmd.merge)
+app.command("plan", no_args_is_help=True, cls=PanelledCommand)(plan_cmd.plan)
 app.add_typer(recipes_cmd.app, name="recipes")
 
 

@@ -18,8 +18,43 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Iterator
 
+import click
 import typer
 from rich.console import Console
+from typer.core import TyperCommand
+
+# Option panels of every command's --help, in this order (typer's rich_help_panel= on each option);
+# options without one are listed last under "Other options".
+MODEL = "Model and output"
+CALIBRATION = "Calibration"
+MEASURED = "What is measured"
+METHOD = "Method"
+GATE = "Gate"
+RESOURCES = "Resources"
+REPORTS = "Reports and CI"
+PANELS = (MODEL, CALIBRATION, MEASURED, METHOD, GATE, RESOURCES, REPORTS)
+
+
+class PanelledCommand(TyperCommand):
+    """A command whose plain-text --help (the app's rich_markup_mode=None) lists the arguments, then the
+    options in their panels (MODEL ... REPORTS), each a section of its own, in declaration order."""
+
+    def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        sections: dict[str, list[tuple[str, str]]] = {}
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is None:
+                continue
+            if param.param_type_name == "argument":
+                name = "Arguments"
+            else:
+                name = getattr(param, "rich_help_panel", None) or "Other options"
+            sections.setdefault(name, []).append(record)
+        order = ["Arguments", *PANELS, "Other options"]
+        for name in sorted(sections, key=lambda n: order.index(n) if n in order else len(order)):
+            with formatter.section(name):
+                formatter.write_dl(sections[name])
+
 
 # Pipes and files get a fixed, generous width so tables do not fold at 80 columns.
 out = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 140)

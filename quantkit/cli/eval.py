@@ -8,34 +8,45 @@ from typing import Optional
 
 import typer
 
-from quantkit.cli.common import handle_errors, lean_transformers, progress, results_console, write_json
+from quantkit.cli.common import (
+    GATE,
+    MEASURED,
+    MODEL,
+    REPORTS,
+    RESOURCES,
+    handle_errors,
+    lean_transformers,
+    progress,
+    results_console,
+    write_json,
+)
 
 
 @handle_errors
 @lean_transformers
 def eval_command(
-    model: Path = typer.Argument(..., help="Artifact: a checkpoint dir (compressed-tensors, bitsandbytes, plain), an mlx-lm dir or a .gguf."),
-    against: Optional[str] = typer.Option(None, "--against", "-a", help="Base checkpoint. Default: the base named in the artifact's quantkit.json."),
-    data: str = typer.Option("default", "--data", help="Evaluation text: bundled name, file, or hf:NAME."),
-    num_windows: int = typer.Option(16, min=1, help="Held-out windows to score."),
-    seq_len: int = typer.Option(512, min=8, help="Tokens per window."),
-    seed: int = typer.Option(0, help="Sampling seed (the same as quantize's gives the same held-out windows)."),
-    device: str = typer.Option("cpu", help="cpu | cuda | auto"),
-    max_memory: Optional[str] = typer.Option(None, "--max-memory", help="RAM the forwards may use, e.g. 16GiB: with room for the model whole they run resident on a CPU (default: streamed a layer at a time; on a GPU resident whenever it fits)."),
-    trust_remote_code: bool = typer.Option(False, help="Allow custom model code from the base and artifact dirs."),
-    max_ppl_increase: Optional[float] = typer.Option(None, help="Gate: max relative perplexity increase."),
-    max_kld: Optional[float] = typer.Option(None, help="Gate: max mean KL divergence."),
-    min_top1: Optional[float] = typer.Option(None, help="Gate: min top-1 agreement."),
-    max_ppl_delta: Optional[float] = typer.Option(None, help="Gate: max absolute perplexity increase (artifact - base)."),
-    tasks: Optional[str] = typer.Option(None, "--tasks", metavar="TASK[:METRIC][,...]", help="lm-evaluation-harness tasks whose data is in the local Hugging Face cache, e.g. hellaswag,arc_easy:acc_norm (needs quantkit[eval])."),
-    task_file: list[Path] = typer.Option([], "--task-file", help="A task YAML in lm-eval's format (dataset_path: json, local data_files); repeatable."),
-    limit: Optional[int] = typer.Option(None, "--limit", min=1, help="Samples per task (all without it)."),
-    min_recovery: Optional[float] = typer.Option(None, "--min-recovery", min=0, help="Gate: artifact task score / base score at least this (default 0.95)."),
-    flip_prompts: int = typer.Option(0, "--flip-prompts", min=0, help="Greedy continuations of this many held-out prompts, base vs. artifact (the flips metric)."),
-    flip_tokens: int = typer.Option(16, "--flip-tokens", min=1, help="Tokens generated per prompt for flips."),
-    max_flips: Optional[float] = typer.Option(None, "--max-flips", help="Gate: max share of greedy tokens after the first divergence (needs --flip-prompts)."),
-    llama_perplexity: bool = typer.Option(False, "--llama-perplexity", help="For a .gguf, also score the held-out text with llama.cpp's llama-perplexity (needs a llama.cpp build)."),
-    json_path: Optional[str] = typer.Option(None, "--json", help="Write the metrics as JSON to FILE ('-' = stdout)."),
+    model: Path = typer.Argument(..., help="Artifact: a checkpoint dir (compressed-tensors, bitsandbytes, plain), an mlx-lm dir or a .gguf.", rich_help_panel=MODEL),
+    against: Optional[str] = typer.Option(None, "--against", "-a", help="Base checkpoint. Default: the base named in the artifact's quantkit.json.", rich_help_panel=MODEL),
+    data: str = typer.Option("default", "--data", help="Evaluation text: bundled name, file, or hf:NAME.", rich_help_panel=MEASURED),
+    num_windows: int = typer.Option(16, min=1, help="Held-out windows to score.", rich_help_panel=MEASURED),
+    seq_len: int = typer.Option(512, min=8, help="Tokens per window.", rich_help_panel=MEASURED),
+    seed: int = typer.Option(0, help="Sampling seed (the same as quantize's gives the same held-out windows).", rich_help_panel=MEASURED),
+    device: str = typer.Option("cpu", help="cpu | cuda | auto", rich_help_panel=RESOURCES),
+    max_memory: Optional[str] = typer.Option(None, "--max-memory", help="RAM the forwards may use, e.g. 16GiB: with room for the model whole they run resident on a CPU (default: streamed a layer at a time; on a GPU resident whenever it fits).", rich_help_panel=RESOURCES),
+    trust_remote_code: bool = typer.Option(False, help="Allow custom model code from the base and artifact dirs.", rich_help_panel=MODEL),
+    max_ppl_increase: Optional[float] = typer.Option(None, help="Gate: max relative perplexity increase.", rich_help_panel=GATE),
+    max_kld: Optional[float] = typer.Option(None, help="Gate: max mean KL divergence.", rich_help_panel=GATE),
+    min_top1: Optional[float] = typer.Option(None, help="Gate: min top-1 agreement.", rich_help_panel=GATE),
+    max_ppl_delta: Optional[float] = typer.Option(None, help="Gate: max absolute perplexity increase (artifact - base).", rich_help_panel=GATE),
+    tasks: Optional[str] = typer.Option(None, "--tasks", metavar="TASK[:METRIC][,...]", help="lm-evaluation-harness tasks whose data is in the local Hugging Face cache, e.g. hellaswag,arc_easy:acc_norm (needs quantkit[eval]).", rich_help_panel=GATE),
+    task_file: list[Path] = typer.Option([], "--task-file", help="A task YAML in lm-eval's format (dataset_path: json, local data_files); repeatable.", rich_help_panel=GATE),
+    limit: Optional[int] = typer.Option(None, "--limit", min=1, help="Samples per task (all without it).", rich_help_panel=GATE),
+    min_recovery: Optional[float] = typer.Option(None, "--min-recovery", min=0, help="Gate: artifact task score / base score at least this (default 0.95).", rich_help_panel=GATE),
+    flip_prompts: int = typer.Option(0, "--flip-prompts", min=0, help="Greedy continuations of this many held-out prompts, base vs. artifact (the flips metric).", rich_help_panel=GATE),
+    flip_tokens: int = typer.Option(16, "--flip-tokens", min=1, help="Tokens generated per prompt for flips.", rich_help_panel=GATE),
+    max_flips: Optional[float] = typer.Option(None, "--max-flips", help="Gate: max share of greedy tokens after the first divergence (needs --flip-prompts).", rich_help_panel=GATE),
+    llama_perplexity: bool = typer.Option(False, "--llama-perplexity", help="For a .gguf, also score the held-out text with llama.cpp's llama-perplexity (needs a llama.cpp build).", rich_help_panel=GATE),
+    json_path: Optional[str] = typer.Option(None, "--json", help="Write the metrics as JSON to FILE ('-' = stdout).", rich_help_panel=REPORTS),
 ) -> None:
     """Perplexity, KL divergence and top-1 agreement of MODEL against its base.
 

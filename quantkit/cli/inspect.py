@@ -8,23 +8,33 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from quantkit.cli.common import handle_errors, human_bytes, human_count, out, write_json
+from quantkit.cli.common import (
+    METHOD,
+    MODEL,
+    REPORTS,
+    RESOURCES,
+    handle_errors,
+    human_bytes,
+    human_count,
+    out,
+    write_json,
+)
 
 LAYER_INDEX = re.compile(r"\.(\d+)\.")
 
 
 @handle_errors
 def inspect(
-    model: str = typer.Argument(..., help="Local checkpoint dir (or a cached hub id)."),
-    method: str = typer.Option("fp8", "--method", "-m", help="Method whose plan to show."),
-    recipe: Optional[str] = typer.Option(None, "--recipe", "-r", help="Show the plan of this recipe's first target."),
-    ignore: list[str] = typer.Option([], "--ignore", help="Extra modules to keep unquantized; repeatable."),
-    vision: Optional[str] = typer.Option(None, "--vision", help="Show the plan with the VLM vision encoder at keep | int8 | int4."),
-    projector: Optional[str] = typer.Option(None, "--projector", help="Show the plan with the VLM projector at keep | int8 | int4."),
-    context: int = typer.Option(4096, help="Tokens of KV cache in the memory estimate."),
-    offload_dir: Optional[str] = typer.Option(None, "--offload-dir", help="Estimate the quantize run as with quantize --offload-dir DIR (decoder layers, embeddings and head on disk); nothing is written there."),
-    json_path: Optional[str] = typer.Option(None, "--json", help="Write the plan as JSON to FILE ('-' = stdout)."),
-    sensitivity: bool = typer.Option(False, "--sensitivity", help="Show the per-tensor sensitivity table of a quantkit output (MODEL: its directory or its quantkit.json), as --auto-precision / --fallback recorded it."),
+    model: str = typer.Argument(..., help="Local checkpoint dir (or a cached hub id).", rich_help_panel=MODEL),
+    method: str = typer.Option("fp8", "--method", "-m", help="Method whose plan to show.", rich_help_panel=METHOD),
+    recipe: Optional[str] = typer.Option(None, "--recipe", "-r", help="Show the plan of this recipe's first target.", rich_help_panel=MODEL),
+    ignore: list[str] = typer.Option([], "--ignore", help="Extra modules to keep unquantized; repeatable.", rich_help_panel=METHOD),
+    vision: Optional[str] = typer.Option(None, "--vision", help="Show the plan with the VLM vision encoder at keep | int8 | int4.", rich_help_panel=METHOD),
+    projector: Optional[str] = typer.Option(None, "--projector", help="Show the plan with the VLM projector at keep | int8 | int4.", rich_help_panel=METHOD),
+    context: int = typer.Option(4096, help="Tokens of KV cache in the memory estimate.", rich_help_panel=RESOURCES),
+    offload_dir: Optional[str] = typer.Option(None, "--offload-dir", help="Estimate the quantize run as with quantize --offload-dir DIR (decoder layers, embeddings and head on disk); nothing is written there.", rich_help_panel=RESOURCES),
+    json_path: Optional[str] = typer.Option(None, "--json", help="Write the plan as JSON to FILE ('-' = stdout).", rich_help_panel=REPORTS),
+    sensitivity: bool = typer.Option(False, "--sensitivity", help="Show the per-tensor sensitivity table of a quantkit output (MODEL: its directory or its quantkit.json), as --auto-precision / --fallback recorded it.", rich_help_panel=METHOD),
 ) -> None:
     """Show architecture, parameters, every linear module by role, the precision plan and memory estimates.
 

@@ -14,7 +14,11 @@ app = typer.Typer(help="Bundled recipes: list them, print one, validate a recipe
 def list_recipes() -> None:
     """List the bundled recipes.
 
-    Example: quantkit recipes list
+    Examples:
+
+      quantkit recipes list
+
+      quantkit quantize ./my-model --recipe w4a16-gptq -o ./gptq   (use one by name)
     """
     import yaml
 
@@ -40,7 +44,11 @@ def summary(text: str) -> str:
 def show(name: str = typer.Argument(..., help="Bundled recipe name or file.")) -> None:
     """Print a recipe.
 
-    Example: quantkit recipes show fp8-dynamic
+    Examples:
+
+      quantkit recipes show fp8-dynamic
+
+      quantkit recipes show release > my-release.yaml   (a starting point for your own)
     """
     from quantkit.run.recipe import find_recipe
 
@@ -48,7 +56,8 @@ def show(name: str = typer.Argument(..., help="Bundled recipe name or file.")) -
     if not path.is_file():
         from quantkit.errors import RecipeError
 
-        raise RecipeError(f"recipe file not found: {path}")
+        raise RecipeError(f"recipe file not found: {path}",
+                          hint="quantkit recipes list shows the bundled names; or give the path of a .yaml file")
     out.print(path.read_text(), highlight=False, markup=False, end="")
 
 
@@ -57,7 +66,11 @@ def show(name: str = typer.Argument(..., help="Bundled recipe name or file.")) -
 def validate_cmd(files: list[str] = typer.Argument(..., help="Recipe files to check.")) -> None:
     """Check recipe files against the schema (and every target's method options).
 
-    Example: quantkit recipes validate recipes/fp8-dynamic.yaml
+    Examples:
+
+      quantkit recipes validate recipes/fp8-dynamic.yaml
+
+      quantkit recipes validate ci/*.yaml   (every recipe of a repository, in CI)
     """
     from quantkit.run.recipe import find_recipe, load_recipe
 

@@ -8,6 +8,11 @@ from pathlib import Path
 import typer
 
 from quantkit.cli.common import (
+    GATE,
+    MEASURED,
+    MODEL,
+    REPORTS,
+    RESOURCES,
     ProgressLog,
     err,
     handle_errors,
@@ -21,32 +26,40 @@ from quantkit.cli.common import (
 @handle_errors
 @lean_transformers
 def serve_check_command(
-    artifact: Path = typer.Argument(..., help="Artifact: a compressed-tensors dir (vLLM), a .gguf or a dir with one (llama-server), an mlx-lm dir (mlx_lm.server)."),
-    against: str | None = typer.Option(None, "--against", "-a", help="Base checkpoint. Default: the base named in the artifact's quantkit.json."),
-    engine: str = typer.Option("auto", "--engine", help="auto | vllm | llama.cpp | mlx (auto: by the artifact's format)."),
-    num_windows: int = typer.Option(4, min=1, help="Held-out windows to send (the first of the gate's; engines are slow on CPU)."),
-    seq_len: int | None = typer.Option(None, min=8, help="Tokens per window (default: the gate's; shorter windows are the gate's cut)."),
-    data: str | None = typer.Option(None, "--data", help="Evaluation text without quantkit.json (default: the artifact's calibration source)."),
-    seed: int | None = typer.Option(None, help="Sampling seed without quantkit.json (default: the artifact's)."),
-    logprobs: int = typer.Option(20, min=0, help="Candidates per position asked of the engine (0: the whole vocabulary where the engine allows it; mlx_lm.server gives at most 11)."),
-    base_from: str = typer.Option("quantkit", "--base-from", help="quantkit: the base's full distributions scored by quantkit | engine: the base served by the same engine."),
-    engine_base: Path | None = typer.Option(None, "--engine-base", help="With --base-from engine: what the engine serves as the base (default: the base dir; llama-server needs a .gguf)."),
-    gen_prompts: int = typer.Option(4, min=1, help="Held-out prompts continued greedily by the engine and by quantkit."),
-    gen_tokens: int = typer.Option(16, min=1, help="Tokens per greedy continuation."),
-    load_tokens: int = typer.Option(32, min=2, help="Tokens per streamed request of the load test."),
-    concurrency: str = typer.Option("1,8", "--concurrency", help="Load test rounds: concurrent requests per round, comma-separated."),
-    max_reading_kld: float = typer.Option(0.02, min=0, help="Verdict: max KL divergence (lower bound from top-k) of the engine from quantkit's reading of the artifact."),
-    max_ppl_drift: float = typer.Option(0.05, min=0, help="Verdict: max |ppl engine / ppl quantkit's reading - 1|."),
-    min_reading_top1: float | None = typer.Option(None, min=0, max=1, help="Verdict: min top-1 agreement of the engine with quantkit's reading (not checked by default: near-ties flip under bfloat16)."),
-    max_base_kld: float | None = typer.Option(None, min=0, help="Verdict: max KL divergence (lower bound) of the engine from the base. Default: the gate's max KLD in quantkit.json."),
-    start_timeout: float = typer.Option(900.0, min=1, help="Seconds the server has to become ready."),
-    log_dir: Path | None = typer.Option(None, "--log-dir", help="Keep the servers' logs here (default: a temporary directory, removed)."),
-    device: str = typer.Option("cpu", help="Where quantkit computes its own readings: cpu | cuda | auto."),
-    trust_remote_code: bool = typer.Option(False, help="Allow custom model code from the base and artifact dirs."),
-    record: bool = typer.Option(True, "--record/--no-record", help="Write the result into the artifact's quantkit.json (serve_check), when it has one."),
-    json_path: str | None = typer.Option(None, "--json", help="Write the numbers as JSON to FILE ('-' = stdout)."),
+    artifact: Path = typer.Argument(..., help="Artifact: a compressed-tensors dir (vLLM), a .gguf or a dir with one (llama-server), an mlx-lm dir (mlx_lm.server).", rich_help_panel=MODEL),
+    against: str | None = typer.Option(None, "--against", "-a", help="Base checkpoint. Default: the base named in the artifact's quantkit.json.", rich_help_panel=MODEL),
+    engine: str = typer.Option("auto", "--engine", help="auto | vllm | llama.cpp | mlx (auto: by the artifact's format).", rich_help_panel=MODEL),
+    num_windows: int = typer.Option(4, min=1, help="Held-out windows to send (the first of the gate's; engines are slow on CPU).", rich_help_panel=MEASURED),
+    seq_len: int | None = typer.Option(None, min=8, help="Tokens per window (default: the gate's; shorter windows are the gate's cut).", rich_help_panel=MEASURED),
+    data: str | None = typer.Option(None, "--data", help="Evaluation text without quantkit.json (default: the artifact's calibration source).", rich_help_panel=MEASURED),
+    seed: int | None = typer.Option(None, help="Sampling seed without quantkit.json (default: the artifact's).", rich_help_panel=MEASURED),
+    logprobs: int = typer.Option(20, min=0, help="Candidates per position asked of the engine (0: the whole vocabulary where the engine allows it; mlx_lm.server gives at most 11).", rich_help_panel=MEASURED),
+    base_from: str = typer.Option("quantkit", "--base-from", help="quantkit: the base's full distributions scored by quantkit | engine: the base served by the same engine.", rich_help_panel=MODEL),
+    engine_base: Path | None = typer.Option(None, "--engine-base", help="With --base-from engine: what the engine serves as the base (default: the base dir; llama-server needs a .gguf).", rich_help_panel=MODEL),
+    gen_prompts: int = typer.Option(4, min=1, help="Held-out prompts continued greedily by the engine and by quantkit.", rich_help_panel=MEASURED),
+    gen_tokens: int = typer.Option(16, min=1, help="Tokens per greedy continuation.", rich_help_panel=MEASURED),
+    load_tokens: int = typer.Option(32, min=2, help="Tokens per streamed request of the load test.", rich_help_panel=MEASURED),
+    concurrency: str = typer.Option("1,8", "--concurrency", help="Load test rounds: concurrent requests per round, comma-separated.", rich_help_panel=MEASURED),
+    max_reading_kld: float = typer.Option(0.02, min=0, help="Verdict: max KL divergence (lower bound from top-k) of the engine from quantkit's reading of the artifact.", rich_help_panel=GATE),
+    max_ppl_drift: float = typer.Option(0.05, min=0, help="Verdict: max |ppl engine / ppl quantkit's reading - 1|.", rich_help_panel=GATE),
+    min_reading_top1: float | None = typer.Option(None, min=0, max=1, help="Verdict: min top-1 agreement of the engine with quantkit's reading (not checked by default: near-ties flip under bfloat16).", rich_help_panel=GATE),
+    max_base_kld: float | None = typer.Option(None, min=0, help="Verdict: max KL divergence (lower bound) of the engine from the base. Default: the gate's max KLD in quantkit.json.", rich_help_panel=GATE),
+    start_timeout: float = typer.Option(900.0, min=1, help="Seconds the server has to become ready.", rich_help_panel=RESOURCES),
+    log_dir: Path | None = typer.Option(None, "--log-dir", help="Keep the servers' logs here (default: a temporary directory, removed).", rich_help_panel=RESOURCES),
+    device: str = typer.Option("cpu", help="Where quantkit computes its own readings: cpu | cuda | auto.", rich_help_panel=RESOURCES),
+    trust_remote_code: bool = typer.Option(False, help="Allow custom model code from the base and artifact dirs.", rich_help_panel=MODEL),
+    record: bool = typer.Option(True, "--record/--no-record", help="Write the result into the artifact's quantkit.json (serve_check), when it has one.", rich_help_panel=REPORTS),
+    json_path: str | None = typer.Option(None, "--json", help="Write the numbers as JSON to FILE ('-' = stdout).", rich_help_panel=REPORTS),
 ) -> None:
     """Serve ARTIFACT in its engine on 127.0.0.1 and check that it reads as the gate read it.
+
+    Examples:
+
+      quantkit serve-check ./my-model-fp8
+
+      quantkit serve-check ./gguf/model-Q4_K_M.gguf --against ./my-model --json serve.json
+
+      quantkit serve-check ./my-model-gptq --logprobs 0 --num-windows 8 --concurrency 1,4,16
 
     The engine (vLLM, llama.cpp's llama-server, mlx-lm's server; installed by scripts/setup_engines.sh)
     runs as a real server, always stopped on exit. On the gate's held-out windows it is asked for the
@@ -63,14 +76,6 @@ def serve_check_command(
     (vLLM CPU bf16, llama-server, mlx_lm.server), a config edited after the gate 0.19 or more. Exit 3
     when one fails (both readings printed), exit 2 when the engine is missing or cannot serve this
     format on this device.
-
-    Examples:
-
-      quantkit serve-check ./my-model-fp8
-
-      quantkit serve-check ./gguf/model-Q4_K_M.gguf --against ./my-model --json serve.json
-
-      quantkit serve-check ./my-model-gptq --logprobs 0 --num-windows 8 --concurrency 1,4,16
     """
     from quantkit.cli.report import load_table, serve_checks_table, serve_table
     from quantkit.engines.transformers import check_device
