@@ -5,18 +5,24 @@ Library code raises these; only the CLI layer turns them into a message and an e
 
 
 class QuantkitError(Exception):
-    """Base class. `exit_code`: 1 internal error, 2 bad input or usage, 3 quality gate failed (README, exit codes)."""
+    """Base class. `exit_code`: 1 internal error, 2 bad input or usage, 3 quality gate failed (docs/ci.md, exit
+    codes). `hint`: the one next command or change that fixes it, in the user's terms (a flag, a file);
+    every error a user can meet is raised with one (tests/test_errors.py walks the package for them)."""
 
     exit_code = 1
+    default_hint: str | None = None  # a class whose every instance gets the same next step
 
     def __init__(self, message: str, hint: str | None = None):
         super().__init__(message)
         self.message = message
-        self.hint = hint
+        self.hint = hint if hint is not None else self.default_hint
 
 
 class InternalError(QuantkitError):
+    """quantkit broke its own contract (a check of its own output failed): nothing the user's input can fix."""
+
     exit_code = 1
+    default_hint = "re-run with QUANTKIT_DEBUG=1 for the traceback, and please report it"
 
 
 class InputError(QuantkitError):

@@ -76,10 +76,12 @@ def eval_command(
     from quantkit.units import parse_size
 
     if not model.exists():
-        raise ModelError(f"artifact not found: {model}")
+        raise ModelError(f"artifact not found: {model}",
+                         hint="give the output directory of quantkit quantize, or a .gguf file")
     kind = artifact_kind(model)
     if llama_perplexity and kind != "gguf":
-        raise InputError("--llama-perplexity applies to .gguf artifacts only")
+        raise InputError("--llama-perplexity applies to .gguf artifacts only",
+                         hint="drop --llama-perplexity, or give the .gguf file itself")
     if limit is not None and not (tasks or task_file):
         raise InputError("--limit bounds the samples of --tasks / --task-file", hint="add --tasks or --task-file")
     check_device(device)
@@ -129,7 +131,9 @@ def eval_command(
                            **({"tasks": [r.as_dict() for r in task_rows]} if task_rows else {}),
                            **({"llama_cpp": llama_cpp} if llama_cpp else {})})
     if not verdict.passed:
-        raise GateFailedError(f"{model.name} fails the gate: {', '.join(verdict.failed)}")
+        raise GateFailedError(f"{model.name} fails the gate: {', '.join(verdict.failed)}",
+                              hint="quantize again with --fallback, which raises the precision of the most damaging "
+                                   "layers until the gate passes")
 
 
 def cli_gate(values: dict):
@@ -142,7 +146,7 @@ def cli_gate(values: dict):
     try:
         return Gate(**{k: v for k, v in values.items() if v is not None})
     except ValidationError as exc:
-        raise InputError(format_errors(exc)) from None
+        raise InputError(format_errors(exc), hint="quantkit eval --help lists each threshold and its range") from None
 
 
 def measure_extras(model: Path, base, tokenizer, windows, gate, device: str, trust_remote_code: bool, placement):

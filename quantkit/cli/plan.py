@@ -43,7 +43,7 @@ def plan(
     from quantkit.run.serving import DEFAULT_DEVICES, KV_BYTES, device, serving_plan
 
     if kv_cache not in KV_BYTES:
-        raise InputError(f"--kv-cache {kv_cache}: choose one of " + ", ".join(KV_BYTES))
+        raise InputError(f"--kv-cache {kv_cache}: choose one of " + ", ".join(KV_BYTES), hint="e.g. --kv-cache fp8")
     for name in method:
         check_method_name(name)
     info = check_model_dir(resolve_model(model))

@@ -86,7 +86,8 @@ def serve_check_command(
     from quantkit.serve.settings import ServeOptions
 
     if not artifact.exists():
-        raise ModelError(f"artifact not found: {artifact}")
+        raise ModelError(f"artifact not found: {artifact}",
+                         hint="give the output directory of quantkit quantize, or a .gguf file")
     check_device(device)
     rounds = concurrencies(concurrency)
     kind, found, accelerator = prepare(artifact, engine)  # exit 2 now when the engine is missing or refuses
@@ -118,7 +119,9 @@ def serve_check_command(
         failed = "; ".join(f"{c.name} {c.value:.4g} (needs {c.op} {c.threshold:g})" for c in result.checks
                            if not c.passed)
         raise GateFailedError(f"{artifact.name} served by {result.engine['name']} does not read as the gate read "
-                              f"it: {failed}")
+                              f"it: {failed}",
+                              hint="write the artifact again with quantkit quantize (a file edited after the gate "
+                                   "reads differently); --log-dir DIR keeps the engine's log")
 
 
 def concurrencies(text: str) -> tuple[int, ...]:
@@ -130,7 +133,8 @@ def concurrencies(text: str) -> tuple[int, ...]:
     except ValueError:
         values = ()
     if not values or min(values) < 1:
-        raise InputError(f"--concurrency takes positive integers separated by commas, not '{text}'")
+        raise InputError(f"--concurrency takes positive integers separated by commas, not '{text}'",
+                         hint="e.g. --concurrency 1,8")
     return values
 
 
@@ -143,7 +147,9 @@ def read_report(path: Path) -> dict | None:
     try:
         return json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ModelError(f"{path} is not valid JSON: {exc}") from None
+        raise ModelError(f"{path} is not valid JSON: {exc}",
+                         hint="the artifact's quantkit.json is damaged: write the artifact again, or pass --against "
+                              "BASE and --data TEXT") from None
 
 
 def base_path(artifact: Path, report: dict) -> str:

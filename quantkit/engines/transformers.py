@@ -72,7 +72,9 @@ def load_model(info: ModelInfo, dtype: str = "auto", device: str = "cpu", trust_
         if needs_remote_code(exc):
             raise custom_code_error(info.path, info.architecture) from exc
         if auto_class is AutoModelForCausalLM and "Unrecognized configuration" in str(exc):
-            raise ModelError(f"unsupported architecture {info.architecture} (model_type {info.model_type})") from exc
+            raise ModelError(f"unsupported architecture {info.architecture} (model_type {info.model_type})",
+                             hint="docs/models.md lists the architectures each method takes; --method gguf converts "
+                                  "some transformers cannot load") from exc
         raise
     check_loading_info(info, loading)
     model.eval()

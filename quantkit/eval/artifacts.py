@@ -26,7 +26,8 @@ def artifact_kind(path: Path) -> str:
         return "gguf"
     config_file = path / "config.json"
     if not config_file.is_file():
-        raise ModelError(f"{path} is neither a .gguf file nor a checkpoint directory with config.json")
+        raise ModelError(f"{path} is neither a .gguf file nor a checkpoint directory with config.json",
+                         hint="give the output directory of quantkit quantize, or a .gguf file")
     from quantkit.mlx.checkpoint import is_mlx_dir
 
     if is_mlx_dir(read_json(config_file)):
@@ -38,7 +39,9 @@ def artifact_kind(path: Path) -> str:
     if method == "bitsandbytes":
         return "bitsandbytes"
     if method:
-        raise InputError(f"{path}: quantization method '{method}' is not one quantkit can evaluate")
+        raise InputError(f"{path}: quantization method '{method}' is not one quantkit can evaluate",
+                         hint="quantkit reads compressed-tensors, bitsandbytes, .gguf and mlx-lm artifacts; compare "
+                              "others with their own tools")
     return "transformers"
 
 
@@ -46,7 +49,9 @@ def read_json(path: Path) -> dict:
     try:
         return json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ModelError(f"{path} is not valid JSON: {exc}") from exc
+        raise ModelError(f"{path} is not valid JSON: {exc}",
+                         hint="the file is damaged: restore it from the checkpoint's source, or write the artifact "
+                              "again") from exc
 
 
 def gguf_file(path: Path) -> Path:
@@ -56,7 +61,8 @@ def gguf_file(path: Path) -> Path:
         return path
     files = [f for f in sorted(path.glob("*.gguf")) if not is_projector(f)]
     if len(files) != 1:
-        raise InputError(f"{path} holds {len(files)} language-model .gguf files; pass the file itself")
+        raise InputError(f"{path} holds {len(files)} language-model .gguf files; pass the file itself",
+                         hint="e.g. quantkit eval DIR/model-Q4_K_M.gguf --against BASE")
     return files[0]
 
 
@@ -190,7 +196,8 @@ def load_gguf_into_base(path: Path, base_dir: Path, device: str = "cpu", trust_r
     missing = set(model.state_dict()) - set(state)
     missing = {m for m in missing if "rotary_emb" not in m}
     if missing:
-        raise ModelError(f"{path.name} lacks tensors for {sorted(missing)[:3]} (and {max(0, len(missing) - 3)} more)")
+        raise ModelError(f"{path.name} lacks tensors for {sorted(missing)[:3]} (and {max(0, len(missing) - 3)} more)",
+                         hint="the artifact is incomplete or for another model: write it again with quantkit quantize")
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
     return _materialize_buffers(model, config).to(device_map(device)).eval()
@@ -214,7 +221,8 @@ def load_mlx(path: Path, device: str = "cpu"):
     model.tie_weights()
     missing = [n for n, p in model.named_parameters() if p.is_meta]
     if missing:
-        raise ModelError(f"{path.name} lacks tensors for {missing[:3]} (and {max(0, len(missing) - 3)} more)")
+        raise ModelError(f"{path.name} lacks tensors for {missing[:3]} (and {max(0, len(missing) - 3)} more)",
+                         hint="the artifact is incomplete or for another model: write it again with quantkit quantize")
     return _materialize_buffers(model, config).to(device_map(device)).eval()
 
 
@@ -234,7 +242,8 @@ def vlm_with(base_dir: Path, state: dict, path: Path, trust_remote_code: bool = 
     if loading.unexpected_keys or missing:
         names = sorted(loading.unexpected_keys)[:3] + sorted(missing)[:3]
         raise ModelError(f"{path.name} does not match the language model of {base_dir}: "
-                         f"{len(loading.unexpected_keys)} unexpected, {len(missing)} missing ({', '.join(names)})")
+                         f"{len(loading.unexpected_keys)} unexpected, {len(missing)} missing ({', '.join(names)})",
+                         hint="pass --against the base this .gguf was converted from")
     model.tie_weights()
     return model
 

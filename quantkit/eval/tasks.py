@@ -117,7 +117,9 @@ def task_file_config(path: str | Path) -> dict:
     try:
         config = load_yaml(path)
     except Exception as exc:  # yaml, include and !function errors alike
-        raise InputError(f"{path}: not a task YAML lm-eval can read: {exc}".splitlines()[0]) from exc
+        raise InputError(f"{path}: not a task YAML lm-eval can read: {exc}".splitlines()[0],
+                         hint="a task file is lm-eval's YAML with dataset_path: json and local data_files "
+                              "(docs/gate.md, Task accuracy)") from exc
     if not isinstance(config.get("task"), str):
         raise InputError(f"{path}: a task file needs a `task:` name", hint="see lm-eval's task guide")
     kwargs = dict(config.get("dataset_kwargs") or {})
@@ -434,7 +436,9 @@ def task_score(results: dict, task_dict: dict, task: "TaskGate") -> TaskScore:
     metric = task.metric or metrics[0]
     key = next((k for k in values if k.split(",")[0] == metric and "_stderr" not in k), None)
     if key is None:
-        raise InputError(f"task '{name}' has no metric '{metric}'; it reports {', '.join(metrics)}")
+        raise InputError(f"task '{name}' has no metric '{metric}'; it reports {', '.join(metrics)}",
+                         hint=f"name one it reports, e.g. "
+                              f"{name}:{metrics[0]}" if metrics else "check the task's metric_list")
     stderr = values.get(key.replace(",", "_stderr,", 1))
     better = task_dict[name].higher_is_better().get(metric, True)
     samples = int(results.get("n-samples", {}).get(name, {}).get("effective", 0))

@@ -346,7 +346,9 @@ def name_map(config: dict):
 def gguf_name(tmap, hf_name: str) -> str:
     name = tmap.get_name(hf_name, try_suffixes=(".weight", ".bias"))
     if name is None:
-        raise UnsupportedError(f"cannot map tensor '{hf_name}' to a GGUF name")
+        raise UnsupportedError(f"cannot map tensor '{hf_name}' to a GGUF name",
+                               hint="the checkpoint holds a tensor llama.cpp's converter has no name for; "
+                                    "docs/models.md lists the architectures gguf converts")
     return name
 
 
@@ -420,7 +422,9 @@ def group_experts(config: dict, names: dict[str, str]) -> tuple[dict[str, str], 
     groups = {}
     for key, experts in found.items():
         if sorted(experts) != list(range(count)):
-            raise UnsupportedError(f"GGUF conversion: {key} has experts {sorted(experts)}, expected 0..{count - 1}")
+            raise UnsupportedError(f"GGUF conversion: {key} has experts {sorted(experts)}, expected 0..{count - 1}",
+                                   hint="the checkpoint lacks some experts' tensors: save it again with transformers' "
+                                        "save_pretrained")
         groups[key] = tuple(experts[i] for i in range(count))
     return rest, groups
 
@@ -472,10 +476,14 @@ def override_types(plans: list[TensorPlan], types: dict[str, T]) -> list[TensorP
     for name, qtype in types.items():
         plan = by_name.get(name)
         if plan is None or plan.qtype in mixture.UNQUANTIZED:
-            raise InputError(f"per-tensor type for '{name}': not a quantized tensor of this model")
+            raise InputError(f"per-tensor type for '{name}': not a quantized tensor of this model",
+                             hint="name a tensor of the model as tensor-types.txt lists it (quantkit inspect MODEL "
+                                  "--method gguf)")
         if plan.shape[-1] % GGML_QUANT_SIZES[qtype][0] != 0:
             raise InputError(f"per-tensor type {qtype.name} for '{name}': rows of {plan.shape[-1]} values "
-                             f"are not a multiple of its block size")
+                             f"are not a multiple of its block size",
+                             hint="give that tensor a type whose block divides its rows, e.g. Q8_0 or Q4_0 (32 "
+                                  "values), or leave it to --auto-precision")
         plan.qtype = qtype
     return plans
 
@@ -717,7 +725,9 @@ def quantize_rows(data: np.ndarray, qtype: T, imatrix: np.ndarray | None = None,
         from quantkit.gguf.quants import quantize
     except ImportError:  # kernels not installed: gguf-py covers BF16, Q8_0 and the legacy types
         if imatrix is not None and qtype not in (T.BF16, T.Q8_0):
-            raise UnsupportedError(f"{qtype.name} with an imatrix needs quantkit.gguf.quants") from None
+            raise UnsupportedError(f"{qtype.name} with an imatrix needs quantkit.gguf.quants",
+                                   hint="pip install -e . installs quantkit's GGUF kernels; or run with --imatrix "
+                                        "none") from None
         return gguf.quants.quantize(data, qtype)
     return quantize(np.ascontiguousarray(data, dtype=np.float32), qtype, imatrix, threads=threads)
 
@@ -777,7 +787,8 @@ class SafetensorsRows:
             self._file = open(self.path, "rb")
         self._file.seek(self.base + entry["data_offsets"][0] + start * row * buf.itemsize)
         if self._file.readinto(memoryview(buf).cast("B")) != buf.nbytes:
-            raise InputError(f"{self.path.name}: tensor '{name}' is truncated")
+            raise InputError(f"{self.path.name}: tensor '{name}' is truncated",
+                             hint="the checkpoint file is damaged: download or save it again")
         if raw is np.uint16:  # bf16: the high half of a float32
             out = buf.astype(np.uint32)
             out <<= 16
@@ -878,7 +889,9 @@ def imatrix_for(plan: TensorPlan, imatrix: dict | None) -> np.ndarray | None:
     if values.size != expected:
         if plan.name == "token_embd.weight":
             return None
-        raise InputError(f"imatrix size {values.size} differs from the expected {expected} of {plan.name}")
+        raise InputError(f"imatrix size {values.size} differs from the expected {expected} of {plan.name}",
+                         hint="the imatrix was computed for another model: use --imatrix auto, or compute one for "
+                              "this model")
     return values
 
 

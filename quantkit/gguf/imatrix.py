@@ -190,7 +190,9 @@ def read(path: Path) -> Imatrix:
     """A GGUF imatrix, or a legacy .dat one."""
     path = Path(path)
     if not path.is_file():
-        raise InputError(f"imatrix file not found: {path}")
+        raise InputError(f"imatrix file not found: {path}",
+                         hint="give the path of an imatrix .gguf (llama-imatrix) or .dat, or --imatrix auto to "
+                              "compute one")
     with open(path, "rb") as f:
         magic = f.read(4)
     return read_gguf(path) if magic == b"GGUF" else read_legacy(path)
@@ -208,11 +210,13 @@ def read_gguf(path: Path) -> Imatrix:
         if tname.endswith(SUM_SUFFIX):
             name = tname[: -len(SUM_SUFFIX)]
             if name + COUNT_SUFFIX not in tensors:
-                raise InputError(f"{path}: {name} has sums but no counts")
+                raise InputError(f"{path}: {name} has sums but no counts",
+                                 hint="the imatrix file is damaged: compute it again, or use --imatrix auto")
             out.sums[name] = data.reshape(-1, data.shape[-1])
             out.counts[name] = tensors[name + COUNT_SUFFIX].reshape(-1)
     if not out.sums:
-        raise InputError(f"{path}: no imatrix entries (*.in_sum2 tensors)")
+        raise InputError(f"{path}: no imatrix entries (*.in_sum2 tensors)",
+                         hint="the file is not an imatrix: give llama-imatrix's output, or use --imatrix auto")
     return out
 
 
@@ -237,7 +241,8 @@ def read_legacy(path: Path) -> Imatrix:
             out.sums[name], out.counts[name] = values[None, :], np.array([ncall], dtype=np.float32)
         out.chunk_count = struct.unpack_from("<i", data, pos)[0] if pos + 4 <= len(data) else 0
     except (struct.error, ValueError, UnicodeDecodeError) as exc:
-        raise InputError(f"{path} is neither a GGUF imatrix nor a legacy .dat imatrix") from exc
+        raise InputError(f"{path} is neither a GGUF imatrix nor a legacy .dat imatrix",
+                         hint="give llama-imatrix's output (.gguf or .dat), or use --imatrix auto") from exc
     return out
 
 

@@ -140,7 +140,9 @@ class GGUFTensors:
             elif tensor.name in mapping:
                 self.tensors[mapping[tensor.name]] = tensor
             else:
-                raise ModelError(f"{self.path.name}: tensor '{tensor.name}' has no Hugging Face counterpart")
+                raise ModelError(f"{self.path.name}: tensor '{tensor.name}' has no Hugging Face counterpart",
+                                 hint="quantkit reads back the .gguf files it writes from the architectures in "
+                                      "docs/models.md; compare others with llama-perplexity")
         self.aliases = {} if "lm_head.weight" in self.tensors else {"lm_head.weight": "model.embed_tokens.weight"}
 
     def expert_names(self) -> list[str]:

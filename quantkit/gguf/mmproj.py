@@ -365,7 +365,8 @@ def plan(model_dir: Path, mmproj_type: str = "auto") -> MmprojPlan:
             pieces.append(Piece(rule.names[part].format(*groups), name, hub, rule, part, shape_out,
                                 source_dtype=dtype, heads=vision_heads(config) if rule.permute else 0))
     if not pieces:
-        raise UnsupportedError(f"gguf mmproj of {family.name}: the checkpoint has no vision tower tensors")
+        raise UnsupportedError(f"gguf mmproj of {family.name}: the checkpoint has no vision tower tensors",
+                               hint="write the language model alone with --mmproj none")
     for rule in family.rules:
         if rule.token and not any(p.rule is rule for p in pieces):
             raise UnsupportedError(f"gguf mmproj of {family.name}: no token embedding for {rule.names[0]} (the "
@@ -433,7 +434,9 @@ def split_shapes(rule: Rule, shape: tuple[int, ...], squeeze: bool) -> list[tupl
         return [tuple(d for d in shape if d != 1)]
     if rule.split == "rows":
         if shape[0] % 3:
-            raise InputError(f"fused qkv with {shape[0]} rows is not divisible by 3")
+            raise InputError(f"fused qkv with {shape[0]} rows is not divisible by 3",
+                             hint="the vision tower's fused qkv is damaged or of another layout; --mmproj none writes "
+                                  "the language model alone")
         return [(shape[0] // 3, *shape[1:])] * 3
     if rule.split == "time":
         return [(shape[0], shape[1], *shape[3:])] * shape[2]
@@ -570,7 +573,9 @@ def text_hidden(config: dict) -> int:
 def find(obj: dict, keys: tuple[str, ...]):
     key = next((k for k in keys if k in obj), None)
     if key is None:
-        raise InputError(f"vision_config has none of {', '.join(keys)}")
+        raise InputError(f"vision_config has none of {', '.join(keys)}",
+                         hint="the config.json lacks a field the converter needs; --mmproj none writes the language "
+                              "model alone")
     return obj[key]
 
 

@@ -111,18 +111,22 @@ _FUSED = {QT.Q8_0: kquants_numba.q8_0, QT.Q2_K: kquants_numba.q2_k, QT.Q3_K: kqu
 def _check(data: np.ndarray, qtype, imatrix):
     if qtype not in SUPPORTED:
         names = ", ".join(t.name for t in SUPPORTED)
-        raise UnsupportedError(f"GGUF type {QT(qtype).name} is not supported; supported: {names}")
+        raise UnsupportedError(f"GGUF type {QT(qtype).name} is not supported; supported: {names}",
+                               hint="choose one of the supported types with --gguf-type")
     block_size, _ = GGML_QUANT_SIZES[qtype]
     n = data.shape[-1]
     if n % block_size != 0:
         raise UnsupportedError(
-            f"{QT(qtype).name} needs rows that are a multiple of {block_size} values, got {n}")
+            f"{QT(qtype).name} needs rows that are a multiple of {block_size} values, got {n}",
+            hint="use --auto-precision, which gives each tensor a type its rows allow, or a 32-value type such as Q8_0")
     if imatrix is not None and np.shape(imatrix) != (n,):
-        raise InputError(f"imatrix has shape {np.shape(imatrix)}, expected ({n},)")
+        raise InputError(f"imatrix has shape {np.shape(imatrix)}, expected ({n},)",
+                         hint="the imatrix was computed for another model: use --imatrix auto")
     if qtype in _GRID_IQUANTS and _numba is None:
-        raise UnsupportedError(f"{QT(qtype).name} needs numba (pip install numba)")
+        raise UnsupportedError(f"{QT(qtype).name} needs numba (pip install numba)", hint="pip install numba")
     if imatrix is None and qtype in REQUIRES_IMATRIX:
-        raise InputError(f"{QT(qtype).name} needs an imatrix (as in llama.cpp); pass one")
+        raise InputError(f"{QT(qtype).name} needs an imatrix (as in llama.cpp); pass one",
+                         hint="use --imatrix auto (from the calibration text) or --imatrix FILE")
 
 
 def _quantize_rows(x: np.ndarray, qtype, qw) -> np.ndarray:

@@ -312,7 +312,9 @@ def bpe_tokens(tokenizer, vocab_size: int | None) -> tuple[list[str], list[int]]
     vocab = tokenizer.vocab
     n = vocab_size if vocab_size is not None else len(vocab)
     if max(vocab.values()) >= n:
-        raise UnsupportedError(f"the tokenizer has ids up to {max(vocab.values())}, beyond vocab_size {n}")
+        raise UnsupportedError(f"the tokenizer has ids up to {max(vocab.values())}, beyond vocab_size {n}",
+                               hint="the tokenizer and config.json disagree: set vocab_size in config.json to the "
+                                    "tokenizer's size, or save both again")
     by_id = {i: t for t, i in vocab.items()}
     added, decoder = tokenizer.get_added_vocab(), tokenizer.added_tokens_decoder
     tokens, types = [], []
@@ -445,7 +447,8 @@ def load_sentencepiece(model_dir: Path):
         from sentencepiece import SentencePieceProcessor
     except ImportError as exc:
         raise InputError("converting a tokenizer.model needs the 'sentencepiece' package, which is not installed",
-                         hint="pip install sentencepiece (a quantkit dependency: reinstalling quantkit brings it)") from exc
+                         hint="pip install sentencepiece (a quantkit dependency: reinstalling quantkit brings "
+                              "it)") from exc
     sp = SentencePieceProcessor()
     sp.LoadFromFile(str(model_dir / "tokenizer.model"))
     return sp
@@ -473,7 +476,8 @@ def add_phi3_vocab(writer, model_dir: Path, hparams: dict) -> VocabInfo:
     if config.get("tokenizer_class") == "GPT2Tokenizer":
         return add_bpe_vocab(writer, model_dir, hparams)
     if not (model_dir / "tokenizer.model").is_file():
-        raise UnsupportedError("Phi-3 conversion needs tokenizer.model (or a GPT2Tokenizer tokenizer_config.json)")
+        raise UnsupportedError("Phi-3 conversion needs tokenizer.model (or a GPT2Tokenizer tokenizer_config.json)",
+                               hint="copy tokenizer.model from the original Phi-3 checkpoint into the model directory")
     tokens, scores, types = sentencepiece_base(model_dir, {"vocab_size": hparams.get("vocab_size")})
     for text, tid in read_json(model_dir / "added_tokens.json").items():
         if tid < len(tokens):

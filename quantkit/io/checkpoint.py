@@ -95,7 +95,8 @@ def resolve_model(spec: str) -> Path:
     path = Path(spec).expanduser()
     if path.exists():
         if not path.is_dir():
-            raise ModelError(f"model path is not a directory: {path}")
+            raise ModelError(f"model path is not a directory: {path}",
+                             hint="give the checkpoint's directory, not a file in it (a .gguf goes to quantkit eval)")
         return path
     if _looks_like_hub_id(spec):
         cached = _from_hf_cache(spec)
@@ -106,7 +107,9 @@ def resolve_model(spec: str) -> Path:
             hint="quantkit never downloads; run `hf download "
             f"{spec}` on a connected machine, or pass a local directory",
         )
-    raise ModelError(f"model directory not found: {path}")
+    raise ModelError(f"model directory not found: {path}",
+                     hint="give a local checkpoint directory (config.json and *.safetensors), or a hub id in the "
+                          "local Hugging Face cache")
 
 
 def _looks_like_hub_id(spec: str) -> bool:
@@ -157,7 +160,8 @@ def read_config(path: Path) -> dict:
     try:
         config = json.loads(config_file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ModelError(f"{config_file} is not valid JSON: {exc}") from exc
+        raise ModelError(f"{config_file} is not valid JSON: {exc}",
+                         hint="config.json is damaged: restore it from the checkpoint's source") from exc
     if not isinstance(config, dict) or "model_type" not in config:
         raise ModelError(f"{config_file} has no model_type", hint="is this a transformers checkpoint?")
     return config
@@ -172,7 +176,8 @@ def weight_files(path: Path) -> list[Path]:
             f"{path} holds only pickle weights (.bin/.pt); quantkit loads safetensors only",
             hint="convert it once with transformers: model.save_pretrained(dir, safe_serialization=True)",
         )
-    raise ModelError(f"{path} has no *.safetensors weight files")
+    raise ModelError(f"{path} has no *.safetensors weight files",
+                     hint="give a Hugging Face checkpoint directory with its *.safetensors files")
 
 
 LAYER_PREFIX = re.compile(r"^(.*\.layers\.\d+)\.")

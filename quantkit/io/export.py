@@ -42,12 +42,14 @@ def check_output(out: Path, overwrite: bool) -> None:
     if not parent.is_dir():
         raise InputError(f"output parent directory does not exist: {parent}", hint="create it first")
     if not os.access(parent, os.W_OK | os.X_OK):
-        raise InputError(f"output parent directory is not writable: {parent}")
+        raise InputError(f"output parent directory is not writable: {parent}",
+                         hint="choose an output under a directory you can write, or fix its permissions")
     check_not_busy(out)
     if out.exists() and not overwrite:
         raise OutputExistsError(f"output already exists: {out}", hint="pass --overwrite to replace it")
     if out.exists() and not out.is_dir():
-        raise InputError(f"output path exists and is not a directory: {out}")
+        raise InputError(f"output path exists and is not a directory: {out}",
+                         hint="choose another -o, or remove that file")
 
 
 @dataclass(frozen=True)

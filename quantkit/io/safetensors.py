@@ -30,16 +30,20 @@ def safetensors_layout(file: Path) -> tuple[dict, int]:
     with open(file, "rb") as fh:
         raw = fh.read(8)
         if len(raw) < 8:
-            raise ModelError(f"{file.name} is truncated (no safetensors header)")
+            raise ModelError(f"{file.name} is truncated (no safetensors header)",
+                             hint="the file is damaged or incomplete: download or save the checkpoint again")
         (header_len,) = struct.unpack("<Q", raw)
         if header_len > min(MAX_HEADER_BYTES, size - 8):
-            raise ModelError(f"{file.name} is corrupt or truncated (header length {header_len} > file size)")
+            raise ModelError(f"{file.name} is corrupt or truncated (header length {header_len} > file size)",
+                             hint="the file is damaged or incomplete: download or save the checkpoint again")
         try:
             header = json.loads(fh.read(header_len))
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ModelError(f"{file.name} has a corrupt safetensors header") from exc
+            raise ModelError(f"{file.name} has a corrupt safetensors header",
+                             hint="the file is damaged: download or save the checkpoint again") from exc
     if not isinstance(header, dict):
-        raise ModelError(f"{file.name} has a corrupt safetensors header (not a JSON object)")
+        raise ModelError(f"{file.name} has a corrupt safetensors header (not a JSON object)",
+                         hint="the file is damaged: download or save the checkpoint again")
     return header, 8 + header_len
 
 
@@ -57,7 +61,8 @@ def _check_tensor_entries(file: Path, header: dict, data_size: int) -> dict[str,
             count *= d
         if stop - begin != count * DTYPE_BYTES[dtype]:
             raise ModelError(f"{file.name}: tensor {name} has inconsistent size "
-                             f"({dtype} {shape} needs {count * DTYPE_BYTES[dtype]} bytes, the header gives {stop - begin})")
+                             f"({dtype} {shape} needs {count * DTYPE_BYTES[dtype]} bytes, the header gives {stop - begin})",
+                             hint="the file is damaged: download or save the checkpoint again")
         spans.append((begin, stop, name))
         tensors[name] = (dtype, shape)
     end = _check_tiling(file, sorted(spans))
@@ -175,6 +180,7 @@ def read_spans(entry: StoredTensor, spans: list[tuple[memoryview, int]]) -> None
         for buffer, offset in spans:
             pread_into(fd, buffer, entry.offset + offset)
     except EOFError as exc:
-        raise ModelError(f"{entry.file.name}: tensor data is truncated") from exc
+        raise ModelError(f"{entry.file.name}: tensor data is truncated",
+                         hint="the file is damaged or incomplete: download or save the checkpoint again") from exc
     finally:
         os.close(fd)

@@ -331,6 +331,8 @@ def get_method(name: str) -> MethodSpec:
         module = importlib.import_module(METHODS[name])
     except ModuleNotFoundError as exc:
         if exc.name == METHODS[name]:
-            raise InputError(f"method '{name}' is not available in this version of quantkit") from exc
+            raise InputError(f"method '{name}' is not available in this version of quantkit",
+                             hint="pip install -e . again to bring the install in line with the source; quantkit "
+                                  "quantize --help lists the methods") from exc
         raise
     return module.METHOD

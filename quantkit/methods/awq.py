@@ -111,7 +111,8 @@ def check(info, options: Options, calibration) -> None:
     gptq.check_bits(options.bits, "awq")
     gptq.check_group_size(options.group_size, "awq")
     if options.n_grid < 1:
-        raise InputError(f"awq: n_grid={options.n_grid} must be positive")
+        raise InputError(f"awq: n_grid={options.n_grid} must be positive",
+                         hint="e.g. n_grid: 20 in the target's options")
     gptq.check_calibration_tokens(calibration, "awq")
     if gptq.mixed(options):
         gptq.check_auto_precision(info, options, "awq")

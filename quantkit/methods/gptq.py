@@ -306,9 +306,11 @@ def check(info, options: Options, calibration) -> None:
     if options.act_order == "group" and options.group_size == -1:
         raise InputError("gptq: act_order=group needs a group size", hint="use act_order static, or a group_size")
     if not 0 <= options.dampening < 1:
-        raise InputError(f"gptq: dampening={options.dampening} must be in [0, 1)")
+        raise InputError(f"gptq: dampening={options.dampening} must be in [0, 1)",
+                         hint="e.g. dampening: 0.01 (the default) in the target's options")
     if options.block_size < 1:
-        raise InputError(f"gptq: block_size={options.block_size} must be positive")
+        raise InputError(f"gptq: block_size={options.block_size} must be positive",
+                         hint="e.g. block_size: 128 (the default) in the target's options")
     check_calibration_tokens(calibration, "gptq")
     if mixed(options):
         check_auto_precision(info, options)

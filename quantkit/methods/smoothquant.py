@@ -62,7 +62,8 @@ def mappings_for(info) -> list[Mapping]:
 
 def check(info, options: Options, calibration) -> None:
     if not 0 <= options.smoothing_strength <= 1:
-        raise InputError(f"smoothquant: smoothing_strength={options.smoothing_strength} must be in [0, 1]")
+        raise InputError(f"smoothquant: smoothing_strength={options.smoothing_strength} must be in [0, 1]",
+                         hint="e.g. --smoothing-strength 0.8")
     mappings_for(info)
     moe.check_supported(info, "smoothquant")
     moe.check_expert_storage(info, "smoothquant", "W8A8 stores every expert as int8 `int-quantized` weights",

@@ -140,12 +140,16 @@ class MLXWeights:
         words, scales = self.index.get(f"{module}.weight"), self.index[f"{module}.scales"]
         if precision is None or words is None or words.dtype != "U32" or f"{module}.biases" not in self.index:
             raise ModelError(f"{self.path.name}: {module} is not an affine quantized module as config.json "
-                             "describes it (uint32 weight, scales, biases)")
+                             "describes it (uint32 weight, scales, biases)",
+                             hint="the directory is not an mlx-lm quantized model as quantkit writes it: write it "
+                                  "again with --method mlx")
         columns = words.shape[-1] * 32 // precision.bits
         if columns != scales.shape[-1] * precision.group_size or words.shape[0] != scales.shape[0]:
             raise ModelError(f"{self.path.name}: {module}'s packed weight {list(words.shape)} and scales "
                              f"{list(scales.shape)} disagree with {precision.bits} bits in groups of "
-                             f"{precision.group_size}")
+                             f"{precision.group_size}",
+                             hint="config.json's quantization entry disagrees with the weights: write the artifact "
+                                  "again with --method mlx")
 
     def keys(self) -> list[str]:
         return [n for n in self.index if not n.endswith((".scales", ".biases"))]
@@ -194,7 +198,8 @@ def read_words(entry) -> np.ndarray:
     count = math.prod(entry.shape)
     data = np.fromfile(entry.file, dtype="<u4", count=count, offset=entry.offset)
     if data.size != count:
-        raise ModelError(f"{entry.file.name}: tensor data is truncated")
+        raise ModelError(f"{entry.file.name}: tensor data is truncated",
+                         hint="the file is damaged or incomplete: write the artifact again")
     return data.reshape(entry.shape)
 
 

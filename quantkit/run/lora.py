@@ -113,18 +113,25 @@ def is_bnb(info: ModelInfo) -> bool:
 def read_adapter(path: Path, weight: float = 1.0) -> Adapter:
     """adapter_config.json and the safetensors header, checked; never unpickles a .bin adapter."""
     if not path.is_dir():
-        raise InputError(f"LoRA adapter directory not found: {path}")
+        raise InputError(f"LoRA adapter directory not found: {path}",
+                         hint="give --lora the directory peft's save_pretrained wrote (adapter_config.json, "
+                              "adapter_model.safetensors)")
     config_file = path / "adapter_config.json"
     if not config_file.is_file():
-        raise InputError(f"{path} is not a LoRA adapter (no adapter_config.json)")
+        raise InputError(f"{path} is not a LoRA adapter (no adapter_config.json)",
+                         hint="give --lora the directory peft's save_pretrained wrote (adapter_config.json, "
+                              "adapter_model.safetensors)")
     try:
         config = json.loads(config_file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise InputError(f"{config_file} is not valid JSON: {exc}") from exc
+        raise InputError(f"{config_file} is not valid JSON: {exc}",
+                         hint="adapter_config.json is damaged: save the adapter again with save_pretrained") from exc
     if not isinstance(config, dict) or config.get("peft_type") != "LORA":
         found = config.get("peft_type") if isinstance(config, dict) else None
         raise UnsupportedError(f"{path} is a {found or 'unknown'} adapter; quantkit merges LoRA adapters "
-                               "(LoRA, rsLoRA, DoRA)")
+                               "(LoRA, rsLoRA, DoRA)",
+                               hint="merge other adapter kinds with peft's merge_and_unload, save the result, and "
+                                    "quantize that")
     if not (path / ADAPTER_FILE).is_file():
         raise InputError(f"{path} has no {ADAPTER_FILE}",
                          hint="quantkit loads safetensors only (a pickled adapter_model.bin is never loaded); "
@@ -132,7 +139,8 @@ def read_adapter(path: Path, weight: float = 1.0) -> Adapter:
     header = read_safetensors_header(path / ADAPTER_FILE)
     tensors = {key.removeprefix(ADAPTER_PREFIX): entry for key, entry in header.items()}
     if not tensors:
-        raise InputError(f"{path / ADAPTER_FILE} holds no tensors")
+        raise InputError(f"{path / ADAPTER_FILE} holds no tensors",
+                         hint="the adapter file is empty: save the adapter again with save_pretrained")
     return Adapter(path, weight, config, tensors)
 
 
@@ -204,7 +212,9 @@ def check_adapter_tensors(adapter: Adapter, base: BaseShapes) -> int | None:
     base_rows = base.shapes[f"{base.embedding}.weight"][0]
     rows.discard(base_rows)
     if len(rows) > 1:
-        raise InputError(f"adapter {adapter.path}: its embedding tensors disagree on the vocabulary size ({sorted(rows)})")
+        raise InputError(f"adapter {adapter.path}: its embedding tensors disagree on the vocabulary size ({sorted(rows)})",
+                         hint="the adapter file is damaged or mixed from two adapters: save it again with "
+                              "save_pretrained")
     return rows.pop() if rows else None
 
 
@@ -274,7 +284,9 @@ def check_ranks(adapter: Adapter, ranks: dict[str, dict[str, int]]) -> None:
                              hint="lora_A and lora_B of a module must share the rank r; the file is damaged "
                              "or mixed from two adapters")
         if not adapter.config.get("rank_pattern") and values != {r}:
-            raise InputError(f"adapter {adapter.path}: {module} has rank {values.pop()}, adapter_config.json says r={r}")
+            raise InputError(f"adapter {adapter.path}: {module} has rank {values.pop()}, adapter_config.json says r={r}",
+                             hint="the adapter file and its config disagree: save the adapter again with "
+                                  "save_pretrained")
 
 
 def check_tokenizer(adapter_dir: Path, rows: int, trust_remote_code: bool) -> None:
@@ -320,7 +332,8 @@ def plan_merge(base: ModelInfo, base_spec: str, adapters: list[str], weights: li
         check_target_modules(adapter, shapes)
     vocab_sizes = {rows for adapter in read if (rows := check_adapter_tensors(adapter, shapes)) is not None}
     if len(vocab_sizes) > 1:
-        raise InputError(f"the adapters resize the vocabulary differently ({sorted(vocab_sizes)})")
+        raise InputError(f"the adapters resize the vocabulary differently ({sorted(vocab_sizes)})",
+                         hint="merge adapters trained on the same tokenizer; merge the others in separate runs")
     for adapter in read:
         if adapter.weight != 1.0 and adapter.replaced_modules:
             raise InputError(f"adapter {adapter.path} replaces {', '.join(adapter.replaced_modules)} whole "
@@ -344,7 +357,8 @@ def check_merge_base(base: ModelInfo, merge_base: str, original_base: str | None
                      resolve: Callable[[str], Path]) -> ModelInfo | None:
     """The --merge-base/--original-base combination; returns the checked original for mode original."""
     if merge_base not in MERGE_BASES:
-        raise InputError(f"--merge-base must be one of {', '.join(MERGE_BASES)}, not '{merge_base}'")
+        raise InputError(f"--merge-base must be one of {', '.join(MERGE_BASES)}, not '{merge_base}'",
+                         hint="e.g. --merge-base dequantized (the default)")
     if (merge_base == "original") != (original_base is not None):
         raise InputError("--merge-base original and --original-base DIR go together",
                          hint="--merge-base original --original-base ./llama-16bit")
@@ -359,10 +373,12 @@ def check_merge_base(base: ModelInfo, merge_base: str, original_base: str | None
         return None
     original = check_model_dir(resolve(original_base))
     if original.is_quantized:
-        raise InputError(f"--original-base {original.path} is quantized; give the 16-bit original")
+        raise InputError(f"--original-base {original.path} is quantized; give the 16-bit original",
+                         hint="--original-base takes the 16-bit checkpoint the QLoRA base was quantized from")
     if original.architecture != base.architecture:
         raise InputError(f"--original-base {original.path} is a {original.architecture}, the QLoRA base a "
-                         f"{base.architecture}")
+                         f"{base.architecture}",
+                         hint="--original-base takes the 16-bit checkpoint the QLoRA base was quantized from")
     return original
 
 

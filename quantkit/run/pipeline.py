@@ -162,7 +162,8 @@ def select_targets(targets: list[Target], only: list[str]) -> list[Target]:
     names = [t.name for t in targets]
     unknown = [name for name in only if name not in names]
     if unknown:
-        raise InputError(f"--only: no target named {', '.join(unknown)}; the recipe's targets are {', '.join(names)}")
+        raise InputError(f"--only: no target named {', '.join(unknown)}; the recipe's targets are {', '.join(names)}",
+                         hint=f"e.g. --only {names[0]}")
     return [t for t in targets if t.name in only]
 
 

@@ -197,9 +197,12 @@ def load_yaml(path: str | Path) -> dict:
     try:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as exc:
-        raise RecipeError(f"{path}: not valid YAML: {exc}".splitlines()[0]) from exc
+        raise RecipeError(f"{path}: not valid YAML: {exc}".splitlines()[0],
+                          hint="quantkit recipes validate FILE points at the line; quantkit recipes show fp8-dynamic "
+                               "prints a valid recipe") from exc
     if not isinstance(data, dict):
-        raise RecipeError(f"{path}: a recipe must be a YAML mapping with a 'targets' list")
+        raise RecipeError(f"{path}: a recipe must be a YAML mapping with a 'targets' list",
+                          hint="quantkit recipes show fp8-dynamic prints a recipe to start from")
     return data
 
 
@@ -213,7 +216,8 @@ def check_structure(data: dict, origin: str = "recipe") -> None:
     _check_sections(data, SECTION_TYPES, origin, "")
     for index, target in enumerate(data.get("targets") or []):
         if not isinstance(target, dict):
-            raise RecipeError(f"{origin}: targets.{index}: must be a mapping (name, method, options, ...)")
+            raise RecipeError(f"{origin}: targets.{index}: must be a mapping (name, method, options, ...)",
+                              hint="e.g. targets: [{name: fp8, method: fp8}]")
         _check_sections(target, TARGET_SECTION_TYPES, origin, f"targets.{index}.")
 
 
@@ -221,7 +225,8 @@ def _check_sections(data: dict, types: dict, origin: str, prefix: str) -> None:
     for key, kind in types.items():
         if data.get(key) is not None and not isinstance(data[key], kind):
             what = "a mapping" if kind is dict else "a list"
-            raise RecipeError(f"{origin}: {prefix}{key}: must be {what}, not {type(data[key]).__name__}")
+            raise RecipeError(f"{origin}: {prefix}{key}: must be {what}, not {type(data[key]).__name__}",
+                              hint="quantkit recipes show release prints a recipe with every section")
 
 
 def validate(data: dict, origin: str = "recipe") -> Recipe:
@@ -406,7 +411,9 @@ def apply_method_options(data: dict, options: dict[str, Any]) -> dict:
                 used = True
         if not used:
             methods = ", ".join(sorted({str(t.get("method")) for t in targets}))
-            raise InputError(f"--{flag.replace('_', '-')} does not apply to method {methods}")
+            raise InputError(f"--{flag.replace('_', '-')} does not apply to method {methods}",
+                             hint="quantkit quantize --help says which methods take each option; drop it, or choose "
+                                  "such a --method")
     return {**data, "targets": targets}
 
 

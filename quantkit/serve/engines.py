@@ -98,7 +98,9 @@ FINDERS = {"vllm": find_vllm, "llama.cpp": find_llama_server, "mlx": find_mlx}
 def engine_for(kind: str) -> str:
     """The engine that serves an artifact kind."""
     if kind not in ENGINE_FOR_KIND:
-        raise InputError(f"no serving engine for a '{kind}' artifact")
+        raise InputError(f"no serving engine for a '{kind}' artifact",
+                         hint="serve-check serves compressed-tensors and bitsandbytes (vLLM), .gguf (llama-server) "
+                              "and mlx-lm directories")
     return ENGINE_FOR_KIND[kind]
 
 
