@@ -56,7 +56,7 @@ def tensors(path) -> dict:
 
 
 def run_case(cli, model_dir, kind: str, method: str, tmp_path):
-    """What README's VLM table says for (family, method): exit 2 before work, or exit 0 with the proof."""
+    """What docs/models.md's VLM table says for (family, method): exit 2 before work, or exit 0 with the proof."""
     from quantkit.run.support import verdict
 
     out = tmp_path / "out"

@@ -1,10 +1,11 @@
-"""The architecture families quantkit names in README's support tables, one record per family.
+"""The architecture families quantkit names in docs/models.md's support tables, one record per family.
 
 A text family is its config's `model_type` and `architectures[0]`; a VLM family (quantkit.arch.vlm
 holds its towers) also names the `model_type` of its language model, which is what AWQ and
 SmoothQuant look up in the smoothing table (quantkit.arch.mappings) and what the expert layout is
 read from (quantkit.arch.moe). Each method says what it does with a family (MethodSpec.support);
-quantkit.run.support writes the tables, and tests/test_readme.py keeps README equal to them.
+quantkit.run.support writes the tables (scripts/make_docs_tables.py), and tests/test_docs.py keeps the page
+equal to them.
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ TEXT_FAMILIES = [
 
 # The VLM families tiny models of go through every method in the tests (tests/test_vlm_families.py builds
 # exactly these), with the text model of their checkpoints. Gemma 3n has a tower row (its towers are
-# planned and kept) but no tiny model in the tests (its vision tower needs timm), so README does not
+# planned and kept) but no tiny model in the tests (its vision tower needs timm), so docs/models.md does not
 # claim it.
 VLM_TEXT_TYPES = {"llava": "llama", "llava_next": "llama", "qwen2_vl": "qwen2_vl_text",
                   "qwen2_5_vl": "qwen2_5_vl_text", "qwen3_vl": "qwen3_vl_text", "idefics3": "llama",
