@@ -434,7 +434,7 @@ def split_shapes(rule: Rule, shape: tuple[int, ...], squeeze: bool) -> list[tupl
         return [tuple(d for d in shape if d != 1)]
     if rule.split == "rows":
         if shape[0] % 3:
-            raise InputError(f"fused qkv with {shape[0]} rows is not divisible by 3",
+            raise InputError(f"the vision tower's fused qkv weight has {shape[0]} rows, not a multiple of 3",
                              hint="the vision tower's fused qkv is damaged or of another layout; --mmproj none writes "
                                   "the language model alone")
         return [(shape[0] // 3, *shape[1:])] * 3
@@ -573,7 +573,7 @@ def text_hidden(config: dict) -> int:
 def find(obj: dict, keys: tuple[str, ...]):
     key = next((k for k in keys if k in obj), None)
     if key is None:
-        raise InputError(f"vision_config has none of {', '.join(keys)}",
+        raise InputError(f"config.json: vision_config has none of {', '.join(keys)}",
                          hint="the config.json lacks a field the converter needs; --mmproj none writes the language "
                               "model alone")
     return obj[key]
