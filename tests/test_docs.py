@@ -1,5 +1,5 @@
-"""docs/ states what the code does: the generated tables of docs/models.md equal the code's tables, and
-the pages link to each other and to files that exist."""
+"""docs/ states what the code does: the generated tables of docs/models.md and docs/gate.md equal the code's
+tables, and the pages link to each other, to headings and to files that exist."""
 
 from __future__ import annotations
 
@@ -10,21 +10,24 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
-MODELS = DOCS / "models.md"
+GENERATED = {"architectures": "models.md", "families": "models.md", "vlm-families": "models.md",
+             "vlm-towers": "models.md", "moe": "models.md", "runtimes": "models.md", "gates": "gate.md"}
 
 
-def test_every_generated_table_is_on_the_page():
+def test_every_generated_table_is_on_its_page():
     from quantkit.run.support import docs_tables, generated_blocks
 
-    assert sorted(generated_blocks(MODELS.read_text())) == sorted(docs_tables())
+    assert sorted(GENERATED) == sorted(docs_tables())
+    on_pages = {name: page.name for page in DOCS.glob("*.md") for name in generated_blocks(page.read_text())}
+    assert on_pages == GENERATED
 
 
-@pytest.mark.parametrize("name", ["architectures", "families", "vlm-families", "vlm-towers", "moe", "runtimes"])
-def test_models_page_table_equals_the_code(name):
+@pytest.mark.parametrize("name", sorted(GENERATED))
+def test_docs_table_equals_the_code(name):
     """Each block equals quantkit.run.support's table; `python scripts/make_docs_tables.py` rewrites them."""
     from quantkit.run.support import docs_tables, generated_blocks
 
-    assert generated_blocks(MODELS.read_text())[name] == docs_tables()[name]
+    assert generated_blocks((DOCS / GENERATED[name]).read_text())[name] == docs_tables()[name]
 
 
 def test_generated_tables_name_the_code_tables():
@@ -50,6 +53,17 @@ def test_generated_tables_name_the_code_tables():
     assert [re.search(r"\(`(\w+)`\)", line).group(1) for line in tables["vlm-towers"][2:]] == list(FAMILIES)
     runtime_names = {line.split(" | ")[1] for line in tables["runtimes"][2:]}
     assert {r.name for m in METHODS for r in get_method(m).runtimes} <= runtime_names
+
+
+def test_gate_table_is_each_methods_default_gate():
+    from quantkit.methods import get_method
+    from quantkit.run.support import docs_tables
+
+    rows = {tuple(cell.strip() for cell in line.split("|")[1:3]): line for line in docs_tables()["gates"][2:]}
+    assert rows[("`fp8`", "all")].endswith("| 2% | 0.01 | 95% |")
+    q4 = next(line for (method, options), line in rows.items() if method == "`gguf`" and "`Q4_K_M`" in options)
+    gate = get_method("gguf").default_gate(get_method("gguf").options(gguf_type="Q4_K_M"))
+    assert q4.endswith(f"| {gate['max_ppl_increase']:.0%} | {gate['max_kld']:.2f} | {gate['min_top1']:.0%} |")
 
 
 def test_render_replaces_a_stale_block_and_keeps_the_prose():

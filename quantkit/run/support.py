@@ -1,9 +1,10 @@
-"""The generated tables of docs/models.md, each cell what the code says: the family x method tables
+"""The generated tables of docs/models.md and docs/gate.md, each cell what the code says: the family x method tables
 (MethodSpec.support over quantkit.arch.families), the architectures each method takes (the smoothing
 table, the GGUF converter's table, the MLX table, the expert layouts), the VLM towers
 (quantkit.arch.vlm.FAMILIES), the expert layouts (quantkit.arch.moe) and the runtimes that serve each
-format (MethodSpec.runtimes). `python scripts/make_docs_tables.py` writes them into the page;
-tests/test_docs.py keeps the page equal to `docs_tables()`."""
+format (MethodSpec.runtimes), and each method's default gate (MethodSpec.default_gate).
+`python scripts/make_docs_tables.py` writes them into the pages; tests/test_docs.py keeps the pages equal
+to `docs_tables()`."""
 
 from __future__ import annotations
 
@@ -141,10 +142,44 @@ def runtimes_table() -> list[str]:
     return lines
 
 
+def option_values(name: str) -> tuple[str | None, list]:
+    """The option a method's default gate depends on, and its values: a scheme, mlx's bits, gguf's types."""
+    from quantkit.gguf.mixture import FILE_TYPES
+
+    fields = get_method(name).options.model_fields
+    for field in ("scheme", "bits", "gguf_type"):
+        if field in fields:
+            values = list(FILE_TYPES) if field == "gguf_type" else list(typing.get_args(fields[field].annotation))
+            if values:
+                return field, values
+    return None, [None]
+
+
+def gate_table() -> list[str]:
+    """Each method's default thresholds (MethodSpec.default_gate) by the option they depend on; a recipe's `gate:`
+    or --max-ppl-increase, --max-kld, --min-top1 override them."""
+    lines = ["| method | options | max ppl increase | max KLD | min top-1 |", "|---|---|---|---|---|"]
+    for name in METHODS:
+        spec = get_method(name)
+        field, values = option_values(name)
+        groups: dict[tuple, list] = {}
+        for value in values:
+            options = spec.options.model_construct(**({field: value} if field else {}))
+            gate = spec.default_gate(options)
+            groups.setdefault((gate["max_ppl_increase"], gate["max_kld"], gate["min_top1"]), []).append(value)
+        for (ppl, kld, top1), members in sorted(groups.items()):
+            label = "" if len(groups) == 1 else ", ".join(f"`{v}`" for v in members)
+            if label and field == "bits":
+                label = ", ".join(f"{v}-bit" for v in members)
+            lines.append(f"| `{name}` | {label or 'all'} | {ppl:.0%} | {kld:.2f} | {top1:.0%} |")
+    return lines
+
+
 def docs_tables() -> dict[str, list[str]]:
-    """Every generated block of docs/models.md by name."""
+    """Every generated block of the docs pages by name."""
     return {"architectures": architectures_table(), "families": family_table(), "vlm-families": vlm_table(),
-            "vlm-towers": vlm_towers_table(), "moe": moe_table(), "runtimes": runtimes_table()}
+            "vlm-towers": vlm_towers_table(), "moe": moe_table(), "runtimes": runtimes_table(),
+            "gates": gate_table()}
 
 
 BEGIN = re.compile(r"^<!-- generated: ([a-z-]+) \(python scripts/make_docs_tables.py\) -->$")
