@@ -35,9 +35,26 @@ REPORTS = "Reports and CI"
 PANELS = (MODEL, CALIBRATION, MEASURED, METHOD, GATE, RESOURCES, REPORTS)
 
 
+# Help paragraphs that are commands to copy: printed as written, never re-wrapped.
+EXAMPLE_STARTS = ("quantkit ", "torchrun ", "scripts/", "mlx_lm", "vllm ", "ollama ")
+
+
 class PanelledCommand(TyperCommand):
-    """A command whose plain-text --help (the app's rich_markup_mode=None) lists the arguments, then the
-    options in their panels (MODEL ... REPORTS), each a section of its own, in declaration order."""
+    """A command whose plain-text --help (the app's rich_markup_mode=None) prints its example commands as
+    written (one line each, never re-wrapped), then lists the arguments and the options in their panels
+    (MODEL ... REPORTS), each a section of its own, in declaration order."""
+
+    def format_help_text(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        import inspect
+
+        text = inspect.cleandoc(self.help or "").partition("\f")[0]
+        if not text:
+            return
+        paragraphs = text.split("\n\n")
+        text = "\n\n".join("\b\n" + p if p.lstrip().startswith(EXAMPLE_STARTS) else p for p in paragraphs)
+        formatter.write_paragraph()
+        with formatter.indentation():
+            formatter.write_text(text)
 
     def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         sections: dict[str, list[tuple[str, str]]] = {}
