@@ -53,7 +53,7 @@ def test_options_are_grouped_into_panels(cli):
     headings = [line[:-1] for line in text.splitlines() if line.endswith(":") and not line.startswith(" ")]
     shown = headings[headings.index("Arguments"):]
     assert shown == ["Arguments", *[p for p in PANELS if p in headings], "Other options"]
-    assert text.index("--calib ") > text.index("Calibration:") > text.index("Model and output:")
+    assert text.index("\n  --calib ") > text.index("\nCalibration:") > text.index("\nModel and output:")
 
 
 def test_module_entry_point():
