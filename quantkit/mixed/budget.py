@@ -153,7 +153,8 @@ def size_limit(max_size: str, first_bytes: int) -> int:
         try:
             return int(first_bytes * (1 + float(text[1:-1]) / 100))
         except ValueError:
-            raise InputError(f"cannot read the size limit '{max_size}'", hint="write e.g. +25% or 120MB") from None
+            raise InputError(f"--max-size {max_size}: cannot read the size limit",
+                             hint="write e.g. --max-size +25% or --max-size 120MB (recipe: fallback: {max_size: ...})") from None
     return parse_size(text)
 
 
