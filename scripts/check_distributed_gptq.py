@@ -39,7 +39,7 @@ def quantize(model_dir: Path, out: Path, load: str, windows: int, split: str) ->
     from llmcompressor.modifiers.gptq import GPTQModifier
     from transformers import AutoModelForCausalLM
 
-    from quantkit.engines.llmcompressor.distributed import ranks_from, synchronized_gptq
+    from quantkit.engines.llmcompressor.distributed import ranks_from, synchronized
 
     launch = ranks_from(os.environ)
     if launch.distributed:
@@ -55,7 +55,7 @@ def quantize(model_dir: Path, out: Path, load: str, windows: int, split: str) ->
     ranks = launch if split == "quantkit" else ranks_from({})  # llm-compressor: one Ranks() and its own split
     ids = torch.randint(5, 500, (16, 64), generator=torch.Generator().manual_seed(2))[:windows][ranks.share(windows)]
     data = Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": torch.ones_like(ids).tolist()})
-    with synchronized_gptq(ranks):
+    with synchronized(ranks):
         oneshot(model=model, dataset=data, recipe=GPTQModifier(targets="Linear", scheme="W4A16", ignore=["lm_head"]),
                 num_calibration_samples=len(ids), max_seq_length=64, shuffle_calibration_samples=False,
                 pipeline="sequential")

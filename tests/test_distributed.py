@@ -1,13 +1,22 @@
-"""quantkit.engines.llmcompressor.distributed: a torchrun launch read, its limits checked, the windows shared between ranks."""
+"""quantkit.engines.llmcompressor.distributed: a torchrun launch read, its limits checked, the windows shared between
+ranks; on 2 gloo ranks (slow), the artifact and the gate's metrics of one process, also as two nodes."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
 
 import pytest
 
 from quantkit.engines.llmcompressor.distributed import (
     ONE_PROCESS_FLAGS,
+    RANK_PATCHES,
     Ranks,
+    blind_ranks,
     check_launch,
     ranks_from,
-    synchronized_gptq,
+    synchronized,
 )
 from quantkit.engines.patches import PATCHES, site_function
 from quantkit.errors import InputError, UnsupportedError
@@ -42,24 +51,52 @@ def test_the_shares_split_the_windows_as_llm_compressor_does(world):
         assert [(s.start, s.stop) for s in shares] == [_get_partition_start_end(count, r, world) for r in range(world)]
 
 
-def launch(world=2, targets=(("gptq", "gptq", Options()),), num_samples=8, flags=()):
+def launch(world=2, targets=(("gptq", "gptq", Options()),), num_samples=8, flags=(), eval_windows=4):
     from quantkit.methods import get_method
 
-    check_launch(Ranks(0, world), [(name, method, get_method(method).distributed, options)
-                                   for name, method, options in targets], num_samples, list(flags))
+    specs = [(name, get_method(method), options) for name, method, options in targets]
+    check_launch(Ranks(0, world), [(name, spec.name, spec.distributed, options, spec.ranks_refused(options))
+                                   for name, spec, options in specs], num_samples, list(flags), eval_windows)
+
+
+def method_options(method, **values):
+    from quantkit.methods import get_method
+
+    return get_method(method).options(**values)
 
 
 def test_one_process_is_never_refused():
-    launch(world=1, targets=[("fp8", "fp8", None)], num_samples=0, flags=list(ONE_PROCESS_FLAGS))
+    launch(world=1, targets=[("fp8", "fp8", method_options("fp8", scheme="fp8-static"))], num_samples=0,
+           flags=list(ONE_PROCESS_FLAGS))
 
 
 def test_a_plain_gptq_target_runs_on_several_ranks():
     launch()
-    launch(world=8, num_samples=8)
+    launch(world=8, num_samples=8, eval_windows=8)
+
+
+@pytest.mark.parametrize("method, values", [
+    ("gptq", {"act_order": "group"}), ("nvfp4", {"scheme": "w4a4"}),
+    ("nvfp4", {"scheme": "a16"}), ("fp8", {"scheme": "fp8-dynamic"}), ("fp8", {"scheme": "fp8-block"}),
+])
+def test_the_methods_llm_compressor_reduces_run_on_several_ranks(method, values):
+    launch(targets=[(method, method, method_options(method, **values))])
+
+
+@pytest.mark.parametrize("method, values, reason", [
+    ("fp8", {"scheme": "fp8-static"}, "averages each rank's moving-average activation range"),
+    ("autoround", {}, "keeps each rank's own best iteration by its own loss"),
+    ("awq", {}, "applies the smoothing on every rank"), ("smoothquant", {}, "applies the smoothing on every rank"),
+    ("nf4", {}, ""), ("gguf", {}, ""),
+])
+def test_a_method_without_llm_compressors_reduction_is_refused_with_the_reason(method, values, reason):
+    with pytest.raises(UnsupportedError, match=f"{method} runs in one process only") as info:
+        launch(targets=[(method, method, method_options(method, **values))])
+    assert reason in info.value.message and info.value.exit_code == 2
 
 
 @pytest.mark.parametrize("change, message", [
-    (dict(targets=[("q", "gptq", Options()), ("f", "fp8", None)]), "target 'f': fp8 runs in one process only"),
+    (dict(targets=[("q", "gptq", Options()), ("f", "nf4", None)]), "target 'f': nf4 runs in one process only"),
     (dict(targets=[("q", "gptq", Options(fallback={}))]), "gptq with fallback"),
     (dict(targets=[("q", "gptq", Options(auto_precision={}))]), "gptq with auto-precision"),
     *[(dict(flags=[flag]), f"{flag} runs in one process only") for flag in ONE_PROCESS_FLAGS],
@@ -73,12 +110,91 @@ def test_what_needs_one_process_is_refused(change, message):
 def test_every_rank_needs_a_window():
     with pytest.raises(InputError, match="3 calibration windows cannot be shared by 4 ranks"):
         launch(world=4, num_samples=3)
+    with pytest.raises(InputError, match="3 held-out windows cannot be shared by 4 ranks"):
+        launch(world=4, num_samples=4, eval_windows=3)
+    launch(world=4, num_samples=4, eval_windows=0)  # no gate: nothing to share
 
 
-def test_the_barrier_goes_in_only_for_several_ranks():
-    original = site_function(PATCHES["gptq.broadcast_qparams_and_cleanup"].site)
-    with synchronized_gptq(Ranks()):
-        assert site_function(PATCHES["gptq.broadcast_qparams_and_cleanup"].site) is original
-    with synchronized_gptq(Ranks(1, 2)):
-        assert site_function(PATCHES["gptq.broadcast_qparams_and_cleanup"].site) is not original
-    assert site_function(PATCHES["gptq.broadcast_qparams_and_cleanup"].site) is original
+def test_the_ranks_that_cannot_see_the_staging_directory_are_named():
+    assert blind_ranks([(True, "a"), (True, "b")]) == []
+    assert blind_ranks([(True, "a"), (False, "b"), (False, "c")]) == ["rank 1 on b", "rank 2 on c"]
+
+
+@pytest.mark.parametrize("name", RANK_PATCHES)
+def test_the_hand_overs_are_patched_only_for_several_ranks(name):
+    original = site_function(PATCHES[name].site)
+    with synchronized(Ranks()):
+        assert site_function(PATCHES[name].site) is original
+    with synchronized(Ranks(1, 2)):
+        assert site_function(PATCHES[name].site) is not original
+    assert site_function(PATCHES[name].site) is original
+
+
+ARGS = ("--num-samples", "16", "--seq-len", "64", "--eval-windows", "4", "--no-gate")
+LOOPBACK = {"GLOO_SOCKET_IFNAME": "lo"} if os.path.exists("/sys/class/net/lo") else {}  # not the hostname's
+
+
+def torchrun(launch: list[str], args: list[str]) -> subprocess.Popen:
+    """`python -m torch.distributed.run LAUNCH -m quantkit quantize ARGS` on gloo, one thread per rank."""
+    from tests.util import subprocess_env
+
+    command = [sys.executable, "-m", "torch.distributed.run", *launch, "-m", "quantkit", "quantize", *args]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=subprocess_env(OMP_NUM_THREADS="1", **LOOPBACK))
+
+
+def finished(process: subprocess.Popen) -> str:
+    """The launch's stderr once it exits 0."""
+    _, stderr = process.communicate(timeout=900)
+    assert process.returncode == 0, stderr[-3000:]
+    return stderr
+
+
+def same_artifact(one, two) -> None:
+    """Every tensor and every gate metric equal."""
+    from safetensors.torch import load_file
+
+    first, second = load_file(one / "model.safetensors"), load_file(two / "model.safetensors")
+    assert first.keys() == second.keys()
+    assert [name for name in first if not first[name].equal(second[name])] == []
+    metrics = [json.loads((d / "quantkit.json").read_text())["targets"][0]["metrics"] for d in (one, two)]
+    assert metrics[0] == metrics[1]
+    assert metrics[0]["positions"] == 4 * 63
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", [("--method", "nvfp4"), ("--method", "fp8")])
+def test_two_ranks_give_the_one_process_artifact_and_gate(cli, micro_model, tmp_path, method):
+    """nvfp4 W4A4: each rank observes its half of the windows, the activations' min and max are reduced
+    (MIN/MAX: exact) and the global scales come out the same; fp8-dynamic calibrates nothing. The gate is
+    scored by both ranks, each on 2 of the 4 held-out windows, every position's values gathered: the
+    metrics, p99 and max included, are the one-process metrics exactly."""
+    args = [str(micro_model), *method, *ARGS]
+    assert cli("quantize", *args, "-o", tmp_path / "one").exit_code == 0
+    stderr = finished(torchrun(["--standalone", "--nproc-per-node", "2"], [*args, "-o", str(tmp_path / "two")]))
+    assert "baseline: scoring 4 held-out windows on 2 ranks" in stderr
+    assert f"rank 1 of 2: calibration and gate shares done; rank 0 writes {tmp_path / 'two'}" in stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["one", "two"]  # no rank's work directory left
+    same_artifact(tmp_path / "one", tmp_path / "two")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_nodes_on_one_machine_give_the_one_process_artifact(cli, micro_model, tmp_path):
+    """Two torchrun launches of one rank each, meeting at a c10d rendezvous on 127.0.0.1 (two "nodes"):
+    the rank that node's launch makes 0 writes, the other checks it sees the staging directory, then
+    calibrates and scores its share."""
+    args = [str(micro_model), "--method", "nvfp4", *ARGS]
+    assert cli("quantize", *args, "-o", tmp_path / "one").exit_code == 0
+    launch = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+              "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "quantkit-test"]
+    nodes = [torchrun(launch, [*args, "-o", str(tmp_path / "two")]) for _ in range(2)]
+    stderr = [finished(node) for node in nodes]
+    assert sum(f"rank 1 of 2: calibration and gate shares done" in text for text in stderr) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["one", "two"]
+    same_artifact(tmp_path / "one", tmp_path / "two")

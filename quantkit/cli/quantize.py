@@ -61,6 +61,8 @@ More examples:
 
   quantkit quantize ./my-model --method gptq --task-file my_task.yaml --tasks arc_easy --limit 200 -o ./gptq   (task gate, offline data)
 
+  quantkit quantize ./my-model --method gguf -o ./gguf --resume   (the same command after a kill continues from the last tensor written)
+
   torchrun --standalone --nproc-per-node 4 -m quantkit quantize ./my-model --method gptq --device cuda -o ./gptq   (one rank per GPU)
 
   quantkit quantize ./ckpt --lora ./adapter --recipe release -o ./dist --skip-existing --partial --quiet --summary "$GITHUB_STEP_SUMMARY"   (CI)
@@ -131,6 +133,7 @@ def quantize(
     max_flips: Optional[float] = typer.Option(None, "--max-flips", help="Gate: max share of greedy tokens after the first divergence (needs --flip-prompts).", rich_help_panel=GATE),
     no_gate: bool = typer.Option(False, "--no-gate", help="Measure but do not enforce the gate (recorded).", rich_help_panel=GATE),
     overwrite: bool = typer.Option(False, help="Replace an existing output.", rich_help_panel=MODEL),
+    resume: bool = typer.Option(False, "--resume", help="Keep the run's progress beside OUT, and continue an interrupted run (SIGTERM, kill -9, power loss, out of memory) of the same inputs and recipe from it, byte-identical to an uninterrupted run: gguf from the last written tensor; other methods refuse it (exit 2).", rich_help_panel=MODEL),
     max_memory: Optional[str] = typer.Option(None, "--max-memory", help="RAM the run may use, e.g. 16GiB (default: what is available); a run estimated above it is refused before work.", rich_help_panel=RESOURCES),
     json_path: Optional[str] = typer.Option(None, "--json", help="Write the report as JSON to FILE ('-' = stdout).", rich_help_panel=REPORTS),
     only: list[str] = typer.Option([], "--only", metavar="NAME[,NAME]", help="Run only these targets: NAME[,NAME]; repeatable.", rich_help_panel=REPORTS),
@@ -145,7 +148,7 @@ def quantize(
 
     overrides = Overrides(
         model=model or model_opt, device=device, dtype=dtype, offload_dir=offload_dir, strict_shapes=strict_shapes,
-        trust_remote_code=trust_remote_code, lora=lora,
+        trust_remote_code=trust_remote_code, resume=resume, lora=lora,
         lora_weights=lora_weight, merge_base=merge_base, original_base=original_base,
         ignore=ignore,
         towers=dict(vision=vision, projector=projector, force=force or None),
@@ -189,8 +192,8 @@ def quantize(
         log.close()
     if report is None:  # a torchrun rank other than 0
         if not quiet:
-            err.print(f"rank {ranks.rank} of {ranks.world_size}: calibration share done; rank 0 writes {output}",
-                      highlight=False)
+            err.print(f"rank {ranks.rank} of {ranks.world_size}: calibration and gate shares done; "
+                      f"rank 0 writes {output}", highlight=False)
         return
     show_results(report, output, json_path, summary, quiet)
     if not quiet:

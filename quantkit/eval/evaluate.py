@@ -55,6 +55,9 @@ class ScoredChunk(NamedTuple):
 
 Scorer = Callable[["torch.Tensor"], Iterator[ScoredChunk]]  # noqa: F821  windows (w, L) -> chunks in position order
 LogitsFn = Callable[["torch.Tensor"], "torch.Tensor"]  # noqa: F821  (input_ids (b, L) -> logits (b, L, V))
+# under torchrun: this rank's per-position values -> every rank's, concatenated in rank order (the order of
+# the windows, each rank scoring a contiguous share; quantkit.engines.llmcompressor.distributed.gather_positions)
+Gather = Callable[[np.ndarray], np.ndarray]
 
 
 @dataclass
@@ -68,7 +71,7 @@ class Baseline:
 
     @property
     def ppl(self) -> float:
-        return float(math.exp(float(np.mean(self.nll, dtype=np.float64))))
+        return perplexity(self.nll)
 
 
 @dataclass
@@ -290,17 +293,22 @@ def kl_rows(base16: np.ndarray, cand, finite=None) -> "torch.Tensor":  # noqa: F
     return torch.where(finite, kl, math.nan)
 
 
-def compare_chunks(chunks: Iterable[ScoredChunk], baseline: Baseline) -> Metrics:
-    """Metrics of a candidate's scored chunks against the stored baseline, chunk by chunk."""
-    kls, nlls, agree, offset = [], [], 0, 0
+def compare_chunks(chunks: Iterable[ScoredChunk], baseline: Baseline, gather: Gather | None = None) -> Metrics:
+    """Metrics of a candidate's scored chunks against the stored baseline, chunk by chunk. With `gather`
+    (several ranks, each with its share of the windows and of the baseline), every position's KL
+    divergence, NLL and top-1 agreement is gathered from every rank first, so the percentiles are those of
+    every position and the metrics those of one process."""
+    kls, nlls, agree, offset = [], [], [], 0
     for chunk in chunks:
         end = offset + chunk.logprobs.shape[0]
         top1, finite = top1_and_finite(chunk.logprobs)
         kls.append(kl_rows(baseline.logprobs[offset:end], chunk.logprobs, finite).cpu().numpy())
         nlls.append(target_nll(chunk))
-        agree += int((top1.cpu().numpy() == baseline.top1[offset:end]).sum())
+        agree.append(top1.cpu().numpy() == baseline.top1[offset:end])
         offset = end
-    return summarize(np.concatenate(kls), np.concatenate(nlls), agree, baseline)
+    columns = [np.concatenate(kls), np.concatenate(nlls), np.concatenate(agree), baseline.nll]
+    kl, nll, agrees, base_nll = [gather(c) for c in columns] if gather else columns
+    return summarize(kl, nll, int(agrees.sum()), base_nll)
 
 
 def delta_p(nll: np.ndarray, base_nll: np.ndarray) -> float:
@@ -308,17 +316,24 @@ def delta_p(nll: np.ndarray, base_nll: np.ndarray) -> float:
     return float(np.mean(np.abs(np.exp(-nll.astype(np.float64)) - np.exp(-base_nll.astype(np.float64)))))
 
 
-def compare(scorer: Scorer, windows, baseline: Baseline) -> Metrics:
-    """Metrics of a candidate against the stored baseline, streaming over the windows."""
+def compare(scorer: Scorer, windows, baseline: Baseline, gather: Gather | None = None) -> Metrics:
+    """Metrics of a candidate against the stored baseline, streaming over the windows (this rank's share
+    of them with `gather`: compare_chunks)."""
     import torch
 
     with torch.inference_mode():
-        return compare_chunks(scorer(windows), baseline)
+        return compare_chunks(scorer(windows), baseline, gather)
 
 
-def summarize(kl: np.ndarray, nll: np.ndarray, agree: int, baseline: Baseline) -> Metrics:
-    ppl = float(math.exp(float(np.mean(nll, dtype=np.float64))))
-    base = baseline.ppl
+def perplexity(nll: np.ndarray) -> float:
+    return float(math.exp(float(np.mean(nll, dtype=np.float64))))
+
+
+def summarize(kl: np.ndarray, nll: np.ndarray, agree: int, base_nll: np.ndarray) -> Metrics:
+    """The metrics from every position's KL divergence and NLL, the count of top-1 agreements and the
+    base's NLL per position."""
+    ppl = perplexity(nll)
+    base = perplexity(base_nll)
     return Metrics(
         positions=int(kl.shape[0]),
         ppl_base=base,
@@ -331,7 +346,7 @@ def summarize(kl: np.ndarray, nll: np.ndarray, agree: int, baseline: Baseline) -
         kld_median=float(np.percentile(kl, 50)),
         kld_p90=float(np.percentile(kl, 90)),
         kld_max=float(np.max(kl)),
-        delta_p=delta_p(nll, baseline.nll),
+        delta_p=delta_p(nll, base_nll),
     )
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from quantkit.eval.evaluate import (
     Baseline,
+    Gather,
     LogitsFn,
     Metrics,
     ScoredChunk,
@@ -219,11 +220,13 @@ def artifact_scorer(path: Path, base_dir: Path | None = None, device: str = "cpu
 
 def evaluate_artifact(artifact: Path, base_dir: Path, windows, baseline: Baseline, device: str = "cpu",
                       trust_remote_code: bool = False, workdir: Path | None = None,
-                      placement: Placement = STREAMED, progress: Progress = ignore) -> Metrics:
+                      placement: Placement = STREAMED, progress: Progress = ignore,
+                      gather: Gather | None = None) -> Metrics:
     """Read an artifact back from disk the way a user would and measure it against the baseline: the
-    one measuring step shared by the pipeline's gate and `quantkit eval` (artifact_scorer)."""
+    one measuring step shared by the pipeline's gate and `quantkit eval` (artifact_scorer). Under torchrun
+    `windows` and `baseline` are this rank's share and `gather` collects the positions (evaluate.compare)."""
     scorer = artifact_scorer(artifact, base_dir, device, trust_remote_code, workdir, placement, progress)
-    return compare(scorer, windows, baseline)
+    return compare(scorer, windows, baseline, gather)
 
 
 def base_scorer(info, dtype: str = "auto", device: str = "cpu", trust_remote_code: bool = False,

@@ -15,8 +15,10 @@ windows llama.cpp lacks, expert variants, attention scales), naming what is supp
 Streaming: all tensor infos are added first (shapes and types are known from the safetensors
 header), then header, metadata and tensor infos are written, then each tensor is read from the
 safetensors file with plain reads (SafetensorsRows: no mmap, no torch) in row slabs for large
-tensors, quantized and appended. Peak memory is about one quantized tensor plus one slab of
-float32 rows on top of the interpreter, numpy, numba and gguf-py.
+tensors, quantized and appended at its aligned offset (the layout gguf-py's writer gives). Peak
+memory is about one quantized tensor plus one slab of float32 rows on top of the interpreter,
+numpy, numba and gguf-py. With a state file, each tensor written is recorded with its sha256, and
+an interrupted conversion continues after the last recorded tensor that verifies (quantkit.gguf.resume).
 
 Numerics: every source weight is converted to float32 exactly (bf16/f16 -> f32 is exact) and
 quantized from those values. llama-quantize quantizes from whatever its input GGUF holds: an F16
@@ -27,15 +29,18 @@ for bf16/f32 checkpoints, and equals `--outtype f16` + `llama-quantize` for f16 
 
 from __future__ import annotations
 
+import hashlib
+import os
 import re
-from dataclasses import dataclass, field
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterator
 
 import numpy as np
 
-from quantkit.errors import InputError, UnsupportedError
-from quantkit.gguf import mixture
+from quantkit.errors import InputError, InternalError, UnsupportedError
+from quantkit.gguf import mixture, resume
 from quantkit.gguf.mixture import T
 
 
@@ -909,11 +914,14 @@ def open_handles(files: list[Path]) -> dict[str, SafetensorsRows]:
 
 def convert(model_dir: Path, out_path: Path, gguf_type: str = "F16", imatrix: dict | None = None,
             name: str | None = None, progress: Callable[[str], None] = lambda m: None,
-            threads: int = 1, types: dict[str, T] | None = None) -> ConvertResult:
+            threads: int = 1, types: dict[str, T] | None = None, state: Path | None = None) -> ConvertResult:
     """Write `out_path` (.gguf) from the checkpoint in model_dir; returns what was written.
 
     `types` ({GGUF name: type}) replaces the mixture's type of those tensors (per-tensor types
-    chosen by quantkit.mixed.gguf; llama-quantize --tensor-type gives the same file)."""
+    chosen by quantkit.mixed.gguf; llama-quantize --tensor-type gives the same file).
+    `state`: the file recording each tensor as it is written (quantkit.gguf.resume); when it holds the
+    progress of an interrupted conversion of the same header and imatrix, the tensors it records are
+    verified in `out_path` and writing continues after the last good one."""
     import gguf
 
     from quantkit.gguf.vocab import add_vocab
@@ -924,31 +932,128 @@ def convert(model_dir: Path, out_path: Path, gguf_type: str = "F16", imatrix: di
     hp = {**load_hparams(info.path), "architectures": info.config.get("architectures")}
     plans = override_types(plan_tensors(hp, info.tensors, key, has_imatrix=bool(imatrix), model_dir=info.path),
                            types or {})
-    unweighted = {p.name: p.qtype for p in plans if imatrix_for(p, imatrix) is None}
+    weights = [imatrix_for(p, imatrix) for p in plans]
+    unweighted = {p.name: p.qtype for p, w in zip(plans, weights) if w is None}
     needing = mixture.needs_imatrix(unweighted)
     if needing:
         raise InputError(f"{needing[0]} is {unweighted[needing[0]].name}: llama.cpp quantizes that type only with "
                          "an imatrix, and there is none for it", hint="pass --imatrix auto or an imatrix of this model")
     spec = arch_spec(hp)
-    writer = gguf.GGUFWriter(str(out_path), gguf_arch_name(spec))
+    writer = gguf.GGUFWriter(None, gguf_arch_name(spec))
     add_metadata(writer, hp, spec, name or Path(model_dir).name, ftype)
     vocab = add_vocab(writer, info.path, hp, spec.vocab)
     for p in plans:
         writer.add_tensor_info(p.name, p.shape, np.dtype(numpy_dtype(p.qtype)), tensor_nbytes(p.shape, p.qtype),
                                raw_dtype=None if p.qtype in (T.F32, T.F16) else p.qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
+    header = header_bytes(writer, Path(out_path))
+    layout = tensor_layout(plans, len(header), writer.data_alignment)
+    saved = resume.Progress(hashlib.sha256(header).hexdigest(), resume.imatrix_digest(imatrix))
+    saved.tensors = resumed(Path(out_path), state, saved, layout, progress)
     handles = open_handles(info.weight_files)
-    used = 0
-    for i, p in enumerate(plans):
-        progress(f"converting: {p.name} -> {p.qtype.name} ({i + 1}/{len(plans)})")
-        weights = imatrix_for(p, imatrix)
-        used += weights is not None
-        writer.write_tensor_data(tensor_data(handles, p, weights, threads))
-    writer.close()
-    for h in set(handles.values()):
-        h.close()
+    try:
+        with open_for_writing(Path(out_path), header, saved.tensors, layout) as fh:
+            for i in range(len(saved.tensors), len(plans)):
+                p = plans[i]
+                progress(f"converting: {p.name} -> {p.qtype.name} ({i + 1}/{len(plans)})")
+                digest = write_tensor(fh, tensor_data(handles, p, weights[i], threads), layout[i], writer.data_alignment)
+                record(state, saved, replace(layout[i], sha256=digest), fh)
+    finally:
+        for h in set(handles.values()):
+            h.close()
     counts = mixture.type_counts({p.name: p.qtype for p in plans})
     return ConvertResult(Path(out_path), key, counts, len(plans), Path(out_path).stat().st_size,
-                         vocab.__dict__, used)
+                         vocab.__dict__, sum(w is not None for w in weights))
+
+
+def header_bytes(writer, out_path: Path) -> bytes:
+    """Header, metadata and tensor infos as gguf-py writes them (through a temporary file beside
+    out_path, so a partly written out_path stays as it is until it is known to match)."""
+    tmp = out_path.with_name(f".{out_path.name}.header")
+    try:
+        writer.write_header_to_file(path=tmp)
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        writer.close()
+        return tmp.read_bytes()
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def aligned(n: int, alignment: int) -> int:
+    return (n + alignment - 1) // alignment * alignment
+
+
+def tensor_layout(plans: list[TensorPlan], header: int, alignment: int) -> list[resume.WrittenTensor]:
+    """Where each tensor's data goes in the file (gguf-py's layout: each tensor aligned, padded to the alignment)."""
+    offset, layout = aligned(header, alignment), []
+    for p in plans:
+        nbytes = tensor_nbytes(p.shape, p.qtype)
+        layout.append(resume.WrittenTensor(p.name, offset, nbytes, ""))
+        offset += aligned(nbytes, alignment)
+    return layout
+
+
+def resumed(out_path: Path, state: Path | None, wanted: resume.Progress, layout: list[resume.WrittenTensor],
+            progress: Callable[[str], None]) -> list[resume.WrittenTensor]:
+    """The tensors an interrupted conversion already wrote to out_path and that still verify; [] when
+    there is no saved progress, or it was made for another header or imatrix (said through `progress`)."""
+    saved = resume.load(state) if state is not None and out_path.is_file() else None
+    if saved is None or not saved.tensors:
+        return []
+    if (saved.header_sha256, saved.imatrix_sha256) != (wanted.header_sha256, wanted.imatrix_sha256):
+        what = "header (types, shapes or metadata)" if saved.header_sha256 != wanted.header_sha256 else "imatrix"
+        progress(f"{out_path.name}: the saved progress was written with another {what}; writing it from the start")
+        return []
+    good = resume.verified(out_path, saved, layout)
+    progress(f"{out_path.name}: resuming after {len(good)} of {len(layout)} tensors (verified by sha256)"
+             + (f"; {len(saved.tensors) - len(good)} recorded tensor(s) did not verify" if len(good) < len(saved.tensors)
+                else ""))
+    return good
+
+
+@contextmanager
+def open_for_writing(out_path: Path, header: bytes, done: list[resume.WrittenTensor],
+                     layout: list[resume.WrittenTensor]):
+    """out_path open for the tensors after `done`: cut after the last of them (what follows is
+    rewritten), or, with none done, a new file holding the header."""
+    if not done:
+        with open(out_path, "wb") as fh:
+            fh.write(header)
+            yield fh
+        return
+    with open(out_path, "r+b") as fh:
+        end = layout[len(done)].offset if len(done) < len(layout) else fh.seek(0, os.SEEK_END)
+        fh.truncate(end)
+        fh.seek(end)
+        yield fh
+
+
+def data_chunks(data) -> Iterator[np.ndarray]:
+    return data.slabs() if isinstance(data, SlabbedTensor) else iter([data])
+
+
+def write_tensor(fh, data, where: resume.WrittenTensor, alignment: int) -> str:
+    """One tensor's bytes at its planned offset (zeros pad up to it), padded to the alignment after,
+    as GGUFWriter.write_tensor_data writes them; returns their sha256."""
+    if fh.tell() > where.offset:
+        raise InternalError(f"{where.name}: the file is at byte {fh.tell()}, past the tensor's offset {where.offset}")
+    fh.write(bytes(where.offset - fh.tell()))
+    digest, written = hashlib.sha256(), 0
+    for chunk in data_chunks(data):
+        view = memoryview(np.ascontiguousarray(chunk)).cast("B")
+        digest.update(view)
+        fh.write(view)
+        written += view.nbytes
+    if written != where.nbytes:
+        raise InternalError(f"{where.name}: wrote {written} bytes, planned {where.nbytes}")
+    fh.write(bytes(aligned(written, alignment) - written))
+    return digest.hexdigest()
+
+
+def record(state: Path | None, saved: resume.Progress, tensor: resume.WrittenTensor, fh) -> None:
+    """A tensor is complete: flushed to the file, then added to the saved progress (when kept)."""
+    if state is None:
+        return
+    fh.flush()
+    saved.tensors.append(tensor)
+    resume.save(state, saved)

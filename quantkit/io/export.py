@@ -84,6 +84,35 @@ def make_staging(out: Path, progress: Callable[[str], None] = lambda message: No
     return staging
 
 
+def adopt_staging(out: Path, resumable: Callable[[Path], bool], check: Callable[[Path], None],
+                  progress: Callable[[str], None] = lambda message: None) -> Path | None:
+    """For --resume: under the parent's lock, take over the newest staging directory a dead run left
+    beside OUT that `resumable` accepts (its owner file rewritten to this process) after `check`
+    passes (it raises to refuse; then nothing is removed); the other dead runs' directories are
+    removed. None when no leftover is resumable (then make_staging makes a fresh one)."""
+    out = out.resolve()
+    with locked(out.parent):
+        found = [Leftover(s, o) for s in stagings(out) if (o := read_owner(s)) is not None]
+        check_none_alive(out, [f.owner for f in found])
+        kept = [f for f in found if resumable(f.staging)]
+        chosen = max(kept, key=lambda f: f.owner.started) if kept else None
+        if chosen is None:
+            return None
+        check(chosen.staging)
+        write_owner(chosen.staging, Owner.me())
+        for leftover in found:
+            if leftover is not chosen:
+                discard(leftover.staging)
+                progress(f"removed {leftover.staging.name}, left by pid {leftover.owner.pid} (not the one resumed)")
+    return chosen.staging
+
+
+def resumable_leftovers(out: Path, resumable: Callable[[Path], bool]) -> list[Path]:
+    """The staging directories of dead runs beside OUT that `resumable` accepts (read-only: the preflight)."""
+    out = out.resolve()
+    return [s for s in stagings(out) if (o := read_owner(s)) is not None and not owner_alive(o) and resumable(s)]
+
+
 def current_umask() -> int:
     umask = os.umask(0)
     os.umask(umask)

@@ -137,6 +137,7 @@ class QuantizeJob:
     progress: Callable[[str], None] = lambda message: None  # one line per phase of a long step (the CLI shows it)
     handle: ModelHandle = field(default_factory=ModelHandle)
     placement: Any = field(default_factory=streamed_placement)  # where quantkit's own forwards run (quantkit.eval.scorers.Placement)
+    resume_dir: Path | None = None  # --resume: where the method keeps its progress (MethodSpec.resume_unit); None: it keeps none
 
     @property
     def model(self) -> Any:
@@ -289,6 +290,14 @@ class MethodSpec:
     # (GPTQ's Hessians; fp8's model-free slabs, where it loads no model)
     working_set: Callable[[ModelInfo, BaseModel], int] = _no_working_set
     distributed: bool = False  # True: one target may run on several torchrun ranks
+    # --resume (quantkit.run.resume): what an interrupted run continues from ("the last written tensor"), the
+    # method keeping its progress in job.resume_dir; None: the method does not resume (refused before work)
+    resume_unit: str | None = None
+    # resume_bytes(info, options) -> disk its saved progress takes beyond the artifact (preflight)
+    resume_bytes: Callable[[ModelInfo, BaseModel], int] = _no_working_set
+    # ranks_refused(options) -> why a target with these options runs in one process only (None: it may run
+    # on ranks where `distributed`): the reason the torchrun refusal names (quantkit.engines.llmcompressor.distributed)
+    ranks_refused: Callable[[BaseModel], str | None] = lambda options: None
     # support(family) -> "✅ ..." or "refused: why": what the method does with a family of
     # quantkit.arch.families, as its check() decides (README's tables)
     support: Callable[[Family], str] = _supports_every_family

@@ -156,11 +156,20 @@ def support(family) -> str:
     return family.decoder_support("✅ symmetric (asymmetric refused)")
 
 
+def ranks_refused(options: Options) -> str | None:
+    """AutoRound on ranks is auto-round's DDP (auto_round/utils/distributed.py, "experimental"): each rank
+    samples its own mini-batches from its share, keeps the iteration with its own lowest loss (never
+    reduced) and may stop early on it, so ranks can end on different weights or wait forever in a
+    gradient all-reduce the other rank never joins."""
+    return ("auto-round's DDP keeps each rank's own best iteration by its own loss and stops early per "
+            "rank, so ranks can diverge or hang")
+
+
 METHOD = MethodSpec(
     quantizes_towers=True, name="autoround", engine=llmc.ENGINE, engine_package=llmc.ENGINE,
     format="compressed-tensors (pack-quantized, int weights)",
     options=Options, quantize=quantize, precision=precision, default_gate=fixed_gate(gptq.DEFAULT_GATE),
     check=check, needs_calibration=needs_calibration, resolve=gptq.resolve, shape_problems=gptq.shape_problems,
     fallback_ladder=fallback_ladder, requantize=requantize, stored_bits=gptq.stored_bits, working_set=working_set,
-    support=support, runtimes=gptq.RUNTIMES,
+    support=support, runtimes=gptq.RUNTIMES, ranks_refused=ranks_refused,
 )

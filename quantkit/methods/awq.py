@@ -299,11 +299,23 @@ def support(family) -> str:
     return family.smoothing_refusal() or family.decoder_support("✅ with `--symmetric` (asymmetric refused)")
 
 
+def ranks_refused(options: Options) -> str | None:
+    """llm-compressor 0.14 smooths on every rank: each rank computes the same scales and writes them into
+    the weights (modifiers/transform/awq/base.py, _apply_smoothing: the smooth layer divided in place,
+    `module.weight.div_(scales)`). On a CPU the ranks share those weights (compressed-tensors'
+    DistributedCPUCache puts them in shared memory), so the smoothing is applied once per rank: on 2 gloo
+    ranks the toy model's artifact came out with KLD 2.8e-3 instead of 1.5e-5. On GPUs each rank reads and
+    writes the weights through the same shared host copy, with nothing ordering the ranks (not run here: no
+    NCCL)."""
+    return ("llm-compressor 0.14 applies the smoothing on every rank to weights the ranks share, so it is "
+            "applied once per rank")
+
+
 METHOD = MethodSpec(
     quantizes_towers=True, name="awq", engine=llmc.ENGINE, engine_package=llmc.ENGINE,
     format="compressed-tensors (pack-quantized, int4 asymmetric)",
     options=Options, quantize=quantize, precision=precision, default_gate=fixed_gate(DEFAULT_GATE),
     check=check, needs_calibration=needs_calibration, check_ignore=check_ignore, shape_problems=gptq.shape_problems,
     resolve=gptq.resolve, fallback_ladder=fallback_ladder, requantize=requantize, stored_bits=gptq.stored_bits,
-    support=support, runtimes=gptq.RUNTIMES,
+    support=support, runtimes=gptq.RUNTIMES, ranks_refused=ranks_refused,
 )

@@ -260,9 +260,35 @@ def load_imatrix(job):
     if not computes_imatrix(opts):
         return im.read(Path(opts.imatrix)), f"file:{opts.imatrix}"
     calib = job.windows.calib
+    source = f"computed ({len(calib)} x {calib.shape[1]} tokens)"
+    saved = saved_imatrix(job)
+    if saved is not None and saved.is_file():
+        job.progress("imatrix: read from the saved progress")
+        return im.read(saved), source
     job.progress(f"imatrix: {len(calib)} calibration windows through the model")
     imatrix = compute_imatrix(job, calib)
-    return imatrix, f"computed ({len(calib)} x {calib.shape[1]} tokens)"
+    if saved is not None:
+        save_imatrix(imatrix, saved)
+    return imatrix, source
+
+
+def saved_imatrix(job: QuantizeJob) -> Path | None:
+    """--resume: where the computed imatrix is kept, so a resumed run reads it instead of computing it."""
+    return None if job.resume_dir is None else Path(job.resume_dir) / "imatrix.gguf"
+
+
+def save_imatrix(imatrix, path: Path) -> None:
+    """Written whole and fsynced under a temporary name, then renamed into place."""
+    import os
+
+    from quantkit.gguf import imatrix as im
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    im.write(imatrix, tmp)
+    with open(tmp, "rb") as fh:
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
 
 
 def compute_imatrix(job: QuantizeJob, calib):
@@ -366,7 +392,7 @@ def write_gguf(job: QuantizeJob, imatrix, types: dict | None, details: dict) -> 
     job.progress(f"writing {out_path.name}")
     result = convert(job.info.path, out_path, opts.gguf_type,
                      imatrix=imatrix.weights() if imatrix is not None else None, name=name, threads=cpu_threads(),
-                     types=types, progress=job.progress)
+                     types=types, progress=job.progress, state=conversion_state(job, out_path))
     projector = write_mmproj(job, name)
     (Path(job.out_dir) / "Modelfile").write_text(render(out_path.name, read_chat_template(job.info.path),
                                                         projector.get("file")))
@@ -379,6 +405,22 @@ def write_gguf(job: QuantizeJob, imatrix, types: dict | None, details: dict) -> 
         (Path(job.out_dir) / TENSOR_TYPES_FILE).write_text("\n".join(override_lines(types)) + "\n")
         gguf["tensor_types_file"] = TENSOR_TYPES_FILE
     return QuantizeResult(out_path, {**details, "gguf": gguf})
+
+
+def conversion_state(job: QuantizeJob, out_path: Path) -> Path | None:
+    """--resume: the file recording each tensor written to out_path (quantkit.gguf.resume); None without."""
+    if job.resume_dir is None:
+        return None
+    Path(job.resume_dir).mkdir(parents=True, exist_ok=True)
+    return Path(job.resume_dir) / f"{out_path.name}.json"
+
+
+def resume_bytes(info, options: Options) -> int:
+    """Disk the saved progress takes beyond the .gguf itself: the computed imatrix (a float32 per input
+    column of every matrix, twice while it is replaced) and the state file (~200 bytes per tensor)."""
+    matrices = [shape for _dtype, shape in info.tensors.values() if len(shape) >= 2]
+    imatrix = 2 * sum(4 * shape[-1] for shape in matrices) if computes_imatrix(options) else 0
+    return imatrix + 2 * 200 * len(info.tensors)
 
 
 def write_mmproj(job: QuantizeJob, name: str) -> dict:
@@ -592,4 +634,5 @@ METHOD = MethodSpec(
     requantize=requantize,
     artifact="gguf", stored_bits=stored_bits, support=support, tower_proof=tower_proof,
     precision_bits=precision_bits, runtimes=RUNTIMES, serve_command=serve_command,
+    resume_unit="the last written tensor", resume_bytes=resume_bytes,
 )

@@ -150,5 +150,5 @@ METHOD = MethodSpec(
     format="compressed-tensors (nvfp4-pack-quantized)",
     options=Options, quantize=quantize, precision=precision, default_gate=default_gate,
     check=check, shape_problems=shape_problems, needs_calibration=needs_calibration, stored_bits=stored_bits,
-    support=fp4_support, runtimes=RUNTIMES, scheme_runtimes=runtimes,
+    support=fp4_support, runtimes=RUNTIMES, scheme_runtimes=runtimes, distributed=True,
 )

@@ -205,10 +205,22 @@ def support(family) -> str:
     return family.smoothing_refusal() or family.decoder_support("refused: int8 experts do not reload")
 
 
+def ranks_refused(options: Options) -> str | None:
+    """llm-compressor 0.14 smooths on every rank: each rank computes the same scales and writes them into
+    the weights (modifiers/transform/smoothquant/base.py, _apply_smoothing: `module.weight * scales` read
+    back and written). On a CPU the ranks share those weights (compressed-tensors' DistributedCPUCache puts
+    them in shared memory), so the smoothing is applied once per rank: on 2 gloo ranks the toy model's
+    artifact came out with KLD 6.6e-5 instead of 7.7e-6 (every norm weight different). On GPUs each rank
+    reads and writes the weights through the same shared host copy, with nothing ordering the ranks (not
+    run here: no NCCL)."""
+    return ("llm-compressor 0.14 applies the smoothing on every rank to weights the ranks share, so it is "
+            "applied once per rank")
+
+
 METHOD = MethodSpec(
     quantizes_towers=True, name="smoothquant", engine=llmc.ENGINE, engine_package=llmc.ENGINE,
     format="compressed-tensors (int-quantized, W8A8 int8)",
     options=Options, quantize=quantize, precision=precision, default_gate=fixed_gate(DEFAULT_GATE),
     check=check, needs_calibration=needs_calibration, fallback_ladder=fallback_ladder, requantize=requantize,
-    support=support, runtimes=RUNTIMES,
+    support=support, runtimes=RUNTIMES, ranks_refused=ranks_refused,
 )

@@ -29,7 +29,14 @@ from pydantic import BaseModel
 
 from quantkit import __version__
 from quantkit.arch.vlm import FAMILIES, tower_summary
-from quantkit.engines.llmcompressor.distributed import Ranks, check_launch, process_group
+from quantkit.engines.llmcompressor.distributed import (
+    Ranks,
+    check_launch,
+    gather_for,
+    process_group,
+    see_from_every_rank,
+    share_object,
+)
 from quantkit.engines.transformers import Offload, check_device, device_map
 from quantkit.errors import (
     CalibrationError,
@@ -45,7 +52,7 @@ from quantkit.io.checkpoint import ModelInfo, check_generative, check_model_dir,
 from quantkit.io.memory import PeakTracker
 from quantkit.io.numerics import check_finite
 from quantkit.methods import MethodSpec, ModelHandle, QuantizeJob, QuantizeResult, get_method
-from quantkit.run import serving
+from quantkit.run import resume, serving
 from quantkit.run.cache import fingerprint, input_hashes, up_to_date
 from quantkit.run.lora import plan_merge
 from quantkit.run.plan import build_plan, ignore_patterns
@@ -59,6 +66,7 @@ from quantkit.run.preflight import (
     ram_estimate,
     run_estimate,
     vram_estimate,
+    with_resume,
 )
 from quantkit.run.recipe import Calibration, Gate, Recipe, Target, target_gate, target_options
 from quantkit.run.report import ModelReport, RunReport, TargetReport, kept_summary, model_card, package_version
@@ -121,11 +129,13 @@ def prepare(recipe: Recipe, opts: RunOptions) -> tuple[ModelInfo, list[ResolvedT
     targets = [resolve_target(recipe, target, info) for target in selected]
     given = {"--lora": bool(recipe.lora), "--offload-dir": recipe.offload_dir is not None,
              "--skip-existing": opts.skip_existing, "--partial": opts.partial}
-    check_launch(opts.ranks, [(t.name, t.target.method, t.method.distributed, t.options) for t in targets],
-                 window_settings(recipe, targets).num_samples, [flag for flag, on in given.items() if on])
+    check_launch(opts.ranks, [(t.name, t.target.method, t.method.distributed, t.options,
+                               t.method.ranks_refused(t.options)) for t in targets],
+                 window_settings(recipe, targets).num_samples, [flag for flag, on in given.items() if on],
+                 recipe.calibration.eval_windows)
     if recipe.lora:
         lora_plan(info, recipe)  # every adapter checked against the base before work
-    check_disk(opts.out, run_estimate(info, recipe, [(t.method, t.options) for t in targets]))
+    check_disk(opts.out, disk_estimate(recipe, opts, info, targets))
     placement = gate_placement(info, recipe, targets, opts.max_memory)
     check_ram(ram_estimate(info, recipe, targets, placement), opts.max_memory)
     if device_map(recipe.device) == "cuda":
@@ -134,6 +144,17 @@ def prepare(recipe: Recipe, opts: RunOptions) -> tuple[ModelInfo, list[ResolvedT
     check_gate_tasks(recipe, targets, opts)
     check_serve_engines(targets)
     return info, targets, placement
+
+
+def disk_estimate(recipe: Recipe, opts: RunOptions, info: ModelInfo, targets: list[ResolvedTarget]):
+    """What the run writes beside OUT (quantkit.run.preflight); with --resume, every target's method must
+    resume (exit 2 otherwise), and its saved progress counts, less what an interrupted run already wrote."""
+    methods = [(t.method, t.options) for t in targets]
+    estimate = run_estimate(info, recipe, methods)
+    if not recipe.resume:
+        return estimate
+    resume.check_methods([(t.name, t.method) for t in targets])
+    return with_resume(estimate, info, methods, resume.staged_bytes(opts.out))
 
 
 def gate_tasks(targets: list[ResolvedTarget]) -> list:
@@ -355,16 +376,36 @@ def run_main(recipe: Recipe, opts: RunOptions, info: ModelInfo, targets: list[Re
             opts.progress(f"[{t.name}] kept 16-bit: {kept_summary(t.kept_16bit)}")
     prints = {t.name: fingerprint(recipe, t.target, t.gate, inputs, opts.enforce_gate) for t in targets}
     todo = [t for t in targets if not (opts.skip_existing and skipped(recipe, opts, t, prints[t.name], report))]
-    staging = export.make_staging(opts.out, opts.progress)
+    staging = make_staging(recipe, opts, info, inputs)
     try:
+        if opts.ranks.distributed:  # every rank reads the staged artifacts: storage every node sees
+            see_from_every_rank(staging, opts.ranks)
         if todo:
             _run_in(staging, recipe, opts, info, todo, prints, report, placement)
         report.timings["total_s"] = round(time.time() - started, 3)
         _finish(staging, recipe, opts, report)
     except BaseException:
-        export.discard(staging)
+        keep_or_discard(staging, recipe, opts)
         raise
     return report
+
+
+def make_staging(recipe: Recipe, opts: RunOptions, info: ModelInfo, inputs: dict[str, str]) -> Path:
+    """The run's staging directory beside OUT; with --resume, the one an interrupted run of the same
+    identity left (quantkit.run.resume), or a fresh one that keeps its progress."""
+    if not recipe.resume:
+        return export.make_staging(opts.out, opts.progress)
+    dump = {**recipe.model_dump(mode="json"), "model": str(info.path)}
+    return resume.begin(opts.out, resume.identity(dump, inputs, opts.only), opts.progress)
+
+
+def keep_or_discard(staging: Path, recipe: Recipe, opts: RunOptions) -> None:
+    """A run that did not publish: its staging directory removed, or with --resume kept (with its
+    saved progress) for the next --resume run; a run without --resume removes it."""
+    if recipe.resume and staging.is_dir():
+        opts.progress(f"progress kept in {staging} (run again with --resume to continue)")
+        return
+    export.discard(staging)
 
 
 def skipped(recipe: Recipe, opts: RunOptions, resolved: ResolvedTarget, wanted: dict[str, Any],
@@ -389,7 +430,7 @@ def _run_in(staging: Path, recipe: Recipe, opts: RunOptions, info: ModelInfo, ta
     from quantkit.engines.transformers import load_tokenizer
 
     workdir = staging / export.WORK_DIR
-    workdir.mkdir()
+    workdir.mkdir(exist_ok=True)  # a --resume run's holds its saved progress already
     if recipe.lora:
         info = merge_lora(info, recipe, workdir, report, opts.progress)
     settings = window_settings(recipe, targets)
@@ -402,7 +443,8 @@ def _run_in(staging: Path, recipe: Recipe, opts: RunOptions, info: ModelInfo, ta
                                   eval_windows=len(windows.eval))
     baseline = None
     if windows is not None and len(windows.eval):
-        baseline = compute_baseline(info, recipe, windows.eval, workdir, report, opts.progress, placement)
+        baseline = compute_baseline(info, recipe, windows.eval, workdir, report, opts.progress, placement,
+                                    opts.ranks)
         score_base_extras(info, recipe, targets, tokenizer, windows.eval, baseline, workdir, report, opts.progress,
                           placement)
     for resolved in targets:
@@ -413,7 +455,7 @@ def _run_in(staging: Path, recipe: Recipe, opts: RunOptions, info: ModelInfo, ta
             # so run_target can free it before measuring
             with offload_plan(recipe, info, workdir, placement) as offload:
                 job = target_job(recipe, opts, info, resolved, tokenizer, windows, out_dir, workdir, offload,
-                                 placement)
+                                 placement, resume.target_dir(staging, resolved.name) if recipe.resume else None)
                 entry = run_target(job, resolved, baseline, opts)
                 del job
         except Exception as exc:
@@ -427,14 +469,16 @@ def _run_in(staging: Path, recipe: Recipe, opts: RunOptions, info: ModelInfo, ta
 
 
 def target_job(recipe: Recipe, opts: RunOptions, info: ModelInfo, resolved: ResolvedTarget, tokenizer, windows,
-               out_dir: Path, workdir: Path, offload: Offload | None, placement: Placement | None = None) -> QuantizeJob:
+               out_dir: Path, workdir: Path, offload: Offload | None, placement: Placement | None = None,
+               resume_dir: Path | None = None) -> QuantizeJob:
     """One target's job, with the full-precision model (`offload` on disk) and the tokenizer when its
-    method needs them, and where quantkit's own forwards run (streamed without a placement)."""
+    method needs them, where quantkit's own forwards run (streamed without a placement), and with
+    --resume where its method keeps its progress."""
     job = QuantizeJob(info, resolved.options, windows, resolved.ignore, out_dir, workdir, recipe.dtype, recipe.device,
                       recipe.trust_remote_code, resolved.target.tower_precision(), offload, opts.ranks,
                       lambda message: opts.progress(f"[{resolved.name}] {message}"),
                       ModelHandle(tokenizer=tokenizer if resolved.needs_model else None),
-                      **({"placement": placement} if placement is not None else {}))
+                      **({"placement": placement} if placement is not None else {}), resume_dir=resume_dir)
     if resolved.needs_model:
         job.load_model(offload)
     return job
@@ -442,17 +486,26 @@ def target_job(recipe: Recipe, opts: RunOptions, info: ModelInfo, resolved: Reso
 
 def run_share(recipe: Recipe, opts: RunOptions, info: ModelInfo, targets: list[ResolvedTarget],
               placement: Placement) -> None:
-    """A rank other than 0 (quantkit.engines.llmcompressor.distributed): each target's GPTQ on this rank's share of the
-    windows, in step with rank 0's; nothing written outside a private work directory next to OUT."""
+    """A rank other than 0 (quantkit.engines.llmcompressor.distributed), in step with rank 0's run: it checks it
+    sees rank 0's staging directory, scores its share of the held-out windows with the base, quantizes each
+    target on its share of the calibration windows, then scores its share of the windows with the artifact
+    rank 0 staged (the sums gathered by rank 0's gate). Nothing written outside a private work directory
+    next to OUT."""
     import tempfile
 
     from quantkit.engines.transformers import load_tokenizer
+    from quantkit.eval import scorers
 
+    see_from_every_rank(None, opts.ranks)
     tokenizer = load_tokenizer(info, recipe.trust_remote_code)
     windows = make_windows(tokenizer, window_settings(recipe, targets), lambda message: None)
     parent = opts.out.resolve().parent
     with tempfile.TemporaryDirectory(prefix=f".quantkit-rank{opts.ranks.rank}-", dir=parent) as tmp:
         workdir = Path(tmp)
+        baseline = None
+        if len(windows.eval):
+            baseline = score_baseline(info, recipe, windows.eval, workdir, placement, opts.ranks)
+            gather_for(opts.ranks)(baseline.nll)  # rank 0's perplexity of the base (compute_baseline)
         for resolved in targets:
             with offload_plan(recipe, info, workdir, placement) as offload:
                 job = target_job(recipe, opts, info, resolved, tokenizer, windows, workdir, workdir, offload,
@@ -460,21 +513,43 @@ def run_share(recipe: Recipe, opts: RunOptions, info: ModelInfo, targets: list[R
                 resolved.method.quantize(job)
                 job.free_model()
                 del job
+            if baseline is not None:  # rank 0's measure(): its artifact, this rank's share of the windows
+                artifact = Path(share_object(None, opts.ranks))
+                scorers.evaluate_artifact(artifact, info.path, eval_share(windows.eval, opts.ranks), baseline,
+                                          recipe.device, recipe.trust_remote_code, workdir, placement,
+                                          gather=gather_for(opts.ranks))
+
+
+def eval_share(windows, ranks: Ranks):
+    """This rank's contiguous share of the held-out windows (all of them in one process)."""
+    return windows[ranks.share(len(windows))]
+
+
+def score_baseline(info: ModelInfo, recipe: Recipe, windows, workdir: Path, placement: Placement, ranks: Ranks,
+                   progress: Progress = lambda message: None):
+    """The base's scores on this rank's share of the held-out windows (all of them in one process)."""
+    from quantkit.eval import evaluate, scorers
+
+    scorer = scorers.base_scorer(info, recipe.dtype, recipe.device, recipe.trust_remote_code, workdir, placement,
+                                 progress)
+    return evaluate.compute_baseline(scorer, eval_share(windows, ranks), workdir=workdir, spill=placement.spill)
 
 
 def compute_baseline(info: ModelInfo, recipe: Recipe, windows, workdir: Path, report: RunReport,
-                     progress: Progress, placement: Placement):
+                     progress: Progress, placement: Placement, ranks: Ranks = Ranks()):
     """Score the full-precision model once on the held-out windows (reused for every target); a text
-    decoder is read from its checkpoint, resident or streamed a layer at a time as `placement` says."""
-    from quantkit.eval import evaluate, scorers
+    decoder is read from its checkpoint, resident or streamed a layer at a time as `placement` says.
+    Under torchrun each rank scores its share (score_baseline, run_share) and keeps its share's baseline;
+    the report's perplexity is that of every position."""
+    from quantkit.eval.evaluate import perplexity
 
-    progress(f"baseline: scoring {len(windows)} held-out windows")
-    scorer = scorers.base_scorer(info, recipe.dtype, recipe.device, recipe.trust_remote_code, workdir, placement,
-                                 progress)
+    progress(f"baseline: scoring {len(windows)} held-out windows"
+             + (f" on {ranks.world_size} ranks" if ranks.distributed else ""))
     with PeakTracker() as t:
-        baseline = evaluate.compute_baseline(scorer, windows, workdir=workdir, spill=placement.spill)
+        baseline = score_baseline(info, recipe, windows, workdir, placement, ranks, progress)
+        nll = gather_for(ranks)(baseline.nll) if ranks.distributed else baseline.nll
     report.timings["baseline_s"] = t.seconds
-    report.baseline = {"ppl": baseline.ppl, "positions": int(baseline.nll.shape[0]), "peak_rss_bytes": t.peak_rss}
+    report.baseline = {"ppl": perplexity(nll), "positions": int(nll.shape[0]), "peak_rss_bytes": t.peak_rss}
     return baseline
 
 
@@ -516,8 +591,11 @@ def measure(job: QuantizeJob, resolved: ResolvedTarget, artifact: Path, baseline
     from quantkit.eval import evaluate, generate, scorers
 
     gate = resolved.gate
-    entry.metrics = scorers.evaluate_artifact(artifact, job.info.path, job.windows.eval, baseline, job.device,
-                                               job.trust_remote_code, job.workdir, job.placement, job.progress)
+    if job.ranks.distributed:  # the other ranks score their shares of the windows with it (run_share)
+        share_object(str(artifact), job.ranks)
+    entry.metrics = scorers.evaluate_artifact(artifact, job.info.path, eval_share(job.windows.eval, job.ranks),
+                                               baseline, job.device, job.trust_remote_code, job.workdir,
+                                               job.placement, job.progress, gather=gather_for(job.ranks))
     logits = None
     if gate.flip_prompts or gate.tasks:
         logits = scorers.artifact_logits(artifact, job.info.path, job.device, job.trust_remote_code, job.workdir,

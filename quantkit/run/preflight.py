@@ -3,7 +3,9 @@ filesystem lacks it (exit 2, with the numbers), instead of failing after the lon
 
 Rough on purpose: per target, the decoder's linear weights at the method's bits and everything
 else at 16 bits; a merged LoRA checkpoint at 16 bits; the float16 baseline log-probs and the
-float32 logits a streamed scorer spills (eval_windows x seq_len x vocab, 2 + 4 bytes at most).
+float32 logits a streamed scorer spills (eval_windows x seq_len x vocab, 2 + 4 bytes at most);
+with --resume, each method's saved progress beyond its artifact (MethodSpec.resume_bytes), less
+what the interrupted run being resumed already wrote.
 Staging, merged checkpoint and these files all live on OUT's filesystem (the staging directory
 is beside OUT).
 """
@@ -24,10 +26,20 @@ class DiskEstimate:
     artifacts: int
     merged_lora: int
     baseline: int
+    saved_progress: int = 0  # --resume: each target's saved progress beyond its artifact (MethodSpec.resume_bytes)
+    staged: int = 0  # --resume: bytes already in the staging directory the run takes over
 
     @property
     def total(self) -> int:
-        return self.artifacts + self.merged_lora + self.baseline
+        return max(0, self.artifacts + self.merged_lora + self.baseline + self.saved_progress - self.staged)
+
+
+def with_resume(estimate: DiskEstimate, info, targets: list[tuple[MethodSpec, object]], staged: int) -> DiskEstimate:
+    """A --resume run's estimate: the saved progress of every target added, what an interrupted run
+    already wrote (`staged`, which the resumed run keeps or overwrites) taken off."""
+    from dataclasses import replace
+
+    return replace(estimate, saved_progress=sum(m.resume_bytes(info, o) for m, o in targets), staged=staged)
 
 
 def estimate_bytes(quantized_params: int, other_params: int, target_bits: list[float], lora: bool,
@@ -69,6 +81,10 @@ def check_disk(out: Path, estimate: DiskEstimate) -> None:
         parts.append(f"merged LoRA model {_size(estimate.merged_lora)}")
     if estimate.baseline:
         parts.append(f"baseline and spilled logits {_size(estimate.baseline)}")
+    if estimate.saved_progress:
+        parts.append(f"saved progress for --resume {_size(estimate.saved_progress)}")
+    if estimate.staged:
+        parts.append(f"less {_size(estimate.staged)} an interrupted run already wrote")
     raise InputError(f"not enough disk space in {parent}: the run writes about {_size(estimate.total)} "
                      f"({', '.join(parts)}), {_size(free)} is free",
                      hint="free some space, write to another filesystem, or run fewer targets or eval windows")

@@ -150,6 +150,8 @@ class Recipe(Strict):
     offload_dir: str | None = Field(None, description="offload decoder layers, embeddings and head to disk here while quantizing")
     strict_shapes: bool = Field(False, description="refuse a layer whose widths the format cannot tile, instead of "
                                 "keeping it 16-bit")
+    resume: bool = Field(False, description="keep the run's progress in its staging directory, and continue an "
+                         "interrupted run of the same inputs and recipe from it (quantkit.run.resume)")
     calibration: Calibration = Field(default_factory=Calibration)
     targets: list[Target] = Field(min_length=1)
     gate: Gate = Field(default_factory=Gate)
@@ -329,6 +331,7 @@ class Overrides:
     offload_dir: str | None = None
     strict_shapes: bool = False
     trust_remote_code: bool = False
+    resume: bool = False
     lora: list[str] = field(default_factory=list)
     lora_weights: list[float] = field(default_factory=list)
     merge_base: str | None = None
@@ -373,6 +376,8 @@ def apply_overrides(data: dict, o: Overrides) -> dict:
         data["trust_remote_code"] = True
     if o.strict_shapes:
         data["strict_shapes"] = True
+    if o.resume:
+        data["resume"] = True
     if o.lora:
         data["lora"] = list(data.get("lora") or []) + list(o.lora)
     if o.lora_weights:

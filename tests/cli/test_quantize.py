@@ -325,7 +325,7 @@ def test_two_torchrun_ranks_give_the_one_process_artifact(cli, micro_model, tmp_
     run = subprocess.run([*launcher, "quantkit", *map(str, args), "-o", str(tmp_path / "two")], capture_output=True,
                          text=True, env=subprocess_env(OMP_NUM_THREADS="1", **loopback), timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert f"rank 1 of 2: calibration share done; rank 0 writes {tmp_path / 'two'}" in run.stderr
+    assert f"rank 1 of 2: calibration and gate shares done; rank 0 writes {tmp_path / 'two'}" in run.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["one", "two"]  # no rank's work directory left
     one, two = load_file(tmp_path / "one" / "model.safetensors"), load_file(tmp_path / "two" / "model.safetensors")
     assert one.keys() == two.keys()

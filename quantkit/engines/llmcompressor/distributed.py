@@ -16,7 +16,8 @@ llm-compressor 0.14.0.1 does not hand a rank's quantized weights to the others w
 on the CPU (`broadcast_qparams_and_cleanup(skip_cpu=True)`: CPU weights are shared between the ranks),
 and nothing waits for the owning rank to finish writing them, so the next layer's inputs were
 computed from half-written weights in some runs (on gloo: top-1 agreement 5% instead of 61% on the
-toy model, one run in three). `synchronized_gptq()` adds a barrier after it.
+toy model, one run in three). `synchronized()` adds a barrier after it (and after QuantizationModifier's broadcast of weight scales,
+the same hand-over).
 
 Only a plain GPTQ target runs on several ranks: a method other than gptq, auto-precision and
 fallback (which re-quantize from rank 0's measurements), and the run-wide options in
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterator, Mapping
 
 from quantkit.errors import InputError, UnsupportedError
@@ -80,17 +82,18 @@ def ranks_from(env: Mapping[str, str]) -> Ranks:
     return Ranks(rank, world, local)
 
 
-def check_launch(ranks: Ranks, targets: list[tuple[str, str, bool, object]], num_samples: int,
-                 flags: list[str]) -> None:
+def check_launch(ranks: Ranks, targets: list[tuple[str, str, bool, object, str | None]], num_samples: int,
+                 flags: list[str], eval_windows: int = 0) -> None:
     """Refuse, before work, what cannot run on several ranks. `targets` are (name, method, whether the
-    method runs on several ranks, options); `flags` the run-wide options given (names as in
-    ONE_PROCESS_FLAGS)."""
+    method runs on several ranks, options, why these options do not: None where they do); `flags` the
+    run-wide options given (names as in ONE_PROCESS_FLAGS)."""
     if not ranks.distributed:
         return
     launch = f"this is one of {ranks.world_size} torchrun ranks"
-    for name, method, distributed, options in targets:
-        if not distributed:
-            raise UnsupportedError(f"target '{name}': {method} runs in one process only, but {launch}",
+    for name, method, distributed, options, why in targets:
+        if not distributed or why:
+            because = f" ({why})" if why else ""
+            raise UnsupportedError(f"target '{name}': {method} runs in one process only{because}, but {launch}",
                                    hint="launch the targets whose method runs on several ranks with torchrun "
                                    "(--only), the others without it")
         extras = [flag for flag, value in (("auto-precision", getattr(options, "auto_precision", None)),
@@ -101,9 +104,13 @@ def check_launch(ranks: Ranks, targets: list[tuple[str, str, bool, object]], num
     if flags:  # the first one given is named
         why, hint = ONE_PROCESS_FLAGS[flags[0]]
         raise UnsupportedError(f"{flags[0]} runs in one process only ({why}), but {launch}", hint=hint)
-    if num_samples < ranks.world_size:
+    if 0 < num_samples < ranks.world_size:  # a method that calibrates nothing (fp8-dynamic) needs no windows
         raise InputError(f"{num_samples} calibration windows cannot be shared by {ranks.world_size} ranks",
                          hint=f"raise --num-samples to at least {ranks.world_size}")
+    if 0 < eval_windows < ranks.world_size:
+        raise InputError(f"{eval_windows} held-out windows cannot be shared by {ranks.world_size} ranks (each scores "
+                         "its share of the gate's windows)", hint=f"raise --eval-windows to at least "
+                                                                  f"{ranks.world_size}")
 
 
 @contextmanager
@@ -139,13 +146,95 @@ def broadcast_then_wait(*args, **kwargs) -> None:
     dist.barrier()
 
 
+def allreduce_sum_on_cpu(data: list) -> list:
+    """AWQ's _allreduce_data_sum: each tensor summed over the ranks, on the rank's accelerator where
+    there is one (as llm-compressor does, for NCCL), else on the CPU (gloo)."""
+    import torch
+    import torch.distributed as dist
+
+    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    device = torch.device(accelerator.type, torch.accelerator.current_device_index()) if accelerator else "cpu"
+    data = [torch.as_tensor(datum).to(device) for datum in data]
+    for datum in data:
+        dist.all_reduce(datum, op=dist.ReduceOp.SUM)
+    return data
+
+
+RANK_PATCHES = ("gptq.broadcast_qparams_and_cleanup", "quantization.broadcast_qparams_and_cleanup",
+                "awq.allreduce_data_sum")
+
+
 @contextmanager
-def synchronized_gptq(ranks: Ranks) -> Iterator[None]:
-    """GPTQ's hand-over of quantized weights followed by a barrier while inside (several ranks only)."""
+def synchronized(ranks: Ranks) -> Iterator[None]:
+    """llm-compressor's hand-overs between ranks made safe while inside (several ranks only): a barrier
+    after GPTQ's and QuantizationModifier's broadcasts, AWQ's sums on the CPU without an accelerator."""
     if not ranks.distributed:
         yield
         return
     from quantkit.engines.patches import patched
 
-    with patched("gptq.broadcast_qparams_and_cleanup"):
+    with patched(*RANK_PATCHES):
         yield
+
+
+def gather_positions(values):
+    """Every rank's per-position values (a numpy array each), concatenated in rank order, on every rank:
+    the ranks score contiguous shares of the windows in order, so this is the one-process array."""
+    import numpy as np
+    import torch.distributed as dist
+
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, values)
+    return np.concatenate(parts)
+
+
+def share_object(value, ranks: Ranks):
+    """Rank 0's `value` on every rank (a path, a flag): also where the other ranks wait for rank 0."""
+    import torch.distributed as dist
+
+    box = [value if ranks.is_main else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def gather_for(ranks: Ranks):
+    """quantkit.eval.evaluate's Gather for this launch: gather_positions on several ranks, None in one process."""
+    return gather_positions if ranks.distributed else None
+
+
+MARKER = ".quantkit-ranks"  # written by rank 0 into its staging directory, read by every rank
+
+
+def blind_ranks(views: list[tuple[bool, str]]) -> list[str]:
+    """The ranks (with their hosts) whose view of rank 0's staging directory (seen?, hostname) is blind."""
+    return [f"rank {rank} on {host}" for rank, (seen, host) in enumerate(views) if not seen]
+
+
+def see_from_every_rank(staging: Path | None, ranks: Ranks) -> Path:
+    """Rank 0 passes the staging directory it made (`staging`; None on the other ranks) and every rank checks
+    that it sees it: the other ranks score their share of the gate's windows with the artifact rank 0 stages
+    there, so on several nodes OUT must be on storage every node mounts at the same path. Rank 0 writes a
+    marker with a random token, every rank reads it, and all ranks refuse together (exit 2) when one cannot.
+    Returns the staging directory."""
+    import secrets
+    import socket
+
+    import torch.distributed as dist
+
+    token = secrets.token_hex(8)
+    if ranks.is_main:
+        (staging / MARKER).write_text(token)
+    where, token = share_object((str(staging), token), ranks)
+    marker = Path(where) / MARKER
+    seen = marker.is_file() and marker.read_text() == token
+    views: list = [None] * ranks.world_size
+    dist.all_gather_object(views, (seen, socket.gethostname()))
+    if ranks.is_main:
+        marker.unlink()
+    blind = blind_ranks(views)
+    if blind:
+        raise UnsupportedError(
+            f"{', '.join(blind)} cannot see the staging directory {where} that rank 0 made beside OUT: every rank "
+            "reads the staged artifact to score its share of the gate's windows",
+            hint="put -o on storage every node mounts at the same path (NFS, Lustre, ...), or run on one node")
+    return Path(where)

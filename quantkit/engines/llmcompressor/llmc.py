@@ -38,7 +38,7 @@ def run_oneshot(job, recipe, calibrate: bool, reads_weights_only: bool = False) 
     from llmcompressor import oneshot
 
     from quantkit.engines.llmcompressor import lean_hessian
-    from quantkit.engines.llmcompressor.distributed import synchronized_gptq
+    from quantkit.engines.llmcompressor.distributed import synchronized
     from quantkit.io.memory import map_large_allocations
 
     kwargs = {}
@@ -58,7 +58,7 @@ def run_oneshot(job, recipe, calibrate: bool, reads_weights_only: bool = False) 
         oneshot(model=job.model, recipe=towers, tokenizer=job.tokenizer, log_dir=None,
                 trust_remote_code_model=job.trust_remote_code)
     # plain writes: with --offload-dir every weight GPTQ updates is rewritten to disk (quantkit.io.shards)
-    with (lean_hessian.lean_hessians(), synchronized_gptq(job.ranks), plain_writes(),
+    with (lean_hessian.lean_hessians(), synchronized(job.ranks), plain_writes(),
           onloaded_per_forward(job, reads_weights_only)):
         oneshot(model=job.model, recipe=recipe, tokenizer=job.tokenizer, log_dir=None,
                 trust_remote_code_model=job.trust_remote_code, **kwargs)  # it re-reads config.json

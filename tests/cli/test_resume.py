@@ -1,0 +1,174 @@
+"""--resume: an interrupted run continued from its saved progress, byte-identical to an uninterrupted one;
+another run's progress refused naming what differs; no progress: a fresh start, said."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from quantkit.io import export
+from tests.test_export import dead_pid
+from tests.util import leftovers, subprocess_env
+
+GGUF = ("--method", "gguf", "--gguf-type", "Q4_K_M")  # imatrix auto: computed, then kept for the resumed run
+FAST_CALIB = ("--num-samples", "4", "--seq-len", "64", "--eval-windows", "0")  # the bytes written, not the gate
+TENSORS = 21  # the micro model's .gguf
+
+
+def interrupted(micro_model, out, after: int, signal: str = "KILL", *extra: str) -> subprocess.CompletedProcess:
+    """A --resume run of GGUF killed right after its `after`-th tensor is recorded (tests/cli/fault_run.py)."""
+    cmd = [sys.executable, "-m", "tests.cli.fault_run", str(after), signal, "quantize", str(micro_model), *GGUF,
+           "-o", str(out), *FAST_CALIB, "--resume", *extra]
+    return subprocess.run(cmd, capture_output=True, text=True, env=subprocess_env(), timeout=600)
+
+
+def saved_state(out) -> dict:
+    (staging,) = export.stagings(out.resolve())
+    (state,) = (staging / ".work" / "resume" / "gguf").glob("*.gguf.json")
+    return json.loads(state.read_text())
+
+
+def uninterrupted(cli, micro_model, tmp_path_factory):
+    out = tmp_path_factory.mktemp("plain") / "out"
+    result = cli("quantize", micro_model, *GGUF, "-o", out, *FAST_CALIB)
+    assert result.exit_code == 0, result.output
+    return out
+
+
+@pytest.fixture(scope="module")
+def plain(cli, micro_model, tmp_path_factory):
+    return uninterrupted(cli, micro_model, tmp_path_factory)
+
+
+def same_files(a, b, names) -> None:
+    for name in names:
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+
+
+@pytest.mark.parametrize("signal, after, code", [
+    ("KILL", 8, -9),
+    ("TERM", 3, 143),
+    pytest.param("KILL", 5, -9, marks=pytest.mark.slow),  # 25%
+    pytest.param("KILL", 19, -9, marks=pytest.mark.slow),  # 90%
+])
+def test_an_interrupted_gguf_run_resumes_byte_identical(cli, micro_model, plain, tmp_path, signal, after, code):
+    out = tmp_path / "out"
+    first = interrupted(micro_model, out, after, signal)
+    assert first.returncode == code, first.stderr
+    assert not out.exists()
+    assert [t["name"] for t in saved_state(out)["tensors"]][-1] and len(saved_state(out)["tensors"]) == after
+    if signal == "TERM":
+        assert "terminated (SIGTERM); nothing was written" in first.stderr
+        assert "progress kept in" in first.stderr and "--resume" in first.stderr
+
+    resumed = cli("quantize", micro_model, *GGUF, "-o", out, *FAST_CALIB, "--resume")
+    assert resumed.exit_code == 0, resumed.output
+    assert "resuming from the saved progress" in resumed.stderr
+    assert "imatrix: read from the saved progress" in resumed.stderr
+    assert f"resuming after {after} of {TENSORS} tensors (verified by sha256)" in resumed.stderr
+    assert sum("converting: " in line for line in resumed.stderr.splitlines()) <= TENSORS - after
+    same_files(plain, out, ["micro-Q4_K_M.gguf", "Modelfile"])
+    assert leftovers(tmp_path, "out") == ["out"]
+    assert ".work" not in {p.name for p in out.iterdir()}
+
+
+def test_a_torn_tensor_is_written_again(cli, micro_model, plain, tmp_path):
+    """Power loss: the last recorded tensor's bytes did not reach the disk; it fails its checksum and is rewritten."""
+    out = tmp_path / "out"
+    assert interrupted(micro_model, out, 6).returncode == -9
+    (staging,) = export.stagings(out.resolve())
+    gguf = staging / "micro-Q4_K_M.gguf"
+    last = saved_state(out)["tensors"][-1]
+    with open(gguf, "r+b") as fh:
+        fh.truncate(last["offset"] + last["nbytes"] // 2)
+    resumed = cli("quantize", micro_model, *GGUF, "-o", out, *FAST_CALIB, "--resume")
+    assert resumed.exit_code == 0, resumed.output
+    assert f"resuming after 5 of {TENSORS} tensors" in resumed.stderr and "1 recorded tensor(s) did not verify" in resumed.stderr
+    same_files(plain, out, ["micro-Q4_K_M.gguf"])
+
+
+def kept_progress(cli, micro_model, out, monkeypatch, *extra: str):
+    """A --resume run that failed after making its staging directory (its progress kept), owned by a dead pid."""
+    from quantkit.errors import InternalError
+    from quantkit.methods import gguf
+
+    def fail(job):
+        raise InternalError("stop here")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(gguf, "METHOD", __import__("dataclasses").replace(gguf.METHOD, quantize=fail))
+        result = cli("quantize", micro_model, *GGUF, "-o", out, *FAST_CALIB, "--resume", *extra)
+    assert result.exit_code == 1, result.output
+    assert "progress kept in" in result.stderr
+    (staging,) = export.stagings(out.resolve())
+    export.write_owner(staging, export.Owner(dead_pid(), socket.gethostname(), time.time()))
+    return staging
+
+
+@pytest.mark.parametrize("change, named", [
+    (("--gguf-type", "Q6_K"), "targets.0.options.gguf_type: Q4_K_M -> Q6_K"),
+    (("--seed", "7"), "recipe.calibration.seed"),
+])
+def test_progress_of_another_recipe_is_refused(cli, micro_model, tmp_path, monkeypatch, change, named):
+    out = tmp_path / "out"
+    staging = kept_progress(cli, micro_model, out, monkeypatch)
+    result = cli("quantize", micro_model, *GGUF, "-o", out, *FAST_CALIB, "--resume", *change)
+    assert result.exit_code == 2, result.output
+    assert "--resume: the saved progress in" in result.stderr and named in result.stderr
+    assert staging.is_dir()  # refused: nothing removed
+
+
+def test_progress_of_another_input_or_version_is_refused(cli, model_copy, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    staging = kept_progress(cli, model_copy, out, monkeypatch)
+    config = json.loads((model_copy / "config.json").read_text())
+    (model_copy / "config.json").write_text(json.dumps({**config, "note": "edited"}))
+    result = cli("quantize", model_copy, *GGUF, "-o", out, *FAST_CALIB, "--resume")
+    assert result.exit_code == 2 and "inputs.model/config.json" in result.stderr, result.output
+    (model_copy / "config.json").write_text(json.dumps(config))
+    monkeypatch.setattr("quantkit.run.resume.__version__", "0.0.0-other")
+    result = cli("quantize", model_copy, *GGUF, "-o", out, *FAST_CALIB, "--resume")
+    assert result.exit_code == 2 and "quantkit_version" in result.stderr and "0.0.0-other" in result.stderr
+    assert staging.is_dir()
+
+
+def test_a_gate_change_is_not_a_different_run(cli, micro_model, plain, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    kept_progress(cli, micro_model, out, monkeypatch, "--max-kld", "0.5")
+    result = cli("quantize", micro_model, *GGUF, "-o", out, *FAST_CALIB, "--resume")
+    assert result.exit_code == 0, result.output
+    assert "resuming from the saved progress" in result.stderr
+    same_files(plain, out, ["micro-Q4_K_M.gguf"])
+
+
+def test_resume_without_progress_starts_fresh_and_says_so(cli, micro_model, plain, tmp_path):
+    out = tmp_path / "out"
+    result = cli("quantize", micro_model, *GGUF, "-o", out, *FAST_CALIB, "--resume")
+    assert result.exit_code == 0, result.output
+    assert f"warning: --resume: no saved progress for {out}; starting fresh" in result.stderr
+    same_files(plain, out, ["micro-Q4_K_M.gguf"])
+    assert leftovers(tmp_path, "out") == ["out"]
+
+
+def test_a_run_without_resume_removes_saved_progress(cli, micro_model, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    staging = kept_progress(cli, micro_model, out, monkeypatch)
+    result = cli("quantize", micro_model, *GGUF, "-o", out, *FAST_CALIB)
+    assert result.exit_code == 0, result.output
+    assert f"removed {staging.name}" in result.stderr
+    assert leftovers(tmp_path, "out") == ["out"]
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq", "fp8"])
+def test_a_method_that_does_not_resume_is_refused_before_work(cli, micro_model, tmp_path, method):
+    result = cli("quantize", micro_model, "--method", method, "-o", tmp_path / "out", *FAST_CALIB, "--num-samples", "16",
+                 "--resume")
+    assert result.exit_code == 2, result.output
+    assert f"target '{method}': {method} does not resume an interrupted run" in result.stderr
+    assert "gguf (from the last written tensor)" in result.stderr
+    assert leftovers(tmp_path, "out") == []
