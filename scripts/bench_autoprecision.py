@@ -25,12 +25,13 @@ evaluation windows (--eval-windows x --seq-len): plain W4A16 (int4, group size a
 are quantkit's gate metrics against the full-precision model; bytes are the artifact's safetensors; the
 sensitivity pass's seconds are set against the quantization's.
 
-Section fallback: fp8, smoothquant and nf4 with their default gates, plain and with --fallback (default
-max_size +25%): the plain run's metrics and verdict, the fallback's steps, size cost and final metrics.
+Section fallback: fp8, smoothquant and nf4 with their default gates, plain and with --fallback (--max-size,
+default +25%): the plain run's metrics and verdict, the fallback's steps, the layers it kept 16-bit, its size
+cost, final metrics, the sensitivity pass's seconds and its rank correlation, and the wall against the plain run.
 
 Usage: nice python scripts/bench_autoprecision.py --model DIR [--sections gguf gptq fallback]
        [--types Q4_K_M ...] [--work DIR] [--threads 2] [--num-samples 32] [--seq-len 128]
-       [--eval-windows 40] [--json out.json] [--validate] [--fallback-methods fp8 smoothquant nf4]
+       [--eval-windows 40] [--json out.json] [--validate] [--fallback-methods fp8 smoothquant nf4] [--max-size +25%]
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ def parse_args(argv):
     parser.add_argument("--sections", nargs="+", choices=["gguf", "gptq", "fallback"], default=["gguf"])
     parser.add_argument("--types", nargs="+", default=["Q3_K_M", "Q4_K_M", "Q5_K_M"],
                         help='mixture types, or "curve": the KLD vs size curve (CURVE_TYPES)')
+    parser.add_argument("--max-size", default="+25%", help="the fallback section's --max-size")
     parser.add_argument("--fallback-methods", nargs="+", choices=["fp8", "smoothquant", "nf4"],
                         default=["fp8", "smoothquant", "nf4"], help="methods of the fallback section")
     parser.add_argument("--work", type=Path, default=Path("/tmp/bench-autoprecision"))
@@ -274,8 +276,8 @@ def fallback_section(args, work: Path) -> dict:
     result = {}
     for method in args.fallback_methods:
         plain, plain_wall = quantkit_run(args.model, work / f"plain-{method}", ["--method", method], args, True)
-        fallback, wall = quantkit_run(args.model, work / f"fallback-{method}", ["--method", method, "--fallback"],
-                                      args, True)
+        fallback, wall = quantkit_run(args.model, work / f"fallback-{method}",
+                                      ["--method", method, "--fallback", "--max-size", args.max_size], args, True)
         spec = get_method(method)
         record = fallback["details"].get("fallback", {})
         steps, sensitivity = record.get("steps", []), fallback["details"].get("sensitivity", {})
