@@ -47,6 +47,8 @@ More examples:
 
   quantkit quantize ./my-model --method fp8 --kv-cache fp8 -o ./fp8-kv   (FP8 KV cache with calibrated scales)
 
+  quantkit quantize ./my-model --method gptq --activations int8 -o ./w4a8   (W4A8: int4 weights, int8 activations)
+
   quantkit quantize ./my-model --method gguf --gguf-type Q4_K_M --auto-precision --fallback -o ./gguf
 
   quantkit quantize ./base --lora ./adapter --method gptq --bits 4 --group-size 128 -o ./gptq
@@ -85,6 +87,7 @@ def quantize(
     group_size: Optional[str] = typer.Option(None, help="gptq/awq/autoround group size: auto (default: the largest of 128, 64, 32 dividing every layer's input width) | N | -1 (per channel); mlx: 32 | 64 (default) | 128.", rich_help_panel=METHOD),
     act_order: Optional[str] = typer.Option(None, help="GPTQ activation order: none | static | group.", rich_help_panel=METHOD),
     symmetric: Optional[bool] = typer.Option(None, "--symmetric/--asymmetric", help="Integer weights without / with a zero point (gptq/awq/autoround).", rich_help_panel=METHOD),
+    activations: Optional[str] = typer.Option(None, "--activations", help="gptq activations: none (W4A16, default) | int8 (W4A8 for vLLM's CPU backend) | fp8 (W4A8 for Hopper; group size 128); quantized dynamically per token at run time, int4 weights symmetric.", rich_help_panel=METHOD),
     backend: Optional[str] = typer.Option(None, help="Engine backend where a method has several.", rich_help_panel=METHOD),
     gguf_type: Optional[str] = typer.Option(None, help="GGUF type or mixture, e.g. Q4_K_M, Q6_K, Q8_0, IQ4_XS.", rich_help_panel=METHOD),
     imatrix: Optional[str] = typer.Option(None, help="GGUF importance matrix: auto | none | FILE.", rich_help_panel=METHOD),
@@ -161,7 +164,7 @@ def quantize(
         # Method flags name method option fields; each applies to every target whose method has that
         # option, and naming one no target has is an error.
         method_options=dict(scheme=scheme, bits=bits, group_size=group_size_option(group_size), act_order=act_order,
-                            symmetric=symmetric,
+                            symmetric=symmetric, activations=activations,
                             backend=backend,
                             gguf_type=gguf_type, imatrix=imatrix, mmproj=mmproj, smoothing_strength=smoothing_strength,
                             double_quant=double_quant, compute_dtype=compute_dtype, preset=preset, iters=iters,

@@ -216,7 +216,7 @@ def _supports_every_family(family: Family) -> str:
 @dataclass(frozen=True)
 class Runtime:
     """One way to serve a method's artifact: the runtime and its kernel, the device kinds it runs on
-    ("cuda", "apple", "cpu"), the CUDA compute capability the kernel needs, where that is stated, and the
+    ("cuda", "apple", "cpu"), the CUDA compute capabilities the kernel runs on, where that is stated, and the
     widths of a Linear ([out, in]) the kernel takes: multiples of out_multiple and in_multiple."""
 
     name: str
@@ -225,9 +225,11 @@ class Runtime:
     source: str = ""
     out_multiple: int = 1
     in_multiple: int = 1
+    max_capability: float = 0.0  # the newest compute capability the kernel runs on (0: no limit)
 
     def serves(self, kind: str, capability: float = 0.0) -> bool:
-        return kind in self.kinds and (kind != "cuda" or capability >= self.min_capability)
+        newest = self.max_capability or capability
+        return kind in self.kinds and (kind != "cuda" or self.min_capability <= capability <= newest)
 
     def accepts(self, shape: list[int]) -> bool:
         """Whether the kernel takes a Linear of this [out, in] shape."""

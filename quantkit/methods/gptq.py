@@ -163,6 +163,7 @@ class Options(BaseModel):
     auto_precision: AutoPrecision | None = None  # per-layer int4/int8/16-bit (quantkit.mixed.layers)
     fallback: Fallback | None = None  # on a failed gate, raise the most damaging layers' precision (quantkit.mixed.budget)
     kv_cache: llmc.KvCache = None  # fp8: calibrated per-layer FP8 k/v scales (llmc.kv_cache_scheme)
+    activations: Literal["none", "int8", "fp8"] = "none"  # W4A8: dynamic per-token activations (see ACTIVATIONS)
 
 
 def needs_calibration(options: Options) -> bool:
@@ -178,7 +179,8 @@ def precision(role: str, options: Options, name: str, shape: list[int]) -> str |
         return None
     sym = "sym" if options.symmetric else "asym"
     order = "" if options.act_order == "none" else f", act-order {options.act_order}"
-    return (f"int{options.bits} {granularity(options.group_size)} {sym} (GPTQ{order}{mixed_suffix(options)})"
+    acts = "" if options.activations == "none" else f" + A {options.activations} per-token dynamic"
+    return (f"int{options.bits} {granularity(options.group_size)} {sym}{acts} (GPTQ{order}{mixed_suffix(options)})"
             + llmc.kv_suffix(options))
 
 
@@ -221,9 +223,15 @@ def resolve(info, options):
     """The options with group_size auto and symmetric auto replaced by their choices for the model;
     (options, notes for the report)."""
     notes = {}
+    if activations_of(options) == "fp8" and options.group_size == "auto":
+        why = f"auto: {W4A8_FP8_GROUP} (vLLM's W4A8-FP8 kernel takes group size {W4A8_FP8_GROUP} only)"
+        options, notes["group_size"] = options.model_copy(update={"group_size": W4A8_FP8_GROUP}), why
     if options.group_size == "auto":
         size, why = auto_group_size(info)
         options, notes["group_size"] = options.model_copy(update={"group_size": size}), f"auto: {size} ({why})"
+    if options.symmetric == "auto" and activations_of(options) != "none":
+        why = "auto: symmetric (W4A8: vLLM's W4A8 schemes take no weight zero points)"
+        options, notes["symmetric"] = options.model_copy(update={"symmetric": True}), why
     if options.symmetric == "auto":
         symmetric, why = auto_symmetric(info, options.bits)
         words = "symmetric" if symmetric else "asymmetric"
@@ -262,7 +270,10 @@ def group_problems(info, group_size, ignore: list[str]) -> dict[str, str]:
 
 
 def shape_problems(info, options, ignore: list[str]) -> dict[str, str]:
-    return group_problems(info, options.group_size, ignore)
+    problems = group_problems(info, options.group_size, ignore)
+    if activations_of(options) == "fp8":
+        problems = {**w4a8_fp8_width_problems(info, ignore), **problems}
+    return problems
 
 
 def dividing_group_sizes(widths) -> str:
@@ -300,6 +311,8 @@ def check_moe(info, symmetric: bool, act_order: str, method: str) -> None:
 
 
 def check(info, options: Options, calibration) -> None:
+    check_activations(info, options)
+    llmc.check_rotation(info, options.rotate, "gptq")
     check_moe(info, options.symmetric, options.act_order, "gptq")
     check_bits(options.bits, "gptq")
     check_group_size(options.group_size, "gptq")
@@ -349,6 +362,8 @@ def check_auto_precision(info, options, method: str = "gptq") -> None:
 
 def scheme_config(options: Options) -> dict:
     weights = llmc.weight_args(options.bits, options.group_size, options.symmetric)
+    if options.activations != "none":
+        return {"group_0": {"targets": ["Linear"], "weights": weights, **w4a8_group(options.activations)}}
     return {"group_0": {"targets": ["Linear"], "weights": weights}}
 
 
@@ -538,6 +553,86 @@ def working_set(info, options) -> int:
     return max(per_layer, default=0)
 
 
+# ---------------------------------------------------------------- W4A8
+
+# W4A8: int4 weights (symmetric per group or channel) and activations quantized dynamically per token at run
+# time, stored as the vLLM 0.32 compressed-tensors schemes load them. How vLLM picks the scheme
+# (compressed_tensors.py, CompressedTensorsConfig._get_scheme_from_parts):
+# - int8: `_is_dynamic_token_w4a8_int` in an activation format (int-quantized) -> CompressedTensorsW4A8Int, whose
+#   `weight` is int8 [out, in], one int4 value per byte, with `weight_scale` [out, in / group]. That is what
+#   compressed-tensors 0.19 writes for int weights with activations (its format inference puts int-quantized
+#   before pack-quantized). Packed instead, the group would go to CompressedTensorsWNA8Int (`_is_wNaM_int`,
+#   Humming on CUDA), which vLLM's CPU build runs as a weight-only CPUWNA16 matmul.
+# - fp8: `_is_fp8_w4a8_sm90` -> CompressedTensorsW4A8Fp8 (CUTLASS W4A8, compute capability 9.0 exactly), whose
+#   `weight_packed` is int32 [out, in / 8] with `weight_shape`, group size 128 (pack-quantized). compressed-tensors
+#   infers int-quantized here too (unpacked int8, which that scheme has no parameter for), so the config
+#   group names its format: `format: pack-quantized` (compressed-tensors' own packer writes it).
+W4A8_ACTIVATIONS = {
+    "int8": {"num_bits": 8, "type": "int", "symmetric": True, "dynamic": True, "strategy": "token"},
+    "fp8": {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True, "strategy": "token"},
+}
+W4A8_FORMATS = {"int8": "int-quantized", "fp8": "pack-quantized"}
+W4A8_FP8_GROUP = 128  # CutlassW4A8LinearKernel.can_implement: group_size 128, K and N multiples of 128
+
+
+def activations_of(options) -> str:
+    """gptq's activations option; none for the methods that share gptq's resolve and shape rules (awq, autoround)."""
+    return getattr(options, "activations", "none")
+
+
+def w4a8_group(activations: str) -> dict:
+    """The config group's fields beside its weights: the activations and the stored format."""
+    return {"input_activations": dict(W4A8_ACTIVATIONS[activations]), "format": W4A8_FORMATS[activations]}
+
+
+def check_activations(info, options) -> None:
+    """W4A8 before any work: 4-bit symmetric weights, group size 128 with fp8 activations, a dense model, no
+    per-layer plan (its int8 layers are weight-only)."""
+    if options.activations == "none":
+        return
+    what = f"gptq: activations={options.activations} (W4A8)"
+    if options.bits != 4:
+        raise InputError(f"{what} quantizes 4-bit weights; bits={options.bits} was asked",
+                         hint="drop --bits; int8 weights with int8 activations are --method smoothquant")
+    if options.symmetric is False:
+        raise InputError(f"{what}: vLLM's W4A8 schemes take symmetric weights only (no zero points)",
+                         hint="drop --asymmetric")
+    if options.activations == "fp8" and options.group_size != W4A8_FP8_GROUP:
+        raise InputError(f"{what}: vLLM's W4A8-FP8 kernel (CUTLASS) takes group size {W4A8_FP8_GROUP} only; "
+                         f"group_size={options.group_size} was asked", hint="drop --group-size")
+    if mixed(options):
+        raise InputError(f"{what} cannot take {mixed_label(options)}: its int8 layers are weight-only",
+                         hint=f"drop --{mixed_label(options).replace('_', '-')}, or use activations none (W4A16)")
+    if moe.is_moe(info.model_type):
+        raise UnsupportedError(f"{what}: mixture-of-experts models are not offered with W4A8",
+                               hint="use activations none (W4A16) for this model")
+
+
+def w4a8_fp8_width_problems(info, ignore: list[str]) -> dict[str, str]:
+    """The layers whose output or input width is not a multiple of 128, which vLLM's W4A8-FP8 kernel refuses."""
+    from quantkit.arch.roles import matches
+
+    return {name: f"{name}: its widths {out} x {inp} are not multiples of {W4A8_FP8_GROUP} (vLLM's W4A8-FP8 "
+                  "kernel, CUTLASS, needs both)"
+            for name, (out, inp) in quantized_linears(info).items()
+            if not matches(name, ignore) and (out % W4A8_FP8_GROUP or inp % W4A8_FP8_GROUP)}
+
+
+W4A8_SOURCE = ("vLLM 0.32 compressed_tensors.py (_is_dynamic_token_w4a8_int, _is_fp8_w4a8_sm90) and "
+               "kernels/linear/mixed_precision (dynamic_4bit.py, cutlass.py)")
+W4A8_RUNTIMES = {
+    "int8": (Runtime("vLLM CPU backend: W4A8 int (Dynamic4bitLinearKernel, KleidiAI on Arm)", ("cpu",), 0.0,
+                     W4A8_SOURCE),),
+    "fp8": (Runtime("vLLM: CUTLASS W4A8 (FP8 activations)", ("cuda",), 9.0, W4A8_SOURCE + ": Hopper only "
+                    "(is_device_capability(90), bfloat16 outputs)", out_multiple=W4A8_FP8_GROUP,
+                    in_multiple=W4A8_FP8_GROUP, max_capability=9.0),),
+}
+
+
+def runtimes(options: Options) -> tuple[Runtime, ...]:
+    return W4A8_RUNTIMES.get(options.activations, RUNTIMES)
+
+
 # compressed-tensors int weights (W4A16 / W8A16): vLLM's mixed-precision linear kernels
 RUNTIMES = (
     Runtime("vLLM: Machete WNA16", ("cuda",), 9.0, "vLLM mixed-precision kernels: Machete needs Hopper (9.0)"),
@@ -556,5 +651,5 @@ METHOD = MethodSpec(
     options=Options, quantize=quantize, precision=precision, default_gate=fixed_gate(DEFAULT_GATE),
     check=check, needs_calibration=needs_calibration, resolve=resolve, shape_problems=shape_problems,
     fallback_ladder=fallback_ladder, requantize=requantize, stored_bits=stored_bits, working_set=working_set,
-    distributed=True, support=support, runtimes=RUNTIMES,
+    distributed=True, support=support, runtimes=RUNTIMES, scheme_runtimes=runtimes,
 )

@@ -89,8 +89,8 @@ def quantization_config(artifact: Path) -> dict:
 
 
 def group_scheme(group: dict) -> str:
-    """A compressed-tensors config group as one of: w4a16, w8a16, w8a8-int8, fp8-dynamic, fp8-static,
-    fp8-block, nvfp4, nvfp4-a16, mxfp4, other."""
+    """A compressed-tensors config group as one of: w4a16, w8a16, w8a8-int8, w4a8-int8, w4a8-fp8, fp8-dynamic,
+    fp8-static, fp8-block, nvfp4, nvfp4-a16, mxfp4, other."""
     weights, acts = group.get("weights") or {}, group.get("input_activations") or {}
     bits, kind, strategy = weights.get("num_bits"), weights.get("type"), weights.get("strategy")
     if kind == "float" and bits == 4:
@@ -103,6 +103,8 @@ def group_scheme(group: dict) -> str:
         return "fp8-dynamic" if not acts or acts.get("dynamic") in (True, "local") else "fp8-static"
     if kind == "int" and not acts:
         return f"w{bits}a16"
+    if kind == "int" and bits == 4 and acts.get("type") in ("int", "float"):
+        return "w4a8-int8" if acts["type"] == "int" else "w4a8-fp8"
     if kind == "int" and bits == 8 and acts.get("type") == "int":
         return "w8a8-int8"
     return "other"
@@ -127,6 +129,9 @@ def vllm_cpu_refusal(scheme: str, flags: frozenset[str]) -> str | None:
     if scheme == "mxfp4":
         return ("vLLM serves MXFP4 on NVIDIA GPUs (Marlin FP4, compute capability 7.5+); this is a CPU "
                 "(vLLM: Failed to find a kernel that can implement the MXFP4 linear layer)")
+    if scheme == "w4a8-fp8":
+        return ("vLLM serves W4A8 with FP8 activations on Hopper GPUs only (CUTLASS W4A8, compute capability 9.0); "
+                "this is a CPU (vLLM: No compressed-tensors compatible scheme was found)")
     if scheme == "w8a16":
         return ("vLLM's CPU kernel for integer weight-only layers (CPUWNA16) takes 4-bit weights; this artifact "
                 "has 8-bit weights (vLLM: Failed to find a kernel that can implement the WNA16 linear layer)")
