@@ -312,7 +312,6 @@ def check_moe(info, symmetric: bool, act_order: str, method: str) -> None:
 
 def check(info, options: Options, calibration) -> None:
     check_activations(info, options)
-    llmc.check_rotation(info, options.rotate, "gptq")
     check_moe(info, options.symmetric, options.act_order, "gptq")
     check_bits(options.bits, "gptq")
     check_group_size(options.group_size, "gptq")
