@@ -281,3 +281,29 @@ def test_a_gpu_run_keeps_the_model_whole_on_the_gpu_or_onloads_it(micro_model, t
     assert tight.onload
     with offload_plan(on_gpu, info, tmp_path, tight) as offload:
         assert offload is not None and not offload.layers  # in RAM, the vocabulary tables on disk
+
+
+def test_resume_counts_the_saved_progress_and_takes_off_what_is_staged(micro_model, tmp_path, monkeypatch):
+    from quantkit.io.checkpoint import check_model_dir
+    from quantkit.methods import get_method
+    from quantkit.run.preflight import check_disk, with_resume
+
+    info, gguf = check_model_dir(micro_model), get_method("gguf")
+    computed, given = gguf.options(gguf_type="Q4_K_M"), gguf.options(gguf_type="Q4_K_M", imatrix="none")
+    matrices = sum(4 * shape[-1] for _dtype, shape in info.tensors.values() if len(shape) == 2)
+    assert gguf.resume_bytes(info, computed) - gguf.resume_bytes(info, given) == 2 * matrices
+    plain = estimate_bytes(1000, 100, [8.0], False, 0, 64, 512)
+    resumed = with_resume(plain, info, [(gguf, computed)], staged=500)
+    assert resumed.total == plain.total + gguf.resume_bytes(info, computed) - 500
+    assert with_resume(plain, info, [(gguf, computed)], staged=10**9).total == 0
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: Usage(10**9, 10**9 - 1000, 1000))
+    with pytest.raises(InputError, match="saved progress for --resume .* less 0.0 MiB an interrupted run already wrote"):
+        check_disk(tmp_path / "out", resumed)
+
+
+def test_a_resume_run_is_refused_with_the_saved_progress_named(cli, micro_model, tmp_path, monkeypatch):
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: Usage(10**9, 10**9 - 1000, 1000))
+    result = cli("quantize", micro_model, "--method", "gguf", "-o", tmp_path / "out", *FAST_CALIB, "--resume")
+    assert result.exit_code == 2, result.output
+    assert "not enough disk space" in result.stderr and "saved progress for --resume" in result.stderr
+    assert leftovers(tmp_path, "out") == []

@@ -136,7 +136,7 @@ def quantize(
     max_flips: Optional[float] = typer.Option(None, "--max-flips", help="Gate: max share of greedy tokens after the first divergence (needs --flip-prompts).", rich_help_panel=GATE),
     no_gate: bool = typer.Option(False, "--no-gate", help="Measure but do not enforce the gate (recorded).", rich_help_panel=GATE),
     overwrite: bool = typer.Option(False, help="Replace an existing output.", rich_help_panel=MODEL),
-    resume: bool = typer.Option(False, "--resume", help="Keep the run's progress beside OUT, and continue an interrupted run (SIGTERM, kill -9, power loss, out of memory) of the same inputs and recipe from it, byte-identical to an uninterrupted run: gguf from the last written tensor; other methods refuse it (exit 2).", rich_help_panel=MODEL),
+    resume: bool = typer.Option(False, "--resume", help="Keep the run's progress beside OUT, and continue an interrupted run (SIGTERM, kill -9, power loss, out of memory) of the same inputs and recipe from it, byte-identical to an uninterrupted run: gguf from the last written tensor, fp8-dynamic (model-free) from the last written shard; other methods refuse it (exit 2).", rich_help_panel=MODEL),
     max_memory: Optional[str] = typer.Option(None, "--max-memory", help="RAM the run may use, e.g. 16GiB (default: what is available); a run estimated above it is refused before work.", rich_help_panel=RESOURCES),
     json_path: Optional[str] = typer.Option(None, "--json", help="Write the report as JSON to FILE ('-' = stdout).", rich_help_panel=REPORTS),
     only: list[str] = typer.Option([], "--only", metavar="NAME[,NAME]", help="Run only these targets: NAME[,NAME]; repeatable.", rich_help_panel=REPORTS),

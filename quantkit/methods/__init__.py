@@ -297,6 +297,9 @@ class MethodSpec:
     resume_unit: str | None = None
     # resume_bytes(info, options) -> disk its saved progress takes beyond the artifact (preflight)
     resume_bytes: Callable[[ModelInfo, BaseModel], int] = _no_working_set
+    # resume_refused(info, options) -> why a target of a method that resumes does not with these options (fp8:
+    # only its model-free path saves progress); None: it resumes
+    resume_refused: Callable[[ModelInfo, BaseModel], str | None] = lambda info, options: None
     # ranks_refused(options) -> why a target with these options runs in one process only (None: it may run
     # on ranks where `distributed`): the reason the torchrun refusal names (quantkit.engines.llmcompressor.distributed)
     ranks_refused: Callable[[BaseModel], str | None] = lambda options: None

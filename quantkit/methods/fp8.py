@@ -180,6 +180,9 @@ def quantize(job: QuantizeJob) -> QuantizeResult:
             save_model_free(job, plan)
             return QuantizeResult(job.out_dir, {"path": "model-free"})
         blocker = plan
+        if job.resume_dir is not None:  # found on the meta model only: still before any weight is read
+            raise UnsupportedError(f"fp8: --resume needs the model-free path, and this model takes oneshot ({blocker})",
+                                   hint="run without --resume")
         job.load_model(job.offload)  # freed by the pipeline
     details = llmc.calibration_details(job) if needs_calibration(job.options) else {}
     llmc.run_oneshot(job, modifier(job.options, llmc.decoder_ignore(job)), calibrate=needs_calibration(job.options))
@@ -187,11 +190,20 @@ def quantize(job: QuantizeJob) -> QuantizeResult:
     return QuantizeResult(job.out_dir, {"path": f"oneshot: {blocker}", **details})
 
 
+def resume_refused(info, options: Options) -> str | None:
+    """--resume: only the model-free path saves its progress (a shard at a time); why these options take oneshot."""
+    blocker = path_blocker(info, options)
+    return None if blocker is None else f"it quantizes this model with llm-compressor's oneshot ({blocker})"
+
+
 def save_model_free(job: QuantizeJob, plan) -> None:
     """The model-free artifact: the weights, config.json and recipe.yaml as oneshot's save writes them."""
     from quantkit.engines.transformers import device_map, load_tokenizer
 
-    model_free.write_weights(plan, job.out_dir, device_map(job.device))
+    state = None if job.resume_dir is None else job.resume_dir / "shards.json"
+    if state is not None:
+        state.parent.mkdir(parents=True, exist_ok=True)
+    model_free.write_weights(plan, job.out_dir, device_map(job.device), state=state, progress=job.progress)
     model_free.write_config(plan, job.out_dir)
     model_free.write_generation_config(plan, job.info.path, job.out_dir)
     model_free.write_recipe(plan.modifier, job.info.path, job.out_dir)
@@ -279,5 +291,7 @@ METHOD = MethodSpec(
     check=check, shape_problems=shape_problems, needs_calibration=needs_calibration, needs_model=needs_model, keeps_lm_head=keeps_lm_head,
     fallback_ladder=fallback_ladder, requantize=requantize, working_set=working_set, support=support,
     runtimes=RUNTIMES, scheme_runtimes=runtimes, distributed=True, ranks_refused=ranks_refused,
+    resume_unit="the last written shard, model-free path only", resume_refused=resume_refused,
+    resume_bytes=lambda info, options: 4096,  # the state file: one sha256 per shard
 )
 

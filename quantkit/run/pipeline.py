@@ -153,7 +153,7 @@ def disk_estimate(recipe: Recipe, opts: RunOptions, info: ModelInfo, targets: li
     estimate = run_estimate(info, recipe, methods)
     if not recipe.resume:
         return estimate
-    resume.check_methods([(t.name, t.method) for t in targets])
+    resume.check_methods(info, [(t.name, t.method, t.options) for t in targets])
     return with_resume(estimate, info, methods, resume.staged_bytes(opts.out))
 
 

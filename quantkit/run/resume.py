@@ -5,7 +5,8 @@ A resumable run writes, before any work, the identity of what it makes into
 recipe as resolved (gates and the resume switch left out: they change no byte of an artifact),
 and the targets `--only` selects. Each target's method keeps its own saved progress in
 `<staging>/.work/resume/<target>/` (quantkit.methods.MethodSpec.resume_unit says what it saves:
-gguf, each tensor written to the .gguf, quantkit.gguf.resume).
+gguf, each tensor written to the .gguf, quantkit.gguf.resume; fp8's model-free path, each shard,
+quantkit.engines.llmcompressor.model_free).
 
 `--resume` takes over the staging directory a dead run (SIGKILL, power loss, the OOM killer)
 left beside OUT, or one a --resume run left when it was interrupted or failed (a --resume run
@@ -119,16 +120,17 @@ def clear_work(staging: Path) -> None:
             shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
 
 
-def check_methods(targets: list[tuple[str, Any]]) -> None:
-    """Before any work: every target's method resumes (MethodSpec.resume_unit), else UnsupportedError
-    (exit 2) naming the methods that do. `targets`: (target name, MethodSpec)."""
+def check_methods(info, targets: list[tuple[str, Any, Any]]) -> None:
+    """Before any work: every target resumes (MethodSpec.resume_unit, and resume_refused for its options),
+    else UnsupportedError (exit 2) naming the methods that do. `targets`: (target name, MethodSpec, options)."""
     from quantkit.methods import METHODS, get_method
 
-    for name, method in targets:
-        if method.resume_unit is None:
+    for name, method, options in targets:
+        why = "it" if method.resume_unit is None else method.resume_refused(info, options)
+        if why is not None:
             able = ", ".join(f"{m.name} (from {m.resume_unit})" for m in map(get_method, METHODS) if m.resume_unit)
-            raise UnsupportedError(f"target '{name}': {method.name} does not resume an interrupted run "
-                                   f"(--resume); the methods that do: {able}",
+            raise UnsupportedError(f"target '{name}': {method.name} does not resume an interrupted run (--resume)"
+                                   f"{'' if why == 'it' else ': ' + why}; the methods that do: {able}",
                                    hint="run without --resume, or --only the targets whose method resumes")
 
 

@@ -1,7 +1,8 @@
-"""The quantkit CLI with a fault injected: `python -m tests.cli.fault_run N SIGNAL quantize ARGS...` sends
-SIGNAL (KILL, TERM) to itself right after the Nth tensor of a GGUF conversion is recorded as written
-(quantkit.gguf.resume.save), so a test interrupts a run at an exact point. Nothing in quantkit changes:
-the hook wraps the function the conversion calls."""
+"""The quantkit CLI with a fault injected: `python -m tests.cli.fault_run UNIT N SIGNAL quantize ARGS...` sends
+SIGNAL (KILL, TERM) to itself right after the Nth UNIT is recorded as finished: `tensor`, a tensor of a GGUF
+conversion (quantkit.gguf.resume.save); `shard`, a shard of fp8's model-free path
+(quantkit.engines.llmcompressor.model_free.record_shard). A test interrupts a run at an exact point; nothing
+in quantkit changes: the hook wraps the function the run calls."""
 
 from __future__ import annotations
 
@@ -10,23 +11,33 @@ import signal
 import sys
 
 
-def fault_after(count: int, signum: int) -> None:
-    from quantkit.gguf import resume
+def recorder(unit: str):
+    """(module, attribute) of the function that records one finished unit."""
+    if unit == "tensor":
+        from quantkit.gguf import resume
 
-    save, seen = resume.save, []
+        return resume, "save"
+    from quantkit.engines.llmcompressor import model_free
 
-    def save_then_fault(path, progress) -> None:
-        save(path, progress)
-        seen.append(path)
+    return model_free, "record_shard"
+
+
+def fault_after(unit: str, count: int, signum: int) -> None:
+    module, name = recorder(unit)
+    record, seen = getattr(module, name), []
+
+    def record_then_fault(*args) -> None:
+        record(*args)
+        seen.append(args)
         if len(seen) == count:
             os.kill(os.getpid(), signum)
 
-    resume.save = save_then_fault
+    setattr(module, name, record_then_fault)
 
 
 def main() -> None:
-    count, name, *args = sys.argv[1:]
-    fault_after(int(count), getattr(signal, f"SIG{name}"))
+    unit, count, name, *args = sys.argv[1:]
+    fault_after(unit, int(count), getattr(signal, f"SIG{name}"))
     sys.argv = ["quantkit", *args]
     from quantkit.cli.app import main as cli
 

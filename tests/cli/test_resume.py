@@ -22,8 +22,8 @@ TENSORS = 21  # the micro model's .gguf
 
 def interrupted(micro_model, out, after: int, signal: str = "KILL", *extra: str) -> subprocess.CompletedProcess:
     """A --resume run of GGUF killed right after its `after`-th tensor is recorded (tests/cli/fault_run.py)."""
-    cmd = [sys.executable, "-m", "tests.cli.fault_run", str(after), signal, "quantize", str(micro_model), *GGUF,
-           "-o", str(out), *FAST_CALIB, "--resume", *extra]
+    cmd = [sys.executable, "-m", "tests.cli.fault_run", "tensor", str(after), signal, "quantize", str(micro_model),
+           *GGUF, "-o", str(out), *FAST_CALIB, "--resume", *extra]
     return subprocess.run(cmd, capture_output=True, text=True, env=subprocess_env(), timeout=600)
 
 
@@ -164,11 +164,34 @@ def test_a_run_without_resume_removes_saved_progress(cli, micro_model, tmp_path,
     assert leftovers(tmp_path, "out") == ["out"]
 
 
-@pytest.mark.parametrize("method", ["gptq", "awq", "fp8"])
-def test_a_method_that_does_not_resume_is_refused_before_work(cli, micro_model, tmp_path, method):
-    result = cli("quantize", micro_model, "--method", method, "-o", tmp_path / "out", *FAST_CALIB, "--num-samples", "16",
-                 "--resume")
+@pytest.mark.parametrize("method, why", [
+    ("gptq", "gptq does not resume an interrupted run (--resume);"),
+    ("awq", "awq does not resume an interrupted run (--resume);"),
+    (("fp8", "--scheme", "fp8-static"), "fp8 does not resume an interrupted run (--resume): it quantizes this model "
+     "with llm-compressor's oneshot (fp8-static calibrates activation scales on the loaded model)"),
+])
+def test_a_method_that_does_not_resume_is_refused_before_work(cli, micro_model, tmp_path, method, why):
+    method = (method,) if isinstance(method, str) else method
+    result = cli("quantize", micro_model, "--method", *method, "-o", tmp_path / "out", *FAST_CALIB, "--num-samples",
+                 "16", "--resume")
     assert result.exit_code == 2, result.output
-    assert f"target '{method}': {method} does not resume an interrupted run" in result.stderr
-    assert "gguf (from the last written tensor)" in result.stderr
+    assert f"target '{method[0]}': {why}" in result.stderr
+    assert "fp8 (from the last written shard, model-free path only), gguf (from the last written tensor)" in result.stderr
     assert leftovers(tmp_path, "out") == []
+
+
+def test_fp8_model_free_resumes_after_its_last_shard(cli, micro_model, tmp_path_factory, tmp_path):
+    """The micro model's artifact is one shard: killed after it, the resumed run writes no weight again."""
+    fp8 = ("--method", "fp8", *FAST_CALIB)
+    plain = tmp_path_factory.mktemp("plain-fp8") / "out"
+    assert cli("quantize", micro_model, *fp8, "-o", plain).exit_code == 0
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "tests.cli.fault_run", "shard", "1", "KILL", "quantize", str(micro_model), *fp8,
+           "-o", str(out), "--resume"]
+    first = subprocess.run(cmd, capture_output=True, text=True, env=subprocess_env(), timeout=600)
+    assert first.returncode == -9, first.stderr
+    resumed = cli("quantize", micro_model, *fp8, "-o", out, "--resume")
+    assert resumed.exit_code == 0, resumed.output
+    assert "model-free: resuming after 1 of 1 shards (verified by sha256)" in resumed.stderr
+    same_files(plain, out, ["model.safetensors", "config.json", "recipe.yaml"])
+    assert leftovers(tmp_path, "out") == ["out"]

@@ -276,3 +276,35 @@ def test_a_quantize_run_takes_the_model_free_path(cli, micro_model, tmp_path):
     assert result.exit_code == 0, result.output
     details = json.loads((static / "quantkit.json").read_text())["targets"][0]["details"]
     assert details["path"] == "oneshot: fp8-static calibrates activation scales on the loaded model"
+
+
+def test_an_interrupted_write_resumes_after_its_last_finished_shard(micro_model, tmp_path, monkeypatch):
+    """--resume's unit on the model-free path: shards recorded with their sha256 are kept, a damaged one and
+    the rest are written again, and the files equal an uninterrupted write byte for byte."""
+    job = job_for(micro_model, tmp_path / "plain")
+    plan = model_free.plan_stream(job.info, torch.bfloat16, fp8.modifier(job.options, job.ignore))
+    files = model_free.write_weights(plan, job.out_dir, shard_bytes=300_000)
+    out, state = tmp_path / "resumed", tmp_path / "shards.json"
+    out.mkdir()
+    record, recorded = model_free.record_shard, []
+
+    def record_then_stop(*args):
+        record(*args)
+        recorded.append(args)
+        if len(recorded) == 3:
+            raise InterruptedError  # killed after the third shard
+
+    monkeypatch.setattr(model_free, "record_shard", record_then_stop)
+    with pytest.raises(InterruptedError):
+        model_free.write_weights(plan, out, shard_bytes=300_000, state=state)
+    monkeypatch.setattr(model_free, "record_shard", record)
+    with open(out / files[2], "r+b") as fh:  # the third shard's last bytes lost
+        fh.truncate(fh.seek(0, 2) - 1)
+    written, said = [], []
+    writer = model_free.write_shard
+    monkeypatch.setattr(model_free, "write_shard", lambda w, *a: (written.append(w.path.name), writer(w, *a)))
+    assert model_free.write_weights(plan, out, shard_bytes=300_000, state=state, progress=said.append) == files
+    assert said == [f"model-free: resuming after 2 of {len(files)} shards (verified by sha256)"]
+    assert written == files[2:]
+    assert all((out / f).read_bytes() == (job.out_dir / f).read_bytes() for f in files)
+    assert json.loads(state.read_text())["shards"] == [model_free.file_sha256(out / f) for f in files]

@@ -30,10 +30,13 @@ when it is not), and tests/methods/test_model_free.py checks it against `oneshot
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
-from dataclasses import dataclass
+import os
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from quantkit.errors import InternalError
 from quantkit.io.checkpoint import ModelInfo
@@ -369,19 +372,89 @@ def write_shard(writer, items: list, device, budget: int) -> None:
 
 
 def write_weights(plan: StreamPlan, out_dir: Path, device="cpu", shard_bytes: int | None = None,
-                  slab_bytes: int | None = None) -> list[str]:
+                  slab_bytes: int | None = None, state: Path | None = None,
+                  progress: Callable[[str], None] = lambda message: None) -> list[str]:
     """Every tensor of the plan into bounded safetensors shards in out_dir (plus the index when there
-    are several); returns the shard file names. A module's outputs stay in one shard."""
+    are several); returns the shard file names. A module's outputs stay in one shard. `state`: the file
+    recording each finished shard's sha256 (--resume); the shards an interrupted run of the same layout
+    finished, and that still verify, are kept and the rest written."""
     from quantkit.io.shards import SHARD_BYTES, ShardWriter, layout_shards, write_index
 
     layouts = layout_shards([item.outputs for item in plan.items], shard_bytes or SHARD_BYTES)
     shard_of = {name: index for index, layout in enumerate(layouts) for name in layout.specs}
-    for index, layout in enumerate(layouts):
+    saved = ShardProgress(layout_digest(layouts), finished_shards(out_dir, layouts, state, progress))
+    for index in range(len(saved.shards), len(layouts)):
+        layout = layouts[index]
         with ShardWriter(layout, out_dir / layout.file) as writer:
             items = [i for i in plan.items if shard_of[i.outputs[0].name] == index]
             write_shard(writer, items, device, slab_bytes or slab_budget(device))
+        record_shard(state, saved, out_dir / layout.file)
     write_index(out_dir, layouts)
     return [layout.file for layout in layouts]
+
+
+@dataclass
+class ShardProgress:
+    """What a --resume run saved: the shard layout's digest and each finished shard's sha256, in order."""
+
+    layout_sha256: str
+    shards: list[str]
+
+
+def layout_digest(layouts: list) -> str:
+    """sha256 of every shard's name and header (the tensors, their dtypes, shapes and offsets)."""
+    digest = hashlib.sha256()
+    for layout in layouts:
+        digest.update(layout.file.encode() + b"\0" + layout.header)
+    return digest.hexdigest()
+
+
+def file_sha256(path: Path) -> str | None:
+    try:
+        with open(path, "rb") as fh:
+            return hashlib.file_digest(fh, "sha256").hexdigest()
+    except OSError:
+        return None
+
+
+def load_progress(state: Path | None) -> ShardProgress | None:
+    try:
+        data = json.loads(Path(state).read_text()) if state is not None else None
+        return ShardProgress(str(data["layout_sha256"]), [str(h) for h in data["shards"]]) if data else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def finished_shards(out_dir: Path, layouts: list, state: Path | None, progress: Callable[[str], None]) -> list[str]:
+    """The sha256s of the leading shards an interrupted run finished that verify (size and sha256) under
+    the same layout; [] without saved progress or with another layout (said through `progress`)."""
+    saved = load_progress(state)
+    if saved is None or not saved.shards:
+        return []
+    if saved.layout_sha256 != layout_digest(layouts):
+        progress("model-free: the saved progress was written for another shard layout; writing every shard")
+        return []
+    good = []
+    for layout, sha in zip(layouts, saved.shards):
+        path = out_dir / layout.file
+        if not path.is_file() or path.stat().st_size != layout.size or file_sha256(path) != sha:
+            break
+        good.append(sha)
+    progress(f"model-free: resuming after {len(good)} of {len(layouts)} shards (verified by sha256)")
+    return good
+
+
+def record_shard(state: Path | None, saved: ShardProgress, path: Path) -> None:
+    """A shard is finished: its sha256 added to the saved progress (written whole, fsynced, renamed over it)."""
+    if state is None:
+        return
+    saved.shards.append(file_sha256(path) or "")
+    tmp = state.with_name(f".{state.name}.tmp")
+    with open(tmp, "w") as fh:
+        json.dump(asdict(saved), fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, state)
 
 
 def write_config(plan: StreamPlan, out_dir: Path) -> None:
