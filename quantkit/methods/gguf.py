@@ -351,8 +351,14 @@ def sensitivity_table(job: QuantizeJob, plans, imatrix, auto: AutoPrecision):
 
     weights = imatrix.weights() if imatrix is not None else None
     return sensitivity.measure(job.info.path, plans, weights, importance(job, imatrix).weights(), job.windows.calib,
-                               auto.measure_windows, cpu_threads(), Path(job.workdir), auto.probes_per_role,
+                               measure_windows(job, auto), cpu_threads(), Path(job.workdir), auto.probes_per_role,
                                job.progress)
+
+
+def measure_windows(job: QuantizeJob, auto: AutoPrecision) -> int:
+    """The most calibration windows the sensitivity pass measures on: measure_windows, and no more than the
+    gate holds out (quantkit.mixed.sensitivity.probe_windows bounds them by the calibration too)."""
+    return min(auto.measure_windows, max(1, len(job.windows.eval)))
 
 
 @dataclass(frozen=True)
@@ -459,8 +465,7 @@ def quantize(job: QuantizeJob) -> QuantizeResult:
     plans = plans_of(job, imatrix is not None)
     table = sensitivity_table(job, plans, imatrix, opts.auto_precision)
     sizes = budget_sizes(opts.auto_precision, plans, imatrix is not None)
-    types, check = measured_choice(job, plans, imatrix, table.tensors, budget.assign_types(table.tensors, sizes.allowed),
-                                   sizes)
+    types, check = measured_choice(job, plans, imatrix, table, budget.assign_types(table.tensors, sizes.allowed), sizes)
     table.seconds["total"] = round(time.perf_counter() - started, 3)
     details["sensitivity"] = table.as_dict()
     details["mixed_precision"] = {**mixed_report(table.tensors, types, sizes, sizes.allowed), **check}
@@ -470,7 +475,8 @@ def quantize(job: QuantizeJob) -> QuantizeResult:
     return write_gguf(job, imatrix, types, details)
 
 
-def measured_choice(job: QuantizeJob, plans, imatrix, table, types: dict, sizes: BudgetSizes) -> tuple[dict, dict]:
+def measured_choice(job: QuantizeJob, plans, imatrix, sensitivity, types: dict, sizes: BudgetSizes
+                    ) -> tuple[dict, dict]:
     """The per-tensor types to write, chosen by measurement among the search's, a second search's with the
     embedding and head kept at the mixture's types or above, and llama.cpp's mixture where it fits the
     budget: each map applied whole, its KL divergence measured on the windows the probes used. The damage
@@ -478,7 +484,7 @@ def measured_choice(job: QuantizeJob, plans, imatrix, table, types: dict, sizes:
     details.mixed_precision.measured ({} where nothing was measured)."""
     from quantkit.mixed import gguf as budget
 
-    auto = job.options.auto_precision
+    table = sensitivity.tensors
     maps = {"search": types, "search, head kept": budget.assign_types(budget.head_kept(table), sizes.allowed)}
     if sizes.mixture <= sizes.allowed:
         maps["mixture"] = budget.mixture_types(table)
@@ -486,12 +492,12 @@ def measured_choice(job: QuantizeJob, plans, imatrix, table, types: dict, sizes:
     for label, candidate in maps.items():
         if candidate not in distinct.values():
             distinct[label] = candidate
-    if auto.measure_windows <= 0 or len(distinct) == 1:
+    if not sensitivity.measured or len(distinct) == 1:
         return types, {}
-    windows = job.windows.calib[:auto.measure_windows]
+    windows = job.windows.calib[:sensitivity.windows]
     job.progress(f"auto-precision: {', '.join(distinct)} measured whole on {len(windows)} windows")
     klds = budget.measure_type_maps(job.info.path, plans, distinct, imatrix.weights() if imatrix is not None else None,
-                                    windows, Path(job.workdir), job.progress)
+                                    windows, Path(job.workdir), job.progress, cpu_threads())
     kept = min(klds, key=klds.get)  # a tie keeps the earlier map (search first)
     return distinct[kept], {"measured": {"windows": len(windows), "kld": {k: round(v, 8) for k, v in klds.items()},
                                          "kept": kept}}

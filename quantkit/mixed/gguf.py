@@ -15,7 +15,11 @@ the error is weighted by what the tensor's input carries:
 importance_j is the imatrix entry (mean x_j^2 of the input column on the calibration windows), so
 the error is the mean squared error the matmul's output takes on. token_embd has no matmul input:
 its rows are weighted by how often each token occurs in the calibration windows instead; the
-output head (no imatrix entry, as llama-imatrix) is weighted uniformly. A candidate that is no
+output head (no imatrix entry, as llama-imatrix) is weighted uniformly. Each row is quantized on its own,
+so the sum is estimated from ERROR_ROWS rows of each matrix drawn across its weighted row norms and
+scaled by the norms' ratio (`error_sample`): the table costs a fixed number of rows per matrix and
+candidate, not the matrix (token_embd's rows of tokens the calibration lacks weigh 0 and are skipped
+exactly). A candidate that is no
 smaller than another with less error (Q4_0 beside Q4_K, both 4.5 bits per weight) is dropped from
 the tensor's choices (quantkit.mixed.sensitivity.frontier).
 
@@ -73,6 +77,7 @@ def candidate_types() -> tuple[T, ...]:
     return tuple(sorted(quantized, key=lambda t: (bits_per_weight(t), -GGML_QUANT_SIZES[t][0])))
 PROBE = T.Q3_K  # the type each probe tensor's KL divergence is measured at (where its rows take it)
 SLAB_ELEMENTS = 1 << 21  # float32 values read and quantized at a time
+ERROR_ROWS = 64  # rows of a matrix its weighted errors are measured on (see error_sample)
 
 
 def table_row(name: str, shape: tuple[int, ...], plain: str, errors: dict[str, float]) -> SensitivityRow:
@@ -129,13 +134,6 @@ def token_frequencies(windows, rows: int) -> np.ndarray:
     return (counts / max(1, ids.size)).astype(np.float32)
 
 
-def slabs(handle, hf_name: str, rows: int, ncols: int) -> Iterator[tuple[int, np.ndarray]]:
-    """(first row, float32 rows) of one source matrix, a slab at a time."""
-    step = max(1, SLAB_ELEMENTS // ncols)
-    for start in range(0, rows, step):
-        yield start, handle.read(hf_name, start, min(rows, start + step))
-
-
 def matrices(handles, plan, quant_imatrix, importance) -> Iterator[tuple[str, int, np.ndarray | None, np.ndarray | None]]:
     """(HF name, rows, quantizer's imatrix, importance) of each 2-D matrix of a plan (one per expert)."""
     n = plan.shape[-1]
@@ -161,15 +159,66 @@ def weighted_error(rows: np.ndarray, qtype: T, quant_imatrix, col_weights, row_w
     return float(diff.sum(dtype=np.float64))
 
 
+def row_norms(handle, hf_name: str, rows: int, ncols: int, col_weights) -> np.ndarray:
+    """sum_j col_weight_j * w_ij^2 of every row i of a source matrix (float64), read a slab at a time."""
+    step = max(1, SLAB_ELEMENTS // ncols)
+    norms = []
+    for start in range(0, rows, step):
+        data = handle.read(hf_name, start, min(rows, start + step))
+        data *= data
+        if col_weights is not None:
+            data *= col_weights
+        norms.append(data.sum(axis=1, dtype=np.float64))
+    return np.concatenate(norms)
+
+
+def error_sample(handle, hf_name: str, rows: int, ncols: int, col_weights, row_weights,
+                 limit: int = ERROR_ROWS) -> tuple[np.ndarray, float]:
+    """(rows, scale): the rows of a matrix its weighted errors are measured on, and the factor that takes
+    their sum to the whole matrix's. Every GGUF type quantizes each row on its own (blocks within a row;
+    the imatrix weights columns), so a matrix's error is the sum of its rows'. With row weights
+    (token_embd: token frequencies) the rows of weight 0 add nothing and are left out, exactly. Otherwise
+    a matrix of more than `limit` rows is sampled: `limit` rows spread evenly over the rows ordered by
+    their weighted norm (large and small rows both drawn), the sum scaled by the whole matrix's weighted
+    norm over the sample's (a rounding error is close to proportional to the row's norm, so the ratio
+    holds where a plain count would not: a few outlier rows carry much of the error)."""
+    if row_weights is not None:
+        return np.flatnonzero(row_weights[:rows]), 1.0
+    if rows <= limit:
+        return np.arange(rows), 1.0
+    norms = row_norms(handle, hf_name, rows, ncols, col_weights)
+    order = np.argsort(norms, kind="stable")
+    index = np.unique(order[np.linspace(0, rows - 1, limit).round().astype(np.int64)])
+    sampled = norms[index].sum()
+    return index, float(norms.sum() / sampled) if sampled > 0 else rows / len(index)
+
+
+def sampled_slabs(handle, hf_name: str, index: np.ndarray, ncols: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """(row numbers, float32 rows) of the rows `index` (sorted, unique) of a source matrix, a slab at a
+    time, each contiguous run of rows read at once."""
+    step = max(1, SLAB_ELEMENTS // ncols)
+    for start in range(0, len(index), step):
+        part = index[start:start + step]
+        runs = np.split(part, np.flatnonzero(np.diff(part) != 1) + 1)
+        yield part, np.concatenate([handle.read(hf_name, int(run[0]), int(run[-1]) + 1) for run in runs])
+
+
 def tensor_errors(handles, plan, quant_imatrix, importance, row_weights, threads: int = 1) -> dict[str, float]:
-    """Importance-weighted squared error of one tensor at each candidate type."""
+    """Importance-weighted squared error of one tensor at each candidate type, from the rows `error_sample`
+    picks (scaled to the whole matrix where they are a sample); the candidates of a slab quantized on
+    `threads` threads (the kernels release the GIL), each candidate's sum taken in the same order."""
+    from concurrent.futures import ThreadPoolExecutor
+
     cands = candidates(plan.shape[-1], quant_imatrix is not None)
     errors = dict.fromkeys((c.name for c in cands), 0.0)
-    for hf, rows, qim, imp in matrices(handles, plan, quant_imatrix, importance):
-        for start, data in slabs(handles[hf], hf, rows, plan.shape[-1]):
-            weights = None if row_weights is None else row_weights[start:start + len(data)]
-            for c in cands:
-                errors[c.name] += weighted_error(data, c, qim, imp, weights, threads)
+    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+        for hf, rows, qim, imp in matrices(handles, plan, quant_imatrix, importance):
+            index, scale = error_sample(handles[hf], hf, rows, plan.shape[-1], imp, row_weights)
+            for part, data in sampled_slabs(handles[hf], hf, index, plan.shape[-1]):
+                weights = None if row_weights is None else row_weights[part]
+                slab = pool.map(lambda c: weighted_error(data, c, qim, imp, weights), cands)
+                for c, value in zip(cands, slab):
+                    errors[c.name] += scale * value
     return errors
 
 
@@ -199,7 +248,7 @@ def error_table(model_dir: Path, plans, quant_imatrix: dict | None, importance: 
 # ------------------------------------------------------------------ measured KL divergence
 
 
-def quantized_matrices(handles, plan, qtype: T, quant_imatrix) -> dict:
+def quantized_matrices(handles, plan, qtype: T, quant_imatrix, threads: int = 1) -> dict:
     """{HF name: float32 torch tensor} of a plan's matrices quantized at qtype and dequantized."""
     import torch
 
@@ -208,7 +257,7 @@ def quantized_matrices(handles, plan, qtype: T, quant_imatrix) -> dict:
     out = {}
     for hf, rows, qim, _ in matrices(handles, plan, quant_imatrix, None):
         data = handles[hf].read(hf, 0, rows)
-        out[hf] = torch.from_numpy(dequantize(quantize(data, qtype, qim), qtype))
+        out[hf] = torch.from_numpy(dequantize(quantize(data, qtype, qim, threads=threads), qtype))
     return out
 
 
@@ -222,7 +271,8 @@ def start_layer(name: str, layers: int) -> int:
 
 
 def measure_klds(model_dir: Path, rows: list[SensitivityRow], plans, quant_imatrix: dict | None, windows,
-                 workdir: Path | None = None, progress: Callable[[str], None] = lambda message: None) -> dict:
+                 workdir: Path | None = None, progress: Callable[[str], None] = lambda message: None,
+                 threads: int = 1) -> dict:
     """{tensor: KL divergence} of the calibration windows through the streamed float32 forward with only
     that tensor quantized at its row's probe type, against the unquantized forward; each row's `kld`
     and `gain` are set (quantkit.mixed.sensitivity.set_gains)."""
@@ -236,7 +286,7 @@ def measure_klds(model_dir: Path, rows: list[SensitivityRow], plans, quant_imatr
     def probe(row: SensitivityRow) -> Probe:
         plan = plan_of[row.name]
         return Probe(row.name, start_layer(row.name, layers),
-                     lambda: quantized_matrices(handles, plan, T[row.probe], imatrix_for(plan, quant_imatrix)))
+                     lambda: quantized_matrices(handles, plan, T[row.probe], imatrix_for(plan, quant_imatrix), threads))
 
     try:
         klds = probe_klds(model_dir, [probe(r) for r in rows], windows, "auto_precision.measure_windows: 0", workdir,
@@ -255,10 +305,10 @@ class TypedMatrices(Mapping):
 
     CACHED = 2
 
-    def __init__(self, handles, plans, types: dict[str, T], quant_imatrix: dict | None):
+    def __init__(self, handles, plans, types: dict[str, T], quant_imatrix: dict | None, threads: int = 1):
         from quantkit.gguf.convert import imatrix_for
 
-        self.handles, self.cache = handles, {}
+        self.handles, self.cache, self.threads = handles, {}, threads
         self.sources = {hf: (rows, types[p.name], qim) for p in plans if p.name in types
                         for hf, rows, qim, _ in matrices(handles, p, imatrix_for(p, quant_imatrix), None)}
 
@@ -271,7 +321,7 @@ class TypedMatrices(Mapping):
             rows, qtype, qim = self.sources[hf]
             data = self.handles[hf].read(hf, 0, rows)
             self.cache = dict(list(self.cache.items())[1 - self.CACHED:])
-            self.cache[hf] = torch.from_numpy(dequantize(quantize(data, qtype, qim), qtype))
+            self.cache[hf] = torch.from_numpy(dequantize(quantize(data, qtype, qim, threads=self.threads), qtype))
         return self.cache[hf]
 
     def __iter__(self):
@@ -282,8 +332,8 @@ class TypedMatrices(Mapping):
 
 
 def measure_type_maps(model_dir: Path, plans, maps: dict[str, dict[str, T]], quant_imatrix: dict | None, windows,
-                      workdir: Path | None = None, progress: Callable[[str], None] = lambda message: None
-                      ) -> dict[str, float]:
+                      workdir: Path | None = None, progress: Callable[[str], None] = lambda message: None,
+                      threads: int = 1) -> dict[str, float]:
     """{label: KL divergence} of the calibration windows through the streamed float32 forward with every
     tensor of the map `maps[label]` quantized at its type at once, against the unquantized forward."""
     from quantkit.gguf.convert import open_handles
@@ -291,7 +341,7 @@ def measure_type_maps(model_dir: Path, plans, maps: dict[str, dict[str, T]], qua
     from quantkit.mixed.sensitivity import Probe, probe_klds
 
     handles = open_handles(check_model_dir(Path(model_dir)).weight_files)
-    probes = [Probe(label, 0, lambda types=types: TypedMatrices(handles, plans, types, quant_imatrix))
+    probes = [Probe(label, 0, lambda types=types: TypedMatrices(handles, plans, types, quant_imatrix, threads))
               for label, types in maps.items()]
     try:
         return probe_klds(model_dir, probes, windows, "auto_precision.measure_windows: 0", workdir, progress)
@@ -305,11 +355,12 @@ def measure(model_dir: Path, plans, quant_imatrix: dict | None, importance: dict
             probes_per_role: int = PROBES_PER_ROLE, progress: Callable[[str], None] = lambda message: None
             ) -> Sensitivity:
     """The sensitivity table of a plan: weighted errors, and with measure_windows > 0 the gains
-    measured on that many calibration windows for `probes_per_role` tensors of each role
+    measured on at most that many calibration windows (as many as one pass of the calibration windows
+    pays for: quantkit.mixed.sensitivity.probe_windows) for `probes_per_role` tensors of each role
     (quantkit.mixed.sensitivity.probe_names) and interpolated for the others."""
     import time
 
-    from quantkit.mixed.sensitivity import probe_names, set_gains
+    from quantkit.mixed.sensitivity import layer_count, probe_names, probe_windows, set_gains
 
     started = time.perf_counter()
     progress(f"sensitivity: weighted errors of {len(quantized_plans(plans))} tensors at every candidate type")
@@ -318,11 +369,13 @@ def measure(model_dir: Path, plans, quant_imatrix: dict | None, importance: dict
     if measure_windows <= 0:
         return Sensitivity(table, False, 0, seconds)
     started = time.perf_counter()
-    windows = calib_windows[:measure_windows]
     probes = set(probe_names(table, probes_per_role))
+    layers = layer_count(model_dir)
+    count = probe_windows(measure_windows, len(calib_windows), layers, [start_layer(n, layers) for n in probes])
+    windows = calib_windows[:count]
     progress(f"sensitivity: KL divergence of {len(probes)} probe tensors alone on {len(windows)} windows")
     klds = measure_klds(model_dir, [r for r in table if r.name in probes], plans, quant_imatrix, windows, workdir,
-                        progress)
+                        progress, threads)
     set_gains(table, klds)
     seconds["kld"] = round(time.perf_counter() - started, 3)
     return Sensitivity(table, True, len(windows), seconds, len(klds))

@@ -101,6 +101,15 @@ def probe_names(rows: Sequence[SensitivityRow], per_role: int = PROBES_PER_ROLE)
     return chosen
 
 
+def probe_windows(limit: int, calib_windows: int, layers: int, starts: Sequence[int]) -> int:
+    """How many calibration windows the probes are measured on: at most `limit`, and no more than keeps the
+    probes' forwards (each from its start layer through the head, the head counted as one layer) within
+    one pass of every calibration window through the model, so that the measurement grows with the
+    calibration asked for instead of costing a fixed number of windows; at least one."""
+    passes = sum(layers + 1 - min(layers, s) for s in starts)
+    return max(1, min(limit, calib_windows * (layers + 1) // max(1, passes)))
+
+
 def set_gains(rows: Sequence[SensitivityRow], klds: dict[str, float]) -> None:
     """Each row's gain: kld / error(probe) where it was measured; elsewhere interpolated linearly over
     depth between the measured rows of its role (the nearest one's beyond them; the mean of every

@@ -57,3 +57,11 @@ def test_rank_correlation_of_the_proxy_against_measured_klds():
     for row, kld in zip(rows, [0.1, 0.3, 0.2, None]):
         row.kld = kld
     assert proxy_agreement(rows) == pytest.approx(0.5)  # the unmeasured row is left out
+
+
+def test_probe_windows_grow_with_the_calibration_and_stop_at_the_limit():
+    starts = [0, 3, 6]  # passes through 7, 4 and 1 layers (the head counted as one): 12 a window
+    assert sensitivity.probe_windows(8, 32, 6, starts) == 8  # 32 windows x 7 layers pay for 18
+    assert sensitivity.probe_windows(8, 6, 6, starts) == 3  # 42 // 12
+    assert sensitivity.probe_windows(8, 1, 6, starts) == 1  # at least one
+    assert sensitivity.probe_windows(8, 100, 6, []) == 8
