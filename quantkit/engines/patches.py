@@ -83,12 +83,6 @@ PATCHES: dict[str, Patch] = {
         LLMCOMPRESSOR, "quantkit.engines.llmcompressor.distributed:broadcast_then_wait",
         "under torchrun, a barrier after QuantizationModifier's broadcast of the weight scales: as for GPTQ, "
         "nothing waited for the rank writing a CPU module's scales (quantkit.engines.llmcompressor.distributed)"),
-    "awq.allreduce_data_sum": Patch(
-        ("llmcompressor.modifiers.transform.awq.base", "_allreduce_data_sum"), "llmcompressor", LLMCOMPRESSOR,
-        "quantkit.engines.llmcompressor.distributed:allreduce_sum_on_cpu",
-        "under torchrun without an accelerator, AWQ's sum of the activation means and grid-search losses "
-        "over the ranks moves them to torch.accelerator.current_accelerator().type, which is None on a CPU "
-        "(AttributeError): summed in place on the CPU (gloo) instead, where an accelerator is absent"),
     "awq.pin_memory": Patch(
         ("llmcompressor.pipelines.cache", "IntermediatesCache.pin_memory"), "llmcompressor", LLMCOMPRESSOR,
         "quantkit.engines.patches:no_pinning",

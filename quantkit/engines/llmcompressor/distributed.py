@@ -1,29 +1,36 @@
-"""Several ranks under torchrun: llm-compressor's distributed GPTQ, with rank 0 the only rank that
-scores, gates and publishes.
+"""Several ranks under torchrun: llm-compressor's data-parallel calibration, the gate scored data-parallel,
+and rank 0 the only rank that writes and publishes.
 
-torchrun starts one quantkit per rank (one per GPU). Every rank checks the same inputs, loads the
-model, takes its own share of the calibration windows and runs the same GPTQ oneshot. llm-compressor
-sums each layer's Hessians onto the rank that quantizes that Linear and hands the quantized weights
-to every rank, so each rank ends with the whole quantized model. Rank 0 alone scores the baseline,
-saves the artifact, gates it and publishes it; the other ranks write nothing and exit 0.
+torchrun starts one quantkit per rank (one per GPU, or CPU processes on gloo; on one node or several).
+Every rank checks the same inputs, sees rank 0's staging directory (see_from_every_rank: on several
+nodes OUT must be on storage they all mount), loads the model, scores its share of the held-out windows
+with the base, takes its own share of the calibration windows and runs the same oneshot, then scores its
+share of the held-out windows with the artifact rank 0 staged. The gate's per-position values are
+gathered on every rank (gather_positions), so its metrics are the one-process metrics. Rank 0 alone
+writes the report, gates and publishes; the other ranks write nothing beside a private work directory
+and exit 0.
+
+Which methods run here is each method's `distributed` and `ranks_refused` (quantkit.methods): those whose
+statistics llm-compressor 0.14.0.1 reduces to the one-process result: GPTQ (each layer's Hessians summed
+onto the rank that quantizes that Linear), the QuantizationModifier presets whose activation observers
+reduce by MIN/MAX (nvfp4), and what calibrates nothing (fp8-dynamic, fp8-block).
 
 quantkit gives each rank its share itself. llm-compressor 0.14.0.1 splits a dataset that is the same
 on every rank on its own, but it builds the sampler on the split and the DataLoader on the whole set
 (`llmcompressor.datasets.utils._make_sampler`), so every rank calibrates on the first share:
 `scripts/check_distributed_gptq.py` shows it, and that quantkit's split gives the one-process result.
 
-llm-compressor 0.14.0.1 does not hand a rank's quantized weights to the others when the module runs
-on the CPU (`broadcast_qparams_and_cleanup(skip_cpu=True)`: CPU weights are shared between the ranks),
-and nothing waits for the owning rank to finish writing them, so the next layer's inputs were
-computed from half-written weights in some runs (on gloo: top-1 agreement 5% instead of 61% on the
-toy model, one run in three). `synchronized()` adds a barrier after it (and after QuantizationModifier's broadcast of weight scales,
-the same hand-over).
+llm-compressor 0.14.0.1 does not hand a rank's quantized weights (GPTQ) or weight scales
+(QuantizationModifier) to the others when the module runs on the CPU
+(`broadcast_qparams_and_cleanup(skip_cpu=True)`: CPU weights are shared between the ranks), and nothing
+waits for the owning rank to finish writing them, so the next layer's inputs were computed from
+half-written weights in some runs (on gloo: top-1 agreement 5% instead of 61% on the toy model, one run
+in three). `synchronized()` adds a barrier after both.
 
-Only a plain GPTQ target runs on several ranks: a method other than gptq, auto-precision and
-fallback (which re-quantize from rank 0's measurements), and the run-wide options in
-ONE_PROCESS_FLAGS are refused before any work. With --offload-dir each rank keeps its own disk
-copy, and the weights a rank quantizes never reach the others' copies: on gloo the toy model's
-second layer came out different (70-92% of its int4 values).
+Refused before any work: auto-precision and fallback (their searches quantize and measure again in a
+sequence rank 0 decides), and the run-wide options in ONE_PROCESS_FLAGS. With --offload-dir each rank
+keeps its own disk copy, and the weights a rank quantizes never reach the others' copies: on gloo the
+toy model's second layer came out different (70-92% of its int4 values).
 """
 
 from __future__ import annotations
@@ -45,6 +52,9 @@ ONE_PROCESS_FLAGS = {
     "--skip-existing": ("rank 0 alone would decide which targets run", "name the targets to run with --only"),
     "--partial": ("rank 0 alone would go on past a target that fails", "drop --partial"),
 }
+# why --auto-precision and --fallback stay in one process: their searches are not a split of windows
+SEARCH_WHY = ("its sensitivity pass and each step of its search quantize and measure again, one layer or "
+              "candidate at a time, in a sequence rank 0 decides from what it measured")
 TIMEOUT_HOURS = 6  # the other ranks wait at the first collective while rank 0 scores the baseline
 
 
@@ -99,8 +109,8 @@ def check_launch(ranks: Ranks, targets: list[tuple[str, str, bool, object, str |
         extras = [flag for flag, value in (("auto-precision", getattr(options, "auto_precision", None)),
                                            ("fallback", getattr(options, "fallback", None))) if value is not None]
         if extras:
-            raise UnsupportedError(f"target '{name}': {method} with {' and '.join(extras)} runs in one process only, "
-                                   f"but {launch}", hint="drop it, or run without torchrun")
+            raise UnsupportedError(f"target '{name}': {method} with {' and '.join(extras)} runs in one process only "
+                                   f"({SEARCH_WHY}), but {launch}", hint="drop it, or run without torchrun")
     if flags:  # the first one given is named
         why, hint = ONE_PROCESS_FLAGS[flags[0]]
         raise UnsupportedError(f"{flags[0]} runs in one process only ({why}), but {launch}", hint=hint)
@@ -146,28 +156,13 @@ def broadcast_then_wait(*args, **kwargs) -> None:
     dist.barrier()
 
 
-def allreduce_sum_on_cpu(data: list) -> list:
-    """AWQ's _allreduce_data_sum: each tensor summed over the ranks, on the rank's accelerator where
-    there is one (as llm-compressor does, for NCCL), else on the CPU (gloo)."""
-    import torch
-    import torch.distributed as dist
-
-    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
-    device = torch.device(accelerator.type, torch.accelerator.current_device_index()) if accelerator else "cpu"
-    data = [torch.as_tensor(datum).to(device) for datum in data]
-    for datum in data:
-        dist.all_reduce(datum, op=dist.ReduceOp.SUM)
-    return data
-
-
-RANK_PATCHES = ("gptq.broadcast_qparams_and_cleanup", "quantization.broadcast_qparams_and_cleanup",
-                "awq.allreduce_data_sum")
+RANK_PATCHES = ("gptq.broadcast_qparams_and_cleanup", "quantization.broadcast_qparams_and_cleanup")
 
 
 @contextmanager
 def synchronized(ranks: Ranks) -> Iterator[None]:
     """llm-compressor's hand-overs between ranks made safe while inside (several ranks only): a barrier
-    after GPTQ's and QuantizationModifier's broadcasts, AWQ's sums on the CPU without an accelerator."""
+    after GPTQ's and QuantizationModifier's broadcasts."""
     if not ranks.distributed:
         yield
         return
