@@ -49,6 +49,8 @@ More examples:
 
   quantkit quantize ./my-model --method gptq --activations int8 -o ./w4a8   (W4A8: int4 weights, int8 activations)
 
+  quantkit quantize ./my-model --method nvfp4 --rotate hadamard -o ./nvfp4-rot   (Hadamard rotation before W4A4)
+
   quantkit quantize ./my-model --method gguf --gguf-type Q4_K_M --auto-precision --fallback -o ./gguf
 
   quantkit quantize ./base --lora ./adapter --method gptq --bits 4 --group-size 128 -o ./gptq
@@ -103,6 +105,7 @@ def quantize(
     double_quant: Optional[bool] = typer.Option(None, "--double-quant/--no-double-quant", help="NF4 double quantization.", rich_help_panel=METHOD),
     compute_dtype: Optional[str] = typer.Option(None, help="NF4 compute dtype.", rich_help_panel=METHOD),
     kv_cache: Optional[str] = typer.Option(None, "--kv-cache", help="KV-cache precision stored in a compressed-tensors artifact (fp8, gptq, nvfp4, mxfp4): fp8 = calibrated per-layer FP8 k/v scales, served with vLLM's --kv-cache-dtype fp8; the gate reports the KV quantization's own KLD.", rich_help_panel=METHOD),
+    rotate: Optional[str] = typer.Option(None, "--rotate", help="Rotate before quantizing, through llm-compressor's transform modifiers (gptq, autoround, smoothquant, fp8, nvfp4, mxfp4): none (default) | hadamard (QuIP: random Hadamard on each quantized Linear's input, applied online by the loader) | spinquant (SpinQuant R1+R2, folded into the weights). Refused for gguf, mlx, nf4 and awq.", rich_help_panel=METHOD),
     calib: Optional[str] = typer.Option(None, "--calib", help="Calibration source: bundled name, file, or hf:NAME.", rich_help_panel=CALIBRATION),
     calib_text_field: Optional[str] = typer.Option(None, "--calib-text-field", help="Field holding the text in .jsonl/.json/.parquet/hf: records (default: text).", rich_help_panel=CALIBRATION),
     num_samples: Optional[int] = typer.Option(None, help="Calibration windows.", rich_help_panel=CALIBRATION),
@@ -167,6 +170,7 @@ def quantize(
                             symmetric=symmetric, activations=activations,
                             backend=backend,
                             gguf_type=gguf_type, imatrix=imatrix, mmproj=mmproj, smoothing_strength=smoothing_strength,
+                            rotate=rotate,
                             double_quant=double_quant, compute_dtype=compute_dtype, preset=preset, iters=iters,
                             batch_size=batch_size, kv_cache=kv_cache),
     )

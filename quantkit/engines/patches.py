@@ -83,6 +83,12 @@ PATCHES: dict[str, Patch] = {
         LLMCOMPRESSOR, "quantkit.engines.llmcompressor.distributed:broadcast_then_wait",
         "under torchrun, a barrier after QuantizationModifier's broadcast of the weight scales: as for GPTQ, "
         "nothing waited for the rank writing a CPU module's scales (quantkit.engines.llmcompressor.distributed)"),
+    "transform.offloaded_device": Patch(
+        ("compressed_tensors.transform.factory.hadamard", "get_offloaded_device"), "compressed-tensors",
+        COMPRESSED_TENSORS, "quantkit.engines.patches:transform_device",
+        "a Hadamard transform of a module offloaded to disk (quantkit's vocabulary tables) is built on the CPU: "
+        "compressed-tensors 0.19 moves its matrix to the module's offload device, and torch has no 'disk' "
+        "device (SpinQuant's R1 rotates the embeddings and the head)"),
     "awq.pin_memory": Patch(
         ("llmcompressor.pipelines.cache", "IntermediatesCache.pin_memory"), "llmcompressor", LLMCOMPRESSOR,
         "quantkit.engines.patches:no_pinning",
@@ -142,6 +148,15 @@ WRITES = {
 def weights_per_forward() -> Iterator[None]:
     """disable_offloading that holds nothing onloaded: each module's weight is read for each forward."""
     yield
+
+
+def transform_device(module, default=None):
+    """compressed-tensors' get_offloaded_device for a transform's matrix: the CPU where the module is offloaded
+    to disk (its weight is still read and written through the disk offload)."""
+    from compressed_tensors.utils import get_offloaded_device
+
+    device = get_offloaded_device(module, default)
+    return "cpu" if device == "disk" else device
 
 
 def sklearn_absent() -> bool:

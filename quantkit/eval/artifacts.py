@@ -99,10 +99,47 @@ def load_for_eval(path: Path, base_dir: Path | None = None, device: str = "cpu",
         if needs_remote_code(exc):
             raise custom_code_error(path, (config.get("architectures") or ["unknown"])[0]) from exc
         raise
+    if kind == "compressed-tensors":
+        loading = apply_online_transforms(model, path, config, loading)
     check_strict_reload(path, loading)
     if kind == "compressed-tensors":
         decompress_per_module(model)
     return model.eval()
+
+
+def online_transforms(config: dict):
+    """The online part of a compressed-tensors artifact's transform config (compressed-tensors'
+    TransformConfig: the rotations the loader applies at run time, such as a Hadamard rotation of a
+    Linear's input); None when there is none. The weight parts are fused into the stored weights already."""
+    from compressed_tensors.transform import TransformConfig
+
+    raw = (config.get("quantization_config") or {}).get("transform_config") or {}
+    groups = {}
+    for name, scheme in TransformConfig.model_validate(raw).config_groups.items() if raw else ():
+        online = [args for args in scheme.apply if args.is_online()]
+        if online:
+            groups[name] = scheme.model_copy(update={"apply": online})
+    return TransformConfig(config_groups=groups) if groups else None
+
+
+def apply_online_transforms(model, path: Path, config: dict, loading: dict) -> dict:
+    """Attach the artifact's online transforms to the loaded model as vLLM's loader does (transformers 5 drops
+    the transform config): compressed-tensors' apply_transform_config builds them, and their stored
+    matrices are loaded into them. Returns `loading` without the transform tensors it read."""
+    from compressed_tensors.transform import apply_transform_config
+
+    from quantkit.io.checkpoint import SafetensorsWeights
+
+    transforms = online_transforms(config)
+    if transforms is None:
+        return loading
+    apply_transform_config(model, transforms)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    stored = SafetensorsWeights(path)
+    read = [name for name in loading.get("unexpected_keys") or [] if name in params]
+    for name in read:
+        params[name].data.copy_(stored.get(name))
+    return {**loading, "unexpected_keys": [k for k in loading.get("unexpected_keys") or [] if k not in read]}
 
 
 def decompress_per_module(model) -> None:

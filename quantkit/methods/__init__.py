@@ -273,6 +273,9 @@ class MethodSpec:
     keeps_lm_head: Callable[[BaseModel], bool] = _always
     supports_ignore: bool = True  # False: the format decides every tensor's type (gguf mixtures)
     quantizes_towers: bool = False  # True: takes a target's `vision`/`projector` int8/int4 (llmc.tower_modifiers)
+    # A method that rotates has a `rotate` option (llmc.Rotate: llm-compressor's transform modifiers before it
+    # quantizes); for the others, why --rotate is refused (recipe.check_rotation, exit 2 before any work)
+    rotation_refused: str = "its engine does not run llm-compressor's transform modifiers"
     # Exact per-module precision for the whole model where one tensor's type depends on the others
     # (gguf: llama-quantize's mixture rules); {} where `precision` alone is exact.
     plan_types: Callable[[ModelInfo, BaseModel], dict[str, str]] = _no_exact_types

@@ -37,6 +37,7 @@ class Options(BaseModel):
     bits: int = 4
     group_size: int | Literal["auto"] = "auto"  # -1: one scale per output channel; auto: gptq.auto_group_size
     symmetric: bool = True
+    rotate: llmc.Rotate = "none"  # rotate before quantizing: hadamard | spinquant (llmc.rotation_modifiers)
     preset: Literal["default", "light"] = "default"
     iters: int | None = Field(None, ge=1, le=10000, description="tuning iterations per decoder layer "
                               "(default: the preset's, 200 or 50)")
@@ -67,6 +68,7 @@ def precision(role: str, options: Options, name: str, shape: list[int]) -> str |
 
 def check(info, options: Options, calibration) -> None:
     gptq.check_moe(info, options.symmetric, "none", "autoround")
+    llmc.check_rotation(info, options.rotate, "autoround")
     gptq.check_bits(options.bits, "autoround")
     gptq.check_group_size(options.group_size, "autoround")
     gptq.check_calibration_tokens(calibration, "autoround")

@@ -299,6 +299,11 @@ def support(family) -> str:
     return family.smoothing_refusal() or family.decoder_support("✅ with `--symmetric` (asymmetric refused)")
 
 
+ROTATION_REFUSED = ("llm-compressor applies the rotation when calibration starts, and AWQ then scales the input "
+                    "channels of Linears whose inputs an online Hadamard rotation has mixed, so the smoothed model "
+                    "would not be the original; AWQ after SpinQuant is not offered either (not measured)")
+
+
 def ranks_refused(options: Options) -> str | None:
     """llm-compressor 0.14 smooths on every rank: each rank computes the same scales and writes them into
     the weights (modifiers/transform/awq/base.py, _apply_smoothing: the smooth layer divided in place,
@@ -313,6 +318,7 @@ def ranks_refused(options: Options) -> str | None:
 
 METHOD = MethodSpec(
     quantizes_towers=True, name="awq", engine=llmc.ENGINE, engine_package=llmc.ENGINE,
+    rotation_refused=ROTATION_REFUSED,
     format="compressed-tensors (pack-quantized, int4 asymmetric)",
     options=Options, quantize=quantize, precision=precision, default_gate=fixed_gate(DEFAULT_GATE),
     check=check, needs_calibration=needs_calibration, check_ignore=check_ignore, shape_problems=gptq.shape_problems,

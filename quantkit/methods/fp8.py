@@ -45,6 +45,7 @@ class Options(BaseModel):
     quantize_lm_head: bool = False
     fallback: Fallback | None = None  # on a failed gate, keep the most damaging layers 16-bit (quantkit.mixed.budget)
     kv_cache: llmc.KvCache = None  # fp8: calibrated per-layer FP8 k/v scales (llmc.kv_cache_scheme)
+    rotate: llmc.Rotate = "none"  # rotate before quantizing: hadamard | spinquant (llmc.rotation_modifiers)
 
 
 def needs_calibration(options: Options) -> bool:
@@ -115,6 +116,7 @@ EXPERT_PROBLEMS = {"fp8-static": "fp8-static stores a static activation scale pe
 
 def check(info, options: Options, calibration) -> None:
     moe.check_supported(info, "fp8")
+    llmc.check_rotation(info, options.rotate, "fp8")
     moe.check_expert_storage(info, "fp8", EXPERT_PROBLEMS.get(options.scheme), hint="use scheme fp8-dynamic")
     if options.fallback is not None and options.scheme == "fp8-block":
         raise UnsupportedError("fp8: --fallback is not available with fp8-block yet (its sensitivity simulation "
@@ -144,6 +146,8 @@ def path_blocker(info, options: Options) -> str | None:
         return "fp8-block's 128x128 weight blocks are quantized on the loaded model"
     if options.kv_cache is not None:
         return "the KV-cache scales are calibrated on the loaded model"
+    if options.rotate != "none":
+        return "the rotation (llm-compressor's transform modifier) is applied to the loaded model"
     return model_free.config_blocker(info, options.quantize_lm_head)
 
 

@@ -628,8 +628,13 @@ def tower_proof(job: QuantizeJob, result: QuantizeResult) -> dict:
     return prove_mmproj(result.artifact.parent / projector["file"], job.info, job.options.mmproj)
 
 
+ROTATION_REFUSED = ("a GGUF file stores no transform and llama.cpp applies none, and quantkit's GGUF conversion "
+                    "does not run llm-compressor's transform modifiers")
+
+
 METHOD = MethodSpec(
     name="gguf", engine="quantkit-gguf", engine_package="quantkit", format="GGUF (llama.cpp / Ollama)",
+    rotation_refused=ROTATION_REFUSED,
     options=Options, quantize=quantize, precision=precision, default_gate=default_gate, check=check,
     needs_calibration=needs_calibration,
     needs_model=lambda info, options: False,  # conversion reads the checkpoint; the imatrix streams it

@@ -156,6 +156,7 @@ class Options(BaseModel):
     model_config = ConfigDict(extra="forbid")
     bits: int = 4
     group_size: int | Literal["auto"] = "auto"  # -1: one scale per output channel; auto: see auto_group_size
+    rotate: llmc.Rotate = "none"  # rotate before quantizing: hadamard | spinquant (llmc.rotation_modifiers)
     symmetric: bool | Literal["auto"] = "auto"  # auto: see auto_symmetric
     act_order: Literal["none", "static", "group"] = "static"
     dampening: float = 0.01  # fraction of the mean Hessian diagonal added before inversion
@@ -312,6 +313,7 @@ def check_moe(info, symmetric: bool, act_order: str, method: str) -> None:
 
 def check(info, options: Options, calibration) -> None:
     check_activations(info, options)
+    llmc.check_rotation(info, options.rotate, "gptq")
     check_moe(info, options.symmetric, options.act_order, "gptq")
     check_bits(options.bits, "gptq")
     check_group_size(options.group_size, "gptq")

@@ -262,8 +262,13 @@ def serve_command(path: str) -> str:
     return f'mlx_lm.generate --model {path} --prompt "Hello" (or: mlx_lm.server --model {path})'
 
 
+ROTATION_REFUSED = ("an mlx-lm checkpoint stores no transform and mlx-lm applies none, and quantkit's MLX "
+                    "conversion does not run llm-compressor's transform modifiers")
+
+
 METHOD = MethodSpec(
     name="mlx", engine="quantkit-mlx", engine_package="quantkit", format="MLX (mlx-lm affine quantized)",
+    rotation_refused=ROTATION_REFUSED,
     options=Options, quantize=quantize, precision=precision, default_gate=default_gate, check=check,
     needs_calibration=needs_calibration,
     needs_model=lambda info, options: False,  # reads the checkpoint; the importances stream it

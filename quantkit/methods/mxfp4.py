@@ -31,6 +31,7 @@ class Options(BaseModel):
     model_config = ConfigDict(extra="forbid")
     scheme: Literal["a16"] = "a16"
     kv_cache: llmc.KvCache = None  # fp8: calibrated per-layer FP8 k/v scales (llmc.kv_cache_scheme)
+    rotate: llmc.Rotate = "none"  # rotate before quantizing: hadamard | spinquant (llmc.rotation_modifiers)
 
 
 def needs_calibration(options: Options) -> bool:
@@ -46,6 +47,7 @@ def precision(role: str, options: Options, name: str, shape: list[int]) -> str |
 
 def check(info, options: Options, calibration) -> None:
     nvfp4.check_dense(info, "mxfp4")
+    llmc.check_rotation(info, options.rotate, "mxfp4")
 
 
 def shape_problems(info, options: Options, ignore: list[str]) -> dict[str, str]:

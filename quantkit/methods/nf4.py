@@ -269,8 +269,13 @@ def support(family) -> str:
     return family.decoder_support("✅ experts stay bf16")
 
 
+ROTATION_REFUSED = ("a bitsandbytes checkpoint stores no transform and transformers applies none when it loads "
+                    "one; bitsandbytes quantizes as transformers loads the model, outside llm-compressor")
+
+
 METHOD = MethodSpec(
     name="nf4", engine="bitsandbytes", engine_package="bitsandbytes",
+    rotation_refused=ROTATION_REFUSED,
     format="transformers bitsandbytes checkpoint (4-bit NF4/FP4 or LLM.int8)",
     options=Options, quantize=quantize, precision=precision, default_gate=fixed_gate(DEFAULT_GATE),
     check=check, needs_model=lambda info, options: False,  # transformers re-loads the checkpoint with a bnb config

@@ -48,6 +48,7 @@ class Options(BaseModel):
     model_config = ConfigDict(extra="forbid")
     scheme: Literal["w4a4", "a16"] = "w4a4"
     kv_cache: llmc.KvCache = None  # fp8: calibrated per-layer FP8 k/v scales (llmc.kv_cache_scheme)
+    rotate: llmc.Rotate = "none"  # rotate before quantizing: hadamard | spinquant (llmc.rotation_modifiers)
 
 
 def needs_calibration(options: Options) -> bool:
@@ -115,6 +116,7 @@ def fp4_support(family) -> str:
 
 def check(info, options: Options, calibration) -> None:
     check_dense(info, "nvfp4")
+    llmc.check_rotation(info, options.rotate, "nvfp4")
 
 
 def shape_problems(info, options: Options, ignore: list[str]) -> dict[str, str]:

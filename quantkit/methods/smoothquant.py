@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict
 from quantkit.arch import moe
 from quantkit.arch.mappings import Mapping, model_mappings
 from quantkit.engines.llmcompressor import llmc
-from quantkit.errors import InputError
+from quantkit.errors import InputError, UnsupportedError
 from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, Runtime, fixed_gate, gptq
 from quantkit.mixed import layers as intmix
 from quantkit.mixed.budget import Fallback
@@ -41,6 +41,7 @@ class Options(BaseModel):
     model_config = ConfigDict(extra="forbid")
     smoothing_strength: float = 0.8
     weight_algorithm: Literal["gptq", "rtn"] = "gptq"
+    rotate: llmc.Rotate = "none"  # rotate before quantizing: hadamard | spinquant (llmc.rotation_modifiers)
     dampening: float = 0.01  # GPTQ only
     fallback: Fallback | None = None  # on a failed gate, keep the most damaging layers 16-bit (quantkit.mixed.budget)
 
@@ -60,11 +61,26 @@ def mappings_for(info) -> list[Mapping]:
     return [m for m in model_mappings(info, "smoothquant") if m.smoothquant]
 
 
+def check_rotation(rotate: str) -> None:
+    """hadamard refused: llm-compressor applies QuIP's rotation when calibration starts, and SmoothQuant then
+    divides a norm's output channels by its scales and multiplies the next Linears' input columns, which the
+    rotation has mixed (the weight holds W H, the online H^T runs after the norm): the smoothed model is no
+    longer the original. SpinQuant folds the norms and every rotation into the weights, so smoothing after it
+    stays exact."""
+    if rotate == "hadamard":
+        raise UnsupportedError("smoothquant: --rotate hadamard is refused: llm-compressor rotates each Linear's "
+                               "input online before SmoothQuant smooths its input channels, which the rotation "
+                               "has mixed, so the smoothed model would not be the original",
+                               hint="use --rotate spinquant (folded into the weights before smoothing)")
+
+
 def check(info, options: Options, calibration) -> None:
     if not 0 <= options.smoothing_strength <= 1:
         raise InputError(f"smoothquant: smoothing_strength={options.smoothing_strength} must be in [0, 1]",
                          hint="e.g. --smoothing-strength 0.8")
     mappings_for(info)
+    check_rotation(options.rotate)
+    llmc.check_rotation(info, options.rotate, "smoothquant")
     moe.check_supported(info, "smoothquant")
     moe.check_expert_storage(info, "smoothquant", "W8A8 stores every expert as int8 `int-quantized` weights",
                              hint="use gptq --bits 8 --symmetric, or fp8, for this model")

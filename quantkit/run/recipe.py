@@ -239,6 +239,7 @@ def validate(data: dict, origin: str = "recipe") -> Recipe:
         raise RecipeError(f"{origin}: {format_errors(exc)}", hint=_hint(exc)) from None
     for index, target in enumerate(recipe.targets):
         check_mixed_precision(target.method, target.options)
+        check_rotation(target.method, target.options)
         try:
             target_options(target)
         except ValidationError as exc:
@@ -263,6 +264,16 @@ def check_mixed_precision(method: str, options: dict) -> None:
         if key in options and method in METHODS and method not in methods:
             raise UnsupportedError(f"{label} is implemented for method {listing(methods)} only, not {method}",
                                    hint=f"use --method {methods[0]}, or drop the option")
+
+
+def check_rotation(method: str, options: dict) -> None:
+    """--rotate / rotate (other than none) for a method that cannot rotate: refused with the method's own
+    reason (MethodSpec.rotation_refused, exit 2)."""
+    rotating = methods_with("rotate")
+    if options.get("rotate", "none") == "none" or method not in METHODS or method in rotating:
+        return
+    raise UnsupportedError(f"--rotate / rotate: method {method} cannot rotate: {get_method(method).rotation_refused}",
+                           hint=f"drop --rotate, or use a method that rotates: {listing(rotating)}")
 
 
 def listing(names) -> str:
@@ -406,6 +417,7 @@ def apply_method_options(data: dict, options: dict[str, Any]) -> dict:
     targets = [dict(t) for t in data.get("targets") or [] if isinstance(t, dict)]
     for target in targets:
         check_mixed_precision(str(target.get("method")), {k: v for k, v in given.items() if k in MIXED_PRECISION})
+        check_rotation(str(target.get("method")), {k: v for k, v in given.items() if k == "rotate"})
     for flag, value in given.items():
         used = False
         for target in targets:

@@ -24,6 +24,75 @@ def kv_cache_scheme(kv_cache: str | None) -> dict | None:
     return {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": "tensor"}
 
 
+# A method's `rotate` option: the rotation llm-compressor applies before quantizing (rotation_modifiers).
+Rotate = Literal["none", "hadamard", "spinquant"]
+
+
+def rotation_modifiers(job) -> list:
+    """llm-compressor's transform modifier for the target's `rotate` option, run before its quantization
+    (compressed-tensors stores it as the checkpoint's transform config):
+    hadamard:  QuIPModifier: each quantized Linear's input rotated by a random Hadamard matrix, its inverse
+               fused into the weight and the rotation itself applied to the activations at run time
+               (online: the transform's matrices are stored and the loader applies them; lm_head never,
+               since vLLM's head takes no transform);
+    spinquant: SpinQuantModifier R1 + R2: random Hadamard rotations of the residual stream (the norms folded
+               into the next Linears first) and of each attention head's values, all folded into the
+               weights: nothing runs online and any loader computes the same model;
+    none:      nothing."""
+    rotate = getattr(job.options, "rotate", "none")
+    if rotate == "hadamard":
+        from llmcompressor.modifiers.transform import QuIPModifier
+
+        ignore = list(dict.fromkeys([*decoder_ignore(job), "lm_head"]))
+        return [QuIPModifier(rotations=["v"], transform_type="random-hadamard", ignore=ignore)]
+    if rotate == "spinquant":
+        from llmcompressor.modifiers.transform import SpinQuantModifier
+
+        return [SpinQuantModifier(rotations=["R1", "R2"], transform_type="random-hadamard")]
+    return []
+
+
+def check_rotation(info, rotate: str, method: str) -> None:
+    """Before any work: a rotation llm-compressor cannot build for this model refused (UnsupportedError, exit 2)."""
+    from quantkit.errors import UnsupportedError
+
+    if rotate == "spinquant" and info.towers.components:
+        raise UnsupportedError(f"{method}: --rotate spinquant is refused for a vision-language model: SpinQuant's "
+                               "mappings match every q/k/v/o and MLP projection by name, the towers' too",
+                               hint="use --rotate hadamard (the quantized decoder Linears only)")
+    unbuilt = sorted(size for size in rotation_sizes(info, rotate) if not hadamard_size(size))
+    if unbuilt:
+        raise UnsupportedError(f"{method}: --rotate {rotate}: compressed-tensors has no random Hadamard matrix of "
+                               f"size {unbuilt[0]} (it builds a power of two times one of its known orders)",
+                               hint="use --rotate none" + (" or spinquant" if rotate == "hadamard" else ""))
+
+
+def rotation_sizes(info, rotate: str) -> set[int]:
+    """The widths the rotation's Hadamard matrices take: every quantized decoder Linear's input (hadamard), the
+    hidden size and the head width (spinquant)."""
+    from quantkit.arch.roles import classify, linear_weights
+
+    if rotate == "hadamard":
+        return {shape[1] for name, shape in linear_weights(info).items()
+                if classify(name + ".weight", info.towers) in ("decoder", "other")}
+    if rotate == "spinquant":
+        text = info.config.get("text_config") or info.config
+        hidden = text["hidden_size"]
+        return {hidden, text.get("head_dim") or hidden // text["num_attention_heads"]}
+    return set()
+
+
+def hadamard_size(size: int) -> bool:
+    """Whether compressed-tensors builds a random Hadamard matrix of this order: a power of two times one of
+    the known orders it ships (transform/utils/hadamards.safetensors)."""
+    from compressed_tensors.transform.utils.hadamard import REPO_PATH, is_pow2
+    from safetensors import safe_open
+
+    with safe_open(REPO_PATH, framework="pt") as known:
+        orders = [int(key) for key in known.keys()]  # noqa: SIM118  (a safetensors file, not a dict)
+    return is_pow2(size) or any(size % k == 0 and is_pow2(size // k) for k in orders)
+
+
 def kv_suffix(options) -> str:
     """The precision plan's words for a `kv_cache` option."""
     return " + KV fp8 (calibrated per layer)" if getattr(options, "kv_cache", None) else ""
@@ -39,6 +108,7 @@ def run_oneshot(job, recipe, calibrate: bool, reads_weights_only: bool = False) 
 
     from quantkit.engines.llmcompressor import lean_hessian
     from quantkit.engines.llmcompressor.distributed import synchronized
+    from quantkit.engines.patches import patched
     from quantkit.io.memory import map_large_allocations
 
     kwargs = {}
@@ -59,9 +129,14 @@ def run_oneshot(job, recipe, calibrate: bool, reads_weights_only: bool = False) 
                 trust_remote_code_model=job.trust_remote_code)
     # plain writes: with --offload-dir every weight GPTQ updates is rewritten to disk (quantkit.io.shards)
     with (lean_hessian.lean_hessians(), synchronized(job.ranks), plain_writes(),
-          onloaded_per_forward(job, reads_weights_only)):
-        oneshot(model=job.model, recipe=recipe, tokenizer=job.tokenizer, log_dir=None,
-                trust_remote_code_model=job.trust_remote_code, **kwargs)  # it re-reads config.json
+          onloaded_per_forward(job, reads_weights_only), patched("transform.offloaded_device")):
+        oneshot(model=job.model, recipe=rotation_modifiers(job) + as_list(recipe), tokenizer=job.tokenizer,
+                log_dir=None, trust_remote_code_model=job.trust_remote_code, **kwargs)  # it re-reads config.json
+
+
+def as_list(recipe) -> list:
+    """A modifier or a list of them, as a list."""
+    return list(recipe) if isinstance(recipe, (list, tuple)) else [recipe]
 
 
 def reads_layers_per_forward(job) -> bool:
