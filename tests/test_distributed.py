@@ -130,6 +130,29 @@ def test_the_hand_overs_are_patched_only_for_several_ranks(name):
     assert site_function(PATCHES[name].site) is original
 
 
+def test_gathered_shares_of_the_positions_give_the_one_process_metrics():
+    """Two ranks' shares (uneven: 5 and 15 positions) compared with their own baselines and gathered in
+    rank order give every metric of one process, percentiles included (the gather is played here by
+    recording rank 1's columns, then appending them to rank 0's)."""
+    import numpy as np
+    import torch
+
+    from quantkit.eval import evaluate
+
+    g = torch.Generator().manual_seed(0)
+    base = [evaluate.ScoredChunk(torch.log_softmax(torch.randn(5, 11, generator=g), -1),
+                                 torch.randint(0, 11, (5,), generator=g)) for _ in range(4)]
+    cand = [evaluate.ScoredChunk(torch.log_softmax(c.logprobs + 0.5 * torch.randn(5, 11, generator=g), -1), c.targets)
+            for c in base]
+    whole = evaluate.compare_chunks(cand, evaluate.baseline_from_chunks(base, 20))
+    recorded = []
+    evaluate.compare_chunks(cand[1:], evaluate.baseline_from_chunks(base[1:], 15), lambda c: recorded.append(c) or c)
+    later = iter(recorded)
+    gathered = evaluate.compare_chunks(cand[:1], evaluate.baseline_from_chunks(base[:1], 5),
+                                       lambda c: np.concatenate([c, next(later)]))
+    assert gathered == whole and whole.positions == 20 and 0 < whole.top1 < 1
+
+
 ARGS = ("--num-samples", "16", "--seq-len", "64", "--eval-windows", "4", "--no-gate")
 LOOPBACK = {"GLOO_SOCKET_IFNAME": "lo"} if os.path.exists("/sys/class/net/lo") else {}  # not the hostname's
 
