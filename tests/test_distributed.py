@@ -99,6 +99,7 @@ def test_a_method_without_llm_compressors_reduction_is_refused_with_the_reason(m
     (dict(targets=[("q", "gptq", Options()), ("f", "nf4", None)]), "target 'f': nf4 runs in one process only"),
     (dict(targets=[("q", "gptq", Options(fallback={}))]), "gptq with fallback"),
     (dict(targets=[("q", "gptq", Options(auto_precision={}))]), "gptq with auto-precision"),
+    (dict(targets=[("q", "gptq", Options(rotate="spinquant"))]), "gptq with rotate runs in one process only"),
     *[(dict(flags=[flag]), f"{flag} runs in one process only") for flag in ONE_PROCESS_FLAGS],
 ])
 def test_what_needs_one_process_is_refused(change, message):
