@@ -4,7 +4,7 @@
     python scripts/bench_methods.py MODEL [--num-samples 32] [--seq-len 128] [--eval-windows 16]
                                           [--methods gptq,awq,smoothquant,nf4] [--json out.json]
                                           [--extras] [--iters N] [--variants quantkit,oneshot,...]
-                                          [--device cpu|cuda]
+                                          [--device cpu|cuda] [--rotate none,hadamard,spinquant]
 
 MODEL is normally the reference model (scripts/train_reference_model.py). For each method:
   * quantkit  - `quantkit quantize MODEL --method M --no-gate` (the whole gated pipeline: load,
@@ -28,6 +28,9 @@ fp8) run against bare `oneshot` with llm-compressor's preset (FP8_BLOCK, NVFP4, 
 FP8_DYNAMIC + the same kv_cache_scheme), calibrated only where quantkit calibrates.
 --device cuda runs every variant's quantization on the GPU (quantkit `--device cuda`, the library with
 device_map cuda, llm-compressor's pipeline onloads each layer to the GPU by itself); scoring stays on the CPU.
+--rotate runs every method once per rotation: quantkit with `--rotate R`, the bare oneshot with the same
+llm-compressor transform modifier first in its recipe (hadamard: QuIPModifier, random Hadamard on every Linear's
+input but lm_head; spinquant: SpinQuantModifier R1+R2, random Hadamard), on the same windows.
 Each variant runs in its own child process: wall time and peak RSS (wait4) are the child's.
 Every artifact is then reloaded from disk and scored by the same evaluator against one
 baseline on the same held-out windows, so quality numbers are comparable across rows.
@@ -60,13 +63,14 @@ PRESETS = {
     "nvfp4-a16": {"oneshot": "NVFP4A16", "rtn": None},
     "mxfp4": {"oneshot": "MXFP4A16", "rtn": None},
     "fp8-kv": {"oneshot": "FP8_DYNAMIC", "rtn": None},
+    "fp8": {"oneshot": "FP8_DYNAMIC", "rtn": None},
 }
 # bench entry -> quantkit flags, where the entry is a scheme rather than a method's default
 QUANTKIT_FLAGS = {"fp8-block": ["--method", "fp8", "--scheme", "fp8-block"],
                   "nvfp4-a16": ["--method", "nvfp4", "--scheme", "a16"],
                   "fp8-kv": ["--method", "fp8", "--kv-cache", "fp8"]}
-PRESET_ONLY = ("fp8-block", "nvfp4", "nvfp4-a16", "mxfp4", "fp8-kv")  # one QuantizationModifier with the preset
-DATA_FREE = ("fp8-block", "nvfp4-a16", "mxfp4")  # presets that need no calibration data
+PRESET_ONLY = ("fp8-block", "nvfp4", "nvfp4-a16", "mxfp4", "fp8-kv", "fp8")  # one QuantizationModifier with the preset
+DATA_FREE = ("fp8-block", "nvfp4-a16", "mxfp4", "fp8")  # presets that need no calibration data
 # method -> {quantkit variant: extra flags} (--extras)
 EXTRAS = {"gptq": {"quantkit-sym": ["--symmetric"]},
           "autoround": {"quantkit-light": ["--preset", "light"], "quantkit-asym": ["--asymmetric"]}}
@@ -104,7 +108,22 @@ def w4a16_groups(model_dir: str, symmetric: bool) -> dict:
     return {"group_0": {"targets": ["Linear"], "weights": weights}}
 
 
+def rotation_recipe(rotate: str) -> list:
+    """The transform modifier quantkit's --rotate puts first (quantkit.engines.llmcompressor.llmc.rotation_modifiers)."""
+    from llmcompressor.modifiers.transform import QuIPModifier, SpinQuantModifier
+
+    if rotate == "hadamard":
+        return [QuIPModifier(rotations=["v"], transform_type="random-hadamard", ignore=["lm_head"])]
+    if rotate == "spinquant":
+        return [SpinQuantModifier(rotations=["R1", "R2"], transform_type="random-hadamard")]
+    return []
+
+
 def oneshot_recipe(method: str, variant: str, model_dir: str, args) -> list:
+    return rotation_recipe(args.rotate) + method_recipe(method, variant, model_dir, args)
+
+
+def method_recipe(method: str, variant: str, model_dir: str, args) -> list:
     from llmcompressor.modifiers.autoround import AutoRoundModifier
     from llmcompressor.modifiers.gptq import GPTQModifier
     from llmcompressor.modifiers.quantization import QuantizationModifier
@@ -211,18 +230,19 @@ def calib_flags(args) -> list[str]:
             "--eval-windows", str(args.eval_windows)]
 
 
-def variant_command(model: str, out: Path, method: str, variant: str, args) -> list[str]:
+def variant_command(model: str, out: Path, method: str, variant: str, args, rotate: str = "none") -> list[str]:
+    rotation = ["--rotate", rotate] if rotate != "none" else []
     if variant.startswith("quantkit"):
         # quantkit-nogate: --eval-windows 0, the same work as the bare engine (for the overhead ratio); its
         # calibration windows are then the first ones, which the benchmark scores on: its time is reported only
         flags = calib_flags(args)[:-1] + ["0"] if variant == "quantkit-nogate" else calib_flags(args)
         return [sys.executable, "-m", "quantkit", "quantize", model, *QUANTKIT_FLAGS.get(method, ["--method", method]),
                 "--no-gate", *flags, *EXTRAS.get(method, {}).get(variant, []), *iters_flags(method, variant, args),
-                "--device", args.device,
+                "--device", args.device, *rotation,
                 "-o", str(out), "--json", str(out) + ".report.json"]
     kind = {"nf4": "bnb"}.get(method, "autoround-lib" if variant == "autoround-lib" else "llmc")
     return [sys.executable, __file__, "--worker", kind, model, str(out), method, variant, model, *calib_flags(args),
-            *iters_flags(method, variant, args), "--seed", str(args.seed), "--device", args.device]
+            *iters_flags(method, variant, args), "--seed", str(args.seed), "--device", args.device, *rotation]
 
 
 def iters_flags(method: str, variant: str, args) -> list[str]:
@@ -239,11 +259,13 @@ def score(artifact: Path, model: str, windows, baseline) -> dict:
     return metrics.as_dict()
 
 
-def bench_variant(model: str, method: str, variant: str, args, work: Path, windows, baseline) -> dict:
-    out = work / f"{method}-{variant}"
-    wall, rss, code = run_child(variant_command(model, out, method, variant, args), work / f"{out.name}.log")
-    row = {"method": method, "variant": variant, "wall_s": round(wall, 1), "peak_rss_mib": round(rss / 2**20),
-           "exit_code": code}
+def bench_variant(model: str, method: str, variant: str, args, work: Path, windows, baseline,
+                  rotate: str = "none") -> dict:
+    out = work / f"{method}-{variant}-{rotate}"
+    wall, rss, code = run_child(variant_command(model, out, method, variant, args, rotate), work / f"{out.name}.log")
+    label = method if rotate == "none" else f"{method} +{rotate}"
+    row = {"method": label, "variant": variant, "rotate": rotate, "wall_s": round(wall, 1),
+           "peak_rss_mib": round(rss / 2**20), "exit_code": code}
     if code != 0:
         return {**row, "error": (work / f"{out.name}.log").read_text()[-400:]}
     if variant.startswith("quantkit"):
@@ -277,9 +299,10 @@ def run(args) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-methods-") as tmp:
         for method in args.methods.split(","):
-            for variant in variants(method, args.extras, args.variants):
-                rows.append(bench_variant(args.model, method, variant, args, Path(tmp), windows, baseline))
-                print(format_row(rows[-1]), file=sys.stderr, flush=True)
+            for rotate in args.rotate.split(","):
+                for variant in variants(method, args.extras, args.variants):
+                    rows.append(bench_variant(args.model, method, variant, args, Path(tmp), windows, baseline, rotate))
+                    print(format_row(rows[-1]), file=sys.stderr, flush=True)
     return rows
 
 
@@ -317,6 +340,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the variants quantize "
                         "(scoring stays on the CPU)")
     parser.add_argument("--variants", default=None, help="only these variants (comma-separated)")
+    parser.add_argument("--rotate", default="none", help="rotations to run each method with, comma-separated: none, "
+                        "hadamard, spinquant (a worker takes one)")
     return parser.parse_args(argv)
 
 
