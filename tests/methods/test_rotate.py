@@ -159,3 +159,21 @@ def test_spinquant_reads_alike_in_transformers(cli, micro_model, tmp_path):
     ids = torch.randint(0, config["vocab_size"], (1, 32), generator=torch.Generator().manual_seed(0))
     plain = logits(AutoModelForCausalLM.from_pretrained(out), ids)
     assert torch.allclose(logits(load_for_eval(out), ids), plain, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_spinquant_unties_offloaded_tied_embeddings(cli, micro_model, tmp_path):
+    """A CPU run keeps the vocabulary tables on disk; SpinQuant unties tied ones, so the model is loaded again with
+    them in memory, and the artifact stores its own rotated head (config untied)."""
+    model = untrained_llama(micro_model, tmp_path / "tied", hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                            num_attention_heads=2, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True)
+    out = tmp_path / "out"
+    result = cli("quantize", model, "--method", "fp8", "--rotate", "spinquant", "--eval-windows", 2, "--no-gate",
+                 "-o", out)
+    assert result.exit_code == 0, result.output
+    assert "loading the model again with its tied embeddings in memory" in result.output
+    config = json.loads((out / "config.json").read_text())
+    assert config["tie_word_embeddings"] is False
+    from quantkit.io.checkpoint import SafetensorsWeights
+
+    assert "lm_head.weight" in SafetensorsWeights(out).index

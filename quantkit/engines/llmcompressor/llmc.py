@@ -52,6 +52,25 @@ def rotation_modifiers(job) -> list:
     return []
 
 
+def rotation_ready(job) -> None:
+    """SpinQuant unties tied embeddings and rotates both vocabulary tables; with them offloaded to disk (quantkit's
+    CPU runs) compressed-tensors 0.19 cannot read the tied head (a KeyError in its disk cache), so the model is
+    loaded again with the tables in memory. With every decoder layer on disk too (--offload-dir) that would
+    load the whole model: refused (exit 2)."""
+    from quantkit.errors import UnsupportedError
+
+    tied = getattr(job.model.config.get_text_config(), "tie_word_embeddings", False)
+    if getattr(job.options, "rotate", "none") != "spinquant" or job.offload is None or not tied:
+        return
+    if job.offload.layers:
+        raise UnsupportedError("--rotate spinquant with --offload-dir: SpinQuant unties and rotates this model's tied "
+                               "embeddings, which compressed-tensors cannot read from the disk offload",
+                               hint="drop --offload-dir, or use --rotate hadamard")
+    job.progress("spinquant: loading the model again with its tied embeddings in memory (SpinQuant unties them)")
+    job.free_model()
+    job.load_model(None)
+
+
 def check_rotation(info, rotate: str, method: str) -> None:
     """Before any work: a rotation llm-compressor cannot build for this model refused (UnsupportedError, exit 2)."""
     from quantkit.errors import UnsupportedError
@@ -123,6 +142,7 @@ def run_oneshot(job, recipe, calibrate: bool, reads_weights_only: bool = False) 
             pipeline="sequential",
             moe_calibrate_all_experts=True,  # every expert sees every token (quantkit.arch.moe)
         )
+    rotation_ready(job)
     towers = tower_modifiers(job)
     if towers:  # data-free first: the sequential pipeline computes scales only for modules that run
         oneshot(model=job.model, recipe=towers, tokenizer=job.tokenizer, log_dir=None,
