@@ -530,8 +530,13 @@ def dtype_bytes(info) -> int:
 
 def stored_bits(options) -> float:
     """Bits per quantized weight with its 16-bit scale and zero point per group (awq's too); group_size
-    auto not yet resolved counts as its smallest choice."""
+    auto not yet resolved counts as its smallest choice. W4A8 int8 stores one byte per int4 value and no
+    zero point (W4A8_FORMATS)."""
     size = options.group_size if isinstance(options.group_size, int) else min(GROUP_SIZES)
+    activations = activations_of(options)
+    if activations != "none":
+        values = 8 if W4A8_FORMATS[activations] == "int-quantized" else options.bits
+        return values + (16 / size if size > 0 else 0)
     return options.bits + (32 / size if size > 0 else 0)
 
 

@@ -3,6 +3,7 @@ W4A8 schemes load, checked bit for bit, and the bad-input cases (exit 2)."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -82,7 +83,8 @@ def test_w4a8_int8_is_the_layout_vllms_w4a8_int_scheme_loads(w4a8):
     # vLLM's _is_dynamic_token_w4a8_int in an activation format -> CompressedTensorsW4A8Int
     assert config["format"] == group["format"] == "int-quantized"
     weights, acts = group["weights"], group["input_activations"]
-    assert (weights["num_bits"], weights["type"], weights["symmetric"], weights["strategy"]) == (4, "int", True, "group")
+    assert (weights["num_bits"], weights["type"], weights["symmetric"]) == (4, "int", True)
+    assert weights["strategy"] == "group"
     assert weights["group_size"] == 128 and weights["dynamic"] is False
     assert (acts["num_bits"], acts["type"], acts["strategy"], acts["dynamic"], acts["symmetric"]) == \
         (8, "int", "token", True, True)
@@ -177,3 +179,18 @@ def test_w4a8_runtimes_name_the_vllm_kernels():
     assert hopper.serves("cuda", 9.0) and not hopper.serves("cuda", 8.9) and not hopper.serves("cuda", 10.0)
     assert not hopper.serves("cpu") and not hopper.accepts([576, 1536]) and hopper.accepts([1536, 512])
     assert runtimes_for(gptq.METHOD, gptq.Options()) == gptq.RUNTIMES
+
+
+@pytest.mark.parametrize("activations", ["int8", "fp8"])
+def test_w4a8_size_estimate_is_what_is_stored(w4a8, activations):
+    """The preflight's bits per weight (stored_bits) against one layer's stored tensors: one int8 per int4 value
+    (int8) or eight per int32 (fp8), a 16-bit scale per group of 128, no zero point."""
+    from quantkit.methods import gptq
+
+    shapes = stored_tensors(w4a8(activations))
+    layer = "model.layers.0.mlp.down_proj"
+    element = {"I8": 1, "I32": 4, "BF16": 2, "I64": 8}
+    stored = sum(element[dtype] * math.prod(shape) for name, (dtype, shape) in shapes.items()
+                 if name.startswith(layer + ".weight") and not name.endswith("weight_shape"))
+    out, width = 256, 512
+    assert 8 * stored / (out * width) == gptq.stored_bits(gptq.Options(activations=activations, group_size=128))

@@ -12,7 +12,8 @@ from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tenso
 
 
 def probe(artifact: str, layer_name: str, out_features: int, in_features: int, port: str) -> dict:
-    qconfig = json.load(open(f"{artifact}/config.json"))["quantization_config"]
+    with open(f"{artifact}/config.json") as fh:
+        qconfig = json.load(fh)["quantization_config"]
     with set_current_vllm_config(VllmConfig()):
         init_distributed_environment(world_size=1, rank=0, local_rank=0,
                                      distributed_init_method=f"tcp://127.0.0.1:{port}", backend="gloo")
@@ -26,7 +27,7 @@ def probe(artifact: str, layer_name: str, out_features: int, in_features: int, p
             layer = torch.nn.Module()
             scheme.create_weights(layer, out_features, in_features, [out_features], in_features, torch.bfloat16,
                                   weight_loader=lambda *args, **kwargs: None)
-        except Exception as exc:  # vLLM's refusal is the result
+        except Exception as exc:  # noqa: BLE001 - vLLM's refusal (any exception type) is the result
             return {"error": f"{type(exc).__name__}: {exc}"}
         return {"scheme": type(scheme).__name__, "kernel": type(scheme.kernel).__name__,
                 "params": {name: [str(p.dtype).removeprefix("torch."), list(p.shape)]
