@@ -64,6 +64,7 @@ def print_plan(data: dict) -> None:
     out.print(plan_table(data))
     out.print(f"✅ fits  ⚠ fits, but the weights leave under {data['kv_share']:.0%} of the memory to the KV cache  "
               "❌ too small  — no runtime serves the format there")
+    print_measured(data)
     out.print("Devices: " + "; ".join(f"{d['name']} {human_bytes(d['memory_bytes'])} x {d['usable']:.2f} usable"
                                       for d in data["devices"]))
     out.print("Serve (OUT: the quantize output):")
@@ -73,6 +74,15 @@ def print_plan(data: dict) -> None:
     out.print("Sources:")
     for source in data["sources"]:
         out.print(f"  {source}")
+
+
+def print_measured(data: dict) -> None:
+    """Per format, the engines measured to load it and where none was (docs/serving.md)."""
+    rows = [row for row in data["formats"] if "measured_summary" in row]
+    if rows:
+        out.print("Measured in the engines (serve-check; docs/serving.md):", highlight=False)
+    for row in rows:
+        out.print(f"  {row['method']}: {row['measured_summary']}", highlight=False, markup=False)
 
 
 def plan_table(data: dict) -> Table:

@@ -216,9 +216,19 @@ def serving_plan(info, devices: list[Device], context: int, batch: int, kv_cache
             "kv_bytes_per_token": per_token, "overhead": OVERHEAD, "kv_share": KV_SHARE,
             "devices": [{"name": d.name, "memory_bytes": d.memory, "kind": d.kind, "capability": d.capability,
                          "usable": d.usable, "source": d.source} for d in devices],
-            "formats": [row.as_dict() for row in rows],
+            "formats": [{**row.as_dict(), **measured_in_engines(row.method)} for row in rows],
             "sources": sorted({r.source for n in (methods or list(METHODS)) for r in get_method(n).runtimes}
                               | {r.source for r in SOURCE_RUNTIMES} | {d.source for d in devices})}
+
+
+def measured_in_engines(method: str) -> dict:
+    """What serve-check measured of the method's artifacts in each engine and device (quantkit.serve.measured):
+    one line, and the records; nothing for the 16-bit source."""
+    from quantkit.serve.measured import for_method, summary
+
+    if method == "source":
+        return {}
+    return {"measured_summary": summary(method), "measured": [r.as_dict() for r in for_method(method)]}
 
 
 CARD_DEVICES = ("H100", "A100-80G", "L40S", "L4", "RTX4090", "M3-Max-64G")
