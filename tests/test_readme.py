@@ -104,3 +104,16 @@ def test_every_shown_option_exists(page):
             if re.fullmatch(r"--?[A-Za-z][\w-]*", flag) and flag not in options:
                 unknown.append(f"quantkit {name} {flag}")
     assert unknown == []
+
+
+def test_readme_is_a_front_door():
+    """Short: what quantkit does, one block per common job, which method for which runtime, links. The reference
+    lives in docs/ (every page reachable from README or docs/index.md)."""
+    text = README.read_text()
+    assert len(text.splitlines()) <= 180
+    assert "## Common jobs" in text and "## Which method for which runtime" in text
+    linked = set(re.findall(r"\]\(docs/([\w.-]+\.md)", text))
+    index = (ROOT / "docs" / "index.md").read_text()
+    pages = {p.name for p in (ROOT / "docs").glob("*.md")}
+    assert "index.md" in linked
+    assert [page for page in sorted(pages) if page not in linked and f"]({page})" not in index] == []
