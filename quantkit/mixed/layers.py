@@ -258,8 +258,11 @@ def measure(model_dir: Path, shapes: dict[str, tuple[int, int]], calib_windows, 
             measure_windows: int = MEASURE_WINDOWS, probes_per_role: int = PROBES_PER_ROLE,
             workdir: Path | None = None, progress: Callable[[str], None] = lambda message: None) -> LayerTable:
     """The sensitivity table: input statistics on the calibration windows, weighted errors, and with
-    measure_windows > 0 the gains of probes_per_role layers per role measured and the others' interpolated."""
-    from quantkit.mixed.sensitivity import probe_klds, probe_names, proxy_agreement, set_gains
+    measure_windows > 0 the gains of probes_per_role layers per role measured and the others' interpolated,
+    on at most measure_windows windows and no more than one pass of the calibration windows pays for
+    (quantkit.mixed.sensitivity.probe_windows)."""
+    from quantkit.mixed.sensitivity import (layer_count, probe_klds, probe_names, probe_windows, proxy_agreement,
+                                            role_and_depth, set_gains)
 
     started = time.perf_counter()
     stats = input_statistics(model_dir, calib_windows, list(shapes), sim, progress)
@@ -271,8 +274,10 @@ def measure(model_dir: Path, shapes: dict[str, tuple[int, int]], calib_windows, 
     if measure_windows == 0:
         return LayerTable(table, False, 0, seconds)
     started = time.perf_counter()
-    windows = calib_windows[:measure_windows]
     chosen = set(probe_names(table, probes_per_role))
+    depth = layer_count(model_dir)
+    starts = [role_and_depth(name)[1] or 0 for name in chosen]
+    windows = calib_windows[:probe_windows(measure_windows, len(calib_windows), depth, starts)]
     progress(f"sensitivity: KL divergence of {len(chosen)} probe layers alone on {len(windows)} windows")
     klds = probe_klds(model_dir, [probe(model_dir, r, sim) for r in table if r.name in chosen], windows,
                       "auto_precision.measure_windows: 0", workdir, progress)
