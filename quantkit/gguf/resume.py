@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -65,13 +64,9 @@ def load(path: Path) -> Progress | None:
 
 def save(path: Path, progress: Progress) -> None:
     """Replace the state file atomically (written in full and fsynced before the rename)."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as fh:
-        json.dump(asdict(progress), fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    from quantkit.io.export import replace_json
+
+    replace_json(Path(path), asdict(progress))
 
 
 def file_sha256(fh, offset: int, nbytes: int) -> str | None:

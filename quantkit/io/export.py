@@ -18,10 +18,10 @@ import shutil
 import socket
 import tempfile
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
 
 from quantkit.errors import InputError, OutputBusyError, OutputExistsError
 
@@ -61,7 +61,7 @@ class Owner:
     started: float  # time.time() when the staging directory was made
 
     @classmethod
-    def me(cls) -> "Owner":
+    def me(cls) -> Owner:
         return cls(os.getpid(), socket.gethostname(), time.time())
 
 
@@ -285,7 +285,11 @@ def write_json(path: Path, data: dict) -> None:
 
 
 def replace_json(path: Path, data: dict) -> None:
-    """Write a JSON file in place of an existing one atomically (a temporary file renamed over it)."""
+    """Write a JSON file in place of an existing one atomically: a temporary file, written in full and
+    fsynced, renamed over it (a crash leaves the old file or the new one, never a torn one)."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    write_json(tmp, data)
+    with open(tmp, "w") as fh:
+        fh.write(json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
     os.replace(tmp, path)

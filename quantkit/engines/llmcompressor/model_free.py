@@ -33,10 +33,10 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from quantkit.errors import InternalError
 from quantkit.io.checkpoint import ModelInfo
@@ -448,13 +448,10 @@ def record_shard(state: Path | None, saved: ShardProgress, path: Path) -> None:
     """A shard is finished: its sha256 added to the saved progress (written whole, fsynced, renamed over it)."""
     if state is None:
         return
+    from quantkit.io.export import replace_json
+
     saved.shards.append(file_sha256(path) or "")
-    tmp = state.with_name(f".{state.name}.tmp")
-    with open(tmp, "w") as fh:
-        json.dump(asdict(saved), fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, state)
+    replace_json(state, asdict(saved))
 
 
 def write_config(plan: StreamPlan, out_dir: Path) -> None:
