@@ -189,3 +189,13 @@ def narrow_kv_model(micro_model, tmp_path):
     blocks do not tile them; every other width is a multiple of 128."""
     return untrained_llama(micro_model, tmp_path / "kv64", hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=1, head_dim=64)
+
+
+def probe_window_bound(model, sensitivity: dict, limit: int, windows: int) -> int:
+    """The windows a sensitivity pass's probes may use: `limit` at most, and no more than one pass of its
+    `windows` through the model pays for (each probe forwards from its layer through the head)."""
+    from quantkit.mixed.sensitivity import layer_count, role_and_depth
+
+    layers = layer_count(model)
+    starts = [role_and_depth(r["tensor"])[1] or 0 for r in sensitivity["tensors"] if r["kld"] is not None]
+    return max(1, min(limit, windows * (layers + 1) // sum(layers + 1 - s for s in starts)))

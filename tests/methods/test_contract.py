@@ -33,6 +33,8 @@ def test_method_declares_the_contract(name):
             assert callable(value) if "fallback" in spec.options.model_fields else value is None, member.name
         elif member.name == "rotation_refused":  # why --rotate is refused where the options have no `rotate`
             assert isinstance(value, str) and value, member.name
+        elif member.name == "resume_unit":  # what --resume continues from; None: the method does not resume
+            assert value is None or (isinstance(value, str) and value), member.name
         elif member.name == "runtimes":
             assert value and all(isinstance(r, Runtime) and r.source for r in value)
         elif member.name != "options":

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from tests.methods.conftest import CALIB_ARGS, assert_nothing_written, report
+from tests.methods.conftest import CALIB_ARGS, assert_nothing_written, probe_window_bound, report
 
 LOOSE = ("--min-top1", "0", "--max-ppl-increase", "10")
 
@@ -18,17 +18,6 @@ def plain_kld(cli, model, method: str, tmp_path) -> float:
     result = cli("quantize", model, "--method", method, *CALIB_ARGS, "--no-gate", "-o", out, "--json", json_path)
     assert result.exit_code == 0, result.output
     return json.loads(json_path.read_text())["targets"][0]["metrics"]["kld_mean"]
-
-
-def probe_window_bound(model, sensitivity: dict) -> int:
-    """The windows the probes may use: as many as the gate holds out (4 here), and no more than one pass of
-    those windows through the model pays for (each probe forwards from its layer through the head)."""
-    from quantkit.mixed.sensitivity import layer_count, role_and_depth
-
-    layers = layer_count(model)
-    starts = [role_and_depth(r["tensor"])[1] or 0 for r in sensitivity["tensors"] if r["kld"] is not None]
-    passes = sum(layers + 1 - s for s in starts)
-    return max(1, min(4, 4 * (layers + 1) // passes))
 
 
 @pytest.mark.parametrize("method", ["fp8", "nf4", pytest.param("smoothquant", marks=pytest.mark.slow)])
@@ -53,7 +42,8 @@ def test_fallback_keeps_the_worst_layers_16_bit_until_the_gate_passes(cli, odd_m
     assert steps[-1]["bytes"] <= fallback["limit_bytes"] == 2 * steps[0]["bytes"]
     kept = sorted(n for n, p in fallback["types"].items() if p == "16-bit")
     assert kept and details["sensitivity"]["probes"] > 0
-    assert details["sensitivity"]["windows"] == probe_window_bound(odd_model, details["sensitivity"])
+    # the sensitivity windows are the gate's 4 held-out ones; the probes take what one pass of them pays for
+    assert details["sensitivity"]["windows"] == probe_window_bound(odd_model, details["sensitivity"], 4, 4)
     model = AutoModelForCausalLM.from_pretrained(out, device_map="cpu")
     for name in kept:  # reloaded as plain 16-bit Linear layers
         module = model.get_submodule(name)
