@@ -4,10 +4,11 @@ One record per format, engine, device and model: the result ("serves", "refused:
 reason>", or "not measured: <why>"), and where it served, the KL divergence of the engine's reading from
 quantkit's own reading of the same artifact (a lower bound from the engine's top-k log-probs;
 quantkit.serve.stats). Each record carries the date and the command that reproduces it. Rows not measured
-carry what quantkit's runtime tables (quantkit.methods.*: `runtimes`) expect there, marked as expected.
+carry what quantkit's runtime tables (quantkit.methods.*: `runtimes`) expect there, marked as expected
+(derived from those tables).
 
 docs/serving.md holds `markdown_table()`; `quantkit plan` prints `summary()` of each format it plans.
-Pure data: nothing here imports an engine or runs one.
+Data: nothing here imports an engine or runs one (the method modules import no torch).
 """
 
 from __future__ import annotations
@@ -79,22 +80,38 @@ def unmeasured(fmt: str, method: str, flags: str, engine: str, device: str, why:
     return Served(fmt, method, flags, engine, device, why, expected=expected, command="")
 
 
-# What the runtime tables say (quantkit.methods.*: runtimes), in words; tests/serve/test_measured.py keeps
-# each equal to the table it names.
-EXPECTED = {
-    "fp8": "vLLM: FP8 W8A8 (CUTLASS), compute capability 8.9+; vLLM: FP8 Marlin, weights only, 8.0+",
-    "fp8-block": "vLLM: FP8 block W8A8 (CUTLASS blockwise / Triton), compute capability 8.9+; "
-                 "vLLM: FP8 Marlin block, weights only, 8.0+",
-    "gptq": "vLLM: Machete WNA16, compute capability 9.0+; vLLM: Marlin WNA16, 7.5+",
-    "smoothquant": "vLLM: INT8 W8A8 (CUTLASS), compute capability 7.5+",
-    "nvfp4": "vLLM: NVFP4 W4A4 (CUTLASS FP4), compute capability 10.0+; vLLM: Marlin FP4, weights only, 7.5+",
-    "nvfp4-a16": "vLLM: Marlin FP4, weights only, compute capability 7.5+",
-    "mxfp4": "vLLM: Marlin FP4 (MXFP4), weights only, compute capability 7.5+",
-    "nf4": "vLLM: bitsandbytes, compute capability 7.0+",
-    "gguf-cuda": "llama.cpp / Ollama: CUDA, compute capability 5.0+",
-    "gguf-apple": "llama.cpp / Ollama: Metal",
-    "mlx-apple": "mlx-lm: Metal",
-}
+def runtime_tables() -> dict[str, tuple]:
+    """Each expectation's runtime table (quantkit.methods.*: runtimes), device kind and runtimes' name prefix."""
+    from quantkit.methods import fp8, gguf, gptq, mlx, mxfp4, nf4, nvfp4, smoothquant
+
+    return {
+        "fp8": (fp8.RUNTIMES, "cuda", "vLLM"),
+        "fp8-block": (fp8.BLOCK_RUNTIMES, "cuda", "vLLM"),
+        "gptq": (gptq.RUNTIMES, "cuda", "vLLM"),
+        "smoothquant": (smoothquant.RUNTIMES, "cuda", "vLLM"),
+        "nvfp4": (nvfp4.RUNTIMES, "cuda", "vLLM"),
+        "nvfp4-a16": (nvfp4.runtimes(nvfp4.Options(scheme="a16")), "cuda", "vLLM"),
+        "mxfp4": (mxfp4.RUNTIMES, "cuda", "vLLM"),
+        "nf4": (nf4.RUNTIMES, "cuda", "vLLM"),
+        "gguf-cuda": (gguf.RUNTIMES, "cuda", "llama.cpp"),
+        "gguf-apple": (gguf.RUNTIMES, "apple", "llama.cpp"),
+        "mlx-apple": (mlx.RUNTIMES, "apple", "mlx-lm"),
+    }
+
+
+def expected_text(runtimes, kind: str) -> str:
+    """A runtime table's entries for a device kind in words: 'name, compute capability X+; name, Y+' on
+    "cuda", the names elsewhere (runtimes: quantkit.methods.Runtime)."""
+    chosen = [r for r in runtimes if kind in r.kinds]
+    if kind != "cuda":
+        return "; ".join(r.name for r in chosen)
+    return "; ".join(f"{r.name}, {'compute capability ' if i == 0 else ''}{r.min_capability:.1f}+"
+                     for i, r in enumerate(chosen))
+
+
+# What the runtime tables say where nothing was measured, in words.
+EXPECTED = {key: expected_text([r for r in runtimes if r.name.startswith(prefix)], kind)
+            for key, (runtimes, kind, prefix) in runtime_tables().items()}
 
 # python scripts/bench_serve.py --records RUN.json prints these; docs/bench_serve_reference.json is the run.
 BENCH_ROWS: tuple[Served, ...] = (
@@ -157,16 +174,6 @@ OTHER_DEVICE_ROWS = (
 )
 
 MEASURED: tuple[Served, ...] = BENCH_ROWS + GPU_ROWS + OTHER_DEVICE_ROWS
-
-
-def expected_text(runtimes, kind: str) -> str:
-    """A runtime table's entries for a device kind in the words of EXPECTED: 'name, compute capability
-    X+; name, Y+' on "cuda", the names elsewhere (runtimes: quantkit.methods.Runtime)."""
-    chosen = [r for r in runtimes if kind in r.kinds]
-    if kind != "cuda":
-        return "; ".join(r.name for r in chosen)
-    return "; ".join(f"{r.name}, {'compute capability ' if i == 0 else ''}{r.min_capability:.1f}+"
-                     for i, r in enumerate(chosen))
 
 
 def for_method(method: str) -> list[Served]:
