@@ -307,3 +307,19 @@ def test_a_resume_run_is_refused_with_the_saved_progress_named(cli, micro_model,
     assert result.exit_code == 2, result.output
     assert "not enough disk space" in result.stderr and "saved progress for --resume" in result.stderr
     assert leftovers(tmp_path, "out") == []
+
+
+def test_a_sequential_method_counts_its_saved_layers_and_hidden_states(micro_model):
+    """--resume with gptq: the model's bytes (its saved layers) and two copies of the calibration windows'
+    hidden states, which grow with the calibration tokens."""
+    from quantkit.io.checkpoint import check_model_dir
+    from quantkit.io.safetensors import DTYPE_BYTES
+    from quantkit.methods import get_method
+
+    info, gptq = check_model_dir(micro_model), get_method("gptq")
+    options = gptq.options()
+    weights = sum(DTYPE_BYTES[dtype] * math.prod(shape) for dtype, shape in info.tensors.values())
+    hidden = info.config["hidden_size"] + 2 * info.config["hidden_size"] // info.config["num_attention_heads"]
+    per_token = 2 * hidden * DTYPE_BYTES[info.dtype]
+    assert gptq.resume_bytes(info, options, 0) == weights
+    assert gptq.resume_bytes(info, options, 1000) - gptq.resume_bytes(info, options, 0) == 1000 * per_token

@@ -73,6 +73,11 @@ PATCHES: dict[str, Patch] = {
         "quantkit.engines.patches:weights_per_forward",
         "with --offload-dir on a CPU, a module's weight read per forward instead of a whole layer held "
         "onloaded (quantkit.engines.llmcompressor.llmc.onloaded_per_forward)"),
+    "sequential.resume": Patch(
+        ("llmcompressor.pipelines.sequential.pipeline", "SequentialPipeline.__call__"), "llmcompressor",
+        LLMCOMPRESSOR, "quantkit.engines.llmcompressor.layer_resume:resumable_pipeline",
+        "--resume: the same layer-by-layer loop, saving each finished layer and the hidden states after it, and "
+        "taking them back after an interruption (a copy of the loop: only this version is verified)", wraps=True),
     "gptq.broadcast_qparams_and_cleanup": Patch(
         ("llmcompressor.modifiers.gptq.base", "broadcast_qparams_and_cleanup"), "llmcompressor", LLMCOMPRESSOR,
         "quantkit.engines.llmcompressor.distributed:broadcast_then_wait",
@@ -326,6 +331,16 @@ def patched(*names: str):
         check_version(name, PATCHES[name])
     return swapped({PATCHES[name].site: replacement(PATCHES[name], site_function(PATCHES[name].site))
                     for name in names})
+
+
+def patched_with(name: str, **bound: Any):
+    """One entry swapped in while inside, its replacement built with the run's values (`bound`, passed to the
+    entry's builder after the original; only for entries that wrap)."""
+    patch = PATCHES[name]
+    if not patch.wraps:
+        raise InternalError(f"quantkit's patch {name} takes no bound values", hint="report this as a bug")
+    check_version(name, patch)
+    return swapped({patch.site: load(patch.replacement)(site_function(patch.site), **bound)})
 
 
 @contextmanager

@@ -298,8 +298,9 @@ class MethodSpec:
     # --resume (quantkit.run.resume): what an interrupted run continues from ("the last written tensor"), the
     # method keeping its progress in job.resume_dir; None: the method does not resume (refused before work)
     resume_unit: str | None = None
-    # resume_bytes(info, options) -> disk its saved progress takes beyond the artifact (preflight)
-    resume_bytes: Callable[[ModelInfo, BaseModel], int] = _no_working_set
+    # resume_bytes(info, options, tokens) -> disk its saved progress takes beyond the artifact (preflight), for
+    # `tokens` calibration tokens (the sequential methods save the hidden states after each layer)
+    resume_bytes: Callable[[ModelInfo, BaseModel, int], int] = lambda info, options, tokens: 0
     # resume_refused(info, options) -> why a target of a method that resumes does not with these options (fp8:
     # only its model-free path saves progress); None: it resumes
     resume_refused: Callable[[ModelInfo, BaseModel], str | None] = lambda info, options: None

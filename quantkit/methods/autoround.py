@@ -22,7 +22,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from quantkit.engines.llmcompressor import llmc
+from quantkit.engines.llmcompressor import layer_resume, llmc
 from quantkit.errors import InputError
 from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, fixed_gate, gptq
 from quantkit.mixed.budget import Fallback
@@ -174,4 +174,5 @@ METHOD = MethodSpec(
     check=check, needs_calibration=needs_calibration, resolve=gptq.resolve, shape_problems=gptq.shape_problems,
     fallback_ladder=fallback_ladder, requantize=requantize, stored_bits=gptq.stored_bits, working_set=working_set,
     support=support, runtimes=gptq.RUNTIMES, ranks_refused=ranks_refused,
+    **layer_resume.method_fields(),
 )

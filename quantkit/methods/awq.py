@@ -49,7 +49,7 @@ from typing import Iterator, Literal
 from pydantic import BaseModel, ConfigDict
 
 from quantkit.arch.mappings import model_mappings
-from quantkit.engines.llmcompressor import llmc
+from quantkit.engines.llmcompressor import layer_resume, llmc
 from quantkit.errors import InputError, MissingExtraError, UnsupportedError
 from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, fixed_gate, gptq
 from quantkit.mixed.budget import Fallback
@@ -324,4 +324,5 @@ METHOD = MethodSpec(
     check=check, needs_calibration=needs_calibration, check_ignore=check_ignore, shape_problems=gptq.shape_problems,
     resolve=gptq.resolve, fallback_ladder=fallback_ladder, requantize=requantize, stored_bits=gptq.stored_bits,
     support=support, runtimes=gptq.RUNTIMES, ranks_refused=ranks_refused,
+    **layer_resume.method_fields(),
 )

@@ -28,7 +28,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict
 
 from quantkit.arch import moe
-from quantkit.engines.llmcompressor import llmc, model_free
+from quantkit.engines.llmcompressor import layer_resume, llmc, model_free
 from quantkit.errors import UnsupportedError
 from quantkit.methods import MethodSpec, ModelHandle, QuantizeJob, QuantizeResult, Runtime, fixed_gate
 from quantkit.mixed import layers as intmix
@@ -184,7 +184,7 @@ def quantize(job: QuantizeJob) -> QuantizeResult:
             save_model_free(job, plan)
             return QuantizeResult(job.out_dir, {"path": "model-free"})
         blocker = plan
-        if job.resume_dir is not None:  # found on the meta model only: still before any weight is read
+        if job.resume_dir is not None and not needs_calibration(job.options):  # found on the meta model only
             raise UnsupportedError(f"fp8: --resume needs the model-free path, and this model takes oneshot ({blocker})",
                                    hint="run without --resume")
         job.load_model(job.offload)  # freed by the pipeline
@@ -195,9 +195,19 @@ def quantize(job: QuantizeJob) -> QuantizeResult:
 
 
 def resume_refused(info, options: Options) -> str | None:
-    """--resume: only the model-free path saves its progress (a shard at a time); why these options take oneshot."""
+    """--resume: the model-free path saves its progress a shard at a time, a calibrated scheme (fp8-static, a KV
+    cache) a layer at a time (quantkit.engines.llmcompressor.layer_resume); why these options do neither."""
     blocker = path_blocker(info, options)
-    return None if blocker is None else f"it quantizes this model with llm-compressor's oneshot ({blocker})"
+    if blocker is None:
+        return None
+    if needs_calibration(options):
+        return layer_resume.refused(options)
+    return f"it quantizes this model with llm-compressor's oneshot, which calibrates nothing layer by layer ({blocker})"
+
+
+def resume_bytes(info, options: Options, tokens: int = 0) -> int:
+    """The model-free path's state file (a sha256 per shard), or a calibrated scheme's saved layers."""
+    return layer_resume.saved_bytes(info, tokens) if needs_calibration(options) else 4096
 
 
 def save_model_free(job: QuantizeJob, plan) -> None:
@@ -295,7 +305,7 @@ METHOD = MethodSpec(
     check=check, shape_problems=shape_problems, needs_calibration=needs_calibration, needs_model=needs_model, keeps_lm_head=keeps_lm_head,
     fallback_ladder=fallback_ladder, requantize=requantize, working_set=working_set, support=support,
     runtimes=RUNTIMES, scheme_runtimes=runtimes, distributed=True, ranks_refused=ranks_refused,
-    resume_unit="the last written shard, model-free path only", resume_refused=resume_refused,
-    resume_bytes=lambda info, options: 4096,  # the state file: one sha256 per shard
+    resume_unit="the last written shard on the model-free path, the last finished decoder layer when calibrating",
+    resume_refused=resume_refused, resume_bytes=resume_bytes,
 )
 

@@ -40,7 +40,7 @@ from typing import Callable, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from quantkit.arch import moe
-from quantkit.engines.llmcompressor import llmc
+from quantkit.engines.llmcompressor import layer_resume, llmc
 from quantkit.errors import CalibrationError, InputError, UnsupportedError
 from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, Runtime, fixed_gate
 from quantkit.mixed import layers as intmix
@@ -658,4 +658,5 @@ METHOD = MethodSpec(
     check=check, needs_calibration=needs_calibration, resolve=resolve, shape_problems=shape_problems,
     fallback_ladder=fallback_ladder, requantize=requantize, stored_bits=stored_bits, working_set=working_set,
     distributed=True, support=support, runtimes=RUNTIMES, scheme_runtimes=runtimes,
+    **layer_resume.method_fields(),
 )

@@ -18,7 +18,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from quantkit.engines.llmcompressor import llmc
+from quantkit.engines.llmcompressor import layer_resume, llmc
 from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, Runtime, fixed_gate, nvfp4
 
 GROUP = 32  # one E8M0 scale per 32 weights
@@ -77,4 +77,5 @@ METHOD = MethodSpec(
     options=Options, quantize=quantize, precision=precision, default_gate=fixed_gate(DEFAULT_GATE),
     check=check, shape_problems=shape_problems, needs_calibration=needs_calibration, stored_bits=stored_bits,
     support=nvfp4.fp4_support, runtimes=RUNTIMES,
+    **layer_resume.method_fields(calibrates=needs_calibration),
 )

@@ -31,7 +31,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict
 
 from quantkit.arch import moe
-from quantkit.engines.llmcompressor import llmc
+from quantkit.engines.llmcompressor import layer_resume, llmc
 from quantkit.errors import UnsupportedError
 from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, Runtime
 from quantkit.mixed import layers as intmix
@@ -153,4 +153,5 @@ METHOD = MethodSpec(
     options=Options, quantize=quantize, precision=precision, default_gate=default_gate,
     check=check, shape_problems=shape_problems, needs_calibration=needs_calibration, stored_bits=stored_bits,
     support=fp4_support, runtimes=RUNTIMES, scheme_runtimes=runtimes, distributed=True,
+    **layer_resume.method_fields(calibrates=needs_calibration),
 )

@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict
 
 from quantkit.arch import moe
 from quantkit.arch.mappings import Mapping, model_mappings
-from quantkit.engines.llmcompressor import llmc
+from quantkit.engines.llmcompressor import layer_resume, llmc
 from quantkit.errors import InputError, UnsupportedError
 from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, Runtime, fixed_gate, gptq
 from quantkit.mixed import layers as intmix
@@ -239,4 +239,5 @@ METHOD = MethodSpec(
     options=Options, quantize=quantize, precision=precision, default_gate=fixed_gate(DEFAULT_GATE),
     check=check, needs_calibration=needs_calibration, fallback_ladder=fallback_ladder, requantize=requantize,
     support=support, runtimes=RUNTIMES, ranks_refused=ranks_refused,
+    **layer_resume.method_fields(),
 )

@@ -128,7 +128,7 @@ def prepare(recipe: Recipe, opts: RunOptions) -> tuple[ModelInfo, list[ResolvedT
     check_offload_dir(recipe, info)
     targets = [resolve_target(recipe, target, info) for target in selected]
     given = {"--lora": bool(recipe.lora), "--offload-dir": recipe.offload_dir is not None,
-             "--skip-existing": opts.skip_existing, "--partial": opts.partial}
+             "--skip-existing": opts.skip_existing, "--partial": opts.partial, "--resume": recipe.resume}
     check_launch(opts.ranks, [(t.name, t.target.method, t.method.distributed, t.options,
                                t.method.ranks_refused(t.options)) for t in targets],
                  window_settings(recipe, targets).num_samples, [flag for flag, on in given.items() if on],
@@ -154,7 +154,9 @@ def disk_estimate(recipe: Recipe, opts: RunOptions, info: ModelInfo, targets: li
     if not recipe.resume:
         return estimate
     resume.check_methods(info, [(t.name, t.method, t.options) for t in targets])
-    return with_resume(estimate, info, methods, resume.staged_bytes(opts.out))
+    calibration = window_settings(recipe, targets)
+    return with_resume(estimate, info, methods, resume.staged_bytes(opts.out),
+                       calibration.num_samples * calibration.seq_len)
 
 
 def gate_tasks(targets: list[ResolvedTarget]) -> list:

@@ -34,12 +34,14 @@ class DiskEstimate:
         return max(0, self.artifacts + self.merged_lora + self.baseline + self.saved_progress - self.staged)
 
 
-def with_resume(estimate: DiskEstimate, info, targets: list[tuple[MethodSpec, object]], staged: int) -> DiskEstimate:
-    """A --resume run's estimate: the saved progress of every target added, what an interrupted run
-    already wrote (`staged`, which the resumed run keeps or overwrites) taken off."""
+def with_resume(estimate: DiskEstimate, info, targets: list[tuple[MethodSpec, object]], staged: int,
+                tokens: int = 0) -> DiskEstimate:
+    """A --resume run's estimate: the saved progress of every target added (for `tokens` calibration tokens),
+    what an interrupted run already wrote (`staged`, which the resumed run keeps or overwrites) taken off."""
     from dataclasses import replace
 
-    return replace(estimate, saved_progress=sum(m.resume_bytes(info, o) for m, o in targets), staged=staged)
+    saved = sum(m.resume_bytes(info, o, tokens) for m, o in targets)
+    return replace(estimate, saved_progress=saved, staged=staged)
 
 
 def estimate_bytes(quantized_params: int, other_params: int, target_bits: list[float], lora: bool,

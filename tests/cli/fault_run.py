@@ -1,7 +1,8 @@
 """The quantkit CLI with a fault injected: `python -m tests.cli.fault_run UNIT N SIGNAL quantize ARGS...` sends
 SIGNAL (KILL, TERM) to itself right after the Nth UNIT is recorded as finished: `tensor`, a tensor of a GGUF
 conversion (quantkit.gguf.resume.save); `shard`, a shard of fp8's model-free path
-(quantkit.engines.llmcompressor.model_free.record_shard). A test interrupts a run at an exact point; nothing
+(quantkit.engines.llmcompressor.model_free.record_shard); `layer`, a decoder layer of
+llm-compressor's sequential pipeline (quantkit.engines.llmcompressor.layer_resume.save_layer). A test interrupts a run at an exact point; nothing
 in quantkit changes: the hook wraps the function the run calls."""
 
 from __future__ import annotations
@@ -17,6 +18,10 @@ def recorder(unit: str):
         from quantkit.gguf import resume
 
         return resume, "save"
+    if unit == "layer":
+        from quantkit.engines.llmcompressor import layer_resume
+
+        return layer_resume, "save_layer"
     from quantkit.engines.llmcompressor import model_free
 
     return model_free, "record_shard"

@@ -165,10 +165,13 @@ def test_a_run_without_resume_removes_saved_progress(cli, micro_model, tmp_path,
 
 
 @pytest.mark.parametrize("method, why", [
-    ("gptq", "gptq does not resume an interrupted run (--resume);"),
-    ("awq", "awq does not resume an interrupted run (--resume);"),
-    (("fp8", "--scheme", "fp8-static"), "fp8 does not resume an interrupted run (--resume): it quantizes this model "
-     "with llm-compressor's oneshot (fp8-static calibrates activation scales on the loaded model)"),
+    ("nf4", "nf4 does not resume an interrupted run (--resume);"),
+    (("fp8", "--scheme", "fp8-block"), "fp8 does not resume an interrupted run (--resume): it quantizes this model "
+     "with llm-compressor's oneshot, which calibrates nothing layer by layer (fp8-block"),
+    (("nvfp4", "--scheme", "a16"), "nvfp4 does not resume an interrupted run (--resume): this scheme "
+     "calibrates nothing, so no layer-by-layer progress is saved"),
+    (("gptq", "--fallback"), "gptq does not resume an interrupted run (--resume): --auto-precision and "
+     "--fallback quantize again for each step of their search"),
 ])
 def test_a_method_that_does_not_resume_is_refused_before_work(cli, micro_model, tmp_path, method, why):
     method = (method,) if isinstance(method, str) else method
@@ -176,7 +179,8 @@ def test_a_method_that_does_not_resume_is_refused_before_work(cli, micro_model, 
                  "16", "--resume")
     assert result.exit_code == 2, result.output
     assert f"target '{method[0]}': {why}" in result.stderr
-    assert "fp8 (from the last written shard, model-free path only), gguf (from the last written tensor)" in result.stderr
+    assert "gguf (from the last written tensor)" in result.stderr
+    assert "gptq (from the last finished decoder layer)" in result.stderr
     assert leftovers(tmp_path, "out") == []
 
 
@@ -195,3 +199,68 @@ def test_fp8_model_free_resumes_after_its_last_shard(cli, micro_model, tmp_path_
     assert "model-free: resuming after 1 of 1 shards (verified by sha256)" in resumed.stderr
     same_files(plain, out, ["model.safetensors", "config.json", "recipe.yaml"])
     assert leftovers(tmp_path, "out") == ["out"]
+
+
+LAYERS = 3  # the micro model's subgraphs in llm-compressor's sequential pipeline: two decoder layers and the head
+SEQUENTIAL = ("--num-samples", "16", "--seq-len", "64", "--eval-windows", "0")
+
+
+@pytest.fixture(scope="module")
+def plain_sequential(cli, micro_model, tmp_path_factory):
+    """The uninterrupted run of each method a test resumes, made once."""
+    made = {}
+
+    def plain(method: tuple):
+        if method not in made:
+            made[method] = tmp_path_factory.mktemp("plain-seq") / "out"
+            assert cli("quantize", micro_model, "--method", *method, "-o", made[method], *SEQUENTIAL).exit_code == 0
+        return made[method]
+
+    return plain
+
+
+def killed_after_layer(micro_model, out, method: tuple, after: int) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "tests.cli.fault_run", "layer", str(after), "KILL", "quantize", str(micro_model),
+           "--method", *method, "-o", str(out), *SEQUENTIAL, "--resume"]
+    return subprocess.run(cmd, capture_output=True, text=True, env=subprocess_env(), timeout=600)
+
+
+@pytest.mark.parametrize("method, after", [
+    (("gptq",), 1),
+    pytest.param(("gptq",), 2, marks=pytest.mark.slow),
+    pytest.param(("awq",), 1, marks=pytest.mark.slow),
+    pytest.param(("smoothquant",), 2, marks=pytest.mark.slow),
+    pytest.param(("autoround",), 1, marks=pytest.mark.slow),
+    pytest.param(("nvfp4",), 1, marks=pytest.mark.slow),
+    pytest.param(("fp8", "--scheme", "fp8-static"), 1, marks=pytest.mark.slow),
+])
+def test_a_sequential_method_resumes_after_its_last_finished_layer(cli, micro_model, plain_sequential, tmp_path,
+                                                                   method, after):
+    """Killed right after layer `after` is saved, the resumed run calibrates only the layers after it and
+    writes the uninterrupted run's bytes."""
+    plain = plain_sequential(method)
+    out = tmp_path / "out"
+    first = killed_after_layer(micro_model, out, method, after)
+    assert first.returncode == -9, first.stderr
+    assert f"layer {after}/{LAYERS} saved for --resume" in first.stderr
+    resumed = cli("quantize", micro_model, "--method", *method, "-o", out, *SEQUENTIAL, "--resume")
+    assert resumed.exit_code == 0, resumed.output
+    assert f"resuming after {after} of {LAYERS} layers (verified by sha256)" in resumed.stderr
+    assert f"layer {after}/{LAYERS} saved" not in resumed.stderr  # not calibrated again
+    same_files(plain, out, ["model.safetensors", "config.json", "recipe.yaml"])
+    assert leftovers(tmp_path, "out") == ["out"]
+
+
+def test_saved_layers_that_do_not_verify_are_set_aside(cli, micro_model, plain_sequential, tmp_path):
+    """A saved layer torn by a power loss fails its checksum: the run says so and starts from the first layer."""
+    plain = plain_sequential(("gptq",))
+    out = tmp_path / "out"
+    assert killed_after_layer(micro_model, out, ("gptq",), 1).returncode == -9
+    (staging,) = export.stagings(out.resolve())
+    (saved,) = (staging / ".work" / "resume" / "gptq" / "layers").glob("layer-*.safetensors")
+    saved.write_bytes(saved.read_bytes()[:-7])
+    resumed = cli("quantize", micro_model, "--method", "gptq", "-o", out, *SEQUENTIAL, "--resume")
+    assert resumed.exit_code == 0, resumed.output
+    assert ("the saved layers are not used (layer-00000.safetensors does not verify (sha256)); starting from the "
+            "first") in resumed.stderr
+    same_files(plain, out, ["model.safetensors"])

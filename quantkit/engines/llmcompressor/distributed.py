@@ -51,6 +51,8 @@ ONE_PROCESS_FLAGS = {
                       "drop --offload-dir (each rank holds the model in RAM), or run one process with it"),
     "--skip-existing": ("rank 0 alone would decide which targets run", "name the targets to run with --only"),
     "--partial": ("rank 0 alone would go on past a target that fails", "drop --partial"),
+    "--resume": ("each rank's hidden states come from its own share of the windows, and the saved progress is "
+                 "one process's", "drop --resume, or run one process with it"),
 }
 # why --auto-precision and --fallback stay in one process: their searches are not a split of windows
 SEARCH_WHY = ("its sensitivity pass and each step of its search quantize and measure again, one layer or "

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Iterator, Literal
 
@@ -149,9 +149,21 @@ def run_oneshot(job, recipe, calibrate: bool, reads_weights_only: bool = False) 
                 trust_remote_code_model=job.trust_remote_code)
     # plain writes: with --offload-dir every weight GPTQ updates is rewritten to disk (quantkit.io.shards)
     with (lean_hessian.lean_hessians(), synchronized(job.ranks), plain_writes(),
-          onloaded_per_forward(job, reads_weights_only), patched("transform.offloaded_device")):
+          onloaded_per_forward(job, reads_weights_only), patched("transform.offloaded_device"),
+          layers_saved(job, calibrate)):
         oneshot(model=job.model, recipe=rotation_modifiers(job) + as_list(recipe), tokenizer=job.tokenizer,
                 log_dir=None, trust_remote_code_model=job.trust_remote_code, **kwargs)  # it re-reads config.json
+
+
+def layers_saved(job, calibrate: bool):
+    """--resume: llm-compressor's layer-by-layer loop saving each finished layer in the target's saved progress
+    and continuing after the last one saved (quantkit.engines.llmcompressor.layer_resume)."""
+    from quantkit.engines.llmcompressor.layer_resume import LayerCheckpoints
+    from quantkit.engines.patches import patched_with
+
+    if job.resume_dir is None or not calibrate:
+        return nullcontext()
+    return patched_with("sequential.resume", checkpoints=LayerCheckpoints(Path(job.resume_dir) / "layers", job.progress))
 
 
 def as_list(recipe) -> list:
