@@ -1,0 +1,225 @@
+"""scripts/bench_ranks.py: launches, threads, the step difference of two quantized weights, the tables; (slow)
+gptq on one process and 2 gloo ranks and awq refused on them, on the micro model."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.util import REPO, subprocess_env
+
+SCRIPT = REPO / "scripts" / "bench_ranks.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_ranks", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.modules.pop(spec.name, None)
+
+
+def test_launches_and_threads(bench):
+    Launch = bench.Launch
+    assert bench.parse_launch("4") == Launch(1, 4) and bench.parse_launch("2x1") == Launch(2, 1)
+    assert bench.parse_launch("1@1") == Launch(1, 1, 1)
+    launches = [bench.parse_launch(t) for t in ("1", "1@1", "2", "2x1", "2x2")]
+    assert [launch.label for launch in launches] == [
+        "1 process", "1 process, 1 thread", "2 ranks", "2 nodes x 1 rank", "2 nodes x 2 ranks"]
+    assert [launch.key for launch in launches] == ["1", "1@1", "2", "2x1", "2x2"]
+    # the machine's cores shared by every rank it runs; 4 ranks on 2 cores are oversubscribed
+    assert [launch.threads_per_rank(2) for launch in launches] == [2, 1, 1, 1, 1]
+    assert bench.Launch(1, 4).threads_per_rank(2) == 1
+    args = bench.parse_args(["--launches", "4,2x1,2,1@1,2"])
+    assert [launch.key for launch in args.launch_list] == ["1", "4", "2x1", "2", "1@1"]  # the reference first
+    for bad in (["--methods", "gptq,int3"], ["--launches", "2y1"], ["--launches", "0"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(bad)
+
+
+def test_a_method_refused_on_ranks_is_not_run_in_one_process(bench, monkeypatch, tmp_path):
+    """The first torchrun launch decides: refused before work (exit 2 on every rank), the other torchrun
+    launches are recorded too and the one-process launches skipped; a method that runs gets every launch,
+    each compared with the one-process artifact."""
+    ran = []
+
+    def quantize_row(model, method, launch, args):
+        ran.append((method, launch.key))
+        refused = method == "awq" and launch.world > 1
+        return {"method": method, "key": launch.key, "world": launch.world, "ok": not refused,
+                "rank_exit_codes": [2 if refused else 0] * launch.world, "artifact": f"{method}-{launch.key}",
+                "metrics": {"kld_mean": 0.1}}
+
+    monkeypatch.setattr(bench, "quantize_row", quantize_row)
+    monkeypatch.setattr(bench, "compare_artifacts", lambda one, other: {"one": one.name, "other": other.name})
+    args = bench.parse_args(["--launches", "1,1@1,2,2x1", "--work", str(tmp_path)])
+    awq = bench.method_rows(tmp_path, "awq", args)
+    assert ran == [("awq", "2"), ("awq", "2x1")] and [r["key"] for r in awq] == ["2", "2x1"]
+    ran.clear()
+    gptq = bench.method_rows(tmp_path, "gptq", args)
+    assert ran == [("gptq", "2"), ("gptq", "1"), ("gptq", "1@1"), ("gptq", "2x1")]
+    assert [r["key"] for r in gptq] == ["1", "1@1", "2", "2x1"]  # in --launches order
+    assert "vs_one" not in gptq[0] and gptq[1]["vs_one"] == {"one": "gptq-1", "other": "gptq-1@1"}
+    args.one_process_when_refused = True
+    ran.clear()
+    assert [r["key"] for r in bench.method_rows(tmp_path, "awq", args)] == ["1", "1@1", "2", "2x1"]
+
+
+def test_launch_commands(bench):
+    assert bench.launch_commands(bench.Launch(threads=1), ["x.py"], "id") == [[sys.executable, "x.py"]]
+    (two,) = bench.launch_commands(bench.Launch(1, 2), ["x.py"], "id")
+    assert two[-4:] == ["--standalone", "--nproc-per-node", "2", "x.py"]
+    first, second = bench.launch_commands(bench.Launch(2, 1), ["x.py"], "id")
+    assert first == second and "--rdzv-backend" in first and first[first.index("--nnodes") + 1] == "2"
+    assert first[first.index("--rdzv-endpoint") + 1].startswith("127.0.0.1:")
+
+
+def test_step_difference_in_steps_of_the_first_scale(bench):
+    import torch
+
+    q1 = torch.tensor([[0, 1, 2, 3], [-1, -2, 7, -8]])
+    scale = torch.tensor([[0.5, 0.25], [1.0, 2.0]])
+    same = bench.step_difference(q1, scale, None, q1.clone(), scale.clone(), None)
+    assert same == {"values": 8, "ints_changed": 0, "max_steps": 0.0, "scales": 4, "scales_changed": 0,
+                    "max_scale_rel": 0.0}
+    q2 = q1.clone()
+    q2[1, 3] = -6  # two steps in the second group of row 1
+    q2[0, 0] = 1
+    moved = bench.step_difference(q1, scale, None, q2, scale, None)
+    assert moved["ints_changed"] == 2 and moved["max_steps"] == 2.0
+    # a scale 10% larger: every weight moves by 0.1 of its own value in steps; the largest is |-8| * 0.1
+    rescaled = bench.step_difference(q1, scale, None, q1, scale * 1.1, None)
+    assert rescaled["ints_changed"] == 0 and rescaled["scales_changed"] == 4
+    assert rescaled["max_steps"] == pytest.approx(0.8) and rescaled["max_scale_rel"] == pytest.approx(0.1)
+    # zero points and a g_idx: the weight is (q - z) * s of each column's group
+    zero = torch.tensor([[1, 0], [0, 0]])
+    g_idx = torch.tensor([1, 0, 1, 0])
+    shifted = bench.step_difference(q1, scale, zero, q1, scale, zero + 1, g_idx, g_idx)
+    assert shifted["max_steps"] == 1.0 and shifted["ints_changed"] == 0
+    assert bench.column_groups(6, 2).tolist() == [0, 0, 0, 1, 1, 1]
+
+
+def packed_artifact(path: Path, q, scale) -> Path:
+    """A one-module pack-quantized compressed-tensors checkpoint (int4 symmetric, groups of 2)."""
+    import torch
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+    from safetensors.torch import save_file
+
+    path.mkdir()
+    save_file({"m.weight_packed": pack_to_int32(q.to(torch.int8), 4).contiguous(), "m.weight_scale": scale,
+               "m.weight_shape": torch.tensor(list(q.shape)), "norm.weight": torch.ones(3)},
+              str(path / "model.safetensors"))
+    config = {"quantization_config": {"config_groups": {"group_0": {"weights": {"num_bits": 4}}}}}
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def test_artifacts_compared_from_their_packed_ints(bench, tmp_path):
+    import torch
+
+    q = torch.randint(-8, 8, (4, 16), generator=torch.Generator().manual_seed(0))
+    scale = torch.rand(4, 8, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16) + 0.1
+    moved = q.clone()
+    moved[2, 5] = 7 if q[2, 5] < 4 else -8
+    one = packed_artifact(tmp_path / "one", q, scale)
+    same = bench.compare_artifacts(one, packed_artifact(tmp_path / "same", q, scale))
+    assert same["ints_changed"] == 0 and same["max_steps"] == 0 and same["other_max_abs"] == 0
+    other = bench.compare_artifacts(one, packed_artifact(tmp_path / "other", moved, scale))
+    assert other["ints_changed"] == 1 and other["max_steps"] == abs(int(moved[2, 5]) - int(q[2, 5]))
+    assert other["worst_module"] == "m" and other["modules_changed"] == 1 and other["scales_changed"] == 0
+
+
+def test_the_refusal_is_quantkits_error_line(bench):
+    log = ("W1127 warning\nerror: target 'awq': awq runs in one process only (why), but this is one of 2 torchrun "
+           "ranks\nhint: launch ...\nerror: target 'awq': awq runs in one process only (why), but ...\n")
+    assert bench.error_message(log).startswith("target 'awq': awq runs in one process only (why)")
+    assert bench.error_message("Traceback\nRuntimeError: boom\n") == "RuntimeError: boom"
+
+
+def row(bench, method, world, ok=True, **extra):
+    label, _ = bench.METHODS[method]
+    launch = bench.Launch(1, world)
+    return {"method": method, "label": label, "launch": launch.label, "key": launch.key, "world": world,
+            "threads_per_rank": launch.threads_per_rank(2), "wall_s": 10.0 * world, "ok": ok,
+            "exit_codes": [0 if ok else 1], "rank_exit_codes": [0 if ok else 2] * world,
+            "rank_peak_rss_mib": [900] * world, "pss_peak_mib": 800 * world,
+            "load": {"start": 1.0, "max": 2.5, "end": 2.0}, **extra}
+
+
+def test_the_tables(bench):
+    done = {"phases": {"baseline_s": 1.5, "quantize_s": 30.25, "eval_s": 2.0}, "gate_s": 3.5,
+            "metrics": {"kld_mean": 1.5e-5}}
+    vs_one = {"values": 1000, "ints_changed": 5, "max_steps": 1.0, "scales": 100, "scales_changed": 0,
+              "max_scale_rel": 0.0, "other_max_abs": 0.0}
+    rows = [row(bench, "gptq", 1, **done),
+            row(bench, "gptq", 2, **done, vs_one=vs_one, one_metrics={"kld_mean": 1.4e-5}),
+            row(bench, "awq", 2, ok=False, refusal="target 'awq': awq runs in one process only (why)")]
+    gate = [{"launch": "1 process, one core's threads", "world": 1, "threads_per_rank": 1, "baseline_s": 4.0,
+             "eval_s": 4.0, "gate_s": 8.0, "kld_mean": 1.4e-5, "load": {"start": 1, "max": 1, "end": 1}},
+            {"launch": "2 ranks", "world": 2, "threads_per_rank": 1, "baseline_s": 2.0, "eval_s": 3.0,
+             "gate_s": 5.0, "kld_mean": 1.4e-5, "load": {"start": 1, "max": 1, "end": 1}}]
+    text = bench.render({"model": "WORK/m", "shape": "8,1,8,1,1,8", "settings": {"num_samples": 32, "seq_len": 256,
+                                                                               "eval_windows": 8},
+                         "machine": "CPU, 2 cores", "date": "2026-11-27", "rows": rows, "gate_rows": gate,
+                         "gate_artifact": "gptq W4A16, act-order none"})
+    lines = text.splitlines()
+    one, two, awq = [line for line in lines if line.startswith(("| gptq", "| awq"))][:3]
+    assert one.split(" | ")[1:8] == ["1 process", "2", "10.0", "30.2", "3.5 (1.5 + 2.0)", "900", "800"]
+    assert "900 / 900" in two and "1.500e-05" in two and "1.0–2.5" in two
+    assert "refused (exit 2 on every rank)" in awq
+    assert "- awq W4A16: target 'awq': awq runs in one process only (why)" in lines
+    compared = next(line for line in lines if "of 1000" in line)
+    assert "5 of 1000 (0.500%)" in compared and "| identical |" in compared and "1.500e-05 / 1.400e-05" in compared
+    assert next(line for line in lines if line.startswith("| 2 ranks")).split(" | ")[5] == "0.62x"
+    for table in (line for line in lines if line.startswith("|---")):  # every rule as wide as its header
+        header = lines[lines.index(table) - 1]
+        assert table.count("|") == header.count("|")
+
+
+def test_paths_under_work_are_scrubbed(bench):
+    result = {"model": "/tmp/x/work/model", "rows": [{"command": "quantize /tmp/x/work/model -o /tmp/x/work/a"}]}
+    assert bench.scrubbed(result, "/tmp/x/work") == {"model": "WORK/model",
+                                                     "rows": [{"command": "quantize WORK/model -o WORK/a"}]}
+
+
+def test_the_reference_json_renders(bench):
+    reference = REPO / "docs" / "bench_ranks_reference.json"
+    if not reference.is_file():
+        pytest.skip("no reference run committed")
+    runs = bench.load_runs(reference)
+    assert runs and all("/tmp/" not in json.dumps(run) for run in runs)
+    for run in runs:
+        assert "| method | launch |" in bench.render(run)
+
+
+@pytest.mark.slow
+def test_bench_ranks_on_a_small_model(bench, tmp_path):
+    """gptq in one process and on 2 gloo ranks (the ranks' artifact compared with the one-process one),
+    awq refused on 2 ranks with its reason; the gate alone in one process and on 2 ranks."""
+    work, out = tmp_path / "work", tmp_path / "bench.json"
+    cmd = [sys.executable, str(SCRIPT), "--shape", "256,2,512,4,2,4096", "--methods", "gptq,awq", "--launches", "1,2",
+           "--num-samples", "16", "--seq-len", "64", "--eval-windows", "4", "--work", str(work), "--json", str(out)]
+    done = subprocess.run(cmd, check=False, capture_output=True, text=True, env=subprocess_env(), timeout=1800)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (run,) = bench.load_runs(out)
+    rows = {(r["method"], r["world"]): r for r in run["rows"]}
+    assert rows[("gptq", 1)]["ok"] and rows[("gptq", 2)]["ok"] and ("awq", 1) not in rows
+    two = rows[("gptq", 2)]
+    assert len(two["rank_peak_rss_mib"]) == 2 and two["threads_per_rank"] == 1
+    assert two["vs_one"]["max_steps"] <= 2 and two["vs_one"]["other_max_abs"] == 0
+    refused = rows[("awq", 2)]
+    assert not refused["ok"] and refused["rank_exit_codes"] == [2, 2]
+    assert "awq runs in one process only" in refused["refusal"]
+    assert [g["world"] for g in run["gate_rows"]] == [1, 1, 2]
+    one_process = rows[("gptq", 1)]["metrics"]["kld_mean"]  # the same windows and artifact, 1 or 2 threads
+    assert all(g["kld_mean"] == pytest.approx(one_process, rel=1e-4) for g in run["gate_rows"])
+    assert str(work) not in out.read_text() and "| method | launch |" in done.stdout
