@@ -1,7 +1,9 @@
-"""Linear layers vLLM runs as one: q/k/v as `qkv_proj`, gate/up as `gate_up_proj`.
+"""Linear layers vLLM runs as one: q/k/v as `qkv_proj`, gate/up as `gate_up_proj`, the q_a/kv_a projections
+of multi-head latent attention as `fused_qkv_a_proj`.
 
 vLLM's models declare these groups (`packed_modules_mapping`: Llama, Mistral, Qwen2/3, Gemma 1/2/3 and
-the language models of the VLMs built on them) and load each group's shards into one fused Linear. A
+the language models of the VLMs built on them; DeepSeek-V2/V3 for MLA) and load each group's shards into
+one fused Linear (a routed expert's gate/up go into the fused experts' w13 alike). A
 compressed-tensors checkpoint must then give every shard of a group the same scheme: all quantized
 alike or all kept 16-bit. vLLM 0.32 refuses anything else at load time ("Found different quantization
 schemes for the shards of ... vLLM requires all to use the same scheme",
@@ -13,7 +15,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-FUSED_SHARDS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+FUSED_SHARDS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj"),
+                # DeepSeek-V2/V3's multi-head latent attention: vLLM's DeepseekV2ForCausalLM (packed_modules_mapping)
+                "fused_qkv_a_proj": ("q_a_proj", "kv_a_proj_with_mqa")}
 SHARD_GROUP = {shard: fused for fused, shards in FUSED_SHARDS.items() for shard in shards}
 
 

@@ -108,7 +108,27 @@ class Quantized:
     dtype: Any  # torch dtype transformers would load the weight in (what oneshot quantizes)
     converter: Any  # llmcompressor ModelFreePtqConverter holding this module's scheme
     outputs: list[TensorSpec]  # what the converter writes for it (planned on the meta device)
-    slabs: bool  # rows quantize independently (per-channel scales): done a slab of rows at a time
+    # rows that quantize together (row_unit): 1 where every row has its own scales (per-channel, per-group:
+    # fp8-dynamic, mxfp4), the block height for 128x128 blocks (fp8-block); 0: the whole matrix at once
+    # (one scale over all of it, or NVFP4's global scale). Slabs of rows are cut at multiples of it.
+    row_unit: int
+
+    @property
+    def slabs(self) -> bool:
+        return self.row_unit > 0
+
+
+@dataclass(frozen=True)
+class FusedQuantized:
+    """Linear weights vLLM loads into one fused layer (q/k/v, gate/up of a dense MLP, of an expert, of the shared
+    experts; MLA's q_a/kv_a) under an NVFP4 scheme: quantized together, each whole, so that they share one global
+    scale (`quantize_fused`)."""
+
+    modules: tuple[str, ...]  # checkpoint module names, in llm-compressor's fused-group order
+    sources: tuple  # quantkit.io.safetensors.StoredTensor of each module's weight
+    dtype: Any  # torch dtype the weights are quantized in (as stored)
+    scheme: Any  # compressed-tensors QuantizationScheme
+    outputs: list[TensorSpec]  # every member's tensors (planned on the meta device)
 
 
 @dataclass
@@ -257,9 +277,77 @@ def quantized_item(module: str, entry, dtype, scheme) -> Quantized:
                                                          ignore=[]))
     planned = converter.validate({f"{module}.weight": torch.empty(entry.shape, dtype=dtype, device="meta")})
     outputs = [TensorSpec(name, safetensors_dtype(t.dtype), tuple(t.shape)) for name, t in sorted(planned.items())]
-    rows = entry.shape[0]
-    slabs = scheme.weights.strategy == "channel" and all(s.shape[0] == rows for s in outputs)
-    return Quantized(module, entry, dtype, converter, outputs, slabs)
+    return Quantized(module, entry, dtype, converter, outputs, row_unit_of(scheme, entry.shape[0], outputs))
+
+
+# rows that quantize together for each weight strategy (compressed-tensors QuantizationStrategy values): per-channel
+# and per-group scales belong to one row; a block's to its block of rows; others (tensor, tensor_group) cover all rows
+ROW_UNITS = {"channel": lambda args: 1, "group": lambda args: 1, "block": lambda args: int(args.block_structure[0])}
+
+
+def row_unit_of(scheme, rows: int, outputs: list[TensorSpec]) -> int:
+    """Quantized.row_unit of a weight of `rows` rows under `scheme` whose converter writes `outputs`: 0 unless
+    every output has one row per `unit` rows of the weight (the rows quantize independently in such units)."""
+    strategy = getattr(scheme.weights.strategy, "value", scheme.weights.strategy)
+    unit = ROW_UNITS.get(strategy, lambda args: 0)(scheme.weights)
+    if unit <= 0:
+        return 0
+    fits = all(s.shape and s.shape[0] in (rows, math.ceil(rows / unit)) for s in outputs)
+    return unit if fits else 0
+
+
+def output_unit(spec: TensorSpec, rows: int, unit: int) -> int:
+    """Weight rows per row of one output: 1 for the weight and per-row scales, `unit` for block scales."""
+    return 1 if spec.shape[0] == rows else unit
+
+
+def quantize_fused(weights: dict, scheme) -> dict:
+    """{module.weight: tensor} of one fused set (quantkit.arch.fused: what vLLM loads into one layer) quantized
+    and compressed under a microscale scheme with one shared global scale: the steps of llm-compressor's own
+    model-free converter for a fused set (ModelFreePtqConverter._process_microscale: a quantized Linear per
+    weight, their weight observers fused by llm-compressor's FusionHandler, observed, qparams updated, frozen and
+    compressed by compressed-tensors), for the sets its name patterns do not see (an expert's gate/up, the shared
+    experts', MLA's q_a/kv_a). Returns every member's compressed tensors under its module name."""
+    from compressed_tensors.compressors import compress_module
+    from llmcompressor.entrypoints.model_free.lifecycle import (
+        initialize_quantized_linear,
+        validate_weight_for_quantization,
+    )
+    from llmcompressor.modifiers.quantization.calibration import (
+        apply_calibration_status,
+        freeze_module_quantization,
+        initialize_observer,
+        observe,
+        update_qparams,
+    )
+    from llmcompressor.observers import FusionHandler
+
+    modules = {}
+    for name, weight in weights.items():
+        validate_weight_for_quantization(weight, scheme, name)
+        module = initialize_quantized_linear(weight, scheme, weight.device)
+        initialize_observer(module, "weight")
+        apply_calibration_status(module)
+        modules[name] = module
+    FusionHandler.fuse([(module.weight_observer, module) for module in modules.values()])
+    observe(modules.values(), base_name="weight")
+    update_qparams(modules.values(), base_name="weight")
+    out = {}
+    for name, module in modules.items():
+        freeze_module_quantization(module)
+        compress_module(module)
+        out.update(module.state_dict(prefix=name.removesuffix("weight")))
+    return out
+
+
+def fused_item(modules: tuple[str, ...], entries: tuple, dtype, scheme) -> FusedQuantized:
+    """A fused set and what quantize_fused writes for it (run on the meta device)."""
+    import torch
+
+    planned = quantize_fused({f"{m}.weight": torch.empty(e.shape, dtype=dtype, device="meta")
+                              for m, e in zip(modules, entries)}, scheme)
+    outputs = [TensorSpec(name, safetensors_dtype(t.dtype), tuple(t.shape)) for name, t in sorted(planned.items())]
+    return FusedQuantized(modules, entries, dtype, scheme, outputs)
 
 
 def compressor_for(model):
@@ -315,10 +403,13 @@ def write_copied(writer, item: Copied, budget: int = SLAB_BYTES) -> None:
 
 
 def quantized_slabs(item: Quantized, budget: int) -> list[tuple[int, int]]:
-    """The row ranges one Linear weight is quantized in: slabs of about `budget` stored bytes when its rows
-    quantize independently, else the whole matrix."""
+    """The row ranges one Linear weight is quantized in: slabs of about `budget` stored bytes, cut at multiples of
+    the rows that quantize together, when its rows quantize independently; else the whole matrix."""
     rows = item.source.shape[0]
-    return row_slabs(rows, slab_rows(item.source, budget) if item.slabs else rows)
+    if not item.slabs:
+        return row_slabs(rows, rows)
+    unit = item.row_unit
+    return row_slabs(rows, max(unit, slab_rows(item.source, budget) // unit * unit))
 
 
 def write_quantized_slab(writer, item: Quantized, start: int, stop: int, rows, device) -> None:
@@ -336,14 +427,43 @@ def write_quantized_slab(writer, item: Quantized, start: int, stop: int, rows, d
     specs = {s.name: s for s in item.outputs}
     if sorted(out) != sorted(specs):
         raise InternalError(f"{item.module}: the converter wrote {sorted(out)}, planned {sorted(specs)}")
+    rows = item.source.shape[0]
     for name, tensor in out.items():
         spec = specs[name]
-        expect = (stop - start, *spec.shape[1:]) if item.slabs else spec.shape
+        unit = output_unit(spec, rows, item.row_unit) if item.slabs else rows
+        expect = (math.ceil((stop - start) / unit), *spec.shape[1:]) if item.slabs else spec.shape
         if tuple(tensor.shape) != expect or safetensors_dtype(tensor.dtype) != spec.dtype:
             raise InternalError(f"{name}: the converter wrote {tensor.dtype} {list(tensor.shape)}, planned "
                                 f"{spec.dtype} {list(expect)}")
-        row_bytes = spec.nbytes // item.source.shape[0] if item.slabs else 0
-        writer.write(name, tensor_bytes(tensor.cpu().contiguous()), start * row_bytes)
+        row_bytes = spec.nbytes // spec.shape[0] if item.slabs else 0
+        writer.write(name, tensor_bytes(tensor.cpu().contiguous()), start // unit * row_bytes)
+
+
+def read_fused(item: FusedQuantized) -> dict:
+    """Every member weight of a fused set, whole, as stored."""
+    from quantkit.io.safetensors import read_stored
+
+    return {f"{m}.weight": read_stored(e) for m, e in zip(item.modules, item.sources)}
+
+
+def write_fused(writer, item: FusedQuantized, weights: dict, device) -> None:
+    """A fused set quantized together (quantize_fused) on `device` and written."""
+    import torch
+
+    from quantkit.io.safetensors import tensor_bytes
+
+    with torch.no_grad():  # + 0.0: -0 written as +0, as for a single weight (write_quantized_slab)
+        out = quantize_fused({n: w.to(device=device, dtype=item.dtype) + 0.0 for n, w in weights.items()},
+                             item.scheme)
+    specs = {s.name: s for s in item.outputs}
+    if sorted(out) != sorted(specs):
+        raise InternalError(f"{item.modules}: quantized into {sorted(out)}, planned {sorted(specs)}")
+    for name, tensor in out.items():
+        spec = specs[name]
+        if tuple(tensor.shape) != spec.shape or safetensors_dtype(tensor.dtype) != spec.dtype:
+            raise InternalError(f"{name}: quantized into {tensor.dtype} {list(tensor.shape)}, planned "
+                                f"{spec.dtype} {list(spec.shape)}")
+        writer.write(name, tensor_bytes(tensor.cpu().contiguous()))
 
 
 def slab_budget(device) -> int:
@@ -360,13 +480,21 @@ def write_shard(writer, items: list, device, budget: int) -> None:
     from quantkit.io.readahead import read_ahead
 
     for item in items:
-        if not isinstance(item, Quantized):
+        if isinstance(item, Copied):
             write_copied(writer, item, budget)
-    slabs = [(item, start, stop) for item in items if isinstance(item, Quantized)
-             for start, stop in quantized_slabs(item, budget)]
-    reads = (lambda s=slab: read_rows(s[0].source, s[1], s[2]) for slab in slabs)
+    slabs = []  # (item, first row, last row + 1); a fused set is read and quantized whole
+    for item in items:
+        if isinstance(item, FusedQuantized):
+            slabs.append((item, 0, 0))
+        elif isinstance(item, Quantized):
+            slabs += [(item, start, stop) for start, stop in quantized_slabs(item, budget)]
+    reads = (lambda s=slab: read_fused(s[0]) if isinstance(s[0], FusedQuantized) else read_rows(s[0].source, s[1], s[2])
+             for slab in slabs)
     for (item, start, stop), rows in zip(slabs, read_ahead(reads)):
-        write_quantized_slab(writer, item, start, stop, rows, device)
+        if isinstance(item, FusedQuantized):
+            write_fused(writer, item, rows, device)
+        else:
+            write_quantized_slab(writer, item, start, stop, rows, device)
         del rows
         release_freed_memory()
 
