@@ -161,3 +161,51 @@ def routing_details(model, info, windows, device: str = "cpu") -> dict:
     counts = count_routed_tokens(model, info.model_type, expert_count(info.config), windows, device)
     return {"expert_routed_tokens": counts, "min_expert_tokens": MIN_EXPERT_TOKENS,
             "experts_under_min_tokens": starved_experts(counts)}
+
+
+# ---------------------------------------------------------------- read by tensor names (no model object)
+
+
+@dataclass(frozen=True)
+class ExpertCheckpoint:
+    """How an MoE family's checkpoint stores its experts, for what reads it by tensor names without building
+    a transformers model: the model-free quantization (quantkit.engines.llmcompressor.model_free_moe) and the
+    gate's reading of its artifacts (quantkit.eval.experts).
+
+    A routed expert's projections are `<layer>.mlp.experts.<e>.<projection>.weight` (vLLM's
+    ckpt_gate/up/down_proj_name: its expert-parameter mapping loads them into the fused experts' w13 and w2);
+    transformers 5 stacks them while loading into `<layer>.mlp.experts.gate_up_proj` ([experts, 2 x
+    intermediate, hidden]: gate then up) and `.down_proj` ([experts, hidden, intermediate]). Multi-token-
+    prediction layers follow the decoder's as `model.layers.<num_hidden_layers + i>.`: transformers' model
+    has no such layer, vLLM's main model skips them (its MTP draft model loads them), and they are kept as
+    stored."""
+
+    projections: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # gate, up, down
+    mtp_keys: tuple[str, ...] = ()  # config.json keys counting the multi-token-prediction layers
+
+
+EXPERT_CHECKPOINTS: dict[str, ExpertCheckpoint] = {
+    "qwen3_moe": ExpertCheckpoint(),
+    "deepseek_v3": ExpertCheckpoint(mtp_keys=("num_nextn_predict_layers", "num_mtp_layers")),
+}
+
+
+def expert_checkpoint(model_type: str) -> ExpertCheckpoint | None:
+    return EXPERT_CHECKPOINTS.get(model_type)
+
+
+def expert_projection(module: str, layout: ExpertCheckpoint) -> tuple[str, int, str] | None:
+    """(the experts' module, expert index, projection) of a routed expert's projection module
+    (`model.layers.3.mlp.experts.5.up_proj` -> ("model.layers.3.mlp.experts", 5, "up_proj")); None otherwise."""
+    found = re.fullmatch(rf"(.*\.mlp\.experts)\.(\d+)\.({'|'.join(layout.projections)})", module)
+    return (found.group(1), int(found.group(2)), found.group(3)) if found else None
+
+
+def mtp_prefixes(config: dict, names, layout: ExpertCheckpoint) -> list[str]:
+    """`model.layers.<i>.` of each multi-token-prediction layer config.json declares and the checkpoint holds."""
+    text = config.get("text_config") or config
+    count = max([int(text.get(key) or 0) for key in layout.mtp_keys], default=0)
+    first = int(text.get("num_hidden_layers") or 0)
+    prefixes = [f"model.layers.{i}." for i in range(first, first + count)]
+    names = list(names)
+    return [p for p in prefixes if any(n.startswith(p) for n in names)]

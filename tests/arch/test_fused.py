@@ -13,6 +13,10 @@ def test_partners_of_a_shard():
     assert partners("model.language_model.layers.0.mlp.up_proj") == (
         "model.language_model.layers.0.mlp.gate_up_proj", ["model.language_model.layers.0.mlp.gate_proj"])
     assert partners("model.layers.0.mlp.down_proj") is None and partners("model.layers.0.self_attn.qkv_proj") is None
+    assert partners("model.layers.1.self_attn.kv_a_proj_with_mqa") == (  # DeepSeek-V3's MLA in vLLM
+        "model.layers.1.self_attn.fused_qkv_a_proj", ["model.layers.1.self_attn.q_a_proj"])
+    assert partners("model.layers.1.mlp.experts.7.gate_proj") == (
+        "model.layers.1.mlp.experts.7.gate_up_proj", ["model.layers.1.mlp.experts.7.up_proj"])
 
 
 def test_split_groups_adds_only_the_missing_shards_that_exist():
