@@ -169,6 +169,9 @@ class CompressedWeights:
             return self.stored.shape(name)
         if "weight_shape" in module.names:  # packed: the original shape is stored beside the words
             return tuple(int(n) for n in self.stored.get(module.names["weight_shape"]).tolist())
+        if "weight" not in module.names:  # FP4 (nvfp4, mxfp4): values packed along the row, 8 // bits a byte
+            rows, cols = self.stored.shape(module.names["weight_packed"])
+            return rows, cols * 8 // module.scheme.weights.num_bits
         return self.stored.shape(module.names["weight"])
 
     def rows(self, name: str, index) -> "torch.Tensor":  # noqa: F821

@@ -1,7 +1,8 @@
 """The Scorer of each thing the gate measures: the full-precision base and every artifact kind.
 
-A .gguf, an mlx-lm directory, a full-precision text decoder and a compressed-tensors text decoder
-(quantkit.eval.compressed.streams) are read by quantkit itself, tensor by tensor (a `Reading`): with a
+A .gguf, an mlx-lm directory, a full-precision text decoder, a compressed-tensors text decoder
+(quantkit.eval.compressed.streams) and a compressed-tensors MoE decoder of a family with an expert layout row
+(quantkit.eval.experts) are read by quantkit itself, tensor by tensor (a `Reading`): with a
 resident Placement the whole model goes onto the device once and windows run in batches
 (quantkit.eval.resident), otherwise it is streamed layer by layer (quantkit.eval.stream). Both give
 the same numbers. A bitsandbytes checkpoint (restored by its engine's own modules), a VLM, custom
@@ -137,13 +138,22 @@ def artifact_reading(path: Path, base_dir: Path | None = None, trust_remote_code
         return checkpoint_reading(path)
     if kind == "compressed-tensors" and compressed.streams(path):
         return compressed_reading(path)
+    from quantkit.eval import experts
+
+    if kind == "compressed-tensors" and experts.reads(path):  # MoE experts decompressed and stacked by quantkit
+        return experts.experts_reading(path)
     return None
 
 
 def base_reading(info, dtype: str = "auto", trust_remote_code: bool = False) -> Reading | None:
-    """The full-precision base read by quantkit (a text decoder), None when it loads whole (a VLM, remote code)."""
+    """The full-precision base read by quantkit (a text decoder; an MoE one with an expert layout row,
+    quantkit.eval.experts), None when it loads whole (a VLM, remote code)."""
+    from quantkit.eval import experts
+
     if streamable(info.config) and not trust_remote_code:
         return checkpoint_reading(info.path, dtype)
+    if experts.reads_base(info.config) and not trust_remote_code:
+        return experts.base_reading(info.path, dtype)
     return None
 
 

@@ -202,11 +202,13 @@ def split_tables(others: dict[str, int]) -> tuple[int, list[int]]:
 
 
 def streams_gate(target, info, recipe) -> bool:
-    """Whether the gate streams the target's compressed-tensors artifact (quantkit.eval.compressed.streams):
-    a text decoder the stream applies to, its output head left 16-bit, no custom model code."""
+    """Whether the gate streams the target's compressed-tensors artifact (quantkit.eval.compressed.streams; an MoE
+    decoder with an expert layout row, quantkit.eval.experts): a text decoder the stream applies to, its output head
+    left 16-bit, no custom model code."""
+    from quantkit.eval.experts import reads_base
     from quantkit.eval.stream import streamable
 
-    return (target.method.artifact == "compressed-tensors" and streamable(info.config)
+    return (target.method.artifact == "compressed-tensors" and (streamable(info.config) or reads_base(info.config))
             and target.method.keeps_lm_head(target.options) and not recipe.trust_remote_code)
 
 

@@ -1,0 +1,242 @@
+"""The gate's reading of a mixture-of-experts compressed-tensors artifact: each expert decompressed by
+compressed-tensors' own compressor and stacked into transformers' fused experts.
+
+transformers 5 loads an MoE checkpoint's per-expert projections into one tensor per layer
+(`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`: quantkit.arch.moe.ExpertCheckpoint) and, for a
+compressed-tensors artifact, decompresses the experts on the way (its DecompressExperts): an fp8 weight times a
+per-channel scale, or an int-packed weight. It cannot reload the experts of fp8-block (the 128x128 block scale does
+not broadcast over the weight: the load fails), of NVFP4 (the global scale is left unread: the experts come out
+wrong with only a warning) or of MXFP4. So quantkit reads such an artifact itself, as it reads a dense one
+(quantkit.eval.compressed):
+
+- every quantized module's weight, an expert's included, is decompressed from its stored tensors by the
+  compressor of its format (the expert's scheme is the config group whose targets and ignore list take its name,
+  as vLLM and compressed-tensors match names); an expert's gate/up/down weights are stacked as transformers'
+  conversion stacks them (FusedExperts);
+- the non-expert Linear modules run compressed-tensors' quantized forward (quantized_meta_model): fp8-block's
+  input activations are quantized per token and group of 128 there, as vLLM's kernels do. The fused experts are
+  not Linear modules: they run on the decompressed weights with 16-bit inputs, which is exactly what vLLM computes
+  for the weight-only formats (nvfp4 a16, mxfp4) and leaves out fp8-block's activation rounding inside the
+  experts (the gate's numbers there are the weights' error alone);
+- stored persistent buffers (DeepSeek-V3's `e_score_correction_bias`) are read into the model, which the stream
+  otherwise computes; the multi-token-prediction layers after the decoder's are stored but not read (transformers'
+  model has none).
+
+The model is streamed a unit at a time (a layer's fused experts are one unit) or resident, like any reading
+(quantkit.eval.scorers.reading_scorer); the strict-reload check is the dense one's.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from quantkit.eval.scorers import Reading
+
+# formats decompressed here: the dense reading's (quantkit.eval.compressed.STREAMED_FORMATS) and the FP4 ones
+FORMATS = frozenset({"dense", "naive-quantized", "int-quantized", "float-quantized", "pack-quantized",
+                     "nvfp4-pack-quantized", "mxfp4-pack-quantized"})
+
+
+def layout_of(config: dict):
+    """The expert layout (quantkit.arch.moe.ExpertCheckpoint) of an MoE config transformers stacks as expected,
+    None otherwise."""
+    from quantkit.arch import moe
+
+    text = config.get("text_config") or config
+    layout = moe.expert_checkpoint(text.get("model_type", config.get("model_type", "")))
+    return layout if layout is not None and moe.expert_count(config) and fuses_experts(config) else None
+
+
+def fuses_experts(config: dict) -> bool:
+    """transformers' loading conversion for this model type is exactly the per-expert stacking FusedExperts does
+    (its `qwen2_moe` pattern: gate and up concatenated per expert, then every expert stacked)."""
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    from transformers.core_model_loading import WeightConverter
+
+    found = get_checkpoint_conversion_mapping(config.get("model_type", "")) or []
+    pairs = sorted((tuple(c.source_patterns), tuple(c.target_patterns)) for c in found
+                   if isinstance(c, WeightConverter))
+    return len(found) == len(pairs) == 2 and pairs == [
+        (("mlp.experts.*.down_proj.weight",), ("mlp.experts.down_proj",)),
+        (("mlp.experts.*.gate_proj.weight", "mlp.experts.*.up_proj.weight"), ("mlp.experts.gate_up_proj",)),
+    ]
+
+
+def reads(path: Path) -> bool:
+    """Whether the gate reads this compressed-tensors artifact here: an MoE text decoder of a family with an expert
+    layout row, no KV-cache scheme, transforms or sparsity, every config group in a format decompressed here."""
+    from quantkit.io.checkpoint import is_vlm, read_config
+
+    config = read_config(path)
+    qconfig = config.get("quantization_config") or {}
+    groups = (qconfig.get("config_groups") or {}).values()
+    return (qconfig.get("quant_method") == "compressed-tensors" and not is_vlm(config)
+            and layout_of(config) is not None and not config.get("auto_map")
+            and not qconfig.get("kv_cache_scheme") and not qconfig.get("transform_config")
+            and not qconfig.get("sparsity_config")
+            and all((g.get("format") or qconfig.get("format")) in FORMATS for g in groups))
+
+
+def expert_modules(qconfig, names) -> dict:
+    """'<expert projection>.weight' -> quantkit.eval.compressed.CompressedModule for every expert projection module
+    in `names` (stored tensor names) a config group quantizes: the first group whose targets take it (`Linear`, or
+    its name) and whose ignore list does not (compressed-tensors' match_name: exact or `re:`)."""
+    import torch
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.compressors.format import infer_module_format
+    from compressed_tensors.utils.match import match_name
+
+    from quantkit.eval.compressed import CompressedModule
+
+    modules = sorted({n.rsplit(".", 1)[0] for n in names if re.search(r"\.experts\.\d+\.[^.]+\.[^.]+$", n)})
+    found = {}
+    for module in modules:
+        if any(match_name(module, target) for target in qconfig.ignore or []):
+            continue
+        for scheme in qconfig.config_groups.values():
+            if "Linear" in scheme.targets or any(match_name(module, t) for t in scheme.targets):
+                fmt = scheme.format or qconfig.format or infer_module_format(torch.nn.Linear, scheme).value
+                compressor = BaseCompressor.get_value_from_registry(fmt)
+                found[f"{module}.weight"] = CompressedModule(
+                    scheme, compressor, {local: f"{module}.{local}" for local in compressor.compression_param_names(scheme)})
+                break
+    return found
+
+
+class FusedExperts:
+    """A WeightSource for the model transformers builds over one that holds each expert's weights apart (a 16-bit
+    checkpoint, or a compressed-tensors artifact decompressed a module at a time: compressed_experts): every
+    `<experts>.gate_up_proj` stacked from each expert's gate and up rows ([experts, 2 x intermediate, hidden])
+    and `<experts>.down_proj` from each expert's down ([experts, hidden, intermediate]), as transformers' loading
+    conversion stacks them; everything else as the source gives it."""
+
+    def __init__(self, weights, layout):
+        self.weights = weights
+        self.stored = getattr(weights, "stored", weights)  # what reload_problems reads the stored names from
+        gate, up, down = layout.projections
+        experts: dict[str, set[int]] = {}  # '<layer>.mlp.experts' -> the expert numbers stored
+        for name in weights.keys():
+            found = re.fullmatch(rf"(.*\.mlp\.experts)\.(\d+)\.({gate}|{up}|{down})\.weight", name)
+            if found:
+                experts.setdefault(found.group(1), set()).add(int(found.group(2)))
+        self.fused: dict[str, list[list[str]]] = {}  # fused parameter -> per expert, the weights stacked into it
+        for prefix, numbers in experts.items():
+            count = max(numbers) + 1
+            self.fused[f"{prefix}.gate_up_proj"] = [[f"{prefix}.{e}.{gate}.weight", f"{prefix}.{e}.{up}.weight"]
+                                                    for e in range(count)]
+            self.fused[f"{prefix}.down_proj"] = [[f"{prefix}.{e}.{down}.weight"] for e in range(count)]
+        self.parts = {n for rows in self.fused.values() for row in rows for n in row}
+
+    def keys(self) -> list[str]:
+        available = set(self.weights.keys())
+        complete = [name for name, rows in self.fused.items() if all(n in available for row in rows for n in row)]
+        return sorted((available - self.parts) | set(complete))
+
+    def reads(self, name: str) -> list[str]:
+        """The stored tensors `get(name)` reads."""
+        own = getattr(self.weights, "reads", lambda n: [n])
+        if name in self.fused:
+            return [s for row in self.fused[name] for n in row for s in own(n)]
+        return own(name)
+
+    def get(self, name: str):
+        import torch
+
+        if name not in self.fused:
+            return self.weights.get(name)
+        return torch.stack([torch.cat([self.weights.get(n) for n in row]) for row in self.fused[name]])
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        if name not in self.fused:
+            return self.weights.shape(name)
+        rows = self.fused[name]
+        first = [self.weights.shape(n) for n in rows[0]]
+        return (len(rows), sum(s[0] for s in first), *first[0][1:])
+
+    def rows(self, name: str, index):
+        return self.weights.rows(name, index)
+
+
+def compressed_experts(model_dir: Path, model, qconfig):
+    """quantkit.eval.compressed.CompressedWeights over an MoE artifact for `model` (quantized_meta_model), every
+    expert projection the config quantizes decompressed too (expert_modules)."""
+    from quantkit.eval.compressed import CompressedWeights
+
+    weights = CompressedWeights(model_dir, model)
+    weights.modules.update(expert_modules(qconfig, weights.stored.index))
+    return weights
+
+
+def load_buffers(model, source) -> None:
+    """The model's persistent buffers that the checkpoint stores (DeepSeek-V3's router correction bias), read into
+    it as from_pretrained loads them: in float32 where the model class keeps them so
+    (`_keep_in_fp32_modules_strict`, `_keep_in_fp32_modules`), else in the buffer's dtype."""
+    import torch
+    from accelerate.utils import set_module_tensor_to_device
+
+    keep = [*(getattr(model, "_keep_in_fp32_modules_strict", None) or []),
+            *(getattr(model, "_keep_in_fp32_modules", None) or [])]
+    available = set(source.keys())
+    for name, buffer in list(model.named_buffers()):
+        if name in available:
+            dtype = torch.float32 if any(k in name.split(".") for k in keep) else buffer.dtype
+            set_module_tensor_to_device(model, name, buffer.device, value=source.get(name).to(dtype), dtype=dtype)
+
+
+def experts_open(path: Path, config, dtype):
+    """The artifact's model on the meta device (compressed-tensors' quantization applied to its Linear modules) and
+    the source of its weights; ArtifactReloadError (exit 3) when the checkpoint does not reload strictly (the MTP
+    layers aside)."""
+    from quantkit.arch import moe
+    from quantkit.eval.artifacts import check_strict_reload
+    from quantkit.eval.compressed import quantization_config, quantized_meta_model, reload_problems
+
+    model = quantized_meta_model(config, dtype)
+    layout = layout_of(config.to_dict())
+    source = FusedExperts(compressed_experts(path, model, quantization_config(config.to_dict())), layout)
+    problems = reload_problems(model, source)
+    mtp = tuple(moe.mtp_prefixes(config.to_dict(), source.stored.index, layout))
+    problems["unexpected_keys"] = [n for n in problems["unexpected_keys"] if not n.startswith(mtp)]
+    check_strict_reload(path, problems)
+    load_buffers(model, source)
+    return model, source
+
+
+def experts_reading(path: Path) -> Reading:
+    """An MoE compressed-tensors artifact read by quantkit (`reads`), in its stored dtype."""
+    from quantkit.engines.transformers import hf_config, torch_dtype
+    from quantkit.io.checkpoint import check_model_dir
+
+    config = hf_config(path)
+    dtype = torch_dtype("auto", check_model_dir(path))
+    return Reading(config, lambda: experts_open(path, config, dtype))
+
+
+def reads_base(config: dict) -> bool:
+    """Whether the gate reads this full-precision checkpoint here (its baseline streamed like a dense model's): an
+    MoE text decoder of a family with an expert layout row, unquantized, no custom code."""
+    from quantkit.io.checkpoint import is_vlm
+
+    return ("quantization_config" not in config and not is_vlm(config) and not config.get("auto_map")
+            and layout_of(config) is not None)
+
+
+def base_open(model_dir: Path, config, dtype):
+    from quantkit.eval.stream import build_meta_model
+    from quantkit.io.checkpoint import SafetensorsWeights
+
+    model = build_meta_model(config, dtype)
+    source = FusedExperts(SafetensorsWeights(model_dir), layout_of(config.to_dict()))
+    load_buffers(model, source)
+    return model, source
+
+
+def base_reading(model_dir: Path, dtype: str = "auto") -> Reading:
+    """A full-precision MoE checkpoint (`reads_base`) read by quantkit, in `dtype` ('auto': as stored)."""
+    from quantkit.engines.transformers import hf_config, torch_dtype
+    from quantkit.io.checkpoint import check_model_dir
+
+    config = hf_config(model_dir)
+    resolved = torch_dtype(dtype, check_model_dir(Path(model_dir)))
+    return Reading(config, lambda: base_open(Path(model_dir), config, resolved))
