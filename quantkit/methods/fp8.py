@@ -10,7 +10,10 @@ fp8-block:   one weight scale per 128x128 block, dynamic activation scales per t
 Two paths, one output. fp8-dynamic needs no forward, so it runs model-free where that is exact
 (quantkit.engines.llmcompressor.model_free: the checkpoint read a slab of one weight at a time, the model never
 loaded); fp8-static, and models whose checkpoint is more than a renaming of the transformers model
-(MoE experts fused on load, custom code, extra tensors), load the model and run `oneshot`.
+(MoE experts fused on load, custom code, extra tensors), load the model and run `oneshot`. fp8-block on a
+mixture-of-experts checkpoint of a family with an expert layout row (Qwen3-MoE, DeepSeek-V3:
+quantkit.arch.moe.EXPERT_CHECKPOINTS) runs model-free by checkpoint names
+(quantkit.engines.llmcompressor.model_free_moe): neither the model's RAM nor a GPU.
 `path_blocker` says which, before any work (the preflight and `quantkit inspect` use it), and
 `model_free.plan_stream` checks the rest on the meta-device model; the report's `details.path`
 names the path taken and why.
@@ -114,7 +117,20 @@ EXPERT_PROBLEMS = {"fp8-static": "fp8-static stores a static activation scale pe
                    "fp8-block": "fp8-block stores 128x128 block scales per expert"}
 
 
+def moe_model_free(info, options: Options) -> bool:
+    """fp8-block on an MoE checkpoint with an expert layout row: quantized model-free, by checkpoint names."""
+    return (options.scheme == "fp8-block" and bool(moe.expert_count(info.config))
+            and moe.expert_checkpoint(info.model_type) is not None)
+
+
 def check(info, options: Options, calibration) -> None:
+    if moe_model_free(info, options):
+        from quantkit.engines.llmcompressor import model_free_moe
+
+        model_free_moe.check(info, "fp8", {"--kv-cache": options.kv_cache is not None,
+                                           "--rotate": options.rotate != "none",
+                                           "--fallback": options.fallback is not None})
+        return
     moe.check_supported(info, "fp8")
     llmc.check_rotation(info, options.rotate, "fp8")
     moe.check_expert_storage(info, "fp8", EXPERT_PROBLEMS.get(options.scheme), hint="use scheme fp8-dynamic")
@@ -140,6 +156,8 @@ TOWERS_BLOCKER = "towers quantized on request go through oneshot"
 
 def path_blocker(info, options: Options) -> str | None:
     """Why this target needs the model loaded (the oneshot path); None: the model-free path."""
+    if moe_model_free(info, options):
+        return None
     if options.scheme == "fp8-static":
         return "fp8-static calibrates activation scales on the loaded model"
     if options.scheme == "fp8-block":
@@ -157,10 +175,17 @@ def needs_model(info, options: Options) -> bool:
 
 def working_set(info, options: Options) -> int:
     """The model-free path's slabs (quantkit.engines.llmcompressor.model_free); 0 on the oneshot path."""
+    if moe_model_free(info, options):
+        from quantkit.engines.llmcompressor import model_free_moe
+        from quantkit.run.plan import ignore_patterns
+
+        return model_free_moe.working_set_bytes(info, ignore_patterns(info, [], keeps_lm_head(options)), whole=False)
     return 0 if needs_model(info, options) else model_free.working_set_bytes(info)
 
 
 def support(family) -> str:
+    if moe.expert_checkpoint(family.model_type) and not family.is_vlm:
+        return "✅ fp8-dynamic; fp8-block model-free (fp8-static refused)"
     return family.decoder_support("✅ fp8-dynamic (fp8-static, fp8-block refused)")
 
 
@@ -176,6 +201,13 @@ def quantize(job: QuantizeJob) -> QuantizeResult:
     (loaded here when the pipeline did not: the plan found what the cheap check could not see)."""
     from quantkit.engines.transformers import torch_dtype
 
+    if moe_model_free(job.info, job.options):
+        from compressed_tensors.quantization import QuantizationScheme
+
+        from quantkit.engines.llmcompressor import model_free_moe
+
+        scheme = QuantizationScheme(**block_scheme_config()["group_0"])
+        return QuantizeResult(job.out_dir, model_free_moe.quantize(job, scheme))
     blocker = TOWERS_BLOCKER if job.towers else path_blocker(job.info, job.options)
     if blocker is None:
         plan = model_free.plan_stream(job.info, torch_dtype(job.dtype, job.info), modifier(job.options, job.ignore),

@@ -7,6 +7,9 @@ W4A16 MXFP4 scheme through the Marlin FP4 kernel (Turing 7.5 and newer); the act
 compressed-tensors 0.19 also has a W4A4 MXFP4 preset, which vLLM runs by emulation only (dequantizing
 to 16-bit) on NVIDIA GPUs: not offered.
 
+On a mixture-of-experts checkpoint of a family with an expert layout row (Qwen3-MoE, DeepSeek-V3) it runs
+model-free, by checkpoint names (quantkit.engines.llmcompressor.model_free_moe), a slab of rows at a time.
+
 Kernel shape rules, checked before any work (naming the layer): every quantized layer's input width a
 multiple of the group of 32; Marlin's tiles (output width a multiple of 64, input of 128) are shown per
 layer by `quantkit inspect`.
@@ -46,6 +49,9 @@ def precision(role: str, options: Options, name: str, shape: list[int]) -> str |
 
 
 def check(info, options: Options, calibration) -> None:
+    if nvfp4.moe_model_free(info, options):
+        nvfp4.check_moe_model_free(info, options, "mxfp4")
+        return
     nvfp4.check_dense(info, "mxfp4")
     llmc.check_rotation(info, options.rotate, "mxfp4")
 
@@ -55,7 +61,23 @@ def shape_problems(info, options: Options, ignore: list[str]) -> dict[str, str]:
 
 
 def quantize(job: QuantizeJob) -> QuantizeResult:
+    if nvfp4.moe_model_free(job.info, job.options):
+        from quantkit.engines.llmcompressor import model_free_moe
+
+        scheme = model_free_moe.preset_scheme(PRESETS[job.options.scheme])
+        return QuantizeResult(job.out_dir, {"preset": PRESETS[job.options.scheme],
+                                            **model_free_moe.quantize(job, scheme)})
     return nvfp4.quantize_preset(job, PRESETS[job.options.scheme], needs_calibration(job.options))
+
+
+def working_set(info, options: Options) -> int:
+    """The model-free MoE path's slab (an MXFP4 scale belongs to one row); 0 on the oneshot path."""
+    if not nvfp4.moe_model_free(info, options):
+        return 0
+    from quantkit.engines.llmcompressor import model_free_moe
+    from quantkit.run.plan import ignore_patterns
+
+    return model_free_moe.working_set_bytes(info, ignore_patterns(info, []), whole=False)
 
 
 def stored_bits(options: Options) -> float:
@@ -76,6 +98,7 @@ METHOD = MethodSpec(
     format="compressed-tensors (mxfp4-pack-quantized)",
     options=Options, quantize=quantize, precision=precision, default_gate=fixed_gate(DEFAULT_GATE),
     check=check, shape_problems=shape_problems, needs_calibration=needs_calibration, stored_bits=stored_bits,
+    needs_model=nvfp4.needs_model, working_set=working_set,
     support=nvfp4.fp4_support, runtimes=RUNTIMES,
     **layer_resume.method_fields(calibrates=needs_calibration),
 )

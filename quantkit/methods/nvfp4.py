@@ -9,7 +9,9 @@ w4a4 (default): llm-compressor's NVFP4 preset. Weights as above; input activatio
              (compute capability 10.0 / 12.0: CUTLASS / FlashInfer FP4 GEMM); on older GPUs it loads
              the artifact as weight-only NVFP4 through Marlin FP4 (the activations stay 16-bit there).
 a16:         llm-compressor's NVFP4A16 preset: the weights only (no data needed); served by Marlin FP4
-             on Turing (7.5) and newer.
+             on Turing (7.5) and newer. On a mixture-of-experts checkpoint of a family with an expert
+             layout row (Qwen3-MoE, DeepSeek-V3) it runs model-free, by checkpoint names
+             (quantkit.engines.llmcompressor.model_free_moe): an expert's gate and up share one global scale.
 
 The gate measures what vLLM computes on Blackwell: transformers loads the artifact through
 compressed-tensors, whose forward fake-quantizes each quantized layer's input with the stored global
@@ -108,13 +110,51 @@ def quantize_preset(job: QuantizeJob, preset: str, calibrate: bool) -> QuantizeR
 
 
 def fp4_support(family) -> str:
+    if moe.expert_checkpoint(family.model_type) and not family.is_vlm:
+        return "✅ weights only, model-free"
     return family.decoder_support("refused: FP4 experts do not reload")
 
 
 # ---------------------------------------------------------------- nvfp4
 
 
+def moe_model_free(info, options) -> bool:
+    """A weight-only FP4 scheme on an MoE checkpoint with an expert layout row: quantized model-free, by
+    checkpoint names (w4a4's activation scales need the loaded model)."""
+    return (getattr(options, "scheme", "a16") == "a16" and bool(moe.expert_count(info.config))
+            and moe.expert_checkpoint(info.model_type) is not None)
+
+
+def check_moe_model_free(info, options, method: str) -> None:
+    from quantkit.engines.llmcompressor import model_free_moe
+
+    model_free_moe.check(info, method, {"--kv-cache": options.kv_cache is not None,
+                                        "--rotate": options.rotate != "none"})
+
+
+def needs_model(info, options) -> bool:
+    return not moe_model_free(info, options)
+
+
+def working_set(info, options) -> int:
+    """The model-free MoE path's largest piece (an NVFP4 weight or fused set, whole: its global scale); 0 on
+    the oneshot path."""
+    if not moe_model_free(info, options):
+        return 0
+    from quantkit.engines.llmcompressor import model_free_moe
+    from quantkit.run.plan import ignore_patterns
+
+    return model_free_moe.working_set_bytes(info, ignore_patterns(info, []), whole=True)
+
+
 def check(info, options: Options, calibration) -> None:
+    if moe_model_free(info, options):
+        check_moe_model_free(info, options, "nvfp4")
+        return
+    if moe.expert_count(info.config) and moe.expert_checkpoint(info.model_type) is not None:
+        raise UnsupportedError(f"nvfp4 {options.scheme} on MoE model '{info.model_type}': its activations' global "
+                               "scales are calibrated on the loaded model, whose FP4 experts transformers cannot "
+                               "reload", hint="use --scheme a16 (weights only: quantized model-free)")
     check_dense(info, "nvfp4")
     llmc.check_rotation(info, options.rotate, "nvfp4")
 
@@ -124,6 +164,12 @@ def shape_problems(info, options: Options, ignore: list[str]) -> dict[str, str]:
 
 
 def quantize(job: QuantizeJob) -> QuantizeResult:
+    if moe_model_free(job.info, job.options):
+        from quantkit.engines.llmcompressor import model_free_moe
+
+        scheme = model_free_moe.preset_scheme(PRESETS[job.options.scheme])
+        return QuantizeResult(job.out_dir, {"preset": PRESETS[job.options.scheme],
+                                            **model_free_moe.quantize(job, scheme)})
     return quantize_preset(job, PRESETS[job.options.scheme], needs_calibration(job.options))
 
 
@@ -152,6 +198,7 @@ METHOD = MethodSpec(
     format="compressed-tensors (nvfp4-pack-quantized)",
     options=Options, quantize=quantize, precision=precision, default_gate=default_gate,
     check=check, shape_problems=shape_problems, needs_calibration=needs_calibration, stored_bits=stored_bits,
+    needs_model=needs_model, working_set=working_set,
     support=fp4_support, runtimes=RUNTIMES, scheme_runtimes=runtimes, distributed=True,
     **layer_resume.method_fields(calibrates=needs_calibration),
 )

@@ -47,7 +47,7 @@ def code_list(names) -> str:
 def architectures_table() -> list[str]:
     """Which checkpoints each method takes, from the tables its checks read."""
     from quantkit.arch.mappings import supported_model_types
-    from quantkit.arch.moe import MOE_LAYOUTS
+    from quantkit.arch.moe import EXPERT_CHECKPOINTS, MOE_LAYOUTS
     from quantkit.gguf.convert import supported_architectures
     from quantkit.mlx.checkpoint import MLX_MODEL_TYPES
 
@@ -57,6 +57,8 @@ def architectures_table() -> list[str]:
         "| `fp8`, `gptq`, `autoround`, `nf4` | any transformers causal LM or VLM; mixture-of-experts `model_type`: "
         + code_list(sorted(MOE_LAYOUTS)) + " |",
         "| `nvfp4`, `mxfp4` | any transformers causal LM or VLM without experts |",
+        ("| `fp8` fp8-block, `nvfp4` a16, `mxfp4` on mixture-of-experts | model-free, by checkpoint names "
+         "(no model object, no GPU): `model_type` " + code_list(sorted(EXPERT_CHECKPOINTS)) + " |"),
         "| `awq`, `smoothquant` | `model_type` (a VLM: its text model's): " + code_list(supported_model_types()) + " |",
         "| `gguf` | `architectures`: " + code_list(supported_architectures()) + " |",
         "| `mlx` | `model_type`: " + code_list(sorted(MLX_MODEL_TYPES)) + " |",

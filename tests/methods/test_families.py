@@ -22,8 +22,11 @@ METHOD_ARGS = {"fp8": [], "gptq": [], "awq": ["--symmetric"], "smoothquant": ["-
                "nf4": [], "autoround": ["--iters", "2"], "nvfp4": [], "mxfp4": []}
 MOE = ("mixtral", "qwen3moe", "qwen2moe")
 # (family, method) -> the words exit 2 must name, for what a method refuses on a family.
+# Qwen3-MoE's mxfp4 runs model-free, by checkpoint names (tests/methods/test_model_free_moe.py); its nvfp4 default,
+# w4a4, calibrates activations on the loaded model and is refused like the other families'.
 REFUSED = {**{(family, "smoothquant"): "int-quantized" for family in MOE},
-           **{(family, method): "FP4" for family in MOE for method in ("nvfp4", "mxfp4")}}
+           **{(family, method): "FP4" for family in MOE for method in ("nvfp4", "mxfp4")
+              if (family, method) != ("qwen3moe", "mxfp4")}}
 FAMILIES = ("llama31", "gemma3", "phi3", "mistral", "mixtral", "qwen25", "qwen3", "qwen3moe", "qwen2moe")
 # Fast: the Mixtral reload fix with the routing report, the fused Phi-3 rows, two refusals.
 FAST = {("mixtral", "gptq"), ("phi3", "awq"), ("mixtral", "smoothquant"), ("qwen3moe", "nvfp4")}
