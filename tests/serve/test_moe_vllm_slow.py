@@ -1,0 +1,81 @@
+"""The model-free MoE artifacts (fp8-block, nvfp4 a16, mxfp4 on synthetic DeepSeek-V3 and Qwen3-MoE checkpoints)
+against the installed vLLM's own code (scripts/setup_engines.sh; skipped without it): tests/serve/vllm_moe_probe.py,
+run by vLLM's interpreter, asks vLLM's CompressedTensorsConfig which scheme every linear layer and every fused-experts
+layer resolves to, creates their parameters, and maps every stored tensor into them through vLLM's expert-parameter
+mapping. vLLM's CPU build has none of these kernels, so this is a check of names, shapes and schemes, not a served
+forward."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from quantkit.serve import engines
+from tests.serve.test_serve_check_slow import require
+from tests.serve.test_w4a8_vllm_slow import free_port
+
+pytestmark = pytest.mark.slow
+PROBE = Path(__file__).with_name("vllm_moe_probe.py")
+METHODS = {"fp8-block": ("CompressedTensorsW8A8Fp8", "CompressedTensorsW8A8Fp8MoEMethod"),
+           "nvfp4-a16": ("CompressedTensorsW4A4Fp4", "CompressedTensorsW4A4Nvfp4MoEMethod"),
+           "mxfp4": ("CompressedTensorsW4A4Mxfp4", "CompressedTensorsW4A4Mxfp4MoEMethod")}
+
+
+def vllm_probe(artifacts: list[Path]) -> dict[str, dict]:
+    vllm = require(engines.find_vllm, "vLLM", "QUANTKIT_VLLM")
+    python = engines.script_python(vllm.executable) or vllm.executable.with_name("python3")
+    result = subprocess.run([str(python), str(PROBE), *map(str, artifacts), str(free_port())], capture_output=True,
+                            text=True, timeout=600, check=False)
+    found = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert len(found) == len(artifacts), result.stderr[-3000:]
+    return {Path(f["artifact"]).name: f for f in found}
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory) -> dict[str, Path]:
+    """'<kind>-<scheme>' -> the artifact `quantkit quantize` wrote (no gate: vLLM is what is checked here)."""
+    from typer.testing import CliRunner
+
+    from quantkit.cli.app import app
+    from quantkit.toy_moe import build_moe
+    from tests.methods.test_model_free_moe import SCHEMES
+
+    root, made = tmp_path_factory.mktemp("moe-vllm"), {}
+    for kind in ("deepseek_v3", "qwen3_moe"):
+        model = build_moe(kind, root / kind)
+        for scheme, args in SCHEMES.items():
+            out = root / f"{kind}-{scheme}"
+            result = CliRunner().invoke(app, ["quantize", str(model), "-o", str(out), *args, "--eval-windows", "0"],
+                                        catch_exceptions=False)
+            assert result.exit_code == 0, result.output
+            made[out.name] = out
+    return made
+
+
+def test_vllm_resolves_every_layer_and_takes_every_tensor(artifacts, tmp_path):
+    broken = tmp_path / "qwen3_moe-router-quantized"  # a negative control: the routers left out of `ignore`
+    shutil.copytree(artifacts["qwen3_moe-mxfp4"], broken)
+    config = json.loads((broken / "config.json").read_text())
+    q = config["quantization_config"]
+    q["ignore"] = [name for name in q["ignore"] if not name.endswith("mlp.gate") and not name.startswith("re:")]
+    (broken / "config.json").write_text(json.dumps(config))
+    found = vllm_probe([*artifacts.values(), broken])
+    for name in artifacts:
+        kind, scheme = name.split("-", 1)
+        result = found[name]
+        assert result["problems"] == [], (name, result["problems"][:5])
+        linear, moe = METHODS[scheme]
+        assert set(result["moe_methods"].values()) == {moe}, name
+        assert len(result["moe_methods"]) == (2 if kind == "deepseek_v3" else 3)  # DeepSeek-V3's layer 0 is dense
+        schemes = result["schemes"]
+        assert schemes["lm_head"] is None and schemes["model.embed_tokens"] is None
+        assert schemes["model.layers.1.mlp.gate"] is None  # the router: unquantized (Qwen3-MoE's takes the config)
+        attention = ("model.layers.1.self_attn.kv_b_proj" if kind == "deepseek_v3"
+                     else "model.layers.1.self_attn.qkv_proj")
+        assert schemes[attention] == linear
+    problems = found[broken.name]["problems"]
+    assert any(p.startswith("model.layers.0.mlp.gate.weight_packed: vLLM's") for p in problems), problems[:5]
