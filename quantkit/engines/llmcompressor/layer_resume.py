@@ -30,13 +30,13 @@ two copies of the calibration windows' hidden states (`saved_bytes`).
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from quantkit.engines.llmcompressor.model_free import file_sha256
 from quantkit.errors import InternalError
 from quantkit.io.export import replace_json
 
@@ -158,14 +158,6 @@ def layer_tensors(model, subgraph) -> dict[str, Any]:
     return tensors
 
 
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 24), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def write_durably(path: Path, write: Callable[[Path], None]) -> str:
     """`write(tmp)` then fsync and rename into `path`; its sha256."""
     tmp = path.with_name(path.name + ".tmp")
@@ -173,7 +165,7 @@ def write_durably(path: Path, write: Callable[[Path], None]) -> str:
     with open(tmp, "rb") as fh:
         os.fsync(fh.fileno())
     os.replace(tmp, path)
-    return sha256_of(path)
+    return file_sha256(path)
 
 
 def layer_file(index: int) -> str:
@@ -244,7 +236,7 @@ def unusable(directory: Path, state: dict, subgraphs) -> str | None:
         return f"{done} saved layers for {len(subgraphs)} subgraphs"
     files = [(layer_file(i), digest) for i, digest in enumerate(state["layers"])]
     for name, digest in [*files, (activations_file(done - 1), state["activations"])]:
-        if not (directory / name).is_file() or sha256_of(directory / name) != digest:
+        if file_sha256(directory / name) != digest:  # None: missing or unreadable
             return f"{name} does not verify (sha256)"
     return None
 
