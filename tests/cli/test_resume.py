@@ -251,6 +251,7 @@ def test_a_sequential_method_resumes_after_its_last_finished_layer(cli, micro_mo
     assert leftovers(tmp_path, "out") == ["out"]
 
 
+@pytest.mark.slow  # tests/engines/test_layer_resume.py checks the same without a run
 def test_saved_layers_that_do_not_verify_are_set_aside(cli, micro_model, plain_sequential, tmp_path):
     """A saved layer torn by a power loss fails its checksum: the run says so and starts from the first layer."""
     plain = plain_sequential(("gptq",))
