@@ -95,6 +95,18 @@ def test_routers_norms_embeddings_head_and_the_mtp_layer_stay_as_stored(moe_mode
         r"re:model\.layers\.3\..*"]
 
 
+def test_what_the_path_cannot_read(moe_models):
+    import dataclasses
+
+    info = check_model_dir(moe_models("qwen3_moe"))
+    assert model_free_moe.blocker(info) is None
+    stacked = {**info.tensors, "model.layers.0.mlp.experts.gate_up_proj": ("BF16", [4, 256, 256])}
+    assert "experts stored stacked" in model_free_moe.blocker(dataclasses.replace(info, tensors=stacked))
+    fp8 = {**info.tensors, "model.layers.0.mlp.experts.0.up_proj.weight": ("F8_E4M3", [128, 256])}
+    assert "give the 16-bit checkpoint" in model_free_moe.blocker(dataclasses.replace(info, tensors=fp8))
+    assert "no row" in model_free_moe.blocker(dataclasses.replace(info, model_type="olmoe"))
+
+
 def test_a_fused_layer_split_by_the_ignore_list_is_refused(moe_models):
     from quantkit.errors import UnsupportedError
 
@@ -280,3 +292,14 @@ def test_refused_before_any_work(cli, moe_models, tmp_path, args, words):
     assert words in result.output
     assert "measuring" not in result.output
     assert_nothing_written(out)
+
+
+def test_resume_by_shard_where_the_path_saves_progress(moe_models):
+    """fp8-block on an MoE checkpoint resumes a shard at a time (the model-free writer's state file); nvfp4 a16 and
+    mxfp4 keep the sequential methods' rule: a data-free scheme has no layers to save, and is refused."""
+    from quantkit.methods import fp8, mxfp4, nvfp4
+
+    info = check_model_dir(moe_models("qwen3_moe"))
+    assert fp8.METHOD.resume_refused(info, fp8.Options(scheme="fp8-block")) is None
+    assert "calibrates nothing" in nvfp4.METHOD.resume_refused(info, nvfp4.Options(scheme="a16"))
+    assert "calibrates nothing" in mxfp4.METHOD.resume_refused(info, mxfp4.Options())

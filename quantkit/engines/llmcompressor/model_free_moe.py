@@ -72,12 +72,10 @@ def blocker(info: ModelInfo) -> str | None:
     odd = sorted(name for name, (dtype, _) in info.tensors.items() if dtype not in floats)
     if odd:
         return f"tensors stored as integers or fp8 ({odd[0]}, ...): give the 16-bit checkpoint"
+    stacked = sorted(name for name, (_dtype, shape) in info.tensors.items() if len(shape) > 2)
+    if stacked:
+        return f"experts stored stacked ({stacked[0]}, {len(info.tensors[stacked[0]][1])}-D), not one tensor each"
     return None
-
-
-def applies(info: ModelInfo) -> bool:
-    """An MoE checkpoint this path quantizes (a family with an expert layout row, 16-bit weights)."""
-    return bool(moe.expert_count(info.config)) and blocker(info) is None
 
 
 def mtp_prefixes(info: ModelInfo) -> list[str]:
@@ -190,7 +188,7 @@ def load_dtype(name: str, stored: str, dtype, keep_fp32: list[str]) -> str:
 
 
 def plan_moe(info: ModelInfo, scheme, ignore: list[str], dtype=None) -> MoePlan:
-    """The model-free plan of an MoE checkpoint (`applies`) under one compressed-tensors QuantizationScheme, the
+    """The model-free plan of an MoE checkpoint (no `blocker`) under one compressed-tensors QuantizationScheme, the
     run's ignore list kept 16-bit; `dtype` (a torch dtype; None: as stored) is the one the weights are quantized
     in and the kept floating tensors are written in, as from_pretrained would load them."""
     import torch
