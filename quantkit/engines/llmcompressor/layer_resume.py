@@ -214,7 +214,7 @@ def save_layer(checkpoints: LayerCheckpoints, model, subgraphs, index: int, acti
                                           "layers": layers, "activations": hidden})
     if index:
         (directory / activations_file(index - 1)).unlink(missing_ok=True)
-    checkpoints.progress(f"layer {index + 1}/{len(subgraphs)} saved for --resume")
+    checkpoints.progress(f"layer {index + 1}/{len(subgraphs) - 1} saved for --resume")  # the head's is never saved
 
 
 def read_state(directory: Path) -> dict | None:
@@ -255,7 +255,7 @@ def resume_point(checkpoints: LayerCheckpoints | None, model, subgraphs, activat
     for index in range(done):
         restore_tensors(model, checkpoints.directory / layer_file(index))
     cache = load_activations(checkpoints.directory / activations_file(done - 1), type(activations))
-    checkpoints.progress(f"resuming after {done} of {len(subgraphs)} layers (verified by sha256)")
+    checkpoints.progress(f"resuming after {done} of {len(subgraphs) - 1} layers (verified by sha256)")
     return done, cache
 
 
