@@ -215,6 +215,15 @@ def plan_moe(info: ModelInfo, scheme, ignore: list[str], dtype=None) -> MoePlan:
     sets = fused_sets(quantized, FUSED_LAYER_NAMES) if is_microscale_scheme(scheme) else []
     stored = SafetensorsWeights(info.path).index
     keep_fp32 = fp32_modules(info) if dtype is not None else []
+    plans = {}  # (shapes, dtype) -> an item planned on the meta device: the others of those shapes are renamings
+
+    def planned(modules: tuple[str, ...], entries: tuple, loaded):
+        key = (tuple(e.shape for e in entries), loaded)
+        if key not in plans:
+            plans[key] = (fused_item(modules, entries, loaded, scheme) if len(modules) > 1
+                          else quantized_item(modules[0], entries[0], loaded, scheme))
+        return renamed(plans[key], modules, entries)
+
     in_set = {m: s for s in sets for m in s}
     items, done = [], set()
     by_weight = {f"{m}.weight": m for m in quantized}
@@ -227,13 +236,30 @@ def plan_moe(info: ModelInfo, scheme, ignore: list[str], dtype=None) -> MoePlan:
         loaded = dtype or getattr(torch, TORCH_DTYPES[entry.dtype])
         group = in_set.get(module)
         if group is None:
-            items.append(quantized_item(module, entry, loaded, scheme))
+            items.append(planned((module,), (entry,), loaded))
         elif group not in done:
             done.add(group)
-            entries = tuple(stored[f"{m}.weight"] for m in group)
-            items.append(fused_item(group, entries, loaded, scheme))
+            items.append(planned(group, tuple(stored[f"{m}.weight"] for m in group), loaded))
     modifier = QuantizationModifier(config_groups={"group_0": scheme.model_copy(deep=True)}, ignore=list(config.ignore))
     return MoePlan(items, config, modifier, None if dtype is None else str(dtype).removeprefix("torch."))
+
+
+def renamed(item, modules: tuple[str, ...], entries: tuple):
+    """A planned Quantized or FusedQuantized for other modules of the same shapes (the converter and the outputs'
+    dtypes and shapes are the same; planning each of a model's thousands of experts on the meta device would cost
+    a converter run each)."""
+    from dataclasses import replace
+
+    from quantkit.engines.llmcompressor.model_free import FusedQuantized
+    from quantkit.io.shards import TensorSpec
+
+    old = item.modules if isinstance(item, FusedQuantized) else (item.module,)
+    names = dict(zip(old, modules))
+    outputs = sorted((TensorSpec(names[s.name.rsplit(".", 1)[0]] + "." + s.name.rsplit(".", 1)[1], s.dtype, s.shape)
+                      for s in item.outputs), key=lambda s: s.name)
+    if isinstance(item, FusedQuantized):
+        return replace(item, modules=modules, sources=entries, outputs=outputs)
+    return replace(item, module=modules[0], source=entries[0], outputs=outputs)
 
 
 def write_config(plan: MoePlan, source: Path, out_dir: Path) -> None:
