@@ -3,8 +3,9 @@
 
     python scripts/bench_ranks.py [--shape H,LAYERS,FFN,HEADS,KV,VOCAB | --model DIR]
                                   [--methods gptq,gptq-actorder,awq,autoround] [--launches 1,1@1,2,4,2x1]
-                                  [--num-samples 32] [--seq-len 256] [--eval-windows 8] [--no-gate-rows]
-                                  [--one-process-when-refused] [--work DIR] [--json out.json [--append]]
+                                  [--num-samples 32] [--seq-len 256] [--eval-windows 8]
+                                  [--no-gate-rows | --gate-repeats 3] [--gate-artifact DIR]
+                                  [--work DIR] [--json out.json [--append]]
     python scripts/bench_ranks.py --render out.json     # the markdown tables of a JSON written before
 
 The model: a random-init Llama of --shape (default 768,12,2048,12,4,32000: the 125M shape of
@@ -22,9 +23,6 @@ same flags (`--no-gate`: the gate is measured in full, not enforced):
   1@1       any of them with @T: T threads per rank (1@1: one process with one core's threads, the same
             threads per rank as 2 ranks on 2 cores)
 
-A method refused on its first torchrun launch is recorded on every torchrun launch and not run in one
-process (--one-process-when-refused runs it).
-
 OMP_NUM_THREADS is the machine's cores divided by the ranks it runs (at least 1), so a launch uses as
 many threads as there are cores; 4 ranks on a 2-core machine are oversubscribed (4 threads on 2 cores).
 GLOO_SOCKET_IFNAME=lo keeps gloo on the loopback. Each rank runs quantkit's CLI in-process through this
@@ -35,19 +33,25 @@ counted once) of every process of the launch every 0.5 s, and the 1-minute load 
 Recorded per run: wall seconds of the whole launch, rank 0's phases from its quantkit.json (quantize; the
 gate: baseline + artifact scoring, data-parallel on ranks), each rank's peak RSS, the launch's peak PSS,
 the gate's metrics (KLD mean and p99, top-1), and, for every artifact, the comparison with the
-one-process artifact of the same method: the share of int values that differ, the largest weight
-difference in quantization steps (|w_ranks - w_one| / the one-process scale of that group, after
-dequantizing both), the share of scales that differ and their largest relative difference. A method
-refused on ranks is recorded with each rank's exit code and message (quantkit refuses before any work).
+one-process artifacts of the same method (the one with the cores' threads, and the one with as many
+threads per rank as this launch, which tells what another thread count alone changes): the share of int
+values that differ, the largest weight difference in quantization steps (|w - w_one| / the one-process
+scale of that group, after dequantizing both), the share of scales that differ and their largest relative
+difference, in all and in the first decoder layer (which calibrates on the same inputs in every launch).
+A method refused on ranks is recorded with each rank's exit code and message (quantkit refuses before
+any work).
 
 Then the gate alone, on the first method's one-process artifact and the same held-out windows (the steps
 of `quantkit eval`, run by `--gate-child`): one process with all cores' threads, one process with one
 core's threads (what rank 0 would take scoring every window itself on a launch of one rank per core: quantkit
 has no switch for rank-0-only scoring), and 2 and 4 ranks each scoring its share, gathered as
-quantize's gate gathers them.
+quantize's gate gathers them; each --gate-repeats times, taking turns, the medians shown (--gate-artifact:
+another artifact, with `--methods ''` the gate rows alone).
 
-Output: the markdown tables on stdout; --json writes the records (paths under WORK written as WORK),
---append adds this run to the runs already in that file.
+Output: the markdown tables on stdout; --json writes the records (paths under WORK written as WORK);
+--append keeps the runs already in that file and merges this run's rows into the last one when it has the
+same model, settings and machine (to rerun or add a method or a launch; artifacts are compared within one
+run).
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import signal
 import socket
@@ -352,8 +357,10 @@ def quantize_row(model: Path, method: str, launch: Launch, args) -> dict:
 
 
 def refused_before_work(row: dict) -> bool:
-    """Every rank exited 2 (quantkit's bad-input exit: its refusals come before any work)."""
-    return not row["ok"] and bool(row["rank_exit_codes"]) and set(row["rank_exit_codes"]) == {2}
+    """quantkit refused the launch (exit 2, bad input: its refusals come before any work) on a rank, and
+    every other rank did the same or was stopped by torchrun first (143: SIGTERM)."""
+    codes = set(row.get("rank_exit_codes") or [])
+    return not row["ok"] and 2 in codes and codes <= {2, 143}
 
 
 def child_env(threads: int) -> dict:
@@ -363,25 +370,24 @@ def child_env(threads: int) -> dict:
 
 
 def method_rows(model: Path, method: str, args) -> list[dict]:
-    """Every launch of one method, in --launches order, each ranks' artifact compared with the one-process
-    artifact. A method refused on its first torchrun launch is not run in one process (the refusals are the
-    rows) unless --one-process-when-refused."""
-    rows: dict[str, dict] = {}
-    multi = [launch for launch in args.launch_list if launch.world > 1]
-    refused = False
-    if multi and not args.one_process_when_refused:
-        rows[multi[0].key] = quantize_row(model, method, multi[0], args)
-        refused = refused_before_work(rows[multi[0].key])
-    for launch in args.launch_list:
-        if launch.key not in rows and not (refused and launch.world == 1):
-            rows[launch.key] = quantize_row(model, method, launch, args)
-    ordered = [rows[launch.key] for launch in args.launch_list if launch.key in rows]
-    one = rows.get("1")
-    for row in ordered:
-        if row is not one and row["ok"] and one and one["ok"]:
-            row["vs_one"] = compare_artifacts(Path(one["artifact"]), Path(row["artifact"]))
-            row["one_metrics"] = one["metrics"]
-    return ordered
+    """Every launch of one method, in --launches order, each artifact compared with the one-process ones."""
+    rows = [quantize_row(model, method, launch, args) for launch in args.launch_list]
+    add_comparisons(rows)
+    return rows
+
+
+def add_comparisons(rows: list[dict]) -> None:
+    """Each artifact against the one-process artifacts of its method: the reference (key '1', the cores'
+    threads) and the one-process run with the same threads per rank (1@1 for ranks of one thread), where
+    they ran: the second tells the ranks' differences from what another thread count alone changes."""
+    ones = [row for row in rows if row["world"] == 1 and row["ok"]]
+    for row in rows:
+        if not row["ok"]:
+            continue
+        against = [one for one in ones if one is not row
+                   and (one["key"] == "1" or one["threads_per_rank"] == row["threads_per_rank"])]
+        row["compared"] = [{"against": one["launch"], "key": one["key"], "kld_mean": one["metrics"].get("kld_mean"),
+                            **compare_artifacts(Path(one["artifact"]), Path(row["artifact"]))} for one in against]
 
 
 def calib_flags(args) -> list[str]:
@@ -408,7 +414,7 @@ def report_columns(report: dict) -> dict:
     metrics = target.get("metrics") or {}
     phases = {key: timings[key] for key in ("baseline_s", "quantize_s", "eval_s", "total_s") if key in timings}
     return {"phases": phases, "gate_s": round(phases.get("baseline_s", 0) + phases.get("eval_s", 0), 2),
-            "report_peak_rss_mib": round(report.get("peak_rss_bytes", 0) / 2**20) or None,
+            "report_peak_rss_mib": round(target.get("peak_rss_bytes", 0) / 2**20) or None,
             "metrics": {key: metrics.get(key) for key in ("kld_mean", "kld_p99", "top1", "ppl_increase", "positions")}}
 
 
@@ -459,9 +465,17 @@ def merge_differences(parts: dict[str, dict]) -> dict:
         return {}
     worst = max(parts, key=lambda name: parts[name]["max_steps"])
     total = {key: sum(p[key] for p in parts.values()) for key in ("values", "ints_changed", "scales", "scales_changed")}
+    layers: dict[int, dict] = {}
+    for name, p in parts.items():
+        found = re.search(r"\.layers\.(\d+)\.", name)
+        if found:
+            layer = layers.setdefault(int(found.group(1)), {"values": 0, "ints_changed": 0, "max_steps": 0.0})
+            layer.update(values=layer["values"] + p["values"], ints_changed=layer["ints_changed"] + p["ints_changed"],
+                         max_steps=max(layer["max_steps"], p["max_steps"]))
     return {**total, "max_steps": parts[worst]["max_steps"], "worst_module": worst,
             "max_scale_rel": max(p["max_scale_rel"] for p in parts.values()),
-            "modules_changed": sum(1 for p in parts.values() if p["ints_changed"] or p["scales_changed"])}
+            "modules_changed": sum(1 for p in parts.values() if p["ints_changed"] or p["scales_changed"]),
+            "by_layer": [{"layer": index, **layers[index]} for index in sorted(layers)]}
 
 
 def read_tensors(artifact: Path) -> dict:
@@ -523,25 +537,41 @@ GATE_LAUNCHES = (Launch(), Launch(threads=1), Launch(per_node=2), Launch(per_nod
 
 
 def gate_rows(model: Path, artifact: Path, args) -> list[dict]:
-    """The gate alone on `artifact` for each of GATE_LAUNCHES (the torchrun ones up to --launches' largest)."""
-    rows, largest = [], max(launch.world for launch in args.launch_list)
-    for launch in GATE_LAUNCHES:
-        if launch.world > largest:
-            continue
-        threads = launch.threads_per_rank(args.cores)
-        out = args.work / "gate" / f"gate-{launch.key}.json"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.unlink(missing_ok=True)
-        program = [__file__, "--gate-child", str(model), str(artifact), str(out), str(args.seq_len),
-                   str(args.eval_windows)]
-        log(f"gate alone: {launch.label} ({threads} thread(s) per rank) ...")
-        row = {"launch": launch.label, "key": launch.key, "world": launch.world, "threads_per_rank": threads,
-               **run_launch(launch_commands(launch, program, f"bench-ranks-gate-{os.getpid()}"), child_env(threads),
-                            args.work / "logs" / f"gate-{launch.key}.log")}
-        if out.is_file():
-            row.update(json.loads(out.read_text()))
-        rows.append(row)
-    return rows
+    """The gate alone on `artifact` for each of GATE_LAUNCHES (the torchrun ones up to --launches' largest),
+    --gate-repeats times, the launches taking turns so that a change of the machine's load reaches all of them;
+    each row's seconds are the medians of its repeats."""
+    largest = max(launch.world for launch in args.launch_list)
+    launches = [launch for launch in GATE_LAUNCHES if launch.world <= largest]
+    repeats: dict[str, list[dict]] = {launch.key: [] for launch in launches}
+    for repeat in range(args.gate_repeats):
+        for launch in launches:
+            threads = launch.threads_per_rank(args.cores)
+            out = args.work / "gate" / f"gate-{launch.key}.json"
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.unlink(missing_ok=True)
+            program = [__file__, "--gate-child", str(model), str(artifact), str(out), str(args.seq_len),
+                       str(args.eval_windows)]
+            log(f"gate alone: {launch.label} ({threads} thread(s) per rank), {repeat + 1} of {args.gate_repeats} ...")
+            done = run_launch(launch_commands(launch, program, f"bench-ranks-gate-{os.getpid()}"), child_env(threads),
+                              args.work / "logs" / f"gate-{launch.key}.log")
+            repeats[launch.key].append({**done, **(json.loads(out.read_text()) if out.is_file() else {})})
+    return [gate_summary(launch, repeats[launch.key], args.cores) for launch in launches]
+
+
+def gate_summary(launch: Launch, repeats: list[dict], cores: int) -> dict:
+    """One gate-alone row: the medians of the repeats that finished, every repeat kept."""
+    import statistics
+
+    row = {"launch": launch.label, "key": launch.key, "world": launch.world,
+           "threads_per_rank": launch.threads_per_rank(cores), "repeats": repeats,
+           "load": {"start": repeats[0]["load"]["start"], "max": max(r["load"]["max"] for r in repeats),
+                    "end": repeats[-1]["load"]["end"]}}
+    finished = [r for r in repeats if "gate_s" in r]
+    if finished:
+        row.update({key: round(statistics.median(r[key] for r in finished), 2)
+                    for key in ("baseline_s", "eval_s", "gate_s", "wall_s")})
+        row["kld_mean"] = finished[0]["kld_mean"]
+    return row
 
 
 # ---------------------------------------------------------------- the run
@@ -562,9 +592,10 @@ def run(args, command: str) -> dict:
         result["rows"].extend(method_rows(model, method, args))
         save(result, args)
     first = next((r for r in result["rows"] if r["ok"] and r.get("key") == "1"), None)
-    if args.gate_rows and first:
-        result["gate_rows"] = gate_rows(model, Path(first["artifact"]), args)
-        result["gate_artifact"] = first["label"]
+    artifact = args.gate_artifact or (Path(first["artifact"]) if first else None)
+    if args.gate_rows and artifact:
+        result["gate_rows"] = gate_rows(model, artifact, args)
+        result["gate_artifact"] = first["label"] if not args.gate_artifact else str(artifact)
         save(result, args)
     return result
 
@@ -599,12 +630,38 @@ def scrubbed(value, work: str):
 
 
 def save(result: dict, args) -> None:
+    """--json: this run alone, or with --append after the runs already there; a run of the same model,
+    shape, settings and machine as the last one there is merged into it (merge_runs)."""
     if not args.json:
         return
-    runs = []
-    if args.append and args.json.is_file():
-        runs = [r for r in load_runs(args.json) if r.get("command") != scrubbed(result["command"], str(args.work))]
-    args.json.write_text(json.dumps({"runs": [*runs, scrubbed(result, str(args.work))]}, indent=2) + "\n")
+    mine = scrubbed(result, str(args.work))
+    runs = load_runs(args.json) if args.append and args.json.is_file() else []
+    if runs and all(runs[-1].get(k) == mine.get(k) for k in ("model", "shape", "settings", "machine")):
+        runs[-1] = merge_runs(runs[-1], mine)
+    else:
+        runs.append(mine)
+    args.json.write_text(json.dumps({"runs": runs}, indent=2) + "\n")
+
+
+def merge_runs(old: dict, new: dict) -> dict:
+    """`new`'s rows added to `old`'s (a row of the same method and launch replaced), grouped by method and in
+    launch order; `new`'s gate rows where it has some; both commands kept. Artifacts are compared within one
+    run only."""
+    rows = {(r["method"], r["key"]): r for r in old["rows"]}
+    rows.update({(r["method"], r["key"]): r for r in new["rows"]})
+    methods = list(dict.fromkeys(method for method, _ in rows))
+    ordered = sorted(rows.values(), key=lambda r: (methods.index(r["method"]), launch_order(r["key"])))
+    commands = list(dict.fromkeys([*old.get("commands", [old["command"]]), *new.get("commands", [new["command"]])]))
+    merged = {**old, "rows": ordered, "commands": commands}
+    if new.get("gate_rows"):
+        merged.update(gate_rows=new["gate_rows"], gate_artifact=new.get("gate_artifact"))
+    return merged
+
+
+def launch_order(key: str) -> tuple:
+    """One process first (the cores' threads, then @T), then one node by ranks, then several nodes."""
+    launch = parse_launch(key)
+    return launch.nodes > 1, launch.world, launch.threads or 0
 
 
 def load_runs(path: Path) -> list[dict]:
@@ -632,10 +689,11 @@ def render_rows(rows: list[dict]) -> str:
         head = f"| {r['label']} | {r['launch']} | {r['threads_per_rank']} | {r['wall_s']:.1f} |"
         tail = f" {mib(r.get('rank_peak_rss_mib', []))} | {r.get('pss_peak_mib', '')} |"
         if not r["ok"]:
-            codes = sorted(set(r.get("rank_exit_codes") or []))
-            every = " on every rank" if r["world"] > 1 else ""
-            exits = f"exit {', '.join(map(str, codes))}{every}" if codes else f"exit {r['exit_codes']}"
-            lines.append(f"{head} refused ({exits}) | — |{tail} — | {load_text(r.get('load'))} |")
+            outcome = "refused" if refused_before_work(r) else "failed"
+            codes = r.get("rank_exit_codes") or []
+            exits = (f"exit {codes[0]}" if len(codes) == 1 else f"rank exits {', '.join(map(str, codes))}" if codes
+                     else f"exit {', '.join(map(str, r['exit_codes']))}")
+            lines.append(f"{head} {outcome} ({exits}) | — |{tail} — | {load_text(r.get('load'))} |")
             continue
         p = r.get("phases", {})
         gate = f"{r['gate_s']:.1f} ({p.get('baseline_s', 0):.1f} + {p.get('eval_s', 0):.1f})"
@@ -650,23 +708,26 @@ def fmt_kld(value) -> str:
 
 
 def render_artifacts(rows: list[dict]) -> str:
-    """Each ranks' artifact against the one-process artifact of the same method."""
-    lines = [("| method | launch | int values changed | largest weight difference (steps) | scales changed | "
-              "largest scale difference | other tensors | KLD mean, ranks / one process |"),
-             "|---|---|---:|---:|---:|---:|---|---|"]
+    """Each artifact against the one-process artifacts of the same method (add_comparisons)."""
+    lines = [("| method | launch | against | int values changed | largest weight difference (steps) | first decoder "
+              "layer: changed, steps | scales changed | other tensors | KLD mean, this / against |"),
+             "|---|---|---|---:|---:|---:|---:|---|---|"]
     for r in rows:
-        d = r.get("vs_one")
-        if not d:
-            continue
-        if "error" in d:
-            lines.append(f"| {r['label']} | {r['launch']} | {d['error']} | | | | | |")
-            continue
-        ints = f"{d['ints_changed']} of {d['values']} ({100 * d['ints_changed'] / d['values']:.3f}%)"
-        scales = f"{d['scales_changed']} of {d['scales']} ({100 * d['scales_changed'] / d['scales']:.3f}%)"
-        other = "identical" if d["other_max_abs"] == 0 else f"max abs {d['other_max_abs']:.3g}"
-        klds = f"{fmt_kld(r['metrics'].get('kld_mean'))} / {fmt_kld(r['one_metrics'].get('kld_mean'))}"
-        lines.append(f"| {r['label']} | {r['launch']} | {ints} | {d['max_steps']:.3g} | {scales} | "
-                     f"{100 * d['max_scale_rel']:.3g}% | {other} | {klds} |")
+        for d in r.get("compared") or []:
+            head = f"| {r['label']} | {r['launch']} | {d['against']} |"
+            if "error" in d:
+                lines.append(f"{head} {d['error']} | | | | | |")
+                continue
+            ints = f"{d['ints_changed']} of {d['values']} ({100 * d['ints_changed'] / d['values']:.2f}%)"
+            first = (d.get("by_layer") or [None])[0]
+            layer = (f"{100 * first['ints_changed'] / first['values']:.3f}%, {first['max_steps']:.3g}" if first
+                     else "")
+            scales = f"{d['scales_changed']} of {d['scales']}"
+            if d["scales_changed"]:
+                scales += f" (largest {100 * d['max_scale_rel']:.3g}%)"
+            other = "identical" if d["other_max_abs"] == 0 else f"max abs {d['other_max_abs']:.3g}"
+            klds = f"{fmt_kld(r['metrics'].get('kld_mean'))} / {fmt_kld(d.get('kld_mean'))}"
+            lines.append(f"{head} {ints} | {d['max_steps']:.3g} | {layer} | {scales} | {other} | {klds} |")
     return "\n".join(lines)
 
 
@@ -680,18 +741,22 @@ def render_refusals(rows: list[dict]) -> str:
 
 
 def render_gate(rows: list[dict]) -> str:
+    """The gate-alone rows: medians of the repeats, every repeat's gate seconds, and the ratio to one process
+    with one core's threads (what rank 0 alone would take)."""
     if not rows:
         return ""
     one = next((r for r in rows if r["world"] == 1 and r["threads_per_rank"] == 1), None)
-    lines = [("| gate alone | threads per rank | base s | artifact s | gate s | vs one process, one core's threads "
-              "| KLD mean | load 1 min |"), "|---|---:|---:|---:|---:|---:|---|---|"]
+    lines = [("| gate alone | threads per rank | base s | artifact s | gate s | each run s | vs one process, one "
+              "core's threads | KLD mean | load 1 min |"), "|---|---:|---:|---:|---:|---|---:|---|---|"]
     for r in rows:
         if "gate_s" not in r:
-            lines.append(f"| {r['launch']} | {r['threads_per_rank']} | failed (exit {r['exit_codes']}) | | | | | |")
+            lines.append(f"| {r['launch']} | {r['threads_per_rank']} | failed | | | | | | |")
             continue
+        each = ", ".join(f"{x['gate_s']:.1f}" for x in r.get("repeats", [r]) if "gate_s" in x)
         ratio = f"{r['gate_s'] / one['gate_s']:.2f}x" if one and one.get("gate_s") else ""
         lines.append(f"| {r['launch']} | {r['threads_per_rank']} | {r['baseline_s']:.1f} | {r['eval_s']:.1f} | "
-                     f"{r['gate_s']:.1f} | {ratio} | {fmt_kld(r.get('kld_mean'))} | {load_text(r.get('load'))} |")
+                     f"{r['gate_s']:.1f} | {each} | {ratio} | {fmt_kld(r.get('kld_mean'))} | "
+                     f"{load_text(r.get('load'))} |")
     return "\n".join(lines)
 
 
@@ -705,7 +770,7 @@ def render(result: dict) -> str:
         parts += ["", "Refused on ranks (each rank's message):", "", refusals]
     artifacts = render_artifacts(result["rows"])
     if artifacts.count("\n") > 1:
-        parts += ["", "Against the one-process artifact:", "", artifacts]
+        parts += ["", "Against the one-process artifacts:", "", artifacts]
     if result.get("gate_rows"):
         parts += ["", f"The gate alone ({result.get('gate_artifact', '')}, one-process artifact):", "",
                   render_gate(result["gate_rows"])]
@@ -725,19 +790,24 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--launches", default="1,1@1,2,4,2x1",
                         help="N: one node of N ranks (1: one process, no torchrun); MxN: M nodes of N ranks; "
                         "@T: T threads per rank instead of the cores shared (default: %(default)s)")
-    parser.add_argument("--one-process-when-refused", action="store_true",
-                        help="run a method refused on ranks in one process too")
     parser.add_argument("--num-samples", type=int, default=32)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--eval-windows", type=int, default=8)
     parser.add_argument("--no-gate-rows", dest="gate_rows", action="store_false", help="skip the gate-alone rows")
+    parser.add_argument("--gate-repeats", type=int, default=3, help="runs of each gate-alone launch (the median)")
+    parser.add_argument("--gate-artifact", type=Path, default=None,
+                        help="the gate-alone rows on this artifact (default: the first method's one-process one)")
     parser.add_argument("--cores", type=int, default=os.cpu_count(), help="threads per node (default: the cores)")
     parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "bench-ranks")
     parser.add_argument("--json", type=Path, default=None)
-    parser.add_argument("--append", action="store_true", help="keep the runs already in --json")
+    parser.add_argument("--append", action="store_true",
+                        help="keep the runs already in --json (this run's rows merged into the last one when its "
+                        "model and settings are the same)")
     parser.add_argument("--render", type=Path, default=None, help="print the tables of a JSON written before")
     args = parser.parse_args(argv)
-    args.method_list = [m for m in args.methods.split(",") if m]
+    args.method_list = [m for m in args.methods.split(",") if m]  # none: the gate-alone rows only
+    if args.gate_artifact:
+        args.gate_artifact = args.gate_artifact.expanduser().resolve()
     unknown = [m for m in args.method_list if m not in METHODS]
     if unknown:
         parser.error(f"unknown method(s) {unknown}: choose from {', '.join(METHODS)}")

@@ -46,32 +46,55 @@ def test_launches_and_threads(bench):
             bench.parse_args(bad)
 
 
-def test_a_method_refused_on_ranks_is_not_run_in_one_process(bench, monkeypatch, tmp_path):
-    """The first torchrun launch decides: refused before work (exit 2 on every rank), the other torchrun
-    launches are recorded too and the one-process launches skipped; a method that runs gets every launch,
-    each compared with the one-process artifact."""
+def test_every_launch_of_a_method_and_its_comparisons(bench, monkeypatch, tmp_path):
+    """Every launch in --launches order; each artifact against the reference one-process artifact and the
+    one-process artifact with its threads per rank; nothing compared with a refused launch."""
     ran = []
 
     def quantize_row(model, method, launch, args):
         ran.append((method, launch.key))
         refused = method == "awq" and launch.world > 1
-        return {"method": method, "key": launch.key, "world": launch.world, "ok": not refused,
+        return {"method": method, "key": launch.key, "launch": launch.label, "world": launch.world, "ok": not refused,
+                "threads_per_rank": launch.threads_per_rank(2),
                 "rank_exit_codes": [2 if refused else 0] * launch.world, "artifact": f"{method}-{launch.key}",
                 "metrics": {"kld_mean": 0.1}}
 
     monkeypatch.setattr(bench, "quantize_row", quantize_row)
-    monkeypatch.setattr(bench, "compare_artifacts", lambda one, other: {"one": one.name, "other": other.name})
-    args = bench.parse_args(["--launches", "1,1@1,2,2x1", "--work", str(tmp_path)])
-    awq = bench.method_rows(tmp_path, "awq", args)
-    assert ran == [("awq", "2"), ("awq", "2x1")] and [r["key"] for r in awq] == ["2", "2x1"]
-    ran.clear()
+    monkeypatch.setattr(bench, "compare_artifacts", lambda one, other: {"other": other.name})
+    args = bench.parse_args(["--launches", "2,1@1,2x1", "--work", str(tmp_path)])
     gptq = bench.method_rows(tmp_path, "gptq", args)
-    assert ran == [("gptq", "2"), ("gptq", "1"), ("gptq", "1@1"), ("gptq", "2x1")]
-    assert [r["key"] for r in gptq] == ["1", "1@1", "2", "2x1"]  # in --launches order
-    assert "vs_one" not in gptq[0] and gptq[1]["vs_one"] == {"one": "gptq-1", "other": "gptq-1@1"}
-    args.one_process_when_refused = True
-    ran.clear()
-    assert [r["key"] for r in bench.method_rows(tmp_path, "awq", args)] == ["1", "1@1", "2", "2x1"]
+    assert ran == [("gptq", "1"), ("gptq", "2"), ("gptq", "1@1"), ("gptq", "2x1")]
+    # the reference, and the one-process run with the ranks' threads
+    assert [[c["key"] for c in row["compared"]] for row in gptq] == [[], ["1", "1@1"], ["1"], ["1", "1@1"]]
+    assert gptq[1]["compared"][1] == {"against": "1 process, 1 thread", "key": "1@1", "kld_mean": 0.1,
+                                      "other": "gptq-2"}
+    awq = bench.method_rows(tmp_path, "awq", args)
+    assert [row.get("compared") for row in awq] == [[], None, [{"against": "1 process", "key": "1", "kld_mean": 0.1,
+                                                                "other": "awq-1@1"}], None]
+
+
+def test_a_refusal_is_exit_2_on_a_rank_before_work(bench):
+    row = {"ok": False, "rank_exit_codes": [2, 2]}
+    assert bench.refused_before_work(row)
+    assert bench.refused_before_work({**row, "rank_exit_codes": [2, 143]})  # torchrun stopped rank 1 first
+    assert not bench.refused_before_work({**row, "rank_exit_codes": [1, 143]})
+    assert not bench.refused_before_work({**row, "rank_exit_codes": []})
+    assert not bench.refused_before_work({"ok": True, "rank_exit_codes": [0, 0]})
+
+
+def test_runs_of_the_same_settings_merge(bench):
+    def run(rows, command, gate=()):
+        return {"model": "WORK/m", "shape": "s", "settings": {"seq_len": 8}, "machine": "cpu", "command": command,
+                "rows": [{"method": m, "key": k, "wall_s": w} for m, k, w in rows], "gate_rows": list(gate)}
+
+    old = run([("gptq", "1", 1), ("gptq", "2", 2), ("awq", "2", 3)], "first", gate=[{"launch": "1 process"}])
+    new = run([("awq", "1@1", 4), ("awq", "1", 5), ("gptq", "2", 6)], "second")
+    merged = bench.merge_runs(old, new)
+    assert [(r["method"], r["key"], r["wall_s"]) for r in merged["rows"]] == [
+        ("gptq", "1", 1), ("gptq", "2", 6), ("awq", "1", 5), ("awq", "1@1", 4), ("awq", "2", 3)]
+    assert merged["commands"] == ["first", "second"] and merged["gate_rows"] == [{"launch": "1 process"}]
+    assert [bench.launch_order(k) for k in ("1", "1@1", "4", "2x1")] == sorted(
+        bench.launch_order(k) for k in ("2x1", "4", "1@1", "1"))
 
 
 def test_launch_commands(bench):
@@ -138,6 +161,16 @@ def test_artifacts_compared_from_their_packed_ints(bench, tmp_path):
     assert other["worst_module"] == "m" and other["modules_changed"] == 1 and other["scales_changed"] == 0
 
 
+def test_rank_zeros_report_read(bench):
+    report = {"timings": {"baseline_s": 1.25, "total_s": 40.0},
+              "targets": [{"timings": {"quantize_s": 30.0, "eval_s": 2.0}, "peak_rss_bytes": 1536 * 2**20,
+                           "metrics": {"kld_mean": 0.01, "kld_p99": 0.02, "top1": 0.5, "positions": 2040}}]}
+    columns = bench.report_columns(report)
+    assert columns["phases"] == {"baseline_s": 1.25, "quantize_s": 30.0, "eval_s": 2.0, "total_s": 40.0}
+    assert columns["gate_s"] == 3.25 and columns["report_peak_rss_mib"] == 1536
+    assert columns["metrics"]["kld_mean"] == 0.01 and columns["metrics"]["ppl_increase"] is None
+
+
 def test_the_refusal_is_quantkits_error_line(bench):
     log = ("W1127 warning\nerror: target 'awq': awq runs in one process only (why), but this is one of 2 torchrun "
            "ranks\nhint: launch ...\nerror: target 'awq': awq runs in one process only (why), but ...\n")
@@ -158,15 +191,18 @@ def row(bench, method, world, ok=True, **extra):
 def test_the_tables(bench):
     done = {"phases": {"baseline_s": 1.5, "quantize_s": 30.25, "eval_s": 2.0}, "gate_s": 3.5,
             "metrics": {"kld_mean": 1.5e-5}}
-    vs_one = {"values": 1000, "ints_changed": 5, "max_steps": 1.0, "scales": 100, "scales_changed": 0,
-              "max_scale_rel": 0.0, "other_max_abs": 0.0}
+    compared = [{"against": "1 process", "key": "1", "kld_mean": 1.4e-5, "values": 1000, "ints_changed": 5,
+                 "max_steps": 1.0, "scales": 100, "scales_changed": 0, "max_scale_rel": 0.0, "other_max_abs": 0.0,
+                 "by_layer": [{"layer": 0, "values": 500, "ints_changed": 1, "max_steps": 1.0}]}]
     rows = [row(bench, "gptq", 1, **done),
-            row(bench, "gptq", 2, **done, vs_one=vs_one, one_metrics={"kld_mean": 1.4e-5}),
+            row(bench, "gptq", 2, **done, compared=compared),
             row(bench, "awq", 2, ok=False, refusal="target 'awq': awq runs in one process only (why)")]
-    gate = [{"launch": "1 process, one core's threads", "world": 1, "threads_per_rank": 1, "baseline_s": 4.0,
-             "eval_s": 4.0, "gate_s": 8.0, "kld_mean": 1.4e-5, "load": {"start": 1, "max": 1, "end": 1}},
-            {"launch": "2 ranks", "world": 2, "threads_per_rank": 1, "baseline_s": 2.0, "eval_s": 3.0,
-             "gate_s": 5.0, "kld_mean": 1.4e-5, "load": {"start": 1, "max": 1, "end": 1}}]
+    load = {"start": 1.0, "max": 1.5, "end": 1.0}
+    repeats = [{"baseline_s": b, "eval_s": e, "gate_s": b + e, "wall_s": 9.0, "kld_mean": 1.4e-5, "load": load}
+               for b, e in ((2.0, 3.0), (2.5, 3.5), (1.0, 2.0))]
+    gate = [{"launch": "1 process, 1 thread", "world": 1, "threads_per_rank": 1, "baseline_s": 4.0,
+             "eval_s": 4.0, "gate_s": 8.0, "kld_mean": 1.4e-5, "load": load},
+            bench.gate_summary(bench.Launch(1, 2), repeats, 2)]
     text = bench.render({"model": "WORK/m", "shape": "8,1,8,1,1,8", "settings": {"num_samples": 32, "seq_len": 256,
                                                                                "eval_windows": 8},
                          "machine": "CPU, 2 cores", "date": "2026-11-27", "rows": rows, "gate_rows": gate,
@@ -175,14 +211,27 @@ def test_the_tables(bench):
     one, two, awq = [line for line in lines if line.startswith(("| gptq", "| awq"))][:3]
     assert one.split(" | ")[1:8] == ["1 process", "2", "10.0", "30.2", "3.5 (1.5 + 2.0)", "900", "800"]
     assert "900 / 900" in two and "1.500e-05" in two and "1.0–2.5" in two
-    assert "refused (exit 2 on every rank)" in awq
+    assert "refused (rank exits 2, 2)" in awq
     assert "- awq W4A16: target 'awq': awq runs in one process only (why)" in lines
     compared = next(line for line in lines if "of 1000" in line)
-    assert "5 of 1000 (0.500%)" in compared and "| identical |" in compared and "1.500e-05 / 1.400e-05" in compared
-    assert next(line for line in lines if line.startswith("| 2 ranks")).split(" | ")[5] == "0.62x"
+    assert "| 2 ranks | 1 process | 5 of 1000 (0.50%) | 1 | 0.200%, 1 | 0 of 100 |" in compared
+    assert "| identical |" in compared and "1.500e-05 / 1.400e-05" in compared
+    two_ranks = next(line for line in lines if line.startswith("| 2 ranks")).split(" | ")
+    assert two_ranks[2:7] == ["2.0", "3.0", "5.0", "5.0, 6.0, 3.0", "0.62x"]  # the medians of the repeats
     for table in (line for line in lines if line.startswith("|---")):  # every rule as wide as its header
         header = lines[lines.index(table) - 1]
         assert table.count("|") == header.count("|")
+
+
+def test_the_differences_per_decoder_layer(bench):
+    one = {"values": 10, "ints_changed": 1, "scales": 2, "scales_changed": 0, "max_steps": 1.0, "max_scale_rel": 0.0}
+    parts = {"model.layers.0.mlp.up_proj": one, "model.layers.0.self_attn.q_proj": {**one, "ints_changed": 0},
+             "model.layers.1.mlp.up_proj": {**one, "ints_changed": 4, "max_steps": 3.0}}
+    merged = bench.merge_differences(parts)
+    assert merged["by_layer"] == [{"layer": 0, "values": 20, "ints_changed": 1, "max_steps": 1.0},
+                                  {"layer": 1, "values": 10, "ints_changed": 4, "max_steps": 3.0}]
+    assert merged["ints_changed"] == 5 and merged["max_steps"] == 3.0
+    assert merged["worst_module"] == "model.layers.1.mlp.up_proj" and merged["modules_changed"] == 2
 
 
 def test_paths_under_work_are_scrubbed(bench):
@@ -207,17 +256,19 @@ def test_bench_ranks_on_a_small_model(bench, tmp_path):
     awq refused on 2 ranks with its reason; the gate alone in one process and on 2 ranks."""
     work, out = tmp_path / "work", tmp_path / "bench.json"
     cmd = [sys.executable, str(SCRIPT), "--shape", "256,2,512,4,2,4096", "--methods", "gptq,awq", "--launches", "1,2",
-           "--num-samples", "16", "--seq-len", "64", "--eval-windows", "4", "--work", str(work), "--json", str(out)]
+           "--num-samples", "16", "--seq-len", "64", "--eval-windows", "4", "--gate-repeats", "1", "--work", str(work),
+           "--json", str(out)]
     done = subprocess.run(cmd, check=False, capture_output=True, text=True, env=subprocess_env(), timeout=1800)
     assert done.returncode == 0, done.stderr[-3000:]
     (run,) = bench.load_runs(out)
     rows = {(r["method"], r["world"]): r for r in run["rows"]}
-    assert rows[("gptq", 1)]["ok"] and rows[("gptq", 2)]["ok"] and ("awq", 1) not in rows
+    assert rows[("gptq", 1)]["ok"] and rows[("gptq", 2)]["ok"] and rows[("awq", 1)]["ok"]
     two = rows[("gptq", 2)]
     assert len(two["rank_peak_rss_mib"]) == 2 and two["threads_per_rank"] == 1
-    assert two["vs_one"]["max_steps"] <= 2 and two["vs_one"]["other_max_abs"] == 0
+    (against,) = two["compared"]  # launches 1 and 2: the one-process run with the cores' threads only
+    assert against["key"] == "1" and against["max_steps"] <= 2 and against["other_max_abs"] == 0
     refused = rows[("awq", 2)]
-    assert not refused["ok"] and refused["rank_exit_codes"] == [2, 2]
+    assert bench.refused_before_work(refused) and refused["rank_exit_codes"][0] == 2
     assert "awq runs in one process only" in refused["refusal"]
     assert [g["world"] for g in run["gate_rows"]] == [1, 1, 2]
     one_process = rows[("gptq", 1)]["metrics"]["kld_mean"]  # the same windows and artifact, 1 or 2 threads
