@@ -16,11 +16,12 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_fp8 import timed
 
 QUANTKIT_ARGS = {"fp8-block": ["--method", "fp8", "--scheme", "fp8-block"],
                  "nvfp4-a16": ["--method", "nvfp4", "--scheme", "a16"], "mxfp4": ["--method", "mxfp4"]}
@@ -43,19 +44,6 @@ kept = model_free_moe.written_ignore(info, ignore, model_free_moe.quantized_modu
 model_free_ptq(model, out, config=model_free_moe.model_free_config(chosen, [*kept, "model.embed_tokens"]),
                max_workers=workers, device="cpu")
 """
-
-
-def timed(cmd: list[str]) -> tuple[float, int]:
-    """(wall seconds, peak RSS bytes) of one child process."""
-    env = {**os.environ, "TQDM_DISABLE": "1"}
-    started = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
-    stderr = proc.stderr.read()
-    _, status, usage = os.wait4(proc.pid, 0)
-    wall = time.perf_counter() - started
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise SystemExit(f"failed: {' '.join(cmd)}\n{stderr.decode()[-2000:]}")
-    return wall, usage.ru_maxrss * 1024
 
 
 def checkpoint_bytes(path: Path) -> int:
