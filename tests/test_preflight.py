@@ -139,12 +139,13 @@ def test_offloaded_ram_holds_the_norms_and_the_larger_of_a_table_and_a_layer_wit
                             if method == "gptq" else 0)
         held = others["model.norm"] + max(others["model.embed_tokens"], others["lm_head"],
                                           max(layers.values()) + hessians)
-        assert ram_estimate(info, recipe, targets).steps[f"{method}: quantize"] == held + ACTIVATION_BYTES
+        assert ram_estimate(info, recipe, targets).steps[f"{method}: quantize"] == held + ACTIVATION_BYTES + kept(info)
 
 
-def test_ram_holds_the_decoder_layers_and_one_table_at_a_time_without_offload_dir(micro_model, tmp_path):
-    """Without --offload-dir a text decoder's embeddings and head still go to disk (quantkit.run.pipeline.
-    offload_plan): RAM holds the decoder layers and norms, plus the larger of one table and GPTQ's Hessians."""
+def test_ram_holds_the_decoder_layers_and_one_table_at_a_time_on_the_bounded_path(micro_model, tmp_path):
+    """Where the model does not fit whole (ram_estimate's default placement), a text decoder's embeddings and
+    head go to disk without --offload-dir (quantkit.run.pipeline.offload_plan): RAM holds the decoder layers
+    and norms, plus the larger of one table and GPTQ's Hessians."""
     from quantkit.engines.transformers import offload_device_map
     from quantkit.eval.stream import ACTIVATION_BYTES
     from quantkit.io.checkpoint import check_model_dir
@@ -160,7 +161,35 @@ def test_ram_holds_the_decoder_layers_and_one_table_at_a_time_without_offload_di
     _info, targets, _placement = prepare(recipe, RunOptions(model=str(micro_model), out=tmp_path / "x"))
     hessians = working_set(targets[0], info)
     held = others["model.norm"] + sum(layers.values()) + max(others["model.embed_tokens"], others["lm_head"], hessians)
-    assert ram_estimate(info, recipe, targets).steps["gptq: quantize"] == held + ACTIVATION_BYTES
+    assert ram_estimate(info, recipe, targets).steps["gptq: quantize"] == held + ACTIVATION_BYTES + kept(info)
+
+
+def test_a_model_that_fits_is_loaded_whole_with_nothing_on_disk(micro_model, tmp_path, monkeypatch):
+    """With room, a method's model is loaded whole (no table offloaded, offload_plan gives no folder) and
+    the estimate counts every tensor; with too little room for that, the tables go to disk."""
+    from quantkit.eval.stream import ACTIVATION_BYTES
+    from quantkit.io.checkpoint import check_model_dir
+    from quantkit.run import preflight
+    from quantkit.run.pipeline import RunOptions, offload_plan, prepare
+    from quantkit.run.recipe import Overrides, build_recipe
+
+    info = check_model_dir(micro_model)
+    others, layers = preflight.unit_bytes(info)
+    recipe = build_recipe(None, "gptq", Overrides(model=str(micro_model)))
+    _info, targets, placement = prepare(recipe, RunOptions(model=str(micro_model), out=tmp_path / "x"))
+    assert placement.resident and not placement.tables_on_disk  # this machine has room for a tiny model
+    with offload_plan(recipe, info, tmp_path, placement) as offload:
+        assert offload is None
+    whole = sum(others.values()) + sum(layers.values()) + working_set(targets[0], info)
+    steps = preflight.ram_estimate(info, recipe, targets, placement).steps
+    assert steps["gptq: quantize"] == whole + ACTIVATION_BYTES + preflight.kept_baseline_bytes(info, 512, 16, placement)
+    on_disk = next(p for p in preflight.cpu_placements(info, recipe, targets) if p.tables_on_disk)
+    tight = preflight.ram_estimate(info, recipe, targets, on_disk).peak
+    monkeypatch.setattr(preflight, "available_ram", lambda: tight + preflight.MIN_RAM_HEADROOM)
+    placement = preflight.gate_placement(info, recipe, targets)
+    assert placement.tables_on_disk
+    with offload_plan(recipe, info, tmp_path, placement) as offload:
+        assert offload is not None and not offload.layers
 
 
 def test_parse_size():
@@ -188,7 +217,8 @@ def test_ram_estimate_of_fp8_follows_its_path(micro_model, tmp_path):
     others, layers = unit_bytes(info)
     in_ram = others["model.norm"] + sum(layers.values()) + max(others["model.embed_tokens"], others["lm_head"])
     largest = max(2 * math.prod(shape) for _dtype, shape in info.tensors.values())  # bf16
-    for scheme, expected in (("fp8-dynamic", SLAB_WORKING_SET * largest), ("fp8-static", in_ram + ACTIVATION_BYTES)):
+    for scheme, expected in (("fp8-dynamic", SLAB_WORKING_SET * largest + kept(info)),
+                             ("fp8-static", in_ram + ACTIVATION_BYTES + kept(info))):
         recipe = build_recipe(None, "fp8", Overrides(model=str(micro_model), method_options={"scheme": scheme}))
         _info, targets, _placement = prepare(recipe, RunOptions(model=str(micro_model), out=tmp_path / "x"))
         assert targets[0].needs_model == (scheme == "fp8-static")
@@ -199,38 +229,112 @@ def working_set(target, info) -> int:
     return target.method.working_set(info, target.options)
 
 
+def kept(info, seq_len: int = 512, windows: int = 16) -> int:
+    """The baseline's float16 log-probs a bounded run keeps in memory (below evaluate.SPILL_THRESHOLD)."""
+    from quantkit.eval.evaluate import SPILL_THRESHOLD
+
+    stored = 2 * windows * seq_len * info.config["vocab_size"]
+    return stored if stored <= SPILL_THRESHOLD else 0
+
+
 # ---------------------------------------------------------------- where the gate's forwards run
 
 
-def test_placement_is_resident_only_within_the_budget(micro_model, monkeypatch):
+def deep(info, layers: int = 400):
+    """`info` with its first decoder layer's tensors repeated `layers` times: a model far larger than one layer."""
+    from dataclasses import replace
+
+    first = {name: value for name, value in info.tensors.items() if name.startswith("model.layers.0.")}
+    rest = {name: value for name, value in info.tensors.items() if not name.startswith("model.layers.")}
+    repeated = {name.replace("layers.0.", f"layers.{i}.", 1): value for i in range(layers) for name, value in first.items()}
+    return replace(info, tensors={**rest, **repeated}, config={**info.config, "num_hidden_layers": layers})
+
+
+def test_the_gate_is_resident_where_the_run_fits_what_is_available(micro_model, monkeypatch):
+    """Resident by default where the run's resident peak fits the memory available now less the headroom;
+    streamed, with the numbers, where it does not; --max-memory bounds it (the streamed peak then under the
+    bound), and what is available bounds any bound; the line says which, and names no flag."""
     from quantkit.io.checkpoint import check_model_dir
     from quantkit.run import preflight
+    from quantkit.run.recipe import Overrides, build_recipe
 
-    info = check_model_dir(micro_model)
-    need, _ = preflight.resident_need(10 * 2**30, False, info, 512, 16)
+    info = deep(check_model_dir(micro_model))
+    recipe = build_recipe(None, "fp8", Overrides(model=str(micro_model)))
+    targets = resolved_targets(recipe, info)
+    candidates = preflight.cpu_placements(info, recipe, targets)
+    need = min(preflight.ram_estimate(info, recipe, targets, p).peak for p in candidates if p.resident)
+    streamed = preflight.ram_estimate(info, recipe, targets, candidates[-1]).peak
+    assert streamed < need
     monkeypatch.setattr(preflight, "available_ram", lambda: 64 * 2**30)
-    small = preflight.placement_for(10 * 2**30, "cpu", info, 512, 16, (need - 1, "--max-memory 10 GiB"))
-    assert not small.resident and "--max-memory 10 GiB" in small.why
-    assert preflight.placement_for(10 * 2**30, "cpu", info, 512, 16, (need, "x")).resident
-    monkeypatch.setattr(preflight, "available_ram", lambda: need // 2)  # what is free now bounds any budget
-    assert not preflight.placement_for(10 * 2**30, "cpu", info, 512, 16, (10 * need, "x")).resident
-    monkeypatch.setattr(preflight, "available_vram", lambda: 80 * 2**30)
-    gpu = preflight.placement_for(10 * 2**30, "cuda", info, 512, 16, (0, ""))
-    assert gpu.resident and gpu.device == "cuda" and "free on the GPU" in gpu.why
-    assert gpu.activation_bytes == preflight.GPU_ACTIVATION_BYTES
-    assert not preflight.placement_for(100 * 2**30, "cuda", info, 512, 16, (0, "")).resident
+    roomy = preflight.gate_placement(info, recipe, targets)
+    assert roomy.resident and not roomy.spill and roomy.room > 0
+    assert "available now, less 10% headroom" in roomy.why and "--max-memory" not in roomy.why
+    bounded = preflight.gate_placement(info, recipe, targets, max_memory=need - 1)
+    assert not bounded.resident and f"resident the run would peak at about {preflight._size(need)}" in bounded.why
+    assert f"--max-memory {preflight._size(need - 1)}" in bounded.why
+    assert preflight.ram_estimate(info, recipe, targets, bounded).peak <= need - 1
+    assert preflight.gate_placement(info, recipe, targets, max_memory=need).resident
+    monkeypatch.setattr(preflight, "available_ram", lambda: need)  # less the headroom: too little
+    small = preflight.gate_placement(info, recipe, targets, max_memory=10 * need)
+    assert not small.resident and "available now" in small.why
+    line = preflight.describe_placement(small, info, 512)
+    assert line.startswith("gate: streamed on cpu, ") and "--max-memory" not in line
 
 
-def test_placement_is_described_in_one_line(micro_model):
-    from quantkit.eval.scorers import Placement
+def test_several_artifacts_reuse_a_kept_baseline(micro_model, monkeypatch):
+    """Two targets: the baseline's log-probs kept in memory (one forward of the base, not one per artifact)."""
     from quantkit.io.checkpoint import check_model_dir
-    from quantkit.run.preflight import describe_placement
+    from quantkit.run import preflight
+    from quantkit.run.recipe import build_recipe, Overrides
 
     info = check_model_dir(micro_model)
-    resident = describe_placement(Placement(True, "cuda", 2**30, "why"), info, 64)
-    assert resident.startswith("gate: resident on cuda, batch ") and resident.endswith("(why)")
-    streamed = describe_placement(Placement(False, "cpu", 2**30, "why"), info, 64)
-    assert streamed.startswith("gate: streamed on cpu, ") and " per layer (why; --max-memory" in streamed
+    one = build_recipe(None, "fp8", Overrides(model=str(micro_model)))
+    two = one.model_copy(update={"targets": [one.targets[0], one.targets[0].model_copy(update={"name": "again"})]})
+    monkeypatch.setattr(preflight, "available_ram", lambda: 64 * 2**30)
+    placement = preflight.gate_placement(info, two, resolved_targets(two, info))
+    assert placement.resident and not placement.lockstep and not placement.spill
+
+
+def test_the_estimates_count_the_logits_at_the_vocabulary_size(micro_model, tmp_path):
+    """A 262144-entry vocabulary: each resident step holds a few chunks of float32 logits of at most 32 MiB
+    (quantkit.eval.resident.chunk_positions: 32 positions), a streamed one the scoring's chunks, and a kept
+    baseline 2 bytes per position and entry, whatever the window count."""
+    import json
+
+    from quantkit.eval.resident import chunk_positions
+    from quantkit.io.checkpoint import check_model_dir
+    from quantkit.run import preflight
+    from quantkit.run.recipe import Overrides, build_recipe
+
+    big = tmp_path / "big"
+    shutil.copytree(micro_model, big)
+    config = json.loads((big / "config.json").read_text())
+    (big / "config.json").write_text(json.dumps({**config, "vocab_size": 262144}))
+    info, small = check_model_dir(big), check_model_dir(micro_model)
+    assert chunk_positions("cpu", 262144) == 32 and chunk_positions("cpu", 512) == 4096
+    chunk = 4 * 32 * 262144
+    assert preflight.chunk_bytes(info, 512, 16) == chunk == 32 * 2**20
+    assert preflight.chunk_bytes(info, 16, 1) == 4 * 16 * 262144  # no more positions than there are
+    for windows in (4, 64):
+        grown = (preflight.scoring_bytes(0, info, 512, windows, preflight.SCORING_COPIES)
+                 - preflight.scoring_bytes(0, small, 512, windows, preflight.SCORING_COPIES))
+        assert grown == preflight.SCORING_COPIES * (chunk - preflight.chunk_bytes(small, 512, windows))
+    assert preflight.baseline_bytes(info, 512, 8) == 2 * 8 * 512 * 262144
+    recipe = build_recipe(None, "fp8", Overrides(model=str(big), calibration={"eval_windows": 8}))
+    targets = resolved_targets(recipe, info)
+    lockstep = next(p for p in preflight.cpu_placements(info, recipe, targets) if p.lockstep)
+    kept = next(p for p in preflight.cpu_placements(info, recipe, targets) if p.resident and not p.lockstep)
+    lock = preflight.ram_estimate(info, recipe, targets, lockstep).steps
+    keep = preflight.ram_estimate(info, recipe, targets, kept).steps
+    assert "baseline" not in lock and min(keep.values()) > preflight.baseline_bytes(info, 512, 8)
+    assert lock["fp8: gate"] >= preflight.LOCKSTEP_COPIES * chunk
+    assert preflight.gate_placement(info, recipe, targets).lockstep  # one artifact: the base beside it holds less
+
+
+def resolved_targets(recipe, info):
+    from quantkit.run.pipeline import resolve_target
+
+    return [resolve_target(recipe, target, info) for target in recipe.targets]
 
 
 def test_whole_bytes_by_kind(micro_model):

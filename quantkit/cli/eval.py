@@ -32,7 +32,7 @@ def eval_command(
     seq_len: int = typer.Option(512, min=8, help="Tokens per window.", rich_help_panel=MEASURED),
     seed: int = typer.Option(0, help="Sampling seed (the same as quantize's gives the same held-out windows).", rich_help_panel=MEASURED),
     device: str = typer.Option("cpu", help="cpu | cuda | auto", rich_help_panel=RESOURCES),
-    max_memory: Optional[str] = typer.Option(None, "--max-memory", help="RAM the forwards may use, e.g. 16GiB: with room for the model whole they run resident on a CPU (default: streamed a layer at a time; on a GPU resident whenever it fits).", rich_help_panel=RESOURCES),
+    max_memory: Optional[str] = typer.Option(None, "--max-memory", help="Bound the RAM the forwards may use, e.g. 16GiB: what does not fit under it streams a layer at a time (default: the models stay whole wherever they fit the memory available).", rich_help_panel=RESOURCES),
     trust_remote_code: bool = typer.Option(False, help="Allow custom model code from the base and artifact dirs.", rich_help_panel=MODEL),
     max_ppl_increase: Optional[float] = typer.Option(None, help="Gate: max relative perplexity increase.", rich_help_panel=GATE),
     max_kld: Optional[float] = typer.Option(None, help="Gate: max mean KL divergence.", rich_help_panel=GATE),
@@ -97,13 +97,14 @@ def eval_command(
     base = check_model_dir(resolve_model(against or default_base(model)))
     tokenizer = load_tokenizer(base, trust_remote_code)
     windows = eval_windows(tokenizer, data, num_windows, seq_len, seed)
+    reads = scorers.artifact_reading(model, base.path, trust_remote_code) is not None
     placement = eval_placement(base, kind, device_map(device), seq_len, len(windows),
-                               parse_size(max_memory) if max_memory else None)
+                               parse_size(max_memory) if max_memory else None, reads)
     progress(describe_placement(placement, base, seq_len).replace("gate:", "forwards:", 1))
-    progress(f"baseline: {base.path} on {len(windows)} windows of {seq_len} tokens")
-    baseline = evaluate.compute_baseline(scorers.base_scorer(base, device=device, trust_remote_code=trust_remote_code,
-                                                             placement=placement, progress=progress), windows,
-                                         spill=placement.spill)
+    progress(f"baseline: {base.path} on {len(windows)} windows of {seq_len} tokens"
+             + (", scored beside the candidate" if placement.lockstep else ""))
+    baseline = scorers.base_baseline(base, windows, device=device, trust_remote_code=trust_remote_code,
+                                     placement=placement, progress=progress)
     progress(f"candidate: {model} ({kind})")
     metrics = scorers.evaluate_artifact(model, base.path, windows, baseline, device, trust_remote_code,
                                         placement=placement, progress=progress)

@@ -4,7 +4,10 @@ Protocol (also in README): held-out windows of `seq_len` tokens that never overl
 calibration windows, each starting with BOS where the tokenizer has one. Every next-token
 prediction inside a window is scored (seq_len - 1 per window). The baseline is run once per
 run; its log-probabilities are kept in float16 (in memory, or in a temporary file read and written
-with plain I/O when they would exceed SPILL_THRESHOLD bytes) together with its float32 NLL and argmax. A
+with plain I/O when they would exceed SPILL_THRESHOLD bytes) together with its float32 NLL and argmax; or,
+where keeping them would cost more memory than a second model (a large vocabulary), none are kept and the
+base is scored again beside each candidate, chunk for chunk (lockstep_baseline: the same float16 rounding,
+the same numbers). A
 candidate's log-probabilities are rounded to float16 the same way, and both rows renormalized, before
 the KL divergence KL(base || candidate) is taken, so an artifact identical to the base scores exactly 0
 and the rounding moves the KL divergence only to second order (kl_rows).
@@ -12,8 +15,9 @@ and the rounding moves the KL divergence only to second order (kl_rows).
 A model is seen through a Scorer: windows -> an iterator of ScoredChunks, each the log-probs of
 a block of consecutive positions (window-major, predictions 0..L-2 of each window) and their
 targets. The baseline and the comparison consume the chunks on the fly, so no [positions x
-vocab] float32 array is ever whole; a model object gives chunks through `model_scorer`, a
-layer-streamed forward through `quantkit.eval.stream.streamed_scorer`.
+vocab] float32 array is ever whole; a model object gives chunks through `model_scorer` (its output
+head applied a chunk of positions at a time), a layer-streamed forward through
+`quantkit.eval.stream.streamed_scorer`.
 
 Non-finite values: a candidate position whose log-probs hold a NaN never agrees on
 top-1 and has a NaN KL divergence, so NaN/Inf shows in the metrics, and the gate's `finite`
@@ -62,12 +66,15 @@ Gather = Callable[[np.ndarray], np.ndarray]
 
 @dataclass
 class Baseline:
-    logprobs: "np.ndarray | RowFile"  # noqa: F821  float16 (positions, vocab), read by row ranges
+    logprobs: "np.ndarray | RowFile | None"  # noqa: F821  float16 (positions, vocab), read by row ranges; None: lockstep
     nll: np.ndarray  # float32 (positions,)
     top1: np.ndarray  # int32 (positions,); NO_TOP1 where the base's log-probs are not finite
     targets: np.ndarray  # int64 (positions,)
     tasks: "TaskBaseline | None" = None  # noqa: F821  the base's lm-eval scores (quantkit.eval.tasks), once per run
     flips: "FlipBaseline | None" = None  # noqa: F821  the base's greedy continuations (quantkit.eval.generate)
+    scorer: "Scorer | None" = None  # lockstep: the base's Scorer, run beside each candidate (lockstep_baseline)
+    shared: object = None  # lockstep: what the base's resident model lends a candidate's (quantkit.eval.resident.Shared)
+    scored: bool = True  # nll, top1 and targets are filled (a lockstep baseline's after its first comparison)
 
     @property
     def ppl(self) -> float:
@@ -187,8 +194,38 @@ def logits_scorer(logits_fn: LogitsFn, vocab_size: int | None = None, batch_size
 
 
 def model_scorer(model) -> Scorer:
-    """A Scorer over a model object in memory (its own forward, whole-batch logits)."""
-    return logits_scorer(model_logits_fn(model), model.config.get_text_config().vocab_size)
+    """A Scorer over a model object in memory: its base model's last hidden states for a batch of windows,
+    then its output head (and the config's final_logit_softcapping, as its forward applies it) a chunk of
+    positions at a time, each chunk's logits cast to float32 inside the log-softmax as model_logits_fn
+    casts them: one chunk's logits are the most ever held, whatever the vocabulary."""
+    vocab = model.config.get_text_config().vocab_size
+
+    def scorer(windows) -> Iterator[ScoredChunk]:
+        import torch
+
+        with torch.inference_mode():
+            for batch in iter_batches(windows, batch_size_for(windows, vocab)):
+                yield from score_model_batch(model, batch)
+
+    return scorer
+
+
+def score_model_batch(model, ids) -> Iterator[ScoredChunk]:
+    """Log-probs of predictions 0..L-2 of each window of `ids` from a model object, chunk_rows positions at a time."""
+    import torch
+
+    device = next(model.parameters()).device
+    hidden = model.base_model(input_ids=ids.to(device), use_cache=False).last_hidden_state
+    hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1])
+    targets = ids[:, 1:].reshape(-1).to(device)
+    head = model.get_output_embeddings()
+    softcap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
+    step = chunk_rows(head.out_features)
+    for start in range(0, hidden.shape[0], step):
+        logits = head(hidden[start : start + step])
+        if softcap is not None:
+            logits = torch.tanh(logits / softcap) * softcap
+        yield ScoredChunk(torch.log_softmax(logits, dim=-1, dtype=torch.float32), targets[start : start + step])
 
 
 # ------------------------------------------------------------------ baseline and comparison
@@ -262,6 +299,15 @@ def compute_baseline(scorer: Scorer, windows, workdir: Path | None = None, spill
         return baseline_from_chunks(scorer(windows), positions(windows), workdir, spill)
 
 
+def lockstep_baseline(scorer: Scorer, windows, shared: object = None) -> Baseline:
+    """A baseline that keeps none of the base's log-probs: `compare` runs `scorer` beside each candidate and
+    compares chunk for chunk (the base's log-probs rounded to float16 as a kept baseline's are), filling the
+    base's NLL, top-1 and targets as it goes. What the base's resident model lends a candidate's: `shared`."""
+    n = positions(windows)
+    return Baseline(None, np.empty(n, np.float32), np.empty(n, np.int32), np.empty(n, np.int64),
+                    scorer=scorer, shared=shared, scored=False)
+
+
 FLOAT16_MIN = -65504.0  # the most negative finite float16: a log-prob of -inf (probability 0) is read as this
 
 
@@ -280,7 +326,8 @@ def kl_rows(base16: np.ndarray, cand, finite=None) -> "torch.Tensor":  # noqa: F
     there)."""
     import torch
 
-    base = torch.from_numpy(np.asarray(base16)).to(cand.device).float().clamp_min_(FLOAT16_MIN)
+    base = torch.as_tensor(np.asarray(base16) if isinstance(base16, np.ndarray) else base16)
+    base = base.to(cand.device).float().clamp_min_(FLOAT16_MIN)
     diff = cand.to(torch.float16).float().clamp_min_(FLOAT16_MIN)
     log_z_cand = diff.exp().sum(-1).log_()
     torch.sub(base, diff, out=diff)
@@ -298,14 +345,64 @@ def compare_chunks(chunks: Iterable[ScoredChunk], baseline: Baseline, gather: Ga
     (several ranks, each with its share of the windows and of the baseline), every position's KL
     divergence, NLL and top-1 agreement is gathered from every rank first, so the percentiles are those of
     every position and the metrics those of one process."""
-    kls, nlls, agree, offset = [], [], [], 0
+    return compare_rows(stored_rows(chunks, baseline), baseline, gather)
+
+
+def stored_rows(chunks: Iterable[ScoredChunk], baseline: Baseline) -> Iterator[tuple[int, object, ScoredChunk]]:
+    """(offset, the kept baseline's float16 rows, the candidate's chunk) for each chunk."""
+    offset = 0
     for chunk in chunks:
         end = offset + chunk.logprobs.shape[0]
+        yield offset, baseline.logprobs[offset:end], chunk
+        offset = end
+
+
+def lockstep_rows(base_chunks: Iterable[ScoredChunk], chunks: Iterable[ScoredChunk],
+                  baseline: Baseline) -> Iterator[tuple[int, object, ScoredChunk]]:
+    """(offset, the base's log-probs rounded to float16, the candidate's rows) for the same positions of the two
+    scorers' chunks (paired); the base's NLL, top-1 and targets go into `baseline` as they pass."""
+    import torch
+
+    offset = 0
+    for base, chunk in paired(base_chunks, chunks):
+        end = offset + chunk.logprobs.shape[0]
+        baseline.nll[offset:end] = target_nll(base)
+        baseline.top1[offset:end] = top1_and_finite(base.logprobs)[0].cpu().numpy()
+        baseline.targets[offset:end] = base.targets.cpu().numpy()
+        yield offset, base.logprobs.to(torch.float16), chunk
+        offset = end
+    baseline.scored = offset == baseline.nll.shape[0]
+
+
+def paired(first: Iterable[ScoredChunk], second: Iterable[ScoredChunk]) -> Iterator[tuple[ScoredChunk, ScoredChunk]]:
+    """Two scorers' chunks over the same windows, cut to the same positions: (a, b) with as many rows each.
+    The first's next chunk is always asked for before the second's."""
+    from quantkit.errors import InternalError
+
+    first, second = iter(first), iter(second)
+    a = b = None
+    while True:
+        a = a if a is not None and a.targets.shape[0] else next(first, None)
+        b = b if b is not None and b.targets.shape[0] else next(second, None)
+        if a is None or b is None:
+            if a is not None or b is not None:
+                raise InternalError("two scorers of the same windows gave different numbers of positions")
+            return
+        n = min(a.targets.shape[0], b.targets.shape[0])
+        yield ScoredChunk(a.logprobs[:n], a.targets[:n]), ScoredChunk(b.logprobs[:n], b.targets[:n])
+        a, b = ScoredChunk(a.logprobs[n:], a.targets[n:]), ScoredChunk(b.logprobs[n:], b.targets[n:])
+
+
+def compare_rows(rows: Iterable[tuple[int, object, ScoredChunk]], baseline: Baseline,
+                 gather: Gather | None = None) -> Metrics:
+    """The metrics from (offset, base float16 rows, candidate chunk) triples (stored_rows, lockstep_rows)."""
+    kls, nlls, agree = [], [], []
+    for offset, base16, chunk in rows:
+        end = offset + chunk.logprobs.shape[0]
         top1, finite = top1_and_finite(chunk.logprobs)
-        kls.append(kl_rows(baseline.logprobs[offset:end], chunk.logprobs, finite).cpu().numpy())
+        kls.append(kl_rows(base16, chunk.logprobs, finite).cpu().numpy())
         nlls.append(target_nll(chunk))
         agree.append(top1.cpu().numpy() == baseline.top1[offset:end])
-        offset = end
     columns = [np.concatenate(kls), np.concatenate(nlls), np.concatenate(agree), baseline.nll]
     kl, nll, agrees, base_nll = [gather(c) for c in columns] if gather else columns
     return summarize(kl, nll, int(agrees.sum()), base_nll)
@@ -317,12 +414,14 @@ def delta_p(nll: np.ndarray, base_nll: np.ndarray) -> float:
 
 
 def compare(scorer: Scorer, windows, baseline: Baseline, gather: Gather | None = None) -> Metrics:
-    """Metrics of a candidate against the stored baseline, streaming over the windows (this rank's share
-    of them with `gather`: compare_chunks)."""
+    """Metrics of a candidate against the baseline, streaming over the windows (this rank's share of them
+    with `gather`: compare_chunks); a lockstep baseline's base is scored beside it (lockstep_rows)."""
     import torch
 
     with torch.inference_mode():
-        return compare_chunks(scorer(windows), baseline, gather)
+        if baseline.scorer is None:
+            return compare_chunks(scorer(windows), baseline, gather)
+        return compare_rows(lockstep_rows(baseline.scorer(windows), scorer(windows), baseline), baseline, gather)
 
 
 def perplexity(nll: np.ndarray) -> float:

@@ -9,7 +9,11 @@ own forward then runs with no hooks: the same modules in the same dtype as the s
 the numbers are the streamed path's; only the time differs (no weight is read twice, no logits are
 spilled to a file). The output head is applied a chunk of positions at a time (with the config's
 final_logit_softcapping, as the model's forward does), so one chunk's float32 logits are the most
-ever held beside the model; scoring (log-softmax, KL, top-1) runs on the device.
+ever held beside the model, whatever the vocabulary; scoring (log-softmax, KL, top-1) runs on the device.
+
+Scored in lockstep (quantkit.eval.evaluate.lockstep_baseline: the base beside an artifact, neither's
+log-probs kept), the base's resident tensors are lent to the artifact's model (`Shared`): a tensor the
+artifact stores with the same values (the embeddings and head a method keeps 16-bit) is held once.
 
 Where the model does not fit, the gate streams it (quantkit.eval.stream). A resident forward that
 runs out of memory anyway (the estimate was wrong) does not fail the run: `falling_back` finishes the
@@ -19,7 +23,7 @@ windows on the streamed path and says so.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from quantkit.engines.transformers import tied_groups
 from quantkit.eval.evaluate import ScoredChunk, Scorer, iter_batches
@@ -27,7 +31,16 @@ from quantkit.eval.stream import WeightSource, WeightsMap, build_meta_model, las
 
 CPU_CHUNK_BYTES = 8 * 1024 * 1024  # float32 logits of one chunk of positions on a CPU: the scoring's passes over
 # a chunk stay in the caches (measured at width 768, vocabulary 32000: 8 MiB 3.4 s, 32 MiB 3.7 s, 2 MiB 4.5 s)
+MAX_CPU_CHUNK_BYTES = 32 * 1024 * 1024  # a large vocabulary's chunk stays within this, below MIN_CHUNK_POSITIONS
 GPU_CHUNK_BYTES = 1024 * 1024 * 1024  # on a GPU: large chunks keep it busy
+
+
+@dataclass
+class Shared:
+    """The base's resident parameters by name while its model is alive, lent to an artifact's model built
+    beside it (lockstep): a tensor the artifact stores with the same shape, dtype and values is not held twice."""
+
+    tensors: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -41,25 +54,38 @@ class ResidentModel:
         return self.model.get_output_embeddings()
 
 
-def materialize(model, source: WeightSource, device) -> None:
+def materialize(model, source: WeightSource, device, lent: dict | None = None) -> None:
     """Every parameter of the meta-device `model` read from `source` once (a tied group shares one
-    tensor), cast to the parameter's dtype and placed on `device`; buffers moved there too."""
+    tensor), cast to the parameter's dtype and placed on `device`; buffers moved there too. A tensor of
+    `lent` (parameter name -> tensor) equal to the one read is used instead of it (`same_as_lent`)."""
     from accelerate.utils import set_module_tensor_to_device
 
     weights = WeightsMap(source, source_names(model, source))
     params = dict(model.named_parameters(remove_duplicate=False))
     for group in tied_groups(model):
         value = weights[group[0]].to(device, non_blocking=True).to(params[group[0]].dtype)
+        value = same_as_lent(value, [lent.get(name) for name in group] if lent else [])
         for name in group:
             set_module_tensor_to_device(model, name, device, value=value)
     for name, _ in model.named_buffers():
         set_module_tensor_to_device(model, name, device)
 
 
-def resident_built(model, config, source: WeightSource, device) -> ResidentModel:
+def same_as_lent(value, candidates: list):
+    """The first candidate with `value`'s shape, dtype, device and values (then `value` is dropped), else `value`."""
+    import torch
+
+    for other in candidates:
+        if (other is not None and other.shape == value.shape and other.dtype == value.dtype
+                and other.device == value.device and torch.equal(other, value)):
+            return other.data
+    return value
+
+
+def resident_built(model, config, source: WeightSource, device, lent: dict | None = None) -> ResidentModel:
     """A model built on the meta device (build_meta_model, perhaps with more done to it) with all its
-    weights read from `source` onto `device`."""
-    materialize(model, source, device)
+    weights read from `source` onto `device` (those equal to a tensor of `lent` shared with it)."""
+    materialize(model, source, device, lent)
     softcap = config.get_text_config().to_dict().get("final_logit_softcapping")
     return ResidentModel(model.eval(), device, softcap)
 
@@ -85,11 +111,14 @@ MIN_CHUNK_POSITIONS = 128  # the head's matmul re-reads its whole weight per chu
 
 
 def chunk_positions(device, vocab: int) -> int:
-    """Positions per chunk of float32 logits on `device`: the chunk budget's worth, at least MIN_CHUNK_POSITIONS."""
+    """Positions per chunk of float32 logits on `device`: the chunk budget's worth, at least MIN_CHUNK_POSITIONS
+    where that stays within MAX_CPU_CHUNK_BYTES on a CPU (a 262144-entry vocabulary: 32 positions, 32 MiB)."""
     import torch
 
-    budget = GPU_CHUNK_BYTES if torch.device(device).type == "cuda" else CPU_CHUNK_BYTES
-    return max(MIN_CHUNK_POSITIONS, budget // (4 * vocab))
+    if torch.device(device).type == "cuda":
+        return max(MIN_CHUNK_POSITIONS, GPU_CHUNK_BYTES // (4 * vocab))
+    floor = min(MIN_CHUNK_POSITIONS, MAX_CPU_CHUNK_BYTES // (4 * vocab))
+    return max(1, CPU_CHUNK_BYTES // (4 * vocab), floor)
 
 
 def score_batch(resident: ResidentModel, ids) -> Iterator[ScoredChunk]:
@@ -104,18 +133,26 @@ def score_batch(resident: ResidentModel, ids) -> Iterator[ScoredChunk]:
         yield ScoredChunk(torch.log_softmax(logits, dim=-1, dtype=torch.float32), targets[start : start + step])
 
 
-def resident_scorer(make: Callable[[], ResidentModel], text_config, activation_bytes: int) -> Scorer:
+def resident_scorer(make: Callable[[], ResidentModel], text_config, activation_bytes: int,
+                    lends: Shared | None = None) -> Scorer:
     """A Scorer over the resident model `make` builds when scoring starts (and drops when it ends):
-    windows go through it in batches sized for `text_config`'s activations within activation_bytes."""
+    windows go through it in batches sized for `text_config`'s activations within activation_bytes. With
+    `lends`, its parameters are lent (Shared) while it scores."""
 
     def scorer(windows) -> Iterator[ScoredChunk]:
         import torch
 
         resident = make()
+        if lends is not None:
+            lends.tensors = dict(resident.model.named_parameters(remove_duplicate=False))
         batch = windows_per_group(text_config, windows.shape[1], activation_bytes)
-        with torch.inference_mode():
-            for ids in iter_batches(windows, batch):
-                yield from score_batch(resident, ids)
+        try:
+            with torch.inference_mode():
+                for ids in iter_batches(windows, batch):
+                    yield from score_batch(resident, ids)
+        finally:
+            if lends is not None:
+                lends.tensors = {}
 
     return scorer
 

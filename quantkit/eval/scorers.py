@@ -42,10 +42,14 @@ def ignore(_message: str) -> None:
 class Placement:
     """Where a run's models go (chosen once per run by quantkit.run.preflight.gate_placement): the gate's
     forwards with the whole model resident on the device, windows batched within `activation_bytes`, or
-    streamed a layer at a time (`why` says what the choice was weighed against); on a GPU run, `onload`:
-    a method's model stays in RAM (or on disk with --offload-dir) and llm-compressor's sequential
-    pipeline onloads one layer at a time to the GPU, because the model does not fit the GPU whole; `spill`:
-    the baseline's log-probs are written to a file (else kept in memory, where the budget has room)."""
+    streamed a layer at a time (`why` says what the choice was weighed against, with the numbers); on a GPU
+    run, `onload`: a method's model stays in RAM (or on disk with --offload-dir) and llm-compressor's
+    sequential pipeline onloads one layer at a time to the GPU, because the model does not fit the GPU whole.
+    What the run keeps of the base: `lockstep`, nothing (the base is scored again beside each artifact, both
+    resident, tensors the artifact stores unchanged held once); else its log-probs, in memory or with `spill`
+    in a file. `tables_on_disk`: a method's model is loaded with its embeddings and head on disk (they do
+    not fit beside the rest). `room`: bytes a method's own forwards (imatrix, column importances) may hold
+    resident beside what the run holds anyway; 0: they stream."""
 
     resident: bool
     device: str = "cpu"
@@ -53,6 +57,9 @@ class Placement:
     why: str = ""
     onload: bool = False
     spill: bool = True  # the baseline's float16 log-probs go to a file above evaluate.SPILL_THRESHOLD (else: memory)
+    lockstep: bool = False  # the base scored beside each artifact: no log-probs of it kept
+    tables_on_disk: bool = True  # a method's model: embeddings and head on disk (quantkit.run.pipeline.offload_plan)
+    room: int = 0  # bytes a method's own forwards may take resident (quantkit.eval.scorers.forward_model)
 
 
 STREAMED = Placement(False)
@@ -166,18 +173,20 @@ def streamed_reading(reading: Reading, device):
     return stream_built(model, reading.config, source, device)
 
 
-def resident_reading(reading: Reading, device):
-    """The Reading's model whole on `device` (quantkit.eval.resident.ResidentModel)."""
+def resident_reading(reading: Reading, device, lent: dict | None = None):
+    """The Reading's model whole on `device` (quantkit.eval.resident.ResidentModel), sharing the tensors of
+    `lent` it stores unchanged."""
     from quantkit.eval.resident import resident_built
 
     model, source = reading.open()
-    return resident_built(model, reading.config, source, device)
+    return resident_built(model, reading.config, source, device, lent)
 
 
 def reading_scorer(reading: Reading, device: str = "cpu", placement: Placement = STREAMED,
-                   workdir: Path | None = None, progress: Progress = ignore) -> Scorer:
+                   workdir: Path | None = None, progress: Progress = ignore, lends=None, borrows=None) -> Scorer:
     """The Scorer of a Reading: resident on the device when the placement says so (finishing streamed
-    if it runs out of memory), else streamed layer by layer, its logits spilled to `workdir`."""
+    if it runs out of memory), else streamed layer by layer, its logits spilled to `workdir`. Resident,
+    its model lends its tensors to `lends` or takes those `borrows` holds (quantkit.eval.resident.Shared)."""
     from quantkit.engines.transformers import device_map
     from quantkit.eval import resident
 
@@ -187,8 +196,8 @@ def reading_scorer(reading: Reading, device: str = "cpu", placement: Placement =
                             ACTIVATION_BYTES, workdir)
     if not placement.resident:
         return streamed
-    whole = resident.resident_scorer(lambda: resident_reading(reading, target),
-                                     text_config, placement.activation_bytes)
+    whole = resident.resident_scorer(lambda: resident_reading(reading, target, borrows.tensors if borrows else None),
+                                     text_config, placement.activation_bytes, lends)
     return resident.falling_back(whole, streamed, progress)
 
 
@@ -200,6 +209,21 @@ def checkpoint_scorer(model_dir: Path, dtype: str = "auto", device: str = "cpu",
     reading = checkpoint_reading(model_dir, dtype)
     return group_scorer(lambda: streamed_reading(reading, device_map(device)),
                         reading.config.get_text_config(), activation_bytes, workdir)
+
+
+def base_baseline(info, windows, dtype: str = "auto", device: str = "cpu", trust_remote_code: bool = False,
+                  workdir: Path | None = None, placement: Placement = STREAMED, progress: Progress = ignore):
+    """The base's Baseline on `windows` as `placement` says: a lockstep one (nothing scored now; the base scored
+    beside each artifact, lending it the tensors they share), or its log-probs kept, in memory or spilled."""
+    from quantkit.eval import evaluate
+    from quantkit.eval.resident import Shared
+
+    if placement.lockstep:
+        shared = Shared()
+        scorer = base_scorer(info, dtype, device, trust_remote_code, workdir, placement, progress, shared)
+        return evaluate.lockstep_baseline(scorer, windows, shared)
+    scorer = base_scorer(info, dtype, device, trust_remote_code, workdir, placement, progress)
+    return evaluate.compute_baseline(scorer, windows, workdir=workdir, spill=placement.spill)
 
 
 def gguf_scorer(path: Path, base_dir: Path, device: str = "cpu", workdir: Path | None = None) -> Scorer:
@@ -219,13 +243,14 @@ def loaded_scorer(path: Path, base_dir: Path | None, device: str = "cpu", trust_
 
 def artifact_scorer(path: Path, base_dir: Path | None = None, device: str = "cpu", trust_remote_code: bool = False,
                     workdir: Path | None = None, placement: Placement = STREAMED,
-                    progress: Progress = ignore) -> Scorer:
+                    progress: Progress = ignore, shared=None) -> Scorer:
     """A Scorer for any artifact quantkit evaluates: read by quantkit (artifact_reading), resident or
-    streamed as `placement` says, or loaded whole through transformers."""
+    streamed as `placement` says (resident beside the base, with the tensors the base's model lends in
+    `shared`), or loaded whole through transformers."""
     reading = artifact_reading(path, base_dir, trust_remote_code)
     if reading is None:
         return loaded_scorer(path, base_dir, device, trust_remote_code)
-    return reading_scorer(reading, device, placement, workdir, progress)
+    return reading_scorer(reading, device, placement, workdir, progress, borrows=shared)
 
 
 def evaluate_artifact(artifact: Path, base_dir: Path, windows, baseline: Baseline, device: str = "cpu",
@@ -233,19 +258,23 @@ def evaluate_artifact(artifact: Path, base_dir: Path, windows, baseline: Baselin
                       placement: Placement = STREAMED, progress: Progress = ignore,
                       gather: Gather | None = None) -> Metrics:
     """Read an artifact back from disk the way a user would and measure it against the baseline: the
-    one measuring step shared by the pipeline's gate and `quantkit eval` (artifact_scorer). Under torchrun
-    `windows` and `baseline` are this rank's share and `gather` collects the positions (evaluate.compare)."""
-    scorer = artifact_scorer(artifact, base_dir, device, trust_remote_code, workdir, placement, progress)
+    one measuring step shared by the pipeline's gate and `quantkit eval` (artifact_scorer; beside the base
+    for a lockstep baseline). Under torchrun `windows` and `baseline` are this rank's share and `gather`
+    collects the positions (evaluate.compare)."""
+    scorer = artifact_scorer(artifact, base_dir, device, trust_remote_code, workdir, placement, progress,
+                             baseline.shared)
     return compare(scorer, windows, baseline, gather)
 
 
 def base_scorer(info, dtype: str = "auto", device: str = "cpu", trust_remote_code: bool = False,
-                workdir: Path | None = None, placement: Placement = STREAMED, progress: Progress = ignore) -> Scorer:
+                workdir: Path | None = None, placement: Placement = STREAMED, progress: Progress = ignore,
+                shared=None) -> Scorer:
     """The full-precision base: read by quantkit where it can (a text decoder; resident or streamed as
-    `placement` says), else loaded whole for the duration of the scoring (a VLM, remote code)."""
+    `placement` says, lending its resident tensors through `shared`), else loaded whole for the duration
+    of the scoring (a VLM, remote code)."""
     reading = base_reading(info, dtype, trust_remote_code)
     if reading is not None:
-        return reading_scorer(reading, device, placement, workdir, progress)
+        return reading_scorer(reading, device, placement, workdir, progress, lends=shared)
 
     def scorer(windows):
         from quantkit.engines.transformers import load_model

@@ -48,7 +48,14 @@ from quantkit.errors import (
     UnsupportedError,
 )
 from quantkit.io import export
-from quantkit.io.checkpoint import ModelInfo, check_generative, check_model_dir, check_submodel_packages, resolve_model
+from quantkit.io.checkpoint import (
+    ModelInfo,
+    check_generative,
+    check_model_dir,
+    check_submodel_packages,
+    is_vlm,
+    resolve_model,
+)
 from quantkit.io.memory import PeakTracker
 from quantkit.io.numerics import check_finite
 from quantkit.methods import MethodSpec, ModelHandle, QuantizeJob, QuantizeResult, get_method
@@ -136,8 +143,9 @@ def prepare(recipe: Recipe, opts: RunOptions) -> tuple[ModelInfo, list[ResolvedT
     if recipe.lora:
         lora_plan(info, recipe)  # every adapter checked against the base before work
     check_disk(opts.out, disk_estimate(recipe, opts, info, targets))
-    placement = gate_placement(info, recipe, targets, opts.max_memory)
-    check_ram(ram_estimate(info, recipe, targets, placement), opts.max_memory)
+    bound = opts.max_memory or recipe.max_memory_bytes  # --max-memory, else the recipe's max_memory
+    placement = gate_placement(info, recipe, targets, bound, opts.ranks.world_size)
+    check_ram(ram_estimate(info, recipe, targets, placement), bound)
     if device_map(recipe.device) == "cuda":
         check_vram(vram_estimate(info, recipe, targets, placement, placement.onload), available_vram())
     check_finite([*info.weight_files, *(Path(p) / "adapter_model.safetensors" for p in recipe.lora)])
@@ -372,7 +380,12 @@ def run_main(recipe: Recipe, opts: RunOptions, info: ModelInfo, targets: list[Re
                       "onloads one layer at a time to the GPU")
     if placement.why:
         opts.progress(describe_placement(placement, info, recipe.calibration.seq_len))
-        report.gate_placement = {"resident": placement.resident, "device": placement.device, "why": placement.why}
+        report.gate_placement = {"resident": placement.resident, "device": placement.device, "why": placement.why,
+                                 "lockstep": placement.lockstep}
+    if (placement.tables_on_disk and placement.device == "cpu" and recipe.offload_dir is None
+            and not is_vlm(info.config) and any(t.needs_model for t in targets)):
+        opts.progress("quantize: the model does not fit whole beside the rest of the run; its embeddings and head "
+                      "stay on disk until used")
     for t in targets:
         if t.kept_16bit:
             opts.progress(f"[{t.name}] kept 16-bit: {kept_summary(t.kept_16bit)}")
@@ -460,6 +473,7 @@ def _run_in(staging: Path, recipe: Recipe, opts: RunOptions, info: ModelInfo, ta
                                  placement, resume.target_dir(staging, resolved.name) if recipe.resume else None)
                 entry = run_target(job, resolved, baseline, opts)
                 del job
+            note_lockstep_baseline(report, baseline)
         except Exception as exc:
             if not opts.partial:
                 raise
@@ -529,12 +543,12 @@ def eval_share(windows, ranks: Ranks):
 
 def score_baseline(info: ModelInfo, recipe: Recipe, windows, workdir: Path, placement: Placement, ranks: Ranks,
                    progress: Progress = lambda message: None):
-    """The base's scores on this rank's share of the held-out windows (all of them in one process)."""
-    from quantkit.eval import evaluate, scorers
+    """The base's scores on this rank's share of the held-out windows (all of them in one process); in lockstep
+    nothing is scored now (quantkit.eval.scorers.base_baseline)."""
+    from quantkit.eval import scorers
 
-    scorer = scorers.base_scorer(info, recipe.dtype, recipe.device, recipe.trust_remote_code, workdir, placement,
-                                 progress)
-    return evaluate.compute_baseline(scorer, eval_share(windows, ranks), workdir=workdir, spill=placement.spill)
+    return scorers.base_baseline(info, eval_share(windows, ranks), recipe.dtype, recipe.device,
+                                 recipe.trust_remote_code, workdir, placement, progress)
 
 
 def compute_baseline(info: ModelInfo, recipe: Recipe, windows, workdir: Path, report: RunReport,
@@ -543,8 +557,12 @@ def compute_baseline(info: ModelInfo, recipe: Recipe, windows, workdir: Path, re
     decoder is read from its checkpoint, resident or streamed a layer at a time as `placement` says.
     Under torchrun each rank scores its share (score_baseline, run_share) and keeps its share's baseline;
     the report's perplexity is that of every position."""
-    from quantkit.eval.evaluate import perplexity
+    from quantkit.eval.evaluate import perplexity, positions
 
+    if placement.lockstep:
+        progress(f"baseline: the base is scored on {len(windows)} held-out windows beside each artifact")
+        report.baseline = {"positions": positions(windows), "scored": "beside each artifact"}
+        return score_baseline(info, recipe, windows, workdir, placement, ranks, progress)
     progress(f"baseline: scoring {len(windows)} held-out windows"
              + (f" on {ranks.world_size} ranks" if ranks.distributed else ""))
     with PeakTracker() as t:
@@ -553,6 +571,14 @@ def compute_baseline(info: ModelInfo, recipe: Recipe, windows, workdir: Path, re
     report.timings["baseline_s"] = t.seconds
     report.baseline = {"ppl": perplexity(nll), "positions": int(nll.shape[0]), "peak_rss_bytes": t.peak_rss}
     return baseline
+
+
+def note_lockstep_baseline(report: RunReport, baseline) -> None:
+    """A lockstep baseline's perplexity in the report once a gate has scored the base (compute_baseline)."""
+    from quantkit.eval.evaluate import perplexity
+
+    if baseline is not None and baseline.scorer is not None and baseline.scored and "ppl" not in report.baseline:
+        report.baseline["ppl"] = perplexity(baseline.nll)
 
 
 def score_base_extras(info: ModelInfo, recipe: Recipe, targets: list[ResolvedTarget], tokenizer, windows,
@@ -868,9 +894,10 @@ def make_windows(tokenizer, settings: Calibration, progress: Progress):
 def offload_plan(recipe: Recipe, info: ModelInfo, workdir: Path,
                  placement: Placement | None = None) -> Iterator[Offload | None]:
     """What one target's model keeps on disk, in a fresh folder removed afterwards: with --offload-dir
-    every decoder layer and the vocabulary tables, in a folder there; otherwise the tables alone, in the
-    run's work directory (a text decoder's in RAM; a VLM loads whole, and so does a model that fits the
-    GPU of a GPU run). quantkit.engines.transformers.Offload says why."""
+    every decoder layer and the vocabulary tables, in a folder there; otherwise nothing where the model fits
+    whole (the placement says so: tables_on_disk False on a CPU, a model that fits the GPU of a GPU run; a
+    VLM always loads whole), else the tables alone, in the run's work directory.
+    quantkit.engines.transformers.Offload says why."""
     import shutil
     import tempfile
 
@@ -878,7 +905,8 @@ def offload_plan(recipe: Recipe, info: ModelInfo, workdir: Path,
     from quantkit.io.checkpoint import is_vlm
 
     whole_on_gpu = placement is not None and placement.device == "cuda" and not placement.onload
-    if recipe.offload_dir is None and (is_vlm(info.config) or whole_on_gpu):
+    fits = placement is not None and placement.device != "cuda" and not placement.tables_on_disk
+    if recipe.offload_dir is None and (is_vlm(info.config) or whole_on_gpu or fits):
         yield None
         return
     parent = recipe.offload_dir or workdir

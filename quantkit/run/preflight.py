@@ -134,51 +134,75 @@ def unit_bytes(info) -> tuple[dict[str, int], dict[str, int]]:
 
 
 def ram_estimate(info, recipe, targets, placement=None) -> RamEstimate:
-    """Per step: the streamed baseline and gate hold one decoder layer (the .gguf candidate's in
-    float32), a group's activations, a slice of the output head and its logits, and the baseline
-    log-probs while they are small enough to stay in memory; a target that needs the model holds what
-    held_bytes says with the method's working set (MethodSpec.working_set: GPTQ's per-layer Hessians);
-    one that loads no model its working set alone (fp8's model-free slabs); a compressed-tensors text decoder is streamed like the base, a module
-    decompressed at a time (quantkit.eval.compressed); any other compressed-tensors or bitsandbytes
-    artifact is reloaded whole at its bits. With a resident placement on the CPU (gate_placement) the
-    gate's steps hold the model whole instead (resident_need)."""
-    from quantkit.eval.evaluate import SPILL_THRESHOLD
-    from quantkit.eval.stream import ACTIVATION_BYTES, HEAD_SLICE_BYTES
+    """Per step of a run with `placement` (default: the bounded path, everything streamed, the baseline's
+    log-probs spilled above evaluate.SPILL_THRESHOLD, a method's tables on disk):
+    - the baseline and each gate: streamed, one decoder layer (the .gguf candidate's in float32), a batch's
+      activations, a slice of the output head and its logits, and the float32 chunks the scoring holds
+      (streamed_bytes); resident (read_whole_bytes), the model whole, a batch and a few chunks of logits at
+      the vocabulary's size (scoring_bytes); in lockstep, no baseline step: each gate holds the base and the
+      artifact, less what they share (lockstep_bytes);
+    - a target that needs the model holds what held_bytes says with the method's working set
+      (MethodSpec.working_set: GPTQ's per-layer Hessians); one that loads no model its working set alone
+      (fp8's model-free slabs); a compressed-tensors text decoder's gate is streamed like the base, a module
+      decompressed at a time (quantkit.eval.compressed); any other compressed-tensors or bitsandbytes
+      artifact is reloaded whole at its bits;
+    - every step after the baseline also holds the baseline's log-probs kept in memory (kept_baseline_bytes)."""
+    from quantkit.eval.scorers import Placement
+    from quantkit.eval.stream import ACTIVATION_BYTES
 
+    placement = placement or Placement(False)
     others, layers = unit_bytes(info)
     layer = max(layers.values(), default=0) or max(others.values(), default=0)
     model = sum(others.values()) + sum(layers.values())
     c = recipe.calibration
-    text = info.config.get("text_config") or info.config
-    store = 2 * c.eval_windows * c.seq_len * int(text.get("vocab_size") or 0)
-    spill = placement is None or placement.spill
-    store = store if store <= SPILL_THRESHOLD or not spill else 0  # above that it is spilled to a file
-    streamed = ACTIVATION_BYTES + 2 * HEAD_SLICE_BYTES + store
-    steps = {"baseline": layer + streamed} if c.eval_windows else {}
+    kept = kept_baseline_bytes(info, c.seq_len, c.eval_windows, placement)
+    streamed = streamed_bytes(info, c.seq_len, c.eval_windows)
+    whole = read_whole_bytes(info, recipe, targets) if placement.resident and placement.device == "cpu" else {}
+    steps = {}
+    if c.eval_windows and not placement.lockstep:
+        base = whole.get("baseline")
+        steps["baseline"] = kept + (scoring_bytes(base, info, c.seq_len, c.eval_windows, BASELINE_COPIES) if base
+                                    else layer + streamed)
     for t in targets:
         working = t.method.working_set(info, t.options)
         if t.needs_model:
-            steps[f"{t.name}: quantize"] = held_bytes(info, recipe, others, layers, working) + ACTIVATION_BYTES
+            held = held_bytes(info, recipe, others, layers, working, placement.tables_on_disk)
+            steps[f"{t.name}: quantize"] = held + ACTIVATION_BYTES + kept
         elif working:
-            steps[f"{t.name}: quantize"] = working
+            steps[f"{t.name}: quantize"] = working + kept
         if c.eval_windows:
-            steps[f"{t.name}: gate"] = candidate_bytes(t, model, layer, streams_gate(t, info, recipe)) + streamed
-    if placement is not None and placement.resident and placement.device == "cpu":  # the model whole
-        steps.update({name: resident_need(n, False, info, c.seq_len, c.eval_windows)[0] + store
-                      for name, n in read_whole_bytes(info, recipe, targets).items()})
+            steps[f"{t.name}: gate"] = gate_bytes(t, info, recipe, placement, whole, streamed) + kept
     return RamEstimate(steps)
 
 
-def held_bytes(info, recipe, others: dict[str, int], layers: dict[str, int], working: int) -> int:
+def gate_bytes(target, info, recipe, placement, whole: dict[str, int], streamed: int) -> int:
+    """What one target's gate holds beside a kept baseline (ram_estimate): its artifact resident (in lockstep
+    the base beside it, less what they share), or the candidate candidate_bytes says with the streamed
+    forward's parts (`streamed`)."""
+    c = recipe.calibration
+    others, layers = unit_bytes(info)
+    name = f"{target.name}: gate"
+    if name in whole and placement.lockstep:
+        shared = shared_bytes(info, target.method.artifact, recipe.dtype)
+        return lockstep_bytes(whole["baseline"] + whole[name] - shared, info, c.seq_len, c.eval_windows)
+    if name in whole:
+        return scoring_bytes(whole[name], info, c.seq_len, c.eval_windows, SCORING_COPIES)
+    model = sum(others.values()) + sum(layers.values())
+    layer = max(layers.values(), default=0) or max(others.values(), default=0)
+    return candidate_bytes(target, model, layer, streams_gate(target, info, recipe)) + streamed
+
+
+def held_bytes(info, recipe, others: dict[str, int], layers: dict[str, int], working: int,
+               tables_on_disk: bool = True) -> int:
     """What RAM holds of a model loaded for a method (quantkit.run.pipeline.offload_plan): with --offload-dir
-    the norms and one onloaded unit; a text decoder in RAM every decoder layer, the norms, and the larger
-    of one table (onloaded for the first layer's inputs, or to save the head) and the method's working set; a VLM
-    all of it."""
+    the norms and one onloaded unit; a text decoder with its tables on disk every decoder layer, the norms,
+    and the larger of one table (onloaded for the first layer's inputs, or to save the head) and the
+    method's working set; a VLM, or a text decoder whose tables fit beside it, all of it and the working set."""
     from quantkit.io.checkpoint import is_vlm
 
     if recipe.offload_dir:
         return offloaded_bytes(others, layers, working)
-    if is_vlm(info.config):
+    if is_vlm(info.config) or not tables_on_disk:
         return sum(others.values()) + sum(layers.values()) + working
     kept, tables = split_tables(others)
     return kept + sum(layers.values()) + max([*tables, working])
@@ -323,6 +347,95 @@ def check_ram(estimate: RamEstimate, limit: int | None) -> None:
 
 GPU_HEADROOM = 0.90  # share of the free GPU memory a resident gate may fill (allocator slack, other processes)
 GPU_ACTIVATION_BYTES = 4 * 2**30  # a GPU's windows batched within this much of activations
+RAM_HEADROOM = 0.10  # share of the memory available now a run leaves free (other processes, page cache, slack)
+MIN_RAM_HEADROOM = 512 * 2**20  # and at least this much
+BASELINE_COPIES = 3  # float32-chunk-sized buffers the baseline's scoring holds: the logits in the model's dtype,
+# the log-probs, their float16 copy
+SCORING_COPIES = 6  # comparing a chunk: the candidate's logits and log-probs, the baseline's rows in float32, the
+# KL divergence's difference and exponentials
+LOCKSTEP_COPIES = 8  # the same, with the base's logits and log-probs beside the candidate's
+
+
+def streamed_bytes(info, seq_len: int, windows: int) -> int:
+    """What a streamed forward holds beside its current weight matrix: a group's activations, a slice of the
+    output head and the group's logits for it (quantkit.eval.stream.head_slice_rows), and the float32 chunks
+    of log-probs the scoring holds while comparing (evaluate.chunk_rows)."""
+    from quantkit.eval.evaluate import chunk_rows
+    from quantkit.eval.stream import ACTIVATION_BYTES, HEAD_SLICE_BYTES, windows_per_group
+
+    vocab, hidden = vocab_size(info), text_shape(info).hidden_size
+    group = min(windows_per_group(text_shape(info), seq_len, ACTIVATION_BYTES), max(1, windows)) * seq_len
+    head = min(HEAD_SLICE_BYTES, 4 * vocab * hidden) + min(HEAD_SLICE_BYTES, 4 * vocab * group)
+    chunk = 4 * vocab * min(chunk_rows(vocab), group) if vocab else 0
+    return batch_bytes(info, seq_len, windows, ACTIVATION_BYTES) + head + SCORING_COPIES * chunk
+
+
+def vocab_size(info) -> int:
+    text = info.config.get("text_config") or info.config
+    return int(text.get("vocab_size") or 0)
+
+
+def batch_bytes(info, seq_len: int, windows: int, budget: int) -> int:
+    """Activations of one batch of windows (quantkit.eval.stream.windows_per_group: as many as fit `budget`,
+    one at least, no more than there are)."""
+    from quantkit.eval.stream import windows_per_group
+
+    shape = text_shape(info)
+    group = windows_per_group(shape, seq_len, budget)
+    per_window = 4 * seq_len * (8 * shape.hidden_size + 3 * shape.intermediate_size
+                                + 2 * shape.num_attention_heads * seq_len)
+    return min(group, max(1, windows)) * per_window
+
+
+def chunk_bytes(info, seq_len: int, windows: int, cuda: bool = False) -> int:
+    """float32 logits of one chunk of positions of a resident forward (quantkit.eval.resident.chunk_positions)."""
+    from quantkit.eval.resident import chunk_positions
+
+    vocab = vocab_size(info)
+    if not vocab:
+        return 0
+    return 4 * vocab * min(chunk_positions("cuda" if cuda else "cpu", vocab), max(1, windows * seq_len))
+
+
+def scoring_bytes(models: int, info, seq_len: int, windows: int, copies: int, cuda: bool = False) -> int:
+    """A resident forward: `models` bytes of weights, a batch's activations and `copies` chunks of logits."""
+    from quantkit.eval.stream import ACTIVATION_BYTES
+
+    budget = GPU_ACTIVATION_BYTES if cuda else ACTIVATION_BYTES
+    return (models + batch_bytes(info, seq_len, windows, budget)
+            + copies * chunk_bytes(info, seq_len, windows, cuda))
+
+
+def lockstep_bytes(models: int, info, seq_len: int, windows: int) -> int:
+    """The base and an artifact resident side by side (`models`: both, less what they share), a batch's
+    activations at a time and both sides' chunks of logits."""
+    return scoring_bytes(models, info, seq_len, windows, LOCKSTEP_COPIES)
+
+
+def baseline_bytes(info, seq_len: int, windows: int) -> int:
+    """The float16 baseline log-probs of the held-out windows."""
+    return 2 * windows * seq_len * vocab_size(info)
+
+
+def kept_baseline_bytes(info, seq_len: int, windows: int, placement) -> int:
+    """The baseline's log-probs a run keeps in memory: none in lockstep, all of them where `placement` keeps
+    them in memory, else those below the size at which they go to a file (evaluate.SPILL_THRESHOLD)."""
+    from quantkit.eval.evaluate import SPILL_THRESHOLD
+
+    stored = baseline_bytes(info, seq_len, windows)
+    if placement.lockstep or (placement.spill and stored > SPILL_THRESHOLD):
+        return 0
+    return stored
+
+
+def shared_bytes(info, kind: str, dtype: str = "auto") -> int:
+    """What an artifact of `kind` resident beside the base holds with the same values (quantkit.eval.resident.
+    Shared): a compressed-tensors checkpoint keeps the embeddings, the head and the final norm as the base
+    stores them; a .gguf (float32) and an mlx-lm directory share nothing."""
+    if kind != "compressed-tensors" or dtype not in ("auto", info.dtype):
+        return 0
+    others, _layers = unit_bytes(info)
+    return sum(others.values())
 
 
 def read_whole_bytes(info, recipe, targets) -> dict[str, int]:
@@ -364,103 +477,164 @@ def text_shape(info):
 
 
 def resident_need(largest: int, cuda: bool, info, seq_len: int, windows: int) -> tuple[int, int]:
-    """(bytes a resident gate holds with the largest model read whole, its activation budget): the model,
-    a batch's activations (all the windows, or as many as the device's budget takes) and a few chunks of
-    float32 logits."""
-    from quantkit.eval.resident import CPU_CHUNK_BYTES, GPU_CHUNK_BYTES, MIN_CHUNK_POSITIONS
-    from quantkit.eval.stream import ACTIVATION_BYTES, windows_per_group
+    """(bytes a resident gate holds on the device with the largest model read whole, its activation budget):
+    the model, a batch's activations and the scoring's chunks of logits (scoring_bytes)."""
+    from quantkit.eval.stream import ACTIVATION_BYTES
 
     budget = GPU_ACTIVATION_BYTES if cuda else ACTIVATION_BYTES
-    activation = min(budget, budget // windows_per_group(text_shape(info), seq_len, budget) * windows)
-    text = info.config.get("text_config") or info.config
-    logits = 4 * windows * seq_len * int(text.get("vocab_size") or 0)
-    vocab = int(text.get("vocab_size") or 0)
-    chunks = 3 * min(max(GPU_CHUNK_BYTES if cuda else CPU_CHUNK_BYTES, 4 * MIN_CHUNK_POSITIONS * vocab), logits)
-    return largest + activation + chunks, budget
+    return scoring_bytes(largest, info, seq_len, windows, SCORING_COPIES, cuda), budget
 
 
-def baseline_bytes(info, seq_len: int, windows: int) -> int:
-    """The float16 baseline log-probs of the held-out windows."""
-    text = info.config.get("text_config") or info.config
-    return 2 * windows * seq_len * int(text.get("vocab_size") or 0)
+def ram_budget(max_memory: int | None) -> tuple[int, str]:
+    """(the peak a run may reach in RAM, what that is): the memory available now less RAM_HEADROOM (at least
+    MIN_RAM_HEADROOM), and within --max-memory (or the recipe's max_memory) when the run is bounded."""
+    available = available_ram()
+    free = available - max(MIN_RAM_HEADROOM, int(RAM_HEADROOM * available)) if available else 0
+    if max_memory and (not free or max_memory <= free):
+        return max_memory, f"--max-memory {_size(max_memory)}"
+    if not available:
+        return 0, "the memory available now is unknown"
+    return max(0, free), f"{_size(available)} available now, less {RAM_HEADROOM:.0%} headroom"
 
 
-def run_cpu_budget(info, recipe, targets, max_memory: int | None) -> tuple[int, str]:
-    """(bytes a resident gate may hold in RAM, where that figure comes from): within --max-memory when
-    given; otherwise the run's estimated peak with a streamed gate (a method that loads the model holds
-    it anyway; a streamed gate holds a batch's activations too), so the gate never raises the peak."""
-    if max_memory:
-        return max_memory - FIXED_RAM, f"--max-memory {_size(max_memory)}"
-    return max(ram_estimate(info, recipe, targets).steps.values(), default=0), "this run's peak with a streamed gate"
-
-
-def placement_for(largest: int, device: str, info, seq_len: int, windows: int, cpu_budget: tuple[int, str]):
-    """Resident on `device` when the largest model read whole fits (quantkit.eval.scorers.Placement): on a
-    GPU within its free memory, on a CPU within `cpu_budget` and the memory available now."""
-    from quantkit.eval.scorers import Placement
-
-    cuda = device == "cuda"
-    need, activation = resident_need(largest, cuda, info, seq_len, windows)
-    if cuda:
-        free = available_vram()
-        budget, source = int(GPU_HEADROOM * free) - FIXED_VRAM, f"{_size(free)} free on the GPU"
-    else:
-        budget, source = cpu_budget
-        available = available_ram()
-        if available and available - FIXED_RAM < budget:
-            budget, source = available - FIXED_RAM, "the memory available now"
-    why = f"the model whole needs {_size(need)}; {source}: {_size(max(0, budget))}"
-    stored = baseline_bytes(info, seq_len, windows)
-    room = budget - need if not cuda else (available_ram() or stored * 4) // 4  # a GPU host: a quarter of its RAM
-    return Placement(need <= budget, device, activation, why, spill=need > budget or stored > room)
-
-
-def gate_placement(info, recipe, targets, max_memory: int | None = None):
-    """Where a run's models go, chosen once before any work: the gate resident when the largest model it
-    reads itself fits (placement_for; on a CPU within run_cpu_budget), else streamed a layer at a time;
-    on a GPU, a method's model whole on the GPU when the run's GPU peak with it fits, else onloaded from
-    RAM a layer at a time (`onload`)."""
+def gate_placement(info, recipe, targets, max_memory: int | None = None, ranks: int = 1):
+    """Where a run's models go, chosen once before any work. On a CPU, the first of cpu_placements whose
+    peak (ram_estimate) fits ram_budget: the gate resident (the base scored beside each artifact, or its
+    log-probs kept in memory), a method's model whole in RAM, the baseline's log-probs in memory; streamed a
+    layer at a time, tables on disk and log-probs in a file only as far as they must. On a GPU the gate is
+    resident when the largest model it reads itself fits the free GPU memory (placement_for), and a method's
+    model whole on the GPU when the run's GPU peak with it fits, else onloaded from RAM a layer at a time."""
     from dataclasses import replace
 
     from quantkit.engines.transformers import device_map
     from quantkit.eval.scorers import Placement
 
-    steps = read_whole_bytes(info, recipe, targets)
     device = device_map(recipe.device)
+    if device != "cuda":
+        budget, source = ram_budget(max_memory)
+        return choose(cpu_placements(info, recipe, targets, ranks), budget, source,
+                      lambda p: ram_estimate(info, recipe, targets, p).peak)
+    steps = read_whole_bytes(info, recipe, targets)
     c = recipe.calibration
-    budget = run_cpu_budget(info, recipe, targets, max_memory) if device != "cuda" and steps else (0, "")
-    placement = (placement_for(max(steps.values()), device, info, c.seq_len, c.eval_windows, budget) if steps
+    placement = (placement_for(max(steps.values()), device, info, c.seq_len, c.eval_windows) if steps
                  else Placement(False, device))
-    if device != "cuda" or not any(t.needs_model for t in targets):
+    if not any(t.needs_model for t in targets):
         return placement
     whole = vram_estimate(info, recipe, targets, placement).peak <= GPU_HEADROOM * available_vram()
     return replace(placement, onload=not whole)
 
 
+def measurements(recipe, targets) -> int:
+    """How many times the run scores an artifact (a target with a gate-driven fallback counts twice: it may
+    measure again)."""
+    if not recipe.calibration.eval_windows:
+        return 0
+    return sum(2 if getattr(t.options, "fallback", None) is not None else 1 for t in targets)
+
+
+def cpu_placements(info, recipe, targets, ranks: int = 1) -> list:
+    """A CPU run's placements, the one to use first: the gate resident (in lockstep or with the baseline's
+    log-probs kept in memory: lockstep first for a run that measures one artifact where it holds less,
+    the kept baseline first where several artifacts reuse it), then streamed with the log-probs in memory,
+    then in a file; each with a method's tables in RAM, then on disk (where a method loads the model)."""
+    from quantkit.eval.scorers import Placement
+
+    whole = read_whole_bytes(info, recipe, targets)
+    gated = {f"{t.name}: gate" for t in targets} if recipe.calibration.eval_windows else set()
+    modes = []
+    if whole:
+        modes = [dict(resident=True, spill=False)]
+        if ranks == 1 and gated and gated <= set(whole):  # every model the gate reads, read by quantkit
+            modes.append(dict(resident=True, spill=False, lockstep=True))
+        if measurements(recipe, targets) == 1:
+            modes.sort(key=lambda mode: ram_estimate(info, recipe, targets, Placement(**mode, tables_on_disk=False)).peak)
+    modes += [dict(resident=False, spill=False), dict(resident=False, spill=True)]
+    tables = [False, True] if any(t.needs_model for t in targets) and not recipe.offload_dir else [False]
+    return [Placement(device="cpu", tables_on_disk=on_disk, **mode) for mode in modes for on_disk in tables]
+
+
+def choose(candidates: list, budget: int, source: str, peak):
+    """The first candidate Placement whose `peak` fits `budget` (the last one where none does), with why it
+    was chosen and, for a streamed one, the room a resident one would have needed; a method's own forwards
+    get the budget's room beside the run's fixed part and the baseline it keeps."""
+    from dataclasses import replace
+
+    chosen = next((p for p in candidates if budget and peak(p) <= budget), candidates[-1])
+    resident = [peak(p) for p in candidates if p.resident]
+    why = f"peak about {_size(peak(chosen))}; {source}: {_size(budget)}"
+    if not chosen.resident and resident:
+        why = f"resident the run would peak at about {_size(min(resident))}; {source}: {_size(budget)}"
+    return replace(chosen, why=why if resident else "", room=max(0, budget - peak(chosen)))
+
+
+def placement_for(largest: int, device: str, info, seq_len: int, windows: int):
+    """Resident on a GPU when the largest model read whole fits 90% of its free memory
+    (quantkit.eval.scorers.Placement); its baseline's log-probs in host memory within a quarter of the RAM."""
+    from quantkit.eval.scorers import Placement
+
+    need, activation = resident_need(largest, True, info, seq_len, windows)
+    free = available_vram()
+    budget = int(GPU_HEADROOM * free) - FIXED_VRAM
+    why = f"the model whole needs {_size(need)}; {_size(free)} free on the GPU: {_size(max(0, budget))}"
+    stored = baseline_bytes(info, seq_len, windows)
+    room = (available_ram() or stored * 4) // 4
+    return Placement(need <= budget, device, activation, why, spill=need > budget or stored > room,
+                     tables_on_disk=False)
+
+
 def describe_placement(placement, info, seq_len: int) -> str:
-    """One line: "gate: resident on cuda, batch 16 (...)" or "gate: streamed on cpu, 0.1 GiB per layer (...)"."""
+    """One line: where the gate runs and why, with the numbers: "gate: resident on cpu, batch 8, the base scored
+    beside each artifact (peak about ...; ... available now ...)" or "gate: streamed on cpu, 0.1 GiB per layer
+    (resident the run would peak at about ...; ...)"."""
     from quantkit.eval.stream import windows_per_group
 
     if placement.resident:
         batch = windows_per_group(text_shape(info), seq_len, placement.activation_bytes)
-        return f"gate: resident on {placement.device}, batch {batch} ({placement.why})"
+        kept = (", the base scored beside each artifact" if placement.lockstep
+                else "" if placement.spill else ", the baseline's log-probs in memory")
+        return f"gate: resident on {placement.device}, batch {batch}{kept} ({placement.why})"
     _others, layers = unit_bytes(info)
-    hint = "" if placement.device == "cuda" else "; --max-memory lets it stay whole"
-    return (f"gate: streamed on {placement.device}, {_size(max(layers.values(), default=0))} per layer "
-            f"({placement.why}{hint})")
+    kept = ", the baseline's log-probs in a file" if placement.spill else ", the baseline's log-probs in memory"
+    return (f"gate: streamed on {placement.device}, {_size(max(layers.values(), default=0))} per layer{kept} "
+            f"({placement.why})")
 
 
-def eval_placement(info, kind: str, device: str, seq_len: int, windows: int, max_memory: int | None = None):
-    """Where `quantkit eval` runs its forwards for a base of `info`'s shape and an artifact of `kind`
-    (quantkit.eval.artifacts.artifact_kind): as gate_placement, the CPU's budget being --max-memory or
-    what a streamed forward holds anyway."""
-    from quantkit.eval.stream import ACTIVATION_BYTES, HEAD_SLICE_BYTES
-
-    largest = max(whole_bytes(info, "base"), whole_bytes(info, kind))
-    if max_memory:
-        budget = (max_memory - FIXED_RAM, f"--max-memory {_size(max_memory)}")
+def eval_estimate(info, kind: str, seq_len: int, windows: int, placement, reads_artifact: bool = True) -> RamEstimate:
+    """`quantkit eval`'s peak per step, as ram_estimate's baseline and gate steps: the base and the artifact of
+    `kind` (`reads_artifact`: read by quantkit; else loaded whole through transformers)."""
+    kept = kept_baseline_bytes(info, seq_len, windows, placement)
+    base, artifact = whole_bytes(info, "base"), whole_bytes(info, kind)
+    if placement.lockstep:
+        shared = shared_bytes(info, kind) if reads_artifact else 0
+        return RamEstimate({"base and artifact": lockstep_bytes(base + artifact - shared, info, seq_len, windows)})
+    if placement.resident:
+        base_step = scoring_bytes(base, info, seq_len, windows, BASELINE_COPIES)
+        artifact_step = scoring_bytes(artifact, info, seq_len, windows, SCORING_COPIES)
     else:
-        _others, layers = unit_bytes(info)
-        streamed = max(layers.values(), default=0) + ACTIVATION_BYTES + 2 * HEAD_SLICE_BYTES
-        budget = (streamed, "a streamed forward's peak")
-    return placement_for(largest, device, info, seq_len, windows, budget)
+        layer = max(unit_bytes(info)[1].values(), default=0)
+        base_step = layer + streamed_bytes(info, seq_len, windows)
+        artifact_step = base_step + (layer if kind == "gguf" else 0)  # a .gguf's layer in float32
+    if not reads_artifact:
+        artifact_step = scoring_bytes(artifact, info, seq_len, windows, SCORING_COPIES)
+    return RamEstimate({"baseline": base_step + kept, "artifact": artifact_step + kept})
+
+
+def eval_placement(info, kind: str, device: str, seq_len: int, windows: int, max_memory: int | None = None,
+                   reads_artifact: bool = True):
+    """Where `quantkit eval` runs its forwards for a base of `info`'s shape and an artifact of `kind`
+    (quantkit.eval.artifacts.artifact_kind): as gate_placement, one artifact measured: on a CPU the first of
+    resident (in lockstep or with the baseline kept, whichever holds less), streamed with the baseline's
+    log-probs in memory, in a file, that fits the memory available now (or --max-memory)."""
+    from quantkit.eval.scorers import Placement
+
+    if device == "cuda":
+        return placement_for(max(whole_bytes(info, "base"), whole_bytes(info, kind)), device, info, seq_len, windows)
+    budget, source = ram_budget(max_memory)
+    resident = [Placement(True, "cpu", spill=False), Placement(True, "cpu", spill=False, lockstep=True)]
+
+    def peak(p) -> int:
+        return FIXED_RAM + max(eval_estimate(info, kind, seq_len, windows, p, reads_artifact).steps.values())
+
+    resident.sort(key=peak)
+    candidates = [*resident, Placement(False, "cpu", spill=False), Placement(False, "cpu")]
+    return choose(candidates, budget, source, peak)

@@ -148,6 +148,8 @@ class Recipe(Strict):
     dtype: str = Field("auto", pattern="^(auto|bfloat16|float16|float32)$")
     device: str = Field("cpu", pattern="^(cpu|cuda|auto)$")
     offload_dir: str | None = Field(None, description="offload decoder layers, embeddings and head to disk here while quantizing")
+    max_memory: str | None = Field(None, description="bound the run's peak RAM, e.g. 16GiB: it streams what does not fit "
+                                   "under it (default: what is available; --max-memory wins)")
     strict_shapes: bool = Field(False, description="refuse a layer whose widths the format cannot tile, instead of "
                                 "keeping it 16-bit")
     resume: bool = Field(False, description="keep the run's progress in its staging directory, and continue an "
@@ -155,6 +157,27 @@ class Recipe(Strict):
     calibration: Calibration = Field(default_factory=Calibration)
     targets: list[Target] = Field(min_length=1)
     gate: Gate = Field(default_factory=Gate)
+
+    @field_validator("max_memory")
+    @classmethod
+    def _a_size(cls, value: str | None) -> str | None:
+        from quantkit.units import parse_size
+
+        if value is not None:
+            try:
+                size = parse_size(value)
+            except InputError as exc:
+                raise ValueError(exc.message) from None
+            if size <= 0:
+                raise ValueError("max_memory must be a size above 0, e.g. 16GiB")
+        return value
+
+    @property
+    def max_memory_bytes(self) -> int | None:
+        """max_memory in bytes (None: not bounded)."""
+        from quantkit.units import parse_size
+
+        return parse_size(self.max_memory) if self.max_memory else None
 
     @field_validator("targets")
     @classmethod
