@@ -95,6 +95,28 @@ def resident_model(config, source: WeightSource, dtype, device="cpu") -> Residen
     return resident_built(build_meta_model(config, dtype), config, source, device)
 
 
+def weight_bytes(source: WeightSource, dtype) -> int:
+    """Bytes of every tensor of `source` in `dtype`."""
+    import math
+
+    import torch
+
+    size = torch.empty((), dtype=dtype).element_size()
+    return size * sum(math.prod(source.shape(name)) for name in source.keys())
+
+
+def forward_model(config, source: WeightSource, dtype, device, room: int):
+    """The CausalLM of `config` for a method's own forwards (imatrix, column importances): whole on `device`
+    when its weights in `dtype` and a batch's activations fit `room` (the run's placement: quantkit.eval.scorers.
+    Placement.room), else streamed a layer at a time (quantkit.eval.stream.stream_model). Either has `.model`,
+    `.device` and `.head`."""
+    from quantkit.eval.stream import ACTIVATION_BYTES, stream_model
+
+    if room and weight_bytes(source, dtype) + ACTIVATION_BYTES <= room:
+        return resident_model(config, source, dtype, device)
+    return stream_model(config, source, dtype, device)
+
+
 def head_logits(resident: ResidentModel, hidden) -> "torch.Tensor":  # noqa: F821
     """Logits of hidden states (positions, hidden) in the model's dtype: the head, then the softcap, as the
     model's forward (the callers cast to float32, as evaluate.model_logits_fn does)."""

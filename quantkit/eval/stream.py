@@ -14,10 +14,11 @@ The token embedding is not loaded whole: its hook reads only the rows of the ids
 The windows go through in groups (all at once when the activations fit ACTIVATION_BYTES), so each
 layer is read once per group, not once per window. The base model stops at the last hidden states;
 the output head is applied a slice of its vocabulary rows at a time (with the config's
-final_logit_softcapping, as the model's forward does), the float32 logits written to a file in
-the run's work directory, and read back a chunk of positions at a time: each chunk's log-probs
-are handed to the evaluator as a ScoredChunk and dropped. Peak memory: one weight matrix + one
-group's activations + one slice of the head, whatever the model's size or its vocabulary.
+final_logit_softcapping, as the model's forward does), the group's float32 logits kept in memory
+where the run's placement has room for them, else written to a file in the run's work directory, and
+read back a chunk of positions at a time: each chunk's log-probs are handed to the evaluator as a
+ScoredChunk and dropped. Peak memory with the logits in a file: one weight matrix + one group's
+activations + one slice of the head, whatever the model's size or its vocabulary.
 
 Numerics equal the in-memory path's: the same modules run in the same dtype (the stored dtype
 for a checkpoint, as `quantkit.engines.transformers.load_model` loads it; float32 for a .gguf, as
@@ -336,34 +337,42 @@ def head_block(streamed: StreamedModel, prefix: str, hidden, index):
     return logits.float().cpu().numpy()
 
 
-def spilled_logits(streamed: StreamedModel, hidden, workdir: Path | None):
-    """float32 logits (positions, vocab) written to a RowFile a slice of the vocabulary at a time.
+def spilled_logits(streamed: StreamedModel, hidden, workdir: Path | None, room: int = 0):
+    """float32 logits (positions, vocab) computed a slice of the vocabulary at a time: in memory where they
+    fit `room` bytes, else written to a RowFile in `workdir`.
 
     Our own loop for the head: the CausalLM's forward would make all the logits at once with the
     whole head materialized (a 128k x 4096 matrix is 2 GB in float32); here only one slice of the
-    head and one slice of logits are in memory, and every head row is read once per group."""
+    head and one slice of logits are in memory besides the logits' rows, and every head row is read
+    once per group."""
     import numpy as np
 
     from quantkit.io.rowio import RowFile
 
     vocab, prefix = streamed.head.out_features, module_prefixes(streamed.model)[id(streamed.head)]
-    logits = RowFile((hidden.shape[0], vocab), np.float32, workdir, prefix="quantkit-logits-")
+    shape = (hidden.shape[0], vocab)
+    in_memory = 4 * shape[0] * vocab <= room
+    logits = np.empty(shape, np.float32) if in_memory else RowFile(shape, np.float32, workdir, prefix="quantkit-logits-")
     step = head_slice_rows(hidden.shape[0], hidden.shape[1])
     for start in range(0, vocab, step):
         index = np.arange(start, min(vocab, start + step))
-        logits.write_columns(0, start, head_block(streamed, prefix, hidden, index))
+        block = head_block(streamed, prefix, hidden, index)
+        if in_memory:
+            logits[:, start : start + block.shape[1]] = block
+        else:
+            logits.write_columns(0, start, block)
         release_freed_memory()
     return logits
 
 
-def score_group(streamed: StreamedModel, ids, workdir: Path | None = None) -> Iterator[ScoredChunk]:
+def score_group(streamed: StreamedModel, ids, workdir: Path | None = None, room: int = 0) -> Iterator[ScoredChunk]:
     """Run one group of windows through the streamed layers, then score it a chunk of positions
-    at a time from its spilled logits."""
+    at a time from its logits (in memory within `room` bytes, else spilled: spilled_logits)."""
     import torch
 
     hidden = last_hidden(streamed, ids)
     targets = ids[:, 1:].reshape(-1)
-    logits = spilled_logits(streamed, hidden, workdir)
+    logits = spilled_logits(streamed, hidden, workdir, room)
     del hidden
     step = chunk_rows(logits.shape[1])
     for start in range(0, len(logits), step):
@@ -381,9 +390,9 @@ def streamed_scorer(config, source: WeightSource, dtype, device="cpu", activatio
 
 
 def group_scorer(make: Callable[[], StreamedModel], text_config, activation_bytes: int = ACTIVATION_BYTES,
-                 workdir: Path | None = None) -> Scorer:
+                 workdir: Path | None = None, room: int = 0) -> Scorer:
     """A Scorer over the streamed model `make` builds when scoring starts: the windows go through it
-    in groups sized for `text_config`'s activations."""
+    in groups sized for `text_config`'s activations, each group's logits in memory within `room` bytes."""
 
     def scorer(windows) -> Iterator[ScoredChunk]:
         import torch
@@ -393,7 +402,7 @@ def group_scorer(make: Callable[[], StreamedModel], text_config, activation_byte
         try:
             with torch.inference_mode():
                 for ids in iter_batches(windows, group):
-                    yield from score_group(streamed, ids, workdir)
+                    yield from score_group(streamed, ids, workdir, room)
         finally:
             streamed.close()
 
@@ -494,7 +503,7 @@ def streamable(config: dict) -> bool:
             and not get_checkpoint_conversion_mapping(config.get("model_type", "")))
 
 
-def streamed_logits(streamed: StreamedModel, ids, workdir: Path | None = None):
+def streamed_logits(streamed: StreamedModel, ids, workdir: Path | None = None, room: int = 0):
     """float32 logits (b, L, vocab) of every position of `ids`, the streamed model's forward
     (evaluate.LogitsFn: what lm-eval's model and greedy generation read, quantkit.eval.tasks);
     the head is applied a vocabulary slice at a time as score_group does."""
@@ -502,5 +511,5 @@ def streamed_logits(streamed: StreamedModel, ids, workdir: Path | None = None):
 
     with torch.inference_mode():
         hidden = streamed.model.get_decoder()(input_ids=ids.to(streamed.device), use_cache=False).last_hidden_state
-        rows = spilled_logits(streamed, hidden.reshape(-1, hidden.shape[-1]), workdir)
+        rows = spilled_logits(streamed, hidden.reshape(-1, hidden.shape[-1]), workdir, room)
         return torch.from_numpy(rows[0 : len(rows)]).reshape(ids.shape[0], ids.shape[1], -1)

@@ -292,12 +292,14 @@ def save_imatrix(imatrix, path: Path) -> None:
 
 
 def compute_imatrix(job: QuantizeJob, calib):
-    """The imatrix of the full-precision checkpoint on the calibration windows. A text decoder is
-    streamed a layer at a time (all windows through one layer, then the next), so memory stays at
-    one layer's weights; other models (a VLM's language part) are loaded whole, or `job.model` is
-    used where the method has it loaded."""
+    """The imatrix of the full-precision checkpoint on the calibration windows. A text decoder is read
+    whole where the run's placement has room for it, else streamed a layer at a time (all windows through
+    one layer, then the next), so memory stays at one layer's weights (quantkit.eval.resident.forward_model);
+    other models (a VLM's language part) are loaded whole, or `job.model` is used where the method has it
+    loaded."""
     from quantkit.engines.transformers import device_map, hf_config, load_model, torch_dtype
-    from quantkit.eval.stream import stream_model, streamable, windows_per_group
+    from quantkit.eval.resident import forward_model
+    from quantkit.eval.stream import StreamedModel, streamable, windows_per_group
     from quantkit.gguf import imatrix as im
     from quantkit.io.checkpoint import SafetensorsWeights
 
@@ -306,11 +308,13 @@ def compute_imatrix(job: QuantizeJob, calib):
                                                                     job.trust_remote_code)
         return im.compute(model, calib, job.info.config, dataset=job.windows.source)
     config = hf_config(job.info.path, job.trust_remote_code)  # config.json only
-    streamed = stream_model(config, SafetensorsWeights(job.info.path), torch_dtype(job.dtype, job.info),
-                            device_map(job.device))
+    forward = forward_model(config, SafetensorsWeights(job.info.path), torch_dtype(job.dtype, job.info),
+                            device_map(job.device), job.placement.room)
+    job.progress("imatrix: the model " + ("streamed a layer at a time" if isinstance(forward, StreamedModel)
+                                          else "whole in memory"))
     group = windows_per_group(config.get_text_config(), calib.shape[1])
-    return im.compute(streamed.model, calib, job.info.config, dataset=job.windows.source, batch_size=group,
-                      device=streamed.device)
+    return im.compute(forward.model, calib, job.info.config, dataset=job.windows.source, batch_size=group,
+                      device=forward.device)
 
 
 def needs_calibration(options: Options) -> bool:

@@ -135,17 +135,20 @@ def support(family) -> str:
 
 def column_importance(job: QuantizeJob) -> dict:
     """{module name: mean squared input activation per column} of every Linear on the calibration
-    windows, the base streamed a layer at a time in float32 (CPU kernels are fastest there, and the
-    statistics want it); the output head's from the final hidden states."""
+    windows, the base in float32 (CPU kernels are fastest there, and the statistics want it), whole where
+    the run's placement has room for it, else streamed a layer at a time (quantkit.eval.resident.forward_model);
+    the output head's from the final hidden states."""
     import torch
 
     from quantkit.engines.transformers import device_map, hf_config
     from quantkit.eval.evaluate import iter_batches
-    from quantkit.eval.stream import last_hidden, stream_model, windows_per_group
+    from quantkit.eval.resident import forward_model
+    from quantkit.eval.stream import last_hidden, windows_per_group
     from quantkit.io.checkpoint import SafetensorsWeights
 
     config = hf_config(job.info.path)
-    streamed = stream_model(config, SafetensorsWeights(job.info.path), torch.float32, device_map(job.device))
+    streamed = forward_model(config, SafetensorsWeights(job.info.path), torch.float32, device_map(job.device),
+                             job.placement.room)
     sums: dict[str, list] = {}
 
     def record(name: str, x) -> None:

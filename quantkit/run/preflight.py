@@ -579,7 +579,7 @@ def placement_for(largest: int, device: str, info, seq_len: int, windows: int):
     stored = baseline_bytes(info, seq_len, windows)
     room = (available_ram() or stored * 4) // 4
     return Placement(need <= budget, device, activation, why, spill=need > budget or stored > room,
-                     tables_on_disk=False)
+                     tables_on_disk=False, room=max(0, budget - need))
 
 
 def describe_placement(placement, info, seq_len: int) -> str:
