@@ -212,3 +212,27 @@ def test_float16_rounding_adds_no_floor_to_the_kl_divergence():
     assert 3e-5 < exact < 1e-4
     assert abs(float(kl_rows(base.half().numpy(), cand).mean()) - exact) < 0.1 * exact
     assert float(kl_rows(base.half().numpy(), base).max()) == 0.0
+
+
+def test_lockstep_scores_the_base_beside_the_candidate_with_the_kept_baselines_numbers(windows):
+    """No log-probs of the base kept: the same metrics, to the bit, as a kept baseline, with chunks of the two
+    scorers cut differently; the base's NLL, top-1 and targets are filled as the comparison runs."""
+    kept = evaluate.compute_baseline(fake_model(batch_size=4), windows)
+    lockstep = evaluate.lockstep_baseline(fake_model(batch_size=4), windows)
+    assert lockstep.logprobs is None and not lockstep.scored
+    metrics = evaluate.compare(fake_model(noise=0.5, batch_size=1), windows, lockstep)
+    assert metrics == evaluate.compare(fake_model(noise=0.5, batch_size=1), windows, kept)
+    assert lockstep.scored and lockstep.ppl == kept.ppl
+    assert (lockstep.top1 == kept.top1).all() and (lockstep.targets == kept.targets).all()
+
+
+def test_paired_cuts_two_scorers_chunks_to_the_same_positions(windows, monkeypatch):
+    monkeypatch.setattr(evaluate, "CHUNK_BYTES", 4 * 32 * 7)  # 7 positions per chunk: they cross the windows
+    pairs = list(evaluate.paired(fake_model(batch_size=1)(windows), fake_model(batch_size=4)(windows)))
+    assert all(a.targets.shape == b.targets.shape for a, b in pairs)
+    assert torch.equal(torch.cat([a.targets for a, _ in pairs]), windows[:, 1:].reshape(-1))
+    assert torch.equal(torch.cat([a.logprobs for a, _ in pairs]), torch.cat([b.logprobs for _, b in pairs]))
+    from quantkit.errors import InternalError
+
+    with pytest.raises(InternalError):
+        list(evaluate.paired(fake_model()(windows), fake_model()(windows[:-1])))

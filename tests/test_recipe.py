@@ -129,3 +129,22 @@ def test_four_bit_towers_need_force_in_the_recipe():
     assert target.tower_precision() == {"projector": "int4"}
     with pytest.raises(RecipeError, match=r"targets\.0\.vision"):
         validate({"model": "m", "targets": [{"name": "t", "method": "gptq", "vision": "int2"}]})
+
+
+def test_max_memory_is_a_size():
+    assert validate({"targets": [fp8_target()], "max_memory": "16GiB"}).max_memory_bytes == 16 * 2**30
+    assert validate({"targets": [fp8_target()]}).max_memory_bytes is None
+    with pytest.raises(RecipeError, match=r"max_memory: .*cannot read the size 'lots'"):
+        validate({"targets": [fp8_target()], "max_memory": "lots"})
+    with pytest.raises(RecipeError, match=r"max_memory: .*above 0"):
+        validate({"targets": [fp8_target()], "max_memory": "0"})
+
+
+def test_a_recipes_max_memory_bounds_the_run(cli, micro_model, tmp_path):
+    """Below the bounded path's minimum: exit 2 before work, with the numbers and the bound's name."""
+    recipe = tmp_path / "bounded.yaml"
+    recipe.write_text("max_memory: 100MiB\ntargets:\n  - {name: fp8, method: fp8}\n")
+    result = cli("quantize", micro_model, "--recipe", recipe, "-o", tmp_path / "out")
+    assert result.exit_code == 2, result.output
+    assert "not enough memory" in result.stderr and "the recipe's max_memory is 100.0 MiB" in result.stderr
+    assert not (tmp_path / "out").exists()

@@ -100,7 +100,7 @@ def eval_command(
     reads = scorers.artifact_reading(model, base.path, trust_remote_code) is not None
     placement = eval_placement(base, kind, device_map(device), seq_len, len(windows),
                                parse_size(max_memory) if max_memory else None, reads)
-    progress(describe_placement(placement, base, seq_len).replace("gate:", "forwards:", 1))
+    progress(describe_placement(placement, base, seq_len, len(windows)).replace("gate:", "forwards:", 1))
     progress(f"baseline: {base.path} on {len(windows)} windows of {seq_len} tokens"
              + (", scored beside the candidate" if placement.lockstep else ""))
     baseline = scorers.base_baseline(base, windows, device=device, trust_remote_code=trust_remote_code,

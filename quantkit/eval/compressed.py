@@ -227,8 +227,7 @@ def compressed_model(path: Path, config, dtype, device) -> StreamedModel:
     return stream_built(model, config, source, device)
 
 
-def compressed_scorer(path: Path, device: str = "cpu", activation_bytes: int = ACTIVATION_BYTES,
-                      workdir: Path | None = None) -> Scorer:
+def compressed_scorer(path: Path, device: str = "cpu", activation_bytes: int = ACTIVATION_BYTES) -> Scorer:
     """A compressed-tensors artifact streamed a module at a time, in its stored dtype (as
     from_pretrained loads it), each quantized module decompressed while it runs."""
     from quantkit.engines.transformers import device_map, hf_config, torch_dtype
@@ -240,4 +239,4 @@ def compressed_scorer(path: Path, device: str = "cpu", activation_bytes: int = A
     def make() -> StreamedModel:
         return compressed_model(path, config, dtype, device_map(device))
 
-    return group_scorer(make, config.get_text_config(), activation_bytes, workdir)
+    return group_scorer(make, config.get_text_config(), activation_bytes)

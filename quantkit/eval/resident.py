@@ -27,7 +27,15 @@ from dataclasses import dataclass, field
 
 from quantkit.engines.transformers import tied_groups
 from quantkit.eval.evaluate import ScoredChunk, Scorer, iter_batches
-from quantkit.eval.stream import WeightSource, WeightsMap, build_meta_model, last_hidden, source_names, windows_per_group
+from quantkit.eval.stream import (
+    WeightsMap,
+    WeightSource,
+    build_meta_model,
+    last_hidden,
+    source_names,
+    windows_per_group,
+)
+from quantkit.io.memory import release_freed_memory
 
 CPU_CHUNK_BYTES = 8 * 1024 * 1024  # float32 logits of one chunk of positions on a CPU: the scoring's passes over
 # a chunk stay in the caches (measured at width 768, vocabulary 32000: 8 MiB 3.4 s, 32 MiB 3.7 s, 2 MiB 4.5 s)
@@ -56,30 +64,43 @@ class ResidentModel:
 
 def materialize(model, source: WeightSource, device, lent: dict | None = None) -> None:
     """Every parameter of the meta-device `model` read from `source` once (a tied group shares one
-    tensor), cast to the parameter's dtype and placed on `device`; buffers moved there too. A tensor of
-    `lent` (parameter name -> tensor) equal to the one read is used instead of it (`same_as_lent`)."""
+    tensor), cast to the parameter's dtype and placed on `device`; buffers moved there too. Where `lent`
+    (parameter name -> tensor) holds the same values under one of the group's names, that tensor is used
+    instead (lent_match), the stored one never read whole."""
     from accelerate.utils import set_module_tensor_to_device
 
     weights = WeightsMap(source, source_names(model, source))
     params = dict(model.named_parameters(remove_duplicate=False))
     for group in tied_groups(model):
-        value = weights[group[0]].to(device, non_blocking=True).to(params[group[0]].dtype)
-        value = same_as_lent(value, [lent.get(name) for name in group] if lent else [])
+        dtype = params[group[0]].dtype
+        value = lent_match(weights, group[0], [lent.get(name) for name in group], dtype, device) if lent else None
+        if value is None:
+            value = weights[group[0]].to(device, non_blocking=True).to(dtype)
         for name in group:
             set_module_tensor_to_device(model, name, device, value=value)
     for name, _ in model.named_buffers():
         set_module_tensor_to_device(model, name, device)
+    release_freed_memory()  # what reading and decompressing left in the heap
 
 
-def same_as_lent(value, candidates: list):
-    """The first candidate with `value`'s shape, dtype, device and values (then `value` is dropped), else `value`."""
+COMPARE_BYTES = 16 * 1024 * 1024  # a lent tensor is compared with the stored one this many bytes of rows at a time
+
+
+def lent_match(weights: WeightsMap, name: str, candidates: list, dtype, device):
+    """The first candidate with the stored tensor's shape, `dtype`, `device` and values, compared a slice of
+    rows at a time (so the stored tensor is never held whole beside it); None where none is."""
+    import numpy as np
     import torch
 
+    shape = tuple(weights.source.shape(weights.names[name]))
     for other in candidates:
-        if (other is not None and other.shape == value.shape and other.dtype == value.dtype
-                and other.device == value.device and torch.equal(other, value)):
+        if other is None or tuple(other.shape) != shape or other.dtype != dtype or other.device != torch.device(device):
+            continue
+        rows = max(1, COMPARE_BYTES // max(1, other[:1].numel() * other.element_size()))
+        if all(torch.equal(weights.rows(name, np.arange(start, min(shape[0], start + rows))).to(device, dtype),
+                           other[start : start + rows]) for start in range(0, shape[0], rows)):
             return other.data
-    return value
+    return None
 
 
 def resident_built(model, config, source: WeightSource, device, lent: dict | None = None) -> ResidentModel:
@@ -152,7 +173,11 @@ def score_batch(resident: ResidentModel, ids) -> Iterator[ScoredChunk]:
     step = chunk_positions(resident.device, resident.head.out_features)
     for start in range(0, hidden.shape[0], step):
         logits = head_logits(resident, hidden[start : start + step])  # cast to float32 inside the log-softmax
-        yield ScoredChunk(torch.log_softmax(logits, dim=-1, dtype=torch.float32), targets[start : start + step])
+        chunk = ScoredChunk(torch.log_softmax(logits, dim=-1, dtype=torch.float32), targets[start : start + step])
+        del logits
+        yield chunk
+        del chunk
+        release_freed_memory()  # the consumer's copies of the chunk are gone by now: the heap stays flat
 
 
 def resident_scorer(make: Callable[[], ResidentModel], text_config, activation_bytes: int,
@@ -226,8 +251,8 @@ def falling_back(resident: Scorer, streamed: Scorer, notify: Callable[[str], Non
         except Exception as exc:  # noqa: BLE001 - only an allocation failure is handled; anything else re-raised
             if not out_of_memory(exc):
                 raise
-            notify(f"gate: the resident model ran out of memory ({str(exc).splitlines()[0][:120]}); "
-                   "streaming the rest a layer at a time")
+            said = (str(exc).splitlines() or [type(exc).__name__])[0][:120]  # a MemoryError often says nothing
+            notify(f"gate: the resident model ran out of memory ({said}); streaming the rest a layer at a time")
         free_device_memory()
         per_window = windows.shape[1] - 1
         first, skip = divmod(done, per_window)

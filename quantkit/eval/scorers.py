@@ -185,8 +185,8 @@ def resident_reading(reading: Reading, device, lent: dict | None = None):
 def reading_scorer(reading: Reading, device: str = "cpu", placement: Placement = STREAMED,
                    workdir: Path | None = None, progress: Progress = ignore, lends=None, borrows=None) -> Scorer:
     """The Scorer of a Reading: resident on the device when the placement says so (finishing streamed
-    if it runs out of memory), else streamed layer by layer, its logits in memory within the placement's
-    room, else spilled to `workdir`. Resident,
+    if it runs out of memory), else streamed layer by layer, its logits a block of positions at a time
+    within the placement's room (nothing is written to `workdir`, kept for the callers). Resident,
     its model lends its tensors to `lends` or takes those `borrows` holds (quantkit.eval.resident.Shared)."""
     from quantkit.engines.transformers import device_map
     from quantkit.eval import resident
@@ -194,7 +194,7 @@ def reading_scorer(reading: Reading, device: str = "cpu", placement: Placement =
     target = device_map(device)
     text_config = reading.config.get_text_config()
     room = 0 if placement.resident else placement.room  # falling back out of memory, the logits go to a file
-    streamed = group_scorer(lambda: streamed_reading(reading, target), text_config, ACTIVATION_BYTES, workdir, room)
+    streamed = group_scorer(lambda: streamed_reading(reading, target), text_config, ACTIVATION_BYTES, room)
     if not placement.resident:
         return streamed
     whole = resident.resident_scorer(lambda: resident_reading(reading, target, borrows.tensors if borrows else None),
@@ -209,7 +209,7 @@ def checkpoint_scorer(model_dir: Path, dtype: str = "auto", device: str = "cpu",
 
     reading = checkpoint_reading(model_dir, dtype)
     return group_scorer(lambda: streamed_reading(reading, device_map(device)),
-                        reading.config.get_text_config(), activation_bytes, workdir)
+                        reading.config.get_text_config(), activation_bytes)
 
 
 def base_baseline(info, windows, dtype: str = "auto", device: str = "cpu", trust_remote_code: bool = False,
@@ -301,7 +301,7 @@ def reading_logits(reading: Reading, device: str = "cpu", placement: Placement =
         whole = resident_reading(reading, target)
         return lambda ids: resident.resident_logits(whole, ids)
     streamed = streamed_reading(reading, target)
-    return lambda ids: streamed_logits(streamed, ids, workdir, placement.room)
+    return lambda ids: streamed_logits(streamed, ids, placement.room)
 
 
 def artifact_logits(path: Path, base_dir: Path | None = None, device: str = "cpu", trust_remote_code: bool = False,

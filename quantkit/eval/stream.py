@@ -31,7 +31,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Protocol
 
 from quantkit.engines.transformers import tied_groups
@@ -337,60 +336,58 @@ def head_block(streamed: StreamedModel, prefix: str, hidden, index):
     return logits.float().cpu().numpy()
 
 
-def spilled_logits(streamed: StreamedModel, hidden, workdir: Path | None, room: int = 0):
-    """float32 logits (positions, vocab) computed a slice of the vocabulary at a time: in memory where they
-    fit `room` bytes, else written to a RowFile in `workdir`.
+def logits_blocks(streamed: StreamedModel, hidden, room: int = 0) -> Iterator:
+    """float32 logits (positions, vocab) of a group's hidden states, a block of positions at a time, in memory:
+    as many positions as `room` bytes hold, at least a scored chunk's (evaluate.chunk_rows); each block's
+    head applied a slice of the vocabulary at a time (head_block).
 
     Our own loop for the head: the CausalLM's forward would make all the logits at once with the
-    whole head materialized (a 128k x 4096 matrix is 2 GB in float32); here only one slice of the
-    head and one slice of logits are in memory besides the logits' rows, and every head row is read
-    once per group."""
+    whole head materialized (a 128k x 4096 matrix is 2 GB in float32); here one slice of the head, one
+    slice of logits and the block are in memory. The head's rows are read once per block: once per group
+    where the room holds the group's logits, else again for each block (nothing goes to disk)."""
     import numpy as np
 
-    from quantkit.io.rowio import RowFile
-
     vocab, prefix = streamed.head.out_features, module_prefixes(streamed.model)[id(streamed.head)]
-    shape = (hidden.shape[0], vocab)
-    in_memory = 4 * shape[0] * vocab <= room
-    logits = np.empty(shape, np.float32) if in_memory else RowFile(shape, np.float32, workdir, prefix="quantkit-logits-")
-    step = head_slice_rows(hidden.shape[0], hidden.shape[1])
-    for start in range(0, vocab, step):
-        index = np.arange(start, min(vocab, start + step))
-        block = head_block(streamed, prefix, hidden, index)
-        if in_memory:
-            logits[:, start : start + block.shape[1]] = block
-        else:
-            logits.write_columns(0, start, block)
-        release_freed_memory()
-    return logits
+    block = max(chunk_rows(vocab), room // (4 * vocab))
+    for first in range(0, hidden.shape[0], block):
+        part = hidden[first : first + block]
+        logits = np.empty((part.shape[0], vocab), np.float32)
+        step = head_slice_rows(part.shape[0], part.shape[1])
+        for start in range(0, vocab, step):
+            index = np.arange(start, min(vocab, start + step))
+            logits[:, start : start + len(index)] = head_block(streamed, prefix, part, index)
+            release_freed_memory()
+        yield logits
+        del logits
 
 
-def score_group(streamed: StreamedModel, ids, workdir: Path | None = None, room: int = 0) -> Iterator[ScoredChunk]:
-    """Run one group of windows through the streamed layers, then score it a chunk of positions
-    at a time from its logits (in memory within `room` bytes, else spilled: spilled_logits)."""
+def score_group(streamed: StreamedModel, ids, room: int = 0) -> Iterator[ScoredChunk]:
+    """Run one group of windows through the streamed layers, then score it a chunk of positions at a
+    time from its logits, computed a block of positions at a time within `room` bytes (logits_blocks)."""
     import torch
 
     hidden = last_hidden(streamed, ids)
     targets = ids[:, 1:].reshape(-1)
-    logits = spilled_logits(streamed, hidden, workdir, room)
-    del hidden
-    step = chunk_rows(logits.shape[1])
-    for start in range(0, len(logits), step):
-        rows = torch.from_numpy(logits[start : start + step])
-        yield ScoredChunk(torch.log_softmax(rows, dim=-1), targets[start : start + step])
-        release_freed_memory()  # the consumer's copies of the chunk are gone by now
+    offset = 0
+    for logits in logits_blocks(streamed, hidden, room):
+        step = chunk_rows(logits.shape[1])
+        for start in range(0, len(logits), step):
+            rows = torch.from_numpy(logits[start : start + step])
+            yield ScoredChunk(torch.log_softmax(rows, dim=-1), targets[offset + start : offset + start + step])
+            release_freed_memory()  # the consumer's copies of the chunk are gone by now
+        offset += len(logits)
 
 
 def streamed_scorer(config, source: WeightSource, dtype, device="cpu", activation_bytes: int = ACTIVATION_BYTES,
-                    workdir: Path | None = None) -> Scorer:
+                    room: int = 0) -> Scorer:
     """A Scorer (evaluate.compute_baseline / compare) running `config`'s model layer by layer
-    from `source`, in `dtype` on `device`; its logits are spilled to a file in `workdir`."""
+    from `source`, in `dtype` on `device`, its logits a block of positions at a time within `room` bytes."""
     return group_scorer(lambda: stream_model(config, source, dtype, device), config.get_text_config(),
-                        activation_bytes, workdir)
+                        activation_bytes, room)
 
 
 def group_scorer(make: Callable[[], StreamedModel], text_config, activation_bytes: int = ACTIVATION_BYTES,
-                 workdir: Path | None = None, room: int = 0) -> Scorer:
+                 room: int = 0) -> Scorer:
     """A Scorer over the streamed model `make` builds when scoring starts: the windows go through it
     in groups sized for `text_config`'s activations, each group's logits in memory within `room` bytes."""
 
@@ -402,7 +399,7 @@ def group_scorer(make: Callable[[], StreamedModel], text_config, activation_byte
         try:
             with torch.inference_mode():
                 for ids in iter_batches(windows, group):
-                    yield from score_group(streamed, ids, workdir, room)
+                    yield from score_group(streamed, ids, room)
         finally:
             streamed.close()
 
@@ -457,7 +454,7 @@ def starting_at(model, start: int, recorded) -> Iterator[None]:
 
 
 def recording_scorer(streamed: StreamedModel, text_config, starts, record: dict[int, list],
-                     activation_bytes: int = ACTIVATION_BYTES, workdir: Path | None = None) -> Scorer:
+                     activation_bytes: int = ACTIVATION_BYTES) -> Scorer:
     """The streamed model's Scorer that also records, group by group, the inputs of the layers
     `starts` names (recording_layer_inputs), for start_scorer to resume from."""
 
@@ -467,13 +464,13 @@ def recording_scorer(streamed: StreamedModel, text_config, starts, record: dict[
         group = windows_per_group(text_config, windows.shape[1], activation_bytes)
         with torch.inference_mode(), recording_layer_inputs(streamed.model, starts, record):
             for ids in iter_batches(windows, group):
-                yield from score_group(streamed, ids, workdir)
+                yield from score_group(streamed, ids)
 
     return scorer
 
 
 def start_scorer(streamed: StreamedModel, text_config, start: int, record: dict[int, list],
-                 activation_bytes: int = ACTIVATION_BYTES, workdir: Path | None = None) -> Scorer:
+                 activation_bytes: int = ACTIVATION_BYTES) -> Scorer:
     """The streamed model's Scorer computing from decoder layer `start` on, each group of windows
     resuming from the input recording_scorer recorded for it (the same windows, in the same groups)."""
 
@@ -484,7 +481,7 @@ def start_scorer(streamed: StreamedModel, text_config, start: int, record: dict[
         with torch.inference_mode():
             for index, ids in enumerate(iter_batches(windows, group)):
                 with starting_at(streamed.model, start, record[start][index] if start else None):
-                    yield from score_group(streamed, ids, workdir)
+                    yield from score_group(streamed, ids)
 
     return scorer
 
@@ -503,13 +500,14 @@ def streamable(config: dict) -> bool:
             and not get_checkpoint_conversion_mapping(config.get("model_type", "")))
 
 
-def streamed_logits(streamed: StreamedModel, ids, workdir: Path | None = None, room: int = 0):
+def streamed_logits(streamed: StreamedModel, ids, room: int = 0):
     """float32 logits (b, L, vocab) of every position of `ids`, the streamed model's forward
     (evaluate.LogitsFn: what lm-eval's model and greedy generation read, quantkit.eval.tasks);
-    the head is applied a vocabulary slice at a time as score_group does."""
+    the head is applied a block of positions and a vocabulary slice at a time as score_group does."""
+    import numpy as np
     import torch
 
     with torch.inference_mode():
         hidden = streamed.model.get_decoder()(input_ids=ids.to(streamed.device), use_cache=False).last_hidden_state
-        rows = spilled_logits(streamed, hidden.reshape(-1, hidden.shape[-1]), workdir, room)
-        return torch.from_numpy(rows[0 : len(rows)]).reshape(ids.shape[0], ids.shape[1], -1)
+        rows = np.concatenate(list(logits_blocks(streamed, hidden.reshape(-1, hidden.shape[-1]), room)))
+        return torch.from_numpy(rows).reshape(ids.shape[0], ids.shape[1], -1)

@@ -259,15 +259,15 @@ def probe_klds(model_dir: Path, probes: Iterable[Probe], windows, setting: str, 
     base = SafetensorsWeights(model_dir)
     streamed = stream_model(config, base, torch.float32)
     text, record = config.get_text_config(), {}
-    baseline = evaluate.compute_baseline(recording_scorer(streamed, text, {p.start for p in probes}, record,
-                                                          workdir=workdir), windows, workdir)
+    baseline = evaluate.compute_baseline(recording_scorer(streamed, text, {p.start for p in probes}, record),
+                                         windows, workdir)
     klds = {}
     for index, probe in enumerate(probes):
         progress(f"sensitivity: {probe.name} alone ({index + 1}/{len(probes)})")
         streamed.weights.source = PatchedWeights(base, probe.patch())
         hooks = transform_inputs(streamed.model, probe.inputs)
         try:
-            metrics = evaluate.compare(start_scorer(streamed, text, probe.start, record, workdir=workdir), windows,
+            metrics = evaluate.compare(start_scorer(streamed, text, probe.start, record), windows,
                                        baseline)
         finally:
             hooks.close()

@@ -144,8 +144,9 @@ def prepare(recipe: Recipe, opts: RunOptions) -> tuple[ModelInfo, list[ResolvedT
         lora_plan(info, recipe)  # every adapter checked against the base before work
     check_disk(opts.out, disk_estimate(recipe, opts, info, targets))
     bound = opts.max_memory or recipe.max_memory_bytes  # --max-memory, else the recipe's max_memory
-    placement = gate_placement(info, recipe, targets, bound, opts.ranks.world_size)
-    check_ram(ram_estimate(info, recipe, targets, placement), bound)
+    named = "--max-memory" if opts.max_memory else "the recipe's max_memory"
+    placement = gate_placement(info, recipe, targets, bound, opts.ranks.world_size, named)
+    check_ram(ram_estimate(info, recipe, targets, placement), bound, named)
     if device_map(recipe.device) == "cuda":
         check_vram(vram_estimate(info, recipe, targets, placement, placement.onload), available_vram())
     check_finite([*info.weight_files, *(Path(p) / "adapter_model.safetensors" for p in recipe.lora)])
@@ -379,9 +380,11 @@ def run_main(recipe: Recipe, opts: RunOptions, info: ModelInfo, targets: list[Re
         opts.progress("quantize: the model does not fit the GPU whole; it stays in RAM and llm-compressor "
                       "onloads one layer at a time to the GPU")
     if placement.why:
-        opts.progress(describe_placement(placement, info, recipe.calibration.seq_len))
+        opts.progress(describe_placement(placement, info, recipe.calibration.seq_len, recipe.calibration.eval_windows))
+        estimate = ram_estimate(info, recipe, targets, placement)
         report.gate_placement = {"resident": placement.resident, "device": placement.device, "why": placement.why,
-                                 "lockstep": placement.lockstep}
+                                 "lockstep": placement.lockstep, "estimated_peak_rss_bytes": estimate.peak,
+                                 "estimated_steps": {"fixed": estimate.fixed, **estimate.steps}}
     if (placement.tables_on_disk and placement.device == "cpu" and recipe.offload_dir is None
             and not is_vlm(info.config) and any(t.needs_model for t in targets)):
         opts.progress("quantize: the model does not fit whole beside the rest of the run; its embeddings and head "

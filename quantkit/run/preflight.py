@@ -98,7 +98,8 @@ def _size(n: int) -> str:
 
 # ---------------------------------------------------------------- memory
 
-FIXED_RAM = 768 * 2**20  # interpreter, torch, transformers and kernels before any weight (measured ~0.6-0.7 GiB)
+FIXED_RAM = 600 * 2**20  # interpreter, torch, transformers and kernels before any weight (measured 0.50 GiB for
+# `quantkit eval`, 0.59 GiB once llm-compressor is imported)
 FIXED_VRAM = 512 * 2**20  # CUDA context, cuBLAS workspaces and kernels before any weight
 
 
@@ -152,8 +153,7 @@ def ram_estimate(info, recipe, targets, placement=None) -> RamEstimate:
 
     placement = placement or Placement(False)
     others, layers = unit_bytes(info)
-    layer = max(layers.values(), default=0) or max(others.values(), default=0)
-    model = sum(others.values()) + sum(layers.values())
+    matrix = largest_matrix(info) or max(others.values(), default=0)  # what a streamed forward holds at once
     c = recipe.calibration
     kept = kept_baseline_bytes(info, c.seq_len, c.eval_windows, placement)
     streamed = streamed_bytes(info, c.seq_len, c.eval_windows)
@@ -162,7 +162,7 @@ def ram_estimate(info, recipe, targets, placement=None) -> RamEstimate:
     if c.eval_windows and not placement.lockstep:
         base = whole.get("baseline")
         steps["baseline"] = kept + (scoring_bytes(base, info, c.seq_len, c.eval_windows, BASELINE_COPIES) if base
-                                    else layer + streamed)
+                                    else matrix + streamed)
     for t in targets:
         working = t.method.working_set(info, t.options)
         if t.needs_model:
@@ -188,8 +188,8 @@ def gate_bytes(target, info, recipe, placement, whole: dict[str, int], streamed:
     if name in whole:
         return scoring_bytes(whole[name], info, c.seq_len, c.eval_windows, SCORING_COPIES)
     model = sum(others.values()) + sum(layers.values())
-    layer = max(layers.values(), default=0) or max(others.values(), default=0)
-    return candidate_bytes(target, model, layer, streams_gate(target, info, recipe)) + streamed
+    matrix = largest_matrix(info) or max(others.values(), default=0)
+    return candidate_bytes(target, model, matrix, streams_gate(target, info, recipe)) + streamed
 
 
 def held_bytes(info, recipe, others: dict[str, int], layers: dict[str, int], working: int,
@@ -237,9 +237,10 @@ def streams_gate(target, info, recipe) -> bool:
 
 
 def candidate_bytes(target, model: int, layer: int, streamed: bool) -> int:
-    """What the gate holds of one artifact: a .gguf streamed in float32 (twice a 16-bit layer), a
-    streamed compressed-tensors one a 16-bit layer (its modules decompressed one at a time), any
-    other checkpoint whole at its bits; an mlx-lm directory a layer dequantized to its stored dtype."""
+    """What the gate holds of one artifact (`layer`: the 16-bit unit a streamed forward holds at once): a .gguf
+    streamed in float32 (twice that), a streamed compressed-tensors one that unit (its modules decompressed
+    one at a time), any other checkpoint whole at its bits; an mlx-lm directory a unit dequantized to its
+    stored dtype."""
     if target.method.artifact == "gguf":
         return 2 * layer
     if streamed or target.method.artifact == "mlx":  # an mlx-lm directory streams dequantized, a layer at a time
@@ -330,13 +331,13 @@ def meminfo(field: str) -> int:
     return 0
 
 
-def check_ram(estimate: RamEstimate, limit: int | None) -> None:
-    """InputError with the numbers when the run's estimated peak exceeds --max-memory (or the
-    memory available now, when no limit is given)."""
+def check_ram(estimate: RamEstimate, limit: int | None, bound: str = "--max-memory") -> None:
+    """InputError with the numbers when the run's estimated peak exceeds the bound (`limit`, named `bound`:
+    --max-memory, or the recipe's max_memory), or the memory available now when no limit is given."""
     budget = limit or available_ram()
     if not budget or estimate.peak <= budget:
         return
-    source = "--max-memory" if limit else "available memory"
+    source = bound if limit else "available memory"
     raise InputError(f"not enough memory: the run needs about {_size(estimate.peak)} at its peak "
                      f"({estimate.describe()}, plus {_size(estimate.fixed)} fixed), {source} is {_size(budget)}",
                      hint="use --offload-dir for the llm-compressor methods, fewer --eval-windows, "
@@ -351,23 +352,28 @@ RAM_HEADROOM = 0.10  # share of the memory available now a run leaves free (othe
 MIN_RAM_HEADROOM = 512 * 2**20  # and at least this much
 BASELINE_COPIES = 3  # float32-chunk-sized buffers the baseline's scoring holds: the logits in the model's dtype,
 # the log-probs, their float16 copy
-SCORING_COPIES = 6  # comparing a chunk: the candidate's logits and log-probs, the baseline's rows in float32, the
+SCORING_COPIES = 5  # comparing a chunk: the candidate's logits and log-probs, the baseline's rows in float32, the
 # KL divergence's difference and exponentials
-LOCKSTEP_COPIES = 8  # the same, with the base's logits and log-probs beside the candidate's
+LOCKSTEP_COPIES = 6  # the same, with the base's logits and log-probs beside the candidate's (measured: 5 at a
+# 262144-entry vocabulary)
 
 
 def streamed_bytes(info, seq_len: int, windows: int) -> int:
-    """What a streamed forward holds beside its current weight matrix: a group's activations, a slice of the
-    output head and the group's logits for it (quantkit.eval.stream.head_slice_rows), and the float32 chunks
-    of log-probs the scoring holds while comparing (evaluate.chunk_rows)."""
+    """What a streamed forward holds beside its current weight matrix, one phase at a time: a group's hidden
+    states throughout, and the largest of the decoder's activations for the group, a slice of the output head
+    with the group's logits for it (quantkit.eval.stream.head_slice_rows), and the float32 chunks of log-probs
+    the scoring holds while comparing (evaluate.chunk_rows)."""
     from quantkit.eval.evaluate import chunk_rows
-    from quantkit.eval.stream import ACTIVATION_BYTES, HEAD_SLICE_BYTES, windows_per_group
+    from quantkit.eval.stream import ACTIVATION_BYTES, head_slice_rows, windows_per_group
+    from quantkit.io.safetensors import DTYPE_BYTES
 
-    vocab, hidden = vocab_size(info), text_shape(info).hidden_size
-    group = min(windows_per_group(text_shape(info), seq_len, ACTIVATION_BYTES), max(1, windows)) * seq_len
-    head = min(HEAD_SLICE_BYTES, 4 * vocab * hidden) + min(HEAD_SLICE_BYTES, 4 * vocab * group)
-    chunk = 4 * vocab * min(chunk_rows(vocab), group) if vocab else 0
-    return batch_bytes(info, seq_len, windows, ACTIVATION_BYTES) + head + SCORING_COPIES * chunk
+    vocab, shape, size = vocab_size(info), text_shape(info), DTYPE_BYTES.get(info.dtype, 4)
+    positions = min(windows_per_group(shape, seq_len, ACTIVATION_BYTES), max(1, windows)) * seq_len
+    rows = min(vocab, head_slice_rows(positions, shape.hidden_size))
+    head = rows * shape.hidden_size * size + 4 * rows * positions
+    chunk = 4 * vocab * min(chunk_rows(vocab), positions) if vocab else 0
+    hidden = positions * shape.hidden_size * size
+    return hidden + max(batch_bytes(info, seq_len, windows, ACTIVATION_BYTES), head, SCORING_COPIES * chunk)
 
 
 def vocab_size(info) -> int:
@@ -376,15 +382,15 @@ def vocab_size(info) -> int:
 
 
 def batch_bytes(info, seq_len: int, windows: int, budget: int) -> int:
-    """Activations of one batch of windows (quantkit.eval.stream.windows_per_group: as many as fit `budget`,
-    one at least, no more than there are)."""
+    """Activations of one batch of windows (quantkit.eval.stream.windows_per_group: as many as fit `budget` at
+    float32, one at least, no more than there are) at the checkpoint's element size (16-bit: half)."""
     from quantkit.eval.stream import windows_per_group
+    from quantkit.io.safetensors import DTYPE_BYTES
 
     shape = text_shape(info)
     group = windows_per_group(shape, seq_len, budget)
-    per_window = 4 * seq_len * (8 * shape.hidden_size + 3 * shape.intermediate_size
-                                + 2 * shape.num_attention_heads * seq_len)
-    return min(group, max(1, windows)) * per_window
+    per_window = seq_len * (8 * shape.hidden_size + 3 * shape.intermediate_size + 2 * shape.num_attention_heads * seq_len)
+    return min(group, max(1, windows)) * per_window * DTYPE_BYTES.get(info.dtype, 4)
 
 
 def chunk_bytes(info, seq_len: int, windows: int, cuda: bool = False) -> int:
@@ -398,12 +404,13 @@ def chunk_bytes(info, seq_len: int, windows: int, cuda: bool = False) -> int:
 
 
 def scoring_bytes(models: int, info, seq_len: int, windows: int, copies: int, cuda: bool = False) -> int:
-    """A resident forward: `models` bytes of weights, a batch's activations and `copies` chunks of logits."""
+    """A resident forward: `models` bytes of weights, and the larger of a batch's activations (beside the two
+    chunks of logits the other side of a lockstep holds) and `copies` chunks of logits while scoring."""
     from quantkit.eval.stream import ACTIVATION_BYTES
 
     budget = GPU_ACTIVATION_BYTES if cuda else ACTIVATION_BYTES
-    return (models + batch_bytes(info, seq_len, windows, budget)
-            + copies * chunk_bytes(info, seq_len, windows, cuda))
+    chunk = chunk_bytes(info, seq_len, windows, cuda)
+    return models + max(batch_bytes(info, seq_len, windows, budget) + 2 * chunk, copies * chunk)
 
 
 def lockstep_bytes(models: int, info, seq_len: int, windows: int) -> int:
@@ -485,19 +492,21 @@ def resident_need(largest: int, cuda: bool, info, seq_len: int, windows: int) ->
     return scoring_bytes(largest, info, seq_len, windows, SCORING_COPIES, cuda), budget
 
 
-def ram_budget(max_memory: int | None) -> tuple[int, str]:
+def ram_budget(max_memory: int | None, bound: str = "--max-memory") -> tuple[int, str]:
     """(the peak a run may reach in RAM, what that is): the memory available now less RAM_HEADROOM (at least
-    MIN_RAM_HEADROOM), and within --max-memory (or the recipe's max_memory) when the run is bounded."""
+    MIN_RAM_HEADROOM), and within `max_memory` (named `bound`: --max-memory, or the recipe's max_memory)
+    when the run is bounded."""
     available = available_ram()
     free = available - max(MIN_RAM_HEADROOM, int(RAM_HEADROOM * available)) if available else 0
     if max_memory and (not free or max_memory <= free):
-        return max_memory, f"--max-memory {_size(max_memory)}"
+        return max_memory, f"{bound} {_size(max_memory)}"
     if not available:
         return 0, "the memory available now is unknown"
     return max(0, free), f"{_size(available)} available now, less {RAM_HEADROOM:.0%} headroom"
 
 
-def gate_placement(info, recipe, targets, max_memory: int | None = None, ranks: int = 1):
+def gate_placement(info, recipe, targets, max_memory: int | None = None, ranks: int = 1,
+                   bound: str = "--max-memory"):
     """Where a run's models go, chosen once before any work. On a CPU, the first of cpu_placements whose
     peak (ram_estimate) fits ram_budget: the gate resident (the base scored beside each artifact, or its
     log-probs kept in memory), a method's model whole in RAM, the baseline's log-probs in memory; streamed a
@@ -511,7 +520,7 @@ def gate_placement(info, recipe, targets, max_memory: int | None = None, ranks: 
 
     device = device_map(recipe.device)
     if device != "cuda":
-        budget, source = ram_budget(max_memory)
+        budget, source = ram_budget(max_memory, bound)
         return choose(cpu_placements(info, recipe, targets, ranks), budget, source,
                       lambda p: ram_estimate(info, recipe, targets, p).peak)
     steps = read_whole_bytes(info, recipe, targets)
@@ -543,12 +552,12 @@ def cpu_placements(info, recipe, targets, ranks: int = 1) -> list:
     gated = {f"{t.name}: gate" for t in targets} if recipe.calibration.eval_windows else set()
     modes = []
     if whole:
-        modes = [dict(resident=True, spill=False)]
+        modes = [{"resident": True, "spill": False}]
         if ranks == 1 and gated and gated <= set(whole):  # every model the gate reads, read by quantkit
-            modes.append(dict(resident=True, spill=False, lockstep=True))
+            modes.append({"resident": True, "spill": False, "lockstep": True})
         if measurements(recipe, targets) == 1:
             modes.sort(key=lambda mode: ram_estimate(info, recipe, targets, Placement(**mode, tables_on_disk=False)).peak)
-    modes += [dict(resident=False, spill=False), dict(resident=False, spill=True)]
+    modes += [{"resident": False, "spill": False}, {"resident": False, "spill": True}]
     tables = [False, True] if any(t.needs_model for t in targets) and not recipe.offload_dir else [False]
     return [Placement(device="cpu", tables_on_disk=on_disk, **mode) for mode in modes for on_disk in tables]
 
@@ -582,7 +591,7 @@ def placement_for(largest: int, device: str, info, seq_len: int, windows: int):
                      tables_on_disk=False, room=max(0, budget - need))
 
 
-def describe_placement(placement, info, seq_len: int) -> str:
+def describe_placement(placement, info, seq_len: int, windows: int | None = None) -> str:
     """One line: where the gate runs and why, with the numbers: "gate: resident on cpu, batch 8, the base scored
     beside each artifact (peak about ...; ... available now ...)" or "gate: streamed on cpu, 0.1 GiB per layer
     (resident the run would peak at about ...; ...)"."""
@@ -590,6 +599,7 @@ def describe_placement(placement, info, seq_len: int) -> str:
 
     if placement.resident:
         batch = windows_per_group(text_shape(info), seq_len, placement.activation_bytes)
+        batch = min(batch, windows) if windows else batch
         kept = (", the base scored beside each artifact" if placement.lockstep
                 else "" if placement.spill else ", the baseline's log-probs in memory")
         return f"gate: resident on {placement.device}, batch {batch}{kept} ({placement.why})"
@@ -611,9 +621,9 @@ def eval_estimate(info, kind: str, seq_len: int, windows: int, placement, reads_
         base_step = scoring_bytes(base, info, seq_len, windows, BASELINE_COPIES)
         artifact_step = scoring_bytes(artifact, info, seq_len, windows, SCORING_COPIES)
     else:
-        layer = max(unit_bytes(info)[1].values(), default=0)
-        base_step = layer + streamed_bytes(info, seq_len, windows)
-        artifact_step = base_step + (layer if kind == "gguf" else 0)  # a .gguf's layer in float32
+        matrix = largest_matrix(info)
+        base_step = matrix + streamed_bytes(info, seq_len, windows)
+        artifact_step = base_step + (matrix if kind == "gguf" else 0)  # a .gguf's matrix in float32
     if not reads_artifact:
         artifact_step = scoring_bytes(artifact, info, seq_len, windows, SCORING_COPIES)
     return RamEstimate({"baseline": base_step + kept, "artifact": artifact_step + kept})

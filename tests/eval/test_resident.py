@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -153,3 +154,129 @@ def test_the_meta_model_is_built_the_streamed_way(micro_model, monkeypatch):
     assert built == [torch.bfloat16]
     assert {p.dtype for p in whole.model.parameters()} == {torch.bfloat16}
     assert whole.model.get_output_embeddings().weight.data_ptr() != 0
+
+
+# ------------------------------------------------------------------ lockstep, chunks, nothing on disk
+
+
+@pytest.fixture(scope="module")
+def fp8_artifact(micro_model, tmp_path_factory) -> Path:
+    from typer.testing import CliRunner
+
+    from quantkit.cli.app import app
+
+    out = tmp_path_factory.mktemp("resident-fp8") / "fp8"
+    result = CliRunner().invoke(app, ["quantize", str(micro_model), "-o", str(out), "--method", "fp8",
+                                      "--eval-windows", "0"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return out
+
+
+LOCKSTEP = scorers.Placement(True, spill=False, lockstep=True)
+
+
+def direct_metrics(micro_model, artifact, windows) -> dict:
+    """The gate's metrics computed independently: each model's whole logits from transformers' own forward,
+    in float64, both log-probs rounded to float16 and renormalized (the protocol of evaluate.kl_rows)."""
+    from transformers import AutoModelForCausalLM
+
+    def logprobs(path):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype="auto").eval()
+        with torch.inference_mode():
+            return torch.log_softmax(model(input_ids=windows).logits[:, :-1].double(), -1).reshape(-1, 512)
+
+    def rounded(lp):
+        lp = lp.half().double().clamp_min(evaluate.FLOAT16_MIN)
+        return lp - torch.logsumexp(lp, -1, keepdim=True)
+
+    base, cand = logprobs(micro_model), logprobs(artifact)
+    p, q = rounded(base), rounded(cand)
+    targets = windows[:, 1:].reshape(-1, 1)
+    nll = -cand.gather(1, targets).mean().item()
+    return {"kld_mean": (p.exp() * (p - q)).sum(-1).clamp_min(0).mean().item(),
+            "top1": (base.argmax(-1) == cand.argmax(-1)).double().mean().item(),
+            "ppl": float(np.exp(nll)), "ppl_base": float(np.exp(-base.gather(1, targets).mean().item()))}
+
+
+def test_chunked_logits_give_the_metrics_of_whole_logits(micro_model, fp8_artifact, windows, monkeypatch):
+    """Chunks of 7 positions (crossing the 63-position windows), resident in lockstep and through a model object:
+    the metrics of transformers' whole logits computed apart."""
+    monkeypatch.setattr(resident, "CPU_CHUNK_BYTES", 4 * 512 * 7)
+    monkeypatch.setattr(resident, "MIN_CHUNK_POSITIONS", 1)
+    monkeypatch.setattr(evaluate, "CHUNK_BYTES", 4 * 512 * 7)
+    direct = direct_metrics(micro_model, fp8_artifact, windows)
+    info = checkpoint.check_model_dir(micro_model)
+    lockstep = scorers.evaluate_artifact(fp8_artifact, micro_model, windows,
+                                         scorers.base_baseline(info, windows, placement=LOCKSTEP), placement=LOCKSTEP)
+    from quantkit.engines.transformers import load_model
+    from quantkit.eval.artifacts import load_for_eval
+
+    kept = evaluate.compute_baseline(evaluate.model_scorer(load_model(info)), windows)
+    objects = evaluate.compare(evaluate.model_scorer(load_for_eval(fp8_artifact, micro_model)), windows, kept)
+    for metrics in (lockstep, objects):
+        assert metrics.kld_mean == pytest.approx(direct["kld_mean"], rel=2e-3)
+        assert metrics.top1 == pytest.approx(direct["top1"], abs=1 / metrics.positions)
+        assert metrics.ppl == pytest.approx(direct["ppl"], rel=1e-4)
+        assert metrics.ppl_base == pytest.approx(direct["ppl_base"], rel=1e-4)
+    assert direct["kld_mean"] > 0
+
+
+def test_lockstep_holds_what_the_artifact_stores_unchanged_once(micro_model, fp8_artifact, windows):
+    """The artifact's resident model takes the base's tensors where it stores the same values (fp8 keeps the
+    embeddings, the head and the norms), compared a slice at a time, never read whole; its quantized layers
+    are its own."""
+    from quantkit.eval.resident import Shared
+
+    info = checkpoint.check_model_dir(micro_model)
+    base = scorers.resident_reading(scorers.base_reading(info), "cpu")
+    shared = Shared(dict(base.model.named_parameters(remove_duplicate=False)))
+    reading = scorers.artifact_reading(fp8_artifact, micro_model)
+    model, stored = reading.open()
+    source = CountingSource(stored)
+    artifact = resident.resident_built(model, reading.config, source, "cpu", shared.tensors)
+    mine, theirs = dict(artifact.model.named_parameters()), dict(base.model.named_parameters())
+    same = {name for name in mine if mine[name].data_ptr() == theirs[name].data_ptr()}
+    assert "model.embed_tokens.weight" in same and "model.norm.weight" in same
+    assert not any(".mlp." in name and name.endswith("proj.weight") for name in same)
+    assert "model.embed_tokens.weight" not in source.reads  # compared by rows only
+
+
+def test_a_lockstep_artifact_out_of_memory_finishes_streamed_with_the_same_metrics(micro_model, fp8_artifact, windows,
+                                                                                   monkeypatch):
+    monkeypatch.setattr(resident, "CPU_CHUNK_BYTES", 4 * 512 * 50)
+    monkeypatch.setattr(resident, "MIN_CHUNK_POSITIONS", 1)
+    info = checkpoint.check_model_dir(micro_model)
+    reference = scorers.evaluate_artifact(fp8_artifact, micro_model, windows,
+                                          scorers.base_baseline(info, windows, placement=LOCKSTEP), placement=LOCKSTEP)
+    real = resident.resident_scorer
+
+    def failing(make, text_config, activation_bytes, lends=None):
+        scorer = real(make, text_config, activation_bytes, lends)
+        return scorer if lends is not None else failing_after(scorer, 3, MemoryError())
+
+    monkeypatch.setattr(resident, "resident_scorer", failing)
+    said = []
+    metrics = scorers.evaluate_artifact(fp8_artifact, micro_model, windows,
+                                        scorers.base_baseline(info, windows, placement=LOCKSTEP), placement=LOCKSTEP,
+                                        progress=said.append)
+    assert any("ran out of memory" in line and "streaming the rest" in line for line in said)
+    assert_same_metrics(metrics, reference)
+
+
+def test_a_run_that_fits_writes_nothing_but_its_artifact(cli, micro_model, tmp_path, monkeypatch):
+    """Resident by default: no spilled baseline or logits (no RowFile), no tables offloaded to disk, the
+    placement line with its numbers."""
+    import tempfile
+
+    from quantkit.io import rowio
+
+    made = []
+    monkeypatch.setattr(rowio.RowFile, "__init__", lambda self, *a, **k: made.append(a) or pytest.fail("spilled"))
+    real_mkdtemp = tempfile.mkdtemp
+    monkeypatch.setattr(tempfile, "mkdtemp", lambda *a, **k: made.append(k) or real_mkdtemp(*a, **k))
+    result = cli("quantize", micro_model, "-o", tmp_path / "out", "--method", "gptq", "--num-samples", "16",
+                 "--seq-len", "64", "--eval-windows", "4", "--no-gate")
+    assert result.exit_code == 0, result.output
+    assert "gate: resident on cpu, batch 4" in result.stderr and "available now" in result.stderr
+    assert "offloaded" not in result.stderr and "--max-memory" not in result.stderr
+    assert not [k for k in made if "quantkit-offload-" in str(k.get("prefix"))]
