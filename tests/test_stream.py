@@ -162,7 +162,7 @@ def test_head_in_many_vocabulary_slices_gives_the_same_metrics(micro_model, wind
     assert stream.head_slice_rows(10, 64) == 7
     metrics = evaluate.compare(scorers.checkpoint_scorer(micro_model, workdir=tmp_path), windows, base)
     assert metrics.kld_mean < 1e-6 and metrics.top1 == 1.0 and abs(metrics.ppl_increase) < REL
-    assert not list(tmp_path.iterdir())  # the spilled logits' file is unlinked at once
+    assert not list(tmp_path.iterdir())  # nothing is written there: the logits stay in memory
 
 
 def test_logits_come_a_chunk_of_positions_at_a_time(micro_model, windows, monkeypatch):

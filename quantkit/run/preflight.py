@@ -2,8 +2,8 @@
 filesystem lacks it (exit 2, with the numbers), instead of failing after the long work.
 
 Rough on purpose: per target, the decoder's linear weights at the method's bits and everything
-else at 16 bits; a merged LoRA checkpoint at 16 bits; the float16 baseline log-probs and the
-float32 logits a streamed scorer spills (eval_windows x seq_len x vocab, 2 + 4 bytes at most);
+else at 16 bits; a merged LoRA checkpoint at 16 bits; the float16 baseline log-probs, which go to a
+file where they do not fit in memory (eval_windows x seq_len x vocab x 2 bytes at most; logits never do);
 with --resume, each method's saved progress beyond its artifact (MethodSpec.resume_bytes), less
 what the interrupted run being resumed already wrote.
 Staging, merged checkpoint and these files all live on OUT's filesystem (the staging directory
@@ -46,11 +46,11 @@ def with_resume(estimate: DiskEstimate, info, targets: list[tuple[MethodSpec, ob
 
 def estimate_bytes(quantized_params: int, other_params: int, target_bits: list[float], lora: bool,
                    eval_windows: int, seq_len: int, vocab: int) -> DiskEstimate:
-    """Bytes a run writes: one artifact per target, the merged LoRA model, the float16 baseline
-    and the spilled float32 logits of one scorer (both at most eval_windows x seq_len x vocab)."""
+    """Bytes a run writes at most: one artifact per target, the merged LoRA model, the float16 baseline
+    log-probs (eval_windows x seq_len x vocab x 2 bytes, where they go to a file)."""
     artifacts = sum(int(quantized_params * bits / 8) + 2 * other_params for bits in target_bits)
     merged = 2 * (quantized_params + other_params) if lora else 0
-    return DiskEstimate(artifacts, merged, (2 + 4) * eval_windows * seq_len * vocab)
+    return DiskEstimate(artifacts, merged, 2 * eval_windows * seq_len * vocab)
 
 
 def run_estimate(info, recipe, targets: list[tuple[MethodSpec, object]]) -> DiskEstimate:
@@ -82,7 +82,7 @@ def check_disk(out: Path, estimate: DiskEstimate) -> None:
     if estimate.merged_lora:
         parts.append(f"merged LoRA model {_size(estimate.merged_lora)}")
     if estimate.baseline:
-        parts.append(f"baseline and spilled logits {_size(estimate.baseline)}")
+        parts.append(f"baseline log-probs {_size(estimate.baseline)}")
     if estimate.saved_progress:
         parts.append(f"saved progress for --resume {_size(estimate.saved_progress)}")
     if estimate.staged:
