@@ -161,13 +161,14 @@ def worker(argv: list[str]) -> None:
 # ---------------------------------------------------------------- the parent: run and measure
 
 
-def run_child(cmd: list[str], log: Path, pythonpath: Path, timeout: float) -> dict:
-    """wall seconds, peak RSS MiB, bytes written and exit code of one child, the load when it started."""
-    env = {**os.environ, "PYTHONPATH": str(pythonpath)}
+def run_child(cmd: list[str], log: Path, tree: Path, timeout: float) -> dict:
+    """wall seconds, peak RSS MiB, bytes written and exit code of one child run in `tree` (its quantkit first on
+    the path: `python -m` puts the working directory before PYTHONPATH), the load when it started."""
+    env = {**os.environ, "PYTHONPATH": str(tree)}
     load = os.getloadavg()[0]
     started = time.time()
     with open(log, "w") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=tree)
         deadline = started + timeout
         while True:
             pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
@@ -258,7 +259,7 @@ def case_rows(case: str, args, work: Path) -> dict:
     if not (artifact / "config.json").exists():
         subprocess.run([sys.executable, "-m", "quantkit", "quantize", str(base), "--method", "fp8", "-o", str(artifact),
                         "--eval-windows", "0", "--overwrite"], check=True, capture_output=True,
-                       env={**os.environ, "PYTHONPATH": str(HERE)})
+                       env={**os.environ, "PYTHONPATH": str(HERE)}, cwd=HERE)
     rows = []
     sides = [("before", args.before)] if args.before else []
     sides.append(("after", HERE))
