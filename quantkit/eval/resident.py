@@ -88,11 +88,16 @@ COMPARE_BYTES = 16 * 1024 * 1024  # a lent tensor is compared with the stored on
 
 def lent_match(weights: WeightsMap, name: str, candidates: list, dtype, device):
     """The first candidate with the stored tensor's shape, `dtype`, `device` and values, compared a slice of
-    rows at a time (so the stored tensor is never held whole beside it); None where none is."""
+    rows at a time (so the stored tensor is never held whole beside it); None where none is, and for a
+    tensor the source does not give as stored (a quantized module's weight, decompressed: quantkit.eval.
+    compressed.CompressedWeights.reads)."""
     import numpy as np
     import torch
 
     shape = tuple(weights.source.shape(weights.names[name]))
+    reads = getattr(weights.source, "reads", None)  # a source that says what it reads (compressed-tensors)
+    if reads is None or reads(weights.names[name]) != [weights.names[name]]:
+        return None  # decompressed or dequantized (or not said): never the base's values as stored
     for other in candidates:
         if other is None or tuple(other.shape) != shape or other.dtype != dtype or other.device != torch.device(device):
             continue
