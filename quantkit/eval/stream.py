@@ -373,7 +373,8 @@ def score_group(streamed: StreamedModel, ids, room: int = 0) -> Iterator[ScoredC
         step = chunk_rows(logits.shape[1])
         for start in range(0, len(logits), step):
             rows = torch.from_numpy(logits[start : start + step])
-            yield ScoredChunk(torch.log_softmax(rows, dim=-1), targets[offset + start : offset + start + step])
+            first = offset + start
+            yield ScoredChunk(torch.log_softmax(rows, dim=-1), targets[first : first + rows.shape[0]])
             release_freed_memory()  # the consumer's copies of the chunk are gone by now
         offset += len(logits)
 

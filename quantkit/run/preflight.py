@@ -348,6 +348,8 @@ def check_ram(estimate: RamEstimate, limit: int | None, bound: str = "--max-memo
 
 GPU_HEADROOM = 0.90  # share of the free GPU memory a resident gate may fill (allocator slack, other processes)
 GPU_ACTIVATION_BYTES = 4 * 2**30  # a GPU's windows batched within this much of activations
+CPU_ACTIVATION_BYTES = 128 * 2**20  # a resident CPU forward's: no layer is read per batch, so a batch only needs
+# rows enough for the matmuls (4 windows of 512 tokens at width 640: 2048 rows), the memory goes to the models
 RAM_HEADROOM = 0.10  # share of the memory available now a run leaves free (other processes, page cache, slack)
 MIN_RAM_HEADROOM = 512 * 2**20  # and at least this much
 BASELINE_COPIES = 3  # float32-chunk-sized buffers the baseline's scoring holds: the logits in the model's dtype,
@@ -406,9 +408,7 @@ def chunk_bytes(info, seq_len: int, windows: int, cuda: bool = False) -> int:
 def scoring_bytes(models: int, info, seq_len: int, windows: int, copies: int, cuda: bool = False) -> int:
     """A resident forward: `models` bytes of weights, and the larger of a batch's activations (beside the two
     chunks of logits the other side of a lockstep holds) and `copies` chunks of logits while scoring."""
-    from quantkit.eval.stream import ACTIVATION_BYTES
-
-    budget = GPU_ACTIVATION_BYTES if cuda else ACTIVATION_BYTES
+    budget = GPU_ACTIVATION_BYTES if cuda else CPU_ACTIVATION_BYTES
     chunk = chunk_bytes(info, seq_len, windows, cuda)
     return models + max(batch_bytes(info, seq_len, windows, budget) + 2 * chunk, copies * chunk)
 
@@ -486,9 +486,7 @@ def text_shape(info):
 def resident_need(largest: int, cuda: bool, info, seq_len: int, windows: int) -> tuple[int, int]:
     """(bytes a resident gate holds on the device with the largest model read whole, its activation budget):
     the model, a batch's activations and the scoring's chunks of logits (scoring_bytes)."""
-    from quantkit.eval.stream import ACTIVATION_BYTES
-
-    budget = GPU_ACTIVATION_BYTES if cuda else ACTIVATION_BYTES
+    budget = GPU_ACTIVATION_BYTES if cuda else CPU_ACTIVATION_BYTES
     return scoring_bytes(largest, info, seq_len, windows, SCORING_COPIES, cuda), budget
 
 
@@ -547,6 +545,7 @@ def cpu_placements(info, recipe, targets, ranks: int = 1) -> list:
     the kept baseline first where several artifacts reuse it), then streamed with the log-probs in memory,
     then in a file; each with a method's tables in RAM, then on disk (where a method loads the model)."""
     from quantkit.eval.scorers import Placement
+    from quantkit.eval.stream import ACTIVATION_BYTES
 
     whole = read_whole_bytes(info, recipe, targets)
     gated = {f"{t.name}: gate" for t in targets} if recipe.calibration.eval_windows else set()
@@ -559,7 +558,9 @@ def cpu_placements(info, recipe, targets, ranks: int = 1) -> list:
             modes.sort(key=lambda mode: ram_estimate(info, recipe, targets, Placement(**mode, tables_on_disk=False)).peak)
     modes += [{"resident": False, "spill": False}, {"resident": False, "spill": True}]
     tables = [False, True] if any(t.needs_model for t in targets) and not recipe.offload_dir else [False]
-    return [Placement(device="cpu", tables_on_disk=on_disk, **mode) for mode in modes for on_disk in tables]
+    return [Placement(device="cpu", tables_on_disk=on_disk,
+                      activation_bytes=CPU_ACTIVATION_BYTES if mode["resident"] else ACTIVATION_BYTES, **mode)
+            for mode in modes for on_disk in tables]
 
 
 def choose(candidates: list, budget: int, source: str, peak):
@@ -640,7 +641,8 @@ def eval_placement(info, kind: str, device: str, seq_len: int, windows: int, max
     if device == "cuda":
         return placement_for(max(whole_bytes(info, "base"), whole_bytes(info, kind)), device, info, seq_len, windows)
     budget, source = ram_budget(max_memory)
-    resident = [Placement(True, "cpu", spill=False), Placement(True, "cpu", spill=False, lockstep=True)]
+    batch = CPU_ACTIVATION_BYTES
+    resident = [Placement(True, "cpu", batch, spill=False), Placement(True, "cpu", batch, spill=False, lockstep=True)]
 
     def peak(p) -> int:
         return FIXED_RAM + max(eval_estimate(info, kind, seq_len, windows, p, reads_artifact).steps.values())
