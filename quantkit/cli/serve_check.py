@@ -81,7 +81,7 @@ def serve_check_command(
     from quantkit.engines.transformers import check_device
     from quantkit.errors import GateFailedError, InputError, ModelError
     from quantkit.io.checkpoint import check_model_dir, resolve_model
-    from quantkit.serve.check import Generation, Tolerances, prepare, serve_check
+    from quantkit.serve.check import Generation, Tolerances, failures, prepare, serve_check
     from quantkit.serve.record import record_result, report_path
     from quantkit.serve.settings import ServeOptions
 
@@ -116,10 +116,8 @@ def serve_check_command(
         record_result(report_path(artifact), data_out)
         progress(f"recorded serve_check.{result.engine['name']} in {report_path(artifact)}")
     if not result.passed:
-        failed = "; ".join(f"{c.name} {c.value:.4g} (needs {c.op} {c.threshold:g})" for c in result.checks
-                           if not c.passed)
         raise GateFailedError(f"{artifact.name} served by {result.engine['name']} does not read as the gate read "
-                              f"it: {failed}",
+                              f"it: {failures(result)}",
                               hint="write the artifact again with quantkit quantize (a file edited after the gate "
                                    "reads differently); --log-dir DIR keeps the engine's log")
 

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from quantkit.errors import InputError, RecipeError, UnsupportedError
 from quantkit.methods import METHODS, get_method
+from quantkit.serve.engines import AUTO, ENGINES
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
 
@@ -56,7 +57,7 @@ class ServeGate(Strict):
     """The gate's serving check (quantkit.serve.check): the staged artifact loaded by the engine that serves
     it, as a real server on 127.0.0.1, before anything is published; a failed check fails the gate."""
 
-    engine: Literal["auto", "vllm", "llama.cpp", "mlx"] = Field("auto", description="auto: by the artifact's format")
+    engine: str = Field("auto", description="auto (by the artifact's format) or an engine of quantkit.serve.engines")
     windows: int = Field(4, ge=1, le=1024, description="held-out windows sent to the engine (the first of the gate's)")
     logprobs: int = Field(20, ge=0, description="candidates per position asked of the engine (0: the whole vocabulary)")
     max_reading_kld: float = Field(0.02, ge=0, description="KL divergence of the engine from quantkit's reading")
@@ -65,6 +66,13 @@ class ServeGate(Strict):
     max_base_kld: float | None = Field(None, ge=0, description="KL divergence of the engine from the base "
                                        "(default: the gate's max_kld)")
     concurrency: list[int] = Field(default_factory=lambda: [1], description="load test rounds (concurrent requests)")
+
+    @field_validator("engine")
+    @classmethod
+    def _known_engine(cls, value: str) -> str:
+        if value != AUTO and value not in ENGINES:
+            raise ValueError(f"unknown engine '{value}'; allowed: {AUTO}, {', '.join(ENGINES)}")
+        return value
 
 
 class Gate(Strict):
