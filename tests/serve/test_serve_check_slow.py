@@ -92,6 +92,8 @@ def check_passed(code: int, data: dict, stderr: str, artifact: Path, engine: str
     assert code == 0, stderr
     assert data["passed"] and data["engine"]["name"] == engine and data["windows"]["scored"] > 0
     assert data["vs_reading"]["kld_lower_bound"] < 0.01
+    tokens = data["tokenization"]  # the engine's own ids of the held-out text: the Hugging Face tokenizer's
+    assert tokens["matches"] and tokens["texts"] == data["windows"]["count"] and tokens["tokens"] > 0
     assert all(r["tokens"] > 0 and r["ttft_s"] > 0 for r in data["load"])
     report = artifact if artifact.is_dir() else artifact.parent
     recorded = json.loads((report / "quantkit.json").read_text())["serve_check"][engine]
