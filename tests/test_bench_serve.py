@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from quantkit.serve import engines
+from quantkit.serve import engines, llama_server, vllm_server
 from tests.util import REPO, subprocess_env
 
 SCRIPT = REPO / "scripts" / "bench_serve.py"
@@ -115,8 +115,8 @@ def test_unknown_formats_are_refused(bench):
 @pytest.mark.slow
 def test_bench_serve_on_a_small_model(bench, tmp_path):
     """fp8 in vLLM and Q8_0 in llama-server: both served as gated, the table printed, nothing left running."""
-    for finder, name, variable in ((engines.find_vllm, "vLLM", "QUANTKIT_VLLM"),
-                                   (engines.find_llama_server, "llama-server", "QUANTKIT_LLAMA_CPP")):
+    for finder, name, variable in ((vllm_server.find, "vLLM", "QUANTKIT_VLLM"),
+                                   (llama_server.find, "llama-server", "QUANTKIT_LLAMA_CPP")):
         if finder() is None:
             pytest.skip(f"{name} is not installed: scripts/setup_engines.sh (or set QUANTKIT_ENGINES / {variable})")
     from quantkit.toy import make_toy_model

@@ -11,7 +11,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 GENERATED = {"architectures": "models.md", "families": "models.md", "vlm-families": "models.md",
-             "vlm-towers": "models.md", "moe": "models.md", "runtimes": "models.md", "gates": "gate.md"}
+             "vlm-towers": "models.md", "moe": "models.md", "runtimes": "models.md", "gates": "gate.md",
+             "engines": "serving.md", "engine-variables": "serving.md"}
 
 
 def test_every_generated_table_is_on_its_page():

@@ -73,12 +73,12 @@ def test_compressed_tensors_gates_stream_unless_the_head_is_quantized(micro_mode
     from quantkit.io.checkpoint import check_model_dir
     from quantkit.run.pipeline import RunOptions, prepare
     from quantkit.run.preflight import ram_estimate, unit_bytes
-    from quantkit.run.recipe import Overrides, build_recipe
+    from quantkit.run.recipe import validate
 
     info = check_model_dir(micro_model)
     model = sum(sum(part.values()) for part in unit_bytes(info))
     for method, options in (("fp8", {}), ("gptq", {}), ("smoothquant", {}), ("fp8", {"quantize_lm_head": True})):
-        recipe = build_recipe(None, method, Overrides(model=str(micro_model), method_options=options))
+        recipe = validate({"model": str(micro_model), "targets": [{"name": method, "method": method, "options": options}]})
         _info, targets, _placement = prepare(recipe, RunOptions(model=str(micro_model), out=tmp_path / "x"))
         steps = ram_estimate(info, recipe, targets).steps
         if options:

@@ -55,7 +55,7 @@ def run_fallback(job, resolved, result, entry, measure: Measure) -> None:
     become the kept artifact's, details.fallback every step, the final plan and the size cost."""
     options, started = resolved.options.fallback, time.time()
     first = export.artifact_bytes(result.artifact)
-    limit = budget.size_limit(options.max_size, first)
+    limit = options.size_limit(first)
     steps = [step_record(0, {}, first, entry)]
     job.progress(f"gate failed ({', '.join(entry.gate.failed)}): measuring which layers to raise first")
     ladder = resolved.method.fallback_ladder(job, result)

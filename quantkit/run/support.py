@@ -2,7 +2,8 @@
 (MethodSpec.support over quantkit.arch.families), the architectures each method takes (the smoothing
 table, the GGUF converter's table, the MLX table, the expert layouts), the VLM towers
 (quantkit.arch.vlm.FAMILIES), the expert layouts (quantkit.arch.moe) and the runtimes that serve each
-format (MethodSpec.runtimes), and each method's default gate (MethodSpec.default_gate).
+format (MethodSpec.runtimes), and each method's default gate (MethodSpec.default_gate); docs/serving.md's
+serving engines and their variables (quantkit.serve.engines.ENGINES).
 `python scripts/make_docs_tables.py` writes them into the pages; tests/test_docs.py keeps the pages equal
 to `docs_tables()`."""
 
@@ -144,6 +145,36 @@ def runtimes_table() -> list[str]:
     return lines
 
 
+def kind_with_methods(kind: str) -> str:
+    """An artifact kind and the methods that write it: 'compressed-tensors (fp8, gptq, ...)'."""
+    methods = [name for name in METHODS if get_method(name).artifact == kind]
+    return f"{kind} ({', '.join(methods)})" if methods and methods != [kind] else kind
+
+
+def engines_table() -> list[str]:
+    """Each serving engine: the artifacts it loads (and the methods that write them) and how it is started."""
+    from quantkit.serve.engines import ENGINES, get_engine
+
+    lines = ["| engine (`--engine`) | artifacts | started as |", "|---|---|---|"]
+    for name in ENGINES:
+        engine = get_engine(name)
+        lines.append(f"| {engine.LABEL} (`{name}`) | {', '.join(kind_with_methods(k) for k in engine.SERVES)} "
+                     f"| {engine.STARTED_AS} |")
+    return lines
+
+
+def engine_variables_table() -> list[str]:
+    """The environment variables that point at each engine's installation."""
+    from quantkit.serve.engines import ENGINES, get_engine
+
+    lines = ["| variable | what |", "|---|---|",
+             "| `QUANTKIT_ENGINES` | the directory setup_engines.sh installed into (default `~/.cache/quantkit/engines`) |"]
+    for name in ENGINES:
+        engine = get_engine(name)
+        lines.append(f"| `{engine.VARIABLE}` | {engine.VARIABLE_HELP} |")
+    return lines
+
+
 def option_values(name: str) -> tuple[str | None, list]:
     """The option a method's default gate depends on, and its values: a scheme, mlx's bits, gguf's types."""
     from quantkit.gguf.mixture import FILE_TYPES
@@ -181,7 +212,7 @@ def docs_tables() -> dict[str, list[str]]:
     """Every generated block of the docs pages by name."""
     return {"architectures": architectures_table(), "families": family_table(), "vlm-families": vlm_table(),
             "vlm-towers": vlm_towers_table(), "moe": moe_table(), "runtimes": runtimes_table(),
-            "gates": gate_table()}
+            "gates": gate_table(), "engines": engines_table(), "engine-variables": engine_variables_table()}
 
 
 BEGIN = re.compile(r"^<!-- generated: ([a-z-]+) \(python scripts/make_docs_tables.py\) -->$")

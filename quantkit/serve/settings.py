@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 # Never reach the network from an engine: no hub lookups, no usage reports (vLLM sends them by default).
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
@@ -35,6 +36,7 @@ class Endpoint:
     url: str  # http://127.0.0.1:PORT
     tokenizer: object  # the base's transformers tokenizer (mlx_lm.server takes text, not token ids)
     vocab_size: int  # the model's vocabulary (llama-server: n_probs for the whole of it)
+    model: Path | None = None  # what the server serves (mlx-lm: whose tokenizer its python loads)
 
 
 def engine_env(extra: dict[str, str]) -> dict[str, str]:

@@ -11,7 +11,7 @@ import pytest
 
 from quantkit.errors import InputError, UnsupportedError
 from quantkit.eval import llamacpp
-from quantkit.serve import engines, support
+from quantkit.serve import engines, mlx_server, support, vllm_server
 from quantkit.serve.support import Accelerator
 
 CPU = Accelerator("cpu", "test CPU")
@@ -29,7 +29,7 @@ def no_engines(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(bin_dir))
     for name in ("QUANTKIT_VLLM", "QUANTKIT_LLAMA_CPP", "QUANTKIT_MLX_PYTHON"):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(engines, "imports_mlx_lm", lambda: False)
+    monkeypatch.setattr(mlx_server, "imports_mlx_lm", lambda: False)
     monkeypatch.setattr(llamacpp, "find_binary", lambda name="llama-perplexity": None)
     return empty
 
@@ -72,25 +72,25 @@ FP8_BLOCK = group(8, "float", {"num_bits": 8, "type": "float", "dynamic": True, 
 
 
 def test_vllm_found_by_variable_then_engines_dir_then_path(no_engines, tmp_path, monkeypatch):
-    assert engines.find_vllm() is None
+    assert vllm_server.find() is None
     on_path = executable(tmp_path / "bin" / "vllm")
-    assert engines.find_vllm().executable == on_path
+    assert vllm_server.find().executable == on_path
     installed = executable(no_engines / "vllm" / "bin" / "vllm")
-    assert engines.find_vllm().executable == installed and engines.find_vllm().found_in == "QUANTKIT_ENGINES"
+    assert vllm_server.find().executable == installed and vllm_server.find().found_in == "QUANTKIT_ENGINES"
     chosen = executable(tmp_path / "custom" / "vllm")
     monkeypatch.setenv("QUANTKIT_VLLM", str(chosen))
-    assert engines.find_vllm().executable == chosen
+    assert vllm_server.find().executable == chosen
 
 
 def test_mlx_found_by_variable_then_engines_dir_then_this_python(no_engines, tmp_path, monkeypatch):
-    assert engines.find_mlx() is None
-    monkeypatch.setattr(engines, "imports_mlx_lm", lambda: True)
-    assert engines.find_mlx().executable == Path(sys.executable)
+    assert mlx_server.find() is None
+    monkeypatch.setattr(mlx_server, "imports_mlx_lm", lambda: True)
+    assert mlx_server.find().executable == Path(sys.executable)
     installed = executable(no_engines / "mlx" / "bin" / "python")
-    assert engines.find_mlx().executable == installed
+    assert mlx_server.find().executable == installed
     chosen = executable(tmp_path / "py" / "python3")
     monkeypatch.setenv("QUANTKIT_MLX_PYTHON", str(chosen))
-    assert engines.find_mlx().executable == chosen
+    assert mlx_server.find().executable == chosen
 
 
 def test_llama_cpp_binaries_found_in_the_engines_dir(tmp_path, monkeypatch):
