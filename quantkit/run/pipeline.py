@@ -142,7 +142,7 @@ def prepare(recipe: Recipe, opts: RunOptions) -> tuple[ModelInfo, list[ResolvedT
         check_vram(vram_estimate(info, recipe, targets, placement, placement.onload), available_vram())
     check_finite([*info.weight_files, *(Path(p) / "adapter_model.safetensors" for p in recipe.lora)])
     check_gate_tasks(recipe, targets, opts)
-    check_serve_engines(targets)
+    check_serve_engines(targets, recipe.calibration.eval_windows)
     return info, targets, placement
 
 
@@ -643,8 +643,27 @@ def serve_gate(job: QuantizeJob, resolved: ResolvedTarget, artifact: Path, entry
     entry.gate = with_checks(entry.gate, [Check("serve", float(len(report.failed)), 0.0, "==", report.passed)])
 
 
-def check_serve_engines(targets: list[ResolvedTarget]) -> None:
-    """Before any work: the engine of every target whose gate has `serve` is installed (exit 2 otherwise)."""
+def serve_or_say_why_not(job: QuantizeJob, resolved: ResolvedTarget, artifact: Path, entry: TargetReport) -> None:
+    """The serving check a target's gate asks for: run, unless the enforced gate has already failed (nothing is
+    written, so nothing is served): then the report and the log say it was not run and why. Under --no-gate a
+    failed gate is only recorded, so the artifact is written and the check runs."""
+    if entry.gate.passed or not entry.gate.enforced:
+        serve_gate(job, resolved, artifact, entry)
+        return
+    why = f"not run: the gate failed ({', '.join(entry.gate.failed)}), so nothing is written or served"
+    job.progress(f"[{resolved.name}] serving check {why}")
+    entry.details["serve_check"] = {"skipped": why}
+
+
+def check_serve_engines(targets: list[ResolvedTarget], eval_windows: int) -> None:
+    """Before any work: the engine of every target whose gate has `serve` is installed, and there are held-out
+    windows to compare the engine's reading with (exit 2 otherwise)."""
+    serving = [t.name for t in targets if t.gate.serve is not None]
+    if serving and eval_windows == 0:
+        raise InputError(f"target {', '.join(serving)}: the serving check compares the engine with the gate's "
+                         "reading on the held-out windows, but eval_windows is 0",
+                         hint="raise --eval-windows (the check sends the first gate.serve.windows of them), or drop "
+                              "--serve-check")
     from quantkit.serve.check import pick_engine
 
     for t in targets:
@@ -692,8 +711,8 @@ def run_target(job: QuantizeJob, resolved: ResolvedTarget, baseline, opts: RunOp
     if not entry.gate.passed and fallback_options(resolved) is not None:
         run_fallback(job, resolved, result, entry, baseline, opts)
     measure_kv_cache(job, resolved, result.artifact, entry, opts)  # the final artifact's, after any fallback
-    if resolved.gate.serve is not None and entry.gate.passed:
-        serve_gate(job, resolved, result.artifact, entry)
+    if resolved.gate.serve is not None:
+        serve_or_say_why_not(job, resolved, result.artifact, entry)
     if entry.failed_enforced_gate:
         entry.status, entry.exit_code = "failed", GateFailedError.exit_code
     entry.details["serving"] = serving.artifact_plan(job.info, resolved.method, result.artifact, job.options)

@@ -204,8 +204,11 @@ def test_engine_environment_is_offline_and_drops_python_settings(monkeypatch):
     from quantkit.serve.settings import engine_env
 
     monkeypatch.setenv("PYTHONPATH", "/somewhere")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # the user's own value wins
-    env = engine_env({"VLLM_CPU_KVCACHE_SPACE": "1"})
-    assert "PYTHONPATH" not in env and env["TRANSFORMERS_OFFLINE"] == "1" and env["HF_HUB_OFFLINE"] == "0"
-    assert env["VLLM_NO_USAGE_STATS"] == "1" and env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # the engine stays offline whatever the user's environment says
+    monkeypatch.setenv("VLLM_NO_USAGE_STATS", "0")
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "4")  # an engine setting: the user's value wins
+    env = engine_env({"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "2"})
+    assert "PYTHONPATH" not in env and env["TRANSFORMERS_OFFLINE"] == "1" and env["HF_HUB_OFFLINE"] == "1"
+    assert env["VLLM_NO_USAGE_STATS"] == "1" and env["DO_NOT_TRACK"] == "1"
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "4" and env["OMP_NUM_THREADS"] == "2"
     assert env["PATH"] == os.environ["PATH"]
