@@ -11,8 +11,10 @@ gate read it (artifact_scorer, artifact_logits). The statistics are quantkit.ser
 The verdict (Tolerances, checked in this order):
 - reading_kld: the KL divergence of the engine from quantkit's reading of the artifact, a lower bound
   from the engine's top-k (stats module), at most `max_reading_kld`;
-- ppl_drift: |ppl engine / ppl reading - 1| at most `max_ppl_drift` (where the engine's ppl is only a
-  lower bound, only an excess counts; not checked for an engine whose log-probs are not normalized);
+- ppl_drift: |ppl engine / ppl reading - 1| at most `max_ppl_drift`, both perplexities taken on the positions
+  where the engine's log-prob of the token that followed is exact (its own, or the token among its top-k
+  candidates: stats.ComparedPerplexity), so a difference either way fails it; not checked for an engine
+  whose log-probs are not normalized;
 - reading_top1 (when `min_reading_top1` is set): the engine's most likely token is the reading's at
   that share of the positions at least;
 - base_kld (when `max_base_kld` is set, e.g. the gate's max_kld): the engine's KL divergence from the
@@ -98,6 +100,7 @@ class ServeReport:
     ppl: stats.Perplexity
     ppl_base: float
     ppl_reading: float
+    ppl_compared: stats.ComparedPerplexity  # engine and reading on the positions where the engine's value is exact
     greedy: stats.GreedyAgreement
     load: list[LoadResult]
     tolerances: Tolerances
@@ -361,15 +364,9 @@ def mean_of(values: np.ndarray, keep: np.ndarray) -> float:
     return float(np.mean(values[keep])) if keep.any() else math.nan
 
 
-def ppl_drift(ppl: stats.Perplexity, ppl_reading: float) -> float:
-    """|ppl / ppl_reading - 1|; where ppl is a lower bound, only the excess over the reading."""
-    ratio = ppl.ppl / ppl_reading - 1.0
-    return abs(ratio) if ppl.ppl_exact else max(0.0, ratio)
-
-
 def verdict(report: ServeReport) -> list[Check]:
     t = report.tolerances
-    drift = ppl_drift(report.ppl, report.ppl_reading)
+    drift = report.ppl_compared.drift
     checks = [Check("reading_kld", report.vs_reading.kld_lower_bound, t.max_reading_kld, "<=",
                     report.vs_reading.kld_lower_bound <= t.max_reading_kld)]
     if report.logprobs_normalized:
@@ -443,5 +440,6 @@ def build_report(setup: Setup, ours: QuantkitSide, theirs: EngineSide, tolerance
         reading_vs_base=reading_vs_base, reading_vs_base_kld=reading_vs_base_kld,
         ppl=stats.perplexity(theirs.topk, ours.reading.targets), ppl_base=ppl_base,
         ppl_reading=math.exp(mean_of(ours.reading.nll, keep)),
+        ppl_compared=stats.compared_perplexity(theirs.topk, ours.reading.targets, ours.reading.nll),
         greedy=stats.greedy_agreement(ours.greedy, theirs.greedy, setup.generation.steps), load=theirs.load,
         tolerances=tolerances, tokenization=tokenization)
