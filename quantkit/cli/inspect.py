@@ -25,7 +25,7 @@ LAYER_INDEX = re.compile(r"\.(\d+)\.")
 
 @handle_errors
 def inspect(
-    model: str = typer.Argument(..., help="Local checkpoint dir (or a cached hub id).", rich_help_panel=MODEL),
+    model: str = typer.Argument(..., help="Local checkpoint dir, or a Hub id org/name[@revision].", rich_help_panel=MODEL),
     method: str = typer.Option("fp8", "--method", "-m", help="Method whose plan to show.", rich_help_panel=METHOD),
     recipe: Optional[str] = typer.Option(None, "--recipe", "-r", help="Show the plan of this recipe's first target.", rich_help_panel=MODEL),
     ignore: list[str] = typer.Option([], "--ignore", help="Extra modules to keep unquantized; repeatable.", rich_help_panel=METHOD),

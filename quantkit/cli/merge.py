@@ -22,7 +22,7 @@ from quantkit.cli.common import (
 @handle_errors
 @lean_transformers
 def merge(
-    base: str = typer.Argument(..., help="Base checkpoint dir (or a cached hub id); a bitsandbytes 4-bit (QLoRA) base is dequantized first.", rich_help_panel=MODEL),
+    base: str = typer.Argument(..., help="Base checkpoint dir, or a Hub id org/name[@revision]; a bitsandbytes 4-bit (QLoRA) base is dequantized first.", rich_help_panel=MODEL),
     lora: list[str] = typer.Option(..., "--lora", help="LoRA adapter dir (peft, safetensors); repeatable, merged in order.", rich_help_panel=MODEL),
     lora_weight: list[float] = typer.Option([], "--lora-weight", help="Scale of each adapter's update, one per --lora in order (default 1.0).", rich_help_panel=MODEL),
     output: Path = typer.Option(..., "--output", "-o", help="Output directory (must not exist unless --overwrite).", rich_help_panel=MODEL),

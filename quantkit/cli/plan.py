@@ -14,7 +14,7 @@ SYMBOLS = {"fits": "✅", "tight": "⚠", "too small": "❌", "no runtime": "—
 
 @handle_errors
 def plan(
-    model: str = typer.Argument(..., help="Local checkpoint dir (or a cached hub id).", rich_help_panel=MODEL),
+    model: str = typer.Argument(..., help="Local checkpoint dir, or a Hub id org/name[@revision].", rich_help_panel=MODEL),
     gpu: list[str] = typer.Option([], "--gpu", help="A device to plan for; repeatable: H100, H200, B200, A100-80G, "
                                   "A100-40G, L40S, L4, A10G, RTX4090, RTX3090, T4, V100-32G, M2-Ultra-192G, "
                                   "M4-Max-128G, M3-Max-64G, M3-Pro-36G, M2-16G, cpu (this machine), cpu-64G. "

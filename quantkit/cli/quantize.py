@@ -30,6 +30,8 @@ Examples:
 
   quantkit quantize ./my-model --method gptq -o ./my-model-gptq   (W4A16 for vLLM)
 
+  quantkit quantize my-org/my-model@main --method fp8 -o ./fp8 --push-to-hub my-org/my-model-fp8   (from the Hub and back)
+
   quantkit quantize ./my-model --method gguf --gguf-type Q4_K_M -o ./gguf   (llama.cpp / Ollama)
 
 More examples:
@@ -79,7 +81,7 @@ failed (with --partial: the worst target's code, 1 before 2 before 3).
 @handle_errors
 @lean_transformers
 def quantize(
-    model: Optional[str] = typer.Argument(None, help="Local checkpoint dir (or a cached hub id). Default: the recipe's model.", rich_help_panel=MODEL),
+    model: Optional[str] = typer.Argument(None, help="Local checkpoint dir, or a Hub id org/name[@revision] (fetched into the Hugging Face cache, pinned to its commit). Default: the recipe's model.", rich_help_panel=MODEL),
     model_opt: Optional[str] = typer.Option(None, "--model", help="Same as MODEL (handy in CI scripts).", rich_help_panel=MODEL),
     output: Path = typer.Option(..., "--output", "-o", help="Output directory (must not exist unless --overwrite).", rich_help_panel=MODEL),
     recipe: Optional[str] = typer.Option(None, "--recipe", "-r", help="Recipe YAML file or bundled recipe name.", rich_help_panel=MODEL),
@@ -139,6 +141,9 @@ def quantize(
     max_flips: Optional[float] = typer.Option(None, "--max-flips", help="Gate: max share of greedy tokens after the first divergence (needs --flip-prompts).", rich_help_panel=GATE),
     no_gate: bool = typer.Option(False, "--no-gate", help="Measure but do not enforce the gate (recorded).", rich_help_panel=GATE),
     overwrite: bool = typer.Option(False, help="Replace an existing output.", rich_help_panel=MODEL),
+    offline: bool = typer.Option(False, "--offline", help="Read a Hub model from the Hugging Face cache only, as HF_HUB_OFFLINE=1 (recipe: offline: true).", rich_help_panel=MODEL),
+    push_to_hub: Optional[str] = typer.Option(None, "--push-to-hub", metavar="ORG/NAME", help="Push each target that passes its gate to this Hub repo ({name}: the target's name, one repo per target), in one commit with its model card; created if missing. Needs a token that can write (HF_TOKEN).", rich_help_panel=MODEL),
+    private: bool = typer.Option(False, "--private", help="Create a missing --push-to-hub repo private.", rich_help_panel=MODEL),
     resume: bool = typer.Option(False, "--resume", help="Keep the run's progress beside OUT, and continue an interrupted run (SIGTERM, kill -9, power loss, out of memory) of the same inputs and recipe from it, byte-identical to an uninterrupted run: gguf from the last written tensor, fp8-dynamic (model-free) from the last written shard, gptq/awq/smoothquant/autoround/nvfp4/fp8-static from the last finished decoder layer; nf4, mlx and data-free oneshot schemes refuse it (exit 2).", rich_help_panel=MODEL),
     max_memory: Optional[str] = typer.Option(None, "--max-memory", help="RAM the run may use, e.g. 16GiB (default: what is available); a run estimated above it is refused before work.", rich_help_panel=RESOURCES),
     json_path: Optional[str] = typer.Option(None, "--json", help="Write the report as JSON to FILE ('-' = stdout).", rich_help_panel=REPORTS),
@@ -154,7 +159,8 @@ def quantize(
 
     overrides = Overrides(
         model=model or model_opt, device=device, dtype=dtype, offload_dir=offload_dir, strict_shapes=strict_shapes,
-        trust_remote_code=trust_remote_code, resume=resume, lora=lora,
+        trust_remote_code=trust_remote_code, resume=resume, offline=offline,
+        push=dict(repo=push_to_hub, private=private or None), lora=lora,
         lora_weights=lora_weight, merge_base=merge_base, original_base=original_base,
         ignore=ignore,
         towers=dict(vision=vision, projector=projector, force=force or None),
@@ -206,6 +212,9 @@ def quantize(
     if not quiet:
         written = any(t.written for t in report.targets)
         results_console(json_path).print(f"wrote {output}" if written else f"up to date: {output}", highlight=False)
+    for target in report.targets:
+        if target.push:
+            results_console(json_path).print(f"pushed {target.name}: {target.push['commit_url']}", highlight=False)
 
 
 def group_size_option(value: str | None) -> int | str | None:

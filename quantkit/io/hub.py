@@ -58,6 +58,15 @@ def parse_hub_id(spec: str) -> tuple[str, str | None] | None:
     return (match["repo"], match["revision"]) if match else None
 
 
+def recorded_base(model: dict) -> str:
+    """The base a quantkit.json's `model` record names: its directory where it exists on this machine,
+    else the Hub id pinned to the commit it was fetched at (an artifact made elsewhere)."""
+    hub = model.get("hub")
+    if hub and not Path(model["path"]).exists():
+        return f"{hub['repo_id']}@{hub['sha']}"
+    return model["path"]
+
+
 def offline_mode(asked: bool) -> bool:
     """--offline / recipe `offline: true`, or the hub library's own switch (HF_HUB_OFFLINE=1)."""
     from huggingface_hub import constants
@@ -225,8 +234,9 @@ def hub_error(exc: Exception, repo_id: str, revision: str, downloading: bool = F
         return ModelError(f"{repo_id} has no revision '{revision}'",
                           hint=f"give a branch, tag or commit sha of {repo_id}, e.g. {repo_id}@main")
     if isinstance(exc, RepositoryNotFoundError):
-        return ModelError(f"no model {repo_id} on {endpoint()} (or it is private and the token cannot read it)",
-                          hint=f"check the id; for a private or gated model {login}")
+        return ModelError(f"'{repo_id}' is not a local directory, and {endpoint()} has no model {repo_id} (or it is "
+                          "private and the token cannot read it)",
+                          hint=f"check the path or the id; for a private or gated model {login}")
     if downloading and isinstance(exc, (httpx.HTTPError, HfHubHTTPError, OSError)):
         return ModelError(f"the download of {repo_id} stopped: {first_line(exc)}",
                           hint="run the same command again: the files already downloaded stay in the hub "

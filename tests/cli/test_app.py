@@ -18,7 +18,7 @@ def test_version(cli):
     assert result.exit_code == 0 and result.stdout.strip() == f"quantkit {__version__}"
 
 
-COMMANDS = (["quantize"], ["inspect"], ["eval"], ["serve-check"], ["merge"], ["plan"], ["recipes", "list"],
+COMMANDS = (["quantize"], ["inspect"], ["eval"], ["serve-check"], ["merge"], ["plan"], ["push"], ["recipes", "list"],
             ["recipes", "validate"], ["recipes", "show"])
 
 
