@@ -86,6 +86,10 @@ def quantize(env: dict, *args) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=600)
 
 
+# The lightest run that reads the whole model: a GGUF Q8_0 without imatrix or gate imports no torch.
+LIGHT = ("--method", "gguf", "--gguf-type", "Q8_0", "--imatrix", "none", "--eval-windows", "0")
+
+
 def blobs(home: Path, repo: str = "org--tiny") -> dict[str, int]:
     folder = home / "hub" / f"models--{repo}" / "blobs"
     return {p.name: p.stat().st_size for p in folder.iterdir()} if folder.is_dir() else {}
@@ -129,8 +133,8 @@ def test_a_rerun_offline_reads_the_same_commit_from_the_cache(hub, fetched, tmp_
     home, _, _ = fetched
     before = blobs(home)
     closed = f"http://127.0.0.1:{free_port()}"  # nothing listens: any request would fail
-    proc = quantize(hub.env(home, closed, HF_HUB_OFFLINE="1"), "org/tiny@main", "--method", "fp8",
-                    "-o", tmp_path / "again", "--eval-windows", "0", "--json", tmp_path / "r.json")
+    proc = quantize(hub.env(home, closed, HF_HUB_OFFLINE="1"), "org/tiny@main", *LIGHT, "-o", tmp_path / "again",
+                    "--json", tmp_path / "r.json")
     assert proc.returncode == 0, proc.stderr
     assert json.loads((tmp_path / "r.json").read_text())["model"]["hub"]["sha"] == hub.sha
     assert blobs(home) == before
@@ -196,16 +200,14 @@ def test_an_interrupted_download_is_exit_2_and_the_rerun_fetches_only_what_is_mi
     shard alone, the rest comes from the cache (a file cut short starts over: the hub library keeps none)."""
     home, out = tmp_path / "hf", tmp_path / "out"
     with CutProxy(hub.olah.port, SHARDS[1]) as proxy:
-        proc = quantize(hub.env(home, proxy.endpoint), "org/tiny@main", "--method", "fp8", "-o", out,
-                        "--eval-windows", "0")
+        proc = quantize(hub.env(home, proxy.endpoint), "org/tiny@main", *LIGHT, "-o", out)
         assert proc.returncode == 2, proc.stderr
         assert "the download of org/tiny stopped" in proc.stderr and "run the same command again" in proc.stderr
         assert leftovers(tmp_path, "out") == [] and proxy.cuts == 2  # the cut, and the resume refused
         kept = proxy.sent
         assert kept.get(SHARDS[0]) == (hub.repo / SHARDS[0]).stat().st_size and SHARDS[1] not in kept
         proxy.cutting, proxy.sent = False, {}
-        proc = quantize(hub.env(home, proxy.endpoint), "org/tiny@main", "--method", "fp8", "-o", out,
-                        "--eval-windows", "0")
+        proc = quantize(hub.env(home, proxy.endpoint), "org/tiny@main", *LIGHT, "-o", out)
         assert proc.returncode == 0, proc.stderr
         assert proxy.sent == {SHARDS[1]: (hub.repo / SHARDS[1]).stat().st_size}
-    assert (out / "model.safetensors").is_file()
+    assert len(list(out.glob("*.gguf"))) == 1
