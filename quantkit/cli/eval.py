@@ -227,5 +227,7 @@ def default_base(artifact: Path) -> str:
 
     report = (artifact if artifact.is_dir() else artifact.parent) / "quantkit.json"
     if report.is_file():
-        return json.loads(report.read_text())["model"]["path"]
+        from quantkit.io.hub import recorded_base
+
+        return recorded_base(json.loads(report.read_text())["model"])
     raise InputError(f"no base model for {artifact}", hint="pass --against BASE_DIR")

@@ -22,7 +22,7 @@ from quantkit.cli.options import LORA, LORA_WEIGHT, MERGE_BASE, ORIGINAL_BASE, O
 @handle_errors
 @lean_transformers
 def merge(
-    base: str = typer.Argument(..., help="Base checkpoint dir (or a cached hub id); a bitsandbytes 4-bit (QLoRA) base is dequantized first.", rich_help_panel=MODEL),
+    base: str = typer.Argument(..., help="Base checkpoint dir, or a Hub id org/name[@revision]; a bitsandbytes 4-bit (QLoRA) base is dequantized first.", rich_help_panel=MODEL),
     lora: list[str] = LORA.option(default=..., help="LoRA adapter dir (peft, safetensors); repeatable, merged in order."),
     lora_weight: list[float] = LORA_WEIGHT.option(help="Scale of each adapter's update, one per --lora in order (default 1.0)."),
     output: Path = OUTPUT.option(),

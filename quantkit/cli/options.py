@@ -124,7 +124,7 @@ def json_flag(what: str) -> Flag:
     return flag(Optional[str], None, "--json", help=f"Write {what} as JSON to FILE ('-' = stdout).", panel=REPORTS)
 
 
-MODEL_DIR = "Local checkpoint dir (or a cached hub id)."
+MODEL_DIR = "Local checkpoint dir, or a Hub id org/name[@revision]."
 AGAINST = flag(Optional[str], None, "--against", "-a", panel=MODEL,
                help="Base checkpoint. Default: the base named in the artifact's quantkit.json.")
 TRUST_REMOTE_CODE = flag(bool, False, panel=MODEL, help="Allow custom model code from the model dir.")

@@ -39,6 +39,8 @@ Examples:
 
   quantkit quantize ./my-model --method gptq -o ./my-model-gptq   (W4A16 for vLLM)
 
+  quantkit quantize my-org/my-model@main --method fp8 -o ./fp8 --push-to-hub my-org/my-model-fp8   (from the Hub and back)
+
   quantkit quantize ./my-model --method gguf --gguf-type Q4_K_M -o ./gguf   (llama.cpp / Ollama)
 
 More examples:
@@ -98,6 +100,14 @@ class SourceFlags:
     original_base: Optional[str] = ORIGINAL_BASE.field()
     trust_remote_code: bool = TRUST_REMOTE_CODE.field()
     overwrite: bool = OVERWRITE.field()
+    offline: bool = flag(bool, False, "--offline", panel=MODEL,
+                         help="Read a Hub model from the Hugging Face cache only, as HF_HUB_OFFLINE=1 (recipe: offline: "
+                              "true).").field()
+    push_to_hub: Optional[str] = flag(
+        Optional[str], None, "--push-to-hub", panel=MODEL, metavar="ORG/NAME",
+        help="Push each target that passes its gate to this Hub repo ({name}: the target's name, one repo per target), "
+             "in one commit with its model card; created if missing. Needs a token that can write (HF_TOKEN).").field()
+    private: bool = flag(bool, False, "--private", panel=MODEL, help="Create a missing --push-to-hub repo private.").field()
     resume: bool = flag(
         bool, False, "--resume", panel=MODEL,
         help="Keep the run's progress beside OUT, and continue an interrupted run (SIGTERM, kill -9, power loss, out "
@@ -132,7 +142,7 @@ class TargetFlags:
 @takes(source=SourceFlags, target=TargetFlags, options=METHOD_OPTIONS, calibration=CalibrationFlags,
        gate=QuantizeGateFlags, resources=ResourceFlags, reports=ReportFlags)
 def quantize(
-    model: Optional[str] = typer.Argument(None, help="Local checkpoint dir (or a cached hub id). Default: the recipe's model.", rich_help_panel=MODEL),
+    model: Optional[str] = typer.Argument(None, help="Local checkpoint dir, or a Hub id org/name[@revision] (fetched into the Hugging Face cache, pinned to its commit). Default: the recipe's model.", rich_help_panel=MODEL),
     *, source: SourceFlags, target: TargetFlags, options, calibration: CalibrationFlags, gate: QuantizeGateFlags,
     resources: ResourceFlags, reports: ReportFlags,
 ) -> None:
@@ -159,6 +169,9 @@ def quantize(
         written = any(t.written for t in report.targets)
         results_console(reports.json_path).print(f"wrote {source.output}" if written else f"up to date: {source.output}",
                                                  highlight=False)
+    for entry in report.targets:
+        if entry.push:
+            results_console(reports.json_path).print(f"pushed {entry.name}: {entry.push['commit_url']}", highlight=False)
 
 
 def parse(model: str | None, source: SourceFlags, target: TargetFlags, options, calibration: CalibrationFlags,
@@ -173,7 +186,8 @@ def parse(model: str | None, source: SourceFlags, target: TargetFlags, options, 
     overrides = Overrides(
         model=model or source.model_opt, device=resources.device, dtype=resources.dtype,
         offload_dir=resources.offload_dir, strict_shapes=target.strict_shapes,
-        trust_remote_code=source.trust_remote_code, resume=source.resume, lora=source.lora,
+        trust_remote_code=source.trust_remote_code, resume=source.resume, offline=source.offline,
+        push=dict(repo=source.push_to_hub, private=source.private or None), lora=source.lora,
         lora_weights=source.lora_weight, merge_base=source.merge_base, original_base=source.original_base,
         ignore=target.ignore, towers=target.towers(), calibration=calibration.calibration_fields(),
         gate=gate.gate_fields(), method_options=options)

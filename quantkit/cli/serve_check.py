@@ -228,8 +228,10 @@ def read_report(path: Path) -> dict | None:
 
 
 def base_path(artifact: Path, report: dict) -> str:
-    """The base named in quantkit.json: as written, else relative to the artifact's directory."""
-    named = Path(report["model"]["path"])
+    """The base named in quantkit.json: as written, else relative to the artifact's directory, else its Hub id."""
+    from quantkit.io.hub import recorded_base
+
+    named = Path(recorded_base(report["model"]))
     beside = (artifact if artifact.is_dir() else artifact.parent).parent / named
     return str(named if named.is_absolute() or named.exists() or not beside.exists() else beside)
 

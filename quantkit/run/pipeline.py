@@ -48,7 +48,7 @@ from quantkit.errors import (
     UnsupportedError,
 )
 from quantkit.io import export
-from quantkit.io.checkpoint import ModelInfo, check_generative, check_model_dir, check_submodel_packages, resolve_model
+from quantkit.io.checkpoint import ModelInfo, check_generative, check_model_dir, check_submodel_packages, resolve_source
 from quantkit.io.memory import PeakTracker
 from quantkit.io.numerics import check_finite
 from quantkit.methods import MethodSpec, ModelHandle, QuantizeJob, QuantizeResult, get_method
@@ -68,8 +68,9 @@ from quantkit.run.preflight import (
     vram_estimate,
     with_resume,
 )
-from quantkit.run.recipe import Calibration, Gate, Recipe, Target, target_gate, target_options
-from quantkit.run.report import ModelReport, RunReport, TargetReport, kept_summary, model_card, package_version
+from quantkit.run.recipe import Calibration, Gate, Recipe, Target, push_places, target_gate, target_options
+from quantkit.run.card import Place, kept_summary, read_license, write_card
+from quantkit.run.report import ModelReport, RunReport, TargetReport, package_version
 
 if TYPE_CHECKING:
     from quantkit.eval.scorers import Placement
@@ -118,13 +119,14 @@ def prepare(recipe: Recipe, opts: RunOptions) -> tuple[ModelInfo, list[ResolvedT
     from quantkit.run.calibration import validate_source
 
     selected = select_targets(recipe.targets, opts.only)
-    info = check_model_dir(resolve_model(opts.model))
-    check_generative(info)
-    check_submodel_packages(info)
-    check_not_quantized(info, recipe)
     check_device(recipe.device)
     check_outputs(recipe, opts, selected)
     validate_source(recipe.calibration.source)
+    check_push(recipe, selected)
+    info = check_model_dir(*resolve_source(opts.model, recipe.offline, recipe.trust_remote_code))
+    check_generative(info)
+    check_submodel_packages(info)
+    check_not_quantized(info, recipe)
     check_offload_dir(recipe, info)
     targets = [resolve_target(recipe, target, info) for target in selected]
     given = {"--lora": bool(recipe.lora), "--offload-dir": recipe.offload_dir is not None,
@@ -389,7 +391,41 @@ def run_main(recipe: Recipe, opts: RunOptions, info: ModelInfo, targets: list[Re
     except BaseException:
         keep_or_discard(staging, recipe, opts)
         raise
+    push_published(recipe, opts, report)
     return report
+
+
+def places(recipe: Recipe) -> dict[str, Place]:
+    """Target name -> where it goes on the Hub, for the targets the recipe pushes (quantkit.run.push)."""
+    return {name: Place(repo, subfolder) for name, (repo, subfolder) in push_places(recipe).items()}
+
+
+def check_push(recipe: Recipe, selected: list[Target]) -> None:
+    """Before any work: a run that pushes has the network and a token that can write."""
+    from quantkit.io.hub import offline_mode
+
+    chosen = places(recipe)
+    repos = list(dict.fromkeys(chosen[t.name].repo for t in selected if t.name in chosen))
+    if repos:
+        from quantkit.run import push
+
+        push.check_push(repos, offline_mode(recipe.offline))
+
+
+def push_published(recipe: Recipe, opts: RunOptions, report: RunReport) -> None:
+    """After a run that passed: each pushed target's artifact, read back from OUT, to its Hub repo; the
+    commit recorded in the target's report entry (the --json report)."""
+    from quantkit.run import push
+
+    chosen = places(recipe)
+    names = [t.name for t in report.targets if t.name in chosen and t.status in ("passed", "skipped")]
+    if not names:
+        return
+    folders = {name: output_dir(opts.out, recipe, name) for name in names}
+    pushed = push.push(push.uploads_for(folders, {name: chosen[name] for name in names}),
+                       recipe.push.private if recipe.push else False, opts.progress)
+    for target in report.targets:
+        target.push = pushed.get(target.name, target.push)
 
 
 def make_staging(recipe: Recipe, opts: RunOptions, info: ModelInfo, inputs: dict[str, str]) -> Path:
@@ -790,7 +826,7 @@ def _finish(staging: Path, recipe: Recipe, opts: RunOptions, report: RunReport) 
     if bad and not opts.partial:
         raise run_failure(report, opts, bad)
     if per_target_outputs(recipe, opts):
-        publish_targets(staging, opts, report)
+        publish_targets(staging, recipe, opts, report)
     elif not bad and any(t.status == "passed" for t in report.targets):
         publish_run(staging, recipe, opts, report)
     else:
@@ -799,11 +835,13 @@ def _finish(staging: Path, recipe: Recipe, opts: RunOptions, report: RunReport) 
         raise run_failure(report, opts, bad)
 
 
-def finalize_target(out_dir: Path, target: TargetReport, report: RunReport, single: bool) -> None:
-    """The model card and quantkit.json of a target about to be published."""
+def finalize_target(out_dir: Path, target: TargetReport, report: RunReport, single: bool,
+                    place: Place | None = None) -> None:
+    """The model card (for its Hub repo when the recipe pushes it) and quantkit.json of a target about to
+    be published."""
     target.files = sorted(p.name for p in out_dir.iterdir() if p.name != export.WORK_DIR)
     target.written = True
-    (out_dir / "README.md").write_text(model_card(target, report))
+    write_card(out_dir, target, report, place)
     export.write_json(out_dir / "quantkit.json", report.to_dict(None if single else [target]))
 
 
@@ -811,13 +849,14 @@ def publish_run(staging: Path, recipe: Recipe, opts: RunOptions, report: RunRepo
     """Every target passed: rename the whole staging dir to OUT at once."""
     single = not multi_target(recipe)
     for target in report.targets:
-        finalize_target(staging if single else staging / target.name, target, report, single)
+        finalize_target(staging if single else staging / target.name, target, report, single,
+                        places(recipe).get(target.name))
     if not single:
         export.write_json(staging / "quantkit.json", report.to_dict())
     export.publish(staging, opts.out, opts.overwrite or opts.skip_existing)
 
 
-def publish_targets(staging: Path, opts: RunOptions, report: RunReport) -> None:
+def publish_targets(staging: Path, recipe: Recipe, opts: RunOptions, report: RunReport) -> None:
     """Rename each passed target's staging dir to OUT/<target> on its own (replacing a stale
     one), leave the others in OUT alone, and rewrite OUT/quantkit.json for this run."""
     out = opts.out.resolve()
@@ -825,7 +864,7 @@ def publish_targets(staging: Path, opts: RunOptions, report: RunReport) -> None:
     if ready:
         out.mkdir(exist_ok=True)
     for target in ready:
-        finalize_target(staging / target.name, target, report, single=False)
+        finalize_target(staging / target.name, target, report, single=False, place=places(recipe).get(target.name))
         export.move_into_place(staging / target.name, out / target.name, opts.overwrite or opts.skip_existing)
     if out.is_dir():
         export.replace_json(out / "quantkit.json", report.to_dict())
@@ -861,14 +900,16 @@ def gate_hint(report: RunReport, bad: list[TargetReport]) -> str:
 
 def base_report(recipe: Recipe, opts: RunOptions, info: ModelInfo, inputs: dict[str, str]) -> RunReport:
     packages = ("torch", "transformers", "llmcompressor", "compressed-tensors", "gguf", "bitsandbytes")
+    pinned = {"model": info.hub.pinned} if info.hub else {}  # a rerun of the recorded recipe reads this commit
     return RunReport(
         quantkit_version=__version__,
         versions={"python": platform.python_version(), **{p: package_version(p) for p in packages}},
-        recipe=recipe.model_dump(mode="json"),
+        recipe={**recipe.model_dump(mode="json"), **pinned},
         model=ModelReport(path=str(info.path), architecture=info.architecture, model_type=info.model_type,
                           parameters=info.num_parameters, dtype=info.dtype,
                           towers=tower_summary(info.towers) if info.towers.components else None,
-                          sha256={p.name: inputs[f"model/{p.name}"] for p in info.weight_files}),
+                          sha256={p.name: inputs[f"model/{p.name}"] for p in info.weight_files},
+                          hub=info.hub.as_dict() if info.hub else None, license=read_license(info.path)),
         calibration=recipe.calibration.model_dump(mode="json"),
         gate_enforced=opts.enforce_gate,
         inputs=inputs,

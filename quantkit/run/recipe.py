@@ -102,6 +102,29 @@ class Gate(Strict):
         return self
 
 
+HUB_REPO = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
+
+
+def check_repo_template(value: str) -> str:
+    """A Hub repo id, where `{name}` stands for a target's name."""
+    if not HUB_REPO.match(value.replace("{name}", "x")):
+        raise ValueError(f"'{value}' is not a Hub repo id org/name ({{name}} is the only placeholder)")
+    return value
+
+
+class Push(Strict):
+    """Where the targets that pass are published on the Hugging Face Hub (quantkit.run.push)."""
+
+    repo: str = Field(description="org/name; {name} is each target's name (one repo per target)")
+    private: bool = Field(False, description="create a missing repo private")
+    subfolders: bool = Field(False, description="every target in its own folder (its name) of the one repo")
+
+    @field_validator("repo")
+    @classmethod
+    def _repo_id(cls, value: str) -> str:
+        return check_repo_template(value)
+
+
 # A VLM tower's weights in a target: 16-bit (the rule), or round-to-nearest W8A16 / W4A16 on request.
 TowerPrecision = Literal["keep", "int8", "int4"]
 
@@ -116,6 +139,13 @@ class Target(Strict):
     projector: TowerPrecision = Field("keep", description="a VLM's projector: keep (16-bit), int8 or int4 (W/A16)")
     force: bool = Field(False, description="allow 4-bit towers (recorded in the report and the model card)")
     _options: BaseModel | None = PrivateAttr(None)  # `options` validated by the method's Options model (validate)
+    push: bool | str = Field(True, description="false: never pushed; org/name: this target's own repo "
+                             "({name}: the target's name); true: as the recipe's `push` says")
+
+    @field_validator("push")
+    @classmethod
+    def _push_repo(cls, value: bool | str) -> bool | str:
+        return check_repo_template(value) if isinstance(value, str) else value
 
     @field_validator("method")
     @classmethod
@@ -163,9 +193,11 @@ class Recipe(Strict):
                                 "keeping it 16-bit")
     resume: bool = Field(False, description="keep the run's progress in its staging directory, and continue an "
                          "interrupted run of the same inputs and recipe from it (quantkit.run.resume)")
+    offline: bool = Field(False, description="read a Hub model from the local cache only (as HF_HUB_OFFLINE=1)")
     calibration: Calibration = Field(default_factory=Calibration)
     targets: list[Target] = Field(min_length=1)
     gate: Gate = Field(default_factory=Gate)
+    push: Push | None = Field(None, description="publish the targets that pass on the Hub")
 
     @field_validator("targets")
     @classmethod
@@ -175,6 +207,30 @@ class Recipe(Strict):
         if duplicates:
             raise ValueError(f"target names must be unique; repeated: {', '.join(duplicates)}")
         return targets
+
+    @model_validator(mode="after")
+    def _one_repo_per_target(self) -> "Recipe":
+        places = push_places(self)
+        repos = [repo for repo, subfolder in places.values() if subfolder is None]
+        shared = sorted({repo for repo in repos if repos.count(repo) > 1})
+        if shared:
+            names = [name for name, (repo, _) in places.items() if repo == shared[0]]
+            raise ValueError(f"targets {listing(names)} would push to the same repo {shared[0]}: put {{name}} in "
+                             "push.repo (one repo per target), or set push.subfolders: true")
+        return self
+
+
+def push_places(recipe: Recipe) -> dict[str, tuple[str, str | None]]:
+    """Target name -> (Hub repo, folder in it or None) for every target the recipe pushes: a target's own
+    `push: org/name`, else the recipe's push.repo, `{name}` replaced by the target's name."""
+    places = {}
+    for target in recipe.targets:
+        template = target.push if isinstance(target.push, str) else recipe.push.repo if recipe.push else None
+        if template is None or target.push is False:
+            continue
+        subfolder = target.name if recipe.push is not None and recipe.push.subfolders else None
+        places[target.name] = (template.replace("{name}", target.name), subfolder)
+    return places
 
 
 def cli_tasks(names: str | None, files: list[str], min_recovery: float | None = None) -> list[dict]:
@@ -222,7 +278,8 @@ def load_yaml(path: str | Path) -> dict:
 
 
 # Sections whose type CLI overrides rely on when merging into raw recipe data.
-SECTION_TYPES = {"calibration": dict, "gate": dict, "targets": list, "lora": list, "lora_weights": list}
+SECTION_TYPES = {"calibration": dict, "gate": dict, "targets": list, "lora": list, "lora_weights": list,
+                 "push": dict}
 TARGET_SECTION_TYPES = {"options": dict, "ignore": list, "gate": dict}
 
 
@@ -409,6 +466,8 @@ class Overrides:
     strict_shapes: bool = False
     trust_remote_code: bool = False
     resume: bool = False
+    offline: bool = False
+    push: dict[str, Any] = field(default_factory=dict)  # Push field (repo, private) -> value
     lora: list[str] = field(default_factory=list)
     lora_weights: list[float] = field(default_factory=list)
     merge_base: str | None = None
@@ -459,6 +518,13 @@ def apply_overrides(data: dict, o: Overrides) -> dict:
         data["strict_shapes"] = True
     if o.resume:
         data["resume"] = True
+    if o.offline:
+        data["offline"] = True
+    if _given(o.push):
+        if not o.push.get("repo") and not isinstance(data.get("push"), dict):
+            raise InputError("--private sets the visibility of a repo quantkit creates to push to",
+                             hint="add --push-to-hub org/name, or a `push:` block to the recipe")
+        data["push"] = {**(data.get("push") or {}), **_given(o.push)}
     if o.lora:
         data["lora"] = list(data.get("lora") or []) + list(o.lora)
     if o.lora_weights:
