@@ -186,11 +186,13 @@ def plan_types(info, options: Options) -> dict[str, str]:
 
 
 def check(info, options: Options, calibration=None) -> None:
-    """Architecture and its features supported (from config.json and the tensor names), type known
-    (validated in Options), imatrix file present and made for this model."""
+    """Architecture and its features supported (from config.json and the tensor names), a tokenizer
+    llama.cpp reads as transformers does (quantkit.gguf.vocab.check_vocab), type known (validated in
+    Options), imatrix file present and made for this model."""
     from quantkit.gguf.convert import check_convertible
+    from quantkit.gguf.vocab import check_vocab
 
-    check_convertible(info.config, info.tensors)
+    check_vocab(info.path, check_convertible(info.config, info.tensors).vocab)
     if info.towers.components and options.mmproj != "none":
         check_mmproj(info, options.mmproj)
     if options.imatrix not in ("auto", "none") and not Path(options.imatrix).is_file():
