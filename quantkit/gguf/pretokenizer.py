@@ -30,6 +30,12 @@ raw UTF-8, unknown characters as <0xXX> byte tokens. That is transformers' readi
   * no merge joins a newline to another character (llama.cpp splits there), no merged piece holds
     a space (GGUF merges are "left right" strings), all 256 byte tokens exist, and merges are not
     ignored.
+
+A tokenizer.model is written as llama.cpp's SentencePiece vocabulary, as llama.cpp's converter
+writes it; spm_difference says in words where llama.cpp's SentencePiece tokenizer (a "▁" before
+every text, also one that begins with a space and one after a special token, when
+add_space_prefix; no normalization) reads text otherwise than transformers does, for the
+conversion's warnings.
 """
 
 from __future__ import annotations
@@ -56,6 +62,7 @@ KNOWN_SPLIT_REGEXES = {LLAMA3_REGEX: "llama-bpe", QWEN2_REGEX: "qwen2", QWEN2_RE
 SPM_STYLE_PRE = "sarvam-moe"  # llama.cpp: escape spaces, split "[^\n]+|[\n]+", raw UTF-8 merges
 SPACE = "\u2581"
 REPLACE_SPACE = {"type": "Replace", "pattern": {"String": " "}, "content": SPACE}
+PREPEND_SPACE = {"type": "Prepend", "prepend": SPACE}
 SPM_HINT = ("put the base model's tokenizer.model beside tokenizer.json (quantkit then writes llama.cpp's "
             "SentencePiece vocabulary, as llama.cpp's converter does)")
 PREPENDS = ("llama.cpp's BPE tokenizer never prepends one, and its SentencePiece tokenizer needs the scores of a "
@@ -214,4 +221,33 @@ def merges_problem(merges: list[tuple[str, str]]) -> str | None:
         if "\n" in joined and joined.strip("\n"):
             return (f"the merge {left!r} + {right!r} joins a newline and other characters, which llama.cpp "
                     "splits apart")
+    return None
+
+
+# ------------------------------------------------------------------ SentencePiece (tokenizer.model)
+
+
+def spm_difference(p: Pipeline, add_space_prefix: bool) -> str | None:
+    """Where llama.cpp's SentencePiece tokenizer (no normalization, spaces as '▁', a '▁' before every
+    text when add_space_prefix) splits text otherwise than transformers' reading `p` of the same
+    tokenizer.model, in words; None where their rules agree."""
+    normalizer = p.normalizer
+    steps = normalizer.get("normalizers", []) if normalizer and normalizer.get("type") == "Sequence" else \
+        [normalizer] if normalizer else []
+    other = [s.get("type") for s in steps if s not in (REPLACE_SPACE, PREPEND_SPACE)]
+    if other:
+        return (f"transformers normalizes the text ({', '.join(other)}) and llama.cpp does not: text that "
+                "normalization changes tokenizes differently")
+    pre = p.pre_tokenizer if p.pre_tokenizer and p.pre_tokenizer.get("type") == "Metaspace" else None
+    if REPLACE_SPACE not in steps and pre is None:
+        return "transformers keeps spaces and llama.cpp writes them as '▁': text with spaces tokenizes differently"
+    scheme = pre.get("prepend_scheme", "always") if pre else "never"
+    prefix = PREPEND_SPACE in steps or scheme != "never"
+    if prefix != add_space_prefix:
+        who, other_one = ("transformers", "llama.cpp") if prefix else ("llama.cpp", "transformers")
+        return f"{who} puts '▁' before the text and {other_one} does not: the first token of every text differs"
+    if prefix and PREPEND_SPACE not in steps:
+        after = ", or follows a special token," if scheme == "first" else ""
+        return (f"text that begins with a space{after} tokenizes differently: llama.cpp puts '▁' before it, "
+                f"transformers (Metaspace prepend_scheme '{scheme}') does not")
     return None

@@ -164,16 +164,35 @@ def add_vocab(writer, model_dir: Path, hparams: dict, kind: str) -> VocabInfo:
     if kind not in VOCAB_KINDS:
         raise UnsupportedError(f"unknown vocabulary kind '{kind}'", hint="one of: " + ", ".join(VOCAB_KINDS))
     if kind == "llama":
-        return add_llama_family_vocab(writer, model_dir, hparams)
-    if kind == "phi3":
-        return add_phi3_vocab(writer, model_dir, hparams)
-    has_spm = (model_dir / "tokenizer.model").is_file()
-    info = add_sentencepiece_vocab(writer, model_dir, hparams) if has_spm else add_bpe_vocab(writer, model_dir, hparams)
-    if kind == "gemma":
-        add_codegemma_tokens(writer, model_dir)
-    if kind in ("gemma", "gemma2") or (kind == "gemma3" and has_spm):
-        writer.add_add_space_prefix(False)
+        info = add_llama_family_vocab(writer, model_dir, hparams)
+    elif kind == "phi3":
+        info = add_phi3_vocab(writer, model_dir, hparams)
+    else:
+        has_spm = (model_dir / "tokenizer.model").is_file()
+        info = add_sentencepiece_vocab(writer, model_dir, hparams) if has_spm else add_bpe_vocab(writer, model_dir,
+                                                                                                  hparams)
+        if kind == "gemma":
+            add_codegemma_tokens(writer, model_dir)
+        if kind in ("gemma", "gemma2") or (kind == "gemma3" and has_spm):
+            writer.add_add_space_prefix(False)
+    if info.pre_source == "spm":
+        info.warnings += sentencepiece_warnings(model_dir, kind)
     return info
+
+
+def sentencepiece_warnings(model_dir: Path, kind: str) -> list[str]:
+    """How llama.cpp's SentencePiece tokenizer reads the written vocabulary otherwise than transformers
+    reads the checkpoint (quantkit.gguf.pretokenizer.spm_difference); [] where they agree."""
+    from transformers import AutoTokenizer
+
+    prefix = False if kind.startswith("gemma") else True  # llama.cpp's default without the key
+    if kind == "llama":
+        config = read_json(model_dir / "tokenizer_config.json").get("add_prefix_space")
+        prefix = True if config is None else bool(config)
+    backend = AutoTokenizer.from_pretrained(model_dir, local_files_only=True).backend_tokenizer
+    difference = pretokenizer.spm_difference(pretokenizer.pipeline(backend), prefix)
+    return [f"tokenizer.model: llama.cpp's SentencePiece tokenizer and transformers differ: {difference}"] \
+        if difference else []
 
 
 def uses_bpe(model_dir: Path, kind: str) -> bool:

@@ -401,6 +401,8 @@ def write_gguf(job: QuantizeJob, imatrix, types: dict | None, details: dict) -> 
     result = convert(job.info.path, out_path, opts.gguf_type,
                      imatrix=imatrix.weights() if imatrix is not None else None, name=name, threads=cpu_threads(),
                      types=types, progress=job.progress, state=conversion_state(job, out_path))
+    for warning in result.vocab.get("warnings", []):
+        job.progress(f"warning: {warning}")
     projector = write_mmproj(job, name)
     (Path(job.out_dir) / "Modelfile").write_text(render(out_path.name, read_chat_template(job.info.path),
                                                         projector.get("file")))

@@ -77,3 +77,27 @@ def test_refusals_name_the_difference(pipeline, words, hint):
     with pytest.raises(UnsupportedError) as info:
         pt.reading(pipeline)
     assert info.value.exit_code == 2 and words in str(info.value) and hint in info.value.hint
+
+
+METASPACE = {"type": "Metaspace", "replacement": "\u2581", "split": False}
+PREPEND = {"type": "Sequence", "normalizers": [{"type": "Prepend", "prepend": "\u2581"}, REPLACE]}
+
+
+@pytest.mark.parametrize("normalizer,pre,prefix,words", [
+    (PREPEND, None, True, None),
+    (REPLACE, GEMMA_SPLIT, False, None),
+    (None, {**METASPACE, "prepend_scheme": "never"}, False, None),
+    (None, {**METASPACE, "prepend_scheme": "first"}, True, "begins with a space, or follows a special token"),
+    (None, {**METASPACE, "prepend_scheme": "always"}, True, "begins with a space tokenizes differently"),
+    (None, {**METASPACE, "prepend_scheme": "first"}, False, "transformers puts '▁' before the text"),
+    (REPLACE, None, True, "llama.cpp puts '▁' before the text"),
+    ({"type": "Sequence", "normalizers": [{"type": "Precompiled", "precompiled_charsmap": "x"}, REPLACE]}, None, False,
+     "normalizes the text (Precompiled)"),
+    (None, None, True, "keeps spaces"),
+], ids=["prepend", "gemma", "never", "first", "always", "first without prefix", "prefix without", "precompiled",
+        "no spaces"])
+def test_sentencepiece_differences(normalizer, pre, prefix, words):
+    """llama.cpp's SentencePiece tokenizer (a '▁' before every text when add_space_prefix, nothing
+    normalized) against transformers' reading of the same tokenizer.model."""
+    difference = pt.spm_difference(pt.Pipeline(normalizer, pre, bpe(byte_fallback=True), []), prefix)
+    assert difference is None if words is None else words in difference

@@ -7,8 +7,8 @@ SentencePiece-style BPE), and the real Llama 3 and Qwen2 vocabularies rebuilt fr
 vocab files. The text mixes accented Latin, CJK, Cyrillic, emoji (with joiners and skin tones),
 digit runs, runs of spaces, tabs and newlines, and code; the comparison includes the BOS/EOS that
 each side adds. llama.cpp's SentencePiece tokenizer puts "▁" before every text, also before one
-that begins with a space, where transformers' LlamaTokenizer does not: text that begins with a
-space is compared for the BPE kinds, whose llama.cpp tokenizer prepends nothing.
+that begins with a space, where transformers' LlamaTokenizer does not (the conversion says so in a
+warning): for the tokenizer.model, llama.cpp's ids for " " + text are transformers' for "  " + text.
 """
 
 from __future__ import annotations
@@ -68,3 +68,6 @@ def test_llamacpp_tokenizes_as_transformers(family, tokenizer, tmp_path):
     for text in [TEXT] + ([] if tokenizer == "spm" else [" " + TEXT]):
         ids = hf(text).input_ids
         assert_same_ids(llama_tokenize(tool, gguf_file, text, tmp_path), ids, hf, f"{tokenizer} {text[:12]!r}")
+    if tokenizer == "spm":  # as the conversion warns: llama.cpp puts '▁' before a leading space too
+        ids = hf("  " + TEXT).input_ids
+        assert_same_ids(llama_tokenize(tool, gguf_file, " " + TEXT, tmp_path), ids, hf, "spm, leading space")

@@ -144,3 +144,23 @@ def test_prepending_tokenizer_json_refused_before_work(cli, model_copy, tmp_path
     (model_copy / "tokenizer.model").write_bytes((tmp_path / "tokenizer.model").read_bytes())
     assert not qv.uses_bpe(model_copy, "llama")
     qv.check_vocab(model_copy, "llama")
+
+
+def test_conversion_warning_printed(cli, model_copy, tmp_path):
+    """A tokenizer.model that transformers reads with Metaspace 'first': the conversion's warning (text
+    that begins with a space or follows a special token tokenizes differently in llama.cpp) is printed
+    on stderr, once, and recorded in quantkit.json."""
+    pytest.importorskip("transformers")
+    from tests.gguf.families import write_spm_tokenizer
+
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (model_copy / name).unlink()
+    write_spm_tokenizer(model_copy)
+    out = tmp_path / "out"
+    result = cli("quantize", model_copy, "--method", "gguf", "--gguf-type", "Q8_0", "--imatrix", "none",
+                 "--eval-windows", "0", "-o", out)
+    assert result.exit_code == 0, result.output
+    printed = [line.split("warning: ", 1)[1] for line in result.stderr.splitlines() if "warning: tokenizer" in line]
+    recorded = json.loads((out / "quantkit.json").read_text())["targets"][0]["details"]["gguf"]["vocab"]["warnings"]
+    assert len(printed) == 1 and "begins with a space, or follows a special token" in printed[0], result.stderr
+    assert printed == recorded
