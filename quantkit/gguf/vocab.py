@@ -382,7 +382,10 @@ def bpe_pre_name(tokenizer, model_dir: Path) -> tuple[str, str]:
     if name == "llama-bpe" and not adds_bos(tokenizer, model_dir):
         raise UnsupportedError("tokenizer.json (BPE, Llama 3 split): it adds no BOS token, and llama.cpp's "
                                "'llama-bpe' pre-tokenizer always does", hint=pretokenizer.BPE_HINT)
-    return name, "spm-style" if name == pretokenizer.SPM_STYLE_PRE else "structure"
+    if name == pretokenizer.SPM_STYLE_PRE:
+        check_llama_hf_readable(model_dir)
+        return name, "spm-style"
+    return name, "structure"
 
 
 def adds_bos(tokenizer, model_dir: Path) -> bool:
@@ -399,7 +402,7 @@ def check_hash(tokenizer) -> str:
     return sha256(str(tokenizer.encode(CHKTXT)).encode()).hexdigest()
 
 
-# ------------------------------------------------------------------ SentencePiece ("llama")
+# ------------------------------------------------------------------ SentencePiece-style BPE ("gpt2")
 
 
 def add_spm_style_vocab(writer, model_dir: Path, hparams: dict) -> VocabInfo:
@@ -419,6 +422,15 @@ def add_spm_style_vocab(writer, model_dir: Path, hparams: dict) -> VocabInfo:
     return VocabInfo("gpt2", pretokenizer.SPM_STYLE_PRE, len(tokens), "spm-style")
 
 
+def check_llama_hf_readable(model_dir: Path) -> None:
+    """gguf-py's LlamaHfVocab reads a byte-fallback BPE tokenizer.json only with a Sequence decoder."""
+    decoder = read_json(Path(model_dir) / "tokenizer.json").get("decoder") or {}
+    if decoder.get("type") != "Sequence":
+        raise UnsupportedError(f"{Path(model_dir) / 'tokenizer.json'}: its decoder is {decoder.get('type')}, and "
+                               "gguf-py's LlamaHfVocab (the converter's reader of such a tokenizer) needs a Sequence",
+                               hint=pretokenizer.SPM_HINT)
+
+
 def llama_hf_tokens(model_dir: Path, vocab_size: int | None) -> tuple[list, list, list]:
     """gguf-py's LlamaHfVocab.all_tokens(), each token at its id, padded to vocab_size as get_vocab_base pads."""
     import gguf
@@ -432,8 +444,8 @@ def llama_hf_tokens(model_dir: Path, vocab_size: int | None) -> tuple[list, list
     ids = vocab.tokenizer.get_vocab()
     misplaced = next((i for i, t in enumerate(tokens) if ids.get(t.decode("utf-8")) != i), None)
     if misplaced is not None:
-        raise UnsupportedError(f"{model_dir / 'tokenizer.json'}: token ids are not contiguous (id {misplaced})",
-                               hint="save the tokenizer again with transformers' save_pretrained")
+        raise UnsupportedError(f"{model_dir / 'tokenizer.json'}: the ids have a gap (gguf-py's LlamaHfVocab "
+                               f"lists another token at {misplaced})", hint=pretokenizer.SPM_HINT)
     n = vocab_size if vocab_size is not None else len(tokens)
     if len(tokens) > n:
         raise UnsupportedError(f"the tokenizer has {len(tokens)} tokens, beyond vocab_size {n}",
@@ -444,6 +456,9 @@ def llama_hf_tokens(model_dir: Path, vocab_size: int | None) -> tuple[list, list
         scores.append(ADDED_SCORE)
         types.append(gguf.TokenType.UNUSED)
     return tokens, scores, types
+
+
+# ------------------------------------------------------------------ SentencePiece ("llama")
 
 
 def add_sentencepiece_vocab(writer, model_dir: Path, hparams: dict) -> VocabInfo:

@@ -124,6 +124,19 @@ def test_spm_style_tokenizer_json_as_llama_hf_vocab(kind, tmp_path):
     assert {meta["tokenizer.ggml.token_type"][i] for i in byte_ids} == {gguf.TokenType.BYTE}
 
 
+def test_spm_style_tokenizer_json_without_sequence_decoder_refused(tmp_path):
+    """gguf-py's LlamaHfVocab (the token list, as the converter reads it) needs a Sequence decoder."""
+    pytest.importorskip("transformers")
+    from quantkit.errors import UnsupportedError
+    from tests.gguf.families import write_spm_json_tokenizer
+
+    write_spm_json_tokenizer(tmp_path, "gemma")
+    data = json.loads((tmp_path / "tokenizer.json").read_text())
+    (tmp_path / "tokenizer.json").write_text(json.dumps({**data, "decoder": {"type": "ByteFallback"}}))
+    with pytest.raises(UnsupportedError, match="decoder is ByteFallback"):
+        qv.check_vocab(tmp_path, "gemma3")
+
+
 def test_prepending_tokenizer_json_refused_before_work(cli, model_copy, tmp_path):
     """A tokenizer.json alone whose tokenizer prepends '▁' (transformers' LlamaTokenizer): no llama.cpp
     tokenizer reads it exactly, so `quantize --method gguf` stops with exit 2 before any work; with
