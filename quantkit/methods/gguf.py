@@ -192,7 +192,8 @@ def check(info, options: Options, calibration=None) -> None:
     from quantkit.gguf.convert import check_convertible
     from quantkit.gguf.vocab import check_vocab
 
-    check_vocab(info.path, check_convertible(info.config, info.tensors).vocab)
+    spec = check_convertible(info.config, info.tensors)
+    check_vocab(info.path, spec.vocab)
     if info.towers.components and options.mmproj != "none":
         check_mmproj(info, options.mmproj)
     if options.imatrix not in ("auto", "none") and not Path(options.imatrix).is_file():
