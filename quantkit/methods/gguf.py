@@ -186,11 +186,14 @@ def plan_types(info, options: Options) -> dict[str, str]:
 
 
 def check(info, options: Options, calibration=None) -> None:
-    """Architecture and its features supported (from config.json and the tensor names), type known
-    (validated in Options), imatrix file present and made for this model."""
+    """Architecture and its features supported (from config.json and the tensor names), a tokenizer
+    llama.cpp reads as transformers does (quantkit.gguf.vocab.check_vocab), type known (validated in
+    Options), imatrix file present and made for this model."""
     from quantkit.gguf.convert import check_convertible
+    from quantkit.gguf.vocab import check_vocab
 
-    check_convertible(info.config, info.tensors)
+    spec = check_convertible(info.config, info.tensors)
+    check_vocab(info.path, spec.vocab)
     if info.towers.components and options.mmproj != "none":
         check_mmproj(info, options.mmproj)
     if options.imatrix not in ("auto", "none") and not Path(options.imatrix).is_file():
@@ -399,6 +402,8 @@ def write_gguf(job: QuantizeJob, imatrix, types: dict | None, details: dict) -> 
     result = convert(job.info.path, out_path, opts.gguf_type,
                      imatrix=imatrix.weights() if imatrix is not None else None, name=name, threads=cpu_threads(),
                      types=types, progress=job.progress, state=conversion_state(job, out_path))
+    for warning in result.vocab.get("warnings", []):
+        job.progress(f"warning: {warning}")
     projector = write_mmproj(job, name)
     (Path(job.out_dir) / "Modelfile").write_text(render(out_path.name, read_chat_template(job.info.path),
                                                         projector.get("file")))
