@@ -312,13 +312,13 @@ def probe(fmt: Format, artifact: Path, logs: Path) -> str:
     """Start the engine on an artifact serve-check refused (its rule bypassed) and ask for the log-probs of
     one prompt: "serves", or the engine's own error (the server's log, quantkit.serve.process)."""
     from quantkit.errors import QuantkitError
-    from quantkit.eval.artifacts import artifact_kind
+    from quantkit.formats import detect
     from quantkit.serve.check import engine_failures, pick_engine, served_path, serving
     from quantkit.serve.engines import get_engine
     from quantkit.serve.settings import Endpoint, ServeOptions
     from quantkit.serve.support import accelerator
 
-    kind = artifact_kind(artifact)
+    kind = detect(artifact).kind
     engine = pick_engine(kind, fmt.engine)
     options = ServeOptions(max_model_len=128, logprobs=5, concurrency=1, device=accelerator().kind,
                            start_timeout=600)

@@ -52,11 +52,14 @@ def test_the_shares_split_the_windows_as_llm_compressor_does(world):
 
 
 def launch(world=2, targets=(("gptq", "gptq", Options()),), num_samples=8, flags=(), eval_windows=4):
-    from quantkit.methods import get_method
+    from quantkit.methods import get_method, on_ranks
 
     specs = [(name, get_method(method), options) for name, method, options in targets]
-    check_launch(Ranks(0, world), [(name, spec.name, spec.distributed, options, spec.ranks_refused(options))
-                                   for name, spec, options in specs], num_samples, list(flags), eval_windows)
+    rows = []
+    for name, spec, options in specs:
+        runs, why = on_ranks(spec, options)  # whether the method runs on ranks, why these options do not
+        rows.append((name, spec.name, runs, options, why))
+    check_launch(Ranks(0, world), rows, num_samples, list(flags), eval_windows)
 
 
 def method_options(method, **values):

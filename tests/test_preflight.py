@@ -196,7 +196,7 @@ def test_ram_estimate_of_fp8_follows_its_path(micro_model, tmp_path):
 
 
 def working_set(target, info) -> int:
-    return target.method.working_set(info, target.options)
+    return target.method.sizes.working_set(info, target.options)
 
 
 # ---------------------------------------------------------------- where the gate's forwards run
@@ -234,6 +234,7 @@ def test_placement_is_described_in_one_line(micro_model):
 
 
 def test_whole_bytes_by_kind(micro_model):
+    from quantkit.formats import all_formats
     from quantkit.io.checkpoint import check_model_dir
     from quantkit.run.preflight import unit_bytes, whole_bytes
 
@@ -241,8 +242,11 @@ def test_whole_bytes_by_kind(micro_model):
     others, layers = unit_bytes(info)
     stored = sum(others.values()) + sum(layers.values())
     params = sum(math.prod(shape) for _dtype, shape in info.tensors.values())
-    assert whole_bytes(info, "base") == whole_bytes(info, "compressed-tensors") == whole_bytes(info, "mlx") == stored
-    assert whole_bytes(info, "gguf") == whole_bytes(info, "base", "float32") == 4 * params
+    computes_in = {fmt.kind: fmt.gate_dtype for fmt in all_formats()}
+    assert whole_bytes(info) == whole_bytes(info, computes_in["compressed-tensors"]) == stored
+    assert whole_bytes(info, computes_in["mlx"]) == stored  # dequantized to its scales' (16-bit) dtype
+    assert whole_bytes(info, computes_in["gguf"]) == whole_bytes(info, "float32") == 4 * params
+    assert whole_bytes(info, "bfloat16") == 2 * params
 
 
 def test_a_run_says_where_its_gate_runs(cli, micro_model, tmp_path):
@@ -291,10 +295,10 @@ def test_resume_counts_the_saved_progress_and_takes_off_what_is_staged(micro_mod
     info, gguf = check_model_dir(micro_model), get_method("gguf")
     computed, given = gguf.options(gguf_type="Q4_K_M"), gguf.options(gguf_type="Q4_K_M", imatrix="none")
     matrices = sum(4 * shape[-1] for _dtype, shape in info.tensors.values() if len(shape) == 2)
-    assert gguf.resume_bytes(info, computed) - gguf.resume_bytes(info, given) == 2 * matrices
+    assert gguf.resume.bytes(info, computed) - gguf.resume.bytes(info, given) == 2 * matrices
     plain = estimate_bytes(1000, 100, [8.0], False, 0, 64, 512)
     resumed = with_resume(plain, info, [(gguf, computed)], staged=500)
-    assert resumed.total == plain.total + gguf.resume_bytes(info, computed) - 500
+    assert resumed.total == plain.total + gguf.resume.bytes(info, computed) - 500
     assert with_resume(plain, info, [(gguf, computed)], staged=10**9).total == 0
     monkeypatch.setattr(shutil, "disk_usage", lambda path: Usage(10**9, 10**9 - 1000, 1000))
     with pytest.raises(InputError, match="saved progress for --resume .* less 0.0 MiB an interrupted run already wrote"):
@@ -321,5 +325,5 @@ def test_a_sequential_method_counts_its_saved_layers_and_hidden_states(micro_mod
     weights = sum(DTYPE_BYTES[dtype] * math.prod(shape) for dtype, shape in info.tensors.values())
     hidden = info.config["hidden_size"] + 2 * info.config["hidden_size"] // info.config["num_attention_heads"]
     per_token = 2 * hidden * DTYPE_BYTES[info.dtype]
-    assert gptq.resume_bytes(info, options, 0) == weights
-    assert gptq.resume_bytes(info, options, 1000) - gptq.resume_bytes(info, options, 0) == 1000 * per_token
+    assert gptq.resume.bytes(info, options, 0) == weights
+    assert gptq.resume.bytes(info, options, 1000) - gptq.resume.bytes(info, options, 0) == 1000 * per_token

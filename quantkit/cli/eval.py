@@ -97,7 +97,8 @@ def parse(model: Path, against: str | None, windows: EvalWindows, device: str, m
     """The command line checked before any work (exit 2): the artifact, its flags, the gate, the tasks' data."""
     from quantkit.engines.transformers import check_device
     from quantkit.errors import InputError, ModelError
-    from quantkit.eval.artifacts import artifact_kind
+    from quantkit.formats import detect
+    from quantkit.formats import gguf as gguf_format
     from quantkit.run.pipeline import gate_with_task_files
     from quantkit.run.recipe import Calibration
     from quantkit.units import parse_size
@@ -105,8 +106,8 @@ def parse(model: Path, against: str | None, windows: EvalWindows, device: str, m
     if not model.exists():
         raise ModelError(f"artifact not found: {model}",
                          hint="give the output directory of quantkit quantize, or a .gguf file")
-    kind = artifact_kind(model)
-    if llama_perplexity and kind != "gguf":
+    kind = detect(model).kind
+    if llama_perplexity and kind != gguf_format.FORMAT.kind:  # llama.cpp's own perplexity reads a .gguf
         raise InputError("--llama-perplexity applies to .gguf artifacts only",
                          hint="drop --llama-perplexity, or give the .gguf file itself")
     if flags.limit is not None and not (flags.tasks or flags.task_file):
@@ -129,20 +130,23 @@ def measure(request: EvalRequest, trust_remote_code: bool) -> tuple:
     from quantkit.eval import evaluate, scorers
     from quantkit.io.checkpoint import check_model_dir, resolve_model
     from quantkit.run.calibration import make_windows
+    from quantkit.formats import gate as reading
+    from quantkit.formats import get_format
     from quantkit.run.preflight import describe_placement, eval_placement
 
     r, seq_len = request, request.calibration.seq_len
     base = check_model_dir(resolve_model(r.against or default_base(r.artifact)))
     tokenizer = load_tokenizer(base, trust_remote_code)
     windows = make_windows(tokenizer, r.calibration).eval
-    placement = eval_placement(base, r.kind, device_map(r.device), seq_len, len(windows), r.max_memory)
+    placement = eval_placement(base, get_format(r.kind).gate_dtype, device_map(r.device), seq_len, len(windows),
+                               r.max_memory)
     progress(describe_placement(placement, base, seq_len).replace("gate:", "forwards:", 1))
     progress(f"baseline: {base.path} on {len(windows)} windows of {seq_len} tokens")
     baseline = evaluate.compute_baseline(scorers.base_scorer(base, device=r.device, trust_remote_code=trust_remote_code,
                                                              placement=placement, progress=progress), windows,
                                          spill=placement.spill)
     progress(f"candidate: {r.artifact} ({r.kind})")
-    metrics = scorers.evaluate_artifact(r.artifact, base.path, windows, baseline, r.device, trust_remote_code,
+    metrics = reading.evaluate_artifact(r.artifact, base.path, windows, baseline, r.device, trust_remote_code,
                                         placement=placement, progress=progress)
     metrics.flips, task_rows = measure_extras(r.artifact, base, tokenizer, windows, r.gate, r.device,
                                               trust_remote_code, placement)
@@ -194,11 +198,12 @@ def measure_extras(model: Path, base, tokenizer, windows, gate, device: str, tru
     """(flips, task results) of the artifact against the base, when the flags ask for them: greedy
     continuations of held-out prompts (quantkit.eval.generate) and lm-eval tasks (quantkit.eval.tasks)."""
     from quantkit.eval import generate, scorers, tasks
+    from quantkit.formats.gate import artifact_logits
 
     if not gate.flip_prompts and not gate.tasks:
         return None, []
     base_logits = scorers.base_logits(base, device=device, trust_remote_code=trust_remote_code, placement=placement)
-    logits = scorers.artifact_logits(model, base.path, device, trust_remote_code, placement=placement)
+    logits = artifact_logits(model, base.path, device, trust_remote_code, placement=placement)
     flips = None
     if gate.flip_prompts:
         progress(f"flips: greedy continuations of {gate.flip_prompts} held-out prompts, {gate.flip_tokens} tokens")
@@ -215,7 +220,7 @@ def measure_extras(model: Path, base, tokenizer, windows, gate, device: str, tru
 
 def llama_cpp_check(model: Path, tokenizer, windows) -> dict:
     """llama.cpp's perplexity of the .gguf on the held-out windows' text."""
-    from quantkit.eval.artifacts import gguf_file
+    from quantkit.formats.gguf import gguf_file
     from quantkit.eval.llamacpp import perplexity
 
     text = "\n\n".join(tokenizer.decode(w, skip_special_tokens=True) for w in windows.tolist())

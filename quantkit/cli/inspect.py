@@ -81,13 +81,13 @@ def plan_data(info, method, options, ignore: list[str], context: int, towers: di
     from dataclasses import replace
 
     from quantkit.arch.vlm import tower_summary
-    from quantkit.methods import runtimes_for
-    from quantkit.run.plan import MEMORY_NOTE, build_plan, ignore_patterns, role_summary
+    from quantkit.methods import ignore_patterns, runtimes_for
+    from quantkit.run.plan import MEMORY_NOTE, build_plan, role_summary
     from quantkit.run.serving import memory_rows
 
     towers = {role: value for role, value in (towers or {}).items() if value != "keep"}
     options, choices = method.resolve(info, options)
-    patterns = ignore_patterns(info, ignore, method.keeps_lm_head(options), tuple(towers))
+    patterns = ignore_patterns(info, ignore, method.layers.keeps_lm_head(options), tuple(towers))
     kept = rule_kept(info, method, options, patterns)
     patterns = patterns + sorted(kept)
     entries = [replace(e, precision=f"{e.precision.split(' (')[0]} (kept: {rule_reason(kept[e.name])})")
@@ -120,7 +120,7 @@ def rule_kept(info, method, options, ignore: list[str]) -> dict[str, str]:
     and the fused partners of any kept shard (quantkit.run.pipeline.resolve_target)."""
     from quantkit.run.pipeline import fused_partners_kept
 
-    kept = method.shape_problems(info, options, ignore)
+    kept = method.layers.shape_problems(info, options, ignore)
     kept.update(fused_partners_kept(info, method, ignore + sorted(kept)))
     return kept
 
@@ -132,7 +132,7 @@ def rule_reason(why: str) -> str:
 
 def kernels(runtimes, shape: list[int]) -> list[str]:
     """The method's runtimes whose kernel takes a Linear of this [out, in] shape, with the compute
-    capability each needs on CUDA (quantkit.methods.Runtime: its shape multiples and source)."""
+    capability each needs on CUDA (quantkit.formats.Runtime: its shape multiples and source)."""
     return [f"{r.name} (sm {r.min_capability:g}+)" if "cuda" in r.kinds else r.name
             for r in runtimes if r.accepts(shape)]
 

@@ -145,6 +145,11 @@ def check_float_weights(file: Path, tensors: dict[str, tuple[str, list[int]]]) -
                              hint="the checkpoint and its config.json do not belong together")
 
 
+def quant_method(config: dict) -> str:
+    """config.json's quantization_config.quant_method ("compressed-tensors", "bitsandbytes"); "" without one."""
+    return (config.get("quantization_config") or {}).get("quant_method") or ""
+
+
 def read_config(path: Path) -> dict:
     config_file = path / "config.json"
     if not config_file.is_file():
@@ -184,7 +189,7 @@ def is_vlm(config: dict) -> bool:
     """A vision-language model: a *ForConditionalGeneration architecture with a vision_config.
 
     The one rule for picking the Auto class, shared by loading the base (`load_model`) and
-    loading an artifact back for evaluation (`quantkit.eval.artifacts.load_for_eval`).
+    loading an artifact back for evaluation (`quantkit.formats.gate.load_artifact`).
     """
     architecture = (config.get("architectures") or [""])[0]
     return architecture.endswith("ForConditionalGeneration") and "vision_config" in config

@@ -51,7 +51,20 @@ from pydantic import BaseModel, ConfigDict
 from quantkit.arch.mappings import model_mappings
 from quantkit.engines.llmcompressor import layer_resume, llmc
 from quantkit.errors import InputError, MissingExtraError, UnsupportedError
-from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, fixed_gate, gptq
+from quantkit.formats import compressed_tensors
+from quantkit.methods import (
+    FallbackSteps,
+    Layers,
+    MethodSpec,
+    OnRanks,
+    QuantizeJob,
+    QuantizeResult,
+    Resume,
+    Sizes,
+    Towers,
+    fixed_gate,
+    gptq,
+)
 from quantkit.mixed.budget import Fallback
 from quantkit.mixed.sensitivity import SensitivityRow
 
@@ -317,12 +330,14 @@ def ranks_refused(options: Options) -> str | None:
 
 
 METHOD = MethodSpec(
-    quantizes_towers=True, name="awq", engine=llmc.ENGINE, engine_package=llmc.ENGINE,
-    rotation_refused=ROTATION_REFUSED,
-    format="compressed-tensors (pack-quantized, int4 asymmetric)",
-    options=Options, quantize=quantize, precision=precision, default_gate=fixed_gate(DEFAULT_GATE),
-    check=check, needs_calibration=needs_calibration, check_ignore=check_ignore, shape_problems=gptq.shape_problems,
-    resolve=gptq.resolve, fallback_ladder=fallback_ladder, requantize=requantize, stored_bits=gptq.stored_bits,
-    support=support, runtimes=gptq.RUNTIMES, ranks_refused=ranks_refused,
-    **layer_resume.method_fields(),
+    name="awq", format=compressed_tensors.FORMAT, label="compressed-tensors (pack-quantized, int4 asymmetric)",
+    scheme=gptq.compressed_scheme, engine=llmc.ENGINE, options=Options, quantize=quantize, precision=precision,
+    default_gate=fixed_gate(DEFAULT_GATE), resolve=gptq.resolve, check=check, needs_calibration=needs_calibration,
+    support=support, rotation_refused=ROTATION_REFUSED,
+    layers=Layers(check_ignore=check_ignore, shape_problems=gptq.shape_problems),
+    sizes=Sizes(stored_bits=gptq.stored_bits),
+    fallback=FallbackSteps(fallback_ladder, requantize),
+    resume=Resume(**layer_resume.resume_fields()),
+    ranks=OnRanks(ranks_refused),
+    towers=Towers(quantizes=True),
 )

@@ -30,7 +30,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from quantkit.errors import InputError, UnsupportedError
-from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, Runtime
+from quantkit.formats import gguf as gguf_format
+from quantkit.methods import FallbackSteps, Layers, MethodSpec, QuantizeJob, QuantizeResult, Resume, Sizes, Towers
 from quantkit.mixed.budget import Fallback
 
 MIX_MARGIN = 1.15  # mixtures give some tensors more bits than the base type (Q4_K_M: Q6_K parts)
@@ -588,21 +589,6 @@ def ggml_bits(qtype) -> float:
     return 8 * size / block
 
 
-LLAMACPP = "llama.cpp docs/build.md: CUDA, Metal and CPU backends (Ollama runs llama.cpp)"
-RUNTIMES = (
-    Runtime("llama.cpp / Ollama: CUDA", ("cuda",), 5.0, LLAMACPP),
-    Runtime("llama.cpp / Ollama: Metal", ("apple",), 0.0, LLAMACPP),
-    Runtime("llama.cpp / Ollama: CPU", ("cpu",), 0.0, LLAMACPP),
-)
-
-
-def serve_command(path: str) -> str:
-    """llama-server on the .gguf (a VLM: with its mmproj file), or Ollama on the Modelfile beside it."""
-    folder = str(Path(path).parent) if path.endswith(".gguf") else path
-    model = path if path.endswith(".gguf") else f"{path}/MODEL.gguf"
-    return f"llama-server -m {model} (or: ollama create NAME -f {folder}/Modelfile && ollama run NAME)"
-
-
 def support(family) -> str:
     """A text family converts when llama.cpp's converter has its architecture; a VLM also needs an
     mmproj conversion for its towers (`mmproj: none` is the opt-in language-model-only output)."""
@@ -638,17 +624,17 @@ ROTATION_REFUSED = ("a GGUF file stores no transform and llama.cpp applies none,
 
 
 METHOD = MethodSpec(
-    name="gguf", engine="quantkit-gguf", engine_package="quantkit", format="GGUF (llama.cpp / Ollama)",
-    rotation_refused=ROTATION_REFUSED,
-    options=Options, quantize=quantize, precision=precision, default_gate=default_gate, check=check,
-    needs_calibration=needs_calibration,
+    name="gguf", format=gguf_format.FORMAT, label="GGUF (llama.cpp / Ollama)", scheme=lambda options: options.gguf_type,
+    engine="quantkit-gguf", engine_package="quantkit", options=Options, quantize=quantize, precision=precision,
+    default_gate=default_gate, check=check, needs_calibration=needs_calibration,
     needs_model=lambda info, options: False,  # conversion reads the checkpoint; the imatrix streams it
-    keeps_lm_head=lambda options: False,  # the mixture gives output.weight its own type (Q6_K for most mixes)
-    supports_ignore=False,  # per-tensor types come from llama-quantize's mixture rules
-    plan_types=plan_types,
-    fallback_ladder=fallback_ladder,
-    requantize=requantize,
-    artifact="gguf", stored_bits=stored_bits, support=support, tower_proof=tower_proof,
-    precision_bits=precision_bits, runtimes=RUNTIMES, serve_command=serve_command,
-    resume_unit="the last written tensor", resume_bytes=resume_bytes,
+    support=support, rotation_refused=ROTATION_REFUSED,
+    layers=Layers(
+        keeps_lm_head=lambda options: False,  # the mixture gives output.weight its own type (Q6_K for most mixes)
+        takes_ignore=False,  # per-tensor types come from llama-quantize's mixture rules
+        exact_types=plan_types),
+    sizes=Sizes(stored_bits=stored_bits, precision_bits=precision_bits),
+    fallback=FallbackSteps(fallback_ladder, requantize),
+    resume=Resume("the last written tensor", bytes=resume_bytes),
+    towers=Towers(proof=tower_proof),
 )

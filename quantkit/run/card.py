@@ -23,7 +23,6 @@ if TYPE_CHECKING:
     from quantkit.eval.evaluate import GateResult
 
 FIGURE = "kld.png"  # the KL divergence figure beside the card
-LIBRARIES = {"gguf": "gguf", "mlx": "mlx"}  # library_name by artifact kind; the others load with transformers
 LICENSE_KEYS = ("license", "license_name", "license_link")
 
 
@@ -83,7 +82,7 @@ def front_matter(target: TargetReport, report: RunReport) -> dict:
         front.update(base_model=hub["repo_id"], base_model_relation="quantized")
     front.update(library_name=library_name(target), pipeline_tag=pipeline_tag(report))
     front.update({k: v for k, v in (report.model.license or {}).items() if k in LICENSE_KEYS})
-    front.update(quantized_by="quantkit", tags=["quantkit", "quantized", target.method, *format_tags(target.format)],
+    front.update(quantized_by="quantkit", tags=["quantkit", "quantized", target.method, artifact_format(target).kind],
                  quantization={"method": target.method, "format": target.format, "engine": target.engine,
                                "options": target.options})
     return front
@@ -95,18 +94,17 @@ def front_text(front: dict) -> str:
     return yaml.safe_dump(front, sort_keys=False).strip()
 
 
+def artifact_format(target: TargetReport):
+    """The format the target's method writes (quantkit.formats.Format)."""
+    return get_method(target.method).format
+
+
 def library_name(target: TargetReport) -> str:
-    return LIBRARIES.get(get_method(target.method).artifact, "transformers")
+    return artifact_format(target).library
 
 
 def pipeline_tag(report: RunReport) -> str:
     return "image-text-to-text" if report.model.towers else "text-generation"
-
-
-def format_tags(fmt: str) -> list[str]:
-    markers = (("compressed-tensors", "compressed-tensors"), ("GGUF", "gguf"), ("bitsandbytes", "bitsandbytes"),
-               ("MLX", "mlx"))
-    return [tag for marker, tag in markers if marker in fmt]
 
 
 def base_name(report: RunReport) -> str:
@@ -283,7 +281,6 @@ def serve_check_section(check: dict | None) -> list[str]:
 # ---------------------------------------------------------------- how to run and reproduce
 
 
-LLAMA_SERVER_HUB = "llama-server --hf-repo {repo} --hf-file {file}"  # llama.cpp fetches one .gguf of a repo
 HERE = re.compile(r"(?<= )\.(?=[ )]|$)")  # "." as the artifact's directory in a serve command
 
 
@@ -300,11 +297,12 @@ def run_section(target: TargetReport, report: RunReport, place: Place | None) ->
 
 
 def hub_command(target: TargetReport, place: Place) -> str:
-    """The command that runs the artifact from its Hub repo: llama.cpp fetches the .gguf itself; the
-    others read the repo (a subfolder is downloaded first)."""
-    if get_method(target.method).artifact == "gguf":
-        gguf = next((f for f in target.files if f.endswith(".gguf") and not f.startswith("mmproj")), "MODEL.gguf")
-        return LLAMA_SERVER_HUB.format(repo=place.repo, file=f"{place.subfolder}/{gguf}" if place.subfolder else gguf)
+    """The command that runs the artifact from its Hub repo: the format's own where its engine fetches from the
+    Hub itself (llama.cpp: one .gguf of a repo), else the repo read as the directory (a subfolder downloaded
+    first)."""
+    own = artifact_format(target).hub_serve_command(place.repo, place.subfolder, target.files)
+    if own:
+        return own
     local = (target.details.get("serving") or {}).get("serve", "vllm serve .")
     if place.subfolder:
         return (f"hf download {place.repo} --include '{place.subfolder}/*' --local-dir . && "

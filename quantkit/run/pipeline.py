@@ -51,11 +51,11 @@ from quantkit.io import export
 from quantkit.io.checkpoint import ModelInfo, check_generative, check_model_dir, check_submodel_packages, resolve_source
 from quantkit.io.memory import PeakTracker
 from quantkit.io.numerics import check_finite
-from quantkit.methods import MethodSpec, ModelHandle, QuantizeJob, QuantizeResult, get_method
+from quantkit.methods import MethodSpec, ModelHandle, QuantizeJob, QuantizeResult, get_method, ignore_patterns, on_ranks
 from quantkit.run import resume, serving
 from quantkit.run.cache import fingerprint, input_hashes, up_to_date
 from quantkit.run.lora import plan_merge
-from quantkit.run.plan import build_plan, ignore_patterns
+from quantkit.run.plan import build_plan
 from quantkit.run.preflight import (
     available_vram,
     check_disk,
@@ -131,8 +131,7 @@ def prepare(recipe: Recipe, opts: RunOptions) -> tuple[ModelInfo, list[ResolvedT
     targets = [resolve_target(recipe, target, info) for target in selected]
     given = {"--lora": bool(recipe.lora), "--offload-dir": recipe.offload_dir is not None,
              "--skip-existing": opts.skip_existing, "--partial": opts.partial, "--resume": recipe.resume}
-    check_launch(opts.ranks, [(t.name, t.target.method, t.method.distributed, t.options,
-                               t.method.ranks_refused(t.options)) for t in targets],
+    check_launch(opts.ranks, [rank_row(t) for t in targets],
                  window_settings(recipe, targets).num_samples, [flag for flag, on in given.items() if on],
                  recipe.calibration.eval_windows)
     if recipe.lora:
@@ -146,6 +145,12 @@ def prepare(recipe: Recipe, opts: RunOptions) -> tuple[ModelInfo, list[ResolvedT
     check_gate_tasks(recipe, targets, opts)
     check_serve_engines(targets, recipe.calibration.eval_windows)
     return info, targets, placement
+
+
+def rank_row(target: ResolvedTarget) -> tuple[str, str, bool, BaseModel, str | None]:
+    """(name, method, whether the method runs on torchrun ranks, options, why these options do not) for check_launch."""
+    runs, why = on_ranks(target.method, target.options)
+    return target.name, target.target.method, runs, target.options, why
 
 
 def disk_estimate(recipe: Recipe, opts: RunOptions, info: ModelInfo, targets: list[ResolvedTarget]):
@@ -162,7 +167,7 @@ def disk_estimate(recipe: Recipe, opts: RunOptions, info: ModelInfo, targets: li
 
 
 def gate_tasks(targets: list[ResolvedTarget]) -> list:
-    """Every lm-eval task some target's gate names (quantkit.run.recipe.TaskGate)."""
+    """Every lm-eval task some target's gate names (quantkit.eval.tasks.TaskGate)."""
     return [task for t in targets for task in t.gate.tasks]
 
 
@@ -225,7 +230,7 @@ def resolve_target(recipe: Recipe, target: Target, info: ModelInfo) -> ResolvedT
     """Method, options, gate, ignore list and calibration needs of one target, checked."""
     method = get_method(target.method)
     options, choices = method.resolve(info, target_options(target))
-    if target.ignore and not method.supports_ignore:
+    if target.ignore and not method.layers.takes_ignore:
         raise InputError(f"target '{target.name}': method {target.method} does not take ignore patterns",
                          hint="its type mixture decides every tensor's type; remove `ignore`/--ignore")
     needs_calibration = method.needs_calibration(options)
@@ -234,11 +239,11 @@ def resolve_target(recipe: Recipe, target: Target, info: ModelInfo) -> ResolvedT
                                "but num_samples is 0", hint="raise --num-samples")
     check_tower_precision(target, info, method)
     method.check(info, options, recipe.calibration)
-    ignore = ignore_patterns(info, target.ignore, method.keeps_lm_head(options), tuple(target.tower_precision()))
+    ignore = ignore_patterns(info, target.ignore, method.layers.keeps_lm_head(options), tuple(target.tower_precision()))
     kept = shapes_kept(recipe, target, method, info, options, ignore)
     kept.update(fused_partners_kept(info, method, ignore + sorted(kept)))
     ignore = ignore + sorted(kept)
-    method.check_ignore(info, options, ignore)
+    method.layers.check_ignore(info, options, ignore)
     return ResolvedTarget(target, method, options, gate_with_task_files(target_gate(recipe, target)), ignore,
                           needs_calibration,
                           method.needs_model(info, options) or bool(target.tower_precision()), choices, kept)
@@ -254,12 +259,13 @@ def gate_with_task_files(gate: Gate) -> Gate:
 
 
 def fused_partners_kept(info: ModelInfo, method: MethodSpec, ignore: list[str]) -> dict[str, str]:
-    """For a vLLM artifact (compressed-tensors): the shards of a fused layer (q/k/v, gate/up) the ignore list
-    leaves quantized while it keeps another shard 16-bit, which vLLM cannot load (quantkit.arch.fused)."""
+    """For a format whose engine loads fused shards as one (compressed-tensors in vLLM: Format.fuses_shards): the
+    shards of a fused layer (q/k/v, gate/up) the ignore list leaves quantized while it keeps another shard
+    16-bit, which vLLM cannot load (quantkit.arch.fused)."""
     from quantkit.arch.fused import split_groups
     from quantkit.arch.roles import linear_weights, matches
 
-    if method.artifact != "compressed-tensors":
+    if not method.format.fuses_shards:
         return {}
     layers = list(linear_weights(info))
     return split_groups([name for name in layers if matches(name, ignore)], layers)
@@ -267,9 +273,9 @@ def fused_partners_kept(info: ModelInfo, method: MethodSpec, ignore: list[str]) 
 
 def shapes_kept(recipe: Recipe, target: Target, method: MethodSpec, info: ModelInfo, options: BaseModel,
                 ignore: list[str]) -> dict[str, str]:
-    """The layers the target would quantize whose widths its format cannot tile (MethodSpec.shape_problems),
+    """The layers the target would quantize whose widths its format cannot tile (Layers.shape_problems),
     kept 16-bit; with strict_shapes (--strict-shapes) the first is refused instead (exit 2)."""
-    problems = method.shape_problems(info, options, ignore)
+    problems = method.layers.shape_problems(info, options, ignore)
     if not problems:
         return problems
     name, why = next(iter(sorted(problems.items())))
@@ -291,7 +297,7 @@ def check_tower_precision(target: Target, info: ModelInfo, method: MethodSpec) -
     if not asked:
         return
     fields = ", ".join(f"{role}: {value}" for role, value in asked.items())
-    if not method.quantizes_towers:
+    if not method.towers.quantizes:
         raise UnsupportedError(f"target '{target.name}': {fields} is not available with {method.name}",
                                hint="use fp8, gptq, awq or smoothquant, or keep the towers 16-bit")
     family = FAMILIES.get(info.towers.family or "")
@@ -320,8 +326,11 @@ def tower_weights(info: ModelInfo, role: str) -> list[str]:
 
 def check_not_quantized(info: ModelInfo, recipe: Recipe) -> None:
     """Quantizing needs full precision; a QLoRA (bitsandbytes) base is fine when adapters are merged."""
-    method = (info.config.get("quantization_config") or {}).get("quant_method")
-    if not method or (method == "bitsandbytes" and recipe.lora):
+    from quantkit.formats.bitsandbytes import in_config
+    from quantkit.io.checkpoint import quant_method
+
+    method = quant_method(info.config)
+    if not method or (in_config(info.config) and recipe.lora):
         return
     raise InputError(
         f"{info.path} is already quantized ({method}); quantkit quantizes full-precision checkpoints",
@@ -532,7 +541,7 @@ def run_share(recipe: Recipe, opts: RunOptions, info: ModelInfo, targets: list[R
     import tempfile
 
     from quantkit.engines.transformers import load_tokenizer
-    from quantkit.eval import scorers
+    from quantkit.formats import gate
 
     see_from_every_rank(None, opts.ranks)
     tokenizer = load_tokenizer(info, recipe.trust_remote_code)
@@ -553,7 +562,7 @@ def run_share(recipe: Recipe, opts: RunOptions, info: ModelInfo, targets: list[R
                 del job
             if baseline is not None:  # rank 0's measure(): its artifact, this rank's share of the windows
                 artifact = Path(share_object(None, opts.ranks))
-                scorers.evaluate_artifact(artifact, info.path, eval_share(windows.eval, opts.ranks), baseline,
+                gate.evaluate_artifact(artifact, info.path, eval_share(windows.eval, opts.ranks), baseline,
                                           recipe.device, recipe.trust_remote_code, workdir, placement,
                                           gather=gather_for(opts.ranks))
 
@@ -626,17 +635,18 @@ def measure(job: QuantizeJob, resolved: ResolvedTarget, artifact: Path, baseline
             opts: RunOptions) -> None:
     """The artifact read back and measured against the base: the gate's metrics on the held-out
     windows, its lm-eval tasks when the gate names some, and the verdict, into `entry`."""
-    from quantkit.eval import evaluate, generate, scorers
+    from quantkit.eval import evaluate, generate
+    from quantkit.formats import gate as reading
 
     gate = resolved.gate
     if job.ranks.distributed:  # the other ranks score their shares of the windows with it (run_share)
         share_object(str(artifact), job.ranks)
-    entry.metrics = scorers.evaluate_artifact(artifact, job.info.path, eval_share(job.windows.eval, job.ranks),
+    entry.metrics = reading.evaluate_artifact(artifact, job.info.path, eval_share(job.windows.eval, job.ranks),
                                                baseline, job.device, job.trust_remote_code, job.workdir,
                                                job.placement, job.progress, gather=gather_for(job.ranks))
     logits = None
     if gate.flip_prompts or gate.tasks:
-        logits = scorers.artifact_logits(artifact, job.info.path, job.device, job.trust_remote_code, job.workdir,
+        logits = reading.artifact_logits(artifact, job.info.path, job.device, job.trust_remote_code, job.workdir,
                                          job.placement)
     if gate.flip_prompts:
         job.progress(f"flips: greedy continuations of {gate.flip_prompts} held-out prompts")
@@ -704,7 +714,7 @@ def check_serve_engines(targets: list[ResolvedTarget], eval_windows: int) -> Non
 
     for t in targets:
         if t.gate.serve is not None:
-            pick_engine(t.method.artifact, t.gate.serve.engine)
+            pick_engine(t.method.format.kind, t.gate.serve.engine)
 
 
 def measure_kv_cache(job: QuantizeJob, resolved: ResolvedTarget, artifact: Path, entry: TargetReport,
@@ -712,12 +722,13 @@ def measure_kv_cache(job: QuantizeJob, resolved: ResolvedTarget, artifact: Path,
     """An artifact with a kv_cache_scheme: the KV quantization's own damage (the same weights with the
     KV cache 16-bit against quantized) into entry.details["kv_cache"]."""
     from quantkit.eval import scorers
+    from quantkit.formats import gate
 
     scheme = scorers.kv_cache_scheme(artifact)
     if not scheme:
         return
     opts.progress(f"[{resolved.name}] measuring the KV-cache quantization alone (same weights, KV 16-bit)")
-    kv = scorers.kv_only_metrics(artifact, job.windows.eval, job.device, job.trust_remote_code)
+    kv = gate.kv_only_metrics(artifact, job.windows.eval, job.device, job.trust_remote_code)
     entry.details["kv_cache"] = {"scheme": scheme, "kld_mean": kv.kld_mean, "kld_p99": kv.kld_p99,
                                  "top1": kv.top1, "ppl_increase": kv.ppl_increase}
 
@@ -734,7 +745,7 @@ def run_target(job: QuantizeJob, resolved: ResolvedTarget, baseline, opts: RunOp
     entry.peak_rss_by_step["quantize"] = qt.peak_rss
     job.free_model()  # the engine's freed model goes back to the OS before the gate loads the artifact
     if job.info.towers.components:
-        entry.details["towers"] = (resolved.method.tower_proof or tower_proof)(job, result)
+        entry.details["towers"] = (resolved.method.towers.proof or tower_proof)(job, result)
     if baseline is None:
         entry.details["serving"] = serving.artifact_plan(job.info, resolved.method, result.artifact, job.options)
         return entry
@@ -758,10 +769,12 @@ def run_target(job: QuantizeJob, resolved: ResolvedTarget, baseline, opts: RunOp
 def tower_proof(job: QuantizeJob, result: QuantizeResult) -> dict:
     """A VLM checkpoint artifact reloaded: towers bit-identical to the source and an image+text forward
     (quantkit.eval.vlm_proof; exit 3 otherwise). A method whose artifact is not a checkpoint directory
-    proves its towers itself (MethodSpec.tower_proof)."""
+    proves its towers itself (Towers.proof)."""
     from quantkit.eval.vlm_proof import prove_towers
+    from quantkit.formats.gate import load_artifact
 
-    proof = prove_towers(result.artifact, job.info, job.device, job.trust_remote_code, tuple(job.towers))
+    model = load_artifact(result.artifact, None, job.device, job.trust_remote_code)
+    proof = prove_towers(model, result.artifact, job.info, tuple(job.towers))
     return {**proof, "tower_precision": job.towers, "forced": "int4" in job.towers.values()} if job.towers else proof
 
 
@@ -788,8 +801,8 @@ def error_report(resolved: ResolvedTarget, exc: Exception) -> TargetReport:
     else:
         message, exit_code = f"internal error: {type(exc).__name__}: {exc}".splitlines()[0], 1
     return TargetReport(
-        name=resolved.name, method=resolved.method.name, format=resolved.method.format,
-        engine=resolved.method.engine, engine_version=package_version(resolved.method.engine_package),
+        name=resolved.name, method=resolved.method.name, format=resolved.method.label,
+        engine=resolved.method.engine, engine_version=package_version(resolved.method.package),
         options=resolved.options.model_dump(mode="json"), ignore=resolved.ignore, kept=[], quantized_modules=0,
         status="failed" if exit_code == GateFailedError.exit_code else "error", error=message, exit_code=exit_code,
     )
@@ -800,9 +813,9 @@ def target_report(resolved: ResolvedTarget, info: ModelInfo, result: QuantizeRes
     return TargetReport(
         name=resolved.name,
         method=resolved.method.name,
-        format=resolved.method.format,
+        format=resolved.method.label,
         engine=resolved.method.engine,
-        engine_version=package_version(resolved.method.engine_package),
+        engine_version=package_version(resolved.method.package),
         options=resolved.options.model_dump(mode="json"),
         ignore=resolved.ignore,
         kept=sorted({e.role for e in plan if e.kept}),

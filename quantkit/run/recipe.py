@@ -17,7 +17,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from quantkit.errors import InputError, RecipeError, UnsupportedError
-from quantkit.methods import METHODS, get_method
+from quantkit.eval.tasks import TaskGate
+from quantkit.methods import get_method, registered
 from quantkit.serve.engines import AUTO, ENGINES
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
@@ -37,22 +38,6 @@ class Calibration(Strict):
     chat_template: bool = True
     text_field: str = "text"
     eval_windows: int = Field(16, ge=0, le=100_000, description="held-out windows for the quality gate")
-
-
-class TaskGate(Strict):
-    """One lm-evaluation-harness task in the gate (quantkit.eval.tasks): a task lm-eval knows by
-    name (its data in the local Hugging Face cache) or a task YAML file of lm-eval's format."""
-
-    name: str | None = Field(None, description="lm-eval task name (hellaswag, arc_easy, ...)")
-    file: str | None = Field(None, description="a task YAML (lm-eval's format; dataset_path: json, local data_files)")
-    metric: str | None = Field(None, description="the metric compared (default: the task's first, e.g. acc)")
-    min_recovery: float = Field(0.95, ge=0, description="artifact score / base score at least this")
-
-    @model_validator(mode="after")
-    def _name_or_file(self) -> "TaskGate":
-        if (self.name is None) == (self.file is None):
-            raise ValueError("give a task `name` or a task `file`, one of the two")
-        return self
 
 
 class ServeGate(Strict):
@@ -150,8 +135,9 @@ class Target(Strict):
     @field_validator("method")
     @classmethod
     def _known_method(cls, value: str) -> str:
-        if value not in METHODS:
-            raise ValueError(f"unknown method '{value}'; allowed: {', '.join(METHODS)}")
+        known = registered()
+        if value not in known:
+            raise ValueError(f"unknown method '{value}'; allowed: {', '.join(known)}")
         return value
 
     @field_validator("ignore")
@@ -327,14 +313,14 @@ MIXED_PRECISION = {"auto_precision": "--auto-precision / auto_precision", "fallb
 
 def methods_with(option: str) -> list[str]:
     """The methods whose options have `option` (their declared contract says so)."""
-    return [name for name in METHODS if option in get_method(name).options.model_fields]
+    return [name for name in registered() if option in get_method(name).options.model_fields]
 
 
 def check_mixed_precision(method: str, options: dict) -> None:
     """auto_precision / fallback for a method that has no such option: a clear refusal (exit 2)."""
     for key, label in MIXED_PRECISION.items():
         methods = methods_with(key)
-        if key in options and method not in methods:
+        if key in options and method in registered() and method not in methods:
             raise UnsupportedError(f"{label} is implemented for method {listing(methods)} only, not {method}",
                                    hint=f"use --method {methods[0]}, or drop the option")
 
@@ -343,7 +329,7 @@ def check_rotation(method: str, options: dict) -> None:
     """--rotate / rotate (other than none) for a method that cannot rotate: refused with the method's own
     reason (MethodSpec.rotation_refused, exit 2)."""
     rotating = methods_with("rotate")
-    if options.get("rotate", "none") == "none" or method in rotating:
+    if options.get("rotate", "none") == "none" or method not in registered() or method in rotating:
         return
     raise UnsupportedError(f"--rotate / rotate: method {method} cannot rotate: {get_method(method).rotation_refused}",
                            hint=f"drop --rotate, or use a method that rotates: {listing(rotating)}")

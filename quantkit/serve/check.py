@@ -42,7 +42,7 @@ import numpy as np
 from quantkit.errors import InputError, InternalError, UnsupportedError
 from quantkit.eval.evaluate import Check
 from quantkit.serve import stats, support, tokens
-from quantkit.serve.engines import AUTO, Engine, Installed, engine_for, find_engine, get_engine
+from quantkit.serve.engines import AUTO, Engine, Installed, engine_for, find_engine, get_engine, kinds_served
 from quantkit.serve.load import LoadResult, load_test
 from quantkit.serve.process import failure_reason, free_port, log_tail, running
 from quantkit.serve.settings import Endpoint, ServeOptions, engine_env
@@ -132,33 +132,23 @@ def pick_engine(kind: str, name: str) -> Installed:
     return find_engine(engine_for(kind) if name == AUTO else name)
 
 
-def check_kind(engine: Engine, kind: str, artifact: Path) -> None:
-    """UnsupportedError (exit 2) when the engine does not load this kind of artifact."""
-    if kind not in engine.SERVES:
-        raise UnsupportedError(f"{engine.LABEL} serves {', '.join(engine.SERVES)} artifacts; {artifact} is {kind}",
-                               hint=f"--engine {AUTO} picks the engine that serves a {kind} artifact")
-
-
 def prepare(artifact: Path, engine: str = AUTO) -> tuple[str, Installed, support.Accelerator]:
     """(artifact kind, the engine, this device), or exit 2 before any work: the engine is not installed
     or cannot serve this format on this device (cheap: config.json, headers, nvidia-smi)."""
-    from quantkit.eval.artifacts import artifact_kind
+    from quantkit.formats import detect
 
-    kind = artifact_kind(Path(artifact))
+    kind = detect(Path(artifact)).kind
     found = pick_engine(kind, engine)
     accelerator = support.accelerator()
     support.check_servable(found.name, Path(artifact), kind, accelerator)
-    check_kind(get_engine(found.name), kind, Path(artifact))
     return kind, found, accelerator
 
 
 def served_path(artifact: Path, kind: str) -> Path:
-    """What the engine loads: the .gguf file for llama-server, the directory otherwise."""
-    if kind == "gguf":
-        from quantkit.eval.artifacts import gguf_file
+    """What the engine loads (its format's served_path): the .gguf file for llama-server, the directory otherwise."""
+    from quantkit.formats import get_format
 
-        return gguf_file(artifact)
-    return artifact
+    return get_format(kind).served_path(Path(artifact))
 
 
 def context_needed(seq_len: int, generation: Generation) -> int:
@@ -269,6 +259,7 @@ def quantkit_side(setup: Setup, stop: int | None, progress: Callable[[str], None
     import torch
 
     from quantkit.eval import evaluate, generate, scorers
+    from quantkit.formats import gate
     from quantkit.io.checkpoint import check_model_dir
 
     windows, s = torch.from_numpy(setup.windows), setup
@@ -279,9 +270,9 @@ def quantkit_side(setup: Setup, stop: int | None, progress: Callable[[str], None
         base = evaluate.compute_baseline(scorer, windows)
     progress(f"quantkit's reading of the artifact: {s.artifact}")
     reading = evaluate.compute_baseline(
-        scorers.artifact_scorer(s.artifact, s.base_dir, s.device, s.trust_remote_code), windows)
+        gate.artifact_scorer(s.artifact, s.base_dir, s.device, s.trust_remote_code), windows)
     progress(f"quantkit's greedy continuations of {len(s.prompts)} held-out prompts")
-    logits = scorers.artifact_logits(s.artifact, s.base_dir, s.device, s.trust_remote_code)
+    logits = gate.artifact_logits(s.artifact, s.base_dir, s.device, s.trust_remote_code)
     return QuantkitSide(base, reading, generate.greedy_tokens(logits, s.prompts, s.generation.steps, stop=stop))
 
 
@@ -315,11 +306,12 @@ def engine_side(setup: Setup, tokenizer, vocab: int, texts: list[str], log_dir: 
 
 def engine_base_topk(setup: Setup, tokenizer, vocab: int, log_dir: Path | None, progress) -> stats.TopK:
     """The base served by the same engine, which must load its kind (llama-server: a .gguf of it)."""
-    from quantkit.eval.artifacts import artifact_kind
+    from quantkit.formats import detect
 
-    s, kind = setup, artifact_kind(setup.engine_base)
-    if kind not in s.client.SERVES:
-        raise InputError(f"{s.client.LABEL} serves {', '.join(s.client.SERVES)} artifacts only: the base must be "
+    s, kind = setup, detect(setup.engine_base).kind
+    served = kinds_served(s.client.NAME)
+    if kind not in served:
+        raise InputError(f"{s.client.LABEL} serves {', '.join(served)} artifacts only: the base must be "
                          f"one to be served ({s.engine_base} is {kind})",
                          hint="give --engine-base the base written in that format, e.g. for llama-server: quantkit "
                               "quantize BASE --method gguf --gguf-type F16 -o BASE-f16, then --engine-base BASE-f16")

@@ -32,7 +32,8 @@ if TYPE_CHECKING:
     from quantkit.serve.settings import Endpoint, ServeOptions
     from quantkit.serve.stats import TopK
 
-# name -> the module implementing Engine. The first engine that serves an artifact kind is its default.
+# name -> the module implementing Engine. Which artifact formats each loads is the formats' to say
+# (quantkit.formats: Format.engines, the first its default).
 ENGINES: dict[str, str] = {
     "vllm": "quantkit.serve.vllm_server",
     "llama.cpp": "quantkit.serve.llama_server",
@@ -58,7 +59,6 @@ class Engine(Protocol):
 
     NAME: str  # its key in ENGINES
     LABEL: str  # how the docs and messages name it ("vLLM", "llama.cpp's llama-server")
-    SERVES: tuple[str, ...]  # artifact kinds it loads (quantkit.eval.artifacts.artifact_kind)
     VARIABLE: str  # the environment variable that points at an installation
     VARIABLE_HELP: str  # what that variable names (docs/serving.md)
     STARTED_AS: str  # the command line, for the docs
@@ -109,13 +109,22 @@ def get_engine(name: str) -> Engine:
     return importlib.import_module(ENGINES[check_name(name)])
 
 
+def kinds_served(name: str) -> tuple[str, ...]:
+    """The artifact formats an engine loads: those whose Format names it (quantkit.formats, Format.engines)."""
+    from quantkit.formats import all_formats
+
+    return tuple(f.kind for f in all_formats() if name in f.engines)
+
+
 def engine_for(kind: str) -> str:
-    """The engine that serves an artifact kind: the first in ENGINES whose SERVES has it."""
-    for name in ENGINES:
-        if kind in get_engine(name).SERVES:
-            return name
-    served = "; ".join(f"{get_engine(n).LABEL}: {', '.join(get_engine(n).SERVES)}" for n in ENGINES)
-    raise InputError(f"no serving engine for a '{kind}' artifact", hint=f"serve-check serves {served}")
+    """The engine that serves an artifact kind: the first its format names (quantkit.formats, Format.engines)."""
+    from quantkit.formats import get_format
+
+    engines = get_format(kind).engines
+    if not engines:
+        served = "; ".join(f"{get_engine(n).LABEL}: {', '.join(kinds_served(n))}" for n in ENGINES)
+        raise InputError(f"no serving engine for a '{kind}' artifact", hint=f"serve-check serves {served}")
+    return engines[0]
 
 
 def find_engine(name: str) -> Installed:

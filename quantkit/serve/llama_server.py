@@ -32,7 +32,6 @@ from quantkit.serve.stats import TopK, prefix_topk
 
 NAME = "llama.cpp"
 LABEL = "llama.cpp's llama-server"
-SERVES = ("gguf",)
 VARIABLE = "QUANTKIT_LLAMA_CPP"
 VARIABLE_HELP = "a llama.cpp `bin` directory holding `llama-server`"
 STARTED_AS = "`llama-server --model FILE --ctx-size … --parallel …`"

@@ -44,7 +44,6 @@ from quantkit.serve.stats import TopK, prefix_topk
 
 NAME = "mlx"
 LABEL = "mlx-lm's server"
-SERVES = ("mlx", "transformers")
 VARIABLE = "QUANTKIT_MLX_PYTHON"
 VARIABLE_HELP = "a python that imports `mlx_lm`"
 STARTED_AS = "`python -m mlx_lm server --model DIR --prompt-cache-size 0`"

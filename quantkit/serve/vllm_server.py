@@ -33,7 +33,6 @@ from quantkit.serve.support import quantization_config
 
 NAME = "vllm"
 LABEL = "vLLM"
-SERVES = ("compressed-tensors", "bitsandbytes", "transformers")
 VARIABLE = "QUANTKIT_VLLM"
 VARIABLE_HELP = "a `vllm` executable (its interpreter runs the server module)"
 STARTED_AS = ("`python -m vllm.entrypoints.openai.api_server --model DIR` (on a CPU with `--enforce-eager --dtype "

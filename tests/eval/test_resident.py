@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from quantkit.eval import evaluate, resident, scorers, stream
+from quantkit.formats import gate
 from quantkit.io import checkpoint
 from tests.test_stream import CountingSource
 
@@ -62,9 +63,9 @@ def test_resident_artifact_equals_streamed(cli, micro_model, windows, streamed_b
     out = tmp_path / "artifact"
     result = cli("quantize", micro_model, "-o", out, "--eval-windows", "0", *method)
     assert result.exit_code == 0, result.output
-    assert scorers.artifact_reading(out, micro_model) is not None  # read by quantkit, not loaded whole
-    streamed = scorers.evaluate_artifact(out, micro_model, windows, streamed_baseline)
-    whole = scorers.evaluate_artifact(out, micro_model, windows, streamed_baseline, placement=RESIDENT)
+    assert gate.artifact_reading(out, micro_model) is not None  # read by quantkit, not loaded whole
+    streamed = gate.evaluate_artifact(out, micro_model, windows, streamed_baseline)
+    whole = gate.evaluate_artifact(out, micro_model, windows, streamed_baseline, placement=RESIDENT)
     assert_same_metrics(whole, streamed)
     assert whole.kld_mean > 0
 

@@ -113,13 +113,14 @@ def test_gate_applies_online_rotation_as_loaded(quip_artifact):
     apply_transform_config and the stored matrices, and computes the model llm-compressor left in memory."""
     from transformers import AutoModelForCausalLM
 
-    from quantkit.eval.artifacts import load_for_eval, online_transforms
+    from quantkit.eval.artifacts import online_transforms
+    from quantkit.formats.gate import load_artifact
 
     out, ids, in_memory = quip_artifact
     config = json.loads((out / "config.json").read_text())
     online = online_transforms(config)
     assert [a.location for s in online.config_groups.values() for a in s.apply] == ["input"]  # weight parts dropped
-    gate = logits(load_for_eval(out), ids)
+    gate = logits(load_artifact(out), ids)
     assert (gate - in_memory).abs().max().item() < 1e-4 * in_memory.abs().max().item()
     plain, loading = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
     assert any(k.endswith("v_input.weight") for k in loading["unexpected_keys"])  # the stored rotation, unread
@@ -147,7 +148,8 @@ def test_spinquant_reads_alike_in_transformers(cli, micro_model, tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from quantkit.eval.artifacts import load_for_eval, online_transforms
+    from quantkit.eval.artifacts import online_transforms
+    from quantkit.formats.gate import load_artifact
 
     out = tmp_path / "out"
     result = cli("quantize", micro_model, "--method", "nvfp4", "--scheme", "a16", "--rotate", "spinquant",
@@ -158,7 +160,7 @@ def test_spinquant_reads_alike_in_transformers(cli, micro_model, tmp_path):
     assert online_transforms(config) is None
     ids = torch.randint(0, config["vocab_size"], (1, 32), generator=torch.Generator().manual_seed(0))
     plain = logits(AutoModelForCausalLM.from_pretrained(out), ids)
-    assert torch.allclose(logits(load_for_eval(out), ids), plain, atol=1e-5)
+    assert torch.allclose(logits(load_artifact(out), ids), plain, atol=1e-5)
 
 
 @pytest.mark.slow

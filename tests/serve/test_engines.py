@@ -134,7 +134,9 @@ def test_script_python_reads_the_shebang(tmp_path):
     (W8A8, "w8a8-int8"), (NVFP4, "nvfp4"), (NVFP4_A16, "nvfp4-a16"), (MXFP4, "mxfp4"), (FP8_BLOCK, "fp8-block"),
 ])
 def test_schemes_from_config(groups, scheme):
-    assert support.schemes({"config_groups": {"group_0": groups}}) == {scheme}
+    from quantkit.formats import compressed_tensors
+
+    assert compressed_tensors.schemes({"config_groups": {"group_0": groups}}) == {scheme}
 
 
 @pytest.mark.parametrize("groups, served", [
@@ -168,9 +170,11 @@ def test_bitsandbytes_needs_a_gpu(tmp_path):
 
 
 def test_each_engine_serves_its_kinds(tmp_path):
-    assert "serves .gguf" in support.refusal("llama.cpp", tmp_path, "compressed-tensors", CPU)
-    assert "mlx-lm directories" in support.refusal("mlx", tmp_path, "gguf", CPU)
-    assert "checkpoint directories" in support.refusal("vllm", tmp_path, "gguf", CPU)
+    assert "llama-server serves gguf artifacts; this artifact is compressed-tensors" in support.refusal(
+        "llama.cpp", tmp_path, "compressed-tensors", CPU)
+    assert "serves mlx, transformers artifacts; this artifact is gguf" in support.refusal("mlx", tmp_path, "gguf", CPU)
+    assert "vLLM serves compressed-tensors, bitsandbytes, transformers artifacts; this artifact is gguf" in \
+        support.refusal("vllm", tmp_path, "gguf", CPU)
     assert support.refusal("llama.cpp", tmp_path, "gguf", CPU) is None
     assert support.refusal("mlx", tmp_path, "mlx", CPU) is None
 

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 
-from quantkit.methods import autoround, awq, gptq
+from quantkit.methods import autoround, awq, gptq, runtimes_for
 from quantkit.serve import measured
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "serving.md"
@@ -54,7 +54,8 @@ def test_expected_rows_name_each_formats_kernels():
 
 
 def test_awq_and_autoround_run_on_gptqs_runtimes():
-    assert awq.METHOD.runtimes == autoround.METHOD.runtimes == gptq.RUNTIMES
+    assert (runtimes_for(awq.METHOD, awq.Options()) == runtimes_for(autoround.METHOD, autoround.Options())
+            == runtimes_for(gptq.METHOD, gptq.Options()))
 
 
 def test_each_record_is_complete_and_unique():

@@ -11,8 +11,14 @@ from quantkit.serve import engines
 
 @pytest.fixture
 def toy(monkeypatch):
-    """The toy engine in the registry, the one line an engine adds (quantkit/serve/engines.py: ENGINES)."""
+    """The toy engine in the registry, the line an engine adds (quantkit/serve/engines.py: ENGINES), and named by
+    the format it loads (quantkit/formats/transformers.py: engines), the line a format adds for it."""
+    from dataclasses import replace
+
+    from quantkit.formats import transformers
+
     monkeypatch.setitem(engines.ENGINES, "toy", "tests.serve.toy_engine")
+    monkeypatch.setattr(transformers, "FORMAT", replace(transformers.FORMAT, engines=(*transformers.FORMAT.engines, "toy")))
 
 
 def test_the_toy_engine_implements_the_protocol(toy):

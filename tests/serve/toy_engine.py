@@ -2,8 +2,8 @@
 
 It serves plain transformers checkpoints with transformers itself (tests/serve/toy_server.py, a separate
 process) and implements quantkit.serve.engines.Engine. Registered under the name "toy" (the tests add it to
-quantkit.serve.engines.ENGINES), serve-check runs it like any other engine: found, started in its own
-process group, probed, asked, stopped.
+quantkit.serve.engines.ENGINES, and to the engines the transformers format names), serve-check runs it like
+any other engine: found, started in its own process group, probed, asked, stopped.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from quantkit.serve.stats import TopK, pack_topk
 
 NAME = "toy"
 LABEL = "toy server"
-SERVES = ("transformers",)
 VARIABLE = "QUANTKIT_TOY_PYTHON"
 VARIABLE_HELP = "a python with torch and transformers"
 STARTED_AS = "`python tests/serve/toy_server.py DIR PORT`"

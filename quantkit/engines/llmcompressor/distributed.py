@@ -10,7 +10,7 @@ gathered on every rank (gather_positions), so its metrics are the one-process me
 writes the report, gates and publishes; the other ranks write nothing beside a private work directory
 and exit 0.
 
-Which methods run here is each method's `distributed` and `ranks_refused` (quantkit.methods): those whose
+Which methods run here is each method's `ranks` (quantkit.methods.OnRanks): those whose
 statistics llm-compressor 0.14.0.1 reduces across ranks: GPTQ (each layer's Hessians summed onto the rank
 that quantizes that Linear: the one-process Hessians up to summation order, so the rounding differs in some
 int4 values, as between one-process runs with another thread count), the QuantizationModifier presets whose

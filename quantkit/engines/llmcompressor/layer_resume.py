@@ -285,8 +285,8 @@ def load_activations(path: Path, cache_type):
 UNIT = "the last finished decoder layer"
 
 
-def method_fields(calibrates: Callable[[Any], bool] = lambda options: True) -> dict[str, Any]:
-    """A sequential method's --resume fields of its MethodSpec (resume_unit, resume_refused, resume_bytes);
+def resume_fields(calibrates: Callable[[Any], bool] = lambda options: True) -> dict[str, Any]:
+    """A sequential method's --resume record (quantkit.methods.Resume: unit, refused, bytes), as keywords;
     `calibrates(options)`: whether these options run the layer-by-layer calibration (a data-free scheme
     has no layers to save)."""
     def why(info, options) -> str | None:
@@ -294,11 +294,11 @@ def method_fields(calibrates: Callable[[Any], bool] = lambda options: True) -> d
             return "this scheme calibrates nothing, so no layer-by-layer progress is saved"
         return refused(options)
 
-    return dict(resume_unit=UNIT, resume_refused=why, resume_bytes=lambda info, options, tokens: saved_bytes(info, tokens))
+    return dict(unit=UNIT, refused=why, bytes=lambda info, options, tokens: saved_bytes(info, tokens))
 
 
 def refused(options) -> str | None:
-    """Why a sequential method's target with these options does not resume (MethodSpec.resume_refused): the
+    """Why a sequential method's target with these options does not resume (quantkit.methods.Resume.refused): the
     searches quantize the model again for each candidate, a rotation is not verified; None: it resumes."""
     if getattr(options, "auto_precision", None) is not None or getattr(options, "fallback", None) is not None:
         return "--auto-precision and --fallback quantize again for each step of their search"
