@@ -23,14 +23,6 @@ def recorded() -> dict:
     return json.loads(RECORDED.read_text())
 
 
-@pytest.fixture(scope="module")
-def mlx_artifact(cli, micro_model, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("serve") / "mlx4"
-    result = cli("quantize", micro_model, "--method", "mlx", "--bits", "4", "-o", out, "--eval-windows", "0")
-    assert result.exit_code == 0, result.output
-    return out
-
-
 def engine_side(recorded: dict) -> check.EngineSide:
     """The recorded answers as serve-check's engine side (candidates packed by position)."""
     def topk(rows):
@@ -43,11 +35,11 @@ def engine_side(recorded: dict) -> check.EngineSide:
 
 
 @pytest.fixture(scope="module")
-def sides(recorded, mlx_artifact, micro_model):
+def sides(recorded, micro_mlx4, micro_model):
     """(setup with base_from "quantkit", quantkit's side, the engine's side)."""
     g = recorded["generation"]
     generation = check.Generation(g["prompts"], g["steps"], g["load_steps"], tuple(g["concurrencies"]))
-    setup = check.plan(mlx_artifact, micro_model, recorded["windows"], "mlx", None, generation, "quantkit", None,
+    setup = check.plan(micro_mlx4, micro_model, recorded["windows"], "mlx", None, generation, "quantkit", None,
                        "cpu", False)
     from transformers import AutoTokenizer
 
@@ -172,7 +164,7 @@ def same_agreement(measured: stats.Agreement, expected: dict) -> None:
 # ------------------------------------------------------------------ the tests
 
 
-def test_quantkit_reads_what_mlx_and_transformers_compute(sides, mlx_artifact, micro_model):
+def test_quantkit_reads_what_mlx_and_transformers_compute(sides, micro_mlx4, micro_model):
     """quantkit's readings of the windows (float16 rows) are mlx-lm's forward of the artifact (in float32:
     within 0.025 here, 0.25 with mlx-lm's own bfloat16 rounding) and transformers' forward of the base (its
     stored bfloat16, as the gate reads it: within 0.004)."""
@@ -183,7 +175,7 @@ def test_quantkit_reads_what_mlx_and_transformers_compute(sides, mlx_artifact, m
 
     setup, ours, _ = sides
     windows = setup.windows
-    model, _ = load(str(mlx_artifact))
+    model, _ = load(str(micro_mlx4))
     model.set_dtype(mx.float32)  # the artifact's values in float32: quantkit's reading is float32 rows stored as float16
     logits = model(mx.array(windows)).astype(mx.float32)
     mlx_rows = np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))[:, :-1]
