@@ -184,17 +184,28 @@ def test_a_method_that_does_not_resume_is_refused_before_work(cli, micro_model, 
     assert leftovers(tmp_path, "out") == []
 
 
-def test_fp8_model_free_resumes_after_its_last_shard(cli, micro_model, tmp_path_factory, tmp_path):
-    """The micro model's artifact is one shard: killed after it, the resumed run writes no weight again."""
-    fp8 = ("--method", "fp8", *FAST_CALIB)
+@pytest.fixture(scope="module")
+def toy_moe(tmp_path_factory):
+    """A synthetic Qwen3-MoE checkpoint (quantkit.toy_moe), which fp8-block quantizes without loading it."""
+    from quantkit.toy_moe import build_moe
+
+    return build_moe("qwen3_moe", tmp_path_factory.mktemp("moe") / "qwen3_moe")
+
+
+@pytest.mark.parametrize("model, scheme", [("micro_model", "fp8-dynamic"), ("toy_moe", "fp8-block")])
+def test_fp8_model_free_resumes_after_its_last_shard(cli, request, tmp_path_factory, tmp_path, model, scheme):
+    """fp8's model-free paths (fp8-dynamic on a dense model, fp8-block on an MoE one by its checkpoint names):
+    each artifact here is one shard; killed after it, the resumed run writes no weight again."""
+    model = request.getfixturevalue(model)
+    fp8 = ("--method", "fp8", "--scheme", scheme, *FAST_CALIB)
     plain = tmp_path_factory.mktemp("plain-fp8") / "out"
-    assert cli("quantize", micro_model, *fp8, "-o", plain).exit_code == 0
+    assert cli("quantize", model, *fp8, "-o", plain).exit_code == 0
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "tests.cli.fault_run", "shard", "1", "KILL", "quantize", str(micro_model), *fp8,
+    cmd = [sys.executable, "-m", "tests.cli.fault_run", "shard", "1", "KILL", "quantize", str(model), *fp8,
            "-o", str(out), "--resume"]
     first = subprocess.run(cmd, capture_output=True, text=True, env=subprocess_env(), timeout=600)
     assert first.returncode == -9, first.stderr
-    resumed = cli("quantize", micro_model, *fp8, "-o", out, "--resume")
+    resumed = cli("quantize", model, *fp8, "-o", out, "--resume")
     assert resumed.exit_code == 0, resumed.output
     assert "model-free: resuming after 1 of 1 shards (verified by sha256)" in resumed.stderr
     same_files(plain, out, ["model.safetensors", "config.json", "recipe.yaml"])
