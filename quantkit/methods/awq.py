@@ -85,6 +85,11 @@ class Options(BaseModel):
     fallback: Fallback | None = None  # on a failed gate, raise the most damaging layers' precision (quantkit.mixed.budget)
 
 
+# the fewest grid points llm-compressor 0.14.0.1's scale search divides by without a zero
+# (AWQModifier._get_grid_search_params: n_grid - 2 with duo_scaling, n_grid - 1 without, n_grid // 2 - 1 for both)
+MIN_GRID = {True: 3, False: 2, "both": 4}
+
+
 def needs_calibration(options: Options) -> bool:
     return True
 
@@ -123,8 +128,10 @@ def check(info, options: Options, calibration) -> None:
     gptq.check_moe(info, options.symmetric, "none", "awq")
     gptq.check_bits(options.bits, "awq")
     gptq.check_group_size(options.group_size, "awq")
-    if options.n_grid < 1:
-        raise InputError(f"awq: n_grid={options.n_grid} must be positive",
+    least = MIN_GRID[options.duo_scaling]
+    if options.n_grid < least:
+        raise InputError(f"awq: n_grid={options.n_grid} is too small for duo_scaling {options.duo_scaling}: "
+                         f"the scale search needs at least {least} grid points",
                          hint="e.g. n_grid: 20 in the target's options")
     gptq.check_calibration_tokens(calibration, "awq")
     if gptq.mixed(options):
