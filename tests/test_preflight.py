@@ -297,9 +297,9 @@ def test_resume_counts_the_saved_progress_and_takes_off_what_is_staged(micro_mod
     matrices = sum(4 * shape[-1] for _dtype, shape in info.tensors.values() if len(shape) == 2)
     assert gguf.resume.bytes(info, computed) - gguf.resume.bytes(info, given) == 2 * matrices
     plain = estimate_bytes(1000, 100, [8.0], False, 0, 64, 512)
-    resumed = with_resume(plain, info, [(gguf, computed)], staged=500)
+    resumed = with_resume(plain, info, [(gguf, computed)], staged=500, calibration=None)
     assert resumed.total == plain.total + gguf.resume.bytes(info, computed) - 500
-    assert with_resume(plain, info, [(gguf, computed)], staged=10**9).total == 0
+    assert with_resume(plain, info, [(gguf, computed)], staged=10**9, calibration=None).total == 0
     monkeypatch.setattr(shutil, "disk_usage", lambda path: Usage(10**9, 10**9 - 1000, 1000))
     with pytest.raises(InputError, match="saved progress for --resume .* less 0.0 MiB an interrupted run already wrote"):
         check_disk(tmp_path / "out", resumed)
@@ -313,9 +313,12 @@ def test_a_resume_run_is_refused_with_the_saved_progress_named(cli, micro_model,
     assert leftovers(tmp_path, "out") == []
 
 
-def test_a_sequential_method_counts_its_saved_layers_and_hidden_states(micro_model):
-    """--resume with gptq: the model's bytes (its saved layers) and two copies of the calibration windows'
-    hidden states, which grow with the calibration tokens."""
+def test_a_sequential_method_counts_its_saved_layers_and_what_each_window_carries(micro_model):
+    """--resume with gptq: without calibration windows, the model's bytes (its saved layers); with them, more the
+    longer the windows, faster than linearly (a causal mask per window). The estimate against the files a
+    killed run leaves: tests/cli/test_resume.py."""
+    from types import SimpleNamespace
+
     from quantkit.io.checkpoint import check_model_dir
     from quantkit.io.safetensors import DTYPE_BYTES
     from quantkit.methods import get_method
@@ -323,7 +326,10 @@ def test_a_sequential_method_counts_its_saved_layers_and_hidden_states(micro_mod
     info, gptq = check_model_dir(micro_model), get_method("gptq")
     options = gptq.options()
     weights = sum(DTYPE_BYTES[dtype] * math.prod(shape) for dtype, shape in info.tensors.values())
-    hidden = info.config["hidden_size"] + 2 * info.config["hidden_size"] // info.config["num_attention_heads"]
-    per_token = 2 * hidden * DTYPE_BYTES[info.dtype]
-    assert gptq.resume.bytes(info, options, 0) == weights
-    assert gptq.resume.bytes(info, options, 1000) - gptq.resume.bytes(info, options, 0) == 1000 * per_token
+
+    def saved(samples, seq_len):
+        return gptq.resume.bytes(info, options, SimpleNamespace(num_samples=samples, seq_len=seq_len)) - weights
+
+    assert saved(0, 512) == 0
+    window = {seq_len: saved(5, seq_len) - saved(4, seq_len) for seq_len in (64, 128)}  # one window more
+    assert saved(9, 64) - saved(8, 64) == window[64] > 0 and window[128] > 2 * window[64]

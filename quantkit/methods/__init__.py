@@ -221,7 +221,7 @@ def _resumes(info: ModelInfo, options: BaseModel) -> str | None:
     return None
 
 
-def _saves_nothing(info: ModelInfo, options: BaseModel, tokens: int) -> int:
+def _saves_nothing(info: ModelInfo, options: BaseModel, calibration: Calibration) -> int:
     return 0
 
 
@@ -283,9 +283,9 @@ class Resume:
     # refused(info, options) -> why a target with these options does not resume (fp8: only its model-free path
     # saves progress); None: it resumes
     refused: Callable[[ModelInfo, BaseModel], str | None] = _resumes
-    # bytes(info, options, tokens) -> disk its saved progress takes beyond the artifact (preflight), for
-    # `tokens` calibration tokens (the sequential methods save the hidden states after each layer)
-    bytes: Callable[[ModelInfo, BaseModel, int], int] = _saves_nothing
+    # bytes(info, options, calibration) -> disk its saved progress takes beyond the artifact (preflight), for the
+    # run's calibration windows (num_samples x seq_len: the sequential methods save what each layer's inputs are)
+    bytes: Callable[[ModelInfo, BaseModel, Calibration], int] = _saves_nothing
 
 
 @dataclass(frozen=True)

@@ -250,9 +250,11 @@ def resume_refused(info, options: Options) -> str | None:
     return f"it quantizes this model with llm-compressor's oneshot, which calibrates nothing layer by layer ({blocker})"
 
 
-def resume_bytes(info, options: Options, tokens: int = 0) -> int:
+def resume_bytes(info, options: Options, calibration) -> int:
     """The model-free path's state file (a sha256 per shard), or a calibrated scheme's saved layers."""
-    return layer_resume.saved_bytes(info, tokens) if needs_calibration(options) else 4096
+    if not needs_calibration(options):
+        return 4096
+    return layer_resume.saved_bytes(info, calibration.num_samples, calibration.seq_len)
 
 
 def save_model_free(job: QuantizeJob, plan) -> None:

@@ -427,7 +427,7 @@ def conversion_state(job: QuantizeJob, out_path: Path) -> Path | None:
     return Path(job.resume_dir) / f"{out_path.name}.json"
 
 
-def resume_bytes(info, options: Options, tokens: int = 0) -> int:
+def resume_bytes(info, options: Options, calibration=None) -> int:
     """Disk the saved progress takes beyond the .gguf itself: the computed imatrix (a float32 per input
     column of every matrix, twice while it is replaced) and the state file (~200 bytes per tensor)."""
     matrices = [shape for _dtype, shape in info.tensors.values() if len(shape) >= 2]

@@ -161,9 +161,7 @@ def disk_estimate(recipe: Recipe, opts: RunOptions, info: ModelInfo, targets: li
     if not recipe.resume:
         return estimate
     resume.check_methods(info, [(t.name, t.method, t.options) for t in targets])
-    calibration = window_settings(recipe, targets)
-    return with_resume(estimate, info, methods, resume.staged_bytes(opts.out),
-                       calibration.num_samples * calibration.seq_len)
+    return with_resume(estimate, info, methods, resume.staged_bytes(opts.out), window_settings(recipe, targets))
 
 
 def gate_tasks(targets: list[ResolvedTarget]) -> list:

@@ -35,12 +35,13 @@ class DiskEstimate:
 
 
 def with_resume(estimate: DiskEstimate, info, targets: list[tuple[MethodSpec, object]], staged: int,
-                tokens: int = 0) -> DiskEstimate:
-    """A --resume run's estimate: the saved progress of every target added (for `tokens` calibration tokens),
-    what an interrupted run already wrote (`staged`, which the resumed run keeps or overwrites) taken off."""
+                calibration) -> DiskEstimate:
+    """A --resume run's estimate: the saved progress of every target added (for the run's calibration windows:
+    num_samples x seq_len), what an interrupted run already wrote (`staged`, which the resumed run keeps or
+    overwrites) taken off."""
     from dataclasses import replace
 
-    saved = sum(m.resume.bytes(info, o, tokens) for m, o in targets if m.resume)
+    saved = sum(m.resume.bytes(info, o, calibration) for m, o in targets if m.resume)
     return replace(estimate, saved_progress=saved, staged=staged)
 
 

@@ -12,6 +12,7 @@ import time
 import pytest
 
 from quantkit.io import export
+from quantkit.methods import get_method
 from tests.test_export import dead_pid
 from tests.util import leftovers, subprocess_env
 
@@ -262,6 +263,28 @@ def killed_after_layer(micro_model, out, recipe: str, after: int) -> subprocess.
     return subprocess.run(cmd, capture_output=True, text=True, env=subprocess_env(), timeout=600)
 
 
+def assert_saved_progress_within_the_estimate(micro_model, out, name: str) -> None:
+    """The files a killed run left for --resume against the preflight's estimate of them (MethodSpec.resume.bytes):
+    no more than estimated, and the estimate's per-window term (two copies) covers the saved inputs of the next
+    layer, which hold at least the calibration tokens' residual stream in the model's dtype."""
+    from types import SimpleNamespace
+
+    from quantkit.io.checkpoint import check_model_dir
+    from quantkit.run.recipe import Target, target_options
+
+    (staging,) = export.stagings(out.resolve())
+    saved = [f for f in (staging / ".work" / "resume").rglob("*") if f.is_file()]
+    activations = [f.stat().st_size for f in saved if f.name.startswith("activations-")]
+    info, samples, seq_len = check_model_dir(micro_model), 1, 1024  # SEQUENTIAL
+    options = dict(RESUMABLE[name])
+    target = Target(name=name, method=options.pop("method", name), options=options)
+    spec, options = get_method(target.method), target_options(target)
+    estimate = spec.resume.bytes(info, options, SimpleNamespace(num_samples=samples, seq_len=seq_len))
+    weights = spec.resume.bytes(info, options, SimpleNamespace(num_samples=0, seq_len=seq_len))
+    assert len(activations) == 1 and sum(f.stat().st_size for f in saved) <= estimate
+    assert samples * seq_len * info.config["hidden_size"] * 2 <= activations[0] <= (estimate - weights) / 2  # bf16
+
+
 @pytest.mark.parametrize("name, after", [
     ("gptq", 1),
     pytest.param("gptq", 2, marks=pytest.mark.slow),
@@ -281,6 +304,7 @@ def test_a_sequential_method_resumes_after_its_last_finished_layer(cli, micro_mo
     first = killed_after_layer(micro_model, out, recipe, after)
     assert first.returncode == -9, first.stderr
     assert f"layer {after}/{LAYERS} saved for --resume" in first.stderr
+    assert_saved_progress_within_the_estimate(micro_model, out, name)
     resumed = cli("quantize", micro_model, "--recipe", recipe, "-o", out, *SEQUENTIAL, "--resume")
     assert resumed.exit_code == 0, resumed.output
     assert f"resuming after {after} of {LAYERS} layers (verified by sha256)" in resumed.stderr
