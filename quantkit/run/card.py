@@ -269,6 +269,8 @@ def serve_check_section(check: dict | None) -> list[str]:
     """The serving check's verdict (quantkit.serve.check): the staged artifact in its engine, before publishing."""
     if not check:
         return []
+    if "skipped" in check:
+        return ["## Serving check", "", f"Asked for, {check['skipped']}.", ""]
     engine = check["engine"]
     lines = ["## Serving check", "", f"Loaded by {engine['name']} {engine.get('version') or ''} as a server and "
              f"measured from its own log-probabilities: **{'PASS' if check['passed'] else 'FAIL'}**.", "",

@@ -28,6 +28,7 @@ class Device:
     capability: float = 0.0  # CUDA compute capability
     usable: float = 0.90
     source: str = ""
+    flags: frozenset[str] | None = None  # a CPU's features (/proc/cpuinfo flags) where known: this machine's
 
     @property
     def usable_bytes(self) -> int:
@@ -61,7 +62,10 @@ def device(name: str, ram: int = 0) -> Device:
     """A device of the table by name (case-insensitive); `cpu` is this machine (`ram` bytes), `cpu-64G` a
     CPU with that much memory."""
     if name.lower() == "cpu":
-        return Device("cpu", ram, "cpu", 0.0, 0.90, "this machine's MemTotal; usable 0.90 (the OS and other processes)")
+        from quantkit.serve.support import cpuinfo
+
+        return Device("cpu", ram, "cpu", 0.0, 0.90, "this machine's MemTotal; usable 0.90 (the OS and other processes)",
+                      frozenset(cpuinfo("flags").split()))
     size = CPU_SIZE.fullmatch(name)
     if size:
         return Device(name, int(float(size.group(1)) * GB), "cpu", 0.0, 0.90, "as named; usable 0.90")
@@ -85,7 +89,13 @@ def runtime_for(method: MethodSpec, target: Device) -> Runtime | None:
 
 
 def first_runtime(runtimes: tuple[Runtime, ...], target: Device) -> Runtime | None:
-    return next((r for r in runtimes if r.serves(target.kind, target.capability)), None)
+    return next((r for r in runtimes if r.serves(target.kind, target.capability, target.flags)), None)
+
+
+def lacking(runtimes: tuple[Runtime, ...], target: Device) -> tuple[str, ...]:
+    """The CPU features the device lacks for the first runtime of its kind (none where one serves)."""
+    missing = [r.lacks(target.flags) for r in runtimes if target.kind in r.kinds and target.kind == "cpu"]
+    return missing[0] if missing and all(missing) else ()
 
 
 @dataclass(frozen=True)
@@ -99,6 +109,7 @@ class Fit:
     kv: int
     usable: int
     kv_tokens: int
+    lacks: tuple[str, ...] = ()  # the CPU features the format's CPU runtime needs and this CPU lacks
 
     @property
     def needs(self) -> int:
@@ -121,7 +132,8 @@ class Fit:
 
     def as_dict(self) -> dict:
         return {"device": self.device, "runtime": self.runtime, "verdict": self.verdict, "needs_bytes": self.needs,
-                "usable_bytes": self.usable, "kv_room": round(self.kv_room, 3), "kv_tokens": self.kv_tokens}
+                "usable_bytes": self.usable, "kv_room": round(self.kv_room, 3), "kv_tokens": self.kv_tokens,
+                "lacks_cpu_features": list(self.lacks)}
 
 
 def fit(weights: int, kv_per_token: int, tokens: int, runtimes: tuple[Runtime, ...], target: Device) -> Fit:
@@ -131,7 +143,7 @@ def fit(weights: int, kv_per_token: int, tokens: int, runtimes: tuple[Runtime, .
     per_token = kv_per_token * (1 + OVERHEAD)
     kv_tokens = max(0, int((target.usable_bytes - held) / per_token)) if per_token else 0
     return Fit(target.name, runtime.name if runtime else None, held, math.ceil(per_token * tokens),
-               target.usable_bytes, kv_tokens)
+               target.usable_bytes, kv_tokens, () if runtime else lacking(runtimes, target))
 
 
 def source_bytes(info) -> int:

@@ -164,6 +164,54 @@ def test_amx_lifts_the_fp8_refusals(tmp_path):
         assert support.refusal("vllm", artifact, "compressed-tensors", amx) is None
 
 
+AVX2 = Accelerator("cpu", "AVX2 CPU", flags=frozenset({"sse2", "avx", "avx2", "fma"}))
+AVX512 = Accelerator("cpu", "AVX-512 CPU", flags=frozenset({"sse2", "avx", "avx2", "fma", "avx512f", "avx512bw"}))
+
+
+def test_int4_weights_need_avx512_on_an_x86_cpu(tmp_path):
+    """vLLM CPU 0.32's AVX2 build has no cpu_gemm_wna16: refused before the engine starts, naming the feature."""
+    artifact = compressed_dir(tmp_path / "w4a16", {"group_0": W4A16})
+    reason = support.refusal("vllm", artifact, "compressed-tensors", AVX2)
+    assert reason.startswith("vLLM's CPU kernel for w4a16") and "needs avx512f, which this CPU lacks" in reason
+    assert "cpu_gemm_wna16" in reason
+    assert support.refusal("vllm", artifact, "compressed-tensors", AVX512) is None
+    for groups in (FP8_DYNAMIC, W8A8):  # their CPU kernels are not refused for it
+        other = compressed_dir(tmp_path / str(id(groups)), {"group_0": groups})
+        assert support.refusal("vllm", other, "compressed-tensors", AVX2) is None
+
+
+def with_transforms(artifact: Path, groups: dict) -> Path:
+    config = json.loads((artifact / "config.json").read_text())
+    config["quantization_config"]["transform_config"] = {"config_groups": groups}
+    (artifact / "config.json").write_text(json.dumps(config))
+    return artifact
+
+
+def test_an_online_rotation_is_refused_on_a_cpu_and_a_folded_one_is_not(tmp_path):
+    hadamard = with_transforms(compressed_dir(tmp_path / "hadamard", {"group_0": W4A16}), {  # QuIP, as written
+        "u": {"type": "hadamard", "apply": [{"targets": ["Linear"], "location": "input"},
+                                             {"targets": ["Linear"], "location": "weight_input", "inverse": True}]}})
+    reason = support.refusal("vllm", hadamard, "compressed-tensors", AVX512)
+    assert "online Hadamard rotation" in reason and "transform groups u" in reason and "cpu_linear" in reason
+    assert support.refusal("vllm", hadamard, "compressed-tensors", GPU) is None
+    spinquant = with_transforms(compressed_dir(tmp_path / "spinquant", {"group_0": FP8_DYNAMIC}), {
+        "R1": {"type": "hadamard", "apply": [{"targets": ["Linear"], "location": "weight_output"},
+                                              {"targets": ["Linear"], "location": "weight_input", "inverse": True}]}})
+    assert support.refusal("vllm", spinquant, "compressed-tensors", AVX512) is None
+
+
+def test_the_serving_plan_names_the_cpu_feature_it_lacks():
+    from quantkit.formats import compressed_tensors
+    from quantkit.run.serving import Device, fit
+
+    w4a16 = compressed_tensors.runtimes("w4a16")
+    avx2 = fit(10**8, 1000, 100, w4a16, Device("cpu", 10**10, "cpu", flags=AVX2.flags))
+    assert avx2.verdict == "no runtime" and avx2.lacks == ("avx512f",)
+    assert fit(10**8, 1000, 100, w4a16, Device("cpu", 10**10, "cpu", flags=AVX512.flags)).runtime.startswith("vLLM CPU")
+    unknown = fit(10**8, 1000, 100, w4a16, Device("cpu-64G", 64 * 10**9, "cpu"))  # a CPU named, not this one
+    assert unknown.runtime is not None and unknown.lacks == ()
+
+
 def test_bitsandbytes_needs_a_gpu(tmp_path):
     assert "GPUs only" in support.refusal("vllm", tmp_path, "bitsandbytes", CPU)
     assert support.refusal("vllm", tmp_path, "bitsandbytes", GPU) is None

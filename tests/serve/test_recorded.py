@@ -31,7 +31,8 @@ def engine_side(recorded: dict) -> check.EngineSide:
     from quantkit.serve.load import LoadResult
 
     return check.EngineSide(recorded["version"], ["recorded"], topk(recorded["artifact_topk"]), recorded["greedy"],
-                            [LoadResult(**r) for r in recorded["load"]], topk(recorded["base_topk"]))
+                            [LoadResult(**r) for r in recorded["load"]], token_ids=[],
+                            base_topk=topk(recorded["base_topk"]))
 
 
 @pytest.fixture(scope="module")

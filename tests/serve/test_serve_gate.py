@@ -19,8 +19,10 @@ class FakeReport:
         self.checks = [Check("reading_kld", 0.001 if passed else 0.5, 0.02, "<=", passed)]
         self.failed = [] if passed else ["reading_kld"]
 
-    def as_dict(self) -> dict:
-        return {"engine": self.engine, "passed": self.passed, "failed": self.failed}
+    def as_dict(self) -> dict:  # the fields of quantkit.serve.check.ServeReport.as_dict the run reads
+        return {"engine": self.engine, "passed": self.passed, "failed": self.failed,
+                "checks": [{"name": c.name, "value": c.value, "threshold": c.threshold, "op": c.op, "passed": c.passed}
+                           for c in self.checks]}
 
 
 @pytest.fixture
