@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from quantkit.eval import evaluate, scorers, stream
+from quantkit.formats import gate
 from quantkit.io import checkpoint, memory
 from quantkit.run.recipe import Gate
 
@@ -52,10 +53,14 @@ def assert_same_metrics(a: evaluate.Metrics, b: evaluate.Metrics) -> None:
 
 
 class CountingSource:
-    """A WeightSource that counts reads (whole tensors, and rows read by `rows`) and can poison one tensor."""
+    """A WeightSource that counts reads (whole tensors in `gets`, and rows read by `rows`) and can poison one
+    tensor; what else the source says (compressed-tensors' `reads`) passes through."""
 
     def __init__(self, source, nan: str | None = None):
-        self.source, self.nan, self.reads, self.rows_read = source, nan, {}, {}
+        self.source, self.nan, self.gets, self.rows_read = source, nan, {}, {}
+
+    def __getattr__(self, attribute):
+        return getattr(self.__dict__["source"], attribute)
 
     def keys(self):
         return self.source.keys()
@@ -64,7 +69,7 @@ class CountingSource:
         return self.source.shape(name)
 
     def get(self, name):
-        self.reads[name] = self.reads.get(name, 0) + 1
+        self.gets[name] = self.gets.get(name, 0) + 1
         tensor = self.source.get(name)
         return torch.full_like(tensor, math.nan) if name == self.nan else tensor
 
@@ -91,7 +96,7 @@ def test_streamed_checkpoint_equals_in_memory(request, model, windows):
     streamed = evaluate.compute_baseline(scorers.checkpoint_scorer(model_dir), windows)
     assert streamed.ppl == pytest.approx(base.ppl, rel=REL)
     assert (streamed.top1 == base.top1).all() and (streamed.targets == base.targets).all()
-    metrics = evaluate.compare(scorers.artifact_scorer(model_dir), windows, base)  # a plain checkpoint streams
+    metrics = evaluate.compare(gate.artifact_scorer(model_dir), windows, base)  # a plain checkpoint streams
     assert metrics.kld_mean < 1e-6 and metrics.top1 == 1.0 and abs(metrics.ppl_increase) < REL
 
 
@@ -105,7 +110,7 @@ def test_streamed_gguf_equals_load_gguf_into_base(request, model, gguf_type, win
     convert(model_dir, path, gguf_type)
     base = in_memory_baseline(model_dir, windows)
     whole = evaluate.compare(evaluate.model_scorer(load_gguf_into_base(path, model_dir)), windows, base)
-    streamed = evaluate.compare(scorers.artifact_scorer(path, model_dir), windows, base)
+    streamed = evaluate.compare(gate.artifact_scorer(path, model_dir), windows, base)
     assert_same_metrics(streamed, whole)
     assert whole.kld_mean > 0
 
@@ -144,13 +149,13 @@ def test_each_tensor_is_read_once_per_group_of_windows(micro_model, windows):
     embed, head = "model.embed_tokens.weight", "lm_head.weight"
     source = CountingSource(checkpoint.SafetensorsWeights(micro_model))
     evaluate.compute_baseline(scorer_over(micro_model, source), windows)
-    assert set(source.reads.values()) == {1}
-    assert set(source.reads) | set(source.rows_read) == set(source.keys())
+    assert set(source.gets.values()) == {1}
+    assert set(source.gets) | set(source.rows_read) == set(source.keys())
     vocab = source.shape(head)[0]
     assert source.rows_read == {embed: len(windows.unique()), head: vocab}
     one_window = CountingSource(checkpoint.SafetensorsWeights(micro_model))
     baseline = evaluate.compute_baseline(scorer_over(micro_model, one_window, activation_bytes=1), windows)
-    assert set(one_window.reads.values()) == {len(windows)}
+    assert set(one_window.gets.values()) == {len(windows)}
     assert one_window.rows_read[head] == vocab * len(windows)
     assert one_window.rows_read[embed] == sum(len(w.unique()) for w in windows)
     assert baseline.ppl == pytest.approx(in_memory_baseline(micro_model, windows).ppl, rel=REL)
@@ -335,7 +340,7 @@ def test_reading_the_next_layer_ahead_changes_nothing_but_the_timing(micro_model
     prefetched = evaluate.compute_baseline(stream.group_scorer(make, config, activation_bytes=1), windows)
     assert isinstance(built[0].weights.source, stream.PrefetchingSource)
     assert (prefetched.logprobs == plain.logprobs).all() and (prefetched.top1 == plain.top1).all()
-    assert set(source.reads.values()) == {len(windows)}  # once per group (one window per group here)
+    assert set(source.gets.values()) == {len(windows)}  # once per group (one window per group here)
     layers = len(built[0].model.get_decoder().layers)
     assert [layer for layer, _ in ahead] == list(range(1, layers)) * len(windows)
     assert all(pending <= {layer - 1, layer} for layer, pending in ahead)  # the current layer and the next

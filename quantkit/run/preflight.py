@@ -4,7 +4,7 @@ filesystem lacks it (exit 2, with the numbers), instead of failing after the lon
 Rough on purpose: per target, the decoder's linear weights at the method's bits and everything
 else at 16 bits; a merged LoRA checkpoint at 16 bits; the float16 baseline log-probs, which go to a
 file where they do not fit in memory (eval_windows x seq_len x vocab x 2 bytes at most; logits never do);
-with --resume, each method's saved progress beyond its artifact (MethodSpec.resume_bytes), less
+with --resume, each method's saved progress beyond its artifact (MethodSpec.resume: Resume.bytes), less
 what the interrupted run being resumed already wrote.
 Staging, merged checkpoint and these files all live on OUT's filesystem (the staging directory
 is beside OUT).
@@ -26,7 +26,7 @@ class DiskEstimate:
     artifacts: int
     merged_lora: int
     baseline: int
-    saved_progress: int = 0  # --resume: each target's saved progress beyond its artifact (MethodSpec.resume_bytes)
+    saved_progress: int = 0  # --resume: each target's saved progress beyond its artifact (Resume.bytes)
     staged: int = 0  # --resume: bytes already in the staging directory the run takes over
 
     @property
@@ -35,12 +35,13 @@ class DiskEstimate:
 
 
 def with_resume(estimate: DiskEstimate, info, targets: list[tuple[MethodSpec, object]], staged: int,
-                tokens: int = 0) -> DiskEstimate:
-    """A --resume run's estimate: the saved progress of every target added (for `tokens` calibration tokens),
-    what an interrupted run already wrote (`staged`, which the resumed run keeps or overwrites) taken off."""
+                calibration) -> DiskEstimate:
+    """A --resume run's estimate: the saved progress of every target added (for the run's calibration windows:
+    num_samples x seq_len), what an interrupted run already wrote (`staged`, which the resumed run keeps or
+    overwrites) taken off."""
     from dataclasses import replace
 
-    saved = sum(m.resume_bytes(info, o, tokens) for m, o in targets)
+    saved = sum(m.resume.bytes(info, o, calibration) for m, o in targets if m.resume)
     return replace(estimate, saved_progress=saved, staged=staged)
 
 
@@ -68,7 +69,7 @@ def run_estimate(info, recipe, targets: list[tuple[MethodSpec, object]]) -> Disk
             other += count
     text = info.config.get("text_config") or info.config
     c = recipe.calibration
-    return estimate_bytes(quantized, other, [m.stored_bits(o) for m, o in targets], bool(recipe.lora),
+    return estimate_bytes(quantized, other, [m.sizes.stored_bits(o) for m, o in targets], bool(recipe.lora),
                           c.eval_windows, c.seq_len, int(text.get("vocab_size") or 0))
 
 
@@ -143,7 +144,7 @@ def ram_estimate(info, recipe, targets, placement=None) -> RamEstimate:
       the vocabulary's size (scoring_bytes); in lockstep, no baseline step: each gate holds the base and the
       artifact, less what they share (lockstep_bytes);
     - a target that needs the model holds what held_bytes says with the method's working set
-      (MethodSpec.working_set: GPTQ's per-layer Hessians); one that loads no model its working set alone
+      (Sizes.working_set: GPTQ's per-layer Hessians); one that loads no model its working set alone
       (fp8's model-free slabs); a compressed-tensors text decoder's gate is streamed like the base, a module
       decompressed at a time (quantkit.eval.compressed); any other compressed-tensors or bitsandbytes
       artifact is reloaded whole at its bits;
@@ -164,7 +165,7 @@ def ram_estimate(info, recipe, targets, placement=None) -> RamEstimate:
         steps["baseline"] = kept + (scoring_bytes(base, info, c.seq_len, c.eval_windows, BASELINE_COPIES) if base
                                     else matrix + streamed)
     for t in targets:
-        working = t.method.working_set(info, t.options)
+        working = t.method.sizes.working_set(info, t.options)
         if t.needs_model:
             held = held_bytes(info, recipe, others, layers, working, placement.tables_on_disk)
             steps[f"{t.name}: quantize"] = held + ACTIVATION_BYTES + kept
@@ -183,7 +184,7 @@ def gate_bytes(target, info, recipe, placement, whole: dict[str, int], streamed:
     others, layers = unit_bytes(info)
     name = f"{target.name}: gate"
     if name in whole and placement.lockstep:
-        shared = shared_bytes(info, target.method.artifact, recipe.dtype)
+        shared = shared_bytes(info, target.method.format, recipe.dtype)
         return lockstep_bytes(whole["baseline"] + whole[name] - shared, info, c.seq_len, c.eval_windows)
     if name in whole:
         return scoring_bytes(whole[name], info, c.seq_len, c.eval_windows, SCORING_COPIES)
@@ -226,26 +227,20 @@ def split_tables(others: dict[str, int]) -> tuple[int, list[int]]:
 
 
 def streams_gate(target, info, recipe) -> bool:
-    """Whether the gate streams the target's compressed-tensors artifact (quantkit.eval.compressed.streams; an MoE
-    decoder with an expert layout row, quantkit.eval.experts): a text decoder the stream applies to, its output head
-    left 16-bit, no custom model code."""
-    from quantkit.eval.experts import reads_base
-    from quantkit.eval.stream import streamable
-
-    return (target.method.artifact == "compressed-tensors" and (streamable(info.config) or reads_base(info.config))
-            and target.method.keeps_lm_head(target.options) and not recipe.trust_remote_code)
+    """Whether the gate reads the target's artifact itself, a layer at a time or resident (its format's
+    `streams`: a .gguf and an mlx-lm directory always, a compressed-tensors text decoder whose output head
+    stays 16-bit, no custom model code), rather than loading it whole."""
+    return target.method.format.streams(info.config, target.method.layers.keeps_lm_head(target.options),
+                                        recipe.trust_remote_code)
 
 
 def candidate_bytes(target, model: int, layer: int, streamed: bool) -> int:
-    """What the gate holds of one artifact (`layer`: the 16-bit unit a streamed forward holds at once): a .gguf
-    streamed in float32 (twice that), a streamed compressed-tensors one that unit (its modules decompressed
-    one at a time), any other checkpoint whole at its bits; an mlx-lm directory a unit dequantized to its
-    stored dtype."""
-    if target.method.artifact == "gguf":
-        return 2 * layer
-    if streamed or target.method.artifact == "mlx":  # an mlx-lm directory streams dequantized, a layer at a time
-        return layer
-    return int(model * target.method.stored_bits(target.options) / 16)
+    """What the gate holds of one artifact (`layer`: the 16-bit unit a streamed forward holds at once): read by
+    quantkit, that unit in the dtype its format computes in (a .gguf in float32: twice it; a compressed-tensors
+    or mlx-lm one dequantized to its stored dtype, a module at a time); loaded whole, the checkpoint at its bits."""
+    if streamed:
+        return layer * (2 if target.method.format.gate_dtype == "float32" else 1)
+    return int(model * target.method.sizes.stored_bits(target.options) / 16)
 
 
 def largest_matrix(info) -> int:
@@ -274,15 +269,14 @@ def vram_estimate(info, recipe, targets, placement=None, onload: bool = False) -
     streamed = 2 * largest_matrix(info) + ACTIVATION_BYTES + 2 * HEAD_SLICE_BYTES
     steps = {"baseline": streamed} if recipe.calibration.eval_windows else {}
     for t in targets:
-        working = t.method.working_set(info, t.options)
+        working = t.method.sizes.working_set(info, t.options)
         if t.needs_model:
             held = max(layers.values(), default=0) if recipe.offload_dir or onload else model
             steps[f"{t.name}: quantize"] = held + ACTIVATION_BYTES + working
         elif working:
             steps[f"{t.name}: quantize"] = working
         if recipe.calibration.eval_windows:
-            own_stream = t.method.artifact in ("gguf", "mlx")
-            steps[f"{t.name}: gate"] = streamed if own_stream or streams_gate(t, info, recipe) else (
+            steps[f"{t.name}: gate"] = streamed if streams_gate(t, info, recipe) else (
                 candidate_bytes(t, model, 0, False) + ACTIVATION_BYTES)
     if placement is not None and placement.resident and placement.device == "cuda":
         steps.update({name: resident_need(n, True, info, recipe.calibration.seq_len, recipe.calibration.eval_windows)[0]
@@ -435,11 +429,12 @@ def kept_baseline_bytes(info, seq_len: int, windows: int, placement) -> int:
     return stored
 
 
-def shared_bytes(info, kind: str, dtype: str = "auto") -> int:
-    """What an artifact of `kind` resident beside the base holds with the same values (quantkit.eval.resident.
-    Shared): a compressed-tensors checkpoint keeps the embeddings, the head and the final norm as the base
-    stores them; a .gguf (float32) and an mlx-lm directory share nothing."""
-    if kind != "compressed-tensors" or dtype not in ("auto", info.dtype):
+def shared_bytes(info, fmt, dtype: str = "auto") -> int:
+    """What an artifact of the Format `fmt` resident beside the base holds with the same values (quantkit.eval.
+    resident.Shared): the tensors outside the decoder layers where the format keeps them as the base stores
+    them (Format.keeps_base_tensors: compressed-tensors' embeddings, head and final norm); a .gguf (float32)
+    and an mlx-lm directory share nothing."""
+    if not fmt.keeps_base_tensors or dtype not in ("auto", info.dtype):
         return 0
     others, _layers = unit_bytes(info)
     return sum(others.values())
@@ -453,22 +448,22 @@ def read_whole_bytes(info, recipe, targets) -> dict[str, int]:
 
     if not recipe.calibration.eval_windows or recipe.trust_remote_code or not streamable(info.config):
         return {}
-    steps = {"baseline": whole_bytes(info, "base", recipe.dtype)}
+    steps = {"baseline": whole_bytes(info, recipe.dtype)}
     for t in targets:
-        if t.method.artifact in ("gguf", "mlx") or streams_gate(t, info, recipe):
-            steps[f"{t.name}: gate"] = whole_bytes(info, t.method.artifact)
+        if streams_gate(t, info, recipe):
+            steps[f"{t.name}: gate"] = whole_bytes(info, t.method.format.gate_dtype)
     return steps
 
 
-def whole_bytes(info, kind: str, dtype: str = "auto") -> int:
-    """Bytes of a model of `info`'s shape read whole by quantkit: the base at `dtype` ('auto': as stored),
-    a .gguf in float32, a compressed-tensors checkpoint decompressed to the stored dtype, an mlx-lm
-    directory at its scales' dtype (16-bit)."""
+def whole_bytes(info, dtype: str = "auto") -> int:
+    """Bytes of a model of `info`'s shape read whole by quantkit in `dtype`: 'auto' as stored (the base; a
+    compressed-tensors checkpoint decompressed to the stored dtype; an mlx-lm directory at its scales' dtype),
+    'float32' (a .gguf; a base loaded so), any other 16-bit."""
     others, layers = unit_bytes(info)
     params = sum(math.prod(shape) for _dtype, shape in info.tensors.values())
-    if kind == "gguf" or (kind == "base" and dtype == "float32"):
+    if dtype == "float32":
         return 4 * params
-    if kind == "base" and dtype != "auto":
+    if dtype != "auto":
         return 2 * params
     return sum(others.values()) + sum(layers.values())
 
@@ -610,13 +605,13 @@ def describe_placement(placement, info, seq_len: int, windows: int | None = None
             f"({placement.why})")
 
 
-def eval_estimate(info, kind: str, seq_len: int, windows: int, placement, reads_artifact: bool = True) -> RamEstimate:
-    """`quantkit eval`'s peak per step, as ram_estimate's baseline and gate steps: the base and the artifact of
-    `kind` (`reads_artifact`: read by quantkit; else loaded whole through transformers)."""
+def eval_estimate(info, fmt, seq_len: int, windows: int, placement, reads_artifact: bool = True) -> RamEstimate:
+    """`quantkit eval`'s peak per step, as ram_estimate's baseline and gate steps: the base and an artifact of
+    the Format `fmt` (`reads_artifact`: read by quantkit; else loaded whole through its format's `load`)."""
     kept = kept_baseline_bytes(info, seq_len, windows, placement)
-    base, artifact = whole_bytes(info, "base"), whole_bytes(info, kind)
+    base, artifact = whole_bytes(info), whole_bytes(info, fmt.gate_dtype)
     if placement.lockstep:
-        shared = shared_bytes(info, kind) if reads_artifact else 0
+        shared = shared_bytes(info, fmt) if reads_artifact else 0
         return RamEstimate({"base and artifact": lockstep_bytes(base + artifact - shared, info, seq_len, windows)})
     if placement.resident:
         base_step = scoring_bytes(base, info, seq_len, windows, BASELINE_COPIES)
@@ -624,28 +619,28 @@ def eval_estimate(info, kind: str, seq_len: int, windows: int, placement, reads_
     else:
         matrix = largest_matrix(info)
         base_step = matrix + streamed_bytes(info, seq_len, windows)
-        artifact_step = base_step + (matrix if kind == "gguf" else 0)  # a .gguf's matrix in float32
+        artifact_step = base_step + (matrix if fmt.gate_dtype == "float32" else 0)  # a .gguf's matrix in float32
     if not reads_artifact:
         artifact_step = scoring_bytes(artifact, info, seq_len, windows, SCORING_COPIES)
     return RamEstimate({"baseline": base_step + kept, "artifact": artifact_step + kept})
 
 
-def eval_placement(info, kind: str, device: str, seq_len: int, windows: int, max_memory: int | None = None,
+def eval_placement(info, fmt, device: str, seq_len: int, windows: int, max_memory: int | None = None,
                    reads_artifact: bool = True):
-    """Where `quantkit eval` runs its forwards for a base of `info`'s shape and an artifact of `kind`
-    (quantkit.eval.artifacts.artifact_kind): as gate_placement, one artifact measured: on a CPU the first of
+    """Where `quantkit eval` runs its forwards for a base of `info`'s shape and an artifact of the Format `fmt`
+    (quantkit.formats.detect): as gate_placement, one artifact measured: on a CPU the first of
     resident (in lockstep or with the baseline kept, whichever holds less), streamed with the baseline's
     log-probs in memory, in a file, that fits the memory available now (or --max-memory)."""
     from quantkit.eval.scorers import Placement
 
     if device == "cuda":
-        return placement_for(max(whole_bytes(info, "base"), whole_bytes(info, kind)), device, info, seq_len, windows)
+        return placement_for(max(whole_bytes(info), whole_bytes(info, fmt.gate_dtype)), device, info, seq_len, windows)
     budget, source = ram_budget(max_memory)
     batch = CPU_ACTIVATION_BYTES
     resident = [Placement(True, "cpu", batch, spill=False), Placement(True, "cpu", batch, spill=False, lockstep=True)]
 
     def peak(p) -> int:
-        return FIXED_RAM + max(eval_estimate(info, kind, seq_len, windows, p, reads_artifact).steps.values())
+        return FIXED_RAM + max(eval_estimate(info, fmt, seq_len, windows, p, reads_artifact).steps.values())
 
     resident.sort(key=peak)
     candidates = [*resident, Placement(False, "cpu", spill=False), Placement(False, "cpu")]

@@ -1,7 +1,7 @@
 """Where an artifact quantkit writes can be served: its weights, the KV cache at a context length and
 batch, and the overhead, against named devices, with the runtime and kernel that serve the format
-there (each method's `runtimes`). Devices and their figures are the table below, each with its
-source; nothing is fetched."""
+there (each method's format and scheme: quantkit.formats.Format.runtimes). Devices and their figures are the
+table below, each with its source; nothing is fetched."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ import re
 from dataclasses import dataclass
 
 from quantkit.errors import InputError, QuantkitError
-from quantkit.methods import METHODS, MethodSpec, Runtime, get_method, runtimes_for
+from quantkit.formats import Runtime
+from quantkit.formats.transformers import RUNTIMES as SOURCE_RUNTIMES
+from quantkit.methods import METHODS, MethodSpec, get_method, runtimes_for
 
 OVERHEAD = 0.10  # activations, buffers and allocator slack on top of weights + KV (as quantkit inspect's estimate)
 KV_SHARE = 0.40  # below this share of the usable memory left for the KV cache, batching has little room
@@ -26,6 +28,7 @@ class Device:
     capability: float = 0.0  # CUDA compute capability
     usable: float = 0.90
     source: str = ""
+    flags: frozenset[str] | None = None  # a CPU's features (/proc/cpuinfo flags) where known: this machine's
 
     @property
     def usable_bytes(self) -> int:
@@ -59,7 +62,10 @@ def device(name: str, ram: int = 0) -> Device:
     """A device of the table by name (case-insensitive); `cpu` is this machine (`ram` bytes), `cpu-64G` a
     CPU with that much memory."""
     if name.lower() == "cpu":
-        return Device("cpu", ram, "cpu", 0.0, 0.90, "this machine's MemTotal; usable 0.90 (the OS and other processes)")
+        from quantkit.serve.support import cpuinfo
+
+        return Device("cpu", ram, "cpu", 0.0, 0.90, "this machine's MemTotal; usable 0.90 (the OS and other processes)",
+                      frozenset(cpuinfo("flags").split()))
     size = CPU_SIZE.fullmatch(name)
     if size:
         return Device(name, int(float(size.group(1)) * GB), "cpu", 0.0, 0.90, "as named; usable 0.90")
@@ -78,12 +84,18 @@ def kv_bytes_per_token(config: dict, kv_cache: str = "fp16") -> int:
 
 
 def runtime_for(method: MethodSpec, target: Device) -> Runtime | None:
-    """The first of the method's runtimes that runs on the device; None when none does."""
-    return first_runtime(method.runtimes, target)
+    """The first of the runtimes of the method's default options that runs on the device; None when none does."""
+    return first_runtime(runtimes_for(method, method.options()), target)
 
 
 def first_runtime(runtimes: tuple[Runtime, ...], target: Device) -> Runtime | None:
-    return next((r for r in runtimes if r.serves(target.kind, target.capability)), None)
+    return next((r for r in runtimes if r.serves(target.kind, target.capability, target.flags)), None)
+
+
+def lacking(runtimes: tuple[Runtime, ...], target: Device) -> tuple[str, ...]:
+    """The CPU features the device lacks for the first runtime of its kind (none where one serves)."""
+    missing = [r.lacks(target.flags) for r in runtimes if target.kind in r.kinds and target.kind == "cpu"]
+    return missing[0] if missing and all(missing) else ()
 
 
 @dataclass(frozen=True)
@@ -97,6 +109,7 @@ class Fit:
     kv: int
     usable: int
     kv_tokens: int
+    lacks: tuple[str, ...] = ()  # the CPU features the format's CPU runtime needs and this CPU lacks
 
     @property
     def needs(self) -> int:
@@ -119,7 +132,8 @@ class Fit:
 
     def as_dict(self) -> dict:
         return {"device": self.device, "runtime": self.runtime, "verdict": self.verdict, "needs_bytes": self.needs,
-                "usable_bytes": self.usable, "kv_room": round(self.kv_room, 3), "kv_tokens": self.kv_tokens}
+                "usable_bytes": self.usable, "kv_room": round(self.kv_room, 3), "kv_tokens": self.kv_tokens,
+                "lacks_cpu_features": list(self.lacks)}
 
 
 def fit(weights: int, kv_per_token: int, tokens: int, runtimes: tuple[Runtime, ...], target: Device) -> Fit:
@@ -129,14 +143,7 @@ def fit(weights: int, kv_per_token: int, tokens: int, runtimes: tuple[Runtime, .
     per_token = kv_per_token * (1 + OVERHEAD)
     kv_tokens = max(0, int((target.usable_bytes - held) / per_token)) if per_token else 0
     return Fit(target.name, runtime.name if runtime else None, held, math.ceil(per_token * tokens),
-               target.usable_bytes, kv_tokens)
-
-
-# The unquantized checkpoint, for comparison: vLLM needs compute capability 7.0 (its installation guide)
-SOURCE_RUNTIMES = (
-    Runtime("vLLM: 16-bit", ("cuda",), 7.0, "vLLM docs, getting_started/installation/gpu: compute capability 7.0+"),
-    Runtime("llama.cpp / transformers: 16-bit", ("cpu", "apple"), 0.0, "runs anywhere torch or llama.cpp runs"),
-)
+               target.usable_bytes, kv_tokens, () if runtime else lacking(runtimes, target))
 
 
 def source_bytes(info) -> int:
@@ -148,17 +155,18 @@ def source_bytes(info) -> int:
 
 def weight_bytes(info, method: MethodSpec, options) -> int:
     """The artifact's weights as the method's precision plan gives them: each quantized weight at its
-    precision's bits (MethodSpec.precision_bits, else stored_bits), everything else at 16 bits."""
-    from quantkit.run.plan import build_plan, ignore_patterns
+    precision's bits (the method's Sizes.precision_bits, else stored_bits), everything else at 16 bits."""
+    from quantkit.methods import ignore_patterns
+    from quantkit.run.plan import build_plan
 
-    entries = build_plan(info, method, options, ignore_patterns(info, [], method.keeps_lm_head(options)))
+    entries = build_plan(info, method, options, ignore_patterns(info, [], method.layers.keeps_lm_head(options)))
     quantized = {e.name + ".weight": e.precision for e in entries if not e.kept}
     total = 0.0
     for name, (dtype, shape) in info.tensors.items():
         count = math.prod(shape)
         if name in quantized:
-            bits = (method.precision_bits(options, quantized[name]) if method.precision_bits
-                    else method.stored_bits(options))
+            sizes = method.sizes
+            bits = sizes.precision_bits(options, quantized[name]) if sizes.precision_bits else sizes.stored_bits(options)
             total += count * bits / 8
         else:
             total += count * 2
@@ -174,7 +182,7 @@ def memory_rows(info, context: int) -> dict[str, dict]:
         method = get_method(name)
         try:
             options, _choices = method.resolve(info, method.options())
-            sizes[name] = (method.format, weight_bytes(info, method, options))
+            sizes[name] = (method.label, weight_bytes(info, method, options))
         except QuantkitError:
             continue
     kv = kv_bytes_per_token(info.config) * context
@@ -209,16 +217,21 @@ def serving_plan(info, devices: list[Device], context: int, batch: int, kv_cache
         method = get_method(name)
         options, _choices = method.resolve(info, method.options())
         weights = weight_bytes(info, method, options)
-        rows.append(FormatPlan(name, method.format, weights,
+        rows.append(FormatPlan(name, method.label, weights,
                                [fit(weights, per_token, tokens, runtimes_for(method, options), d) for d in devices],
-                               method.serve_command("OUT")))
+                               method.format.serve_command("OUT")))
     return {"model": str(info.path), "context": context, "batch": batch, "kv_cache": kv_cache,
             "kv_bytes_per_token": per_token, "overhead": OVERHEAD, "kv_share": KV_SHARE,
             "devices": [{"name": d.name, "memory_bytes": d.memory, "kind": d.kind, "capability": d.capability,
                          "usable": d.usable, "source": d.source} for d in devices],
             "formats": [{**row.as_dict(), **measured_in_engines(row.method)} for row in rows],
-            "sources": sorted({r.source for n in (methods or list(METHODS)) for r in get_method(n).runtimes}
+            "sources": sorted({r.source for n in (methods or list(METHODS)) for r in default_runtimes(get_method(n))}
                               | {r.source for r in SOURCE_RUNTIMES} | {d.source for d in devices})}
+
+
+def default_runtimes(method: MethodSpec) -> tuple[Runtime, ...]:
+    """The runtimes of the method's artifact at its default options."""
+    return runtimes_for(method, method.options())
 
 
 def measured_in_engines(method: str) -> dict:
@@ -246,8 +259,8 @@ def artifact_plan(info, method: MethodSpec, artifact, options=None) -> dict:
     artifact = Path(artifact)
     weights = artifact_bytes(artifact)
     per_token = kv_bytes_per_token(info.config)
-    runtimes = runtimes_for(method, options) if options is not None else method.runtimes
+    runtimes = runtimes_for(method, options) if options is not None else default_runtimes(method)
     fits = [fit(weights, per_token, CARD_CONTEXT, runtimes, DEVICES[name]) for name in CARD_DEVICES]
     return {"weights_bytes": weights, "context": CARD_CONTEXT, "kv_cache_bytes": per_token * CARD_CONTEXT,
             "devices": {f.device: {"verdict": f.verdict, "runtime": f.runtime} for f in fits},
-            "serve": method.serve_command(artifact.name if artifact.is_file() else ".")}
+            "serve": method.format.serve_command(artifact.name if artifact.is_file() else ".")}

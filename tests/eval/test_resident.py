@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from quantkit.eval import evaluate, resident, scorers, stream
+from quantkit.formats import gate
 from quantkit.io import checkpoint
 from tests.test_stream import CountingSource
 
@@ -63,9 +64,9 @@ def test_resident_artifact_equals_streamed(cli, micro_model, windows, streamed_b
     out = tmp_path / "artifact"
     result = cli("quantize", micro_model, "-o", out, "--eval-windows", "0", *method)
     assert result.exit_code == 0, result.output
-    assert scorers.artifact_reading(out, micro_model) is not None  # read by quantkit, not loaded whole
-    streamed = scorers.evaluate_artifact(out, micro_model, windows, streamed_baseline)
-    whole = scorers.evaluate_artifact(out, micro_model, windows, streamed_baseline, placement=RESIDENT)
+    assert gate.artifact_reading(out, micro_model) is not None  # read by quantkit, not loaded whole
+    streamed = gate.evaluate_artifact(out, micro_model, windows, streamed_baseline)
+    whole = gate.evaluate_artifact(out, micro_model, windows, streamed_baseline, placement=RESIDENT)
     assert_same_metrics(whole, streamed)
     assert whole.kld_mean > 0
 
@@ -82,8 +83,8 @@ def test_each_tensor_is_read_once_whatever_the_batches(micro_model, windows, str
 
     scorer = resident.resident_scorer(make, reading.config.get_text_config(), activation_bytes=1)
     chunks = list(scorer(windows))
-    assert set(source.reads.values()) == {1} and not source.rows_read
-    assert set(source.reads) == set(source.keys())  # tied or not, nothing else is read
+    assert set(source.gets.values()) == {1} and not source.rows_read
+    assert set(source.gets) == set(source.keys())  # tied or not, nothing else is read
     assert all(not p.is_meta for p in made[0].model.parameters())
     metrics = evaluate.compare_chunks(chunks, streamed_baseline)
     assert metrics.kld_mean < 1e-6 and metrics.top1 == 1.0
@@ -153,7 +154,14 @@ def test_the_meta_model_is_built_the_streamed_way(micro_model, monkeypatch):
     whole = scorers.resident_reading(reading, "cpu")
     assert built == [torch.bfloat16]
     assert {p.dtype for p in whole.model.parameters()} == {torch.bfloat16}
-    assert whole.model.get_output_embeddings().weight.data_ptr() != 0
+    from safetensors.torch import load_file  # the checkpoint's own tensors, read without quantkit
+
+    stored = {name: tensor for f in sorted(micro_model.glob("*.safetensors")) for name, tensor in load_file(f).items()}
+    placed = dict(whole.model.named_parameters())
+    assert placed and all(not p.is_meta for p in placed.values())
+    for name, param in placed.items():
+        source = stored.get(name, stored.get("model.embed_tokens.weight") if name == "lm_head.weight" else None)
+        assert source is not None and torch.equal(param, source.to(param.dtype)), name
 
 
 # ------------------------------------------------------------------ lockstep, chunks, nothing on disk
@@ -206,13 +214,12 @@ def test_chunked_logits_give_the_metrics_of_whole_logits(micro_model, fp8_artifa
     monkeypatch.setattr(evaluate, "CHUNK_BYTES", 4 * 512 * 7)
     direct = direct_metrics(micro_model, fp8_artifact, windows)
     info = checkpoint.check_model_dir(micro_model)
-    lockstep = scorers.evaluate_artifact(fp8_artifact, micro_model, windows,
+    lockstep = gate.evaluate_artifact(fp8_artifact, micro_model, windows,
                                          scorers.base_baseline(info, windows, placement=LOCKSTEP), placement=LOCKSTEP)
     from quantkit.engines.transformers import load_model
-    from quantkit.eval.artifacts import load_for_eval
 
     kept = evaluate.compute_baseline(evaluate.model_scorer(load_model(info)), windows)
-    objects = evaluate.compare(evaluate.model_scorer(load_for_eval(fp8_artifact, micro_model)), windows, kept)
+    objects = evaluate.compare(evaluate.model_scorer(gate.load_artifact(fp8_artifact, micro_model)), windows, kept)
     for metrics in (lockstep, objects):
         assert metrics.kld_mean == pytest.approx(direct["kld_mean"], rel=2e-3)
         assert metrics.top1 == pytest.approx(direct["top1"], abs=1 / metrics.positions)
@@ -230,7 +237,7 @@ def test_lockstep_holds_what_the_artifact_stores_unchanged_once(micro_model, fp8
     info = checkpoint.check_model_dir(micro_model)
     base = scorers.resident_reading(scorers.base_reading(info), "cpu")
     shared = Shared(dict(base.model.named_parameters(remove_duplicate=False)))
-    reading = scorers.artifact_reading(fp8_artifact, micro_model)
+    reading = gate.artifact_reading(fp8_artifact, micro_model)
     model, stored = reading.open()
     source = CountingSource(stored)
     artifact = resident.resident_built(model, reading.config, source, "cpu", shared.tensors)
@@ -238,7 +245,7 @@ def test_lockstep_holds_what_the_artifact_stores_unchanged_once(micro_model, fp8
     same = {name for name in mine if mine[name].data_ptr() == theirs[name].data_ptr()}
     assert "model.embed_tokens.weight" in same and "model.norm.weight" in same
     assert not any(".mlp." in name and name.endswith("proj.weight") for name in same)
-    assert "model.embed_tokens.weight" not in source.reads  # compared by rows only
+    assert "model.embed_tokens.weight" not in source.gets  # compared by rows only
 
 
 def test_a_lockstep_artifact_out_of_memory_finishes_streamed_with_the_same_metrics(micro_model, fp8_artifact, windows,
@@ -246,7 +253,7 @@ def test_a_lockstep_artifact_out_of_memory_finishes_streamed_with_the_same_metri
     monkeypatch.setattr(resident, "CPU_CHUNK_BYTES", 4 * 512 * 50)
     monkeypatch.setattr(resident, "MIN_CHUNK_POSITIONS", 1)
     info = checkpoint.check_model_dir(micro_model)
-    reference = scorers.evaluate_artifact(fp8_artifact, micro_model, windows,
+    reference = gate.evaluate_artifact(fp8_artifact, micro_model, windows,
                                           scorers.base_baseline(info, windows, placement=LOCKSTEP), placement=LOCKSTEP)
     real = resident.resident_scorer
 
@@ -256,7 +263,7 @@ def test_a_lockstep_artifact_out_of_memory_finishes_streamed_with_the_same_metri
 
     monkeypatch.setattr(resident, "resident_scorer", failing)
     said = []
-    metrics = scorers.evaluate_artifact(fp8_artifact, micro_model, windows,
+    metrics = gate.evaluate_artifact(fp8_artifact, micro_model, windows,
                                         scorers.base_baseline(info, windows, placement=LOCKSTEP), placement=LOCKSTEP,
                                         progress=said.append)
     assert any("ran out of memory" in line and "streaming the rest" in line for line in said)

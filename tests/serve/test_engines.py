@@ -11,7 +11,7 @@ import pytest
 
 from quantkit.errors import InputError, UnsupportedError
 from quantkit.eval import llamacpp
-from quantkit.serve import engines, support
+from quantkit.serve import engines, mlx_server, support, vllm_server
 from quantkit.serve.support import Accelerator
 
 CPU = Accelerator("cpu", "test CPU")
@@ -29,7 +29,7 @@ def no_engines(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(bin_dir))
     for name in ("QUANTKIT_VLLM", "QUANTKIT_LLAMA_CPP", "QUANTKIT_MLX_PYTHON"):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(engines, "imports_mlx_lm", lambda: False)
+    monkeypatch.setattr(mlx_server, "imports_mlx_lm", lambda: False)
     monkeypatch.setattr(llamacpp, "find_binary", lambda name="llama-perplexity": None)
     return empty
 
@@ -72,25 +72,25 @@ FP8_BLOCK = group(8, "float", {"num_bits": 8, "type": "float", "dynamic": True, 
 
 
 def test_vllm_found_by_variable_then_engines_dir_then_path(no_engines, tmp_path, monkeypatch):
-    assert engines.find_vllm() is None
+    assert vllm_server.find() is None
     on_path = executable(tmp_path / "bin" / "vllm")
-    assert engines.find_vllm().executable == on_path
+    assert vllm_server.find().executable == on_path
     installed = executable(no_engines / "vllm" / "bin" / "vllm")
-    assert engines.find_vllm().executable == installed and engines.find_vllm().found_in == "QUANTKIT_ENGINES"
+    assert vllm_server.find().executable == installed and vllm_server.find().found_in == "QUANTKIT_ENGINES"
     chosen = executable(tmp_path / "custom" / "vllm")
     monkeypatch.setenv("QUANTKIT_VLLM", str(chosen))
-    assert engines.find_vllm().executable == chosen
+    assert vllm_server.find().executable == chosen
 
 
 def test_mlx_found_by_variable_then_engines_dir_then_this_python(no_engines, tmp_path, monkeypatch):
-    assert engines.find_mlx() is None
-    monkeypatch.setattr(engines, "imports_mlx_lm", lambda: True)
-    assert engines.find_mlx().executable == Path(sys.executable)
+    assert mlx_server.find() is None
+    monkeypatch.setattr(mlx_server, "imports_mlx_lm", lambda: True)
+    assert mlx_server.find().executable == Path(sys.executable)
     installed = executable(no_engines / "mlx" / "bin" / "python")
-    assert engines.find_mlx().executable == installed
+    assert mlx_server.find().executable == installed
     chosen = executable(tmp_path / "py" / "python3")
     monkeypatch.setenv("QUANTKIT_MLX_PYTHON", str(chosen))
-    assert engines.find_mlx().executable == chosen
+    assert mlx_server.find().executable == chosen
 
 
 def test_llama_cpp_binaries_found_in_the_engines_dir(tmp_path, monkeypatch):
@@ -134,7 +134,9 @@ def test_script_python_reads_the_shebang(tmp_path):
     (W8A8, "w8a8-int8"), (NVFP4, "nvfp4"), (NVFP4_A16, "nvfp4-a16"), (MXFP4, "mxfp4"), (FP8_BLOCK, "fp8-block"),
 ])
 def test_schemes_from_config(groups, scheme):
-    assert support.schemes({"config_groups": {"group_0": groups}}) == {scheme}
+    from quantkit.formats import compressed_tensors
+
+    assert compressed_tensors.schemes({"config_groups": {"group_0": groups}}) == {scheme}
 
 
 @pytest.mark.parametrize("groups, served", [
@@ -162,15 +164,65 @@ def test_amx_lifts_the_fp8_refusals(tmp_path):
         assert support.refusal("vllm", artifact, "compressed-tensors", amx) is None
 
 
+AVX2 = Accelerator("cpu", "AVX2 CPU", flags=frozenset({"sse2", "avx", "avx2", "fma"}))
+AVX512 = Accelerator("cpu", "AVX-512 CPU", flags=frozenset({"sse2", "avx", "avx2", "fma", "avx512f", "avx512bw"}))
+
+
+def test_int4_weights_need_avx512_on_an_x86_cpu(tmp_path):
+    """vLLM CPU 0.32's AVX2 build has no cpu_gemm_wna16: refused before the engine starts, naming the feature."""
+    artifact = compressed_dir(tmp_path / "w4a16", {"group_0": W4A16})
+    reason = support.refusal("vllm", artifact, "compressed-tensors", AVX2)
+    assert reason.startswith("vLLM's CPU kernel for w4a16") and "needs avx512f, which this CPU lacks" in reason
+    assert "cpu_gemm_wna16" in reason
+    assert support.refusal("vllm", artifact, "compressed-tensors", AVX512) is None
+    for groups in (FP8_DYNAMIC, W8A8):  # their CPU kernels are not refused for it
+        other = compressed_dir(tmp_path / str(id(groups)), {"group_0": groups})
+        assert support.refusal("vllm", other, "compressed-tensors", AVX2) is None
+
+
+def with_transforms(artifact: Path, groups: dict) -> Path:
+    config = json.loads((artifact / "config.json").read_text())
+    config["quantization_config"]["transform_config"] = {"config_groups": groups}
+    (artifact / "config.json").write_text(json.dumps(config))
+    return artifact
+
+
+def test_an_online_rotation_is_refused_on_a_cpu_and_a_folded_one_is_not(tmp_path):
+    hadamard = with_transforms(compressed_dir(tmp_path / "hadamard", {"group_0": W4A16}), {  # QuIP, as written
+        "u": {"type": "hadamard", "apply": [{"targets": ["Linear"], "location": "input"},
+                                             {"targets": ["Linear"], "location": "weight_input", "inverse": True}]}})
+    reason = support.refusal("vllm", hadamard, "compressed-tensors", AVX512)
+    assert "online Hadamard rotation" in reason and "transform groups u" in reason and "cpu_linear" in reason
+    assert support.refusal("vllm", hadamard, "compressed-tensors", GPU) is None
+    spinquant = with_transforms(compressed_dir(tmp_path / "spinquant", {"group_0": FP8_DYNAMIC}), {
+        "R1": {"type": "hadamard", "apply": [{"targets": ["Linear"], "location": "weight_output"},
+                                              {"targets": ["Linear"], "location": "weight_input", "inverse": True}]}})
+    assert support.refusal("vllm", spinquant, "compressed-tensors", AVX512) is None
+
+
+def test_the_serving_plan_names_the_cpu_feature_it_lacks():
+    from quantkit.formats import compressed_tensors
+    from quantkit.run.serving import Device, fit
+
+    w4a16 = compressed_tensors.runtimes("w4a16")
+    avx2 = fit(10**8, 1000, 100, w4a16, Device("cpu", 10**10, "cpu", flags=AVX2.flags))
+    assert avx2.verdict == "no runtime" and avx2.lacks == ("avx512f",)
+    assert fit(10**8, 1000, 100, w4a16, Device("cpu", 10**10, "cpu", flags=AVX512.flags)).runtime.startswith("vLLM CPU")
+    unknown = fit(10**8, 1000, 100, w4a16, Device("cpu-64G", 64 * 10**9, "cpu"))  # a CPU named, not this one
+    assert unknown.runtime is not None and unknown.lacks == ()
+
+
 def test_bitsandbytes_needs_a_gpu(tmp_path):
     assert "GPUs only" in support.refusal("vllm", tmp_path, "bitsandbytes", CPU)
     assert support.refusal("vllm", tmp_path, "bitsandbytes", GPU) is None
 
 
 def test_each_engine_serves_its_kinds(tmp_path):
-    assert "serves .gguf" in support.refusal("llama.cpp", tmp_path, "compressed-tensors", CPU)
-    assert "mlx-lm directories" in support.refusal("mlx", tmp_path, "gguf", CPU)
-    assert "checkpoint directories" in support.refusal("vllm", tmp_path, "gguf", CPU)
+    assert "llama-server serves gguf artifacts; this artifact is compressed-tensors" in support.refusal(
+        "llama.cpp", tmp_path, "compressed-tensors", CPU)
+    assert "serves mlx, transformers artifacts; this artifact is gguf" in support.refusal("mlx", tmp_path, "gguf", CPU)
+    assert "vLLM serves compressed-tensors, bitsandbytes, transformers artifacts; this artifact is gguf" in \
+        support.refusal("vllm", tmp_path, "gguf", CPU)
     assert support.refusal("llama.cpp", tmp_path, "gguf", CPU) is None
     assert support.refusal("mlx", tmp_path, "mlx", CPU) is None
 
@@ -204,8 +256,11 @@ def test_engine_environment_is_offline_and_drops_python_settings(monkeypatch):
     from quantkit.serve.settings import engine_env
 
     monkeypatch.setenv("PYTHONPATH", "/somewhere")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # the user's own value wins
-    env = engine_env({"VLLM_CPU_KVCACHE_SPACE": "1"})
-    assert "PYTHONPATH" not in env and env["TRANSFORMERS_OFFLINE"] == "1" and env["HF_HUB_OFFLINE"] == "0"
-    assert env["VLLM_NO_USAGE_STATS"] == "1" and env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # the engine stays offline whatever the user's environment says
+    monkeypatch.setenv("VLLM_NO_USAGE_STATS", "0")
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "4")  # an engine setting: the user's value wins
+    env = engine_env({"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "2"})
+    assert "PYTHONPATH" not in env and env["TRANSFORMERS_OFFLINE"] == "1" and env["HF_HUB_OFFLINE"] == "1"
+    assert env["VLLM_NO_USAGE_STATS"] == "1" and env["DO_NOT_TRACK"] == "1"
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "4" and env["OMP_NUM_THREADS"] == "2"
     assert env["PATH"] == os.environ["PATH"]

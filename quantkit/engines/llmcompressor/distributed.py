@@ -10,10 +10,12 @@ gathered on every rank (gather_positions), so its metrics are the one-process me
 writes the report, gates and publishes; the other ranks write nothing beside a private work directory
 and exit 0.
 
-Which methods run here is each method's `distributed` and `ranks_refused` (quantkit.methods): those whose
-statistics llm-compressor 0.14.0.1 reduces to the one-process result: GPTQ (each layer's Hessians summed
-onto the rank that quantizes that Linear), the QuantizationModifier presets whose activation observers
-reduce by MIN/MAX (nvfp4), and what calibrates nothing (fp8-dynamic, fp8-block).
+Which methods run here is each method's `ranks` (quantkit.methods.OnRanks): those whose
+statistics llm-compressor 0.14.0.1 reduces across ranks: GPTQ (each layer's Hessians summed onto the rank
+that quantizes that Linear: the one-process Hessians up to summation order, so the rounding differs in some
+int4 values, as between one-process runs with another thread count), the QuantizationModifier presets whose
+activation observers reduce by MIN/MAX (nvfp4: the one-process scales), and what calibrates nothing
+(fp8-dynamic, fp8-block).
 
 quantkit gives each rank its share itself. llm-compressor 0.14.0.1 splits a dataset that is the same
 on every rank on its own, but it builds the sampler on the split and the DataLoader on the whole set
