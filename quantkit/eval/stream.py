@@ -326,7 +326,7 @@ def last_hidden(streamed: StreamedModel, ids):
 def head_slice_rows(positions: int, hidden: int) -> int:
     """Vocabulary rows per slice of the head: its float32 weight rows and the float32 logits of
     every position for them both stay near HEAD_SLICE_BYTES."""
-    return max(1, min(HEAD_SLICE_BYTES // (4 * hidden), HEAD_SLICE_BYTES // (4 * max(1, positions))))
+    return max(1, min(HEAD_SLICE_BYTES // (4 * max(1, hidden)), HEAD_SLICE_BYTES // (4 * max(1, positions))))
 
 
 def head_block(streamed: StreamedModel, prefix: str, hidden, index):
