@@ -151,6 +151,13 @@ def handle_errors(fn):
         except KeyboardInterrupt:
             err.print("interrupted; nothing was written", style="yellow", highlight=False)
             raise typer.Exit(EXIT_INTERRUPTED) from None
+        except MemoryError:  # the machine's memory ran out where no smaller path was left (the preflight's: exit 2)
+            if debug():
+                err.print_exception()
+            _print_error("out of memory: the memory free on this machine ran out during the run; nothing was written",
+                         "bound the run with --max-memory (what does not fit under it streams, and a bound too "
+                         "small is refused before work), or free memory")
+            raise typer.Exit(2) from None
         except Exception as exc:  # noqa: BLE001 - the boundary for unexpected failures
             if debug():
                 err.print_exception()

@@ -51,6 +51,7 @@ CASES = [
       for e in ERROR_CLASSES),
     pytest.param("quantize", _partial_then(_raise(ZeroDivisionError())), 1, "internal error", id="unexpected"),
     pytest.param("quantize", _partial_then(_raise(KeyboardInterrupt())), 130, "interrupted", id="ctrl-c"),
+    pytest.param("quantize", _partial_then(_raise(MemoryError())), 2, "out of memory", id="out-of-memory"),
     pytest.param("quantize", _partial_then(_signal(signal.SIGTERM)), 143, "terminated (SIGTERM)", id="sigterm"),
     pytest.param("quantize", _partial_then(_signal(signal.SIGHUP)), 129, "terminated (SIGHUP)", id="sighup"),
     pytest.param("publish", _raise(OSError("disk full")), 1, "disk full", id="publish-oserror"),
