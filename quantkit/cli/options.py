@@ -151,8 +151,9 @@ OFFLOAD_DIR = flag(Optional[str], None, "--offload-dir", panel=RESOURCES,
 CONTEXT = flag(int, 4096, panel=RESOURCES, help="Tokens of KV cache in the memory estimate.")
 DEVICE = flag(Optional[str], None, panel=RESOURCES, help="cpu | cuda | auto")
 MAX_MEMORY = flag(Optional[str], None, "--max-memory", panel=RESOURCES,
-                  help="RAM the run may use, e.g. 16GiB (default: what is available); a run estimated above it is "
-                       "refused before work.")
+                  help="Bound the RAM the run may use, e.g. 16GiB: what does not fit under it streams a layer at a "
+                       "time, and a bound below even that is refused before work (default: models whole wherever "
+                       "they fit the memory available now).")
 SEQ_LEN = flag(Optional[int], None, panel=CALIBRATION, help="Tokens per window.", min=8)
 SEED = flag(Optional[int], None, panel=CALIBRATION, help="Sampling seed.")
 DATA = flag(Optional[str], None, "--data", panel=MEASURED, help="Evaluation text: bundled name, file, or hf:NAME.")
