@@ -78,6 +78,7 @@ def test_a_plain_gptq_target_runs_on_several_ranks():
 @pytest.mark.parametrize("method, values", [
     ("gptq", {"act_order": "group"}), ("nvfp4", {"scheme": "w4a4"}),
     ("nvfp4", {"scheme": "a16"}), ("fp8", {"scheme": "fp8-dynamic"}), ("fp8", {"scheme": "fp8-block"}),
+    ("awq", {}), ("smoothquant", {}),
 ])
 def test_the_methods_llm_compressor_reduces_run_on_several_ranks(method, values):
     launch(targets=[(method, method, method_options(method, **values))])
@@ -86,7 +87,6 @@ def test_the_methods_llm_compressor_reduces_run_on_several_ranks(method, values)
 @pytest.mark.parametrize("method, values, reason", [
     ("fp8", {"scheme": "fp8-static"}, "averages each rank's moving-average activation range"),
     ("autoround", {}, "keeps each rank's own best iteration by its own loss"),
-    ("awq", {}, "applies the smoothing on every rank"), ("smoothquant", {}, "applies the smoothing on every rank"),
     ("nf4", {}, ""), ("gguf", {}, ""),
 ])
 def test_a_method_without_llm_compressors_reduction_is_refused_with_the_reason(method, values, reason):
@@ -199,6 +199,24 @@ def test_two_ranks_give_the_one_process_artifact_and_gate(cli, micro_model, tmp_
     assert "baseline: scoring 4 held-out windows on 2 ranks" in stderr
     assert f"rank 1 of 2: calibration and gate shares done; rank 0 writes {tmp_path / 'two'}" in stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["one", "two"]  # no rank's work directory left
+    same_artifact(tmp_path / "one", tmp_path / "two")
+
+
+SMOOTHQUANT_RTN = "targets:\n  - name: sq\n    method: smoothquant\n    options: {weight_algorithm: rtn}\n"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["awq", "smoothquant"])
+def test_two_ranks_smooth_once_and_give_the_one_process_artifact(cli, micro_model, tmp_path, method):
+    """The smoothing's statistics reduced over both ranks' windows (AWQ: sums; SmoothQuant: MIN/MAX) and the weights
+    the ranks share on a CPU written once, by rank 0: the artifact and the gate of one process, bit for bit (AWQ's
+    sums happen to round the same here; SmoothQuant with round-to-nearest int8, whose weights depend on nothing
+    summed)."""
+    recipe = tmp_path / "sq.yaml"
+    recipe.write_text(SMOOTHQUANT_RTN)
+    args = [str(micro_model), *(["--method", "awq"] if method == "awq" else ["--recipe", str(recipe)]), *ARGS]
+    assert cli("quantize", *args, "-o", tmp_path / "one").exit_code == 0
+    finished(torchrun(["--standalone", "--nproc-per-node", "2"], [*args, "-o", str(tmp_path / "two")]))
     same_artifact(tmp_path / "one", tmp_path / "two")
 
 

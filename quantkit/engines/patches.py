@@ -88,6 +88,32 @@ PATCHES: dict[str, Patch] = {
         LLMCOMPRESSOR, "quantkit.engines.llmcompressor.distributed:broadcast_then_wait",
         "under torchrun, a barrier after QuantizationModifier's broadcast of the weight scales: as for GPTQ, "
         "nothing waited for the rank writing a CPU module's scales (quantkit.engines.llmcompressor.distributed)"),
+    "awq.apply_smoothing": Patch(
+        ("llmcompressor.modifiers.transform.awq.base", "AWQModifier._apply_smoothing"), "llmcompressor",
+        LLMCOMPRESSOR, "quantkit.engines.llmcompressor.one_writer:awq_smoothing_once",
+        "under torchrun, every rank wrote the smoothing into the weights the ranks share (on a CPU the smooth layer "
+        "was divided once per rank): the smoothing runs on each rank's private copies of the layers it touches "
+        "and rank 0 alone writes the shared ones, between two barriers (quantkit.engines.llmcompressor.one_writer)",
+        wraps=True),
+    "awq.update_offload_parameter": Patch(
+        ("llmcompressor.modifiers.transform.awq.base", "update_offload_parameter"), "llmcompressor", LLMCOMPRESSOR,
+        "quantkit.engines.llmcompressor.one_writer:write_once",
+        "under torchrun, AWQ's writes of the smoothed weights: the shared copy by rank 0 alone, each rank's "
+        "private copy by that rank"),
+    "awq.allreduce_data_sum": Patch(
+        ("llmcompressor.modifiers.transform.awq.base", "_allreduce_data_sum"), "llmcompressor", LLMCOMPRESSOR,
+        "quantkit.engines.llmcompressor.one_writer:sum_over_ranks",
+        "under torchrun without an accelerator (gloo on a CPU), AWQ's statistics and losses summed over the ranks "
+        "where they are: 0.14.0.1 moves them to the current accelerator, which raises on a CPU", wraps=True),
+    "smoothquant.apply_smoothing": Patch(
+        ("llmcompressor.modifiers.transform.smoothquant.base", "SmoothQuantModifier._apply_smoothing"),
+        "llmcompressor", LLMCOMPRESSOR, "quantkit.engines.llmcompressor.one_writer:smoothquant_smoothing_once",
+        "under torchrun, as AWQ's: every rank read back and wrote the weights the ranks share, so the smoothing "
+        "was applied once per rank on a CPU", wraps=True),
+    "smoothquant.update_offload_parameter": Patch(
+        ("llmcompressor.modifiers.transform.smoothquant.base", "update_offload_parameter"), "llmcompressor",
+        LLMCOMPRESSOR, "quantkit.engines.llmcompressor.one_writer:write_once",
+        "under torchrun, SmoothQuant's writes of the smoothed weights: the shared copy by rank 0 alone"),
     "transform.offloaded_device": Patch(
         ("compressed_tensors.transform.factory.hadamard", "get_offloaded_device"), "compressed-tensors",
         COMPRESSED_TENSORS, "quantkit.engines.patches:transform_device",

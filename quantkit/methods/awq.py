@@ -32,6 +32,11 @@ go no higher than int8 (a step never leaves them all 16-bit).
 
 `group_size: auto` (the default) as gptq's (gptq.auto_group_size).
 
+On torchrun ranks: each rank collects AWQ's activation statistics on its share of the windows and llm-compressor
+0.14.0.1 sums them and the grid search's losses over the ranks, so every rank finds the one-process scales; rank 0
+alone writes the smoothed weights the ranks share (quantkit.engines.llmcompressor.one_writer). On 2 gloo ranks the
+micro toy model's artifact is the one-process artifact bit for bit.
+
 CPU workaround: llm-compressor 0.14.0.1 pins the cached parent-module inputs in host memory
 before AWQ's grid search (`IntermediatesCache.pin_memory`, called from
 `AWQModifier._apply_smoothing`); `Tensor.pin_memory()` raises "Cannot access accelerator
@@ -304,18 +309,6 @@ ROTATION_REFUSED = ("llm-compressor applies the rotation when calibration starts
                     "would not be the original; AWQ after SpinQuant is not offered either (not measured)")
 
 
-def ranks_refused(options: Options) -> str | None:
-    """llm-compressor 0.14 smooths on every rank: each rank computes the same scales and writes them into
-    the weights (modifiers/transform/awq/base.py, _apply_smoothing: the smooth layer divided in place,
-    `module.weight.div_(scales)`). On a CPU the ranks share those weights (compressed-tensors'
-    DistributedCPUCache puts them in shared memory), so the smoothing is applied once per rank: on 2 gloo
-    ranks the toy model's artifact came out with KLD 2.8e-3 instead of 1.5e-5. On GPUs each rank reads and
-    writes the weights through the same shared host copy, with nothing ordering the ranks (not run here: no
-    NCCL)."""
-    return ("llm-compressor 0.14 applies the smoothing on every rank to weights the ranks share, so it is "
-            "applied once per rank")
-
-
 METHOD = MethodSpec(
     quantizes_towers=True, name="awq", engine=llmc.ENGINE, engine_package=llmc.ENGINE,
     rotation_refused=ROTATION_REFUSED,
@@ -323,6 +316,6 @@ METHOD = MethodSpec(
     options=Options, quantize=quantize, precision=precision, default_gate=fixed_gate(DEFAULT_GATE),
     check=check, needs_calibration=needs_calibration, check_ignore=check_ignore, shape_problems=gptq.shape_problems,
     resolve=gptq.resolve, fallback_ladder=fallback_ladder, requantize=requantize, stored_bits=gptq.stored_bits,
-    support=support, runtimes=gptq.RUNTIMES, ranks_refused=ranks_refused,
+    support=support, runtimes=gptq.RUNTIMES, distributed=True,
     **layer_resume.method_fields(),
 )

@@ -174,7 +174,9 @@ def broadcast_then_wait(*args, **kwargs) -> None:
     dist.barrier()
 
 
-RANK_PATCHES = ("gptq.broadcast_qparams_and_cleanup", "quantization.broadcast_qparams_and_cleanup")
+RANK_PATCHES = ("gptq.broadcast_qparams_and_cleanup", "quantization.broadcast_qparams_and_cleanup",
+                "awq.apply_smoothing", "awq.update_offload_parameter", "awq.allreduce_data_sum",
+                "smoothquant.apply_smoothing", "smoothquant.update_offload_parameter")
 
 
 @contextmanager
