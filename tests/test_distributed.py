@@ -78,14 +78,29 @@ def test_a_plain_gptq_target_runs_on_several_ranks():
 @pytest.mark.parametrize("method, values", [
     ("gptq", {"act_order": "group"}), ("nvfp4", {"scheme": "w4a4"}),
     ("nvfp4", {"scheme": "a16"}), ("fp8", {"scheme": "fp8-dynamic"}), ("fp8", {"scheme": "fp8-block"}),
-    ("awq", {}), ("smoothquant", {}),
+    ("awq", {}), ("smoothquant", {}), ("fp8", {"scheme": "fp8-static"}), ("gptq", {"kv_cache": "fp8"}),
 ])
 def test_the_methods_llm_compressor_reduces_run_on_several_ranks(method, values):
     launch(targets=[(method, method, method_options(method, **values))])
 
 
+def test_the_calibrated_activation_scales_reduce_exactly_over_ranks():
+    """fp8-static's and the KV cache's observers keep a minimum and a maximum, which llm-compressor reduces over the
+    ranks with MIN/MAX (sync_obs_act_stats): the one-process statistics, not an average of each rank's."""
+    import torch.distributed as dist
+    from compressed_tensors.quantization import QuantizationArgs
+    from llmcompressor.observers.base import Observer
+
+    from quantkit.engines.llmcompressor.llmc import kv_cache_scheme
+    from quantkit.methods import fp8
+
+    static = fp8.scheme_config(fp8.Options(scheme="fp8-static"))["group_0"]["input_activations"]
+    for args in (static, kv_cache_scheme("fp8")):
+        observer = Observer.load_from_registry(args["observer"], base_name="input", args=QuantizationArgs(**args))
+        assert observer._act_sync_dict == {"min_vals": dist.ReduceOp.MIN, "max_vals": dist.ReduceOp.MAX}
+
+
 @pytest.mark.parametrize("method, values, reason", [
-    ("fp8", {"scheme": "fp8-static"}, "averages each rank's moving-average activation range"),
     ("autoround", {}, "keeps each rank's own best iteration by its own loss"),
     ("nf4", {}, ""), ("gguf", {}, ""),
 ])
@@ -187,10 +202,13 @@ def same_artifact(one, two) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", [("--method", "nvfp4"), ("--method", "fp8")])
+@pytest.mark.parametrize("method", [("--method", "nvfp4"), ("--method", "fp8"), ("--method", "fp8", "--scheme",
+                                                                               "fp8-static", "--kv-cache", "fp8")])
 def test_two_ranks_give_the_one_process_artifact_and_gate(cli, micro_model, tmp_path, method):
     """nvfp4 W4A4: each rank observes its half of the windows, the activations' min and max are reduced
-    (MIN/MAX: exact) and the global scales come out the same; fp8-dynamic calibrates nothing. The gate is
+    (MIN/MAX: exact) and the global scales come out the same; fp8-dynamic calibrates nothing; fp8-static's
+    activation scales and the KV cache's are the largest magnitude over the windows (static_minmax, reduced with
+    MIN/MAX) and come out the same (the KV cache measured by rank 0 alone). The gate is
     scored by both ranks, each on 2 of the 4 held-out windows, every position's values gathered: the
     metrics, p99 and max included, are the one-process metrics exactly."""
     args = [str(micro_model), *method, *ARGS]

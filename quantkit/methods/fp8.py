@@ -66,13 +66,20 @@ def precision(role: str, options: Options, name: str, shape: list[int]) -> str |
     return None
 
 
+# fp8-static's activation scale: the largest magnitude over every calibration window (compressed-tensors' FP8 preset's
+# observer). Its statistics are a minimum and a maximum, which torchrun ranks reduce exactly (MIN/MAX): the scales
+# on ranks are the one-process scales. (llm-compressor's default "minmax" is a moving average, weighted towards the
+# first windows seen, which ranks can only average.)
+OBSERVER = "static_minmax"
+
+
 def scheme_config(options: Options) -> dict:
     if options.scheme == "fp8-block":
         return block_scheme_config()
     activations = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True, "strategy": "token"}
     if options.scheme == "fp8-static":
         activations = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False,
-                       "strategy": "tensor", "observer": "minmax"}
+                       "strategy": "tensor", "observer": OBSERVER}
     weights = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": "channel"}
     return {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": activations}}
 
@@ -319,24 +326,13 @@ def runtimes(options: Options) -> tuple[Runtime, ...]:
     return BLOCK_RUNTIMES if options.scheme == "fp8-block" else RUNTIMES
 
 
-def ranks_refused(options: Options) -> str | None:
-    """fp8-static's activation scales come from llm-compressor's moving-average observer ("minmax"), whose
-    statistics 0.14 averages over the ranks (observers/min_max.py: MinMaxObserver._act_sync_dict, ReduceOp.AVG):
-    the mean of each rank's moving average is not the moving average over every window, so the scales would
-    change with the number of ranks. fp8-dynamic and fp8-block calibrate nothing."""
-    if options.scheme == "fp8-static":
-        return ("llm-compressor 0.14 averages each rank's moving-average activation range (MinMaxObserver, "
-                "ReduceOp.AVG), which is not the one-process scale")
-    return None
-
-
 METHOD = MethodSpec(
     quantizes_towers=True, name="fp8", engine=llmc.ENGINE, engine_package=llmc.ENGINE,
     format="compressed-tensors (float-quantized, float8_e4m3fn)",
     options=Options, quantize=quantize, precision=precision, default_gate=fixed_gate(DEFAULT_GATE),
     check=check, shape_problems=shape_problems, needs_calibration=needs_calibration, needs_model=needs_model, keeps_lm_head=keeps_lm_head,
     fallback_ladder=fallback_ladder, requantize=requantize, working_set=working_set, support=support,
-    runtimes=RUNTIMES, scheme_runtimes=runtimes, distributed=True, ranks_refused=ranks_refused,
+    runtimes=RUNTIMES, scheme_runtimes=runtimes, distributed=True,
     resume_unit="the last written shard on the model-free path, the last finished decoder layer when calibrating",
     resume_refused=resume_refused, resume_bytes=resume_bytes,
 )

@@ -34,6 +34,7 @@ from quantkit.engines.llmcompressor.distributed import (
     check_launch,
     gather_for,
     process_group,
+    rank_zero_alone,
     see_from_every_rank,
     share_object,
 )
@@ -600,8 +601,9 @@ def measure(job: QuantizeJob, resolved: ResolvedTarget, artifact: Path, baseline
                                                job.placement, job.progress, gather=gather_for(job.ranks))
     logits = None
     if gate.flip_prompts or gate.tasks:
-        logits = scorers.artifact_logits(artifact, job.info.path, job.device, job.trust_remote_code, job.workdir,
-                                         job.placement)
+        with rank_zero_alone(job.ranks):
+            logits = scorers.artifact_logits(artifact, job.info.path, job.device, job.trust_remote_code, job.workdir,
+                                             job.placement)
     if gate.flip_prompts:
         job.progress(f"flips: greedy continuations of {gate.flip_prompts} held-out prompts")
         entry.metrics.flips = generate.flips(logits, baseline.flips, gate.flip_prompts, gate.flip_tokens)
@@ -691,9 +693,10 @@ def run_target(job: QuantizeJob, resolved: ResolvedTarget, baseline, opts: RunOp
     entry.peak_rss_by_step["eval"] = et.peak_rss
     if not entry.gate.passed and fallback_options(resolved) is not None:
         run_fallback(job, resolved, result, entry, baseline, opts)
-    measure_kv_cache(job, resolved, result.artifact, entry, opts)  # the final artifact's, after any fallback
-    if resolved.gate.serve is not None and entry.gate.passed:
-        serve_gate(job, resolved, result.artifact, entry)
+    with rank_zero_alone(job.ranks):  # the other ranks are done with this target
+        measure_kv_cache(job, resolved, result.artifact, entry, opts)  # the final artifact's, after any fallback
+        if resolved.gate.serve is not None and entry.gate.passed:
+            serve_gate(job, resolved, result.artifact, entry)
     if entry.failed_enforced_gate:
         entry.status, entry.exit_code = "failed", GateFailedError.exit_code
     entry.details["serving"] = serving.artifact_plan(job.info, resolved.method, result.artifact, job.options)

@@ -192,6 +192,20 @@ def synchronized(ranks: Ranks) -> Iterator[None]:
         yield
 
 
+def rank_zero_alone(ranks: Ranks):
+    """While inside, what rank 0 does alone (the KV-cache measurement, flips, tasks, the serving check) loads
+    compressed-tensors artifacts without a collective: compressed-tensors 0.19 decompresses a model on all the ranks
+    of a process group together (replace_module_parallel), which the other ranks never join (a crash or a hang).
+    Nothing in one process."""
+    from contextlib import nullcontext
+
+    if not ranks.distributed:
+        return nullcontext()
+    from compressed_tensors.offload import as_single_threaded
+
+    return as_single_threaded()
+
+
 def gather_positions(values):
     """Every rank's per-position values (a numpy array each), concatenated in rank order, on every rank:
     the ranks score contiguous shares of the windows in order, so this is the one-process array."""

@@ -18,10 +18,12 @@ KvCache = Literal["fp8"] | None  # a method's `kv_cache` option: the KV cache's 
 def kv_cache_scheme(kv_cache: str | None) -> dict | None:
     """compressed-tensors' kv_cache_scheme of a `kv_cache` option: fp8 = FP8 E4M3 keys and values with one
     static scale per attention layer for each, calibrated on the windows (vLLM reads k_scale / v_scale
-    with --kv-cache-dtype fp8); None: no KV-cache quantization."""
+    with --kv-cache-dtype fp8) from the largest magnitude over every window (static_minmax: a minimum and maximum,
+    which torchrun ranks reduce exactly); None: no KV-cache quantization."""
     if kv_cache is None:
         return None
-    return {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": "tensor"}
+    return {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": "tensor",
+            "observer": "static_minmax"}
 
 
 # A method's `rotate` option: the rotation llm-compressor applies before quantizing (rotation_modifiers).
