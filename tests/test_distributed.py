@@ -79,6 +79,7 @@ def test_a_plain_gptq_target_runs_on_several_ranks():
     ("gptq", {"act_order": "group"}), ("nvfp4", {"scheme": "w4a4"}),
     ("nvfp4", {"scheme": "a16"}), ("fp8", {"scheme": "fp8-dynamic"}), ("fp8", {"scheme": "fp8-block"}),
     ("awq", {}), ("smoothquant", {}), ("fp8", {"scheme": "fp8-static"}), ("gptq", {"kv_cache": "fp8"}),
+    ("autoround", {}),
 ])
 def test_the_methods_llm_compressor_reduces_run_on_several_ranks(method, values):
     launch(targets=[(method, method, method_options(method, **values))])
@@ -101,8 +102,7 @@ def test_the_calibrated_activation_scales_reduce_exactly_over_ranks():
 
 
 @pytest.mark.parametrize("method, values, reason", [
-    ("autoround", {}, "keeps each rank's own best iteration by its own loss"),
-    ("nf4", {}, ""), ("gguf", {}, ""),
+    ("nf4", {}, ""), ("gguf", {}, ""), ("mxfp4", {}, ""), ("mlx", {}, ""),
 ])
 def test_a_method_without_llm_compressors_reduction_is_refused_with_the_reason(method, values, reason):
     with pytest.raises(UnsupportedError, match=f"{method} runs in one process only") as info:
@@ -236,6 +236,21 @@ def test_two_ranks_smooth_once_and_give_the_one_process_artifact(cli, micro_mode
     assert cli("quantize", *args, "-o", tmp_path / "one").exit_code == 0
     finished(torchrun(["--standalone", "--nproc-per-node", "2"], [*args, "-o", str(tmp_path / "two")]))
     same_artifact(tmp_path / "one", tmp_path / "two")
+
+
+def kld(artifact) -> float:
+    return json.loads((artifact / "quantkit.json").read_text())["targets"][0]["metrics"]["kld_mean"]
+
+
+@pytest.mark.slow
+def test_two_ranks_tune_autoround_to_the_one_process_quality(cli, micro_model, tmp_path):
+    """Each rank tunes on its half of the windows with half the batch, one loss and averaged gradients: SignSGD's
+    signs flip where the two halves' sums round differently, so the weights differ, but the KLD is within 1.05x of
+    one process's (micro model, 200 iterations: 4.87e-6 against 4.80e-6)."""
+    args = [str(micro_model), "--method", "autoround", *ARGS]
+    assert cli("quantize", *args, "-o", tmp_path / "one").exit_code == 0
+    finished(torchrun(["--standalone", "--nproc-per-node", "2"], [*args, "-o", str(tmp_path / "two")]))
+    assert kld(tmp_path / "two") <= 1.05 * kld(tmp_path / "one")
 
 
 def free_port() -> int:

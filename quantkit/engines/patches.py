@@ -29,6 +29,7 @@ Site = tuple[str, str]  # (module, "function" or "Class.method") the library cal
 LLMCOMPRESSOR = "==0.14.0.1"
 COMPRESSED_TENSORS = "==0.19.0"
 TRANSFORMERS = ">=5.0,<=5.17"
+AUTO_ROUND = "==0.15.1"
 
 
 @dataclass(frozen=True)
@@ -145,7 +146,9 @@ PATCHES: dict[str, Patch] = {
         ("llmcompressor.modifiers.autoround.base", "suspend_offloading"), "llmcompressor", LLMCOMPRESSOR,
         "quantkit.engines.patches:suspend_offloading_keeping_disk",
         "after tuning a layer it offloads the layer's modules again without the disk cache's folder, which "
-        "a disk offload cannot be made without (ValueError): with --offload-dir the folder is passed back"),
+        "a disk offload cannot be made without (ValueError): with --offload-dir the folder is passed back; under "
+        "torchrun each rank tunes its own copy of the layer's tensors, which it wrote into the ones the ranks share "
+        "on a CPU, and rank 0's copy is shared again when the layer is offloaded (one writer)"),
     "autoround.zero_points": Patch(
         ("llmcompressor.modifiers.autoround.base", "AutoRoundModifier._postprocess_qparams"), "llmcompressor",
         LLMCOMPRESSOR, "quantkit.engines.patches:zero_points_kept",
@@ -153,6 +156,17 @@ PATCHES: dict[str, Patch] = {
         "the zero points of 0 registered before tuning, and compression clamps every weight AutoRound put "
         "above the signed range (KLD 2x worse than symmetric on a sharpened width-576 model). AutoRound's "
         "zero points are registered instead, moved to compressed-tensors' signed range", wraps=True),
+    "autoround.loss_over_ranks": Patch(
+        ("auto_round.algorithms.quantization.sign_round.quantizer", "SignRoundQuantizer._get_loss"), "auto-round",
+        AUTO_ROUND, "quantkit.engines.llmcompressor.autoround_ranks:loss_over_ranks",
+        "under torchrun, each rank kept the iteration with its own lowest loss and stopped early on it: the loss's "
+        "value is the ranks' mean (its gradient the rank's own), so every rank keeps the same iteration and stops "
+        "together (quantkit.engines.llmcompressor.autoround_ranks)", wraps=True),
+    "autoround.gradients_averaged": Patch(
+        ("auto_round.algorithms.quantization.sign_round.quantizer", "setup_ddp_if_needed_"), "auto-round", AUTO_ROUND,
+        "quantkit.engines.llmcompressor.autoround_ranks:gradients_averaged",
+        "under torchrun, the layer's gradients averaged over the ranks before each step instead of a "
+        "DistributedDataParallel wrapper, which refuses a CPU module with device_ids=['cpu'] (gloo)", wraps=True),
     "transformers.sklearn": Patch(
         ("transformers.utils", "is_sklearn_available"), "transformers", TRANSFORMERS,
         "quantkit.engines.patches:sklearn_absent",
@@ -216,7 +230,9 @@ def quantization_params_offloaded(original: Callable) -> Callable:
 @contextmanager
 def suspend_offloading_keeping_disk(model) -> Iterator[None]:
     """llm-compressor's autoround suspend_offloading (every offloaded module of `model` onloaded for
-    AutoRound to place, offloaded again after), with a disk cache's folder passed back on the way out."""
+    AutoRound to place, offloaded again after), with a disk cache's folder passed back on the way out; under
+    torchrun each rank tunes its own copies of the layer's tensors (quantkit.engines.llmcompressor.autoround_ranks)."""
+    from quantkit.engines.llmcompressor.autoround_ranks import distributed, own_copies
     from compressed_tensors.offload import get_execution_device, get_offloaded_device
     from compressed_tensors.offload.cache.base import OffloadCache
     from compressed_tensors.offload.module import offload_module, remove_module_offload
@@ -228,6 +244,8 @@ def suspend_offloading_keeping_disk(model) -> Iterator[None]:
             suspended[name] = (get_execution_device(module), get_offloaded_device(module),
                                {"offload_dir": folder} if folder is not None else {})
             remove_module_offload(module, onload_tensors=True)
+            if distributed():
+                own_copies(module)  # rank 0's copy is shared again when the module is offloaded (one writer)
     yield
     for name, module in model.named_modules():
         if name in suspended:
