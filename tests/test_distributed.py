@@ -79,7 +79,8 @@ def test_a_plain_gptq_target_runs_on_several_ranks():
     ("gptq", {"act_order": "group"}), ("nvfp4", {"scheme": "w4a4"}),
     ("nvfp4", {"scheme": "a16"}), ("fp8", {"scheme": "fp8-dynamic"}), ("fp8", {"scheme": "fp8-block"}),
     ("awq", {}), ("smoothquant", {}), ("fp8", {"scheme": "fp8-static"}), ("gptq", {"kv_cache": "fp8"}),
-    ("autoround", {}),
+    ("autoround", {}), ("gptq", {"rotate": "spinquant"}), ("nvfp4", {"rotate": "hadamard"}),
+    ("smoothquant", {"rotate": "spinquant"}),
 ])
 def test_the_methods_llm_compressor_reduces_run_on_several_ranks(method, values):
     launch(targets=[(method, method, method_options(method, **values))])
@@ -114,7 +115,6 @@ def test_a_method_without_llm_compressors_reduction_is_refused_with_the_reason(m
     (dict(targets=[("q", "gptq", Options()), ("f", "nf4", None)]), "target 'f': nf4 runs in one process only"),
     (dict(targets=[("q", "gptq", Options(fallback={}))]), "gptq with fallback"),
     (dict(targets=[("q", "gptq", Options(auto_precision={}))]), "gptq with auto-precision"),
-    (dict(targets=[("q", "gptq", Options(rotate="spinquant"))]), "gptq with rotate runs in one process only"),
     *[(dict(flags=[flag]), f"{flag} runs in one process only") for flag in ONE_PROCESS_FLAGS],
 ])
 def test_what_needs_one_process_is_refused(change, message):
@@ -202,13 +202,15 @@ def same_artifact(one, two) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", [("--method", "nvfp4"), ("--method", "fp8"), ("--method", "fp8", "--scheme",
-                                                                               "fp8-static", "--kv-cache", "fp8")])
+@pytest.mark.parametrize("method", [("--method", "nvfp4"), ("--method", "fp8"),
+                                    ("--method", "fp8", "--scheme", "fp8-static", "--kv-cache", "fp8"),
+                                    ("--method", "nvfp4", "--rotate", "spinquant")])
 def test_two_ranks_give_the_one_process_artifact_and_gate(cli, micro_model, tmp_path, method):
     """nvfp4 W4A4: each rank observes its half of the windows, the activations' min and max are reduced
     (MIN/MAX: exact) and the global scales come out the same; fp8-dynamic calibrates nothing; fp8-static's
     activation scales and the KV cache's are the largest magnitude over the windows (static_minmax, reduced with
-    MIN/MAX) and come out the same (the KV cache measured by rank 0 alone). The gate is
+    MIN/MAX) and come out the same (the KV cache measured by rank 0 alone); SpinQuant's rotation is folded into the
+    weights the ranks share by rank 0 alone, before any rank calibrates. The gate is
     scored by both ranks, each on 2 of the 4 held-out windows, every position's values gathered: the
     metrics, p99 and max included, are the one-process metrics exactly."""
     args = [str(micro_model), *method, *ARGS]

@@ -1,6 +1,7 @@
 """quantkit.engines.llmcompressor.one_writer: on 2 gloo processes whose CPU weights are compressed-tensors' shared
 copies, a smoothing written as llm-compressor 0.14.0.1 writes it (the smooth layer divided in place, the balance
-layer scaled) is applied once with smoothing_once and write_once, and once per rank without them."""
+layer scaled) is applied once with smoothing_once and write_once, and once per rank without them; a rotation is
+folded once with rotation_once and write_by_source."""
 
 import torch
 import torch.multiprocessing as mp
@@ -19,7 +20,7 @@ def on_rank(rank: int, store: str, out: str) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
-    torch.save({once: smooth(once) for once in (True, False)}, f"{out}.{rank}")
+    torch.save({**{once: smooth(once) for once in (True, False)}, "rotated": rotate()}, f"{out}.{rank}")
     dist.barrier()
     dist.destroy_process_group()
 
@@ -49,6 +50,26 @@ def smooth(once: bool) -> dict:
     return {"norm": norm.weight.detach().clone(), "linear": linear.weight.detach().clone()}
 
 
+def rotate():
+    """A weight offloaded to the shared CPU copy, rotated as compressed-tensors folds a transform (read, transformed,
+    written) by a transform modifier's on_calibration_start; the value this rank sees after it."""
+    from compressed_tensors.offload import offload_module
+
+    from quantkit.engines.llmcompressor.one_writer import rotation_once, write_by_source
+
+    linear = torch.nn.Linear(8, 4, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(WEIGHT)
+    offload_module(linear, "cpu", "cpu")
+
+    @torch.no_grad()
+    def on_calibration_start(self, state, event):
+        write_by_source(linear, "weight", linear.weight.flip(-1) * 3)
+
+    rotation_once(on_calibration_start)(None, None, None)
+    return linear.weight.detach().clone()
+
+
 def test_the_smoothing_of_shared_cpu_weights_is_written_once(tmp_path):
     import compressed_tensors.offload  # noqa: F401 - imported once, before the ranks are forked
 
@@ -59,6 +80,8 @@ def test_the_smoothing_of_shared_cpu_weights_is_written_once(tmp_path):
         assert rank[True]["norm"].equal(NORM / 2) and rank[True]["linear"].equal(WEIGHT * 2)
     # the control: without one writer every rank divides the one shared norm in place
     assert all(rank[False]["norm"].equal(NORM / 4) for rank in ranks)
+    # a rotation folded by rank 0 alone, seen by both after the barrier
+    assert all(rank["rotated"].equal(WEIGHT.flip(-1) * 3) for rank in ranks)
 
 
 def test_a_private_copy_keeps_the_class_and_attributes_but_not_the_storage():

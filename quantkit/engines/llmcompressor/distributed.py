@@ -57,11 +57,6 @@ ONE_PROCESS_FLAGS = {
 # why --auto-precision and --fallback stay in one process: their searches are not a split of windows
 SEARCH_WHY = ("its sensitivity pass and each step of its search quantize and measure again, one layer or "
               "candidate at a time, in a sequence rank 0 decides from what it measured")
-# why --rotate stays in one process: llm-compressor 0.14's transform modifiers have no distributed path, every
-# rank folds the rotation into the weights the ranks share on a CPU (nvfp4 with spinquant on 2 gloo ranks:
-# KLD 0.61 and top-1 0 instead of 5.6e-5 and 0.84 on the toy model)
-ROTATE_WHY = ("llm-compressor 0.14's rotations are folded into the weights by every rank, into weights the "
-              "ranks share, as its smoothing is")
 TIMEOUT_HOURS = 6  # the other ranks wait at the first collective while rank 0 scores the baseline
 
 
@@ -136,8 +131,6 @@ def one_process_options(options) -> list[tuple[str, str]]:
     found = [(flag, SEARCH_WHY) for flag, value in (("auto-precision", getattr(options, "auto_precision", None)),
                                                     ("fallback", getattr(options, "fallback", None)))
              if value is not None]
-    if getattr(options, "rotate", "none") not in (None, "none"):
-        found.append(("rotate", ROTATE_WHY))
     return found
 
 
@@ -176,7 +169,9 @@ def broadcast_then_wait(*args, **kwargs) -> None:
 
 RANK_PATCHES = ("gptq.broadcast_qparams_and_cleanup", "quantization.broadcast_qparams_and_cleanup",
                 "awq.apply_smoothing", "awq.update_offload_parameter", "awq.allreduce_data_sum",
-                "smoothquant.apply_smoothing", "smoothquant.update_offload_parameter")
+                "smoothquant.apply_smoothing", "smoothquant.update_offload_parameter",
+                "spinquant.rotation_once", "quip.rotation_once", "transform.update_offload_parameter",
+                "fuse.update_offload_parameter")
 
 
 @contextmanager

@@ -1,4 +1,5 @@
-"""Weights the ranks share, written once: llm-compressor's smoothing (AWQ, SmoothQuant) under torchrun.
+"""Weights the ranks share, written once: llm-compressor's smoothing (AWQ, SmoothQuant) and rotations (SpinQuant,
+QuIP) under torchrun.
 
 On a CPU, compressed-tensors' DistributedCPUCache keeps one copy of every weight in shared memory for all the
 ranks of a node, and onloading a weight to the CPU hands back that very tensor: a rank's in-place change is a
@@ -20,6 +21,12 @@ the model):
    rank alone (rank 0);
 4. a barrier (the source rank has written), then the private copies are dropped: every rank reads the shared copy
    the source rank wrote (on a GPU, each rank's onloaded copy is refreshed from it).
+
+The rotations (`rotation_once`) are computed from the weights alone, once, when calibration starts: every rank runs
+llm-compressor's transform modifier (the transform submodules and hooks it adds are each rank's own, and its random
+Hadamard matrices come from the same default generator on every rank), but only the source rank writes the rotated
+weights (`write_by_source`; the others' results are dropped), and the ranks meet at a barrier before the first
+calibration forward reads them.
 
 AWQ's statistics are reduced by `_allreduce_data_sum`, which 0.14.0.1 runs on the current accelerator only; on a
 CPU (gloo) `sum_over_ranks` reduces them where they are. SmoothQuant reduces its per-channel minimum and maximum
@@ -168,6 +175,34 @@ def write_once(module, name: str, data) -> None:
                             f"{type(module).__name__} outside its private copies", hint="report this as a bug")
     with torch.no_grad():
         onloaded.copy_(data)
+
+
+def write_by_source(module, name: str, data) -> None:
+    """compressed-tensors' update_offload_parameter where the source rank alone writes an offloaded tensor (the
+    shared copy); another rank's offloaded tensors are left for it (a module not offloaded is the rank's own)."""
+    from compressed_tensors.distributed import is_source_process
+    from compressed_tensors.offload import update_offload_parameter
+    from compressed_tensors.offload.cache.base import OffloadCache
+
+    cache = module._parameters if name in module._parameters else module._buffers
+    if is_source_process() or not isinstance(cache, OffloadCache):
+        update_offload_parameter(module, name, data)
+
+
+def rotation_once(original: Callable) -> Callable:
+    """A transform modifier's on_calibration_start followed by a barrier on several ranks: the source rank has
+    written every rotated weight before any rank reads one."""
+
+    def on_calibration_start(self, state, event, **kwargs):
+        import torch.distributed as dist
+        from compressed_tensors.distributed import is_distributed
+
+        result = original(self, state, event, **kwargs)
+        if is_distributed():
+            dist.barrier()
+        return result
+
+    return on_calibration_start
 
 
 def sum_over_ranks(original: Callable) -> Callable:
