@@ -80,7 +80,8 @@ def test_a_plain_gptq_target_runs_on_several_ranks():
     ("nvfp4", {"scheme": "a16"}), ("fp8", {"scheme": "fp8-dynamic"}), ("fp8", {"scheme": "fp8-block"}),
     ("awq", {}), ("smoothquant", {}), ("fp8", {"scheme": "fp8-static"}), ("gptq", {"kv_cache": "fp8"}),
     ("autoround", {}), ("gptq", {"rotate": "spinquant"}), ("nvfp4", {"rotate": "hadamard"}),
-    ("smoothquant", {"rotate": "spinquant"}),
+    ("smoothquant", {"rotate": "spinquant"}), ("gptq", {"fallback": {}, "auto_precision": {}}),
+    ("awq", {"auto_precision": {}}), ("fp8", {"fallback": {}}),
 ])
 def test_the_methods_llm_compressor_reduces_run_on_several_ranks(method, values):
     launch(targets=[(method, method, method_options(method, **values))])
@@ -113,8 +114,6 @@ def test_a_method_without_llm_compressors_reduction_is_refused_with_the_reason(m
 
 @pytest.mark.parametrize("change, message", [
     (dict(targets=[("q", "gptq", Options()), ("f", "nf4", None)]), "target 'f': nf4 runs in one process only"),
-    (dict(targets=[("q", "gptq", Options(fallback={}))]), "gptq with fallback"),
-    (dict(targets=[("q", "gptq", Options(auto_precision={}))]), "gptq with auto-precision"),
     *[(dict(flags=[flag]), f"{flag} runs in one process only") for flag in ONE_PROCESS_FLAGS],
 ])
 def test_what_needs_one_process_is_refused(change, message):
@@ -253,6 +252,28 @@ def test_two_ranks_tune_autoround_to_the_one_process_quality(cli, micro_model, t
     assert cli("quantize", *args, "-o", tmp_path / "one").exit_code == 0
     finished(torchrun(["--standalone", "--nproc-per-node", "2"], [*args, "-o", str(tmp_path / "two")]))
     assert kld(tmp_path / "two") <= 1.05 * kld(tmp_path / "one")
+
+
+def guide(artifact) -> dict:
+    """What the guide chose and measured: the plan, each fallback step's raises and verdict, the probes' KLD."""
+    target = json.loads((artifact / "quantkit.json").read_text())["targets"][0]
+    fallback, table = target["details"]["fallback"], target["details"]["sensitivity"]["tensors"]
+    return {"passed": fallback["passed"], "types": fallback["types"],
+            "steps": [(s.get("raises"), s["passed"]) for s in fallback["steps"]],
+            "probes": {r["tensor"]: r["kld"] for r in table if r["kld"] is not None}}
+
+
+@pytest.mark.slow
+def test_the_guide_on_two_ranks_makes_the_one_process_choices(cli, micro_model, tmp_path):
+    """--fallback on 2 ranks: the sensitivity measured data-parallel (input statistics summed over the ranks, the
+    probes' positions gathered: their KL divergences are one process's), rank 0 decides each step and the others
+    follow it (re-quantize, score their share of the gate): the same raises in the same order and the same plan."""
+    args = [str(micro_model), "--method", "gptq", "--fallback", "--max-kld", "3e-6", "--max-size", "+60%",
+            *[a for a in ARGS if a != "--no-gate"]]
+    assert cli("quantize", *args, "-o", tmp_path / "one").exit_code == 0
+    finished(torchrun(["--standalone", "--nproc-per-node", "2"], [*args, "-o", str(tmp_path / "two")]))
+    one, two = guide(tmp_path / "one"), guide(tmp_path / "two")
+    assert one == two and one["steps"][0] == (None, False) and one["passed"]
 
 
 def free_port() -> int:

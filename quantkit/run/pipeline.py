@@ -36,7 +36,6 @@ from quantkit.engines.llmcompressor.distributed import (
     process_group,
     rank_zero_alone,
     see_from_every_rank,
-    share_object,
 )
 from quantkit.engines.transformers import Offload, check_device, device_map
 from quantkit.errors import (
@@ -54,6 +53,7 @@ from quantkit.io.memory import PeakTracker
 from quantkit.io.numerics import check_finite
 from quantkit.methods import MethodSpec, ModelHandle, QuantizeJob, QuantizeResult, get_method
 from quantkit.run import resume, serving
+from quantkit.run.follow import announce, follow, leading
 from quantkit.run.cache import fingerprint, input_hashes, up_to_date
 from quantkit.run.lora import plan_merge
 from quantkit.run.plan import build_plan, ignore_patterns
@@ -460,6 +460,7 @@ def _run_in(staging: Path, recipe: Recipe, opts: RunOptions, info: ModelInfo, ta
                 job = target_job(recipe, opts, info, resolved, tokenizer, windows, out_dir, workdir, offload,
                                  placement, resume.target_dir(staging, resolved.name) if recipe.resume else None)
                 entry = run_target(job, resolved, baseline, opts)
+                announce(opts.ranks, "done")  # the other ranks go on to the next target (quantkit.run.follow)
                 del job
         except Exception as exc:
             if not opts.partial:
@@ -491,9 +492,9 @@ def run_share(recipe: Recipe, opts: RunOptions, info: ModelInfo, targets: list[R
               placement: Placement) -> None:
     """A rank other than 0 (quantkit.engines.llmcompressor.distributed), in step with rank 0's run: it checks it
     sees rank 0's staging directory, scores its share of the held-out windows with the base, quantizes each
-    target on its share of the calibration windows, then scores its share of the windows with the artifact
-    rank 0 staged (the sums gathered by rank 0's gate). Nothing written outside a private work directory
-    next to OUT."""
+    target on its share of the calibration windows, then takes the steps rank 0 announces (quantkit.run.follow):
+    its share of the gate's windows with each artifact rank 0 stages (the sums gathered by rank 0's gate), and a
+    fallback's sensitivity and re-quantizations. Nothing written outside a private work directory next to OUT."""
     import tempfile
 
     from quantkit.engines.transformers import load_tokenizer
@@ -509,18 +510,19 @@ def run_share(recipe: Recipe, opts: RunOptions, info: ModelInfo, targets: list[R
         if len(windows.eval):
             baseline = score_baseline(info, recipe, windows.eval, workdir, placement, opts.ranks)
             gather_for(opts.ranks)(baseline.nll)  # rank 0's perplexity of the base (compute_baseline)
+        def score(artifact: Path) -> None:  # rank 0's measure(): its artifact, this rank's share of the windows
+            scorers.evaluate_artifact(artifact, info.path, eval_share(windows.eval, opts.ranks), baseline,
+                                      recipe.device, recipe.trust_remote_code, workdir, placement,
+                                      gather=gather_for(opts.ranks))
+
         for resolved in targets:
             with offload_plan(recipe, info, workdir, placement) as offload:
                 job = target_job(recipe, opts, info, resolved, tokenizer, windows, workdir, workdir, offload,
                                  placement)
                 resolved.method.quantize(job)
                 job.free_model()
+                follow(job, resolved.method, score)  # the gate's readings and the fallback's steps, as rank 0 says
                 del job
-            if baseline is not None:  # rank 0's measure(): its artifact, this rank's share of the windows
-                artifact = Path(share_object(None, opts.ranks))
-                scorers.evaluate_artifact(artifact, info.path, eval_share(windows.eval, opts.ranks), baseline,
-                                          recipe.device, recipe.trust_remote_code, workdir, placement,
-                                          gather=gather_for(opts.ranks))
 
 
 def eval_share(windows, ranks: Ranks):
@@ -594,8 +596,7 @@ def measure(job: QuantizeJob, resolved: ResolvedTarget, artifact: Path, baseline
     from quantkit.eval import evaluate, generate, scorers
 
     gate = resolved.gate
-    if job.ranks.distributed:  # the other ranks score their shares of the windows with it (run_share)
-        share_object(str(artifact), job.ranks)
+    announce(job.ranks, "measure", str(artifact))  # the other ranks score their shares of the windows with it
     entry.metrics = scorers.evaluate_artifact(artifact, job.info.path, eval_share(job.windows.eval, job.ranks),
                                                baseline, job.device, job.trust_remote_code, job.workdir,
                                                job.placement, job.progress, gather=gather_for(job.ranks))
@@ -722,9 +723,12 @@ def run_fallback(job: QuantizeJob, resolved: ResolvedTarget, result: QuantizeRes
                  baseline, opts: RunOptions) -> None:
     """Gate-driven fallback (quantkit.run.fallback): the artifact written again with the units the method's
     ladder predicts most damaging raised, each step measured like the first artifact."""
+    import dataclasses
+
     from quantkit.run import fallback
 
-    fallback.run_fallback(job, resolved, result, entry,
+    leader = dataclasses.replace(resolved, method=leading(resolved.method, job.ranks))  # announced to the other ranks
+    fallback.run_fallback(job, leader, result, entry,
                           lambda artifact: measure(job, resolved, artifact, baseline, entry, opts))
 
 

@@ -54,9 +54,6 @@ ONE_PROCESS_FLAGS = {
     "--resume": ("each rank's hidden states come from its own share of the windows, and the saved progress is "
                  "one process's", "drop --resume, or run one process with it"),
 }
-# why --auto-precision and --fallback stay in one process: their searches are not a split of windows
-SEARCH_WHY = ("its sensitivity pass and each step of its search quantize and measure again, one layer or "
-              "candidate at a time, in a sequence rank 0 decides from what it measured")
 TIMEOUT_HOURS = 6  # the other ranks wait at the first collective while rank 0 scores the baseline
 
 
@@ -102,17 +99,12 @@ def check_launch(ranks: Ranks, targets: list[tuple[str, str, bool, object, str |
     if not ranks.distributed:
         return
     launch = f"this is one of {ranks.world_size} torchrun ranks"
-    for name, method, distributed, options, why in targets:
+    for name, method, distributed, _options, why in targets:
         if not distributed or why:
             because = f" ({why})" if why else ""
             raise UnsupportedError(f"target '{name}': {method} runs in one process only{because}, but {launch}",
                                    hint="launch the targets whose method runs on several ranks with torchrun "
                                    "(--only), the others without it")
-        extras = one_process_options(options)
-        if extras:
-            flag, why = extras[0]
-            raise UnsupportedError(f"target '{name}': {method} with {flag} runs in one process only ({why}), "
-                                   f"but {launch}", hint="drop it, or run without torchrun")
     if flags:  # the first one given is named
         why, hint = ONE_PROCESS_FLAGS[flags[0]]
         raise UnsupportedError(f"{flags[0]} runs in one process only ({why}), but {launch}", hint=hint)
@@ -123,15 +115,6 @@ def check_launch(ranks: Ranks, targets: list[tuple[str, str, bool, object, str |
         raise InputError(f"{eval_windows} held-out windows cannot be shared by {ranks.world_size} ranks (each scores "
                          "its share of the gate's windows)", hint=f"raise --eval-windows to at least "
                                                                   f"{ranks.world_size}")
-
-
-def one_process_options(options) -> list[tuple[str, str]]:
-    """The (option, why) of a target's options that keep it in one process: auto-precision, fallback, a
-    rotation."""
-    found = [(flag, SEARCH_WHY) for flag, value in (("auto-precision", getattr(options, "auto_precision", None)),
-                                                    ("fallback", getattr(options, "fallback", None)))
-             if value is not None]
-    return found
 
 
 @contextmanager
@@ -210,6 +193,23 @@ def gather_positions(values):
     parts = [None] * dist.get_world_size()
     dist.all_gather_object(parts, values)
     return np.concatenate(parts)
+
+
+def measured_share(windows, ranks: Ranks):
+    """This rank's share of `windows` for a data-parallel measurement (the guide's sensitivity), and whether the
+    ranks split them (then what they measure is reduced or gathered): all of them on every rank when there are
+    fewer windows than ranks."""
+    if not ranks.distributed or len(windows) < ranks.world_size:
+        return windows, False
+    return windows[ranks.share(len(windows))], True
+
+
+def reduce_sums(tensors: list) -> None:
+    """Each tensor replaced in place by its sum over the ranks (every rank passes the same list, in order)."""
+    import torch.distributed as dist
+
+    for tensor in tensors:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
 
 
 def share_object(value, ranks: Ranks):
