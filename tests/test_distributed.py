@@ -122,6 +122,23 @@ def test_what_needs_one_process_is_refused(change, message):
     assert info.value.exit_code == 2 and "torchrun ranks" in info.value.message
 
 
+def test_progress_saved_by_another_number_of_ranks_is_refused_naming_both(tmp_path):
+    """--resume: each rank saved the hidden states of its share of the windows, so another number of ranks cannot
+    continue them: exit 2 before any work, naming both numbers."""
+    from quantkit.io.export import replace_json
+    from quantkit.run import resume
+
+    staging = tmp_path / "staging"
+    resume.resume_dir(staging).mkdir(parents=True)
+    replace_json(resume.resume_dir(staging) / resume.IDENTITY_FILE, resume.identity({}, {}, [], 2))
+    resume.check_same(staging, resume.identity({}, {}, [], 2))
+    for world in (1, 4):
+        with pytest.raises(InputError, match=rf"made by 2 torchrun rank\(s\), and this launch has {world}") as info:
+            resume.check_same(staging, resume.identity({}, {}, [], world))
+        assert info.value.exit_code == 2 and "launch again with 2 rank(s)" in info.value.hint
+    assert "world_size" not in resume.identity({}, {}, [], 1)  # one process's identity as before
+
+
 def test_every_rank_needs_a_window():
     with pytest.raises(InputError, match="3 calibration windows cannot be shared by 4 ranks"):
         launch(world=4, num_samples=3)
@@ -274,6 +291,37 @@ def test_the_guide_on_two_ranks_makes_the_one_process_choices(cli, micro_model, 
     finished(torchrun(["--standalone", "--nproc-per-node", "2"], [*args, "-o", str(tmp_path / "two")]))
     one, two = guide(tmp_path / "one"), guide(tmp_path / "two")
     assert one == two and one["steps"][0] == (None, False) and one["passed"]
+
+
+RESUMED = ("--method", "gptq", "--num-samples", "16", "--seq-len", "64", "--eval-windows", "0")
+
+
+@pytest.mark.slow
+def test_a_two_rank_run_whose_rank_dies_resumes_on_two_ranks_byte_identical(micro_model, tmp_path):
+    """Rank 1 killed right after the first layer is saved: torchrun stops rank 0 (it names the lost rank), nothing
+    at OUT, the progress kept; one process cannot take it over (exit 2, both numbers named); two ranks resume
+    after the saved layer and write the uninterrupted two-rank run's bytes."""
+    from quantkit.io import export
+    from tests.util import subprocess_env
+
+    two = ["--standalone", "--nproc-per-node", "2"]
+    plain, out = tmp_path / "plain", tmp_path / "out"
+    finished(torchrun(two, [str(micro_model), *RESUMED, "-o", str(plain)]))
+    command = [sys.executable, "-m", "torch.distributed.run", *two, "-m", "tests.cli.fault_run", "layer", "1", "KILL",
+               "quantize", str(micro_model), *RESUMED, "-o", str(out), "--resume"]
+    killed = subprocess.run(command, capture_output=True, text=True, timeout=900,
+                            env=subprocess_env(OMP_NUM_THREADS="1", FAULT_RANK="1", **LOOPBACK))
+    assert killed.returncode != 0 and not out.exists()
+    assert "rank 0 of 2: another rank stopped" in killed.stderr and "progress kept in" in killed.stderr
+    (staging,) = export.stagings(out.resolve())
+    state = json.loads((staging / ".work" / "resume" / "gptq" / "layers" / "layers.json").read_text())
+    assert state["world_size"] == 2 and len(state["layers"]) == 1 and len(state["activations"]) == 2
+    one = subprocess.run([sys.executable, "-m", "quantkit", "quantize", str(micro_model), *RESUMED, "-o", str(out),
+                          "--resume"], capture_output=True, text=True, timeout=900, env=subprocess_env())
+    assert one.returncode == 2 and "was made by 2 torchrun rank(s), and this launch has 1" in one.stderr
+    resumed = finished(torchrun(two, [str(micro_model), *RESUMED, "-o", str(out), "--resume"]))
+    assert "resuming after 1 of 2 layers (verified by sha256)" in resumed
+    assert (out / "model.safetensors").read_bytes() == (plain / "model.safetensors").read_bytes()
 
 
 def free_port() -> int:

@@ -129,7 +129,7 @@ def prepare(recipe: Recipe, opts: RunOptions) -> tuple[ModelInfo, list[ResolvedT
     check_offload_dir(recipe, info)
     targets = [resolve_target(recipe, target, info) for target in selected]
     given = {"--lora": bool(recipe.lora), "--offload-dir": recipe.offload_dir is not None,
-             "--skip-existing": opts.skip_existing, "--partial": opts.partial, "--resume": recipe.resume}
+             "--skip-existing": opts.skip_existing, "--partial": opts.partial}
     check_launch(opts.ranks, [(t.name, t.target.method, t.method.distributed, t.options,
                                t.method.ranks_refused(t.options)) for t in targets],
                  window_settings(recipe, targets).num_samples, [flag for flag, on in given.items() if on],
@@ -399,7 +399,7 @@ def make_staging(recipe: Recipe, opts: RunOptions, info: ModelInfo, inputs: dict
     if not recipe.resume:
         return export.make_staging(opts.out, opts.progress)
     dump = {**recipe.model_dump(mode="json"), "model": str(info.path)}
-    return resume.begin(opts.out, resume.identity(dump, inputs, opts.only), opts.progress)
+    return resume.begin(opts.out, resume.identity(dump, inputs, opts.only, opts.ranks.world_size), opts.progress)
 
 
 def keep_or_discard(staging: Path, recipe: Recipe, opts: RunOptions) -> None:
@@ -500,7 +500,7 @@ def run_share(recipe: Recipe, opts: RunOptions, info: ModelInfo, targets: list[R
     from quantkit.engines.transformers import load_tokenizer
     from quantkit.eval import scorers
 
-    see_from_every_rank(None, opts.ranks)
+    staging = see_from_every_rank(None, opts.ranks)
     tokenizer = load_tokenizer(info, recipe.trust_remote_code)
     windows = make_windows(tokenizer, window_settings(recipe, targets), lambda message: None)
     parent = opts.out.resolve().parent
@@ -518,7 +518,7 @@ def run_share(recipe: Recipe, opts: RunOptions, info: ModelInfo, targets: list[R
         for resolved in targets:
             with offload_plan(recipe, info, workdir, placement) as offload:
                 job = target_job(recipe, opts, info, resolved, tokenizer, windows, workdir, workdir, offload,
-                                 placement)
+                                 placement, resume.target_dir(staging, resolved.name) if recipe.resume else None)
                 resolved.method.quantize(job)
                 job.free_model()
                 follow(job, resolved.method, score)  # the gate's readings and the fallback's steps, as rank 0 says

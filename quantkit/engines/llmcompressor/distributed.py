@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Mapping
 
-from quantkit.errors import InputError, UnsupportedError
+from quantkit.errors import InputError, RankStoppedError, UnsupportedError
 
 # run-wide options that need one process: flag -> (why, what to do instead)
 ONE_PROCESS_FLAGS = {
@@ -51,8 +51,6 @@ ONE_PROCESS_FLAGS = {
                       "drop --offload-dir (each rank holds the model in RAM), or run one process with it"),
     "--skip-existing": ("rank 0 alone would decide which targets run", "name the targets to run with --only"),
     "--partial": ("rank 0 alone would go on past a target that fails", "drop --partial"),
-    "--resume": ("each rank's hidden states come from its own share of the windows, and the saved progress is "
-                 "one process's", "drop --resume, or run one process with it"),
 }
 TIMEOUT_HOURS = 6  # the other ranks wait at the first collective while rank 0 scores the baseline
 
@@ -136,8 +134,27 @@ def process_group(ranks: Ranks, device: str) -> Iterator[None]:
                             timeout=datetime.timedelta(hours=TIMEOUT_HOURS))
     try:
         yield
+    except RuntimeError as exc:
+        if not peer_lost(exc):
+            raise
+        raise RankStoppedError(f"rank {ranks.rank} of {ranks.world_size}: another rank stopped ({first_line(exc)})",
+                               hint="torchrun names the rank that failed first and its exit code; with --resume its "
+                                    "finished layers are kept for the next launch") from exc
     finally:
         dist.destroy_process_group()
+
+
+def peer_lost(exc: RuntimeError) -> bool:
+    """Whether a collective failed because another rank is gone: torch's distributed errors, or gloo's lost
+    connection."""
+    import torch.distributed as dist
+
+    text = str(exc)
+    return isinstance(exc, dist.DistError) or ("gloo" in text and "peer" in text)
+
+
+def first_line(exc: Exception) -> str:
+    return str(exc).strip().splitlines()[0][:200]
 
 
 def broadcast_then_wait(*args, **kwargs) -> None:

@@ -168,7 +168,8 @@ def layers_saved(job, calibrate: bool):
 
     if job.resume_dir is None or not calibrate:
         return nullcontext()
-    return patched_with("sequential.resume", checkpoints=LayerCheckpoints(Path(job.resume_dir) / "layers", job.progress))
+    return patched_with("sequential.resume", checkpoints=LayerCheckpoints(Path(job.resume_dir) / "layers", job.progress,
+                                                                          job.ranks))
 
 
 def as_list(recipe) -> list:
