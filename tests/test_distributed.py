@@ -81,7 +81,7 @@ def test_a_plain_gptq_target_runs_on_several_ranks():
     ("awq", {}), ("smoothquant", {}), ("fp8", {"scheme": "fp8-static"}), ("gptq", {"kv_cache": "fp8"}),
     ("autoround", {}), ("gptq", {"rotate": "spinquant"}), ("nvfp4", {"rotate": "hadamard"}),
     ("smoothquant", {"rotate": "spinquant"}), ("gptq", {"fallback": {}, "auto_precision": {}}),
-    ("awq", {"auto_precision": {}}), ("fp8", {"fallback": {}}),
+    ("awq", {"auto_precision": {}}), ("fp8", {"fallback": {}}), ("mxfp4", {}),
 ])
 def test_the_methods_llm_compressor_reduces_run_on_several_ranks(method, values):
     launch(targets=[(method, method, method_options(method, **values))])
@@ -104,7 +104,8 @@ def test_the_calibrated_activation_scales_reduce_exactly_over_ranks():
 
 
 @pytest.mark.parametrize("method, values, reason", [
-    ("nf4", {}, ""), ("gguf", {}, ""), ("mxfp4", {}, ""), ("mlx", {}, ""),
+    ("nf4", {}, "bitsandbytes quantizes the weights as transformers loads"), ("gguf", {}, "GGUF conversion"),
+    ("mlx", {}, "MLX conversion"),
 ])
 def test_a_method_without_llm_compressors_reduction_is_refused_with_the_reason(method, values, reason):
     with pytest.raises(UnsupportedError, match=f"{method} runs in one process only") as info:

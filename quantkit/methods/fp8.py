@@ -253,8 +253,9 @@ def save_model_free(job: QuantizeJob, plan) -> None:
     """The model-free artifact: the weights, config.json and recipe.yaml as oneshot's save writes them."""
     from quantkit.engines.transformers import device_map, load_tokenizer
 
-    # under torchrun the other ranks write their own copy in their work directory, and rank 0 alone keeps progress
-    state = None if job.resume_dir is None or not job.ranks.is_main else job.resume_dir / "shards.json"
+    if not job.ranks.is_main:  # under torchrun rank 0 writes alone: nothing is calibrated, nothing to share
+        return
+    state = None if job.resume_dir is None else job.resume_dir / "shards.json"
     if state is not None:
         state.parent.mkdir(parents=True, exist_ok=True)
     model_free.write_weights(plan, job.out_dir, device_map(job.device), state=state, progress=job.progress)

@@ -628,6 +628,11 @@ def tower_proof(job: QuantizeJob, result: QuantizeResult) -> dict:
     return prove_mmproj(result.artifact.parent / projector["file"], job.info, job.options.mmproj)
 
 
+# why a torchrun launch is refused: nothing of the work is split between ranks
+RANKS_REFUSED = ("quantkit's GGUF conversion writes the file tensor by tensor in one process, its imatrix from one "
+                 "process's streamed forward")
+
+
 ROTATION_REFUSED = ("a GGUF file stores no transform and llama.cpp applies none, and quantkit's GGUF conversion "
                     "does not run llm-compressor's transform modifiers")
 
@@ -645,5 +650,5 @@ METHOD = MethodSpec(
     requantize=requantize,
     artifact="gguf", stored_bits=stored_bits, support=support, tower_proof=tower_proof,
     precision_bits=precision_bits, runtimes=RUNTIMES, serve_command=serve_command,
-    resume_unit="the last written tensor", resume_bytes=resume_bytes,
+    resume_unit="the last written tensor", resume_bytes=resume_bytes, ranks_refused=lambda options: RANKS_REFUSED,
 )

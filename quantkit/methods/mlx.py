@@ -262,6 +262,10 @@ def serve_command(path: str) -> str:
     return f'mlx_lm.generate --model {path} --prompt "Hello" (or: mlx_lm.server --model {path})'
 
 
+# why a torchrun launch is refused: nothing of the work is split between ranks
+RANKS_REFUSED = "quantkit's MLX conversion writes the checkpoint in one process (MLX has no torchrun ranks)"
+
+
 ROTATION_REFUSED = ("an mlx-lm checkpoint stores no transform and mlx-lm applies none, and quantkit's MLX "
                     "conversion does not run llm-compressor's transform modifiers")
 
@@ -274,5 +278,5 @@ METHOD = MethodSpec(
     needs_model=lambda info, options: False,  # reads the checkpoint; the importances stream it
     keeps_lm_head=lambda options: False,  # quantized as mlx_lm.convert does (--ignore lm_head keeps it)
     artifact="mlx", stored_bits=stored_bits, working_set=working_set, precision_bits=precision_bits, support=support,
-    runtimes=RUNTIMES, serve_command=serve_command,
+    runtimes=RUNTIMES, serve_command=serve_command, ranks_refused=lambda options: RANKS_REFUSED,
 )

@@ -99,6 +99,6 @@ METHOD = MethodSpec(
     options=Options, quantize=quantize, precision=precision, default_gate=fixed_gate(DEFAULT_GATE),
     check=check, shape_problems=shape_problems, needs_calibration=needs_calibration, stored_bits=stored_bits,
     needs_model=nvfp4.needs_model, working_set=working_set,
-    support=nvfp4.fp4_support, runtimes=RUNTIMES,
+    support=nvfp4.fp4_support, runtimes=RUNTIMES, distributed=True,
     **layer_resume.method_fields(calibrates=needs_calibration),
 )

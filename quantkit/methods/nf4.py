@@ -269,6 +269,10 @@ def support(family) -> str:
     return family.decoder_support("✅ experts stay bf16")
 
 
+# why a torchrun launch is refused: nothing of the work is split between ranks
+RANKS_REFUSED = "bitsandbytes quantizes the weights as transformers loads the checkpoint, in one process"
+
+
 ROTATION_REFUSED = ("a bitsandbytes checkpoint stores no transform and transformers applies none when it loads "
                     "one; bitsandbytes quantizes as transformers loads the model, outside llm-compressor")
 
@@ -281,5 +285,5 @@ METHOD = MethodSpec(
     check=check, needs_model=lambda info, options: False,  # transformers re-loads the checkpoint with a bnb config
     needs_calibration=needs_calibration, fallback_ladder=fallback_ladder, requantize=requantize,
     artifact="bitsandbytes", stored_bits=stored_bits, support=support, runtimes=RUNTIMES,
-    serve_command=serve_command,
+    serve_command=serve_command, ranks_refused=lambda options: RANKS_REFUSED,
 )

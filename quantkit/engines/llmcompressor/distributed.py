@@ -10,10 +10,16 @@ gathered on every rank (gather_positions), so its metrics are the one-process me
 writes the report, gates and publishes; the other ranks write nothing beside a private work directory
 and exit 0.
 
-Which methods run here is each method's `distributed` and `ranks_refused` (quantkit.methods): those whose
-statistics llm-compressor 0.14.0.1 reduces to the one-process result: GPTQ (each layer's Hessians summed
-onto the rank that quantizes that Linear), the QuantizationModifier presets whose activation observers
-reduce by MIN/MAX (nvfp4), and what calibrates nothing (fp8-dynamic, fp8-block).
+Which methods run here is each method's `distributed` (quantkit.methods): every method that calibrates through
+llm-compressor. The statistics are reduced over the ranks: GPTQ's Hessians (summed onto the rank that quantizes
+each Linear), the activation observers' minimum and maximum (nvfp4, fp8-static and the FP8 KV cache: MIN/MAX),
+AWQ's activation sums and grid-search losses, SmoothQuant's per-channel ranges (MIN/MAX), AutoRound's loss and
+gradients (quantkit.engines.llmcompressor.autoround_ranks). A weight the ranks share (one copy per node on a CPU) is
+written once, by rank 0: the smoothing and the rotations (quantkit.engines.llmcompressor.one_writer), AutoRound's
+tuned layers. The guide (auto-precision, fallback) measures its sensitivity data-parallel (quantkit.mixed.layers)
+and rank 0 decides each step, which the other ranks follow (quantkit.run.follow). --resume keeps each rank's
+hidden states and rank 0's layers (quantkit.engines.llmcompressor.layer_resume). The one-process engines (nf4,
+gguf, mxfp4, mlx) are refused.
 
 quantkit gives each rank its share itself. llm-compressor 0.14.0.1 splits a dataset that is the same
 on every rank on its own, but it builds the sampler on the split and the DataLoader on the whole set
@@ -27,10 +33,9 @@ waits for the owning rank to finish writing them, so the next layer's inputs wer
 half-written weights in some runs (on gloo: top-1 agreement 5% instead of 61% on the toy model, one run
 in three). `synchronized()` adds a barrier after both.
 
-Refused before any work: auto-precision and fallback (their searches quantize and measure again in a
-sequence rank 0 decides), and the run-wide options in ONE_PROCESS_FLAGS. With --offload-dir each rank
-keeps its own disk copy, and the weights a rank quantizes never reach the others' copies: on gloo the
-toy model's second layer came out different (70-92% of its int4 values).
+Refused before any work: the run-wide options in ONE_PROCESS_FLAGS. With --offload-dir each rank keeps its own
+disk copy, and the weights a rank quantizes never reach the others' copies: on gloo the toy model's second layer
+came out different (70-92% of its int4 values).
 """
 
 from __future__ import annotations
