@@ -252,9 +252,9 @@ def iters_flags(method: str, variant: str, args) -> list[str]:
 
 def score(artifact: Path, model: str, windows, baseline) -> dict:
     from quantkit.eval import evaluate
-    from quantkit.eval.artifacts import load_for_eval
+    from quantkit.formats.gate import load_artifact
 
-    candidate = load_for_eval(artifact, Path(model))
+    candidate = load_artifact(artifact, Path(model))
     metrics = evaluate.compare(evaluate.model_scorer(candidate), windows.eval, baseline)
     return metrics.as_dict()
 

@@ -30,7 +30,7 @@ import json, sys
 from llmcompressor.entrypoints.model_free import model_free_ptq
 from quantkit.engines.llmcompressor import model_free_moe
 from quantkit.io.checkpoint import check_model_dir
-from quantkit.run.plan import ignore_patterns
+from quantkit.methods import ignore_patterns
 model, out, scheme, workers = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 info = check_model_dir(__import__("pathlib").Path(model))
 if scheme == "fp8-block":

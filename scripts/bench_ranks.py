@@ -305,7 +305,7 @@ def gate_child(argv: list[str]) -> None:
     from quantkit.engines.llmcompressor.distributed import gather_for, process_group, ranks_from
     from quantkit.engines.transformers import load_tokenizer
     from quantkit.eval import evaluate, scorers
-    from quantkit.eval.artifacts import artifact_kind
+    from quantkit.formats import detect, gate
     from quantkit.io.checkpoint import check_model_dir
     from quantkit.run.preflight import eval_placement
 
@@ -313,7 +313,7 @@ def gate_child(argv: list[str]) -> None:
     ranks = ranks_from(os.environ)
     info = check_model_dir(model)
     windows = eval_windows(load_tokenizer(info), "default", count, seq_len, 0)
-    placement = eval_placement(info, artifact_kind(artifact), "cpu", seq_len, len(windows))
+    placement = eval_placement(info, detect(artifact).gate_dtype, "cpu", seq_len, len(windows))
     share = windows[ranks.share(len(windows))]
     gather = gather_for(ranks)
     with process_group(ranks, "cpu"), tempfile.TemporaryDirectory(prefix="bench-ranks-gate-") as tmp:
@@ -325,7 +325,7 @@ def gate_child(argv: list[str]) -> None:
         if gather:
             gather(baseline.nll)
         middle = time.time()
-        metrics = scorers.evaluate_artifact(artifact, info.path, share, baseline, "cpu", workdir=Path(tmp),
+        metrics = gate.evaluate_artifact(artifact, info.path, share, baseline, "cpu", workdir=Path(tmp),
                                             placement=placement, gather=gather)
         done = time.time()
     if ranks.is_main:

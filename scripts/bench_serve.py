@@ -312,12 +312,13 @@ def probe(fmt: Format, artifact: Path, logs: Path) -> str:
     """Start the engine on an artifact serve-check refused (its rule bypassed) and ask for the log-probs of
     one prompt: "serves", or the engine's own error (the server's log, quantkit.serve.process)."""
     from quantkit.errors import QuantkitError
-    from quantkit.eval.artifacts import artifact_kind
-    from quantkit.serve.check import CLIENTS, engine_failures, pick_engine, served_path, serving
+    from quantkit.formats import detect
+    from quantkit.serve.check import engine_failures, pick_engine, served_path, serving
+    from quantkit.serve.engines import get_engine
     from quantkit.serve.settings import Endpoint, ServeOptions
     from quantkit.serve.support import accelerator
 
-    kind = artifact_kind(artifact)
+    kind = detect(artifact).kind
     engine = pick_engine(kind, fmt.engine)
     options = ServeOptions(max_model_len=128, logprobs=5, concurrency=1, device=accelerator().kind,
                            start_timeout=600)
@@ -325,7 +326,7 @@ def probe(fmt: Format, artifact: Path, logs: Path) -> str:
     try:
         with serving(engine, served_path(artifact, kind), options, logs, log) as (server_log, url, _command), \
                 engine_failures(engine, server_log):
-            CLIENTS[engine.name].prompt_topk(Endpoint(url, None, 0), [prompt], options.logprobs, log)
+            get_engine(engine.name).prompt_topk(Endpoint(url, None, 0), [prompt], options.logprobs, log)
     except QuantkitError as exc:
         return exc.message
     return "serves"

@@ -11,7 +11,7 @@ quantkit.toy.make_continuation_task (which ending is the sentence's own, 4 choic
 text), run through lm-evaluation-harness offline. Each method's artifact is written by
 `quantkit quantize MODEL --method M --no-gate` (gguf: Q4_K_M); then, in this process, each artifact
 is read back as the gate reads it and measured twice, each timed on its own: the perplexity/KL gate
-(quantkit.eval.scorers.evaluate_artifact on the held-out windows) and the task gate (lm-eval on
+(quantkit.formats.gate.evaluate_artifact on the held-out windows) and the task gate (lm-eval on
 quantkit's forward of the artifact, quantkit.eval.tasks). The base is scored once for each.
 """
 
@@ -59,9 +59,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     from quantkit.engines.transformers import load_tokenizer
     from quantkit.eval import evaluate, scorers, tasks
+    from quantkit.formats import gate
     from quantkit.io.checkpoint import check_model_dir
     from quantkit.run.calibration import make_windows
-    from quantkit.run.recipe import Calibration, TaskGate
+    from quantkit.eval.tasks import TaskGate
+    from quantkit.run.recipe import Calibration
     from quantkit.toy import make_continuation_task
 
     info = check_model_dir(Path(args.model))
@@ -78,9 +80,9 @@ def main(argv: list[str] | None = None) -> None:
                  **next(iter(base_scores.values())).__dict__}]
         for method in args.methods.split(","):
             artifact, quantize_s = timed(lambda: quantize(args.model, method, Path(tmp) / method, args))
-            metrics, gate_s = timed(lambda: scorers.evaluate_artifact(artifact, info.path, windows, baseline))
+            metrics, gate_s = timed(lambda: gate.evaluate_artifact(artifact, info.path, windows, baseline))
             (result,), task_s = timed(lambda: tasks.score_tasks(
-                scorers.artifact_logits(artifact, info.path), tokenizer, length, gate, args.limit, base_scores))
+                gate.artifact_logits(artifact, info.path), tokenizer, length, gate, args.limit, base_scores))
             rows.append({"method": method, "quantize_s": quantize_s, "ppl_kld_gate_s": gate_s, "task_gate_s": task_s,
                          "ppl_increase": metrics.ppl_increase, "kld_mean": metrics.kld_mean, **result.as_dict()})
     print_table(rows, args)

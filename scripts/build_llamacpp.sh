@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # Build the llama.cpp reference tools (llama-quantize, llama-perplexity, llama-imatrix,
 # llama-mtmd-cli: the multimodal CLI that runs a VLM .gguf with its mmproj; llama-server: the
-# OpenAI-compatible server `quantkit serve-check` runs) from the llama.cpp that the
-# llama-cpp-python source distribution vendors.
+# OpenAI-compatible server `quantkit serve-check` runs; llama-tokenize: a GGUF's tokenizer, for
+# tests/gguf/test_vocab_llamacpp.py) from the llama.cpp that the llama-cpp-python source
+# distribution vendors.
 #
 # Output (all under $LLAMACPP_DIR, default third_party/llama.cpp/, which is gitignored):
 #   src/      the vendored llama.cpp source tree (vendor/llama.cpp of the sdist)
 #   build/    the cmake build tree
-#   bin/      -> build/bin: llama-quantize, llama-perplexity, llama-imatrix, llama-mtmd-cli, llama-server and the
-#             shared libraries (libggml-base.so holds ggml_quantize_chunk, used by
+#   bin/      -> build/bin: llama-quantize, llama-perplexity, llama-imatrix, llama-mtmd-cli, llama-server,
+#             llama-tokenize and the shared libraries (libggml-base.so holds ggml_quantize_chunk, used by
 #             scripts/make_gguf_golden.py and tests/gguf/test_quants.py via ctypes)
 #   VERSION   llama-cpp-python version, vendored llama.cpp commit, build flags
 #
@@ -38,7 +39,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 DEST="${LLAMACPP_DIR:-$ROOT/third_party/llama.cpp}"
 JOBS="${JOBS:-2}"
 if [[ "${1:-}" == "-j" ]]; then JOBS="$2"; fi
-TOOLS=(llama-quantize llama-perplexity llama-imatrix llama-mtmd-cli llama-server)
+TOOLS=(llama-quantize llama-perplexity llama-imatrix llama-mtmd-cli llama-server llama-tokenize)
 
 built() {
     [[ -f "$DEST/VERSION" ]] || return 1

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from quantkit.eval import artifacts
+from quantkit.formats.gate import load_artifact
 
 METHOD_ARGS = {
     "fp8": ["--method", "fp8"],
@@ -34,9 +35,9 @@ def test_per_module_decompression_gives_the_same_logits(compressed, monkeypatch)
     from compressed_tensors.quantization import QuantizationStatus
 
     ids = torch.randint(0, 500, (2, 48), generator=torch.Generator().manual_seed(0))
-    lazy = artifacts.load_for_eval(compressed)
+    lazy = load_artifact(compressed)
     monkeypatch.setattr(artifacts, "decompress_per_module", lambda model: None)
-    whole = artifacts.load_for_eval(compressed)  # transformers' hook: the whole model on the first forward
+    whole = load_artifact(compressed)  # transformers' hook: the whole model on the first forward
     with torch.no_grad():
         expected, got, again = whole(input_ids=ids).logits, lazy(input_ids=ids).logits, lazy(input_ids=ids).logits
     assert torch.equal(got, expected) and torch.equal(again, expected)
@@ -47,7 +48,7 @@ def test_per_module_decompression_gives_the_same_logits(compressed, monkeypatch)
 def test_one_module_is_decompressed_at_a_time(compressed):
     from compressed_tensors.quantization import QuantizationStatus
 
-    model = artifacts.load_for_eval(compressed)
+    model = load_artifact(compressed)
     modules, most = quantized_modules(model), [0]
 
     def count(_module, _args):

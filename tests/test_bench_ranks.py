@@ -3,7 +3,6 @@ tables; (slow) gptq and awq on one process and 2 gloo ranks, on a small random m
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -11,21 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.util import REPO, subprocess_env
+from tests.util import REPO, script_module, subprocess_env
 
 SCRIPT = REPO / "scripts" / "bench_ranks.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_ranks", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    try:
-        spec.loader.exec_module(module)
+    with script_module("bench_ranks") as module:
         yield module
-    finally:
-        sys.modules.pop(spec.name, None)
 
 
 def test_launches_and_threads(bench):

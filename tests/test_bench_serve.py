@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from quantkit.serve import engines
+from quantkit.serve import engines, llama_server, vllm_server
 from tests.util import REPO, subprocess_env
 
 SCRIPT = REPO / "scripts" / "bench_serve.py"
@@ -115,8 +115,8 @@ def test_unknown_formats_are_refused(bench):
 @pytest.mark.slow
 def test_bench_serve_on_a_small_model(bench, tmp_path):
     """fp8 in vLLM and Q8_0 in llama-server: both served as gated, the table printed, nothing left running."""
-    for finder, name, variable in ((engines.find_vllm, "vLLM", "QUANTKIT_VLLM"),
-                                   (engines.find_llama_server, "llama-server", "QUANTKIT_LLAMA_CPP")):
+    for finder, name, variable in ((vllm_server.find, "vLLM", "QUANTKIT_VLLM"),
+                                   (llama_server.find, "llama-server", "QUANTKIT_LLAMA_CPP")):
         if finder() is None:
             pytest.skip(f"{name} is not installed: scripts/setup_engines.sh (or set QUANTKIT_ENGINES / {variable})")
     from quantkit.toy import make_toy_model
@@ -136,3 +136,27 @@ def test_bench_serve_on_a_small_model(bench, tmp_path):
         assert row["serve"]["kld_vs_reading"] < 0.01 and row["gate"]["kld_mean"] >= 0
         assert set(row["serve"]["load"]) == {"1", "2"} and row["leftover_processes"] == []
     assert bench.live_processes_naming(str((work / "artifacts").resolve())) == {}
+
+
+@pytest.mark.parametrize("reference", ["bench_serve_reference.json", "bench_serve_mlx_reference.json"])
+def test_the_measured_table_is_the_reference_runs(bench, reference):
+    """quantkit.serve.measured's rows are what the benchmark runs kept in docs/ say: each format's result as
+    scripts/bench_serve.py reads it, and where it served, its reading KLD to two significant figures."""
+    from quantkit.serve import measured
+
+    run = json.loads((REPO / "docs" / reference).read_text())
+    rows = {r.format: r for r in measured.BENCH_ROWS}
+    compared = 0
+    for row in run["rows"]:
+        result = bench.record_result(row)
+        if result is None:  # quantkit refused the format for that model: its row comes from another model
+            assert rows[row["format"]].model != measured.REFERENCE
+            continue
+        record = rows[row["format"]]
+        kld = row["serve"]["kld_vs_reading"] if result == "serves" else None
+        assert record.flags == " ".join(row["flags"]), row["format"]
+        # the engine's reason as the run recorded it; the table may add where it failed, in parentheses
+        assert record.result == result or record.result.startswith(result + " ("), row["format"]
+        assert record.reading_kld == (None if kld is None else float(f"{kld:.2g}")), row["format"]
+        compared += 1
+    assert compared == len(run["rows"]) - sum(bench.record_result(r) is None for r in run["rows"]) > 0

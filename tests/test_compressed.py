@@ -1,5 +1,5 @@
 """quantkit.eval.compressed: compressed-tensors artifacts streamed a module at a time, with the metrics of
-the artifact loaded whole through transformers (quantkit.eval.artifacts.load_for_eval), activation
+the artifact loaded whole through transformers (quantkit.formats.gate.load_artifact), activation
 quantization included.
 
 Artifacts are written by quantkit itself from the session's micro Llama: fp8 dynamic (W8A8 float,
@@ -19,7 +19,8 @@ import torch
 
 from quantkit.engines.transformers import hf_config
 from quantkit.errors import ArtifactReloadError
-from quantkit.eval import artifacts, compressed, evaluate, scorers
+from quantkit.eval import compressed, evaluate, scorers
+from quantkit.formats import gate
 
 REL = 1e-4
 CALIB = ["--num-samples", "16", "--seq-len", "64"]
@@ -78,9 +79,9 @@ def loading_refused(*args, **kwargs):
 @pytest.mark.parametrize("name", names(*ARTIFACTS))
 def test_streamed_gate_equals_the_loaded_artifact(name, built, micro_model, windows, baseline, monkeypatch):
     path = built(name)
-    loaded = evaluate.compare(scorers.loaded_scorer(path, micro_model), windows, baseline)
-    monkeypatch.setattr(artifacts, "load_for_eval", loading_refused)
-    streamed = scorers.evaluate_artifact(path, micro_model, windows, baseline)  # the gate's own call
+    loaded = evaluate.compare(gate.loaded_scorer(path, micro_model), windows, baseline)
+    monkeypatch.setattr(gate, "load_artifact", loading_refused)
+    streamed = gate.evaluate_artifact(path, micro_model, windows, baseline)  # the gate's own call
     assert_same_metrics(streamed, loaded)
     assert loaded.kld_mean > 0
 
@@ -114,7 +115,7 @@ def test_weights_are_compressed_tensors_own_decompression(name, built):
     from compressed_tensors.compressors.base import decompress_module
 
     path = built(name)
-    model = artifacts.load_for_eval(path)
+    model = gate.load_artifact(path)
     source = compressed.CompressedWeights(path, compressed.quantized_meta_model(hf_config(path),
                                                                                 torch.bfloat16))
     proj = model.model.layers[1].mlp.down_proj
@@ -205,5 +206,5 @@ def test_an_artifact_that_does_not_reload_strictly_fails_the_gate(built, micro_m
                         (extra, "1 unexpected (model.layers.0.mlp.experts.0.w1.weight)")):
         assert compressed.streams(path)
         with pytest.raises(ArtifactReloadError) as err:
-            scorers.evaluate_artifact(path, micro_model, windows, baseline)
+            gate.evaluate_artifact(path, micro_model, windows, baseline)
         assert err.value.exit_code == 3 and words in err.value.message

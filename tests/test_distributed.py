@@ -52,11 +52,14 @@ def test_the_shares_split_the_windows_as_llm_compressor_does(world):
 
 
 def launch(world=2, targets=(("gptq", "gptq", Options()),), num_samples=8, flags=(), eval_windows=4):
-    from quantkit.methods import get_method
+    from quantkit.methods import get_method, on_ranks
 
     specs = [(name, get_method(method), options) for name, method, options in targets]
-    check_launch(Ranks(0, world), [(name, spec.name, spec.distributed, options, spec.ranks_refused(options))
-                                   for name, spec, options in specs], num_samples, list(flags), eval_windows)
+    rows = []
+    for name, spec, options in specs:
+        runs, why = on_ranks(spec, options)  # whether the method runs on ranks, why these options do not
+        rows.append((name, spec.name, runs, options, why))
+    check_launch(Ranks(0, world), rows, num_samples, list(flags), eval_windows)
 
 
 def method_options(method, **values):
@@ -186,7 +189,10 @@ def test_gathered_shares_of_the_positions_give_the_one_process_metrics():
     assert gathered == whole and whole.positions == 20 and 0 < whole.top1 < 1
 
 
-ARGS = ("--num-samples", "16", "--seq-len", "64", "--eval-windows", "4", "--no-gate")
+WINDOWS, SEQ_LEN = 4, 64
+ARGS = ("--num-samples", "16", "--seq-len", str(SEQ_LEN), "--eval-windows", str(WINDOWS), "--no-gate")
+# The least a launch of 2 ranks takes: one calibration window and one held-out window each.
+FEW = ("--num-samples", "2", "--seq-len", "32", "--eval-windows", "2", "--no-gate")
 LOOPBACK = {"GLOO_SOCKET_IFNAME": "lo"} if os.path.exists("/sys/class/net/lo") else {}  # not the hostname's
 
 
@@ -206,7 +212,13 @@ def finished(process: subprocess.Popen) -> str:
     return stderr
 
 
-def same_artifact(one, two) -> None:
+def positions(args) -> int:
+    """Positions the gate scores: held-out windows x (tokens - 1)."""
+    args = list(args)
+    return int(args[args.index("--eval-windows") + 1]) * (int(args[args.index("--seq-len") + 1]) - 1)
+
+
+def same_artifact(one, two, scored: int = WINDOWS * (SEQ_LEN - 1)) -> None:
     """Every tensor and every gate metric equal."""
     from safetensors.torch import load_file
 
@@ -215,28 +227,43 @@ def same_artifact(one, two) -> None:
     assert [name for name in first if not first[name].equal(second[name])] == []
     metrics = [json.loads((d / "quantkit.json").read_text())["targets"][0]["metrics"] for d in (one, two)]
     assert metrics[0] == metrics[1]
-    assert metrics[0]["positions"] == 4 * 63
+    assert metrics[0]["positions"] == scored
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("method", [("--method", "nvfp4"), ("--method", "fp8"),
-                                    ("--method", "fp8", "--scheme", "fp8-static", "--kv-cache", "fp8"),
-                                    ("--method", "nvfp4", "--rotate", "spinquant")])
-def test_two_ranks_give_the_one_process_artifact_and_gate(cli, micro_model, tmp_path, method):
-    """nvfp4 W4A4: each rank observes its half of the windows, the activations' min and max are reduced
-    (MIN/MAX: exact) and the global scales come out the same; fp8-dynamic calibrates nothing; fp8-static's
-    activation scales and the KV cache's are the largest magnitude over the windows (static_minmax, reduced with
-    MIN/MAX) and come out the same (the KV cache measured by rank 0 alone); SpinQuant's rotation is folded into the
-    weights the ranks share by rank 0 alone, before any rank calibrates. The gate is
-    scored by both ranks, each on 2 of the 4 held-out windows, every position's values gathered: the
-    metrics, p99 and max included, are the one-process metrics exactly."""
-    args = [str(micro_model), *method, *ARGS]
-    assert cli("quantize", *args, "-o", tmp_path / "one").exit_code == 0
-    stderr = finished(torchrun(["--standalone", "--nproc-per-node", "2"], [*args, "-o", str(tmp_path / "two")]))
-    assert "baseline: scoring 4 held-out windows on 2 ranks" in stderr
-    assert f"rank 1 of 2: calibration and gate shares done; rank 0 writes {tmp_path / 'two'}" in stderr
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["one", "two"]  # no rank's work directory left
-    same_artifact(tmp_path / "one", tmp_path / "two")
+def two_ranks_against_one_process(cli, model, out, method: tuple, args: tuple) -> None:
+    args = [str(model), *method, *args]
+    assert cli("quantize", *args, "-o", out / "one").exit_code == 0
+    stderr = finished(torchrun(["--standalone", "--nproc-per-node", "2"], [*args, "-o", str(out / "two")]))
+    windows = args[args.index("--eval-windows") + 1]
+    assert f"baseline: scoring {windows} held-out windows on 2 ranks" in stderr
+    assert f"rank 1 of 2: calibration and gate shares done; rank 0 writes {out / 'two'}" in stderr
+    assert sorted(p.name for p in out.iterdir()) == ["one", "two"]  # no rank's work directory left
+    same_artifact(out / "one", out / "two", positions(args))
+
+
+# Methods whose ranks give the one process's artifact bit for bit (llm-compressor reduces their statistics
+# exactly, or they calibrate nothing), with the calibration each launch takes: FEW, the least that exercises it.
+BIT_FOR_BIT = [
+    pytest.param(("--method", "nvfp4"), FEW, id="nvfp4"),
+    pytest.param(("--method", "nvfp4"), ARGS, id="nvfp4-16-windows", marks=pytest.mark.slow),
+    pytest.param(("--method", "fp8"), ARGS, id="fp8-dynamic", marks=pytest.mark.slow),
+    pytest.param(("--method", "fp8", "--scheme", "fp8-static", "--kv-cache", "fp8"), ARGS, id="fp8-static-kv-cache",
+                 marks=pytest.mark.slow),
+    pytest.param(("--method", "nvfp4", "--rotate", "spinquant"), ARGS, id="nvfp4-spinquant", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("method, args", BIT_FOR_BIT)
+def test_two_ranks_give_the_one_process_artifact_and_gate(cli, micro_model, tmp_path, method, args):
+    """2 gloo ranks of the 2-layer micro model against one process. nvfp4 W4A4: each rank observes its share of
+    the calibration windows, the activations' min and max are reduced (MIN/MAX: exact) and the global scales come
+    out the same; fp8-dynamic calibrates nothing; fp8-static's activation scales and the KV cache's are the largest
+    magnitude over the windows (static_minmax, reduced with MIN/MAX) and come out the same (the KV cache measured by
+    rank 0 alone); SpinQuant's rotation is folded into the weights the ranks share by rank 0 alone, before any rank
+    calibrates. The gate is scored by both ranks, each on its share of the held-out windows, every position's
+    values gathered: the metrics, p99 and max included, are the one-process metrics exactly. Work: one in-process
+    run, then torchrun's launcher and its 2 rank processes."""
+    two_ranks_against_one_process(cli, micro_model, tmp_path, method, args)
 
 
 SMOOTHQUANT_RTN = "targets:\n  - name: sq\n    method: smoothquant\n    options: {weight_algorithm: rtn}\n"
@@ -254,7 +281,7 @@ def test_two_ranks_smooth_once_and_give_the_one_process_artifact(cli, micro_mode
     args = [str(micro_model), *(["--method", "awq"] if method == "awq" else ["--recipe", str(recipe)]), *ARGS]
     assert cli("quantize", *args, "-o", tmp_path / "one").exit_code == 0
     finished(torchrun(["--standalone", "--nproc-per-node", "2"], [*args, "-o", str(tmp_path / "two")]))
-    same_artifact(tmp_path / "one", tmp_path / "two")
+    same_artifact(tmp_path / "one", tmp_path / "two", positions(args))
 
 
 def kld(artifact) -> float:

@@ -11,7 +11,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 GENERATED = {"architectures": "models.md", "families": "models.md", "vlm-families": "models.md",
-             "vlm-towers": "models.md", "moe": "models.md", "runtimes": "models.md", "gates": "gate.md"}
+             "vlm-towers": "models.md", "moe": "models.md", "runtimes": "models.md", "gates": "gate.md",
+             "engines": "serving.md", "engine-variables": "serving.md"}
 
 
 def test_every_generated_table_is_on_its_page():
@@ -36,7 +37,7 @@ def test_generated_tables_name_the_code_tables():
     from quantkit.arch.moe import MOE_LAYOUTS
     from quantkit.arch.vlm import FAMILIES
     from quantkit.gguf.convert import supported_architectures
-    from quantkit.methods import METHODS, get_method
+    from quantkit.methods import METHODS, get_method, runtimes_for
     from quantkit.mlx.checkpoint import MLX_MODEL_TYPES
     from quantkit.run.support import docs_tables
 
@@ -52,7 +53,7 @@ def test_generated_tables_name_the_code_tables():
     assert cell("`fp8`, `gptq`, `autoround`, `nf4`") == sorted(MOE_LAYOUTS)
     assert [re.search(r"\(`(\w+)`\)", line).group(1) for line in tables["vlm-towers"][2:]] == list(FAMILIES)
     runtime_names = {line.split(" | ")[1] for line in tables["runtimes"][2:]}
-    assert {r.name for m in METHODS for r in get_method(m).runtimes} <= runtime_names
+    assert {r.name for m in METHODS for r in runtimes_for(get_method(m), get_method(m).options())} <= runtime_names
 
 
 def test_gate_table_is_each_methods_default_gate():

@@ -45,10 +45,13 @@ def test_pickle_only_checkpoint_refused(model_copy):
         check_model_dir(model_copy)
 
 
-def test_hub_id_not_cached(tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+def test_hub_id_not_cached_offline(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(ModelError, match="not in the local Hugging Face cache"):
+    with pytest.raises(ModelError, match="someorg/some-model@main is not in the Hugging Face cache"):
         resolve_model("someorg/some-model")
 
 

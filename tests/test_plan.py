@@ -2,8 +2,8 @@ import pytest
 
 from quantkit.arch.roles import classify, matches
 from quantkit.io.checkpoint import ModelInfo
-from quantkit.methods import fp8
-from quantkit.run.plan import build_plan, ignore_patterns, kv_cache_bytes
+from quantkit.methods import fp8, ignore_patterns
+from quantkit.run.plan import build_plan, kv_cache_bytes
 
 
 @pytest.mark.parametrize("name,role", [

@@ -73,12 +73,12 @@ def test_compressed_tensors_gates_stream_unless_the_head_is_quantized(micro_mode
     from quantkit.io.checkpoint import check_model_dir
     from quantkit.run.pipeline import RunOptions, prepare
     from quantkit.run.preflight import ram_estimate, unit_bytes
-    from quantkit.run.recipe import Overrides, build_recipe
+    from quantkit.run.recipe import validate
 
     info = check_model_dir(micro_model)
     model = sum(sum(part.values()) for part in unit_bytes(info))
     for method, options in (("fp8", {}), ("gptq", {}), ("smoothquant", {}), ("fp8", {"quantize_lm_head": True})):
-        recipe = build_recipe(None, method, Overrides(model=str(micro_model), method_options=options))
+        recipe = validate({"model": str(micro_model), "targets": [{"name": method, "method": method, "options": options}]})
         _info, targets, _placement = prepare(recipe, RunOptions(model=str(micro_model), out=tmp_path / "x"))
         steps = ram_estimate(info, recipe, targets).steps
         if options:
@@ -196,7 +196,7 @@ def test_ram_estimate_of_fp8_follows_its_path(micro_model, tmp_path):
 
 
 def working_set(target, info) -> int:
-    return target.method.working_set(info, target.options)
+    return target.method.sizes.working_set(info, target.options)
 
 
 # ---------------------------------------------------------------- where the gate's forwards run
@@ -234,6 +234,7 @@ def test_placement_is_described_in_one_line(micro_model):
 
 
 def test_whole_bytes_by_kind(micro_model):
+    from quantkit.formats import all_formats
     from quantkit.io.checkpoint import check_model_dir
     from quantkit.run.preflight import unit_bytes, whole_bytes
 
@@ -241,8 +242,11 @@ def test_whole_bytes_by_kind(micro_model):
     others, layers = unit_bytes(info)
     stored = sum(others.values()) + sum(layers.values())
     params = sum(math.prod(shape) for _dtype, shape in info.tensors.values())
-    assert whole_bytes(info, "base") == whole_bytes(info, "compressed-tensors") == whole_bytes(info, "mlx") == stored
-    assert whole_bytes(info, "gguf") == whole_bytes(info, "base", "float32") == 4 * params
+    computes_in = {fmt.kind: fmt.gate_dtype for fmt in all_formats()}
+    assert whole_bytes(info) == whole_bytes(info, computes_in["compressed-tensors"]) == stored
+    assert whole_bytes(info, computes_in["mlx"]) == stored  # dequantized to its scales' (16-bit) dtype
+    assert whole_bytes(info, computes_in["gguf"]) == whole_bytes(info, "float32") == 4 * params
+    assert whole_bytes(info, "bfloat16") == 2 * params
 
 
 def test_a_run_says_where_its_gate_runs(cli, micro_model, tmp_path):
@@ -291,11 +295,11 @@ def test_resume_counts_the_saved_progress_and_takes_off_what_is_staged(micro_mod
     info, gguf = check_model_dir(micro_model), get_method("gguf")
     computed, given = gguf.options(gguf_type="Q4_K_M"), gguf.options(gguf_type="Q4_K_M", imatrix="none")
     matrices = sum(4 * shape[-1] for _dtype, shape in info.tensors.values() if len(shape) == 2)
-    assert gguf.resume_bytes(info, computed) - gguf.resume_bytes(info, given) == 2 * matrices
+    assert gguf.resume.bytes(info, computed) - gguf.resume.bytes(info, given) == 2 * matrices
     plain = estimate_bytes(1000, 100, [8.0], False, 0, 64, 512)
-    resumed = with_resume(plain, info, [(gguf, computed)], staged=500)
-    assert resumed.total == plain.total + gguf.resume_bytes(info, computed) - 500
-    assert with_resume(plain, info, [(gguf, computed)], staged=10**9).total == 0
+    resumed = with_resume(plain, info, [(gguf, computed)], staged=500, calibration=None)
+    assert resumed.total == plain.total + gguf.resume.bytes(info, computed) - 500
+    assert with_resume(plain, info, [(gguf, computed)], staged=10**9, calibration=None).total == 0
     monkeypatch.setattr(shutil, "disk_usage", lambda path: Usage(10**9, 10**9 - 1000, 1000))
     with pytest.raises(InputError, match="saved progress for --resume .* less 0.0 MiB an interrupted run already wrote"):
         check_disk(tmp_path / "out", resumed)
@@ -309,9 +313,12 @@ def test_a_resume_run_is_refused_with_the_saved_progress_named(cli, micro_model,
     assert leftovers(tmp_path, "out") == []
 
 
-def test_a_sequential_method_counts_its_saved_layers_and_hidden_states(micro_model):
-    """--resume with gptq: the model's bytes (its saved layers) and two copies of the calibration windows'
-    hidden states, which grow with the calibration tokens."""
+def test_a_sequential_method_counts_its_saved_layers_and_what_each_window_carries(micro_model):
+    """--resume with gptq: without calibration windows, the model's bytes (its saved layers); with them, more the
+    longer the windows, faster than linearly (a causal mask per window). The estimate against the files a
+    killed run leaves: tests/cli/test_resume.py."""
+    from types import SimpleNamespace
+
     from quantkit.io.checkpoint import check_model_dir
     from quantkit.io.safetensors import DTYPE_BYTES
     from quantkit.methods import get_method
@@ -319,7 +326,10 @@ def test_a_sequential_method_counts_its_saved_layers_and_hidden_states(micro_mod
     info, gptq = check_model_dir(micro_model), get_method("gptq")
     options = gptq.options()
     weights = sum(DTYPE_BYTES[dtype] * math.prod(shape) for dtype, shape in info.tensors.values())
-    hidden = info.config["hidden_size"] + 2 * info.config["hidden_size"] // info.config["num_attention_heads"]
-    per_token = 2 * hidden * DTYPE_BYTES[info.dtype]
-    assert gptq.resume_bytes(info, options, 0) == weights
-    assert gptq.resume_bytes(info, options, 1000) - gptq.resume_bytes(info, options, 0) == 1000 * per_token
+
+    def saved(samples, seq_len):
+        return gptq.resume.bytes(info, options, SimpleNamespace(num_samples=samples, seq_len=seq_len)) - weights
+
+    assert saved(0, 512) == 0
+    window = {seq_len: saved(5, seq_len) - saved(4, seq_len) for seq_len in (64, 128)}  # one window more
+    assert saved(9, 64) - saved(8, 64) == window[64] > 0 and window[128] > 2 * window[64]

@@ -1,7 +1,7 @@
 import pytest
 
 from quantkit.errors import RecipeError
-from quantkit.run.recipe import bundled_recipes_dir, load_recipe, target_gate, validate
+from quantkit.run.recipe import bundled_recipes_dir, load_recipe, target_gate, target_options, validate
 
 
 def fp8_target(**extra):
@@ -110,6 +110,36 @@ def test_method_flag_that_no_target_has_is_an_error():
 
     with pytest.raises(InputError, match="--gguf-type does not apply to method fp8"):
         build_recipe(None, "fp8", Overrides(model="m", method_options={"gguf_type": "Q4_K_M"}))
+
+
+def test_every_method_flag_is_an_option_of_some_method():
+    """MethodOptions.given() names fields of the methods' own Options models, each taken by at least one
+    method: a flag cannot drift from the options it sets."""
+    from dataclasses import fields
+
+    from quantkit.methods import METHODS, get_method
+    from quantkit.run.recipe import MethodOptions
+
+    options = {name for m in METHODS for name in get_method(m).options.model_fields}
+    every = MethodOptions(**{f.name: (True if f.type in ("bool", bool) else "1") for f in fields(MethodOptions)
+                             if f.name not in ("max_size",)}, max_size="+1%")
+    assert set(every.given()) <= options
+    assert {"auto_precision", "fallback", "group_size", "rotate", "kv_cache"} <= set(every.given())
+
+
+def test_method_options_are_validated_once_per_target():
+    """target_options returns the Options object validate() built; it does not validate the dict again."""
+    recipe = validate({"targets": [{"name": "a", "method": "gptq", "options": {"group_size": 64}}]})
+    first = target_options(recipe.targets[0])
+    assert first is target_options(recipe.targets[0]) and first.group_size == 64
+
+
+def test_a_size_limit_is_read_once():
+    from quantkit.mixed.budget import Fallback
+
+    relative, absolute = Fallback(max_size="+10%"), Fallback(max_size="120MB")
+    assert relative.relative and relative.size_limit(1000) == 1100
+    assert not absolute.relative and absolute.size_limit(1) == 120_000_000 and absolute.model_dump()["max_size"] == "120MB"
 
 
 def test_gate_overrides_never_change_the_method_defaults():

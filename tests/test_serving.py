@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from quantkit.methods import get_method
+from quantkit.methods import get_method, runtimes_for
 from quantkit.run.serving import (
     DEVICES,
     GB,
@@ -47,7 +47,7 @@ def test_the_runtime_follows_the_kernels_compute_capability(method, name, expect
 
 
 def test_verdicts():
-    runtimes = get_method("gptq").runtimes
+    runtimes = runtimes_for(get_method("gptq"), get_method("gptq").options())
     l4 = DEVICES["L4"]  # 24 GB x 0.90 usable, compute capability 8.9
     small = fit(4 * GB, 100_000, 4096, runtimes, l4)
     assert small.verdict == "fits" and small.runtime == "vLLM: Marlin WNA16"
@@ -56,7 +56,8 @@ def test_verdicts():
     tight = fit(15 * GB, 100_000, 4096, runtimes, l4)  # the weights leave under 40% to the KV cache
     assert tight.kv_room < KV_SHARE and tight.verdict == "tight"
     assert fit(15 * GB, 2_000_000, 8192, runtimes, l4).verdict == "too small"
-    assert fit(1 * GB, 1, 1, get_method("fp8").runtimes, DEVICES["M3-Max-64G"]).verdict == "no runtime"
+    fp8 = get_method("fp8")
+    assert fit(1 * GB, 1, 1, runtimes_for(fp8, fp8.options()), DEVICES["M3-Max-64G"]).verdict == "no runtime"
 
 
 def test_unknown_device_is_bad_input(cli, micro_model):

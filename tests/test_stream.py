@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from quantkit.eval import evaluate, scorers, stream
+from quantkit.formats import gate
 from quantkit.io import checkpoint, memory
 from quantkit.run.recipe import Gate
 
@@ -91,7 +92,7 @@ def test_streamed_checkpoint_equals_in_memory(request, model, windows):
     streamed = evaluate.compute_baseline(scorers.checkpoint_scorer(model_dir), windows)
     assert streamed.ppl == pytest.approx(base.ppl, rel=REL)
     assert (streamed.top1 == base.top1).all() and (streamed.targets == base.targets).all()
-    metrics = evaluate.compare(scorers.artifact_scorer(model_dir), windows, base)  # a plain checkpoint streams
+    metrics = evaluate.compare(gate.artifact_scorer(model_dir), windows, base)  # a plain checkpoint streams
     assert metrics.kld_mean < 1e-6 and metrics.top1 == 1.0 and abs(metrics.ppl_increase) < REL
 
 
@@ -105,7 +106,7 @@ def test_streamed_gguf_equals_load_gguf_into_base(request, model, gguf_type, win
     convert(model_dir, path, gguf_type)
     base = in_memory_baseline(model_dir, windows)
     whole = evaluate.compare(evaluate.model_scorer(load_gguf_into_base(path, model_dir)), windows, base)
-    streamed = evaluate.compare(scorers.artifact_scorer(path, model_dir), windows, base)
+    streamed = evaluate.compare(gate.artifact_scorer(path, model_dir), windows, base)
     assert_same_metrics(streamed, whole)
     assert whole.kld_mean > 0
 

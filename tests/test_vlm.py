@@ -126,7 +126,7 @@ def test_fp8_reloads_in_transformers_close_to_base(vlm, fp8_artifacts):
     import torch
     from transformers import AutoModelForImageTextToText
 
-    from quantkit.eval.artifacts import load_for_eval
+    from quantkit.formats.gate import load_artifact
 
     kind, model_dir = vlm
     result, out, _ = fp8_artifacts(kind, model_dir)
@@ -147,7 +147,7 @@ def test_fp8_reloads_in_transformers_close_to_base(vlm, fp8_artifacts):
             assert param.dtype == torch.bfloat16 and not name.endswith("_scale"), name
             assert torch.equal(param.float(), base_params[name]), name
     # quantkit's evaluator loads it through the same Auto class
-    assert type(load_for_eval(out)).__name__ == type(base_model).__name__
+    assert type(load_artifact(out)).__name__ == type(base_model).__name__
 
 
 def test_fp8_llava_artifact_still_sees_images(llava_model, fp8_artifacts):

@@ -121,18 +121,19 @@ def test_changed_tower_tensor_fails_the_proof(cli, family_model, tmp_path):
 
     from quantkit.errors import TowerChangedError
     from quantkit.eval.vlm_proof import prove_towers
+    from quantkit.formats.gate import load_artifact
     from quantkit.io.checkpoint import check_model_dir
 
     model_dir = family_model("mllama")
     out = tmp_path / "out"
     assert cli("quantize", model_dir, "--method", "fp8", "-o", out, *CALIB).exit_code == 0
     info = check_model_dir(model_dir)
-    assert prove_towers(out, info)["image_forward"] == "ran"
+    assert prove_towers(load_artifact(out), out, info)["image_forward"] == "ran"
     state = tensors(out)
     state["multi_modal_projector.weight"] = state["multi_modal_projector.weight"] * 2
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(TowerChangedError, match=r"1 of \d+ tower/projector tensors changed.*multi_modal_projector"):
-        prove_towers(out, info)
+        prove_towers(load_artifact(out), out, info)
     assert TowerChangedError.exit_code == 3
 
 

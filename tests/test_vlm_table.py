@@ -7,8 +7,8 @@ import pytest
 from quantkit.arch.roles import matches
 from quantkit.arch.vlm import FAMILIES, find_unknown_towers, language_root, model_towers
 from quantkit.io.checkpoint import ModelInfo
-from quantkit.methods import fp8
-from quantkit.run.plan import build_plan, ignore_patterns
+from quantkit.methods import fp8, ignore_patterns
+from quantkit.run.plan import build_plan
 
 LLAMA_DECODER = {
     "model.embed_tokens.weight": ("BF16", [512, 256]),

@@ -30,6 +30,21 @@ def sleeping_child():
         proc.wait()
 
 
+@contextlib.contextmanager
+def script_module(name: str):
+    """A script of scripts/ imported by path, in sys.modules while in use (dataclasses look their module up)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.modules.pop(name, None)
+
+
 def subprocess_env(**extra: str) -> dict:
     """Environment for `python -m quantkit` subprocesses: this checkout's quantkit first."""
     pythonpath = os.pathsep.join(p for p in (str(REPO), extra.pop("PYTHONPATH", "")) if p)

@@ -4,7 +4,7 @@
 #   MODEL=./base ADAPTER=./adapter OUT=./dist examples/ci/requantize.sh [extra quantkit flags]
 #
 # Environment (all but MODEL optional):
-#   MODEL     base model directory (a local checkpoint; quantkit never downloads)
+#   MODEL     base model: a local checkpoint directory, or a Hub id org/name@revision (fetched into HF_HOME)
 #   ADAPTER   LoRA adapter directory merged into the base first (empty: none)
 #   OUT       output directory, kept between runs (a CI cache): default dist
 #   RECIPE    bundled recipe name or YAML file: default release (FP8 + AWQ W4A16 + GGUF Q4_K_M)

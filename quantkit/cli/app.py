@@ -10,6 +10,7 @@ from quantkit.cli import eval as eval_cmd
 from quantkit.cli import inspect as inspect_cmd
 from quantkit.cli import merge as merge_cmd
 from quantkit.cli import plan as plan_cmd
+from quantkit.cli import push as push_cmd
 from quantkit.cli import quantize as quantize_cmd
 from quantkit.cli import recipes as recipes_cmd
 from quantkit.cli import serve_check as serve_check_cmd
@@ -27,6 +28,7 @@ app = typer.Typer(
     "  quantkit serve-check ./my-model-fp8     (served by vLLM, measured from its own log-probs)\n\n"
     "  quantkit merge ./base --lora ./adapter -o ./merged\n\n"
     "  quantkit plan ./my-model --gpu L4 --context 8192\n\n"
+    "  quantkit push ./my-model-fp8 my-org/my-model-fp8     (a passing artifact to the Hub)\n\n"
     "Exit codes: 0 ok, 1 internal error, 2 bad input, 3 quality gate failed, 129 hung up (SIGHUP), "
     "130 interrupted (Ctrl-C), 143 terminated (SIGTERM).",
     no_args_is_help=True,
@@ -55,6 +57,7 @@ app.command("eval", no_args_is_help=True, cls=PanelledCommand)(eval_cmd.eval_com
 app.command("serve-check", no_args_is_help=True, cls=PanelledCommand)(serve_check_cmd.serve_check_command)
 app.command("merge", no_args_is_help=True, cls=PanelledCommand)(merge_cmd.merge)
 app.command("plan", no_args_is_help=True, cls=PanelledCommand)(plan_cmd.plan)
+app.command("push", no_args_is_help=True, cls=PanelledCommand)(push_cmd.push_command)
 app.add_typer(recipes_cmd.app, name="recipes")
 
 

@@ -3,50 +3,67 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 import typer
 
-from quantkit.cli.common import (
-    GATE,
-    MEASURED,
-    MODEL,
-    REPORTS,
-    RESOURCES,
-    handle_errors,
-    lean_transformers,
-    progress,
-    results_console,
-    write_json,
+from quantkit.cli.common import GATE, MEASURED, MODEL, handle_errors, lean_transformers, progress, results_console, write_json
+from quantkit.cli.options import (
+    AGAINST,
+    DATA,
+    DEVICE,
+    MAX_MEMORY,
+    NUM_WINDOWS,
+    SEED,
+    SEQ_LEN,
+    TRUST_REMOTE_CODE,
+    GateFlags,
+    HeldOutFlags,
+    json_flag,
+    takes,
 )
+
+
+@dataclass(frozen=True)
+class EvalWindows(HeldOutFlags):
+    """The held-out windows eval scores: quantize's, given the same source, length and seed."""
+
+    data: str = DATA.field(default="default")
+    num_windows: int = NUM_WINDOWS.field(default=16)
+    seq_len: int = SEQ_LEN.field(default=512, panel=MEASURED)
+    seed: int = SEED.field(default=0, panel=MEASURED,
+                           help="Sampling seed (the same as quantize's gives the same held-out windows).")
+
+
+@dataclass(frozen=True)
+class EvalRequest:
+    """The command line of `quantkit eval`, validated (parse)."""
+
+    artifact: Path
+    kind: str
+    against: str | None
+    calibration: object  # quantkit.run.recipe.Calibration: the held-out windows
+    gate: object  # quantkit.run.recipe.Gate, task files read
+    device: str
+    max_memory: int | None
+    llama_perplexity: bool
 
 
 @handle_errors
 @lean_transformers
+@takes(windows=EvalWindows, gate=GateFlags)
 def eval_command(
     model: Path = typer.Argument(..., help="Artifact: a checkpoint dir (compressed-tensors, bitsandbytes, plain), an mlx-lm dir or a .gguf.", rich_help_panel=MODEL),
-    against: Optional[str] = typer.Option(None, "--against", "-a", help="Base checkpoint. Default: the base named in the artifact's quantkit.json.", rich_help_panel=MODEL),
-    data: str = typer.Option("default", "--data", help="Evaluation text: bundled name, file, or hf:NAME.", rich_help_panel=MEASURED),
-    num_windows: int = typer.Option(16, min=1, help="Held-out windows to score.", rich_help_panel=MEASURED),
-    seq_len: int = typer.Option(512, min=8, help="Tokens per window.", rich_help_panel=MEASURED),
-    seed: int = typer.Option(0, help="Sampling seed (the same as quantize's gives the same held-out windows).", rich_help_panel=MEASURED),
-    device: str = typer.Option("cpu", help="cpu | cuda | auto", rich_help_panel=RESOURCES),
-    max_memory: Optional[str] = typer.Option(None, "--max-memory", help="RAM the forwards may use, e.g. 16GiB: with room for the model whole they run resident on a CPU (default: streamed a layer at a time; on a GPU resident whenever it fits).", rich_help_panel=RESOURCES),
-    trust_remote_code: bool = typer.Option(False, help="Allow custom model code from the base and artifact dirs.", rich_help_panel=MODEL),
-    max_ppl_increase: Optional[float] = typer.Option(None, help="Gate: max relative perplexity increase.", rich_help_panel=GATE),
-    max_kld: Optional[float] = typer.Option(None, help="Gate: max mean KL divergence.", rich_help_panel=GATE),
-    min_top1: Optional[float] = typer.Option(None, help="Gate: min top-1 agreement.", rich_help_panel=GATE),
-    max_ppl_delta: Optional[float] = typer.Option(None, help="Gate: max absolute perplexity increase (artifact - base).", rich_help_panel=GATE),
-    tasks: Optional[str] = typer.Option(None, "--tasks", metavar="TASK[:METRIC][,...]", help="lm-evaluation-harness tasks whose data is in the local Hugging Face cache, e.g. hellaswag,arc_easy:acc_norm (needs quantkit[eval]).", rich_help_panel=GATE),
-    task_file: list[Path] = typer.Option([], "--task-file", help="A task YAML in lm-eval's format (dataset_path: json, local data_files); repeatable.", rich_help_panel=GATE),
-    limit: Optional[int] = typer.Option(None, "--limit", min=1, help="Samples per task (all without it).", rich_help_panel=GATE),
-    min_recovery: Optional[float] = typer.Option(None, "--min-recovery", min=0, help="Gate: artifact task score / base score at least this (default 0.95).", rich_help_panel=GATE),
-    flip_prompts: int = typer.Option(0, "--flip-prompts", min=0, help="Greedy continuations of this many held-out prompts, base vs. artifact (the flips metric).", rich_help_panel=GATE),
-    flip_tokens: int = typer.Option(16, "--flip-tokens", min=1, help="Tokens generated per prompt for flips.", rich_help_panel=GATE),
-    max_flips: Optional[float] = typer.Option(None, "--max-flips", help="Gate: max share of greedy tokens after the first divergence (needs --flip-prompts).", rich_help_panel=GATE),
+    against: Optional[str] = AGAINST.option(),
+    *, windows: EvalWindows,
+    device: str = DEVICE.option(default="cpu"),
+    max_memory: Optional[str] = MAX_MEMORY.option(help="RAM the forwards may use, e.g. 16GiB: with room for the model whole they run resident on a CPU (default: streamed a layer at a time; on a GPU resident whenever it fits)."),
+    trust_remote_code: bool = TRUST_REMOTE_CODE.option(help="Allow custom model code from the base and artifact dirs."),
+    gate: GateFlags,
     llama_perplexity: bool = typer.Option(False, "--llama-perplexity", help="For a .gguf, also score the held-out text with llama.cpp's llama-perplexity (needs a llama.cpp build).", rich_help_panel=GATE),
-    json_path: Optional[str] = typer.Option(None, "--json", help="Write the metrics as JSON to FILE ('-' = stdout).", rich_help_panel=REPORTS),
+    json_path: Optional[str] = json_flag("the metrics").option(),
 ) -> None:
     """Perplexity, KL divergence and top-1 agreement of MODEL against its base.
 
@@ -64,57 +81,89 @@ def eval_command(
     recover --min-recovery of the base's (0.95 by default). Tasks run offline: data missing from this
     machine is exit 2 before any work.
     """
-    from quantkit.cli.report import metrics_table, tasks_table, thresholds_table
-    from quantkit.engines.transformers import check_device, device_map, load_tokenizer
-    from quantkit.errors import GateFailedError, InputError, ModelError
-    from quantkit.eval import evaluate, scorers
-    from quantkit.eval.artifacts import artifact_kind
-    from quantkit.io.checkpoint import check_model_dir, resolve_model
+    from quantkit.errors import GateFailedError
+
+    request = parse(model, against, windows, device, max_memory, gate, llama_perplexity)
+    base, metrics, verdict, task_rows, llama_cpp = measure(request, trust_remote_code)
+    show(request, base, metrics, verdict, task_rows, llama_cpp, json_path)
+    if not verdict.passed:
+        raise GateFailedError(f"{model.name} fails the gate: {', '.join(verdict.failed)}",
+                              hint="quantize again with --fallback, which raises the precision of the most damaging "
+                                   "layers until the gate passes")
+
+
+def parse(model: Path, against: str | None, windows: EvalWindows, device: str, max_memory: str | None,
+          flags: GateFlags, llama_perplexity: bool) -> EvalRequest:
+    """The command line checked before any work (exit 2): the artifact, its flags, the gate, the tasks' data."""
+    from quantkit.engines.transformers import check_device
+    from quantkit.errors import InputError, ModelError
+    from quantkit.formats import detect
+    from quantkit.formats import gguf as gguf_format
     from quantkit.run.pipeline import gate_with_task_files
-    from quantkit.run.preflight import describe_placement, eval_placement
-    from quantkit.run.recipe import cli_tasks
+    from quantkit.run.recipe import Calibration
     from quantkit.units import parse_size
 
     if not model.exists():
         raise ModelError(f"artifact not found: {model}",
                          hint="give the output directory of quantkit quantize, or a .gguf file")
-    kind = artifact_kind(model)
-    if llama_perplexity and kind != "gguf":
+    kind = detect(model).kind
+    if llama_perplexity and kind != gguf_format.FORMAT.kind:  # llama.cpp's own perplexity reads a .gguf
         raise InputError("--llama-perplexity applies to .gguf artifacts only",
                          hint="drop --llama-perplexity, or give the .gguf file itself")
-    if limit is not None and not (tasks or task_file):
+    if flags.limit is not None and not (flags.tasks or flags.task_file):
         raise InputError("--limit bounds the samples of --tasks / --task-file", hint="add --tasks or --task-file")
     check_device(device)
-    gate = cli_gate(dict(max_ppl_increase=max_ppl_increase, max_kld=max_kld, min_top1=min_top1,
-                         max_ppl_delta=max_ppl_delta, max_flips=max_flips, flip_prompts=flip_prompts,
-                         flip_tokens=flip_tokens, task_limit=limit,
-                         tasks=cli_tasks(tasks, [str(f) for f in task_file], min_recovery)))
-    gate = gate_with_task_files(gate)
+    gate = gate_with_task_files(cli_gate(flags.gate_fields()))
     if gate.tasks:
         from quantkit.eval.tasks import check_tasks
 
         progress(f"tasks: {', '.join(check_tasks(gate.tasks))} (data found offline)")
-    base = check_model_dir(resolve_model(against or default_base(model)))
+    calibration = Calibration(source=windows.data, num_samples=0, seq_len=windows.seq_len, seed=windows.seed,
+                              eval_windows=windows.num_windows)
+    return EvalRequest(model, kind, against, calibration, gate, device, parse_size(max_memory) if max_memory else None,
+                       llama_perplexity)
+
+
+def measure(request: EvalRequest, trust_remote_code: bool) -> tuple:
+    """(the base, the metrics, the verdict, task rows, llama.cpp's check) of the artifact on the windows."""
+    from quantkit.engines.transformers import device_map, load_tokenizer
+    from quantkit.eval import evaluate, scorers
+    from quantkit.io.checkpoint import check_model_dir, resolve_model
+    from quantkit.run.calibration import make_windows
+    from quantkit.formats import gate as reading
+    from quantkit.formats import get_format
+    from quantkit.run.preflight import describe_placement, eval_placement
+
+    r, seq_len = request, request.calibration.seq_len
+    base = check_model_dir(resolve_model(r.against or default_base(r.artifact)))
     tokenizer = load_tokenizer(base, trust_remote_code)
-    windows = eval_windows(tokenizer, data, num_windows, seq_len, seed)
-    placement = eval_placement(base, kind, device_map(device), seq_len, len(windows),
-                               parse_size(max_memory) if max_memory else None)
+    windows = make_windows(tokenizer, r.calibration).eval
+    placement = eval_placement(base, get_format(r.kind).gate_dtype, device_map(r.device), seq_len, len(windows),
+                               r.max_memory)
     progress(describe_placement(placement, base, seq_len).replace("gate:", "forwards:", 1))
     progress(f"baseline: {base.path} on {len(windows)} windows of {seq_len} tokens")
-    baseline = evaluate.compute_baseline(scorers.base_scorer(base, device=device, trust_remote_code=trust_remote_code,
+    baseline = evaluate.compute_baseline(scorers.base_scorer(base, device=r.device, trust_remote_code=trust_remote_code,
                                                              placement=placement, progress=progress), windows,
                                          spill=placement.spill)
-    progress(f"candidate: {model} ({kind})")
-    metrics = scorers.evaluate_artifact(model, base.path, windows, baseline, device, trust_remote_code,
+    progress(f"candidate: {r.artifact} ({r.kind})")
+    metrics = reading.evaluate_artifact(r.artifact, base.path, windows, baseline, r.device, trust_remote_code,
                                         placement=placement, progress=progress)
-    metrics.flips, task_rows = measure_extras(model, base, tokenizer, windows, gate, device, trust_remote_code,
-                                              placement)
-    verdict = evaluate.gate_verdict(metrics, gate)
+    metrics.flips, task_rows = measure_extras(r.artifact, base, tokenizer, windows, r.gate, r.device,
+                                              trust_remote_code, placement)
+    verdict = evaluate.gate_verdict(metrics, r.gate)
     if task_rows:
         from quantkit.eval.tasks import task_checks
 
         verdict = evaluate.with_checks(verdict, task_checks(task_rows))
-    llama_cpp = llama_cpp_check(model, tokenizer, windows) if llama_perplexity else None
+    llama_cpp = llama_cpp_check(r.artifact, tokenizer, windows) if r.llama_perplexity else None
+    return base, metrics, verdict, task_rows, llama_cpp
+
+
+def show(request: EvalRequest, base, metrics, verdict, task_rows, llama_cpp, json_path: str | None) -> None:
+    """The tables on stdout (stderr with --json -), and the JSON."""
+    from quantkit.cli.report import metrics_table, tasks_table, thresholds_table
+
+    model, kind = request.artifact, request.kind
     console = results_console(json_path)
     rows = [(model.name, metrics, verdict)]
     console.print(metrics_table(rows, f"{model} ({kind}) vs. {base.path}"))
@@ -130,10 +179,6 @@ def eval_command(
                            "gate": verdict.as_dict(),
                            **({"tasks": [r.as_dict() for r in task_rows]} if task_rows else {}),
                            **({"llama_cpp": llama_cpp} if llama_cpp else {})})
-    if not verdict.passed:
-        raise GateFailedError(f"{model.name} fails the gate: {', '.join(verdict.failed)}",
-                              hint="quantize again with --fallback, which raises the precision of the most damaging "
-                                   "layers until the gate passes")
 
 
 def cli_gate(values: dict):
@@ -144,7 +189,7 @@ def cli_gate(values: dict):
     from quantkit.run.recipe import Gate, format_errors
 
     try:
-        return Gate(**{k: v for k, v in values.items() if v is not None})
+        return Gate(**values)
     except ValidationError as exc:
         raise InputError(format_errors(exc), hint="quantkit eval --help lists each threshold and its range") from None
 
@@ -153,11 +198,12 @@ def measure_extras(model: Path, base, tokenizer, windows, gate, device: str, tru
     """(flips, task results) of the artifact against the base, when the flags ask for them: greedy
     continuations of held-out prompts (quantkit.eval.generate) and lm-eval tasks (quantkit.eval.tasks)."""
     from quantkit.eval import generate, scorers, tasks
+    from quantkit.formats.gate import artifact_logits
 
     if not gate.flip_prompts and not gate.tasks:
         return None, []
     base_logits = scorers.base_logits(base, device=device, trust_remote_code=trust_remote_code, placement=placement)
-    logits = scorers.artifact_logits(model, base.path, device, trust_remote_code, placement=placement)
+    logits = artifact_logits(model, base.path, device, trust_remote_code, placement=placement)
     flips = None
     if gate.flip_prompts:
         progress(f"flips: greedy continuations of {gate.flip_prompts} held-out prompts, {gate.flip_tokens} tokens")
@@ -174,7 +220,7 @@ def measure_extras(model: Path, base, tokenizer, windows, gate, device: str, tru
 
 def llama_cpp_check(model: Path, tokenizer, windows) -> dict:
     """llama.cpp's perplexity of the .gguf on the held-out windows' text."""
-    from quantkit.eval.artifacts import gguf_file
+    from quantkit.formats.gguf import gguf_file
     from quantkit.eval.llamacpp import perplexity
 
     text = "\n\n".join(tokenizer.decode(w, skip_special_tokens=True) for w in windows.tolist())
@@ -186,14 +232,7 @@ def default_base(artifact: Path) -> str:
 
     report = (artifact if artifact.is_dir() else artifact.parent) / "quantkit.json"
     if report.is_file():
-        return json.loads(report.read_text())["model"]["path"]
+        from quantkit.io.hub import recorded_base
+
+        return recorded_base(json.loads(report.read_text())["model"])
     raise InputError(f"no base model for {artifact}", hint="pass --against BASE_DIR")
-
-
-def eval_windows(tokenizer, source: str, num_windows: int, seq_len: int, seed: int):
-    """The held-out windows quantize would use with the same source, seq_len and seed."""
-    from quantkit.run.calibration import make_windows
-    from quantkit.run.recipe import Calibration
-
-    settings = Calibration(source=source, num_samples=0, seq_len=seq_len, seed=seed, eval_windows=num_windows)
-    return make_windows(tokenizer, settings).eval

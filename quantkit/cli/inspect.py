@@ -8,16 +8,17 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from quantkit.cli.common import (
-    METHOD,
-    MODEL,
-    REPORTS,
-    RESOURCES,
-    handle_errors,
-    human_bytes,
-    human_count,
-    out,
-    write_json,
+from quantkit.cli.common import METHOD, MODEL, handle_errors, human_bytes, human_count, out, write_json
+from quantkit.cli.options import (
+    CONTEXT,
+    IGNORE,
+    METHOD_NAME,
+    MODEL_DIR,
+    OFFLOAD_DIR,
+    PROJECTOR,
+    RECIPE,
+    VISION,
+    json_flag,
 )
 
 LAYER_INDEX = re.compile(r"\.(\d+)\.")
@@ -25,15 +26,15 @@ LAYER_INDEX = re.compile(r"\.(\d+)\.")
 
 @handle_errors
 def inspect(
-    model: str = typer.Argument(..., help="Local checkpoint dir (or a cached hub id).", rich_help_panel=MODEL),
-    method: str = typer.Option("fp8", "--method", "-m", help="Method whose plan to show.", rich_help_panel=METHOD),
-    recipe: Optional[str] = typer.Option(None, "--recipe", "-r", help="Show the plan of this recipe's first target.", rich_help_panel=MODEL),
-    ignore: list[str] = typer.Option([], "--ignore", help="Extra modules to keep unquantized; repeatable.", rich_help_panel=METHOD),
-    vision: Optional[str] = typer.Option(None, "--vision", help="Show the plan with the VLM vision encoder at keep | int8 | int4.", rich_help_panel=METHOD),
-    projector: Optional[str] = typer.Option(None, "--projector", help="Show the plan with the VLM projector at keep | int8 | int4.", rich_help_panel=METHOD),
-    context: int = typer.Option(4096, help="Tokens of KV cache in the memory estimate.", rich_help_panel=RESOURCES),
-    offload_dir: Optional[str] = typer.Option(None, "--offload-dir", help="Estimate the quantize run as with quantize --offload-dir DIR (decoder layers, embeddings and head on disk); nothing is written there.", rich_help_panel=RESOURCES),
-    json_path: Optional[str] = typer.Option(None, "--json", help="Write the plan as JSON to FILE ('-' = stdout).", rich_help_panel=REPORTS),
+    model: str = typer.Argument(..., help=MODEL_DIR, rich_help_panel=MODEL),
+    method: str = METHOD_NAME.option(default="fp8", help="Method whose plan to show."),
+    recipe: Optional[str] = RECIPE.option(help="Show the plan of this recipe's first target."),
+    ignore: list[str] = IGNORE.option(help="Extra modules to keep unquantized; repeatable."),
+    vision: Optional[str] = VISION.option(help="Show the plan with the VLM vision encoder at keep | int8 | int4."),
+    projector: Optional[str] = PROJECTOR.option(help="Show the plan with the VLM projector at keep | int8 | int4."),
+    context: int = CONTEXT.option(),
+    offload_dir: Optional[str] = OFFLOAD_DIR.option(help="Estimate the quantize run as with quantize --offload-dir DIR (decoder layers, embeddings and head on disk); nothing is written there."),
+    json_path: Optional[str] = json_flag("the plan").option(),
     sensitivity: bool = typer.Option(False, "--sensitivity", help="Show the per-tensor sensitivity table of a quantkit output (MODEL: its directory or its quantkit.json), as --auto-precision / --fallback recorded it.", rich_help_panel=METHOD),
 ) -> None:
     """Show architecture, parameters, every linear module by role, the precision plan and memory estimates.
@@ -51,6 +52,8 @@ def inspect(
       quantkit inspect ./my-model-gguf --sensitivity
     """
     from quantkit.io.checkpoint import check_model_dir, resolve_model
+    from quantkit.methods import get_method
+    from quantkit.run.recipe import Overrides, build_recipe, target_options
 
     if sensitivity:
         tables = sensitivity_tables(read_report(model))
@@ -61,10 +64,12 @@ def inspect(
         return
 
     info = check_model_dir(resolve_model(model))
-    target_method, options, patterns, towers = _target(method, recipe, ignore)
+    resolved = build_recipe(recipe, None if recipe else method, Overrides(model=model, offload_dir=offload_dir))
+    target = resolved.targets[0]  # the recipe's first target, or the --method's
+    towers = target.tower_precision()
     towers.update({role: value for role, value in (("vision", vision), ("projector", projector)) if value})
-    data = plan_data(info, target_method, options, patterns, context, towers)
-    data["run"] = run_estimates(info, model, method, recipe, offload_dir)
+    data = plan_data(info, get_method(target.method), target_options(target), target.ignore + ignore, context, towers)
+    data["run"] = run_estimates(info, resolved, offload_dir)
     if json_path == "-":
         write_json("-", data)
         return
@@ -72,28 +77,17 @@ def inspect(
     write_json(json_path, data)
 
 
-def _target(method: str, recipe: str | None, ignore: list[str]):
-    from quantkit.methods import get_method
-    from quantkit.run.recipe import find_recipe, load_recipe, target_options
-
-    if recipe:
-        target = load_recipe(find_recipe(recipe)).targets[0]
-        return get_method(target.method), target_options(target), target.ignore + ignore, target.tower_precision()
-    spec = get_method(method)
-    return spec, spec.options(), ignore, {}
-
-
 def plan_data(info, method, options, ignore: list[str], context: int, towers: dict[str, str] | None = None) -> dict:
     from dataclasses import replace
 
     from quantkit.arch.vlm import tower_summary
-    from quantkit.methods import runtimes_for
-    from quantkit.run.plan import MEMORY_NOTE, build_plan, ignore_patterns, role_summary
+    from quantkit.methods import ignore_patterns, runtimes_for
+    from quantkit.run.plan import MEMORY_NOTE, build_plan, role_summary
     from quantkit.run.serving import memory_rows
 
     towers = {role: value for role, value in (towers or {}).items() if value != "keep"}
     options, choices = method.resolve(info, options)
-    patterns = ignore_patterns(info, ignore, method.keeps_lm_head(options), tuple(towers))
+    patterns = ignore_patterns(info, ignore, method.layers.keeps_lm_head(options), tuple(towers))
     kept = rule_kept(info, method, options, patterns)
     patterns = patterns + sorted(kept)
     entries = [replace(e, precision=f"{e.precision.split(' (')[0]} (kept: {rule_reason(kept[e.name])})")
@@ -126,7 +120,7 @@ def rule_kept(info, method, options, ignore: list[str]) -> dict[str, str]:
     and the fused partners of any kept shard (quantkit.run.pipeline.resolve_target)."""
     from quantkit.run.pipeline import fused_partners_kept
 
-    kept = method.shape_problems(info, options, ignore)
+    kept = method.layers.shape_problems(info, options, ignore)
     kept.update(fused_partners_kept(info, method, ignore + sorted(kept)))
     return kept
 
@@ -138,14 +132,15 @@ def rule_reason(why: str) -> str:
 
 def kernels(runtimes, shape: list[int]) -> list[str]:
     """The method's runtimes whose kernel takes a Linear of this [out, in] shape, with the compute
-    capability each needs on CUDA (quantkit.methods.Runtime: its shape multiples and source)."""
+    capability each needs on CUDA (quantkit.formats.Runtime: its shape multiples and source)."""
     return [f"{r.name} (sm {r.min_capability:g}+)" if "cuda" in r.kinds else r.name
             for r in runtimes if r.accepts(shape)]
 
 
-def run_estimates(info, model: str, method: str, recipe: str | None, offload_dir: str | None = None) -> dict:
-    """What `quantkit quantize` with this method (or recipe), default calibration and `offload_dir`
-    would need: peak RAM per step and bytes written (the same estimates its preflight checks)."""
+def run_estimates(info, resolved, offload_dir: str | None = None) -> dict:
+    """What `quantkit quantize` with this recipe (or method: `resolved`, its targets' options validated),
+    default calibration and `offload_dir` would need: peak RAM per step and bytes written (the same
+    estimates its preflight checks)."""
     from quantkit.methods import get_method
     from quantkit.run.pipeline import ResolvedTarget
     from quantkit.run.preflight import (
@@ -156,13 +151,12 @@ def run_estimates(info, model: str, method: str, recipe: str | None, offload_dir
         run_estimate,
         vram_estimate,
     )
-    from quantkit.run.recipe import Gate, Overrides, build_recipe
+    from quantkit.run.recipe import Gate, target_options
 
-    resolved = build_recipe(recipe, None if recipe else method, Overrides(model=model, offload_dir=offload_dir))
     targets = []
     for target in resolved.targets:
         spec = get_method(target.method)
-        options, _ = spec.resolve(info, spec.options.model_validate(target.options))
+        options, _ = spec.resolve(info, target_options(target))
         targets.append(ResolvedTarget(target, spec, options, Gate(), [], spec.needs_calibration(options),
                                       spec.needs_model(info, options)))
     placement = gate_placement(info, resolved, targets)

@@ -9,7 +9,6 @@ import typer
 
 from quantkit.cli.common import (
     MODEL,
-    REPORTS,
     err,
     handle_errors,
     lean_transformers,
@@ -17,20 +16,21 @@ from quantkit.cli.common import (
     results_console,
     write_json,
 )
+from quantkit.cli.options import LORA, LORA_WEIGHT, MERGE_BASE, ORIGINAL_BASE, OUTPUT, OVERWRITE, TRUST_REMOTE_CODE, json_flag
 
 
 @handle_errors
 @lean_transformers
 def merge(
-    base: str = typer.Argument(..., help="Base checkpoint dir (or a cached hub id); a bitsandbytes 4-bit (QLoRA) base is dequantized first.", rich_help_panel=MODEL),
-    lora: list[str] = typer.Option(..., "--lora", help="LoRA adapter dir (peft, safetensors); repeatable, merged in order.", rich_help_panel=MODEL),
-    lora_weight: list[float] = typer.Option([], "--lora-weight", help="Scale of each adapter's update, one per --lora in order (default 1.0).", rich_help_panel=MODEL),
-    output: Path = typer.Option(..., "--output", "-o", help="Output directory (must not exist unless --overwrite).", rich_help_panel=MODEL),
-    merge_base: str = typer.Option("dequantized", "--merge-base", help="For a QLoRA base: dequantized (the 4-bit weights the adapter was trained against) | original (the 16-bit --original-base).", rich_help_panel=MODEL),
-    original_base: Optional[str] = typer.Option(None, "--original-base", help="The 16-bit original of a QLoRA base (with --merge-base original).", rich_help_panel=MODEL),
-    trust_remote_code: bool = typer.Option(False, help="Allow custom model code from the base dir.", rich_help_panel=MODEL),
-    overwrite: bool = typer.Option(False, help="Replace an existing output.", rich_help_panel=MODEL),
-    json_path: Optional[str] = typer.Option(None, "--json", help="Write the merge record as JSON to FILE ('-' = stdout).", rich_help_panel=REPORTS),
+    base: str = typer.Argument(..., help="Base checkpoint dir, or a Hub id org/name[@revision]; a bitsandbytes 4-bit (QLoRA) base is dequantized first.", rich_help_panel=MODEL),
+    lora: list[str] = LORA.option(default=..., help="LoRA adapter dir (peft, safetensors); repeatable, merged in order."),
+    lora_weight: list[float] = LORA_WEIGHT.option(help="Scale of each adapter's update, one per --lora in order (default 1.0)."),
+    output: Path = OUTPUT.option(),
+    merge_base: str = MERGE_BASE.option(default="dequantized", help="For a QLoRA base: dequantized (the 4-bit weights the adapter was trained against) | original (the 16-bit --original-base)."),
+    original_base: Optional[str] = ORIGINAL_BASE.option(help="The 16-bit original of a QLoRA base (with --merge-base original)."),
+    trust_remote_code: bool = TRUST_REMOTE_CODE.option(help="Allow custom model code from the base dir."),
+    overwrite: bool = OVERWRITE.option(),
+    json_path: Optional[str] = json_flag("the merge record").option(),
 ) -> None:
     """Merge LoRA adapters into their base and save a safetensors checkpoint (tokenizer, model card,
     quantkit.json), ready for `quantkit quantize`.

@@ -7,23 +7,24 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from quantkit.cli.common import METHOD, MODEL, REPORTS, RESOURCES, handle_errors, human_bytes, out, write_json
+from quantkit.cli.common import MODEL, RESOURCES, handle_errors, human_bytes, out, write_json
+from quantkit.cli.options import CONTEXT, METHOD_NAME, MODEL_DIR, json_flag
 
 SYMBOLS = {"fits": "✅", "tight": "⚠", "too small": "❌", "no runtime": "—"}
 
 
 @handle_errors
 def plan(
-    model: str = typer.Argument(..., help="Local checkpoint dir (or a cached hub id).", rich_help_panel=MODEL),
+    model: str = typer.Argument(..., help=MODEL_DIR, rich_help_panel=MODEL),
     gpu: list[str] = typer.Option([], "--gpu", help="A device to plan for; repeatable: H100, H200, B200, A100-80G, "
                                   "A100-40G, L40S, L4, A10G, RTX4090, RTX3090, T4, V100-32G, M2-Ultra-192G, "
                                   "M4-Max-128G, M3-Max-64G, M3-Pro-36G, M2-16G, cpu (this machine), cpu-64G. "
                                   "Default: H100, A100-80G, L40S, RTX4090, M3-Max-64G, cpu.", rich_help_panel=RESOURCES),
-    context: int = typer.Option(4096, "--context", min=1, help="Tokens per sequence held in the KV cache.", rich_help_panel=RESOURCES),
+    context: int = CONTEXT.option(decls=("--context",), extra=(("min", 1),), help="Tokens per sequence held in the KV cache."),
     batch: int = typer.Option(1, "--batch", min=1, help="Sequences served at once.", rich_help_panel=RESOURCES),
     kv_cache: str = typer.Option("fp16", "--kv-cache", help="KV cache precision: fp16 or fp8.", rich_help_panel=RESOURCES),
-    method: list[str] = typer.Option([], "--method", "-m", help="Plan these methods only; repeatable (default: all).", rich_help_panel=METHOD),
-    json_path: Optional[str] = typer.Option(None, "--json", help="Write the plan as JSON to FILE ('-' = stdout).", rich_help_panel=REPORTS),
+    method: list[str] = METHOD_NAME.option(default=[], help="Plan these methods only; repeatable (default: all)."),
+    json_path: Optional[str] = json_flag("the plan").option(),
 ) -> None:
     """For the model as it is and for each format quantkit writes: weights, KV cache and overhead,
     whether that fits each device, the runtime and kernel that serve it there, and the serve command.

@@ -137,6 +137,9 @@ def serve_table(report: ServeReport) -> Table:
     if report.reading_vs_base_kld is not None:
         table.add_row("quantkit", "base, full (the gate's KLD)", f"{report.reading_vs_base_kld:.5f}", "", "0.000", "",
                       f"{report.ppl_base:.3f} (base)")
+    c = report.ppl_compared
+    table.add_row(e["name"], "quantkit's reading, ppl where exact", "", "", "", "",
+                  f"{c.engine:.3f} / {c.reading:.3f} on {c.positions} positions")
     g = report.greedy
     table.caption = (f"greedy, {g.prompts} prompts x {g.steps} tokens, {e['name']} vs quantkit: "
                      f"{g.matching_prefix:.1f} tokens before the first difference, {g.identical_share:.1%} identical")

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
 import typer
 
@@ -21,35 +23,92 @@ from quantkit.cli.common import (
     results_console,
     write_json,
 )
+from quantkit.cli.options import (
+    AGAINST,
+    DATA,
+    DEVICE,
+    NUM_WINDOWS,
+    SEED,
+    SEQ_LEN,
+    TRUST_REMOTE_CODE,
+    HeldOutFlags,
+    Lazy,
+    engine_choices,
+    flag,
+    json_flag,
+    takes,
+)
+
+
+@dataclass(frozen=True)
+class ServeWindows(HeldOutFlags):
+    """The held-out windows sent to the engine: the first of the artifact's gate (its quantkit.json)."""
+
+    data: Optional[str] = DATA.field(help="Evaluation text without quantkit.json (default: the artifact's calibration source).")
+    num_windows: int = NUM_WINDOWS.field(default=4, help="Held-out windows to send (the first of the gate's; engines are slow on CPU).")
+    seq_len: Optional[int] = SEQ_LEN.field(panel=MEASURED, help="Tokens per window (default: the gate's; shorter windows are the gate's cut).")
+    seed: Optional[int] = SEED.field(panel=MEASURED, help="Sampling seed without quantkit.json (default: the artifact's).")
+
+
+@dataclass(frozen=True)
+class GenerationFlags:
+    """Greedy continuations and the load test (quantkit.serve.check.Generation)."""
+
+    gen_prompts: int = flag(int, 4, panel=MEASURED, min=1, help="Held-out prompts continued greedily by the engine and by quantkit.").field()
+    gen_tokens: int = flag(int, 16, panel=MEASURED, min=1, help="Tokens per greedy continuation.").field()
+    load_tokens: int = flag(int, 32, panel=MEASURED, min=2, help="Tokens per streamed request of the load test.").field()
+    concurrency: str = flag(str, "1,8", "--concurrency", panel=MEASURED, help="Load test rounds: concurrent requests per round, comma-separated.").field()
+    rounds: tuple[int, ...] = field(init=False)  # --concurrency read
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "rounds", concurrencies(self.concurrency))
+
+    def generation(self):
+        from quantkit.serve.check import Generation
+
+        return Generation(self.gen_prompts, self.gen_tokens, self.load_tokens, self.rounds)
+
+
+# quantkit.serve.check.Tolerances: the verdict's thresholds.
+TOLERANCES = Lazy("quantkit.serve.check:Tolerances", {
+    "max_reading_kld": flag(float, 0.02, panel=GATE, min=0, help="Verdict: max KL divergence (lower bound from top-k) of the engine from quantkit's reading of the artifact."),
+    "max_ppl_drift": flag(float, 0.05, panel=GATE, min=0, help="Verdict: max |ppl engine / ppl quantkit's reading - 1|."),
+    "min_reading_top1": flag(Optional[float], None, panel=GATE, min=0, max=1, help="Verdict: min top-1 agreement of the engine with quantkit's reading (not checked by default: near-ties flip under bfloat16)."),
+    "max_base_kld": flag(Optional[float], None, panel=GATE, min=0, help="Verdict: max KL divergence (lower bound) of the engine from the base. Default: the gate's max KLD in quantkit.json."),
+})
+
+
+@dataclass(frozen=True)
+class ServeRequest:
+    """The command line of `quantkit serve-check`, checked before any server starts (parse)."""
+
+    artifact: Path
+    base: Path
+    windows: object  # int64 (w, L): the held-out windows
+    report: dict | None  # the artifact's quantkit.json
+    tolerances: object  # quantkit.serve.check.Tolerances, max_base_kld resolved
+    options: object  # quantkit.serve.settings.ServeOptions
 
 
 @handle_errors
 @lean_transformers
+@takes(windows=ServeWindows, generation=GenerationFlags, tolerances=TOLERANCES)
 def serve_check_command(
     artifact: Path = typer.Argument(..., help="Artifact: a compressed-tensors dir (vLLM), a .gguf or a dir with one (llama-server), an mlx-lm dir (mlx_lm.server).", rich_help_panel=MODEL),
-    against: str | None = typer.Option(None, "--against", "-a", help="Base checkpoint. Default: the base named in the artifact's quantkit.json.", rich_help_panel=MODEL),
-    engine: str = typer.Option("auto", "--engine", help="auto | vllm | llama.cpp | mlx (auto: by the artifact's format).", rich_help_panel=MODEL),
-    num_windows: int = typer.Option(4, min=1, help="Held-out windows to send (the first of the gate's; engines are slow on CPU).", rich_help_panel=MEASURED),
-    seq_len: int | None = typer.Option(None, min=8, help="Tokens per window (default: the gate's; shorter windows are the gate's cut).", rich_help_panel=MEASURED),
-    data: str | None = typer.Option(None, "--data", help="Evaluation text without quantkit.json (default: the artifact's calibration source).", rich_help_panel=MEASURED),
-    seed: int | None = typer.Option(None, help="Sampling seed without quantkit.json (default: the artifact's).", rich_help_panel=MEASURED),
+    against: str | None = AGAINST.option(),
+    engine: str = typer.Option("auto", "--engine", help=f"{engine_choices()} (auto: by the artifact's format).", rich_help_panel=MODEL),
+    *, windows: ServeWindows,
     logprobs: int = typer.Option(20, min=0, help="Candidates per position asked of the engine (0: the whole vocabulary where the engine allows it; mlx_lm.server gives at most 11).", rich_help_panel=MEASURED),
     base_from: str = typer.Option("quantkit", "--base-from", help="quantkit: the base's full distributions scored by quantkit | engine: the base served by the same engine.", rich_help_panel=MODEL),
     engine_base: Path | None = typer.Option(None, "--engine-base", help="With --base-from engine: what the engine serves as the base (default: the base dir; llama-server needs a .gguf).", rich_help_panel=MODEL),
-    gen_prompts: int = typer.Option(4, min=1, help="Held-out prompts continued greedily by the engine and by quantkit.", rich_help_panel=MEASURED),
-    gen_tokens: int = typer.Option(16, min=1, help="Tokens per greedy continuation.", rich_help_panel=MEASURED),
-    load_tokens: int = typer.Option(32, min=2, help="Tokens per streamed request of the load test.", rich_help_panel=MEASURED),
-    concurrency: str = typer.Option("1,8", "--concurrency", help="Load test rounds: concurrent requests per round, comma-separated.", rich_help_panel=MEASURED),
-    max_reading_kld: float = typer.Option(0.02, min=0, help="Verdict: max KL divergence (lower bound from top-k) of the engine from quantkit's reading of the artifact.", rich_help_panel=GATE),
-    max_ppl_drift: float = typer.Option(0.05, min=0, help="Verdict: max |ppl engine / ppl quantkit's reading - 1|.", rich_help_panel=GATE),
-    min_reading_top1: float | None = typer.Option(None, min=0, max=1, help="Verdict: min top-1 agreement of the engine with quantkit's reading (not checked by default: near-ties flip under bfloat16).", rich_help_panel=GATE),
-    max_base_kld: float | None = typer.Option(None, min=0, help="Verdict: max KL divergence (lower bound) of the engine from the base. Default: the gate's max KLD in quantkit.json.", rich_help_panel=GATE),
+    generation: GenerationFlags,
+    tolerances,
     start_timeout: float = typer.Option(900.0, min=1, help="Seconds the server has to become ready.", rich_help_panel=RESOURCES),
     log_dir: Path | None = typer.Option(None, "--log-dir", help="Keep the servers' logs here (default: a temporary directory, removed).", rich_help_panel=RESOURCES),
-    device: str = typer.Option("cpu", help="Where quantkit computes its own readings: cpu | cuda | auto.", rich_help_panel=RESOURCES),
-    trust_remote_code: bool = typer.Option(False, help="Allow custom model code from the base and artifact dirs.", rich_help_panel=MODEL),
+    device: str = DEVICE.option(default="cpu", help="Where quantkit computes its own readings: cpu | cuda | auto."),
+    trust_remote_code: bool = TRUST_REMOTE_CODE.option(help="Allow custom model code from the base and artifact dirs."),
     record: bool = typer.Option(True, "--record/--no-record", help="Write the result into the artifact's quantkit.json (serve_check), when it has one.", rich_help_panel=REPORTS),
-    json_path: str | None = typer.Option(None, "--json", help="Write the numbers as JSON to FILE ('-' = stdout).", rich_help_panel=REPORTS),
+    json_path: str | None = json_flag("the numbers").option(),
 ) -> None:
     """Serve ARTIFACT in its engine on 127.0.0.1 and check that it reads as the gate read it.
 
@@ -77,51 +136,67 @@ def serve_check_command(
     when one fails (both readings printed), exit 2 when the engine is missing or cannot serve this
     format on this device.
     """
-    from quantkit.cli.report import load_table, serve_checks_table, serve_table
-    from quantkit.engines.transformers import check_device
-    from quantkit.errors import GateFailedError, InputError, ModelError
-    from quantkit.io.checkpoint import check_model_dir, resolve_model
-    from quantkit.serve.check import Generation, Tolerances, prepare, serve_check
+    from quantkit.errors import GateFailedError
+    from quantkit.serve.check import failures, serve_check
     from quantkit.serve.record import record_result, report_path
+
+    request = parse(artifact, against, engine, windows, generation, tolerances, logprobs, start_timeout, device,
+                    trust_remote_code)
+    result = serve_check(
+        artifact, request.base, request.windows, engine, options=request.options, tolerances=request.tolerances,
+        generation=generation.generation(), base_from=base_from, engine_base=engine_base, log_dir=log_dir,
+        device=device, trust_remote_code=trust_remote_code, progress=ProgressLog(err))
+    show(result, json_path)
+    if record and request.report is not None:
+        record_result(report_path(artifact), result.as_dict())
+        progress(f"recorded serve_check.{result.engine['name']} in {report_path(artifact)}")
+    if not result.passed:
+        raise GateFailedError(f"{artifact.name} served by {result.engine['name']} does not read as the gate read "
+                              f"it: {failures(result)}",
+                              hint="write the artifact again with quantkit quantize (a file edited after the gate "
+                                   "reads differently); --log-dir DIR keeps the engine's log")
+
+
+def parse(artifact: Path, against: str | None, engine: str, windows: ServeWindows, generation: GenerationFlags,
+          tolerances, logprobs: int, start_timeout: float, device: str, trust_remote_code: bool) -> ServeRequest:
+    """The command line checked before any server starts (exit 2): the artifact, the engine (installed, and
+    able to serve this format here), the base and the held-out windows."""
+    from dataclasses import replace
+
+    from quantkit.engines.transformers import check_device
+    from quantkit.errors import InputError, ModelError
+    from quantkit.io.checkpoint import check_model_dir, resolve_model
+    from quantkit.serve.check import prepare
+    from quantkit.serve.record import report_path
     from quantkit.serve.settings import ServeOptions
 
     if not artifact.exists():
         raise ModelError(f"artifact not found: {artifact}",
                          hint="give the output directory of quantkit quantize, or a .gguf file")
     check_device(device)
-    rounds = concurrencies(concurrency)
     kind, found, accelerator = prepare(artifact, engine)  # exit 2 now when the engine is missing or refuses
     progress(f"{artifact} ({kind}) in {found.name}: {found.executable} on {accelerator.describe()}")
     report = read_report(report_path(artifact))
     if against is None and report is None:
         raise InputError(f"no base model for {artifact} (it has no quantkit.json)", hint="pass --against BASE_DIR")
     base = check_model_dir(resolve_model(against or base_path(artifact, report)))
-    windows = held_out_windows(base, report, num_windows, seq_len, data, seed, trust_remote_code)
-    gate_kld = max_base_kld if max_base_kld is not None else gate_threshold(report, artifact, "kld_mean")
-    progress(f"{windows.shape[0]} held-out windows of {windows.shape[1]} tokens; base {base.path}")
-    result = serve_check(
-        artifact, base.path, windows, engine,
-        options=ServeOptions(logprobs=logprobs, concurrency=max(rounds), start_timeout=start_timeout),
-        tolerances=Tolerances(max_reading_kld, max_ppl_drift, min_reading_top1, gate_kld),
-        generation=Generation(gen_prompts, gen_tokens, load_tokens, rounds),
-        base_from=base_from, engine_base=engine_base, log_dir=log_dir, device=device,
-        trust_remote_code=trust_remote_code, progress=ProgressLog(err))
-    data_out = result.as_dict()
+    held_out = held_out_windows(base, report, windows, trust_remote_code)
+    if tolerances.max_base_kld is None:
+        tolerances = replace(tolerances, max_base_kld=gate_threshold(report, artifact, "kld_mean"))
+    progress(f"{held_out.shape[0]} held-out windows of {held_out.shape[1]} tokens; base {base.path}")
+    options = ServeOptions(logprobs=logprobs, concurrency=max(generation.rounds), start_timeout=start_timeout)
+    return ServeRequest(artifact, base.path, held_out, report, tolerances, options)
+
+
+def show(result, json_path: str | None) -> None:
+    """The engine's reading, the load test and the verdict; the JSON."""
+    from quantkit.cli.report import load_table, serve_checks_table, serve_table
+
     console = results_console(json_path)
     console.print(serve_table(result))
     console.print(load_table(result.load))
     console.print(serve_checks_table(result))
-    write_json(json_path, data_out)
-    if record and report is not None:
-        record_result(report_path(artifact), data_out)
-        progress(f"recorded serve_check.{result.engine['name']} in {report_path(artifact)}")
-    if not result.passed:
-        failed = "; ".join(f"{c.name} {c.value:.4g} (needs {c.op} {c.threshold:g})" for c in result.checks
-                           if not c.passed)
-        raise GateFailedError(f"{artifact.name} served by {result.engine['name']} does not read as the gate read "
-                              f"it: {failed}",
-                              hint="write the artifact again with quantkit quantize (a file edited after the gate "
-                                   "reads differently); --log-dir DIR keeps the engine's log")
+    write_json(json_path, result.as_dict())
 
 
 def concurrencies(text: str) -> tuple[int, ...]:
@@ -153,8 +228,10 @@ def read_report(path: Path) -> dict | None:
 
 
 def base_path(artifact: Path, report: dict) -> str:
-    """The base named in quantkit.json: as written, else relative to the artifact's directory."""
-    named = Path(report["model"]["path"])
+    """The base named in quantkit.json: as written, else relative to the artifact's directory, else its Hub id."""
+    from quantkit.io.hub import recorded_base
+
+    named = Path(recorded_base(report["model"]))
     beside = (artifact if artifact.is_dir() else artifact.parent).parent / named
     return str(named if named.is_absolute() or named.exists() or not beside.exists() else beside)
 
@@ -173,8 +250,7 @@ def gate_threshold(report: dict | None, artifact: Path, metric: str) -> float | 
     return next((c.get("threshold") for c in checks if c.get("name") == metric), None)
 
 
-def held_out_windows(base, report: dict | None, num_windows: int, seq_len: int | None, data: str | None,
-                     seed: int | None, trust_remote_code: bool):
+def held_out_windows(base, report: dict | None, windows: ServeWindows, trust_remote_code: bool):
     """The first `num_windows` held-out windows of the artifact's calibration (quantkit.json), cut to
     `seq_len` tokens; without quantkit.json, those of --data / --seed at --seq-len (default 512)."""
     from quantkit.engines.transformers import load_tokenizer
@@ -183,11 +259,11 @@ def held_out_windows(base, report: dict | None, num_windows: int, seq_len: int |
 
     stored = dict((report or {}).get("calibration") or {})
     settings = {k: stored[k] for k in ("source", "seq_len", "seed", "chat_template", "text_field") if k in stored}
-    settings.update({k: v for k, v in (("source", data), ("seed", seed)) if v is not None})
-    settings.setdefault("seq_len", seq_len or 512)
-    count = min(num_windows, stored.get("eval_windows") or num_windows)
-    if count < num_windows:
+    settings.update({k: v for k, v in (("source", windows.data), ("seed", windows.seed)) if v is not None})
+    settings.setdefault("seq_len", windows.seq_len or 512)
+    count = min(windows.num_windows, stored.get("eval_windows") or windows.num_windows)
+    if count < windows.num_windows:
         progress(f"the artifact's gate held out {count} windows; using those")
     calibration = Calibration(**settings, num_samples=0, eval_windows=count)
-    windows = make_windows(load_tokenizer(base, trust_remote_code), calibration).eval
-    return windows[:, :seq_len] if seq_len else windows
+    held_out = make_windows(load_tokenizer(base, trust_remote_code), calibration).eval
+    return held_out[:, :windows.seq_len] if windows.seq_len else held_out

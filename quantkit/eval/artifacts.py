@@ -1,8 +1,8 @@
-"""Load an artifact back from disk the way a user would, for evaluation.
-
-Kinds: a transformers checkpoint (plain, compressed-tensors or bitsandbytes: all through
-`from_pretrained`), or a .gguf file (dequantized through gguf-py into the base model's
-transformers architecture). The evaluator never relies on an artifact still being in memory.
+"""Load an artifact back from disk the way a user would, for evaluation: the loading steps each format
+uses (quantkit.formats picks them): a transformers checkpoint through `from_pretrained` (with the
+compressed-tensors transforms and per-module decompression), a .gguf dequantized through gguf-py into the
+base model's transformers architecture, an mlx-lm directory dequantized into its own. The evaluator never
+relies on an artifact still being in memory.
 """
 
 from __future__ import annotations
@@ -10,39 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from quantkit.errors import ArtifactReloadError, InputError, ModelError
-
-
-def artifact_kind(path: Path) -> str:
-    """'gguf', 'mlx', 'compressed-tensors', 'bitsandbytes' or 'transformers'. The .gguf header or the
-    config.json and safetensors headers are read (cheap) so that a damaged artifact fails here,
-    naming the file, before any work."""
-    from quantkit.gguf.loader import open_reader
-    from quantkit.io.checkpoint import check_model_dir
-
-    if (path.is_file() and path.suffix == ".gguf") or (
-            path.is_dir() and not (path / "config.json").exists() and list(path.glob("*.gguf"))):
-        open_reader(gguf_file(path))
-        return "gguf"
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise ModelError(f"{path} is neither a .gguf file nor a checkpoint directory with config.json",
-                         hint="give the output directory of quantkit quantize, or a .gguf file")
-    from quantkit.mlx.checkpoint import is_mlx_dir
-
-    if is_mlx_dir(read_json(config_file)):
-        return "mlx"
-    qconfig = check_model_dir(path).config.get("quantization_config") or {}
-    method = qconfig.get("quant_method", "")
-    if method == "compressed-tensors":
-        return "compressed-tensors"
-    if method == "bitsandbytes":
-        return "bitsandbytes"
-    if method:
-        raise InputError(f"{path}: quantization method '{method}' is not one quantkit can evaluate",
-                         hint="quantkit reads compressed-tensors, bitsandbytes, .gguf and mlx-lm artifacts; compare "
-                              "others with their own tools")
-    return "transformers"
+from quantkit.errors import ArtifactReloadError, ModelError
 
 
 def read_json(path: Path) -> dict:
@@ -54,36 +22,10 @@ def read_json(path: Path) -> dict:
                               "again") from exc
 
 
-def gguf_file(path: Path) -> Path:
-    """The language model .gguf: the file itself, or the one .gguf of a directory that is not a
-    multimodal projector (a VLM's output holds the language model and its `mmproj-*.gguf`)."""
-    if path.is_file():
-        return path
-    files = [f for f in sorted(path.glob("*.gguf")) if not is_projector(f)]
-    if len(files) != 1:
-        raise InputError(f"{path} holds {len(files)} language-model .gguf files; pass the file itself",
-                         hint="e.g. quantkit eval DIR/model-Q4_K_M.gguf --against BASE")
-    return files[0]
-
-
-def is_projector(path: Path) -> bool:
-    """A llama.cpp multimodal projector (general.architecture "clip"), read from the header."""
-    from quantkit.gguf.loader import open_reader
-
-    field = open_reader(path).fields.get("general.architecture")
-    return field is not None and field.contents() == "clip"
-
-
-def load_for_eval(path: Path, base_dir: Path | None = None, device: str = "cpu", trust_remote_code: bool = False):
-    """A model object whose forward gives logits, loaded from the artifact on disk. Custom model
+def load_pretrained(path: Path, device: str = "cpu", trust_remote_code: bool = False):
+    """(model, loading info, config.json) of a checkpoint directory loaded through transformers'
+    `from_pretrained` (the format's own steps and the strict check follow: quantkit.formats). Custom model
     code (an `auto_map` in config.json) runs only with trust_remote_code, as for the base."""
-    kind = artifact_kind(path)
-    if kind == "gguf":
-        if base_dir is None:
-            raise InputError("evaluating a .gguf needs the base checkpoint", hint="pass --against BASE_DIR")
-        return load_gguf_into_base(gguf_file(path), base_dir, device, trust_remote_code)
-    if kind == "mlx":
-        return load_mlx(path, device)
     from quantkit.engines.transformers import auto_model_class, custom_code_error, device_map, needs_remote_code
     from quantkit.io.offline import offline
 
@@ -99,11 +41,13 @@ def load_for_eval(path: Path, base_dir: Path | None = None, device: str = "cpu",
         if needs_remote_code(exc):
             raise custom_code_error(path, (config.get("architectures") or ["unknown"])[0]) from exc
         raise
-    if kind == "compressed-tensors":
-        loading = apply_online_transforms(model, path, config, loading)
+    return model, loading, config
+
+
+def load_checkpoint(path: Path, device: str = "cpu", trust_remote_code: bool = False):
+    """A plain or bitsandbytes checkpoint loaded whole through transformers, strictly (check_strict_reload)."""
+    model, loading, _config = load_pretrained(path, device, trust_remote_code)
     check_strict_reload(path, loading)
-    if kind == "compressed-tensors":
-        decompress_per_module(model)
     return model.eval()
 
 

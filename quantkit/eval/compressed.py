@@ -15,7 +15,7 @@ transformers and vLLM run:
   compressed-tensors' quantized forward in the DECOMPRESSED state transformers leaves it in: the
   weight is used as given and the input activations are quantized as the scheme says (per token,
   dynamically, for fp8-dynamic and W8A8; with the stored input_scale for fp8-static). That is what
-  `quantkit.eval.artifacts.load_for_eval` computes, and what vLLM's kernels compute.
+  `quantkit.formats.compressed_tensors.load` computes, and what vLLM's kernels compute.
 
 Streamed: text decoders (quantkit.eval.stream.streamable without the quantization) whose quantized
 modules are Linear layers of the decoder in a format decompressed here (STREAMED_FORMATS), with no
@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from quantkit.engines.llmcompressor.llmc import FORMAT as COMPRESSED_TENSORS
 from quantkit.eval.evaluate import Scorer
 from quantkit.eval.stream import ACTIVATION_BYTES, StreamedModel, build_meta_model, group_scorer, stream_built
 from quantkit.io.checkpoint import SafetensorsWeights
@@ -44,7 +45,7 @@ def streamable(config: dict) -> bool:
 
     qconfig = config.get("quantization_config") or {}
     plain = {key: value for key, value in config.items() if key != "quantization_config"}
-    return (qconfig.get("quant_method") == "compressed-tensors" and stream.streamable(plain)
+    return (qconfig.get("quant_method") == COMPRESSED_TENSORS and stream.streamable(plain)
             and not qconfig.get("kv_cache_scheme") and not qconfig.get("transform_config")
             and not qconfig.get("sparsity_config"))
 

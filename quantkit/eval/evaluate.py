@@ -98,9 +98,22 @@ class Metrics:
     kld_max: float | None = None
     delta_p: float | None = None
     flips: float | None = None
+    kld_histogram: list[int] | None = None  # positions per KLD_EDGES bin (below the first edge, ..., above the last)
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+# The KL divergence histogram's bin edges: two bins per decade from 1e-6 to 10 (the model card's figure).
+KLD_EDGES = tuple(10.0 ** (e / 2) for e in range(-12, 3))
+
+
+def kld_histogram(kl) -> list[int]:
+    """Positions per bin of KLD_EDGES, with a bin below the first edge and one from the last edge up (non-finite
+    values left out)."""
+    kl = np.asarray(kl, dtype=np.float64)
+    counts, _ = np.histogram(kl[np.isfinite(kl)], bins=[-np.inf, *KLD_EDGES, np.inf])
+    return [int(c) for c in counts]
 
 
 @dataclass
@@ -347,6 +360,7 @@ def summarize(kl: np.ndarray, nll: np.ndarray, agree: int, base_nll: np.ndarray)
         kld_p90=float(np.percentile(kl, 90)),
         kld_max=float(np.max(kl)),
         delta_p=delta_p(nll, base_nll),
+        kld_histogram=kld_histogram(kl),
     )
 
 
@@ -355,7 +369,8 @@ def summarize(kl: np.ndarray, nll: np.ndarray, agree: int, base_nll: np.ndarray)
 
 def non_finite(metrics: Metrics) -> list[str]:
     """Names of the metrics that are NaN or infinite."""
-    return [name for name, value in metrics.as_dict().items() if value is not None and not math.isfinite(value)]
+    return [name for name, value in metrics.as_dict().items()
+            if isinstance(value, float) and not math.isfinite(value)]
 
 
 def gate_verdict(metrics: Metrics, gate, enforced: bool = True) -> GateResult:

@@ -31,7 +31,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from quantkit.eval.scorers import Reading
+from quantkit.engines.llmcompressor.llmc import FORMAT as COMPRESSED_TENSORS
+from quantkit.eval.stream import Reading
 
 # formats decompressed here: the dense reading's (quantkit.eval.compressed.STREAMED_FORMATS) and the FP4 ones
 FORMATS = frozenset({"dense", "naive-quantized", "int-quantized", "float-quantized", "pack-quantized",
@@ -71,7 +72,7 @@ def reads(path: Path) -> bool:
     config = read_config(path)
     qconfig = config.get("quantization_config") or {}
     groups = (qconfig.get("config_groups") or {}).values()
-    return (qconfig.get("quant_method") == "compressed-tensors" and not is_vlm(config)
+    return (qconfig.get("quant_method") == COMPRESSED_TENSORS and not is_vlm(config)
             and layout_of(config) is not None and not config.get("auto_map")
             and not qconfig.get("kv_cache_scheme") and not qconfig.get("transform_config")
             and not qconfig.get("sparsity_config")

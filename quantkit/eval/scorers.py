@@ -1,34 +1,28 @@
-"""The Scorer of each thing the gate measures: the full-precision base and every artifact kind.
+"""The Scorer of each thing the gate measures, from how it is read: the full-precision base, and the
+Readings quantkit builds of artifacts (each format says which: quantkit.formats).
 
-A .gguf, an mlx-lm directory, a full-precision text decoder, a compressed-tensors text decoder
-(quantkit.eval.compressed.streams) and a compressed-tensors MoE decoder of a family with an expert layout row
-(quantkit.eval.experts) are read by quantkit itself, tensor by tensor (a `Reading`): with a
-resident Placement the whole model goes onto the device once and windows run in batches
-(quantkit.eval.resident), otherwise it is streamed layer by layer (quantkit.eval.stream). Both give
-the same numbers. A bitsandbytes checkpoint (restored by its engine's own modules), a VLM, custom
-model code and any other compressed-tensors artifact load whole through transformers
-(quantkit.eval.artifacts).
+A `Reading` is a model quantkit reads itself, tensor by tensor (a .gguf, an mlx-lm directory, a
+full-precision text decoder, a compressed-tensors text decoder, quantkit.eval.compressed, or MoE decoder,
+quantkit.eval.experts): with a resident Placement the whole model goes onto the device once and windows run
+in batches (quantkit.eval.resident), otherwise it is streamed layer by layer (quantkit.eval.stream). Both
+give the same numbers. What a format loads whole (bitsandbytes, a VLM, custom model code) is scored through
+transformers (quantkit.formats.gate).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from quantkit.eval.evaluate import (
-    Baseline,
-    Gather,
     LogitsFn,
-    Metrics,
-    ScoredChunk,
     Scorer,
-    compare,
     model_logits_fn,
     model_scorer,
 )
 from quantkit.eval import stream
-from quantkit.eval.stream import ACTIVATION_BYTES, WeightSource, group_scorer, stream_built, streamable
+from quantkit.eval.stream import ACTIVATION_BYTES, Reading, group_scorer, stream_built, streamable
 from quantkit.io.checkpoint import SafetensorsWeights
 
 Progress = Callable[[str], None]
@@ -56,15 +50,6 @@ class Placement:
 
 
 STREAMED = Placement(False)
-
-
-@dataclass(frozen=True)
-class Reading:
-    """A model quantkit reads itself, tensor by tensor: `open()` builds it on the meta device and gives
-    the source of its weights (checking the artifact as it does)."""
-
-    config: object  # transformers config
-    open: Callable[[], tuple[object, WeightSource]]
 
 
 def checkpoint_reading(model_dir: Path, dtype: str = "auto") -> Reading:
@@ -112,37 +97,6 @@ def compressed_reading(path: Path) -> Reading:
     config = hf_config(path)
     dtype = torch_dtype("auto", check_model_dir(path))
     return Reading(config, lambda: compressed_open(path, config, dtype))
-
-
-def artifact_reading(path: Path, base_dir: Path | None = None, trust_remote_code: bool = False) -> Reading | None:
-    """How quantkit reads an artifact itself: a .gguf (of a text decoder), an mlx-lm directory, a
-    full-precision text decoder, a compressed-tensors text decoder (quantkit.eval.compressed.streams);
-    None for what loads whole through transformers (bitsandbytes, a VLM, custom model code)."""
-    from quantkit.errors import InputError
-    from quantkit.eval import compressed
-    from quantkit.eval.artifacts import artifact_kind, gguf_file
-    from quantkit.io.checkpoint import is_vlm, read_config
-
-    kind = artifact_kind(path)
-    if kind == "mlx":
-        return mlx_reading(path)
-    if kind == "gguf":
-        if base_dir is None:
-            raise InputError("evaluating a .gguf needs the base checkpoint", hint="pass --against BASE_DIR")
-        if is_vlm(read_config(Path(base_dir))):  # the language model goes into the whole base (its towers)
-            return None
-        return gguf_reading(gguf_file(path), base_dir)
-    if trust_remote_code:
-        return None
-    if kind == "transformers" and streamable(read_config(path)):
-        return checkpoint_reading(path)
-    if kind == "compressed-tensors" and compressed.streams(path):
-        return compressed_reading(path)
-    from quantkit.eval import experts
-
-    if kind == "compressed-tensors" and experts.reads(path):  # MoE experts decompressed and stacked by quantkit
-        return experts.experts_reading(path)
-    return None
 
 
 def base_reading(info, dtype: str = "auto", trust_remote_code: bool = False) -> Reading | None:
@@ -207,38 +161,6 @@ def gguf_scorer(path: Path, base_dir: Path, device: str = "cpu", workdir: Path |
     return reading_scorer(gguf_reading(path, base_dir), device, STREAMED, workdir)
 
 
-def loaded_scorer(path: Path, base_dir: Path | None, device: str = "cpu", trust_remote_code: bool = False) -> Scorer:
-    """The artifact loaded whole when scoring starts and dropped when it ends (evaluate.model_scorer)."""
-    from quantkit.eval.artifacts import load_for_eval
-
-    def scorer(windows) -> Iterator[ScoredChunk]:
-        yield from model_scorer(load_for_eval(path, base_dir, device, trust_remote_code))(windows)
-
-    return scorer
-
-
-def artifact_scorer(path: Path, base_dir: Path | None = None, device: str = "cpu", trust_remote_code: bool = False,
-                    workdir: Path | None = None, placement: Placement = STREAMED,
-                    progress: Progress = ignore) -> Scorer:
-    """A Scorer for any artifact quantkit evaluates: read by quantkit (artifact_reading), resident or
-    streamed as `placement` says, or loaded whole through transformers."""
-    reading = artifact_reading(path, base_dir, trust_remote_code)
-    if reading is None:
-        return loaded_scorer(path, base_dir, device, trust_remote_code)
-    return reading_scorer(reading, device, placement, workdir, progress)
-
-
-def evaluate_artifact(artifact: Path, base_dir: Path, windows, baseline: Baseline, device: str = "cpu",
-                      trust_remote_code: bool = False, workdir: Path | None = None,
-                      placement: Placement = STREAMED, progress: Progress = ignore,
-                      gather: Gather | None = None) -> Metrics:
-    """Read an artifact back from disk the way a user would and measure it against the baseline: the
-    one measuring step shared by the pipeline's gate and `quantkit eval` (artifact_scorer). Under torchrun
-    `windows` and `baseline` are this rank's share and `gather` collects the positions (evaluate.compare)."""
-    scorer = artifact_scorer(artifact, base_dir, device, trust_remote_code, workdir, placement, progress)
-    return compare(scorer, windows, baseline, gather)
-
-
 def base_scorer(info, dtype: str = "auto", device: str = "cpu", trust_remote_code: bool = False,
                 workdir: Path | None = None, placement: Placement = STREAMED, progress: Progress = ignore) -> Scorer:
     """The full-precision base: read by quantkit where it can (a text decoder; resident or streamed as
@@ -274,18 +196,6 @@ def reading_logits(reading: Reading, device: str = "cpu", placement: Placement =
     return lambda ids: streamed_logits(streamed, ids, workdir)
 
 
-def artifact_logits(path: Path, base_dir: Path | None = None, device: str = "cpu", trust_remote_code: bool = False,
-                    workdir: Path | None = None, placement: Placement = STREAMED) -> LogitsFn:
-    """The artifact's forward as a logits function, built the way artifact_scorer reads it (the same
-    model): for lm-eval's tasks and greedy generations (quantkit.eval.tasks, quantkit.eval.generate)."""
-    from quantkit.eval.artifacts import load_for_eval
-
-    reading = artifact_reading(path, base_dir, trust_remote_code)
-    if reading is None:
-        return model_logits_fn(load_for_eval(path, base_dir, device, trust_remote_code))
-    return reading_logits(reading, device, placement, workdir)
-
-
 def base_logits(info, dtype: str = "auto", device: str = "cpu", trust_remote_code: bool = False,
                 workdir: Path | None = None, placement: Placement = STREAMED) -> LogitsFn:
     """The full-precision base's forward as a logits function, built the way base_scorer reads it."""
@@ -313,24 +223,3 @@ def kv_cache_scheme(artifact: Path) -> dict | None:
 def kv_attention_modules(model) -> list:
     """The attention modules whose keys and values compressed-tensors quantizes (they hold k_scale)."""
     return [module for module in model.modules() if hasattr(module, "k_scale") and hasattr(module, "v_scale")]
-
-
-def kv_only_metrics(artifact: Path, windows, device: str = "cpu", trust_remote_code: bool = False) -> Metrics:
-    """The KV-cache quantization's own damage: the artifact loaded whole through transformers, measured
-    against itself with the KV quantization switched off (the same weights and activations). The keys
-    and values are fake-quantized by compressed-tensors' own forward (QuantizedKVCache with the stored
-    k_scale / v_scale), as vLLM's fp8 KV cache stores them."""
-    from quantkit.errors import InternalError
-    from quantkit.eval.artifacts import load_for_eval
-    from quantkit.eval.evaluate import compute_baseline
-
-    model = load_for_eval(artifact, None, device, trust_remote_code)
-    attention = kv_attention_modules(model)
-    if not attention:
-        raise InternalError(f"{artifact}: a kv_cache_scheme but no attention module with k_scale/v_scale")
-    for module in attention:
-        module.quantization_enabled = False
-    without = compute_baseline(model_scorer(model), windows)
-    for module in attention:
-        module.quantization_enabled = True
-    return compare(model_scorer(model), windows, without)

@@ -56,6 +56,15 @@ class WeightSource(Protocol):
     def rows(self, name: str, index) -> "torch.Tensor": ...  # noqa: F821  rows `index` (sorted, unique) of dim 0
 
 
+@dataclass(frozen=True)
+class Reading:
+    """A model quantkit reads itself, tensor by tensor: `open()` builds it on the meta device and gives
+    the source of its weights (checking the artifact as it does)."""
+
+    config: object  # transformers config
+    open: Callable[[], tuple[object, WeightSource]]
+
+
 class WeightsMap(Mapping):
     """A WeightSource as the lazy Mapping accelerate's hooks read, by the model's parameter names.
 

@@ -2,7 +2,7 @@
 
 lm-eval is the task runner (its task YAMLs, prompts, metrics and standard errors); quantkit hands
 it a model, `LogitsLM`: lm-eval's TemplateLM over a logits function (ids (b, L) -> float32 logits
-(b, L, vocab)) built the way the gate reads the artifact (quantkit.eval.scorers.artifact_logits:
+(b, L, vocab)) built the way the gate reads the artifact (quantkit.formats.gate.artifact_logits:
 a .gguf and the text decoders streamed layer by layer, bitsandbytes and the rest loaded through
 transformers), so a task's score comes from the weights the gate measures. Loglikelihood and
 rolling loglikelihood tasks run on every artifact kind; generation tasks run greedy decoding on
@@ -25,17 +25,36 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
 from quantkit.errors import InputError, MissingExtraError, UnsupportedError
 from quantkit.eval.generate import greedy_tokens, right_padded
 
 if TYPE_CHECKING:
     from quantkit.eval.evaluate import Check, LogitsFn
-    from quantkit.run.recipe import TaskGate
 
 BATCH_LOGITS_BYTES = 64 * 1024 * 1024  # float32 logits of one padded batch of requests
 MAX_BATCH = 32  # requests per forward
 BOOTSTRAP_ITERS = 1000  # lm-eval's bootstrap for the stderr of metrics that are not means
 SEED = 0
+
+
+class TaskGate(BaseModel):
+    """One lm-evaluation-harness task in the gate (a recipe's `gate.tasks`, --tasks, --task-file): a task lm-eval
+    knows by name (its data in the local Hugging Face cache) or a task YAML file of lm-eval's format."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str | None = Field(None, description="lm-eval task name (hellaswag, arc_easy, ...)")
+    file: str | None = Field(None, description="a task YAML (lm-eval's format; dataset_path: json, local data_files)")
+    metric: str | None = Field(None, description="the metric compared (default: the task's first, e.g. acc)")
+    min_recovery: float = Field(0.95, ge=0, description="artifact score / base score at least this")
+
+    @model_validator(mode="after")
+    def _name_or_file(self) -> "TaskGate":
+        if (self.name is None) == (self.file is None):
+            raise ValueError("give a task `name` or a task `file`, one of the two")
+        return self
 
 
 @dataclass(frozen=True)

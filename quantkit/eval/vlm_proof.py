@@ -191,13 +191,10 @@ def image_forward(model, artifact: Path) -> str:
     return "ran"
 
 
-def prove_towers(artifact: Path, info: ModelInfo, device: str = "cpu", trust_remote_code: bool = False,
-                 quantized_roles: tuple[str, ...] = ()) -> dict:
-    """Reload the artifact, check every tower tensor bit-identical to the source and run an
-    image+text forward; the report fields, or TowerChangedError (exit 3)."""
-    from quantkit.eval.artifacts import load_for_eval
-
-    model = load_for_eval(artifact, device=device, trust_remote_code=trust_remote_code)
+def prove_towers(model, artifact: Path, info: ModelInfo, quantized_roles: tuple[str, ...] = ()) -> dict:
+    """The artifact reloaded (`model`, its format's load: quantkit.formats.gate.load_artifact): every tower
+    tensor checked bit-identical to the source and an image+text forward run; the report fields, or
+    TowerChangedError (exit 3)."""
     identical, rounded, bad = tower_differences(model, info, quantized_roles)
     if bad:
         more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""

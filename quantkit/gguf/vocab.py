@@ -3,9 +3,9 @@
 Each architecture's converter class picks its tokenizer path (its `set_vocab`); VOCAB_KINDS
 below names them and `add_vocab(writer, model_dir, hparams, kind)` follows the same order:
 
-  * "llama" (LlamaModel: Llama, Mistral, Mixtral): tokenizer.model through sentencepiece, else a
-    SentencePiece-style tokenizer.json through gguf.LlamaHfVocab, else byte-level BPE ("gpt2");
-    add_space_prefix from tokenizer_config.json's add_prefix_space;
+  * "llama" (LlamaModel: Llama, Mistral, Mixtral): tokenizer.model through sentencepiece, else BPE
+    (the converter tries gguf.LlamaHfVocab first, see add_llama_family_vocab); add_space_prefix
+    from tokenizer_config.json's add_prefix_space;
   * "qwen2" (Qwen2 / Qwen3 / Qwen3-MoE): tokenizer.model if present, else BPE;
   * "gemma" / "gemma2": tokenizer.model (add_space_prefix false; Gemma 1 adds CodeGemma ids);
   * "gemma3": tokenizer.model (add_space_prefix false) if present, else BPE;
@@ -26,11 +26,10 @@ tokenizer_config.json; normalizer flags), see quantkit.gguf.special_vocab.
 Pre-tokenizer name: convert_hf_to_gguf.py hashes the token ids of a fixed check text (CHKTXT)
 and looks the hash up in a table generated from known models (KNOWN_PRE_HASHES below, copied
 from llama.cpp's conversion/base.py). An unknown hash makes llama.cpp's converter refuse;
-quantkit instead reads the pre-tokenizer structure from tokenizer.json: a plain ByteLevel
-pre-tokenizer with its built-in regex is exactly GPT-2's split ("gpt-2" in llama.cpp; this is
-what quantkit's toy tokenizers use), and the Llama-3 / Qwen2 split regexes map to "llama-bpe" /
-"qwen2". Anything else is written as "default" and reported as a warning (llama.cpp then
-pre-tokenizes with its generic regex, which may split some text differently).
+quantkit instead reads the tokenizer's structure (quantkit.gguf.pretokenizer) and writes the
+llama.cpp pre-tokenizer that splits every text as the tokenizer does: "gpt-2", "llama-bpe" or
+"qwen2" for byte-level BPE, llama.cpp's SentencePiece-style BPE pre-tokenizer for a
+SentencePiece-style tokenizer.json (add_spm_style_vocab). Anything else is refused (exit 2).
 """
 
 from __future__ import annotations
@@ -41,6 +40,7 @@ from hashlib import sha256
 from pathlib import Path
 
 from quantkit.errors import InputError, UnsupportedError
+from quantkit.gguf import pretokenizer
 
 KNOWN_PRE_HASHES: dict[str, str] = {
     "b6e8e1518dc4305be2fe39c313ed643381c4da5db34a98f6a04c093f8afbe99b": "chatglm-bpe",
@@ -141,22 +141,6 @@ KNOWN_PRE_HASHES: dict[str, str] = {
 }
 CHKTXT = '\n \n\n \n\n\n \t \t\t \t\n  \n   \n    \n     \n🚀 (normal) 😶\u200d🌫️ (multiple emojis concatenated) ✅ 🦙🦙 3 33 333 3333 33333 333333 3333333 33333333 3.3 3..3 3...3 កាន់តែពិសេសអាច😁 ?我想在apple工作1314151天～ ------======= нещо на Български \'\'\'\'\'\'```````""""......!!!!!!?????? I\'ve been \'told he\'s there, \'RE you sure? \'M not sure I\'ll make it, \'D you like some tea? We\'Ve a\'lL'
 
-LLAMA3_REGEX = (
-    "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*"
-    "|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"
-)
-QWEN2_REGEX = (
-    "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}"
-    "| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"
-)
-QWEN2_REGEX_I = (
-    "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*"
-    "|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"
-)
-# Split regex of a Sequence[Split, ByteLevel(use_regex=False)] pre-tokenizer -> llama.cpp name.
-KNOWN_SPLIT_REGEXES = {LLAMA3_REGEX: "llama-bpe", QWEN2_REGEX: "qwen2", QWEN2_REGEX_I: "qwen2"}
-
-
 VOCAB_KINDS = ("llama", "qwen2", "gemma", "gemma2", "gemma3", "phi3")
 SPM_PAD_SCORE = -10000.0  # ids of the config's vocabulary that the tokenizer.model lacks
 ADDED_SCORE = -1000.0
@@ -177,24 +161,60 @@ class VocabInfo:
 def add_vocab(writer, model_dir: Path, hparams: dict, kind: str) -> VocabInfo:
     """Write the tokenizer.* keys the architecture's converter class writes."""
     model_dir = Path(model_dir)
+    if kind not in VOCAB_KINDS:
+        raise UnsupportedError(f"unknown vocabulary kind '{kind}'", hint="one of: " + ", ".join(VOCAB_KINDS))
     if kind == "llama":
-        return add_llama_family_vocab(writer, model_dir, hparams)
-    has_spm = (model_dir / "tokenizer.model").is_file()
-    if kind == "phi3":
-        return add_phi3_vocab(writer, model_dir, hparams)
-    if kind in ("gemma", "gemma2") or (kind == "gemma3" and has_spm):
-        info = add_sentencepiece_vocab(writer, model_dir, hparams) if has_spm else add_bpe_vocab(writer, model_dir, hparams)
+        info = add_llama_family_vocab(writer, model_dir, hparams)
+    elif kind == "phi3":
+        info = add_phi3_vocab(writer, model_dir, hparams)
+    else:
+        has_spm = (model_dir / "tokenizer.model").is_file()
+        info = add_sentencepiece_vocab(writer, model_dir, hparams) if has_spm else add_bpe_vocab(writer, model_dir,
+                                                                                                  hparams)
         if kind == "gemma":
             add_codegemma_tokens(writer, model_dir)
-        writer.add_add_space_prefix(False)
-        return info
-    if kind in ("qwen2", "gemma3"):
-        return add_sentencepiece_vocab(writer, model_dir, hparams) if has_spm else add_bpe_vocab(writer, model_dir, hparams)
-    raise UnsupportedError(f"unknown vocabulary kind '{kind}'", hint="one of: " + ", ".join(VOCAB_KINDS))
+        if kind in ("gemma", "gemma2") or (kind == "gemma3" and has_spm):
+            writer.add_add_space_prefix(False)
+    if info.pre_source == "spm":
+        info.warnings += sentencepiece_warnings(model_dir, kind)
+    return info
+
+
+def sentencepiece_warnings(model_dir: Path, kind: str) -> list[str]:
+    """How llama.cpp's SentencePiece tokenizer reads the written vocabulary otherwise than transformers
+    reads the checkpoint (quantkit.gguf.pretokenizer.spm_difference); [] where they agree."""
+    from transformers import AutoTokenizer
+
+    prefix = False if kind.startswith("gemma") else True  # llama.cpp's default without the key
+    if kind == "llama":
+        config = read_json(model_dir / "tokenizer_config.json").get("add_prefix_space")
+        prefix = True if config is None else bool(config)
+    backend = AutoTokenizer.from_pretrained(model_dir, local_files_only=True).backend_tokenizer
+    difference = pretokenizer.spm_difference(pretokenizer.pipeline(backend), prefix)
+    return [f"tokenizer.model: llama.cpp's SentencePiece tokenizer and transformers differ: {difference}"] \
+        if difference else []
+
+
+def uses_bpe(model_dir: Path, kind: str) -> bool:
+    """Whether add_vocab reads tokenizer.json as BPE (no tokenizer.model; Phi-3: a GPT2Tokenizer)."""
+    if kind == "phi3":
+        return read_json(Path(model_dir) / "tokenizer_config.json").get("tokenizer_class") == "GPT2Tokenizer"
+    return not (Path(model_dir) / "tokenizer.model").is_file()
+
+
+def check_vocab(model_dir: Path, kind: str) -> None:
+    """Before any work: the refusal add_vocab would raise for a BPE tokenizer llama.cpp reads differently."""
+    if kind in VOCAB_KINDS and uses_bpe(model_dir, kind):
+        bpe_pre_name(load_bpe_tokenizer(Path(model_dir)), Path(model_dir))
 
 
 def add_llama_family_vocab(writer, model_dir: Path, hparams: dict) -> VocabInfo:
-    """LlamaModel.set_vocab: sentencepiece, else LlamaHfVocab, else BPE; CodeLlama / Granite extras."""
+    """LlamaModel.set_vocab: sentencepiece, else BPE; CodeLlama / Granite extras.
+
+    (LlamaModel.set_vocab tries gguf-py's LlamaHfVocab before BPE: a SentencePiece vocabulary with
+    every score -1000, which llama.cpp's SentencePiece tokenizer then merges leftmost-first instead
+    of by the merges' ranks. quantkit reads such a tokenizer.json as SentencePiece-style BPE instead,
+    see quantkit.gguf.pretokenizer.)"""
     import gguf
 
     config = read_json(model_dir / "tokenizer_config.json")
@@ -203,10 +223,7 @@ def add_llama_family_vocab(writer, model_dir: Path, hparams: dict) -> VocabInfo:
     if (model_dir / "tokenizer.model").is_file():
         info = add_sentencepiece_vocab(writer, model_dir, hparams)
     else:
-        try:
-            info = add_llama_hf_vocab(writer, model_dir)
-        except (FileNotFoundError, TypeError):
-            info = add_bpe_vocab(writer, model_dir, hparams)
+        info = add_bpe_vocab(writer, model_dir, hparams)
     if hparams.get("vocab_size", 32000) == 32016:  # CodeLlama infill tokens
         special = gguf.SpecialVocab(model_dir, load_merges=False,
                                     special_token_types=["prefix", "suffix", "middle", "eot"])
@@ -238,19 +255,21 @@ def read_json(path: Path) -> dict:
 
 
 def add_bpe_vocab(writer, model_dir: Path, hparams: dict) -> VocabInfo:
-    """TextModel._set_vocab_gpt2."""
+    """TextModel._set_vocab_gpt2 (pre-tokenizer: bpe_pre_name); a SentencePiece-style BPE
+    tokenizer.json as add_spm_style_vocab writes it."""
     from quantkit.gguf.special_vocab import SpecialVocab
 
     tokenizer = load_bpe_tokenizer(model_dir)
+    pre, source = bpe_pre_name(tokenizer, model_dir)
+    if source == "spm-style":
+        return add_spm_style_vocab(writer, model_dir, hparams)
     tokens, types = bpe_tokens(tokenizer, hparams.get("vocab_size"))
-    data = read_json(model_dir / "tokenizer.json")
-    pre, source, warnings = pre_tokenizer_name(tokenizer, data)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     SpecialVocab(model_dir, load_merges=True).add_to_gguf(writer, quiet=True)
-    return VocabInfo("gpt2", pre, len(tokens), source, warnings)
+    return VocabInfo("gpt2", pre, len(tokens), source)
 
 
 def load_bpe_tokenizer(model_dir: Path):
@@ -268,23 +287,25 @@ class BPETokenizer:
     the tokenizers library (transformers imports torch; its fast tokenizer wraps this same object).
 
     It applies where transformers adds nothing to tokenizer.json: a BPE model (transformers skips
-    its decode clean-up for BPE) and every added token and named special token of
-    tokenizer_config.json already an added token of tokenizer.json (transformers would add the
-    missing ones). tests/gguf/test_vocab_tokenizers.py compares it with AutoTokenizer."""
+    its decode clean-up for BPE) without byte fallback (transformers 5 rebuilds the normalizer and
+    pre-tokenizer of the SentencePiece-style classes, e.g. LlamaTokenizer) and every added token and
+    named special token of tokenizer_config.json already an added token of tokenizer.json
+    (transformers would add the missing ones). tests/gguf/test_vocab_tokenizers.py compares it with
+    AutoTokenizer."""
 
     SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 
     def __init__(self, model_dir: Path):
         from tokenizers import Tokenizer
 
-        self.backend = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
+        self.backend = self.backend_tokenizer = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
         self.vocab = self.backend.get_vocab(with_added_tokens=True)
         self.added_tokens_decoder = self.backend.get_added_tokens_decoder()
 
     @classmethod
     def applies(cls, model_dir: Path) -> bool:
         data = read_json(Path(model_dir) / "tokenizer.json")
-        if (data.get("model") or {}).get("type") != "BPE":
+        if (data.get("model") or {}).get("type") != "BPE" or data["model"].get("byte_fallback"):
             return False
         added = {t.get("content") for t in data.get("added_tokens", [])}
         config = read_json(Path(model_dir) / "tokenizer_config.json")
@@ -351,17 +372,29 @@ def looks_special(token: str) -> bool:
             or (token.startswith("<unused") and token.endswith(">")))
 
 
-def pre_tokenizer_name(tokenizer, data: dict) -> tuple[str, str, list[str]]:
-    """(name, how it was found, warnings) — see the module docstring."""
+def bpe_pre_name(tokenizer, model_dir: Path) -> tuple[str, str]:
+    """(llama.cpp pre-tokenizer name, how it was found: "hash", "structure" or "spm-style");
+    UnsupportedError where llama.cpp would split some text differently (see the module docstring)."""
     digest = check_hash(tokenizer)
     if digest in KNOWN_PRE_HASHES:
-        return KNOWN_PRE_HASHES[digest], "hash", []
-    name = pre_from_structure(data.get("pre_tokenizer"))
-    if name:
-        return name, "structure", []
-    warning = (f"unknown BPE pre-tokenizer (check hash {digest[:12]}...): written as 'default'; "
-               "llama.cpp may split some text differently from the Hugging Face tokenizer")
-    return "default", "fallback", [warning]
+        return KNOWN_PRE_HASHES[digest], "hash"
+    name = pretokenizer.reading(pretokenizer.pipeline(tokenizer.backend_tokenizer))
+    if name == "llama-bpe" and not adds_bos(tokenizer, model_dir):
+        raise UnsupportedError("tokenizer.json (BPE, Llama 3 split): it adds no BOS token, and llama.cpp's "
+                               "'llama-bpe' pre-tokenizer always does", hint=pretokenizer.BPE_HINT)
+    if name == pretokenizer.SPM_STYLE_PRE:
+        check_llama_hf_readable(model_dir)
+        return name, "spm-style"
+    return name, "structure"
+
+
+def adds_bos(tokenizer, model_dir: Path) -> bool:
+    """The tokenizer puts the GGUF's BOS id (SpecialVocab's) before the text."""
+    from quantkit.gguf.special_vocab import SpecialVocab
+
+    bos = SpecialVocab(model_dir).special_token_ids.get("bos")
+    plain = tokenizer.encode("a", add_special_tokens=False)
+    return bos is not None and tokenizer.encode("a")[:len(plain) + 1] == [bos, *plain]
 
 
 def check_hash(tokenizer) -> str:
@@ -369,37 +402,63 @@ def check_hash(tokenizer) -> str:
     return sha256(str(tokenizer.encode(CHKTXT)).encode()).hexdigest()
 
 
-def pre_from_structure(pre: dict | None) -> str | None:
-    if not pre:
-        return None
-    if pre.get("type") == "ByteLevel":
-        return "gpt-2" if pre.get("use_regex", True) else None
-    if pre.get("type") != "Sequence":
-        return None
-    steps = pre.get("pretokenizers", [])
-    splits = [s for s in steps if s.get("type") == "Split"]
-    bytelevel = [s for s in steps if s.get("type") == "ByteLevel"]
-    if len(steps) == 2 and len(splits) == 1 and len(bytelevel) == 1 and not bytelevel[0].get("use_regex", True):
-        return KNOWN_SPLIT_REGEXES.get(splits[0].get("pattern", {}).get("Regex"))
-    if len(steps) == 1 and bytelevel:
-        return pre_from_structure(bytelevel[0])
-    return None
+# ------------------------------------------------------------------ SentencePiece-style BPE ("gpt2")
+
+
+def add_spm_style_vocab(writer, model_dir: Path, hparams: dict) -> VocabInfo:
+    """A SentencePiece-style BPE tokenizer.json as Gemma4Model.set_vocab writes one (gguf-py's
+    LlamaHfVocab: tokens, scores, types; the merges), under llama.cpp's BPE tokenizer with its
+    SentencePiece-style pre-tokenizer (quantkit.gguf.pretokenizer) instead of the model-named
+    "gemma4" tokenizer (which also forces BOS on)."""
+    from quantkit.gguf.special_vocab import SpecialVocab
+
+    tokens, scores, types = llama_hf_tokens(model_dir, hparams.get("vocab_size"))
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pretokenizer.SPM_STYLE_PRE)
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    SpecialVocab(model_dir, load_merges=True).add_to_gguf(writer, quiet=True)
+    return VocabInfo("gpt2", pretokenizer.SPM_STYLE_PRE, len(tokens), "spm-style")
+
+
+def check_llama_hf_readable(model_dir: Path) -> None:
+    """gguf-py's LlamaHfVocab reads a byte-fallback BPE tokenizer.json only with a Sequence decoder."""
+    decoder = read_json(Path(model_dir) / "tokenizer.json").get("decoder") or {}
+    if decoder.get("type") != "Sequence":
+        raise UnsupportedError(f"{Path(model_dir) / 'tokenizer.json'}: its decoder is {decoder.get('type')}, and "
+                               "gguf-py's LlamaHfVocab (the converter's reader of such a tokenizer) needs a Sequence",
+                               hint=pretokenizer.SPM_HINT)
+
+
+def llama_hf_tokens(model_dir: Path, vocab_size: int | None) -> tuple[list, list, list]:
+    """gguf-py's LlamaHfVocab.all_tokens(), each token at its id, padded to vocab_size as get_vocab_base pads."""
+    import gguf
+
+    try:
+        vocab = gguf.LlamaHfVocab(model_dir)
+    except (FileNotFoundError, TypeError) as exc:
+        raise UnsupportedError(f"{model_dir / 'tokenizer.json'}: gguf-py's LlamaHfVocab cannot read it ({exc})",
+                               hint=pretokenizer.SPM_HINT) from exc
+    tokens, scores, types = (list(x) for x in zip(*vocab.all_tokens()))
+    ids = vocab.tokenizer.get_vocab()
+    misplaced = next((i for i, t in enumerate(tokens) if ids.get(t.decode("utf-8")) != i), None)
+    if misplaced is not None:
+        raise UnsupportedError(f"{model_dir / 'tokenizer.json'}: the ids have a gap (gguf-py's LlamaHfVocab "
+                               f"lists another token at {misplaced})", hint=pretokenizer.SPM_HINT)
+    n = vocab_size if vocab_size is not None else len(tokens)
+    if len(tokens) > n:
+        raise UnsupportedError(f"the tokenizer has {len(tokens)} tokens, beyond vocab_size {n}",
+                               hint="the tokenizer and config.json disagree: set vocab_size in config.json to the "
+                                    "tokenizer's size, or save both again")
+    for i in range(len(tokens), n):
+        tokens.append(f"[PAD{i}]".encode())
+        scores.append(ADDED_SCORE)
+        types.append(gguf.TokenType.UNUSED)
+    return tokens, scores, types
 
 
 # ------------------------------------------------------------------ SentencePiece ("llama")
-
-
-def add_llama_hf_vocab(writer, model_dir: Path) -> VocabInfo:
-    """TextModel._set_vocab_llama_hf (raises FileNotFoundError / TypeError when not applicable)."""
-    import gguf
-
-    from quantkit.gguf.special_vocab import SpecialVocab
-
-    vocab = gguf.LlamaHfVocab(model_dir)
-    tokens, scores, types = (list(x) for x in zip(*vocab.all_tokens()))
-    write_llama_vocab(writer, tokens, scores, types)
-    SpecialVocab(model_dir, n_vocab=len(tokens)).add_to_gguf(writer, quiet=True)
-    return VocabInfo("llama", "default", len(tokens), "spm")
 
 
 def add_sentencepiece_vocab(writer, model_dir: Path, hparams: dict) -> VocabInfo:

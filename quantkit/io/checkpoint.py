@@ -1,6 +1,7 @@
 """A checkpoint directory as quantkit reads it before loading anything: config.json and the
 safetensors headers (`check_model_dir`, cheap, so a bad model fails in a second rather than after
-calibration), the model's kind, and a hub id resolved from the local cache only.
+calibration), the model's kind, and a model argument resolved to a directory (a Hub id fetched by
+quantkit.io.hub).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from functools import cached_property
 from pathlib import Path
 
 from quantkit.errors import ModelError
+from quantkit.io.hub import HubSource, fetch, parse_hub_id
 from quantkit.io.safetensors import (
     StoredTensor,
     read_safetensors_header,
@@ -29,6 +31,7 @@ class ModelInfo:
     architecture: str
     model_type: str
     tensors: dict[str, tuple[str, list[int]]] = field(default_factory=dict)  # name -> (dtype, shape)
+    hub: HubSource | None = None  # the Hub id, revision, commit and files it was fetched from
 
     @property
     def num_parameters(self) -> int:
@@ -90,44 +93,33 @@ def check_submodel_packages(info: ModelInfo) -> None:
                 hint=f"pip install {package} (into the same environment as quantkit)")
 
 
-def resolve_model(spec: str) -> Path:
-    """A local directory, or a hub id found in the local Hugging Face cache (never downloaded)."""
+def resolve_model(spec: str, offline: bool = False, trust_remote_code: bool = False) -> Path:
+    """The checkpoint directory a model argument names (resolve_source)."""
+    return resolve_source(spec, offline, trust_remote_code)[0]
+
+
+def resolve_source(spec: str, offline: bool = False,
+                   trust_remote_code: bool = False) -> tuple[Path, HubSource | None]:
+    """A model argument: a local directory, or `org/name[@revision]` on the Hugging Face Hub, fetched into
+    the hub library's cache (quantkit.io.hub.fetch; from the cache alone when offline) with where it came
+    from. The one function every command resolves its model arguments with."""
     path = Path(spec).expanduser()
     if path.exists():
         if not path.is_dir():
             raise ModelError(f"model path is not a directory: {path}",
                              hint="give the checkpoint's directory, not a file in it (a .gguf goes to quantkit eval)")
-        return path
-    if _looks_like_hub_id(spec):
-        cached = _from_hf_cache(spec)
-        if cached is not None:
-            return cached
-        raise ModelError(
-            f"'{spec}' is not a local directory and is not in the local Hugging Face cache",
-            hint="quantkit never downloads; run `hf download "
-            f"{spec}` on a connected machine, or pass a local directory",
-        )
+        return path, None
+    hub_id = parse_hub_id(spec)
+    if hub_id is not None:
+        return fetch(*hub_id, offline=offline, trust_remote_code=trust_remote_code)
     raise ModelError(f"model directory not found: {path}",
-                     hint="give a local checkpoint directory (config.json and *.safetensors), or a hub id in the "
-                          "local Hugging Face cache")
+                     hint="give a local checkpoint directory (config.json and *.safetensors), or a Hub id "
+                          "org/name[@revision]")
 
 
-def _looks_like_hub_id(spec: str) -> bool:
-    parts = spec.split("/")
-    return len(parts) == 2 and all(parts) and not spec.startswith((".", "/", "~"))
-
-
-def _from_hf_cache(repo_id: str) -> Path | None:
-    try:
-        from huggingface_hub import snapshot_download
-
-        return Path(snapshot_download(repo_id, local_files_only=True))
-    except Exception:
-        return None
-
-
-def check_model_dir(path: Path) -> ModelInfo:
-    """Read config.json and every safetensors header; raise ModelError on anything wrong."""
+def check_model_dir(path: Path, hub: HubSource | None = None) -> ModelInfo:
+    """Read config.json and every safetensors header; raise ModelError on anything wrong. HUB: where a
+    model fetched from the Hub came from (resolve_source)."""
     config = read_config(path)
     files = weight_files(path)
     tensors: dict[str, tuple[str, list[int]]] = {}
@@ -137,7 +129,7 @@ def check_model_dir(path: Path) -> ModelInfo:
             check_float_weights(file, header)
         tensors.update(header)
     architecture = (config.get("architectures") or ["unknown"])[0]
-    return ModelInfo(path, config, files, architecture, config.get("model_type", "unknown"), tensors)
+    return ModelInfo(path, config, files, architecture, config.get("model_type", "unknown"), tensors, hub)
 
 
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
@@ -151,6 +143,11 @@ def check_float_weights(file: Path, tensors: dict[str, tuple[str, list[int]]]) -
             raise ModelError(f"{file.name}: tensor {name} is stored as {dtype}, but config.json describes a "
                              "full-precision model (no quantization_config)",
                              hint="the checkpoint and its config.json do not belong together")
+
+
+def quant_method(config: dict) -> str:
+    """config.json's quantization_config.quant_method ("compressed-tensors", "bitsandbytes"); "" without one."""
+    return (config.get("quantization_config") or {}).get("quant_method") or ""
 
 
 def read_config(path: Path) -> dict:
@@ -192,7 +189,7 @@ def is_vlm(config: dict) -> bool:
     """A vision-language model: a *ForConditionalGeneration architecture with a vision_config.
 
     The one rule for picking the Auto class, shared by loading the base (`load_model`) and
-    loading an artifact back for evaluation (`quantkit.eval.artifacts.load_for_eval`).
+    loading an artifact back for evaluation (`quantkit.formats.gate.load_artifact`).
     """
     architecture = (config.get("architectures") or [""])[0]
     return architecture.endswith("ForConditionalGeneration") and "vision_config" in config

@@ -1,40 +1,38 @@
-"""The method contract, and the static name -> module map through which methods are imported lazily.
+"""The method contract, and the registry through which methods are imported lazily.
 
 Each method module (fp8, gptq, awq, autoround, smoothquant, nf4, gguf, nvfp4, mxfp4, mlx) ends with one declaration,
 
-    METHOD = MethodSpec(name=..., engine=..., engine_package=..., format=..., options=Options,
-                        quantize=quantize, precision=precision, default_gate=..., ...)
+    METHOD = MethodSpec(name=..., format=compressed_tensors.FORMAT, label=..., scheme=..., engine=...,
+                        options=Options, quantize=quantize, precision=precision, default_gate=..., ...)
 
-and is light enough to import without torch (heavy imports happen inside its functions).
-`MethodSpec` below names every member a method provides, required and optional, with the
-defaults for the optional ones in one place. Who calls what:
+and is light enough to import without torch (heavy imports happen inside its functions). `MethodSpec` holds
+what every method has; what only some methods do is a small record they fill (Layers, Sizes, FallbackSteps, Resume,
+OnRanks, Towers), each member described where it is declared. Who calls what:
 
   member             called by                                    when
+  name, label        pipeline, report                             the report's method and format text
+  format             formats.gate, preflight, report, serving     what the artifact is: read back, served (quantkit.formats)
+  scheme             runtimes_for (cli.inspect, run.serving)      the options' scheme within the format (its runtimes)
+  engine             report                                       the library that does the work, and its version
   options            recipe.validate, cli.inspect                 validating a target's `options`
   resolve            pipeline.resolve_target, cli.inspect         options completed for the model (group_size auto)
   check              pipeline.prepare                             before any model is loaded
   needs_calibration  pipeline.resolve_target                      deciding whether to cut calibration windows
   needs_model        pipeline.resolve_target, cli.inspect         deciding whether to load the model in memory
   default_gate       pipeline.resolve_target (recipe.target_gate) the gate thresholds of a target
-  keeps_lm_head      pipeline.resolve_target, cli.inspect         building the ignore list
-  supports_ignore    pipeline.resolve_target                      refusing `ignore` where a format fixes every type
-  check_ignore       pipeline.resolve_target                      refusing an ignore list the engine cannot take
-  shape_problems     pipeline.resolve_target, cli.inspect         layers whose widths the format cannot tile (kept 16-bit)
   precision          plan.build_plan                              the plan (`quantkit inspect`, the report)
-  plan_types         plan.build_plan                              exact per-tensor types (gguf's mixture)
-  fallback_ladder    pipeline.run_fallback                        the units a failed gate raises (quantkit.mixed.budget.Ladder)
-  requantize         pipeline.run_fallback                        writing the artifact again with a per-unit plan
-  artifact           preflight, report, pipeline                  the artifact's kind: how the gate reads it back
-  stored_bits        preflight                                    disk and memory estimates of the artifact
-  working_set        preflight                                    memory the method's own work holds
-  distributed        engines.llmcompressor.distributed            whether a torchrun launch may run it
   support            run.support                                  README's family x method tables
-  tower_proof        pipeline.tower_proof                         proving a VLM artifact's towers (gguf: its mmproj)
-  precision_bits     run.serving                                  bits of one plan entry's precision (gguf: its ggml type)
-  runtimes           run.serving (quantkit plan, model cards)     which runtime and kernel serve the artifact, where
-  scheme_runtimes    runtimes_for (cli.inspect, run.serving)      the runtimes of one scheme of the method
-  serve_command      run.serving                                  the command line that serves the artifact
+  rotation_refused   recipe.check_rotation                        refusing --rotate (a method with no `rotate` option)
   quantize           pipeline.run_target                          writing the artifact into a staging dir
+  layers             pipeline.resolve_target, plan, cli.inspect   lm_head, ignore lists, widths, exact types (Layers)
+  sizes              preflight, run.serving                       disk and memory estimates (Sizes)
+  fallback           run.fallback                                 the gate-driven fallback's units and rewrite (FallbackSteps)
+  resume             run.resume, preflight                        --resume: what it continues from (Resume)
+  ranks              engines.llmcompressor.distributed            whether a torchrun launch may run it (OnRanks)
+  towers             pipeline                                     a VLM's towers: quantized, proved (Towers)
+
+The registry: METHODS (name -> module) and the methods other packages declare under the entry-point group
+`quantkit.methods` (a name -> "module:METHOD"); `get_method` imports one.
 """
 
 from __future__ import annotations
@@ -48,6 +46,7 @@ from pydantic import BaseModel
 
 from quantkit.engines.llmcompressor.distributed import Ranks
 from quantkit.errors import InputError
+from quantkit.formats import Format, Runtime
 
 if TYPE_CHECKING:
     from quantkit.arch.families import Family
@@ -69,6 +68,7 @@ METHODS: dict[str, str] = {
     "mlx": "quantkit.methods.mlx",
 }
 
+ENTRY_POINTS = "quantkit.methods"  # the entry-point group of the methods other packages declare
 GateDefaults = dict[str, float]  # Gate field -> threshold, e.g. {"max_kld": 0.01}
 
 
@@ -137,7 +137,7 @@ class QuantizeJob:
     progress: Callable[[str], None] = lambda message: None  # one line per phase of a long step (the CLI shows it)
     handle: ModelHandle = field(default_factory=ModelHandle)
     placement: Any = field(default_factory=streamed_placement)  # where quantkit's own forwards run (quantkit.eval.scorers.Placement)
-    resume_dir: Path | None = None  # --resume: where the method keeps its progress (MethodSpec.resume_unit); None: it keeps none
+    resume_dir: Path | None = None  # --resume: where the method keeps its progress (MethodSpec.resume); None: it keeps none
 
     @property
     def model(self) -> Any:
@@ -209,55 +209,34 @@ def _no_working_set(info: ModelInfo, options: BaseModel) -> int:
     return 0
 
 
+def _eight_bits(options: BaseModel) -> float:
+    return 8.0
+
+
 def _supports_every_family(family: Family) -> str:
     return family.kept()
 
 
-@dataclass(frozen=True)
-class Runtime:
-    """One way to serve a method's artifact: the runtime and its kernel, the device kinds it runs on
-    ("cuda", "apple", "cpu"), the CUDA compute capabilities the kernel runs on, where that is stated, and the
-    widths of a Linear ([out, in]) the kernel takes: multiples of out_multiple and in_multiple."""
-
-    name: str
-    kinds: tuple[str, ...]
-    min_capability: float = 0.0
-    source: str = ""
-    out_multiple: int = 1
-    in_multiple: int = 1
-    max_capability: float = 0.0  # the newest compute capability the kernel runs on (0: no limit)
-
-    def serves(self, kind: str, capability: float = 0.0) -> bool:
-        newest = self.max_capability or capability
-        return kind in self.kinds and (kind != "cuda" or self.min_capability <= capability <= newest)
-
-    def accepts(self, shape: list[int]) -> bool:
-        """Whether the kernel takes a Linear of this [out, in] shape."""
-        return shape[0] % self.out_multiple == 0 and shape[1] % self.in_multiple == 0
+def _resumes(info: ModelInfo, options: BaseModel) -> str | None:
+    return None
 
 
-def vllm_serve(path: str) -> str:
-    return f"vllm serve {path}"
+def _saves_nothing(info: ModelInfo, options: BaseModel, calibration: Calibration) -> int:
+    return 0
+
+
+def _on_every_rank(options: BaseModel) -> str | None:
+    return None
 
 
 @dataclass(frozen=True)
-class MethodSpec:
-    """Every member a method provides. Required members first; the rest default as shown."""
+class Layers:
+    """Which layers a method quantizes beyond its `precision`, for the methods whose format decides more."""
 
-    name: str
-    engine: str  # the library that does the work, for reports ("llmcompressor")
-    engine_package: str  # distribution whose version is reported ("llmcompressor", "quantkit")
-    format: str  # the artifact format written
-    options: type[BaseModel]  # the method's recipe options (extra="forbid")
-    quantize: Callable[[QuantizeJob], QuantizeResult]
-    # precision(role, options, module name, shape) -> text such as "int4 g128 sym (GPTQ)", or
-    # None: that role stays in the model's 16-bit dtype.
-    precision: Callable[[str, BaseModel, str, list[int]], str | None]
-    default_gate: Callable[[BaseModel], GateDefaults]
-    # resolve(info, options) -> (options, notes): choices left to the model made (gptq's group_size auto),
-    # with a line per choice for the report and the model card saying what was chosen and why
-    resolve: Callable[[ModelInfo, BaseModel], tuple[BaseModel, dict[str, str]]] = _as_given
-    check: Callable[[ModelInfo, BaseModel, Calibration], None] = _no_check  # cheap, before any work
+    # keeps_lm_head(options) -> True: lm_head stays 16-bit (added to the ignore list); a format that types
+    # lm_head itself (gguf's mixture, mlx) says False
+    keeps_lm_head: Callable[[BaseModel], bool] = _always
+    takes_ignore: bool = True  # False: the format decides every tensor's type (gguf mixtures): `ignore` refused
     # check_ignore(info, options, full ignore list): refuse, before any work, an ignore list the engine
     # cannot take (awq: a smoothing row whose balance layers would all stay 16-bit)
     check_ignore: Callable[[ModelInfo, BaseModel, list[str]], None] = _any_ignore
@@ -265,67 +244,145 @@ class MethodSpec:
     # format's blocks or groups cannot tile (fp8-block, FP4 groups, an explicit int group size). The pipeline
     # keeps them 16-bit and lists them, or refuses the first with --strict-shapes.
     shape_problems: Callable[[ModelInfo, BaseModel, list[str]], dict[str, str]] = _every_shape_tiles
-    needs_calibration: Callable[[BaseModel], bool] = _never
-    # needs_model(info, options) -> True: quantize() gets the model (and tokenizer) loaded in memory;
-    # False: it reads the checkpoint itself. Cheap (config.json and safetensors headers, no torch).
-    needs_model: Callable[[ModelInfo, BaseModel], bool] = _loads_model
-    # True: lm_head stays 16-bit (added to the ignore list); a format that types lm_head itself says False.
-    keeps_lm_head: Callable[[BaseModel], bool] = _always
-    supports_ignore: bool = True  # False: the format decides every tensor's type (gguf mixtures)
-    quantizes_towers: bool = False  # True: takes a target's `vision`/`projector` int8/int4 (llmc.tower_modifiers)
-    # A method that rotates has a `rotate` option (llmc.Rotate: llm-compressor's transform modifiers before it
-    # quantizes); for the others, why --rotate is refused (recipe.check_rotation, exit 2 before any work)
-    rotation_refused: str = "its engine does not run llm-compressor's transform modifiers"
-    # Exact per-module precision for the whole model where one tensor's type depends on the others
-    # (gguf: llama-quantize's mixture rules); {} where `precision` alone is exact.
-    plan_types: Callable[[ModelInfo, BaseModel], dict[str, str]] = _no_exact_types
-    # Gate-driven fallback (a method whose options have `fallback`; the loop is quantkit.run.pipeline.run_fallback):
-    # fallback_ladder(job, first result) -> quantkit.mixed.budget.Ladder: the units, their precisions in the
-    # artifact, their candidates, damages and bytes; requantize(job, plan, details) writes the artifact
-    # again into job.out_dir with a per-unit plan ({unit name: precision}), `details` its report fields.
-    fallback_ladder: Callable[[QuantizeJob, QuantizeResult], Ladder] | None = None
-    requantize: Callable[[QuantizeJob, dict[str, str], dict], QuantizeResult] | None = None
-    # How the gate reads the artifact back: "compressed-tensors" (streamed for a text decoder, else
-    # loaded whole), "bitsandbytes" (loaded whole by transformers), "gguf" (streamed in float32),
-    # "mlx" (an mlx-lm directory, dequantized as mlx does and streamed in its stored dtype).
-    artifact: str = "compressed-tensors"
+    # exact_types(info, options) -> exact per-module precision for the whole model where one tensor's type
+    # depends on the others (gguf: llama-quantize's mixture rules); {} where `precision` alone is exact
+    exact_types: Callable[[ModelInfo, BaseModel], dict[str, str]] = _no_exact_types
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """What the artifact and the method's work take, for the preflight and the serving plan."""
+
     # stored_bits(options) -> bits per quantized weight in the artifact, scales included (roughly)
-    stored_bits: Callable[[BaseModel], float] = lambda options: 8.0
+    stored_bits: Callable[[BaseModel], float] = _eight_bits
     # working_set(info, options) -> bytes the method's own work holds beyond the model it had loaded
     # (GPTQ's Hessians; fp8's model-free slabs, where it loads no model)
     working_set: Callable[[ModelInfo, BaseModel], int] = _no_working_set
-    distributed: bool = False  # True: one target may run on several torchrun ranks
-    # --resume (quantkit.run.resume): what an interrupted run continues from ("the last written tensor"), the
-    # method keeping its progress in job.resume_dir; None: the method does not resume (refused before work)
-    resume_unit: str | None = None
-    # resume_bytes(info, options, tokens) -> disk its saved progress takes beyond the artifact (preflight), for
-    # `tokens` calibration tokens (the sequential methods save the hidden states after each layer)
-    resume_bytes: Callable[[ModelInfo, BaseModel, int], int] = lambda info, options, tokens: 0
-    # resume_refused(info, options) -> why a target of a method that resumes does not with these options (fp8:
-    # only its model-free path saves progress); None: it resumes
-    resume_refused: Callable[[ModelInfo, BaseModel], str | None] = lambda info, options: None
-    # ranks_refused(options) -> why a target with these options runs in one process only (None: it may run
-    # on ranks where `distributed`): the reason the torchrun refusal names (quantkit.engines.llmcompressor.distributed)
-    ranks_refused: Callable[[BaseModel], str | None] = lambda options: None
+    # precision_bits(options, precision) -> bits per weight of a plan entry's precision string, scales
+    # included (gguf: its ggml type); None: stored_bits(options) for every quantized entry
+    precision_bits: Callable[[BaseModel, str], float] | None = None
+
+
+@dataclass(frozen=True)
+class FallbackSteps:
+    """The gate-driven fallback of a method whose options have `fallback` (the loop: quantkit.run.fallback)."""
+
+    # ladder(job, first result) -> quantkit.mixed.budget.Ladder: the units, their precisions in the artifact,
+    # their candidates, damages and bytes
+    ladder: Callable[[QuantizeJob, QuantizeResult], Ladder]
+    # requantize(job, plan, details) writes the artifact again into job.out_dir with a per-unit plan
+    # ({unit name: precision}), `details` its report fields
+    requantize: Callable[[QuantizeJob, dict[str, str], dict], QuantizeResult]
+
+
+@dataclass(frozen=True)
+class Resume:
+    """--resume (quantkit.run.resume): the method keeps its progress in job.resume_dir."""
+
+    unit: str  # what an interrupted run continues from ("the last written tensor")
+    # refused(info, options) -> why a target with these options does not resume (fp8: only its model-free path
+    # saves progress); None: it resumes
+    refused: Callable[[ModelInfo, BaseModel], str | None] = _resumes
+    # bytes(info, options, calibration) -> disk its saved progress takes beyond the artifact (preflight), for the
+    # run's calibration windows (num_samples x seq_len: the sequential methods save what each layer's inputs are)
+    bytes: Callable[[ModelInfo, BaseModel, Calibration], int] = _saves_nothing
+
+
+@dataclass(frozen=True)
+class OnRanks:
+    """How a method meets a torchrun launch (quantkit.engines.llmcompressor.distributed)."""
+
+    # refused(options) -> why a target with these options runs in one process only, the reason the refusal
+    # names; None: it runs on several ranks. A one-process engine (nf4, gguf, mlx) answers its reason for every
+    # options, so the refusal says why.
+    refused: Callable[[BaseModel], str | None] = _on_every_rank
+
+
+@dataclass(frozen=True)
+class Towers:
+    """What a method does with a VLM's towers beyond keeping them 16-bit and proving them after reload."""
+
+    quantizes: bool = False  # True: takes a target's `vision`/`projector` int8/int4 (llmc.tower_modifiers)
+    # proof(job, result) -> report fields proving the artifact's towers (exit 3 otherwise); None: the pipeline
+    # reloads a checkpoint directory (quantkit.eval.vlm_proof.prove_towers). gguf proves its mmproj file.
+    proof: Callable[[QuantizeJob, QuantizeResult], dict] | None = None
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """What every method has; required members first, the rest default as shown. The records at the end are
+    filled by the methods that need them."""
+
+    name: str
+    format: Format  # the artifact format written (quantkit.formats: how the gate reads it, who serves it)
+    label: str  # the format in the method's words, for reports ("compressed-tensors (pack-quantized, int weights)")
+    scheme: Callable[[BaseModel], str]  # scheme(options) -> the options' scheme within the format (its runtimes)
+    engine: str  # the library that does the work, for reports ("llmcompressor")
+    options: type[BaseModel]  # the method's recipe options (extra="forbid"; every field has a default)
+    quantize: Callable[[QuantizeJob], QuantizeResult]  # writes the artifact into job.out_dir
+    # precision(role, options, module name, shape) -> text such as "int4 g128 sym (GPTQ)", or
+    # None: that role stays in the model's 16-bit dtype.
+    precision: Callable[[str, BaseModel, str, list[int]], str | None]
+    default_gate: Callable[[BaseModel], GateDefaults]  # the gate's thresholds for these options
+    engine_package: str = ""  # the distribution whose version is reported ("quantkit"); "": `engine`
+    # resolve(info, options) -> (options, notes): choices left to the model made (gptq's group_size auto),
+    # with a line per choice for the report and the model card saying what was chosen and why
+    resolve: Callable[[ModelInfo, BaseModel], tuple[BaseModel, dict[str, str]]] = _as_given
+    check: Callable[[ModelInfo, BaseModel, Calibration], None] = _no_check  # cheap, before any work
+    needs_calibration: Callable[[BaseModel], bool] = _never  # needs_calibration(options)
+    # needs_model(info, options) -> True: quantize() gets the model (and tokenizer) loaded in memory;
+    # False: it reads the checkpoint itself. Cheap (config.json and safetensors headers, no torch).
+    needs_model: Callable[[ModelInfo, BaseModel], bool] = _loads_model
     # support(family) -> "✅ ..." or "refused: why": what the method does with a family of
     # quantkit.arch.families, as its check() decides (README's tables)
     support: Callable[[Family], str] = _supports_every_family
-    # tower_proof(job, result) -> report fields proving a VLM artifact's towers (exit 3 otherwise);
-    # None: the pipeline reloads a checkpoint directory (quantkit.eval.vlm_proof.prove_towers)
-    tower_proof: Callable[[QuantizeJob, QuantizeResult], dict] | None = None
-    # precision_bits(options, precision) -> bits per weight of a plan entry's precision string, scales
-    # included; None: stored_bits(options) for every quantized entry
-    precision_bits: Callable[[BaseModel, str], float] | None = None
-    runtimes: tuple[Runtime, ...] = ()  # in order of preference: the first that runs on a device serves there
-    # scheme_runtimes(options) -> the runtimes of the options' scheme (a weight-only scheme has fewer
-    # kernels); None: `runtimes` for every scheme. Read through `runtimes_for`.
-    scheme_runtimes: Callable[[BaseModel], tuple[Runtime, ...]] | None = None
-    serve_command: Callable[[str], str] = vllm_serve  # serve_command(artifact path) -> a command line
+    # A method that rotates has a `rotate` option (llmc.Rotate: llm-compressor's transform modifiers before it
+    # quantizes); for the others, why --rotate is refused (recipe.check_rotation, exit 2 before any work)
+    rotation_refused: str = "its engine does not run llm-compressor's transform modifiers"
+    layers: Layers = Layers()
+    sizes: Sizes = Sizes()
+    fallback: FallbackSteps | None = None  # exactly the methods whose options have `fallback`
+    resume: Resume | None = None  # None: --resume is refused before any work
+    ranks: OnRanks | None = None  # None: runs in one process only (refused on ranks without a reason)
+    towers: Towers = Towers()
+
+    @property
+    def package(self) -> str:
+        """The distribution whose version the report records."""
+        return self.engine_package or self.engine
 
 
 def runtimes_for(method: MethodSpec, options: BaseModel) -> tuple[Runtime, ...]:
-    """The runtimes that serve the method's artifact with these options (its scheme's)."""
-    return method.scheme_runtimes(options) if method.scheme_runtimes else method.runtimes
+    """The runtimes that serve the method's artifact with these options (its format's, for its scheme)."""
+    return method.format.runtimes(method.scheme(options))
+
+
+def ignore_patterns(info: ModelInfo, user_ignore: list[str], keep_lm_head: bool = True,
+                    quantized_towers: tuple[str, ...] = ()) -> list[str]:
+    """The `ignore` list a method gets (QuantizeJob.ignore; llm-compressor's semantics): lm_head (when kept), every
+    VLM tower component (the component itself and everything under it: a projector that is a single Linear, the
+    Linear subclasses inside a tower such as nn.MultiheadAttention's out_proj) but those of the roles in
+    `quantized_towers`, the MoE routers present in this model, then the user's patterns."""
+    import re
+
+    from quantkit.arch.roles import ROUTER_PATTERN, classify
+    from quantkit.arch.vlm import component_pattern, ignore_pattern
+
+    patterns = ["lm_head"] if keep_lm_head else []
+    present = {component for _role, component in info.towers.components
+               if any(re.search(component_pattern(component), name) for name in info.tensors)}
+    quantized = [c for role, c in info.towers.components if role in quantized_towers]
+    patterns += [ignore_pattern(c, tuple(q[len(c) + 1:] for q in quantized if q.startswith(c + ".")))
+                 for role, c in info.towers.components if c in present and role not in quantized_towers]
+    if any(classify(name, info.towers) == "router" for name in info.tensors):
+        patterns.append(ROUTER_PATTERN)
+    return patterns + [p for p in user_ignore if p not in patterns]
+
+
+def on_ranks(method: MethodSpec, options: BaseModel) -> tuple[bool, str | None]:
+    """(whether the method declares how it meets torchrun ranks, why these options run in one process: None where
+    they run on several ranks)."""
+    return method.ranks is not None, method.ranks.refused(options) if method.ranks else None
 
 
 def fixed_gate(thresholds: GateDefaults) -> Callable[[BaseModel], GateDefaults]:
@@ -333,11 +390,22 @@ def fixed_gate(thresholds: GateDefaults) -> Callable[[BaseModel], GateDefaults]:
     return lambda options: dict(thresholds)
 
 
+def registered() -> dict[str, str]:
+    """name -> "module:METHOD" of every method: the built-in ones (METHODS), then those other packages declare
+    under the entry-point group `quantkit.methods` (a built-in name is never replaced)."""
+    from importlib.metadata import entry_points
+
+    found = {name: f"{module}:METHOD" for name, module in METHODS.items()}
+    for point in sorted(entry_points(group=ENTRY_POINTS), key=lambda p: p.name):
+        found.setdefault(point.name, point.value)
+    return found
+
+
 def check_method_name(name: str) -> str:
-    if name not in METHODS:
+    if name not in METHODS and name not in registered():
         raise InputError(
             f"unknown method '{name}'",
-            hint="choose one of: " + ", ".join(METHODS),
+            hint="choose one of: " + ", ".join(registered()),
         )
     return name
 
@@ -345,12 +413,14 @@ def check_method_name(name: str) -> str:
 def get_method(name: str) -> MethodSpec:
     """The method's declaration; a method whose module is not written yet fails loudly."""
     check_method_name(name)
+    reference = f"{METHODS[name]}:METHOD" if name in METHODS else registered()[name]
+    module_name, _, attribute = reference.partition(":")
     try:
-        module = importlib.import_module(METHODS[name])
+        module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
-        if exc.name == METHODS[name]:
+        if exc.name == module_name:
             raise InputError(f"method '{name}' is not available in this version of quantkit",
                              hint="pip install -e . again to bring the install in line with the source; quantkit "
                                   "quantize --help lists the methods") from exc
         raise
-    return module.METHOD
+    return getattr(module, attribute)

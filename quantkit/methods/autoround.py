@@ -28,7 +28,20 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from quantkit.engines.llmcompressor import layer_resume, llmc
 from quantkit.errors import InputError
-from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, fixed_gate, gptq
+from quantkit.formats import compressed_tensors
+from quantkit.methods import (
+    FallbackSteps,
+    Layers,
+    MethodSpec,
+    OnRanks,
+    QuantizeJob,
+    QuantizeResult,
+    Resume,
+    Sizes,
+    Towers,
+    fixed_gate,
+    gptq,
+)
 from quantkit.mixed.budget import Fallback
 
 # auto-round's recipes (auto_round's `--iters`/`--lr` defaults and its "light" recipe)
@@ -168,11 +181,14 @@ def support(family) -> str:
 
 
 METHOD = MethodSpec(
-    quantizes_towers=True, name="autoround", engine=llmc.ENGINE, engine_package=llmc.ENGINE,
-    format="compressed-tensors (pack-quantized, int weights)",
-    options=Options, quantize=quantize, precision=precision, default_gate=fixed_gate(gptq.DEFAULT_GATE),
-    check=check, needs_calibration=needs_calibration, resolve=gptq.resolve, shape_problems=gptq.shape_problems,
-    fallback_ladder=fallback_ladder, requantize=requantize, stored_bits=gptq.stored_bits, working_set=working_set,
-    support=support, runtimes=gptq.RUNTIMES, distributed=True,
-    **layer_resume.method_fields(),
+    name="autoround", format=compressed_tensors.FORMAT, label="compressed-tensors (pack-quantized, int weights)",
+    scheme=gptq.compressed_scheme, engine=llmc.ENGINE, options=Options, quantize=quantize, precision=precision,
+    default_gate=fixed_gate(gptq.DEFAULT_GATE), resolve=gptq.resolve, check=check, needs_calibration=needs_calibration,
+    support=support,
+    layers=Layers(shape_problems=gptq.shape_problems),
+    sizes=Sizes(stored_bits=gptq.stored_bits, working_set=working_set),
+    fallback=FallbackSteps(fallback_ladder, requantize),
+    resume=Resume(**layer_resume.resume_fields()),
+    ranks=OnRanks(),
+    towers=Towers(quantizes=True),
 )

@@ -56,7 +56,20 @@ from pydantic import BaseModel, ConfigDict
 from quantkit.arch.mappings import model_mappings
 from quantkit.engines.llmcompressor import layer_resume, llmc
 from quantkit.errors import InputError, MissingExtraError, UnsupportedError
-from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, fixed_gate, gptq
+from quantkit.formats import compressed_tensors
+from quantkit.methods import (
+    FallbackSteps,
+    Layers,
+    MethodSpec,
+    OnRanks,
+    QuantizeJob,
+    QuantizeResult,
+    Resume,
+    Sizes,
+    Towers,
+    fixed_gate,
+    gptq,
+)
 from quantkit.mixed.budget import Fallback
 from quantkit.mixed.sensitivity import SensitivityRow
 
@@ -75,6 +88,11 @@ class Options(BaseModel):
     backend: Literal["llmcompressor", "autoawq"] = "llmcompressor"
     auto_precision: gptq.AutoPrecision | None = None  # per-layer int4/int8/16-bit (quantkit.mixed.layers)
     fallback: Fallback | None = None  # on a failed gate, raise the most damaging layers' precision (quantkit.mixed.budget)
+
+
+# the fewest grid points llm-compressor 0.14.0.1's scale search divides by without a zero
+# (AWQModifier._get_grid_search_params: n_grid - 2 with duo_scaling, n_grid - 1 without, n_grid // 2 - 1 for both)
+MIN_GRID = {True: 3, False: 2, "both": 4}
 
 
 def needs_calibration(options: Options) -> bool:
@@ -115,8 +133,10 @@ def check(info, options: Options, calibration) -> None:
     gptq.check_moe(info, options.symmetric, "none", "awq")
     gptq.check_bits(options.bits, "awq")
     gptq.check_group_size(options.group_size, "awq")
-    if options.n_grid < 1:
-        raise InputError(f"awq: n_grid={options.n_grid} must be positive",
+    least = MIN_GRID[options.duo_scaling]
+    if options.n_grid < least:
+        raise InputError(f"awq: n_grid={options.n_grid} is too small for duo_scaling {options.duo_scaling}: "
+                         f"the scale search needs at least {least} grid points",
                          hint="e.g. n_grid: 20 in the target's options")
     gptq.check_calibration_tokens(calibration, "awq")
     if gptq.mixed(options):
@@ -310,12 +330,14 @@ ROTATION_REFUSED = ("llm-compressor applies the rotation when calibration starts
 
 
 METHOD = MethodSpec(
-    quantizes_towers=True, name="awq", engine=llmc.ENGINE, engine_package=llmc.ENGINE,
-    rotation_refused=ROTATION_REFUSED,
-    format="compressed-tensors (pack-quantized, int4 asymmetric)",
-    options=Options, quantize=quantize, precision=precision, default_gate=fixed_gate(DEFAULT_GATE),
-    check=check, needs_calibration=needs_calibration, check_ignore=check_ignore, shape_problems=gptq.shape_problems,
-    resolve=gptq.resolve, fallback_ladder=fallback_ladder, requantize=requantize, stored_bits=gptq.stored_bits,
-    support=support, runtimes=gptq.RUNTIMES, distributed=True,
-    **layer_resume.method_fields(),
+    name="awq", format=compressed_tensors.FORMAT, label="compressed-tensors (pack-quantized, int4 asymmetric)",
+    scheme=gptq.compressed_scheme, engine=llmc.ENGINE, options=Options, quantize=quantize, precision=precision,
+    default_gate=fixed_gate(DEFAULT_GATE), resolve=gptq.resolve, check=check, needs_calibration=needs_calibration,
+    support=support, rotation_refused=ROTATION_REFUSED,
+    layers=Layers(check_ignore=check_ignore, shape_problems=gptq.shape_problems),
+    sizes=Sizes(stored_bits=gptq.stored_bits),
+    fallback=FallbackSteps(fallback_ladder, requantize),
+    resume=Resume(**layer_resume.resume_fields()),
+    ranks=OnRanks(),
+    towers=Towers(quantizes=True),
 )

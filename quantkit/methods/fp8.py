@@ -33,11 +33,24 @@ from pydantic import BaseModel, ConfigDict
 from quantkit.arch import moe
 from quantkit.engines.llmcompressor import layer_resume, llmc, model_free
 from quantkit.errors import UnsupportedError
-from quantkit.methods import MethodSpec, ModelHandle, QuantizeJob, QuantizeResult, Runtime, fixed_gate
+from quantkit.formats import compressed_tensors
+from quantkit.methods import (
+    FallbackSteps,
+    Layers,
+    MethodSpec,
+    ModelHandle,
+    OnRanks,
+    QuantizeJob,
+    QuantizeResult,
+    Resume,
+    Sizes,
+    Towers,
+    fixed_gate,
+)
 from quantkit.mixed import layers as intmix
 from quantkit.mixed.budget import Fallback
 
-BLOCK = 128  # fp8-block: the weight block (rows and columns) and activation group of FP8_BLOCK and of vLLM's block kernels
+BLOCK = compressed_tensors.FP8_BLOCK  # fp8-block: the weight block (rows and columns) and activation group
 # FP8 E4M3 is near-lossless on trained models: hold it to a tight gate.
 DEFAULT_GATE = {"max_ppl_increase": 0.02, "max_kld": 0.01, "min_top1": 0.95}
 
@@ -184,7 +197,7 @@ def working_set(info, options: Options) -> int:
     """The model-free path's slabs (quantkit.engines.llmcompressor.model_free); 0 on the oneshot path."""
     if moe_model_free(info, options):
         from quantkit.engines.llmcompressor import model_free_moe
-        from quantkit.run.plan import ignore_patterns
+        from quantkit.methods import ignore_patterns
 
         return model_free_moe.working_set_bytes(info, ignore_patterns(info, [], keeps_lm_head(options)), whole=False)
     return 0 if needs_model(info, options) else model_free.working_set_bytes(info)
@@ -244,9 +257,11 @@ def resume_refused(info, options: Options) -> str | None:
     return f"it quantizes this model with llm-compressor's oneshot, which calibrates nothing layer by layer ({blocker})"
 
 
-def resume_bytes(info, options: Options, tokens: int = 0) -> int:
+def resume_bytes(info, options: Options, calibration) -> int:
     """The model-free path's state file (a sha256 per shard), or a calibrated scheme's saved layers."""
-    return layer_resume.saved_bytes(info, tokens) if needs_calibration(options) else 4096
+    if not needs_calibration(options):
+        return 4096
+    return layer_resume.saved_bytes(info, calibration.num_samples, calibration.seq_len)
 
 
 def save_model_free(job: QuantizeJob, plan) -> None:
@@ -308,34 +323,21 @@ def requantize(job: QuantizeJob, plan: dict[str, str], details: dict) -> Quantiz
                                                                                  intmix.sized(layer_bytes, job))})
 
 
-RUNTIMES = (
-    Runtime("vLLM: FP8 W8A8 (CUTLASS)", ("cuda",), 8.9, "vLLM docs, features/quantization (supported hardware): FP8 W8A8 on Ada and Hopper"),
-    Runtime("vLLM: FP8 Marlin, weights only", ("cuda",), 8.0,
-            "vLLM docs, features/quantization/fp8: Ampere runs FP8 checkpoints as W8A16 through FP8 Marlin"),
-)
-
-BLOCK_SOURCE = ("vLLM compressed_tensors W8A8Fp8 (block: CUTLASS blockwise on Hopper/Blackwell, Triton "
-                "w8a8_block_fp8_matmul on Ada) and W8A16Fp8 (Marlin FP8, block strategy, Ampere); shape rule: "
-                "fp8_utils.validate_fp8_block_shape")
-BLOCK_RUNTIMES = (
-    Runtime("vLLM: FP8 block W8A8 (CUTLASS blockwise / Triton)", ("cuda",), 8.9, BLOCK_SOURCE,
-            out_multiple=BLOCK, in_multiple=BLOCK),
-    Runtime("vLLM: FP8 Marlin block, weights only", ("cuda",), 8.0, BLOCK_SOURCE, out_multiple=BLOCK, in_multiple=BLOCK),
-)
-
-
-def runtimes(options: Options) -> tuple[Runtime, ...]:
-    return BLOCK_RUNTIMES if options.scheme == "fp8-block" else RUNTIMES
+def scheme(options: Options) -> str:
+    return options.scheme  # fp8-dynamic, fp8-static or fp8-block, as compressed-tensors names them
 
 
 METHOD = MethodSpec(
-    quantizes_towers=True, name="fp8", engine=llmc.ENGINE, engine_package=llmc.ENGINE,
-    format="compressed-tensors (float-quantized, float8_e4m3fn)",
-    options=Options, quantize=quantize, precision=precision, default_gate=fixed_gate(DEFAULT_GATE),
-    check=check, shape_problems=shape_problems, needs_calibration=needs_calibration, needs_model=needs_model, keeps_lm_head=keeps_lm_head,
-    fallback_ladder=fallback_ladder, requantize=requantize, working_set=working_set, support=support,
-    runtimes=RUNTIMES, scheme_runtimes=runtimes, distributed=True,
-    resume_unit="the last written shard on the model-free path, the last finished decoder layer when calibrating",
-    resume_refused=resume_refused, resume_bytes=resume_bytes,
+    name="fp8", format=compressed_tensors.FORMAT, label="compressed-tensors (float-quantized, float8_e4m3fn)",
+    scheme=scheme, engine=llmc.ENGINE, options=Options, quantize=quantize, precision=precision,
+    default_gate=fixed_gate(DEFAULT_GATE), check=check, needs_calibration=needs_calibration, needs_model=needs_model,
+    support=support,
+    layers=Layers(keeps_lm_head=keeps_lm_head, shape_problems=shape_problems),
+    sizes=Sizes(working_set=working_set),
+    fallback=FallbackSteps(fallback_ladder, requantize),
+    resume=Resume("the last written shard on the model-free path, the last finished decoder layer when calibrating",
+                  resume_refused, resume_bytes),
+    ranks=OnRanks(),
+    towers=Towers(quantizes=True),
 )
 

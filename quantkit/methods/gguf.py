@@ -30,7 +30,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from quantkit.errors import InputError, UnsupportedError
-from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, Runtime
+from quantkit.formats import gguf as gguf_format
+from quantkit.methods import FallbackSteps, Layers, MethodSpec, OnRanks, QuantizeJob, QuantizeResult, Resume, Sizes, Towers
 from quantkit.mixed.budget import Fallback
 
 MIX_MARGIN = 1.15  # mixtures give some tensors more bits than the base type (Q4_K_M: Q6_K parts)
@@ -186,11 +187,14 @@ def plan_types(info, options: Options) -> dict[str, str]:
 
 
 def check(info, options: Options, calibration=None) -> None:
-    """Architecture and its features supported (from config.json and the tensor names), type known
-    (validated in Options), imatrix file present and made for this model."""
+    """Architecture and its features supported (from config.json and the tensor names), a tokenizer
+    llama.cpp reads as transformers does (quantkit.gguf.vocab.check_vocab), type known (validated in
+    Options), imatrix file present and made for this model."""
     from quantkit.gguf.convert import check_convertible
+    from quantkit.gguf.vocab import check_vocab
 
-    check_convertible(info.config, info.tensors)
+    spec = check_convertible(info.config, info.tensors)
+    check_vocab(info.path, spec.vocab)
     if info.towers.components and options.mmproj != "none":
         check_mmproj(info, options.mmproj)
     if options.imatrix not in ("auto", "none") and not Path(options.imatrix).is_file():
@@ -399,6 +403,8 @@ def write_gguf(job: QuantizeJob, imatrix, types: dict | None, details: dict) -> 
     result = convert(job.info.path, out_path, opts.gguf_type,
                      imatrix=imatrix.weights() if imatrix is not None else None, name=name, threads=cpu_threads(),
                      types=types, progress=job.progress, state=conversion_state(job, out_path))
+    for warning in result.vocab.get("warnings", []):
+        job.progress(f"warning: {warning}")
     projector = write_mmproj(job, name)
     (Path(job.out_dir) / "Modelfile").write_text(render(out_path.name, read_chat_template(job.info.path),
                                                         projector.get("file")))
@@ -421,7 +427,7 @@ def conversion_state(job: QuantizeJob, out_path: Path) -> Path | None:
     return Path(job.resume_dir) / f"{out_path.name}.json"
 
 
-def resume_bytes(info, options: Options, tokens: int = 0) -> int:
+def resume_bytes(info, options: Options, calibration=None) -> int:
     """Disk the saved progress takes beyond the .gguf itself: the computed imatrix (a float32 per input
     column of every matrix, twice while it is replaced) and the state file (~200 bytes per tensor)."""
     matrices = [shape for _dtype, shape in info.tensors.values() if len(shape) >= 2]
@@ -583,21 +589,6 @@ def ggml_bits(qtype) -> float:
     return 8 * size / block
 
 
-LLAMACPP = "llama.cpp docs/build.md: CUDA, Metal and CPU backends (Ollama runs llama.cpp)"
-RUNTIMES = (
-    Runtime("llama.cpp / Ollama: CUDA", ("cuda",), 5.0, LLAMACPP),
-    Runtime("llama.cpp / Ollama: Metal", ("apple",), 0.0, LLAMACPP),
-    Runtime("llama.cpp / Ollama: CPU", ("cpu",), 0.0, LLAMACPP),
-)
-
-
-def serve_command(path: str) -> str:
-    """llama-server on the .gguf (a VLM: with its mmproj file), or Ollama on the Modelfile beside it."""
-    folder = str(Path(path).parent) if path.endswith(".gguf") else path
-    model = path if path.endswith(".gguf") else f"{path}/MODEL.gguf"
-    return f"llama-server -m {model} (or: ollama create NAME -f {folder}/Modelfile && ollama run NAME)"
-
-
 def support(family) -> str:
     """A text family converts when llama.cpp's converter has its architecture; a VLM also needs an
     mmproj conversion for its towers (`mmproj: none` is the opt-in language-model-only output)."""
@@ -638,17 +629,18 @@ ROTATION_REFUSED = ("a GGUF file stores no transform and llama.cpp applies none,
 
 
 METHOD = MethodSpec(
-    name="gguf", engine="quantkit-gguf", engine_package="quantkit", format="GGUF (llama.cpp / Ollama)",
-    rotation_refused=ROTATION_REFUSED,
-    options=Options, quantize=quantize, precision=precision, default_gate=default_gate, check=check,
-    needs_calibration=needs_calibration,
+    name="gguf", format=gguf_format.FORMAT, label="GGUF (llama.cpp / Ollama)", scheme=lambda options: options.gguf_type,
+    engine="quantkit-gguf", engine_package="quantkit", options=Options, quantize=quantize, precision=precision,
+    default_gate=default_gate, check=check, needs_calibration=needs_calibration,
     needs_model=lambda info, options: False,  # conversion reads the checkpoint; the imatrix streams it
-    keeps_lm_head=lambda options: False,  # the mixture gives output.weight its own type (Q6_K for most mixes)
-    supports_ignore=False,  # per-tensor types come from llama-quantize's mixture rules
-    plan_types=plan_types,
-    fallback_ladder=fallback_ladder,
-    requantize=requantize,
-    artifact="gguf", stored_bits=stored_bits, support=support, tower_proof=tower_proof,
-    precision_bits=precision_bits, runtimes=RUNTIMES, serve_command=serve_command,
-    resume_unit="the last written tensor", resume_bytes=resume_bytes, ranks_refused=lambda options: RANKS_REFUSED,
+    support=support, rotation_refused=ROTATION_REFUSED,
+    layers=Layers(
+        keeps_lm_head=lambda options: False,  # the mixture gives output.weight its own type (Q6_K for most mixes)
+        takes_ignore=False,  # per-tensor types come from llama-quantize's mixture rules
+        exact_types=plan_types),
+    sizes=Sizes(stored_bits=stored_bits, precision_bits=precision_bits),
+    fallback=FallbackSteps(fallback_ladder, requantize),
+    resume=Resume("the last written tensor", bytes=resume_bytes),
+    ranks=OnRanks(lambda options: RANKS_REFUSED),  # converts in one process: refused on ranks, saying why
+    towers=Towers(proof=tower_proof),
 )

@@ -42,7 +42,19 @@ from pydantic import BaseModel, ConfigDict, Field
 from quantkit.arch import moe
 from quantkit.engines.llmcompressor import layer_resume, llmc
 from quantkit.errors import CalibrationError, InputError, UnsupportedError
-from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, Runtime, fixed_gate
+from quantkit.formats import compressed_tensors
+from quantkit.methods import (
+    FallbackSteps,
+    Layers,
+    MethodSpec,
+    OnRanks,
+    QuantizeJob,
+    QuantizeResult,
+    Resume,
+    Sizes,
+    Towers,
+    fixed_gate,
+)
 from quantkit.mixed import layers as intmix
 from quantkit.mixed.budget import Fallback
 from quantkit.mixed.sensitivity import PROBES_PER_ROLE, SensitivityRow
@@ -578,7 +590,7 @@ W4A8_ACTIVATIONS = {
     "fp8": {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True, "strategy": "token"},
 }
 W4A8_FORMATS = {"int8": "int-quantized", "fp8": "pack-quantized"}
-W4A8_FP8_GROUP = 128  # CutlassW4A8LinearKernel.can_implement: group_size 128, K and N multiples of 128
+W4A8_FP8_GROUP = compressed_tensors.W4A8_FP8_GROUP  # vLLM's W4A8-FP8 kernel: group 128, widths multiples of 128
 
 
 def activations_of(options) -> str:
@@ -624,39 +636,26 @@ def w4a8_fp8_width_problems(info, ignore: list[str]) -> dict[str, str]:
             if not matches(name, ignore) and (out % W4A8_FP8_GROUP or inp % W4A8_FP8_GROUP)}
 
 
-W4A8_SOURCE = ("vLLM 0.32 compressed_tensors.py (_is_dynamic_token_w4a8_int, _is_fp8_w4a8_sm90) and "
-               "kernels/linear/mixed_precision (dynamic_4bit.py, cutlass.py)")
-W4A8_RUNTIMES = {
-    "int8": (Runtime("vLLM CPU backend: W4A8 int (Dynamic4bitLinearKernel, KleidiAI on Arm)", ("cpu",), 0.0,
-                     W4A8_SOURCE),),
-    "fp8": (Runtime("vLLM: CUTLASS W4A8 (FP8 activations)", ("cuda",), 9.0, W4A8_SOURCE + ": Hopper only "
-                    "(is_device_capability(90), bfloat16 outputs)", out_multiple=W4A8_FP8_GROUP,
-                    in_multiple=W4A8_FP8_GROUP, max_capability=9.0),),
-}
-
-
-def runtimes(options: Options) -> tuple[Runtime, ...]:
-    return W4A8_RUNTIMES.get(options.activations, RUNTIMES)
-
-
-# compressed-tensors int weights (W4A16 / W8A16): vLLM's mixed-precision linear kernels
-RUNTIMES = (
-    Runtime("vLLM: Machete WNA16", ("cuda",), 9.0, "vLLM mixed-precision kernels: Machete needs Hopper (9.0)"),
-    Runtime("vLLM: Marlin WNA16", ("cuda",), 7.5, "vLLM docs, features/quantization (supported hardware): Marlin on Turing (7.5) and newer"),
-    Runtime("vLLM CPU backend: WNA16", ("cpu",), 0.0, "vLLM docs, features/quantization (supported hardware): GPTQ/AWQ int weights on x86 CPU"),
-)
-
-
 def support(family) -> str:
     return family.decoder_support("✅ symmetric (asymmetric, act_order group refused)")
 
 
+def compressed_scheme(options) -> str:
+    """The compressed-tensors scheme: int weights with 16-bit activations (wNa16), or W4A8 (w4a8-int8, w4a8-fp8)
+    for gptq's `activations`; awq and autoround, which share it, have 16-bit activations."""
+    activations = activations_of(options)
+    return f"w{options.bits}a16" if activations == "none" else f"w4a8-{activations}"
+
+
 METHOD = MethodSpec(
-    quantizes_towers=True, name="gptq", engine=llmc.ENGINE, engine_package=llmc.ENGINE,
-    format="compressed-tensors (pack-quantized, int weights)",
-    options=Options, quantize=quantize, precision=precision, default_gate=fixed_gate(DEFAULT_GATE),
-    check=check, needs_calibration=needs_calibration, resolve=resolve, shape_problems=shape_problems,
-    fallback_ladder=fallback_ladder, requantize=requantize, stored_bits=stored_bits, working_set=working_set,
-    distributed=True, support=support, runtimes=RUNTIMES, scheme_runtimes=runtimes,
-    **layer_resume.method_fields(),
+    name="gptq", format=compressed_tensors.FORMAT, label="compressed-tensors (pack-quantized, int weights)",
+    scheme=compressed_scheme, engine=llmc.ENGINE, options=Options, quantize=quantize, precision=precision,
+    default_gate=fixed_gate(DEFAULT_GATE), resolve=resolve, check=check, needs_calibration=needs_calibration,
+    support=support,
+    layers=Layers(shape_problems=shape_problems),
+    sizes=Sizes(stored_bits=stored_bits, working_set=working_set),
+    fallback=FallbackSteps(fallback_ladder, requantize),
+    resume=Resume(**layer_resume.resume_fields()),
+    ranks=OnRanks(),
+    towers=Towers(quantizes=True),
 )

@@ -28,7 +28,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from quantkit.errors import UnsupportedError
-from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, Runtime
+from quantkit.formats import mlx as mlx_format
+from quantkit.methods import Layers, MethodSpec, OnRanks, QuantizeJob, QuantizeResult, Sizes
 from quantkit.mlx.affine import BITS
 from quantkit.mlx.checkpoint import MLX_MODEL_TYPES, QUANTIZED_ROLES, Precision
 
@@ -251,17 +252,6 @@ def precision_bits(options: Options, text: str) -> float:
     return int(match.group(1)) + 32 / int(match.group(2))
 
 
-MLX_SOURCE = "mlx docs: Metal on Apple silicon, and a CPU backend on Linux (the mlx-cpu package)"
-RUNTIMES = (
-    Runtime("mlx-lm: Metal", ("apple",), 0.0, MLX_SOURCE),
-    Runtime("mlx-lm: CPU", ("cpu",), 0.0, MLX_SOURCE),
-)
-
-
-def serve_command(path: str) -> str:
-    return f'mlx_lm.generate --model {path} --prompt "Hello" (or: mlx_lm.server --model {path})'
-
-
 # why a torchrun launch is refused: nothing of the work is split between ranks
 RANKS_REFUSED = "quantkit's MLX conversion writes the checkpoint in one process (MLX has no torchrun ranks)"
 
@@ -271,12 +261,13 @@ ROTATION_REFUSED = ("an mlx-lm checkpoint stores no transform and mlx-lm applies
 
 
 METHOD = MethodSpec(
-    name="mlx", engine="quantkit-mlx", engine_package="quantkit", format="MLX (mlx-lm affine quantized)",
-    rotation_refused=ROTATION_REFUSED,
-    options=Options, quantize=quantize, precision=precision, default_gate=default_gate, check=check,
-    needs_calibration=needs_calibration,
+    name="mlx", format=mlx_format.FORMAT, label="MLX (mlx-lm affine quantized)",
+    scheme=lambda options: f"affine {options.bits}-bit g{options.group_size}", engine="quantkit-mlx",
+    engine_package="quantkit", options=Options, quantize=quantize, precision=precision, default_gate=default_gate,
+    check=check, needs_calibration=needs_calibration,
     needs_model=lambda info, options: False,  # reads the checkpoint; the importances stream it
-    keeps_lm_head=lambda options: False,  # quantized as mlx_lm.convert does (--ignore lm_head keeps it)
-    artifact="mlx", stored_bits=stored_bits, working_set=working_set, precision_bits=precision_bits, support=support,
-    runtimes=RUNTIMES, serve_command=serve_command, ranks_refused=lambda options: RANKS_REFUSED,
+    support=support, rotation_refused=ROTATION_REFUSED,
+    layers=Layers(keeps_lm_head=lambda options: False),  # quantized as mlx_lm.convert does (--ignore lm_head keeps it)
+    sizes=Sizes(stored_bits=stored_bits, working_set=working_set, precision_bits=precision_bits),
+    ranks=OnRanks(lambda options: RANKS_REFUSED),  # converts in one process: refused on ranks, saying why
 )

@@ -22,7 +22,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict
 
 from quantkit.engines.llmcompressor import layer_resume, llmc
-from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, Runtime, fixed_gate, nvfp4
+from quantkit.formats import compressed_tensors
+from quantkit.methods import Layers, MethodSpec, OnRanks, QuantizeJob, QuantizeResult, Resume, Sizes, fixed_gate, nvfp4
 
 GROUP = 32  # one E8M0 scale per 32 weights
 PRESETS = {"a16": "MXFP4A16"}
@@ -75,7 +76,7 @@ def working_set(info, options: Options) -> int:
     if not nvfp4.moe_model_free(info, options):
         return 0
     from quantkit.engines.llmcompressor import model_free_moe
-    from quantkit.run.plan import ignore_patterns
+    from quantkit.methods import ignore_patterns
 
     return model_free_moe.working_set_bytes(info, ignore_patterns(info, []), whole=False)
 
@@ -85,20 +86,13 @@ def stored_bits(options: Options) -> float:
     return 4 + 8 / GROUP
 
 
-RUNTIMES = (
-    Runtime("vLLM: Marlin FP4 (MXFP4), weights only", ("cuda",), 7.5,
-            "vLLM compressed_tensors W4A16Mxfp4 scheme on Marlin FP4 (utils/marlin_utils_fp4: capability 7.5); "
-            "Marlin tiles: output width a multiple of 64, input of 128 (marlin_utils.check_marlin_supports_shape)",
-            out_multiple=64, in_multiple=128),
-)
-
-
 METHOD = MethodSpec(
-    name="mxfp4", engine=llmc.ENGINE, engine_package=llmc.ENGINE,
-    format="compressed-tensors (mxfp4-pack-quantized)",
-    options=Options, quantize=quantize, precision=precision, default_gate=fixed_gate(DEFAULT_GATE),
-    check=check, shape_problems=shape_problems, needs_calibration=needs_calibration, stored_bits=stored_bits,
-    needs_model=nvfp4.needs_model, working_set=working_set,
-    support=nvfp4.fp4_support, runtimes=RUNTIMES, distributed=True,
-    **layer_resume.method_fields(calibrates=needs_calibration),
+    name="mxfp4", format=compressed_tensors.FORMAT, label="compressed-tensors (mxfp4-pack-quantized)",
+    scheme=lambda options: "mxfp4", engine=llmc.ENGINE, options=Options, quantize=quantize, precision=precision,
+    default_gate=fixed_gate(DEFAULT_GATE), check=check, needs_calibration=needs_calibration,
+    needs_model=nvfp4.needs_model, support=nvfp4.fp4_support,
+    layers=Layers(shape_problems=shape_problems),
+    sizes=Sizes(stored_bits=stored_bits, working_set=working_set),
+    resume=Resume(**layer_resume.resume_fields(calibrates=needs_calibration)),
+    ranks=OnRanks(),
 )

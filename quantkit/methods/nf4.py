@@ -24,7 +24,8 @@ from pydantic import BaseModel, ConfigDict
 
 from quantkit.arch.moe import is_expert_weight
 from quantkit.errors import UnsupportedError, require
-from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, Runtime, fixed_gate
+from quantkit.formats import bitsandbytes
+from quantkit.methods import FallbackSteps, MethodSpec, OnRanks, QuantizeJob, QuantizeResult, Sizes, fixed_gate
 from quantkit.mixed import layers as intmix
 from quantkit.mixed.budget import Fallback
 
@@ -254,17 +255,6 @@ def stored_bits(options: Options) -> float:
     return 8.0 if options.scheme == "int8" else 4.127
 
 
-RUNTIMES = (
-    Runtime("vLLM: bitsandbytes", ("cuda",), 7.0, "vLLM docs, features/quantization (supported hardware): bitsandbytes on Volta (7.0) and newer"),
-    Runtime("transformers + bitsandbytes", ("cuda", "cpu", "apple"), 6.0,
-            "bitsandbytes 0.50 installation guide: NF4/FP4 on CUDA 6.0+, CPU and Apple Silicon"),
-)
-
-
-def serve_command(path: str) -> str:
-    return f"vllm serve {path} --quantization bitsandbytes"
-
-
 def support(family) -> str:
     return family.decoder_support("✅ experts stay bf16")
 
@@ -278,12 +268,12 @@ ROTATION_REFUSED = ("a bitsandbytes checkpoint stores no transform and transform
 
 
 METHOD = MethodSpec(
-    name="nf4", engine="bitsandbytes", engine_package="bitsandbytes",
-    rotation_refused=ROTATION_REFUSED,
-    format="transformers bitsandbytes checkpoint (4-bit NF4/FP4 or LLM.int8)",
-    options=Options, quantize=quantize, precision=precision, default_gate=fixed_gate(DEFAULT_GATE),
-    check=check, needs_model=lambda info, options: False,  # transformers re-loads the checkpoint with a bnb config
-    needs_calibration=needs_calibration, fallback_ladder=fallback_ladder, requantize=requantize,
-    artifact="bitsandbytes", stored_bits=stored_bits, support=support, runtimes=RUNTIMES,
-    serve_command=serve_command, ranks_refused=lambda options: RANKS_REFUSED,
+    name="nf4", format=bitsandbytes.FORMAT, label="transformers bitsandbytes checkpoint (4-bit NF4/FP4 or LLM.int8)",
+    scheme=lambda options: options.scheme, engine="bitsandbytes", options=Options, quantize=quantize,
+    precision=precision, default_gate=fixed_gate(DEFAULT_GATE), check=check, needs_calibration=needs_calibration,
+    needs_model=lambda info, options: False,  # transformers re-loads the checkpoint with a bnb config
+    support=support, rotation_refused=ROTATION_REFUSED,
+    sizes=Sizes(stored_bits=stored_bits),
+    fallback=FallbackSteps(fallback_ladder, requantize),
+    ranks=OnRanks(lambda options: RANKS_REFUSED),  # converts in one process: refused on ranks, saying why
 )

@@ -35,10 +35,11 @@ from pydantic import BaseModel, ConfigDict
 from quantkit.arch import moe
 from quantkit.engines.llmcompressor import layer_resume, llmc
 from quantkit.errors import UnsupportedError
-from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, Runtime
+from quantkit.formats import compressed_tensors
+from quantkit.methods import Layers, MethodSpec, OnRanks, QuantizeJob, QuantizeResult, Resume, Sizes
 from quantkit.mixed import layers as intmix
 
-GROUP = 16  # NVFP4's group: one FP8 scale per 16 weights (and per 16 activations for w4a4)
+GROUP = compressed_tensors.NVFP4_GROUP  # one FP8 scale per 16 weights (and per 16 activations for w4a4)
 PRESETS = {"w4a4": "NVFP4", "a16": "NVFP4A16"}  # scheme -> llm-compressor / compressed-tensors preset
 QUANTIZED_ROLES = ("decoder", "other")
 # FP4 weights cost more than int4 with GPTQ's error feedback; W4A4 adds the activations' rounding.
@@ -142,7 +143,7 @@ def working_set(info, options) -> int:
     if not moe_model_free(info, options):
         return 0
     from quantkit.engines.llmcompressor import model_free_moe
-    from quantkit.run.plan import ignore_patterns
+    from quantkit.methods import ignore_patterns
 
     return model_free_moe.working_set_bytes(info, ignore_patterns(info, []), whole=True)
 
@@ -178,27 +179,17 @@ def stored_bits(options: Options) -> float:
     return 4 + 8 / GROUP
 
 
-VLLM_FP4 = "vLLM compressed_tensors W4A4Fp4 scheme (CUTLASS / FlashInfer FP4 GEMM): Blackwell, sm_100 and sm_120"
-MARLIN_FP4 = ("vLLM compressed_tensors W4A16Fp4 scheme, utils/marlin_utils_fp4.is_fp4_marlin_supported "
-              "(capability 7.5); W4A4 artifacts fall back to it where CUTLASS FP4 is missing; Marlin tiles: "
-              "output width a multiple of 64, input width of 128 (marlin_utils.check_marlin_supports_shape)")
-RUNTIMES = (
-    Runtime("vLLM: NVFP4 W4A4 (CUTLASS FP4)", ("cuda",), 10.0, VLLM_FP4, in_multiple=GROUP),
-    Runtime("vLLM: Marlin FP4, weights only", ("cuda",), 7.5, MARLIN_FP4, out_multiple=64, in_multiple=128),
-)
-
-
-def runtimes(options: Options) -> tuple[Runtime, ...]:
-    """a16 runs on Marlin FP4 only (vLLM's W4A16Fp4 scheme, every GPU generation)."""
-    return RUNTIMES if options.scheme == "w4a4" else RUNTIMES[1:]
+def scheme(options: Options) -> str:
+    """compressed-tensors' nvfp4 (W4A4) or nvfp4-a16 (weights only: Marlin FP4 on every GPU generation)."""
+    return "nvfp4" if options.scheme == "w4a4" else "nvfp4-a16"
 
 
 METHOD = MethodSpec(
-    name="nvfp4", engine=llmc.ENGINE, engine_package=llmc.ENGINE,
-    format="compressed-tensors (nvfp4-pack-quantized)",
-    options=Options, quantize=quantize, precision=precision, default_gate=default_gate,
-    check=check, shape_problems=shape_problems, needs_calibration=needs_calibration, stored_bits=stored_bits,
-    needs_model=needs_model, working_set=working_set,
-    support=fp4_support, runtimes=RUNTIMES, scheme_runtimes=runtimes, distributed=True,
-    **layer_resume.method_fields(calibrates=needs_calibration),
+    name="nvfp4", format=compressed_tensors.FORMAT, label="compressed-tensors (nvfp4-pack-quantized)", scheme=scheme,
+    engine=llmc.ENGINE, options=Options, quantize=quantize, precision=precision, default_gate=default_gate,
+    check=check, needs_calibration=needs_calibration, needs_model=needs_model, support=fp4_support,
+    layers=Layers(shape_problems=shape_problems),
+    sizes=Sizes(stored_bits=stored_bits, working_set=working_set),
+    resume=Resume(**layer_resume.resume_fields(calibrates=needs_calibration)),
+    ranks=OnRanks(),
 )

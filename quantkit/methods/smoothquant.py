@@ -34,7 +34,18 @@ from quantkit.arch import moe
 from quantkit.arch.mappings import Mapping, model_mappings
 from quantkit.engines.llmcompressor import layer_resume, llmc
 from quantkit.errors import InputError, UnsupportedError
-from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult, Runtime, fixed_gate, gptq
+from quantkit.formats import compressed_tensors
+from quantkit.methods import (
+    FallbackSteps,
+    MethodSpec,
+    OnRanks,
+    QuantizeJob,
+    QuantizeResult,
+    Resume,
+    Towers,
+    fixed_gate,
+    gptq,
+)
 from quantkit.mixed import layers as intmix
 from quantkit.mixed.budget import Fallback
 
@@ -216,21 +227,16 @@ def requantize(job: QuantizeJob, plan: dict[str, str], details: dict) -> Quantiz
                                                                                   intmix.sized(layer_bytes, job))})
 
 
-RUNTIMES = (
-    Runtime("vLLM: INT8 W8A8 (CUTLASS)", ("cuda",), 7.5, "vLLM docs, features/quantization (supported hardware): INT8 W8A8 on Turing (7.5) and newer"),
-    Runtime("vLLM CPU backend: INT8 W8A8", ("cpu",), 0.0, "vLLM docs, features/quantization (supported hardware): INT8 W8A8 on x86 and Arm CPUs"),
-)
-
-
 def support(family) -> str:
     return family.smoothing_refusal() or family.decoder_support("refused: int8 experts do not reload")
 
 
 METHOD = MethodSpec(
-    quantizes_towers=True, name="smoothquant", engine=llmc.ENGINE, engine_package=llmc.ENGINE,
-    format="compressed-tensors (int-quantized, W8A8 int8)",
-    options=Options, quantize=quantize, precision=precision, default_gate=fixed_gate(DEFAULT_GATE),
-    check=check, needs_calibration=needs_calibration, fallback_ladder=fallback_ladder, requantize=requantize,
-    support=support, runtimes=RUNTIMES, distributed=True,
-    **layer_resume.method_fields(),
+    name="smoothquant", format=compressed_tensors.FORMAT, label="compressed-tensors (int-quantized, W8A8 int8)",
+    scheme=lambda options: "w8a8-int8", engine=llmc.ENGINE, options=Options, quantize=quantize, precision=precision,
+    default_gate=fixed_gate(DEFAULT_GATE), check=check, needs_calibration=needs_calibration, support=support,
+    fallback=FallbackSteps(fallback_ladder, requantize),
+    resume=Resume(**layer_resume.resume_fields()),
+    ranks=OnRanks(),
+    towers=Towers(quantizes=True),
 )

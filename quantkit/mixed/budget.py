@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Hashable, Iterable, Protocol, Sequence
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from quantkit.errors import InputError
 from quantkit.mixed.sensitivity import SensitivityRow
@@ -136,33 +136,51 @@ class Fallback(BaseModel):
     max_size: str = Field("+25%", description="size limit: +N% of the first artifact, or a size (120MB, 4GiB)")
     tensors_per_step: int = Field(0, ge=0, description="0: search for the fewest raises that pass (measured "
                                   "steps, bisected); N: fixed steps of N raises until the gate passes")
+    _limit: SizeLimit = PrivateAttr()  # max_size read once, when the model is validated
 
-    @field_validator("max_size")
-    @classmethod
-    def _readable(cls, value: str) -> str:
-        size_limit(value, 1)
-        return value
+    def model_post_init(self, context) -> None:
+        self._limit = read_size_limit(self.max_size)
+
+    @property
+    def relative(self) -> bool:
+        """Whether max_size is a share of the first artifact (+N%) rather than a size."""
+        return self._limit.growth is not None
+
+    def size_limit(self, first_bytes: int) -> int:
+        """max_size in bytes, given the first artifact's size."""
+        return self._limit.bytes_for(first_bytes)
 
 
-def size_limit(max_size: str, first_bytes: int) -> int:
-    """Fallback.max_size in bytes: '+25%' of the first artifact's size, or an absolute size."""
+@dataclass(frozen=True)
+class SizeLimit:
+    """A size limit as written: +N% of the first artifact (growth = N / 100), or a size in bytes."""
+
+    growth: float | None = None
+    size: int | None = None
+
+    def bytes_for(self, first_bytes: int) -> int:
+        return int(first_bytes * (1 + self.growth)) if self.growth is not None else self.size
+
+
+def read_size_limit(max_size: str) -> SizeLimit:
+    """'+25%' or an absolute size (120MB, 4GiB) read once; InputError (exit 2) for anything else."""
     from quantkit.units import parse_size
 
     text = max_size.strip()
     if text.startswith("+") and text.endswith("%"):
         try:
-            return int(first_bytes * (1 + float(text[1:-1]) / 100))
+            return SizeLimit(growth=float(text[1:-1]) / 100)
         except ValueError:
             raise InputError(f"--max-size {max_size}: cannot read the size limit",
                              hint="write e.g. --max-size +25% or --max-size 120MB (recipe: fallback: {max_size: ...})") from None
-    return parse_size(text)
+    return SizeLimit(size=parse_size(text))
 
 
 def check_max_size(fallback: Fallback | None, first_bytes: int, method: str) -> None:
     """An absolute --max-size below the first artifact's size (estimated before any work): BudgetError."""
-    if fallback is None or fallback.max_size.strip().startswith("+"):
+    if fallback is None or fallback.relative:
         return
-    limit = size_limit(fallback.max_size, first_bytes)
+    limit = fallback.size_limit(first_bytes)
     if limit < first_bytes:
         raise BudgetError(f"{method}: --max-size {fallback.max_size} ({limit:,} bytes) is below the first "
                           f"artifact, which takes {first_bytes:,} bytes before any raise",

@@ -55,10 +55,10 @@ def run_fallback(job, resolved, result, entry, measure: Measure) -> None:
     become the kept artifact's, details.fallback every step, the final plan and the size cost."""
     options, started = resolved.options.fallback, time.time()
     first = export.artifact_bytes(result.artifact)
-    limit = budget.size_limit(options.max_size, first)
+    limit = options.size_limit(first)
     steps = [step_record(0, {}, first, entry)]
     job.progress(f"gate failed ({', '.join(entry.gate.failed)}): measuring which layers to raise first")
-    ladder = resolved.method.fallback_ladder(job, result)
+    ladder = resolved.method.fallback.ladder(job, result)
     details = {**result.details, **ladder.details}
     run = search_steps if options.tensors_per_step == 0 else fixed_steps
     fallen = run(job, resolved, ladder, details, entry, measure, steps, limit, result)
@@ -86,10 +86,10 @@ def fixed_steps(job, resolved, ladder, details, entry, measure: Measure, steps: 
         new, raised = budget.raise_plan(ladder, plan, count, limit - steps[-1]["bytes"])
         if not raised:
             return Fallen(plan, result, f"no raise fits in --max-size {options.max_size} ({limit:,} bytes)")
-        candidate = method.requantize(job, new, details)
+        candidate = method.fallback.requantize(job, new, details)
         size = export.artifact_bytes(candidate.artifact)
         if size > limit:
-            return Fallen(plan, method.requantize(job, plan, details),
+            return Fallen(plan, method.fallback.requantize(job, plan, details),
                           f"step {len(steps)} came to {size:,} bytes, over --max-size ({limit:,}): undone")
         measure(candidate.artifact)
         plan, result = new, candidate
@@ -125,7 +125,7 @@ def search_steps(job, resolved, ladder, details, entry, measure: Measure, steps:
     written = 0  # the raises of the artifact in the output directory now
     while (count := budget.next_count(space, tried, MAX_STEPS - len(tried))) is not None:
         plan = budget.plan_after(ladder, sequence, count)
-        candidate, written = method.requantize(job, plan, details), count
+        candidate, written = method.fallback.requantize(job, plan, details), count
         size = export.artifact_bytes(candidate.artifact)
         if size > limit:  # the size model missed what the format adds: the room ends below this count
             space = replace(space, room=space.added[count] - 1)
@@ -158,7 +158,7 @@ def settle(job, method, ladder, sequence, details, entry, kept: dict, tried: lis
     count = min(passing) if passing else max(t.count for t in tried)
     plan = budget.plan_after(ladder, sequence, count)
     chosen = kept[count]
-    result = chosen.result if count == written else method.requantize(job, plan, details)
+    result = chosen.result if count == written else method.fallback.requantize(job, plan, details)
     entry.metrics, entry.gate, entry.tasks = chosen.metrics, chosen.gate, chosen.tasks
     first, size = kept[0].record["bytes"], chosen.record["bytes"]
     if passing:

@@ -6,7 +6,7 @@ After quantizing a target (data-parallel, with the auto-precision plan every ran
 table), rank 0 announces, in order:
   ("measure", artifact)             the gate reads a staged artifact: every rank scores its share of the held-out
                                     windows, the positions gathered
-  ("ladder", artifact, details)     the fallback's sensitivity (MethodSpec.fallback_ladder), measured data-parallel
+  ("ladder", artifact, details)     the fallback's sensitivity (MethodSpec.fallback.ladder), measured data-parallel
   ("requantize", plan, details)     the artifact written again with rank 0's plan, calibrated data-parallel
   ("done",)                         the target is finished on the other ranks
 A fallback's search (quantkit.run.fallback) runs on rank 0 alone: the other ranks only take the steps it announces.
@@ -20,7 +20,7 @@ from pathlib import Path
 
 from quantkit.engines.llmcompressor.distributed import Ranks, share_object
 from quantkit.errors import InternalError
-from quantkit.methods import MethodSpec, QuantizeJob, QuantizeResult
+from quantkit.methods import FallbackSteps, MethodSpec, QuantizeJob, QuantizeResult
 
 
 def announce(ranks: Ranks, *step) -> None:
@@ -31,18 +31,19 @@ def announce(ranks: Ranks, *step) -> None:
 
 def leading(method: MethodSpec, ranks: Ranks) -> MethodSpec:
     """The method whose fallback ladder and re-quantizations rank 0 announces before it takes them."""
-    if not ranks.distributed:
+    if not ranks.distributed or method.fallback is None:
         return method
+    steps = method.fallback
 
-    def fallback_ladder(job: QuantizeJob, result: QuantizeResult):
+    def ladder(job: QuantizeJob, result: QuantizeResult):
         announce(ranks, "ladder", str(result.artifact), result.details)
-        return method.fallback_ladder(job, result)
+        return steps.ladder(job, result)
 
     def requantize(job: QuantizeJob, plan: dict[str, str], details: dict) -> QuantizeResult:
         announce(ranks, "requantize", plan, details)
-        return method.requantize(job, plan, details)
+        return steps.requantize(job, plan, details)
 
-    return dataclasses.replace(method, fallback_ladder=fallback_ladder, requantize=requantize)
+    return dataclasses.replace(method, fallback=FallbackSteps(ladder, requantize))
 
 
 def follow(job: QuantizeJob, method: MethodSpec, score: Callable[[Path], None]) -> None:
@@ -55,9 +56,9 @@ def follow(job: QuantizeJob, method: MethodSpec, score: Callable[[Path], None]) 
         if kind == "measure":
             score(Path(values[0]))
         elif kind == "ladder":
-            method.fallback_ladder(job, QuantizeResult(Path(values[0]), values[1]))
+            method.fallback.ladder(job, QuantizeResult(Path(values[0]), values[1]))
         elif kind == "requantize":
-            method.requantize(job, *values)
+            method.fallback.requantize(job, *values)
         else:
             raise InternalError(f"rank {job.ranks.rank}: rank 0 announced an unknown step {kind!r}",
                                 hint="report this as a bug")

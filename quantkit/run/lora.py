@@ -107,7 +107,9 @@ ARITHMETIC = ("float32: W + w·s·B·A per adapter in order (DoRA: m·V/‖V‖ 
 
 
 def is_bnb(info: ModelInfo) -> bool:
-    return (info.config.get("quantization_config") or {}).get("quant_method") == "bitsandbytes"
+    from quantkit.formats.bitsandbytes import in_config
+
+    return in_config(info.config)
 
 
 def read_adapter(path: Path, weight: float = 1.0) -> Adapter:

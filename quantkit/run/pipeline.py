@@ -48,15 +48,15 @@ from quantkit.errors import (
     UnsupportedError,
 )
 from quantkit.io import export
-from quantkit.io.checkpoint import ModelInfo, check_generative, check_model_dir, check_submodel_packages, resolve_model
+from quantkit.io.checkpoint import ModelInfo, check_generative, check_model_dir, check_submodel_packages, resolve_source
 from quantkit.io.memory import PeakTracker
 from quantkit.io.numerics import check_finite
-from quantkit.methods import MethodSpec, ModelHandle, QuantizeJob, QuantizeResult, get_method
+from quantkit.methods import MethodSpec, ModelHandle, QuantizeJob, QuantizeResult, get_method, ignore_patterns, on_ranks
 from quantkit.run import resume, serving
 from quantkit.run.follow import announce, follow, leading
 from quantkit.run.cache import fingerprint, input_hashes, up_to_date
 from quantkit.run.lora import plan_merge
-from quantkit.run.plan import build_plan, ignore_patterns
+from quantkit.run.plan import build_plan
 from quantkit.run.preflight import (
     available_vram,
     check_disk,
@@ -69,8 +69,9 @@ from quantkit.run.preflight import (
     vram_estimate,
     with_resume,
 )
-from quantkit.run.recipe import Calibration, Gate, Recipe, Target, target_gate, target_options
-from quantkit.run.report import ModelReport, RunReport, TargetReport, kept_summary, model_card, package_version
+from quantkit.run.recipe import Calibration, Gate, Recipe, Target, push_places, target_gate, target_options
+from quantkit.run.card import Place, kept_summary, read_license, write_card
+from quantkit.run.report import ModelReport, RunReport, TargetReport, package_version
 
 if TYPE_CHECKING:
     from quantkit.eval.scorers import Placement
@@ -119,19 +120,19 @@ def prepare(recipe: Recipe, opts: RunOptions) -> tuple[ModelInfo, list[ResolvedT
     from quantkit.run.calibration import validate_source
 
     selected = select_targets(recipe.targets, opts.only)
-    info = check_model_dir(resolve_model(opts.model))
-    check_generative(info)
-    check_submodel_packages(info)
-    check_not_quantized(info, recipe)
     check_device(recipe.device)
     check_outputs(recipe, opts, selected)
     validate_source(recipe.calibration.source)
+    check_push(recipe, selected)
+    info = check_model_dir(*resolve_source(opts.model, recipe.offline, recipe.trust_remote_code))
+    check_generative(info)
+    check_submodel_packages(info)
+    check_not_quantized(info, recipe)
     check_offload_dir(recipe, info)
     targets = [resolve_target(recipe, target, info) for target in selected]
     given = {"--lora": bool(recipe.lora), "--offload-dir": recipe.offload_dir is not None,
              "--skip-existing": opts.skip_existing, "--partial": opts.partial}
-    check_launch(opts.ranks, [(t.name, t.target.method, t.method.distributed, t.options,
-                               t.method.ranks_refused(t.options)) for t in targets],
+    check_launch(opts.ranks, [rank_row(t) for t in targets],
                  window_settings(recipe, targets).num_samples, [flag for flag, on in given.items() if on],
                  recipe.calibration.eval_windows)
     if recipe.lora:
@@ -143,8 +144,14 @@ def prepare(recipe: Recipe, opts: RunOptions) -> tuple[ModelInfo, list[ResolvedT
         check_vram(vram_estimate(info, recipe, targets, placement, placement.onload), available_vram())
     check_finite([*info.weight_files, *(Path(p) / "adapter_model.safetensors" for p in recipe.lora)])
     check_gate_tasks(recipe, targets, opts)
-    check_serve_engines(targets)
+    check_serve_engines(targets, recipe.calibration.eval_windows)
     return info, targets, placement
+
+
+def rank_row(target: ResolvedTarget) -> tuple[str, str, bool, BaseModel, str | None]:
+    """(name, method, whether the method runs on torchrun ranks, options, why these options do not) for check_launch."""
+    runs, why = on_ranks(target.method, target.options)
+    return target.name, target.target.method, runs, target.options, why
 
 
 def disk_estimate(recipe: Recipe, opts: RunOptions, info: ModelInfo, targets: list[ResolvedTarget]):
@@ -155,13 +162,11 @@ def disk_estimate(recipe: Recipe, opts: RunOptions, info: ModelInfo, targets: li
     if not recipe.resume:
         return estimate
     resume.check_methods(info, [(t.name, t.method, t.options) for t in targets])
-    calibration = window_settings(recipe, targets)
-    return with_resume(estimate, info, methods, resume.staged_bytes(opts.out),
-                       calibration.num_samples * calibration.seq_len)
+    return with_resume(estimate, info, methods, resume.staged_bytes(opts.out), window_settings(recipe, targets))
 
 
 def gate_tasks(targets: list[ResolvedTarget]) -> list:
-    """Every lm-eval task some target's gate names (quantkit.run.recipe.TaskGate)."""
+    """Every lm-eval task some target's gate names (quantkit.eval.tasks.TaskGate)."""
     return [task for t in targets for task in t.gate.tasks]
 
 
@@ -224,7 +229,7 @@ def resolve_target(recipe: Recipe, target: Target, info: ModelInfo) -> ResolvedT
     """Method, options, gate, ignore list and calibration needs of one target, checked."""
     method = get_method(target.method)
     options, choices = method.resolve(info, target_options(target))
-    if target.ignore and not method.supports_ignore:
+    if target.ignore and not method.layers.takes_ignore:
         raise InputError(f"target '{target.name}': method {target.method} does not take ignore patterns",
                          hint="its type mixture decides every tensor's type; remove `ignore`/--ignore")
     needs_calibration = method.needs_calibration(options)
@@ -233,11 +238,11 @@ def resolve_target(recipe: Recipe, target: Target, info: ModelInfo) -> ResolvedT
                                "but num_samples is 0", hint="raise --num-samples")
     check_tower_precision(target, info, method)
     method.check(info, options, recipe.calibration)
-    ignore = ignore_patterns(info, target.ignore, method.keeps_lm_head(options), tuple(target.tower_precision()))
+    ignore = ignore_patterns(info, target.ignore, method.layers.keeps_lm_head(options), tuple(target.tower_precision()))
     kept = shapes_kept(recipe, target, method, info, options, ignore)
     kept.update(fused_partners_kept(info, method, ignore + sorted(kept)))
     ignore = ignore + sorted(kept)
-    method.check_ignore(info, options, ignore)
+    method.layers.check_ignore(info, options, ignore)
     return ResolvedTarget(target, method, options, gate_with_task_files(target_gate(recipe, target)), ignore,
                           needs_calibration,
                           method.needs_model(info, options) or bool(target.tower_precision()), choices, kept)
@@ -253,12 +258,13 @@ def gate_with_task_files(gate: Gate) -> Gate:
 
 
 def fused_partners_kept(info: ModelInfo, method: MethodSpec, ignore: list[str]) -> dict[str, str]:
-    """For a vLLM artifact (compressed-tensors): the shards of a fused layer (q/k/v, gate/up) the ignore list
-    leaves quantized while it keeps another shard 16-bit, which vLLM cannot load (quantkit.arch.fused)."""
+    """For a format whose engine loads fused shards as one (compressed-tensors in vLLM: Format.fuses_shards): the
+    shards of a fused layer (q/k/v, gate/up) the ignore list leaves quantized while it keeps another shard
+    16-bit, which vLLM cannot load (quantkit.arch.fused)."""
     from quantkit.arch.fused import split_groups
     from quantkit.arch.roles import linear_weights, matches
 
-    if method.artifact != "compressed-tensors":
+    if not method.format.fuses_shards:
         return {}
     layers = list(linear_weights(info))
     return split_groups([name for name in layers if matches(name, ignore)], layers)
@@ -266,9 +272,9 @@ def fused_partners_kept(info: ModelInfo, method: MethodSpec, ignore: list[str]) 
 
 def shapes_kept(recipe: Recipe, target: Target, method: MethodSpec, info: ModelInfo, options: BaseModel,
                 ignore: list[str]) -> dict[str, str]:
-    """The layers the target would quantize whose widths its format cannot tile (MethodSpec.shape_problems),
+    """The layers the target would quantize whose widths its format cannot tile (Layers.shape_problems),
     kept 16-bit; with strict_shapes (--strict-shapes) the first is refused instead (exit 2)."""
-    problems = method.shape_problems(info, options, ignore)
+    problems = method.layers.shape_problems(info, options, ignore)
     if not problems:
         return problems
     name, why = next(iter(sorted(problems.items())))
@@ -290,7 +296,7 @@ def check_tower_precision(target: Target, info: ModelInfo, method: MethodSpec) -
     if not asked:
         return
     fields = ", ".join(f"{role}: {value}" for role, value in asked.items())
-    if not method.quantizes_towers:
+    if not method.towers.quantizes:
         raise UnsupportedError(f"target '{target.name}': {fields} is not available with {method.name}",
                                hint="use fp8, gptq, awq or smoothquant, or keep the towers 16-bit")
     family = FAMILIES.get(info.towers.family or "")
@@ -319,8 +325,11 @@ def tower_weights(info: ModelInfo, role: str) -> list[str]:
 
 def check_not_quantized(info: ModelInfo, recipe: Recipe) -> None:
     """Quantizing needs full precision; a QLoRA (bitsandbytes) base is fine when adapters are merged."""
-    method = (info.config.get("quantization_config") or {}).get("quant_method")
-    if not method or (method == "bitsandbytes" and recipe.lora):
+    from quantkit.formats.bitsandbytes import in_config
+    from quantkit.io.checkpoint import quant_method
+
+    method = quant_method(info.config)
+    if not method or (in_config(info.config) and recipe.lora):
         return
     raise InputError(
         f"{info.path} is already quantized ({method}); quantkit quantizes full-precision checkpoints",
@@ -390,7 +399,41 @@ def run_main(recipe: Recipe, opts: RunOptions, info: ModelInfo, targets: list[Re
     except BaseException:
         keep_or_discard(staging, recipe, opts)
         raise
+    push_published(recipe, opts, report)
     return report
+
+
+def places(recipe: Recipe) -> dict[str, Place]:
+    """Target name -> where it goes on the Hub, for the targets the recipe pushes (quantkit.run.push)."""
+    return {name: Place(repo, subfolder) for name, (repo, subfolder) in push_places(recipe).items()}
+
+
+def check_push(recipe: Recipe, selected: list[Target]) -> None:
+    """Before any work: a run that pushes has the network and a token that can write."""
+    from quantkit.io.hub import offline_mode
+
+    chosen = places(recipe)
+    repos = list(dict.fromkeys(chosen[t.name].repo for t in selected if t.name in chosen))
+    if repos:
+        from quantkit.run import push
+
+        push.check_push(repos, offline_mode(recipe.offline))
+
+
+def push_published(recipe: Recipe, opts: RunOptions, report: RunReport) -> None:
+    """After a run that passed: each pushed target's artifact, read back from OUT, to its Hub repo; the
+    commit recorded in the target's report entry (the --json report)."""
+    from quantkit.run import push
+
+    chosen = places(recipe)
+    names = [t.name for t in report.targets if t.name in chosen and t.status in ("passed", "skipped")]
+    if not names:
+        return
+    folders = {name: output_dir(opts.out, recipe, name) for name in names}
+    pushed = push.push(push.uploads_for(folders, {name: chosen[name] for name in names}),
+                       recipe.push.private if recipe.push else False, opts.progress)
+    for target in report.targets:
+        target.push = pushed.get(target.name, target.push)
 
 
 def make_staging(recipe: Recipe, opts: RunOptions, info: ModelInfo, inputs: dict[str, str]) -> Path:
@@ -498,7 +541,7 @@ def run_share(recipe: Recipe, opts: RunOptions, info: ModelInfo, targets: list[R
     import tempfile
 
     from quantkit.engines.transformers import load_tokenizer
-    from quantkit.eval import scorers
+    from quantkit.formats import gate
 
     staging = see_from_every_rank(None, opts.ranks)
     tokenizer = load_tokenizer(info, recipe.trust_remote_code)
@@ -511,9 +554,9 @@ def run_share(recipe: Recipe, opts: RunOptions, info: ModelInfo, targets: list[R
             baseline = score_baseline(info, recipe, windows.eval, workdir, placement, opts.ranks)
             gather_for(opts.ranks)(baseline.nll)  # rank 0's perplexity of the base (compute_baseline)
         def score(artifact: Path) -> None:  # rank 0's measure(): its artifact, this rank's share of the windows
-            scorers.evaluate_artifact(artifact, info.path, eval_share(windows.eval, opts.ranks), baseline,
-                                      recipe.device, recipe.trust_remote_code, workdir, placement,
-                                      gather=gather_for(opts.ranks))
+            gate.evaluate_artifact(artifact, info.path, eval_share(windows.eval, opts.ranks), baseline,
+                                   recipe.device, recipe.trust_remote_code, workdir, placement,
+                                   gather=gather_for(opts.ranks))
 
         for resolved in targets:
             with offload_plan(recipe, info, workdir, placement) as offload:
@@ -593,17 +636,18 @@ def measure(job: QuantizeJob, resolved: ResolvedTarget, artifact: Path, baseline
             opts: RunOptions) -> None:
     """The artifact read back and measured against the base: the gate's metrics on the held-out
     windows, its lm-eval tasks when the gate names some, and the verdict, into `entry`."""
-    from quantkit.eval import evaluate, generate, scorers
+    from quantkit.eval import evaluate, generate
+    from quantkit.formats import gate as reading
 
     gate = resolved.gate
     announce(job.ranks, "measure", str(artifact))  # the other ranks score their shares of the windows with it
-    entry.metrics = scorers.evaluate_artifact(artifact, job.info.path, eval_share(job.windows.eval, job.ranks),
+    entry.metrics = reading.evaluate_artifact(artifact, job.info.path, eval_share(job.windows.eval, job.ranks),
                                                baseline, job.device, job.trust_remote_code, job.workdir,
                                                job.placement, job.progress, gather=gather_for(job.ranks))
     logits = None
     if gate.flip_prompts or gate.tasks:
         with rank_zero_alone(job.ranks):
-            logits = scorers.artifact_logits(artifact, job.info.path, job.device, job.trust_remote_code, job.workdir,
+            logits = reading.artifact_logits(artifact, job.info.path, job.device, job.trust_remote_code, job.workdir,
                                              job.placement)
     if gate.flip_prompts:
         job.progress(f"flips: greedy continuations of {gate.flip_prompts} held-out prompts")
@@ -646,13 +690,32 @@ def serve_gate(job: QuantizeJob, resolved: ResolvedTarget, artifact: Path, entry
     entry.gate = with_checks(entry.gate, [Check("serve", float(len(report.failed)), 0.0, "==", report.passed)])
 
 
-def check_serve_engines(targets: list[ResolvedTarget]) -> None:
-    """Before any work: the engine of every target whose gate has `serve` is installed (exit 2 otherwise)."""
+def serve_or_say_why_not(job: QuantizeJob, resolved: ResolvedTarget, artifact: Path, entry: TargetReport) -> None:
+    """The serving check a target's gate asks for: run, unless the enforced gate has already failed (nothing is
+    written, so nothing is served): then the report and the log say it was not run and why. Under --no-gate a
+    failed gate is only recorded, so the artifact is written and the check runs."""
+    if entry.gate.passed or not entry.gate.enforced:
+        serve_gate(job, resolved, artifact, entry)
+        return
+    why = f"not run: the gate failed ({', '.join(entry.gate.failed)}), so nothing is written or served"
+    job.progress(f"[{resolved.name}] serving check {why}")
+    entry.details["serve_check"] = {"skipped": why}
+
+
+def check_serve_engines(targets: list[ResolvedTarget], eval_windows: int) -> None:
+    """Before any work: the engine of every target whose gate has `serve` is installed, and there are held-out
+    windows to compare the engine's reading with (exit 2 otherwise)."""
+    serving = [t.name for t in targets if t.gate.serve is not None]
+    if serving and eval_windows == 0:
+        raise InputError(f"target {', '.join(serving)}: the serving check compares the engine with the gate's "
+                         "reading on the held-out windows, but eval_windows is 0",
+                         hint="raise --eval-windows (the check sends the first gate.serve.windows of them), or drop "
+                              "--serve-check")
     from quantkit.serve.check import pick_engine
 
     for t in targets:
         if t.gate.serve is not None:
-            pick_engine(t.method.artifact, t.gate.serve.engine)
+            pick_engine(t.method.format.kind, t.gate.serve.engine)
 
 
 def measure_kv_cache(job: QuantizeJob, resolved: ResolvedTarget, artifact: Path, entry: TargetReport,
@@ -660,12 +723,13 @@ def measure_kv_cache(job: QuantizeJob, resolved: ResolvedTarget, artifact: Path,
     """An artifact with a kv_cache_scheme: the KV quantization's own damage (the same weights with the
     KV cache 16-bit against quantized) into entry.details["kv_cache"]."""
     from quantkit.eval import scorers
+    from quantkit.formats import gate
 
     scheme = scorers.kv_cache_scheme(artifact)
     if not scheme:
         return
     opts.progress(f"[{resolved.name}] measuring the KV-cache quantization alone (same weights, KV 16-bit)")
-    kv = scorers.kv_only_metrics(artifact, job.windows.eval, job.device, job.trust_remote_code)
+    kv = gate.kv_only_metrics(artifact, job.windows.eval, job.device, job.trust_remote_code)
     entry.details["kv_cache"] = {"scheme": scheme, "kld_mean": kv.kld_mean, "kld_p99": kv.kld_p99,
                                  "top1": kv.top1, "ppl_increase": kv.ppl_increase}
 
@@ -682,7 +746,7 @@ def run_target(job: QuantizeJob, resolved: ResolvedTarget, baseline, opts: RunOp
     entry.peak_rss_by_step["quantize"] = qt.peak_rss
     job.free_model()  # the engine's freed model goes back to the OS before the gate loads the artifact
     if job.info.towers.components:
-        entry.details["towers"] = (resolved.method.tower_proof or tower_proof)(job, result)
+        entry.details["towers"] = (resolved.method.towers.proof or tower_proof)(job, result)
     if baseline is None:
         entry.details["serving"] = serving.artifact_plan(job.info, resolved.method, result.artifact, job.options)
         return entry
@@ -696,8 +760,8 @@ def run_target(job: QuantizeJob, resolved: ResolvedTarget, baseline, opts: RunOp
         run_fallback(job, resolved, result, entry, baseline, opts)
     with rank_zero_alone(job.ranks):  # the other ranks are done with this target
         measure_kv_cache(job, resolved, result.artifact, entry, opts)  # the final artifact's, after any fallback
-        if resolved.gate.serve is not None and entry.gate.passed:
-            serve_gate(job, resolved, result.artifact, entry)
+        if resolved.gate.serve is not None:
+            serve_or_say_why_not(job, resolved, result.artifact, entry)
     if entry.failed_enforced_gate:
         entry.status, entry.exit_code = "failed", GateFailedError.exit_code
     entry.details["serving"] = serving.artifact_plan(job.info, resolved.method, result.artifact, job.options)
@@ -707,10 +771,12 @@ def run_target(job: QuantizeJob, resolved: ResolvedTarget, baseline, opts: RunOp
 def tower_proof(job: QuantizeJob, result: QuantizeResult) -> dict:
     """A VLM checkpoint artifact reloaded: towers bit-identical to the source and an image+text forward
     (quantkit.eval.vlm_proof; exit 3 otherwise). A method whose artifact is not a checkpoint directory
-    proves its towers itself (MethodSpec.tower_proof)."""
+    proves its towers itself (Towers.proof)."""
     from quantkit.eval.vlm_proof import prove_towers
+    from quantkit.formats.gate import load_artifact
 
-    proof = prove_towers(result.artifact, job.info, job.device, job.trust_remote_code, tuple(job.towers))
+    model = load_artifact(result.artifact, None, job.device, job.trust_remote_code)
+    proof = prove_towers(model, result.artifact, job.info, tuple(job.towers))
     return {**proof, "tower_precision": job.towers, "forced": "int4" in job.towers.values()} if job.towers else proof
 
 
@@ -740,8 +806,8 @@ def error_report(resolved: ResolvedTarget, exc: Exception) -> TargetReport:
     else:
         message, exit_code = f"internal error: {type(exc).__name__}: {exc}".splitlines()[0], 1
     return TargetReport(
-        name=resolved.name, method=resolved.method.name, format=resolved.method.format,
-        engine=resolved.method.engine, engine_version=package_version(resolved.method.engine_package),
+        name=resolved.name, method=resolved.method.name, format=resolved.method.label,
+        engine=resolved.method.engine, engine_version=package_version(resolved.method.package),
         options=resolved.options.model_dump(mode="json"), ignore=resolved.ignore, kept=[], quantized_modules=0,
         status="failed" if exit_code == GateFailedError.exit_code else "error", error=message, exit_code=exit_code,
     )
@@ -752,9 +818,9 @@ def target_report(resolved: ResolvedTarget, info: ModelInfo, result: QuantizeRes
     return TargetReport(
         name=resolved.name,
         method=resolved.method.name,
-        format=resolved.method.format,
+        format=resolved.method.label,
         engine=resolved.method.engine,
-        engine_version=package_version(resolved.method.engine_package),
+        engine_version=package_version(resolved.method.package),
         options=resolved.options.model_dump(mode="json"),
         ignore=resolved.ignore,
         kept=sorted({e.role for e in plan if e.kept}),
@@ -778,7 +844,7 @@ def _finish(staging: Path, recipe: Recipe, opts: RunOptions, report: RunReport) 
     if bad and not opts.partial:
         raise run_failure(report, opts, bad)
     if per_target_outputs(recipe, opts):
-        publish_targets(staging, opts, report)
+        publish_targets(staging, recipe, opts, report)
     elif not bad and any(t.status == "passed" for t in report.targets):
         publish_run(staging, recipe, opts, report)
     else:
@@ -787,11 +853,13 @@ def _finish(staging: Path, recipe: Recipe, opts: RunOptions, report: RunReport) 
         raise run_failure(report, opts, bad)
 
 
-def finalize_target(out_dir: Path, target: TargetReport, report: RunReport, single: bool) -> None:
-    """The model card and quantkit.json of a target about to be published."""
+def finalize_target(out_dir: Path, target: TargetReport, report: RunReport, single: bool,
+                    place: Place | None = None) -> None:
+    """The model card (for its Hub repo when the recipe pushes it) and quantkit.json of a target about to
+    be published."""
     target.files = sorted(p.name for p in out_dir.iterdir() if p.name != export.WORK_DIR)
     target.written = True
-    (out_dir / "README.md").write_text(model_card(target, report))
+    write_card(out_dir, target, report, place)
     export.write_json(out_dir / "quantkit.json", report.to_dict(None if single else [target]))
 
 
@@ -799,13 +867,14 @@ def publish_run(staging: Path, recipe: Recipe, opts: RunOptions, report: RunRepo
     """Every target passed: rename the whole staging dir to OUT at once."""
     single = not multi_target(recipe)
     for target in report.targets:
-        finalize_target(staging if single else staging / target.name, target, report, single)
+        finalize_target(staging if single else staging / target.name, target, report, single,
+                        places(recipe).get(target.name))
     if not single:
         export.write_json(staging / "quantkit.json", report.to_dict())
     export.publish(staging, opts.out, opts.overwrite or opts.skip_existing)
 
 
-def publish_targets(staging: Path, opts: RunOptions, report: RunReport) -> None:
+def publish_targets(staging: Path, recipe: Recipe, opts: RunOptions, report: RunReport) -> None:
     """Rename each passed target's staging dir to OUT/<target> on its own (replacing a stale
     one), leave the others in OUT alone, and rewrite OUT/quantkit.json for this run."""
     out = opts.out.resolve()
@@ -813,7 +882,7 @@ def publish_targets(staging: Path, opts: RunOptions, report: RunReport) -> None:
     if ready:
         out.mkdir(exist_ok=True)
     for target in ready:
-        finalize_target(staging / target.name, target, report, single=False)
+        finalize_target(staging / target.name, target, report, single=False, place=places(recipe).get(target.name))
         export.move_into_place(staging / target.name, out / target.name, opts.overwrite or opts.skip_existing)
     if out.is_dir():
         export.replace_json(out / "quantkit.json", report.to_dict())
@@ -849,14 +918,16 @@ def gate_hint(report: RunReport, bad: list[TargetReport]) -> str:
 
 def base_report(recipe: Recipe, opts: RunOptions, info: ModelInfo, inputs: dict[str, str]) -> RunReport:
     packages = ("torch", "transformers", "llmcompressor", "compressed-tensors", "gguf", "bitsandbytes")
+    pinned = {"model": info.hub.pinned} if info.hub else {}  # a rerun of the recorded recipe reads this commit
     return RunReport(
         quantkit_version=__version__,
         versions={"python": platform.python_version(), **{p: package_version(p) for p in packages}},
-        recipe=recipe.model_dump(mode="json"),
+        recipe={**recipe.model_dump(mode="json"), **pinned},
         model=ModelReport(path=str(info.path), architecture=info.architecture, model_type=info.model_type,
                           parameters=info.num_parameters, dtype=info.dtype,
                           towers=tower_summary(info.towers) if info.towers.components else None,
-                          sha256={p.name: inputs[f"model/{p.name}"] for p in info.weight_files}),
+                          sha256={p.name: inputs[f"model/{p.name}"] for p in info.weight_files},
+                          hub=info.hub.as_dict() if info.hub else None, license=read_license(info.path)),
         calibration=recipe.calibration.model_dump(mode="json"),
         gate_enforced=opts.enforce_gate,
         inputs=inputs,

@@ -12,12 +12,10 @@ names transformers v5 gives VLMs after loading (`model.vision_tower...`).
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from quantkit.arch.roles import KEEP_16BIT_ROLES, ROUTER_PATTERN, TOWER_EMBEDDING, classify, linear_weights, matches
-from quantkit.arch.vlm import component_pattern, ignore_pattern
+from quantkit.arch.roles import KEEP_16BIT_ROLES, TOWER_EMBEDDING, classify, linear_weights, matches
 from quantkit.io.checkpoint import ModelInfo
 
 if TYPE_CHECKING:
@@ -49,7 +47,7 @@ def build_plan(info: ModelInfo, method: MethodSpec, options, ignore: list[str],
                towers: dict[str, str] | None = None) -> list[PlanEntry]:
     """One entry per linear weight with the precision the method will give it; `towers` maps the
     tower roles a target quantizes to their precision (int8/int4), {} keeps every tower 16-bit."""
-    exact_types = method.plan_types(info, options)
+    exact_types = method.layers.exact_types(info, options)
     return [plan_entry(info, name, shape, exact_types.get(name) or method.precision(
         classify(name + ".weight", info.towers), options, name, shape), ignore, towers or {})
         for name, shape in linear_weights(info).items()]
@@ -71,23 +69,6 @@ def plan_entry(info: ModelInfo, name: str, shape: list[int], chosen: str | None,
     if matches(name, ignore):
         return PlanEntry(name, role, shape, f"{kept_dtype} (kept: ignore pattern)", True)
     return PlanEntry(name, role, shape, chosen, False)
-
-
-def ignore_patterns(info: ModelInfo, user_ignore: list[str], keep_lm_head: bool = True,
-                    quantized_towers: tuple[str, ...] = ()) -> list[str]:
-    """The `ignore` list for llm-compressor: lm_head (when kept), every VLM tower component (the
-    component itself and everything under it: a projector that is a single Linear, the Linear
-    subclasses inside a tower such as nn.MultiheadAttention's out_proj) but those of the roles in
-    `quantized_towers`, the MoE routers present in this model, then the user's patterns."""
-    patterns = ["lm_head"] if keep_lm_head else []
-    present = {component for _role, component in info.towers.components
-               if any(re.search(component_pattern(component), name) for name in info.tensors)}
-    quantized = [c for role, c in info.towers.components if role in quantized_towers]
-    patterns += [ignore_pattern(c, tuple(q[len(c) + 1:] for q in quantized if q.startswith(c + ".")))
-                 for role, c in info.towers.components if c in present and role not in quantized_towers]
-    if any(classify(name, info.towers) == "router" for name in info.tensors):
-        patterns.append(ROUTER_PATTERN)
-    return patterns + [p for p in user_ignore if p not in patterns]
 
 
 def role_summary(entries: list[PlanEntry]) -> dict[str, dict]:

@@ -4,7 +4,7 @@ filesystem lacks it (exit 2, with the numbers), instead of failing after the lon
 Rough on purpose: per target, the decoder's linear weights at the method's bits and everything
 else at 16 bits; a merged LoRA checkpoint at 16 bits; the float16 baseline log-probs and the
 float32 logits a streamed scorer spills (eval_windows x seq_len x vocab, 2 + 4 bytes at most);
-with --resume, each method's saved progress beyond its artifact (MethodSpec.resume_bytes), less
+with --resume, each method's saved progress beyond its artifact (MethodSpec.resume: Resume.bytes), less
 what the interrupted run being resumed already wrote.
 Staging, merged checkpoint and these files all live on OUT's filesystem (the staging directory
 is beside OUT).
@@ -26,7 +26,7 @@ class DiskEstimate:
     artifacts: int
     merged_lora: int
     baseline: int
-    saved_progress: int = 0  # --resume: each target's saved progress beyond its artifact (MethodSpec.resume_bytes)
+    saved_progress: int = 0  # --resume: each target's saved progress beyond its artifact (Resume.bytes)
     staged: int = 0  # --resume: bytes already in the staging directory the run takes over
 
     @property
@@ -35,12 +35,13 @@ class DiskEstimate:
 
 
 def with_resume(estimate: DiskEstimate, info, targets: list[tuple[MethodSpec, object]], staged: int,
-                tokens: int = 0) -> DiskEstimate:
-    """A --resume run's estimate: the saved progress of every target added (for `tokens` calibration tokens),
-    what an interrupted run already wrote (`staged`, which the resumed run keeps or overwrites) taken off."""
+                calibration) -> DiskEstimate:
+    """A --resume run's estimate: the saved progress of every target added (for the run's calibration windows:
+    num_samples x seq_len), what an interrupted run already wrote (`staged`, which the resumed run keeps or
+    overwrites) taken off."""
     from dataclasses import replace
 
-    saved = sum(m.resume_bytes(info, o, tokens) for m, o in targets)
+    saved = sum(m.resume.bytes(info, o, calibration) for m, o in targets if m.resume)
     return replace(estimate, saved_progress=saved, staged=staged)
 
 
@@ -68,7 +69,7 @@ def run_estimate(info, recipe, targets: list[tuple[MethodSpec, object]]) -> Disk
             other += count
     text = info.config.get("text_config") or info.config
     c = recipe.calibration
-    return estimate_bytes(quantized, other, [m.stored_bits(o) for m, o in targets], bool(recipe.lora),
+    return estimate_bytes(quantized, other, [m.sizes.stored_bits(o) for m, o in targets], bool(recipe.lora),
                           c.eval_windows, c.seq_len, int(text.get("vocab_size") or 0))
 
 
@@ -137,7 +138,7 @@ def ram_estimate(info, recipe, targets, placement=None) -> RamEstimate:
     """Per step: the streamed baseline and gate hold one decoder layer (the .gguf candidate's in
     float32), a group's activations, a slice of the output head and its logits, and the baseline
     log-probs while they are small enough to stay in memory; a target that needs the model holds what
-    held_bytes says with the method's working set (MethodSpec.working_set: GPTQ's per-layer Hessians);
+    held_bytes says with the method's working set (Sizes.working_set: GPTQ's per-layer Hessians);
     one that loads no model its working set alone (fp8's model-free slabs); a compressed-tensors text decoder is streamed like the base, a module
     decompressed at a time (quantkit.eval.compressed); any other compressed-tensors or bitsandbytes
     artifact is reloaded whole at its bits. With a resident placement on the CPU (gate_placement) the
@@ -156,7 +157,7 @@ def ram_estimate(info, recipe, targets, placement=None) -> RamEstimate:
     streamed = ACTIVATION_BYTES + 2 * HEAD_SLICE_BYTES + store
     steps = {"baseline": layer + streamed} if c.eval_windows else {}
     for t in targets:
-        working = t.method.working_set(info, t.options)
+        working = t.method.sizes.working_set(info, t.options)
         if t.needs_model:
             steps[f"{t.name}: quantize"] = held_bytes(info, recipe, others, layers, working) + ACTIVATION_BYTES
         elif working:
@@ -202,25 +203,20 @@ def split_tables(others: dict[str, int]) -> tuple[int, list[int]]:
 
 
 def streams_gate(target, info, recipe) -> bool:
-    """Whether the gate streams the target's compressed-tensors artifact (quantkit.eval.compressed.streams; an MoE
-    decoder with an expert layout row, quantkit.eval.experts): a text decoder the stream applies to, its output head
-    left 16-bit, no custom model code."""
-    from quantkit.eval.experts import reads_base
-    from quantkit.eval.stream import streamable
-
-    return (target.method.artifact == "compressed-tensors" and (streamable(info.config) or reads_base(info.config))
-            and target.method.keeps_lm_head(target.options) and not recipe.trust_remote_code)
+    """Whether the gate reads the target's artifact itself, a layer at a time or resident (its format's
+    `streams`: a .gguf and an mlx-lm directory always, a compressed-tensors text decoder whose output head
+    stays 16-bit, no custom model code), rather than loading it whole."""
+    return target.method.format.streams(info.config, target.method.layers.keeps_lm_head(target.options),
+                                        recipe.trust_remote_code)
 
 
 def candidate_bytes(target, model: int, layer: int, streamed: bool) -> int:
-    """What the gate holds of one artifact: a .gguf streamed in float32 (twice a 16-bit layer), a
-    streamed compressed-tensors one a 16-bit layer (its modules decompressed one at a time), any
-    other checkpoint whole at its bits; an mlx-lm directory a layer dequantized to its stored dtype."""
-    if target.method.artifact == "gguf":
-        return 2 * layer
-    if streamed or target.method.artifact == "mlx":  # an mlx-lm directory streams dequantized, a layer at a time
-        return layer
-    return int(model * target.method.stored_bits(target.options) / 16)
+    """What the gate holds of one artifact: read by quantkit, a layer in the dtype its format computes in
+    (a .gguf in float32: twice a 16-bit layer; a compressed-tensors or mlx-lm one dequantized to its stored
+    dtype); loaded whole, the checkpoint at its bits."""
+    if streamed:
+        return layer * (2 if target.method.format.gate_dtype == "float32" else 1)
+    return int(model * target.method.sizes.stored_bits(target.options) / 16)
 
 
 def largest_matrix(info) -> int:
@@ -249,15 +245,14 @@ def vram_estimate(info, recipe, targets, placement=None, onload: bool = False) -
     streamed = 2 * largest_matrix(info) + ACTIVATION_BYTES + 2 * HEAD_SLICE_BYTES
     steps = {"baseline": streamed} if recipe.calibration.eval_windows else {}
     for t in targets:
-        working = t.method.working_set(info, t.options)
+        working = t.method.sizes.working_set(info, t.options)
         if t.needs_model:
             held = max(layers.values(), default=0) if recipe.offload_dir or onload else model
             steps[f"{t.name}: quantize"] = held + ACTIVATION_BYTES + working
         elif working:
             steps[f"{t.name}: quantize"] = working
         if recipe.calibration.eval_windows:
-            own_stream = t.method.artifact in ("gguf", "mlx")
-            steps[f"{t.name}: gate"] = streamed if own_stream or streams_gate(t, info, recipe) else (
+            steps[f"{t.name}: gate"] = streamed if streams_gate(t, info, recipe) else (
                 candidate_bytes(t, model, 0, False) + ACTIVATION_BYTES)
     if placement is not None and placement.resident and placement.device == "cuda":
         steps.update({name: resident_need(n, True, info, recipe.calibration.seq_len, recipe.calibration.eval_windows)[0]
@@ -333,22 +328,22 @@ def read_whole_bytes(info, recipe, targets) -> dict[str, int]:
 
     if not recipe.calibration.eval_windows or recipe.trust_remote_code or not streamable(info.config):
         return {}
-    steps = {"baseline": whole_bytes(info, "base", recipe.dtype)}
+    steps = {"baseline": whole_bytes(info, recipe.dtype)}
     for t in targets:
-        if t.method.artifact in ("gguf", "mlx") or streams_gate(t, info, recipe):
-            steps[f"{t.name}: gate"] = whole_bytes(info, t.method.artifact)
+        if streams_gate(t, info, recipe):
+            steps[f"{t.name}: gate"] = whole_bytes(info, t.method.format.gate_dtype)
     return steps
 
 
-def whole_bytes(info, kind: str, dtype: str = "auto") -> int:
-    """Bytes of a model of `info`'s shape read whole by quantkit: the base at `dtype` ('auto': as stored),
-    a .gguf in float32, a compressed-tensors checkpoint decompressed to the stored dtype, an mlx-lm
-    directory at its scales' dtype (16-bit)."""
+def whole_bytes(info, dtype: str = "auto") -> int:
+    """Bytes of a model of `info`'s shape read whole by quantkit in `dtype`: 'auto' as stored (the base; a
+    compressed-tensors checkpoint decompressed to the stored dtype; an mlx-lm directory at its scales' dtype),
+    'float32' (a .gguf; a base loaded so), any other 16-bit."""
     others, layers = unit_bytes(info)
     params = sum(math.prod(shape) for _dtype, shape in info.tensors.values())
-    if kind == "gguf" or (kind == "base" and dtype == "float32"):
+    if dtype == "float32":
         return 4 * params
-    if kind == "base" and dtype != "auto":
+    if dtype != "auto":
         return 2 * params
     return sum(others.values()) + sum(layers.values())
 
@@ -450,13 +445,13 @@ def describe_placement(placement, info, seq_len: int) -> str:
             f"({placement.why}{hint})")
 
 
-def eval_placement(info, kind: str, device: str, seq_len: int, windows: int, max_memory: int | None = None):
-    """Where `quantkit eval` runs its forwards for a base of `info`'s shape and an artifact of `kind`
-    (quantkit.eval.artifacts.artifact_kind): as gate_placement, the CPU's budget being --max-memory or
-    what a streamed forward holds anyway."""
+def eval_placement(info, gate_dtype: str, device: str, seq_len: int, windows: int, max_memory: int | None = None):
+    """Where `quantkit eval` runs its forwards for a base of `info`'s shape and an artifact its format computes
+    in `gate_dtype` (quantkit.formats.Format.gate_dtype): as gate_placement, the CPU's budget being --max-memory
+    or what a streamed forward holds anyway."""
     from quantkit.eval.stream import ACTIVATION_BYTES, HEAD_SLICE_BYTES
 
-    largest = max(whole_bytes(info, "base"), whole_bytes(info, kind))
+    largest = max(whole_bytes(info), whole_bytes(info, gate_dtype))
     if max_memory:
         budget = (max_memory - FIXED_RAM, f"--max-memory {_size(max_memory)}")
     else:

@@ -1,21 +1,25 @@
 """Recipes: the validated description of one run (model, calibration, targets, gate).
 
 A recipe is YAML checked by pydantic models with extra="forbid". Each target's `options` are
-checked by its method's own `Options` model. CLI flags are applied to the raw data before
-validation, so a recipe and its overrides are checked together, before any work starts.
+checked by its method's own `Options` model, once (target_options then returns that object). CLI flags
+are applied to the raw data (Overrides) and the method flags (MethodOptions, a typed record) to the
+targets whose method has each option, so a recipe and its overrides are checked together, before any
+work starts.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from quantkit.errors import InputError, RecipeError, UnsupportedError
-from quantkit.methods import METHODS, get_method
+from quantkit.eval.tasks import TaskGate
+from quantkit.methods import get_method, registered
+from quantkit.serve.engines import AUTO, ENGINES
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
 
@@ -36,27 +40,11 @@ class Calibration(Strict):
     eval_windows: int = Field(16, ge=0, le=100_000, description="held-out windows for the quality gate")
 
 
-class TaskGate(Strict):
-    """One lm-evaluation-harness task in the gate (quantkit.eval.tasks): a task lm-eval knows by
-    name (its data in the local Hugging Face cache) or a task YAML file of lm-eval's format."""
-
-    name: str | None = Field(None, description="lm-eval task name (hellaswag, arc_easy, ...)")
-    file: str | None = Field(None, description="a task YAML (lm-eval's format; dataset_path: json, local data_files)")
-    metric: str | None = Field(None, description="the metric compared (default: the task's first, e.g. acc)")
-    min_recovery: float = Field(0.95, ge=0, description="artifact score / base score at least this")
-
-    @model_validator(mode="after")
-    def _name_or_file(self) -> "TaskGate":
-        if (self.name is None) == (self.file is None):
-            raise ValueError("give a task `name` or a task `file`, one of the two")
-        return self
-
-
 class ServeGate(Strict):
     """The gate's serving check (quantkit.serve.check): the staged artifact loaded by the engine that serves
     it, as a real server on 127.0.0.1, before anything is published; a failed check fails the gate."""
 
-    engine: Literal["auto", "vllm", "llama.cpp", "mlx"] = Field("auto", description="auto: by the artifact's format")
+    engine: str = Field("auto", description="auto (by the artifact's format) or an engine of quantkit.serve.engines")
     windows: int = Field(4, ge=1, le=1024, description="held-out windows sent to the engine (the first of the gate's)")
     logprobs: int = Field(20, ge=0, description="candidates per position asked of the engine (0: the whole vocabulary)")
     max_reading_kld: float = Field(0.02, ge=0, description="KL divergence of the engine from quantkit's reading")
@@ -65,6 +53,13 @@ class ServeGate(Strict):
     max_base_kld: float | None = Field(None, ge=0, description="KL divergence of the engine from the base "
                                        "(default: the gate's max_kld)")
     concurrency: list[int] = Field(default_factory=lambda: [1], description="load test rounds (concurrent requests)")
+
+    @field_validator("engine")
+    @classmethod
+    def _known_engine(cls, value: str) -> str:
+        if value != AUTO and value not in ENGINES:
+            raise ValueError(f"unknown engine '{value}'; allowed: {AUTO}, {', '.join(ENGINES)}")
+        return value
 
 
 class Gate(Strict):
@@ -92,6 +87,29 @@ class Gate(Strict):
         return self
 
 
+HUB_REPO = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
+
+
+def check_repo_template(value: str) -> str:
+    """A Hub repo id, where `{name}` stands for a target's name."""
+    if not HUB_REPO.match(value.replace("{name}", "x")):
+        raise ValueError(f"'{value}' is not a Hub repo id org/name ({{name}} is the only placeholder)")
+    return value
+
+
+class Push(Strict):
+    """Where the targets that pass are published on the Hugging Face Hub (quantkit.run.push)."""
+
+    repo: str = Field(description="org/name; {name} is each target's name (one repo per target)")
+    private: bool = Field(False, description="create a missing repo private")
+    subfolders: bool = Field(False, description="every target in its own folder (its name) of the one repo")
+
+    @field_validator("repo")
+    @classmethod
+    def _repo_id(cls, value: str) -> str:
+        return check_repo_template(value)
+
+
 # A VLM tower's weights in a target: 16-bit (the rule), or round-to-nearest W8A16 / W4A16 on request.
 TowerPrecision = Literal["keep", "int8", "int4"]
 
@@ -105,12 +123,21 @@ class Target(Strict):
     vision: TowerPrecision = Field("keep", description="a VLM's vision encoder: keep (16-bit), int8 or int4 (W/A16)")
     projector: TowerPrecision = Field("keep", description="a VLM's projector: keep (16-bit), int8 or int4 (W/A16)")
     force: bool = Field(False, description="allow 4-bit towers (recorded in the report and the model card)")
+    _options: BaseModel | None = PrivateAttr(None)  # `options` validated by the method's Options model (validate)
+    push: bool | str = Field(True, description="false: never pushed; org/name: this target's own repo "
+                             "({name}: the target's name); true: as the recipe's `push` says")
+
+    @field_validator("push")
+    @classmethod
+    def _push_repo(cls, value: bool | str) -> bool | str:
+        return check_repo_template(value) if isinstance(value, str) else value
 
     @field_validator("method")
     @classmethod
     def _known_method(cls, value: str) -> str:
-        if value not in METHODS:
-            raise ValueError(f"unknown method '{value}'; allowed: {', '.join(METHODS)}")
+        known = registered()
+        if value not in known:
+            raise ValueError(f"unknown method '{value}'; allowed: {', '.join(known)}")
         return value
 
     @field_validator("ignore")
@@ -152,9 +179,11 @@ class Recipe(Strict):
                                 "keeping it 16-bit")
     resume: bool = Field(False, description="keep the run's progress in its staging directory, and continue an "
                          "interrupted run of the same inputs and recipe from it (quantkit.run.resume)")
+    offline: bool = Field(False, description="read a Hub model from the local cache only (as HF_HUB_OFFLINE=1)")
     calibration: Calibration = Field(default_factory=Calibration)
     targets: list[Target] = Field(min_length=1)
     gate: Gate = Field(default_factory=Gate)
+    push: Push | None = Field(None, description="publish the targets that pass on the Hub")
 
     @field_validator("targets")
     @classmethod
@@ -164,6 +193,30 @@ class Recipe(Strict):
         if duplicates:
             raise ValueError(f"target names must be unique; repeated: {', '.join(duplicates)}")
         return targets
+
+    @model_validator(mode="after")
+    def _one_repo_per_target(self) -> "Recipe":
+        places = push_places(self)
+        repos = [repo for repo, subfolder in places.values() if subfolder is None]
+        shared = sorted({repo for repo in repos if repos.count(repo) > 1})
+        if shared:
+            names = [name for name, (repo, _) in places.items() if repo == shared[0]]
+            raise ValueError(f"targets {listing(names)} would push to the same repo {shared[0]}: put {{name}} in "
+                             "push.repo (one repo per target), or set push.subfolders: true")
+        return self
+
+
+def push_places(recipe: Recipe) -> dict[str, tuple[str, str | None]]:
+    """Target name -> (Hub repo, folder in it or None) for every target the recipe pushes: a target's own
+    `push: org/name`, else the recipe's push.repo, `{name}` replaced by the target's name."""
+    places = {}
+    for target in recipe.targets:
+        template = target.push if isinstance(target.push, str) else recipe.push.repo if recipe.push else None
+        if template is None or target.push is False:
+            continue
+        subfolder = target.name if recipe.push is not None and recipe.push.subfolders else None
+        places[target.name] = (template.replace("{name}", target.name), subfolder)
+    return places
 
 
 def cli_tasks(names: str | None, files: list[str], min_recovery: float | None = None) -> list[dict]:
@@ -177,8 +230,10 @@ def cli_tasks(names: str | None, files: list[str], min_recovery: float | None = 
 
 
 def target_options(target: Target) -> BaseModel:
-    """The target's options, validated by its method's Options model."""
-    return get_method(target.method).options.model_validate(target.options)
+    """The target's options as its method's Options model validated them (once: validate keeps the result)."""
+    if target._options is None:
+        target._options = get_method(target.method).options.model_validate(target.options)
+    return target._options
 
 
 def target_gate(recipe: Recipe, target: Target) -> Gate:
@@ -209,7 +264,8 @@ def load_yaml(path: str | Path) -> dict:
 
 
 # Sections whose type CLI overrides rely on when merging into raw recipe data.
-SECTION_TYPES = {"calibration": dict, "gate": dict, "targets": list, "lora": list, "lora_weights": list}
+SECTION_TYPES = {"calibration": dict, "gate": dict, "targets": list, "lora": list, "lora_weights": list,
+                 "push": dict}
 TARGET_SECTION_TYPES = {"options": dict, "ignore": list, "gate": dict}
 
 
@@ -231,12 +287,15 @@ def _check_sections(data: dict, types: dict, origin: str, prefix: str) -> None:
                               hint="quantkit recipes show release prints a recipe with every section")
 
 
-def validate(data: dict, origin: str = "recipe") -> Recipe:
-    """Validate raw recipe data, including every target's method options."""
+def validate(data: dict, origin: str = "recipe", method_options: MethodOptions | None = None) -> Recipe:
+    """Validate raw recipe data, then put the method flags into its targets (apply_method_options), then
+    check every target's method options once."""
     try:
         recipe = Recipe.model_validate(data)
     except ValidationError as exc:
         raise RecipeError(f"{origin}: {format_errors(exc)}", hint=_hint(exc)) from None
+    if method_options is not None:
+        recipe = apply_method_options(recipe, method_options)
     for index, target in enumerate(recipe.targets):
         check_mixed_precision(target.method, target.options)
         check_rotation(target.method, target.options)
@@ -254,14 +313,14 @@ MIXED_PRECISION = {"auto_precision": "--auto-precision / auto_precision", "fallb
 
 def methods_with(option: str) -> list[str]:
     """The methods whose options have `option` (their declared contract says so)."""
-    return [name for name in METHODS if option in get_method(name).options.model_fields]
+    return [name for name in registered() if option in get_method(name).options.model_fields]
 
 
 def check_mixed_precision(method: str, options: dict) -> None:
     """auto_precision / fallback for a method that has no such option: a clear refusal (exit 2)."""
     for key, label in MIXED_PRECISION.items():
         methods = methods_with(key)
-        if key in options and method in METHODS and method not in methods:
+        if key in options and method in registered() and method not in methods:
             raise UnsupportedError(f"{label} is implemented for method {listing(methods)} only, not {method}",
                                    hint=f"use --method {methods[0]}, or drop the option")
 
@@ -270,7 +329,7 @@ def check_rotation(method: str, options: dict) -> None:
     """--rotate / rotate (other than none) for a method that cannot rotate: refused with the method's own
     reason (MethodSpec.rotation_refused, exit 2)."""
     rotating = methods_with("rotate")
-    if options.get("rotate", "none") == "none" or method not in METHODS or method in rotating:
+    if options.get("rotate", "none") == "none" or method not in registered() or method in rotating:
         return
     raise UnsupportedError(f"--rotate / rotate: method {method} cannot rotate: {get_method(method).rotation_refused}",
                            hint=f"drop --rotate, or use a method that rotates: {listing(rotating)}")
@@ -332,6 +391,56 @@ def find_recipe(name_or_path: str) -> Path:
 # ---------------------------------------------------------------- command-line overrides
 
 
+@dataclass(frozen=True)
+class MethodOptions:
+    """Method flags given on the command line (None: not given). Each is a field of some methods' Options
+    models (tests/test_recipe.py checks it) and goes into the options of every target whose method has it
+    (apply_method_options), where that method's Options model validates it with the rest."""
+
+    scheme: str | None = None
+    bits: int | None = None
+    group_size: int | str | None = None  # auto or a whole number (a string of digits is read as one)
+    act_order: str | None = None
+    symmetric: bool | None = None
+    activations: str | None = None
+    backend: str | None = None
+    gguf_type: str | None = None
+    imatrix: str | None = None
+    mmproj: str | None = None
+    auto_precision: bool = False  # with budget_bpw: the auto_precision option
+    budget_bpw: float | None = None
+    fallback: bool = False  # with max_size: the fallback option
+    max_size: str | None = None
+    smoothing_strength: float | None = None
+    preset: str | None = None
+    iters: int | None = None
+    batch_size: int | None = None
+    double_quant: bool | None = None
+    compute_dtype: str | None = None
+    kv_cache: str | None = None
+    rotate: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.group_size, str) and self.group_size != "auto":
+            try:
+                object.__setattr__(self, "group_size", int(self.group_size))
+            except ValueError:
+                raise InputError(f"--group-size {self.group_size}: give auto or a whole number",
+                                 hint="e.g. --group-size 64") from None
+        if self.max_size is not None and not self.fallback:
+            raise InputError("--max-size is the --fallback size limit", hint="add --fallback")
+
+    def given(self) -> dict[str, Any]:
+        """The method option fields given: auto_precision and fallback as the option records they set."""
+        values = {k: v for k, v in asdict(self).items()
+                  if v is not None and k not in ("auto_precision", "budget_bpw", "fallback", "max_size")}
+        if self.auto_precision or self.budget_bpw is not None:
+            values["auto_precision"] = {"budget_bpw": self.budget_bpw} if self.budget_bpw is not None else {}
+        if self.fallback:
+            values["fallback"] = {"max_size": self.max_size} if self.max_size else {}
+        return values
+
+
 @dataclass
 class Overrides:
     """Recipe fields given on the command line; None (or empty) leaves the recipe's value."""
@@ -343,6 +452,8 @@ class Overrides:
     strict_shapes: bool = False
     trust_remote_code: bool = False
     resume: bool = False
+    offline: bool = False
+    push: dict[str, Any] = field(default_factory=dict)  # Push field (repo, private) -> value
     lora: list[str] = field(default_factory=list)
     lora_weights: list[float] = field(default_factory=list)
     merge_base: str | None = None
@@ -351,7 +462,11 @@ class Overrides:
     towers: dict[str, Any] = field(default_factory=dict)  # Target tower field (vision, projector, force) -> value
     calibration: dict[str, Any] = field(default_factory=dict)  # Calibration field -> value
     gate: dict[str, Any] = field(default_factory=dict)  # Gate field -> value
-    method_options: dict[str, Any] = field(default_factory=dict)  # method option field -> value
+    method_options: MethodOptions = field(default_factory=MethodOptions)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.method_options, dict):  # a library caller's {field: value}
+            self.method_options = MethodOptions(**self.method_options)
 
 
 def build_recipe(recipe_name: str | None, method: str | None, overrides: Overrides) -> Recipe:
@@ -367,10 +482,10 @@ def build_recipe(recipe_name: str | None, method: str | None, overrides: Overrid
         raise InputError("give --method or --recipe", hint="e.g. quantkit quantize ./model --method fp8 -o ./out")
     if method and recipe_name:
         data = override_method(data, method)
-    data = apply_method_options(apply_overrides(data, overrides), overrides.method_options)
+    data = apply_overrides(data, overrides)
     if not data.get("model"):
         raise InputError("no model given", hint="pass MODEL, or set `model:` in the recipe")
-    return validate(data, origin)
+    return validate(data, origin, overrides.method_options)
 
 
 def override_method(data: dict, method: str) -> dict:
@@ -389,6 +504,13 @@ def apply_overrides(data: dict, o: Overrides) -> dict:
         data["strict_shapes"] = True
     if o.resume:
         data["resume"] = True
+    if o.offline:
+        data["offline"] = True
+    if _given(o.push):
+        if not o.push.get("repo") and not isinstance(data.get("push"), dict):
+            raise InputError("--private sets the visibility of a repo quantkit creates to push to",
+                             hint="add --push-to-hub org/name, or a `push:` block to the recipe")
+        data["push"] = {**(data.get("push") or {}), **_given(o.push)}
     if o.lora:
         data["lora"] = list(data.get("lora") or []) + list(o.lora)
     if o.lora_weights:
@@ -408,30 +530,28 @@ def apply_overrides(data: dict, o: Overrides) -> dict:
     return data
 
 
-def apply_method_options(data: dict, options: dict[str, Any]) -> dict:
-    """Put method flags into the options of every target whose method has that option; a flag
-    that no target's method has is an error."""
-    given = _given(options)
+def apply_method_options(recipe: Recipe, flags: MethodOptions) -> Recipe:
+    """Put method flags into the options of every target whose method has that option; a mixed-precision or
+    rotate flag that a target's method refuses, or a flag that no target's method has, is an error."""
+    given = flags.given()
     if not given:
-        return data
-    targets = [dict(t) for t in data.get("targets") or [] if isinstance(t, dict)]
-    for target in targets:
-        check_mixed_precision(str(target.get("method")), {k: v for k, v in given.items() if k in MIXED_PRECISION})
-        check_rotation(str(target.get("method")), {k: v for k, v in given.items() if k == "rotate"})
+        return recipe
+    for target in recipe.targets:
+        check_mixed_precision(target.method, {k: v for k, v in given.items() if k in MIXED_PRECISION})
+        check_rotation(target.method, {k: v for k, v in given.items() if k == "rotate"})
+    options = [dict(t.options) for t in recipe.targets]
     for flag, value in given.items():
-        used = False
-        for target in targets:
-            if target.get("method") in METHODS and flag in get_method(target["method"]).options.model_fields:
-                current = (target.get("options") or {}).get(flag)
-                merged = {**current, **value} if isinstance(current, dict) and isinstance(value, dict) else value
-                target["options"] = {**(target.get("options") or {}), flag: merged}
-                used = True
-        if not used:
-            methods = ", ".join(sorted({str(t.get("method")) for t in targets}))
+        takers = [i for i, t in enumerate(recipe.targets) if flag in get_method(t.method).options.model_fields]
+        if not takers:
+            methods = ", ".join(sorted({t.method for t in recipe.targets}))
             raise InputError(f"--{flag.replace('_', '-')} does not apply to method {methods}",
                              hint="quantkit quantize --help says which methods take each option; drop it, or choose "
                                   "such a --method")
-    return {**data, "targets": targets}
+        for i in takers:
+            current = options[i].get(flag)
+            options[i][flag] = {**current, **value} if isinstance(current, dict) and isinstance(value, dict) else value
+    targets = [t.model_copy(update={"options": o}) for t, o in zip(recipe.targets, options)]
+    return recipe.model_copy(update={"targets": targets})
 
 
 def _given(values: dict[str, Any]) -> dict[str, Any]:

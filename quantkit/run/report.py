@@ -15,8 +15,6 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from quantkit.methods import get_method
-
 if TYPE_CHECKING:
     from quantkit.eval.evaluate import GateResult, Metrics
 
@@ -32,6 +30,8 @@ class ModelReport:
     dtype: str
     sha256: dict[str, str]  # weight file name -> digest
     towers: dict[str, Any] | None = None  # a VLM's towers (quantkit.arch.vlm.tower_summary), kept 16-bit
+    hub: dict[str, Any] | None = None  # fetched from the Hub: repo_id, revision, sha, endpoint, files (quantkit.io.hub)
+    license: dict[str, str] | None = None  # the base's card: license (license_name, license_link for "other")
 
 
 @dataclass
@@ -58,6 +58,7 @@ class TargetReport:
     exit_code: int = 0  # what this target alone would exit with: 0, 3 gate, 1/2 error
     written: bool = False  # published by this run
     fingerprint: dict[str, Any] = field(default_factory=dict)  # what --skip-existing compares (quantkit.run.cache)
+    push: dict[str, Any] | None = None  # pushed by this run: repo, subfolder, commit_url, commit (quantkit.run.push)
 
     @property
     def failed_enforced_gate(self) -> bool:
@@ -109,154 +110,15 @@ class RunReport:
         data["targets"] = [t.to_dict() for t in (self.targets if targets is None else targets)]
         return data
 
-
-# ---------------------------------------------------------------- model card
-
-
-def kept_summary(kept: dict[str, str]) -> str:
-    """One line: how many layers a rule kept 16-bit (a width the format cannot tile, a shard vLLM fuses with a
-    16-bit one), why, and the first few."""
-    reasons = sorted({"vLLM fuses them with a 16-bit shard" if "fuses it" in why else
-                      "their widths do not tile in the format" for why in kept.values()})
-    names = sorted(kept)
-    return f"{len(kept)} layer(s) ({'; '.join(reasons)}): {', '.join(names[:4])}{', ...' if len(names) > 4 else ''}"
-
-
-LIBRARIES = {"gguf": "gguf", "mlx": "mlx"}  # the model card's library_name by artifact kind
-
-
-def model_card(target: TargetReport, report: RunReport) -> str:
-    """README.md with YAML front matter (base_model, tags, quantization) and the gate table."""
-    import yaml
-
-    base_model = report.model.path
-    front = {
-        "base_model": base_model,
-        "library_name": LIBRARIES.get(get_method(target.method).artifact, "transformers"),
-        "tags": ["quantkit", "quantized", target.method, *format_tags(target.format)],
-        "quantization": {"method": target.method, "format": target.format, "engine": target.engine,
-                         "options": target.options},
-    }
-    lines = ["---", yaml.safe_dump(front, sort_keys=False).strip(), "---", ""]
-    lines += [f"# {Path(base_model).name} — {target.name} ({target.method})", ""]
-    lines += [f"Quantized with quantkit {report.quantkit_version} from `{base_model}`.", ""]
-    lines += gate_section(target.gate)
-    lines += tasks_section(target.tasks)
-    lines += ["", "Kept in 16-bit: " + ", ".join(target.kept or ["(none)"]), ""]
-    if target.details.get("kept_16bit"):
-        lines += [f"Also kept 16-bit: {kept_summary(target.details['kept_16bit'])} (each with its reason in "
-                  "quantkit.json, `details.kept_16bit`).", ""]
-    lines += [f"Chosen for this model: {option} {why}." for option, why in target.details.get("choices", {}).items()]
-    lines += mixed_lines(target.details)
-    lines += tower_section(report.model.towers, target.details.get("towers"))
-    lines += serving_section(target.details.get("serving"), base_model)
-    lines += ["Produced by `quantkit quantize`; the full record is in `quantkit.json`.", ""]
-    return "\n".join(lines)
-
-
-def serving_section(plan: dict | None, base_model: str) -> list[str]:
-    """This artifact's line of the serving plan (quantkit.run.serving.artifact_plan) and its serve command."""
-    if not plan:
-        return []
-    by_verdict: dict[str, list[str]] = {}
-    for device, fit in plan["devices"].items():
-        where = f"{device} ({fit['runtime']})" if fit["runtime"] and fit["verdict"] != "too small" else device
-        by_verdict.setdefault(fit["verdict"], []).append(where)
-    parts = [f"{verdict}: {', '.join(devices)}" for verdict, devices in by_verdict.items()]
-    return ["## Serving", "",
-            f"{size_text(plan['weights_bytes'])} on disk, fp16 KV cache {size_text(plan['kv_cache_bytes'])} for "
-            f"{plan['context']} tokens; " + "; ".join(parts) + f". Other devices and contexts: `quantkit plan {base_model}`.",
-            "", f"From this directory: `{plan['serve']}`", ""]
-
-
-def size_text(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
-
-
-def mixed_lines(details: dict) -> list[str]:
-    """Per-layer precision chosen by --auto-precision or raised by --fallback, in two lines."""
-    lines = []
-    mixed = details.get("mixed_precision")
-    if mixed and mixed.get("changed"):
-        lines.append(f"Mixed precision: {len(mixed['changed'])} of {len(mixed['types'])} layers differ from the plain "
-                     "plan (the list is in `quantkit.json`, details.mixed_precision).")
-    fallback = details.get("fallback")
-    if fallback:
-        lines.append(f"Gate-driven fallback: {len(fallback['steps']) - 1} step(s), {fallback['size_cost_bytes']:+,} "
-                     f"bytes; {fallback['stopped']}.")
-    return lines + ([""] if lines else [])
-
-
-def tower_section(towers: dict | None, proof: dict | None) -> list[str]:
-    """The VLM's towers kept in 16-bit (unknown ones named), and what the gate proved about them."""
-    if not towers:
-        return []
-    family = towers["family"] or "unknown VLM (towers found by look)"
-    lines = ["## Vision-language model", "", f"Family: {family}. Towers (16-bit unless listed as quantized):"]
-    lines += [f"- {role}: " + ", ".join(f"`{c}`" for c in towers[role])
-              for role in ("vision", "projector", "audio", "cross_attention") if towers.get(role)]
-    if towers["unknown_towers"]:
-        lines.append("- unknown towers (no table row; found by convolution weights, names or config): "
-                     + ", ".join(f"`{c}`" for c in towers["unknown_towers"]))
-    if proof and proof.get("tower_precision"):
-        forced = " (4-bit towers allowed with --force)" if proof.get("forced") else ""
-        lines.append("- quantized on request, round-to-nearest weights: "
-                     + ", ".join(f"{role} {value}" for role, value in proof["tower_precision"].items()) + forced)
-    if proof:
-        lines += ["", *proof_lines(proof)]
-    return lines + [""]
-
-
-def proof_lines(proof: dict) -> list[str]:
-    """What the gate proved about the towers: a checkpoint's after reload, or a .gguf's mmproj file."""
-    if "tower_tensors_identical" in proof:
-        rounded = proof.get("tower_weights_quantized", 0)
-        lines = [f"After reload: {proof['tower_tensors_identical']} tower tensors bit-identical to the source"
-                 + (f", {rounded} quantized tower weights within half a step of it" if rounded else "")
-                 + f"; image+text forward: {proof['image_forward']}."]
-        if proof.get("mmproj", "") is None:
-            lines.append("No mmproj was written (`mmproj: none`): this .gguf cannot read images.")
-        return lines
-    lines = [f"Vision tower and projector: `{proof['mmproj']}` (as {proof['converter']} writes it). Read back, its "
-             f"{proof['tensors']} tensors equal the source towers byte for byte after the converter's changes; "
-             f"{proof['source_values_exact']} hold the source values exactly."]
-    if proof["rounded_to_stored_type"]:
-        lines.append("Rounded to their stored type: " + ", ".join(f"`{n}`" for n in proof["rounded_to_stored_type"]) + ".")
-    if proof["stored_plus_one"]:
-        lines.append("Stored as w + 1 (llama.cpp's RMSNorm): " + ", ".join(f"`{n}`" for n in proof["stored_plus_one"]) + ".")
-    if proof["left_out"]:
-        lines.append(f"Left out as llama.cpp does: {len(proof['left_out'])} tensors ("
-                     + "; ".join(sorted(set(proof["left_out"].values()))) + ").")
-    return lines
-
-
-def format_tags(fmt: str) -> list[str]:
-    markers = (("compressed-tensors", "compressed-tensors"), ("GGUF", "gguf"), ("bitsandbytes", "bitsandbytes"),
-               ("MLX", "mlx"))
-    return [tag for marker, tag in markers if marker in fmt]
-
-
-def gate_section(gate: GateResult | None) -> list[str]:
-    if gate is None or not gate.checks:
-        return ["Quality: not measured."]
-    verdict = f"Verdict: **{'PASS' if gate.passed else 'FAIL'}**" + ("" if gate.enforced else " (not enforced: --no-gate)")
-    lines = ["## Quality gate", "", verdict, "", "| metric | value | threshold | ok |", "|---|---|---|---|"]
-    for check in gate.checks:
-        lines.append(f"| {check.name} | {check.value:.6g} | {threshold_text(check)} | {'yes' if check.passed else 'NO'} |")
-    return lines
-
-
-def tasks_section(tasks: list[dict]) -> list[str]:
-    """Task accuracy of the artifact against the base (lm-evaluation-harness, offline data)."""
-    if not tasks:
-        return []
-    lines = ["", "## Task accuracy", "", "lm-evaluation-harness on local data; recovery = artifact / base.", "",
-             "| task | metric | samples | base | artifact | recovery | min | ok |", "|---|---|---|---|---|---|---|---|"]
-    for r in tasks:
-        lines.append(f"| {r['task']} | {r['metric']} | {r['samples']} | {stat_text(r['base'], r['base_stderr'])} | "
-                     f"{stat_text(r['score'], r['stderr'])} | {r['recovery']:.3f} | {r['min_recovery']:g} | "
-                     f"{'yes' if r['passed'] else 'NO'} |")
-    return lines
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "RunReport":
+        """A report read back from a quantkit.json (fields it lacks get their defaults)."""
+        names = {f.name for f in fields(cls)} - {"model", "targets"}
+        model_names = {f.name for f in fields(ModelReport)}
+        report = cls(**{k: v for k, v in data.items() if k in names},
+                     model=ModelReport(**{k: v for k, v in data["model"].items() if k in model_names}))
+        report.targets = [TargetReport.from_dict(t) for t in data.get("targets", [])]
+        return report
 
 
 def stat_text(value: float, stderr: float | None) -> str:

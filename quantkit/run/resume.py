@@ -4,7 +4,7 @@ A resumable run writes, before any work, the identity of what it makes into
 `<staging>/.work/resume/run.json`: the quantkit version, the sha256 of every input file, and the
 recipe as resolved (gates and the resume switch left out: they change no byte of an artifact),
 and the targets `--only` selects. Each target's method keeps its own saved progress in
-`<staging>/.work/resume/<target>/` (quantkit.methods.MethodSpec.resume_unit says what it saves:
+`<staging>/.work/resume/<target>/` (quantkit.methods.MethodSpec.resume.unit says what it saves:
 gguf, each tensor written to the .gguf, quantkit.gguf.resume; fp8's model-free path, each shard,
 quantkit.engines.llmcompressor.model_free).
 
@@ -135,14 +135,14 @@ def clear_work(staging: Path) -> None:
 
 
 def check_methods(info, targets: list[tuple[str, Any, Any]]) -> None:
-    """Before any work: every target resumes (MethodSpec.resume_unit, and resume_refused for its options),
+    """Before any work: every target resumes (MethodSpec.resume, and Resume.refused for its options),
     else UnsupportedError (exit 2) naming the methods that do. `targets`: (target name, MethodSpec, options)."""
     from quantkit.methods import METHODS, get_method
 
     for name, method, options in targets:
-        why = "it" if method.resume_unit is None else method.resume_refused(info, options)
+        why = "it" if method.resume is None else method.resume.refused(info, options)
         if why is not None:
-            able = ", ".join(f"{m.name} (from {m.resume_unit})" for m in map(get_method, METHODS) if m.resume_unit)
+            able = ", ".join(f"{m.name} (from {m.resume.unit})" for m in map(get_method, METHODS) if m.resume)
             raise UnsupportedError(f"target '{name}': {method.name} does not resume an interrupted run (--resume)"
                                    f"{'' if why == 'it' else ': ' + why}; the methods that do: {able}",
                                    hint="run without --resume, or --only the targets whose method resumes")

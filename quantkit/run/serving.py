@@ -1,7 +1,7 @@
 """Where an artifact quantkit writes can be served: its weights, the KV cache at a context length and
 batch, and the overhead, against named devices, with the runtime and kernel that serve the format
-there (each method's `runtimes`). Devices and their figures are the table below, each with its
-source; nothing is fetched."""
+there (each method's format and scheme: quantkit.formats.Format.runtimes). Devices and their figures are the
+table below, each with its source; nothing is fetched."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ import re
 from dataclasses import dataclass
 
 from quantkit.errors import InputError, QuantkitError
-from quantkit.methods import METHODS, MethodSpec, Runtime, get_method, runtimes_for
+from quantkit.formats import Runtime
+from quantkit.formats.transformers import RUNTIMES as SOURCE_RUNTIMES
+from quantkit.methods import METHODS, MethodSpec, get_method, runtimes_for
 
 OVERHEAD = 0.10  # activations, buffers and allocator slack on top of weights + KV (as quantkit inspect's estimate)
 KV_SHARE = 0.40  # below this share of the usable memory left for the KV cache, batching has little room
@@ -78,8 +80,8 @@ def kv_bytes_per_token(config: dict, kv_cache: str = "fp16") -> int:
 
 
 def runtime_for(method: MethodSpec, target: Device) -> Runtime | None:
-    """The first of the method's runtimes that runs on the device; None when none does."""
-    return first_runtime(method.runtimes, target)
+    """The first of the runtimes of the method's default options that runs on the device; None when none does."""
+    return first_runtime(runtimes_for(method, method.options()), target)
 
 
 def first_runtime(runtimes: tuple[Runtime, ...], target: Device) -> Runtime | None:
@@ -132,13 +134,6 @@ def fit(weights: int, kv_per_token: int, tokens: int, runtimes: tuple[Runtime, .
                target.usable_bytes, kv_tokens)
 
 
-# The unquantized checkpoint, for comparison: vLLM needs compute capability 7.0 (its installation guide)
-SOURCE_RUNTIMES = (
-    Runtime("vLLM: 16-bit", ("cuda",), 7.0, "vLLM docs, getting_started/installation/gpu: compute capability 7.0+"),
-    Runtime("llama.cpp / transformers: 16-bit", ("cpu", "apple"), 0.0, "runs anywhere torch or llama.cpp runs"),
-)
-
-
 def source_bytes(info) -> int:
     """The checkpoint's tensors at 16 bits (float32 ones halved: what serving in bfloat16 holds)."""
     from quantkit.io.safetensors import DTYPE_BYTES
@@ -148,17 +143,18 @@ def source_bytes(info) -> int:
 
 def weight_bytes(info, method: MethodSpec, options) -> int:
     """The artifact's weights as the method's precision plan gives them: each quantized weight at its
-    precision's bits (MethodSpec.precision_bits, else stored_bits), everything else at 16 bits."""
-    from quantkit.run.plan import build_plan, ignore_patterns
+    precision's bits (the method's Sizes.precision_bits, else stored_bits), everything else at 16 bits."""
+    from quantkit.methods import ignore_patterns
+    from quantkit.run.plan import build_plan
 
-    entries = build_plan(info, method, options, ignore_patterns(info, [], method.keeps_lm_head(options)))
+    entries = build_plan(info, method, options, ignore_patterns(info, [], method.layers.keeps_lm_head(options)))
     quantized = {e.name + ".weight": e.precision for e in entries if not e.kept}
     total = 0.0
     for name, (dtype, shape) in info.tensors.items():
         count = math.prod(shape)
         if name in quantized:
-            bits = (method.precision_bits(options, quantized[name]) if method.precision_bits
-                    else method.stored_bits(options))
+            sizes = method.sizes
+            bits = sizes.precision_bits(options, quantized[name]) if sizes.precision_bits else sizes.stored_bits(options)
             total += count * bits / 8
         else:
             total += count * 2
@@ -174,7 +170,7 @@ def memory_rows(info, context: int) -> dict[str, dict]:
         method = get_method(name)
         try:
             options, _choices = method.resolve(info, method.options())
-            sizes[name] = (method.format, weight_bytes(info, method, options))
+            sizes[name] = (method.label, weight_bytes(info, method, options))
         except QuantkitError:
             continue
     kv = kv_bytes_per_token(info.config) * context
@@ -209,16 +205,21 @@ def serving_plan(info, devices: list[Device], context: int, batch: int, kv_cache
         method = get_method(name)
         options, _choices = method.resolve(info, method.options())
         weights = weight_bytes(info, method, options)
-        rows.append(FormatPlan(name, method.format, weights,
+        rows.append(FormatPlan(name, method.label, weights,
                                [fit(weights, per_token, tokens, runtimes_for(method, options), d) for d in devices],
-                               method.serve_command("OUT")))
+                               method.format.serve_command("OUT")))
     return {"model": str(info.path), "context": context, "batch": batch, "kv_cache": kv_cache,
             "kv_bytes_per_token": per_token, "overhead": OVERHEAD, "kv_share": KV_SHARE,
             "devices": [{"name": d.name, "memory_bytes": d.memory, "kind": d.kind, "capability": d.capability,
                          "usable": d.usable, "source": d.source} for d in devices],
             "formats": [{**row.as_dict(), **measured_in_engines(row.method)} for row in rows],
-            "sources": sorted({r.source for n in (methods or list(METHODS)) for r in get_method(n).runtimes}
+            "sources": sorted({r.source for n in (methods or list(METHODS)) for r in default_runtimes(get_method(n))}
                               | {r.source for r in SOURCE_RUNTIMES} | {d.source for d in devices})}
+
+
+def default_runtimes(method: MethodSpec) -> tuple[Runtime, ...]:
+    """The runtimes of the method's artifact at its default options."""
+    return runtimes_for(method, method.options())
 
 
 def measured_in_engines(method: str) -> dict:
@@ -246,8 +247,8 @@ def artifact_plan(info, method: MethodSpec, artifact, options=None) -> dict:
     artifact = Path(artifact)
     weights = artifact_bytes(artifact)
     per_token = kv_bytes_per_token(info.config)
-    runtimes = runtimes_for(method, options) if options is not None else method.runtimes
+    runtimes = runtimes_for(method, options) if options is not None else default_runtimes(method)
     fits = [fit(weights, per_token, CARD_CONTEXT, runtimes, DEVICES[name]) for name in CARD_DEVICES]
     return {"weights_bytes": weights, "context": CARD_CONTEXT, "kv_cache_bytes": per_token * CARD_CONTEXT,
             "devices": {f.device: {"verdict": f.verdict, "runtime": f.runtime} for f in fits},
-            "serve": method.serve_command(artifact.name if artifact.is_file() else ".")}
+            "serve": method.format.serve_command(artifact.name if artifact.is_file() else ".")}

@@ -2,7 +2,8 @@
 (MethodSpec.support over quantkit.arch.families), the architectures each method takes (the smoothing
 table, the GGUF converter's table, the MLX table, the expert layouts), the VLM towers
 (quantkit.arch.vlm.FAMILIES), the expert layouts (quantkit.arch.moe) and the runtimes that serve each
-format (MethodSpec.runtimes), and each method's default gate (MethodSpec.default_gate).
+method's format and scheme (quantkit.formats.Format.runtimes), and each method's default gate
+(MethodSpec.default_gate); docs/serving.md's serving engines and their variables (quantkit.serve.engines.ENGINES).
 `python scripts/make_docs_tables.py` writes them into the pages; tests/test_docs.py keeps the pages equal
 to `docs_tables()`."""
 
@@ -12,7 +13,8 @@ import re
 import typing
 
 from quantkit.arch.families import TEXT_FAMILIES, VLM_FAMILIES, Family
-from quantkit.methods import METHODS, Runtime, get_method
+from quantkit.formats import Runtime
+from quantkit.methods import METHODS, get_method, runtimes_for
 
 
 def verdict(model_type: str, method: str) -> str:
@@ -98,19 +100,23 @@ def moe_table() -> list[str]:
 
 
 def scheme_variants(name: str) -> list[tuple[str, tuple[Runtime, ...]]]:
-    """(label, runtimes) per scheme of the method whose runtimes depend on it; consecutive schemes
-    served by the same runtimes share a label."""
+    """(label, runtimes) per value of the method's `scheme` (else `activations`) option, whose runtimes its
+    format gives for the scheme it writes (quantkit.methods.runtimes_for); consecutive values served by the
+    same runtimes share a label, and a method served alike whatever the value is one row."""
     spec = get_method(name)
-    if not spec.scheme_runtimes:
-        return [(f"`{name}`", spec.runtimes)]
-    field = next(f for f in ("scheme", "activations") if f in spec.options.model_fields)
+    fields = [f for f in ("scheme", "activations") if f in spec.options.model_fields]
+    if not fields:
+        return [(f"`{name}`", runtimes_for(spec, spec.options()))]
+    field = fields[0]
     groups: list[tuple[list[str], tuple[Runtime, ...]]] = []
     for value in typing.get_args(spec.options.model_fields[field].annotation):
-        served = spec.scheme_runtimes(spec.options.model_construct(**{field: value}))
+        served = runtimes_for(spec, spec.options.model_construct(**{field: value}))
         if groups and groups[-1][1] == served:
             groups[-1][0].append(value)
         else:
             groups.append(([value], served))
+    if len(groups) == 1:
+        return [(f"`{name}`", groups[0][1])]
     prefix = "" if field == "scheme" else f"{field} "
     return [(f"`{name}` " + ", ".join(f"{prefix}`{v}`" for v in values), served) for values, served in groups]
 
@@ -141,6 +147,36 @@ def runtimes_table() -> list[str]:
             for runtime in served:
                 lines.append(f"| {label} | {runtime.name} | {', '.join(runtime.kinds)} | {capability(runtime)} "
                              f"| {widths(runtime)} | {runtime.source} |")
+    return lines
+
+
+def kind_with_methods(kind: str) -> str:
+    """An artifact kind and the methods that write it: 'compressed-tensors (fp8, gptq, ...)'."""
+    methods = [name for name in METHODS if get_method(name).format.kind == kind]
+    return f"{kind} ({', '.join(methods)})" if methods and methods != [kind] else kind
+
+
+def engines_table() -> list[str]:
+    """Each serving engine: the artifacts it loads (and the methods that write them) and how it is started."""
+    from quantkit.serve.engines import ENGINES, get_engine, kinds_served
+
+    lines = ["| engine (`--engine`) | artifacts | started as |", "|---|---|---|"]
+    for name in ENGINES:
+        engine = get_engine(name)
+        lines.append(f"| {engine.LABEL} (`{name}`) | {', '.join(kind_with_methods(k) for k in kinds_served(name))} "
+                     f"| {engine.STARTED_AS} |")
+    return lines
+
+
+def engine_variables_table() -> list[str]:
+    """The environment variables that point at each engine's installation."""
+    from quantkit.serve.engines import ENGINES, get_engine
+
+    lines = ["| variable | what |", "|---|---|",
+             "| `QUANTKIT_ENGINES` | the directory setup_engines.sh installed into (default `~/.cache/quantkit/engines`) |"]
+    for name in ENGINES:
+        engine = get_engine(name)
+        lines.append(f"| `{engine.VARIABLE}` | {engine.VARIABLE_HELP} |")
     return lines
 
 
@@ -181,7 +217,7 @@ def docs_tables() -> dict[str, list[str]]:
     """Every generated block of the docs pages by name."""
     return {"architectures": architectures_table(), "families": family_table(), "vlm-families": vlm_table(),
             "vlm-towers": vlm_towers_table(), "moe": moe_table(), "runtimes": runtimes_table(),
-            "gates": gate_table()}
+            "gates": gate_table(), "engines": engines_table(), "engine-variables": engine_variables_table()}
 
 
 BEGIN = re.compile(r"^<!-- generated: ([a-z-]+) \(python scripts/make_docs_tables.py\) -->$")

@@ -2,7 +2,8 @@
 
 The engine runs as a real server on 127.0.0.1 (quantkit.serve.process) and is asked, on the held-out
 windows the gate used, for (1) the log-probs of every next-token prediction, (2) greedy continuations
-of held-out prompts, (3) streamed continuations at a few concurrencies (quantkit.serve.load). Its
+of held-out prompts, (3) streamed continuations at a few concurrencies (quantkit.serve.load), (4) its own
+token ids of the held-out windows' text (quantkit.serve.tokens), since everything else is sent as ids. Its
 numbers are set against quantkit's own readings of the same windows: the base (quantkit.eval.scorers
 base_scorer, or the base served by the same engine with base_from="engine") and the artifact as the
 gate read it (artifact_scorer, artifact_logits). The statistics are quantkit.serve.stats.
@@ -10,13 +11,17 @@ gate read it (artifact_scorer, artifact_logits). The statistics are quantkit.ser
 The verdict (Tolerances, checked in this order):
 - reading_kld: the KL divergence of the engine from quantkit's reading of the artifact, a lower bound
   from the engine's top-k (stats module), at most `max_reading_kld`;
-- ppl_drift: |ppl engine / ppl reading - 1| at most `max_ppl_drift` (where the engine's ppl is only a
-  lower bound, only an excess counts; not checked for an engine whose log-probs are not normalized);
+- ppl_drift: |ppl engine / ppl reading - 1| at most `max_ppl_drift`, both perplexities taken on the positions
+  where the engine's log-prob of the token that followed is exact (its own, or the token among its top-k
+  candidates: stats.ComparedPerplexity), so a difference either way fails it; not checked for an engine
+  whose log-probs are not normalized;
 - reading_top1 (when `min_reading_top1` is set): the engine's most likely token is the reading's at
   that share of the positions at least;
 - base_kld (when `max_base_kld` is set, e.g. the gate's max_kld): the engine's KL divergence from the
   base, a lower bound, at most that. A lower bound above the gate's threshold means the served artifact
-  fails the gate, whatever quantkit's reading says (a config edited after the gate changes both).
+  fails the gate, whatever quantkit's reading says (a config edited after the gate changes both);
+- tokenization: the engine's ids of every held-out text equal the Hugging Face tokenizer's (a
+  difference is reported at its first position, with the ids and pieces around it).
 Greedy agreement and the load test are reported, not checked.
 
 Independent of quantkit.json: the caller gives the windows and the base, so the pipeline can run it on a
@@ -31,19 +36,17 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from types import ModuleType
 
 import numpy as np
 
 from quantkit.errors import InputError, InternalError, UnsupportedError
 from quantkit.eval.evaluate import Check
-from quantkit.serve import llama_server, mlx_server, stats, support, vllm_server
-from quantkit.serve.engines import Engine, engine_for, find_engine
+from quantkit.serve import stats, support, tokens
+from quantkit.serve.engines import AUTO, Engine, Installed, engine_for, find_engine, get_engine, kinds_served
 from quantkit.serve.load import LoadResult, load_test
 from quantkit.serve.process import failure_reason, free_port, log_tail, running
 from quantkit.serve.settings import Endpoint, ServeOptions, engine_env
 
-CLIENTS: dict[str, ModuleType] = {"vllm": vllm_server, "llama.cpp": llama_server, "mlx": mlx_server}
 BASE_FROM = ("quantkit", "engine")
 CONTEXT_MARGIN = 16  # tokens of context beyond the longest request
 
@@ -97,9 +100,11 @@ class ServeReport:
     ppl: stats.Perplexity
     ppl_base: float
     ppl_reading: float
+    ppl_compared: stats.ComparedPerplexity  # engine and reading on the positions where the engine's value is exact
     greedy: stats.GreedyAgreement
     load: list[LoadResult]
     tolerances: Tolerances
+    tokenization: tokens.Tokenization | None = None  # None: not asked (a report from before the check)
     checks: list[Check] = field(default_factory=list)
 
     @property
@@ -122,17 +127,17 @@ class ServeReport:
 # ------------------------------------------------------------------ the engine
 
 
-def pick_engine(kind: str, name: str) -> Engine:
+def pick_engine(kind: str, name: str) -> Installed:
     """The installed engine for the artifact kind (`name` "auto") or the one named."""
-    return find_engine(engine_for(kind) if name == "auto" else name)
+    return find_engine(engine_for(kind) if name == AUTO else name)
 
 
-def prepare(artifact: Path, engine: str = "auto") -> tuple[str, Engine, support.Accelerator]:
+def prepare(artifact: Path, engine: str = AUTO) -> tuple[str, Installed, support.Accelerator]:
     """(artifact kind, the engine, this device), or exit 2 before any work: the engine is not installed
     or cannot serve this format on this device (cheap: config.json, headers, nvidia-smi)."""
-    from quantkit.eval.artifacts import artifact_kind
+    from quantkit.formats import detect
 
-    kind = artifact_kind(Path(artifact))
+    kind = detect(Path(artifact)).kind
     found = pick_engine(kind, engine)
     accelerator = support.accelerator()
     support.check_servable(found.name, Path(artifact), kind, accelerator)
@@ -140,12 +145,10 @@ def prepare(artifact: Path, engine: str = "auto") -> tuple[str, Engine, support.
 
 
 def served_path(artifact: Path, kind: str) -> Path:
-    """What the engine loads: the .gguf file for llama-server, the directory otherwise."""
-    if kind == "gguf":
-        from quantkit.eval.artifacts import gguf_file
+    """What the engine loads (its format's served_path): the .gguf file for llama-server, the directory otherwise."""
+    from quantkit.formats import get_format
 
-        return gguf_file(artifact)
-    return artifact
+    return get_format(kind).served_path(Path(artifact))
 
 
 def context_needed(seq_len: int, generation: Generation) -> int:
@@ -155,11 +158,11 @@ def context_needed(seq_len: int, generation: Generation) -> int:
 
 
 @contextmanager
-def serving(engine: Engine, model: Path, options: ServeOptions, log_dir: Path | None,
+def serving(engine: Installed, model: Path, options: ServeOptions, log_dir: Path | None,
             progress: Callable[[str], None]) -> Iterator[tuple[Path, str, list[str]]]:
     """The engine serving `model`: yields (its log, its url, the command); stopped on every exit path.
     The log is in a temporary directory (removed afterwards) unless `log_dir` is given."""
-    client, model = CLIENTS[engine.name], Path(model).resolve()  # the server runs in its log directory
+    client, model = get_engine(engine.name), Path(model).resolve()  # the server runs in its log directory
     with tempfile.TemporaryDirectory(prefix="quantkit-serve-") as tmp:
         logs = Path(log_dir) if log_dir else Path(tmp)
         logs.mkdir(parents=True, exist_ok=True)
@@ -173,7 +176,7 @@ def serving(engine: Engine, model: Path, options: ServeOptions, log_dir: Path | 
 
 
 @contextmanager
-def engine_failures(engine: Engine, log: Path) -> Iterator[None]:
+def engine_failures(engine: Installed, log: Path) -> Iterator[None]:
     """A request the server fails (HTTP 5xx, a dropped connection) becomes UnsupportedError (exit 2)
     with the cause from the server's log: the engine loaded the artifact but cannot run it."""
     try:
@@ -194,7 +197,7 @@ class Setup:
     artifact: Path
     kind: str
     base_dir: Path
-    engine: Engine
+    engine: Installed
     accelerator: support.Accelerator
     windows: np.ndarray  # int64 (w, L)
     prompts: list[list[int]]  # held-out prompts for the greedy continuations
@@ -206,8 +209,8 @@ class Setup:
     trust_remote_code: bool
 
     @property
-    def client(self) -> ModuleType:
-        return CLIENTS[self.engine.name]
+    def client(self) -> Engine:
+        return get_engine(self.engine.name)
 
 
 @dataclass
@@ -228,6 +231,7 @@ class EngineSide:
     topk: stats.TopK
     greedy: list[list[int] | None]
     load: list[LoadResult]
+    token_ids: list[list[int]]  # the engine's ids of each held-out text
     base_topk: stats.TopK | None = None
 
 
@@ -255,6 +259,7 @@ def quantkit_side(setup: Setup, stop: int | None, progress: Callable[[str], None
     import torch
 
     from quantkit.eval import evaluate, generate, scorers
+    from quantkit.formats import gate
     from quantkit.io.checkpoint import check_model_dir
 
     windows, s = torch.from_numpy(setup.windows), setup
@@ -265,48 +270,56 @@ def quantkit_side(setup: Setup, stop: int | None, progress: Callable[[str], None
         base = evaluate.compute_baseline(scorer, windows)
     progress(f"quantkit's reading of the artifact: {s.artifact}")
     reading = evaluate.compute_baseline(
-        scorers.artifact_scorer(s.artifact, s.base_dir, s.device, s.trust_remote_code), windows)
+        gate.artifact_scorer(s.artifact, s.base_dir, s.device, s.trust_remote_code), windows)
     progress(f"quantkit's greedy continuations of {len(s.prompts)} held-out prompts")
-    logits = scorers.artifact_logits(s.artifact, s.base_dir, s.device, s.trust_remote_code)
+    logits = gate.artifact_logits(s.artifact, s.base_dir, s.device, s.trust_remote_code)
     return QuantkitSide(base, reading, generate.greedy_tokens(logits, s.prompts, s.generation.steps, stop=stop))
 
 
-def ask(setup: Setup, endpoint: Endpoint, progress: Callable[[str], None]) -> tuple:
-    """(top-k per position, greedy continuations, load results) from the running engine."""
+def ask(setup: Setup, endpoint: Endpoint, texts: list[str], progress: Callable[[str], None]) -> tuple:
+    """(top-k per position, greedy continuations, load results, its ids of the texts) from the running engine."""
     s, client = setup, setup.client
+    progress(f"the engine's tokenization of {len(texts)} held-out texts")
+    token_ids = client.tokenize(endpoint, s.engine, texts)
     topk = client.prompt_topk(endpoint, s.windows.tolist(), s.options.logprobs, progress)
     progress(f"greedy continuations of {len(s.prompts)} held-out prompts, {s.generation.steps} tokens")
     greedy = client.greedy(endpoint, s.prompts, s.generation.steps)
     bos = getattr(endpoint.tokenizer, "bos_token_id", None)
     load = load_test(client, endpoint, s.windows.tolist(), s.generation.load_steps, s.generation.concurrencies,
                      bos, progress)
-    return topk, greedy, load
+    return topk, greedy, load, token_ids
 
 
-def engine_side(setup: Setup, tokenizer, vocab: int, log_dir: Path | None,
+def engine_side(setup: Setup, tokenizer, vocab: int, texts: list[str], log_dir: Path | None,
                 progress: Callable[[str], None]) -> EngineSide:
     """The artifact served by its engine and asked (ask); with base_from "engine", the base too."""
-    s = setup
-    with serving(s.engine, served_path(s.artifact, s.kind), s.options, log_dir, progress) as (log, url, command):
-        endpoint = Endpoint(url, tokenizer, vocab)
+    s, served = setup, served_path(setup.artifact, setup.kind)
+    with serving(s.engine, served, s.options, log_dir, progress) as (log, url, command):
+        endpoint = Endpoint(url, tokenizer, vocab, served)
         with engine_failures(s.engine, log):
             version = s.client.version(endpoint, s.engine)
-            answers = EngineSide(version, command, *ask(s, endpoint, progress))
+            answers = EngineSide(version, command, *ask(s, endpoint, texts, progress))
     if s.base_from == "engine":
         answers.base_topk = engine_base_topk(s, tokenizer, vocab, log_dir, progress)
     return answers
 
 
 def engine_base_topk(setup: Setup, tokenizer, vocab: int, log_dir: Path | None, progress) -> stats.TopK:
-    """The base served by the same engine (llama-server needs a .gguf of it)."""
-    s = setup
-    if s.engine.name == "llama.cpp" and s.engine_base.suffix != ".gguf":
-        raise InputError("llama-server serves .gguf files only: the base must be a .gguf to be served",
-                         hint="quantkit quantize BASE --method gguf --gguf-type F16 -o BASE-f16, then "
-                              "--engine-base BASE-f16/<file>.gguf")
-    with serving(s.engine, s.engine_base, s.options, log_dir, progress) as (log, url, _command), \
+    """The base served by the same engine, which must load its kind (llama-server: a .gguf of it)."""
+    from quantkit.formats import detect
+
+    s, kind = setup, detect(setup.engine_base).kind
+    served = kinds_served(s.client.NAME)
+    if kind not in served:
+        raise InputError(f"{s.client.LABEL} serves {', '.join(served)} artifacts only: the base must be "
+                         f"one to be served ({s.engine_base} is {kind})",
+                         hint="give --engine-base the base written in that format, e.g. for llama-server: quantkit "
+                              "quantize BASE --method gguf --gguf-type F16 -o BASE-f16, then --engine-base BASE-f16")
+    served = served_path(s.engine_base, kind)
+    with serving(s.engine, served, s.options, log_dir, progress) as (log, url, _command), \
             engine_failures(s.engine, log):
-        return s.client.prompt_topk(Endpoint(url, tokenizer, vocab), s.windows.tolist(), s.options.logprobs, progress)
+        return s.client.prompt_topk(Endpoint(url, tokenizer, vocab, served), s.windows.tolist(), s.options.logprobs,
+                                    progress)
 
 
 def serve_check(artifact: Path, base_dir: Path, windows, engine: str = "auto",
@@ -317,7 +330,7 @@ def serve_check(artifact: Path, base_dir: Path, windows, engine: str = "auto",
     """Serve the artifact in its engine and measure it against quantkit's readings (module docstring).
 
     windows: int64 (w, L) token ids, the held-out windows (each starting with BOS where the tokenizer
-    has one). engine: "auto" (by artifact kind) or vllm | llama.cpp | mlx. base_from: "quantkit" (the
+    has one). engine: "auto" (by artifact kind) or a name in quantkit.serve.engines.ENGINES. base_from: "quantkit" (the
     base scored by quantkit, full distributions) or "engine" (`engine_base`, default the base dir,
     served by the same engine). device: where quantkit computes its own readings. Raises
     UnsupportedError (exit 2) when the engine is missing or cannot serve the artifact here."""
@@ -327,9 +340,11 @@ def serve_check(artifact: Path, base_dir: Path, windows, engine: str = "auto",
     setup = plan(artifact, base_dir, windows, engine, options, generation, base_from, engine_base, device,
                  trust_remote_code)
     tokenizer = load_tokenizer(check_model_dir(setup.base_dir), trust_remote_code)
+    texts, token_ids = tokens.reference(tokenizer, setup.windows.tolist())
     ours = quantkit_side(setup, tokenizer.eos_token_id if setup.client.STOPS_AT_EOS else None, progress)
-    theirs = engine_side(setup, tokenizer, int(ours.reading.logprobs.shape[1]), log_dir, progress)
-    report = build_report(setup, ours, theirs, tolerances or Tolerances())
+    theirs = engine_side(setup, tokenizer, int(ours.reading.logprobs.shape[1]), texts, log_dir, progress)
+    report = build_report(setup, ours, theirs, tolerances or Tolerances(),
+                          tokens.compare(token_ids, theirs.token_ids, tokens.piece_decoder(tokenizer)))
     report.checks = verdict(report)
     return report
 
@@ -341,15 +356,9 @@ def mean_of(values: np.ndarray, keep: np.ndarray) -> float:
     return float(np.mean(values[keep])) if keep.any() else math.nan
 
 
-def ppl_drift(ppl: stats.Perplexity, ppl_reading: float) -> float:
-    """|ppl / ppl_reading - 1|; where ppl is a lower bound, only the excess over the reading."""
-    ratio = ppl.ppl / ppl_reading - 1.0
-    return abs(ratio) if ppl.ppl_exact else max(0.0, ratio)
-
-
 def verdict(report: ServeReport) -> list[Check]:
     t = report.tolerances
-    drift = ppl_drift(report.ppl, report.ppl_reading)
+    drift = report.ppl_compared.drift
     checks = [Check("reading_kld", report.vs_reading.kld_lower_bound, t.max_reading_kld, "<=",
                     report.vs_reading.kld_lower_bound <= t.max_reading_kld)]
     if report.logprobs_normalized:
@@ -360,7 +369,23 @@ def verdict(report: ServeReport) -> list[Check]:
     if t.max_base_kld is not None:
         checks.append(Check("base_kld", report.vs_base.kld_lower_bound, t.max_base_kld, "<=",
                             report.vs_base.kld_lower_bound <= t.max_base_kld))
+    if report.tokenization is not None:
+        checks.append(Check("tokenization", float(report.tokenization.differing), 0.0, "<=",
+                            report.tokenization.matches))
     return checks
+
+
+def failures(report: ServeReport) -> str:
+    """The failed checks in one line: each value and what it needed; the tokenization's first difference."""
+    parts = []
+    for c in report.checks:
+        if c.passed:
+            continue
+        parts.append(f"{c.name} {c.value:.4g} (needs {c.op} {c.threshold:g})")
+        if c.name == "tokenization" and report.tokenization.first is not None:
+            parts[-1] = (f"tokenization differs in {report.tokenization.differing} of {report.tokenization.texts} "
+                         f"held-out texts, first at {report.tokenization.first.describe()}")
+    return "; ".join(parts)
 
 
 def divergence_for(setup: Setup):
@@ -392,8 +417,9 @@ def engine_record(setup: Setup, theirs: EngineSide) -> dict:
             "device": setup.accelerator.describe(), "command": theirs.command, "queried": setup.client.QUERIED}
 
 
-def build_report(setup: Setup, ours: QuantkitSide, theirs: EngineSide, tolerances: Tolerances) -> ServeReport:
-    """The report's numbers from both sides' readings (stats module)."""
+def build_report(setup: Setup, ours: QuantkitSide, theirs: EngineSide, tolerances: Tolerances,
+                 tokenization: tokens.Tokenization | None = None) -> ServeReport:
+    """The report's numbers from both sides' readings (stats module) and the tokenization's comparison."""
     keep = stats.scored(theirs.topk)
     vs_base, reading_vs_base, reading_vs_base_kld, ppl_base = against_base(setup, ours, theirs, keep)
     count, seq_len = setup.windows.shape
@@ -406,5 +432,6 @@ def build_report(setup: Setup, ours: QuantkitSide, theirs: EngineSide, tolerance
         reading_vs_base=reading_vs_base, reading_vs_base_kld=reading_vs_base_kld,
         ppl=stats.perplexity(theirs.topk, ours.reading.targets), ppl_base=ppl_base,
         ppl_reading=math.exp(mean_of(ours.reading.nll, keep)),
+        ppl_compared=stats.compared_perplexity(theirs.topk, ours.reading.targets, ours.reading.nll),
         greedy=stats.greedy_agreement(ours.greedy, theirs.greedy, setup.generation.steps), load=theirs.load,
-        tolerances=tolerances)
+        tolerances=tolerances, tokenization=tokenization)

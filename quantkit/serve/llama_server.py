@@ -11,6 +11,11 @@ BOS added (the windows start with it already).
 - greedy: POST /completion, prompt = token ids, samplers ["top_k"] with top_k 1, ignore_eos,
   return_tokens -> `tokens`.
 - streaming: the same with stream; each event's `tokens`; cache_prompt false so prefill is measured.
+- tokenize: POST /tokenize, `content` = the text, add_special (BOS as the .gguf's add_bos_token says),
+  parse_special -> `tokens` (tools/server/README.md).
+
+Found as `llama-server` in $QUANTKIT_LLAMA_CPP (a bin directory), $QUANTKIT_ENGINES/llama.cpp/bin, the
+repository's third_party/llama.cpp/bin, PATH (quantkit.eval.llamacpp.find_binary).
 """
 
 from __future__ import annotations
@@ -19,14 +24,20 @@ import math
 from collections.abc import Callable
 from pathlib import Path
 
-from quantkit.serve.engines import Engine
+from quantkit.serve.engines import Installed
 from quantkit.serve.http import get_json, post_json
 from quantkit.serve.process import HOST
 from quantkit.serve.settings import Endpoint, ServeOptions
 from quantkit.serve.stats import TopK, prefix_topk
 
+NAME = "llama.cpp"
+LABEL = "llama.cpp's llama-server"
+VARIABLE = "QUANTKIT_LLAMA_CPP"
+VARIABLE_HELP = "a llama.cpp `bin` directory holding `llama-server`"
+STARTED_AS = "`llama-server --model FILE --ctx-size … --parallel …`"
 HEALTH = "/health"
 COMPLETION = "/completion"
+TOKENIZE = "/tokenize"
 STOPS_AT_EOS = False  # requests set ignore_eos
 NORMALIZED = True  # log-probs from a float32 log-softmax
 MAX_LOGPROBS = None  # any k, or the whole vocabulary
@@ -37,10 +48,18 @@ QUERIED = {
                        "(no post-sampling); the next token's log-prob only when it is among the top-k",
     "greedy": "POST /completion: prompt = token ids, samplers [top_k], top_k 1, ignore_eos, return_tokens",
     "stream": "POST /completion: stream, samplers [top_k], top_k 1, ignore_eos, cache_prompt false",
+    "tokenize": "POST /tokenize: content = the text, add_special, parse_special",
 }
 
 
-def command(engine: Engine, model: Path, port: int, options: ServeOptions) -> list[str]:
+def find() -> Installed | None:
+    from quantkit.eval.llamacpp import find_binary
+
+    found = find_binary("llama-server")
+    return Installed(NAME, found, str(found.parent)) if found else None
+
+
+def command(engine: Installed, model: Path, port: int, options: ServeOptions) -> list[str]:
     slots = max(1, options.concurrency)
     threads = ["--threads", str(options.threads)] if options.threads else []
     return [str(engine.executable), "--model", str(model), "--host", HOST, "--port", str(port),
@@ -51,7 +70,7 @@ def environment(options: ServeOptions) -> dict[str, str]:
     return {}
 
 
-def build_version_file(engine: Engine) -> str | None:
+def build_version_file(engine: Installed) -> str | None:
     """What scripts/build_llamacpp.sh wrote in VERSION beside bin/ (its source and llama.cpp commit)."""
     for root in (engine.executable.parent.parent, engine.executable.resolve().parent.parent.parent):
         path = root / "VERSION"
@@ -62,10 +81,17 @@ def build_version_file(engine: Engine) -> str | None:
     return None
 
 
-def version(endpoint: Endpoint, engine: Engine) -> str:
+def version(endpoint: Endpoint, engine: Installed) -> str:
     """The server's build_info, or the build's VERSION file where the build has no number (b0-unknown)."""
     build = str(get_json(endpoint.url + "/props").get("build_info", "unknown"))
     return build if "unknown" not in build else (build_version_file(engine) or build)
+
+
+def tokenize(endpoint: Endpoint, installed: Installed, texts: list[str]) -> list[list[int]]:
+    """The engine's token ids of each text, BOS added where the .gguf says so, special tokens parsed."""
+    return [[int(t) for t in post_json(endpoint.url + TOKENIZE, {"content": text, "add_special": True,
+                                                                  "parse_special": True})["tokens"]]
+            for text in texts]
 
 
 def logprob(entry: dict) -> float:

@@ -16,8 +16,8 @@ import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
-from types import ModuleType
 
+from quantkit.serve.engines import Engine
 from quantkit.serve.http import post_stream
 from quantkit.serve.settings import Endpoint
 
@@ -65,7 +65,7 @@ def load_prompts(windows: list[list[int]], count: int, first: int, bos: int | No
     return prompts
 
 
-def timed(engine: ModuleType, endpoint: Endpoint, prompt: list[int], steps: int) -> Timing:
+def timed(engine: Engine, endpoint: Endpoint, prompt: list[int], steps: int) -> Timing:
     """Stream one greedy continuation and time it (the engine module builds the request)."""
     url, body = engine.stream_request(endpoint, prompt, steps)
     sent, first, last, count, usage = time.perf_counter(), None, None, 0, None
@@ -93,7 +93,7 @@ def summarize(concurrency: int, timings: list[Timing], wall_s: float) -> LoadRes
         sum(t.tokens for t in timings) / wall_s if wall_s > 0 else float("nan"))
 
 
-def run_round(engine: ModuleType, endpoint: Endpoint, prompts: list[list[int]], steps: int) -> LoadResult:
+def run_round(engine: Engine, endpoint: Endpoint, prompts: list[list[int]], steps: int) -> LoadResult:
     """All prompts at once, one thread each; the pool is left without waiting when interrupted (its
     requests end when the server stops)."""
     pool = ThreadPoolExecutor(max_workers=len(prompts), thread_name_prefix="serve-check-load")
@@ -105,7 +105,7 @@ def run_round(engine: ModuleType, endpoint: Endpoint, prompts: list[list[int]], 
         pool.shutdown(wait=False, cancel_futures=True)
 
 
-def load_test(engine: ModuleType, endpoint: Endpoint, windows: list[list[int]], steps: int,
+def load_test(engine: Engine, endpoint: Endpoint, windows: list[list[int]], steps: int,
               concurrencies: tuple[int, ...], bos: int | None, progress=lambda message: None) -> list[LoadResult]:
     """One round per concurrency (module docstring)."""
     results, sent = [], 0

@@ -81,18 +81,19 @@ def unmeasured(fmt: str, method: str, flags: str, engine: str, device: str, why:
 
 
 def runtime_tables() -> dict[str, tuple]:
-    """Each expectation's runtime table (quantkit.methods.*: runtimes), device kind and runtimes' name prefix."""
-    from quantkit.methods import fp8, gguf, gptq, mlx, mxfp4, nf4, nvfp4, smoothquant
+    """Each expectation's runtime table (quantkit.formats: each format's runtimes), device kind and runtimes'
+    name prefix."""
+    from quantkit.formats import bitsandbytes, compressed_tensors, gguf, mlx
 
     return {
-        "fp8": (fp8.RUNTIMES, "cuda", "vLLM"),
-        "fp8-block": (fp8.BLOCK_RUNTIMES, "cuda", "vLLM"),
-        "gptq": (gptq.RUNTIMES, "cuda", "vLLM"),
-        "smoothquant": (smoothquant.RUNTIMES, "cuda", "vLLM"),
-        "nvfp4": (nvfp4.RUNTIMES, "cuda", "vLLM"),
-        "nvfp4-a16": (nvfp4.runtimes(nvfp4.Options(scheme="a16")), "cuda", "vLLM"),
-        "mxfp4": (mxfp4.RUNTIMES, "cuda", "vLLM"),
-        "nf4": (nf4.RUNTIMES, "cuda", "vLLM"),
+        "fp8": (compressed_tensors.FP8, "cuda", "vLLM"),
+        "fp8-block": (compressed_tensors.FP8_BLOCKS, "cuda", "vLLM"),
+        "gptq": (compressed_tensors.WNA16, "cuda", "vLLM"),
+        "smoothquant": (compressed_tensors.W8A8_INT8, "cuda", "vLLM"),
+        "nvfp4": (compressed_tensors.NVFP4, "cuda", "vLLM"),
+        "nvfp4-a16": (compressed_tensors.runtimes("nvfp4-a16"), "cuda", "vLLM"),
+        "mxfp4": (compressed_tensors.MXFP4, "cuda", "vLLM"),
+        "nf4": (bitsandbytes.RUNTIMES, "cuda", "vLLM"),
         "gguf-cuda": (gguf.RUNTIMES, "cuda", "llama.cpp"),
         "gguf-apple": (gguf.RUNTIMES, "apple", "llama.cpp"),
         "mlx-apple": (mlx.RUNTIMES, "apple", "mlx-lm"),
@@ -101,7 +102,7 @@ def runtime_tables() -> dict[str, tuple]:
 
 def expected_text(runtimes, kind: str) -> str:
     """A runtime table's entries for a device kind in words: 'name, compute capability X+; name, Y+' on
-    "cuda", the names elsewhere (runtimes: quantkit.methods.Runtime)."""
+    "cuda", the names elsewhere (runtimes: quantkit.formats.Runtime)."""
     chosen = [r for r in runtimes if kind in r.kinds]
     if kind != "cuda":
         return "; ".join(r.name for r in chosen)

@@ -17,22 +17,42 @@ nats measured), so serve-check measures its KL scale-free and reports but does n
 - greedy: the prompt's text, temperature 0, logprobs -> `logprobs.content[].id`; it stops at EOS
   (there is no ignore_eos), so quantkit's own continuation is cut at EOS too.
 - streaming: stream, stream_options.include_usage; events carry text, the usage event the count.
+- tokenize: the server has no endpoint for it, so the engine's python loads the served directory's tokenizer
+  as mlx_lm.server does (mlx_lm.utils.load_tokenizer) and encodes each text with it (`encode`, as the server
+  encodes a prompt).
+
+Found as $QUANTKIT_MLX_PYTHON (a python with mlx_lm), $QUANTKIT_ENGINES/mlx/bin/python, else this
+interpreter when it can import mlx_lm.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import os
 import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from quantkit.serve.engines import Engine
+from quantkit.errors import UnsupportedError
+from quantkit.serve.engines import Installed, engines_dir, first_found
 from quantkit.serve.http import post_json
 from quantkit.serve.process import HOST
-from quantkit.serve.settings import Endpoint, ServeOptions
+from quantkit.serve.settings import Endpoint, ServeOptions, engine_env
 from quantkit.serve.stats import TopK, prefix_topk
 
+NAME = "mlx"
+LABEL = "mlx-lm's server"
+VARIABLE = "QUANTKIT_MLX_PYTHON"
+VARIABLE_HELP = "a python that imports `mlx_lm`"
+STARTED_AS = "`python -m mlx_lm server --model DIR --prompt-cache-size 0`"
 HEALTH = "/health"
 COMPLETIONS = "/v1/completions"
+TOKENIZE_TIMEOUT_S = 300
+TOKENIZE_SCRIPT = ("import json, sys\nfrom pathlib import Path\nfrom mlx_lm.utils import load_tokenizer\n"
+                   "tokenizer = load_tokenizer(Path(sys.argv[1]))\n"
+                   "print(json.dumps([list(tokenizer.encode(text)) for text in json.load(sys.stdin)]))")
 MAX_LOGPROBS = 11  # top_logprobs <= 11: mlx_lm/server.py validate_model_parameters
 STOPS_AT_EOS = True
 # Its log-probs are logits - logsumexp(logits) in the model's dtype (bfloat16): off by a constant per
@@ -45,10 +65,26 @@ QUERIED = {
                        "logprobs, top_logprobs min(k, 11); the next token's log-prob only when among them",
     "greedy": "POST /v1/completions: prompt = text, temperature 0, logprobs (token ids); stops at EOS",
     "stream": "POST /v1/completions: prompt = text, stream, stream_options.include_usage; stops at EOS",
+    "tokenize": "the engine's python: mlx_lm.utils.load_tokenizer(the served directory).encode(text)",
 }
 
 
-def command(engine: Engine, model: Path, port: int, options: ServeOptions) -> list[str]:
+def imports_mlx_lm() -> bool:
+    """Whether this interpreter can import mlx_lm (found, not imported)."""
+    return importlib.util.find_spec("mlx_lm") is not None
+
+
+def find() -> Installed | None:
+    found = first_found([(VARIABLE, os.environ.get(VARIABLE)),
+                         ("QUANTKIT_ENGINES", engines_dir() / "mlx" / "bin" / "python")])
+    if found:
+        return Installed(NAME, found[1], found[0])
+    if imports_mlx_lm():
+        return Installed(NAME, Path(sys.executable), "this python")
+    return None
+
+
+def command(engine: Installed, model: Path, port: int, options: ServeOptions) -> list[str]:
     return [str(engine.executable), "-m", "mlx_lm", "server", "--model", str(model), "--host", HOST,
             "--port", str(port), "--prompt-cache-size", "0"]
 
@@ -57,11 +93,23 @@ def environment(options: ServeOptions) -> dict[str, str]:
     return {}
 
 
-def version(endpoint: Endpoint, engine: Engine) -> str:
+def version(endpoint: Endpoint, engine: Installed) -> str:
     script = "import importlib.metadata as m; print(m.version('mlx-lm'), m.version('mlx'))"
     result = subprocess.run([str(engine.executable), "-c", script], capture_output=True, text=True, timeout=60, check=False)
     words = result.stdout.split()
     return f"mlx-lm {words[0]}, mlx {words[1]}" if len(words) == 2 else "unknown"
+
+
+def tokenize(endpoint: Endpoint, installed: Installed, texts: list[str]) -> list[list[int]]:
+    """Each text encoded by the tokenizer mlx_lm.server loads for the served directory (module docstring)."""
+    result = subprocess.run([str(installed.executable), "-c", TOKENIZE_SCRIPT, str(endpoint.model)],
+                            input=json.dumps(texts), capture_output=True, text=True, timeout=TOKENIZE_TIMEOUT_S,
+                            env=engine_env({}), check=False)
+    if result.returncode != 0:
+        lines = [line for line in result.stderr.splitlines() if line.strip()] or ["no output"]
+        raise UnsupportedError(f"mlx-lm could not load the tokenizer of {endpoint.model}: {lines[-1]}",
+                               hint="the directory's tokenizer files must load with mlx_lm.utils.load_tokenizer")
+    return [[int(t) for t in ids] for ids in json.loads(result.stdout.strip().splitlines()[-1])]
 
 
 def prompt_text(tokenizer, ids: list[int]) -> str:

@@ -10,8 +10,8 @@ from quantkit.io.export import replace_json
 
 # The report's fields kept in quantkit.json (the rest: --json).
 RECORDED = ("engine", "windows", "base_from", "logprobs", "vs_base", "vs_reading", "reading_vs_base",
-            "reading_vs_base_kld", "ppl", "ppl_base", "ppl_reading", "greedy", "load", "tolerances", "checks",
-            "passed", "failed")
+            "reading_vs_base_kld", "ppl", "ppl_base", "ppl_reading", "ppl_compared", "greedy", "load", "tolerances", "tokenization",
+            "checks", "passed", "failed")
 
 
 def report_path(artifact: Path) -> Path:

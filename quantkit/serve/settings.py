@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 # Never reach the network from an engine: no hub lookups, no usage reports (vLLM sends them by default).
+# Set over any value the user's environment has: an engine only ever reads the local artifact.
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
                "DO_NOT_TRACK": "1"}
 # quantkit's own interpreter settings that must not leak into an engine's interpreter.
@@ -35,12 +37,13 @@ class Endpoint:
     url: str  # http://127.0.0.1:PORT
     tokenizer: object  # the base's transformers tokenizer (mlx_lm.server takes text, not token ids)
     vocab_size: int  # the model's vocabulary (llama-server: n_probs for the whole of it)
+    model: Path | None = None  # what the server serves (mlx-lm: whose tokenizer its python loads)
 
 
 def engine_env(extra: dict[str, str]) -> dict[str, str]:
-    """The environment an engine runs in: this one without quantkit's Python settings, offline, plus
-    the engine's own settings (a value the user already set wins)."""
+    """The environment an engine runs in: this one without quantkit's Python settings, always offline
+    (OFFLINE_ENV over the user's values), plus the engine's own settings (a value the user set wins there)."""
     env = {k: v for k, v in os.environ.items() if k not in DROPPED_ENV}
-    for name, value in {**OFFLINE_ENV, **extra}.items():
+    for name, value in extra.items():
         env.setdefault(name, value)
-    return env
+    return {**env, **OFFLINE_ENV}

@@ -265,6 +265,36 @@ def perplexity(topk: TopK, targets: np.ndarray) -> Perplexity:
     return Perplexity(float(math.exp(-float(np.mean(value)))), bool(exact.all()), int((~exact).sum()))
 
 
+@dataclass(frozen=True)
+class ComparedPerplexity:
+    """The engine's and the reading's perplexity on the same positions: those where the engine's log-prob of
+    the token that followed is exact (its own value, or the token among its candidates). Both are exact there,
+    so their ratio can show a difference either way, whatever share of the tokens the candidates miss."""
+
+    positions: int
+    engine: float
+    reading: float
+
+    @property
+    def drift(self) -> float:
+        """|engine / reading - 1| (NaN with no position to compare on)."""
+        return abs(self.engine / self.reading - 1.0) if self.positions else math.nan
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "drift": self.drift}
+
+
+def compared_perplexity(topk: TopK, targets: np.ndarray, reading_nll: np.ndarray) -> ComparedPerplexity:
+    """ComparedPerplexity from the engine's candidates and the reading's NLL of every position (the same
+    positions as `targets`)."""
+    value, exact = target_logprobs(topk, targets)
+    reading = np.asarray(reading_nll, dtype=np.float64)[scored(topk)][exact]
+    if not exact.any():
+        return ComparedPerplexity(0, math.nan, math.nan)
+    return ComparedPerplexity(int(exact.sum()), float(math.exp(-float(np.mean(value[exact])))),
+                              float(math.exp(float(np.mean(reading)))))
+
+
 def matching_prefix(reference: list[int], other: list[int]) -> int:
     """Tokens from the start before the two continuations first differ."""
     for i, (a, b) in enumerate(zip(reference, other)):

@@ -12,22 +12,34 @@ Queries (vllm/entrypoints/openai/completion/protocol.py, 0.32):
   {logprob, rank} for position j's top-k plus the prompt token itself (None at j = 0).
 - greedy: `prompt` = token ids, temperature 0, ignore_eos, return_token_ids -> `choices[0].token_ids`.
 - streaming: the same with stream, stream_options.include_usage; each event's `token_ids`.
+- tokenize: POST /tokenize, `prompt` = the text, add_special_tokens (its TokenizeCompletionRequest) -> `tokens`.
+
+Found as $QUANTKIT_VLLM (a `vllm` executable), $QUANTKIT_ENGINES/vllm/bin/vllm, `vllm` on PATH.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from quantkit.serve.engines import Engine, script_python
+from quantkit.serve.engines import Installed, engines_dir, first_found, script_python
 from quantkit.serve.http import get_json, post_json
 from quantkit.serve.process import HOST
 from quantkit.serve.settings import Endpoint, ServeOptions
 from quantkit.serve.stats import TopK, pack_topk
 from quantkit.serve.support import quantization_config
 
+NAME = "vllm"
+LABEL = "vLLM"
+VARIABLE = "QUANTKIT_VLLM"
+VARIABLE_HELP = "a `vllm` executable (its interpreter runs the server module)"
+STARTED_AS = ("`python -m vllm.entrypoints.openai.api_server --model DIR` (on a CPU with `--enforce-eager --dtype "
+              "bfloat16`; `--kv-cache-dtype fp8` for an artifact with an FP8 KV-cache scheme)")
 HEALTH = "/health"
 COMPLETIONS = "/v1/completions"
+TOKENIZE = "/tokenize"
 MODEL = "quantkit-serve-check"  # --served-model-name; every request names it
 STOPS_AT_EOS = False  # requests set ignore_eos
 NORMALIZED = True  # log-probs from a float32 log-softmax
@@ -37,10 +49,18 @@ QUERIED = {
                        "(-1 = whole vocabulary), max_tokens 1; top-k per position plus the prompt token's own log-prob",
     "greedy": "POST /v1/completions: prompt = token ids, temperature 0, ignore_eos, return_token_ids",
     "stream": "POST /v1/completions: stream, ignore_eos, return_token_ids, stream_options.include_usage",
+    "tokenize": "POST /tokenize: prompt = the text, add_special_tokens",
 }
 
 
-def server_module(engine: Engine) -> list[str]:
+def find() -> Installed | None:
+    found = first_found([(VARIABLE, os.environ.get(VARIABLE)),
+                         ("QUANTKIT_ENGINES", engines_dir() / "vllm" / "bin" / "vllm"),
+                         ("PATH", shutil.which("vllm"))])
+    return Installed(NAME, found[1], found[0]) if found else None
+
+
+def server_module(engine: Installed) -> list[str]:
     """The command head that runs vLLM's server (module docstring)."""
     python = script_python(engine.executable)
     if python is None:
@@ -48,7 +68,7 @@ def server_module(engine: Engine) -> list[str]:
     return [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model"]
 
 
-def command(engine: Engine, model: Path, port: int, options: ServeOptions) -> list[str]:
+def command(engine: Installed, model: Path, port: int, options: ServeOptions) -> list[str]:
     """vLLM's server on the model; an artifact with a kv_cache_scheme gets --kv-cache-dtype fp8."""
     cpu = ["--enforce-eager", "--dtype", "bfloat16"] if options.device == "cpu" else []
     kv = ["--kv-cache-dtype", "fp8"] if quantization_config(model).get("kv_cache_scheme") else []
@@ -62,8 +82,15 @@ def environment(options: ServeOptions) -> dict[str, str]:
     return {"VLLM_CPU_KVCACHE_SPACE": f"{options.kv_cache_gib:g}"} if options.device == "cpu" else {}
 
 
-def version(endpoint: Endpoint, engine: Engine) -> str:
+def version(endpoint: Endpoint, engine: Installed) -> str:
     return str(get_json(endpoint.url + "/version").get("version", "unknown"))
+
+
+def tokenize(endpoint: Endpoint, installed: Installed, texts: list[str]) -> list[list[int]]:
+    """The engine's token ids of each text, special tokens (BOS) added as the server adds them."""
+    return [[int(t) for t in post_json(endpoint.url + TOKENIZE, {"model": MODEL, "prompt": text,
+                                                                  "add_special_tokens": True})["tokens"]]
+            for text in texts]
 
 
 def completion(endpoint: Endpoint, body: dict) -> dict:

@@ -5,7 +5,7 @@ import sys
 def test_help_does_not_import_torch():
     code = ("import sys; from quantkit.cli.app import app\n"
             "try:\n    app(['--help'])\nexcept SystemExit:\n    pass\n"
-            "heavy = [m for m in ('torch', 'transformers', 'llmcompressor', 'numpy') if m in sys.modules]\n"
+            "heavy = [m for m in ('torch', 'transformers', 'llmcompressor', 'numpy', 'matplotlib') if m in sys.modules]\n"
             "print('HEAVY', heavy)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert "HEAVY []" in out and "quantize" in out
@@ -18,7 +18,7 @@ def test_version(cli):
     assert result.exit_code == 0 and result.stdout.strip() == f"quantkit {__version__}"
 
 
-COMMANDS = (["quantize"], ["inspect"], ["eval"], ["serve-check"], ["merge"], ["plan"], ["recipes", "list"],
+COMMANDS = (["quantize"], ["inspect"], ["eval"], ["serve-check"], ["merge"], ["plan"], ["push"], ["recipes", "list"],
             ["recipes", "validate"], ["recipes", "show"])
 
 

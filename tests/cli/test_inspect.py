@@ -61,7 +61,7 @@ def test_inspect_bad_model(cli, tmp_path):
 
 
 def test_inspect_names_the_kernels_that_take_each_layer(cli, micro_model):
-    """From the method's runtimes table (quantkit.methods.Runtime): nvfp4 W4A4 layers on the Blackwell FP4 kernels
+    """From the format's runtimes table (quantkit.formats.Runtime): nvfp4 W4A4 layers on the Blackwell FP4 kernels
     and Marlin FP4; a16 on Marlin FP4 only; a kept layer on none."""
     data = json.loads(cli("inspect", micro_model, "--method", "nvfp4", "--json", "-").stdout)
     layers = {m["name"]: m for m in data["modules"]}
@@ -70,10 +70,11 @@ def test_inspect_names_the_kernels_that_take_each_layer(cli, micro_model):
     assert layers["lm_head"]["kernels"] == [] and layers["lm_head"]["kept"]
     assert all(r["source"] for r in data["runtimes"]) and "nvfp4" in data["memory"]
     from quantkit.cli.inspect import kernels
-    from quantkit.methods import nvfp4
+    from quantkit.methods import nvfp4, runtimes_for
 
-    assert kernels(nvfp4.runtimes(nvfp4.Options(scheme="a16")), [256, 512]) == ["vLLM: Marlin FP4, weights only (sm 7.5+)"]
-    assert kernels(nvfp4.RUNTIMES, [96, 256]) == ["vLLM: NVFP4 W4A4 (CUTLASS FP4) (sm 10+)"]  # Marlin: out % 64
+    a16, w4a4 = (runtimes_for(nvfp4.METHOD, nvfp4.Options(scheme=scheme)) for scheme in ("a16", "w4a4"))
+    assert kernels(a16, [256, 512]) == ["vLLM: Marlin FP4, weights only (sm 7.5+)"]
+    assert kernels(w4a4, [96, 256]) == ["vLLM: NVFP4 W4A4 (CUTLASS FP4) (sm 10+)"]  # Marlin: out % 64
 
 
 def test_inspect_drops_a_kernel_whose_tiles_do_not_fit(odd_model, cli):
@@ -81,6 +82,7 @@ def test_inspect_drops_a_kernel_whose_tiles_do_not_fit(odd_model, cli):
     data = json.loads(cli("inspect", odd_model, "--method", "fp8", "--json", "-").stdout)
     assert all(m["kernels"] for m in data["modules"] if not m["kept"])  # per-channel fp8: every width
     from quantkit.cli.inspect import kernels
-    from quantkit.methods import fp8
+    from quantkit.methods import fp8, runtimes_for
 
-    assert kernels(fp8.BLOCK_RUNTIMES, [256, 192]) == [] and len(kernels(fp8.BLOCK_RUNTIMES, [256, 128])) == 2
+    blocks = runtimes_for(fp8.METHOD, fp8.Options(scheme="fp8-block"))
+    assert kernels(blocks, [256, 192]) == [] and len(kernels(blocks, [256, 128])) == 2

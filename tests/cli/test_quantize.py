@@ -21,7 +21,8 @@ def test_fp8_dynamic_end_to_end(cli, micro_model, tmp_path):
     assert report["model"]["sha256"]["model.safetensors"]
     assert json.loads((tmp_path / "r.json").read_text())["passed"] is True
     card = (out / "README.md").read_text()
-    assert card.startswith("---\nbase_model:") and "compressed-tensors" in card
+    assert card.startswith("---\nlibrary_name: transformers") and "compressed-tensors" in card  # local: no base_model
+    assert "from a local checkpoint (config.json sha256" in card
     for name in ("tokenizer.json", "generation_config.json", "config.json"):
         assert (out / name).is_file()
     qconfig = json.loads((out / "config.json").read_text())["quantization_config"]
@@ -147,11 +148,13 @@ def test_bad_calibration_file(cli, micro_model, tmp_path, content, needle):
                           *FAST_CALIB), tmp_path, needle)
 
 
-def test_hub_id_not_cached(cli, tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+def test_hub_id_not_cached_offline(cli, tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "cache"))  # read from HF_HUB_CACHE at import
     monkeypatch.chdir(tmp_path)
-    _expect_bad_input(cli("quantize", "meta-llama/Llama-3.2-1B", "--method", "fp8", "-o", tmp_path / "out"),
-                      tmp_path, "not in the local Hugging Face cache")
+    _expect_bad_input(cli("quantize", "meta-llama/Llama-3.2-1B", "--method", "fp8", "-o", tmp_path / "out",
+                          "--offline"), tmp_path, "meta-llama/Llama-3.2-1B@main is not in the Hugging Face cache")
 
 
 def test_output_parent_not_writable(cli, micro_model, tmp_path, monkeypatch):

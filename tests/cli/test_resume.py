@@ -12,6 +12,7 @@ import time
 import pytest
 
 from quantkit.io import export
+from quantkit.methods import get_method
 from tests.test_export import dead_pid
 from tests.util import leftovers, subprocess_env
 
@@ -184,17 +185,28 @@ def test_a_method_that_does_not_resume_is_refused_before_work(cli, micro_model, 
     assert leftovers(tmp_path, "out") == []
 
 
-def test_fp8_model_free_resumes_after_its_last_shard(cli, micro_model, tmp_path_factory, tmp_path):
-    """The micro model's artifact is one shard: killed after it, the resumed run writes no weight again."""
-    fp8 = ("--method", "fp8", *FAST_CALIB)
+@pytest.fixture(scope="module")
+def toy_moe(tmp_path_factory):
+    """A synthetic Qwen3-MoE checkpoint (quantkit.toy_moe), which fp8-block quantizes without loading it."""
+    from quantkit.toy_moe import build_moe
+
+    return build_moe("qwen3_moe", tmp_path_factory.mktemp("moe") / "qwen3_moe")
+
+
+@pytest.mark.parametrize("model, scheme", [("micro_model", "fp8-dynamic"), ("toy_moe", "fp8-block")])
+def test_fp8_model_free_resumes_after_its_last_shard(cli, request, tmp_path_factory, tmp_path, model, scheme):
+    """fp8's model-free paths (fp8-dynamic on a dense model, fp8-block on an MoE one by its checkpoint names):
+    each artifact here is one shard; killed after it, the resumed run writes no weight again."""
+    model = request.getfixturevalue(model)
+    fp8 = ("--method", "fp8", "--scheme", scheme, *FAST_CALIB)
     plain = tmp_path_factory.mktemp("plain-fp8") / "out"
-    assert cli("quantize", micro_model, *fp8, "-o", plain).exit_code == 0
+    assert cli("quantize", model, *fp8, "-o", plain).exit_code == 0
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "tests.cli.fault_run", "shard", "1", "KILL", "quantize", str(micro_model), *fp8,
+    cmd = [sys.executable, "-m", "tests.cli.fault_run", "shard", "1", "KILL", "quantize", str(model), *fp8,
            "-o", str(out), "--resume"]
     first = subprocess.run(cmd, capture_output=True, text=True, env=subprocess_env(), timeout=600)
     assert first.returncode == -9, first.stderr
-    resumed = cli("quantize", micro_model, *fp8, "-o", out, "--resume")
+    resumed = cli("quantize", model, *fp8, "-o", out, "--resume")
     assert resumed.exit_code == 0, resumed.output
     assert "model-free: resuming after 1 of 1 shards (verified by sha256)" in resumed.stderr
     same_files(plain, out, ["model.safetensors", "config.json", "recipe.yaml"])
@@ -202,48 +214,98 @@ def test_fp8_model_free_resumes_after_its_last_shard(cli, micro_model, tmp_path_
 
 
 LAYERS = 2  # the micro model's decoder layers (llm-compressor's sequential pipeline: a subgraph each, and the head's)
-SEQUENTIAL = ("--num-samples", "16", "--seq-len", "64", "--eval-windows", "0")
+# One window of the 1024 tokens the calibrated methods need at least: each window is a forward per layer and
+# per pass, so one long window costs a third of 16 short ones' time on this CPU.
+SEQUENTIAL = ("--num-samples", "1", "--seq-len", "1024", "--eval-windows", "0")
+# Each sequential method that resumes, with the least work that still exercises it: autoround tunes 2
+# iterations of a batch of the one window, awq searches 3 grid points (the fewest with duo scaling).
+RESUMABLE = {
+    "gptq": {},
+    "awq": {"n_grid": 3},
+    "smoothquant": {},
+    "autoround": {"iters": 2, "batch_size": 1},
+    "nvfp4": {},
+    "fp8-static": {"method": "fp8", "scheme": "fp8-static"},
+}
+
+
+def sequential_recipe(root, name: str) -> str:
+    """A recipe of one target named `name` (its method, unless the options name another) with its options."""
+    import yaml
+
+    options = dict(RESUMABLE[name])
+    method = options.pop("method", name)
+    path = root / f"{name}.yaml"
+    path.write_text(yaml.safe_dump({"targets": [{"name": name, "method": method, "options": options}]}))
+    return str(path)
 
 
 @pytest.fixture(scope="module")
 def plain_sequential(cli, micro_model, tmp_path_factory):
-    """The uninterrupted run of each method a test resumes, made once."""
+    """The uninterrupted run of each method a test resumes, made once: plain(name) -> (artifact, its recipe)."""
     made = {}
 
-    def plain(method: tuple):
-        if method not in made:
-            made[method] = tmp_path_factory.mktemp("plain-seq") / "out"
-            assert cli("quantize", micro_model, "--method", *method, "-o", made[method], *SEQUENTIAL).exit_code == 0
-        return made[method]
+    def plain(name: str):
+        if name not in made:
+            root = tmp_path_factory.mktemp("plain-seq")
+            recipe = sequential_recipe(root, name)
+            result = cli("quantize", micro_model, "--recipe", recipe, "-o", root / "out", *SEQUENTIAL)
+            assert result.exit_code == 0, result.output
+            made[name] = root / "out", recipe
+        return made[name]
 
     return plain
 
 
-def killed_after_layer(micro_model, out, method: tuple, after: int) -> subprocess.CompletedProcess:
+def killed_after_layer(micro_model, out, recipe: str, after: int) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "tests.cli.fault_run", "layer", str(after), "KILL", "quantize", str(micro_model),
-           "--method", *method, "-o", str(out), *SEQUENTIAL, "--resume"]
+           "--recipe", recipe, "-o", str(out), *SEQUENTIAL, "--resume"]
     return subprocess.run(cmd, capture_output=True, text=True, env=subprocess_env(), timeout=600)
 
 
-@pytest.mark.parametrize("method, after", [
-    (("gptq",), 1),
-    pytest.param(("gptq",), 2, marks=pytest.mark.slow),
-    pytest.param(("awq",), 1, marks=pytest.mark.slow),
-    pytest.param(("smoothquant",), 2, marks=pytest.mark.slow),
-    pytest.param(("autoround",), 1, marks=pytest.mark.slow),
-    pytest.param(("nvfp4",), 1, marks=pytest.mark.slow),
-    pytest.param(("fp8", "--scheme", "fp8-static"), 1, marks=pytest.mark.slow),
+def assert_saved_progress_within_the_estimate(micro_model, out, name: str) -> None:
+    """The files a killed run left for --resume against the preflight's estimate of them (MethodSpec.resume.bytes):
+    no more than estimated, and the estimate's per-window term (two copies) covers the saved inputs of the next
+    layer, which hold at least the calibration tokens' residual stream in the model's dtype."""
+    from types import SimpleNamespace
+
+    from quantkit.io.checkpoint import check_model_dir
+    from quantkit.run.recipe import Target, target_options
+
+    (staging,) = export.stagings(out.resolve())
+    saved = [f for f in (staging / ".work" / "resume").rglob("*") if f.is_file()]
+    activations = [f.stat().st_size for f in saved if f.name.startswith("activations-")]
+    info, samples, seq_len = check_model_dir(micro_model), 1, 1024  # SEQUENTIAL
+    options = dict(RESUMABLE[name])
+    target = Target(name=name, method=options.pop("method", name), options=options)
+    spec, options = get_method(target.method), target_options(target)
+    estimate = spec.resume.bytes(info, options, SimpleNamespace(num_samples=samples, seq_len=seq_len))
+    weights = spec.resume.bytes(info, options, SimpleNamespace(num_samples=0, seq_len=seq_len))
+    assert len(activations) == 1 and sum(f.stat().st_size for f in saved) <= estimate
+    assert samples * seq_len * info.config["hidden_size"] * 2 <= activations[0] <= (estimate - weights) / 2  # bf16
+
+
+@pytest.mark.parametrize("name, after", [
+    ("gptq", 1),
+    pytest.param("gptq", 2, marks=pytest.mark.slow),
+    ("awq", 1),
+    ("smoothquant", 1),
+    ("autoround", 1),
+    ("nvfp4", 1),
+    ("fp8-static", 2),  # after the last layer: the resumed run calibrates nothing (the cheapest method to run twice)
 ])
 def test_a_sequential_method_resumes_after_its_last_finished_layer(cli, micro_model, plain_sequential, tmp_path,
-                                                                   method, after):
-    """Killed right after layer `after` is saved, the resumed run calibrates only the layers after it and
-    writes the uninterrupted run's bytes."""
-    plain = plain_sequential(method)
+                                                                   name, after):
+    """Killed (SIGKILL) right after layer `after` is saved, the resumed run calibrates only the layers after it
+    and writes the uninterrupted run's bytes. Work: the uninterrupted run and the resumed one in this process,
+    the killed one in a child process, each on one window of 1024 tokens through 2 decoder layers."""
+    plain, recipe = plain_sequential(name)
     out = tmp_path / "out"
-    first = killed_after_layer(micro_model, out, method, after)
+    first = killed_after_layer(micro_model, out, recipe, after)
     assert first.returncode == -9, first.stderr
     assert f"layer {after}/{LAYERS} saved for --resume" in first.stderr
-    resumed = cli("quantize", micro_model, "--method", *method, "-o", out, *SEQUENTIAL, "--resume")
+    assert_saved_progress_within_the_estimate(micro_model, out, name)
+    resumed = cli("quantize", micro_model, "--recipe", recipe, "-o", out, *SEQUENTIAL, "--resume")
     assert resumed.exit_code == 0, resumed.output
     assert f"resuming after {after} of {LAYERS} layers (verified by sha256)" in resumed.stderr
     assert f"layer {after}/{LAYERS} saved" not in resumed.stderr  # not calibrated again
@@ -254,13 +316,13 @@ def test_a_sequential_method_resumes_after_its_last_finished_layer(cli, micro_mo
 @pytest.mark.slow  # tests/engines/test_layer_resume.py checks the same without a run
 def test_saved_layers_that_do_not_verify_are_set_aside(cli, micro_model, plain_sequential, tmp_path):
     """A saved layer torn by a power loss fails its checksum: the run says so and starts from the first layer."""
-    plain = plain_sequential(("gptq",))
+    plain, recipe = plain_sequential("gptq")
     out = tmp_path / "out"
-    assert killed_after_layer(micro_model, out, ("gptq",), 1).returncode == -9
+    assert killed_after_layer(micro_model, out, recipe, 1).returncode == -9
     (staging,) = export.stagings(out.resolve())
     (saved,) = (staging / ".work" / "resume" / "gptq" / "layers").glob("layer-*.safetensors")
     saved.write_bytes(saved.read_bytes()[:-7])
-    resumed = cli("quantize", micro_model, "--method", "gptq", "-o", out, *SEQUENTIAL, "--resume")
+    resumed = cli("quantize", micro_model, "--recipe", recipe, "-o", out, *SEQUENTIAL, "--resume")
     assert resumed.exit_code == 0, resumed.output
     assert ("the saved layers are not used (layer-00000.safetensors does not verify (sha256)); starting from the "
             "first") in resumed.stderr

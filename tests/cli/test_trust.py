@@ -123,7 +123,7 @@ class Stop(Exception):
 
 def test_loads_pass_the_flag_through(monkeypatch, tmp_path):
     """The LoRA merge and the artifact reload forward trust_remote_code (recorded, nothing loaded)."""
-    from quantkit.eval import artifacts
+    from quantkit.formats import gate, transformers
     from quantkit.io.checkpoint import ModelInfo
     from quantkit.run import lora
 
@@ -141,13 +141,13 @@ def test_loads_pass_the_flag_through(monkeypatch, tmp_path):
     monkeypatch.setattr(lora, "require", lambda *args: None)
     monkeypatch.setattr(lora, "load_model", record("merge base"))
     monkeypatch.setattr("quantkit.engines.transformers.auto_model_class", lambda config: Recorder)
-    monkeypatch.setattr(artifacts, "artifact_kind", lambda path: "transformers")
+    monkeypatch.setattr(gate, "detect", lambda path: transformers.FORMAT)
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
     info = ModelInfo(tmp_path, {}, [], "LlamaForCausalLM", "llama")
     plan = lora.MergePlan(base=info, adapters=[], merge_base="16-bit", original=None, vocab_size=None, untie=False,
                           tokenizer_dir=tmp_path, trust_remote_code=True)
     for call in (lambda: lora.merge(plan, tmp_path / "merged", tmp_path / "work"),
-                 lambda: artifacts.load_for_eval(tmp_path, trust_remote_code=True)):
+                 lambda: gate.load_artifact(tmp_path, trust_remote_code=True)):
         with pytest.raises(Stop):
             call()
     assert seen == [("merge base", True), ("artifact", True)]

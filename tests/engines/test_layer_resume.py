@@ -72,11 +72,11 @@ def test_the_searches_and_rotations_do_not_resume():
     from quantkit.methods import get_method
 
     gptq = get_method("gptq")
-    assert gptq.resume_refused(None, gptq.options()) is None
-    assert "search" in gptq.resume_refused(None, gptq.options(fallback={}))
-    assert "rotation" in gptq.resume_refused(None, gptq.options(rotate="spinquant"))
+    assert gptq.resume.refused(None, gptq.options()) is None
+    assert "search" in gptq.resume.refused(None, gptq.options(fallback={}))
+    assert "rotation" in gptq.resume.refused(None, gptq.options(rotate="spinquant"))
     nvfp4 = get_method("nvfp4")
-    assert "calibrates nothing" in nvfp4.resume_refused(None, nvfp4.options(scheme="a16"))
+    assert "calibrates nothing" in nvfp4.resume.refused(None, nvfp4.options(scheme="a16"))
 
 
 def test_each_rank_checks_its_own_hidden_states_and_rank_0_the_layers(tmp_path):

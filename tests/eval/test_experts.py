@@ -15,6 +15,7 @@ import torch
 from quantkit.eval import experts, scorers
 from quantkit.eval.resident import resident_built
 from quantkit.eval.stream import streamed_logits
+from quantkit.formats import gate
 from quantkit.io.checkpoint import check_model_dir
 
 IDS = torch.randint(0, 500, (2, 24), generator=torch.Generator().manual_seed(0))
@@ -44,7 +45,7 @@ def transformers_logits(path: Path):
 def artifact(info, scheme, out: Path) -> Path:
     from quantkit.engines.llmcompressor import model_free, model_free_moe
     from quantkit.engines.transformers import load_tokenizer
-    from quantkit.run.plan import ignore_patterns
+    from quantkit.methods import ignore_patterns
 
     plan = model_free_moe.plan_moe(info, scheme, ignore_patterns(info, []))
     out.mkdir(parents=True)
@@ -97,13 +98,12 @@ def test_the_base_reads_as_transformers_loads_it(moe_models, kind):
 
 def test_an_artifact_transformers_reloads_reads_the_same(moe_models, tmp_path):
     """fp8-dynamic experts (transformers 5 dequantizes them into its fused experts): equal logits."""
-    from quantkit.eval.artifacts import load_for_eval
 
     path = artifact(check_model_dir(moe_models["qwen3_moe"]), scheme_of("fp8-dynamic"), tmp_path / "fp8")
     assert experts.reads(path)
     with torch.no_grad():
-        expected = load_for_eval(path)(IDS).logits.float()
-    assert torch.equal(resident_logits(scorers.artifact_reading(path)), expected)
+        expected = gate.load_artifact(path)(IDS).logits.float()
+    assert torch.equal(resident_logits(gate.artifact_reading(path)), expected)
 
 
 @pytest.mark.parametrize("kind,scheme", [("deepseek_v3", "NVFP4A16"), ("qwen3_moe", "MXFP4A16"),
@@ -114,7 +114,7 @@ def test_experts_transformers_cannot_reload_read_as_their_decompressed_weights(m
     compressed-tensors' activation quantization of the non-expert Linear layers switched off (it is on in the gate,
     as vLLM quantizes them)."""
     path = artifact(check_model_dir(moe_models[kind]), scheme_of(scheme), tmp_path / "artifact")
-    reading = scorers.artifact_reading(path)
+    reading = gate.artifact_reading(path)
     model, source = reading.open()
     if scheme == "fp8-block":
         quantized = [m for m in model.modules() if getattr(m, "quantization_scheme", None) is not None]
@@ -136,4 +136,4 @@ def test_a_missing_expert_tensor_fails_the_strict_reload(moe_models, tmp_path):
     del state["model.layers.1.mlp.experts.2.up_proj.weight_scale"]
     save_file(state, path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ArtifactReloadError, match="experts.2.up_proj.weight_scale"):
-        scorers.artifact_reading(path).open()
+        gate.artifact_reading(path).open()

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from quantkit.eval import evaluate, resident, scorers, stream
+from quantkit.formats import gate
 from quantkit.io import checkpoint
 from tests.test_stream import CountingSource
 
@@ -62,9 +63,9 @@ def test_resident_artifact_equals_streamed(cli, micro_model, windows, streamed_b
     out = tmp_path / "artifact"
     result = cli("quantize", micro_model, "-o", out, "--eval-windows", "0", *method)
     assert result.exit_code == 0, result.output
-    assert scorers.artifact_reading(out, micro_model) is not None  # read by quantkit, not loaded whole
-    streamed = scorers.evaluate_artifact(out, micro_model, windows, streamed_baseline)
-    whole = scorers.evaluate_artifact(out, micro_model, windows, streamed_baseline, placement=RESIDENT)
+    assert gate.artifact_reading(out, micro_model) is not None  # read by quantkit, not loaded whole
+    streamed = gate.evaluate_artifact(out, micro_model, windows, streamed_baseline)
+    whole = gate.evaluate_artifact(out, micro_model, windows, streamed_baseline, placement=RESIDENT)
     assert_same_metrics(whole, streamed)
     assert whole.kld_mean > 0
 
@@ -152,4 +153,11 @@ def test_the_meta_model_is_built_the_streamed_way(micro_model, monkeypatch):
     whole = scorers.resident_reading(reading, "cpu")
     assert built == [torch.bfloat16]
     assert {p.dtype for p in whole.model.parameters()} == {torch.bfloat16}
-    assert whole.model.get_output_embeddings().weight.data_ptr() != 0
+    from safetensors.torch import load_file  # the checkpoint's own tensors, read without quantkit
+
+    stored = {name: tensor for f in sorted(micro_model.glob("*.safetensors")) for name, tensor in load_file(f).items()}
+    placed = dict(whole.model.named_parameters())
+    assert placed and all(not p.is_meta for p in placed.values())
+    for name, param in placed.items():
+        source = stored.get(name, stored.get("model.embed_tokens.weight") if name == "lm_head.weight" else None)
+        assert source is not None and torch.equal(param, source.to(param.dtype)), name

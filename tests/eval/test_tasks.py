@@ -11,7 +11,8 @@ import torch
 from quantkit.errors import InputError
 from quantkit.eval import tasks
 from quantkit.eval.tasks import TaskScore
-from quantkit.run.recipe import TaskGate, cli_tasks
+from quantkit.eval.tasks import TaskGate
+from quantkit.run.recipe import cli_tasks
 
 VOCAB = 11
 

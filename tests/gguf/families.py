@@ -82,14 +82,17 @@ GGUF_VOCABS = {"llama-bpe": ("ggml-vocab-llama-bpe.gguf", "LLAMA3_REGEX", "<|beg
 
 
 def build_family(family: str, out: Path, tokenizer: str = "bpe", seed: int = 0, vocab_dir: Path | None = None) -> Path:
-    """Save a tiny `family` checkpoint with a "bpe" (toy), "spm" (tokenizer.model), "llama-bpe" or
-    "qwen2" (rebuilt from the vocab files in vocab_dir) tokenizer."""
+    """Save a tiny `family` checkpoint with a "bpe" (toy), "spm" (tokenizer.model), "spm-json" /
+    "spm-json-llama" (its tokenizer.json alone, see write_spm_json_tokenizer), "llama-bpe" or "qwen2"
+    (rebuilt from the vocab files in vocab_dir) tokenizer."""
     import torch
     import transformers
 
     out.mkdir(parents=True, exist_ok=True)
     if tokenizer in GGUF_VOCABS:
         vocab, ids = write_gguf_vocab_tokenizer(out, vocab_dir, tokenizer)
+    elif tokenizer in ("spm-json", "spm-json-llama"):
+        vocab, ids = write_spm_json_tokenizer(out, "gemma" if tokenizer == "spm-json" else "llama")
     else:
         vocab, ids = write_bpe_tokenizer(out) if tokenizer == "bpe" else write_spm_tokenizer(out)
     config = family_config(family, vocab, ids)
@@ -140,24 +143,46 @@ def write_spm_tokenizer(out: Path, vocab: int = 512) -> tuple[int, dict]:
     return vocab, dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
 
 
+def write_spm_json_tokenizer(out: Path, style: str = "gemma") -> tuple[int, dict]:
+    """tokenizer.json alone, as a fine-tune's save_pretrained leaves it: write_spm_tokenizer's
+    SentencePiece model converted by transformers' GemmaTokenizer ("gemma": spaces to '▁' by a
+    Replace normalizer, nothing prepended) or LlamaTokenizer ("llama": a Metaspace pre-tokenizer
+    that prepends '▁'); no tokenizer.model."""
+    import tempfile
+
+    from transformers import AutoTokenizer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        vocab, ids = write_spm_tokenizer(Path(tmp))
+        AutoTokenizer.from_pretrained(tmp).save_pretrained(out)
+    if style == "gemma":
+        config_file = out / "tokenizer_config.json"
+        config = {**json.loads(config_file.read_text()), "tokenizer_class": "GemmaTokenizer", "mask_token": None}
+        config_file.write_text(json.dumps(config))
+        AutoTokenizer.from_pretrained(out).save_pretrained(out)
+    assert not (out / "tokenizer.model").exists()
+    return vocab, ids
+
+
 def write_gguf_vocab_tokenizer(out: Path, vocab_dir: Path, kind: str) -> tuple[int, dict]:
     """A tokenizer.json rebuilt from one of llama.cpp's ggml-vocab-*.gguf files: byte-level BPE
-    (merges ignored for whole-word hits, as Llama 3's), the model's split regex, control tokens as
-    special added tokens, BOS template for Llama 3."""
+    (merges ignored for whole-word hits in Llama 3's, as its tokenizer.json says, applied in
+    Qwen2's), the model's split regex, control tokens as special added tokens, BOS template for
+    Llama 3."""
     import gguf
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    from quantkit.gguf import vocab as qv
+    from quantkit.gguf import pretokenizer
 
     file, regex, bos, eos = GGUF_VOCABS[kind]
     fields = {k: f.contents() for k, f in gguf.GGUFReader(str(vocab_dir / file)).fields.items()}
     tokens, types = fields["tokenizer.ggml.tokens"], fields["tokenizer.ggml.token_type"]
     tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens) if types[i] == 1},
                                merges=[tuple(m.split(" ")) for m in fields["tokenizer.ggml.merges"]],
-                               ignore_merges=True, byte_fallback=False))
+                               ignore_merges=kind == "llama-bpe", byte_fallback=False))
     tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(getattr(qv, regex)), behavior="isolated", invert=False),
+        pre_tokenizers.Split(Regex(getattr(pretokenizer, regex)), behavior="isolated", invert=False),
         pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for i, t in enumerate(tokens) if types[i] == 3])

@@ -82,7 +82,7 @@ def test_precision_for_plan():
 
 @pytest.mark.parametrize("gguf_type", ["Q4_K_M", "Q2_K", "Q3_K_M"])
 def test_plan_types_are_the_written_types(micro, tmp_path, gguf_type):
-    """plan_types, and so the plan, give each weight the type the GGUF file gets."""
+    """exact_types, and so the plan, give each weight the type the GGUF file gets."""
     import gguf
 
     from quantkit.gguf import convert as conv
@@ -91,7 +91,7 @@ def test_plan_types_are_the_written_types(micro, tmp_path, gguf_type):
 
     info = check_model_dir(micro)
     opts = method.Options(gguf_type=gguf_type, imatrix="none")
-    types = method.plan_types(info, opts)
+    types = method.METHOD.layers.exact_types(info, opts)
     plan = {e.name: e.precision for e in build_plan(info, method.METHOD, opts, [])}
     out = conv.convert(micro, tmp_path / "m.gguf", gguf_type)
     tmap = conv.name_map(info.config)
@@ -110,7 +110,7 @@ def test_plan_types_are_the_written_types(micro, tmp_path, gguf_type):
 
 def test_plan_types_unsupported_architecture_is_empty():
     info = SimpleNamespace(config={"architectures": ["BloomForCausalLM"]}, tensors={"h.0.w.weight": ("BF16", [8, 8])})
-    assert method.plan_types(info, method.Options()) == {}
+    assert method.METHOD.layers.exact_types(info, method.Options()) == {}
     # precision falls back to the per-role default
     assert method.precision("decoder", method.Options(), "h.0.w", [8, 256]) == "gguf Q4_K (Q4_K_M mix)"
 

@@ -39,6 +39,19 @@ def test_awq_end_to_end_on_cpu(cli, micro_model, tmp_path):
     assert mean_kld_vs_base(out, micro_model) < 0.05
 
 
+@pytest.mark.parametrize("duo_scaling, n_grid", [(True, 2), (False, 1), ("both", 3)])
+def test_a_grid_the_scale_search_cannot_divide_is_refused_before_work(cli, micro_model, tmp_path, duo_scaling,
+                                                                      n_grid):
+    """llm-compressor's grid divides by n_grid - 2 (duo scaling), n_grid - 1 (without) or n_grid // 2 - 1 (both):
+    a grid one point smaller than that allows was a ZeroDivisionError (exit 1) after calibration started."""
+    out = tmp_path / "out"
+    recipe = awq_recipe(tmp_path, n_grid=n_grid, duo_scaling=duo_scaling)
+    result = cli("quantize", micro_model, "--recipe", recipe, *CALIB_ARGS, "-o", out)
+    assert result.exit_code == 2, result.output
+    assert f"awq: n_grid={n_grid} is too small for duo_scaling {duo_scaling}" in " ".join(result.output.split())
+    assert not out.exists()
+
+
 def test_pin_memory_site_still_exists():
     """An llm-compressor upgrade that moves or renames the patched method must be noticed."""
     import inspect

@@ -11,7 +11,19 @@ from dataclasses import fields
 import pytest
 from pydantic import BaseModel
 
-from quantkit.methods import METHODS, MethodSpec, Runtime, get_method
+from quantkit.formats import Format, Runtime
+from quantkit.methods import (
+    METHODS,
+    FallbackSteps,
+    Layers,
+    MethodSpec,
+    OnRanks,
+    Resume,
+    Sizes,
+    Towers,
+    get_method,
+    runtimes_for,
+)
 from quantkit.run.recipe import Calibration, Gate
 
 
@@ -21,29 +33,32 @@ def test_method_declares_the_contract(name):
     assert isinstance(spec, MethodSpec) and spec.name == name
     assert issubclass(spec.options, BaseModel) and spec.options.model_config.get("extra") == "forbid"
     options = spec.options()  # every option has a default
+    records = {"layers": Layers, "sizes": Sizes, "fallback": FallbackSteps, "resume": Resume, "ranks": OnRanks,
+               "towers": Towers}
     for member in fields(MethodSpec):
         value = getattr(spec, member.name)
-        if member.name in ("name", "engine", "engine_package", "format", "artifact"):
+        if member.name in ("name", "engine", "label", "rotation_refused"):
             assert isinstance(value, str) and value, member.name
-        elif member.name in ("supports_ignore", "quantizes_towers", "distributed"):
-            assert isinstance(value, bool)
-        elif member.name in ("tower_proof", "precision_bits", "scheme_runtimes"):
-            assert value is None or callable(value)
-        elif member.name in ("fallback_ladder", "requantize"):  # exactly the methods with a `fallback` option
-            assert callable(value) if "fallback" in spec.options.model_fields else value is None, member.name
-        elif member.name == "rotation_refused":  # why --rotate is refused where the options have no `rotate`
-            assert isinstance(value, str) and value, member.name
-        elif member.name == "resume_unit":  # what --resume continues from; None: the method does not resume
-            assert value is None or (isinstance(value, str) and value), member.name
-        elif member.name == "runtimes":
-            assert value and all(isinstance(r, Runtime) and r.source for r in value)
+        elif member.name == "engine_package":
+            assert isinstance(value, str) and isinstance(spec.package, str) and spec.package
+        elif member.name == "format":
+            assert isinstance(value, Format)
+        elif member.name in records:  # a record, or None where the method has none of it
+            assert value is None or isinstance(value, records[member.name]), member.name
         elif member.name != "options":
             assert callable(value), member.name
-    assert spec.artifact in ("compressed-tensors", "bitsandbytes", "gguf", "mlx")
-    assert spec.stored_bits(options) > 0
-    assert spec.serve_command("OUT").split()[0] in ("vllm", "llama-server", "mlx_lm.generate")
+    # exactly the methods with a `fallback` option have the fallback's steps
+    assert (spec.fallback is not None) == ("fallback" in spec.options.model_fields)
+    assert spec.resume is None or (isinstance(spec.resume.unit, str) and spec.resume.unit)
+    assert spec.layers is not None and spec.sizes is not None and spec.towers is not None
+    assert isinstance(spec.layers.takes_ignore, bool) and isinstance(spec.towers.quantizes, bool)
+    assert isinstance(spec.layers.keeps_lm_head(options), bool)
+    assert spec.sizes.stored_bits(options) > 0
+    assert spec.format.kind in ("compressed-tensors", "bitsandbytes", "gguf", "mlx")
+    runtimes = runtimes_for(spec, options)
+    assert runtimes and all(isinstance(r, Runtime) and r.source for r in runtimes)
+    assert spec.format.serve_command("OUT").split()[0] in ("vllm", "llama-server", "mlx_lm.generate")
     assert isinstance(spec.needs_calibration(options), bool)
-    assert isinstance(spec.keeps_lm_head(options), bool)
     Gate(**spec.default_gate(options))  # thresholds are Gate fields
     assert spec.precision("decoder", options, "model.layers.0.mlp.up_proj", [256, 256])
     assert spec.precision("vision", options, "model.vision_tower.x", [256, 256]) is None or name == "gguf"
@@ -96,11 +111,14 @@ def test_no_hidden_module_state_in_the_package():
 def test_stored_bits_per_method():
     from quantkit.methods import awq, get_method, gguf, gptq, nf4
 
-    assert get_method("fp8").stored_bits(None) == 8.0 and get_method("smoothquant").stored_bits(None) == 8.0
-    assert gptq.METHOD.stored_bits(gptq.Options(bits=4, group_size=128)) == 4.25
-    assert awq.METHOD.stored_bits(awq.Options(group_size=-1)) == 4
-    assert nf4.METHOD.stored_bits(nf4.Options()) < 4.2 and nf4.METHOD.stored_bits(nf4.Options(scheme="int8")) == 8
+    def bits(name, options):
+        return get_method(name).sizes.stored_bits(options)
+
+    assert bits("fp8", None) == 8.0 and bits("smoothquant", None) == 8.0
+    assert bits("gptq", gptq.Options(bits=4, group_size=128)) == 4.25
+    assert bits("awq", awq.Options(group_size=-1)) == 4
+    assert bits("nf4", nf4.Options()) < 4.2 and bits("nf4", nf4.Options(scheme="int8")) == 8
     assert gguf.type_bits("Q8_0") == 8.5 and gguf.type_bits("Q4_K_M") == 4.5
-    assert gguf.METHOD.stored_bits(gguf.Options(gguf_type="Q4_K_M")) > 4.5
-    assert get_method("nvfp4").stored_bits(None) == 4.5  # fp4 values and an fp8 scale per 16
-    assert get_method("mxfp4").stored_bits(None) == 4.25  # fp4 values and an e8m0 scale per 32
+    assert bits("gguf", gguf.Options(gguf_type="Q4_K_M")) > 4.5
+    assert bits("nvfp4", None) == 4.5  # fp4 values and an fp8 scale per 16
+    assert bits("mxfp4", None) == 4.25  # fp4 values and an e8m0 scale per 32

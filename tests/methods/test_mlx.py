@@ -59,7 +59,7 @@ def test_mlx_lm_loads_the_weights_the_gate_read_and_generates(artifact):
     import torch
     from mlx import nn
 
-    from quantkit.eval.artifacts import load_for_eval
+    from quantkit.formats.gate import load_artifact
     from quantkit.mlx.checkpoint import MLXWeights
 
     mx.set_default_device(mx.cpu)
@@ -75,7 +75,7 @@ def test_mlx_lm_loads_the_weights_the_gate_read_and_generates(artifact):
     ids = tokenizer.encode("The quick brown fox jumps over the lazy dog while the model quantizes")
     theirs = np.array(model(mx.array(ids)[None]).astype(mx.float32))[0]
     with torch.no_grad():
-        read = load_for_eval(artifact)(torch.tensor([ids])).logits[0].float().numpy()
+        read = load_artifact(artifact)(torch.tensor([ids])).logits[0].float().numpy()
     assert np.abs(theirs - read).mean() < 0.01 * np.abs(read).mean()  # bfloat16 arithmetic apart
     text = mlx_lm.generate(model, tokenizer, prompt="The quick", max_tokens=8)
     assert isinstance(text, str) and text
@@ -108,7 +108,7 @@ def test_mlx_lm_loads_each_family(cli, family_models, tmp_path, family):  # noqa
     import torch
     from mlx import nn
 
-    from quantkit.eval.artifacts import load_for_eval
+    from quantkit.formats.gate import load_artifact
     from quantkit.mlx.checkpoint import MLXWeights
 
     source, out = family_models(family), tmp_path / "out"
@@ -126,5 +126,5 @@ def test_mlx_lm_loads_each_family(cli, family_models, tmp_path, family):  # noqa
     ids = list(range(3, 40))
     theirs = np.array(model(mx.array(ids)[None]).astype(mx.float32))[0]
     with torch.no_grad():
-        read = load_for_eval(out)(torch.tensor([ids])).logits[0].float().numpy()
+        read = load_artifact(out)(torch.tensor([ids])).logits[0].float().numpy()
     assert np.abs(theirs - read).mean() < 0.01 * np.abs(read).mean()  # bfloat16 arithmetic apart

@@ -15,8 +15,7 @@ from safetensors import safe_open
 from quantkit.engines.llmcompressor import llmc, model_free
 from quantkit.engines.transformers import load_model, load_tokenizer
 from quantkit.io.checkpoint import check_model_dir
-from quantkit.methods import QuantizeJob, fp8
-from quantkit.run.plan import ignore_patterns
+from quantkit.methods import QuantizeJob, fp8, ignore_patterns
 
 
 def job_for(model_dir: Path, out: Path, options: fp8.Options | None = None, dtype: str = "auto") -> QuantizeJob:

@@ -18,7 +18,7 @@ from safetensors import safe_open
 
 from quantkit.engines.llmcompressor import model_free, model_free_moe
 from quantkit.io.checkpoint import check_model_dir
-from quantkit.run.plan import ignore_patterns
+from quantkit.methods import ignore_patterns
 from tests.methods.conftest import CALIB_ARGS, assert_nothing_written, quant_config, report
 
 LOOSE_GATE = ["--max-kld", "1", "--max-ppl-increase", "1", "--min-top1", "0"]  # random weights
@@ -300,6 +300,6 @@ def test_resume_by_shard_where_the_path_saves_progress(moe_models):
     from quantkit.methods import fp8, mxfp4, nvfp4
 
     info = check_model_dir(moe_models("qwen3_moe"))
-    assert fp8.METHOD.resume_refused(info, fp8.Options(scheme="fp8-block")) is None
-    assert "calibrates nothing" in nvfp4.METHOD.resume_refused(info, nvfp4.Options(scheme="a16"))
-    assert "calibrates nothing" in mxfp4.METHOD.resume_refused(info, mxfp4.Options())
+    assert fp8.METHOD.resume.refused(info, fp8.Options(scheme="fp8-block")) is None
+    assert "calibrates nothing" in nvfp4.METHOD.resume.refused(info, nvfp4.Options(scheme="a16"))
+    assert "calibrates nothing" in mxfp4.METHOD.resume.refused(info, mxfp4.Options())

@@ -42,7 +42,7 @@ def test_the_gate_quantizes_w4a4_activations(cli, micro_model, tmp_path):
     config without input_activations): the logits differ, so the activation rounding is measured."""
     import torch
 
-    from quantkit.eval.artifacts import load_for_eval
+    from quantkit.formats.gate import load_artifact
 
     out = tmp_path / "nvfp4"
     assert cli("quantize", micro_model, "--method", "nvfp4", "-o", out, *CALIB_ARGS, "--eval-windows", "0").exit_code == 0
@@ -58,7 +58,7 @@ def test_the_gate_quantizes_w4a4_activations(cli, micro_model, tmp_path):
                   metadata={"format": "pt"})
     ids = torch.randint(0, 500, (1, 48), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
-        w4a4, a16 = (load_for_eval(p)(ids).logits.float() for p in (out, weights_only))
+        w4a4, a16 = (load_artifact(p)(ids).logits.float() for p in (out, weights_only))
     assert (w4a4 - a16).abs().max() > 1e-3
 
 

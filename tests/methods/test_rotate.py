@@ -113,13 +113,14 @@ def test_gate_applies_online_rotation_as_loaded(quip_artifact):
     apply_transform_config and the stored matrices, and computes the model llm-compressor left in memory."""
     from transformers import AutoModelForCausalLM
 
-    from quantkit.eval.artifacts import load_for_eval, online_transforms
+    from quantkit.eval.artifacts import online_transforms
+    from quantkit.formats.gate import load_artifact
 
     out, ids, in_memory = quip_artifact
     config = json.loads((out / "config.json").read_text())
     online = online_transforms(config)
     assert [a.location for s in online.config_groups.values() for a in s.apply] == ["input"]  # weight parts dropped
-    gate = logits(load_for_eval(out), ids)
+    gate = logits(load_artifact(out), ids)
     assert (gate - in_memory).abs().max().item() < 1e-4 * in_memory.abs().max().item()
     plain, loading = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
     assert any(k.endswith("v_input.weight") for k in loading["unexpected_keys"])  # the stored rotation, unread
@@ -140,6 +141,63 @@ def test_gptq_hadamard_end_to_end(cli, micro_model, tmp_path):
     assert 0 <= entry["metrics"]["kld_mean"] < 0.1
 
 
+def held_out_logprobs(model, out: Path, ids=None):
+    """Log-probs of a checkpoint read by plain transformers `from_pretrained` (compressed-tensors decompresses
+    an artifact) on the gate's held-out windows of the run that wrote `out` (its recipe's calibration)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from quantkit.run.calibration import make_windows
+    from quantkit.run.recipe import Calibration
+
+    if ids is None:
+        spec = Calibration(**report(out)["recipe"]["calibration"])
+        ids = make_windows(AutoTokenizer.from_pretrained(model), spec).eval
+    return logits(AutoModelForCausalLM.from_pretrained(model, dtype="auto"), ids).log_softmax(-1), ids
+
+
+def test_spinquant_artifact_reloads_as_the_base_rotated(cli, micro_model, tmp_path):
+    """fp8 with SpinQuant on the 2-layer micro model, gated: the artifact reloads through transformers and
+    compressed-tensors as the gate reads it, and what was folded in is checked from the weights: the stored
+    embeddings are the base's, each centred (its mean over the hidden width subtracted), times a Hadamard matrix
+    (+-1/sqrt(hidden), exactly orthogonal; recovered here by least squares and rounded to its signs), and the
+    head is the base's with the final norm folded in times the same matrix. The KL divergence of the reloaded
+    artifact from the base, computed here, is small (a rotation preserves the function; the centring and fp8's
+    rounding are what is left) and is the gate's own number."""
+    import torch
+    from safetensors.torch import load_file
+
+    from quantkit.eval.artifacts import load_for_eval, online_transforms
+
+    out = tmp_path / "out"
+    result = cli("quantize", micro_model, "--method", "fp8", "--rotate", "spinquant", "--num-samples", "0",
+                 "--seq-len", "32", "--eval-windows", "2", *LOOSE_TOP1, "-o", out)
+    assert result.exit_code == 0, result.output
+    config = json.loads((out / "config.json").read_text())
+    assert set(config["quantization_config"]["transform_config"]["config_groups"]) == {"R1", "R2"}
+    assert online_transforms(config) is None
+
+    base, stored = load_file(micro_model / "model.safetensors"), load_file(out / "model.safetensors")
+    embed, rotated = base["model.embed_tokens.weight"].double(), stored["model.embed_tokens.weight"].double()
+    hidden = embed.shape[1]
+    hadamard = torch.linalg.lstsq(embed, rotated).solution.sign() * hidden ** -0.5
+    assert torch.equal(hadamard.T @ hadamard, torch.eye(hidden, dtype=torch.float64))
+    centred = embed - embed.mean(-1, keepdim=True)
+    # within bfloat16's rounding, of the result and of the centred table llm-compressor rounds before rotating
+    # (here at most 0.0004 where the entries reach 0.11; 0.015 without the centring)
+    assert (centred @ hadamard - rotated).abs().max() < 0.01 * rotated.abs().max()
+    head = base["lm_head.weight"].double() * base["model.norm.weight"].double()
+    assert (head @ hadamard - stored["lm_head.weight"]).abs().max() < 0.01 * stored["lm_head.weight"].abs().max()
+
+    artifact, ids = held_out_logprobs(out, out)
+    base_logprobs, _ = held_out_logprobs(micro_model, out, ids)
+    kld = (base_logprobs.exp() * (base_logprobs - artifact)).sum(-1)[:, :-1].mean().item()
+    gate = report(out)["targets"][0]["metrics"]
+    assert gate["positions"] == ids.numel() - ids.shape[0]
+    assert 0 < kld < 0.01 and kld == pytest.approx(gate["kld_mean"], rel=0.2)
+    assert torch.allclose(logits(load_for_eval(out), ids).log_softmax(-1), artifact, atol=1e-4)
+
+
 @pytest.mark.slow
 def test_spinquant_reads_alike_in_transformers(cli, micro_model, tmp_path):
     """SpinQuant R1+R2 are folded into the weights: nothing online, so transformers' plain reading is the loader's,
@@ -147,7 +205,8 @@ def test_spinquant_reads_alike_in_transformers(cli, micro_model, tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from quantkit.eval.artifacts import load_for_eval, online_transforms
+    from quantkit.eval.artifacts import online_transforms
+    from quantkit.formats.gate import load_artifact
 
     out = tmp_path / "out"
     result = cli("quantize", micro_model, "--method", "nvfp4", "--scheme", "a16", "--rotate", "spinquant",
@@ -158,7 +217,7 @@ def test_spinquant_reads_alike_in_transformers(cli, micro_model, tmp_path):
     assert online_transforms(config) is None
     ids = torch.randint(0, config["vocab_size"], (1, 32), generator=torch.Generator().manual_seed(0))
     plain = logits(AutoModelForCausalLM.from_pretrained(out), ids)
-    assert torch.allclose(logits(load_for_eval(out), ids), plain, atol=1e-5)
+    assert torch.allclose(logits(load_artifact(out), ids), plain, atol=1e-5)
 
 
 @pytest.mark.slow

@@ -14,12 +14,14 @@ def agreement(kld: float, top1: float = 1.0) -> stats.Agreement:
 
 
 def report(vs_reading: stats.Agreement, ppl: stats.Perplexity, tolerances: check.Tolerances,
-           vs_base: stats.Agreement | None = None, normalized: bool = True) -> check.ServeReport:
+           vs_base: stats.Agreement | None = None, normalized: bool = True,
+           compared: stats.ComparedPerplexity | None = None) -> check.ServeReport:
     result = check.ServeReport(
         artifact="a", kind="compressed-tensors", base="b", engine={"name": "vllm", "version": "0"},
         windows={"count": 1, "seq_len": 101, "positions": 100, "scored": 100}, base_from="quantkit", logprobs=20,
         logprobs_normalized=normalized, vs_base=vs_base or agreement(0.001), vs_reading=vs_reading, reading_vs_base=agreement(0.001),
         reading_vs_base_kld=0.0011, ppl=ppl, ppl_base=10.0, ppl_reading=10.2,
+        ppl_compared=compared or stats.ComparedPerplexity(100, ppl.ppl, 10.2),
         greedy=stats.GreedyAgreement(2, 8, 8.0, 1.0, [8, 8]),
         load=[LoadResult(1, 1, 64, 8, 0.01, 6400.0, 100.0, 90.0)], tolerances=tolerances)
     result.checks = check.verdict(result)
@@ -43,11 +45,14 @@ def test_each_check_fails_on_its_own():
         "base_kld"]
 
 
-def test_a_ppl_lower_bound_fails_only_on_an_excess():
-    below = stats.Perplexity(5.0, False, 40)  # a lower bound far below the reading's: nothing shown
-    assert report(agreement(0.001), below, check.Tolerances()).passed
-    above = stats.Perplexity(20.0, False, 40)
-    assert report(agreement(0.001), above, check.Tolerances()).failed == ["ppl_drift"]
+def test_the_ppl_drift_is_checked_where_both_perplexities_are_exact_and_fails_either_way():
+    bound = stats.Perplexity(5.0, False, 40)  # over every position a lower bound: not what is compared
+    assert report(agreement(0.001), bound, check.Tolerances(), compared=stats.ComparedPerplexity(60, 10.3, 10.2)).passed
+    for engine in (8.0, 13.0):  # below or above the reading on the same exact positions
+        result = report(agreement(0.001), bound, check.Tolerances(), compared=stats.ComparedPerplexity(60, engine, 10.2))
+        assert result.failed == ["ppl_drift"]
+    nothing = stats.ComparedPerplexity(0, math.nan, math.nan)  # no exact position: the check cannot pass
+    assert report(agreement(0.001), bound, check.Tolerances(), compared=nothing).failed == ["ppl_drift"]
 
 
 def test_ppl_is_not_checked_where_log_probs_are_not_normalized():

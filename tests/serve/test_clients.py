@@ -33,7 +33,7 @@ def test_vllm_prompt_logprobs_rows():
 
 
 def test_vllm_command_on_a_cpu(tmp_path):
-    from quantkit.serve.engines import Engine
+    from quantkit.serve.engines import Installed
     from quantkit.serve.settings import ServeOptions
 
     python = tmp_path / "python3"
@@ -42,7 +42,7 @@ def test_vllm_command_on_a_cpu(tmp_path):
     script = tmp_path / "vllm"
     script.write_text(f"#!{python}\n")
     script.chmod(0o755)
-    command = vllm_server.command(Engine("vllm", script, "test"), tmp_path, 8000,
+    command = vllm_server.command(Installed("vllm", script, "test"), tmp_path, 8000,
                                   ServeOptions(max_model_len=128, logprobs=0))
     assert command[:4] == [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model"]
     assert "--enforce-eager" in command and command[command.index("--max-logprobs") + 1] == "-1"

@@ -11,7 +11,7 @@ import pytest
 
 from quantkit.errors import InputError, UnsupportedError
 from quantkit.eval import llamacpp
-from quantkit.serve import engines, support
+from quantkit.serve import engines, mlx_server, support, vllm_server
 from quantkit.serve.support import Accelerator
 
 CPU = Accelerator("cpu", "test CPU")
@@ -29,7 +29,7 @@ def no_engines(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(bin_dir))
     for name in ("QUANTKIT_VLLM", "QUANTKIT_LLAMA_CPP", "QUANTKIT_MLX_PYTHON"):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(engines, "imports_mlx_lm", lambda: False)
+    monkeypatch.setattr(mlx_server, "imports_mlx_lm", lambda: False)
     monkeypatch.setattr(llamacpp, "find_binary", lambda name="llama-perplexity": None)
     return empty
 
@@ -72,25 +72,25 @@ FP8_BLOCK = group(8, "float", {"num_bits": 8, "type": "float", "dynamic": True, 
 
 
 def test_vllm_found_by_variable_then_engines_dir_then_path(no_engines, tmp_path, monkeypatch):
-    assert engines.find_vllm() is None
+    assert vllm_server.find() is None
     on_path = executable(tmp_path / "bin" / "vllm")
-    assert engines.find_vllm().executable == on_path
+    assert vllm_server.find().executable == on_path
     installed = executable(no_engines / "vllm" / "bin" / "vllm")
-    assert engines.find_vllm().executable == installed and engines.find_vllm().found_in == "QUANTKIT_ENGINES"
+    assert vllm_server.find().executable == installed and vllm_server.find().found_in == "QUANTKIT_ENGINES"
     chosen = executable(tmp_path / "custom" / "vllm")
     monkeypatch.setenv("QUANTKIT_VLLM", str(chosen))
-    assert engines.find_vllm().executable == chosen
+    assert vllm_server.find().executable == chosen
 
 
 def test_mlx_found_by_variable_then_engines_dir_then_this_python(no_engines, tmp_path, monkeypatch):
-    assert engines.find_mlx() is None
-    monkeypatch.setattr(engines, "imports_mlx_lm", lambda: True)
-    assert engines.find_mlx().executable == Path(sys.executable)
+    assert mlx_server.find() is None
+    monkeypatch.setattr(mlx_server, "imports_mlx_lm", lambda: True)
+    assert mlx_server.find().executable == Path(sys.executable)
     installed = executable(no_engines / "mlx" / "bin" / "python")
-    assert engines.find_mlx().executable == installed
+    assert mlx_server.find().executable == installed
     chosen = executable(tmp_path / "py" / "python3")
     monkeypatch.setenv("QUANTKIT_MLX_PYTHON", str(chosen))
-    assert engines.find_mlx().executable == chosen
+    assert mlx_server.find().executable == chosen
 
 
 def test_llama_cpp_binaries_found_in_the_engines_dir(tmp_path, monkeypatch):
@@ -134,7 +134,9 @@ def test_script_python_reads_the_shebang(tmp_path):
     (W8A8, "w8a8-int8"), (NVFP4, "nvfp4"), (NVFP4_A16, "nvfp4-a16"), (MXFP4, "mxfp4"), (FP8_BLOCK, "fp8-block"),
 ])
 def test_schemes_from_config(groups, scheme):
-    assert support.schemes({"config_groups": {"group_0": groups}}) == {scheme}
+    from quantkit.formats import compressed_tensors
+
+    assert compressed_tensors.schemes({"config_groups": {"group_0": groups}}) == {scheme}
 
 
 @pytest.mark.parametrize("groups, served", [
@@ -168,9 +170,11 @@ def test_bitsandbytes_needs_a_gpu(tmp_path):
 
 
 def test_each_engine_serves_its_kinds(tmp_path):
-    assert "serves .gguf" in support.refusal("llama.cpp", tmp_path, "compressed-tensors", CPU)
-    assert "mlx-lm directories" in support.refusal("mlx", tmp_path, "gguf", CPU)
-    assert "checkpoint directories" in support.refusal("vllm", tmp_path, "gguf", CPU)
+    assert "llama-server serves gguf artifacts; this artifact is compressed-tensors" in support.refusal(
+        "llama.cpp", tmp_path, "compressed-tensors", CPU)
+    assert "serves mlx, transformers artifacts; this artifact is gguf" in support.refusal("mlx", tmp_path, "gguf", CPU)
+    assert "vLLM serves compressed-tensors, bitsandbytes, transformers artifacts; this artifact is gguf" in \
+        support.refusal("vllm", tmp_path, "gguf", CPU)
     assert support.refusal("llama.cpp", tmp_path, "gguf", CPU) is None
     assert support.refusal("mlx", tmp_path, "mlx", CPU) is None
 
@@ -204,8 +208,11 @@ def test_engine_environment_is_offline_and_drops_python_settings(monkeypatch):
     from quantkit.serve.settings import engine_env
 
     monkeypatch.setenv("PYTHONPATH", "/somewhere")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # the user's own value wins
-    env = engine_env({"VLLM_CPU_KVCACHE_SPACE": "1"})
-    assert "PYTHONPATH" not in env and env["TRANSFORMERS_OFFLINE"] == "1" and env["HF_HUB_OFFLINE"] == "0"
-    assert env["VLLM_NO_USAGE_STATS"] == "1" and env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # the engine stays offline whatever the user's environment says
+    monkeypatch.setenv("VLLM_NO_USAGE_STATS", "0")
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "4")  # an engine setting: the user's value wins
+    env = engine_env({"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "2"})
+    assert "PYTHONPATH" not in env and env["TRANSFORMERS_OFFLINE"] == "1" and env["HF_HUB_OFFLINE"] == "1"
+    assert env["VLLM_NO_USAGE_STATS"] == "1" and env["DO_NOT_TRACK"] == "1"
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "4" and env["OMP_NUM_THREADS"] == "2"
     assert env["PATH"] == os.environ["PATH"]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from quantkit.serve import engines
+from quantkit.serve import engines, llama_server, mlx_server, vllm_server
 from tests.serve.test_serve_check_slow import require
 from tests.serve.test_w4a8_vllm_slow import free_port
 
@@ -26,7 +26,7 @@ METHODS = {"fp8-block": ("CompressedTensorsW8A8Fp8", "CompressedTensorsW8A8Fp8Mo
 
 
 def vllm_probe(artifacts: list[Path]) -> dict[str, dict]:
-    vllm = require(engines.find_vllm, "vLLM", "QUANTKIT_VLLM")
+    vllm = require(vllm_server.find, "vLLM", "QUANTKIT_VLLM")
     python = engines.script_python(vllm.executable) or vllm.executable.with_name("python3")
     result = subprocess.run([str(python), str(PROBE), *map(str, artifacts), str(free_port())], capture_output=True,
                             text=True, timeout=600, check=False)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from quantkit.serve import engines
+from quantkit.serve import engines, llama_server, mlx_server, vllm_server
 
 pytestmark = pytest.mark.slow
 CALIB = ("--num-samples", "16", "--seq-len", "64", "--eval-windows", "4", "--no-gate")
@@ -92,6 +92,8 @@ def check_passed(code: int, data: dict, stderr: str, artifact: Path, engine: str
     assert code == 0, stderr
     assert data["passed"] and data["engine"]["name"] == engine and data["windows"]["scored"] > 0
     assert data["vs_reading"]["kld_lower_bound"] < 0.01
+    tokens = data["tokenization"]  # the engine's own ids of the held-out text: the Hugging Face tokenizer's
+    assert tokens["matches"] and tokens["texts"] == data["windows"]["count"] and tokens["tokens"] > 0
     assert all(r["tokens"] > 0 and r["ttft_s"] > 0 for r in data["load"])
     report = artifact if artifact.is_dir() else artifact.parent
     recorded = json.loads((report / "quantkit.json").read_text())["serve_check"][engine]
@@ -101,7 +103,7 @@ def check_passed(code: int, data: dict, stderr: str, artifact: Path, engine: str
 @pytest.mark.parametrize("method", [("fp8", "--method", "fp8"), ("gptq", "--method", "gptq"),
                                     ("smoothquant", "--method", "smoothquant")], ids=lambda m: m[0])
 def test_vllm_serves_as_gated(cli, quantized, tmp_path, method):
-    require(engines.find_vllm, "vLLM", "QUANTKIT_VLLM")
+    require(vllm_server.find, "vLLM", "QUANTKIT_VLLM")
     artifact = quantized(*method)
     code, data, stderr = serve_check(cli, artifact, tmp_path)
     check_passed(code, data, stderr, artifact, "vllm")
@@ -109,7 +111,7 @@ def test_vllm_serves_as_gated(cli, quantized, tmp_path, method):
 
 
 def test_vllm_reading_that_differs_from_the_gate_fails(cli, quantized, tmp_path):
-    require(engines.find_vllm, "vLLM", "QUANTKIT_VLLM")
+    require(vllm_server.find, "vLLM", "QUANTKIT_VLLM")
     tampered = tmp_path / "fp8-tied"
     shutil.copytree(quantized("fp8", "--method", "fp8"), tampered)
     config = json.loads((tampered / "config.json").read_text())
@@ -120,7 +122,7 @@ def test_vllm_reading_that_differs_from_the_gate_fails(cli, quantized, tmp_path)
 
 
 def test_vllm_cpu_refuses_nvfp4_before_starting(cli, quantized, tmp_path):
-    require(engines.find_vllm, "vLLM", "QUANTKIT_VLLM")
+    require(vllm_server.find, "vLLM", "QUANTKIT_VLLM")
     from quantkit.serve.support import accelerator
 
     if accelerator().kind != "cpu":
@@ -132,7 +134,7 @@ def test_vllm_cpu_refuses_nvfp4_before_starting(cli, quantized, tmp_path):
 
 @pytest.mark.parametrize("gguf_type", ["Q8_0", "Q4_K_M"])
 def test_llama_server_serves_as_gated(cli, quantized, tmp_path, gguf_type):
-    require(engines.find_llama_server, "llama.cpp's llama-server", "QUANTKIT_LLAMA_CPP")
+    require(llama_server.find, "llama.cpp's llama-server", "QUANTKIT_LLAMA_CPP")
     artifact = quantized(gguf_type, "--method", "gguf", "--gguf-type", gguf_type)
     code, data, stderr = serve_check(cli, artifact, tmp_path, "--logprobs", "0")
     check_passed(code, data, stderr, artifact, "llama.cpp")
@@ -140,7 +142,7 @@ def test_llama_server_serves_as_gated(cli, quantized, tmp_path, gguf_type):
 
 
 def test_mlx_server_serves_as_gated(cli, quantized, tmp_path):
-    require(engines.find_mlx, "mlx-lm", "QUANTKIT_MLX_PYTHON")
+    require(mlx_server.find, "mlx-lm", "QUANTKIT_MLX_PYTHON")
     artifact = quantized("mlx4", "--method", "mlx", "--bits", "4")
     code, data, stderr = serve_check(cli, artifact, tmp_path)
     check_passed(code, data, stderr, artifact, "mlx")
@@ -150,7 +152,7 @@ def test_mlx_server_serves_as_gated(cli, quantized, tmp_path):
 def test_the_gate_serves_the_staged_artifact_before_publishing(cli, trained, tmp_path):
     """quantize --serve-check vllm: the check runs on the staged artifact, its result is in quantkit.json and
     the gate, and the server is gone when the command ends."""
-    require(engines.find_vllm, "vLLM", "QUANTKIT_VLLM")
+    require(vllm_server.find, "vLLM", "QUANTKIT_VLLM")
     out = tmp_path / "fp8-served"
     result = cli("quantize", trained, "--method", "fp8", "-o", out, "--num-samples", "16", "--seq-len", "64",
                  "--eval-windows", "2", "--serve-check", "vllm")

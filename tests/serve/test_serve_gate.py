@@ -91,3 +91,34 @@ def test_an_unknown_engine_in_a_recipe_names_the_field(cli, micro_model, tmp_pat
     recipe.write_text("targets:\n  - {name: fp8, method: fp8}\ngate:\n  serve: {engine: tgi}\n")
     result = cli("quantize", micro_model, "--recipe", recipe, "-o", tmp_path / "out")
     assert result.exit_code == 2 and "gate.serve.engine" in result.stderr
+
+
+def test_a_serving_check_without_held_out_windows_is_refused_before_any_work(cli, micro_model, tmp_path, fake_engine):
+    calls, _ = fake_engine
+    result = cli("quantize", micro_model, "--method", "fp8", "-o", tmp_path / "out", "--num-samples", "4",
+                 "--seq-len", "64", "--eval-windows", "0", "--serve-check", "vllm")
+    assert result.exit_code == 2, result.output
+    assert "eval_windows is 0" in result.stderr and "--eval-windows" in result.stderr
+    assert calls == [] and "baseline" not in result.stderr and leftovers(tmp_path, "out") == []
+
+
+def test_a_serving_check_runs_under_no_gate_when_the_gate_fails(cli, micro_model, tmp_path, fake_engine):
+    """--no-gate writes an artifact whose gate failed, so the check it asked for runs on it."""
+    calls, _ = fake_engine
+    out = tmp_path / "out"
+    result = cli("quantize", micro_model, "--method", "fp8", "-o", out, *FAST_CALIB, "--max-kld", "0",
+                 "--no-gate", "--serve-check", "vllm")
+    assert result.exit_code == 0, result.output
+    entry = json.loads((out / "quantkit.json").read_text())["targets"][0]
+    assert entry["gate"]["passed"] is False and len(calls) == 1
+    assert entry["details"]["serve_check"]["passed"] is True
+
+
+def test_a_serving_check_after_an_enforced_failed_gate_says_it_did_not_run(cli, micro_model, tmp_path, fake_engine):
+    calls, _ = fake_engine
+    result = cli("quantize", micro_model, "--method", "fp8", "-o", tmp_path / "out", *FAST_CALIB, "--max-kld", "0",
+                 "--serve-check", "vllm", "--json", tmp_path / "r.json")
+    assert result.exit_code == 3, result.output
+    assert calls == [] and "serving check not run: the gate failed (kld_mean" in result.stderr
+    entry = json.loads((tmp_path / "r.json").read_text())["targets"][0]
+    assert entry["details"]["serve_check"]["skipped"].startswith("not run: the gate failed")

@@ -116,6 +116,30 @@ def test_perplexity_from_candidates_and_bounded_outside_them():
     assert result.ppl <= math.exp(-(math.log(0.3) + math.log(0.25)) / 2)
 
 
+def test_compared_perplexity_takes_only_the_positions_whose_engine_value_is_exact():
+    topk = engine_topk(np.stack([Q, Q, Q]), 2)
+    reading_nll = np.array([1.0, 2.0, 3.0])  # the reading's NLL of each position's token
+    compared = stats.compared_perplexity(topk, np.array([0, 3, 1]), reading_nll)  # 3 is outside the top-2
+    assert compared.positions == 2
+    assert compared.engine == pytest.approx(math.exp(-(math.log(0.35) + math.log(0.3)) / 2))
+    assert compared.reading == pytest.approx(math.exp((1.0 + 3.0) / 2))
+    assert compared.drift == pytest.approx(abs(compared.engine / compared.reading - 1))
+
+
+def test_compared_perplexity_shows_an_engine_better_than_the_reading():
+    """Where every target is among the candidates, an engine that predicts them better than the reading
+    is a drift too (a lower bound checked for an excess only could never show it)."""
+    topk = engine_topk(np.stack([Q, Q]), 2)
+    compared = stats.compared_perplexity(topk, np.array([0, 0]), np.array([3.0, 3.0]))
+    assert compared.engine == pytest.approx(1 / 0.35) and compared.reading == pytest.approx(math.exp(3.0))
+    assert compared.drift > 0.8
+
+
+def test_compared_perplexity_without_a_covered_position_is_nan():
+    compared = stats.compared_perplexity(engine_topk(Q, 2), np.array([3]), np.array([1.0]))
+    assert compared.positions == 0 and math.isnan(compared.drift)
+
+
 def test_the_kth_candidate_bounds_a_missing_target():
     q = np.array([0.9, 0.05, 0.03, 0.02])
     value, exact = stats.target_logprobs(engine_topk(q, 2), np.array([3]))

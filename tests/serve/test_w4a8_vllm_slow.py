@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from quantkit.serve import engines
+from quantkit.serve import engines, llama_server, mlx_server, vllm_server
 from tests.methods.conftest import stored_tensors
 from tests.serve.test_serve_check_slow import check_passed, require, serve_check, trained  # noqa: F401
 
@@ -50,7 +50,7 @@ def free_port() -> int:
 
 def vllm_probe(artifact: Path, shape: list[int]) -> dict:
     """vllm_scheme_probe.py's answer for LAYER of this [out, in] shape, run by vLLM's interpreter."""
-    vllm = require(engines.find_vllm, "vLLM", "QUANTKIT_VLLM")
+    vllm = require(vllm_server.find, "vLLM", "QUANTKIT_VLLM")
     python = engines.script_python(vllm.executable) or vllm.executable.with_name("python3")
     result = subprocess.run([str(python), str(PROBE), str(artifact), LAYER, str(shape[0]), str(shape[1]),
                              str(free_port())], capture_output=True, text=True, timeout=600, check=False)
@@ -97,7 +97,7 @@ def test_vllm_cpu_w4a8_kernel_quantizes_each_token_asymmetrically():
     activations to int8 per token asymmetrically (whatever the config's `symmetric`)."""
     if not on_cpu():
         pytest.skip("the kernel checked is the CPU build's")
-    vllm = require(engines.find_vllm, "vLLM", "QUANTKIT_VLLM")
+    vllm = require(vllm_server.find, "vLLM", "QUANTKIT_VLLM")
     python = engines.script_python(vllm.executable) or vllm.executable.with_name("python3")
     result = subprocess.run([str(python), str(PROBE.with_name("vllm_dynamic_4bit_probe.py"))], capture_output=True,
                             text=True, timeout=300, check=False)
@@ -107,14 +107,14 @@ def test_vllm_cpu_w4a8_kernel_quantizes_each_token_asymmetrically():
 
 
 def test_vllm_cpu_serves_w4a8_int8_as_gated(cli, w4a8, tmp_path):
-    require(engines.find_vllm, "vLLM", "QUANTKIT_VLLM")
+    require(vllm_server.find, "vLLM", "QUANTKIT_VLLM")
     artifact = w4a8("int8")
     code, data, stderr = serve_check(cli, artifact, tmp_path)
     check_passed(code, data, stderr, artifact, "vllm")
 
 
 def test_serve_check_refuses_w4a8_fp8_on_a_cpu(cli, w4a8, tmp_path):
-    require(engines.find_vllm, "vLLM", "QUANTKIT_VLLM")
+    require(vllm_server.find, "vLLM", "QUANTKIT_VLLM")
     if not on_cpu():
         pytest.skip("the refusal is the CPU build's")
     code, data, stderr = serve_check(cli, w4a8("fp8"), tmp_path)

@@ -10,16 +10,18 @@ gathered on every rank (gather_positions), so its metrics are the one-process me
 writes the report, gates and publishes; the other ranks write nothing beside a private work directory
 and exit 0.
 
-Which methods run here is each method's `distributed` (quantkit.methods): every method that calibrates through
+Which methods run here is each method's `ranks` (quantkit.methods.OnRanks): every method that calibrates through
 llm-compressor. The statistics are reduced over the ranks: GPTQ's Hessians (summed onto the rank that quantizes
-each Linear), the activation observers' minimum and maximum (nvfp4, fp8-static and the FP8 KV cache: MIN/MAX),
-AWQ's activation sums and grid-search losses, SmoothQuant's per-channel ranges (MIN/MAX), AutoRound's loss and
-gradients (quantkit.engines.llmcompressor.autoround_ranks). A weight the ranks share (one copy per node on a CPU) is
-written once, by rank 0: the smoothing and the rotations (quantkit.engines.llmcompressor.one_writer), AutoRound's
-tuned layers. The guide (auto-precision, fallback) measures its sensitivity data-parallel (quantkit.mixed.layers)
-and rank 0 decides each step, which the other ranks follow (quantkit.run.follow). --resume keeps each rank's
-hidden states and rank 0's layers (quantkit.engines.llmcompressor.layer_resume). The one-process engines (nf4,
-gguf, mxfp4, mlx) are refused.
+each Linear: the one-process Hessians up to summation order, so the rounding differs in some int4 values, as between
+one-process runs with another thread count), the activation observers' minimum and maximum (nvfp4, fp8-static and
+the FP8 KV cache: MIN/MAX), AWQ's activation sums and grid-search losses, SmoothQuant's per-channel ranges
+(MIN/MAX), AutoRound's loss and gradients (quantkit.engines.llmcompressor.autoround_ranks). A weight the ranks share
+(one copy per node on a CPU) is written once, by rank 0: the smoothing and the rotations
+(quantkit.engines.llmcompressor.one_writer), AutoRound's tuned layers. What calibrates nothing (fp8-dynamic,
+fp8-block, mxfp4) is written by rank 0. The guide (auto-precision, fallback) measures its sensitivity data-parallel
+(quantkit.mixed.layers) and rank 0 decides each step, which the other ranks follow (quantkit.run.follow). --resume
+keeps each rank's hidden states and rank 0's layers (quantkit.engines.llmcompressor.layer_resume). The one-process
+engines (nf4, gguf, mlx) are refused, each saying why (its OnRanks).
 
 quantkit gives each rank its share itself. llm-compressor 0.14.0.1 splits a dataset that is the same
 on every rank on its own, but it builds the sampler on the split and the DataLoader on the whole set

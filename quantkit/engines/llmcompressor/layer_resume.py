@@ -346,8 +346,8 @@ def load_activations(path: Path, cache_type):
 UNIT = "the last finished decoder layer"
 
 
-def method_fields(calibrates: Callable[[Any], bool] = lambda options: True) -> dict[str, Any]:
-    """A sequential method's --resume fields of its MethodSpec (resume_unit, resume_refused, resume_bytes);
+def resume_fields(calibrates: Callable[[Any], bool] = lambda options: True) -> dict[str, Any]:
+    """A sequential method's --resume record (quantkit.methods.Resume: unit, refused, bytes), as keywords;
     `calibrates(options)`: whether these options run the layer-by-layer calibration (a data-free scheme
     has no layers to save)."""
     def why(info, options) -> str | None:
@@ -355,11 +355,12 @@ def method_fields(calibrates: Callable[[Any], bool] = lambda options: True) -> d
             return "this scheme calibrates nothing, so no layer-by-layer progress is saved"
         return refused(options)
 
-    return dict(resume_unit=UNIT, resume_refused=why, resume_bytes=lambda info, options, tokens: saved_bytes(info, tokens))
+    return dict(unit=UNIT, refused=why,
+                bytes=lambda info, options, calibration: saved_bytes(info, calibration.num_samples, calibration.seq_len))
 
 
 def refused(options) -> str | None:
-    """Why a sequential method's target with these options does not resume (MethodSpec.resume_refused): the
+    """Why a sequential method's target with these options does not resume (quantkit.methods.Resume.refused): the
     searches quantize the model again for each candidate, a rotation is not verified; None: it resumes."""
     if getattr(options, "auto_precision", None) is not None or getattr(options, "fallback", None) is not None:
         return "--auto-precision and --fallback quantize again for each step of their search"
@@ -368,11 +369,18 @@ def refused(options) -> str | None:
     return None
 
 
-def saved_bytes(info, tokens: int) -> int:
+# torch.save's records beside the tensors' bytes: each window's five tensors and their wrappers (measured: ~2 KiB
+# a window), and the generators' states (CPU: 5 KiB)
+SAVE_OVERHEAD_PER_WINDOW = 4096
+SAVE_OVERHEAD = 65536
+
+
+def saved_bytes(info, samples: int, seq_len: int) -> int:
     """Disk the saved progress of a model's run takes at most (preflight): every layer's tensors (the model's
     bytes, a bound: the last subgraph is never saved), and two copies (the next one is written before the
-    previous one is removed) of the hidden states of `tokens` calibration tokens in the model's dtype, with
-    the rotary tables each layer reads."""
+    previous one is removed) of what the next layer reads for each of `samples` calibration windows of `seq_len`
+    tokens: its hidden states and rotary tables in the model's dtype, the int64 position ids, and the causal
+    mask (seq_len x seq_len in the model's dtype; llm-compressor's IntermediatesCache keeps it per window)."""
     from quantkit.io.safetensors import DTYPE_BYTES
 
     text = info.config.get("text_config") or info.config
@@ -380,7 +388,8 @@ def saved_bytes(info, tokens: int) -> int:
     head_dim = int(text.get("head_dim") or hidden // max(1, int(text.get("num_attention_heads") or 1)))
     width = DTYPE_BYTES.get(info.dtype, 4) if isinstance(info.dtype, str) else 4
     layers = sum(DTYPE_BYTES.get(dtype, 4) * prod(shape) for dtype, shape in info.tensors.values())
-    return layers + 2 * tokens * (hidden + 2 * head_dim) * width
+    per_window = seq_len * ((hidden + 2 * head_dim + seq_len) * width + 8) + SAVE_OVERHEAD_PER_WINDOW
+    return layers + (2 * (samples * per_window + SAVE_OVERHEAD) if samples else 0)
 
 
 def prod(shape) -> int:

