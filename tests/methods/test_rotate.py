@@ -167,7 +167,8 @@ def test_spinquant_artifact_reloads_as_the_base_rotated(cli, micro_model, tmp_pa
     import torch
     from safetensors.torch import load_file
 
-    from quantkit.eval.artifacts import load_for_eval, online_transforms
+    from quantkit.eval.artifacts import online_transforms
+    from quantkit.formats.gate import load_artifact
 
     out = tmp_path / "out"
     result = cli("quantize", micro_model, "--method", "fp8", "--rotate", "spinquant", "--num-samples", "0",
@@ -195,7 +196,7 @@ def test_spinquant_artifact_reloads_as_the_base_rotated(cli, micro_model, tmp_pa
     gate = report(out)["targets"][0]["metrics"]
     assert gate["positions"] == ids.numel() - ids.shape[0]
     assert 0 < kld < 0.01 and kld == pytest.approx(gate["kld_mean"], rel=0.2)
-    assert torch.allclose(logits(load_for_eval(out), ids).log_softmax(-1), artifact, atol=1e-4)
+    assert torch.allclose(logits(load_artifact(out), ids).log_softmax(-1), artifact, atol=1e-4)
 
 
 @pytest.mark.slow
