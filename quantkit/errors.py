@@ -84,6 +84,13 @@ class RunFailedError(QuantkitError):
         self.exit_code = exit_code
 
 
+class RankStoppedError(QuantkitError):
+    """Under torchrun, a collective failed because another rank stopped (it failed or was killed): this rank
+    stops too, as torchrun would stop it (SIGTERM's 143); the rank that stopped first says why."""
+
+    exit_code = 143
+
+
 class Terminated(KeyboardInterrupt):
     """A termination signal (SIGTERM, SIGHUP) turned into an exception by the CLI layer.
 

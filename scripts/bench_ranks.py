@@ -3,7 +3,7 @@
 
     python scripts/bench_ranks.py [--shape H,LAYERS,FFN,HEADS,KV,VOCAB | --model DIR]
                                   [--methods gptq,gptq-actorder,awq,autoround] [--launches 1,1@1,2,4,2x1]
-                                  [--num-samples 32] [--seq-len 256] [--eval-windows 8]
+                                  [--num-samples 32] [--seq-len 256] [--eval-windows 8] [--timeout 3600]
                                   [--no-gate-rows | --gate-repeats 3] [--gate-artifact DIR]
                                   [--work DIR] [--json out.json [--append]]
     python scripts/bench_ranks.py --render out.json     # the markdown tables of a JSON written before
@@ -14,7 +14,11 @@ Random weights make every KL divergence tiny: the table is about time, memory an
 artifact is the one-process artifact.
 
 Each method runs once per launch, every launch with the same calibration and held-out windows and the
-same flags (`--no-gate`: the gate is measured in full, not enforced):
+same flags (`--no-gate`: the gate is measured in full, not enforced). The methods (METHODS): gptq with
+act-order none or static, awq, autoround (light preset), nvfp4, fp8-dynamic, fp8-static, smoothquant, gptq and
+nvfp4 with spinquant, gptq with --auto-precision, and gptq with a --fallback whose gate never passes (every step of
+its search runs until +10% is spent). Each launch is stopped after --timeout seconds and recorded as timed out
+(a hang fails the row, never the benchmark).
 
   1         `python -m quantkit quantize MODEL ...` in one process (always run: the reference)
   N         `torchrun --standalone --nproc-per-node N -m quantkit quantize ...` (gloo)
@@ -37,7 +41,9 @@ one-process artifacts of the same method (the one with the cores' threads, and t
 threads per rank as this launch, which tells what another thread count alone changes): the share of int
 values that differ, the largest weight difference in quantization steps (|w - w_one| / the one-process
 scale of that group, after dequantizing both), the share of scales that differ and their largest relative
-difference, in all and in the first decoder layer (which calibrates on the same inputs in every launch).
+difference, in all and in the first decoder layer (which calibrates on the same inputs in every launch); an
+unpacked int8 or fp8 weight is compared the same way (its values and per-channel or block scales); and the KLD
+of the artifact over the one-process artifact's.
 A method refused on ranks is recorded with each rank's exit code and message (quantkit refuses before
 any work).
 
@@ -83,6 +89,15 @@ METHODS = {  # name -> (label, quantkit flags)
     "autoround": ("autoround W4A16, light preset", ["--method", "autoround", "--preset", "light"]),
     "nvfp4": ("nvfp4 W4A4", ["--method", "nvfp4"]),
     "fp8": ("fp8-dynamic", ["--method", "fp8"]),
+    "fp8-static": ("fp8-static", ["--method", "fp8", "--scheme", "fp8-static"]),
+    "smoothquant": ("smoothquant W8A8 (GPTQ int8)", ["--method", "smoothquant"]),
+    "gptq-spinquant": ("gptq W4A16, spinquant", ["--method", "gptq", "--act-order", "none", "--rotate", "spinquant"]),
+    "nvfp4-spinquant": ("nvfp4 W4A4, spinquant", ["--method", "nvfp4", "--rotate", "spinquant"]),
+    "gptq-auto": ("gptq, --auto-precision", ["--method", "gptq", "--act-order", "none", "--auto-precision"]),
+    # the gate can never pass: every step of the fallback's search runs (its sensitivity, each re-quantization and
+    # reading), until --max-size is spent; --no-gate keeps the run's exit 0
+    "gptq-fallback": ("gptq, --fallback to +10%", ["--method", "gptq", "--act-order", "none", "--fallback",
+                                                   "--max-kld", "1e-12", "--max-size", "+10%"]),
 }
 LOOPBACK = {"GLOO_SOCKET_IFNAME": "lo"} if os.path.exists("/sys/class/net/lo") else {}
 SAMPLE_S = 0.5
@@ -221,21 +236,34 @@ class TreeSampler:
                 "load": {"start": self.loads[0], "max": max(self.loads), "end": self.loads[-1]}}
 
 
-def run_launch(commands: list[list[str]], env: dict, log: Path) -> dict:
-    """Start every node's launch at once and wait for all: wall seconds, exit codes, PSS and load. Stopped
-    (Ctrl-C, SIGTERM), the launches are terminated (torchrun stops its ranks)."""
+def run_launch(commands: list[list[str]], env: dict, log: Path, timeout: float | None = None) -> dict:
+    """Start every node's launch at once and wait for all: wall seconds, exit codes, PSS and load. Past
+    `timeout` seconds (a hang), or stopped (Ctrl-C, SIGTERM), the launches are terminated (torchrun stops its
+    ranks); a timed-out launch is recorded with "timed_out"."""
     started = time.time()
+    deadline = None if timeout is None else started + timeout
     with open(log, "w") as fh:
         procs = [subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env) for cmd in commands]
         try:
             with TreeSampler([p.pid for p in procs]) as sampler:
-                codes = [p.wait() for p in procs]
+                codes = [wait_until(p, deadline) for p in procs]
         finally:
             for proc in procs:
                 if proc.poll() is None:
                     proc.terminate()
                     proc.wait()
-    return {"wall_s": round(time.time() - started, 1), "exit_codes": codes, **sampler.columns()}
+    timed_out = None in codes
+    codes = [proc.returncode for proc in procs]
+    return {"wall_s": round(time.time() - started, 1), "exit_codes": codes, **sampler.columns(),
+            **({"timed_out": True} if timed_out else {})}
+
+
+def wait_until(proc: subprocess.Popen, deadline: float | None) -> int | None:
+    """The process's exit code, or None once `deadline` (time.time()) has passed."""
+    try:
+        return proc.wait(None if deadline is None else max(0.0, deadline - time.time()))
+    except subprocess.TimeoutExpired:
+        return None
 
 
 # ---------------------------------------------------------------- children
@@ -341,7 +369,8 @@ def quantize_row(model: Path, method: str, launch: Launch, args) -> dict:
     row = {"method": method, "label": label, "launch": launch.label, "key": launch.key, "nodes": launch.nodes,
            "ranks_per_node": launch.per_node, "world": launch.world, "threads_per_rank": threads,
            "command": shown_command(launch, quantize, threads),
-           **run_launch(commands, child_env(threads), args.work / "logs" / f"{name}.log"), "artifact": str(out)}
+           **run_launch(commands, child_env(threads), args.work / "logs" / f"{name}.log", args.timeout),
+           "artifact": str(out)}
     ranks = sorted((json.loads(p.read_text()) for p in ranks_dir.glob("rank*.json")), key=lambda r: r["rank"])
     row["rank_peak_rss_mib"] = [r["peak_rss_mib"] for r in ranks]
     row["rank_exit_codes"] = [r["exit_code"] for r in ranks]
@@ -349,7 +378,8 @@ def quantize_row(model: Path, method: str, launch: Launch, args) -> dict:
     if row["ok"]:
         row.update(report_columns(json.loads((out / "quantkit.json").read_text())))
     else:
-        row["refusal"] = error_message((args.work / "logs" / f"{name}.log").read_text())
+        row["refusal"] = (f"timed out after {args.timeout:.0f} s" if row.get("timed_out")
+                          else error_message((args.work / "logs" / f"{name}.log").read_text()))
         row.pop("artifact")
     log(f"  wall {row['wall_s']} s, exit {row['exit_codes']}, peak RSS per rank {row['rank_peak_rss_mib']} MiB, "
         f"load {load_text(row['load'])}" + (f", refused: {row['refusal']}" if not row["ok"] else ""))
@@ -505,6 +535,15 @@ def unpack_module(tensors: dict, module: str, shape: list[int], bits: int, unpac
     return unpack(tensors[f"{module}.weight_packed"], bits, shape), scale, zero, tensors.get(f"{module}.weight_g_idx")
 
 
+def scaled_weight(tensors: dict, module: str) -> tuple:
+    """(values as floats [out, in], scales [out, G], zero points or None) of a weight stored unpacked with its scales:
+    int8 (smoothquant) or fp8 values, one scale per output channel, or per block of columns."""
+    scale = tensors[f"{module}.weight_scale"]
+    scale = scale.reshape(scale.shape[0], -1) if scale.dim() else scale.reshape(1, 1).expand(
+        tensors[f"{module}.weight"].shape[0], 1)
+    return tensors[f"{module}.weight"].float(), scale, tensors.get(f"{module}.weight_zero_point")
+
+
 def compare_artifacts(one: Path, other: Path) -> dict:
     """`other` against the one-process artifact `one`: every pack-quantized module by step_difference, every
     other tensor by its largest absolute difference."""
@@ -522,6 +561,9 @@ def compare_artifacts(one: Path, other: Path) -> dict:
             (q1, s1, z1, g1), (q2, s2, z2, g2) = (unpack_module(t, module, shape, bits, unpack_from_int32)
                                                   for t in (a, b))
             parts[module] = step_difference(q1, s1, z1, q2, s2, z2, g1, g2)
+        elif name.endswith(".weight") and name.removesuffix(".weight") + ".weight_scale" in a:  # int8, fp8
+            module = name.removesuffix(".weight")
+            parts[module] = step_difference(*scaled_weight(a, module), *scaled_weight(b, module))
         elif not any(name.endswith(s) for s in (".weight_scale", ".weight_zero_point", ".weight_shape", ".weight_g_idx")):
             if a[name].is_floating_point():
                 others = max(others, (a[name].float() - b[name].float()).abs().max().item())
@@ -553,7 +595,7 @@ def gate_rows(model: Path, artifact: Path, args) -> list[dict]:
                        str(args.eval_windows)]
             log(f"gate alone: {launch.label} ({threads} thread(s) per rank), {repeat + 1} of {args.gate_repeats} ...")
             done = run_launch(launch_commands(launch, program, f"bench-ranks-gate-{os.getpid()}"), child_env(threads),
-                              args.work / "logs" / f"gate-{launch.key}.log")
+                              args.work / "logs" / f"gate-{launch.key}.log", args.timeout)
             repeats[launch.key].append({**done, **(json.loads(out.read_text()) if out.is_file() else {})})
     return [gate_summary(launch, repeats[launch.key], args.cores) for launch in launches]
 
@@ -710,8 +752,8 @@ def fmt_kld(value) -> str:
 def render_artifacts(rows: list[dict]) -> str:
     """Each artifact against the one-process artifacts of the same method (add_comparisons)."""
     lines = [("| method | launch | against | int values changed | largest weight difference (steps) | first decoder "
-              "layer: changed, steps | scales changed | other tensors | KLD mean, this / against |"),
-             "|---|---|---|---:|---:|---:|---:|---|---|"]
+              "layer: changed, steps | scales changed | other tensors | KLD mean, this / against | KLD ratio |"),
+             "|---|---|---|---:|---:|---:|---:|---|---|---:|"]
     for r in rows:
         for d in r.get("compared") or []:
             head = f"| {r['label']} | {r['launch']} | {d['against']} |"
@@ -727,8 +769,16 @@ def render_artifacts(rows: list[dict]) -> str:
                 scales += f" (largest {100 * d['max_scale_rel']:.3g}%)"
             other = "identical" if d["other_max_abs"] == 0 else f"max abs {d['other_max_abs']:.3g}"
             klds = f"{fmt_kld(r['metrics'].get('kld_mean'))} / {fmt_kld(d.get('kld_mean'))}"
-            lines.append(f"{head} {ints} | {d['max_steps']:.3g} | {layer} | {scales} | {other} | {klds} |")
+            lines.append(f"{head} {ints} | {d['max_steps']:.3g} | {layer} | {scales} | {other} | {klds} | "
+                         f"{kld_ratio(r['metrics'].get('kld_mean'), d.get('kld_mean'))} |")
     return "\n".join(lines)
+
+
+def kld_ratio(this, against) -> str:
+    """this / against as 1.023x; — where either is missing or the reference is 0."""
+    if not isinstance(this, (int, float)) or not isinstance(against, (int, float)) or not against:
+        return "—"
+    return f"{this / against:.3f}x"
 
 
 def render_refusals(rows: list[dict]) -> str:
@@ -798,6 +848,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--gate-artifact", type=Path, default=None,
                         help="the gate-alone rows on this artifact (default: the first method's one-process one)")
     parser.add_argument("--cores", type=int, default=os.cpu_count(), help="threads per node (default: the cores)")
+    parser.add_argument("--timeout", type=float, default=3600.0,
+                        help="seconds after which a launch is stopped and recorded as timed out (default: %(default)s)")
     parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "bench-ranks")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--append", action="store_true",

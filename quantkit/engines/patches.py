@@ -29,6 +29,7 @@ Site = tuple[str, str]  # (module, "function" or "Class.method") the library cal
 LLMCOMPRESSOR = "==0.14.0.1"
 COMPRESSED_TENSORS = "==0.19.0"
 TRANSFORMERS = ">=5.0,<=5.17"
+AUTO_ROUND = "==0.15.1"
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,52 @@ PATCHES: dict[str, Patch] = {
         LLMCOMPRESSOR, "quantkit.engines.llmcompressor.distributed:broadcast_then_wait",
         "under torchrun, a barrier after QuantizationModifier's broadcast of the weight scales: as for GPTQ, "
         "nothing waited for the rank writing a CPU module's scales (quantkit.engines.llmcompressor.distributed)"),
+    "awq.apply_smoothing": Patch(
+        ("llmcompressor.modifiers.transform.awq.base", "AWQModifier._apply_smoothing"), "llmcompressor",
+        LLMCOMPRESSOR, "quantkit.engines.llmcompressor.one_writer:awq_smoothing_once",
+        "under torchrun, every rank wrote the smoothing into the weights the ranks share (on a CPU the smooth layer "
+        "was divided once per rank): the smoothing runs on each rank's private copies of the layers it touches "
+        "and rank 0 alone writes the shared ones, between two barriers (quantkit.engines.llmcompressor.one_writer)",
+        wraps=True),
+    "awq.update_offload_parameter": Patch(
+        ("llmcompressor.modifiers.transform.awq.base", "update_offload_parameter"), "llmcompressor", LLMCOMPRESSOR,
+        "quantkit.engines.llmcompressor.one_writer:write_once",
+        "under torchrun, AWQ's writes of the smoothed weights: the shared copy by rank 0 alone, each rank's "
+        "private copy by that rank"),
+    "awq.allreduce_data_sum": Patch(
+        ("llmcompressor.modifiers.transform.awq.base", "_allreduce_data_sum"), "llmcompressor", LLMCOMPRESSOR,
+        "quantkit.engines.llmcompressor.one_writer:sum_over_ranks",
+        "under torchrun without an accelerator (gloo on a CPU), AWQ's statistics and losses summed over the ranks "
+        "where they are: 0.14.0.1 moves them to the current accelerator, which raises on a CPU", wraps=True),
+    "smoothquant.apply_smoothing": Patch(
+        ("llmcompressor.modifiers.transform.smoothquant.base", "SmoothQuantModifier._apply_smoothing"),
+        "llmcompressor", LLMCOMPRESSOR, "quantkit.engines.llmcompressor.one_writer:smoothquant_smoothing_once",
+        "under torchrun, as AWQ's: every rank read back and wrote the weights the ranks share, so the smoothing "
+        "was applied once per rank on a CPU", wraps=True),
+    "smoothquant.update_offload_parameter": Patch(
+        ("llmcompressor.modifiers.transform.smoothquant.base", "update_offload_parameter"), "llmcompressor",
+        LLMCOMPRESSOR, "quantkit.engines.llmcompressor.one_writer:write_once",
+        "under torchrun, SmoothQuant's writes of the smoothed weights: the shared copy by rank 0 alone"),
+    "spinquant.rotation_once": Patch(
+        ("llmcompressor.modifiers.transform.spinquant.base", "SpinQuantModifier.on_calibration_start"),
+        "llmcompressor", LLMCOMPRESSOR, "quantkit.engines.llmcompressor.one_writer:rotation_once",
+        "under torchrun, every rank folded the rotation into the weights the ranks share (on a CPU, once per rank: "
+        "nvfp4 with spinquant on 2 gloo ranks came out with KLD 0.61 instead of 5.6e-5): rank 0 alone writes "
+        "(the two entries below), and the ranks wait for it (quantkit.engines.llmcompressor.one_writer)",
+        wraps=True),
+    "quip.rotation_once": Patch(
+        ("llmcompressor.modifiers.transform.quip.base", "QuIPModifier.on_calibration_start"), "llmcompressor",
+        LLMCOMPRESSOR, "quantkit.engines.llmcompressor.one_writer:rotation_once",
+        "under torchrun, as SpinQuant's: the Hadamard rotation folded into the weights by rank 0 alone", wraps=True),
+    "transform.update_offload_parameter": Patch(
+        ("compressed_tensors.transform.factory.base", "update_offload_parameter"), "compressed-tensors",
+        COMPRESSED_TENSORS, "quantkit.engines.llmcompressor.one_writer:write_by_source",
+        "under torchrun, a rotation folded into an offloaded weight written by rank 0 alone"),
+    "fuse.update_offload_parameter": Patch(
+        ("llmcompressor.modeling.fuse", "update_offload_parameter"), "llmcompressor", LLMCOMPRESSOR,
+        "quantkit.engines.llmcompressor.one_writer:write_by_source",
+        "under torchrun, SpinQuant's centred embeddings and the norms fused into the next Linears written by rank 0 "
+        "alone"),
     "transform.offloaded_device": Patch(
         ("compressed_tensors.transform.factory.hadamard", "get_offloaded_device"), "compressed-tensors",
         COMPRESSED_TENSORS, "quantkit.engines.patches:transform_device",
@@ -119,7 +166,9 @@ PATCHES: dict[str, Patch] = {
         ("llmcompressor.modifiers.autoround.base", "suspend_offloading"), "llmcompressor", LLMCOMPRESSOR,
         "quantkit.engines.patches:suspend_offloading_keeping_disk",
         "after tuning a layer it offloads the layer's modules again without the disk cache's folder, which "
-        "a disk offload cannot be made without (ValueError): with --offload-dir the folder is passed back"),
+        "a disk offload cannot be made without (ValueError): with --offload-dir the folder is passed back; under "
+        "torchrun each rank tunes its own copy of the layer's tensors, which it wrote into the ones the ranks share "
+        "on a CPU, and rank 0's copy is shared again when the layer is offloaded (one writer)"),
     "autoround.zero_points": Patch(
         ("llmcompressor.modifiers.autoround.base", "AutoRoundModifier._postprocess_qparams"), "llmcompressor",
         LLMCOMPRESSOR, "quantkit.engines.patches:zero_points_kept",
@@ -127,6 +176,17 @@ PATCHES: dict[str, Patch] = {
         "the zero points of 0 registered before tuning, and compression clamps every weight AutoRound put "
         "above the signed range (KLD 2x worse than symmetric on a sharpened width-576 model). AutoRound's "
         "zero points are registered instead, moved to compressed-tensors' signed range", wraps=True),
+    "autoround.loss_over_ranks": Patch(
+        ("auto_round.algorithms.quantization.sign_round.quantizer", "SignRoundQuantizer._get_loss"), "auto-round",
+        AUTO_ROUND, "quantkit.engines.llmcompressor.autoround_ranks:loss_over_ranks",
+        "under torchrun, each rank kept the iteration with its own lowest loss and stopped early on it: the loss's "
+        "value is the ranks' mean (its gradient the rank's own), so every rank keeps the same iteration and stops "
+        "together (quantkit.engines.llmcompressor.autoround_ranks)", wraps=True),
+    "autoround.gradients_averaged": Patch(
+        ("auto_round.algorithms.quantization.sign_round.quantizer", "setup_ddp_if_needed_"), "auto-round", AUTO_ROUND,
+        "quantkit.engines.llmcompressor.autoround_ranks:gradients_averaged",
+        "under torchrun, the layer's gradients averaged over the ranks before each step instead of a "
+        "DistributedDataParallel wrapper, which refuses a CPU module with device_ids=['cpu'] (gloo)", wraps=True),
     "transformers.sklearn": Patch(
         ("transformers.utils", "is_sklearn_available"), "transformers", TRANSFORMERS,
         "quantkit.engines.patches:sklearn_absent",
@@ -190,7 +250,9 @@ def quantization_params_offloaded(original: Callable) -> Callable:
 @contextmanager
 def suspend_offloading_keeping_disk(model) -> Iterator[None]:
     """llm-compressor's autoround suspend_offloading (every offloaded module of `model` onloaded for
-    AutoRound to place, offloaded again after), with a disk cache's folder passed back on the way out."""
+    AutoRound to place, offloaded again after), with a disk cache's folder passed back on the way out; under
+    torchrun each rank tunes its own copies of the layer's tensors (quantkit.engines.llmcompressor.autoround_ranks)."""
+    from quantkit.engines.llmcompressor.autoround_ranks import distributed, own_copies
     from compressed_tensors.offload import get_execution_device, get_offloaded_device
     from compressed_tensors.offload.cache.base import OffloadCache
     from compressed_tensors.offload.module import offload_module, remove_module_offload
@@ -202,6 +264,8 @@ def suspend_offloading_keeping_disk(model) -> Iterator[None]:
             suspended[name] = (get_execution_device(module), get_offloaded_device(module),
                                {"offload_dir": folder} if folder is not None else {})
             remove_module_offload(module, onload_tensors=True)
+            if distributed():
+                own_copies(module)  # rank 0's copy is shared again when the module is offloaded (one writer)
     yield
     for name, module in model.named_modules():
         if name in suspended:

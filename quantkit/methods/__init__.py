@@ -293,7 +293,8 @@ class OnRanks:
     """How a method meets a torchrun launch (quantkit.engines.llmcompressor.distributed)."""
 
     # refused(options) -> why a target with these options runs in one process only, the reason the refusal
-    # names; None: it runs on several ranks
+    # names; None: it runs on several ranks. A one-process engine (nf4, gguf, mlx) answers its reason for every
+    # options, so the refusal says why.
     refused: Callable[[BaseModel], str | None] = _on_every_rank
 
 
@@ -342,7 +343,7 @@ class MethodSpec:
     sizes: Sizes = Sizes()
     fallback: FallbackSteps | None = None  # exactly the methods whose options have `fallback`
     resume: Resume | None = None  # None: --resume is refused before any work
-    ranks: OnRanks | None = None  # None: runs in one process only
+    ranks: OnRanks | None = None  # None: runs in one process only (refused on ranks without a reason)
     towers: Towers = Towers()
 
     @property
@@ -379,7 +380,8 @@ def ignore_patterns(info: ModelInfo, user_ignore: list[str], keep_lm_head: bool 
 
 
 def on_ranks(method: MethodSpec, options: BaseModel) -> tuple[bool, str | None]:
-    """(whether the method runs on several torchrun ranks at all, why these options do not: None where they do)."""
+    """(whether the method declares how it meets torchrun ranks, why these options run in one process: None where
+    they run on several ranks)."""
     return method.ranks is not None, method.ranks.refused(options) if method.ranks else None
 
 

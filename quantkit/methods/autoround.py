@@ -12,6 +12,10 @@ Presets (auto-round's own): `default` 200 iterations per layer at lr 1/iters, `l
 reset by quantkit before the run), so the same inputs give the same bytes. torch.compile is off:
 on CPU it compiles longer than the tuning it would speed up.
 
+On torchrun ranks each rank tunes on its share of the windows with its share of the batch, every batch's loss is
+the ranks' mean and the gradients are averaged over the ranks, so every rank keeps the same iteration and the same
+weights, and rank 0's copy of each layer is the one the ranks share (quantkit.engines.llmcompressor.autoround_ranks).
+
 `group_size: auto`, the checks, MoE rules, `auto_precision` and `fallback` are gptq's (int4 -> int8
 -> 16-bit per layer, extra config groups or ignore entries), with AutoRound as the writer.
 """
@@ -43,6 +47,7 @@ from quantkit.mixed.budget import Fallback
 # auto-round's recipes (auto_round's `--iters`/`--lr` defaults and its "light" recipe)
 PRESETS = {"default": (200, None), "light": (50, 5e-3)}
 SEED = 42  # auto-round's default seed
+RANK_PATCHES = ("autoround.loss_over_ranks", "autoround.gradients_averaged")  # under torchrun
 
 
 class Options(BaseModel):
@@ -112,16 +117,20 @@ def write(job: QuantizeJob, ignore: list[str], choice: dict[str, str] | None) ->
     (gptq.choice_groups), seeded."""
     import torch
 
+    from quantkit.engines.llmcompressor.autoround_ranks import rank_batch_size
     from quantkit.engines.patches import patched
     from quantkit.io.memory import collector_skips_existing_objects
 
     ignore, groups = gptq.choice_groups(job, ignore, choice)
     torch.manual_seed(SEED)
+    options = job.options
+    if job.ranks.distributed:  # each rank's share of the batch (quantkit.engines.llmcompressor.autoround_ranks)
+        options = options.model_copy(update={"batch_size": rank_batch_size(options.batch_size, job.ranks.world_size)})
     # auto-round runs gc.collect() about seven times per layer: not over the libraries' and model's objects
     with (patched("autoround.on_initialize", "autoround.suspend_offloading",  # layers on disk (--offload-dir)
-                  "autoround.zero_points"),
+                  "autoround.zero_points", *(RANK_PATCHES if job.ranks.distributed else ())),
           collector_skips_existing_objects()):
-        llmc.run_oneshot(job, modifier(job.options, ignore, groups), calibrate=True)
+        llmc.run_oneshot(job, modifier(options, ignore, groups), calibrate=True)
     restore_dtype(job.model, next(p.dtype for p in job.model.get_input_embeddings().parameters()))
     llmc.save_compressed(job)
 
@@ -171,15 +180,6 @@ def support(family) -> str:
     return family.decoder_support("✅ symmetric (asymmetric refused)")
 
 
-def ranks_refused(options: Options) -> str | None:
-    """AutoRound on ranks is auto-round's DDP (auto_round/utils/distributed.py, "experimental"): each rank
-    samples its own mini-batches from its share, keeps the iteration with its own lowest loss (never
-    reduced) and may stop early on it, so ranks can end on different weights or wait forever in a
-    gradient all-reduce the other rank never joins."""
-    return ("auto-round's DDP keeps each rank's own best iteration by its own loss and stops early per "
-            "rank, so ranks can diverge or hang")
-
-
 METHOD = MethodSpec(
     name="autoround", format=compressed_tensors.FORMAT, label="compressed-tensors (pack-quantized, int weights)",
     scheme=gptq.compressed_scheme, engine=llmc.ENGINE, options=Options, quantize=quantize, precision=precision,
@@ -189,6 +189,6 @@ METHOD = MethodSpec(
     sizes=Sizes(stored_bits=gptq.stored_bits, working_set=working_set),
     fallback=FallbackSteps(fallback_ladder, requantize),
     resume=Resume(**layer_resume.resume_fields()),
-    ranks=OnRanks(ranks_refused),
+    ranks=OnRanks(),
     towers=Towers(quantizes=True),
 )

@@ -32,6 +32,11 @@ go no higher than int8 (a step never leaves them all 16-bit).
 
 `group_size: auto` (the default) as gptq's (gptq.auto_group_size).
 
+On torchrun ranks: each rank collects AWQ's activation statistics on its share of the windows and llm-compressor
+0.14.0.1 sums them and the grid search's losses over the ranks, so every rank finds the one-process scales; rank 0
+alone writes the smoothed weights the ranks share (quantkit.engines.llmcompressor.one_writer). On 2 gloo ranks the
+micro toy model's artifact is the one-process artifact bit for bit.
+
 CPU workaround: llm-compressor 0.14.0.1 pins the cached parent-module inputs in host memory
 before AWQ's grid search (`IntermediatesCache.pin_memory`, called from
 `AWQModifier._apply_smoothing`); `Tensor.pin_memory()` raises "Cannot access accelerator
@@ -324,18 +329,6 @@ ROTATION_REFUSED = ("llm-compressor applies the rotation when calibration starts
                     "would not be the original; AWQ after SpinQuant is not offered either (not measured)")
 
 
-def ranks_refused(options: Options) -> str | None:
-    """llm-compressor 0.14 smooths on every rank: each rank computes the same scales and writes them into
-    the weights (modifiers/transform/awq/base.py, _apply_smoothing: the smooth layer divided in place,
-    `module.weight.div_(scales)`). On a CPU the ranks share those weights (compressed-tensors'
-    DistributedCPUCache puts them in shared memory), so the smoothing is applied once per rank: on 2 gloo
-    ranks the toy model's artifact came out with KLD 2.8e-3 instead of 1.5e-5. On GPUs each rank reads and
-    writes the weights through the same shared host copy, with nothing ordering the ranks (not run here: no
-    NCCL)."""
-    return ("llm-compressor 0.14 applies the smoothing on every rank to weights the ranks share, so it is "
-            "applied once per rank")
-
-
 METHOD = MethodSpec(
     name="awq", format=compressed_tensors.FORMAT, label="compressed-tensors (pack-quantized, int4 asymmetric)",
     scheme=gptq.compressed_scheme, engine=llmc.ENGINE, options=Options, quantize=quantize, precision=precision,
@@ -345,6 +338,6 @@ METHOD = MethodSpec(
     sizes=Sizes(stored_bits=gptq.stored_bits),
     fallback=FallbackSteps(fallback_ladder, requantize),
     resume=Resume(**layer_resume.resume_fields()),
-    ranks=OnRanks(ranks_refused),
+    ranks=OnRanks(),
     towers=Towers(quantizes=True),
 )

@@ -79,13 +79,20 @@ def precision(role: str, options: Options, name: str, shape: list[int]) -> str |
     return None
 
 
+# fp8-static's activation scale: the largest magnitude over every calibration window (compressed-tensors' FP8 preset's
+# observer). Its statistics are a minimum and a maximum, which torchrun ranks reduce exactly (MIN/MAX): the scales
+# on ranks are the one-process scales. (llm-compressor's default "minmax" is a moving average, weighted towards the
+# first windows seen, which ranks can only average.)
+OBSERVER = "static_minmax"
+
+
 def scheme_config(options: Options) -> dict:
     if options.scheme == "fp8-block":
         return block_scheme_config()
     activations = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True, "strategy": "token"}
     if options.scheme == "fp8-static":
         activations = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False,
-                       "strategy": "tensor", "observer": "minmax"}
+                       "strategy": "tensor", "observer": OBSERVER}
     weights = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": "channel"}
     return {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": activations}}
 
@@ -261,6 +268,8 @@ def save_model_free(job: QuantizeJob, plan) -> None:
     """The model-free artifact: the weights, config.json and recipe.yaml as oneshot's save writes them."""
     from quantkit.engines.transformers import device_map, load_tokenizer
 
+    if not job.ranks.is_main:  # under torchrun rank 0 writes alone: nothing is calibrated, nothing to share
+        return
     state = None if job.resume_dir is None else job.resume_dir / "shards.json"
     if state is not None:
         state.parent.mkdir(parents=True, exist_ok=True)
@@ -318,17 +327,6 @@ def scheme(options: Options) -> str:
     return options.scheme  # fp8-dynamic, fp8-static or fp8-block, as compressed-tensors names them
 
 
-def ranks_refused(options: Options) -> str | None:
-    """fp8-static's activation scales come from llm-compressor's moving-average observer ("minmax"), whose
-    statistics 0.14 averages over the ranks (observers/min_max.py: MinMaxObserver._act_sync_dict, ReduceOp.AVG):
-    the mean of each rank's moving average is not the moving average over every window, so the scales would
-    change with the number of ranks. fp8-dynamic and fp8-block calibrate nothing."""
-    if options.scheme == "fp8-static":
-        return ("llm-compressor 0.14 averages each rank's moving-average activation range (MinMaxObserver, "
-                "ReduceOp.AVG), which is not the one-process scale")
-    return None
-
-
 METHOD = MethodSpec(
     name="fp8", format=compressed_tensors.FORMAT, label="compressed-tensors (float-quantized, float8_e4m3fn)",
     scheme=scheme, engine=llmc.ENGINE, options=Options, quantize=quantize, precision=precision,
@@ -339,7 +337,7 @@ METHOD = MethodSpec(
     fallback=FallbackSteps(fallback_ladder, requantize),
     resume=Resume("the last written shard on the model-free path, the last finished decoder layer when calibrating",
                   resume_refused, resume_bytes),
-    ranks=OnRanks(ranks_refused),
+    ranks=OnRanks(),
     towers=Towers(quantizes=True),
 )
 

@@ -31,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from quantkit.errors import InputError, UnsupportedError
 from quantkit.formats import gguf as gguf_format
-from quantkit.methods import FallbackSteps, Layers, MethodSpec, QuantizeJob, QuantizeResult, Resume, Sizes, Towers
+from quantkit.methods import FallbackSteps, Layers, MethodSpec, OnRanks, QuantizeJob, QuantizeResult, Resume, Sizes, Towers
 from quantkit.mixed.budget import Fallback
 
 MIX_MARGIN = 1.15  # mixtures give some tensors more bits than the base type (Q4_K_M: Q6_K parts)
@@ -623,6 +623,11 @@ def tower_proof(job: QuantizeJob, result: QuantizeResult) -> dict:
     return prove_mmproj(result.artifact.parent / projector["file"], job.info, job.options.mmproj)
 
 
+# why a torchrun launch is refused: nothing of the work is split between ranks
+RANKS_REFUSED = ("quantkit's GGUF conversion writes the file tensor by tensor in one process, its imatrix from one "
+                 "process's streamed forward")
+
+
 ROTATION_REFUSED = ("a GGUF file stores no transform and llama.cpp applies none, and quantkit's GGUF conversion "
                     "does not run llm-compressor's transform modifiers")
 
@@ -640,5 +645,6 @@ METHOD = MethodSpec(
     sizes=Sizes(stored_bits=stored_bits, precision_bits=precision_bits),
     fallback=FallbackSteps(fallback_ladder, requantize),
     resume=Resume("the last written tensor", bytes=resume_bytes),
+    ranks=OnRanks(lambda options: RANKS_REFUSED),  # converts in one process: refused on ranks, saying why
     towers=Towers(proof=tower_proof),
 )

@@ -449,7 +449,7 @@ def layer_table(job: QuantizeJob, layers: dict[str, tuple[int, int]], chosen: Sc
     measure_windows and probes (their defaults for a fallback without auto_precision)."""
     auto, started = job.options.auto_precision or AutoPrecision(), time.perf_counter()
     table = intmix.measure(job.info.path, layers, job.windows.calib, int_simulation(chosen), "int4",
-                           auto.measure_windows, auto.probes_per_role, job.workdir, job.progress)
+                           auto.measure_windows, auto.probes_per_role, job.workdir, job.progress, job.ranks)
     table.seconds["total"] = round(time.perf_counter() - started, 3)
     return table
 

@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from quantkit.errors import UnsupportedError
 from quantkit.formats import mlx as mlx_format
-from quantkit.methods import Layers, MethodSpec, QuantizeJob, QuantizeResult, Sizes
+from quantkit.methods import Layers, MethodSpec, OnRanks, QuantizeJob, QuantizeResult, Sizes
 from quantkit.mlx.affine import BITS
 from quantkit.mlx.checkpoint import MLX_MODEL_TYPES, QUANTIZED_ROLES, Precision
 
@@ -255,6 +255,10 @@ def precision_bits(options: Options, text: str) -> float:
     return int(match.group(1)) + 32 / int(match.group(2))
 
 
+# why a torchrun launch is refused: nothing of the work is split between ranks
+RANKS_REFUSED = "quantkit's MLX conversion writes the checkpoint in one process (MLX has no torchrun ranks)"
+
+
 ROTATION_REFUSED = ("an mlx-lm checkpoint stores no transform and mlx-lm applies none, and quantkit's MLX "
                     "conversion does not run llm-compressor's transform modifiers")
 
@@ -268,4 +272,5 @@ METHOD = MethodSpec(
     support=support, rotation_refused=ROTATION_REFUSED,
     layers=Layers(keeps_lm_head=lambda options: False),  # quantized as mlx_lm.convert does (--ignore lm_head keeps it)
     sizes=Sizes(stored_bits=stored_bits, working_set=working_set, precision_bits=precision_bits),
+    ranks=OnRanks(lambda options: RANKS_REFUSED),  # converts in one process: refused on ranks, saying why
 )

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict
 
 from quantkit.engines.llmcompressor import layer_resume, llmc
 from quantkit.formats import compressed_tensors
-from quantkit.methods import Layers, MethodSpec, QuantizeJob, QuantizeResult, Resume, Sizes, fixed_gate, nvfp4
+from quantkit.methods import Layers, MethodSpec, OnRanks, QuantizeJob, QuantizeResult, Resume, Sizes, fixed_gate, nvfp4
 
 GROUP = 32  # one E8M0 scale per 32 weights
 PRESETS = {"a16": "MXFP4A16"}
@@ -94,4 +94,5 @@ METHOD = MethodSpec(
     layers=Layers(shape_problems=shape_problems),
     sizes=Sizes(stored_bits=stored_bits, working_set=working_set),
     resume=Resume(**layer_resume.resume_fields(calibrates=needs_calibration)),
+    ranks=OnRanks(),
 )

@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict
 from quantkit.arch.moe import is_expert_weight
 from quantkit.errors import UnsupportedError, require
 from quantkit.formats import bitsandbytes
-from quantkit.methods import FallbackSteps, MethodSpec, QuantizeJob, QuantizeResult, Sizes, fixed_gate
+from quantkit.methods import FallbackSteps, MethodSpec, OnRanks, QuantizeJob, QuantizeResult, Sizes, fixed_gate
 from quantkit.mixed import layers as intmix
 from quantkit.mixed.budget import Fallback
 
@@ -259,6 +259,10 @@ def support(family) -> str:
     return family.decoder_support("✅ experts stay bf16")
 
 
+# why a torchrun launch is refused: nothing of the work is split between ranks
+RANKS_REFUSED = "bitsandbytes quantizes the weights as transformers loads the checkpoint, in one process"
+
+
 ROTATION_REFUSED = ("a bitsandbytes checkpoint stores no transform and transformers applies none when it loads "
                     "one; bitsandbytes quantizes as transformers loads the model, outside llm-compressor")
 
@@ -271,4 +275,5 @@ METHOD = MethodSpec(
     support=support, rotation_refused=ROTATION_REFUSED,
     sizes=Sizes(stored_bits=stored_bits),
     fallback=FallbackSteps(fallback_ladder, requantize),
+    ranks=OnRanks(lambda options: RANKS_REFUSED),  # converts in one process: refused on ranks, saying why
 )

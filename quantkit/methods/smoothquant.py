@@ -11,6 +11,11 @@ close to the SmoothQuant authors' tuned values for Llama-2/3 (0.85) and Mistral 
 SmoothQuant/llm-compressor generic default is 0.5; lower it for models whose activations
 have few outliers.
 
+On torchrun ranks: each rank observes its share of the windows, llm-compressor 0.14.0.1 reduces the per-channel
+activation minimum and maximum over the ranks (MIN/MAX: exact), every rank computes the one-process scales, and rank
+0 alone writes the smoothed weights the ranks share (quantkit.engines.llmcompressor.one_writer). GPTQ's int8 step
+then sums each layer's Hessians over the ranks, in another order than one process.
+
 `fallback` (gate-driven, quantkit.run.pipeline.run_fallback): the Linear layers predicted to cost the most
 stay 16-bit, a few more each step, until the gate passes or `max_size` is spent. The prediction reads
 the first artifact: each layer's int8 weights as GPTQ left them and its smoothing scales (the source
@@ -226,24 +231,12 @@ def support(family) -> str:
     return family.smoothing_refusal() or family.decoder_support("refused: int8 experts do not reload")
 
 
-def ranks_refused(options: Options) -> str | None:
-    """llm-compressor 0.14 smooths on every rank: each rank computes the same scales and writes them into
-    the weights (modifiers/transform/smoothquant/base.py, _apply_smoothing: `module.weight * scales` read
-    back and written). On a CPU the ranks share those weights (compressed-tensors' DistributedCPUCache puts
-    them in shared memory), so the smoothing is applied once per rank: on 2 gloo ranks the toy model's
-    artifact came out with KLD 6.6e-5 instead of 7.7e-6 (every norm weight different). On GPUs each rank
-    reads and writes the weights through the same shared host copy, with nothing ordering the ranks (not
-    run here: no NCCL)."""
-    return ("llm-compressor 0.14 applies the smoothing on every rank to weights the ranks share, so it is "
-            "applied once per rank")
-
-
 METHOD = MethodSpec(
     name="smoothquant", format=compressed_tensors.FORMAT, label="compressed-tensors (int-quantized, W8A8 int8)",
     scheme=lambda options: "w8a8-int8", engine=llmc.ENGINE, options=Options, quantize=quantize, precision=precision,
     default_gate=fixed_gate(DEFAULT_GATE), check=check, needs_calibration=needs_calibration, support=support,
     fallback=FallbackSteps(fallback_ladder, requantize),
     resume=Resume(**layer_resume.resume_fields()),
-    ranks=OnRanks(ranks_refused),
+    ranks=OnRanks(),
     towers=Towers(quantizes=True),
 )

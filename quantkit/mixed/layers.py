@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from quantkit.engines.llmcompressor.distributed import Ranks, measured_share
 from quantkit.mixed.sensitivity import PROBES_PER_ROLE, SensitivityRow
 
 KEEP = "16-bit"  # the top of every ladder: the layer stays in the model's dtype
@@ -170,16 +171,20 @@ class InputStats:
 
 
 def input_statistics(model_dir: Path, windows, layers: list[str], sim: Simulation,
-                     progress: Callable[[str], None] = lambda message: None) -> dict[str, InputStats]:
+                     progress: Callable[[str], None] = lambda message: None,
+                     ranks: Ranks = Ranks()) -> dict[str, InputStats]:
     """{layer: InputStats} over `windows` through the layer-streamed forward (one layer's weights in
     memory at a time), computed in float32 like the probes (a statistic: it needs no 16-bit rounding,
     and 16-bit matmuls are several times slower on CPUs without native support for them); a layer the
-    windows never reach gets a uniform importance."""
+    windows never reach gets a uniform importance. Under torchrun each rank takes its share of the windows and
+    the sums are added over the ranks."""
     import torch
 
     from quantkit.engines.transformers import hf_config
     from quantkit.eval.stream import iter_batches, stream_model, windows_per_group
     from quantkit.io.checkpoint import SafetensorsWeights
+
+    windows, split = measured_share(windows, ranks)
 
     config = hf_config(model_dir)
     streamed = stream_model(config, SafetensorsWeights(model_dir), torch.float32)
@@ -208,7 +213,21 @@ def input_statistics(model_dir: Path, windows, layers: list[str], sim: Simulatio
     finally:
         for handle in handles:
             handle.remove()
+    if split:
+        summed_over_ranks(sums, counts)
     return {name: stats_of(sums[name], counts[name], modules[name].in_features) for name in layers}
+
+
+def summed_over_ranks(sums: dict[str, dict], counts: dict[str, int]) -> None:
+    """input_statistics' sums and counts, in place, added over the ranks (each rank saw windows of every layer)."""
+    import torch
+
+    from quantkit.engines.llmcompressor.distributed import reduce_sums
+
+    reduce_sums([sums[name][key] for name in sums for key in sorted(sums[name])])
+    total = torch.tensor([counts[name] for name in counts], dtype=torch.int64)
+    reduce_sums([total])
+    counts.update(zip(counts, total.tolist()))
 
 
 def add(sums: dict, key: str, values) -> None:
@@ -256,16 +275,32 @@ def probe(model_dir: Path, row: SensitivityRow, sim: Simulation):
 
 def measure(model_dir: Path, shapes: dict[str, tuple[int, int]], calib_windows, sim: Simulation, plain: str,
             measure_windows: int = MEASURE_WINDOWS, probes_per_role: int = PROBES_PER_ROLE,
-            workdir: Path | None = None, progress: Callable[[str], None] = lambda message: None) -> LayerTable:
+            workdir: Path | None = None, progress: Callable[[str], None] = lambda message: None,
+            ranks: Ranks = Ranks()) -> LayerTable:
     """The sensitivity table: input statistics on the calibration windows, weighted errors, and with
     measure_windows > 0 the gains of probes_per_role layers per role measured and the others' interpolated,
     on at most measure_windows windows and no more than one pass of the calibration windows pays for
-    (quantkit.mixed.sensitivity.probe_windows)."""
+    (quantkit.mixed.sensitivity.probe_windows). Under torchrun the statistics and the probes are measured
+    data-parallel (each rank on its share of the windows, the sums added, the probes' per-position values
+    gathered) and every rank takes rank 0's table, so every rank decides alike."""
+    table = measured_table(model_dir, shapes, calib_windows, sim, plain, measure_windows, probes_per_role, workdir,
+                           progress, ranks)
+    if not ranks.distributed:
+        return table
+    from quantkit.engines.llmcompressor.distributed import share_object
+
+    return share_object(table, ranks)
+
+
+def measured_table(model_dir: Path, shapes: dict[str, tuple[int, int]], calib_windows, sim: Simulation, plain: str,
+                   measure_windows: int, probes_per_role: int, workdir: Path | None,
+                   progress: Callable[[str], None], ranks: Ranks) -> LayerTable:
+    """measure's table on this rank."""
     from quantkit.mixed.sensitivity import (layer_count, probe_klds, probe_names, probe_windows, proxy_agreement,
                                             role_and_depth, set_gains)
 
     started = time.perf_counter()
-    stats = input_statistics(model_dir, calib_windows, list(shapes), sim, progress)
+    stats = input_statistics(model_dir, calib_windows, list(shapes), sim, progress, ranks)
     seconds = {"statistics": round(time.perf_counter() - started, 3)}
     started = time.perf_counter()
     progress(f"sensitivity: weighted errors of {len(shapes)} layers at {', '.join(sim.precisions)}")
@@ -280,7 +315,7 @@ def measure(model_dir: Path, shapes: dict[str, tuple[int, int]], calib_windows, 
     windows = calib_windows[:probe_windows(measure_windows, len(calib_windows), depth, starts)]
     progress(f"sensitivity: KL divergence of {len(chosen)} probe layers alone on {len(windows)} windows")
     klds = probe_klds(model_dir, [probe(model_dir, r, sim) for r in table if r.name in chosen], windows,
-                      "auto_precision.measure_windows: 0", workdir, progress)
+                      "auto_precision.measure_windows: 0", workdir, progress, ranks)
     set_gains(table, klds)
     seconds["kld"] = round(time.perf_counter() - started, 3)
     agreement = proxy_agreement(table)
@@ -357,7 +392,7 @@ def keep_ladder(job, layers: dict[str, tuple[int, int]], sim: Simulation, size: 
     plain = sim.precisions[0]
     windows = job.windows.calib[:min(MEASURE_WINDOWS, max(1, len(job.windows.eval)))]
     table = measure(job.info.path, layers, windows, sim, plain, len(windows), KEEP_PROBES_PER_ROLE, job.workdir,
-                    job.progress)
+                    job.progress, job.ranks)
     units = fused_units(table.layers)
     return Ladder(table.layers, {name: plain for name in layers}, lambda row, p: size(row.shape, p),
                   lambda plan: units, keep_one=True, details={"sensitivity": table.as_dict()})

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
+from quantkit.engines.llmcompressor.distributed import Ranks
 from quantkit.errors import UnsupportedError
 
 PROBES_PER_ROLE = 3  # units of one role whose KL divergence is measured: the first, middle and last layer's
@@ -242,16 +243,22 @@ def transform_inputs(model, inputs: dict[str, Callable]) -> _Hooked:
 
 
 def probe_klds(model_dir: Path, probes: Iterable[Probe], windows, setting: str, workdir: Path | None = None,
-               progress: Callable[[str], None] = lambda message: None) -> dict[str, float]:
+               progress: Callable[[str], None] = lambda message: None, ranks: Ranks = Ranks()) -> dict[str, float]:
     """{name: mean KL divergence} of the streamed float32 forward over `windows` with one probe at a
     time applied, against the unpatched forward. The unpatched pass records the inputs of the layers
-    the probes start at; each probe's forward resumes there."""
+    the probes start at; each probe's forward resumes there. Under torchrun each rank scores its share of the
+    windows and every position's divergence is gathered (quantkit.engines.llmcompressor.distributed), so each
+    mean is the one-process mean."""
     import torch
 
+    from quantkit.engines.llmcompressor.distributed import gather_positions, measured_share
     from quantkit.engines.transformers import hf_config
     from quantkit.eval import evaluate
     from quantkit.eval.stream import recording_scorer, start_scorer, stream_model
     from quantkit.io.checkpoint import SafetensorsWeights
+
+    windows, split = measured_share(windows, ranks)
+    gather = gather_positions if split else None
 
     check_streamable(model_dir, setting)
     probes = list(probes)
@@ -267,8 +274,8 @@ def probe_klds(model_dir: Path, probes: Iterable[Probe], windows, setting: str, 
         streamed.weights.source = PatchedWeights(base, probe.patch())
         hooks = transform_inputs(streamed.model, probe.inputs)
         try:
-            metrics = evaluate.compare(start_scorer(streamed, text, probe.start, record), windows,
-                                       baseline)
+            metrics = evaluate.compare(start_scorer(streamed, text, probe.start, record), windows, baseline,
+                                       gather)
         finally:
             hooks.close()
             streamed.weights.source = base

@@ -34,8 +34,8 @@ from quantkit.engines.llmcompressor.distributed import (
     check_launch,
     gather_for,
     process_group,
+    rank_zero_alone,
     see_from_every_rank,
-    share_object,
 )
 from quantkit.engines.transformers import Offload, check_device, device_map
 from quantkit.errors import (
@@ -60,6 +60,7 @@ from quantkit.io.memory import PeakTracker
 from quantkit.io.numerics import check_finite
 from quantkit.methods import MethodSpec, ModelHandle, QuantizeJob, QuantizeResult, get_method, ignore_patterns, on_ranks
 from quantkit.run import resume, serving
+from quantkit.run.follow import announce, follow, leading
 from quantkit.run.cache import fingerprint, input_hashes, up_to_date
 from quantkit.run.lora import plan_merge
 from quantkit.run.plan import build_plan
@@ -137,7 +138,7 @@ def prepare(recipe: Recipe, opts: RunOptions) -> tuple[ModelInfo, list[ResolvedT
     check_offload_dir(recipe, info)
     targets = [resolve_target(recipe, target, info) for target in selected]
     given = {"--lora": bool(recipe.lora), "--offload-dir": recipe.offload_dir is not None,
-             "--skip-existing": opts.skip_existing, "--partial": opts.partial, "--resume": recipe.resume}
+             "--skip-existing": opts.skip_existing, "--partial": opts.partial}
     check_launch(opts.ranks, [rank_row(t) for t in targets],
                  window_settings(recipe, targets).num_samples, [flag for flag, on in given.items() if on],
                  recipe.calibration.eval_windows)
@@ -457,7 +458,7 @@ def make_staging(recipe: Recipe, opts: RunOptions, info: ModelInfo, inputs: dict
     if not recipe.resume:
         return export.make_staging(opts.out, opts.progress)
     dump = {**recipe.model_dump(mode="json"), "model": str(info.path)}
-    return resume.begin(opts.out, resume.identity(dump, inputs, opts.only), opts.progress)
+    return resume.begin(opts.out, resume.identity(dump, inputs, opts.only, opts.ranks.world_size), opts.progress)
 
 
 def keep_or_discard(staging: Path, recipe: Recipe, opts: RunOptions) -> None:
@@ -518,6 +519,7 @@ def _run_in(staging: Path, recipe: Recipe, opts: RunOptions, info: ModelInfo, ta
                 job = target_job(recipe, opts, info, resolved, tokenizer, windows, out_dir, workdir, offload,
                                  placement, resume.target_dir(staging, resolved.name) if recipe.resume else None)
                 entry = run_target(job, resolved, baseline, opts)
+                announce(opts.ranks, "done")  # the other ranks go on to the next target (quantkit.run.follow)
                 del job
             note_lockstep_baseline(report, baseline)
         except Exception as exc:
@@ -550,15 +552,15 @@ def run_share(recipe: Recipe, opts: RunOptions, info: ModelInfo, targets: list[R
               placement: Placement) -> None:
     """A rank other than 0 (quantkit.engines.llmcompressor.distributed), in step with rank 0's run: it checks it
     sees rank 0's staging directory, scores its share of the held-out windows with the base, quantizes each
-    target on its share of the calibration windows, then scores its share of the windows with the artifact
-    rank 0 staged (the sums gathered by rank 0's gate). Nothing written outside a private work directory
-    next to OUT."""
+    target on its share of the calibration windows, then takes the steps rank 0 announces (quantkit.run.follow):
+    its share of the gate's windows with each artifact rank 0 stages (the sums gathered by rank 0's gate), and a
+    fallback's sensitivity and re-quantizations. Nothing written outside a private work directory next to OUT."""
     import tempfile
 
     from quantkit.engines.transformers import load_tokenizer
     from quantkit.formats import gate
 
-    see_from_every_rank(None, opts.ranks)
+    staging = see_from_every_rank(None, opts.ranks)
     tokenizer = load_tokenizer(info, recipe.trust_remote_code)
     windows = make_windows(tokenizer, window_settings(recipe, targets), lambda message: None)
     parent = opts.out.resolve().parent
@@ -568,18 +570,19 @@ def run_share(recipe: Recipe, opts: RunOptions, info: ModelInfo, targets: list[R
         if len(windows.eval):
             baseline = score_baseline(info, recipe, windows.eval, workdir, placement, opts.ranks)
             gather_for(opts.ranks)(baseline.nll)  # rank 0's perplexity of the base (compute_baseline)
+        def score(artifact: Path) -> None:  # rank 0's measure(): its artifact, this rank's share of the windows
+            gate.evaluate_artifact(artifact, info.path, eval_share(windows.eval, opts.ranks), baseline,
+                                   recipe.device, recipe.trust_remote_code, workdir, placement,
+                                   gather=gather_for(opts.ranks))
+
         for resolved in targets:
             with offload_plan(recipe, info, workdir, placement) as offload:
                 job = target_job(recipe, opts, info, resolved, tokenizer, windows, workdir, workdir, offload,
-                                 placement)
+                                 placement, resume.target_dir(staging, resolved.name) if recipe.resume else None)
                 resolved.method.quantize(job)
                 job.free_model()
+                follow(job, resolved.method, score)  # the gate's readings and the fallback's steps, as rank 0 says
                 del job
-            if baseline is not None:  # rank 0's measure(): its artifact, this rank's share of the windows
-                artifact = Path(share_object(None, opts.ranks))
-                gate.evaluate_artifact(artifact, info.path, eval_share(windows.eval, opts.ranks), baseline,
-                                          recipe.device, recipe.trust_remote_code, workdir, placement,
-                                          gather=gather_for(opts.ranks))
 
 
 def eval_share(windows, ranks: Ranks):
@@ -666,15 +669,15 @@ def measure(job: QuantizeJob, resolved: ResolvedTarget, artifact: Path, baseline
     from quantkit.formats import gate as reading
 
     gate = resolved.gate
-    if job.ranks.distributed:  # the other ranks score their shares of the windows with it (run_share)
-        share_object(str(artifact), job.ranks)
+    announce(job.ranks, "measure", str(artifact))  # the other ranks score their shares of the windows with it
     entry.metrics = reading.evaluate_artifact(artifact, job.info.path, eval_share(job.windows.eval, job.ranks),
                                                baseline, job.device, job.trust_remote_code, job.workdir,
                                                job.placement, job.progress, gather=gather_for(job.ranks))
     logits = None
     if gate.flip_prompts or gate.tasks:
-        logits = reading.artifact_logits(artifact, job.info.path, job.device, job.trust_remote_code, job.workdir,
-                                         job.placement)
+        with rank_zero_alone(job.ranks):
+            logits = reading.artifact_logits(artifact, job.info.path, job.device, job.trust_remote_code, job.workdir,
+                                             job.placement)
     if gate.flip_prompts:
         job.progress(f"flips: greedy continuations of {gate.flip_prompts} held-out prompts")
         entry.metrics.flips = generate.flips(logits, baseline.flips, gate.flip_prompts, gate.flip_tokens)
@@ -784,9 +787,10 @@ def run_target(job: QuantizeJob, resolved: ResolvedTarget, baseline, opts: RunOp
     entry.peak_rss_by_step["eval"] = et.peak_rss
     if not entry.gate.passed and fallback_options(resolved) is not None:
         run_fallback(job, resolved, result, entry, baseline, opts)
-    measure_kv_cache(job, resolved, result.artifact, entry, opts)  # the final artifact's, after any fallback
-    if resolved.gate.serve is not None:
-        serve_or_say_why_not(job, resolved, result.artifact, entry)
+    with rank_zero_alone(job.ranks):  # the other ranks are done with this target
+        measure_kv_cache(job, resolved, result.artifact, entry, opts)  # the final artifact's, after any fallback
+        if resolved.gate.serve is not None:
+            serve_or_say_why_not(job, resolved, result.artifact, entry)
     if entry.failed_enforced_gate:
         entry.status, entry.exit_code = "failed", GateFailedError.exit_code
     entry.details["serving"] = serving.artifact_plan(job.info, resolved.method, result.artifact, job.options)
@@ -814,9 +818,12 @@ def run_fallback(job: QuantizeJob, resolved: ResolvedTarget, result: QuantizeRes
                  baseline, opts: RunOptions) -> None:
     """Gate-driven fallback (quantkit.run.fallback): the artifact written again with the units the method's
     ladder predicts most damaging raised, each step measured like the first artifact."""
+    import dataclasses
+
     from quantkit.run import fallback
 
-    fallback.run_fallback(job, resolved, result, entry,
+    leader = dataclasses.replace(resolved, method=leading(resolved.method, job.ranks))  # announced to the other ranks
+    fallback.run_fallback(job, leader, result, entry,
                           lambda artifact: measure(job, resolved, artifact, baseline, entry, opts))
 
 

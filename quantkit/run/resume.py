@@ -8,6 +8,10 @@ and the targets `--only` selects. Each target's method keeps its own saved progr
 gguf, each tensor written to the .gguf, quantkit.gguf.resume; fp8's model-free path, each shard,
 quantkit.engines.llmcompressor.model_free).
 
+Under torchrun rank 0 makes or takes over the staging directory (the identity holds the number of ranks: progress
+saved by another number is refused, exit 2, naming both) and every rank keeps its share of the saved progress in it
+(OUT is on storage every rank sees).
+
 `--resume` takes over the staging directory a dead run (SIGKILL, power loss, the OOM killer)
 left beside OUT, or one a --resume run left when it was interrupted or failed (a --resume run
 keeps its staging directory on every error); a different identity is refused (exit 2) naming
@@ -40,11 +44,13 @@ def target_dir(staging: Path, target: str) -> Path:
     return resume_dir(staging) / target
 
 
-def identity(recipe_dump: dict, inputs: dict[str, str], only: list[str]) -> dict[str, Any]:
-    """What a staging directory's saved progress depends on (see the module docstring)."""
+def identity(recipe_dump: dict, inputs: dict[str, str], only: list[str], world_size: int = 1) -> dict[str, Any]:
+    """What a staging directory's saved progress depends on (see the module docstring); under torchrun, the
+    number of ranks too (each rank's saved hidden states are those of its share of the windows)."""
     recipe = {k: v for k, v in recipe_dump.items() if k not in NOT_IDENTITY}
     recipe["targets"] = [{k: v for k, v in t.items() if k != "gate"} for t in recipe_dump.get("targets", [])]
-    return {"quantkit_version": __version__, "inputs": inputs, "recipe": recipe, "only": sorted(only)}
+    ranks = {"world_size": world_size} if world_size > 1 else {}
+    return {"quantkit_version": __version__, "inputs": inputs, "recipe": recipe, "only": sorted(only), **ranks}
 
 
 def flatten(value: Any, prefix: str = "") -> dict[str, Any]:
@@ -87,8 +93,16 @@ def has_state(staging: Path) -> bool:
 
 
 def check_same(staging: Path, wanted: dict) -> None:
-    """InputError (exit 2) naming what differs between the staging directory's run and this one."""
-    diff = differences(read_identity(staging) or {}, wanted)
+    """InputError (exit 2) naming what differs between the staging directory's run and this one (first, another
+    number of torchrun ranks)."""
+    saved = read_identity(staging) or {}
+    made, now = saved.get("world_size", 1), wanted.get("world_size", 1)
+    if made != now:
+        raise InputError(f"--resume: the saved progress in {staging} was made by {made} torchrun rank(s), and this "
+                         f"launch has {now}", hint=f"launch again with {made} rank(s) (each rank saved the hidden "
+                         "states of its share of the windows), or without --resume to start fresh (that removes "
+                         "the saved progress)")
+    diff = differences(saved, wanted)
     if not diff:
         return
     shown = "; ".join(diff[:3]) + (f"; and {len(diff) - 3} more" if len(diff) > 3 else "")

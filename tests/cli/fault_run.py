@@ -3,7 +3,8 @@ SIGNAL (KILL, TERM) to itself right after the Nth UNIT is recorded as finished: 
 conversion (quantkit.gguf.resume.save); `shard`, a shard of fp8's model-free path
 (quantkit.engines.llmcompressor.model_free.record_shard); `layer`, a decoder layer of
 llm-compressor's sequential pipeline (quantkit.engines.llmcompressor.layer_resume.save_layer). A test interrupts a run at an exact point; nothing
-in quantkit changes: the hook wraps the function the run calls."""
+in quantkit changes: the hook wraps the function the run calls. Under torchrun, with FAULT_RANK=R only rank R
+faults (the others run on, until torchrun stops them)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ def recorder(unit: str):
 
 
 def fault_after(unit: str, count: int, signum: int) -> None:
+    if os.environ.get("FAULT_RANK", os.environ.get("RANK", "0")) != os.environ.get("RANK", "0"):
+        return
     module, name = recorder(unit)
     record, seen = getattr(module, name), []
 

@@ -305,9 +305,9 @@ def whole_model_gptq(model_dir, tmp_path):
 def test_under_torchrun_a_one_process_method_is_refused_before_work(cli, micro_model, tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "1")
-    result = cli("quantize", micro_model, "--method", "awq", "-o", tmp_path / "out", *FAST_CALIB, "--num-samples", "16")
+    result = cli("quantize", micro_model, "--method", "nf4", "-o", tmp_path / "out", *FAST_CALIB, "--num-samples", "16")
     assert result.exit_code == 2
-    assert "awq runs in one process only (" in result.stderr and "but this is one of 2 torchrun ranks" in result.stderr
+    assert "nf4 runs in one process only (" in result.stderr and "but this is one of 2 torchrun ranks" in result.stderr
     assert leftovers(tmp_path, "out") == []
 
 

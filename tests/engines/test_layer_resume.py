@@ -77,3 +77,22 @@ def test_the_searches_and_rotations_do_not_resume():
     assert "rotation" in gptq.resume.refused(None, gptq.options(rotate="spinquant"))
     nvfp4 = get_method("nvfp4")
     assert "calibrates nothing" in nvfp4.resume.refused(None, nvfp4.options(scheme="a16"))
+
+
+def test_each_rank_checks_its_own_hidden_states_and_rank_0_the_layers(tmp_path):
+    """Under torchrun each rank saved its own hidden states; the record names every rank's and the world size."""
+    from quantkit.engines.llmcompressor.distributed import Ranks
+
+    state = saved(tmp_path)
+    ranks = [Ranks(rank, 2) for rank in range(2)]
+    for ranks_one in ranks:
+        (tmp_path / lr.activations_file(1, ranks_one)).write_bytes(b"hidden %d" % ranks_one.rank)
+    state = {**state, "world_size": 2,
+             "activations": [file_sha256(tmp_path / lr.activations_file(1, r)) for r in ranks]}
+    assert [lr.unusable(tmp_path, state, SUBGRAPHS, r) for r in ranks] == [None, None]
+    (tmp_path / lr.layer_file(0)).write_bytes(b"torn")  # rank 0 reads the layers, rank 1 only its hidden states
+    assert [lr.unusable(tmp_path, state, SUBGRAPHS, r) for r in ranks] == [
+        "layer-00000.safetensors does not verify (sha256)", None]
+    (tmp_path / lr.activations_file(1, ranks[1])).write_bytes(b"torn")
+    assert lr.unusable(tmp_path, state, SUBGRAPHS, ranks[1]) == "activations-00001-rank1.pt does not verify (sha256)"
+    assert lr.unusable(tmp_path, state, SUBGRAPHS) == "it was saved by 2 ranks, and this launch has 1"

@@ -231,7 +231,7 @@ def test_spinquant_unties_offloaded_tied_embeddings(cli, micro_model, tmp_path):
     result = cli("quantize", model, "--method", "fp8", "--rotate", "spinquant", "--eval-windows", 2, "--no-gate",
                  "-o", out)
     assert result.exit_code == 0, result.output
-    assert "loading the model again with its tied embeddings in memory" in result.output
+    assert "loading the model again with its vocabulary tables in memory" in result.output
     config = json.loads((out / "config.json").read_text())
     assert config["tie_word_embeddings"] is False
     from quantkit.io.checkpoint import SafetensorsWeights

@@ -10,12 +10,18 @@ gathered on every rank (gather_positions), so its metrics are the one-process me
 writes the report, gates and publishes; the other ranks write nothing beside a private work directory
 and exit 0.
 
-Which methods run here is each method's `ranks` (quantkit.methods.OnRanks): those whose
-statistics llm-compressor 0.14.0.1 reduces across ranks: GPTQ (each layer's Hessians summed onto the rank
-that quantizes that Linear: the one-process Hessians up to summation order, so the rounding differs in some
-int4 values, as between one-process runs with another thread count), the QuantizationModifier presets whose
-activation observers reduce by MIN/MAX (nvfp4: the one-process scales), and what calibrates nothing
-(fp8-dynamic, fp8-block).
+Which methods run here is each method's `ranks` (quantkit.methods.OnRanks): every method that calibrates through
+llm-compressor. The statistics are reduced over the ranks: GPTQ's Hessians (summed onto the rank that quantizes
+each Linear: the one-process Hessians up to summation order, so the rounding differs in some int4 values, as between
+one-process runs with another thread count), the activation observers' minimum and maximum (nvfp4, fp8-static and
+the FP8 KV cache: MIN/MAX), AWQ's activation sums and grid-search losses, SmoothQuant's per-channel ranges
+(MIN/MAX), AutoRound's loss and gradients (quantkit.engines.llmcompressor.autoround_ranks). A weight the ranks share
+(one copy per node on a CPU) is written once, by rank 0: the smoothing and the rotations
+(quantkit.engines.llmcompressor.one_writer), AutoRound's tuned layers. What calibrates nothing (fp8-dynamic,
+fp8-block, mxfp4) is written by rank 0. The guide (auto-precision, fallback) measures its sensitivity data-parallel
+(quantkit.mixed.layers) and rank 0 decides each step, which the other ranks follow (quantkit.run.follow). --resume
+keeps each rank's hidden states and rank 0's layers (quantkit.engines.llmcompressor.layer_resume). The one-process
+engines (nf4, gguf, mlx) are refused, each saying why (its OnRanks).
 
 quantkit gives each rank its share itself. llm-compressor 0.14.0.1 splits a dataset that is the same
 on every rank on its own, but it builds the sampler on the split and the DataLoader on the whole set
@@ -29,10 +35,9 @@ waits for the owning rank to finish writing them, so the next layer's inputs wer
 half-written weights in some runs (on gloo: top-1 agreement 5% instead of 61% on the toy model, one run
 in three). `synchronized()` adds a barrier after both.
 
-Refused before any work: auto-precision and fallback (their searches quantize and measure again in a
-sequence rank 0 decides), and the run-wide options in ONE_PROCESS_FLAGS. With --offload-dir each rank
-keeps its own disk copy, and the weights a rank quantizes never reach the others' copies: on gloo the
-toy model's second layer came out different (70-92% of its int4 values).
+Refused before any work: the run-wide options in ONE_PROCESS_FLAGS. With --offload-dir each rank keeps its own
+disk copy, and the weights a rank quantizes never reach the others' copies: on gloo the toy model's second layer
+came out different (70-92% of its int4 values).
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Mapping
 
-from quantkit.errors import InputError, UnsupportedError
+from quantkit.errors import InputError, RankStoppedError, UnsupportedError
 
 # run-wide options that need one process: flag -> (why, what to do instead)
 ONE_PROCESS_FLAGS = {
@@ -53,17 +58,7 @@ ONE_PROCESS_FLAGS = {
                       "drop --offload-dir (each rank holds the model in RAM), or run one process with it"),
     "--skip-existing": ("rank 0 alone would decide which targets run", "name the targets to run with --only"),
     "--partial": ("rank 0 alone would go on past a target that fails", "drop --partial"),
-    "--resume": ("each rank's hidden states come from its own share of the windows, and the saved progress is "
-                 "one process's", "drop --resume, or run one process with it"),
 }
-# why --auto-precision and --fallback stay in one process: their searches are not a split of windows
-SEARCH_WHY = ("its sensitivity pass and each step of its search quantize and measure again, one layer or "
-              "candidate at a time, in a sequence rank 0 decides from what it measured")
-# why --rotate stays in one process: llm-compressor 0.14's transform modifiers have no distributed path, every
-# rank folds the rotation into the weights the ranks share on a CPU (nvfp4 with spinquant on 2 gloo ranks:
-# KLD 0.61 and top-1 0 instead of 5.6e-5 and 0.84 on the toy model)
-ROTATE_WHY = ("llm-compressor 0.14's rotations are folded into the weights by every rank, into weights the "
-              "ranks share, as its smoothing is")
 TIMEOUT_HOURS = 6  # the other ranks wait at the first collective while rank 0 scores the baseline
 
 
@@ -109,17 +104,12 @@ def check_launch(ranks: Ranks, targets: list[tuple[str, str, bool, object, str |
     if not ranks.distributed:
         return
     launch = f"this is one of {ranks.world_size} torchrun ranks"
-    for name, method, distributed, options, why in targets:
+    for name, method, distributed, _options, why in targets:
         if not distributed or why:
             because = f" ({why})" if why else ""
             raise UnsupportedError(f"target '{name}': {method} runs in one process only{because}, but {launch}",
                                    hint="launch the targets whose method runs on several ranks with torchrun "
                                    "(--only), the others without it")
-        extras = one_process_options(options)
-        if extras:
-            flag, why = extras[0]
-            raise UnsupportedError(f"target '{name}': {method} with {flag} runs in one process only ({why}), "
-                                   f"but {launch}", hint="drop it, or run without torchrun")
     if flags:  # the first one given is named
         why, hint = ONE_PROCESS_FLAGS[flags[0]]
         raise UnsupportedError(f"{flags[0]} runs in one process only ({why}), but {launch}", hint=hint)
@@ -130,17 +120,6 @@ def check_launch(ranks: Ranks, targets: list[tuple[str, str, bool, object, str |
         raise InputError(f"{eval_windows} held-out windows cannot be shared by {ranks.world_size} ranks (each scores "
                          "its share of the gate's windows)", hint=f"raise --eval-windows to at least "
                                                                   f"{ranks.world_size}")
-
-
-def one_process_options(options) -> list[tuple[str, str]]:
-    """The (option, why) of a target's options that keep it in one process: auto-precision, fallback, a
-    rotation."""
-    found = [(flag, SEARCH_WHY) for flag, value in (("auto-precision", getattr(options, "auto_precision", None)),
-                                                    ("fallback", getattr(options, "fallback", None)))
-             if value is not None]
-    if getattr(options, "rotate", "none") not in (None, "none"):
-        found.append(("rotate", ROTATE_WHY))
-    return found
 
 
 @contextmanager
@@ -162,8 +141,27 @@ def process_group(ranks: Ranks, device: str) -> Iterator[None]:
                             timeout=datetime.timedelta(hours=TIMEOUT_HOURS))
     try:
         yield
+    except RuntimeError as exc:
+        if not peer_lost(exc):
+            raise
+        raise RankStoppedError(f"rank {ranks.rank} of {ranks.world_size}: another rank stopped ({first_line(exc)})",
+                               hint="torchrun names the rank that failed first and its exit code; with --resume its "
+                                    "finished layers are kept for the next launch") from exc
     finally:
         dist.destroy_process_group()
+
+
+def peer_lost(exc: RuntimeError) -> bool:
+    """Whether a collective failed because another rank is gone: torch's distributed errors, or gloo's lost
+    connection."""
+    import torch.distributed as dist
+
+    text = str(exc)
+    return isinstance(exc, dist.DistError) or ("gloo" in text and "peer" in text)
+
+
+def first_line(exc: Exception) -> str:
+    return str(exc).strip().splitlines()[0][:200]
 
 
 def broadcast_then_wait(*args, **kwargs) -> None:
@@ -176,7 +174,11 @@ def broadcast_then_wait(*args, **kwargs) -> None:
     dist.barrier()
 
 
-RANK_PATCHES = ("gptq.broadcast_qparams_and_cleanup", "quantization.broadcast_qparams_and_cleanup")
+RANK_PATCHES = ("gptq.broadcast_qparams_and_cleanup", "quantization.broadcast_qparams_and_cleanup",
+                "awq.apply_smoothing", "awq.update_offload_parameter", "awq.allreduce_data_sum",
+                "smoothquant.apply_smoothing", "smoothquant.update_offload_parameter",
+                "spinquant.rotation_once", "quip.rotation_once", "transform.update_offload_parameter",
+                "fuse.update_offload_parameter")
 
 
 @contextmanager
@@ -192,6 +194,20 @@ def synchronized(ranks: Ranks) -> Iterator[None]:
         yield
 
 
+def rank_zero_alone(ranks: Ranks):
+    """While inside, what rank 0 does alone (the KV-cache measurement, flips, tasks, the serving check) loads
+    compressed-tensors artifacts without a collective: compressed-tensors 0.19 decompresses a model on all the ranks
+    of a process group together (replace_module_parallel), which the other ranks never join (a crash or a hang).
+    Nothing in one process."""
+    from contextlib import nullcontext
+
+    if not ranks.distributed:
+        return nullcontext()
+    from compressed_tensors.offload import as_single_threaded
+
+    return as_single_threaded()
+
+
 def gather_positions(values):
     """Every rank's per-position values (a numpy array each), concatenated in rank order, on every rank:
     the ranks score contiguous shares of the windows in order, so this is the one-process array."""
@@ -201,6 +217,23 @@ def gather_positions(values):
     parts = [None] * dist.get_world_size()
     dist.all_gather_object(parts, values)
     return np.concatenate(parts)
+
+
+def measured_share(windows, ranks: Ranks):
+    """This rank's share of `windows` for a data-parallel measurement (the guide's sensitivity), and whether the
+    ranks split them (then what they measure is reduced or gathered): all of them on every rank when there are
+    fewer windows than ranks."""
+    if not ranks.distributed or len(windows) < ranks.world_size:
+        return windows, False
+    return windows[ranks.share(len(windows))], True
+
+
+def reduce_sums(tensors: list) -> None:
+    """Each tensor replaced in place by its sum over the ranks (every rank passes the same list, in order)."""
+    import torch.distributed as dist
+
+    for tensor in tensors:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
 
 
 def share_object(value, ranks: Ranks):

@@ -23,6 +23,15 @@ the same bytes. What the saved progress is checked against: the staging director
 and input names) and each file's sha256; saved progress that does not match or verify is set aside
 with a warning and the run starts from the first layer.
 
+Under torchrun (N ranks, quantkit.engines.llmcompressor.distributed) each rank's hidden states are those of its
+own share of the windows: every rank saves its own `activations-NNNNN-rankR.pt` (with its generators' states), the
+ranks gather their files' sha256 on rank 0 (so all of them have written), rank 0 alone writes the layer's tensors
+(the weights the ranks share) and then the record, with the launch's world size, and only after a barrier does each
+rank remove its previous file. Resuming, every rank checks what it reads (rank 0 the layers, each rank its hidden
+states), the ranks agree (any rank's reason sets the progress aside on all of them), rank 0 alone puts the saved
+tensors back (one writer, then a barrier) and each rank takes its own hidden states. Progress saved by another
+number of ranks is refused before any work (quantkit.run.resume: exit 2 naming both).
+
 Disk: the finished layers' tensors (up to the model's bytes) and one or, while the next is written,
 two copies of the calibration windows' hidden states (`saved_bytes`).
 """
@@ -36,6 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from quantkit.engines.llmcompressor.distributed import Ranks
 from quantkit.engines.llmcompressor.model_free import file_sha256
 from quantkit.errors import InternalError
 from quantkit.io.export import replace_json
@@ -50,6 +60,7 @@ class LayerCheckpoints:
 
     directory: Path
     progress: Callable[[str], None]
+    ranks: Ranks = Ranks()  # under torchrun: each rank saves its own hidden states, rank 0 the rest
 
 
 def resumable_pipeline(original: Callable, checkpoints: LayerCheckpoints | None = None):
@@ -172,8 +183,9 @@ def layer_file(index: int) -> str:
     return f"layer-{index:05d}.safetensors"
 
 
-def activations_file(index: int) -> str:
-    return f"activations-{index:05d}.pt"
+def activations_file(index: int, ranks: Ranks = Ranks()) -> str:
+    """The hidden states after layer `index`: one file per rank under torchrun."""
+    return f"activations-{index:05d}-rank{ranks.rank}.pt" if ranks.distributed else f"activations-{index:05d}.pt"
 
 
 def rng_states() -> dict[str, Any]:
@@ -194,27 +206,54 @@ def set_rng_states(states: dict[str, Any]) -> None:
 
 
 def save_layer(checkpoints: LayerCheckpoints, model, subgraphs, index: int, activations) -> None:
-    """Layer `index` finished: its tensors, then the hidden states after it, then the record naming both."""
+    """Layer `index` finished: the hidden states after it (each rank its own), then on rank 0 its tensors and the
+    record naming them all; then the previous hidden states go."""
     import torch
-    from safetensors.torch import save_file
 
-    directory = checkpoints.directory
+    directory, ranks = checkpoints.directory, checkpoints.ranks
     directory.mkdir(parents=True, exist_ok=True)
     state = read_state(directory) if index else None
     layers = list(state["layers"]) if state else []
     if len(layers) != index:
         raise InternalError(f"--resume: layer {index} finished with {len(layers)} layers recorded before it",
                             hint="report this as a bug; run without --resume")
-    tensors = layer_tensors(model, subgraphs[index])
-    layers.append(write_durably(directory / layer_file(index), lambda p: save_file(tensors, str(p))))
     saved = {"batches": activations.batch_intermediates, "offload_device": activations.offload_device,
              "rng": rng_states()}
-    hidden = write_durably(directory / activations_file(index), lambda p: torch.save(saved, p))
-    replace_json(directory / STATE_FILE, {"version": STATE_VERSION, "partition": partition(subgraphs),
-                                          "layers": layers, "activations": hidden})
+    hidden = gathered(write_durably(directory / activations_file(index, ranks), lambda p: torch.save(saved, p)),
+                      ranks)  # every rank's file written
+    if ranks.is_main:
+        layers.append(save_tensors(directory / layer_file(index), layer_tensors(model, subgraphs[index])))
+        replace_json(directory / STATE_FILE, {"version": STATE_VERSION, "partition": partition(subgraphs),
+                                              "layers": layers, "activations": hidden,
+                                              **({"world_size": ranks.world_size} if ranks.distributed else {})})
+    if ranks.distributed:
+        barrier()  # the record names the new files before any rank removes its previous one
     if index:
-        (directory / activations_file(index - 1)).unlink(missing_ok=True)
+        (directory / activations_file(index - 1, ranks)).unlink(missing_ok=True)
     checkpoints.progress(f"layer {index + 1}/{len(subgraphs) - 1} saved for --resume")  # the head's is never saved
+
+
+def save_tensors(path: Path, tensors: dict[str, Any]) -> str:
+    from safetensors.torch import save_file
+
+    return write_durably(path, lambda p: save_file(tensors, str(p)))
+
+
+def gathered(value, ranks: Ranks):
+    """`value` in one process; every rank's value, in rank order, under torchrun (on every rank)."""
+    if not ranks.distributed:
+        return value
+    import torch.distributed as dist
+
+    values: list = [None] * ranks.world_size
+    dist.all_gather_object(values, value)
+    return values
+
+
+def barrier() -> None:
+    import torch.distributed as dist
+
+    dist.barrier()
 
 
 def read_state(directory: Path) -> dict | None:
@@ -227,34 +266,56 @@ def read_state(directory: Path) -> dict | None:
     return state if isinstance(state, dict) and state.get("version") == STATE_VERSION else None
 
 
-def unusable(directory: Path, state: dict, subgraphs) -> str | None:
-    """Why saved progress cannot be resumed from (it does not match this run or does not verify); None if it can."""
+def unusable(directory: Path, state: dict, subgraphs, ranks: Ranks = Ranks()) -> str | None:
+    """Why saved progress cannot be resumed from on this rank (it does not match this run or what this rank reads
+    does not verify: rank 0 the layers, every rank its hidden states); None if it can."""
+    saved_world = state.get("world_size", 1)
+    if saved_world != ranks.world_size:
+        return f"it was saved by {saved_world} ranks, and this launch has {ranks.world_size}"
     if state["partition"] != partition(subgraphs):
         return "the model splits into other subgraphs than the saved progress's"
     done = len(state["layers"])
     if not 0 < done < len(subgraphs):
         return f"{done} saved layers for {len(subgraphs)} subgraphs"
-    files = [(layer_file(i), digest) for i, digest in enumerate(state["layers"])]
-    for name, digest in [*files, (activations_file(done - 1), state["activations"])]:
+    hidden = state["activations"][ranks.rank] if ranks.distributed else state["activations"]
+    files = [(layer_file(i), digest) for i, digest in enumerate(state["layers"])] if ranks.is_main else []
+    for name, digest in [*files, (activations_file(done - 1, ranks), hidden)]:
         if file_sha256(directory / name) != digest:  # None: missing or unreadable
             return f"{name} does not verify (sha256)"
     return None
 
 
+def agreed_reason(directory: Path, state: dict | None, subgraphs, ranks: Ranks) -> str | None:
+    """Why the saved progress is not used, the same on every rank: no state (None, said by nobody), or the first
+    rank's reason that it cannot be used."""
+    why = "" if state is None else unusable(directory, state, subgraphs, ranks)
+    reasons = gathered(why, ranks) if ranks.distributed else [why]
+    if any(reason == "" for reason in reasons):
+        return ""
+    return next((f"rank {rank}: {reason}" if ranks.distributed else reason
+                 for rank, reason in enumerate(reasons) if reason), None)
+
+
 def resume_point(checkpoints: LayerCheckpoints | None, model, subgraphs, activations):
     """The first subgraph to run and the hidden states it reads: 0 and `activations` without saved progress;
     else after the saved layers, put back into the model, with the hidden states saved after them."""
-    state = None if checkpoints is None else read_state(checkpoints.directory)
-    if state is None:
+    if checkpoints is None:
         return 0, activations
-    why = unusable(checkpoints.directory, state, subgraphs)
+    ranks = checkpoints.ranks
+    state = read_state(checkpoints.directory)
+    why = agreed_reason(checkpoints.directory, state, subgraphs, ranks)
+    if why == "":  # nothing saved
+        return 0, activations
     if why is not None:
         checkpoints.progress(f"warning: --resume: the saved layers are not used ({why}); starting from the first")
         return 0, activations
     done = len(state["layers"])
-    for index in range(done):
-        restore_tensors(model, checkpoints.directory / layer_file(index))
-    cache = load_activations(checkpoints.directory / activations_file(done - 1), type(activations))
+    if ranks.is_main:
+        for index in range(done):
+            restore_tensors(model, checkpoints.directory / layer_file(index))
+    if ranks.distributed:
+        barrier()  # rank 0 has put the shared tensors back
+    cache = load_activations(checkpoints.directory / activations_file(done - 1, ranks), type(activations))
     checkpoints.progress(f"resuming after {done} of {len(subgraphs) - 1} layers (verified by sha256)")
     return done, cache
 

@@ -18,10 +18,12 @@ KvCache = Literal["fp8"] | None  # a method's `kv_cache` option: the KV cache's 
 def kv_cache_scheme(kv_cache: str | None) -> dict | None:
     """compressed-tensors' kv_cache_scheme of a `kv_cache` option: fp8 = FP8 E4M3 keys and values with one
     static scale per attention layer for each, calibrated on the windows (vLLM reads k_scale / v_scale
-    with --kv-cache-dtype fp8); None: no KV-cache quantization."""
+    with --kv-cache-dtype fp8) from the largest magnitude over every window (static_minmax: a minimum and maximum,
+    which torchrun ranks reduce exactly); None: no KV-cache quantization."""
     if kv_cache is None:
         return None
-    return {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": "tensor"}
+    return {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": "tensor",
+            "observer": "static_minmax"}
 
 
 # A method's `rotate` option: the rotation llm-compressor applies before quantizing (rotation_modifiers).
@@ -54,19 +56,22 @@ def rotation_modifiers(job) -> list:
 
 def rotation_ready(job) -> None:
     """SpinQuant unties tied embeddings and rotates both vocabulary tables; with them offloaded to disk (quantkit's
-    CPU runs) compressed-tensors 0.19 cannot read the tied head (a KeyError in its disk cache), so the model is
-    loaded again with the tables in memory. With every decoder layer on disk too (--offload-dir) that would
-    load the whole model: refused (exit 2)."""
+    CPU runs) compressed-tensors 0.19 cannot read the tied head (a KeyError in its disk cache), and under torchrun
+    the other ranks read the tables' files while rank 0 rewrites them (quantkit.engines.llmcompressor.one_writer;
+    a SafetensorError "header too small" in one launch of two on gloo), so the model is loaded again with the
+    tables in memory (shared by the ranks of a node). With every decoder layer on disk too (--offload-dir) that
+    would load the whole model: refused (exit 2)."""
     from quantkit.errors import UnsupportedError
 
     tied = getattr(job.model.config.get_text_config(), "tie_word_embeddings", False)
-    if getattr(job.options, "rotate", "none") != "spinquant" or job.offload is None or not tied:
+    if getattr(job.options, "rotate", "none") != "spinquant" or job.offload is None or not (
+            tied or job.ranks.distributed):
         return
     if job.offload.layers:
         raise UnsupportedError("--rotate spinquant with --offload-dir: SpinQuant unties and rotates this model's tied "
                                "embeddings, which compressed-tensors cannot read from the disk offload",
                                hint="drop --offload-dir, or use --rotate hadamard")
-    job.progress("spinquant: loading the model again with its tied embeddings in memory (SpinQuant unties them)")
+    job.progress("spinquant: loading the model again with its vocabulary tables in memory (SpinQuant rotates them)")
     job.free_model()
     job.load_model(None)
 
@@ -163,7 +168,8 @@ def layers_saved(job, calibrate: bool):
 
     if job.resume_dir is None or not calibrate:
         return nullcontext()
-    return patched_with("sequential.resume", checkpoints=LayerCheckpoints(Path(job.resume_dir) / "layers", job.progress))
+    return patched_with("sequential.resume", checkpoints=LayerCheckpoints(Path(job.resume_dir) / "layers", job.progress,
+                                                                          job.ranks))
 
 
 def as_list(recipe) -> list:

@@ -348,8 +348,9 @@ def quantize(job, scheme) -> dict:
     state = None if job.resume_dir is None else job.resume_dir / "shards.json"
     if state is not None:
         state.parent.mkdir(parents=True, exist_ok=True)
-    write_artifact(plan, job.info, job.out_dir, load_tokenizer(job.info, job.trust_remote_code),
-                   device_map(job.device), state, job.progress)
+    if job.ranks.is_main:  # under torchrun rank 0 writes alone: nothing is calibrated, the ranks have nothing to share
+        write_artifact(plan, job.info, job.out_dir, load_tokenizer(job.info, job.trust_remote_code),
+                       device_map(job.device), state, job.progress)
     details = {"path": "model-free: mixture-of-experts, by checkpoint names"}
     mtp = mtp_prefixes(job.info)
     return {**details, "mtp_layers_kept": [p.rstrip(".") for p in mtp]} if mtp else details
