@@ -233,14 +233,17 @@ def test_paths_under_work_are_scrubbed(bench):
                                                      "rows": [{"command": "quantize WORK/model -o WORK/a"}]}
 
 
-def test_the_reference_json_renders(bench):
-    reference = REPO / "docs" / "bench_ranks_reference.json"
-    if not reference.is_file():
-        pytest.skip("no reference run committed")
-    runs = bench.load_runs(reference)
-    assert runs and all("/tmp/" not in json.dumps(run) for run in runs)
+@pytest.mark.parametrize("name", ["bench_ranks_reference.json", "bench_ranks_methods.json"])
+def test_the_reference_json_renders_as_docs_shows_it(bench, name):
+    """Each committed run renders, with no private path, and its rows are the ones docs/benchmarks.md shows."""
+    runs = bench.load_runs(REPO / "docs" / name)
+    assert runs and all("/tmp/" not in json.dumps(run) and "/work/" not in json.dumps(run) for run in runs)
+    page = (REPO / "docs" / "benchmarks.md").read_text()
     for run in runs:
-        assert "| method | launch |" in bench.render(run)
+        rendered = bench.render(run)
+        assert "| method | launch |" in rendered
+        rows = [line for line in rendered.splitlines() if line.startswith("| ") and "---" not in line]
+        assert [row for row in rows if row not in page] == []
 
 
 @pytest.mark.slow
