@@ -273,6 +273,7 @@ def test_the_gate_is_resident_where_the_run_fits_what_is_available(micro_model, 
     assert not bounded.resident and f"resident the run would peak at about {preflight._size(need)}" in bounded.why
     assert f"--max-memory {preflight._size(need - 1)}" in bounded.why
     assert preflight.ram_estimate(info, recipe, targets, bounded).peak <= need - 1
+    assert bounded.room == 0  # a bounded run's slack is the estimate's error: no logits or forwards beyond it
     assert preflight.gate_placement(info, recipe, targets, max_memory=need).resident
     monkeypatch.setattr(preflight, "available_ram", lambda: need)  # less the headroom: too little
     small = preflight.gate_placement(info, recipe, targets, max_memory=10 * need)

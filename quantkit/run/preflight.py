@@ -515,7 +515,7 @@ def gate_placement(info, recipe, targets, max_memory: int | None = None, ranks: 
     if device != "cuda":
         budget, source = ram_budget(max_memory, bound)
         return choose(cpu_placements(info, recipe, targets, ranks), budget, source,
-                      lambda p: ram_estimate(info, recipe, targets, p).peak)
+                      lambda p: ram_estimate(info, recipe, targets, p).peak, bounded=max_memory is not None)
     steps = read_whole_bytes(info, recipe, targets)
     c = recipe.calibration
     placement = (placement_for(max(steps.values()), device, info, c.seq_len, c.eval_windows) if steps
@@ -558,10 +558,12 @@ def cpu_placements(info, recipe, targets, ranks: int = 1) -> list:
             for mode in modes for on_disk in tables]
 
 
-def choose(candidates: list, budget: int, source: str, peak):
+def choose(candidates: list, budget: int, source: str, peak, bounded: bool = False):
     """The first candidate Placement whose `peak` fits `budget` (the last one where none does), with why it
     was chosen and, for a streamed one, the room a resident one would have needed; a method's own forwards
-    get the budget's room beside the run's fixed part and the baseline it keeps."""
+    and a streamed group's logits get the budget's room beside the estimated peak, except in a run the user
+    bounds (`bounded`): there the estimate's own error (up to about 15% measured) is all the slack the bound
+    has, so they take none and stream."""
     from dataclasses import replace
 
     chosen = next((p for p in candidates if budget and peak(p) <= budget), candidates[-1])
@@ -569,7 +571,7 @@ def choose(candidates: list, budget: int, source: str, peak):
     why = f"peak about {_size(peak(chosen))}; {source}: {_size(budget)}"
     if not chosen.resident and resident:
         why = f"resident the run would peak at about {_size(min(resident))}; {source}: {_size(budget)}"
-    return replace(chosen, why=why if resident else "", room=max(0, budget - peak(chosen)))
+    return replace(chosen, why=why if resident else "", room=0 if bounded else max(0, budget - peak(chosen)))
 
 
 def placement_for(largest: int, device: str, info, seq_len: int, windows: int):
@@ -644,4 +646,4 @@ def eval_placement(info, fmt, device: str, seq_len: int, windows: int, max_memor
 
     resident.sort(key=peak)
     candidates = [*resident, Placement(False, "cpu", spill=False), Placement(False, "cpu")]
-    return choose(candidates, budget, source, peak)
+    return choose(candidates, budget, source, peak, bounded=max_memory is not None)
