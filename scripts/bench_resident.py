@@ -81,6 +81,15 @@ def build_model(out: Path, shape: tuple) -> Path:
     return out
 
 
+def built(out: Path, case: str) -> Path:
+    """The case's model, built once by a child process: Linux counts the memory a child had before exec (its
+    copy of the parent) in its peak RSS, so the parent never holds a model or torch."""
+    if not (out / "config.json").exists():
+        kind, shape = ("build-1b", []) if case == "1b" else ("build", [case])
+        subprocess.run([sys.executable, __file__, "--worker", kind, str(out), *shape], check=True, cwd=HERE)
+    return out
+
+
 def folder_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
 
@@ -89,21 +98,24 @@ def folder_bytes(path: Path) -> int:
 
 
 def held_out(model: str, windows: int, seq_len: int):
-    """The held-out windows `quantkit eval` scores with these settings."""
-    from quantkit.cli.eval import eval_windows
+    """The held-out windows `quantkit eval` scores with these settings (its default text and seed)."""
     from quantkit.engines.transformers import load_tokenizer
     from quantkit.io.checkpoint import check_model_dir
+    from quantkit.run.calibration import make_windows
+    from quantkit.run.recipe import Calibration
 
-    return eval_windows(load_tokenizer(check_model_dir(Path(model))), "default", windows, seq_len, 0)
+    calibration = Calibration(source="default", num_samples=0, seq_len=seq_len, seed=0, eval_windows=windows)
+    return make_windows(load_tokenizer(check_model_dir(Path(model))), calibration).eval
 
 
 def batch_of(model: str, seq_len: int) -> int:
-    """Windows per batch: as quantkit's resident forward batches them (quantkit.eval.stream.windows_per_group)."""
-    from quantkit.eval.stream import ACTIVATION_BYTES, windows_per_group
+    """Windows per batch: as quantkit's resident CPU forward batches them (quantkit.eval.stream.windows_per_group
+    within quantkit.run.preflight.CPU_ACTIVATION_BYTES)."""
+    from quantkit.eval.stream import windows_per_group
     from quantkit.io.checkpoint import check_model_dir
-    from quantkit.run.preflight import text_shape
+    from quantkit.run.preflight import CPU_ACTIVATION_BYTES, text_shape
 
-    return windows_per_group(text_shape(check_model_dir(Path(model))), seq_len, ACTIVATION_BYTES)
+    return windows_per_group(text_shape(check_model_dir(Path(model))), seq_len, CPU_ACTIVATION_BYTES)
 
 
 def forward(model, ids, batch: int) -> None:
@@ -154,6 +166,14 @@ def worker_bare(base: str, out: str, windows: int, seq_len: int) -> dict:
 
 def worker(argv: list[str]) -> None:
     kind, out, *rest = argv
+    if kind == "build":  # a model built in a child: the parent stays small (a child's peak RSS counts its parent's)
+        build_model(Path(out), SHAPES[rest[0]])
+        return
+    if kind == "build-1b":
+        from bench_memory import build_model as build_1b
+
+        build_1b(Path(out), 2048, 8, 128256, 8192)
+        return
     phases = worker_plain(*rest[:2], *map(int, rest[2:])) if kind == "plain" else worker_bare(rest[0], out, *map(int, rest[1:]))
     Path(out + ".phases.json").write_text(json.dumps({k: round(v, 2) for k, v in phases.items()}))
 
@@ -254,7 +274,7 @@ def case_rows(case: str, args, work: Path) -> dict:
     shape = SHAPES[case]
     windows, seq_len = shape[8], shape[9]
     work.mkdir(parents=True, exist_ok=True)
-    base = build_model(work / "base", shape)
+    base = built(work / "base", case)
     artifact = work / "fp8"
     if not (artifact / "config.json").exists():
         subprocess.run([sys.executable, "-m", "quantkit", "quantize", str(base), "--method", "fp8", "-o", str(artifact),
@@ -279,10 +299,8 @@ def case_rows(case: str, args, work: Path) -> dict:
 
 
 def bounded_rows(args, work: Path) -> dict:
-    from bench_memory import build_model as build_1b
-
     work.mkdir(parents=True, exist_ok=True)
-    base = build_1b(work / "base", 2048, 8, 128256, 8192)
+    base = built(work / "base", "1b")
     weights = sum(p.stat().st_size for p in base.glob("*.safetensors"))
     bound = weights // 2
     flags = ["--method", "gguf", "--gguf-type", "Q4_K_M", "--num-samples", "8", "--eval-windows", "4", "--seq-len",
