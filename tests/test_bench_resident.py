@@ -26,6 +26,17 @@ def test_the_placement_line_and_its_estimate_are_read_from_the_log(tmp_path):
     assert bench_resident.estimated_peak("gate: streamed on cpu") is None
 
 
+def test_the_reference_run_is_the_one_docs_shows(capsys):
+    """docs/benchmarks.md's tables are the rendering of docs/bench_resident_reference.json, row for row."""
+    import bench_resident
+
+    for case in json.loads((REPO / "docs" / "bench_resident_reference.json").read_text()):
+        bench_resident.print_case(case)
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "---" not in line]
+    page = (REPO / "docs" / "benchmarks.md").read_text()
+    assert len(rows) > 12 and [row for row in rows if row not in page] == []
+
+
 @pytest.mark.slow
 def test_bench_resident_rows_on_a_tiny_shape(tmp_path):
     out = tmp_path / "rows.json"
