@@ -544,6 +544,16 @@ def scaled_weight(tensors: dict, module: str) -> tuple:
     return tensors[f"{module}.weight"].float(), scale, tensors.get(f"{module}.weight_zero_point")
 
 
+def fp4_weight(tensors: dict, module: str) -> tuple:
+    """(FP4 values as floats [out, in], per-16-column scales [out, G] over the global scale, no zero points) of an
+    nvfp4-pack-quantized weight (compressed-tensors' unpack_fp4_from_uint8)."""
+    from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
+
+    packed = tensors[f"{module}.weight_packed"]
+    values = unpack_fp4_from_uint8(packed, packed.shape[0], 2 * packed.shape[1], dtype=None).float()
+    return values, tensors[f"{module}.weight_scale"].float() / tensors[f"{module}.weight_global_scale"].float(), None
+
+
 def compare_artifacts(one: Path, other: Path) -> dict:
     """`other` against the one-process artifact `one`: every pack-quantized module by step_difference, every
     other tensor by its largest absolute difference."""
@@ -555,7 +565,10 @@ def compare_artifacts(one: Path, other: Path) -> dict:
         return {"error": f"tensor names differ: {sorted(a.keys() ^ b.keys())[:5]}"}
     parts, others = {}, 0.0
     for name in sorted(a):
-        if name.endswith(".weight_packed"):
+        if name.endswith(".weight_packed") and name.removesuffix("_packed") + "_global_scale" in a:  # nvfp4
+            module = name.removesuffix(".weight_packed")
+            parts[module] = step_difference(*fp4_weight(a, module), *fp4_weight(b, module))
+        elif name.endswith(".weight_packed"):
             module = name.removesuffix(".weight_packed")
             shape = a[f"{module}.weight_shape"].tolist()
             (q1, s1, z1, g1), (q2, s2, z2, g2) = (unpack_module(t, module, shape, bits, unpack_from_int32)
@@ -564,7 +577,8 @@ def compare_artifacts(one: Path, other: Path) -> dict:
         elif name.endswith(".weight") and name.removesuffix(".weight") + ".weight_scale" in a:  # int8, fp8
             module = name.removesuffix(".weight")
             parts[module] = step_difference(*scaled_weight(a, module), *scaled_weight(b, module))
-        elif not any(name.endswith(s) for s in (".weight_scale", ".weight_zero_point", ".weight_shape", ".weight_g_idx")):
+        elif not any(name.endswith(s) for s in (".weight_scale", ".weight_zero_point", ".weight_shape", ".weight_g_idx",
+                                                ".weight_global_scale")):
             if a[name].is_floating_point():
                 others = max(others, (a[name].float() - b[name].float()).abs().max().item())
             elif not a[name].equal(b[name]):

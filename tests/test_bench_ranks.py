@@ -291,6 +291,29 @@ def test_unpacked_int8_weights_are_compared_in_steps_and_the_kld_as_a_ratio(benc
     assert bench.kld_ratio(1.05e-5, 1e-5) == "1.050x" and bench.kld_ratio(None, 1e-5) == "—"
 
 
+def test_nvfp4_weights_are_compared_as_fp4_values_in_steps_of_their_scales(bench, tmp_path):
+    """An nvfp4 weight (two E2M1 codes per byte, an fp8 scale per 16 columns, a global scale): one code moved from
+    1.0 (code 2) to 2.0 (code 4) is one changed value, one step of the group's scale over the global scale."""
+    import torch
+    from safetensors.torch import save_file
+
+    def artifact(name: str, packed) -> Path:
+        (tmp_path / name).mkdir()
+        save_file({"m.weight_packed": packed, "m.weight_global_scale": torch.tensor([0.25]),
+                   "m.weight_scale": torch.full((2, 2), 0.5).to(torch.float8_e4m3fn)},
+                  str(tmp_path / name / "model.safetensors"))
+        (tmp_path / name / "config.json").write_text(json.dumps({"quantization_config": {}}))
+        return tmp_path / name
+
+    packed = torch.full((2, 16), 0x22, dtype=torch.uint8)  # every value 1.0 (E2M1 code 2 in both nibbles)
+    moved = packed.clone()
+    moved[1, 3] = 0x24  # its high nibble (the second of the two values) now 2.0
+    found = bench.compare_artifacts(artifact("one", packed), artifact("other", moved))
+    assert found["values"] == 64 and found["ints_changed"] == 1 and found["scales_changed"] == 0
+    assert found["max_steps"] == 1.0  # |2.0 - 1.0| x (0.5 / 0.25) over the step 0.5 / 0.25
+    assert bench.compare_artifacts(artifact("same", packed), artifact("again", packed.clone()))["ints_changed"] == 0
+
+
 def test_a_launch_past_its_timeout_is_stopped_and_recorded(bench, tmp_path):
     import os
 
