@@ -474,7 +474,8 @@ def step_difference(q1, scale1, zero1, q2, scale2, zero2, groups1=None, groups2=
 
     w1, s1 = dequantized(q1, scale1, zero1, groups1)
     w2, _ = dequantized(q2, scale2, zero2, groups2)
-    steps = ((w2 - w1).abs() / s1.clamp_min(torch.finfo(torch.float32).tiny)).max().item()
+    steps = ((w2 - w1).abs() / s1.abs().clamp_min(torch.finfo(torch.float32).tiny)).max().item()  # a scale may be
+    # negative (auto-round tunes its sign)
     scales_differ = scale1 != scale2
     relative = ((scale2.float() - scale1.float()).abs() / scale1.float().abs().clamp_min(1e-30)).max().item()
     return {"values": q1.numel(), "ints_changed": int((q1 != q2).sum()), "max_steps": steps,
