@@ -42,7 +42,6 @@ FP8_BLOCK = 128  # fp8-block: the weight block (rows and columns) and activation
 NVFP4_GROUP = 16  # NVFP4's group: one FP8 scale per 16 weights (and per 16 activations for w4a4)
 W4A8_FP8_GROUP = 128  # CutlassW4A8LinearKernel.can_implement: group_size 128, K and N multiples of 128
 AVX512 = "avx512f"  # vLLM CPU 0.32 loads its AVX-512 kernels (_C) where the CPU has it, else _C_AVX2
-WEIGHT_LOCATIONS = ("weight_input", "weight_output")  # compressed-tensors TransformLocation: folded into the weights
 
 FP8 = (
     Runtime("vLLM: FP8 W8A8 (CUTLASS)", ("cuda",), 8.9, "vLLM docs, features/quantization (supported hardware): FP8 W8A8 on Ada and Hopper"),
@@ -231,24 +230,19 @@ def missing_cpu_features(scheme: str, flags: frozenset[str]) -> str | None:
             "object has no attribute 'cpu_gemm_wna16', at the first request)")
 
 
-def online_transforms(qconfig: dict) -> list[str]:
-    """The transform groups (--rotate hadamard) the loader applies at run time: those with a location not folded
-    into the weights (compressed-tensors TransformArgs.is_online), read from config.json."""
-    groups = ((qconfig.get("transform_config") or {}).get("config_groups") or {}).items()
-    return sorted(name for name, group in groups
-                  if any(args.get("location") not in WEIGHT_LOCATIONS for args in group.get("apply") or []))
-
-
 def serve_refusal(artifact: Path, device: Device) -> str | None:
     """vLLM serves every scheme on NVIDIA GPUs; on a CPU the first of its groups' schemes it refuses, or an online
     rotation, which its CPU path does not run."""
+    from quantkit.eval.artifacts import online_transforms
+
     if device.kind != "cpu":
         return None
     qconfig = quantization_config(artifact)
     reasons = [r for s in sorted(schemes(qconfig)) if (r := cpu_refusal(s, device.flags))]
-    if online_transforms(qconfig):
+    online = online_transforms({"quantization_config": qconfig})
+    if online is not None:
         reasons.append("vLLM's CPU build does not run the online Hadamard rotation of a --rotate hadamard artifact "
-                       f"(transform groups {', '.join(online_transforms(qconfig))}): its first forward fails in the "
+                       f"(transform groups {', '.join(sorted(online.config_groups))}): its first forward fails in the "
                        "transform layer (vLLM: 'HadamardTransform' object has no attribute 'cpu_linear')")
     return reasons[0] if reasons else None
 

@@ -399,10 +399,15 @@ def chunk_bytes(info, seq_len: int, windows: int, cuda: bool = False) -> int:
     return 4 * vocab * min(chunk_positions("cuda" if cuda else "cpu", vocab), max(1, windows * seq_len))
 
 
+def resident_activation_bytes(cuda: bool) -> int:
+    """The activations a resident forward batches its windows within, on a GPU or a CPU."""
+    return GPU_ACTIVATION_BYTES if cuda else CPU_ACTIVATION_BYTES
+
+
 def scoring_bytes(models: int, info, seq_len: int, windows: int, copies: int, cuda: bool = False) -> int:
     """A resident forward: `models` bytes of weights, and the larger of a batch's activations (beside the two
     chunks of logits the other side of a lockstep holds) and `copies` chunks of logits while scoring."""
-    budget = GPU_ACTIVATION_BYTES if cuda else CPU_ACTIVATION_BYTES
+    budget = resident_activation_bytes(cuda)
     chunk = chunk_bytes(info, seq_len, windows, cuda)
     return models + max(batch_bytes(info, seq_len, windows, budget) + 2 * chunk, copies * chunk)
 
@@ -481,7 +486,7 @@ def text_shape(info):
 def resident_need(largest: int, cuda: bool, info, seq_len: int, windows: int) -> tuple[int, int]:
     """(bytes a resident gate holds on the device with the largest model read whole, its activation budget):
     the model, a batch's activations and the scoring's chunks of logits (scoring_bytes)."""
-    budget = GPU_ACTIVATION_BYTES if cuda else CPU_ACTIVATION_BYTES
+    budget = resident_activation_bytes(cuda)
     return scoring_bytes(largest, info, seq_len, windows, SCORING_COPIES, cuda), budget
 
 

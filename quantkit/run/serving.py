@@ -62,10 +62,10 @@ def device(name: str, ram: int = 0) -> Device:
     """A device of the table by name (case-insensitive); `cpu` is this machine (`ram` bytes), `cpu-64G` a
     CPU with that much memory."""
     if name.lower() == "cpu":
-        from quantkit.serve.support import cpuinfo
+        from quantkit.serve.support import cpu_flags
 
         return Device("cpu", ram, "cpu", 0.0, 0.90, "this machine's MemTotal; usable 0.90 (the OS and other processes)",
-                      frozenset(cpuinfo("flags").split()))
+                      cpu_flags())
     size = CPU_SIZE.fullmatch(name)
     if size:
         return Device(name, int(float(size.group(1)) * GB), "cpu", 0.0, 0.90, "as named; usable 0.90")
@@ -85,7 +85,7 @@ def kv_bytes_per_token(config: dict, kv_cache: str = "fp16") -> int:
 
 def runtime_for(method: MethodSpec, target: Device) -> Runtime | None:
     """The first of the runtimes of the method's default options that runs on the device; None when none does."""
-    return first_runtime(runtimes_for(method, method.options()), target)
+    return first_runtime(default_runtimes(method), target)
 
 
 def first_runtime(runtimes: tuple[Runtime, ...], target: Device) -> Runtime | None:

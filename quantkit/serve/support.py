@@ -58,6 +58,11 @@ def cpuinfo(key: str) -> str:
     return next((line.split(":", 1)[-1].strip() for line in lines if line.split(":")[0].strip() == key), "")
 
 
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags (/proc/cpuinfo; none where it has none)."""
+    return frozenset(cpuinfo("flags").split())
+
+
 def accelerator() -> Accelerator:
     """The device the engines run on here."""
     gpu = cuda_gpu()
@@ -66,7 +71,7 @@ def accelerator() -> Accelerator:
     if platform.system() == "Darwin" and platform.machine() == "arm64":
         return Accelerator("apple", "Apple silicon")
     name = cpuinfo("model name") or f"{platform.machine()} CPU"
-    return Accelerator("cpu", name, flags=frozenset(cpuinfo("flags").split()))
+    return Accelerator("cpu", name, flags=cpu_flags())
 
 
 def refusal(engine: str, artifact: Path, kind: str, device: Accelerator) -> str | None:
