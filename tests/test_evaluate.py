@@ -236,3 +236,78 @@ def test_paired_cuts_two_scorers_chunks_to_the_same_positions(windows, monkeypat
 
     with pytest.raises(InternalError):
         list(evaluate.paired(fake_model()(windows), fake_model()(windows[:-1])))
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 1023, 1024, 1025, 3000, 4096])
+def test_row_max_is_torch_max(vocab):
+    """Ties (the first index wins), a NaN anywhere in a row (its maximum is NaN), rows of -inf, a vocabulary
+    the blocks do not divide: the maxima and indices of Tensor.max."""
+    generator = torch.Generator().manual_seed(vocab)
+    for trial in range(12):
+        rows = torch.randint(-3, 3, (6, vocab), generator=generator).float()
+        if trial % 3 == 0:
+            rows[1, int(torch.randint(0, vocab, (1,), generator=generator))] = math.nan
+        if trial % 4 == 0:
+            rows[2] = -math.inf
+        values, index = evaluate.row_max(rows)
+        expected = rows.max(-1)
+        finite = ~expected.values.isnan()
+        assert torch.equal(values.isnan(), ~finite)
+        assert torch.equal(values[finite], expected.values[finite])
+        assert torch.equal(index[finite], expected.indices[finite])
+
+
+def test_buffers_are_reused_and_grow():
+    buffers = evaluate.Buffers()
+    first = buffers.get("a", 4, 8, torch.float32, "cpu")
+    fewer = buffers.get("a", 2, 8, torch.float32, "cpu")
+    assert fewer.shape == (2, 8) and fewer.data_ptr() == first.data_ptr()
+    assert buffers.get("a", 6, 8, torch.float32, "cpu").shape == (6, 8)
+    assert buffers.get("a", 6, 8, torch.float16, "cpu").dtype == torch.float16
+    assert buffers.get("b", 1, 3, torch.float32, "cpu").shape == (1, 3)
+
+
+def test_kl_rows_in_reused_buffers_are_the_fresh_ones():
+    """The same buffers through chunks of different sizes (the last one smaller): each chunk's KL divergence is
+    the one computed in fresh memory."""
+    generator = torch.Generator().manual_seed(0)
+    base = torch.log_softmax(torch.randn(13, 300, generator=generator) * 3, -1)
+    cand = torch.log_softmax(base + 0.1 * torch.randn(13, 300, generator=generator), -1)
+    base16 = base.to(torch.float16).numpy()
+    buffers = evaluate.Buffers()
+    for first, last in ((0, 5), (5, 10), (10, 13), (0, 13)):
+        reused = evaluate.kl_rows(base16[first:last], cand[first:last], buffers=buffers)
+        assert torch.equal(reused, evaluate.kl_rows(base16[first:last], cand[first:last]))
+
+
+def test_a_head_with_a_forward_of_its_own_is_called():
+    """score_hidden writes a plain nn.Linear head's logits into a reused buffer; a head with hooks or a forward
+    of its own (a quantized one) is called as the model calls it."""
+    head = torch.nn.Linear(8, 16, bias=False)
+    hidden = torch.randn(5, 8)
+    called, targets = [], torch.zeros(5, dtype=torch.long)
+
+    @torch.inference_mode()
+    def scored(softcap=None):  # as the scorers call it
+        return torch.cat([c.logprobs for c in evaluate.score_hidden(hidden, targets, head, softcap)])
+
+    assert evaluate.plain_linear(head)
+    plain = scored()
+    head.register_forward_hook(lambda *a: called.append(1))
+    assert not evaluate.plain_linear(head)
+    hooked = scored()
+    with torch.no_grad():
+        assert called and torch.allclose(plain, hooked) and torch.allclose(plain, torch.log_softmax(head(hidden), -1))
+        capped = scored(2.0)
+        assert torch.allclose(capped, torch.log_softmax(torch.tanh(head(hidden) / 2.0) * 2.0, -1))
+
+
+def test_an_unfinished_scorer_leaves_the_caller_out_of_inference_mode(windows):
+    """A scorer stopped after its first chunk (or by an error, as paired's) does not leave inference mode on:
+    the mode is the scorer's own, step by step."""
+    chunks = fake_model()(windows)
+    next(chunks)
+    assert not torch.is_inference_mode_enabled() and torch.is_grad_enabled()
+    with pytest.raises(Exception):
+        list(evaluate.paired(fake_model()(windows), fake_model()(windows[:-1])))
+    assert not torch.is_inference_mode_enabled()

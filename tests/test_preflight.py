@@ -297,13 +297,15 @@ def test_several_artifacts_reuse_a_kept_baseline(micro_model, monkeypatch):
 
 
 def test_the_estimates_count_the_logits_at_the_vocabulary_size(micro_model, tmp_path):
-    """A 262144-entry vocabulary: each resident step holds a few chunks of float32 logits of at most 32 MiB
-    (quantkit.eval.resident.chunk_positions: 32 positions), a streamed one the scoring's chunks, and a kept
-    baseline 2 bytes per position and entry, whatever the window count."""
+    """A 262144-entry vocabulary: each resident step holds a block of the head's logits in the model's dtype
+    (quantkit.eval.evaluate.head_block_positions: 32 MiB, 64 positions at 16 bits) per model and a few chunks
+    of float32 log-probs of 4 MiB (chunk_positions: 4 positions), a streamed one the scoring's chunks, and a
+    kept baseline 2 bytes per position and entry, whatever the window count."""
     import json
 
-    from quantkit.eval.resident import chunk_positions
+    from quantkit.eval.evaluate import chunk_positions, head_block_positions
     from quantkit.io.checkpoint import check_model_dir
+    from quantkit.io.safetensors import DTYPE_BYTES
     from quantkit.run import preflight
     from quantkit.run.recipe import Overrides, build_recipe
 
@@ -312,14 +314,19 @@ def test_the_estimates_count_the_logits_at_the_vocabulary_size(micro_model, tmp_
     config = json.loads((big / "config.json").read_text())
     (big / "config.json").write_text(json.dumps({**config, "vocab_size": 262144}))
     info, small = check_model_dir(big), check_model_dir(micro_model)
-    assert chunk_positions("cpu", 262144) == 32 and chunk_positions("cpu", 512) == 4096
-    chunk = 4 * 32 * 262144
-    assert preflight.chunk_bytes(info, 512, 16) == chunk == 32 * 2**20
-    assert preflight.chunk_bytes(info, 16, 1) == 4 * 16 * 262144  # no more positions than there are
+    assert chunk_positions("cpu", 262144) == 4 and chunk_positions("cpu", 512) == 2048
+    assert head_block_positions("cpu", 262144, 2) == 64 and head_block_positions("cpu", 262144, 4) == 32
+    chunk, size = 4 * 4 * 262144, DTYPE_BYTES[info.dtype]
+    head = 32 * 2**20
+    assert preflight.chunk_bytes(info, 512, 16) == chunk == 4 * 2**20
+    assert preflight.chunk_bytes(info, 2, 1) == 4 * 2 * 262144  # no more positions than there are
+    assert preflight.head_block_bytes(info, 512, 16) == head
+    assert preflight.head_block_bytes(info, 16, 1) == size * 16 * 262144
     for windows in (4, 64):  # the logits' part does not grow with the windows
         held = preflight.scoring_bytes(0, info, 512, windows, preflight.SCORING_COPIES)
-        assert preflight.SCORING_COPIES * chunk <= held <= preflight.batch_bytes(info, 512, windows, 2**29) + 6 * chunk
-        assert held > preflight.scoring_bytes(0, small, 512, windows, preflight.SCORING_COPIES)
+        batch = preflight.batch_bytes(info, 512, windows, preflight.CPU_ACTIVATION_BYTES)
+        assert held == head + max(batch + 2 * chunk, preflight.SCORING_COPIES * chunk)
+    assert preflight.scoring_bytes(0, info, 512, 4, 4) > preflight.scoring_bytes(0, small, 512, 4, 4) + head // 2
     assert preflight.baseline_bytes(info, 512, 8) == 2 * 8 * 512 * 262144
     recipe = build_recipe(None, "fp8", Overrides(model=str(big), calibration={"eval_windows": 8}))
     targets = resolved_targets(recipe, info)
@@ -328,7 +335,7 @@ def test_the_estimates_count_the_logits_at_the_vocabulary_size(micro_model, tmp_
     lock = preflight.ram_estimate(info, recipe, targets, lockstep).steps
     keep = preflight.ram_estimate(info, recipe, targets, kept).steps
     assert "baseline" not in lock and min(keep.values()) > preflight.baseline_bytes(info, 512, 8)
-    assert lock["fp8: gate"] >= preflight.LOCKSTEP_COPIES * chunk
+    assert lock["fp8: gate"] >= 2 * head + preflight.LOCKSTEP_COPIES * chunk
     assert preflight.gate_placement(info, recipe, targets).lockstep  # one artifact: the base beside it holds less
 
 

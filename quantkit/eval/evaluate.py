@@ -193,15 +193,22 @@ def iter_batches(windows, batch_size: int):
         yield windows[start : start + batch_size]
 
 
+def inference_generator(function):
+    """The generator function `function`, each of its steps run in torch.inference_mode and the mode restored
+    at each yield (torch's decorator does so): a `with torch.inference_mode()` around a yield would leave the
+    consumer in inference mode while the generator is suspended, and for good where it is never finished."""
+    import torch
+
+    return torch.inference_mode()(function)
+
+
 def logits_scorer(logits_fn: LogitsFn, vocab_size: int | None = None, batch_size: int | None = None) -> Scorer:
     """A Scorer over a whole-batch logits function (batches sized by vocab_size unless given)."""
 
+    @inference_generator
     def scorer(windows) -> Iterator[ScoredChunk]:
-        import torch
-
-        with torch.inference_mode():
-            for batch in iter_batches(windows, batch_size or batch_size_for(windows, vocab_size)):
-                yield from score_logits(logits_fn(batch), batch)
+        for batch in iter_batches(windows, batch_size or batch_size_for(windows, vocab_size)):
+            yield from score_logits(logits_fn(batch), batch)
 
     return scorer
 
@@ -213,32 +220,93 @@ def model_scorer(model) -> Scorer:
     casts them: one chunk's logits are the most ever held, whatever the vocabulary."""
     vocab = model.config.get_text_config().vocab_size
 
+    @inference_generator
     def scorer(windows) -> Iterator[ScoredChunk]:
-        import torch
-
-        with torch.inference_mode():
-            for batch in iter_batches(windows, batch_size_for(windows, vocab)):
-                yield from score_model_batch(model, batch)
+        for batch in iter_batches(windows, batch_size_for(windows, vocab)):
+            yield from score_model_batch(model, batch)
 
     return scorer
 
 
 def score_model_batch(model, ids) -> Iterator[ScoredChunk]:
-    """Log-probs of predictions 0..L-2 of each window of `ids` from a model object, chunk_rows positions at a time."""
-    import torch
-
+    """Log-probs of predictions 0..L-2 of each window of `ids` from a model object (score_hidden)."""
     device = next(model.parameters()).device
     hidden = model.base_model(input_ids=ids.to(device), use_cache=False).last_hidden_state
     hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1])
-    targets = ids[:, 1:].reshape(-1).to(device)
-    head = model.get_output_embeddings()
     softcap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
-    step = chunk_rows(head.out_features)
-    for start in range(0, hidden.shape[0], step):
-        logits = head(hidden[start : start + step])
-        if softcap is not None:
-            logits = torch.tanh(logits / softcap) * softcap
-        yield ScoredChunk(torch.log_softmax(logits, dim=-1, dtype=torch.float32), targets[start : start + step])
+    return score_hidden(hidden, ids[:, 1:].reshape(-1).to(device), model.get_output_embeddings(), softcap)
+
+
+CPU_CHUNK_BYTES = 4 * 1024 * 1024  # float32 log-probs of one chunk of positions from a model in memory on a CPU:
+# small enough that the allocator serves every chunk from memory already mapped (a chunk of 32 MiB is a fresh
+# memory map whose pages fault in on first touch) and the scoring's passes over it stay in the caches
+GPU_CHUNK_BYTES = 1024 * 1024 * 1024  # on a GPU: large chunks keep it busy
+HEAD_BLOCK_BYTES = 32 * 1024 * 1024  # a CPU's logits in the model's dtype per matmul of the head: the head's
+# weight is read once per block (262144 entries at width 640, 4096 positions: blocks of 32 positions 2.8 s, 64:
+# 2.1 s, 128: 1.7 s, each 16 MiB more held beside each model)
+
+
+def chunk_positions(device, vocab: int) -> int:
+    """Positions per chunk of float32 log-probs on `device`: CPU_CHUNK_BYTES' worth on a CPU (4 positions of a
+    262144-entry vocabulary), GPU_CHUNK_BYTES' on a GPU (at least 128)."""
+    import torch
+
+    if torch.device(device).type == "cuda":
+        return max(128, GPU_CHUNK_BYTES // (4 * vocab))
+    return max(1, CPU_CHUNK_BYTES // (4 * vocab))
+
+
+def head_block_positions(device, vocab: int, element_size: int) -> int:
+    """Positions per matmul of the output head on `device`: HEAD_BLOCK_BYTES of logits on a CPU (64 positions
+    of a 262144-entry vocabulary in 16 bits), a chunk's on a GPU."""
+    import torch
+
+    if torch.device(device).type == "cuda":
+        return chunk_positions(device, vocab)
+    return max(1, HEAD_BLOCK_BYTES // (element_size * vocab))
+
+
+def plain_linear(module) -> bool:
+    """A torch.nn.Linear without a bias whose forward is its class's, with no hooks: nothing else runs when it
+    is called (compressed-tensors gives a quantized module a forward of its own)."""
+    import torch
+
+    return (type(module) is torch.nn.Linear and module.bias is None and "forward" not in vars(module)
+            and not module._forward_hooks and not module._forward_pre_hooks)
+
+
+def head_logits(head, softcap: float | None, hidden, out=None) -> "torch.Tensor":  # noqa: F821
+    """Logits of hidden states (positions, hidden) in the model's dtype: the head, then the config's
+    final_logit_softcapping, as the model's forward applies them. A plain_linear head writes into `out` where
+    given (the matmul its forward runs, into memory reused from call to call)."""
+    import torch
+
+    if out is not None and plain_linear(head):
+        logits = torch.matmul(hidden, head.weight.t(), out=out)
+    else:
+        logits = head(hidden)
+    if softcap is not None:
+        logits = logits.div_(softcap).tanh_().mul_(softcap)
+    return logits
+
+
+def score_hidden(hidden, targets, head, softcap: float | None, buffers: Buffers | None = None) -> Iterator[ScoredChunk]:
+    """ScoredChunks of hidden states (positions, hidden) and their targets: the head applied a block of
+    positions at a time (head_block_positions) into a buffer reused from block to block (`buffers`), each
+    block's log-softmax taken in float32 a chunk of positions at a time (chunk_positions), as model_logits_fn
+    casts the logits. One block of logits and a chunk of log-probs are the most held, whatever the vocabulary."""
+    import torch
+
+    buffers = buffers or Buffers()
+    vocab, dtype, device = head.out_features, head.weight.dtype, hidden.device
+    block, step = head_block_positions(device, vocab, dtype.itemsize), chunk_positions(device, vocab)
+    for first in range(0, hidden.shape[0], block):
+        rows = hidden[first : first + block]
+        logits = head_logits(head, softcap, rows, buffers.get("logits", rows.shape[0], vocab, dtype, device))
+        for start in range(0, rows.shape[0], step):
+            part = logits[start : start + step]
+            yield ScoredChunk(torch.log_softmax(part, dim=-1, dtype=torch.float32),
+                              targets[first + start : first + start + part.shape[0]])
 
 
 # ------------------------------------------------------------------ baseline and comparison
@@ -259,15 +327,57 @@ def empty_baseline(n_positions: int, vocab: int, workdir: Path | None, spill: bo
                     np.empty(n_positions, np.int32), np.empty(n_positions, np.int64))
 
 
+MAX_BLOCK = 1024  # entries per block of a row whose maximum is taken first (row_max)
+
+
+def row_max(rows) -> tuple["torch.Tensor", "torch.Tensor"]:  # noqa: F821
+    """Each row's maximum and the index of its first occurrence (what rows.max(-1) gives), from the maxima of
+    blocks of MAX_BLOCK entries: on a CPU `max` with indices is a scalar loop, `amax` a vectorized one (about 12x
+    faster over 262144 entries), and only the one block holding a row's maximum is searched for its index. The
+    maximum of a row holding a NaN is NaN (amax propagates it), as max's is."""
+    import torch
+
+    n, vocab = rows.shape
+    whole = vocab - vocab % MAX_BLOCK
+    parts = [rows[:, :whole].unflatten(1, (-1, MAX_BLOCK)).amax(-1)] if whole else []
+    if whole < vocab:
+        parts.append(rows[:, whole:].amax(-1, keepdim=True))
+    blocks = torch.cat(parts, 1) if len(parts) > 1 else parts[0]
+    values = blocks.amax(-1)
+    first = (blocks == values[:, None]).to(torch.uint8).argmax(-1)  # the first block holding the maximum
+    columns = (first[:, None] * MAX_BLOCK + torch.arange(MAX_BLOCK, device=rows.device)).clamp_max_(vocab - 1)
+    return values, first * MAX_BLOCK + rows.gather(1, columns).argmax(-1)  # clamped repeats come after the last
+
+
 def top1_and_finite(logprobs) -> tuple["torch.Tensor", "torch.Tensor"]:  # noqa: F821
     """(argmax per position, NO_TOP1 where the log-probs are not finite; which positions hold no NaN), from
     one max per row: max propagates NaN, so a row's maximum is NaN exactly when the row holds one (-inf is
     a legitimate log-prob of 0; +inf cannot occur)."""
     import torch
 
-    values, index = logprobs.max(-1)
+    values, index = row_max(logprobs)
     finite = ~values.isnan()
     return torch.where(finite, index, NO_TOP1), finite
+
+
+class Buffers:
+    """Tensors reused from chunk to chunk under a name: a large vocabulary's rows are not allocated afresh for
+    every chunk (on a CPU, allocations this large are fresh memory maps whose pages fault in on first touch:
+    about four times the cost of the arithmetic on them). A buffer grows when more rows are asked for; fewer
+    rows are a view of its first ones."""
+
+    def __init__(self):
+        self.held: dict = {}
+
+    def get(self, name: str, rows: int, columns: int, dtype, device) -> "torch.Tensor":  # noqa: F821
+        import torch
+
+        held = self.held.get(name)
+        if held is None or held.shape[0] < rows or held.shape[1] != columns or held.dtype != dtype \
+                or held.device != torch.device(device):
+            held = self.held[name] = None  # the old one freed before the new one is allocated
+            held = self.held[name] = torch.empty((rows, columns), dtype=dtype, device=device)
+        return held[:rows]
 
 
 def target_nll(chunk: ScoredChunk) -> np.ndarray:
@@ -324,29 +434,33 @@ def lockstep_baseline(scorer: Scorer, windows, shared: object = None) -> Baselin
 FLOAT16_MIN = -65504.0  # the most negative finite float16: a log-prob of -inf (probability 0) is read as this
 
 
-def kl_rows(base16: np.ndarray, cand, finite=None) -> "torch.Tensor":  # noqa: F821
+def kl_rows(base16, cand, finite=None, buffers: Buffers | None = None) -> "torch.Tensor":  # noqa: F821
     """KL(base || cand) per position from float16-rounded log-probs; tiny negatives clamp to 0.
 
     Both rows are taken as distributions after rounding (each divided by its sum, Z), so the rounding
     enters the KL divergence only to second order (a float16 step of 1e-3 moves it by about 1e-6), where
     rounded, unnormalized rows put noise of their own size into every position, which the clamp at 0
     turned into a bias of ~5e-4. With p~ = exp(base) and d = base - cand:
-        KL = sum(p~ * d) / Z_base - log Z_base + log Z_cand        (one batched dot product)
+        KL = sum(p~ * d) / Z_base - log Z_base + log Z_cand
     Identical rows score exactly 0. A log-prob of -inf is read as FLOAT16_MIN, so a token both give
     probability 0 (a masked vocabulary entry) adds exactly 0, and one only the candidate gives 0 adds a
     large finite term. A candidate position whose log-probs hold a NaN gets a NaN (`finite`: the positions
-    without one, when the caller has them). Computed on the candidate's device (the base's rows are copied
-    there)."""
+    without one, when the caller has them). Computed on the candidate's device (the base's rows, float16 as a
+    numpy array or a tensor, are copied there) in `buffers` (reused from chunk to chunk where given)."""
     import torch
 
-    base = torch.as_tensor(np.asarray(base16) if isinstance(base16, np.ndarray) else base16)
-    base = base.to(cand.device).float().clamp_min_(FLOAT16_MIN)
-    diff = cand.to(torch.float16).float().clamp_min_(FLOAT16_MIN)
-    log_z_cand = diff.exp().sum(-1).log_()
+    buffers = buffers or Buffers()
+    n, vocab = cand.shape
+    base16 = torch.from_numpy(np.asarray(base16)) if isinstance(base16, np.ndarray) else base16
+    half = buffers.get("kl half", n, vocab, torch.float16, cand.device).copy_(cand)
+    diff = buffers.get("kl diff", n, vocab, torch.float32, cand.device).copy_(half).clamp_min_(FLOAT16_MIN)
+    base = buffers.get("kl base", n, vocab, torch.float32, cand.device)
+    log_z_cand = torch.exp(diff, out=base).sum(-1).log_()
+    base.copy_(base16).clamp_min_(FLOAT16_MIN)
     torch.sub(base, diff, out=diff)
     weights = base.exp_()
     z_base = weights.sum(-1)
-    dot = torch.bmm(weights.unsqueeze(1), diff.unsqueeze(2)).reshape(-1)
+    dot = torch.mul(weights, diff, out=diff).sum(-1)
     kl = (dot / z_base - z_base.log() + log_z_cand).clamp_min(0.0)
     if finite is None:
         finite = top1_and_finite(cand)[1]
@@ -376,13 +490,14 @@ def lockstep_rows(base_chunks: Iterable[ScoredChunk], chunks: Iterable[ScoredChu
     scorers' chunks (paired); the base's NLL, top-1 and targets go into `baseline` as they pass."""
     import torch
 
-    offset = 0
+    offset, buffers = 0, Buffers()
     for base, chunk in paired(base_chunks, chunks):
         end = offset + chunk.logprobs.shape[0]
         baseline.nll[offset:end] = target_nll(base)
         baseline.top1[offset:end] = top1_and_finite(base.logprobs)[0].cpu().numpy()
         baseline.targets[offset:end] = base.targets.cpu().numpy()
-        yield offset, base.logprobs.to(torch.float16), chunk
+        base16 = buffers.get("base16", *base.logprobs.shape, torch.float16, base.logprobs.device)
+        yield offset, base16.copy_(base.logprobs), chunk
         offset = end
     baseline.scored = offset == baseline.nll.shape[0]
 
@@ -409,11 +524,11 @@ def paired(first: Iterable[ScoredChunk], second: Iterable[ScoredChunk]) -> Itera
 def compare_rows(rows: Iterable[tuple[int, object, ScoredChunk]], baseline: Baseline,
                  gather: Gather | None = None) -> Metrics:
     """The metrics from (offset, base float16 rows, candidate chunk) triples (stored_rows, lockstep_rows)."""
-    kls, nlls, agree = [], [], []
+    kls, nlls, agree, buffers = [], [], [], Buffers()
     for offset, base16, chunk in rows:
         end = offset + chunk.logprobs.shape[0]
         top1, finite = top1_and_finite(chunk.logprobs)
-        kls.append(kl_rows(base16, chunk.logprobs, finite).cpu().numpy())
+        kls.append(kl_rows(base16, chunk.logprobs, finite, buffers).cpu().numpy())
         nlls.append(target_nll(chunk))
         agree.append(top1.cpu().numpy() == baseline.top1[offset:end])
     columns = [np.concatenate(kls), np.concatenate(nlls), np.concatenate(agree), baseline.nll]

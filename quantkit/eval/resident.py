@@ -7,9 +7,10 @@ dequantized, a compressed-tensors checkpoint decompressed a module at a time, an
 cast to the parameter's dtype as accelerate's hooks cast it, and placed on the device. The model's
 own forward then runs with no hooks: the same modules in the same dtype as the streamed path, so
 the numbers are the streamed path's; only the time differs (no weight is read twice, no logits are
-spilled to a file). The output head is applied a chunk of positions at a time (with the config's
-final_logit_softcapping, as the model's forward does), so one chunk's float32 logits are the most
-ever held beside the model, whatever the vocabulary; scoring (log-softmax, KL, top-1) runs on the device.
+spilled to a file). The output head is applied a block of positions at a time (with the config's
+final_logit_softcapping, as the model's forward does) and its log-softmax a smaller chunk at a time
+(quantkit.eval.evaluate.score_hidden), so one block of logits and a chunk of float32 log-probs are the
+most ever held beside the model, whatever the vocabulary; scoring (log-softmax, KL, top-1) runs on the device.
 
 Scored in lockstep (quantkit.eval.evaluate.lockstep_baseline: the base beside an artifact, neither's
 log-probs kept), the base's resident tensors are lent to the artifact's model (`Shared`): a tensor the
@@ -26,7 +27,15 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from quantkit.engines.transformers import tied_groups
-from quantkit.eval.evaluate import ScoredChunk, Scorer, iter_batches
+from quantkit.eval.evaluate import (
+    Buffers,
+    ScoredChunk,
+    Scorer,
+    head_logits,
+    inference_generator,
+    iter_batches,
+    score_hidden,
+)
 from quantkit.eval.stream import (
     WeightsMap,
     WeightSource,
@@ -36,11 +45,6 @@ from quantkit.eval.stream import (
     windows_per_group,
 )
 from quantkit.io.memory import release_freed_memory
-
-CPU_CHUNK_BYTES = 8 * 1024 * 1024  # float32 logits of one chunk of positions on a CPU: the scoring's passes over
-# a chunk stay in the caches (measured at width 768, vocabulary 32000: 8 MiB 3.4 s, 32 MiB 3.7 s, 2 MiB 4.5 s)
-MAX_CPU_CHUNK_BYTES = 32 * 1024 * 1024  # a large vocabulary's chunk stays within this, below MIN_CHUNK_POSITIONS
-GPU_CHUNK_BYTES = 1024 * 1024 * 1024  # on a GPU: large chunks keep it busy
 
 
 @dataclass
@@ -143,46 +147,11 @@ def forward_model(config, source: WeightSource, dtype, device, room: int):
     return stream_model(config, source, dtype, device)
 
 
-def head_logits(resident: ResidentModel, hidden) -> "torch.Tensor":  # noqa: F821
-    """Logits of hidden states (positions, hidden) in the model's dtype: the head, then the softcap, as the
-    model's forward (the callers cast to float32, as evaluate.model_logits_fn does)."""
-    import torch
-
-    logits = resident.head(hidden)
-    if resident.softcap is not None:
-        logits = torch.tanh(logits / resident.softcap) * resident.softcap
-    return logits
-
-
-MIN_CHUNK_POSITIONS = 128  # the head's matmul re-reads its whole weight per chunk: fewer rows than this cost more
-# (width 768, vocabulary 32000, 4080 positions on a CPU: 65 rows 0.65 s, 130 or more 0.54 s)
-
-
-def chunk_positions(device, vocab: int) -> int:
-    """Positions per chunk of float32 logits on `device`: the chunk budget's worth, at least MIN_CHUNK_POSITIONS
-    where that stays within MAX_CPU_CHUNK_BYTES on a CPU (a 262144-entry vocabulary: 32 positions, 32 MiB)."""
-    import torch
-
-    if torch.device(device).type == "cuda":
-        return max(MIN_CHUNK_POSITIONS, GPU_CHUNK_BYTES // (4 * vocab))
-    floor = min(MIN_CHUNK_POSITIONS, MAX_CPU_CHUNK_BYTES // (4 * vocab))
-    return max(1, CPU_CHUNK_BYTES // (4 * vocab), floor)
-
-
-def score_batch(resident: ResidentModel, ids) -> Iterator[ScoredChunk]:
-    """Log-probs of predictions 0..L-2 of each window of `ids`, a chunk of positions at a time, on the device."""
-    import torch
-
-    hidden = last_hidden(resident, ids)
+def score_batch(resident: ResidentModel, ids, buffers: Buffers | None = None) -> Iterator[ScoredChunk]:
+    """Log-probs of predictions 0..L-2 of each window of `ids`, a chunk of positions at a time, on the device
+    (evaluate.score_hidden)."""
     targets = ids[:, 1:].reshape(-1).to(resident.device)
-    step = chunk_positions(resident.device, resident.head.out_features)
-    for start in range(0, hidden.shape[0], step):
-        logits = head_logits(resident, hidden[start : start + step])  # cast to float32 inside the log-softmax
-        chunk = ScoredChunk(torch.log_softmax(logits, dim=-1, dtype=torch.float32), targets[start : start + step])
-        del logits
-        yield chunk
-        del chunk
-        release_freed_memory()  # the consumer's copies of the chunk are gone by now: the heap stays flat
+    return score_hidden(last_hidden(resident, ids), targets, resident.head, resident.softcap, buffers)
 
 
 def resident_scorer(make: Callable[[], ResidentModel], text_config, activation_bytes: int,
@@ -191,17 +160,17 @@ def resident_scorer(make: Callable[[], ResidentModel], text_config, activation_b
     windows go through it in batches sized for `text_config`'s activations within activation_bytes. With
     `lends`, its parameters are lent (Shared) while it scores."""
 
+    @inference_generator
     def scorer(windows) -> Iterator[ScoredChunk]:
-        import torch
-
         resident = make()
         if lends is not None:
             lends.tensors = dict(resident.model.named_parameters(remove_duplicate=False))
         batch = windows_per_group(text_config, windows.shape[1], activation_bytes)
+        buffers = Buffers()
         try:
-            with torch.inference_mode():
-                for ids in iter_batches(windows, batch):
-                    yield from score_batch(resident, ids)
+            for ids in iter_batches(windows, batch):
+                yield from score_batch(resident, ids, buffers)
+                release_freed_memory()  # the batch's freed activations go back: the peak does not creep
         finally:
             if lends is not None:
                 lends.tensors = {}
@@ -216,7 +185,7 @@ def resident_logits(resident: ResidentModel, ids) -> "torch.Tensor":  # noqa: F8
 
     with torch.inference_mode():
         hidden = resident.model.get_decoder()(input_ids=ids.to(resident.device), use_cache=False).last_hidden_state
-        return head_logits(resident, hidden).float().cpu()
+        return head_logits(resident.head, resident.softcap, hidden).float().cpu()
 
 
 # ------------------------------------------------------------------ out of memory: finish streamed

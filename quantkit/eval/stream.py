@@ -35,7 +35,7 @@ from typing import Protocol
 
 from quantkit.engines.transformers import tied_groups
 from quantkit.errors import ModelError
-from quantkit.eval.evaluate import ScoredChunk, Scorer, chunk_rows, iter_batches
+from quantkit.eval.evaluate import ScoredChunk, Scorer, chunk_rows, inference_generator, iter_batches
 from quantkit.io.memory import release_freed_memory
 
 ACTIVATION_BYTES = 512 * 1024 * 1024  # working set of one group of windows inside one decoder layer
@@ -401,15 +401,13 @@ def group_scorer(make: Callable[[], StreamedModel], text_config, activation_byte
     """A Scorer over the streamed model `make` builds when scoring starts: the windows go through it
     in groups sized for `text_config`'s activations, each group's logits in memory within `room` bytes."""
 
+    @inference_generator
     def scorer(windows) -> Iterator[ScoredChunk]:
-        import torch
-
         streamed = make()
         group = windows_per_group(text_config, windows.shape[1], activation_bytes)
         try:
-            with torch.inference_mode():
-                for ids in iter_batches(windows, group):
-                    yield from score_group(streamed, ids, room)
+            for ids in iter_batches(windows, group):
+                yield from score_group(streamed, ids, room)
         finally:
             streamed.close()
 
@@ -484,14 +482,12 @@ def start_scorer(streamed: StreamedModel, text_config, start: int, record: dict[
     """The streamed model's Scorer computing from decoder layer `start` on, each group of windows
     resuming from the input recording_scorer recorded for it (the same windows, in the same groups)."""
 
+    @inference_generator
     def scorer(windows) -> Iterator[ScoredChunk]:
-        import torch
-
         group = windows_per_group(text_config, windows.shape[1], activation_bytes)
-        with torch.inference_mode():
-            for index, ids in enumerate(iter_batches(windows, group)):
-                with starting_at(streamed.model, start, record[start][index] if start else None):
-                    yield from score_group(streamed, ids)
+        for index, ids in enumerate(iter_batches(windows, group)):
+            with starting_at(streamed.model, start, record[start][index] if start else None):
+                yield from score_group(streamed, ids)
 
     return scorer
 

@@ -346,12 +346,10 @@ CPU_ACTIVATION_BYTES = 128 * 2**20  # a resident CPU forward's: no layer is read
 # rows enough for the matmuls (4 windows of 512 tokens at width 640: 2048 rows), the memory goes to the models
 RAM_HEADROOM = 0.10  # share of the memory available now a run leaves free (other processes, page cache, slack)
 MIN_RAM_HEADROOM = 512 * 2**20  # and at least this much
-BASELINE_COPIES = 3  # float32-chunk-sized buffers the baseline's scoring holds: the logits in the model's dtype,
-# the log-probs, their float16 copy
-SCORING_COPIES = 5  # comparing a chunk: the candidate's logits and log-probs, the baseline's rows in float32, the
-# KL divergence's difference and exponentials
-LOCKSTEP_COPIES = 6  # the same, with the base's logits and log-probs beside the candidate's (measured: 5 at a
-# 262144-entry vocabulary)
+BASELINE_COPIES = 2  # chunks of float32 log-probs the baseline's scoring holds: the log-probs, their float16 copy
+SCORING_COPIES = 4  # comparing a chunk: the candidate's log-probs, the KL divergence's two float32 buffers and its
+# float16 one (quantkit.eval.evaluate.kl_rows)
+LOCKSTEP_COPIES = 6  # the same, with the base's log-probs and their float16 copy beside the candidate's
 
 
 def streamed_bytes(info, seq_len: int, windows: int) -> int:
@@ -390,8 +388,8 @@ def batch_bytes(info, seq_len: int, windows: int, budget: int) -> int:
 
 
 def chunk_bytes(info, seq_len: int, windows: int, cuda: bool = False) -> int:
-    """float32 logits of one chunk of positions of a resident forward (quantkit.eval.resident.chunk_positions)."""
-    from quantkit.eval.resident import chunk_positions
+    """float32 log-probs of one chunk of positions of a resident forward (quantkit.eval.evaluate.chunk_positions)."""
+    from quantkit.eval.evaluate import chunk_positions
 
     vocab = vocab_size(info)
     if not vocab:
@@ -399,23 +397,38 @@ def chunk_bytes(info, seq_len: int, windows: int, cuda: bool = False) -> int:
     return 4 * vocab * min(chunk_positions("cuda" if cuda else "cpu", vocab), max(1, windows * seq_len))
 
 
+def head_block_bytes(info, seq_len: int, windows: int, cuda: bool = False) -> int:
+    """Logits in the model's dtype of one block of positions of a resident forward's output head, held from
+    block to block (quantkit.eval.evaluate.head_block_positions)."""
+    from quantkit.eval.evaluate import head_block_positions
+    from quantkit.io.safetensors import DTYPE_BYTES
+
+    vocab, size = vocab_size(info), DTYPE_BYTES.get(info.dtype, 4)
+    if not vocab:
+        return 0
+    return size * vocab * min(head_block_positions("cuda" if cuda else "cpu", vocab, size), max(1, windows * seq_len))
+
+
 def resident_activation_bytes(cuda: bool) -> int:
     """The activations a resident forward batches its windows within, on a GPU or a CPU."""
     return GPU_ACTIVATION_BYTES if cuda else CPU_ACTIVATION_BYTES
 
 
-def scoring_bytes(models: int, info, seq_len: int, windows: int, copies: int, cuda: bool = False) -> int:
-    """A resident forward: `models` bytes of weights, and the larger of a batch's activations (beside the two
-    chunks of logits the other side of a lockstep holds) and `copies` chunks of logits while scoring."""
+def scoring_bytes(models: int, info, seq_len: int, windows: int, copies: int, cuda: bool = False,
+                  sides: int = 1) -> int:
+    """A resident forward: `models` bytes of weights, each side's block of the head's logits, and the larger of
+    a batch's activations (beside the two chunks the other side of a lockstep holds) and `copies` chunks of
+    log-probs while scoring."""
     budget = resident_activation_bytes(cuda)
     chunk = chunk_bytes(info, seq_len, windows, cuda)
-    return models + max(batch_bytes(info, seq_len, windows, budget) + 2 * chunk, copies * chunk)
+    head = sides * head_block_bytes(info, seq_len, windows, cuda)
+    return models + head + max(batch_bytes(info, seq_len, windows, budget) + 2 * chunk, copies * chunk)
 
 
 def lockstep_bytes(models: int, info, seq_len: int, windows: int) -> int:
     """The base and an artifact resident side by side (`models`: both, less what they share), a batch's
     activations at a time and both sides' chunks of logits."""
-    return scoring_bytes(models, info, seq_len, windows, LOCKSTEP_COPIES)
+    return scoring_bytes(models, info, seq_len, windows, LOCKSTEP_COPIES, sides=2)
 
 
 def baseline_bytes(info, seq_len: int, windows: int) -> int:
