@@ -35,7 +35,9 @@ import numpy as np
 
 SPILL_THRESHOLD = 64 * 1024 * 1024  # float16 baseline log-probs above this go to a file (quantkit.io.rowio)
 BATCH_LOGITS_BYTES = 64 * 1024 * 1024  # float32 logits per forward batch; a few copies live at once
-CHUNK_BYTES = 32 * 1024 * 1024  # float32 log-probs per scored chunk; a few copies live at once
+CHUNK_BYTES = 4 * 1024 * 1024  # float32 log-probs per scored chunk on a CPU; a few copies live at once. Small
+# enough that the allocator serves every chunk from memory already mapped (a chunk of 32 MiB is a fresh memory map
+# whose pages fault in on first touch: four times the cost of the arithmetic) and the passes over it stay in caches
 GATE_METRICS = (  # (metric, threshold field, comparison)
     ("ppl_increase", "max_ppl_increase", "<="),
     ("ppl_delta", "max_ppl_delta", "<="),
@@ -237,9 +239,6 @@ def score_model_batch(model, ids) -> Iterator[ScoredChunk]:
     return score_hidden(hidden, ids[:, 1:].reshape(-1).to(device), model.get_output_embeddings(), softcap)
 
 
-CPU_CHUNK_BYTES = 4 * 1024 * 1024  # float32 log-probs of one chunk of positions from a model in memory on a CPU:
-# small enough that the allocator serves every chunk from memory already mapped (a chunk of 32 MiB is a fresh
-# memory map whose pages fault in on first touch) and the scoring's passes over it stay in the caches
 GPU_CHUNK_BYTES = 1024 * 1024 * 1024  # on a GPU: large chunks keep it busy
 HEAD_BLOCK_BYTES = 32 * 1024 * 1024  # a CPU's logits in the model's dtype per matmul of the head: the head's
 # weight is read once per block (262144 entries at width 640, 4096 positions: blocks of 32 positions 2.8 s, 64:
@@ -247,13 +246,13 @@ HEAD_BLOCK_BYTES = 32 * 1024 * 1024  # a CPU's logits in the model's dtype per m
 
 
 def chunk_positions(device, vocab: int) -> int:
-    """Positions per chunk of float32 log-probs on `device`: CPU_CHUNK_BYTES' worth on a CPU (4 positions of a
-    262144-entry vocabulary), GPU_CHUNK_BYTES' on a GPU (at least 128)."""
+    """Positions per chunk of float32 log-probs on `device`: chunk_rows on a CPU (4 positions of a 262144-entry
+    vocabulary), GPU_CHUNK_BYTES' worth on a GPU (at least 128)."""
     import torch
 
     if torch.device(device).type == "cuda":
         return max(128, GPU_CHUNK_BYTES // (4 * vocab))
-    return max(1, CPU_CHUNK_BYTES // (4 * vocab))
+    return chunk_rows(vocab)
 
 
 def head_block_positions(device, vocab: int, element_size: int) -> int:

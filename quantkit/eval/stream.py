@@ -42,6 +42,7 @@ ACTIVATION_BYTES = 512 * 1024 * 1024  # working set of one group of windows insi
 
 
 HEAD_SLICE_BYTES = 64 * 1024 * 1024  # one slice of the output head's rows, and of the logits for it
+BLOCK_BYTES = 32 * 1024 * 1024  # float32 logits of a block of positions at least: the head's rows are read once per block
 
 
 class WeightSource(Protocol):
@@ -347,8 +348,8 @@ def head_block(streamed: StreamedModel, prefix: str, hidden, index):
 
 def logits_blocks(streamed: StreamedModel, hidden, room: int = 0) -> Iterator:
     """float32 logits (positions, vocab) of a group's hidden states, a block of positions at a time, in memory:
-    as many positions as `room` bytes hold, at least a scored chunk's (evaluate.chunk_rows); each block's
-    head applied a slice of the vocabulary at a time (head_block).
+    as many positions as `room` bytes hold, at least BLOCK_BYTES' worth; each block's head applied a slice of the
+    vocabulary at a time (head_block).
 
     Our own loop for the head: the CausalLM's forward would make all the logits at once with the
     whole head materialized (a 128k x 4096 matrix is 2 GB in float32); here one slice of the head, one
@@ -357,7 +358,7 @@ def logits_blocks(streamed: StreamedModel, hidden, room: int = 0) -> Iterator:
     import numpy as np
 
     vocab, prefix = streamed.head.out_features, module_prefixes(streamed.model)[id(streamed.head)]
-    block = max(chunk_rows(vocab), room // (4 * vocab))
+    block = max(1, BLOCK_BYTES // (4 * vocab), room // (4 * vocab))
     for first in range(0, hidden.shape[0], block):
         part = hidden[first : first + block]
         logits = np.empty((part.shape[0], vocab), np.float32)
@@ -384,8 +385,8 @@ def score_group(streamed: StreamedModel, ids, room: int = 0) -> Iterator[ScoredC
             rows = torch.from_numpy(logits[start : start + step])
             first = offset + start
             yield ScoredChunk(torch.log_softmax(rows, dim=-1), targets[first : first + rows.shape[0]])
-            release_freed_memory()  # the consumer's copies of the chunk are gone by now
         offset += len(logits)
+        release_freed_memory()  # the consumer's copies of the block's chunks are gone by now
 
 
 def streamed_scorer(config, source: WeightSource, dtype, device="cpu", activation_bytes: int = ACTIVATION_BYTES,

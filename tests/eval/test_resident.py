@@ -91,7 +91,7 @@ def test_each_tensor_is_read_once_whatever_the_batches(micro_model, windows, str
 
 
 def test_logits_come_a_chunk_of_positions_at_a_time(micro_model, windows, monkeypatch):
-    monkeypatch.setattr(evaluate, "CPU_CHUNK_BYTES", 4 * 512 * 50)  # 50 positions of a 512 vocab
+    monkeypatch.setattr(evaluate, "CHUNK_BYTES", 4 * 512 * 50)  # 50 positions of a 512 vocab
     monkeypatch.setattr(evaluate, "HEAD_BLOCK_BYTES", 2 * 512 * 70)  # the head's blocks: 70 positions in bfloat16
     chunks = list(scorers.base_scorer(checkpoint.check_model_dir(micro_model), placement=RESIDENT)(windows))
     sizes = [c.logprobs.shape[0] for c in chunks]
@@ -124,7 +124,7 @@ def failing_after(scorer, chunks: int, error: Exception):
 def test_out_of_memory_finishes_streamed(micro_model, windows, monkeypatch, chunks):
     """Chunks of 50 positions cross the 63-position windows: whatever chunk the failure comes after,
     the positions come once each, in order, and the metrics are the streamed ones."""
-    monkeypatch.setattr(evaluate, "CPU_CHUNK_BYTES", 4 * 512 * 50)
+    monkeypatch.setattr(evaluate, "CHUNK_BYTES", 4 * 512 * 50)
     info = checkpoint.check_model_dir(micro_model)
     streamed = scorers.base_scorer(info)
     whole = failing_after(scorers.base_scorer(info, placement=RESIDENT), chunks, torch.OutOfMemoryError("CUDA out of memory"))
@@ -209,7 +209,6 @@ def direct_metrics(micro_model, artifact, windows) -> dict:
 def test_chunked_logits_give_the_metrics_of_whole_logits(micro_model, fp8_artifact, windows, monkeypatch):
     """Chunks of 7 positions (crossing the 63-position windows), resident in lockstep and through a model object:
     the metrics of transformers' whole logits computed apart."""
-    monkeypatch.setattr(evaluate, "CPU_CHUNK_BYTES", 4 * 512 * 7)
     monkeypatch.setattr(evaluate, "CHUNK_BYTES", 4 * 512 * 7)
     direct = direct_metrics(micro_model, fp8_artifact, windows)
     info = checkpoint.check_model_dir(micro_model)
@@ -249,7 +248,7 @@ def test_lockstep_holds_what_the_artifact_stores_unchanged_once(micro_model, fp8
 
 def test_a_lockstep_artifact_out_of_memory_finishes_streamed_with_the_same_metrics(micro_model, fp8_artifact, windows,
                                                                                    monkeypatch):
-    monkeypatch.setattr(evaluate, "CPU_CHUNK_BYTES", 4 * 512 * 50)
+    monkeypatch.setattr(evaluate, "CHUNK_BYTES", 4 * 512 * 50)
     info = checkpoint.check_model_dir(micro_model)
     reference = gate.evaluate_artifact(fp8_artifact, micro_model, windows,
                                           scorers.base_baseline(info, windows, placement=LOCKSTEP), placement=LOCKSTEP)
