@@ -108,20 +108,6 @@ def with_work_marked(text: str, work: str) -> str:
     return text.replace(work, WORK_MARK) if work else text
 
 
-def flatten(value, prefix: str = "") -> dict[str, object]:
-    """{dotted path: leaf value} of a JSON value (list items by index)."""
-    if isinstance(value, dict):
-        items = value.items()
-    elif isinstance(value, list):
-        items = ((str(i), v) for i, v in enumerate(value))
-    else:
-        return {prefix: value}
-    flat: dict[str, object] = {}
-    for key, item in items:
-        flat.update(flatten(item, f"{prefix}.{key}" if prefix else str(key)))
-    return flat
-
-
 def normalized_report(text: str, work: str) -> dict:
     """quantkit.json without its volatile fields, paths under the work directory written as $WORK."""
     return without_volatile(json.loads(with_work_marked(text, work)))
@@ -136,6 +122,8 @@ def artifact_entry(out: Path, work: str) -> dict:
         rel = path.relative_to(out).as_posix()
         data = path.read_bytes()
         if path.name == "quantkit.json":
+            from quantkit.run.resume import flatten
+
             normal = normalized_report(data.decode(), work)
             data = json.dumps(normal, sort_keys=True).encode()
             report.update({f"{rel}:{k}": v for k, v in flatten(normal).items()})

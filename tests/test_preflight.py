@@ -10,7 +10,7 @@ import pytest
 
 from quantkit.errors import InputError
 from quantkit.run.preflight import estimate_bytes
-from tests.util import FAST_CALIB, leftovers
+from tests.util import FAST_CALIB, kept, leftovers
 
 
 def test_estimate_adds_artifacts_merged_lora_and_baseline():
@@ -227,14 +227,6 @@ def test_ram_estimate_of_fp8_follows_its_path(micro_model, tmp_path):
 
 def working_set(target, info) -> int:
     return target.method.sizes.working_set(info, target.options)
-
-
-def kept(info, seq_len: int = 512, windows: int = 16) -> int:
-    """The baseline's float16 log-probs a bounded run keeps in memory (below evaluate.SPILL_THRESHOLD)."""
-    from quantkit.eval.evaluate import SPILL_THRESHOLD
-
-    stored = 2 * windows * seq_len * info.config["vocab_size"]
-    return stored if stored <= SPILL_THRESHOLD else 0
 
 
 # ---------------------------------------------------------------- where the gate's forwards run

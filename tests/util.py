@@ -51,3 +51,11 @@ def subprocess_env(**extra: str) -> dict:
     return {**os.environ, "PYTHONPATH": pythonpath, **extra}
 
 
+
+
+def kept(info, seq_len: int = 512, windows: int = 16) -> int:
+    """The baseline's float16 log-probs a bounded run keeps in memory (below evaluate.SPILL_THRESHOLD)."""
+    from quantkit.eval.evaluate import SPILL_THRESHOLD
+
+    stored = 2 * windows * seq_len * info.config["vocab_size"]
+    return stored if stored <= SPILL_THRESHOLD else 0

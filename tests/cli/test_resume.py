@@ -288,10 +288,10 @@ def assert_saved_progress_within_the_estimate(micro_model, out, name: str) -> No
 @pytest.mark.parametrize("name, after", [
     ("gptq", 1),
     pytest.param("gptq", 2, marks=pytest.mark.slow),
-    ("awq", 1),
-    ("smoothquant", 1),
-    ("autoround", 1),
-    ("nvfp4", 1),
+    ("awq", 1),  # a smoothing method: its scales resumed with the layers
+    pytest.param("smoothquant", 1, marks=pytest.mark.slow),
+    pytest.param("autoround", 1, marks=pytest.mark.slow),
+    pytest.param("nvfp4", 1, marks=pytest.mark.slow),
     ("fp8-static", 2),  # after the last layer: the resumed run calibrates nothing (the cheapest method to run twice)
 ])
 def test_a_sequential_method_resumes_after_its_last_finished_layer(cli, micro_model, plain_sequential, tmp_path,

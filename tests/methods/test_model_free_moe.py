@@ -238,7 +238,7 @@ def test_the_path_and_its_memory_before_any_work(moe_models, tmp_path):
     from quantkit.run.pipeline import RunOptions, prepare
     from quantkit.run.preflight import ram_estimate, unit_bytes
     from quantkit.run.recipe import Overrides, build_recipe
-    from tests.test_preflight import kept as kept_baseline
+    from tests.util import kept as kept_baseline
 
     model = moe_models("deepseek_v3")
     info = check_model_dir(model)
