@@ -17,6 +17,7 @@ from tests.methods.conftest import CALIB_ARGS, quant_config, report
 from tests.methods.test_gptq_fallback import (  # noqa: F401
     SPIKED,
     assert_fallback_passed,
+    fixed_steps_recipe,
     spent_budget_run,
     spiky,  # spiky: the module fixture
 )
@@ -120,7 +121,7 @@ def test_fallback_turns_a_failing_gate_into_a_passing_artifact(cli, spiky, tmp_p
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "out"
-    result = cli("quantize", spiky, "--method", "awq", "--fallback", *CALIB_ARGS, *GATE, "-o", out)
+    result = cli("quantize", spiky, "--recipe", fixed_steps_recipe(tmp_path, "awq"), *CALIB_ARGS, *GATE, "-o", out)
     assert result.exit_code == 0, result.output
     target = report(out)["targets"][0]
     details = target["details"]
@@ -150,7 +151,8 @@ def test_fallback_stops_with_exit_3_when_max_size_is_spent(cli, spiky, tmp_path)
     """+4% of the first artifact holds layers.1 down_proj at int8 (+3.7%), not gate/up after it: the gate
     still fails, exit 3, nothing written, both steps in the JSON report."""
     target = spent_budget_run(cli, spiky, tmp_path,
-                              "  - name: awq\n    method: awq\n    options: {fallback: {max_size: '+4%'}}\n", *GATE)
+                              "  - name: awq\n    method: awq\n"
+                              "    options: {fallback: {max_size: '+4%', tensors_per_step: 1}}\n", *GATE)
     fallback = target["details"]["fallback"]
     steps = fallback["steps"]
     assert not fallback["passed"] and not target["gate"]["passed"] and len(steps) == 2

@@ -128,6 +128,15 @@ def assert_fallback_passed(target: dict, max_kld: float) -> None:
     assert steps[-1]["bytes"] <= int(steps[0]["bytes"] * 1.25)
 
 
+def fixed_steps_recipe(tmp_path, method: str) -> Path:
+    """A recipe of one `method` target whose fallback takes fixed steps of one raise (tensors_per_step: 1;
+    the default search is tested in tests/methods/test_fallback.py)."""
+    recipe = tmp_path / "fixed.yaml"
+    recipe.write_text(f"targets:\n  - name: {method}\n    method: {method}\n"
+                      "    options: {fallback: {tensors_per_step: 1}}\n")
+    return recipe
+
+
 def spent_budget_run(cli, model, tmp_path, target_yaml: str, *args) -> dict:
     """Run a one-target recipe (`target_yaml`: its name, method and options lines) whose fallback runs
     out of max_size: exit 3, said on stderr, nothing written. Returns the target's JSON report."""
@@ -146,14 +155,16 @@ def test_fallback_turns_a_failing_gate_into_a_passing_artifact(cli, spiky, tmp_p
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "out"
-    result = cli("quantize", spiky, "--method", "gptq", "--fallback", *CALIB_ARGS, *GATE, "-o", out)
+    result = cli("quantize", spiky, "--recipe", fixed_steps_recipe(tmp_path, "gptq"), *CALIB_ARGS, *GATE, "-o", out)
     assert result.exit_code == 0, result.output
     target = report(out)["targets"][0]
     details = target["details"]
     fallback, steps = details["fallback"], details["fallback"]["steps"]
     assert_fallback_passed(target, 0.0003)
-    assert sum(f.stat().st_size for f in out.rglob("*") if f.is_file() and f.name != "quantkit.json"
-               and f.name != "README.md") == steps[-1]["bytes"]
+    from quantkit.run.card import FIGURE
+
+    card = ("quantkit.json", "README.md", FIGURE)  # the report and the model card, written after the plan's bytes
+    assert sum(f.stat().st_size for f in out.rglob("*") if f.is_file() and f.name not in card) == steps[-1]["bytes"]
     # the sensitivity table measured at the first step, and the final plan
     assert details["sensitivity"]["measured"] and SPIKED in {r["tensor"] for r in details["sensitivity"]["tensors"]}
     types = details["mixed_precision"]["types"]
@@ -176,7 +187,7 @@ def test_auto_precision_with_fallback_stops_when_max_size_is_spent(cli, spiky, t
     of the first artifact (measured: one step, KLD 9.8e-4 -> 7.5e-5); exit 3, nothing written, every
     step in the JSON report."""
     target = spent_budget_run(cli, spiky, tmp_path, "  - name: mixed\n    method: gptq\n"
-                              "    options: {auto_precision: {}, fallback: {max_size: '+4%'}}\n",
+                              "    options: {auto_precision: {}, fallback: {max_size: '+4%', tensors_per_step: 1}}\n",
                               "--max-kld", "0.000001", "--min-top1", "0")
     fallback = target["details"]["fallback"]
     steps = fallback["steps"]
