@@ -62,7 +62,47 @@ def module_precision(config: dict, module: str) -> Precision | None:
 
 
 def mlx_config(config: dict, block: dict) -> dict:
-    return {**config, "quantization": block, "quantization_config": block}
+    """config.json of the artifact: the checkpoint's, the quantization block (under both names, as mlx_lm writes
+    it), and the fields mlx-lm's model arguments read where transformers 5 nests or derives them
+    (mlx_lm_fields)."""
+    return {**config, **mlx_lm_fields(config), "quantization": block, "quantization_config": block}
+
+
+MLX_LM_ROPE_SCALINGS = ("llama3",)  # scalings mlx-lm's initialize_rope reads as rope_parameters state them (measured:
+# Llama 3.1's logits then follow transformers'); Phi-3's longrope is not written (mlx-lm's differs on short inputs)
+
+
+def mlx_lm_fields(config: dict) -> dict:
+    """What mlx-lm (0.32) reads at the top level of config.json that a transformers 5 config keeps elsewhere:
+    `rope_theta` and a llama3 `rope_scaling` (inside `rope_parameters`; per attention type for Gemma 3, whose
+    sliding layers' base is `rope_local_base_freq`), and Gemma 3's `sliding_window_pattern` (from `layer_types`).
+    Without them mlx-lm builds the model with its own defaults (RoPE base 10000, no llama3 scaling, a sliding
+    pattern of 6): other logits, or an error. Fields the config has already are kept as they are."""
+    rope = config.get("rope_parameters") or {}
+    full, local = (rope.get("full_attention"), rope.get("sliding_attention")) if "full_attention" in rope \
+        else (rope, None)
+    fields = {}
+    if full and "rope_theta" in full:
+        fields["rope_theta"] = full["rope_theta"]
+    if full and full.get("rope_type") in MLX_LM_ROPE_SCALINGS:
+        fields["rope_scaling"] = {k: v for k, v in full.items() if k != "rope_theta"}
+    if local and "rope_theta" in local:
+        fields["rope_local_base_freq"] = local["rope_theta"]
+    layer_types = config.get("layer_types") or []
+    if "full_attention" in layer_types and "sliding_attention" in layer_types:
+        fields["sliding_window_pattern"] = layer_types.index("full_attention") + 1
+    return {k: v for k, v in fields.items() if config.get(k) is None}
+
+
+MLX_LM_FIELDS = ("rope_theta", "rope_scaling", "rope_local_base_freq", "sliding_window_pattern")
+
+
+def without_mlx_lm_fields(config: dict) -> dict:
+    """config.json as the checkpoint had it: the fields mlx_lm_fields added (and would add again) taken out, so
+    transformers reads its own rope_parameters and layer_types alone."""
+    bare = {k: v for k, v in config.items() if k not in MLX_LM_FIELDS}
+    added = mlx_lm_fields(bare)
+    return {k: v for k, v in config.items() if not (k in added and added[k] == v)}
 
 
 # ------------------------------------------------------------------ writing
@@ -182,7 +222,7 @@ class MLXWeights:
         from transformers import AutoConfig
 
         plain = {k: v for k, v in self.config.items() if k not in ("quantization", "quantization_config")}
-        return AutoConfig.for_model(**plain)
+        return AutoConfig.for_model(**without_mlx_lm_fields(plain))
 
     def stored_dtype(self) -> str:
         """The float dtype the scales are stored in (what mlx-lm computes in)."""

@@ -128,3 +128,30 @@ def test_mlx_lm_loads_each_family(cli, family_models, tmp_path, family):  # noqa
     with torch.no_grad():
         read = load_artifact(out)(torch.tensor([ids])).logits[0].float().numpy()
     assert np.abs(theirs - read).mean() < 0.01 * np.abs(read).mean()  # bfloat16 arithmetic apart
+
+
+def test_config_json_says_what_mlx_lm_reads_at_the_top_level():
+    """transformers 5 nests the RoPE base and scaling in rope_parameters (per attention type for Gemma 3) and
+    derives Gemma 3's sliding pattern from layer_types; mlx-lm reads them at the top level (else RoPE base 10000,
+    no llama3 scaling, a pattern of 6). The artifact's config.json states them; quantkit's own reading takes them
+    out again, and a field the checkpoint has is never changed."""
+    from quantkit.mlx.checkpoint import mlx_config, without_mlx_lm_fields
+
+    llama3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    block = {"bits": 4, "group_size": 64}
+    written = mlx_config({"model_type": "llama", "rope_parameters": llama3}, block)
+    assert written["rope_theta"] == 500000.0 and written["rope_scaling"]["rope_type"] == "llama3"
+    assert "rope_theta" not in written["rope_scaling"]
+    gemma = {"model_type": "gemma3_text", "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
+             "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                 "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}
+    written = mlx_config(gemma, block)
+    assert (written["rope_theta"], written["rope_local_base_freq"], written["sliding_window_pattern"]) == (1e6, 1e4, 6)
+    assert "rope_scaling" not in written  # default RoPE: nothing to scale
+    longrope = {"model_type": "phi3", "rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}
+    assert "rope_scaling" not in mlx_config(longrope, block)
+    assert mlx_config({"rope_theta": 7.0, "rope_parameters": {"rope_theta": 9.0}}, block)["rope_theta"] == 7.0
+    for config in (gemma, {"model_type": "llama", "rope_parameters": llama3}):
+        written = {k: v for k, v in mlx_config(config, block).items() if not k.startswith("quantization")}
+        assert without_mlx_lm_fields(written) == config
