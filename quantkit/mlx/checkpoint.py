@@ -68,14 +68,16 @@ def mlx_config(config: dict, block: dict) -> dict:
     return {**config, **mlx_lm_fields(config), "quantization": block, "quantization_config": block}
 
 
-MLX_LM_ROPE_SCALINGS = ("llama3",)  # scalings mlx-lm's initialize_rope reads as rope_parameters state them (measured:
-# Llama 3.1's logits then follow transformers'); Phi-3's longrope is not written (mlx-lm's differs on short inputs)
+MLX_LM_ROPE_SCALINGS = ("llama3", "longrope")  # scalings mlx-lm reads as rope_parameters state them (Llama 3.1's and
+# Phi-3's logits then follow transformers'; mlx-lm applies Phi-3's long factors at every length, as its own
+# conversions do, where transformers applies the short ones below the original context)
 
 
 def mlx_lm_fields(config: dict) -> dict:
     """What mlx-lm (0.32) reads at the top level of config.json that a transformers 5 config keeps elsewhere:
-    `rope_theta` and a llama3 `rope_scaling` (inside `rope_parameters`; per attention type for Gemma 3, whose
-    sliding layers' base is `rope_local_base_freq`), and Gemma 3's `sliding_window_pattern` (from `layer_types`).
+    `rope_theta` and a llama3 or longrope `rope_scaling` (inside `rope_parameters`; per attention type for
+    Gemma 3, whose sliding layers' base is `rope_local_base_freq`), and Gemma 3's `sliding_window_pattern`
+    (from `layer_types`).
     Without them mlx-lm builds the model with its own defaults (RoPE base 10000, no llama3 scaling, a sliding
     pattern of 6): other logits, or an error. Fields the config has already are kept as they are."""
     rope = config.get("rope_parameters") or {}
@@ -85,7 +87,8 @@ def mlx_lm_fields(config: dict) -> dict:
     if full and "rope_theta" in full:
         fields["rope_theta"] = full["rope_theta"]
     if full and full.get("rope_type") in MLX_LM_ROPE_SCALINGS:
-        fields["rope_scaling"] = {k: v for k, v in full.items() if k != "rope_theta"}
+        scaling = {k: v for k, v in full.items() if k != "rope_theta"}
+        fields["rope_scaling"] = {**scaling, "type": scaling["rope_type"]}  # Phi-3's model reads "type"
     if local and "rope_theta" in local:
         fields["rope_local_base_freq"] = local["rope_theta"]
     layer_types = config.get("layer_types") or []
