@@ -42,7 +42,8 @@ ACTIVATION_BYTES = 512 * 1024 * 1024  # working set of one group of windows insi
 
 
 HEAD_SLICE_BYTES = 64 * 1024 * 1024  # one slice of the output head's rows, and of the logits for it
-BLOCK_BYTES = 32 * 1024 * 1024  # float32 logits of a block of positions at least: the head's rows are read once per block
+BLOCK_BYTES = 32 * 1024 * 1024  # float32 logits of a block of positions at least: the head's rows are read once
+# per block (logits_blocks)
 
 
 class WeightSource(Protocol):
@@ -346,10 +347,15 @@ def head_block(streamed: StreamedModel, prefix: str, hidden, index):
     return logits.float().cpu().numpy()
 
 
+def block_positions(vocab: int, room: int = 0) -> int:
+    """Positions per block of float32 logits (logits_blocks): as many as `room` bytes hold, at least BLOCK_BYTES'
+    worth."""
+    return max(1, BLOCK_BYTES // (4 * vocab), room // (4 * vocab))
+
+
 def logits_blocks(streamed: StreamedModel, hidden, room: int = 0) -> Iterator:
     """float32 logits (positions, vocab) of a group's hidden states, a block of positions at a time, in memory:
-    as many positions as `room` bytes hold, at least BLOCK_BYTES' worth; each block's head applied a slice of the
-    vocabulary at a time (head_block).
+    block_positions at a time; each block's head applied a slice of the vocabulary at a time (head_block).
 
     Our own loop for the head: the CausalLM's forward would make all the logits at once with the
     whole head materialized (a 128k x 4096 matrix is 2 GB in float32); here one slice of the head, one
@@ -358,7 +364,7 @@ def logits_blocks(streamed: StreamedModel, hidden, room: int = 0) -> Iterator:
     import numpy as np
 
     vocab, prefix = streamed.head.out_features, module_prefixes(streamed.model)[id(streamed.head)]
-    block = max(1, BLOCK_BYTES // (4 * vocab), room // (4 * vocab))
+    block = block_positions(vocab, room)
     for first in range(0, hidden.shape[0], block):
         part = hidden[first : first + block]
         logits = np.empty((part.shape[0], vocab), np.float32)

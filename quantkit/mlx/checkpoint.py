@@ -74,12 +74,17 @@ MLX_LM_ROPE_SCALINGS = ("llama3", "longrope")  # scalings mlx-lm reads as rope_p
 
 
 def mlx_lm_fields(config: dict) -> dict:
-    """What mlx-lm (0.32) reads at the top level of config.json that a transformers 5 config keeps elsewhere:
-    `rope_theta` and a llama3 or longrope `rope_scaling` (inside `rope_parameters`; per attention type for
-    Gemma 3, whose sliding layers' base is `rope_local_base_freq`), and Gemma 3's `sliding_window_pattern`
-    (from `layer_types`).
-    Without them mlx-lm builds the model with its own defaults (RoPE base 10000, no llama3 scaling, a sliding
-    pattern of 6): other logits, or an error. Fields the config has already are kept as they are."""
+    """What mlx-lm (0.32) reads at the top level of config.json that a transformers 5 config keeps elsewhere
+    (derived_mlx_lm_fields), where the config does not have it already (those are kept as they are). Without
+    them mlx-lm builds the model with its own defaults (RoPE base 10000, no llama3 scaling, a sliding pattern of
+    6): other logits, or an error."""
+    return {k: v for k, v in derived_mlx_lm_fields(config).items() if config.get(k) is None}
+
+
+def derived_mlx_lm_fields(config: dict) -> dict:
+    """`rope_theta` and a llama3 or longrope `rope_scaling` from `rope_parameters` (per attention type for
+    Gemma 3, whose sliding layers' base is `rope_local_base_freq`), and Gemma 3's `sliding_window_pattern` from
+    `layer_types`."""
     rope = config.get("rope_parameters") or {}
     full, local = (rope.get("full_attention"), rope.get("sliding_attention")) if "full_attention" in rope \
         else (rope, None)
@@ -94,18 +99,15 @@ def mlx_lm_fields(config: dict) -> dict:
     layer_types = config.get("layer_types") or []
     if "full_attention" in layer_types and "sliding_attention" in layer_types:
         fields["sliding_window_pattern"] = layer_types.index("full_attention") + 1
-    return {k: v for k, v in fields.items() if config.get(k) is None}
-
-
-MLX_LM_FIELDS = ("rope_theta", "rope_scaling", "rope_local_base_freq", "sliding_window_pattern")
+    return fields
 
 
 def without_mlx_lm_fields(config: dict) -> dict:
-    """config.json as the checkpoint had it: the fields mlx_lm_fields added (and would add again) taken out, so
-    transformers reads its own rope_parameters and layer_types alone."""
-    bare = {k: v for k, v in config.items() if k not in MLX_LM_FIELDS}
-    added = mlx_lm_fields(bare)
-    return {k: v for k, v in config.items() if not (k in added and added[k] == v)}
+    """config.json as the checkpoint had it: the fields mlx_lm_fields derives (from rope_parameters and
+    layer_types, which it leaves as they are) taken out where they hold the derived values, so transformers
+    reads its own rope_parameters and layer_types alone."""
+    derived = derived_mlx_lm_fields(config)
+    return {k: v for k, v in config.items() if not (k in derived and derived[k] == v)}
 
 
 # ------------------------------------------------------------------ writing

@@ -356,9 +356,9 @@ def streamed_bytes(info, seq_len: int, windows: int) -> int:
     """What a streamed forward holds beside its current weight matrix, one phase at a time: a group's hidden
     states throughout, and the largest of the decoder's activations for the group, a slice of the output head
     with the group's logits for it (quantkit.eval.stream.head_slice_rows), and the block of float32 logits
-    (stream.BLOCK_BYTES) with the chunks of log-probs the scoring holds while comparing (evaluate.chunk_rows)."""
+    (stream.block_positions) with the chunks of log-probs the scoring holds while comparing (evaluate.chunk_rows)."""
     from quantkit.eval.evaluate import chunk_rows
-    from quantkit.eval.stream import ACTIVATION_BYTES, BLOCK_BYTES, head_slice_rows, windows_per_group
+    from quantkit.eval.stream import ACTIVATION_BYTES, block_positions, head_slice_rows, windows_per_group
     from quantkit.io.safetensors import DTYPE_BYTES
 
     vocab, shape, size = vocab_size(info), text_shape(info), DTYPE_BYTES.get(info.dtype, 4)
@@ -366,7 +366,7 @@ def streamed_bytes(info, seq_len: int, windows: int) -> int:
     rows = min(vocab, head_slice_rows(positions, shape.hidden_size))
     head = rows * shape.hidden_size * size + 4 * rows * positions
     chunk = 4 * vocab * min(chunk_rows(vocab), positions) if vocab else 0
-    block = 4 * vocab * min(max(1, BLOCK_BYTES // (4 * vocab)), positions) if vocab else 0
+    block = 4 * vocab * min(block_positions(vocab), positions) if vocab else 0
     hidden = positions * shape.hidden_size * size
     return hidden + max(batch_bytes(info, seq_len, windows, ACTIVATION_BYTES), head + block,
                         block + SCORING_COPIES * chunk)
