@@ -1,4 +1,5 @@
-"""Smoothing mappings per architecture, as data: one table for AWQ and SmoothQuant.
+"""Smoothing mappings per architecture, as data: one table for AWQ and SmoothQuant, read from the families'
+records (each family's `smoothing`: quantkit.arch.families).
 
 model_type -> [Mapping(smooth layer, balance layers)], llm-compressor regex syntax (`re:` +
 re.match). The smooth layer's output is the balance layers' input: a per-channel scale s
@@ -38,73 +39,16 @@ text model without a row.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
+from quantkit.arch.families import FAMILIES
+from quantkit.arch.families.base import Mapping
 from quantkit.errors import UnsupportedError
 
+__all__ = ["Mapping", "SMOOTHING_MAPPINGS"]
 
-@dataclass(frozen=True)
-class Mapping:
-    smooth: str  # the layer whose output channels are divided by s
-    balance: tuple[str, ...]  # the layers whose input columns are multiplied by s
-    smoothquant: bool  # SmoothQuant uses this row (a norm's row)
-    awq: bool = True  # False: AWQ leaves this row out
-
-
-QKV = ("re:.*q_proj$", "re:.*k_proj$", "re:.*v_proj$")
-GATE_UP = ("re:.*gate_proj$", "re:.*up_proj$")
-MOE_GATE_UP = ("re:.*mlp.gate$", "re:.*mlp.experts.*.gate_proj$", "re:.*mlp.experts.*.up_proj$")
-SHARED_EXPERT = ("re:.*mlp.shared_expert.gate_proj$", "re:.*mlp.shared_expert.up_proj$", "re:.*mlp.shared_expert_gate$")
-
-
-def decoder_rows(mlp_norm: str, awq_attention_norm: bool = True, mlp_balance: tuple[str, ...] = GATE_UP,
-                 smoothquant_mlp: bool = True) -> list[Mapping]:
-    """The four rows of a Llama-style decoder layer; `mlp_norm` is the norm feeding the MLP,
-    `mlp_balance` the layers it feeds."""
-    return [
-        Mapping("re:.*input_layernorm$", QKV, smoothquant=True, awq=awq_attention_norm),
-        Mapping("re:.*v_proj$", ("re:.*o_proj$",), smoothquant=False),
-        Mapping(f"re:.*{mlp_norm}$", mlp_balance, smoothquant=smoothquant_mlp),
-        Mapping("re:.*up_proj$", ("re:.*down_proj$",), smoothquant=False),
-    ]
-
-
-LLAMA_LIKE = decoder_rows("post_attention_layernorm")
-# Gemma 2/3: the MLP input is pre_feedforward_layernorm (post_attention_layernorm normalizes
-# the attention output before the residual add).
-GEMMA2 = decoder_rows("pre_feedforward_layernorm")
-# Gemma 3 normalizes q and k after projection (q_norm/k_norm); AWQ smoothing input_layernorm ->
-# q/k/v was measured worse than round-to-nearest (llm-compressor issue #2522), so AWQ leaves it out.
-GEMMA3 = decoder_rows("pre_feedforward_layernorm", awq_attention_norm=False)
-# Phi-3/Phi-4 fuse q/k/v into qkv_proj and gate/up into gate_up_proj. AWQ's qkv_proj -> o_proj row
-# is skipped by llm-compressor wherever qkv_proj's width differs from o_proj's input (GQA).
-PHI3 = [
-    Mapping("re:.*input_layernorm$", ("re:.*qkv_proj$",), smoothquant=True),
-    Mapping("re:.*qkv_proj$", ("re:.*o_proj$",), smoothquant=False),
-    Mapping("re:.*post_attention_layernorm$", ("re:.*gate_up_proj$",), smoothquant=True),
-    Mapping("re:.*gate_up_proj$", ("re:.*down_proj$",), smoothquant=False),
-]
-MOE = decoder_rows("post_attention_layernorm", mlp_balance=MOE_GATE_UP, smoothquant_mlp=False)
-QWEN2_MOE = decoder_rows("post_attention_layernorm", mlp_balance=MOE_GATE_UP + SHARED_EXPERT, smoothquant_mlp=False)
-
-SMOOTHING_MAPPINGS: dict[str, list[Mapping]] = {
-    "llama": LLAMA_LIKE,
-    "mistral": LLAMA_LIKE,
-    "qwen2": LLAMA_LIKE,
-    "qwen3": LLAMA_LIKE,
-    "gemma": LLAMA_LIKE,
-    "gemma2": GEMMA2,
-    "gemma3": GEMMA3,
-    "gemma3_text": GEMMA3,
-    "phi3": PHI3,
-    # the text models of VLM families (their decoder layers are Llama's)
-    "qwen2_vl_text": LLAMA_LIKE,
-    "qwen2_5_vl_text": LLAMA_LIKE,
-    "qwen3_vl_text": LLAMA_LIKE,
-    "mixtral": MOE,
-    "qwen2_moe": QWEN2_MOE,
-    "qwen3_moe": MOE,
-}
+# model_type -> its rows, from the family records (quantkit.arch.families: each family's `smoothing`)
+SMOOTHING_MAPPINGS: dict[str, list[Mapping]] = {f.model_type: list(f.smoothing) for f in FAMILIES if f.smoothing}
 
 
 def supported_model_types() -> list[str]:

@@ -1,4 +1,5 @@
-"""Mixture-of-experts models under the llm-compressor methods, as data: one row per model_type.
+"""Mixture-of-experts models under the llm-compressor methods: the expert layout of each family's record
+(quantkit.arch.families), and what the methods do with it.
 
 transformers 5 loads MoE experts fused (`mlp.experts.gate_up_proj`, one 3-D tensor per layer,
 Mixtral's `block_sparse_moe` renamed to `mlp`). llm-compressor's `oneshot` linearizes them into
@@ -22,9 +23,12 @@ sends it, so a short calibration set or one far from the model's use shows up th
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
 
+from quantkit.arch.families import FAMILIES
+from quantkit.arch.families.base import ExpertCheckpoint, MoeLayout
 from quantkit.errors import UnsupportedError
+
+__all__ = ["ExpertCheckpoint", "MoeLayout", "MOE_LAYOUTS", "EXPERT_CHECKPOINTS"]
 
 # An expert routed fewer calibration tokens than this is listed in the report (`details` of the
 # target in quantkit.json, and a printed line). A round number: with 64 windows of 512 tokens and
@@ -33,21 +37,8 @@ from quantkit.errors import UnsupportedError
 MIN_EXPERT_TOKENS = 256
 
 
-@dataclass(frozen=True)
-class MoeLayout:
-    router: str = r".*\.mlp\.gate$"  # module-name regex of the router (transformers 5 names)
-    # linear expert projection (llm-compressor's name) -> the checkpoint's name, where they differ
-    expert_names: dict[str, str] = field(default_factory=dict)
-    # (checkpoint block name, transformers 5 block name) renamed while loading
-    block_rename: tuple[str, str] | None = None
-
-
-MOE_LAYOUTS: dict[str, MoeLayout] = {
-    "mixtral": MoeLayout(expert_names={"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"},
-                         block_rename=("block_sparse_moe", "mlp")),
-    "qwen2_moe": MoeLayout(),
-    "qwen3_moe": MoeLayout(),
-}
+# model_type -> its expert layout, from the family records (quantkit.arch.families: each family's `moe`)
+MOE_LAYOUTS: dict[str, MoeLayout] = {f.model_type: f.moe for f in FAMILIES if f.moe is not None}
 
 
 # config.json keys holding a model's number of routed experts (Qwen-MoE's `num_experts` is written
@@ -166,28 +157,9 @@ def routing_details(model, info, windows, device: str = "cpu") -> dict:
 # ---------------------------------------------------------------- read by tensor names (no model object)
 
 
-@dataclass(frozen=True)
-class ExpertCheckpoint:
-    """How an MoE family's checkpoint stores its experts, for what reads it by tensor names without building
-    a transformers model: the model-free quantization (quantkit.engines.llmcompressor.model_free_moe) and the
-    gate's reading of its artifacts (quantkit.eval.experts).
-
-    A routed expert's projections are `<layer>.mlp.experts.<e>.<projection>.weight` (vLLM's
-    ckpt_gate/up/down_proj_name: its expert-parameter mapping loads them into the fused experts' w13 and w2);
-    transformers 5 stacks them while loading into `<layer>.mlp.experts.gate_up_proj` ([experts, 2 x
-    intermediate, hidden]: gate then up) and `.down_proj` ([experts, hidden, intermediate]). Multi-token-
-    prediction layers follow the decoder's as `model.layers.<num_hidden_layers + i>.`: transformers' model
-    has no such layer, vLLM's main model skips them (its MTP draft model loads them), and they are kept as
-    stored."""
-
-    projections: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # gate, up, down
-    mtp_keys: tuple[str, ...] = ()  # config.json keys counting the multi-token-prediction layers
-
-
-EXPERT_CHECKPOINTS: dict[str, ExpertCheckpoint] = {
-    "qwen3_moe": ExpertCheckpoint(),
-    "deepseek_v3": ExpertCheckpoint(mtp_keys=("num_nextn_predict_layers", "num_mtp_layers")),
-}
+# model_type -> how its checkpoint stores the experts (each family's `experts_by_name`)
+EXPERT_CHECKPOINTS: dict[str, ExpertCheckpoint] = {f.model_type: f.experts_by_name for f in FAMILIES
+                                                   if f.experts_by_name is not None}
 
 
 def expert_checkpoint(model_type: str) -> ExpertCheckpoint | None:

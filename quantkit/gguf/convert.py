@@ -8,9 +8,10 @@ converter class's set_gguf_parameters writes it (hyper-parameters as transformer
 gives them to the converter, read without transformers by quantkit.arch.hf_config), the tokenizer (quantkit.gguf.vocab), and every tensor
 quantized to the type quantkit.gguf.mixture chooses (llama-quantize's rules).
 
-Per-architecture knowledge is the ARCHITECTURES table (ArchSpec). `arch_spec(config)` refuses,
-from config.json alone, every feature the conversion does not reproduce (RoPE types, sliding
-windows llama.cpp lacks, expert variants, attention scales), naming what is supported.
+Per-architecture knowledge is each family's record (quantkit.arch.families: its `gguf`, one Gguf per
+architecture, as llama.cpp's converter registers a model class per architecture). `arch_spec(config)`
+refuses, from config.json alone, every feature the conversion does not reproduce (RoPE types, sliding
+windows llama.cpp lacks, expert variants, the family's own checks), naming what is supported.
 
 Streaming: all tensor infos are added first (shapes and types are known from the safetensors
 header), then header, metadata and tensor infos are written, then each tensor is read from the
@@ -39,61 +40,17 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from quantkit.arch.families import gguf_conversions
+from quantkit.arch.families.base import Gguf, TensorRule
+from quantkit.arch.families.text import find, full_rope, rope_parameters, text_hparams
 from quantkit.errors import InputError, InternalError, UnsupportedError
 from quantkit.gguf import mixture, resume
 from quantkit.gguf.mixture import T
 
 
-@dataclass(frozen=True)
-class ArchSpec:
-    """How convert_hf_to_gguf.py converts one HF architecture (its model class, as data)."""
-
-    gguf_arch: str  # gguf.MODEL_ARCH member name
-    metadata: str  # set_gguf_parameters flavour: text, llama, qwen_moe, qwen3vl, gemma, gemma2, gemma3, phi3
-    vocab: str  # set_vocab flavour (quantkit.gguf.vocab.VOCAB_KINDS)
-    permute_qk: bool = False  # llama.cpp LLAMA_ROPE_TYPE_NORM: undo HF's rotate_half layout
-    norm_shift: bool = False  # Gemma RMSNorm scales by (1 + w): stored weight = w + 1
-    drops_lm_head: bool = False  # lm_head never written (Gemma 1/2): the output is the tied embedding
-    experts: str = ""  # per-expert HF layout stacked into ffn_*_exps: "mixtral" or "qwen"
-    trims_vocab: bool = False  # Gemma 3: token_embd rows beyond the tokenizer's vocabulary dropped
-    fused_qkv_mlp: bool = False  # Phi-3: qkv_proj -> attn_qkv, gate_up_proj -> ffn_up (fused on both sides)
-    rope_types: tuple[str, ...] = ("default", "linear", "yarn")
-    sliding_window: str = "refused"  # how a sliding window is handled: refused, gemma2, gemma3, phi3
-    text_types: tuple[str, ...] = ()  # a VLM's text_config.model_type values converted (Mistral3: ministral3 and
-    # mistral4 take other converter classes); empty: any
-    mrope: bool = False  # Qwen2/2.5/3-VL's multimodal RoPE: mrope_section written as rope.dimension_sections
-
-
-LLAMA_ROPE = ("default", "linear", "yarn", "llama3")
-# HF `architectures[0]` -> how llama.cpp converts it (convert_hf_to_gguf.py's registrations)
-ARCHITECTURES: dict[str, ArchSpec] = {
-    "LlamaForCausalLM": ArchSpec("LLAMA", "llama", "llama", permute_qk=True, rope_types=LLAMA_ROPE),
-    "MistralForCausalLM": ArchSpec("LLAMA", "llama", "llama", permute_qk=True, rope_types=LLAMA_ROPE),
-    "MixtralForCausalLM": ArchSpec("LLAMA", "llama", "llama", permute_qk=True, rope_types=LLAMA_ROPE,
-                                   experts="mixtral"),
-    "Qwen2ForCausalLM": ArchSpec("QWEN2", "text", "qwen2"),
-    "Qwen3ForCausalLM": ArchSpec("QWEN3", "text", "qwen2"),
-    "Qwen3MoeForCausalLM": ArchSpec("QWEN3MOE", "qwen_moe", "qwen2", experts="qwen"),
-    "GemmaForCausalLM": ArchSpec("GEMMA", "gemma", "gemma", norm_shift=True, drops_lm_head=True,
-                                 rope_types=("default",)),
-    "Gemma2ForCausalLM": ArchSpec("GEMMA2", "gemma2", "gemma2", norm_shift=True, drops_lm_head=True,
-                                  rope_types=("default",), sliding_window="gemma2"),
-    "Gemma3ForCausalLM": ArchSpec("GEMMA3", "gemma3", "gemma3", norm_shift=True, trims_vocab=True,
-                                  rope_types=("default", "linear"), sliding_window="gemma3"),
-    "Gemma3ForConditionalGeneration": ArchSpec("GEMMA3", "gemma3", "gemma3", norm_shift=True, trims_vocab=True,
-                                               rope_types=("default", "linear"), sliding_window="gemma3"),
-    # VLMs: convert_hf_to_gguf.py converts their language model (LlamaModel for Llava, Qwen2VLModel)
-    "LlavaForConditionalGeneration": ArchSpec("LLAMA", "llama", "llama", permute_qk=True, rope_types=LLAMA_ROPE),
-    "Qwen2VLForConditionalGeneration": ArchSpec("QWEN2VL", "text", "qwen2", mrope=True),
-    "Qwen2_5_VLForConditionalGeneration": ArchSpec("QWEN2VL", "text", "qwen2", mrope=True),
-    "Qwen3VLForConditionalGeneration": ArchSpec("QWEN3VL", "qwen3vl", "qwen2", mrope=True),
-    "Mistral3ForConditionalGeneration": ArchSpec("MISTRAL3", "llama", "llama", permute_qk=True, rope_types=LLAMA_ROPE,
-                                                 text_types=("mistral",)),
-    # SmolVLM's text_config.architectures (the converter converts an Idefics3 / SmolVLM language model through it)
-    "VLlama3ForCausalLM": ArchSpec("LLAMA", "llama", "llama", permute_qk=True, rope_types=LLAMA_ROPE),
-    "Phi3ForCausalLM": ArchSpec("PHI3", "phi3", "phi3", rope_types=("default", "longrope", "su"),
-                                sliding_window="phi3", fused_qkv_mlp=True),
-}
+# HF `architectures[0]` -> how llama.cpp converts it (convert_hf_to_gguf.py's registrations), from the family
+# records (quantkit.arch.families: each family's `gguf`)
+ARCHITECTURES: dict[str, Gguf] = gguf_conversions()
 # VLMs whose language model convert_hf_to_gguf.py converts only through text_config.architectures
 # (get_model_architecture prefers it over architectures[0]; neither class is registered as a text model)
 ROUTED_BY_TEXT_CONFIG = {
@@ -127,6 +84,9 @@ class TensorPlan:
     norm_shift: bool = False  # Gemma: stored weight = HF weight + 1 (HF's RMSNorm scales by 1 + w)
     sources: tuple[str, ...] = ()  # experts stacked along a new first axis, in expert order
     values: np.ndarray | None = None  # generated tensors (rope_freqs, LongRoPE factors)
+    # the family's modify_tensors step (quantkit.arch.families.base.TensorRule): forward(float32 values,
+    # source dtype) -> the values written
+    transform: Callable[[np.ndarray, str], np.ndarray] | None = None
 
 
 @dataclass
@@ -145,11 +105,6 @@ def supported_architectures() -> list[str]:
 
 
 # ------------------------------------------------------------------ configuration and refusals
-
-
-def text_hparams(config: dict) -> dict:
-    """TextModel.__init__: a VLM's text_config moved to the root level."""
-    return {**config, **config["text_config"]} if isinstance(config.get("text_config"), dict) else dict(config)
 
 
 def load_hparams(model_dir: Path) -> dict:
@@ -179,37 +134,6 @@ def complete_config(config: dict) -> dict:
         return dict(config)
 
 
-def find(hp: dict, keys: tuple[str, ...]):
-    """ModelBase.find_hparam(optional=True): the value of the first key present."""
-    return next((hp[k] for k in keys if k in hp), None)
-
-
-def rope_parameters(hp: dict) -> dict:
-    """TextModel.__init__'s rope_parameters (rope_scaling / top-level theta mirrored in)."""
-    rope = dict(hp.get("rope_parameters", hp.get("rope_scaling")) or {})
-    if "full_attention" in rope or "sliding_attention" in rope:
-        return rope
-    local = find(hp, ("local_rope_theta", "rope_local_theta", "rope_theta_local", "swa_rope_theta",
-                      "rope_local_base_freq"))
-    if local is not None:
-        rope["sliding_attention"] = {"rope_theta": local}
-    mirrored = {"rope_theta": ("global_rope_theta", "rope_global_theta", "rope_theta_global", "rope_theta",
-                               "rotary_emb_base"),
-                "partial_rotary_factor": ("partial_rotary_factor", "rope_pct", "rope_percent"),
-                "original_max_position_embeddings": ("original_max_position_embeddings",)}
-    for key, names in mirrored.items():
-        if key not in rope and (value := find(hp, names)) is not None:
-            rope[key] = value
-    if "rope_type" not in rope and rope.get("type") is not None:
-        rope["rope_type"] = rope["type"]
-    return rope
-
-
-def full_rope(hp: dict) -> dict:
-    rope = rope_parameters(hp)
-    return rope.get("full_attention", rope)
-
-
 def hf_architecture(config: dict) -> str:
     """get_model_architecture(hparams, TEXT): architectures[0], or text_config.architectures[0]
     where a VLM's text config names one (config.json's dict or text_hparams', which keeps text_config)."""
@@ -221,7 +145,7 @@ def hf_architecture(config: dict) -> str:
     return arch
 
 
-def arch_spec(config: dict) -> ArchSpec:
+def arch_spec(config: dict) -> Gguf:
     """The architecture's conversion, or UnsupportedError for anything the converter does not
     handle (checked from config.json alone, before any model is loaded)."""
     arch = hf_architecture(config)
@@ -235,8 +159,10 @@ def arch_spec(config: dict) -> ArchSpec:
                                hint="supported: " + ", ".join(supported_architectures()))
     spec = ARCHITECTURES[arch]
     hp = text_hparams(config)
-    for check in (check_quantized, check_text_type, check_rope, check_sliding_window, check_experts, check_attention):
+    for check in (check_quantized, check_text_type, check_rope, check_sliding_window, check_experts):
         check(arch, spec, hp)
+    for check in spec.checks:
+        check(arch, hp)
     return spec
 
 
@@ -244,18 +170,18 @@ def refuse(arch: str, what: str, hint: str) -> None:
     raise UnsupportedError(f"GGUF conversion of {arch}: {what}", hint=hint)
 
 
-def check_quantized(arch: str, spec: ArchSpec, hp: dict) -> None:
+def check_quantized(arch: str, spec: Gguf, hp: dict) -> None:
     if hp.get("quantization_config"):
         refuse(arch, "the checkpoint is already quantized", "convert the full-precision checkpoint")
 
 
-def check_text_type(arch: str, spec: ArchSpec, hp: dict) -> None:
+def check_text_type(arch: str, spec: Gguf, hp: dict) -> None:
     if spec.text_types and hp.get("model_type") not in spec.text_types:
         refuse(arch, f"text model '{hp.get('model_type')}' (llama.cpp converts it with another model class)",
                "supported text_config.model_type: " + ", ".join(spec.text_types))
 
 
-def check_rope(arch: str, spec: ArchSpec, hp: dict) -> None:
+def check_rope(arch: str, spec: Gguf, hp: dict) -> None:
     rope = rope_parameters(hp)
     kind = full_rope(hp).get("rope_type") or "default"
     supported = "supported RoPE types for this architecture: " + ", ".join(spec.rope_types)
@@ -271,45 +197,25 @@ def check_rope(arch: str, spec: ArchSpec, hp: dict) -> None:
         refuse(arch, "LongRoPE without long_factor / short_factor", "supported: LongRoPE with both factor lists, as Phi-3 configs give them")
 
 
-def check_sliding_window(arch: str, spec: ArchSpec, hp: dict) -> None:
-    hint = "sliding-window attention converts for Gemma 2, Gemma 3 and Phi-3 only"
-    if spec.sliding_window == "refused" and (hp.get("use_sliding_window") or
-                                             (hp.get("sliding_window") and "use_sliding_window" not in hp)):
+def check_sliding_window(arch: str, spec: Gguf, hp: dict) -> None:
+    if not spec.windowed and (hp.get("use_sliding_window") or
+                              (hp.get("sliding_window") and "use_sliding_window" not in hp)):
         refuse(arch, f"sliding-window attention (window {hp.get('sliding_window')}) has no llama.cpp "
-               f"equivalent for this architecture", hint)
-    if spec.sliding_window == "gemma3":
-        expected = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
-                    for i in range(hp.get("num_hidden_layers", 26))]
-        if hp.get("layer_types") not in (None, expected):
-            refuse(arch, "layer_types differ from llama.cpp's Gemma 3 pattern (every 6th layer global)", hint)
+               f"equivalent for this architecture", "sliding-window attention converts for " + ", ".join(
+                   sorted(a for a, s in ARCHITECTURES.items() if s.windowed)))
 
 
-def check_experts(arch: str, spec: ArchSpec, hp: dict) -> None:
+def check_experts(arch: str, spec: Gguf, hp: dict) -> None:
     if not spec.experts:
         return
     hint = "supported: every layer a routed-expert layer, top-k weights renormalised, no shared experts"
     if hp.get("mlp_only_layers") or hp.get("decoder_sparse_step", 1) not in (None, 1):
         refuse(arch, "dense (non-expert) layers mixed with expert layers", hint)
-    if spec.experts == "qwen" and not hp.get("norm_topk_prob", False):
-        refuse(arch, "norm_topk_prob = false (llama.cpp's qwen3moe always renormalises the top-k weights)", hint)
     if hp.get("shared_expert_intermediate_size"):
         refuse(arch, "shared experts", hint)
 
 
-def check_attention(arch: str, spec: ArchSpec, hp: dict) -> None:
-    """Gemma 3: llama.cpp scales queries by 1/sqrt(head_dim) (27B: 1/sqrt(hidden/heads))."""
-    if spec.metadata != "gemma3":
-        return
-    if hp.get("attn_logit_softcapping") is not None:
-        refuse(arch, "attention logit softcapping", "Gemma 3 checkpoints have none")
-    expected = (hp.get("hidden_size", 2304) // hp.get("num_attention_heads", 8)
-                if hp.get("num_hidden_layers", 26) == 62 else hp.get("head_dim", 256))
-    if hp.get("query_pre_attn_scalar", expected) != expected:
-        refuse(arch, f"query_pre_attn_scalar {hp.get('query_pre_attn_scalar')} differs from llama.cpp's "
-               f"attention scale (1/sqrt({expected}))", "use a checkpoint with query_pre_attn_scalar = head_dim")
-
-
-def check_convertible(config: dict, hf_tensors) -> ArchSpec:
+def check_convertible(config: dict, hf_tensors) -> Gguf:
     """arch_spec plus the checks that need the checkpoint's tensor names (fused expert layouts)."""
     spec = arch_spec(config)
     fused = [n for n in hf_tensors if FUSED_EXPERTS.search(n)]
@@ -320,10 +226,10 @@ def check_convertible(config: dict, hf_tensors) -> ArchSpec:
     return spec
 
 
-def gguf_arch_name(spec: ArchSpec) -> str:
+def gguf_arch_name(spec: Gguf) -> str:
     import gguf
 
-    return gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH[spec.gguf_arch]]
+    return gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH[spec.arch]]
 
 
 def n_experts(hp: dict) -> int:
@@ -345,7 +251,7 @@ def name_map(config: dict):
     import gguf
 
     spec = arch_spec(config)
-    return gguf.get_tensor_name_map(gguf.MODEL_ARCH[spec.gguf_arch], text_hparams(config)["num_hidden_layers"])
+    return gguf.get_tensor_name_map(gguf.MODEL_ARCH[spec.arch], text_hparams(config)["num_hidden_layers"])
 
 
 def gguf_name(tmap, hf_name: str) -> str:
@@ -357,10 +263,10 @@ def gguf_name(tmap, hf_name: str) -> str:
     return name
 
 
-def source_name(hf_name: str, spec: ArchSpec | None = None) -> str | None:
+def source_name(hf_name: str, spec: Gguf | None = None) -> str | None:
     """ModelBase/TextModel.filter_tensors: the name the converter maps, None when it skips it
     (LlamaModel.filter_tensors first drops SmolVLM's `text_model.`)."""
-    if spec is not None and spec.metadata == "llama":
+    if spec is not None and spec.strips_text_model:
         hf_name = hf_name.replace("text_model.", "")
     if MULTIMODAL.search(hf_name):
         return None
@@ -449,6 +355,28 @@ def vocab_rows(model_dir: Path | None, hp: dict) -> int | None:
     return len(data["model"]["vocab"]) + len(data["added_tokens"])
 
 
+def tensor_rule(config: dict, name: str) -> TensorRule | None:
+    """The family's modify_tensors step for a tensor (the name the converter maps), None where it has none."""
+    return next((rule for rule in arch_spec(config).rules if re.search(rule.pattern, name)), None)
+
+
+def mapped_name(rule: TensorRule | None, name: str) -> str:
+    """The name TensorNameMap maps: the converter's, renamed by the family's step where it says so."""
+    return re.sub(rule.rename[0], rule.rename[1], name) if rule is not None and rule.rename else name
+
+
+def single_plan(config: dict, tmap, name: str, hf: str, shape: list[int]) -> TensorPlan:
+    """The plan of one source tensor: its GGUF name, written shape and the converter's changes to it."""
+    rule, hp = tensor_rule(config, name), text_hparams(config)
+    written = tuple(shape) if rule is None or rule.shape is None else tuple(rule.shape(tuple(shape), hp))
+    transform = None
+    if rule is not None and rule.forward is not None:
+        def transform(data, dtype, forward=rule.forward):
+            return forward(data, hp, dtype)
+    return TensorPlan(gguf_name(tmap, mapped_name(rule, name)), hf, written, T.F32, permute_heads(config, name),
+                      norm_shift(config, name), transform=transform)
+
+
 def plan_tensors(config: dict, hf_tensors: dict[str, tuple[str, list[int]]], gguf_type: str,
                  has_imatrix: bool = False, model_dir: Path | None = None) -> list[TensorPlan]:
     """One TensorPlan per written tensor, in llama-quantize's tensor order (config: config.json's
@@ -457,9 +385,10 @@ def plan_tensors(config: dict, hf_tensors: dict[str, tuple[str, list[int]]], ggu
     check_convertible(config, hf_tensors)
     tmap = name_map(config)
     single, groups = group_experts(config, source_tensors(config, hf_tensors))
-    plans = {gguf_name(tmap, n): TensorPlan(gguf_name(tmap, n), hf, tuple(hf_tensors[hf][1]), T.F32,
-                                            permute_heads(config, n), norm_shift(config, n))
-             for n, hf in single.items()}
+    plans = {}
+    for n, hf in single.items():
+        plan = single_plan(config, tmap, n, hf, hf_tensors[hf][1])
+        plans[plan.name] = plan
     for n, hfs in groups.items():
         plans[gguf_name(tmap, n)] = TensorPlan(gguf_name(tmap, n), hfs[0], (len(hfs), *hf_tensors[hfs[0]][1]),
                                                T.F32, sources=hfs)
@@ -506,213 +435,22 @@ def trim_vocab(config: dict, plans: dict[str, TensorPlan], model_dir: Path | Non
 
 
 def generated_tensors(config: dict) -> dict[str, np.ndarray]:
-    """generate_extra_tensors: LlamaModel's rope_freqs (llama3 RoPE), Phi3's LongRoPE factors."""
-    hp = text_hparams(config)
-    rope = full_rope(hp)
-    kind = (rope.get("rope_type") or "").lower()
-    spec = arch_spec(config)
-    if spec.metadata == "llama" and kind == "llama3":
-        return {"rope_freqs.weight": llama3_rope_factors(hp, rope)}
-    if spec.metadata == "phi3" and rope.get("long_factor"):
-        return {"rope_factors_long.weight": np.asarray(rope["long_factor"], dtype=np.float32),
-                "rope_factors_short.weight": np.asarray(rope["short_factor"], dtype=np.float32)}
-    return {}
-
-
-def llama3_rope_factors(hp: dict, rope: dict) -> np.ndarray:
-    """LlamaModel.generate_extra_tensors, computed with torch in float32 as the converter does
-    (numpy's float32 pow may differ from torch's in the last bit)."""
-    import math
-
-    import torch
-
-    base = rope.get("rope_theta", 10000.0)
-    dim = hp.get("head_dim") or hp["hidden_size"] // hp["num_attention_heads"]
-    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
-    factor = rope.get("factor", 8.0)
-    low, high = rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
-    old_ctx = rope.get("original_max_position_embeddings", 8192)
-    factors = []
-    for freq in freqs:
-        wavelen = 2 * math.pi / freq
-        if wavelen < old_ctx / high:
-            factors.append(1)
-        elif wavelen > old_ctx / low:
-            factors.append(factor)
-        else:
-            smooth = (old_ctx / wavelen - low) / (high - low)
-            factors.append(1 / ((1 - smooth) / factor + smooth))
-    return torch.tensor(factors, dtype=torch.float32).numpy()
+    """generate_extra_tensors of the architecture's converter class (Llama 3.1's rope_freqs, Phi-3's LongRoPE
+    factors)."""
+    return arch_spec(config).extra_tensors(text_hparams(config))
 
 
 # ------------------------------------------------------------------ metadata
 
 
-def add_metadata(writer, hp: dict, spec: ArchSpec, name: str, ftype) -> None:
+def add_metadata(writer, hp: dict, spec: Gguf, name: str, ftype) -> None:
     """general.name / general.type, the architecture's set_gguf_parameters, quantization version."""
     import gguf
 
     writer.add_name(name)
     writer.add_type(gguf.GGUFType.MODEL)
-    METADATA_WRITERS[spec.metadata](writer, hp, int(ftype))
+    spec.params(writer, hp, int(ftype))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-
-
-def add_text_params(writer, hp: dict, ftype: int) -> None:
-    """TextModel.set_gguf_parameters (the keys that can occur for the supported architectures)."""
-    writer.add_block_count(hp["num_hidden_layers"])
-    for keys, add in ((("max_position_embeddings", "n_ctx", "n_positions", "max_length", "max_sequence_length",
-                        "model_max_length"), writer.add_context_length),
-                      (("hidden_size", "n_embd", "dim"), writer.add_embedding_length),
-                      (("prefix_dense_intermediate_size", "dense_intermediate_size", "intermediate_size",
-                        "n_inner", "hidden_dim"), writer.add_feed_forward_length),
-                      (("num_attention_heads", "n_head", "n_heads"), writer.add_head_count),
-                      (("num_key_value_heads", "n_kv_heads"), writer.add_head_count_kv)):
-        if (value := find(hp, keys)) is not None:
-            add(value)
-    if hp.get("is_causal") is False:
-        writer.add_causal_attention(False)
-    add_rope(writer, rope_parameters(hp))
-    for keys, add in ((("rms_norm_eps", "norm_eps"), writer.add_layer_norm_rms_eps),
-                      (("layer_norm_eps", "layer_norm_epsilon", "norm_epsilon"), writer.add_layer_norm_eps),
-                      (("num_local_experts", "num_experts", "n_routed_experts"), writer.add_expert_count),
-                      (("num_experts_per_tok", "num_experts_per_token", "top_k_experts"),
-                       writer.add_expert_used_count)):
-        if (value := find(hp, keys)) is not None:
-            add(value)
-    if (head_dim := hp.get("head_dim")) is not None:
-        writer.add_key_length(head_dim)
-        writer.add_value_length(head_dim)
-    writer.add_file_type(ftype)
-
-
-def add_rope(writer, rope: dict) -> None:
-    """TextModel.set_gguf_parameters' RoPE keys (full-attention parameters; swa theta)."""
-    import gguf
-
-    params = rope.get("full_attention", rope)
-    kind, factor = params.get("rope_type"), params.get("factor")
-    if kind == "linear" and factor is not None:
-        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-        writer.add_rope_scaling_factor(factor)
-    elif kind == "yarn" and factor is not None:
-        add_yarn(writer, params)
-    elif kind in ("su", "longrope"):
-        writer.add_rope_scaling_type(gguf.RopeScalingType.LONGROPE)
-    if (sections := rope.get("mrope_section")) is not None:  # padded to [time, height, width, extra]
-        writer.add_rope_dimension_sections((list(sections) + [0, 0, 0, 0])[:4])
-    if (theta := params.get("rope_theta")) is not None:
-        writer.add_rope_freq_base(theta)
-    if (local := (rope.get("sliding_attention") or {}).get("rope_theta")) is not None:
-        writer.add_rope_freq_base_swa(local)
-
-
-def add_yarn(writer, params: dict) -> None:
-    import gguf
-
-    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
-    writer.add_rope_scaling_factor(params["factor"])
-    writer.add_rope_scaling_orig_ctx_len(params["original_max_position_embeddings"])
-    for key, add in (("extrapolation_factor", writer.add_rope_scaling_yarn_ext_factor),
-                     ("beta_fast", writer.add_rope_scaling_yarn_beta_fast),
-                     ("beta_slow", writer.add_rope_scaling_yarn_beta_slow)):
-        if params.get(key) is not None:
-            add(params[key])
-    if (attn := params.get("attention_factor", params.get("attn_factor"))) is not None:
-        writer.add_rope_scaling_yarn_attn_factor(attn)
-
-
-def add_llama_params(writer, hp: dict, ftype: int) -> None:
-    """LlamaModel.set_gguf_parameters: TextModel's + vocab_size and the RoPE dimension count."""
-    add_text_params(writer, hp, ftype)
-    writer.add_vocab_size(hp["vocab_size"])
-    writer.add_rope_dimension_count(hp.get("head_dim") or hp["hidden_size"] // hp["num_attention_heads"])
-
-
-def add_qwen_moe_params(writer, hp: dict, ftype: int) -> None:
-    """Qwen2MoeModel.set_gguf_parameters: TextModel's + the expert feed-forward length."""
-    add_text_params(writer, hp, ftype)
-    if (n_ff := hp.get("moe_intermediate_size")) is not None:
-        writer.add_expert_feed_forward_length(n_ff)
-
-
-def add_qwen3vl_params(writer, hp: dict, ftype: int) -> None:
-    """Qwen3VLTextModel.set_gguf_parameters: TextModel's + how many deepstack mergers feed the decoder."""
-    add_text_params(writer, hp, ftype)
-    writer.add_num_deepstack_layers(len((hp.get("vision_config") or {}).get("deepstack_visual_indexes", [])))
-
-
-def add_gemma_params(writer, hp: dict, ftype: int) -> None:
-    """GemmaModel.set_gguf_parameters (it does not call TextModel's: no RoPE keys)."""
-    writer.add_context_length(hp["max_position_embeddings"])
-    writer.add_embedding_length(hp["hidden_size"])
-    writer.add_block_count(hp["num_hidden_layers"])
-    writer.add_feed_forward_length(hp["intermediate_size"])
-    writer.add_head_count(hp["num_attention_heads"])
-    writer.add_head_count_kv(hp["num_key_value_heads"] if "num_key_value_heads" in hp else hp["num_attention_heads"])
-    writer.add_layer_norm_rms_eps(hp["rms_norm_eps"])
-    writer.add_key_length(hp["head_dim"])
-    writer.add_value_length(hp["head_dim"])
-    writer.add_file_type(ftype)
-
-
-def add_gemma2_params(writer, hp: dict, ftype: int) -> None:
-    add_gemma_params(writer, hp, ftype)
-    writer.add_attn_logit_softcapping(hp["attn_logit_softcapping"])
-    writer.add_final_logit_softcapping(hp["final_logit_softcapping"])
-    writer.add_sliding_window(hp["sliding_window"])
-
-
-GEMMA3_DEFAULTS = {"max_position_embeddings": 131072, "num_attention_heads": 8, "rms_norm_eps": 1e-6,
-                   "head_dim": 256, "num_key_value_heads": 4}
-
-
-def add_gemma3_params(writer, hp: dict, ftype: int) -> None:
-    """Gemma3Model.set_gguf_parameters: TextModel's keys, Gemma 3's defaults for absent hyper-
-    parameters (the converter writes those keys twice; each is written once here with the value
-    the converter's overwrite leaves), the final softcap and the sliding window."""
-    add_text_params(writer, {**GEMMA3_DEFAULTS, **hp}, ftype)
-    if "rope_theta" not in full_rope(hp):
-        writer.add_rope_freq_base(1_000_000.0)
-    if hp.get("final_logit_softcapping"):
-        writer.add_final_logit_softcapping(hp["final_logit_softcapping"])
-    if hp.get("sliding_window_pattern") != 1:
-        writer.add_sliding_window(hp["sliding_window"])
-
-
-def add_phi3_params(writer, hp: dict, ftype: int) -> None:
-    """Phi3MiniModel.set_gguf_parameters (its own keys; LongRoPE factors are tensors)."""
-    rope = rope_parameters(hp)
-    n_embd, n_head = find(hp, ("hidden_size", "n_embd")), find(hp, ("num_attention_heads", "n_head"))
-    writer.add_context_length(find(hp, ("n_positions", "max_position_embeddings")))
-    writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
-    writer.add_embedding_length(n_embd)
-    writer.add_feed_forward_length(hp["intermediate_size"])
-    writer.add_block_count(hp["num_hidden_layers"])
-    writer.add_head_count(n_head)
-    writer.add_head_count_kv(find(hp, ("num_key_value_heads", "n_head_kv")))
-    writer.add_layer_norm_rms_eps(hp["rms_norm_eps"])
-    writer.add_rope_dimension_count(int(rope.get("partial_rotary_factor", 1.0) * n_embd) // n_head)
-    writer.add_rope_freq_base(rope.get("full_attention", rope)["rope_theta"])
-    writer.add_file_type(ftype)
-    writer.add_sliding_window(hp.get("sliding_window") or 0)
-    if rope.get("long_factor"):
-        writer.add_rope_scaling_attn_factors(phi3_attn_factor(hp, rope))
-
-
-def phi3_attn_factor(hp: dict, rope: dict) -> float:
-    """Phi3MiniModel.generate_extra_tensors' attention factor for LongRoPE."""
-    import math
-
-    orig = rope["original_max_position_embeddings"]
-    scale = find(hp, ("n_positions", "max_position_embeddings")) / orig
-    return math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1.0 else 1.0
-
-
-METADATA_WRITERS = {"text": add_text_params, "llama": add_llama_params, "qwen_moe": add_qwen_moe_params,
-                    "qwen3vl": add_qwen3vl_params,
-                    "gemma": add_gemma_params, "gemma2": add_gemma2_params, "gemma3": add_gemma3_params,
-                    "phi3": add_phi3_params}
 
 
 # ------------------------------------------------------------------ tensor data
@@ -872,7 +610,13 @@ class SlabbedTensor:
 
 
 def matrix_data(handle, plan: TensorPlan, hf_name: str, shape: tuple[int, ...], imatrix, threads: int):
-    """One 1-D or 2-D source tensor: permuted / shifted whole, otherwise streamed by row slabs."""
+    """One 1-D or 2-D source tensor: permuted / shifted / changed by the family's step whole, otherwise
+    streamed by row slabs."""
+    if plan.transform is not None:
+        source = handle.header[hf_name]
+        data = read_rows(handle, hf_name, 0, source["shape"][0] if len(source["shape"]) > 1 else 1)
+        data = plan.transform(data, source["dtype"]).reshape(shape)
+        return quantize_rows(np.ascontiguousarray(data, dtype=np.float32), plan.qtype, imatrix, threads)
     rows = shape[0] if len(shape) > 1 else 1
     if len(shape) == 1 or plan.permute_heads or plan.norm_shift:
         data = read_rows(handle, hf_name, 0, rows)

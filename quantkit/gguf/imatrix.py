@@ -53,14 +53,14 @@ def linear_targets(model, config: dict) -> dict[str, str]:
     """{HF module name: GGUF tensor name} for the decoder-block linears."""
     import torch
 
-    from quantkit.gguf.convert import arch_spec, name_map, source_name
+    from quantkit.gguf.convert import arch_spec, mapped_name, name_map, source_name, tensor_rule
 
     tmap, spec = name_map(config), arch_spec(config)
     targets = {}
     for mod_name, module in model.named_modules():
         hf = source_name(mod_name + ".weight", spec)  # a VLM's language_model.* as the converter names it
         if isinstance(module, torch.nn.Linear) and hf is not None:
-            name = tmap.get_name(hf, try_suffixes=(".weight",))
+            name = tmap.get_name(mapped_name(tensor_rule(config, hf), hf), try_suffixes=(".weight",))
             if name is not None and name.startswith("blk."):
                 targets[mod_name] = name
     return targets

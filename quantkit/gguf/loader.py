@@ -20,7 +20,9 @@ from pathlib import Path
 import numpy as np
 
 from quantkit.errors import ModelError
-from quantkit.gguf.convert import SLAB_ELEMENTS, arch_spec, name_map, norm_shift, permute_heads, text_hparams, unpermute
+from quantkit.arch.families.text import text_hparams
+from quantkit.gguf.convert import (SLAB_ELEMENTS, arch_spec, mapped_name, name_map, norm_shift, permute_heads,
+                                   source_name, tensor_rule, unpermute)
 
 # HF tensor names of the supported decoders ({i}: layer). Names absent from a checkpoint are ignored.
 HF_GLOBAL = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
@@ -47,12 +49,36 @@ EXPERTS = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
 
 
 def hf_names(config: dict) -> dict[str, str]:
-    """GGUF name -> HF name for every tensor the architecture can have (experts: see EXPERTS)."""
+    """GGUF name -> HF name for every tensor the architecture can have (experts: see EXPERTS): the names of
+    the decoders above, then those of the architecture's transformers model that map to a GGUF name no
+    other does (a family's own tensors: linear attention, per-layer inputs), each renamed as the family's
+    conversion renames it."""
     tmap, hp = name_map(config), text_hparams(config)
     layer = HF_LAYER + HF_LAYER_FUSED if arch_spec(config).fused_qkv_mlp else HF_LAYER
     names = list(HF_GLOBAL) + [n.format(i=i) for i in range(hp["num_hidden_layers"]) for n in layer]
     pairs = ((tmap.get_name(n, try_suffixes=(".weight", ".bias")), n) for n in names)
-    return {g: n for g, n in pairs if g is not None}
+    found = {g: n for g, n in pairs if g is not None}
+    if not arch_spec(config).rules:
+        return found
+    for name in model_names(config):
+        source = source_name(name)
+        if source is None:
+            continue
+        gguf = tmap.get_name(mapped_name(tensor_rule(config, source), source), try_suffixes=(".weight", ".bias"))
+        if gguf is not None and gguf not in found:
+            found[gguf] = source
+    return found
+
+
+def model_names(config: dict) -> list[str]:
+    """The state-dict names of the config's transformers causal LM (built on the meta device)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    rest = {k: v for k, v in config.items() if k != "model_type"}
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(config["model_type"], **rest))
+    return list(model.state_dict())
 
 
 def read_tensor_data(path: Path, tensor) -> np.ndarray:
@@ -108,8 +134,12 @@ def dequantize_checked(tensor, path: Path, index: np.ndarray | None = None) -> n
 
 
 def restore(config: dict, hf: str, data: np.ndarray) -> np.ndarray:
-    """Undo the converter's per-tensor transformation (permutation, norm shift, vocabulary trim)."""
+    """Undo the converter's per-tensor transformation (the family's step, permutation, norm shift, vocabulary
+    trim)."""
     hp = text_hparams(config)
+    rule = tensor_rule(config, hf)
+    if rule is not None and rule.inverse is not None:
+        data = rule.inverse(data, hp)
     if (heads := permute_heads(config, hf)) is not None:
         data = unpermute(data, heads)
     if norm_shift(config, hf):
@@ -155,7 +185,9 @@ class GGUFTensors:
     def shape(self, name: str) -> tuple[int, ...]:
         name = self.aliases.get(name, name)
         if name in self.tensors:
-            return stored_shape(self.tensors[name])
+            rule = tensor_rule(self.config, name)
+            shape = stored_shape(self.tensors[name])
+            return shape if rule is None or rule.hf_shape is None else tuple(rule.hf_shape(shape, text_hparams(self.config)))
         layer, kinds = self.expert_parts(name)
         shapes = [stored_shape(self.experts[layer, k]) for k in kinds]
         return (shapes[0][0], sum(s[1] for s in shapes), *shapes[0][2:])
@@ -180,7 +212,7 @@ class GGUFTensors:
         name = self.aliases.get(name, name)
         tensor = self.tensors.get(name)
         if (tensor is None or len(tensor.shape) != 2 or permute_heads(self.config, name) is not None
-                or norm_shift(self.config, name)):
+                or norm_shift(self.config, name) or tensor_rule(self.config, name) is not None):
             return self.get(name)[torch.as_tensor(np.asarray(index), dtype=torch.long)]
         index = np.asarray(index, dtype=np.int64)
         stored = int(np.searchsorted(index, int(tensor.shape[1])))  # rows past the file's are trimmed ones

@@ -49,7 +49,7 @@ from quantkit.errors import InputError
 from quantkit.formats import Format, Runtime
 
 if TYPE_CHECKING:
-    from quantkit.arch.families import Family
+    from quantkit.arch.families import TextRow, VlmRow
     from quantkit.engines.transformers import Offload
     from quantkit.eval.windows import TokenWindows
     from quantkit.io.checkpoint import ModelInfo
@@ -213,7 +213,7 @@ def _eight_bits(options: BaseModel) -> float:
     return 8.0
 
 
-def _supports_every_family(family: Family) -> str:
+def _supports_every_family(family: TextRow | VlmRow) -> str:
     return family.kept()
 
 
@@ -335,7 +335,7 @@ class MethodSpec:
     needs_model: Callable[[ModelInfo, BaseModel], bool] = _loads_model
     # support(family) -> "✅ ..." or "refused: why": what the method does with a family of
     # quantkit.arch.families, as its check() decides (README's tables)
-    support: Callable[[Family], str] = _supports_every_family
+    support: Callable[[TextRow | VlmRow], str] = _supports_every_family
     # A method that rotates has a `rotate` option (llmc.Rotate: llm-compressor's transform modifiers before it
     # quantizes); for the others, why --rotate is refused (recipe.check_rotation, exit 2 before any work)
     rotation_refused: str = "its engine does not run llm-compressor's transform modifiers"
@@ -362,10 +362,12 @@ def ignore_patterns(info: ModelInfo, user_ignore: list[str], keep_lm_head: bool 
     """The `ignore` list a method gets (QuantizeJob.ignore; llm-compressor's semantics): lm_head (when kept), every
     VLM tower component (the component itself and everything under it: a projector that is a single Linear, the
     Linear subclasses inside a tower such as nn.MultiheadAttention's out_proj) but those of the roles in
-    `quantized_towers`, the MoE routers present in this model, then the user's patterns."""
+    `quantized_towers`, the MoE routers present in this model, the layers its family keeps 16-bit
+    (quantkit.arch.families: a record's `kept`), then the user's patterns."""
     import re
 
-    from quantkit.arch.roles import ROUTER_PATTERN, classify
+    from quantkit.arch.families import of_config
+    from quantkit.arch.roles import ROUTER_PATTERN, classify, linear_weights, matches
     from quantkit.arch.vlm import component_pattern, ignore_pattern
 
     patterns = ["lm_head"] if keep_lm_head else []
@@ -376,6 +378,9 @@ def ignore_patterns(info: ModelInfo, user_ignore: list[str], keep_lm_head: bool 
                  for role, c in info.towers.components if c in present and role not in quantized_towers]
     if any(classify(name, info.towers) == "router" for name in info.tensors):
         patterns.append(ROUTER_PATTERN)
+    family = of_config(info.config)
+    patterns += [k.pattern for k in (family.kept if family else ())
+                 if any(matches(name, [k.pattern]) for name in linear_weights(info))]
     return patterns + [p for p in user_ignore if p not in patterns]
 
 

@@ -23,11 +23,12 @@ from pathlib import Path
 
 import numpy as np
 
+from quantkit.arch.families import FAMILIES
 from quantkit.errors import ModelError
 
-# config.json model_type -> the mlx_lm.models module that loads it, with the Hugging Face names as stored
-MLX_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3_text",
-                   "phi3": "phi3"}
+# config.json model_type -> the mlx_lm.models module that loads it, with the Hugging Face names as stored (each
+# family record's `mlx`: quantkit.arch.families)
+MLX_MODEL_TYPES = {f.model_type: f.mlx for f in FAMILIES if f.mlx}
 MODE = "affine"
 SHARD_BYTES = 512 * 1024 ** 2  # data bytes held before a shard is written (mlx_lm loads model*.safetensors)
 QUANTIZED_ROLES = ("decoder", "other", "lm_head", "embeddings")

@@ -12,18 +12,18 @@ from __future__ import annotations
 import re
 import typing
 
-from quantkit.arch.families import TEXT_FAMILIES, VLM_FAMILIES, Family
+from quantkit.arch.families import TextRow, VlmRow, text_rows, vlm_rows
 from quantkit.formats import Runtime
 from quantkit.methods import METHODS, get_method, runtimes_for
 
 
 def verdict(model_type: str, method: str) -> str:
     """One cell: what `method` does with the family of the docs' tables whose model_type this is."""
-    family = next(f for f in TEXT_FAMILIES + VLM_FAMILIES if f.model_type == model_type)
+    family = next(f for f in text_rows() + vlm_rows() if f.model_type == model_type)
     return get_method(method).support(family)
 
 
-def table(header: str, families: list[Family]) -> list[str]:
+def table(header: str, families: list[TextRow] | list[VlmRow]) -> list[str]:
     """Markdown rows: a header cell, one column per method, one row per family."""
     lines = [f"| {header} | " + " | ".join(f"`{m}`" for m in METHODS) + " |", "|---" * (len(METHODS) + 1) + "|"]
     for family in families:
@@ -34,12 +34,12 @@ def table(header: str, families: list[Family]) -> list[str]:
 
 def family_table() -> list[str]:
     """The markdown rows of the text family x method table."""
-    return table("family (`model_type`)", TEXT_FAMILIES)
+    return table("family (`model_type`)", text_rows())
 
 
 def vlm_table() -> list[str]:
     """The markdown rows of the VLM family x method table."""
-    return table("VLM family (`model_type`)", VLM_FAMILIES)
+    return table("VLM family (`model_type`)", vlm_rows())
 
 
 def code_list(names) -> str:

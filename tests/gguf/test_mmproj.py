@@ -355,7 +355,7 @@ def test_idefics3_language_model_needs_text_config_architectures():
         arch_spec(config)
     assert err.value.exit_code == 2 and "VLlama3ForCausalLM" in err.value.hint
     config["text_config"]["architectures"] = ["VLlama3ForCausalLM"]
-    assert arch_spec(config).gguf_arch == "LLAMA"
+    assert arch_spec(config).arch == "LLAMA"
 
 
 def test_mistral3_with_another_text_model_is_refused():

@@ -1,0 +1,172 @@
+"""The architecture families quantkit knows, one module per family (the shape of llama.cpp's `conversion/`
+and mlx-lm's `models/`), each a list of records (quantkit.arch.families.base.Family) that every method reads:
+what stays 16-bit and why, the smoothing rows, the expert layout, the GGUF conversion, the mlx-lm model.
+
+Adding a family is one module here (and its records in FAMILIES) plus a tiny-model test. The records with a
+`name` are the rows of docs/models.md's family x method tables (quantkit.run.support writes them, each cell
+what the method's `support(family)` says); the VLM rows pair a VLM's towers (quantkit.arch.vlm) with its
+text model's family.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from quantkit.arch.families import deepseek, gemma, llama, mistral, phi, qwen
+from quantkit.arch.families.base import Family, Gguf
+from quantkit.arch.vlm import FAMILIES as VLMS
+
+# Every family record, module by module, in the order of docs/models.md's tables.
+FAMILIES: tuple[Family, ...] = (*llama.FAMILIES, *gemma.FAMILIES, *phi.FAMILIES, *mistral.FAMILIES, *qwen.FAMILIES,
+                                *deepseek.FAMILIES)
+
+
+def all_families() -> tuple[Family, ...]:
+    return FAMILIES
+
+
+def by_model_type(model_type: str) -> Family | None:
+    return next((f for f in all_families() if f.model_type == model_type), None)
+
+
+def of_config(config: dict) -> Family | None:
+    """The family of a checkpoint's config.json: a VLM's is its text model's (text_config.model_type)."""
+    text = config.get("text_config")
+    return by_model_type(text.get("model_type", "") if isinstance(text, dict) else config.get("model_type", ""))
+
+
+def kept_reason(config: dict, module: str) -> str | None:
+    """Why the family keeps a linear layer 16-bit (its record's `kept`), None where it does not."""
+    from quantkit.arch.roles import matches
+
+    family = of_config(config)
+    return next((k.reason for k in family.kept if matches(module, [k.pattern])), None) if family else None
+
+
+def gguf_conversions() -> dict[str, Gguf]:
+    """Hugging Face architecture -> its GGUF conversion, over every family."""
+    return {arch: spec for f in all_families() for arch, spec in f.gguf.items()}
+
+
+def model_types(has) -> list[str]:
+    """The sorted model_types of the families for which `has(family)` is true."""
+    return sorted(f.model_type for f in all_families() if has(f))
+
+
+# ---------------------------------------------------------------- the rows of docs/models.md's tables
+
+
+@dataclass(frozen=True)
+class TextRow:
+    """A text family as the docs' tables and the methods' `support` read it."""
+
+    family: Family
+
+    @property
+    def name(self) -> str:
+        return self.family.name
+
+    @property
+    def model_type(self) -> str:
+        return self.family.model_type
+
+    @property
+    def architecture(self) -> str:
+        return self.family.architecture
+
+    is_vlm = False
+    cross_attention = False
+
+    @property
+    def is_moe(self) -> bool:
+        return self.family.moe is not None
+
+    def kept(self) -> str:
+        """What every decoder-only method keeps 16-bit in this family: '✅', or the layers named."""
+        return "✅" if not self.family.kept else "✅ " + ", ".join(k.reason for k in self.family.kept)
+
+    def decoder_support(self, moe_cell: str) -> str:
+        """The verdict of a method that quantizes the decoder's linear layers: an MoE family gets `moe_cell`
+        (what the method's check allows of its experts)."""
+        return moe_cell if self.is_moe else self.kept()
+
+    def expert_refusal(self) -> str | None:
+        return None
+
+    def smoothing_refusal(self) -> str | None:
+        """Why AWQ and SmoothQuant refuse this family (None: they take it)."""
+        return None if self.family.smoothing else "refused: no smoothing mappings"
+
+
+@dataclass(frozen=True)
+class VlmRow:
+    """A VLM family: its towers (quantkit.arch.vlm) and the model_type of its language model, which is what
+    AWQ and SmoothQuant look up the smoothing rows by and what the expert layout is read from."""
+
+    model_type: str
+    text_type: str
+    experts: bool = False  # its language model is a mixture of experts
+
+    @property
+    def name(self) -> str:
+        return VLMS[self.model_type].name
+
+    @property
+    def architecture(self) -> str:
+        return VLMS[self.model_type].architecture
+
+    is_vlm = True
+
+    @property
+    def text_family(self) -> Family | None:
+        return by_model_type(self.text_type)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.text_family is not None and self.text_family.moe is not None
+
+    @property
+    def cross_attention(self) -> bool:
+        return bool(VLMS[self.model_type].cross_attention)
+
+    def kept(self) -> str:
+        return "✅ towers and cross-attention layers 16-bit" if self.cross_attention else "✅ towers 16-bit"
+
+    def decoder_support(self, moe_cell: str) -> str:
+        """A VLM keeps its towers 16-bit, unless its experts have no layout row."""
+        return self.expert_refusal() or self.kept()
+
+    def expert_refusal(self) -> str | None:
+        """A mixture-of-experts language model without an expert layout: refused by every method that
+        quantizes the experts (None: nothing refused)."""
+        if self.experts and not self.is_moe:
+            return f"refused: no expert layout row for its text model `{self.text_type}` (quantkit.arch.families)"
+        return None
+
+    def smoothing_refusal(self) -> str | None:
+        if self.cross_attention:
+            return "refused: cross-attention k/v read image features"
+        if self.text_family is None or not self.text_family.smoothing:
+            return f"refused: no smoothing mappings for its text model `{self.text_type}`"
+        return None
+
+
+def text_rows() -> list[TextRow]:
+    """The text families of the docs' tables (those with a name), in module order."""
+    return [TextRow(f) for f in all_families() if f.name]
+
+
+# The VLM families tiny models of go through every method in the tests (tests/test_vlm_families.py builds
+# exactly these), with the text model of their checkpoints. Gemma 3n has a tower row (its towers are
+# planned and kept) but no tiny model in the tests (its vision tower needs timm), so docs/models.md does not
+# claim it.
+VLM_TEXT_TYPES = {"llava": "llama", "llava_next": "llama", "qwen2_vl": "qwen2_vl_text",
+                  "qwen2_5_vl": "qwen2_5_vl_text", "qwen3_vl": "qwen3_vl_text", "idefics3": "llama",
+                  "smolvlm": "llama", "gemma3": "gemma3_text", "paligemma": "gemma", "mllama": "mllama_text_model",
+                  "mistral3": "mistral", "internvl": "qwen2", "llama4": "llama4_text"}
+VLM_WITH_EXPERTS = ("llama4",)
+
+
+def vlm_rows() -> list[VlmRow]:
+    return [VlmRow(model_type, text_type, model_type in VLM_WITH_EXPERTS)
+            for model_type, text_type in VLM_TEXT_TYPES.items()]

@@ -1,0 +1,171 @@
+"""The record of an architecture family, and the records it is made of.
+
+A family (one module of quantkit.arch.families, the way llama.cpp's converter has one module per family in
+`conversion/` and mlx-lm one file per model in `models/`) states what every method needs to know about it:
+its `model_type` and classes, what stays 16-bit and why, the smoothing rows AWQ and SmoothQuant use, the
+expert layout, how llama.cpp's converter converts it (GGUF architecture, hyperparameters, tensor changes,
+vocabulary), the mlx-lm model that loads it, and the rules that complete its config.json without
+transformers. Nothing here imports torch, transformers or gguf at module level.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+Hparams = dict  # a config.json dict completed with its class's defaults (quantkit.arch.families.text.text_hparams)
+
+
+# ---------------------------------------------------------------- what stays 16-bit
+
+
+@dataclass(frozen=True)
+class Kept:
+    """Linear layers of the family every method keeps 16-bit, and why (the report lists them with the reason)."""
+
+    pattern: str  # llm-compressor's ignore syntax: "re:" + re.match on the module name
+    reason: str
+
+
+# ---------------------------------------------------------------- smoothing (AWQ, SmoothQuant)
+
+
+@dataclass(frozen=True)
+class Mapping:
+    """One smoothing row (quantkit.arch.mappings says how the methods use them)."""
+
+    smooth: str  # the layer whose output channels are divided by s
+    balance: tuple[str, ...]  # the layers whose input columns are multiplied by s
+    smoothquant: bool  # SmoothQuant uses this row (a norm's row)
+    awq: bool = True  # False: AWQ leaves this row out
+
+
+# ---------------------------------------------------------------- mixture of experts
+
+
+@dataclass(frozen=True)
+class MoeLayout:
+    """How a loaded MoE model's experts and routers are named (quantkit.arch.moe)."""
+
+    router: str = r".*\.mlp\.gate$"  # module-name regex of the router (transformers 5 names)
+    # linear expert projection (llm-compressor's name) -> the checkpoint's name, where they differ
+    expert_names: dict[str, str] = field(default_factory=dict)
+    # (checkpoint block name, transformers 5 block name) renamed while loading
+    block_rename: tuple[str, str] | None = None
+
+
+@dataclass(frozen=True)
+class ExpertCheckpoint:
+    """How an MoE family's checkpoint stores its experts, for what reads it by tensor names without building
+    a transformers model: the model-free quantization (quantkit.engines.llmcompressor.model_free_moe) and the
+    gate's reading of its artifacts (quantkit.eval.experts).
+
+    A routed expert's projections are `<layer>.mlp.experts.<e>.<projection>.weight` (vLLM's
+    ckpt_gate/up/down_proj_name: its expert-parameter mapping loads them into the fused experts' w13 and w2);
+    transformers 5 stacks them while loading into `<layer>.mlp.experts.gate_up_proj` ([experts, 2 x
+    intermediate, hidden]: gate then up) and `.down_proj` ([experts, hidden, intermediate]). Multi-token-
+    prediction layers follow the decoder's as `model.layers.<num_hidden_layers + i>.`: transformers' model
+    has no such layer, vLLM's main model skips them (its MTP draft model loads them), and they are kept as
+    stored."""
+
+    projections: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # gate, up, down
+    mtp_keys: tuple[str, ...] = ()  # config.json keys counting the multi-token-prediction layers
+
+
+# ---------------------------------------------------------------- GGUF (llama.cpp's converter class, as data)
+
+
+@dataclass(frozen=True)
+class TensorRule:
+    """One step of the converter's `modify_tensors` for the Hugging Face tensors whose name matches `pattern`
+    (re.search, on the name the converter maps): a new name before gguf-py's TensorNameMap, new values, and
+    the way back for quantkit's reading of the file (the gate)."""
+
+    pattern: str
+    rename: tuple[str, str] | None = None  # (regex, replacement) applied to the name
+    # forward(float32 values, hparams, source dtype "F32"/"F16"/"BF16") -> the values the converter writes
+    forward: Callable[[np.ndarray, Hparams, str], np.ndarray] | None = None
+    # inverse(float32 values read from the file, hparams) -> the Hugging Face values
+    inverse: Callable[[np.ndarray, Hparams], np.ndarray] | None = None
+    # shape(Hugging Face shape, hparams) -> the written shape (numpy order); None: the same
+    shape: Callable[[tuple[int, ...], Hparams], tuple[int, ...]] | None = None
+    # hf_shape(written shape, hparams) -> the Hugging Face shape; None: the same
+    hf_shape: Callable[[tuple[int, ...], Hparams], tuple[int, ...]] | None = None
+
+
+def no_params(writer, hp: Hparams, ftype: int) -> None:
+    return None
+
+
+def no_tensors(hp: Hparams) -> dict[str, np.ndarray]:
+    return {}
+
+
+@dataclass(frozen=True)
+class Gguf:
+    """How convert_hf_to_gguf.py converts one Hugging Face architecture (its model class, as data and functions).
+
+    `params(writer, hparams, ftype)` writes the class's set_gguf_parameters keys; `checks` refuse, from the
+    hyperparameters alone, what the conversion does not reproduce (each `check(architecture, hparams)` raises
+    UnsupportedError); `extra_tensors(hparams)` are its generate_extra_tensors; `rules` its modify_tensors.
+    """
+
+    arch: str  # gguf.MODEL_ARCH member name
+    params: Callable[[object, Hparams, int], None]
+    vocab: str  # set_vocab flavour (quantkit.gguf.vocab.VOCAB_KINDS)
+    permute_qk: bool = False  # llama.cpp LLAMA_ROPE_TYPE_NORM: undo HF's rotate_half layout
+    norm_shift: bool = False  # Gemma RMSNorm scales by (1 + w): stored weight = w + 1
+    drops_lm_head: bool = False  # lm_head never written (Gemma 1/2): the output is the tied embedding
+    experts: str = ""  # per-expert HF layout stacked into ffn_*_exps: "mixtral" or "qwen"
+    trims_vocab: bool = False  # Gemma 3: token_embd rows beyond the tokenizer's vocabulary dropped
+    fused_qkv_mlp: bool = False  # Phi-3: qkv_proj -> attn_qkv, gate_up_proj -> ffn_up (fused on both sides)
+    rope_types: tuple[str, ...] = ("default", "linear", "yarn")
+    windowed: bool = False  # the converter writes a sliding window (else one in the config is refused)
+    text_types: tuple[str, ...] = ()  # a VLM's text_config.model_type values converted (Mistral3: ministral3 and
+    # mistral4 take other converter classes); empty: any
+    mrope: bool = False  # Qwen2/2.5/3-VL's multimodal RoPE: mrope_section written as rope.dimension_sections
+    strips_text_model: bool = False  # LlamaModel.filter_tensors: SmolVLM's `text_model.` dropped from the names
+    checks: tuple[Callable[[str, Hparams], None], ...] = ()
+    extra_tensors: Callable[[Hparams], dict[str, np.ndarray]] = no_tensors
+    rules: tuple[TensorRule, ...] = ()
+
+
+# ---------------------------------------------------------------- config.json completed without transformers
+
+
+def no_rope(hp: dict, kwargs: dict, entry: dict) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class ConfigRules:
+    """What the family's configuration class does on top of its field defaults (quantkit.arch.hf_config):
+    `rules(hp, kwargs)` in order (its __post_init__), then `rope(hp, kwargs, entry)` (its RoPE dictionary)."""
+
+    rules: tuple[Callable[[dict, dict], None], ...] = ()
+    rope: Callable[[dict, dict, dict], None] | None = None  # None: quantkit.arch.families.text.rope_dict
+
+
+# ---------------------------------------------------------------- the family
+
+
+@dataclass(frozen=True)
+class Family:
+    """One architecture family: every method reads it (quantkit.arch.families finds it by model_type or class).
+
+    A record with `name` is a row of docs/models.md's tables (tested on a tiny model of it); the others are
+    families quantkit reads without claiming them there (a VLM's text model, an older generation)."""
+
+    model_type: str  # config.json model_type
+    architecture: str = ""  # config.json architectures[0] of its causal LM ("" for a VLM's text model)
+    name: str = ""  # as people name it; "" keeps it out of the docs' tables
+    kept: tuple[Kept, ...] = ()
+    smoothing: tuple[Mapping, ...] = ()  # AWQ and SmoothQuant rows; () refuses both
+    moe: MoeLayout | None = None  # the llm-compressor methods' expert layout; None: dense, or not supported
+    experts_by_name: ExpertCheckpoint | None = None  # read by tensor names (model-free paths, the gate's reading)
+    gguf: dict[str, Gguf] = field(default_factory=dict)  # architecture (this one's, and the VLMs' built on it) ->
+    # its conversion
+    mlx: str = ""  # the mlx_lm.models module that loads it with the Hugging Face tensor names; "": refused
+    config: ConfigRules | None = None  # None: config.json is completed through transformers
