@@ -7,6 +7,7 @@ below names them and `add_vocab(writer, model_dir, hparams, kind)` follows the s
     (the converter tries gguf.LlamaHfVocab first, see add_llama_family_vocab); add_space_prefix
     from tokenizer_config.json's add_prefix_space;
   * "qwen2" (Qwen2 / Qwen3 / Qwen3-MoE): tokenizer.model if present, else BPE;
+  * "gpt2" (TextModel's own set_vocab, the families that do not override it): BPE from tokenizer.json;
   * "gemma" / "gemma2": tokenizer.model (add_space_prefix false; Gemma 1 adds CodeGemma ids);
   * "gemma3": tokenizer.model (add_space_prefix false) if present, else BPE;
   * "phi3": BPE when tokenizer_config.json says GPT2Tokenizer (Phi-4), else Phi3MiniModel's own
@@ -141,7 +142,7 @@ KNOWN_PRE_HASHES: dict[str, str] = {
 }
 CHKTXT = '\n \n\n \n\n\n \t \t\t \t\n  \n   \n    \n     \n🚀 (normal) 😶\u200d🌫️ (multiple emojis concatenated) ✅ 🦙🦙 3 33 333 3333 33333 333333 3333333 33333333 3.3 3..3 3...3 កាន់តែពិសេសអាច😁 ?我想在apple工作1314151天～ ------======= нещо на Български \'\'\'\'\'\'```````""""......!!!!!!?????? I\'ve been \'told he\'s there, \'RE you sure? \'M not sure I\'ll make it, \'D you like some tea? We\'Ve a\'lL'
 
-VOCAB_KINDS = ("llama", "qwen2", "gemma", "gemma2", "gemma3", "phi3")
+VOCAB_KINDS = ("llama", "qwen2", "gemma", "gemma2", "gemma3", "phi3", "gpt2")
 SPM_PAD_SCORE = -10000.0  # ids of the config's vocabulary that the tokenizer.model lacks
 ADDED_SCORE = -1000.0
 CONTROL, USER_DEFINED, UNUSED = 3, 4, 5  # gguf.TokenType values (SentencePieceTokenTypes in the converter)
@@ -165,6 +166,8 @@ def add_vocab(writer, model_dir: Path, hparams: dict, kind: str) -> VocabInfo:
         raise UnsupportedError(f"unknown vocabulary kind '{kind}'", hint="one of: " + ", ".join(VOCAB_KINDS))
     if kind == "llama":
         info = add_llama_family_vocab(writer, model_dir, hparams)
+    elif kind == "gpt2":
+        info = add_bpe_vocab(writer, model_dir, hparams)
     elif kind == "phi3":
         info = add_phi3_vocab(writer, model_dir, hparams)
     else:
@@ -199,6 +202,8 @@ def uses_bpe(model_dir: Path, kind: str) -> bool:
     """Whether add_vocab reads tokenizer.json as BPE (no tokenizer.model; Phi-3: a GPT2Tokenizer)."""
     if kind == "phi3":
         return read_json(Path(model_dir) / "tokenizer_config.json").get("tokenizer_class") == "GPT2Tokenizer"
+    if kind == "gpt2":
+        return True
     return not (Path(model_dir) / "tokenizer.model").is_file()
 
 

@@ -1,0 +1,196 @@
+"""What every family's tiny-model tests share (one module per family in tests/families/, each with a
+`build(out)` that saves its checkpoint and its tests): building a random checkpoint from transformers' own
+config class, running a method through the CLI, and the proofs each artifact owes its consumer.
+
+- compressed-tensors and nf4: transformers reloads it strictly (no missing, unexpected or mismatched key);
+- GGUF: quantkit's file equals llama.cpp's own convert_hf_to_gguf.py (every metadata key, every tensor),
+  and quantkit's quantized file equals llama-quantize run on the converter's output, tensor for tensor;
+  llama-perplexity loads it (skipped with the reason without scripts/build_llamacpp.sh's build);
+- MLX: mlx-lm loads it and its logits follow quantkit's reading (float32 on both sides, same weights).
+
+Tiny shapes: hidden 256 (rows stay multiples of 256, so the k-quants apply), 4 heads of 64 (GQA 2), a real
+byte-level BPE tokenizer trained on the bundled text (quantkit.toy), random weights stored in bf16.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from tests.gguf.families import randomize, write_bpe_tokenizer
+from tests.methods.conftest import assert_nothing_written, report
+
+COMMON = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=4096, rms_norm_eps=1e-5)
+CALIB = ["--num-samples", "16", "--seq-len", "64", "--eval-windows", "2"]
+# random weights: the gate is loosened; every proof below holds whatever the gate says
+LOOSE_GATE = ["--max-kld", "10", "--max-ppl-increase", "100", "--min-top1", "0"]
+
+__all__ = ["COMMON", "CALIB", "LOOSE_GATE", "assert_nothing_written", "report"]
+
+
+def build(out: Path, config_class: str, model_class: str, seed: int = 0, **config) -> Path:
+    """A random `model_class` checkpoint of `config_class(**COMMON, **config)` with the toy BPE tokenizer, in bf16."""
+    import torch
+    import transformers
+
+    out.mkdir(parents=True, exist_ok=True)
+    vocab, ids = write_bpe_tokenizer(out)
+    settings = {**COMMON, "vocab_size": vocab, **ids, **config}
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_class)(getattr(transformers, config_class)(**settings))
+    randomize(model, seed)
+    model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+    return out
+
+
+def quantize(cli, model: Path, out: Path, method: str, *args: str, gate: bool = True):
+    """`quantkit quantize MODEL --method METHOD ARGS` on the tiny calibration set (the loose gate, or none)."""
+    return cli("quantize", model, "--method", method, *args, *CALIB, *(LOOSE_GATE if gate else ["--no-gate"]),
+               "-o", out)
+
+
+def assert_passed(result, out: Path) -> dict:
+    """Exit 0 with an artifact whose gate passed; the target's report entry."""
+    assert result.exit_code == 0, result.output
+    entry = report(out)["targets"][0]
+    assert entry["gate"]["passed"] or not entry["gate"].get("enforced", True)
+    return entry
+
+
+def assert_refused(result, out: Path, *words: str) -> None:
+    """Exit 2 before any work, naming `words`, nothing written."""
+    assert result.exit_code == 2, result.output
+    for word in words:
+        assert word in result.output, result.output
+    assert "loading" not in result.output and "measuring" not in result.output
+    assert_nothing_written(out)
+
+
+def assert_strict_reload(out: Path) -> None:
+    """transformers reloads the artifact with no missing, unexpected or mismatched key."""
+    from transformers import AutoModelForCausalLM
+
+    _model, info = AutoModelForCausalLM.from_pretrained(out, device_map="cpu", output_loading_info=True)
+    assert {key: list(value) for key, value in info.items() if value} == {}
+
+
+def kept_16bit(out: Path) -> list[str]:
+    """The ignore list of a compressed-tensors artifact (the layers kept 16-bit)."""
+    return json.loads((out / "config.json").read_text())["quantization_config"]["ignore"]
+
+
+# ---------------------------------------------------------------- GGUF against llama.cpp
+
+
+def assert_gguf_equals_converter(model: Path, tmp_path: Path, outtype: str = "bf16", pre: str | None = "gpt-2"):
+    """quantkit's GGUF at `outtype` equals convert_hf_to_gguf.py's (every metadata key and tensor; `pre`: the
+    pre-tokenizer name the converter is told for a tokenizer its hash table lacks, tests/gguf/test_vs_converter.py).
+    Returns (quantkit's file, the converter's file)."""
+    from tests.gguf.helpers import convert_to
+    from tests.gguf.test_vs_converter import assert_same_file, need_llama_src, reference_gguf
+
+    need_llama_src()
+    theirs = reference_gguf(model, tmp_path / f"theirs-{outtype}.gguf", outtype, pre)
+    ours = tmp_path / f"ours-{outtype}.gguf"
+    convert_to(model, ours, outtype.upper())
+    assert_same_file(ours, theirs)
+    return ours, theirs
+
+
+def assert_quantized_equals_llama_quantize(model: Path, reference: Path, tmp_path: Path,
+                                           types: tuple[str, ...] = ("Q4_K_M", "IQ4_XS")) -> list[Path]:
+    """For each type, quantkit's direct conversion holds llama-quantize's tensors (types and bytes) run on the
+    converter's `reference` file (bf16: the source values, so both quantize the same numbers)."""
+    from tests.gguf.helpers import convert_to, run_quantize
+    from tests.gguf.test_families_llamacpp import assert_same_tensors
+
+    written = []
+    for gguf_type in types:
+        theirs, ours = tmp_path / f"theirs-{gguf_type}.gguf", tmp_path / f"ours-{gguf_type}.gguf"
+        run_quantize(reference, theirs, gguf_type)
+        convert_to(model, ours, gguf_type)
+        assert_same_tensors(theirs, ours, gguf_type)
+        written.append(ours)
+    return written
+
+
+def assert_llama_perplexity_runs(path: Path, tmp_path: Path) -> None:
+    """llama-perplexity loads the file and scores finite chunks."""
+    import re
+    import subprocess
+
+    from tests.gguf.helpers import need_llama
+    from tests.gguf.test_families_llamacpp import text_file
+
+    run = subprocess.run([str(need_llama("llama-perplexity")), "-m", str(path), "-f",
+                          str(text_file(tmp_path / "t.txt")), "-c", "128", "-b", "128", "--chunks", "3", "-t", "2"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    chunks = [float(v) for v in re.findall(r"\[\d+\]([0-9.]+),", run.stdout + run.stderr)]
+    assert len(chunks) >= 2 and all(np.isfinite(v) and v > 1.0 for v in chunks), run.stderr[-2000:]
+
+
+# ---------------------------------------------------------------- MLX against mlx-lm
+
+
+def assert_mlx_lm_reads_as_quantkit(out: Path, ids: list[int] | None = None, tolerance: float = 1e-4) -> None:
+    """mlx_lm.load builds the quantized modules with exactly quantkit's weights, and its logits at float32
+    follow quantkit's reading of the artifact at float32 (tests/methods/test_mlx.py)."""
+    import pytest
+
+    mx = pytest.importorskip("mlx.core", reason="mlx is not installed (pip install 'quantkit[mlx]')")
+    mlx_lm = pytest.importorskip("mlx_lm", reason="mlx-lm is not installed (pip install 'quantkit[mlx]')")
+    import torch
+    from mlx import nn
+
+    from quantkit.formats.gate import load_artifact
+    from quantkit.mlx.checkpoint import MLXWeights
+    from tests.methods.test_mlx import float32_mlx_model
+
+    mx.set_default_device(mx.cpu)
+    model, _tokenizer = mlx_lm.load(str(out))
+    ours = MLXWeights(out)
+    modules = [(n, m) for n, m in model.named_modules() if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))]
+    assert modules
+    for name, m in modules:
+        theirs = mx.dequantize(m.weight, m.scales, m.biases, group_size=m.group_size, bits=m.bits)
+        assert np.array_equal(np.array(theirs.astype(mx.float32)), ours.get(name + ".weight").float().numpy()), name
+    ids = ids or list(range(3, 40))
+    theirs = np.array(float32_mlx_model(model)(mx.array(ids)[None]))[0]
+    with torch.no_grad():
+        read = load_artifact(out).float()(torch.tensor([ids])).logits[0].numpy()
+    assert np.abs(theirs - read).mean() < tolerance * np.abs(read).mean()
+
+
+def copy_with_config(source: Path, dest: Path, **changes) -> Path:
+    """A copy of a checkpoint with config.json's keys changed (a variant a proof needs)."""
+    shutil.copytree(source, dest)
+    config = json.loads((dest / "config.json").read_text())
+    config.update(changes)
+    (dest / "config.json").write_text(json.dumps(config, indent=2))
+    return dest
+
+
+# ---------------------------------------------------------------- the serving engine
+
+
+def assert_serves_as_read(cli, artifact: Path, tmp_path: Path, engine: str, *args: str) -> dict:
+    """`quantkit serve-check` passes: the engine (vllm, llama.cpp, mlx; skipped where scripts/setup_engines.sh
+    did not install it) tokenizes as the base does and its log-probs read the artifact as the gate read it.
+    Returns the serve-check report."""
+    import pytest
+
+    from quantkit.serve import llama_server, mlx_server, vllm_server
+    from tests.serve.test_serve_check_slow import serve_check
+
+    finder = {"vllm": vllm_server.find, "llama.cpp": llama_server.find, "mlx": mlx_server.find}[engine]
+    if finder() is None:
+        pytest.skip(f"{engine} is not installed (scripts/setup_engines.sh)")
+    code, data, stderr = serve_check(cli, artifact, tmp_path, *args)
+    assert code == 0, stderr
+    assert data["passed"] and data["engine"]["name"] == engine and data["tokenization"]["matches"]
+    return data

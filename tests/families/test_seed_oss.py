@@ -1,0 +1,72 @@
+"""Seed-OSS (SeedOssForCausalLM) on a tiny random checkpoint: every method, each artifact proven in its consumer.
+
+Fast: fp8, gptq and gguf through the CLI. Slow: the other methods, GGUF against llama.cpp's converter and
+llama-quantize, MLX against mlx-lm.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.families import common
+
+FAMILY = "seed_oss"
+
+
+def build(out: Path, **config) -> Path:
+    """Seed-OSS as its checkpoints are: q/k/v biases, no attention output bias."""
+    return common.build(out, "SeedOssConfig", "SeedOssForCausalLM", head_dim=64, attention_bias=True, **config)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    return build(tmp_path_factory.mktemp(FAMILY) / "model")
+
+
+COMPRESSED = {"fp8": [], "gptq": [], "awq": [], "autoround": ["--iters", "2"], "smoothquant": [], "nvfp4": [],
+              "mxfp4": [], "nf4": []}
+FAST = ("fp8", "gptq")
+
+
+@pytest.mark.parametrize("method", [pytest.param(m, marks=() if m in FAST else pytest.mark.slow) for m in COMPRESSED])
+def test_compressed_tensors_and_nf4_reload_strictly(cli, model, tmp_path, method):
+    out = tmp_path / "out"
+    common.assert_passed(common.quantize(cli, model, out, method, *COMPRESSED[method]), out)
+    common.assert_strict_reload(out)
+
+
+def test_gguf(cli, model, tmp_path):
+    out = tmp_path / "out"
+    entry = common.assert_passed(common.quantize(cli, model, out, "gguf", "--gguf-type", "Q4_K_M"), out)
+    assert entry["details"]["gguf"]["type"] == "Q4_K_M"
+
+
+def test_gguf_refuses_an_attention_output_bias_llama_cpp_lacks(cli, tmp_path):
+    """llama.cpp's converter writes attn_output.bias, which its seed_oss model never loads (the file fails to
+    load: 'wrong number of tensors'): refused before work."""
+    model, out = build(tmp_path / "model", attention_out_bias=True), tmp_path / "out"
+    common.assert_refused(common.quantize(cli, model, out, "gguf"), out, "attention_out_bias")
+
+
+@pytest.mark.slow
+def test_gguf_equals_llama_cpp(model, tmp_path):
+    ours, theirs = common.assert_gguf_equals_converter(model, tmp_path, "bf16")
+    for path in common.assert_quantized_equals_llama_quantize(model, theirs, tmp_path):
+        common.assert_llama_perplexity_runs(path, tmp_path)
+
+
+@pytest.mark.slow
+def test_mlx_lm_reads_it_as_quantkit(cli, model, tmp_path):
+    out = tmp_path / "out"
+    common.assert_passed(common.quantize(cli, model, out, "mlx", "--bits", "4", gate=False), out)
+    common.assert_mlx_lm_reads_as_quantkit(out)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["fp8", "gptq"])
+def test_vllm_serves_it_as_the_gate_read_it(cli, model, tmp_path, method):
+    out = tmp_path / "out"
+    common.assert_passed(common.quantize(cli, model, out, method), out)
+    common.assert_serves_as_read(cli, out, tmp_path, "vllm")
