@@ -116,11 +116,11 @@ def plan_data(info, method, options, ignore: list[str], context: int, towers: di
 
 
 def rule_kept(info, method, options, ignore: list[str]) -> dict[str, str]:
-    """What `quantize` would keep 16-bit by rule (without --strict-shapes): the layers the format cannot tile
-    and the fused partners of any kept shard (quantkit.run.pipeline.resolve_target)."""
-    from quantkit.run.pipeline import fused_partners_kept
+    """What `quantize` would keep 16-bit by rule (without --strict-shapes): the layers the model's family keeps,
+    those the format cannot tile and the fused partners of any kept shard (quantkit.run.pipeline.resolve_target)."""
+    from quantkit.run.pipeline import family_kept, fused_partners_kept
 
-    kept = method.layers.shape_problems(info, options, ignore)
+    kept = family_kept(info, method) | method.layers.shape_problems(info, options, ignore)
     kept.update(fused_partners_kept(info, method, ignore + sorted(kept)))
     return kept
 

@@ -94,6 +94,24 @@ def hf_config(path: Path, trust_remote_code: bool = False):
         raise
 
 
+def check_known(info: ModelInfo, trust_remote_code: bool = False) -> None:
+    """transformers builds this model_type (its own classes, or with trust_remote_code the checkpoint's own
+    code): else UnsupportedError (exit 2) before any work, naming the model_type and what to do."""
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if info.model_type in CONFIG_MAPPING_NAMES or (trust_remote_code and "auto_map" in info.config):
+        return
+    from quantkit.errors import UnsupportedError
+
+    hint = ("the checkpoint ships its own modeling code (auto_map in config.json): pass --trust-remote-code if you "
+            "trust it" if "auto_map" in info.config else
+            "a newer transformers may know it, but llm-compressor 0.14 (quantkit's engine) allows transformers up "
+            "to 5.17; a checkpoint that ships its own modeling code runs with --trust-remote-code")
+    raise UnsupportedError(f"{info.path}: model_type '{info.model_type}' is not an architecture transformers "
+                           f"{transformers.__version__} knows", hint=hint)
+
+
 def needs_remote_code(exc: Exception) -> bool:
     """transformers refused to run a checkpoint's custom code (trust_remote_code not given)."""
     return isinstance(exc, ValueError) and "trust_remote_code" in str(exc)

@@ -362,12 +362,10 @@ def ignore_patterns(info: ModelInfo, user_ignore: list[str], keep_lm_head: bool 
     """The `ignore` list a method gets (QuantizeJob.ignore; llm-compressor's semantics): lm_head (when kept), every
     VLM tower component (the component itself and everything under it: a projector that is a single Linear, the
     Linear subclasses inside a tower such as nn.MultiheadAttention's out_proj) but those of the roles in
-    `quantized_towers`, the MoE routers present in this model, the layers its family keeps 16-bit
-    (quantkit.arch.families: a record's `kept`), then the user's patterns."""
+    `quantized_towers`, the MoE routers present in this model, then the user's patterns."""
     import re
 
-    from quantkit.arch.families import of_config
-    from quantkit.arch.roles import ROUTER_PATTERN, classify, linear_weights, matches
+    from quantkit.arch.roles import ROUTER_PATTERN, classify
     from quantkit.arch.vlm import component_pattern, ignore_pattern
 
     patterns = ["lm_head"] if keep_lm_head else []
@@ -378,9 +376,6 @@ def ignore_patterns(info: ModelInfo, user_ignore: list[str], keep_lm_head: bool 
                  for role, c in info.towers.components if c in present and role not in quantized_towers]
     if any(classify(name, info.towers) == "router" for name in info.tensors):
         patterns.append(ROUTER_PATTERN)
-    family = of_config(info.config)
-    patterns += [k.pattern for k in (family.kept if family else ())
-                 if any(matches(name, [k.pattern]) for name in linear_weights(info))]
     return patterns + [p for p in user_ignore if p not in patterns]
 
 

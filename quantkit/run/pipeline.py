@@ -37,7 +37,7 @@ from quantkit.engines.llmcompressor.distributed import (
     rank_zero_alone,
     see_from_every_rank,
 )
-from quantkit.engines.transformers import Offload, check_device, device_map
+from quantkit.engines.transformers import Offload, check_device, check_known, device_map
 from quantkit.errors import (
     CalibrationError,
     GateFailedError,
@@ -137,6 +137,8 @@ def prepare(recipe: Recipe, opts: RunOptions) -> tuple[ModelInfo, list[ResolvedT
     check_not_quantized(info, recipe)
     check_offload_dir(recipe, info)
     targets = [resolve_target(recipe, target, info) for target in selected]
+    if recipe.calibration.eval_windows or any(t.needs_model or t.needs_calibration for t in targets):
+        check_known(info, recipe.trust_remote_code)  # transformers builds the model for them
     given = {"--lora": bool(recipe.lora), "--offload-dir": recipe.offload_dir is not None,
              "--skip-existing": opts.skip_existing, "--partial": opts.partial}
     check_launch(opts.ranks, [rank_row(t) for t in targets],
@@ -248,7 +250,7 @@ def resolve_target(recipe: Recipe, target: Target, info: ModelInfo) -> ResolvedT
     check_tower_precision(target, info, method)
     method.check(info, options, recipe.calibration)
     ignore = ignore_patterns(info, target.ignore, method.layers.keeps_lm_head(options), tuple(target.tower_precision()))
-    kept = shapes_kept(recipe, target, method, info, options, ignore)
+    kept = family_kept(info, method) | shapes_kept(recipe, target, method, info, options, ignore)
     kept.update(fused_partners_kept(info, method, ignore + sorted(kept)))
     ignore = ignore + sorted(kept)
     method.layers.check_ignore(info, options, ignore)
@@ -264,6 +266,14 @@ def gate_with_task_files(gate: Gate) -> Gate:
     from quantkit.eval.tasks import with_task_files
 
     return gate.model_copy(update={"tasks": with_task_files(gate.tasks)})
+
+
+def family_kept(info: ModelInfo, method: MethodSpec) -> dict[str, str]:
+    """The layers the model's family keeps 16-bit, each with its reason (quantkit.arch.families: a record's
+    `kept`), for a method that takes an ignore list (a GGUF mixture types every tensor as llama-quantize does)."""
+    from quantkit.arch.families import kept_layers
+
+    return kept_layers(info) if method.layers.takes_ignore else {}
 
 
 def fused_partners_kept(info: ModelInfo, method: MethodSpec, ignore: list[str]) -> dict[str, str]:

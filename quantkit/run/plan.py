@@ -15,7 +15,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from quantkit.arch.families import kept_reason
 from quantkit.arch.roles import KEEP_16BIT_ROLES, TOWER_EMBEDDING, classify, linear_weights, matches
 from quantkit.io.checkpoint import ModelInfo
 
@@ -67,8 +66,6 @@ def plan_entry(info: ModelInfo, name: str, shape: list[int], chosen: str | None,
         return PlanEntry(name, role, shape, f"{kept_dtype} (kept: {role} stays 16-bit)", True)
     if not chosen:
         return PlanEntry(name, role, shape, f"{kept_dtype} (kept: {role})", True)
-    if (reason := kept_reason(info.config, name)) is not None:
-        return PlanEntry(name, role, shape, f"{kept_dtype} (kept: {reason})", True)
     if matches(name, ignore):
         return PlanEntry(name, role, shape, f"{kept_dtype} (kept: ignore pattern)", True)
     return PlanEntry(name, role, shape, chosen, False)

@@ -43,6 +43,13 @@ def kept_reason(config: dict, module: str) -> str | None:
     return next((k.reason for k in family.kept if matches(module, [k.pattern])), None) if family else None
 
 
+def kept_layers(info) -> dict[str, str]:
+    """{linear layer: why} of the layers a checkpoint's family keeps 16-bit (`info`: quantkit.io.checkpoint.ModelInfo)."""
+    from quantkit.arch.roles import linear_weights
+
+    return {name: reason for name in linear_weights(info) if (reason := kept_reason(info.config, name)) is not None}
+
+
 def gguf_conversions() -> dict[str, Gguf]:
     """Hugging Face architecture -> its GGUF conversion, over every family."""
     return {arch: spec for f in all_families() for arch, spec in f.gguf.items()}
