@@ -44,15 +44,6 @@ MOE_LAYOUTS: dict[str, MoeLayout] = {f.model_type: f.moe for f in FAMILIES if f.
 # config.json keys holding a model's number of routed experts (Qwen-MoE's `num_experts` is written
 # `num_local_experts` by transformers 5): a model with one of them > 0 is MoE.
 EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
-# What transformers 5.17 reloads of quantized MoE experts (integrations.compressed_tensors.
-# DecompressExperts): per expert, an fp8 `weight` + `weight_scale`, or a packed int `weight_packed`
-# + `weight_scale` + `weight_shape`, dequantized into its fused experts. Anything else stored per
-# expert (zero points, static activation scales, act-order g_idx, int8 `int-quantized` weights)
-# fails the reload, so the methods refuse those options on MoE models before any work.
-RELOADABLE_EXPERTS = ("fp8 weights with per-channel scales (dynamic activations), or symmetric int4/int8 "
-                      "packed weights without act-order groups")
-
-
 def is_moe(model_type: str) -> bool:
     return model_type in MOE_LAYOUTS
 
@@ -69,15 +60,6 @@ def check_supported(info, method: str) -> None:
         raise UnsupportedError(
             f"{method}: mixture-of-experts architecture '{info.model_type}' is not supported",
             hint="supported MoE model types: " + ", ".join(sorted(MOE_LAYOUTS)) + "; or use gguf where it converts it")
-
-
-def check_expert_storage(info, method: str, problem: str | None, hint: str) -> None:
-    """Refuse (exit 2, before any work) options that would store MoE experts in a form transformers
-    cannot reload (`problem` says which); dense models pass."""
-    if problem and is_moe(info.model_type):
-        raise UnsupportedError(
-            f"{method} on MoE model '{info.model_type}': {problem}, which transformers cannot reload into its "
-            f"fused experts, so the artifact could not be gated (it reloads {RELOADABLE_EXPERTS})", hint=hint)
 
 
 def is_expert_weight(name: str) -> bool:

@@ -57,14 +57,15 @@ def quantization_config(config: dict):
     return CompressedTensorsConfig.from_dict(config["quantization_config"]).quantization_config
 
 
-def quantized_meta_model(config, dtype):
-    """The meta-device CausalLM (quantkit.eval.stream.build_meta_model) with the artifact's quantization
-    applied by compressed-tensors and every quantized module in the state decompress_module leaves
-    it in: DECOMPRESSED, holding its weight and the activations' qparams its forward reads (the
-    weight's own qparams, used only to decompress, are dropped: CompressedWeights reads them)."""
+def quantized_meta_model(config, dtype, model=None):
+    """The meta-device CausalLM (quantkit.eval.stream.build_meta_model, or `model`: one built so and changed,
+    quantkit.eval.experts.linear_experts_model) with the artifact's quantization applied by compressed-tensors
+    and every quantized module in the state decompress_module leaves it in: DECOMPRESSED, holding its weight and
+    the activations' qparams its forward reads (the weight's own qparams, used only to decompress, are dropped:
+    CompressedWeights reads them)."""
     from compressed_tensors.quantization import QuantizationStatus, apply_quantization_config
 
-    model = build_meta_model(config, dtype)
+    model = build_meta_model(config, dtype) if model is None else model
     apply_quantization_config(model, quantization_config(config.to_dict()), run_compressed=False,
                               show_progress=False)
     for module in quantized(model).values():
@@ -142,8 +143,8 @@ class CompressedWeights:
     quantized module's `weight` decompressed from its stored tensors when asked for, every other
     tensor as stored."""
 
-    def __init__(self, model_dir: Path, model):
-        self.stored = SafetensorsWeights(model_dir)
+    def __init__(self, model_dir: Path, model, stored: SafetensorsWeights | None = None):
+        self.stored = SafetensorsWeights(model_dir) if stored is None else stored  # its names are the model's
         self.modules = compressed_modules(model)
 
     def keys(self) -> list[str]:

@@ -73,7 +73,7 @@ def reads(path: Path) -> bool:
     qconfig = config.get("quantization_config") or {}
     groups = (qconfig.get("config_groups") or {}).values()
     return (qconfig.get("quant_method") == COMPRESSED_TENSORS and not is_vlm(config)
-            and layout_of(config) is not None and not config.get("auto_map")
+            and (moe_layout(config) is not None or layout_of(config) is not None) and not config.get("auto_map")
             and not qconfig.get("kv_cache_scheme") and not qconfig.get("transform_config")
             and not qconfig.get("sparsity_config")
             and all((g.get("format") or qconfig.get("format")) in FORMATS for g in groups))
@@ -205,13 +205,145 @@ def experts_open(path: Path, config, dtype):
 
 
 def experts_reading(path: Path) -> Reading:
-    """An MoE compressed-tensors artifact read by quantkit (`reads`), in its stored dtype."""
+    """An MoE compressed-tensors artifact read by quantkit (`reads`), in its stored dtype: with linear experts where
+    llm-compressor's methods write the family (its record's `moe`), else stacked into the fused experts."""
     from quantkit.engines.transformers import hf_config, torch_dtype
     from quantkit.io.checkpoint import check_model_dir
 
     config = hf_config(path)
     dtype = torch_dtype("auto", check_model_dir(path))
+    layout = moe_layout(config.to_dict())
+    if layout is not None:
+        return Reading(config, lambda: linear_open(path, config, dtype, layout))
     return Reading(config, lambda: experts_open(path, config, dtype))
+
+
+# ---------------------------------------------------------------- linear experts: each expert its own quantized Linears
+
+
+def moe_layout(config: dict):
+    """The family's expert layout for llm-compressor's methods (quantkit.arch.families: a record's `moe`), None."""
+    from quantkit.arch import moe
+
+    text = config.get("text_config") or config
+    return moe.MOE_LAYOUTS.get(text.get("model_type", config.get("model_type", "")))
+
+
+def linear_experts_model(config, dtype):
+    """The meta-device CausalLM with every fused-experts module replaced by llm-compressor's linear experts (one
+    Linear per expert projection, LinearExperts2D: what llm-compressor calibrates and saves), so that compressed-
+    tensors' quantization applies to each expert's projections as to any Linear: each runs its scheme's quantized
+    forward, its input activations quantized as the scheme says (per token for fp8-dynamic and W8A8, with the
+    static scale for fp8-static, per group for fp8-block), as vLLM's fused-MoE kernels quantize them."""
+    import torch
+    from llmcompressor.modeling.moe.linear_experts import LinearExperts2D
+    from llmcompressor.modeling.moe.linearize import get_non_linearized_moes
+
+    from quantkit.eval.stream import build_meta_model
+
+    model = build_meta_model(config, dtype)
+    for name, module in get_non_linearized_moes(model):
+        linear = LinearExperts2D.get_linear_experts_cls(type(module))
+        with torch.device("meta"):
+            model.set_submodule(name, linear(getattr(module, "config", model.config)).to(dtype))
+    return model
+
+
+def model_name(stored: str, layout) -> str:
+    """A stored tensor's name in the linear-experts model: the block renamed as transformers renames it on load
+    (Mixtral's block_sparse_moe -> mlp), each expert projection under llm-compressor's linear name (w1 -> gate_proj)."""
+    if layout.block_rename:
+        old, new = layout.block_rename
+        stored = stored.replace(f".{old}.", f".{new}.")
+    for linear, name in layout.expert_names.items():
+        stored = re.sub(rf"\.experts\.(\d+)\.{name}\.", rf".experts.\1.{linear}.", stored)
+    return stored
+
+
+class ModelNamed:
+    """The tensors of a checkpoint by the names of the linear-experts model (`model_name`), read one at a time."""
+
+    def __init__(self, model_dir: Path, layout):
+        from quantkit.io.checkpoint import SafetensorsWeights
+
+        self.index = {model_name(n, layout): entry for n, entry in SafetensorsWeights(model_dir).index.items()}
+
+    def keys(self) -> list[str]:
+        return list(self.index)
+
+    def get(self, name: str):
+        from quantkit.io.checkpoint import read_stored
+
+        return read_stored(self.index[name])
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.index[name].shape
+
+    def rows(self, name: str, index):
+        from quantkit.io.checkpoint import read_stored_rows
+
+        return read_stored_rows(self.index[name], index)
+
+
+# an expert projection's static input scale: vLLM's fused MoE keeps one per layer for gate/up (w13) and one for down
+# (w2), the largest over the experts (process_fp8_input_tensor_strategy_moe)
+EXPERT_INPUT_SCALE = re.compile(r"(.*\.experts)\.\d+\.(gate_proj|up_proj|down_proj)\.input_scale$")
+
+
+class SharedInputScales:
+    """A WeightSource whose experts' static input scales are those vLLM computes with: for each layer, the largest
+    over its experts of the gate and up projections' (w13) and of the down projections' (w2); every other tensor
+    as `weights` gives it."""
+
+    def __init__(self, weights):
+        self.weights, self.stored, self.modules = weights, weights.stored, getattr(weights, "modules", {})
+        self.shared: dict[str, list[str]] = {}  # an expert's input_scale -> the scales it shares the maximum of
+        for name in weights.keys():
+            found = EXPERT_INPUT_SCALE.fullmatch(name)
+            if found:
+                self.shared.setdefault((found.group(1), found.group(2) == "down_proj"), []).append(name)
+        self.groups = {name: names for names in self.shared.values() for name in names}
+
+    def keys(self) -> list[str]:
+        return self.weights.keys()
+
+    def reads(self, name: str) -> list[str]:
+        return getattr(self.weights, "reads", lambda n: [n])(name)
+
+    def get(self, name: str):
+        import torch
+
+        if name not in self.groups:
+            return self.weights.get(name)
+        scales = [self.weights.get(n) for n in self.groups[name]]
+        return torch.stack([s.reshape(-1) for s in scales]).amax(dim=0).reshape(scales[0].shape).to(scales[0].dtype)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.weights.shape(name)
+
+    def rows(self, name: str, index):
+        return self.weights.rows(name, index)
+
+
+def linear_open(path: Path, config, dtype, layout):
+    """The artifact's linear-experts model on the meta device with compressed-tensors' quantization applied, and the
+    source of its weights (each module decompressed as it runs; the experts' static input scales shared as vLLM
+    shares them); ArtifactReloadError (exit 3) when the checkpoint does not reload strictly (the MTP layers aside)."""
+    from quantkit.eval.artifacts import check_strict_reload
+    from quantkit.eval.compressed import CompressedWeights, quantized_meta_model, reload_problems
+
+    model = quantized_meta_model(config, dtype, linear_experts_model(config, dtype))
+    source = SharedInputScales(CompressedWeights(path, model, ModelNamed(path, layout)))
+    problems = reload_problems(model, source)
+    checkpoint = layout_of(config.to_dict())
+    if checkpoint is not None:
+        from quantkit.arch import moe
+
+        mtp = tuple(moe.mtp_prefixes(config.to_dict(), source.stored.index, checkpoint))
+        problems["unexpected_keys"] = [n for n in problems["unexpected_keys"] if not n.startswith(mtp)]
+    check_strict_reload(path, problems)
+    load_buffers(model, source)
+    return model, source
 
 
 def reads_base(config: dict) -> bool:

@@ -177,7 +177,7 @@ def working_set(info, options: Options) -> int:
 
 
 def support(family) -> str:
-    return family.decoder_support("✅ symmetric (asymmetric refused)")
+    return family.decoder_support("✅")
 
 
 METHOD = MethodSpec(

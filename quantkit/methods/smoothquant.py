@@ -98,8 +98,6 @@ def check(info, options: Options, calibration) -> None:
     check_rotation(options.rotate)
     llmc.check_rotation(info, options.rotate, "smoothquant")
     moe.check_supported(info, "smoothquant")
-    moe.check_expert_storage(info, "smoothquant", "W8A8 stores every expert as int8 `int-quantized` weights",
-                             hint="use gptq --bits 8 --symmetric, or fp8, for this model")
     gptq.check_calibration_tokens(calibration, "smoothquant")
     if options.fallback is not None:
         from quantkit.mixed.budget import check_max_size
@@ -228,7 +226,7 @@ def requantize(job: QuantizeJob, plan: dict[str, str], details: dict) -> Quantiz
 
 
 def support(family) -> str:
-    return family.smoothing_refusal() or family.decoder_support("refused: int8 experts do not reload")
+    return family.smoothing_refusal() or family.decoder_support("✅ the experts' norm left unsmoothed")
 
 
 METHOD = MethodSpec(

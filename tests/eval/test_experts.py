@@ -97,13 +97,24 @@ def test_the_base_reads_as_transformers_loads_it(moe_models, kind):
 
 
 def test_an_artifact_transformers_reloads_reads_the_same(moe_models, tmp_path):
-    """fp8-dynamic experts (transformers 5 dequantizes them into its fused experts): equal logits."""
-
+    """fp8-dynamic experts, which transformers 5 dequantizes into its fused experts and runs on 16-bit inputs: with
+    the experts' activation quantization switched off the reading's logits are transformers' exactly; on (the
+    gate), each expert's inputs are quantized per token as vLLM's fused-MoE kernel quantizes them."""
     path = artifact(check_model_dir(moe_models["qwen3_moe"]), scheme_of("fp8-dynamic"), tmp_path / "fp8")
     assert experts.reads(path)
     with torch.no_grad():
         expected = gate.load_artifact(path)(IDS).logits.float()
-    assert torch.equal(resident_logits(gate.artifact_reading(path)), expected)
+    reading = gate.artifact_reading(path)
+    model, source = reading.open()
+    expert_linears = [m for n, m in model.named_modules() if ".experts." in n and hasattr(m, "quantization_scheme")]
+    assert expert_linears
+    with torch.no_grad():
+        gated = resident_built(model, reading.config, source, "cpu").model(IDS).logits.float()
+        for module in expert_linears:
+            module.quantization_enabled = False
+        weights_only = resident_built(model, reading.config, source, "cpu").model(IDS).logits.float()
+    assert torch.equal(weights_only, expected)
+    assert not torch.equal(gated, expected)
 
 
 @pytest.mark.parametrize("kind,scheme", [("deepseek_v3", "NVFP4A16"), ("qwen3_moe", "MXFP4A16"),

@@ -1,5 +1,7 @@
 """The compressed-tensors methods and nf4 on tiny random models of each family people fine-tune:
-exit 0 with an artifact transformers reloads strictly, or exit 2 before any work with the reason.
+exit 0 with an artifact that reloads strictly (in transformers; an MoE artifact whose experts transformers cannot
+reload, asymmetric or with static activation scales, in quantkit's own reading of it, which vLLM's reading
+matches: quantkit.eval.experts), or exit 2 before any work with the reason.
 
 Families come from tests/gguf/families.py (Llama 3.1, Gemma 3 text, Phi-3, Mistral, Mixtral,
 Qwen2.5, Qwen3-MoE) plus dense Qwen3 and Qwen2-MoE built here the same way. The full
@@ -17,19 +19,14 @@ from tests.methods.conftest import CALIB_ARGS, assert_nothing_written, report
 
 # Random weights: the gate is loosened; strict reload is enforced whatever the gate says.
 LOOSE_GATE = ["--max-kld", "1", "--max-ppl-increase", "1", "--min-top1", "0"]
-# MoE experts reload in transformers only without zero points (quantkit.arch.moe).
-METHOD_ARGS = {"fp8": [], "gptq": [], "awq": ["--symmetric"], "smoothquant": ["--smoothing-strength", "0.5"],
+METHOD_ARGS = {"fp8": [], "gptq": [], "awq": [], "smoothquant": ["--smoothing-strength", "0.5"],
                "nf4": [], "autoround": ["--iters", "2"], "nvfp4": [], "mxfp4": []}
 MOE = ("mixtral", "qwen3moe", "qwen2moe")
 # (family, method) -> the words exit 2 must name, for what a method refuses on a family.
-# Qwen3-MoE's mxfp4 runs model-free, by checkpoint names (tests/methods/test_model_free_moe.py); its nvfp4 default,
-# w4a4, calibrates activations on the loaded model and is refused like the other families'.
-REFUSED = {**{(family, "smoothquant"): "int-quantized" for family in MOE},
-           **{(family, method): "FP4" for family in MOE for method in ("nvfp4", "mxfp4")
-              if (family, method) != ("qwen3moe", "mxfp4")}}
+REFUSED: dict[tuple[str, str], str] = {}
 FAMILIES = ("llama31", "gemma3", "phi3", "mistral", "mixtral", "qwen25", "qwen3", "qwen3moe", "qwen2moe")
-# Fast: the Mixtral reload fix with the routing report, the fused Phi-3 rows, two refusals.
-FAST = {("mixtral", "gptq"), ("phi3", "awq"), ("mixtral", "smoothquant"), ("qwen3moe", "nvfp4")}
+# Fast: the Mixtral reload with the routing report, the fused Phi-3 rows, asymmetric AWQ experts on Mixtral.
+FAST = {("mixtral", "gptq"), ("phi3", "awq"), ("mixtral", "awq")}
 
 
 def build_extra(family: str, out: Path) -> Path:
@@ -69,6 +66,17 @@ def family_models(tmp_path_factory):
     return get
 
 
+def assert_reloads_strictly(out: Path) -> None:
+    """transformers reloads the artifact strictly, or (MoE experts it cannot reload) quantkit's reading does."""
+    from quantkit.eval import experts
+    from quantkit.formats.gate import artifact_reading
+
+    if experts.reads(out):
+        artifact_reading(out).open()  # ArtifactReloadError (exit 3 in a run) on any missing or unexpected tensor
+        return
+    assert strict_reload_info(out) == {}
+
+
 def strict_reload_info(out: Path) -> dict:
     """transformers' loading info of the artifact: every list empty when it reloads strictly."""
     from transformers import AutoModelForCausalLM
@@ -102,7 +110,7 @@ def run_case(cli, family_models, tmp_path, family: str, method: str) -> None:
         assert_nothing_written(out)
         return
     assert result.exit_code == 0, result.output
-    assert strict_reload_info(out) == {}
+    assert_reloads_strictly(out)
     entry = report(out)["targets"][0]
     assert entry["gate"]["passed"]
     if family in MOE and method in ("gptq", "awq", "autoround", "smoothquant"):
@@ -121,18 +129,65 @@ def test_method_on_family(cli, family_models, tmp_path, family, method):
     run_case(cli, family_models, tmp_path, family, method)
 
 
-@pytest.mark.parametrize("method,args,reason", [
-    ("awq", [], "zero point"),
-    ("gptq", ["--asymmetric"], "zero point"),
-    ("gptq", ["--act-order", "group"], "g_idx"),
-    ("fp8", ["--scheme", "fp8-static"], "activation scale"),
-])
-def test_moe_refuses_expert_formats_transformers_cannot_reload(cli, family_models, tmp_path, method, args, reason):
+def test_asymmetric_experts_read_as_their_decompressed_weights(cli, family_models, tmp_path):
+    """gptq --asymmetric on Mixtral stores a zero point per expert, which transformers' fused-expert reload cannot
+    take: quantkit reads it with one Linear per expert projection (llm-compressor's linear experts), and at float32
+    its logits are those of transformers' own Mixtral holding the experts' decompressed weights, to float32 rounding
+    (a wrong zero point or scale moves them by percents)."""
+    import re
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from quantkit.engines.transformers import hf_config
+    from quantkit.eval import experts
+    from quantkit.eval.resident import resident_built
+
+    base, out = family_models("mixtral"), tmp_path / "out"
+    result = cli("quantize", base, "--method", "gptq", "--asymmetric", *CALIB_ARGS, *LOOSE_GATE, "-o", out)
+    assert result.exit_code == 0, result.output
+    config = hf_config(out)
+    model, source = experts.linear_open(out, config, torch.float32, experts.moe_layout(config.to_dict()))
+    ids = torch.randint(0, 500, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = resident_built(model, config, source, "cpu").model(ids).logits
+    reference = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    state = {}
+    for name, tensor in reference.state_dict().items():
+        fused = re.fullmatch(r"(.*\.experts)\.(gate_up_proj|down_proj)", name)
+        rows = ["down_proj"] if fused and fused.group(2) == "down_proj" else ["gate_proj", "up_proj"]
+        state[name] = (torch.stack([torch.cat([source.get(f"{fused.group(1)}.{e}.{p}.weight") for p in rows])
+                                    for e in range(tensor.shape[0])]) if fused else source.get(name)).float()
+    reference.load_state_dict(state)
+    with torch.no_grad():
+        theirs = reference(ids).logits
+    assert (ours - theirs).abs().max() < 1e-5 * theirs.abs().max()
+
+
+def test_static_expert_input_scales_are_shared_as_vllm_shares_them(cli, family_models, tmp_path):
+    """fp8-static on Mixtral: each expert stores its own input scales; vLLM's fused MoE runs every expert of a layer
+    with the largest (one for gate/up, one for down: process_fp8_input_tensor_strategy_moe), and so does the gate.
+    Every expert is calibrated on every token, so the gate/up inputs' scales agree and the down inputs' differ."""
+    import torch
+
+    from quantkit.eval.experts import SharedInputScales
+    from quantkit.formats.gate import artifact_reading
+
     out = tmp_path / "out"
-    result = cli("quantize", family_models("mixtral"), "--method", method, *args, *CALIB_ARGS, "-o", out)
-    assert result.exit_code == 2, result.output
-    assert reason in result.output and "MoE" in result.output
-    assert_nothing_written(out)
+    result = cli("quantize", family_models("mixtral"), "--method", "fp8", "--scheme", "fp8-static", *CALIB_ARGS,
+                 *LOOSE_GATE, "-o", out)
+    assert result.exit_code == 0, result.output
+    _model, source = artifact_reading(out).open()
+    assert isinstance(source, SharedInputScales)
+    stored = source.stored
+    for layer in range(2):
+        prefix = f"model.layers.{layer}.mlp.experts"
+        for projections in (("gate_proj", "up_proj"), ("down_proj",)):
+            names = [f"{prefix}.{e}.{p}.input_scale" for e in range(4) for p in projections]
+            largest = torch.stack([stored.get(n).float().reshape(-1) for n in names]).amax(0)
+            assert all(torch.equal(source.get(n).float().reshape(-1), largest) for n in names)
+            own = {stored.get(n).item() for n in names}
+            assert len(own) == 1 if projections != ("down_proj",) else len(own) > 1
 
 
 def test_unknown_moe_architecture_is_refused_before_work(cli, family_models, tmp_path):
