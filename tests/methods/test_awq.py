@@ -138,11 +138,15 @@ def test_awq_autoawq_backend_fails_honestly(cli, micro_model, tmp_path):
 def test_mappings_cover_required_architectures():
     from quantkit.arch.mappings import awq_mappings
 
-    for model_type in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "gemma3_text"):
+    from quantkit.arch.families import VLM_TEXT_TYPES
+
+    for model_type in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text"):
         assert len(awq_mappings(model_type)) >= 3, model_type
     assert all(m.smooth.startswith("re:") for m in awq_mappings("gemma2"))
     assert "re:.*input_layernorm$" in [m.smooth for m in awq_mappings("gemma2")]
-    assert "re:.*input_layernorm$" not in [m.smooth for m in awq_mappings("gemma3")]
+    # Gemma 3's VLM (model_type gemma3) is smoothed with the rows of its text model
+    assert VLM_TEXT_TYPES["gemma3"] == "gemma3_text"
+    assert "re:.*input_layernorm$" not in [m.smooth for m in awq_mappings("gemma3_text")]
 
 
 def test_autoawq_installed_but_not_loadable(monkeypatch):
