@@ -18,6 +18,7 @@ module (tests/families/test_*.py), not here. A cell reads `✅ 3.4 s reload` (pa
 why` (exit 2 before work), `1 error: ...` (a quantkit bug) or `3 gate` (the loose gate failed).
 
     python scripts/bench_families.py --work /tmp/families --json docs/bench_families.json
+    python scripts/bench_families.py --families seed_oss --json docs/bench_families.json --merge  # one row again
     python scripts/bench_families.py --render docs/bench_families.json   # the markdown table docs/models.md shows
 
 Same machine, same settings for every cell (the process's own cores: torch's and quantkit's GGUF kernels' threads).
@@ -149,6 +150,8 @@ def main() -> int:
     ap.add_argument("--serve", action="store_true", help="serve-check fp8 and gptq artifacts in vLLM")
     ap.add_argument("--work", type=Path, default=Path("/tmp/quantkit-bench-families"))
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--merge", action="store_true",
+                    help="keep the other families' rows of an existing --json file (run a few families again)")
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--render", type=Path, help="print the markdown table of a saved JSON and exit")
     args = ap.parse_args()
@@ -160,6 +163,8 @@ def main() -> int:
     methods = args.methods.split(",") if args.methods else list(METHODS)
     result = {"machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "date": time.strftime("%Y-%m-%d"),
               "methods": methods, "families": {}}
+    if args.merge and args.json and args.json.exists():
+        result["families"] = json.loads(args.json.read_text())["families"]
     for family in families:
         model = builders[family](args.work / family / "model")
         cells = result["families"][family] = {}
