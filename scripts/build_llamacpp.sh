@@ -54,7 +54,7 @@ fi
 
 fetch_source() {
     local tmp="$1"
-    python -m pip download --no-deps --no-binary :all: llama-cpp-python -d "$tmp" >&2
+    python -m pip download --no-deps --no-binary llama-cpp-python llama-cpp-python -d "$tmp" >&2
     local tarball
     tarball="$(ls "$tmp"/llama_cpp_python-*.tar.gz | head -n1)"
     tar -xzf "$tarball" -C "$tmp"
