@@ -143,6 +143,22 @@ def render(result: dict) -> list[str]:
     return lines
 
 
+BEGIN = "<!-- measured: family-matrix (python scripts/bench_families.py --render docs/bench_families.json --page docs/models.md) -->"
+END = "<!-- end measured -->"
+
+
+def measured_block(text: str) -> list[str]:
+    """The lines of a page between BEGIN and END (the matrix as last rendered there)."""
+    lines = text.splitlines()
+    return lines[lines.index(BEGIN) + 1:lines.index(END)]
+
+
+def with_block(text: str, table: list[str]) -> str:
+    """`text` with the lines between BEGIN and END replaced by `table`."""
+    lines = text.splitlines()
+    return "\n".join(lines[:lines.index(BEGIN) + 1] + table + lines[lines.index(END):]) + "\n"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--families", help="comma-separated (default: all)")
@@ -154,9 +170,14 @@ def main() -> int:
                     help="keep the other families' rows of an existing --json file (run a few families again)")
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--render", type=Path, help="print the markdown table of a saved JSON and exit")
+    ap.add_argument("--page", type=Path, help="with --render: write the table into this page's measured block")
     args = ap.parse_args()
     if args.render:
-        print("\n".join(render(json.loads(args.render.read_text()))))
+        table = render(json.loads(args.render.read_text()))
+        if args.page:
+            args.page.write_text(with_block(args.page.read_text(), table))
+        else:
+            print("\n".join(table))
         return 0
     builders = family_builders()
     families = args.families.split(",") if args.families else list(builders)

@@ -194,3 +194,57 @@ def assert_serves_as_read(cli, artifact: Path, tmp_path: Path, engine: str, *arg
     assert code == 0, stderr
     assert data["passed"] and data["engine"]["name"] == engine and data["tokenization"]["matches"]
     return data
+
+
+# ---------------------------------------------------------------- smoothing rows preserve the function
+
+
+def smoothed_kld(model_dir: Path, rows, low: float = 0.1, high: float = 10.0, seed: int = 0) -> float:
+    """KL divergence (nats per token, float32) of the model at `model_dir` after every row of `rows` (smoothing
+    Mappings) divides its smooth layer's output channels by a random s in [low, high] and multiplies its balance
+    layers' input columns by s, inside llm-compressor's norm_calibration_context (which turns offset norms, Gemma's
+    x * (1 + w), into plain ones while AWQ and SmoothQuant smooth, and back afterwards), against the model as it
+    was. A row whose smooth layer's output reaches any layer outside its balance layers changes the function; a
+    row llm-compressor would skip (the balance layers' width is not the smooth layer's) is skipped."""
+    import torch
+    from llmcompressor.modeling.offset_norm import norm_calibration_context
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.randint(0, 200, (2, 32), generator=torch.Generator().manual_seed(seed))
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad(), norm_calibration_context(model):
+        for row in rows:
+            for smooth, balance in resolved_row(model, row):
+                s = low * (high / low) ** torch.rand(smooth.weight.shape[0], generator=generator)
+                scale_row(smooth, balance, s)
+    with torch.no_grad():
+        ref, got = (torch.log_softmax(m(ids).logits.float(), -1) for m in (base, model))
+    return float((ref.exp() * (ref - got)).sum(-1).mean())
+
+
+def resolved_row(model, row):
+    """[(smooth module, [balance modules])] of one Mapping, per decoder layer (llm-compressor's `re:` match)."""
+    import re
+
+    def found(pattern):
+        return [(name, module) for name, module in model.named_modules() if re.match(pattern.removeprefix("re:"), name)]
+
+    pairs = []
+    for name, smooth in found(row.smooth):
+        layer = re.match(r".*?layers\.\d+\.", name).group(0)
+        balance = [m for pattern in row.balance for n, m in found(pattern) if n.startswith(layer)]
+        if balance and all(b.weight.shape[1] == smooth.weight.shape[0] for b in balance):
+            pairs.append((smooth, balance))
+    return pairs
+
+
+def scale_row(smooth, balance, s) -> None:
+    """smooth's output channels / s, the balance layers' input columns * s."""
+    shape = (-1,) + (1,) * (smooth.weight.dim() - 1)
+    smooth.weight.copy_(smooth.weight / s.view(shape))
+    if getattr(smooth, "bias", None) is not None:
+        smooth.bias.copy_(smooth.bias / s)
+    for layer in balance:
+        layer.weight.copy_(layer.weight * s)
