@@ -113,7 +113,8 @@ def load_hparams(model_dir: Path) -> dict:
     import json
 
     config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
-    return text_hparams(complete_config(config))
+    spec = ARCHITECTURES.get(hf_architecture(config))
+    return text_hparams(config if spec is not None and spec.raw_config else complete_config(config))
 
 
 def complete_config(config: dict) -> dict:
@@ -357,7 +358,10 @@ def vocab_rows(model_dir: Path | None, hp: dict) -> int | None:
 
 def tensor_rule(config: dict, name: str) -> TensorRule | None:
     """The family's modify_tensors step for a tensor (the name the converter maps), None where it has none."""
-    return next((rule for rule in arch_spec(config).rules if re.search(rule.pattern, name)), None)
+    rules = arch_spec(config).rules
+    hp = text_hparams(config) if any(rule.when is not None for rule in rules) else {}
+    return next((rule for rule in rules if re.search(rule.pattern, name) and (rule.when is None or rule.when(hp))),
+                None)
 
 
 def mapped_name(rule: TensorRule | None, name: str) -> str:
@@ -377,6 +381,32 @@ def single_plan(config: dict, tmap, name: str, hf: str, shape: list[int]) -> Ten
                       norm_shift(config, name), transform=transform)
 
 
+def split_names(rule: TensorRule | None, name: str) -> list[str]:
+    """The names TensorNameMap maps for a source tensor: one, or one per piece of a split tensor."""
+    if rule is None or not rule.split:
+        return [mapped_name(rule, name)]
+    return [re.sub(pattern, replacement, name) for pattern, replacement in rule.split]
+
+
+def source_plans(config: dict, tmap, name: str, hf: str, shape: list[int]) -> list[TensorPlan]:
+    """The plans of one source tensor: one, or one per piece where the family's step splits it (each piece
+    an equal part of the written tensor along its second-to-last axis)."""
+    rule, hp = tensor_rule(config, name), text_hparams(config)
+    if rule is None or not rule.split:
+        return [single_plan(config, tmap, name, hf, shape)]
+    written = tuple(shape) if rule.shape is None else tuple(rule.shape(tuple(shape), hp))
+    count = len(rule.split)
+    piece = (*written[:-2], written[-2] // count, written[-1])
+
+    def transform(data, dtype, index, forward=rule.forward):
+        values = (data if forward is None else forward(data, hp, dtype)).reshape(written)
+        return np.split(values, count, axis=-2)[index]
+
+    return [TensorPlan(gguf_name(tmap, piece_name), hf, piece, T.F32,
+                       transform=lambda data, dtype, i=i: transform(data, dtype, i))
+            for i, piece_name in enumerate(split_names(rule, name))]
+
+
 def plan_tensors(config: dict, hf_tensors: dict[str, tuple[str, list[int]]], gguf_type: str,
                  has_imatrix: bool = False, model_dir: Path | None = None) -> list[TensorPlan]:
     """One TensorPlan per written tensor, in llama-quantize's tensor order (config: config.json's
@@ -387,8 +417,8 @@ def plan_tensors(config: dict, hf_tensors: dict[str, tuple[str, list[int]]], ggu
     single, groups = group_experts(config, source_tensors(config, hf_tensors))
     plans = {}
     for n, hf in single.items():
-        plan = single_plan(config, tmap, n, hf, hf_tensors[hf][1])
-        plans[plan.name] = plan
+        for plan in source_plans(config, tmap, n, hf, hf_tensors[hf][1]):
+            plans[plan.name] = plan
     for n, hfs in groups.items():
         plans[gguf_name(tmap, n)] = TensorPlan(gguf_name(tmap, n), hfs[0], (len(hfs), *hf_tensors[hfs[0]][1]),
                                                T.F32, sources=hfs)
