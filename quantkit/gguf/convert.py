@@ -113,8 +113,26 @@ def load_hparams(model_dir: Path) -> dict:
     import json
 
     config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+    return text_hparams(converter_config(config))
+
+
+def converter_config(config: dict) -> dict:
+    """The configuration the architecture's converter class reads: config.json's dict as stored where the
+    class reads it itself (Gguf.raw_config), else completed with transformers' defaults."""
     spec = ARCHITECTURES.get(hf_architecture(config))
-    return text_hparams(config if spec is not None and spec.raw_config else complete_config(config))
+    return dict(config) if spec is not None and spec.raw_config else complete_config(config)
+
+
+def reading_config(model_dir: Path, config: dict) -> dict:
+    """The configuration a .gguf converted from model_dir is read back with (its names, the steps undone):
+    config.json as stored where the converter class reads it itself (Gguf.raw_config: the checks and steps
+    see what they saw when converting), else `config` (transformers' to_dict())."""
+    import json
+
+    spec = ARCHITECTURES.get(hf_architecture(config))
+    if spec is None or not spec.raw_config:
+        return config
+    return json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
 
 
 def complete_config(config: dict) -> dict:
@@ -411,7 +429,7 @@ def plan_tensors(config: dict, hf_tensors: dict[str, tuple[str, list[int]]], ggu
                  has_imatrix: bool = False, model_dir: Path | None = None) -> list[TensorPlan]:
     """One TensorPlan per written tensor, in llama-quantize's tensor order (config: config.json's
     dict or load_hparams'; model_dir: the checkpoint, for Gemma 3's vocabulary trim)."""
-    config = config if model_dir is not None else complete_config(config)
+    config = config if model_dir is not None else converter_config(config)
     check_convertible(config, hf_tensors)
     tmap = name_map(config)
     single, groups = group_experts(config, source_tensors(config, hf_tensors))

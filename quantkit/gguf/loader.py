@@ -76,9 +76,11 @@ def hf_names(config: dict) -> dict[str, str]:
 def model_names(config: dict) -> list[str]:
     """The state-dict names of the config's transformers causal LM (built on the meta device)."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig
 
-    rest = {k: v for k, v in config.items() if k != "model_type"}
+    # config.json's encoded infinities ({"__float__": "Infinity"}: Granite 4's time_step_limit) decoded as
+    # from_pretrained decodes them
+    rest = PreTrainedConfig._decode_special_floats({k: v for k, v in config.items() if k != "model_type"})
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(config["model_type"], **rest))
     return list(model.state_dict())
