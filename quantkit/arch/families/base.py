@@ -27,6 +27,7 @@ class Kept:
 
     pattern: str  # llm-compressor's ignore syntax: "re:" + re.match on the module name
     reason: str
+    methods: tuple[str, ...] = ()  # the methods that keep it (a consumer of one format lacks it); (): every method
 
 
 # ---------------------------------------------------------------- smoothing (AWQ, SmoothQuant)

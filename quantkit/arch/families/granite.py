@@ -45,6 +45,11 @@ KEPT = (
     Kept(r"re:.*\.mamba\.conv1d$", "Mamba-2 depthwise conv1d: no linear layer; vLLM's MambaMixer2 builds it "
                                    "unquantized, llama.cpp keeps ssm_conv1d F32"),
     Kept(r"re:.*\.mamba\.norm$", "Mamba-2 gated RMSNorm: a norm, kept float by every consumer"),
+    # mlx-lm's sanitize renames a dense checkpoint's shared MLP (input_linear split into mlp.gate_proj /
+    # up_proj, output_linear to mlp.down_proj) without its quantization scales: quantized, it cannot load
+    Kept(r"re:.*\.shared_mlp\.(input|output)_linear$", "shared MLP in MLX: mlx-lm's granitemoehybrid sanitize "
+         "splits and renames input_linear / output_linear without their scales, so quantized ones do not load",
+         methods=("mlx",)),
 )
 
 # ---------------------------------------------------------------- smoothing rows
