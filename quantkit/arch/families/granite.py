@@ -39,12 +39,10 @@ from quantkit.errors import UnsupportedError
 
 # ---------------------------------------------------------------- what stays 16-bit and why
 
-MAMBA_STATE = "Mamba-2 state parameters (A_log, D, dt_bias): no linear layer; vLLM, llama.cpp and mlx-lm keep them float"
 KEPT = (
-    Kept(r"re:.*\.mamba$", MAMBA_STATE),
-    Kept(r"re:.*\.mamba\.conv1d$", "Mamba-2 depthwise conv1d: no linear layer; vLLM's MambaMixer2 builds it "
-                                   "unquantized, llama.cpp keeps ssm_conv1d F32"),
-    Kept(r"re:.*\.mamba\.norm$", "Mamba-2 gated RMSNorm: a norm, kept float by every consumer"),
+    # no linear layers (llm-compressor and mlx-lm quantize Linear only): vLLM's MambaMixer2 builds its conv1d
+    # unquantized and keeps A, D, dt_bias and the norm float; llama.cpp keeps ssm_a/ssm_d/ssm_dt/ssm_conv1d/ssm_norm F32
+    Kept(r"re:.*\.mamba(\.conv1d|\.norm)?$", "Mamba-2 state (A_log, D, dt_bias), conv1d and gated norm 16-bit"),
     # mlx-lm's sanitize renames a dense checkpoint's shared MLP (input_linear split into mlp.gate_proj /
     # up_proj, output_linear to mlp.down_proj) without its quantization scales: quantized, it cannot load
     Kept(r"re:.*\.shared_mlp\.(input|output)_linear$", "shared MLP in MLX: mlx-lm's granitemoehybrid sanitize "
