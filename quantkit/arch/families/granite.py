@@ -34,7 +34,6 @@ import numpy as np
 
 from quantkit.arch.families import text
 from quantkit.arch.families.base import Family, Gguf, Kept, Mapping, TensorRule
-from quantkit.arch.families.llama import QKV
 from quantkit.errors import UnsupportedError
 
 # ---------------------------------------------------------------- what stays 16-bit and why
@@ -52,13 +51,13 @@ KEPT = (
 
 # ---------------------------------------------------------------- smoothing rows
 
-# attention layers: the input norm feeds q/k/v, v feeds o; Mamba layers: the input norm feeds in_proj (a
-# linear layer right after it); every layer: the post-attention norm feeds the shared MLP's fused gate/up
-# (input_linear), whose output (through the SiLU gate) feeds output_linear, so no up -> down row
+# every layer: the post-attention norm feeds the shared MLP's fused gate/up (input_linear); attention layers:
+# v feeds o. No row for a layer's input norm: it feeds q/k/v in attention layers and in_proj in Mamba layers,
+# and the layer names do not say which (llm-compressor resolves a row's smooth layer by regex across the model:
+# "must match a single smooth layer"), so those inputs are not smoothed. No up -> down row: up is fused with
+# gate in input_linear (the SiLU gate's half cannot be scaled with it)
 GRANITE_HYBRID_ROWS = (
-    Mapping("re:.*input_layernorm$", QKV, smoothquant=True),
     Mapping("re:.*v_proj$", ("re:.*o_proj$",), smoothquant=False),
-    Mapping("re:.*input_layernorm$", ("re:.*mamba.in_proj$",), smoothquant=True),
     Mapping("re:.*post_attention_layernorm$", ("re:.*shared_mlp.input_linear$",), smoothquant=True),
 )
 
