@@ -47,11 +47,14 @@ FAST = ("fp8", "gptq")
 @pytest.mark.parametrize("method", [pytest.param(m, marks=() if m in FAST else pytest.mark.slow) for m in COMPRESSED])
 def test_compressed_tensors_and_nf4_reload_strictly(cli, model, tmp_path, method):
     out = tmp_path / "out"
-    common.assert_passed(common.quantize(cli, model, out, method, *COMPRESSED[method]), out)
+    entry = common.assert_passed(common.quantize(cli, model, out, method, *COMPRESSED[method]), out)
     common.assert_strict_reload(out)
     if method != "nf4":  # the Mamba projections and the shared MLP are quantized (vLLM takes them quantized)
-        kept = common.kept_16bit(out)
-        assert not any("mamba" in k or "shared_mlp" in k for k in kept), kept
+        kept = [k for k in common.kept_16bit(out) if "mamba" in k or "shared_mlp" in k]
+        # auto-round keeps widths that are not multiples of 32 16-bit: in_proj's 2 x 512 + 2 x 64 + 8 rows
+        assert kept == (["model.layers.0.mamba.in_proj"] if method == "autoround" else []), kept
+        if kept:
+            assert "multiples of 32" in entry["details"]["kept_16bit"]["model.layers.0.mamba.in_proj"]
 
 
 def test_gguf(cli, model, tmp_path):
