@@ -187,8 +187,8 @@ class GGUFTensors:
     def ordered_pieces(self, name: str, found: dict) -> list:
         """A split tensor's pieces in the family's split order (each must be in the file)."""
         tmap = name_map(self.config)
-        names = [tmap.get_name(n, try_suffixes=(".weight", ".bias")) for n in split_names(tensor_rule(self.config, name),
-                                                                                          name)]
+        pieces = split_names(tensor_rule(self.config, name), name)
+        names = [tmap.get_name(n, try_suffixes=(".weight", ".bias")) for n in pieces]
         missing = [n for n in names if n not in found]
         if missing:
             raise ModelError(f"{self.path.name}: tensor '{missing[0]}' is missing (a piece of {name})",
