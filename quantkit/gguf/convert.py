@@ -258,8 +258,9 @@ def n_experts(hp: dict) -> int:
 def model_facts(config: dict) -> mixture.ModelFacts:
     spec, hp = arch_spec(config), text_hparams(config)
     n_head = hp["num_attention_heads"]
+    n_head_kv = spec.layer_kv_heads(hp)[0] if spec.layer_kv_heads else hp.get("num_key_value_heads") or n_head
     return mixture.ModelFacts(arch=gguf_arch_name(spec), n_layer=hp["num_hidden_layers"], n_head=n_head,
-                              n_head_kv=hp.get("num_key_value_heads") or n_head,
+                              n_head_kv=n_head_kv,
                               n_expert=n_experts(hp) if spec.experts else 0)
 
 

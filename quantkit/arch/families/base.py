@@ -140,6 +140,9 @@ class Gguf:
     # the converter class reads config.json itself, not transformers' AutoConfig.to_dict() (Mamba2Model.__init__:
     # no defaults filled in, layer_types as stored): its hyperparameters are config.json's
     raw_config: bool = False
+    # the per-layer key/value head counts the class writes (head_count_kv as an array, 0 for a layer without
+    # attention); llama-quantize's n_gqa() reads layer 0's. None: num_key_value_heads in every layer
+    layer_kv_heads: Callable[[Hparams], list[int]] | None = None
 
 
 # ---------------------------------------------------------------- config.json completed without transformers

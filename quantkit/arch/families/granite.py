@@ -109,14 +109,19 @@ def add_granite_hybrid_params(writer, hp: dict, ftype: int) -> None:
     writer.add_ssm_group_count(n_group(hp))
     writer.add_ssm_inner_size(d_inner(hp))
     writer.add_ssm_time_step_rank(find_prefixed(hp, ("n_heads", "num_heads")))
-    attention, kv_heads = attention_layers(hp), find_prefixed(hp, ("num_key_value_heads", "n_head_kv"))
     if rope_dim := hp.get("attn_rotary_emb"):
         writer.add_rope_dimension_count(rope_dim)
-    writer.add_head_count_kv([kv_heads if i in attention else 0 for i in range(hp["num_hidden_layers"])])
+    writer.add_head_count_kv(layer_kv_heads(hp))
     use_rope = not ssm_layers(hp)
     writer.add_rope_scaling_finetuned(use_rope)
     if not use_rope:
         writer.add_context_length(2**20)
+
+
+def layer_kv_heads(hp: dict) -> list[int]:
+    """head_count_kv per layer: the key/value heads in attention layers, 0 in Mamba layers."""
+    attention, kv_heads = attention_layers(hp), find_prefixed(hp, ("num_key_value_heads", "n_head_kv"))
+    return [kv_heads if i in attention else 0 for i in range(hp["num_hidden_layers"])]
 
 
 LAYER_KINDS = ("mamba", "attention")
@@ -232,7 +237,7 @@ GRANITE_HYBRID_RULES = (
 GRANITE_HYBRID_GGUF = Gguf("GRANITE_HYBRID", add_granite_hybrid_params, "gpt2", permute_qk=True,
                            rope_types=("default",),
                            checks=(check_dense, check_layer_types, check_hybrid_rope, check_mamba_shape),
-                           rules=GRANITE_HYBRID_RULES, raw_config=True)
+                           rules=GRANITE_HYBRID_RULES, raw_config=True, layer_kv_heads=layer_kv_heads)
 
 # ---------------------------------------------------------------- the MoE variant
 
