@@ -164,12 +164,13 @@ def load_gguf_into_base(path: Path, base_dir: Path, device: str = "cpu", trust_r
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from quantkit.engines.transformers import device_map
+    from quantkit.gguf.convert import reading_config
     from quantkit.gguf.loader import to_hf_state_dict
     from quantkit.io.checkpoint import is_vlm
 
     config = AutoConfig.from_pretrained(base_dir, local_files_only=True,  # config.json only: no hub lookup
                                         trust_remote_code=trust_remote_code)
-    state = to_hf_state_dict(path, config.to_dict())
+    state = to_hf_state_dict(path, reading_config(base_dir, config.to_dict()))
     if is_vlm(config.to_dict()):
         return vlm_with(base_dir, state, path, trust_remote_code).to(device_map(device)).eval()
     with torch.device("meta"):

@@ -76,10 +76,12 @@ def gguf_reading(path: Path, base_dir: Path) -> Reading:
     import torch
 
     from quantkit.engines.transformers import hf_config
+    from quantkit.gguf.convert import reading_config
     from quantkit.gguf.loader import GGUFTensors
 
     config = hf_config(base_dir)
-    return Reading(config, lambda: (stream.build_meta_model(config, torch.float32), GGUFTensors(path, config.to_dict())))
+    return Reading(config, lambda: (stream.build_meta_model(config, torch.float32),
+                                    GGUFTensors(path, reading_config(base_dir, config.to_dict()))))
 
 
 def mlx_reading(path: Path) -> Reading:

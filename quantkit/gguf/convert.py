@@ -113,7 +113,26 @@ def load_hparams(model_dir: Path) -> dict:
     import json
 
     config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
-    return text_hparams(complete_config(config))
+    return text_hparams(converter_config(config))
+
+
+def converter_config(config: dict) -> dict:
+    """The configuration the architecture's converter class reads: config.json's dict as stored where the
+    class reads it itself (Gguf.raw_config), else completed with transformers' defaults."""
+    spec = ARCHITECTURES.get(hf_architecture(config))
+    return dict(config) if spec is not None and spec.raw_config else complete_config(config)
+
+
+def reading_config(model_dir: Path, config: dict) -> dict:
+    """The configuration a .gguf converted from model_dir is read back with (its names, the steps undone):
+    config.json as stored where the converter class reads it itself (Gguf.raw_config: the checks and steps
+    see what they saw when converting), else `config` (transformers' to_dict())."""
+    import json
+
+    spec = ARCHITECTURES.get(hf_architecture(config))
+    if spec is None or not spec.raw_config:
+        return config
+    return json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
 
 
 def complete_config(config: dict) -> dict:
@@ -239,8 +258,9 @@ def n_experts(hp: dict) -> int:
 def model_facts(config: dict) -> mixture.ModelFacts:
     spec, hp = arch_spec(config), text_hparams(config)
     n_head = hp["num_attention_heads"]
+    n_head_kv = spec.layer_kv_heads(hp)[0] if spec.layer_kv_heads else hp.get("num_key_value_heads") or n_head
     return mixture.ModelFacts(arch=gguf_arch_name(spec), n_layer=hp["num_hidden_layers"], n_head=n_head,
-                              n_head_kv=hp.get("num_key_value_heads") or n_head,
+                              n_head_kv=n_head_kv,
                               n_expert=n_experts(hp) if spec.experts else 0)
 
 
@@ -357,7 +377,10 @@ def vocab_rows(model_dir: Path | None, hp: dict) -> int | None:
 
 def tensor_rule(config: dict, name: str) -> TensorRule | None:
     """The family's modify_tensors step for a tensor (the name the converter maps), None where it has none."""
-    return next((rule for rule in arch_spec(config).rules if re.search(rule.pattern, name)), None)
+    rules = arch_spec(config).rules
+    hp = text_hparams(config) if any(rule.when is not None for rule in rules) else {}
+    return next((rule for rule in rules if re.search(rule.pattern, name) and (rule.when is None or rule.when(hp))),
+                None)
 
 
 def mapped_name(rule: TensorRule | None, name: str) -> str:
@@ -377,18 +400,44 @@ def single_plan(config: dict, tmap, name: str, hf: str, shape: list[int]) -> Ten
                       norm_shift(config, name), transform=transform)
 
 
+def split_names(rule: TensorRule | None, name: str) -> list[str]:
+    """The names TensorNameMap maps for a source tensor: one, or one per piece of a split tensor."""
+    if rule is None or not rule.split:
+        return [mapped_name(rule, name)]
+    return [re.sub(pattern, replacement, name) for pattern, replacement in rule.split]
+
+
+def source_plans(config: dict, tmap, name: str, hf: str, shape: list[int]) -> list[TensorPlan]:
+    """The plans of one source tensor: one, or one per piece where the family's step splits it (each piece
+    an equal part of the written tensor along its second-to-last axis)."""
+    rule, hp = tensor_rule(config, name), text_hparams(config)
+    if rule is None or not rule.split:
+        return [single_plan(config, tmap, name, hf, shape)]
+    written = tuple(shape) if rule.shape is None else tuple(rule.shape(tuple(shape), hp))
+    count = len(rule.split)
+    piece = (*written[:-2], written[-2] // count, written[-1])
+
+    def transform(data, dtype, index, forward=rule.forward):
+        values = (data if forward is None else forward(data, hp, dtype)).reshape(written)
+        return np.split(values, count, axis=-2)[index]
+
+    return [TensorPlan(gguf_name(tmap, piece_name), hf, piece, T.F32,
+                       transform=lambda data, dtype, i=i: transform(data, dtype, i))
+            for i, piece_name in enumerate(split_names(rule, name))]
+
+
 def plan_tensors(config: dict, hf_tensors: dict[str, tuple[str, list[int]]], gguf_type: str,
                  has_imatrix: bool = False, model_dir: Path | None = None) -> list[TensorPlan]:
     """One TensorPlan per written tensor, in llama-quantize's tensor order (config: config.json's
     dict or load_hparams'; model_dir: the checkpoint, for Gemma 3's vocabulary trim)."""
-    config = config if model_dir is not None else complete_config(config)
+    config = config if model_dir is not None else converter_config(config)
     check_convertible(config, hf_tensors)
     tmap = name_map(config)
     single, groups = group_experts(config, source_tensors(config, hf_tensors))
     plans = {}
     for n, hf in single.items():
-        plan = single_plan(config, tmap, n, hf, hf_tensors[hf][1])
-        plans[plan.name] = plan
+        for plan in source_plans(config, tmap, n, hf, hf_tensors[hf][1]):
+            plans[plan.name] = plan
     for n, hfs in groups.items():
         plans[gguf_name(tmap, n)] = TensorPlan(gguf_name(tmap, n), hfs[0], (len(hfs), *hf_tensors[hfs[0]][1]),
                                                T.F32, sources=hfs)

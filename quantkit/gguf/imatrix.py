@@ -53,17 +53,32 @@ def linear_targets(model, config: dict) -> dict[str, str]:
     """{HF module name: GGUF tensor name} for the decoder-block linears."""
     import torch
 
-    from quantkit.gguf.convert import arch_spec, mapped_name, name_map, source_name, tensor_rule
+    from quantkit.gguf.convert import arch_spec, name_map, source_name, split_names, tensor_rule
 
     tmap, spec = name_map(config), arch_spec(config)
     targets = {}
     for mod_name, module in model.named_modules():
         hf = source_name(mod_name + ".weight", spec)  # a VLM's language_model.* as the converter names it
         if isinstance(module, torch.nn.Linear) and hf is not None:
-            name = tmap.get_name(mapped_name(tensor_rule(config, hf), hf), try_suffixes=(".weight",))
+            # a split tensor's first piece (split_pieces: the others share its input)
+            name = tmap.get_name(split_names(tensor_rule(config, hf), hf)[0], try_suffixes=(".weight",))
             if name is not None and name.startswith("blk."):
                 targets[mod_name] = name
     return targets
+
+
+def split_pieces(config: dict, targets: dict[str, str]) -> dict[str, list[str]]:
+    """{first piece: the other pieces} of the linears the family's conversion splits (Granite's shared MLP
+    input_linear -> ffn_gate, ffn_up): llama-imatrix records each piece, all of the same input."""
+    from quantkit.gguf.convert import name_map, source_name, split_names, tensor_rule
+
+    tmap, out = name_map(config), {}
+    for mod_name, first in targets.items():
+        hf = source_name(mod_name + ".weight")
+        names = split_names(tensor_rule(config, hf), hf) if hf is not None else []
+        if len(names) > 1:
+            out[first] = [tmap.get_name(n, try_suffixes=(".weight",)) for n in names[1:]]
+    return out
 
 
 def expert_targets(model) -> dict[str, int]:
@@ -149,6 +164,9 @@ def compute(model, windows, config: dict, dataset: str = "quantkit", batch_size:
     for name, (s, c) in expert_sums.items():
         result.sums[name] = np.stack([v.cpu().numpy() for v in s]).astype(np.float32)
         result.counts[name] = np.asarray(c, dtype=np.float32)
+    for first, others in split_pieces(config, targets).items():
+        for name in others if first in result.sums else ():
+            result.sums[name], result.counts[name] = result.sums[first].copy(), result.counts[first].copy()
     return result
 
 

@@ -21,8 +21,8 @@ import numpy as np
 
 from quantkit.errors import ModelError
 from quantkit.arch.families.text import text_hparams
-from quantkit.gguf.convert import (SLAB_ELEMENTS, arch_spec, mapped_name, name_map, norm_shift, permute_heads,
-                                   source_name, tensor_rule, unpermute)
+from quantkit.gguf.convert import (SLAB_ELEMENTS, arch_spec, name_map, norm_shift, permute_heads, source_name,
+                                   split_names, tensor_rule, unpermute)
 
 # HF tensor names of the supported decoders ({i}: layer). Names absent from a checkpoint are ignored.
 HF_GLOBAL = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
@@ -64,18 +64,23 @@ def hf_names(config: dict) -> dict[str, str]:
         source = source_name(name)
         if source is None:
             continue
-        gguf = tmap.get_name(mapped_name(tensor_rule(config, source), source), try_suffixes=(".weight", ".bias"))
-        if gguf is not None and gguf not in found:
-            found[gguf] = source
+        rule = tensor_rule(config, source)
+        for mapped in split_names(rule, source):  # a split tensor's pieces all read back into it
+            gguf = tmap.get_name(mapped, try_suffixes=(".weight", ".bias"))
+            # a family's own step names its target (over the generic decoder name for the same GGUF tensor)
+            if gguf is not None and (gguf not in found or (rule is not None and bool(rule.rename or rule.split))):
+                found[gguf] = source
     return found
 
 
 def model_names(config: dict) -> list[str]:
     """The state-dict names of the config's transformers causal LM (built on the meta device)."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig
 
-    rest = {k: v for k, v in config.items() if k != "model_type"}
+    # config.json's encoded infinities ({"__float__": "Infinity"}: Granite 4's time_step_limit) decoded as
+    # from_pretrained decodes them
+    rest = PreTrainedConfig._decode_special_floats({k: v for k, v in config.items() if k != "model_type"})
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(config["model_type"], **rest))
     return list(model.state_dict())
@@ -161,12 +166,15 @@ class GGUFTensors:
         self.path = Path(gguf_path)
         self.config = hf_config_dict
         mapping = hf_names(self.config)
-        self.tensors, self.experts = {}, {}
+        self.tensors, self.experts, self.pieces = {}, {}, {}
         for tensor in open_reader(self.path).tensors:
             if tensor.name in GENERATED:
                 continue
             if (m := EXPERTS.match(tensor.name)) is not None:
                 self.experts[int(m.group(1)), m.group(2)] = tensor
+            elif tensor.name in mapping and (rule := tensor_rule(self.config, mapping[tensor.name])) is not None \
+                    and rule.split:
+                self.pieces.setdefault(mapping[tensor.name], {})[tensor.name] = tensor
             elif tensor.name in mapping:
                 self.tensors[mapping[tensor.name]] = tensor
             else:
@@ -174,19 +182,31 @@ class GGUFTensors:
                                  hint="quantkit reads back the .gguf files it writes from the architectures in "
                                       "docs/models.md; compare others with llama-perplexity")
         self.aliases = {} if "lm_head.weight" in self.tensors else {"lm_head.weight": "model.embed_tokens.weight"}
+        self.pieces = {name: self.ordered_pieces(name, found) for name, found in self.pieces.items()}
+
+    def ordered_pieces(self, name: str, found: dict) -> list:
+        """A split tensor's pieces in the family's split order (each must be in the file)."""
+        tmap = name_map(self.config)
+        pieces = split_names(tensor_rule(self.config, name), name)
+        names = [tmap.get_name(n, try_suffixes=(".weight", ".bias")) for n in pieces]
+        missing = [n for n in names if n not in found]
+        if missing:
+            raise ModelError(f"{self.path.name}: tensor '{missing[0]}' is missing (a piece of {name})",
+                             hint=f"the file is incomplete or was written for another model: {self.path}")
+        return [found[n] for n in names]
 
     def expert_names(self) -> list[str]:
         layers = sorted({i for i, _ in self.experts})
         return [f"model.layers.{i}.mlp.experts.{kind}" for i in layers for kind in ("gate_up_proj", "down_proj")]
 
     def keys(self) -> list[str]:
-        return [*self.tensors, *self.expert_names(), *self.aliases]
+        return [*self.tensors, *self.pieces, *self.expert_names(), *self.aliases]
 
     def shape(self, name: str) -> tuple[int, ...]:
         name = self.aliases.get(name, name)
-        if name in self.tensors:
+        if name in self.tensors or name in self.pieces:
             rule = tensor_rule(self.config, name)
-            shape = stored_shape(self.tensors[name])
+            shape = stored_shape(self.tensors[name]) if name in self.tensors else joined_shape(self.pieces[name])
             return shape if rule is None or rule.hf_shape is None else tuple(rule.hf_shape(shape, text_hparams(self.config)))
         layer, kinds = self.expert_parts(name)
         shapes = [stored_shape(self.experts[layer, k]) for k in kinds]
@@ -198,6 +218,9 @@ class GGUFTensors:
         name = self.aliases.get(name, name)
         if name in self.tensors:
             data = restore(self.config, name, dequantize_checked(self.tensors[name], self.path))
+        elif name in self.pieces:
+            data = restore(self.config, name, np.concatenate([dequantize_checked(t, self.path)
+                                                              for t in self.pieces[name]], axis=-2))
         else:
             layer, kinds = self.expert_parts(name)
             data = np.concatenate([dequantize_checked(self.experts[layer, k], self.path) for k in kinds], axis=1)
@@ -230,6 +253,12 @@ class GGUFTensors:
 
 def stored_shape(tensor) -> tuple[int, ...]:
     return tuple(int(d) for d in reversed(tensor.shape))
+
+
+def joined_shape(pieces: list) -> tuple[int, ...]:
+    """The shape of a split tensor's pieces joined along their second-to-last axis."""
+    shapes = [stored_shape(t) for t in pieces]
+    return (*shapes[0][:-2], sum(s[-2] for s in shapes), shapes[0][-1])
 
 
 # What gguf-py raises on a damaged file (bad magic, short header, tensor data past the end, an

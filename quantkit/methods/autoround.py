@@ -97,6 +97,20 @@ def check(info, options: Options, calibration) -> None:
         gptq.check_auto_precision(info, options, "autoround")
 
 
+def shape_problems(info, options: Options, ignore: list[str]) -> dict[str, str]:
+    """gptq's, and the layers auto-round itself keeps 16-bit in a weight-only int scheme: a width that is not
+    a multiple of 32 (auto_round's layer_config_resolver; Granite 4's Mamba in_proj, whose output width is
+    2 x inner + 2 x groups x state + heads)."""
+    from quantkit.arch.roles import matches
+
+    problems = gptq.shape_problems(info, options, ignore)
+    for name, (rows, columns) in gptq.quantized_linears(info).items():
+        if (rows % 32 or columns % 32) and name not in problems and not matches(name, ignore):
+            problems[name] = (f"{name}: auto-round keeps a layer whose widths ({rows} x {columns}) are not both "
+                              "multiples of 32 16-bit")
+    return problems
+
+
 def modifier(options: Options, ignore: list[str], config_groups: dict | None = None):
     from llmcompressor.modifiers.autoround import AutoRoundModifier
 
@@ -185,7 +199,7 @@ METHOD = MethodSpec(
     scheme=gptq.compressed_scheme, engine=llmc.ENGINE, options=Options, quantize=quantize, precision=precision,
     default_gate=fixed_gate(gptq.DEFAULT_GATE), resolve=gptq.resolve, check=check, needs_calibration=needs_calibration,
     support=support,
-    layers=Layers(shape_problems=gptq.shape_problems),
+    layers=Layers(shape_problems=shape_problems),
     sizes=Sizes(stored_bits=gptq.stored_bits, working_set=working_set),
     fallback=FallbackSteps(fallback_ladder, requantize),
     resume=Resume(**layer_resume.resume_fields()),

@@ -124,6 +124,9 @@ def check(info, options: Options, calibration=None) -> None:
         raise UnsupportedError(f"mlx: model_type '{info.model_type}': {refusal}",
                                hint="mlx writes " + ", ".join(sorted(MLX_MODEL_TYPES)) + " models; "
                                "use --method gguf for llama.cpp on Apple silicon")
+    from quantkit.arch import moe
+
+    moe.check_supported(info, "mlx")  # a family's mixture-of-experts variant without an expert layout
 
 
 def support(family) -> str:

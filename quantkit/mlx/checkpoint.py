@@ -65,7 +65,11 @@ def module_precision(config: dict, module: str) -> Precision | None:
 def mlx_config(config: dict, block: dict) -> dict:
     """config.json of the artifact: the checkpoint's, the quantization block (under both names, as mlx_lm writes
     it), and the fields mlx-lm's model arguments read where transformers 5 nests or derives them
-    (mlx_lm_fields)."""
+    (mlx_lm_fields); transformers' encoded infinities ({"__float__": "Infinity"}: Granite 4's time_step_limit)
+    as the floats json reads back (mlx-lm reads config.json with json.load)."""
+    from transformers import PreTrainedConfig
+
+    config = PreTrainedConfig._decode_special_floats(config)
     return {**config, **mlx_lm_fields(config), "quantization": block, "quantization_config": block}
 
 

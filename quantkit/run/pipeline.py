@@ -273,7 +273,7 @@ def family_kept(info: ModelInfo, method: MethodSpec) -> dict[str, str]:
     `kept`), for a method that takes an ignore list (a GGUF mixture types every tensor as llama-quantize does)."""
     from quantkit.arch.families import kept_layers
 
-    return kept_layers(info) if method.layers.takes_ignore else {}
+    return kept_layers(info, method.name) if method.layers.takes_ignore else {}
 
 
 def fused_partners_kept(info: ModelInfo, method: MethodSpec, ignore: list[str]) -> dict[str, str]:

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from quantkit.arch.families import deepseek, gemma, llama, mistral, phi, qwen, seed_oss
+from quantkit.arch.families import deepseek, gemma, granite, llama, mistral, phi, qwen, seed_oss
 from quantkit.arch.families.base import Family, Gguf
 from quantkit.arch.vlm import FAMILIES as VLMS
 
 # Every family record, module by module, in the order of docs/models.md's tables.
 FAMILIES: tuple[Family, ...] = (*llama.FAMILIES, *gemma.FAMILIES, *phi.FAMILIES, *mistral.FAMILIES, *qwen.FAMILIES,
-                                *seed_oss.FAMILIES, *deepseek.FAMILIES)
+                                *seed_oss.FAMILIES, *granite.FAMILIES, *deepseek.FAMILIES)
 
 
 def all_families() -> tuple[Family, ...]:
@@ -35,19 +35,23 @@ def of_config(config: dict) -> Family | None:
     return by_model_type(text.get("model_type", "") if isinstance(text, dict) else config.get("model_type", ""))
 
 
-def kept_reason(config: dict, module: str) -> str | None:
-    """Why the family keeps a linear layer 16-bit (its record's `kept`), None where it does not."""
+def kept_reason(config: dict, module: str, method: str = "") -> str | None:
+    """Why the family keeps a linear layer 16-bit (its record's `kept`; those of `method`, or of every method),
+    None where it does not."""
     from quantkit.arch.roles import matches
 
     family = of_config(config)
-    return next((k.reason for k in family.kept if matches(module, [k.pattern])), None) if family else None
+    return next((k.reason for k in family.kept if matches(module, [k.pattern])
+                 and (not k.methods or method in k.methods)), None) if family else None
 
 
-def kept_layers(info) -> dict[str, str]:
-    """{linear layer: why} of the layers a checkpoint's family keeps 16-bit (`info`: quantkit.io.checkpoint.ModelInfo)."""
+def kept_layers(info, method: str = "") -> dict[str, str]:
+    """{linear layer: why} of the layers a checkpoint's family keeps 16-bit under `method` (`info`:
+    quantkit.io.checkpoint.ModelInfo)."""
     from quantkit.arch.roles import linear_weights
 
-    return {name: reason for name in linear_weights(info) if (reason := kept_reason(info.config, name)) is not None}
+    return {name: reason for name in linear_weights(info)
+            if (reason := kept_reason(info.config, name, method)) is not None}
 
 
 def gguf_conversions() -> dict[str, Gguf]:
@@ -90,7 +94,8 @@ class TextRow:
 
     def kept(self) -> str:
         """What every decoder-only method keeps 16-bit in this family: '✅', or the layers named."""
-        return "✅" if not self.family.kept else "✅ " + ", ".join(k.reason for k in self.family.kept)
+        kept = [k.reason for k in self.family.kept if not k.methods]
+        return "✅" if not kept else "✅ " + ", ".join(kept)
 
     def decoder_support(self, moe_cell: str) -> str:
         """The verdict of a method that quantizes the decoder's linear layers: an MoE family gets `moe_cell`

@@ -27,6 +27,7 @@ class Kept:
 
     pattern: str  # llm-compressor's ignore syntax: "re:" + re.match on the module name
     reason: str
+    methods: tuple[str, ...] = ()  # the methods that keep it (a consumer of one format lacks it); (): every method
 
 
 # ---------------------------------------------------------------- smoothing (AWQ, SmoothQuant)
@@ -93,6 +94,12 @@ class TensorRule:
     shape: Callable[[tuple[int, ...], Hparams], tuple[int, ...]] | None = None
     # hf_shape(written shape, hparams) -> the Hugging Face shape; None: the same
     hf_shape: Callable[[tuple[int, ...], Hparams], tuple[int, ...]] | None = None
+    # when(hparams) -> whether the step applies (the converter's branch on the hyperparameters); None: always
+    when: Callable[[Hparams], bool] | None = None
+    # one fused tensor written as pieces: the (regex, replacement) renames of each piece, the tensor (after
+    # `forward`, in the written shape) cut into that many equal parts along its second-to-last axis (its rows;
+    # each expert's rows for stacked experts); the reading joins them again. (): one tensor
+    split: tuple[tuple[str, str], ...] = ()
 
 
 def no_params(writer, hp: Hparams, ftype: int) -> None:
@@ -130,6 +137,12 @@ class Gguf:
     checks: tuple[Callable[[str, Hparams], None], ...] = ()
     extra_tensors: Callable[[Hparams], dict[str, np.ndarray]] = no_tensors
     rules: tuple[TensorRule, ...] = ()
+    # the converter class reads config.json itself, not transformers' AutoConfig.to_dict() (Mamba2Model.__init__:
+    # no defaults filled in, layer_types as stored): its hyperparameters are config.json's
+    raw_config: bool = False
+    # the per-layer key/value head counts the class writes (head_count_kv as an array, 0 for a layer without
+    # attention); llama-quantize's n_gqa() reads layer 0's. None: num_key_value_heads in every layer
+    layer_kv_heads: Callable[[Hparams], list[int]] | None = None
 
 
 # ---------------------------------------------------------------- config.json completed without transformers
@@ -169,3 +182,6 @@ class Family:
     # its conversion
     mlx: str = ""  # the mlx_lm.models module that loads it with the Hugging Face tensor names; "": refused
     config: ConfigRules | None = None  # None: config.json is completed through transformers
+    # why the llm-compressor methods refuse the family's mixture-of-experts variant ({method}: the method's
+    # name), where its experts have no layout (`moe` None); "": the generic refusal
+    moe_refusal: str = ""

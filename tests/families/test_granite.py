@@ -1,0 +1,127 @@
+"""Granite 4 hybrid (GraniteMoeHybridForCausalLM) on a tiny random checkpoint: a Mamba-2 layer and an attention
+layer, the shared MLP, Granite's multipliers, no RoPE (as granite-4.0-h checkpoints); every method, each artifact
+proven in its consumer. Its MoE variant is refused before work by every method.
+
+Fast: fp8, gptq and gguf through the CLI. Slow: the other methods, GGUF against llama.cpp's converter and
+llama-quantize, MLX against mlx-lm.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.families import common
+
+FAMILY = "granitemoehybrid"
+# as IBM's checkpoints store them (transformers 5 reads both; llama.cpp's converter, reading config.json
+# itself, only these)
+LAYER_TYPES = ["mamba", "attention"]
+SIZES = dict(shared_intermediate_size=512, num_local_experts=0, mamba_n_heads=8, mamba_d_head=64, mamba_d_state=64,
+             mamba_n_groups=1, mamba_expand=2, mamba_chunk_size=64, embedding_multiplier=12.0,
+             residual_multiplier=0.22, attention_multiplier=0.0078125, logits_scaling=8.0,
+             position_embedding_type="nope", tie_word_embeddings=True)
+
+
+def build(out: Path, layer_types: list[str] = LAYER_TYPES, **config) -> Path:
+    """Granite 4 hybrid as its checkpoints are: config.json's layer_types "mamba" / "attention"."""
+    common.build(out, "GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", layer_types=layer_types,
+                 **{**SIZES, **config})
+    stored = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**stored, "layer_types": layer_types}, indent=2))
+    return out
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    return build(tmp_path_factory.mktemp(FAMILY) / "model")
+
+
+COMPRESSED = {"fp8": [], "gptq": [], "awq": [], "autoround": ["--iters", "2"], "smoothquant": [], "nvfp4": [],
+              "mxfp4": [], "nf4": []}
+FAST = ("fp8", "gptq")
+
+
+@pytest.mark.parametrize("method", [pytest.param(m, marks=() if m in FAST else pytest.mark.slow) for m in COMPRESSED])
+def test_compressed_tensors_and_nf4_reload_strictly(cli, model, tmp_path, method):
+    out = tmp_path / "out"
+    entry = common.assert_passed(common.quantize(cli, model, out, method, *COMPRESSED[method]), out)
+    common.assert_strict_reload(out)
+    if method != "nf4":  # the Mamba projections and the shared MLP are quantized (vLLM takes them quantized)
+        kept = [k for k in common.kept_16bit(out) if "mamba" in k or "shared_mlp" in k]
+        # auto-round keeps widths that are not multiples of 32 16-bit: in_proj's 2 x 512 + 2 x 64 + 8 rows
+        assert kept == (["model.layers.0.mamba.in_proj"] if method == "autoround" else []), kept
+        if kept:
+            assert "multiples of 32" in entry["details"]["kept_16bit"]["model.layers.0.mamba.in_proj"]
+
+
+def test_gguf(cli, model, tmp_path):
+    out = tmp_path / "out"
+    entry = common.assert_passed(common.quantize(cli, model, out, "gguf", "--gguf-type", "Q4_K_M"), out)
+    assert entry["details"]["gguf"]["type"] == "Q4_K_M"
+
+
+@pytest.mark.slow
+def test_gguf_refuses_layer_types_llama_cpp_reads_as_mamba_layers(cli, model, tmp_path):
+    """transformers 5 saves layer_types as "linear_attention" / "full_attention"; llama.cpp's converter reads
+    config.json and makes every layer not named "attention" a Mamba layer (a file llama.cpp cannot load)."""
+    renamed = common.copy_with_config(model, tmp_path / "model", layer_types=["linear_attention", "full_attention"])
+    out = tmp_path / "out"
+    common.assert_refused(common.quantize(cli, renamed, out, "gguf"), out, "layer_types", "attention")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["fp8", "gptq", "gguf", "mlx"])
+def test_the_moe_variant_is_refused_naming_its_fused_experts(cli, model, tmp_path, method):
+    """Granite's experts are one 3-D tensor per layer (block_sparse_moe.input_linear / output_linear, router
+    router.layer): quantkit's expert layout does not describe them, so every method refuses before work."""
+    moe = common.copy_with_config(model, tmp_path / "model", num_local_experts=4, num_experts_per_tok=2)
+    out = tmp_path / "out"
+    args = ["--bits", "4"] if method == "mlx" else []
+    common.assert_refused(common.quantize(cli, moe, out, method, *args), out, "num_local_experts")
+
+
+@pytest.mark.slow
+def test_gguf_equals_llama_cpp(model, tmp_path):
+    ours, theirs = common.assert_gguf_equals_converter(model, tmp_path, "bf16")
+    for path in common.assert_quantized_equals_llama_quantize(model, theirs, tmp_path):
+        common.assert_llama_perplexity_runs(path, tmp_path)
+
+
+@pytest.mark.slow
+def test_gguf_read_back_equals_the_checkpoint(model, tmp_path):
+    """The gate's reading of the float32 file undoes every step (A = -exp(A_log), the squeezed conv1d, the
+    grouped norm, the shared MLP split into ffn_gate / ffn_up): each tensor equals the checkpoint's."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    from quantkit.gguf.convert import reading_config
+    from quantkit.gguf.loader import to_hf_state_dict
+    from tests.gguf.helpers import convert_to
+
+    convert_to(model, tmp_path / "f32.gguf", "F32")
+    config = reading_config(model, AutoConfig.from_pretrained(model).to_dict())
+    state, stored = to_hf_state_dict(tmp_path / "f32.gguf", config), load_file(model / "model.safetensors")
+    assert set(stored) <= set(state)
+    for name, value in stored.items():
+        assert state[name].shape == value.shape, name
+        torch.testing.assert_close(state[name], value.float(), rtol=1e-6, atol=1e-7, msg=name)
+
+
+@pytest.mark.slow
+def test_mlx_lm_reads_it_as_quantkit(cli, model, tmp_path):
+    out = tmp_path / "out"
+    entry = common.assert_passed(common.quantize(cli, model, out, "mlx", "--bits", "4", gate=False), out)
+    assert all("mlx-lm" in why for why in entry["details"]["kept_16bit"].values())
+    common.assert_mlx_lm_reads_as_quantkit(out)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["fp8", "gptq"])
+def test_vllm_serves_it_as_the_gate_read_it(cli, model, tmp_path, method):
+    out = tmp_path / "out"
+    common.assert_passed(common.quantize(cli, model, out, method), out)
+    common.assert_serves_as_read(cli, out, tmp_path, "vllm")
