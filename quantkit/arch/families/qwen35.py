@@ -1,0 +1,157 @@
+"""Qwen3.5 (Qwen3_5ForCausalLM, model_type qwen3_5_text): a hybrid decoder, Gated DeltaNet linear-attention
+layers (in_proj_qkv / in_proj_z / in_proj_b / in_proj_a, a depthwise causal conv1d, A_log, dt_bias, a gated
+RMSNorm, out_proj) beside gated full-attention layers (q_proj twice as wide: query and its output gate; q/k
+norms), every `full_attention_interval`-th layer a full-attention one (config.json's `layer_types`). Its
+RMSNorms scale by (1 + w), the gated one by w.
+
+What stays 16-bit, and why: in_proj_b / in_proj_a (the delta rule's beta and the decay's alpha gates, one
+output per value head; vLLM fuses the two into one in_proj_ba), and what no method quantizes because it is
+no linear layer: conv1d (a 4-tap depthwise convolution), A_log and dt_bias (the decay's state parameters) and
+the norms.
+
+GGUF: llama.cpp conversion/qwen.py's Qwen3_5TextModel (Qwen3NextModel's keys and tensor changes after
+_LinearAttentionVReorderBase's value-head reorder: quantkit.arch.families.deltanet). llama.cpp finds the
+recurrent layers from full_attention_interval, so a checkpoint whose layer_types follow another pattern is
+refused. MLX: mlx-lm's qwen3_5 model.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+from quantkit.arch.families import deltanet, text
+from quantkit.arch.families.base import Family, Gguf, Kept, Mapping, TensorRule
+from quantkit.arch.families.llama import GATE_UP, QKV
+from quantkit.errors import ModelError, UnsupportedError
+
+# ---------------------------------------------------------------- what stays 16-bit
+
+KEPT = (Kept(r"re:.*linear_attn\.in_proj_[ab]$",
+             "Gated DeltaNet's beta/alpha gates (in_proj_b, in_proj_a: one output per value head, fused by vLLM "
+             "into in_proj_ba) stay 16-bit"),)
+# not linear layers, so no method quantizes them; the report names them with the reason
+STATE_PARAMS = {
+    "linear_attn.conv1d": "Gated DeltaNet's depthwise causal conv1d (no linear layer)",
+    "linear_attn.A_log": "Gated DeltaNet's decay state parameter A_log (no linear layer)",
+    "linear_attn.dt_bias": "Gated DeltaNet's time-step bias dt_bias (no linear layer)",
+    "linear_attn.norm": "Gated DeltaNet's gated RMSNorm (no linear layer)",
+}
+
+# ---------------------------------------------------------------- smoothing rows
+
+# input_layernorm feeds q/k/v in a full-attention layer and the four input projections in a linear-attention
+# one; v -> o holds (the output gate multiplies o_proj's input per channel); the linear-attention outputs pass
+# conv1d, the delta rule and the gated norm before out_proj, so out_proj has no row
+LINEAR_IN = (r"re:.*linear_attn\.in_proj_qkv$", r"re:.*linear_attn\.in_proj_z$", r"re:.*linear_attn\.in_proj_b$",
+             r"re:.*linear_attn\.in_proj_a$")
+QWEN35_ROWS = (
+    Mapping("re:.*input_layernorm$", QKV + LINEAR_IN, smoothquant=True),
+    Mapping("re:.*v_proj$", ("re:.*o_proj$",), smoothquant=False),
+    Mapping("re:.*post_attention_layernorm$", GATE_UP, smoothquant=True),
+    Mapping("re:.*up_proj$", ("re:.*down_proj$",), smoothquant=False),
+)
+
+# ---------------------------------------------------------------- the checkpoint's layers against its tensors
+
+LINEAR_TENSORS = ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight", "conv1d.weight",
+                  "A_log", "dt_bias", "norm.weight", "out_proj.weight")
+ATTENTION_TENSORS = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "q_norm.weight",
+                     "k_norm.weight")
+
+
+def layer_types(config: dict) -> list[str]:
+    hp = text.text_hparams(config)
+    if hp.get("layer_types") is not None:
+        return list(hp["layer_types"])
+    interval = hp.get("full_attention_interval", 4)
+    return ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(hp["num_hidden_layers"])]
+
+
+def check_layers(info) -> None:
+    """config.json's layer_types against num_hidden_layers, and each layer's tensors against its type: a
+    disagreement is refused before work, naming what is missing."""
+    hp = text.text_hparams(info.config)
+    n, types = hp.get("num_hidden_layers", 0), layer_types(info.config)
+    if len(types) != n:
+        raise ModelError(f"config.json: layer_types lists {len(types)} layer types for num_hidden_layers = {n}",
+                         hint="the checkpoint's config and tensors disagree: give one type per layer "
+                              "(linear_attention or full_attention)")
+    prefix = next((p for p in ("model.language_model.layers.", "model.layers.")
+                   if any(k.startswith(p) for k in info.tensors)), "model.layers.")
+    for i, kind in enumerate(types):
+        part, names = (("linear_attn", LINEAR_TENSORS) if kind == "linear_attention" else ("self_attn", ATTENTION_TENSORS))
+        missing = [f"{prefix}{i}.{part}.{t}" for t in names if f"{prefix}{i}.{part}.{t}" not in info.tensors]
+        if missing:
+            raise ModelError(f"the checkpoint has no tensor {missing[0]} (layer_types says layer {i} is {kind})",
+                             hint="the checkpoint's config and tensors disagree: save it again with transformers' "
+                                  "save_pretrained, or fix layer_types")
+
+
+# ---------------------------------------------------------------- GGUF (Qwen3_5TextModel)
+
+QWEN35_MROPE_SECTION = [11, 11, 10, 0]  # _Qwen35MRopeMixin: written where rope_parameters has none
+
+
+def add_qwen35_params(writer, hp: dict, ftype: int) -> None:
+    """Qwen3NextModel.set_gguf_parameters (TextModel's, the DeltaNet sizes, the attention interval, the partial
+    RoPE's dimensions) and _Qwen35MRopeMixin's default RoPE sections."""
+    text.add_text_params(writer, hp, ftype)
+    writer.add_ssm_conv_kernel(hp["linear_conv_kernel_dim"])
+    writer.add_ssm_state_size(hp["linear_key_head_dim"])
+    writer.add_ssm_group_count(hp["linear_num_key_heads"])
+    writer.add_ssm_time_step_rank(hp["linear_num_value_heads"])
+    writer.add_ssm_inner_size(hp["linear_value_head_dim"] * hp["linear_num_value_heads"])
+    writer.add_full_attention_interval(hp.get("full_attention_interval", 4))
+    rope_dim = hp.get("head_dim") or hp["hidden_size"] // hp["num_attention_heads"]
+    writer.add_rope_dimension_count(int(rope_dim * hp.get("partial_rotary_factor", 0.25)))
+    if "mrope_section" not in text.rope_parameters(hp):
+        writer.add_rope_dimension_sections(QWEN35_MROPE_SECTION)
+
+
+def check_interval(arch: str, hp: dict) -> None:
+    """llama.cpp's qwen35 takes layer i as recurrent exactly where (i + 1) % full_attention_interval != 0."""
+    interval = hp.get("full_attention_interval", 4)
+    expected = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(hp["num_hidden_layers"])]
+    if hp.get("layer_types") is not None and list(hp["layer_types"]) != expected:
+        raise UnsupportedError(f"GGUF conversion of {arch}: layer_types do not follow full_attention_interval = "
+                               f"{interval} (llama.cpp's qwen35 model places the full-attention layers by the "
+                               "interval alone)", hint="use a compressed-tensors method for this checkpoint")
+
+
+def shift(x, hp, dtype):
+    from quantkit.gguf.convert import shift_norm
+
+    return shift_norm(x, dtype)
+
+
+def unshift(x, hp):
+    return x - np.float32(1)
+
+
+QWEN35_RULES = (
+    TensorRule(r"linear_attn\.in_proj_qkv\.weight$", forward=deltanet.qkv, inverse=deltanet.qkv_back),
+    TensorRule(r"linear_attn\.in_proj_z\.weight$", forward=deltanet.z, inverse=deltanet.z_back),
+    TensorRule(r"linear_attn\.in_proj_[ab]\.weight$", forward=deltanet.per_head, inverse=deltanet.per_head_back),
+    TensorRule(r"linear_attn\.out_proj\.weight$", forward=deltanet.out_proj, inverse=deltanet.out_proj_back),
+    TensorRule(r"linear_attn\.conv1d\.weight$", forward=deltanet.conv1d, inverse=deltanet.conv1d_back,
+               shape=deltanet.conv1d_shape, hf_shape=deltanet.conv1d_hf_shape),
+    TensorRule(r"linear_attn\.A_log$", forward=deltanet.a_log, inverse=deltanet.a_log_back),
+    TensorRule(r"linear_attn\.dt_bias$", rename=(r"\.dt_bias$", ".dt_proj.bias"), forward=deltanet.per_head,
+               inverse=deltanet.per_head_back),
+    # Qwen3NextModel: every RMSNorm but the gated one (linear_attn.norm) stored as w + 1
+    TensorRule(r"(?<!linear_attn\.)norm\.weight$", forward=shift, inverse=unshift),
+)
+
+QWEN35_GGUF = Gguf("QWEN35", add_qwen35_params, "gpt2", checks=(check_interval,), rules=QWEN35_RULES)
+
+QWEN35 = Family(
+    "qwen3_5_text", "Qwen3_5ForCausalLM", "Qwen3.5",
+    kept=KEPT,
+    smoothing=QWEN35_ROWS,
+    gguf={"Qwen3_5ForCausalLM": QWEN35_GGUF},
+    mlx="qwen3_5",
+)
+
+FAMILIES = (QWEN35,)
