@@ -189,7 +189,7 @@ def check_rope(arch: str, spec: Gguf, hp: dict) -> None:
         refuse(arch, f"RoPE type '{kind}' is not supported", supported)
     if (rope.get("sliding_attention") or {}).get("rope_type", "default") != "default":
         refuse(arch, "a scaled RoPE on the sliding-window layers is not supported", supported)
-    if ("mrope_section" in rope) != spec.mrope:
+    if ("mrope_section" in rope) != spec.mrope and not spec.mrope_optional:
         what = "a RoPE without mrope_section is" if spec.mrope else "multimodal RoPE sections are"
         refuse(arch, f"{what} not supported", "multimodal RoPE (mrope_section) converts for Qwen2-VL, "
                "Qwen2.5-VL and Qwen3-VL only, and those need it")

@@ -50,6 +50,13 @@ def kept_layers(info) -> dict[str, str]:
     return {name: reason for name in linear_weights(info) if (reason := kept_reason(info.config, name)) is not None}
 
 
+def check_family(info) -> None:
+    """The family's own checks of a checkpoint (its record's `checks`), for every method before any work."""
+    family = of_config(info.config)
+    for check in family.checks if family else ():
+        check(info)
+
+
 def gguf_conversions() -> dict[str, Gguf]:
     """Hugging Face architecture -> its GGUF conversion, over every family."""
     return {arch: spec for f in all_families() for arch, spec in f.gguf.items()}

@@ -130,6 +130,8 @@ class Gguf:
     checks: tuple[Callable[[str, Hparams], None], ...] = ()
     extra_tensors: Callable[[Hparams], dict[str, np.ndarray]] = no_tensors
     rules: tuple[TensorRule, ...] = ()
+    mrope_optional: bool = False  # Qwen3.5: mrope_section in the RoPE parameters or not (the converter writes
+    # default sections where there are none)
 
 
 # ---------------------------------------------------------------- config.json completed without transformers
@@ -169,3 +171,6 @@ class Family:
     # its conversion
     mlx: str = ""  # the mlx_lm.models module that loads it with the Hugging Face tensor names; "": refused
     config: ConfigRules | None = None  # None: config.json is completed through transformers
+    # check(info) for every method, before any work: raises (ModelError, UnsupportedError) where the checkpoint's
+    # config and tensors disagree (`info`: quantkit.io.checkpoint.ModelInfo)
+    checks: tuple[Callable[[object], None], ...] = ()

@@ -144,7 +144,8 @@ QWEN35_RULES = (
     TensorRule(r"(?<!linear_attn\.)norm\.weight$", forward=shift, inverse=unshift),
 )
 
-QWEN35_GGUF = Gguf("QWEN35", add_qwen35_params, "gpt2", checks=(check_interval,), rules=QWEN35_RULES)
+QWEN35_GGUF = Gguf("QWEN35", add_qwen35_params, "gpt2", checks=(check_interval,), rules=QWEN35_RULES,
+                   mrope_optional=True)
 
 QWEN35 = Family(
     "qwen3_5_text", "Qwen3_5ForCausalLM", "Qwen3.5",
@@ -152,6 +153,7 @@ QWEN35 = Family(
     smoothing=QWEN35_ROWS,
     gguf={"Qwen3_5ForCausalLM": QWEN35_GGUF},
     mlx="qwen3_5",
+    checks=(check_layers,),
 )
 
 FAMILIES = (QWEN35,)

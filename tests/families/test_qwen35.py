@@ -1,0 +1,116 @@
+"""Qwen3.5 (Qwen3_5ForCausalLM) on a tiny random checkpoint: three Gated DeltaNet linear-attention layers and
+one gated full-attention layer (full_attention_interval 4), fewer key heads than value heads (so llama.cpp's
+value-head reorder applies); every method, each artifact proven in its consumer.
+
+Fast: fp8, gptq and gguf through the CLI, and the refusals of a checkpoint whose config and tensors disagree.
+Slow: the other methods, GGUF against llama.cpp's converter and llama-quantize, MLX against mlx-lm, vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.families import common
+
+FAMILY = "qwen3_5_text"
+SHAPE = dict(head_dim=64, num_hidden_layers=4, linear_num_key_heads=2, linear_num_value_heads=4,
+             linear_key_head_dim=64, linear_value_head_dim=64)
+
+
+def build(out: Path, **config) -> Path:
+    return common.build(out, "Qwen3_5TextConfig", "Qwen3_5ForCausalLM", **{**SHAPE, **config})
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    return build(tmp_path_factory.mktemp(FAMILY) / "model")
+
+
+COMPRESSED = {"fp8": [], "gptq": [], "awq": [], "autoround": ["--iters", "2"], "smoothquant": [], "nvfp4": [],
+              "mxfp4": [], "nf4": []}
+FAST = ("fp8", "gptq")
+KEPT = {f"model.layers.{i}.linear_attn.in_proj_{g}" for i in range(3) for g in "ab"}
+
+
+@pytest.mark.parametrize("method", [pytest.param(m, marks=() if m in FAST else pytest.mark.slow) for m in COMPRESSED])
+def test_compressed_tensors_and_nf4_reload_strictly(cli, model, tmp_path, method):
+    out = tmp_path / "out"
+    entry = common.assert_passed(common.quantize(cli, model, out, method, *COMPRESSED[method]), out)
+    common.assert_strict_reload(out)
+    if method != "nf4":  # the beta/alpha gates kept 16-bit, with the reason in the report
+        assert KEPT <= set(common.kept_16bit(out))
+        assert all("beta/alpha" in entry["details"]["kept_16bit"][name] for name in KEPT), entry["details"]
+
+
+def test_gguf(cli, model, tmp_path):
+    out = tmp_path / "out"
+    entry = common.assert_passed(common.quantize(cli, model, out, "gguf", "--gguf-type", "Q4_K_M"), out)
+    assert entry["details"]["gguf"]["type"] == "Q4_K_M"
+
+
+def without_tensor(model: Path, dest: Path, name: str) -> Path:
+    """A copy of the checkpoint with one tensor removed from its safetensors file."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model, dest)
+    tensors = load_file(dest / "model.safetensors")
+    del tensors[name]
+    save_file(tensors, dest / "model.safetensors", metadata={"format": "pt"})
+    return dest
+
+
+@pytest.mark.parametrize("method", ["fp8", "gguf"])
+def test_refuses_a_layer_types_list_shorter_than_the_layers(cli, model, tmp_path, method):
+    config = json.loads((model / "config.json").read_text())
+    short = common.copy_with_config(model, tmp_path / "model", layer_types=config["layer_types"][:3])
+    out = tmp_path / "out"
+    common.assert_refused(common.quantize(cli, short, out, method), out, "layer_types", "num_hidden_layers = 4")
+
+
+@pytest.mark.parametrize("method", ["gptq", "gguf"])
+def test_refuses_a_missing_linear_attention_tensor(cli, model, tmp_path, method):
+    name = "model.layers.1.linear_attn.A_log"
+    broken, out = without_tensor(model, tmp_path / "model", name), tmp_path / "out"
+    common.assert_refused(common.quantize(cli, broken, out, method), out, name)
+
+
+def test_gguf_refuses_layer_types_off_the_interval(cli, model, tmp_path):
+    """llama.cpp's qwen35 places the full-attention layers by full_attention_interval alone."""
+    types = ["linear_attention", "linear_attention", "full_attention", "linear_attention"]
+    swapped = common.copy_with_config(model, tmp_path / "model", layer_types=types)
+    # the tensors follow the new types: layers 2 and 3 swapped
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(swapped / "model.safetensors")
+    renamed = {k.replace("layers.2.", "layers.@.").replace("layers.3.", "layers.2.").replace("layers.@.", "layers.3."): v
+               for k, v in tensors.items()}
+    save_file(renamed, swapped / "model.safetensors", metadata={"format": "pt"})
+    out = tmp_path / "out"
+    common.assert_refused(common.quantize(cli, swapped, out, "gguf"), out, "full_attention_interval")
+
+
+@pytest.mark.slow
+def test_gguf_equals_llama_cpp(model, tmp_path):
+    ours, theirs = common.assert_gguf_equals_converter(model, tmp_path, "bf16")
+    for path in common.assert_quantized_equals_llama_quantize(model, theirs, tmp_path):
+        common.assert_llama_perplexity_runs(path, tmp_path)
+
+
+@pytest.mark.slow
+def test_mlx_lm_reads_it_as_quantkit(cli, model, tmp_path):
+    out = tmp_path / "out"
+    common.assert_passed(common.quantize(cli, model, out, "mlx", "--bits", "4", gate=False), out)
+    common.assert_mlx_lm_reads_as_quantkit(out)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["fp8", "gptq"])
+def test_vllm_serves_it_as_the_gate_read_it(cli, model, tmp_path, method):
+    out = tmp_path / "out"
+    common.assert_passed(common.quantize(cli, model, out, method), out)
+    common.assert_serves_as_read(cli, out, tmp_path, "vllm")
