@@ -10,9 +10,8 @@ no linear layer: conv1d (a 4-tap depthwise convolution), A_log and dt_bias (the 
 the norms.
 
 GGUF: llama.cpp conversion/qwen.py's Qwen3_5TextModel (Qwen3NextModel's keys and tensor changes after
-_LinearAttentionVReorderBase's value-head reorder: quantkit.arch.families.deltanet). llama.cpp finds the
-recurrent layers from full_attention_interval, so a checkpoint whose layer_types follow another pattern is
-refused. MLX: mlx-lm's qwen3_5 model.
+_LinearAttentionVReorderBase's value-head reorder: quantkit.arch.families.deltanet; the recurrent layers
+written from layer_types). MLX: mlx-lm's qwen3_5 model.
 """
 
 from __future__ import annotations
@@ -95,29 +94,25 @@ QWEN35_MROPE_SECTION = [11, 11, 10, 0]  # _Qwen35MRopeMixin: written where rope_
 
 
 def add_qwen35_params(writer, hp: dict, ftype: int) -> None:
-    """Qwen3NextModel.set_gguf_parameters (TextModel's, the DeltaNet sizes, the attention interval, the partial
-    RoPE's dimensions) and _Qwen35MRopeMixin's default RoPE sections."""
+    """Qwen3NextModel.set_gguf_parameters (TextModel's, the DeltaNet sizes, which layers are recurrent, the
+    attention interval, the partial RoPE's dimensions) and _Qwen35MRopeMixin's default RoPE sections, as
+    `convert_hf_to_gguf.py --no-mtp` writes them (quantkit converts the decoder's layers only; without --no-mtp
+    the converter stops on a checkpoint with no MTP layer)."""
     text.add_text_params(writer, hp, ftype)
     writer.add_ssm_conv_kernel(hp["linear_conv_kernel_dim"])
     writer.add_ssm_state_size(hp["linear_key_head_dim"])
     writer.add_ssm_group_count(hp["linear_num_key_heads"])
     writer.add_ssm_time_step_rank(hp["linear_num_value_heads"])
     writer.add_ssm_inner_size(hp["linear_value_head_dim"] * hp["linear_num_value_heads"])
+    if hp.get("layer_types") is not None:  # gguf-py's add_recurrent_layers
+        writer.add_array(f"{writer.arch}.attention.recurrent_layers",
+                         [kind == "linear_attention" for kind in hp["layer_types"]])
     writer.add_full_attention_interval(hp.get("full_attention_interval", 4))
+    rope = text.rope_parameters(hp)
     rope_dim = hp.get("head_dim") or hp["hidden_size"] // hp["num_attention_heads"]
-    writer.add_rope_dimension_count(int(rope_dim * hp.get("partial_rotary_factor", 0.25)))
-    if "mrope_section" not in text.rope_parameters(hp):
+    writer.add_rope_dimension_count(int(rope_dim * rope.get("partial_rotary_factor", 0.25)))
+    if "mrope_section" not in rope:
         writer.add_rope_dimension_sections(QWEN35_MROPE_SECTION)
-
-
-def check_interval(arch: str, hp: dict) -> None:
-    """llama.cpp's qwen35 takes layer i as recurrent exactly where (i + 1) % full_attention_interval != 0."""
-    interval = hp.get("full_attention_interval", 4)
-    expected = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(hp["num_hidden_layers"])]
-    if hp.get("layer_types") is not None and list(hp["layer_types"]) != expected:
-        raise UnsupportedError(f"GGUF conversion of {arch}: layer_types do not follow full_attention_interval = "
-                               f"{interval} (llama.cpp's qwen35 model places the full-attention layers by the "
-                               "interval alone)", hint="use a compressed-tensors method for this checkpoint")
 
 
 def shift(x, hp, dtype):
@@ -144,7 +139,7 @@ QWEN35_RULES = (
     TensorRule(r"(?<!linear_attn\.)norm\.weight$", forward=shift, inverse=unshift),
 )
 
-QWEN35_GGUF = Gguf("QWEN35", add_qwen35_params, "gpt2", checks=(check_interval,), rules=QWEN35_RULES,
+QWEN35_GGUF = Gguf("QWEN35", add_qwen35_params, "gpt2", rules=QWEN35_RULES,
                    mrope_optional=True)
 
 QWEN35 = Family(
