@@ -239,7 +239,8 @@ def n_experts(hp: dict) -> int:
 def model_facts(config: dict) -> mixture.ModelFacts:
     spec, hp = arch_spec(config), text_hparams(config)
     n_head = hp["num_attention_heads"]
-    return mixture.ModelFacts(arch=gguf_arch_name(spec), n_layer=hp["num_hidden_layers"], n_head=n_head,
+    n_layer = spec.blocks(hp) if spec.blocks is not None else hp["num_hidden_layers"]
+    return mixture.ModelFacts(arch=gguf_arch_name(spec), n_layer=n_layer, n_head=n_head,
                               n_head_kv=hp.get("num_key_value_heads") or n_head,
                               n_expert=n_experts(hp) if spec.experts else 0)
 
@@ -373,7 +374,8 @@ def single_plan(config: dict, tmap, name: str, hf: str, shape: list[int]) -> Ten
     if rule is not None and rule.forward is not None:
         def transform(data, dtype, forward=rule.forward):
             return forward(data, hp, dtype)
-    return TensorPlan(gguf_name(tmap, mapped_name(rule, name)), hf, written, T.F32, permute_heads(config, name),
+    target = rule.target(name, hp) if rule is not None and rule.target is not None else gguf_name(tmap, mapped_name(rule, name))
+    return TensorPlan(target, hf, written, T.F32, permute_heads(config, name),
                       norm_shift(config, name), transform=transform)
 
 

@@ -93,6 +93,9 @@ class TensorRule:
     shape: Callable[[tuple[int, ...], Hparams], tuple[int, ...]] | None = None
     # hf_shape(written shape, hparams) -> the Hugging Face shape; None: the same
     hf_shape: Callable[[tuple[int, ...], Hparams], tuple[int, ...]] | None = None
+    # target(name, hparams) -> the GGUF name, where gguf-py's TensorNameMap has none (Qwen3.5's MTP layers, written
+    # as the blocks after the decoder's); None: TensorNameMap's name of the (renamed) name
+    target: Callable[[str, Hparams], str] | None = None
 
 
 def no_params(writer, hp: Hparams, ftype: int) -> None:
@@ -130,6 +133,9 @@ class Gguf:
     checks: tuple[Callable[[str, Hparams], None], ...] = ()
     extra_tensors: Callable[[Hparams], dict[str, np.ndarray]] = no_tensors
     rules: tuple[TensorRule, ...] = ()
+    # blocks(hparams) -> the GGUF's block count where it is not num_hidden_layers (Qwen3.5: + its MTP layers; what
+    # llama-quantize's per-layer type choice counts); None: num_hidden_layers
+    blocks: Callable[[Hparams], int] | None = None
     mrope_optional: bool = False  # Qwen3.5: mrope_section in the RoPE parameters or not (the converter writes
     # default sections where there are none)
 

@@ -79,6 +79,14 @@ def check_layers(info) -> None:
                               "(linear_attention or full_attention)")
     prefix = next((p for p in ("model.language_model.layers.", "model.layers.")
                    if any(k.startswith(p) for k in info.tensors)), "model.layers.")
+    mtp, stored = mtp_layers(hp), sorted({k.split(".")[2] for k in info.tensors if k.startswith("mtp.layers.")})
+    if mtp and not any(k.startswith("mtp.") for k in info.tensors):
+        raise ModelError(f"config.json: mtp_num_hidden_layers = {mtp}, but the checkpoint has no mtp.* tensor "
+                         "(no tensor mtp.fc.weight)", hint="the checkpoint's config and tensors disagree: set "
+                                                           "mtp_num_hidden_layers to 0 or save the MTP layers too")
+    if stored and len(stored) != mtp:
+        raise ModelError(f"the checkpoint stores {len(stored)} MTP layer(s) (mtp.layers.*) for mtp_num_hidden_layers = "
+                         f"{mtp}", hint="the checkpoint's config and tensors disagree: fix mtp_num_hidden_layers")
     for i, kind in enumerate(types):
         part, names = (("linear_attn", LINEAR_TENSORS) if kind == "linear_attention" else ("self_attn", ATTENTION_TENSORS))
         missing = [f"{prefix}{i}.{part}.{t}" for t in names if f"{prefix}{i}.{part}.{t}" not in info.tensors]
@@ -93,26 +101,63 @@ def check_layers(info) -> None:
 QWEN35_MROPE_SECTION = [11, 11, 10, 0]  # _Qwen35MRopeMixin: written where rope_parameters has none
 
 
+def mtp_layers(hp: dict) -> int:
+    """The checkpoint's multi-token-prediction layers (config.json's mtp_num_hidden_layers): _QwenMtpMixin writes
+    them as the blocks after the decoder's (llama.cpp's nextn layer, its speculative draft)."""
+    return int(hp.get("mtp_num_hidden_layers") or 0)
+
+
+def blocks(hp: dict) -> int:
+    return hp["num_hidden_layers"] + mtp_layers(hp)
+
+
 def add_qwen35_params(writer, hp: dict, ftype: int) -> None:
-    """Qwen3NextModel.set_gguf_parameters (TextModel's, the DeltaNet sizes, which layers are recurrent, the
-    attention interval, the partial RoPE's dimensions) and _Qwen35MRopeMixin's default RoPE sections, as
-    `convert_hf_to_gguf.py --no-mtp` writes them (quantkit converts the decoder's layers only; without --no-mtp
-    the converter stops on a checkpoint with no MTP layer)."""
-    text.add_text_params(writer, hp, ftype)
+    """Qwen3_5TextModel.set_gguf_parameters: TextModel's keys (the block count with the MTP layers),
+    _QwenMtpMixin's nextn layer count, Qwen3NextModel's (the DeltaNet sizes, which blocks are recurrent, the
+    attention interval, the partial RoPE's dimensions), _Qwen35MRopeMixin's default RoPE sections. A checkpoint
+    with no MTP layer converts as `convert_hf_to_gguf.py --no-mtp` converts it (without it the converter
+    stops on such a checkpoint: it asserts there is one)."""
+    text.add_text_params(writer, {**hp, "num_hidden_layers": blocks(hp)}, ftype)
+    if mtp_layers(hp):
+        writer.add_nextn_predict_layers(mtp_layers(hp))
     writer.add_ssm_conv_kernel(hp["linear_conv_kernel_dim"])
     writer.add_ssm_state_size(hp["linear_key_head_dim"])
     writer.add_ssm_group_count(hp["linear_num_key_heads"])
     writer.add_ssm_time_step_rank(hp["linear_num_value_heads"])
     writer.add_ssm_inner_size(hp["linear_value_head_dim"] * hp["linear_num_value_heads"])
-    if hp.get("layer_types") is not None:  # gguf-py's add_recurrent_layers
+    if hp.get("layer_types") is not None:  # gguf-py's add_recurrent_layers; the MTP blocks are attention blocks
         writer.add_array(f"{writer.arch}.attention.recurrent_layers",
-                         [kind == "linear_attention" for kind in hp["layer_types"]])
+                         [kind == "linear_attention" for kind in hp["layer_types"]] + [False] * mtp_layers(hp))
     writer.add_full_attention_interval(hp.get("full_attention_interval", 4))
     rope = text.rope_parameters(hp)
     rope_dim = hp.get("head_dim") or hp["hidden_size"] // hp["num_attention_heads"]
     writer.add_rope_dimension_count(int(rope_dim * rope.get("partial_rotary_factor", 0.25)))
     if "mrope_section" not in rope:
         writer.add_rope_dimension_sections(QWEN35_MROPE_SECTION)
+
+
+# _QwenMtpMixin.filter_tensors: mtp.layers.i.* -> block num_hidden_layers + i; mtp.fc / pre_fc_norm_embedding /
+# pre_fc_norm_hidden / norm -> the first MTP block's nextn.eh_proj / enorm / hnorm / shared_head_norm (gguf
+# 0.19's table for qwen35 has no nextn names: they are written here as llama.cpp names them)
+NEXTN = {"fc": "eh_proj", "pre_fc_norm_embedding": "enorm", "pre_fc_norm_hidden": "hnorm", "norm": "shared_head_norm"}
+
+
+def mtp_target(name: str, hp: dict) -> str:
+    import gguf
+
+    n = hp["num_hidden_layers"]
+    if (m := re.match(r"^mtp\.layers\.(\d+)\.(.+)$", name)) is not None:
+        tmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN35, 1)
+        mapped = tmap.get_name(f"model.layers.0.{m.group(2)}", try_suffixes=(".weight", ".bias"))
+        if mapped is None:
+            raise UnsupportedError(f"cannot map tensor '{name}' to a GGUF name",
+                                   hint="the checkpoint's MTP layer holds a tensor llama.cpp's qwen35 has no name for")
+        return f"blk.{n + int(m.group(1))}." + mapped.split(".", 2)[2]
+    part, suffix = name.split(".")[1], name.rsplit(".", 1)[1]
+    if part not in NEXTN:
+        raise UnsupportedError(f"cannot map tensor '{name}' to a GGUF name",
+                               hint="the checkpoint's MTP block holds a tensor llama.cpp's qwen35 has no name for")
+    return f"blk.{n}.nextn.{NEXTN[part]}.{suffix}"
 
 
 def shift(x, hp, dtype):
@@ -126,6 +171,9 @@ def unshift(x, hp):
 
 
 QWEN35_RULES = (
+    # the MTP layers' RMSNorms are (1 + w) ones too: the converter shifts them after renaming
+    TensorRule(r"^mtp\.(.+\.)?[^.]*norm[^.]*\.weight$", forward=shift, inverse=unshift, target=mtp_target),
+    TensorRule(r"^mtp\.", target=mtp_target),
     TensorRule(r"linear_attn\.in_proj_qkv\.weight$", forward=deltanet.qkv, inverse=deltanet.qkv_back),
     TensorRule(r"linear_attn\.in_proj_z\.weight$", forward=deltanet.z, inverse=deltanet.z_back),
     TensorRule(r"linear_attn\.in_proj_[ab]\.weight$", forward=deltanet.per_head, inverse=deltanet.per_head_back),
@@ -139,7 +187,7 @@ QWEN35_RULES = (
     TensorRule(r"(?<!linear_attn\.)norm\.weight$", forward=shift, inverse=unshift),
 )
 
-QWEN35_GGUF = Gguf("QWEN35", add_qwen35_params, "gpt2", rules=QWEN35_RULES,
+QWEN35_GGUF = Gguf("QWEN35", add_qwen35_params, "gpt2", rules=QWEN35_RULES, blocks=blocks,
                    mrope_optional=True)
 
 QWEN35 = Family(
