@@ -79,6 +79,61 @@ def test_refuses_a_missing_linear_attention_tensor(cli, model, tmp_path, method)
     common.assert_refused(common.quantize(cli, broken, out, method), out, name)
 
 
+def with_mtp(model: Path, dest: Path) -> Path:
+    """A copy of the checkpoint with one multi-token-prediction layer as Qwen3.5 checkpoints store it (mtp.fc,
+    the two pre-fc norms, mtp.norm and a full-attention layer under mtp.layers.0; transformers does not load
+    them) and mtp_num_hidden_layers = 1."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model, dest)
+    config = json.loads((dest / "config.json").read_text())
+    tensors, hidden, last = load_file(dest / "model.safetensors"), config["hidden_size"], config["num_hidden_layers"] - 1
+    generator = torch.Generator().manual_seed(7)
+    for name, value in list(tensors.items()):
+        if name.startswith(f"model.layers.{last}."):
+            noise = 0.01 * torch.randn(value.shape, generator=generator)
+            tensors["mtp.layers.0." + name.split(".", 3)[3]] = (value.float() + noise).to(value.dtype)
+    tensors["mtp.fc.weight"] = (0.02 * torch.randn(hidden, 2 * hidden, generator=generator)).to(torch.bfloat16)
+    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        tensors[f"mtp.{norm}.weight"] = (0.1 * torch.randn(hidden, generator=generator)).to(torch.bfloat16)
+    save_file(tensors, dest / "model.safetensors", metadata={"format": "pt"})
+    config["mtp_num_hidden_layers"] = 1
+    (dest / "config.json").write_text(json.dumps(config, indent=2))
+    return dest
+
+
+@pytest.fixture(scope="module")
+def mtp_model(model, tmp_path_factory) -> Path:
+    return with_mtp(model, tmp_path_factory.mktemp(FAMILY) / "mtp")
+
+
+@pytest.mark.slow
+def test_gguf_writes_the_mtp_layer_as_llama_cpp_s_nextn_block(cli, mtp_model, tmp_path):
+    """The converter's default: the MTP layer is block 4 (nextn.eh_proj / enorm / hnorm / shared_head_norm and
+    a full-attention block), nextn_predict_layers = 1; the gate reads the decoder's blocks."""
+    import gguf
+
+    out = tmp_path / "out"
+    common.assert_passed(common.quantize(cli, mtp_model, out, "gguf", "--gguf-type", "Q4_K_M"), out)
+    ours, theirs = common.assert_gguf_equals_converter(mtp_model, tmp_path, "bf16")
+    reader = gguf.GGUFReader(str(ours))
+    assert reader.fields["qwen35.nextn_predict_layers"].contents() == 1
+    assert reader.fields["qwen35.block_count"].contents() == 5
+    assert {"blk.4.nextn.eh_proj.weight", "blk.4.attn_q.weight"} <= {t.name for t in reader.tensors}
+    for path in common.assert_quantized_equals_llama_quantize(mtp_model, theirs, tmp_path, ("Q4_K_M",)):
+        common.assert_llama_perplexity_runs(path, tmp_path)
+
+
+@pytest.mark.parametrize("method", ["fp8", "gguf"])
+def test_refuses_mtp_layers_config_json_does_not_count(cli, mtp_model, tmp_path, method):
+    broken = common.copy_with_config(mtp_model, tmp_path / "model", mtp_num_hidden_layers=2)
+    out = tmp_path / "out"
+    common.assert_refused(common.quantize(cli, broken, out, method), out, "mtp_num_hidden_layers = 2")
+
+
 @pytest.mark.slow
 def test_gguf_equals_llama_cpp(model, tmp_path):
     """A checkpoint without MTP layers: the converter's default stops on it (it asserts there is one), --no-mtp
