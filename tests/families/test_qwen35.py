@@ -150,6 +150,20 @@ def test_mlx_lm_reads_it_as_quantkit(cli, model, tmp_path):
     common.assert_mlx_lm_reads_as_quantkit(out)
 
 
+def test_mlx_refuses_layer_types_off_the_interval(cli, model, tmp_path):
+    """mlx-lm's qwen3_5 places the full-attention layers by full_attention_interval alone."""
+    types = ["linear_attention", "linear_attention", "full_attention", "linear_attention"]
+    swapped = common.copy_with_config(model, tmp_path / "model", layer_types=types)
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(swapped / "model.safetensors")  # the tensors follow the types: layers 2 and 3 swapped
+    swap = {"layers.2.": "layers.3.", "layers.3.": "layers.2."}
+    save_file({next((k.replace(a, b) for a, b in swap.items() if a in k), k): v for k, v in tensors.items()},
+              swapped / "model.safetensors", metadata={"format": "pt"})
+    out = tmp_path / "out"
+    common.assert_refused(common.quantize(cli, swapped, out, "mlx", gate=False), out, "full_attention_interval")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["fp8", "gptq"])
 def test_vllm_serves_it_as_the_gate_read_it(cli, model, tmp_path, method):

@@ -96,6 +96,21 @@ def check_layers(info) -> None:
                                   "save_pretrained, or fix layer_types")
 
 
+# ---------------------------------------------------------------- MLX (mlx_lm.models.qwen3_5)
+
+
+def check_mlx_interval(config: dict) -> None:
+    """mlx-lm's qwen3_5 takes layer i as a linear-attention one exactly where (i + 1) % full_attention_interval
+    != 0 (it never reads layer_types)."""
+    hp = text.text_hparams(config)
+    interval = hp.get("full_attention_interval", 4)
+    expected = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(hp["num_hidden_layers"])]
+    if layer_types(config) != expected:
+        raise UnsupportedError(f"mlx: layer_types do not follow full_attention_interval = {interval} (mlx-lm's qwen3_5 "
+                               "places the full-attention layers by the interval alone)",
+                               hint="use --method gguf (llama.cpp reads layer_types) or a compressed-tensors method")
+
+
 # ---------------------------------------------------------------- GGUF (Qwen3_5TextModel)
 
 QWEN35_MROPE_SECTION = [11, 11, 10, 0]  # _Qwen35MRopeMixin: written where rope_parameters has none
@@ -197,6 +212,7 @@ QWEN35 = Family(
     gguf={"Qwen3_5ForCausalLM": QWEN35_GGUF},
     mlx="qwen3_5",
     checks=(check_layers,),
+    mlx_checks=(check_mlx_interval,),
 )
 
 FAMILIES = (QWEN35,)
