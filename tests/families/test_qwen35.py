@@ -127,6 +127,26 @@ def test_gguf_writes_the_mtp_layer_as_llama_cpp_s_nextn_block(cli, mtp_model, tm
         common.assert_llama_perplexity_runs(path, tmp_path)
 
 
+@pytest.mark.slow
+def test_compressed_tensors_carries_the_mtp_layer_as_stored(cli, mtp_model, tmp_path):
+    """compressed-tensors copies the mtp.* tensors beside the model as stored (bf16) and ignores them, for vLLM's
+    MTP draft; transformers' reload skips them (Qwen3_5ForCausalLM ignores ^mtp.*)."""
+    from safetensors import safe_open
+
+    out = tmp_path / "out"
+    common.assert_passed(common.quantize(cli, mtp_model, out, "fp8"), out)
+    common.assert_strict_reload(out)
+    assert any(p.startswith("re:") and "mtp" in p for p in common.kept_16bit(out))
+    stored = {}
+    for shard in out.glob("*.safetensors"):
+        with safe_open(str(shard), "pt") as f:
+            stored.update({k: f.get_tensor(k) for k in f.keys() if k.startswith("mtp.")})
+    with safe_open(str(mtp_model / "model.safetensors"), "pt") as f:
+        source = {k: f.get_tensor(k) for k in f.keys() if k.startswith("mtp.")}
+    assert sorted(stored) == sorted(source) and len(source) == 15
+    assert all(stored[k].dtype == source[k].dtype and stored[k].equal(source[k]) for k in source)
+
+
 @pytest.mark.parametrize("method", ["fp8", "gguf"])
 def test_refuses_mtp_layers_config_json_does_not_count(cli, mtp_model, tmp_path, method):
     broken = common.copy_with_config(mtp_model, tmp_path / "model", mtp_num_hidden_layers=2)
