@@ -124,11 +124,6 @@ def check(info, options: Options, calibration=None) -> None:
         raise UnsupportedError(f"mlx: model_type '{info.model_type}': {refusal}",
                                hint="mlx writes " + ", ".join(sorted(MLX_MODEL_TYPES)) + " models; "
                                "use --method gguf for llama.cpp on Apple silicon")
-    from quantkit.arch.families import of_config
-
-    family = of_config(info.config)
-    for family_check in family.mlx_checks if family else ():
-        family_check(info.config)
 
 
 def support(family) -> str:

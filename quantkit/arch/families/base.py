@@ -180,6 +180,3 @@ class Family:
     # check(info) for every method, before any work: raises (ModelError, UnsupportedError) where the checkpoint's
     # config and tensors disagree (`info`: quantkit.io.checkpoint.ModelInfo)
     checks: tuple[Callable[[object], None], ...] = ()
-    # check(config.json's dict) for --method mlx, before any work: raises UnsupportedError for what the mlx-lm model
-    # builds otherwise than transformers
-    mlx_checks: tuple[Callable[[dict], None], ...] = ()

@@ -11,7 +11,9 @@ the norms.
 
 GGUF: llama.cpp conversion/qwen.py's Qwen3_5TextModel (Qwen3NextModel's keys and tensor changes after
 _LinearAttentionVReorderBase's value-head reorder: quantkit.arch.families.deltanet; the recurrent layers
-written from layer_types). MLX: mlx-lm's qwen3_5 model.
+written from layer_types; the MTP layers as its nextn block). MLX: refused, mlx-lm 0.32 has no model for
+model_type qwen3_5_text (its qwen3_5 model loads the VLM checkpoints, model_type qwen3_5 with a text_config;
+it drops the MTP layers and places the attention layers by full_attention_interval alone).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import numpy as np
 
 from quantkit.arch.families import deltanet, text
 from quantkit.arch.families.base import Family, Gguf, Kept, Mapping, TensorRule
-from quantkit.arch.families.llama import GATE_UP, QKV
+from quantkit.arch.families.llama import GATE_UP
 from quantkit.errors import ModelError, UnsupportedError
 
 # ---------------------------------------------------------------- what stays 16-bit
@@ -40,13 +42,12 @@ STATE_PARAMS = {
 
 # ---------------------------------------------------------------- smoothing rows
 
-# input_layernorm feeds q/k/v in a full-attention layer and the four input projections in a linear-attention
-# one; v -> o holds (the output gate multiplies o_proj's input per channel); the linear-attention outputs pass
-# conv1d, the delta rule and the gated norm before out_proj, so out_proj has no row
-LINEAR_IN = (r"re:.*linear_attn\.in_proj_qkv$", r"re:.*linear_attn\.in_proj_z$", r"re:.*linear_attn\.in_proj_b$",
-             r"re:.*linear_attn\.in_proj_a$")
+# v -> o holds (the output gate multiplies o_proj's input per channel) and the MLP's rows; input_layernorm has
+# none: it feeds q/k/v in a full-attention layer and the four input projections in a linear-attention one under
+# the same name, and llm-compressor resolves a row by names only (one row for both fails: "AWQ needs to match a
+# single smoothlayer for each mapping"); the linear-attention outputs pass conv1d, the delta rule and the gated
+# norm before out_proj, so out_proj has no row either
 QWEN35_ROWS = (
-    Mapping("re:.*input_layernorm$", QKV + LINEAR_IN, smoothquant=True),
     Mapping("re:.*v_proj$", ("re:.*o_proj$",), smoothquant=False),
     Mapping("re:.*post_attention_layernorm$", GATE_UP, smoothquant=True),
     Mapping("re:.*up_proj$", ("re:.*down_proj$",), smoothquant=False),
@@ -94,21 +95,6 @@ def check_layers(info) -> None:
             raise ModelError(f"the checkpoint has no tensor {missing[0]} (layer_types says layer {i} is {kind})",
                              hint="the checkpoint's config and tensors disagree: save it again with transformers' "
                                   "save_pretrained, or fix layer_types")
-
-
-# ---------------------------------------------------------------- MLX (mlx_lm.models.qwen3_5)
-
-
-def check_mlx_interval(config: dict) -> None:
-    """mlx-lm's qwen3_5 takes layer i as a linear-attention one exactly where (i + 1) % full_attention_interval
-    != 0 (it never reads layer_types)."""
-    hp = text.text_hparams(config)
-    interval = hp.get("full_attention_interval", 4)
-    expected = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(hp["num_hidden_layers"])]
-    if layer_types(config) != expected:
-        raise UnsupportedError(f"mlx: layer_types do not follow full_attention_interval = {interval} (mlx-lm's qwen3_5 "
-                               "places the full-attention layers by the interval alone)",
-                               hint="use --method gguf (llama.cpp reads layer_types) or a compressed-tensors method")
 
 
 # ---------------------------------------------------------------- GGUF (Qwen3_5TextModel)
@@ -210,9 +196,7 @@ QWEN35 = Family(
     kept=KEPT,
     smoothing=QWEN35_ROWS,
     gguf={"Qwen3_5ForCausalLM": QWEN35_GGUF},
-    mlx="qwen3_5",
     checks=(check_layers,),
-    mlx_checks=(check_mlx_interval,),
 )
 
 FAMILIES = (QWEN35,)
