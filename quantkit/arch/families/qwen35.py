@@ -29,9 +29,8 @@ from quantkit.errors import ModelError, UnsupportedError
 
 # ---------------------------------------------------------------- what stays 16-bit
 
-KEPT = (Kept(r"re:.*linear_attn\.in_proj_[ab]$",
-             "Gated DeltaNet's beta/alpha gates (in_proj_b, in_proj_a: one output per value head, fused by vLLM "
-             "into in_proj_ba) stay 16-bit"),)
+# one output per value head; vLLM fuses the two into in_proj_ba
+KEPT = (Kept(r"re:.*linear_attn\.in_proj_[ab]$", "Gated DeltaNet's beta/alpha gates (in_proj_b/a) 16-bit"),)
 # not linear layers, so no method quantizes them; the report names them with the reason
 STATE_PARAMS = {
     "linear_attn.conv1d": "Gated DeltaNet's depthwise causal conv1d (no linear layer)",
