@@ -149,6 +149,13 @@ def test_compressed_tensors_carries_the_mtp_layer_as_stored(cli, mtp_model, tmp_
     assert all(stored[k].dtype == source[k].dtype and stored[k].equal(source[k]) for k in source)
 
 
+@pytest.mark.slow
+def test_nf4_says_it_does_not_write_the_mtp_layer(cli, mtp_model, tmp_path):
+    out = tmp_path / "out"
+    entry = common.assert_passed(common.quantize(cli, mtp_model, out, "nf4"), out)
+    assert entry["details"]["mtp_layers"].startswith("not written: 15 mtp.* tensors")
+
+
 @pytest.mark.parametrize("method", ["fp8", "gguf"])
 def test_refuses_mtp_layers_config_json_does_not_count(cli, mtp_model, tmp_path, method):
     broken = common.copy_with_config(mtp_model, tmp_path / "model", mtp_num_hidden_layers=2)

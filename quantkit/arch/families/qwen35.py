@@ -14,6 +14,12 @@ _LinearAttentionVReorderBase's value-head reorder: quantkit.arch.families.deltan
 written from layer_types; the MTP layers as its nextn block). MLX: refused, mlx-lm 0.32 has no model for
 model_type qwen3_5_text (its qwen3_5 model loads the VLM checkpoints, model_type qwen3_5 with a text_config;
 it drops the MTP layers and places the attention layers by full_attention_interval alone).
+
+GGUF types every tensor as llama-quantize does: conv1d, A_log, dt_bias and the norms F32, ssm_alpha/ssm_beta
+(in_proj_a/b) quantized as llama-quantize quantizes them. The MTP layers (`mtp.*`, which transformers does not
+load), per format: GGUF writes them as llama.cpp's nextn block (the converter's default); the compressed-tensors
+methods carry them as stored (compressed-tensors' own MTP handling: a model_mtp.safetensors shard, `re:^mtp.*`
+ignored) for vLLM's MTP draft; nf4 does not write them and says so in the report; MLX is refused.
 """
 
 from __future__ import annotations
@@ -31,13 +37,6 @@ from quantkit.errors import ModelError, UnsupportedError
 
 # one output per value head; vLLM fuses the two into in_proj_ba
 KEPT = (Kept(r"re:.*linear_attn\.in_proj_[ab]$", "Gated DeltaNet's beta/alpha gates (in_proj_b/a) 16-bit"),)
-# not linear layers, so no method quantizes them; the report names them with the reason
-STATE_PARAMS = {
-    "linear_attn.conv1d": "Gated DeltaNet's depthwise causal conv1d (no linear layer)",
-    "linear_attn.A_log": "Gated DeltaNet's decay state parameter A_log (no linear layer)",
-    "linear_attn.dt_bias": "Gated DeltaNet's time-step bias dt_bias (no linear layer)",
-    "linear_attn.norm": "Gated DeltaNet's gated RMSNorm (no linear layer)",
-}
 
 # ---------------------------------------------------------------- smoothing rows
 
