@@ -208,7 +208,7 @@ def check_rope(arch: str, spec: Gguf, hp: dict) -> None:
         refuse(arch, f"RoPE type '{kind}' is not supported", supported)
     if (rope.get("sliding_attention") or {}).get("rope_type", "default") != "default":
         refuse(arch, "a scaled RoPE on the sliding-window layers is not supported", supported)
-    if ("mrope_section" in rope) != spec.mrope:
+    if ("mrope_section" in rope) != spec.mrope and not spec.mrope_optional:
         what = "a RoPE without mrope_section is" if spec.mrope else "multimodal RoPE sections are"
         refuse(arch, f"{what} not supported", "multimodal RoPE (mrope_section) converts for Qwen2-VL, "
                "Qwen2.5-VL and Qwen3-VL only, and those need it")
@@ -259,8 +259,8 @@ def model_facts(config: dict) -> mixture.ModelFacts:
     spec, hp = arch_spec(config), text_hparams(config)
     n_head = hp["num_attention_heads"]
     n_head_kv = spec.layer_kv_heads(hp)[0] if spec.layer_kv_heads else hp.get("num_key_value_heads") or n_head
-    return mixture.ModelFacts(arch=gguf_arch_name(spec), n_layer=hp["num_hidden_layers"], n_head=n_head,
-                              n_head_kv=n_head_kv,
+    n_layer = spec.blocks(hp) if spec.blocks is not None else hp["num_hidden_layers"]
+    return mixture.ModelFacts(arch=gguf_arch_name(spec), n_layer=n_layer, n_head=n_head, n_head_kv=n_head_kv,
                               n_expert=n_experts(hp) if spec.experts else 0)
 
 
@@ -396,7 +396,8 @@ def single_plan(config: dict, tmap, name: str, hf: str, shape: list[int]) -> Ten
     if rule is not None and rule.forward is not None:
         def transform(data, dtype, forward=rule.forward):
             return forward(data, hp, dtype)
-    return TensorPlan(gguf_name(tmap, mapped_name(rule, name)), hf, written, T.F32, permute_heads(config, name),
+    target = rule.target(name, hp) if rule is not None and rule.target is not None else gguf_name(tmap, mapped_name(rule, name))
+    return TensorPlan(target, hf, written, T.F32, permute_heads(config, name),
                       norm_shift(config, name), transform=transform)
 
 

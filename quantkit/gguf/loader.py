@@ -167,8 +167,9 @@ class GGUFTensors:
         self.config = hf_config_dict
         mapping = hf_names(self.config)
         self.tensors, self.experts, self.pieces = {}, {}, {}
+        layers = text_hparams(self.config)["num_hidden_layers"]
         for tensor in open_reader(self.path).tensors:
-            if tensor.name in GENERATED:
+            if tensor.name in GENERATED or block_of(tensor.name) >= layers:  # MTP blocks: no transformers module
                 continue
             if (m := EXPERTS.match(tensor.name)) is not None:
                 self.experts[int(m.group(1)), m.group(2)] = tensor
@@ -249,6 +250,12 @@ class GGUFTensors:
         expert, along the output rows), down_proj = down."""
         layer = int(re.search(r"layers\.(\d+)\.", name).group(1))
         return layer, ("down",) if name.endswith("down_proj") else ("gate", "up")
+
+
+def block_of(name: str) -> int:
+    """The block of a GGUF tensor (`blk.N.`), -1 for the others."""
+    m = re.match(r"blk\.(\d+)\.", name)
+    return int(m.group(1)) if m else -1
 
 
 def stored_shape(tensor) -> tuple[int, ...]:

@@ -164,9 +164,21 @@ def write(job: QuantizeJob, kept: list[str]) -> QuantizeResult:
         model.save_pretrained(job.out_dir)  # the tokenizer files are copied beside it by the pipeline
     details = {"bnb_quantization_config": model.config.quantization_config.to_dict(),
                "kept_for_bnb_kernels": odd,
-               "kept_moe_experts": len([n for n in quantizable_layers(job.info) if is_expert_weight(n)])}
+               "kept_moe_experts": len([n for n in quantizable_layers(job.info) if is_expert_weight(n)]),
+               **mtp_not_written(job.info)}
     del model
     return QuantizeResult(job.out_dir, details)
+
+
+def mtp_not_written(info) -> dict:
+    """The report's word on a checkpoint's multi-token-prediction tensors (`mtp.*`, Qwen3.5): transformers'
+    model has no module for them, so the bitsandbytes checkpoint it saves holds none."""
+    names = [n for n in info.tensors if n.startswith("mtp.")]
+    if not names:
+        return {}
+    return {"mtp_layers": f"not written: {len(names)} mtp.* tensors; transformers loads no MTP layer, and its "
+                          "bitsandbytes checkpoint holds the model it loads (compressed-tensors methods carry them "
+                          "as stored, GGUF as llama.cpp's nextn block)"}
 
 
 def load_quantized(info, dtype, config, device: str, trust_remote_code: bool = False):

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 from pydantic import BaseModel
 
 from quantkit import __version__
+from quantkit.arch.families import check_family
 from quantkit.arch.vlm import FAMILIES, tower_summary
 from quantkit.engines.llmcompressor.distributed import (
     Ranks,
@@ -133,6 +134,7 @@ def prepare(recipe: Recipe, opts: RunOptions) -> tuple[ModelInfo, list[ResolvedT
     check_push(recipe, selected)
     info = check_model_dir(*resolve_source(opts.model, recipe.offline, recipe.trust_remote_code))
     check_generative(info)
+    check_family(info)
     check_submodel_packages(info)
     check_not_quantized(info, recipe)
     check_offload_dir(recipe, info)

@@ -86,15 +86,16 @@ def kept_16bit(out: Path) -> list[str]:
 # ---------------------------------------------------------------- GGUF against llama.cpp
 
 
-def assert_gguf_equals_converter(model: Path, tmp_path: Path, outtype: str = "bf16", pre: str | None = "gpt-2"):
+def assert_gguf_equals_converter(model: Path, tmp_path: Path, outtype: str = "bf16", pre: str | None = "gpt-2",
+                                 converter_args: tuple[str, ...] = ()):
     """quantkit's GGUF at `outtype` equals convert_hf_to_gguf.py's (every metadata key and tensor; `pre`: the
-    pre-tokenizer name the converter is told for a tokenizer its hash table lacks, tests/gguf/test_vs_converter.py).
-    Returns (quantkit's file, the converter's file)."""
+    pre-tokenizer name the converter is told for a tokenizer its hash table lacks, tests/gguf/test_vs_converter.py;
+    `converter_args`: more converter options, e.g. --no-mtp). Returns (quantkit's file, the converter's file)."""
     from tests.gguf.helpers import convert_to
     from tests.gguf.test_vs_converter import assert_same_file, need_llama_src, reference_gguf
 
     need_llama_src()
-    theirs = reference_gguf(model, tmp_path / f"theirs-{outtype}.gguf", outtype, pre)
+    theirs = reference_gguf(model, tmp_path / f"theirs-{outtype}.gguf", outtype, pre, converter_args)
     ours = tmp_path / f"ours-{outtype}.gguf"
     convert_to(model, ours, outtype.upper())
     assert_same_file(ours, theirs)

@@ -56,11 +56,11 @@ def need_llama_src() -> Path:
     return LLAMA_SRC
 
 
-def reference_gguf(model: Path, out: Path, outtype: str, pre: str | None) -> Path:
-    """convert_hf_to_gguf.py's output, run with llama.cpp's own gguf-py."""
+def reference_gguf(model: Path, out: Path, outtype: str, pre: str | None, extra: tuple[str, ...] = ()) -> Path:
+    """convert_hf_to_gguf.py's output, run with llama.cpp's own gguf-py (`extra`: more converter options)."""
     src = need_llama_src()
     code = RUNNER.format(src=str(src), pre=pre, script=str(src / "convert_hf_to_gguf.py"),
-                         args=[str(model), "--outtype", outtype, "--outfile", str(out)])
+                         args=[str(model), "--outtype", outtype, "--outfile", str(out), *extra])
     env = {**os.environ, "PYTHONPATH": f"{src / 'gguf-py'}{os.pathsep}{ROOT}", "HF_HUB_OFFLINE": "1"}
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from quantkit.arch.families import deepseek, gemma, granite, llama, mistral, phi, qwen, seed_oss
+from quantkit.arch.families import deepseek, gemma, granite, llama, mistral, phi, qwen, qwen35, seed_oss
 from quantkit.arch.families.base import Family, Gguf
 from quantkit.arch.vlm import FAMILIES as VLMS
 
 # Every family record, module by module, in the order of docs/models.md's tables.
 FAMILIES: tuple[Family, ...] = (*llama.FAMILIES, *gemma.FAMILIES, *phi.FAMILIES, *mistral.FAMILIES, *qwen.FAMILIES,
-                                *seed_oss.FAMILIES, *granite.FAMILIES, *deepseek.FAMILIES)
+                                *qwen35.FAMILIES, *seed_oss.FAMILIES, *granite.FAMILIES, *deepseek.FAMILIES)
 
 
 def all_families() -> tuple[Family, ...]:
@@ -52,6 +52,13 @@ def kept_layers(info, method: str = "") -> dict[str, str]:
 
     return {name: reason for name in linear_weights(info)
             if (reason := kept_reason(info.config, name, method)) is not None}
+
+
+def check_family(info) -> None:
+    """The family's own checks of a checkpoint (its record's `checks`), for every method before any work."""
+    family = of_config(info.config)
+    for check in family.checks if family else ():
+        check(info)
 
 
 def gguf_conversions() -> dict[str, Gguf]:

@@ -100,6 +100,9 @@ class TensorRule:
     # `forward`, in the written shape) cut into that many equal parts along its second-to-last axis (its rows;
     # each expert's rows for stacked experts); the reading joins them again. (): one tensor
     split: tuple[tuple[str, str], ...] = ()
+    # target(name, hparams) -> the GGUF name, where gguf-py's TensorNameMap has none (Qwen3.5's MTP layers, written
+    # as the blocks after the decoder's); None: TensorNameMap's name of the (renamed) name
+    target: Callable[[str, Hparams], str] | None = None
 
 
 def no_params(writer, hp: Hparams, ftype: int) -> None:
@@ -143,6 +146,11 @@ class Gguf:
     # the per-layer key/value head counts the class writes (head_count_kv as an array, 0 for a layer without
     # attention); llama-quantize's n_gqa() reads layer 0's. None: num_key_value_heads in every layer
     layer_kv_heads: Callable[[Hparams], list[int]] | None = None
+    # blocks(hparams) -> the GGUF's block count where it is not num_hidden_layers (Qwen3.5: + its MTP layers; what
+    # llama-quantize's per-layer type choice counts); None: num_hidden_layers
+    blocks: Callable[[Hparams], int] | None = None
+    mrope_optional: bool = False  # Qwen3.5: mrope_section in the RoPE parameters or not (the converter writes
+    # default sections where there are none)
 
 
 # ---------------------------------------------------------------- config.json completed without transformers
@@ -185,3 +193,6 @@ class Family:
     # why the llm-compressor methods refuse the family's mixture-of-experts variant ({method}: the method's
     # name), where its experts have no layout (`moe` None); "": the generic refusal
     moe_refusal: str = ""
+    # check(info) for every method, before any work: raises (ModelError, UnsupportedError) where the checkpoint's
+    # config and tensors disagree (`info`: quantkit.io.checkpoint.ModelInfo)
+    checks: tuple[Callable[[object], None], ...] = ()

@@ -1,0 +1,200 @@
+"""Qwen3.5 (Qwen3_5ForCausalLM, model_type qwen3_5_text): a hybrid decoder, Gated DeltaNet linear-attention
+layers (in_proj_qkv / in_proj_z / in_proj_b / in_proj_a, a depthwise causal conv1d, A_log, dt_bias, a gated
+RMSNorm, out_proj) beside gated full-attention layers (q_proj twice as wide: query and its output gate; q/k
+norms), every `full_attention_interval`-th layer a full-attention one (config.json's `layer_types`). Its
+RMSNorms scale by (1 + w), the gated one by w.
+
+What stays 16-bit, and why: in_proj_b / in_proj_a (the delta rule's beta and the decay's alpha gates, one
+output per value head; vLLM fuses the two into one in_proj_ba), and what no method quantizes because it is
+no linear layer: conv1d (a 4-tap depthwise convolution), A_log and dt_bias (the decay's state parameters) and
+the norms.
+
+GGUF: llama.cpp conversion/qwen.py's Qwen3_5TextModel (Qwen3NextModel's keys and tensor changes after
+_LinearAttentionVReorderBase's value-head reorder: quantkit.arch.families.deltanet; the recurrent layers
+written from layer_types; the MTP layers as its nextn block). MLX: refused, mlx-lm 0.32 has no model for
+model_type qwen3_5_text (its qwen3_5 model loads the VLM checkpoints, model_type qwen3_5 with a text_config;
+it drops the MTP layers and places the attention layers by full_attention_interval alone).
+
+GGUF types every tensor as llama-quantize does: conv1d, A_log, dt_bias and the norms F32, ssm_alpha/ssm_beta
+(in_proj_a/b) quantized as llama-quantize quantizes them. The MTP layers (`mtp.*`, which transformers does not
+load), per format: GGUF writes them as llama.cpp's nextn block (the converter's default); the compressed-tensors
+methods carry them as stored (compressed-tensors' own MTP handling: a model_mtp.safetensors shard, `re:^mtp.*`
+ignored) for vLLM's MTP draft; nf4 does not write them and says so in the report; MLX is refused.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+from quantkit.arch.families import deltanet, text
+from quantkit.arch.families.base import Family, Gguf, Kept, Mapping, TensorRule
+from quantkit.arch.families.llama import GATE_UP
+from quantkit.errors import ModelError, UnsupportedError
+
+# ---------------------------------------------------------------- what stays 16-bit
+
+# one output per value head; vLLM fuses the two into in_proj_ba
+KEPT = (Kept(r"re:.*linear_attn\.in_proj_[ab]$", "Gated DeltaNet's beta/alpha gates (in_proj_b/a) 16-bit"),)
+
+# ---------------------------------------------------------------- smoothing rows
+
+# v -> o holds (the output gate multiplies o_proj's input per channel) and the MLP's rows; input_layernorm has
+# none: it feeds q/k/v in a full-attention layer and the four input projections in a linear-attention one under
+# the same name, and llm-compressor resolves a row by names only (one row for both fails: "AWQ needs to match a
+# single smoothlayer for each mapping"); the linear-attention outputs pass conv1d, the delta rule and the gated
+# norm before out_proj, so out_proj has no row either
+QWEN35_ROWS = (
+    Mapping("re:.*v_proj$", ("re:.*o_proj$",), smoothquant=False),
+    Mapping("re:.*post_attention_layernorm$", GATE_UP, smoothquant=True),
+    Mapping("re:.*up_proj$", ("re:.*down_proj$",), smoothquant=False),
+)
+
+# ---------------------------------------------------------------- the checkpoint's layers against its tensors
+
+LINEAR_TENSORS = ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight", "conv1d.weight",
+                  "A_log", "dt_bias", "norm.weight", "out_proj.weight")
+ATTENTION_TENSORS = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "q_norm.weight",
+                     "k_norm.weight")
+
+
+def layer_types(config: dict) -> list[str]:
+    hp = text.text_hparams(config)
+    if hp.get("layer_types") is not None:
+        return list(hp["layer_types"])
+    interval = hp.get("full_attention_interval", 4)
+    return ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(hp["num_hidden_layers"])]
+
+
+def check_layers(info) -> None:
+    """config.json's layer_types against num_hidden_layers, and each layer's tensors against its type: a
+    disagreement is refused before work, naming what is missing."""
+    hp = text.text_hparams(info.config)
+    n, types = hp.get("num_hidden_layers", 0), layer_types(info.config)
+    if len(types) != n:
+        raise ModelError(f"config.json: layer_types lists {len(types)} layer types for num_hidden_layers = {n}",
+                         hint="the checkpoint's config and tensors disagree: give one type per layer "
+                              "(linear_attention or full_attention)")
+    prefix = next((p for p in ("model.language_model.layers.", "model.layers.")
+                   if any(k.startswith(p) for k in info.tensors)), "model.layers.")
+    mtp, stored = mtp_layers(hp), sorted({k.split(".")[2] for k in info.tensors if k.startswith("mtp.layers.")})
+    if mtp and not any(k.startswith("mtp.") for k in info.tensors):
+        raise ModelError(f"config.json: mtp_num_hidden_layers = {mtp}, but the checkpoint has no mtp.* tensor "
+                         "(no tensor mtp.fc.weight)", hint="the checkpoint's config and tensors disagree: set "
+                                                           "mtp_num_hidden_layers to 0 or save the MTP layers too")
+    if stored and len(stored) != mtp:
+        raise ModelError(f"the checkpoint stores {len(stored)} MTP layer(s) (mtp.layers.*) for mtp_num_hidden_layers = "
+                         f"{mtp}", hint="the checkpoint's config and tensors disagree: fix mtp_num_hidden_layers")
+    for i, kind in enumerate(types):
+        part, names = (("linear_attn", LINEAR_TENSORS) if kind == "linear_attention" else ("self_attn", ATTENTION_TENSORS))
+        missing = [f"{prefix}{i}.{part}.{t}" for t in names if f"{prefix}{i}.{part}.{t}" not in info.tensors]
+        if missing:
+            raise ModelError(f"the checkpoint has no tensor {missing[0]} (layer_types says layer {i} is {kind})",
+                             hint="the checkpoint's config and tensors disagree: save it again with transformers' "
+                                  "save_pretrained, or fix layer_types")
+
+
+# ---------------------------------------------------------------- GGUF (Qwen3_5TextModel)
+
+QWEN35_MROPE_SECTION = [11, 11, 10, 0]  # _Qwen35MRopeMixin: written where rope_parameters has none
+
+
+def mtp_layers(hp: dict) -> int:
+    """The checkpoint's multi-token-prediction layers (config.json's mtp_num_hidden_layers): _QwenMtpMixin writes
+    them as the blocks after the decoder's (llama.cpp's nextn layer, its speculative draft)."""
+    return int(hp.get("mtp_num_hidden_layers") or 0)
+
+
+def blocks(hp: dict) -> int:
+    return hp["num_hidden_layers"] + mtp_layers(hp)
+
+
+def add_qwen35_params(writer, hp: dict, ftype: int) -> None:
+    """Qwen3_5TextModel.set_gguf_parameters: TextModel's keys (the block count with the MTP layers),
+    _QwenMtpMixin's nextn layer count, Qwen3NextModel's (the DeltaNet sizes, which blocks are recurrent, the
+    attention interval, the partial RoPE's dimensions), _Qwen35MRopeMixin's default RoPE sections. A checkpoint
+    with no MTP layer converts as `convert_hf_to_gguf.py --no-mtp` converts it (without it the converter
+    stops on such a checkpoint: it asserts there is one)."""
+    text.add_text_params(writer, {**hp, "num_hidden_layers": blocks(hp)}, ftype)
+    if mtp_layers(hp):
+        writer.add_nextn_predict_layers(mtp_layers(hp))
+    writer.add_ssm_conv_kernel(hp["linear_conv_kernel_dim"])
+    writer.add_ssm_state_size(hp["linear_key_head_dim"])
+    writer.add_ssm_group_count(hp["linear_num_key_heads"])
+    writer.add_ssm_time_step_rank(hp["linear_num_value_heads"])
+    writer.add_ssm_inner_size(hp["linear_value_head_dim"] * hp["linear_num_value_heads"])
+    if hp.get("layer_types") is not None:  # gguf-py's add_recurrent_layers; the MTP blocks are attention blocks
+        writer.add_array(f"{writer.arch}.attention.recurrent_layers",
+                         [kind == "linear_attention" for kind in hp["layer_types"]] + [False] * mtp_layers(hp))
+    writer.add_full_attention_interval(hp.get("full_attention_interval", 4))
+    rope = text.rope_parameters(hp)
+    rope_dim = hp.get("head_dim") or hp["hidden_size"] // hp["num_attention_heads"]
+    writer.add_rope_dimension_count(int(rope_dim * rope.get("partial_rotary_factor", 0.25)))
+    if "mrope_section" not in rope:
+        writer.add_rope_dimension_sections(QWEN35_MROPE_SECTION)
+
+
+# _QwenMtpMixin.filter_tensors: mtp.layers.i.* -> block num_hidden_layers + i; mtp.fc / pre_fc_norm_embedding /
+# pre_fc_norm_hidden / norm -> the first MTP block's nextn.eh_proj / enorm / hnorm / shared_head_norm (gguf
+# 0.19's table for qwen35 has no nextn names: they are written here as llama.cpp names them)
+NEXTN = {"fc": "eh_proj", "pre_fc_norm_embedding": "enorm", "pre_fc_norm_hidden": "hnorm", "norm": "shared_head_norm"}
+
+
+def mtp_target(name: str, hp: dict) -> str:
+    import gguf
+
+    n = hp["num_hidden_layers"]
+    if (m := re.match(r"^mtp\.layers\.(\d+)\.(.+)$", name)) is not None:
+        tmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN35, 1)
+        mapped = tmap.get_name(f"model.layers.0.{m.group(2)}", try_suffixes=(".weight", ".bias"))
+        if mapped is None:
+            raise UnsupportedError(f"cannot map tensor '{name}' to a GGUF name",
+                                   hint="the checkpoint's MTP layer holds a tensor llama.cpp's qwen35 has no name for")
+        return f"blk.{n + int(m.group(1))}." + mapped.split(".", 2)[2]
+    part, suffix = name.split(".")[1], name.rsplit(".", 1)[1]
+    if part not in NEXTN:
+        raise UnsupportedError(f"cannot map tensor '{name}' to a GGUF name",
+                               hint="the checkpoint's MTP block holds a tensor llama.cpp's qwen35 has no name for")
+    return f"blk.{n}.nextn.{NEXTN[part]}.{suffix}"
+
+
+def shift(x, hp, dtype):
+    from quantkit.gguf.convert import shift_norm
+
+    return shift_norm(x, dtype)
+
+
+def unshift(x, hp):
+    return x - np.float32(1)
+
+
+QWEN35_RULES = (
+    # the MTP layers' RMSNorms are (1 + w) ones too: the converter shifts them after renaming
+    TensorRule(r"^mtp\.(.+\.)?[^.]*norm[^.]*\.weight$", forward=shift, inverse=unshift, target=mtp_target),
+    TensorRule(r"^mtp\.", target=mtp_target),
+    TensorRule(r"linear_attn\.in_proj_qkv\.weight$", forward=deltanet.qkv, inverse=deltanet.qkv_back),
+    TensorRule(r"linear_attn\.in_proj_z\.weight$", forward=deltanet.z, inverse=deltanet.z_back),
+    TensorRule(r"linear_attn\.in_proj_[ab]\.weight$", forward=deltanet.per_head, inverse=deltanet.per_head_back),
+    TensorRule(r"linear_attn\.out_proj\.weight$", forward=deltanet.out_proj, inverse=deltanet.out_proj_back),
+    TensorRule(r"linear_attn\.conv1d\.weight$", forward=deltanet.conv1d, inverse=deltanet.conv1d_back,
+               shape=deltanet.conv1d_shape, hf_shape=deltanet.conv1d_hf_shape),
+    TensorRule(r"linear_attn\.A_log$", forward=deltanet.a_log, inverse=deltanet.a_log_back),
+    TensorRule(r"linear_attn\.dt_bias$", rename=(r"\.dt_bias$", ".dt_proj.bias"), forward=deltanet.per_head,
+               inverse=deltanet.per_head_back),
+    # Qwen3NextModel: every RMSNorm but the gated one (linear_attn.norm) stored as w + 1
+    TensorRule(r"(?<!linear_attn\.)norm\.weight$", forward=shift, inverse=unshift),
+)
+
+QWEN35_GGUF = Gguf("QWEN35", add_qwen35_params, "gpt2", rules=QWEN35_RULES, blocks=blocks,
+                   mrope_optional=True)
+
+QWEN35 = Family(
+    "qwen3_5_text", "Qwen3_5ForCausalLM", "Qwen3.5",
+    kept=KEPT,
+    smoothing=QWEN35_ROWS,
+    gguf={"Qwen3_5ForCausalLM": QWEN35_GGUF},
+    checks=(check_layers,),
+)
+
+FAMILIES = (QWEN35,)
