@@ -205,8 +205,8 @@ class GGUFTensors:
 
         name = self.aliases.get(name, name)
         if name in self.metadata:
-            data = self.metadata[name]
-        elif name in self.tensors:
+            return torch.from_numpy(self.metadata[name].copy())  # its own shape (0-d for a scalar buffer)
+        if name in self.tensors:
             data = restore(self.config, name, dequantize_checked(self.tensors[name], self.path))
         else:
             layer, kinds = self.expert_parts(name)

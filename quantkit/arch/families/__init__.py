@@ -12,14 +12,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from quantkit.arch.families import deepseek, ernie, gemma, hunyuan, llama, mistral, phi, qwen, seed_oss
+from quantkit.arch.families import apertus, deepseek, ernie, gemma, hunyuan, llama, mistral, phi, qwen, seed_oss
 from quantkit.arch.families.base import Family, Gguf
 from quantkit.arch.vlm import FAMILIES as VLMS
 
 # Every family record, module by module, in the order of docs/models.md's tables.
 FAMILIES: tuple[Family, ...] = (*llama.FAMILIES, *gemma.FAMILIES, *phi.FAMILIES, *mistral.FAMILIES, *qwen.FAMILIES,
                                 *seed_oss.FAMILIES, *ernie.FAMILIES, *hunyuan.FAMILIES,
-                                *deepseek.FAMILIES)
+                                *apertus.FAMILIES, *deepseek.FAMILIES)
 
 
 def all_families() -> tuple[Family, ...]:
