@@ -53,7 +53,7 @@ def ernie_vocab(writer, model_dir: Path, hp: dict):
 
 
 ERNIE4_5 = Family(
-    "ernie4_5", ARCH, "ERNIE 4.5 (dense)",
+    "ernie4_5", ARCH, "ERNIE 4.5",
     smoothing=LLAMA_LIKE,
     gguf={ARCH: Gguf("ERNIE4_5", text.add_text_params, "ernie4_5", checks=(check_no_bias,), set_vocab=ernie_vocab,
                      vocab_check=check_tokenizer_model)},

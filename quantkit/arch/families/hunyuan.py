@@ -117,7 +117,7 @@ def mlx_rope_scaling(config: dict) -> dict:
 
 
 HUNYUAN_DENSE = Family(
-    "hunyuan_v1_dense", ARCH, "Hunyuan (dense)",
+    "hunyuan_v1_dense", ARCH, "Hunyuan",
     smoothing=LLAMA_LIKE,
     gguf={ARCH: Gguf("HUNYUAN_DENSE", add_hunyuan_params, "gpt2", rope_types=("default", "dynamic"),
                      checks=(check_dynamic_rope,), set_vocab=hunyuan_vocab, vocab_check=check_tokenizer_json,
