@@ -249,6 +249,8 @@ def _materialize_buffers(model, config):
 
     rebuild_rotary(model)
     for module in model.modules():
+        if hasattr(module, "inv_freq") and getattr(module.inv_freq, "is_meta", False) and own_rotary(module):
+            continue
         if hasattr(module, "inv_freq") and getattr(module.inv_freq, "is_meta", False):
             init = getattr(module, "rope_init_fn", None)
             if init is None:
@@ -262,3 +264,20 @@ def _materialize_buffers(model, config):
         if getattr(scale, "is_meta", False):
             module.register_buffer("embed_scale", torch.tensor(module.scalar_embed_scale), persistent=False)
     return model
+
+
+def own_rotary(module) -> bool:
+    """A rotary module of a dynamic RoPE with an NTK `alpha` (Hunyuan's: base = rope_theta * alpha ** (d / (d - 2))),
+    which its class computes itself and transformers' ROPE_INIT_FUNCTIONS["dynamic"] does not: its buffers taken
+    from a copy of the class built on the CPU. False for every other RoPE (the RoPE functions give them)."""
+    import torch
+
+    rope = getattr(module.config, "rope_parameters", None) or {}
+    if rope.get("rope_type") != "dynamic" or rope.get("alpha") is None:
+        return False
+    with torch.device("cpu"):
+        fresh = type(module)(module.config)
+    for name in ("inv_freq", "original_inv_freq"):
+        module.register_buffer(name, getattr(fresh, name), persistent=False)
+    module.attention_scaling = fresh.attention_scaling
+    return True

@@ -326,13 +326,30 @@ def norm_shift(config: dict, hf_name: str) -> bool:
 
 
 def source_tensors(config: dict, hf_tensors) -> dict[str, str]:
-    """{name the converter maps: HF tensor name} for the tensors it writes."""
+    """{name the converter maps: HF tensor name} for the tensors it writes (not those it writes as metadata)."""
     out, spec = {}, arch_spec(config)
     for hf in hf_tensors:
         name = source_name(hf, spec)
-        if name is not None and not skipped(config, name):
+        if name is not None and not skipped(config, name) and metadata_tensor(spec, name) is None:
             out[name] = hf
     return out
+
+
+def metadata_tensor(spec: Gguf, name: str):
+    """The family's MetadataTensor a tensor name is one of (quantkit.arch.families.base), None."""
+    return next((m for m in spec.metadata_tensors
+                 if re.fullmatch(r"model\.layers\.\d+\." + re.escape(m.suffix), name)), None)
+
+
+def add_metadata_tensors(writer, spec: Gguf, hp: dict, handles: dict) -> None:
+    """The per-layer tensors the converter writes as metadata arrays (one float per layer, in layer order)."""
+    for m in spec.metadata_tensors:
+        names = [f"model.layers.{i}.{m.suffix}" for i in range(hp["num_hidden_layers"])]
+        missing = [n for n in names if n not in handles]
+        if missing:
+            raise InputError(f"the checkpoint lacks '{missing[0]}' (written as the GGUF key {m.key})",
+                             hint="the checkpoint and its config.json disagree: save it again with transformers")
+        writer.add_array(m.key, [float(read_rows(handles[n], n, 0, 1).reshape(-1)[0]) for n in names])
 
 
 def group_experts(config: dict, names: dict[str, str]) -> tuple[dict[str, str], dict[str, tuple[str, ...]]]:
@@ -735,7 +752,14 @@ def convert(model_dir: Path, out_path: Path, gguf_type: str = "F16", imatrix: di
     spec = arch_spec(hp)
     writer = gguf.GGUFWriter(None, gguf_arch_name(spec))
     add_metadata(writer, hp, spec, name or Path(model_dir).name, ftype)
-    vocab = add_vocab(writer, info.path, hp, spec.vocab)
+    vocab = spec.set_vocab(writer, info.path, hp) if spec.set_vocab else add_vocab(writer, info.path, hp, spec.vocab)
+    if spec.metadata_tensors:
+        metadata_handles = open_handles(info.weight_files)
+        try:
+            add_metadata_tensors(writer, spec, hp, metadata_handles)
+        finally:
+            for h in set(metadata_handles.values()):
+                h.close()
     for p in plans:
         writer.add_tensor_info(p.name, p.shape, np.dtype(numpy_dtype(p.qtype)), tensor_nbytes(p.shape, p.qtype),
                                raw_dtype=None if p.qtype in (T.F32, T.F16) else p.qtype)

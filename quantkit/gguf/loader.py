@@ -58,9 +58,13 @@ def hf_names(config: dict) -> dict[str, str]:
     names = list(HF_GLOBAL) + [n.format(i=i) for i in range(hp["num_hidden_layers"]) for n in layer]
     pairs = ((tmap.get_name(n, try_suffixes=(".weight", ".bias")), n) for n in names)
     found = {g: n for g, n in pairs if g is not None}
-    if not arch_spec(config).rules:
+    if not arch_spec(config).rules and not arch_spec(config).own_names:
         return found
-    for name in model_names(config):
+    names = model_names(config)
+    if arch_spec(config).own_names:  # the model's own names win over the Llama-style decoder's
+        present = set(names)
+        found = {g: n for g, n in found.items() if n in present}
+    for name in names:
         source = source_name(name)
         if source is None:
             continue
@@ -168,7 +172,9 @@ class GGUFTensors:
         mapping = hf_names(self.config)
         self.tensors, self.experts, self.pieces = {}, {}, {}
         layers = text_hparams(self.config)["num_hidden_layers"]
-        for tensor in open_reader(self.path).tensors:
+        reader = open_reader(self.path)
+        self.metadata = metadata_tensors(reader, self.config)
+        for tensor in reader.tensors:
             if tensor.name in GENERATED or block_of(tensor.name) >= layers:  # MTP blocks: no transformers module
                 continue
             if (m := EXPERTS.match(tensor.name)) is not None:
@@ -201,10 +207,12 @@ class GGUFTensors:
         return [f"model.layers.{i}.mlp.experts.{kind}" for i in layers for kind in ("gate_up_proj", "down_proj")]
 
     def keys(self) -> list[str]:
-        return [*self.tensors, *self.pieces, *self.expert_names(), *self.aliases]
+        return [*self.tensors, *self.pieces, *self.expert_names(), *self.metadata, *self.aliases]
 
     def shape(self, name: str) -> tuple[int, ...]:
         name = self.aliases.get(name, name)
+        if name in self.metadata:
+            return tuple(self.metadata[name].shape)
         if name in self.tensors or name in self.pieces:
             rule = tensor_rule(self.config, name)
             shape = stored_shape(self.tensors[name]) if name in self.tensors else joined_shape(self.pieces[name])
@@ -217,6 +225,8 @@ class GGUFTensors:
         import torch
 
         name = self.aliases.get(name, name)
+        if name in self.metadata:
+            return torch.from_numpy(self.metadata[name].copy())  # its own shape (0-d for a scalar buffer)
         if name in self.tensors:
             data = restore(self.config, name, dequantize_checked(self.tensors[name], self.path))
         elif name in self.pieces:
@@ -256,6 +266,19 @@ def block_of(name: str) -> int:
     """The block of a GGUF tensor (`blk.N.`), -1 for the others."""
     m = re.match(r"blk\.(\d+)\.", name)
     return int(m.group(1)) if m else -1
+
+
+def metadata_tensors(reader, config: dict) -> dict[str, np.ndarray]:
+    """{HF name: float32 values} of the per-layer tensors the converter wrote as metadata arrays (the family's
+    MetadataTensor rows: Apertus' xIELU parameters), each in its Hugging Face shape."""
+    out = {}
+    for m in arch_spec(config).metadata_tensors:
+        field = reader.fields.get(m.key)
+        if field is None:
+            raise ModelError(f"the file lacks the metadata key {m.key}", hint="write it again with quantkit quantize")
+        for i, value in enumerate(field.contents()):
+            out[f"model.layers.{i}.{m.suffix}"] = np.full(m.shape, value, dtype=np.float32)
+    return out
 
 
 def stored_shape(tensor) -> tuple[int, ...]:

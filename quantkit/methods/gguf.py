@@ -194,6 +194,10 @@ def check(info, options: Options, calibration=None) -> None:
     from quantkit.gguf.vocab import check_vocab
 
     spec = check_convertible(info.config, info.tensors)
+    if spec.vocab_check is not None:
+        from quantkit.gguf.convert import load_hparams
+
+        spec.vocab_check(info.path, load_hparams(info.path))
     check_vocab(info.path, spec.vocab)
     if info.towers.components and options.mmproj != "none":
         check_mmproj(info, options.mmproj)

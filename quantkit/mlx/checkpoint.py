@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from quantkit.arch.families import FAMILIES
+from quantkit.arch.families import FAMILIES, of_config
 from quantkit.errors import ModelError
 
 # config.json model_type -> the mlx_lm.models module that loads it, with the Hugging Face names as stored (each
@@ -104,6 +104,9 @@ def derived_mlx_lm_fields(config: dict) -> dict:
     layer_types = config.get("layer_types") or []
     if "full_attention" in layer_types and "sliding_attention" in layer_types:
         fields["sliding_window_pattern"] = layer_types.index("full_attention") + 1
+    family = of_config(config)
+    if family is not None and family.mlx_fields is not None:  # the family's own (Hunyuan's NTK alpha)
+        fields.update(family.mlx_fields(config))
     return fields
 
 

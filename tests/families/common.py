@@ -249,3 +249,21 @@ def scale_row(smooth, balance, s) -> None:
         smooth.bias.copy_(smooth.bias / s)
     for layer in balance:
         layer.weight.copy_(layer.weight * s)
+# ---------------------------------------------------------------- other tokenizers
+
+
+def build_with_tokenizer(out: Path, write_tokenizer, config_class: str, model_class: str, seed: int = 0,
+                         **config) -> Path:
+    """`build` with the tokenizer `write_tokenizer(out) -> (vocab size, special ids)` writes (e.g.
+    tests.gguf.families.write_spm_tokenizer: a SentencePiece tokenizer.model)."""
+    import torch
+    import transformers
+
+    out.mkdir(parents=True, exist_ok=True)
+    vocab, ids = write_tokenizer(out)
+    settings = {**COMMON, "vocab_size": vocab, **ids, **config}
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_class)(getattr(transformers, config_class)(**settings))
+    randomize(model, seed)
+    model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+    return out

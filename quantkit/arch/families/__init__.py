@@ -12,13 +12,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from quantkit.arch.families import deepseek, gemma, granite, llama, mistral, phi, qwen, qwen35, seed_oss
+from quantkit.arch.families import (apertus, deepseek, ernie, gemma, granite, hunyuan, llama, mistral, phi, qwen,
+                                     qwen35, seed_oss)
 from quantkit.arch.families.base import Family, Gguf
 from quantkit.arch.vlm import FAMILIES as VLMS
 
 # Every family record, module by module, in the order of docs/models.md's tables.
 FAMILIES: tuple[Family, ...] = (*llama.FAMILIES, *gemma.FAMILIES, *phi.FAMILIES, *mistral.FAMILIES, *qwen.FAMILIES,
-                                *qwen35.FAMILIES, *seed_oss.FAMILIES, *granite.FAMILIES, *deepseek.FAMILIES)
+                                *qwen35.FAMILIES, *seed_oss.FAMILIES, *ernie.FAMILIES, *hunyuan.FAMILIES,
+                                *apertus.FAMILIES, *granite.FAMILIES, *deepseek.FAMILIES)
 
 
 def all_families() -> tuple[Family, ...]:

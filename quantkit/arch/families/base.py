@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -105,6 +106,17 @@ class TensorRule:
     target: Callable[[str, Hparams], str] | None = None
 
 
+@dataclass(frozen=True)
+class MetadataTensor:
+    """A per-layer tensor of one value (`model.layers.<i>.<suffix>`) that the converter takes out of the tensors
+    and writes, one float per layer in layer order, as the metadata array `key`; the GGUF reader gives it back
+    in `shape` (the Hugging Face one) from that array."""
+
+    suffix: str  # e.g. "mlp.act_fn.alpha_p"
+    key: str  # the GGUF key, e.g. "xielu.alpha_p"
+    shape: tuple[int, ...] = ()
+
+
 def no_params(writer, hp: Hparams, ftype: int) -> None:
     return None
 
@@ -151,6 +163,14 @@ class Gguf:
     blocks: Callable[[Hparams], int] | None = None
     mrope_optional: bool = False  # Qwen3.5: mrope_section in the RoPE parameters or not (the converter writes
     # default sections where there are none)
+    # the class's own set_vocab(writer, model dir, hparams) -> quantkit.gguf.vocab.VocabInfo; None: `vocab`'s kind
+    set_vocab: Callable[[object, Path, Hparams], object] | None = None
+    # vocab_check(model dir, hparams): refuses before work (UnsupportedError) what set_vocab cannot write
+    vocab_check: Callable[[Path, Hparams], None] | None = None
+    # per-layer scalar tensors the converter writes as metadata arrays instead of tensors (Apertus' xIELU)
+    metadata_tensors: tuple[MetadataTensor, ...] = ()
+    own_names: bool = False  # tensors named beyond the Llama-style decoder's: the GGUF reader maps the
+    # transformers model's own names (as it does for a family with rules)
 
 
 # ---------------------------------------------------------------- config.json completed without transformers
@@ -196,3 +216,6 @@ class Family:
     # check(info) for every method, before any work: raises (ModelError, UnsupportedError) where the checkpoint's
     # config and tensors disagree (`info`: quantkit.io.checkpoint.ModelInfo)
     checks: tuple[Callable[[object], None], ...] = ()
+    # mlx_fields(config.json dict) -> the top-level fields its mlx-lm model reads that transformers 5 nests
+    # (beyond quantkit.mlx.checkpoint.derived_mlx_lm_fields' own); None: none
+    mlx_fields: Callable[[dict], dict] | None = None

@@ -1,0 +1,63 @@
+"""ERNIE 4.5 dense (Ernie4_5ForCausalLM): a Llama-style decoder with interleaved (GLM-style) RoPE and, by default,
+tied embeddings. GGUF: llama.cpp conversion/ernie.py's Ernie4_5Model (TextModel's keys; no q/k permutation: its
+ernie4_5 graph rotates interleaved pairs, as transformers does), whose vocabulary is the SentencePiece
+tokenizer.model alone (`_set_vocab_sentencepiece`, then add_prefix_space from tokenizer_config.json): a checkpoint
+without one is refused, as the converter fails on it. llama.cpp's ernie4_5 model loads no feed-forward biases, so
+a checkpoint with `use_bias` is refused for GGUF (the file would not load).
+
+ERNIE 4.5 MoE (Ernie4_5_MoeForCausalLM: routed and shared experts) is not a family here: every method refuses it
+before work (an MoE model_type without an expert layout, quantkit.arch.moe.check_supported; no GGUF conversion).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from quantkit.arch.families import text
+from quantkit.arch.families.base import Family, Gguf
+from quantkit.arch.families.llama import LLAMA_LIKE
+from quantkit.errors import UnsupportedError
+
+ARCH = "Ernie4_5ForCausalLM"
+
+
+def check_no_bias(arch: str, hp: dict) -> None:
+    if hp.get("use_bias"):
+        raise UnsupportedError(f"GGUF conversion of {arch}: use_bias = true (llama.cpp's ernie4_5 model loads no "
+                               "feed-forward biases; the converter writes them and the file fails to load)",
+                               hint="ERNIE 4.5 checkpoints have none; use a compressed-tensors method or mlx for "
+                                    "this one")
+
+
+def check_tokenizer_model(model_dir: Path, hp: dict) -> None:
+    """Ernie4_5Model.set_vocab reads tokenizer.model only (its _set_vocab_sentencepiece fails without one)."""
+    if not (Path(model_dir) / "tokenizer.model").is_file():
+        raise UnsupportedError(f"GGUF conversion of {ARCH}: no tokenizer.model in {model_dir} (llama.cpp's converter "
+                               "reads ERNIE 4.5's vocabulary only from its SentencePiece tokenizer.model)",
+                               hint="copy tokenizer.model from the original ERNIE 4.5 checkpoint into the model "
+                                    "directory")
+
+
+def ernie_vocab(writer, model_dir: Path, hp: dict):
+    """Ernie4_5Model.set_vocab: the SentencePiece vocabulary, then add_space_prefix where tokenizer_config.json
+    states add_prefix_space."""
+    from quantkit.gguf import vocab
+
+    check_tokenizer_model(model_dir, hp)
+    info = vocab.add_sentencepiece_vocab(writer, Path(model_dir), hp)
+    config = vocab.read_json(Path(model_dir) / "tokenizer_config.json")
+    if "add_prefix_space" in config:
+        writer.add_add_space_prefix(config["add_prefix_space"])
+    info.warnings += vocab.sentencepiece_warnings(Path(model_dir), "llama")  # llama.cpp's default: a prefix space
+    return info
+
+
+ERNIE4_5 = Family(
+    "ernie4_5", ARCH, "ERNIE 4.5",
+    smoothing=LLAMA_LIKE,
+    gguf={ARCH: Gguf("ERNIE4_5", text.add_text_params, "ernie4_5", checks=(check_no_bias,), set_vocab=ernie_vocab,
+                     vocab_check=check_tokenizer_model)},
+    mlx="ernie4_5",
+)
+
+FAMILIES = (ERNIE4_5,)

@@ -1,0 +1,129 @@
+"""Hunyuan dense (HunYuanDenseV1ForCausalLM): a Llama-style decoder with RMS norms on the rotated queries and keys
+(`query_layernorm` / `key_layernorm`) and dynamic NTK RoPE scaled by `alpha` (transformers' HunYuanDenseV1
+rotary: base = rope_theta * alpha ** (head_dim / (head_dim - 2)), at every length up to the configured context).
+
+GGUF: llama.cpp conversion/hunyuan.py's HunYuanModel: TextModel's keys (without an expert count), and for dynamic
+RoPE the alpha-scaled base as the frequency base, no scaling (type none, factor 1), a 256K context and original
+context; the converter asserts rope_theta 10000 and a configured context of 32K or 256K (refused otherwise, as
+it fails), and assumes alpha 50 where the config has none, which transformers does not apply (refused). Its
+vocabulary from tokenizer.json (TextModel's BPE, merges), the end-of-sequence id replaced by `eod_token_id`, an
+end-of-turn id from generation_config.json's first eos id where it lists several; a checkpoint without
+tokenizer.json (the hy.tiktoken vocabulary, read by the converter only through the checkpoint's own remote
+tokenizer code) is refused.
+
+mlx-lm's hunyuan_v1_dense reads the alpha from a top-level `rope_scaling` {alpha, factor, type} (transformers 5
+nests it in rope_parameters): written there, or mlx-lm would rotate with the unscaled base.
+
+Hunyuan MoE (HunYuanMoEV1ForCausalLM) is not a family here: every method refuses it before work (an MoE
+model_type without an expert layout; no GGUF conversion).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from quantkit.arch.families import text
+from quantkit.arch.families.base import Family, Gguf
+from quantkit.arch.families.llama import LLAMA_LIKE
+from quantkit.errors import UnsupportedError
+
+ARCH = "HunYuanDenseV1ForCausalLM"
+LONG_CONTEXT = 256 * 1024  # the converter's context for dynamic RoPE
+
+
+def scaled_base(rope: dict, head_dim: int) -> float:
+    """HunYuanModel.set_gguf_parameters' (and transformers' rotary) NTK-alpha base, in Python floats as both."""
+    alpha, base = rope.get("alpha", 50), rope.get("rope_theta", 10000.0)
+    return base * (alpha ** (head_dim / (head_dim - 2)))
+
+
+def add_hunyuan_params(writer, hp: dict, ftype: int) -> None:
+    """HunYuanModel.set_gguf_parameters: TextModel's keys without num_experts, then dynamic RoPE as a plain RoPE of
+    the alpha-scaled base over a 256K context (the keys the converter writes twice are written once, with the
+    value its second write leaves)."""
+    import gguf
+
+    rope = text.full_rope(hp)
+    dynamic = rope.get("rope_type") == "dynamic"
+    params = {k: v for k, v in hp.items() if k != "num_experts"}
+    if dynamic:
+        params["max_position_embeddings"] = LONG_CONTEXT
+        params["rope_parameters"] = {**rope, "rope_theta": scaled_base(rope, hp["head_dim"])}
+        params.pop("rope_scaling", None)
+    text.add_text_params(writer, params, ftype)
+    if dynamic:
+        writer.add_rope_scaling_type(gguf.RopeScalingType.NONE)
+        writer.add_rope_scaling_factor(1)
+        writer.add_rope_scaling_orig_ctx_len(LONG_CONTEXT)
+
+
+def check_dynamic_rope(arch: str, hp: dict) -> None:
+    """What the converter asserts (or assumes) of a dynamic RoPE."""
+    rope = text.full_rope(hp)
+    if rope.get("rope_type") != "dynamic":
+        return
+    hint = "Hunyuan dense checkpoints state alpha, rope_theta 10000 and max_position_embeddings 32768"
+    if rope.get("alpha") is None:
+        raise UnsupportedError(f"GGUF conversion of {arch}: dynamic RoPE without alpha (llama.cpp's converter then "
+                               "assumes alpha 50, which transformers does not apply)", hint=hint)
+    if rope.get("rope_theta", 10000.0) != 10000.0 or hp.get("max_position_embeddings") not in (32768, LONG_CONTEXT):
+        raise UnsupportedError(f"GGUF conversion of {arch}: dynamic RoPE with rope_theta {rope.get('rope_theta')} "
+                               f"and max_position_embeddings {hp.get('max_position_embeddings')} (llama.cpp's "
+                               "converter asserts rope_theta 10000 and a context of 32768 or 262144)", hint=hint)
+    if not hp.get("head_dim"):
+        raise UnsupportedError(f"GGUF conversion of {arch}: dynamic RoPE without head_dim (llama.cpp's converter "
+                               "scales the base by head_dim)", hint="state head_dim in config.json")
+
+
+def check_tokenizer_json(model_dir: Path, hp: dict) -> None:
+    """HunYuanModel.set_vocab reads tokenizer.json; without it, only the checkpoint's remote tiktoken code."""
+    model_dir = Path(model_dir)
+    if not (model_dir / "tokenizer.json").is_file():
+        found = sorted(p.name for p in model_dir.glob("*.tiktoken"))
+        raise UnsupportedError(f"GGUF conversion of {ARCH}: no tokenizer.json in {model_dir}"
+                               + (f" ({', '.join(found)} only)" if found else "")
+                               + " (llama.cpp's converter reads a Hunyuan tiktoken vocabulary only through the "
+                                 "checkpoint's own tokenizer code, which quantkit does not run)",
+                               hint="use a checkpoint that ships tokenizer.json, or llama.cpp's convert_hf_to_gguf.py "
+                                    "for this one")
+    if (hp.get("pad_token_id") or 0) < 0:
+        raise UnsupportedError(f"GGUF conversion of {ARCH}: pad_token_id {hp.get('pad_token_id')} (llama.cpp's "
+                               "converter then writes the special ids without a pad id; not reproduced)",
+                               hint="set pad_token_id to a token id (or null) in config.json")
+
+
+def hunyuan_vocab(writer, model_dir: Path, hp: dict):
+    """HunYuanModel.set_vocab (tokenizer.json): TextModel's BPE vocabulary and merges, eos <- eod_token_id, eot <-
+    generation_config.json's first eos id where it lists two or more."""
+    from quantkit.gguf import vocab
+
+    model_dir = Path(model_dir)
+    check_tokenizer_json(model_dir, hp)
+    info = vocab.add_bpe_vocab(writer, model_dir, hp)
+    if hp.get("eod_token_id") is not None:
+        writer.add_eos_token_id(hp["eod_token_id"])
+    eos = vocab.read_json(model_dir / "generation_config.json").get("eos_token_id")
+    if isinstance(eos, list) and len(eos) >= 2:
+        writer.add_eot_token_id(eos[0])
+    return info
+
+
+def mlx_rope_scaling(config: dict) -> dict:
+    """mlx-lm's hunyuan_v1_dense reads alpha from a top-level rope_scaling with alpha, factor and type."""
+    rope = config.get("rope_parameters") or {}
+    if rope.get("rope_type") != "dynamic" or rope.get("alpha") is None:
+        return {}
+    return {"rope_scaling": {"alpha": rope["alpha"], "factor": rope.get("factor", 1.0), "type": "dynamic"}}
+
+
+HUNYUAN_DENSE = Family(
+    "hunyuan_v1_dense", ARCH, "Hunyuan",
+    smoothing=LLAMA_LIKE,
+    gguf={ARCH: Gguf("HUNYUAN_DENSE", add_hunyuan_params, "gpt2", rope_types=("default", "dynamic"),
+                     checks=(check_dynamic_rope,), set_vocab=hunyuan_vocab, vocab_check=check_tokenizer_json,
+                     own_names=True)},
+    mlx="hunyuan_v1_dense",
+    mlx_fields=mlx_rope_scaling,
+)
+
+FAMILIES = (HUNYUAN_DENSE,)
