@@ -12,13 +12,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from quantkit.arch.families import deepseek, gemma, llama, mistral, phi, qwen, seed_oss
+from quantkit.arch.families import deepseek, gemma, llama, mistral, phi, qwen, seed_oss, smollm3
 from quantkit.arch.families.base import Family, Gguf
 from quantkit.arch.vlm import FAMILIES as VLMS
 
 # Every family record, module by module, in the order of docs/models.md's tables.
 FAMILIES: tuple[Family, ...] = (*llama.FAMILIES, *gemma.FAMILIES, *phi.FAMILIES, *mistral.FAMILIES, *qwen.FAMILIES,
-                                *seed_oss.FAMILIES, *deepseek.FAMILIES)
+                                *seed_oss.FAMILIES, *smollm3.FAMILIES, *deepseek.FAMILIES)
 
 
 def all_families() -> tuple[Family, ...]:
