@@ -12,13 +12,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from quantkit.arch.families import deepseek, gemma, llama, mistral, phi, qwen, seed_oss, smollm3
+from quantkit.arch.families import deepseek, gemma, llama, ministral3, mistral, olmo, phi, qwen, seed_oss, smollm3
 from quantkit.arch.families.base import Family, Gguf
 from quantkit.arch.vlm import FAMILIES as VLMS
 
 # Every family record, module by module, in the order of docs/models.md's tables.
 FAMILIES: tuple[Family, ...] = (*llama.FAMILIES, *gemma.FAMILIES, *phi.FAMILIES, *mistral.FAMILIES, *qwen.FAMILIES,
-                                *seed_oss.FAMILIES, *smollm3.FAMILIES, *deepseek.FAMILIES)
+                                *seed_oss.FAMILIES, *smollm3.FAMILIES, *olmo.FAMILIES,
+                                *ministral3.FAMILIES, *deepseek.FAMILIES)
 
 
 def all_families() -> tuple[Family, ...]:
@@ -104,6 +105,10 @@ class TextRow:
         """Why AWQ and SmoothQuant refuse this family (None: they take it)."""
         return None if self.family.smoothing else "refused: no smoothing mappings"
 
+    def smoothquant_refusal(self) -> str | None:
+        """Why SmoothQuant refuses this family although AWQ takes it: no norm row (None: it takes it)."""
+        return None if any(m.smoothquant for m in self.family.smoothing) else "refused: no norm row"
+
 
 @dataclass(frozen=True)
 class VlmRow:
@@ -155,6 +160,9 @@ class VlmRow:
             return "refused: cross-attention k/v read image features"
         if self.text_family is None or not self.text_family.smoothing:
             return f"refused: no smoothing mappings for its text model `{self.text_type}`"
+        return None
+
+    def smoothquant_refusal(self) -> str | None:
         return None
 
 

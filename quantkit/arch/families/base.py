@@ -169,3 +169,8 @@ class Family:
     # its conversion
     mlx: str = ""  # the mlx_lm.models module that loads it with the Hugging Face tensor names; "": refused
     config: ConfigRules | None = None  # None: config.json is completed through transformers
+    # why SmoothQuant (norm rows only) refuses a family whose `smoothing` has no norm row ("": a generic reason)
+    smoothquant_refusal: str = ""
+    # refusals of the mlx method from config.json (each check(config) raises UnsupportedError): what mlx-lm's
+    # model would read otherwise than transformers does
+    mlx_checks: tuple[Callable[[dict], None], ...] = ()
