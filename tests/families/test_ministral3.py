@@ -19,7 +19,9 @@ FAMILY = "ministral3"
 
 
 def build(out: Path, **config) -> Path:
-    return common.build(out, "Ministral3Config", "Ministral3ForCausalLM", **{"head_dim": 64, **config})
+    """Ministral 3's RoPE as its configuration class gives it: YaRN factor 16 from 16384 to 262144 positions."""
+    return common.build(out, "Ministral3Config", "Ministral3ForCausalLM",
+                        **{"head_dim": 64, "max_position_embeddings": 262144, **config})
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,7 @@
 """OLMo 3 (Olmo3ForCausalLM) and OLMo 2 (Olmo2ForCausalLM) on tiny random checkpoints: every method, each
 artifact proven in its consumer.
 
-OLMo 3: four layers, three sliding-window ones and a global one (its default layer_types), a window shorter
-than the calibration windows. Fast: fp8, gptq and gguf through the CLI. Slow: the other methods (SmoothQuant
+OLMo 3: a sliding-window layer and a global one, a window shorter than the calibration windows. Fast: fp8, gptq and gguf through the CLI. Slow: the other methods (SmoothQuant
 refused: post-norms leave it no norm row), GGUF against llama.cpp's converter and llama-quantize, MLX against
 mlx-lm, vLLM serving; OLMo 2 (no sliding window) through GGUF and a compressed-tensors reload.
 """
@@ -19,9 +18,10 @@ FAMILY = "olmo3"
 
 
 def build(out: Path, **config) -> Path:
-    """OLMo 3 as its checkpoints are: untied lm_head, no biases, every 4th layer global."""
-    return common.build(out, "Olmo3Config", "Olmo3ForCausalLM", **{"num_hidden_layers": 4, "sliding_window": 32,
-                                                                    **config})
+    """OLMo 3 as its checkpoints are (untied lm_head, no biases), in two layers: a sliding-window one and a
+    global one (OLMo 3's default makes every 4th layer global)."""
+    return common.build(out, "Olmo3Config", "Olmo3ForCausalLM",
+                        **{"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 32, **config})
 
 
 def build_olmo2(out: Path, **config) -> Path:
@@ -57,7 +57,7 @@ def test_gguf(cli, model, tmp_path):
     assert entry["details"]["gguf"]["type"] == "Q4_K_M"
     reader = gguf.GGUFReader(next(out.glob("*.gguf")))
     pattern = reader.fields["olmo2.attention.sliding_window_pattern"]
-    assert [bool(pattern.parts[i][0]) for i in pattern.data] == [True, True, True, False]
+    assert [bool(pattern.parts[i][0]) for i in pattern.data] == [True, False]
     assert int(reader.fields["olmo2.attention.sliding_window"].parts[-1][0]) == 32
 
 
