@@ -117,6 +117,8 @@ def family_refusal(model_type: str, is_vlm: bool) -> str | None:
 
 
 def check(info, options: Options, calibration=None) -> None:
+    from quantkit.arch import moe
+    from quantkit.arch.families import of_config
     from quantkit.io.checkpoint import is_vlm
 
     refusal = family_refusal(info.model_type, is_vlm(info.config))
@@ -124,9 +126,10 @@ def check(info, options: Options, calibration=None) -> None:
         raise UnsupportedError(f"mlx: model_type '{info.model_type}': {refusal}",
                                hint="mlx writes " + ", ".join(sorted(MLX_MODEL_TYPES)) + " models; "
                                "use --method gguf for llama.cpp on Apple silicon")
-    from quantkit.arch import moe
-
     moe.check_supported(info, "mlx")  # a family's mixture-of-experts variant without an expert layout
+    family = of_config(info.config)
+    for family_check in family.mlx_checks if family is not None else ():
+        family_check(info.config)
 
 
 def support(family) -> str:

@@ -73,8 +73,22 @@ def precision(role: str, options: Options, name: str, shape: list[int]) -> str |
 
 
 def mappings_for(info) -> list[Mapping]:
-    """The table's SmoothQuant rows for this model (quantkit.arch.mappings), or refused before work."""
-    return [m for m in model_mappings(info, "smoothquant") if m.smoothquant]
+    """The table's SmoothQuant rows for this model (quantkit.arch.mappings), or refused before work (also where
+    the family's rows hold no norm row: SmoothQuant smooths only a norm's output)."""
+    rows = [m for m in model_mappings(info, "smoothquant") if m.smoothquant]
+    if not rows:
+        raise UnsupportedError(f"smoothquant: {info.model_type} has no norm whose output feeds only linear layers "
+                               f"({no_norm_row_reason(info.config)})",
+                               hint="use awq (its linear -> linear rows), gptq or fp8 for this model")
+    return rows
+
+
+def no_norm_row_reason(config: dict) -> str:
+    from quantkit.arch.families import of_config
+
+    family = of_config(config)
+    return (family.smoothquant_refusal if family is not None and family.smoothquant_refusal
+            else "SmoothQuant smooths a norm's output into the layers it feeds")
 
 
 def check_rotation(rotate: str) -> None:
@@ -226,7 +240,8 @@ def requantize(job: QuantizeJob, plan: dict[str, str], details: dict) -> Quantiz
 
 
 def support(family) -> str:
-    return family.smoothing_refusal() or family.decoder_support("✅ the experts' norm left unsmoothed")
+    return (family.smoothing_refusal() or family.smoothquant_refusal()
+            or family.decoder_support("✅ the experts' norm left unsmoothed"))
 
 
 METHOD = MethodSpec(

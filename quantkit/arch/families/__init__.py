@@ -12,15 +12,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from quantkit.arch.families import (apertus, deepseek, ernie, gemma, granite, hunyuan, llama, mistral, phi, qwen,
-                                     qwen35, seed_oss)
+from quantkit.arch.families import (apertus, deepseek, ernie, gemma, granite, hunyuan, llama, ministral3, mistral,
+                                     olmo, phi, qwen, qwen35, seed_oss, smollm3)
 from quantkit.arch.families.base import Family, Gguf
 from quantkit.arch.vlm import FAMILIES as VLMS
 
 # Every family record, module by module, in the order of docs/models.md's tables.
 FAMILIES: tuple[Family, ...] = (*llama.FAMILIES, *gemma.FAMILIES, *phi.FAMILIES, *mistral.FAMILIES, *qwen.FAMILIES,
-                                *qwen35.FAMILIES, *seed_oss.FAMILIES, *ernie.FAMILIES, *hunyuan.FAMILIES,
-                                *apertus.FAMILIES, *granite.FAMILIES, *deepseek.FAMILIES)
+                                *ministral3.FAMILIES, *qwen35.FAMILIES, *seed_oss.FAMILIES, *smollm3.FAMILIES,
+                                *olmo.FAMILIES, *ernie.FAMILIES, *hunyuan.FAMILIES, *apertus.FAMILIES, *granite.FAMILIES,
+                                *deepseek.FAMILIES)
 
 
 def all_families() -> tuple[Family, ...]:
@@ -118,6 +119,10 @@ class TextRow:
         """Why AWQ and SmoothQuant refuse this family (None: they take it)."""
         return None if self.family.smoothing else "refused: no smoothing mappings"
 
+    def smoothquant_refusal(self) -> str | None:
+        """Why SmoothQuant refuses this family although AWQ takes it: no norm row (None: it takes it)."""
+        return None if any(m.smoothquant for m in self.family.smoothing) else "refused: no norm row"
+
 
 @dataclass(frozen=True)
 class VlmRow:
@@ -169,6 +174,9 @@ class VlmRow:
             return "refused: cross-attention k/v read image features"
         if self.text_family is None or not self.text_family.smoothing:
             return f"refused: no smoothing mappings for its text model `{self.text_type}`"
+        return None
+
+    def smoothquant_refusal(self) -> str | None:
         return None
 
 

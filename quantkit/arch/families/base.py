@@ -219,3 +219,8 @@ class Family:
     # mlx_fields(config.json dict) -> the top-level fields its mlx-lm model reads that transformers 5 nests
     # (beyond quantkit.mlx.checkpoint.derived_mlx_lm_fields' own); None: none
     mlx_fields: Callable[[dict], dict] | None = None
+    # why SmoothQuant (norm rows only) refuses a family whose `smoothing` has no norm row ("": a generic reason)
+    smoothquant_refusal: str = ""
+    # refusals of the mlx method from config.json (each check(config) raises UnsupportedError): what mlx-lm's
+    # model would read otherwise than transformers does
+    mlx_checks: tuple[Callable[[dict], None], ...] = ()
