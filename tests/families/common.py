@@ -194,3 +194,29 @@ def assert_serves_as_read(cli, artifact: Path, tmp_path: Path, engine: str, *arg
     assert code == 0, stderr
     assert data["passed"] and data["engine"]["name"] == engine and data["tokenization"]["matches"]
     return data
+
+
+# ---------------------------------------------------------------- a family's own tokenizer
+
+
+def build_with_tokenizer(out: Path, config_class: str, model_class: str, write_tokenizer, seed: int = 0,
+                         norm_center: float | None = None, **config) -> Path:
+    """`build` with the family's own tokenizer kind (`write_tokenizer(out) -> (vocab size, special ids)`, e.g.
+    tests.gguf.families.write_spm_json_tokenizer: Gemma's SentencePiece vocabulary); `norm_center`: the norms'
+    random weights centred there (1.0 for a norm that scales by w, not 1 + w)."""
+    import torch
+    import transformers
+
+    out.mkdir(parents=True, exist_ok=True)
+    vocab, ids = write_tokenizer(out)
+    settings = {**COMMON, "vocab_size": vocab, **ids, **config}
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_class)(getattr(transformers, config_class)(**settings))
+    randomize(model, seed)
+    if norm_center is not None:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.add_(norm_center - p.mean())
+    model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+    return out

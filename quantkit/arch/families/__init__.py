@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from quantkit.arch.families import deepseek, gemma, llama, mistral, phi, qwen, seed_oss
+from quantkit.arch.families import deepseek, gemma, gemma4, llama, mistral, phi, qwen, seed_oss
 from quantkit.arch.families.base import Family, Gguf
 from quantkit.arch.vlm import FAMILIES as VLMS
 
 # Every family record, module by module, in the order of docs/models.md's tables.
-FAMILIES: tuple[Family, ...] = (*llama.FAMILIES, *gemma.FAMILIES, *phi.FAMILIES, *mistral.FAMILIES, *qwen.FAMILIES,
+FAMILIES: tuple[Family, ...] = (*llama.FAMILIES, *gemma.FAMILIES, *gemma4.FAMILIES, *phi.FAMILIES, *mistral.FAMILIES, *qwen.FAMILIES,
                                 *seed_oss.FAMILIES, *deepseek.FAMILIES)
 
 
@@ -177,3 +177,14 @@ VLM_WITH_EXPERTS = ("llama4",)
 def vlm_rows() -> list[VlmRow]:
     return [VlmRow(model_type, text_type, model_type in VLM_WITH_EXPERTS)
             for model_type, text_type in VLM_TEXT_TYPES.items()]
+
+
+def untraced_layers(info) -> dict[str, str]:
+    """{linear layer: why} of the layers a checkpoint's family keeps 16-bit in llm-compressor's calibrated
+    (sequential) runs (its record's `untraced`)."""
+    from quantkit.arch.roles import linear_weights, matches
+
+    family = of_config(info.config)
+    if family is None or not family.untraced:
+        return {}
+    return {name: k.reason for name in linear_weights(info) for k in family.untraced if matches(name, [k.pattern])}

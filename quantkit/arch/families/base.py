@@ -169,3 +169,11 @@ class Family:
     # its conversion
     mlx: str = ""  # the mlx_lm.models module that loads it with the Hugging Face tensor names; "": refused
     config: ConfigRules | None = None  # None: config.json is completed through transformers
+    # linear layers llm-compressor's sequential pipeline cannot calibrate (called inside a function its tracer
+    # leaves opaque: they would gather a Hessian but never their weight statistics): kept 16-bit, with the
+    # reason, by the llm-compressor methods that calibrate; the data-free ones quantize them
+    untraced: tuple[Kept, ...] = ()
+    # sequential(hparams) -> llm-compressor's sequential_targets for this checkpoint (None: its default, one
+    # decoder layer per subgraph); a family whose layers pass state to later layers outside the traced graph
+    # calibrates a module holding all of them as one
+    sequential: Callable[[Hparams], list[str] | None] | None = None
