@@ -181,10 +181,14 @@ def vlm_rows() -> list[VlmRow]:
 
 def untraced_layers(info) -> dict[str, str]:
     """{linear layer: why} of the layers a checkpoint's family keeps 16-bit in llm-compressor's calibrated
-    (sequential) runs (its record's `untraced`)."""
+    (sequential) runs layer by layer (its record's `untraced`)."""
     from quantkit.arch.roles import linear_weights, matches
+
+    from quantkit.arch.families.text import text_hparams
 
     family = of_config(info.config)
     if family is None or not family.untraced:
         return {}
+    if family.sequential is not None and family.sequential(text_hparams(info.config)):
+        return {}  # calibrated as one subgraph: every layer of it is traced through
     return {name: k.reason for name in linear_weights(info) for k in family.untraced if matches(name, [k.pattern])}
