@@ -84,8 +84,8 @@ def mlx_lm_fields(config: dict) -> dict:
 
 def derived_mlx_lm_fields(config: dict) -> dict:
     """`rope_theta` and a llama3 or longrope `rope_scaling` from `rope_parameters` (per attention type for
-    Gemma 3, whose sliding layers' base is `rope_local_base_freq`), and Gemma 3's `sliding_window_pattern` from
-    `layer_types`."""
+    Gemma 3, whose sliding layers' base is `rope_local_base_freq`), Gemma 3's `sliding_window_pattern` from
+    `layer_types`, Gemma 4's global head width from `per_layer_config`."""
     rope = config.get("rope_parameters") or {}
     full, local = (rope.get("full_attention"), rope.get("sliding_attention")) if "full_attention" in rope \
         else (rope, None)
@@ -100,6 +100,21 @@ def derived_mlx_lm_fields(config: dict) -> dict:
     layer_types = config.get("layer_types") or []
     if "full_attention" in layer_types and "sliding_attention" in layer_types:
         fields["sliding_window_pattern"] = layer_types.index("full_attention") + 1
+    fields.update(global_layer_fields(config, layer_types))
+    return fields
+
+
+def global_layer_fields(config: dict, layer_types: list) -> dict:
+    """Gemma 4: the global layers' head width (and key/value heads) that transformers 5 saves in
+    `per_layer_config` (nothing where they equal the others'), at the top level where mlx-lm reads them
+    (`global_head_dim`, its default 512 otherwise; `num_global_key_value_heads`)."""
+    if "per_layer_config" not in config or "full_attention" not in layer_types:
+        return {}
+    overrides = {int(i): v for i, v in (config.get("per_layer_config") or {}).items()}
+    full = overrides.get(layer_types.index("full_attention"), {})
+    fields = {"global_head_dim": full.get("head_dim", config.get("head_dim"))}
+    if "num_key_value_heads" in full:
+        fields["num_global_key_value_heads"] = full["num_key_value_heads"]
     return fields
 
 

@@ -14,8 +14,23 @@ from __future__ import annotations
 import numpy as np
 
 from quantkit.arch.families import text
-from quantkit.arch.families.base import Family, Gguf, Kept, TensorRule
+from quantkit.arch.families.base import Family, Gguf, Kept, Mapping, TensorRule
 from quantkit.arch.families.gemma import add_gemma3_params, refuse
+from quantkit.arch.families.llama import GATE_UP, QKV
+
+# ---------------------------------------------------------------- smoothing rows
+
+# input_layernorm feeds q/k/v only (a KV-shared layer: q only), pre_feedforward_layernorm the MLP only
+# (post_attention_layernorm and post_feedforward_layernorm normalize a branch's output before the residual add,
+# post_per_layer_input_norm the per-layer input's): SmoothQuant takes both norms. v_proj -> o_proj is no row:
+# v_norm (an RMSNorm without scale) normalizes the values, so scaled v channels would not come out scaled.
+# per_layer_input_gate reads the residual stream itself (no norm to fold a scale into). As for Gemma 3 (q/k
+# norms after the projections), AWQ leaves the attention norm out (llm-compressor issue #2522).
+GEMMA4_ROWS = (
+    Mapping("re:.*input_layernorm$", QKV, smoothquant=True, awq=False),
+    Mapping("re:.*pre_feedforward_layernorm$", GATE_UP, smoothquant=True),
+    Mapping("re:.*up_proj$", ("re:.*down_proj$",), smoothquant=False),
+)
 
 # llm-compressor's tracer leaves Gemma4TextModel.project_per_layer_inputs opaque (its default tracing_ignore:
 # its reshape unpacks a shape, which torch.fx cannot trace), so per_layer_model_projection, called inside it,
@@ -121,8 +136,9 @@ def whole_text_model(hp: dict) -> list[str] | None:
 
 GEMMA4 = Family(
     "gemma4_text", "Gemma4ForCausalLM", "Gemma 4 (text)",
-    untraced=UNTRACED, sequential=whole_text_model,
+    smoothing=GEMMA4_ROWS, untraced=UNTRACED, sequential=whole_text_model,
     gguf={"Gemma4ForCausalLM": GEMMA4_GGUF, "Gemma4ForConditionalGeneration": GEMMA4_GGUF},
+    mlx="gemma4_text",
 )
 
 FAMILIES = (GEMMA4,)
