@@ -27,7 +27,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from quantkit.engines.llmcompressor import layer_resume, llmc
-from quantkit.errors import InputError
+from quantkit.errors import InputError, UnsupportedError
 from quantkit.formats import compressed_tensors
 from quantkit.methods import (
     FallbackSteps,
@@ -95,6 +95,23 @@ def check(info, options: Options, calibration) -> None:
                          "calibration windows", hint=f"lower batch_size or raise --num-samples to {options.batch_size}")
     if gptq.mixed(options):
         gptq.check_auto_precision(info, options, "autoround")
+    check_layer_by_layer(info)
+
+
+def check_layer_by_layer(info) -> None:
+    """auto-round tunes one decoder layer at a time on that layer's cached inputs; a checkpoint whose family
+    calibrates its whole text model as one subgraph (its record's `sequential`: Gemma 4 with KV shared across
+    layers, whose later layers read earlier layers' keys and values) has no such layer to tune alone."""
+    from quantkit.arch.families import of_config
+    from quantkit.arch.families.text import text_hparams
+
+    family = of_config(info.config)
+    if family is not None and family.sequential is not None and family.sequential(text_hparams(info.config)):
+        raise UnsupportedError(f"autoround: {info.model_type} with KV shared across layers: auto-round tunes one "
+                               "decoder layer at a time on its cached inputs, and the KV-shared layers read the keys "
+                               "and values of earlier layers (shared_kv_states), which that replay does not carry",
+                               hint="use gptq or awq (they calibrate the text model as one subgraph), or a "
+                                    "checkpoint without num_kv_shared_layers")
 
 
 def modifier(options: Options, ignore: list[str], config_groups: dict | None = None):
@@ -177,6 +194,9 @@ def working_set(info, options: Options) -> int:
 
 
 def support(family) -> str:
+    text = family.text_family if family.is_vlm else family.family
+    if text is not None and text.sequential is not None:
+        return "✅ (refused where KV is shared across layers: auto-round tunes one layer at a time)"
     return family.decoder_support("✅")
 
 

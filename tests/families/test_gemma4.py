@@ -40,12 +40,18 @@ def model(tmp_path_factory) -> Path:
     return build(tmp_path_factory.mktemp(FAMILY) / "model")
 
 
-COMPRESSED = {"fp8": [], "gptq": [], "awq": [], "autoround": ["--iters", "2"], "smoothquant": [], "nvfp4": [],
-              "mxfp4": [], "nf4": []}
-FAST = ("fp8", "gptq")
+@pytest.fixture(scope="module")
+def layered(tmp_path_factory) -> Path:
+    """Gemma 4 without KV sharing (as the large dense checkpoints are): calibrated layer by layer."""
+    return build(tmp_path_factory.mktemp(FAMILY) / "layered", num_kv_shared_layers=0)
 
 
-@pytest.mark.parametrize("method", [pytest.param(m, marks=() if m in FAST else pytest.mark.slow) for m in COMPRESSED])
+COMPRESSED = {"fp8": [], "gptq": [], "awq": [], "smoothquant": [], "nvfp4": [], "mxfp4": [], "nf4": []}
+FAST = ("fp8",)
+
+
+@pytest.mark.parametrize("method", [pytest.param(m, marks=() if m in FAST else pytest.mark.slow)
+                                    for m in COMPRESSED if m != "gptq"])
 def test_compressed_tensors_and_nf4_reload_strictly(cli, model, tmp_path, method):
     out = tmp_path / "out"
     common.assert_passed(common.quantize(cli, model, out, method, *COMPRESSED[method]), out)
@@ -54,10 +60,12 @@ def test_compressed_tensors_and_nf4_reload_strictly(cli, model, tmp_path, method
 
 def test_gptq_calibrates_the_kv_sharing_layers_and_the_per_layer_projection(cli, model, tmp_path):
     """GPTQ runs the whole text model as one subgraph (the KV-shared layers read the keys and values of earlier
-    layers): every linear layer is quantized, the per-layer model projection too; only lm_head stays 16-bit."""
+    layers): every linear layer is quantized, the per-layer model projection too; only lm_head stays 16-bit;
+    transformers reloads it strictly."""
     out = tmp_path / "out"
     common.assert_passed(common.quantize(cli, model, out, "gptq"), out)
     assert common.kept_16bit(out) == ["lm_head"]
+    common.assert_strict_reload(out)
 
 
 def test_gguf(cli, model, tmp_path):
@@ -67,15 +75,29 @@ def test_gguf(cli, model, tmp_path):
 
 
 @pytest.mark.slow
-def test_gptq_without_kv_sharing_keeps_the_per_layer_projection_16bit(cli, tmp_path):
+def test_gptq_without_kv_sharing_keeps_the_per_layer_projection_16bit(cli, layered, tmp_path):
     """Layer by layer (no KV sharing), per_layer_model_projection runs inside project_per_layer_inputs, which
     llm-compressor's tracer leaves untraced: kept 16-bit with the reason, every other linear layer quantized."""
-    model, out = build(tmp_path / "model", num_kv_shared_layers=0), tmp_path / "out"
-    result = common.quantize(cli, model, out, "gptq")
-    common.assert_passed(result, out)
+    out = tmp_path / "out"
+    common.assert_passed(common.quantize(cli, layered, out, "gptq"), out)
     assert sorted(common.kept_16bit(out)) == ["lm_head", "model.per_layer_model_projection"]
     assert "project_per_layer_inputs" in json.dumps(common.report(out))
     common.assert_strict_reload(out)
+
+
+@pytest.mark.slow
+def test_autoround_without_kv_sharing_reloads_strictly(cli, layered, tmp_path):
+    out = tmp_path / "out"
+    common.assert_passed(common.quantize(cli, layered, out, "autoround", "--iters", "2"), out)
+    common.assert_strict_reload(out)
+
+
+@pytest.mark.slow
+def test_autoround_refuses_kv_sharing(cli, model, tmp_path):
+    """auto-round tunes one decoder layer at a time on its cached inputs; the KV-shared layers read earlier
+    layers' keys and values: refused before work, naming why."""
+    out = tmp_path / "out"
+    common.assert_refused(common.quantize(cli, model, out, "autoround", "--iters", "2"), out, "KV shared")
 
 
 @pytest.mark.slow
