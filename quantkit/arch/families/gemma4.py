@@ -16,18 +16,18 @@ import numpy as np
 from quantkit.arch.families import text
 from quantkit.arch.families.base import Family, Gguf, Kept, Mapping, TensorRule
 from quantkit.arch.families.gemma import add_gemma3_params, refuse
-from quantkit.arch.families.llama import GATE_UP, QKV
+from quantkit.arch.families.llama import GATE_UP
 
 # ---------------------------------------------------------------- smoothing rows
 
-# input_layernorm feeds q/k/v only (a KV-shared layer: q only), pre_feedforward_layernorm the MLP only
-# (post_attention_layernorm and post_feedforward_layernorm normalize a branch's output before the residual add,
-# post_per_layer_input_norm the per-layer input's): SmoothQuant takes both norms. v_proj -> o_proj is no row:
-# v_norm (an RMSNorm without scale) normalizes the values, so scaled v channels would not come out scaled.
-# per_layer_input_gate reads the residual stream itself (no norm to fold a scale into). As for Gemma 3 (q/k
-# norms after the projections), AWQ leaves the attention norm out (llm-compressor issue #2522).
+# pre_feedforward_layernorm feeds the MLP only (post_attention_layernorm and post_feedforward_layernorm
+# normalize a branch's output before the residual add, post_per_layer_input_norm the per-layer input's):
+# SmoothQuant's row. input_layernorm feeds q/k/v, but a KV-shared layer has q alone, and llm-compressor resolves
+# a row only where every balance layer exists ("final incomplete set"): neither method takes it (AWQ, as for
+# Gemma 3 with q/k norms after the projections, leaves it out anyway: llm-compressor issue #2522). v_proj ->
+# o_proj is no row: v_norm (an RMSNorm without scale) normalizes the values, so scaled v channels would not come
+# out scaled. per_layer_input_gate reads the residual stream itself (no norm to fold a scale into).
 GEMMA4_ROWS = (
-    Mapping("re:.*input_layernorm$", QKV, smoothquant=True, awq=False),
     Mapping("re:.*pre_feedforward_layernorm$", GATE_UP, smoothquant=True),
     Mapping("re:.*up_proj$", ("re:.*down_proj$",), smoothquant=False),
 )
