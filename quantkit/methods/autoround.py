@@ -99,19 +99,18 @@ def check(info, options: Options, calibration) -> None:
 
 
 def check_layer_by_layer(info) -> None:
-    """auto-round tunes one decoder layer at a time on that layer's cached inputs; a checkpoint whose family
-    calibrates its whole text model as one subgraph (its record's `sequential`: Gemma 4 with KV shared across
-    layers, whose later layers read earlier layers' keys and values) has no such layer to tune alone."""
+    """auto-round tunes one decoder layer at a time, replaying the layer's cached inputs; a family whose layers
+    take inputs that replay does not carry (its record's `sequential`: Gemma 4, whose KV-shared layers read earlier
+    layers' keys and values through shared_kv_states and whose layers take a per-layer input, which auto-round
+    drops: "Tensor * None") is refused before any work."""
     from quantkit.arch.families import of_config
-    from quantkit.arch.families.text import text_hparams
 
     family = of_config(info.config)
-    if family is not None and family.sequential is not None and family.sequential(text_hparams(info.config)):
-        raise UnsupportedError(f"autoround: {info.model_type} with KV shared across layers: auto-round tunes one "
-                               "decoder layer at a time on its cached inputs, and the KV-shared layers read the keys "
-                               "and values of earlier layers (shared_kv_states), which that replay does not carry",
-                               hint="use gptq or awq (they calibrate the text model as one subgraph), or a "
-                                    "checkpoint without num_kv_shared_layers")
+    if family is not None and family.sequential is not None:
+        raise UnsupportedError(f"autoround: {info.model_type}: auto-round tunes one decoder layer at a time on its "
+                               "cached inputs, and drops this family's per-layer inputs and the keys and values "
+                               "its KV-shared layers read from earlier layers (shared_kv_states)",
+                               hint="use gptq or awq for this model")
 
 
 def modifier(options: Options, ignore: list[str], config_groups: dict | None = None):
@@ -196,7 +195,7 @@ def working_set(info, options: Options) -> int:
 def support(family) -> str:
     text = family.text_family if family.is_vlm else family.family
     if text is not None and text.sequential is not None:
-        return "✅ (refused where KV is shared across layers: auto-round tunes one layer at a time)"
+        return "refused: auto-round's layer-by-layer replay drops its per-layer inputs and shared KV"
     return family.decoder_support("✅")
 
 
