@@ -24,7 +24,8 @@ ROUTER_NAMES = r"(block_sparse_moe|mlp)\.(gate|router)|shared_expert_gate"
 ROLE_RULES: list[tuple[str, str]] = [
     ("lm_head", r"(^|\.)(lm_head|embed_out)\.weight$"),
     ("router", rf"(^|\.)({ROUTER_NAMES})\.weight$"),
-    ("embeddings", r"(^|\.)(embed_tokens|wte|wpe|word_embeddings|embed_positions|tok_embeddings)\.weight$"),
+    ("embeddings", r"(^|\.)(embed_tokens|embed_tokens_per_layer|wte|wpe|word_embeddings|embed_positions|tok_embeddings)"
+                   r"\.weight$"),
     ("norm", r"(norm|ln_\d|ln_f|layernorm)[^.]*\.(weight|bias)$"),
     ("decoder", r"(^|\.)(layers|h|blocks|block)\.\d+\."),
 ]

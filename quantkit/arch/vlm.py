@@ -68,6 +68,8 @@ FAMILIES: dict[str, Family] = {
     "gemma3": Family("Gemma 3", "Gemma3ForConditionalGeneration", **LLAVA_LIKE, vision_stays_16bit=SIGLIP_RELOAD),
     "gemma3n": Family("Gemma 3n", "Gemma3nForConditionalGeneration", language="language_model",
                       vision=("vision_tower",), projector=("embed_vision", "embed_audio"), audio=("audio_tower",)),
+    "gemma4": Family("Gemma 4", "Gemma4ForConditionalGeneration", language="language_model",
+                     vision=("vision_tower",), projector=("embed_vision", "embed_audio"), audio=("audio_tower",)),
     "paligemma": Family("PaliGemma", "PaliGemmaForConditionalGeneration", **LLAVA_LIKE,
                         vision_stays_16bit=SIGLIP_RELOAD),
     "mllama": Family("Llama 3.2 Vision (Mllama)", "MllamaForConditionalGeneration", language="language_model",

@@ -120,7 +120,8 @@ def rule_kept(info, method, options, ignore: list[str]) -> dict[str, str]:
     those the format cannot tile and the fused partners of any kept shard (quantkit.run.pipeline.resolve_target)."""
     from quantkit.run.pipeline import family_kept, fused_partners_kept
 
-    kept = family_kept(info, method) | method.layers.shape_problems(info, options, ignore)
+    kept = family_kept(info, method, method.needs_calibration(options)) | method.layers.shape_problems(info, options,
+                                                                                                   ignore)
     kept.update(fused_partners_kept(info, method, ignore + sorted(kept)))
     return kept
 

@@ -465,7 +465,19 @@ def plan_tensors(config: dict, hf_tensors: dict[str, tuple[str, list[int]]], ggu
     types = mixture.choose_types({g: p.shape for g, p in plans.items()}, gguf_type, model_facts(config), has_imatrix)
     for g, p in plans.items():
         p.qtype = types[g]
+        if mixture.kept_as_converted(g, p.shape):
+            p.qtype = converted_type(gguf_type, hf_tensors[p.hf_name][0])
     return [plans[g] for g in mixture.llama_order(plans)]
+
+
+def converted_type(gguf_type: str, source_dtype: str) -> T:
+    """The type convert_hf_to_gguf.py writes a 2-D weight at (the output type: F32/F16/BF16), and the one a
+    quantized file keeps it at where llama-quantize leaves it as it reads it: the converter's output quantkit
+    equals (--outtype bf16 for a bf16 checkpoint, f16 for f16, f32 for f32)."""
+    _, _, default = mixture.file_type(gguf_type)
+    if default in mixture.UNQUANTIZED:
+        return default
+    return {"BF16": T.BF16, "F16": T.F16}.get(source_dtype, T.F32)
 
 
 def override_types(plans: list[TensorPlan], types: dict[str, T]) -> list[TensorPlan]:

@@ -327,3 +327,13 @@ def type_counts(types: dict[str, T]) -> dict[str, int]:
     for t in types.values():
         counts[t.name] = counts.get(t.name, 0) + 1
     return dict(sorted(counts.items()))
+
+
+# tensor_allows_quantization's names the converter writes at its output type (not F32): llama-quantize keeps
+# them as its input file has them (Gemma 4's per_layer_model_proj)
+KEPT_AS_CONVERTED = ("per_layer_model_proj",)
+
+
+def kept_as_converted(name: str, shape: tuple[int, ...]) -> bool:
+    """A 2-D weight llama-quantize never quantizes and the converter writes at its output type."""
+    return len(shape) >= 2 and name.endswith("weight") and any(s in name for s in KEPT_AS_CONVERTED)

@@ -11,7 +11,9 @@ below names them and `add_vocab(writer, model_dir, hparams, kind)` follows the s
   * "gemma" / "gemma2": tokenizer.model (add_space_prefix false; Gemma 1 adds CodeGemma ids);
   * "gemma3": tokenizer.model (add_space_prefix false) if present, else BPE;
   * "phi3": BPE when tokenizer_config.json says GPT2Tokenizer (Phi-4), else Phi3MiniModel's own
-    SentencePiece reading (added tokens from tokenizer_config.json and tokenizer.json).
+    SentencePiece reading (added tokens from tokenizer_config.json and tokenizer.json);
+  * "gemma4" (Gemma4Model): tokenizer.json through gguf-py's LlamaHfVocab under llama.cpp's "gemma4"
+    tokenizer (add_space_prefix false, BOS always added; the chat-channel tokens USER_DEFINED).
 
 SentencePiece vocabularies carry the model's scores and types (UNKNOWN/CONTROL/UNUSED/BYTE/
 NORMAL), ids up to the config's vocab_size padded with "[PAD{i}]" (score -10000, UNUSED), added
@@ -142,7 +144,7 @@ KNOWN_PRE_HASHES: dict[str, str] = {
 }
 CHKTXT = '\n \n\n \n\n\n \t \t\t \t\n  \n   \n    \n     \n🚀 (normal) 😶\u200d🌫️ (multiple emojis concatenated) ✅ 🦙🦙 3 33 333 3333 33333 333333 3333333 33333333 3.3 3..3 3...3 កាន់តែពិសេសអាច😁 ?我想在apple工作1314151天～ ------======= нещо на Български \'\'\'\'\'\'```````""""......!!!!!!?????? I\'ve been \'told he\'s there, \'RE you sure? \'M not sure I\'ll make it, \'D you like some tea? We\'Ve a\'lL'
 
-VOCAB_KINDS = ("llama", "qwen2", "gemma", "gemma2", "gemma3", "phi3", "gpt2")
+VOCAB_KINDS = ("llama", "qwen2", "gemma", "gemma2", "gemma3", "phi3", "gpt2", "gemma4")
 SPM_PAD_SCORE = -10000.0  # ids of the config's vocabulary that the tokenizer.model lacks
 ADDED_SCORE = -1000.0
 CONTROL, USER_DEFINED, UNUSED = 3, 4, 5  # gguf.TokenType values (SentencePieceTokenTypes in the converter)
@@ -170,6 +172,8 @@ def add_vocab(writer, model_dir: Path, hparams: dict, kind: str) -> VocabInfo:
         info = add_bpe_vocab(writer, model_dir, hparams)
     elif kind == "phi3":
         info = add_phi3_vocab(writer, model_dir, hparams)
+    elif kind == "gemma4":
+        info = add_gemma4_vocab(writer, model_dir)
     else:
         has_spm = (model_dir / "tokenizer.model").is_file()
         info = add_sentencepiece_vocab(writer, model_dir, hparams) if has_spm else add_bpe_vocab(writer, model_dir,
@@ -204,11 +208,15 @@ def uses_bpe(model_dir: Path, kind: str) -> bool:
         return read_json(Path(model_dir) / "tokenizer_config.json").get("tokenizer_class") == "GPT2Tokenizer"
     if kind == "gpt2":
         return True
+    if kind == "gemma4":  # gguf-py's LlamaHfVocab, whatever tokenizer.model there is
+        return False
     return not (Path(model_dir) / "tokenizer.model").is_file()
 
 
 def check_vocab(model_dir: Path, kind: str) -> None:
     """Before any work: the refusal add_vocab would raise for a BPE tokenizer llama.cpp reads differently."""
+    if kind == "gemma4":
+        check_gemma4_vocab(Path(model_dir))
     if kind in VOCAB_KINDS and uses_bpe(model_dir, kind):
         bpe_pre_name(load_bpe_tokenizer(Path(model_dir)), Path(model_dir))
 
@@ -562,3 +570,45 @@ def write_llama_vocab(writer, tokens: list, scores: list, types: list) -> None:
     writer.add_token_list(tokens)
     writer.add_token_scores(scores)
     writer.add_token_types(types)
+
+
+# ------------------------------------------------------------------ Gemma 4 ("gemma4")
+
+# Gemma4Model.set_vocab: always rendered (USER_DEFINED), so that the chat parser can read them
+GEMMA4_VISIBLE = ("<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>", "<|tool_response>", "<tool_response|>",
+                  '<|"|>')
+
+
+def check_gemma4_vocab(model_dir: Path) -> None:
+    """Before any work: the tokenizer.json gguf-py's LlamaHfVocab reads (a byte-fallback BPE, Sequence decoder)."""
+    model = read_json(model_dir / "tokenizer.json").get("model") or {}
+    if model.get("type") != "BPE" or not model.get("byte_fallback", False):
+        raise UnsupportedError(f"{model_dir / 'tokenizer.json'}: not a byte-fallback BPE tokenizer (type "
+                               f"{model.get('type')}), which llama.cpp's Gemma 4 converter reads (gguf-py's "
+                               "LlamaHfVocab)", hint="Gemma 4 checkpoints ship one; save the tokenizer again")
+    check_llama_hf_readable(model_dir)
+
+
+def add_gemma4_vocab(writer, model_dir: Path) -> VocabInfo:
+    """Gemma4Model.set_vocab: LlamaHfVocab's tokens, scores and types as listed (no padding), the visible chat
+    tokens USER_DEFINED, tokenizer model "gemma4" (no pre-tokenizer key), the merges and special ids,
+    add_space_prefix false, BOS added."""
+    import gguf
+
+    from quantkit.gguf.special_vocab import SpecialVocab
+
+    check_gemma4_vocab(model_dir)
+    vocab = gguf.LlamaHfVocab(model_dir)
+    tokens, scores, types = [], [], []
+    for text, score, toktype in vocab.all_tokens():
+        tokens.append(text)
+        scores.append(score)
+        types.append(gguf.TokenType.USER_DEFINED if text.decode() in GEMMA4_VISIBLE else toktype)
+    writer.add_tokenizer_model("gemma4")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    SpecialVocab(model_dir, load_merges=True).add_to_gguf(writer, quiet=True)
+    writer.add_add_space_prefix(False)
+    writer.add_add_bos_token(True)
+    return VocabInfo("gemma4", None, len(tokens))

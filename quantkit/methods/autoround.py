@@ -27,7 +27,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from quantkit.engines.llmcompressor import layer_resume, llmc
-from quantkit.errors import InputError
+from quantkit.errors import InputError, UnsupportedError
 from quantkit.formats import compressed_tensors
 from quantkit.methods import (
     FallbackSteps,
@@ -95,6 +95,22 @@ def check(info, options: Options, calibration) -> None:
                          "calibration windows", hint=f"lower batch_size or raise --num-samples to {options.batch_size}")
     if gptq.mixed(options):
         gptq.check_auto_precision(info, options, "autoround")
+    check_layer_by_layer(info)
+
+
+def check_layer_by_layer(info) -> None:
+    """auto-round tunes one decoder layer at a time, replaying the layer's cached inputs; a family whose layers
+    take inputs that replay does not carry (its record's `sequential`: Gemma 4, whose KV-shared layers read earlier
+    layers' keys and values through shared_kv_states and whose layers take a per-layer input, which auto-round
+    drops: "Tensor * None") is refused before any work."""
+    from quantkit.arch.families import of_config
+
+    family = of_config(info.config)
+    if family is not None and family.sequential is not None:
+        raise UnsupportedError(f"autoround: {info.model_type}: auto-round tunes one decoder layer at a time on its "
+                               "cached inputs, and drops this family's per-layer inputs and the keys and values "
+                               "its KV-shared layers read from earlier layers (shared_kv_states)",
+                               hint="use gptq or awq for this model")
 
 
 def shape_problems(info, options: Options, ignore: list[str]) -> dict[str, str]:
@@ -191,6 +207,9 @@ def working_set(info, options: Options) -> int:
 
 
 def support(family) -> str:
+    text = family.text_family if family.is_vlm else family.family
+    if text is not None and text.sequential is not None:
+        return "refused: auto-round's layer-by-layer replay drops its per-layer inputs and shared KV"
     return family.decoder_support("✅")
 
 

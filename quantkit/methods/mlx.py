@@ -187,6 +187,13 @@ def importance_of(name: str, imp: dict, info):
     return None
 
 
+def is_embedding(module: str, info) -> bool:
+    """An embedding (the token one, Gemma 4's per-layer one): no column importances (plain squared error)."""
+    from quantkit.arch.roles import classify
+
+    return classify(module + ".weight", info.towers) == "embeddings"
+
+
 # ---------------------------------------------------------------- quantize
 
 
@@ -215,7 +222,7 @@ def quantize(job: QuantizeJob) -> QuantizeResult:
             writer.add(tensor, weight.to(dtype) if weight.is_floating_point() else weight)
             continue
         chosen, weights = plan[module], importance_of(module, imp, job.info) if opts.calibrate else None
-        if opts.calibrate and weights is None and not module.endswith("embed_tokens"):
+        if opts.calibrate and weights is None and not is_embedding(module, job.info):
             from quantkit.errors import InternalError
 
             raise InternalError(f"mlx: no calibration activations reached {module}")

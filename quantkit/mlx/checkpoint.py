@@ -88,8 +88,8 @@ def mlx_lm_fields(config: dict) -> dict:
 
 def derived_mlx_lm_fields(config: dict) -> dict:
     """`rope_theta` and a llama3 or longrope `rope_scaling` from `rope_parameters` (per attention type for
-    Gemma 3, whose sliding layers' base is `rope_local_base_freq`), and Gemma 3's `sliding_window_pattern` from
-    `layer_types`."""
+    Gemma 3, whose sliding layers' base is `rope_local_base_freq`), Gemma 3's `sliding_window_pattern` from
+    `layer_types`; then the family's own (its record's `mlx_fields`)."""
     rope = config.get("rope_parameters") or {}
     full, local = (rope.get("full_attention"), rope.get("sliding_attention")) if "full_attention" in rope \
         else (rope, None)

@@ -252,7 +252,7 @@ def resolve_target(recipe: Recipe, target: Target, info: ModelInfo) -> ResolvedT
     check_tower_precision(target, info, method)
     method.check(info, options, recipe.calibration)
     ignore = ignore_patterns(info, target.ignore, method.layers.keeps_lm_head(options), tuple(target.tower_precision()))
-    kept = family_kept(info, method) | shapes_kept(recipe, target, method, info, options, ignore)
+    kept = family_kept(info, method, needs_calibration) | shapes_kept(recipe, target, method, info, options, ignore)
     kept.update(fused_partners_kept(info, method, ignore + sorted(kept)))
     ignore = ignore + sorted(kept)
     method.layers.check_ignore(info, options, ignore)
@@ -270,12 +270,16 @@ def gate_with_task_files(gate: Gate) -> Gate:
     return gate.model_copy(update={"tasks": with_task_files(gate.tasks)})
 
 
-def family_kept(info: ModelInfo, method: MethodSpec) -> dict[str, str]:
+def family_kept(info: ModelInfo, method: MethodSpec, calibrates: bool = False) -> dict[str, str]:
     """The layers the model's family keeps 16-bit, each with its reason (quantkit.arch.families: a record's
-    `kept`), for a method that takes an ignore list (a GGUF mixture types every tensor as llama-quantize does)."""
-    from quantkit.arch.families import kept_layers
+    `kept`, and its `untraced` when llm-compressor calibrates), for a method that takes an ignore list (a GGUF
+    mixture types every tensor as llama-quantize does)."""
+    from quantkit.arch.families import kept_layers, untraced_layers
 
-    return kept_layers(info, method.name) if method.layers.takes_ignore else {}
+    if not method.layers.takes_ignore:
+        return {}
+    sequential = calibrates and method.engine == "llmcompressor"  # quantkit.engines.llmcompressor.llmc.ENGINE
+    return kept_layers(info, method.name) | (untraced_layers(info) if sequential else {})
 
 
 def fused_partners_kept(info: ModelInfo, method: MethodSpec, ignore: list[str]) -> dict[str, str]:

@@ -249,13 +249,16 @@ def scale_row(smooth, balance, s) -> None:
         smooth.bias.copy_(smooth.bias / s)
     for layer in balance:
         layer.weight.copy_(layer.weight * s)
-# ---------------------------------------------------------------- other tokenizers
 
 
-def build_with_tokenizer(out: Path, write_tokenizer, config_class: str, model_class: str, seed: int = 0,
-                         **config) -> Path:
-    """`build` with the tokenizer `write_tokenizer(out) -> (vocab size, special ids)` writes (e.g.
-    tests.gguf.families.write_spm_tokenizer: a SentencePiece tokenizer.model)."""
+# ---------------------------------------------------------------- a family's own tokenizer
+
+
+def build_with_tokenizer(out: Path, config_class: str, model_class: str, write_tokenizer, seed: int = 0,
+                         norm_center: float | None = None, **config) -> Path:
+    """`build` with the family's own tokenizer kind (`write_tokenizer(out) -> (vocab size, special ids)`, e.g.
+    tests.gguf.families.write_spm_json_tokenizer: Gemma's SentencePiece vocabulary); `norm_center`: the norms'
+    random weights centred there (1.0 for a norm that scales by w, not 1 + w)."""
     import torch
     import transformers
 
@@ -265,5 +268,10 @@ def build_with_tokenizer(out: Path, write_tokenizer, config_class: str, model_cl
     torch.manual_seed(seed)
     model = getattr(transformers, model_class)(getattr(transformers, config_class)(**settings))
     randomize(model, seed)
+    if norm_center is not None:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.add_(norm_center - p.mean())
     model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
     return out

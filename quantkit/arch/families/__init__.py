@@ -12,14 +12,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from quantkit.arch.families import (apertus, deepseek, ernie, gemma, granite, hunyuan, llama, ministral3, mistral,
-                                     olmo, phi, qwen, qwen35, seed_oss, smollm3)
+from quantkit.arch.families import (apertus, deepseek, ernie, gemma, gemma4, granite, hunyuan, llama, ministral3,
+                                     mistral, olmo, phi, qwen, qwen35, seed_oss, smollm3)
 from quantkit.arch.families.base import Family, Gguf
 from quantkit.arch.vlm import FAMILIES as VLMS
 
 # Every family record, module by module, in the order of docs/models.md's tables.
-FAMILIES: tuple[Family, ...] = (*llama.FAMILIES, *gemma.FAMILIES, *phi.FAMILIES, *mistral.FAMILIES, *qwen.FAMILIES,
-                                *ministral3.FAMILIES, *qwen35.FAMILIES, *seed_oss.FAMILIES, *smollm3.FAMILIES,
+FAMILIES: tuple[Family, ...] = (*llama.FAMILIES, *gemma.FAMILIES, *gemma4.FAMILIES, *phi.FAMILIES, *mistral.FAMILIES,
+                                *qwen.FAMILIES, *ministral3.FAMILIES, *qwen35.FAMILIES, *seed_oss.FAMILIES, *smollm3.FAMILIES,
                                 *olmo.FAMILIES, *ernie.FAMILIES, *hunyuan.FAMILIES, *apertus.FAMILIES, *granite.FAMILIES,
                                 *deepseek.FAMILIES)
 
@@ -199,3 +199,18 @@ VLM_WITH_EXPERTS = ("llama4",)
 def vlm_rows() -> list[VlmRow]:
     return [VlmRow(model_type, text_type, model_type in VLM_WITH_EXPERTS)
             for model_type, text_type in VLM_TEXT_TYPES.items()]
+
+
+def untraced_layers(info) -> dict[str, str]:
+    """{linear layer: why} of the layers a checkpoint's family keeps 16-bit in llm-compressor's calibrated
+    (sequential) runs layer by layer (its record's `untraced`)."""
+    from quantkit.arch.roles import linear_weights, matches
+
+    from quantkit.arch.families.text import text_hparams
+
+    family = of_config(info.config)
+    if family is None or not family.untraced:
+        return {}
+    if family.sequential is not None and family.sequential(text_hparams(info.config)):
+        return {}  # calibrated as one subgraph: every layer of it is traced through
+    return {name: k.reason for name in linear_weights(info) for k in family.untraced if matches(name, [k.pattern])}

@@ -224,3 +224,11 @@ class Family:
     # refusals of the mlx method from config.json (each check(config) raises UnsupportedError): what mlx-lm's
     # model would read otherwise than transformers does
     mlx_checks: tuple[Callable[[dict], None], ...] = ()
+    # linear layers llm-compressor's sequential pipeline cannot calibrate (called inside a function its tracer
+    # leaves opaque: they would gather a Hessian but never their weight statistics): kept 16-bit, with the
+    # reason, by the llm-compressor methods that calibrate; the data-free ones quantize them
+    untraced: tuple[Kept, ...] = ()
+    # sequential(hparams) -> llm-compressor's sequential_targets for this checkpoint (None: its default, one
+    # decoder layer per subgraph); a family whose layers pass state to later layers outside the traced graph
+    # calibrates a module holding all of them as one
+    sequential: Callable[[Hparams], list[str] | None] | None = None

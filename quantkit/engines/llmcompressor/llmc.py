@@ -146,6 +146,7 @@ def run_oneshot(job, recipe, calibrate: bool, reads_weights_only: bool = False) 
             shuffle_calibration_samples=False,
             pipeline="sequential",
             moe_calibrate_all_experts=True,  # every expert sees every token (quantkit.arch.moe)
+            **sequential_options(job.info.config),
         )
     rotation_ready(job)
     towers = tower_modifiers(job)
@@ -158,6 +159,18 @@ def run_oneshot(job, recipe, calibrate: bool, reads_weights_only: bool = False) 
           layers_saved(job, calibrate)):
         oneshot(model=job.model, recipe=rotation_modifiers(job) + as_list(recipe), tokenizer=job.tokenizer,
                 log_dir=None, trust_remote_code_model=job.trust_remote_code, **kwargs)  # it re-reads config.json
+
+
+def sequential_options(config: dict) -> dict:
+    """oneshot's sequential_targets where the checkpoint's family names them (its record's `sequential`: Gemma 4
+    with KV shared across layers calibrates its whole text model as one subgraph); {} for llm-compressor's
+    default (one decoder layer per subgraph)."""
+    from quantkit.arch.families import of_config
+    from quantkit.arch.families.text import text_hparams
+
+    family = of_config(config)
+    targets = family.sequential(text_hparams(config)) if family is not None and family.sequential else None
+    return {"sequential_targets": targets} if targets else {}
 
 
 def layers_saved(job, calibrate: bool):
