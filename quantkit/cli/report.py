@@ -166,3 +166,25 @@ def serve_checks_table(report: ServeReport) -> Table:
     for c in report.checks:
         table.add_row(c.name, f"{c.value:.6g}", f"{c.op} {c.threshold:g}", "yes" if c.passed else "NO")
     return table
+
+
+def kv_table(rows, shape, title: str) -> Table:
+    """One row per KV-cache type (quantkit.eval.kv.measure.KvRow): bytes per token, its own damage over the same
+    weights, the total against the base, and the smallest that passes marked."""
+    from quantkit.eval.kv import bf16_bytes_per_token
+    from quantkit.eval.kv.measure import smallest_passing
+
+    chosen = smallest_passing(rows)
+    table = Table(title=title, title_justify="left")
+    table.add_column("KV type", overflow="fold", min_width=8)
+    for column in ("bytes/token", "vs 16-bit", "own KLD", "own Δppl", "own top-1", "total KLD", "total Δppl",
+                   "total top-1", "gate"):
+        table.add_column(column, justify="right", no_wrap=True)
+    full = bf16_bytes_per_token(shape)
+    for row in rows:
+        own, total = row.own, row.total
+        mark = ("PASS (chosen)" if row is chosen else "PASS") if row.passed else "FAIL"
+        table.add_row(row.kind.name, f"{row.bytes_per_token:,.0f}", f"{row.bytes_per_token / full:.0%}",
+                      f"{own.kld_mean:.5f}", f"{own.ppl_increase:+.2%}", f"{own.top1:.2%}", f"{total.kld_mean:.5f}",
+                      f"{total.ppl_increase:+.2%}", f"{total.top1:.2%}", mark)
+    return table

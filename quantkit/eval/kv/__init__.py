@@ -96,10 +96,12 @@ def mlx_type(bits: int, group_size: int, shape: Shape) -> KvType:
                   else ())
 
 
-def vllm_type(name: str, shape: Shape, k_scale: float = 1.0, v_scale: float = 1.0) -> KvType:
+def vllm_type(name: str, shape: Shape, k_scale: float = 1.0, v_scale: float = 1.0, cpu: bool = False) -> KvType:
     if name not in vllm.TYPES:
         raise UnsupportedError(f"vLLM KV-cache type {name!r} is not one of: {', '.join(vllm.TYPES)}",
                                hint="e.g. --kv-cache vllm:fp8")
+    if cpu:
+        vllm.check_cpu(name, shape.head_dim)
     d = shape.head_dim
     flag = ("--kv-cache-dtype", name)
     kb, vb = vllm.key_bytes(name, d), vllm.value_bytes(name, d)
@@ -164,11 +166,12 @@ def engine_of(spec: str) -> tuple[str, str]:
                            hint="e.g. --kv-cache vllm:fp8,llama.cpp:q8_0,mlx:4")
 
 
-def parse_one(spec: str, shape: Shape, flash_attention: bool = True) -> KvType:
-    """One --kv-cache item as a KvType for this model; UnsupportedError (exit 2) naming the engine's rule."""
+def parse_one(spec: str, shape: Shape, flash_attention: bool = True, cpu: bool = False) -> KvType:
+    """One --kv-cache item as a KvType for this model; UnsupportedError (exit 2) naming the engine's rule.
+    `cpu`: vLLM's CPU backend is the target."""
     engine, rest = engine_of(spec.strip())
     if engine == "vllm":
-        return vllm_type(rest, shape)
+        return vllm_type(rest, shape, cpu=cpu)
     if engine == "llama.cpp":
         rotation = not rest.endswith(":norot")
         rest = rest.removesuffix(":norot")
@@ -185,8 +188,9 @@ def parse_one(spec: str, shape: Shape, flash_attention: bool = True) -> KvType:
     return mlx_type(int(bits), int(group) if group else mlx.DEFAULT_GROUP, shape)
 
 
-def parse(specs: str, shape: Shape, engine: str | None = None, flash_attention: bool = True) -> list[KvType]:
-    """--kv-cache TYPE[,TYPE...] or auto (every type of `engine`)."""
+def parse(specs: str, shape: Shape, engine: str | None = None, flash_attention: bool = True,
+          cpu: bool = False) -> list[KvType]:
+    """--kv-cache TYPE[,TYPE...] or auto (every type of `engine` this model's shape and the device take)."""
     items = [s.strip() for s in specs.split(",") if s.strip()]
     if items == ["auto"]:
         if engine is None:
@@ -195,23 +199,56 @@ def parse(specs: str, shape: Shape, engine: str | None = None, flash_attention: 
         kinds = []
         for item in items:
             try:
-                kinds.append(parse_one(item, shape, flash_attention))
+                kinds.append(parse_one(item, shape, flash_attention, cpu))
             except UnsupportedError:
                 continue  # a type this model's shape cannot take is not offered
         return kinds
     if "auto" in items:
         raise UnsupportedError("--kv-cache auto stands alone", hint="--kv-cache auto, or a list of types")
-    return [parse_one(item, shape, flash_attention) for item in items]
+    return [parse_one(item, shape, flash_attention, cpu) for item in items]
 
 
 def shape_of(config) -> Shape:
-    """A transformers text config's KV shape."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads = text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    layers = text.num_hidden_layers
-    types = getattr(text, "layer_types", None) or ()
+    """The KV shape of a transformers config or a config.json dict (its text model's)."""
+    if isinstance(config, dict):
+        text = config.get("text_config") or config
+        get = text.get
+    else:
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        get = lambda key, default=None: getattr(text, key, default)  # noqa: E731
+    heads = get("num_attention_heads")
+    head_dim = get("head_dim") or get("hidden_size") // heads
+    kv_heads = get("num_key_value_heads") or heads
+    types = tuple(get("layer_types") or ())
     sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
     hybrid = any(t not in ("full_attention", "sliding_attention", "attention") for t in types)
-    return Shape(head_dim, kv_heads, layers, sliding, hybrid)
+    return Shape(head_dim, kv_heads, get("num_hidden_layers"), sliding, hybrid)
+
+
+TARGETS = ("vllm", "vllm-cpu", "llama.cpp", "mlx")
+
+
+def target(flag: str | None, engines: tuple[str, ...]) -> tuple[str, bool]:
+    """(engine, vLLM's CPU backend) of --kv-engine, by default the first engine that serves the artifact."""
+    name = flag or engines[0]
+    if name not in TARGETS:
+        raise UnsupportedError(f"--kv-engine {name}: choose one of {', '.join(TARGETS)}", hint="e.g. --kv-engine vllm")
+    engine = "vllm" if name == "vllm-cpu" else name
+    if engine not in engines:
+        raise UnsupportedError(f"--kv-engine {name}: this artifact is served by {', '.join(engines)}",
+                               hint=f"--kv-engine {engines[0]}")
+    return engine, name == "vllm-cpu"
+
+
+def for_artifact(specs: str, shape: Shape, engines: tuple[str, ...], engine_flag: str | None = None) -> list[KvType]:
+    """--kv-cache for an artifact the `engines` serve: every type checked before work (exit 2)."""
+    engine, cpu = target(engine_flag, engines)
+    kinds = parse(specs, shape, engine, cpu=cpu)
+    for kind in kinds:
+        if kind.engine not in engines:
+            raise UnsupportedError(f"--kv-cache {kind.name}: a {kind.engine} KV cache, but this artifact is served "
+                                   f"by {', '.join(engines)}", hint=f"choose a {engines[0]} type, or --kv-cache auto")
+    if not kinds:
+        raise UnsupportedError(f"--kv-cache {specs}: {engine} offers no KV-cache type this model's head dimension "
+                               f"({shape.head_dim}) takes", hint="drop --kv-cache")
+    return kinds

@@ -195,6 +195,22 @@ def tq_value_round_trip(v, bits: int):
     return (q * scale.float() + lo.float()).to(v.dtype)
 
 
+CPU_TYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")  # vllm/v1/attention/backends/cpu_attn.py supported_kv_cache_dtypes
+
+
+def check_cpu(name: str, head_dim: int) -> None:
+    """vLLM's CPU attention backend: auto, fp8, fp8_e4m3, fp8_e5m2, head size divisible by 32."""
+    from quantkit.errors import UnsupportedError
+
+    if name not in CPU_TYPES:
+        raise UnsupportedError(f"vLLM's CPU backend has no {name} KV cache (cpu_attn.py supports auto, "
+                               f"{', '.join(CPU_TYPES)}; TurboQuant and the per-token-head types run on GPU "
+                               "backends only)", hint="--kv-cache vllm:fp8, or target a GPU with --kv-engine vllm")
+    if head_dim % 32:
+        raise UnsupportedError(f"vLLM's CPU backend needs a head size divisible by 32 for an fp8 KV cache; this "
+                               f"model's is {head_dim}", hint="keep the 16-bit KV cache on vLLM's CPU backend")
+
+
 def boundary_skip_layers(num_layers: int, n: int = 2) -> tuple[int, ...]:
     """TurboQuantConfig.get_boundary_skip_layers for a dense model: the first and last n layers."""
     if n <= 0 or num_layers <= 0:
