@@ -216,8 +216,8 @@ def show(request: EvalRequest, base, metrics, verdict, task_rows, llama_cpp, jso
     if kv_rows:
         from quantkit.cli.report import kv_table
 
-        console.print(kv_table(kv_rows, kv_shape(base), f"KV cache of {model.name} (own: over the same weights; "
-                                                        f"total: vs. {base.path})"))
+        console.print(kv_table(kv_report(kv_rows, kv_shape(base)), f"KV cache of {model.name} (own: over the same "
+                                                                   f"weights; total: vs. {base.path})"))
     if llama_cpp:
         console.print(f"llama.cpp llama-perplexity on the same held-out text: PPL {llama_cpp['ppl']:.3f} "
                       f"± {llama_cpp['ppl_stderr']:.3f} ({llama_cpp['chunks']} chunks of {llama_cpp['context']} "

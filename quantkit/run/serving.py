@@ -248,7 +248,7 @@ CARD_DEVICES = ("H100", "A100-80G", "L40S", "L4", "RTX4090", "M3-Max-64G")
 CARD_CONTEXT = 4096
 
 
-def artifact_plan(info, method: MethodSpec, artifact, options=None) -> dict:
+def artifact_plan(info, method: MethodSpec, artifact, options=None, kv_flags: list[str] | None = None) -> dict:
     """A written artifact's line of the plan for its model card: its bytes on disk with an fp16 KV cache of
     CARD_CONTEXT tokens on the CARD_DEVICES (served by the runtimes of its `options`' scheme), and the
     command that serves it from its directory."""
@@ -263,4 +263,16 @@ def artifact_plan(info, method: MethodSpec, artifact, options=None) -> dict:
     fits = [fit(weights, per_token, CARD_CONTEXT, runtimes, DEVICES[name]) for name in CARD_DEVICES]
     return {"weights_bytes": weights, "context": CARD_CONTEXT, "kv_cache_bytes": per_token * CARD_CONTEXT,
             "devices": {f.device: {"verdict": f.verdict, "runtime": f.runtime} for f in fits},
-            "serve": method.format.serve_command(artifact.name if artifact.is_file() else ".")}
+            "serve": with_kv_flags(method.format.serve_command(artifact.name if artifact.is_file() else "."), kv_flags)}
+
+
+def with_kv_flags(command: str, kv_flags: list[str] | None) -> str:
+    """A serve command with the chosen KV-cache type's flags (quantkit.eval.kv: the engine's own spelling); a
+    command that already sets the KV-cache dtype keeps its own."""
+    if not kv_flags or "--kv-cache-dtype" in command:
+        return command
+    flags = " ".join(kv_flags)
+    first, sep, other = command.partition(" (or: ")
+    if other.startswith("mlx_lm.server"):  # the alternative takes the same flags; Ollama's does not
+        other = other.removesuffix(")") + f" {flags})"
+    return f"{first} {flags}{sep}{other}"
