@@ -60,6 +60,7 @@ def test_raw_prefill_positions_read_raw_keys(model):
     assert not torch.allclose(out[:, 16:], base[:, 16:])
 
 
+@pytest.mark.slow
 def test_engine_type_damage_orders_by_bits(model):
     shape = kv.shape_of(model.config)
     base = logits(model).log_softmax(-1)

@@ -1,0 +1,78 @@
+"""--kv-cache on quantize and eval: bad input is exit 2 before work naming the rule; a measured type's row, the
+chosen type and its serve flags in the report and the model card."""
+
+import json
+
+import pytest
+
+from tests.util import FAST_CALIB, leftovers
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("vllm:turboquant_k3v4_nc", "CPU backend has no turboquant_k3v4_nc"),
+    ("vllm:nope", "is not one of"),
+    ("q3_k", "unknown KV-cache type"),
+    ("mlx:4g48", "mx.quantize takes"),
+])
+def test_eval_refuses_before_work(cli, micro_model, spec, message):
+    result = cli("eval", micro_model, "--against", micro_model, "--kv-cache", spec, "--kv-engine", "vllm-cpu")
+    assert result.exit_code == 2, result.output
+    assert message in result.stderr
+    assert "baseline:" not in result.stderr  # nothing measured
+
+
+def test_quantized_v_needs_flash_attention():
+    from quantkit.errors import UnsupportedError
+    from quantkit.eval import kv
+
+    shape = kv.Shape(head_dim=64, kv_heads=2, layers=2)
+    with pytest.raises(UnsupportedError, match="needs flash attention"):
+        kv.parse_one("llama.cpp:q8_0/q4_0", shape, flash_attention=False)
+    with pytest.raises(UnsupportedError, match="head dimension"):
+        kv.parse_one("vllm:turboquant_4bit_nc", kv.Shape(head_dim=96, kv_heads=2, layers=8))
+    with pytest.raises(UnsupportedError, match="hybrid"):
+        kv.parse_one("vllm:turboquant_4bit_nc", kv.Shape(head_dim=64, kv_heads=2, layers=8, hybrid=True))
+
+
+def test_quantize_refuses_a_type_its_engine_lacks(cli, micro_model, tmp_path):
+    result = cli("quantize", micro_model, "--method", "gguf", "--gguf-type", "Q8_0", "-o", tmp_path / "out",
+                 *FAST_CALIB, "--kv-cache", "vllm:fp8")
+    assert result.exit_code == 2, result.output
+    assert "served by llama.cpp" in result.stderr
+    assert leftovers(tmp_path, "out") == []
+
+
+def test_auto_offers_each_engines_types():
+    from quantkit.eval import kv
+
+    shape = kv.Shape(head_dim=64, kv_heads=2, layers=8)
+    assert [k.name for k in kv.parse("auto", shape, "vllm", cpu=True)] == ["vllm:fp8", "vllm:fp8_e5m2"]
+    names = [k.name for k in kv.parse("auto", shape, "llama.cpp")]
+    assert "llama.cpp:q4_0" in names and "llama.cpp:q8_0/q4_0" in names
+    assert [k.name for k in kv.parse("auto", shape, "mlx")] == [f"mlx:{b}" for b in (2, 3, 4, 5, 6, 8)]
+
+
+@pytest.mark.slow
+def test_eval_measures_types_and_chooses_the_smallest(cli, micro_model, tmp_path):
+    out = tmp_path / "m.json"
+    result = cli("eval", micro_model, "--against", micro_model, "--num-windows", "2", "--seq-len", "128",
+                 "--kv-cache", "mlx:8,mlx:4", "--json", out)
+    assert result.exit_code == 0, result.output
+    assert "KV cache of" in result.stdout
+    section = json.loads(out.read_text())["kv_cache"]
+    rows = {r["type"]: r for r in section["types"]}
+    assert rows["mlx:4"]["bytes_per_token"] < rows["mlx:8"]["bytes_per_token"]
+    assert 0 < rows["mlx:8"]["own"]["kld_mean"] < rows["mlx:4"]["own"]["kld_mean"]
+    assert rows["mlx:8"]["total"]["kld_mean"] == pytest.approx(rows["mlx:8"]["own"]["kld_mean"], rel=0.05)
+    assert section["chosen"] == "mlx:4" and section["serve_flags"] == ["--kv-bits", "4"]
+
+
+def test_serve_command_carries_the_chosen_flags():
+    from quantkit.formats import gguf, mlx
+    from quantkit.run.serving import with_kv_flags
+
+    assert with_kv_flags(gguf.serve_command("m.gguf"), ["-ctk", "q8_0", "-ctv", "q4_0", "-fa", "on"]).startswith(
+        "llama-server -m m.gguf -ctk q8_0 -ctv q4_0 -fa on (or: ollama")
+    assert with_kv_flags(mlx.serve_command("."), ["--kv-bits", "4"]).endswith("mlx_lm.server --model . --kv-bits 4)")
+    assert with_kv_flags("vllm serve .", ["--kv-cache-dtype", "fp8"]) == "vllm serve . --kv-cache-dtype fp8"
+    assert with_kv_flags("vllm serve . --kv-cache-dtype fp8", ["--kv-cache-dtype", "fp8_e5m2"]).count("fp8") == 1
