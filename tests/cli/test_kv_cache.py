@@ -76,3 +76,22 @@ def test_serve_command_carries_the_chosen_flags():
     assert with_kv_flags(mlx.serve_command("."), ["--kv-bits", "4"]).endswith("mlx_lm.server --model . --kv-bits 4)")
     assert with_kv_flags("vllm serve .", ["--kv-cache-dtype", "fp8"]) == "vllm serve . --kv-cache-dtype fp8"
     assert with_kv_flags("vllm serve . --kv-cache-dtype fp8", ["--kv-cache-dtype", "fp8_e5m2"]).count("fp8") == 1
+
+
+def test_plan_takes_a_kv_type_and_a_measured_report(cli, micro_model, tmp_path):
+    report = tmp_path / "m.json"
+    section = {"chosen": "mlx:4", "types": [
+        {"type": t, "passed": ok, "bytes_per_token": b, "serve_flags": ["--kv-bits", t[-1]], "total": {"kld_mean": k}}
+        for t, ok, b, k in (("mlx:8", True, 1000, 1e-4), ("mlx:4", True, 600, 1e-3), ("mlx:2", False, 400, 0.1))]}
+    report.write_text(json.dumps({"name": "m", "kv_cache": section}))
+    out = tmp_path / "plan.json"
+    result = cli("plan", micro_model, "--gpu", "L4", "--method", "mlx", "--kv-report", report, "--batch", "2",
+                 "--json", out)
+    assert result.exit_code == 0, result.output
+    rows = json.loads(out.read_text())["measured_kv"][0]["types"]
+    assert [r["type"] for r in rows] == ["mlx:8", "mlx:4"]  # the failing type is not planned
+    assert rows[1]["max_context"]["L4"] > rows[0]["max_context"]["L4"] > 0
+    typed = cli("plan", micro_model, "--gpu", "L4", "--kv-cache", "llama.cpp:q4_0", "--json", out)
+    assert typed.exit_code == 0, typed.output
+    assert json.loads(out.read_text())["kv_bytes_per_token"] == 2 * 2 * 2 * 64 * 18 // 32  # K+V, 2 layers, 2 heads
+    assert cli("plan", micro_model, "--kv-cache", "bogus").exit_code == 2
