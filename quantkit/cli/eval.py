@@ -51,6 +51,7 @@ class EvalRequest:
     llama_perplexity: bool
     kv_cache: str | None = None
     kv_engine: str | None = None
+    kv_context: int | None = None
 
 
 @handle_errors
@@ -73,6 +74,10 @@ def eval_command(
     kv_engine: Optional[str] = typer.Option(None, "--kv-engine", help="The engine --kv-cache auto targets: vllm, "
                                             "vllm-cpu, llama.cpp or mlx (default: the artifact's engine).",
                                             rich_help_panel=GATE),
+    kv_context: Optional[int] = typer.Option(None, "--kv-context", min=8, help="Tokens per window of the KV-cache "
+                                             "measurement (KV damage grows with context; default: --seq-len). The "
+                                             "base is scored again on these windows, streamed a layer at a time.",
+                                             rich_help_panel=GATE),
     json_path: Optional[str] = json_flag("the metrics").option(),
 ) -> None:
     """Perplexity, KL divergence and top-1 agreement of MODEL against its base.
@@ -96,11 +101,11 @@ def eval_command(
     from dataclasses import replace
 
     request = replace(parse(model, against, windows, device, max_memory, gate, llama_perplexity),
-                      kv_cache=kv_cache, kv_engine=kv_engine)
-    if kv_engine is not None and kv_cache is None:
+                      kv_cache=kv_cache, kv_engine=kv_engine, kv_context=kv_context)
+    if (kv_engine is not None or kv_context is not None) and kv_cache is None:
         from quantkit.errors import InputError
 
-        raise InputError("--kv-engine chooses the engine of --kv-cache", hint="add --kv-cache auto")
+        raise InputError("--kv-engine and --kv-context apply to --kv-cache", hint="add --kv-cache auto")
     base, metrics, verdict, task_rows, llama_cpp, kv_rows = measure(request, trust_remote_code)
     show(request, base, metrics, verdict, task_rows, llama_cpp, json_path, kv_rows)
     if not verdict.passed:
@@ -179,8 +184,15 @@ def measure(request: EvalRequest, trust_remote_code: bool) -> tuple:
     if kv_kinds:
         from quantkit.eval.kv.measure import measure_types
 
-        kv_rows = measure_types(r.artifact, base.path, windows, baseline, kv_kinds, kv_shape(base), r.gate, r.device,
-                                trust_remote_code, progress)
+        kv_windows, kv_baseline = windows, baseline
+        if r.kv_context and r.kv_context != seq_len:
+            longer = r.calibration.model_copy(update={"seq_len": r.kv_context})
+            kv_windows = make_windows(tokenizer, longer).eval
+            progress(f"KV cache: the base on {len(kv_windows)} windows of {r.kv_context} tokens (streamed)")
+            kv_baseline = scorers.base_baseline(base, kv_windows, device=r.device,
+                                                trust_remote_code=trust_remote_code, progress=progress)
+        kv_rows = measure_types(r.artifact, base.path, kv_windows, kv_baseline, kv_kinds, kv_shape(base), r.gate,
+                                r.device, trust_remote_code, progress)
     return base, metrics, verdict, task_rows, llama_cpp, kv_rows
 
 
