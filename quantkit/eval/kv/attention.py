@@ -11,13 +11,10 @@ read the cache, every earlier position included.
 
 from __future__ import annotations
 
-import itertools
 import sys
 from contextlib import contextmanager
 
 from quantkit.eval.kv import KvType
-
-_NAMES = itertools.count()
 
 
 def attention_configs(model) -> list:
@@ -63,22 +60,32 @@ def kv_attention(kind: KvType, implementation: str, prefill: int):
 
 
 @contextmanager
+def registered(kind: KvType, implementation: str, prefill: int = 0):
+    """The KV type's attention function registered with transformers' AttentionInterface while inside; yields
+    the name a config's _attn_implementation selects it by."""
+    from transformers import AttentionInterface
+
+    name = f"quantkit_kv_{id(kind):x}"
+    AttentionInterface.register(name, kv_attention(kind, implementation, prefill))
+    try:
+        yield name
+    finally:
+        AttentionInterface._global_mapping.pop(name, None)
+
+
+@contextmanager
 def kv_cache(model, kind: KvType | None, prefill: int = 0):
     """While inside, the model's attention reads keys and values through `kind` (None: unchanged)."""
     if kind is None:
         yield model
         return
-    from transformers import AttentionInterface
-
     configs = attention_configs(model)
     before = [c._attn_implementation for c in configs]
-    name = f"quantkit_kv_{next(_NAMES)}"
-    AttentionInterface.register(name, kv_attention(kind, before[0] if before else "sdpa", prefill))
-    try:
-        for config in configs:
-            config._attn_implementation = name
-        yield model
-    finally:
-        for config, impl in zip(configs, before):
-            config._attn_implementation = impl
-        AttentionInterface._global_mapping.pop(name, None)
+    with registered(kind, before[0] if before else "sdpa", prefill) as name:
+        try:
+            for config in configs:
+                config._attn_implementation = name
+            yield model
+        finally:
+            for config, impl in zip(configs, before):
+                config._attn_implementation = impl

@@ -5,14 +5,13 @@ forward per type; `auto` keeps the smallest type that passes.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from quantkit.eval.kv import KvType, Shape, bf16_bytes_per_token
-from quantkit.eval.kv.attention import attention_configs, kv_attention
+from quantkit.eval.kv.attention import attention_configs, registered
 
 DEFAULT_MAX_KLD = 0.01  # --kv-cache auto's bound on a type's own mean KLD when the gate sets no threshold
 
@@ -32,19 +31,6 @@ class KvRow:
                 "skipped_layers": list(self.kind.skip), "raw_prefill": self.kind.raw_prefill,
                 "notes": list(self.kind.notes), "own": self.own.as_dict(), "total": self.total.as_dict(),
                 "passed": self.passed}
-
-
-@contextmanager
-def registered(kind: KvType, implementation: str, prefill: int):
-    """The KV type's attention function registered with transformers while inside; yields its name."""
-    from transformers import AttentionInterface
-
-    name = f"quantkit_kv_{abs(hash((kind.name, id(kind))))}"
-    AttentionInterface.register(name, kv_attention(kind, implementation, prefill))
-    try:
-        yield name
-    finally:
-        AttentionInterface._global_mapping.pop(name, None)
 
 
 def set_attention(model, name: str):

@@ -4,7 +4,6 @@ triton_turboquant_store.py, int4_per_token_head.py); tests/eval/kv/test_vllm_ker
 import math
 
 import numpy as np
-import pytest
 import torch
 
 from quantkit.eval.kv import vllm
