@@ -95,3 +95,18 @@ def test_plan_takes_a_kv_type_and_a_measured_report(cli, micro_model, tmp_path):
     assert typed.exit_code == 0, typed.output
     assert json.loads(out.read_text())["kv_bytes_per_token"] == 2 * 2 * 2 * 64 * 18 // 32  # K+V, 2 layers, 2 heads
     assert cli("plan", micro_model, "--kv-cache", "bogus").exit_code == 2
+
+
+def test_quantize_routes_kv_cache_values():
+    """--kv-cache fp8 stays the method option (calibrated scales); any other value is the gate's measurement."""
+    from quantkit.cli.quantize import kv_cache_flags
+    from quantkit.errors import InputError
+    from quantkit.run.recipe import Gate, MethodOptions
+
+    options, gate = kv_cache_flags(MethodOptions(kv_cache="fp8"), None)
+    assert options.kv_cache == "fp8" and gate == {}
+    options, gate = kv_cache_flags(MethodOptions(kv_cache="auto"), "vllm")
+    assert options.kv_cache is None and gate == {"kv_cache": "auto", "kv_engine": "vllm"}
+    assert Gate(**gate).kv_cache == "auto"
+    with pytest.raises(InputError, match="--kv-engine"):
+        kv_cache_flags(MethodOptions(), "vllm")
