@@ -49,6 +49,9 @@ class EvalRequest:
     device: str
     max_memory: int | None
     llama_perplexity: bool
+    kv_cache: str | None = None
+    kv_engine: str | None = None
+    kv_context: int | None = None
 
 
 @handle_errors
@@ -63,6 +66,18 @@ def eval_command(
     trust_remote_code: bool = TRUST_REMOTE_CODE.option(help="Allow custom model code from the base and artifact dirs."),
     gate: GateFlags,
     llama_perplexity: bool = typer.Option(False, "--llama-perplexity", help="For a .gguf, also score the held-out text with llama.cpp's llama-perplexity (needs a llama.cpp build).", rich_help_panel=GATE),
+    kv_cache: Optional[str] = typer.Option(None, "--kv-cache", help="Also measure KV-cache types: TYPE[,TYPE...] "
+                                           "(vllm:fp8, vllm:turboquant_k3v4_nc, llama.cpp:q8_0/q4_0, mlx:4, ...) or "
+                                           "auto (every type of the target engine; the smallest that passes is "
+                                           "chosen). Per type: KV bytes per token, its own KLD / Δppl / top-1 over "
+                                           "the same weights, and the total against the base.", rich_help_panel=GATE),
+    kv_engine: Optional[str] = typer.Option(None, "--kv-engine", help="The engine --kv-cache auto targets: vllm, "
+                                            "vllm-cpu, llama.cpp or mlx (default: the artifact's engine).",
+                                            rich_help_panel=GATE),
+    kv_context: Optional[int] = typer.Option(None, "--kv-context", min=8, help="Tokens per window of the KV-cache "
+                                             "measurement (KV damage grows with context; default: --seq-len). The "
+                                             "base is scored again on these windows, streamed a layer at a time.",
+                                             rich_help_panel=GATE),
     json_path: Optional[str] = json_flag("the metrics").option(),
 ) -> None:
     """Perplexity, KL divergence and top-1 agreement of MODEL against its base.
@@ -83,9 +98,16 @@ def eval_command(
     """
     from quantkit.errors import GateFailedError
 
-    request = parse(model, against, windows, device, max_memory, gate, llama_perplexity)
-    base, metrics, verdict, task_rows, llama_cpp = measure(request, trust_remote_code)
-    show(request, base, metrics, verdict, task_rows, llama_cpp, json_path)
+    from dataclasses import replace
+
+    request = replace(parse(model, against, windows, device, max_memory, gate, llama_perplexity),
+                      kv_cache=kv_cache, kv_engine=kv_engine, kv_context=kv_context)
+    if (kv_engine is not None or kv_context is not None) and kv_cache is None:
+        from quantkit.errors import InputError
+
+        raise InputError("--kv-engine and --kv-context apply to --kv-cache", hint="add --kv-cache auto")
+    base, metrics, verdict, task_rows, llama_cpp, kv_rows = measure(request, trust_remote_code)
+    show(request, base, metrics, verdict, task_rows, llama_cpp, json_path, kv_rows)
     if not verdict.passed:
         raise GateFailedError(f"{model.name} fails the gate: {', '.join(verdict.failed)}",
                               hint="quantize again with --fallback, which raises the precision of the most damaging "
@@ -136,6 +158,7 @@ def measure(request: EvalRequest, trust_remote_code: bool) -> tuple:
 
     r, seq_len = request, request.calibration.seq_len
     base = check_model_dir(resolve_model(r.against or default_base(r.artifact)))
+    kv_kinds = kv_types(r, base)  # checked before any work
     tokenizer = load_tokenizer(base, trust_remote_code)
     windows = make_windows(tokenizer, r.calibration).eval
     reads = reading.artifact_reading(r.artifact, base.path, trust_remote_code) is not None
@@ -157,10 +180,40 @@ def measure(request: EvalRequest, trust_remote_code: bool) -> tuple:
 
         verdict = evaluate.with_checks(verdict, task_checks(task_rows))
     llama_cpp = llama_cpp_check(r.artifact, tokenizer, windows) if r.llama_perplexity else None
-    return base, metrics, verdict, task_rows, llama_cpp
+    kv_rows = None
+    if kv_kinds:
+        from quantkit.eval.kv.measure import measure_types
+
+        kv_windows, kv_baseline = windows, baseline
+        if r.kv_context and r.kv_context != seq_len:
+            longer = r.calibration.model_copy(update={"seq_len": r.kv_context})
+            kv_windows = make_windows(tokenizer, longer).eval
+            progress(f"KV cache: the base on {len(kv_windows)} windows of {r.kv_context} tokens (streamed)")
+            kv_baseline = scorers.base_baseline(base, kv_windows, device=r.device,
+                                                trust_remote_code=trust_remote_code, progress=progress)
+        kv_rows = measure_types(r.artifact, base.path, kv_windows, kv_baseline, kv_kinds, kv_shape(base), r.gate,
+                                r.device, trust_remote_code, progress)
+    return base, metrics, verdict, task_rows, llama_cpp, kv_rows
 
 
-def show(request: EvalRequest, base, metrics, verdict, task_rows, llama_cpp, json_path: str | None) -> None:
+def kv_shape(base):
+    from quantkit.eval.kv import shape_of
+
+    return shape_of(base.config)
+
+
+def kv_types(request: EvalRequest, base) -> list:
+    """The --kv-cache types for this artifact and model (exit 2 before work on a type the target lacks)."""
+    if request.kv_cache is None:
+        return []
+    from quantkit.eval import kv
+    from quantkit.formats import get_format
+
+    return kv.for_artifact(request.kv_cache, kv_shape(base), get_format(request.kind).engines, request.kv_engine)
+
+
+def show(request: EvalRequest, base, metrics, verdict, task_rows, llama_cpp, json_path: str | None,
+         kv_rows=None) -> None:
     """The tables on stdout (stderr with --json -), and the JSON."""
     from quantkit.cli.report import metrics_table, tasks_table, thresholds_table
 
@@ -172,6 +225,11 @@ def show(request: EvalRequest, base, metrics, verdict, task_rows, llama_cpp, jso
         console.print(tasks_table([(model.name, task_rows)], f"task accuracy (lm-eval) vs. {base.path}"))
     if any(c.threshold is not None for c in verdict.checks):
         console.print(thresholds_table(rows))
+    if kv_rows:
+        from quantkit.cli.report import kv_table
+
+        console.print(kv_table(kv_report(kv_rows, kv_shape(base)), f"KV cache of {model.name} (own: over the same "
+                                                                   f"weights; total: vs. {base.path})"))
     if llama_cpp:
         console.print(f"llama.cpp llama-perplexity on the same held-out text: PPL {llama_cpp['ppl']:.3f} "
                       f"± {llama_cpp['ppl_stderr']:.3f} ({llama_cpp['chunks']} chunks of {llama_cpp['context']} "
@@ -179,7 +237,17 @@ def show(request: EvalRequest, base, metrics, verdict, task_rows, llama_cpp, jso
     write_json(json_path, {"name": model.name, "kind": kind, "base": str(base.path), "metrics": metrics.as_dict(),
                            "gate": verdict.as_dict(),
                            **({"tasks": [r.as_dict() for r in task_rows]} if task_rows else {}),
-                           **({"llama_cpp": llama_cpp} if llama_cpp else {})})
+                           **({"llama_cpp": llama_cpp} if llama_cpp else {}),
+                           **({"kv_cache": kv_report(kv_rows, kv_shape(base))} if kv_rows else {})})
+
+
+def kv_report(rows, shape) -> dict:
+    """The report's KV-cache section: every type measured, and the smallest that passes."""
+    from quantkit.eval.kv.measure import smallest_passing
+
+    chosen = smallest_passing(rows)
+    return {"types": [r.as_dict(shape) for r in rows], "chosen": chosen.kind.name if chosen else None,
+            "serve_flags": list(chosen.kind.flag) if chosen else []}
 
 
 def cli_gate(values: dict):

@@ -215,6 +215,9 @@ class QuantizeGateFlags(GateFlags):
              "serve-check --help).").field()
     no_gate: bool = flag(bool, False, "--no-gate", panel=GATE,
                          help="Measure but do not enforce the gate (recorded).").field()
+    kv_engine: Optional[str] = flag(
+        str, None, "--kv-engine", panel=GATE, help="The engine --kv-cache auto targets: vllm | vllm-cpu | llama.cpp "
+        "| mlx (default: the artifact's).").field()
 
     def gate_fields(self) -> dict[str, Any]:
         serve = {"serve": {"engine": self.serve_check}} if self.serve_check else {}
@@ -333,9 +336,11 @@ METHOD_OPTIONS = Lazy("quantkit.run.recipe:MethodOptions", {
     "batch_size": method_flag(Optional[int], help="AutoRound calibration windows per tuning step (default 8)."),
     "double_quant": method_flag(Optional[bool], "--double-quant/--no-double-quant", help="NF4 double quantization."),
     "compute_dtype": method_flag(Optional[str], help="NF4 compute dtype."),
-    "kv_cache": method_flag(Optional[str], "--kv-cache", help="KV-cache precision stored in a compressed-tensors "
-                            "artifact (fp8, gptq, nvfp4, mxfp4): fp8 = calibrated per-layer FP8 k/v scales, served "
-                            "with vLLM's --kv-cache-dtype fp8; the gate reports the KV quantization's own KLD."),
+    "kv_cache": method_flag(Optional[str], "--kv-cache", help="fp8: calibrated per-layer FP8 k/v scales stored in a "
+                            "compressed-tensors artifact (fp8, gptq, nvfp4, mxfp4), served with vLLM's "
+                            "--kv-cache-dtype fp8. Any other value is measured by the gate: TYPE[,TYPE...] "
+                            "(vllm:turboquant_k3v4_nc, llama.cpp:q8_0/q4_0, mlx:4, ...) or auto (the smallest type "
+                            "of the target engine that passes goes into the serve command)."),
     "rotate": method_flag(Optional[str], "--rotate", help="Rotate before quantizing, through llm-compressor's "
                           "transform modifiers (gptq, autoround, smoothquant, fp8, nvfp4, mxfp4): none (default) | "
                           "hadamard (QuIP: random Hadamard on each quantized Linear's input, applied online by the "

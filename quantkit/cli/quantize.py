@@ -183,6 +183,7 @@ def parse(model: str | None, source: SourceFlags, target: TargetFlags, options, 
     from quantkit.run.pipeline import RunOptions
     from quantkit.run.recipe import Overrides, build_recipe
 
+    options, kv_fields = kv_cache_flags(options, gate.kv_engine)
     overrides = Overrides(
         model=model or source.model_opt, device=resources.device, dtype=resources.dtype,
         offload_dir=resources.offload_dir, strict_shapes=target.strict_shapes,
@@ -190,7 +191,7 @@ def parse(model: str | None, source: SourceFlags, target: TargetFlags, options, 
         push=dict(repo=source.push_to_hub, private=source.private or None), lora=source.lora,
         lora_weights=source.lora_weight, merge_base=source.merge_base, original_base=source.original_base,
         ignore=target.ignore, towers=target.towers(), calibration=calibration.calibration_fields(),
-        gate=gate.gate_fields(), method_options=options)
+        gate={**gate.gate_fields(), **kv_fields}, method_options=options)
     recipe = build_recipe(source.recipe, target.method, overrides)
     if gate.no_gate and not reports.quiet:
         err.print("warning: --no-gate: the quality gate is measured but not enforced (recorded in quantkit.json)",
@@ -200,6 +201,21 @@ def parse(model: str | None, source: SourceFlags, target: TargetFlags, options, 
         model=recipe.model, out=source.output, overwrite=source.overwrite, enforce_gate=not gate.no_gate,
         max_memory=resources.memory_bytes(), only=reports.targets(), skip_existing=reports.skip_existing,
         partial=reports.partial, ranks=ranks, progress=(lambda message: None) if reports.quiet or not ranks.is_main else log)
+
+
+def kv_cache_flags(options, kv_engine: str | None):
+    """--kv-cache fp8 stays the compressed-tensors methods' calibrated FP8 KV cache (method option, measured as
+    vLLM's fp8); any other value (a list of engine types, auto) is the gate's KV-cache measurement."""
+    from dataclasses import replace
+
+    from quantkit.errors import InputError
+
+    value = getattr(options, "kv_cache", None)
+    if value is None or value == "fp8":
+        if kv_engine is not None:
+            raise InputError("--kv-engine chooses the engine of --kv-cache auto", hint="add --kv-cache auto")
+        return options, {}
+    return replace(options, kv_cache=None), {"kv_cache": value, "kv_engine": kv_engine}
 
 
 def show_results(report, output: Path, reports: ReportFlags) -> None:

@@ -79,6 +79,10 @@ def print_report(report: RunReport, console: Console, out: Path, quiet: bool = F
             console.print(tasks_table(task_rows, "task accuracy (lm-eval) vs. the full-precision base"))
         if any(t.gate for t in report.targets):
             console.print(thresholds_table(rows))
+        for t in report.targets:
+            if section := t.details.get("kv_cache_types"):
+                console.print(kv_table(section, f"{t.name}: KV cache (own: over the same weights; total: vs. the "
+                                                "base)"))
     multi = len(report.recipe.get("targets") or []) > 1
     for t in report.targets:
         console.print(summary_line(t, out / t.name if multi else out), highlight=False, markup=False)
@@ -165,4 +169,21 @@ def serve_checks_table(report: ServeReport) -> Table:
         table.add_column(column)
     for c in report.checks:
         table.add_row(c.name, f"{c.value:.6g}", f"{c.op} {c.threshold:g}", "yes" if c.passed else "NO")
+    return table
+
+
+def kv_table(section: dict, title: str) -> Table:
+    """A report's KV-cache section (quantkit.eval.kv.measure: "types", "chosen"), one row per type: bytes per
+    token, its own damage over the same weights, the total against the base, and the chosen one marked."""
+    table = Table(title=title, title_justify="left")
+    table.add_column("KV type", overflow="fold", min_width=8)
+    for column in ("bytes/token", "vs 16-bit", "own KLD", "own Δppl", "own top-1", "total KLD", "total Δppl",
+                   "total top-1", "gate"):
+        table.add_column(column, justify="right", no_wrap=True)
+    for row in section["types"]:
+        own, total = row["own"], row["total"]
+        mark = ("PASS (chosen)" if row["type"] == section["chosen"] else "PASS") if row["passed"] else "FAIL"
+        table.add_row(row["type"], f"{row['bytes_per_token']:,.0f}", f"{1 - row['saving']:.0%}",
+                      f"{own['kld_mean']:.5f}", f"{own['ppl_increase']:+.2%}", f"{own['top1']:.2%}",
+                      f"{total['kld_mean']:.5f}", f"{total['ppl_increase']:+.2%}", f"{total['top1']:.2%}", mark)
     return table

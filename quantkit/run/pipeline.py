@@ -158,6 +158,7 @@ def prepare(recipe: Recipe, opts: RunOptions) -> tuple[ModelInfo, list[ResolvedT
     check_finite([*info.weight_files, *(Path(p) / "adapter_model.safetensors" for p in recipe.lora)])
     check_gate_tasks(recipe, targets, opts)
     check_serve_engines(targets, recipe.calibration.eval_windows)
+    check_kv_types(targets, info, recipe.calibration.eval_windows)
     return info, targets, placement
 
 
@@ -763,6 +764,37 @@ def check_serve_engines(targets: list[ResolvedTarget], eval_windows: int) -> Non
             pick_engine(t.method.format.kind, t.gate.serve.engine)
 
 
+def check_kv_types(targets: list[ResolvedTarget], info: ModelInfo, eval_windows: int) -> None:
+    """Before any work: every target's --kv-cache types exist for its engine and this model (exit 2)."""
+    from quantkit.eval import kv
+
+    for t in targets:
+        if t.gate.kv_cache is None:
+            continue
+        if eval_windows == 0:
+            raise InputError(f"target {t.name}: --kv-cache measures on the held-out windows, but eval_windows is 0",
+                             hint="raise --eval-windows, or drop --kv-cache")
+        kv.for_artifact(t.gate.kv_cache, kv.shape_of(info.config), t.method.format.engines, t.gate.kv_engine)
+
+
+def measure_kv_types(job: QuantizeJob, resolved: ResolvedTarget, artifact: Path, baseline, entry: TargetReport,
+                     opts: RunOptions) -> None:
+    """The gate's --kv-cache types on the final artifact (quantkit.eval.kv.measure) into
+    entry.details["kv_cache_types"]; the smallest passing type's flags go into the serve command."""
+    from quantkit.eval import kv
+    from quantkit.eval.kv.measure import measure_types, smallest_passing
+
+    gate, shape = resolved.gate, kv.shape_of(job.info.config)
+    kinds = kv.for_artifact(gate.kv_cache, shape, resolved.method.format.engines, gate.kv_engine)
+    opts.progress(f"[{resolved.name}] measuring {len(kinds)} KV-cache type(s)")
+    rows = measure_types(artifact, job.info.path, job.windows.eval, baseline, kinds, shape, gate, job.device,
+                         job.trust_remote_code, opts.progress)
+    chosen = smallest_passing(rows)
+    entry.details["kv_cache_types"] = {"types": [r.as_dict(shape) for r in rows],
+                                       "chosen": chosen.kind.name if chosen else None,
+                                       "serve_flags": list(chosen.kind.flag) if chosen else []}
+
+
 def measure_kv_cache(job: QuantizeJob, resolved: ResolvedTarget, artifact: Path, entry: TargetReport,
                      opts: RunOptions) -> None:
     """An artifact with a kv_cache_scheme: the KV quantization's own damage (the same weights with the
@@ -805,11 +837,14 @@ def run_target(job: QuantizeJob, resolved: ResolvedTarget, baseline, opts: RunOp
         run_fallback(job, resolved, result, entry, baseline, opts)
     with rank_zero_alone(job.ranks):  # the other ranks are done with this target
         measure_kv_cache(job, resolved, result.artifact, entry, opts)  # the final artifact's, after any fallback
+        if resolved.gate.kv_cache is not None:
+            measure_kv_types(job, resolved, result.artifact, baseline, entry, opts)
         if resolved.gate.serve is not None:
             serve_or_say_why_not(job, resolved, result.artifact, entry)
     if entry.failed_enforced_gate:
         entry.status, entry.exit_code = "failed", GateFailedError.exit_code
-    entry.details["serving"] = serving.artifact_plan(job.info, resolved.method, result.artifact, job.options)
+    entry.details["serving"] = serving.artifact_plan(job.info, resolved.method, result.artifact, job.options,
+                                                     (entry.details.get("kv_cache_types") or {}).get("serve_flags"))
     return entry
 
 

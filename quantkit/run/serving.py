@@ -206,9 +206,10 @@ class FormatPlan:
 
 
 def serving_plan(info, devices: list[Device], context: int, batch: int, kv_cache: str,
-                 methods: list[str] | None = None) -> dict:
-    """The plan for a model: the 16-bit checkpoint, then each method's artifact at its default options."""
-    per_token = kv_bytes_per_token(info.config, kv_cache)
+                 methods: list[str] | None = None, kv_per_token: int | None = None) -> dict:
+    """The plan for a model: the 16-bit checkpoint, then each method's artifact at its default options.
+    `kv_per_token`: the KV bytes per token of an engine's KV type (quantkit.eval.kv), instead of `kv_cache`'s."""
+    per_token = kv_per_token if kv_per_token is not None else kv_bytes_per_token(info.config, kv_cache)
     tokens = context * batch
     source = source_bytes(info)
     rows = [FormatPlan("source", f"16-bit ({info.dtype})", source,
@@ -248,7 +249,7 @@ CARD_DEVICES = ("H100", "A100-80G", "L40S", "L4", "RTX4090", "M3-Max-64G")
 CARD_CONTEXT = 4096
 
 
-def artifact_plan(info, method: MethodSpec, artifact, options=None) -> dict:
+def artifact_plan(info, method: MethodSpec, artifact, options=None, kv_flags: list[str] | None = None) -> dict:
     """A written artifact's line of the plan for its model card: its bytes on disk with an fp16 KV cache of
     CARD_CONTEXT tokens on the CARD_DEVICES (served by the runtimes of its `options`' scheme), and the
     command that serves it from its directory."""
@@ -263,4 +264,46 @@ def artifact_plan(info, method: MethodSpec, artifact, options=None) -> dict:
     fits = [fit(weights, per_token, CARD_CONTEXT, runtimes, DEVICES[name]) for name in CARD_DEVICES]
     return {"weights_bytes": weights, "context": CARD_CONTEXT, "kv_cache_bytes": per_token * CARD_CONTEXT,
             "devices": {f.device: {"verdict": f.verdict, "runtime": f.runtime} for f in fits},
-            "serve": method.format.serve_command(artifact.name if artifact.is_file() else ".")}
+            "serve": with_kv_flags(method.format.serve_command(artifact.name if artifact.is_file() else "."), kv_flags)}
+
+
+def with_kv_flags(command: str, kv_flags: list[str] | None) -> str:
+    """A serve command with the chosen KV-cache type's flags (quantkit.eval.kv: the engine's own spelling); a
+    command that already sets the KV-cache dtype keeps its own."""
+    if not kv_flags or "--kv-cache-dtype" in command:
+        return command
+    flags = " ".join(kv_flags)
+    first, sep, other = command.partition(" (or: ")
+    if other.startswith("mlx_lm.server"):  # the alternative takes the same flags; Ollama's does not
+        other = other.removesuffix(")") + f" {flags})"
+    return f"{first} {flags}{sep}{other}"
+
+
+def measured_kv_sections(report: dict) -> list[tuple[str, int | None, dict]]:
+    """(target name, its weights bytes or None, its KV-cache section) of a quantize report (quantkit.json:
+    details.kv_cache_types) or an eval JSON (kv_cache)."""
+    if "kv_cache" in report and isinstance(report["kv_cache"], dict) and "types" in report["kv_cache"]:
+        return [(report.get("name", "artifact"), None, report["kv_cache"])]
+    sections = []
+    for target in report.get("targets") or []:
+        details = target.get("details") or {}
+        if details.get("kv_cache_types"):
+            sections.append((target["name"], (details.get("serving") or {}).get("weights_bytes"),
+                             details["kv_cache_types"]))
+    return sections
+
+
+def kv_context_rows(weights: int, section: dict, devices: list[Device], batch: int) -> list[dict]:
+    """Per passing measured KV type: the largest context per sequence (`batch` sequences at once) each device
+    holds beside the weights (with the plan's overhead), and the type's serve flags."""
+    rows = []
+    for row in section["types"]:
+        if not row["passed"]:
+            continue
+        per_token = row["bytes_per_token"] * (1 + OVERHEAD)
+        held = math.ceil(weights * (1 + OVERHEAD))
+        contexts = {d.name: max(0, int((d.usable_bytes - held) / per_token / batch)) for d in devices}
+        rows.append({"type": row["type"], "bytes_per_token": row["bytes_per_token"],
+                     "kld_mean": row["total"]["kld_mean"], "serve_flags": row["serve_flags"],
+                     "chosen": row["type"] == section.get("chosen"), "max_context": contexts})
+    return rows
