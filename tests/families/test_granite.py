@@ -19,9 +19,9 @@ FAMILY = "granitemoehybrid"
 # as IBM's checkpoints store them (transformers 5 reads both; llama.cpp's converter, reading config.json
 # itself, only these)
 LAYER_TYPES = ["mamba", "attention"]
-SIZES = dict(shared_intermediate_size=512, num_local_experts=0, mamba_n_heads=8, mamba_d_head=64, mamba_d_state=64,
-             mamba_n_groups=1, mamba_expand=2, mamba_chunk_size=64, embedding_multiplier=12.0,
-             residual_multiplier=0.22, attention_multiplier=0.0078125, logits_scaling=8.0,
+SIZES = dict(shared_intermediate_size=512, num_local_experts=0, num_experts_per_tok=0, mamba_n_heads=8,
+             mamba_d_head=64, mamba_d_state=64, mamba_n_groups=1, mamba_expand=2, mamba_chunk_size=64,
+             embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0078125, logits_scaling=8.0,
              position_embedding_type="nope", tie_word_embeddings=True)
 
 
@@ -61,6 +61,13 @@ def test_gguf(cli, model, tmp_path):
     out = tmp_path / "out"
     entry = common.assert_passed(common.quantize(cli, model, out, "gguf", "--gguf-type", "Q4_K_M"), out)
     assert entry["details"]["gguf"]["type"] == "Q4_K_M"
+
+
+def test_gguf_refuses_a_dense_model_that_routes_to_experts(cli, model, tmp_path):
+    """transformers' default num_experts_per_tok (2) with no experts: a file llama.cpp refuses to load."""
+    variant = common.copy_with_config(model, tmp_path / "model", num_experts_per_tok=2)
+    out = tmp_path / "out"
+    common.assert_refused(common.quantize(cli, variant, out, "gguf"), out, "num_experts_per_tok")
 
 
 @pytest.mark.slow

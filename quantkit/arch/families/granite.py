@@ -163,8 +163,17 @@ def check_mamba_shape(arch: str, hp: dict) -> None:
 
 
 def check_dense(arch: str, hp: dict) -> None:
+    """The MoE variant is refused; a dense one must say it routes to no expert: the converter writes
+    num_experts_per_tok as expert_used_count, and llama.cpp refuses to load a file that uses more experts than it
+    has (GGML_ASSERT n_expert_used_max <= n_expert)."""
     if (hp.get("num_local_experts") or 0) > 0:
         raise UnsupportedError(MOE_REFUSAL.format(what=f"GGUF conversion of {arch}"), hint=MOE_HINT)
+    if (hp.get("num_experts_per_tok") or 0) > 0:
+        raise UnsupportedError(f"GGUF conversion of {arch}: num_experts_per_tok = {hp['num_experts_per_tok']} with no "
+                               "experts (llama.cpp's converter writes it as expert_used_count, and llama.cpp refuses "
+                               "to load a file that uses more experts than it has)",
+                               hint="set num_experts_per_tok to 0 in config.json, as IBM's dense Granite 4 "
+                                    "checkpoints have it")
 
 
 def minus_exp(data: np.ndarray, hp: dict, dtype: str) -> np.ndarray:
