@@ -46,6 +46,7 @@ def main() -> None:
     from quantkit.engines.transformers import load_tokenizer
     from quantkit.eval import evaluate, kv, scorers
     from quantkit.eval.kv.measure import measure_types
+    from quantkit.formats.gate import opened_for_kv
     from quantkit.io.checkpoint import check_model_dir
     from quantkit.run.calibration import make_windows
     from quantkit.run.recipe import Calibration, Gate
@@ -65,7 +66,8 @@ def main() -> None:
     gate_s = time.time() - started
     kinds = every_type(shape)
     started = time.time()
-    rows = measure_types(model, model, windows, baseline, kinds, shape, Gate(), progress=print)
+    reading, loaded = opened_for_kv(model, model, "cpu")
+    rows = measure_types(reading, loaded, windows, baseline, kinds, shape, Gate(), progress=print)
     kv_s = time.time() - started
     full = kv.bf16_bytes_per_token(shape)
     print(f"\n{model.name}: head_dim {shape.head_dim}, {shape.kv_heads} KV heads, {shape.layers} layers; "

@@ -59,7 +59,8 @@ def check_supported(info, method: str) -> None:
     if expert_count(info.config) and not is_moe(info.model_type):
         family = next((f for f in FAMILIES if f.model_type == info.model_type), None)
         if family is not None and family.moe_refusal:
-            raise UnsupportedError(family.moe_refusal.format(method=method))
+            raise UnsupportedError(family.moe_refusal.format(method=method),
+                                   hint=f"quantkit takes the dense checkpoints of {family.name or family.model_type}")
         raise UnsupportedError(
             f"{method}: mixture-of-experts architecture '{info.model_type}' is not supported",
             hint="supported MoE model types: " + ", ".join(sorted(MOE_LAYOUTS)) + "; or use gguf where it converts it")

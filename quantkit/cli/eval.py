@@ -183,6 +183,7 @@ def measure(request: EvalRequest, trust_remote_code: bool) -> tuple:
     kv_rows = None
     if kv_kinds:
         from quantkit.eval.kv.measure import measure_types
+        from quantkit.formats.gate import opened_for_kv
 
         kv_windows, kv_baseline = windows, baseline
         if r.kv_context and r.kv_context != seq_len:
@@ -191,8 +192,9 @@ def measure(request: EvalRequest, trust_remote_code: bool) -> tuple:
             progress(f"KV cache: the base on {len(kv_windows)} windows of {r.kv_context} tokens (streamed)")
             kv_baseline = scorers.base_baseline(base, kv_windows, device=r.device,
                                                 trust_remote_code=trust_remote_code, progress=progress)
-        kv_rows = measure_types(r.artifact, base.path, kv_windows, kv_baseline, kv_kinds, kv_shape(base), r.gate,
-                                r.device, trust_remote_code, progress)
+        reading, model = opened_for_kv(r.artifact, base.path, r.device, trust_remote_code)
+        kv_rows = measure_types(reading, model, kv_windows, kv_baseline, kv_kinds, kv_shape(base), r.gate, r.device,
+                                progress)
     return base, metrics, verdict, task_rows, llama_cpp, kv_rows
 
 

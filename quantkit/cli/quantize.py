@@ -209,9 +209,10 @@ def kv_cache_flags(options, kv_engine: str | None):
     from dataclasses import replace
 
     from quantkit.errors import InputError
+    from quantkit.eval.kv import CALIBRATED_FP8
 
     value = getattr(options, "kv_cache", None)
-    if value is None or value == "fp8":
+    if value is None or value == CALIBRATED_FP8:
         if kv_engine is not None:
             raise InputError("--kv-engine chooses the engine of --kv-cache auto", hint="add --kv-cache auto")
         return options, {}

@@ -89,3 +89,11 @@ def kv_only_metrics(artifact: Path, windows, device: str = "cpu", trust_remote_c
     for module in attention:
         module.quantization_enabled = True
     return compare(model_scorer(model), windows, without)
+
+
+def opened_for_kv(artifact: Path, base_dir: Path, device: str, trust_remote_code: bool = False):
+    """(reading, None) of an artifact the gate reads itself, else (None, the transformers model it loads as): what
+    the KV-cache measurement runs its types on (quantkit.eval.kv.measure.measure_types)."""
+    reading = artifact_reading(artifact, base_dir, trust_remote_code)
+    model = None if reading is not None else load_artifact(artifact, base_dir, device, trust_remote_code)
+    return reading, model

@@ -42,7 +42,7 @@ import numpy as np
 
 from quantkit.arch.families import gguf_conversions
 from quantkit.arch.families.base import Gguf, TensorRule
-from quantkit.arch.families.text import find, full_rope, rope_parameters, text_hparams
+from quantkit.arch.families.text import find, full_rope, rope_parameters, shift_norm, text_hparams
 from quantkit.errors import InputError, InternalError, UnsupportedError
 from quantkit.gguf import mixture, resume
 from quantkit.gguf.mixture import T
@@ -640,14 +640,6 @@ def read_rows(handle: SafetensorsRows, name: str, start: int, stop: int) -> np.n
     return handle.read(name, start, stop)
 
 
-def shift_norm(data: np.ndarray, source_dtype: str) -> np.ndarray:
-    """w + 1 as convert_hf_to_gguf.py computes it: in float32 for F32/BF16 sources (it casts bf16
-    to float32 before modify_tensors), in float16 for F16 sources (torch half add, then exact f32)."""
-    if source_dtype == "F16":
-        return (data.astype(np.float16) + np.float16(1)).astype(np.float32)
-    return data + np.float32(1)
-
-
 def whole(data) -> np.ndarray:
     """A SlabbedTensor's slabs joined (an expert's matrix, stacked with the others)."""
     return np.concatenate(list(data.slabs())) if isinstance(data, SlabbedTensor) else data
@@ -764,7 +756,7 @@ def convert(model_dir: Path, out_path: Path, gguf_type: str = "F16", imatrix: di
     spec = arch_spec(hp)
     writer = gguf.GGUFWriter(None, gguf_arch_name(spec))
     add_metadata(writer, hp, spec, name or Path(model_dir).name, ftype)
-    vocab = spec.set_vocab(writer, info.path, hp) if spec.set_vocab else add_vocab(writer, info.path, hp, spec.vocab)
+    vocab = add_vocab(writer, info.path, hp, spec.vocab)
     if spec.metadata_tensors:
         metadata_handles = open_handles(info.weight_files)
         try:

@@ -495,7 +495,8 @@ def legacy_type(piece: Piece, outtype: T) -> T:
 
 def piece_values(piece: Piece, data: np.ndarray) -> np.ndarray:
     """The float32 values of one piece from the rows of its source tensor source_rows names (float32 as read)."""
-    from quantkit.gguf.convert import permute, shift_norm
+    from quantkit.arch.families.text import shift_norm
+    from quantkit.gguf.convert import permute
 
     if piece.heads:
         data = permute(data, piece.heads)

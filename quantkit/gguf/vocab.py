@@ -12,6 +12,8 @@ below names them and `add_vocab(writer, model_dir, hparams, kind)` follows the s
   * "gemma3": tokenizer.model (add_space_prefix false) if present, else BPE;
   * "phi3": BPE when tokenizer_config.json says GPT2Tokenizer (Phi-4), else Phi3MiniModel's own
     SentencePiece reading (added tokens from tokenizer_config.json and tokenizer.json);
+  * "ernie4_5" (Ernie4_5Model): tokenizer.model alone, add_space_prefix from tokenizer_config.json;
+  * "hunyuan" (HunYuanModel): BPE from tokenizer.json, eos from eod_token_id, eot from generation_config.json;
   * "gemma4" (Gemma4Model): tokenizer.json through gguf-py's LlamaHfVocab under llama.cpp's "gemma4"
     tokenizer (add_space_prefix false, BOS always added; the chat-channel tokens USER_DEFINED).
 
@@ -144,7 +146,7 @@ KNOWN_PRE_HASHES: dict[str, str] = {
 }
 CHKTXT = '\n \n\n \n\n\n \t \t\t \t\n  \n   \n    \n     \n🚀 (normal) 😶\u200d🌫️ (multiple emojis concatenated) ✅ 🦙🦙 3 33 333 3333 33333 333333 3333333 33333333 3.3 3..3 3...3 កាន់តែពិសេសអាច😁 ?我想在apple工作1314151天～ ------======= нещо на Български \'\'\'\'\'\'```````""""......!!!!!!?????? I\'ve been \'told he\'s there, \'RE you sure? \'M not sure I\'ll make it, \'D you like some tea? We\'Ve a\'lL'
 
-VOCAB_KINDS = ("llama", "qwen2", "gemma", "gemma2", "gemma3", "phi3", "gpt2", "gemma4")
+VOCAB_KINDS = ("llama", "qwen2", "gemma", "gemma2", "gemma3", "phi3", "gpt2", "gemma4", "ernie4_5", "hunyuan")
 SPM_PAD_SCORE = -10000.0  # ids of the config's vocabulary that the tokenizer.model lacks
 ADDED_SCORE = -1000.0
 CONTROL, USER_DEFINED, UNUSED = 3, 4, 5  # gguf.TokenType values (SentencePieceTokenTypes in the converter)
@@ -174,6 +176,10 @@ def add_vocab(writer, model_dir: Path, hparams: dict, kind: str) -> VocabInfo:
         info = add_phi3_vocab(writer, model_dir, hparams)
     elif kind == "gemma4":
         info = add_gemma4_vocab(writer, model_dir)
+    elif kind == "ernie4_5":
+        return add_ernie_vocab(writer, model_dir, hparams)
+    elif kind == "hunyuan":
+        info = add_hunyuan_vocab(writer, model_dir, hparams)
     else:
         has_spm = (model_dir / "tokenizer.model").is_file()
         info = add_sentencepiece_vocab(writer, model_dir, hparams) if has_spm else add_bpe_vocab(writer, model_dir,
@@ -184,6 +190,29 @@ def add_vocab(writer, model_dir: Path, hparams: dict, kind: str) -> VocabInfo:
             writer.add_add_space_prefix(False)
     if info.pre_source == "spm":
         info.warnings += sentencepiece_warnings(model_dir, kind)
+    return info
+
+
+def add_ernie_vocab(writer, model_dir: Path, hparams: dict) -> VocabInfo:
+    """Ernie4_5Model.set_vocab: the SentencePiece tokenizer.model (the family's vocab_check requires it), then
+    add_space_prefix where tokenizer_config.json states add_prefix_space."""
+    info = add_sentencepiece_vocab(writer, model_dir, hparams)
+    config = read_json(model_dir / "tokenizer_config.json")
+    if "add_prefix_space" in config:
+        writer.add_add_space_prefix(config["add_prefix_space"])
+    info.warnings += sentencepiece_warnings(model_dir, "llama")  # llama.cpp's default: a prefix space
+    return info
+
+
+def add_hunyuan_vocab(writer, model_dir: Path, hparams: dict) -> VocabInfo:
+    """HunYuanModel.set_vocab (tokenizer.json: the family's vocab_check requires it): TextModel's BPE vocabulary
+    and merges, eos <- eod_token_id, eot <- generation_config.json's first eos id where it lists two or more."""
+    info = add_bpe_vocab(writer, model_dir, hparams)
+    if hparams.get("eod_token_id") is not None:
+        writer.add_eos_token_id(hparams["eod_token_id"])
+    eos = read_json(model_dir / "generation_config.json").get("eos_token_id")
+    if isinstance(eos, list) and len(eos) >= 2:
+        writer.add_eot_token_id(eos[0])
     return info
 
 

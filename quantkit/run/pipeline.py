@@ -787,8 +787,10 @@ def measure_kv_types(job: QuantizeJob, resolved: ResolvedTarget, artifact: Path,
     gate, shape = resolved.gate, kv.shape_of(job.info.config)
     kinds = kv.for_artifact(gate.kv_cache, shape, resolved.method.format.engines, gate.kv_engine)
     opts.progress(f"[{resolved.name}] measuring {len(kinds)} KV-cache type(s)")
-    rows = measure_types(artifact, job.info.path, job.windows.eval, baseline, kinds, shape, gate, job.device,
-                         job.trust_remote_code, opts.progress)
+    from quantkit.formats.gate import opened_for_kv
+
+    reading, model = opened_for_kv(artifact, job.info.path, job.device, job.trust_remote_code)
+    rows = measure_types(reading, model, job.windows.eval, baseline, kinds, shape, gate, job.device, opts.progress)
     chosen = smallest_passing(rows)
     entry.details["kv_cache_types"] = {"types": [r.as_dict(shape) for r in rows],
                                        "chosen": chosen.kind.name if chosen else None,

@@ -163,9 +163,7 @@ class Gguf:
     blocks: Callable[[Hparams], int] | None = None
     mrope_optional: bool = False  # Qwen3.5: mrope_section in the RoPE parameters or not (the converter writes
     # default sections where there are none)
-    # the class's own set_vocab(writer, model dir, hparams) -> quantkit.gguf.vocab.VocabInfo; None: `vocab`'s kind
-    set_vocab: Callable[[object, Path, Hparams], object] | None = None
-    # vocab_check(model dir, hparams): refuses before work (UnsupportedError) what set_vocab cannot write
+    # vocab_check(model dir, hparams): refuses before work (UnsupportedError) what the class's set_vocab cannot write
     vocab_check: Callable[[Path, Hparams], None] | None = None
     # per-layer scalar tensors the converter writes as metadata arrays instead of tensors (Apertus' xIELU)
     metadata_tensors: tuple[MetadataTensor, ...] = ()

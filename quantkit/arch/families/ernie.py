@@ -38,24 +38,10 @@ def check_tokenizer_model(model_dir: Path, hp: dict) -> None:
                                     "directory")
 
 
-def ernie_vocab(writer, model_dir: Path, hp: dict):
-    """Ernie4_5Model.set_vocab: the SentencePiece vocabulary, then add_space_prefix where tokenizer_config.json
-    states add_prefix_space."""
-    from quantkit.gguf import vocab
-
-    check_tokenizer_model(model_dir, hp)
-    info = vocab.add_sentencepiece_vocab(writer, Path(model_dir), hp)
-    config = vocab.read_json(Path(model_dir) / "tokenizer_config.json")
-    if "add_prefix_space" in config:
-        writer.add_add_space_prefix(config["add_prefix_space"])
-    info.warnings += vocab.sentencepiece_warnings(Path(model_dir), "llama")  # llama.cpp's default: a prefix space
-    return info
-
-
 ERNIE4_5 = Family(
     "ernie4_5", ARCH, "ERNIE 4.5",
     smoothing=LLAMA_LIKE,
-    gguf={ARCH: Gguf("ERNIE4_5", text.add_text_params, "ernie4_5", checks=(check_no_bias,), set_vocab=ernie_vocab,
+    gguf={ARCH: Gguf("ERNIE4_5", text.add_text_params, "ernie4_5", checks=(check_no_bias,),
                      vocab_check=check_tokenizer_model)},
     mlx="ernie4_5",
 )

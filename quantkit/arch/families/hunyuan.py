@@ -92,22 +92,6 @@ def check_tokenizer_json(model_dir: Path, hp: dict) -> None:
                                hint="set pad_token_id to a token id (or null) in config.json")
 
 
-def hunyuan_vocab(writer, model_dir: Path, hp: dict):
-    """HunYuanModel.set_vocab (tokenizer.json): TextModel's BPE vocabulary and merges, eos <- eod_token_id, eot <-
-    generation_config.json's first eos id where it lists two or more."""
-    from quantkit.gguf import vocab
-
-    model_dir = Path(model_dir)
-    check_tokenizer_json(model_dir, hp)
-    info = vocab.add_bpe_vocab(writer, model_dir, hp)
-    if hp.get("eod_token_id") is not None:
-        writer.add_eos_token_id(hp["eod_token_id"])
-    eos = vocab.read_json(model_dir / "generation_config.json").get("eos_token_id")
-    if isinstance(eos, list) and len(eos) >= 2:
-        writer.add_eot_token_id(eos[0])
-    return info
-
-
 def mlx_rope_scaling(config: dict) -> dict:
     """mlx-lm's hunyuan_v1_dense reads alpha from a top-level rope_scaling with alpha, factor and type."""
     rope = config.get("rope_parameters") or {}
@@ -119,8 +103,8 @@ def mlx_rope_scaling(config: dict) -> dict:
 HUNYUAN_DENSE = Family(
     "hunyuan_v1_dense", ARCH, "Hunyuan",
     smoothing=LLAMA_LIKE,
-    gguf={ARCH: Gguf("HUNYUAN_DENSE", add_hunyuan_params, "gpt2", rope_types=("default", "dynamic"),
-                     checks=(check_dynamic_rope,), set_vocab=hunyuan_vocab, vocab_check=check_tokenizer_json,
+    gguf={ARCH: Gguf("HUNYUAN_DENSE", add_hunyuan_params, "hunyuan", rope_types=("default", "dynamic"),
+                     checks=(check_dynamic_rope,), vocab_check=check_tokenizer_json,
                      own_names=True)},
     mlx="hunyuan_v1_dense",
     mlx_fields=mlx_rope_scaling,

@@ -160,9 +160,7 @@ def mtp_target(name: str, hp: dict) -> str:
 
 
 def shift(x, hp, dtype):
-    from quantkit.gguf.convert import shift_norm
-
-    return shift_norm(x, dtype)
+    return text.shift_norm(x, dtype)
 
 
 def unshift(x, hp):

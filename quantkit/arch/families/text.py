@@ -7,6 +7,8 @@ The family modules build on these the way the converter's model classes build on
 
 from __future__ import annotations
 
+import numpy as np
+
 # ---------------------------------------------------------------- hyperparameters as the converter reads them
 
 
@@ -167,3 +169,11 @@ def standardize_one(hp: dict, rope: dict, entry: dict, own_context: bool) -> Non
             rope["original_max_position_embeddings"] = hp["original_max_position_embeddings"]
         else:
             rope.setdefault("original_max_position_embeddings", hp["max_position_embeddings"])
+
+
+def shift_norm(data: np.ndarray, source_dtype: str) -> np.ndarray:
+    """w + 1 as convert_hf_to_gguf.py computes it: in float32 for F32/BF16 sources (it casts bf16
+    to float32 before modify_tensors), in float16 for F16 sources (torch half add, then exact f32)."""
+    if source_dtype == "F16":
+        return (data.astype(np.float16) + np.float16(1)).astype(np.float32)
+    return data + np.float32(1)

@@ -105,7 +105,7 @@ def vllm_type(name: str, shape: Shape, k_scale: float = 1.0, v_scale: float = 1.
     d = shape.head_dim
     flag = ("--kv-cache-dtype", name)
     kb, vb = vllm.key_bytes(name, d), vllm.value_bytes(name, d)
-    if name in ("fp8", "fp8_e4m3", "fp8_e5m2"):
+    if name in vllm.FP8:
         e5m2 = name == "fp8_e5m2"
         return KvType("vllm", f"vllm:{name}", flag, key=partial(vllm.fp8_round_trip, scale=k_scale, e5m2=e5m2),
                       value=partial(vllm.fp8_round_trip, scale=v_scale, e5m2=e5m2), key_bytes=kb, value_bytes=vb)
@@ -122,7 +122,7 @@ def vllm_type(name: str, shape: Shape, k_scale: float = 1.0, v_scale: float = 1.
     check_power_of_two(name, d)
     k_bits, v_bits, nc = vllm.TURBOQUANT[name]
     key = partial(vllm.fp8_round_trip, scale=1.0) if k_bits == 8 else partial(
-        vllm.tq_key_round_trip, bits=k_bits, norm_correction=nc)
+        vllm.tq_key_round_trip, lloyd=vllm.lloyd_max(d, k_bits), norm_correction=nc)
     return KvType("vllm", f"vllm:{name}", flag, key=key, value=partial(vllm.tq_value_round_trip, bits=v_bits),
                   key_bytes=kb, value_bytes=vb, skip=vllm.boundary_skip_layers(shape.layers), raw_prefill=True)
 
@@ -133,16 +133,27 @@ def check_power_of_two(name: str, head_dim: int) -> None:
                                f"a power of two >= 16; this model's is {head_dim}", hint="choose vllm:fp8")
 
 
+# --kv-cache fp8 on quantize: the compressed-tensors methods' calibrated FP8 KV cache (scales in the artifact)
+CALIBRATED_FP8 = "fp8"
+
+
 def offered(engine: str, shape: Shape) -> list[str]:
-    """Every type an engine offers, as --kv-cache spells it (16-bit excluded)."""
-    if engine == "llama.cpp":
-        quant = [t for t in llamacpp.TYPES if t != "f16"]
-        pairs = [f"llama.cpp:{t}" for t in quant] + [f"llama.cpp:q8_0/{t}" for t in quant if t != "q8_0"]
-        return pairs
-    if engine == "mlx":
-        return [f"mlx:{b}" for b in mlx.BITS]
-    types = [t for t in vllm.TYPES if t != "fp8_e4m3"]
-    return [f"vllm:{t}" for t in types]
+    """Every type an engine offers, as --kv-cache spells it (16-bit excluded); vLLM's for vllm-cpu too."""
+    by_engine = {"llama.cpp": llamacpp_offered, "mlx": mlx_offered, "vllm": vllm_offered}
+    return by_engine.get(engine, vllm_offered)()
+
+
+def llamacpp_offered() -> list[str]:
+    quant = [t for t in llamacpp.TYPES if t != "f16"]
+    return [f"llama.cpp:{t}" for t in quant] + [f"llama.cpp:q8_0/{t}" for t in quant if t != "q8_0"]
+
+
+def mlx_offered() -> list[str]:
+    return [f"mlx:{b}" for b in mlx.BITS]
+
+
+def vllm_offered() -> list[str]:
+    return [f"vllm:{t}" for t in vllm.TYPES if t != "fp8_e4m3"]
 
 
 def valid_names() -> str:

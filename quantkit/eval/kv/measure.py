@@ -92,17 +92,16 @@ def passes(own, total, gate) -> bool:
     return verdict.passed and (thresholds or own.kld_mean <= DEFAULT_MAX_KLD)
 
 
-def measure_types(artifact: Path, base_dir: Path, windows, baseline, kinds: list[KvType], shape: Shape, gate,
-                  device: str = "cpu", trust_remote_code: bool = False, progress=lambda _m: None) -> list[KvRow]:
-    """One row per KV type: its bytes per token, its own damage and the total, and whether it passes."""
+def measure_types(reading, model, windows, baseline, kinds: list[KvType], shape: Shape, gate, device: str = "cpu",
+                  progress=lambda _m: None) -> list[KvRow]:
+    """One row per KV type: its bytes per token, its own damage and the total, and whether it passes. The artifact
+    is read as the gate reads it: its `reading` (quantkit.formats.gate.artifact_reading), or where it has none, the
+    transformers `model` it loads as (load_artifact)."""
     import torch
 
     from quantkit.eval.evaluate import compare, compute_baseline, model_scorer
-    from quantkit.formats.gate import artifact_reading, load_artifact
     from quantkit.eval.scorers import reading_scorer
 
-    reading = artifact_reading(artifact, base_dir, trust_remote_code)
-    model = None if reading is not None else load_artifact(artifact, base_dir, device, trust_remote_code)
     config = reading.config if reading is not None else model.config
     implementation = implementation_of(config)
     prefill = windows.shape[1] // 2

@@ -77,9 +77,9 @@ def test_lloyd_max_matches_gaussian_quantizer():
 
 def test_turboquant_key_is_norm_times_unit_codebook_vector():
     k = keys(2, (7, 1, 128))
-    out = vllm.tq_key_round_trip(k, 3, norm_correction=True).float()
+    out = vllm.tq_key_round_trip(k, vllm.lloyd_max(k.shape[-1], 3), norm_correction=True).float()
     np.testing.assert_allclose(out.norm(dim=-1).numpy(), k.float().norm(dim=-1).numpy(), rtol=1e-2)  # fp16 norm, unit codebook vector
-    idx, _ = vllm.tq_key_codes(k, 3)
+    idx, _ = vllm.tq_key_codes(k, vllm.lloyd_max(k.shape[-1], 3))
     assert idx.min() >= 0 and idx.max() <= 7
     cos = torch.nn.functional.cosine_similarity(out, k.float(), dim=-1)
     assert cos.min() > 0.9

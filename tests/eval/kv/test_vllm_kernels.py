@@ -85,7 +85,7 @@ def test_store_kernel_codes_are_ours(engine, preset):
     k_bits, v_bits, _ = vllm.TURBOQUANT[preset]
     d = k.shape[-1]
     mse = -(-d * k_bits // 8)
-    idx, norms = vllm.tq_key_codes(k, k_bits)
+    idx, norms = vllm.tq_key_codes(k, vllm.lloyd_max(k.shape[-1], k_bits))
     np.testing.assert_array_equal(unpack(cache[..., :mse], k_bits, d), idx.numpy())
     np.testing.assert_array_equal(cache[..., mse:mse + 2].copy().view(np.float16)[..., 0], norms[..., 0].numpy())
     q, scale, lo = vllm.tq_value_codes(v, v_bits)
