@@ -97,8 +97,10 @@ def run_case(cli, model_dir, kind: str, method: str, tmp_path):
     return out
 
 
-@pytest.mark.parametrize("kind,method", [("mllama", "gptq"), ("gemma3", "gptq"), ("gemma3", "awq"),
-                                         ("gemma3", "smoothquant"), ("mllama", "awq"), ("gemma3", "mlx")])
+@pytest.mark.parametrize("kind,method", [pytest.param("mllama", "gptq", marks=pytest.mark.slow), ("gemma3", "gptq"),
+                                         pytest.param("gemma3", "awq", marks=pytest.mark.slow),
+                                         pytest.param("gemma3", "smoothquant", marks=pytest.mark.slow),
+                                         ("mllama", "awq"), ("gemma3", "mlx")])
 def test_representative_family_cases(cli, family_model, tmp_path, kind, method):
     out = run_case(cli, family_model(kind), kind, method, tmp_path)
     if kind == "mllama" and out is not None:  # the projector is one Linear: stored 16-bit, not packed

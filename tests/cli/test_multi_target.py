@@ -50,6 +50,7 @@ def test_only_unknown_name_lists_the_targets_before_work(cli, micro_model, tmp_p
     assert leftovers(tmp_path, "dist") == []
 
 
+@pytest.mark.slow
 def test_skip_existing_skips_up_to_date_targets_and_reruns_changed_ones(cli, micro_model, model_copy, tmp_path):
     recipe, out = write_recipe(tmp_path), tmp_path / "dist"
     assert cli("quantize", model_copy, "--recipe", recipe, "-o", out, *FAST_CALIB).exit_code == 0

@@ -52,7 +52,7 @@ def same_files(a, b, names) -> None:
 
 
 @pytest.mark.parametrize("signal, after, code", [
-    ("KILL", 8, -9),
+    pytest.param("KILL", 8, -9, marks=pytest.mark.slow),
     ("TERM", 3, 143),
     pytest.param("KILL", 5, -9, marks=pytest.mark.slow),  # 25%
     pytest.param("KILL", 19, -9, marks=pytest.mark.slow),  # 90%
@@ -193,7 +193,8 @@ def toy_moe(tmp_path_factory):
     return build_moe("qwen3_moe", tmp_path_factory.mktemp("moe") / "qwen3_moe")
 
 
-@pytest.mark.parametrize("model, scheme", [("micro_model", "fp8-dynamic"), ("toy_moe", "fp8-block")])
+@pytest.mark.parametrize("model, scheme", [("micro_model", "fp8-dynamic"),
+                                           pytest.param("toy_moe", "fp8-block", marks=pytest.mark.slow)])
 def test_fp8_model_free_resumes_after_its_last_shard(cli, request, tmp_path_factory, tmp_path, model, scheme):
     """fp8's model-free paths (fp8-dynamic on a dense model, fp8-block on an MoE one by its checkpoint names):
     each artifact here is one shard; killed after it, the resumed run writes no weight again."""
@@ -288,7 +289,7 @@ def assert_saved_progress_within_the_estimate(micro_model, out, name: str) -> No
 @pytest.mark.parametrize("name, after", [
     ("gptq", 1),
     pytest.param("gptq", 2, marks=pytest.mark.slow),
-    ("awq", 1),  # a smoothing method: its scales resumed with the layers
+    pytest.param("awq", 1, marks=pytest.mark.slow),  # a smoothing method: its scales resumed with the layers
     pytest.param("smoothquant", 1, marks=pytest.mark.slow),
     pytest.param("autoround", 1, marks=pytest.mark.slow),
     pytest.param("nvfp4", 1, marks=pytest.mark.slow),

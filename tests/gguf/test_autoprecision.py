@@ -181,6 +181,7 @@ def auto_out(cli, sharp, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_auto_precision_keeps_the_mixture_size(auto_out, sharp):
     from quantkit.gguf.convert import convert
 

@@ -20,7 +20,7 @@ def plain_kld(cli, model, method: str, tmp_path) -> float:
     return json.loads(json_path.read_text())["targets"][0]["metrics"]["kld_mean"]
 
 
-@pytest.mark.parametrize("method", ["fp8", "nf4", pytest.param("smoothquant", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("method", ["fp8", *(pytest.param(m, marks=pytest.mark.slow) for m in ("nf4", "smoothquant"))])
 def test_fallback_keeps_the_worst_layers_16_bit_until_the_gate_passes(cli, odd_model, tmp_path, method):
     from transformers import AutoModelForCausalLM
 
