@@ -200,20 +200,22 @@ def assert_serves_as_read(cli, artifact: Path, tmp_path: Path, engine: str, *arg
 # ---------------------------------------------------------------- smoothing rows preserve the function
 
 
-def smoothed_kld(model_dir: Path, rows, low: float = 0.1, high: float = 10.0, seed: int = 0) -> float:
-    """KL divergence (nats per token, float32) of the model at `model_dir` after every row of `rows` (smoothing
-    Mappings) divides its smooth layer's output channels by a random s in [low, high] and multiplies its balance
-    layers' input columns by s, inside llm-compressor's norm_calibration_context (which turns offset norms, Gemma's
-    x * (1 + w), into plain ones while AWQ and SmoothQuant smooth, and back afterwards), against the model as it
-    was. A row whose smooth layer's output reaches any layer outside its balance layers changes the function; a
-    row llm-compressor would skip (the balance layers' width is not the smooth layer's) is skipped."""
+def smoothed_kld(model_dir: Path, rows, low: float = 0.1, high: float = 10.0, seed: int = 0,
+                 dtype: str = "float32") -> float:
+    """KL divergence (nats per token) of the model at `model_dir`, loaded in `dtype` (a run smooths the model in
+    the checkpoint's dtype), after every row of `rows` (smoothing Mappings) divides its smooth layer's output
+    channels by a random s in [low, high] and multiplies its balance layers' input columns by s, inside
+    llm-compressor's norm_calibration_context (which turns offset norms, Gemma's x * (1 + w), into plain ones
+    while AWQ and SmoothQuant smooth, and back afterwards), against the model as it was. A row whose smooth
+    layer's output reaches any layer outside its balance layers changes the function; a row llm-compressor would
+    skip (the balance layers' width is not the smooth layer's) is skipped."""
     import torch
     from llmcompressor.modeling.offset_norm import norm_calibration_context
     from transformers import AutoModelForCausalLM
 
     ids = torch.randint(0, 200, (2, 32), generator=torch.Generator().manual_seed(seed))
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad(), norm_calibration_context(model):
         for row in rows:
