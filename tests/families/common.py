@@ -26,6 +26,10 @@ from tests.methods.conftest import assert_nothing_written, report
 COMMON = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=4096, rms_norm_eps=1e-5)
 CALIB = ["--num-samples", "16", "--seq-len", "64", "--eval-windows", "2"]
+# the compressed-tensors methods and nf4 with their tiny-model flags, and those the fast suite runs per family
+COMPRESSED = {"fp8": [], "gptq": [], "awq": [], "autoround": ["--iters", "2"], "smoothquant": [], "nvfp4": [],
+              "mxfp4": [], "nf4": []}
+FAST = ("fp8", "gptq")
 # random weights: the gate is loosened; every proof below holds whatever the gate says
 LOOSE_GATE = ["--max-kld", "10", "--max-ppl-increase", "100", "--min-top1", "0"]
 
@@ -277,3 +281,43 @@ def build_with_tokenizer(out: Path, config_class: str, model_class: str, write_t
                     p.add_(norm_center - p.mean())
     model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
     return out
+
+
+# ---------------------------------------------------------------- each proof as one test body
+
+
+def method_params(compressed: dict, fast: tuple[str, ...]) -> list:
+    """The compressed-tensors and nf4 methods of a family module as pytest parameters: `fast` in the fast
+    suite, the others slow."""
+    import pytest
+
+    return [pytest.param(m, marks=() if m in fast else pytest.mark.slow) for m in compressed]
+
+
+def assert_reloads_strictly(cli, model: Path, tmp_path: Path, method: str, *args: str) -> Path:
+    """`method` exits 0 with an artifact transformers reloads strictly; the artifact."""
+    out = tmp_path / "out"
+    assert_passed(quantize(cli, model, out, method, *args), out)
+    assert_strict_reload(out)
+    return out
+
+
+def assert_gguf_is_llama_cpp_s(model: Path, tmp_path: Path, pre: str | None = "gpt-2") -> None:
+    """bf16 equal to the converter's, Q4_K_M and IQ4_XS equal to llama-quantize's, each loaded by llama-perplexity."""
+    _ours, theirs = assert_gguf_equals_converter(model, tmp_path, "bf16", pre)
+    for path in assert_quantized_equals_llama_quantize(model, theirs, tmp_path):
+        assert_llama_perplexity_runs(path, tmp_path)
+
+
+def assert_mlx_lm_reads_it(cli, model: Path, tmp_path: Path) -> None:
+    """mlx at 4 bits exits 0 and mlx-lm's logits follow quantkit's reading."""
+    out = tmp_path / "out"
+    assert_passed(quantize(cli, model, out, "mlx", "--bits", "4", gate=False), out)
+    assert_mlx_lm_reads_as_quantkit(out)
+
+
+def assert_vllm_serves_it(cli, model: Path, tmp_path: Path, method: str) -> None:
+    """`method`'s artifact passes `quantkit serve-check` in vLLM."""
+    out = tmp_path / "out"
+    assert_passed(quantize(cli, model, out, method), out)
+    assert_serves_as_read(cli, out, tmp_path, "vllm")

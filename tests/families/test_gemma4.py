@@ -115,14 +115,10 @@ def test_gguf_equals_llama_cpp(model, tmp_path):
 
 @pytest.mark.slow
 def test_mlx_lm_reads_it_as_quantkit(cli, model, tmp_path):
-    out = tmp_path / "out"
-    common.assert_passed(common.quantize(cli, model, out, "mlx", "--bits", "4", gate=False), out)
-    common.assert_mlx_lm_reads_as_quantkit(out)
+    common.assert_mlx_lm_reads_it(cli, model, tmp_path)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["fp8", "gptq"])
 def test_vllm_serves_it_as_the_gate_read_it(cli, model, tmp_path, method):
-    out = tmp_path / "out"
-    common.assert_passed(common.quantize(cli, model, out, method), out)
-    common.assert_serves_as_read(cli, out, tmp_path, "vllm")
+    common.assert_vllm_serves_it(cli, model, tmp_path, method)

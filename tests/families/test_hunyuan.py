@@ -35,16 +35,12 @@ def model(tmp_path_factory) -> Path:
     return build(tmp_path_factory.mktemp(FAMILY) / "model")
 
 
-COMPRESSED = {"fp8": [], "gptq": [], "awq": [], "autoround": ["--iters", "2"], "smoothquant": [], "nvfp4": [],
-              "mxfp4": [], "nf4": []}
-FAST = ("fp8", "gptq")
+COMPRESSED, FAST = common.COMPRESSED, common.FAST
 
 
-@pytest.mark.parametrize("method", [pytest.param(m, marks=() if m in FAST else pytest.mark.slow) for m in COMPRESSED])
+@pytest.mark.parametrize("method", common.method_params(COMPRESSED, FAST))
 def test_compressed_tensors_and_nf4_reload_strictly(cli, model, tmp_path, method):
-    out = tmp_path / "out"
-    common.assert_passed(common.quantize(cli, model, out, method, *COMPRESSED[method]), out)
-    common.assert_strict_reload(out)
+    common.assert_reloads_strictly(cli, model, tmp_path, method, *COMPRESSED[method])
 
 
 def test_gguf(cli, model, tmp_path):
@@ -87,9 +83,7 @@ def test_gguf_refuses_a_dynamic_rope_the_converter_asserts_against(cli, model, t
 
 @pytest.mark.slow
 def test_gguf_equals_llama_cpp(model, tmp_path):
-    ours, theirs = common.assert_gguf_equals_converter(model, tmp_path, "bf16")
-    for path in common.assert_quantized_equals_llama_quantize(model, theirs, tmp_path):
-        common.assert_llama_perplexity_runs(path, tmp_path)
+    common.assert_gguf_is_llama_cpp_s(model, tmp_path)
 
 
 @pytest.mark.slow
@@ -104,9 +98,7 @@ def test_mlx_lm_reads_it_as_quantkit(cli, model, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["fp8", "gptq"])
 def test_vllm_serves_it_as_the_gate_read_it(cli, model, tmp_path, method):
-    out = tmp_path / "out"
-    common.assert_passed(common.quantize(cli, model, out, method), out)
-    common.assert_serves_as_read(cli, out, tmp_path, "vllm")
+    common.assert_vllm_serves_it(cli, model, tmp_path, method)
 
 
 @pytest.fixture(scope="module")

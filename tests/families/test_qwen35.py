@@ -31,9 +31,7 @@ def model(tmp_path_factory) -> Path:
     return build(tmp_path_factory.mktemp(FAMILY) / "model")
 
 
-COMPRESSED = {"fp8": [], "gptq": [], "awq": [], "autoround": ["--iters", "2"], "smoothquant": [], "nvfp4": [],
-              "mxfp4": [], "nf4": []}
-FAST = ("fp8", "gptq")
+COMPRESSED, FAST = common.COMPRESSED, common.FAST
 KEPT = {f"model.layers.0.linear_attn.in_proj_{g}" for g in "ab"}
 
 
@@ -182,6 +180,4 @@ def test_mlx_is_refused_naming_what_mlx_lm_lacks(cli, model, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["fp8", "gptq"])
 def test_vllm_serves_it_as_the_gate_read_it(cli, model, tmp_path, method):
-    out = tmp_path / "out"
-    common.assert_passed(common.quantize(cli, model, out, method), out)
-    common.assert_serves_as_read(cli, out, tmp_path, "vllm")
+    common.assert_vllm_serves_it(cli, model, tmp_path, method)
