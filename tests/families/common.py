@@ -36,17 +36,26 @@ LOOSE_GATE = ["--max-kld", "10", "--max-ppl-increase", "100", "--min-top1", "0"]
 __all__ = ["COMMON", "CALIB", "LOOSE_GATE", "assert_nothing_written", "report"]
 
 
-def build(out: Path, config_class: str, model_class: str, seed: int = 0, **config) -> Path:
-    """A random `model_class` checkpoint of `config_class(**COMMON, **config)` with the toy BPE tokenizer, in bf16."""
+def build(out: Path, config_class: str, model_class: str, seed: int = 0, write_tokenizer=write_bpe_tokenizer,
+          norm_center: float | None = None, **config) -> Path:
+    """A random `model_class` checkpoint of `config_class(**COMMON, **config)` in bf16, with the toy BPE tokenizer
+    or the family's own kind (`write_tokenizer(out) -> (vocab size, special ids)`, e.g.
+    tests.gguf.families.write_spm_json_tokenizer: Gemma's SentencePiece vocabulary); `norm_center`: the norms'
+    random weights centred there (1.0 for a norm that scales by w, not 1 + w)."""
     import torch
     import transformers
 
     out.mkdir(parents=True, exist_ok=True)
-    vocab, ids = write_bpe_tokenizer(out)
+    vocab, ids = write_tokenizer(out)
     settings = {**COMMON, "vocab_size": vocab, **ids, **config}
     torch.manual_seed(seed)
     model = getattr(transformers, model_class)(getattr(transformers, config_class)(**settings))
     randomize(model, seed)
+    if norm_center is not None:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.add_(norm_center - p.mean())
     model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
     return out
 
@@ -258,31 +267,6 @@ def scale_row(smooth, balance, s) -> None:
     for layer in balance:
         layer.weight.copy_(layer.weight * s)
 
-
-# ---------------------------------------------------------------- a family's own tokenizer
-
-
-def build_with_tokenizer(out: Path, config_class: str, model_class: str, write_tokenizer, seed: int = 0,
-                         norm_center: float | None = None, **config) -> Path:
-    """`build` with the family's own tokenizer kind (`write_tokenizer(out) -> (vocab size, special ids)`, e.g.
-    tests.gguf.families.write_spm_json_tokenizer: Gemma's SentencePiece vocabulary); `norm_center`: the norms'
-    random weights centred there (1.0 for a norm that scales by w, not 1 + w)."""
-    import torch
-    import transformers
-
-    out.mkdir(parents=True, exist_ok=True)
-    vocab, ids = write_tokenizer(out)
-    settings = {**COMMON, "vocab_size": vocab, **ids, **config}
-    torch.manual_seed(seed)
-    model = getattr(transformers, model_class)(getattr(transformers, config_class)(**settings))
-    randomize(model, seed)
-    if norm_center is not None:
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if name.endswith("norm.weight"):
-                    p.add_(norm_center - p.mean())
-    model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
-    return out
 
 
 # ---------------------------------------------------------------- each proof as one test body

@@ -20,8 +20,8 @@ FAMILY = "ernie4_5"
 def build(out: Path, **config) -> Path:
     from tests.gguf.families import write_spm_tokenizer
 
-    return common.build_with_tokenizer(out, "Ernie4_5Config", "Ernie4_5ForCausalLM", write_spm_tokenizer,
-                                       head_dim=64, **config)
+    return common.build(out, "Ernie4_5Config", "Ernie4_5ForCausalLM", write_tokenizer=write_spm_tokenizer,
+                        head_dim=64, **config)
 
 
 @pytest.fixture(scope="module")
@@ -86,10 +86,9 @@ def test_vllm_serves_it_as_the_gate_read_it(cli, model, tmp_path, method):
 def moe_model(tmp_path_factory) -> Path:
     from tests.gguf.families import write_spm_tokenizer
 
-    return common.build_with_tokenizer(tmp_path_factory.mktemp("ernie4_5_moe") / "model", "Ernie4_5_MoeConfig",
-                                       "Ernie4_5_MoeForCausalLM", write_spm_tokenizer, head_dim=64,
-                                       moe_num_experts=4, moe_k=2, moe_intermediate_size=256,
-                                       moe_num_shared_experts=1)
+    return common.build(tmp_path_factory.mktemp("ernie4_5_moe") / "model", "Ernie4_5_MoeConfig",
+                        "Ernie4_5_MoeForCausalLM", write_tokenizer=write_spm_tokenizer, head_dim=64,
+                        moe_num_experts=4, moe_k=2, moe_intermediate_size=256, moe_num_shared_experts=1)
 
 
 @pytest.mark.slow

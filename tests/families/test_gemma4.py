@@ -31,8 +31,8 @@ def build(out: Path, **config) -> Path:
     settings = dict(num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2,
                     num_kv_shared_layers=2, head_dim=64, global_head_dim=128, hidden_size_per_layer_input=64,
                     sliding_window=32, final_logit_softcapping=30.0)
-    return common.build_with_tokenizer(out, "Gemma4TextConfig", "Gemma4ForCausalLM", spm_json_tokenizer,
-                                       norm_center=1.0, **{**settings, **config})
+    return common.build(out, "Gemma4TextConfig", "Gemma4ForCausalLM", write_tokenizer=spm_json_tokenizer,
+                        norm_center=1.0, **{**settings, **config})
 
 
 @pytest.fixture(scope="module")
