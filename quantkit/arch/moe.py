@@ -60,7 +60,7 @@ def check_supported(info, method: str) -> None:
         family = next((f for f in FAMILIES if f.model_type == info.model_type), None)
         if family is not None and family.moe_refusal:
             raise UnsupportedError(family.moe_refusal.format(method=method),
-                                   hint=f"quantkit takes the dense checkpoints of {family.name or family.model_type}")
+                                   hint="supported MoE model types: " + ", ".join(sorted(MOE_LAYOUTS)))
         raise UnsupportedError(
             f"{method}: mixture-of-experts architecture '{info.model_type}' is not supported",
             hint="supported MoE model types: " + ", ".join(sorted(MOE_LAYOUTS)) + "; or use gguf where it converts it")
@@ -84,6 +84,16 @@ def save_renamings(model_type: str) -> list:
     rows += [WeightRenaming(rf"\.experts\.(\d+)\.{stored}\.", rf".experts.\1.{linear}.")
              for linear, stored in layout.expert_names.items()]
     return rows
+
+
+def load_renamings(model_type: str) -> list:
+    """transformers' WeightRenaming rows of the model type's loading conversion (checkpoint name -> module name:
+    Mixtral's block_sparse_moe -> mlp, ERNIE 4.5's moe_statics moved under the router), in the order it applies
+    them; what reads a checkpoint by its tensor names renames them so."""
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming
+
+    return [row for row in get_checkpoint_conversion_mapping(model_type) or [] if isinstance(row, WeightRenaming)]
 
 
 def set_save_names(model, model_type: str) -> None:

@@ -18,12 +18,16 @@ from quantkit.arch.vlm import FAMILIES, TOWER_ROLES, Towers, family_towers
 # compressed-tensors method and nf4 (no method's precision() quantizes the "router" role, and the
 # ignore list names them); gguf keeps llama.cpp's own type for them (its mixture rules).
 ROUTER_NAMES = r"(block_sparse_moe|mlp)\.(gate|router)|shared_expert_gate"
+# Routers that are a Linear inside the router module: Hunyuan-MoE's `mlp.gate.wg`, Granite-MoE's
+# `block_sparse_moe.router.layer`, and Llama 4's `feed_forward.router`. A second pattern, so the ignore list of the
+# families above keeps its text.
+INNER_ROUTER_NAMES = r"mlp\.gate\.wg|block_sparse_moe\.router\.layer|feed_forward\.router"
 
 
 # Role rules after the towers (quantkit.arch.vlm), checked in order; first match wins.
 ROLE_RULES: list[tuple[str, str]] = [
     ("lm_head", r"(^|\.)(lm_head|embed_out)\.weight$"),
-    ("router", rf"(^|\.)({ROUTER_NAMES})\.weight$"),
+    ("router", rf"(^|\.)({ROUTER_NAMES}|{INNER_ROUTER_NAMES})\.weight$"),
     ("embeddings", r"(^|\.)(embed_tokens|embed_tokens_per_layer|wte|wpe|word_embeddings|embed_positions|tok_embeddings)"
                    r"\.weight$"),
     ("norm", r"(norm|ln_\d|ln_f|layernorm)[^.]*\.(weight|bias)$"),
@@ -41,6 +45,7 @@ KEEP_16BIT_ROLES = TOWER_ROLES
 
 
 ROUTER_PATTERN = rf"re:.*\.({ROUTER_NAMES})$"
+INNER_ROUTER_PATTERN = rf"re:.*\.({INNER_ROUTER_NAMES})$"
 
 
 def classify(tensor_name: str, towers: Towers | None = None) -> str:

@@ -221,6 +221,11 @@ def experts_reading(path: Path) -> Reading:
 # ---------------------------------------------------------------- linear experts: each expert its own quantized Linears
 
 
+def text_model_type(config: dict) -> str:
+    text = config.get("text_config") or config
+    return text.get("model_type", config.get("model_type", ""))
+
+
 def moe_layout(config: dict):
     """The family's expert layout for llm-compressor's methods (quantkit.arch.families: a record's `moe`), None."""
     from quantkit.arch import moe
@@ -249,12 +254,15 @@ def linear_experts_model(config, dtype):
     return model
 
 
-def model_name(stored: str, layout) -> str:
-    """A stored tensor's name in the linear-experts model: the block renamed as transformers renames it on load
-    (Mixtral's block_sparse_moe -> mlp), each expert projection under llm-compressor's linear name (w1 -> gate_proj)."""
+def model_name(stored: str, layout, renamings=()) -> str:
+    """A stored tensor's name in the linear-experts model: renamed as transformers renames it on load (`renamings`,
+    quantkit.arch.moe.load_renamings: Mixtral's block_sparse_moe -> mlp, ERNIE 4.5's moe_statics under the router),
+    each expert projection under llm-compressor's linear name (w1 -> gate_proj)."""
     if layout.block_rename:
         old, new = layout.block_rename
         stored = stored.replace(f".{old}.", f".{new}.")
+    for renaming in renamings:
+        stored, _matched = renaming.rename_source_key(stored)
     for linear, name in layout.expert_names.items():
         stored = re.sub(rf"\.experts\.(\d+)\.{name}\.", rf".experts.\1.{linear}.", stored)
     return stored
@@ -263,10 +271,13 @@ def model_name(stored: str, layout) -> str:
 class ModelNamed:
     """The tensors of a checkpoint by the names of the linear-experts model (`model_name`), read one at a time."""
 
-    def __init__(self, model_dir: Path, layout):
+    def __init__(self, model_dir: Path, layout, model_type: str = ""):
+        from quantkit.arch.moe import load_renamings
         from quantkit.io.checkpoint import SafetensorsWeights
 
-        self.index = {model_name(n, layout): entry for n, entry in SafetensorsWeights(model_dir).index.items()}
+        renamings = load_renamings(model_type)
+        self.index = {model_name(n, layout, renamings): entry
+                      for n, entry in SafetensorsWeights(model_dir).index.items()}
 
     def keys(self) -> list[str]:
         return list(self.index)
@@ -333,7 +344,7 @@ def linear_open(path: Path, config, dtype, layout):
     from quantkit.eval.compressed import CompressedWeights, quantized_meta_model, reload_problems
 
     model = quantized_meta_model(config, dtype, linear_experts_model(config, dtype))
-    source = SharedInputScales(CompressedWeights(path, model, ModelNamed(path, layout)))
+    source = SharedInputScales(CompressedWeights(path, model, ModelNamed(path, layout, text_model_type(config.to_dict()))))
     problems = reload_problems(model, source)
     checkpoint = layout_of(config.to_dict())
     if checkpoint is not None:

@@ -365,7 +365,7 @@ def ignore_patterns(info: ModelInfo, user_ignore: list[str], keep_lm_head: bool 
     `quantized_towers`, the MoE routers present in this model, then the user's patterns."""
     import re
 
-    from quantkit.arch.roles import ROUTER_PATTERN, classify
+    from quantkit.arch.roles import INNER_ROUTER_PATTERN, ROUTER_PATTERN, classify, matches
     from quantkit.arch.vlm import component_pattern, ignore_pattern
 
     patterns = ["lm_head"] if keep_lm_head else []
@@ -374,8 +374,10 @@ def ignore_patterns(info: ModelInfo, user_ignore: list[str], keep_lm_head: bool 
     quantized = [c for role, c in info.towers.components if role in quantized_towers]
     patterns += [ignore_pattern(c, tuple(q[len(c) + 1:] for q in quantized if q.startswith(c + ".")))
                  for role, c in info.towers.components if c in present and role not in quantized_towers]
-    if any(classify(name, info.towers) == "router" for name in info.tensors):
-        patterns.append(ROUTER_PATTERN)
+    routers = [name for name in info.tensors if classify(name, info.towers) == "router"]
+    for pattern in (ROUTER_PATTERN, INNER_ROUTER_PATTERN):
+        if any(matches(name.removesuffix(".weight"), [pattern]) for name in routers):
+            patterns.append(pattern)
     return patterns + [p for p in user_ignore if p not in patterns]
 
 

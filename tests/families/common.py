@@ -26,10 +26,12 @@ from tests.methods.conftest import assert_nothing_written, report
 COMMON = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=4096, rms_norm_eps=1e-5)
 CALIB = ["--num-samples", "16", "--seq-len", "64", "--eval-windows", "2"]
-# the compressed-tensors methods and nf4 with their tiny-model flags, and those the fast suite runs per family
+# the compressed-tensors methods and nf4 with their tiny-model flags
 COMPRESSED = {"fp8": [], "gptq": [], "awq": [], "autoround": ["--iters", "2"], "smoothquant": [], "nvfp4": [],
               "mxfp4": [], "nf4": []}
-FAST = ("fp8", "gptq")
+# fp8 in the fast suite for every family; gptq, whose calibration is the same sequential pipeline for every
+# Llama-style decoder, fast only where a family's layers calibrate differently (hybrid families: their modules)
+FAST = ("fp8",)
 # random weights: the gate is loosened; every proof below holds whatever the gate says
 LOOSE_GATE = ["--max-kld", "10", "--max-ppl-increase", "100", "--min-top1", "0"]
 
@@ -307,3 +309,74 @@ def assert_vllm_serves_it(cli, model: Path, tmp_path: Path, method: str) -> None
     out = tmp_path / "out"
     assert_passed(quantize(cli, model, out, method), out)
     assert_serves_as_read(cli, out, tmp_path, "vllm")
+
+
+# ---------------------------------------------------------------- mixture-of-experts families
+
+MOE = dict(num_hidden_layers=2)  # with the families' own expert counts: 4 experts, 2 per token
+
+
+def assert_moe_artifact(cli, model: Path, tmp_path: Path, method: str, *args: str) -> dict:
+    """An MoE family through a compressed-tensors method or nf4: exit 0, the artifact reloads strictly (in
+    transformers; experts transformers' fused reload cannot take, NVFP4/MXFP4 ones, in quantkit's reading, which
+    refuses any missing or unexpected tensor), every router is kept 16-bit (in the ignore list, no scale stored for
+    it), every expert's stored scale is finite and non-zero (AutoRound's signed scales may be negative), and a
+    calibrated method reports the tokens routed to each expert (top-k per calibration token). Returns the report
+    entry."""
+    from quantkit.eval import experts
+    from quantkit.formats.gate import artifact_reading
+
+    out = tmp_path / "out"
+    entry = assert_passed(quantize(cli, model, out, method, *args), out)
+    if method in ("nvfp4", "mxfp4") and experts.reads(out):
+        artifact_reading(out).open()
+    else:
+        assert_strict_reload(out)
+    stored = stored_tensors(out)
+    routers = [name.removesuffix(".weight") for name in stored_tensors(model) if is_router(name)]
+    assert routers, "the tiny model has no router"
+    assert not any(name.startswith(tuple(f"{r}.weight_" for r in routers)) for name in stored)
+    if method != "nf4":
+        from quantkit.arch.roles import matches
+
+        assert all(matches(r, kept_16bit(out)) for r in routers), kept_16bit(out)
+    scales = [name for name in stored if re_expert_scale(name)]
+    assert scales or method == "nf4"
+    for name in scales:
+        values = stored[name].float()
+        assert bool((values.isfinite() & (values != 0)).all()), name
+    if method in ("gptq", "awq", "autoround", "smoothquant"):
+        assert_routing_reported(out, entry)
+    return entry
+
+
+def stored_tensors(path: Path) -> dict:
+    """Every tensor of a checkpoint's safetensors files, by name."""
+    from safetensors.torch import load_file
+
+    return {name: tensor for f in sorted(path.glob("*.safetensors")) for name, tensor in load_file(f).items()}
+
+
+def is_router(name: str) -> bool:
+    from quantkit.arch.roles import classify
+
+    return classify(name) == "router"
+
+
+def re_expert_scale(name: str) -> bool:
+    import re
+
+    return re.search(r"\.experts\.\d+\.[a-z0-9_]+\.weight_scale$", name) is not None
+
+
+def assert_routing_reported(out: Path, entry: dict) -> None:
+    """Tokens routed to each expert by each router: top-k of every calibration token, the starved ones listed."""
+    from transformers import AutoConfig
+
+    from quantkit.arch.moe import starved_experts
+
+    details = entry["details"]
+    top_k = AutoConfig.from_pretrained(out).num_experts_per_tok
+    counts = details["expert_routed_tokens"]
+    assert counts and all(sum(row) == details["calibration_tokens"] * top_k for row in counts.values()), counts
+    assert details["experts_under_min_tokens"] == starved_experts(counts)

@@ -3,7 +3,7 @@ vocabulary llama.cpp's converter reads for it): every method, each artifact prov
 
 Fast: fp8, gptq and gguf through the CLI. Slow: the other methods, GGUF against llama.cpp's converter and
 llama-quantize, MLX against mlx-lm, vLLM serving. Refused before work: GGUF of a checkpoint without
-tokenizer.model or with use_bias (llama.cpp lacks both), and ERNIE 4.5 MoE by every method.
+tokenizer.model or with use_bias (llama.cpp lacks both). ERNIE 4.5 MoE: tests/families/test_moe.py.
 """
 
 from __future__ import annotations
@@ -81,20 +81,3 @@ def test_mlx_lm_reads_it_as_quantkit(cli, model, tmp_path):
 def test_vllm_serves_it_as_the_gate_read_it(cli, model, tmp_path, method):
     common.assert_vllm_serves_it(cli, model, tmp_path, method)
 
-
-@pytest.fixture(scope="module")
-def moe_model(tmp_path_factory) -> Path:
-    from tests.gguf.families import write_spm_tokenizer
-
-    return common.build(tmp_path_factory.mktemp("ernie4_5_moe") / "model", "Ernie4_5_MoeConfig",
-                        "Ernie4_5_MoeForCausalLM", write_tokenizer=write_spm_tokenizer, head_dim=64,
-                        moe_num_experts=4, moe_k=2, moe_intermediate_size=256, moe_num_shared_experts=1)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("method", list(COMPRESSED) + ["gguf", "mlx"])
-def test_moe_sibling_refused_before_work(cli, moe_model, tmp_path, method):
-    """ERNIE 4.5 MoE is out of this family: exit 2 before any work, naming it (never exit 1)."""
-    out = tmp_path / "out"
-    result = common.quantize(cli, moe_model, out, method, *COMPRESSED.get(method, []))
-    common.assert_refused(result, out, "Ernie4_5_Moe" if method == "gguf" else "ernie4_5_moe")

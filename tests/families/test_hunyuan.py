@@ -5,7 +5,7 @@ proven in its consumer.
 Fast: fp8, gptq and gguf through the CLI. Slow: the other methods, GGUF against llama.cpp's converter and
 llama-quantize, MLX against mlx-lm (which reads the alpha from the rope_scaling quantkit writes), vLLM serving.
 Refused before work: GGUF without tokenizer.json (a hy.tiktoken vocabulary) or with a dynamic RoPE the converter
-asserts against, and Hunyuan MoE by every method.
+asserts against. Hunyuan MoE: tests/families/test_moe.py.
 """
 
 from __future__ import annotations
@@ -100,17 +100,3 @@ def test_mlx_lm_reads_it_as_quantkit(cli, model, tmp_path):
 def test_vllm_serves_it_as_the_gate_read_it(cli, model, tmp_path, method):
     common.assert_vllm_serves_it(cli, model, tmp_path, method)
 
-
-@pytest.fixture(scope="module")
-def moe_model(tmp_path_factory) -> Path:
-    return common.build(tmp_path_factory.mktemp("hunyuan_v1_moe") / "model", "HunYuanMoEV1Config",
-                        "HunYuanMoEV1ForCausalLM", head_dim=64, num_experts=4, moe_topk=2, moe_intermediate_size=256)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("method", list(COMPRESSED) + ["gguf", "mlx"])
-def test_moe_sibling_refused_before_work(cli, moe_model, tmp_path, method):
-    """Hunyuan MoE is out of this family: exit 2 before any work, naming it (never exit 1)."""
-    out = tmp_path / "out"
-    result = common.quantize(cli, moe_model, out, method, *COMPRESSED.get(method, []))
-    common.assert_refused(result, out, "HunYuanMoEV1" if method == "gguf" else "hunyuan_v1_moe")

@@ -82,8 +82,9 @@ def test_phi3_rows_use_the_fused_projections():
 
 @pytest.mark.parametrize("method", ["fp8", "gptq", "nf4"])
 def test_an_moe_architecture_without_a_table_row_is_refused_before_work(method, micro_model):
-    """Experts in a layout quantkit.arch.moe does not know (Llama 4's) would be saved under names
-    transformers does not reload; nf4's artifact crashed on reload. Every method refuses it first."""
+    """Experts in a layout quantkit.arch.moe does not know (OLMoE's, which no family record describes) would be
+    saved under names transformers does not reload; nf4's artifact crashed on reload. Every method refuses it
+    first."""
     import dataclasses
 
     from quantkit.errors import UnsupportedError
@@ -92,8 +93,8 @@ def test_an_moe_architecture_without_a_table_row_is_refused_before_work(method, 
     from quantkit.run.recipe import Calibration
 
     info = check_model_dir(micro_model)
-    unknown = dataclasses.replace(info, model_type="llama4_text",
-                                  config={**info.config, "model_type": "llama4_text", "num_local_experts": 4})
+    unknown = dataclasses.replace(info, model_type="olmoe",
+                                  config={**info.config, "model_type": "olmoe", "num_local_experts": 4})
     spec = get_method(method)
-    with pytest.raises(UnsupportedError, match=f"{method}: mixture-of-experts architecture 'llama4_text'"):
+    with pytest.raises(UnsupportedError, match=f"{method}: mixture-of-experts architecture 'olmoe'"):
         spec.check(unknown, spec.options(), Calibration())

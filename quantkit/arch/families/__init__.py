@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from quantkit.arch.families import (apertus, deepseek, ernie, gemma, gemma4, granite, hunyuan, llama, ministral3,
-                                     mistral, olmo, phi, qwen, qwen35, seed_oss, smollm3)
+from quantkit.arch.families import (apertus, deepseek, ernie, gemma, gemma4, glm4_moe, gpt_oss, granite, hunyuan,
+                                     llama, llama4, minimax, ministral3, mistral, olmo, phi, qwen, qwen35, seed_oss,
+                                     smollm3)
 from quantkit.arch.families.base import Family, Gguf
 from quantkit.arch.vlm import FAMILIES as VLMS
 
@@ -21,7 +22,8 @@ from quantkit.arch.vlm import FAMILIES as VLMS
 FAMILIES: tuple[Family, ...] = (*llama.FAMILIES, *gemma.FAMILIES, *gemma4.FAMILIES, *phi.FAMILIES, *mistral.FAMILIES,
                                 *qwen.FAMILIES, *ministral3.FAMILIES, *qwen35.FAMILIES, *seed_oss.FAMILIES, *smollm3.FAMILIES,
                                 *olmo.FAMILIES, *ernie.FAMILIES, *hunyuan.FAMILIES, *apertus.FAMILIES, *granite.FAMILIES,
-                                *deepseek.FAMILIES)
+                                *deepseek.FAMILIES, *glm4_moe.FAMILIES, *minimax.FAMILIES, *gpt_oss.FAMILIES,
+                                *llama4.FAMILIES)
 
 
 def all_families() -> tuple[Family, ...]:

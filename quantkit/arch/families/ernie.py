@@ -5,8 +5,12 @@ tokenizer.model alone (`_set_vocab_sentencepiece`, then add_prefix_space from to
 without one is refused, as the converter fails on it. llama.cpp's ernie4_5 model loads no feed-forward biases, so
 a checkpoint with `use_bias` is refused for GGUF (the file would not load).
 
-ERNIE 4.5 MoE (Ernie4_5_MoeForCausalLM: routed and shared experts) is not a family here: every method refuses it
-before work (an MoE model_type without an expert layout, quantkit.arch.moe.check_supported; no GGUF conversion).
+ERNIE 4.5 MoE (Ernie4_5_MoeForCausalLM): the same attention, MoE layers from `moe_layer_start_index` every
+`moe_layer_interval` layers, routed experts stored one tensor per expert projection beside shared experts
+(`mlp.shared_experts`), a softmax router (`mlp.gate`, kept 16-bit) whose correction bias is stored as
+`mlp.moe_statics.e_score_correction_bias` (transformers moves it under the router: quantkit's reading renames it
+as transformers does, quantkit.arch.moe.load_renamings). The llm-compressor methods calibrate every expert on
+every token. No GGUF conversion yet.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from quantkit.arch.families import text
-from quantkit.arch.families.base import Family, Gguf
+from quantkit.arch.families.base import ExpertCheckpoint, Family, Gguf, MoeLayout
 from quantkit.arch.families.llama import LLAMA_LIKE
 from quantkit.errors import UnsupportedError
 
@@ -46,4 +50,7 @@ ERNIE4_5 = Family(
     mlx="ernie4_5",
 )
 
-FAMILIES = (ERNIE4_5,)
+ERNIE4_5_MOE = Family("ernie4_5_moe", "Ernie4_5_MoeForCausalLM", "ERNIE 4.5 MoE", moe=MoeLayout(),
+                      experts_by_name=ExpertCheckpoint())
+
+FAMILIES = (ERNIE4_5, ERNIE4_5_MOE)

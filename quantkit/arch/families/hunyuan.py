@@ -14,8 +14,12 @@ tokenizer code) is refused.
 mlx-lm's hunyuan_v1_dense reads the alpha from a top-level `rope_scaling` {alpha, factor, type} (transformers 5
 nests it in rope_parameters): written there, or mlx-lm would rotate with the unscaled base.
 
-Hunyuan MoE (HunYuanMoEV1ForCausalLM) is not a family here: every method refuses it before work (an MoE
-model_type without an expert layout; no GGUF conversion).
+Hunyuan MoE (HunYuanMoEV1ForCausalLM): the same attention, then routed experts stored one tensor per expert
+projection (`mlp.experts.<e>.{gate,up,down}_proj`, each `intermediate_size` wide in transformers' model) beside a
+shared MLP (`mlp.shared_mlp`) and a softmax router whose Linear is `mlp.gate.wg` (kept 16-bit, quantkit.arch.roles).
+The llm-compressor methods calibrate every expert on every token. A config.json whose `moe_intermediate_size`
+is not `intermediate_size` (or is a per-layer list) is refused before work: llm-compressor's linear experts take
+their width from it, transformers' experts from intermediate_size. No GGUF conversion yet.
 """
 
 from __future__ import annotations
@@ -23,9 +27,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from quantkit.arch.families import text
-from quantkit.arch.families.base import Family, Gguf
+from quantkit.arch.families.base import ExpertCheckpoint, Family, Gguf, MoeLayout
 from quantkit.arch.families.llama import LLAMA_LIKE
-from quantkit.errors import UnsupportedError
+from quantkit.errors import ModelError, UnsupportedError
 
 ARCH = "HunYuanDenseV1ForCausalLM"
 LONG_CONTEXT = 256 * 1024  # the converter's context for dynamic RoPE
@@ -110,4 +114,19 @@ HUNYUAN_DENSE = Family(
     mlx_fields=mlx_rope_scaling,
 )
 
-FAMILIES = (HUNYUAN_DENSE,)
+def check_expert_width(info) -> None:
+    """The experts' width llm-compressor's linear experts read (moe_intermediate_size, where config.json has it)
+    is the one transformers builds them with (intermediate_size)."""
+    config = info.config.get("text_config") or info.config
+    width, built = config.get("moe_intermediate_size"), config.get("intermediate_size")
+    if width is not None and width != built:
+        raise ModelError(f"{info.path / 'config.json'}: moe_intermediate_size = {width} but transformers' Hunyuan "
+                         f"MoE builds its experts intermediate_size = {built} wide (llm-compressor would "
+                         "linearize them at the other width)",
+                         hint=f"where every expert is {built} wide, remove moe_intermediate_size from config.json")
+
+
+HUNYUAN_MOE = Family("hunyuan_v1_moe", "HunYuanMoEV1ForCausalLM", "Hunyuan MoE", moe=MoeLayout(),
+                     experts_by_name=ExpertCheckpoint(), checks=(check_expert_width,))
+
+FAMILIES = (HUNYUAN_DENSE, HUNYUAN_MOE)

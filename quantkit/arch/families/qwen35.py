@@ -20,6 +20,14 @@ GGUF types every tensor as llama-quantize does: conv1d, A_log, dt_bias and the n
 load), per format: GGUF writes them as llama.cpp's nextn block (the converter's default); the compressed-tensors
 methods carry them as stored (compressed-tensors' own MTP handling: a model_mtp.safetensors shard, `re:^mtp.*`
 ignored) for vLLM's MTP draft; nf4 does not write them and says so in the report; MLX is refused.
+
+Qwen3.5-MoE (Qwen3_5MoeForCausalLM, model_type qwen3_5_moe_text) and Qwen3-Next (Qwen3NextForCausalLM, the
+80B-A3B line) are the same hybrid with every MLP a mixture of experts: routed experts stored one tensor per expert
+projection (`mlp.experts.<e>.{gate,up,down}_proj`), a shared expert (`mlp.shared_expert`) scaled by a one-output
+sigmoid gate (`mlp.shared_expert_gate`) and the router `mlp.gate`, both kept 16-bit (quantkit.arch.roles; vLLM
+builds both unquantized). Qwen3-Next stores the DeltaNet input projections fused (in_proj_qkvz, in_proj_ba: its
+beta/alpha gates kept 16-bit as Qwen3.5's). The llm-compressor methods calibrate every expert on every token. No
+GGUF or MLX conversion of the two yet.
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ import re
 import numpy as np
 
 from quantkit.arch.families import deltanet, text
-from quantkit.arch.families.base import Family, Gguf, Kept, Mapping, TensorRule
+from quantkit.arch.families.base import Family, Gguf, Kept, Mapping, MoeLayout, TensorRule
 from quantkit.arch.families.llama import GATE_UP
 from quantkit.errors import ModelError, UnsupportedError
 
@@ -195,4 +203,17 @@ QWEN35 = Family(
     checks=(check_layers,),
 )
 
-FAMILIES = (QWEN35,)
+QWEN35_MOE = Family(
+    "qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", "Qwen3.5-MoE",
+    kept=KEPT,
+    moe=MoeLayout(),
+    checks=(check_layers,),
+)
+
+QWEN3_NEXT = Family(
+    "qwen3_next", "Qwen3NextForCausalLM", "Qwen3-Next",
+    kept=(Kept(r"re:.*linear_attn\.in_proj_ba$", "Gated DeltaNet's beta/alpha gates (in_proj_ba) 16-bit"),),
+    moe=MoeLayout(),
+)
+
+FAMILIES = (QWEN35, QWEN35_MOE, QWEN3_NEXT)

@@ -1,0 +1,127 @@
+"""The mixture-of-experts families on tiny random checkpoints built from transformers' own config classes (2 layers,
+4 experts, 2 per token): every compressed-tensors method and nf4, each artifact reloaded strictly by transformers
+with every router kept 16-bit and every expert's scales finite (common.assert_moe_artifact).
+
+Fast: fp8 on every family, gptq on DeepSeek-V3 and on GLM-4.5 with an expert no calibration token reaches (the
+same path for every family: llm-compressor's linear experts, then quantkit's reading), and the refusals (GGUF and
+MLX have no conversion of these families yet). Slow: the
+other methods on every family.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.families import common
+from tests.gguf.families import write_spm_tokenizer
+
+HYBRID = dict(head_dim=64, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256,
+              shared_expert_intermediate_size=256, layer_types=["linear_attention", "full_attention"],
+              linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64)
+# family -> (config class, model class, the family's own fields)
+FAMILIES = {
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM",
+                 dict(head_dim=64, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=256,
+                      n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1)),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
+                    dict(num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=256,
+                         n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1, q_lora_rank=128,
+                         kv_lora_rank=128, qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64)),
+    "ernie4_5_moe": ("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM",
+                     dict(head_dim=64, moe_num_experts=4, moe_k=2, moe_intermediate_size=256,
+                          moe_num_shared_experts=1, write_tokenizer=write_spm_tokenizer)),
+    "hunyuan_v1_moe": ("HunYuanMoEV1Config", "HunYuanMoEV1ForCausalLM",
+                       dict(head_dim=64, num_experts=4, moe_topk=2, num_shared_expert=1, use_qk_norm=True)),
+    "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM",
+                   dict(head_dim=64, num_local_experts=4, num_experts_per_tok=2)),
+    "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", HYBRID),
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", HYBRID),
+}
+# not supported yet: refused by every method before work, naming the family
+REFUSED = {
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM",
+                dict(head_dim=64, num_local_experts=4, num_experts_per_tok=2, intermediate_size=256)),
+    "llama4_text": ("Llama4TextConfig", "Llama4ForCausalLM",
+                    dict(head_dim=64, num_local_experts=4, num_experts_per_tok=1, intermediate_size=256,
+                         intermediate_size_mlp=512)),
+}
+# the MoE families' method flags: nvfp4 weights only (its w4a4 activation scales need the FP4 experts reloaded)
+METHODS = {**{m: args for m, args in common.COMPRESSED.items() if m not in ("awq", "smoothquant")},
+           "nvfp4": ["--scheme", "a16"]}
+FAST = {("deepseek_v3", "gptq"), *((family, "fp8") for family in FAMILIES)}
+
+
+def build(out: Path, family: str, **config) -> Path:
+    config_class, model_class, shape = {**FAMILIES, **REFUSED}[family]
+    return common.build(out, config_class, model_class, **{**common.MOE, **shape, **config})
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    built: dict[str, Path] = {}
+
+    def get(family: str) -> Path:
+        if family not in built:
+            built[family] = build(tmp_path_factory.mktemp(family) / "model", family)
+        return built[family]
+
+    return get
+
+
+CASES = [pytest.param(f, m, marks=() if (f, m) in FAST else pytest.mark.slow, id=f"{f}-{m}")
+         for f in FAMILIES for m in METHODS]
+
+
+@pytest.mark.parametrize("family,method", CASES)
+def test_method_reloads_strictly_with_every_expert_quantized(cli, models, tmp_path, family, method):
+    common.assert_moe_artifact(cli, models(family), tmp_path, method, *METHODS[method])
+
+
+@pytest.mark.parametrize("method", ["awq", "smoothquant"])
+def test_smoothing_methods_refused_before_work(cli, models, tmp_path, method):
+    """No smoothing rows for these MoE families yet: exit 2 before work, naming the model type."""
+    out = tmp_path / "out"
+    common.assert_refused(common.quantize(cli, models("glm4_moe"), out, method), out, "glm4_moe")
+
+
+@pytest.mark.parametrize("family", list(REFUSED))
+@pytest.mark.parametrize("method", ["fp8", "gptq"])
+def test_unsupported_layouts_refused_before_work(cli, models, tmp_path, family, method):
+    out = tmp_path / "out"
+    common.assert_refused(common.quantize(cli, models(family), out, method), out, family, "not supported yet")
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("method", ["gguf", "mlx"])
+def test_formats_without_a_conversion_refuse_before_work(cli, models, tmp_path, family, method):
+    """No GGUF or MLX conversion of these families yet: exit 2 before work naming the architecture (never exit 1)."""
+    out = tmp_path / "out"
+    words = FAMILIES[family][1] if method == "gguf" else family
+    common.assert_refused(common.quantize(cli, models(family), out, method), out, words)
+
+
+def test_an_expert_no_token_reaches_gets_finite_scales(cli, tmp_path):
+    """GLM-4.5's expert 3 with a correction bias of -10: the router chooses among sigmoid scores in (0, 1) plus the
+    bias, so it never picks expert 3. gptq still calibrates it (every expert sees every token), its stored scales
+    are finite and positive, and the report lists it with 0 routed tokens."""
+    from safetensors.torch import load_file, save_file
+
+    model = build(tmp_path / "model", "glm4_moe")
+    (shard,) = model.glob("*.safetensors")
+    tensors = load_file(shard)
+    tensors["model.layers.1.mlp.gate.e_score_correction_bias"][3] = -10.0
+    save_file(tensors, shard, metadata={"format": "pt"})
+    entry = common.assert_moe_artifact(cli, model, tmp_path, "gptq")
+    starved = entry["details"]["experts_under_min_tokens"]
+    assert {"router": "model.layers.1.mlp.gate", "expert": 3, "tokens": 0} in starved, starved
+
+
+def test_hunyuan_experts_wider_than_transformers_builds_them_refused(cli, tmp_path):
+    """moe_intermediate_size other than intermediate_size: llm-compressor would linearize the experts at a width
+    transformers' model does not have (exit 1 inside it); refused before work naming the field."""
+    model = common.copy_with_config(build(tmp_path / "base", "hunyuan_v1_moe"), tmp_path / "model",
+                                    moe_intermediate_size=[256, 256])
+    out = tmp_path / "out"
+    common.assert_refused(common.quantize(cli, model, out, "fp8"), out, "moe_intermediate_size")
