@@ -165,6 +165,7 @@ def test_only_an_artifact_that_passed_is_pushed(cli, server, dist, tmp_path, in_
     assert "org/failed" not in server.recorded.repos
 
 
+@pytest.mark.slow
 def test_a_run_that_fails_its_gate_pushes_nothing(server, micro_model, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "quantkit", "quantize", str(micro_model), "--method", "fp8",
                            "-o", str(tmp_path / "out"), "--push-to-hub", "org/gate-failed", *FAST_CALIB,

@@ -211,6 +211,7 @@ def test_trained_text_path_passes_the_fp8_gate(cli, builder, micro_model, tmp_pa
     assert (quant - text_only).norm() / text_only.norm() < 0.05
 
 
+@pytest.mark.slow
 def test_gptq_vlm_recipe_quantizes_only_the_text_decoder(cli, llava_model, tmp_path):
     out = tmp_path / "w4"
     result = cli("quantize", llava_model, "--recipe", "vlm-w4a16", "-o", out, "--num-samples", "16",
@@ -244,6 +245,7 @@ def test_smoothing_methods_smooth_only_the_language_model(cli, llava_model, tmp_
 # ---------------------------------------------------------------- towers quantized on request
 
 
+@pytest.mark.slow
 def test_towers_int8_on_request_are_rounded_not_changed(cli, qwen2_vl_model, tmp_path):
     """gptq with `--vision int8 --projector int8`: the towers' Linear weights go to their own int8
     config group (round-to-nearest, before GPTQ), the proof checks them within half a step of the

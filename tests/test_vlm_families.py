@@ -97,7 +97,8 @@ def run_case(cli, model_dir, kind: str, method: str, tmp_path):
     return out
 
 
-@pytest.mark.parametrize("kind,method", [pytest.param("mllama", "gptq", marks=pytest.mark.slow), ("gemma3", "gptq"),
+@pytest.mark.parametrize("kind,method", [pytest.param("mllama", "gptq", marks=pytest.mark.slow),
+                                         pytest.param("gemma3", "gptq", marks=pytest.mark.slow),
                                          pytest.param("gemma3", "awq", marks=pytest.mark.slow),
                                          pytest.param("gemma3", "smoothquant", marks=pytest.mark.slow),
                                          ("mllama", "awq"), ("gemma3", "mlx")])

@@ -32,7 +32,7 @@ def run_cli(*args) -> dict:
     return json.loads(line[len("LOADED "):])
 
 
-@pytest.mark.parametrize("fixture", ["micro_model", "odd_model"])
+@pytest.mark.parametrize("fixture", [pytest.param("micro_model", marks=pytest.mark.slow), "odd_model"])
 def test_gguf_conversion_imports_no_torch(fixture, request, tmp_path):
     model = request.getfixturevalue(fixture)
     out = tmp_path / "gguf"

@@ -259,6 +259,7 @@ def test_offload_device_map_puts_every_decoder_layer_on_disk(micro_model):
     assert not any(".layers.0." in key for key in mapping)
 
 
+@pytest.mark.slow
 def test_gptq_with_offload_dir_writes_the_same_tensors_as_in_memory(cli, micro_model, tmp_path):
     """Layers, embeddings and head on disk (--offload-dir), the tables alone (the default) or nothing
     (the model whole in RAM) change where the weights wait, not what GPTQ computes."""

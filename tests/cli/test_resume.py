@@ -293,7 +293,8 @@ def assert_saved_progress_within_the_estimate(micro_model, out, name: str) -> No
     pytest.param("smoothquant", 1, marks=pytest.mark.slow),
     pytest.param("autoround", 1, marks=pytest.mark.slow),
     pytest.param("nvfp4", 1, marks=pytest.mark.slow),
-    ("fp8-static", 2),  # after the last layer: the resumed run calibrates nothing (the cheapest method to run twice)
+    # after the last layer: the resumed run calibrates nothing
+    pytest.param("fp8-static", 2, marks=pytest.mark.slow),
 ])
 def test_a_sequential_method_resumes_after_its_last_finished_layer(cli, micro_model, plain_sequential, tmp_path,
                                                                    name, after):

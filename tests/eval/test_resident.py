@@ -58,8 +58,10 @@ def test_resident_base_equals_streamed(request, model, windows):
 
 @pytest.mark.parametrize("method", [["--method", "gguf", "--gguf-type", "Q4_K_M", "--imatrix", "none"],
                                     ["--method", "fp8"],
-                                    ["--method", "gptq", "--num-samples", "16", "--seq-len", "64"],
-                                    ["--method", "mlx", "--bits", "4"]], ids=["gguf", "fp8", "gptq", "mlx"])
+                                    pytest.param(["--method", "gptq", "--num-samples", "16", "--seq-len", "64"],
+                                                 marks=pytest.mark.slow),
+                                    pytest.param(["--method", "mlx", "--bits", "4"], marks=pytest.mark.slow)],
+                         ids=["gguf", "fp8", "gptq", "mlx"])
 def test_resident_artifact_equals_streamed(cli, micro_model, windows, streamed_baseline, method, tmp_path):
     out = tmp_path / "artifact"
     result = cli("quantize", micro_model, "-o", out, "--eval-windows", "0", *method)

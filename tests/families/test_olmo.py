@@ -39,7 +39,7 @@ def olmo2(tmp_path_factory) -> Path:
 
 
 COMPRESSED = {"fp8": [], "gptq": [], "awq": [], "autoround": ["--iters", "2"], "nvfp4": [], "mxfp4": [], "nf4": []}
-FAST = ("fp8", "gptq")
+FAST = common.FAST
 
 
 @pytest.mark.parametrize("method", common.method_params(COMPRESSED, FAST))

@@ -100,6 +100,7 @@ def test_autoround_asymmetric_stores_its_zero_points(cli, micro_model, tmp_path)
     assert mean_kld_vs_base(out, micro_model) < 0.05
 
 
+@pytest.mark.slow
 def test_autoround_with_offload_dir(cli, micro_model, tmp_path):
     """--offload-dir: decoder layers on disk while AutoRound tunes them; the float32 leftovers are cast
     back through the offload cache, the artifact reloads and passes the gate, the folder is emptied."""

@@ -120,6 +120,7 @@ def test_awq_refuses_an_ignore_list_that_leaves_a_quantized_smooth_layer_nothing
     check_ignore(info, None, ["lm_head", r"re:.*layers\.0\.self_attn\.[qkv]_proj$"])
 
 
+@pytest.mark.slow
 def test_awq_with_a_norms_balance_layers_all_ignored_runs(cli, micro_model, tmp_path):
     out = tmp_path / "out"
     result = cli("quantize", micro_model, "--method", "awq", "--ignore", r"re:.*layers\.0\.self_attn\.[qkv]_proj$",

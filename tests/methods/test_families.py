@@ -25,8 +25,8 @@ MOE = ("mixtral", "qwen3moe", "qwen2moe")
 # (family, method) -> the words exit 2 must name, for what a method refuses on a family.
 REFUSED: dict[tuple[str, str], str] = {}
 FAMILIES = ("llama31", "gemma3", "phi3", "mistral", "mixtral", "qwen25", "qwen3", "qwen3moe", "qwen2moe")
-# Fast: the Mixtral reload with the routing report, the fused Phi-3 rows (asymmetric Mixtral experts: below).
-FAST = {("mixtral", "gptq"), ("phi3", "awq")}
+# Fast: the fused Phi-3 rows (asymmetric Mixtral experts: below; the MoE routing report: tests/families/test_moe.py).
+FAST = {("phi3", "awq")}
 
 
 def build_extra(family: str, out: Path) -> Path:

@@ -63,7 +63,8 @@ def quantize(weight, h, actorder, group_size, lean: bool):
 
 
 @pytest.mark.parametrize("actorder, group_size, dead", [
-    (None, 64, ()), ("static", 64, (3, 200)), ("weight", 128, ()), ("weight", 64, (5, 6)), ("static", None, ()),
+    (None, 64, ()), ("static", 64, (3, 200)), *(pytest.param(*case, marks=pytest.mark.slow) for case in (
+        ("weight", 128, ()), ("weight", 64, (5, 6)), ("static", None, ()))),
 ])
 def test_quantize_weight_bit_identical(actorder, group_size, dead):
     torch.manual_seed(1)
@@ -87,8 +88,9 @@ def quantize_args(weight, actorder, group_size):
 
 
 @pytest.mark.parametrize("actorder, group_size, dead, slab", [
-    (None, 64, (), 1), ("static", 64, (3, 200), 300_000), ("weight", 128, (), 777), ("weight", 32, (5,), 1),
-    ("static", None, (), 10**9), (None, None, (7,), 3000),
+    (None, 64, (), 1), ("weight", 128, (), 777), *(pytest.param(*case, marks=pytest.mark.slow) for case in (
+        ("static", 64, (3, 200), 300_000), ("weight", 32, (5,), 1), ("static", None, (), 10**9),
+        (None, None, (7,), 3000))),
 ])
 def test_lean_quantize_weight_bit_identical_to_upstream(actorder, group_size, dead, slab, monkeypatch):
     """quantkit's quantize_weight (block error and inverse permutation by slabs of rows: the sizes here
@@ -173,6 +175,7 @@ def test_prepare_batch_normalizes_in_place_and_matches_upstream():
         assert (a is None and b is None) or torch.equal(a, b)
 
 
+@pytest.mark.slow
 def test_gptq_writes_the_same_tensors_as_with_llm_compressors_own_functions(cli, micro_model, tmp_path, monkeypatch):
     """Through the CLI (act-order static, the default): the artifact's tensors with the lean Hessians equal
     those of llm-compressor's unpatched GPTQ."""
