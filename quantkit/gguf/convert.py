@@ -70,7 +70,7 @@ EXPERT_LAYOUTS = {
     "qwen": (re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$"),
              "model.layers.{bid}.mlp.experts.{w}.weight", ("gate_proj", "up_proj", "down_proj")),
 }
-FUSED_EXPERTS = re.compile(r"experts\.(gate_up_proj|down_proj|gate_proj|up_proj)(\.weight)?$")
+FUSED_EXPERTS = re.compile(r"(^|\.)experts\.(gate_up_proj|down_proj|gate_proj|up_proj)(\.weight)?$")
 SLAB_ELEMENTS = 1 << 22  # rows read per slab: about 16 MiB of float32
 
 
@@ -252,7 +252,7 @@ def gguf_arch_name(spec: Gguf) -> str:
 
 
 def n_experts(hp: dict) -> int:
-    return find(hp, ("num_local_experts", "num_experts", "n_routed_experts")) or 0
+    return find(hp, ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")) or 0
 
 
 def model_facts(config: dict) -> mixture.ModelFacts:

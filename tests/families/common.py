@@ -218,14 +218,16 @@ def assert_serves_as_read(cli, artifact: Path, tmp_path: Path, engine: str, *arg
 
 
 def smoothed_kld(model_dir: Path, rows, low: float = 0.1, high: float = 10.0, seed: int = 0,
-                 dtype: str = "float32") -> float:
+                 dtype: str = "float32", linear_experts: bool = False) -> float:
     """KL divergence (nats per token) of the model at `model_dir`, loaded in `dtype` (a run smooths the model in
     the checkpoint's dtype), after every row of `rows` (smoothing Mappings) divides its smooth layer's output
     channels by a random s in [low, high] and multiplies its balance layers' input columns by s, inside
     llm-compressor's norm_calibration_context (which turns offset norms, Gemma's x * (1 + w), into plain ones
     while AWQ and SmoothQuant smooth, and back afterwards), against the model as it was. A row whose smooth
     layer's output reaches any layer outside its balance layers changes the function; a row llm-compressor would
-    skip (the balance layers' width is not the smooth layer's) is skipped."""
+    skip (the balance layers' width is not the smooth layer's) is skipped. `linear_experts`: an MoE model's fused
+    experts replaced first by llm-compressor's linear experts (one Linear per expert projection), as AWQ smooths
+    them."""
     import torch
     from llmcompressor.modeling.offset_norm import norm_calibration_context
     from transformers import AutoModelForCausalLM
@@ -233,6 +235,11 @@ def smoothed_kld(model_dir: Path, rows, low: float = 0.1, high: float = 10.0, se
     ids = torch.randint(0, 200, (2, 32), generator=torch.Generator().manual_seed(seed))
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+    if linear_experts:
+        from llmcompressor.modeling.moe.linearize import linearize_moe
+
+        with torch.no_grad():
+            linearize_moe(model)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad(), norm_calibration_context(model):
         for row in rows:
@@ -245,7 +252,8 @@ def smoothed_kld(model_dir: Path, rows, low: float = 0.1, high: float = 10.0, se
 
 
 def resolved_row(model, row):
-    """[(smooth module, [balance modules])] of one Mapping, per decoder layer (llm-compressor's `re:` match)."""
+    """[(smooth module, [balance modules])] of one Mapping (llm-compressor's `re:` match): the balance layers under
+    the smooth layer's parent module (its decoder layer for a layer's norm, its own expert for an expert's up_proj)."""
     import re
 
     def found(pattern):
@@ -253,8 +261,8 @@ def resolved_row(model, row):
 
     pairs = []
     for name, smooth in found(row.smooth):
-        layer = re.match(r".*?layers\.\d+\.", name).group(0)
-        balance = [m for pattern in row.balance for n, m in found(pattern) if n.startswith(layer)]
+        parent = name.rsplit(".", 1)[0] + "."
+        balance = [m for pattern in row.balance for n, m in found(pattern) if n.startswith(parent)]
         if balance and all(b.weight.shape[1] == smooth.weight.shape[0] for b in balance):
             pairs.append((smooth, balance))
     return pairs

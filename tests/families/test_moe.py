@@ -3,13 +3,14 @@
 with every router kept 16-bit and every expert's scales finite (common.assert_moe_artifact).
 
 Fast: fp8 on every family, gptq on DeepSeek-V3 and on GLM-4.5 with an expert no calibration token reaches (the
-same path for every family: llm-compressor's linear experts, then quantkit's reading), and the refusals (GGUF and
-MLX have no conversion of these families yet). Slow: the
-other methods on every family.
+same path for every family: llm-compressor's linear experts, then quantkit's reading), GGUF Q4_K_M of ERNIE 4.5
+MoE and MiniMax-M2, and the refusals (GGUF of the other families, MLX of all: no conversion yet). Slow: the other
+methods on every family, GGUF against llama.cpp's converter and llama-quantize.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -34,8 +35,10 @@ FAMILIES = {
                           moe_num_shared_experts=1, write_tokenizer=write_spm_tokenizer)),
     "hunyuan_v1_moe": ("HunYuanMoEV1Config", "HunYuanMoEV1ForCausalLM",
                        dict(head_dim=64, num_experts=4, moe_topk=2, num_shared_expert=1, use_qk_norm=True)),
+    # rotary_dim and scoring_func as MiniMax-M2's released config.json states them (llama.cpp's converter reads both)
     "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM",
-                   dict(head_dim=64, num_local_experts=4, num_experts_per_tok=2)),
+                   dict(head_dim=64, num_local_experts=4, num_experts_per_tok=2, rotary_dim=64,
+                        scoring_func="sigmoid")),
     "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", HYBRID),
     "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", HYBRID),
 }
@@ -48,7 +51,7 @@ REFUSED = {
                          intermediate_size_mlp=512)),
 }
 # the MoE families' method flags: nvfp4 weights only (its w4a4 activation scales need the FP4 experts reloaded)
-METHODS = {**{m: args for m, args in common.COMPRESSED.items() if m not in ("awq", "smoothquant")},
+METHODS = {**{m: args for m, args in common.COMPRESSED.items() if m not in ("awq", "smoothquant")},  # below
            "nvfp4": ["--scheme", "a16"]}
 FAST = {("deepseek_v3", "gptq"), *((family, "fp8") for family in FAMILIES)}
 
@@ -79,11 +82,40 @@ def test_method_reloads_strictly_with_every_expert_quantized(cli, models, tmp_pa
     common.assert_moe_artifact(cli, models(family), tmp_path, method, *METHODS[method])
 
 
-@pytest.mark.parametrize("method", ["awq", "smoothquant"])
-def test_smoothing_methods_refused_before_work(cli, models, tmp_path, method):
-    """No smoothing rows for these MoE families yet: exit 2 before work, naming the model type."""
-    out = tmp_path / "out"
-    common.assert_refused(common.quantize(cli, models("glm4_moe"), out, method), out, "glm4_moe")
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_smoothing_rows_preserve_the_function(models, family):
+    """A random per-channel scale divided out of each row's smooth layer and multiplied into its balance layers
+    (the experts linearized as AWQ smooths them) leaves the logits as they were, at float32 rounding."""
+    from quantkit.arch.families import by_model_type
+
+    rows = by_model_type(family).smoothing
+    assert rows
+    assert common.smoothed_kld(models(family), rows, linear_experts=True) < 1e-6
+
+
+def test_smoothing_the_norm_that_feeds_the_router_breaks_the_function(models):
+    """Why the MLP norm's row balances no expert in these families: their router is no Linear, so scaling that norm's
+    output changes the routing (and the shared expert's input) whatever the experts' columns are scaled by."""
+    from quantkit.arch.families.base import Mapping
+
+    row = Mapping("re:.*post_attention_layernorm$", ("re:.*experts.*gate_proj$", "re:.*experts.*up_proj$",
+                                                     "re:.*shared_experts.*gate_proj$", "re:.*shared_experts.*up_proj$"),
+                  smoothquant=False)
+    assert common.smoothed_kld(models("glm4_moe"), [row], linear_experts=True) > 1e-4
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("method", [pytest.param("awq", marks=pytest.mark.slow),
+                                    pytest.param("smoothquant", marks=pytest.mark.slow)])
+def test_smoothing_methods(cli, models, tmp_path, family, method):
+    """AWQ on every family; SmoothQuant where a family has a norm row (the hybrid Qwen ones have none)."""
+    from quantkit.arch.families import by_model_type
+
+    if method == "smoothquant" and not any(m.smoothquant for m in by_model_type(family).smoothing):
+        out = tmp_path / "out"
+        common.assert_refused(common.quantize(cli, models(family), out, method), out, family)
+        return
+    common.assert_moe_artifact(cli, models(family), tmp_path, method)
 
 
 @pytest.mark.parametrize("family", list(REFUSED))
@@ -93,13 +125,53 @@ def test_unsupported_layouts_refused_before_work(cli, models, tmp_path, family, 
     common.assert_refused(common.quantize(cli, models(family), out, method), out, family, "not supported yet")
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
-@pytest.mark.parametrize("method", ["gguf", "mlx"])
+# GGUF: llama.cpp's converter class of each family with a conversion, and the pre-tokenizer it is told for the toy
+# BPE tokenizer (None: the family's SentencePiece vocabulary)
+GGUF = {"ernie4_5_moe": None, "minimax_m2": "gpt-2"}
+REFUSED_FORMATS = [(f, "gguf") for f in FAMILIES if f not in GGUF] + [(f, "mlx") for f in FAMILIES]
+
+
+@pytest.mark.parametrize("family,method", REFUSED_FORMATS)
 def test_formats_without_a_conversion_refuse_before_work(cli, models, tmp_path, family, method):
     """No GGUF or MLX conversion of these families yet: exit 2 before work naming the architecture (never exit 1)."""
     out = tmp_path / "out"
     words = FAMILIES[family][1] if method == "gguf" else family
     common.assert_refused(common.quantize(cli, models(family), out, method), out, words)
+
+
+@pytest.mark.parametrize("family", list(GGUF))
+def test_gguf_experts_stacked_and_read_back(cli, models, tmp_path, family):
+    """Q4_K_M through the CLI: the experts stacked per projection, the routers' correction bias written and read
+    back (the gate reads every tensor of the file into the model)."""
+    import gguf
+
+    out = tmp_path / "out"
+    entry = common.assert_passed(common.quantize(cli, models(family), out, "gguf", "--gguf-type", "Q4_K_M"), out)
+    assert entry["details"]["gguf"]["type"] == "Q4_K_M"
+    (path,) = out.glob("*.gguf")
+    names = {t.name for t in gguf.GGUFReader(path).tensors}
+    layer = 1  # ERNIE's first MoE layer (moe_layer_start_index 1); MiniMax-M2's every layer
+    assert {f"blk.{layer}.ffn_{p}_exps.weight" for p in ("gate", "up", "down")} | {f"blk.{layer}.exp_probs_b.bias"} \
+        <= names
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(GGUF))
+def test_gguf_equals_llama_cpp(models, tmp_path, family):
+    """bf16 equal to convert_hf_to_gguf.py's, Q4_K_M and IQ4_XS equal to llama-quantize's, each loaded by
+    llama-perplexity."""
+    common.assert_gguf_is_llama_cpp_s(models(family), tmp_path, pre=GGUF[family])
+
+
+def test_gguf_of_minimax_m2_without_rotary_dim_refused(cli, models, tmp_path):
+    """The converter reads the RoPE dimension count from config.json's rotary_dim (it fails without it)."""
+    model = tmp_path / "model"
+    common.copy_with_config(models("minimax_m2"), model)
+    config = json.loads((model / "config.json").read_text())
+    del config["rotary_dim"]
+    (model / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "out"
+    common.assert_refused(common.quantize(cli, model, out, "gguf"), out, "rotary_dim")
 
 
 def test_an_expert_no_token_reaches_gets_finite_scales(cli, tmp_path):

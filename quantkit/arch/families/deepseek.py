@@ -16,9 +16,20 @@ stored and never hold the model.
 
 from __future__ import annotations
 
-from quantkit.arch.families.base import ExpertCheckpoint, Family, MoeLayout
+from quantkit.arch.families.base import ExpertCheckpoint, Family, Mapping, MoeLayout
+from quantkit.arch.families.llama import ROUTED_ROWS
 
-DEEPSEEK_V3 = Family("deepseek_v3", "DeepseekV3ForCausalLM", "DeepSeek-V3", moe=MoeLayout(),
+# multi-head latent attention: the input norm feeds the two down-projections, each latent norm its up-projection
+# (kv_a_layernorm normalizes the latent part of kv_a_proj_with_mqa's output, which kv_b_proj alone reads); no v -> o
+# row (o_proj reads the attention over kv_b's values); the MLP rows as the other routed-expert families'
+MLA_ROWS = (
+    Mapping("re:.*input_layernorm$", ("re:.*q_a_proj$", "re:.*kv_a_proj_with_mqa$"), smoothquant=True),
+    Mapping("re:.*q_a_layernorm$", ("re:.*q_b_proj$",), smoothquant=True),
+    Mapping("re:.*kv_a_layernorm$", ("re:.*kv_b_proj$",), smoothquant=True),
+    *ROUTED_ROWS[2:],
+)
+
+DEEPSEEK_V3 = Family("deepseek_v3", "DeepseekV3ForCausalLM", "DeepSeek-V3", smoothing=MLA_ROWS, moe=MoeLayout(),
                      experts_by_name=ExpertCheckpoint(mtp_keys=("num_nextn_predict_layers", "num_mtp_layers")))
 
 FAMILIES = (DEEPSEEK_V3,)

@@ -10,7 +10,10 @@ ERNIE 4.5 MoE (Ernie4_5_MoeForCausalLM): the same attention, MoE layers from `mo
 (`mlp.shared_experts`), a softmax router (`mlp.gate`, kept 16-bit) whose correction bias is stored as
 `mlp.moe_statics.e_score_correction_bias` (transformers moves it under the router: quantkit's reading renames it
 as transformers does, quantkit.arch.moe.load_renamings). The llm-compressor methods calibrate every expert on
-every token. No GGUF conversion yet.
+every token. GGUF: conversion/ernie.py's Ernie4_5MoeModel: Ernie4_5Model's keys and vocabulary, the expert
+counts, the dense layers before the first MoE one and the MoE interval, the shared experts (their feed-forward
+length written as intermediate_size // num_key_value_heads, as the converter computes it); the experts stacked
+per projection, the correction bias as ffn_exp_probs_b; the MTP tensors dropped.
 """
 
 from __future__ import annotations
@@ -18,8 +21,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from quantkit.arch.families import text
-from quantkit.arch.families.base import ExpertCheckpoint, Family, Gguf, MoeLayout
-from quantkit.arch.families.llama import LLAMA_LIKE
+from quantkit.arch.families.base import ExpertCheckpoint, Family, Gguf, MoeLayout, TensorRule
+from quantkit.arch.families.llama import LLAMA_LIKE, ROUTED_ROWS
 from quantkit.errors import UnsupportedError
 
 ARCH = "Ernie4_5ForCausalLM"
@@ -50,7 +53,36 @@ ERNIE4_5 = Family(
     mlx="ernie4_5",
 )
 
-ERNIE4_5_MOE = Family("ernie4_5_moe", "Ernie4_5_MoeForCausalLM", "ERNIE 4.5 MoE", moe=MoeLayout(),
-                      experts_by_name=ExpertCheckpoint())
+def add_ernie_moe_params(writer, hp: dict, ftype: int) -> None:
+    """Ernie4_5MoeModel.set_gguf_parameters: Ernie4_5Model's + the experts, the dense layers before the first MoE one
+    and the MoE layers' interval, the shared experts (their feed-forward length as the converter computes it:
+    intermediate_size // num_key_value_heads)."""
+    text.add_text_params(writer, hp, ftype)
+    writer.add_expert_count(hp["moe_num_experts"])
+    writer.add_expert_used_count(hp["moe_k"])
+    writer.add_interleave_moe_layer_step(hp["moe_layer_interval"])
+    writer.add_leading_dense_block_count(hp["moe_layer_start_index"])
+    if (n_ff := hp.get("moe_intermediate_size")) is not None:
+        writer.add_expert_feed_forward_length(n_ff)
+    if (shared := hp.get("moe_num_shared_experts")) is not None:
+        writer.add_expert_shared_count(shared)
+        if shared > 0 and hp.get("intermediate_size") is not None and hp.get("num_key_value_heads") is not None:
+            writer.add_expert_shared_feed_forward_length(hp["intermediate_size"] // hp["num_key_value_heads"])
+
+
+# the correction bias as ModelBase.modify_tensors renames it for TensorNameMap; the model's own name of it
+# (transformers moves it under the router) first, for the reading of the file
+MOE_RULES = (
+    TensorRule(r"\.gate\.moe_statics\.e_score_correction_bias$",
+               rename=(r"\.gate\.moe_statics\.e_score_correction_bias$", ".moe_statics.e_score_correction.bias")),
+    TensorRule(r"e_score_correction_bias$", rename=(r"e_score_correction_bias$", "e_score_correction.bias")),
+)
+MOE_ARCH = "Ernie4_5_MoeForCausalLM"
+ERNIE4_5_MOE = Family(
+    "ernie4_5_moe", MOE_ARCH, "ERNIE 4.5 MoE", smoothing=ROUTED_ROWS, moe=MoeLayout(), experts_by_name=ExpertCheckpoint(),
+    gguf={MOE_ARCH: Gguf("ERNIE4_5_MOE", add_ernie_moe_params, "ernie4_5", experts="qwen", checks=(check_no_bias,),
+                         vocab_check=check_tokenizer_model,
+                         rules=MOE_RULES)},
+)
 
 FAMILIES = (ERNIE4_5, ERNIE4_5_MOE)

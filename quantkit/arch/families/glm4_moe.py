@@ -15,8 +15,9 @@ serves it; its MTP draft needs the layer, which the base checkpoint keeps).
 from __future__ import annotations
 
 from quantkit.arch.families.base import ExpertCheckpoint, Family, MoeLayout
+from quantkit.arch.families.llama import ROUTED_ROWS
 
-GLM4_MOE = Family("glm4_moe", "Glm4MoeForCausalLM", "GLM-4.5", moe=MoeLayout(),
+GLM4_MOE = Family("glm4_moe", "Glm4MoeForCausalLM", "GLM-4.5", smoothing=ROUTED_ROWS, moe=MoeLayout(),
                   experts_by_name=ExpertCheckpoint(mtp_keys=("num_nextn_predict_layers",)))
 
 FAMILIES = (GLM4_MOE,)

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from quantkit.arch.families import text
 from quantkit.arch.families.base import ExpertCheckpoint, Family, Gguf, MoeLayout
-from quantkit.arch.families.llama import LLAMA_LIKE
+from quantkit.arch.families.llama import LLAMA_LIKE, ROUTED_ROWS
 from quantkit.errors import ModelError, UnsupportedError
 
 ARCH = "HunYuanDenseV1ForCausalLM"
@@ -126,7 +126,7 @@ def check_expert_width(info) -> None:
                          hint=f"where every expert is {built} wide, remove moe_intermediate_size from config.json")
 
 
-HUNYUAN_MOE = Family("hunyuan_v1_moe", "HunYuanMoEV1ForCausalLM", "Hunyuan MoE", moe=MoeLayout(),
+HUNYUAN_MOE = Family("hunyuan_v1_moe", "HunYuanMoEV1ForCausalLM", "Hunyuan MoE", smoothing=ROUTED_ROWS, moe=MoeLayout(),
                      experts_by_name=ExpertCheckpoint(), checks=(check_expert_width,))
 
 FAMILIES = (HUNYUAN_DENSE, HUNYUAN_MOE)

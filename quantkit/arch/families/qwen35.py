@@ -59,6 +59,10 @@ QWEN35_ROWS = (
     Mapping("re:.*up_proj$", ("re:.*down_proj$",), smoothquant=False),
 )
 
+# the MoE variants: the norm feeding the experts also feeds the router, a weight parameter (no Linear to balance):
+# v -> o and each expert's up -> down
+QWEN35_MOE_ROWS = (QWEN35_ROWS[0], QWEN35_ROWS[2])
+
 # ---------------------------------------------------------------- the checkpoint's layers against its tensors
 
 LINEAR_TENSORS = ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight", "conv1d.weight",
@@ -206,6 +210,7 @@ QWEN35 = Family(
 QWEN35_MOE = Family(
     "qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", "Qwen3.5-MoE",
     kept=KEPT,
+    smoothing=QWEN35_MOE_ROWS,
     moe=MoeLayout(),
     checks=(check_layers,),
 )
@@ -213,6 +218,7 @@ QWEN35_MOE = Family(
 QWEN3_NEXT = Family(
     "qwen3_next", "Qwen3NextForCausalLM", "Qwen3-Next",
     kept=(Kept(r"re:.*linear_attn\.in_proj_ba$", "Gated DeltaNet's beta/alpha gates (in_proj_ba) 16-bit"),),
+    smoothing=QWEN35_MOE_ROWS,
     moe=MoeLayout(),
 )
 

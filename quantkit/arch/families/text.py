@@ -77,10 +77,34 @@ def add_text_params(writer, hp: dict, ftype: int) -> None:
                        writer.add_expert_used_count)):
         if (value := find(hp, keys)) is not None:
             add(value)
+    for key, add in (("n_group", writer.add_expert_group_count), ("topk_group", writer.add_expert_group_used_count)):
+        if hp.get(key) is not None:
+            add(hp[key])
+    add_gating_func(writer, hp)
     if (head_dim := hp.get("head_dim")) is not None:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
     writer.add_file_type(ftype)
+
+
+SCORE_FUNCTION_KEYS = ("score_function", "scoring_func", "score_func", "moe_router_activation",
+                       "moe_router_activation_func", "expert_selection_fn")
+
+
+def add_gating_func(writer, hp: dict) -> None:
+    """TextModel.set_gguf_parameters' expert gating function, from the router's score function where config.json
+    names one."""
+    import gguf
+
+    if (function := find(hp, SCORE_FUNCTION_KEYS)) is None:
+        return
+    kind = getattr(gguf.ExpertGatingFuncType, str(function).upper(), None)  # gguf-py 0.19: SOFTMAX, SIGMOID
+    if kind is None:
+        from quantkit.errors import UnsupportedError
+
+        raise UnsupportedError(f"GGUF conversion: expert score function '{function}' has no gating function in "
+                               "the installed gguf-py", hint="llama.cpp's converter takes sigmoid and softmax here")
+    writer.add_expert_gating_func(kind)
 
 
 def add_rope(writer, rope: dict) -> None:
