@@ -321,13 +321,15 @@ def assert_vllm_serves_it(cli, model: Path, tmp_path: Path, method: str) -> None
 
 # ---------------------------------------------------------------- mixture-of-experts families
 
-MOE = dict(num_hidden_layers=2)  # with the families' own expert counts: 4 experts, 2 per token
+MOE = dict(num_hidden_layers=2)
+# the methods whose experts transformers' fused-expert reload takes (fp8, symmetric packed int, bitsandbytes)
+TRANSFORMERS_RELOADS_EXPERTS = ("fp8", "gptq", "autoround", "nf4")  # with the families' own expert counts: 4 experts, 2 per token
 
 
 def assert_moe_artifact(cli, model: Path, tmp_path: Path, method: str, *args: str) -> dict:
     """An MoE family through a compressed-tensors method or nf4: exit 0, the artifact reloads strictly (in
-    transformers; experts transformers' fused reload cannot take, NVFP4/MXFP4 ones, in quantkit's reading, which
-    refuses any missing or unexpected tensor), every router is kept 16-bit (in the ignore list, no scale stored for
+    transformers; experts transformers' fused reload cannot take, AWQ's asymmetric int4, SmoothQuant's int8,
+    NVFP4/MXFP4, in quantkit's reading, which refuses any missing or unexpected tensor), every router is kept 16-bit (in the ignore list, no scale stored for
     it), every expert's stored scale is finite and non-zero (AutoRound's signed scales may be negative), and a
     calibrated method reports the tokens routed to each expert (top-k per calibration token). Returns the report
     entry."""
@@ -336,10 +338,11 @@ def assert_moe_artifact(cli, model: Path, tmp_path: Path, method: str, *args: st
 
     out = tmp_path / "out"
     entry = assert_passed(quantize(cli, model, out, method, *args), out)
-    if method in ("nvfp4", "mxfp4") and experts.reads(out):
-        artifact_reading(out).open()
-    else:
+    if method in TRANSFORMERS_RELOADS_EXPERTS:
         assert_strict_reload(out)
+    else:
+        assert experts.reads(out)
+        artifact_reading(out).open()
     stored = stored_tensors(out)
     routers = [name.removesuffix(".weight") for name in stored_tensors(model) if is_router(name)]
     assert routers, "the tiny model has no router"

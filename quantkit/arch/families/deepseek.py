@@ -26,7 +26,7 @@ MLA_ROWS = (
     Mapping("re:.*input_layernorm$", ("re:.*q_a_proj$", "re:.*kv_a_proj_with_mqa$"), smoothquant=True),
     Mapping("re:.*q_a_layernorm$", ("re:.*q_b_proj$",), smoothquant=True),
     Mapping("re:.*kv_a_layernorm$", ("re:.*kv_b_proj$",), smoothquant=True),
-    *ROUTED_ROWS[2:],
+    *ROUTED_ROWS[2:],  # up -> down
 )
 
 DEEPSEEK_V3 = Family("deepseek_v3", "DeepseekV3ForCausalLM", "DeepSeek-V3", smoothing=MLA_ROWS, moe=MoeLayout(),

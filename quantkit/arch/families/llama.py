@@ -39,10 +39,9 @@ MOE_GATE_UP = ("re:.*mlp.gate$", "re:.*mlp.experts.*.gate_proj$", "re:.*mlp.expe
 MOE_ROWS = decoder_rows("post_attention_layernorm", mlp_balance=MOE_GATE_UP, smoothquant_mlp=False)
 # MoE families whose router is a weight parameter, no Linear (DeepSeek-V3, GLM-4.5, ERNIE 4.5 MoE, MiniMax-M2), or a
 # float32 Linear inside it (Hunyuan MoE): the norm feeding the experts cannot be smoothed without changing the
-# routing, so its row balances only a dense layer's MLP (no layer matches in an MoE layer: llm-compressor skips
-# it there); each expert's up -> down row holds
-DENSE_GATE_UP = (r"re:.*\.mlp\.gate_proj$", r"re:.*\.mlp\.up_proj$")  # not Hunyuan's shared_mlp.gate_proj
-ROUTED_ROWS = decoder_rows("post_attention_layernorm", mlp_balance=DENSE_GATE_UP, smoothquant_mlp=False)
+# routing, and llm-compressor resolves a row in every layer or fails, so the MLP norm has no row (the first dense
+# layers' included); each expert's up -> down row holds
+ROUTED_ROWS = tuple(row for row in LLAMA_LIKE if "post_attention_layernorm" not in row.smooth)
 
 # ---------------------------------------------------------------- GGUF
 
