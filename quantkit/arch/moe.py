@@ -55,7 +55,8 @@ def expert_count(config: dict) -> int:
 
 def check_supported(info, method: str) -> None:
     """An MoE architecture the table does not know would save its experts under names transformers
-    does not reload: refused before any work (exit 2)."""
+    does not reload, and a known one with an expert missing would load it at random: refused before any work
+    (exit 2)."""
     if expert_count(info.config) and not is_moe(info.model_type):
         family = next((f for f in FAMILIES if f.model_type == info.model_type), None)
         if family is not None and family.moe_refusal:
@@ -64,6 +65,35 @@ def check_supported(info, method: str) -> None:
         raise UnsupportedError(
             f"{method}: mixture-of-experts architecture '{info.model_type}' is not supported",
             hint="supported MoE model types: " + ", ".join(sorted(MOE_LAYOUTS)) + "; or use gguf where it converts it")
+    if is_moe(info.model_type):
+        check_experts_stored(info)
+
+
+# a routed expert's projection stored on its own (`model.layers.3.mlp.experts.5.up_proj.weight`, Mixtral's `w1`)
+EXPERT_TENSOR = re.compile(r"^(?P<layer>.*\.)experts\.(?P<expert>\d+)\.(?P<projection>[A-Za-z0-9_]+)\.weight$")
+
+
+def check_experts_stored(info) -> None:
+    """Every layer of an MoE checkpoint that stores experts one tensor per projection stores every projection of
+    each of config.json's experts, and no more experts: refused before work (ModelError, exit 2), naming the layer
+    and the expert, where transformers would fill a missing one at random."""
+    from quantkit.errors import ModelError
+
+    count = expert_count(info.config)
+    found: dict[str, dict[int, set[str]]] = {}
+    for name in info.tensors:
+        if (m := EXPERT_TENSOR.match(name)) is not None:
+            found.setdefault(m["layer"], {}).setdefault(int(m["expert"]), set()).add(m["projection"])
+    hint = "the checkpoint is incomplete or its config.json is another model's: save it again, or fix the expert count"
+    for layer, experts in found.items():
+        projections = set().union(*experts.values())
+        for expert in range(count):
+            if missing := sorted(projections - experts.get(expert, set())):
+                raise ModelError(f"{info.path}: {layer}experts.{expert} has no {', '.join(missing)} weight "
+                                 f"(config.json: {count} experts per layer)", hint=hint)
+        if extra := sorted(e for e in experts if e >= count):
+            raise ModelError(f"{info.path}: {layer}experts.{extra[0]} is stored, but config.json has {count} experts "
+                             "per layer", hint=hint)
 
 
 def is_expert_weight(name: str) -> bool:

@@ -197,3 +197,25 @@ def test_hunyuan_experts_wider_than_transformers_builds_them_refused(cli, tmp_pa
                                     moe_intermediate_size=[256, 256])
     out = tmp_path / "out"
     common.assert_refused(common.quantize(cli, model, out, "fp8"), out, "moe_intermediate_size")
+
+
+@pytest.mark.parametrize("family, tensor, words", [
+    ("glm4_moe", "model.layers.1.mlp.experts.2.up_proj.weight", "model.layers.1.mlp.experts.2 has no up_proj"),
+    ("minimax_m2", "model.layers.0.block_sparse_moe.experts.3.w2.weight",
+     "model.layers.0.block_sparse_moe.experts.3 has no w2"),
+])
+@pytest.mark.parametrize("method", ["fp8", "gptq"])
+def test_a_missing_expert_tensor_refused_before_work(cli, models, tmp_path, family, tensor, words, method):
+    """transformers would fill the missing expert at random: exit 2 before work, naming the layer and the expert."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    model = tmp_path / "model"
+    shutil.copytree(models(family), model)
+    (shard,) = model.glob("*.safetensors")
+    tensors = load_file(shard)
+    del tensors[tensor]
+    save_file(tensors, shard, metadata={"format": "pt"})
+    out = tmp_path / "out"
+    common.assert_refused(common.quantize(cli, model, out, method), out, words)
