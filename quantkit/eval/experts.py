@@ -39,13 +39,18 @@ FORMATS = frozenset({"dense", "naive-quantized", "int-quantized", "float-quantiz
                      "nvfp4-pack-quantized", "mxfp4-pack-quantized"})
 
 
+def text_model_type(config: dict) -> str:
+    """The model_type of a config's text model (a VLM's text_config's, else its own)."""
+    text = config.get("text_config") or config
+    return text.get("model_type", config.get("model_type", ""))
+
+
 def layout_of(config: dict):
     """The expert layout (quantkit.arch.moe.ExpertCheckpoint) of an MoE config transformers stacks as expected,
     None otherwise."""
     from quantkit.arch import moe
 
-    text = config.get("text_config") or config
-    layout = moe.expert_checkpoint(text.get("model_type", config.get("model_type", "")))
+    layout = moe.expert_checkpoint(text_model_type(config))
     return layout if layout is not None and moe.expert_count(config) and fuses_experts(config) else None
 
 
@@ -221,17 +226,11 @@ def experts_reading(path: Path) -> Reading:
 # ---------------------------------------------------------------- linear experts: each expert its own quantized Linears
 
 
-def text_model_type(config: dict) -> str:
-    text = config.get("text_config") or config
-    return text.get("model_type", config.get("model_type", ""))
-
-
 def moe_layout(config: dict):
     """The family's expert layout for llm-compressor's methods (quantkit.arch.families: a record's `moe`), None."""
     from quantkit.arch import moe
 
-    text = config.get("text_config") or config
-    return moe.MOE_LAYOUTS.get(text.get("model_type", config.get("model_type", "")))
+    return moe.MOE_LAYOUTS.get(text_model_type(config))
 
 
 def linear_experts_model(config, dtype):
@@ -254,13 +253,10 @@ def linear_experts_model(config, dtype):
     return model
 
 
-def model_name(stored: str, layout, renamings=()) -> str:
+def model_name(stored: str, layout, renamings) -> str:
     """A stored tensor's name in the linear-experts model: renamed as transformers renames it on load (`renamings`,
     quantkit.arch.moe.load_renamings: Mixtral's block_sparse_moe -> mlp, ERNIE 4.5's moe_statics under the router),
     each expert projection under llm-compressor's linear name (w1 -> gate_proj)."""
-    if layout.block_rename:
-        old, new = layout.block_rename
-        stored = stored.replace(f".{old}.", f".{new}.")
     for renaming in renamings:
         stored, _matched = renaming.rename_source_key(stored)
     for linear, name in layout.expert_names.items():
@@ -271,7 +267,7 @@ def model_name(stored: str, layout, renamings=()) -> str:
 class ModelNamed:
     """The tensors of a checkpoint by the names of the linear-experts model (`model_name`), read one at a time."""
 
-    def __init__(self, model_dir: Path, layout, model_type: str = ""):
+    def __init__(self, model_dir: Path, layout, model_type: str):
         from quantkit.arch.moe import load_renamings
         from quantkit.io.checkpoint import SafetensorsWeights
 

@@ -252,7 +252,9 @@ def gguf_arch_name(spec: Gguf) -> str:
 
 
 def n_experts(hp: dict) -> int:
-    return find(hp, ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")) or 0
+    from quantkit.arch.moe import EXPERT_COUNT_KEYS
+
+    return find(hp, EXPERT_COUNT_KEYS) or 0
 
 
 def model_facts(config: dict) -> mixture.ModelFacts:
@@ -400,9 +402,17 @@ def tensor_rule(config: dict, name: str) -> TensorRule | None:
                 None)
 
 
+# ModelBase.modify_tensors' own renaming before TensorNameMap, for every architecture: a router's correction bias
+CONVERTER_RENAMES = ((r"e_score_correction_bias$", "e_score_correction.bias"),)
+
+
 def mapped_name(rule: TensorRule | None, name: str) -> str:
-    """The name TensorNameMap maps: the converter's, renamed by the family's step where it says so."""
-    return re.sub(rule.rename[0], rule.rename[1], name) if rule is not None and rule.rename else name
+    """The name TensorNameMap maps: the converter's, renamed by the family's step where it says so, then as
+    ModelBase.modify_tensors renames it."""
+    name = re.sub(rule.rename[0], rule.rename[1], name) if rule is not None and rule.rename else name
+    for pattern, replacement in CONVERTER_RENAMES:
+        name = re.sub(pattern, replacement, name)
+    return name
 
 
 def single_plan(config: dict, tmap, name: str, hf: str, shape: list[int]) -> TensorPlan:

@@ -70,13 +70,10 @@ def add_ernie_moe_params(writer, hp: dict, ftype: int) -> None:
             writer.add_expert_shared_feed_forward_length(hp["intermediate_size"] // hp["num_key_value_heads"])
 
 
-# the correction bias as ModelBase.modify_tensors renames it for TensorNameMap; the model's own name of it
-# (transformers moves it under the router) first, for the reading of the file
-MOE_RULES = (
-    TensorRule(r"\.gate\.moe_statics\.e_score_correction_bias$",
-               rename=(r"\.gate\.moe_statics\.e_score_correction_bias$", ".moe_statics.e_score_correction.bias")),
-    TensorRule(r"e_score_correction_bias$", rename=(r"e_score_correction_bias$", "e_score_correction.bias")),
-)
+# the reading of the file: the model's name of the correction bias (transformers moves it under the router) back to
+# the checkpoint's, which the converter maps
+MOE_RULES = (TensorRule(r"\.gate\.moe_statics\.e_score_correction_bias$",
+                        rename=(r"\.gate\.moe_statics\.", ".moe_statics.")),)
 MOE_ARCH = "Ernie4_5_MoeForCausalLM"
 ERNIE4_5_MOE = Family(
     "ernie4_5_moe", MOE_ARCH, "ERNIE 4.5 MoE", smoothing=ROUTED_ROWS, moe=MoeLayout(), experts_by_name=ExpertCheckpoint(),

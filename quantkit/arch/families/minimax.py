@@ -36,13 +36,9 @@ def check_rotary_dim(arch: str, hp: dict) -> None:
                                hint="MiniMax-M2's released config.json states it (64): add it to config.json")
 
 
-# the correction bias as ModelBase.modify_tensors renames it for TensorNameMap; the model's own name of it
-# (transformers moves it under `mlp`) first, for the reading of the file
-RULES = (
-    TensorRule(r"\.mlp\.e_score_correction_bias$",
-               rename=(r"\.mlp\.e_score_correction_bias$", ".block_sparse_moe.e_score_correction.bias")),
-    TensorRule(r"e_score_correction_bias$", rename=(r"e_score_correction_bias$", "e_score_correction.bias")),
-)
+# the reading of the file: the model's name of the correction bias (transformers moves it under `mlp`) back to the
+# checkpoint's, which the converter maps
+RULES = (TensorRule(r"\.mlp\.e_score_correction_bias$", rename=(r"\.mlp\.", ".block_sparse_moe.")),)
 
 MINIMAX_M2 = Family(
     "minimax_m2", ARCH, "MiniMax-M2",
