@@ -15,3 +15,17 @@ def parse_size(text: str) -> int:
     number, unit, binary = float(match.group(1)), match.group(2).upper(), match.group(3).lower().startswith("i")
     power = "KMGT".index(unit) + 1 if unit else 0
     return int(number * (1024 if binary or not match.group(3) else 1000) ** power)
+
+
+def human_bytes(n: float) -> str:
+    """1536 -> '1.5 KiB' (binary units, one decimal)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def size_text(n: int) -> str:
+    """An artifact's size in MiB, or GiB from 1 GiB up (model cards, Hub messages)."""
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"

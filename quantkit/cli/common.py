@@ -23,6 +23,8 @@ import typer
 from rich.console import Console
 from typer.core import TyperCommand
 
+from quantkit.units import human_bytes  # noqa: F401  (the CLI modules import it from here)
+
 # Option panels of every command's --help, in this order (typer's rich_help_panel= on each option);
 # options without one are listed last under "Other options".
 MODEL = "Model and output"
@@ -272,14 +274,6 @@ def write_json(path: str | None, data: dict) -> None:
         sys.stdout.write(text)
     else:
         Path(path).write_text(text)
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 def human_count(n: int) -> str:

@@ -139,7 +139,8 @@ MERGE_BASE = flag(Optional[str], None, "--merge-base", panel=MODEL,
 ORIGINAL_BASE = flag(Optional[str], None, "--original-base", panel=MODEL,
                      help="16-bit original of a QLoRA base (--merge-base original).")
 METHOD_NAME = flag(Optional[str], None, "--method", "-m", panel=METHOD,
-                   help="fp8 | gptq | awq | autoround | smoothquant | nf4 | gguf | nvfp4 | mxfp4 | mlx")
+                   help="fp8 | gptq | awq | autoround | smoothquant | nf4 | gguf | nvfp4 | mxfp4 | mlx | auto (the "
+                        "smallest artifact that passes the gate and serves where --for says)")
 IGNORE = flag(list[str], [], "--ignore", panel=METHOD, help="Keep modules unquantized (name or re:REGEX); repeatable.")
 VISION = flag(Optional[str], None, "--vision", panel=METHOD,
               help="VLM vision encoder: keep (16-bit, default) | int8 | int4 (W/A16; int4 needs --force).")
@@ -329,7 +330,8 @@ METHOD_OPTIONS = Lazy("quantkit.run.recipe:MethodOptions", {
                      "most damaging tensors and re-measure until it passes or --max-size is reached (gguf: the next "
                      "type; gptq, awq: int4 -> int8 -> 16-bit; fp8, smoothquant, nf4: 16-bit)."),
     "max_size": method_flag(Optional[str], "--max-size", help="--fallback size limit: +N% of the first artifact "
-                            "(default +25%) or a size such as 120MB."),
+                            "(default +25%) or a size such as 120MB; with --method auto, the artifact's largest "
+                            "size (e.g. 4GB)."),
     "smoothing_strength": method_flag(Optional[float], help="SmoothQuant alpha."),
     "preset": method_flag(Optional[str], help="AutoRound preset: default (200 iterations per layer) | light (50)."),
     "iters": method_flag(Optional[int], help="AutoRound tuning iterations per decoder layer (overrides the preset)."),

@@ -54,6 +54,10 @@ More examples:
 
   quantkit quantize ./my-model --method gptq --serve-check vllm -o ./gptq   (the gate also loads it in vLLM)
 
+  quantkit quantize ./my-model --method auto --for vllm:L4 -o ./auto   (the smallest artifact that passes and serves on an L4)
+
+  quantkit quantize ./my-model --method auto --for llama.cpp --for mlx:M3-Max-64G --max-size 4GB -o ./auto   (one each)
+
   quantkit quantize ./my-model --method nvfp4 -o ./nvfp4   (W4A4 NVFP4: Blackwell; --scheme a16 for weights only)
 
   quantkit quantize ./my-model --method fp8 --kv-cache fp8 -o ./fp8-kv   (FP8 KV cache with calibrated scales)
@@ -127,6 +131,16 @@ class TargetFlags:
     projector: Optional[str] = PROJECTOR.field()
     force: bool = flag(bool, False, "--force", panel=METHOD,
                        help="Allow 4-bit VLM towers (recorded in the report and model card).").field()
+    destinations: list[str] = flag(
+        list[str], [], "--for", panel=METHOD, metavar="ENGINE[:DEVICE]",
+        help="With --method auto: where the artifact is served, e.g. vllm:L4, vllm:H100, vllm:cpu, llama.cpp, "
+             "llama.cpp:cpu, mlx:M3-Max-64G, transformers (an engine alone: vllm on H100, llama.cpp and transformers "
+             "on this CPU, mlx on M3-Max-64G); repeatable: one artifact each, in OUT/auto-<engine>-<device>.").field()
+    context: Optional[int] = flag(Optional[int], None, "--context", panel=METHOD, min=1,
+                                  help="With --method auto: tokens per sequence of KV cache the device must hold "
+                                       "beside the weights (default 4096).").field()
+    batch: Optional[int] = flag(Optional[int], None, "--batch", panel=METHOD, min=1,
+                                help="With --method auto: sequences served at once (default 1).").field()
     strict_shapes: bool = flag(
         bool, False, "--strict-shapes", panel=METHOD,
         help="Refuse (exit 2) a layer whose widths the format's blocks or groups cannot tile (fp8-block, nvfp4, mxfp4, "
@@ -191,7 +205,8 @@ def parse(model: str | None, source: SourceFlags, target: TargetFlags, options, 
         push=dict(repo=source.push_to_hub, private=source.private or None), lora=source.lora,
         lora_weights=source.lora_weight, merge_base=source.merge_base, original_base=source.original_base,
         ignore=target.ignore, towers=target.towers(), calibration=calibration.calibration_fields(),
-        gate={**gate.gate_fields(), **kv_fields}, method_options=options)
+        gate={**gate.gate_fields(), **kv_fields}, method_options=options, destinations=target.destinations,
+        auto={"context": target.context, "batch": target.batch})
     recipe = build_recipe(source.recipe, target.method, overrides)
     if gate.no_gate and not reports.quiet:
         err.print("warning: --no-gate: the quality gate is measured but not enforced (recorded in quantkit.json)",

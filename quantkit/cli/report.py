@@ -80,6 +80,8 @@ def print_report(report: RunReport, console: Console, out: Path, quiet: bool = F
         if any(t.gate for t in report.targets):
             console.print(thresholds_table(rows))
         for t in report.targets:
+            if ladder := t.details.get("auto"):
+                console.print(ladder_table(t.name, ladder))
             if section := t.details.get("kv_cache_types"):
                 console.print(kv_table(section, f"{t.name}: KV cache (own: over the same weights; total: vs. the "
                                                 "base)"))
@@ -88,6 +90,31 @@ def print_report(report: RunReport, console: Console, out: Path, quiet: bool = F
         console.print(summary_line(t, out / t.name if multi else out), highlight=False, markup=False)
         if line := starved_experts_text(t.details):
             console.print(f"{t.name}: {line}", highlight=False, markup=False)
+
+
+STATUS = {"passed": "✅ passed", "failed": "❌ failed", "skipped": "— skipped", "unneeded": "· unneeded",
+          "pending": "· pending"}
+
+
+def ladder_table(name: str, ladder: dict) -> Table:
+    """--method auto's ladder: each candidate in the order its answer is read, its size, verdict, seconds and why."""
+    chosen = ladder["chosen"]
+    title = (f"{name}: --method auto --for {ladder['for']} ({ladder['engine']} on {ladder['device']}, "
+             f"{ladder['context']} tokens x {ladder['batch']} of KV cache): "
+             + (f"chose {chosen}" if chosen else "none passed"))
+    table = Table(title=title, title_justify="left")
+    for column, justify in (("candidate", "left"), ("size", "right"), ("bits/w", "right"), ("kernel", "left"),
+                            ("verdict", "left"), ("KLD", "right"), ("s", "right"), ("why", "left")):
+        table.add_column(column, justify=justify)
+    for row in ladder["ladder"]:
+        size = human_bytes(row["artifact_bytes"]) if row["artifact_bytes"] else f"~{human_bytes(row['estimated_bytes'])}"
+        verdict = STATUS.get(row["status"], row["status"]) + (" (chosen)" if row["candidate"] == chosen else "")
+        table.add_row(row["candidate"], size if row["estimated_bytes"] else "", f"{row['bits_per_weight']:.2f}",
+                      row["runtime"] or "", verdict, f"{row['kld_mean']:.5f}" if row["kld_mean"] is not None else "",
+                      f"{row['seconds']:.1f}" if row["seconds"] is not None else "", row["why"])
+    for line in ladder["guide"]:
+        table.caption = (table.caption + "; " if table.caption else "guide: ") + line
+    return table
 
 
 def summary_line(t: TargetReport, where: Path) -> str:

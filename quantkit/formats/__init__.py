@@ -66,6 +66,9 @@ class Runtime:
     in_multiple: int = 1
     max_capability: float = 0.0  # the newest compute capability the kernel runs on (0: no limit)
     cpu_flags: tuple[str, ...] = ()  # the x86 CPU features (/proc/cpuinfo flags) the kernel needs on a CPU
+    # how it runs beside the other kernels of its engine: 0 the fast ones, 1 a slower path (bitsandbytes in
+    # vLLM dequantizes per call); `--method auto` serves the faster of two artifacts of about equal size
+    rank: int = 0
 
     def serves(self, kind: str, capability: float = 0.0, flags: frozenset[str] | None = None) -> bool:
         """Whether the kernel runs on a device of this kind (and compute capability, or CPU flags where known)."""

@@ -13,7 +13,8 @@ from quantkit.formats import Device, Format, Runtime
 
 KIND = "bitsandbytes"
 RUNTIMES = (
-    Runtime("vLLM: bitsandbytes", ("cuda",), 7.0, "vLLM docs, features/quantization (supported hardware): bitsandbytes on Volta (7.0) and newer"),
+    Runtime("vLLM: bitsandbytes", ("cuda",), 7.0, "vLLM docs, features/quantization (supported hardware): bitsandbytes on Volta (7.0) and newer",
+            rank=1),  # dequantizes in its own kernels: slower in vLLM than the Marlin-class GEMMs
     Runtime("transformers + bitsandbytes", ("cuda", "cpu", "apple"), 6.0,
             "bitsandbytes 0.50 installation guide: NF4/FP4 on CUDA 6.0+, CPU and Apple Silicon"),
 )

@@ -30,6 +30,7 @@ OnRanks, Towers), each member described where it is declared. Who calls what:
   resume             run.resume, preflight                        --resume: what it continues from (Resume)
   ranks              engines.llmcompressor.distributed            whether a torchrun launch may run it (OnRanks)
   towers             pipeline                                     a VLM's towers: quantized, proved (Towers)
+  auto               run.auto                                     the artifacts --method auto may choose (AutoRung)
 
 The registry: METHODS (name -> module) and the methods other packages declare under the entry-point group
 `quantkit.methods` (a name -> "module:METHOD"); `get_method` imports one.
@@ -289,6 +290,17 @@ class Resume:
 
 
 @dataclass(frozen=True)
+class AutoRung:
+    """One artifact `--method auto` may choose (quantkit.run.auto): its name in the ladder and the method's options
+    that write it. Rungs of one chain differ only in precision, and a larger one is assumed to measure no worse
+    than a smaller one, so a reading of one settles the others on its side."""
+
+    label: str
+    options: tuple[tuple[str, Any], ...] = ()
+    chain: str = ""  # "": a chain of its own
+
+
+@dataclass(frozen=True)
 class OnRanks:
     """How a method meets a torchrun launch (quantkit.engines.llmcompressor.distributed)."""
 
@@ -345,6 +357,7 @@ class MethodSpec:
     resume: Resume | None = None  # None: --resume is refused before any work
     ranks: OnRanks | None = None  # None: runs in one process only (refused on ranks without a reason)
     towers: Towers = Towers()
+    auto: tuple[AutoRung, ...] = ()  # the artifacts --method auto may choose, in the method's order
 
     @property
     def package(self) -> str:

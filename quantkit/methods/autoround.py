@@ -30,6 +30,7 @@ from quantkit.engines.llmcompressor import layer_resume, llmc
 from quantkit.errors import InputError, UnsupportedError
 from quantkit.formats import compressed_tensors
 from quantkit.methods import (
+    AutoRung,
     FallbackSteps,
     Layers,
     MethodSpec,
@@ -213,6 +214,8 @@ def support(family) -> str:
     return family.decoder_support("✅")
 
 
+AUTO_RUNGS = (AutoRung("autoround W4A16"),)  # --method auto (quantkit.run.auto)
+
 METHOD = MethodSpec(
     name="autoround", format=compressed_tensors.FORMAT, label="compressed-tensors (pack-quantized, int weights)",
     scheme=gptq.compressed_scheme, engine=llmc.ENGINE, options=Options, quantize=quantize, precision=precision,
@@ -224,4 +227,5 @@ METHOD = MethodSpec(
     resume=Resume(**layer_resume.resume_fields()),
     ranks=OnRanks(),
     towers=Towers(quantizes=True),
+    auto=AUTO_RUNGS,
 )

@@ -58,6 +58,7 @@ from quantkit.engines.llmcompressor import layer_resume, llmc
 from quantkit.errors import InputError, MissingExtraError, UnsupportedError
 from quantkit.formats import compressed_tensors
 from quantkit.methods import (
+    AutoRung,
     FallbackSteps,
     Layers,
     MethodSpec,
@@ -329,6 +330,8 @@ ROTATION_REFUSED = ("llm-compressor applies the rotation when calibration starts
                     "would not be the original; AWQ after SpinQuant is not offered either (not measured)")
 
 
+AUTO_RUNGS = (AutoRung("awq W4A16"),)  # --method auto (quantkit.run.auto)
+
 METHOD = MethodSpec(
     name="awq", format=compressed_tensors.FORMAT, label="compressed-tensors (pack-quantized, int4 asymmetric)",
     scheme=gptq.compressed_scheme, engine=llmc.ENGINE, options=Options, quantize=quantize, precision=precision,
@@ -340,4 +343,5 @@ METHOD = MethodSpec(
     resume=Resume(**layer_resume.resume_fields()),
     ranks=OnRanks(),
     towers=Towers(quantizes=True),
+    auto=AUTO_RUNGS,
 )

@@ -35,6 +35,7 @@ from quantkit.engines.llmcompressor import layer_resume, llmc, model_free
 from quantkit.errors import UnsupportedError
 from quantkit.formats import compressed_tensors
 from quantkit.methods import (
+    AutoRung,
     FallbackSteps,
     Layers,
     MethodSpec,
@@ -322,6 +323,8 @@ def scheme(options: Options) -> str:
     return options.scheme  # fp8-dynamic, fp8-static or fp8-block, as compressed-tensors names them
 
 
+AUTO_RUNGS = (AutoRung("fp8 W8A8 (FP8 dynamic)", (("scheme", "fp8-dynamic"),)),)  # --method auto (quantkit.run.auto)
+
 METHOD = MethodSpec(
     name="fp8", format=compressed_tensors.FORMAT, label="compressed-tensors (float-quantized, float8_e4m3fn)",
     scheme=scheme, engine=llmc.ENGINE, options=Options, quantize=quantize, precision=precision,
@@ -334,5 +337,6 @@ METHOD = MethodSpec(
                   resume_refused, resume_bytes),
     ranks=OnRanks(),
     towers=Towers(quantizes=True),
+    auto=AUTO_RUNGS,
 )
 

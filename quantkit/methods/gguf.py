@@ -31,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from quantkit.errors import InputError, UnsupportedError
 from quantkit.formats import gguf as gguf_format
-from quantkit.methods import FallbackSteps, Layers, MethodSpec, OnRanks, QuantizeJob, QuantizeResult, Resume, Sizes, Towers
+from quantkit.methods import AutoRung, FallbackSteps, Layers, MethodSpec, OnRanks, QuantizeJob, QuantizeResult, Resume, Sizes, Towers
 from quantkit.mixed.budget import Fallback
 
 MIX_MARGIN = 1.15  # mixtures give some tensors more bits than the base type (Q4_K_M: Q6_K parts)
@@ -636,6 +636,12 @@ ROTATION_REFUSED = ("a GGUF file stores no transform and llama.cpp applies none,
                     "does not run llm-compressor's transform modifiers")
 
 
+# --method auto (quantkit.run.auto): the k-quant and i-quant mixtures people publish, small to large (the legacy
+# Q4_0/Q5_0 types are no smaller than the k-quants beside them)
+AUTO_TYPES = ("IQ2_M", "Q2_K", "IQ3_XXS", "IQ3_S", "IQ3_M", "Q3_K_M", "Q3_K_L", "IQ4_XS", "Q4_K_S", "Q4_K_M", "Q5_K_S",
+              "Q5_K_M", "Q6_K", "Q8_0")
+AUTO_RUNGS = tuple(AutoRung(f"gguf {t}", (("gguf_type", t),), "gguf") for t in AUTO_TYPES)
+
 METHOD = MethodSpec(
     name="gguf", format=gguf_format.FORMAT, label="GGUF (llama.cpp / Ollama)", scheme=lambda options: options.gguf_type,
     engine="quantkit-gguf", engine_package="quantkit", options=Options, quantize=quantize, precision=precision,
@@ -651,4 +657,5 @@ METHOD = MethodSpec(
     resume=Resume("the last written tensor", bytes=resume_bytes),
     ranks=OnRanks(lambda options: RANKS_REFUSED),  # converts in one process: refused on ranks, saying why
     towers=Towers(proof=tower_proof),
+    auto=AUTO_RUNGS,
 )

@@ -44,6 +44,7 @@ from quantkit.engines.llmcompressor import layer_resume, llmc
 from quantkit.errors import CalibrationError, InputError, UnsupportedError
 from quantkit.formats import compressed_tensors
 from quantkit.methods import (
+    AutoRung,
     FallbackSteps,
     Layers,
     MethodSpec,
@@ -638,6 +639,8 @@ def compressed_scheme(options) -> str:
     return f"w{options.bits}a16" if activations == "none" else f"w4a8-{activations}"
 
 
+AUTO_RUNGS = (AutoRung("gptq W8A16", (("bits", 8),), "gptq"), AutoRung("gptq W4A16", (("bits", 4),), "gptq"))
+
 METHOD = MethodSpec(
     name="gptq", format=compressed_tensors.FORMAT, label="compressed-tensors (pack-quantized, int weights)",
     scheme=compressed_scheme, engine=llmc.ENGINE, options=Options, quantize=quantize, precision=precision,
@@ -649,4 +652,5 @@ METHOD = MethodSpec(
     resume=Resume(**layer_resume.resume_fields()),
     ranks=OnRanks(),
     towers=Towers(quantizes=True),
+    auto=AUTO_RUNGS,
 )

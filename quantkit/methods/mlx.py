@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from quantkit.errors import UnsupportedError
 from quantkit.formats import mlx as mlx_format
-from quantkit.methods import Layers, MethodSpec, OnRanks, QuantizeJob, QuantizeResult, Sizes
+from quantkit.methods import AutoRung, Layers, MethodSpec, OnRanks, QuantizeJob, QuantizeResult, Sizes
 from quantkit.mlx.affine import BITS
 from quantkit.mlx.checkpoint import MLX_MODEL_TYPES, QUANTIZED_ROLES, Precision
 
@@ -276,6 +276,8 @@ ROTATION_REFUSED = ("an mlx-lm checkpoint stores no transform and mlx-lm applies
                     "conversion does not run llm-compressor's transform modifiers")
 
 
+AUTO_RUNGS = tuple(AutoRung(f"mlx {b}-bit", (("bits", b),), "mlx") for b in (2, 3, 4, 6, 8))  # --method auto
+
 METHOD = MethodSpec(
     name="mlx", format=mlx_format.FORMAT, label="MLX (mlx-lm affine quantized)",
     scheme=lambda options: f"affine {options.bits}-bit g{options.group_size}", engine="quantkit-mlx",
@@ -285,5 +287,6 @@ METHOD = MethodSpec(
     support=support, rotation_refused=ROTATION_REFUSED,
     layers=Layers(keeps_lm_head=lambda options: False),  # quantized as mlx_lm.convert does (--ignore lm_head keeps it)
     sizes=Sizes(stored_bits=stored_bits, working_set=working_set, precision_bits=precision_bits),
-    ranks=OnRanks(lambda options: RANKS_REFUSED),  # converts in one process: refused on ranks, saying why
+    ranks=OnRanks(lambda options: RANKS_REFUSED),  # converts in one process: refused on ranks, saying why,
+    auto=AUTO_RUNGS,
 )

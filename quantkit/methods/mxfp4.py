@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict
 
 from quantkit.engines.llmcompressor import layer_resume, llmc
 from quantkit.formats import compressed_tensors
-from quantkit.methods import Layers, MethodSpec, OnRanks, QuantizeJob, QuantizeResult, Resume, Sizes, fixed_gate, nvfp4
+from quantkit.methods import AutoRung, Layers, MethodSpec, OnRanks, QuantizeJob, QuantizeResult, Resume, Sizes, fixed_gate, nvfp4
 
 GROUP = 32  # one E8M0 scale per 32 weights
 PRESETS = {"a16": "MXFP4A16"}
@@ -86,6 +86,8 @@ def stored_bits(options: Options) -> float:
     return 4 + 8 / GROUP
 
 
+AUTO_RUNGS = (AutoRung("mxfp4 W4A16"),)  # --method auto (quantkit.run.auto)
+
 METHOD = MethodSpec(
     name="mxfp4", format=compressed_tensors.FORMAT, label="compressed-tensors (mxfp4-pack-quantized)",
     scheme=lambda options: "mxfp4", engine=llmc.ENGINE, options=Options, quantize=quantize, precision=precision,
@@ -95,4 +97,5 @@ METHOD = MethodSpec(
     sizes=Sizes(stored_bits=stored_bits, working_set=working_set),
     resume=Resume(**layer_resume.resume_fields(calibrates=needs_calibration)),
     ranks=OnRanks(),
+    auto=AUTO_RUNGS,
 )

@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict
 from quantkit.arch.moe import is_expert_weight
 from quantkit.errors import UnsupportedError, require
 from quantkit.formats import bitsandbytes
-from quantkit.methods import FallbackSteps, MethodSpec, OnRanks, QuantizeJob, QuantizeResult, Sizes, fixed_gate
+from quantkit.methods import AutoRung, FallbackSteps, MethodSpec, OnRanks, QuantizeJob, QuantizeResult, Sizes, fixed_gate
 from quantkit.mixed import layers as intmix
 from quantkit.mixed.budget import Fallback
 
@@ -279,6 +279,9 @@ ROTATION_REFUSED = ("a bitsandbytes checkpoint stores no transform and transform
                     "one; bitsandbytes quantizes as transformers loads the model, outside llm-compressor")
 
 
+AUTO_RUNGS = (AutoRung("bitsandbytes int8", (("scheme", "int8"),), "bitsandbytes"),
+              AutoRung("bitsandbytes nf4", (("scheme", "nf4"),), "bitsandbytes"))
+
 METHOD = MethodSpec(
     name="nf4", format=bitsandbytes.FORMAT, label="transformers bitsandbytes checkpoint (4-bit NF4/FP4 or LLM.int8)",
     scheme=lambda options: options.scheme, engine="bitsandbytes", options=Options, quantize=quantize,
@@ -287,5 +290,6 @@ METHOD = MethodSpec(
     support=support, rotation_refused=ROTATION_REFUSED,
     sizes=Sizes(stored_bits=stored_bits),
     fallback=FallbackSteps(fallback_ladder, requantize),
-    ranks=OnRanks(lambda options: RANKS_REFUSED),  # converts in one process: refused on ranks, saying why
+    ranks=OnRanks(lambda options: RANKS_REFUSED),  # converts in one process: refused on ranks, saying why,
+    auto=AUTO_RUNGS,
 )

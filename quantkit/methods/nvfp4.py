@@ -36,7 +36,7 @@ from quantkit.arch import moe
 from quantkit.engines.llmcompressor import layer_resume, llmc
 from quantkit.errors import UnsupportedError
 from quantkit.formats import compressed_tensors
-from quantkit.methods import Layers, MethodSpec, OnRanks, QuantizeJob, QuantizeResult, Resume, Sizes
+from quantkit.methods import AutoRung, Layers, MethodSpec, OnRanks, QuantizeJob, QuantizeResult, Resume, Sizes
 from quantkit.mixed import layers as intmix
 
 GROUP = compressed_tensors.NVFP4_GROUP  # one FP8 scale per 16 weights (and per 16 activations for w4a4)
@@ -182,6 +182,8 @@ def scheme(options: Options) -> str:
     return "nvfp4" if options.scheme == "w4a4" else "nvfp4-a16"
 
 
+AUTO_RUNGS = (AutoRung("nvfp4 W4A4", (("scheme", "w4a4"),)), AutoRung("nvfp4 W4A16", (("scheme", "a16"),)))
+
 METHOD = MethodSpec(
     name="nvfp4", format=compressed_tensors.FORMAT, label="compressed-tensors (nvfp4-pack-quantized)", scheme=scheme,
     engine=llmc.ENGINE, options=Options, quantize=quantize, precision=precision, default_gate=default_gate,
@@ -190,4 +192,5 @@ METHOD = MethodSpec(
     sizes=Sizes(stored_bits=stored_bits, working_set=working_set),
     resume=Resume(**layer_resume.resume_fields(calibrates=needs_calibration)),
     ranks=OnRanks(),
+    auto=AUTO_RUNGS,
 )

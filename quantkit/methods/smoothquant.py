@@ -36,6 +36,7 @@ from quantkit.engines.llmcompressor import layer_resume, llmc
 from quantkit.errors import InputError, UnsupportedError
 from quantkit.formats import compressed_tensors
 from quantkit.methods import (
+    AutoRung,
     FallbackSteps,
     MethodSpec,
     OnRanks,
@@ -244,6 +245,8 @@ def support(family) -> str:
             or family.decoder_support("✅ the experts' norm left unsmoothed"))
 
 
+AUTO_RUNGS = (AutoRung("smoothquant W8A8 (int8)"),)  # --method auto (quantkit.run.auto)
+
 METHOD = MethodSpec(
     name="smoothquant", format=compressed_tensors.FORMAT, label="compressed-tensors (int-quantized, W8A8 int8)",
     scheme=lambda options: "w8a8-int8", engine=llmc.ENGINE, options=Options, quantize=quantize, precision=precision,
@@ -252,4 +255,5 @@ METHOD = MethodSpec(
     resume=Resume(**layer_resume.resume_fields()),
     ranks=OnRanks(),
     towers=Towers(quantizes=True),
+    auto=AUTO_RUNGS,
 )

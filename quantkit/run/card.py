@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from quantkit.methods import get_method
 from quantkit.run.report import RunReport, TargetReport, stat_text, threshold_text
+from quantkit.units import size_text
 
 if TYPE_CHECKING:
     from quantkit.eval.evaluate import GateResult
@@ -48,6 +49,7 @@ def model_card(target: TargetReport, report: RunReport, place: Place | None = No
     lines = ["---", front_text(front_matter(target, report)), "---", ""]
     lines += [f"# {base_name(report)} — {target.name} ({target.method})", "", source_line(report), ""]
     lines += gate_section(target, figure)
+    lines += auto_section(target.details.get("auto"))
     lines += tasks_section(target.tasks)
     lines += kept_section(target)
     lines += tower_section(report.model.towers, target.details.get("towers"))
@@ -143,6 +145,22 @@ def gate_section(target: TargetReport, figure: bool) -> list[str]:
     if figure:
         lines += ["", f"![KL divergence per position, base to quantized]({FIGURE})"]
     return lines + [""]
+
+
+def auto_section(ladder: dict | None) -> list[str]:
+    """How `--method auto` chose this artifact: the destination, and each smaller candidate and why it was not
+    chosen (the whole ladder is in quantkit.json, details.auto)."""
+    if not ladder or not ladder["chosen"]:
+        return []
+    rows = ladder["ladder"]
+    measured = sum(1 for r in rows if r["seconds"] is not None)
+    lines = ["## How this artifact was chosen", "",
+             f"`quantkit quantize --method auto --for {ladder['for']}` ({ladder['engine']} on {ladder['device']}, "
+             f"{ladder['context']} tokens x {ladder['batch']} of KV cache) measured {measured} of {len(rows)} "
+             f"candidates and chose the smallest that passed the gate: **{ladder['chosen']}**.", ""]
+    before = rows[:next(i for i, r in enumerate(rows) if r["candidate"] == ladder["chosen"])]
+    lines += [f"- {r['candidate']}: {r['status']}, {r['why']}" for r in before if r["status"] != "unneeded"]
+    return lines + ([""] if before else [])
 
 
 def verdict_line(gate: GateResult) -> str:
@@ -322,10 +340,6 @@ def serving_line(plan: dict, report: RunReport) -> str:
     base = report.model.hub["repo_id"] if report.model.hub else "BASE"
     return (f"{size_text(plan['weights_bytes'])} on disk, fp16 KV cache {size_text(plan['kv_cache_bytes'])} for "
             f"{plan['context']} tokens; " + "; ".join(parts) + f". Other devices and contexts: `quantkit plan {base}`.")
-
-
-def size_text(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 RECIPE_FILE = "quantkit-recipe.yaml"  # the card's name for it (an artifact may hold an engine's own recipe.yaml)

@@ -16,6 +16,7 @@ OUT are left alone.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import platform
@@ -60,7 +61,7 @@ from quantkit.io.checkpoint import (
 from quantkit.io.memory import PeakTracker
 from quantkit.io.numerics import check_finite
 from quantkit.methods import MethodSpec, ModelHandle, QuantizeJob, QuantizeResult, get_method, ignore_patterns, on_ranks
-from quantkit.run import resume, serving
+from quantkit.run import auto, resume, serving
 from quantkit.run.follow import announce, follow, leading
 from quantkit.run.cache import fingerprint, input_hashes, up_to_date
 from quantkit.run.lora import plan_merge
@@ -101,10 +102,20 @@ class ResolvedTarget:
     needs_model: bool  # quantize() gets the model loaded in memory
     choices: dict[str, str] = field(default_factory=dict)  # what method.resolve chose for this model, and why
     kept_16bit: dict[str, str] = field(default_factory=dict)  # layers added to the ignore list by rule -> why
+    # method auto: the ladder, and each candidate it may build resolved as a target of its own (by rung label);
+    # the fields above are then its first open candidate's
+    ladder: auto.Ladder | None = None
+    candidates: dict[str, "ResolvedTarget"] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
         return self.target.name
+
+
+def every_candidate(targets: list[ResolvedTarget]) -> list[ResolvedTarget]:
+    """The targets as they are built: a method auto target's candidates in its place (the preflight's
+    estimates and checks cover each of them)."""
+    return [c for t in targets for c in (t.candidates.values() if t.ladder else [t])]
 
 
 @dataclass
@@ -138,7 +149,9 @@ def prepare(recipe: Recipe, opts: RunOptions) -> tuple[ModelInfo, list[ResolvedT
     check_submodel_packages(info)
     check_not_quantized(info, recipe)
     check_offload_dir(recipe, info)
-    targets = [resolve_target(recipe, target, info) for target in selected]
+    resolved = [resolve_target(recipe, target, info) for target in selected]
+    check_auto(recipe, opts, resolved)
+    targets = every_candidate(resolved)
     if recipe.calibration.eval_windows or any(t.needs_model or t.needs_calibration for t in targets):
         check_known(info, recipe.trust_remote_code)  # transformers builds the model for them
     given = {"--lora": bool(recipe.lora), "--offload-dir": recipe.offload_dir is not None,
@@ -148,7 +161,7 @@ def prepare(recipe: Recipe, opts: RunOptions) -> tuple[ModelInfo, list[ResolvedT
                  recipe.calibration.eval_windows)
     if recipe.lora:
         lora_plan(info, recipe)  # every adapter checked against the base before work
-    check_disk(opts.out, disk_estimate(recipe, opts, info, targets))
+    check_disk(opts.out, disk_estimate(recipe, opts, info, disk_targets(resolved)))
     bound = opts.max_memory or recipe.max_memory_bytes  # --max-memory, else the recipe's max_memory
     named = "--max-memory" if opts.max_memory else "the recipe's max_memory"
     placement = gate_placement(info, recipe, targets, bound, opts.ranks.world_size, named)
@@ -159,7 +172,7 @@ def prepare(recipe: Recipe, opts: RunOptions) -> tuple[ModelInfo, list[ResolvedT
     check_gate_tasks(recipe, targets, opts)
     check_serve_engines(targets, recipe.calibration.eval_windows)
     check_kv_types(targets, info, recipe.calibration.eval_windows)
-    return info, targets, placement
+    return info, resolved, placement
 
 
 def rank_row(target: ResolvedTarget) -> tuple[str, str, bool, BaseModel, str | None]:
@@ -240,7 +253,9 @@ def check_outputs(recipe: Recipe, opts: RunOptions, targets: list[Target]) -> No
 
 
 def resolve_target(recipe: Recipe, target: Target, info: ModelInfo) -> ResolvedTarget:
-    """Method, options, gate, ignore list and calibration needs of one target, checked."""
+    """Method, options, gate, ignore list and calibration needs of one target, checked (method auto: its ladder)."""
+    if target.method == auto.AUTO:
+        return resolve_ladder(recipe, target, info)
     method = get_method(target.method)
     options, choices = method.resolve(info, target_options(target))
     if target.ignore and not method.layers.takes_ignore:
@@ -260,6 +275,64 @@ def resolve_target(recipe: Recipe, target: Target, info: ModelInfo) -> ResolvedT
     return ResolvedTarget(target, method, options, gate_with_task_files(target_gate(recipe, target)), ignore,
                           needs_calibration,
                           method.needs_model(info, options) or bool(target.tower_precision()), choices, kept)
+
+
+def resolve_ladder(recipe: Recipe, target: Target, info: ModelInfo) -> ResolvedTarget:
+    """A method auto target: its ladder (quantkit.run.auto) built for the model and the destination, each open
+    candidate resolved as a target of its own under the one gate (a candidate its method refuses for this model
+    is skipped with the reason); exit 2 when none is left."""
+    from quantkit.run.preflight import available_ram, total_ram
+
+    if recipe.resume:
+        raise InputError(f"target '{target.name}': method auto does not resume (its candidates are measured one "
+                         "after another)", hint="drop --resume, or run the method the ladder chose with --resume")
+    gate = gate_with_task_files(target_gate(recipe, target))
+    destination = auto.parse_for(target.destination, total_ram() or available_ram())
+    ladder = auto.build_ladder(info, destination, target_options(target), gate.max_kld)
+    candidates = {}
+    for rung in ladder.rungs:
+        if rung.status == auto.OPEN:
+            try:
+                candidates[rung.label] = candidate_target(recipe, target, info, rung.candidate, gate)
+            except QuantkitError as exc:
+                rung.status, rung.why = "skipped", f"refused for this model: {exc.message}"
+    auto.check_buildable(ladder)
+    first = next(candidates[r.label] for r in ladder.rungs if r.status == auto.OPEN)
+    return dataclasses.replace(first, target=target, ladder=ladder, candidates=candidates)
+
+
+def candidate_target(recipe: Recipe, target: Target, info: ModelInfo, candidate: auto.Candidate,
+                     gate: Gate) -> ResolvedTarget:
+    """One candidate of a method auto target resolved as that method's target (named '<target>: <candidate>' in
+    the progress lines), under the ladder's gate."""
+    built = target.model_copy(update={"name": f"{target.name}: {candidate.label}", "method": candidate.method,
+                                      "options": candidate.option_dict(), "destination": None})
+    built._options = None  # the copy holds the auto target's validated options
+    return dataclasses.replace(resolve_target(recipe, built, info), gate=gate)
+
+
+def check_auto(recipe: Recipe, opts: RunOptions, targets: list[ResolvedTarget]) -> None:
+    """Method auto chooses by the gate's verdicts, in one process."""
+    if not any(t.ladder for t in targets):
+        return
+    if not opts.enforce_gate or not recipe.gate.enabled or recipe.calibration.eval_windows == 0:
+        raise InputError("method auto chooses by the quality gate: it needs the gate on and held-out windows",
+                         hint="drop --no-gate / eval_windows: 0, or name the method")
+    if opts.ranks.distributed:
+        raise InputError("method auto runs in one process", hint="run it without torchrun, or name the method")
+
+
+def disk_targets(targets: list[ResolvedTarget]) -> list[ResolvedTarget]:
+    """What is on disk at once: each target's artifact; of a ladder, its two largest candidates (the one that
+    passed so far beside the one being measured)."""
+    held = []
+    for t in targets:
+        if t.ladder is None:
+            held.append(t)
+            continue
+        sizes = {r.label: r.weights for r in t.ladder.rungs}
+        held += sorted(t.candidates.values(), key=lambda c: -sizes[c.name.partition(": ")[2]])[:2]
+    return held
 
 
 def gate_with_task_files(gate: Gate) -> Gate:
@@ -408,15 +481,15 @@ def run_main(recipe: Recipe, opts: RunOptions, info: ModelInfo, targets: list[Re
                       "onloads one layer at a time to the GPU")
     if placement.why:
         opts.progress(describe_placement(placement, info, recipe.calibration.seq_len, recipe.calibration.eval_windows))
-        estimate = ram_estimate(info, recipe, targets, placement)
+        estimate = ram_estimate(info, recipe, every_candidate(targets), placement)
         report.gate_placement = {"resident": placement.resident, "device": placement.device, "why": placement.why,
                                  "lockstep": placement.lockstep, "estimated_peak_rss_bytes": estimate.peak,
                                  "estimated_steps": {"fixed": estimate.fixed, **estimate.steps}}
     if (placement.tables_on_disk and placement.device == "cpu" and recipe.offload_dir is None
-            and not is_vlm(info.config) and any(t.needs_model for t in targets)):
+            and not is_vlm(info.config) and any(t.needs_model for t in every_candidate(targets))):
         opts.progress("quantize: the model does not fit whole beside the rest of the run; its embeddings and head "
                       "stay on disk until used")
-    for t in targets:
+    for t in every_candidate(targets):
         if t.kept_16bit:
             opts.progress(f"[{t.name}] kept 16-bit: {kept_summary(t.kept_16bit)}")
     prints = {t.name: fingerprint(recipe, t.target, t.gate, inputs, opts.enforce_gate) for t in targets}
@@ -512,10 +585,10 @@ def _run_in(staging: Path, recipe: Recipe, opts: RunOptions, info: ModelInfo, ta
     workdir.mkdir(exist_ok=True)  # a --resume run's holds its saved progress already
     if recipe.lora:
         info = merge_lora(info, recipe, workdir, report, opts.progress)
-    settings = window_settings(recipe, targets)
+    settings = window_settings(recipe, every_candidate(targets))
     uses_windows = settings.num_samples + settings.eval_windows > 0
     tokenizer = load_tokenizer(info, recipe.trust_remote_code) if uses_windows or any(
-        t.needs_model for t in targets) else None
+        t.needs_model for t in every_candidate(targets)) else None
     windows = make_windows(tokenizer, settings, opts.progress) if uses_windows else None
     if windows is not None:
         report.calibration.update(source_sha256=windows.sha256, calib_windows=len(windows.calib),
@@ -524,12 +597,17 @@ def _run_in(staging: Path, recipe: Recipe, opts: RunOptions, info: ModelInfo, ta
     if windows is not None and len(windows.eval):
         baseline = compute_baseline(info, recipe, windows.eval, workdir, report, opts.progress, placement,
                                     opts.ranks)
-        score_base_extras(info, recipe, targets, tokenizer, windows.eval, baseline, workdir, report, opts.progress,
-                          placement)
+        score_base_extras(info, recipe, every_candidate(targets), tokenizer, windows.eval, baseline, workdir, report,
+                          opts.progress, placement)
     for resolved in targets:
         out_dir = output_dir(staging, recipe, resolved.name)
         out_dir.mkdir(exist_ok=True)
         try:
+            if resolved.ladder is not None:
+                report.targets.append(run_ladder(recipe, opts, info, resolved, tokenizer, windows, out_dir, workdir,
+                                                 placement, baseline))
+                report.targets[-1].fingerprint = prints[resolved.name]
+                continue
             # a fresh model per target (methods change it in place); the job holds the only reference,
             # so run_target can free it before measuring
             with offload_plan(recipe, info, workdir, placement) as offload:
@@ -850,6 +928,112 @@ def run_target(job: QuantizeJob, resolved: ResolvedTarget, baseline, opts: RunOp
     return entry
 
 
+def run_ladder(recipe: Recipe, opts: RunOptions, info: ModelInfo, resolved: ResolvedTarget, tokenizer, windows,
+               out_dir: Path, workdir: Path, placement: Placement, baseline) -> TargetReport:
+    """Method auto: the candidates measured in the order quantkit.run.auto chooses until the answer is known,
+    each built in a directory of its own (a failed one removed at once); when none passed, the guide on the one
+    that came closest; the chosen artifact moved into the target's output. The report entry is the chosen
+    candidate's (none passed: the closest one's, failed), with the ladder in details.auto."""
+    ladder = resolved.ladder
+    built: dict[str, tuple[TargetReport, Path]] = {}
+    while (rung := auto.next_probe(ladder)) is not None:
+        run_candidate(recipe, opts, info, ladder, rung, resolved.candidates[rung.label], tokenizer, windows,
+                      workdir, placement, baseline, built)
+    if auto.finish(ladder) is None and (closest := auto.guide_candidate(ladder)) is not None:
+        raised = auto.guided(ladder, closest)
+        try:
+            candidate = candidate_target(recipe, resolved.target, info, raised.candidate, resolved.gate)
+        except QuantkitError as exc:
+            auto.record(ladder, raised, False, None, f"refused: {exc.message}")
+        else:
+            run_candidate(recipe, opts, info, ladder, raised, candidate, tokenizer, windows, workdir, placement,
+                          baseline, built)
+        auto.finish(ladder)
+    return ladder_entry(resolved, ladder, built, out_dir, opts)
+
+
+def run_candidate(recipe: Recipe, opts: RunOptions, info: ModelInfo, ladder: auto.Ladder, rung: auto.Rung,
+                  candidate: ResolvedTarget, tokenizer, windows, workdir: Path, placement: Placement, baseline,
+                  built: dict[str, tuple[TargetReport, Path]]) -> None:
+    """One candidate built, measured and recorded in the ladder; a candidate that raises a QuantkitError (it
+    cannot be built or read back) fails with its message and the ladder goes on."""
+    import shutil
+
+    from quantkit.units import human_bytes
+
+    build = workdir / "auto" / ladder_name(candidate) / str(ladder.rungs.index(rung))
+    build.mkdir(parents=True)
+    opts.progress(f"[{ladder_name(candidate)}] candidate {rung.label}: about {human_bytes(rung.weights)}, "
+                  f"{rung.runtime}")
+    started = time.time()
+    try:
+        with offload_plan(recipe, info, workdir, placement) as offload:
+            job = target_job(recipe, opts, info, candidate, tokenizer, windows, build, workdir, offload, placement)
+            entry = run_target(job, candidate, baseline, opts)
+            del job
+    except QuantkitError as exc:
+        auto.record(ladder, rung, False, None, f"not built: {exc.message}")
+        shutil.rmtree(build, ignore_errors=True)
+        return
+    finally:
+        gc.collect()
+    rung.seconds = round(time.time() - started, 1)
+    rung.artifact_bytes = export.artifact_bytes(build)
+    limit = ladder.options.max_bytes()
+    kld = entry.metrics.kld_mean if entry.metrics else None
+    passed = bool(entry.gate and entry.gate.passed) and not (limit and rung.artifact_bytes > limit)
+    why = "" if passed else candidate_failure(entry, rung, ladder)
+    auto.record(ladder, rung, passed, kld, why)
+    opts.progress(f"[{ladder_name(candidate)}] candidate {rung.label}: {rung.status}, {rung.why}")
+    if passed:
+        for label, (_other, path) in list(built.items()):  # a smaller pass makes a larger one's artifact unneeded
+            shutil.rmtree(path, ignore_errors=True)
+        built.clear()
+    else:
+        shutil.rmtree(build, ignore_errors=True)
+    built[rung.label] = (entry, build)
+
+
+def ladder_name(candidate: ResolvedTarget) -> str:
+    return candidate.name.partition(": ")[0]
+
+
+def candidate_failure(entry: TargetReport, rung: auto.Rung, ladder: auto.Ladder) -> str:
+    """Why a measured candidate did not pass: the gate's failed checks, or its size on disk over --max-size."""
+    from quantkit.units import human_bytes
+
+    if entry.gate and not entry.gate.passed:
+        guide = entry.details.get("fallback")
+        stopped = f"; the guide stopped: {guide['stopped']}" if guide and guide.get("stopped") else ""
+        return f"failed the gate: {', '.join(entry.gate.failed)}{auto.kld_text(entry.metrics.kld_mean)}{stopped}"
+    return f"written at {human_bytes(rung.artifact_bytes)}, over --max-size {ladder.options.max_size}"
+
+
+def ladder_entry(resolved: ResolvedTarget, ladder: auto.Ladder, built: dict[str, tuple[TargetReport, Path]],
+                 out_dir: Path, opts: RunOptions) -> TargetReport:
+    """The target's report entry: the chosen candidate's with its artifact moved into `out_dir`; none passed:
+    the closest candidate's (failed, exit 3), or an error entry when none could be measured."""
+    import shutil
+
+    if ladder.chosen is not None:
+        entry, build = built[ladder.chosen.label]
+        for item in sorted(build.iterdir()):
+            shutil.move(str(item), str(out_dir / item.name))
+    else:
+        measured = [built[r.label][0] for r in ladder.rungs if r.label in built and r.kld is not None]
+        entry = (min(measured, key=lambda e: e.metrics.kld_mean) if measured else
+                 error_report(resolved, GateFailedError(
+                     "no candidate of the ladder could be built and measured",
+                     hint="see each candidate's reason in the ladder; name a method to see its own error")))
+        entry.status, entry.exit_code = "failed", GateFailedError.exit_code
+        entry.error = entry.error or f"no candidate for {ladder.destination.text} passed the gate"
+    entry.name = resolved.name
+    entry.details["auto"] = ladder.as_dict()
+    opts.progress(f"[{resolved.name}] chose {ladder.chosen.label}" if ladder.chosen else
+                  f"[{resolved.name}] no candidate passed")
+    return entry
+
+
 def tower_proof(job: QuantizeJob, result: QuantizeResult) -> dict:
     """A VLM checkpoint artifact reloaded: towers bit-identical to the source and an image+text forward
     (quantkit.eval.vlm_proof; exit 3 otherwise). A method whose artifact is not a checkpoint directory
@@ -871,8 +1055,6 @@ def run_fallback(job: QuantizeJob, resolved: ResolvedTarget, result: QuantizeRes
                  baseline, opts: RunOptions) -> None:
     """Gate-driven fallback (quantkit.run.fallback): the artifact written again with the units the method's
     ladder predicts most damaging raised, each step measured like the first artifact."""
-    import dataclasses
-
     from quantkit.run import fallback
 
     leader = dataclasses.replace(resolved, method=leading(resolved.method, job.ranks))  # announced to the other ranks
@@ -988,6 +1170,9 @@ def gate_hint(report: RunReport, bad: list[TargetReport]) -> str:
     """What to try after failed gates: --fallback where a failed target's method has it and it was not
     used, a larger --max-size where it was used and ran out of room."""
     hint = "see the table above; loosen the gate in the recipe, or use --no-gate"
+    if any("auto" in t.details for t in bad):
+        return ("see the ladder above: a larger --max-size, a device with more memory (--for), or a looser gate "
+                "(--max-kld, --min-top1)")
     methods = {t.method for t in bad if "fallback" in get_method(t.method).options.model_fields}
     spent = [t for t in bad if "fallback" in t.details]
     if spent:

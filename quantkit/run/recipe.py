@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 from quantkit.errors import InputError, RecipeError, UnsupportedError
 from quantkit.eval.tasks import TaskGate
 from quantkit.methods import get_method, registered
+from quantkit.run.auto import AUTO, AUTO_GATE, AutoOptions, parse_for
 from quantkit.serve.engines import AUTO, ENGINES
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
@@ -120,8 +121,11 @@ TowerPrecision = Literal["keep", "int8", "int4"]
 
 
 class Target(Strict):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
     name: str = Field(pattern=NAME_PATTERN)
     method: str
+    destination: str | None = Field(None, alias="for", description="method auto: where the artifact is served, "
+                                    "ENGINE[:DEVICE] (vllm:L4, llama.cpp, mlx:M3-Max-64G, transformers)")
     options: dict[str, Any] = Field(default_factory=dict)
     ignore: list[str] = Field(default_factory=list, description="module names or re:REGEX kept unquantized")
     gate: Gate | None = None
@@ -141,9 +145,24 @@ class Target(Strict):
     @classmethod
     def _known_method(cls, value: str) -> str:
         known = registered()
-        if value not in known:
-            raise ValueError(f"unknown method '{value}'; allowed: {', '.join(known)}")
+        if value not in known and value != AUTO:
+            raise ValueError(f"unknown method '{value}'; allowed: {', '.join(known)}, auto")
         return value
+
+    @model_validator(mode="after")
+    def _auto_has_a_destination(self) -> "Target":
+        if self.method != AUTO:
+            if self.destination is not None:
+                raise ValueError(f"`for` ({self.destination}) is where method auto serves its choice; method "
+                                 f"{self.method} is already chosen: drop `for`, or set method: auto")
+            return self
+        if not self.destination:
+            raise ValueError("method auto needs `for: ENGINE[:DEVICE]` (command line: --for), e.g. vllm:L4, llama.cpp")
+        try:
+            parse_for(self.destination, 0)  # the names only: the device's memory is read when the run starts
+        except InputError as exc:
+            raise ValueError(f"{exc.message} ({exc.hint})") from None
+        return self
 
     @field_validator("ignore")
     @classmethod
@@ -258,15 +277,19 @@ def cli_tasks(names: str | None, files: list[str], min_recovery: float | None = 
 
 
 def target_options(target: Target) -> BaseModel:
-    """The target's options as its method's Options model validated them (once: validate keeps the result)."""
+    """The target's options as its method's Options model validated them (once: validate keeps the result);
+    method auto's are quantkit.run.auto.AutoOptions."""
     if target._options is None:
-        target._options = get_method(target.method).options.model_validate(target.options)
+        model = AutoOptions if target.method == AUTO else get_method(target.method).options
+        target._options = model.model_validate(target.options)
     return target._options
 
 
 def target_gate(recipe: Recipe, target: Target) -> Gate:
-    """Gate thresholds for a target: method defaults < recipe gate < target gate (set fields win)."""
-    values = dict(get_method(target.method).default_gate(target_options(target)))  # never the method's own table
+    """Gate thresholds for a target: method defaults (method auto: one bar for every candidate, AUTO_GATE) <
+    recipe gate < target gate (set fields win)."""
+    defaults = AUTO_GATE if target.method == AUTO else get_method(target.method).default_gate(target_options(target))
+    values = dict(defaults)  # never the method's own table
     for layer in (recipe.gate, target.gate):
         if layer is not None:
             values.update(layer.model_dump(exclude_unset=True))
@@ -455,8 +478,6 @@ class MethodOptions:
             except ValueError:
                 raise InputError(f"--group-size {self.group_size}: give auto or a whole number",
                                  hint="e.g. --group-size 64") from None
-        if self.max_size is not None and not self.fallback:
-            raise InputError("--max-size is the --fallback size limit", hint="add --fallback")
 
     def given(self) -> dict[str, Any]:
         """The method option fields given: auto_precision and fallback as the option records they set."""
@@ -466,6 +487,8 @@ class MethodOptions:
             values["auto_precision"] = {"budget_bpw": self.budget_bpw} if self.budget_bpw is not None else {}
         if self.fallback:
             values["fallback"] = {"max_size": self.max_size} if self.max_size else {}
+        elif self.max_size is not None:
+            values["max_size"] = self.max_size  # method auto's size limit (AutoOptions.max_size)
         return values
 
 
@@ -491,6 +514,8 @@ class Overrides:
     calibration: dict[str, Any] = field(default_factory=dict)  # Calibration field -> value
     gate: dict[str, Any] = field(default_factory=dict)  # Gate field -> value
     method_options: MethodOptions = field(default_factory=MethodOptions)
+    destinations: list[str] = field(default_factory=list)  # --for: one auto target per destination
+    auto: dict[str, Any] = field(default_factory=dict)  # AutoOptions field (context, batch) -> value
 
     def __post_init__(self) -> None:
         if isinstance(self.method_options, dict):  # a library caller's {field: value}
@@ -555,7 +580,29 @@ def apply_overrides(data: dict, o: Overrides) -> dict:
                            for t in data.get("targets") or []]
     if _given(o.towers):
         data["targets"] = [{**t, **_given(o.towers)} for t in data.get("targets") or []]
+    if o.destinations or _given(o.auto):
+        data["targets"] = auto_targets(data.get("targets") or [], o.destinations, _given(o.auto))
     return data
+
+
+def auto_targets(targets: list[dict], destinations: list[str], fields: dict[str, Any]) -> list[dict]:
+    """--for and --context/--batch into the method auto targets: one target per destination (named after it
+    where there are several), the others left as they are."""
+    if not any(t.get("method") == AUTO for t in targets):
+        flags = "--for" if destinations else "--context / --batch"
+        raise InputError(f"{flags}: where and how method auto serves its choice; no target has method auto",
+                         hint="add --method auto (or set `method: auto` in the recipe)")
+    expanded = []
+    for target in targets:
+        if target.get("method") != AUTO:
+            expanded.append(target)
+            continue
+        options = {**(target.get("options") or {}), **fields}
+        places = destinations or [target.get("for")]
+        for place in places:
+            name = target["name"] if len(places) == 1 else f"{target['name']}-{str(place).replace(':', '-')}"
+            expanded.append({**target, "name": name, "for": place, "options": options})
+    return expanded
 
 
 def apply_method_options(recipe: Recipe, flags: MethodOptions) -> Recipe:
@@ -564,12 +611,15 @@ def apply_method_options(recipe: Recipe, flags: MethodOptions) -> Recipe:
     given = flags.given()
     if not given:
         return recipe
+    check_auto_flags(recipe, given)
     for target in recipe.targets:
         check_mixed_precision(target.method, {k: v for k, v in given.items() if k in MIXED_PRECISION})
         check_rotation(target.method, {k: v for k, v in given.items() if k == "rotate"})
     options = [dict(t.options) for t in recipe.targets]
     for flag, value in given.items():
-        takers = [i for i, t in enumerate(recipe.targets) if flag in get_method(t.method).options.model_fields]
+        takers = [i for i, t in enumerate(recipe.targets) if flag in option_fields(t.method)]
+        if not takers and flag == "max_size":
+            raise InputError("--max-size is the --fallback size limit (or method auto's)", hint="add --fallback")
         if not takers:
             methods = ", ".join(sorted({t.method for t in recipe.targets}))
             raise InputError(f"--{flag.replace('_', '-')} does not apply to method {methods}",
@@ -580,6 +630,23 @@ def apply_method_options(recipe: Recipe, flags: MethodOptions) -> Recipe:
             options[i][flag] = {**current, **value} if isinstance(current, dict) and isinstance(value, dict) else value
     targets = [t.model_copy(update={"options": o}) for t, o in zip(recipe.targets, options)]
     return recipe.model_copy(update={"targets": targets})
+
+
+def option_fields(method: str) -> dict:
+    """The option fields of a target's method (method auto's: AutoOptions)."""
+    return (AutoOptions if method == AUTO else get_method(method).options).model_fields
+
+
+def check_auto_flags(recipe: Recipe, given: dict[str, Any]) -> None:
+    """Method auto chooses the method and its options: a method flag beside it is a conflict (exit 2)."""
+    if not any(t.method == AUTO for t in recipe.targets):
+        return
+    conflict = [flag for flag in given if flag not in AutoOptions.model_fields]
+    if conflict:
+        flags = ", ".join(f"--{flag.replace('_', '-')}" for flag in conflict)
+        raise InputError(f"{flags}: method auto chooses the method and its options itself",
+                         hint="drop the flag, or name the method (--method gptq ...); --max-size, --context and "
+                              "--batch bound the choice")
 
 
 def _given(values: dict[str, Any]) -> dict[str, Any]:

@@ -156,21 +156,29 @@ def source_bytes(info) -> int:
 def weight_bytes(info, method: MethodSpec, options) -> int:
     """The artifact's weights as the method's precision plan gives them: each quantized weight at its
     precision's bits (the method's Sizes.precision_bits, else stored_bits), everything else at 16 bits."""
+    quantized, _count, other = weight_parts(info, method, options)
+    return int(quantized + other)
+
+
+def weight_parts(info, method: MethodSpec, options) -> tuple[float, int, int]:
+    """(bytes of the weights the method quantizes, how many values they hold, bytes of everything else at 16
+    bits), as weight_bytes sizes them."""
     from quantkit.methods import ignore_patterns
     from quantkit.run.plan import build_plan
 
     entries = build_plan(info, method, options, ignore_patterns(info, [], method.layers.keeps_lm_head(options)))
     quantized = {e.name + ".weight": e.precision for e in entries if not e.kept}
-    total = 0.0
+    sizes = method.sizes
+    total, count, other = 0.0, 0, 0
     for name, (dtype, shape) in info.tensors.items():
-        count = math.prod(shape)
+        values = math.prod(shape)
         if name in quantized:
-            sizes = method.sizes
             bits = sizes.precision_bits(options, quantized[name]) if sizes.precision_bits else sizes.stored_bits(options)
-            total += count * bits / 8
+            total += values * bits / 8
+            count += values
         else:
-            total += count * 2
-    return int(total)
+            other += values * 2
+    return total, count, other
 
 
 def memory_rows(info, context: int) -> dict[str, dict]:
