@@ -328,10 +328,13 @@ def needed_bits(measured: list[Rung], max_kld: float) -> float:
     return near[0].bits + (target - level(near[0])) / slope
 
 
-def record(ladder: Ladder, rung: Rung, passed: bool, kld: float | None, why: str = "") -> None:
-    """A measured candidate's verdict, and what it settles in its chain."""
+def record(ladder: Ladder, rung: Rung, passed: bool, kld: float | None, why: str = "", settles: bool = True) -> None:
+    """A measured candidate's verdict, and what it settles in its chain (settles=False: a verdict that is not
+    the precision's, such as the engine refusing the artifact, settles nothing else)."""
     rung.status, rung.kld = ("passed" if passed else "failed"), kld
     rung.why = why or (f"passed the gate{kld_text(kld)}" if passed else rung.why)
+    if not settles:
+        return
     for other in chain_of(ladder, rung):
         if other is rung or other.status != OPEN:
             continue
@@ -346,9 +349,14 @@ def kld_text(kld: float | None) -> str:
     return f" (KLD {kld:.3g})" if kld is not None else ""
 
 
+def answer(ladder: Ladder) -> Rung | None:
+    """The first rung in order that passed (the answer once next_probe has nothing left to measure)."""
+    return next((r for r in ladder.rungs if r.status == "passed"), None)
+
+
 def finish(ladder: Ladder) -> Rung | None:
-    """The answer: the first rung in order that passed; every open rung after it unneeded."""
-    ladder.chosen = next((r for r in ladder.rungs if r.status == "passed"), None)
+    """The answer chosen; every open rung after it unneeded."""
+    ladder.chosen = answer(ladder)
     for rung in ladder.rungs:
         if rung.status == OPEN:
             rung.status = "unneeded"

@@ -936,20 +936,56 @@ def run_ladder(recipe: Recipe, opts: RunOptions, info: ModelInfo, resolved: Reso
     candidate's (none passed: the closest one's, failed), with the ladder in details.auto."""
     ladder = resolved.ladder
     built: dict[str, tuple[TargetReport, Path]] = {}
-    while (rung := auto.next_probe(ladder)) is not None:
-        run_candidate(recipe, opts, info, ladder, rung, resolved.candidates[rung.label], tokenizer, windows,
-                      workdir, placement, baseline, built)
-    if auto.finish(ladder) is None and (closest := auto.guide_candidate(ladder)) is not None:
+
+    def search() -> auto.Rung | None:  # measure until the answer is known and stands its after-choice checks
+        while True:
+            while (rung := auto.next_probe(ladder)) is not None:
+                run_candidate(recipe, opts, info, ladder, rung, resolved.candidates[rung.label], tokenizer, windows,
+                              workdir, placement, baseline, built)
+            chosen = auto.answer(ladder)
+            if chosen is None or after_choice(recipe, opts, info, resolved, ladder, chosen, windows, workdir,
+                                              placement, baseline, built):
+                return chosen
+
+    if search() is None and (closest := auto.guide_candidate(ladder)) is not None:
         raised = auto.guided(ladder, closest)
         try:
-            candidate = candidate_target(recipe, resolved.target, info, raised.candidate, resolved.gate)
+            resolved.candidates[raised.label] = candidate_target(recipe, resolved.target, info, raised.candidate,
+                                                                 resolved.gate)
         except QuantkitError as exc:
             auto.record(ladder, raised, False, None, f"refused: {exc.message}")
-        else:
-            run_candidate(recipe, opts, info, ladder, raised, candidate, tokenizer, windows, workdir, placement,
-                          baseline, built)
-        auto.finish(ladder)
+        search()
+    auto.finish(ladder)
     return ladder_entry(resolved, ladder, built, out_dir, opts)
+
+
+def after_choice(recipe: Recipe, opts: RunOptions, info: ModelInfo, resolved: ResolvedTarget, ladder: auto.Ladder,
+                 chosen: auto.Rung, windows, workdir: Path, placement: Placement, baseline,
+                 built: dict[str, tuple[TargetReport, Path]]) -> bool:
+    """What the gate asks beyond the reading, on the chosen candidate only: its KV-cache types (--kv-cache) and
+    the serving check (--serve-check). False when the engine's check failed it: the candidate fails (settling
+    nothing else in its chain) and the search goes on."""
+    import shutil
+
+    gate = resolved.gate
+    if gate.serve is None and gate.kv_cache is None:
+        return True
+    entry, build = built[chosen.label]
+    candidate = dataclasses.replace(resolved.candidates[chosen.label], gate=gate, needs_model=False)
+    artifact = candidate.method.format.served_path(build)
+    job = target_job(recipe, opts, info, candidate, None, windows, build, workdir, None, placement)
+    if gate.kv_cache is not None:
+        measure_kv_types(job, candidate, artifact, baseline, entry, opts)
+    if gate.serve is not None:
+        serve_or_say_why_not(job, candidate, artifact, entry)
+    entry.details["serving"] = serving.artifact_plan(info, candidate.method, artifact, candidate.options,
+                                                     (entry.details.get("kv_cache_types") or {}).get("serve_flags"))
+    if entry.gate.passed:
+        return True
+    auto.record(ladder, chosen, False, chosen.kld, f"failed the serving check ({gate.serve.engine})", settles=False)
+    shutil.rmtree(build, ignore_errors=True)
+    del built[chosen.label]
+    return False
 
 
 def run_candidate(recipe: Recipe, opts: RunOptions, info: ModelInfo, ladder: auto.Ladder, rung: auto.Rung,
@@ -963,6 +999,8 @@ def run_candidate(recipe: Recipe, opts: RunOptions, info: ModelInfo, ladder: aut
 
     build = workdir / "auto" / ladder_name(candidate) / str(ladder.rungs.index(rung))
     build.mkdir(parents=True)
+    checked_later = candidate.gate.serve is not None  # the serving check may fail the chosen: keep what passed
+    candidate = dataclasses.replace(candidate, gate=candidate.gate.model_copy(update={"serve": None, "kv_cache": None}))
     opts.progress(f"[{ladder_name(candidate)}] candidate {rung.label}: about {human_bytes(rung.weights)}, "
                   f"{rung.runtime}")
     started = time.time()
@@ -985,11 +1023,11 @@ def run_candidate(recipe: Recipe, opts: RunOptions, info: ModelInfo, ladder: aut
     why = "" if passed else candidate_failure(entry, rung, ladder)
     auto.record(ladder, rung, passed, kld, why)
     opts.progress(f"[{ladder_name(candidate)}] candidate {rung.label}: {rung.status}, {rung.why}")
-    if passed:
+    if passed and not checked_later:
         for label, (_other, path) in list(built.items()):  # a smaller pass makes a larger one's artifact unneeded
             shutil.rmtree(path, ignore_errors=True)
         built.clear()
-    else:
+    elif not passed:
         shutil.rmtree(build, ignore_errors=True)
     built[rung.label] = (entry, build)
 

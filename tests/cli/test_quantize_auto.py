@@ -96,3 +96,24 @@ def test_the_choice_is_the_smallest_candidate_that_passes_alone(cli, micro_model
         alone[row["candidate"]] = run.exit_code == 0
     smallest = next((row["candidate"] for row in ladder["ladder"] if alone[row["candidate"]]), None)
     assert ladder["chosen"] == smallest, (ladder, alone)
+
+
+@pytest.mark.slow
+def test_the_chosen_one_alone_is_served_and_gets_its_kv_type(cli, micro_model, tmp_path):
+    """--serve-check and --kv-cache auto run on the chosen candidate only: mlx_lm.server loads it, and the
+    smallest passing KV type goes into its serve command and model card."""
+    recipe = tmp_path / "auto.yaml"
+    recipe.write_text("calibration: {seq_len: 32, eval_windows: 4}\n"
+                      "gate: {max_kld: 1, min_top1: 0, max_ppl_increase: 10, kv_cache: auto,"
+                      " serve: {engine: mlx, windows: 1}}\n"
+                      "targets: [{name: auto, method: auto, for: 'mlx:cpu'}]\n")
+    out = tmp_path / "auto"
+    result = cli("quantize", micro_model, "--recipe", recipe, "-o", out, "--json", tmp_path / "report.json")
+    assert result.exit_code == 0, result.output
+    target = json.loads((tmp_path / "report.json").read_text())["targets"][0]
+    assert target["details"]["serve_check"]["passed"]
+    measured = [r for r in target["details"]["auto"]["ladder"] if r["seconds"] is not None]
+    assert len(measured) >= 2 and result.output.count("serving check: the artifact") == 1
+    kv = target["details"]["kv_cache_types"]["chosen"]
+    assert kv and f"--kv-bits {kv.split(':')[1]}" in target["details"]["serving"]["serve"]
+    assert f"--kv-bits {kv.split(':')[1]}" in (out / "README.md").read_text()
