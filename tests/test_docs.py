@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 GENERATED = {"architectures": "models.md", "families": "models.md", "vlm-families": "models.md",
              "vlm-towers": "models.md", "moe": "models.md", "runtimes": "models.md", "gates": "gate.md",
-             "engines": "serving.md", "engine-variables": "serving.md"}
+             "engines": "serving.md", "engine-variables": "serving.md", "auto-candidates": "auto.md"}
 
 
 def test_every_generated_table_is_on_its_page():

@@ -51,8 +51,10 @@ def inspect(
 
       quantkit inspect ./my-model-gguf --sensitivity
     """
+    from quantkit.errors import InputError
     from quantkit.io.checkpoint import check_model_dir, resolve_model
     from quantkit.methods import get_method
+    from quantkit.run.auto import AUTO
     from quantkit.run.recipe import Overrides, build_recipe, target_options
 
     if sensitivity:
@@ -66,6 +68,10 @@ def inspect(
     info = check_model_dir(resolve_model(model))
     resolved = build_recipe(recipe, None if recipe else method, Overrides(model=model, offload_dir=offload_dir))
     target = resolved.targets[0]  # the recipe's first target, or the --method's
+    if target.method == AUTO:
+        raise InputError(f"target '{target.name}': inspect plans one method's precision, and method auto chooses "
+                         "the method when it runs", hint="quantkit plan MODEL sizes every format on each device; "
+                         "quantkit quantize --method auto prints the ladder it measured")
     towers = target.tower_precision()
     towers.update({role: value for role, value in (("vision", vision), ("projector", projector)) if value})
     data = plan_data(info, get_method(target.method), target_options(target), target.ignore + ignore, context, towers)

@@ -270,19 +270,21 @@ def load_imatrix(job):
     calib = job.windows.calib
     source = f"computed ({len(calib)} x {calib.shape[1]} tokens)"
     saved = saved_imatrix(job)
-    if saved is not None and saved.is_file():
-        job.progress("imatrix: read from the saved progress")
+    if saved.is_file():
+        job.progress("imatrix: read from the saved progress" if job.resume_dir is not None else
+                     "imatrix: computed by an earlier target of this run (same model and windows)")
         return im.read(saved), source
     job.progress(f"imatrix: {len(calib)} calibration windows through the model")
     imatrix = compute_imatrix(job, calib)
-    if saved is not None:
-        save_imatrix(imatrix, saved)
+    save_imatrix(imatrix, saved)
     return imatrix, source
 
 
-def saved_imatrix(job: QuantizeJob) -> Path | None:
-    """--resume: where the computed imatrix is kept, so a resumed run reads it instead of computing it."""
-    return None if job.resume_dir is None else Path(job.resume_dir) / "imatrix.gguf"
+def saved_imatrix(job: QuantizeJob) -> Path:
+    """Where the computed imatrix is kept: with --resume in the saved progress, so a resumed run reads it; else in
+    the run's work directory, so the run's other GGUF targets (a recipe's types, --method auto's candidates) read
+    it instead of computing it again (one model and one set of calibration windows per run)."""
+    return Path(job.resume_dir if job.resume_dir is not None else job.workdir) / "imatrix.gguf"
 
 
 def save_imatrix(imatrix, path: Path) -> None:

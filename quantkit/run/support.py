@@ -213,11 +213,30 @@ def gate_table() -> list[str]:
     return lines
 
 
+def auto_table() -> list[str]:
+    """The candidates of `--method auto` per engine: each method's AutoRungs that a kernel of the engine serves
+    somewhere (quantkit.run.auto; which kernel serves where: the runtimes table)."""
+    from quantkit.run.auto import ENGINES, candidates
+
+    lines = ["| --for | an engine alone means | candidates |",
+             "|---|---|---|"]
+    for engine in ENGINES.values():
+        served = []
+        for c in candidates():
+            method = get_method(c.method)
+            runtimes = runtimes_for(method, method.options.model_validate(c.option_dict()))
+            if any(r.name.startswith(engine.prefix) for r in runtimes):
+                served.append(c.label)
+        lines.append(f"| `{engine.name}` | {engine.device} | {', '.join(served)} |")
+    return lines
+
+
 def docs_tables() -> dict[str, list[str]]:
     """Every generated block of the docs pages by name."""
     return {"architectures": architectures_table(), "families": family_table(), "vlm-families": vlm_table(),
             "vlm-towers": vlm_towers_table(), "moe": moe_table(), "runtimes": runtimes_table(),
-            "gates": gate_table(), "engines": engines_table(), "engine-variables": engine_variables_table()}
+            "gates": gate_table(), "engines": engines_table(), "engine-variables": engine_variables_table(),
+            "auto-candidates": auto_table()}
 
 
 BEGIN = re.compile(r"^<!-- generated: ([a-z-]+) \(python scripts/make_docs_tables.py\) -->$")

@@ -14,6 +14,7 @@ from pydantic import BaseModel
 from quantkit.formats import Format, Runtime
 from quantkit.methods import (
     METHODS,
+    AutoRung,
     FallbackSteps,
     Layers,
     MethodSpec,
@@ -45,6 +46,10 @@ def test_method_declares_the_contract(name):
             assert isinstance(value, Format)
         elif member.name in records:  # a record, or None where the method has none of it
             assert value is None or isinstance(value, records[member.name]), member.name
+        elif member.name == "auto":  # --method auto's rungs: options the method's own model takes
+            assert value and all(isinstance(rung, AutoRung) and rung.label for rung in value)
+            for rung in value:
+                spec.options.model_validate(dict(rung.options))
         elif member.name != "options":
             assert callable(value), member.name
     # exactly the methods with a `fallback` option have the fallback's steps
