@@ -176,3 +176,24 @@ def test_the_guide_raises_the_closest_failed_candidate_within_the_budget():
     search(full, lambda b: 1.0)
     full.room = 1000
     assert auto.guide_candidate(full) is None and "no room" in full.guide[0]
+
+
+def test_a_recipe_writes_for_as_given_and_other_targets_fingerprint_as_before():
+    from quantkit.run.cache import fingerprint
+    from quantkit.run.recipe import Gate, Recipe, validate
+
+    recipe = validate({"targets": [{"name": "a", "method": "auto", "for": "vllm:L4", "options": {"context": 2048}},
+                                   {"name": "b", "method": "fp8"}]})
+    dumped = recipe.model_dump(mode="json")
+    assert dumped["targets"][0]["for"] == "vllm:L4" and "destination" not in dumped["targets"][0]
+    assert Recipe.model_validate(dumped).targets[0].destination == "vllm:L4"  # reads back as written
+    prints = [fingerprint(recipe, t, Gate(), {}, True)["target"] for t in recipe.targets]
+    assert prints[0]["for"] == "vllm:L4" and "for" not in prints[1] and "destination" not in prints[1]
+
+
+def test_within_one_size_the_smaller_comes_before_the_cheaper_to_measure(info):
+    ladder = ladder_for(info, "vllm:L4")
+    order = [r.label for r in ladder.rungs if r.status == auto.OPEN]
+    sizes = {r.label: r.weights for r in ladder.rungs}
+    assert sizes["nvfp4 W4A16"] > sizes["gptq W4A16"]  # NVFP4's fp8 scales per 16 weights: more bytes
+    assert order.index("gptq W4A16") < order.index("nvfp4 W4A16") < order.index("bitsandbytes nf4")

@@ -3,8 +3,8 @@
 The ladder: the artifacts each method declares for it (MethodSpec.auto) that a kernel of the engine serves (each
 format's runtimes table, as `quantkit plan` reads it), sized from the checkpoint's headers (quantkit.run.serving) and
 ordered by what the user gets: smallest weights first; candidates within EQUAL_SIZE of each other count as one
-size, and among those the faster kernel (Runtime.rank), then the one cheaper to measure (no calibration), then
-the order below comes first. Before any work a candidate is skipped, with its reason, when no kernel of the
+size, and among those the faster kernel (Runtime.rank) comes first, then the smaller, then at one size the one
+cheaper to measure (no calibration), then the methods' order. Before any work a candidate is skipped, with its reason, when no kernel of the
 engine serves it on the device, when its weights and KV cache do not fit the device, when it is over --max-size,
 when the method refuses the model, or when the device serves it as another candidate (NVFP4 W4A4 runs weights-only
 outside Blackwell: the W4A16 candidate is that artifact).
@@ -243,8 +243,9 @@ def skip_shadowed(rungs: list[Rung], destination: Destination) -> None:
 
 
 def ordered(rungs: list[Rung]) -> list[Rung]:
-    """The open candidates by size, those within EQUAL_SIZE of a group's smallest as one size (faster kernel,
-    then no calibration, then the declared order first), then the skipped ones in declared order."""
+    """The open candidates by size, those within EQUAL_SIZE of a group's smallest as one size (the faster kernel
+    first, then the smaller, then at one size the one cheaper to measure: no calibration; then the declared order),
+    then the skipped ones in declared order."""
     declared = {id(r): i for i, r in enumerate(rungs)}
     groups: list[list[Rung]] = []
     for rung in sorted((r for r in rungs if r.status == OPEN), key=lambda r: (r.weights, declared[id(r)])):
@@ -252,7 +253,7 @@ def ordered(rungs: list[Rung]) -> list[Rung]:
             groups[-1].append(rung)
         else:
             groups.append([rung])
-    by_use = [r for g in groups for r in sorted(g, key=lambda r: (r.rank, r.calibrates, declared[id(r)]))]
+    by_use = [r for g in groups for r in sorted(g, key=lambda r: (r.rank, r.weights, r.calibrates, declared[id(r)]))]
     return by_use + [r for r in rungs if r.status != OPEN]
 
 

@@ -75,7 +75,9 @@ def fingerprint(recipe: Recipe, target: Target, gate: Gate, inputs: dict[str, st
     return {
         "quantkit_version": __version__,
         "inputs": inputs,
-        "target": target.model_dump(mode="json", exclude={"push"}),  # the repo changes no weight; its card is rendered at push
+        # the repo changes no weight (its card is rendered at push); `for` only where a method auto target has it
+        "target": target.model_dump(mode="json", exclude={"push"} | ({"destination"} if target.destination is None
+                                                                      else set())),
         "calibration": recipe.calibration.model_dump(mode="json"),
         "merge": {"lora_weights": recipe.lora_weights, "merge_base": recipe.merge_base} if recipe.lora else None,
         "gate": gate.model_dump(mode="json"),

@@ -121,7 +121,7 @@ TowerPrecision = Literal["keep", "int8", "int4"]
 
 
 class Target(Strict):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, serialize_by_alias=True)  # `for:` as written
     name: str = Field(pattern=NAME_PATTERN)
     method: str
     destination: str | None = Field(None, alias="for", description="method auto: where the artifact is served, "
