@@ -13,8 +13,8 @@ The search: the answer is the first candidate in that order that passes one gate
 gate fields over it; a method's own default gate is stricter for 8-bit than for 4-bit, which would make
 "passes" mean different things). The candidates of one chain (one method, more bits up the chain: GGUF's types,
 MLX's bits) are assumed to measure no worse as they grow: a failed one rules out the smaller ones of its chain, a
-passed one makes the larger ones unneeded. Within a chain of three or more open candidates the next one measured
-is the one its chain's readings predict to pass first (mean KL divergence falls about 4x per bit, as the variance
+passed one makes the larger ones unneeded. Within a chain of three or more open candidates (two, once the chain has
+a reading) the next one measured is the one its chain's readings predict to pass first (mean KL divergence falls about 4x per bit, as the variance
 of rounding noise does; the slope is refitted from two readings), the middle one before any reading, so a GGUF
 ladder of 14 types takes a few measurements, not 14. When none passes, the guide (`fallback`) raises the
 candidate that came closest, within --max-size or what the device leaves beside the KV cache.
@@ -296,10 +296,10 @@ def next_probe(ladder: Ladder) -> Rung | None:
         return None
     chain = chain_of(ladder, answer)
     open_ = [r for r in chain if r.status == OPEN]
-    if len(open_) < 3:
+    measured = [r for r in chain if r.kld is not None and r.status in ("passed", "failed")]
+    if len(open_) < 2 or (len(open_) == 2 and not measured):  # two unread: the smaller, which may end the search
         return answer
-    return predicted(open_, [r for r in chain if r.kld is not None and r.status in ("passed", "failed")],
-                     ladder.max_kld)
+    return predicted(open_, measured, ladder.max_kld)
 
 
 def predicted(open_: list[Rung], measured: list[Rung], max_kld: float | None) -> Rung:
