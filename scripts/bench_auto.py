@@ -4,6 +4,7 @@ smallest candidate that passes, checked by running every candidate of its ladder
 
     python scripts/bench_auto.py MODEL [--for vllm:L4 --for llama.cpp --for mlx] [--json out.json]
                                        [--num-samples 32] [--eval-windows 16] [--seq-len 128]
+    python scripts/bench_auto.py MODEL --pad-vocab 262144 ...   # the same on a 262K-vocabulary shape of MODEL
     python scripts/bench_auto.py --render out.json   # the Markdown tables of a saved run
 
 For each --for, one run of `quantkit quantize MODEL --method auto --for X`, then each candidate its ladder did
@@ -40,6 +41,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--max-kld", type=float, help="the gate's mean-KLD bar for auto and every candidate "
                         "(default: AUTO_GATE's); a trained toy model passes the default bar even at 2 bits")
+    parser.add_argument("--pad-vocab", type=int, metavar="N", help="benchmark MODEL with its vocabulary padded to N "
+                        "entries (written once beside it as MODEL-vocabN): the shape of a 262K-vocabulary model, "
+                        "its head and embeddings dominating the bytes, on a trained decoder")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--render", type=Path, help="print the tables of a saved --json run")
     return parser.parse_args(argv)
@@ -95,6 +99,28 @@ def bench_destination(model: Path, destination: str, args: argparse.Namespace, w
             "ladder": ladder["ladder"], "alone": alone}
 
 
+def padded(model: Path, vocab: int) -> Path:
+    """MODEL with embeddings and head grown to `vocab` rows: the new rows (ids the tokenizer never produces, as a
+    real model's unused ids) drawn N(0, 0.02), the trained rows as they are."""
+    out = model.with_name(f"{model.name}-vocab{vocab}")
+    if (out / "config.json").is_file():
+        return out
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    net = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    torch.manual_seed(0)
+    net.resize_token_embeddings(vocab, mean_resizing=False)
+    with torch.no_grad():
+        for table in (net.get_input_embeddings(), net.get_output_embeddings()):
+            table.weight[len(tokenizer):].normal_(0, 0.02)
+    net.config.vocab_size = vocab
+    net.to(torch.bfloat16).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
 def render(data: dict) -> str:
     lines = [f"Model: {data['model']}; {data['machine']}; calibration {data['num_samples']} x {data['seq_len']} "
              f"tokens, {data['eval_windows']} held-out windows; gate max KLD {data.get('max_kld') or 'as AUTO_GATE'}.",
@@ -127,14 +153,17 @@ def main(argv: list[str]) -> int:
     import platform
 
     destinations = args.destinations or ["vllm:L4", "llama.cpp", "mlx"]
-    with tempfile.TemporaryDirectory(prefix="bench-auto-") as tmp:
-        rows = [bench_destination(args.model, d, args, Path(tmp) / d.replace(":", "-")) for d in destinations
-                if (Path(tmp) / d.replace(":", "-")).mkdir() is None]
-    data = {"model": str(args.model), "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
+    model = padded(args.model, args.pad_vocab) if args.pad_vocab else args.model
+    data = {"model": str(model), "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
             "num_samples": args.num_samples, "eval_windows": args.eval_windows, "seq_len": args.seq_len,
-            "max_kld": args.max_kld, "rows": rows}
-    if args.json:
-        args.json.write_text(json.dumps(data, indent=1))
+            "max_kld": args.max_kld, "rows": []}
+    with tempfile.TemporaryDirectory(prefix="bench-auto-") as tmp:
+        for destination in destinations:
+            work = Path(tmp) / destination.replace(":", "-")
+            work.mkdir()
+            data["rows"].append(bench_destination(model, destination, args, work))
+            if args.json:  # after each destination: a long run keeps what it measured
+                args.json.write_text(json.dumps(data, indent=1))
     print(render(data))
     return 0
 
