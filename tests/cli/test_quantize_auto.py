@@ -98,15 +98,26 @@ def test_the_choice_is_the_smallest_candidate_that_passes_alone(cli, micro_model
     assert ladder["chosen"] == smallest, (ladder, alone)
 
 
+ENGINES = {"mlx": ("mlx:cpu", "--kv-bits ", "mlx_server", "mlx-lm", "QUANTKIT_MLX_PYTHON"),
+           "llama.cpp": ("llama.cpp", "-ctk ", "llama_server", "llama.cpp's llama-server", "QUANTKIT_LLAMA_CPP")}
+
+
 @pytest.mark.slow
-def test_the_chosen_one_alone_is_served_and_gets_its_kv_type(cli, micro_model, tmp_path):
-    """--serve-check and --kv-cache auto run on the chosen candidate only: mlx_lm.server loads it, and the
+@pytest.mark.parametrize("engine", sorted(ENGINES))
+def test_the_chosen_one_alone_is_served_and_gets_its_kv_type(cli, micro_model, tmp_path, engine):
+    """--serve-check and --kv-cache auto run on the chosen candidate only: the engine's server loads it, and the
     smallest passing KV type goes into its serve command and model card."""
+    import importlib
+
+    from tests.serve.test_serve_check_slow import require
+
+    destination, flag, server, name, variable = ENGINES[engine]
+    require(importlib.import_module(f"quantkit.serve.{server}").find, name, variable)
     recipe = tmp_path / "auto.yaml"
     recipe.write_text("calibration: {seq_len: 32, eval_windows: 4}\n"
                       "gate: {max_kld: 1, min_top1: 0, max_ppl_increase: 10, kv_cache: auto,"
-                      " serve: {engine: mlx, windows: 1}}\n"
-                      "targets: [{name: auto, method: auto, for: 'mlx:cpu'}]\n")
+                      f" serve: {{engine: {engine}, windows: 1}}}}\n"
+                      f"targets: [{{name: auto, method: auto, for: '{destination}'}}]\n")
     out = tmp_path / "auto"
     result = cli("quantize", micro_model, "--recipe", recipe, "-o", out, "--json", tmp_path / "report.json")
     assert result.exit_code == 0, result.output
@@ -115,5 +126,5 @@ def test_the_chosen_one_alone_is_served_and_gets_its_kv_type(cli, micro_model, t
     measured = [r for r in target["details"]["auto"]["ladder"] if r["seconds"] is not None]
     assert len(measured) >= 2 and result.output.count("serving check: the artifact") == 1
     kv = target["details"]["kv_cache_types"]["chosen"]
-    assert kv and f"--kv-bits {kv.split(':')[1]}" in target["details"]["serving"]["serve"]
-    assert f"--kv-bits {kv.split(':')[1]}" in (out / "README.md").read_text()
+    served = flag + kv.split(":")[1].split("/")[0]
+    assert kv and served in target["details"]["serving"]["serve"] and served in (out / "README.md").read_text()
