@@ -110,7 +110,7 @@ def ladder_table(name: str, ladder: dict) -> Table:
         size = human_bytes(row["artifact_bytes"]) if row["artifact_bytes"] else f"~{human_bytes(row['estimated_bytes'])}"
         verdict = STATUS.get(row["status"], row["status"]) + (" (chosen)" if row["candidate"] == chosen else "")
         table.add_row(row["candidate"], size if row["estimated_bytes"] else "", f"{row['bits_per_weight']:.2f}",
-                      row["runtime"] or "", verdict, f"{row['kld_mean']:.5f}" if row["kld_mean"] is not None else "",
+                      row["runtime"] or "", verdict, f"{row['kld_mean']:.3g}" if row["kld_mean"] is not None else "",
                       f"{row['seconds']:.1f}" if row["seconds"] is not None else "", row["why"])
     for line in ladder["guide"]:
         table.caption = (table.caption + "; " if table.caption else "guide: ") + line
