@@ -197,3 +197,21 @@ def test_within_one_size_the_smaller_comes_before_the_cheaper_to_measure(info):
     sizes = {r.label: r.weights for r in ladder.rungs}
     assert sizes["nvfp4 W4A16"] > sizes["gptq W4A16"]  # NVFP4's fp8 scales per 16 weights: more bytes
     assert order.index("gptq W4A16") < order.index("nvfp4 W4A16") < order.index("bitsandbytes nf4")
+
+
+def test_a_chosen_rung_the_engine_fails_reopens_what_its_pass_settled():
+    """The serving check fails the chosen rung (record with settles=False): the larger rungs its pass had made
+    unneeded are open again, and the search goes on from the next one."""
+    ladder = chain([3.0, 4.0, 5.0, 6.0], max_kld=None)  # no KLD bar: bisection
+    first = auto.next_probe(ladder)
+    auto.record(ladder, first, True, 0.01)
+    smaller = [r for r in ladder.rungs if r.bits < first.bits and r.status == auto.OPEN]
+    for rung in smaller:
+        auto.record(ladder, rung, False, 0.5)
+    assert auto.answer(ladder) is first and auto.next_probe(ladder) is None
+    unneeded = [r for r in ladder.rungs if r.status == "unneeded"]
+    assert unneeded and all(r.settled_by is first for r in unneeded)
+    auto.record(ladder, first, False, 0.01, "failed the serving check", settles=False)
+    assert all(r.status == auto.OPEN and r.settled_by is None for r in unneeded)
+    assert [r.status for r in smaller] == ["failed"] * len(smaller)  # the other readings stand
+    assert auto.next_probe(ladder) is unneeded[0]

@@ -1,23 +1,24 @@
 """`--method auto --for ENGINE[:DEVICE]`: the smallest artifact that passes the gate and serves there.
 
 The ladder: the artifacts each method declares for it (MethodSpec.auto) that a kernel of the engine serves (each
-format's runtimes table, as `quantkit plan` reads it), sized from the checkpoint's headers (quantkit.run.serving) and
-ordered by what the user gets: smallest weights first; candidates within EQUAL_SIZE of each other count as one
+format's runtimes table, as `quantkit plan` reads it), sized from the checkpoint's headers (quantkit.run.serving)
+and ordered by what the user gets: smallest weights first; candidates within EQUAL_SIZE of each other count as one
 size, and among those the faster kernel (Runtime.rank) comes first, then the smaller, then at one size the one
-cheaper to measure (no calibration), then the methods' order. Before any work a candidate is skipped, with its reason, when no kernel of the
-engine serves it on the device, when its weights and KV cache do not fit the device, when it is over --max-size,
-when the method refuses the model, or when the device serves it as another candidate (NVFP4 W4A4 runs weights-only
-outside Blackwell: the W4A16 candidate is that artifact).
+cheaper to measure (no calibration), then the methods' order. Before any work a candidate is skipped, with its
+reason, when no kernel of the engine serves it on the device, when its weights and KV cache do not fit the device,
+when it is over --max-size, when the method refuses the model, or when the device serves it as another candidate
+(NVFP4 W4A4 runs weights-only outside Blackwell: the W4A16 candidate is that artifact).
 
 The search: the answer is the first candidate in that order that passes one gate for all (AUTO_GATE, the recipe's
 gate fields over it; a method's own default gate is stricter for 8-bit than for 4-bit, which would make
 "passes" mean different things). The candidates of one chain (one method, more bits up the chain: GGUF's types,
 MLX's bits) are assumed to measure no worse as they grow: a failed one rules out the smaller ones of its chain, a
-passed one makes the larger ones unneeded. Within a chain of three or more open candidates (two, once the chain has
-a reading) the next one measured is the one its chain's readings predict to pass first (mean KL divergence falls about 4x per bit, as the variance
-of rounding noise does; the slope is refitted from two readings), the middle one before any reading, so a GGUF
-ladder of 14 types takes a few measurements, not 14. When none passes, the guide (`fallback`) raises the
-candidate that came closest, within --max-size or what the device leaves beside the KV cache.
+passed one makes the larger ones unneeded (Rung.settled_by; a verdict taken back reopens what it settled). Within a
+chain of three or more open candidates (two, once the chain has a reading) the next one measured is the one its
+chain's readings predict to pass first (mean KL divergence falls about 4x per bit, as the variance of rounding
+noise does; the slope is refitted from two readings), the middle one before any reading, so a GGUF ladder of 14
+types takes a few measurements, not 14. When none passes, the guide (`fallback`) raises the candidate that came
+closest, within --max-size or what the device leaves beside the KV cache.
 """
 
 from __future__ import annotations
@@ -78,7 +79,8 @@ class AutoOptions(BaseModel):
     """A recipe target's options with `method: auto`."""
 
     model_config = ConfigDict(extra="forbid")
-    context: int = Field(4096, ge=1, description="tokens per sequence of KV cache the device must hold beside the weights")
+    context: int = Field(4096, ge=1, description="tokens per sequence of KV cache the device must hold beside the "
+                         "weights")
     batch: int = Field(1, ge=1, description="sequences served at once")
     max_size: str | None = Field(None, description="the artifact's largest size on disk, e.g. 4GB")
 
@@ -140,6 +142,7 @@ class Rung:
     artifact_bytes: int | None = None
     seconds: float | None = None
     guided: bool = False  # the guide's raised artifact of a failed candidate
+    settled_by: "Rung | None" = None  # the chain reading that skipped it or made it unneeded
 
     @property
     def label(self) -> str:
@@ -196,11 +199,11 @@ def place(info, candidate: Candidate, destination: Destination, per_token: int, 
     None when no kernel of the engine serves its format anywhere (not a candidate of this engine)."""
     method = get_method(candidate.method)
     prefix = ENGINES[destination.engine].prefix
-    every = runtimes_for(method, method.options.model_validate(candidate.option_dict()))
-    if not any(r.name.startswith(prefix) for r in every):
+    given = method.options.model_validate(candidate.option_dict())
+    if not any(r.name.startswith(prefix) for r in runtimes_for(method, given)):
         return None
     try:
-        resolved, _choices = method.resolve(info, method.options.model_validate(candidate.option_dict()))
+        resolved, _choices = method.resolve(info, given)
         quantized, count, other = serving.weight_parts(info, method, resolved)
     except QuantkitError as exc:
         return Rung(candidate, status="skipped", why=f"refused for this model: {exc.message}")
@@ -331,7 +334,10 @@ def needed_bits(measured: list[Rung], max_kld: float) -> float:
 
 def record(ladder: Ladder, rung: Rung, passed: bool, kld: float | None, why: str = "", settles: bool = True) -> None:
     """A measured candidate's verdict, and what it settles in its chain (settles=False: a verdict that is not
-    the precision's, such as the engine refusing the artifact, settles nothing else)."""
+    the precision's, such as the engine refusing the artifact, settles nothing else, and what the rung's earlier
+    pass settled is open again)."""
+    if not settles:
+        reopen(ladder, rung)
     rung.status, rung.kld = ("passed" if passed else "failed"), kld
     rung.why = why or (f"passed the gate{kld_text(kld)}" if passed else rung.why)
     if not settles:
@@ -340,10 +346,21 @@ def record(ladder: Ladder, rung: Rung, passed: bool, kld: float | None, why: str
         if other is rung or other.status != OPEN:
             continue
         if not passed and other.bits < rung.bits:
-            other.status = "skipped"
+            other.status, other.settled_by = "skipped", rung
             other.why = f"{rung.label}, with more bits, failed the gate{kld_text(kld)}: assumed to fail too"
         elif passed and other.bits > rung.bits:
-            other.status, other.why = "unneeded", f"{rung.label}, with fewer bits, passed"
+            other.status, other.why, other.settled_by = "unneeded", f"{rung.label}, with fewer bits, passed", rung
+
+
+def reopen(ladder: Ladder, rung: Rung, why: str = "") -> None:
+    """A verdict taken back: the rung open again (why: what became of its reading), and the rungs its reading
+    settled open as well. A passed rung whose artifact was removed (a smaller one passed) can so be measured again
+    should the smaller one fail the serving check, and the rungs a chosen one made unneeded are back in the search
+    when the engine fails it."""
+    rung.status, rung.why = OPEN, why
+    for other in ladder.rungs:
+        if other.settled_by is rung:
+            other.status, other.why, other.settled_by = OPEN, "", None
 
 
 def kld_text(kld: float | None) -> str:

@@ -331,7 +331,7 @@ def disk_targets(targets: list[ResolvedTarget]) -> list[ResolvedTarget]:
             held.append(t)
             continue
         sizes = {r.label: r.weights for r in t.ladder.rungs}
-        held += sorted(t.candidates.values(), key=lambda c: -sizes[c.name.partition(": ")[2]])[:2]
+        held += [t.candidates[label] for label in sorted(t.candidates, key=lambda label: -sizes[label])[:2]]
     return held
 
 
@@ -476,20 +476,21 @@ def run_main(recipe: Recipe, opts: RunOptions, info: ModelInfo, targets: list[Re
              placement: Placement, started: float) -> RunReport:
     inputs = input_hashes(info, recipe)
     report = base_report(recipe, opts, info, inputs)
+    candidates = every_candidate(targets)
     if placement.onload:
         opts.progress("quantize: the model does not fit the GPU whole; it stays in RAM and llm-compressor "
                       "onloads one layer at a time to the GPU")
     if placement.why:
         opts.progress(describe_placement(placement, info, recipe.calibration.seq_len, recipe.calibration.eval_windows))
-        estimate = ram_estimate(info, recipe, every_candidate(targets), placement)
+        estimate = ram_estimate(info, recipe, candidates, placement)
         report.gate_placement = {"resident": placement.resident, "device": placement.device, "why": placement.why,
                                  "lockstep": placement.lockstep, "estimated_peak_rss_bytes": estimate.peak,
                                  "estimated_steps": {"fixed": estimate.fixed, **estimate.steps}}
     if (placement.tables_on_disk and placement.device == "cpu" and recipe.offload_dir is None
-            and not is_vlm(info.config) and any(t.needs_model for t in every_candidate(targets))):
+            and not is_vlm(info.config) and any(t.needs_model for t in candidates)):
         opts.progress("quantize: the model does not fit whole beside the rest of the run; its embeddings and head "
                       "stay on disk until used")
-    for t in every_candidate(targets):
+    for t in candidates:
         if t.kept_16bit:
             opts.progress(f"[{t.name}] kept 16-bit: {kept_summary(t.kept_16bit)}")
     prints = {t.name: fingerprint(recipe, t.target, t.gate, inputs, opts.enforce_gate) for t in targets}
@@ -585,10 +586,11 @@ def _run_in(staging: Path, recipe: Recipe, opts: RunOptions, info: ModelInfo, ta
     workdir.mkdir(exist_ok=True)  # a --resume run's holds its saved progress already
     if recipe.lora:
         info = merge_lora(info, recipe, workdir, report, opts.progress)
-    settings = window_settings(recipe, every_candidate(targets))
+    candidates = every_candidate(targets)
+    settings = window_settings(recipe, candidates)
     uses_windows = settings.num_samples + settings.eval_windows > 0
     tokenizer = load_tokenizer(info, recipe.trust_remote_code) if uses_windows or any(
-        t.needs_model for t in every_candidate(targets)) else None
+        t.needs_model for t in candidates) else None
     windows = make_windows(tokenizer, settings, opts.progress) if uses_windows else None
     if windows is not None:
         report.calibration.update(source_sha256=windows.sha256, calib_windows=len(windows.calib),
@@ -597,8 +599,8 @@ def _run_in(staging: Path, recipe: Recipe, opts: RunOptions, info: ModelInfo, ta
     if windows is not None and len(windows.eval):
         baseline = compute_baseline(info, recipe, windows.eval, workdir, report, opts.progress, placement,
                                     opts.ranks)
-        score_base_extras(info, recipe, every_candidate(targets), tokenizer, windows.eval, baseline, workdir, report,
-                          opts.progress, placement)
+        score_base_extras(info, recipe, candidates, tokenizer, windows.eval, baseline, workdir, report, opts.progress,
+                          placement)
     for resolved in targets:
         out_dir = output_dir(staging, recipe, resolved.name)
         out_dir.mkdir(exist_ok=True)
@@ -935,7 +937,7 @@ def run_ladder(recipe: Recipe, opts: RunOptions, info: ModelInfo, resolved: Reso
     that came closest; the chosen artifact moved into the target's output. The report entry is the chosen
     candidate's (none passed: the closest one's, failed), with the ladder in details.auto."""
     ladder = resolved.ladder
-    built: dict[str, tuple[TargetReport, Path]] = {}
+    built: dict[str, tuple[TargetReport, Path | None]] = {}  # label -> its entry, and its artifact while kept
 
     def search() -> auto.Rung | None:  # measure until the answer is known and stands its after-choice checks
         while True:
@@ -943,6 +945,9 @@ def run_ladder(recipe: Recipe, opts: RunOptions, info: ModelInfo, resolved: Reso
                 run_candidate(recipe, opts, info, ladder, rung, resolved.candidates[rung.label], tokenizer, windows,
                               workdir, placement, baseline, built)
             chosen = auto.answer(ladder)
+            if chosen is not None and built[chosen.label][1] is None:  # removed when a smaller one passed, which
+                auto.reopen(ladder, chosen)  # the engine then failed: measured again
+                continue
             if chosen is None or after_choice(recipe, opts, info, resolved, ladder, chosen, windows, workdir,
                                               placement, baseline, built):
                 return chosen
@@ -961,7 +966,7 @@ def run_ladder(recipe: Recipe, opts: RunOptions, info: ModelInfo, resolved: Reso
 
 def after_choice(recipe: Recipe, opts: RunOptions, info: ModelInfo, resolved: ResolvedTarget, ladder: auto.Ladder,
                  chosen: auto.Rung, windows, workdir: Path, placement: Placement, baseline,
-                 built: dict[str, tuple[TargetReport, Path]]) -> bool:
+                 built: dict[str, tuple[TargetReport, Path | None]]) -> bool:
     """What the gate asks beyond the reading, on the chosen candidate only: its KV-cache types (--kv-cache) and
     the serving check (--serve-check). False when the engine's check failed it: the candidate fails (settling
     nothing else in its chain) and the search goes on."""
@@ -984,13 +989,13 @@ def after_choice(recipe: Recipe, opts: RunOptions, info: ModelInfo, resolved: Re
         return True
     auto.record(ladder, chosen, False, chosen.kld, f"failed the serving check ({gate.serve.engine})", settles=False)
     shutil.rmtree(build, ignore_errors=True)
-    del built[chosen.label]
+    built[chosen.label] = (entry, None)
     return False
 
 
 def run_candidate(recipe: Recipe, opts: RunOptions, info: ModelInfo, ladder: auto.Ladder, rung: auto.Rung,
                   candidate: ResolvedTarget, tokenizer, windows, workdir: Path, placement: Placement, baseline,
-                  built: dict[str, tuple[TargetReport, Path]]) -> None:
+                  built: dict[str, tuple[TargetReport, Path | None]]) -> None:
     """One candidate built, measured and recorded in the ladder; a candidate that raises a QuantkitError (it
     cannot be built or read back) fails with its message and the ladder goes on."""
     import shutil
@@ -999,7 +1004,6 @@ def run_candidate(recipe: Recipe, opts: RunOptions, info: ModelInfo, ladder: aut
 
     build = workdir / "auto" / ladder_name(candidate) / str(ladder.rungs.index(rung))
     build.mkdir(parents=True)
-    checked_later = candidate.gate.serve is not None  # the serving check may fail the chosen: keep what passed
     candidate = dataclasses.replace(candidate, gate=candidate.gate.model_copy(update={"serve": None, "kv_cache": None}))
     opts.progress(f"[{ladder_name(candidate)}] candidate {rung.label}: about {human_bytes(rung.weights)}, "
                   f"{rung.runtime}")
@@ -1023,13 +1027,14 @@ def run_candidate(recipe: Recipe, opts: RunOptions, info: ModelInfo, ladder: aut
     why = "" if passed else candidate_failure(entry, rung, ladder)
     auto.record(ladder, rung, passed, kld, why)
     opts.progress(f"[{ladder_name(candidate)}] candidate {rung.label}: {rung.status}, {rung.why}")
-    if passed and not checked_later:
-        for label, (_other, path) in list(built.items()):  # a smaller pass makes a larger one's artifact unneeded
-            shutil.rmtree(path, ignore_errors=True)
-        built.clear()
-    elif not passed:
+    if passed:  # one passed artifact on disk: a larger one that passed goes (search() reopens it if it is needed)
+        for label, (other, path) in list(built.items()):
+            if path is not None:
+                shutil.rmtree(path, ignore_errors=True)
+                built[label] = (other, None)
+    else:
         shutil.rmtree(build, ignore_errors=True)
-    built[rung.label] = (entry, build)
+    built[rung.label] = (entry, build if passed else None)
 
 
 def ladder_name(candidate: ResolvedTarget) -> str:
@@ -1047,7 +1052,7 @@ def candidate_failure(entry: TargetReport, rung: auto.Rung, ladder: auto.Ladder)
     return f"written at {human_bytes(rung.artifact_bytes)}, over --max-size {ladder.options.max_size}"
 
 
-def ladder_entry(resolved: ResolvedTarget, ladder: auto.Ladder, built: dict[str, tuple[TargetReport, Path]],
+def ladder_entry(resolved: ResolvedTarget, ladder: auto.Ladder, built: dict[str, tuple[TargetReport, Path | None]],
                  out_dir: Path, opts: RunOptions) -> TargetReport:
     """The target's report entry: the chosen candidate's with its artifact moved into `out_dir`; none passed:
     the closest candidate's (failed, exit 3), or an error entry when none could be measured."""

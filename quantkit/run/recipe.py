@@ -19,7 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 from quantkit.errors import InputError, RecipeError, UnsupportedError
 from quantkit.eval.tasks import TaskGate
 from quantkit.methods import get_method, registered
-from quantkit.run.auto import AUTO, AUTO_GATE, AutoOptions, parse_for
+from quantkit.run.auto import AUTO_GATE, AutoOptions, parse_for
+from quantkit.run.auto import AUTO as AUTO_METHOD
 from quantkit.serve.engines import AUTO, ENGINES
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
@@ -145,13 +146,13 @@ class Target(Strict):
     @classmethod
     def _known_method(cls, value: str) -> str:
         known = registered()
-        if value not in known and value != AUTO:
+        if value not in known and value != AUTO_METHOD:
             raise ValueError(f"unknown method '{value}'; allowed: {', '.join(known)}, auto")
         return value
 
     @model_validator(mode="after")
     def _auto_has_a_destination(self) -> "Target":
-        if self.method != AUTO:
+        if self.method != AUTO_METHOD:
             if self.destination is not None:
                 raise ValueError(f"`for` ({self.destination}) is where method auto serves its choice; method "
                                  f"{self.method} is already chosen: drop `for`, or set method: auto")
@@ -280,7 +281,7 @@ def target_options(target: Target) -> BaseModel:
     """The target's options as its method's Options model validated them (once: validate keeps the result);
     method auto's are quantkit.run.auto.AutoOptions."""
     if target._options is None:
-        model = AutoOptions if target.method == AUTO else get_method(target.method).options
+        model = AutoOptions if target.method == AUTO_METHOD else get_method(target.method).options
         target._options = model.model_validate(target.options)
     return target._options
 
@@ -288,8 +289,8 @@ def target_options(target: Target) -> BaseModel:
 def target_gate(recipe: Recipe, target: Target) -> Gate:
     """Gate thresholds for a target: method defaults (method auto: one bar for every candidate, AUTO_GATE) <
     recipe gate < target gate (set fields win)."""
-    defaults = AUTO_GATE if target.method == AUTO else get_method(target.method).default_gate(target_options(target))
-    values = dict(defaults)  # never the method's own table
+    method = None if target.method == AUTO_METHOD else get_method(target.method)
+    values = dict(method.default_gate(target_options(target)) if method else AUTO_GATE)  # never the method's own table
     for layer in (recipe.gate, target.gate):
         if layer is not None:
             values.update(layer.model_dump(exclude_unset=True))
@@ -588,13 +589,13 @@ def apply_overrides(data: dict, o: Overrides) -> dict:
 def auto_targets(targets: list[dict], destinations: list[str], fields: dict[str, Any]) -> list[dict]:
     """--for and --context/--batch into the method auto targets: one target per destination (named after it
     where there are several), the others left as they are."""
-    if not any(t.get("method") == AUTO for t in targets):
+    if not any(t.get("method") == AUTO_METHOD for t in targets):
         flags = "--for" if destinations else "--context / --batch"
         raise InputError(f"{flags}: where and how method auto serves its choice; no target has method auto",
                          hint="add --method auto (or set `method: auto` in the recipe)")
     expanded = []
     for target in targets:
-        if target.get("method") != AUTO:
+        if target.get("method") != AUTO_METHOD:
             expanded.append(target)
             continue
         options = {**(target.get("options") or {}), **fields}
@@ -634,12 +635,12 @@ def apply_method_options(recipe: Recipe, flags: MethodOptions) -> Recipe:
 
 def option_fields(method: str) -> dict:
     """The option fields of a target's method (method auto's: AutoOptions)."""
-    return (AutoOptions if method == AUTO else get_method(method).options).model_fields
+    return (AutoOptions if method == AUTO_METHOD else get_method(method).options).model_fields
 
 
 def check_auto_flags(recipe: Recipe, given: dict[str, Any]) -> None:
     """Method auto chooses the method and its options: a method flag beside it is a conflict (exit 2)."""
-    if not any(t.method == AUTO for t in recipe.targets):
+    if not any(t.method == AUTO_METHOD for t in recipe.targets):
         return
     conflict = [flag for flag in given if flag not in AutoOptions.model_fields]
     if conflict:
