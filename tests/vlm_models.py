@@ -146,7 +146,14 @@ def build_qwen2_vl(out: str | Path, text_from: str | Path | None = None, seed: i
     return _save(model, tokenizer, Path(out))
 
 
-BUILDERS = {"llava": build_llava, "qwen2_vl": build_qwen2_vl}
+def build_gemma4(out: str | Path, seed: int = 0) -> Path:
+    """Gemma 4 with Gemma's SentencePiece vocabulary (tests.gguf.vlms: its GGUF converter reads no other kind)."""
+    from tests.gguf import vlms
+
+    return vlms.build_gemma4(Path(out), seed)
+
+
+BUILDERS = {"llava": build_llava, "qwen2_vl": build_qwen2_vl, "gemma4": build_gemma4}
 
 
 # ---------------------------------------------------------------- every family of quantkit.arch.vlm.FAMILIES
@@ -182,6 +189,15 @@ def _family_config(kind: str, text: dict, ids: dict):
             vision_config=dict(depth=1, hidden_size=64, intermediate_size=128, num_heads=2,
                                out_hidden_size=text["hidden_size"], patch_size=8, deepstack_visual_indexes=[0],
                                num_position_embeddings=16),
+            image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+            vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
+    if kind == "qwen3_5":  # a Gated DeltaNet layer, then a gated full-attention one (Qwen3.5's hybrid)
+        return T.Qwen3_5Config(
+            text_config={**text, "head_dim": 64, "layer_types": ["linear_attention", "full_attention"],
+                         "full_attention_interval": 2, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                         "linear_key_head_dim": 64, "linear_value_head_dim": 64},
+            vision_config=dict(depth=1, hidden_size=64, intermediate_size=128, num_heads=2,
+                               out_hidden_size=text["hidden_size"], patch_size=8, num_position_embeddings=16),
             image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
             vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
     if kind in ("idefics3", "smolvlm"):
@@ -229,6 +245,7 @@ def _family_config(kind: str, text: dict, ids: dict):
 
 FAMILY_TOKENS = {
     "llava_next": ["<image>"], "qwen2_5_vl": QWEN2_VL_TOKENS, "qwen3_vl": QWEN2_VL_TOKENS,
+    "qwen3_5": QWEN2_VL_TOKENS,
     "idefics3": ["<image>", "<fake_token_around_image>", "<global-img>"],
     "smolvlm": ["<image>", "<fake_token_around_image>", "<global-img>"],
     "gemma3": ["<image_soft_token>", "<start_of_image>", "<end_of_image>"], "paligemma": ["<image>"],
@@ -259,4 +276,4 @@ def build_family(kind: str, out: str | Path, seed: int = 0) -> Path:
 
 TEXT_ARCHITECTURES = {"idefics3": "LlamaForCausalLM", "smolvlm": "VLlama3ForCausalLM"}  # as their Hub checkpoints
 FAMILY_KINDS = ("llava", "llava_next", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "idefics3", "smolvlm", "gemma3",
-                "paligemma", "mllama", "mistral3", "internvl", "llama4")
+                "paligemma", "mllama", "mistral3", "internvl", "llama4", "gemma4", "qwen3_5")

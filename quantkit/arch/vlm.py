@@ -59,6 +59,8 @@ FAMILIES: dict[str, Family] = {
                        vision=("visual",), projector=("visual.merger",)),
     "qwen2_5_vl": Family("Qwen2.5-VL", "Qwen2_5_VLForConditionalGeneration", language="language_model",
                          vision=("visual",), projector=("visual.merger",)),
+    "qwen3_5": Family("Qwen3.5", "Qwen3_5ForConditionalGeneration", language="language_model",
+                      vision=("visual",), projector=("visual.merger",)),
     "qwen3_vl": Family("Qwen3-VL", "Qwen3VLForConditionalGeneration", language="language_model",
                        vision=("visual",), projector=("visual.merger", "visual.deepstack_merger_list")),
     "idefics3": Family("Idefics3", "Idefics3ForConditionalGeneration", language="text_model",

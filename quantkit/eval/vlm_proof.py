@@ -154,16 +154,19 @@ def synthetic_image():
 
 
 def image_text_inputs(artifact: Path):
-    """Image+text model inputs from the artifact's own processor and chat template; None when it
-    has no processor files."""
+    """Image+text model inputs from the artifact's own processor and chat template; a 'skipped: ...' reason
+    when it has no processor files or its processor needs a package not installed."""
     from transformers import AutoProcessor
 
     from quantkit.io.offline import offline
 
     if not any((artifact / name).is_file() for name in PROCESSOR_FILES):
-        return None
-    with offline():
-        processor = AutoProcessor.from_pretrained(artifact, local_files_only=True)
+        return "skipped: the artifact has no processor files"
+    try:
+        with offline():
+            processor = AutoProcessor.from_pretrained(artifact, local_files_only=True)
+    except ImportError as exc:  # the processor's own requirement (Gemma 4's: torchvision) is not installed here
+        return f"skipped: its processor cannot be loaded here ({str(exc).splitlines()[0]})"
     messages = [{"role": "user", "content": [{"type": "image", "image": synthetic_image()},
                                              {"type": "text", "text": "What is in the picture?"}]}]
     return processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True,
@@ -175,8 +178,8 @@ def image_forward(model, artifact: Path) -> str:
     import torch
 
     inputs = image_text_inputs(artifact)
-    if inputs is None:
-        return "skipped: the artifact has no processor files"
+    if isinstance(inputs, str):
+        return inputs
     device = next(model.parameters()).device
     inputs = {k: v.to(device) for k, v in inputs.items()}
     try:
@@ -222,6 +225,9 @@ def mmproj_expected(piece, source):
         data = data[:, :, piece.part]
     elif piece.rule.split == "token":  # one embedding row, read as such
         data = data[0]
+    elif piece.rule.split == "patch_hwc":  # Gemma 4: (height, width, channel) columns as a Conv2D kernel
+        data = data.reshape(data.shape[0], piece.shape[2], piece.shape[3], 3).permute(0, 3, 1, 2)
+    data = data.reshape(piece.shape)  # a scalar (Gemma 4's clipping bounds) as one element
     if piece.rule.shift:
         data = data + 1
     cast = {T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat16}[piece.qtype]

@@ -43,7 +43,8 @@ GENERATED = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_shor
 # HF prefix of the language model inside a VLM (the converter strips "language_model.")
 LANGUAGE_MODEL_PREFIX = {**{arch: "model.language_model." for arch in (
     "Gemma3ForConditionalGeneration", "LlavaForConditionalGeneration", "Qwen2VLForConditionalGeneration",
-    "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration", "Mistral3ForConditionalGeneration")},
+    "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration", "Mistral3ForConditionalGeneration",
+    "Qwen3_5ForConditionalGeneration", "Gemma4ForConditionalGeneration")},
     "Idefics3ForConditionalGeneration": "model.text_model.", "SmolVLMForConditionalGeneration": "model.text_model."}
 EXPERTS = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
 

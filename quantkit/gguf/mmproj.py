@@ -62,7 +62,9 @@ class Rule:
     pattern: str
     names: tuple[str, ...]  # GGUF name(s), formatted with the match groups; several: the tensor is split
     split: str = ""  # "rows": equal parts along the first axis (fused qkv); "time": Conv3D kernel per time step;
-    # "token": the row of the added token `token` (its id from the tokenizer files)
+    # "token": the row of the added token `token` (its id from the tokenizer files); "patch_hwc": a linear patch
+    # embedding over (height, width, channel) pixels written as a Conv2D kernel [out, channel, height, width]
+    # (Gemma 4); a scalar tensor (Gemma 4's clipping bounds) is written with one element
     shift: bool = False  # stored w + 1 (Gemma's RMSNorm scales by 1 + w)
     force: T | str | None = None  # the converter's tensor_force_quant: a type, "patch" (F16 in an f16 file, else F32)
     permute: bool = False  # LlamaModel.permute of the rows by vision heads (Pixtral's q/k: rotary pairs interleaved)
@@ -123,6 +125,41 @@ IDEFICS3_RULES = (  # SmolVLMModel: the SigLIP embeddings forced F32 (even in an
 IMG_BREAK_NOTE = ("with the [IMG_BREAK] embedding row the converter's LlavaVisionModel takes, which its "
                   "language_model.* filter drops")
 
+# the VLMs whose tower Qwen3VLVisionModel converts
+QWEN3_VL_TOWERS = ("qwen3_vl", "qwen3_5")
+QWEN3_VL_RULES = (
+    *(Rule(rf"visual\.deepstack_merger_list\.(\d+)\.{hf}\.(weight|bias)", (f"v.deepstack.{{0}}.{g}.{{1}}",),
+           index="deepstack_visual_indexes") for hf, g in (("norm", "norm"), ("linear_fc1", "fc1"), ("linear_fc2", "fc2"))),
+    Rule(r"visual\.merger\.linear_fc1\.(weight|bias)", ("mm.0.{0}",)),
+    Rule(r"visual\.merger\.linear_fc2\.(weight|bias)", ("mm.2.{0}",)),
+    Rule(r"visual\.merger\.norm\.(weight|bias)", ("v.post_ln.{0}",)),
+    Rule(r"visual\.patch_embed\.proj\.weight", ("v.patch_embd.weight", "v.patch_embd.weight.1"), split="time",
+         force="patch"),
+    Rule(r"visual\.patch_embed\.proj\.bias", ("v.patch_embd.bias",)),
+    Rule(r"visual\.pos_embed\.weight", ("v.position_embd.weight",)),
+    *blocks("visual.blocks", {"attn.qkv": "attn_qkv", "attn.proj": "attn_out", "norm1": "ln1", "norm2": "ln2",
+                              "mlp.linear_fc1": "ffn_up", "mlp.linear_fc2": "ffn_down"}))
+
+# Gemma4VisionAudioModel: the tower's `encoder.` renamed to `vision_model.model.` before gguf-py's TensorNameMap, the
+# ClippableLinear's `.linear` level dropped; its clipping bounds (use_clipped_linears) written as 1-element tensors
+GEMMA4_BLOCK = {"input_layernorm": "ln1", "post_attention_layernorm": "attn_post_norm",
+                "pre_feedforward_layernorm": "ln2", "post_feedforward_layernorm": "ffn_post_norm",
+                "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+GEMMA4_LINEAR = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+                 "self_attn.o_proj": "attn_out", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+                 "mlp.down_proj": "ffn_down"}
+GEMMA4_TOWER = "vision_tower.encoder.layers"
+GEMMA4_RULES = (
+    Rule(r"embed_vision\.embedding_projection\.weight", ("mm.input_projection.weight",)),
+    *blocks(GEMMA4_TOWER, GEMMA4_BLOCK),
+    *(Rule(rf"{re.escape(GEMMA4_TOWER)}\.(\d+)\.{re.escape(hf)}\.linear\.weight", (f"v.blk.{{0}}.{g}.weight",))
+      for hf, g in GEMMA4_LINEAR.items()),
+    *(Rule(rf"{re.escape(GEMMA4_TOWER)}\.(\d+)\.{re.escape(hf)}\.((?:input|output)_(?:max|min))",
+           (f"v.blk.{{0}}.{g}.{{1}}",)) for hf, g in GEMMA4_LINEAR.items()),
+    Rule(r"vision_tower\.patch_embedder\.input_proj\.weight", ("v.patch_embd.weight",), split="patch_hwc",
+         force="patch"),
+    Rule(r"vision_tower\.patch_embedder\.position_embedding_table", ("v.position_embd.weight",), force=T.F32))
+
 FAMILIES: dict[str, Family] = {
     "llava": Family(
         "LLaVA 1.5 (CLIP tower)", LEGACY, "mlp",
@@ -145,21 +182,11 @@ FAMILIES: dict[str, Family] = {
         QWEN_COMMON + blocks("visual.blocks", {**QWEN_BLOCK, "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
                                                "mlp.down_proj": "ffn_down"}),
         renames=((r"^model\.visual\.", "visual."),)),
-    "qwen3_vl": Family(
-        "Qwen3-VL", MODERN, "qwen3vl_merger",
-        (*(Rule(rf"visual\.deepstack_merger_list\.(\d+)\.{hf}\.(weight|bias)", (f"v.deepstack.{{0}}.{g}.{{1}}",),
-                index="deepstack_visual_indexes") for hf, g in (("norm", "norm"), ("linear_fc1", "fc1"),
-                                                                 ("linear_fc2", "fc2"))),
-         Rule(r"visual\.merger\.linear_fc1\.(weight|bias)", ("mm.0.{0}",)),
-         Rule(r"visual\.merger\.linear_fc2\.(weight|bias)", ("mm.2.{0}",)),
-         Rule(r"visual\.merger\.norm\.(weight|bias)", ("v.post_ln.{0}",)),
-         Rule(r"visual\.patch_embed\.proj\.weight", ("v.patch_embd.weight", "v.patch_embd.weight.1"), split="time",
-              force="patch"),
-         Rule(r"visual\.patch_embed\.proj\.bias", ("v.patch_embd.bias",)),
-         Rule(r"visual\.pos_embed\.weight", ("v.position_embd.weight",)),
-         *blocks("visual.blocks", {"attn.qkv": "attn_qkv", "attn.proj": "attn_out", "norm1": "ln1", "norm2": "ln2",
-                                   "mlp.linear_fc1": "ffn_up", "mlp.linear_fc2": "ffn_down"})),
-        renames=((r"^model\.visual\.", "visual."),)),
+    "qwen3_vl": Family("Qwen3-VL", MODERN, "qwen3vl_merger", QWEN3_VL_RULES,
+                       renames=((r"^model\.visual\.", "visual."),)),
+    # Qwen3VLVisionModel converts Qwen3.5's tower too: Qwen3-VL's without deepstack mergers
+    "qwen3_5": Family("Qwen3.5", MODERN, "qwen3vl_merger", QWEN3_VL_RULES,
+                      renames=((r"^model\.visual\.", "visual."),)),
     "idefics3": Family("Idefics3", MODERN, "idefics3", IDEFICS3_RULES, note=TEXT_CONFIG_NOTE),
     "smolvlm": Family("SmolVLM", MODERN, "idefics3", IDEFICS3_RULES, note=TEXT_CONFIG_NOTE),
     "mistral3": Family(
@@ -190,6 +217,7 @@ FAMILIES: dict[str, Family] = {
          Rule(rf"{TOWER}\.post_layernorm\.(weight|bias)", ("v.post_ln.{0}",))),
         dropped=((rf"{TOWER}\.head\..*", "SigLIP's pooling head: Gemma 3 does not use it (the converter skips it)"),),
         renames=NESTED_RENAMES),
+    "gemma4": Family("Gemma 4", MODERN, "gemma4v", GEMMA4_RULES, renames=((r"^model\.", ""),)),
 }
 
 
@@ -301,10 +329,20 @@ def check(config: dict, mmproj_type: str) -> Family:
             refuse(f"a Pixtral tower of {vision.get('num_hidden_layers')} layers (the converter maps the projector's "
                    "linear_1 / linear_2 through a tensor map sized by the tower's depth: 'Can not map tensor')",
                    "a tower of at least 3 layers, as every released Mistral 3 has")
+    if config.get("model_type") == "gemma4":
+        if config.get("audio_config"):
+            refuse("the audio tower (Gemma 4 E2B / E4B) is not converted here (llama.cpp's converter writes it "
+                   "into the same mmproj)", "set the gguf option mmproj: none to write the language model alone, "
+                   "and convert the mmproj with llama.cpp's convert_hf_to_gguf.py --mmproj")
+        if vision.get("standardize"):
+            refuse("vision_config.standardize (its std_bias / std_scale have no GGUF name in llama.cpp's converter)",
+                   "set the gguf option mmproj: none to write the language model alone")
     if config.get("model_type") == "qwen2_5_vl":
         n_wa_pattern(vision, family)
-    if config.get("model_type") == "qwen3_vl":
-        depth, deepstack = vision.get("depth", 27), vision.get("deepstack_visual_indexes", [8, 16, 24])
+    if config.get("model_type") in QWEN3_VL_TOWERS:
+        # Qwen3-VL's config class default; Qwen3.5's tower has no deepstack merger
+        default = [8, 16, 24] if config["model_type"] == "qwen3_vl" else []
+        depth, deepstack = vision.get("depth", 27), vision.get("deepstack_visual_indexes", default)
         if any(not 0 <= i < depth for i in deepstack):
             refuse(f"deepstack_visual_indexes {deepstack} outside the {depth} encoder blocks",
                    "each deepstack merger reads one encoder block")
@@ -440,7 +478,10 @@ def split_shapes(rule: Rule, shape: tuple[int, ...], squeeze: bool) -> list[tupl
         return [(shape[0] // 3, *shape[1:])] * 3
     if rule.split == "time":
         return [(shape[0], shape[1], *shape[3:])] * shape[2]
-    return [shape]
+    if rule.split == "patch_hwc":
+        size = int(round((shape[1] // 3) ** 0.5))
+        return [(shape[0], 3, size, size)]
+    return [shape or (1,)]
 
 
 def legacy_order(family: Family, pieces: list[Piece]) -> list[Piece]:
@@ -507,6 +548,8 @@ def piece_values(piece: Piece, data: np.ndarray) -> np.ndarray:
         data = data[:, :, piece.part]
     elif piece.rule.split == "token":  # read as its one row
         data = data[0]
+    elif piece.rule.split == "patch_hwc":
+        data = data.reshape(data.shape[0], piece.shape[2], piece.shape[3], 3).transpose(0, 3, 1, 2)
     if piece.rule.shift:
         data = shift_norm(data, piece.source_dtype)
     return np.ascontiguousarray(data.reshape(piece.shape), dtype=np.float32)
@@ -587,11 +630,13 @@ BLOCK_KEYS = ("n_layers", "num_hidden_layers", "n_layer", "num_layers", "depth",
 def vision_params(config: dict) -> dict:
     """vision_config as the family's converter sees it (Qwen2VLVisionModel renames its keys)."""
     vision = dict(config["vision_config"])
-    if config["model_type"] == "qwen3_vl":  # Qwen3VLVisionModel: image_size from the position embedding grid
+    if config["model_type"] in QWEN3_VL_TOWERS:  # Qwen3VLVisionModel: image_size from the position embedding grid
         if "image_size" not in vision:
             vision["image_size"] = int(vision.get("num_position_embeddings", 2304) ** 0.5 * vision.get("patch_size", 16))
         vision["num_attention_heads"] = vision.get("num_heads")
         vision["num_hidden_layers"] = vision.get("depth")
+    if config["model_type"] == "gemma4":  # Gemma4VisionAudioModel: 224 ("unused, but set to avoid error")
+        vision["image_size"] = 224
     if config["model_type"] in ("qwen2_vl", "qwen2_5_vl"):
         vision["image_size"] = vision.get("image_size", 560)
         vision["num_attention_heads"] = vision.get("num_heads")
@@ -618,12 +663,14 @@ def modern_metadata(config: dict, family: Family, stats: dict, outtype: T) -> li
               find(vision, ("num_attention_heads", "num_heads", "heads", "vt_num_attention_heads"))),
              ("clip.vision.image_mean", "arr", mean),
              ("clip.vision.image_std", "arr", std),
-             ("clip.projector_type", "str", family.projector_type)]
+             # Gemma4VisionAudioModel names the vision projector (its file may hold an audio one beside it)
+             ("clip.vision.projector_type" if config["model_type"] == "gemma4" else "clip.projector_type", "str",
+              family.projector_type)]
     if config["model_type"] == "qwen2_5_vl":
         items += [("clip.use_silu", "bool", True), ("clip.vision.n_wa_pattern", "u32", n_wa_pattern(vision, family))]
     if config["model_type"] in ("qwen2_vl", "qwen2_5_vl"):
         items.append(("clip.vision.attention.layer_norm_epsilon", "f32", config.get("rms_norm_eps", 1e-6)))
-    if config["model_type"] == "qwen3_vl":
+    if config["model_type"] in QWEN3_VL_TOWERS:
         items.append(("clip.use_gelu", "bool", True))
         if vision.get("spatial_merge_size") is not None:
             items.append(("clip.vision.spatial_merge_size", "u32", int(vision["spatial_merge_size"])))
@@ -644,6 +691,8 @@ def modern_metadata(config: dict, family: Family, stats: dict, outtype: T) -> li
                   (f"clip.use_{vision['hidden_act']}", "bool", True)]
         if "spatial_merge_size" in config:
             items.append(("clip.vision.spatial_merge_size", "u32", config["spatial_merge_size"]))
+    if config["model_type"] == "gemma4":
+        items.append(("clip.vision.attention.layer_norm_epsilon", "f32", vision.get("layer_norm_eps", 1e-6)))
     if config["model_type"] == "gemma3":
         items += [("clip.vision.attention.layer_norm_epsilon", "f32", vision.get("layer_norm_eps", 1e-6)),
                   ("clip.use_gelu", "bool", True)]

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from tests.vlm_models import QWEN2_VL_TOKENS, TEXT_ARCHITECTURES, TEXT_SHAPE, _ids, _save, save_processor, vlm_tokenizer
 
-KINDS = ("llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "idefics3", "smolvlm", "mistral3", "gemma3")
+KINDS = ("llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "gemma4", "idefics3", "smolvlm", "mistral3", "gemma3")
 # the towers whose Hub checkpoints keep the vision model's own `vision_model.` level
 NESTED_TOWERS = {"llava": "vision_tower.", "gemma3": "vision_tower."}
 QWEN_PREPROCESSOR = {"image_processor_type": "Qwen2VLImageProcessor", "min_pixels": 32 * 32, "max_pixels": 64 * 64,
@@ -79,6 +79,17 @@ def _config(kind: str, text: dict, ids: dict):
                                                   spatial_merge_size=2, temporal_patch_size=2,
                                                   num_position_embeddings=16, deepstack_visual_indexes=[1]),
                                **qwen_ids)
+    if kind == "qwen3_5":  # a Gated DeltaNet layer and a gated full-attention one; Qwen3-VL's tower, no deepstack
+        return T.Qwen3_5Config(text_config={**text, "head_dim": head_dim, "layer_types": ["linear_attention",
+                                                                                           "full_attention"],
+                                            "full_attention_interval": 2, "linear_num_key_heads": 2,
+                                            "linear_num_value_heads": 4, "linear_key_head_dim": 64,
+                                            "linear_value_head_dim": 64},
+                               vision_config=dict(depth=3, hidden_size=64, intermediate_size=128, num_heads=2,
+                                                  out_hidden_size=text["hidden_size"], patch_size=8,
+                                                  spatial_merge_size=2, temporal_patch_size=2,
+                                                  num_position_embeddings=16),
+                               **qwen_ids)
     if kind in ("idefics3", "smolvlm"):  # the converter converts their language model through text_config.architectures
         cls = T.Idefics3Config if kind == "idefics3" else T.SmolVLMConfig
         return cls(text_config={**text, "model_type": "llama", "architectures": [TEXT_ARCHITECTURES[kind]]},
@@ -106,8 +117,57 @@ def _config(kind: str, text: dict, ids: dict):
 # gets it as an added token
 IDEFICS3_TOKENS = ["<image>", "<fake_token_around_image>", "<global-img>", "\n\n"]
 TOKENS = {"llava": ["<image>"], "qwen2_vl": QWEN2_VL_TOKENS, "qwen2_5_vl": QWEN2_VL_TOKENS, "qwen3_vl": QWEN2_VL_TOKENS,
-          "idefics3": IDEFICS3_TOKENS, "smolvlm": IDEFICS3_TOKENS, "mistral3": ["[IMG]", "[IMG_BREAK]", "[IMG_END]"],
+          "qwen3_5": QWEN2_VL_TOKENS, "idefics3": IDEFICS3_TOKENS, "smolvlm": IDEFICS3_TOKENS, "mistral3": ["[IMG]", "[IMG_BREAK]", "[IMG_END]"],
           "gemma3": ["<image_soft_token>", "<start_of_image>", "<end_of_image>"]}
+
+
+def gemma4_config(vocab: int, ids: dict, clipped: bool = False):
+    """Gemma 4 as its small checkpoints are (tests.vlm_models' text shape) with a 2-layer tower; `clipped`: its
+    ClippableLinears with stored clipping bounds (use_clipped_linears)."""
+    import transformers as T
+
+    text = dict(TEXT_SHAPE, vocab_size=vocab, **ids, num_hidden_layers=4,
+                layer_types=["sliding_attention", "full_attention"] * 2, num_kv_shared_layers=2, head_dim=64,
+                global_head_dim=128, hidden_size_per_layer_input=64, vocab_size_per_layer_input=vocab,
+                sliding_window=32, final_logit_softcapping=30.0)
+    image = {name: vocab - 1 - i for i, name in enumerate(("image_token_id", "boi_token_id", "eoi_token_id",
+                                                            "video_token_id", "audio_token_id", "boa_token_id",
+                                                            "eoa_token_index"))}
+    return T.Gemma4Config(text_config=text, audio_config=None, tie_word_embeddings=True, **image,
+                          vision_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                             num_attention_heads=2, num_key_value_heads=2, head_dim=32, patch_size=8,
+                                             position_embedding_size=64, pooling_kernel_size=2,
+                                             use_clipped_linears=clipped))
+
+
+def build_gemma4(out: Path, seed: int = 0, clipped: bool = False) -> Path:
+    """A tiny Gemma 4 VLM with Gemma's SentencePiece vocabulary as tokenizer.json (what its converter reads), tied
+    embeddings as Gemma 4 ships them, clipping bounds away from infinity when stored."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from tests.gguf.families import write_spm_json_tokenizer
+
+    torch.manual_seed(seed)
+    out.mkdir(parents=True, exist_ok=True)
+    vocab, ids = write_spm_json_tokenizer(out, "gemma")
+    model = AutoModelForImageTextToText.from_config(gemma4_config(vocab, ids, clipped)).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_buffers():
+            if name.endswith(("input_max", "output_max")):
+                p.fill_(8.0)
+            elif name.endswith(("input_min", "output_min")):
+                p.fill_(-8.0)
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.to(torch.bfloat16).save_pretrained(out)
+    (out / "preprocessor_config.json").write_text(json.dumps(GEMMA4_PREPROCESSOR, indent=2))
+    return out
+
+
+GEMMA4_PREPROCESSOR = {"image_processor_type": "Gemma4ImageProcessor", "image_mean": [0.5, 0.5, 0.5],
+                       "image_std": [0.5, 0.5, 0.5], "patch_size": 8, "pooling_kernel_size": 2}
 
 
 def build_vlm(kind: str, out: str | Path, seed: int = 0, layout: str = "hub") -> Path:
@@ -117,6 +177,8 @@ def build_vlm(kind: str, out: str | Path, seed: int = 0, layout: str = "hub") ->
     from transformers import AutoModelForImageTextToText
 
     out = Path(out)
+    if kind in ("gemma4", "gemma4_clipped"):
+        return build_gemma4(out, seed, clipped=kind == "gemma4_clipped")
     torch.manual_seed(seed)
     tokenizer = vlm_tokenizer(TOKENS[kind])
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in TOKENS[kind]}

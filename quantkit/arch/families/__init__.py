@@ -194,7 +194,8 @@ def text_rows() -> list[TextRow]:
 VLM_TEXT_TYPES = {"llava": "llama", "llava_next": "llama", "qwen2_vl": "qwen2_vl_text",
                   "qwen2_5_vl": "qwen2_5_vl_text", "qwen3_vl": "qwen3_vl_text", "idefics3": "llama",
                   "smolvlm": "llama", "gemma3": "gemma3_text", "paligemma": "gemma", "mllama": "mllama_text_model",
-                  "mistral3": "mistral", "internvl": "qwen2", "llama4": "llama4_text"}
+                  "mistral3": "mistral", "internvl": "qwen2", "llama4": "llama4_text", "gemma4": "gemma4_text",
+                  "qwen3_5": "qwen3_5_text"}
 VLM_WITH_EXPERTS = ("llama4",)
 
 

@@ -203,7 +203,7 @@ QWEN35 = Family(
     "qwen3_5_text", "Qwen3_5ForCausalLM", "Qwen3.5",
     kept=KEPT,
     smoothing=QWEN35_ROWS,
-    gguf={"Qwen3_5ForCausalLM": QWEN35_GGUF},
+    gguf={"Qwen3_5ForCausalLM": QWEN35_GGUF, "Qwen3_5ForConditionalGeneration": QWEN35_GGUF},
     checks=(check_layers,),
 )
 
