@@ -16,16 +16,19 @@ from pathlib import Path
 import pytest
 
 from tests.families import common
-from tests.gguf.families import write_spm_tokenizer
+from tests.gguf.families import write_glm_tokenizer, write_spm_tokenizer
 
 HYBRID = dict(head_dim=64, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256,
               shared_expert_intermediate_size=256, layer_types=["linear_attention", "full_attention"],
               linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64)
 # family -> (config class, model class, the family's own fields)
 FAMILIES = {
+    # attention biases as GLM-4.5's released config.json states them; its tokenizer's special tokens (llama.cpp's
+    # converter reads four of them)
     "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM",
                  dict(head_dim=64, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=256,
-                      n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1)),
+                      n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1, attention_bias=True,
+                      write_tokenizer=write_glm_tokenizer)),
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
                     dict(num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=256,
                          n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1, q_lora_rank=128,
@@ -127,7 +130,7 @@ def test_unsupported_layouts_refused_before_work(cli, models, tmp_path, family, 
 
 # GGUF: llama.cpp's converter class of each family with a conversion, and the pre-tokenizer it is told for the toy
 # BPE tokenizer (None: the family's SentencePiece vocabulary)
-GGUF = {"ernie4_5_moe": None, "minimax_m2": "gpt-2"}
+GGUF = {"ernie4_5_moe": None, "minimax_m2": "gpt-2", "glm4_moe": "gpt-2"}
 REFUSED_FORMATS = [(f, "gguf") for f in FAMILIES if f not in GGUF] + [(f, "mlx") for f in FAMILIES]
 
 
