@@ -236,7 +236,7 @@ def added_vocab(model_dir: Path) -> dict[str, int]:
 
 def glm_special_tokens(model_dir: Path) -> dict[str, int]:
     """The ids _set_vocab_glm gives SpecialVocab (each only where it has no id of that kind yet); the converter
-    fails on a tokenizer lacking one of the tokens (quantkit refuses it before work: check_glm_vocab)."""
+    fails on a tokenizer lacking one of the tokens (quantkit refuses it before work: check_vocab)."""
     added = added_vocab(model_dir)
     missing = [t for t in GLM_SPECIAL_TOKENS.values() if t not in added]
     if missing:
@@ -245,11 +245,6 @@ def glm_special_tokens(model_dir: Path) -> dict[str, int]:
                                "and <|observation|> from it and fails without them)",
                                hint="use the tokenizer files of the original GLM-4.5 / 4.6 checkpoint")
     return {kind: added[token] for kind, token in GLM_SPECIAL_TOKENS.items()}
-
-
-def check_glm_vocab(model_dir: Path, hparams: dict) -> None:
-    """Before any work: the GLM special tokens _set_vocab_glm reads (Gguf.vocab_check of the GLM families)."""
-    glm_special_tokens(model_dir)
 
 
 def sentencepiece_warnings(model_dir: Path, kind: str) -> list[str]:
@@ -282,6 +277,8 @@ def check_vocab(model_dir: Path, kind: str) -> None:
     """Before any work: the refusal add_vocab would raise for a BPE tokenizer llama.cpp reads differently."""
     if kind == "gemma4":
         check_gemma4_vocab(Path(model_dir))
+    if kind == "glm":
+        glm_special_tokens(Path(model_dir))
     if kind in VOCAB_KINDS and uses_bpe(model_dir, kind):
         bpe_pre_name(load_bpe_tokenizer(Path(model_dir)), Path(model_dir))
 

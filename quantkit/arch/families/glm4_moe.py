@@ -26,8 +26,8 @@ speculative draft; a llama.cpp without MTP ignores them); a checkpoint saved by 
 then has the blocks counted without their tensors, as the converter writes it (llama.cpp loads the decoder alone).
 Reading the file back (the gate) skips those blocks: transformers' model has no module for them. The vocabulary
 (TextModel._set_vocab_glm): tokenizer.json's byte-level BPE, then bos [gMASK], eot <|user|>, unk <|endoftext|>, eom
-<|observation|> where the tokenizer files name none of that kind; a tokenizer without those four added tokens is
-refused before work (the converter fails on it).
+<|observation|> where the tokenizer files name none of that kind (quantkit.gguf.vocab's "glm" kind); a tokenizer
+without those four added tokens is refused before work (the converter fails on it).
 """
 
 from __future__ import annotations
@@ -72,15 +72,9 @@ def add_glm4_moe_params(writer, hp: dict, ftype: int) -> None:
         writer.add_nextn_predict_layers(hp["num_nextn_predict_layers"])
 
 
-def check_glm_vocab(model_dir, hp: dict) -> None:
-    from quantkit.gguf.vocab import check_glm_vocab as check
-
-    check(model_dir, hp)
-
-
 GLM4_MOE = Family("glm4_moe", ARCH, "GLM-4.5", smoothing=ROUTED_ROWS, moe=MoeLayout(),
                   experts_by_name=ExpertCheckpoint(mtp_keys=("num_nextn_predict_layers",)),
                   gguf={ARCH: Gguf("GLM4_MOE", add_glm4_moe_params, "glm", experts="qwen", blocks=blocks,
-                                   vocab_check=check_glm_vocab, own_names=True)})
+                                   own_names=True)})
 
 FAMILIES = (GLM4_MOE,)
