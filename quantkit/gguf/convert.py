@@ -270,10 +270,13 @@ def model_facts(config: dict) -> mixture.ModelFacts:
 
 
 def name_map(config: dict):
+    """TensorNameMap over the file's blocks (Gguf.blocks: the MTP layers after the decoder's where the converter
+    counts them)."""
     import gguf
 
-    spec = arch_spec(config)
-    return gguf.get_tensor_name_map(gguf.MODEL_ARCH[spec.arch], text_hparams(config)["num_hidden_layers"])
+    spec, hp = arch_spec(config), text_hparams(config)
+    return gguf.get_tensor_name_map(gguf.MODEL_ARCH[spec.arch],
+                                    spec.blocks(hp) if spec.blocks is not None else hp["num_hidden_layers"])
 
 
 def gguf_name(tmap, hf_name: str) -> str:

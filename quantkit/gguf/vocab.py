@@ -14,6 +14,8 @@ below names them and `add_vocab(writer, model_dir, hparams, kind)` follows the s
     SentencePiece reading (added tokens from tokenizer_config.json and tokenizer.json);
   * "ernie4_5" (Ernie4_5Model): tokenizer.model alone, add_space_prefix from tokenizer_config.json;
   * "hunyuan" (HunYuanModel): BPE from tokenizer.json, eos from eod_token_id, eot from generation_config.json;
+  * "glm" (TextModel._set_vocab_glm: GLM-4.5/4.6's Glm4MoeModel): BPE from tokenizer.json, then bos [gMASK],
+    eot <|user|>, unk <|endoftext|>, eom <|observation|> where SpecialVocab has none of that kind yet;
   * "gemma4" (Gemma4Model): tokenizer.json through gguf-py's LlamaHfVocab under llama.cpp's "gemma4"
     tokenizer (add_space_prefix false, BOS always added; the chat-channel tokens USER_DEFINED).
 
@@ -146,7 +148,8 @@ KNOWN_PRE_HASHES: dict[str, str] = {
 }
 CHKTXT = '\n \n\n \n\n\n \t \t\t \t\n  \n   \n    \n     \n🚀 (normal) 😶\u200d🌫️ (multiple emojis concatenated) ✅ 🦙🦙 3 33 333 3333 33333 333333 3333333 33333333 3.3 3..3 3...3 កាន់តែពិសេសអាច😁 ?我想在apple工作1314151天～ ------======= нещо на Български \'\'\'\'\'\'```````""""......!!!!!!?????? I\'ve been \'told he\'s there, \'RE you sure? \'M not sure I\'ll make it, \'D you like some tea? We\'Ve a\'lL'
 
-VOCAB_KINDS = ("llama", "qwen2", "gemma", "gemma2", "gemma3", "phi3", "gpt2", "gemma4", "ernie4_5", "hunyuan")
+VOCAB_KINDS = ("llama", "qwen2", "gemma", "gemma2", "gemma3", "phi3", "gpt2", "gemma4", "ernie4_5", "hunyuan",
+               "glm")
 SPM_PAD_SCORE = -10000.0  # ids of the config's vocabulary that the tokenizer.model lacks
 ADDED_SCORE = -1000.0
 CONTROL, USER_DEFINED, UNUSED = 3, 4, 5  # gguf.TokenType values (SentencePieceTokenTypes in the converter)
@@ -180,6 +183,8 @@ def add_vocab(writer, model_dir: Path, hparams: dict, kind: str) -> VocabInfo:
         return add_ernie_vocab(writer, model_dir, hparams)
     elif kind == "hunyuan":
         info = add_hunyuan_vocab(writer, model_dir, hparams)
+    elif kind == "glm":
+        info = add_bpe_vocab(writer, model_dir, hparams, special=glm_special_tokens(model_dir))
     else:
         has_spm = (model_dir / "tokenizer.model").is_file()
         info = add_sentencepiece_vocab(writer, model_dir, hparams) if has_spm else add_bpe_vocab(writer, model_dir,
@@ -216,6 +221,32 @@ def add_hunyuan_vocab(writer, model_dir: Path, hparams: dict) -> VocabInfo:
     return info
 
 
+# TextModel._set_vocab_glm's special tokens (kind -> the added token whose id it takes), in its order
+GLM_SPECIAL_TOKENS = {"bos": "[gMASK]", "eot": "<|user|>", "unk": "<|endoftext|>", "eom": "<|observation|>"}
+
+
+def added_vocab(model_dir: Path) -> dict[str, int]:
+    """AutoTokenizer's get_added_vocab(): tokenizer.json's added tokens and tokenizer_config.json's
+    added_tokens_decoder, content -> id."""
+    out = {t["content"]: t["id"] for t in read_json(Path(model_dir) / "tokenizer.json").get("added_tokens", [])}
+    decoder = read_json(Path(model_dir) / "tokenizer_config.json").get("added_tokens_decoder") or {}
+    out.update({entry["content"]: int(i) for i, entry in decoder.items() if isinstance(entry, dict)})
+    return out
+
+
+def glm_special_tokens(model_dir: Path) -> dict[str, int]:
+    """The ids _set_vocab_glm gives SpecialVocab (each only where it has no id of that kind yet); the converter
+    fails on a tokenizer lacking one of the tokens (quantkit refuses it before work: check_vocab)."""
+    added = added_vocab(model_dir)
+    missing = [t for t in GLM_SPECIAL_TOKENS.values() if t not in added]
+    if missing:
+        raise UnsupportedError(f"GGUF conversion of GLM: the tokenizer has no added token {', '.join(missing)} "
+                               "(llama.cpp's converter reads GLM's special tokens [gMASK], <|user|>, <|endoftext|> "
+                               "and <|observation|> from it and fails without them)",
+                               hint="use the tokenizer files of the original GLM-4.5 / 4.6 checkpoint")
+    return {kind: added[token] for kind, token in GLM_SPECIAL_TOKENS.items()}
+
+
 def sentencepiece_warnings(model_dir: Path, kind: str) -> list[str]:
     """How llama.cpp's SentencePiece tokenizer reads the written vocabulary otherwise than transformers
     reads the checkpoint (quantkit.gguf.pretokenizer.spm_difference); [] where they agree."""
@@ -235,7 +266,7 @@ def uses_bpe(model_dir: Path, kind: str) -> bool:
     """Whether add_vocab reads tokenizer.json as BPE (no tokenizer.model; Phi-3: a GPT2Tokenizer)."""
     if kind == "phi3":
         return read_json(Path(model_dir) / "tokenizer_config.json").get("tokenizer_class") == "GPT2Tokenizer"
-    if kind == "gpt2":
+    if kind in ("gpt2", "glm"):
         return True
     if kind == "gemma4":  # gguf-py's LlamaHfVocab, whatever tokenizer.model there is
         return False
@@ -246,6 +277,8 @@ def check_vocab(model_dir: Path, kind: str) -> None:
     """Before any work: the refusal add_vocab would raise for a BPE tokenizer llama.cpp reads differently."""
     if kind == "gemma4":
         check_gemma4_vocab(Path(model_dir))
+    if kind == "glm":
+        glm_special_tokens(Path(model_dir))
     if kind in VOCAB_KINDS and uses_bpe(model_dir, kind):
         bpe_pre_name(load_bpe_tokenizer(Path(model_dir)), Path(model_dir))
 
@@ -296,9 +329,10 @@ def read_json(path: Path) -> dict:
 # ------------------------------------------------------------------ byte-level BPE ("gpt2")
 
 
-def add_bpe_vocab(writer, model_dir: Path, hparams: dict) -> VocabInfo:
+def add_bpe_vocab(writer, model_dir: Path, hparams: dict, special: dict[str, int] | None = None) -> VocabInfo:
     """TextModel._set_vocab_gpt2 (pre-tokenizer: bpe_pre_name); a SentencePiece-style BPE
-    tokenizer.json as add_spm_style_vocab writes it."""
+    tokenizer.json as add_spm_style_vocab writes it. `special`: {kind: id} the converter class sets on
+    SpecialVocab after reading it (_set_special_token: only kinds it has no id for)."""
     from quantkit.gguf.special_vocab import SpecialVocab
 
     tokenizer = load_bpe_tokenizer(model_dir)
@@ -310,7 +344,10 @@ def add_bpe_vocab(writer, model_dir: Path, hparams: dict) -> VocabInfo:
     writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     writer.add_token_types(types)
-    SpecialVocab(model_dir, load_merges=True).add_to_gguf(writer, quiet=True)
+    special_vocab = SpecialVocab(model_dir, load_merges=True)
+    for kind, tid in (special or {}).items():
+        special_vocab._set_special_token(kind, tid)
+    special_vocab.add_to_gguf(writer, quiet=True)
     return VocabInfo("gpt2", pre, len(tokens), source)
 
 

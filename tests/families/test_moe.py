@@ -4,8 +4,9 @@ with every router kept 16-bit and every expert's scales finite (common.assert_mo
 
 Fast: fp8 on every family, gptq on DeepSeek-V3 and on GLM-4.5 with an expert no calibration token reaches (the
 same path for every family: llm-compressor's linear experts, then quantkit's reading), GGUF Q4_K_M of ERNIE 4.5
-MoE and MiniMax-M2, and the refusals (GGUF of the other families, MLX of all: no conversion yet). Slow: the other
-methods on every family, GGUF against llama.cpp's converter and llama-quantize.
+MoE, MiniMax-M2 and GLM-4.5 (with and without its MTP layer), and the refusals (GGUF of the other families, MLX of
+all: no conversion yet). Slow: the other methods on every family, GGUF against llama.cpp's converter and
+llama-quantize.
 """
 
 from __future__ import annotations
@@ -16,16 +17,19 @@ from pathlib import Path
 import pytest
 
 from tests.families import common
-from tests.gguf.families import write_spm_tokenizer
+from tests.gguf.families import write_glm_tokenizer, write_spm_tokenizer
 
 HYBRID = dict(head_dim=64, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256,
               shared_expert_intermediate_size=256, layer_types=["linear_attention", "full_attention"],
               linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64)
 # family -> (config class, model class, the family's own fields)
 FAMILIES = {
+    # attention biases as GLM-4.5's released config.json states them; its tokenizer's special tokens (llama.cpp's
+    # converter reads four of them)
     "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM",
                  dict(head_dim=64, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=256,
-                      n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1)),
+                      n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1, attention_bias=True,
+                      write_tokenizer=write_glm_tokenizer)),
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
                     dict(num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=256,
                          n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1, q_lora_rank=128,
@@ -127,7 +131,7 @@ def test_unsupported_layouts_refused_before_work(cli, models, tmp_path, family, 
 
 # GGUF: llama.cpp's converter class of each family with a conversion, and the pre-tokenizer it is told for the toy
 # BPE tokenizer (None: the family's SentencePiece vocabulary)
-GGUF = {"ernie4_5_moe": None, "minimax_m2": "gpt-2"}
+GGUF = {"ernie4_5_moe": None, "minimax_m2": "gpt-2", "glm4_moe": "gpt-2"}
 REFUSED_FORMATS = [(f, "gguf") for f in FAMILIES if f not in GGUF] + [(f, "mlx") for f in FAMILIES]
 
 
@@ -150,7 +154,8 @@ def test_gguf_experts_stacked_and_read_back(cli, models, tmp_path, family):
     assert entry["details"]["gguf"]["type"] == "Q4_K_M"
     (path,) = out.glob("*.gguf")
     names = {t.name for t in gguf.GGUFReader(path).tensors}
-    layer = 1  # ERNIE's first MoE layer (moe_layer_start_index 1); MiniMax-M2's every layer
+    # ERNIE's first MoE layer (moe_layer_start_index 1), GLM's (first_k_dense_replace 1); MiniMax-M2's every layer
+    layer = 1
     assert {f"blk.{layer}.ffn_{p}_exps.weight" for p in ("gate", "up", "down")} | {f"blk.{layer}.exp_probs_b.bias"} \
         <= names
 
@@ -161,6 +166,67 @@ def test_gguf_equals_llama_cpp(models, tmp_path, family):
     """bf16 equal to convert_hf_to_gguf.py's, Q4_K_M and IQ4_XS equal to llama-quantize's, each loaded by
     llama-perplexity."""
     common.assert_gguf_is_llama_cpp_s(models(family), tmp_path, pre=GGUF[family])
+
+
+def with_glm_mtp_layer(out: Path) -> Path:
+    """GLM-4.5 with q/k norms and the multi-token-prediction layer its released checkpoints store after the decoder's
+    (`model.layers.2.`: a decoder layer, here layer 1's tensors, beside eh_proj, enorm, hnorm and shared_head.norm),
+    which transformers' model does not build (appended to the saved tensors)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    model = build(out, "glm4_moe", use_qk_norm=True)
+    (shard,) = model.glob("*.safetensors")
+    tensors = load_file(shard)
+    generator = torch.Generator().manual_seed(1)
+    mtp = {k.replace("model.layers.1.", "model.layers.2."): v.clone() for k, v in tensors.items()
+           if k.startswith("model.layers.1.")}
+    mtp["model.layers.2.eh_proj.weight"] = (torch.randn(256, 512, generator=generator) * 0.02).to(torch.bfloat16)
+    for norm in ("enorm", "hnorm", "shared_head.norm"):
+        mtp[f"model.layers.2.{norm}.weight"] = (1 + 0.1 * torch.randn(256, generator=generator)).to(torch.bfloat16)
+    save_file({**tensors, **mtp}, shard, metadata={"format": "pt"})
+    return model
+
+
+@pytest.fixture(scope="module")
+def glm_mtp(tmp_path_factory) -> Path:
+    return with_glm_mtp_layer(tmp_path_factory.mktemp("glm4_moe_mtp") / "model")
+
+
+def test_gguf_of_glm4_moe_writes_its_mtp_layer(cli, glm_mtp, tmp_path):
+    """The MTP layer written as llama.cpp's converter writes it by default: block num_hidden_layers (its decoder
+    tensors, eh_proj / enorm / hnorm / shared_head.norm as nextn.*), nextn_predict_layers 1, the block count with
+    it; the q/k norms; the gate reads the decoder's blocks back (transformers' model has no MTP layer)."""
+    import gguf
+
+    out = tmp_path / "out"
+    common.assert_passed(common.quantize(cli, glm_mtp, out, "gguf", "--gguf-type", "Q4_K_M"), out)
+    (path,) = out.glob("*.gguf")
+    reader = gguf.GGUFReader(path)
+    names = {t.name for t in reader.tensors}
+    assert {f"blk.2.nextn.{n}.weight" for n in ("eh_proj", "enorm", "hnorm", "shared_head_norm")} \
+        | {f"blk.2.ffn_{p}_exps.weight" for p in ("gate", "up", "down")} | {"blk.2.exp_probs_b.bias",
+                                                                           "blk.0.attn_q_norm.weight"} <= names
+    assert reader.fields["glm4moe.block_count"].contents() == 3
+    assert reader.fields["glm4moe.nextn_predict_layers"].contents() == 1
+
+
+@pytest.mark.slow
+def test_gguf_of_glm4_moe_with_mtp_layer_equals_llama_cpp(glm_mtp, tmp_path):
+    common.assert_gguf_is_llama_cpp_s(glm_mtp, tmp_path, pre="gpt-2")
+
+
+def test_gguf_of_glm4_moe_without_its_special_tokens_refused(cli, models, tmp_path):
+    """_set_vocab_glm reads [gMASK], <|user|>, <|endoftext|> and <|observation|> from the tokenizer (the converter
+    fails without them): refused before work, naming them."""
+    from tests.gguf.families import write_bpe_tokenizer
+
+    model = common.copy_with_config(models("glm4_moe"), tmp_path / "model")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (model / name).unlink()
+    write_bpe_tokenizer(model)
+    out = tmp_path / "out"
+    common.assert_refused(common.quantize(cli, model, out, "gguf"), out, "[gMASK]", "<|observation|>")
 
 
 def test_gguf_of_minimax_m2_without_rotary_dim_refused(cli, models, tmp_path):

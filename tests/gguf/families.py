@@ -117,6 +117,27 @@ def write_bpe_tokenizer(out: Path) -> tuple[int, dict]:
     return len(tok), dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
 
 
+# GLM-4.5's added special tokens (its tokenizer_config.json's), the four llama.cpp's _set_vocab_glm reads among them
+GLM_SPECIAL_TOKENS = ["<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eop>", "<|system|>", "<|user|>",
+                      "<|assistant|>", "<|observation|>"]
+
+
+def write_glm_tokenizer(out: Path) -> tuple[int, dict]:
+    """The toy byte-level BPE with GLM-4.5's added special tokens and its special-token settings: no bos_token (the
+    converter's _set_vocab_glm makes [gMASK] the BOS), eos and pad <|endoftext|>, a ByteLevel post-processor (no
+    BOS added)."""
+    from tokenizers import processors
+
+    from quantkit.toy import build_tokenizer, bundled_texts
+
+    tok = build_tokenizer(bundled_texts(), 512)
+    tok.add_special_tokens({"additional_special_tokens": GLM_SPECIAL_TOKENS})
+    tok.backend_tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    tok.bos_token, tok.eos_token, tok.pad_token = None, "<|endoftext|>", "<|endoftext|>"
+    tok.save_pretrained(out)
+    return len(tok), dict(bos_token_id=None, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+
+
 def write_spm_tokenizer(out: Path, vocab: int = 512) -> tuple[int, dict]:
     """A byte-fallback SentencePiece BPE model (Llama-2 style ids: <unk> 0, <s> 1, </s> 2) plus a
     tokenizer_config.json listing them as special added tokens, as Llama-2 / Mistral ship it."""
