@@ -318,8 +318,11 @@ def unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def skipped(config: dict, hf_name: str) -> bool:
-    """Tensors convert_hf_to_gguf.py does not write (Gemma 1/2: lm_head, the output is the tied embedding)."""
-    return bool(SKIPPED.search(hf_name)) or (arch_spec(config).drops_lm_head and hf_name == "lm_head.weight")
+    """Tensors convert_hf_to_gguf.py does not write (Gemma 1/2: lm_head, the output is the tied embedding; the
+    family's own drops: DeepSeek's MTP layers)."""
+    spec = arch_spec(config)
+    return bool(SKIPPED.search(hf_name)) or (spec.drops_lm_head and hf_name == "lm_head.weight") or \
+        (spec.drops is not None and spec.drops(hf_name, text_hparams(config)))
 
 
 def norm_shift(config: dict, hf_name: str) -> bool:
@@ -441,6 +444,8 @@ def source_plans(config: dict, tmap, name: str, hf: str, shape: list[int]) -> li
     rule, hp = tensor_rule(config, name), text_hparams(config)
     if rule is None or not rule.split:
         return [single_plan(config, tmap, name, hf, shape)]
+    if rule.pieces is not None:
+        return cut_plans(rule, hp, tmap, name, hf, shape)
     written = tuple(shape) if rule.shape is None else tuple(rule.shape(tuple(shape), hp))
     count = len(rule.split)
     piece = (*written[:-2], written[-2] // count, written[-1])
@@ -452,6 +457,19 @@ def source_plans(config: dict, tmap, name: str, hf: str, shape: list[int]) -> li
     return [TensorPlan(gguf_name(tmap, piece_name), hf, piece, T.F32,
                        transform=lambda data, dtype, i=i: transform(data, dtype, i))
             for i, piece_name in enumerate(split_names(rule, name))]
+
+
+def cut_plans(rule: TensorRule, hp: dict, tmap, name: str, hf: str, shape: list[int]) -> list[TensorPlan]:
+    """The plans of a tensor the family's step cuts into pieces of their own shapes (TensorRule.pieces)."""
+    shapes = rule.pieces.shapes(tuple(shape), hp)
+
+    def transform(data, dtype, index):
+        values = (data if rule.forward is None else rule.forward(data, hp, dtype)).reshape(shape)
+        return rule.pieces.cut(values, hp)[index]
+
+    return [TensorPlan(gguf_name(tmap, piece_name), hf, tuple(piece), T.F32,
+                       transform=lambda data, dtype, i=i: transform(data, dtype, i))
+            for i, (piece_name, piece) in enumerate(zip(split_names(rule, name), shapes, strict=True))]
 
 
 def plan_tensors(config: dict, hf_tensors: dict[str, tuple[str, list[int]]], gguf_type: str,

@@ -60,8 +60,11 @@ def linear_targets(model, config: dict) -> dict[str, str]:
     for mod_name, module in model.named_modules():
         hf = source_name(mod_name + ".weight", spec)  # a VLM's language_model.* as the converter names it
         if isinstance(module, torch.nn.Linear) and hf is not None:
+            rule = tensor_rule(config, hf)
+            if rule is not None and rule.pieces is not None:  # pieces with other inputs than the linear's
+                continue
             # a split tensor's first piece (split_pieces: the others share its input)
-            name = tmap.get_name(split_names(tensor_rule(config, hf), hf)[0], try_suffixes=(".weight",))
+            name = tmap.get_name(split_names(rule, hf)[0], try_suffixes=(".weight",))
             if name is not None and name.startswith("blk."):
                 targets[mod_name] = name
     return targets

@@ -214,9 +214,11 @@ class GGUFTensors:
         if name in self.metadata:
             return tuple(self.metadata[name].shape)
         if name in self.tensors or name in self.pieces:
-            rule = tensor_rule(self.config, name)
+            rule, hp = tensor_rule(self.config, name), text_hparams(self.config)
+            if name in self.pieces and rule.pieces is not None:  # pieces of their own shapes
+                return tuple(rule.pieces.hf_shape([stored_shape(t) for t in self.pieces[name]], hp))
             shape = stored_shape(self.tensors[name]) if name in self.tensors else joined_shape(self.pieces[name])
-            return shape if rule is None or rule.hf_shape is None else tuple(rule.hf_shape(shape, text_hparams(self.config)))
+            return shape if rule is None or rule.hf_shape is None else tuple(rule.hf_shape(shape, hp))
         layer, kinds = self.expert_parts(name)
         shapes = [stored_shape(self.experts[layer, k]) for k in kinds]
         return (shapes[0][0], sum(s[1] for s in shapes), *shapes[0][2:])
@@ -230,8 +232,10 @@ class GGUFTensors:
         if name in self.tensors:
             data = restore(self.config, name, dequantize_checked(self.tensors[name], self.path))
         elif name in self.pieces:
-            data = restore(self.config, name, np.concatenate([dequantize_checked(t, self.path)
-                                                              for t in self.pieces[name]], axis=-2))
+            rule, parts = tensor_rule(self.config, name), [dequantize_checked(t, self.path) for t in self.pieces[name]]
+            joined = np.concatenate(parts, axis=-2) if rule.pieces is None else \
+                rule.pieces.join(parts, text_hparams(self.config))
+            data = restore(self.config, name, joined)
         else:
             layer, kinds = self.expert_parts(name)
             data = np.concatenate([dequantize_checked(self.experts[layer, k], self.path) for k in kinds], axis=1)

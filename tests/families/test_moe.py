@@ -26,10 +26,13 @@ FAMILIES = {
     "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM",
                  dict(head_dim=64, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=256,
                       n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1)),
+    # scoring_func and topk_method as DeepSeek-V3's released config.json states them (llama.cpp's converter reads
+    # the first)
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
                     dict(num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=256,
                          n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1, q_lora_rank=128,
-                         kv_lora_rank=128, qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64)),
+                         kv_lora_rank=128, qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64,
+                         scoring_func="sigmoid", topk_method="noaux_tc")),
     "ernie4_5_moe": ("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM",
                      dict(head_dim=64, moe_num_experts=4, moe_k=2, moe_intermediate_size=256,
                           moe_num_shared_experts=1, write_tokenizer=write_spm_tokenizer)),
@@ -127,7 +130,7 @@ def test_unsupported_layouts_refused_before_work(cli, models, tmp_path, family, 
 
 # GGUF: llama.cpp's converter class of each family with a conversion, and the pre-tokenizer it is told for the toy
 # BPE tokenizer (None: the family's SentencePiece vocabulary)
-GGUF = {"ernie4_5_moe": None, "minimax_m2": "gpt-2"}
+GGUF = {"ernie4_5_moe": None, "minimax_m2": "gpt-2", "deepseek_v3": "gpt-2"}
 REFUSED_FORMATS = [(f, "gguf") for f in FAMILIES if f not in GGUF] + [(f, "mlx") for f in FAMILIES]
 
 
