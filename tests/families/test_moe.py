@@ -177,6 +177,75 @@ def test_gguf_of_minimax_m2_without_rotary_dim_refused(cli, models, tmp_path):
     common.assert_refused(common.quantize(cli, model, out, "gguf"), out, "rotary_dim")
 
 
+# DeepSeek-V3 without q_lora_rank (its query one q_proj, DeepSeek-V2-Lite style), with YaRN as DeepSeek-V3's
+# config.json states it (mscale_all_dim: the converter's log multiplier) and with its MTP layer stored after the
+# decoder's (model.layers.<num_hidden_layers>.: enorm, hnorm, eh_proj, shared_head, a decoder layer)
+DEEPSEEK_YARN = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=1024, beta_fast=32, beta_slow=1,
+                     mscale=1.0, mscale_all_dim=1.0)
+
+
+@pytest.fixture(scope="module")
+def deepseek_variant(tmp_path_factory) -> Path:
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    model = build(tmp_path_factory.mktemp("deepseek_variant") / "model", "deepseek_v3", q_lora_rank=None,
+                  rope_scaling=DEEPSEEK_YARN, num_nextn_predict_layers=1)
+    tensors = load_file(model / "model.safetensors")
+    last, mtp = "model.layers.1.", "model.layers.2."
+    tensors |= {mtp + name[len(last):]: value.clone() for name, value in tensors.items() if name.startswith(last)}
+    hidden = tensors["model.norm.weight"].shape[0]
+    tensors |= {mtp + "enorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
+                mtp + "hnorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
+                mtp + "eh_proj.weight": torch.randn(hidden, 2 * hidden).to(torch.bfloat16) * 0.02,
+                mtp + "shared_head.norm.weight": torch.ones(hidden, dtype=torch.bfloat16),
+                mtp + "shared_head.head.weight": tensors["lm_head.weight"].clone(),
+                mtp + "embed_tokens.weight": tensors["model.embed_tokens.weight"].clone()}
+    save_file(tensors, model / "model.safetensors", metadata={"format": "pt"})
+    return model
+
+
+def test_gguf_of_deepseek_v3_without_q_lora_with_yarn_and_its_mtp_layer(cli, deepseek_variant, tmp_path):
+    """Q4_K_M through the CLI: the query as attn_q (no q_lora_rank key), YaRN's keys with the converter's log
+    multiplier, the MTP layer not written (the converter's default for DeepseekV3ForCausalLM), and the gate's
+    reading of the file (kv_b_proj joined from attn_k_b and attn_v_b) passes."""
+    import gguf
+
+    out = tmp_path / "out"
+    common.assert_passed(common.quantize(cli, deepseek_variant, out, "gguf", "--gguf-type", "Q4_K_M"), out)
+    (path,) = out.glob("*.gguf")
+    reader = gguf.GGUFReader(path)
+    names = {t.name for t in reader.tensors}
+    assert {"blk.0.attn_q.weight", "blk.1.attn_k_b.weight", "blk.1.attn_v_b.weight"} <= names
+    assert not any(n.startswith("blk.2.") or "attn_q_a" in n or "attn_kv_b" in n for n in names)
+    fields = {k: f.contents() for k, f in reader.fields.items()}
+    assert "deepseek2.attention.q_lora_rank" not in fields and fields["deepseek2.block_count"] == 2
+    assert fields["deepseek2.rope.scaling.type"] == "yarn" and fields["deepseek2.rope.scaling.factor"] == 4.0
+    assert abs(fields["deepseek2.rope.scaling.yarn_log_multiplier"] - 0.1) < 1e-7
+
+
+@pytest.mark.slow
+def test_gguf_of_deepseek_v3_variant_equals_llama_cpp(deepseek_variant, tmp_path):
+    """bf16 equal to convert_hf_to_gguf.py's (no q_lora_rank, YaRN, the MTP layer skipped)."""
+    common.assert_gguf_equals_converter(deepseek_variant, tmp_path, "bf16", GGUF["deepseek_v3"])
+
+
+@pytest.mark.parametrize("change,words", [(dict(scoring_func=None), "scoring_func"),
+                                          (dict(rope_interleave=False), "rope_interleave"),
+                                          (dict(num_key_value_heads=2), "num_key_value_heads")])
+def test_gguf_of_deepseek_v3_llama_cpp_would_run_otherwise_refused(cli, models, tmp_path, change, words):
+    """Refused before work: no sigmoid scoring_func (llama.cpp's deepseek2 would route with softmax), RoPE not
+    interleaved (llama.cpp rotates interleaved pairs), key/value heads other than the heads (the converter fails)."""
+    model = common.copy_with_config(models("deepseek_v3"), tmp_path / "model")
+    config = json.loads((model / "config.json").read_text())
+    config |= {k: v for k, v in change.items() if v is not None}
+    for key in (k for k, v in change.items() if v is None):
+        del config[key]
+    (model / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "out"
+    common.assert_refused(common.quantize(cli, model, out, "gguf"), out, words)
+
+
 def test_an_expert_no_token_reaches_gets_finite_scales(cli, tmp_path):
     """GLM-4.5's expert 3 with a correction bias of -10: the router chooses among sigmoid scores in (0, 1) plus the
     bias, so it never picks expert 3. gptq still calibrates it (every expert sees every token), its stored scales
