@@ -472,6 +472,17 @@ def cut_plans(rule: TensorRule, hp: dict, tmap, name: str, hf: str, shape: list[
             for i, (piece_name, piece) in enumerate(zip(split_names(rule, name), shapes, strict=True))]
 
 
+def cut_pieces(config: dict, hf_tensors) -> set[str]:
+    """The GGUF names of the pieces cut by a family's TensorRule.pieces: their inputs are not the Hugging Face
+    linear's, so quantkit's imatrix (quantkit.gguf.imatrix.compute) has no entry for them."""
+    tmap, out = name_map(config), set()
+    for name in source_tensors(config, hf_tensors):
+        rule = tensor_rule(config, name)
+        if rule is not None and rule.pieces is not None:
+            out |= {gguf_name(tmap, piece) for piece in split_names(rule, name)}
+    return out
+
+
 def plan_tensors(config: dict, hf_tensors: dict[str, tuple[str, list[int]]], gguf_type: str,
                  has_imatrix: bool = False, model_dir: Path | None = None) -> list[TensorPlan]:
     """One TensorPlan per written tensor, in llama-quantize's tensor order (config: config.json's
@@ -714,8 +725,12 @@ def matrix_data(handle, plan: TensorPlan, hf_name: str, shape: tuple[int, ...], 
     if plan.transform is not None:
         source = handle.header[hf_name]
         data = read_rows(handle, hf_name, 0, source["shape"][0] if len(source["shape"]) > 1 else 1)
-        data = plan.transform(data, source["dtype"]).reshape(shape)
-        return quantize_rows(np.ascontiguousarray(data, dtype=np.float32), plan.qtype, imatrix, threads)
+        data = np.ascontiguousarray(plan.transform(data, source["dtype"]).reshape(shape), dtype=np.float32)
+        if imatrix is not None and data.ndim == 3:  # one row-sized vector per matrix (DeepSeek's attn_k_b: per head)
+            n = data.shape[-1]
+            return np.stack([quantize_rows(m, plan.qtype, imatrix[i * n:(i + 1) * n], threads)
+                             for i, m in enumerate(data)])
+        return quantize_rows(data, plan.qtype, imatrix, threads)
     rows = shape[0] if len(shape) > 1 else 1
     if len(shape) == 1 or plan.permute_heads or plan.norm_shift:
         data = read_rows(handle, hf_name, 0, rows)
@@ -727,13 +742,18 @@ def matrix_data(handle, plan: TensorPlan, hf_name: str, shape: tuple[int, ...], 
     return SlabbedTensor(handle, hf_name, plan, shape, imatrix, threads)
 
 
+def imatrix_size(shape: tuple[int, ...]) -> int:
+    """The importance values llama-quantize takes for a tensor of this shape (numpy order): ne[0] x ne[2]."""
+    return shape[-1] * (shape[0] if len(shape) == 3 else 1)
+
+
 def imatrix_for(plan: TensorPlan, imatrix: dict | None) -> np.ndarray | None:
-    """The tensor's importance vector (one row-sized vector per expert for stacked experts),
-    when it is quantized (llama-quantize's size check)."""
+    """The tensor's importance vector (one row-sized vector per matrix of a 3-D tensor: each expert of stacked
+    experts, each head of DeepSeek's attn_k_b / attn_v_b), when it is quantized (llama-quantize's size check)."""
     if not imatrix or plan.qtype in (T.F32, T.F16, T.BF16) or plan.name not in imatrix:
         return None
     values = np.asarray(imatrix[plan.name], dtype=np.float32)
-    expected = plan.shape[-1] * (plan.shape[0] if plan.sources else 1)
+    expected = imatrix_size(plan.shape)
     if values.size != expected:
         if plan.name == "token_embd.weight":
             return None

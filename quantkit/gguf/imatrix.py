@@ -270,9 +270,9 @@ def read_legacy(path: Path) -> Imatrix:
 def check_fits(imatrix: Imatrix, info, gguf_type: str, path: Path) -> None:
     """InputError naming the file when the imatrix was made for another model: an entry for a
     tensor this model lacks, or a row size that differs (what llama-quantize would reject)."""
-    from quantkit.gguf.convert import plan_tensors
+    from quantkit.gguf.convert import imatrix_size, plan_tensors
 
-    rows = {p.name: p.shape[-1] for p in plan_tensors(info.config, info.tensors, gguf_type, has_imatrix=True)}
+    rows = {p.name: imatrix_size(p.shape) for p in plan_tensors(info.config, info.tensors, gguf_type, has_imatrix=True)}
     unknown = sorted(n for n in imatrix.sums if n not in rows)
     if unknown:
         raise InputError(f"imatrix {path} has entries for {len(unknown)} tensor(s) this model lacks "
@@ -280,6 +280,6 @@ def check_fits(imatrix: Imatrix, info, gguf_type: str, path: Path) -> None:
                          hint="compute one for this model, or use --imatrix auto")
     for name, sums in sorted(imatrix.sums.items()):
         if name != "token_embd.weight" and sums.size != rows[name]:
-            raise InputError(f"imatrix {path}: {name} has {sums.size} columns, this model's tensor has "
-                             f"{rows[name]}: it was computed for another model",
+            raise InputError(f"imatrix {path}: {name} has {sums.size} columns, this model's tensor takes "
+                             f"{rows[name]} (columns x matrices): it was computed for another model",
                              hint="compute one for this model, or use --imatrix auto")

@@ -230,6 +230,46 @@ def test_gguf_of_deepseek_v3_variant_equals_llama_cpp(deepseek_variant, tmp_path
     common.assert_gguf_equals_converter(deepseek_variant, tmp_path, "bf16", GGUF["deepseek_v3"])
 
 
+@pytest.mark.slow
+def test_gguf_of_deepseek_v3_with_llama_imatrix_s_file_equals_llama_quantize(cli, models, tmp_path):
+    """An imatrix llama-imatrix computed on the converter's file (attn_k_b / attn_v_b: one vector per head):
+    Q4_K_M and IQ4_XS equal to llama-quantize's with it, and the CLI takes the file."""
+    import subprocess
+
+    from quantkit.gguf import imatrix as im
+    from tests.gguf.helpers import convert_to, need_llama, run_quantize
+    from tests.gguf.test_families_llamacpp import assert_same_tensors, text_file
+    from tests.gguf.test_vs_converter import need_llama_src, reference_gguf
+
+    need_llama_src()
+    model = models("deepseek_v3")
+    bf16 = reference_gguf(model, tmp_path / "theirs-bf16.gguf", "bf16", GGUF["deepseek_v3"])
+    path = tmp_path / "imatrix.gguf"
+    run = subprocess.run([str(need_llama("llama-imatrix")), "-m", str(bf16), "-f", str(text_file(tmp_path / "t.txt")),
+                          "-c", "128", "-b", "128", "--chunks", "4", "-t", "2", "-o", str(path)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and path.is_file(), run.stderr[-2000:]
+    weights = im.read(path).weights()
+    assert weights["blk.1.attn_k_b.weight"].size == 4 * 64 and weights["blk.1.attn_v_b.weight"].size == 4 * 128
+    for gguf_type in ("Q4_K_M", "IQ4_XS"):
+        theirs, ours = tmp_path / f"theirs-{gguf_type}.gguf", tmp_path / f"ours-{gguf_type}.gguf"
+        run_quantize(bf16, theirs, gguf_type, imatrix=path)
+        assert convert_to(model, ours, gguf_type, imatrix=weights).imatrix_tensors > 0
+        assert_same_tensors(theirs, ours, f"deepseek_v3 {gguf_type} + imatrix")
+    out = tmp_path / "out"
+    common.assert_passed(common.quantize(cli, model, out, "gguf", "--gguf-type", "Q4_K_M", "--imatrix", path), out)
+
+
+def test_gguf_of_deepseek_v3_refuses_an_auto_imatrix_its_kv_b_pieces_would_need(cli, tmp_path):
+    """IQ2_XXS makes attn_v_b (rows of kv_lora_rank 256) IQ2_XXS, which llama.cpp quantizes only with an imatrix;
+    quantkit's imatrix has none for the kv_b pieces (their inputs are inside llama.cpp's absorbed attention):
+    refused before work, pointing to llama-imatrix's file."""
+    model = build(tmp_path / "model", "deepseek_v3", kv_lora_rank=256)
+    out = tmp_path / "out"
+    common.assert_refused(common.quantize(cli, model, out, "gguf", "--gguf-type", "IQ2_XXS"), out, "attn_v_b",
+                          "--imatrix auto computes none")
+
+
 @pytest.mark.parametrize("change,words", [(dict(scoring_func=None), "scoring_func"),
                                           (dict(rope_interleave=False), "rope_interleave"),
                                           (dict(num_key_value_heads=2), "num_key_value_heads")])
