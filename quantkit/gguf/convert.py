@@ -472,17 +472,6 @@ def cut_plans(rule: TensorRule, hp: dict, tmap, name: str, hf: str, shape: list[
             for i, (piece_name, piece) in enumerate(zip(split_names(rule, name), shapes, strict=True))]
 
 
-def cut_pieces(config: dict, hf_tensors) -> set[str]:
-    """The GGUF names of the pieces cut by a family's TensorRule.pieces: their inputs are not the Hugging Face
-    linear's, so quantkit's imatrix (quantkit.gguf.imatrix.compute) has no entry for them."""
-    tmap, out = name_map(config), set()
-    for name in source_tensors(config, hf_tensors):
-        rule = tensor_rule(config, name)
-        if rule is not None and rule.pieces is not None:
-            out |= {gguf_name(tmap, piece) for piece in split_names(rule, name)}
-    return out
-
-
 def plan_tensors(config: dict, hf_tensors: dict[str, tuple[str, list[int]]], gguf_type: str,
                  has_imatrix: bool = False, model_dir: Path | None = None) -> list[TensorPlan]:
     """One TensorPlan per written tensor, in llama-quantize's tensor order (config: config.json's

@@ -122,6 +122,9 @@ def compute(model, windows, config: dict, dataset: str = "quantkit", batch_size:
     """
     import torch
 
+    from quantkit.arch.families.text import text_hparams
+    from quantkit.gguf.convert import arch_spec
+
     targets = linear_targets(model, config)
     sums = {name: None for name in targets.values()}
     counts = {name: 0 for name in targets.values()}
@@ -147,6 +150,10 @@ def compute(model, windows, config: dict, dataset: str = "quantkit", batch_size:
     modules = dict(model.named_modules())
     handles = [modules[m].register_forward_hook(hook(n)) for m, n in targets.items()]
     handles += [modules[m].register_forward_hook(expert_hook(layer)) for m, layer in experts.items()]
+    spec = arch_spec(config)
+    if spec.imatrix_inputs is not None:  # the family's inputs of tensors no linear takes (one vector per matrix)
+        handles += spec.imatrix_inputs(model, text_hparams(config),
+                                       lambda name, rows: add_expert_rows(expert_sums, name, list(rows)))
     device = device if device is not None else next(model.parameters()).device
     # only the decoder blocks' inputs are collected: run the decoder without the output head
     # (skips a (seq, vocab) logits tensor and the lm_head matmul per window)

@@ -121,17 +121,6 @@ def check_mix(info, options: Options, imatrix_entries=None) -> None:
                          f"quantize {len(needing)} of its tensors (e.g. {needing[0]} as "
                          f"{types[needing[0]].name}) without one",
                          hint="pass --imatrix auto (computed from the calibration windows) or --imatrix FILE")
-    if imatrix_entries is None and computes_imatrix(options):
-        from quantkit.gguf.convert import cut_pieces, load_hparams
-
-        lacking = cut_pieces({**load_hparams(info.path), "architectures": info.config.get("architectures")},
-                             info.tensors)
-        if uncomputed := [n for n in needing if n in lacking]:
-            raise InputError(f"GGUF type {options.gguf_type} makes {uncomputed[0]} {types[uncomputed[0]].name}, "
-                             "which llama.cpp quantizes only with an imatrix, and --imatrix auto computes none for "
-                             "it (a piece the conversion cuts from a tensor, whose input the Hugging Face model "
-                             "never forms)", hint="pass an imatrix llama-imatrix computed on this model's GGUF "
-                                                  "(--imatrix FILE), or a mix whose tensors need none (IQ3_XS and up)")
     uncovered = [n for n in needing if imatrix_entries is not None and n not in imatrix_entries]
     if uncovered:
         raise InputError(f"imatrix {options.imatrix} has no entry for {uncovered[0]}, which GGUF type "
@@ -205,6 +194,12 @@ def check(info, options: Options, calibration=None) -> None:
     from quantkit.gguf.vocab import check_vocab
 
     spec = check_convertible(info.config, info.tensors)
+    if mixed(options) and any(rule.pieces is not None for rule in spec.rules):
+        raise UnsupportedError("per-tensor GGUF types (--auto-precision, --fallback) for this architecture: its "
+                               "conversion cuts tensors into pieces of their own shapes (DeepSeek's kv_b_proj into "
+                               "attn_k_b and attn_v_b), which quantkit's sensitivity measurement does not read yet",
+                               hint="quantize it with one --gguf-type (per-tensor types: llama-quantize "
+                                    "--tensor-type on the converted file)")
     if spec.vocab_check is not None:
         from quantkit.gguf.convert import load_hparams
 

@@ -230,13 +230,36 @@ def test_gguf_of_deepseek_v3_variant_equals_llama_cpp(deepseek_variant, tmp_path
     common.assert_gguf_equals_converter(deepseek_variant, tmp_path, "bf16", GGUF["deepseek_v3"])
 
 
+def llama_windows(model: Path, gguf_file: Path, text: Path, n_ctx: int, chunks: int):
+    """The token windows llama-imatrix runs on `text` (-c n_ctx -b n_ctx --chunks): the text tokenized with its
+    special tokens, cut into n_ctx-token chunks, each one's first token the BOS where the file adds one."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from tests.gguf.test_vs_converter import metadata
+
+    fields = metadata(gguf_file)
+    ids = AutoTokenizer.from_pretrained(model)(text.read_text(), add_special_tokens=True)["input_ids"]
+    windows = torch.tensor([ids[i * n_ctx:(i + 1) * n_ctx] for i in range(chunks)])
+    if fields.get("tokenizer.ggml.add_bos_token"):
+        windows[:, 0] = fields["tokenizer.ggml.bos_token_id"]
+    return windows
+
+
 @pytest.mark.slow
-def test_gguf_of_deepseek_v3_with_llama_imatrix_s_file_equals_llama_quantize(cli, models, tmp_path):
-    """An imatrix llama-imatrix computed on the converter's file (attn_k_b / attn_v_b: one vector per head):
-    Q4_K_M and IQ4_XS equal to llama-quantize's with it, and the CLI takes the file."""
+def test_gguf_of_deepseek_v3_imatrix_is_llama_imatrix_s(cli, models, tmp_path):
+    """llama-imatrix on the converter's file: quantkit's imatrix of the same windows has its values for every
+    attention tensor, the kv_b pieces among them (attn_k_b: each head's q_nope; attn_v_b: each head's attention
+    output over the latent), to float rounding (bf16 activations in llama.cpp); with llama-imatrix's file, Q4_K_M and
+    IQ4_XS equal llama-quantize's and the CLI takes it."""
     import subprocess
 
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
     from quantkit.gguf import imatrix as im
+    from quantkit.gguf.convert import load_hparams
     from tests.gguf.helpers import convert_to, need_llama, run_quantize
     from tests.gguf.test_families_llamacpp import assert_same_tensors, text_file
     from tests.gguf.test_vs_converter import need_llama_src, reference_gguf
@@ -244,30 +267,47 @@ def test_gguf_of_deepseek_v3_with_llama_imatrix_s_file_equals_llama_quantize(cli
     need_llama_src()
     model = models("deepseek_v3")
     bf16 = reference_gguf(model, tmp_path / "theirs-bf16.gguf", "bf16", GGUF["deepseek_v3"])
-    path = tmp_path / "imatrix.gguf"
-    run = subprocess.run([str(need_llama("llama-imatrix")), "-m", str(bf16), "-f", str(text_file(tmp_path / "t.txt")),
-                          "-c", "128", "-b", "128", "--chunks", "4", "-t", "2", "-o", str(path)],
-                         capture_output=True, text=True, timeout=300)
+    path, text = tmp_path / "imatrix.gguf", text_file(tmp_path / "t.txt")
+    run = subprocess.run([str(need_llama("llama-imatrix")), "-m", str(bf16), "-f", str(text), "-c", "128", "-b",
+                          "128", "--chunks", "4", "-t", "2", "-o", str(path)], capture_output=True, text=True,
+                         timeout=300)
     assert run.returncode == 0 and path.is_file(), run.stderr[-2000:]
-    weights = im.read(path).weights()
-    assert weights["blk.1.attn_k_b.weight"].size == 4 * 64 and weights["blk.1.attn_v_b.weight"].size == 4 * 128
+    theirs = im.read(path).weights()
+    config = {**load_hparams(model), "architectures": ["DeepseekV3ForCausalLM"]}
+    ours = im.compute(AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32),
+                      llama_windows(model, bf16, text, 128, 4), config).weights()
+    attention = sorted(n for n in theirs if ".attn_" in n)
+    assert {"blk.1.attn_k_b.weight", "blk.1.attn_v_b.weight"} <= set(attention)
+    for name in attention:
+        assert ours[name].size == theirs[name].size, name
+        np.testing.assert_allclose(ours[name], theirs[name], rtol=0.03, err_msg=name)
     for gguf_type in ("Q4_K_M", "IQ4_XS"):
-        theirs, ours = tmp_path / f"theirs-{gguf_type}.gguf", tmp_path / f"ours-{gguf_type}.gguf"
-        run_quantize(bf16, theirs, gguf_type, imatrix=path)
-        assert convert_to(model, ours, gguf_type, imatrix=weights).imatrix_tensors > 0
-        assert_same_tensors(theirs, ours, f"deepseek_v3 {gguf_type} + imatrix")
+        mine, reference = tmp_path / f"ours-{gguf_type}.gguf", tmp_path / f"theirs-{gguf_type}.gguf"
+        run_quantize(bf16, reference, gguf_type, imatrix=path)
+        assert convert_to(model, mine, gguf_type, imatrix=theirs).imatrix_tensors > 0
+        assert_same_tensors(reference, mine, f"deepseek_v3 {gguf_type} + imatrix")
     out = tmp_path / "out"
     common.assert_passed(common.quantize(cli, model, out, "gguf", "--gguf-type", "Q4_K_M", "--imatrix", path), out)
 
 
-def test_gguf_of_deepseek_v3_refuses_an_auto_imatrix_its_kv_b_pieces_would_need(cli, tmp_path):
-    """IQ2_XXS makes attn_v_b (rows of kv_lora_rank 256) IQ2_XXS, which llama.cpp quantizes only with an imatrix;
-    quantkit's imatrix has none for the kv_b pieces (their inputs are inside llama.cpp's absorbed attention):
-    refused before work, pointing to llama-imatrix's file."""
-    model = build(tmp_path / "model", "deepseek_v3", kv_lora_rank=256)
-    out = tmp_path / "out"
-    common.assert_refused(common.quantize(cli, model, out, "gguf", "--gguf-type", "IQ2_XXS"), out, "attn_v_b",
-                          "--imatrix auto computes none")
+def test_gguf_of_deepseek_v3_imatrix_has_one_vector_per_head_for_the_kv_b_pieces(models):
+    """quantkit's imatrix collects the kv_b pieces' inputs in llama.cpp's graph (no linear of transformers' model
+    takes them): one row-sized vector per head, every token counted; none under kv_b_proj's own name."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from quantkit.gguf import imatrix as im
+    from quantkit.gguf.convert import load_hparams
+
+    model = models("deepseek_v3")
+    config = {**load_hparams(model), "architectures": ["DeepseekV3ForCausalLM"]}
+    windows = torch.randint(4, 500, (2, 32), generator=torch.Generator().manual_seed(0))
+    result = im.compute(AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32), windows, config)
+    for layer in (0, 1):
+        assert result.sums[f"blk.{layer}.attn_k_b.weight"].shape == (4, 64)  # heads, qk_nope_head_dim
+        assert result.sums[f"blk.{layer}.attn_v_b.weight"].shape == (4, 128)  # heads, kv_lora_rank
+        assert list(result.counts[f"blk.{layer}.attn_v_b.weight"]) == [64.0] * 4
+        assert f"blk.{layer}.attn_kv_b.weight" not in result.sums
 
 
 @pytest.mark.parametrize("change,words", [(dict(scoring_func=None), "scoring_func"),
@@ -284,6 +324,14 @@ def test_gguf_of_deepseek_v3_llama_cpp_would_run_otherwise_refused(cli, models, 
     (model / "config.json").write_text(json.dumps(config))
     out = tmp_path / "out"
     common.assert_refused(common.quantize(cli, model, out, "gguf"), out, words)
+
+
+@pytest.mark.parametrize("flag", [["--auto-precision"], ["--fallback"]])
+def test_gguf_per_tensor_types_of_deepseek_v3_refused(cli, models, tmp_path, flag):
+    """--auto-precision / --fallback measure each tensor from the checkpoint's values, which kv_b_proj's pieces are
+    not: refused before work, naming them."""
+    out = tmp_path / "out"
+    common.assert_refused(common.quantize(cli, models("deepseek_v3"), out, "gguf", *flag), out, "attn_k_b")
 
 
 def test_an_expert_no_token_reaches_gets_finite_scales(cli, tmp_path):

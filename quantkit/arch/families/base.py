@@ -119,8 +119,8 @@ class TensorRule:
     # tensor
     split: tuple[tuple[str, str], ...] = ()
     # the split's pieces where they are not equal row blocks (Pieces: their shapes, the cut and the join); the
-    # pieces then take other inputs than the Hugging Face linear does, so quantkit's imatrix has no entry for them
-    # (llama-quantize quantizes a tensor the imatrix lacks without one). None: equal row blocks
+    # pieces then take other inputs in llama.cpp's graph than the Hugging Face linear does: the family's
+    # Gguf.imatrix_inputs collects them (quantkit's imatrix skips the linear). None: equal row blocks
     pieces: Pieces | None = None
     # target(name, hparams) -> the GGUF name, where gguf-py's TensorNameMap has none (Qwen3.5's MTP layers, written
     # as the blocks after the decoder's); None: TensorNameMap's name of the (renamed) name
@@ -192,6 +192,11 @@ class Gguf:
     # drops(name the converter maps, hparams) -> whether the class's modify_tensors writes nothing for the tensor
     # (DeepseekV2Model: the MTP layers after the decoder's, a tied lm_head); None: it writes every tensor
     drops: Callable[[str, Hparams], bool] | None = None
+    # imatrix_inputs(model, hparams, add) -> hook handles: the inputs llama.cpp's graph multiplies by tensors no
+    # Hugging Face linear takes as its input (DeepSeek's attn_k_b / attn_v_b in the absorbed MLA), collected during
+    # quantkit's imatrix forwards by forward hooks the family registers on the transformers model; each hook calls
+    # add(GGUF name, rows: [matrices, tokens, columns]), one matrix per slice of a 3-D tensor. None: none
+    imatrix_inputs: Callable[[object, Hparams, Callable], list] | None = None
     own_names: bool = False  # tensors named beyond the Llama-style decoder's: the GGUF reader maps the
     # transformers model's own names (as it does for a family with rules)
 

@@ -27,8 +27,8 @@ heads other than the attention heads: its split asserts them equal), and what ll
 otherwise than transformers does: a router config.json names no sigmoid scoring_func for (llama.cpp then routes
 with softmax; transformers' DeepseekV3 always with sigmoid), rope_interleave false (llama.cpp rotates interleaved
 pairs), a vocabulary without tokenizer.json (Kimi K2's tiktoken one needs its remote code). The kv_b pieces take
-other inputs in llama.cpp's absorbed MLA than kv_b_proj does, so quantkit's imatrix has none for them (they are
-quantized without one, as llama-quantize quantizes a tensor its imatrix lacks).
+other inputs in llama.cpp's absorbed MLA than kv_b_proj does (each head's q_nope; each head's attention output
+over the latent): quantkit's imatrix collects those, as llama-imatrix does (mla_imatrix_inputs).
 """
 
 from __future__ import annotations
@@ -161,6 +161,56 @@ def kv_b_hf_shape(shapes: list[tuple[int, ...]], hp: dict) -> tuple[int, ...]:
 
 
 KV_B = Pieces(kv_b_shapes, kv_b_cut, kv_b_join, kv_b_hf_shape)
+
+
+def mla_imatrix_inputs(model, hp: dict, add) -> list:
+    """What llama-imatrix collects for the kv_b pieces in llama.cpp's absorbed MLA (deepseek2's graph): attn_k_b
+    multiplies each head's q_nope (the query before RoPE's part), attn_v_b each head's attention output over the
+    normalized latent (softmax(q k^T x scale) @ kv_a_layernorm's output, causal). Hooks on each attention module:
+    its projections' outputs are kept as they are computed, and at its end the two inputs are formed from them (the
+    scores as transformers' DeepseekV3Attention computes them) and handed to `add`, one matrix per head."""
+    import torch
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import (apply_rotary_pos_emb,
+                                                                       apply_rotary_pos_emb_interleave)
+
+    heads, nope, rope = hp["num_attention_heads"], hp["qk_nope_head_dim"], hp["qk_rope_head_dim"]
+    kv_lora_rank, rotate = hp.get("kv_lora_rank", 512), (apply_rotary_pos_emb_interleave if
+                                                         hp.get("rope_interleave", True) else apply_rotary_pos_emb)
+    handles = []
+    for name, module in model.named_modules():
+        if not (hasattr(module, "kv_b_proj") and hasattr(module, "kv_a_layernorm")):
+            continue
+        layer, seen = int(re.search(r"layers\.(\d+)\.", name + ".").group(1)), {}
+
+        def keep(key, seen=seen):
+            return lambda _module, _inputs, output: seen.__setitem__(key, output.detach())
+
+        query = module.q_proj if getattr(module, "q_proj", None) is not None else module.q_b_proj
+        for key, part in (("q", query), ("kv_a", module.kv_a_proj_with_mqa), ("latent", module.kv_a_layernorm),
+                          ("kv_b", module.kv_b_proj)):
+            handles.append(part.register_forward_hook(keep(key)))
+
+        def finish(attention, args, kwargs, _output, seen=seen, layer=layer):
+            cos, sin = kwargs["position_embeddings"] if "position_embeddings" in kwargs else args[1]
+            q = seen["q"].float()
+            batch, length = q.shape[:2]
+            q = q.view(batch, length, heads, nope + rope).transpose(1, 2)
+            q_nope, q_rot = torch.split(q, [nope, rope], dim=-1)
+            k_rot = seen["kv_a"].float()[..., kv_lora_rank:].reshape(batch, 1, length, rope)
+            q_rot, k_rot = rotate(q_rot, k_rot, cos.float(), sin.float())
+            k_nope = seen["kv_b"].float().view(batch, length, heads, -1).transpose(1, 2)[..., :nope]
+            keys = torch.cat([k_nope, k_rot.expand(-1, heads, -1, -1)], dim=-1)
+            scores = torch.cat([q_nope, q_rot], dim=-1) @ keys.transpose(-1, -2) * attention.scaling
+            causal = torch.ones(length, length, dtype=torch.bool, device=scores.device).triu(1)
+            weights = scores.masked_fill(causal, float("-inf")).softmax(dim=-1)
+            latent = weights @ seen["latent"].float().view(batch, 1, length, kv_lora_rank)
+            for piece, rows in (("attn_k_b", q_nope), ("attn_v_b", latent)):  # [heads, tokens, columns]
+                add(f"blk.{layer}.{piece}.weight", rows.transpose(0, 1).reshape(heads, batch * length, -1)
+                    .to(torch.float64))
+            seen.clear()
+
+        handles.append(module.register_forward_hook(finish, with_kwargs=True))
+    return handles
 RULES = (TensorRule(r"self_attn\.kv_b_proj\.weight$", split=((r"kv_b_proj", "k_b_proj"), (r"kv_b_proj", "v_b_proj")),
                     pieces=KV_B),)
 
@@ -169,6 +219,7 @@ DEEPSEEK_V3 = Family("deepseek_v3", ARCH, "DeepSeek-V3", smoothing=MLA_ROWS, moe
                      gguf={ARCH: Gguf("DEEPSEEK2", add_deepseek_params, "gpt2", experts="qwen", rules=RULES,
                                       checks=(check_heads, check_scoring, check_rope_interleave),
                                       vocab_check=check_tokenizer_json, drops=mtp_or_tied_head,
-                                      layer_kv_heads=lambda hp: [1] * hp["num_hidden_layers"])})
+                                      layer_kv_heads=lambda hp: [1] * hp["num_hidden_layers"],
+                                      imatrix_inputs=mla_imatrix_inputs)})
 
 FAMILIES = (DEEPSEEK_V3,)
