@@ -6,8 +6,9 @@ same TensorNameMap the converter uses (inverted over the HF names this architect
 each conversion step undone: the llama Q/K row permutation, Gemma's norm shift (w - 1), stacked
 experts turned into transformers' in-memory expert tensors (mlp.experts.gate_up_proj = gate and
 up concatenated per expert, mlp.experts.down_proj; the router is mlp.gate), Gemma 3's trimmed embedding rows restored (zero;
-they are ids no tokenizer produces), a missing output taken from the tied embedding. Generated
-tensors (rope_freqs, LongRoPE factors) have no HF counterpart and are skipped. Phi-3's fused
+they are ids no tokenizer produces), a missing output taken from the tied embedding, a tensor the
+converter split joined from its pieces (TensorRule.split / pieces: DeepSeek's attn_k_b and attn_v_b
+into kv_b_proj). Generated tensors (rope_freqs, LongRoPE factors) have no HF counterpart and are skipped. Phi-3's fused
 qkv_proj / gate_up_proj are fused in HF too. A VLM's language model gets the VLM's names
 (`model.language_model.*`); its towers are not in the file (they are in the mmproj .gguf beside it).
 """

@@ -28,7 +28,8 @@ otherwise than transformers does: a router config.json names no sigmoid scoring_
 with softmax; transformers' DeepseekV3 always with sigmoid), rope_interleave false (llama.cpp rotates interleaved
 pairs), a vocabulary without tokenizer.json (Kimi K2's tiktoken one needs its remote code). The kv_b pieces take
 other inputs in llama.cpp's absorbed MLA than kv_b_proj does (each head's q_nope; each head's attention output
-over the latent): quantkit's imatrix collects those, as llama-imatrix does (mla_imatrix_inputs).
+over the latent): quantkit's imatrix collects those, as llama-imatrix does (mla_imatrix_inputs). Per-tensor types
+(--auto-precision, --fallback) are refused: their sensitivity measurement reads checkpoint tensors, not the pieces.
 """
 
 from __future__ import annotations
