@@ -321,8 +321,11 @@ def unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def skipped(config: dict, hf_name: str) -> bool:
-    """Tensors convert_hf_to_gguf.py does not write (Gemma 1/2: lm_head, the output is the tied embedding)."""
-    return bool(SKIPPED.search(hf_name)) or (arch_spec(config).drops_lm_head and hf_name == "lm_head.weight")
+    """Tensors convert_hf_to_gguf.py does not write (Gemma 1/2: lm_head, the output is the tied embedding; the
+    family's own drops: DeepSeek's MTP layers)."""
+    spec = arch_spec(config)
+    return bool(SKIPPED.search(hf_name)) or (spec.drops_lm_head and hf_name == "lm_head.weight") or \
+        (spec.drops is not None and spec.drops(hf_name, text_hparams(config)))
 
 
 def norm_shift(config: dict, hf_name: str) -> bool:
@@ -444,6 +447,8 @@ def source_plans(config: dict, tmap, name: str, hf: str, shape: list[int]) -> li
     rule, hp = tensor_rule(config, name), text_hparams(config)
     if rule is None or not rule.split:
         return [single_plan(config, tmap, name, hf, shape)]
+    if rule.pieces is not None:
+        return cut_plans(rule, hp, tmap, name, hf, shape)
     written = tuple(shape) if rule.shape is None else tuple(rule.shape(tuple(shape), hp))
     count = len(rule.split)
     piece = (*written[:-2], written[-2] // count, written[-1])
@@ -455,6 +460,19 @@ def source_plans(config: dict, tmap, name: str, hf: str, shape: list[int]) -> li
     return [TensorPlan(gguf_name(tmap, piece_name), hf, piece, T.F32,
                        transform=lambda data, dtype, i=i: transform(data, dtype, i))
             for i, piece_name in enumerate(split_names(rule, name))]
+
+
+def cut_plans(rule: TensorRule, hp: dict, tmap, name: str, hf: str, shape: list[int]) -> list[TensorPlan]:
+    """The plans of a tensor the family's step cuts into pieces of their own shapes (TensorRule.pieces)."""
+    shapes = rule.pieces.shapes(tuple(shape), hp)
+
+    def transform(data, dtype, index):
+        values = (data if rule.forward is None else rule.forward(data, hp, dtype)).reshape(shape)
+        return rule.pieces.cut(values, hp)[index]
+
+    return [TensorPlan(gguf_name(tmap, piece_name), hf, tuple(piece), T.F32,
+                       transform=lambda data, dtype, i=i: transform(data, dtype, i))
+            for i, (piece_name, piece) in enumerate(zip(split_names(rule, name), shapes, strict=True))]
 
 
 def plan_tensors(config: dict, hf_tensors: dict[str, tuple[str, list[int]]], gguf_type: str,
@@ -699,8 +717,12 @@ def matrix_data(handle, plan: TensorPlan, hf_name: str, shape: tuple[int, ...], 
     if plan.transform is not None:
         source = handle.header[hf_name]
         data = read_rows(handle, hf_name, 0, source["shape"][0] if len(source["shape"]) > 1 else 1)
-        data = plan.transform(data, source["dtype"]).reshape(shape)
-        return quantize_rows(np.ascontiguousarray(data, dtype=np.float32), plan.qtype, imatrix, threads)
+        data = np.ascontiguousarray(plan.transform(data, source["dtype"]).reshape(shape), dtype=np.float32)
+        if imatrix is not None and data.ndim == 3:  # one row-sized vector per matrix (DeepSeek's attn_k_b: per head)
+            n = data.shape[-1]
+            return np.stack([quantize_rows(m, plan.qtype, imatrix[i * n:(i + 1) * n], threads)
+                             for i, m in enumerate(data)])
+        return quantize_rows(data, plan.qtype, imatrix, threads)
     rows = shape[0] if len(shape) > 1 else 1
     if len(shape) == 1 or plan.permute_heads or plan.norm_shift:
         data = read_rows(handle, hf_name, 0, rows)
@@ -712,13 +734,18 @@ def matrix_data(handle, plan: TensorPlan, hf_name: str, shape: tuple[int, ...], 
     return SlabbedTensor(handle, hf_name, plan, shape, imatrix, threads)
 
 
+def imatrix_size(shape: tuple[int, ...]) -> int:
+    """The importance values llama-quantize takes for a tensor of this shape (numpy order): ne[0] x ne[2]."""
+    return shape[-1] * (shape[0] if len(shape) == 3 else 1)
+
+
 def imatrix_for(plan: TensorPlan, imatrix: dict | None) -> np.ndarray | None:
-    """The tensor's importance vector (one row-sized vector per expert for stacked experts),
-    when it is quantized (llama-quantize's size check)."""
+    """The tensor's importance vector (one row-sized vector per matrix of a 3-D tensor: each expert of stacked
+    experts, each head of DeepSeek's attn_k_b / attn_v_b), when it is quantized (llama-quantize's size check)."""
     if not imatrix or plan.qtype in (T.F32, T.F16, T.BF16) or plan.name not in imatrix:
         return None
     values = np.asarray(imatrix[plan.name], dtype=np.float32)
-    expected = plan.shape[-1] * (plan.shape[0] if plan.sources else 1)
+    expected = imatrix_size(plan.shape)
     if values.size != expected:
         if plan.name == "token_embd.weight":
             return None

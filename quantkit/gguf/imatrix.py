@@ -60,8 +60,11 @@ def linear_targets(model, config: dict) -> dict[str, str]:
     for mod_name, module in model.named_modules():
         hf = source_name(mod_name + ".weight", spec)  # a VLM's language_model.* as the converter names it
         if isinstance(module, torch.nn.Linear) and hf is not None:
+            rule = tensor_rule(config, hf)
+            if rule is not None and rule.pieces is not None:  # pieces with other inputs than the linear's
+                continue
             # a split tensor's first piece (split_pieces: the others share its input)
-            name = tmap.get_name(split_names(tensor_rule(config, hf), hf)[0], try_suffixes=(".weight",))
+            name = tmap.get_name(split_names(rule, hf)[0], try_suffixes=(".weight",))
             if name is not None and name.startswith("blk."):
                 targets[mod_name] = name
     return targets
@@ -119,6 +122,9 @@ def compute(model, windows, config: dict, dataset: str = "quantkit", batch_size:
     """
     import torch
 
+    from quantkit.arch.families.text import text_hparams
+    from quantkit.gguf.convert import arch_spec
+
     targets = linear_targets(model, config)
     sums = {name: None for name in targets.values()}
     counts = {name: 0 for name in targets.values()}
@@ -144,6 +150,10 @@ def compute(model, windows, config: dict, dataset: str = "quantkit", batch_size:
     modules = dict(model.named_modules())
     handles = [modules[m].register_forward_hook(hook(n)) for m, n in targets.items()]
     handles += [modules[m].register_forward_hook(expert_hook(layer)) for m, layer in experts.items()]
+    spec = arch_spec(config)
+    if spec.imatrix_inputs is not None:  # the family's inputs of tensors no linear takes (one vector per matrix)
+        handles += spec.imatrix_inputs(model, text_hparams(config),
+                                       lambda name, rows: add_expert_rows(expert_sums, name, list(rows)))
     device = device if device is not None else next(model.parameters()).device
     # only the decoder blocks' inputs are collected: run the decoder without the output head
     # (skips a (seq, vocab) logits tensor and the lm_head matmul per window)
@@ -267,9 +277,9 @@ def read_legacy(path: Path) -> Imatrix:
 def check_fits(imatrix: Imatrix, info, gguf_type: str, path: Path) -> None:
     """InputError naming the file when the imatrix was made for another model: an entry for a
     tensor this model lacks, or a row size that differs (what llama-quantize would reject)."""
-    from quantkit.gguf.convert import plan_tensors
+    from quantkit.gguf.convert import imatrix_size, plan_tensors
 
-    rows = {p.name: p.shape[-1] for p in plan_tensors(info.config, info.tensors, gguf_type, has_imatrix=True)}
+    rows = {p.name: imatrix_size(p.shape) for p in plan_tensors(info.config, info.tensors, gguf_type, has_imatrix=True)}
     unknown = sorted(n for n in imatrix.sums if n not in rows)
     if unknown:
         raise InputError(f"imatrix {path} has entries for {len(unknown)} tensor(s) this model lacks "
@@ -277,6 +287,6 @@ def check_fits(imatrix: Imatrix, info, gguf_type: str, path: Path) -> None:
                          hint="compute one for this model, or use --imatrix auto")
     for name, sums in sorted(imatrix.sums.items()):
         if name != "token_embd.weight" and sums.size != rows[name]:
-            raise InputError(f"imatrix {path}: {name} has {sums.size} columns, this model's tensor has "
-                             f"{rows[name]}: it was computed for another model",
+            raise InputError(f"imatrix {path}: {name} has {sums.size} columns, this model's tensor takes "
+                             f"{rows[name]} (columns x matrices): it was computed for another model",
                              hint="compute one for this model, or use --imatrix auto")

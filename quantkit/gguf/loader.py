@@ -6,8 +6,9 @@ same TensorNameMap the converter uses (inverted over the HF names this architect
 each conversion step undone: the llama Q/K row permutation, Gemma's norm shift (w - 1), stacked
 experts turned into transformers' in-memory expert tensors (mlp.experts.gate_up_proj = gate and
 up concatenated per expert, mlp.experts.down_proj; the router is mlp.gate), Gemma 3's trimmed embedding rows restored (zero;
-they are ids no tokenizer produces), a missing output taken from the tied embedding. Generated
-tensors (rope_freqs, LongRoPE factors) have no HF counterpart and are skipped. Phi-3's fused
+they are ids no tokenizer produces), a missing output taken from the tied embedding, a tensor the
+converter split joined from its pieces (TensorRule.split / pieces: DeepSeek's attn_k_b and attn_v_b
+into kv_b_proj). Generated tensors (rope_freqs, LongRoPE factors) have no HF counterpart and are skipped. Phi-3's fused
 qkv_proj / gate_up_proj are fused in HF too. A VLM's language model gets the VLM's names
 (`model.language_model.*`); its towers are not in the file (they are in the mmproj .gguf beside it).
 """
@@ -215,9 +216,11 @@ class GGUFTensors:
         if name in self.metadata:
             return tuple(self.metadata[name].shape)
         if name in self.tensors or name in self.pieces:
-            rule = tensor_rule(self.config, name)
+            rule, hp = tensor_rule(self.config, name), text_hparams(self.config)
+            if name in self.pieces and rule.pieces is not None:  # pieces of their own shapes
+                return tuple(rule.pieces.hf_shape([stored_shape(t) for t in self.pieces[name]], hp))
             shape = stored_shape(self.tensors[name]) if name in self.tensors else joined_shape(self.pieces[name])
-            return shape if rule is None or rule.hf_shape is None else tuple(rule.hf_shape(shape, text_hparams(self.config)))
+            return shape if rule is None or rule.hf_shape is None else tuple(rule.hf_shape(shape, hp))
         layer, kinds = self.expert_parts(name)
         shapes = [stored_shape(self.experts[layer, k]) for k in kinds]
         return (shapes[0][0], sum(s[1] for s in shapes), *shapes[0][2:])
@@ -231,8 +234,10 @@ class GGUFTensors:
         if name in self.tensors:
             data = restore(self.config, name, dequantize_checked(self.tensors[name], self.path))
         elif name in self.pieces:
-            data = restore(self.config, name, np.concatenate([dequantize_checked(t, self.path)
-                                                              for t in self.pieces[name]], axis=-2))
+            rule, parts = tensor_rule(self.config, name), [dequantize_checked(t, self.path) for t in self.pieces[name]]
+            joined = np.concatenate(parts, axis=-2) if rule.pieces is None else \
+                rule.pieces.join(parts, text_hparams(self.config))
+            data = restore(self.config, name, joined)
         else:
             layer, kinds = self.expert_parts(name)
             data = np.concatenate([dequantize_checked(self.experts[layer, k], self.path) for k in kinds], axis=1)

@@ -30,10 +30,13 @@ FAMILIES = {
                  dict(head_dim=64, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=256,
                       n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1, attention_bias=True,
                       write_tokenizer=write_glm_tokenizer)),
+    # scoring_func and topk_method as DeepSeek-V3's released config.json states them (llama.cpp's converter reads
+    # the first)
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
                     dict(num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=256,
                          n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1, q_lora_rank=128,
-                         kv_lora_rank=128, qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64)),
+                         kv_lora_rank=128, qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64,
+                         scoring_func="sigmoid", topk_method="noaux_tc")),
     "ernie4_5_moe": ("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM",
                      dict(head_dim=64, moe_num_experts=4, moe_k=2, moe_intermediate_size=256,
                           moe_num_shared_experts=1, write_tokenizer=write_spm_tokenizer)),
@@ -131,7 +134,7 @@ def test_unsupported_layouts_refused_before_work(cli, models, tmp_path, family, 
 
 # GGUF: llama.cpp's converter class of each family with a conversion, and the pre-tokenizer it is told for the toy
 # BPE tokenizer (None: the family's SentencePiece vocabulary)
-GGUF = {"ernie4_5_moe": None, "minimax_m2": "gpt-2", "glm4_moe": "gpt-2"}
+GGUF = {"ernie4_5_moe": None, "minimax_m2": "gpt-2", "glm4_moe": "gpt-2", "deepseek_v3": "gpt-2"}
 REFUSED_FORMATS = [(f, "gguf") for f in FAMILIES if f not in GGUF] + [(f, "mlx") for f in FAMILIES]
 
 
@@ -238,6 +241,163 @@ def test_gguf_of_minimax_m2_without_rotary_dim_refused(cli, models, tmp_path):
     (model / "config.json").write_text(json.dumps(config))
     out = tmp_path / "out"
     common.assert_refused(common.quantize(cli, model, out, "gguf"), out, "rotary_dim")
+
+
+# DeepSeek-V3 without q_lora_rank (its query one q_proj, DeepSeek-V2-Lite style), with YaRN as DeepSeek-V3's
+# config.json states it (mscale_all_dim: the converter's log multiplier) and with its MTP layer stored after the
+# decoder's (model.layers.<num_hidden_layers>.: enorm, hnorm, eh_proj, shared_head, a decoder layer)
+DEEPSEEK_YARN = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=1024, beta_fast=32, beta_slow=1,
+                     mscale=1.0, mscale_all_dim=1.0)
+
+
+@pytest.fixture(scope="module")
+def deepseek_variant(tmp_path_factory) -> Path:
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    model = build(tmp_path_factory.mktemp("deepseek_variant") / "model", "deepseek_v3", q_lora_rank=None,
+                  rope_scaling=DEEPSEEK_YARN, num_nextn_predict_layers=1)
+    tensors = load_file(model / "model.safetensors")
+    last, mtp = "model.layers.1.", "model.layers.2."
+    tensors |= {mtp + name[len(last):]: value.clone() for name, value in tensors.items() if name.startswith(last)}
+    hidden = tensors["model.norm.weight"].shape[0]
+    tensors |= {mtp + "enorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
+                mtp + "hnorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
+                mtp + "eh_proj.weight": torch.randn(hidden, 2 * hidden).to(torch.bfloat16) * 0.02,
+                mtp + "shared_head.norm.weight": torch.ones(hidden, dtype=torch.bfloat16),
+                mtp + "shared_head.head.weight": tensors["lm_head.weight"].clone(),
+                mtp + "embed_tokens.weight": tensors["model.embed_tokens.weight"].clone()}
+    save_file(tensors, model / "model.safetensors", metadata={"format": "pt"})
+    return model
+
+
+def test_gguf_of_deepseek_v3_without_q_lora_with_yarn_and_its_mtp_layer(cli, deepseek_variant, tmp_path):
+    """Q4_K_M through the CLI: the query as attn_q (no q_lora_rank key), YaRN's keys with the converter's log
+    multiplier, the MTP layer not written (the converter's default for DeepseekV3ForCausalLM), and the gate's
+    reading of the file (kv_b_proj joined from attn_k_b and attn_v_b) passes."""
+    import gguf
+
+    out = tmp_path / "out"
+    common.assert_passed(common.quantize(cli, deepseek_variant, out, "gguf", "--gguf-type", "Q4_K_M"), out)
+    (path,) = out.glob("*.gguf")
+    reader = gguf.GGUFReader(path)
+    names = {t.name for t in reader.tensors}
+    assert {"blk.0.attn_q.weight", "blk.1.attn_k_b.weight", "blk.1.attn_v_b.weight"} <= names
+    assert not any(n.startswith("blk.2.") or "attn_q_a" in n or "attn_kv_b" in n for n in names)
+    fields = {k: f.contents() for k, f in reader.fields.items()}
+    assert "deepseek2.attention.q_lora_rank" not in fields and fields["deepseek2.block_count"] == 2
+    assert fields["deepseek2.rope.scaling.type"] == "yarn" and fields["deepseek2.rope.scaling.factor"] == 4.0
+    assert abs(fields["deepseek2.rope.scaling.yarn_log_multiplier"] - 0.1) < 1e-7
+
+
+@pytest.mark.slow
+def test_gguf_of_deepseek_v3_variant_equals_llama_cpp(deepseek_variant, tmp_path):
+    """bf16 equal to convert_hf_to_gguf.py's (no q_lora_rank, YaRN, the MTP layer skipped)."""
+    common.assert_gguf_equals_converter(deepseek_variant, tmp_path, "bf16", GGUF["deepseek_v3"])
+
+
+def llama_windows(model: Path, gguf_file: Path, text: Path, n_ctx: int, chunks: int):
+    """The token windows llama-imatrix runs on `text` (-c n_ctx -b n_ctx --chunks): the text tokenized with its
+    special tokens, cut into n_ctx-token chunks, each one's first token the BOS where the file adds one."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from tests.gguf.test_vs_converter import metadata
+
+    fields = metadata(gguf_file)
+    ids = AutoTokenizer.from_pretrained(model)(text.read_text(), add_special_tokens=True)["input_ids"]
+    windows = torch.tensor([ids[i * n_ctx:(i + 1) * n_ctx] for i in range(chunks)])
+    if fields.get("tokenizer.ggml.add_bos_token"):
+        windows[:, 0] = fields["tokenizer.ggml.bos_token_id"]
+    return windows
+
+
+@pytest.mark.slow
+def test_gguf_of_deepseek_v3_imatrix_is_llama_imatrix_s(cli, models, tmp_path):
+    """llama-imatrix on the converter's file: quantkit's imatrix of the same windows has its values for every
+    attention tensor, the kv_b pieces among them (attn_k_b: each head's q_nope; attn_v_b: each head's attention
+    output over the latent), to float rounding (bf16 activations in llama.cpp); with llama-imatrix's file, Q4_K_M and
+    IQ4_XS equal llama-quantize's and the CLI takes it."""
+    import subprocess
+
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from quantkit.gguf import imatrix as im
+    from quantkit.gguf.convert import load_hparams
+    from tests.gguf.helpers import convert_to, need_llama, run_quantize
+    from tests.gguf.test_families_llamacpp import assert_same_tensors, text_file
+    from tests.gguf.test_vs_converter import need_llama_src, reference_gguf
+
+    need_llama_src()
+    model = models("deepseek_v3")
+    bf16 = reference_gguf(model, tmp_path / "theirs-bf16.gguf", "bf16", GGUF["deepseek_v3"])
+    path, text = tmp_path / "imatrix.gguf", text_file(tmp_path / "t.txt")
+    run = subprocess.run([str(need_llama("llama-imatrix")), "-m", str(bf16), "-f", str(text), "-c", "128", "-b",
+                          "128", "--chunks", "4", "-t", "2", "-o", str(path)], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0 and path.is_file(), run.stderr[-2000:]
+    theirs = im.read(path).weights()
+    config = {**load_hparams(model), "architectures": ["DeepseekV3ForCausalLM"]}
+    ours = im.compute(AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32),
+                      llama_windows(model, bf16, text, 128, 4), config).weights()
+    attention = sorted(n for n in theirs if ".attn_" in n)
+    assert {"blk.1.attn_k_b.weight", "blk.1.attn_v_b.weight"} <= set(attention)
+    for name in attention:
+        assert ours[name].size == theirs[name].size, name
+        np.testing.assert_allclose(ours[name], theirs[name], rtol=0.03, err_msg=name)
+    for gguf_type in ("Q4_K_M", "IQ4_XS"):
+        mine, reference = tmp_path / f"ours-{gguf_type}.gguf", tmp_path / f"theirs-{gguf_type}.gguf"
+        run_quantize(bf16, reference, gguf_type, imatrix=path)
+        assert convert_to(model, mine, gguf_type, imatrix=theirs).imatrix_tensors > 0
+        assert_same_tensors(reference, mine, f"deepseek_v3 {gguf_type} + imatrix")
+    out = tmp_path / "out"
+    common.assert_passed(common.quantize(cli, model, out, "gguf", "--gguf-type", "Q4_K_M", "--imatrix", path), out)
+
+
+def test_gguf_of_deepseek_v3_imatrix_has_one_vector_per_head_for_the_kv_b_pieces(models):
+    """quantkit's imatrix collects the kv_b pieces' inputs in llama.cpp's graph (no linear of transformers' model
+    takes them): one row-sized vector per head, every token counted; none under kv_b_proj's own name."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from quantkit.gguf import imatrix as im
+    from quantkit.gguf.convert import load_hparams
+
+    model = models("deepseek_v3")
+    config = {**load_hparams(model), "architectures": ["DeepseekV3ForCausalLM"]}
+    windows = torch.randint(4, 500, (2, 32), generator=torch.Generator().manual_seed(0))
+    result = im.compute(AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32), windows, config)
+    for layer in (0, 1):
+        assert result.sums[f"blk.{layer}.attn_k_b.weight"].shape == (4, 64)  # heads, qk_nope_head_dim
+        assert result.sums[f"blk.{layer}.attn_v_b.weight"].shape == (4, 128)  # heads, kv_lora_rank
+        assert list(result.counts[f"blk.{layer}.attn_v_b.weight"]) == [64.0] * 4
+        assert f"blk.{layer}.attn_kv_b.weight" not in result.sums
+
+
+@pytest.mark.parametrize("change,words", [(dict(scoring_func=None), "scoring_func"),
+                                          (dict(rope_interleave=False), "rope_interleave"),
+                                          (dict(num_key_value_heads=2), "num_key_value_heads")])
+def test_gguf_of_deepseek_v3_llama_cpp_would_run_otherwise_refused(cli, models, tmp_path, change, words):
+    """Refused before work: no sigmoid scoring_func (llama.cpp's deepseek2 would route with softmax), RoPE not
+    interleaved (llama.cpp rotates interleaved pairs), key/value heads other than the heads (the converter fails)."""
+    model = common.copy_with_config(models("deepseek_v3"), tmp_path / "model")
+    config = json.loads((model / "config.json").read_text())
+    config |= {k: v for k, v in change.items() if v is not None}
+    for key in (k for k, v in change.items() if v is None):
+        del config[key]
+    (model / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "out"
+    common.assert_refused(common.quantize(cli, model, out, "gguf"), out, words)
+
+
+@pytest.mark.parametrize("flag", [["--auto-precision"], ["--fallback"]])
+def test_gguf_per_tensor_types_of_deepseek_v3_refused(cli, models, tmp_path, flag):
+    """--auto-precision / --fallback measure each tensor from the checkpoint's values, which kv_b_proj's pieces are
+    not: refused before work, naming them."""
+    out = tmp_path / "out"
+    common.assert_refused(common.quantize(cli, models("deepseek_v3"), out, "gguf", *flag), out, "attn_k_b")
 
 
 def test_an_expert_no_token_reaches_gets_finite_scales(cli, tmp_path):

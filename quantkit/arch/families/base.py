@@ -80,6 +80,22 @@ class ExpertCheckpoint:
 
 
 @dataclass(frozen=True)
+class Pieces:
+    """How a split tensor (TensorRule.split) is cut where its pieces are not equal blocks of its rows: pieces of
+    their own shapes (DeepSeek's kv_b_proj: attn_k_b, each head's rows transposed, and attn_v_b), and the way back.
+    Each callable takes the hyperparameters last; shapes are numpy order."""
+
+    # shapes(Hugging Face shape) -> each piece's written shape, in TensorRule.split's order
+    shapes: Callable[[tuple[int, ...], Hparams], tuple[tuple[int, ...], ...]]
+    # cut(float32 values after TensorRule.forward, in the Hugging Face shape) -> the pieces' values, in that order
+    cut: Callable[[np.ndarray, Hparams], tuple[np.ndarray, ...]]
+    # join(the pieces' float32 values read from the file, in that order) -> the tensor (before TensorRule.inverse)
+    join: Callable[[list[np.ndarray], Hparams], np.ndarray]
+    # hf_shape(the pieces' written shapes) -> the Hugging Face shape of the joined tensor
+    hf_shape: Callable[[list[tuple[int, ...]], Hparams], tuple[int, ...]]
+
+
+@dataclass(frozen=True)
 class TensorRule:
     """One step of the converter's `modify_tensors` for the Hugging Face tensors whose name matches `pattern`
     (re.search, on the name the converter maps): a new name before gguf-py's TensorNameMap, new values, and
@@ -99,8 +115,13 @@ class TensorRule:
     when: Callable[[Hparams], bool] | None = None
     # one fused tensor written as pieces: the (regex, replacement) renames of each piece, the tensor (after
     # `forward`, in the written shape) cut into that many equal parts along its second-to-last axis (its rows;
-    # each expert's rows for stacked experts); the reading joins them again. (): one tensor
+    # each expert's rows for stacked experts; `pieces` cuts it otherwise); the reading joins them again. (): one
+    # tensor
     split: tuple[tuple[str, str], ...] = ()
+    # the split's pieces where they are not equal row blocks (Pieces: their shapes, the cut and the join); the
+    # pieces then take other inputs in llama.cpp's graph than the Hugging Face linear does: the family's
+    # Gguf.imatrix_inputs collects them (quantkit's imatrix skips the linear). None: equal row blocks
+    pieces: Pieces | None = None
     # target(name, hparams) -> the GGUF name, where gguf-py's TensorNameMap has none (Qwen3.5's MTP layers, written
     # as the blocks after the decoder's); None: TensorNameMap's name of the (renamed) name
     target: Callable[[str, Hparams], str] | None = None
@@ -156,7 +177,8 @@ class Gguf:
     # no defaults filled in, layer_types as stored): its hyperparameters are config.json's
     raw_config: bool = False
     # the per-layer key/value head counts the class writes (head_count_kv as an array, 0 for a layer without
-    # attention); llama-quantize's n_gqa() reads layer 0's. None: num_key_value_heads in every layer
+    # attention, or one count for all: DeepSeek's MLA written as MQA); llama-quantize's n_gqa() reads layer 0's.
+    # None: num_key_value_heads in every layer
     layer_kv_heads: Callable[[Hparams], list[int]] | None = None
     # blocks(hparams) -> the GGUF's block count where it is not num_hidden_layers (Qwen3.5: + its MTP layers; what
     # llama-quantize's per-layer type choice counts); None: num_hidden_layers
@@ -167,6 +189,14 @@ class Gguf:
     vocab_check: Callable[[Path, Hparams], None] | None = None
     # per-layer scalar tensors the converter writes as metadata arrays instead of tensors (Apertus' xIELU)
     metadata_tensors: tuple[MetadataTensor, ...] = ()
+    # drops(name the converter maps, hparams) -> whether the class's modify_tensors writes nothing for the tensor
+    # (DeepseekV2Model: the MTP layers after the decoder's, a tied lm_head); None: it writes every tensor
+    drops: Callable[[str, Hparams], bool] | None = None
+    # imatrix_inputs(model, hparams, add) -> hook handles: the inputs llama.cpp's graph multiplies by tensors no
+    # Hugging Face linear takes as its input (DeepSeek's attn_k_b / attn_v_b in the absorbed MLA), collected during
+    # quantkit's imatrix forwards by forward hooks the family registers on the transformers model; each hook calls
+    # add(GGUF name, rows: [matrices, tokens, columns]), one matrix per slice of a 3-D tensor. None: none
+    imatrix_inputs: Callable[[object, Hparams, Callable], list] | None = None
     own_names: bool = False  # tensors named beyond the Llama-style decoder's: the GGUF reader maps the
     # transformers model's own names (as it does for a family with rules)
 
