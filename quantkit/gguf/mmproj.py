@@ -89,6 +89,7 @@ def blocks(prefix: str, parts: dict[str, str]) -> tuple[Rule, ...]:
                  for hf, g in parts.items())
 
 
+QWEN_RENAMES = ((r"^model\.visual\.", "visual."),)  # transformers 5 nests the tower under model.
 QWEN_BLOCK = {"attn.proj": "attn_out", "norm1": "ln1", "norm2": "ln2"}
 QWEN_COMMON = (
     Rule(r"visual\.blocks\.(\d+)\.attn\.qkv\.(weight|bias)",
@@ -176,17 +177,15 @@ FAMILIES: dict[str, Family] = {
     "qwen2_vl": Family(
         "Qwen2-VL", MODERN, "qwen2vl_merger",
         QWEN_COMMON + blocks("visual.blocks", {**QWEN_BLOCK, "mlp.fc1": "ffn_up", "mlp.fc2": "ffn_down"}),
-        renames=((r"^model\.visual\.", "visual."),)),
+        renames=QWEN_RENAMES),
     "qwen2_5_vl": Family(
         "Qwen2.5-VL", MODERN, "qwen2.5vl_merger",
         QWEN_COMMON + blocks("visual.blocks", {**QWEN_BLOCK, "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
                                                "mlp.down_proj": "ffn_down"}),
-        renames=((r"^model\.visual\.", "visual."),)),
-    "qwen3_vl": Family("Qwen3-VL", MODERN, "qwen3vl_merger", QWEN3_VL_RULES,
-                       renames=((r"^model\.visual\.", "visual."),)),
+        renames=QWEN_RENAMES),
+    "qwen3_vl": Family("Qwen3-VL", MODERN, "qwen3vl_merger", QWEN3_VL_RULES, renames=QWEN_RENAMES),
     # Qwen3VLVisionModel converts Qwen3.5's tower too: Qwen3-VL's without deepstack mergers
-    "qwen3_5": Family("Qwen3.5", MODERN, "qwen3vl_merger", QWEN3_VL_RULES,
-                      renames=((r"^model\.visual\.", "visual."),)),
+    "qwen3_5": Family("Qwen3.5", MODERN, "qwen3vl_merger", QWEN3_VL_RULES, renames=QWEN_RENAMES),
     "idefics3": Family("Idefics3", MODERN, "idefics3", IDEFICS3_RULES, note=TEXT_CONFIG_NOTE),
     "smolvlm": Family("SmolVLM", MODERN, "idefics3", IDEFICS3_RULES, note=TEXT_CONFIG_NOTE),
     "mistral3": Family(

@@ -225,19 +225,11 @@ def add_hunyuan_vocab(writer, model_dir: Path, hparams: dict) -> VocabInfo:
 GLM_SPECIAL_TOKENS = {"bos": "[gMASK]", "eot": "<|user|>", "unk": "<|endoftext|>", "eom": "<|observation|>"}
 
 
-def added_vocab(model_dir: Path) -> dict[str, int]:
-    """AutoTokenizer's get_added_vocab(): tokenizer.json's added tokens and tokenizer_config.json's
-    added_tokens_decoder, content -> id."""
-    out = {t["content"]: t["id"] for t in read_json(Path(model_dir) / "tokenizer.json").get("added_tokens", [])}
-    decoder = read_json(Path(model_dir) / "tokenizer_config.json").get("added_tokens_decoder") or {}
-    out.update({entry["content"]: int(i) for i, entry in decoder.items() if isinstance(entry, dict)})
-    return out
-
-
 def glm_special_tokens(model_dir: Path) -> dict[str, int]:
     """The ids _set_vocab_glm gives SpecialVocab (each only where it has no id of that kind yet); the converter
-    fails on a tokenizer lacking one of the tokens (quantkit refuses it before work: check_vocab)."""
-    added = added_vocab(model_dir)
+    fails on a tokenizer lacking one of the tokens (quantkit refuses it before work: check_vocab). The added
+    tokens as the converter reads them: its tokenizer's get_added_vocab()."""
+    added = load_bpe_tokenizer(Path(model_dir)).get_added_vocab()
     missing = [t for t in GLM_SPECIAL_TOKENS.values() if t not in added]
     if missing:
         raise UnsupportedError(f"GGUF conversion of GLM: the tokenizer has no added token {', '.join(missing)} "

@@ -212,6 +212,8 @@ def mla_imatrix_inputs(model, hp: dict, add) -> list:
 
         handles.append(module.register_forward_hook(finish, with_kwargs=True))
     return handles
+
+
 RULES = (TensorRule(r"self_attn\.kv_b_proj\.weight$", split=((r"kv_b_proj", "k_b_proj"), (r"kv_b_proj", "v_b_proj")),
                     pieces=KV_B),)
 
