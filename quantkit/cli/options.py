@@ -219,6 +219,10 @@ class QuantizeGateFlags(GateFlags):
     kv_engine: Optional[str] = flag(
         str, None, "--kv-engine", panel=GATE, help="The engine --kv-cache auto targets: vllm | vllm-cpu | llama.cpp "
         "| mlx (default: the artifact's).").field()
+    kv_context: Optional[int] = flag(
+        int, None, "--kv-context", panel=GATE, min=8,
+        help="Tokens per held-out window of the --kv-cache measurement (KV damage grows with context; default: "
+             "--seq-len). The base is scored again on these windows, streamed a layer at a time.").field()
 
     def gate_fields(self) -> dict[str, Any]:
         serve = {"serve": {"engine": self.serve_check}} if self.serve_check else {}

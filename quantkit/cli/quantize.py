@@ -197,7 +197,7 @@ def parse(model: str | None, source: SourceFlags, target: TargetFlags, options, 
     from quantkit.run.pipeline import RunOptions
     from quantkit.run.recipe import Overrides, build_recipe
 
-    options, kv_fields = kv_cache_flags(options, gate.kv_engine)
+    options, kv_fields = kv_cache_flags(options, gate.kv_engine, gate.kv_context)
     overrides = Overrides(
         model=model or source.model_opt, device=resources.device, dtype=resources.dtype,
         offload_dir=resources.offload_dir, strict_shapes=target.strict_shapes,
@@ -218,9 +218,10 @@ def parse(model: str | None, source: SourceFlags, target: TargetFlags, options, 
         partial=reports.partial, ranks=ranks, progress=(lambda message: None) if reports.quiet or not ranks.is_main else log)
 
 
-def kv_cache_flags(options, kv_engine: str | None):
+def kv_cache_flags(options, kv_engine: str | None, kv_context: int | None = None):
     """--kv-cache fp8 stays the compressed-tensors methods' calibrated FP8 KV cache (method option, measured as
-    vLLM's fp8); any other value (a list of engine types, auto) is the gate's KV-cache measurement."""
+    vLLM's fp8); any other value (a list of engine types, auto) is the gate's KV-cache measurement, with the
+    engine (--kv-engine) and window length (--kv-context) it is measured for."""
     from dataclasses import replace
 
     from quantkit.errors import InputError
@@ -228,10 +229,13 @@ def kv_cache_flags(options, kv_engine: str | None):
 
     value = getattr(options, "kv_cache", None)
     if value is None or value == CALIBRATED_FP8:
-        if kv_engine is not None:
-            raise InputError("--kv-engine chooses the engine of --kv-cache auto", hint="add --kv-cache auto")
+        for name, given in (("--kv-engine chooses the engine", kv_engine), ("--kv-context sets the windows", kv_context)):
+            if given is not None:
+                raise InputError(f"{name} of the --kv-cache measurement (engine types or auto)",
+                                 hint="add --kv-cache auto, or a list of types such as llama.cpp:q8_0,llama.cpp:q4_0")
         return options, {}
-    return replace(options, kv_cache=None), {"kv_cache": value, "kv_engine": kv_engine}
+    fields = {"kv_cache": value, "kv_engine": kv_engine}
+    return replace(options, kv_cache=None), fields | ({"kv_context": kv_context} if kv_context is not None else {})
 
 
 def show_results(report, output: Path, reports: ReportFlags) -> None:

@@ -592,6 +592,7 @@ def _run_in(staging: Path, recipe: Recipe, opts: RunOptions, info: ModelInfo, ta
     tokenizer = load_tokenizer(info, recipe.trust_remote_code) if uses_windows or any(
         t.needs_model for t in candidates) else None
     windows = make_windows(tokenizer, settings, opts.progress) if uses_windows else None
+    kv_windows = long_kv_windows(tokenizer, settings, candidates, opts.progress) if windows is not None else {}
     if windows is not None:
         report.calibration.update(source_sha256=windows.sha256, calib_windows=len(windows.calib),
                                   eval_windows=len(windows.eval))
@@ -601,13 +602,15 @@ def _run_in(staging: Path, recipe: Recipe, opts: RunOptions, info: ModelInfo, ta
                                     opts.ranks)
         score_base_extras(info, recipe, candidates, tokenizer, windows.eval, baseline, workdir, report, opts.progress,
                           placement)
+    kv_long = {context: (eval_windows, kv_baseline(info, recipe, eval_windows, workdir, opts.progress))
+               for context, eval_windows in kv_windows.items()}
     for resolved in targets:
         out_dir = output_dir(staging, recipe, resolved.name)
         out_dir.mkdir(exist_ok=True)
         try:
             if resolved.ladder is not None:
                 report.targets.append(run_ladder(recipe, opts, info, resolved, tokenizer, windows, out_dir, workdir,
-                                                 placement, baseline))
+                                                 placement, baseline, kv_long))
                 report.targets[-1].fingerprint = prints[resolved.name]
                 continue
             # a fresh model per target (methods change it in place); the job holds the only reference,
@@ -615,7 +618,7 @@ def _run_in(staging: Path, recipe: Recipe, opts: RunOptions, info: ModelInfo, ta
             with offload_plan(recipe, info, workdir, placement) as offload:
                 job = target_job(recipe, opts, info, resolved, tokenizer, windows, out_dir, workdir, offload,
                                  placement, resume.target_dir(staging, resolved.name) if recipe.resume else None)
-                entry = run_target(job, resolved, baseline, opts)
+                entry = run_target(job, resolved, baseline, opts, kv_long)
                 announce(opts.ranks, "done")  # the other ranks go on to the next target (quantkit.run.follow)
                 del job
             note_lockstep_baseline(report, baseline)
@@ -857,22 +860,42 @@ def check_kv_types(targets: list[ResolvedTarget], info: ModelInfo, eval_windows:
         kv.for_artifact(t.gate.kv_cache, kv.shape_of(info.config), t.method.format.engines, t.gate.kv_engine)
 
 
+def long_kv_windows(tokenizer, settings: Calibration, targets: list[ResolvedTarget], progress: Progress) -> dict:
+    """{context: held-out windows of that many tokens} for each --kv-context of a target measuring KV-cache types
+    that differs from the gate's seq_len (made before any work: too little text fails here, exit 2)."""
+    contexts = sorted({t.gate.kv_context for t in targets if t.gate.kv_cache is not None and t.gate.kv_context
+                       and t.gate.kv_context != settings.seq_len})
+    return {context: make_windows(tokenizer, settings.model_copy(update={"seq_len": context, "num_samples": 0}),
+                                  progress).eval for context in contexts}
+
+
+def kv_baseline(info: ModelInfo, recipe: Recipe, windows, workdir: Path, progress: Progress):
+    """The base's baseline on the longer windows of --kv-context, streamed a layer at a time (as `eval
+    --kv-context` scores it)."""
+    from quantkit.eval import scorers
+
+    progress(f"KV cache: the base on {len(windows)} windows of {windows.shape[1]} tokens (streamed)")
+    return scorers.base_baseline(info, windows, recipe.dtype, recipe.device, recipe.trust_remote_code, workdir,
+                                 progress=progress)
+
+
 def measure_kv_types(job: QuantizeJob, resolved: ResolvedTarget, artifact: Path, baseline, entry: TargetReport,
-                     opts: RunOptions) -> None:
+                     opts: RunOptions, kv_long: dict | None = None) -> None:
     """The gate's --kv-cache types on the final artifact (quantkit.eval.kv.measure) into
-    entry.details["kv_cache_types"]; the smallest passing type's flags go into the serve command."""
+    entry.details["kv_cache_types"]; the smallest passing type's flags go into the serve command. On the windows
+    of --kv-context where it is set (`kv_long`: context -> (windows, the base's baseline)), else the gate's."""
     from quantkit.eval import kv
     from quantkit.eval.kv.measure import measure_types, smallest_passing
+    from quantkit.formats.gate import opened_for_kv
 
     gate, shape = resolved.gate, kv.shape_of(job.info.config)
     kinds = kv.for_artifact(gate.kv_cache, shape, resolved.method.format.engines, gate.kv_engine)
-    opts.progress(f"[{resolved.name}] measuring {len(kinds)} KV-cache type(s)")
-    from quantkit.formats.gate import opened_for_kv
-
+    windows, base = (kv_long or {}).get(gate.kv_context, (job.windows.eval, baseline))
+    opts.progress(f"[{resolved.name}] measuring {len(kinds)} KV-cache type(s) on windows of {windows.shape[1]} tokens")
     reading, model = opened_for_kv(artifact, job.info.path, job.device, job.trust_remote_code)
-    rows = measure_types(reading, model, job.windows.eval, baseline, kinds, shape, gate, job.device, opts.progress)
+    rows = measure_types(reading, model, windows, base, kinds, shape, gate, job.device, opts.progress)
     chosen = smallest_passing(rows)
-    entry.details["kv_cache_types"] = {"types": [r.as_dict(shape) for r in rows],
+    entry.details["kv_cache_types"] = {"types": [r.as_dict(shape) for r in rows], "context": windows.shape[1],
                                        "chosen": chosen.kind.name if chosen else None,
                                        "serve_flags": list(chosen.kind.flag) if chosen else []}
 
@@ -893,7 +916,8 @@ def measure_kv_cache(job: QuantizeJob, resolved: ResolvedTarget, artifact: Path,
                                  "top1": kv.top1, "ppl_increase": kv.ppl_increase}
 
 
-def run_target(job: QuantizeJob, resolved: ResolvedTarget, baseline, opts: RunOptions) -> TargetReport:
+def run_target(job: QuantizeJob, resolved: ResolvedTarget, baseline, opts: RunOptions,
+               kv_long: dict | None = None) -> TargetReport:
     """Quantize one target into its staging dir, then reload it from disk and measure it."""
     opts.progress(f"[{resolved.name}] quantizing with {resolved.target.method}")
     with PeakTracker() as qt:
@@ -920,7 +944,7 @@ def run_target(job: QuantizeJob, resolved: ResolvedTarget, baseline, opts: RunOp
     with rank_zero_alone(job.ranks):  # the other ranks are done with this target
         measure_kv_cache(job, resolved, result.artifact, entry, opts)  # the final artifact's, after any fallback
         if resolved.gate.kv_cache is not None:
-            measure_kv_types(job, resolved, result.artifact, baseline, entry, opts)
+            measure_kv_types(job, resolved, result.artifact, baseline, entry, opts, kv_long)
         if resolved.gate.serve is not None:
             serve_or_say_why_not(job, resolved, result.artifact, entry)
     if entry.failed_enforced_gate:
@@ -931,7 +955,7 @@ def run_target(job: QuantizeJob, resolved: ResolvedTarget, baseline, opts: RunOp
 
 
 def run_ladder(recipe: Recipe, opts: RunOptions, info: ModelInfo, resolved: ResolvedTarget, tokenizer, windows,
-               out_dir: Path, workdir: Path, placement: Placement, baseline) -> TargetReport:
+               out_dir: Path, workdir: Path, placement: Placement, baseline, kv_long: dict | None = None) -> TargetReport:
     """Method auto: the candidates measured in the order quantkit.run.auto chooses until the answer is known,
     each built in a directory of its own (a failed one removed at once); when none passed, the guide on the one
     that came closest; the chosen artifact moved into the target's output. The report entry is the chosen
@@ -949,7 +973,7 @@ def run_ladder(recipe: Recipe, opts: RunOptions, info: ModelInfo, resolved: Reso
                 auto.reopen(ladder, chosen)  # the engine then failed: measured again
                 continue
             if chosen is None or after_choice(recipe, opts, info, resolved, ladder, chosen, windows, workdir,
-                                              placement, baseline, built):
+                                              placement, baseline, built, kv_long):
                 return chosen
 
     if search() is None and (closest := auto.guide_candidate(ladder)) is not None:
@@ -966,7 +990,7 @@ def run_ladder(recipe: Recipe, opts: RunOptions, info: ModelInfo, resolved: Reso
 
 def after_choice(recipe: Recipe, opts: RunOptions, info: ModelInfo, resolved: ResolvedTarget, ladder: auto.Ladder,
                  chosen: auto.Rung, windows, workdir: Path, placement: Placement, baseline,
-                 built: dict[str, tuple[TargetReport, Path | None]]) -> bool:
+                 built: dict[str, tuple[TargetReport, Path | None]], kv_long: dict | None = None) -> bool:
     """What the gate asks beyond the reading, on the chosen candidate only: its KV-cache types (--kv-cache) and
     the serving check (--serve-check). False when the engine's check failed it: the candidate fails (settling
     nothing else in its chain) and the search goes on."""
@@ -980,7 +1004,7 @@ def after_choice(recipe: Recipe, opts: RunOptions, info: ModelInfo, resolved: Re
     artifact = candidate.method.format.served_path(build)
     job = target_job(recipe, opts, info, candidate, None, windows, build, workdir, None, placement)
     if gate.kv_cache is not None:
-        measure_kv_types(job, candidate, artifact, baseline, entry, opts)
+        measure_kv_types(job, candidate, artifact, baseline, entry, opts, kv_long)
     if gate.serve is not None:
         serve_or_say_why_not(job, candidate, artifact, entry)
     entry.details["serving"] = serving.artifact_plan(info, candidate.method, artifact, candidate.options,

@@ -86,11 +86,21 @@ class Gate(Strict):
                                  "the target engine goes into the serve command)")
     kv_engine: str | None = Field(None, description="the engine --kv-cache auto targets: vllm | vllm-cpu | "
                                   "llama.cpp | mlx (default: the artifact's)")
+    kv_context: int | None = Field(None, ge=8, description="tokens per held-out window the KV-cache types are "
+                                   "measured on (the cache's damage grows with the context); None: the gate's "
+                                   "windows (seq_len)")
 
     @model_validator(mode="after")
     def _flips_need_prompts(self) -> "Gate":
         if self.max_flips is not None and self.flip_prompts == 0:
             raise ValueError("max_flips needs generations: set flip_prompts (command line: --flip-prompts, e.g. 8)")
+        return self
+
+    @model_validator(mode="after")
+    def _kv_context_needs_types(self) -> "Gate":
+        if self.kv_context is not None and self.kv_cache is None:
+            raise ValueError("kv_context sets the windows of the KV-cache measurement: set kv_cache too (command "
+                             "line: --kv-cache, e.g. auto)")
         return self
 
 

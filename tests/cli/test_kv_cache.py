@@ -110,3 +110,36 @@ def test_quantize_routes_kv_cache_values():
     assert Gate(**gate).kv_cache == "auto"
     with pytest.raises(InputError, match="--kv-engine"):
         kv_cache_flags(MethodOptions(), "vllm")
+    options, gate = kv_cache_flags(MethodOptions(kv_cache="mlx:4"), None, 256)
+    assert gate == {"kv_cache": "mlx:4", "kv_engine": None, "kv_context": 256} and Gate(**gate).kv_context == 256
+    with pytest.raises(InputError, match="--kv-context"):
+        kv_cache_flags(MethodOptions(), None, 256)
+    with pytest.raises(ValueError, match="kv_context"):
+        Gate(kv_context=256)
+
+
+def test_quantize_kv_context_refused_before_work(cli, micro_model, tmp_path):
+    """--kv-context without --kv-cache types, and windows longer than the text holds: exit 2, nothing written."""
+    out = tmp_path / "out"
+    result = cli("quantize", micro_model, "--method", "fp8", "-o", out, *FAST_CALIB, "--kv-context", "256")
+    assert result.exit_code == 2 and "--kv-context" in result.stderr, result.output
+    result = cli("quantize", micro_model, "--method", "fp8", "-o", out, *FAST_CALIB, "--kv-cache", "mlx:4",
+                 "--kv-context", "100000000")
+    assert result.exit_code == 2, result.output
+    assert "baseline" not in result.stderr and leftovers(tmp_path, "out") == []
+
+
+def test_quantize_measures_kv_types_at_kv_context(cli, micro_model, tmp_path):
+    """The KV-cache types measured on windows of --kv-context tokens (the base scored again on them), the gate's
+    own reading on its seq_len windows."""
+    out = tmp_path / "out"
+    result = cli("quantize", micro_model, "--method", "gguf", "--gguf-type", "Q8_0", "-o", out, *FAST_CALIB,
+                 "--kv-cache", "llama.cpp:q4_0", "--kv-context", "128")
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "quantkit.json").read_text())
+    (target,) = report["targets"]
+    section = target["details"]["kv_cache_types"]
+    assert section["context"] == 128 and report["recipe"]["gate"]["kv_context"] == 128
+    (row,) = section["types"]
+    assert row["type"] == "llama.cpp:q4_0" and row["own"]["kld_mean"] > 0
+    assert "windows of 128 tokens" in result.stderr
