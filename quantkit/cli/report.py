@@ -164,7 +164,14 @@ def serve_table(report: ServeReport) -> Table:
         table.add_column(column, justify="left" if column in ("reading", "against") else "right", no_wrap=True)
     table.add_row(e["name"], f"base ({report.base_from})", *agreement_cells(report.vs_base, ppl))
     table.add_row("quantkit", "base, same cells", *agreement_cells(report.reading_vs_base, f"{report.ppl_reading:.3f}"))
-    table.add_row(e["name"], "quantkit's reading", *agreement_cells(report.vs_reading, f"{report.ppl_reading:.3f}"))
+    kv = report.kv_cache
+    reading = f"quantkit's reading, KV {kv['type']}" if kv else "quantkit's reading"
+    table.add_row(e["name"], reading, *agreement_cells(report.vs_reading, f"{report.ppl_reading:.3f}"))
+    if kv:
+        from quantkit.serve.stats import Agreement
+
+        table.add_row(e["name"], "quantkit's reading, 16-bit KV", *agreement_cells(
+            Agreement(**kv["vs_reading_16bit_cache"]), ""))
     if report.reading_vs_base_kld is not None:
         table.add_row("quantkit", "base, full (the gate's KLD)", f"{report.reading_vs_base_kld:.5f}", "", "0.000", "",
                       f"{report.ppl_base:.3f} (base)")

@@ -100,6 +100,7 @@ def serve_check_command(
     *, windows: ServeWindows,
     logprobs: int = typer.Option(20, min=0, help="Candidates per position asked of the engine (0: the whole vocabulary where the engine allows it; mlx_lm.server gives at most 11).", rich_help_panel=MEASURED),
     base_from: str = typer.Option("quantkit", "--base-from", help="quantkit: the base's full distributions scored by quantkit | engine: the base served by the same engine.", rich_help_panel=MODEL),
+    kv_cache: str | None = typer.Option(None, "--kv-cache", metavar="TYPE", help="Start the engine with this KV-cache type (llama.cpp:q8_0, llama.cpp:q8_0/q4_0, vllm:fp8, ...: the types of quantize --kv-cache) and compare it with quantkit's reading through the same type; the engine is also compared with the reading with a 16-bit cache, so the report shows which cache it used.", rich_help_panel=MODEL),
     engine_base: Path | None = typer.Option(None, "--engine-base", help="With --base-from engine: what the engine serves as the base (default: the base dir; llama-server needs a .gguf).", rich_help_panel=MODEL),
     generation: GenerationFlags,
     tolerances,
@@ -119,6 +120,8 @@ def serve_check_command(
       quantkit serve-check ./gguf/model-Q4_K_M.gguf --against ./my-model --json serve.json
 
       quantkit serve-check ./my-model-gptq --logprobs 0 --num-windows 8 --concurrency 1,4,16
+
+      quantkit serve-check ./gguf/model-Q4_K_M.gguf --kv-cache llama.cpp:q8_0/q4_0
 
     The engine (vLLM, llama.cpp's llama-server, mlx-lm's server; installed by scripts/setup_engines.sh)
     runs as a real server, always stopped on exit. On the gate's held-out windows it is asked for the
@@ -145,7 +148,7 @@ def serve_check_command(
     result = serve_check(
         artifact, request.base, request.windows, engine, options=request.options, tolerances=request.tolerances,
         generation=generation.generation(), base_from=base_from, engine_base=engine_base, log_dir=log_dir,
-        device=device, trust_remote_code=trust_remote_code, progress=ProgressLog(err))
+        device=device, trust_remote_code=trust_remote_code, progress=ProgressLog(err), kv_cache=kv_cache)
     show(result, json_path)
     if record and request.report is not None:
         record_result(report_path(artifact), result.as_dict())

@@ -7,6 +7,7 @@ Placement says, or loaded whole through the format's `load` for the duration of 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from quantkit.eval.evaluate import Baseline, Gather, LogitsFn, Metrics, ScoredChunk, Scorer, compare, model_logits_fn, model_scorer
@@ -89,6 +90,30 @@ def kv_only_metrics(artifact: Path, windows, device: str = "cpu", trust_remote_c
     for module in attention:
         module.quantization_enabled = True
     return compare(model_scorer(model), windows, without)
+
+
+@contextmanager
+def kv_readers(artifact: Path, base_dir: Path, kind, device: str = "cpu",
+               trust_remote_code: bool = False) -> Iterator[tuple[Scorer, LogitsFn]]:
+    """(scorer, logits function) of the artifact with every attention layer reading its keys and values through
+    the KV type `kind` (quantkit.eval.kv.KvType) at every position, as an engine started with that cache computes
+    a prompt: what serve-check compares the engine's log-probs with under --kv-cache."""
+    from quantkit.eval.kv.attention import registered
+    from quantkit.eval.kv.measure import implementation_of, kv_reading, restore, set_attention
+
+    reading, model = opened_for_kv(artifact, base_dir, device, trust_remote_code)
+    config = reading.config if reading is not None else model.config
+    implementation = implementation_of(config)
+    with registered(kind, implementation) as name:
+        try:
+            if reading is not None:
+                served = kv_reading(reading, name)
+                yield reading_scorer(served, device), reading_logits(served, device)
+            else:
+                set_attention(model, name)
+                yield model_scorer(model), model_logits_fn(model)
+        finally:
+            restore(model, config, implementation)
 
 
 def opened_for_kv(artifact: Path, base_dir: Path, device: str, trust_remote_code: bool = False):

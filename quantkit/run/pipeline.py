@@ -798,13 +798,15 @@ def measure(job: QuantizeJob, resolved: ResolvedTarget, artifact: Path, baseline
 def serve_gate(job: QuantizeJob, resolved: ResolvedTarget, artifact: Path, entry: TargetReport) -> None:
     """gate.serve: the staged artifact loaded by the engine that serves it and measured there
     (quantkit.serve.check); the result into entry.details["serve_check"], and a failed check fails the gate.
-    An engine that cannot serve this format on this device is exit 2 (nothing written)."""
+    An engine that cannot serve this format on this device is exit 2 (nothing written). The KV-cache type the
+    gate chose (--kv-cache) is the one the engine is started with, where its served log-probs can show it."""
     from quantkit.eval.evaluate import Check, with_checks
     from quantkit.serve.check import Generation, Tolerances, prepare, serve_check
     from quantkit.serve.settings import ServeOptions
 
     serve, gate = resolved.gate.serve, resolved.gate
-    prepare(artifact, serve.engine)
+    _, found, _ = prepare(artifact, serve.engine)
+    kv_cache = served_kv_choice(entry, found.name)
     job.progress(f"serving check: the artifact in {serve.engine if serve.engine != 'auto' else 'its engine'}")
     report = serve_check(
         artifact, job.info.path, job.windows.eval[: serve.windows], serve.engine,
@@ -812,11 +814,28 @@ def serve_gate(job: QuantizeJob, resolved: ResolvedTarget, artifact: Path, entry
         tolerances=Tolerances(serve.max_reading_kld, serve.max_ppl_drift, serve.min_reading_top1,
                               serve.max_base_kld if serve.max_base_kld is not None else gate.max_kld),
         generation=Generation(concurrencies=tuple(serve.concurrency)), device=job.device,
-        trust_remote_code=job.trust_remote_code, progress=job.progress)
+        trust_remote_code=job.trust_remote_code, progress=job.progress, kv_cache=kv_cache)
     entry.details["serve_check"] = report.as_dict()
     failed = "; ".join(f"{c.name} {c.value:.4g} (needs {c.op} {c.threshold:g})" for c in report.checks if not c.passed)
     job.progress(f"serving check: {report.engine['name']} {'agrees with the gate' if report.passed else failed}")
     entry.gate = with_checks(entry.gate, [Check("serve", float(len(report.failed)), 0.0, "==", report.passed)])
+
+
+def served_kv_choice(entry: TargetReport, engine: str) -> str | None:
+    """The KV type the gate chose for the artifact, to start the engine with in the serving check: None where none
+    was chosen or the engine's served log-probs would not show it (mlx_lm.server, vLLM's TurboQuant: said in the
+    report's kv_cache_types)."""
+    from quantkit.eval import kv as kv_types
+    from quantkit.serve.engines import get_engine
+
+    section = entry.details.get("kv_cache_types") or {}
+    chosen = section.get("chosen")
+    if chosen is None:
+        return None
+    if get_engine(engine).PROMPT_KV_UNSEEN or any(t["type"] == chosen and t["raw_prefill"] for t in section["types"]):
+        section["serve_check"] = "served with a 16-bit cache: the engine's prompt log-probs do not read this cache"
+        return None
+    return chosen if kv_types.engine_of(chosen)[0] == engine else None
 
 
 def serve_or_say_why_not(job: QuantizeJob, resolved: ResolvedTarget, artifact: Path, entry: TargetReport) -> None:

@@ -105,6 +105,9 @@ class ServeReport:
     load: list[LoadResult]
     tolerances: Tolerances
     tokenization: tokens.Tokenization | None = None  # None: not asked (a report from before the check)
+    # with --kv-cache: the type, the engine's flags, and the engine against quantkit's reading with a 16-bit cache
+    # (vs_reading is against the reading with the type: the closer of the two says which cache the engine used)
+    kv_cache: dict | None = None
     checks: list[Check] = field(default_factory=list)
 
     @property
@@ -207,6 +210,7 @@ class Setup:
     engine_base: Path  # what the engine serves as the base with base_from "engine"
     device: str  # where quantkit computes its own readings
     trust_remote_code: bool
+    kv: object = None  # quantkit.eval.kv.KvType the engine is started with and quantkit's reading simulates; None: 16-bit
 
     @property
     def client(self) -> Engine:
@@ -218,8 +222,9 @@ class QuantkitSide:
     """quantkit's own readings of the windows and prompts."""
 
     base: object  # quantkit.eval.evaluate.Baseline of the base, None with base_from "engine"
-    reading: object  # Baseline of the artifact
+    reading: object  # Baseline of the artifact (with the Setup's KV type, where it has one)
     greedy: list[list[int]]
+    reading_16bit_cache: object = None  # with a KV type: the artifact's Baseline with a 16-bit cache
 
 
 @dataclass
@@ -237,20 +242,49 @@ class EngineSide:
 
 def plan(artifact: Path, base_dir: Path, windows, engine: str, options: ServeOptions | None,
          generation: Generation | None, base_from: str, engine_base: Path | None, device: str,
-         trust_remote_code: bool) -> Setup:
-    """The Setup, or exit 2 before any work (prepare)."""
+         trust_remote_code: bool, kv_cache: str | None = None) -> Setup:
+    """The Setup, or exit 2 before any work (prepare, served_kv_type)."""
     from quantkit.eval.generate import flip_prompts
 
     if base_from not in BASE_FROM:
         raise InputError(f"unknown base_from '{base_from}'", hint=f"use one of: {', '.join(BASE_FROM)}")
     kind, found, accelerator = prepare(Path(artifact), engine)
+    kv = served_kv_type(kv_cache, found.name, Path(base_dir), accelerator)
     generation = generation or Generation()
     windows = np.asarray(windows, dtype=np.int64)
-    options = replace(options or ServeOptions(), device=accelerator.kind)
+    options = replace(options or ServeOptions(), device=accelerator.kind, kv_flags=kv.flag if kv else ())
     options = replace(options, max_model_len=options.max_model_len or context_needed(windows.shape[1], generation))
     prompts = flip_prompts(windows, generation.prompts).tolist()
     return Setup(Path(artifact), kind, Path(base_dir), found, accelerator, windows, prompts, options, generation,
-                 base_from, Path(engine_base or base_dir), device, trust_remote_code)
+                 base_from, Path(engine_base or base_dir), device, trust_remote_code, kv)
+
+
+def served_kv_type(spec: str | None, engine: str, base_dir: Path, accelerator: support.Accelerator):
+    """--kv-cache of serve-check: the one KV type (quantkit.eval.kv) the engine is started with and quantkit's
+    reading simulates, or exit 2 before any work where the engine lacks it or its served prompt log-probs would
+    not show it; None without one."""
+    if spec is None:
+        return None
+    from quantkit.eval import kv
+    from quantkit.io.checkpoint import check_model_dir
+
+    unseen = get_engine(engine).PROMPT_KV_UNSEEN
+    if unseen:
+        raise UnsupportedError(f"serve-check --kv-cache: {unseen}",
+                               hint="measure the type with quantize or eval --kv-cache")
+    kinds = kv.parse(spec, kv.shape_of(check_model_dir(base_dir).config), engine, cpu=accelerator.kind == "cpu")
+    if len(kinds) != 1:
+        raise InputError(f"serve-check --kv-cache {spec}: give one type (the engine is started with it)",
+                         hint="e.g. --kv-cache llama.cpp:q8_0 or vllm:fp8; --kv-cache auto belongs to quantize and eval")
+    (kind,) = kinds
+    if kind.engine != engine:
+        raise UnsupportedError(f"serve-check --kv-cache {kind.name}: a {kind.engine} KV cache, but the artifact is "
+                               f"served by {engine}", hint=f"choose a {engine} type")
+    if kind.raw_prefill:
+        raise UnsupportedError(f"serve-check --kv-cache {kind.name}: the engine attends over a prompt's raw keys and "
+                               "values in its first prefill chunk, so the prompt log-probs it serves do not show this "
+                               "cache", hint="measure it with quantize or eval --kv-cache")
+    return kind
 
 
 def quantkit_side(setup: Setup, stop: int | None, progress: Callable[[str], None]) -> QuantkitSide:
@@ -268,12 +302,32 @@ def quantkit_side(setup: Setup, stop: int | None, progress: Callable[[str], None
         progress(f"quantkit's reading of the base: {s.base_dir}")
         scorer = scorers.base_scorer(check_model_dir(s.base_dir), device=s.device, trust_remote_code=s.trust_remote_code)
         base = evaluate.compute_baseline(scorer, windows)
-    progress(f"quantkit's reading of the artifact: {s.artifact}")
-    reading = evaluate.compute_baseline(
-        gate.artifact_scorer(s.artifact, s.base_dir, s.device, s.trust_remote_code), windows)
-    progress(f"quantkit's greedy continuations of {len(s.prompts)} held-out prompts")
-    logits = gate.artifact_logits(s.artifact, s.base_dir, s.device, s.trust_remote_code)
-    return QuantkitSide(base, reading, generate.greedy_tokens(logits, s.prompts, s.generation.steps, stop=stop))
+    progress(f"quantkit's reading of the artifact: {s.artifact}" + (f", KV cache {s.kv.name}" if s.kv else ""))
+    with artifact_readers(s) as (scorer, logits):
+        reading = evaluate.compute_baseline(scorer, windows)
+        progress(f"quantkit's greedy continuations of {len(s.prompts)} held-out prompts")
+        greedy = generate.greedy_tokens(logits, s.prompts, s.generation.steps, stop=stop)
+    plain = None
+    if s.kv is not None:
+        progress("quantkit's reading of the artifact with a 16-bit KV cache (what the engine would serve without it)")
+        plain = evaluate.compute_baseline(gate.artifact_scorer(s.artifact, s.base_dir, s.device, s.trust_remote_code),
+                                          windows)
+    return QuantkitSide(base, reading, greedy, plain)
+
+
+@contextmanager
+def artifact_readers(setup: Setup) -> Iterator[tuple]:
+    """(scorer, logits function) of the artifact as the engine serves it: through the Setup's KV type where it has
+    one (quantkit.formats.gate.kv_readers)."""
+    from quantkit.formats import gate
+
+    s = setup
+    if s.kv is None:
+        yield (gate.artifact_scorer(s.artifact, s.base_dir, s.device, s.trust_remote_code),
+               gate.artifact_logits(s.artifact, s.base_dir, s.device, s.trust_remote_code))
+        return
+    with gate.kv_readers(s.artifact, s.base_dir, s.kv, s.device, s.trust_remote_code) as readers:
+        yield readers
 
 
 def ask(setup: Setup, endpoint: Endpoint, texts: list[str], progress: Callable[[str], None]) -> tuple:
@@ -326,19 +380,21 @@ def serve_check(artifact: Path, base_dir: Path, windows, engine: str = "auto",
                 options: ServeOptions | None = None, tolerances: Tolerances | None = None,
                 generation: Generation | None = None, base_from: str = "quantkit", engine_base: Path | None = None,
                 log_dir: Path | None = None, device: str = "cpu", trust_remote_code: bool = False,
-                progress: Callable[[str], None] = lambda message: None) -> ServeReport:
+                progress: Callable[[str], None] = lambda message: None, kv_cache: str | None = None) -> ServeReport:
     """Serve the artifact in its engine and measure it against quantkit's readings (module docstring).
 
     windows: int64 (w, L) token ids, the held-out windows (each starting with BOS where the tokenizer
     has one). engine: "auto" (by artifact kind) or a name in quantkit.serve.engines.ENGINES. base_from: "quantkit" (the
     base scored by quantkit, full distributions) or "engine" (`engine_base`, default the base dir,
-    served by the same engine). device: where quantkit computes its own readings. Raises
+    served by the same engine). device: where quantkit computes its own readings. kv_cache: one KV type
+    (quantkit.eval.kv, e.g. "llama.cpp:q8_0", "vllm:fp8") the engine is started with and quantkit's reading
+    simulates at every position (served_kv_type refuses what the served log-probs cannot show). Raises
     UnsupportedError (exit 2) when the engine is missing or cannot serve the artifact here."""
     from quantkit.engines.transformers import load_tokenizer
     from quantkit.io.checkpoint import check_model_dir
 
     setup = plan(artifact, base_dir, windows, engine, options, generation, base_from, engine_base, device,
-                 trust_remote_code)
+                 trust_remote_code, kv_cache)
     tokenizer = load_tokenizer(check_model_dir(setup.base_dir), trust_remote_code)
     texts, token_ids = tokens.reference(tokenizer, setup.windows.tolist())
     ours = quantkit_side(setup, tokenizer.eos_token_id if setup.client.STOPS_AT_EOS else None, progress)
@@ -434,4 +490,14 @@ def build_report(setup: Setup, ours: QuantkitSide, theirs: EngineSide, tolerance
         ppl_reading=math.exp(mean_of(ours.reading.nll, keep)),
         ppl_compared=stats.compared_perplexity(theirs.topk, ours.reading.targets, ours.reading.nll),
         greedy=stats.greedy_agreement(ours.greedy, theirs.greedy, setup.generation.steps), load=theirs.load,
-        tolerances=tolerances, tokenization=tokenization)
+        tolerances=tolerances, tokenization=tokenization, kv_cache=kv_record(setup, ours, theirs))
+
+
+def kv_record(setup: Setup, ours: QuantkitSide, theirs: EngineSide) -> dict | None:
+    """The report's kv_cache: the type, its flags, and the engine against quantkit's reading with a 16-bit cache."""
+    if setup.kv is None:
+        return None
+    plain = ours.reading_16bit_cache
+    return {"type": setup.kv.name, "serve_flags": list(setup.kv.flag),
+            "vs_reading_16bit_cache": stats.against_full(plain.logprobs, plain.top1, theirs.topk,
+                                                         divergence_for(setup)).as_dict()}

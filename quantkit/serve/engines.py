@@ -66,6 +66,9 @@ class Engine(Protocol):
     STOPS_AT_EOS: bool  # greedy continuations end at EOS (no ignore_eos)
     NORMALIZED: bool  # its log-probs are a normalized log-softmax (else: KL scale-free, ppl unchecked)
     MAX_LOGPROBS: int | None  # the most candidates per position it returns (None: any k)
+    # why the prompt log-probs it serves do not read a quantized KV cache it was started with ("": they do), so
+    # serve-check --kv-cache refuses it
+    PROMPT_KV_UNSEEN: str
     QUERIED: dict[str, str]  # what each measurement asks of it (recorded in the report)
 
     def find(self) -> Installed | None: ...

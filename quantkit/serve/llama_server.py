@@ -41,6 +41,7 @@ TOKENIZE = "/tokenize"
 STOPS_AT_EOS = False  # requests set ignore_eos
 NORMALIZED = True  # log-probs from a float32 log-softmax
 MAX_LOGPROBS = None  # any k, or the whole vocabulary
+PROMPT_KV_UNSEEN = ""  # a ubatch's keys and values are written to the cache before its attention reads them
 GREEDY = {"samplers": ["top_k"], "top_k": 1, "ignore_eos": True, "return_tokens": True}
 QUERIED = {
     "prompt_logprobs": "POST /completion per prediction: prompt = the window's first j+1 token ids, n_predict 1, "
@@ -63,7 +64,8 @@ def command(engine: Installed, model: Path, port: int, options: ServeOptions) ->
     slots = max(1, options.concurrency)
     threads = ["--threads", str(options.threads)] if options.threads else []
     return [str(engine.executable), "--model", str(model), "--host", HOST, "--port", str(port),
-            "--ctx-size", str(options.max_model_len * slots), "--parallel", str(slots), "--no-webui", *threads]
+            "--ctx-size", str(options.max_model_len * slots), "--parallel", str(slots), "--no-webui", *threads,
+            *options.kv_flags]
 
 
 def environment(options: ServeOptions) -> dict[str, str]:

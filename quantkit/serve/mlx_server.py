@@ -54,6 +54,8 @@ TOKENIZE_SCRIPT = ("import json, sys\nfrom pathlib import Path\nfrom mlx_lm.util
                    "tokenizer = load_tokenizer(Path(sys.argv[1]))\n"
                    "print(json.dumps([list(tokenizer.encode(text)) for text in json.load(sys.stdin)]))")
 MAX_LOGPROBS = 11  # top_logprobs <= 11: mlx_lm/server.py validate_model_parameters
+PROMPT_KV_UNSEEN = ("mlx_lm.server quantizes a request's cache only after --quantized-kv-start tokens, so the prompt "
+                    "log-probs it serves read raw keys and values")
 STOPS_AT_EOS = True
 # Its log-probs are logits - logsumexp(logits) in the model's dtype (bfloat16): off by a constant per
 # position (their probabilities sum to 0.89-1.13 on a small Llama), so KL is measured scale-free and the

@@ -28,6 +28,7 @@ class ServeOptions:
     start_timeout: float = 900.0  # seconds until the server must answer its health check
     kv_cache_gib: float = 1.0  # vLLM on a CPU: VLLM_CPU_KVCACHE_SPACE
     threads: int | None = None  # llama-server threads (None: its default)
+    kv_flags: tuple[str, ...] = ()  # the KV-cache type's engine flags (quantkit.eval.kv.KvType.flag); (): 16-bit
 
 
 @dataclass(frozen=True)

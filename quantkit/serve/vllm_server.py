@@ -44,6 +44,8 @@ MODEL = "quantkit-serve-check"  # --served-model-name; every request names it
 STOPS_AT_EOS = False  # requests set ignore_eos
 NORMALIZED = True  # log-probs from a float32 log-softmax
 MAX_LOGPROBS = None  # any k, or the whole vocabulary
+PROMPT_KV_UNSEEN = ""  # the CPU backend writes the cache, then attends over it (cpu_attn.py); TurboQuant's raw first
+# prefill chunk is the type's own rule (quantkit.eval.kv.KvType.raw_prefill)
 QUERIED = {
     "prompt_logprobs": "POST /v1/completions per window: prompt = token ids, prompt_logprobs = k "
                        "(-1 = whole vocabulary), max_tokens 1; top-k per position plus the prompt token's own log-prob",
@@ -69,9 +71,11 @@ def server_module(engine: Installed) -> list[str]:
 
 
 def command(engine: Installed, model: Path, port: int, options: ServeOptions) -> list[str]:
-    """vLLM's server on the model; an artifact with a kv_cache_scheme gets --kv-cache-dtype fp8."""
+    """vLLM's server on the model; the KV type's flags (serve-check --kv-cache), else --kv-cache-dtype fp8 for an
+    artifact with a kv_cache_scheme."""
     cpu = ["--enforce-eager", "--dtype", "bfloat16"] if options.device == "cpu" else []
-    kv = ["--kv-cache-dtype", "fp8"] if quantization_config(model).get("kv_cache_scheme") else []
+    scheme = ["--kv-cache-dtype", "fp8"] if quantization_config(model).get("kv_cache_scheme") else []
+    kv = list(options.kv_flags) or scheme
     return [*server_module(engine), str(model), "--host", HOST, "--port", str(port),
             "--served-model-name", MODEL, "--max-model-len", str(options.max_model_len),
             "--max-logprobs", str(options.logprobs or -1), "--max-num-seqs", str(max(1, options.concurrency)),

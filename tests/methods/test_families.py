@@ -163,6 +163,7 @@ def test_asymmetric_experts_read_as_their_decompressed_weights(cli, family_model
     assert (ours - theirs).abs().max() < 1e-5 * theirs.abs().max()
 
 
+@pytest.mark.slow  # the MoE reading's static-scale rule; test_asymmetric_experts_... proves the reading itself fast
 def test_static_expert_input_scales_are_shared_as_vllm_shares_them(cli, family_models, tmp_path):
     """fp8-static on Mixtral: each expert stores its own input scales; vLLM's fused MoE runs every expert of a layer
     with the largest (one for gate/up, one for down: process_fp8_input_tensor_strategy_moe), and so does the gate.

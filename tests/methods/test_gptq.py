@@ -105,7 +105,7 @@ def test_auto_group_size_is_the_largest_that_divides_every_width():
     assert auto_group_size(info([200]))[0] == -1  # none of 128, 64, 32: one scale per output channel
 
 
-@pytest.mark.parametrize("method", ["gptq", "awq"])
+@pytest.mark.parametrize("method", ["gptq", pytest.param("awq", marks=pytest.mark.slow)])  # the same group-size rule
 def test_default_group_size_runs_on_widths_128_does_not_divide(cli, odd_model, tmp_path, method):
     """hidden 192: the default (auto) takes 64 and says why; an explicit 128 with --strict-shapes is refused."""
     out = tmp_path / "out"

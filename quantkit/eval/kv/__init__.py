@@ -106,9 +106,10 @@ def vllm_type(name: str, shape: Shape, k_scale: float = 1.0, v_scale: float = 1.
     flag = ("--kv-cache-dtype", name)
     kb, vb = vllm.key_bytes(name, d), vllm.value_bytes(name, d)
     if name in vllm.FP8:
-        e5m2 = name == "fp8_e5m2"
-        return KvType("vllm", f"vllm:{name}", flag, key=partial(vllm.fp8_round_trip, scale=k_scale, e5m2=e5m2),
-                      value=partial(vllm.fp8_round_trip, scale=v_scale, e5m2=e5m2), key_bytes=kb, value_bytes=vb)
+        e5m2, round_trip = name == "fp8_e5m2", vllm.fp8_cpu_round_trip if cpu else vllm.fp8_round_trip
+        return KvType("vllm", f"vllm:{name}", flag, key=partial(round_trip, scale=k_scale, e5m2=e5m2),
+                      value=partial(round_trip, scale=v_scale, e5m2=e5m2), key_bytes=kb, value_bytes=vb,
+                      notes=("vLLM's CPU backend: mantissa truncated toward zero",) if cpu else ())
     if name == "int4_per_token_head":
         check_power_of_two(name, d)
         return KvType("vllm", f"vllm:{name}", flag, key=vllm.int4_round_trip, value=vllm.int4_round_trip,

@@ -5,7 +5,9 @@ Read from the vLLM sources (vllm/config/cache.py CacheDType; vllm/model_executor
 dequantization; vllm/v1/attention/ops/int4_per_token_head.py):
 
 * fp8 / fp8_e4m3: e4m3(x / s) saturating at ±448, read back as e4m3·s; s = the checkpoint's k_scale / v_scale,
-  1.0 without one. fp8_e5m2: the same cast in e5m2 (±57344), no scale.
+  1.0 without one. fp8_e5m2: the same cast in e5m2 (±57344), no scale. The GPU kernels round to nearest; the CPU
+  backend (csrc/cpu/cpu_attn_fp8.hpp float_to_fp8e4m3_scalar / float_to_fp8e5m2_scalar) truncates the mantissa
+  toward zero after x·(1/s), subnormals included, and reads e4m3 back as (e4m3·2^-120·s)·2^120 in float32.
 * int8_per_token_head / fp8_per_token_head: one float32 scale per (token, KV head) over head_dim, absmax / 127
   (int8, round to nearest) or absmax / 448 (e4m3).
 * int4_per_token_head: x rotated by the randomized Hadamard H·diag(d1) (unnormalized Sylvester H; ±1 signs d1 from
@@ -55,6 +57,29 @@ def fp8_round_trip(x, scale: float = 1.0, e5m2: bool = False):
     dtype, limit = (torch.float8_e5m2, E5M2_MAX) if e5m2 else (torch.float8_e4m3fn, E4M3_MAX)
     y = torch.clamp(x.float() / scale, -limit, limit).to(dtype)
     return (y.float() * scale).to(x.dtype)
+
+
+def fp8_cpu_codes(x, scale: float = 1.0, e5m2: bool = False):
+    """The fp8 bytes vLLM's CPU backend stores for x (module docstring): x·(1/s) saturated, the mantissa truncated
+    toward zero. Equal to vLLM 0.32's cpu_attn_reshape_and_cache byte for byte (tests/eval/kv/test_vllm_cpu_fp8.py)."""
+    import torch
+
+    dtype, limit = (torch.float8_e5m2, E5M2_MAX) if e5m2 else (torch.float8_e4m3fn, E4M3_MAX)
+    v = torch.clamp(x.float() * torch.tensor(1.0 / scale, dtype=torch.float32), -limit, limit)
+    nearest = v.to(dtype)
+    away = nearest.float().abs() > v.abs()  # rounded away from zero: one code back (sign-magnitude codes)
+    return torch.where(away, nearest.view(torch.uint8) - 1, nearest.view(torch.uint8))
+
+
+def fp8_cpu_round_trip(x, scale: float = 1.0, e5m2: bool = False):
+    """vLLM's CPU backend's fp8 store (fp8_cpu_codes) and read, in x's dtype: e4m3 as (e4m3·2^-120·s)·2^120 in
+    float32 (fp8e4m3_to_float_scalar's order), e5m2 as e5m2·s."""
+    import torch
+
+    dtype = torch.float8_e5m2 if e5m2 else torch.float8_e4m3fn
+    y = fp8_cpu_codes(x, scale, e5m2).view(dtype).float()
+    s = torch.tensor(scale, dtype=torch.float32)
+    return (y * s if e5m2 else y * 2.0 ** -120 * s * 2.0 ** 120).to(x.dtype)
 
 
 def per_token_head_round_trip(x, kind: str):
