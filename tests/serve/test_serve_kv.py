@@ -51,6 +51,26 @@ def test_the_engines_are_started_with_the_types_flags(tmp_path):
     assert command[-2:] == ["--kv-cache-dtype", "fp8_e5m2"]
 
 
+def test_the_gate_serves_the_type_it_chose_where_the_engine_shows_it():
+    """quantize --kv-cache ... --serve-check: the engine started with the chosen type; mlx_lm.server and a raw-prefill
+    type served with a 16-bit cache, and the report says so."""
+    from types import SimpleNamespace
+
+    from quantkit.run.pipeline import served_kv_choice
+
+    def entry(chosen, raw=False):
+        types = [{"type": chosen, "raw_prefill": raw}] if chosen else []
+        return SimpleNamespace(details={"kv_cache_types": {"types": types, "chosen": chosen}})
+
+    assert served_kv_choice(entry("llama.cpp:q8_0"), "llama.cpp") == "llama.cpp:q8_0"
+    assert served_kv_choice(entry(None), "llama.cpp") is None
+    assert served_kv_choice(SimpleNamespace(details={}), "vllm") is None
+    for chosen, engine, raw in (("mlx:4", "mlx", False), ("vllm:turboquant_k8v4", "vllm", True)):
+        served = entry(chosen, raw)
+        assert served_kv_choice(served, engine) is None
+        assert "16-bit cache" in served.details["kv_cache_types"]["serve_check"]
+
+
 # ---------------------------------------------------------------- end to end (slow: a trained model, a real server)
 
 from tests.serve.test_serve_check_slow import quantized, require, serve_check, trained  # noqa: E402,F401
