@@ -27,6 +27,7 @@ HEALTH = "/health"
 STOPS_AT_EOS = False
 NORMALIZED = True  # a float32 log-softmax
 MAX_LOGPROBS = None  # any k; 0: the whole vocabulary
+PROMPT_KV_UNSEEN = "the toy server has no quantized KV cache"
 QUERIED = {
     "prompt_logprobs": "POST /logprobs per window: ids, k",
     "greedy": "POST /generate: ids, steps",
