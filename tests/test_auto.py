@@ -30,6 +30,12 @@ def by_label(ladder: auto.Ladder) -> dict[str, auto.Rung]:
     return {r.label: r for r in ladder.rungs}
 
 
+def test_kv_cache_types_of_vllm_on_a_cpu_are_its_cpu_backends():
+    assert auto.kv_engine_for(auto.parse_for("vllm:cpu", RAM)) == "vllm-cpu"
+    assert auto.kv_engine_for(auto.parse_for("vllm:L4", RAM)) is None  # the artifact's engine: vllm (GPU types)
+    assert auto.kv_engine_for(auto.parse_for("llama.cpp", RAM)) is None
+
+
 def test_parse_for_reads_engine_and_device_and_defaults():
     assert auto.parse_for("vllm:L4", RAM).device.name == "L4"
     assert auto.parse_for("vllm", RAM).device.name == "H100"

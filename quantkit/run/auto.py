@@ -124,6 +124,12 @@ def parse_for(text: str, ram: int) -> Destination:
     return Destination(text, engine, device)
 
 
+def kv_engine_for(destination: Destination) -> str | None:
+    """The engine --kv-cache measures for at this destination (quantkit.eval.kv.TARGETS): vLLM on a CPU is its CPU
+    backend (fp8 types only, stored as that backend stores them); None: the artifact's own engine."""
+    return "vllm-cpu" if destination.engine == "vllm" and destination.device.kind == "cpu" else None
+
+
 @dataclass
 class Rung:
     """A candidate in the ladder: its estimated size and bits per quantized weight, the kernel that serves it on

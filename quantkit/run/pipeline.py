@@ -288,6 +288,8 @@ def resolve_ladder(recipe: Recipe, target: Target, info: ModelInfo) -> ResolvedT
                          "after another)", hint="drop --resume, or run the method the ladder chose with --resume")
     gate = gate_with_task_files(target_gate(recipe, target))
     destination = auto.parse_for(target.destination, total_ram() or available_ram())
+    if gate.kv_cache is not None and gate.kv_engine is None:
+        gate = gate.model_copy(update={"kv_engine": auto.kv_engine_for(destination)})
     ladder = auto.build_ladder(info, destination, target_options(target), gate.max_kld)
     candidates = {}
     for rung in ladder.rungs:
