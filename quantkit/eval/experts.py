@@ -292,6 +292,45 @@ class ModelNamed:
         return read_stored_rows(self.index[name], index)
 
 
+class RenamedWeights:
+    """A WeightSource's tensors (stored names) by the names of the linear-experts model (`model_name`)."""
+
+    def __init__(self, weights, layout, model_type: str):
+        from quantkit.arch.moe import load_renamings
+
+        renamings = load_renamings(model_type)
+        self.weights = weights
+        self.names = {model_name(n, layout, renamings): n for n in weights.keys()}
+
+    def keys(self) -> list[str]:
+        return list(self.names)
+
+    def get(self, name: str):
+        return self.weights.get(self.names[name])
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.weights.shape(self.names[name])
+
+    def rows(self, name: str, index):
+        return self.weights.rows(self.names[name], index)
+
+
+def mlx_open(weights, config, dtype):
+    """An mlx-lm directory's model on the meta device and the source of its weights (`weights`:
+    quantkit.mlx.checkpoint.MLXWeights, which gives stacked experts back under the checkpoint's per-expert names): a
+    mixture of experts (a family with an expert layout) as llm-compressor's linear experts, the names renamed as
+    the model names them (RenamedWeights), its stored buffers read in; a dense model as it is."""
+    from quantkit.eval.stream import build_meta_model
+
+    layout = moe_layout(config.to_dict())
+    if layout is None:
+        return build_meta_model(config, dtype), weights
+    model = linear_experts_model(config, dtype)
+    source = RenamedWeights(weights, layout, text_model_type(config.to_dict()))
+    load_buffers(model, source)
+    return model, source
+
+
 # an expert projection's static input scale: vLLM's fused MoE keeps one per layer for gate/up (w13) and one for down
 # (w2), the largest over the experts (process_fp8_input_tensor_strategy_moe)
 EXPERT_INPUT_SCALE = re.compile(r"(.*\.experts)\.\d+\.(gate_proj|up_proj|down_proj)\.input_scale$")

@@ -57,6 +57,12 @@ REFUSED = {
                     dict(head_dim=64, num_local_experts=4, num_experts_per_tok=1, intermediate_size=256,
                          intermediate_size_mlp=512)),
 }
+# older MoE families, built here for the formats' proofs (their methods' tests: tests/methods/test_moe.py)
+OLDER = {
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(head_dim=64, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2)),
+}
 # the MoE families' method flags: nvfp4 weights only (its w4a4 activation scales need the FP4 experts reloaded)
 METHODS = {**{m: args for m, args in common.COMPRESSED.items() if m not in ("awq", "smoothquant")},  # below
            "nvfp4": ["--scheme", "a16"]}
@@ -64,7 +70,7 @@ FAST = {("deepseek_v3", "gptq"), *((family, "fp8") for family in FAMILIES)}
 
 
 def build(out: Path, family: str, **config) -> Path:
-    config_class, model_class, shape = {**FAMILIES, **REFUSED}[family]
+    config_class, model_class, shape = {**FAMILIES, **REFUSED, **OLDER}[family]
     return common.build(out, config_class, model_class, **{**common.MOE, **shape, **config})
 
 
@@ -135,15 +141,45 @@ def test_unsupported_layouts_refused_before_work(cli, models, tmp_path, family, 
 # GGUF: llama.cpp's converter class of each family with a conversion, and the pre-tokenizer it is told for the toy
 # BPE tokenizer (None: the family's SentencePiece vocabulary)
 GGUF = {"ernie4_5_moe": None, "minimax_m2": "gpt-2", "glm4_moe": "gpt-2", "deepseek_v3": "gpt-2"}
-REFUSED_FORMATS = [(f, "gguf") for f in FAMILIES if f not in GGUF] + [(f, "mlx") for f in FAMILIES]
+# MLX: the families whose mlx-lm model loads the experts stacked as quantkit writes them (their records' mlx_experts)
+MLX = ["qwen3_moe", "mixtral"]
+REFUSED_FORMATS = [(f, "gguf") for f in FAMILIES if f not in GGUF] + [(f, "mlx") for f in FAMILIES if f not in MLX]
 
 
 @pytest.mark.parametrize("family,method", REFUSED_FORMATS)
 def test_formats_without_a_conversion_refuse_before_work(cli, models, tmp_path, family, method):
-    """No GGUF or MLX conversion of these families yet: exit 2 before work naming the architecture (never exit 1)."""
+    """No GGUF or MLX conversion of these families: exit 2 before work naming the architecture (never exit 1) and,
+    for MLX, the family's reason."""
+    from quantkit.methods.mlx import family_refusal
+
     out = tmp_path / "out"
-    words = FAMILIES[family][1] if method == "gguf" else family
-    common.assert_refused(common.quantize(cli, models(family), out, method), out, words)
+    words = (FAMILIES[family][1],) if method == "gguf" else (family, family_refusal(family, False))
+    common.assert_refused(common.quantize(cli, models(family), out, method), out, *words)
+
+
+@pytest.mark.parametrize("family", MLX)
+def test_mlx_experts_stacked_and_read_by_mlx_lm(cli, models, tmp_path, family):
+    """4-bit through the CLI: each routed projection one SwitchGLU module ([experts, out, in] packed per expert along
+    its last axis, as mlx_lm.convert writes it), no per-expert tensor, the routers 16-bit with their entry false;
+    mlx_lm.load builds every expert with exactly quantkit's weights and its float32 logits follow quantkit's reading."""
+    from quantkit.arch.roles import classify
+    from quantkit.mlx.checkpoint import expert_stacks
+
+    model, out = models(family), tmp_path / "out"
+    entry = common.assert_passed(common.quantize(cli, model, out, "mlx", "--bits", "4"), out)
+    assert entry["details"]["mlx"]["calibration_tokens"] > 0
+    config = json.loads((out / "config.json").read_text())
+    source, stored = common.stored_tensors(model), common.stored_tensors(out)
+    stacks = expert_stacks(config, source)
+    assert len(stacks) == 3 * 2 and not any(".experts." in name for name in stored)
+    for module, experts in stacks.items():
+        rows, columns = source[experts[0]].shape
+        assert stored[f"{module}.weight"].shape == (4, rows, columns * 4 // 32), module
+        assert stored[f"{module}.scales"].shape == stored[f"{module}.biases"].shape == (4, rows, columns // 64)
+        assert module not in config["quantization"]  # the top-level precision
+    routers = [name.removesuffix(".weight") for name in source if classify(name) == "router"]
+    assert routers and all(config["quantization"][r] is False and f"{r}.scales" not in stored for r in routers)
+    common.assert_mlx_lm_reads_as_quantkit(out)
 
 
 @pytest.mark.parametrize("family", list(GGUF))

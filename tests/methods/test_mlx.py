@@ -99,19 +99,24 @@ FAMILIES = ("llama31", "mistral", "qwen25", "qwen3", "gemma3", "phi3")
 
 def float32_mlx_model(model):
     """The mlx-lm model in float32 with its quantized modules' weights as mlx dequantizes them (in their stored
-    dtype, the values quantkit's reading holds): both forwards then run the same weights at float32, where
-    bfloat16's rounding (mlx's and torch's differ by several percent on a random model) cannot hide a
-    difference of structure."""
+    dtype, the values quantkit's reading holds; a stacked expert projection as a SwitchLinear): both forwards then
+    run the same weights at float32, where bfloat16's rounding (mlx's and torch's differ by several percent on a
+    random model) cannot hide a difference of structure."""
     import mlx.core as mx
     from mlx import nn
     from mlx.utils import tree_map, tree_unflatten
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 
     swaps = []
     for name, m in model.named_modules():
-        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding, QuantizedSwitchLinear)):
             weight = mx.dequantize(m.weight, m.scales, m.biases, group_size=m.group_size, bits=m.bits)
-            plain = nn.Embedding(*weight.shape) if isinstance(m, nn.QuantizedEmbedding) else \
-                nn.Linear(weight.shape[1], weight.shape[0], bias="bias" in m)
+            if isinstance(m, QuantizedSwitchLinear):
+                plain = SwitchLinear(weight.shape[2], weight.shape[1], weight.shape[0], bias="bias" in m)
+            elif isinstance(m, nn.QuantizedEmbedding):
+                plain = nn.Embedding(*weight.shape)
+            else:
+                plain = nn.Linear(weight.shape[1], weight.shape[0], bias="bias" in m)
             plain.weight = weight
             if "bias" in m:
                 plain.bias = m.bias
