@@ -112,11 +112,13 @@ def layer_plan(info, options: Options, ignore: list[str]) -> dict[str, Precision
     """{module name: precision or None} of every module mlx-lm could quantize (Linear and Embedding weights); of a
     mixture of experts, the routers None (16-bit, their config.json entry false) and each routed projection as the
     SwitchGLU module mlx-lm stacks it into (quantkit.mlx.checkpoint.expert_stacks), one precision for all its
-    experts: `layer_bits` takes it by that name, the ignore list by that name or any of its experts'."""
+    experts: `layer_bits` takes it by that name, the ignore list by that name or any of its experts'; the
+multi-token-prediction layers left out (not written: quantkit.mlx.checkpoint.mtp_layers)."""
     from quantkit.arch.roles import classify, linear_weights, matches
-    from quantkit.mlx.checkpoint import expert_stacks
+    from quantkit.mlx.checkpoint import expert_stacks, mtp_layers
 
-    linear = linear_weights(info)
+    mtp = mtp_layers(info.config, info.tensors)
+    linear = {name: shape for name, shape in linear_weights(info).items() if not name.startswith(mtp)}
     stacks = expert_stacks(info.config, [name + ".weight" for name in linear])
     stacked = {n.removesuffix(".weight") for names in stacks.values() for n in names}
     plan = {}
@@ -285,7 +287,7 @@ def quantize(job: QuantizeJob) -> QuantizeResult:
 
     from quantkit.engines.transformers import torch_dtype
     from quantkit.io.checkpoint import SafetensorsWeights
-    from quantkit.mlx.checkpoint import ShardedWriter, expert_stacks, mlx_config, quantization_block
+    from quantkit.mlx.checkpoint import ShardedWriter, expert_stacks, mlx_config, mtp_layers, quantization_block
 
     opts = job.options
     plan = layer_plan(job.info, opts, job.ignore)
@@ -296,7 +298,8 @@ def quantize(job: QuantizeJob) -> QuantizeResult:
         imp = column_importance(job)
     dtype = torch_dtype(job.dtype, job.info)
     source, writer = SafetensorsWeights(job.info.path), ShardedWriter(job.out_dir)
-    stacks = expert_stacks(job.info.config, source.keys())
+    mtp = mtp_layers(job.info.config, source.keys())
+    stacks = expert_stacks(job.info.config, [name for name in source.keys() if not name.startswith(mtp)])
     first = {names[0]: module for module, names in stacks.items()}  # a stack is written where its first expert was
     members = {name for names in stacks.values() for name in names}
     job.progress(f"writing {sum(p is not None for p in plan.values())} quantized modules")
@@ -304,7 +307,7 @@ def quantize(job: QuantizeJob) -> QuantizeResult:
         if tensor in first:
             module = first[tensor]
             weight = torch.stack([source.get(name) for name in stacks[module]])
-        elif tensor in members:
+        elif tensor in members or tensor.startswith(mtp):
             continue
         else:
             module, weight = tensor.removesuffix(".weight"), source.get(tensor)

@@ -16,8 +16,9 @@ that model's `sanitize` stacks a 16-bit one (the family record's `mlx_experts`: 
 projection one `<block>.switch_mlp.<projection>` module of [experts, out, in], quantized expert by expert along
 its last axis (packed weight [experts, out, in * bits / 32], scales and biases [experts, out, in / group_size]),
 as mlx_lm.convert writes it (its QuantizedSwitchLinear); `sanitize` leaves stacked tensors as they are. The
-routers stay 16-bit (their entry false), where mlx_lm.convert quantizes them. MLXWeights reads the stacked
-modules back under the checkpoint's per-expert names.
+routers stay 16-bit (their entry false), where mlx_lm.convert quantizes them; the multi-token-prediction layers
+after the decoder's are not written (mtp_layers). MLXWeights reads the stacked modules back under the
+checkpoint's per-expert names.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from quantkit.arch.families import FAMILIES, of_config
-from quantkit.arch.moe import EXPERT_TENSOR
+from quantkit.arch.moe import EXPERT_TENSOR, mtp_prefixes
 from quantkit.errors import ModelError
 
 # config.json model_type -> the mlx_lm.models module that loads it, with the Hugging Face names as stored (each
@@ -142,6 +143,15 @@ def expert_stacks(config: dict, names) -> dict[str, list[str]]:
             projection = family.mlx_experts.renames.get(m["projection"], m["projection"])
             found.setdefault(f"{m['layer']}switch_mlp.{projection}", {})[int(m["expert"])] = name
     return {module: [experts[e] for e in sorted(experts)] for module, experts in sorted(found.items())}
+
+
+def mtp_layers(config: dict, names) -> tuple[str, ...]:
+    """The `model.layers.<i>.` prefixes of the multi-token-prediction layers the checkpoint stores
+    (quantkit.arch.moe.mtp_prefixes): not written, as mlx-lm's models have none (glm4_moe's and deepseek_v3's
+    sanitize drop them)."""
+    family = of_config(config)
+    layout = family.experts_by_name if family is not None else None
+    return tuple(mtp_prefixes(config, names, layout)) if layout is not None else ()
 
 
 STACKED_WEIGHT = re.compile(r"^(?P<block>.*\.)switch_mlp\.(?P<projection>[A-Za-z0-9_]+)\.weight$")
