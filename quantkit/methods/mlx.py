@@ -178,8 +178,12 @@ def check(info, options: Options, calibration=None) -> None:
 
 
 def support(family) -> str:
+    from quantkit.arch import moe
+
     refusal = family_refusal(family.model_type, family.is_vlm)
-    return f"refused: {refusal}" if refusal else "✅"
+    if refusal:
+        return f"refused: {refusal}"
+    return "✅ experts stacked per projection, routers 16-bit" if moe.is_moe(family.model_type) else "✅"
 
 
 # ---------------------------------------------------------------- calibration: column importances

@@ -62,6 +62,9 @@ OLDER = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
                   dict(head_dim=64, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256)),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2)),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256,
+                       shared_expert_intermediate_size=256)),
 }
 # the MoE families' method flags: nvfp4 weights only (its w4a4 activation scales need the FP4 experts reloaded)
 METHODS = {**{m: args for m, args in common.COMPRESSED.items() if m not in ("awq", "smoothquant")},  # below
@@ -142,7 +145,7 @@ def test_unsupported_layouts_refused_before_work(cli, models, tmp_path, family, 
 # BPE tokenizer (None: the family's SentencePiece vocabulary)
 GGUF = {"ernie4_5_moe": None, "minimax_m2": "gpt-2", "glm4_moe": "gpt-2", "deepseek_v3": "gpt-2"}
 # MLX: the families whose mlx-lm model loads the experts stacked as quantkit writes them (their records' mlx_experts)
-MLX = ["qwen3_moe", "mixtral", "glm4_moe", "minimax_m2", "deepseek_v3"]
+MLX = ["qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "minimax_m2", "deepseek_v3"]
 REFUSED_FORMATS = [(f, "gguf") for f in FAMILIES if f not in GGUF] + [(f, "mlx") for f in FAMILIES if f not in MLX]
 
 

@@ -70,6 +70,14 @@ def mlx_expert_count(config: dict) -> dict:
     return {"num_experts": config["num_local_experts"]} if "num_local_experts" in config else {}
 
 
+def check_mlx_qwen2_moe(config: dict) -> None:
+    """mlx-lm's qwen2_moe: every layer a routed one, its top-k weights not renormalised."""
+    if config.get("mlp_only_layers") or config.get("decoder_sparse_step", 1) != 1 or config.get("norm_topk_prob"):
+        raise UnsupportedError("mlx: Qwen2-MoE with dense layers (mlp_only_layers, decoder_sparse_step) or "
+                               "norm_topk_prob: mlx-lm's qwen2_moe routes every layer and never renormalises the "
+                               "top-k weights", hint="use --method gguf for llama.cpp on Apple silicon")
+
+
 QWEN2_GGUF = Gguf("QWEN2", text.add_text_params, "qwen2")
 QWEN2VL_GGUF = Gguf("QWEN2VL", text.add_text_params, "qwen2", mrope=True)
 QWEN_RULES = ConfigRules((qwen_window, text.kv_heads, qwen_layer_types))
@@ -79,7 +87,8 @@ QWEN2 = Family("qwen2", "Qwen2ForCausalLM", "Qwen2.5", smoothing=LLAMA_LIKE, ggu
 QWEN3 = Family("qwen3", "Qwen3ForCausalLM", "Qwen3", smoothing=LLAMA_LIKE,
                gguf={"Qwen3ForCausalLM": Gguf("QWEN3", text.add_text_params, "qwen2")}, mlx="qwen3", config=QWEN_RULES)
 QWEN2_MOE = Family("qwen2_moe", "Qwen2MoeForCausalLM", "Qwen2-MoE", smoothing=QWEN2_MOE_ROWS, moe=MoeLayout(),
-                   mlx="qwen2_moe", mlx_experts=MlxExperts(), mlx_fields=mlx_expert_count)
+                   mlx="qwen2_moe", mlx_experts=MlxExperts(), mlx_fields=mlx_expert_count,
+                   mlx_checks=(check_mlx_qwen2_moe,))
 QWEN3_MOE = Family(
     "qwen3_moe", "Qwen3MoeForCausalLM", "Qwen3-MoE", smoothing=MOE_ROWS, moe=MoeLayout(),
     experts_by_name=ExpertCheckpoint(),
