@@ -4,9 +4,10 @@ with every router kept 16-bit and every expert's scales finite (common.assert_mo
 
 Fast: fp8 on every family, gptq on DeepSeek-V3 and on GLM-4.5 with an expert no calibration token reaches (the
 same path for every family: llm-compressor's linear experts, then quantkit's reading), GGUF Q4_K_M of ERNIE 4.5
-MoE, MiniMax-M2 and GLM-4.5 (with and without its MTP layer), and the refusals (GGUF of the other families, MLX of
-all: no conversion yet). Slow: the other methods on every family, GGUF against llama.cpp's converter and
-llama-quantize.
+MoE, MiniMax-M2 and GLM-4.5 (with and without its MTP layer), MLX of the families mlx-lm loads stacked (with the
+older Qwen2-MoE, Qwen3-MoE and Mixtral) read by mlx-lm, and the refusals (GGUF and MLX of the other families, each
+with its reason; MLX of what an mlx-lm model would read otherwise). Slow: the other methods on every family, GGUF
+against llama.cpp's converter and llama-quantize.
 """
 
 from __future__ import annotations
@@ -163,8 +164,10 @@ def test_formats_without_a_conversion_refuse_before_work(cli, models, tmp_path, 
 @pytest.mark.parametrize("family", MLX)
 def test_mlx_experts_stacked_and_read_by_mlx_lm(cli, models, tmp_path, family):
     """4-bit through the CLI: each routed projection one SwitchGLU module ([experts, out, in] packed per expert along
-    its last axis, as mlx_lm.convert writes it), no per-expert tensor, the routers 16-bit with their entry false;
+    its last axis, as mlx_lm.convert writes it), no per-expert tensor, the routers (and what the family keeps 16-bit
+    for mlx: DeepSeek-V3's kv_b_proj) 16-bit with their entry false;
     mlx_lm.load builds every expert with exactly quantkit's weights and its float32 logits follow quantkit's reading."""
+    from quantkit.arch.families import kept_reason
     from quantkit.arch.moe import is_expert_weight
     from quantkit.arch.roles import classify
     from quantkit.mlx.checkpoint import expert_stacks
@@ -183,8 +186,34 @@ def test_mlx_experts_stacked_and_read_by_mlx_lm(cli, models, tmp_path, family):
         assert stored[f"{module}.scales"].shape == stored[f"{module}.biases"].shape == (4, rows, columns // 64)
         assert module not in config["quantization"]  # the top-level precision
     routers = [name.removesuffix(".weight") for name in source if classify(name) == "router"]
-    assert routers and all(config["quantization"][r] is False and f"{r}.scales" not in stored for r in routers)
+    kept = [name.removesuffix(".weight") for name in source if kept_reason(config, name.removesuffix(".weight"), "mlx")]
+    assert routers and all(config["quantization"][m] is False and f"{m}.scales" not in stored for m in routers + kept)
     common.assert_mlx_lm_reads_as_quantkit(out)
+
+
+def test_mlx_of_glm4_moe_leaves_its_mtp_layer_out(cli, glm_mtp, tmp_path):
+    """The MTP layer after the decoder's is not written (mlx-lm's glm4_moe has none); mlx-lm loads the rest."""
+    out = tmp_path / "out"
+    common.assert_passed(common.quantize(cli, glm_mtp, out, "mlx"), out)
+    stored = common.stored_tensors(out)
+    assert "model.layers.1.mlp.switch_mlp.up_proj.weight" in stored
+    assert not any(name.startswith("model.layers.2.") for name in stored)
+    common.assert_mlx_lm_reads_as_quantkit(out)
+
+
+GLM_YARN = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=1024, rope_theta=10000.0,
+                partial_rotary_factor=0.5)
+
+
+@pytest.mark.parametrize("family,change,words", [("mixtral", dict(sliding_window=16), "sliding_window"),
+                                                 ("qwen2_moe", dict(norm_topk_prob=True), "norm_topk_prob"),
+                                                 ("glm4_moe", dict(rope_parameters=GLM_YARN), "yarn")])
+def test_mlx_of_what_mlx_lm_would_read_otherwise_refused(cli, models, tmp_path, family, change, words):
+    """Refused before work: Mixtral's sliding window (mlx-lm's mixtral attends to every position), Qwen2-MoE's
+    renormalised top-k (mlx-lm's qwen2_moe never renormalises), a scaled RoPE quantkit writes mlx-lm none for."""
+    model = common.copy_with_config(models(family), tmp_path / "model", **change)
+    out = tmp_path / "out"
+    common.assert_refused(common.quantize(cli, model, out, "mlx"), out, "mlx", words)
 
 
 @pytest.mark.parametrize("family", list(GGUF))

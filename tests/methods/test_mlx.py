@@ -206,3 +206,40 @@ def test_config_json_says_what_mlx_lm_reads_at_the_top_level():
     for config in (gemma, {"model_type": "llama", "rope_parameters": llama3}):
         written = {k: v for k, v in mlx_config(config, block).items() if not k.startswith("quantization")}
         assert without_mlx_lm_fields(written) == config
+
+
+@pytest.mark.parametrize("resident", [False, True])
+def test_each_experts_importances_are_the_inputs_routed_to_it(tmp_path, resident):
+    """A mixture's stacked projections are weighted per expert by the mean squared inputs of the tokens the router
+    sends that expert (llm-compressor's linear experts, hooked as any Linear): those quantkit's GGUF imatrix collects
+    from transformers' fused experts by its own hook, streamed and resident alike (Mixtral: its block_sparse_moe
+    renamed mlp by transformers, w1 / w3 / w2 stacked as gate / up / down)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from quantkit.eval.scorers import Placement
+    from quantkit.eval.windows import TokenWindows
+    from quantkit.gguf import imatrix as im
+    from quantkit.io.checkpoint import check_model_dir
+    from quantkit.methods import QuantizeJob
+    from quantkit.methods.mlx import Options, column_importance
+    from tests.families.test_moe import build
+
+    model_dir = build(tmp_path / "mixtral", "mixtral")
+    windows = torch.randint(4, 500, (3, 32), generator=torch.Generator().manual_seed(1))
+    info = check_model_dir(model_dir)
+    placement = {"placement": Placement(True, room=2**30)} if resident else {}
+    job = QuantizeJob(info=info, options=Options(), windows=TokenWindows(windows, windows[:0], "unit", ""), ignore=[],
+                      out_dir=tmp_path, workdir=tmp_path, **placement)
+    imp = column_importance(job)
+    direct = im.compute(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval(), windows,
+                        info.config)
+    for layer in (0, 1):
+        for projection, tensor in (("gate_proj", "ffn_gate_exps"), ("up_proj", "ffn_up_exps"),
+                                   ("down_proj", "ffn_down_exps")):
+            name = f"blk.{layer}.{tensor}.weight"
+            expected = direct.sums[name] / np.maximum(direct.counts[name], 1)[:, None]
+            ours = imp[f"model.layers.{layer}.block_sparse_moe.switch_mlp.{projection}"].numpy()
+            assert ours.shape == (4, expected.shape[1])
+            np.testing.assert_allclose(ours, expected, rtol=1e-3, atol=1e-9, err_msg=name)
+        assert direct.counts[f"blk.{layer}.ffn_gate_exps.weight"].sum() == 3 * 32 * 2  # top-2 of every token
