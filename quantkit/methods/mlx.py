@@ -19,10 +19,12 @@ states (and, when tied, so is the embedding); an untied embedding by plain squar
 Mixtures of experts (the families whose record has `mlx_experts`): each routed projection is written stacked, as
 mlx-lm's SwitchGLU holds it (`<block>.switch_mlp.<projection>`, [experts, out, in]), every expert quantized on its
 own along its last axis, with its own column importances: the inputs of the tokens the router sends it (the hidden
-states for gate and up, act(gate) * up for down), collected by a hook on transformers' fused experts module as the
-GGUF imatrix collects them (an expert no calibration token reaches is weighted by plain squared error). The
-routers stay 16-bit (config.json's entry false), as quantkit keeps them for every method; mlx_lm.convert
-quantizes them. `layer_bits` names a stacked projection by its `switch_mlp` name.
+states for gate and up, act(gate) * up for down), recorded on llm-compressor's linear experts (one Linear per
+expert projection, run on its routed tokens only) in the calibration forward; the same values the GGUF imatrix
+collects from transformers' fused experts. An expert no calibration token reaches is weighted by plain squared
+error. The routers stay 16-bit (config.json's entry false), as quantkit keeps them for every method;
+mlx_lm.convert quantizes them. `layer_bits` names a stacked projection by its `switch_mlp` name. The
+multi-token-prediction layers after the decoder's are not written (mlx-lm's models have none).
 
 An affine group (w = scale * q + bias) is an asymmetric integer group with a zero point; the gate
 reads the file back with quantkit's own dequantization, bit-exact with mlx.core.dequantize.
@@ -113,7 +115,7 @@ def layer_plan(info, options: Options, ignore: list[str]) -> dict[str, Precision
     mixture of experts, the routers None (16-bit, their config.json entry false) and each routed projection as the
     SwitchGLU module mlx-lm stacks it into (quantkit.mlx.checkpoint.expert_stacks), one precision for all its
     experts: `layer_bits` takes it by that name, the ignore list by that name or any of its experts'; the
-multi-token-prediction layers left out (not written: quantkit.mlx.checkpoint.mtp_layers)."""
+    multi-token-prediction layers left out (not written: quantkit.mlx.checkpoint.mtp_layers)."""
     from quantkit.arch.roles import classify, linear_weights, matches
     from quantkit.mlx.checkpoint import expert_stacks, mtp_layers
 
@@ -353,16 +355,19 @@ def quantized_module(job: QuantizeJob, module: str, weight, chosen: Precision, i
 def working_set(info, options: Options) -> int:
     """The larger of the calibration pass (one float32 tensor streamed at a time with a group of windows'
     activations) and the writing (one weight read whole and in float32 with its quantized copy, the
-    search's temporaries on one slab of it, a shard's tensors waiting to be written)."""
+    search's temporaries on one slab of it, a shard's tensors waiting to be written); a mixture's largest
+    weight is a stacked expert projection, every expert of it."""
     import math
 
     from quantkit.eval.stream import ACTIVATION_BYTES
     from quantkit.mlx.affine import SLAB_VALUES
-    from quantkit.mlx.checkpoint import SHARD_BYTES
+    from quantkit.mlx.checkpoint import SHARD_BYTES, expert_stacks
 
     largest = max((math.prod(shape) for _dtype, shape in info.tensors.values()), default=0)
+    stacks = expert_stacks(info.config, info.tensors)  # a stacked expert projection is read and quantized whole
+    written = max([largest, *(sum(math.prod(info.tensors[n][1]) for n in names) for names in stacks.values())])
     calibrating = 2 * 4 * largest + ACTIVATION_BYTES if options.calibrate else 0
-    return max(calibrating, 2 * 4 * largest + 12 * 4 * SLAB_VALUES + SHARD_BYTES)
+    return max(calibrating, 2 * 4 * written + 12 * 4 * SLAB_VALUES + SHARD_BYTES)
 
 
 def stored_bits(options: Options) -> float:

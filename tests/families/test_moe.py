@@ -201,6 +201,45 @@ def test_mlx_of_glm4_moe_leaves_its_mtp_layer_out(cli, glm_mtp, tmp_path):
     common.assert_mlx_lm_reads_as_quantkit(out)
 
 
+MLX_RECIPE = """
+targets:
+  - name: mlx
+    method: mlx
+    options:
+      bits: 4
+      layer_bits: {'re:.*switch_mlp\.down_proj': 8}
+"""
+
+
+def test_mlx_precision_per_stacked_projection(cli, models, tmp_path):
+    """layer_bits names a stacked projection by its switch_mlp name (its config.json entry, every expert at those
+    bits); an --ignore pattern taking one expert keeps its whole projection 16-bit (entry false, stored as a
+    [experts, out, in] float tensor mlx-lm loads as a SwitchLinear); the plan says each expert's precision."""
+    from quantkit.io.checkpoint import check_model_dir
+    from quantkit.methods.mlx import METHOD, Options
+    from quantkit.run.plan import build_plan
+
+    recipe, out = tmp_path / "recipe.yaml", tmp_path / "out"
+    recipe.write_text(MLX_RECIPE)
+    ignore = "model.layers.0.mlp.experts.1.up_proj"
+    result = cli("quantize", models("qwen3_moe"), "--recipe", recipe, *common.CALIB, *common.LOOSE_GATE, "--ignore",
+                 ignore, "-o", out)
+    common.assert_passed(result, out)
+    block = json.loads((out / "config.json").read_text())["quantization"]
+    for layer in (0, 1):
+        assert block[f"model.layers.{layer}.mlp.switch_mlp.down_proj"] == {"group_size": 64, "bits": 8, "mode": "affine"}
+    assert block["model.layers.0.mlp.switch_mlp.up_proj"] is False and "model.layers.1.mlp.switch_mlp.up_proj" not in block
+    stored = common.stored_tensors(out)
+    assert stored["model.layers.0.mlp.switch_mlp.up_proj.weight"].shape == (4, 256, 256)
+    assert "model.layers.0.mlp.switch_mlp.up_proj.scales" not in stored
+    common.assert_mlx_lm_reads_as_quantkit(out)
+    entries = {e.name: e.precision for e in build_plan(check_model_dir(models("qwen3_moe")), METHOD,
+                                                       Options(layer_bits={"re:.*switch_mlp\\.down_proj": 8}), [])}
+    assert entries["model.layers.1.mlp.experts.3.down_proj"] == "mlx affine 8-bit g64 (calibrated)"
+    assert entries["model.layers.1.mlp.experts.3.up_proj"] == "mlx affine 4-bit g64 (calibrated)"
+    assert "kept" in entries["model.layers.1.mlp.gate"]
+
+
 GLM_YARN = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=1024, rope_theta=10000.0,
                 partial_rotary_factor=0.5)
 
