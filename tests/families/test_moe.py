@@ -227,8 +227,10 @@ def test_mlx_precision_per_stacked_projection(cli, models, tmp_path):
     common.assert_passed(result, out)
     block = json.loads((out / "config.json").read_text())["quantization"]
     for layer in (0, 1):
-        assert block[f"model.layers.{layer}.mlp.switch_mlp.down_proj"] == {"group_size": 64, "bits": 8, "mode": "affine"}
-    assert block["model.layers.0.mlp.switch_mlp.up_proj"] is False and "model.layers.1.mlp.switch_mlp.up_proj" not in block
+        assert block[f"model.layers.{layer}.mlp.switch_mlp.down_proj"] == {"group_size": 64, "bits": 8,
+                                                                         "mode": "affine"}
+    assert block["model.layers.0.mlp.switch_mlp.up_proj"] is False
+    assert "model.layers.1.mlp.switch_mlp.up_proj" not in block  # the top-level precision
     stored = common.stored_tensors(out)
     assert stored["model.layers.0.mlp.switch_mlp.up_proj.weight"].shape == (4, 256, 256)
     assert "model.layers.0.mlp.switch_mlp.up_proj.scales" not in stored

@@ -84,7 +84,8 @@ class MlxExperts:
     (Mixtral's `block_sparse_moe`), `name` the projection's own or its entry in `renames`. A quantized artifact
     stores them so, each expert quantized along its last axis (mlx-lm's QuantizedSwitchLinear)."""
 
-    renames: dict[str, str] = field(default_factory=dict)  # checkpoint projection -> SwitchGLU's (Mixtral: w1 -> gate_proj)
+    # checkpoint projection -> SwitchGLU's, where they differ (Mixtral: w1 -> gate_proj)
+    renames: dict[str, str] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------- GGUF (llama.cpp's converter class, as data)

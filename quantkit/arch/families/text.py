@@ -205,7 +205,8 @@ def shift_norm(data: np.ndarray, source_dtype: str) -> np.ndarray:
 
 def check_mlx_rope_unscaled(config: dict) -> None:
     """mlx-lm's model of the family (glm4_moe, deepseek_v3, minimax) is given no rope_scaling by quantkit (it
-    writes only llama3 / longrope's, quantkit.mlx.checkpoint): a scaled RoPE would be read as none (Family.mlx_checks)."""
+    writes only llama3 / longrope's, quantkit.mlx.checkpoint): a scaled RoPE would be read as none
+    (Family.mlx_checks)."""
     from quantkit.errors import UnsupportedError
 
     kind = (config.get("rope_parameters") or {}).get("rope_type", "default")
