@@ -24,6 +24,9 @@ wrong with only a warning) or of MXFP4. So quantkit reads such an artifact itsel
 
 The model is streamed a unit at a time (a layer's fused experts are one unit) or resident, like any reading
 (quantkit.eval.scorers.reading_scorer); the strict-reload check is the dense one's.
+
+An MLX mixture of experts is read the same way (mlx_open): its stacked experts given back under the checkpoint's
+per-expert names (quantkit.mlx.checkpoint.MLXWeights), renamed as llm-compressor's linear experts name them.
 """
 
 from __future__ import annotations
