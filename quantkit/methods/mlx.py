@@ -23,8 +23,9 @@ states for gate and up, act(gate) * up for down), recorded on llm-compressor's l
 expert projection, run on its routed tokens only) in the calibration forward; the same values the GGUF imatrix
 collects from transformers' fused experts. An expert no calibration token reaches is weighted by plain squared
 error. The routers stay 16-bit (config.json's entry false), as quantkit keeps them for every method;
-mlx_lm.convert quantizes them. `layer_bits` names a stacked projection by its `switch_mlp` name. The
-multi-token-prediction layers after the decoder's are not written (mlx-lm's models have none).
+mlx_lm.convert quantizes them. Their correction bias keeps its stored dtype, as mlx_lm.convert keeps it.
+`layer_bits` names a stacked projection by its `switch_mlp` name. The multi-token-prediction layers after the
+decoder's are not written (mlx-lm's models have none).
 
 An affine group (w = scale * q + bias) is an asymmetric integer group with a zero point; the gate
 reads the file back with quantkit's own dequantization, bit-exact with mlx.core.dequantize.
@@ -293,7 +294,8 @@ def quantize(job: QuantizeJob) -> QuantizeResult:
 
     from quantkit.engines.transformers import torch_dtype
     from quantkit.io.checkpoint import SafetensorsWeights
-    from quantkit.mlx.checkpoint import ShardedWriter, expert_stacks, mlx_config, mtp_layers, quantization_block
+    from quantkit.mlx.checkpoint import (ShardedWriter, expert_stacks, keeps_dtype, mlx_config, mtp_layers,
+                                         quantization_block)
 
     opts = job.options
     plan = layer_plan(job.info, opts, job.ignore)
@@ -318,8 +320,8 @@ def quantize(job: QuantizeJob) -> QuantizeResult:
         else:
             module, weight = tensor.removesuffix(".weight"), source.get(tensor)
         if plan.get(module) is None or not tensor.endswith(".weight"):
-            writer.add(module + ".weight" if tensor in first else tensor,
-                       weight.to(dtype) if weight.is_floating_point() else weight)
+            cast = weight.is_floating_point() and not keeps_dtype(job.info.config, tensor)
+            writer.add(module + ".weight" if tensor in first else tensor, weight.to(dtype) if cast else weight)
             continue
         for name, value in quantized_module(job, module, weight, plan[module], imp, dtype).items():
             writer.add(name, value)

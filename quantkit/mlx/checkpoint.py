@@ -154,6 +154,14 @@ def mtp_layers(config: dict, names) -> tuple[str, ...]:
     return tuple(mtp_prefixes(config, names, layout)) if layout is not None else ()
 
 
+def keeps_dtype(config: dict, name: str) -> bool:
+    """Whether a tensor is written in its stored dtype, as mlx_lm.convert writes it (the family's
+    `mlx_experts.uncast`: its mlx-lm model's cast_predicate; the routers' correction bias)."""
+    family = of_config(config)
+    uncast = family.mlx_experts.uncast if family is not None and family.mlx_experts is not None else ()
+    return any(part in name for part in uncast)
+
+
 STACKED_WEIGHT = re.compile(r"^(?P<block>.*\.)switch_mlp\.(?P<projection>[A-Za-z0-9_]+)\.weight$")
 
 

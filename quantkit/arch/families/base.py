@@ -86,6 +86,9 @@ class MlxExperts:
 
     # checkpoint projection -> SwitchGLU's, where they differ (Mixtral: w1 -> gate_proj)
     renames: dict[str, str] = field(default_factory=dict)
+    # tensors (by a part of their name) its model's cast_predicate keeps in their stored dtype, as mlx_lm.convert
+    # writes them: the routers' e_score_correction_bias
+    uncast: tuple[str, ...] = ()
 
 
 # ---------------------------------------------------------------- GGUF (llama.cpp's converter class, as data)

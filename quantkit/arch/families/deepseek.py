@@ -236,7 +236,7 @@ DEEPSEEK_V3 = Family("deepseek_v3", ARCH, "DeepSeek-V3", smoothing=MLA_ROWS, moe
                                       vocab_check=check_tokenizer_json, drops=mtp_or_tied_head,
                                       layer_kv_heads=lambda hp: [1] * hp["num_hidden_layers"],
                                       imatrix_inputs=mla_imatrix_inputs)},
-                     kept=(MLX_KV_B,), mlx="deepseek_v3", mlx_experts=MlxExperts(),
+                     kept=(MLX_KV_B,), mlx="deepseek_v3", mlx_experts=MlxExperts(uncast=("e_score_correction_bias",)),
                      mlx_checks=(text.check_mlx_rope_unscaled,))
 
 FAMILIES = (DEEPSEEK_V3,)

@@ -80,7 +80,7 @@ GLM4_MOE = Family("glm4_moe", ARCH, "GLM-4.5", smoothing=ROUTED_ROWS, moe=MoeLay
                   experts_by_name=ExpertCheckpoint(mtp_keys=("num_nextn_predict_layers",)),
                   gguf={ARCH: Gguf("GLM4_MOE", add_glm4_moe_params, "glm", experts="qwen", blocks=blocks,
                                    own_names=True)},
-                  mlx="glm4_moe", mlx_experts=MlxExperts(), mlx_fields=lambda config: {"rope_scaling": None},
+                  mlx="glm4_moe", mlx_experts=MlxExperts(uncast=("e_score_correction_bias",)), mlx_fields=lambda config: {"rope_scaling": None},
                   mlx_checks=(text.check_mlx_rope_unscaled,))
 
 FAMILIES = (GLM4_MOE,)

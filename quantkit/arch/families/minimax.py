@@ -51,7 +51,8 @@ MINIMAX_M2 = Family(
                   block_rename=("block_sparse_moe", "mlp")),
     gguf={ARCH: Gguf("MINIMAXM2", add_minimax_m2_params, "gpt2", experts="mixtral", checks=(check_rotary_dim,),
                      rules=RULES)},
-    mlx="minimax", mlx_experts=MlxExperts({"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}),
+    mlx="minimax", mlx_experts=MlxExperts({"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"},
+                                     uncast=("e_score_correction_bias",)),
     mlx_fields=lambda config: {"shared_intermediate_size": 0},  # required by mlx-lm's ModelArgs, never read
     mlx_checks=(text.check_mlx_rope_unscaled,),
 )
