@@ -35,8 +35,8 @@ from quantkit.arch.families import FAMILIES, of_config
 from quantkit.arch.moe import EXPERT_TENSOR, mtp_prefixes
 from quantkit.errors import ModelError
 
-# config.json model_type -> the mlx_lm.models module that loads it, with the Hugging Face names as stored (each
-# family record's `mlx`: quantkit.arch.families)
+# config.json model_type -> the mlx_lm.models module that loads it, with the Hugging Face names as stored and a
+# mixture's experts stacked (expert_stacks) (each family record's `mlx`: quantkit.arch.families)
 MLX_MODEL_TYPES = {f.model_type: f.mlx for f in FAMILIES if f.mlx}
 MODE = "affine"
 SHARD_BYTES = 512 * 1024 ** 2  # data bytes held before a shard is written (mlx_lm loads model*.safetensors)
