@@ -115,8 +115,8 @@ def layer_plan(info, options: Options, ignore: list[str]) -> dict[str, Precision
     """{module name: precision or None} of every module mlx-lm could quantize (Linear and Embedding weights); of a
     mixture of experts, the routers None (16-bit, their config.json entry false) and each routed projection as the
     SwitchGLU module mlx-lm stacks it into (quantkit.mlx.checkpoint.expert_stacks), one precision for all its
-    experts: `layer_bits` takes it by that name, the ignore list by that name or any of its experts'; the
-    multi-token-prediction layers left out (not written: quantkit.mlx.checkpoint.mtp_layers)."""
+    experts: `layer_bits` takes it by that name, the ignore list by its experts' names (all of them: check_ignore);
+    the multi-token-prediction layers left out (not written: quantkit.mlx.checkpoint.mtp_layers)."""
     from quantkit.arch.roles import classify, linear_weights, matches
     from quantkit.mlx.checkpoint import expert_stacks, mtp_layers
 
@@ -133,8 +133,8 @@ def layer_plan(info, options: Options, ignore: list[str]) -> dict[str, Precision
             plan[name] = module_precision(options, name, shape, ignore)
     for module, names in stacks.items():
         experts = [n.removesuffix(".weight") for n in names]
-        kept = any(matches(expert, list(ignore)) for expert in experts)
-        plan[module] = None if kept else module_precision(options, module, [len(names), *linear[experts[0]]], ignore)
+        kept = all(matches(expert, list(ignore)) for expert in experts)
+        plan[module] = None if kept else module_precision(options, module, [len(names), *linear[experts[0]]])
     return plan
 
 
@@ -146,6 +146,20 @@ def exact_types(info, options: Options) -> dict[str, str]:
     stacks = expert_stacks(info.config, info.tensors)
     return {name.removesuffix(".weight"): precision_text(plan[module], options)
             for module, names in stacks.items() if plan.get(module) is not None for name in names}
+
+
+def check_ignore(info, options: Options, ignore: list[str]) -> None:
+    """A stacked expert projection is one tensor in mlx-lm: an ignore list that takes some of its experts and not the
+    others is refused before work (UnsupportedError)."""
+    from quantkit.arch.roles import matches
+    from quantkit.mlx.checkpoint import expert_stacks
+
+    for module, names in expert_stacks(info.config, info.tensors).items():
+        taken = [matches(name.removesuffix(".weight"), list(ignore)) for name in names]
+        if any(taken) and not all(taken):
+            raise UnsupportedError(f"mlx: the ignore list keeps {sum(taken)} of the {len(names)} experts of {module} "
+                                   "16-bit: mlx-lm stores a projection's experts as one tensor, of one precision",
+                                   hint="ignore every expert of it (e.g. re:.*experts\\.\\d+\\.up_proj$) or none")
 
 
 def family_refusal(model_type: str, is_vlm: bool) -> str | None:
@@ -400,7 +414,7 @@ METHOD = MethodSpec(
     needs_model=lambda info, options: False,  # reads the checkpoint; the importances stream it
     support=support, rotation_refused=ROTATION_REFUSED,
     layers=Layers(keeps_lm_head=lambda options: False,  # quantized as mlx_lm.convert does (--ignore lm_head keeps it)
-                  exact_types=exact_types),
+                  exact_types=exact_types, check_ignore=check_ignore),
     sizes=Sizes(stored_bits=stored_bits, working_set=working_set, precision_bits=precision_bits),
     ranks=OnRanks(lambda options: RANKS_REFUSED),  # converts in one process: refused on ranks, saying why,
     auto=AUTO_RUNGS,

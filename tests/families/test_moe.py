@@ -213,15 +213,19 @@ targets:
 
 def test_mlx_precision_per_stacked_projection(cli, models, tmp_path):
     """layer_bits names a stacked projection by its switch_mlp name (its config.json entry, every expert at those
-    bits); an --ignore pattern taking one expert keeps its whole projection 16-bit (entry false, stored as a
-    [experts, out, in] float tensor mlx-lm loads as a SwitchLinear); the plan says each expert's precision."""
+    bits); --ignore taking every expert of a projection keeps it 16-bit (entry false, stored as a [experts, out, in]
+    float tensor mlx-lm loads as a SwitchLinear), taking some of them is refused before work; the plan says each
+    expert's precision."""
     from quantkit.io.checkpoint import check_model_dir
     from quantkit.methods.mlx import METHOD, Options
     from quantkit.run.plan import build_plan
 
     recipe, out = tmp_path / "recipe.yaml", tmp_path / "out"
     recipe.write_text(MLX_RECIPE)
-    ignore = "model.layers.0.mlp.experts.1.up_proj"
+    partial = cli("quantize", models("qwen3_moe"), "--recipe", recipe, *common.CALIB, "--ignore",
+                  "model.layers.0.mlp.experts.1.up_proj", "-o", out)
+    common.assert_refused(partial, out, "1 of the 4 experts of model.layers.0.mlp.switch_mlp.up_proj")
+    ignore = r"re:model\.layers\.0\.mlp\.experts\.\d+\.up_proj$"
     result = cli("quantize", models("qwen3_moe"), "--recipe", recipe, *common.CALIB, *common.LOOSE_GATE, "--ignore",
                  ignore, "-o", out)
     common.assert_passed(result, out)
@@ -240,6 +244,8 @@ def test_mlx_precision_per_stacked_projection(cli, models, tmp_path):
     assert entries["model.layers.1.mlp.experts.3.down_proj"] == "mlx affine 8-bit g64 (calibrated)"
     assert entries["model.layers.1.mlp.experts.3.up_proj"] == "mlx affine 4-bit g64 (calibrated)"
     assert "kept" in entries["model.layers.1.mlp.gate"]
+    kept = build_plan(check_model_dir(models("qwen3_moe")), METHOD, Options(), [ignore])
+    assert all(e.kept for e in kept if e.name.startswith("model.layers.0.mlp.experts.") and e.name.endswith("up_proj"))
 
 
 GLM_YARN = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=1024, rope_theta=10000.0,
