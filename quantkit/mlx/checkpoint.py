@@ -284,11 +284,7 @@ class MLXWeights:
 
         stored, expert = self.experts.get(name, (name, None))
         module = stored.removesuffix(".weight")
-        if expert is None:
-            read = read_stored
-        else:
-            def read(entry):
-                return read_stored_rows(entry, [expert])[0]
+        read = read_stored if expert is None else (lambda entry: read_stored_rows(entry, [expert])[0])
         if module not in self.quantized:
             return read(self.index[stored])
         precision = module_precision(self.config, module)
