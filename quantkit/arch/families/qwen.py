@@ -3,6 +3,11 @@ Qwen2-VL, Qwen2.5-VL and Qwen3-VL (their decoder layers are Qwen2's / Qwen3's).
 
 GGUF: llama.cpp conversion/qwen.py (Qwen2Model, Qwen3Model, Qwen3MoeModel) and qwenvl.py / qwen3vl.py for the
 VLMs' language models (multimodal RoPE sections; Qwen3-VL's deepstack layer count).
+
+MLX: mlx-lm's qwen2_moe and qwen3_moe, the routed experts stacked as `mlp.switch_mlp.*`, the routers (`mlp.gate`,
+Qwen2-MoE's `shared_expert_gate`) 16-bit; both read the expert count as `num_experts` (written beside transformers
+5's `num_local_experts`). mlx-lm's qwen2_moe routes every layer and never renormalises the top-k weights: a
+Qwen2-MoE config.json with dense layers or norm_topk_prob is refused.
 """
 
 from __future__ import annotations
