@@ -191,6 +191,47 @@ def test_mlx_experts_stacked_and_read_by_mlx_lm(cli, models, tmp_path, family):
     common.assert_mlx_lm_reads_as_quantkit(out)
 
 
+def stored_headers(path: Path) -> dict:
+    """{tensor: (shape, dtype)} of a directory's safetensors files."""
+    from safetensors import safe_open
+
+    headers = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(file, "np") as f:
+            headers |= {name: (tuple(f.get_slice(name).get_shape()), f.get_slice(name).get_dtype()) for name in f.keys()}
+    return headers
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_mlx_stores_the_tensors_mlx_lm_convert_stores(cli, models, tmp_path, family):
+    """The artifact holds exactly the tensors mlx_lm.convert -q writes for the same checkpoint (names, shapes,
+    dtypes: the stacked experts included), the routers aside: 16-bit here, quantized there (Qwen3-MoE's at 8 bits,
+    its model's quant_predicate). mlx_lm.convert is given the checkpoint with the fields quantkit writes mlx-lm
+    (it cannot build the model from transformers 5's config.json alone)."""
+    import shutil
+
+    pytest.importorskip("mlx_lm", reason="mlx-lm is not installed (pip install 'quantkit[mlx]')")
+    from mlx_lm import convert
+
+    from quantkit.arch.roles import classify
+    from quantkit.mlx.checkpoint import mlx_lm_fields
+
+    source, theirs, ours = tmp_path / "source", tmp_path / "theirs", tmp_path / "ours"
+    shutil.copytree(models(family), source)
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps(config | mlx_lm_fields(config)))
+    convert(str(source), str(theirs), quantize=True)
+    common.assert_passed(common.quantize(cli, models(family), ours, "mlx", gate=False), ours)
+    expected, stored = stored_headers(theirs), stored_headers(ours)
+
+    def router(name: str) -> bool:
+        return classify(name.rsplit(".", 1)[0] + ".weight") == "router"
+
+    assert {k: v for k, v in stored.items() if not router(k)} == {k: v for k, v in expected.items() if not router(k)}
+    routers = [name for name in stored if router(name)]
+    assert routers and all(stored[r][1] == "BF16" and expected[r][1] == "U32" for r in routers)
+
+
 def test_mlx_of_glm4_moe_leaves_its_mtp_layer_out(cli, glm_mtp, tmp_path):
     """The MTP layer after the decoder's is not written (mlx-lm's glm4_moe has none); mlx-lm loads the rest."""
     out = tmp_path / "out"
