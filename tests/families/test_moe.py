@@ -198,7 +198,8 @@ def stored_headers(path: Path) -> dict:
     headers = {}
     for file in sorted(path.glob("*.safetensors")):
         with safe_open(file, "np") as f:
-            headers |= {name: (tuple(f.get_slice(name).get_shape()), f.get_slice(name).get_dtype()) for name in f.keys()}
+            for name in f.keys():  # noqa: SIM118  (safe_open has no iteration)
+                headers[name] = (tuple(f.get_slice(name).get_shape()), f.get_slice(name).get_dtype())
     return headers
 
 
