@@ -186,19 +186,19 @@ def load_gguf_into_base(path: Path, base_dir: Path, device: str = "cpu", trust_r
 
 
 def load_mlx(path: Path, device: str = "cpu"):
-    """An mlx-lm directory dequantized (as mlx.core.dequantize does) into its transformers architecture,
-    in the dtype its scales are stored in."""
+    """An mlx-lm directory dequantized (as mlx.core.dequantize does) into its transformers architecture
+    (a mixture of experts with linear experts: quantkit.eval.experts.mlx_open), in the dtype its scales are
+    stored in."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     from quantkit.engines.transformers import device_map
+    from quantkit.eval.experts import mlx_open
     from quantkit.mlx.checkpoint import MLXWeights
 
     weights = MLXWeights(path)
     config = weights.transformers_config()
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, weights.stored_dtype()))
-    state = {name: weights.get(name) for name in weights.keys()}  # noqa: SIM118  (a WeightSource, not a dict)
+    model, source = mlx_open(weights, config, getattr(torch, weights.stored_dtype()))
+    state = {name: source.get(name) for name in source.keys()}  # noqa: SIM118  (a WeightSource, not a dict)
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
     missing = [n for n, p in model.named_parameters() if p.is_meta]

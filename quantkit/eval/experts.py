@@ -24,6 +24,9 @@ wrong with only a warning) or of MXFP4. So quantkit reads such an artifact itsel
 
 The model is streamed a unit at a time (a layer's fused experts are one unit) or resident, like any reading
 (quantkit.eval.scorers.reading_scorer); the strict-reload check is the dense one's.
+
+An MLX mixture of experts is read the same way (mlx_open): its stacked experts given back under the checkpoint's
+per-expert names (quantkit.mlx.checkpoint.MLXWeights), renamed as llm-compressor's linear experts name them.
 """
 
 from __future__ import annotations
@@ -290,6 +293,45 @@ class ModelNamed:
         from quantkit.io.checkpoint import read_stored_rows
 
         return read_stored_rows(self.index[name], index)
+
+
+class RenamedWeights:
+    """A WeightSource's tensors (stored names) by the names of the linear-experts model (`model_name`)."""
+
+    def __init__(self, weights, layout, model_type: str):
+        from quantkit.arch.moe import load_renamings
+
+        renamings = load_renamings(model_type)
+        self.weights = weights
+        self.names = {model_name(n, layout, renamings): n for n in weights.keys()}
+
+    def keys(self) -> list[str]:
+        return list(self.names)
+
+    def get(self, name: str):
+        return self.weights.get(self.names[name])
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.weights.shape(self.names[name])
+
+    def rows(self, name: str, index):
+        return self.weights.rows(self.names[name], index)
+
+
+def mlx_open(weights, config, dtype):
+    """An mlx-lm directory's model on the meta device and the source of its weights (`weights`:
+    quantkit.mlx.checkpoint.MLXWeights, which gives stacked experts back under the checkpoint's per-expert names): a
+    mixture of experts (a family with an expert layout) as llm-compressor's linear experts, the names renamed as
+    the model names them (RenamedWeights), its stored buffers read in; a dense model as it is."""
+    from quantkit.eval.stream import build_meta_model
+
+    layout = moe_layout(config.to_dict())
+    if layout is None:
+        return build_meta_model(config, dtype), weights
+    model = linear_experts_model(config, dtype)
+    source = RenamedWeights(weights, layout, text_model_type(config.to_dict()))
+    load_buffers(model, source)
+    return model, source
 
 
 # an expert projection's static input scale: vLLM's fused MoE keeps one per layer for gate/up (w13) and one for down

@@ -135,16 +135,17 @@ def weight_bytes(source: WeightSource, dtype) -> int:
     return size * sum(math.prod(source.shape(name)) for name in source.keys())
 
 
-def forward_model(config, source: WeightSource, dtype, device, room: int):
+def forward_model(config, source: WeightSource, dtype, device, room: int, model=None):
     """The CausalLM of `config` for a method's own forwards (imatrix, column importances): whole on `device`
     when its weights in `dtype` and a batch's activations fit `room` (the run's placement: quantkit.eval.scorers.
-    Placement.room), else streamed a layer at a time (quantkit.eval.stream.stream_model). Either has `.model`,
-    `.device` and `.head`."""
-    from quantkit.eval.stream import ACTIVATION_BYTES, stream_model
+    Placement.room), else streamed a layer at a time (quantkit.eval.stream.stream_built). Either has `.model`,
+    `.device` and `.head`. `model`: one built on the meta device already (build_meta_model, perhaps changed)."""
+    from quantkit.eval.stream import ACTIVATION_BYTES, build_meta_model, stream_built
 
+    model = model if model is not None else build_meta_model(config, dtype)
     if room and weight_bytes(source, dtype) + ACTIVATION_BYTES <= room:
-        return resident_model(config, source, dtype, device)
-    return stream_model(config, source, dtype, device)
+        return resident_built(model, config, source, device)
+    return stream_built(model, config, source, device)
 
 
 def score_batch(resident: ResidentModel, ids, buffers: Buffers | None = None) -> Iterator[ScoredChunk]:

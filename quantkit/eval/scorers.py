@@ -85,15 +85,17 @@ def gguf_reading(path: Path, base_dir: Path) -> Reading:
 
 
 def mlx_reading(path: Path) -> Reading:
-    """An mlx-lm directory in its transformers architecture, each quantized weight dequantized exactly
-    as mlx.core.dequantize does, computed in the dtype its scales are stored in (as mlx-lm computes)."""
+    """An mlx-lm directory in its transformers architecture (a mixture of experts with linear experts:
+    quantkit.eval.experts.mlx_open), each quantized weight dequantized exactly as mlx.core.dequantize does,
+    computed in the dtype its scales are stored in (as mlx-lm computes)."""
     import torch
 
+    from quantkit.eval.experts import mlx_open
     from quantkit.mlx.checkpoint import MLXWeights
 
     weights = MLXWeights(path)
     config = weights.transformers_config()
-    return Reading(config, lambda: (stream.build_meta_model(config, getattr(torch, weights.stored_dtype())), weights))
+    return Reading(config, lambda: mlx_open(weights, config, getattr(torch, weights.stored_dtype())))
 
 
 def compressed_reading(path: Path) -> Reading:

@@ -16,6 +16,17 @@ does for k-quants; quantkit.mlx.affine.quantize). The output head is weighted by
 states (and, when tied, so is the embedding); an untied embedding by plain squared error.
 `calibrate: false` gives plain min/max rounding with no calibration windows.
 
+Mixtures of experts (the families whose record has `mlx_experts`): each routed projection is written stacked, as
+mlx-lm's SwitchGLU holds it (`<block>.switch_mlp.<projection>`, [experts, out, in]), every expert quantized on its
+own along its last axis, with its own column importances: the inputs of the tokens the router sends it (the hidden
+states for gate and up, act(gate) * up for down), recorded on llm-compressor's linear experts (one Linear per
+expert projection, run on its routed tokens only) in the calibration forward; the same values the GGUF imatrix
+collects from transformers' fused experts. An expert no calibration token reaches is weighted by plain squared
+error. The routers stay 16-bit (config.json's entry false), as quantkit keeps them for every method;
+mlx_lm.convert quantizes them. Their correction bias keeps its stored dtype, as mlx_lm.convert keeps it.
+`layer_bits` names a stacked projection by its `switch_mlp` name. The multi-token-prediction layers after the
+decoder's are not written (mlx-lm's models have none).
+
 An affine group (w = scale * q + bias) is an asymmetric integer group with a zero point; the gate
 reads the file back with quantkit's own dequantization, bit-exact with mlx.core.dequantize.
 """
@@ -87,30 +98,81 @@ def module_precision(options: Options, name: str, shape: list[int], ignore: list
 
 
 def precision(role: str, options: Options, name: str, shape: list[int]) -> str | None:
-    if role not in QUANTIZED_ROLES or len(shape) != 2:
+    from quantkit.arch.moe import is_expert_weight
+
+    if role not in QUANTIZED_ROLES or len(shape) != 2 or is_expert_weight(name):  # experts: exact_types
         return None
     chosen = module_precision(options, name, shape)
-    if chosen is None:
-        return None
+    return None if chosen is None else precision_text(chosen, options)
+
+
+def precision_text(chosen: Precision, options: Options) -> str:
     how = "calibrated" if options.calibrate else "min/max rounding"
     return f"mlx affine {chosen.bits}-bit g{chosen.group_size} ({how})"
 
 
 def layer_plan(info, options: Options, ignore: list[str]) -> dict[str, Precision | None]:
-    """{module name: precision or None} of every module mlx-lm could quantize (Linear and Embedding weights)."""
-    from quantkit.arch.roles import classify, linear_weights
+    """{module name: precision or None} of every module mlx-lm could quantize (Linear and Embedding weights); of a
+    mixture of experts, the routers None (16-bit, their config.json entry false) and each routed projection as the
+    SwitchGLU module mlx-lm stacks it into (quantkit.mlx.checkpoint.expert_stacks), one precision for all its
+    experts: `layer_bits` takes it by that name, the ignore list by its experts' names (all of them: check_ignore);
+    the multi-token-prediction layers left out (not written: quantkit.mlx.checkpoint.mtp_layers)."""
+    from quantkit.arch.roles import classify, linear_weights, matches
+    from quantkit.mlx.checkpoint import expert_stacks, mtp_layers
 
-    return {name: module_precision(options, name, shape, ignore) for name, shape in linear_weights(info).items()
-            if classify(name + ".weight", info.towers) in QUANTIZED_ROLES}
+    mtp = mtp_layers(info.config, info.tensors)
+    linear = {name: shape for name, shape in linear_weights(info).items() if not name.startswith(mtp)}
+    stacks = expert_stacks(info.config, [name + ".weight" for name in linear])
+    stacked = {n.removesuffix(".weight") for names in stacks.values() for n in names}
+    plan = {}
+    for name, shape in linear.items():
+        role = classify(name + ".weight", info.towers)
+        if role == "router":
+            plan[name] = None
+        elif role in QUANTIZED_ROLES and name not in stacked:
+            plan[name] = module_precision(options, name, shape, ignore)
+    for module, names in stacks.items():
+        experts = [n.removesuffix(".weight") for n in names]
+        kept = all(matches(expert, list(ignore)) for expert in experts)
+        plan[module] = None if kept else module_precision(options, module, [len(names), *linear[experts[0]]])
+    return plan
+
+
+def exact_types(info, options: Options) -> dict[str, str]:
+    """The plan's entries of the routed experts: each expert the precision of the stacked module it is written in."""
+    from quantkit.mlx.checkpoint import expert_stacks
+
+    plan = layer_plan(info, options, [])
+    stacks = expert_stacks(info.config, info.tensors)
+    return {name.removesuffix(".weight"): precision_text(plan[module], options)
+            for module, names in stacks.items() if plan.get(module) is not None for name in names}
+
+
+def check_ignore(info, options: Options, ignore: list[str]) -> None:
+    """A stacked expert projection is one tensor in mlx-lm: an ignore list that takes some of its experts and not the
+    others is refused before work (UnsupportedError)."""
+    from quantkit.arch.roles import matches
+    from quantkit.mlx.checkpoint import expert_stacks
+
+    for module, names in expert_stacks(info.config, info.tensors).items():
+        taken = [matches(name.removesuffix(".weight"), list(ignore)) for name in names]
+        if any(taken) and not all(taken):
+            raise UnsupportedError(f"mlx: the ignore list keeps {sum(taken)} of the {len(names)} experts of {module} "
+                                   "16-bit: mlx-lm stores a projection's experts as one tensor, of one precision",
+                                   hint="ignore every expert of it (e.g. re:.*experts\\.\\d+\\.up_proj$) or none")
 
 
 def family_refusal(model_type: str, is_vlm: bool) -> str | None:
     from quantkit.arch import moe
+    from quantkit.arch.families import by_model_type
 
+    family = by_model_type(model_type)
     if is_vlm:
         return "a VLM's towers are not in mlx-lm (mlx-vlm runs those)"
-    if moe.is_moe(model_type):
-        return "mlx-lm stacks the experts into one tensor per projection, which is not written yet"
+    if family is not None and family.mlx_refusal:
+        return family.mlx_refusal
+    if moe.is_moe(model_type) and (family is None or family.mlx_experts is None):
+        return "no mlx-lm model that loads its experts stacked is written for it"
     if model_type not in MLX_MODEL_TYPES:
         return "not among the mlx-lm models written with the Hugging Face tensor names"
     return None
@@ -133,8 +195,12 @@ def check(info, options: Options, calibration=None) -> None:
 
 
 def support(family) -> str:
+    from quantkit.arch import moe
+
     refusal = family_refusal(family.model_type, family.is_vlm)
-    return f"refused: {refusal}" if refusal else "✅"
+    if refusal:
+        return f"refused: {refusal}"
+    return "✅ experts stacked per projection, routers 16-bit" if moe.is_moe(family.model_type) else "✅"
 
 
 # ---------------------------------------------------------------- calibration: column importances
@@ -144,23 +210,23 @@ def column_importance(job: QuantizeJob) -> dict:
     """{module name: mean squared input activation per column} of every Linear on the calibration
     windows, the base in float32 (CPU kernels are fastest there, and the statistics want it), whole where
     the run's placement has room for it, else streamed a layer at a time (quantkit.eval.resident.forward_model);
-    the output head's from the final hidden states."""
+    the output head's from the final hidden states; each stacked expert projection's per expert ([experts,
+    columns]: calibration_base)."""
     import torch
 
     from quantkit.engines.transformers import device_map, hf_config
     from quantkit.eval.evaluate import iter_batches
     from quantkit.eval.resident import forward_model
     from quantkit.eval.stream import last_hidden, windows_per_group
-    from quantkit.io.checkpoint import SafetensorsWeights
 
     config = hf_config(job.info.path)
-    streamed = forward_model(config, SafetensorsWeights(job.info.path), torch.float32, device_map(job.device),
-                             job.placement.room)
+    model, source, stored = calibration_base(job.info, config)
+    streamed = forward_model(config, source, torch.float32, device_map(job.device), job.placement.room, model)
     sums: dict[str, list] = {}
 
     def record(name: str, x) -> None:
         x = x.detach().reshape(-1, x.shape[-1]).to(torch.float64)
-        entry = sums.setdefault(name, [0.0, 0])
+        entry = sums.setdefault(stored.get(name, name), [0.0, 0])
         entry[0], entry[1] = entry[0] + (x * x).sum(0).cpu(), entry[1] + x.shape[0]
 
     hooks = [module.register_forward_hook(lambda m, inputs, out, name=name: record(name, inputs[0]))
@@ -175,7 +241,45 @@ def column_importance(job: QuantizeJob) -> dict:
     finally:
         for hook in hooks:
             hook.remove()
-    return {name: (total / max(count, 1)).to(torch.float32) for name, (total, count) in sums.items()}
+    imp = {name: (total / max(count, 1)).to(torch.float32) for name, (total, count) in sums.items()}
+    return imp | stacked_importance(job.info, imp)
+
+
+def calibration_base(info, config):
+    """(meta-device model, its weights, {its module name: the checkpoint's}) the calibration windows run through:
+    the CausalLM of `config`; for a mixture of experts, with llm-compressor's linear experts (one Linear per expert
+    projection, run on the tokens the router sends that expert only: quantkit.eval.experts.linear_experts_model),
+    the checkpoint's tensors renamed as that model names them."""
+    import torch
+
+    from quantkit.eval import experts
+    from quantkit.io.checkpoint import SafetensorsWeights
+
+    source = SafetensorsWeights(info.path)
+    layout = experts.moe_layout(info.config)
+    if layout is None:
+        return None, source, {}
+    renamed = experts.RenamedWeights(source, layout, experts.text_model_type(info.config))
+    stored = {name.removesuffix(".weight"): checkpoint.removesuffix(".weight")
+              for name, checkpoint in renamed.names.items()}
+    return experts.linear_experts_model(config, torch.float32), renamed, stored
+
+
+def stacked_importance(info, imp: dict) -> dict:
+    """{SwitchGLU module: its experts' column importances stacked ([experts, columns])}: an expert no calibration
+    token reached has zeros (quantkit.mlx.affine.importance_floor: plain squared error)."""
+    import torch
+
+    from quantkit.arch.roles import linear_weights
+    from quantkit.mlx.checkpoint import expert_stacks
+
+    linear = linear_weights(info)
+    out = {}
+    for module, names in expert_stacks(info.config, info.tensors).items():
+        experts = [name.removesuffix(".weight") for name in names]
+        columns = linear[experts[0]][-1]
+        out[module] = torch.stack([imp.get(e, torch.zeros(columns)) for e in experts])
+    return out
 
 
 def importance_of(name: str, imp: dict, info):
@@ -200,10 +304,12 @@ def is_embedding(module: str, info) -> bool:
 def quantize(job: QuantizeJob) -> QuantizeResult:
     import json
 
+    import torch
+
     from quantkit.engines.transformers import torch_dtype
     from quantkit.io.checkpoint import SafetensorsWeights
-    from quantkit.mlx import affine
-    from quantkit.mlx.checkpoint import ShardedWriter, mlx_config, quantization_block, quantized_tensors
+    from quantkit.mlx.checkpoint import (ShardedWriter, expert_stacks, keeps_dtype, mlx_config, mtp_layers,
+                                         quantization_block)
 
     opts = job.options
     plan = layer_plan(job.info, opts, job.ignore)
@@ -214,20 +320,24 @@ def quantize(job: QuantizeJob) -> QuantizeResult:
         imp = column_importance(job)
     dtype = torch_dtype(job.dtype, job.info)
     source, writer = SafetensorsWeights(job.info.path), ShardedWriter(job.out_dir)
+    mtp = mtp_layers(job.info.config, source.keys())
+    stacks = expert_stacks(job.info.config, [name for name in source.keys() if not name.startswith(mtp)])
+    first = {names[0]: module for module, names in stacks.items()}  # a stack is written where its first expert was
+    members = {name for names in stacks.values() for name in names}
     job.progress(f"writing {sum(p is not None for p in plan.values())} quantized modules")
     for tensor in source.keys():  # noqa: SIM118  (a WeightSource, not a dict)
-        module = tensor.removesuffix(".weight")
-        weight = source.get(tensor)
-        if plan.get(module) is None or not tensor.endswith(".weight"):
-            writer.add(tensor, weight.to(dtype) if weight.is_floating_point() else weight)
+        if tensor in first:
+            module = first[tensor]
+            weight = torch.stack([source.get(name) for name in stacks[module]])
+        elif tensor in members or tensor.startswith(mtp):
             continue
-        chosen, weights = plan[module], importance_of(module, imp, job.info) if opts.calibrate else None
-        if opts.calibrate and weights is None and not is_embedding(module, job.info):
-            from quantkit.errors import InternalError
-
-            raise InternalError(f"mlx: no calibration activations reached {module}")
-        words, scales, biases = affine.quantize(weight, chosen.bits, chosen.group_size, weights, dtype)
-        for name, value in quantized_tensors(module, words, scales, biases).items():
+        else:
+            module, weight = tensor.removesuffix(".weight"), source.get(tensor)
+        if plan.get(module) is None or not tensor.endswith(".weight"):
+            cast = weight.is_floating_point() and not keeps_dtype(job.info.config, tensor)
+            writer.add(module + ".weight" if tensor in first else tensor, weight.to(dtype) if cast else weight)
+            continue
+        for name, value in quantized_module(job, module, weight, plan[module], imp, dtype).items():
             writer.add(name, value)
     files = writer.close()
     default = Precision(opts.bits, opts.group_size)
@@ -243,19 +353,37 @@ def quantize(job: QuantizeJob) -> QuantizeResult:
         "calibration_tokens": int(job.windows.calib.numel()) if opts.calibrate else 0}})
 
 
+def quantized_module(job: QuantizeJob, module: str, weight, chosen: Precision, imp: dict, dtype) -> dict:
+    """The stored tensors of one quantized module (quantkit.mlx.checkpoint.quantized_tensors): a stacked expert
+    projection (3-D) expert by expert, each with its own column importances."""
+    from quantkit.mlx import affine
+    from quantkit.mlx.checkpoint import quantized_tensors
+
+    weights = importance_of(module, imp, job.info) if job.options.calibrate else None
+    if job.options.calibrate and weights is None and not is_embedding(module, job.info):
+        from quantkit.errors import InternalError
+
+        raise InternalError(f"mlx: no calibration activations reached {module}")
+    quantizer = affine.quantize_stacked if weight.dim() == 3 else affine.quantize
+    return quantized_tensors(module, *quantizer(weight, chosen.bits, chosen.group_size, weights, dtype))
+
+
 def working_set(info, options: Options) -> int:
     """The larger of the calibration pass (one float32 tensor streamed at a time with a group of windows'
     activations) and the writing (one weight read whole and in float32 with its quantized copy, the
-    search's temporaries on one slab of it, a shard's tensors waiting to be written)."""
+    search's temporaries on one slab of it, a shard's tensors waiting to be written); a mixture's largest
+    weight is a stacked expert projection, every expert of it."""
     import math
 
     from quantkit.eval.stream import ACTIVATION_BYTES
     from quantkit.mlx.affine import SLAB_VALUES
-    from quantkit.mlx.checkpoint import SHARD_BYTES
+    from quantkit.mlx.checkpoint import SHARD_BYTES, expert_stacks
 
     largest = max((math.prod(shape) for _dtype, shape in info.tensors.values()), default=0)
+    stacks = expert_stacks(info.config, info.tensors)  # a stacked expert projection is read and quantized whole
+    written = max([largest, *(sum(math.prod(info.tensors[n][1]) for n in names) for names in stacks.values())])
     calibrating = 2 * 4 * largest + ACTIVATION_BYTES if options.calibrate else 0
-    return max(calibrating, 2 * 4 * largest + 12 * 4 * SLAB_VALUES + SHARD_BYTES)
+    return max(calibrating, 2 * 4 * written + 12 * 4 * SLAB_VALUES + SHARD_BYTES)
 
 
 def stored_bits(options: Options) -> float:
@@ -285,7 +413,8 @@ METHOD = MethodSpec(
     check=check, needs_calibration=needs_calibration,
     needs_model=lambda info, options: False,  # reads the checkpoint; the importances stream it
     support=support, rotation_refused=ROTATION_REFUSED,
-    layers=Layers(keeps_lm_head=lambda options: False),  # quantized as mlx_lm.convert does (--ignore lm_head keeps it)
+    layers=Layers(keeps_lm_head=lambda options: False,  # quantized as mlx_lm.convert does (--ignore lm_head keeps it)
+                  exact_types=exact_types, check_ignore=check_ignore),
     sizes=Sizes(stored_bits=stored_bits, working_set=working_set, precision_bits=precision_bits),
     ranks=OnRanks(lambda options: RANKS_REFUSED),  # converts in one process: refused on ranks, saying why,
     auto=AUTO_RUNGS,

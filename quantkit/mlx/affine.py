@@ -142,3 +142,15 @@ def importance_floor(imp):
 def stored_bits(bits: int, group_size: int, scale_bytes: int = 2) -> float:
     """Bits per weight stored: the packed integers and a scale and a bias per group."""
     return bits + 2 * 8 * scale_bytes / group_size
+
+
+def quantize_stacked(w, bits: int, group_size: int, imp=None, dtype=None):
+    """(uint32 words [experts, rows, cols * bits / 32], scales, biases [experts, rows, cols / group_size]) of stacked
+    expert weights (experts, rows, cols), each expert quantized on its own along its last axis (`quantize`; `imp`
+    (experts, cols): each expert's column importances, None: plain rounding), as mlx-lm's QuantizedSwitchLinear
+    stores them."""
+    import torch
+
+    parts = [quantize(w[e], bits, group_size, None if imp is None else imp[e], dtype) for e in range(w.shape[0])]
+    return (np.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]),
+            torch.stack([p[2] for p in parts]))

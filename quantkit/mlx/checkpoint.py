@@ -11,23 +11,32 @@ writes the same modules, so the file sizes compare, and names every module that 
 top-level precision, as mlx_lm.convert does for its mixed recipes.
 
 The families written are those whose mlx-lm model takes the Hugging Face tensor names as they are
-(its `sanitize` only drops rotary buffers and a tied head): MLX_MODEL_TYPES.
+(its `sanitize` only drops rotary buffers and a tied head): MLX_MODEL_TYPES. A mixture of experts is written as
+that model's `sanitize` stacks a 16-bit one (the family record's `mlx_experts`: expert_stacks): each routed
+projection one `<block>.switch_mlp.<projection>` module of [experts, out, in], quantized expert by expert along
+its last axis (packed weight [experts, out, in * bits / 32], scales and biases [experts, out, in / group_size]),
+as mlx_lm.convert writes it (its QuantizedSwitchLinear); `sanitize` leaves stacked tensors as they are. The
+routers stay 16-bit (their entry false), where mlx_lm.convert quantizes them; the multi-token-prediction layers
+after the decoder's are not written (mtp_layers). MLXWeights reads the stacked modules back under the
+checkpoint's per-expert names.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from quantkit.arch.families import FAMILIES, of_config
+from quantkit.arch.moe import EXPERT_TENSOR, mtp_prefixes
 from quantkit.errors import ModelError
 
-# config.json model_type -> the mlx_lm.models module that loads it, with the Hugging Face names as stored (each
-# family record's `mlx`: quantkit.arch.families)
+# config.json model_type -> the mlx_lm.models module that loads it, with the Hugging Face names as stored and a
+# mixture's experts stacked (expert_stacks) (each family record's `mlx`: quantkit.arch.families)
 MLX_MODEL_TYPES = {f.model_type: f.mlx for f in FAMILIES if f.mlx}
 MODE = "affine"
 SHARD_BYTES = 512 * 1024 ** 2  # data bytes held before a shard is written (mlx_lm loads model*.safetensors)
@@ -118,6 +127,54 @@ def without_mlx_lm_fields(config: dict) -> dict:
     return {k: v for k, v in config.items() if not (k in derived and derived[k] == v)}
 
 
+# ------------------------------------------------------------------ stacked experts
+
+
+def expert_stacks(config: dict, names) -> dict[str, list[str]]:
+    """{SwitchGLU module: the checkpoint's per-expert weights stacked into it, in expert order} of the routed
+    experts among `names` (tensor names), as the family's mlx-lm model stacks them (its record's `mlx_experts`);
+    {} for a dense family."""
+    family = of_config(config)
+    if family is None or family.mlx_experts is None:
+        return {}
+    found: dict[str, dict[int, str]] = {}
+    for name in names:
+        if (m := EXPERT_TENSOR.match(name)) is not None:
+            projection = family.mlx_experts.renames.get(m["projection"], m["projection"])
+            found.setdefault(f"{m['layer']}switch_mlp.{projection}", {})[int(m["expert"])] = name
+    return {module: [experts[e] for e in sorted(experts)] for module, experts in sorted(found.items())}
+
+
+def mtp_layers(config: dict, names) -> tuple[str, ...]:
+    """The `model.layers.<i>.` prefixes of the multi-token-prediction layers the checkpoint stores
+    (quantkit.arch.moe.mtp_prefixes): not written, as mlx-lm's models have none (glm4_moe's and deepseek_v3's
+    sanitize drop them)."""
+    family = of_config(config)
+    layout = family.experts_by_name if family is not None else None
+    return tuple(mtp_prefixes(config, names, layout)) if layout is not None else ()
+
+
+def keeps_dtype(config: dict, name: str) -> bool:
+    """Whether a tensor is written in its stored dtype, as mlx_lm.convert writes it (the family's
+    `mlx_experts.uncast`: its mlx-lm model's cast_predicate; the routers' correction bias)."""
+    family = of_config(config)
+    uncast = family.mlx_experts.uncast if family is not None and family.mlx_experts is not None else ()
+    return any(part in name for part in uncast)
+
+
+STACKED_WEIGHT = re.compile(r"^(?P<block>.*\.)switch_mlp\.(?P<projection>[A-Za-z0-9_]+)\.weight$")
+
+
+def unstacked_names(config: dict, name: str, experts: int) -> list[str]:
+    """The checkpoint's per-expert weight names of a stored SwitchGLU weight (expert_stacks' way back); [] for any
+    other tensor."""
+    family, m = of_config(config), STACKED_WEIGHT.match(name)
+    if m is None or family is None or family.mlx_experts is None:
+        return []
+    stored = {new: old for old, new in family.mlx_experts.renames.items()}.get(m["projection"], m["projection"])
+    return [f"{m['block']}experts.{e}.{stored}.weight" for e in range(experts)]
+
+
 # ------------------------------------------------------------------ writing
 
 
@@ -173,7 +230,9 @@ def quantized_tensors(name: str, words: np.ndarray, scales, biases) -> dict:
 
 class MLXWeights:
     """An MLX model directory's tensors by Hugging Face name (quantkit.eval.stream.WeightSource), each
-    quantized weight dequantized exactly as mlx.core.dequantize does (quantkit.mlx.affine)."""
+    quantized weight dequantized exactly as mlx.core.dequantize does (quantkit.mlx.affine); a stacked expert
+    projection (`switch_mlp`) as the checkpoint's per-expert weights (`experts`: per-expert name -> (stored
+    weight, expert)), each expert's slice read and dequantized on its own."""
 
     def __init__(self, model_dir: Path):
         from quantkit.io.checkpoint import weight_files
@@ -187,6 +246,8 @@ class MLXWeights:
         self.quantized = {name[: -len(".scales")] for name in self.index if name.endswith(".scales")}
         for module in self.quantized:
             self.check_module(module)
+        self.experts = {expert: (name, e) for name, entry in self.index.items()
+                        for e, expert in enumerate(unstacked_names(self.config, name, entry.shape[0]))}
 
     def check_module(self, module: str) -> None:
         precision = module_precision(self.config, module)
@@ -197,7 +258,7 @@ class MLXWeights:
                              hint="the directory is not an mlx-lm quantized model as quantkit writes it: write it "
                                   "again with --method mlx")
         columns = words.shape[-1] * 32 // precision.bits
-        if columns != scales.shape[-1] * precision.group_size or words.shape[0] != scales.shape[0]:
+        if columns != scales.shape[-1] * precision.group_size or words.shape[:-1] != scales.shape[:-1]:
             raise ModelError(f"{self.path.name}: {module}'s packed weight {list(words.shape)} and scales "
                              f"{list(scales.shape)} disagree with {precision.bits} bits in groups of "
                              f"{precision.group_size}",
@@ -205,25 +266,30 @@ class MLXWeights:
                                   "again with --method mlx")
 
     def keys(self) -> list[str]:
-        return [n for n in self.index if not n.endswith((".scales", ".biases"))]
+        stacked = {name for name, _e in self.experts.values()}
+        return [n for n in self.index if not n.endswith((".scales", ".biases")) and n not in stacked] + \
+            list(self.experts)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        module = name.removesuffix(".weight")
+        stored, _expert = self.experts.get(name, (name, None))
+        module = stored.removesuffix(".weight")
+        shape = tuple(self.index[stored].shape[1:] if name in self.experts else self.index[stored].shape)
         if module in self.quantized:
-            rows, words = self.index[name].shape
-            return rows, words * 32 // module_precision(self.config, module).bits
-        return tuple(self.index[name].shape)
+            return (*shape[:-1], shape[-1] * 32 // module_precision(self.config, module).bits)
+        return shape
 
     def get(self, name: str):
-        from quantkit.io.safetensors import read_stored
+        from quantkit.io.safetensors import read_stored, read_stored_rows
         from quantkit.mlx.affine import dequantize
 
-        module = name.removesuffix(".weight")
+        stored, expert = self.experts.get(name, (name, None))
+        module = stored.removesuffix(".weight")
+        read = read_stored if expert is None else (lambda entry: read_stored_rows(entry, [expert])[0])
         if module not in self.quantized:
-            return read_stored(self.index[name])
+            return read(self.index[stored])
         precision = module_precision(self.config, module)
-        return dequantize(read_words(self.index[name]), read_stored(self.index[f"{module}.scales"]),
-                          read_stored(self.index[f"{module}.biases"]), precision.bits, precision.group_size)
+        return dequantize(read_words(self.index[stored], expert), read(self.index[f"{module}.scales"]),
+                          read(self.index[f"{module}.biases"]), precision.bits, precision.group_size)
 
     def rows(self, name: str, index):
         import torch
@@ -246,14 +312,17 @@ class MLXWeights:
         return TORCH_DTYPES[entry.dtype]
 
 
-def read_words(entry) -> np.ndarray:
-    """A stored uint32 tensor (the safetensors reader's torch dtypes have no uint32)."""
-    count = math.prod(entry.shape)
-    data = np.fromfile(entry.file, dtype="<u4", count=count, offset=entry.offset)
+def read_words(entry, expert: int | None = None) -> np.ndarray:
+    """A stored uint32 tensor (the safetensors reader's torch dtypes have no uint32); of a stacked one, the slice
+    of one expert (its first axis)."""
+    shape = tuple(entry.shape) if expert is None else tuple(entry.shape[1:])
+    count = math.prod(shape)
+    offset = entry.offset + (0 if expert is None else expert * count * 4)
+    data = np.fromfile(entry.file, dtype="<u4", count=count, offset=offset)
     if data.size != count:
         raise ModelError(f"{entry.file.name}: tensor data is truncated",
                          hint="the file is damaged or incomplete: write the artifact again")
-    return data.reshape(entry.shape)
+    return data.reshape(shape)
 
 
 def is_mlx_dir(config: dict) -> bool:

@@ -154,27 +154,34 @@ def assert_llama_perplexity_runs(path: Path, tmp_path: Path) -> None:
 
 
 def assert_mlx_lm_reads_as_quantkit(out: Path, ids: list[int] | None = None, tolerance: float = 1e-4) -> None:
-    """mlx_lm.load builds the quantized modules with exactly quantkit's weights, and its logits at float32
-    follow quantkit's reading of the artifact at float32 (tests/methods/test_mlx.py)."""
+    """mlx_lm.load builds the quantized modules with exactly quantkit's weights (a stacked expert projection's
+    every expert those quantkit reads under the checkpoint's per-expert names), and its logits at float32 follow
+    quantkit's reading of the artifact at float32 (tests/methods/test_mlx.py)."""
     import pytest
 
     mx = pytest.importorskip("mlx.core", reason="mlx is not installed (pip install 'quantkit[mlx]')")
     mlx_lm = pytest.importorskip("mlx_lm", reason="mlx-lm is not installed (pip install 'quantkit[mlx]')")
     import torch
     from mlx import nn
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 
     from quantkit.formats.gate import load_artifact
-    from quantkit.mlx.checkpoint import MLXWeights
+    from quantkit.mlx.checkpoint import MLXWeights, unstacked_names
     from tests.methods.test_mlx import float32_mlx_model
 
     mx.set_default_device(mx.cpu)
     model, _tokenizer = mlx_lm.load(str(out))
     ours = MLXWeights(out)
-    modules = [(n, m) for n, m in model.named_modules() if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))]
+    modules = [(n, m) for n, m in model.named_modules()
+               if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding, QuantizedSwitchLinear))]
     assert modules
     for name, m in modules:
-        theirs = mx.dequantize(m.weight, m.scales, m.biases, group_size=m.group_size, bits=m.bits)
-        assert np.array_equal(np.array(theirs.astype(mx.float32)), ours.get(name + ".weight").float().numpy()), name
+        theirs = np.array(mx.dequantize(m.weight, m.scales, m.biases, group_size=m.group_size,
+                                        bits=m.bits).astype(mx.float32))
+        experts = unstacked_names(ours.config, name + ".weight", theirs.shape[0]) if theirs.ndim == 3 else []
+        read = np.stack([ours.get(e).float().numpy() for e in experts]) if experts else \
+            ours.get(name + ".weight").float().numpy()
+        assert np.array_equal(theirs, read), name
     ids = ids or list(range(3, 40))
     theirs = np.array(float32_mlx_model(model)(mx.array(ids)[None]))[0]
     with torch.no_grad():

@@ -4,9 +4,10 @@ with every router kept 16-bit and every expert's scales finite (common.assert_mo
 
 Fast: fp8 on every family, gptq on DeepSeek-V3 and on GLM-4.5 with an expert no calibration token reaches (the
 same path for every family: llm-compressor's linear experts, then quantkit's reading), GGUF Q4_K_M of ERNIE 4.5
-MoE, MiniMax-M2 and GLM-4.5 (with and without its MTP layer), and the refusals (GGUF of the other families, MLX of
-all: no conversion yet). Slow: the other methods on every family, GGUF against llama.cpp's converter and
-llama-quantize.
+MoE, MiniMax-M2 and GLM-4.5 (with and without its MTP layer), MLX of the families mlx-lm loads stacked (with the
+older Qwen2-MoE, Qwen3-MoE and Mixtral) read by mlx-lm, and the refusals (GGUF and MLX of the other families, each
+with its reason; MLX of what an mlx-lm model would read otherwise). Slow: the other methods on every family, GGUF
+against llama.cpp's converter and llama-quantize.
 """
 
 from __future__ import annotations
@@ -57,6 +58,15 @@ REFUSED = {
                     dict(head_dim=64, num_local_experts=4, num_experts_per_tok=1, intermediate_size=256,
                          intermediate_size_mlp=512)),
 }
+# older MoE families, built here for the formats' proofs (their methods' tests: tests/methods/test_moe.py)
+OLDER = {
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(head_dim=64, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2)),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256,
+                       shared_expert_intermediate_size=256)),
+}
 # the MoE families' method flags: nvfp4 weights only (its w4a4 activation scales need the FP4 experts reloaded)
 METHODS = {**{m: args for m, args in common.COMPRESSED.items() if m not in ("awq", "smoothquant")},  # below
            "nvfp4": ["--scheme", "a16"]}
@@ -64,7 +74,7 @@ FAST = {("deepseek_v3", "gptq"), *((family, "fp8") for family in FAMILIES)}
 
 
 def build(out: Path, family: str, **config) -> Path:
-    config_class, model_class, shape = {**FAMILIES, **REFUSED}[family]
+    config_class, model_class, shape = {**FAMILIES, **REFUSED, **OLDER}[family]
     return common.build(out, config_class, model_class, **{**common.MOE, **shape, **config})
 
 
@@ -135,15 +145,164 @@ def test_unsupported_layouts_refused_before_work(cli, models, tmp_path, family, 
 # GGUF: llama.cpp's converter class of each family with a conversion, and the pre-tokenizer it is told for the toy
 # BPE tokenizer (None: the family's SentencePiece vocabulary)
 GGUF = {"ernie4_5_moe": None, "minimax_m2": "gpt-2", "glm4_moe": "gpt-2", "deepseek_v3": "gpt-2"}
-REFUSED_FORMATS = [(f, "gguf") for f in FAMILIES if f not in GGUF] + [(f, "mlx") for f in FAMILIES]
+# MLX: the families whose mlx-lm model loads the experts stacked as quantkit writes them (their records' mlx_experts)
+MLX = ["qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "minimax_m2", "deepseek_v3"]
+REFUSED_FORMATS = [(f, "gguf") for f in FAMILIES if f not in GGUF] + [(f, "mlx") for f in FAMILIES if f not in MLX]
 
 
 @pytest.mark.parametrize("family,method", REFUSED_FORMATS)
 def test_formats_without_a_conversion_refuse_before_work(cli, models, tmp_path, family, method):
-    """No GGUF or MLX conversion of these families yet: exit 2 before work naming the architecture (never exit 1)."""
+    """No GGUF or MLX conversion of these families: exit 2 before work naming the architecture (never exit 1) and,
+    for MLX, the family's reason."""
+    from quantkit.methods.mlx import family_refusal
+
     out = tmp_path / "out"
-    words = FAMILIES[family][1] if method == "gguf" else family
-    common.assert_refused(common.quantize(cli, models(family), out, method), out, words)
+    words = (FAMILIES[family][1],) if method == "gguf" else (family, family_refusal(family, False))
+    common.assert_refused(common.quantize(cli, models(family), out, method), out, *words)
+
+
+@pytest.mark.parametrize("family", MLX)
+def test_mlx_experts_stacked_and_read_by_mlx_lm(cli, models, tmp_path, family):
+    """4-bit through the CLI: each routed projection one SwitchGLU module ([experts, out, in] packed per expert along
+    its last axis, as mlx_lm.convert writes it), no per-expert tensor, the routers (and what the family keeps 16-bit
+    for mlx: DeepSeek-V3's kv_b_proj) 16-bit with their entry false;
+    mlx_lm.load builds every expert with exactly quantkit's weights and its float32 logits follow quantkit's reading."""
+    from quantkit.arch.families import kept_reason
+    from quantkit.arch.moe import is_expert_weight
+    from quantkit.arch.roles import classify
+    from quantkit.mlx.checkpoint import expert_stacks
+
+    model, out = models(family), tmp_path / "out"
+    entry = common.assert_passed(common.quantize(cli, model, out, "mlx", "--bits", "4"), out)
+    assert entry["details"]["mlx"]["calibration_tokens"] > 0
+    config = json.loads((out / "config.json").read_text())
+    source, stored = common.stored_tensors(model), common.stored_tensors(out)
+    stacks = expert_stacks(config, source)
+    assert {n for names in stacks.values() for n in names} == {n for n in source if is_expert_weight(n)}
+    assert len(stacks) % 3 == 0 and not any(is_expert_weight(name) for name in stored)
+    for module, experts in stacks.items():
+        rows, columns = source[experts[0]].shape
+        assert stored[f"{module}.weight"].shape == (4, rows, columns * 4 // 32), module
+        assert stored[f"{module}.scales"].shape == stored[f"{module}.biases"].shape == (4, rows, columns // 64)
+        assert module not in config["quantization"]  # the top-level precision
+    routers = [name.removesuffix(".weight") for name in source if classify(name) == "router"]
+    kept = [name.removesuffix(".weight") for name in source if kept_reason(config, name.removesuffix(".weight"), "mlx")]
+    assert routers and all(config["quantization"][m] is False and f"{m}.scales" not in stored for m in routers + kept)
+    common.assert_mlx_lm_reads_as_quantkit(out)
+
+
+def stored_headers(path: Path) -> dict:
+    """{tensor: (shape, dtype)} of a directory's safetensors files."""
+    from safetensors import safe_open
+
+    headers = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(file, "np") as f:
+            for name in f.keys():  # noqa: SIM118  (safe_open has no iteration)
+                headers[name] = (tuple(f.get_slice(name).get_shape()), f.get_slice(name).get_dtype())
+    return headers
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_mlx_stores_the_tensors_mlx_lm_convert_stores(cli, models, tmp_path, family):
+    """The artifact holds exactly the tensors mlx_lm.convert -q writes for the same checkpoint (names, shapes,
+    dtypes: the stacked experts included), the routers aside: 16-bit here, quantized there (Qwen3-MoE's at 8 bits,
+    its model's quant_predicate). mlx_lm.convert is given the checkpoint with the fields quantkit writes mlx-lm
+    (it cannot build the model from transformers 5's config.json alone)."""
+    import shutil
+
+    pytest.importorskip("mlx_lm", reason="mlx-lm is not installed (pip install 'quantkit[mlx]')")
+    from mlx_lm import convert
+
+    from quantkit.arch.roles import classify
+    from quantkit.mlx.checkpoint import mlx_lm_fields
+
+    source, theirs, ours = tmp_path / "source", tmp_path / "theirs", tmp_path / "ours"
+    shutil.copytree(models(family), source)
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps(config | mlx_lm_fields(config)))
+    convert(str(source), str(theirs), quantize=True)
+    common.assert_passed(common.quantize(cli, models(family), ours, "mlx", gate=False), ours)
+    expected, stored = stored_headers(theirs), stored_headers(ours)
+
+    def router(name: str) -> bool:
+        return classify(name.rsplit(".", 1)[0] + ".weight") == "router"
+
+    assert {k: v for k, v in stored.items() if not router(k)} == {k: v for k, v in expected.items() if not router(k)}
+    routers = [name for name in stored if router(name)]
+    assert routers and all(stored[r][1] == "BF16" and expected[r][1] == "U32" for r in routers)
+
+
+def test_mlx_of_glm4_moe_leaves_its_mtp_layer_out(cli, glm_mtp, tmp_path):
+    """The MTP layer after the decoder's is not written (mlx-lm's glm4_moe has none); mlx-lm loads the rest."""
+    out = tmp_path / "out"
+    common.assert_passed(common.quantize(cli, glm_mtp, out, "mlx"), out)
+    stored = common.stored_tensors(out)
+    assert "model.layers.1.mlp.switch_mlp.up_proj.weight" in stored
+    assert not any(name.startswith("model.layers.2.") for name in stored)
+    common.assert_mlx_lm_reads_as_quantkit(out)
+
+
+MLX_RECIPE = """
+targets:
+  - name: mlx
+    method: mlx
+    options:
+      bits: 4
+      layer_bits: {'re:.*switch_mlp\.down_proj': 8}
+"""
+
+
+def test_mlx_precision_per_stacked_projection(cli, models, tmp_path):
+    """layer_bits names a stacked projection by its switch_mlp name (its config.json entry, every expert at those
+    bits); --ignore taking every expert of a projection keeps it 16-bit (entry false, stored as a [experts, out, in]
+    float tensor mlx-lm loads as a SwitchLinear), taking some of them is refused before work; the plan says each
+    expert's precision."""
+    from quantkit.io.checkpoint import check_model_dir
+    from quantkit.methods.mlx import METHOD, Options
+    from quantkit.run.plan import build_plan
+
+    recipe, out = tmp_path / "recipe.yaml", tmp_path / "out"
+    recipe.write_text(MLX_RECIPE)
+    partial = cli("quantize", models("qwen3_moe"), "--recipe", recipe, *common.CALIB, "--ignore",
+                  "model.layers.0.mlp.experts.1.up_proj", "-o", out)
+    common.assert_refused(partial, out, "1 of the 4 experts of model.layers.0.mlp.switch_mlp.up_proj")
+    ignore = r"re:model\.layers\.0\.mlp\.experts\.\d+\.up_proj$"
+    result = cli("quantize", models("qwen3_moe"), "--recipe", recipe, *common.CALIB, *common.LOOSE_GATE, "--ignore",
+                 ignore, "-o", out)
+    common.assert_passed(result, out)
+    block = json.loads((out / "config.json").read_text())["quantization"]
+    for layer in (0, 1):
+        assert block[f"model.layers.{layer}.mlp.switch_mlp.down_proj"] == {"group_size": 64, "bits": 8,
+                                                                         "mode": "affine"}
+    assert block["model.layers.0.mlp.switch_mlp.up_proj"] is False
+    assert "model.layers.1.mlp.switch_mlp.up_proj" not in block  # the top-level precision
+    stored = common.stored_tensors(out)
+    assert stored["model.layers.0.mlp.switch_mlp.up_proj.weight"].shape == (4, 256, 256)
+    assert "model.layers.0.mlp.switch_mlp.up_proj.scales" not in stored
+    common.assert_mlx_lm_reads_as_quantkit(out)
+    entries = {e.name: e.precision for e in build_plan(check_model_dir(models("qwen3_moe")), METHOD,
+                                                       Options(layer_bits={"re:.*switch_mlp\\.down_proj": 8}), [])}
+    assert entries["model.layers.1.mlp.experts.3.down_proj"] == "mlx affine 8-bit g64 (calibrated)"
+    assert entries["model.layers.1.mlp.experts.3.up_proj"] == "mlx affine 4-bit g64 (calibrated)"
+    assert "kept" in entries["model.layers.1.mlp.gate"]
+    kept = build_plan(check_model_dir(models("qwen3_moe")), METHOD, Options(), [ignore])
+    assert all(e.kept for e in kept if e.name.startswith("model.layers.0.mlp.experts.") and e.name.endswith("up_proj"))
+
+
+GLM_YARN = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=1024, rope_theta=10000.0,
+                partial_rotary_factor=0.5)
+
+
+@pytest.mark.parametrize("family,change,words", [("mixtral", dict(sliding_window=16), "sliding_window"),
+                                                 ("qwen2_moe", dict(norm_topk_prob=True), "norm_topk_prob"),
+                                                 ("glm4_moe", dict(rope_parameters=GLM_YARN), "yarn")])
+def test_mlx_of_what_mlx_lm_would_read_otherwise_refused(cli, models, tmp_path, family, change, words):
+    """Refused before work: Mixtral's sliding window (mlx-lm's mixtral attends to every position), Qwen2-MoE's
+    renormalised top-k (mlx-lm's qwen2_moe never renormalises), a scaled RoPE quantkit writes mlx-lm none for."""
+    model = common.copy_with_config(models(family), tmp_path / "model", **change)
+    out = tmp_path / "out"
+    common.assert_refused(common.quantize(cli, model, out, "mlx"), out, "mlx", words)
 
 
 @pytest.mark.parametrize("family", list(GGUF))

@@ -99,19 +99,24 @@ FAMILIES = ("llama31", "mistral", "qwen25", "qwen3", "gemma3", "phi3")
 
 def float32_mlx_model(model):
     """The mlx-lm model in float32 with its quantized modules' weights as mlx dequantizes them (in their stored
-    dtype, the values quantkit's reading holds): both forwards then run the same weights at float32, where
-    bfloat16's rounding (mlx's and torch's differ by several percent on a random model) cannot hide a
-    difference of structure."""
+    dtype, the values quantkit's reading holds; a stacked expert projection as a SwitchLinear): both forwards then
+    run the same weights at float32, where bfloat16's rounding (mlx's and torch's differ by several percent on a
+    random model) cannot hide a difference of structure."""
     import mlx.core as mx
     from mlx import nn
     from mlx.utils import tree_map, tree_unflatten
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 
     swaps = []
     for name, m in model.named_modules():
-        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding, QuantizedSwitchLinear)):
             weight = mx.dequantize(m.weight, m.scales, m.biases, group_size=m.group_size, bits=m.bits)
-            plain = nn.Embedding(*weight.shape) if isinstance(m, nn.QuantizedEmbedding) else \
-                nn.Linear(weight.shape[1], weight.shape[0], bias="bias" in m)
+            if isinstance(m, QuantizedSwitchLinear):
+                plain = SwitchLinear(weight.shape[2], weight.shape[1], weight.shape[0], bias="bias" in m)
+            elif isinstance(m, nn.QuantizedEmbedding):
+                plain = nn.Embedding(*weight.shape)
+            else:
+                plain = nn.Linear(weight.shape[1], weight.shape[0], bias="bias" in m)
             plain.weight = weight
             if "bias" in m:
                 plain.bias = m.bias
@@ -201,3 +206,40 @@ def test_config_json_says_what_mlx_lm_reads_at_the_top_level():
     for config in (gemma, {"model_type": "llama", "rope_parameters": llama3}):
         written = {k: v for k, v in mlx_config(config, block).items() if not k.startswith("quantization")}
         assert without_mlx_lm_fields(written) == config
+
+
+@pytest.mark.parametrize("resident", [False, True])
+def test_each_experts_importances_are_the_inputs_routed_to_it(tmp_path, resident):
+    """A mixture's stacked projections are weighted per expert by the mean squared inputs of the tokens the router
+    sends that expert (llm-compressor's linear experts, hooked as any Linear): those quantkit's GGUF imatrix collects
+    from transformers' fused experts by its own hook, streamed and resident alike (Mixtral: its block_sparse_moe
+    renamed mlp by transformers, w1 / w3 / w2 stacked as gate / up / down)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from quantkit.eval.scorers import Placement
+    from quantkit.eval.windows import TokenWindows
+    from quantkit.gguf import imatrix as im
+    from quantkit.io.checkpoint import check_model_dir
+    from quantkit.methods import QuantizeJob
+    from quantkit.methods.mlx import Options, column_importance
+    from tests.families.test_moe import build
+
+    model_dir = build(tmp_path / "mixtral", "mixtral")
+    windows = torch.randint(4, 500, (3, 32), generator=torch.Generator().manual_seed(1))
+    info = check_model_dir(model_dir)
+    placement = {"placement": Placement(True, room=2**30)} if resident else {}
+    job = QuantizeJob(info=info, options=Options(), windows=TokenWindows(windows, windows[:0], "unit", ""), ignore=[],
+                      out_dir=tmp_path, workdir=tmp_path, **placement)
+    imp = column_importance(job)
+    direct = im.compute(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval(), windows,
+                        info.config)
+    for layer in (0, 1):
+        for projection, tensor in (("gate_proj", "ffn_gate_exps"), ("up_proj", "ffn_up_exps"),
+                                   ("down_proj", "ffn_down_exps")):
+            name = f"blk.{layer}.{tensor}.weight"
+            expected = direct.sums[name] / np.maximum(direct.counts[name], 1)[:, None]
+            ours = imp[f"model.layers.{layer}.block_sparse_moe.switch_mlp.{projection}"].numpy()
+            assert ours.shape == (4, expected.shape[1])
+            np.testing.assert_allclose(ours, expected, rtol=1e-3, atol=1e-9, err_msg=name)
+        assert direct.counts[f"blk.{layer}.ffn_gate_exps.weight"].sum() == 3 * 32 * 2  # top-2 of every token

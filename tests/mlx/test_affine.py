@@ -77,3 +77,21 @@ def test_quantize_is_deterministic_and_keeps_the_scale_dtype():
     second = affine.quantize(w, 4, 32, torch.ones(128))
     assert np.array_equal(first[0], second[0]) and torch.equal(first[1], second[1]) and torch.equal(first[2], second[2])
     assert first[1].dtype == torch.bfloat16 and first[1].shape == (96, 4)
+
+
+def test_stacked_experts_are_quantized_each_on_its_own_and_read_by_mlx():
+    """quantize_stacked: each expert's slice exactly what `quantize` gives it with its own importances, stored
+    [experts, rows, words] as mlx-lm's QuantizedSwitchLinear holds them; mlx.core dequantizes the stack along its
+    last axis to quantkit's dequantization of each expert."""
+    mx = mlx_core()
+    generator = torch.Generator().manual_seed(0)
+    w, imp = torch.randn(3, 8, 64, generator=generator), torch.rand(3, 64, generator=generator)
+    words, scales, biases = affine.quantize_stacked(w, 4, 32, imp, torch.bfloat16)
+    assert words.shape == (3, 8, 8) and scales.shape == biases.shape == (3, 8, 2)
+    for e in range(3):
+        own = affine.quantize(w[e], 4, 32, imp[e], torch.bfloat16)
+        assert np.array_equal(words[e], own[0]) and torch.equal(scales[e], own[1]) and torch.equal(biases[e], own[2])
+    theirs = mx.dequantize(mx.array(words), mx.array(scales.float().numpy()).astype(mx.bfloat16),
+                           mx.array(biases.float().numpy()).astype(mx.bfloat16), group_size=32, bits=4)
+    ours = torch.stack([affine.dequantize(words[e], scales[e], biases[e], 4, 32) for e in range(3)])
+    assert np.array_equal(np.array(theirs.astype(mx.float32)), ours.float().numpy())

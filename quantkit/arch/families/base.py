@@ -76,6 +76,21 @@ class ExpertCheckpoint:
     mtp_keys: tuple[str, ...] = ()  # config.json keys counting the multi-token-prediction layers
 
 
+@dataclass(frozen=True)
+class MlxExperts:
+    """How the family's mlx-lm model stacks the routed experts (its `sanitize`, which stacks them only where the
+    per-expert names are present, and its SwitchGLU): the checkpoint's `<block>.experts.<e>.<projection>.weight`
+    become one `<block>.switch_mlp.<name>.weight` per projection ([experts, out, in]), `<block>` as stored
+    (Mixtral's `block_sparse_moe`), `name` the projection's own or its entry in `renames`. A quantized artifact
+    stores them so, each expert quantized along its last axis (mlx-lm's QuantizedSwitchLinear)."""
+
+    # checkpoint projection -> SwitchGLU's, where they differ (Mixtral: w1 -> gate_proj)
+    renames: dict[str, str] = field(default_factory=dict)
+    # tensors (by a part of their name) its model's cast_predicate keeps in their stored dtype, as mlx_lm.convert
+    # writes them: the routers' e_score_correction_bias
+    uncast: tuple[str, ...] = ()
+
+
 # ---------------------------------------------------------------- GGUF (llama.cpp's converter class, as data)
 
 
@@ -237,6 +252,9 @@ class Family:
     gguf: dict[str, Gguf] = field(default_factory=dict)  # architecture (this one's, and the VLMs' built on it) ->
     # its conversion
     mlx: str = ""  # the mlx_lm.models module that loads it with the Hugging Face tensor names; "": refused
+    # an MoE family's routed experts as that model stacks them (None: a dense family, or its MoE refused by mlx)
+    mlx_experts: MlxExperts | None = None
+    mlx_refusal: str = ""  # why the mlx method refuses the family ("": the generic reason)
     config: ConfigRules | None = None  # None: config.json is completed through transformers
     # why the llm-compressor methods refuse the family's mixture-of-experts variant ({method}: the method's
     # name), where its experts have no layout (`moe` None); "": the generic refusal

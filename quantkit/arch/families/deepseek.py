@@ -30,6 +30,12 @@ pairs), a vocabulary without tokenizer.json (Kimi K2's tiktoken one needs its re
 other inputs in llama.cpp's absorbed MLA than kv_b_proj does (each head's q_nope; each head's attention output
 over the latent): quantkit's imatrix collects those, as llama-imatrix does (mla_imatrix_inputs). Per-tensor types
 (--auto-precision, --fallback) are refused: their sensitivity measurement reads checkpoint tensors, not the pieces.
+
+MLX: mlx-lm's deepseek_v3, the routed experts stacked as `mlp.switch_mlp.*`, the router and its correction bias
+16-bit. Its sanitize splits kv_b_proj per head into embed_q / unembed_out (MultiLinear), a quantized one
+dequantized and quantized again with mlx's own rounding: kv_b_proj is kept 16-bit for mlx (MLX_KV_B), so the split
+is exact. The MTP layers are not written (mlx-lm's model has none); a scaled RoPE is refused (quantkit writes
+mlx-lm no rope_scaling for it).
 """
 
 from __future__ import annotations
@@ -40,7 +46,8 @@ from pathlib import Path
 import numpy as np
 
 from quantkit.arch.families import text
-from quantkit.arch.families.base import ExpertCheckpoint, Family, Gguf, Mapping, MoeLayout, Pieces, TensorRule
+from quantkit.arch.families.base import (ExpertCheckpoint, Family, Gguf, Kept, Mapping, MlxExperts, MoeLayout, Pieces,
+                                         TensorRule)
 from quantkit.arch.families.llama import ROUTED_ROWS
 from quantkit.errors import UnsupportedError
 
@@ -217,12 +224,19 @@ def mla_imatrix_inputs(model, hp: dict, add) -> list:
 RULES = (TensorRule(r"self_attn\.kv_b_proj\.weight$", split=((r"kv_b_proj", "k_b_proj"), (r"kv_b_proj", "v_b_proj")),
                     pieces=KV_B),)
 
+# mlx-lm's deepseek_v3 sanitize splits kv_b_proj per head into embed_q / unembed_out, a quantized one dequantized and
+# quantized again with its own rounding along other columns: kept 16-bit, it splits the weight exactly
+MLX_KV_B = Kept(r"re:.*\.self_attn\.kv_b_proj$", "MLA's kv_b_proj in MLX: mlx-lm's deepseek_v3 splits it per head and "
+                "would quantize a quantized one again with its own rounding", methods=("mlx",))
+
 DEEPSEEK_V3 = Family("deepseek_v3", ARCH, "DeepSeek-V3", smoothing=MLA_ROWS, moe=MoeLayout(),
                      experts_by_name=ExpertCheckpoint(mtp_keys=("num_nextn_predict_layers", "num_mtp_layers")),
                      gguf={ARCH: Gguf("DEEPSEEK2", add_deepseek_params, "gpt2", experts="qwen", rules=RULES,
                                       checks=(check_heads, check_scoring, check_rope_interleave),
                                       vocab_check=check_tokenizer_json, drops=mtp_or_tied_head,
                                       layer_kv_heads=lambda hp: [1] * hp["num_hidden_layers"],
-                                      imatrix_inputs=mla_imatrix_inputs)})
+                                      imatrix_inputs=mla_imatrix_inputs)},
+                     kept=(MLX_KV_B,), mlx="deepseek_v3", mlx_experts=MlxExperts(uncast=("e_score_correction_bias",)),
+                     mlx_checks=(text.check_mlx_rope_unscaled,))
 
 FAMILIES = (DEEPSEEK_V3,)

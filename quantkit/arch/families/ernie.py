@@ -13,7 +13,8 @@ as transformers does, quantkit.arch.moe.load_renamings). The llm-compressor meth
 every token. GGUF: conversion/ernie.py's Ernie4_5MoeModel: Ernie4_5Model's keys and vocabulary, the expert
 counts, the dense layers before the first MoE one and the MoE interval, the shared experts (their feed-forward
 length written as intermediate_size // num_key_value_heads, as the converter computes it); the experts stacked
-per projection, the correction bias as ffn_exp_probs_b; the MTP tensors dropped.
+per projection, the correction bias as ffn_exp_probs_b; the MTP tensors dropped. MLX refuses it (mlx_refusal):
+mlx-lm's ernie4_5_moe routes without the correction bias.
 """
 
 from __future__ import annotations
@@ -80,6 +81,8 @@ ERNIE4_5_MOE = Family(
     gguf={MOE_ARCH: Gguf("ERNIE4_5_MOE", add_ernie_moe_params, "ernie4_5", experts="qwen", checks=(check_no_bias,),
                          vocab_check=check_tokenizer_model,
                          rules=MOE_RULES)},
+    mlx_refusal="mlx-lm's ernie4_5_moe drops the routers' e_score_correction_bias, which transformers adds to the "
+                "scores it takes the top-k experts by: it would route otherwise",
 )
 
 FAMILIES = (ERNIE4_5, ERNIE4_5_MOE)

@@ -28,12 +28,16 @@ Reading the file back (the gate) skips those blocks: transformers' model has no 
 (TextModel._set_vocab_glm): tokenizer.json's byte-level BPE, then bos [gMASK], eot <|user|>, unk <|endoftext|>, eom
 <|observation|> where the tokenizer files name none of that kind (quantkit.gguf.vocab's "glm" kind); a tokenizer
 without those four added tokens is refused before work (the converter fails on it).
+
+MLX: mlx-lm's glm4_moe, the routed experts stacked as `mlp.switch_mlp.*` (its MoEGate holds the router and its
+correction bias, 16-bit); it requires a top-level rope_scaling key (written null) and rotates without scaling, so
+a scaled RoPE is refused; its sanitize drops the MTP layer.
 """
 
 from __future__ import annotations
 
 from quantkit.arch.families import text
-from quantkit.arch.families.base import ExpertCheckpoint, Family, Gguf, MoeLayout
+from quantkit.arch.families.base import ExpertCheckpoint, Family, Gguf, MlxExperts, MoeLayout
 from quantkit.arch.families.llama import ROUTED_ROWS
 
 ARCH = "Glm4MoeForCausalLM"
@@ -75,6 +79,8 @@ def add_glm4_moe_params(writer, hp: dict, ftype: int) -> None:
 GLM4_MOE = Family("glm4_moe", ARCH, "GLM-4.5", smoothing=ROUTED_ROWS, moe=MoeLayout(),
                   experts_by_name=ExpertCheckpoint(mtp_keys=("num_nextn_predict_layers",)),
                   gguf={ARCH: Gguf("GLM4_MOE", add_glm4_moe_params, "glm", experts="qwen", blocks=blocks,
-                                   own_names=True)})
+                                   own_names=True)},
+                  mlx="glm4_moe", mlx_experts=MlxExperts(uncast=("e_score_correction_bias",)), mlx_fields=lambda config: {"rope_scaling": None},
+                  mlx_checks=(text.check_mlx_rope_unscaled,))
 
 FAMILIES = (GLM4_MOE,)

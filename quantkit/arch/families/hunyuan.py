@@ -127,6 +127,8 @@ def check_expert_width(info) -> None:
 
 
 HUNYUAN_MOE = Family("hunyuan_v1_moe", "HunYuanMoEV1ForCausalLM", "Hunyuan MoE", smoothing=ROUTED_ROWS, moe=MoeLayout(),
-                     experts_by_name=ExpertCheckpoint(), checks=(check_expert_width,))
+                     experts_by_name=ExpertCheckpoint(), checks=(check_expert_width,),
+                     mlx_refusal="mlx-lm 0.32 has no model for model_type hunyuan_v1_moe (its hunyuan model reads "
+                                 "the remote-code checkpoints' fused qkv_proj and gate_and_up_proj)")
 
 FAMILIES = (HUNYUAN_DENSE, HUNYUAN_MOE)

@@ -10,12 +10,16 @@ MiniMaxM2 loader reads them.
 GGUF: llama.cpp conversion/minimax.py's MiniMaxM2Model: TextModel's keys, the experts' feed-forward length
 (intermediate_size) and the RoPE dimension count (config.json's rotary_dim: a checkpoint without it is refused, as
 the converter fails on it); the experts stacked per projection, the correction bias as ffn_exp_probs_b.
+
+MLX: mlx-lm's minimax (MODEL_REMAPPING's minimax_m2), the experts stacked as `block_sparse_moe.switch_mlp.*` (w1,
+w3, w2: gate, up, down), the router and its correction bias 16-bit; its ModelArgs require shared_intermediate_size
+(MiniMax-M2 has no shared expert: written 0).
 """
 
 from __future__ import annotations
 
 from quantkit.arch.families import text
-from quantkit.arch.families.base import Family, Gguf, MoeLayout, TensorRule
+from quantkit.arch.families.base import Family, Gguf, MlxExperts, MoeLayout, TensorRule
 from quantkit.arch.families.llama import ROUTED_ROWS
 from quantkit.errors import UnsupportedError
 
@@ -47,6 +51,10 @@ MINIMAX_M2 = Family(
                   block_rename=("block_sparse_moe", "mlp")),
     gguf={ARCH: Gguf("MINIMAXM2", add_minimax_m2_params, "gpt2", experts="mixtral", checks=(check_rotary_dim,),
                      rules=RULES)},
+    mlx="minimax", mlx_experts=MlxExperts({"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"},
+                                     uncast=("e_score_correction_bias",)),
+    mlx_fields=lambda config: {"shared_intermediate_size": 0},  # required by mlx-lm's ModelArgs, never read
+    mlx_checks=(text.check_mlx_rope_unscaled,),
 )
 
 FAMILIES = (MINIMAX_M2,)

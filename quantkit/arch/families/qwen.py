@@ -3,12 +3,17 @@ Qwen2-VL, Qwen2.5-VL and Qwen3-VL (their decoder layers are Qwen2's / Qwen3's).
 
 GGUF: llama.cpp conversion/qwen.py (Qwen2Model, Qwen3Model, Qwen3MoeModel) and qwenvl.py / qwen3vl.py for the
 VLMs' language models (multimodal RoPE sections; Qwen3-VL's deepstack layer count).
+
+MLX: mlx-lm's qwen2_moe and qwen3_moe, the routed experts stacked as `mlp.switch_mlp.*`, the routers (`mlp.gate`,
+Qwen2-MoE's `shared_expert_gate`) 16-bit; both read the expert count as `num_experts` (written beside transformers
+5's `num_local_experts`). mlx-lm's qwen2_moe routes every layer and never renormalises the top-k weights: a
+Qwen2-MoE config.json with dense layers or norm_topk_prob is refused.
 """
 
 from __future__ import annotations
 
 from quantkit.arch.families import text
-from quantkit.arch.families.base import ConfigRules, ExpertCheckpoint, Family, Gguf, MoeLayout
+from quantkit.arch.families.base import ConfigRules, ExpertCheckpoint, Family, Gguf, MlxExperts, MoeLayout
 from quantkit.arch.families.llama import LLAMA_LIKE, MOE_ROWS, decoder_rows
 from quantkit.errors import UnsupportedError
 
@@ -64,6 +69,20 @@ def check_topk_renormalised(arch: str, hp: dict) -> None:
                                    "no shared experts")
 
 
+def mlx_expert_count(config: dict) -> dict:
+    """mlx-lm's qwen2_moe / qwen3_moe read the expert count as `num_experts`, which transformers 5 writes
+    `num_local_experts`."""
+    return {"num_experts": config["num_local_experts"]} if "num_local_experts" in config else {}
+
+
+def check_mlx_qwen2_moe(config: dict) -> None:
+    """mlx-lm's qwen2_moe: every layer a routed one, its top-k weights not renormalised."""
+    if config.get("mlp_only_layers") or config.get("decoder_sparse_step", 1) != 1 or config.get("norm_topk_prob"):
+        raise UnsupportedError("mlx: Qwen2-MoE with dense layers (mlp_only_layers, decoder_sparse_step) or "
+                               "norm_topk_prob: mlx-lm's qwen2_moe routes every layer and never renormalises the "
+                               "top-k weights", hint="use --method gguf for llama.cpp on Apple silicon")
+
+
 QWEN2_GGUF = Gguf("QWEN2", text.add_text_params, "qwen2")
 QWEN2VL_GGUF = Gguf("QWEN2VL", text.add_text_params, "qwen2", mrope=True)
 QWEN_RULES = ConfigRules((qwen_window, text.kv_heads, qwen_layer_types))
@@ -72,13 +91,16 @@ QWEN2 = Family("qwen2", "Qwen2ForCausalLM", "Qwen2.5", smoothing=LLAMA_LIKE, ggu
                mlx="qwen2", config=QWEN_RULES)
 QWEN3 = Family("qwen3", "Qwen3ForCausalLM", "Qwen3", smoothing=LLAMA_LIKE,
                gguf={"Qwen3ForCausalLM": Gguf("QWEN3", text.add_text_params, "qwen2")}, mlx="qwen3", config=QWEN_RULES)
-QWEN2_MOE = Family("qwen2_moe", "Qwen2MoeForCausalLM", "Qwen2-MoE", smoothing=QWEN2_MOE_ROWS, moe=MoeLayout())
+QWEN2_MOE = Family("qwen2_moe", "Qwen2MoeForCausalLM", "Qwen2-MoE", smoothing=QWEN2_MOE_ROWS, moe=MoeLayout(),
+                   mlx="qwen2_moe", mlx_experts=MlxExperts(), mlx_fields=mlx_expert_count,
+                   mlx_checks=(check_mlx_qwen2_moe,))
 QWEN3_MOE = Family(
     "qwen3_moe", "Qwen3MoeForCausalLM", "Qwen3-MoE", smoothing=MOE_ROWS, moe=MoeLayout(),
     experts_by_name=ExpertCheckpoint(),
     gguf={"Qwen3MoeForCausalLM": Gguf("QWEN3MOE", add_qwen_moe_params, "qwen2", experts="qwen",
                                       checks=(check_topk_renormalised,))},
     config=ConfigRules((qwen_window, mlp_only_layers)),
+    mlx="qwen3_moe", mlx_experts=MlxExperts(), mlx_fields=mlx_expert_count,
 )
 # the text models of the Qwen VLMs: their decoder layers are Qwen2's / Qwen3's
 QWEN2_VL_TEXT = Family("qwen2_vl_text", smoothing=LLAMA_LIKE, gguf={"Qwen2VLForConditionalGeneration": QWEN2VL_GGUF})

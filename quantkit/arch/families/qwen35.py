@@ -27,7 +27,8 @@ projection (`mlp.experts.<e>.{gate,up,down}_proj`), a shared expert (`mlp.shared
 sigmoid gate (`mlp.shared_expert_gate`) and the router `mlp.gate`, both kept 16-bit (quantkit.arch.roles; vLLM
 builds both unquantized). Qwen3-Next stores the DeltaNet input projections fused (in_proj_qkvz, in_proj_ba: its
 beta/alpha gates kept 16-bit as Qwen3.5's). The llm-compressor methods calibrate every expert on every token. No
-GGUF or MLX conversion of the two yet.
+GGUF conversion of the two yet. MLX refuses both (each record's mlx_refusal): mlx-lm 0.32 has no model for
+qwen3_5_moe_text, and its qwen3_next converts the norms and conv1d only while stacking per-expert tensors.
 """
 
 from __future__ import annotations
@@ -213,6 +214,8 @@ QWEN35_MOE = Family(
     smoothing=QWEN35_MOE_ROWS,
     moe=MoeLayout(),
     checks=(check_layers,),
+    mlx_refusal="mlx-lm 0.32 has no model for model_type qwen3_5_moe_text (its qwen3_5_moe model loads the VLM "
+                "checkpoints, model_type qwen3_5_moe with a text_config)",
 )
 
 QWEN3_NEXT = Family(
@@ -220,6 +223,9 @@ QWEN3_NEXT = Family(
     kept=(Kept(r"re:.*linear_attn\.in_proj_ba$", "Gated DeltaNet's beta/alpha gates (in_proj_ba) 16-bit"),),
     smoothing=QWEN35_MOE_ROWS,
     moe=MoeLayout(),
+    mlx_refusal="mlx-lm's qwen3_next shifts its norms by 1 and reorders conv1d in sanitize only where the experts "
+                "are stored one tensor per expert: with them stacked, as a quantized model stores them, it would "
+                "load both unconverted",
 )
 
 FAMILIES = (QWEN35, QWEN35_MOE, QWEN3_NEXT)

@@ -201,3 +201,15 @@ def shift_norm(data: np.ndarray, source_dtype: str) -> np.ndarray:
     if source_dtype == "F16":
         return (data.astype(np.float16) + np.float16(1)).astype(np.float32)
     return data + np.float32(1)
+
+
+def check_mlx_rope_unscaled(config: dict) -> None:
+    """mlx-lm's model of the family (glm4_moe, deepseek_v3, minimax) is given no rope_scaling by quantkit (it
+    writes only llama3 / longrope's, quantkit.mlx.checkpoint): a scaled RoPE would be read as none
+    (Family.mlx_checks)."""
+    from quantkit.errors import UnsupportedError
+
+    kind = (config.get("rope_parameters") or {}).get("rope_type", "default")
+    if kind != "default":
+        raise UnsupportedError(f"mlx: RoPE type '{kind}': quantkit writes mlx-lm no rope_scaling for it, so mlx-lm "
+                               f"would rotate unscaled", hint="use --method gguf for llama.cpp on Apple silicon")
