@@ -161,7 +161,12 @@ def test_formats_without_a_conversion_refuse_before_work(cli, models, tmp_path, 
     common.assert_refused(common.quantize(cli, models(family), out, method), out, *words)
 
 
-@pytest.mark.parametrize("family", MLX)
+# the fast suite takes Qwen3-MoE, Mixtral (Mixtral's expert names) and DeepSeek-V3 (its 16-bit kv_b_proj); the same
+# stacking of the others in the slow suite
+MLX_SLOW = {"qwen2_moe", "glm4_moe", "minimax_m2"}
+
+
+@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.slow) if f in MLX_SLOW else f for f in MLX])
 def test_mlx_experts_stacked_and_read_by_mlx_lm(cli, models, tmp_path, family):
     """4-bit through the CLI: each routed projection one SwitchGLU module ([experts, out, in] packed per expert along
     its last axis, as mlx_lm.convert writes it), no per-expert tensor, the routers (and what the family keeps 16-bit
