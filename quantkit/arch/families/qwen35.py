@@ -122,13 +122,17 @@ def blocks(hp: dict) -> int:
     return hp["num_hidden_layers"] + mtp_layers(hp)
 
 
-def add_qwen35_params(writer, hp: dict, ftype: int) -> None:
-    """Qwen3_5TextModel.set_gguf_parameters: TextModel's keys (the block count with the MTP layers),
-    _QwenMtpMixin's nextn layer count, Qwen3NextModel's (the DeltaNet sizes, which blocks are recurrent, the
-    attention interval, the partial RoPE's dimensions), _Qwen35MRopeMixin's default RoPE sections. A checkpoint
-    with no MTP layer converts as `convert_hf_to_gguf.py --no-mtp` converts it (without it the converter
-    stops on such a checkpoint: it asserts there is one)."""
+def add_qwen3_next_params(writer, hp: dict, ftype: int) -> None:
+    """Qwen3NextModel.set_gguf_parameters: TextModel's keys (the block count with the MTP layers),
+    Qwen2MoeModel's expert widths (where config.json has them), _QwenMtpMixin's nextn layer count, its own (the
+    DeltaNet sizes, which blocks are recurrent, the attention interval, the partial RoPE's dimensions). A
+    checkpoint with no MTP layer converts as `convert_hf_to_gguf.py --no-mtp` converts it (without it the
+    converter stops on such a checkpoint: it asserts there is one)."""
     text.add_text_params(writer, {**hp, "num_hidden_layers": blocks(hp)}, ftype)
+    if (n_ff := hp.get("moe_intermediate_size")) is not None:
+        writer.add_expert_feed_forward_length(n_ff)
+    if (n_ff := hp.get("shared_expert_intermediate_size")) is not None:
+        writer.add_expert_shared_feed_forward_length(n_ff)
     if mtp_layers(hp):
         writer.add_nextn_predict_layers(mtp_layers(hp))
     writer.add_ssm_conv_kernel(hp["linear_conv_kernel_dim"])
@@ -140,11 +144,30 @@ def add_qwen35_params(writer, hp: dict, ftype: int) -> None:
         writer.add_array(f"{writer.arch}.attention.recurrent_layers",
                          [kind == "linear_attention" for kind in hp["layer_types"]] + [False] * mtp_layers(hp))
     writer.add_full_attention_interval(hp.get("full_attention_interval", 4))
-    rope = text.rope_parameters(hp)
     rope_dim = hp.get("head_dim") or hp["hidden_size"] // hp["num_attention_heads"]
-    writer.add_rope_dimension_count(int(rope_dim * rope.get("partial_rotary_factor", 0.25)))
-    if "mrope_section" not in rope:
+    writer.add_rope_dimension_count(int(rope_dim * text.rope_parameters(hp).get("partial_rotary_factor", 0.25)))
+
+
+def add_qwen35_params(writer, hp: dict, ftype: int) -> None:
+    """Qwen3_5TextModel / Qwen3_5MoeTextModel.set_gguf_parameters: Qwen3NextModel's keys, then
+    _Qwen35MRopeMixin's default RoPE sections."""
+    add_qwen3_next_params(writer, hp, ftype)
+    if "mrope_section" not in text.rope_parameters(hp):
         writer.add_rope_dimension_sections(QWEN35_MROPE_SECTION)
+
+
+def check_no_mtp(arch: str, hp: dict, names: list[str]) -> None:
+    """The MoE variants' multi-token-prediction layers (mtp.*, a layer with its own experts) are not written yet:
+    refused, where config.json counts them or the checkpoint stores them."""
+    stored = sorted({n.split(".")[2] for n in names if n.startswith("mtp.layers.")})
+    if mtp_layers(hp) or any(n.startswith("mtp.") for n in names):
+        count = mtp_layers(hp) or len(stored) or "its"
+        raise UnsupportedError(f"GGUF conversion of {arch}: the checkpoint's {count} multi-token-prediction "
+                               "layer(s) (mtp.*), which llama.cpp's converter writes as its nextn blocks, are not "
+                               "converted by quantkit yet",
+                               hint="convert a copy without the mtp.* tensors (and without mtp_num_hidden_layers "
+                                    "in config.json): quantkit then writes what convert_hf_to_gguf.py --no-mtp "
+                                    "writes; or use a compressed-tensors method")
 
 
 # _QwenMtpMixin.filter_tensors: mtp.layers.i.* -> block num_hidden_layers + i; mtp.fc / pre_fc_norm_embedding /
@@ -179,10 +202,15 @@ def unshift(x, hp):
     return x - np.float32(1)
 
 
-QWEN35_RULES = (
+# Qwen3NextModel: every RMSNorm but the gated one (linear_attn.norm) stored as w + 1
+NORM_RULE = TensorRule(r"(?<!linear_attn\.)norm\.weight$", forward=shift, inverse=unshift)
+MTP_RULES = (
     # the MTP layers' RMSNorms are (1 + w) ones too: the converter shifts them after renaming
     TensorRule(r"^mtp\.(.+\.)?[^.]*norm[^.]*\.weight$", forward=shift, inverse=unshift, target=mtp_target),
     TensorRule(r"^mtp\.", target=mtp_target),
+)
+# _LinearAttentionVReorderBase's value-head reorder, then Qwen3NextModel's steps
+DELTANET_RULES = (
     TensorRule(r"linear_attn\.in_proj_qkv\.weight$", forward=deltanet.qkv, inverse=deltanet.qkv_back),
     TensorRule(r"linear_attn\.in_proj_z\.weight$", forward=deltanet.z, inverse=deltanet.z_back),
     TensorRule(r"linear_attn\.in_proj_[ab]\.weight$", forward=deltanet.per_head, inverse=deltanet.per_head_back),
@@ -192,12 +220,30 @@ QWEN35_RULES = (
     TensorRule(r"linear_attn\.A_log$", forward=deltanet.a_log, inverse=deltanet.a_log_back),
     TensorRule(r"linear_attn\.dt_bias$", rename=(r"\.dt_bias$", ".dt_proj.bias"), forward=deltanet.per_head,
                inverse=deltanet.per_head_back),
-    # Qwen3NextModel: every RMSNorm but the gated one (linear_attn.norm) stored as w + 1
-    TensorRule(r"(?<!linear_attn\.)norm\.weight$", forward=shift, inverse=unshift),
+    NORM_RULE,
 )
+QWEN35_RULES = MTP_RULES + DELTANET_RULES
 
 QWEN35_GGUF = Gguf("QWEN35", add_qwen35_params, "gpt2", rules=QWEN35_RULES, blocks=blocks,
                    mrope_optional=True)
+# Qwen3_5MoeTextModel: the dense model's steps (without its MTP layers) and Qwen2MoeModel's experts
+QWEN35_MOE_GGUF = Gguf("QWEN35MOE", add_qwen35_params, "gpt2", experts="qwen", shared_expert=True,
+                       rules=DELTANET_RULES, blocks=blocks, mrope_optional=True, tensor_checks=(check_no_mtp,))
+
+# Qwen3NextModel.modify_tensors: no value-head reorder; in_proj_qkvz regrouped and written as attn_qkv and
+# attn_gate, in_proj_ba as it is (ssm_ba)
+QWEN3_NEXT_RULES = (
+    TensorRule(r"linear_attn\.in_proj_qkvz\.weight$", forward=deltanet.qkvz, inverse=deltanet.qkvz_back,
+               split=((r"\.in_proj_qkvz\.", ".in_proj_qkv."), (r"\.in_proj_qkvz\.", ".in_proj_z.")),
+               split_rows=deltanet.qkvz_rows),
+    TensorRule(r"linear_attn\.conv1d\.weight$", forward=deltanet.squeeze, inverse=deltanet.unsqueeze,
+               shape=deltanet.conv1d_shape, hf_shape=deltanet.conv1d_hf_shape),
+    TensorRule(r"linear_attn\.A_log$", forward=deltanet.neg_exp, inverse=deltanet.log_neg),
+    TensorRule(r"linear_attn\.dt_bias$", rename=(r"\.dt_bias$", ".dt_proj.bias")),
+    NORM_RULE,
+)
+QWEN3_NEXT_GGUF = Gguf("QWEN3NEXT", add_qwen3_next_params, "gpt2", experts="qwen", shared_expert=True,
+                       rules=QWEN3_NEXT_RULES, tensor_checks=(check_no_mtp,))
 
 QWEN35 = Family(
     "qwen3_5_text", "Qwen3_5ForCausalLM", "Qwen3.5",
@@ -212,6 +258,7 @@ QWEN35_MOE = Family(
     kept=KEPT,
     smoothing=QWEN35_MOE_ROWS,
     moe=MoeLayout(),
+    gguf={"Qwen3_5MoeForCausalLM": QWEN35_MOE_GGUF},
     checks=(check_layers,),
 )
 
@@ -220,6 +267,7 @@ QWEN3_NEXT = Family(
     kept=(Kept(r"re:.*linear_attn\.in_proj_ba$", "Gated DeltaNet's beta/alpha gates (in_proj_ba) 16-bit"),),
     smoothing=QWEN35_MOE_ROWS,
     moe=MoeLayout(),
+    gguf={"Qwen3NextForCausalLM": QWEN3_NEXT_GGUF},
 )
 
 FAMILIES = (QWEN35, QWEN35_MOE, QWEN3_NEXT)
