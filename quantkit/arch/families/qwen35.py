@@ -26,8 +26,16 @@ Qwen3.5-MoE (Qwen3_5MoeForCausalLM, model_type qwen3_5_moe_text) and Qwen3-Next 
 projection (`mlp.experts.<e>.{gate,up,down}_proj`), a shared expert (`mlp.shared_expert`) scaled by a one-output
 sigmoid gate (`mlp.shared_expert_gate`) and the router `mlp.gate`, both kept 16-bit (quantkit.arch.roles; vLLM
 builds both unquantized). Qwen3-Next stores the DeltaNet input projections fused (in_proj_qkvz, in_proj_ba: its
-beta/alpha gates kept 16-bit as Qwen3.5's). The llm-compressor methods calibrate every expert on every token. No
-GGUF or MLX conversion of the two yet.
+beta/alpha gates kept 16-bit as Qwen3.5's). The llm-compressor methods calibrate every expert on every token.
+
+GGUF of the two: conversion/qwen.py's Qwen3_5MoeTextModel (as Qwen3.5, value-head reorder included) and
+Qwen3NextModel (no reorder: in_proj_qkvz regrouped from [q, k, v, z] per key head to every head's q, k, v, then z,
+written as attn_qkv and attn_gate; in_proj_ba written as it is, ssm_ba), both with Qwen2MoeModel's experts: the
+expert widths as keys, the routed experts stacked per projection (ffn_{gate,up,down}_exps), the shared expert as
+ffn_{gate,up,down}_shexp and its one-output gate as ffn_gate_inp_shexp, F32 (the converter writes it F32 and
+llama-quantize quantizes no single-row weight). Their MTP layers (`mtp.*`, each with its own experts) are not
+converted yet: a checkpoint that stores or counts them is refused before work; one without them converts as
+`convert_hf_to_gguf.py --no-mtp` converts it. MLX: refused (no conversion yet).
 """
 
 from __future__ import annotations
