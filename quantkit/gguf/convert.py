@@ -340,6 +340,8 @@ def source_tensors(config: dict, hf_tensors) -> dict[str, str]:
     out, spec = {}, arch_spec(config)
     for hf in hf_tensors:
         name = source_name(hf, spec)
+        if name is not None and spec.renames is not None:
+            name = spec.renames(name, text_hparams(config))
         if name is not None and not skipped(config, name) and metadata_tensor(spec, name) is None:
             out[name] = hf
     return out

@@ -4,8 +4,8 @@ with every router kept 16-bit and every expert's scales finite (common.assert_mo
 
 Fast: fp8 on every family, gptq on DeepSeek-V3 and on GLM-4.5 with an expert no calibration token reaches (the
 same path for every family: llm-compressor's linear experts, then quantkit's reading), GGUF Q4_K_M of ERNIE 4.5
-MoE, MiniMax-M2, GLM-4.5 (with and without its MTP layer), DeepSeek-V3, Qwen3.5-MoE and Qwen3-Next, and the
-refusals (GGUF of the other families and of the hybrid Qwen ones' MTP layers, MLX of all: no conversion yet).
+MoE, MiniMax-M2, GLM-4.5 and Qwen3.5-MoE (with and without their MTP layer), DeepSeek-V3 and Qwen3-Next, and the
+refusals (GGUF of the other families and of Qwen3-Next's MTP layers, MLX of all: no conversion yet).
 Slow: the other methods on every family, GGUF against llama.cpp's converter and llama-quantize.
 """
 
@@ -185,17 +185,47 @@ def test_gguf_equals_llama_cpp(models, tmp_path, family):
                                       converter_args=CONVERTER_ARGS.get(family, ()))
 
 
-@pytest.mark.parametrize("family", list(CONVERTER_ARGS))
-def test_gguf_of_hybrid_qwen_mtp_layers_refused(cli, models, tmp_path, family):
-    """The hybrid Qwen MoE checkpoints' multi-token-prediction layers (mtp.*, which transformers does not load)
-    are not converted yet: refused before work, naming them (Qwen3-Next's config.json does not count them)."""
+@pytest.fixture(scope="module")
+def qwen35_moe_mtp(models, tmp_path_factory) -> Path:
+    """Qwen3.5-MoE with one MTP layer as Qwen3.5 checkpoints store it (tests.families.test_qwen35.with_mtp: mtp.fc,
+    the pre-fc norms, mtp.norm and layer 1's full-attention MoE layer, its experts among them, under
+    mtp.layers.0)."""
+    from tests.families.test_qwen35 import with_mtp
+
+    return with_mtp(models("qwen3_5_moe_text"), tmp_path_factory.mktemp("qwen3_5_moe_mtp") / "model")
+
+
+def test_gguf_of_qwen3_5_moe_writes_its_mtp_layer(cli, qwen35_moe_mtp, tmp_path):
+    """The converter's default: the MTP layer as block 2 (its experts stacked, nextn.eh_proj / enorm / hnorm /
+    shared_head_norm), nextn_predict_layers 1, the block count with it; the gate reads the decoder's blocks."""
+    import gguf
+
+    out = tmp_path / "out"
+    common.assert_passed(common.quantize(cli, qwen35_moe_mtp, out, "gguf", "--gguf-type", "Q4_K_M"), out)
+    (path,) = out.glob("*.gguf")
+    reader = gguf.GGUFReader(path)
+    names = {t.name for t in reader.tensors}
+    assert {f"blk.2.nextn.{n}.weight" for n in ("eh_proj", "enorm", "hnorm", "shared_head_norm")} \
+        | {f"blk.2.ffn_{p}_exps.weight" for p in ("gate", "up", "down")} | {"blk.2.ffn_gate_inp_shexp.weight"} <= names
+    assert reader.fields["qwen35moe.block_count"].contents() == 3
+    assert reader.fields["qwen35moe.nextn_predict_layers"].contents() == 1
+
+
+@pytest.mark.slow
+def test_gguf_of_qwen3_5_moe_with_mtp_layer_equals_llama_cpp(qwen35_moe_mtp, tmp_path):
+    common.assert_gguf_is_llama_cpp_s(qwen35_moe_mtp, tmp_path, pre="gpt-2")
+
+
+def test_gguf_of_qwen3_next_mtp_layers_refused(cli, models, tmp_path):
+    """Qwen3-Next's multi-token-prediction layers (mtp.*, which transformers does not load and its config.json
+    does not count) are not converted yet: refused before work, naming them."""
     import shutil
 
     import torch
     from safetensors.torch import load_file, save_file
 
     model = tmp_path / "model"
-    shutil.copytree(models(family), model)
+    shutil.copytree(models("qwen3_next"), model)
     tensors = load_file(model / "model.safetensors")
     tensors["mtp.fc.weight"] = torch.zeros(256, 512, dtype=torch.bfloat16)
     save_file(tensors, model / "model.safetensors", metadata={"format": "pt"})

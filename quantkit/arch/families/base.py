@@ -175,6 +175,9 @@ class Gguf:
     # mistral4 take other converter classes); empty: any
     mrope: bool = False  # Qwen2/2.5/3-VL's multimodal RoPE: mrope_section written as rope.dimension_sections
     strips_text_model: bool = False  # LlamaModel.filter_tensors: SmolVLM's `text_model.` dropped from the names
+    # renames(name, hparams) -> the name the converter maps, where its filter_tensors renames it (Qwen's MTP layers
+    # as the blocks after the decoder's); None: as it is
+    renames: Callable[[str, Hparams], str] | None = None
     checks: tuple[Callable[[str, Hparams], None], ...] = ()
     # checks of the checkpoint's tensor names too (each `check(architecture, hparams, names)` raises
     # UnsupportedError): what the tensors hold that the conversion does not reproduce (MTP layers it does not write)

@@ -33,9 +33,11 @@ Qwen3NextModel (no reorder: in_proj_qkvz regrouped from [q, k, v, z] per key hea
 written as attn_qkv and attn_gate; in_proj_ba written as it is, ssm_ba), both with Qwen2MoeModel's experts: the
 expert widths as keys, the routed experts stacked per projection (ffn_{gate,up,down}_exps), the shared expert as
 ffn_{gate,up,down}_shexp and its one-output gate as ffn_gate_inp_shexp, F32 (the converter writes it F32 and
-llama-quantize quantizes no single-row weight). Their MTP layers (`mtp.*`, each with its own experts) are not
-converted yet: a checkpoint that stores or counts them is refused before work; one without them converts as
-`convert_hf_to_gguf.py --no-mtp` converts it. MLX: refused (no conversion yet).
+llama-quantize quantizes no single-row weight). Qwen3.5-MoE's MTP layers are written as Qwen3.5's (the nextn
+block, their experts stacked as the decoder's: the converter's filter_tensors renames them into the blocks after
+the decoder's, `mtp_rename`). Qwen3-Next's (its config.json does not count them; the converter counts them from
+the tensors) are not converted yet: a checkpoint that stores them is refused before work; one without them
+converts as `convert_hf_to_gguf.py --no-mtp` converts it. MLX: refused (no conversion yet).
 """
 
 from __future__ import annotations
@@ -165,41 +167,44 @@ def add_qwen35_params(writer, hp: dict, ftype: int) -> None:
 
 
 def check_no_mtp(arch: str, hp: dict, names: list[str]) -> None:
-    """The MoE variants' multi-token-prediction layers (mtp.*, a layer with its own experts) are not written yet:
-    refused, where config.json counts them or the checkpoint stores them."""
-    stored = sorted({n.split(".")[2] for n in names if n.startswith("mtp.layers.")})
-    if mtp_layers(hp) or any(n.startswith("mtp.") for n in names):
-        count = mtp_layers(hp) or len(stored) or "its"
-        raise UnsupportedError(f"GGUF conversion of {arch}: the checkpoint's {count} multi-token-prediction "
-                               "layer(s) (mtp.*), which llama.cpp's converter writes as its nextn blocks, are not "
-                               "converted by quantkit yet",
-                               hint="convert a copy without the mtp.* tensors (and without mtp_num_hidden_layers "
-                                    "in config.json): quantkit then writes what convert_hf_to_gguf.py --no-mtp "
-                                    "writes; or use a compressed-tensors method")
+    """Qwen3-Next's multi-token-prediction layers (mtp.*, which its config.json does not count: the converter
+    counts them from the tensors) are not written yet: refused where the checkpoint stores them."""
+    if any(n.startswith(("mtp.", "model.mtp.")) for n in names) or mtp_layers(hp):
+        raise UnsupportedError(f"GGUF conversion of {arch}: the checkpoint's multi-token-prediction layers "
+                               "(mtp.*), which llama.cpp's converter writes as its nextn blocks, are not converted "
+                               "by quantkit yet",
+                               hint="convert a copy without the mtp.* tensors: quantkit then writes what "
+                                    "convert_hf_to_gguf.py --no-mtp writes; or use a compressed-tensors method")
 
 
-# _QwenMtpMixin.filter_tensors: mtp.layers.i.* -> block num_hidden_layers + i; mtp.fc / pre_fc_norm_embedding /
-# pre_fc_norm_hidden / norm -> the first MTP block's nextn.eh_proj / enorm / hnorm / shared_head_norm (gguf
-# 0.19's table for qwen35 has no nextn names: they are written here as llama.cpp names them)
-NEXTN = {"fc": "eh_proj", "pre_fc_norm_embedding": "enorm", "pre_fc_norm_hidden": "hnorm", "norm": "shared_head_norm"}
+# _QwenMtpMixin.filter_tensors: mtp.fc / pre_fc_norm_embedding / pre_fc_norm_hidden / norm -> the first MTP
+# block's eh_proj / enorm / hnorm / shared_head.norm
+MTP_PARTS = {"fc": "eh_proj", "pre_fc_norm_embedding": "enorm", "pre_fc_norm_hidden": "hnorm",
+             "norm": "shared_head.norm"}
 
 
-def mtp_target(name: str, hp: dict) -> str:
-    import gguf
+def mtp_rename(name: str, hp: dict) -> str:
+    """_QwenMtpMixin.filter_tensors: the MTP layers as the blocks after the decoder's (mtp.layers.i.* ->
+    model.layers.<num_hidden_layers + i>.*, their experts stacked as the decoder's), the MTP block's own tensors
+    under the first of them."""
+    name = name.removeprefix("model.") if name.startswith("model.mtp.") else name
+    parts, n = name.split(".", 3), hp["num_hidden_layers"]
+    if parts[0] != "mtp":
+        return name
+    if len(parts) == 4 and parts[1] == "layers" and parts[2].isdecimal():
+        return f"model.layers.{n + int(parts[2])}.{parts[3]}"
+    if len(parts) == 3 and parts[1] in MTP_PARTS:
+        return f"model.layers.{n}.{MTP_PARTS[parts[1]]}.{parts[2]}"
+    return name
 
-    n = hp["num_hidden_layers"]
-    if (m := re.match(r"^mtp\.layers\.(\d+)\.(.+)$", name)) is not None:
-        tmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN35, 1)
-        mapped = tmap.get_name(f"model.layers.0.{m.group(2)}", try_suffixes=(".weight", ".bias"))
-        if mapped is None:
-            raise UnsupportedError(f"cannot map tensor '{name}' to a GGUF name",
-                                   hint="the checkpoint's MTP layer holds a tensor llama.cpp's qwen35 has no name for")
-        return f"blk.{n + int(m.group(1))}." + mapped.split(".", 2)[2]
-    part, suffix = name.split(".")[1], name.rsplit(".", 1)[1]
-    if part not in NEXTN:
+
+def nextn_target(name: str, hp: dict) -> str:
+    """The nextn tensors as llama.cpp names them (gguf 0.19's tables for qwen35 / qwen35moe have no nextn names)."""
+    m = re.match(r"^model\.layers\.(\d+)\.(eh_proj|enorm|hnorm|shared_head\.norm)\.(weight|bias)$", name)
+    if m is None:
         raise UnsupportedError(f"cannot map tensor '{name}' to a GGUF name",
-                               hint="the checkpoint's MTP block holds a tensor llama.cpp's qwen35 has no name for")
-    return f"blk.{n}.nextn.{NEXTN[part]}.{suffix}"
+                               hint="the checkpoint's MTP block holds a tensor llama.cpp has no name for")
+    return f"blk.{m.group(1)}.nextn.{m.group(2).replace('.', '_')}.{m.group(3)}"
 
 
 def shift(x, hp, dtype):
@@ -212,10 +217,10 @@ def unshift(x, hp):
 
 # Qwen3NextModel: every RMSNorm but the gated one (linear_attn.norm) stored as w + 1
 NORM_RULE = TensorRule(r"(?<!linear_attn\.)norm\.weight$", forward=shift, inverse=unshift)
-MTP_RULES = (
-    # the MTP layers' RMSNorms are (1 + w) ones too: the converter shifts them after renaming
-    TensorRule(r"^mtp\.(.+\.)?[^.]*norm[^.]*\.weight$", forward=shift, inverse=unshift, target=mtp_target),
-    TensorRule(r"^mtp\.", target=mtp_target),
+# the MTP block's own tensors (after mtp_rename); its norms are (1 + w) ones too
+NEXTN_RULES = (
+    TensorRule(r"\.(enorm|hnorm|shared_head\.norm)\.weight$", forward=shift, inverse=unshift, target=nextn_target),
+    TensorRule(r"\.eh_proj\.weight$", target=nextn_target),
 )
 # _LinearAttentionVReorderBase's value-head reorder, then Qwen3NextModel's steps
 DELTANET_RULES = (
@@ -230,13 +235,13 @@ DELTANET_RULES = (
                inverse=deltanet.per_head_back),
     NORM_RULE,
 )
-QWEN35_RULES = MTP_RULES + DELTANET_RULES
+QWEN35_RULES = NEXTN_RULES + DELTANET_RULES
 
 QWEN35_GGUF = Gguf("QWEN35", add_qwen35_params, "gpt2", rules=QWEN35_RULES, blocks=blocks,
-                   mrope_optional=True)
-# Qwen3_5MoeTextModel: the dense model's steps (without its MTP layers) and Qwen2MoeModel's experts
+                   mrope_optional=True, renames=mtp_rename)
+# Qwen3_5MoeTextModel: the dense model's steps and Qwen2MoeModel's experts (the MTP layers' too)
 QWEN35_MOE_GGUF = Gguf("QWEN35MOE", add_qwen35_params, "gpt2", experts="qwen", shared_expert=True,
-                       rules=DELTANET_RULES, blocks=blocks, mrope_optional=True, tensor_checks=(check_no_mtp,))
+                       rules=QWEN35_RULES, blocks=blocks, mrope_optional=True, renames=mtp_rename)
 
 # Qwen3NextModel.modify_tensors: no value-head reorder; in_proj_qkvz regrouped and written as attn_qkv and
 # attn_gate, in_proj_ba as it is (ssm_ba)
