@@ -454,12 +454,13 @@ def test_gguf_of_deepseek_v3_llama_cpp_would_run_otherwise_refused(cli, models, 
     common.assert_refused(common.quantize(cli, model, out, "gguf"), out, words)
 
 
+@pytest.mark.parametrize("family,piece", [("deepseek_v3", "attn_k_b"), ("qwen3_next", "attn_gate")])
 @pytest.mark.parametrize("flag", [["--auto-precision"], ["--fallback"]])
-def test_gguf_per_tensor_types_of_deepseek_v3_refused(cli, models, tmp_path, flag):
-    """--auto-precision / --fallback measure each tensor from the checkpoint's values, which kv_b_proj's pieces are
-    not: refused before work, naming them."""
+def test_gguf_per_tensor_types_of_cut_tensors_refused(cli, models, tmp_path, flag, family, piece):
+    """--auto-precision / --fallback measure each tensor from the checkpoint's values, which the pieces of
+    DeepSeek's kv_b_proj and Qwen3-Next's in_proj_qkvz are not: refused before work, naming them."""
     out = tmp_path / "out"
-    common.assert_refused(common.quantize(cli, models("deepseek_v3"), out, "gguf", *flag), out, "attn_k_b")
+    common.assert_refused(common.quantize(cli, models(family), out, "gguf", *flag), out, piece)
 
 
 def test_an_expert_no_token_reaches_gets_finite_scales(cli, tmp_path):
