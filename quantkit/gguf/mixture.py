@@ -352,4 +352,5 @@ def kept_as_converted(name: str, shape: tuple[int, ...]) -> bool:
     and a single-row weight (ggml_n_dims 1) outside the converter's F32 ones."""
     if len(shape) < 2 or not name.endswith("weight"):
         return False
-    return any(s in name for s in KEPT_AS_CONVERTED) or (n_dims(shape) < 2 and not any(s in name for s in CONVERTER_F32))
+    single_row = n_dims(shape) < 2 and not any(s in name for s in CONVERTER_F32)
+    return single_row or any(s in name for s in KEPT_AS_CONVERTED)

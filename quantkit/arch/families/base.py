@@ -125,8 +125,8 @@ class TensorRule:
     # split_rows(written shape, hparams) -> each piece's rows where the pieces are row blocks of unequal sizes
     # (Qwen3-Next's in_proj_qkvz: attn_qkv, then attn_gate); None: equal row blocks
     split_rows: Callable[[tuple[int, ...], Hparams], tuple[int, ...]] | None = None
-    # target(name, hparams) -> the GGUF name, where gguf-py's TensorNameMap has none (Qwen3.5's MTP layers, written
-    # as the blocks after the decoder's); None: TensorNameMap's name of the (renamed) name
+    # target(name, hparams) -> the GGUF name, where gguf-py's TensorNameMap has none (Qwen3.5's nextn tensors, which
+    # gguf 0.19's qwen35 tables lack); None: TensorNameMap's name of the (renamed) name
     target: Callable[[str, Hparams], str] | None = None
 
 
