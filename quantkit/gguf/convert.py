@@ -230,7 +230,7 @@ def check_experts(arch: str, spec: Gguf, hp: dict) -> None:
     hint = "supported: every layer a routed-expert layer, top-k weights renormalised, no shared experts"
     if hp.get("mlp_only_layers") or hp.get("decoder_sparse_step", 1) not in (None, 1):
         refuse(arch, "dense (non-expert) layers mixed with expert layers", hint)
-    if hp.get("shared_expert_intermediate_size"):
+    if hp.get("shared_expert_intermediate_size") and not spec.shared_expert:
         refuse(arch, "shared experts", hint)
 
 
@@ -242,6 +242,8 @@ def check_convertible(config: dict, hf_tensors) -> Gguf:
         raise UnsupportedError(f"GGUF conversion: fused expert tensors ('{fused[0]}') are not supported",
                                hint="supported: one tensor per expert (experts.N.*), as transformers' "
                                     "save_pretrained writes Mixtral and Qwen3-MoE")
+    for check in spec.tensor_checks:
+        check(hf_architecture(config), text_hparams(config), list(hf_tensors))
     return spec
 
 
@@ -338,6 +340,8 @@ def source_tensors(config: dict, hf_tensors) -> dict[str, str]:
     out, spec = {}, arch_spec(config)
     for hf in hf_tensors:
         name = source_name(hf, spec)
+        if name is not None and spec.renames is not None:
+            name = spec.renames(name, text_hparams(config))
         if name is not None and not skipped(config, name) and metadata_tensor(spec, name) is None:
             out[name] = hf
     return out
@@ -443,23 +447,30 @@ def split_names(rule: TensorRule | None, name: str) -> list[str]:
 
 def source_plans(config: dict, tmap, name: str, hf: str, shape: list[int]) -> list[TensorPlan]:
     """The plans of one source tensor: one, or one per piece where the family's step splits it (each piece
-    an equal part of the written tensor along its second-to-last axis)."""
+    a block of the written tensor's rows along its second-to-last axis: equal parts, or TensorRule.split_rows)."""
     rule, hp = tensor_rule(config, name), text_hparams(config)
     if rule is None or not rule.split:
         return [single_plan(config, tmap, name, hf, shape)]
     if rule.pieces is not None:
         return cut_plans(rule, hp, tmap, name, hf, shape)
     written = tuple(shape) if rule.shape is None else tuple(rule.shape(tuple(shape), hp))
-    count = len(rule.split)
-    piece = (*written[:-2], written[-2] // count, written[-1])
+    rows = piece_rows(rule, written, hp)
+    bounds = np.cumsum(rows)[:-1]
 
     def transform(data, dtype, index, forward=rule.forward):
         values = (data if forward is None else forward(data, hp, dtype)).reshape(written)
-        return np.split(values, count, axis=-2)[index]
+        return np.split(values, bounds, axis=-2)[index]
 
-    return [TensorPlan(gguf_name(tmap, piece_name), hf, piece, T.F32,
+    return [TensorPlan(gguf_name(tmap, piece_name), hf, (*written[:-2], rows[i], written[-1]), T.F32,
                        transform=lambda data, dtype, i=i: transform(data, dtype, i))
             for i, piece_name in enumerate(split_names(rule, name))]
+
+
+def piece_rows(rule: TensorRule, written: tuple[int, ...], hp: dict) -> tuple[int, ...]:
+    """The rows of each piece of a split tensor (along its second-to-last axis): the family's sizes, or equal parts."""
+    if rule.split_rows is not None:
+        return tuple(rule.split_rows(written, hp))
+    return (written[-2] // len(rule.split),) * len(rule.split)
 
 
 def cut_plans(rule: TensorRule, hp: dict, tmap, name: str, hf: str, shape: list[int]) -> list[TensorPlan]:

@@ -135,8 +135,17 @@ def category(name: str) -> str:
     return "other"
 
 
+def n_dims(shape: tuple[int, ...]) -> int:
+    """ggml_n_dims of a tensor of this numpy shape: its dimensions up to the last one above 1 in ggml's order
+    (ne[0] is the last numpy dimension), at least 1; a [1, n] weight has one."""
+    ne = tuple(reversed(shape))
+    return max([i + 1 for i, size in enumerate(ne) if size > 1] or [1])
+
+
 def allows_quantization(name: str, shape: tuple[int, ...]) -> bool:
-    return len(shape) >= 2 and name.endswith("weight") and not any(s in name for s in NEVER_QUANTIZED)
+    """tensor_allows_quantization: weights of 2 or 3 ggml dimensions (a single-row weight, Qwen's one-output
+    shared-expert gate, is not quantized) outside the names llama-quantize keeps."""
+    return n_dims(shape) >= 2 and name.endswith("weight") and not any(s in name for s in NEVER_QUANTIZED)
 
 
 @dataclass
@@ -332,8 +341,16 @@ def type_counts(types: dict[str, T]) -> dict[str, int]:
 # tensor_allows_quantization's names the converter writes at its output type (not F32): llama-quantize keeps
 # them as its input file has them (Gemma 4's per_layer_model_proj)
 KEPT_AS_CONVERTED = ("per_layer_model_proj",)
+# ModelBase.prepare_tensors: the weights the converter writes F32 whatever their shape (norms, routers and the
+# shared-expert gate, conv kernels, positional embeddings; those that can occur here)
+CONVERTER_F32 = ("_norm.weight", "ffn_gate_inp", "ssm_conv1d", "shortconv.conv", "position_embd", "token_types",
+                 "time_mix_", "altup")
 
 
 def kept_as_converted(name: str, shape: tuple[int, ...]) -> bool:
-    """A 2-D weight llama-quantize never quantizes and the converter writes at its output type."""
-    return len(shape) >= 2 and name.endswith("weight") and any(s in name for s in KEPT_AS_CONVERTED)
+    """A 2-D weight llama-quantize never quantizes and the converter writes at its output type: the names above,
+    and a single-row weight (ggml_n_dims 1) outside the converter's F32 ones."""
+    if len(shape) < 2 or not name.endswith("weight"):
+        return False
+    single_row = n_dims(shape) < 2 and not any(s in name for s in CONVERTER_F32)
+    return single_row or any(s in name for s in KEPT_AS_CONVERTED)

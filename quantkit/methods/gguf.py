@@ -194,10 +194,11 @@ def check(info, options: Options, calibration=None) -> None:
     from quantkit.gguf.vocab import check_vocab
 
     spec = check_convertible(info.config, info.tensors)
-    if mixed(options) and any(rule.pieces is not None for rule in spec.rules):
+    if mixed(options) and any(rule.pieces is not None or rule.split_rows is not None for rule in spec.rules):
         raise UnsupportedError("per-tensor GGUF types (--auto-precision, --fallback) for this architecture: its "
                                "conversion cuts tensors into pieces of their own shapes (DeepSeek's kv_b_proj into "
-                               "attn_k_b and attn_v_b), which quantkit's sensitivity measurement does not read yet",
+                               "attn_k_b and attn_v_b, Qwen3-Next's in_proj_qkvz into attn_qkv and attn_gate), "
+                               "which quantkit's sensitivity measurement does not read yet",
                                hint="quantize it with one --gguf-type (per-tensor types: llama-quantize "
                                     "--tensor-type on the converted file)")
     if spec.vocab_check is not None:

@@ -305,9 +305,11 @@ def assert_reloads_strictly(cli, model: Path, tmp_path: Path, method: str, *args
     return out
 
 
-def assert_gguf_is_llama_cpp_s(model: Path, tmp_path: Path, pre: str | None = "gpt-2") -> None:
-    """bf16 equal to the converter's, Q4_K_M and IQ4_XS equal to llama-quantize's, each loaded by llama-perplexity."""
-    _ours, theirs = assert_gguf_equals_converter(model, tmp_path, "bf16", pre)
+def assert_gguf_is_llama_cpp_s(model: Path, tmp_path: Path, pre: str | None = "gpt-2",
+                               converter_args: tuple[str, ...] = ()) -> None:
+    """bf16 equal to the converter's (`converter_args`: more converter options), Q4_K_M and IQ4_XS equal to
+    llama-quantize's, each loaded by llama-perplexity."""
+    _ours, theirs = assert_gguf_equals_converter(model, tmp_path, "bf16", pre, converter_args)
     for path in assert_quantized_equals_llama_quantize(model, theirs, tmp_path):
         assert_llama_perplexity_runs(path, tmp_path)
 

@@ -4,10 +4,11 @@ with every router kept 16-bit and every expert's scales finite (common.assert_mo
 
 Fast: fp8 on every family, gptq on DeepSeek-V3 and on GLM-4.5 with an expert no calibration token reaches (the
 same path for every family: llm-compressor's linear experts, then quantkit's reading), GGUF Q4_K_M of ERNIE 4.5
-MoE, MiniMax-M2 and GLM-4.5 (with and without its MTP layer), MLX of the families mlx-lm loads stacked (with the
-older Qwen2-MoE, Qwen3-MoE and Mixtral) read by mlx-lm, and the refusals (GGUF and MLX of the other families, each
-with its reason; MLX of what an mlx-lm model would read otherwise). Slow: the other methods on every family, GGUF
-against llama.cpp's converter and llama-quantize.
+MoE, MiniMax-M2, GLM-4.5 and Qwen3.5-MoE (with and without their MTP layer), DeepSeek-V3 and Qwen3-Next, MLX of
+the families mlx-lm loads stacked (with the older Qwen2-MoE, Qwen3-MoE and Mixtral) read by mlx-lm, and the refusals
+(GGUF of the other families and of Qwen3-Next's MTP layers, MLX of the other families, each with its reason; MLX of
+what an mlx-lm model would read otherwise). Slow: the other methods on every family, GGUF against llama.cpp's
+converter and llama-quantize.
 """
 
 from __future__ import annotations
@@ -144,7 +145,16 @@ def test_unsupported_layouts_refused_before_work(cli, models, tmp_path, family, 
 
 # GGUF: llama.cpp's converter class of each family with a conversion, and the pre-tokenizer it is told for the toy
 # BPE tokenizer (None: the family's SentencePiece vocabulary)
-GGUF = {"ernie4_5_moe": None, "minimax_m2": "gpt-2", "glm4_moe": "gpt-2", "deepseek_v3": "gpt-2"}
+GGUF = {"ernie4_5_moe": None, "minimax_m2": "gpt-2", "glm4_moe": "gpt-2", "deepseek_v3": "gpt-2",
+        "qwen3_5_moe_text": "gpt-2", "qwen3_next": "gpt-2"}
+# the converter's options: the hybrid Qwen checkpoints have no MTP layer (its default asserts there is one)
+CONVERTER_ARGS = {"qwen3_5_moe_text": ("--no-mtp",), "qwen3_next": ("--no-mtp",)}
+# the routing tensors of each family's MoE layer 1 beside its stacked experts (the router's correction bias; the
+# hybrid Qwen ones' shared expert and its one-output gate), and its other own tensors
+ROUTING = {"qwen3_5_moe_text": ("blk.1.ffn_gate_inp_shexp.weight", "blk.1.ffn_up_shexp.weight",
+                                "blk.0.ssm_alpha.weight", "blk.0.ssm_beta.weight"),
+           "qwen3_next": ("blk.1.ffn_gate_inp_shexp.weight", "blk.1.ffn_up_shexp.weight", "blk.0.attn_qkv.weight",
+                          "blk.0.attn_gate.weight", "blk.0.ssm_ba.weight")}
 # MLX: the families whose mlx-lm model loads the experts stacked as quantkit writes them (their records' mlx_experts)
 MLX = ["qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "minimax_m2", "deepseek_v3"]
 REFUSED_FORMATS = [(f, "gguf") for f in FAMILIES if f not in GGUF] + [(f, "mlx") for f in FAMILIES if f not in MLX]
@@ -312,19 +322,23 @@ def test_mlx_of_what_mlx_lm_would_read_otherwise_refused(cli, models, tmp_path, 
 
 @pytest.mark.parametrize("family", list(GGUF))
 def test_gguf_experts_stacked_and_read_back(cli, models, tmp_path, family):
-    """Q4_K_M through the CLI: the experts stacked per projection, the routers' correction bias written and read
-    back (the gate reads every tensor of the file into the model)."""
+    """Q4_K_M through the CLI: the experts stacked per projection, the routers' correction bias (the hybrid Qwen
+    ones: the shared expert and its gate, F32 as llama-quantize keeps a single-row weight) written and read back
+    (the gate reads every tensor of the file into the model)."""
     import gguf
 
     out = tmp_path / "out"
     entry = common.assert_passed(common.quantize(cli, models(family), out, "gguf", "--gguf-type", "Q4_K_M"), out)
     assert entry["details"]["gguf"]["type"] == "Q4_K_M"
     (path,) = out.glob("*.gguf")
-    names = {t.name for t in gguf.GGUFReader(path).tensors}
-    # ERNIE's first MoE layer (moe_layer_start_index 1), GLM's (first_k_dense_replace 1); MiniMax-M2's every layer
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
+    # ERNIE's first MoE layer (moe_layer_start_index 1), GLM's (first_k_dense_replace 1); the others' every layer
     layer = 1
-    assert {f"blk.{layer}.ffn_{p}_exps.weight" for p in ("gate", "up", "down")} | {f"blk.{layer}.exp_probs_b.bias"} \
-        <= names
+    assert {f"blk.{layer}.ffn_{p}_exps.weight" for p in ("gate", "up", "down")} \
+        | set(ROUTING.get(family, (f"blk.{layer}.exp_probs_b.bias",))) <= set(types)
+    if family in ROUTING:
+        assert types[f"blk.{layer}.ffn_gate_inp_shexp.weight"] == "F32"
+        assert not any(name.startswith("blk.2.") for name in types)
 
 
 @pytest.mark.slow
@@ -332,7 +346,56 @@ def test_gguf_experts_stacked_and_read_back(cli, models, tmp_path, family):
 def test_gguf_equals_llama_cpp(models, tmp_path, family):
     """bf16 equal to convert_hf_to_gguf.py's, Q4_K_M and IQ4_XS equal to llama-quantize's, each loaded by
     llama-perplexity."""
-    common.assert_gguf_is_llama_cpp_s(models(family), tmp_path, pre=GGUF[family])
+    common.assert_gguf_is_llama_cpp_s(models(family), tmp_path, pre=GGUF[family],
+                                      converter_args=CONVERTER_ARGS.get(family, ()))
+
+
+@pytest.fixture(scope="module")
+def qwen35_moe_mtp(models, tmp_path_factory) -> Path:
+    """Qwen3.5-MoE with one MTP layer as Qwen3.5 checkpoints store it (tests.families.test_qwen35.with_mtp: mtp.fc,
+    the pre-fc norms, mtp.norm and layer 1's full-attention MoE layer, its experts among them, under
+    mtp.layers.0)."""
+    from tests.families.test_qwen35 import with_mtp
+
+    return with_mtp(models("qwen3_5_moe_text"), tmp_path_factory.mktemp("qwen3_5_moe_mtp") / "model")
+
+
+def test_gguf_of_qwen3_5_moe_writes_its_mtp_layer(cli, qwen35_moe_mtp, tmp_path):
+    """The converter's default: the MTP layer as block 2 (its experts stacked, nextn.eh_proj / enorm / hnorm /
+    shared_head_norm), nextn_predict_layers 1, the block count with it; the gate reads the decoder's blocks."""
+    import gguf
+
+    out = tmp_path / "out"
+    common.assert_passed(common.quantize(cli, qwen35_moe_mtp, out, "gguf", "--gguf-type", "Q4_K_M"), out)
+    (path,) = out.glob("*.gguf")
+    reader = gguf.GGUFReader(path)
+    names = {t.name for t in reader.tensors}
+    assert {f"blk.2.nextn.{n}.weight" for n in ("eh_proj", "enorm", "hnorm", "shared_head_norm")} \
+        | {f"blk.2.ffn_{p}_exps.weight" for p in ("gate", "up", "down")} | {"blk.2.ffn_gate_inp_shexp.weight"} <= names
+    assert reader.fields["qwen35moe.block_count"].contents() == 3
+    assert reader.fields["qwen35moe.nextn_predict_layers"].contents() == 1
+
+
+@pytest.mark.slow
+def test_gguf_of_qwen3_5_moe_with_mtp_layer_equals_llama_cpp(qwen35_moe_mtp, tmp_path):
+    common.assert_gguf_is_llama_cpp_s(qwen35_moe_mtp, tmp_path, pre="gpt-2")
+
+
+def test_gguf_of_qwen3_next_mtp_layers_refused(cli, models, tmp_path):
+    """Qwen3-Next's multi-token-prediction layers (mtp.*, which transformers does not load and its config.json
+    does not count) are not converted yet: refused before work, naming them."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    model = tmp_path / "model"
+    shutil.copytree(models("qwen3_next"), model)
+    tensors = load_file(model / "model.safetensors")
+    tensors["mtp.fc.weight"] = torch.zeros(256, 512, dtype=torch.bfloat16)
+    save_file(tensors, model / "model.safetensors", metadata={"format": "pt"})
+    out = tmp_path / "out"
+    common.assert_refused(common.quantize(cli, model, out, "gguf"), out, "multi-token-prediction", "mtp.*")
 
 
 def with_glm_mtp_layer(out: Path) -> Path:
@@ -556,12 +619,13 @@ def test_gguf_of_deepseek_v3_llama_cpp_would_run_otherwise_refused(cli, models, 
     common.assert_refused(common.quantize(cli, model, out, "gguf"), out, words)
 
 
+@pytest.mark.parametrize("family,piece", [("deepseek_v3", "attn_k_b"), ("qwen3_next", "attn_gate")])
 @pytest.mark.parametrize("flag", [["--auto-precision"], ["--fallback"]])
-def test_gguf_per_tensor_types_of_deepseek_v3_refused(cli, models, tmp_path, flag):
-    """--auto-precision / --fallback measure each tensor from the checkpoint's values, which kv_b_proj's pieces are
-    not: refused before work, naming them."""
+def test_gguf_per_tensor_types_of_cut_tensors_refused(cli, models, tmp_path, flag, family, piece):
+    """--auto-precision / --fallback measure each tensor from the checkpoint's values, which the pieces of
+    DeepSeek's kv_b_proj and Qwen3-Next's in_proj_qkvz are not: refused before work, naming them."""
     out = tmp_path / "out"
-    common.assert_refused(common.quantize(cli, models("deepseek_v3"), out, "gguf", *flag), out, "attn_k_b")
+    common.assert_refused(common.quantize(cli, models(family), out, "gguf", *flag), out, piece)
 
 
 def test_an_expert_no_token_reaches_gets_finite_scales(cli, tmp_path):

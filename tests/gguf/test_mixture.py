@@ -117,6 +117,18 @@ def test_experts_and_70b():
     assert layers_with(big, "attn_v", T.Q5_K) == list(range(80))  # LLM_TYPE_70B bump
 
 
+def test_single_row_weights_are_not_quantized():
+    """tensor_allows_quantization judges ggml_n_dims: a [1, n] weight (Qwen's shared-expert gate) is 1-D there and
+    llama-quantize keeps it as the converter wrote it: F32 where the converter forces F32, its output type else."""
+    from quantkit.gguf.mixture import kept_as_converted, n_dims
+
+    assert [n_dims(s) for s in [(256,), (1, 256), (256, 1), (4, 1, 256), (4, 256, 256)]] == [1, 1, 2, 3, 3]
+    t = {**model(1, hidden=256, ffn=512, vocab=512), "blk.0.ffn_gate_inp_shexp.weight": (1, 256)}
+    assert choose_types(t, "Q4_K_M", facts(1))["blk.0.ffn_gate_inp_shexp.weight"] == T.F32
+    assert not kept_as_converted("blk.0.ffn_gate_inp_shexp.weight", (1, 256))
+    assert kept_as_converted("blk.0.other.weight", (1, 256)) and not kept_as_converted("blk.0.other.weight", (2, 256))
+
+
 def test_row_size_fallbacks():
     # one layer: use_more_bits(0, 1) holds, so Q4_K_M's attn_v is Q6_K -> Q8_0
     t = {"output.weight": (1000, 320), "token_embd.weight": (1000, 320),

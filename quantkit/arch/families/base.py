@@ -130,15 +130,18 @@ class TensorRule:
     when: Callable[[Hparams], bool] | None = None
     # one fused tensor written as pieces: the (regex, replacement) renames of each piece, the tensor (after
     # `forward`, in the written shape) cut into that many equal parts along its second-to-last axis (its rows;
-    # each expert's rows for stacked experts; `pieces` cuts it otherwise); the reading joins them again. (): one
-    # tensor
+    # each expert's rows for stacked experts; `split_rows` sizes the blocks where they differ, `pieces` cuts it
+    # otherwise); the reading joins them again. (): one tensor
     split: tuple[tuple[str, str], ...] = ()
     # the split's pieces where they are not equal row blocks (Pieces: their shapes, the cut and the join); the
     # pieces then take other inputs in llama.cpp's graph than the Hugging Face linear does: the family's
     # Gguf.imatrix_inputs collects them (quantkit's imatrix skips the linear). None: equal row blocks
     pieces: Pieces | None = None
-    # target(name, hparams) -> the GGUF name, where gguf-py's TensorNameMap has none (Qwen3.5's MTP layers, written
-    # as the blocks after the decoder's); None: TensorNameMap's name of the (renamed) name
+    # split_rows(written shape, hparams) -> each piece's rows where the pieces are row blocks of unequal sizes
+    # (Qwen3-Next's in_proj_qkvz: attn_qkv, then attn_gate); None: equal row blocks
+    split_rows: Callable[[tuple[int, ...], Hparams], tuple[int, ...]] | None = None
+    # target(name, hparams) -> the GGUF name, where gguf-py's TensorNameMap has none (Qwen3.5's nextn tensors, which
+    # gguf 0.19's qwen35 tables lack); None: TensorNameMap's name of the (renamed) name
     target: Callable[[str, Hparams], str] | None = None
 
 
@@ -177,6 +180,8 @@ class Gguf:
     norm_shift: bool = False  # Gemma RMSNorm scales by (1 + w): stored weight = w + 1
     drops_lm_head: bool = False  # lm_head never written (Gemma 1/2): the output is the tied embedding
     experts: str = ""  # per-expert HF layout stacked into ffn_*_exps: "mixtral" or "qwen"
+    shared_expert: bool = False  # Qwen2MoeModel's shared expert (mlp.shared_expert, shared_expert_intermediate_size
+    # wide, scaled by the one-output sigmoid gate mlp.shared_expert_gate): ffn_*_shexp and ffn_gate_inp_shexp
     trims_vocab: bool = False  # Gemma 3: token_embd rows beyond the tokenizer's vocabulary dropped
     fused_qkv_mlp: bool = False  # Phi-3: qkv_proj -> attn_qkv, gate_up_proj -> ffn_up (fused on both sides)
     rope_types: tuple[str, ...] = ("default", "linear", "yarn")
@@ -185,7 +190,13 @@ class Gguf:
     # mistral4 take other converter classes); empty: any
     mrope: bool = False  # Qwen2/2.5/3-VL's multimodal RoPE: mrope_section written as rope.dimension_sections
     strips_text_model: bool = False  # LlamaModel.filter_tensors: SmolVLM's `text_model.` dropped from the names
+    # renames(name, hparams) -> the name the converter maps, where its filter_tensors renames it (Qwen's MTP layers
+    # as the blocks after the decoder's); None: as it is
+    renames: Callable[[str, Hparams], str] | None = None
     checks: tuple[Callable[[str, Hparams], None], ...] = ()
+    # checks of the checkpoint's tensor names too (each `check(architecture, hparams, names)` raises
+    # UnsupportedError): what the tensors hold that the conversion does not reproduce (MTP layers it does not write)
+    tensor_checks: tuple[Callable[[str, Hparams, list[str]], None], ...] = ()
     extra_tensors: Callable[[Hparams], dict[str, np.ndarray]] = no_tensors
     rules: tuple[TensorRule, ...] = ()
     # the converter class reads config.json itself, not transformers' AutoConfig.to_dict() (Mamba2Model.__init__:

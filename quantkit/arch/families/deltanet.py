@@ -8,6 +8,10 @@ heads, the value heads are reordered from grouped by key head ([G0_v0..v{r-1}, G
 of conv1d, in_proj_z, in_proj_a/b, A_log, dt_bias, the columns of out_proj). The reorder is a permutation
 (exact); -exp is computed with torch in the converter's dtype (numpy's exp differs from torch's in the last
 bit). Every function takes float32 numpy values and the checkpoint's hyperparameters.
+
+Qwen3-Next (Qwen3NextModel itself, without the reorder) stores the input projections fused: in_proj_qkvz,
+grouped by key head ([q, k, v, z] of each), is regrouped to every head's q, then k, v and z and written as
+attn_qkv and attn_gate (`qkvz`, `qkvz_rows`); in_proj_ba is written as it is (ssm_ba).
 """
 
 from __future__ import annotations
@@ -74,19 +78,54 @@ def out_proj(x, hp, dtype):
     return v_rows(hp, x, hp["linear_value_head_dim"], axis=1)
 
 
+def squeeze(x, hp, dtype):
+    """conv1d's [channels, 1, kernel] as [channels, kernel]."""
+    return x.reshape(x.shape[0], x.shape[-1])
+
+
 def conv1d(x, hp, dtype):
-    return qkv_rows(hp, x.reshape(x.shape[0], x.shape[-1]))
+    return qkv_rows(hp, squeeze(x, hp, dtype))
 
 
-def a_log(x, hp, dtype):
-    """-exp(A_log) after the reorder, with torch in the dtype the converter computes in (float16 for float16
-    sources, float32 otherwise)."""
+def neg_exp(x, hp, dtype):
+    """-exp(A_log), with torch in the dtype the converter computes in (float16 for float16 sources, float32
+    otherwise)."""
     import torch
 
-    values = torch.from_numpy(np.ascontiguousarray(v_rows(hp, x, 1)))
+    values = torch.from_numpy(np.ascontiguousarray(x))
     if dtype == "F16":
         values = values.to(torch.float16)
     return (-torch.exp(values)).to(torch.float32).numpy()
+
+
+def a_log(x, hp, dtype):
+    """-exp(A_log) after the reorder."""
+    return neg_exp(v_rows(hp, x, 1), hp, dtype)
+
+
+# ---------------------------------------------------------------- Qwen3-Next's fused in_proj_qkvz
+
+
+def qkvz_sizes(hp: dict) -> tuple[int, int, int, int]:
+    """The rows of one key head's group in in_proj_qkvz: its q and k, then the v and z of its value heads."""
+    per_k = hp["linear_num_value_heads"] // hp["linear_num_key_heads"]
+    dk, dv = hp["linear_key_head_dim"], hp["linear_value_head_dim"]
+    return dk, dk, per_k * dv, per_k * dv
+
+
+def qkvz(x, hp, dtype):
+    """Qwen3NextModel: in_proj_qkvz's rows from grouped by key head ([q, k, v, z] per head) to every head's q,
+    then k, v and z (a permutation: exact)."""
+    nk, sizes = hp["linear_num_key_heads"], qkvz_sizes(hp)
+    groups = x.reshape(nk, sum(sizes), x.shape[-1])
+    parts = np.split(groups, np.cumsum(sizes)[:-1], axis=1)
+    return np.concatenate([part.reshape(-1, x.shape[-1]) for part in parts])
+
+
+def qkvz_rows(shape: tuple[int, ...], hp: dict) -> tuple[int, int]:
+    """The split's pieces: attn_qkv (q, k and v rows), attn_gate (z rows)."""
+    z_rows = hp["linear_num_key_heads"] * qkvz_sizes(hp)[3]
+    return shape[0] - z_rows, z_rows
 
 
 # ---------------------------------------------------------------- inverse (values read from the file, hparams)
@@ -108,12 +147,28 @@ def out_proj_back(x, hp):
     return v_rows(hp, x, hp["linear_value_head_dim"], axis=1, inverse=True)
 
 
+def unsqueeze(x, hp):
+    return x.reshape(x.shape[0], 1, x.shape[-1])
+
+
 def conv1d_back(x, hp):
-    return qkv_rows(hp, x, inverse=True).reshape(x.shape[0], 1, x.shape[-1])
+    return unsqueeze(qkv_rows(hp, x, inverse=True), hp)
+
+
+def log_neg(x, hp):
+    return np.log(-x.astype(np.float32))
 
 
 def a_log_back(x, hp):
-    return v_rows(hp, np.log(-x.astype(np.float32)), 1, inverse=True)
+    return v_rows(hp, log_neg(x, hp), 1, inverse=True)
+
+
+def qkvz_back(x, hp):
+    """The q, k, v and z rows of every head back into each key head's group."""
+    nk, sizes = hp["linear_num_key_heads"], qkvz_sizes(hp)
+    parts = np.split(x, np.cumsum([nk * size for size in sizes])[:-1], axis=0)
+    return np.concatenate([part.reshape(nk, size, x.shape[-1]) for part, size in zip(parts, sizes)],
+                          axis=1).reshape(x.shape)
 
 
 def conv1d_shape(shape: tuple[int, ...], hp: dict) -> tuple[int, ...]:

@@ -26,9 +26,20 @@ Qwen3.5-MoE (Qwen3_5MoeForCausalLM, model_type qwen3_5_moe_text) and Qwen3-Next 
 projection (`mlp.experts.<e>.{gate,up,down}_proj`), a shared expert (`mlp.shared_expert`) scaled by a one-output
 sigmoid gate (`mlp.shared_expert_gate`) and the router `mlp.gate`, both kept 16-bit (quantkit.arch.roles; vLLM
 builds both unquantized). Qwen3-Next stores the DeltaNet input projections fused (in_proj_qkvz, in_proj_ba: its
-beta/alpha gates kept 16-bit as Qwen3.5's). The llm-compressor methods calibrate every expert on every token. No
-GGUF conversion of the two yet. MLX refuses both (each record's mlx_refusal): mlx-lm 0.32 has no model for
-qwen3_5_moe_text, and its qwen3_next converts the norms and conv1d only while stacking per-expert tensors.
+beta/alpha gates kept 16-bit as Qwen3.5's). The llm-compressor methods calibrate every expert on every token.
+
+GGUF of the two: conversion/qwen.py's Qwen3_5MoeTextModel (as Qwen3.5, value-head reorder included) and
+Qwen3NextModel (no reorder: in_proj_qkvz regrouped from [q, k, v, z] per key head to every head's q, k, v, then z,
+written as attn_qkv and attn_gate; in_proj_ba written as it is, ssm_ba), both with Qwen2MoeModel's experts: the
+expert widths as keys, the routed experts stacked per projection (ffn_{gate,up,down}_exps), the shared expert as
+ffn_{gate,up,down}_shexp and its one-output gate as ffn_gate_inp_shexp, F32 (the converter writes it F32 and
+llama-quantize quantizes no single-row weight). Qwen3.5-MoE's MTP layers are written as Qwen3.5's (the nextn
+block, their experts stacked as the decoder's: the converter's filter_tensors renames them into the blocks after
+the decoder's, `mtp_rename`). Qwen3-Next's (its config.json does not count them; the converter counts them from
+the tensors) are not converted yet: a checkpoint that stores them is refused before work; one without them
+converts as `convert_hf_to_gguf.py --no-mtp` converts it. MLX refuses both (each record's mlx_refusal): mlx-lm
+0.32 has no model for qwen3_5_moe_text, and its qwen3_next converts the norms and conv1d only while stacking
+per-expert tensors.
 """
 
 from __future__ import annotations
@@ -123,13 +134,17 @@ def blocks(hp: dict) -> int:
     return hp["num_hidden_layers"] + mtp_layers(hp)
 
 
-def add_qwen35_params(writer, hp: dict, ftype: int) -> None:
-    """Qwen3_5TextModel.set_gguf_parameters: TextModel's keys (the block count with the MTP layers),
-    _QwenMtpMixin's nextn layer count, Qwen3NextModel's (the DeltaNet sizes, which blocks are recurrent, the
-    attention interval, the partial RoPE's dimensions), _Qwen35MRopeMixin's default RoPE sections. A checkpoint
-    with no MTP layer converts as `convert_hf_to_gguf.py --no-mtp` converts it (without it the converter
-    stops on such a checkpoint: it asserts there is one)."""
+def add_qwen3_next_params(writer, hp: dict, ftype: int) -> None:
+    """Qwen3NextModel.set_gguf_parameters: TextModel's keys (the block count with the MTP layers),
+    Qwen2MoeModel's expert widths (where config.json has them), _QwenMtpMixin's nextn layer count, its own (the
+    DeltaNet sizes, which blocks are recurrent, the attention interval, the partial RoPE's dimensions). A
+    checkpoint with no MTP layer converts as `convert_hf_to_gguf.py --no-mtp` converts it (without it the
+    converter stops on such a checkpoint: it asserts there is one)."""
     text.add_text_params(writer, {**hp, "num_hidden_layers": blocks(hp)}, ftype)
+    if (n_ff := hp.get("moe_intermediate_size")) is not None:
+        writer.add_expert_feed_forward_length(n_ff)
+    if (n_ff := hp.get("shared_expert_intermediate_size")) is not None:
+        writer.add_expert_shared_feed_forward_length(n_ff)
     if mtp_layers(hp):
         writer.add_nextn_predict_layers(mtp_layers(hp))
     writer.add_ssm_conv_kernel(hp["linear_conv_kernel_dim"])
@@ -141,35 +156,57 @@ def add_qwen35_params(writer, hp: dict, ftype: int) -> None:
         writer.add_array(f"{writer.arch}.attention.recurrent_layers",
                          [kind == "linear_attention" for kind in hp["layer_types"]] + [False] * mtp_layers(hp))
     writer.add_full_attention_interval(hp.get("full_attention_interval", 4))
-    rope = text.rope_parameters(hp)
     rope_dim = hp.get("head_dim") or hp["hidden_size"] // hp["num_attention_heads"]
-    writer.add_rope_dimension_count(int(rope_dim * rope.get("partial_rotary_factor", 0.25)))
-    if "mrope_section" not in rope:
+    writer.add_rope_dimension_count(int(rope_dim * text.rope_parameters(hp).get("partial_rotary_factor", 0.25)))
+
+
+def add_qwen35_params(writer, hp: dict, ftype: int) -> None:
+    """Qwen3_5TextModel / Qwen3_5MoeTextModel.set_gguf_parameters: Qwen3NextModel's keys, then
+    _Qwen35MRopeMixin's default RoPE sections."""
+    add_qwen3_next_params(writer, hp, ftype)
+    if "mrope_section" not in text.rope_parameters(hp):
         writer.add_rope_dimension_sections(QWEN35_MROPE_SECTION)
 
 
-# _QwenMtpMixin.filter_tensors: mtp.layers.i.* -> block num_hidden_layers + i; mtp.fc / pre_fc_norm_embedding /
-# pre_fc_norm_hidden / norm -> the first MTP block's nextn.eh_proj / enorm / hnorm / shared_head_norm (gguf
-# 0.19's table for qwen35 has no nextn names: they are written here as llama.cpp names them)
-NEXTN = {"fc": "eh_proj", "pre_fc_norm_embedding": "enorm", "pre_fc_norm_hidden": "hnorm", "norm": "shared_head_norm"}
+def check_no_mtp(arch: str, hp: dict, names: list[str]) -> None:
+    """Qwen3-Next's multi-token-prediction layers (mtp.*, which its config.json does not count: the converter
+    counts them from the tensors) are not written yet: refused where the checkpoint stores them."""
+    if any(n.startswith(("mtp.", "model.mtp.")) for n in names) or mtp_layers(hp):
+        raise UnsupportedError(f"GGUF conversion of {arch}: the checkpoint's multi-token-prediction layers "
+                               "(mtp.*), which llama.cpp's converter writes as its nextn blocks, are not converted "
+                               "by quantkit yet",
+                               hint="convert a copy without the mtp.* tensors: quantkit then writes what "
+                                    "convert_hf_to_gguf.py --no-mtp writes; or use a compressed-tensors method")
 
 
-def mtp_target(name: str, hp: dict) -> str:
-    import gguf
+# _QwenMtpMixin.filter_tensors: mtp.fc / pre_fc_norm_embedding / pre_fc_norm_hidden / norm -> the first MTP
+# block's eh_proj / enorm / hnorm / shared_head.norm
+MTP_PARTS = {"fc": "eh_proj", "pre_fc_norm_embedding": "enorm", "pre_fc_norm_hidden": "hnorm",
+             "norm": "shared_head.norm"}
 
-    n = hp["num_hidden_layers"]
-    if (m := re.match(r"^mtp\.layers\.(\d+)\.(.+)$", name)) is not None:
-        tmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN35, 1)
-        mapped = tmap.get_name(f"model.layers.0.{m.group(2)}", try_suffixes=(".weight", ".bias"))
-        if mapped is None:
-            raise UnsupportedError(f"cannot map tensor '{name}' to a GGUF name",
-                                   hint="the checkpoint's MTP layer holds a tensor llama.cpp's qwen35 has no name for")
-        return f"blk.{n + int(m.group(1))}." + mapped.split(".", 2)[2]
-    part, suffix = name.split(".")[1], name.rsplit(".", 1)[1]
-    if part not in NEXTN:
+
+def mtp_rename(name: str, hp: dict) -> str:
+    """_QwenMtpMixin.filter_tensors: the MTP layers as the blocks after the decoder's (mtp.layers.i.* ->
+    model.layers.<num_hidden_layers + i>.*, their experts stacked as the decoder's), the MTP block's own tensors
+    under the first of them."""
+    name = name.removeprefix("model.") if name.startswith("model.mtp.") else name
+    parts, n = name.split(".", 3), hp["num_hidden_layers"]
+    if parts[0] != "mtp":
+        return name
+    if len(parts) == 4 and parts[1] == "layers" and parts[2].isdecimal():
+        return f"model.layers.{n + int(parts[2])}.{parts[3]}"
+    if len(parts) == 3 and parts[1] in MTP_PARTS:
+        return f"model.layers.{n}.{MTP_PARTS[parts[1]]}.{parts[2]}"
+    return name
+
+
+def nextn_target(name: str, hp: dict) -> str:
+    """The nextn tensors as llama.cpp names them (gguf 0.19's tables for qwen35 / qwen35moe have no nextn names)."""
+    m = re.match(r"^model\.layers\.(\d+)\.(eh_proj|enorm|hnorm|shared_head\.norm)\.(weight|bias)$", name)
+    if m is None:
         raise UnsupportedError(f"cannot map tensor '{name}' to a GGUF name",
-                               hint="the checkpoint's MTP block holds a tensor llama.cpp's qwen35 has no name for")
-    return f"blk.{n}.nextn.{NEXTN[part]}.{suffix}"
+                               hint="the checkpoint's MTP block holds a tensor llama.cpp has no name for")
+    return f"blk.{m.group(1)}.nextn.{m.group(2).replace('.', '_')}.{m.group(3)}"
 
 
 def shift(x, hp, dtype):
@@ -180,10 +217,15 @@ def unshift(x, hp):
     return x - np.float32(1)
 
 
-QWEN35_RULES = (
-    # the MTP layers' RMSNorms are (1 + w) ones too: the converter shifts them after renaming
-    TensorRule(r"^mtp\.(.+\.)?[^.]*norm[^.]*\.weight$", forward=shift, inverse=unshift, target=mtp_target),
-    TensorRule(r"^mtp\.", target=mtp_target),
+# Qwen3NextModel: every RMSNorm but the gated one (linear_attn.norm) stored as w + 1
+NORM_RULE = TensorRule(r"(?<!linear_attn\.)norm\.weight$", forward=shift, inverse=unshift)
+# the MTP block's own tensors (after mtp_rename); its norms are (1 + w) ones too
+NEXTN_RULES = (
+    TensorRule(r"\.(enorm|hnorm|shared_head\.norm)\.weight$", forward=shift, inverse=unshift, target=nextn_target),
+    TensorRule(r"\.eh_proj\.weight$", target=nextn_target),
+)
+# _LinearAttentionVReorderBase's value-head reorder, then Qwen3NextModel's steps
+DELTANET_RULES = (
     TensorRule(r"linear_attn\.in_proj_qkv\.weight$", forward=deltanet.qkv, inverse=deltanet.qkv_back),
     TensorRule(r"linear_attn\.in_proj_z\.weight$", forward=deltanet.z, inverse=deltanet.z_back),
     TensorRule(r"linear_attn\.in_proj_[ab]\.weight$", forward=deltanet.per_head, inverse=deltanet.per_head_back),
@@ -193,12 +235,30 @@ QWEN35_RULES = (
     TensorRule(r"linear_attn\.A_log$", forward=deltanet.a_log, inverse=deltanet.a_log_back),
     TensorRule(r"linear_attn\.dt_bias$", rename=(r"\.dt_bias$", ".dt_proj.bias"), forward=deltanet.per_head,
                inverse=deltanet.per_head_back),
-    # Qwen3NextModel: every RMSNorm but the gated one (linear_attn.norm) stored as w + 1
-    TensorRule(r"(?<!linear_attn\.)norm\.weight$", forward=shift, inverse=unshift),
+    NORM_RULE,
 )
+QWEN35_RULES = NEXTN_RULES + DELTANET_RULES
 
 QWEN35_GGUF = Gguf("QWEN35", add_qwen35_params, "gpt2", rules=QWEN35_RULES, blocks=blocks,
-                   mrope_optional=True)
+                   mrope_optional=True, renames=mtp_rename)
+# Qwen3_5MoeTextModel: the dense model's steps and Qwen2MoeModel's experts (the MTP layers' too)
+QWEN35_MOE_GGUF = Gguf("QWEN35MOE", add_qwen35_params, "gpt2", experts="qwen", shared_expert=True,
+                       rules=QWEN35_RULES, blocks=blocks, mrope_optional=True, renames=mtp_rename)
+
+# Qwen3NextModel.modify_tensors: no value-head reorder; in_proj_qkvz regrouped and written as attn_qkv and
+# attn_gate, in_proj_ba as it is (ssm_ba)
+QWEN3_NEXT_RULES = (
+    TensorRule(r"linear_attn\.in_proj_qkvz\.weight$", forward=deltanet.qkvz, inverse=deltanet.qkvz_back,
+               split=((r"\.in_proj_qkvz\.", ".in_proj_qkv."), (r"\.in_proj_qkvz\.", ".in_proj_z.")),
+               split_rows=deltanet.qkvz_rows),
+    TensorRule(r"linear_attn\.conv1d\.weight$", forward=deltanet.squeeze, inverse=deltanet.unsqueeze,
+               shape=deltanet.conv1d_shape, hf_shape=deltanet.conv1d_hf_shape),
+    TensorRule(r"linear_attn\.A_log$", forward=deltanet.neg_exp, inverse=deltanet.log_neg),
+    TensorRule(r"linear_attn\.dt_bias$", rename=(r"\.dt_bias$", ".dt_proj.bias")),
+    NORM_RULE,
+)
+QWEN3_NEXT_GGUF = Gguf("QWEN3NEXT", add_qwen3_next_params, "gpt2", experts="qwen", shared_expert=True,
+                       rules=QWEN3_NEXT_RULES, tensor_checks=(check_no_mtp,))
 
 QWEN35 = Family(
     "qwen3_5_text", "Qwen3_5ForCausalLM", "Qwen3.5",
@@ -213,6 +273,7 @@ QWEN35_MOE = Family(
     kept=KEPT,
     smoothing=QWEN35_MOE_ROWS,
     moe=MoeLayout(),
+    gguf={"Qwen3_5MoeForCausalLM": QWEN35_MOE_GGUF},
     checks=(check_layers,),
     mlx_refusal="mlx-lm 0.32 has no model for model_type qwen3_5_moe_text (its qwen3_5_moe model loads the VLM "
                 "checkpoints, model_type qwen3_5_moe with a text_config)",
@@ -223,6 +284,7 @@ QWEN3_NEXT = Family(
     kept=(Kept(r"re:.*linear_attn\.in_proj_ba$", "Gated DeltaNet's beta/alpha gates (in_proj_ba) 16-bit"),),
     smoothing=QWEN35_MOE_ROWS,
     moe=MoeLayout(),
+    gguf={"Qwen3NextForCausalLM": QWEN3_NEXT_GGUF},
     mlx_refusal="mlx-lm's qwen3_next shifts its norms by 1 and reorders conv1d in sanitize only where the experts "
                 "are stored one tensor per expert: with them stacked, as a quantized model stores them, it would "
                 "load both unconverted",
