@@ -179,11 +179,11 @@ class GGUFTensors:
         for tensor in reader.tensors:
             if tensor.name in GENERATED or block_of(tensor.name) >= layers:  # MTP blocks: no transformers module
                 continue
-            if (m := EXPERTS.match(tensor.name)) is not None:
-                self.experts[int(m.group(1)), m.group(2)] = tensor
-            elif tensor.name in mapping and (rule := tensor_rule(self.config, mapping[tensor.name])) is not None \
-                    and rule.split:
+            rule = tensor_rule(self.config, mapping[tensor.name]) if tensor.name in mapping else None
+            if rule is not None and rule.split:
                 self.pieces.setdefault(mapping[tensor.name], {})[tensor.name] = tensor
+            elif rule is None and (m := EXPERTS.match(tensor.name)) is not None:  # the family's step names its own
+                self.experts[int(m.group(1)), m.group(2)] = tensor
             elif tensor.name in mapping:
                 self.tensors[mapping[tensor.name]] = tensor
             else:
