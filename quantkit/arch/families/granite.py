@@ -278,11 +278,25 @@ GRANITE_HYBRID_GGUF = Gguf("GRANITE_HYBRID", add_granite_hybrid_params, "gpt2", 
 
 # ---------------------------------------------------------------- the MoE variant
 
-MOE_REFUSAL = ("{what}: Granite 4's mixture-of-experts variant (num_local_experts > 0) is not supported: its "
-               "experts are stored fused across experts (block_sparse_moe.input_linear / output_linear, one 3-D "
-               "tensor per layer) with the router block_sparse_moe.router.layer, which quantkit's expert layout "
-               "(one tensor per expert projection, quantkit.arch.families.base.MoeLayout) does not describe")
-MOE_HINT = "the dense Granite 4 hybrids (num_local_experts = 0: granite-4.0-h-micro, granite-4.0-micro) are supported"
+MOE_REFUSAL = ("{method}: Granite 4's mixture-of-experts variant (num_local_experts > 0) is not supported: its "
+               "experts are stored fused across experts (block_sparse_moe.input_linear [experts, 2 x intermediate, "
+               "hidden] and output_linear, one 3-D tensor per layer, with the router block_sparse_moe.router.layer), "
+               "and this method quantizes experts only from a layout of one tensor per expert projection "
+               "(quantkit.arch.families.base.MoeLayout), which they do not fit")
+MOE_HINT = ("--method gguf converts it as llama.cpp's converter does; every method takes the dense Granite 4 hybrids "
+            "(num_local_experts = 0: granite-4.0-h-micro, granite-4.0-micro)")
+
+
+def check_mlx_dense(config: dict) -> None:
+    """mlx-lm's granitemoehybrid loads the MoE variant's experts stacked into a SwitchGLU (its sanitize splits
+    block_sparse_moe.input_linear into switch_mlp.gate_proj / up_proj), which quantkit's mlx writer does not write
+    (for no MoE family)."""
+    if (config.get("num_local_experts") or 0) > 0:
+        raise UnsupportedError("mlx: Granite 4's mixture-of-experts variant (num_local_experts > 0) is not supported: "
+                               "mlx-lm's granitemoehybrid stacks its experts into one SwitchGLU tensor per projection "
+                               "(switch_mlp.gate_proj / up_proj / down_proj, split from block_sparse_moe.input_linear "
+                               "and output_linear), which quantkit's mlx writer does not write", hint=MOE_HINT)
+
 
 GRANITE_HYBRID = Family(
     "granitemoehybrid", "GraniteMoeHybridForCausalLM", "Granite 4 (hybrid, dense)",
@@ -290,7 +304,8 @@ GRANITE_HYBRID = Family(
     smoothing=GRANITE_HYBRID_ROWS,
     gguf={"GraniteMoeHybridForCausalLM": GRANITE_HYBRID_GGUF},
     mlx="granitemoehybrid",
-    moe_refusal=MOE_REFUSAL.format(what="{method}") + "; " + MOE_HINT,
+    mlx_checks=(check_mlx_dense,),
+    moe_refusal=MOE_REFUSAL + "; " + MOE_HINT,
 )
 
 FAMILIES = (GRANITE_HYBRID,)
