@@ -119,6 +119,15 @@ def test_gguf_refuses_an_moe_variant_that_routes_to_more_experts_than_it_has(cli
                           "num_local_experts = 4")
 
 
+@pytest.mark.parametrize("flag", ["--auto-precision", "--fallback"])
+def test_gguf_refuses_per_tensor_types_for_the_moe_variant(cli, moe_model, tmp_path, flag):
+    """The sensitivity measurement reads 2-D source matrices (or per-expert ones): the stacked experts are refused
+    before work."""
+    out = tmp_path / "out"
+    common.assert_refused(common.quantize(cli, moe_model, out, "gguf", "--gguf-type", "Q4_K_M", flag), out,
+                          "stored stacked", "--gguf-type")
+
+
 @pytest.mark.parametrize("method, args, words", [
     ("fp8", (), ("block_sparse_moe.input_linear", "one tensor per expert projection", "--method gguf")),
     ("gptq", (), ("block_sparse_moe.input_linear", "one tensor per expert projection", "--method gguf")),
@@ -141,6 +150,30 @@ def test_gguf_equals_llama_cpp(model, tmp_path):
 @pytest.mark.slow
 def test_gguf_of_the_moe_variant_equals_llama_cpp(moe_model, tmp_path):
     common.assert_gguf_is_llama_cpp_s(moe_model, tmp_path)
+
+
+@pytest.mark.slow
+def test_gguf_of_the_moe_variant_with_an_imatrix_equals_llama_quantize(moe_model, tmp_path):
+    """llama-imatrix's importance rows (one per expert) weigh each expert's matrix alone, in the split gate/up and
+    in the stacked down projection: quantkit's Q4_K_M with llama-imatrix's file holds llama-quantize's tensors."""
+    import subprocess
+
+    from quantkit.gguf import imatrix as im
+    from tests.gguf.helpers import convert_to, need_llama, run_quantize
+    from tests.gguf.test_families_llamacpp import assert_same_tensors, text_file
+    from tests.gguf.test_vs_converter import reference_gguf
+
+    reference, imatrix = reference_gguf(moe_model, tmp_path / "theirs-bf16.gguf", "bf16", "gpt-2"), tmp_path / "im.gguf"
+    run = subprocess.run([str(need_llama("llama-imatrix")), "-m", str(reference), "-f", str(text_file(tmp_path / "t.txt")),
+                          "-c", "128", "-b", "128", "--chunks", "4", "-t", "2", "-o", str(imatrix)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and imatrix.is_file(), run.stderr[-2000:]
+    weights = im.read(imatrix).weights()
+    assert weights["blk.0.ffn_down_exps.weight"].size == 4 * 256
+    theirs, ours = tmp_path / "theirs-Q4_K_M.gguf", tmp_path / "ours-Q4_K_M.gguf"
+    run_quantize(reference, theirs, "Q4_K_M", imatrix=imatrix)
+    assert convert_to(moe_model, ours, "Q4_K_M", imatrix=weights).imatrix_tensors > 0
+    assert_same_tensors(theirs, ours, "Q4_K_M + imatrix")
 
 
 @pytest.mark.slow

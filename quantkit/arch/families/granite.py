@@ -23,9 +23,20 @@ hybrid (llama.cpp applies no RoPE to it). Tensors: A = -exp(A_log) and D as [hea
 LlamaModel does, the shared MLP's input_linear split into ffn_gate and ffn_up and its output_linear written
 as ffn_down. Vocabulary: gpt2 (tokenizer.json).
 
-The MoE variant is refused by every method before work (see `check_dense`): quantkit's expert path reads
-experts stored one tensor per expert projection and routers named by MoeLayout, which Granite's fused
-experts (one 3-D tensor for all experts, router `router.layer`) do not fit.
+The MoE variant (Granite 4.0 H-Tiny / H-Small) converts as GraniteMoeModel.modify_tensors writes it: the routed
+experts, stored fused across experts, split along their rows (block_sparse_moe.input_linear [experts, 2 x
+intermediate, hidden] into ffn_gate_exps and ffn_up_exps; output_linear is ffn_down_exps), the router
+block_sparse_moe.router.layer as ffn_gate_inp, and the shared MLP as the shared expert (ffn_gate_shexp /
+ffn_up_shexp / ffn_down_shexp). Its keys are the dense variant's: TextModel writes num_local_experts as
+expert_count, num_experts_per_tok as expert_used_count and intermediate_size (the experts' width) as
+feed_forward_length; shared_intermediate_size is the shared expert's length. A model that routes to more experts
+than it has is refused (llama.cpp would not load it). The gate reads the file back into transformers' names of the
+same tensors (its conversion mapping renames them while loading: experts.gate_up_proj = gate then up per expert,
+experts.down_proj, router.weight).
+
+The other methods refuse the MoE variant before work: the llm-compressor methods and nf4 take experts one tensor
+per expert projection (MoeLayout), which Granite's fused experts do not fit (`moe_refusal`); mlx-lm loads them
+stacked into a SwitchGLU, which quantkit's mlx writer does not write (`check_mlx_dense`).
 """
 
 from __future__ import annotations
@@ -299,7 +310,7 @@ def check_mlx_dense(config: dict) -> None:
 
 
 GRANITE_HYBRID = Family(
-    "granitemoehybrid", "GraniteMoeHybridForCausalLM", "Granite 4 (hybrid, dense)",
+    "granitemoehybrid", "GraniteMoeHybridForCausalLM", "Granite 4 (hybrid; its MoE variant: gguf only)",
     kept=KEPT,
     smoothing=GRANITE_HYBRID_ROWS,
     gguf={"GraniteMoeHybridForCausalLM": GRANITE_HYBRID_GGUF},
