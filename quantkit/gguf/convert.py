@@ -2,7 +2,8 @@
 
 What convert_hf_to_gguf.py + llama-quantize do in two passes, in one: names through gguf-py's
 TensorNameMap, Q/K rows permuted for the llama architecture (LlamaModel.permute), per-expert
-weights stacked into 3-D ffn_*_exps tensors (Mixtral, Qwen3-MoE), Gemma's norm weights + 1,
+weights stacked into 3-D ffn_*_exps tensors (Mixtral, Qwen3-MoE; experts stored stacked, Granite 4's, are
+written by the family's steps, one expert's matrix at a time), Gemma's norm weights + 1,
 generated tensors (llama3 RoPE's rope_freqs, Phi-3's LongRoPE factors), metadata as each
 converter class's set_gguf_parameters writes it (hyper-parameters as transformers' AutoConfig
 gives them to the converter, read without transformers by quantkit.arch.hf_config), the tokenizer (quantkit.gguf.vocab), and every tensor
