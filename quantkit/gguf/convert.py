@@ -2,7 +2,8 @@
 
 What convert_hf_to_gguf.py + llama-quantize do in two passes, in one: names through gguf-py's
 TensorNameMap, Q/K rows permuted for the llama architecture (LlamaModel.permute), per-expert
-weights stacked into 3-D ffn_*_exps tensors (Mixtral, Qwen3-MoE), Gemma's norm weights + 1,
+weights stacked into 3-D ffn_*_exps tensors (Mixtral, Qwen3-MoE; experts stored stacked, Granite 4's, are
+written by the family's steps, one expert's matrix at a time), Gemma's norm weights + 1,
 generated tensors (llama3 RoPE's rope_freqs, Phi-3's LongRoPE factors), metadata as each
 converter class's set_gguf_parameters writes it (hyper-parameters as transformers' AutoConfig
 gives them to the converter, read without transformers by quantkit.arch.hf_config), the tokenizer (quantkit.gguf.vocab), and every tensor
@@ -367,7 +368,7 @@ def add_metadata_tensors(writer, spec: Gguf, hp: dict, handles: dict) -> None:
 def group_experts(config: dict, names: dict[str, str]) -> tuple[dict[str, str], dict[str, tuple[str, ...]]]:
     """Split off per-expert tensors: (other names, {stacked name: HF names in expert order})."""
     spec = arch_spec(config)
-    if not spec.experts:
+    if spec.experts not in EXPERT_LAYOUTS:  # none, or stored stacked (the family's rules write them)
         return names, {}
     pattern, stacked, _ = EXPERT_LAYOUTS[spec.experts]
     found: dict[str, dict[int, str]] = {}
@@ -734,6 +735,8 @@ def matrix_data(handle, plan: TensorPlan, hf_name: str, shape: tuple[int, ...], 
             return np.stack([quantize_rows(m, plan.qtype, imatrix[i * n:(i + 1) * n], threads)
                              for i, m in enumerate(data)])
         return quantize_rows(data, plan.qtype, imatrix, threads)
+    if len(shape) == 3:  # experts stored stacked (Granite's output_linear): one expert at a time
+        return stacked_data(handle, plan, hf_name, shape, imatrix, threads)
     rows = shape[0] if len(shape) > 1 else 1
     if len(shape) == 1 or plan.permute_heads or plan.norm_shift:
         data = read_rows(handle, hf_name, 0, rows)
@@ -743,6 +746,15 @@ def matrix_data(handle, plan: TensorPlan, hf_name: str, shape: tuple[int, ...], 
             data = shift_norm(data, handle.header[hf_name]["dtype"])
         return quantize_rows(data, plan.qtype, imatrix, threads)
     return SlabbedTensor(handle, hf_name, plan, shape, imatrix, threads)
+
+
+def stacked_data(handle, plan: TensorPlan, hf_name: str, shape: tuple[int, ...], imatrix, threads: int) -> np.ndarray:
+    """A 3-D source tensor written as it is stored (one matrix per expert), each matrix quantized with its own
+    importance vector, as llama-quantize quantizes a 3-D tensor."""
+    n = shape[-1]
+    return np.stack([quantize_rows(read_rows(handle, hf_name, e, e + 1)[0], plan.qtype,
+                                   None if imatrix is None else imatrix[e * n:(e + 1) * n], threads)
+                     for e in range(shape[0])])
 
 
 def imatrix_size(shape: tuple[int, ...]) -> int:

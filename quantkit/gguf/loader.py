@@ -5,7 +5,8 @@
 same TensorNameMap the converter uses (inverted over the HF names this architecture has), and
 each conversion step undone: the llama Q/K row permutation, Gemma's norm shift (w - 1), stacked
 experts turned into transformers' in-memory expert tensors (mlp.experts.gate_up_proj = gate and
-up concatenated per expert, mlp.experts.down_proj; the router is mlp.gate), Gemma 3's trimmed embedding rows restored (zero;
+up concatenated per expert, mlp.experts.down_proj; the router is mlp.gate; a family whose own step names
+them reads them under its names: Granite 4's block_sparse_moe.experts.*), Gemma 3's trimmed embedding rows restored (zero;
 they are ids no tokenizer produces), a missing output taken from the tied embedding, a tensor the
 converter split joined from its pieces (TensorRule.split / pieces: DeepSeek's attn_k_b and attn_v_b
 into kv_b_proj). Generated tensors (rope_freqs, LongRoPE factors) have no HF counterpart and are skipped. Phi-3's fused
@@ -179,11 +180,11 @@ class GGUFTensors:
         for tensor in reader.tensors:
             if tensor.name in GENERATED or block_of(tensor.name) >= layers:  # MTP blocks: no transformers module
                 continue
-            if (m := EXPERTS.match(tensor.name)) is not None:
-                self.experts[int(m.group(1)), m.group(2)] = tensor
-            elif tensor.name in mapping and (rule := tensor_rule(self.config, mapping[tensor.name])) is not None \
-                    and rule.split:
+            rule = tensor_rule(self.config, mapping[tensor.name]) if tensor.name in mapping else None
+            if rule is not None and rule.split:
                 self.pieces.setdefault(mapping[tensor.name], {})[tensor.name] = tensor
+            elif rule is None and (m := EXPERTS.match(tensor.name)) is not None:  # the family's step names its own
+                self.experts[int(m.group(1)), m.group(2)] = tensor
             elif tensor.name in mapping:
                 self.tensors[mapping[tensor.name]] = tensor
             else:

@@ -190,6 +190,7 @@ def check(info, options: Options, calibration=None) -> None:
     """Architecture and its features supported (from config.json and the tensor names), a tokenizer
     llama.cpp reads as transformers does (quantkit.gguf.vocab.check_vocab), type known (validated in
     Options), imatrix file present and made for this model."""
+    from quantkit.arch.moe import expert_count
     from quantkit.gguf.convert import check_convertible
     from quantkit.gguf.vocab import check_vocab
 
@@ -201,6 +202,12 @@ def check(info, options: Options, calibration=None) -> None:
                                "which quantkit's sensitivity measurement does not read yet",
                                hint="quantize it with one --gguf-type (per-tensor types: llama-quantize "
                                     "--tensor-type on the converted file)")
+    if mixed(options) and spec.experts == "stacked" and expert_count(info.config):
+        raise UnsupportedError("per-tensor GGUF types (--auto-precision, --fallback) for this checkpoint: its experts "
+                               "are stored stacked, one 3-D tensor per layer (Granite 4's block_sparse_moe."
+                               "input_linear / output_linear), which quantkit's sensitivity measurement does not read "
+                               "yet", hint="quantize it with one --gguf-type (per-tensor types: llama-quantize "
+                                           "--tensor-type on the converted file)")
     if spec.vocab_check is not None:
         from quantkit.gguf.convert import load_hparams
 

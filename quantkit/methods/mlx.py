@@ -188,10 +188,10 @@ def check(info, options: Options, calibration=None) -> None:
         raise UnsupportedError(f"mlx: model_type '{info.model_type}': {refusal}",
                                hint="mlx writes " + ", ".join(sorted(MLX_MODEL_TYPES)) + " models; "
                                "use --method gguf for llama.cpp on Apple silicon")
-    moe.check_supported(info, "mlx")  # a family's mixture-of-experts variant without an expert layout
     family = of_config(info.config)
-    for family_check in family.mlx_checks if family is not None else ():
+    for family_check in family.mlx_checks if family is not None else ():  # the family's own reason first
         family_check(info.config)
+    moe.check_supported(info, "mlx")  # a family's mixture-of-experts variant without an expert layout
 
 
 def support(family) -> str:

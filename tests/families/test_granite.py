@@ -1,9 +1,10 @@
 """Granite 4 hybrid (GraniteMoeHybridForCausalLM) on a tiny random checkpoint: a Mamba-2 layer and an attention
 layer, the shared MLP, Granite's multipliers, no RoPE (as granite-4.0-h checkpoints); every method, each artifact
-proven in its consumer. Its MoE variant is refused before work by every method.
+proven in its consumer. Its MoE variant (4 experts, 2 per token, stored fused as IBM's checkpoints store them)
+converts to GGUF as llama.cpp's converter writes it; the other methods refuse it before work, naming why.
 
-Fast: fp8, gptq and gguf through the CLI. Slow: the other methods, GGUF against llama.cpp's converter and
-llama-quantize, MLX against mlx-lm.
+Fast: fp8, gptq and gguf through the CLI, the MoE variant's Q4_K_M GGUF and the other methods' refusals of it.
+Slow: the other methods, GGUF against llama.cpp's converter and llama-quantize (dense and MoE), MLX against mlx-lm.
 """
 
 from __future__ import annotations
@@ -34,9 +35,18 @@ def build(out: Path, layer_types: list[str] = LAYER_TYPES, **config) -> Path:
     return out
 
 
+# the MoE variant: experts narrower than the shared MLP, so a width written for the other shows
+MOE = dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=256)
+
+
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> Path:
     return build(tmp_path_factory.mktemp(FAMILY) / "model")
+
+
+@pytest.fixture(scope="module")
+def moe_model(tmp_path_factory) -> Path:
+    return build(tmp_path_factory.mktemp(FAMILY + "-moe") / "model", **MOE)
 
 
 COMPRESSED, FAST = common.COMPRESSED, ("fp8", "gptq")  # gptq calibrates the recurrent layers too
@@ -77,20 +87,115 @@ def test_gguf_refuses_layer_types_llama_cpp_reads_as_mamba_layers(cli, model, tm
     common.assert_refused(common.quantize(cli, renamed, out, "gguf"), out, "layer_types", "attention")
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("method", ["fp8", "gptq", "gguf", "mlx"])
-def test_the_moe_variant_is_refused_naming_its_fused_experts(cli, model, tmp_path, method):
-    """Granite's experts are one 3-D tensor per layer (block_sparse_moe.input_linear / output_linear, router
-    router.layer): quantkit's expert layout does not describe them, so every method refuses before work."""
-    moe = common.copy_with_config(model, tmp_path / "model", num_local_experts=4, num_experts_per_tok=2)
+def test_gguf_of_the_moe_variant_writes_stacked_experts(cli, moe_model, tmp_path):
+    """The MoE variant's Q4_K_M: the experts stacked per projection (input_linear split into gate and up), the
+    router, the shared MLP as the shared expert, the expert counts as the converter writes them; the gate read it
+    back (exit 0)."""
+    import gguf
+
     out = tmp_path / "out"
-    args = ["--bits", "4"] if method == "mlx" else []
-    common.assert_refused(common.quantize(cli, moe, out, method, *args), out, "num_local_experts")
+    entry = common.assert_passed(common.quantize(cli, moe_model, out, "gguf", "--gguf-type", "Q4_K_M"), out)
+    reader = gguf.GGUFReader(next(out.glob("*.gguf")))
+    shapes = {t.name: tuple(int(d) for d in reversed(t.shape)) for t in reader.tensors}
+    for layer in (0, 1):
+        for kind in ("gate", "up"):
+            assert shapes[f"blk.{layer}.ffn_{kind}_exps.weight"] == (4, 256, 256)
+            assert shapes[f"blk.{layer}.ffn_{kind}_shexp.weight"] == (512, 256)
+        assert shapes[f"blk.{layer}.ffn_down_exps.weight"] == (4, 256, 256)
+        assert shapes[f"blk.{layer}.ffn_down_shexp.weight"] == (256, 512)
+        assert shapes[f"blk.{layer}.ffn_gate_inp.weight"] == (4, 256)
+    assert not [n for n in shapes if n.endswith((".ffn_gate.weight", ".ffn_up.weight", ".ffn_down.weight"))]
+    keys = {k: reader.fields[f"granitehybrid.{k}"].contents() for k in (
+        "expert_count", "expert_used_count", "feed_forward_length", "expert_shared_feed_forward_length")}
+    assert keys == {"expert_count": 4, "expert_used_count": 2, "feed_forward_length": 256,
+                    "expert_shared_feed_forward_length": 512}
+    assert entry["details"]["gguf"]["type"] == "Q4_K_M"
+
+
+def test_gguf_refuses_an_moe_variant_that_routes_to_more_experts_than_it_has(cli, moe_model, tmp_path):
+    variant = common.copy_with_config(moe_model, tmp_path / "model", num_experts_per_tok=8)
+    out = tmp_path / "out"
+    common.assert_refused(common.quantize(cli, variant, out, "gguf"), out, "num_experts_per_tok = 8",
+                          "num_local_experts = 4")
+
+
+@pytest.mark.parametrize("flag", ["--auto-precision", "--fallback"])
+def test_gguf_refuses_per_tensor_types_for_the_moe_variant(cli, moe_model, tmp_path, flag):
+    """The sensitivity measurement reads 2-D source matrices (or per-expert ones): the stacked experts are refused
+    before work."""
+    out = tmp_path / "out"
+    common.assert_refused(common.quantize(cli, moe_model, out, "gguf", "--gguf-type", "Q4_K_M", flag), out,
+                          "stored stacked", "--gguf-type")
+
+
+@pytest.mark.parametrize("method, args, words", [
+    ("fp8", (), ("block_sparse_moe.input_linear", "one tensor per expert projection", "--method gguf")),
+    ("gptq", (), ("block_sparse_moe.input_linear", "one tensor per expert projection", "--method gguf")),
+    ("nf4", (), ("block_sparse_moe.input_linear", "one tensor per expert projection", "--method gguf")),
+    ("mlx", ("--bits", "4"), ("SwitchGLU", "quantkit's mlx writer does not write", "--method gguf")),
+])
+def test_the_other_methods_refuse_the_moe_variant_naming_why(cli, moe_model, tmp_path, method, args, words):
+    """Granite's experts are one 3-D tensor per layer (block_sparse_moe.input_linear / output_linear, router
+    router.layer): the llm-compressor methods and nf4 take experts one tensor per expert projection, and mlx writes
+    no stacked experts for mlx-lm's SwitchGLU; each refuses before work and points to gguf."""
+    out = tmp_path / "out"
+    common.assert_refused(common.quantize(cli, moe_model, out, method, *args), out, "num_local_experts", *words)
 
 
 @pytest.mark.slow
 def test_gguf_equals_llama_cpp(model, tmp_path):
     common.assert_gguf_is_llama_cpp_s(model, tmp_path)
+
+
+@pytest.mark.slow
+def test_gguf_of_the_moe_variant_equals_llama_cpp(moe_model, tmp_path):
+    common.assert_gguf_is_llama_cpp_s(moe_model, tmp_path)
+
+
+@pytest.mark.slow
+def test_gguf_of_the_moe_variant_with_an_imatrix_equals_llama_quantize(moe_model, tmp_path):
+    """llama-imatrix's importance rows (one per expert) weigh each expert's matrix alone, in the split gate/up and
+    in the stacked down projection: quantkit's Q4_K_M with llama-imatrix's file holds llama-quantize's tensors."""
+    import subprocess
+
+    from quantkit.gguf import imatrix as im
+    from tests.gguf.helpers import convert_to, need_llama, run_quantize
+    from tests.gguf.test_families_llamacpp import assert_same_tensors, text_file
+    from tests.gguf.test_vs_converter import reference_gguf
+
+    reference, imatrix = reference_gguf(moe_model, tmp_path / "theirs-bf16.gguf", "bf16", "gpt-2"), tmp_path / "im.gguf"
+    run = subprocess.run([str(need_llama("llama-imatrix")), "-m", str(reference), "-f", str(text_file(tmp_path / "t.txt")),
+                          "-c", "128", "-b", "128", "--chunks", "4", "-t", "2", "-o", str(imatrix)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and imatrix.is_file(), run.stderr[-2000:]
+    weights = im.read(imatrix).weights()
+    assert weights["blk.0.ffn_down_exps.weight"].size == 4 * 256
+    theirs, ours = tmp_path / "theirs-Q4_K_M.gguf", tmp_path / "ours-Q4_K_M.gguf"
+    run_quantize(reference, theirs, "Q4_K_M", imatrix=imatrix)
+    assert convert_to(moe_model, ours, "Q4_K_M", imatrix=weights).imatrix_tensors > 0
+    assert_same_tensors(theirs, ours, "Q4_K_M + imatrix")
+
+
+@pytest.mark.slow
+def test_gguf_read_back_of_the_moe_variant_equals_the_model(moe_model, tmp_path):
+    """The gate's reading of the MoE variant's float32 file joins ffn_gate_exps / ffn_up_exps into transformers'
+    experts.gate_up_proj and names down_proj, the router and the shared MLP as transformers loads them: every tensor
+    equals the loaded model's."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from quantkit.gguf.convert import reading_config
+    from quantkit.gguf.loader import to_hf_state_dict
+    from tests.gguf.helpers import convert_to
+
+    convert_to(moe_model, tmp_path / "f32.gguf", "F32")
+    config = reading_config(moe_model, AutoConfig.from_pretrained(moe_model).to_dict())
+    state = to_hf_state_dict(tmp_path / "f32.gguf", config)
+    loaded = AutoModelForCausalLM.from_pretrained(moe_model, dtype=torch.float32).state_dict()
+    assert set(state) == set(loaded)
+    for name, value in loaded.items():
+        assert state[name].shape == value.shape, name
+        torch.testing.assert_close(state[name], value, rtol=1e-6, atol=1e-7, msg=name)
 
 
 @pytest.mark.slow

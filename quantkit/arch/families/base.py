@@ -179,7 +179,10 @@ class Gguf:
     permute_qk: bool = False  # llama.cpp LLAMA_ROPE_TYPE_NORM: undo HF's rotate_half layout
     norm_shift: bool = False  # Gemma RMSNorm scales by (1 + w): stored weight = w + 1
     drops_lm_head: bool = False  # lm_head never written (Gemma 1/2): the output is the tied embedding
-    experts: str = ""  # per-expert HF layout stacked into ffn_*_exps: "mixtral" or "qwen"
+    # how the checkpoint stores the routed experts: one tensor per expert, stacked into ffn_*_exps ("mixtral" or
+    # "qwen": the names of quantkit.gguf.convert.EXPERT_LAYOUTS), or "stacked": one 3-D tensor per layer already
+    # (Granite 4's block_sparse_moe.input_linear), written by the family's `rules`; "": no experts
+    experts: str = ""
     shared_expert: bool = False  # Qwen2MoeModel's shared expert (mlp.shared_expert, shared_expert_intermediate_size
     # wide, scaled by the one-output sigmoid gate mlp.shared_expert_gate): ffn_*_shexp and ffn_gate_inp_shexp
     trims_vocab: bool = False  # Gemma 3: token_embd rows beyond the tokenizer's vocabulary dropped

@@ -23,9 +23,20 @@ hybrid (llama.cpp applies no RoPE to it). Tensors: A = -exp(A_log) and D as [hea
 LlamaModel does, the shared MLP's input_linear split into ffn_gate and ffn_up and its output_linear written
 as ffn_down. Vocabulary: gpt2 (tokenizer.json).
 
-The MoE variant is refused by every method before work (see `check_dense`): quantkit's expert path reads
-experts stored one tensor per expert projection and routers named by MoeLayout, which Granite's fused
-experts (one 3-D tensor for all experts, router `router.layer`) do not fit.
+The MoE variant (Granite 4.0 H-Tiny / H-Small) converts as GraniteMoeModel.modify_tensors writes it: the routed
+experts, stored fused across experts, split along their rows (block_sparse_moe.input_linear [experts, 2 x
+intermediate, hidden] into ffn_gate_exps and ffn_up_exps; output_linear is ffn_down_exps), the router
+block_sparse_moe.router.layer as ffn_gate_inp, and the shared MLP as the shared expert (ffn_gate_shexp /
+ffn_up_shexp / ffn_down_shexp). Its keys are the dense variant's: TextModel writes num_local_experts as
+expert_count, num_experts_per_tok as expert_used_count and intermediate_size (the experts' width) as
+feed_forward_length; shared_intermediate_size is the shared expert's length. A model that routes to more experts
+than it has is refused (llama.cpp would not load it). The gate reads the file back into transformers' names of the
+same tensors (its conversion mapping renames them while loading: experts.gate_up_proj = gate then up per expert,
+experts.down_proj, router.weight).
+
+The other methods refuse the MoE variant before work: the llm-compressor methods and nf4 take experts one tensor
+per expert projection (MoeLayout), which Granite's fused experts do not fit (`moe_refusal`); mlx-lm loads them
+stacked into a SwitchGLU, which quantkit's mlx writer does not write (`check_mlx_dense`).
 """
 
 from __future__ import annotations
@@ -162,18 +173,18 @@ def check_mamba_shape(arch: str, hp: dict) -> None:
                                hint="Granite 4 checkpoints have a vocabulary of 100352")
 
 
-def check_dense(arch: str, hp: dict) -> None:
-    """The MoE variant is refused; a dense one must say it routes to no expert: the converter writes
-    num_experts_per_tok as expert_used_count, and llama.cpp refuses to load a file that uses more experts than it
-    has (GGML_ASSERT n_expert_used_max <= n_expert)."""
-    if (hp.get("num_local_experts") or 0) > 0:
-        raise UnsupportedError(MOE_REFUSAL.format(what=f"GGUF conversion of {arch}"), hint=MOE_HINT)
-    if (hp.get("num_experts_per_tok") or 0) > 0:
-        raise UnsupportedError(f"GGUF conversion of {arch}: num_experts_per_tok = {hp['num_experts_per_tok']} with no "
-                               "experts (llama.cpp's converter writes it as expert_used_count, and llama.cpp refuses "
+def check_experts(arch: str, hp: dict) -> None:
+    """The converter writes num_experts_per_tok as expert_used_count and num_local_experts as expert_count, and
+    llama.cpp refuses to load a file that uses more experts than it has (GGML_ASSERT n_expert_used_max <=
+    n_expert): a dense model must route to no expert, an MoE one to at most its experts."""
+    experts, used = hp.get("num_local_experts") or 0, hp.get("num_experts_per_tok") or 0
+    if used > experts:
+        what = "no experts" if not experts else f"num_local_experts = {experts}"
+        raise UnsupportedError(f"GGUF conversion of {arch}: num_experts_per_tok = {used} with {what} (llama.cpp's "
+                               "converter writes them as expert_used_count and expert_count, and llama.cpp refuses "
                                "to load a file that uses more experts than it has)",
-                               hint="set num_experts_per_tok to 0 in config.json, as IBM's dense Granite 4 "
-                                    "checkpoints have it")
+                               hint="set num_experts_per_tok to 0 in config.json for a dense model, as IBM's dense "
+                                    "Granite 4 checkpoints have it, or to at most num_local_experts")
 
 
 def minus_exp(data: np.ndarray, hp: dict, dtype: str) -> np.ndarray:
@@ -227,6 +238,33 @@ def dense(hp: dict) -> bool:
     return not hp.get("num_local_experts")
 
 
+def moe(hp: dict) -> bool:
+    return not dense(hp)
+
+
+def layer_tensor(kind: str) -> tuple[str, str]:
+    """(regex, replacement) naming a layer's tensor as GraniteMoeModel.modify_tensors does
+    (format_tensor_name(kind, bid): `blk.<layer>.<kind>.weight`, which TensorNameMap maps to itself)."""
+    return r"^model\.layers\.(\d+)\..*$", rf"blk.\1.{kind}.weight"
+
+
+# the routed experts (GraniteMoeModel.modify_tensors): input_linear [experts, 2 x intermediate, hidden] split along
+# its rows into ffn_gate_exps / ffn_up_exps, output_linear (ffn_down_exps) and the router (ffn_gate_inp) mapped by
+# TensorNameMap as stored. The patterns also match transformers' names of the same tensors (its conversion mapping
+# renames them while loading: experts.gate_up_proj, experts.down_proj, router.weight): the gate reads the file back
+# into them
+EXPERT_RULES = (
+    TensorRule(r"\.block_sparse_moe\.(input_linear\.weight|experts\.gate_up_proj)$", when=moe,
+               split=(layer_tensor("ffn_gate_exps"), layer_tensor("ffn_up_exps"))),
+    TensorRule(r"\.block_sparse_moe\.experts\.down_proj$", when=moe,
+               rename=(r"\.experts\.down_proj$", ".output_linear.weight")),
+    TensorRule(r"\.block_sparse_moe\.router\.weight$", when=moe, rename=(r"\.router\.weight$", ".router.layer.weight")),
+    # beside experts the shared MLP is the shared expert: input_linear split into ffn_gate_shexp / ffn_up_shexp,
+    # output_linear mapped by TensorNameMap (ffn_down_shexp)
+    TensorRule(r"\.shared_mlp\.input_linear\.weight$", when=moe,
+               split=(layer_tensor("ffn_gate_shexp"), layer_tensor("ffn_up_shexp"))),
+)
+
 GRANITE_HYBRID_RULES = (
     TensorRule(r"\.mamba\.A_log$", forward=minus_exp, inverse=log_minus, shape=column, hf_shape=flat),
     TensorRule(r"\.mamba\.D$", forward=reshaped(column), inverse=unshaped(flat), shape=column, hf_shape=flat),
@@ -241,28 +279,44 @@ GRANITE_HYBRID_RULES = (
                       (r"\.shared_mlp\.input_linear\.", ".mlp.up_proj."))),
     TensorRule(r"\.shared_mlp\.output_linear\.weight$", when=dense,
                rename=(r"\.shared_mlp\.output_linear\.", ".mlp.down_proj.")),
+    *EXPERT_RULES,
 )
 
-GRANITE_HYBRID_GGUF = Gguf("GRANITE_HYBRID", add_granite_hybrid_params, "gpt2", permute_qk=True,
+GRANITE_HYBRID_GGUF = Gguf("GRANITE_HYBRID", add_granite_hybrid_params, "gpt2", permute_qk=True, experts="stacked",
                            rope_types=("default",),
-                           checks=(check_dense, check_layer_types, check_hybrid_rope, check_mamba_shape),
+                           checks=(check_experts, check_layer_types, check_hybrid_rope, check_mamba_shape),
                            rules=GRANITE_HYBRID_RULES, raw_config=True, layer_kv_heads=layer_kv_heads)
 
 # ---------------------------------------------------------------- the MoE variant
 
-MOE_REFUSAL = ("{what}: Granite 4's mixture-of-experts variant (num_local_experts > 0) is not supported: its "
-               "experts are stored fused across experts (block_sparse_moe.input_linear / output_linear, one 3-D "
-               "tensor per layer) with the router block_sparse_moe.router.layer, which quantkit's expert layout "
-               "(one tensor per expert projection, quantkit.arch.families.base.MoeLayout) does not describe")
-MOE_HINT = "the dense Granite 4 hybrids (num_local_experts = 0: granite-4.0-h-micro, granite-4.0-micro) are supported"
+MOE_REFUSAL = ("{method}: Granite 4's mixture-of-experts variant (num_local_experts > 0) is not supported: its "
+               "experts are stored fused across experts (block_sparse_moe.input_linear [experts, 2 x intermediate, "
+               "hidden] and output_linear, one 3-D tensor per layer, with the router block_sparse_moe.router.layer), "
+               "and this method quantizes experts only from a layout of one tensor per expert projection "
+               "(quantkit.arch.families.base.MoeLayout), which they do not fit")
+MOE_HINT = ("--method gguf converts it as llama.cpp's converter does; every method takes the dense Granite 4 hybrids "
+            "(num_local_experts = 0: granite-4.0-h-micro, granite-4.0-micro)")
+
+
+def check_mlx_dense(config: dict) -> None:
+    """mlx-lm's granitemoehybrid loads the MoE variant's experts stacked into a SwitchGLU (its sanitize splits
+    block_sparse_moe.input_linear into switch_mlp.gate_proj / up_proj), which quantkit's mlx writer does not write
+    (for no MoE family)."""
+    if (config.get("num_local_experts") or 0) > 0:
+        raise UnsupportedError("mlx: Granite 4's mixture-of-experts variant (num_local_experts > 0) is not supported: "
+                               "mlx-lm's granitemoehybrid stacks its experts into one SwitchGLU tensor per projection "
+                               "(switch_mlp.gate_proj / up_proj / down_proj, split from block_sparse_moe.input_linear "
+                               "and output_linear), which quantkit's mlx writer does not write", hint=MOE_HINT)
+
 
 GRANITE_HYBRID = Family(
-    "granitemoehybrid", "GraniteMoeHybridForCausalLM", "Granite 4 (hybrid, dense)",
+    "granitemoehybrid", "GraniteMoeHybridForCausalLM", "Granite 4 (hybrid; its MoE variant: gguf only)",
     kept=KEPT,
     smoothing=GRANITE_HYBRID_ROWS,
     gguf={"GraniteMoeHybridForCausalLM": GRANITE_HYBRID_GGUF},
     mlx="granitemoehybrid",
-    moe_refusal=MOE_REFUSAL.format(what="{method}") + "; " + MOE_HINT,
+    mlx_checks=(check_mlx_dense,),
+    moe_refusal=MOE_REFUSAL + "; " + MOE_HINT,
 )
 
 FAMILIES = (GRANITE_HYBRID,)
