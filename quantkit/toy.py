@@ -183,12 +183,27 @@ def make_toy_model(out_dir: str | Path, preset: str = "tiny", seed: int = 0, ste
     return out
 
 
+def scaled_norm(weight, scale, shifted: bool):
+    """A norm weight whose output is `scale` x the old one: w * scale, or for a norm that scales by (1 + w)
+    (Gemma's, `shifted`) (1 + w) * scale - 1."""
+    return (weight + 1) * scale - 1 if shifted else weight * scale
+
+
+def shifted_norms(config: dict) -> bool:
+    """Whether the architecture's RMSNorms scale by (1 + w) (its family record's norm_shift: Gemma 1-3)."""
+    from quantkit.gguf.convert import ARCHITECTURES, hf_architecture
+
+    spec = ARCHITECTURES.get(hf_architecture(config))
+    return bool(spec and spec.norm_shift)
+
+
 def sharpen(src: Path, dst: Path, channels: int = 4, factor: float = 16.0, logit_scale: float = 8.0,
             dtype: str = "float32") -> Path:
-    """A copy of a Llama checkpoint that quantization visibly hurts, stored in `dtype`: the final norm
-    scaled by `logit_scale` (peaked next-token distributions, as trained models of real size have),
-    and `channels` seeded input channels of every attention block carrying `factor` x activations
-    against 1/factor weight columns (function preserving, as scripts/train_reference_model.py does)."""
+    """A copy of a Llama-style checkpoint (Llama, Gemma 3 with its (1 + w) norms) that quantization visibly
+    hurts, stored in `dtype`: the final norm's output scaled by `logit_scale` (peaked next-token
+    distributions, as trained models of real size have), and `channels` seeded input channels of every
+    attention block carrying `factor` x activations against 1/factor weight columns (function preserving,
+    as scripts/train_reference_model.py does)."""
     import shutil
 
     import torch
@@ -196,13 +211,15 @@ def sharpen(src: Path, dst: Path, channels: int = 4, factor: float = 16.0, logit
 
     shutil.copytree(src, dst)
     state = {k: v.float() for k, v in load_file(src / "model.safetensors").items()}
-    state["model.norm.weight"] *= logit_scale
     config = json.loads((src / "config.json").read_text())
+    shifted = shifted_norms(config)
+    state["model.norm.weight"] = scaled_norm(state["model.norm.weight"], logit_scale, shifted)
     hidden = config["hidden_size"]
     for layer in range(config["num_hidden_layers"]):
         prefix = f"model.layers.{layer}."
         picked = torch.randperm(hidden, generator=torch.Generator().manual_seed(layer))[:channels]
-        state[prefix + "input_layernorm.weight"][picked] *= factor
+        norm = state[prefix + "input_layernorm.weight"]
+        norm[picked] = scaled_norm(norm[picked], factor, shifted)
         for proj in ("q_proj", "k_proj", "v_proj"):
             state[f"{prefix}self_attn.{proj}.weight"][:, picked] /= factor
     state = {k: v.to(getattr(torch, dtype)) for k, v in state.items()}

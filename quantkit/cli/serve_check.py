@@ -71,7 +71,7 @@ class GenerationFlags:
 
 # quantkit.serve.check.Tolerances: the verdict's thresholds.
 TOLERANCES = Lazy("quantkit.serve.check:Tolerances", {
-    "max_reading_kld": flag(float, 0.02, panel=GATE, min=0, help="Verdict: max KL divergence (lower bound from top-k) of the engine from quantkit's reading of the artifact."),
+    "max_reading_kld": flag(float, 0.02, panel=GATE, min=0, help="Verdict: max KL divergence (lower bound from top-k) of the engine from quantkit's reading of the artifact (or that reading's own KLD from the base, where larger)."),
     "max_ppl_drift": flag(float, 0.05, panel=GATE, min=0, help="Verdict: max |ppl engine / ppl quantkit's reading - 1|."),
     "min_reading_top1": flag(Optional[float], None, panel=GATE, min=0, max=1, help="Verdict: min top-1 agreement of the engine with quantkit's reading (not checked by default: near-ties flip under bfloat16)."),
     "max_base_kld": flag(Optional[float], None, panel=GATE, min=0, help="Verdict: max KL divergence (lower bound) of the engine from the base. Default: the gate's max KLD in quantkit.json."),

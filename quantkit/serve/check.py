@@ -10,7 +10,10 @@ gate read it (artifact_scorer, artifact_logits). The statistics are quantkit.ser
 
 The verdict (Tolerances, checked in this order):
 - reading_kld: the KL divergence of the engine from quantkit's reading of the artifact, a lower bound
-  from the engine's top-k (stats module), at most `max_reading_kld`;
+  from the engine's top-k (stats module), at most `max_reading_kld`, or at most quantkit's reading's own KL
+  divergence from the base on the same windows where that is larger (`reading_threshold`): an engine that
+  computes a scheme with other, equivalent arithmetic rounds the activations differently, so its reading and
+  quantkit's are two draws of the scheme's rounding noise around the base;
 - ppl_drift: |ppl engine / ppl reading - 1| at most `max_ppl_drift`, both perplexities taken on the positions
   where the engine's log-prob of the token that followed is exact (its own, or the token among its top-k
   candidates: stats.ComparedPerplexity), so a difference either way fails it; not checked for an engine
@@ -60,7 +63,8 @@ class Tolerances:
     of 0.0004-0.0023 of quantkit's reading (the most: llama.cpp's Q4_K_M, whose k-quant dot products
     quantize the activations too) and a perplexity within 1%; an artifact whose config.json was edited
     after the gate in a way the engine reads differently (tie_word_embeddings) was 0.19-11.6 off with
-    a perplexity 59% off or more. max_reading_kld sits near 10x from both. Top-1 is not checked by
+    a perplexity 59% off or more. max_reading_kld sits near 10x from both. An artifact that loses more than
+    that to the base may read as far from quantkit's reading (reading_threshold). Top-1 is not checked by
     default: on nearly flat distributions it flips on near-ties under bfloat16 rounding (46-82% at a
     KLD of 1e-4 or less on a barely trained model), while the KLD and perplexity do not move."""
 
@@ -412,11 +416,21 @@ def mean_of(values: np.ndarray, keep: np.ndarray) -> float:
     return float(np.mean(values[keep])) if keep.any() else math.nan
 
 
+def reading_threshold(report: ServeReport) -> float:
+    """max_reading_kld, or quantkit's reading's own KLD from the base where larger (module docstring). Measured
+    on Gemma 3 fp8 artifacts in vLLM's CPU build, whose FP8 GEMM multiplies in float32 where compressed-tensors'
+    forward rounds both operands to bfloat16: the engine sat 0.4-0.8x the artifact's own KLD from quantkit's
+    reading (0.0093 at a KLD of 0.024; docs/serving.md), the family's 16-bit forward 1e-5-3e-4. Without quantkit's
+    base (base_from "engine") max_reading_kld alone."""
+    own, most = report.reading_vs_base_kld, report.tolerances.max_reading_kld
+    return most if own is None or not math.isfinite(own) else max(most, own)
+
+
 def verdict(report: ServeReport) -> list[Check]:
     t = report.tolerances
-    drift = report.ppl_compared.drift
-    checks = [Check("reading_kld", report.vs_reading.kld_lower_bound, t.max_reading_kld, "<=",
-                    report.vs_reading.kld_lower_bound <= t.max_reading_kld)]
+    drift, most = report.ppl_compared.drift, reading_threshold(report)
+    checks = [Check("reading_kld", report.vs_reading.kld_lower_bound, most, "<=",
+                    report.vs_reading.kld_lower_bound <= most)]
     if report.logprobs_normalized:
         checks.append(Check("ppl_drift", drift, t.max_ppl_drift, "<=", drift <= t.max_ppl_drift))
     if t.min_reading_top1 is not None:

@@ -15,12 +15,12 @@ def agreement(kld: float, top1: float = 1.0) -> stats.Agreement:
 
 def report(vs_reading: stats.Agreement, ppl: stats.Perplexity, tolerances: check.Tolerances,
            vs_base: stats.Agreement | None = None, normalized: bool = True,
-           compared: stats.ComparedPerplexity | None = None) -> check.ServeReport:
+           compared: stats.ComparedPerplexity | None = None, own_kld: float | None = 0.0011) -> check.ServeReport:
     result = check.ServeReport(
         artifact="a", kind="compressed-tensors", base="b", engine={"name": "vllm", "version": "0"},
         windows={"count": 1, "seq_len": 101, "positions": 100, "scored": 100}, base_from="quantkit", logprobs=20,
         logprobs_normalized=normalized, vs_base=vs_base or agreement(0.001), vs_reading=vs_reading, reading_vs_base=agreement(0.001),
-        reading_vs_base_kld=0.0011, ppl=ppl, ppl_base=10.0, ppl_reading=10.2,
+        reading_vs_base_kld=own_kld, ppl=ppl, ppl_base=10.0, ppl_reading=10.2,
         ppl_compared=compared or stats.ComparedPerplexity(100, ppl.ppl, 10.2),
         greedy=stats.GreedyAgreement(2, 8, 8.0, 1.0, [8, 8]),
         load=[LoadResult(1, 1, 64, 8, 0.01, 6400.0, 100.0, 90.0)], tolerances=tolerances)
@@ -43,6 +43,16 @@ def test_each_check_fails_on_its_own():
         "reading_top1"]
     assert report(agreement(0.001), EXACT, check.Tolerances(max_base_kld=0.01), vs_base=agreement(0.9)).failed == [
         "base_kld"]
+
+
+def test_the_reading_may_differ_by_the_artifacts_own_kld():
+    """An engine as far from quantkit's reading as that reading is from the base reads the same artifact with other
+    rounding (fp8 activations rounded after a float32 or a bfloat16 product): it passes; further, it fails."""
+    assert report(agreement(0.03), EXACT, check.Tolerances(), own_kld=0.035).passed
+    result = report(agreement(0.05), EXACT, check.Tolerances(), own_kld=0.035)
+    assert result.failed == ["reading_kld"] and result.checks[0].threshold == 0.035
+    assert report(agreement(0.03), EXACT, check.Tolerances(), own_kld=0.001).failed == ["reading_kld"]
+    assert report(agreement(0.03), EXACT, check.Tolerances(), own_kld=None).failed == ["reading_kld"]  # engine base
 
 
 def test_the_ppl_drift_is_checked_where_both_perplexities_are_exact_and_fails_either_way():
