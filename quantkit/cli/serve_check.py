@@ -148,7 +148,8 @@ def serve_check_command(
     result = serve_check(
         artifact, request.base, request.windows, engine, options=request.options, tolerances=request.tolerances,
         generation=generation.generation(), base_from=base_from, engine_base=engine_base, log_dir=log_dir,
-        device=device, trust_remote_code=trust_remote_code, progress=ProgressLog(err), kv_cache=kv_cache)
+        device=device, trust_remote_code=trust_remote_code, progress=ProgressLog(err), kv_cache=kv_cache,
+        gated_kld=gated_metric(request.report, artifact, "kld_mean"))
     show(result, json_path)
     if record and request.report is not None:
         record_result(report_path(artifact), result.as_dict())
@@ -251,6 +252,11 @@ def gate_threshold(report: dict | None, artifact: Path, metric: str) -> float | 
     """The gate's threshold of a metric for this artifact (None when quantkit.json has none)."""
     checks = (report_target(report, artifact).get("gate") or {}).get("checks") or []
     return next((c.get("threshold") for c in checks if c.get("name") == metric), None)
+
+
+def gated_metric(report: dict | None, artifact: Path, metric: str) -> float | None:
+    """The gate's measured value of a metric for this artifact (None when quantkit.json has none)."""
+    return (report_target(report, artifact).get("metrics") or {}).get(metric)
 
 
 def held_out_windows(base, report: dict | None, windows: ServeWindows, trust_remote_code: bool):

@@ -808,7 +808,7 @@ def serve_gate(job: QuantizeJob, resolved: ResolvedTarget, artifact: Path, entry
 
     serve, gate = resolved.gate.serve, resolved.gate
     _, found, _ = prepare(artifact, serve.engine)
-    kv_cache = served_kv_choice(entry, found.name)
+    kv_cache = served_kv_choice(entry, found)
     job.progress(f"serving check: the artifact in {serve.engine if serve.engine != 'auto' else 'its engine'}")
     report = serve_check(
         artifact, job.info.path, job.windows.eval[: serve.windows], serve.engine,
@@ -816,17 +816,18 @@ def serve_gate(job: QuantizeJob, resolved: ResolvedTarget, artifact: Path, entry
         tolerances=Tolerances(serve.max_reading_kld, serve.max_ppl_drift, serve.min_reading_top1,
                               serve.max_base_kld if serve.max_base_kld is not None else gate.max_kld),
         generation=Generation(concurrencies=tuple(serve.concurrency)), device=job.device,
-        trust_remote_code=job.trust_remote_code, progress=job.progress, kv_cache=kv_cache)
+        trust_remote_code=job.trust_remote_code, progress=job.progress, kv_cache=kv_cache,
+        gated_kld=entry.metrics.kld_mean if entry.metrics else None)
     entry.details["serve_check"] = report.as_dict()
     failed = "; ".join(f"{c.name} {c.value:.4g} (needs {c.op} {c.threshold:g})" for c in report.checks if not c.passed)
     job.progress(f"serving check: {report.engine['name']} {'agrees with the gate' if report.passed else failed}")
     entry.gate = with_checks(entry.gate, [Check("serve", float(len(report.failed)), 0.0, "==", report.passed)])
 
 
-def served_kv_choice(entry: TargetReport, engine: str) -> str | None:
+def served_kv_choice(entry: TargetReport, found) -> str | None:
     """The KV type the gate chose for the artifact, to start the engine with in the serving check: None where none
     was chosen or the engine's served log-probs would not show it (mlx_lm.server, vLLM's TurboQuant: said in the
-    report's kv_cache_types)."""
+    report's kv_cache_types). `found`: the installed engine (quantkit.serve.engines.Installed)."""
     from quantkit.eval import kv as kv_types
     from quantkit.serve.engines import get_engine
 
@@ -834,6 +835,7 @@ def served_kv_choice(entry: TargetReport, engine: str) -> str | None:
     chosen = section.get("chosen")
     if chosen is None:
         return None
+    engine = found.name
     if get_engine(engine).PROMPT_KV_UNSEEN or any(t["type"] == chosen and t["raw_prefill"] for t in section["types"]):
         section["serve_check"] = "served with a 16-bit cache: the engine's prompt log-probs do not read this cache"
         return None

@@ -13,7 +13,9 @@ The verdict (Tolerances, checked in this order):
   from the engine's top-k (stats module), at most `max_reading_kld`, or at most quantkit's reading's own KL
   divergence from the base on the same windows where that is larger (`reading_threshold`): an engine that
   computes a scheme with other, equivalent arithmetic rounds the activations differently, so its reading and
-  quantkit's are two draws of the scheme's rounding noise around the base;
+  quantkit's are two draws of the scheme's rounding noise around the base. That allowance is capped by the KLD
+  the artifact's gate measured where it is known (`gated_kld`, from quantkit.json): a config.json edited after
+  the gate moves quantkit's reading as well, and must not raise the bar it is checked against;
 - ppl_drift: |ppl engine / ppl reading - 1| at most `max_ppl_drift`, both perplexities taken on the positions
   where the engine's log-prob of the token that followed is exact (its own, or the token among its top-k
   candidates: stats.ComparedPerplexity), so a difference either way fails it; not checked for an engine
@@ -112,6 +114,7 @@ class ServeReport:
     # with --kv-cache: the type, the engine's flags, and the engine against quantkit's reading with a 16-bit cache
     # (vs_reading is against the reading with the type: the closer of the two says which cache the engine used)
     kv_cache: dict | None = None
+    gated_kld: float | None = None  # the artifact's KLD from the base as its gate measured it (caps reading_threshold)
     checks: list[Check] = field(default_factory=list)
 
     @property
@@ -384,7 +387,8 @@ def serve_check(artifact: Path, base_dir: Path, windows, engine: str = "auto",
                 options: ServeOptions | None = None, tolerances: Tolerances | None = None,
                 generation: Generation | None = None, base_from: str = "quantkit", engine_base: Path | None = None,
                 log_dir: Path | None = None, device: str = "cpu", trust_remote_code: bool = False,
-                progress: Callable[[str], None] = lambda message: None, kv_cache: str | None = None) -> ServeReport:
+                progress: Callable[[str], None] = lambda message: None, kv_cache: str | None = None,
+                gated_kld: float | None = None) -> ServeReport:
     """Serve the artifact in its engine and measure it against quantkit's readings (module docstring).
 
     windows: int64 (w, L) token ids, the held-out windows (each starting with BOS where the tokenizer
@@ -392,7 +396,8 @@ def serve_check(artifact: Path, base_dir: Path, windows, engine: str = "auto",
     base scored by quantkit, full distributions) or "engine" (`engine_base`, default the base dir,
     served by the same engine). device: where quantkit computes its own readings. kv_cache: one KV type
     (quantkit.eval.kv, e.g. "llama.cpp:q8_0", "vllm:fp8") the engine is started with and quantkit's reading
-    simulates at every position (served_kv_type refuses what the served log-probs cannot show). Raises
+    simulates at every position (served_kv_type refuses what the served log-probs cannot show). gated_kld: the
+    artifact's KLD from the base as its gate measured it (quantkit.json), which caps the reading's allowance. Raises
     UnsupportedError (exit 2) when the engine is missing or cannot serve the artifact here."""
     from quantkit.engines.transformers import load_tokenizer
     from quantkit.io.checkpoint import check_model_dir
@@ -405,6 +410,7 @@ def serve_check(artifact: Path, base_dir: Path, windows, engine: str = "auto",
     theirs = engine_side(setup, tokenizer, int(ours.reading.logprobs.shape[1]), texts, log_dir, progress)
     report = build_report(setup, ours, theirs, tolerances or Tolerances(),
                           tokens.compare(token_ids, theirs.token_ids, tokens.piece_decoder(tokenizer)))
+    report.gated_kld = gated_kld
     report.checks = verdict(report)
     return report
 
@@ -421,9 +427,12 @@ def reading_threshold(report: ServeReport) -> float:
     on Gemma 3 fp8 artifacts in vLLM's CPU build, whose FP8 GEMM multiplies in float32 where compressed-tensors'
     forward rounds both operands to bfloat16: the engine sat 0.4-0.8x the artifact's own KLD from quantkit's
     reading (0.0093 at a KLD of 0.024; docs/serving.md), the family's 16-bit forward 1e-5-3e-4. Without quantkit's
-    base (base_from "engine") max_reading_kld alone."""
+    base (base_from "engine") max_reading_kld alone; never more than the KLD the artifact's gate measured, where
+    the report knows it (gated_kld)."""
     own, most = report.reading_vs_base_kld, report.tolerances.max_reading_kld
-    return most if own is None or not math.isfinite(own) else max(most, own)
+    if own is None or not math.isfinite(own):
+        return most
+    return max(most, own if report.gated_kld is None else min(own, report.gated_kld))
 
 
 def verdict(report: ServeReport) -> list[Check]:

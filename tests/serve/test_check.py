@@ -15,7 +15,8 @@ def agreement(kld: float, top1: float = 1.0) -> stats.Agreement:
 
 def report(vs_reading: stats.Agreement, ppl: stats.Perplexity, tolerances: check.Tolerances,
            vs_base: stats.Agreement | None = None, normalized: bool = True,
-           compared: stats.ComparedPerplexity | None = None, own_kld: float | None = 0.0011) -> check.ServeReport:
+           compared: stats.ComparedPerplexity | None = None, own_kld: float | None = 0.0011,
+           gated_kld: float | None = None) -> check.ServeReport:
     result = check.ServeReport(
         artifact="a", kind="compressed-tensors", base="b", engine={"name": "vllm", "version": "0"},
         windows={"count": 1, "seq_len": 101, "positions": 100, "scored": 100}, base_from="quantkit", logprobs=20,
@@ -23,7 +24,7 @@ def report(vs_reading: stats.Agreement, ppl: stats.Perplexity, tolerances: check
         reading_vs_base_kld=own_kld, ppl=ppl, ppl_base=10.0, ppl_reading=10.2,
         ppl_compared=compared or stats.ComparedPerplexity(100, ppl.ppl, 10.2),
         greedy=stats.GreedyAgreement(2, 8, 8.0, 1.0, [8, 8]),
-        load=[LoadResult(1, 1, 64, 8, 0.01, 6400.0, 100.0, 90.0)], tolerances=tolerances)
+        load=[LoadResult(1, 1, 64, 8, 0.01, 6400.0, 100.0, 90.0)], tolerances=tolerances, gated_kld=gated_kld)
     result.checks = check.verdict(result)
     return result
 
@@ -53,6 +54,14 @@ def test_the_reading_may_differ_by_the_artifacts_own_kld():
     assert result.failed == ["reading_kld"] and result.checks[0].threshold == 0.035
     assert report(agreement(0.03), EXACT, check.Tolerances(), own_kld=0.001).failed == ["reading_kld"]
     assert report(agreement(0.03), EXACT, check.Tolerances(), own_kld=None).failed == ["reading_kld"]  # engine base
+
+
+def test_the_allowance_is_never_more_than_the_gate_measured():
+    """A config.json edited after the gate moves quantkit's reading from the base too: the allowance stays the KLD
+    the gate measured (quantkit.json), so the engine's different reading still fails."""
+    assert report(agreement(0.03), EXACT, check.Tolerances(), own_kld=0.035, gated_kld=0.034).passed
+    tampered = report(agreement(0.19), EXACT, check.Tolerances(), own_kld=0.4, gated_kld=0.001)
+    assert tampered.failed == ["reading_kld"] and tampered.checks[0].threshold == 0.02
 
 
 def test_the_ppl_drift_is_checked_where_both_perplexities_are_exact_and_fails_either_way():

@@ -58,16 +58,19 @@ def test_the_gate_serves_the_type_it_chose_where_the_engine_shows_it():
 
     from quantkit.run.pipeline import served_kv_choice
 
+    def served_kv_choice_by(entry, engine):
+        return served_kv_choice(entry, Installed(engine, Path("/bin/true"), "PATH"))
+
     def entry(chosen, raw=False):
         types = [{"type": chosen, "raw_prefill": raw}] if chosen else []
         return SimpleNamespace(details={"kv_cache_types": {"types": types, "chosen": chosen}})
 
-    assert served_kv_choice(entry("llama.cpp:q8_0"), "llama.cpp") == "llama.cpp:q8_0"
-    assert served_kv_choice(entry(None), "llama.cpp") is None
-    assert served_kv_choice(SimpleNamespace(details={}), "vllm") is None
+    assert served_kv_choice_by(entry("llama.cpp:q8_0"), "llama.cpp") == "llama.cpp:q8_0"
+    assert served_kv_choice_by(entry(None), "llama.cpp") is None
+    assert served_kv_choice_by(SimpleNamespace(details={}), "vllm") is None
     for chosen, engine, raw in (("mlx:4", "mlx", False), ("vllm:turboquant_k8v4", "vllm", True)):
         served = entry(chosen, raw)
-        assert served_kv_choice(served, engine) is None
+        assert served_kv_choice_by(served, engine) is None
         assert "16-bit cache" in served.details["kv_cache_types"]["serve_check"]
 
 
