@@ -118,11 +118,19 @@ def prove(column: str, out: Path, work: Path, serve: bool) -> str:
             return "reload, vLLM"
         return "reload"
     except AssertionError as exc:
-        return f"FAILED: {str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__}"
+        return f"FAILED: {failure_text(exc)}"
     except BaseException as exc:  # pytest.skip raises an exception of its own
         if type(exc).__name__ == "Skipped":
             return f"not checked: {exc}"
         raise
+
+
+def failure_text(exc: AssertionError) -> str:
+    """A failed proof in one line: the command's `error:` line where the assertion carries its output, else the
+    assertion's first line."""
+    lines = str(exc).splitlines()
+    errors = [line.removeprefix("error: ") for line in lines if line.startswith("error:")]
+    return (errors or lines or [type(exc).__name__])[0][:200]
 
 
 def cell_text(cell: dict) -> str:
@@ -184,11 +192,13 @@ def main() -> int:
     methods = args.methods.split(",") if args.methods else list(METHODS)
     result = {"machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "date": time.strftime("%Y-%m-%d"),
               "methods": methods, "families": {}}
-    if args.merge and args.json and args.json.exists():
-        result["families"] = json.loads(args.json.read_text())["families"]
+    if args.merge and args.json and args.json.exists():  # the saved rows and columns kept, these cells run again
+        saved = json.loads(args.json.read_text())
+        result["families"] = saved["families"]
+        result["methods"] = list(dict.fromkeys([*saved["methods"], *methods]))
     for family in families:
         model = builders[family](args.work / family / "model")
-        cells = result["families"][family] = {}
+        cells = result["families"].setdefault(family, {})
         for column in methods:
             out = args.work / family / column.replace(" ", "-")
             cells[column] = cell = run_cell(model, METHODS[column], out, out.with_suffix(".log"), args.timeout)
