@@ -182,30 +182,7 @@ def load_gguf_into_base(path: Path, base_dir: Path, device: str = "cpu", trust_r
                          hint="the artifact is incomplete or for another model: write it again with quantkit quantize")
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
-    return _materialize_buffers(model, config).to(device_map(device)).eval()
-
-
-def load_mlx(path: Path, device: str = "cpu"):
-    """An mlx-lm directory dequantized (as mlx.core.dequantize does) into its transformers architecture
-    (a mixture of experts with linear experts: quantkit.eval.experts.mlx_open), in the dtype its scales are
-    stored in."""
-    import torch
-
-    from quantkit.engines.transformers import device_map
-    from quantkit.eval.experts import mlx_open
-    from quantkit.mlx.checkpoint import MLXWeights
-
-    weights = MLXWeights(path)
-    config = weights.transformers_config()
-    model, source = mlx_open(weights, config, getattr(torch, weights.stored_dtype()))
-    state = {name: source.get(name) for name in source.keys()}  # noqa: SIM118  (a WeightSource, not a dict)
-    model.load_state_dict(state, strict=False, assign=True)
-    model.tie_weights()
-    missing = [n for n, p in model.named_parameters() if p.is_meta]
-    if missing:
-        raise ModelError(f"{path.name} lacks tensors for {missing[:3]} (and {max(0, len(missing) - 3)} more)",
-                         hint="the artifact is incomplete or for another model: write it again with quantkit quantize")
-    return _materialize_buffers(model, config).to(device_map(device)).eval()
+    return materialize_buffers(model, config).to(device_map(device)).eval()
 
 
 def vlm_with(base_dir: Path, state: dict, path: Path, trust_remote_code: bool = False):
@@ -241,7 +218,7 @@ def rebuild_rotary(model) -> None:
                 setattr(parent, child_name, type(child)(child.config))
 
 
-def _materialize_buffers(model, config):
+def materialize_buffers(model, config):
     """Non-persistent buffers (rotary frequencies, embedding scales) stay on meta after a
     meta-device build; recompute them."""
     import torch

@@ -98,6 +98,31 @@ def mlx_reading(path: Path) -> Reading:
     return Reading(config, lambda: mlx_open(weights, config, getattr(torch, weights.stored_dtype())))
 
 
+def load_mlx(path: Path, device: str = "cpu"):
+    """An mlx-lm directory dequantized (as mlx.core.dequantize does) into its transformers architecture
+    (a mixture of experts with linear experts: quantkit.eval.experts.mlx_open), in the dtype its scales are
+    stored in."""
+    import torch
+
+    from quantkit.engines.transformers import device_map
+    from quantkit.errors import ModelError
+    from quantkit.eval.artifacts import materialize_buffers
+    from quantkit.eval.experts import mlx_open
+    from quantkit.mlx.checkpoint import MLXWeights
+
+    weights = MLXWeights(path)
+    config = weights.transformers_config()
+    model, source = mlx_open(weights, config, getattr(torch, weights.stored_dtype()))
+    state = {name: source.get(name) for name in source.keys()}  # noqa: SIM118  (a WeightSource, not a dict)
+    model.load_state_dict(state, strict=False, assign=True)
+    model.tie_weights()
+    missing = [n for n, p in model.named_parameters() if p.is_meta]
+    if missing:
+        raise ModelError(f"{path.name} lacks tensors for {missing[:3]} (and {max(0, len(missing) - 3)} more)",
+                         hint="the artifact is incomplete or for another model: write it again with quantkit quantize")
+    return materialize_buffers(model, config).to(device_map(device)).eval()
+
+
 def compressed_reading(path: Path) -> Reading:
     """A compressed-tensors text decoder, each quantized module decompressed by compressed-tensors'
     own compressor, in its stored dtype (quantkit.eval.compressed)."""

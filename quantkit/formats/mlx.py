@@ -34,7 +34,7 @@ def reading(path: Path, base_dir: Path | None, trust_remote_code: bool):
 
 
 def load(path: Path, base_dir: Path | None, device: str, trust_remote_code: bool):
-    from quantkit.eval.artifacts import load_mlx
+    from quantkit.eval.scorers import load_mlx
 
     return load_mlx(path, device)
 

@@ -55,12 +55,12 @@ def test_the_gate_reads_the_alpha_scaled_rope(model):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from quantkit.eval.artifacts import _materialize_buffers
+    from quantkit.eval.artifacts import materialize_buffers
 
     config = AutoConfig.from_pretrained(model)
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(config)
-    rotary = _materialize_buffers(meta, config).model.rotary_emb
+    rotary = materialize_buffers(meta, config).model.rotary_emb
     base = 10000.0 * 1000.0 ** (64 / 62)
     assert torch.allclose(rotary.inv_freq, 1.0 / (base ** (torch.arange(0, 64, 2).float() / 64)))
 

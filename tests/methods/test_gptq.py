@@ -52,9 +52,9 @@ def test_base_weights_are_freed_after_the_quantize_step(cli, micro_model, tmp_pa
 
     seen, real = {}, pipeline.run_target
 
-    def spy(job, resolved, baseline, opts):
+    def spy(job, resolved, baseline, opts, *rest):
         seen["model"] = weakref.ref(job.model)
-        entry = real(job, resolved, baseline, opts)
+        entry = real(job, resolved, baseline, opts, *rest)
         model = seen["model"]()
         with disable_onloading():
             seen["left"] = 0 if model is None else sum(p.numel() for p in model.parameters() if not p.is_meta)
