@@ -267,34 +267,6 @@ def model_name(stored: str, layout, renamings) -> str:
     return stored
 
 
-class ModelNamed:
-    """The tensors of a checkpoint by the names of the linear-experts model (`model_name`), read one at a time."""
-
-    def __init__(self, model_dir: Path, layout, model_type: str):
-        from quantkit.arch.moe import load_renamings
-        from quantkit.io.checkpoint import SafetensorsWeights
-
-        renamings = load_renamings(model_type)
-        self.index = {model_name(n, layout, renamings): entry
-                      for n, entry in SafetensorsWeights(model_dir).index.items()}
-
-    def keys(self) -> list[str]:
-        return list(self.index)
-
-    def get(self, name: str):
-        from quantkit.io.checkpoint import read_stored
-
-        return read_stored(self.index[name])
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return self.index[name].shape
-
-    def rows(self, name: str, index):
-        from quantkit.io.checkpoint import read_stored_rows
-
-        return read_stored_rows(self.index[name], index)
-
-
 class RenamedWeights:
     """A WeightSource's tensors (stored names) by the names of the linear-experts model (`model_name`)."""
 
@@ -316,6 +288,17 @@ class RenamedWeights:
 
     def rows(self, name: str, index):
         return self.weights.rows(self.names[name], index)
+
+
+class ModelNamed(RenamedWeights):
+    """The tensors of a checkpoint by the names of the linear-experts model, read one at a time; `index` their
+    stored entries by those names (what quantkit.eval.compressed.CompressedWeights reads)."""
+
+    def __init__(self, model_dir: Path, layout, model_type: str):
+        from quantkit.io.checkpoint import SafetensorsWeights
+
+        super().__init__(SafetensorsWeights(model_dir), layout, model_type)
+        self.index = {name: self.weights.index[stored] for name, stored in self.names.items()}
 
 
 def mlx_open(weights, config, dtype):

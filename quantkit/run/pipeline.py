@@ -807,8 +807,8 @@ def serve_gate(job: QuantizeJob, resolved: ResolvedTarget, artifact: Path, entry
     from quantkit.serve.settings import ServeOptions
 
     serve, gate = resolved.gate.serve, resolved.gate
-    _, found, _ = prepare(artifact, serve.engine)
-    kv_cache = served_kv_choice(entry, found)
+    _, found, accelerator = prepare(artifact, serve.engine)
+    kv_cache = served_kv_choice(entry, found, job.info.path, accelerator)
     job.progress(f"serving check: the artifact in {serve.engine if serve.engine != 'auto' else 'its engine'}")
     report = serve_check(
         artifact, job.info.path, job.windows.eval[: serve.windows], serve.engine,
@@ -824,22 +824,23 @@ def serve_gate(job: QuantizeJob, resolved: ResolvedTarget, artifact: Path, entry
     entry.gate = with_checks(entry.gate, [Check("serve", float(len(report.failed)), 0.0, "==", report.passed)])
 
 
-def served_kv_choice(entry: TargetReport, found) -> str | None:
+def served_kv_choice(entry: TargetReport, found, base_dir: Path, accelerator) -> str | None:
     """The KV type the gate chose for the artifact, to start the engine with in the serving check: None where none
-    was chosen or the engine's served log-probs would not show it (mlx_lm.server, vLLM's TurboQuant: said in the
-    report's kv_cache_types). `found`: the installed engine (quantkit.serve.engines.Installed)."""
-    from quantkit.eval import kv as kv_types
-    from quantkit.serve.engines import get_engine
+    was chosen, or where serve-check would refuse it (quantkit.serve.check.served_kv_type: the engine's served
+    log-probs would not show it, mlx_lm.server's or vLLM's TurboQuant's), said in the report's kv_cache_types.
+    `found`, `accelerator`: the installed engine and this device (quantkit.serve.check.prepare)."""
+    from quantkit.serve.check import served_kv_type
 
     section = entry.details.get("kv_cache_types") or {}
     chosen = section.get("chosen")
     if chosen is None:
         return None
-    engine = found.name
-    if get_engine(engine).PROMPT_KV_UNSEEN or any(t["type"] == chosen and t["raw_prefill"] for t in section["types"]):
-        section["serve_check"] = "served with a 16-bit cache: the engine's prompt log-probs do not read this cache"
+    try:
+        served_kv_type(chosen, found.name, base_dir, accelerator)
+    except UnsupportedError as exc:
+        section["serve_check"] = f"served with a 16-bit cache: {exc.message}"
         return None
-    return chosen if kv_types.engine_of(chosen)[0] == engine else None
+    return chosen
 
 
 def serve_or_say_why_not(job: QuantizeJob, resolved: ResolvedTarget, artifact: Path, entry: TargetReport) -> None:

@@ -363,17 +363,23 @@ def qwen35_moe_mtp(models, tmp_path_factory) -> Path:
 def test_gguf_of_qwen3_5_moe_writes_its_mtp_layer(cli, qwen35_moe_mtp, tmp_path):
     """The converter's default: the MTP layer as block 2 (its experts stacked, nextn.eh_proj / enorm / hnorm /
     shared_head_norm), nextn_predict_layers 1, the block count with it; the gate reads the decoder's blocks."""
+    assert_writes_its_mtp_block(cli, qwen35_moe_mtp, tmp_path, "qwen35moe", {"blk.2.ffn_gate_inp_shexp.weight"})
+
+
+def assert_writes_its_mtp_block(cli, model: Path, tmp_path: Path, arch: str, more: set[str]) -> None:
+    """Q4_K_M of a 2-layer model with one MTP layer: block 2 holds the nextn tensors and stacked experts (and `more`),
+    the block count counts it, nextn_predict_layers is 1."""
     import gguf
 
     out = tmp_path / "out"
-    common.assert_passed(common.quantize(cli, qwen35_moe_mtp, out, "gguf", "--gguf-type", "Q4_K_M"), out)
+    common.assert_passed(common.quantize(cli, model, out, "gguf", "--gguf-type", "Q4_K_M"), out)
     (path,) = out.glob("*.gguf")
     reader = gguf.GGUFReader(path)
     names = {t.name for t in reader.tensors}
     assert {f"blk.2.nextn.{n}.weight" for n in ("eh_proj", "enorm", "hnorm", "shared_head_norm")} \
-        | {f"blk.2.ffn_{p}_exps.weight" for p in ("gate", "up", "down")} | {"blk.2.ffn_gate_inp_shexp.weight"} <= names
-    assert reader.fields["qwen35moe.block_count"].contents() == 3
-    assert reader.fields["qwen35moe.nextn_predict_layers"].contents() == 1
+        | {f"blk.2.ffn_{p}_exps.weight" for p in ("gate", "up", "down")} | more <= names
+    assert reader.fields[f"{arch}.block_count"].contents() == 3
+    assert reader.fields[f"{arch}.nextn_predict_layers"].contents() == 1
 
 
 @pytest.mark.slow
@@ -427,18 +433,8 @@ def test_gguf_of_glm4_moe_writes_its_mtp_layer(cli, glm_mtp, tmp_path):
     """The MTP layer written as llama.cpp's converter writes it by default: block num_hidden_layers (its decoder
     tensors, eh_proj / enorm / hnorm / shared_head.norm as nextn.*), nextn_predict_layers 1, the block count with
     it; the q/k norms; the gate reads the decoder's blocks back (transformers' model has no MTP layer)."""
-    import gguf
-
-    out = tmp_path / "out"
-    common.assert_passed(common.quantize(cli, glm_mtp, out, "gguf", "--gguf-type", "Q4_K_M"), out)
-    (path,) = out.glob("*.gguf")
-    reader = gguf.GGUFReader(path)
-    names = {t.name for t in reader.tensors}
-    assert {f"blk.2.nextn.{n}.weight" for n in ("eh_proj", "enorm", "hnorm", "shared_head_norm")} \
-        | {f"blk.2.ffn_{p}_exps.weight" for p in ("gate", "up", "down")} | {"blk.2.exp_probs_b.bias",
-                                                                           "blk.0.attn_q_norm.weight"} <= names
-    assert reader.fields["glm4moe.block_count"].contents() == 3
-    assert reader.fields["glm4moe.nextn_predict_layers"].contents() == 1
+    assert_writes_its_mtp_block(cli, glm_mtp, tmp_path, "glm4moe",
+                                {"blk.2.exp_probs_b.bias", "blk.0.attn_q_norm.weight"})
 
 
 @pytest.mark.slow

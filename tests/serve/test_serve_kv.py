@@ -51,27 +51,31 @@ def test_the_engines_are_started_with_the_types_flags(tmp_path):
     assert command[-2:] == ["--kv-cache-dtype", "fp8_e5m2"]
 
 
-def test_the_gate_serves_the_type_it_chose_where_the_engine_shows_it():
+def test_the_gate_serves_the_type_it_chose_where_the_engine_shows_it(micro_model):
     """quantize --kv-cache ... --serve-check: the engine started with the chosen type; mlx_lm.server and a raw-prefill
-    type served with a 16-bit cache, and the report says so."""
+    type served with a 16-bit cache, and the report says why (serve-check's own refusal)."""
     from types import SimpleNamespace
 
     from quantkit.run.pipeline import served_kv_choice
 
-    def served_kv_choice_by(entry, engine):
-        return served_kv_choice(entry, Installed(engine, Path("/bin/true"), "PATH"))
+    cpu, gpu = support.accelerator(), support.Accelerator("cuda", "a GPU", 9.0)
 
-    def entry(chosen, raw=False):
-        types = [{"type": chosen, "raw_prefill": raw}] if chosen else []
+    def served_kv_choice_by(entry, engine, accelerator=cpu):
+        return served_kv_choice(entry, Installed(engine, Path("/bin/true"), "PATH"), micro_model, accelerator)
+
+    def entry(chosen):
+        types = [{"type": chosen}] if chosen else []
         return SimpleNamespace(details={"kv_cache_types": {"types": types, "chosen": chosen}})
 
     assert served_kv_choice_by(entry("llama.cpp:q8_0"), "llama.cpp") == "llama.cpp:q8_0"
     assert served_kv_choice_by(entry(None), "llama.cpp") is None
     assert served_kv_choice_by(SimpleNamespace(details={}), "vllm") is None
-    for chosen, engine, raw in (("mlx:4", "mlx", False), ("vllm:turboquant_k8v4", "vllm", True)):
-        served = entry(chosen, raw)
-        assert served_kv_choice_by(served, engine) is None
-        assert "16-bit cache" in served.details["kv_cache_types"]["serve_check"]
+    for chosen, engine, accelerator, why in (("mlx:4", "mlx", cpu, "--quantized-kv-start"),
+                                             ("vllm:turboquant_k8v4", "vllm", gpu, "raw keys")):
+        served = entry(chosen)
+        assert served_kv_choice_by(served, engine, accelerator) is None
+        note = served.details["kv_cache_types"]["serve_check"]
+        assert "16-bit cache" in note and why in note
 
 
 # ---------------------------------------------------------------- end to end (slow: a trained model, a real server)
