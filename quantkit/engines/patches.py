@@ -115,6 +115,30 @@ PATCHES: dict[str, Patch] = {
         ("llmcompressor.modifiers.transform.smoothquant.base", "update_offload_parameter"), "llmcompressor",
         LLMCOMPRESSOR, "quantkit.engines.llmcompressor.one_writer:write_once",
         "under torchrun, SmoothQuant's writes of the smoothed weights: the shared copy by rank 0 alone"),
+    "offset_norm.exact_weight": Patch(
+        ("llmcompressor.modeling.offset_norm", "CalibrationOffsetNorm.__init__"), "llmcompressor", LLMCOMPRESSOR,
+        "quantkit.engines.llmcompressor.offset_norm:hold_exact",
+        "every oneshot swaps Gemma's and Qwen3.5's offset norms (x * (1 + w)) for a stand-in holding 1 + w rounded "
+        "to the checkpoint's bf16 and writes weight - 1 back: a |w| < 2^-9 came back as 0 and the small ones lost "
+        "their low bits in every calibrated method; the stand-in holds 1 + w in float64 "
+        "(quantkit.engines.llmcompressor.offset_norm)", wraps=True),
+    "offset_norm.exact_restore": Patch(
+        ("llmcompressor.modeling.offset_norm", "CalibrationOffsetNorm.restore"), "llmcompressor", LLMCOMPRESSOR,
+        "quantkit.engines.llmcompressor.offset_norm:restore_exact",
+        "with the stand-in's weight in float64 (above), weight - 1 taken in float64: 0.14.0.1 rounds it to float32 "
+        "first"),
+    "awq.representable_scales": Patch(
+        ("llmcompressor.modifiers.transform.awq.base", "AWQModifier._compute_best_scale"), "llmcompressor",
+        LLMCOMPRESSOR, "quantkit.engines.llmcompressor.offset_norm:awq_representable",
+        "an offset norm divided by a large AWQ scale stores a factor 1 + w' that bf16 rounds by up to 2^-9 "
+        "absolutely (20% at s = 100), while the balance layers took the exact scale: the scales become the ones "
+        "the stored norm represents, and the balance layers take those (quantkit.engines.llmcompressor.offset_norm)",
+        wraps=True),
+    "smoothquant.representable_scales": Patch(
+        ("llmcompressor.modifiers.transform.smoothquant.base", "SmoothQuantModifier._calculate_smoothing_scales"),
+        "llmcompressor", LLMCOMPRESSOR, "quantkit.engines.llmcompressor.offset_norm:smoothquant_representable",
+        "as AWQ's: SmoothQuant's scales for an offset norm made the ones its stored weight represents",
+        wraps=True),
     "spinquant.rotation_once": Patch(
         ("llmcompressor.modifiers.transform.spinquant.base", "SpinQuantModifier.on_calibration_start"),
         "llmcompressor", LLMCOMPRESSOR, "quantkit.engines.llmcompressor.one_writer:rotation_once",
@@ -460,6 +484,10 @@ def plain_writes():
     with plain writes while inside (quantkit.io.shards.save_file)."""
     return patched("transformers.safe_save_file", "compressed_tensors.disk_save_file")
 
+
+# every oneshot: offset norms written back as they were, and smoothed through exactly
+OFFSET_NORMS = ("offset_norm.exact_weight", "offset_norm.exact_restore", "awq.representable_scales",
+                "smoothquant.representable_scales")
 
 LEAN_GPTQ = ("gptq.accumulate_hessian", "gptq.prepare_batch", "gptq.apply_activation_ordering",
              "gptq.factorize_hessian", "gptq.quantize_weight", "gptq.compress_module_list")

@@ -225,7 +225,7 @@ def assert_serves_as_read(cli, artifact: Path, tmp_path: Path, engine: str, *arg
 
 
 def smoothed_kld(model_dir: Path, rows, low: float = 0.1, high: float = 10.0, seed: int = 0,
-                 dtype: str = "float32", linear_experts: bool = False) -> float:
+                 dtype: str = "float32", linear_experts: bool = False, exact_offsets: bool = True) -> float:
     """KL divergence (nats per token) of the model at `model_dir`, loaded in `dtype` (a run smooths the model in
     the checkpoint's dtype), after every row of `rows` (smoothing Mappings) divides its smooth layer's output
     channels by a random s in [low, high] and multiplies its balance layers' input columns by s, inside
@@ -234,10 +234,17 @@ def smoothed_kld(model_dir: Path, rows, low: float = 0.1, high: float = 10.0, se
     layer's output reaches any layer outside its balance layers changes the function; a row llm-compressor would
     skip (the balance layers' width is not the smooth layer's) is skipped. `linear_experts`: an MoE model's fused
     experts replaced first by llm-compressor's linear experts (one Linear per expert projection), as AWQ smooths
-    them."""
+    them. `exact_offsets`: as quantkit runs llm-compressor, with the patches that keep offset norms exact
+    (quantkit.engines.llmcompressor.offset_norm: each row's scales are the ones its smooth layer can hold); without
+    them, llm-compressor 0.14.0.1 as it is."""
+    from contextlib import nullcontext
+
     import torch
     from llmcompressor.modeling.offset_norm import norm_calibration_context
     from transformers import AutoModelForCausalLM
+
+    from quantkit.engines.llmcompressor.offset_norm import smoothed_scales
+    from quantkit.engines.patches import OFFSET_NORMS, patched
 
     ids = torch.randint(0, 200, (2, 32), generator=torch.Generator().manual_seed(seed))
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
@@ -248,11 +255,11 @@ def smoothed_kld(model_dir: Path, rows, low: float = 0.1, high: float = 10.0, se
         with torch.no_grad():
             linearize_moe(model)
     generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad(), norm_calibration_context(model):
+    with torch.no_grad(), patched(*OFFSET_NORMS) if exact_offsets else nullcontext(), norm_calibration_context(model):
         for row in rows:
             for smooth, balance in resolved_row(model, row):
                 s = low * (high / low) ** torch.rand(smooth.weight.shape[0], generator=generator)
-                scale_row(smooth, balance, s)
+                scale_row(smooth, balance, smoothed_scales(smooth, s) if exact_offsets else s)
     with torch.no_grad():
         ref, got = (torch.log_softmax(m(ids).logits.float(), -1) for m in (base, model))
     return float((ref.exp() * (ref - got)).sum(-1).mean())

@@ -132,7 +132,7 @@ def run_oneshot(job, recipe, calibrate: bool, reads_weights_only: bool = False) 
 
     from quantkit.engines.llmcompressor import lean_hessian
     from quantkit.engines.llmcompressor.distributed import synchronized
-    from quantkit.engines.patches import patched
+    from quantkit.engines.patches import OFFSET_NORMS, patched
     from quantkit.io.memory import map_large_allocations
 
     kwargs = {}
@@ -151,11 +151,12 @@ def run_oneshot(job, recipe, calibrate: bool, reads_weights_only: bool = False) 
     rotation_ready(job)
     towers = tower_modifiers(job)
     if towers:  # data-free first: the sequential pipeline computes scales only for modules that run
-        oneshot(model=job.model, recipe=towers, tokenizer=job.tokenizer, log_dir=None,
-                trust_remote_code_model=job.trust_remote_code)
+        with patched(*OFFSET_NORMS):
+            oneshot(model=job.model, recipe=towers, tokenizer=job.tokenizer, log_dir=None,
+                    trust_remote_code_model=job.trust_remote_code)
     # plain writes: with --offload-dir every weight GPTQ updates is rewritten to disk (quantkit.io.shards)
     with (lean_hessian.lean_hessians(), synchronized(job.ranks), plain_writes(),
-          onloaded_per_forward(job, reads_weights_only), patched("transform.offloaded_device"),
+          onloaded_per_forward(job, reads_weights_only), patched("transform.offloaded_device", *OFFSET_NORMS),
           layers_saved(job, calibrate)):
         oneshot(model=job.model, recipe=rotation_modifiers(job) + as_list(recipe), tokenizer=job.tokenizer,
                 log_dir=None, trust_remote_code_model=job.trust_remote_code, **kwargs)  # it re-reads config.json
