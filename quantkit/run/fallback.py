@@ -60,6 +60,9 @@ def run_fallback(job, resolved, result, entry, measure: Measure) -> None:
     job.progress(f"gate failed ({', '.join(entry.gate.failed)}): measuring which layers to raise first")
     ladder = resolved.method.fallback.ladder(job, result)
     details = {**result.details, **ladder.details}
+    ordering = ladder.details.get("sensitivity", {}).get("ordering")
+    if ordering:
+        job.progress(f"fallback: raises in the {ordering['used']} order ({ordering['reason']})")
     run = search_steps if options.tensors_per_step == 0 else fixed_steps
     fallen = run(job, resolved, ladder, details, entry, measure, steps, limit, result)
     job.progress(f"fallback: {fallen.note}")
@@ -67,7 +70,8 @@ def run_fallback(job, resolved, result, entry, measure: Measure) -> None:
     entry.details = {**fallen.result.details, "fallback": {
         "passed": entry.gate.passed, "stopped": fallen.note, "steps": steps, "first_bytes": first,
         "limit_bytes": limit, "final_bytes": final, "size_cost_bytes": final - first,
-        "types": dict(sorted(fallen.plan.items())), "seconds": round(time.time() - started, 3)}}
+        "types": dict(sorted(fallen.plan.items())), "seconds": round(time.time() - started, 3),
+        **({"ordering": ordering} if ordering else {})}}
     entry.timings["fallback_s"] = entry.details["fallback"]["seconds"]
 
 
