@@ -53,9 +53,10 @@ class Ordering:
                                           if self.used == MEASURED else {})}
 
 
-def choose(rank_correlation: float | None, threshold: float = TRUSTED_RHO) -> Ordering:
-    """The proxy's order where its rank correlation with the probes is at least `threshold` (or unknown),
-    else measured (module docstring)."""
+def choose(rank_correlation: float | None, threshold: float | None = None) -> Ordering:
+    """The proxy's order where its rank correlation with the probes is at least `threshold` (default
+    TRUSTED_RHO) or unknown, else measured (module docstring)."""
+    threshold = TRUSTED_RHO if threshold is None else threshold
     if rank_correlation is None:
         return Ordering(PROXY, None, threshold, "too few probes (or no spread) to judge the proxy: its order")
     if rank_correlation >= threshold:
