@@ -10,7 +10,10 @@ the damage is measured where it is instead, in two rounds of the same single-uni
 1. every decoder block with all its quantized layers at the plain precision, alone (one probe per block,
    each forward starting at its block);
 2. every unit (a fused group or a layer) of the blocks that carry most of the blocks' measured KL divergence
-   (SPLIT_SHARE of their sum, the most damaging first), alone.
+   (SPLIT_SHARE of their sum, the most damaging first; a quarter of the blocks at most), alone.
+
+Each round's probes take as many calibration windows as one pass of them through the model pays for (at least
+one), so round 1 costs about one probe per block and round 2 about as much again.
 
 A unit's damage is then its measured KL divergence; a unit of a block that was not split gets the share of
 its block's KL divergence its measured units leave, split by the proxy's damage. The raises then follow these
@@ -29,6 +32,7 @@ from quantkit.mixed.sensitivity import role_and_depth
 
 TRUSTED_RHO = 0.5  # the proxy's rank correlation below which the raises are ordered by measurement
 SPLIT_SHARE = 0.9  # round 2 splits the most damaging blocks until they carry this share of the blocks' KLD
+SPLIT_AT_MOST = 4  # ... and splits no more than one block in this many
 PROXY, MEASURED = "proxy", "measured"
 
 
@@ -89,11 +93,12 @@ def by_block(units: Sequence) -> dict[Hashable, list]:
 def blocks_to_split(block_klds: dict[Hashable, float], sizes: dict[Hashable, int],
                     share: float = SPLIT_SHARE) -> list[Hashable]:
     """The blocks whose units round 2 measures alone: the most damaging first until they carry `share` of
-    the blocks' summed KL divergence (at least the worst one); a block of one unit needs no split."""
-    total = sum(block_klds.values())
+    the blocks' summed KL divergence (at least the worst one), and no more than a quarter of the blocks (so
+    that round 2 measures about as many units as round 1 blocks); a block of one unit needs no split."""
+    total, most = sum(block_klds.values()), max(1, len(block_klds) // SPLIT_AT_MOST)
     chosen, carried = [], 0.0
     for block in sorted(block_klds, key=lambda b: (-block_klds[b], str(b))):
-        if chosen and carried >= share * total:
+        if chosen and (carried >= share * total or len(chosen) == most):
             break
         chosen.append(block)
         carried += block_klds[block]

@@ -8,7 +8,9 @@ bracket between the most raises that failed and the fewest that passed is narrow
 prediction until it is within a tenth of the passing count (at most MAX_STEPS measurements). The artifact
 kept is the fewest raises that passed. When even the whole room fails, the measured trend says how much
 room a pass would need. With `tensors_per_step: N`, fixed steps of N raises instead, until a pass or no
-room is left. Every step is printed with its metrics and goes into details.fallback.
+room is left. Every step is printed with its metrics and goes into details.fallback. The order of the raises is
+the ladder's: for fp8, smoothquant and nf4 the damage model's where its proxy ranks the probes well, else
+measured (quantkit.mixed.ordering; details.fallback.ordering says which and why).
 """
 
 from __future__ import annotations

@@ -41,12 +41,14 @@ def test_units_are_grouped_by_decoder_block():
 
 
 def test_the_most_damaging_blocks_are_split_until_they_carry_most_of_the_damage():
-    klds = {0: 1.0, 1: 8.0, 2: 0.6, 3: 0.4}
+    klds = {0: 1.0, 1: 8.0, 2: 0.6, 3: 0.4, **{b: 0.0 for b in range(4, 8)}}
     sizes = dict.fromkeys(klds, 4)
     assert ordering.blocks_to_split(klds, sizes) == [1, 0]  # 8.0 + 1.0 is 90% of 10.0
     assert ordering.blocks_to_split(klds, sizes, share=0.8) == [1]
     assert ordering.blocks_to_split(klds, {**sizes, 1: 1}) == [0]  # a block of one unit is measured already
     assert ordering.blocks_to_split({0: 0.0, 1: 0.0}, {0: 2, 1: 2}) == [0]  # no damage: the first, by name
+    even = dict.fromkeys(range(8), 1.0)
+    assert ordering.blocks_to_split(even, dict.fromkeys(even, 4)) == [0, 1]  # a quarter of the blocks at most
 
 
 def test_measured_damages_replace_the_proxy_and_fill_the_rest_of_each_block():
