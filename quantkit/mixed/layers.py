@@ -433,8 +433,12 @@ def order_raises(model_dir: Path, table: LayerTable, units: list, sim: Simulatio
     def measured(probes: list, what: str) -> tuple[dict[str, float], int]:
         count = probe_windows(len(calib_windows), len(calib_windows), depth, [p.start for p in probes])
         progress(f"fallback order: KL divergence of {len(probes)} {what} alone on {count} window(s)")
-        return probe_klds(model_dir, probes, calib_windows[:count], "fallback order", workdir, progress,
-                          ranks), count
+        klds = probe_klds(model_dir, probes, calib_windows[:count], "fallback order", workdir, progress, ranks)
+        if ranks.distributed:  # rank 0's, so that every rank splits the same blocks and decides alike
+            from quantkit.engines.llmcompressor.distributed import share_object
+
+            klds = share_object(klds, ranks)
+        return klds, count
 
     labels = {ordering.block_label(b): b for b in blocks}
     found, windows = measured([group_probe(model_dir, label, [m for u in blocks[b] for m in u.members], sim)
@@ -446,12 +450,7 @@ def order_raises(model_dir: Path, table: LayerTable, units: list, sim: Simulatio
         progress(f"fallback order: splitting {', '.join(ordering.block_label(b) for b in split)} into units")
         unit_klds, _ = measured([group_probe(model_dir, u.name, u.members, sim) for b in split for u in blocks[b]],
                                 "units")
-    damages = ordering.unit_damages(units, block_klds, unit_klds)
-    if ranks.distributed:
-        from quantkit.engines.llmcompressor.distributed import share_object
-
-        damages = share_object(damages, ranks)
-    ordering.set_unit_gains(units, damages)
+    ordering.set_unit_gains(units, ordering.unit_damages(units, block_klds, unit_klds))
     choice = replace(choice, blocks=len(block_klds), units=len(unit_klds), windows=windows,
                      seconds=round(time.perf_counter() - started, 3),
                      split=[ordering.block_label(b) for b in split])
