@@ -48,6 +48,8 @@ PRESETS = {
     # and Qwen2.5-0.5B's (hidden 896, intermediate 4864, 14 heads, 2 KV heads), fewer layers; for benchmarks.
     "smol576": ToyPreset(3001, 576, 1536, 6, 9, 3, train_steps=300, tie_word_embeddings=True),
     "qwen896": ToyPreset(3001, 896, 4864, 4, 14, 2, train_steps=200, tie_word_embeddings=True),
+    # Deeper than wide (8 layers of width 256): many layers no probe measures; for the fallback benchmarks.
+    "deep256": ToyPreset(2048, 256, 768, 8, 4, 2, train_steps=200),
 }
 
 
@@ -225,6 +227,39 @@ def sharpen(src: Path, dst: Path, channels: int = 4, factor: float = 16.0, logit
     state = {k: v.to(getattr(torch, dtype)) for k, v in state.items()}
     save_file(state, dst / "model.safetensors", metadata={"format": "pt"})
     (dst / "config.json").write_text(json.dumps({**config, "dtype": dtype}))
+    return dst
+
+
+# Pairs of Linear layers whose product a power of two moves between them without changing the function:
+# (scaled up, scaled down): q.k^T is bilinear (RoPE rotates both alike), attention is linear in v, and the MLP
+# is linear in up_proj's output.
+PROXY_BLIND_PAIRS = (("self_attn.q_proj", "self_attn.k_proj"), ("self_attn.v_proj", "self_attn.o_proj"),
+                     ("mlp.up_proj", "mlp.down_proj"))
+
+
+def blind_the_proxy(src: Path, dst: Path, spread: int = 4, seed: int = 0) -> Path:
+    """A copy of a Llama-style checkpoint whose function (and whose quantization by any scale-invariant
+    format: fp8 per channel and per token) is unchanged, but whose layers' weighted errors no longer say how
+    much their quantization costs: in every layer and PROXY_BLIND_PAIRS pair, the first layer's weight is
+    multiplied and the second's divided by a seeded power of two 2^k, |k| <= spread (exact in bfloat16). A layer's weighted error (the MSE at its own output) moves by 4^k while the KL divergence its
+    quantization causes does not, as on real models whose error proxy ranks the layers poorly."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    state = load_file(src / "model.safetensors")
+    config = json.loads((src / "config.json").read_text())
+    generator = torch.Generator().manual_seed(seed)
+    for layer in range(config["num_hidden_layers"]):
+        for up, down in PROXY_BLIND_PAIRS:
+            factor = 2.0 ** int(torch.randint(-spread, spread + 1, (1,), generator=generator))
+            first, second = f"model.layers.{layer}.{up}.weight", f"model.layers.{layer}.{down}.weight"
+            dtype = state[first].dtype
+            state[first] = (state[first].float() * factor).to(dtype)
+            state[second] = (state[second].float() / factor).to(dtype)
+    save_file(state, dst / "model.safetensors", metadata={"format": "pt"})
     return dst
 
 

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -394,8 +394,69 @@ def keep_ladder(job, layers: dict[str, tuple[int, int]], sim: Simulation, size: 
     table = measure(job.info.path, layers, windows, sim, plain, len(windows), KEEP_PROBES_PER_ROLE, job.workdir,
                     job.progress, job.ranks)
     units = fused_units(table.layers)
+    ordering = order_raises(job.info.path, table, units, sim, windows, job.workdir, job.progress, job.ranks)
     return Ladder(table.layers, {name: plain for name in layers}, lambda row, p: size(row.shape, p),
-                  lambda plan: units, keep_one=True, details={"sensitivity": table.as_dict()})
+                  lambda plan: units, keep_one=True,
+                  details={"sensitivity": {**table.as_dict(), "ordering": ordering.as_dict()}})
+
+
+def group_probe(model_dir: Path, name: str, rows: list[SensitivityRow], sim: Simulation):
+    """The quantkit.mixed.sensitivity.Probe of several layers quantized together at their probe precision (a
+    fused unit, a decoder block), starting at the first layer they change."""
+    from quantkit.io.checkpoint import SafetensorsWeights
+    from quantkit.mixed.sensitivity import Probe, role_and_depth
+
+    def patch() -> dict:
+        source = SafetensorsWeights(model_dir)
+        return {r.name + ".weight": sim.weight(r.name, r.probe, read_weight(source, r.name)) for r in rows}
+
+    inputs = {r.name: transform for r in rows if (transform := sim.inputs(r.name, r.probe)) is not None}
+    return Probe(name, min(role_and_depth(r.name)[1] or 0 for r in rows), patch, inputs)
+
+
+def order_raises(model_dir: Path, table: LayerTable, units: list, sim: Simulation, calib_windows,
+                 workdir: Path | None, progress: Callable[[str], None], ranks: Ranks):
+    """The fallback's order (quantkit.mixed.ordering): the proxy's where it ranks the probes well; else every
+    block measured alone, then the units of the most damaging blocks, and the units' gains set so that their
+    damage is what was measured (in place: the rows of `table`). Each round's probes are measured on as many
+    calibration windows as one pass of them through the model pays for (at least one)."""
+    from quantkit.mixed import ordering
+    from quantkit.mixed.sensitivity import layer_count, probe_klds, probe_windows
+
+    choice = ordering.choose(table.rank_correlation)
+    progress(f"fallback order: {choice.reason}")
+    if choice.used == ordering.PROXY:
+        return choice
+    started, depth = time.perf_counter(), layer_count(model_dir)
+    blocks = ordering.by_block(units)
+
+    def measured(probes: list, what: str) -> tuple[dict[str, float], int]:
+        count = probe_windows(len(calib_windows), len(calib_windows), depth, [p.start for p in probes])
+        progress(f"fallback order: KL divergence of {len(probes)} {what} alone on {count} window(s)")
+        klds = probe_klds(model_dir, probes, calib_windows[:count], "fallback order", workdir, progress, ranks)
+        if ranks.distributed:  # rank 0's, so that every rank splits the same blocks and decides alike
+            from quantkit.engines.llmcompressor.distributed import share_object
+
+            klds = share_object(klds, ranks)
+        return klds, count
+
+    labels = {ordering.block_label(b): b for b in blocks}
+    found, windows = measured([group_probe(model_dir, label, [m for u in blocks[b] for m in u.members], sim)
+                               for label, b in labels.items()], "blocks")
+    block_klds = {labels[label]: kld for label, kld in found.items()}
+    split = ordering.blocks_to_split(block_klds, {b: len(us) for b, us in blocks.items()})
+    unit_klds = {}
+    if split:
+        progress(f"fallback order: splitting {', '.join(ordering.block_label(b) for b in split)} into units")
+        unit_klds, _ = measured([group_probe(model_dir, u.name, u.members, sim) for b in split for u in blocks[b]],
+                                "units")
+    ordering.set_unit_gains(units, ordering.unit_damages(units, block_klds, unit_klds))
+    choice = replace(choice, blocks=len(block_klds), units=len(unit_klds), windows=windows,
+                     seconds=round(time.perf_counter() - started, 3),
+                     split=[ordering.block_label(b) for b in split])
+    progress(f"fallback order: the raises follow the measured KL divergence of {choice.blocks} blocks and "
+             f"{choice.units} units ({choice.seconds:.1f} s)")
+    return choice
 
 
 def keep_report(details: dict, plan: dict[str, str], size: Callable[[tuple, str], int]) -> dict:

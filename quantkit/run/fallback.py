@@ -8,7 +8,9 @@ bracket between the most raises that failed and the fewest that passed is narrow
 prediction until it is within a tenth of the passing count (at most MAX_STEPS measurements). The artifact
 kept is the fewest raises that passed. When even the whole room fails, the measured trend says how much
 room a pass would need. With `tensors_per_step: N`, fixed steps of N raises instead, until a pass or no
-room is left. Every step is printed with its metrics and goes into details.fallback.
+room is left. Every step is printed with its metrics and goes into details.fallback. The order of the raises is
+the ladder's: for fp8, smoothquant and nf4 the damage model's where its proxy ranks the probes well, else
+measured (quantkit.mixed.ordering; details.fallback.ordering says which and why).
 """
 
 from __future__ import annotations
@@ -60,6 +62,9 @@ def run_fallback(job, resolved, result, entry, measure: Measure) -> None:
     job.progress(f"gate failed ({', '.join(entry.gate.failed)}): measuring which layers to raise first")
     ladder = resolved.method.fallback.ladder(job, result)
     details = {**result.details, **ladder.details}
+    ordering = ladder.details.get("sensitivity", {}).get("ordering")
+    if ordering:
+        job.progress(f"fallback: raises in the {ordering['used']} order ({ordering['reason']})")
     run = search_steps if options.tensors_per_step == 0 else fixed_steps
     fallen = run(job, resolved, ladder, details, entry, measure, steps, limit, result)
     job.progress(f"fallback: {fallen.note}")
@@ -67,7 +72,8 @@ def run_fallback(job, resolved, result, entry, measure: Measure) -> None:
     entry.details = {**fallen.result.details, "fallback": {
         "passed": entry.gate.passed, "stopped": fallen.note, "steps": steps, "first_bytes": first,
         "limit_bytes": limit, "final_bytes": final, "size_cost_bytes": final - first,
-        "types": dict(sorted(fallen.plan.items())), "seconds": round(time.time() - started, 3)}}
+        "types": dict(sorted(fallen.plan.items())), "seconds": round(time.time() - started, 3),
+        **({"ordering": ordering} if ordering else {})}}
     entry.timings["fallback_s"] = entry.details["fallback"]["seconds"]
 
 
