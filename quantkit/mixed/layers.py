@@ -262,15 +262,7 @@ def error_table(model_dir: Path, shapes: dict[str, tuple[int, int]], stats: dict
 
 def probe(model_dir: Path, row: SensitivityRow, sim: Simulation):
     """The quantkit.mixed.sensitivity.Probe of one layer at the simulation's probe precision."""
-    from quantkit.io.checkpoint import SafetensorsWeights
-    from quantkit.mixed.sensitivity import Probe, role_and_depth
-
-    def patch() -> dict:
-        weight = read_weight(SafetensorsWeights(model_dir), row.name)
-        return {row.name + ".weight": sim.weight(row.name, row.probe, weight)}
-
-    transform = sim.inputs(row.name, row.probe)
-    return Probe(row.name, role_and_depth(row.name)[1] or 0, patch, {row.name: transform} if transform else {})
+    return group_probe(model_dir, row.name, [row], sim)
 
 
 def measure(model_dir: Path, shapes: dict[str, tuple[int, int]], calib_windows, sim: Simulation, plain: str,
