@@ -66,16 +66,18 @@ class ResidentModel:
         return self.model.get_output_embeddings()
 
 
-def materialize(model, source: WeightSource, device, lent: dict | None = None) -> None:
+def materialize(model, source: WeightSource, device, lent: dict | None = None, skip: frozenset = frozenset()) -> None:
     """Every parameter of the meta-device `model` read from `source` once (a tied group shares one
     tensor), cast to the parameter's dtype and placed on `device`; buffers moved there too. Where `lent`
     (parameter name -> tensor) holds the same values under one of the group's names, that tensor is used
-    instead (lent_match), the stored one never read whole."""
+    instead (lent_match), the stored one never read whole. A group holding a name of `skip` stays on meta."""
     from accelerate.utils import set_module_tensor_to_device
 
     weights = WeightsMap(source, source_names(model, source))
     params = dict(model.named_parameters(remove_duplicate=False))
     for group in tied_groups(model):
+        if skip.intersection(group):
+            continue
         dtype = params[group[0]].dtype
         value = lent_match(weights, group[0], [lent.get(name) for name in group], dtype, device) if lent else None
         if value is None:
@@ -125,26 +127,57 @@ def resident_model(config, source: WeightSource, dtype, device="cpu") -> Residen
     return resident_built(build_meta_model(config, dtype), config, source, device)
 
 
-def weight_bytes(source: WeightSource, dtype) -> int:
-    """Bytes of every tensor of `source` in `dtype`."""
-    import math
-
+def table_names(model) -> frozenset:
+    """Names of the token embedding's weight and the output head's (a tied one's both) where the embedding is a
+    torch Embedding: what a method's own forward (forward_model) leaves on meta."""
     import torch
 
-    size = torch.empty((), dtype=dtype).element_size()
-    return size * sum(math.prod(source.shape(name)) for name in source.keys())
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if not isinstance(embedding, torch.nn.Embedding):
+        return frozenset()
+    tables = {id(embedding.weight)} | ({id(head.weight)} if head is not None else set())
+    return frozenset(name for name, param in model.named_parameters(remove_duplicate=False) if id(param) in tables)
+
+
+def decoder_resident(model, config, source: WeightSource, device) -> ResidentModel:
+    """A model built on the meta device with every weight read from `source` onto `device` but the token
+    embedding's and the output head's (table_names): the embedding gathers the rows of each call's ids from
+    `source` (quantkit.eval.stream.gather_hook, as the streamed forward does) and the head stays on meta, so
+    a large vocabulary's table is never held whole (262144 x 640 in float32: 640 MiB). For forwards that run the
+    decoder only (last_hidden: an imatrix, column importances)."""
+    from accelerate.hooks import add_hook_to_module
+
+    from quantkit.eval.stream import gather_hook
+
+    tables = table_names(model)
+    materialize(model, source, device, skip=tables)
+    if tables:
+        name = next(n for n, m in model.named_modules() if m is model.get_input_embeddings())
+        weights = WeightsMap(source, source_names(model, source))
+        add_hook_to_module(model.get_input_embeddings(), gather_hook(weights, f"{name}.weight", device))
+    softcap = config.get_text_config().to_dict().get("final_logit_softcapping")
+    return ResidentModel(model.eval(), device, softcap)
+
+
+def weight_bytes(model, skip: frozenset = frozenset()) -> int:
+    """Bytes of the parameters of the meta-device `model` in their dtypes (a tied group once), those of
+    `skip` left out."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    return sum(params[group[0]].numel() * params[group[0]].element_size()
+               for group in tied_groups(model) if not skip.intersection(group))
 
 
 def forward_model(config, source: WeightSource, dtype, device, room: int, model=None):
-    """The CausalLM of `config` for a method's own forwards (imatrix, column importances): whole on `device`
-    when its weights in `dtype` and a batch's activations fit `room` (the run's placement: quantkit.eval.scorers.
+    """The CausalLM of `config` for a method's own forwards of the decoder (imatrix, column importances): its
+    decoder whole on `device` (decoder_resident: the embedding's rows gathered, the head on meta) when those
+    weights in `dtype` and a batch's activations fit `room` (the run's placement: quantkit.eval.scorers.
     Placement.room), else streamed a layer at a time (quantkit.eval.stream.stream_built). Either has `.model`,
     `.device` and `.head`. `model`: one built on the meta device already (build_meta_model, perhaps changed)."""
     from quantkit.eval.stream import ACTIVATION_BYTES, build_meta_model, stream_built
 
     model = model if model is not None else build_meta_model(config, dtype)
-    if room and weight_bytes(source, dtype) + ACTIVATION_BYTES <= room:
-        return resident_built(model, config, source, device)
+    if room and weight_bytes(model, table_names(model)) + ACTIVATION_BYTES <= room:
+        return decoder_resident(model, config, source, device)
     return stream_built(model, config, source, device)
 
 

@@ -318,6 +318,7 @@ def quantize(job: QuantizeJob) -> QuantizeResult:
         calib = job.windows.calib
         job.progress(f"column importances: {len(calib)} calibration windows through the model")
         imp = column_importance(job)
+        freed()  # the calibration forward's weights and activations, before the weights are read to be written
     dtype = torch_dtype(job.dtype, job.info)
     source, writer = SafetensorsWeights(job.info.path), ShardedWriter(job.out_dir)
     mtp = mtp_layers(job.info.config, source.keys())
@@ -351,6 +352,16 @@ def quantize(job: QuantizeJob) -> QuantizeResult:
         "files": files, "bits": opts.bits, "group_size": opts.group_size, "mode": "affine", "modules": counts,
         "scales": "calibrated: importance-weighted least squares per group" if opts.calibrate else "min/max rounding",
         "calibration_tokens": int(job.windows.calib.numel()) if opts.calibrate else 0}})
+
+
+def freed() -> None:
+    """What the calibration forward left (its model's reference cycles, the heap's free pages) handed back."""
+    import gc
+
+    from quantkit.io.memory import release_freed_memory
+
+    gc.collect()
+    release_freed_memory()
 
 
 def quantized_module(job: QuantizeJob, module: str, weight, chosen: Precision, imp: dict, dtype) -> dict:

@@ -73,6 +73,22 @@ def test_resident_artifact_equals_streamed(cli, micro_model, windows, streamed_b
     assert whole.kld_mean > 0
 
 
+@pytest.mark.parametrize("model", ["micro", "gemma2"])
+def test_a_methods_forward_leaves_the_tables_on_meta(request, model, windows):
+    """A method's own forward of the decoder (an imatrix, column importances) resident: the embedding's rows
+    gathered per batch and the head never read (a 262K-vocabulary table is not held whole), the same hidden
+    states as the model read whole (Gemma 2: tied, a scaled embedding)."""
+    reading = scorers.checkpoint_reading(request.getfixturevalue("micro_model" if model == "micro" else "gemma2"))
+    whole = scorers.resident_reading(reading, "cpu")
+    meta, source = reading.open()
+    decoder = resident.forward_model(reading.config, source, meta.dtype, "cpu", room=2**30, model=meta)
+    assert isinstance(decoder, resident.ResidentModel)
+    assert decoder.model.get_input_embeddings().weight.is_meta and decoder.head.weight.is_meta
+    assert not any(p.is_meta for n, p in decoder.model.named_parameters() if n not in resident.table_names(meta))
+    with torch.inference_mode():
+        assert torch.equal(stream.last_hidden(decoder, windows), stream.last_hidden(whole, windows))
+
+
 def test_each_tensor_is_read_once_whatever_the_batches(micro_model, windows, streamed_baseline):
     """One window per batch: still every tensor read once, whole, and the same log-probs."""
     reading = scorers.checkpoint_reading(micro_model)
