@@ -45,12 +45,21 @@ def unpack(words: np.ndarray, bits: int) -> np.ndarray:
 
 
 def dequantize(words, scales, biases, bits: int, group_size: int):
-    """The weight (rows, cols) in the scales' torch dtype, exactly as mlx.core.dequantize computes it."""
+    """The weight (rows, cols) in the scales' torch dtype, exactly as mlx.core.dequantize computes it: a slab of
+    SLAB_VALUES weights at a time into the one output, so the unpacked integers and the products are never
+    whole beside it (a 262144 x 640 embedding: 320 MiB in 16 bits, each temporary as big)."""
     import torch
 
-    q = torch.from_numpy(unpack(np.asarray(words), bits)).to(scales.dtype)
-    grouped = q.reshape(q.shape[0], -1, group_size) * scales[..., None] + biases[..., None]
-    return grouped.reshape(q.shape[0], -1)
+    words = np.asarray(words)
+    rows, cols = words.shape[0], words.shape[1] * 32 // bits
+    out = torch.empty((rows, cols), dtype=scales.dtype)
+    step = max(1, SLAB_VALUES // max(1, cols))
+    for start in range(0, rows, step):
+        end = min(rows, start + step)
+        q = torch.from_numpy(unpack(words[start:end], bits)).to(scales.dtype)
+        grouped = q.reshape(end - start, -1, group_size) * scales[start:end, :, None] + biases[start:end, :, None]
+        out[start:end] = grouped.reshape(end - start, -1)
+    return out
 
 
 def round_to_nearest(w, bits: int, group_size: int):

@@ -292,9 +292,21 @@ class MLXWeights:
                           read(self.index[f"{module}.biases"]), precision.bits, precision.group_size)
 
     def rows(self, name: str, index):
+        """Rows `index` of a tensor; of a quantized module, only those rows' words, scales and biases dequantized
+        (a gathered embedding is never dequantized whole)."""
         import torch
 
-        return self.get(name)[torch.as_tensor(np.asarray(index), dtype=torch.long)]
+        from quantkit.io.safetensors import read_stored
+        from quantkit.mlx.affine import dequantize
+
+        index = torch.as_tensor(np.asarray(index), dtype=torch.long)
+        module = name.removesuffix(".weight")
+        if name in self.experts or module not in self.quantized:
+            return self.get(name)[index]
+        precision = module_precision(self.config, module)
+        scales, biases = (read_stored(self.index[f"{module}.{part}"])[index] for part in ("scales", "biases"))
+        return dequantize(read_words(self.index[name])[index.numpy()], scales, biases, precision.bits,
+                          precision.group_size)
 
     def transformers_config(self):
         """The model's transformers config: config.json without the quantization blocks."""

@@ -51,6 +51,19 @@ def test_writes_an_mlx_lm_directory_with_per_module_entries(artifact):
     assert "mlx_lm.generate --model ." in card and "library_name: mlx" in card
 
 
+def test_rows_of_a_quantized_module_are_those_of_the_whole(artifact):
+    """A gathered embedding's rows dequantized alone (their words, scales and biases): the rows of the whole."""
+    import torch
+
+    from quantkit.mlx.checkpoint import MLXWeights
+
+    weights = MLXWeights(artifact)
+    name = "model.embed_tokens.weight"
+    assert name.removesuffix(".weight") in weights.quantized
+    index = np.array([0, 3, 17, 400])
+    assert torch.equal(weights.rows(name, index), weights.get(name)[torch.from_numpy(index)])
+
+
 def test_mlx_lm_loads_the_weights_the_gate_read_and_generates(artifact):
     """Every quantized module mlx_lm builds dequantizes (mlx.core) to exactly quantkit's reading; its logits
     are those of quantkit's reading within bfloat16 arithmetic noise; it generates."""

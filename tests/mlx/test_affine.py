@@ -95,3 +95,15 @@ def test_stacked_experts_are_quantized_each_on_its_own_and_read_by_mlx():
                            mx.array(biases.float().numpy()).astype(mx.bfloat16), group_size=32, bits=4)
     ours = torch.stack([affine.dequantize(words[e], scales[e], biases[e], 4, 32) for e in range(3)])
     assert np.array_equal(np.array(theirs.astype(mx.float32)), ours.float().numpy())
+
+
+def test_dequantize_a_slab_at_a_time_is_the_whole_product(monkeypatch):
+    """Dequantized a few rows at a time into one output: value for value the whole tensor's scale * q + bias in
+    the scales' dtype (what mlx.core.dequantize computes), a last slab shorter than the others included."""
+    w = torch.randn(37, 128, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    words, scales, biases = affine.quantize(w, 4, 32)
+    q = torch.from_numpy(affine.unpack(words, 4)).to(scales.dtype)
+    whole = (q.reshape(37, -1, 32) * scales[..., None] + biases[..., None]).reshape(37, -1)
+    monkeypatch.setattr(affine, "SLAB_VALUES", 5 * 128)
+    ours = affine.dequantize(words, scales, biases, 4, 32)
+    assert ours.dtype == torch.bfloat16 and torch.equal(ours, whole)
