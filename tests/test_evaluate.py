@@ -311,3 +311,28 @@ def test_an_unfinished_scorer_leaves_the_caller_out_of_inference_mode(windows):
     with pytest.raises(Exception):
         list(evaluate.paired(fake_model()(windows), fake_model()(windows[:-1])))
     assert not torch.is_inference_mode_enabled()
+
+
+def test_a_model_objects_batches_share_one_logits_buffer(windows, monkeypatch):
+    """A model loaded whole (bitsandbytes through transformers) scored a window per batch: one logits buffer for
+    every batch (a large vocabulary's [positions, vocab] block is not allocated afresh per batch), the chunks the
+    model's own log-softmax."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1)).eval()
+    made = []
+
+    class Counted(evaluate.Buffers):
+        def __init__(self):
+            super().__init__()
+            made.append(self)
+
+    monkeypatch.setattr(evaluate, "Buffers", Counted)
+    monkeypatch.setattr(evaluate, "BATCH_LOGITS_BYTES", 1)  # a window per batch
+    ours = torch.cat([c.logprobs for c in evaluate.model_scorer(model)(windows)])
+    with torch.no_grad():
+        theirs = torch.log_softmax(model(windows).logits[:, :-1].float(), -1).reshape(-1, 32)
+    assert len(made) == 1 and set(made[0].held) == {"logits"}
+    torch.testing.assert_close(ours, theirs)

@@ -220,23 +220,28 @@ def model_scorer(model) -> Scorer:
     then its output head (and the config's final_logit_softcapping, as its forward applies it) a chunk of
     positions at a time, each chunk's logits cast to float32 inside the log-softmax as model_logits_fn
     casts them: one chunk's logits are the most ever held, whatever the vocabulary."""
+    from quantkit.io.memory import release_freed_memory
+
     vocab = model.config.get_text_config().vocab_size
 
     @inference_generator
     def scorer(windows) -> Iterator[ScoredChunk]:
+        buffers = Buffers()  # one block of logits for every batch, not a fresh [positions, vocab] tensor each
         for batch in iter_batches(windows, batch_size_for(windows, vocab)):
-            yield from score_model_batch(model, batch)
+            yield from score_model_batch(model, batch, buffers)
+            release_freed_memory()  # the batch's freed activations go back: the peak does not creep
 
     return scorer
 
 
-def score_model_batch(model, ids) -> Iterator[ScoredChunk]:
-    """Log-probs of predictions 0..L-2 of each window of `ids` from a model object (score_hidden)."""
+def score_model_batch(model, ids, buffers: Buffers | None = None) -> Iterator[ScoredChunk]:
+    """Log-probs of predictions 0..L-2 of each window of `ids` from a model object (score_hidden), its head's
+    logits in `buffers` where given."""
     device = next(model.parameters()).device
     hidden = model.base_model(input_ids=ids.to(device), use_cache=False).last_hidden_state
     hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1])
     softcap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
-    return score_hidden(hidden, ids[:, 1:].reshape(-1).to(device), model.get_output_embeddings(), softcap)
+    return score_hidden(hidden, ids[:, 1:].reshape(-1).to(device), model.get_output_embeddings(), softcap, buffers)
 
 
 GPU_CHUNK_BYTES = 1024 * 1024 * 1024  # on a GPU: large chunks keep it busy

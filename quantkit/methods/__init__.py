@@ -93,16 +93,16 @@ class ModelHandle:
 
     def free(self) -> None:
         """Drop the loaded model: its weights to the meta device (llm-compressor's offload caches
-        emptied too), the reference gone, the freed memory handed back to the OS."""
+        emptied too), the reference gone; and whether one was loaded or not, what the step left (a method's
+        own forwards: cycles, the heap's free pages) collected and handed back to the OS."""
         import gc
 
         from quantkit.engines.transformers import drop_weights
         from quantkit.io.memory import release_freed_memory
 
-        if self.model is None:
-            return
-        drop_weights(self.model)
-        self.model = None
+        if self.model is not None:
+            drop_weights(self.model)
+            self.model = None
         gc.collect()
         release_freed_memory()
 

@@ -127,3 +127,18 @@ def test_stored_bits_per_method():
     assert bits("gguf", gguf.Options(gguf_type="Q4_K_M")) > 4.5
     assert bits("nvfp4", None) == 4.5  # fp4 values and an fp8 scale per 16
     assert bits("mxfp4", None) == 4.25  # fp4 values and an e8m0 scale per 32
+
+
+def test_the_end_of_a_step_hands_memory_back_with_or_without_a_model(monkeypatch):
+    """ModelHandle.free after every quantize step: cycles collected and the heap trimmed even where no model
+    was loaded (a method's own forwards: mlx, gguf), as where one was."""
+    import gc
+
+    from quantkit.io import memory
+    from quantkit.methods import ModelHandle
+
+    calls = []
+    monkeypatch.setattr(memory, "release_freed_memory", lambda: calls.append("trim"))
+    monkeypatch.setattr(gc, "collect", lambda *a: calls.append("collect"))
+    ModelHandle().free()
+    assert calls == ["collect", "trim"]
