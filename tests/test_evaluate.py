@@ -118,6 +118,8 @@ def test_large_baseline_spills_to_a_file(windows, tmp_path, monkeypatch):
     assert np.array_equal(baseline.logprobs[0 : len(baseline.logprobs)], in_memory.logprobs)
     assert not list(tmp_path.iterdir())  # unlinked at once; nothing to clean up
     assert evaluate.compare(fake_model(), windows, baseline).kld_mean == 0.0
+    damaged = fake_model(noise=0.5)  # a candidate's metrics are the same, bit for bit, from the file
+    assert evaluate.compare(damaged, windows, baseline) == evaluate.compare(damaged, windows, in_memory)
 
 
 def test_logits_scorer_batches_windows_and_chunks_positions(windows, monkeypatch):

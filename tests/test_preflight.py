@@ -322,13 +322,41 @@ def test_the_estimates_count_the_logits_at_the_vocabulary_size(micro_model, tmp_
     assert preflight.baseline_bytes(info, 512, 8) == 2 * 8 * 512 * 262144
     recipe = build_recipe(None, "fp8", Overrides(model=str(big), calibration={"eval_windows": 8}))
     targets = resolved_targets(recipe, info)
-    lockstep = next(p for p in preflight.cpu_placements(info, recipe, targets) if p.lockstep)
-    kept = next(p for p in preflight.cpu_placements(info, recipe, targets) if p.resident and not p.lockstep)
-    lock = preflight.ram_estimate(info, recipe, targets, lockstep).steps
-    keep = preflight.ram_estimate(info, recipe, targets, kept).steps
+    candidates = preflight.cpu_placements(info, recipe, targets)
+    lockstep = next(p for p in candidates if p.lockstep)
+    kept = next(p for p in candidates if p.resident and not p.lockstep and not p.spill)
+    filed = next(p for p in candidates if p.resident and p.spill)
+    lock, keep, file = (preflight.ram_estimate(info, recipe, targets, p).steps for p in (lockstep, kept, filed))
     assert "baseline" not in lock and min(keep.values()) > preflight.baseline_bytes(info, 512, 8)
     assert lock["fp8: gate"] >= 2 * head + preflight.LOCKSTEP_COPIES * chunk
-    assert preflight.gate_placement(info, recipe, targets).lockstep  # one artifact: the base beside it holds less
+    assert keep["baseline"] - file["baseline"] == preflight.baseline_bytes(info, 512, 8)  # the file holds them
+    assert max(file.values()) < min(max(lock.values()), max(keep.values()))
+    assert candidates[0] == filed  # the resident placement that holds least first
+
+
+def test_a_large_vocabularys_baseline_goes_to_a_file_and_the_line_says_so(micro_model, tmp_path, monkeypatch):
+    """A 262144-entry vocabulary's baseline log-probs (8 windows of 512: 2 GiB in float16) are written to a file
+    rather than held beside every later step, one artifact or several; a small one's stay in memory."""
+    import json
+
+    from quantkit.io.checkpoint import check_model_dir
+    from quantkit.run import preflight
+    from quantkit.run.recipe import Overrides, build_recipe
+
+    big = tmp_path / "big"
+    shutil.copytree(micro_model, big)
+    config = json.loads((big / "config.json").read_text())
+    (big / "config.json").write_text(json.dumps({**config, "vocab_size": 262144}))
+    monkeypatch.setattr(preflight, "available_ram", lambda: 64 * 2**30)
+    for model in (big, micro_model):
+        info = check_model_dir(model)
+        one = build_recipe(None, "fp8", Overrides(model=str(model), calibration={"eval_windows": 8}))
+        two = one.model_copy(update={"targets": [one.targets[0], one.targets[0].model_copy(update={"name": "again"})]})
+        for recipe in (one, two):
+            placement = preflight.gate_placement(info, recipe, resolved_targets(recipe, info))
+            assert placement.resident and not placement.lockstep and placement.spill == (model == big)
+            line = preflight.describe_placement(placement, info, 512, 8)
+            assert ("in a file" if model == big else "in memory") in line
 
 
 def resolved_targets(recipe, info):

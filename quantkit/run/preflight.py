@@ -449,6 +449,13 @@ def kept_baseline_bytes(info, seq_len: int, windows: int, placement) -> int:
     return stored
 
 
+def spills(info, seq_len: int, windows: int) -> bool:
+    """Whether a baseline that may go to a file does (above evaluate.SPILL_THRESHOLD)."""
+    from quantkit.eval.evaluate import SPILL_THRESHOLD
+
+    return baseline_bytes(info, seq_len, windows) > SPILL_THRESHOLD
+
+
 def shared_bytes(info, fmt, dtype: str = "auto") -> int:
     """What an artifact of the Format `fmt` resident beside the base holds with the same values (quantkit.eval.
     resident.Shared): the tensors outside the decoder layers where the format keeps them as the base stores
@@ -555,10 +562,16 @@ def measurements(recipe, targets) -> int:
 
 
 def cpu_placements(info, recipe, targets, ranks: int = 1) -> list:
-    """A CPU run's placements, the one to use first: the gate resident (in lockstep or with the baseline's
-    log-probs kept in memory: lockstep first for a run that measures one artifact where it holds less,
-    the kept baseline first where several artifacts reuse it), then streamed with the log-probs in memory,
-    then in a file; each with a method's tables in RAM, then on disk (where a method loads the model)."""
+    """A CPU run's placements, the one to use first: the gate resident (with the baseline's log-probs kept in
+    memory, in a file, or in lockstep), the one that holds least first (the kept baseline before the file where
+    they hold the same: log-probs below evaluate.SPILL_THRESHOLD stay in memory either way; lockstep after the
+    others where several artifacts would each score the base again), then streamed with the log-probs in memory,
+    then in a file; each with a method's tables in RAM, then on disk (where a method loads the model).
+
+    A file holds a large vocabulary's log-probs (4 windows of 256 positions of 262144 entries in float16: 512 MiB,
+    the size of a 270M model's weights) for the price of writing and reading them once per gate, where in memory
+    they sit beside every later step, and lockstep holds the base beside each artifact: the gate's numbers are
+    the same from each (the same float16 rows)."""
     from quantkit.eval.scorers import Placement
     from quantkit.eval.stream import ACTIVATION_BYTES
 
@@ -566,11 +579,16 @@ def cpu_placements(info, recipe, targets, ranks: int = 1) -> list:
     gated = {f"{t.name}: gate" for t in targets} if recipe.calibration.eval_windows else set()
     modes = []
     if whole:
-        modes = [{"resident": True, "spill": False}]
+        modes = [{"resident": True, "spill": False}, {"resident": True, "spill": True}]
         if ranks == 1 and gated and gated <= set(whole):  # every model the gate reads, read by quantkit
             modes.append({"resident": True, "spill": False, "lockstep": True})
-        if measurements(recipe, targets) == 1:
-            modes.sort(key=lambda mode: ram_estimate(info, recipe, targets, Placement(**mode, tables_on_disk=False)).peak)
+        again = measurements(recipe, targets) > 1  # lockstep would score the base once per measurement
+
+        def order(mode: dict) -> tuple:
+            peak = ram_estimate(info, recipe, targets, Placement(**mode, tables_on_disk=False)).peak
+            return (again and mode.get("lockstep", False), peak)
+
+        modes.sort(key=order)
     modes += [{"resident": False, "spill": False}, {"resident": False, "spill": True}]
     tables = [False, True] if any(t.needs_model for t in targets) and not recipe.offload_dir else [False]
     return [Placement(device="cpu", tables_on_disk=on_disk,
@@ -619,7 +637,10 @@ def describe_placement(placement, info, seq_len: int, windows: int | None = None
         batch = windows_per_group(text_shape(info), seq_len, placement.activation_bytes)
         batch = min(batch, windows) if windows else batch
         kept = (", the base scored beside each artifact" if placement.lockstep
-                else "" if placement.spill else ", the baseline's log-probs in memory")
+                else ", the baseline's log-probs in memory" if not placement.spill
+                else "" if not windows  # where they go is not known without the windows
+                else ", the baseline's log-probs in a file" if spills(info, seq_len, windows)
+                else ", the baseline's log-probs in memory")
         return f"gate: resident on {placement.device}, batch {batch}{kept} ({placement.why})"
     _others, layers = unit_bytes(info)
     kept = ", the baseline's log-probs in a file" if placement.spill else ", the baseline's log-probs in memory"
@@ -650,16 +671,17 @@ def eval_estimate(info, fmt, seq_len: int, windows: int, placement, reads_artifa
 def eval_placement(info, fmt, device: str, seq_len: int, windows: int, max_memory: int | None = None,
                    reads_artifact: bool = True):
     """Where `quantkit eval` runs its forwards for a base of `info`'s shape and an artifact of the Format `fmt`
-    (quantkit.formats.detect): as gate_placement, one artifact measured: on a CPU the first of
-    resident (in lockstep or with the baseline kept, whichever holds less), streamed with the baseline's
-    log-probs in memory, in a file, that fits the memory available now (or --max-memory)."""
+    (quantkit.formats.detect): as gate_placement, one artifact measured: on a CPU the first of resident (in
+    lockstep, or with the baseline kept in memory or in a file, whichever holds least), streamed with the
+    baseline's log-probs in memory, in a file, that fits the memory available now (or --max-memory)."""
     from quantkit.eval.scorers import Placement
 
     if device == "cuda":
         return placement_for(max(whole_bytes(info), whole_bytes(info, fmt.gate_dtype)), device, info, seq_len, windows)
     budget, source = ram_budget(max_memory)
     batch = CPU_ACTIVATION_BYTES
-    resident = [Placement(True, "cpu", batch, spill=False), Placement(True, "cpu", batch, spill=False, lockstep=True)]
+    resident = [Placement(True, "cpu", batch, spill=False), Placement(True, "cpu", batch),
+                Placement(True, "cpu", batch, spill=False, lockstep=True)]
 
     def peak(p) -> int:
         return FIXED_RAM + max(eval_estimate(info, fmt, seq_len, windows, p, reads_artifact).steps.values())
