@@ -44,6 +44,30 @@ def step_record(number: int, raised: dict, size: int, entry, count: int | None =
             **({"tasks": entry.tasks} if entry.tasks else {})}
 
 
+def tracked(function: Callable, entry, step: str) -> Callable:
+    """`function`, each call's peak RSS kept in entry.peak_rss_by_step[step] (the highest of its calls) and in
+    entry.peak_rss_bytes."""
+    from quantkit.io.memory import PeakTracker
+
+    def call(*args, **kwargs):
+        with PeakTracker() as t:
+            out = function(*args, **kwargs)
+        entry.peak_rss_by_step[step] = max(entry.peak_rss_by_step.get(step, 0), t.peak_rss)
+        entry.peak_rss_bytes = max(entry.peak_rss_bytes, t.peak_rss)
+        return out
+
+    return call
+
+
+def peaks_recorded(resolved, measure: Measure, entry):
+    """The target with its method's fallback steps (the sensitivity ladder, each requantization) and the
+    measurements of its artifacts tracked (tracked): the report's per-step peaks hold the fallback's too."""
+    steps = resolved.method.fallback
+    steps = replace(steps, ladder=tracked(steps.ladder, entry, "fallback: sensitivity"),
+                    requantize=tracked(steps.requantize, entry, "fallback: requantize"))
+    return replace(resolved, method=replace(resolved.method, fallback=steps)), tracked(measure, entry, "fallback: eval")
+
+
 def says(step: dict, first: int) -> str:
     """One line: the step's size cost, its metrics and the gate's verdict."""
     m = step["metrics"]
@@ -60,6 +84,7 @@ def run_fallback(job, resolved, result, entry, measure: Measure) -> None:
     limit = options.size_limit(first)
     steps = [step_record(0, {}, first, entry)]
     job.progress(f"gate failed ({', '.join(entry.gate.failed)}): measuring which layers to raise first")
+    resolved, measure = peaks_recorded(resolved, measure, entry)
     ladder = resolved.method.fallback.ladder(job, result)
     details = {**result.details, **ladder.details}
     ordering = ladder.details.get("sensitivity", {}).get("ordering")

@@ -88,6 +88,9 @@ def test_the_search_keeps_the_fewest_raises_that_pass(cli, odd_model, tmp_path):
         assert len({prefix + f"self_attn.{p}_proj" in kept for p in "qkv"}) == 1
         assert (prefix + "mlp.gate_proj" in kept) == (prefix + "mlp.up_proj" in kept)
     assert set(kept) <= set(json.loads((out / "config.json").read_text())["quantization_config"]["ignore"])
+    peaks = target["peak_rss_by_step"]  # the fallback's own steps in the per-step peaks
+    assert {"quantize", "eval", "fallback: sensitivity", "fallback: requantize", "fallback: eval"} <= set(peaks)
+    assert target["peak_rss_bytes"] == max(peaks.values())
 
 
 def test_the_search_says_how_much_room_a_pass_needs(cli, odd_model, tmp_path):
