@@ -69,7 +69,8 @@ def test_ram_estimate_streams_the_gate_and_refuses_over_the_limit(micro_model, c
 
 def test_compressed_tensors_gates_stream_unless_the_head_is_quantized(micro_model, tmp_path):
     """A compressed-tensors text decoder's gate holds what the streamed baseline does (a 16-bit
-    layer); with its head quantized it loads whole (quantkit.eval.compressed.streams), at its bits."""
+    layer); with its head quantized it loads whole (quantkit.eval.compressed.streams): the decoder and the head
+    at its bits, the embedding table as stored."""
     from quantkit.io.checkpoint import check_model_dir
     from quantkit.run.pipeline import RunOptions, prepare
     from quantkit.run.preflight import largest_matrix, ram_estimate, unit_bytes
@@ -82,7 +83,10 @@ def test_compressed_tensors_gates_stream_unless_the_head_is_quantized(micro_mode
         _info, targets, _placement = prepare(recipe, RunOptions(model=str(micro_model), out=tmp_path / "x"))
         steps = ram_estimate(info, recipe, targets).steps
         if options:
-            assert steps[f"{method}: gate"] - steps["baseline"] == model * 8 // 16 - largest_matrix(info)
+            others, layers = unit_bytes(info)
+            embedding = sum(others.values()) - others["lm_head"]
+            whole = embedding + int((model - embedding) * 8 / 16)
+            assert steps[f"{method}: gate"] - steps["baseline"] == whole - largest_matrix(info)
         else:
             assert steps[f"{method}: gate"] == steps["baseline"]
 
@@ -465,3 +469,29 @@ def test_a_sequential_method_counts_its_saved_layers_and_what_each_window_carrie
     assert saved(0, 512) == 0
     window = {seq_len: saved(5, seq_len) - saved(4, seq_len) for seq_len in (64, 128)}  # one window more
     assert saved(9, 64) - saved(8, 64) == window[64] > 0 and window[128] > 2 * window[64]
+
+
+def test_an_artifact_loaded_whole_counts_the_tables_it_keeps_16_bit(micro_model):
+    """nf4 (bitsandbytes, loaded whole by transformers) keeps a 262144-entry embedding table 16-bit: the gate's and
+    the quantize step's estimates hold it as stored and only the decoder layers at 4 bits."""
+    from dataclasses import replace
+
+    from quantkit.eval.scorers import Placement
+    from quantkit.io.checkpoint import check_model_dir
+    from quantkit.run import preflight
+    from quantkit.run.recipe import Overrides, build_recipe
+
+    info = check_model_dir(micro_model)
+    name = next(n for n in info.tensors if n.endswith("embed_tokens.weight"))
+    dtype, (_rows, hidden) = info.tensors[name]
+    big = replace(info, tensors={**info.tensors, name: (dtype, [262144, hidden])})
+    recipe = build_recipe(None, "nf4", Overrides(model=str(micro_model)))
+    target = resolved_targets(recipe, big)[0]
+    others, layers = preflight.unit_bytes(big)
+    whole = preflight.loaded_whole_bytes(target, big)
+    assert whole == sum(others.values()) + int(sum(layers.values()) * target.method.sizes.stored_bits(target.options) / 16)
+    assert whole > 262144 * hidden * 2  # the table as stored
+    steps = preflight.ram_estimate(big, recipe, [target], Placement(True, spill=False)).steps
+    assert steps["nf4: quantize"] >= whole + max(layers.values())
+    assert working_set(target, big) == whole + max(layers.values())
+    assert steps["nf4: gate"] >= whole

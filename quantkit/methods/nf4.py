@@ -262,6 +262,26 @@ def requantize(job: QuantizeJob, plan: dict[str, str], details: dict) -> Quantiz
                                             "mixed_precision": intmix.keep_report(details, plan, size)})
 
 
+def working_set(info, options: Options) -> int:
+    """What loading the checkpoint with the bitsandbytes config holds (needs_model is False: the run loads no model
+    for it): the decoder layers at stored_bits, every tensor outside them (the embedding table, norms, the head kept
+    16-bit) as stored, and one decoder layer in 16 bits while it is quantized."""
+    import math
+
+    from quantkit.io.checkpoint import LAYER_PREFIX
+    from quantkit.io.safetensors import DTYPE_BYTES
+
+    others, layers = 0, {}
+    for name, (dtype, shape) in info.tensors.items():
+        size = math.prod(shape) * DTYPE_BYTES.get(dtype, 1)
+        match = LAYER_PREFIX.match(name)
+        if match:
+            layers[match.group(1)] = layers.get(match.group(1), 0) + size
+        else:
+            others += size
+    return others + int(sum(layers.values()) * stored_bits(options) / 16) + max(layers.values(), default=0)
+
+
 def stored_bits(options: Options) -> float:
     """NF4/FP4 with one absmax per 64 weights (double-quantized: 8 bits and a share of a second level), or int8."""
     return 8.0 if options.scheme == "int8" else 4.127
@@ -288,7 +308,7 @@ METHOD = MethodSpec(
     precision=precision, default_gate=fixed_gate(DEFAULT_GATE), check=check, needs_calibration=needs_calibration,
     needs_model=lambda info, options: False,  # transformers re-loads the checkpoint with a bnb config
     support=support, rotation_refused=ROTATION_REFUSED,
-    sizes=Sizes(stored_bits=stored_bits),
+    sizes=Sizes(stored_bits=stored_bits, working_set=working_set),
     fallback=FallbackSteps(fallback_ladder, requantize),
     ranks=OnRanks(lambda options: RANKS_REFUSED),  # converts in one process: refused on ranks, saying why,
     auto=AUTO_RUNGS,

@@ -188,9 +188,8 @@ def gate_bytes(target, info, recipe, placement, whole: dict[str, int], streamed:
         return lockstep_bytes(whole["baseline"] + whole[name] - shared, info, c.seq_len, c.eval_windows)
     if name in whole:
         return scoring_bytes(whole[name], info, c.seq_len, c.eval_windows, SCORING_COPIES)
-    model = sum(others.values()) + sum(layers.values())
     matrix = largest_matrix(info) or max(others.values(), default=0)
-    return candidate_bytes(target, model, matrix, streams_gate(target, info, recipe)) + streamed
+    return candidate_bytes(target, info, matrix, streams_gate(target, info, recipe)) + streamed
 
 
 def held_bytes(info, recipe, others: dict[str, int], layers: dict[str, int], working: int,
@@ -234,13 +233,23 @@ def streams_gate(target, info, recipe) -> bool:
                                         recipe.trust_remote_code)
 
 
-def candidate_bytes(target, model: int, layer: int, streamed: bool) -> int:
+def candidate_bytes(target, info, layer: int, streamed: bool) -> int:
     """What the gate holds of one artifact (`layer`: the 16-bit unit a streamed forward holds at once): read by
     quantkit, that unit in the dtype its format computes in (a .gguf in float32: twice it; a compressed-tensors
-    or mlx-lm one dequantized to its stored dtype, a module at a time); loaded whole, the checkpoint at its bits."""
+    or mlx-lm one dequantized to its stored dtype, a module at a time); loaded whole, loaded_whole_bytes."""
     if streamed:
         return layer * (2 if target.method.format.gate_dtype == "float32" else 1)
-    return int(model * target.method.sizes.stored_bits(target.options) / 16)
+    return loaded_whole_bytes(target, info)
+
+
+def loaded_whole_bytes(target, info) -> int:
+    """An artifact loaded whole at its bits: the decoder layers at the method's stored bits, the tensors outside
+    them (embeddings, norms, a head the method keeps 16-bit) as stored, as bitsandbytes and compressed-tensors
+    keep them (a 262144-entry embedding table is most of a 270M model's bytes); a head it quantizes at its bits."""
+    others, layers = unit_bytes(info)
+    bits = target.method.sizes.stored_bits(target.options) / 16
+    head = 0 if target.method.layers.keeps_lm_head(target.options) else others.get("lm_head", 0)
+    return sum(others.values()) - head + int((sum(layers.values()) + head) * bits)
 
 
 def largest_matrix(info) -> int:
@@ -277,7 +286,7 @@ def vram_estimate(info, recipe, targets, placement=None, onload: bool = False) -
             steps[f"{t.name}: quantize"] = working
         if recipe.calibration.eval_windows:
             steps[f"{t.name}: gate"] = streamed if streams_gate(t, info, recipe) else (
-                candidate_bytes(t, model, 0, False) + ACTIVATION_BYTES)
+                candidate_bytes(t, info, 0, False) + ACTIVATION_BYTES)
     if placement is not None and placement.resident and placement.device == "cuda":
         steps.update({name: resident_need(n, True, info, recipe.calibration.seq_len, recipe.calibration.eval_windows)[0]
                       for name, n in read_whole_bytes(info, recipe, targets).items()})
