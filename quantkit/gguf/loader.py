@@ -161,6 +161,13 @@ def restore(config: dict, hf: str, data: np.ndarray) -> np.ndarray:
     return data
 
 
+def restored_shape(hf: str, shape: tuple[int, ...], hp: dict) -> tuple[int, ...]:
+    """The shape restore() gives a stored tensor: Gemma 3's trimmed embedding with its vocab_size rows."""
+    if hf == "model.embed_tokens.weight" and shape[0] < hp["vocab_size"]:
+        return (hp["vocab_size"], *shape[1:])
+    return shape
+
+
 class GGUFTensors:
     """The tensors of a .gguf by HF name (the language model's plain names, `model.*`), each
     dequantized and restored on demand as a float32 torch tensor.
@@ -221,7 +228,8 @@ class GGUFTensors:
             if name in self.pieces and rule.pieces is not None:  # pieces of their own shapes
                 return tuple(rule.pieces.hf_shape([stored_shape(t) for t in self.pieces[name]], hp))
             shape = stored_shape(self.tensors[name]) if name in self.tensors else joined_shape(self.pieces[name])
-            return shape if rule is None or rule.hf_shape is None else tuple(rule.hf_shape(shape, hp))
+            shape = shape if rule is None or rule.hf_shape is None else tuple(rule.hf_shape(shape, hp))
+            return restored_shape(name, shape, hp)
         layer, kinds = self.expert_parts(name)
         shapes = [stored_shape(self.experts[layer, k]) for k in kinds]
         return (shapes[0][0], sum(s[1] for s in shapes), *shapes[0][2:])

@@ -81,10 +81,11 @@ GGUF_VOCABS = {"llama-bpe": ("ggml-vocab-llama-bpe.gguf", "LLAMA3_REGEX", "<|beg
                "qwen2": ("ggml-vocab-qwen2.gguf", "QWEN2_REGEX", None, "<|endoftext|>")}
 
 
-def build_family(family: str, out: Path, tokenizer: str = "bpe", seed: int = 0, vocab_dir: Path | None = None) -> Path:
+def build_family(family: str, out: Path, tokenizer: str = "bpe", seed: int = 0, vocab_dir: Path | None = None,
+                 padded_rows: int = 0) -> Path:
     """Save a tiny `family` checkpoint with a "bpe" (toy), "spm" (tokenizer.model), "spm-json" /
     "spm-json-llama" (its tokenizer.json alone, see write_spm_json_tokenizer), "llama-bpe" or "qwen2"
-    (rebuilt from the vocab files in vocab_dir) tokenizer."""
+    (rebuilt from the vocab files in vocab_dir) tokenizer; `padded_rows` embedding rows past the tokenizer's."""
     import torch
     import transformers
 
@@ -95,7 +96,7 @@ def build_family(family: str, out: Path, tokenizer: str = "bpe", seed: int = 0, 
         vocab, ids = write_spm_json_tokenizer(out, "gemma" if tokenizer == "spm-json" else "llama")
     else:
         vocab, ids = write_bpe_tokenizer(out) if tokenizer == "bpe" else write_spm_tokenizer(out)
-    config = family_config(family, vocab, ids)
+    config = family_config(family, vocab + padded_rows, ids)
     if tokenizer in GGUF_VOCABS:
         for key, value in SMALL.items():
             setattr(config, key, value)

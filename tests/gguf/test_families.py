@@ -215,6 +215,28 @@ def test_pipeline_gate_reads_family_back(cli, name, tmp_path):
     assert target["gate"]["passed"] and target["metrics"]["kld_mean"] < 0.01
 
 
+def test_gate_reads_gemma3_embedding_trimmed_to_the_tokenizer(cli, tmp_path):
+    """A Gemma 3 whose embedding has rows past its tokenizer's vocabulary: the .gguf keeps the tokenizer's rows (as
+    llama.cpp's converter trims them), and the gate reads it back with the config's rows, the trimmed ones zero
+    (the random base puts real probability on its padded ids, so the gate is measured, not enforced)."""
+    import math
+
+    from transformers import AutoTokenizer
+
+    from tests.util import FAST_CALIB
+
+    model = build_family("gemma3", tmp_path / "g3", padded_rows=100)
+    out = tmp_path / "out"
+    result = cli("quantize", model, "--method", "gguf", "--gguf-type", "Q8_0", "-o", out, *FAST_CALIB, "--no-gate")
+    assert result.exit_code == 0, result.output
+    import gguf
+
+    tensors = {t.name: t for t in gguf.GGUFReader(str(next(out.glob("*.gguf")))).tensors}
+    rows = int(tensors["token_embd.weight"].shape[1])
+    assert len(AutoTokenizer.from_pretrained(model)) <= rows < json.loads((model / "config.json").read_text())["vocab_size"]
+    assert math.isfinite(json.loads((out / "quantkit.json").read_text())["targets"][0]["metrics"]["kld_mean"])
+
+
 @pytest.mark.parametrize("name", ["mixtral", "gemma3vlm"])
 def test_imatrix_covers_experts_and_vlm_language_model(name, tmp_path):
     """quantkit's imatrix: per-expert rows for stacked experts (routed tokens only, as
