@@ -37,10 +37,13 @@ from quantkit.eval.evaluate import (
     score_hidden,
 )
 from quantkit.eval.stream import (
+    StreamedModel,
     WeightsMap,
     WeightSource,
     build_meta_model,
     last_hidden,
+    logits_blocks,
+    score_group,
     source_names,
     windows_per_group,
 )
@@ -55,15 +58,23 @@ class Shared:
     tensors: dict = field(default_factory=dict)
 
 
+TABLES_HELD_BYTES = 256 * 1024 * 1024  # float32 vocabulary tables above this stay in the source (tables_in_source)
+
+
 @dataclass
 class ResidentModel:
-    model: object  # transformers CausalLM, every parameter on `device`
+    model: object  # transformers CausalLM, every parameter on `device` (but the tables, where `tables` is set)
     device: object
     softcap: float | None  # final_logit_softcapping
+    tables: WeightsMap | None = None  # the embedding's and the head's source, where they stay there (decoder_resident)
 
     @property
     def head(self):
         return self.model.get_output_embeddings()
+
+    def view(self) -> StreamedModel:
+        """The model as quantkit.eval.stream reads a head from its source (logits_blocks, score_group)."""
+        return StreamedModel(self.model, self.tables, self.device, self.softcap)
 
 
 def materialize(model, source: WeightSource, device, lent: dict | None = None, skip: frozenset = frozenset()) -> None:
@@ -116,7 +127,10 @@ def lent_match(weights: WeightsMap, name: str, candidates: list, dtype, device):
 
 def resident_built(model, config, source: WeightSource, device, lent: dict | None = None) -> ResidentModel:
     """A model built on the meta device (build_meta_model, perhaps with more done to it) with all its
-    weights read from `source` onto `device` (those equal to a tensor of `lent` shared with it)."""
+    weights read from `source` onto `device` (those equal to a tensor of `lent` shared with it); a float32
+    one's large vocabulary tables left in `source` (tables_in_source)."""
+    if tables_in_source(model):
+        return decoder_resident(model, config, source, device)
     materialize(model, source, device, lent)
     softcap = config.get_text_config().to_dict().get("final_logit_softcapping")
     return ResidentModel(model.eval(), device, softcap)
@@ -139,12 +153,25 @@ def table_names(model) -> frozenset:
     return frozenset(name for name, param in model.named_parameters(remove_duplicate=False) if id(param) in tables)
 
 
+def tables_in_source(model) -> bool:
+    """Whether a reading's vocabulary tables stay in its source while its decoder is resident: a float32 reading
+    (a .gguf, dequantized as llama.cpp computes) whose tables exceed TABLES_HELD_BYTES. A 262144 x 640 embedding
+    is 640 MiB in float32, more than the decoder of a 270M model, and its rows are few per batch: the embedding
+    gathers them, the head is applied a slice of its rows at a time (quantkit.eval.stream.logits_blocks)."""
+    import torch
+
+    tables = table_names(model)
+    return (bool(tables) and next(iter(model.parameters())).dtype == torch.float32
+            and weight_bytes(model) - weight_bytes(model, tables) > TABLES_HELD_BYTES)
+
+
 def decoder_resident(model, config, source: WeightSource, device) -> ResidentModel:
     """A model built on the meta device with every weight read from `source` onto `device` but the token
     embedding's and the output head's (table_names): the embedding gathers the rows of each call's ids from
     `source` (quantkit.eval.stream.gather_hook, as the streamed forward does) and the head stays on meta, so
     a large vocabulary's table is never held whole (262144 x 640 in float32: 640 MiB). For forwards that run the
-    decoder only (last_hidden: an imatrix, column importances)."""
+    decoder only (last_hidden: an imatrix, column importances), and for scoring, the head's rows read from `tables`
+    a slice at a time (score_batch, resident_logits)."""
     from accelerate.hooks import add_hook_to_module
 
     from quantkit.eval.stream import gather_hook
@@ -156,7 +183,7 @@ def decoder_resident(model, config, source: WeightSource, device) -> ResidentMod
         weights = WeightsMap(source, source_names(model, source))
         add_hook_to_module(model.get_input_embeddings(), gather_hook(weights, f"{name}.weight", device))
     softcap = config.get_text_config().to_dict().get("final_logit_softcapping")
-    return ResidentModel(model.eval(), device, softcap)
+    return ResidentModel(model.eval(), device, softcap, WeightsMap(source, source_names(model, source)))
 
 
 def weight_bytes(model, skip: frozenset = frozenset()) -> int:
@@ -184,6 +211,8 @@ def forward_model(config, source: WeightSource, dtype, device, room: int, model=
 def score_batch(resident: ResidentModel, ids, buffers: Buffers | None = None) -> Iterator[ScoredChunk]:
     """Log-probs of predictions 0..L-2 of each window of `ids`, a chunk of positions at a time, on the device
     (evaluate.score_hidden)."""
+    if resident.tables is not None:
+        return score_group(resident.view(), ids, TABLES_HELD_BYTES)
     targets = ids[:, 1:].reshape(-1).to(resident.device)
     return score_hidden(last_hidden(resident, ids), targets, resident.head, resident.softcap, buffers)
 
@@ -219,6 +248,10 @@ def resident_logits(resident: ResidentModel, ids) -> "torch.Tensor":  # noqa: F8
 
     with torch.inference_mode():
         hidden = resident.model.get_decoder()(input_ids=ids.to(resident.device), use_cache=False).last_hidden_state
+        if resident.tables is not None:
+            flat = hidden.reshape(-1, hidden.shape[-1])
+            blocks = [torch.from_numpy(b) for b in logits_blocks(resident.view(), flat, TABLES_HELD_BYTES)]
+            return torch.cat(blocks).reshape(*hidden.shape[:-1], -1)
         return head_logits(resident.head, resident.softcap, hidden).float().cpu()
 
 

@@ -73,6 +73,36 @@ def test_resident_artifact_equals_streamed(cli, micro_model, windows, streamed_b
     assert whole.kld_mean > 0
 
 
+@pytest.fixture(scope="module")
+def gguf_artifact(micro_model, tmp_path_factory) -> Path:
+    from typer.testing import CliRunner
+
+    from quantkit.cli.app import app
+
+    out = tmp_path_factory.mktemp("resident-gguf") / "gguf"
+    result = CliRunner().invoke(app, ["quantize", str(micro_model), "-o", str(out), "--eval-windows", "0", "--method",
+                                      "gguf", "--gguf-type", "Q4_K_M", "--imatrix", "none"])
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def test_a_float32_reading_leaves_large_tables_in_its_file(micro_model, gguf_artifact, windows, streamed_baseline,
+                                                            monkeypatch):
+    """A .gguf read resident in float32 whose vocabulary tables are larger than TABLES_HELD_BYTES keeps them in the
+    file (the embedding's rows gathered, the head applied a slice of rows at a time): the metrics and the logits of
+    the tables held whole."""
+    held = gate.evaluate_artifact(gguf_artifact, micro_model, windows, streamed_baseline, placement=RESIDENT)
+    reading = gate.artifact_reading(gguf_artifact, micro_model)
+    held_logits = resident.resident_logits(scorers.resident_reading(reading, "cpu"), windows[:2])
+    monkeypatch.setattr(resident, "TABLES_HELD_BYTES", 0)
+    model = scorers.resident_reading(reading, "cpu")
+    assert model.tables is not None and model.head.weight.is_meta
+    assert model.model.get_input_embeddings().weight.is_meta
+    in_file = gate.evaluate_artifact(gguf_artifact, micro_model, windows, streamed_baseline, placement=RESIDENT)
+    assert_same_metrics(in_file, held)
+    torch.testing.assert_close(resident.resident_logits(model, windows[:2]), held_logits, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("model", ["micro", "gemma2"])
 def test_a_methods_forward_leaves_the_tables_on_meta(request, model, windows):
     """A method's own forward of the decoder (an imatrix, column importances) resident: the embedding's rows
