@@ -59,6 +59,10 @@ class Shared:
 
 
 TABLES_HELD_BYTES = 256 * 1024 * 1024  # float32 vocabulary tables above this stay in the source (tables_in_source)
+# float32 logits of a block of positions computed from a head left in its source: each block reads the head's rows
+# once (a 262144 x 640 Q6_K table: about 1 s on this project's CPU machine), and holds 1 MiB per position of such a
+# vocabulary, so 128 positions a read
+TABLE_LOGITS_BYTES = 128 * 1024 * 1024
 
 
 @dataclass
@@ -212,7 +216,7 @@ def score_batch(resident: ResidentModel, ids, buffers: Buffers | None = None) ->
     """Log-probs of predictions 0..L-2 of each window of `ids`, a chunk of positions at a time, on the device
     (evaluate.score_hidden)."""
     if resident.tables is not None:
-        return score_group(resident.view(), ids, TABLES_HELD_BYTES)
+        return score_group(resident.view(), ids, TABLE_LOGITS_BYTES)
     targets = ids[:, 1:].reshape(-1).to(resident.device)
     return score_hidden(last_hidden(resident, ids), targets, resident.head, resident.softcap, buffers)
 
@@ -250,7 +254,7 @@ def resident_logits(resident: ResidentModel, ids) -> "torch.Tensor":  # noqa: F8
         hidden = resident.model.get_decoder()(input_ids=ids.to(resident.device), use_cache=False).last_hidden_state
         if resident.tables is not None:
             flat = hidden.reshape(-1, hidden.shape[-1])
-            blocks = [torch.from_numpy(b) for b in logits_blocks(resident.view(), flat, TABLES_HELD_BYTES)]
+            blocks = [torch.from_numpy(b) for b in logits_blocks(resident.view(), flat, TABLE_LOGITS_BYTES)]
             return torch.cat(blocks).reshape(*hidden.shape[:-1], -1)
         return head_logits(resident.head, resident.softcap, hidden).float().cpu()
 
