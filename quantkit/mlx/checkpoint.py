@@ -11,7 +11,11 @@ writes the same modules, so the file sizes compare, and names every module that 
 top-level precision, as mlx_lm.convert does for its mixed recipes.
 
 The families written are those whose mlx-lm model takes the Hugging Face tensor names as they are
-(its `sanitize` only drops rotary buffers and a tied head): MLX_MODEL_TYPES. A mixture of experts is written as
+(its `sanitize` only drops rotary buffers and a tied head): MLX_MODEL_TYPES; a family whose mlx-lm model holds the
+text checkpoint under other names (its record's `mlx_layout`: Qwen3.5, whose text model mlx-lm's qwen3_5 holds
+under language_model.) is written as mlx_lm.convert writes that model: its config.json nesting the checkpoint's as
+text_config, the names and values as its `sanitize` makes them (which then leaves them as they are), the tensors it
+drops not written; MLXWeights reads them back under the checkpoint's names and values. A mixture of experts is written as
 that model's `sanitize` stacks a 16-bit one (the family record's `mlx_experts`: expert_stacks): each routed
 projection one `<block>.switch_mlp.<projection>` module of [experts, out, in], quantized expert by expert along
 its last axis (packed weight [experts, out, in * bits / 32], scales and biases [experts, out, in / group_size]),
@@ -165,7 +169,8 @@ def mtp_layers(config: dict, names) -> tuple[str, ...]:
 
 def keeps_dtype(config: dict, name: str) -> bool:
     """Whether a tensor is written in its stored dtype, as mlx_lm.convert writes it (the family's
-    `mlx_experts.uncast`: its mlx-lm model's cast_predicate; the routers' correction bias)."""
+    `mlx_experts.uncast` or `mlx_layout.uncast`: its mlx-lm model's cast_predicate; the routers' correction bias,
+    Qwen3.5's A_log)."""
     family = of_config(config)
     uncast = family.mlx_experts.uncast if family is not None and family.mlx_experts is not None else ()
     return any(part in name for part in uncast) or layout_uncast(config, name)

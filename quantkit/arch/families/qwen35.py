@@ -11,15 +11,20 @@ the norms.
 
 GGUF: llama.cpp conversion/qwen.py's Qwen3_5TextModel (Qwen3NextModel's keys and tensor changes after
 _LinearAttentionVReorderBase's value-head reorder: quantkit.arch.families.deltanet; the recurrent layers
-written from layer_types; the MTP layers as its nextn block). MLX: refused, mlx-lm 0.32 has no model for
-model_type qwen3_5_text (its qwen3_5 model loads the VLM checkpoints, model_type qwen3_5 with a text_config;
-it drops the MTP layers and places the attention layers by full_attention_interval alone).
+written from layer_types; the MTP layers as its nextn block). MLX: mlx-lm 0.32 has no model for model_type
+qwen3_5_text; its qwen3_5 model (the VLM checkpoints', model_type qwen3_5 with a text_config) loads the text model
+when it is written as mlx_lm.convert writes that model (QWEN35_MLX): config.json model_type qwen3_5 with the
+checkpoint's own as text_config, the tensors under language_model., and what its sanitize does applied (conv1d's
+kernel axis last, the (1 + w) RMSNorms stored as 1 + w, the MTP layers dropped, A_log in its stored dtype). It
+places the attention layers by full_attention_interval alone (it reads no layer_types): a checkpoint whose
+layer_types place them otherwise is refused before work (check_mlx_layers), as is a RoPE type other than default.
 
 GGUF types every tensor as llama-quantize does: conv1d, A_log, dt_bias and the norms F32, ssm_alpha/ssm_beta
 (in_proj_a/b) quantized as llama-quantize quantizes them. The MTP layers (`mtp.*`, which transformers does not
 load), per format: GGUF writes them as llama.cpp's nextn block (the converter's default); the compressed-tensors
 methods carry them as stored (compressed-tensors' own MTP handling: a model_mtp.safetensors shard, `re:^mtp.*`
-ignored) for vLLM's MTP draft; nf4 does not write them and says so in the report; MLX is refused.
+ignored) for vLLM's MTP draft; nf4 and MLX (mlx-lm's qwen3_5 has no MTP layer) do not write them and say so in
+the report.
 
 Qwen3.5-MoE (Qwen3_5MoeForCausalLM, model_type qwen3_5_moe_text) and Qwen3-Next (Qwen3NextForCausalLM, the
 80B-A3B line) are the same hybrid with every MLP a mixture of experts: routed experts stored one tensor per expert
