@@ -15,14 +15,15 @@ The families written are those whose mlx-lm model takes the Hugging Face tensor 
 text checkpoint under other names (its record's `mlx_layout`: Qwen3.5, whose text model mlx-lm's qwen3_5 holds
 under language_model.) is written as mlx_lm.convert writes that model: its config.json nesting the checkpoint's as
 text_config, the names and values as its `sanitize` makes them (which then leaves them as they are), the tensors it
-drops not written; MLXWeights reads them back under the checkpoint's names and values. A mixture of experts is written as
-that model's `sanitize` stacks a 16-bit one (the family record's `mlx_experts`: expert_stacks): each routed
-projection one `<block>.switch_mlp.<projection>` module of [experts, out, in], quantized expert by expert along
-its last axis (packed weight [experts, out, in * bits / 32], scales and biases [experts, out, in / group_size]),
-as mlx_lm.convert writes it (its QuantizedSwitchLinear); `sanitize` leaves stacked tensors as they are. The
-routers stay 16-bit (their entry false), where mlx_lm.convert quantizes them; the multi-token-prediction layers
-after the decoder's are not written (mtp_layers). MLXWeights reads the stacked modules back under the
-checkpoint's per-expert names.
+drops not written; MLXWeights reads them back under the checkpoint's names and values.
+
+A mixture of experts is written as that model's `sanitize` stacks a 16-bit one (the family record's `mlx_experts`:
+expert_stacks): each routed projection one `<block>.switch_mlp.<projection>` module of [experts, out, in], quantized
+expert by expert along its last axis (packed weight [experts, out, in * bits / 32], scales and biases [experts, out,
+in / group_size]), as mlx_lm.convert writes it (its QuantizedSwitchLinear); `sanitize` leaves stacked tensors as
+they are. The routers stay 16-bit (their entry false), where mlx_lm.convert quantizes them; the
+multi-token-prediction layers after the decoder's are not written (mtp_layers). MLXWeights reads the stacked modules
+back under the checkpoint's per-expert names.
 """
 
 from __future__ import annotations

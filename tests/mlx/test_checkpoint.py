@@ -59,7 +59,8 @@ def test_qwen35_is_written_in_mlx_lm_s_qwen3_5_layout_and_read_back():
     stored = written_tensor(config, "model.layers.0.linear_attn.conv1d.weight", conv)
     assert stored.shape == (8, 4, 1) and torch.equal(stored[:, 1, 0], conv[:, 0, 1])
     norm = (0.1 * torch.randn(16)).to(torch.bfloat16)
-    for name in ("model.norm.weight", "model.layers.1.input_layernorm.weight", "model.layers.1.self_attn.q_norm.weight"):
+    for name in ("model.norm.weight", "model.layers.1.input_layernorm.weight",
+                 "model.layers.1.self_attn.q_norm.weight"):
         assert torch.equal(written_tensor(config, name, norm), (norm.float() + 1).to(torch.bfloat16)), name
     gated = "model.layers.0.linear_attn.norm.weight"
     assert written_tensor(config, gated, norm) is norm

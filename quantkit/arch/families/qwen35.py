@@ -279,13 +279,13 @@ def check_mlx_layers(config: dict) -> None:
     """mlx-lm's qwen3_5 places the attention layers by full_attention_interval alone: a checkpoint whose
     layer_types place them otherwise would be another model there (refused before work)."""
     hp = text.text_hparams(config)
-    ours, theirs = layer_types(config), mlx_placement(hp)
+    ours, theirs, interval = layer_types(config), mlx_placement(hp), hp.get("full_attention_interval") or 4
     if ours != theirs:
         first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
         raise UnsupportedError(f"mlx: layer_types makes layer {first} "
                                f"{ours[first] if first < len(ours) else 'absent'}, but mlx-lm's qwen3_5 places the "
-                               f"attention layers by full_attention_interval = {hp.get('full_attention_interval') or 4} "
-                               "alone (it reads no layer_types): it would build another model",
+                               f"attention layers by full_attention_interval = {interval} alone (it reads no "
+                               "layer_types): it would build another model",
                                hint="use --method gguf for llama.cpp on Apple silicon (it writes the layer types)")
 
 
