@@ -116,12 +116,14 @@ def layer_plan(info, options: Options, ignore: list[str]) -> dict[str, Precision
     mixture of experts, the routers None (16-bit, their config.json entry false) and each routed projection as the
     SwitchGLU module mlx-lm stacks it into (quantkit.mlx.checkpoint.expert_stacks), one precision for all its
     experts: `layer_bits` takes it by that name, the ignore list by its experts' names (all of them: check_ignore);
-    the multi-token-prediction layers left out (not written: quantkit.mlx.checkpoint.mtp_layers)."""
+    the multi-token-prediction layers left out (not written: quantkit.mlx.checkpoint.mtp_layers, and those the
+    family's mlx layout drops)."""
     from quantkit.arch.roles import classify, linear_weights, matches
-    from quantkit.mlx.checkpoint import expert_stacks, mtp_layers
+    from quantkit.mlx.checkpoint import expert_stacks, mtp_layers, written_name
 
     mtp = mtp_layers(info.config, info.tensors)
-    linear = {name: shape for name, shape in linear_weights(info).items() if not name.startswith(mtp)}
+    linear = {name: shape for name, shape in linear_weights(info).items()
+              if not name.startswith(mtp) and written_name(info.config, name) is not None}
     stacks = expert_stacks(info.config, [name + ".weight" for name in linear])
     stacked = {n.removesuffix(".weight") for names in stacks.values() for n in names}
     plan = {}
@@ -308,8 +310,8 @@ def quantize(job: QuantizeJob) -> QuantizeResult:
 
     from quantkit.engines.transformers import torch_dtype
     from quantkit.io.checkpoint import SafetensorsWeights
-    from quantkit.mlx.checkpoint import (ShardedWriter, expert_stacks, keeps_dtype, mlx_config, mtp_layers,
-                                         quantization_block)
+    from quantkit.mlx.checkpoint import (ShardedWriter, dropped_names, expert_stacks, keeps_dtype, mlx_config,
+                                         mtp_layers, quantization_block, written_name, written_tensor)
 
     opts = job.options
     plan = layer_plan(job.info, opts, job.ignore)
@@ -325,24 +327,27 @@ def quantize(job: QuantizeJob) -> QuantizeResult:
     stacks = expert_stacks(job.info.config, [name for name in source.keys() if not name.startswith(mtp)])
     first = {names[0]: module for module, names in stacks.items()}  # a stack is written where its first expert was
     members = {name for names in stacks.values() for name in names}
+    dropped = set(dropped_names(job.info.config, source.keys()))
     job.progress(f"writing {sum(p is not None for p in plan.values())} quantized modules")
     for tensor in source.keys():  # noqa: SIM118  (a WeightSource, not a dict)
         if tensor in first:
             module = first[tensor]
             weight = torch.stack([source.get(name) for name in stacks[module]])
-        elif tensor in members or tensor.startswith(mtp):
+        elif tensor in members or tensor.startswith(mtp) or tensor in dropped:
             continue
         else:
             module, weight = tensor.removesuffix(".weight"), source.get(tensor)
         if plan.get(module) is None or not tensor.endswith(".weight"):
             cast = weight.is_floating_point() and not keeps_dtype(job.info.config, tensor)
-            writer.add(module + ".weight" if tensor in first else tensor, weight.to(dtype) if cast else weight)
+            name = module + ".weight" if tensor in first else tensor
+            value = written_tensor(job.info.config, name, weight.to(dtype) if cast else weight)
+            writer.add(written_name(job.info.config, name), value)
             continue
         for name, value in quantized_module(job, module, weight, plan[module], imp, dtype).items():
-            writer.add(name, value)
+            writer.add(written_name(job.info.config, name), value)
     files = writer.close()
     default = Precision(opts.bits, opts.group_size)
-    block = quantization_block(default, plan)
+    block = quantization_block(default, {written_name(job.info.config, m): p for m, p in plan.items()})
     (job.out_dir / "config.json").write_text(json.dumps(mlx_config(job.info.config, block), indent=4) + "\n")
     counts: dict[str, int] = {}
     for p in plan.values():
@@ -351,7 +356,25 @@ def quantize(job: QuantizeJob) -> QuantizeResult:
     return QuantizeResult(job.out_dir, {"mlx": {
         "files": files, "bits": opts.bits, "group_size": opts.group_size, "mode": "affine", "modules": counts,
         "scales": "calibrated: importance-weighted least squares per group" if opts.calibrate else "min/max rounding",
-        "calibration_tokens": int(job.windows.calib.numel()) if opts.calibrate else 0}})
+        "calibration_tokens": int(job.windows.calib.numel()) if opts.calibrate else 0},
+        **mtp_not_written(job.info, sorted(dropped))})
+
+
+def mtp_not_written(info, dropped: list[str]) -> dict:
+    """The report's word on the checkpoint's tensors its mlx-lm model has no module for (Qwen3.5's `mtp.*`, which
+    mlx-lm's qwen3_5 sanitize drops): not written."""
+    if not dropped:
+        return {}
+    return {"mtp_layers": f"not written: {len(dropped)} mtp.* tensors; mlx-lm's {mlx_model(info)} model has no MTP "
+                          "layer (its sanitize drops them), so the artifact holds the model mlx-lm runs "
+                          "(compressed-tensors methods carry them as stored, GGUF as llama.cpp's nextn block)"}
+
+
+def mlx_model(info) -> str:
+    from quantkit.arch.families import of_config
+
+    family = of_config(info.config)
+    return family.mlx if family is not None else info.model_type
 
 
 def freed() -> None:

@@ -11,14 +11,19 @@ writes the same modules, so the file sizes compare, and names every module that 
 top-level precision, as mlx_lm.convert does for its mixed recipes.
 
 The families written are those whose mlx-lm model takes the Hugging Face tensor names as they are
-(its `sanitize` only drops rotary buffers and a tied head): MLX_MODEL_TYPES. A mixture of experts is written as
-that model's `sanitize` stacks a 16-bit one (the family record's `mlx_experts`: expert_stacks): each routed
-projection one `<block>.switch_mlp.<projection>` module of [experts, out, in], quantized expert by expert along
-its last axis (packed weight [experts, out, in * bits / 32], scales and biases [experts, out, in / group_size]),
-as mlx_lm.convert writes it (its QuantizedSwitchLinear); `sanitize` leaves stacked tensors as they are. The
-routers stay 16-bit (their entry false), where mlx_lm.convert quantizes them; the multi-token-prediction layers
-after the decoder's are not written (mtp_layers). MLXWeights reads the stacked modules back under the
-checkpoint's per-expert names.
+(its `sanitize` only drops rotary buffers and a tied head): MLX_MODEL_TYPES; a family whose mlx-lm model holds the
+text checkpoint under other names (its record's `mlx_layout`: Qwen3.5, whose text model mlx-lm's qwen3_5 holds
+under language_model.) is written as mlx_lm.convert writes that model: its config.json nesting the checkpoint's as
+text_config, the names and values as its `sanitize` makes them (which then leaves them as they are), the tensors it
+drops not written; MLXWeights reads them back under the checkpoint's names and values.
+
+A mixture of experts is written as that model's `sanitize` stacks a 16-bit one (the family record's `mlx_experts`:
+expert_stacks): each routed projection one `<block>.switch_mlp.<projection>` module of [experts, out, in], quantized
+expert by expert along its last axis (packed weight [experts, out, in * bits / 32], scales and biases [experts, out,
+in / group_size]), as mlx_lm.convert writes it (its QuantizedSwitchLinear); `sanitize` leaves stacked tensors as
+they are. The routers stay 16-bit (their entry false), where mlx_lm.convert quantizes them; the
+multi-token-prediction layers after the decoder's are not written (mtp_layers). MLXWeights reads the stacked modules
+back under the checkpoint's per-expert names.
 """
 
 from __future__ import annotations
@@ -79,7 +84,16 @@ def mlx_config(config: dict, block: dict) -> dict:
     from transformers import PreTrainedConfig
 
     config = PreTrainedConfig._decode_special_floats(config)
+    family = of_config(config)
+    if family is not None and family.mlx_layout is not None:  # the checkpoint as that model's text_config
+        return {"model_type": family.mlx, "text_config": {**config, **mlx_lm_fields(config)},
+                **{k: config[k] for k in LAYOUT_TOP_LEVEL if k in config}, "quantization": block,
+                "quantization_config": block}
     return {**config, **mlx_lm_fields(config), "quantization": block, "quantization_config": block}
+
+
+LAYOUT_TOP_LEVEL = ("tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id")  # what mlx_lm.load and
+# transformers' VLM config read at the top level beside text_config
 
 
 MLX_LM_ROPE_SCALINGS = ("llama3", "longrope")  # scalings mlx-lm reads as rope_parameters state them (Llama 3.1's and
@@ -156,10 +170,11 @@ def mtp_layers(config: dict, names) -> tuple[str, ...]:
 
 def keeps_dtype(config: dict, name: str) -> bool:
     """Whether a tensor is written in its stored dtype, as mlx_lm.convert writes it (the family's
-    `mlx_experts.uncast`: its mlx-lm model's cast_predicate; the routers' correction bias)."""
+    `mlx_experts.uncast` or `mlx_layout.uncast`: its mlx-lm model's cast_predicate; the routers' correction bias,
+    Qwen3.5's A_log)."""
     family = of_config(config)
     uncast = family.mlx_experts.uncast if family is not None and family.mlx_experts is not None else ()
-    return any(part in name for part in uncast)
+    return any(part in name for part in uncast) or layout_uncast(config, name)
 
 
 STACKED_WEIGHT = re.compile(r"^(?P<block>.*\.)switch_mlp\.(?P<projection>[A-Za-z0-9_]+)\.weight$")
@@ -173,6 +188,55 @@ def unstacked_names(config: dict, name: str, experts: int) -> list[str]:
         return []
     stored = {new: old for old, new in family.mlx_experts.renames.items()}.get(m["projection"], m["projection"])
     return [f"{m['block']}experts.{e}.{stored}.weight" for e in range(experts)]
+
+
+# ------------------------------------------------------------------ a text checkpoint under the model's own names
+
+
+def layout(config: dict):
+    """The family's MlxLayout (quantkit.arch.families.base) of a checkpoint's or an artifact's config.json: its
+    text model under other names in its mlx-lm model (None: the Hugging Face names as stored)."""
+    family = of_config(config)
+    return family.mlx_layout if family is not None else None
+
+
+def written_name(config: dict, name: str) -> str | None:
+    """The name a checkpoint tensor (or module) is written under: the layout's prefix before it; None where the
+    layout drops it (its mlx-lm model's sanitize drops it)."""
+    found = layout(config)
+    if found is None:
+        return name
+    return None if name.startswith(found.dropped) else found.prefix + name
+
+
+def dropped_names(config: dict, names) -> list[str]:
+    """The checkpoint's tensors not written, as the family's mlx-lm model has no module for them (Qwen3.5's MTP
+    layers)."""
+    return [name for name in names if written_name(config, name) is None]
+
+
+def written_tensor(config: dict, name: str, tensor):
+    """A 16-bit tensor as the family's mlx-lm sanitize would make it (the layout's rules), as mlx_lm.convert
+    writes it."""
+    rule = layout_rule(config, name)
+    return tensor if rule is None else rule.forward(tensor)
+
+
+def layout_rule(config: dict, name: str):
+    """The layout's rule for a tensor by its Hugging Face name (None: as it is)."""
+    found = layout(config)
+    return next((r for r in found.rules if re.search(r.pattern, name)), None) if found is not None else None
+
+
+def checkpoint_name(config: dict, stored: str) -> str:
+    """The Hugging Face name of a tensor stored under the layout's prefix (written_name's way back)."""
+    found = layout(config)
+    return stored.removeprefix(found.prefix) if found is not None else stored
+
+
+def layout_uncast(config: dict, name: str) -> bool:
+    found = layout(config)
+    return found is not None and name.endswith(found.uncast)
 
 
 # ------------------------------------------------------------------ writing
@@ -232,7 +296,9 @@ class MLXWeights:
     """An MLX model directory's tensors by Hugging Face name (quantkit.eval.stream.WeightSource), each
     quantized weight dequantized exactly as mlx.core.dequantize does (quantkit.mlx.affine); a stacked expert
     projection (`switch_mlp`) as the checkpoint's per-expert weights (`experts`: per-expert name -> (stored
-    weight, expert)), each expert's slice read and dequantized on its own."""
+    weight, expert)), each expert's slice read and dequantized on its own; a family written in its mlx-lm model's
+    layout (MlxLayout: Qwen3.5) under the checkpoint's names and values again (`stored`: Hugging Face name ->
+    stored name)."""
 
     def __init__(self, model_dir: Path):
         from quantkit.io.checkpoint import weight_files
@@ -248,6 +314,8 @@ class MLXWeights:
             self.check_module(module)
         self.experts = {expert: (name, e) for name, entry in self.index.items()
                         for e, expert in enumerate(unstacked_names(self.config, name, entry.shape[0]))}
+        self.stored = {checkpoint_name(self.config, name): name for name in self.index
+                       if not name.endswith((".scales", ".biases"))}
 
     def check_module(self, module: str) -> None:
         precision = module_precision(self.config, module)
@@ -267,26 +335,33 @@ class MLXWeights:
 
     def keys(self) -> list[str]:
         stacked = {name for name, _e in self.experts.values()}
-        return [n for n in self.index if not n.endswith((".scales", ".biases")) and n not in stacked] + \
-            list(self.experts)
+        return [n for n, stored in self.stored.items() if stored not in stacked] + list(self.experts)
+
+    def checkpoint_name(self, stored: str) -> str:
+        """The Hugging Face name of a stored tensor (the name mlx-lm's module path gives)."""
+        return checkpoint_name(self.config, stored)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        stored, _expert = self.experts.get(name, (name, None))
+        import torch
+
+        stored, _expert = self.experts.get(name, (self.stored.get(name, name), None))
         module = stored.removesuffix(".weight")
         shape = tuple(self.index[stored].shape[1:] if name in self.experts else self.index[stored].shape)
         if module in self.quantized:
             return (*shape[:-1], shape[-1] * 32 // module_precision(self.config, module).bits)
-        return shape
+        rule = layout_rule(self.config, name)
+        return shape if rule is None else tuple(rule.inverse(torch.empty(shape, device="meta")).shape)
 
     def get(self, name: str):
         from quantkit.io.safetensors import read_stored, read_stored_rows
         from quantkit.mlx.affine import dequantize
 
-        stored, expert = self.experts.get(name, (name, None))
+        stored, expert = self.experts.get(name, (self.stored.get(name, name), None))
         module = stored.removesuffix(".weight")
         read = read_stored if expert is None else (lambda entry: read_stored_rows(entry, [expert])[0])
         if module not in self.quantized:
-            return read(self.index[stored])
+            rule = layout_rule(self.config, name)
+            return read(self.index[stored]) if rule is None else rule.inverse(read(self.index[stored]))
         precision = module_precision(self.config, module)
         return dequantize(read_words(self.index[stored], expert), read(self.index[f"{module}.scales"]),
                           read(self.index[f"{module}.biases"]), precision.bits, precision.group_size)
@@ -309,10 +384,13 @@ class MLXWeights:
                           precision.group_size)
 
     def transformers_config(self):
-        """The model's transformers config: config.json without the quantization blocks."""
+        """The model's transformers config: config.json without the quantization blocks (a family written in its
+        mlx-lm model's layout: its text_config, the checkpoint's config.json)."""
         from transformers import AutoConfig
 
         plain = {k: v for k, v in self.config.items() if k not in ("quantization", "quantization_config")}
+        if layout(plain) is not None:
+            plain = plain["text_config"]
         return AutoConfig.for_model(**without_mlx_lm_fields(plain))
 
     def stored_dtype(self) -> str:

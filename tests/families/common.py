@@ -180,7 +180,7 @@ def assert_mlx_lm_reads_as_quantkit(out: Path, ids: list[int] | None = None, tol
                                         bits=m.bits).astype(mx.float32))
         experts = unstacked_names(ours.config, name + ".weight", theirs.shape[0]) if theirs.ndim == 3 else []
         read = np.stack([ours.get(e).float().numpy() for e in experts]) if experts else \
-            ours.get(name + ".weight").float().numpy()
+            ours.get(ours.checkpoint_name(name + ".weight")).float().numpy()  # mlx-lm's module path: the stored name
         assert np.array_equal(theirs, read), name
     ids = ids or list(range(3, 40))
     theirs = np.array(float32_mlx_model(model)(mx.array(ids)[None]))[0]

@@ -4,7 +4,8 @@ layer_types), fewer key heads than value heads (so llama.cpp's value-head reorde
 artifact proven in its consumer.
 
 Fast: fp8, gptq and gguf through the CLI, and the refusals of a checkpoint whose config and tensors disagree.
-Slow: the other methods, GGUF against llama.cpp's converter and llama-quantize, MLX against mlx-lm, vLLM.
+Fast too: MLX against mlx-lm (its qwen3_5 model), and its refusal of layer types mlx-lm places otherwise.
+Slow: the other methods, GGUF against llama.cpp's converter and llama-quantize, vLLM.
 """
 
 from __future__ import annotations
@@ -170,11 +171,43 @@ def test_gguf_equals_llama_cpp(model, tmp_path):
         common.assert_llama_perplexity_runs(path, tmp_path)
 
 
-def test_mlx_is_refused_naming_what_mlx_lm_lacks(cli, model, tmp_path):
-    """mlx-lm 0.32 has no model for model_type qwen3_5_text (mlx_lm.load: "Model type qwen3_5_text not supported";
-    its qwen3_5 model loads the VLM checkpoints)."""
+def mlx_stored(out: Path) -> dict:
+    from safetensors import safe_open
+
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        return {k: f.get_slice(k).get_shape() for k in f.keys()}
+
+
+def test_mlx_lm_reads_it_as_quantkit(cli, model, tmp_path):
+    """mlx-lm 0.32 has no model for model_type qwen3_5_text: the artifact is what mlx_lm.convert writes for its
+    qwen3_5 model (config.json model_type qwen3_5 with the checkpoint's as text_config; the tensors under
+    language_model., conv1d's kernel axis last, the (1 + w) norms stored as 1 + w); mlx_lm.load builds the quantized
+    modules with exactly quantkit's weights and its logits follow quantkit's reading (float32, same weights)."""
     out = tmp_path / "out"
-    common.assert_refused(common.quantize(cli, model, out, "mlx", gate=False), out, "qwen3_5_text")
+    common.assert_passed(common.quantize(cli, model, out, "mlx", "--bits", "4", gate=False), out)
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "qwen3_5" and config["text_config"]["model_type"] == FAMILY
+    assert config["quantization"]["language_model.model.layers.0.linear_attn.in_proj_a"] is False
+    stored = mlx_stored(out)
+    assert stored["language_model.model.layers.0.linear_attn.conv1d.weight"] == [512, 4, 1]
+    assert "language_model.lm_head.scales" in stored and not any(k.startswith("model.") for k in stored)
+    common.assert_mlx_lm_reads_as_quantkit(out)
+
+
+def test_mlx_drops_the_mtp_layer_as_mlx_lm_does_and_says_so(cli, mtp_model, tmp_path):
+    out = tmp_path / "out"
+    entry = common.assert_passed(common.quantize(cli, mtp_model, out, "mlx", "--bits", "4", gate=False), out)
+    assert entry["details"]["mtp_layers"].startswith("not written: 15 mtp.* tensors; mlx-lm's qwen3_5")
+    assert not any("mtp" in k for k in mlx_stored(out))
+    common.assert_mlx_lm_reads_as_quantkit(out)
+
+
+def test_mlx_refuses_layer_types_mlx_lm_would_place_otherwise(cli, model, tmp_path):
+    """mlx-lm's qwen3_5 places the attention layers by full_attention_interval alone (it reads no layer_types)."""
+    swapped = common.copy_with_config(model, tmp_path / "model", full_attention_interval=1)
+    out = tmp_path / "out"
+    common.assert_refused(common.quantize(cli, swapped, out, "mlx", gate=False), out,
+                          "full_attention_interval = 1", "layer 0")
 
 
 @pytest.mark.slow

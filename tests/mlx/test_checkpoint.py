@@ -34,3 +34,34 @@ def test_a_dense_family_has_no_stacks():
     config = {"model_type": "llama"}
     assert expert_stacks(config, expert_names("mlp", ("gate_proj",))) == {}
     assert unstacked_names(config, "model.layers.1.mlp.switch_mlp.gate_proj.weight", 2) == []
+
+
+def test_qwen35_is_written_in_mlx_lm_s_qwen3_5_layout_and_read_back():
+    """Qwen3.5's text checkpoint as mlx_lm.convert writes mlx-lm's qwen3_5 model: config.json nesting the
+    checkpoint's as text_config, names under language_model., mtp.* dropped; conv1d and the (1 + w) norms as its
+    sanitize makes them (the gated linear_attn.norm as it is), and each taken back exactly."""
+    import torch
+
+    from quantkit.mlx.checkpoint import (checkpoint_name, keeps_dtype, layout, mlx_config, written_name,
+                                         written_tensor)
+
+    config = {"model_type": "qwen3_5_text", "tie_word_embeddings": False, "eos_token_id": 2,
+              "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25}}
+    written = mlx_config(config, {"bits": 4, "group_size": 64})
+    assert written["model_type"] == "qwen3_5" and written["text_config"]["model_type"] == "qwen3_5_text"
+    assert written["text_config"]["rope_theta"] == 1e7 and written["eos_token_id"] == 2
+    assert layout(written) is layout(config) is not None
+    assert written_name(config, "lm_head.weight") == "language_model.lm_head.weight"
+    assert written_name(config, "mtp.fc.weight") is None
+    assert checkpoint_name(written, "language_model.model.norm.weight") == "model.norm.weight"
+    assert keeps_dtype(config, "model.layers.0.linear_attn.A_log")
+    conv = torch.randn(8, 1, 4).to(torch.bfloat16)
+    stored = written_tensor(config, "model.layers.0.linear_attn.conv1d.weight", conv)
+    assert stored.shape == (8, 4, 1) and torch.equal(stored[:, 1, 0], conv[:, 0, 1])
+    norm = (0.1 * torch.randn(16)).to(torch.bfloat16)
+    for name in ("model.norm.weight", "model.layers.1.input_layernorm.weight",
+                 "model.layers.1.self_attn.q_norm.weight"):
+        assert torch.equal(written_tensor(config, name, norm), (norm.float() + 1).to(torch.bfloat16)), name
+    gated = "model.layers.0.linear_attn.norm.weight"
+    assert written_tensor(config, gated, norm) is norm
+    assert layout({"model_type": "llama"}) is None and written_name({"model_type": "llama"}, "lm_head") == "lm_head"

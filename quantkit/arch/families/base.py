@@ -91,6 +91,30 @@ class MlxExperts:
     uncast: tuple[str, ...] = ()
 
 
+@dataclass(frozen=True)
+class MlxRule:
+    """One value change the family's mlx-lm `sanitize` makes of a Hugging Face tensor (those whose name matches
+    `pattern`, re.search): the artifact stores the changed tensor, as mlx_lm.convert writes it (its sanitize then
+    leaves it as it is), and quantkit's reading takes it back."""
+
+    pattern: str
+    forward: Callable  # forward(torch tensor as stored) -> the tensor mlx-lm's sanitize makes of it
+    inverse: Callable  # inverse(torch tensor read from the artifact) -> the Hugging Face tensor (any device: meta too)
+
+
+@dataclass(frozen=True)
+class MlxLayout:
+    """How the family's mlx-lm model holds a text checkpoint where it is not under the Hugging Face names (a VLM's
+    model that also loads the text model alone: Qwen3.5's qwen3_5), in the form mlx_lm.convert writes: config.json
+    with the family's `mlx` as model_type and the checkpoint's own config.json as `text_config`, every tensor under
+    `prefix` (the text model's module path), `rules` applied, `dropped` not written."""
+
+    prefix: str  # prepended to each Hugging Face tensor name (mlx-lm's module path of the text model)
+    rules: tuple[MlxRule, ...] = ()
+    dropped: tuple[str, ...] = ()  # name prefixes of the tensors its sanitize drops (the MTP layers): not written
+    uncast: tuple[str, ...] = ()  # name suffixes its cast_predicate keeps in their stored dtype (A_log)
+
+
 # ---------------------------------------------------------------- GGUF (llama.cpp's converter class, as data)
 
 
@@ -269,6 +293,8 @@ class Family:
     # an MoE family's routed experts as that model stacks them (None: a dense family, or its MoE refused by mlx)
     mlx_experts: MlxExperts | None = None
     mlx_refusal: str = ""  # why the mlx method refuses the family ("": the generic reason)
+    # the text checkpoint as that model holds it under other names (None: under the Hugging Face names as stored)
+    mlx_layout: MlxLayout | None = None
     config: ConfigRules | None = None  # None: config.json is completed through transformers
     # why the llm-compressor methods refuse the family's mixture-of-experts variant ({method}: the method's
     # name), where its experts have no layout (`moe` None); "": the generic refusal

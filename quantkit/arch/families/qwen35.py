@@ -11,15 +11,20 @@ the norms.
 
 GGUF: llama.cpp conversion/qwen.py's Qwen3_5TextModel (Qwen3NextModel's keys and tensor changes after
 _LinearAttentionVReorderBase's value-head reorder: quantkit.arch.families.deltanet; the recurrent layers
-written from layer_types; the MTP layers as its nextn block). MLX: refused, mlx-lm 0.32 has no model for
-model_type qwen3_5_text (its qwen3_5 model loads the VLM checkpoints, model_type qwen3_5 with a text_config;
-it drops the MTP layers and places the attention layers by full_attention_interval alone).
+written from layer_types; the MTP layers as its nextn block). MLX: mlx-lm 0.32 has no model for model_type
+qwen3_5_text; its qwen3_5 model (the VLM checkpoints', model_type qwen3_5 with a text_config) loads the text model
+when it is written as mlx_lm.convert writes that model (QWEN35_MLX): config.json model_type qwen3_5 with the
+checkpoint's own as text_config, the tensors under language_model., and what its sanitize does applied (conv1d's
+kernel axis last, the (1 + w) RMSNorms stored as 1 + w, the MTP layers dropped, A_log in its stored dtype). It
+places the attention layers by full_attention_interval alone (it reads no layer_types): a checkpoint whose
+layer_types place them otherwise is refused before work (check_mlx_layers), as is a RoPE type other than default.
 
 GGUF types every tensor as llama-quantize does: conv1d, A_log, dt_bias and the norms F32, ssm_alpha/ssm_beta
 (in_proj_a/b) quantized as llama-quantize quantizes them. The MTP layers (`mtp.*`, which transformers does not
 load), per format: GGUF writes them as llama.cpp's nextn block (the converter's default); the compressed-tensors
 methods carry them as stored (compressed-tensors' own MTP handling: a model_mtp.safetensors shard, `re:^mtp.*`
-ignored) for vLLM's MTP draft; nf4 does not write them and says so in the report; MLX is refused.
+ignored) for vLLM's MTP draft; nf4 and MLX (mlx-lm's qwen3_5 has no MTP layer) do not write them and say so in
+the report.
 
 Qwen3.5-MoE (Qwen3_5MoeForCausalLM, model_type qwen3_5_moe_text) and Qwen3-Next (Qwen3NextForCausalLM, the
 80B-A3B line) are the same hybrid with every MLP a mixture of experts: routed experts stored one tensor per expert
@@ -49,7 +54,7 @@ import re
 import numpy as np
 
 from quantkit.arch.families import deltanet, text
-from quantkit.arch.families.base import Family, Gguf, Kept, Mapping, MoeLayout, TensorRule
+from quantkit.arch.families.base import Family, Gguf, Kept, Mapping, MlxLayout, MlxRule, MoeLayout, TensorRule
 from quantkit.arch.families.llama import GATE_UP
 from quantkit.errors import ModelError, UnsupportedError
 
@@ -260,12 +265,75 @@ QWEN3_NEXT_RULES = (
 QWEN3_NEXT_GGUF = Gguf("QWEN3NEXT", add_qwen3_next_params, "gpt2", experts="qwen", shared_expert=True,
                        rules=QWEN3_NEXT_RULES, tensor_checks=(check_no_mtp,))
 
+# ---------------------------------------------------------------- MLX (mlx-lm's qwen3_5)
+
+
+def mlx_placement(hp: dict) -> list[str]:
+    """The layer types mlx-lm's qwen3_5 builds: every full_attention_interval-th layer a full-attention one (its
+    DecoderLayer reads no layer_types; its default interval 4, as transformers')."""
+    interval = hp.get("full_attention_interval") or 4
+    return ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(hp["num_hidden_layers"])]
+
+
+def check_mlx_layers(config: dict) -> None:
+    """mlx-lm's qwen3_5 places the attention layers by full_attention_interval alone: a checkpoint whose
+    layer_types place them otherwise would be another model there (refused before work)."""
+    hp = text.text_hparams(config)
+    ours, theirs, interval = layer_types(config), mlx_placement(hp), hp.get("full_attention_interval") or 4
+    if ours != theirs:
+        first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+        raise UnsupportedError(f"mlx: layer_types makes layer {first} "
+                               f"{ours[first] if first < len(ours) else 'absent'}, but mlx-lm's qwen3_5 places the "
+                               f"attention layers by full_attention_interval = {interval} alone (it reads no "
+                               "layer_types): it would build another model",
+                               hint="use --method gguf for llama.cpp on Apple silicon (it writes the layer types)")
+
+
+def check_mlx_rope(config: dict) -> None:
+    """mlx-lm's qwen3_5 hands rope_parameters to its own initialize_rope; quantkit proves it against transformers for
+    the default RoPE (Qwen3.5's) only."""
+    kind = text.rope_parameters(text.text_hparams(config)).get("rope_type", "default")
+    if kind != "default":
+        raise UnsupportedError(f"mlx: RoPE type '{kind}': mlx-lm's qwen3_5 is written by quantkit for the default "
+                               "RoPE only", hint="use --method gguf for llama.cpp on Apple silicon")
+
+
+def conv1d_to_mlx(x):
+    return x.movedim(2, 1)  # [channels, 1, kernel] -> mlx's Conv1d [channels, kernel, 1]
+
+
+def conv1d_from_mlx(x):
+    return x.movedim(1, 2)
+
+
+def norm_to_mlx(x):
+    return (x.float() + 1).to(x.dtype)  # mlx-lm's nn.RMSNorm scales by its weight: 1 + w, rounded to the stored dtype
+
+
+def norm_from_mlx(x):
+    return x.float() - 1  # exact in float32: the (1 + w) mlx-lm computes with, as transformers' 1 + w
+
+
+# mlx-lm's qwen3_5 sanitize, as mlx_lm.convert writes its result: the text model under language_model. (lm_head as
+# language_model.lm_head), conv1d's kernel axis last, every (1 + w) RMSNorm (not the gated linear_attn.norm) stored
+# as 1 + w, the MTP layers dropped, A_log in its stored dtype (its cast_predicate)
+QWEN35_MLX = MlxLayout(
+    prefix="language_model.",
+    rules=(MlxRule(r"linear_attn\.conv1d\.weight$", conv1d_to_mlx, conv1d_from_mlx),
+           MlxRule(r"(\.input_layernorm|\.post_attention_layernorm|\.q_norm|\.k_norm|^model\.norm)\.weight$",
+                   norm_to_mlx, norm_from_mlx)),
+    dropped=("mtp.",),
+    uncast=("A_log",),
+)
+
+
 QWEN35 = Family(
     "qwen3_5_text", "Qwen3_5ForCausalLM", "Qwen3.5",
     kept=KEPT,
     smoothing=QWEN35_ROWS,
     gguf={"Qwen3_5ForCausalLM": QWEN35_GGUF, "Qwen3_5ForConditionalGeneration": QWEN35_GGUF},
     checks=(check_layers,),
+    mlx="qwen3_5", mlx_layout=QWEN35_MLX, mlx_checks=(check_mlx_layers, check_mlx_rope),
 )
 
 QWEN35_MOE = Family(
