@@ -42,9 +42,9 @@ from quantkit.eval.stream import (
     WeightSource,
     build_meta_model,
     last_hidden,
-    logits_blocks,
     score_group,
     source_names,
+    streamed_logits,
     windows_per_group,
 )
 from quantkit.io.memory import release_freed_memory
@@ -182,12 +182,12 @@ def decoder_resident(model, config, source: WeightSource, device) -> ResidentMod
 
     tables = table_names(model)
     materialize(model, source, device, skip=tables)
+    weights = WeightsMap(source, source_names(model, source))
     if tables:
         name = next(n for n, m in model.named_modules() if m is model.get_input_embeddings())
-        weights = WeightsMap(source, source_names(model, source))
         add_hook_to_module(model.get_input_embeddings(), gather_hook(weights, f"{name}.weight", device))
     softcap = config.get_text_config().to_dict().get("final_logit_softcapping")
-    return ResidentModel(model.eval(), device, softcap, WeightsMap(source, source_names(model, source)))
+    return ResidentModel(model.eval(), device, softcap, weights)
 
 
 def weight_bytes(model, skip: frozenset = frozenset()) -> int:
@@ -250,12 +250,10 @@ def resident_logits(resident: ResidentModel, ids) -> "torch.Tensor":  # noqa: F8
     greedy generations read it), on the CPU."""
     import torch
 
+    if resident.tables is not None:
+        return streamed_logits(resident.view(), ids, TABLE_LOGITS_BYTES)
     with torch.inference_mode():
         hidden = resident.model.get_decoder()(input_ids=ids.to(resident.device), use_cache=False).last_hidden_state
-        if resident.tables is not None:
-            flat = hidden.reshape(-1, hidden.shape[-1])
-            blocks = [torch.from_numpy(b) for b in logits_blocks(resident.view(), flat, TABLE_LOGITS_BYTES)]
-            return torch.cat(blocks).reshape(*hidden.shape[:-1], -1)
         return head_logits(resident.head, resident.softcap, hidden).float().cpu()
 
 

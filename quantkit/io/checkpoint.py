@@ -15,6 +15,7 @@ from pathlib import Path
 from quantkit.errors import ModelError
 from quantkit.io.hub import HubSource, fetch, parse_hub_id
 from quantkit.io.safetensors import (
+    DTYPE_BYTES,
     StoredTensor,
     read_safetensors_header,
     read_stored,
@@ -178,6 +179,20 @@ def weight_files(path: Path) -> list[Path]:
 
 
 LAYER_PREFIX = re.compile(r"^(.*\.layers\.\d+)\.")
+
+
+def unit_bytes(info: ModelInfo) -> tuple[dict[str, int], dict[str, int]]:
+    """Stored bytes per streamed unit: (every other module: embeddings, head, norms; each decoder
+    layer), grouped by the same rule as quantkit.engines.transformers.offload_device_map."""
+    import math
+
+    others: dict[str, int] = {}
+    layers: dict[str, int] = {}
+    for name, (dtype, shape) in info.tensors.items():
+        match = LAYER_PREFIX.match(name)
+        units, unit = (layers, match.group(1)) if match else (others, name.rsplit(".", 1)[0])
+        units[unit] = units.get(unit, 0) + math.prod(shape) * DTYPE_BYTES.get(dtype, 1)
+    return others, layers
 
 
 def is_offloaded_table(module: str) -> bool:

@@ -266,20 +266,10 @@ def working_set(info, options: Options) -> int:
     """What loading the checkpoint with the bitsandbytes config holds (needs_model is False: the run loads no model
     for it): the decoder layers at stored_bits, every tensor outside them (the embedding table, norms, the head kept
     16-bit) as stored, and one decoder layer in 16 bits while it is quantized."""
-    import math
+    from quantkit.io.checkpoint import unit_bytes
 
-    from quantkit.io.checkpoint import LAYER_PREFIX
-    from quantkit.io.safetensors import DTYPE_BYTES
-
-    others, layers = 0, {}
-    for name, (dtype, shape) in info.tensors.items():
-        size = math.prod(shape) * DTYPE_BYTES.get(dtype, 1)
-        match = LAYER_PREFIX.match(name)
-        if match:
-            layers[match.group(1)] = layers.get(match.group(1), 0) + size
-        else:
-            others += size
-    return others + int(sum(layers.values()) * stored_bits(options) / 16) + max(layers.values(), default=0)
+    others, layers = unit_bytes(info)
+    return sum(others.values()) + int(sum(layers.values()) * stored_bits(options) / 16) + max(layers.values(), default=0)
 
 
 def stored_bits(options: Options) -> float:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from quantkit.errors import InputError
+from quantkit.io.checkpoint import unit_bytes
 from quantkit.methods import MethodSpec
 
 
@@ -118,21 +119,6 @@ class RamEstimate:
 
     def describe(self) -> str:
         return ", ".join(f"{name} {_size(n)}" for name, n in self.steps.items())
-
-
-def unit_bytes(info) -> tuple[dict[str, int], dict[str, int]]:
-    """Stored bytes per streamed unit: (every other module: embeddings, head, norms; each decoder
-    layer), grouped by the same rule as quantkit.engines.transformers.offload_device_map."""
-    from quantkit.io.checkpoint import LAYER_PREFIX
-    from quantkit.io.safetensors import DTYPE_BYTES
-
-    others: dict[str, int] = {}
-    layers: dict[str, int] = {}
-    for name, (dtype, shape) in info.tensors.items():
-        match = LAYER_PREFIX.match(name)
-        units, unit = (layers, match.group(1)) if match else (others, name.rsplit(".", 1)[0])
-        units[unit] = units.get(unit, 0) + math.prod(shape) * DTYPE_BYTES.get(dtype, 1)
-    return others, layers
 
 
 def ram_estimate(info, recipe, targets, placement=None) -> RamEstimate:
