@@ -91,6 +91,31 @@ def test_compressed_tensors_gates_stream_unless_the_head_is_quantized(micro_mode
             assert steps[f"{method}: gate"] == steps["baseline"]
 
 
+def test_a_fallback_adds_its_steps_to_the_estimate(micro_model, tmp_path):
+    """--fallback's steps are estimated under the names the report gives their peaks: each requantization as
+    the quantize step, each measurement as the gate, the probes as the streamed float32 forward with the
+    inputs it records; without a fallback there are none."""
+    from quantkit.io.checkpoint import check_model_dir
+    from quantkit.run.pipeline import RunOptions, prepare
+    from quantkit.run.preflight import largest_matrix, probe_bytes, ram_estimate, streamed_bytes
+    from quantkit.run.recipe import validate
+
+    info = check_model_dir(micro_model)
+    for method in ("fp8", "gptq"):
+        recipe = validate({"model": str(micro_model), "calibration": {"num_samples": 16, "seq_len": 64},
+                           "targets": [{"name": method, "method": method, "options": {"fallback": {}}}]})
+        _info, targets, placement = prepare(recipe, RunOptions(model=str(micro_model), out=tmp_path / "x"))
+        steps = ram_estimate(info, recipe, targets, placement).steps
+        assert steps[f"{method}: fallback: eval"] == steps[f"{method}: gate"]
+        assert steps[f"{method}: fallback: requantize"] == steps[f"{method}: quantize"]
+        recorded = 4 * info.config["num_hidden_layers"] * 16 * 64 * info.config["hidden_size"]
+        assert probe_bytes(info, recipe) >= 2 * largest_matrix(info) + streamed_bytes(info, 64, 16) + recorded
+        assert steps[f"{method}: fallback: sensitivity"] >= probe_bytes(info, recipe)
+        plain = validate({"model": str(micro_model), "targets": [{"name": method, "method": method}]})
+        _info, targets, placement = prepare(plain, RunOptions(model=str(micro_model), out=tmp_path / "x"))
+        assert not [s for s in ram_estimate(info, plain, targets, placement).steps if "fallback" in s]
+
+
 def test_vram_estimate_streams_and_refuses_when_the_gpu_is_too_small(micro_model, tmp_path):
     from quantkit.errors import InputError
     from quantkit.eval.stream import ACTIVATION_BYTES, HEAD_SLICE_BYTES

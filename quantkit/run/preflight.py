@@ -134,6 +134,7 @@ def ram_estimate(info, recipe, targets, placement=None) -> RamEstimate:
       (fp8's model-free slabs); a compressed-tensors text decoder's gate is streamed like the base, a module
       decompressed at a time (quantkit.eval.compressed); any other compressed-tensors or bitsandbytes
       artifact is reloaded whole at its bits;
+    - a target with a gate-driven fallback adds the fallback's steps (fallback_steps);
     - every step after the baseline also holds the baseline's log-probs kept in memory (kept_baseline_bytes)."""
     from quantkit.eval.scorers import Placement
     from quantkit.eval.stream import ACTIVATION_BYTES
@@ -159,7 +160,34 @@ def ram_estimate(info, recipe, targets, placement=None) -> RamEstimate:
             steps[f"{t.name}: quantize"] = working + kept
         if c.eval_windows:
             steps[f"{t.name}: gate"] = gate_bytes(t, info, recipe, placement, whole, streamed) + kept
+        if c.eval_windows and getattr(t.options, "fallback", None) is not None:
+            steps.update(fallback_steps(t.name, steps, info, recipe, kept))
     return RamEstimate(steps)
+
+
+def fallback_steps(name: str, steps: dict[str, int], info, recipe, kept: int) -> dict[str, int]:
+    """The steps a target's gate-driven fallback adds (quantkit.run.fallback, peaks reported under the same
+    names): the sensitivity ladder's probes (probe_bytes), each requantization as the quantize step, each
+    measurement of a raised artifact as the gate (its decoder read at the stored dtype whatever it raised)."""
+    added = {f"{name}: fallback: sensitivity": probe_bytes(info, recipe) + kept}
+    if f"{name}: quantize" in steps:
+        added[f"{name}: fallback: requantize"] = steps[f"{name}: quantize"]
+    added[f"{name}: fallback: eval"] = steps[f"{name}: gate"]
+    return added
+
+
+def probe_bytes(info, recipe) -> int:
+    """What the ladder's probes hold (quantkit.mixed.sensitivity.probe_klds, on at most every calibration
+    window): the layer-streamed float32 forward (a decoder matrix in float32 and streamed_bytes), the float32
+    inputs it records of the layers the probes start at (every decoder layer, at most) and the probes' own
+    baseline log-probs where they stay in memory (below evaluate.SPILL_THRESHOLD)."""
+    from quantkit.eval.scorers import Placement
+
+    c, shape = recipe.calibration, text_shape(info)
+    text = info.config.get("text_config") or info.config
+    recorded = 4 * int(text.get("num_hidden_layers") or 0) * c.num_samples * c.seq_len * shape.hidden_size
+    probes_baseline = kept_baseline_bytes(info, c.seq_len, c.num_samples, Placement(False))
+    return 2 * largest_matrix(info) + streamed_bytes(info, c.seq_len, c.num_samples) + recorded + probes_baseline
 
 
 def gate_bytes(target, info, recipe, placement, whole: dict[str, int], streamed: int) -> int:
