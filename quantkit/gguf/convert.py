@@ -41,7 +41,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from quantkit.arch.families import gguf_conversions
+from quantkit.arch.families import gguf_conversions, gguf_refusals
 from quantkit.arch.families.base import Gguf, TensorRule
 from quantkit.arch.families.text import find, full_rope, rope_parameters, shift_norm, text_hparams
 from quantkit.errors import InputError, InternalError, UnsupportedError
@@ -52,6 +52,9 @@ from quantkit.gguf.mixture import T
 # HF `architectures[0]` -> how llama.cpp converts it (convert_hf_to_gguf.py's registrations), from the family
 # records (quantkit.arch.families: each family's `gguf`)
 ARCHITECTURES: dict[str, Gguf] = gguf_conversions()
+# HF `architectures[0]` -> why quantkit refuses it though the converter registers a class for it (the families'
+# `gguf_refusal`)
+REFUSED: dict[str, str] = gguf_refusals()
 # VLMs whose language model convert_hf_to_gguf.py converts only through text_config.architectures
 # (get_model_architecture prefers it over architectures[0]; neither class is registered as a text model)
 ROUTED_BY_TEXT_CONFIG = {
@@ -174,6 +177,10 @@ def arch_spec(config: dict) -> Gguf:
                                "converter converts this VLM's language model only through it)",
                                hint=f"{ROUTED_BY_TEXT_CONFIG[arch]}; supported there: "
                                     + ", ".join(supported_architectures()))
+    if arch in REFUSED:
+        raise UnsupportedError(f"GGUF conversion of {arch}: {REFUSED[arch]}",
+                               hint="convert it with llama.cpp's convert_hf_to_gguf.py where it can, then quantize "
+                                    "with llama-quantize")
     if arch not in ARCHITECTURES:
         raise UnsupportedError(f"GGUF conversion does not support architecture '{arch}'",
                                hint="supported: " + ", ".join(supported_architectures()))

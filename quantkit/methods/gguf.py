@@ -617,9 +617,11 @@ def support(family) -> str:
     """A text family converts when llama.cpp's converter has its architecture; a VLM also needs an
     mmproj conversion for its towers (`mmproj: none` is the opt-in language-model-only output)."""
     from quantkit.gguf import mmproj
-    from quantkit.gguf.convert import ROUTED_BY_TEXT_CONFIG, supported_architectures
+    from quantkit.gguf.convert import REFUSED, ROUTED_BY_TEXT_CONFIG, supported_architectures
 
     converts = family.architecture in supported_architectures()
+    if family.architecture in REFUSED:
+        return f"refused: {REFUSED[family.architecture]}"
     if not family.is_vlm:
         return "✅" if converts else "refused: the converter lacks this architecture"
     if not (converts or family.architecture in ROUTED_BY_TEXT_CONFIG):

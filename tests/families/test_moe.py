@@ -7,8 +7,9 @@ same path for every family: llm-compressor's linear experts, then quantkit's rea
 MoE, MiniMax-M2, GLM-4.5 and Qwen3.5-MoE (with and without their MTP layer), DeepSeek-V3 and Qwen3-Next, MLX of
 the families mlx-lm loads stacked (with the older Qwen2-MoE, Qwen3-MoE and Mixtral) read by mlx-lm, and the refusals
 (GGUF of the other families and of Qwen3-Next's MTP layers, MLX of the other families, each with its reason; MLX of
-what an mlx-lm model would read otherwise). Slow: the other methods on every family, GGUF against llama.cpp's
-converter and llama-quantize.
+what an mlx-lm model would read otherwise; GGUF of Hunyuan MoE with the converter's reason). Slow: the other methods
+on every family, GGUF against llama.cpp's converter and llama-quantize, and llama.cpp's converter failing on Hunyuan
+MoE as that refusal says.
 """
 
 from __future__ import annotations
@@ -647,6 +648,31 @@ def test_hunyuan_experts_wider_than_transformers_builds_them_refused(cli, tmp_pa
                                     moe_intermediate_size=[256, 256])
     out = tmp_path / "out"
     common.assert_refused(common.quantize(cli, model, out, "fp8"), out, "moe_intermediate_size")
+
+
+def test_gguf_of_hunyuan_moe_refused_with_the_converters_reason(cli, models, tmp_path):
+    """llama.cpp's HunYuanMoEModel reads the vocabulary only through the remote tiktoken tokenizer code: exit 2
+    before work, naming it and the config lists the converter reads."""
+    out = tmp_path / "out"
+    common.assert_refused(common.quantize(cli, models("hunyuan_v1_moe"), out, "gguf"), out,
+                          "HunYuanMoEV1ForCausalLM", "tiktoken", "mergeable_ranks", "moe_topk", "convert_hf_to_gguf.py")
+
+
+@pytest.mark.slow
+def test_llama_cpp_converter_fails_on_hunyuan_moe_as_the_refusal_says(models, tmp_path):
+    """The refusal's reasons, in convert_hf_to_gguf.py itself: on transformers 5's config (a moe_topk number, no
+    moe_intermediate_size) it fails reading moe_intermediate_size; with the remote-code config's per-layer lists it
+    gets past its keys and fails reading mergeable_ranks from transformers' tokenizer.json tokenizer."""
+    from tests.gguf.test_vs_converter import run_converter
+
+    model = models("hunyuan_v1_moe")
+    run = run_converter(model, tmp_path / "theirs.gguf", "bf16", "gpt-2")
+    assert run.returncode != 0 and "KeyError: 'moe_intermediate_size'" in run.stderr, run.stderr[-3000:]
+    lists = common.copy_with_config(model, tmp_path / "lists", moe_intermediate_size=[512, 512], moe_topk=[2, 2],
+                                    num_shared_expert=[1, 1])
+    run = run_converter(lists, tmp_path / "theirs-lists.gguf", "bf16", "gpt-2")
+    assert run.returncode != 0 and "has no attribute mergeable_ranks" in run.stderr, run.stderr[-3000:]
+    assert not (tmp_path / "theirs.gguf").exists() and not (tmp_path / "theirs-lists.gguf").exists()
 
 
 @pytest.mark.parametrize("family, tensor, words", [

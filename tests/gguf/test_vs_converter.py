@@ -56,13 +56,19 @@ def need_llama_src() -> Path:
     return LLAMA_SRC
 
 
-def reference_gguf(model: Path, out: Path, outtype: str, pre: str | None, extra: tuple[str, ...] = ()) -> Path:
-    """convert_hf_to_gguf.py's output, run with llama.cpp's own gguf-py (`extra`: more converter options)."""
+def run_converter(model: Path, out: Path, outtype: str, pre: str | None,
+                  extra: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """convert_hf_to_gguf.py run with llama.cpp's own gguf-py (`extra`: more converter options)."""
     src = need_llama_src()
     code = RUNNER.format(src=str(src), pre=pre, script=str(src / "convert_hf_to_gguf.py"),
                          args=[str(model), "--outtype", outtype, "--outfile", str(out), *extra])
     env = {**os.environ, "PYTHONPATH": f"{src / 'gguf-py'}{os.pathsep}{ROOT}", "HF_HUB_OFFLINE": "1"}
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+
+
+def reference_gguf(model: Path, out: Path, outtype: str, pre: str | None, extra: tuple[str, ...] = ()) -> Path:
+    """convert_hf_to_gguf.py's output (`extra`: more converter options)."""
+    run = run_converter(model, out, outtype, pre, extra)
     assert run.returncode == 0, run.stderr[-3000:]
     return out
 

@@ -71,6 +71,11 @@ def gguf_conversions() -> dict[str, Gguf]:
     return {arch: spec for f in all_families() for arch, spec in f.gguf.items()}
 
 
+def gguf_refusals() -> dict[str, str]:
+    """Hugging Face architecture -> why its GGUF conversion is refused, over the families that state a reason."""
+    return {f.architecture: f.gguf_refusal for f in all_families() if f.gguf_refusal}
+
+
 def model_types(has) -> list[str]:
     """The sorted model_types of the families for which `has(family)` is true."""
     return sorted(f.model_type for f in all_families() if has(f))

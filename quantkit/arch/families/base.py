@@ -293,6 +293,9 @@ class Family:
     # an MoE family's routed experts as that model stacks them (None: a dense family, or its MoE refused by mlx)
     mlx_experts: MlxExperts | None = None
     mlx_refusal: str = ""  # why the mlx method refuses the family ("": the generic reason)
+    # why the gguf method refuses the family where llama.cpp's converter has a class for its architecture that
+    # cannot convert what quantkit reads (`gguf` empty); "": the generic reason (no such class)
+    gguf_refusal: str = ""
     # the text checkpoint as that model holds it under other names (None: under the Hugging Face names as stored)
     mlx_layout: MlxLayout | None = None
     config: ConfigRules | None = None  # None: config.json is completed through transformers

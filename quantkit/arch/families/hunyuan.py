@@ -19,7 +19,16 @@ projection (`mlp.experts.<e>.{gate,up,down}_proj`, each `intermediate_size` wide
 shared MLP (`mlp.shared_mlp`) and a softmax router whose Linear is `mlp.gate.wg` (kept 16-bit, quantkit.arch.roles).
 The llm-compressor methods calibrate every expert on every token. A config.json whose `moe_intermediate_size`
 is not `intermediate_size` (or is a per-layer list) is refused before work: llm-compressor's linear experts take
-their width from it, transformers' experts from intermediate_size. No GGUF conversion yet.
+their width from it, transformers' experts from intermediate_size.
+
+GGUF of Hunyuan MoE is refused before work (MOE_GGUF_REFUSAL). llama.cpp's HunYuanMoEModel (hunyuan_moe: routed
+experts stacked into ffn_*_exps, the shared MLP as ffn_*_shexp, `mlp.gate.wg` as ffn_gate_inp) reads its vocabulary
+only through the checkpoint's own tiktoken tokenizer code (AutoTokenizer with trust_remote_code, its
+`mergeable_ranks` and `special_tokens`), which quantkit does not run; on transformers' own tokenizer
+(tokenizer.json) it fails ("TokenizersBackend has no attribute mergeable_ranks"). Its set_gguf_parameters reads
+the remote-code config.json's per-layer lists `moe_intermediate_size`, `moe_topk` and `num_shared_expert`, and on
+a config as transformers 5 writes it (a `moe_topk` number, no moe_intermediate_size) fails first
+(KeyError 'moe_intermediate_size'). So no checkpoint quantkit reads converts there.
 """
 
 from __future__ import annotations
@@ -126,8 +135,14 @@ def check_expert_width(info) -> None:
                          hint=f"where every expert is {built} wide, remove moe_intermediate_size from config.json")
 
 
+MOE_GGUF_REFUSAL = ("llama.cpp's converter (HunYuanMoEModel) reads the vocabulary only through the checkpoint's own "
+                    "tiktoken tokenizer code (its mergeable_ranks), which quantkit does not run, and fails on "
+                    "transformers' tokenizer.json one (no mergeable_ranks); it also fails on a config.json without "
+                    "the per-layer lists moe_intermediate_size, moe_topk and num_shared_expert (as transformers 5 "
+                    "writes it)")
+
 HUNYUAN_MOE = Family("hunyuan_v1_moe", "HunYuanMoEV1ForCausalLM", "Hunyuan MoE", smoothing=ROUTED_ROWS, moe=MoeLayout(),
-                     experts_by_name=ExpertCheckpoint(), checks=(check_expert_width,),
+                     experts_by_name=ExpertCheckpoint(), checks=(check_expert_width,), gguf_refusal=MOE_GGUF_REFUSAL,
                      mlx_refusal="mlx-lm 0.32 has no model for model_type hunyuan_v1_moe (its hunyuan model reads "
                                  "the remote-code checkpoints' fused qkv_proj and gate_and_up_proj)")
 
