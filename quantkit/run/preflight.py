@@ -659,16 +659,23 @@ def describe_placement(placement, info, seq_len: int, windows: int | None = None
     if placement.resident:
         batch = windows_per_group(text_shape(info), seq_len, placement.activation_bytes)
         batch = min(batch, windows) if windows else batch
-        kept = (", the base scored beside each artifact" if placement.lockstep
-                else ", the baseline's log-probs in memory" if not placement.spill
-                else "" if not windows  # where they go is not known without the windows
-                else ", the baseline's log-probs in a file" if spills(info, seq_len, windows)
-                else ", the baseline's log-probs in memory")
+        kept = where_baseline_goes(placement, info, seq_len, windows)
         return f"gate: resident on {placement.device}, batch {batch}{kept} ({placement.why})"
     _others, layers = unit_bytes(info)
     kept = ", the baseline's log-probs in a file" if placement.spill else ", the baseline's log-probs in memory"
     return (f"gate: streamed on {placement.device}, {_size(max(layers.values(), default=0))} per layer{kept} "
             f"({placement.why})")
+
+
+def where_baseline_goes(placement, info, seq_len: int, windows: int | None) -> str:
+    """describe_placement's words for a resident gate's baseline ("" where the windows are not known yet)."""
+    if placement.lockstep:
+        return ", the base scored beside each artifact"
+    if placement.spill and not windows:
+        return ""
+    if placement.spill and spills(info, seq_len, windows):
+        return ", the baseline's log-probs in a file"
+    return ", the baseline's log-probs in memory"
 
 
 def eval_estimate(info, fmt, seq_len: int, windows: int, placement, reads_artifact: bool = True) -> RamEstimate:
