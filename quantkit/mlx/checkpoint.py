@@ -12,10 +12,11 @@ top-level precision, as mlx_lm.convert does for its mixed recipes.
 
 The families written are those whose mlx-lm model takes the Hugging Face tensor names as they are
 (its `sanitize` only drops rotary buffers and a tied head): MLX_MODEL_TYPES; a family whose mlx-lm model holds the
-text checkpoint under other names (its record's `mlx_layout`: Qwen3.5, whose text model mlx-lm's qwen3_5 holds
-under language_model.) is written as mlx_lm.convert writes that model: its config.json nesting the checkpoint's as
-text_config, the names and values as its `sanitize` makes them (which then leaves them as they are), the tensors it
-drops not written; MLXWeights reads them back under the checkpoint's names and values.
+text checkpoint under other names or values (its record's `mlx_layout`: Qwen3.5 and Qwen3.5-MoE, whose text model
+mlx-lm's qwen3_5 and qwen3_5_moe hold under language_model.; Qwen3-Next, whose norms and conv1d mlx-lm's qwen3_next
+changes) is written as mlx_lm.convert writes that model: its config.json nesting the checkpoint's as text_config
+(where the layout is `nested`), the names and values as its `sanitize` makes them (which then leaves them as they
+are), the tensors it drops not written; MLXWeights reads them back under the checkpoint's names and values.
 
 A mixture of experts is written as that model's `sanitize` stacks a 16-bit one (the family record's `mlx_experts`:
 expert_stacks): each routed projection one `<block>.switch_mlp.<projection>` module of [experts, out, in], quantized
@@ -85,7 +86,7 @@ def mlx_config(config: dict, block: dict) -> dict:
 
     config = PreTrainedConfig._decode_special_floats(config)
     family = of_config(config)
-    if family is not None and family.mlx_layout is not None:  # the checkpoint as that model's text_config
+    if family is not None and family.mlx_layout is not None and family.mlx_layout.nested:  # as its text_config
         return {"model_type": family.mlx, "text_config": {**config, **mlx_lm_fields(config)},
                 **{k: config[k] for k in LAYOUT_TOP_LEVEL if k in config}, "quantization": block,
                 "quantization_config": block}
@@ -147,13 +148,13 @@ def without_mlx_lm_fields(config: dict) -> dict:
 def expert_stacks(config: dict, names) -> dict[str, list[str]]:
     """{SwitchGLU module: the checkpoint's per-expert weights stacked into it, in expert order} of the routed
     experts among `names` (tensor names), as the family's mlx-lm model stacks them (its record's `mlx_experts`);
-    {} for a dense family."""
+    {} for a dense family. Those its layout drops are none (Qwen3.5-MoE's MTP layer's experts)."""
     family = of_config(config)
     if family is None or family.mlx_experts is None:
         return {}
     found: dict[str, dict[int, str]] = {}
     for name in names:
-        if (m := EXPERT_TENSOR.match(name)) is not None:
+        if (m := EXPERT_TENSOR.match(name)) is not None and written_name(config, name) is not None:
             projection = family.mlx_experts.renames.get(m["projection"], m["projection"])
             found.setdefault(f"{m['layer']}switch_mlp.{projection}", {})[int(m["expert"])] = name
     return {module: [experts[e] for e in sorted(experts)] for module, experts in sorted(found.items())}
@@ -181,13 +182,13 @@ STACKED_WEIGHT = re.compile(r"^(?P<block>.*\.)switch_mlp\.(?P<projection>[A-Za-z
 
 
 def unstacked_names(config: dict, name: str, experts: int) -> list[str]:
-    """The checkpoint's per-expert weight names of a stored SwitchGLU weight (expert_stacks' way back); [] for any
-    other tensor."""
+    """The checkpoint's per-expert weight names (its Hugging Face names: a layout's prefix taken off) of a stored
+    SwitchGLU weight (expert_stacks' way back); [] for any other tensor."""
     family, m = of_config(config), STACKED_WEIGHT.match(name)
     if m is None or family is None or family.mlx_experts is None:
         return []
     stored = {new: old for old, new in family.mlx_experts.renames.items()}.get(m["projection"], m["projection"])
-    return [f"{m['block']}experts.{e}.{stored}.weight" for e in range(experts)]
+    return [checkpoint_name(config, f"{m['block']}experts.{e}.{stored}.weight") for e in range(experts)]
 
 
 # ------------------------------------------------------------------ a text checkpoint under the model's own names
@@ -389,7 +390,7 @@ class MLXWeights:
         from transformers import AutoConfig
 
         plain = {k: v for k, v in self.config.items() if k not in ("quantization", "quantization_config")}
-        if layout(plain) is not None:
+        if layout(plain) is not None and layout(plain).nested:
             plain = plain["text_config"]
         return AutoConfig.for_model(**without_mlx_lm_fields(plain))
 

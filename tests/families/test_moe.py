@@ -5,7 +5,8 @@ with every router kept 16-bit and every expert's scales finite (common.assert_mo
 Fast: fp8 on every family, gptq on DeepSeek-V3 and on GLM-4.5 with an expert no calibration token reaches (the
 same path for every family: llm-compressor's linear experts, then quantkit's reading), GGUF Q4_K_M of ERNIE 4.5
 MoE, MiniMax-M2, GLM-4.5 and Qwen3.5-MoE (with and without their MTP layer), DeepSeek-V3 and Qwen3-Next, MLX of
-the families mlx-lm loads stacked (with the older Qwen2-MoE, Qwen3-MoE and Mixtral) read by mlx-lm, and the refusals
+the families mlx-lm loads stacked (with the older Qwen2-MoE, Qwen3-MoE and Mixtral; Qwen3.5-MoE for mlx-lm's
+qwen3_5_moe, Qwen3-Next with the values its sanitize changes) read by mlx-lm, and the refusals
 (GGUF of the other families and of Qwen3-Next's MTP layers, MLX of the other families, each with its reason; MLX of
 what an mlx-lm model would read otherwise; GGUF of Hunyuan MoE with the converter's reason). Slow: the other methods
 on every family, GGUF against llama.cpp's converter and llama-quantize, and llama.cpp's converter failing on Hunyuan
@@ -24,6 +25,7 @@ from tests.gguf.families import write_glm_tokenizer, write_spm_tokenizer
 
 HYBRID = dict(head_dim=64, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256,
               shared_expert_intermediate_size=256, layer_types=["linear_attention", "full_attention"],
+              full_attention_interval=2,
               linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64)
 # family -> (config class, model class, the family's own fields)
 FAMILIES = {
@@ -157,7 +159,7 @@ ROUTING = {"qwen3_5_moe_text": ("blk.1.ffn_gate_inp_shexp.weight", "blk.1.ffn_up
            "qwen3_next": ("blk.1.ffn_gate_inp_shexp.weight", "blk.1.ffn_up_shexp.weight", "blk.0.attn_qkv.weight",
                           "blk.0.attn_gate.weight", "blk.0.ssm_ba.weight")}
 # MLX: the families whose mlx-lm model loads the experts stacked as quantkit writes them (their records' mlx_experts)
-MLX = ["qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "minimax_m2", "deepseek_v3"]
+MLX = ["qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "minimax_m2", "deepseek_v3", "qwen3_5_moe_text", "qwen3_next"]
 REFUSED_FORMATS = [(f, "gguf") for f in FAMILIES if f not in GGUF] + [(f, "mlx") for f in FAMILIES if f not in MLX]
 
 
@@ -186,7 +188,7 @@ def test_mlx_experts_stacked_and_read_by_mlx_lm(cli, models, tmp_path, family):
     from quantkit.arch.families import kept_reason
     from quantkit.arch.moe import is_expert_weight
     from quantkit.arch.roles import classify
-    from quantkit.mlx.checkpoint import expert_stacks
+    from quantkit.mlx.checkpoint import expert_stacks, written_name
 
     model, out = models(family), tmp_path / "out"
     entry = common.assert_passed(common.quantize(cli, model, out, "mlx", "--bits", "4"), out)
@@ -197,13 +199,14 @@ def test_mlx_experts_stacked_and_read_by_mlx_lm(cli, models, tmp_path, family):
     assert {n for names in stacks.values() for n in names} == {n for n in source if is_expert_weight(n)}
     assert len(stacks) % 3 == 0 and not any(is_expert_weight(name) for name in stored)
     for module, experts in stacks.items():
-        rows, columns = source[experts[0]].shape
-        assert stored[f"{module}.weight"].shape == (4, rows, columns * 4 // 32), module
-        assert stored[f"{module}.scales"].shape == stored[f"{module}.biases"].shape == (4, rows, columns // 64)
-        assert module not in config["quantization"]  # the top-level precision
+        rows, columns, written = *source[experts[0]].shape, written_name(config, module)  # Qwen3.5-MoE's prefix
+        assert stored[f"{written}.weight"].shape == (4, rows, columns * 4 // 32), module
+        assert stored[f"{written}.scales"].shape == stored[f"{written}.biases"].shape == (4, rows, columns // 64)
+        assert written not in config["quantization"]  # the top-level precision
     routers = [name.removesuffix(".weight") for name in source if classify(name) == "router"]
     kept = [name.removesuffix(".weight") for name in source if kept_reason(config, name.removesuffix(".weight"), "mlx")]
-    assert routers and all(config["quantization"][m] is False and f"{m}.scales" not in stored for m in routers + kept)
+    assert routers and all(config["quantization"][written_name(config, m)] is False
+                           and f"{written_name(config, m)}.scales" not in stored for m in routers + kept)
     common.assert_mlx_lm_reads_as_quantkit(out)
 
 
@@ -219,17 +222,22 @@ def stored_headers(path: Path) -> dict:
     return headers
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen3_next"])
 def test_mlx_stores_the_tensors_mlx_lm_convert_stores(cli, models, tmp_path, family):
     """The artifact holds exactly the tensors mlx_lm.convert -q writes for the same checkpoint (names, shapes,
-    dtypes: the stacked experts included), the routers aside: 16-bit here, quantized there (Qwen3-MoE's at 8 bits,
-    its model's quant_predicate). mlx_lm.convert is given the checkpoint with the fields quantkit writes mlx-lm
-    (it cannot build the model from transformers 5's config.json alone)."""
+    dtypes: the stacked experts included), the routers and what the family keeps 16-bit (Qwen3-Next's in_proj_ba)
+    aside: 16-bit here, quantized there (Qwen3-MoE's routers at 8 bits, its model's quant_predicate); and every
+    tensor both keep 16-bit holds the same values (Qwen3-Next's norms as 1 + w and conv1d's kernel axis last, as
+    its sanitize makes them of per-expert tensors). mlx_lm.convert is given the checkpoint with the fields quantkit
+    writes mlx-lm (it cannot build the model from transformers 5's config.json alone)."""
     import shutil
+
+    import torch
 
     pytest.importorskip("mlx_lm", reason="mlx-lm is not installed (pip install 'quantkit[mlx]')")
     from mlx_lm import convert
 
+    from quantkit.arch.families import kept_reason
     from quantkit.arch.roles import classify
     from quantkit.mlx.checkpoint import mlx_lm_fields
 
@@ -241,12 +249,17 @@ def test_mlx_stores_the_tensors_mlx_lm_convert_stores(cli, models, tmp_path, fam
     common.assert_passed(common.quantize(cli, models(family), ours, "mlx", gate=False), ours)
     expected, stored = stored_headers(theirs), stored_headers(ours)
 
-    def router(name: str) -> bool:
-        return classify(name.rsplit(".", 1)[0] + ".weight") == "router"
+    def kept(name: str) -> bool:
+        module = name.rsplit(".", 1)[0]
+        return classify(module + ".weight") == "router" or bool(kept_reason(config, module, "mlx"))
 
-    assert {k: v for k, v in stored.items() if not router(k)} == {k: v for k, v in expected.items() if not router(k)}
-    routers = [name for name in stored if router(name)]
+    assert {k: v for k, v in stored.items() if not kept(k)} == {k: v for k, v in expected.items() if not kept(k)}
+    routers = [name for name in stored if kept(name)]
     assert routers and all(stored[r][1] == "BF16" and expected[r][1] == "U32" for r in routers)
+    ours_16, theirs_16 = common.stored_tensors(ours), common.stored_tensors(theirs)
+    plain = [k for k in stored if expected.get(k) == stored[k] and stored[k][1] != "U32" and not k.endswith(
+        (".scales", ".biases"))]
+    assert plain and all(torch.equal(ours_16[k], theirs_16[k]) for k in plain), plain
 
 
 def test_mlx_of_glm4_moe_leaves_its_mtp_layer_out(cli, glm_mtp, tmp_path):
@@ -365,6 +378,16 @@ def test_gguf_of_qwen3_5_moe_writes_its_mtp_layer(cli, qwen35_moe_mtp, tmp_path)
     """The converter's default: the MTP layer as block 2 (its experts stacked, nextn.eh_proj / enorm / hnorm /
     shared_head_norm), nextn_predict_layers 1, the block count with it; the gate reads the decoder's blocks."""
     assert_writes_its_mtp_block(cli, qwen35_moe_mtp, tmp_path, "qwen35moe", {"blk.2.ffn_gate_inp_shexp.weight"})
+
+
+def test_mlx_of_qwen3_5_moe_drops_its_mtp_layer_and_says_so(cli, qwen35_moe_mtp, tmp_path):
+    """mlx-lm's qwen3_5_moe has no MTP layer (its sanitize drops mtp.*): none of it is written, its experts not
+    stacked either, the report says so, and mlx-lm loads the rest as quantkit reads it."""
+    out = tmp_path / "out"
+    entry = common.assert_passed(common.quantize(cli, qwen35_moe_mtp, out, "mlx", "--bits", "4", gate=False), out)
+    assert entry["details"]["mtp_layers"].startswith("not written: ")
+    assert not any("mtp" in name for name in common.stored_tensors(out))
+    common.assert_mlx_lm_reads_as_quantkit(out)
 
 
 def assert_writes_its_mtp_block(cli, model: Path, tmp_path: Path, arch: str, more: set[str]) -> None:

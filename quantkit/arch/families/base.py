@@ -104,12 +104,14 @@ class MlxRule:
 
 @dataclass(frozen=True)
 class MlxLayout:
-    """How the family's mlx-lm model holds a text checkpoint where it is not under the Hugging Face names (a VLM's
-    model that also loads the text model alone: Qwen3.5's qwen3_5), in the form mlx_lm.convert writes: config.json
-    with the family's `mlx` as model_type and the checkpoint's own config.json as `text_config`, every tensor under
-    `prefix` (the text model's module path), `rules` applied, `dropped` not written."""
+    """How the family's mlx-lm model holds a text checkpoint where it is not under the Hugging Face names and values
+    (a VLM's model that also loads the text model alone: Qwen3.5's qwen3_5; a model whose sanitize converts values
+    only in a checkpoint it also restacks: Qwen3-Next's qwen3_next), in the form mlx_lm.convert writes: config.json
+    with the family's `mlx` as model_type and (`nested`) the checkpoint's own config.json as `text_config`, every
+    tensor under `prefix` (the text model's module path), `rules` applied, `dropped` not written."""
 
     prefix: str  # prepended to each Hugging Face tensor name (mlx-lm's module path of the text model)
+    nested: bool = True  # config.json nests the checkpoint's as text_config (False: the checkpoint's own, flat)
     rules: tuple[MlxRule, ...] = ()
     dropped: tuple[str, ...] = ()  # name prefixes of the tensors its sanitize drops (the MTP layers): not written
     uncast: tuple[str, ...] = ()  # name suffixes its cast_predicate keeps in their stored dtype (A_log)

@@ -42,9 +42,15 @@ llama-quantize quantizes no single-row weight). Qwen3.5-MoE's MTP layers are wri
 block, their experts stacked as the decoder's: the converter's filter_tensors renames them into the blocks after
 the decoder's, `mtp_rename`). Qwen3-Next's (its config.json does not count them; the converter counts them from
 the tensors) are not converted yet: a checkpoint that stores them is refused before work; one without them
-converts as `convert_hf_to_gguf.py --no-mtp` converts it. MLX refuses both (each record's mlx_refusal): mlx-lm
-0.32 has no model for qwen3_5_moe_text, and its qwen3_next converts the norms and conv1d only while stacking
-per-expert tensors.
+converts as `convert_hf_to_gguf.py --no-mtp` converts it.
+
+MLX of the two, each as mlx_lm.convert writes its mlx-lm model, the routed experts stacked per projection
+(switch_mlp, MlxExperts) and the routers and shared-expert gates 16-bit: Qwen3.5-MoE (no mlx-lm model for
+qwen3_5_moe_text) as Qwen3.5 for mlx-lm's qwen3_5_moe (the VLM checkpoints' model: QWEN35_MLX, config.json model_type
+qwen3_5_moe with a text_config); Qwen3-Next for mlx-lm's qwen3_next under the Hugging Face names and config.json
+(QWEN3_NEXT_MLX), with the norms stored as 1 + w and conv1d's kernel axis last, which its sanitize makes only of a
+checkpoint whose experts it still has to stack. Both drop the MTP layers; both place the attention layers by
+full_attention_interval (check_mlx_layers).
 """
 
 from __future__ import annotations
@@ -54,7 +60,8 @@ import re
 import numpy as np
 
 from quantkit.arch.families import deltanet, text
-from quantkit.arch.families.base import Family, Gguf, Kept, Mapping, MlxLayout, MlxRule, MoeLayout, TensorRule
+from quantkit.arch.families.base import (Family, Gguf, Kept, Mapping, MlxExperts, MlxLayout, MlxRule, MoeLayout,
+                                         TensorRule)
 from quantkit.arch.families.llama import GATE_UP
 from quantkit.errors import ModelError, UnsupportedError
 
@@ -265,36 +272,36 @@ QWEN3_NEXT_RULES = (
 QWEN3_NEXT_GGUF = Gguf("QWEN3NEXT", add_qwen3_next_params, "gpt2", experts="qwen", shared_expert=True,
                        rules=QWEN3_NEXT_RULES, tensor_checks=(check_no_mtp,))
 
-# ---------------------------------------------------------------- MLX (mlx-lm's qwen3_5)
+# ---------------------------------------------------------------- MLX (mlx-lm's qwen3_5, qwen3_5_moe, qwen3_next)
 
 
 def mlx_placement(hp: dict) -> list[str]:
-    """The layer types mlx-lm's qwen3_5 builds: every full_attention_interval-th layer a full-attention one (its
+    """The layer types mlx-lm's qwen3_5 (and qwen3_5_moe, qwen3_next) builds: every full_attention_interval-th layer a full-attention one (its
     DecoderLayer reads no layer_types; its default interval 4, as transformers')."""
     interval = hp.get("full_attention_interval") or 4
     return ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(hp["num_hidden_layers"])]
 
 
 def check_mlx_layers(config: dict) -> None:
-    """mlx-lm's qwen3_5 places the attention layers by full_attention_interval alone: a checkpoint whose
-    layer_types place them otherwise would be another model there (refused before work)."""
+    """mlx-lm's qwen3_5 and qwen3_next place the attention layers by full_attention_interval alone: a checkpoint
+    whose layer_types place them otherwise would be another model there (refused before work)."""
     hp = text.text_hparams(config)
     ours, theirs, interval = layer_types(config), mlx_placement(hp), hp.get("full_attention_interval") or 4
     if ours != theirs:
         first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
         raise UnsupportedError(f"mlx: layer_types makes layer {first} "
-                               f"{ours[first] if first < len(ours) else 'absent'}, but mlx-lm's qwen3_5 places the "
+                               f"{ours[first] if first < len(ours) else 'absent'}, but mlx-lm's model places the "
                                f"attention layers by full_attention_interval = {interval} alone (it reads no "
                                "layer_types): it would build another model",
                                hint="use --method gguf for llama.cpp on Apple silicon (it writes the layer types)")
 
 
 def check_mlx_rope(config: dict) -> None:
-    """mlx-lm's qwen3_5 hands rope_parameters to its own initialize_rope; quantkit proves it against transformers for
-    the default RoPE (Qwen3.5's) only."""
+    """mlx-lm's qwen3_5 and qwen3_next hand the RoPE parameters to their own initialize_rope; quantkit proves it
+    against transformers for the default RoPE (Qwen3.5's) only."""
     kind = text.rope_parameters(text.text_hparams(config)).get("rope_type", "default")
     if kind != "default":
-        raise UnsupportedError(f"mlx: RoPE type '{kind}': mlx-lm's qwen3_5 is written by quantkit for the default "
+        raise UnsupportedError(f"mlx: RoPE type '{kind}': mlx-lm's model is written by quantkit for the default "
                                "RoPE only", hint="use --method gguf for llama.cpp on Apple silicon")
 
 
@@ -325,6 +332,11 @@ QWEN35_MLX = MlxLayout(
     dropped=("mtp.",),
     uncast=("A_log",),
 )
+# mlx-lm's qwen3_next takes the Hugging Face names and config.json as they are, but its sanitize makes the same two
+# value changes (conv1d's kernel axis last, the (1 + w) norms as 1 + w) only in a checkpoint that stores the experts
+# one tensor per expert, the ones it stacks: the artifact stores them stacked and so the values changed, as
+# mlx_lm.convert writes them (A_log cast with the rest: the model has no cast_predicate); its MTP layers dropped
+QWEN3_NEXT_MLX = MlxLayout(prefix="", nested=False, rules=QWEN35_MLX.rules, dropped=("mtp.",))
 
 
 QWEN35 = Family(
@@ -343,8 +355,7 @@ QWEN35_MOE = Family(
     moe=MoeLayout(),
     gguf={"Qwen3_5MoeForCausalLM": QWEN35_MOE_GGUF},
     checks=(check_layers,),
-    mlx_refusal="mlx-lm 0.32 has no model for model_type qwen3_5_moe_text (its qwen3_5_moe model loads the VLM "
-                "checkpoints, model_type qwen3_5_moe with a text_config)",
+    mlx="qwen3_5_moe", mlx_layout=QWEN35_MLX, mlx_experts=MlxExperts(), mlx_checks=(check_mlx_layers, check_mlx_rope),
 )
 
 QWEN3_NEXT = Family(
@@ -353,9 +364,7 @@ QWEN3_NEXT = Family(
     smoothing=QWEN35_MOE_ROWS,
     moe=MoeLayout(),
     gguf={"Qwen3NextForCausalLM": QWEN3_NEXT_GGUF},
-    mlx_refusal="mlx-lm's qwen3_next shifts its norms by 1 and reorders conv1d in sanitize only where the experts "
-                "are stored one tensor per expert: with them stacked, as a quantized model stores them, it would "
-                "load both unconverted",
+    mlx="qwen3_next", mlx_layout=QWEN3_NEXT_MLX, mlx_experts=MlxExperts(), mlx_checks=(check_mlx_layers, check_mlx_rope),
 )
 
 FAMILIES = (QWEN35, QWEN35_MOE, QWEN3_NEXT)
