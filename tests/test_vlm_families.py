@@ -103,9 +103,16 @@ def run_case(cli, model_dir, kind: str, method: str, tmp_path):
                                          pytest.param("gemma3", "gptq", marks=pytest.mark.slow),
                                          pytest.param("gemma3", "awq", marks=pytest.mark.slow),
                                          pytest.param("gemma3", "smoothquant", marks=pytest.mark.slow),
-                                         ("mllama", "awq"), ("gemma3", "mlx")])
+                                         ("mllama", "awq"), ("gemma3", "mlx"), ("qwen3_5_moe", "fp8"),
+                                         ("qwen3_5_moe", "awq")])
 def test_representative_family_cases(cli, family_model, tmp_path, kind, method):
     out = run_case(cli, family_model(kind), kind, method, tmp_path)
+    if kind == "qwen3_5_moe" and out is not None:  # a VLM's mixture of experts: every expert fp8, the routers not
+        stored = {k: v.dtype for k, v in tensors(out).items()}
+        experts = [k for k in stored if ".mlp.experts." in k and k.endswith("proj.weight")]
+        assert len(experts) == 2 * 4 * 3 and all(str(stored[k]) == "torch.float8_e4m3fn" for k in experts)
+        assert all(str(stored[k]) == "torch.bfloat16" for k in stored if k.endswith(("mlp.gate.weight",
+                                                                                      "shared_expert_gate.weight")))
     if kind == "mllama" and out is not None:  # the projector is one Linear: stored 16-bit, not packed
         qconfig = json.loads((out / "config.json").read_text())["quantization_config"]
         assert "model.multi_modal_projector" in qconfig["ignore"] or any(
@@ -118,6 +125,19 @@ def test_representative_family_cases(cli, family_model, tmp_path, kind, method):
 @pytest.mark.parametrize("kind", FAMILY_KINDS)
 def test_family_method_matrix(cli, family_model, tmp_path, kind, method):
     run_case(cli, family_model(kind), kind, method, tmp_path)
+
+
+@pytest.mark.parametrize("flags,words", [(("--method", "fp8", "--scheme", "fp8-block"), "fp8-block's 128x128"),
+                                         (("--method", "gptq", "--asymmetric"), "zero points"),
+                                         (("--method", "nvfp4"), "NVFP4's global scales")])
+def test_a_vlm_s_experts_refuse_what_transformers_cannot_reload(cli, family_model, tmp_path, flags, words):
+    """Its towers are proven on transformers' reload of the artifact: expert scales that reload cannot decompress
+    are refused before work, naming them."""
+    out = tmp_path / "out"
+    result = cli("quantize", family_model("qwen3_5_moe"), *flags, "-o", out, *CALIB)
+    assert result.exit_code == 2, result.output
+    assert words in result.stderr and "Qwen3_5MoeForConditionalGeneration" in result.stderr
+    assert leftovers(tmp_path, "out") == []
 
 
 def test_changed_tower_tensor_fails_the_proof(cli, family_model, tmp_path):

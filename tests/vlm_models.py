@@ -200,6 +200,17 @@ def _family_config(kind: str, text: dict, ids: dict):
                                out_hidden_size=text["hidden_size"], patch_size=8, num_position_embeddings=16),
             image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
             vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
+    if kind == "qwen3_5_moe":  # Qwen3.5's hybrid with a mixture of experts (and a gated shared expert) in every layer
+        return T.Qwen3_5MoeConfig(
+            text_config={**text, "head_dim": 64, "layer_types": ["linear_attention", "full_attention"],
+                         "full_attention_interval": 2, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                         "linear_key_head_dim": 64, "linear_value_head_dim": 64, "num_experts": 4,
+                         "num_experts_per_tok": 2, "moe_intermediate_size": 256,
+                         "shared_expert_intermediate_size": 256},
+            vision_config=dict(depth=1, hidden_size=64, intermediate_size=128, num_heads=2,
+                               out_hidden_size=text["hidden_size"], patch_size=8, num_position_embeddings=16),
+            image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+            vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
     if kind in ("idefics3", "smolvlm"):
         cls = T.Idefics3Config if kind == "idefics3" else T.SmolVLMConfig
         # as on the Hub, text_config names its architecture (llama.cpp's converter reads it, quantkit.gguf too)
@@ -245,7 +256,7 @@ def _family_config(kind: str, text: dict, ids: dict):
 
 FAMILY_TOKENS = {
     "llava_next": ["<image>"], "qwen2_5_vl": QWEN2_VL_TOKENS, "qwen3_vl": QWEN2_VL_TOKENS,
-    "qwen3_5": QWEN2_VL_TOKENS,
+    "qwen3_5": QWEN2_VL_TOKENS, "qwen3_5_moe": QWEN2_VL_TOKENS,
     "idefics3": ["<image>", "<fake_token_around_image>", "<global-img>"],
     "smolvlm": ["<image>", "<fake_token_around_image>", "<global-img>"],
     "gemma3": ["<image_soft_token>", "<start_of_image>", "<end_of_image>"], "paligemma": ["<image>"],
@@ -276,4 +287,4 @@ def build_family(kind: str, out: str | Path, seed: int = 0) -> Path:
 
 TEXT_ARCHITECTURES = {"idefics3": "LlamaForCausalLM", "smolvlm": "VLlama3ForCausalLM"}  # as their Hub checkpoints
 FAMILY_KINDS = ("llava", "llava_next", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "idefics3", "smolvlm", "gemma3",
-                "paligemma", "mllama", "mistral3", "internvl", "llama4", "gemma4", "qwen3_5")
+                "paligemma", "mllama", "mistral3", "internvl", "llama4", "gemma4", "qwen3_5", "qwen3_5_moe")

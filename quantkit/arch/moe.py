@@ -48,6 +48,16 @@ def is_moe(model_type: str) -> bool:
     return model_type in MOE_LAYOUTS
 
 
+def moe_model_type(config: dict) -> str:
+    """The model_type a checkpoint's expert layout is keyed by: its own, or a VLM's text model's
+    (Qwen3_5MoeForConditionalGeneration: qwen3_5_moe_text) where that one has the layout."""
+    text = config.get("text_config")
+    own = config.get("model_type", "")
+    if not is_moe(own) and isinstance(text, dict) and is_moe(text.get("model_type", "")):
+        return text["model_type"]
+    return own
+
+
 def expert_count(config: dict) -> int:
     text = config.get("text_config") or config
     return max([int(text.get(key) or 0) for key in EXPERT_COUNT_KEYS])
@@ -57,7 +67,8 @@ def check_supported(info, method: str) -> None:
     """An MoE architecture the table does not know would save its experts under names transformers
     does not reload, and a known one with an expert missing would load it at random: refused before any work
     (exit 2)."""
-    if expert_count(info.config) and not is_moe(info.model_type):
+    model_type = moe_model_type(info.config)
+    if expert_count(info.config) and not is_moe(model_type):
         family = next((f for f in FAMILIES if f.model_type == info.model_type), None)
         if family is not None and family.moe_refusal:
             raise UnsupportedError(family.moe_refusal.format(method=method),
@@ -65,7 +76,7 @@ def check_supported(info, method: str) -> None:
         raise UnsupportedError(
             f"{method}: mixture-of-experts architecture '{info.model_type}' is not supported",
             hint="supported MoE model types: " + ", ".join(sorted(MOE_LAYOUTS)) + "; or use gguf where it converts it")
-    if is_moe(info.model_type):
+    if is_moe(model_type):
         check_experts_stored(info)
 
 
@@ -94,6 +105,18 @@ def check_experts_stored(info) -> None:
         if extra := sorted(e for e in experts if e >= count):
             raise ModelError(f"{info.path}: {layer}experts.{extra[0]} is stored, but config.json has {count} experts "
                              "per layer", hint=hint)
+
+
+def check_vlm_expert_reload(info, method: str, stored: str, hint: str) -> None:
+    """A VLM's towers are proven on transformers' reload of the whole artifact (quantkit.eval.vlm_proof), which
+    decompresses the experts into its fused experts: what it cannot decompress there (`stored`: expert zero
+    points, NVFP4's global scales) is refused before work on a VLM whose language model is a mixture of experts."""
+    from quantkit.io.checkpoint import is_vlm
+
+    if is_vlm(info.config) and is_moe(moe_model_type(info.config)):
+        raise UnsupportedError(f"{method}: {stored} in the experts of a VLM ({info.architecture}): its towers are "
+                               "proven on transformers' reload of the artifact, which cannot decompress them into "
+                               "its fused experts", hint=hint)
 
 
 def is_expert_weight(name: str) -> bool:
@@ -173,9 +196,10 @@ def starved_experts(counts: dict[str, list[int]], minimum: int = MIN_EXPERT_TOKE
 
 def routing_details(model, info, windows, device: str = "cpu") -> dict:
     """Report fields for a calibrated method on an MoE model (empty for a dense model)."""
-    if not is_moe(info.model_type):
+    model_type = moe_model_type(info.config)
+    if not is_moe(model_type):
         return {}
-    counts = count_routed_tokens(model, info.model_type, expert_count(info.config), windows, device)
+    counts = count_routed_tokens(model, model_type, expert_count(info.config), windows, device)
     return {"expert_routed_tokens": counts, "min_expert_tokens": MIN_EXPERT_TOKENS,
             "experts_under_min_tokens": starved_experts(counts)}
 

@@ -61,6 +61,8 @@ FAMILIES: dict[str, Family] = {
                          vision=("visual",), projector=("visual.merger",)),
     "qwen3_5": Family("Qwen3.5", "Qwen3_5ForConditionalGeneration", language="language_model",
                       vision=("visual",), projector=("visual.merger",)),
+    "qwen3_5_moe": Family("Qwen3.5-MoE", "Qwen3_5MoeForConditionalGeneration", language="language_model",
+                          vision=("visual",), projector=("visual.merger",)),
     "qwen3_vl": Family("Qwen3-VL", "Qwen3VLForConditionalGeneration", language="language_model",
                        vision=("visual",), projector=("visual.merger", "visual.deepstack_merger_list")),
     "idefics3": Family("Idefics3", "Idefics3ForConditionalGeneration", language="text_model",

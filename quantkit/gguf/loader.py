@@ -46,7 +46,7 @@ GENERATED = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_shor
 LANGUAGE_MODEL_PREFIX = {**{arch: "model.language_model." for arch in (
     "Gemma3ForConditionalGeneration", "LlavaForConditionalGeneration", "Qwen2VLForConditionalGeneration",
     "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration", "Mistral3ForConditionalGeneration",
-    "Qwen3_5ForConditionalGeneration", "Gemma4ForConditionalGeneration")},
+    "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration", "Gemma4ForConditionalGeneration")},
     "Idefics3ForConditionalGeneration": "model.text_model.", "SmolVLMForConditionalGeneration": "model.text_model."}
 EXPERTS = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
 

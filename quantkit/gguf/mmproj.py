@@ -127,7 +127,7 @@ IMG_BREAK_NOTE = ("with the [IMG_BREAK] embedding row the converter's LlavaVisio
                   "language_model.* filter drops")
 
 # the VLMs whose tower Qwen3VLVisionModel converts
-QWEN3_VL_TOWERS = ("qwen3_vl", "qwen3_5")
+QWEN3_VL_TOWERS = ("qwen3_vl", "qwen3_5", "qwen3_5_moe")
 QWEN3_VL_RULES = (
     *(Rule(rf"visual\.deepstack_merger_list\.(\d+)\.{hf}\.(weight|bias)", (f"v.deepstack.{{0}}.{g}.{{1}}",),
            index="deepstack_visual_indexes") for hf, g in (("norm", "norm"), ("linear_fc1", "fc1"), ("linear_fc2", "fc2"))),
@@ -186,6 +186,7 @@ FAMILIES: dict[str, Family] = {
     "qwen3_vl": Family("Qwen3-VL", MODERN, "qwen3vl_merger", QWEN3_VL_RULES, renames=QWEN_RENAMES),
     # Qwen3VLVisionModel converts Qwen3.5's tower too: Qwen3-VL's without deepstack mergers
     "qwen3_5": Family("Qwen3.5", MODERN, "qwen3vl_merger", QWEN3_VL_RULES, renames=QWEN_RENAMES),
+    "qwen3_5_moe": Family("Qwen3.5-MoE", MODERN, "qwen3vl_merger", QWEN3_VL_RULES, renames=QWEN_RENAMES),
     "idefics3": Family("Idefics3", MODERN, "idefics3", IDEFICS3_RULES, note=TEXT_CONFIG_NOTE),
     "smolvlm": Family("SmolVLM", MODERN, "idefics3", IDEFICS3_RULES, note=TEXT_CONFIG_NOTE),
     "mistral3": Family(

@@ -322,7 +322,8 @@ def check_ignore(info, options: Options, ignore: list[str]) -> None:
 
 
 def support(family) -> str:
-    return family.smoothing_refusal() or family.decoder_support("✅")
+    return (family.smoothing_refusal() or family.expert_reload_refusal("zero points (symmetric: true takes it)")
+            or family.decoder_support("✅"))
 
 
 ROTATION_REFUSED = ("llm-compressor applies the rotation when calibration starts, and AWQ then scales the input "

@@ -149,6 +149,8 @@ def check(info, options: Options, calibration) -> None:
                                            "--fallback": options.fallback is not None})
         return
     moe.check_supported(info, "fp8")
+    if options.scheme in EXPERT_RELOAD_REFUSED:
+        moe.check_vlm_expert_reload(info, "fp8", EXPERT_RELOAD_REFUSED[options.scheme], "use --scheme fp8-dynamic")
     llmc.check_rotation(info, options.rotate, "fp8")
     if options.fallback is not None and options.scheme == "fp8-block":
         raise UnsupportedError("fp8: --fallback is not available with fp8-block yet (its sensitivity simulation "
@@ -202,7 +204,15 @@ def working_set(info, options: Options) -> int:
 def support(family) -> str:
     if moe.expert_checkpoint(family.model_type) and not family.is_vlm:
         return "✅ every scheme; fp8-block model-free"
+    if family.expert_reload_refusal(""):  # a VLM's experts: what transformers' reload decompresses
+        return family.decoder_support("✅ fp8-dynamic (the block and static scales refused in its experts)")
     return family.decoder_support("✅ every scheme")
+
+
+# what a scheme stores per expert that transformers' reload cannot decompress into fused experts (a VLM's, whose
+# towers are proven on that reload: quantkit.arch.moe.check_vlm_expert_reload)
+EXPERT_RELOAD_REFUSED = {"fp8-block": "fp8-block's 128x128 weight block scales",
+                         "fp8-static": "fp8-static's input scales"}
 
 
 def modifier(options: Options, ignore: list[str]):

@@ -256,7 +256,7 @@ def resolve(info, options):
 def auto_symmetric(info, bits: int) -> tuple[bool, str]:
     """(symmetric, why): zero points for 4-bit dense weights, where they lower the error and vLLM's Marlin
     and Machete kernels take them; none for MoE experts or 8-bit weights."""
-    if moe.is_moe(info.model_type):
+    if moe.is_moe(moe.moe_model_type(info.config)):
         return True, "MoE experts: transformers cannot reload expert zero points"
     if bits == 8:
         return True, "8-bit: vLLM's Marlin kernels take no 8-bit zero points"
@@ -311,8 +311,11 @@ def check_calibration_tokens(calibration, method: str, minimum: int = MIN_CALIBR
 
 def check_moe(info, symmetric: bool, act_order: str, method: str) -> None:
     """An MoE family without an expert layout is refused before any work (quantkit.arch.moe.check_supported);
-    any int scheme of the others is read by quantkit's gate as vLLM reads it (quantkit.eval.experts)."""
+    any int scheme of the others is read by quantkit's gate as vLLM reads it (quantkit.eval.experts), but a VLM's
+    expert zero points are refused (quantkit.arch.moe.check_vlm_expert_reload)."""
     moe.check_supported(info, method)
+    if not symmetric:
+        moe.check_vlm_expert_reload(info, method, "zero points", "set symmetric: true in the target's options")
 
 
 def check(info, options: Options, calibration) -> None:
@@ -613,7 +616,7 @@ def check_activations(info, options) -> None:
     if mixed(options):
         raise InputError(f"{what} cannot take {mixed_label(options)}: its int8 layers are weight-only",
                          hint=f"drop --{mixed_label(options).replace('_', '-')}, or use activations none (W4A16)")
-    if moe.is_moe(info.model_type):
+    if moe.is_moe(moe.moe_model_type(info.config)):
         raise UnsupportedError(f"{what}: mixture-of-experts models are not offered with W4A8",
                                hint="use activations none (W4A16) for this model")
 

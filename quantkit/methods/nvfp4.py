@@ -114,6 +114,10 @@ def fp4_support(family) -> str:
     return family.decoder_support("✅")
 
 
+def support(family) -> str:
+    return family.expert_reload_refusal("NVFP4's global scales") or fp4_support(family)
+
+
 # ---------------------------------------------------------------- nvfp4
 
 
@@ -150,6 +154,8 @@ def check(info, options: Options, calibration) -> None:
     if moe_model_free(info, options):
         check_moe_model_free(info, options, "nvfp4")
         return
+    moe.check_vlm_expert_reload(info, "nvfp4", "NVFP4's global scales",
+                                "use --method mxfp4 or fp8 for this VLM, or nvfp4 on its language model alone")
     if moe.expert_count(info.config) and moe.expert_checkpoint(info.model_type) is not None:
         raise UnsupportedError(f"nvfp4 {options.scheme} on MoE model '{info.model_type}': its activations' global "
                                "scales are calibrated on the loaded model, whose FP4 experts transformers cannot "
@@ -187,7 +193,7 @@ AUTO_RUNGS = (AutoRung("nvfp4 W4A4", (("scheme", "w4a4"),)), AutoRung("nvfp4 W4A
 METHOD = MethodSpec(
     name="nvfp4", format=compressed_tensors.FORMAT, label="compressed-tensors (nvfp4-pack-quantized)", scheme=scheme,
     engine=llmc.ENGINE, options=Options, quantize=quantize, precision=precision, default_gate=default_gate,
-    check=check, needs_calibration=needs_calibration, needs_model=needs_model, support=fp4_support,
+    check=check, needs_calibration=needs_calibration, needs_model=needs_model, support=support,
     layers=Layers(shape_problems=shape_problems),
     sizes=Sizes(stored_bits=stored_bits, working_set=working_set),
     resume=Resume(**layer_resume.resume_fields(calibrates=needs_calibration)),

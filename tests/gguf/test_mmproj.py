@@ -76,7 +76,7 @@ sys.argv = ["convert_image_encoder_to_gguf.py", *{args!r}]
 runpy.run_path({script!r}, run_name="__main__")
 """
 CASES = [("llava", "auto"), ("llava", "f32"), ("qwen2_vl", "auto"), ("qwen2_vl", "f16"), ("qwen2_5_vl", "auto"),
-         ("qwen2_5_vl", "f32"), ("qwen3_vl", "auto"), ("qwen3_vl", "f16"), ("qwen3_5", "auto"), ("gemma4", "auto"), ("gemma4", "f16"),
+         ("qwen2_5_vl", "f32"), ("qwen3_vl", "auto"), ("qwen3_vl", "f16"), ("qwen3_5", "auto"), ("qwen3_5_moe", "auto"), ("gemma4", "auto"), ("gemma4", "f16"),
          ("gemma4_clipped", "auto"), ("idefics3", "auto"),
          ("idefics3", "f16"), ("smolvlm", "auto"), ("mistral3", "auto"),
          ("mistral3", "f16"), ("gemma3", "auto"), ("gemma3", "f16"), ("gemma3", "bf16")]
@@ -179,8 +179,8 @@ def test_f16_checkpoint_mmproj_is_byte_identical_to_llama_cpp(vlm, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "idefics3", "smolvlm",
-                                  "mistral3", "gemma3", "gemma4"])
+@pytest.mark.parametrize("kind", ["llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe", "idefics3",
+                                  "smolvlm", "mistral3", "gemma3", "gemma4"])
 def test_language_model_equals_convert_hf_to_gguf(vlm, tmp_path, kind):
     """The VLM's language model .gguf: every metadata key (Qwen2-VL's rope.dimension_sections
     included) and tensor equal to convert_hf_to_gguf.py's (as tests/gguf/test_vs_converter.py; the
@@ -189,7 +189,7 @@ def test_language_model_equals_convert_hf_to_gguf(vlm, tmp_path, kind):
 
     need_llama_src()
     # Qwen3.5 without MTP layers: the converter's default asserts there is one, --no-mtp converts it
-    extra = ("--no-mtp",) if kind == "qwen3_5" else ()
+    extra = ("--no-mtp",) if kind in ("qwen3_5", "qwen3_5_moe") else ()
     theirs = reference_gguf(vlm(kind), tmp_path / "theirs.gguf", "bf16", "gpt-2", extra)
     ours = tmp_path / "ours.gguf"
     convert(vlm(kind), ours, "BF16")

@@ -21,7 +21,7 @@ from tests.util import leftovers
 CALIB = ("--num-samples", "8", "--seq-len", "64", "--eval-windows", "4", "--no-gate")
 # llama.cpp's built-in chat template for each family (the tiny fixtures' own templates are minimal Jinja)
 CHAT_TEMPLATES = {"llava": "vicuna", "qwen2_vl": "chatml", "qwen2_5_vl": "chatml", "qwen3_vl": "chatml",
-                  "qwen3_5": "chatml", "gemma4": "gemma", "idefics3": "smolvlm", "smolvlm": "smolvlm", "mistral3": "mistral-v7", "gemma3": "gemma"}
+                  "qwen3_5": "chatml", "qwen3_5_moe": "chatml", "gemma4": "gemma", "idefics3": "smolvlm", "smolvlm": "smolvlm", "mistral3": "mistral-v7", "gemma3": "gemma"}
 
 
 @pytest.fixture(scope="session")

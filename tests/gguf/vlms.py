@@ -17,7 +17,8 @@ from pathlib import Path
 
 from tests.vlm_models import QWEN2_VL_TOKENS, TEXT_ARCHITECTURES, TEXT_SHAPE, _ids, _save, save_processor, vlm_tokenizer
 
-KINDS = ("llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "gemma4", "idefics3", "smolvlm", "mistral3", "gemma3")
+KINDS = ("llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe", "gemma4", "idefics3", "smolvlm",
+         "mistral3", "gemma3")
 # the towers whose Hub checkpoints keep the vision model's own `vision_model.` level
 NESTED_TOWERS = {"llava": "vision_tower.", "gemma3": "vision_tower."}
 QWEN_PREPROCESSOR = {"image_processor_type": "Qwen2VLImageProcessor", "min_pixels": 32 * 32, "max_pixels": 64 * 64,
@@ -90,6 +91,19 @@ def _config(kind: str, text: dict, ids: dict):
                                                   spatial_merge_size=2, temporal_patch_size=2,
                                                   num_position_embeddings=16),
                                **qwen_ids)
+    if kind == "qwen3_5_moe":  # Qwen3.5's hybrid with 4 experts (and a gated shared expert) in each layer
+        return T.Qwen3_5MoeConfig(text_config={**text, "head_dim": head_dim, "layer_types": ["linear_attention",
+                                                                                              "full_attention"],
+                                               "full_attention_interval": 2, "linear_num_key_heads": 2,
+                                               "linear_num_value_heads": 4, "linear_key_head_dim": 64,
+                                               "linear_value_head_dim": 64, "num_experts": 4,
+                                               "num_experts_per_tok": 2, "moe_intermediate_size": 256,
+                                               "shared_expert_intermediate_size": 256},
+                                  vision_config=dict(depth=3, hidden_size=64, intermediate_size=128, num_heads=2,
+                                                     out_hidden_size=text["hidden_size"], patch_size=8,
+                                                     spatial_merge_size=2, temporal_patch_size=2,
+                                                     num_position_embeddings=16),
+                                  **qwen_ids)
     if kind in ("idefics3", "smolvlm"):  # the converter converts their language model through text_config.architectures
         cls = T.Idefics3Config if kind == "idefics3" else T.SmolVLMConfig
         return cls(text_config={**text, "model_type": "llama", "architectures": [TEXT_ARCHITECTURES[kind]]},
@@ -117,7 +131,7 @@ def _config(kind: str, text: dict, ids: dict):
 # gets it as an added token
 IDEFICS3_TOKENS = ["<image>", "<fake_token_around_image>", "<global-img>", "\n\n"]
 TOKENS = {"llava": ["<image>"], "qwen2_vl": QWEN2_VL_TOKENS, "qwen2_5_vl": QWEN2_VL_TOKENS, "qwen3_vl": QWEN2_VL_TOKENS,
-          "qwen3_5": QWEN2_VL_TOKENS, "idefics3": IDEFICS3_TOKENS, "smolvlm": IDEFICS3_TOKENS, "mistral3": ["[IMG]", "[IMG_BREAK]", "[IMG_END]"],
+          "qwen3_5": QWEN2_VL_TOKENS, "qwen3_5_moe": QWEN2_VL_TOKENS, "idefics3": IDEFICS3_TOKENS, "smolvlm": IDEFICS3_TOKENS, "mistral3": ["[IMG]", "[IMG_BREAK]", "[IMG_END]"],
           "gemma3": ["<image_soft_token>", "<start_of_image>", "<end_of_image>"]}
 
 

@@ -122,6 +122,9 @@ class TextRow:
     def expert_refusal(self) -> str | None:
         return None
 
+    def expert_reload_refusal(self, stored: str) -> str | None:
+        return None
+
     def smoothing_refusal(self) -> str | None:
         """Why AWQ and SmoothQuant refuse this family (None: they take it)."""
         return None if self.family.smoothing else "refused: no smoothing mappings"
@@ -166,14 +169,23 @@ class VlmRow:
         return "✅ towers and cross-attention layers 16-bit" if self.cross_attention else "✅ towers 16-bit"
 
     def decoder_support(self, moe_cell: str) -> str:
-        """A VLM keeps its towers 16-bit, unless its experts have no layout row."""
-        return self.expert_refusal() or self.kept()
+        """A VLM keeps its towers 16-bit, unless its experts have no layout row; a mixture of experts adds what
+        `moe_cell` says of them beyond ✅ (nf4: the experts stay bf16)."""
+        more = moe_cell.removeprefix("✅").strip() if self.is_moe else ""
+        return self.expert_refusal() or (f"{self.kept()}; {more}" if more else self.kept())
 
     def expert_refusal(self) -> str | None:
         """A mixture-of-experts language model without an expert layout: refused by every method that
         quantizes the experts (None: nothing refused)."""
         if self.experts and not self.is_moe:
             return f"refused: no expert layout row for its text model `{self.text_type}` (quantkit.arch.families)"
+        return None
+
+    def expert_reload_refusal(self, stored: str) -> str | None:
+        """What transformers' reload of the artifact, on which the towers are proven, cannot decompress in the
+        fused experts of a VLM's mixture of experts (quantkit.arch.moe.check_vlm_expert_reload); None: no experts."""
+        if self.experts and self.is_moe:
+            return f"refused: {stored} in a VLM's experts, which transformers' reload cannot decompress"
         return None
 
     def smoothing_refusal(self) -> str | None:
@@ -184,7 +196,8 @@ class VlmRow:
         return None
 
     def smoothquant_refusal(self) -> str | None:
-        return None
+        """Its text model's (Qwen3.5-MoE's: no norm row before the experts)."""
+        return TextRow(self.text_family).smoothquant_refusal() if self.text_family is not None else None
 
 
 def text_rows() -> list[TextRow]:
@@ -200,8 +213,8 @@ VLM_TEXT_TYPES = {"llava": "llama", "llava_next": "llama", "qwen2_vl": "qwen2_vl
                   "qwen2_5_vl": "qwen2_5_vl_text", "qwen3_vl": "qwen3_vl_text", "idefics3": "llama",
                   "smolvlm": "llama", "gemma3": "gemma3_text", "paligemma": "gemma", "mllama": "mllama_text_model",
                   "mistral3": "mistral", "internvl": "qwen2", "llama4": "llama4_text", "gemma4": "gemma4_text",
-                  "qwen3_5": "qwen3_5_text"}
-VLM_WITH_EXPERTS = ("llama4",)
+                  "qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+VLM_WITH_EXPERTS = ("llama4", "qwen3_5_moe")
 
 
 def vlm_rows() -> list[VlmRow]:

@@ -353,7 +353,7 @@ QWEN35_MOE = Family(
     kept=KEPT,
     smoothing=QWEN35_MOE_ROWS,
     moe=MoeLayout(),
-    gguf={"Qwen3_5MoeForCausalLM": QWEN35_MOE_GGUF},
+    gguf={"Qwen3_5MoeForCausalLM": QWEN35_MOE_GGUF, "Qwen3_5MoeForConditionalGeneration": QWEN35_MOE_GGUF},
     checks=(check_layers,),
     mlx="qwen3_5_moe", mlx_layout=QWEN35_MLX, mlx_experts=MlxExperts(), mlx_checks=(check_mlx_layers, check_mlx_rope),
 )

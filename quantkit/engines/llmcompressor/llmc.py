@@ -280,9 +280,9 @@ def calibration_details(job) -> dict:
 def save_compressed(job) -> None:
     """compressed-tensors checkpoint + tokenizer into the staging directory (MoE experts under the
     checkpoint's tensor names, quantkit.arch.moe)."""
-    from quantkit.arch.moe import set_save_names
+    from quantkit.arch.moe import moe_model_type, set_save_names
 
-    set_save_names(job.model, job.info.model_type)
+    set_save_names(job.model, moe_model_type(job.info.config))
     # bounded shards, each written with plain writes: safetensors maps the output file while it fills
     # it, so a whole shard's pages would count in the RSS beside the model (quantkit.io.shards.save_file)
     # under torchrun every rank compresses a share of the modules and rank 0 writes them
