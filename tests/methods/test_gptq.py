@@ -143,10 +143,15 @@ def test_auto_symmetric_by_bits_and_moe():
 
     from quantkit.methods import gptq
 
-    dense, moe = SimpleNamespace(model_type="llama"), SimpleNamespace(model_type="mixtral")
+    def info(config):
+        return SimpleNamespace(model_type=config["model_type"], config=config)
+
+    dense, moe = info({"model_type": "llama"}), info({"model_type": "mixtral"})
+    vlm = info({"model_type": "qwen3_5_moe", "text_config": {"model_type": "qwen3_5_moe_text"}})
     assert gptq.auto_symmetric(dense, 4)[0] is False
     assert gptq.auto_symmetric(dense, 8)[0] is True
     assert gptq.auto_symmetric(moe, 4)[0] is True
+    assert gptq.auto_symmetric(vlm, 4)[0] is True
     # int8 layers of a per-layer plan are symmetric per channel whatever the int4 scheme
     scheme = gptq.Scheme(group_size=64, symmetric=False)
     assert scheme.weights("int8")["symmetric"] is True and scheme.weights("int4")["symmetric"] is False
