@@ -169,7 +169,7 @@ def test_fp8_llava_artifact_still_sees_images(llava_model, fp8_artifacts):
 
 
 def test_is_vlm_rule():
-    from quantkit.io.checkpoint import is_vlm
+    from quantkit.arch.vlm import is_vlm
 
     assert is_vlm({"architectures": ["LlavaForConditionalGeneration"], "vision_config": {}})
     assert not is_vlm({"architectures": ["LlamaForCausalLM"]})

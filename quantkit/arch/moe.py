@@ -26,6 +26,7 @@ import re
 
 from quantkit.arch.families import FAMILIES
 from quantkit.arch.families.base import ExpertCheckpoint, MoeLayout
+from quantkit.arch.vlm import is_vlm
 from quantkit.errors import UnsupportedError
 
 __all__ = ["ExpertCheckpoint", "MoeLayout", "MOE_LAYOUTS", "EXPERT_CHECKPOINTS"]
@@ -111,8 +112,6 @@ def check_vlm_expert_reload(info, method: str, stored: str, hint: str) -> None:
     """A VLM's towers are proven on transformers' reload of the whole artifact (quantkit.eval.vlm_proof), which
     decompresses the experts into its fused experts: what it cannot decompress there (`stored`: expert zero
     points, NVFP4's global scales) is refused before work on a VLM whose language model is a mixture of experts."""
-    from quantkit.io.checkpoint import is_vlm
-
     if is_vlm(info.config) and is_moe(moe_model_type(info.config)):
         raise UnsupportedError(f"{method}: {stored} in the experts of a VLM ({info.architecture}): its towers are "
                                "proven on transformers' reload of the artifact, which cannot decompress them into "

@@ -203,3 +203,13 @@ def tower_summary(towers: Towers) -> dict:
             "model_type": towers.family,
             **{role: towers.names(role) for role in TOWER_ROLES if towers.names(role)},
             "unknown_towers": list(towers.unknown)}
+
+
+def is_vlm(config: dict) -> bool:
+    """A vision-language model: a *ForConditionalGeneration architecture with a vision_config.
+
+    The one rule for picking the Auto class, shared by loading the base (quantkit.io.checkpoint.load_model) and
+    loading an artifact back for evaluation (`quantkit.formats.gate.load_artifact`).
+    """
+    architecture = (config.get("architectures") or [""])[0]
+    return architecture.endswith("ForConditionalGeneration") and "vision_config" in config

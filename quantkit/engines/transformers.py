@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from quantkit.errors import ModelError
-from quantkit.io.checkpoint import LAYER_PREFIX, ModelInfo, is_offloaded_table, is_vlm
+from quantkit.arch.vlm import is_vlm
+from quantkit.io.checkpoint import LAYER_PREFIX, ModelInfo, is_offloaded_table
 
 
 def check_loading_info(info: ModelInfo, loading: dict) -> None:

@@ -166,7 +166,7 @@ def load_gguf_into_base(path: Path, base_dir: Path, device: str = "cpu", trust_r
     from quantkit.engines.transformers import device_map
     from quantkit.gguf.convert import reading_config
     from quantkit.gguf.loader import to_hf_state_dict
-    from quantkit.io.checkpoint import is_vlm
+    from quantkit.arch.vlm import is_vlm
 
     config = AutoConfig.from_pretrained(base_dir, local_files_only=True,  # config.json only: no hub lookup
                                         trust_remote_code=trust_remote_code)

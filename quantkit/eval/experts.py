@@ -75,7 +75,8 @@ def fuses_experts(config: dict) -> bool:
 def reads(path: Path) -> bool:
     """Whether the gate reads this compressed-tensors artifact here: an MoE text decoder of a family with an expert
     layout row, no KV-cache scheme, transforms or sparsity, every config group in a format decompressed here."""
-    from quantkit.io.checkpoint import is_vlm, read_config
+    from quantkit.arch.vlm import is_vlm
+    from quantkit.io.checkpoint import read_config
 
     config = read_config(path)
     qconfig = config.get("quantization_config") or {}
@@ -381,7 +382,7 @@ def linear_open(path: Path, config, dtype, layout):
 def reads_base(config: dict) -> bool:
     """Whether the gate reads this full-precision checkpoint here (its baseline streamed like a dense model's): an
     MoE text decoder of a family with an expert layout row, unquantized, no custom code."""
-    from quantkit.io.checkpoint import is_vlm
+    from quantkit.arch.vlm import is_vlm
 
     return ("quantization_config" not in config and not is_vlm(config) and not config.get("auto_map")
             and layout_of(config) is not None)

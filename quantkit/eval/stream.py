@@ -507,7 +507,7 @@ def streamable(config: dict) -> bool:
     per-expert tensors fused into one)."""
     from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 
-    from quantkit.io.checkpoint import is_vlm
+    from quantkit.arch.vlm import is_vlm
 
     return (not is_vlm(config) and "quantization_config" not in config
             and not get_checkpoint_conversion_mapping(config.get("model_type", "")))

@@ -62,7 +62,8 @@ def needs_base(base_dir: Path | None) -> Path:
 def reading(path: Path, base_dir: Path | None, trust_remote_code: bool):
     """Dequantized a tensor at a time into the base's architecture; None for a VLM's (loaded into the whole base)."""
     from quantkit.eval.scorers import gguf_reading
-    from quantkit.io.checkpoint import is_vlm, read_config
+    from quantkit.arch.vlm import is_vlm
+    from quantkit.io.checkpoint import read_config
 
     if is_vlm(read_config(needs_base(base_dir))):
         return None

@@ -200,16 +200,6 @@ def is_offloaded_table(module: str) -> bool:
     return module.endswith("embed_tokens") or module == "lm_head"
 
 
-def is_vlm(config: dict) -> bool:
-    """A vision-language model: a *ForConditionalGeneration architecture with a vision_config.
-
-    The one rule for picking the Auto class, shared by loading the base (`load_model`) and
-    loading an artifact back for evaluation (`quantkit.formats.gate.load_artifact`).
-    """
-    architecture = (config.get("architectures") or [""])[0]
-    return architecture.endswith("ForConditionalGeneration") and "vision_config" in config
-
-
 class SafetensorsWeights:
     """The tensors of a checkpoint directory's *.safetensors files, read one at a time."""
 

@@ -183,7 +183,7 @@ def family_refusal(model_type: str, is_vlm: bool) -> str | None:
 def check(info, options: Options, calibration=None) -> None:
     from quantkit.arch import moe
     from quantkit.arch.families import of_config
-    from quantkit.io.checkpoint import is_vlm
+    from quantkit.arch.vlm import is_vlm
 
     refusal = family_refusal(info.model_type, is_vlm(info.config))
     if refusal:

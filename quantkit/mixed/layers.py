@@ -322,7 +322,7 @@ def check_streamable(info, label: str, flag: str) -> None:
     MoE models and VLMs are refused before work."""
     from quantkit.arch.moe import is_moe
     from quantkit.errors import UnsupportedError
-    from quantkit.io.checkpoint import is_vlm
+    from quantkit.arch.vlm import is_vlm
 
     if is_moe(info.model_type) or is_vlm(info.config):
         kind = "MoE models" if is_moe(info.model_type) else "VLMs"

@@ -30,7 +30,7 @@ from pydantic import BaseModel
 
 from quantkit import __version__
 from quantkit.arch.families import check_family
-from quantkit.arch.vlm import FAMILIES, tower_summary
+from quantkit.arch.vlm import FAMILIES, is_vlm, tower_summary
 from quantkit.engines.llmcompressor.distributed import (
     Ranks,
     check_launch,
@@ -55,7 +55,6 @@ from quantkit.io.checkpoint import (
     check_generative,
     check_model_dir,
     check_submodel_packages,
-    is_vlm,
     resolve_source,
 )
 from quantkit.io.memory import PeakTracker
@@ -441,8 +440,6 @@ def check_not_quantized(info: ModelInfo, recipe: Recipe) -> None:
 def check_offload_dir(recipe: Recipe, info: ModelInfo) -> None:
     """--offload-dir must be a writable directory, and the model a plain decoder (a VLM's checkpoint
     names differ from its module names, so its layers cannot be mapped to disk by name)."""
-    from quantkit.io.checkpoint import is_vlm
-
     if recipe.offload_dir is None:
         return
     path = Path(recipe.offload_dir)
@@ -1312,7 +1309,6 @@ def offload_plan(recipe: Recipe, info: ModelInfo, workdir: Path,
     import tempfile
 
     from quantkit.engines.transformers import Offload
-    from quantkit.io.checkpoint import is_vlm
 
     whole_on_gpu = placement is not None and placement.device == "cuda" and not placement.onload
     fits = placement is not None and placement.device != "cuda" and not placement.tables_on_disk

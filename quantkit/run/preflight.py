@@ -212,7 +212,7 @@ def held_bytes(info, recipe, others: dict[str, int], layers: dict[str, int], wor
     the norms and one onloaded unit; a text decoder with its tables on disk every decoder layer, the norms,
     and the larger of one table (onloaded for the first layer's inputs, or to save the head) and the
     method's working set; a VLM, or a text decoder whose tables fit beside it, all of it and the working set."""
-    from quantkit.io.checkpoint import is_vlm
+    from quantkit.arch.vlm import is_vlm
 
     if recipe.offload_dir:
         return offloaded_bytes(others, layers, working)
