@@ -245,8 +245,8 @@ def check_experts(arch: str, spec: Gguf, hp: dict) -> None:
 def check_convertible(config: dict, hf_tensors) -> Gguf:
     """arch_spec plus the checks that need the checkpoint's tensor names (fused expert layouts)."""
     spec = arch_spec(config)
-    fused = [n for n in hf_tensors if FUSED_EXPERTS.search(n)]
-    if fused:
+    fused = [n for n in hf_tensors if FUSED_EXPERTS.search(n) and tensor_rule(config, n) is None]
+    if fused:  # fused experts no step of the family's converter writes
         raise UnsupportedError(f"GGUF conversion: fused expert tensors ('{fused[0]}') are not supported",
                                hint="supported: one tensor per expert (experts.N.*), as transformers' "
                                     "save_pretrained writes Mixtral and Qwen3-MoE")

@@ -377,6 +377,32 @@ def assert_moe_artifact(cli, model: Path, tmp_path: Path, method: str, *args: st
     return entry
 
 
+def with_fused_experts(source: Path, dest: Path) -> Path:
+    """A copy of a per-expert Qwen-MoE checkpoint with its routed experts stored fused across experts, as
+    Qwen3.5-MoE's releases store them: `<block>.experts.gate_up_proj` [experts, 2 x intermediate, hidden] (gate
+    rows, then up rows) and `<block>.experts.down_proj` [experts, hidden, intermediate]."""
+    import re
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, dest)
+    (shard,) = dest.glob("*.safetensors")
+    tensors = load_file(shard)
+    expert = re.compile(r"^(?P<block>.*\.experts)\.(?P<e>\d+)\.(?P<p>gate_proj|up_proj|down_proj)\.weight$")
+    blocks: dict[str, dict[str, dict[int, object]]] = {}
+    for name in [n for n in tensors if expert.match(n)]:
+        m = expert.match(name)
+        blocks.setdefault(m["block"], {}).setdefault(m["p"], {})[int(m["e"])] = tensors.pop(name)
+    for block, parts in blocks.items():
+        count = range(len(parts["gate_proj"]))
+        tensors[f"{block}.gate_up_proj"] = torch.stack([torch.cat([parts["gate_proj"][e], parts["up_proj"][e]])
+                                                        for e in count])
+        tensors[f"{block}.down_proj"] = torch.stack([parts["down_proj"][e] for e in count])
+    save_file(tensors, shard, metadata={"format": "pt"})
+    return dest
+
+
 def stored_tensors(path: Path) -> dict:
     """Every tensor of a checkpoint's safetensors files, by name."""
     from safetensors.torch import load_file

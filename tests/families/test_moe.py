@@ -4,13 +4,13 @@ with every router kept 16-bit and every expert's scales finite (common.assert_mo
 
 Fast: fp8 on every family, gptq on DeepSeek-V3 and on GLM-4.5 with an expert no calibration token reaches (the
 same path for every family: llm-compressor's linear experts, then quantkit's reading), GGUF Q4_K_M of ERNIE 4.5
-MoE, MiniMax-M2, GLM-4.5 and Qwen3.5-MoE (with and without their MTP layer), DeepSeek-V3 and Qwen3-Next, MLX of
-the families mlx-lm loads stacked (with the older Qwen2-MoE, Qwen3-MoE and Mixtral; Qwen3.5-MoE for mlx-lm's
+MoE, MiniMax-M2, GLM-4.5 and Qwen3.5-MoE (with and without their MTP layer, and with its experts stored fused as its
+releases store them), DeepSeek-V3 and Qwen3-Next, MLX of the families mlx-lm loads stacked (with the older Qwen2-MoE, Qwen3-MoE and Mixtral; Qwen3.5-MoE for mlx-lm's
 qwen3_5_moe, Qwen3-Next with the values its sanitize changes) read by mlx-lm, and the refusals
 (GGUF of the other families and of Qwen3-Next's MTP layers, MLX of the other families, each with its reason; MLX of
 what an mlx-lm model would read otherwise; GGUF of Hunyuan MoE with the converter's reason). Slow: the other methods
-on every family, GGUF against llama.cpp's converter and llama-quantize, and llama.cpp's converter failing on Hunyuan
-MoE as that refusal says.
+on every family, GGUF against llama.cpp's converter and llama-quantize (fused-stored Qwen experts too), and
+llama.cpp's converter failing on Hunyuan MoE as that refusal says.
 """
 
 from __future__ import annotations
@@ -409,6 +409,43 @@ def assert_writes_its_mtp_block(cli, model: Path, tmp_path: Path, arch: str, mor
 @pytest.mark.slow
 def test_gguf_of_qwen3_5_moe_with_mtp_layer_equals_llama_cpp(qwen35_moe_mtp, tmp_path):
     common.assert_gguf_is_llama_cpp_s(qwen35_moe_mtp, tmp_path, pre="gpt-2")
+
+
+@pytest.fixture(scope="module")
+def fused_moe(models, tmp_path_factory):
+    """family -> its tiny checkpoint with the routed experts stored fused (common.with_fused_experts)."""
+    return lambda family: common.with_fused_experts(models(family), tmp_path_factory.mktemp(family) / "fused")
+
+
+def gguf_contents(path: Path) -> tuple[dict, dict]:
+    """(metadata but the file's name, {tensor: (type, bytes)}) of a GGUF file."""
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    fields = {f.name: f.contents() for f in reader.fields.values() if f.name != "general.name"}
+    return fields, {t.name: (t.tensor_type, t.data.tobytes()) for t in reader.tensors}
+
+
+def test_gguf_of_fused_stored_experts_is_the_per_expert_checkpoint_s(cli, models, fused_moe, tmp_path):
+    """Qwen3.5-MoE with its experts stored fused (gate_up_proj, down_proj: its releases' form) converts as llama.cpp's
+    converter converts it, to the same file as the same weights stored one tensor per expert; the gate reads it."""
+    fused, per_expert = tmp_path / "fused", tmp_path / "per_expert"
+    common.assert_passed(common.quantize(cli, fused_moe("qwen3_5_moe_text"), fused, "gguf", "--gguf-type", "Q4_K_M"),
+                         fused)
+    common.assert_passed(common.quantize(cli, models("qwen3_5_moe_text"), per_expert, "gguf", "--gguf-type", "Q4_K_M",
+                                         gate=False), per_expert)
+    ((ours,), (theirs,)) = (fused.glob("*.gguf"), per_expert.glob("*.gguf"))
+    assert gguf_contents(ours) == gguf_contents(theirs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_5_moe_text", "qwen3_next"])
+def test_gguf_of_fused_stored_experts_equals_llama_cpp(fused_moe, tmp_path, family):
+    model = fused_moe(family)
+    if family == "qwen3_moe":  # llama.cpp's qwen3moe renormalises the top-k weights
+        model = common.copy_with_config(model, tmp_path / "renormalised", norm_topk_prob=True)
+    common.assert_gguf_is_llama_cpp_s(model, tmp_path, pre=GGUF.get(family, "gpt-2"),
+                                      converter_args=CONVERTER_ARGS.get(family, ()))
 
 
 def test_gguf_of_qwen3_next_mtp_layers_refused(cli, models, tmp_path):

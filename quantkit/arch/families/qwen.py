@@ -13,7 +13,8 @@ Qwen2-MoE config.json with dense layers or norm_topk_prob is refused.
 from __future__ import annotations
 
 from quantkit.arch.families import text
-from quantkit.arch.families.base import ConfigRules, ExpertCheckpoint, Family, Gguf, MlxExperts, MoeLayout
+from quantkit.arch.families.base import (ConfigRules, ExpertCheckpoint, Family, Gguf, MlxExperts, MoeLayout,
+                                         TensorRule)
 from quantkit.arch.families.llama import LLAMA_LIKE, MOE_ROWS, decoder_rows
 from quantkit.errors import UnsupportedError
 
@@ -94,11 +95,20 @@ QWEN3 = Family("qwen3", "Qwen3ForCausalLM", "Qwen3", smoothing=LLAMA_LIKE,
 QWEN2_MOE = Family("qwen2_moe", "Qwen2MoeForCausalLM", "Qwen2-MoE", smoothing=QWEN2_MOE_ROWS, moe=MoeLayout(),
                    mlx="qwen2_moe", mlx_experts=MlxExperts(), mlx_fields=mlx_expert_count,
                    mlx_checks=(check_mlx_qwen2_moe,))
+# Qwen2MoeModel.modify_tensors (and its subclasses': Qwen3-MoE, Qwen3.5-MoE, Qwen3-Next) takes routed experts stored
+# fused as well as one tensor per expert: gate_up_proj ([experts, 2 x intermediate, hidden]) cut into its gate and
+# up halves along the rows, down_proj ([experts, hidden, intermediate]) as it is, each written as the stacked per-expert
+# tensors would be (Qwen3.5-MoE's released checkpoints store them so)
+FUSED_EXPERT_RULES = (
+    TensorRule(r"\.mlp\.experts\.gate_up_proj$",
+               split=((r"gate_up_proj$", "gate_proj.weight"), (r"gate_up_proj$", "up_proj.weight"))),
+    TensorRule(r"\.mlp\.experts\.down_proj$", rename=(r"down_proj$", "down_proj.weight")),
+)
 QWEN3_MOE = Family(
     "qwen3_moe", "Qwen3MoeForCausalLM", "Qwen3-MoE", smoothing=MOE_ROWS, moe=MoeLayout(),
     experts_by_name=ExpertCheckpoint(),
     gguf={"Qwen3MoeForCausalLM": Gguf("QWEN3MOE", add_qwen_moe_params, "qwen2", experts="qwen",
-                                      checks=(check_topk_renormalised,))},
+                                      checks=(check_topk_renormalised,), rules=FUSED_EXPERT_RULES)},
     config=ConfigRules((qwen_window, mlp_only_layers)),
     mlx="qwen3_moe", mlx_experts=MlxExperts(), mlx_fields=mlx_expert_count,
 )

@@ -63,6 +63,7 @@ from quantkit.arch.families import deltanet, text
 from quantkit.arch.families.base import (Family, Gguf, Kept, Mapping, MlxExperts, MlxLayout, MlxRule, MoeLayout,
                                          TensorRule)
 from quantkit.arch.families.llama import GATE_UP
+from quantkit.arch.families.qwen import FUSED_EXPERT_RULES
 from quantkit.errors import ModelError, UnsupportedError
 
 # ---------------------------------------------------------------- what stays 16-bit
@@ -255,7 +256,8 @@ QWEN35_GGUF = Gguf("QWEN35", add_qwen35_params, "gpt2", rules=QWEN35_RULES, bloc
                    mrope_optional=True, renames=mtp_rename)
 # Qwen3_5MoeTextModel: the dense model's steps and Qwen2MoeModel's experts (the MTP layers' too)
 QWEN35_MOE_GGUF = Gguf("QWEN35MOE", add_qwen35_params, "gpt2", experts="qwen", shared_expert=True,
-                       rules=QWEN35_RULES, blocks=blocks, mrope_optional=True, renames=mtp_rename)
+                       rules=QWEN35_RULES + FUSED_EXPERT_RULES, blocks=blocks, mrope_optional=True,
+                       renames=mtp_rename)
 
 # Qwen3NextModel.modify_tensors: no value-head reorder; in_proj_qkvz regrouped and written as attn_qkv and
 # attn_gate, in_proj_ba as it is (ssm_ba)
@@ -270,7 +272,7 @@ QWEN3_NEXT_RULES = (
     NORM_RULE,
 )
 QWEN3_NEXT_GGUF = Gguf("QWEN3NEXT", add_qwen3_next_params, "gpt2", experts="qwen", shared_expert=True,
-                       rules=QWEN3_NEXT_RULES, tensor_checks=(check_no_mtp,))
+                       rules=QWEN3_NEXT_RULES + FUSED_EXPERT_RULES, tensor_checks=(check_no_mtp,))
 
 # ---------------------------------------------------------------- MLX (mlx-lm's qwen3_5, qwen3_5_moe, qwen3_next)
 
