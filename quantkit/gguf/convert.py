@@ -197,9 +197,23 @@ def refuse(arch: str, what: str, hint: str) -> None:
     raise UnsupportedError(f"GGUF conversion of {arch}: {what}", hint=hint)
 
 
+# quantization_config.quant_method -> what the refusal of such a checkpoint says, and the way to convert it
+QUANTIZED_REFUSALS = {
+    "mxfp4": ("the checkpoint is stored in MXFP4 (quantization_config quant_method mxfp4: its experts as *_blocks / "
+              "*_scales tensors, as openai ships gpt-oss), which quantkit does not convert",
+              "convert it with llama.cpp's convert_hf_to_gguf.py (it copies the MXFP4 blocks into GGML MXFP4 "
+              "tensors), or dequantize it to bf16 first (transformers: from_pretrained with "
+              "quantization_config=Mxfp4Config(dequantize=True), then save_pretrained) and convert that"),
+}
+
+
 def check_quantized(arch: str, spec: Gguf, hp: dict) -> None:
     if hp.get("quantization_config"):
-        refuse(arch, "the checkpoint is already quantized", "convert the full-precision checkpoint")
+        method = (hp["quantization_config"] or {}).get("quant_method") if isinstance(hp["quantization_config"], dict) \
+            else None
+        what, hint = QUANTIZED_REFUSALS.get(method, ("the checkpoint is already quantized",
+                                                     "convert the full-precision checkpoint"))
+        refuse(arch, what, hint)
 
 
 def check_text_type(arch: str, spec: Gguf, hp: dict) -> None:
@@ -246,7 +260,7 @@ def check_convertible(config: dict, hf_tensors) -> Gguf:
     """arch_spec plus the checks that need the checkpoint's tensor names (fused expert layouts)."""
     spec = arch_spec(config)
     fused = [n for n in hf_tensors if FUSED_EXPERTS.search(n)]
-    if fused:
+    if fused and spec.experts != "stacked":  # stored stacked: the family's rules write them
         raise UnsupportedError(f"GGUF conversion: fused expert tensors ('{fused[0]}') are not supported",
                                hint="supported: one tensor per expert (experts.N.*), as transformers' "
                                     "save_pretrained writes Mixtral and Qwen3-MoE")
