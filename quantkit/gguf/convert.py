@@ -197,23 +197,15 @@ def refuse(arch: str, what: str, hint: str) -> None:
     raise UnsupportedError(f"GGUF conversion of {arch}: {what}", hint=hint)
 
 
-# quantization_config.quant_method -> what the refusal of such a checkpoint says, and the way to convert it
-QUANTIZED_REFUSALS = {
-    "mxfp4": ("the checkpoint is stored in MXFP4 (quantization_config quant_method mxfp4: its experts as *_blocks / "
-              "*_scales tensors, as openai ships gpt-oss), which quantkit does not convert",
-              "convert it with llama.cpp's convert_hf_to_gguf.py (it copies the MXFP4 blocks into GGML MXFP4 "
-              "tensors), or dequantize it to bf16 first (transformers: from_pretrained with "
-              "quantization_config=Mxfp4Config(dequantize=True), then save_pretrained) and convert that"),
-}
-
-
 def check_quantized(arch: str, spec: Gguf, hp: dict) -> None:
+    from quantkit.io.checkpoint import QUANTIZED_CHECKPOINTS, quant_method
+
     if hp.get("quantization_config"):
-        method = (hp["quantization_config"] or {}).get("quant_method") if isinstance(hp["quantization_config"], dict) \
-            else None
-        what, hint = QUANTIZED_REFUSALS.get(method, ("the checkpoint is already quantized",
-                                                     "convert the full-precision checkpoint"))
-        refuse(arch, what, hint)
+        method = quant_method(hp)
+        if method in QUANTIZED_CHECKPOINTS:
+            what, hint = QUANTIZED_CHECKPOINTS[method]
+            refuse(arch, f"the checkpoint is already quantized ({method}: {what})", hint)
+        refuse(arch, "the checkpoint is already quantized", "convert the full-precision checkpoint")
 
 
 def check_text_type(arch: str, spec: Gguf, hp: dict) -> None:
