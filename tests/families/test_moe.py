@@ -718,3 +718,97 @@ def test_a_missing_expert_tensor_refused_before_work(cli, models, tmp_path, fami
     save_file(tensors, shard, metadata={"format": "pt"})
     out = tmp_path / "out"
     common.assert_refused(common.quantize(cli, model, out, method), out, words)
+
+
+# GPT-OSS for mlx-lm's gpt_oss: intermediate width other than the hidden one (the fused layouts' axes tell apart), a
+# sliding window shorter than the ids mlx-lm is given, YaRN with truncate true (what mlx-lm's YarnRoPE computes)
+GPT_OSS_YARN = dict(rope_type="yarn", factor=32.0, original_max_position_embeddings=4096, rope_theta=150000.0,
+                    beta_fast=32.0, beta_slow=1.0, truncate=True)
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_mlx(tmp_path_factory) -> Path:
+    return build(tmp_path_factory.mktemp("gpt_oss") / "model", "gpt_oss", intermediate_size=128, sliding_window=16,
+                 rope_parameters=GPT_OSS_YARN)
+
+
+def test_mlx_of_gpt_oss_cuts_its_fused_experts_as_mlx_lm_holds_them(cli, gpt_oss_mlx, tmp_path):
+    """4-bit calibrated through the CLI: gate_up_proj [experts, hidden, 2 x intermediate] (gate and up interleaved)
+    written as mlx-lm's SwitchGLU mlp.experts.gate_proj / up_proj ([experts, intermediate, hidden] packed per expert)
+    with their biases split, down_proj as [experts, hidden, intermediate], no fused tensor left, the routers 16-bit
+    (entry false), the sinks as stored, YaRN as rope_scaling; the read-back re-fuses them into the checkpoint's
+    tensors; mlx-lm builds every quantized module with exactly quantkit's weights and its float32 logits follow
+    quantkit's reading."""
+    import torch
+
+    from quantkit.mlx.checkpoint import MLXWeights
+
+    out = tmp_path / "out"
+    entry = common.assert_passed(common.quantize(cli, gpt_oss_mlx, out, "mlx", "--bits", "4"), out)
+    assert entry["details"]["mlx"]["calibration_tokens"] > 0
+    config = json.loads((out / "config.json").read_text())
+    stored, source = common.stored_tensors(out), common.stored_tensors(gpt_oss_mlx)
+    for layer in (0, 1):
+        block = f"model.layers.{layer}.mlp.experts."
+        assert stored[block + "gate_proj.weight"].shape == stored[block + "up_proj.weight"].shape == (4, 128, 32)
+        assert stored[block + "gate_proj.scales"].shape == (4, 128, 4)
+        assert stored[block + "down_proj.weight"].shape == (4, 256, 16)
+        assert torch.equal(stored[block + "gate_proj.bias"], source[block + "gate_up_proj_bias"][:, ::2])
+        assert torch.equal(stored[block + "up_proj.bias"], source[block + "gate_up_proj_bias"][:, 1::2])
+        assert torch.equal(stored[block + "down_proj.bias"], source[block + "down_proj_bias"])
+        assert config["quantization"][f"model.layers.{layer}.mlp.router"] is False
+        assert f"model.layers.{layer}.mlp.router.scales" not in stored
+        assert torch.equal(stored[f"model.layers.{layer}.self_attn.sinks"], source[f"model.layers.{layer}.self_attn.sinks"])
+    assert not any("gate_up_proj" in name or name.endswith("_bias") for name in stored)
+    assert config["rope_scaling"]["type"] == "yarn" and config["rope_scaling"]["truncate"] is True
+    ours = MLXWeights(out)
+    assert set(ours.keys()) == set(source)
+    fused = "model.layers.1.mlp.experts.gate_up_proj"
+    assert ours.shape(fused) == tuple(source[fused].shape) == (4, 256, 256)
+    assert (ours.get(fused).float() - source[fused].float()).abs().mean() < 0.2 * source[fused].float().abs().mean()
+    common.assert_mlx_lm_reads_as_quantkit(out)
+
+
+GPT_OSS_RECIPE = """
+targets:
+  - name: mlx
+    method: mlx
+    options:
+      bits: 8
+      calibrate: false
+      layer_bits: {'re:.*experts\\.down_proj': 4, 're:model\\.layers\\.0\\.mlp\\.experts\\.up_proj': 16-bit}
+"""
+
+
+def test_mlx_of_gpt_oss_min_max_with_layer_bits(cli, gpt_oss_mlx, tmp_path):
+    """8-bit min/max rounding, layer_bits taking the SwitchGLU projections by their mlx-lm names (down_proj at 4 bits,
+    one layer's up_proj 16-bit: entry false, a float [experts, out, in] mlx-lm loads as a SwitchLinear); mlx-lm reads
+    it as quantkit does."""
+    recipe, out = tmp_path / "recipe.yaml", tmp_path / "out"
+    recipe.write_text(GPT_OSS_RECIPE)
+    common.assert_passed(cli("quantize", gpt_oss_mlx, "--recipe", recipe, *common.CALIB, *common.LOOSE_GATE,
+                             "-o", out), out)
+    block = json.loads((out / "config.json").read_text())["quantization"]
+    assert block["bits"] == 8
+    for layer in (0, 1):
+        assert block[f"model.layers.{layer}.mlp.experts.down_proj"] == {"group_size": 64, "bits": 4, "mode": "affine"}
+    assert block["model.layers.0.mlp.experts.up_proj"] is False
+    stored = common.stored_tensors(out)
+    assert stored["model.layers.0.mlp.experts.up_proj.weight"].shape == (4, 128, 256)
+    assert stored["model.layers.1.mlp.experts.up_proj.weight"].shape == (4, 128, 64)
+    common.assert_mlx_lm_reads_as_quantkit(out)
+
+
+@pytest.mark.parametrize("change,words", [(dict(), "truncate false"),
+                                          (dict(quantization_config={"quant_method": "mxfp4"}), "already quantized")])
+def test_mlx_of_gpt_oss_refused_before_work(cli, models, tmp_path, change, words):
+    """Refused (exit 2) before work: YaRN with truncate false (GPT-OSS's released config.json; mlx-lm's YarnRoPE
+    rounds the correction range), and a checkpoint stored in MXFP4."""
+    model = common.copy_with_config(models("gpt_oss"), tmp_path / "model", **change)
+    out = tmp_path / "out"
+    common.assert_refused(common.quantize(cli, model, out, "mlx"), out, words)
+
+
+def test_nf4_of_gpt_oss_still_refused(cli, models, tmp_path):
+    out = tmp_path / "out"
+    common.assert_refused(common.quantize(cli, models("gpt_oss"), out, "nf4"), out, "gpt_oss", "not supported yet")
