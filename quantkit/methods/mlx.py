@@ -24,7 +24,9 @@ expert projection, run on its routed tokens only) in the calibration forward; th
 collects from transformers' fused experts. An expert no calibration token reaches is weighted by plain squared
 error. The routers stay 16-bit (config.json's entry false), as quantkit keeps them for every method;
 mlx_lm.convert quantizes them. Their correction bias keeps its stored dtype, as mlx_lm.convert keeps it.
-`layer_bits` names a stacked projection by its `switch_mlp` name. The multi-token-prediction layers after the
+`layer_bits` names a stacked projection by its `switch_mlp` name. Experts stored fused across experts (GPT-OSS) are
+cut into the SwitchGLU's projections (`mlp.experts.gate_proj` ...), their importances recorded by a forward hook on
+transformers' experts module (FusedImportance: the family's `mlx_experts.inputs`). The multi-token-prediction layers after the
 decoder's are not written (mlx-lm's models have none).
 
 An affine group (w = scale * q + bias) is an asymmetric integer group with a zero point; the gate
@@ -202,11 +204,13 @@ def check(info, options: Options, calibration=None) -> None:
 
 def support(family) -> str:
     from quantkit.arch import moe
+    from quantkit.arch.families import by_model_type
 
     refusal = family_refusal(family.model_type, family.is_vlm)
     if refusal:
         return f"refused: {refusal}"
-    experts = moe.is_moe(family.model_type) or family.mlx_experts is not None
+    record = by_model_type(family.model_type)
+    experts = moe.is_moe(family.model_type) or (record is not None and record.mlx_experts is not None)
     return "✅ experts stacked per projection, routers 16-bit" if experts else "✅"
 
 

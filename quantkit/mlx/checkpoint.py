@@ -24,7 +24,9 @@ expert by expert along its last axis (packed weight [experts, out, in * bits / 3
 in / group_size]), as mlx_lm.convert writes it (its QuantizedSwitchLinear); `sanitize` leaves stacked tensors as
 they are. The routers stay 16-bit (their entry false), where mlx_lm.convert quantizes them; the
 multi-token-prediction layers after the decoder's are not written (mtp_layers). MLXWeights reads the stacked modules
-back under the checkpoint's per-expert names.
+back under the checkpoint's per-expert names. Experts the checkpoint stores fused across experts (the record's
+`mlx_experts.fused`: GPT-OSS's gate_up_proj, interleaved, with biases) are cut into the SwitchGLU's projections
+(written_fused), the form that model's sanitize leaves as it is, and read back joined (fused_sources, joined_fused).
 """
 
 from __future__ import annotations
