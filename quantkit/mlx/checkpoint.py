@@ -249,9 +249,10 @@ def fused_sources(config: dict, names) -> dict[str, list[str]]:
     if family is None or family.mlx_experts is None or not family.mlx_experts.fused:
         return {}
     present, out = set(names), {}
+    piece = re.compile(rf"^(?P<block>.*\.){re.escape(family.mlx_experts.module)}\.(?P<p>[A-Za-z0-9_]+)\."
+                       r"(?P<kind>weight|bias)$")
     for name in present:
-        m = re.match(rf"^(?P<block>.*\.){re.escape(family.mlx_experts.module)}\.(?P<p>[A-Za-z0-9_]+)\.(?P<kind>weight|bias)$",
-                     name)
+        m = piece.match(name)
         for fused in family.mlx_experts.fused if m is not None else ():
             if m["p"] == fused.projections[0] and (m["kind"] == "weight" or fused.bias):
                 bias = m["kind"] == "bias"

@@ -6,7 +6,8 @@ Fast: fp8 on every family, gptq on DeepSeek-V3 and on GLM-4.5 with an expert no 
 same path for every family: llm-compressor's linear experts, then quantkit's reading), GGUF Q4_K_M of ERNIE 4.5
 MoE, MiniMax-M2, GLM-4.5 and Qwen3.5-MoE (with and without their MTP layer), DeepSeek-V3 and Qwen3-Next, MLX of
 the families mlx-lm loads stacked (with the older Qwen2-MoE, Qwen3-MoE and Mixtral; Qwen3.5-MoE for mlx-lm's
-qwen3_5_moe, Qwen3-Next with the values its sanitize changes) read by mlx-lm, and the refusals
+qwen3_5_moe, Qwen3-Next with the values its sanitize changes; GPT-OSS, its fused experts cut as mlx-lm's
+gpt_oss holds them, and equal to mlx_lm.convert's) read by mlx-lm, and the refusals
 (GGUF of the other families and of Qwen3-Next's MTP layers, MLX of the other families, each with its reason; MLX of
 what an mlx-lm model would read otherwise; GGUF of Hunyuan MoE with the converter's reason). Slow: the other methods
 on every family, GGUF against llama.cpp's converter and llama-quantize, and llama.cpp's converter failing on Hunyuan
@@ -758,7 +759,8 @@ def test_mlx_of_gpt_oss_cuts_its_fused_experts_as_mlx_lm_holds_them(cli, gpt_oss
         assert torch.equal(stored[block + "down_proj.bias"], source[block + "down_proj_bias"])
         assert config["quantization"][f"model.layers.{layer}.mlp.router"] is False
         assert f"model.layers.{layer}.mlp.router.scales" not in stored
-        assert torch.equal(stored[f"model.layers.{layer}.self_attn.sinks"], source[f"model.layers.{layer}.self_attn.sinks"])
+        sinks = f"model.layers.{layer}.self_attn.sinks"
+        assert torch.equal(stored[sinks], source[sinks])
     assert not any("gate_up_proj" in name or name.endswith("_bias") for name in stored)
     assert config["rope_scaling"]["type"] == "yarn" and config["rope_scaling"]["truncate"] is True
     ours = MLXWeights(out)
@@ -812,3 +814,42 @@ def test_mlx_of_gpt_oss_refused_before_work(cli, models, tmp_path, change, words
 def test_nf4_of_gpt_oss_still_refused(cli, models, tmp_path):
     out = tmp_path / "out"
     common.assert_refused(common.quantize(cli, models("gpt_oss"), out, "nf4"), out, "gpt_oss", "not supported yet")
+
+
+def test_mlx_of_gpt_oss_stores_the_tensors_mlx_lm_convert_stores(cli, gpt_oss_mlx, tmp_path):
+    """mlx_lm.convert -q, given the checkpoint in the form its gpt_oss sanitize leaves as it is (the fused experts cut
+    as quantkit cuts them: quantkit.mlx.checkpoint.written_fused) and config.json with the fields quantkit writes
+    mlx-lm, writes the same tensors as quantkit (names, shapes, dtypes), the routers aside (16-bit here, 8 bits
+    there: its quant_predicate), and the same values for every tensor both keep 16-bit (biases, sinks, norms)."""
+    import shutil
+
+    import torch
+    from safetensors.torch import save_file
+
+    pytest.importorskip("mlx_lm", reason="mlx-lm is not installed (pip install 'quantkit[mlx]')")
+    from mlx_lm import convert
+
+    from quantkit.mlx.checkpoint import fused_tensor, mlx_lm_fields, written_fused
+
+    source, theirs, ours = tmp_path / "source", tmp_path / "theirs", tmp_path / "ours"
+    shutil.copytree(gpt_oss_mlx, source)
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps(config | mlx_lm_fields(config)))
+    tensors = {}
+    for name, value in common.stored_tensors(gpt_oss_mlx).items():
+        tensors |= written_fused(config, name, value) if fused_tensor(config, name) else {name: value}
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(source / "model.safetensors"))
+    convert(str(source), str(theirs), quantize=True)
+    common.assert_passed(common.quantize(cli, gpt_oss_mlx, ours, "mlx", gate=False), ours)
+    expected, stored = stored_headers(theirs), stored_headers(ours)
+
+    def router(name: str) -> bool:
+        return ".mlp.router." in name
+
+    assert {k: v for k, v in stored.items() if not router(k)} == {k: v for k, v in expected.items() if not router(k)}
+    assert all(stored[r][1] == "BF16" and expected[r][1] == "U32" for r in stored if r.endswith("router.weight"))
+    ours_16, theirs_16 = common.stored_tensors(ours), common.stored_tensors(theirs)
+    plain = [k for k in stored if expected.get(k) == stored[k] and stored[k][1] != "U32" and not k.endswith(
+        (".scales", ".biases"))]
+    assert any(k.endswith("experts.gate_proj.bias") for k in plain)
+    assert all(torch.equal(ours_16[k], theirs_16[k]) for k in plain), plain
