@@ -6,7 +6,8 @@ Fast: fp8 on every family, gptq on DeepSeek-V3 and on GLM-4.5 with an expert no 
 same path for every family: llm-compressor's linear experts, then quantkit's reading), GGUF Q4_K_M of ERNIE 4.5
 MoE, MiniMax-M2, GLM-4.5 and Qwen3.5-MoE (with and without their MTP layer), DeepSeek-V3 and Qwen3-Next, MLX of
 the families mlx-lm loads stacked (with the older Qwen2-MoE, Qwen3-MoE and Mixtral; Qwen3.5-MoE for mlx-lm's
-qwen3_5_moe, Qwen3-Next with the values its sanitize changes) read by mlx-lm, and the refusals
+qwen3_5_moe, Qwen3-Next with the values its sanitize changes; GPT-OSS, its fused experts cut as mlx-lm's
+gpt_oss holds them, and equal to mlx_lm.convert's) read by mlx-lm, and the refusals
 (GGUF of the other families and of Qwen3-Next's MTP layers, MLX of the other families, each with its reason; MLX of
 what an mlx-lm model would read otherwise; GGUF of Hunyuan MoE with the converter's reason). GPT-OSS: GGUF Q4_K_M
 through the CLI (its experts de-interleaved, their biases, the sinks), the compressed-tensors methods and nf4 refused
@@ -900,3 +901,131 @@ def test_gguf_of_gpt_oss_imatrix_is_llama_imatrix_s(cli, models, tmp_path):
         assert_same_tensors(reference, mine, f"gpt_oss {gguf_type} + imatrix")
     out = tmp_path / "out"
     common.assert_passed(common.quantize(cli, model, out, "gguf", "--gguf-type", "Q4_K_M", "--imatrix", path), out)
+
+# GPT-OSS for mlx-lm's gpt_oss: intermediate width other than the hidden one (the fused layouts' axes tell apart), a
+# sliding window shorter than the ids mlx-lm is given, YaRN with truncate true (what mlx-lm's YarnRoPE computes)
+GPT_OSS_YARN = dict(rope_type="yarn", factor=32.0, original_max_position_embeddings=4096, rope_theta=150000.0,
+                    beta_fast=32.0, beta_slow=1.0, truncate=True)
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_mlx(tmp_path_factory) -> Path:
+    return build(tmp_path_factory.mktemp("gpt_oss") / "model", "gpt_oss", intermediate_size=128, sliding_window=16,
+                 rope_parameters=GPT_OSS_YARN)
+
+
+def test_mlx_of_gpt_oss_cuts_its_fused_experts_as_mlx_lm_holds_them(cli, gpt_oss_mlx, tmp_path):
+    """4-bit calibrated through the CLI: gate_up_proj [experts, hidden, 2 x intermediate] (gate and up interleaved)
+    written as mlx-lm's SwitchGLU mlp.experts.gate_proj / up_proj ([experts, intermediate, hidden] packed per expert)
+    with their biases split, down_proj as [experts, hidden, intermediate], no fused tensor left, the routers 16-bit
+    (entry false), the sinks as stored, YaRN as rope_scaling; the read-back re-fuses them into the checkpoint's
+    tensors; mlx-lm builds every quantized module with exactly quantkit's weights and its float32 logits follow
+    quantkit's reading."""
+    import torch
+
+    from quantkit.mlx.checkpoint import MLXWeights
+
+    out = tmp_path / "out"
+    entry = common.assert_passed(common.quantize(cli, gpt_oss_mlx, out, "mlx", "--bits", "4"), out)
+    assert entry["details"]["mlx"]["calibration_tokens"] > 0
+    config = json.loads((out / "config.json").read_text())
+    stored, source = common.stored_tensors(out), common.stored_tensors(gpt_oss_mlx)
+    for layer in (0, 1):
+        block = f"model.layers.{layer}.mlp.experts."
+        assert stored[block + "gate_proj.weight"].shape == stored[block + "up_proj.weight"].shape == (4, 128, 32)
+        assert stored[block + "gate_proj.scales"].shape == (4, 128, 4)
+        assert stored[block + "down_proj.weight"].shape == (4, 256, 16)
+        assert torch.equal(stored[block + "gate_proj.bias"], source[block + "gate_up_proj_bias"][:, ::2])
+        assert torch.equal(stored[block + "up_proj.bias"], source[block + "gate_up_proj_bias"][:, 1::2])
+        assert torch.equal(stored[block + "down_proj.bias"], source[block + "down_proj_bias"])
+        assert config["quantization"][f"model.layers.{layer}.mlp.router"] is False
+        assert f"model.layers.{layer}.mlp.router.scales" not in stored
+        sinks = f"model.layers.{layer}.self_attn.sinks"
+        assert torch.equal(stored[sinks], source[sinks])
+    assert not any("gate_up_proj" in name or name.endswith("_bias") for name in stored)
+    assert config["rope_scaling"]["type"] == "yarn" and config["rope_scaling"]["truncate"] is True
+    ours = MLXWeights(out)
+    assert set(ours.keys()) == set(source)
+    fused = "model.layers.1.mlp.experts.gate_up_proj"
+    assert ours.shape(fused) == tuple(source[fused].shape) == (4, 256, 256)
+    assert (ours.get(fused).float() - source[fused].float()).abs().mean() < 0.2 * source[fused].float().abs().mean()
+    common.assert_mlx_lm_reads_as_quantkit(out)
+
+
+GPT_OSS_RECIPE = """
+targets:
+  - name: mlx
+    method: mlx
+    options:
+      bits: 8
+      calibrate: false
+      layer_bits: {'re:.*experts\\.down_proj': 4, 're:model\\.layers\\.0\\.mlp\\.experts\\.up_proj': 16-bit}
+"""
+
+
+def test_mlx_of_gpt_oss_min_max_with_layer_bits(cli, gpt_oss_mlx, tmp_path):
+    """8-bit min/max rounding, layer_bits taking the SwitchGLU projections by their mlx-lm names (down_proj at 4 bits,
+    one layer's up_proj 16-bit: entry false, a float [experts, out, in] mlx-lm loads as a SwitchLinear); mlx-lm reads
+    it as quantkit does."""
+    recipe, out = tmp_path / "recipe.yaml", tmp_path / "out"
+    recipe.write_text(GPT_OSS_RECIPE)
+    common.assert_passed(cli("quantize", gpt_oss_mlx, "--recipe", recipe, *common.CALIB, *common.LOOSE_GATE,
+                             "-o", out), out)
+    block = json.loads((out / "config.json").read_text())["quantization"]
+    assert block["bits"] == 8
+    for layer in (0, 1):
+        assert block[f"model.layers.{layer}.mlp.experts.down_proj"] == {"group_size": 64, "bits": 4, "mode": "affine"}
+    assert block["model.layers.0.mlp.experts.up_proj"] is False
+    stored = common.stored_tensors(out)
+    assert stored["model.layers.0.mlp.experts.up_proj.weight"].shape == (4, 128, 256)
+    assert stored["model.layers.1.mlp.experts.up_proj.weight"].shape == (4, 128, 64)
+    common.assert_mlx_lm_reads_as_quantkit(out)
+
+
+@pytest.mark.parametrize("change,words", [(dict(), "truncate false"),
+                                          (dict(quantization_config={"quant_method": "mxfp4"}), "already quantized")])
+def test_mlx_of_gpt_oss_refused_before_work(cli, models, tmp_path, change, words):
+    """Refused (exit 2) before work: YaRN with truncate false (GPT-OSS's released config.json; mlx-lm's YarnRoPE
+    rounds the correction range), and a checkpoint stored in MXFP4."""
+    model = common.copy_with_config(models("gpt_oss"), tmp_path / "model", **change)
+    out = tmp_path / "out"
+    common.assert_refused(common.quantize(cli, model, out, "mlx"), out, words)
+
+
+def test_mlx_of_gpt_oss_stores_the_tensors_mlx_lm_convert_stores(cli, gpt_oss_mlx, tmp_path):
+    """mlx_lm.convert -q, given the checkpoint in the form its gpt_oss sanitize leaves as it is (the fused experts cut
+    as quantkit cuts them: quantkit.mlx.checkpoint.written_fused) and config.json with the fields quantkit writes
+    mlx-lm, writes the same tensors as quantkit (names, shapes, dtypes), the routers aside (16-bit here, 8 bits
+    there: its quant_predicate), and the same values for every tensor both keep 16-bit (biases, sinks, norms)."""
+    import shutil
+
+    import torch
+    from safetensors.torch import save_file
+
+    pytest.importorskip("mlx_lm", reason="mlx-lm is not installed (pip install 'quantkit[mlx]')")
+    from mlx_lm import convert
+
+    from quantkit.mlx.checkpoint import fused_tensor, mlx_lm_fields, written_fused
+
+    source, theirs, ours = tmp_path / "source", tmp_path / "theirs", tmp_path / "ours"
+    shutil.copytree(gpt_oss_mlx, source)
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps(config | mlx_lm_fields(config)))
+    tensors = {}
+    for name, value in common.stored_tensors(gpt_oss_mlx).items():
+        tensors |= written_fused(config, name, value) if fused_tensor(config, name) else {name: value}
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(source / "model.safetensors"))
+    convert(str(source), str(theirs), quantize=True)
+    common.assert_passed(common.quantize(cli, gpt_oss_mlx, ours, "mlx", gate=False), ours)
+    expected, stored = stored_headers(theirs), stored_headers(ours)
+
+    def router(name: str) -> bool:
+        return ".mlp.router." in name
+
+    assert {k: v for k, v in stored.items() if not router(k)} == {k: v for k, v in expected.items() if not router(k)}
+    assert all(stored[r][1] == "BF16" and expected[r][1] == "U32" for r in stored if r.endswith("router.weight"))
+    ours_16, theirs_16 = common.stored_tensors(ours), common.stored_tensors(theirs)
+    plain = [k for k in stored if expected.get(k) == stored[k] and stored[k][1] != "U32" and not k.endswith(
+        (".scales", ".biases"))]
+    assert any(k.endswith("experts.gate_proj.bias") for k in plain)
+    assert all(torch.equal(ours_16[k], theirs_16[k]) for k in plain), plain
