@@ -198,7 +198,13 @@ def refuse(arch: str, what: str, hint: str) -> None:
 
 
 def check_quantized(arch: str, spec: Gguf, hp: dict) -> None:
+    from quantkit.io.checkpoint import QUANTIZED_CHECKPOINTS, quant_method
+
     if hp.get("quantization_config"):
+        method = quant_method(hp)
+        if method in QUANTIZED_CHECKPOINTS:
+            what, hint = QUANTIZED_CHECKPOINTS[method]
+            refuse(arch, f"the checkpoint is already quantized ({method}: {what})", hint)
         refuse(arch, "the checkpoint is already quantized", "convert the full-precision checkpoint")
 
 
@@ -246,7 +252,7 @@ def check_convertible(config: dict, hf_tensors) -> Gguf:
     """arch_spec plus the checks that need the checkpoint's tensor names (fused expert layouts)."""
     spec = arch_spec(config)
     fused = [n for n in hf_tensors if FUSED_EXPERTS.search(n) and tensor_rule(config, n) is None]
-    if fused:  # fused experts no step of the family's converter writes
+    if fused and spec.experts != "stacked":  # stored stacked, or a rule of the family's converter, writes them
         raise UnsupportedError(f"GGUF conversion: fused expert tensors ('{fused[0]}') are not supported",
                                hint="supported: one tensor per expert (experts.N.*), as transformers' "
                                     "save_pretrained writes Mixtral and Qwen3-MoE")

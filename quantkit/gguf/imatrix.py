@@ -99,7 +99,9 @@ def expert_targets(model) -> dict[str, int]:
 
 def expert_inputs(module, inputs) -> dict[str, list]:
     """Per expert, the rows entering ffn_gate/up_exps and ffn_down_exps (llama-imatrix's MUL_MAT_ID
-    collection): the routed tokens' hidden states, and act(gate) * up for the down projection."""
+    collection): the routed tokens' hidden states, and the gated activation (act(gate) * up; the module's own
+    gate where transformers' experts have one: GPT-OSS's clamped SwiGLU of interleaved halves) for the down
+    projection."""
     import torch
 
     hidden, top_k = inputs[0].detach().reshape(-1, inputs[0].shape[-1]), inputs[1].reshape(inputs[0].shape[0], -1)
@@ -107,10 +109,28 @@ def expert_inputs(module, inputs) -> dict[str, list]:
     out: dict[str, list] = {"gate_up": [], "down": []}
     for e in range(params["gate_up_proj"].shape[0]):
         x = hidden[(top_k == e).any(-1)]
-        gate, up = torch.nn.functional.linear(x, params["gate_up_proj"][e]).chunk(2, dim=-1)
         out["gate_up"].append(x.to(torch.float64))
-        out["down"].append((module.act_fn(gate) * up).to(torch.float64))
+        out["down"].append(gated(module, gate_up_output(module, params, e, x)).to(torch.float64))
     return out
+
+
+def gate_up_output(module, params: dict, expert: int, x):
+    """One expert's gate_up projection of its rows, in the layout transformers' experts state (use_experts_
+    implementation's is_transposed: [hidden, 2 x intermediate], and has_bias: gate_up_proj_bias added)."""
+    import torch
+
+    weight = params["gate_up_proj"][expert]
+    y = x @ weight if getattr(module, "is_transposed", False) else torch.nn.functional.linear(x, weight)
+    return y + params["gate_up_proj_bias"][expert] if getattr(module, "has_bias", False) else y
+
+
+def gated(module, gate_up):
+    """The input of the down projection: the experts module's own gate (transformers' _apply_gate: act(gate) * up
+    of the concatenated halves by default), act(gate) * up where it has none."""
+    if callable(getattr(module, "_apply_gate", None)):
+        return module._apply_gate(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return module.act_fn(gate) * up
 
 
 def compute(model, windows, config: dict, dataset: str = "quantkit", batch_size: int = 1, device=None) -> Imatrix:

@@ -151,6 +151,16 @@ def quant_method(config: dict) -> str:
     return (config.get("quantization_config") or {}).get("quant_method") or ""
 
 
+# quant_method -> (what such a checkpoint holds, the way to a checkpoint quantkit takes), where the 16-bit original
+# is not what its publisher ships (openai's gpt-oss comes in MXFP4 only)
+QUANTIZED_CHECKPOINTS = {
+    "mxfp4": ("its experts stored in MXFP4 as *_blocks / *_scales tensors, as openai ships gpt-oss",
+              "dequantize it to bf16 first (transformers: from_pretrained with quantization_config=Mxfp4Config("
+              "dequantize=True), then save_pretrained) and quantize that; or convert it with llama.cpp's "
+              "convert_hf_to_gguf.py, which copies the MXFP4 blocks into GGML MXFP4 tensors"),
+}
+
+
 def read_config(path: Path) -> dict:
     config_file = path / "config.json"
     if not config_file.is_file():

@@ -195,6 +195,13 @@ def check(info, options: Options, calibration=None) -> None:
     from quantkit.gguf.vocab import check_vocab
 
     spec = check_convertible(info.config, info.tensors)
+    if mixed(options) and spec.experts == "stacked" and expert_count(info.config):  # before the pieces: GPT-OSS's
+        raise UnsupportedError("per-tensor GGUF types (--auto-precision, --fallback) for this checkpoint: its experts "
+                               "are stored stacked, one 3-D tensor per layer (Granite 4's block_sparse_moe."
+                               "input_linear / output_linear, GPT-OSS's mlp.experts.gate_up_proj / down_proj), which "
+                               "quantkit's sensitivity measurement does not read yet",
+                               hint="quantize it with one --gguf-type (per-tensor types: llama-quantize "
+                                    "--tensor-type on the converted file)")
     if mixed(options) and any(rule.pieces is not None or rule.split_rows is not None for rule in spec.rules):
         raise UnsupportedError("per-tensor GGUF types (--auto-precision, --fallback) for this architecture: its "
                                "conversion cuts tensors into pieces of their own shapes (DeepSeek's kv_b_proj into "
@@ -202,12 +209,6 @@ def check(info, options: Options, calibration=None) -> None:
                                "which quantkit's sensitivity measurement does not read yet",
                                hint="quantize it with one --gguf-type (per-tensor types: llama-quantize "
                                     "--tensor-type on the converted file)")
-    if mixed(options) and spec.experts == "stacked" and expert_count(info.config):
-        raise UnsupportedError("per-tensor GGUF types (--auto-precision, --fallback) for this checkpoint: its experts "
-                               "are stored stacked, one 3-D tensor per layer (Granite 4's block_sparse_moe."
-                               "input_linear / output_linear), which quantkit's sensitivity measurement does not read "
-                               "yet", hint="quantize it with one --gguf-type (per-tensor types: llama-quantize "
-                                           "--tensor-type on the converted file)")
     if spec.vocab_check is not None:
         from quantkit.gguf.convert import load_hparams
 

@@ -24,8 +24,10 @@ expert projection, run on its routed tokens only) in the calibration forward; th
 collects from transformers' fused experts. An expert no calibration token reaches is weighted by plain squared
 error. The routers stay 16-bit (config.json's entry false), as quantkit keeps them for every method;
 mlx_lm.convert quantizes them. Their correction bias keeps its stored dtype, as mlx_lm.convert keeps it.
-`layer_bits` names a stacked projection by its `switch_mlp` name. The multi-token-prediction layers after the
-decoder's are not written (mlx-lm's models have none).
+`layer_bits` names a stacked projection by its `switch_mlp` name. Experts stored fused across experts (GPT-OSS) are
+cut into the SwitchGLU's projections (`mlp.experts.gate_proj` ...), their importances recorded by a forward hook on
+transformers' experts module (FusedImportance: the family's `mlx_experts.inputs`). The multi-token-prediction
+layers after the decoder's are not written (mlx-lm's models have none).
 
 An affine group (w = scale * q + bias) is an asymmetric integer group with a zero point; the gate
 reads the file back with quantkit's own dequantization, bit-exact with mlx.core.dequantize.
@@ -117,9 +119,10 @@ def layer_plan(info, options: Options, ignore: list[str]) -> dict[str, Precision
     SwitchGLU module mlx-lm stacks it into (quantkit.mlx.checkpoint.expert_stacks), one precision for all its
     experts: `layer_bits` takes it by that name, the ignore list by its experts' names (all of them: check_ignore);
     the multi-token-prediction layers left out (not written: quantkit.mlx.checkpoint.mtp_layers, and those the
-    family's mlx layout drops)."""
+    family's mlx layout drops); experts stored fused (GPT-OSS) as the SwitchGLU projections they are cut into
+    (quantkit.mlx.checkpoint.fused_modules), the ignore list taking them by either name."""
     from quantkit.arch.roles import classify, linear_weights, matches
-    from quantkit.mlx.checkpoint import expert_stacks, mtp_layers, written_name
+    from quantkit.mlx.checkpoint import expert_stacks, fused_modules, mtp_layers, written_name
 
     mtp = mtp_layers(info.config, info.tensors)
     linear = {name: shape for name, shape in linear_weights(info).items()
@@ -137,6 +140,8 @@ def layer_plan(info, options: Options, ignore: list[str]) -> dict[str, Precision
         experts = [n.removesuffix(".weight") for n in names]
         kept = all(matches(expert, list(ignore)) for expert in experts)
         plan[module] = None if kept else module_precision(options, module, [len(names), *linear[experts[0]]])
+    for module, (tensor, shape) in fused_modules(info.config, info.tensors).items():
+        plan[module] = None if matches(tensor, list(ignore)) else module_precision(options, module, shape, ignore)
     return plan
 
 
@@ -193,16 +198,20 @@ def check(info, options: Options, calibration=None) -> None:
     family = of_config(info.config)
     for family_check in family.mlx_checks if family is not None else ():  # the family's own reason first
         family_check(info.config)
-    moe.check_supported(info, "mlx")  # a family's mixture-of-experts variant without an expert layout
+    if family is None or family.mlx_experts is None or not family.mlx_experts.fused:  # fused: read as stored
+        moe.check_supported(info, "mlx")  # a family's mixture-of-experts variant without an expert layout
 
 
 def support(family) -> str:
     from quantkit.arch import moe
+    from quantkit.arch.families import by_model_type
 
     refusal = family_refusal(family.model_type, family.is_vlm)
     if refusal:
         return f"refused: {refusal}"
-    return "✅ experts stacked per projection, routers 16-bit" if moe.is_moe(family.model_type) else "✅"
+    record = by_model_type(family.model_type)
+    experts = moe.is_moe(family.model_type) or (record is not None and record.mlx_experts is not None)
+    return "✅ experts stacked per projection, routers 16-bit" if experts else "✅"
 
 
 # ---------------------------------------------------------------- calibration: column importances
@@ -234,6 +243,8 @@ def column_importance(job: QuantizeJob) -> dict:
     hooks = [module.register_forward_hook(lambda m, inputs, out, name=name: record(name, inputs[0]))
              for name, module in streamed.model.named_modules() if isinstance(module, torch.nn.Linear)
              and module is not streamed.head]
+    fused = FusedImportance(job.info.config, job.info.tensors)
+    hooks += fused.hooks(streamed.model)
     head = next(n for n, m in streamed.model.named_modules() if m is streamed.head)
     group = windows_per_group(config.get_text_config(), job.windows.calib.shape[1])
     try:
@@ -244,7 +255,47 @@ def column_importance(job: QuantizeJob) -> dict:
         for hook in hooks:
             hook.remove()
     imp = {name: (total / max(count, 1)).to(torch.float32) for name, (total, count) in sums.items()}
-    return imp | stacked_importance(job.info, imp)
+    return imp | stacked_importance(job.info, imp) | fused.importances()
+
+
+class FusedImportance:
+    """Each expert's column importances of experts stored fused (GPT-OSS), from forward hooks on transformers'
+    experts modules (`<block>experts`, the checkpoint's fused tensors' module): the family's `mlx_experts.inputs`
+    gives each SwitchGLU projection's per-expert input rows; `importances()` is {SwitchGLU module: [experts,
+    columns]} (zeros for an expert no calibration token reached: quantkit.mlx.affine.importance_floor)."""
+
+    def __init__(self, config: dict, tensors):
+        from quantkit.arch.families import of_config
+        from quantkit.mlx.checkpoint import fused_tensor
+
+        self.family, self.sums = of_config(config), {}
+        # {transformers' experts module: its block}: the modules holding the checkpoint's fused tensors
+        self.owners = {name.rsplit(".", 1)[0]: found[0] for name in tensors
+                       if (found := fused_tensor(config, name)) is not None}
+
+    def hooks(self, model) -> list:
+        inputs = self.family.mlx_experts.inputs if self.owners else None
+        if inputs is None:
+            return []
+        return [module.register_forward_hook(lambda m, args, out, block=self.owners[name]:
+                                             self.record(block, inputs(m, args)))
+                for name, module in model.named_modules() if name in self.owners]
+
+    def record(self, block: str, rows: dict[str, list]) -> None:
+        import torch
+
+        for projection, per_expert in rows.items():
+            module = f"{block}{self.family.mlx_experts.module}.{projection}"
+            squares = torch.stack([(x.to(torch.float64) ** 2).sum(0).cpu() for x in per_expert])
+            counts = torch.tensor([x.shape[0] for x in per_expert], dtype=torch.float64)
+            total, count = self.sums.get(module, (0.0, 0.0))
+            self.sums[module] = (total + squares, count + counts)
+
+    def importances(self) -> dict:
+        import torch
+
+        return {module: (total / count.clamp(min=1)[:, None]).to(torch.float32)
+                for module, (total, count) in self.sums.items()}
 
 
 def calibration_base(info, config):
@@ -310,8 +361,9 @@ def quantize(job: QuantizeJob) -> QuantizeResult:
 
     from quantkit.engines.transformers import torch_dtype
     from quantkit.io.checkpoint import SafetensorsWeights
-    from quantkit.mlx.checkpoint import (ShardedWriter, dropped_names, expert_stacks, keeps_dtype, mlx_config,
-                                         mtp_layers, quantization_block, written_name, written_tensor)
+    from quantkit.mlx.checkpoint import (ShardedWriter, dropped_names, expert_stacks, fused_tensor, keeps_dtype,
+                                         mlx_config, mtp_layers, quantization_block, written_fused, written_name,
+                                         written_tensor)
 
     opts = job.options
     plan = layer_plan(job.info, opts, job.ignore)
@@ -330,6 +382,10 @@ def quantize(job: QuantizeJob) -> QuantizeResult:
     dropped = set(dropped_names(job.info.config, source.keys()))
     job.progress(f"writing {sum(p is not None for p in plan.values())} quantized modules")
     for tensor in source.keys():  # noqa: SIM118  (a WeightSource, not a dict)
+        if fused_tensor(job.info.config, tensor) is not None:  # cut into the SwitchGLU's projections
+            for name, value in written_fused(job.info.config, tensor, source.get(tensor)).items():
+                write_module(job, writer, name, value, plan, imp, dtype)
+            continue
         if tensor in first:
             module = first[tensor]
             weight = torch.stack([source.get(name) for name in stacks[module]])
@@ -358,6 +414,19 @@ def quantize(job: QuantizeJob) -> QuantizeResult:
         "scales": "calibrated: importance-weighted least squares per group" if opts.calibrate else "min/max rounding",
         "calibration_tokens": int(job.windows.calib.numel()) if opts.calibrate else 0},
         **mtp_not_written(job.info, sorted(dropped))})
+
+
+def write_module(job: QuantizeJob, writer, name: str, value, plan: dict, imp: dict, dtype) -> None:
+    """One tensor of a fused expert tensor's pieces written: a weight the plan quantizes as its module's quantized
+    tensors, anything else cast to the run's dtype."""
+    from quantkit.mlx.checkpoint import written_name
+
+    module = name.removesuffix(".weight")
+    if name.endswith(".weight") and plan.get(module) is not None:
+        for stored, part in quantized_module(job, module, value, plan[module], imp, dtype).items():
+            writer.add(written_name(job.info.config, stored), part)
+    else:
+        writer.add(written_name(job.info.config, name), value.to(dtype))
 
 
 def mtp_not_written(info, dropped: list[str]) -> dict:

@@ -24,7 +24,9 @@ expert by expert along its last axis (packed weight [experts, out, in * bits / 3
 in / group_size]), as mlx_lm.convert writes it (its QuantizedSwitchLinear); `sanitize` leaves stacked tensors as
 they are. The routers stay 16-bit (their entry false), where mlx_lm.convert quantizes them; the
 multi-token-prediction layers after the decoder's are not written (mtp_layers). MLXWeights reads the stacked modules
-back under the checkpoint's per-expert names.
+back under the checkpoint's per-expert names. Experts the checkpoint stores fused across experts (the record's
+`mlx_experts.fused`: GPT-OSS's gate_up_proj, interleaved, with biases) are cut into the SwitchGLU's projections
+(written_fused), the form that model's sanitize leaves as it is, and read back joined (fused_sources, joined_fused).
 """
 
 from __future__ import annotations
@@ -191,6 +193,84 @@ def unstacked_names(config: dict, name: str, experts: int) -> list[str]:
     return [checkpoint_name(config, f"{m['block']}experts.{e}.{stored}.weight") for e in range(experts)]
 
 
+# ------------------------------------------------------------------ experts stored fused across experts
+
+
+FUSED_TENSOR = re.compile(r"^(?P<block>.*\.)experts\.(?P<tensor>[A-Za-z0-9_]+)$")
+
+
+def fused_tensor(config: dict, name: str):
+    """(block, FusedExperts, whether it is the bias) of a checkpoint tensor holding every expert fused (the family's
+    `mlx_experts.fused`: GPT-OSS's `<block>.experts.gate_up_proj`, its bias); None for any other tensor."""
+    family, m = of_config(config), FUSED_TENSOR.match(name)
+    if m is None or family is None or family.mlx_experts is None:
+        return None
+    for fused in family.mlx_experts.fused:
+        if m["tensor"] in (fused.tensor, fused.bias):
+            return m["block"], fused, m["tensor"] == fused.bias
+    return None
+
+
+def fused_piece_name(config: dict, block: str, projection: str, bias: bool) -> str:
+    """The name a fused tensor's piece is written under (before the layout's prefix): the SwitchGLU projection's."""
+    return f"{block}{of_config(config).mlx_experts.module}.{projection}.{'bias' if bias else 'weight'}"
+
+
+def fused_modules(config: dict, tensors: dict) -> dict[str, tuple[str, list[int]]]:
+    """{SwitchGLU module: (the checkpoint's fused weight it is cut from, its shape [experts, out, in])} of the fused
+    experts among `tensors` (name -> (dtype, shape), a ModelInfo's headers)."""
+    out = {}
+    for name, (_dtype, shape) in tensors.items():
+        if (found := fused_tensor(config, name)) is not None and not found[2]:
+            block, fused, _bias = found
+            experts, columns, rows = shape
+            for projection in fused.projections:
+                module = fused_piece_name(config, block, projection, False).removesuffix(".weight")
+                out[module] = (name, [experts, rows // len(fused.projections), columns])
+    return out
+
+
+def written_fused(config: dict, name: str, tensor) -> dict:
+    """{written name: value} of a fused expert tensor, as mlx-lm's SwitchGLU holds it: each projection's columns
+    (every len(projections)-th, from its own) as [experts, out, in] (the weight transposed from x @ W), its bias's
+    as [experts, out]."""
+    block, fused, bias = fused_tensor(config, name)
+    count = len(fused.projections)
+    return {fused_piece_name(config, block, projection, bias):
+            (tensor[..., i::count] if bias else tensor[..., i::count].transpose(1, 2)).contiguous()
+            for i, projection in enumerate(fused.projections)}
+
+
+def fused_sources(config: dict, names) -> dict[str, list[str]]:
+    """{the checkpoint's fused expert tensor: the names (before the layout's prefix) of the pieces it is joined from,
+    in interleaving order} (written_fused's way back), of the fused pieces among `names` (an artifact's tensors,
+    under their checkpoint names)."""
+    family = of_config(config)
+    if family is None or family.mlx_experts is None or not family.mlx_experts.fused:
+        return {}
+    present, out = set(names), {}
+    piece = re.compile(rf"^(?P<block>.*\.){re.escape(family.mlx_experts.module)}\.(?P<p>[A-Za-z0-9_]+)\."
+                       r"(?P<kind>weight|bias)$")
+    for name in present:
+        m = piece.match(name)
+        for fused in family.mlx_experts.fused if m is not None else ():
+            if m["p"] == fused.projections[0] and (m["kind"] == "weight" or fused.bias):
+                bias = m["kind"] == "bias"
+                pieces = [fused_piece_name(config, m["block"], p, bias) for p in fused.projections]
+                if all(piece in present for piece in pieces):
+                    out[f"{m['block']}experts.{fused.bias if bias else fused.tensor}"] = pieces
+    return out
+
+
+def joined_fused(pieces: list):
+    """The fused tensor of its pieces' values (written_fused's way back): weights [experts, out, in] transposed to
+    x @ W and interleaved along the last axis; biases [experts, out] interleaved."""
+    import torch
+
+    columns = [p if p.dim() == 2 else p.transpose(1, 2) for p in pieces]
+    return torch.stack(columns, dim=-1).flatten(-2)
+
+
 # ------------------------------------------------------------------ a text checkpoint under the model's own names
 
 
@@ -297,9 +377,10 @@ class MLXWeights:
     """An MLX model directory's tensors by Hugging Face name (quantkit.eval.stream.WeightSource), each
     quantized weight dequantized exactly as mlx.core.dequantize does (quantkit.mlx.affine); a stacked expert
     projection (`switch_mlp`) as the checkpoint's per-expert weights (`experts`: per-expert name -> (stored
-    weight, expert)), each expert's slice read and dequantized on its own; a family written in its mlx-lm model's
-    layout (MlxLayout: Qwen3.5) under the checkpoint's names and values again (`stored`: Hugging Face name ->
-    stored name)."""
+    weight, expert)), each expert's slice read and dequantized on its own; experts the checkpoint stores fused
+    (GPT-OSS) joined from the SwitchGLU's projections again (`fused`: fused name -> its pieces); a family written
+    in its mlx-lm model's layout (MlxLayout: Qwen3.5) under the checkpoint's names and values again (`stored`:
+    Hugging Face name -> stored name)."""
 
     def __init__(self, model_dir: Path):
         from quantkit.io.checkpoint import weight_files
@@ -317,6 +398,7 @@ class MLXWeights:
                         for e, expert in enumerate(unstacked_names(self.config, name, entry.shape[0]))}
         self.stored = {checkpoint_name(self.config, name): name for name in self.index
                        if not name.endswith((".scales", ".biases"))}
+        self.fused = fused_sources(self.config, self.stored)
 
     def check_module(self, module: str) -> None:
         precision = module_precision(self.config, module)
@@ -336,7 +418,9 @@ class MLXWeights:
 
     def keys(self) -> list[str]:
         stacked = {name for name, _e in self.experts.values()}
-        return [n for n, stored in self.stored.items() if stored not in stacked] + list(self.experts)
+        pieces = {piece for names in self.fused.values() for piece in names}
+        return [n for n, stored in self.stored.items() if stored not in stacked and n not in pieces] + \
+            list(self.experts) + list(self.fused)
 
     def checkpoint_name(self, stored: str) -> str:
         """The Hugging Face name of a stored tensor (the name mlx-lm's module path gives)."""
@@ -345,6 +429,8 @@ class MLXWeights:
     def shape(self, name: str) -> tuple[int, ...]:
         import torch
 
+        if name in self.fused:
+            return tuple(joined_fused([torch.empty(self.shape(p), device="meta") for p in self.fused[name]]).shape)
         stored, _expert = self.experts.get(name, (self.stored.get(name, name), None))
         module = stored.removesuffix(".weight")
         shape = tuple(self.index[stored].shape[1:] if name in self.experts else self.index[stored].shape)
@@ -354,15 +440,29 @@ class MLXWeights:
         return shape if rule is None else tuple(rule.inverse(torch.empty(shape, device="meta")).shape)
 
     def get(self, name: str):
-        from quantkit.io.safetensors import read_stored, read_stored_rows
-        from quantkit.mlx.affine import dequantize
+        import torch
 
+        from quantkit.io.safetensors import read_stored, read_stored_rows
+
+        if name in self.fused:
+            return joined_fused([self.get(piece) for piece in self.fused[name]])
         stored, expert = self.experts.get(name, (self.stored.get(name, name), None))
         module = stored.removesuffix(".weight")
         read = read_stored if expert is None else (lambda entry: read_stored_rows(entry, [expert])[0])
         if module not in self.quantized:
             rule = layout_rule(self.config, name)
             return read(self.index[stored]) if rule is None else rule.inverse(read(self.index[stored]))
+        if expert is None and len(self.index[stored].shape) == 3:  # a stacked module whole: expert by expert
+            return torch.stack([self.dequantized(stored, e) for e in range(self.index[stored].shape[0])])
+        return self.dequantized(stored, expert)
+
+    def dequantized(self, stored: str, expert: int | None):
+        """A stored quantized weight dequantized (of a stacked one, the slice of one expert)."""
+        from quantkit.io.safetensors import read_stored, read_stored_rows
+        from quantkit.mlx.affine import dequantize
+
+        module = stored.removesuffix(".weight")
+        read = read_stored if expert is None else (lambda entry: read_stored_rows(entry, [expert])[0])
         precision = module_precision(self.config, module)
         return dequantize(read_words(self.index[stored], expert), read(self.index[f"{module}.scales"]),
                           read(self.index[f"{module}.biases"]), precision.bits, precision.group_size)
@@ -377,7 +477,7 @@ class MLXWeights:
 
         index = torch.as_tensor(np.asarray(index), dtype=torch.long)
         module = name.removesuffix(".weight")
-        if name in self.experts or module not in self.quantized:
+        if name in self.experts or name in self.fused or module not in self.quantized:
             return self.get(name)[index]
         precision = module_precision(self.config, module)
         scales, biases = (read_stored(self.index[f"{module}.{part}"])[index] for part in ("scales", "biases"))

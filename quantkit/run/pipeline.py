@@ -426,11 +426,15 @@ def tower_weights(info: ModelInfo, role: str) -> list[str]:
 def check_not_quantized(info: ModelInfo, recipe: Recipe) -> None:
     """Quantizing needs full precision; a QLoRA (bitsandbytes) base is fine when adapters are merged."""
     from quantkit.formats.bitsandbytes import in_config
-    from quantkit.io.checkpoint import quant_method
+    from quantkit.io.checkpoint import QUANTIZED_CHECKPOINTS, quant_method
 
     method = quant_method(info.config)
     if not method or (in_config(info.config) and recipe.lora):
         return
+    if method in QUANTIZED_CHECKPOINTS:
+        what, hint = QUANTIZED_CHECKPOINTS[method]
+        raise InputError(f"{info.path} is already quantized ({method}: {what}); quantkit quantizes full-precision "
+                         "checkpoints", hint=hint)
     raise InputError(
         f"{info.path} is already quantized ({method}); quantkit quantizes full-precision checkpoints",
         hint="point at the original 16-bit model (a bitsandbytes QLoRA base is accepted together with --lora)",

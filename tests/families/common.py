@@ -166,7 +166,7 @@ def assert_mlx_lm_reads_as_quantkit(out: Path, ids: list[int] | None = None, tol
     from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 
     from quantkit.formats.gate import load_artifact
-    from quantkit.mlx.checkpoint import MLXWeights, unstacked_names
+    from quantkit.mlx.checkpoint import MLXWeights, unstacked_names, written_fused
     from tests.methods.test_mlx import float32_mlx_model
 
     mx.set_default_device(mx.cpu)
@@ -179,8 +179,14 @@ def assert_mlx_lm_reads_as_quantkit(out: Path, ids: list[int] | None = None, tol
         theirs = np.array(mx.dequantize(m.weight, m.scales, m.biases, group_size=m.group_size,
                                         bits=m.bits).astype(mx.float32))
         experts = unstacked_names(ours.config, name + ".weight", theirs.shape[0]) if theirs.ndim == 3 else []
-        read = np.stack([ours.get(e).float().numpy() for e in experts]) if experts else \
-            ours.get(ours.checkpoint_name(name + ".weight")).float().numpy()  # mlx-lm's module path: the stored name
+        piece = ours.checkpoint_name(name + ".weight")  # mlx-lm's module path: the stored name
+        fused = next((f for f, pieces in ours.fused.items() if piece in pieces), None)  # GPT-OSS's fused experts
+        if experts:
+            read = np.stack([ours.get(e).float().numpy() for e in experts])
+        elif fused is not None:  # quantkit's reading of the fused tensor, cut again as the artifact stores it
+            read = written_fused(ours.config, fused, ours.get(fused))[piece].float().numpy()
+        else:
+            read = ours.get(piece).float().numpy()
         assert np.array_equal(theirs, read), name
     ids = ids or list(range(3, 40))
     theirs = np.array(float32_mlx_model(model)(mx.array(ids)[None]))[0]

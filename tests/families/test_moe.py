@@ -5,17 +5,22 @@ with every router kept 16-bit and every expert's scales finite (common.assert_mo
 Fast: fp8 on every family, gptq on DeepSeek-V3 and on GLM-4.5 with an expert no calibration token reaches (the
 same path for every family: llm-compressor's linear experts, then quantkit's reading), GGUF Q4_K_M of ERNIE 4.5
 MoE, MiniMax-M2, GLM-4.5 and Qwen3.5-MoE (with and without their MTP layer, and with its experts stored fused as its
-releases store them), DeepSeek-V3 and Qwen3-Next, MLX of the families mlx-lm loads stacked (with the older Qwen2-MoE, Qwen3-MoE and Mixtral; Qwen3.5-MoE for mlx-lm's
-qwen3_5_moe, Qwen3-Next with the values its sanitize changes) read by mlx-lm, and the refusals
-(GGUF of the other families and of Qwen3-Next's MTP layers, MLX of the other families, each with its reason; MLX of
-what an mlx-lm model would read otherwise; GGUF of Hunyuan MoE with the converter's reason). Slow: the other methods
-on every family, GGUF against llama.cpp's converter and llama-quantize (fused-stored Qwen experts too), and
+releases store them), DeepSeek-V3 and Qwen3-Next, MLX of the families mlx-lm loads stacked (with the older
+Qwen2-MoE, Qwen3-MoE and Mixtral; Qwen3.5-MoE for mlx-lm's qwen3_5_moe, Qwen3-Next with the values its sanitize
+changes; GPT-OSS, its fused experts cut as mlx-lm's gpt_oss holds them, and equal to mlx_lm.convert's) read by
+mlx-lm, and the refusals (GGUF of the other families and of Qwen3-Next's MTP layers, MLX of the other families,
+each with its reason; MLX of what an mlx-lm model would read otherwise; GGUF of Hunyuan MoE with the converter's
+reason). GPT-OSS: GGUF Q4_K_M through the CLI (its experts de-interleaved, their biases, the sinks), the
+compressed-tensors methods and nf4 refused with their reason, GGUF of an MXFP4 checkpoint and of a window pattern
+llama.cpp would not follow refused. Slow: the other methods on every family, GGUF against llama.cpp's converter and
+llama-quantize (GPT-OSS and fused-stored Qwen experts too, and GPT-OSS's imatrix against llama-imatrix's), and
 llama.cpp's converter failing on Hunyuan MoE as that refusal says.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -54,10 +59,10 @@ FAMILIES = {
     "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", HYBRID),
     "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", HYBRID),
 }
-# not supported yet: refused by every method before work, naming the family
+# not supported yet: refused by every compressed-tensors method and nf4 before work, naming the family (GPT-OSS
+# converts to GGUF: its tests below; its experts 512 wide, not the hidden size, so a transposition shows)
 REFUSED = {
-    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM",
-                dict(head_dim=64, num_local_experts=4, num_experts_per_tok=2, intermediate_size=256)),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(head_dim=64, num_local_experts=4, num_experts_per_tok=2)),
     "llama4_text": ("Llama4TextConfig", "Llama4ForCausalLM",
                     dict(head_dim=64, num_local_experts=4, num_experts_per_tok=1, intermediate_size=256,
                          intermediate_size_mlp=512)),
@@ -755,3 +760,310 @@ def test_a_missing_expert_tensor_refused_before_work(cli, models, tmp_path, fami
     save_file(tensors, shard, metadata={"format": "pt"})
     out = tmp_path / "out"
     common.assert_refused(common.quantize(cli, model, out, method), out, words)
+
+
+# ---------------------------------------------------------------- GPT-OSS: GGUF only
+
+
+def test_gguf_of_gpt_oss_through_the_cli(cli, models, tmp_path):
+    """Q4_K_M through the CLI: llama.cpp's gpt-oss keys (the window, the experts' width), gate_up_proj
+    de-interleaved into ffn_gate_exps / ffn_up_exps [experts, intermediate, hidden] and down_proj transposed, each
+    with its bias (F32), the router's weight and bias and the sinks F32; the gate reads every tensor back."""
+    import gguf
+
+    out = tmp_path / "out"
+    entry = common.assert_passed(common.quantize(cli, models("gpt_oss"), out, "gguf", "--gguf-type", "Q4_K_M"), out)
+    assert entry["details"]["gguf"]["type"] == "Q4_K_M"
+    (path,) = out.glob("*.gguf")
+    reader = gguf.GGUFReader(path)
+    fields = {key: field.contents() for key, field in reader.fields.items()}
+    assert fields["general.architecture"] == "gpt-oss"
+    assert fields["gpt-oss.attention.sliding_window"] == 128
+    assert fields["gpt-oss.expert_feed_forward_length"] == 512
+    assert fields["gpt-oss.expert_count"] == 4 and fields["gpt-oss.expert_used_count"] == 2
+    tensors = {t.name: (t.tensor_type.name, tuple(int(d) for d in t.shape)) for t in reader.tensors}
+    for layer in (0, 1):
+        blk = f"blk.{layer}."
+        # ggml order: [columns, rows, experts]
+        assert tensors[blk + "ffn_gate_exps.weight"][1] == tensors[blk + "ffn_up_exps.weight"][1] == (256, 512, 4)
+        assert tensors[blk + "ffn_down_exps.weight"][1] == (512, 256, 4)
+        assert {tensors[blk + f"ffn_{p}_exps.weight"][0] for p in ("gate", "up", "down")} <= {"Q4_K", "Q5_K", "Q6_K"}
+        for name, shape in (("ffn_gate_exps.bias", (512, 4)), ("ffn_up_exps.bias", (512, 4)),
+                            ("ffn_down_exps.bias", (256, 4)), ("ffn_gate_inp.bias", (4,)),
+                            ("ffn_gate_inp.weight", (256, 4)), ("attn_sinks.weight", (4,))):
+            assert tensors[blk + name] == ("F32", shape), name
+
+
+def test_gguf_of_gpt_oss_reads_back_as_stored(models, tmp_path):
+    """The bf16 file read back (the gate's reading) is the checkpoint, tensor for tensor: the experts interleaved
+    and transposed back, the sinks and the router under their own names."""
+    import torch
+    from safetensors.torch import load_file
+
+    from quantkit.gguf.convert import load_hparams
+    from quantkit.gguf.loader import to_hf_state_dict
+    from tests.gguf.helpers import convert_to
+
+    model = models("gpt_oss")
+    convert_to(model, tmp_path / "bf16.gguf", "BF16")
+    read = to_hf_state_dict(tmp_path / "bf16.gguf", {**load_hparams(model), "architectures": ["GptOssForCausalLM"]})
+    stored = load_file(model / "model.safetensors")
+    assert sorted(read) == sorted(stored)
+    for name, tensor in stored.items():
+        assert torch.equal(read[name], tensor.float()), name
+
+
+@pytest.mark.parametrize("method", ["fp8", "gptq", "nvfp4", "nf4"])
+def test_gpt_oss_compressed_methods_refused_with_the_reason(cli, models, tmp_path, method):
+    """Every method but gguf (and mlx) still refuses GPT-OSS before work with its reason, and points at gguf."""
+    out = tmp_path / "out"
+    common.assert_refused(common.quantize(cli, models("gpt_oss"), out, method, *METHODS.get(method, [])), out,
+                          f"{method}: GPT-OSS (gpt_oss) is not supported yet", "--method gguf converts it")
+
+
+def with_mxfp4_experts(source: Path, dest: Path) -> Path:
+    """The checkpoint as openai ships gpt-oss: the experts' weights as MXFP4 *_blocks (uint8, two values a byte,
+    [experts, rows, blocks, 16]) and *_scales (uint8 exponents, [experts, rows, blocks]), quantization_config
+    quant_method mxfp4."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    dest.mkdir(parents=True)
+    for f in source.iterdir():
+        if f.name != "model.safetensors":
+            shutil.copy(f, dest / f.name)
+    tensors = {}
+    for name, tensor in load_file(source / "model.safetensors").items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            rows = tensor.transpose(-1, -2)  # [experts, out, in]: one block of 32 per 32 inputs
+            tensors[name + "_blocks"] = torch.zeros((*rows.shape[:2], rows.shape[2] // 32, 16), dtype=torch.uint8)
+            tensors[name + "_scales"] = torch.full((*rows.shape[:2], rows.shape[2] // 32), 127, dtype=torch.uint8)
+        else:
+            tensors[name] = tensor
+    save_file(tensors, dest / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((dest / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn",
+                                                                                          "model.layers.*.mlp.router",
+                                                                                          "model.embed_tokens",
+                                                                                          "lm_head"]}
+    (dest / "config.json").write_text(json.dumps(config, indent=2))
+    return dest
+
+
+def test_gguf_of_gpt_oss_in_mxfp4_refused(cli, models, tmp_path):
+    """An MXFP4 checkpoint (openai's gpt-oss as released): exit 2 before work naming the format, with the ways to
+    convert it (llama.cpp's converter, or dequantized to bf16 first)."""
+    model = with_mxfp4_experts(models("gpt_oss"), tmp_path / "mxfp4")
+    out = tmp_path / "out"
+    common.assert_refused(common.quantize(cli, model, out, "gguf", "--gguf-type", "Q4_K_M"), out, "MXFP4",
+                          "convert_hf_to_gguf.py", "Mxfp4Config(dequantize=True)")
+
+
+@pytest.mark.parametrize("flag", [["--auto-precision"], ["--fallback"]])
+def test_gguf_per_tensor_types_of_gpt_oss_refused(cli, models, tmp_path, flag):
+    """--auto-precision / --fallback measure each tensor from the checkpoint's values, which GPT-OSS's stacked,
+    interleaved experts are not read as: refused before work, naming them."""
+    out = tmp_path / "out"
+    common.assert_refused(common.quantize(cli, models("gpt_oss"), out, "gguf", *flag), out, "mlp.experts.gate_up_proj")
+
+
+@pytest.mark.parametrize("change", [dict(layer_types=["full_attention", "full_attention"]),
+                                    dict(layer_types=["full_attention", "sliding_attention"]),
+                                    dict(attention_bias=False)], ids=["no-window", "window-second", "no-bias"])
+def test_gguf_of_gpt_oss_llama_cpp_would_run_otherwise_refused(cli, models, tmp_path, change):
+    """llama.cpp's gpt-oss slides its window over the even layers whatever layer_types say, and requires the
+    attention biases: a checkpoint it would attend otherwise than transformers does, or not load, is refused."""
+    model = common.copy_with_config(models("gpt_oss"), tmp_path / "model", **change)
+    out = tmp_path / "out"
+    common.assert_refused(common.quantize(cli, model, out, "gguf"), out, next(iter(change)))
+
+
+@pytest.mark.slow
+def test_gguf_of_gpt_oss_equals_llama_cpp(models, tmp_path):
+    """bf16 equal to convert_hf_to_gguf.py's, Q4_K_M and IQ4_XS equal to llama-quantize's, each loaded by
+    llama-perplexity."""
+    common.assert_gguf_is_llama_cpp_s(models("gpt_oss"), tmp_path, pre="gpt-2")
+
+
+@pytest.mark.slow
+def test_gguf_of_gpt_oss_imatrix_is_llama_imatrix_s(cli, models, tmp_path):
+    """llama-imatrix on the converter's file: quantkit's imatrix of the same windows has the attention's values, and
+    the experts' (the routed tokens into ffn_gate_exps / ffn_up_exps, the clamped SwiGLU's output into
+    ffn_down_exps) for each expert of the first layer the router sends as many tokens to in both, to float rounding
+    (bf16 activations in llama.cpp). The other experts are not compared: with random weights the router's top-k is
+    near a tie for some tokens, which llama.cpp's bf16 activations and transformers' float32 break differently (a
+    token or two per expert, and the later layers' inputs then differ), and one token weighs much in a column of the
+    down projection's sums. With llama-imatrix's file, Q4_K_M and IQ4_XS equal llama-quantize's and the CLI takes
+    it."""
+    import subprocess
+
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from quantkit.gguf import imatrix as im
+    from quantkit.gguf.convert import load_hparams
+    from tests.gguf.helpers import convert_to, need_llama, run_quantize
+    from tests.gguf.test_families_llamacpp import assert_same_tensors, text_file
+    from tests.gguf.test_vs_converter import need_llama_src, reference_gguf
+
+    need_llama_src()
+    model = models("gpt_oss")
+    bf16 = reference_gguf(model, tmp_path / "theirs-bf16.gguf", "bf16", "gpt-2")
+    path, text = tmp_path / "imatrix.gguf", text_file(tmp_path / "t.txt")
+    run = subprocess.run([str(need_llama("llama-imatrix")), "-m", str(bf16), "-f", str(text), "-c", "128", "-b",
+                          "128", "--chunks", "4", "-t", "2", "-o", str(path)], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0 and path.is_file(), run.stderr[-2000:]
+    llama = im.read(path)
+    theirs = llama.weights()
+    config = {**load_hparams(model), "architectures": ["GptOssForCausalLM"]}
+    computed = im.compute(AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32),
+                          llama_windows(model, bf16, text, 128, 4), config)
+    ours = computed.weights()
+    experts = {f"blk.{b}.ffn_{p}_exps.weight" for b in (0, 1) for p in ("gate", "up", "down")}
+    assert experts <= set(theirs) and experts <= set(ours)
+    for name in sorted(n for n in theirs if ".attn_" in n):
+        np.testing.assert_allclose(ours[name], theirs[name], rtol=0.03, err_msg=name)
+    up = "blk.0.ffn_up_exps.weight"
+    same_tokens = np.flatnonzero(computed.counts[up] == llama.counts[up])
+    assert same_tokens.size
+    for name in sorted(n for n in experts if n.startswith("blk.0.")):
+        assert ours[name].size == theirs[name].size, name
+        np.testing.assert_allclose(ours[name].reshape(4, -1)[same_tokens], theirs[name].reshape(4, -1)[same_tokens],
+                                   rtol=0.03, err_msg=name)
+    for gguf_type in ("Q4_K_M", "IQ4_XS"):
+        mine, reference = tmp_path / f"ours-{gguf_type}.gguf", tmp_path / f"theirs-{gguf_type}.gguf"
+        run_quantize(bf16, reference, gguf_type, imatrix=path)
+        assert convert_to(model, mine, gguf_type, imatrix=theirs).imatrix_tensors > 0
+        assert_same_tensors(reference, mine, f"gpt_oss {gguf_type} + imatrix")
+    out = tmp_path / "out"
+    common.assert_passed(common.quantize(cli, model, out, "gguf", "--gguf-type", "Q4_K_M", "--imatrix", path), out)
+
+# GPT-OSS for mlx-lm's gpt_oss: intermediate width other than the hidden one (the fused layouts' axes tell apart), a
+# sliding window shorter than the ids mlx-lm is given, YaRN with truncate true (what mlx-lm's YarnRoPE computes)
+GPT_OSS_YARN = dict(rope_type="yarn", factor=32.0, original_max_position_embeddings=4096, rope_theta=150000.0,
+                    beta_fast=32.0, beta_slow=1.0, truncate=True)
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_mlx(tmp_path_factory) -> Path:
+    return build(tmp_path_factory.mktemp("gpt_oss") / "model", "gpt_oss", intermediate_size=128, sliding_window=16,
+                 rope_parameters=GPT_OSS_YARN)
+
+
+def test_mlx_of_gpt_oss_cuts_its_fused_experts_as_mlx_lm_holds_them(cli, gpt_oss_mlx, tmp_path):
+    """4-bit calibrated through the CLI: gate_up_proj [experts, hidden, 2 x intermediate] (gate and up interleaved)
+    written as mlx-lm's SwitchGLU mlp.experts.gate_proj / up_proj ([experts, intermediate, hidden] packed per expert)
+    with their biases split, down_proj as [experts, hidden, intermediate], no fused tensor left, the routers 16-bit
+    (entry false), the sinks as stored, YaRN as rope_scaling; the read-back re-fuses them into the checkpoint's
+    tensors; mlx-lm builds every quantized module with exactly quantkit's weights and its float32 logits follow
+    quantkit's reading."""
+    import torch
+
+    from quantkit.mlx.checkpoint import MLXWeights
+
+    out = tmp_path / "out"
+    entry = common.assert_passed(common.quantize(cli, gpt_oss_mlx, out, "mlx", "--bits", "4"), out)
+    assert entry["details"]["mlx"]["calibration_tokens"] > 0
+    config = json.loads((out / "config.json").read_text())
+    stored, source = common.stored_tensors(out), common.stored_tensors(gpt_oss_mlx)
+    for layer in (0, 1):
+        block = f"model.layers.{layer}.mlp.experts."
+        assert stored[block + "gate_proj.weight"].shape == stored[block + "up_proj.weight"].shape == (4, 128, 32)
+        assert stored[block + "gate_proj.scales"].shape == (4, 128, 4)
+        assert stored[block + "down_proj.weight"].shape == (4, 256, 16)
+        assert torch.equal(stored[block + "gate_proj.bias"], source[block + "gate_up_proj_bias"][:, ::2])
+        assert torch.equal(stored[block + "up_proj.bias"], source[block + "gate_up_proj_bias"][:, 1::2])
+        assert torch.equal(stored[block + "down_proj.bias"], source[block + "down_proj_bias"])
+        assert config["quantization"][f"model.layers.{layer}.mlp.router"] is False
+        assert f"model.layers.{layer}.mlp.router.scales" not in stored
+        sinks = f"model.layers.{layer}.self_attn.sinks"
+        assert torch.equal(stored[sinks], source[sinks])
+    assert not any("gate_up_proj" in name or name.endswith("_bias") for name in stored)
+    assert config["rope_scaling"]["type"] == "yarn" and config["rope_scaling"]["truncate"] is True
+    ours = MLXWeights(out)
+    assert set(ours.keys()) == set(source)
+    fused = "model.layers.1.mlp.experts.gate_up_proj"
+    assert ours.shape(fused) == tuple(source[fused].shape) == (4, 256, 256)
+    assert (ours.get(fused).float() - source[fused].float()).abs().mean() < 0.2 * source[fused].float().abs().mean()
+    common.assert_mlx_lm_reads_as_quantkit(out)
+
+
+GPT_OSS_RECIPE = """
+targets:
+  - name: mlx
+    method: mlx
+    options:
+      bits: 8
+      calibrate: false
+      layer_bits: {'re:.*experts\\.down_proj': 4, 're:model\\.layers\\.0\\.mlp\\.experts\\.up_proj': 16-bit}
+"""
+
+
+def test_mlx_of_gpt_oss_min_max_with_layer_bits(cli, gpt_oss_mlx, tmp_path):
+    """8-bit min/max rounding, layer_bits taking the SwitchGLU projections by their mlx-lm names (down_proj at 4 bits,
+    one layer's up_proj 16-bit: entry false, a float [experts, out, in] mlx-lm loads as a SwitchLinear); mlx-lm reads
+    it as quantkit does."""
+    recipe, out = tmp_path / "recipe.yaml", tmp_path / "out"
+    recipe.write_text(GPT_OSS_RECIPE)
+    common.assert_passed(cli("quantize", gpt_oss_mlx, "--recipe", recipe, *common.CALIB, *common.LOOSE_GATE,
+                             "-o", out), out)
+    block = json.loads((out / "config.json").read_text())["quantization"]
+    assert block["bits"] == 8
+    for layer in (0, 1):
+        assert block[f"model.layers.{layer}.mlp.experts.down_proj"] == {"group_size": 64, "bits": 4, "mode": "affine"}
+    assert block["model.layers.0.mlp.experts.up_proj"] is False
+    stored = common.stored_tensors(out)
+    assert stored["model.layers.0.mlp.experts.up_proj.weight"].shape == (4, 128, 256)
+    assert stored["model.layers.1.mlp.experts.up_proj.weight"].shape == (4, 128, 64)
+    common.assert_mlx_lm_reads_as_quantkit(out)
+
+
+@pytest.mark.parametrize("change,words", [(dict(), "truncate false"),
+                                          (dict(quantization_config={"quant_method": "mxfp4"}), "already quantized")])
+def test_mlx_of_gpt_oss_refused_before_work(cli, models, tmp_path, change, words):
+    """Refused (exit 2) before work: YaRN with truncate false (GPT-OSS's released config.json; mlx-lm's YarnRoPE
+    rounds the correction range), and a checkpoint stored in MXFP4."""
+    model = common.copy_with_config(models("gpt_oss"), tmp_path / "model", **change)
+    out = tmp_path / "out"
+    common.assert_refused(common.quantize(cli, model, out, "mlx"), out, words)
+
+
+def test_mlx_of_gpt_oss_stores_the_tensors_mlx_lm_convert_stores(cli, gpt_oss_mlx, tmp_path):
+    """mlx_lm.convert -q, given the checkpoint in the form its gpt_oss sanitize leaves as it is (the fused experts cut
+    as quantkit cuts them: quantkit.mlx.checkpoint.written_fused) and config.json with the fields quantkit writes
+    mlx-lm, writes the same tensors as quantkit (names, shapes, dtypes), the routers aside (16-bit here, 8 bits
+    there: its quant_predicate), and the same values for every tensor both keep 16-bit (biases, sinks, norms)."""
+    import shutil
+
+    import torch
+    from safetensors.torch import save_file
+
+    pytest.importorskip("mlx_lm", reason="mlx-lm is not installed (pip install 'quantkit[mlx]')")
+    from mlx_lm import convert
+
+    from quantkit.mlx.checkpoint import fused_tensor, mlx_lm_fields, written_fused
+
+    source, theirs, ours = tmp_path / "source", tmp_path / "theirs", tmp_path / "ours"
+    shutil.copytree(gpt_oss_mlx, source)
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps(config | mlx_lm_fields(config)))
+    tensors = {}
+    for name, value in common.stored_tensors(gpt_oss_mlx).items():
+        tensors |= written_fused(config, name, value) if fused_tensor(config, name) else {name: value}
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(source / "model.safetensors"))
+    convert(str(source), str(theirs), quantize=True)
+    common.assert_passed(common.quantize(cli, gpt_oss_mlx, ours, "mlx", gate=False), ours)
+    expected, stored = stored_headers(theirs), stored_headers(ours)
+
+    def router(name: str) -> bool:
+        return ".mlp.router." in name
+
+    assert {k: v for k, v in stored.items() if not router(k)} == {k: v for k, v in expected.items() if not router(k)}
+    assert all(stored[r][1] == "BF16" and expected[r][1] == "U32" for r in stored if r.endswith("router.weight"))
+    ours_16, theirs_16 = common.stored_tensors(ours), common.stored_tensors(theirs)
+    plain = [k for k in stored if expected.get(k) == stored[k] and stored[k][1] != "U32" and not k.endswith(
+        (".scales", ".biases"))]
+    assert any(k.endswith("experts.gate_proj.bias") for k in plain)
+    assert all(torch.equal(ours_16[k], theirs_16[k]) for k in plain), plain

@@ -77,18 +77,39 @@ class ExpertCheckpoint:
 
 
 @dataclass(frozen=True)
+class FusedExperts:
+    """One checkpoint tensor holding every routed expert of one or more projections as `x @ W` ([experts, in, out]:
+    GPT-OSS's `<block>.experts.gate_up_proj`), the projections interleaved along its last axis (column j belongs to
+    projection j % len(projections)), with its bias ([experts, out]) split the same way: written as the SwitchGLU's
+    projections `<block>.<MlxExperts.module>.<projection>.weight` ([experts, out / len(projections), in]) and
+    `.bias`, the form its mlx-lm model's sanitize leaves as it is."""
+
+    tensor: str  # the fused weight's name after `<block>.experts.` ("gate_up_proj")
+    projections: tuple[str, ...]  # SwitchGLU's projections it holds, in interleaving order ("gate_proj", "up_proj")
+    bias: str = ""  # its bias's name after `<block>.experts.` ("gate_up_proj_bias"); "": none
+
+
+@dataclass(frozen=True)
 class MlxExperts:
     """How the family's mlx-lm model stacks the routed experts (its `sanitize`, which stacks them only where the
     per-expert names are present, and its SwitchGLU): the checkpoint's `<block>.experts.<e>.<projection>.weight`
-    become one `<block>.switch_mlp.<name>.weight` per projection ([experts, out, in]), `<block>` as stored
-    (Mixtral's `block_sparse_moe`), `name` the projection's own or its entry in `renames`. A quantized artifact
-    stores them so, each expert quantized along its last axis (mlx-lm's QuantizedSwitchLinear)."""
+    become one `<block>.<module>.<name>.weight` per projection ([experts, out, in]), `<block>` as stored
+    (Mixtral's `block_sparse_moe`), `name` the projection's own or its entry in `renames`; a checkpoint storing
+    them fused across experts (`fused`: GPT-OSS) has each fused tensor cut into those projections. A quantized
+    artifact stores them so, each expert quantized along its last axis (mlx-lm's QuantizedSwitchLinear)."""
 
     # checkpoint projection -> SwitchGLU's, where they differ (Mixtral: w1 -> gate_proj)
     renames: dict[str, str] = field(default_factory=dict)
     # tensors (by a part of their name) its model's cast_predicate keeps in their stored dtype, as mlx_lm.convert
     # writes them: the routers' e_score_correction_bias
     uncast: tuple[str, ...] = ()
+    module: str = "switch_mlp"  # the SwitchGLU's attribute in its block (GPT-OSS's mlp.experts)
+    # the fused expert tensors the checkpoint stores instead of per-expert ones (GPT-OSS's gate_up_proj, down_proj)
+    fused: tuple[FusedExperts, ...] = ()
+    # inputs(transformers' experts module, its forward's inputs) -> {SwitchGLU projection: each expert's input rows
+    # [tokens, columns] (the tokens routed to it)}: the column importances of fused experts, recorded by a forward
+    # hook on the module during calibration; None: per-expert linears are hooked instead
+    inputs: Callable[[object, tuple], dict[str, list]] | None = None
 
 
 @dataclass(frozen=True)
