@@ -199,7 +199,22 @@ def check(info, options: Options, calibration=None) -> None:
     for family_check in family.mlx_checks if family is not None else ():  # the family's own reason first
         family_check(info.config)
     if family is None or family.mlx_experts is None or not family.mlx_experts.fused:  # fused: read as stored
+        check_per_expert(info)
         moe.check_supported(info, "mlx")  # a family's mixture-of-experts variant without an expert layout
+
+
+def check_per_expert(info) -> None:
+    """A family whose experts are written stacked from one tensor per expert: experts stored fused across experts
+    (Qwen3.5-MoE's releases: `mlp.experts.gate_up_proj`) are refused before work, as the mlx method does not cut
+    them yet."""
+    from quantkit.mlx.checkpoint import FUSED_TENSOR
+
+    fused = sorted(name for name in info.tensors if (m := FUSED_TENSOR.match(name)) and not m["tensor"].isdigit())
+    if fused:
+        raise UnsupportedError(f"mlx: {info.model_type}'s experts are stored fused across experts ('{fused[0]}'): "
+                               "the mlx method writes this family's experts from one tensor per expert only",
+                               hint="use --method gguf (which converts them as llama.cpp's converter does), or save "
+                                    "the checkpoint with one tensor per expert (experts.N.gate_proj ...)")
 
 
 def support(family) -> str:

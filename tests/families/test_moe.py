@@ -443,6 +443,12 @@ def test_gguf_of_fused_stored_experts_is_the_per_expert_checkpoint_s(cli, models
     assert gguf_contents(ours) == gguf_contents(theirs)
 
 
+def test_mlx_of_fused_stored_experts_refused_before_work(cli, fused_moe, tmp_path):
+    out = tmp_path / "out"
+    common.assert_refused(common.quantize(cli, fused_moe("qwen3_5_moe_text"), out, "mlx"), out,
+                          "stored fused across experts", "mlp.experts.", "--method gguf")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_5_moe_text", "qwen3_next"])
 def test_gguf_of_fused_stored_experts_equals_llama_cpp(fused_moe, tmp_path, family):
