@@ -172,13 +172,16 @@ def test_supported_configs_pass():
     arch_spec({"architectures": ["Gemma3ForConditionalGeneration"], "text_config": text})
 
 
-def test_fused_experts_refused():
+def test_fused_experts_refused_where_no_converter_step_writes_them():
+    """Mixtral's converter class takes one tensor per expert only; Qwen3-MoE's takes its fused experts too."""
     from quantkit.errors import UnsupportedError
     from quantkit.gguf.convert import check_convertible
 
-    config = base_config("Qwen3MoeForCausalLM", num_experts=4, norm_topk_prob=True)
+    fused = {"model.layers.0.mlp.experts.gate_up_proj": ("BF16", [4, 512, 256])}
     with pytest.raises(UnsupportedError, match="fused expert"):
-        check_convertible(config, {"model.layers.0.mlp.experts.gate_up_proj": ("BF16", [4, 512, 256])})
+        check_convertible(base_config("MixtralForCausalLM", num_local_experts=4), fused)
+    assert check_convertible(base_config("Qwen3MoeForCausalLM", num_experts=4, norm_topk_prob=True), fused).arch \
+        == "QWEN3MOE"
 
 
 def test_sentencepiece_vocab_as_converter(tmp_path):
