@@ -80,30 +80,18 @@ def _config(kind: str, text: dict, ids: dict):
                                                   spatial_merge_size=2, temporal_patch_size=2,
                                                   num_position_embeddings=16, deepstack_visual_indexes=[1]),
                                **qwen_ids)
-    if kind == "qwen3_5":  # a Gated DeltaNet layer and a gated full-attention one; Qwen3-VL's tower, no deepstack
-        return T.Qwen3_5Config(text_config={**text, "head_dim": head_dim, "layer_types": ["linear_attention",
-                                                                                           "full_attention"],
-                                            "full_attention_interval": 2, "linear_num_key_heads": 2,
-                                            "linear_num_value_heads": 4, "linear_key_head_dim": 64,
-                                            "linear_value_head_dim": 64},
-                               vision_config=dict(depth=3, hidden_size=64, intermediate_size=128, num_heads=2,
-                                                  out_hidden_size=text["hidden_size"], patch_size=8,
-                                                  spatial_merge_size=2, temporal_patch_size=2,
-                                                  num_position_embeddings=16),
-                               **qwen_ids)
-    if kind == "qwen3_5_moe":  # Qwen3.5's hybrid with 4 experts (and a gated shared expert) in each layer
-        return T.Qwen3_5MoeConfig(text_config={**text, "head_dim": head_dim, "layer_types": ["linear_attention",
-                                                                                              "full_attention"],
-                                               "full_attention_interval": 2, "linear_num_key_heads": 2,
-                                               "linear_num_value_heads": 4, "linear_key_head_dim": 64,
-                                               "linear_value_head_dim": 64, "num_experts": 4,
-                                               "num_experts_per_tok": 2, "moe_intermediate_size": 256,
-                                               "shared_expert_intermediate_size": 256},
-                                  vision_config=dict(depth=3, hidden_size=64, intermediate_size=128, num_heads=2,
-                                                     out_hidden_size=text["hidden_size"], patch_size=8,
-                                                     spatial_merge_size=2, temporal_patch_size=2,
-                                                     num_position_embeddings=16),
-                                  **qwen_ids)
+    # Qwen3.5's text model (a Gated DeltaNet layer and a gated full-attention one) and Qwen3-VL's tower, no deepstack
+    hybrid = {**text, "head_dim": head_dim, "layer_types": ["linear_attention", "full_attention"],
+              "full_attention_interval": 2, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+              "linear_key_head_dim": 64, "linear_value_head_dim": 64}
+    qwen35_tower = dict(depth=3, hidden_size=64, intermediate_size=128, num_heads=2,
+                        out_hidden_size=text["hidden_size"], patch_size=8, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16)
+    if kind == "qwen3_5":
+        return T.Qwen3_5Config(text_config=hybrid, vision_config=qwen35_tower, **qwen_ids)
+    if kind == "qwen3_5_moe":  # with 4 experts (and a gated shared expert) in each layer
+        experts = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 256,
+                   "shared_expert_intermediate_size": 256}
+        return T.Qwen3_5MoeConfig(text_config=hybrid | experts, vision_config=qwen35_tower, **qwen_ids)
     if kind in ("idefics3", "smolvlm"):  # the converter converts their language model through text_config.architectures
         cls = T.Idefics3Config if kind == "idefics3" else T.SmolVLMConfig
         return cls(text_config={**text, "model_type": "llama", "architectures": [TEXT_ARCHITECTURES[kind]]},
