@@ -26,7 +26,9 @@ error. The routers stay 16-bit (config.json's entry false), as quantkit keeps th
 mlx_lm.convert quantizes them. Their correction bias keeps its stored dtype, as mlx_lm.convert keeps it.
 `layer_bits` names a stacked projection by its `switch_mlp` name. Experts stored fused across experts (GPT-OSS) are
 cut into the SwitchGLU's projections (`mlp.experts.gate_proj` ...), their importances recorded by a forward hook on
-transformers' experts module (FusedImportance: the family's `mlx_experts.inputs`). The multi-token-prediction
+transformers' experts module (FusedImportance: the family's `mlx_experts.inputs`); those a Qwen mixture stores in
+transformers' fused layout are read as the per-expert tensors they hold (quantkit.mlx.checkpoint.PerExpertWeights),
+so the artifact is the per-expert checkpoint's. The multi-token-prediction
 layers after the decoder's are not written (mlx-lm's models have none).
 
 An affine group (w = scale * q + bias) is an asymmetric integer group with a zero point; the gate
@@ -122,8 +124,9 @@ def layer_plan(info, options: Options, ignore: list[str]) -> dict[str, Precision
     family's mlx layout drops); experts stored fused (GPT-OSS) as the SwitchGLU projections they are cut into
     (quantkit.mlx.checkpoint.fused_modules), the ignore list taking them by either name."""
     from quantkit.arch.roles import classify, linear_weights, matches
-    from quantkit.mlx.checkpoint import expert_stacks, fused_modules, mtp_layers, written_name
+    from quantkit.mlx.checkpoint import expert_stacks, fused_modules, mtp_layers, per_expert_info, written_name
 
+    info = per_expert_info(info)
     mtp = mtp_layers(info.config, info.tensors)
     linear = {name: shape for name, shape in linear_weights(info).items()
               if not name.startswith(mtp) and written_name(info.config, name) is not None}
@@ -147,8 +150,9 @@ def layer_plan(info, options: Options, ignore: list[str]) -> dict[str, Precision
 
 def exact_types(info, options: Options) -> dict[str, str]:
     """The plan's entries of the routed experts: each expert the precision of the stacked module it is written in."""
-    from quantkit.mlx.checkpoint import expert_stacks
+    from quantkit.mlx.checkpoint import expert_stacks, per_expert_info
 
+    info = per_expert_info(info)
     plan = layer_plan(info, options, [])
     stacks = expert_stacks(info.config, info.tensors)
     return {name.removesuffix(".weight"): precision_text(plan[module], options)
@@ -159,8 +163,9 @@ def check_ignore(info, options: Options, ignore: list[str]) -> None:
     """A stacked expert projection is one tensor in mlx-lm: an ignore list that takes some of its experts and not the
     others is refused before work (UnsupportedError)."""
     from quantkit.arch.roles import matches
-    from quantkit.mlx.checkpoint import expert_stacks
+    from quantkit.mlx.checkpoint import expert_stacks, per_expert_info
 
+    info = per_expert_info(info)
     for module, names in expert_stacks(info.config, info.tensors).items():
         taken = [matches(name.removesuffix(".weight"), list(ignore)) for name in names]
         if any(taken) and not all(taken):
@@ -189,6 +194,7 @@ def check(info, options: Options, calibration=None) -> None:
     from quantkit.arch import moe
     from quantkit.arch.families import of_config
     from quantkit.arch.vlm import is_vlm
+    from quantkit.mlx.checkpoint import per_expert_info
 
     refusal = family_refusal(info.model_type, is_vlm(info.config))
     if refusal:
@@ -199,14 +205,15 @@ def check(info, options: Options, calibration=None) -> None:
     for family_check in family.mlx_checks if family is not None else ():  # the family's own reason first
         family_check(info.config)
     if family is None or family.mlx_experts is None or not family.mlx_experts.fused:  # fused: read as stored
+        info = per_expert_info(info)
         check_per_expert(info)
         moe.check_supported(info, "mlx")  # a family's mixture-of-experts variant without an expert layout
 
 
 def check_per_expert(info) -> None:
     """A family whose experts are written stacked from one tensor per expert: experts stored fused across experts
-    (Qwen3.5-MoE's releases: `mlp.experts.gate_up_proj`) are refused before work, as the mlx method does not cut
-    them yet."""
+    in a layout it does not cut (per_expert_info cuts the Qwen mixtures' transformers layout) are refused before
+    work."""
     from quantkit.mlx.checkpoint import FUSED_TENSOR
 
     fused = sorted(name for name in info.tensors if (m := FUSED_TENSOR.match(name)) and not m["tensor"].isdigit())
@@ -321,9 +328,9 @@ def calibration_base(info, config):
     import torch
 
     from quantkit.eval import experts
-    from quantkit.io.checkpoint import SafetensorsWeights
+    from quantkit.mlx.checkpoint import per_expert_source
 
-    source = SafetensorsWeights(info.path)
+    source = per_expert_source(info)
     layout = experts.moe_layout(info.config)
     if layout is None:
         return None, source, {}
@@ -371,15 +378,16 @@ def is_embedding(module: str, info) -> bool:
 
 def quantize(job: QuantizeJob) -> QuantizeResult:
     import json
+    from dataclasses import replace
 
     import torch
 
     from quantkit.engines.transformers import torch_dtype
-    from quantkit.io.checkpoint import SafetensorsWeights
     from quantkit.mlx.checkpoint import (ShardedWriter, dropped_names, expert_stacks, fused_tensor, keeps_dtype,
-                                         mlx_config, mtp_layers, quantization_block, written_fused, written_name,
-                                         written_tensor)
+                                         mlx_config, mtp_layers, per_expert_info, per_expert_source,
+                                         quantization_block, written_fused, written_name, written_tensor)
 
+    job = replace(job, info=per_expert_info(job.info))  # experts stored fused: as the per-expert checkpoint's
     opts = job.options
     plan = layer_plan(job.info, opts, job.ignore)
     imp = {}
@@ -389,7 +397,7 @@ def quantize(job: QuantizeJob) -> QuantizeResult:
         imp = column_importance(job)
         freed()  # the calibration forward's weights and activations, before the weights are read to be written
     dtype = torch_dtype(job.dtype, job.info)
-    source, writer = SafetensorsWeights(job.info.path), ShardedWriter(job.out_dir)
+    source, writer = per_expert_source(job.info), ShardedWriter(job.out_dir)
     mtp = mtp_layers(job.info.config, source.keys())
     stacks = expert_stacks(job.info.config, [name for name in source.keys() if not name.startswith(mtp)])
     first = {names[0]: module for module, names in stacks.items()}  # a stack is written where its first expert was
@@ -495,8 +503,9 @@ def working_set(info, options: Options) -> int:
 
     from quantkit.eval.stream import ACTIVATION_BYTES
     from quantkit.mlx.affine import SLAB_VALUES
-    from quantkit.mlx.checkpoint import SHARD_BYTES, expert_stacks
+    from quantkit.mlx.checkpoint import SHARD_BYTES, expert_stacks, per_expert_info
 
+    info = per_expert_info(info)
     largest = max((math.prod(shape) for _dtype, shape in info.tensors.values()), default=0)
     stacks = expert_stacks(info.config, info.tensors)  # a stacked expert projection is read and quantized whole
     written = max([largest, *(sum(math.prod(info.tensors[n][1]) for n in names) for names in stacks.values())])

@@ -271,6 +271,100 @@ def joined_fused(pieces: list):
     return torch.stack(columns, dim=-1).flatten(-2)
 
 
+# ------------------------------------------------------------------ experts stored in transformers' fused layout
+
+
+# transformers 5's fused experts (quantkit.arch.families.base.ExpertCheckpoint): gate_up_proj [experts, 2 x
+# intermediate, hidden], gate then up along the rows; down_proj [experts, hidden, intermediate]
+TRANSFORMERS_FUSED = re.compile(r"^(?P<block>.*\.mlp\.experts)\.(?P<tensor>gate_up_proj|down_proj)$")
+
+
+def splits_fused(config: dict) -> bool:
+    """Whether the family's experts may be stored in transformers' fused layout and are then written as its
+    per-expert tensors would be (its record's `mlx_experts.split_fused`: the Qwen mixtures)."""
+    family = of_config(config)
+    return family is not None and family.mlx_experts is not None and family.mlx_experts.split_fused
+
+
+def per_expert_parts(name: str, shape) -> dict[str, tuple[str, int, slice]]:
+    """{per-expert tensor: (the fused tensor, its expert, its rows)} of one tensor in transformers' fused layout
+    ({} for any other tensor): gate_up_proj's first half of each expert's rows its gate_proj, the second its
+    up_proj; down_proj's its down_proj."""
+    m = TRANSFORMERS_FUSED.match(name)
+    if m is None or len(shape) != 3:
+        return {}
+    experts, rows = shape[0], shape[1]
+    if m["tensor"] == "down_proj":
+        return {f"{m['block']}.{e}.down_proj.weight": (name, e, slice(0, rows)) for e in range(experts)}
+    half = rows // 2
+    return {f"{m['block']}.{e}.{projection}.weight": (name, e, slice(start, start + half))
+            for e in range(experts) for projection, start in (("gate_proj", 0), ("up_proj", half))}
+
+
+def per_expert_headers(config: dict, tensors: dict) -> dict[str, tuple[str, list[int]]]:
+    """A checkpoint's headers (name -> (dtype, shape)) with each fused expert tensor as the per-expert tensors it
+    holds, where the family splits them (splits_fused); as they are otherwise."""
+    if not splits_fused(config):
+        return tensors
+    out = {}
+    for name, (dtype, shape) in tensors.items():
+        parts = per_expert_parts(name, shape)
+        out.update({part: (dtype, [rows.stop - rows.start, shape[2]]) for part, (_n, _e, rows) in parts.items()}
+                   if parts else {name: (dtype, shape)})
+    return out
+
+
+class PerExpertWeights:
+    """A WeightSource over a checkpoint whose experts are stored in transformers' fused layout, giving each expert's
+    projections as the per-expert checkpoint stores them (per_expert_parts), every other tensor as stored: what the
+    mlx method stacks and calibrates, so the artifact is the one the per-expert checkpoint gives."""
+
+    def __init__(self, weights):
+        self.weights = weights
+        self.parts: dict[str, tuple[str, int, slice]] = {}
+        self.names: list[str] = []  # each fused tensor's parts where it was, in expert order
+        for name in weights.keys():
+            parts = per_expert_parts(name, weights.shape(name))
+            self.parts.update(parts)
+            self.names += list(parts) or [name]
+
+    def keys(self) -> list[str]:
+        return list(self.names)
+
+    def get(self, name: str):
+        if name not in self.parts:
+            return self.weights.get(name)
+        fused, expert, rows = self.parts[name]
+        return self.weights.rows(fused, [expert])[0, rows].clone()
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        if name not in self.parts:
+            return tuple(self.weights.shape(name))
+        fused, _expert, rows = self.parts[name]
+        return (rows.stop - rows.start, self.weights.shape(fused)[2])
+
+    def rows(self, name: str, index):
+        if name not in self.parts:
+            return self.weights.rows(name, index)
+        return self.get(name)[index]
+
+
+def per_expert_info(info):
+    """A checkpoint's ModelInfo with its headers as per_expert_headers gives them: what the mlx method plans from."""
+    from dataclasses import replace
+
+    return replace(info, tensors=per_expert_headers(info.config, info.tensors)) if splits_fused(info.config) else info
+
+
+def per_expert_source(info):
+    """The checkpoint's tensors as the mlx method reads them: PerExpertWeights where the family splits fused
+    experts (splits_fused), the stored ones otherwise."""
+    from quantkit.io.checkpoint import SafetensorsWeights
+
+    source = SafetensorsWeights(info.path)
+    return PerExpertWeights(source) if splits_fused(info.config) else source
+
+
 # ------------------------------------------------------------------ a text checkpoint under the model's own names
 
 

@@ -110,6 +110,10 @@ class MlxExperts:
     # [tokens, columns] (the tokens routed to it)}: the column importances of fused experts, recorded by a forward
     # hook on the module during calibration; None: per-expert linears are hooked instead
     inputs: Callable[[object, tuple], dict[str, list]] | None = None
+    # the checkpoint may store the experts in transformers' fused layout instead (Qwen3.5-MoE's releases:
+    # `<block>.experts.gate_up_proj` [experts, 2 x intermediate, hidden], gate then up, and `.down_proj`): each is cut
+    # into the per-expert tensors it holds and written as those are (quantkit.mlx.checkpoint.PerExpertWeights)
+    split_fused: bool = False
 
 
 @dataclass(frozen=True)

@@ -110,7 +110,7 @@ QWEN3_MOE = Family(
     gguf={"Qwen3MoeForCausalLM": Gguf("QWEN3MOE", add_qwen_moe_params, "qwen2", experts="qwen",
                                       checks=(check_topk_renormalised,), rules=FUSED_EXPERT_RULES)},
     config=ConfigRules((qwen_window, mlp_only_layers)),
-    mlx="qwen3_moe", mlx_experts=MlxExperts(), mlx_fields=mlx_expert_count,
+    mlx="qwen3_moe", mlx_experts=MlxExperts(split_fused=True), mlx_fields=mlx_expert_count,
 )
 # the text models of the Qwen VLMs: their decoder layers are Qwen2's / Qwen3's
 QWEN2_VL_TEXT = Family("qwen2_vl_text", smoothing=LLAMA_LIKE, gguf={"Qwen2VLForConditionalGeneration": QWEN2VL_GGUF})

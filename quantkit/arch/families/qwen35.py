@@ -357,7 +357,8 @@ QWEN35_MOE = Family(
     moe=MoeLayout(),
     gguf={"Qwen3_5MoeForCausalLM": QWEN35_MOE_GGUF, "Qwen3_5MoeForConditionalGeneration": QWEN35_MOE_GGUF},
     checks=(check_layers,),
-    mlx="qwen3_5_moe", mlx_layout=QWEN35_MLX, mlx_experts=MlxExperts(), mlx_checks=(check_mlx_layers, check_mlx_rope),
+    mlx="qwen3_5_moe", mlx_layout=QWEN35_MLX, mlx_experts=MlxExperts(split_fused=True),
+    mlx_checks=(check_mlx_layers, check_mlx_rope),
 )
 
 QWEN3_NEXT = Family(
@@ -366,7 +367,8 @@ QWEN3_NEXT = Family(
     smoothing=QWEN35_MOE_ROWS,
     moe=MoeLayout(),
     gguf={"Qwen3NextForCausalLM": QWEN3_NEXT_GGUF},
-    mlx="qwen3_next", mlx_layout=QWEN3_NEXT_MLX, mlx_experts=MlxExperts(), mlx_checks=(check_mlx_layers, check_mlx_rope),
+    mlx="qwen3_next", mlx_layout=QWEN3_NEXT_MLX, mlx_experts=MlxExperts(split_fused=True),
+    mlx_checks=(check_mlx_layers, check_mlx_rope),
 )
 
 FAMILIES = (QWEN35, QWEN35_MOE, QWEN3_NEXT)
