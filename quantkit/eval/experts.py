@@ -237,6 +237,15 @@ def moe_layout(config: dict):
     return moe.MOE_LAYOUTS.get(text_model_type(config))
 
 
+def load_named(weights, model_type: str):
+    """`weights` by the names of transformers' model where its loading conversion renames checkpoint tensors
+    (RenamedWeights: Granite 4 MoE's block_sparse_moe.input_linear.weight -> block_sparse_moe.experts.gate_up_proj);
+    as they are where it renames none."""
+    from quantkit.arch.moe import load_renamings
+
+    return RenamedWeights(weights, None, model_type) if load_renamings(model_type) else weights
+
+
 def linear_experts_model(config, dtype):
     """The meta-device CausalLM with every fused-experts module replaced by llm-compressor's linear experts (one
     Linear per expert projection, LinearExperts2D: what llm-compressor calibrates and saves), so that compressed-
@@ -263,13 +272,14 @@ def model_name(stored: str, layout, renamings) -> str:
     each expert projection under llm-compressor's linear name (w1 -> gate_proj)."""
     for renaming in renamings:
         stored, _matched = renaming.rename_source_key(stored)
-    for linear, name in layout.expert_names.items():
+    for linear, name in layout.expert_names.items() if layout is not None else ():
         stored = re.sub(rf"\.experts\.(\d+)\.{name}\.", rf".experts.\1.{linear}.", stored)
     return stored
 
 
 class RenamedWeights:
-    """A WeightSource's tensors (stored names) by the names of the linear-experts model (`model_name`)."""
+    """A WeightSource's tensors (stored names) by the names of the linear-experts model (`model_name`; `layout`
+    None: of transformers' model, renamed as it renames them on load)."""
 
     def __init__(self, weights, layout, model_type: str):
         from quantkit.arch.moe import load_renamings
@@ -306,12 +316,13 @@ def mlx_open(weights, config, dtype):
     """An mlx-lm directory's model on the meta device and the source of its weights (`weights`:
     quantkit.mlx.checkpoint.MLXWeights, which gives stacked experts back under the checkpoint's per-expert names): a
     mixture of experts (a family with an expert layout) as llm-compressor's linear experts, the names renamed as
-    the model names them (RenamedWeights), its stored buffers read in; a dense model as it is."""
+    the model names them (RenamedWeights), its stored buffers read in; any other model as transformers builds it,
+    the names renamed as its loading renames them (load_named: Granite 4 MoE's fused experts)."""
     from quantkit.eval.stream import build_meta_model
 
     layout = moe_layout(config.to_dict())
     if layout is None:
-        return build_meta_model(config, dtype), weights
+        return build_meta_model(config, dtype), load_named(weights, text_model_type(config.to_dict()))
     model = linear_experts_model(config, dtype)
     source = RenamedWeights(weights, layout, text_model_type(config.to_dict()))
     load_buffers(model, source)

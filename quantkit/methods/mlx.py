@@ -288,11 +288,15 @@ class FusedImportance:
 
     def __init__(self, config: dict, tensors):
         from quantkit.arch.families import of_config
+        from quantkit.arch.moe import load_renamings
+        from quantkit.eval.experts import model_name, text_model_type
         from quantkit.mlx.checkpoint import fused_tensor
 
         self.family, self.sums = of_config(config), {}
-        # {transformers' experts module: its block}: the modules holding the checkpoint's fused tensors
-        self.owners = {name.rsplit(".", 1)[0]: found[0] for name in tensors
+        renamings = load_renamings(text_model_type(config))
+        # {transformers' experts module: its block}: the modules holding the checkpoint's fused tensors (under the
+        # name transformers loads them by: Granite's input_linear.weight is experts.gate_up_proj)
+        self.owners = {model_name(name, None, renamings).rsplit(".", 1)[0]: found[0] for name in tensors
                        if (found := fused_tensor(config, name)) is not None}
 
     def hooks(self, model) -> list:
@@ -324,20 +328,20 @@ def calibration_base(info, config):
     """(meta-device model, its weights, {its module name: the checkpoint's}) the calibration windows run through:
     the CausalLM of `config`; for a mixture of experts, with llm-compressor's linear experts (one Linear per expert
     projection, run on the tokens the router sends that expert only: quantkit.eval.experts.linear_experts_model),
-    the checkpoint's tensors renamed as that model names them."""
+    the checkpoint's tensors renamed as that model names them; otherwise renamed as transformers' loading renames
+    them (Granite 4 MoE's fused experts)."""
     import torch
 
     from quantkit.eval import experts
     from quantkit.mlx.checkpoint import per_expert_source
 
-    source = per_expert_source(info)
+    source, model_type = per_expert_source(info), experts.text_model_type(info.config)
     layout = experts.moe_layout(info.config)
-    if layout is None:
-        return None, source, {}
-    renamed = experts.RenamedWeights(source, layout, experts.text_model_type(info.config))
+    renamed = experts.RenamedWeights(source, layout, model_type) if layout is not None else \
+        experts.load_named(source, model_type)
     stored = {name.removesuffix(".weight"): checkpoint.removesuffix(".weight")
-              for name, checkpoint in renamed.names.items()}
-    return experts.linear_experts_model(config, torch.float32), renamed, stored
+              for name, checkpoint in getattr(renamed, "names", {}).items()}
+    return (None if layout is None else experts.linear_experts_model(config, torch.float32)), renamed, stored
 
 
 def stacked_importance(info, imp: dict) -> dict:

@@ -185,9 +185,10 @@ STACKED_WEIGHT = re.compile(r"^(?P<block>.*\.)switch_mlp\.(?P<projection>[A-Za-z
 
 def unstacked_names(config: dict, name: str, experts: int) -> list[str]:
     """The checkpoint's per-expert weight names (its Hugging Face names: a layout's prefix taken off) of a stored
-    SwitchGLU weight (expert_stacks' way back); [] for any other tensor."""
+    SwitchGLU weight (expert_stacks' way back); [] for any other tensor, and for a family whose checkpoint stores
+    the experts fused (read back joined: fused_sources)."""
     family, m = of_config(config), STACKED_WEIGHT.match(name)
-    if m is None or family is None or family.mlx_experts is None:
+    if m is None or family is None or family.mlx_experts is None or family.mlx_experts.fused:
         return []
     stored = {new: old for old, new in family.mlx_experts.renames.items()}.get(m["projection"], m["projection"])
     return [checkpoint_name(config, f"{m['block']}experts.{e}.{stored}.weight") for e in range(experts)]
@@ -202,12 +203,13 @@ FUSED_TENSOR = re.compile(r"^(?P<block>.*\.)experts\.(?P<tensor>[A-Za-z0-9_]+)$"
 def fused_tensor(config: dict, name: str):
     """(block, FusedExperts, whether it is the bias) of a checkpoint tensor holding every expert fused (the family's
     `mlx_experts.fused`: GPT-OSS's `<block>.experts.gate_up_proj`, its bias); None for any other tensor."""
-    family, m = of_config(config), FUSED_TENSOR.match(name)
-    if m is None or family is None or family.mlx_experts is None:
+    family = of_config(config)
+    if family is None or family.mlx_experts is None:
         return None
     for fused in family.mlx_experts.fused:
-        if m["tensor"] in (fused.tensor, fused.bias):
-            return m["block"], fused, m["tensor"] == fused.bias
+        for suffix, bias in ((fused.tensor, False), (fused.bias, True)):
+            if suffix and name.endswith("." + suffix):
+                return name[: -len(suffix)], fused, bias
     return None
 
 
@@ -223,28 +225,34 @@ def fused_modules(config: dict, tensors: dict) -> dict[str, tuple[str, list[int]
     for name, (_dtype, shape) in tensors.items():
         if (found := fused_tensor(config, name)) is not None and not found[2]:
             block, fused, _bias = found
-            experts, columns, rows = shape
+            experts, outputs, inputs = shape if fused.rows else (shape[0], shape[2], shape[1])
             for projection in fused.projections:
                 module = fused_piece_name(config, block, projection, False).removesuffix(".weight")
-                out[module] = (name, [experts, rows // len(fused.projections), columns])
+                out[module] = (name, [experts, outputs // len(fused.projections), inputs])
     return out
 
 
-def written_fused(config: dict, name: str, tensor) -> dict:
-    """{written name: value} of a fused expert tensor, as mlx-lm's SwitchGLU holds it: each projection's columns
-    (every len(projections)-th, from its own) as [experts, out, in] (the weight transposed from x @ W), its bias's
-    as [experts, out]."""
-    block, fused, bias = fused_tensor(config, name)
+def fused_pieces(fused, tensor, bias: bool) -> list:
+    """A fused tensor's pieces, in the order of its projections, as mlx-lm's SwitchGLU holds them: weights [experts,
+    out, in] (x @ W transposed), biases [experts, out]."""
     count = len(fused.projections)
-    return {fused_piece_name(config, block, projection, bias):
-            (tensor[..., i::count] if bias else tensor[..., i::count].transpose(1, 2)).contiguous()
-            for i, projection in enumerate(fused.projections)}
+    if fused.rows:
+        return list(tensor.chunk(count, dim=1))
+    return [tensor[..., i::count] if bias else tensor[..., i::count].transpose(1, 2) for i in range(count)]
 
 
-def fused_sources(config: dict, names) -> dict[str, list[str]]:
-    """{the checkpoint's fused expert tensor: the names (before the layout's prefix) of the pieces it is joined from,
-    in interleaving order} (written_fused's way back), of the fused pieces among `names` (an artifact's tensors,
-    under their checkpoint names)."""
+def written_fused(config: dict, name: str, tensor) -> dict:
+    """{written name: value} of a fused expert tensor, each projection's piece (fused_pieces) under its SwitchGLU
+    name."""
+    block, fused, bias = fused_tensor(config, name)
+    return {fused_piece_name(config, block, projection, bias): piece.contiguous()
+            for projection, piece in zip(fused.projections, fused_pieces(fused, tensor, bias))}
+
+
+def fused_sources(config: dict, names) -> dict[str, tuple[list[str], object]]:
+    """{the checkpoint's fused expert tensor: (the names, before the layout's prefix, of the pieces it is joined from
+    in its projections' order, its FusedExperts)} (written_fused's way back), of the fused pieces among `names` (an
+    artifact's tensors, under their checkpoint names)."""
     family = of_config(config)
     if family is None or family.mlx_experts is None or not family.mlx_experts.fused:
         return {}
@@ -258,15 +266,17 @@ def fused_sources(config: dict, names) -> dict[str, list[str]]:
                 bias = m["kind"] == "bias"
                 pieces = [fused_piece_name(config, m["block"], p, bias) for p in fused.projections]
                 if all(piece in present for piece in pieces):
-                    out[f"{m['block']}experts.{fused.bias if bias else fused.tensor}"] = pieces
+                    out[f"{m['block']}{fused.bias if bias else fused.tensor}"] = (pieces, fused)
     return out
 
 
-def joined_fused(pieces: list):
-    """The fused tensor of its pieces' values (written_fused's way back): weights [experts, out, in] transposed to
-    x @ W and interleaved along the last axis; biases [experts, out] interleaved."""
+def joined_fused(pieces: list, fused):
+    """The fused tensor of its pieces' values (written_fused's way back): row blocks concatenated; or weights
+    [experts, out, in] transposed to x @ W and interleaved along the last axis, biases [experts, out] interleaved."""
     import torch
 
+    if fused.rows:
+        return torch.cat(pieces, dim=1)
     columns = [p if p.dim() == 2 else p.transpose(1, 2) for p in pieces]
     return torch.stack(columns, dim=-1).flatten(-2)
 
@@ -512,7 +522,7 @@ class MLXWeights:
 
     def keys(self) -> list[str]:
         stacked = {name for name, _e in self.experts.values()}
-        pieces = {piece for names in self.fused.values() for piece in names}
+        pieces = {piece for names, _fused in self.fused.values() for piece in names}
         return [n for n, stored in self.stored.items() if stored not in stacked and n not in pieces] + \
             list(self.experts) + list(self.fused)
 
@@ -524,7 +534,8 @@ class MLXWeights:
         import torch
 
         if name in self.fused:
-            return tuple(joined_fused([torch.empty(self.shape(p), device="meta") for p in self.fused[name]]).shape)
+            pieces, fused = self.fused[name]
+            return tuple(joined_fused([torch.empty(self.shape(p), device="meta") for p in pieces], fused).shape)
         stored, _expert = self.experts.get(name, (self.stored.get(name, name), None))
         module = stored.removesuffix(".weight")
         shape = tuple(self.index[stored].shape[1:] if name in self.experts else self.index[stored].shape)
@@ -539,7 +550,8 @@ class MLXWeights:
         from quantkit.io.safetensors import read_stored, read_stored_rows
 
         if name in self.fused:
-            return joined_fused([self.get(piece) for piece in self.fused[name]])
+            pieces, fused = self.fused[name]
+            return joined_fused([self.get(piece) for piece in pieces], fused)
         stored, expert = self.experts.get(name, (self.stored.get(name, name), None))
         module = stored.removesuffix(".weight")
         read = read_stored if expert is None else (lambda entry: read_stored_rows(entry, [expert])[0])

@@ -132,12 +132,11 @@ def test_gguf_refuses_per_tensor_types_for_the_moe_variant(cli, moe_model, tmp_p
     ("fp8", (), ("block_sparse_moe.input_linear", "one tensor per expert projection", "--method gguf")),
     ("gptq", (), ("block_sparse_moe.input_linear", "one tensor per expert projection", "--method gguf")),
     ("nf4", (), ("block_sparse_moe.input_linear", "one tensor per expert projection", "--method gguf")),
-    ("mlx", ("--bits", "4"), ("SwitchGLU", "quantkit's mlx writer does not write", "--method gguf")),
 ])
 def test_the_other_methods_refuse_the_moe_variant_naming_why(cli, moe_model, tmp_path, method, args, words):
     """Granite's experts are one 3-D tensor per layer (block_sparse_moe.input_linear / output_linear, router
-    router.layer): the llm-compressor methods and nf4 take experts one tensor per expert projection, and mlx writes
-    no stacked experts for mlx-lm's SwitchGLU; each refuses before work and points to gguf."""
+    router.layer): the llm-compressor methods and nf4 take experts one tensor per expert projection; each refuses
+    before work and points to gguf."""
     out = tmp_path / "out"
     common.assert_refused(common.quantize(cli, moe_model, out, method, *args), out, "num_local_experts", *words)
 
@@ -217,6 +216,63 @@ def test_gguf_read_back_equals_the_checkpoint(model, tmp_path):
     for name, value in stored.items():
         assert state[name].shape == value.shape, name
         torch.testing.assert_close(state[name], value.float(), rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_mlx_of_the_moe_variant_cuts_its_experts_as_mlx_lm_holds_them(cli, moe_model, tmp_path):
+    """4-bit calibrated through the CLI: input_linear cut into switch_mlp.gate_proj (its first half of each expert's
+    rows) and up_proj, output_linear as switch_mlp.down_proj, each [experts, out, in] packed per expert; the router
+    16-bit with its entry false; the shared MLP quantized (mlx-lm's MoE layer holds it as stored); the gate passes;
+    mlx-lm builds every expert with quantkit's weights and reads the artifact as quantkit does."""
+    from quantkit.mlx.affine import dequantize
+
+    out = tmp_path / "out"
+    entry = common.assert_passed(common.quantize(cli, moe_model, out, "mlx", "--bits", "4"), out)
+    assert entry["details"]["mlx"]["calibration_tokens"] > 0
+    config = json.loads((out / "config.json").read_text())
+    stored, source = common.stored_tensors(out), common.stored_tensors(moe_model)
+    assert not any("input_linear" in n and "block_sparse_moe" in n for n in stored)
+    for layer in range(len(LAYER_TYPES)):
+        block = f"model.layers.{layer}.block_sparse_moe"
+        fused = source[f"{block}.input_linear.weight"].float()
+        for projection, rows in (("gate_proj", slice(0, 256)), ("up_proj", slice(256, 512))):
+            name = f"{block}.switch_mlp.{projection}"
+            assert stored[f"{name}.weight"].shape == (4, 256, 256 * 4 // 32)
+            for e in range(4):
+                back = dequantize(stored[f"{name}.weight"][e], stored[f"{name}.scales"][e],
+                                  stored[f"{name}.biases"][e], 4, 64).float()
+                assert (back - fused[e, rows]).abs().max() < 0.2 * fused[e].abs().max(), (name, e)
+        assert stored[f"{block}.switch_mlp.down_proj.weight"].shape == (4, 256, 256 * 4 // 32)
+        assert config["quantization"][f"{block}.router.layer"] is False
+        assert f"{block}.router.layer.scales" not in stored
+        assert f"model.layers.{layer}.shared_mlp.input_linear.scales" in stored
+    assert not any("shared_mlp" in layer for layer in entry["details"].get("kept_16bit", {}))
+    common.assert_mlx_lm_reads_as_quantkit(out)
+
+
+def test_mlx_importances_of_the_moe_variant_are_each_expert_s_routed_inputs(moe_model):
+    """The column importances the mlx method weights each expert's groups by: the mean square of the hidden states
+    the router sends that expert (gate and up), recorded on transformers' fused experts module."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from quantkit.io.checkpoint import check_model_dir
+    from quantkit.methods.mlx import FusedImportance
+
+    info = check_model_dir(moe_model)
+    model = AutoModelForCausalLM.from_pretrained(moe_model, dtype=torch.float32)
+    fused, seen = FusedImportance(info.config, info.tensors), {}
+    moe = model.model.layers[1].block_sparse_moe
+    hook = moe.register_forward_hook(lambda m, args, out: seen.update(x=args[0].reshape(-1, args[0].shape[-1])))
+    hooks = fused.hooks(model)
+    with torch.no_grad():
+        model(torch.arange(64).reshape(2, 32))
+    for h in [hook, *hooks]:
+        h.remove()
+    chosen = moe.router(seen["x"])[0]
+    imp = fused.importances()["model.layers.1.block_sparse_moe.switch_mlp.up_proj"]
+    for e in range(4):
+        x = seen["x"][(chosen == e).any(-1)]
+        assert torch.allclose(imp[e], (x.double() ** 2).mean(0).float(), rtol=1e-5), e
 
 
 @pytest.mark.slow

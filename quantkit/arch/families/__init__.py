@@ -47,7 +47,8 @@ def kept_reason(config: dict, module: str, method: str = "") -> str | None:
 
     family = of_config(config)
     return next((k.reason for k in family.kept if matches(module, [k.pattern])
-                 and (not k.methods or method in k.methods)), None) if family else None
+                 and (not k.methods or method in k.methods) and (k.when is None or k.when(config))),
+                None) if family else None
 
 
 def kept_layers(info, method: str = "") -> dict[str, str]:

@@ -29,6 +29,7 @@ class Kept:
     pattern: str  # llm-compressor's ignore syntax: "re:" + re.match on the module name
     reason: str
     methods: tuple[str, ...] = ()  # the methods that keep it (a consumer of one format lacks it); (): every method
+    when: Callable[[dict], bool] | None = None  # when(config.json) -> whether the rule applies; None: always
 
 
 # ---------------------------------------------------------------- smoothing (AWQ, SmoothQuant)
@@ -78,15 +79,18 @@ class ExpertCheckpoint:
 
 @dataclass(frozen=True)
 class FusedExperts:
-    """One checkpoint tensor holding every routed expert of one or more projections as `x @ W` ([experts, in, out]:
-    GPT-OSS's `<block>.experts.gate_up_proj`), the projections interleaved along its last axis (column j belongs to
-    projection j % len(projections)), with its bias ([experts, out]) split the same way: written as the SwitchGLU's
-    projections `<block>.<MlxExperts.module>.<projection>.weight` ([experts, out / len(projections), in]) and
-    `.bias`, the form its mlx-lm model's sanitize leaves as it is."""
+    """One checkpoint tensor holding every routed expert of one or more projections, `<block>.<tensor>`: as `x @ W`
+    ([experts, in, out]: GPT-OSS's `<block>.experts.gate_up_proj`) with the projections interleaved along its last
+    axis (column j belongs to projection j % len(projections)), or (`rows`) as F.linear's [experts, out, in] with
+    the projections in equal blocks of rows (Granite 4's `<block>.input_linear.weight`: gate rows, then up rows);
+    its bias ([experts, out]) split the same way. Written as the SwitchGLU's projections
+    `<block>.<MlxExperts.module>.<projection>.weight` ([experts, out / len(projections), in]) and `.bias`, the form
+    its mlx-lm model's sanitize leaves as it is."""
 
-    tensor: str  # the fused weight's name after `<block>.experts.` ("gate_up_proj")
-    projections: tuple[str, ...]  # SwitchGLU's projections it holds, in interleaving order ("gate_proj", "up_proj")
-    bias: str = ""  # its bias's name after `<block>.experts.` ("gate_up_proj_bias"); "": none
+    tensor: str  # the fused weight's name after `<block>.` ("experts.gate_up_proj", "input_linear.weight")
+    projections: tuple[str, ...]  # SwitchGLU's projections it holds, in order ("gate_proj", "up_proj")
+    bias: str = ""  # its bias's name after `<block>.` ("experts.gate_up_proj_bias"); "": none
+    rows: bool = False  # [experts, out, in] in row blocks; False: x @ W, interleaved along the last axis
 
 
 @dataclass(frozen=True)

