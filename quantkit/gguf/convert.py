@@ -113,11 +113,20 @@ def supported_architectures() -> list[str]:
 
 def load_hparams(model_dir: Path) -> dict:
     """ModelBase.load_hparams: transformers' AutoConfig.to_dict() (it fills defaults config.json
-    omits, e.g. head_dim), config.json when transformers cannot read it; then text_hparams."""
+    omits, e.g. head_dim), config.json when transformers cannot read it; then text_hparams, with what the
+    converter class counts from the checkpoint's tensors (Gguf.tensor_hparams: Qwen3-Next's MTP layers)."""
     import json
 
+    from quantkit.io.checkpoint import weight_files
+    from quantkit.io.safetensors import safetensors_index
+
     config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
-    return text_hparams(converter_config(config))
+    hp = text_hparams(converter_config(config))
+    spec = ARCHITECTURES.get(hf_architecture(config))
+    if spec is None or spec.tensor_hparams is None:
+        return hp
+    names = [name for file in weight_files(Path(model_dir)) for name in safetensors_index(file)]
+    return spec.tensor_hparams(hp, names)
 
 
 def converter_config(config: dict) -> dict:

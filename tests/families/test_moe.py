@@ -497,21 +497,28 @@ def test_gguf_of_fused_stored_experts_equals_llama_cpp(fused_moe, tmp_path, fami
                                       converter_args=CONVERTER_ARGS.get(family, ()))
 
 
-def test_gguf_of_qwen3_next_mtp_layers_refused(cli, models, tmp_path):
-    """Qwen3-Next's multi-token-prediction layers (mtp.*, which transformers does not load and its config.json
-    does not count) are not converted yet: refused before work, naming them."""
-    import shutil
+@pytest.fixture(scope="module")
+def qwen3_next_mtp(models, tmp_path_factory) -> Path:
+    """Qwen3-Next with one MTP layer as its released checkpoints store it (tests.families.test_qwen35.with_mtp: mtp.fc,
+    the pre-fc norms, mtp.norm, a full-attention MoE layer under mtp.layers.0), its config.json not counting it."""
+    from tests.families.test_qwen35 import with_mtp
 
-    import torch
-    from safetensors.torch import load_file, save_file
+    model = with_mtp(models("qwen3_next"), tmp_path_factory.mktemp("qwen3_next_mtp") / "model")
+    config = json.loads((model / "config.json").read_text())
+    del config["mtp_num_hidden_layers"]
+    (model / "config.json").write_text(json.dumps(config, indent=2))
+    return model
 
-    model = tmp_path / "model"
-    shutil.copytree(models("qwen3_next"), model)
-    tensors = load_file(model / "model.safetensors")
-    tensors["mtp.fc.weight"] = torch.zeros(256, 512, dtype=torch.bfloat16)
-    save_file(tensors, model / "model.safetensors", metadata={"format": "pt"})
-    out = tmp_path / "out"
-    common.assert_refused(common.quantize(cli, model, out, "gguf"), out, "multi-token-prediction", "mtp.*")
+
+def test_gguf_of_qwen3_next_writes_its_mtp_layer(cli, qwen3_next_mtp, tmp_path):
+    """Qwen3-Next's MTP layer, which its config.json does not count, is counted from the tensors as the converter
+    counts it: block 2, the nextn tensors and its experts, nextn_predict_layers 1; the gate reads the decoder's."""
+    assert_writes_its_mtp_block(cli, qwen3_next_mtp, tmp_path, "qwen3next", {"blk.2.ffn_gate_inp_shexp.weight"})
+
+
+@pytest.mark.slow
+def test_gguf_of_qwen3_next_with_mtp_layer_equals_llama_cpp(qwen3_next_mtp, tmp_path):
+    common.assert_gguf_is_llama_cpp_s(qwen3_next_mtp, tmp_path, pre="gpt-2")
 
 
 def with_glm_mtp_layer(out: Path) -> Path:

@@ -252,6 +252,9 @@ class Gguf:
     # as the blocks after the decoder's); None: as it is
     renames: Callable[[str, Hparams], str] | None = None
     checks: tuple[Callable[[str, Hparams], None], ...] = ()
+    # tensor_hparams(hparams, the checkpoint's tensor names) -> the hyperparameters with those the converter class
+    # counts from the tensors where config.json lacks them (Qwen3NextModel: its MTP layers); None: config.json's
+    tensor_hparams: Callable[[Hparams, list[str]], Hparams] | None = None
     # checks of the checkpoint's tensor names too (each `check(architecture, hparams, names)` raises
     # UnsupportedError): what the tensors hold that the conversion does not reproduce (MTP layers it does not write)
     tensor_checks: tuple[Callable[[str, Hparams, list[str]], None], ...] = ()

@@ -40,9 +40,9 @@ expert widths as keys, the routed experts stacked per projection (ffn_{gate,up,d
 ffn_{gate,up,down}_shexp and its one-output gate as ffn_gate_inp_shexp, F32 (the converter writes it F32 and
 llama-quantize quantizes no single-row weight). Qwen3.5-MoE's MTP layers are written as Qwen3.5's (the nextn
 block, their experts stacked as the decoder's: the converter's filter_tensors renames them into the blocks after
-the decoder's, `mtp_rename`). Qwen3-Next's (its config.json does not count them; the converter counts them from
-the tensors) are not converted yet: a checkpoint that stores them is refused before work; one without them
-converts as `convert_hf_to_gguf.py --no-mtp` converts it.
+the decoder's, `mtp_rename`). So are Qwen3-Next's: its config.json does not count them, and the converter counts
+them from the mtp.layers.<i> tensors (counted_mtp, Gguf.tensor_hparams); a checkpoint without them converts as
+`convert_hf_to_gguf.py --no-mtp` converts it.
 
 MLX of the two, each as mlx_lm.convert writes its mlx-lm model, the routed experts stacked per projection
 (switch_mlp, MlxExperts) and the routers and shared-expert gates 16-bit: Qwen3.5-MoE (no mlx-lm model for
@@ -181,15 +181,14 @@ def add_qwen35_params(writer, hp: dict, ftype: int) -> None:
         writer.add_rope_dimension_sections(QWEN35_MROPE_SECTION)
 
 
-def check_no_mtp(arch: str, hp: dict, names: list[str]) -> None:
-    """Qwen3-Next's multi-token-prediction layers (mtp.*, which its config.json does not count: the converter
-    counts them from the tensors) are not written yet: refused where the checkpoint stores them."""
-    if any(n.startswith(("mtp.", "model.mtp.")) for n in names) or mtp_layers(hp):
-        raise UnsupportedError(f"GGUF conversion of {arch}: the checkpoint's multi-token-prediction layers "
-                               "(mtp.*), which llama.cpp's converter writes as its nextn blocks, are not converted "
-                               "by quantkit yet",
-                               hint="convert a copy without the mtp.* tensors: quantkit then writes what "
-                                    "convert_hf_to_gguf.py --no-mtp writes; or use a compressed-tensors method")
+def counted_mtp(hp: dict, names: list[str]) -> dict:
+    """_QwenMtpMixin.filter_tensors on a config.json without mtp_num_hidden_layers (Qwen3-Next's): the MTP layers
+    counted from the checkpoint's mtp.layers.<i>. tensors (the largest i, plus one)."""
+    if hp.get("mtp_num_hidden_layers"):
+        return hp
+    stored = [int(n.split(".")[2]) for n in (n.removeprefix("model.") for n in names)
+              if n.startswith("mtp.layers.") and n.split(".")[2].isdecimal()]
+    return {**hp, "mtp_num_hidden_layers": max(stored) + 1} if stored else hp
 
 
 # _QwenMtpMixin.filter_tensors: mtp.fc / pre_fc_norm_embedding / pre_fc_norm_hidden / norm -> the first MTP
@@ -272,7 +271,8 @@ QWEN3_NEXT_RULES = (
     NORM_RULE,
 )
 QWEN3_NEXT_GGUF = Gguf("QWEN3NEXT", add_qwen3_next_params, "gpt2", experts="qwen", shared_expert=True,
-                       rules=QWEN3_NEXT_RULES + FUSED_EXPERT_RULES, tensor_checks=(check_no_mtp,))
+                       rules=NEXTN_RULES + QWEN3_NEXT_RULES + FUSED_EXPERT_RULES, blocks=blocks, renames=mtp_rename,
+                       tensor_hparams=counted_mtp)
 
 # ---------------------------------------------------------------- MLX (mlx-lm's qwen3_5, qwen3_5_moe, qwen3_next)
 
