@@ -27,6 +27,10 @@ AVX-512 and no AMX):
   (_C_AVX2), which have no cpu_gemm_wna16, so int4 weights (W4A16) fail at the first request ("'_C' object has
   no attribute 'cpu_gemm_wna16'"); the CPU runtime says so (Runtime.cpu_flags) and the refusal names the feature.
 - whatever the scheme, a family whose record states why (Family.vllm_cpu_refusal: Granite 4's Mamba-2 layers).
+- a mixture of experts whose experts are quantized, whatever their scheme: vLLM CPU 0.32 has no fused-MoE kernel
+  for quantized experts (measured on a tiny Qwen3-MoE: fp8 "Unsupported FP8 MoE backend: NONE"; W4A16 "No WNA16
+  MoE backend supports the deployment configuration"; W8A8 int8 "No Int8 MoE backend supports the deployment
+  configuration"; the server exits while loading).
 """
 
 from __future__ import annotations
@@ -236,6 +240,24 @@ def missing_cpu_features(scheme: str, flags: frozenset[str]) -> str | None:
             "object has no attribute 'cpu_gemm_wna16', at the first request)")
 
 
+# a routed expert's quantized weight in a compressed-tensors checkpoint (its scale or packed integers)
+QUANTIZED_EXPERT = re.compile(r"\.experts\.\d+\.[A-Za-z0-9_]+\.(weight_scale|weight_packed|weight_global_scale)$")
+
+
+def cpu_moe_refusal(artifact: Path) -> str | None:
+    """Why vLLM's CPU build cannot serve the artifact's experts (module docstring): one of them is quantized."""
+    from quantkit.io.checkpoint import weight_files
+    from quantkit.io.safetensors import safetensors_index
+
+    for file in weight_files(artifact):
+        expert = next((name for name in safetensors_index(file) if QUANTIZED_EXPERT.search(name)), None)
+        if expert is not None:
+            return ("vLLM 0.32's CPU build has no fused-MoE kernel for quantized experts (fp8: Unsupported FP8 MoE "
+                    "backend; int4 weights: No WNA16 MoE backend; int8 W8A8: No Int8 MoE backend), and this "
+                    f"artifact's experts are quantized ({expert.rsplit('.', 1)[0]}): serve it on an NVIDIA GPU")
+    return None
+
+
 def serve_refusal(artifact: Path, device: Device) -> str | None:
     """vLLM serves every scheme on NVIDIA GPUs; on a CPU the first of its groups' schemes it refuses, or an online
     rotation, which its CPU path does not run."""
@@ -248,6 +270,7 @@ def serve_refusal(artifact: Path, device: Device) -> str | None:
         return family.vllm_cpu_refusal
     qconfig = quantization_config(artifact)
     reasons = [r for s in sorted(schemes(qconfig)) if (r := cpu_refusal(s, device.flags))]
+    reasons += [r for r in (cpu_moe_refusal(artifact),) if r]
     online = online_transforms({"quantization_config": qconfig})
     if online is not None:
         reasons.append("vLLM's CPU build does not run the online Hadamard rotation of a --rotate hadamard artifact "

@@ -497,6 +497,26 @@ def test_gguf_of_fused_stored_experts_equals_llama_cpp(fused_moe, tmp_path, fami
                                       converter_args=CONVERTER_ARGS.get(family, ()))
 
 
+@pytest.mark.slow
+def test_vllm_cpu_serves_an_moe_artifact_whose_experts_stay_16bit_and_refuses_quantized_ones(cli, models, tmp_path):
+    """Qwen3-MoE fp8 with its experts kept 16-bit (--ignore) passes serve-check in vLLM's CPU build, which reads
+    it as quantkit's MoE reading does; with its experts quantized it is refused before the server starts (vLLM 0.32's
+    CPU build has no fused-MoE kernel for quantized experts), naming an expert."""
+    from quantkit.serve.support import accelerator
+    from tests.serve.test_serve_check_slow import serve_check
+
+    model, kept, quantized = models("qwen3_moe"), tmp_path / "kept", tmp_path / "quantized"
+    common.assert_passed(common.quantize(cli, model, kept, "fp8", "--ignore", "re:.*mlp\\.experts\\..*"), kept)
+    data = common.assert_serves_as_read(cli, kept, tmp_path, "vllm")
+    assert data["vs_reading"]["kld_lower_bound"] <= 0.02
+    if accelerator().kind != "cpu":
+        return
+    common.assert_passed(common.quantize(cli, model, quantized, "fp8"), quantized)
+    code, _data, stderr = serve_check(cli, quantized, tmp_path)
+    assert code == 2 and "no fused-MoE kernel for quantized experts" in stderr and ".mlp.experts." in stderr
+    assert "starting vllm" not in stderr
+
+
 @pytest.fixture(scope="module")
 def qwen3_next_mtp(models, tmp_path_factory) -> Path:
     """Qwen3-Next with one MTP layer as its released checkpoints store it (tests.families.test_qwen35.with_mtp: mtp.fc,

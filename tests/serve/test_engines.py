@@ -168,6 +168,26 @@ def test_vllm_cpu_refuses_a_family_it_cannot_run_whatever_the_scheme(tmp_path):
     assert support.refusal("vllm", artifact, "compressed-tensors", CPU) is None
 
 
+@pytest.mark.parametrize("groups, stored", [(FP8_DYNAMIC, "weight_scale"), (W4A16, "weight_packed"),
+                                           (W8A8, "weight_scale")])
+def test_vllm_cpu_refuses_quantized_experts_whatever_the_scheme(tmp_path, groups, stored):
+    """vLLM CPU 0.32 has no fused-MoE kernel for quantized experts (fp8, W4A16 and W8A8 all fail while loading, on a
+    tiny Qwen3-MoE): an artifact storing a quantized expert is refused before the engine starts, naming it; the same
+    scheme without quantized experts (experts kept 16-bit) is not; on a GPU neither is."""
+    from safetensors.numpy import save_file
+
+    artifact = compressed_dir(tmp_path / "moe", {"group_0": groups})
+    expert = "model.layers.0.mlp.experts.3.up_proj"
+    save_file({f"{expert}.{stored}": np.zeros((2, 1), np.float32), "lm_head.weight": np.zeros((2, 2), np.float32)},
+              str(artifact / "model.safetensors"))
+    reason = support.refusal("vllm", artifact, "compressed-tensors", CPU)
+    assert "no fused-MoE kernel for quantized experts" in reason and expert in reason
+    assert support.refusal("vllm", artifact, "compressed-tensors", GPU) is None
+    save_file({f"{expert}.weight": np.zeros((2, 2), np.float32), "lm_head.weight": np.zeros((2, 2), np.float32)},
+              str(artifact / "model.safetensors"))
+    assert support.refusal("vllm", artifact, "compressed-tensors", CPU) is None
+
+
 def test_nvfp4_reason_names_the_device(tmp_path):
     artifact = compressed_dir(tmp_path / "artifact", {"group_0": NVFP4})
     with pytest.raises(UnsupportedError, match="NVFP4 W4A4 on Blackwell GPUs .*this is a CPU") as info:
