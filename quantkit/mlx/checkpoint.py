@@ -25,8 +25,9 @@ in / group_size]), as mlx_lm.convert writes it (its QuantizedSwitchLinear); `san
 they are. The routers stay 16-bit (their entry false), where mlx_lm.convert quantizes them; the
 multi-token-prediction layers after the decoder's are not written (mtp_layers). MLXWeights reads the stacked modules
 back under the checkpoint's per-expert names. Experts the checkpoint stores fused across experts (the record's
-`mlx_experts.fused`: GPT-OSS's gate_up_proj, interleaved, with biases) are cut into the SwitchGLU's projections
-(written_fused), the form that model's sanitize leaves as it is, and read back joined (fused_sources, joined_fused).
+`mlx_experts.fused`: GPT-OSS's gate_up_proj, interleaved, with biases; Llama 4's, gate then up) are cut into the
+SwitchGLU's projections (written_fused), the form that model's sanitize leaves as it is, and read back joined
+(fused_sources, joined_fused).
 """
 
 from __future__ import annotations
@@ -201,7 +202,8 @@ FUSED_TENSOR = re.compile(r"^(?P<block>.*\.)experts\.(?P<tensor>[A-Za-z0-9_]+)$"
 
 def fused_tensor(config: dict, name: str):
     """(block, FusedExperts, whether it is the bias) of a checkpoint tensor holding every expert fused (the family's
-    `mlx_experts.fused`: GPT-OSS's `<block>.experts.gate_up_proj`, its bias); None for any other tensor."""
+    `mlx_experts.fused`: GPT-OSS's and Llama 4's `<block>.experts.gate_up_proj`, its bias); None for any other
+    tensor."""
     family, m = of_config(config), FUSED_TENSOR.match(name)
     if m is None or family is None or family.mlx_experts is None:
         return None
@@ -232,19 +234,27 @@ def fused_modules(config: dict, tensors: dict) -> dict[str, tuple[str, list[int]
 
 def written_fused(config: dict, name: str, tensor) -> dict:
     """{written name: value} of a fused expert tensor, as mlx-lm's SwitchGLU holds it: each projection's columns
-    (every len(projections)-th, from its own) as [experts, out, in] (the weight transposed from x @ W), its bias's
-    as [experts, out]."""
+    (every len(projections)-th, from its own, where they are interleaved; else its block of them) as [experts, out,
+    in] (the weight transposed from x @ W), its bias's as [experts, out]."""
     block, fused, bias = fused_tensor(config, name)
-    count = len(fused.projections)
     return {fused_piece_name(config, block, projection, bias):
-            (tensor[..., i::count] if bias else tensor[..., i::count].transpose(1, 2)).contiguous()
-            for i, projection in enumerate(fused.projections)}
+            (columns if bias else columns.transpose(1, 2)).contiguous()
+            for projection, columns in zip(fused.projections, fused_columns(fused, tensor), strict=True)}
+
+
+def fused_columns(fused, tensor) -> list:
+    """The columns (last axis) of each of a fused tensor's projections, in their order: every len(projections)-th
+    from its own where they are interleaved (GPT-OSS), else equal blocks one after the other (Llama 4)."""
+    count = len(fused.projections)
+    if fused.interleaved:
+        return [tensor[..., i::count] for i in range(count)]
+    return list(tensor.chunk(count, dim=-1))
 
 
 def fused_sources(config: dict, names) -> dict[str, list[str]]:
     """{the checkpoint's fused expert tensor: the names (before the layout's prefix) of the pieces it is joined from,
-    in interleaving order} (written_fused's way back), of the fused pieces among `names` (an artifact's tensors,
-    under their checkpoint names)."""
+    in their order} (written_fused's way back), of the fused pieces among `names` (an artifact's tensors, under
+    their checkpoint names)."""
     family = of_config(config)
     if family is None or family.mlx_experts is None or not family.mlx_experts.fused:
         return {}
@@ -262,13 +272,13 @@ def fused_sources(config: dict, names) -> dict[str, list[str]]:
     return out
 
 
-def joined_fused(pieces: list):
+def joined_fused(pieces: list, interleaved: bool = True):
     """The fused tensor of its pieces' values (written_fused's way back): weights [experts, out, in] transposed to
-    x @ W and interleaved along the last axis; biases [experts, out] interleaved."""
+    x @ W and interleaved along the last axis (else concatenated along it); biases [experts, out] likewise."""
     import torch
 
     columns = [p if p.dim() == 2 else p.transpose(1, 2) for p in pieces]
-    return torch.stack(columns, dim=-1).flatten(-2)
+    return torch.stack(columns, dim=-1).flatten(-2) if interleaved else torch.cat(columns, dim=-1)
 
 
 # ------------------------------------------------------------------ a text checkpoint under the model's own names
@@ -430,7 +440,8 @@ class MLXWeights:
         import torch
 
         if name in self.fused:
-            return tuple(joined_fused([torch.empty(self.shape(p), device="meta") for p in self.fused[name]]).shape)
+            return tuple(joined_fused([torch.empty(self.shape(p), device="meta") for p in self.fused[name]],
+                                      self.interleaved(name)).shape)
         stored, _expert = self.experts.get(name, (self.stored.get(name, name), None))
         module = stored.removesuffix(".weight")
         shape = tuple(self.index[stored].shape[1:] if name in self.experts else self.index[stored].shape)
@@ -439,13 +450,17 @@ class MLXWeights:
         rule = layout_rule(self.config, name)
         return shape if rule is None else tuple(rule.inverse(torch.empty(shape, device="meta")).shape)
 
+    def interleaved(self, fused: str) -> bool:
+        """Whether a fused expert tensor's projections are interleaved along its last axis (FusedExperts)."""
+        return fused_tensor(self.config, fused)[1].interleaved
+
     def get(self, name: str):
         import torch
 
         from quantkit.io.safetensors import read_stored, read_stored_rows
 
         if name in self.fused:
-            return joined_fused([self.get(piece) for piece in self.fused[name]])
+            return joined_fused([self.get(piece) for piece in self.fused[name]], self.interleaved(name))
         stored, expert = self.experts.get(name, (self.stored.get(name, name), None))
         module = stored.removesuffix(".weight")
         read = read_stored if expert is None else (lambda entry: read_stored_rows(entry, [expert])[0])

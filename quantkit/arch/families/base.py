@@ -79,14 +79,16 @@ class ExpertCheckpoint:
 @dataclass(frozen=True)
 class FusedExperts:
     """One checkpoint tensor holding every routed expert of one or more projections as `x @ W` ([experts, in, out]:
-    GPT-OSS's `<block>.experts.gate_up_proj`), the projections interleaved along its last axis (column j belongs to
-    projection j % len(projections)), with its bias ([experts, out]) split the same way: written as the SwitchGLU's
-    projections `<block>.<MlxExperts.module>.<projection>.weight` ([experts, out / len(projections), in]) and
-    `.bias`, the form its mlx-lm model's sanitize leaves as it is."""
+    GPT-OSS's and Llama 4's `<block>.experts.gate_up_proj`), the projections interleaved along its last axis (column
+    j belongs to projection j % len(projections): GPT-OSS) or one after the other (equal blocks of columns, gate
+    first: Llama 4), with its bias ([experts, out]) split the same way: written as the SwitchGLU's projections
+    `<block>.<MlxExperts.module>.<projection>.weight` ([experts, out / len(projections), in]) and `.bias`, the form
+    its mlx-lm model's sanitize leaves as it is."""
 
     tensor: str  # the fused weight's name after `<block>.experts.` ("gate_up_proj")
-    projections: tuple[str, ...]  # SwitchGLU's projections it holds, in interleaving order ("gate_proj", "up_proj")
+    projections: tuple[str, ...]  # SwitchGLU's projections it holds, in their order ("gate_proj", "up_proj")
     bias: str = ""  # its bias's name after `<block>.experts.` ("gate_up_proj_bias"); "": none
+    interleaved: bool = True  # the projections' columns in turn (GPT-OSS); False: in blocks, one after the other
 
 
 @dataclass(frozen=True)
@@ -269,7 +271,8 @@ class Gguf:
     # (DeepseekV2Model: the MTP layers after the decoder's, a tied lm_head); None: it writes every tensor
     drops: Callable[[str, Hparams], bool] | None = None
     # imatrix_inputs(model, hparams, add) -> hook handles: the inputs llama.cpp's graph multiplies by tensors no
-    # Hugging Face linear takes as its input (DeepSeek's attn_k_b / attn_v_b in the absorbed MLA), collected during
+    # Hugging Face linear takes as its input (DeepSeek's attn_k_b / attn_v_b in the absorbed MLA; experts given their
+    # routed rows alone, without the routing: Llama 4's), collected during
     # quantkit's imatrix forwards by forward hooks the family registers on the transformers model; each hook calls
     # add(GGUF name, rows: [matrices, tokens, columns]), one matrix per slice of a 3-D tensor. None: none
     imatrix_inputs: Callable[[object, Hparams, Callable], list] | None = None
