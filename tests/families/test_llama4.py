@@ -117,6 +117,22 @@ def test_gguf_of_llama4_llama_cpp_would_run_otherwise_refused(cli, model, tmp_pa
     common.assert_refused(common.quantize(cli, changed, out, "gguf"), out, next(iter(change)), "llama.cpp's llama4")
 
 
+def test_llama4_temperature_tuning_stated_as_a_number_is_on(model):
+    """Meta's config.json states attn_temperature_tuning as a number (4): on, as transformers, llama.cpp's and
+    mlx-lm's llama4 read it; neither conversion refuses it. Off (0) is refused for GGUF (llama.cpp's llama4 always
+    tunes), not for MLX (mlx-lm's reads it)."""
+    from quantkit.arch.families.llama4 import check_mlx
+    from quantkit.errors import UnsupportedError
+    from quantkit.gguf.convert import arch_spec
+
+    config = json.loads((model / "config.json").read_text())
+    assert arch_spec({**config, "attn_temperature_tuning": 4}).arch == "LLAMA4"
+    check_mlx({**config, "attn_temperature_tuning": 4})
+    with pytest.raises(UnsupportedError, match="attn_temperature_tuning 0"):
+        arch_spec({**config, "attn_temperature_tuning": 0})
+    check_mlx({**config, "attn_temperature_tuning": 0})
+
+
 def test_gguf_per_tensor_types_of_llama4_refused(cli, model, tmp_path):
     """--auto-precision measures each tensor from the checkpoint's values, which Llama 4's fused experts are not
     read as: refused before work, naming them."""

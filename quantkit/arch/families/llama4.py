@@ -148,8 +148,9 @@ def llama_cpp_fixed(hp: dict) -> list[tuple[str, object, str]]:
     if (chunk := hp.get("attention_chunk_size", CHUNK)) != CHUNK:
         found.append(("attention_chunk_size", chunk, f"attends in chunks of {CHUNK} positions"))
     for key, value in TEMPERATURE.items():
-        if hp.get(key, value) != value:
-            found.append((key, hp[key], TEMPERATURE_TEXT))
+        stored = hp.get(key, value)
+        if (bool(stored) if isinstance(value, bool) else stored) != value:  # Meta's config.json: tuning 4 (on)
+            found.append((key, stored, TEMPERATURE_TEXT))
     experts = hp.get("num_local_experts")
     if uses_qk_norm(hp) != (experts != 128):
         normed = f"L2-normalizes queries and keys in the RoPE layers but with 128 experts; it has {experts}"
