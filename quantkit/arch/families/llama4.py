@@ -17,7 +17,7 @@ llama3 RoPE's factors as rope_freqs. Vocabulary: gpt2 (tokenizer.json). The gate
 experts back into transformers' tensors; quantkit's imatrix takes each expert's routed rows as llama-imatrix does
 (expert_imatrix_inputs).
 
-llama.cpp's llama4 runs what config.json would say otherwise with fixed values: RoPE skipped in every fourth layer
+llama.cpp's llama4 fixes what transformers reads from config.json: RoPE skipped in every fourth layer
 (n_no_rope_layer_step 4), attention in chunks of 8192 positions in the three others and over every position in the
 fourth (its window pattern 4; the converter writes no pattern), the NoPE layers' queries scaled by log(floor((pos +
 1) / 8192) + 1) x 0.1 + 1, queries and keys normalized unless the model has 128 experts, the router's sigmoid, no
