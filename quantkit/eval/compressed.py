@@ -96,8 +96,10 @@ def streams_modules(model) -> bool:
     output head, stored in a format decompressed here."""
     import torch
 
-    head, decoder = model.get_output_embeddings(), {id(m) for m in model.get_decoder().modules()}
-    return all(isinstance(m, torch.nn.Linear) and id(m) in decoder and m is not head
+    from quantkit.arch.modules import decoder
+
+    head, body = model.get_output_embeddings(), {id(m) for m in decoder(model).modules()}
+    return all(isinstance(m, torch.nn.Linear) and id(m) in body and m is not head
                and module_format(m) in STREAMED_FORMATS for m in quantized(model).values())
 
 

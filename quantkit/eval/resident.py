@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from quantkit.arch.modules import decoder
 from quantkit.engines.transformers import tied_groups
 from quantkit.eval.evaluate import (
     Buffers,
@@ -185,7 +186,7 @@ def decoder_resident(model, config, source: WeightSource, device) -> ResidentMod
     weights = WeightsMap(source, source_names(model, source))
     if tables:
         name = next(n for n, m in model.named_modules() if m is model.get_input_embeddings())
-        add_hook_to_module(model.get_input_embeddings(), gather_hook(weights, f"{name}.weight", device))
+        add_hook_to_module(model.get_input_embeddings(), gather_hook(weights, f"{name}.weight", device, decoder(model)))
     softcap = config.get_text_config().to_dict().get("final_logit_softcapping")
     return ResidentModel(model.eval(), device, softcap, weights)
 
@@ -253,7 +254,7 @@ def resident_logits(resident: ResidentModel, ids) -> "torch.Tensor":  # noqa: F8
     if resident.tables is not None:
         return streamed_logits(resident.view(), ids, TABLE_LOGITS_BYTES)
     with torch.inference_mode():
-        hidden = resident.model.get_decoder()(input_ids=ids.to(resident.device), use_cache=False).last_hidden_state
+        hidden = decoder(resident.model)(input_ids=ids.to(resident.device), use_cache=False).last_hidden_state
         return head_logits(resident.head, resident.softcap, hidden).float().cpu()
 
 

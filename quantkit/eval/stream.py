@@ -33,6 +33,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
 
+from quantkit.arch.modules import decoder
 from quantkit.engines.transformers import tied_groups
 from quantkit.errors import ModelError
 from quantkit.eval.evaluate import ScoredChunk, Scorer, chunk_rows, inference_generator, iter_batches
@@ -227,19 +228,25 @@ def module_prefixes(model) -> dict[int, str]:
     return {id(module): f"{name}." if name else "" for name, module in model.named_modules()}
 
 
-def gather_hook(weights: WeightsMap, name: str, device):
+def gather_hook(weights: WeightsMap, name: str, device, body=None):
     """A hook that gives the token embedding only the rows of the ids it is called with.
 
     Before the call the embedding's weight becomes those rows (read from the source) and the ids
     are renumbered into them; after it the weight goes back to meta. A 128k-row vocabulary then
     costs a batch's distinct ids, not the whole matrix. The module's own forward still runs (Gemma's
     scaled embedding included); padding_idx, which only matters for gradients, is lifted for the
-    call since the compact weight may have fewer rows than it."""
+    call since the compact weight may have fewer rows than it. With `body` (the decoder holding the
+    embedding), the ids the decoder is called with are kept for the embedding's call: transformers'
+    Llama 4 moves them to the embedding weight's device (meta between calls) before it."""
     import torch
     from accelerate.hooks import ModelHook
 
     class GatherRowsHook(ModelHook):
+        ids = None  # the decoder's input_ids of the current call (with `body`)
+
         def pre_forward(self, module, ids, *args, **kwargs):
+            if ids.device.type == "meta" and self.ids is not None:
+                ids = self.ids
             unique, compact = torch.unique(ids, sorted=True, return_inverse=True)
             rows = weights.rows(name, unique.cpu().numpy()).to(device, module.weight.dtype)
             self.meta_weight, self.padding_idx = module.weight, module.padding_idx
@@ -251,7 +258,13 @@ def gather_hook(weights: WeightsMap, name: str, device):
             release_freed_memory()
             return output
 
-    return GatherRowsHook()
+    hook = GatherRowsHook()
+    if body is not None:
+        def keep(_module, args, kwargs):
+            hook.ids = kwargs.get("input_ids", args[0] if args else None)
+
+        body.register_forward_pre_hook(keep, with_kwargs=True)
+    return hook
 
 
 def unit_hook(model, unit, weights: WeightsMap, prefix: str, device):
@@ -259,7 +272,7 @@ def unit_hook(model, unit, weights: WeightsMap, prefix: str, device):
     import torch
 
     if unit is model.get_input_embeddings() and isinstance(unit, torch.nn.Embedding):
-        return gather_hook(weights, f"{prefix}weight", device)
+        return gather_hook(weights, f"{prefix}weight", device, decoder(model))
     return offload_hook(weights, prefix, device)
 
 
@@ -269,7 +282,7 @@ def attach_streaming(model, weights: WeightsMap, device) -> None:
     from accelerate.utils import set_module_tensor_to_device
 
     prefixes = module_prefixes(model)
-    for _, unit in streamed_units(model.get_decoder()):
+    for _, unit in streamed_units(decoder(model)):
         add_hook_to_module(unit, unit_hook(model, unit, weights, prefixes[id(unit)], device))
     for name, _ in model.named_buffers():
         set_module_tensor_to_device(model, name, device)
@@ -321,7 +334,7 @@ def stream_built(model, config, source: WeightSource, device="cpu", prefetch: bo
 
 def last_hidden(streamed: StreamedModel, ids):
     """Hidden states after the final norm for predictions 0..L-2, flattened to (positions, hidden)."""
-    hidden = streamed.model.get_decoder()(input_ids=ids.to(streamed.device), use_cache=False).last_hidden_state
+    hidden = decoder(streamed.model)(input_ids=ids.to(streamed.device), use_cache=False).last_hidden_state
     return hidden[:, :-1].reshape(-1, hidden.shape[-1])
 
 
@@ -423,7 +436,7 @@ def group_scorer(make: Callable[[], StreamedModel], text_config, activation_byte
 
 def decoder_layers(model) -> list:
     """The decoder's stack of layers, in the order its forward runs them."""
-    return list(model.get_decoder().layers)
+    return list(decoder(model).layers)
 
 
 @contextmanager
@@ -521,6 +534,6 @@ def streamed_logits(streamed: StreamedModel, ids, room: int = 0):
     import torch
 
     with torch.inference_mode():
-        hidden = streamed.model.get_decoder()(input_ids=ids.to(streamed.device), use_cache=False).last_hidden_state
+        hidden = decoder(streamed.model)(input_ids=ids.to(streamed.device), use_cache=False).last_hidden_state
         rows = np.concatenate(list(logits_blocks(streamed, hidden.reshape(-1, hidden.shape[-1]), room)))
         return torch.from_numpy(rows).reshape(ids.shape[0], ids.shape[1], -1)

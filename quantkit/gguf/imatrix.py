@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from quantkit.arch.modules import decoder
 from quantkit.errors import InputError
 
 SUM_SUFFIX, COUNT_SUFFIX = ".in_sum2", ".counts"
@@ -85,16 +86,26 @@ def split_pieces(config: dict, targets: dict[str, str]) -> dict[str, list[str]]:
 
 
 def expert_targets(model) -> dict[str, int]:
-    """{module name: layer} of transformers' fused expert modules (3-D gate_up_proj / down_proj)."""
+    """{module name: layer} of transformers' fused expert modules (3-D gate_up_proj / down_proj) that are given the
+    routing beside the hidden states (forward(hidden_states, top_k_index, ...)); Llama 4's take the routed rows
+    alone, and its family collects them (Gguf.imatrix_inputs)."""
     import re
 
     targets = {}
     for mod_name, module in model.named_modules():
         params = dict(module.named_parameters(recurse=False))
         match = re.search(r"layers\.(\d+)\.", mod_name + ".")
-        if match and {"gate_up_proj", "down_proj"} <= params.keys() and params["gate_up_proj"].dim() == 3:
+        if match and {"gate_up_proj", "down_proj"} <= params.keys() and params["gate_up_proj"].dim() == 3 \
+                and takes_routing(module):
             targets[mod_name] = int(match.group(1))
     return targets
+
+
+def takes_routing(module) -> bool:
+    """Whether an experts module's forward takes the router's choice as its second input."""
+    import inspect
+
+    return len(inspect.signature(module.forward).parameters) >= 2
 
 
 def expert_inputs(module, inputs) -> dict[str, list]:
@@ -177,7 +188,7 @@ def compute(model, windows, config: dict, dataset: str = "quantkit", batch_size:
     device = device if device is not None else next(model.parameters()).device
     # only the decoder blocks' inputs are collected: run the decoder without the output head
     # (skips a (seq, vocab) logits tensor and the lm_head matmul per window)
-    body = model.get_decoder() if callable(getattr(model, "get_decoder", None)) else None
+    body = decoder(model) if callable(getattr(model, "get_decoder", None)) else None
     body = body if body is not None else model
     try:
         with torch.no_grad():

@@ -198,7 +198,8 @@ def check(info, options: Options, calibration=None) -> None:
     if mixed(options) and spec.experts == "stacked" and expert_count(info.config):  # before the pieces: GPT-OSS's
         raise UnsupportedError("per-tensor GGUF types (--auto-precision, --fallback) for this checkpoint: its experts "
                                "are stored stacked, one 3-D tensor per layer (Granite 4's block_sparse_moe."
-                               "input_linear / output_linear, GPT-OSS's mlp.experts.gate_up_proj / down_proj), which "
+                               "input_linear / output_linear, GPT-OSS's mlp.experts.gate_up_proj / down_proj, Llama 4's "
+                               "feed_forward.experts.gate_up_proj / down_proj), which "
                                "quantkit's sensitivity measurement does not read yet",
                                hint="quantize it with one --gguf-type (per-tensor types: llama-quantize "
                                     "--tensor-type on the converted file)")

@@ -24,11 +24,11 @@ expert projection, run on its routed tokens only) in the calibration forward; th
 collects from transformers' fused experts. An expert no calibration token reaches is weighted by plain squared
 error. The routers stay 16-bit (config.json's entry false), as quantkit keeps them for every method;
 mlx_lm.convert quantizes them. Their correction bias keeps its stored dtype, as mlx_lm.convert keeps it.
-`layer_bits` names a stacked projection by its `switch_mlp` name. Experts stored fused across experts (GPT-OSS) are
-cut into the SwitchGLU's projections (`mlp.experts.gate_proj` ...), their importances recorded by a forward hook on
-transformers' experts module (FusedImportance: the family's `mlx_experts.inputs`); those a Qwen mixture stores in
-transformers' fused layout are read as the per-expert tensors they hold (quantkit.mlx.checkpoint.PerExpertWeights),
-so the artifact is the per-expert checkpoint's. The multi-token-prediction
+`layer_bits` names a stacked projection by its `switch_mlp` name. Experts stored fused across experts (GPT-OSS, Llama
+4, Granite 4's MoE variant) are cut into the SwitchGLU's projections (`mlp.experts.gate_proj` ...), their importances
+recorded by a forward hook on transformers' experts module (FusedImportance: the family's `mlx_experts.inputs`);
+those a Qwen mixture stores in transformers' fused layout are read as the per-expert tensors they hold
+(quantkit.mlx.checkpoint.PerExpertWeights), so the artifact is the per-expert checkpoint's. The multi-token-prediction
 layers after the decoder's are not written (mlx-lm's models have none).
 
 An affine group (w = scale * q + bias) is an asymmetric integer group with a zero point; the gate

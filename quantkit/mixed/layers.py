@@ -41,6 +41,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
+from quantkit.arch.modules import decoder
 from quantkit.engines.llmcompressor.distributed import Ranks, measured_share
 from quantkit.mixed.sensitivity import PROBES_PER_ROLE, SensitivityRow
 
@@ -209,7 +210,7 @@ def input_statistics(model_dir: Path, windows, layers: list[str], sim: Simulatio
     try:
         with torch.inference_mode():
             for ids in iter_batches(windows, group):
-                streamed.model.get_decoder()(input_ids=ids, use_cache=False)
+                decoder(streamed.model)(input_ids=ids, use_cache=False)
     finally:
         for handle in handles:
             handle.remove()

@@ -25,8 +25,9 @@ in / group_size]), as mlx_lm.convert writes it (its QuantizedSwitchLinear); `san
 they are. The routers stay 16-bit (their entry false), where mlx_lm.convert quantizes them; the
 multi-token-prediction layers after the decoder's are not written (mtp_layers). MLXWeights reads the stacked modules
 back under the checkpoint's per-expert names. Experts the checkpoint stores fused across experts (the record's
-`mlx_experts.fused`: GPT-OSS's gate_up_proj, interleaved, with biases) are cut into the SwitchGLU's projections
-(written_fused), the form that model's sanitize leaves as it is, and read back joined (fused_sources, joined_fused).
+`mlx_experts.fused`: GPT-OSS's gate_up_proj, interleaved, with biases; Llama 4's, gate then up) are cut into the
+SwitchGLU's projections (written_fused), the form that model's sanitize leaves as it is, and read back joined
+(fused_sources, joined_fused).
 """
 
 from __future__ import annotations
@@ -202,7 +203,8 @@ FUSED_TENSOR = re.compile(r"^(?P<block>.*\.)experts\.(?P<tensor>[A-Za-z0-9_]+)$"
 
 def fused_tensor(config: dict, name: str):
     """(block, FusedExperts, whether it is the bias) of a checkpoint tensor holding every expert fused (the family's
-    `mlx_experts.fused`: GPT-OSS's `<block>.experts.gate_up_proj`, its bias); None for any other tensor."""
+    `mlx_experts.fused`: GPT-OSS's and Llama 4's `<block>.experts.gate_up_proj`, its bias); None for any other
+    tensor."""
     family = of_config(config)
     if family is None or family.mlx_experts is None:
         return None
@@ -225,7 +227,7 @@ def fused_modules(config: dict, tensors: dict) -> dict[str, tuple[str, list[int]
     for name, (_dtype, shape) in tensors.items():
         if (found := fused_tensor(config, name)) is not None and not found[2]:
             block, fused, _bias = found
-            experts, outputs, inputs = shape if fused.rows else (shape[0], shape[2], shape[1])
+            experts, outputs, inputs = shape if fused.layout == "rows" else (shape[0], shape[2], shape[1])
             for projection in fused.projections:
                 module = fused_piece_name(config, block, projection, False).removesuffix(".weight")
                 out[module] = (name, [experts, outputs // len(fused.projections), inputs])
@@ -234,11 +236,13 @@ def fused_modules(config: dict, tensors: dict) -> dict[str, tuple[str, list[int]
 
 def fused_pieces(fused, tensor, bias: bool) -> list:
     """A fused tensor's pieces, in the order of its projections, as mlx-lm's SwitchGLU holds them: weights [experts,
-    out, in] (x @ W transposed), biases [experts, out]."""
+    out, in] (x @ W transposed), biases [experts, out] (FusedExperts.layout)."""
     count = len(fused.projections)
-    if fused.rows:
+    if fused.layout == "rows":
         return list(tensor.chunk(count, dim=1))
-    return [tensor[..., i::count] if bias else tensor[..., i::count].transpose(1, 2) for i in range(count)]
+    columns = [tensor[..., i::count] for i in range(count)] if fused.layout == "interleaved" else \
+        list(tensor.chunk(count, dim=-1))
+    return columns if bias else [c.transpose(1, 2) for c in columns]
 
 
 def written_fused(config: dict, name: str, tensor) -> dict:
@@ -246,7 +250,7 @@ def written_fused(config: dict, name: str, tensor) -> dict:
     name."""
     block, fused, bias = fused_tensor(config, name)
     return {fused_piece_name(config, block, projection, bias): piece.contiguous()
-            for projection, piece in zip(fused.projections, fused_pieces(fused, tensor, bias))}
+            for projection, piece in zip(fused.projections, fused_pieces(fused, tensor, bias), strict=True)}
 
 
 def fused_sources(config: dict, names) -> dict[str, tuple[list[str], object]]:
@@ -272,13 +276,14 @@ def fused_sources(config: dict, names) -> dict[str, tuple[list[str], object]]:
 
 def joined_fused(pieces: list, fused):
     """The fused tensor of its pieces' values (written_fused's way back): row blocks concatenated; or weights
-    [experts, out, in] transposed to x @ W and interleaved along the last axis, biases [experts, out] interleaved."""
+    [experts, out, in] transposed to x @ W, then interleaved along the last axis or concatenated along it
+    (FusedExperts.layout); biases [experts, out] likewise."""
     import torch
 
-    if fused.rows:
+    if fused.layout == "rows":
         return torch.cat(pieces, dim=1)
     columns = [p if p.dim() == 2 else p.transpose(1, 2) for p in pieces]
-    return torch.stack(columns, dim=-1).flatten(-2)
+    return torch.stack(columns, dim=-1).flatten(-2) if fused.layout == "interleaved" else torch.cat(columns, dim=-1)
 
 
 # ------------------------------------------------------------------ experts stored in transformers' fused layout

@@ -180,7 +180,7 @@ def assert_mlx_lm_reads_as_quantkit(out: Path, ids: list[int] | None = None, tol
                                         bits=m.bits).astype(mx.float32))
         experts = unstacked_names(ours.config, name + ".weight", theirs.shape[0]) if theirs.ndim == 3 else []
         piece = ours.checkpoint_name(name + ".weight")  # mlx-lm's module path: the stored name
-        fused = next((f for f, pieces in ours.fused.items() if piece in pieces), None)  # GPT-OSS's fused experts
+        fused = next((f for f, (pieces, _how) in ours.fused.items() if piece in pieces), None)  # stored fused
         if experts:
             read = np.stack([ours.get(e).float().numpy() for e in experts])
         elif fused is not None:  # quantkit's reading of the fused tensor, cut again as the artifact stores it

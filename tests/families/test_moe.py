@@ -60,7 +60,8 @@ FAMILIES = {
     "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", HYBRID),
 }
 # not supported yet: refused by every compressed-tensors method and nf4 before work, naming the family (GPT-OSS
-# converts to GGUF: its tests below; its experts 512 wide, not the hidden size, so a transposition shows)
+# converts to GGUF and MLX: its tests below; its experts 512 wide, not the hidden size, so a transposition shows;
+# Llama 4's text model too: tests/families/test_llama4.py)
 REFUSED = {
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(head_dim=64, num_local_experts=4, num_experts_per_tok=2)),
     "llama4_text": ("Llama4TextConfig", "Llama4ForCausalLM",

@@ -79,18 +79,19 @@ class ExpertCheckpoint:
 
 @dataclass(frozen=True)
 class FusedExperts:
-    """One checkpoint tensor holding every routed expert of one or more projections, `<block>.<tensor>`: as `x @ W`
-    ([experts, in, out]: GPT-OSS's `<block>.experts.gate_up_proj`) with the projections interleaved along its last
-    axis (column j belongs to projection j % len(projections)), or (`rows`) as F.linear's [experts, out, in] with
-    the projections in equal blocks of rows (Granite 4's `<block>.input_linear.weight`: gate rows, then up rows);
-    its bias ([experts, out]) split the same way. Written as the SwitchGLU's projections
+    """One checkpoint tensor holding every routed expert of one or more projections, `<block>.<tensor>`, in one of
+    three layouts (`layout`): "interleaved", `x @ W` ([experts, in, out]) with the projections' columns in turn (column
+    j belongs to projection j % len(projections): GPT-OSS's `<block>.experts.gate_up_proj`); "blocks", `x @ W` with
+    the projections in equal blocks of columns, gate first (Llama 4's); "rows", F.linear's [experts, out, in] with
+    the projections in equal blocks of rows (Granite 4's `<block>.input_linear.weight`: gate rows, then up rows). Its
+    bias ([experts, out]) is split the same way. Written as the SwitchGLU's projections
     `<block>.<MlxExperts.module>.<projection>.weight` ([experts, out / len(projections), in]) and `.bias`, the form
     its mlx-lm model's sanitize leaves as it is."""
 
     tensor: str  # the fused weight's name after `<block>.` ("experts.gate_up_proj", "input_linear.weight")
     projections: tuple[str, ...]  # SwitchGLU's projections it holds, in order ("gate_proj", "up_proj")
     bias: str = ""  # its bias's name after `<block>.` ("experts.gate_up_proj_bias"); "": none
-    rows: bool = False  # [experts, out, in] in row blocks; False: x @ W, interleaved along the last axis
+    layout: str = "interleaved"  # "interleaved", "blocks" (both x @ W) or "rows" ([experts, out, in])
 
 
 @dataclass(frozen=True)
@@ -280,7 +281,8 @@ class Gguf:
     # (DeepseekV2Model: the MTP layers after the decoder's, a tied lm_head); None: it writes every tensor
     drops: Callable[[str, Hparams], bool] | None = None
     # imatrix_inputs(model, hparams, add) -> hook handles: the inputs llama.cpp's graph multiplies by tensors no
-    # Hugging Face linear takes as its input (DeepSeek's attn_k_b / attn_v_b in the absorbed MLA), collected during
+    # Hugging Face linear takes as its input (DeepSeek's attn_k_b / attn_v_b in the absorbed MLA; experts given their
+    # routed rows alone, without the routing: Llama 4's), collected during
     # quantkit's imatrix forwards by forward hooks the family registers on the transformers model; each hook calls
     # add(GGUF name, rows: [matrices, tokens, columns]), one matrix per slice of a 3-D tensor. None: none
     imatrix_inputs: Callable[[object, Hparams, Callable], list] | None = None

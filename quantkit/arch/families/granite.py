@@ -334,8 +334,8 @@ def expert_inputs(module, inputs: tuple) -> dict[str, list]:
 # from input_linear (gate rows, then up rows) and output_linear; its router block_sparse_moe.router.layer as stored
 GRANITE_MOE_MLX = MlxExperts(
     module="block_sparse_moe.switch_mlp",
-    fused=(FusedExperts("block_sparse_moe.input_linear.weight", ("gate_proj", "up_proj"), rows=True),
-           FusedExperts("block_sparse_moe.output_linear.weight", ("down_proj",), rows=True)),
+    fused=(FusedExperts("block_sparse_moe.input_linear.weight", ("gate_proj", "up_proj"), layout="rows"),
+           FusedExperts("block_sparse_moe.output_linear.weight", ("down_proj",), layout="rows")),
     inputs=expert_inputs,
 )
 
