@@ -94,10 +94,14 @@ def test_gguf_of_llama4_reads_back_as_stored(model, tmp_path):
 
 # config.json values llama.cpp's llama4 does not follow (it fixes RoPE and chunks by the layer's index, the chunk,
 # the attention temperature, the query-key norm by the expert count, SiLU, no output bias)
-LLAMA_CPP_OTHERWISE = {
+# the layer pattern both runtimes fix (RoPE and chunks every fourth layer, experts every second)
+PATTERN_OTHERWISE = {
     "no-rope-everywhere": dict(no_rope_layers=[1, 1, 1, 1]),
     "all-full": dict(layer_types=["full_attention"] * 4),
     "experts-elsewhere": dict(moe_layers=[3]),
+}
+LLAMA_CPP_OTHERWISE = {
+    **PATTERN_OTHERWISE,
     "chunk": dict(attention_chunk_size=4096),
     "no-temperature": dict(attn_temperature_tuning=False),
     "floor": dict(floor_scale=4096),
@@ -194,31 +198,12 @@ def test_gguf_of_llama4_imatrix_is_llama_imatrix_s(cli, model, tmp_path):
     element up to the first mixture-of-experts layer's experts, on average after them (with random weights a token
     near a tie of the router goes to another expert there, and the later layers' inputs of that token differ). With
     llama-imatrix's file, Q4_K_M and IQ4_XS equal llama-quantize's and the CLI takes it."""
-    import subprocess
-
     import numpy as np
-    import torch
-    from transformers import AutoModelForCausalLM
 
-    from quantkit.gguf import imatrix as im
-    from quantkit.gguf.convert import load_hparams
-    from tests.families.test_moe import llama_windows
-    from tests.gguf.helpers import convert_to, need_llama, run_quantize
-    from tests.gguf.test_families_llamacpp import assert_same_tensors, text_file
-    from tests.gguf.test_vs_converter import need_llama_src, reference_gguf
+    from tests.families.test_moe import assert_quantizes_with_llama_imatrix, imatrices
 
-    need_llama_src()
-    bf16 = reference_gguf(model, tmp_path / "theirs-bf16.gguf", "bf16", "gpt-2")
-    path, text = tmp_path / "imatrix.gguf", text_file(tmp_path / "t.txt")
-    run = subprocess.run([str(need_llama("llama-imatrix")), "-m", str(bf16), "-f", str(text), "-c", "128", "-b",
-                          "128", "--chunks", "4", "-t", "2", "-o", str(path)], capture_output=True, text=True,
-                         timeout=300)
-    assert run.returncode == 0 and path.is_file(), run.stderr[-2000:]
-    llama = im.read(path)
-    theirs = llama.weights()
-    computed = im.compute(AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32),
-                          llama_windows(model, bf16, text, 128, 4), {**load_hparams(model), "architectures": [ARCH]})
-    ours = computed.weights()
+    bf16, path, llama, computed = imatrices(model, tmp_path, ARCH)
+    theirs, ours = llama.weights(), computed.weights()
     assert set(ours) == set(theirs)
     experts = {n for n in theirs if "_exps." in n}
     assert {f"blk.{b}.ffn_{p}_exps.weight" for b in (1, 3) for p in ("gate", "up", "down")} == experts
@@ -235,13 +220,7 @@ def test_gguf_of_llama4_imatrix_is_llama_imatrix_s(cli, model, tmp_path):
             np.testing.assert_allclose(mine, reference, rtol=0.03, err_msg=name)
         assert np.abs(mine - reference).mean() < 0.02 * np.abs(reference).mean(), name
     assert compared
-    for gguf_type in ("Q4_K_M", "IQ4_XS"):
-        mine, reference = tmp_path / f"ours-{gguf_type}.gguf", tmp_path / f"theirs-{gguf_type}.gguf"
-        run_quantize(bf16, reference, gguf_type, imatrix=path)
-        assert convert_to(model, mine, gguf_type, imatrix=theirs).imatrix_tensors > 0
-        assert_same_tensors(reference, mine, f"llama4 {gguf_type} + imatrix")
-    out = tmp_path / "out"
-    common.assert_passed(common.quantize(cli, model, out, "gguf", "--gguf-type", "Q4_K_M", "--imatrix", path), out)
+    assert_quantizes_with_llama_imatrix(cli, model, tmp_path, bf16, path, llama)
 
 
 # ---------------------------------------------------------------- MLX
@@ -343,9 +322,7 @@ def test_mlx_of_llama4_stores_the_tensors_mlx_lm_convert_stores(cli, model, tmp_
 # config.json values mlx-lm's llama4 does not follow (RoPE, chunks and experts by the layer's index, one expert per
 # token, its own output head, the RoPE types quantkit writes it)
 MLX_OTHERWISE = {
-    "no-rope-everywhere": dict(no_rope_layers=[1, 1, 1, 1]),
-    "all-full": dict(layer_types=["full_attention"] * 4),
-    "experts-elsewhere": dict(moe_layers=[3]),
+    **PATTERN_OTHERWISE,
     "two-experts": dict(num_experts_per_tok=2),
     "tied": dict(tie_word_embeddings=True),
     "yarn": dict(rope_parameters=dict(rope_type="yarn", rope_theta=500000.0, factor=4.0,

@@ -657,6 +657,46 @@ def test_gguf_of_deepseek_v3_variant_equals_llama_cpp(deepseek_variant, tmp_path
     common.assert_gguf_equals_converter(deepseek_variant, tmp_path, "bf16", GGUF["deepseek_v3"])
 
 
+def imatrices(model: Path, tmp_path: Path, arch: str):
+    """(the converter's bf16 file, llama-imatrix's file of it, that imatrix, quantkit's) over the same 4 windows of
+    128 tokens (llama-imatrix -c 128 -b 128 --chunks 4)."""
+    import subprocess
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from quantkit.gguf import imatrix as im
+    from quantkit.gguf.convert import load_hparams
+    from tests.gguf.helpers import need_llama
+    from tests.gguf.test_families_llamacpp import text_file
+    from tests.gguf.test_vs_converter import need_llama_src, reference_gguf
+
+    need_llama_src()
+    bf16 = reference_gguf(model, tmp_path / "theirs-bf16.gguf", "bf16", "gpt-2")
+    path, text = tmp_path / "imatrix.gguf", text_file(tmp_path / "t.txt")
+    run = subprocess.run([str(need_llama("llama-imatrix")), "-m", str(bf16), "-f", str(text), "-c", "128", "-b",
+                          "128", "--chunks", "4", "-t", "2", "-o", str(path)], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0 and path.is_file(), run.stderr[-2000:]
+    computed = im.compute(AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32),
+                          llama_windows(model, bf16, text, 128, 4), {**load_hparams(model), "architectures": [arch]})
+    return bf16, path, im.read(path), computed
+
+
+def assert_quantizes_with_llama_imatrix(cli, model: Path, tmp_path: Path, bf16: Path, path: Path, llama) -> None:
+    """With llama-imatrix's file, Q4_K_M and IQ4_XS equal llama-quantize's and the CLI takes it."""
+    from tests.gguf.helpers import convert_to, run_quantize
+    from tests.gguf.test_families_llamacpp import assert_same_tensors
+
+    for gguf_type in ("Q4_K_M", "IQ4_XS"):
+        mine, reference = tmp_path / f"ours-{gguf_type}.gguf", tmp_path / f"theirs-{gguf_type}.gguf"
+        run_quantize(bf16, reference, gguf_type, imatrix=path)
+        assert convert_to(model, mine, gguf_type, imatrix=llama.weights()).imatrix_tensors > 0
+        assert_same_tensors(reference, mine, f"{model.name} {gguf_type} + imatrix")
+    out = tmp_path / "out"
+    common.assert_passed(common.quantize(cli, model, out, "gguf", "--gguf-type", "Q4_K_M", "--imatrix", path), out)
+
+
 def llama_windows(model: Path, gguf_file: Path, text: Path, n_ctx: int, chunks: int):
     """The token windows llama-imatrix runs on `text` (-c n_ctx -b n_ctx --chunks): the text tokenized with its
     special tokens, cut into n_ctx-token chunks, each one's first token the BOS where the file adds one."""
@@ -967,32 +1007,11 @@ def test_gguf_of_gpt_oss_imatrix_is_llama_imatrix_s(cli, models, tmp_path):
     token or two per expert, and the later layers' inputs then differ), and one token weighs much in a column of the
     down projection's sums. With llama-imatrix's file, Q4_K_M and IQ4_XS equal llama-quantize's and the CLI takes
     it."""
-    import subprocess
-
     import numpy as np
-    import torch
-    from transformers import AutoModelForCausalLM
 
-    from quantkit.gguf import imatrix as im
-    from quantkit.gguf.convert import load_hparams
-    from tests.gguf.helpers import convert_to, need_llama, run_quantize
-    from tests.gguf.test_families_llamacpp import assert_same_tensors, text_file
-    from tests.gguf.test_vs_converter import need_llama_src, reference_gguf
-
-    need_llama_src()
     model = models("gpt_oss")
-    bf16 = reference_gguf(model, tmp_path / "theirs-bf16.gguf", "bf16", "gpt-2")
-    path, text = tmp_path / "imatrix.gguf", text_file(tmp_path / "t.txt")
-    run = subprocess.run([str(need_llama("llama-imatrix")), "-m", str(bf16), "-f", str(text), "-c", "128", "-b",
-                          "128", "--chunks", "4", "-t", "2", "-o", str(path)], capture_output=True, text=True,
-                         timeout=300)
-    assert run.returncode == 0 and path.is_file(), run.stderr[-2000:]
-    llama = im.read(path)
-    theirs = llama.weights()
-    config = {**load_hparams(model), "architectures": ["GptOssForCausalLM"]}
-    computed = im.compute(AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32),
-                          llama_windows(model, bf16, text, 128, 4), config)
-    ours = computed.weights()
+    bf16, path, llama, computed = imatrices(model, tmp_path, "GptOssForCausalLM")
+    theirs, ours = llama.weights(), computed.weights()
     experts = {f"blk.{b}.ffn_{p}_exps.weight" for b in (0, 1) for p in ("gate", "up", "down")}
     assert experts <= set(theirs) and experts <= set(ours)
     for name in sorted(n for n in theirs if ".attn_" in n):
@@ -1004,13 +1023,7 @@ def test_gguf_of_gpt_oss_imatrix_is_llama_imatrix_s(cli, models, tmp_path):
         assert ours[name].size == theirs[name].size, name
         np.testing.assert_allclose(ours[name].reshape(4, -1)[same_tokens], theirs[name].reshape(4, -1)[same_tokens],
                                    rtol=0.03, err_msg=name)
-    for gguf_type in ("Q4_K_M", "IQ4_XS"):
-        mine, reference = tmp_path / f"ours-{gguf_type}.gguf", tmp_path / f"theirs-{gguf_type}.gguf"
-        run_quantize(bf16, reference, gguf_type, imatrix=path)
-        assert convert_to(model, mine, gguf_type, imatrix=theirs).imatrix_tensors > 0
-        assert_same_tensors(reference, mine, f"gpt_oss {gguf_type} + imatrix")
-    out = tmp_path / "out"
-    common.assert_passed(common.quantize(cli, model, out, "gguf", "--gguf-type", "Q4_K_M", "--imatrix", path), out)
+    assert_quantizes_with_llama_imatrix(cli, model, tmp_path, bf16, path, llama)
 
 # GPT-OSS for mlx-lm's gpt_oss: intermediate width other than the hidden one (the fused layouts' axes tell apart), a
 # sliding window shorter than the ids mlx-lm is given, YaRN with truncate true (what mlx-lm's YarnRoPE computes)

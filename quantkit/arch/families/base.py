@@ -94,6 +94,24 @@ class FusedExperts:
     layout: str = "interleaved"  # "interleaved", "blocks" (both x @ W) or "rows" ([experts, out, in])
 
 
+def routed_inputs(inputs: tuple, experts: int, down: Callable) -> dict[str, list]:
+    """Per expert, the rows its SwitchGLU projections take, from a transformers experts module's forward inputs
+    (hidden states [tokens, hidden], top-k expert indices [tokens, top-k]): the hidden states of the tokens routed to
+    it for gate and up, down(expert, those rows) for down (MlxExperts.inputs)."""
+    import torch
+
+    hidden = inputs[0].detach().reshape(-1, inputs[0].shape[-1])
+    indices = inputs[1].reshape(hidden.shape[0], -1)
+    rows: dict[str, list] = {"gate_proj": [], "up_proj": [], "down_proj": []}
+    with torch.no_grad():
+        for e in range(experts):
+            x = hidden[(indices == e).any(-1)]
+            rows["gate_proj"].append(x)
+            rows["up_proj"].append(x)
+            rows["down_proj"].append(down(e, x))
+    return rows
+
+
 @dataclass(frozen=True)
 class MlxExperts:
     """How the family's mlx-lm model stacks the routed experts (its `sanitize`, which stacks them only where the

@@ -23,7 +23,10 @@ check_quantized names it, with the way to convert it).
 
 The llm-compressor methods and nf4 refuse it before any work: llm-compressor writes GPT-OSS's calibrated experts
 one Linear per expert projection (with biases), which transformers' GPT-OSS, reading only the fused tensors, does
-not reload, and quantkit's reading of such experts does not know the interleaved, clamped layout (`moe_refusal`).
+not reload, quantkit's reading of such experts does not know the interleaved, clamped layout, and vLLM 0.32's
+GptOssModel.load_weights does not load them either: outside MXFP4 and Quark checkpoints it reads the experts as fused
+w13/w2 tensors (whole, or `mlp.experts.<e>.w13_weight*` per expert) and passes over any other expert name
+(`moe_refusal`).
 
 MLX: mlx-lm's gpt_oss, written as its sanitize leaves an already sanitized checkpoint (GPT_OSS_MLX): each fused
 tensor cut into the SwitchGLU's projections `mlp.experts.{gate,up,down}_proj` ([experts, out, in], gate the even
@@ -45,7 +48,7 @@ from __future__ import annotations
 import numpy as np
 
 from quantkit.arch.families import text
-from quantkit.arch.families.base import Family, FusedExperts, Gguf, MlxExperts, Pieces, TensorRule
+from quantkit.arch.families.base import Family, FusedExperts, Gguf, MlxExperts, Pieces, TensorRule, routed_inputs
 from quantkit.errors import UnsupportedError
 
 ARCH = "GptOssForCausalLM"
@@ -194,22 +197,11 @@ def check_mlx_rope(config: dict) -> None:
 
 
 def expert_inputs(module, inputs: tuple) -> dict[str, list]:
-    """Per expert, the rows its SwitchGLU projections take in transformers' GptOssExperts (its forward's inputs:
-    hidden states [tokens, hidden], router indices [tokens, top-k]): the routed hidden states for gate and up, the
-    clamped gated output (module._apply_gate of x @ gate_up_proj + bias) for down."""
-    import torch
-
-    hidden = inputs[0].detach().reshape(-1, inputs[0].shape[-1])
-    indices = inputs[1].reshape(hidden.shape[0], -1)
-    rows: dict[str, list] = {"gate_proj": [], "up_proj": [], "down_proj": []}
-    with torch.no_grad():
-        for e in range(module.gate_up_proj.shape[0]):
-            x = hidden[(indices == e).any(-1)]
-            gated = module._apply_gate(x @ module.gate_up_proj[e] + module.gate_up_proj_bias[e])
-            rows["gate_proj"].append(x)
-            rows["up_proj"].append(x)
-            rows["down_proj"].append(gated)
-    return rows
+    """Per expert, the rows its SwitchGLU projections take in transformers' GptOssExperts (routed_inputs): the
+    routed hidden states for gate and up, the clamped gated output (module._apply_gate of x @ gate_up_proj + bias)
+    for down."""
+    return routed_inputs(inputs, module.gate_up_proj.shape[0],
+                         lambda e, x: module._apply_gate(x @ module.gate_up_proj[e] + module.gate_up_proj_bias[e]))
 
 
 # mlx-lm's gpt_oss MLPBlock: its SwitchGLU is `experts` (gate_proj, up_proj, down_proj SwitchLinear, with biases)
@@ -227,8 +219,9 @@ GPT_OSS = Family(
     moe_refusal="{method}: GPT-OSS (gpt_oss) is not supported yet: its experts are stored fused across experts "
                 "(mlp.experts.gate_up_proj, gate and up interleaved, with biases), and the calibrated experts "
                 "llm-compressor writes (one Linear per expert projection) are not a checkpoint transformers "
-                "reloads or quantkit reads; --method gguf converts it as llama.cpp's converter does, --method mlx as "
-                "mlx-lm's gpt_oss holds it",
+                "reloads or quantkit reads, nor one vLLM 0.32's gpt_oss loads (it reads experts only as fused "
+                "w13/w2 tensors, whole or per expert, and passes over experts.N.gate_proj.* names); --method gguf "
+                "converts it as llama.cpp's converter does, --method mlx as mlx-lm's gpt_oss holds it",
 )
 
 FAMILIES = (GPT_OSS,)

@@ -50,7 +50,8 @@ from __future__ import annotations
 import numpy as np
 
 from quantkit.arch.families import text
-from quantkit.arch.families.base import Family, FusedExperts, Gguf, Kept, Mapping, MlxExperts, TensorRule
+from quantkit.arch.families.base import (Family, FusedExperts, Gguf, Kept, Mapping, MlxExperts, TensorRule,
+                                         routed_inputs)
 from quantkit.errors import UnsupportedError
 
 # ---------------------------------------------------------------- what stays 16-bit and why
@@ -312,22 +313,15 @@ MOE_HINT = ("--method gguf converts it as llama.cpp's converter does, --method m
 
 
 def expert_inputs(module, inputs: tuple) -> dict[str, list]:
-    """Per expert, the rows its SwitchGLU projections take in transformers' GraniteMoeHybridExperts (its forward's
-    inputs: hidden states [tokens, hidden], top-k expert indices [tokens, top-k]): the routed hidden states for gate
-    and up, act(gate) * up (gate_up_proj's row halves) for down."""
+    """Per expert, the rows its SwitchGLU projections take in transformers' GraniteMoeHybridExperts (routed_inputs):
+    the routed hidden states for gate and up, act(gate) * up (gate_up_proj's row halves) for down."""
     import torch
 
-    hidden = inputs[0].detach().reshape(-1, inputs[0].shape[-1])
-    indices = inputs[1].reshape(hidden.shape[0], -1)
-    rows: dict[str, list] = {"gate_proj": [], "up_proj": [], "down_proj": []}
-    with torch.no_grad():
-        for e in range(module.gate_up_proj.shape[0]):
-            x = hidden[(indices == e).any(-1)]
-            gate, up = torch.nn.functional.linear(x, module.gate_up_proj[e]).chunk(2, dim=-1)
-            rows["gate_proj"].append(x)
-            rows["up_proj"].append(x)
-            rows["down_proj"].append(module.act_fn(gate) * up)
-    return rows
+    def down(e: int, x):
+        gate, up = torch.nn.functional.linear(x, module.gate_up_proj[e]).chunk(2, dim=-1)
+        return module.act_fn(gate) * up
+
+    return routed_inputs(inputs, module.gate_up_proj.shape[0], down)
 
 
 # mlx-lm's granitemoehybrid GraniteMoeHybridMoE: its SwitchGLU is block_sparse_moe.switch_mlp, cut by its sanitize
