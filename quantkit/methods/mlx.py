@@ -283,8 +283,9 @@ def column_importance(job: QuantizeJob) -> dict:
 class FusedImportance:
     """Each expert's column importances of experts stored fused (GPT-OSS), from forward hooks on transformers'
     experts modules (`<block>experts`, the checkpoint's fused tensors' module): the family's `mlx_experts.inputs`
-    gives each SwitchGLU projection's per-expert input rows; `importances()` is {SwitchGLU module: [experts,
-    columns]} (zeros for an expert no calibration token reached: quantkit.mlx.affine.importance_floor)."""
+    (routed_rows where it has none) gives each SwitchGLU projection's per-expert input rows; `importances()` is
+    {SwitchGLU module: [experts, columns]} (zeros for an expert no calibration token reached:
+    quantkit.mlx.affine.importance_floor)."""
 
     def __init__(self, config: dict, tensors):
         from quantkit.arch.families import of_config
@@ -300,9 +301,9 @@ class FusedImportance:
                        if (found := fused_tensor(config, name)) is not None}
 
     def hooks(self, model) -> list:
-        inputs = self.family.mlx_experts.inputs if self.owners else None
-        if inputs is None:
+        if not self.owners:
             return []
+        inputs = self.family.mlx_experts.inputs or routed_rows
         return [module.register_forward_hook(lambda m, args, out, block=self.owners[name]:
                                              self.record(block, inputs(m, args)))
                 for name, module in model.named_modules() if name in self.owners]
@@ -322,6 +323,16 @@ class FusedImportance:
 
         return {module: (total / count.clamp(min=1)[:, None]).to(torch.float32)
                 for module, (total, count) in self.sums.items()}
+
+
+def routed_rows(module, inputs: tuple) -> dict[str, list]:
+    """Each expert's input rows in a transformers experts module that takes the router's choice (GPT-OSS's, Granite 4
+    MoE's), as llama-imatrix collects them (quantkit.gguf.imatrix.expert_inputs): the routed hidden states for gate
+    and up, the gated activation (the module's own gate: GPT-OSS's clamped SwiGLU) for down."""
+    from quantkit.gguf.imatrix import expert_inputs
+
+    rows = expert_inputs(module, inputs)
+    return {"gate_proj": rows["gate_up"], "up_proj": rows["gate_up"], "down_proj": rows["down"]}
 
 
 def calibration_base(info, config):

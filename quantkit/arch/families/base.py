@@ -94,24 +94,6 @@ class FusedExperts:
     layout: str = "interleaved"  # "interleaved", "blocks" (both x @ W) or "rows" ([experts, out, in])
 
 
-def routed_inputs(inputs: tuple, experts: int, down: Callable) -> dict[str, list]:
-    """Per expert, the rows its SwitchGLU projections take, from a transformers experts module's forward inputs
-    (hidden states [tokens, hidden], top-k expert indices [tokens, top-k]): the hidden states of the tokens routed to
-    it for gate and up, down(expert, those rows) for down (MlxExperts.inputs)."""
-    import torch
-
-    hidden = inputs[0].detach().reshape(-1, inputs[0].shape[-1])
-    indices = inputs[1].reshape(hidden.shape[0], -1)
-    rows: dict[str, list] = {"gate_proj": [], "up_proj": [], "down_proj": []}
-    with torch.no_grad():
-        for e in range(experts):
-            x = hidden[(indices == e).any(-1)]
-            rows["gate_proj"].append(x)
-            rows["up_proj"].append(x)
-            rows["down_proj"].append(down(e, x))
-    return rows
-
-
 @dataclass(frozen=True)
 class MlxExperts:
     """How the family's mlx-lm model stacks the routed experts (its `sanitize`, which stacks them only where the
@@ -131,7 +113,9 @@ class MlxExperts:
     fused: tuple[FusedExperts, ...] = ()
     # inputs(transformers' experts module, its forward's inputs) -> {SwitchGLU projection: each expert's input rows
     # [tokens, columns] (the tokens routed to it)}: the column importances of fused experts, recorded by a forward
-    # hook on the module during calibration; None: per-expert linears are hooked instead
+    # hook on the module during calibration; None: for fused experts, the rows llama-imatrix collects from a
+    # transformers experts module that takes the router's choice (quantkit.methods.mlx.routed_rows), and for per-expert
+    # checkpoints the per-expert linears are hooked instead
     inputs: Callable[[object, tuple], dict[str, list]] | None = None
     # the checkpoint may store the experts in transformers' fused layout instead (Qwen3.5-MoE's releases:
     # `<block>.experts.gate_up_proj` [experts, 2 x intermediate, hidden], gate then up, and `.down_proj`): each is cut

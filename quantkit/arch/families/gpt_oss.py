@@ -34,11 +34,11 @@ columns of gate_up_proj and up the odd ones) with their biases split the same wa
 gate_up_proj on the second-to-last axis, the layout of the MXFP4 blocks, not the 16-bit one, so quantkit writes the
 cut form, which it leaves as it is. The routers stay 16-bit (entry false; mlx-lm's quant_predicate would take them
 at 8 bits), the sinks as stored. Each expert's column importances are the inputs transformers' GptOssExperts gives
-it (expert_inputs: its routed hidden states, and its clamped gate for down_proj). mlx-lm reads the YaRN RoPE from
-`rope_scaling` (mlx_fields), but its YarnRoPE rounds the correction range to whole dimensions, which transformers
-does only with `truncate: true`: a checkpoint with `truncate: false` (GPT-OSS's released config.json) is refused
-(check_mlx_rope), as mlx-lm would rotate with other frequencies. A checkpoint stored in MXFP4 (`*_blocks`,
-`*_scales`, quantization_config mxfp4) is refused by every method as already quantized.
+it (quantkit.methods.mlx.routed_rows: its routed hidden states, and its clamped gate for down_proj). mlx-lm reads
+the YaRN RoPE from `rope_scaling` (mlx_fields), but its YarnRoPE rounds the correction range to whole dimensions,
+which transformers does only with `truncate: true`: a checkpoint with `truncate: false` (GPT-OSS's released
+config.json) is refused (check_mlx_rope), as mlx-lm would rotate with other frequencies. A checkpoint stored in
+MXFP4 (`*_blocks`, `*_scales`, quantization_config mxfp4) is refused by every method as already quantized.
 
 No `name`: not a row of docs/models.md's tables; its prose states what converts and what is refused.
 """
@@ -48,7 +48,7 @@ from __future__ import annotations
 import numpy as np
 
 from quantkit.arch.families import text
-from quantkit.arch.families.base import Family, FusedExperts, Gguf, MlxExperts, Pieces, TensorRule, routed_inputs
+from quantkit.arch.families.base import Family, FusedExperts, Gguf, MlxExperts, Pieces, TensorRule
 from quantkit.errors import UnsupportedError
 
 ARCH = "GptOssForCausalLM"
@@ -196,20 +196,11 @@ def check_mlx_rope(config: dict) -> None:
                  "to true in a copy of the checkpoint (the gate then measures the change)")
 
 
-def expert_inputs(module, inputs: tuple) -> dict[str, list]:
-    """Per expert, the rows its SwitchGLU projections take in transformers' GptOssExperts (routed_inputs): the
-    routed hidden states for gate and up, the clamped gated output (module._apply_gate of x @ gate_up_proj + bias)
-    for down."""
-    return routed_inputs(inputs, module.gate_up_proj.shape[0],
-                         lambda e, x: module._apply_gate(x @ module.gate_up_proj[e] + module.gate_up_proj_bias[e]))
-
-
 # mlx-lm's gpt_oss MLPBlock: its SwitchGLU is `experts` (gate_proj, up_proj, down_proj SwitchLinear, with biases)
 GPT_OSS_MLX = MlxExperts(
     module="experts",
     fused=(FusedExperts("experts.gate_up_proj", ("gate_proj", "up_proj"), "experts.gate_up_proj_bias"),
            FusedExperts("experts.down_proj", ("down_proj",), "experts.down_proj_bias")),
-    inputs=expert_inputs,
 )
 
 GPT_OSS = Family(

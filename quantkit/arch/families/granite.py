@@ -37,7 +37,7 @@ experts.down_proj, router.weight).
 MLX: mlx-lm's granitemoehybrid. The MoE variant's experts are written as its sanitize leaves them (GRANITE_MOE_MLX):
 block_sparse_moe.input_linear cut into the SwitchGLU's switch_mlp.gate_proj (each expert's first half of rows) and
 up_proj, output_linear as switch_mlp.down_proj, each expert quantized on its own with the column importances of the
-tokens routed to it (expert_inputs, on transformers' GraniteMoeHybridExperts); the router (router.layer) stays
+tokens routed to it (recorded on transformers' GraniteMoeHybridExperts); the router (router.layer) stays
 16-bit, and the shared MLP is quantized, as that model holds it under the stored names. The dense variant's shared
 MLP stays 16-bit in MLX: its sanitize splits and renames it without the quantization scales.
 
@@ -50,8 +50,7 @@ from __future__ import annotations
 import numpy as np
 
 from quantkit.arch.families import text
-from quantkit.arch.families.base import (Family, FusedExperts, Gguf, Kept, Mapping, MlxExperts, TensorRule,
-                                         routed_inputs)
+from quantkit.arch.families.base import Family, FusedExperts, Gguf, Kept, Mapping, MlxExperts, TensorRule
 from quantkit.errors import UnsupportedError
 
 # ---------------------------------------------------------------- what stays 16-bit and why
@@ -312,25 +311,12 @@ MOE_HINT = ("--method gguf converts it as llama.cpp's converter does, --method m
             "(num_local_experts = 0: granite-4.0-h-micro, granite-4.0-micro)")
 
 
-def expert_inputs(module, inputs: tuple) -> dict[str, list]:
-    """Per expert, the rows its SwitchGLU projections take in transformers' GraniteMoeHybridExperts (routed_inputs):
-    the routed hidden states for gate and up, act(gate) * up (gate_up_proj's row halves) for down."""
-    import torch
-
-    def down(e: int, x):
-        gate, up = torch.nn.functional.linear(x, module.gate_up_proj[e]).chunk(2, dim=-1)
-        return module.act_fn(gate) * up
-
-    return routed_inputs(inputs, module.gate_up_proj.shape[0], down)
-
-
 # mlx-lm's granitemoehybrid GraniteMoeHybridMoE: its SwitchGLU is block_sparse_moe.switch_mlp, cut by its sanitize
 # from input_linear (gate rows, then up rows) and output_linear; its router block_sparse_moe.router.layer as stored
 GRANITE_MOE_MLX = MlxExperts(
     module="block_sparse_moe.switch_mlp",
     fused=(FusedExperts("block_sparse_moe.input_linear.weight", ("gate_proj", "up_proj"), layout="rows"),
            FusedExperts("block_sparse_moe.output_linear.weight", ("down_proj",), layout="rows")),
-    inputs=expert_inputs,
 )
 
 
