@@ -80,7 +80,7 @@ def model_mappings(info, method: str) -> list[Mapping]:
 
     towers = info.towers
     if not towers.components:
-        return rows_for(info.model_type, method)
+        return holding(rows_for(info.model_type, method), info.config)
     if towers.family is None:
         raise UnsupportedError(
             f"{method}: {info.architecture} has towers found by look ({', '.join(towers.unknown)}), so where "
@@ -93,7 +93,13 @@ def model_mappings(info, method: str) -> list[Mapping]:
             "features, not the norm's output, so the smoothing rows do not hold there",
             hint="use gptq (W4A16) or fp8 for this model")
     text_type = (info.config.get("text_config") or {}).get("model_type", "unknown")
-    return inside(family.language, rows_for(text_type, method, f" (the text model of {family.name})"))
+    rows = rows_for(text_type, method, f" (the text model of {family.name})")
+    return inside(family.language, holding(rows, info.config.get("text_config") or {}))
+
+
+def holding(rows: list[Mapping], config: dict) -> list[Mapping]:
+    """The rows that hold for this config.json (Mapping.when: Granite 4's norm row only in its dense hybrids)."""
+    return [row for row in rows if row.when is None or row.when(config)]
 
 
 def rows_for(model_type: str, method: str, what: str = "") -> list[Mapping]:

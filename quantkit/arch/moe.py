@@ -64,6 +64,13 @@ def expert_count(config: dict) -> int:
     return max([int(text.get(key) or 0) for key in EXPERT_COUNT_KEYS])
 
 
+def moe_layout(config: dict) -> MoeLayout | None:
+    """The expert layout the llm-compressor methods take a checkpoint's experts by (its text model's family record's
+    `moe`); None for a family without one, and for a dense checkpoint of a family that has both (Granite 4: the
+    dense hybrids route to no expert)."""
+    return MOE_LAYOUTS.get(moe_model_type(config)) if expert_count(config) else None
+
+
 def check_supported(info, method: str) -> None:
     """An MoE architecture the table does not know would save its experts under names transformers
     does not reload, and a known one with an expert missing would load it at random: refused before any work
@@ -156,27 +163,28 @@ def set_save_names(model, model_type: str) -> None:
         set_save_conversion_mapping(model, rows)
 
 
-def routers(model, model_type: str) -> dict[str, object]:
-    pattern = re.compile(MOE_LAYOUTS[model_type].router)
+def routers(model, layout: MoeLayout) -> dict[str, object]:
+    pattern = re.compile(layout.router)
     return {name: module for name, module in model.named_modules() if pattern.match(name)}
 
 
-def count_routed_tokens(model, model_type: str, num_experts: int, windows, device: str = "cpu",
+def count_routed_tokens(model, layout: MoeLayout, num_experts: int, windows, device: str = "cpu",
                         batch_size: int = 4) -> dict[str, list[int]]:
     """{router module name: tokens routed to each expert} over the calibration windows (top-k
     choices of every token), from forward hooks on the routers during one no-grad forward. `device`
     is where the embeddings live (decoder layers may be offloaded; accelerate onloads them)."""
     import torch
 
-    counts = {name: torch.zeros(num_experts, dtype=torch.long) for name in routers(model, model_type)}
+    found = routers(model, layout)
+    counts = {name: torch.zeros(num_experts, dtype=torch.long) for name in found}
 
     def hook(name):
         def record(module, args, output):
-            indices = output[2]  # (tokens, top_k) expert indices
+            indices = output[layout.router_indices]  # (tokens, top_k) expert indices
             counts[name] += torch.bincount(indices.reshape(-1).cpu(), minlength=num_experts)
         return record
 
-    handles = [module.register_forward_hook(hook(name)) for name, module in routers(model, model_type).items()]
+    handles = [module.register_forward_hook(hook(name)) for name, module in found.items()]
     try:
         with torch.no_grad():
             for start in range(0, len(windows), batch_size):
@@ -195,10 +203,10 @@ def starved_experts(counts: dict[str, list[int]], minimum: int = MIN_EXPERT_TOKE
 
 def routing_details(model, info, windows, device: str = "cpu") -> dict:
     """Report fields for a calibrated method on an MoE model (empty for a dense model)."""
-    model_type = moe_model_type(info.config)
-    if not is_moe(model_type):
+    layout = moe_layout(info.config)
+    if layout is None:
         return {}
-    counts = count_routed_tokens(model, model_type, expert_count(info.config), windows, device)
+    counts = count_routed_tokens(model, layout, expert_count(info.config), windows, device)
     return {"expert_routed_tokens": counts, "min_expert_tokens": MIN_EXPERT_TOKENS,
             "experts_under_min_tokens": starved_experts(counts)}
 

@@ -231,10 +231,22 @@ def experts_reading(path: Path) -> Reading:
 
 
 def moe_layout(config: dict):
-    """The family's expert layout for llm-compressor's methods (quantkit.arch.families: a record's `moe`), None."""
+    """The family's expert layout for llm-compressor's methods (quantkit.arch.moe.moe_layout: a record's `moe`),
+    None for a dense model."""
     from quantkit.arch import moe
 
-    return moe.MOE_LAYOUTS.get(text_model_type(config))
+    return moe.moe_layout(config)
+
+
+def mlx_expert_layout(config: dict):
+    """The expert layout an MLX artifact is read by: moe_layout, None where the family's mlx-lm model cuts its
+    experts from fused checkpoint tensors (MlxExperts.fused: Granite 4 MoE), which the MLX reading gives back fused
+    for transformers' own experts module."""
+    from quantkit.arch.families import by_model_type
+
+    family = by_model_type(text_model_type(config))
+    fused = family is not None and family.mlx_experts is not None and bool(family.mlx_experts.fused)
+    return None if fused else moe_layout(config)
 
 
 def load_named(weights, model_type: str):
@@ -320,7 +332,7 @@ def mlx_open(weights, config, dtype):
     the names renamed as its loading renames them (load_named: Granite 4 MoE's fused experts)."""
     from quantkit.eval.stream import build_meta_model
 
-    layout = moe_layout(config.to_dict())
+    layout = mlx_expert_layout(config.to_dict())
     if layout is None:
         return build_meta_model(config, dtype), load_named(weights, text_model_type(config.to_dict()))
     model = linear_experts_model(config, dtype)
@@ -369,15 +381,63 @@ class SharedInputScales:
         return self.weights.rows(name, index)
 
 
+# an expert's gate or up projection (w1 / w3 of vLLM's w13)
+EXPERT_GATE_UP = re.compile(r"(.*\.experts\.\d+)\.(gate_proj|up_proj)\.weight$")
+
+
+class RequantizedGateUp:
+    """A WeightSource whose experts' per-tensor fp8 gate and up weights are those vLLM computes with: its fused-MoE
+    fp8 kernel takes one weight scale per expert for gate and up together (w13), so each is dequantized with its own
+    scale and quantized again with the larger of the two (process_fp8_weight_tensor_strategy_moe:
+    per_tensor_dequantize, then scaled_fp8_quant, which multiplies by the scale's float32 inverse); every other
+    tensor as `weights` gives it."""
+
+    def __init__(self, weights):
+        self.weights, self.stored, self.modules = weights, weights.stored, getattr(weights, "modules", {})
+        self.partner: dict[str, str] = {}  # a per-tensor fp8 gate/up weight -> the other one of its expert
+        for name, module in self.modules.items():
+            found = EXPERT_GATE_UP.fullmatch(name)
+            if found and module.scheme.weights is not None and module.scheme.weights.strategy == "tensor" \
+                    and module.scheme.weights.type == "float":
+                other = "up_proj" if found.group(2) == "gate_proj" else "gate_proj"
+                self.partner[name] = f"{found.group(1)}.{other}.weight"
+
+    def keys(self) -> list[str]:
+        return self.weights.keys()
+
+    def reads(self, name: str) -> list[str]:
+        own = getattr(self.weights, "reads", lambda n: [n])
+        return own(name) + ([f"{self.partner[name]}_scale"] if name in self.partner else [])
+
+    def get(self, name: str):
+        import torch
+
+        if name not in self.partner:
+            return self.weights.get(name)
+        scale = self.stored.get(f"{name}_scale").float().reshape(())
+        larger = torch.maximum(scale, self.stored.get(f"{self.partner[name]}_scale").float().reshape(()))
+        values = self.stored.get(name).to(torch.float16) * scale
+        requantized = (values * (1.0 / larger)).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+        return (requantized.float() * larger).to(self.weights.get(name).dtype)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.weights.shape(name)
+
+    def rows(self, name: str, index):
+        return self.weights.rows(name, index)
+
+
 def linear_open(path: Path, config, dtype, layout):
     """The artifact's linear-experts model on the meta device with compressed-tensors' quantization applied, and the
-    source of its weights (each module decompressed as it runs; the experts' static input scales shared as vLLM
-    shares them); ArtifactReloadError (exit 3) when the checkpoint does not reload strictly (the MTP layers aside)."""
+    source of its weights (each module decompressed as it runs; the experts' static input scales shared and their
+    per-tensor fp8 gate/up weights requantized as vLLM does); ArtifactReloadError (exit 3) when the checkpoint does
+    not reload strictly (the MTP layers aside)."""
     from quantkit.eval.artifacts import check_strict_reload
     from quantkit.eval.compressed import CompressedWeights, quantized_meta_model, reload_problems
 
     model = quantized_meta_model(config, dtype, linear_experts_model(config, dtype))
-    source = SharedInputScales(CompressedWeights(path, model, ModelNamed(path, layout, text_model_type(config.to_dict()))))
+    weights = CompressedWeights(path, model, ModelNamed(path, layout, text_model_type(config.to_dict())))
+    source = SharedInputScales(RequantizedGateUp(weights))
     problems = reload_problems(model, source)
     checkpoint = layout_of(config.to_dict())
     if checkpoint is not None:

@@ -26,6 +26,7 @@ few more each step, until the gate passes or `max_size` is spent.
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
@@ -76,6 +77,8 @@ PRECISIONS = {"fp8-dynamic": "fp8-e4m3 W/channel A/token", "fp8-static": "fp8-e4
 
 def precision(role: str, options: Options, name: str, shape: list[int]) -> str | None:
     if role in ("decoder", "other") or (role == "lm_head" and options.quantize_lm_head):
+        if options.scheme == "fp8-static" and re.search(r"\.experts\.\d+\.", name):  # scheme_config's experts
+            return "fp8-e4m3 W/tensor A/static" + llmc.kv_suffix(options)
         return PRECISIONS[options.scheme] + llmc.kv_suffix(options)
     return None
 
@@ -87,7 +90,16 @@ def precision(role: str, options: Options, name: str, shape: list[int]) -> str |
 OBSERVER = "static_minmax"
 
 
-def scheme_config(options: Options) -> dict:
+# a routed expert's projection, by llm-compressor's linear name and by the checkpoint's (Mixtral's w1): the module
+# names compressed-tensors matches while quantizing and vLLM matches while loading (`<experts>.0.<ckpt name>`)
+EXPERT_PROJECTION = r"re:.*\.experts\.\d+\.[^.]+$"
+
+
+def scheme_config(options: Options, experts: bool = False) -> dict:
+    """The config groups: fp8 weights per channel, activations per token (fp8-dynamic) or with one static scale per
+    tensor (fp8-static); fp8-block's. On a mixture of experts (`experts`) fp8-static's expert projections have one
+    weight scale per tensor: vLLM 0.32's fused-MoE fp8 method loads static activation scales only so (its
+    CompressedTensorsW8A8Fp8MoEMethod asserts block scales otherwise), a regex target taking them before "Linear"."""
     if options.scheme == "fp8-block":
         return block_scheme_config()
     activations = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True, "strategy": "token"}
@@ -95,7 +107,13 @@ def scheme_config(options: Options) -> dict:
         activations = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False,
                        "strategy": "tensor", "observer": OBSERVER}
     weights = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": "channel"}
-    return {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": activations}}
+    group = {"targets": ["Linear"], "weights": weights, "input_activations": activations}
+    if not (experts and options.scheme == "fp8-static"):
+        return {"group_0": group}
+    # the experts' group first: compressed-tensors warns of a target no module matched first in this order
+    per_tensor = {"targets": [EXPERT_PROJECTION], "weights": {**weights, "strategy": "tensor"},
+                  "input_activations": activations}
+    return {"group_0": per_tensor, "group_1": group}
 
 
 # ---------------------------------------------------------------- fp8-block
@@ -215,10 +233,10 @@ EXPERT_RELOAD_REFUSED = {"fp8-block": "fp8-block's 128x128 weight block scales",
                          "fp8-static": "fp8-static's input scales"}
 
 
-def modifier(options: Options, ignore: list[str]):
+def modifier(options: Options, ignore: list[str], experts: bool = False):
     from llmcompressor.modifiers.quantization import QuantizationModifier
 
-    return QuantizationModifier(config_groups=scheme_config(options), ignore=ignore,
+    return QuantizationModifier(config_groups=scheme_config(options, experts), ignore=ignore,
                                 kv_cache_scheme=llmc.kv_cache_scheme(options.kv_cache))
 
 
@@ -247,7 +265,9 @@ def quantize(job: QuantizeJob) -> QuantizeResult:
                                    hint="run without --resume")
         job.load_model(job.offload)  # freed by the pipeline
     details = llmc.calibration_details(job) if needs_calibration(job.options) else {}
-    llmc.run_oneshot(job, modifier(job.options, llmc.decoder_ignore(job)), calibrate=needs_calibration(job.options))
+    experts = moe.moe_layout(job.info.config) is not None
+    llmc.run_oneshot(job, modifier(job.options, llmc.decoder_ignore(job), experts),
+                     calibrate=needs_calibration(job.options))
     llmc.save_compressed(job)
     return QuantizeResult(job.out_dir, {"path": f"oneshot: {blocker}", **details})
 

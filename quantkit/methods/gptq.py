@@ -256,7 +256,7 @@ def resolve(info, options):
 def auto_symmetric(info, bits: int) -> tuple[bool, str]:
     """(symmetric, why): zero points for 4-bit dense weights, where they lower the error and vLLM's Marlin
     and Machete kernels take them; none for MoE experts or 8-bit weights."""
-    if moe.is_moe(moe.moe_model_type(info.config)):
+    if moe.moe_layout(info.config) is not None:
         return True, "MoE experts: transformers cannot reload expert zero points"
     if bits == 8:
         return True, "8-bit: vLLM's Marlin kernels take no 8-bit zero points"
@@ -616,7 +616,7 @@ def check_activations(info, options) -> None:
     if mixed(options):
         raise InputError(f"{what} cannot take {mixed_label(options)}: its int8 layers are weight-only",
                          hint=f"drop --{mixed_label(options).replace('_', '-')}, or use activations none (W4A16)")
-    if moe.is_moe(moe.moe_model_type(info.config)):
+    if moe.moe_layout(info.config) is not None:
         raise UnsupportedError(f"{what}: mixture-of-experts models are not offered with W4A8",
                                hint="use activations none (W4A16) for this model")
 

@@ -347,7 +347,7 @@ def calibration_base(info, config):
     from quantkit.mlx.checkpoint import per_expert_source
 
     source, model_type = per_expert_source(info), experts.text_model_type(info.config)
-    layout = experts.moe_layout(info.config)
+    layout = experts.mlx_expert_layout(info.config)
     renamed = experts.RenamedWeights(source, layout, model_type) if layout is not None else \
         experts.load_named(source, model_type)
     stored = {name.removesuffix(".weight"): checkpoint.removesuffix(".weight")

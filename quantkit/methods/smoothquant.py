@@ -241,8 +241,14 @@ def requantize(job: QuantizeJob, plan: dict[str, str], details: dict) -> Quantiz
 
 
 def support(family) -> str:
-    return (family.smoothing_refusal() or family.smoothquant_refusal()
-            or family.decoder_support("✅ the experts' norm left unsmoothed"))
+    refused = family.smoothing_refusal() or family.smoothquant_refusal()
+    if refused:
+        return refused
+    record = getattr(family, "family", None)  # a text family's record (its norm rows may hold only in some configs)
+    rows = [m for m in record.smoothing if m.smoothquant] if record is not None else []
+    if rows and all(m.when is not None for m in rows) and record.smoothquant_refusal:
+        return f"{family.kept()}; refused where no norm row holds ({record.smoothquant_refusal})"
+    return family.decoder_support("✅ the experts' norm left unsmoothed")
 
 
 AUTO_RUNGS = (AutoRung("smoothquant W8A8 (int8)"),)  # --method auto (quantkit.run.auto)

@@ -321,12 +321,12 @@ def measured_table(model_dir: Path, shapes: dict[str, tuple[int, int]], calib_wi
 def check_streamable(info, label: str, flag: str) -> None:
     """Per-layer precision reads the checkpoint's layers by module name and streams a text decoder:
     MoE models and VLMs are refused before work."""
-    from quantkit.arch.moe import is_moe
+    from quantkit.arch.moe import moe_layout
     from quantkit.errors import UnsupportedError
     from quantkit.arch.vlm import is_vlm
 
-    if is_moe(info.model_type) or is_vlm(info.config):
-        kind = "MoE models" if is_moe(info.model_type) else "VLMs"
+    if moe_layout(info.config) is not None or is_vlm(info.config):
+        kind = "MoE models" if moe_layout(info.config) is not None else "VLMs"
         raise UnsupportedError(f"{label} is not supported for {kind} ({info.architecture}): its sensitivity pass "
                                "reads the checkpoint's layers by module name and streams a text decoder",
                                hint=f"quantize without {flag}")

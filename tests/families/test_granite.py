@@ -1,9 +1,11 @@
 """Granite 4 hybrid (GraniteMoeHybridForCausalLM) on a tiny random checkpoint: a Mamba-2 layer and an attention
 layer, the shared MLP, Granite's multipliers, no RoPE (as granite-4.0-h checkpoints); every method, each artifact
 proven in its consumer. Its MoE variant (4 experts, 2 per token, stored fused as IBM's checkpoints store them)
-converts to GGUF as llama.cpp's converter writes it; the other methods refuse it before work, naming why.
+converts to GGUF as llama.cpp's converter writes it, to MLX as mlx-lm holds it, and through every compressed-tensors
+method with each expert quantized on its own under the names vLLM's granitemoehybrid loads (transformers loads no
+per-expert Granite experts: quantkit's reading is the reload check).
 
-Fast: fp8, gptq and gguf through the CLI, the MoE variant's Q4_K_M GGUF and the other methods' refusals of it.
+Fast: fp8, gptq and gguf through the CLI, the MoE variant's fp8, gptq and Q4_K_M GGUF.
 Slow: the other methods, GGUF against llama.cpp's converter and llama-quantize (dense and MoE), MLX against mlx-lm.
 """
 
@@ -128,17 +130,68 @@ def test_gguf_refuses_per_tensor_types_for_the_moe_variant(cli, moe_model, tmp_p
                           "stored stacked", "--gguf-type")
 
 
-@pytest.mark.parametrize("method, args, words", [
-    ("fp8", (), ("block_sparse_moe.input_linear", "one tensor per expert projection", "--method gguf")),
-    ("gptq", (), ("block_sparse_moe.input_linear", "one tensor per expert projection", "--method gguf")),
-    ("nf4", (), ("block_sparse_moe.input_linear", "one tensor per expert projection", "--method gguf")),
-])
-def test_the_other_methods_refuse_the_moe_variant_naming_why(cli, moe_model, tmp_path, method, args, words):
-    """Granite's experts are one 3-D tensor per layer (block_sparse_moe.input_linear / output_linear, router
-    router.layer): the llm-compressor methods and nf4 take experts one tensor per expert projection; each refuses
-    before work and points to gguf."""
+MOE_METHODS = {**COMPRESSED, "fp8-static": ["--scheme", "fp8-static"]}
+
+
+@pytest.mark.parametrize("method", [pytest.param(m, marks=() if m in FAST else pytest.mark.slow) for m in MOE_METHODS])
+def test_the_moe_variant_through_every_compressed_tensors_method(cli, moe_model, tmp_path, method):
+    """Every expert quantized on its own (block_sparse_moe.experts.<e>.{gate,up,down}_proj, as vLLM's
+    granitemoehybrid loads them), the router kept 16-bit under its stored name, the shared MLP quantized, the tokens
+    routed to each expert reported for the calibrated methods; SmoothQuant refuses it (its norm feeds the router)."""
+    import torch
+
     out = tmp_path / "out"
-    common.assert_refused(common.quantize(cli, moe_model, out, method, *args), out, "num_local_experts", *words)
+    if method == "smoothquant":
+        common.assert_refused(common.quantize(cli, moe_model, out, method), out, "router")
+        return
+    name = method.split("-")[0]
+    entry = common.assert_moe_artifact(cli, moe_model, tmp_path, name, *MOE_METHODS[method],
+                                       transformers_reloads=False)
+    stored = common.stored_tensors(out)
+    assert "model.layers.1.block_sparse_moe.router.layer.weight" in stored
+    if name == "nf4":  # bitsandbytes quantizes Linear modules only: the fused experts stay bf16, as stored
+        assert stored["model.layers.1.block_sparse_moe.input_linear.weight"].dtype == torch.bfloat16
+    else:
+        assert not any("input_linear" in n and "block_sparse_moe" in n for n in stored)
+        assert all(f"model.layers.1.block_sparse_moe.experts.{e}.{p}.weight_scale" in stored
+                   for e in range(4) for p in ("gate_proj", "up_proj", "down_proj"))
+        assert "model.layers.1.shared_mlp.input_linear.weight_scale" in stored
+    if method in ("gptq", "fp8-static"):
+        counts = entry["details"]["expert_routed_tokens"]["model.layers.1.block_sparse_moe.router"]
+        assert sum(counts) == 2 * entry["details"]["calibration_tokens"]  # top-2 of every token
+
+
+def test_granite_s_router_reports_its_indices_first(moe_model):
+    """Granite's router returns (indices, weights, logits): the counts are the top-k choices of each token, which
+    the other layouts' last-output rule would read from the logits."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from quantkit.arch.moe import MOE_LAYOUTS, count_routed_tokens
+
+    model = AutoModelForCausalLM.from_pretrained(moe_model, dtype=torch.float32)
+    windows = torch.randint(0, model.config.vocab_size, (2, 16))
+    counts = count_routed_tokens(model, MOE_LAYOUTS[FAMILY], 4, windows)
+    router = model.model.layers[1].block_sparse_moe.router
+    seen = {}
+    handle = router.register_forward_hook(lambda m, a, out: seen.update(indices=out[0]))
+    with torch.no_grad():
+        model(windows)
+    handle.remove()
+    assert counts["model.layers.1.block_sparse_moe.router"] == torch.bincount(seen["indices"].reshape(-1),
+                                                                               minlength=4).tolist()
+
+
+def test_the_dense_hybrid_has_no_expert_layout(model, moe_model):
+    """The dense and MoE Granite 4 share a model_type: only a checkpoint with experts takes the expert layout (and
+    loses the norm row that would smooth into the router)."""
+    from quantkit.arch.mappings import holding, rows_for
+    from quantkit.arch.moe import moe_layout
+
+    dense, moe = (json.loads((m / "config.json").read_text()) for m in (model, moe_model))
+    assert moe_layout(dense) is None and moe_layout(moe) is not None
+    rows = rows_for(FAMILY, "awq")
+    assert len(holding(rows, dense)) == 2 and [r.smooth for r in holding(rows, moe)] == ["re:.*v_proj$"]
 
 
 @pytest.mark.slow

@@ -190,6 +190,43 @@ def test_static_expert_input_scales_are_shared_as_vllm_shares_them(cli, family_m
             assert len(own) == 1 if projections != ("down_proj",) else len(own) > 1
 
 
+def test_static_experts_store_one_weight_scale_and_read_as_vllm_requantizes_them(cli, family_models, tmp_path):
+    """fp8-static on Qwen3-MoE: each expert projection's weight has one scale (vLLM 0.32's fused-MoE fp8 method loads
+    static activation scales only beside per-tensor weights; tests/serve/test_moe_vllm_slow.py asks vLLM), the other
+    Linears keep theirs per channel; vLLM runs gate and up of an expert with one scale, the larger, requantizing the
+    other, and so does the gate: the weight it reads lies on the larger scale's fp8 grid, within half a step of the
+    stored one, and the projection that holds the larger scale is read as stored."""
+    import torch
+
+    from quantkit.eval.experts import RequantizedGateUp
+    from quantkit.formats.gate import artifact_reading
+
+    out = tmp_path / "out"
+    result = cli("quantize", family_models("qwen3moe"), "--method", "fp8", "--scheme", "fp8-static", *CALIB_ARGS,
+                 *LOOSE_GATE, "-o", out)
+    assert result.exit_code == 0, result.output
+    groups = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"].values()
+    assert sorted(g["weights"]["strategy"] for g in groups) == ["channel", "tensor"]
+    _model, source = artifact_reading(out).open()
+    requantized = source.weights
+    assert isinstance(requantized, RequantizedGateUp) and len(requantized.partner) == 2 * 4 * 2  # layers x experts
+    changed = 0
+    for name, partner in requantized.partner.items():
+        own, other = (requantized.stored.get(f"{n}_scale").float().item() for n in (name, partner))
+        stored, read = requantized.weights.get(name), source.get(name)
+        larger = max(own, other)
+        grid = (read.float() / larger).to(torch.float8_e4m3fn).float()  # the nearest point of the larger's grid
+        assert torch.equal((grid * larger).to(read.dtype), read), name  # the weight in the model's dtype
+        if own >= other:
+            assert torch.equal(read, stored), name
+        else:
+            changed += 1
+            # within half a step of e4m3 (3 mantissa bits; subnormal steps 2^-9) and the model dtype's rounding
+            half = torch.clamp((stored.float() / larger).abs() / 8, min=2.0 ** -10) * larger
+            assert bool(((read.float() - stored.float()).abs() <= half).all()), name
+    assert 0 < changed <= len(requantized.partner) // 2  # at most one of each pair (random weights' scales differ)
+
+
 def test_unknown_moe_architecture_is_refused_before_work(cli, family_models, tmp_path):
     """An MoE model_type without a row in quantkit.arch.moe's table: exit 2 naming the supported ones."""
     import shutil

@@ -79,3 +79,39 @@ def test_vllm_resolves_every_layer_and_takes_every_tensor(artifacts, tmp_path):
         assert schemes[attention] == linear
     problems = found[broken.name]["problems"]
     assert any(p.startswith("model.layers.0.mlp.gate.weight_packed: vLLM's") for p in problems), problems[:5]
+
+
+# the loaded path's MoE artifacts: Granite 4's MoE variant through each compressed-tensors method, and fp8-static on
+# Qwen3-MoE (its experts' weights per tensor: vLLM's fused-MoE fp8 method takes static activation scales only so)
+LOADED = {"fp8": (["--method", "fp8"], "CompressedTensorsW8A8Fp8MoEMethod"),
+          "fp8-static": (["--method", "fp8", "--scheme", "fp8-static"], "CompressedTensorsW8A8Fp8MoEMethod"),
+          "gptq": (["--method", "gptq"], "CompressedTensorsWNA16MoEMethod"),
+          "awq": (["--method", "awq"], "CompressedTensorsWNA16MoEMethod"),
+          "nvfp4": (["--method", "nvfp4", "--scheme", "a16"], "CompressedTensorsW4A4Nvfp4MoEMethod"),
+          "mxfp4": (["--method", "mxfp4"], "CompressedTensorsW4A4Mxfp4MoEMethod")}
+
+
+def test_vllm_takes_every_tensor_of_the_loaded_path_s_moe_artifacts(tmp_path):
+    from typer.testing import CliRunner
+
+    from quantkit.cli.app import app
+    from tests.families import common
+    from tests.families.test_granite import MOE, build
+    from tests.families.test_moe import build as build_moe
+
+    models = {"granite": build(tmp_path / "granite", **MOE), "qwen3_moe": build_moe(tmp_path / "qwen3", "qwen3_moe")}
+    cases = [("granite", m) for m in LOADED] + [("qwen3_moe", "fp8-static")]
+    made = {}
+    for kind, method in cases:
+        out = tmp_path / f"{kind}-{method}"
+        result = CliRunner().invoke(app, ["quantize", str(models[kind]), "-o", str(out), *LOADED[method][0],
+                                          *common.CALIB, "--no-gate"], catch_exceptions=False)
+        assert result.exit_code == 0, result.output
+        made[out.name] = (kind, method)
+    found = vllm_probe([tmp_path / name for name in made])
+    for name, (kind, method) in made.items():
+        result = found[name]
+        assert result["problems"] == [], (name, result["problems"][:5])
+        assert set(result["moe_methods"].values()) == {LOADED[method][1]}, (name, result["moe_methods"])
+        router = "block_sparse_moe.router.layer" if kind == "granite" else "mlp.gate"
+        assert result["schemes"][f"model.layers.1.{router}"] is None

@@ -26,10 +26,15 @@ from unittest import mock
 
 import torch
 
-FUSED_MOE = {  # the model's packed_modules_mapping (DeepseekV2ForCausalLM, Qwen3MoeForCausalLM / its weights mapper)
+FUSED_MOE = {  # the model's packed_modules_mapping (DeepseekV2ForCausalLM, Qwen3MoeForCausalLM / its weights mapper,
+    # GraniteMoeHybridForCausalLM)
     "deepseek_v3": {"gate_up_proj": ["gate_proj", "up_proj"], "fused_qkv_a_proj": ["q_a_proj", "kv_a_proj_with_mqa"]},
     "qwen3_moe": {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]},
+    "granitemoehybrid": {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "in_proj": ["in_proj"],
+                         "input_linear": ["input_linear"]},
 }
+# a layer's routed experts: `<layer>.mlp.experts`, Granite 4's `<layer>.block_sparse_moe.experts`
+EXPERTS = r"(.*\.(?:mlp|block_sparse_moe)\.experts)\.(\d+)\."
 PARAM_SUFFIXES = ("weight_packed", "weight_scale", "weight_global_scale", "weight_zero_point", "weight_shape",
                   "input_global_scale", "input_scale", "weight")
 
@@ -47,6 +52,9 @@ def stub_kernels():
     from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe import (
         compressed_tensors_moe_w8a8_fp8 as fp8_moe,
     )
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe import (
+        compressed_tensors_moe_wna16 as wna16_moe,
+    )
     from vllm.model_executor.layers.quantization.compressed_tensors.schemes import (
         compressed_tensors_w4a4_mxfp4 as mxfp4,
     )
@@ -56,12 +64,21 @@ def stub_kernels():
     from vllm.model_executor.layers.quantization.compressed_tensors.schemes import (
         compressed_tensors_w8a8_fp8 as fp8,
     )
+    from vllm.model_executor.layers.quantization.compressed_tensors.schemes import (
+        compressed_tensors_wNa16 as wna16,
+    )
 
     patches = [mock.patch.object(nvfp4, "init_nvfp4_linear_kernel", lambda **kw: None),
                mock.patch.object(nvfp4, "expose_input_quant_key", lambda *a, **kw: None),
                mock.patch.object(nvfp4_moe, "select_nvfp4_moe_backend", lambda **kw: (None, None)),
                mock.patch.object(nvfp4_moe, "is_global_sf_supported_for_nvfp4_backend", lambda backend: False),
-               mock.patch.object(fp8_moe, "select_fp8_moe_backend", lambda **kw: (None, None))]
+               mock.patch.object(fp8_moe, "select_fp8_moe_backend", lambda **kw: (None, None)),
+               # the GPU's Triton backend for W4A16 experts (the parameters it loads are every backend's)
+               mock.patch.object(wna16_moe, "select_wna16_moe_backend",
+                                 lambda **kw: (wna16_moe.WNA16MoEBackend.TRITON, None)),
+               # a kernel class by name (the WNA16 scheme logs it), built on the layer's config as any stand-in
+               mock.patch.object(wna16, "choose_mp_linear_kernel",
+                                 lambda config: type("StubKernel", (mock.MagicMock,), {}))]
     from types import SimpleNamespace
 
     config = SimpleNamespace(model_config=SimpleNamespace(dtype=torch.bfloat16))  # the model's dtype, as served
@@ -94,9 +111,12 @@ def linear_layers(stored: dict, fused: dict) -> dict[str, list[str]]:
 
 
 def out_rows(stored: dict, module: str) -> tuple[int, int]:
-    """(out, in) of a module's original weight: its stored `weight` or, packed, its `weight_packed` unpacked."""
+    """(out, in) of a module's original weight: its stored `weight`, the values of its `weight_shape` (packed ints)
+    or, packed FP4, its `weight_packed` unpacked."""
     if f"{module}.weight" in stored:
         return tuple(stored[f"{module}.weight"][1])
+    if f"{module}.weight_shape" in stored:
+        return tuple(stored[f"{module}.weight_shape"][2])
     rows, cols = stored[f"{module}.weight_packed"][1]
     return rows, cols * 2  # two FP4 values a byte
 
@@ -148,8 +168,8 @@ def check_linear(config, name: str, shards: list[str], stored: dict, problems: l
 
 
 def check_experts(config, layer_name: str, experts: dict, stored: dict, hidden: int, problems: list) -> str | None:
-    """The fused-experts method vLLM picks for `layer_name` (`<layer>.mlp.experts`) and every stored expert tensor
-    mapped into its parameters by vLLM's expert-parameter mapping."""
+    """The fused-experts method vLLM picks for `layer_name` (`<layer>.mlp.experts`, EXPERTS) and every stored expert
+    tensor mapped into its parameters by vLLM's expert-parameter mapping."""
     from types import SimpleNamespace
 
     from vllm.model_executor.layers.fused_moe import RoutedExperts
@@ -185,6 +205,10 @@ def check_experts(config, layer_name: str, experts: dict, stored: dict, hidden: 
             loaded.add(param)
             dtype, shape = params[param]
             want = shape[1:]
+            if param.endswith("weight_shape"):  # each expert's [out, in] values, copied whole (_load_single_value)
+                if list(stored[key][1]) != want:
+                    problems.append(f"{key}: stored {stored[key][:2]}, vLLM's {param} slice is {want}")
+                break
             if param.startswith("w13_") and want:
                 want = [want[0] // 2, *want[1:]] if len(want) > 1 or shape[-1] != 2 else []
             got = [n for n in stored[key][1] if n != 1] if not want else list(stored[key][1])
@@ -202,8 +226,9 @@ def check_experts(config, layer_name: str, experts: dict, stored: dict, hidden: 
     return type(method).__name__
 
 
-def stored_tensors(artifact: str) -> dict[str, tuple[str, list[int]]]:
-    """name -> (torch dtype name, shape) of every tensor of the artifact, from the safetensors headers."""
+def stored_tensors(artifact: str) -> dict[str, tuple]:
+    """name -> (torch dtype name, shape) of every tensor of the artifact, from the safetensors headers; a
+    `weight_shape` (the original shape of a packed int weight) with its values third."""
     import glob
 
     from safetensors import safe_open
@@ -216,6 +241,8 @@ def stored_tensors(artifact: str) -> dict[str, tuple[str, list[int]]]:
             for key in f.keys():
                 dtype = str(f.get_slice(key).get_dtype())
                 stored[key] = (dtypes.get(dtype, dtype), list(f.get_slice(key).get_shape()))
+                if key.endswith(".weight_shape"):
+                    stored[key] += ([int(n) for n in f.get_tensor(key).tolist()],)
     return stored
 
 
@@ -236,7 +263,7 @@ def probe(artifact: str) -> dict:
                for name, shards in linear_layers(main, config.packed_modules_mapping).items()}
     grouped: dict[str, dict[int, list[str]]] = {}
     for key in main:
-        found = re.match(r"(.*\.mlp\.experts)\.(\d+)\.", key)
+        found = re.match(EXPERTS, key)
         if found:
             grouped.setdefault(found.group(1), {}).setdefault(int(found.group(2)), []).append(key)
     methods = {name: check_experts(config, name, experts, main, hf["hidden_size"], problems)

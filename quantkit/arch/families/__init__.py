@@ -116,9 +116,14 @@ class TextRow:
         return "✅" if not kept else "✅ " + ", ".join(kept)
 
     def decoder_support(self, moe_cell: str) -> str:
-        """The verdict of a method that quantizes the decoder's linear layers: an MoE family gets `moe_cell`
-        (what the method's check allows of its experts)."""
-        return moe_cell if self.is_moe else self.kept()
+        """The verdict of a method that quantizes the decoder's linear layers: what the family keeps 16-bit, and for
+        an MoE family `moe_cell` beyond ✅ (what the method's check allows of its experts; a refusal alone)."""
+        if not self.is_moe:
+            return self.kept()
+        if not moe_cell.startswith("✅"):
+            return moe_cell
+        parts = [p for p in (self.kept().removeprefix("✅").strip(), moe_cell.removeprefix("✅").strip()) if p]
+        return " ".join(["✅", "; ".join(parts)]) if parts else "✅"
 
     def expert_refusal(self) -> str | None:
         return None

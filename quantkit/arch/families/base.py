@@ -43,6 +43,7 @@ class Mapping:
     balance: tuple[str, ...]  # the layers whose input columns are multiplied by s
     smoothquant: bool  # SmoothQuant uses this row (a norm's row)
     awq: bool = True  # False: AWQ leaves this row out
+    when: Callable[[dict], bool] | None = None  # when(config.json) -> whether the row holds; None: always
 
 
 # ---------------------------------------------------------------- mixture of experts
@@ -57,6 +58,9 @@ class MoeLayout:
     expert_names: dict[str, str] = field(default_factory=dict)
     # (checkpoint block name, transformers 5 block name) renamed while loading
     block_rename: tuple[str, str] | None = None
+    # where the router's forward output holds the top-k expert indices ([tokens, top_k]): last of (logits, weights,
+    # indices) for transformers 5's routers, first for Granite's (indices, weights, logits)
+    router_indices: int = 2
 
 
 @dataclass(frozen=True)

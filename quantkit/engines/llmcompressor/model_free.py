@@ -57,12 +57,12 @@ def config_blocker(info: ModelInfo, quantize_lm_head: bool) -> str | None:
     """Why the model-free path cannot apply, read from config.json and the safetensors headers only
     (no torch: `quantkit inspect` and the preflight ask it too); None when it may. Whatever passes
     here is checked again on the meta model by `plan_stream`."""
-    from quantkit.arch.moe import expert_count, is_moe
+    from quantkit.arch.moe import expert_count
 
     text = info.config.get("text_config") or info.config
     if info.is_quantized:
         return "the checkpoint is quantized (a QLoRA base is dequantized by loading it)"
-    if is_moe(info.model_type) or expert_count(info.config):
+    if expert_count(info.config):
         return ("mixture-of-experts: transformers fuses the experts while loading and llm-compressor saves them "
                 "linearized under the checkpoint's names (quantkit.arch.moe)")
     if info.config.get("auto_map"):
