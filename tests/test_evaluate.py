@@ -290,8 +290,8 @@ def test_a_head_with_a_forward_of_its_own_is_called():
     called, targets = [], torch.zeros(5, dtype=torch.long)
 
     @torch.inference_mode()
-    def scored(softcap=None):  # as the scorers call it
-        return torch.cat([c.logprobs for c in evaluate.score_hidden(hidden, targets, head, softcap)])
+    def scored(finish=evaluate.Finish()):  # as the scorers call it
+        return torch.cat([c.logprobs for c in evaluate.score_hidden(hidden, targets, head, finish)])
 
     assert evaluate.plain_linear(head)
     plain = scored()
@@ -300,8 +300,10 @@ def test_a_head_with_a_forward_of_its_own_is_called():
     hooked = scored()
     with torch.no_grad():
         assert called and torch.allclose(plain, hooked) and torch.allclose(plain, torch.log_softmax(head(hidden), -1))
-        capped = scored(2.0)
+        capped = scored(evaluate.Finish(softcap=2.0))
         assert torch.allclose(capped, torch.log_softmax(torch.tanh(head(hidden) / 2.0) * 2.0, -1))
+        divided = scored(evaluate.Finish(scale=("divide", 8.0)))  # Granite's logits_scaling
+        assert torch.allclose(divided, torch.log_softmax(head(hidden) / 8.0, -1))
 
 
 def test_an_unfinished_scorer_leaves_the_caller_out_of_inference_mode(windows):

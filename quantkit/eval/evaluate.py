@@ -217,7 +217,7 @@ def logits_scorer(logits_fn: LogitsFn, vocab_size: int | None = None, batch_size
 
 def model_scorer(model) -> Scorer:
     """A Scorer over a model object in memory: its base model's last hidden states for a batch of windows,
-    then its output head (and the config's final_logit_softcapping, as its forward applies it) a chunk of
+    then its output head (and what its forward does to the logits: Finish) a chunk of
     positions at a time, each chunk's logits cast to float32 inside the log-softmax as model_logits_fn
     casts them: one chunk's logits are the most ever held, whatever the vocabulary."""
     from quantkit.io.memory import release_freed_memory
@@ -240,8 +240,8 @@ def score_model_batch(model, ids, buffers: Buffers | None = None) -> Iterator[Sc
     device = next(model.parameters()).device
     hidden = model.base_model(input_ids=ids.to(device), use_cache=False).last_hidden_state
     hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1])
-    softcap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
-    return score_hidden(hidden, ids[:, 1:].reshape(-1).to(device), model.get_output_embeddings(), softcap, buffers)
+    return score_hidden(hidden, ids[:, 1:].reshape(-1).to(device), model.get_output_embeddings(),
+                        finish_of(model.config.get_text_config()), buffers)
 
 
 GPU_CHUNK_BYTES = 1024 * 1024 * 1024  # on a GPU: large chunks keep it busy
@@ -279,22 +279,47 @@ def plain_linear(module) -> bool:
             and not module._forward_hooks and not module._forward_pre_hooks)
 
 
-def head_logits(head, softcap: float | None, hidden, out=None) -> "torch.Tensor":  # noqa: F821
-    """Logits of hidden states (positions, hidden) in the model's dtype: the head, then the config's
-    final_logit_softcapping, as the model's forward applies them. A plain_linear head writes into `out` where
-    given (the matmul its forward runs, into memory reused from call to call)."""
+@dataclass(frozen=True)
+class Finish:
+    """What the CausalLM's forward does to its head's logits, which quantkit's own head blocks do as it does:
+    config.logits_scaling applied (Granite's divisor: quantkit.arch.modules.logits_scale), then Gemma's
+    final_logit_softcapping."""
+
+    scale: tuple[str, float] | None = None  # ("divide" | "multiply", logits_scaling)
+    softcap: float | None = None
+
+    def __call__(self, logits):
+        """`logits` finished in place (the model's dtype, as its forward computes them)."""
+        if self.scale is not None:
+            how, value = self.scale
+            logits = logits.div_(value) if how == "divide" else logits.mul_(value)
+        if self.softcap is not None:
+            logits = logits.div_(self.softcap).tanh_().mul_(self.softcap)
+        return logits
+
+
+def finish_of(text_config) -> Finish:
+    """The Finish of a model's text config (a transformers config or its dict)."""
+    from quantkit.arch.modules import logits_scale
+
+    values = text_config if isinstance(text_config, dict) else text_config.to_dict()
+    return Finish(logits_scale(values), values.get("final_logit_softcapping"))
+
+
+def head_logits(head, finish: Finish, hidden, out=None) -> "torch.Tensor":  # noqa: F821
+    """Logits of hidden states (positions, hidden) in the model's dtype: the head, then what the model's forward
+    does to them (Finish). A plain_linear head writes into `out` where given (the matmul its forward runs, into
+    memory reused from call to call)."""
     import torch
 
     if out is not None and plain_linear(head):
         logits = torch.matmul(hidden, head.weight.t(), out=out)
     else:
         logits = head(hidden)
-    if softcap is not None:
-        logits = logits.div_(softcap).tanh_().mul_(softcap)
-    return logits
+    return finish(logits)
 
 
-def score_hidden(hidden, targets, head, softcap: float | None, buffers: Buffers | None = None) -> Iterator[ScoredChunk]:
+def score_hidden(hidden, targets, head, finish: Finish, buffers: Buffers | None = None) -> Iterator[ScoredChunk]:
     """ScoredChunks of hidden states (positions, hidden) and their targets: the head applied a block of
     positions at a time (head_block_positions) into a buffer reused from block to block (`buffers`), each
     block's log-softmax taken in float32 a chunk of positions at a time (chunk_positions), as model_logits_fn
@@ -306,7 +331,7 @@ def score_hidden(hidden, targets, head, softcap: float | None, buffers: Buffers 
     block, step = head_block_positions(device, vocab, dtype.itemsize), chunk_positions(device, vocab)
     for first in range(0, hidden.shape[0], block):
         rows = hidden[first : first + block]
-        logits = head_logits(head, softcap, rows, buffers.get("logits", rows.shape[0], vocab, dtype, device))
+        logits = head_logits(head, finish, rows, buffers.get("logits", rows.shape[0], vocab, dtype, device))
         for start in range(0, rows.shape[0], step):
             part = logits[start : start + step]
             yield ScoredChunk(torch.log_softmax(part, dim=-1, dtype=torch.float32),

@@ -7,8 +7,8 @@ dequantized, a compressed-tensors checkpoint decompressed a module at a time, an
 cast to the parameter's dtype as accelerate's hooks cast it, and placed on the device. The model's
 own forward then runs with no hooks: the same modules in the same dtype as the streamed path, so
 the numbers are the streamed path's; only the time differs (no weight is read twice, no logits are
-spilled to a file). The output head is applied a block of positions at a time (with the config's
-final_logit_softcapping, as the model's forward does) and its log-softmax a smaller chunk at a time
+spilled to a file). The output head is applied a block of positions at a time (with what the model's forward
+does to the logits: quantkit.eval.evaluate.Finish) and its log-softmax a smaller chunk at a time
 (quantkit.eval.evaluate.score_hidden), so one block of logits and a chunk of float32 log-probs are the
 most ever held beside the model, whatever the vocabulary; scoring (log-softmax, KL, top-1) runs on the device.
 
@@ -30,8 +30,10 @@ from quantkit.arch.modules import decoder
 from quantkit.engines.transformers import tied_groups
 from quantkit.eval.evaluate import (
     Buffers,
+    Finish,
     ScoredChunk,
     Scorer,
+    finish_of,
     head_logits,
     inference_generator,
     iter_batches,
@@ -70,7 +72,7 @@ TABLE_LOGITS_BYTES = 128 * 1024 * 1024
 class ResidentModel:
     model: object  # transformers CausalLM, every parameter on `device` (but the tables, where `tables` is set)
     device: object
-    softcap: float | None  # final_logit_softcapping
+    finish: Finish  # what the model's forward does to the head's logits
     tables: WeightsMap | None = None  # the embedding's and the head's source, where they stay there (decoder_resident)
 
     @property
@@ -79,7 +81,7 @@ class ResidentModel:
 
     def view(self) -> StreamedModel:
         """The model as quantkit.eval.stream reads a head from its source (logits_blocks, score_group)."""
-        return StreamedModel(self.model, self.tables, self.device, self.softcap)
+        return StreamedModel(self.model, self.tables, self.device, self.finish)
 
 
 def materialize(model, source: WeightSource, device, lent: dict | None = None, skip: frozenset = frozenset()) -> None:
@@ -137,8 +139,7 @@ def resident_built(model, config, source: WeightSource, device, lent: dict | Non
     if tables_in_source(model):
         return decoder_resident(model, config, source, device)
     materialize(model, source, device, lent)
-    softcap = config.get_text_config().to_dict().get("final_logit_softcapping")
-    return ResidentModel(model.eval(), device, softcap)
+    return ResidentModel(model.eval(), device, finish_of(config.get_text_config()))
 
 
 def resident_model(config, source: WeightSource, dtype, device="cpu") -> ResidentModel:
@@ -187,8 +188,7 @@ def decoder_resident(model, config, source: WeightSource, device) -> ResidentMod
     if tables:
         name = next(n for n, m in model.named_modules() if m is model.get_input_embeddings())
         add_hook_to_module(model.get_input_embeddings(), gather_hook(weights, f"{name}.weight", device, decoder(model)))
-    softcap = config.get_text_config().to_dict().get("final_logit_softcapping")
-    return ResidentModel(model.eval(), device, softcap, weights)
+    return ResidentModel(model.eval(), device, finish_of(config.get_text_config()), weights)
 
 
 def weight_bytes(model, skip: frozenset = frozenset()) -> int:
@@ -219,7 +219,7 @@ def score_batch(resident: ResidentModel, ids, buffers: Buffers | None = None) ->
     if resident.tables is not None:
         return score_group(resident.view(), ids, TABLE_LOGITS_BYTES)
     targets = ids[:, 1:].reshape(-1).to(resident.device)
-    return score_hidden(last_hidden(resident, ids), targets, resident.head, resident.softcap, buffers)
+    return score_hidden(last_hidden(resident, ids), targets, resident.head, resident.finish, buffers)
 
 
 def resident_scorer(make: Callable[[], ResidentModel], text_config, activation_bytes: int,
@@ -255,7 +255,7 @@ def resident_logits(resident: ResidentModel, ids) -> "torch.Tensor":  # noqa: F8
         return streamed_logits(resident.view(), ids, TABLE_LOGITS_BYTES)
     with torch.inference_mode():
         hidden = decoder(resident.model)(input_ids=ids.to(resident.device), use_cache=False).last_hidden_state
-        return head_logits(resident.head, resident.softcap, hidden).float().cpu()
+        return head_logits(resident.head, resident.finish, hidden).float().cpu()
 
 
 # ------------------------------------------------------------------ out of memory: finish streamed

@@ -13,17 +13,17 @@ softcaps) for every architecture transformers has.
 The token embedding is not loaded whole: its hook reads only the rows of the ids in the batch.
 The windows go through in groups (all at once when the activations fit ACTIVATION_BYTES), so each
 layer is read once per group, not once per window. The base model stops at the last hidden states;
-the output head is applied a slice of its vocabulary rows at a time (with the config's
-final_logit_softcapping, as the model's forward does), the group's float32 logits kept in memory
-where the run's placement has room for them, else written to a file in the run's work directory, and
-read back a chunk of positions at a time: each chunk's log-probs are handed to the evaluator as a
+the output head is applied a slice of its vocabulary rows at a time (with the config's logits_scaling
+and final_logit_softcapping, as the model's forward applies them: evaluate.Finish), the group's float32
+logits kept in memory where the run's placement has room for them, else written to a file in the run's
+work directory, and read back a chunk of positions at a time: each chunk's log-probs are handed to the evaluator as a
 ScoredChunk and dropped. Peak memory with the logits in a file: one weight matrix + one group's
 activations + one slice of the head, whatever the model's size or its vocabulary.
 
 Numerics equal the in-memory path's: the same modules run in the same dtype (the stored dtype
 for a checkpoint, as `quantkit.engines.transformers.load_model` loads it; float32 for a .gguf, as
 `quantkit.eval.artifacts.load_gguf_into_base` builds it), and logits are cast to float32 only after
-the head (and softcap), as `evaluate.model_logits_fn` does.
+the head (and its Finish), as `evaluate.model_logits_fn` does.
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ from typing import Protocol
 from quantkit.arch.modules import decoder
 from quantkit.engines.transformers import tied_groups
 from quantkit.errors import ModelError
-from quantkit.eval.evaluate import ScoredChunk, Scorer, chunk_rows, inference_generator, iter_batches
+from quantkit.eval.evaluate import (Finish, ScoredChunk, Scorer, chunk_rows, finish_of, inference_generator,
+                                    iter_batches)
 from quantkit.io.memory import release_freed_memory
 
 ACTIVATION_BYTES = 512 * 1024 * 1024  # working set of one group of windows inside one decoder layer
@@ -293,7 +294,7 @@ class StreamedModel:
     model: object  # transformers CausalLM on the meta device, streamed units hooked
     weights: WeightsMap
     device: object
-    softcap: float | None  # final_logit_softcapping
+    finish: Finish  # what the model's forward does to the head's logits (Granite's divisor, Gemma's softcap)
 
     @property
     def head(self):
@@ -328,8 +329,7 @@ def stream_built(model, config, source: WeightSource, device="cpu", prefetch: bo
         source = PrefetchingSource(source, layer_numbers(names), pin=prefetches(device))
     weights = WeightsMap(source, names)
     attach_streaming(model, weights, device)
-    softcap = config.get_text_config().to_dict().get("final_logit_softcapping")
-    return StreamedModel(model, weights, device, softcap)
+    return StreamedModel(model, weights, device, finish_of(config.get_text_config()))
 
 
 def last_hidden(streamed: StreamedModel, ids):
@@ -346,7 +346,7 @@ def head_slice_rows(positions: int, hidden: int) -> int:
 
 def head_block(streamed: StreamedModel, prefix: str, hidden, index):
     """Logits of every position for vocabulary rows `index` (the head's rows, under parameter
-    prefix `prefix`, read for them only), softcapped as the model's own forward does, in float32."""
+    prefix `prefix`, read for them only), finished as the model's own forward does (Finish), in float32."""
     import torch
 
     head = streamed.head
@@ -354,9 +354,7 @@ def head_block(streamed: StreamedModel, prefix: str, hidden, index):
     bias = None
     if head.bias is not None:
         bias = streamed.weights.rows(f"{prefix}bias", index).to(streamed.device, head.bias.dtype)
-    logits = torch.nn.functional.linear(hidden, weight, bias)
-    if streamed.softcap is not None:
-        logits = torch.tanh(logits / streamed.softcap) * streamed.softcap
+    logits = streamed.finish(torch.nn.functional.linear(hidden, weight, bias))
     return logits.float().cpu().numpy()
 
 
@@ -512,18 +510,22 @@ def start_scorer(streamed: StreamedModel, text_config, start: int, record: dict[
     return scorer
 
 
-def streamable(config: dict) -> bool:
+def streamable(config: dict, names=None) -> bool:
     """Whether the streamed forward applies: a full-precision text decoder whose checkpoint names
     are its module names (not a VLM, whose towers and forward differ; not a quantized checkpoint,
     whose weights need its engine's modules, quantkit.eval.compressed.streamable says which compressed-tensors
     ones stream; not a model transformers converts while loading, such as Mixtral's and Qwen3-MoE's
-    per-expert tensors fused into one)."""
+    per-expert tensors fused into one). Given the checkpoint's tensor `names`, a model type whose loading
+    conversion changes none of them streams (the dense Granite 4 hybrids: the conversion renames only the MoE
+    variant's experts)."""
     from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 
     from quantkit.arch.vlm import is_vlm
 
-    return (not is_vlm(config) and "quantization_config" not in config
-            and not get_checkpoint_conversion_mapping(config.get("model_type", "")))
+    rows = get_checkpoint_conversion_mapping(config.get("model_type", "")) or []
+    converts = bool(rows) if names is None else any(row.rename_source_key(n)[1] is not None
+                                                     for row in rows for n in names)
+    return not is_vlm(config) and "quantization_config" not in config and not converts
 
 
 def streamed_logits(streamed: StreamedModel, ids, room: int = 0):

@@ -91,6 +91,9 @@ class TensorPlan:
     # the family's modify_tensors step (quantkit.arch.families.base.TensorRule): forward(float32 values,
     # source dtype) -> the values written
     transform: Callable[[np.ndarray, str], np.ndarray] | None = None
+    # (first, end): the block of the source matrix's rows a piece of a split holds as they are (no forward, no
+    # reshape: Granite's shared MLP input_linear cut into ffn_gate and ffn_up); the sensitivity reads and patches them
+    source_rows: tuple[int, int] | None = None
 
 
 @dataclass
@@ -484,8 +487,11 @@ def source_plans(config: dict, tmap, name: str, hf: str, shape: list[int]) -> li
         values = (data if forward is None else forward(data, hp, dtype)).reshape(written)
         return np.split(values, bounds, axis=-2)[index]
 
+    starts = (0, *bounds.tolist())
+    as_stored = rule.forward is None and len(shape) == 2 and written == tuple(shape)
     return [TensorPlan(gguf_name(tmap, piece_name), hf, (*written[:-2], rows[i], written[-1]), T.F32,
-                       transform=lambda data, dtype, i=i: transform(data, dtype, i))
+                       transform=lambda data, dtype, i=i: transform(data, dtype, i),
+                       source_rows=(starts[i], starts[i] + rows[i]) if as_stored else None)
             for i, piece_name in enumerate(split_names(rule, name))]
 
 

@@ -203,6 +203,21 @@ def sampled_slabs(handle, hf_name: str, index: np.ndarray, ncols: int) -> Iterat
         yield part, np.concatenate([handle.read(hf_name, int(run[0]), int(run[-1]) + 1) for run in runs])
 
 
+class RowBlock:
+    """A source handle read from row `first` on: a split's piece (TensorPlan.source_rows) as its own matrix."""
+
+    def __init__(self, handle, first: int):
+        self.handle, self.first = handle, first
+
+    def read(self, name: str, start: int, stop: int) -> np.ndarray:
+        return self.handle.read(name, self.first + start, self.first + stop)
+
+
+def piece_handle(handles, plan, hf: str):
+    """The handle a plan's matrix is read through: its source's, from the piece's first row for a split's piece."""
+    return handles[hf] if plan.source_rows is None else RowBlock(handles[hf], plan.source_rows[0])
+
+
 def tensor_errors(handles, plan, quant_imatrix, importance, row_weights, threads: int = 1) -> dict[str, float]:
     """Importance-weighted squared error of one tensor at each candidate type, from the rows `error_sample`
     picks (scaled to the whole matrix where they are a sample); the candidates of a slab quantized on
@@ -213,8 +228,9 @@ def tensor_errors(handles, plan, quant_imatrix, importance, row_weights, threads
     errors = dict.fromkeys((c.name for c in cands), 0.0)
     with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
         for hf, rows, qim, imp in matrices(handles, plan, quant_imatrix, importance):
-            index, scale = error_sample(handles[hf], hf, rows, plan.shape[-1], imp, row_weights)
-            for part, data in sampled_slabs(handles[hf], hf, index, plan.shape[-1]):
+            handle = piece_handle(handles, plan, hf)
+            index, scale = error_sample(handle, hf, rows, plan.shape[-1], imp, row_weights)
+            for part, data in sampled_slabs(handle, hf, index, plan.shape[-1]):
                 weights = None if row_weights is None else row_weights[part]
                 slab = pool.map(lambda c: weighted_error(data, c, qim, imp, weights), cands)
                 for c, value in zip(cands, slab):
@@ -249,15 +265,22 @@ def error_table(model_dir: Path, plans, quant_imatrix: dict | None, importance: 
 
 
 def quantized_matrices(handles, plan, qtype: T, quant_imatrix, threads: int = 1) -> dict:
-    """{HF name: float32 torch tensor} of a plan's matrices quantized at qtype and dequantized."""
+    """{HF name: float32 torch tensor} of a plan's matrices quantized at qtype and dequantized (a split's piece:
+    the whole source matrix with that piece's rows so)."""
     import torch
 
     from quantkit.gguf.quants import dequantize, quantize
 
     out = {}
     for hf, rows, qim, _ in matrices(handles, plan, quant_imatrix, None):
-        data = handles[hf].read(hf, 0, rows)
-        out[hf] = torch.from_numpy(dequantize(quantize(data, qtype, qim, threads=threads), qtype))
+        data = piece_handle(handles, plan, hf).read(hf, 0, rows)
+        values = dequantize(quantize(data, qtype, qim, threads=threads), qtype)
+        if plan.source_rows is not None:
+            first, end = plan.source_rows
+            whole = handles[hf].read(hf, 0, handles[hf].header[hf]["shape"][0])
+            whole[first:end] = values
+            values = whole
+        out[hf] = torch.from_numpy(values)
     return out
 
 
@@ -309,20 +332,36 @@ class TypedMatrices(Mapping):
         from quantkit.gguf.convert import imatrix_for
 
         self.handles, self.cache, self.threads = handles, {}, threads
-        self.sources = {hf: (rows, types[p.name], qim) for p in plans if p.name in types
-                        for hf, rows, qim, _ in matrices(handles, p, imatrix_for(p, quant_imatrix), None)}
+        self.sources: dict[str, list] = {}  # HF name -> (plan, rows, type, imatrix) of each plan reading it
+        for p in plans:
+            if p.name in types:
+                for hf, rows, qim, _ in matrices(handles, p, imatrix_for(p, quant_imatrix), None):
+                    self.sources.setdefault(hf, []).append((p, rows, types[p.name], qim))
 
     def __getitem__(self, hf: str):
         import torch
 
+        if hf not in self.cache:
+            self.cache = dict(list(self.cache.items())[1 - self.CACHED:])
+            self.cache[hf] = torch.from_numpy(self.matrix(hf))
+        return self.cache[hf]
+
+    def matrix(self, hf: str) -> np.ndarray:
+        """The source matrix quantized and dequantized: whole, or each split piece (TensorPlan.source_rows) at
+        its own type."""
         from quantkit.gguf.quants import dequantize, quantize
 
-        if hf not in self.cache:
-            rows, qtype, qim = self.sources[hf]
-            data = self.handles[hf].read(hf, 0, rows)
-            self.cache = dict(list(self.cache.items())[1 - self.CACHED:])
-            self.cache[hf] = torch.from_numpy(dequantize(quantize(data, qtype, qim, threads=self.threads), qtype))
-        return self.cache[hf]
+        pieces = self.sources[hf]
+        whole = None
+        for plan, rows, qtype, qim in pieces:
+            values = dequantize(quantize(piece_handle(self.handles, plan, hf).read(hf, 0, rows), qtype, qim,
+                                         threads=self.threads), qtype)
+            if plan.source_rows is None:
+                return values
+            if whole is None:
+                whole = self.handles[hf].read(hf, 0, self.handles[hf].header[hf]["shape"][0])
+            whole[plan.source_rows[0]:plan.source_rows[1]] = values
+        return whole
 
     def __iter__(self):
         return iter(self.sources)

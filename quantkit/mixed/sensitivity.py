@@ -20,7 +20,7 @@ probed layers are recorded once), so a probe in the last layer costs one layer, 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
@@ -214,9 +214,9 @@ def check_streamable(model_dir: Path, setting: str) -> None:
     from quantkit.io.checkpoint import check_model_dir
 
     info = check_model_dir(Path(model_dir))
-    if not streamable(info.config):
+    if not streamable(info.config, info.tensors):
         raise UnsupportedError(f"measured sensitivity needs the layer-streamed forward, which {info.architecture} "
-                               "does not have (a VLM, or experts transformers fuses while loading)",
+                               "does not have (a VLM, or tensors transformers converts while loading)",
                                hint=f"set {setting} (the weighted error alone)")
 
 
@@ -242,6 +242,19 @@ def transform_inputs(model, inputs: dict[str, Callable]) -> _Hooked:
                     for name, fn in inputs.items()])
 
 
+def resumable_start(config: dict, start: int) -> int:
+    """The decoder layer a probe's forward may resume from: `start`, or the embedding (0) where the family's layers
+    hand state to later ones within one forward (Gemma 4's KV-shared layers read the keys and values of earlier
+    layers from `shared_kv_states`, which a forward resumed past them lacks: its record's `sequential` names the
+    whole text model as one unit)."""
+    from quantkit.arch.families import of_config
+    from quantkit.arch.families.text import text_hparams
+
+    family = of_config(config)
+    whole = family is not None and family.sequential is not None and family.sequential(text_hparams(config))
+    return 0 if whole else start
+
+
 def probe_klds(model_dir: Path, probes: Iterable[Probe], windows, setting: str, workdir: Path | None = None,
                progress: Callable[[str], None] = lambda message: None, ranks: Ranks = Ranks()) -> dict[str, float]:
     """{name: mean KL divergence} of the streamed float32 forward over `windows` with one probe at a
@@ -261,8 +274,8 @@ def probe_klds(model_dir: Path, probes: Iterable[Probe], windows, setting: str, 
     gather = gather_positions if split else None
 
     check_streamable(model_dir, setting)
-    probes = list(probes)
     config = hf_config(model_dir)
+    probes = [replace(p, start=resumable_start(config.to_dict(), p.start)) for p in probes]
     base = SafetensorsWeights(model_dir)
     streamed = stream_model(config, base, torch.float32)
     text, record = config.get_text_config(), {}

@@ -46,6 +46,20 @@ def layered(tmp_path_factory) -> Path:
     return build(tmp_path_factory.mktemp(FAMILY) / "layered", num_kv_shared_layers=0)
 
 
+def test_gguf_auto_precision_probes_a_kv_shared_model_from_the_embedding(cli, model, layered, tmp_path):
+    """The measured sensitivity resumes each probe's forward at the layer it changes, except where later layers read
+    the keys and values of earlier ones (shared_kv_states, filled only by a forward that ran those layers): there
+    every probe runs from the embedding."""
+    from quantkit.mixed.sensitivity import resumable_start
+
+    shared, plain = (json.loads((m / "config.json").read_text()) for m in (model, layered))
+    assert resumable_start(shared, 3) == 0 and resumable_start(plain, 3) == 3
+    out = tmp_path / "out"
+    entry = common.assert_passed(common.quantize(cli, model, out, "gguf", "--gguf-type", "Q4_K_M", "--imatrix", "auto",
+                                                 "--auto-precision"), out)
+    assert entry["details"]["sensitivity"]["measured"] and entry["details"]["sensitivity"]["probes"]
+
+
 COMPRESSED = {"fp8": [], "gptq": [], "awq": [], "smoothquant": [], "nvfp4": [], "mxfp4": [], "nf4": []}
 FAST = ("fp8",)
 

@@ -67,10 +67,40 @@ def test_compressed_tensors_and_nf4_reload_strictly(cli, model, tmp_path, method
             assert "multiples of 32" in entry["details"]["kept_16bit"]["model.layers.0.mamba.in_proj"]
 
 
+def test_quantkit_s_scorers_divide_the_logits_as_the_model_s_forward_does(model):
+    """Granite's forward divides the head's logits by logits_scaling (8 here): quantkit's own head blocks, resident
+    and streamed, score the same log-probs (without the divisor the gate and serve-check would read a model eight
+    times sharper than the one served)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from quantkit.eval import evaluate, scorers
+
+    loaded = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    windows = torch.randint(0, loaded.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = torch.log_softmax(loaded(windows).logits[:, :-1].float(), -1).reshape(-1, loaded.config.vocab_size)
+    for scorer in (evaluate.model_scorer(loaded), scorers.checkpoint_scorer(model, dtype="float32")):
+        got = torch.cat([torch.as_tensor(c.logprobs) for c in scorer(windows)])
+        assert torch.allclose(got, expected, atol=1e-5), (got - expected).abs().max()
+
+
 def test_gguf(cli, model, tmp_path):
     out = tmp_path / "out"
     entry = common.assert_passed(common.quantize(cli, model, out, "gguf", "--gguf-type", "Q4_K_M"), out)
     assert entry["details"]["gguf"]["type"] == "Q4_K_M"
+
+
+def test_gguf_auto_precision_measures_the_shared_mlp_s_pieces(cli, model, tmp_path):
+    """The dense hybrid streams (transformers' loading conversion renames only the MoE variant's experts), and the
+    shared MLP's input_linear, written as ffn_gate and ffn_up, is measured piece by piece on its own rows."""
+    out = tmp_path / "out"
+    entry = common.assert_passed(common.quantize(cli, model, out, "gguf", "--gguf-type", "Q4_K_M", "--imatrix", "auto",
+                                                 "--auto-precision"), out)
+    rows = {t["tensor"]: t for t in entry["details"]["sensitivity"]["tensors"]}
+    gate, up = rows["blk.0.ffn_gate.weight"], rows["blk.0.ffn_up.weight"]
+    assert gate["shape"] == up["shape"] == [512, 256] and gate["errors"] != up["errors"]
+    assert gate["kld"] is not None and up["kld"] is not None
 
 
 def test_gguf_refuses_a_dense_model_that_routes_to_experts(cli, model, tmp_path):

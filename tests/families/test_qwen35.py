@@ -52,6 +52,17 @@ def test_gguf(cli, model, tmp_path):
     assert entry["details"]["gguf"]["type"] == "Q4_K_M"
 
 
+def test_gguf_auto_precision_measures_the_hybrid_layers(cli, model, tmp_path):
+    """The measured sensitivity streams the hybrid decoder (Gated DeltaNet layers beside attention): transformers'
+    loading conversion for the family only moves a VLM's language-model prefix, which a text checkpoint lacks."""
+    out = tmp_path / "out"
+    entry = common.assert_passed(common.quantize(cli, model, out, "gguf", "--gguf-type", "Q4_K_M", "--imatrix", "auto",
+                                                 "--auto-precision"), out)
+    sensitivity = entry["details"]["sensitivity"]
+    assert sensitivity["measured"] and any("ssm" in t["tensor"] or "attn_qkv" in t["tensor"]
+                                           for t in sensitivity["tensors"] if t.get("kld") is not None)
+
+
 def without_tensor(model: Path, dest: Path, name: str) -> Path:
     """A copy of the checkpoint with one tensor removed from its safetensors file."""
     import shutil

@@ -84,6 +84,34 @@ def test_weighted_errors_come_from_a_sample_of_rows_scaled_to_the_matrix():
     assert embedded["Q4_0"] == pytest.approx(weighted_error(matrix, T.Q4_0, None, None, frequencies), rel=1e-6)
 
 
+def test_a_split_s_pieces_are_measured_and_patched_on_their_own_rows():
+    """A tensor the conversion cuts into row blocks as stored (Granite 4's shared MLP input_linear into ffn_gate and
+    ffn_up): each piece's weighted errors are its rows', and its probe patches those rows of the source matrix alone;
+    a whole type map quantizes each piece at its own type."""
+    import numpy as np
+
+    from quantkit.gguf.convert import TensorPlan
+    from quantkit.gguf.quants import dequantize, quantize
+    from quantkit.mixed.gguf import TypedMatrices, quantized_matrices, tensor_errors, weighted_error
+
+    rng = np.random.default_rng(1)
+    matrix = rng.normal(size=(64, 256)).astype(np.float32)
+    matrix[32:] *= 10  # the up half: ten times the gate half's error
+    source = Rows(matrix)
+    source.header = {"w": {"shape": list(matrix.shape)}}
+    gate, up = (TensorPlan(f"blk.0.ffn_{n}.weight", "w", (32, 256), T.Q4_0, source_rows=(a, a + 32))
+                for n, a in (("gate", 0), ("up", 32)))
+    for plan, rows in ((gate, matrix[:32]), (up, matrix[32:])):
+        errors = tensor_errors({"w": source}, plan, None, None, None)
+        assert errors["Q4_0"] == weighted_error(rows, T.Q4_0, None, None, None)
+    patched = quantized_matrices({"w": source}, up, T.Q4_0, None)["w"].numpy()
+    assert np.array_equal(patched[:32], matrix[:32])
+    assert np.array_equal(patched[32:], dequantize(quantize(matrix[32:], T.Q4_0), T.Q4_0))
+    typed = TypedMatrices({"w": source}, [gate, up], {gate.name: T.Q8_0, up.name: T.Q4_0}, None)["w"].numpy()
+    assert np.array_equal(typed[:32], dequantize(quantize(matrix[:32], T.Q8_0), T.Q8_0))
+    assert np.array_equal(typed[32:], patched[32:])
+
+
 def test_a_dominated_candidate_is_never_chosen():
     """Q4_0 is as large as Q4_K: with more error it leaves the tensor's choices; Q4_1 sits between sizes."""
     r = table_row("t", (256, 512), "Q4_K", {"Q2_K": 9.0, "Q3_K": 5.0, "Q4_0": 3.0, "Q4_K": 2.0, "Q4_1": 2.5,
