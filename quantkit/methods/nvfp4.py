@@ -34,7 +34,6 @@ from pydantic import BaseModel, ConfigDict
 
 from quantkit.arch import moe
 from quantkit.engines.llmcompressor import layer_resume, llmc
-from quantkit.errors import UnsupportedError
 from quantkit.formats import compressed_tensors
 from quantkit.methods import AutoRung, Layers, MethodSpec, OnRanks, QuantizeJob, QuantizeResult, Resume, Sizes
 from quantkit.mixed import layers as intmix
@@ -156,10 +155,6 @@ def check(info, options: Options, calibration) -> None:
         return
     moe.check_vlm_expert_reload(info, "nvfp4", "NVFP4's global scales",
                                 "use --method mxfp4 or fp8 for this VLM, or nvfp4 on its language model alone")
-    if moe.expert_count(info.config) and moe.expert_checkpoint(info.model_type) is not None:
-        raise UnsupportedError(f"nvfp4 {options.scheme} on MoE model '{info.model_type}': its activations' global "
-                               "scales are calibrated on the loaded model, whose FP4 experts transformers cannot "
-                               "reload", hint="use --scheme a16 (weights only: quantized model-free)")
     check_dense(info, "nvfp4")
     llmc.check_rotation(info, options.rotate, "nvfp4")
 

@@ -109,6 +109,19 @@ def test_method_reloads_strictly_with_every_expert_quantized(cli, models, tmp_pa
     common.assert_moe_artifact(cli, models(family), tmp_path, method, *METHODS[method])
 
 
+def test_nvfp4_w4a4_of_a_model_free_family_runs_on_the_loaded_model(cli, models, tmp_path):
+    """nvfp4's weights-only scheme takes GLM-4.5 model-free; w4a4 calibrates its activations' global scales on the
+    loaded model, its FP4 experts read back by quantkit's reading (transformers cannot reload them), each expert's
+    gate and up with one weight global scale (vLLM's fused-MoE NVFP4 takes the gate's for both)."""
+    entry = common.assert_moe_artifact(cli, models("glm4_moe"), tmp_path, "nvfp4")
+    assert entry["details"].get("path") != "model-free"
+    stored = common.stored_tensors(tmp_path / "out")
+    for expert in range(4):
+        gate, up = (stored[f"model.layers.1.mlp.experts.{expert}.{p}.weight_global_scale"] for p in ("gate_proj",
+                                                                                                     "up_proj"))
+        assert gate.equal(up)
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_smoothing_rows_preserve_the_function(models, family):
     """A random per-channel scale divided out of each row's smooth layer and multiplied into its balance layers

@@ -81,14 +81,16 @@ def test_vllm_resolves_every_layer_and_takes_every_tensor(artifacts, tmp_path):
     assert any(p.startswith("model.layers.0.mlp.gate.weight_packed: vLLM's") for p in problems), problems[:5]
 
 
-# the loaded path's MoE artifacts: Granite 4's MoE variant through each compressed-tensors method, and fp8-static on
-# Qwen3-MoE (its experts' weights per tensor: vLLM's fused-MoE fp8 method takes static activation scales only so)
+# the loaded path's MoE artifacts: Granite 4's MoE variant through each compressed-tensors method, fp8-static on
+# Qwen3-MoE (its experts' weights per tensor: vLLM's fused-MoE fp8 method takes static activation scales only so) and
+# nvfp4 w4a4 on GLM-4.5 (a family nvfp4 a16 takes model-free)
 LOADED = {"fp8": (["--method", "fp8"], "CompressedTensorsW8A8Fp8MoEMethod"),
           "fp8-static": (["--method", "fp8", "--scheme", "fp8-static"], "CompressedTensorsW8A8Fp8MoEMethod"),
           "gptq": (["--method", "gptq"], "CompressedTensorsWNA16MoEMethod"),
           "awq": (["--method", "awq"], "CompressedTensorsWNA16MoEMethod"),
           "nvfp4": (["--method", "nvfp4", "--scheme", "a16"], "CompressedTensorsW4A4Nvfp4MoEMethod"),
-          "mxfp4": (["--method", "mxfp4"], "CompressedTensorsW4A4Mxfp4MoEMethod")}
+          "mxfp4": (["--method", "mxfp4"], "CompressedTensorsW4A4Mxfp4MoEMethod"),
+          "nvfp4-w4a4": (["--method", "nvfp4"], "CompressedTensorsW4A4Nvfp4MoEMethod")}
 
 
 def test_vllm_takes_every_tensor_of_the_loaded_path_s_moe_artifacts(tmp_path):
@@ -99,8 +101,10 @@ def test_vllm_takes_every_tensor_of_the_loaded_path_s_moe_artifacts(tmp_path):
     from tests.families.test_granite import MOE, build
     from tests.families.test_moe import build as build_moe
 
-    models = {"granite": build(tmp_path / "granite", **MOE), "qwen3_moe": build_moe(tmp_path / "qwen3", "qwen3_moe")}
-    cases = [("granite", m) for m in LOADED] + [("qwen3_moe", "fp8-static")]
+    models = {"granite": build(tmp_path / "granite", **MOE), "qwen3_moe": build_moe(tmp_path / "qwen3", "qwen3_moe"),
+              "glm4_moe": build_moe(tmp_path / "glm", "glm4_moe")}
+    cases = [("granite", m) for m in LOADED if m != "nvfp4-w4a4"] + [("qwen3_moe", "fp8-static"),
+                                                                     ("glm4_moe", "nvfp4-w4a4")]
     made = {}
     for kind, method in cases:
         out = tmp_path / f"{kind}-{method}"
@@ -113,5 +117,5 @@ def test_vllm_takes_every_tensor_of_the_loaded_path_s_moe_artifacts(tmp_path):
         result = found[name]
         assert result["problems"] == [], (name, result["problems"][:5])
         assert set(result["moe_methods"].values()) == {LOADED[method][1]}, (name, result["moe_methods"])
-        router = "block_sparse_moe.router.layer" if kind == "granite" else "mlp.gate"
+        router = "block_sparse_moe.router.layer" if kind == "granite" else "mlp.gate"  # GLM-4.5's layer 1: MoE
         assert result["schemes"][f"model.layers.1.{router}"] is None

@@ -27,9 +27,10 @@ from unittest import mock
 import torch
 
 FUSED_MOE = {  # the model's packed_modules_mapping (DeepseekV2ForCausalLM, Qwen3MoeForCausalLM / its weights mapper,
-    # GraniteMoeHybridForCausalLM)
+    # Glm4MoeForCausalLM, GraniteMoeHybridForCausalLM)
     "deepseek_v3": {"gate_up_proj": ["gate_proj", "up_proj"], "fused_qkv_a_proj": ["q_a_proj", "kv_a_proj_with_mqa"]},
     "qwen3_moe": {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]},
+    "glm4_moe": {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]},
     "granitemoehybrid": {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "in_proj": ["in_proj"],
                          "input_linear": ["input_linear"]},
 }
@@ -162,7 +163,8 @@ def check_linear(config, name: str, shards: list[str], stored: dict, problems: l
             elif list(found[1]) != shape or family(found[0]) != family(dtype):
                 problems.append(f"{shard}.{param}: stored {found}, vLLM creates {dtype} {shape}")
         for key in [k for k in stored if k.rsplit(".", 1)[0] == shard]:
-            if key.rsplit(".", 1)[1] not in params_of(layer):
+            # a bias is the linear layer's own parameter, not its scheme's (GLM-4.5's q/k/v biases)
+            if key.rsplit(".", 1)[1] not in (*params_of(layer), "bias"):
                 problems.append(f"{key}: no parameter of vLLM's {type(scheme).__name__} takes it")
     return type(scheme).__name__
 
