@@ -135,8 +135,31 @@ GEMMA2 = Family("gemma2", "Gemma2ForCausalLM", smoothing=GEMMA2_ROWS,
                 gguf={"Gemma2ForCausalLM": Gguf("GEMMA2", add_gemma2_params, "gemma2", norm_shift=True,
                                                 drops_lm_head=True, rope_types=("default",), windowed=True)},
                 config=ConfigRules((alternating_layers,)))
+MLX_SLIDING_PATTERN = 6  # mlx-lm 0.32's gemma3_text ModelArgs.sliding_window_pattern default
+
+
+def check_mlx_layer_pattern(config: dict) -> None:
+    """mlx-lm's gemma3_text makes layer i global where (i + 1) % sliding_window_pattern == 0 (the pattern quantkit
+    writes from the first full-attention layer; mlx-lm's default without one) and reads the cache of layer
+    pattern - 1 for the global mask: layer_types another way, or fewer layers than the pattern, would run otherwise
+    or fail at the first forward (IndexError)."""
+    kinds = config.get("layer_types") or []
+    if not kinds:
+        return
+    pattern = kinds.index("full_attention") + 1 if "full_attention" in kinds else \
+        int(config.get("sliding_window_pattern") or MLX_SLIDING_PATTERN)
+    theirs = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(len(kinds))]
+    if theirs != kinds or len(kinds) < pattern:
+        raise UnsupportedError(f"mlx: Gemma 3's layer_types {kinds}: mlx-lm's gemma3_text makes a layer global "
+                               f"where its number (from 1) is a multiple of the sliding pattern, {pattern} here, and "
+                               f"needs at least {pattern} layers, so it would run this model otherwise (or fail at "
+                               "its first forward)",
+                               hint="use --method gguf (llama.cpp reads the layer kinds) or a compressed-tensors method")
+
+
 GEMMA3 = Family("gemma3_text", "Gemma3ForCausalLM", "Gemma 3 (text)", smoothing=GEMMA3_ROWS,
                 gguf={"Gemma3ForCausalLM": GEMMA3_GGUF, "Gemma3ForConditionalGeneration": GEMMA3_GGUF},
-                mlx="gemma3_text", config=ConfigRules((gemma3_layers,), gemma3_rope))
+                mlx="gemma3_text", mlx_checks=(check_mlx_layer_pattern,),
+                config=ConfigRules((gemma3_layers,), gemma3_rope))
 
 FAMILIES = (GEMMA, GEMMA2, GEMMA3)
