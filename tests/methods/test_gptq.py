@@ -146,12 +146,16 @@ def test_auto_symmetric_by_bits_and_moe():
     def info(config):
         return SimpleNamespace(model_type=config["model_type"], config=config)
 
-    dense, moe = info({"model_type": "llama"}), info({"model_type": "mixtral"})
-    vlm = info({"model_type": "qwen3_5_moe", "text_config": {"model_type": "qwen3_5_moe_text"}})
+    dense, moe = info({"model_type": "llama"}), info({"model_type": "mixtral", "num_local_experts": 8})
+    vlm = info({"model_type": "qwen3_5_moe", "text_config": {"model_type": "qwen3_5_moe_text", "num_experts": 8}})
     assert gptq.auto_symmetric(dense, 4)[0] is False
     assert gptq.auto_symmetric(dense, 8)[0] is True
     assert gptq.auto_symmetric(moe, 4)[0] is True
     assert gptq.auto_symmetric(vlm, 4)[0] is True
+    # a family with dense and MoE checkpoints under one model_type: only the one with experts
+    granite = {"model_type": "granitemoehybrid", "num_local_experts": 0}
+    assert gptq.auto_symmetric(info(granite), 4)[0] is False
+    assert gptq.auto_symmetric(info({**granite, "num_local_experts": 4}), 4)[0] is True
     # int8 layers of a per-layer plan are symmetric per channel whatever the int4 scheme
     scheme = gptq.Scheme(group_size=64, symmetric=False)
     assert scheme.weights("int8")["symmetric"] is True and scheme.weights("int4")["symmetric"] is False
