@@ -123,6 +123,16 @@ def oneshot_recipe(method: str, variant: str, model_dir: str, args) -> list:
     return rotation_recipe(args.rotate) + method_recipe(method, variant, model_dir, args)
 
 
+def peer_ignore(model_dir: str) -> list[str]:
+    """What the bare recipes leave 16-bit: lm_head, and a mixture of experts' routers, as llm-compressor's own MoE
+    examples do (`re:.*mlp.gate$`) and quantkit keeps them (the family's expert layout's router pattern)."""
+    from quantkit.arch.moe import moe_layout
+    from quantkit.io.checkpoint import read_config
+
+    layout = moe_layout(read_config(Path(model_dir)))
+    return ["lm_head"] + ([f"re:{layout.router}"] if layout is not None else [])
+
+
 def method_recipe(method: str, variant: str, model_dir: str, args) -> list:
     from llmcompressor.modifiers.autoround import AutoRoundModifier
     from llmcompressor.modifiers.gptq import GPTQModifier
@@ -130,25 +140,25 @@ def method_recipe(method: str, variant: str, model_dir: str, args) -> list:
     from llmcompressor.modifiers.transform.awq import AWQModifier
     from llmcompressor.modifiers.transform.smoothquant import SmoothQuantModifier
 
-    scheme = PRESETS[method][variant]
+    scheme, ignore = PRESETS[method][variant], peer_ignore(model_dir)
     if method in PRESET_ONLY:
         from quantkit.engines.llmcompressor.llmc import kv_cache_scheme
 
-        return [QuantizationModifier(targets="Linear", scheme=scheme, ignore=["lm_head"],
+        return [QuantizationModifier(targets="Linear", scheme=scheme, ignore=ignore,
                                      kv_cache_scheme=kv_cache_scheme("fp8" if method == "fp8-kv" else None))]
     given = ({"config_groups": w4a16_groups(model_dir, W4A16[method])} if method in W4A16
              else {"targets": "Linear", "scheme": scheme})
     if variant == "rtn":
-        return [QuantizationModifier(**given, ignore=["lm_head"])]
+        return [QuantizationModifier(**given, ignore=ignore)]
     if method == "gptq":
-        return [GPTQModifier(**given, ignore=["lm_head"])]
+        return [GPTQModifier(**given, ignore=ignore)]
     if method == "autoround":
         tuning = {"iters": args.iters} if args.iters else {}
-        return [AutoRoundModifier(**given, ignore=["lm_head"], enable_torch_compile=False, **tuning)]
+        return [AutoRoundModifier(**given, ignore=ignore, enable_torch_compile=False, **tuning)]
     if method == "awq":
-        return [AWQModifier(), QuantizationModifier(**given, ignore=["lm_head"])]
+        return [AWQModifier(), QuantizationModifier(**given, ignore=ignore)]
     return [SmoothQuantModifier(smoothing_strength=0.8),
-            GPTQModifier(targets="Linear", scheme=scheme, ignore=["lm_head"])]
+            GPTQModifier(targets="Linear", scheme=scheme, ignore=ignore)]
 
 
 def worker_llmcompressor(model_dir: str, out: str, method: str, variant: str, args) -> None:

@@ -27,7 +27,8 @@ def test_render_writes_each_cell_by_its_exit_code(tmp_path):
         "mlx": {"exit": 2, "seconds": 0.5, "message": "mlx: no model"}}}}
     (tmp_path / "run.json").write_text(json.dumps(run))
     assert rendered(tmp_path / "run.json") == ["| family | `fp8` | `mlx` |", "|---|---|---|",
-                                               "| `x` | ✅ 3.2 s reload | 2 refused: mlx: no model |"]
+                                               "| `x` | ✅ 3.2 s reload | 2 refused [1] |", "",
+                                               "Refusals (exit 2 before work):", "", "- [1] mlx: no model"]
 
 
 def test_docs_models_shows_the_saved_matrix():
@@ -40,3 +41,17 @@ def test_page_rewrites_only_the_measured_block(tmp_path):
     page.write_text(f"# title\n\nprose\n{BEGIN}\nstale\n{END}\nafter\n")
     subprocess.run([sys.executable, str(SCRIPT), "--render", str(SAVED), "--page", str(page)], check=True)
     assert page.read_text() == "# title\n\nprose\n" + "\n".join([BEGIN, *rendered(SAVED), END]) + "\nafter\n"
+
+
+def test_the_matrix_has_a_row_for_every_mixture_of_experts_family():
+    """The MoE families of tests/families (Granite 4's MoE variant and Llama 4's text model among them) are rows
+    of the matrix beside the dense ones (built only when the benchmark runs)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_families", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    rows = module.family_builders()
+    from tests.families.test_moe import FAMILIES, REFUSED
+
+    assert {*FAMILIES, *REFUSED, "qwen2_moe", "granitemoehybrid (MoE)", "granitemoehybrid"} <= set(rows)
