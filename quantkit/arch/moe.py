@@ -14,8 +14,8 @@ save mapping turns the linear names back into the checkpoint's; transformers the
 artifact strictly, dequantizing the per-expert tensors into its fused experts.
 
 Routed tokens: the router of each MoE block (a module returning logits, top-k weights and top-k
-indices) is hooked during a separate forward over the calibration windows, counting the tokens
-the router sends to each expert. An expert routed fewer than MIN_EXPERT_TOKENS tokens is listed
+indices; Granite 4's returns the indices first: MoeLayout.router_indices) is hooked during a separate
+forward over the calibration windows, counting the tokens the router sends to each expert. An expert routed fewer than MIN_EXPERT_TOKENS tokens is listed
 in the report: llm-compressor still calibrates it on every token, but on inputs the router rarely
 sends it, so a short calibration set or one far from the model's use shows up there.
 """

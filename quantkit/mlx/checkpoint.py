@@ -137,6 +137,16 @@ def derived_mlx_lm_fields(config: dict) -> dict:
     return fields
 
 
+def as_mlx_lm_rotates(config: dict) -> dict:
+    """config.json with its RoPE as mlx-lm computes it: mlx-lm's SuScaledRoPE applies a longrope scaling's long
+    factors at every length, where transformers applies the short ones within original_max_position_embeddings
+    (Phi-3's), so the reading takes the long factors for both; any other config as it is."""
+    rope = config.get("rope_parameters") or {}
+    if rope.get("rope_type") != "longrope" or "long_factor" not in rope:
+        return config
+    return {**config, "rope_parameters": {**rope, "short_factor": rope["long_factor"]}}
+
+
 def without_mlx_lm_fields(config: dict) -> dict:
     """config.json as the checkpoint had it: the fields mlx_lm_fields derives (from rope_parameters and
     layer_types, which it leaves as they are) taken out where they hold the derived values, so transformers
@@ -597,13 +607,14 @@ class MLXWeights:
 
     def transformers_config(self):
         """The model's transformers config: config.json without the quantization blocks (a family written in its
-        mlx-lm model's layout: its text_config, the checkpoint's config.json)."""
+        mlx-lm model's layout: its text_config, the checkpoint's config.json), its RoPE as mlx-lm computes it
+        (as_mlx_lm_rotates)."""
         from transformers import AutoConfig
 
         plain = {k: v for k, v in self.config.items() if k not in ("quantization", "quantization_config")}
         if layout(plain) is not None and layout(plain).nested:
             plain = plain["text_config"]
-        return AutoConfig.for_model(**without_mlx_lm_fields(plain))
+        return AutoConfig.for_model(**as_mlx_lm_rotates(without_mlx_lm_fields(plain)))
 
     def stored_dtype(self) -> str:
         """The float dtype the scales are stored in (what mlx-lm computes in)."""

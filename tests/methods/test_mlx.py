@@ -140,20 +140,16 @@ def float32_mlx_model(model):
 
 
 def comparable_copy(family: str, source: Path, dest: Path) -> Path:
-    """The family model as both sides can run it alike. Gemma 3: its second layer attends globally (mlx-lm's
-    Gemma 3 needs a global layer within its sliding pattern; two sliding layers fail in its mask setup).
-    Phi-3: short RoPE factors equal to the long ones (mlx-lm applies the long factors at every length,
-    transformers the short ones below the original context)."""
+    """The family model as mlx-lm can run it. Gemma 3: its second layer attends globally (mlx-lm's Gemma 3 needs a
+    global layer within its sliding pattern; quantkit refuses two sliding layers). Phi-3 as it is: its short RoPE
+    factors differ from the long ones, which mlx-lm applies at every length, and quantkit's reading does so too."""
     import shutil
 
-    if family not in ("gemma3", "phi3"):
+    if family != "gemma3":
         return source
     shutil.copytree(source, dest)
     config = json.loads((dest / "config.json").read_text())
-    if family == "gemma3":
-        config["layer_types"] = ["sliding_attention", "full_attention"]
-    else:
-        config["rope_parameters"]["short_factor"] = config["rope_parameters"]["long_factor"]
+    config["layer_types"] = ["sliding_attention", "full_attention"]
     (dest / "config.json").write_text(json.dumps(config, indent=2))
     return dest
 

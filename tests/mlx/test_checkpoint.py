@@ -65,3 +65,18 @@ def test_qwen35_is_written_in_mlx_lm_s_qwen3_5_layout_and_read_back():
     gated = "model.layers.0.linear_attn.norm.weight"
     assert written_tensor(config, gated, norm) is norm
     assert layout({"model_type": "llama"}) is None and written_name({"model_type": "llama"}, "lm_head") == "lm_head"
+
+
+def test_the_reading_rotates_longrope_as_mlx_lm_does():
+    """mlx-lm's SuScaledRoPE applies the long factors at every length: quantkit's reading of an MLX artifact takes
+    them for the short ones too (transformers would apply the short factors within the original context); other
+    RoPE scalings are read as stored."""
+    from quantkit.mlx.checkpoint import as_mlx_lm_rotates
+
+    longrope = {"model_type": "phi3", "rope_parameters": {"rope_type": "longrope", "short_factor": [1.0, 1.5],
+                                                          "long_factor": [2.0, 3.0], "rope_theta": 1e4}}
+    read = as_mlx_lm_rotates(longrope)
+    assert read["rope_parameters"]["short_factor"] == [2.0, 3.0] == read["rope_parameters"]["long_factor"]
+    assert longrope["rope_parameters"]["short_factor"] == [1.0, 1.5]  # the stored config is left as it is
+    llama3 = {"model_type": "llama", "rope_parameters": {"rope_type": "llama3", "factor": 8.0}}
+    assert as_mlx_lm_rotates(llama3) is llama3
