@@ -283,8 +283,20 @@ def test_quantize_end_to_end(cli, moe_models, tmp_path, kind, scheme):
         assert (out / name).is_file(), name
 
 
+def test_nvfp4_w4a4_takes_the_loaded_model(cli, moe_models, tmp_path):
+    """nvfp4's default w4a4 calibrates its activations' global scales, so it runs on the loaded model (not
+    model-free), its FP4 experts read back by quantkit's reading."""
+    out = tmp_path / "out"
+    result = cli("quantize", moe_models("qwen3_moe"), "--method", "nvfp4", *CALIB_ARGS, "--no-gate", "-o", out)
+    assert result.exit_code == 0, result.output
+    entry = json.loads((out / "quantkit.json").read_text())["targets"][0]
+    assert entry["details"].get("path") != "model-free"
+    from tests.families.common import stored_tensors
+
+    assert any(k.endswith(".experts.0.up_proj.input_global_scale") for k in stored_tensors(out))
+
+
 @pytest.mark.parametrize("args,words", [
-    (["--method", "nvfp4"], "use --scheme a16"),
     (["--method", "fp8", "--scheme", "fp8-block", "--kv-cache", "fp8"], "--kv-cache needs the loaded model"),
 ])
 def test_refused_before_any_work(cli, moe_models, tmp_path, args, words):
