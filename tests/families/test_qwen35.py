@@ -52,6 +52,7 @@ def test_gguf(cli, model, tmp_path):
     assert entry["details"]["gguf"]["type"] == "Q4_K_M"
 
 
+@pytest.mark.slow  # the fast suite streams a hybrid through Granite 4's test
 def test_gguf_auto_precision_measures_the_hybrid_layers(cli, model, tmp_path):
     """The measured sensitivity streams the hybrid decoder (Gated DeltaNet layers beside attention): transformers'
     loading conversion for the family only moves a VLM's language-model prefix, which a text checkpoint lacks."""

@@ -283,6 +283,7 @@ def test_quantize_end_to_end(cli, moe_models, tmp_path, kind, scheme):
         assert (out / name).is_file(), name
 
 
+@pytest.mark.slow  # the fast suite runs the same on GLM-4.5 (tests/families/test_moe.py)
 def test_nvfp4_w4a4_takes_the_loaded_model(cli, moe_models, tmp_path):
     """nvfp4's default w4a4 calibrates its activations' global scales, so it runs on the loaded model (not
     model-free), its FP4 experts read back by quantkit's reading."""
