@@ -1,11 +1,22 @@
-"""Benchmark: the KV table for every KV-cache type of vLLM, llama.cpp and mlx-lm on one model, and the time the
-KV measurement adds to the gate's own.
+"""Benchmark: the KV table for every KV-cache type of vLLM, llama.cpp and mlx-lm on one model, the time the
+KV measurement adds to the gate's own, and quantkit's llama.cpp KV simulation against llama-perplexity.
 
 The model (a checkpoint directory) is measured against itself: each type's own damage over the same weights and
 the total are then the same numbers. One forward per type (quantkit.eval.kv.measure); the gate's own time is one
 forward of the model over the same windows.
 
     python scripts/bench_kv.py [MODEL_DIR] [--windows 8] [--seq-len 512] [--json out.json]
+    python scripts/bench_kv.py MODEL_DIR --pad-vocab 262144 ...   # the same on a 262K-vocabulary shape of MODEL
+    python scripts/bench_kv.py MODEL_DIR --gated --llama-cpp --json out.json   # also the two sections below
+    python scripts/bench_kv.py --render out.json                   # the markdown tables of a run
+
+--gated: one gated `quantkit quantize` per engine (llama.cpp: gguf Q8_0, mlx-lm: mlx 8-bit, vLLM: fp8), each run
+three times one after another on the same calibration and held-out windows: without --kv-cache, with
+--kv-cache auto (smallest first, stopping at the first that passes) and with --kv-cache all; the report's
+timings give the gate's own seconds (eval_s) and the KV measurement's (kv_cache_s).
+--llama-cpp: the model converted to an F16 GGUF; for each -ctk/-ctv pair (rotation on, and off for q4_0),
+llama-perplexity --kl-divergence with that cache against its f16-cache run, and quantkit's simulated KL divergence
+on the same tokens and positions (quantkit.eval.llamacpp.chunk_windows).
 
 Without MODEL_DIR a toy model is built under /tmp/quantkit-bench (preset `micro`).
 """
@@ -14,8 +25,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
+
+GATED = {"llama.cpp": ["--method", "gguf", "--gguf-type", "Q8_0"], "mlx": ["--method", "mlx", "--bits", "8"],
+         "vllm": ["--method", "fp8"]}
+PAIRS = [("q8_0", "q8_0", True), ("q5_1", "q5_1", True), ("q4_0", "q4_0", True), ("q4_0", "q4_0", False),
+         ("q8_0", "q4_0", True), ("iq4_nl", "iq4_nl", True)]
+LLAMA_CTX, LLAMA_CHUNKS = 256, 8
 
 
 def every_type(shape) -> list:
@@ -35,14 +57,8 @@ def every_type(shape) -> list:
     return kinds
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("model", nargs="?")
-    parser.add_argument("--windows", type=int, default=8)
-    parser.add_argument("--seq-len", type=int, default=512)
-    parser.add_argument("--json")
-    args = parser.parse_args()
-
+def kv_table(model: Path, args) -> dict:
+    """Every type measured in this process on the model against itself, and the gate forward's seconds."""
     from quantkit.engines.transformers import load_tokenizer
     from quantkit.eval import evaluate, kv, scorers
     from quantkit.eval.kv.measure import measure_types
@@ -51,12 +67,6 @@ def main() -> None:
     from quantkit.run.calibration import make_windows
     from quantkit.run.recipe import Calibration, Gate
 
-    if args.model:
-        model = Path(args.model)
-    else:
-        from quantkit.toy import make_toy_model
-
-        model = make_toy_model(Path("/tmp/quantkit-bench/micro"), "micro")
     info = check_model_dir(model)
     tokenizer = load_tokenizer(info, False)
     windows = make_windows(tokenizer, Calibration(num_samples=0, seq_len=args.seq_len, eval_windows=args.windows)).eval
@@ -68,19 +78,146 @@ def main() -> None:
     started = time.time()
     reading, loaded = opened_for_kv(model, model, "cpu")
     rows = measure_types(reading, loaded, windows, baseline, kinds, shape, Gate(), progress=print)
-    kv_s = time.time() - started
-    full = kv.bf16_bytes_per_token(shape)
-    print(f"\n{model.name}: head_dim {shape.head_dim}, {shape.kv_heads} KV heads, {shape.layers} layers; "
-          f"{len(windows)} windows of {windows.shape[1]} tokens; 16-bit KV {full:,.0f} B/token")
-    print(f"{'type':32} {'B/token':>9} {'vs16':>5} {'KLD':>9} {'Δppl':>8} {'top-1':>7}")
-    for r in rows:
-        print(f"{r.kind.name:32} {r.bytes_per_token:9,.0f} {r.bytes_per_token / full:5.0%} {r.own.kld_mean:9.5f} "
-              f"{r.own.ppl_increase:+8.2%} {r.own.top1:7.2%}")
-    print(f"\ngate forward {gate_s:.1f}s; {len(kinds)} KV types {kv_s:.1f}s "
-          f"({kv_s / max(gate_s, 1e-9) / len(kinds):.2f}x the gate's forward per type)")
+    return {"shape": {"head_dim": shape.head_dim, "kv_heads": shape.kv_heads, "layers": shape.layers},
+            "bf16_bytes_per_token": kv.bf16_bytes_per_token(shape), "windows": len(windows),
+            "seq_len": windows.shape[1], "gate_forward_s": gate_s, "kv_s": time.time() - started,
+            "types": [r.as_dict(shape) for r in rows]}
+
+
+def run_quantize(model: Path, engine: str, kv_cache: str | None, args, work: Path) -> dict:
+    out = work / f"{engine}-{kv_cache or 'none'}".replace(".", "")
+    command = [sys.executable, "-m", "quantkit", "quantize", str(model), *GATED[engine], "-o", str(out),
+               "--num-samples", str(args.num_samples), "--seq-len", str(args.seq_len), "--eval-windows",
+               str(args.windows), "--json", str(out) + ".json"]
+    command += ["--kv-cache", kv_cache, "--kv-engine", engine] if kv_cache else []
+    started = time.time()
+    done = subprocess.run(command, capture_output=True, text=True)
+    wall = time.time() - started
+    if done.returncode not in (0, 3):
+        raise SystemExit(f"{' '.join(command)}: exit {done.returncode}\n{done.stderr[-3000:]}")
+    target = json.loads(Path(str(out) + ".json").read_text())["targets"][0]
+    section = target["details"].get("kv_cache_types") or {}
+    types = section.get("types") or []
+    return {"engine": engine, "kv_cache": kv_cache or "", "exit": done.returncode, "wall_s": round(wall, 1),
+            "eval_s": target["timings"].get("eval_s"), "kv_cache_s": target["timings"].get("kv_cache_s"),
+            "measured": sum(1 for t in types if t.get("status") != "unneeded"), "offered": len(types),
+            "chosen": section.get("chosen")}
+
+
+def gated(model: Path, args) -> list[dict]:
+    with tempfile.TemporaryDirectory(prefix="bench-kv-") as work:
+        return [run_quantize(model, engine, kv_cache, args, Path(work))
+                for engine in GATED for kv_cache in (None, "auto", "all")]
+
+
+def llama_agreement(model: Path) -> list[dict]:
+    """Per -ctk/-ctv pair: llama-perplexity's KL divergence and quantkit's simulated one on the same tokens."""
+    from quantkit.engines.transformers import load_tokenizer
+    from quantkit.eval import kv
+    from quantkit.eval import llamacpp as llama
+    from quantkit.eval.artifacts import load_gguf_into_base
+    from quantkit.eval.kv.measure import second_half_kld
+    from quantkit.gguf.convert import convert
+    from quantkit.io.checkpoint import check_model_dir
+    from quantkit.run.calibration import load_texts
+
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench-kv-llama-") as tmp:
+        gguf, text_file, base = Path(tmp) / "model-F16.gguf", Path(tmp) / "text.txt", Path(tmp) / "base.kld"
+        convert(model, gguf, "F16")
+        tokenizer = load_tokenizer(check_model_dir(model), False)
+        text = "\n\n".join(load_texts("default", tokenizer, chat_template=False, text_field="text"))[:400_000]
+        text_file.write_text(text)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        windows = llama.chunk_windows(ids, llama.added_bos(gguf), LLAMA_CTX, LLAMA_CHUNKS)
+        llama.run_perplexity(["-m", gguf, "-f", text_file, "--kl-divergence-base", base, "-ctk", "f16", "-ctv", "f16",
+                              "-fa", "on"], LLAMA_CTX, LLAMA_CHUNKS)
+        net = load_gguf_into_base(gguf, model)
+        shape = kv.shape_of(net.config)
+        for k_type, v_type, rotation in PAIRS:
+            env = {} if rotation else {"LLAMA_ATTN_ROT_DISABLE": "1"}
+            engine = llama.kl_divergence(gguf, text_file, base, LLAMA_CTX, LLAMA_CHUNKS,
+                                         ["-ctk", k_type, "-ctv", v_type, "-fa", "on"], env)
+            ours = second_half_kld(net, windows, kv.llamacpp_type(k_type, v_type, shape, rotation))
+            rows.append({"k": k_type, "v": v_type, "rotation": rotation, "llama_cpp_kld": engine,
+                         "quantkit_kld": ours, "relative": ours / engine - 1 if engine else None})
+            print(rows[-1])
+    return rows
+
+
+def machine() -> str:
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    simd = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+    return f"{platform.machine()} ({simd}), {os.cpu_count()} CPUs, no GPU"
+
+
+def render(data: dict) -> str:
+    table = data["table"]
+    lines = [f"Model: {data['model']}; {data['machine']}; head_dim {table['shape']['head_dim']}, "
+             f"{table['shape']['kv_heads']} KV heads, {table['shape']['layers']} layers; {table['windows']} windows "
+             f"of {table['seq_len']} tokens; 16-bit KV {table['bf16_bytes_per_token']:,.0f} B/token.", "",
+             "| KV type | bytes/token | vs 16-bit | KLD | Δppl | top-1 | left 16-bit |", "|---|---:|---:|---:|---:|---:|---|"]
+    for t in table["types"]:
+        lines.append(f"| `{t['type']}` | {t['bytes_per_token']:,.0f} | {1 - t['saving']:.0%} | "
+                     f"{t['own']['kld_mean']:.3g} | {t['own']['ppl_increase']:+.2%} | {t['own']['top1']:.1%} | "
+                     f"{', '.join(map(str, t['skipped_layers'])) or '—'} |")
+    lines += ["", f"{len(table['types'])} types in {table['kv_s']:.1f} s; one forward of the model over the same "
+              f"windows {table['gate_forward_s']:.1f} s."]
+    if data.get("gated"):
+        lines += ["", "| engine (method) | --kv-cache | exit | gate eval s | KV s | KV / gate | measured / offered "
+                  "| chosen | wall s |", "|---|---|---:|---:|---:|---:|---:|---|---:|"]
+        for r in data["gated"]:
+            method = " ".join(GATED[r["engine"]][1::2][:2])
+            ratio = f"{r['kv_cache_s'] / r['eval_s']:.2f}x" if r["kv_cache_s"] and r["eval_s"] else ""
+            counts = f"{r['measured']} / {r['offered']}" if r["kv_cache"] else ""
+            lines.append(f"| {r['engine']} ({method}) | {r['kv_cache'] or '—'} | {r['exit']} | {r['eval_s'] or 0:.1f} "
+                         f"| {r['kv_cache_s'] or 0:.1f} | {ratio} | {counts} | {r['chosen'] or ''} | {r['wall_s']:.1f} |")
+    if data.get("llama_cpp"):
+        lines += ["", "| -ctk / -ctv | rotation | llama-perplexity KLD | quantkit simulated KLD | difference |",
+                  "|---|---|---:|---:|---:|"]
+        for r in data["llama_cpp"]:
+            diff = f"{r['relative']:+.0%}" if r["relative"] is not None else ""
+            lines.append(f"| {r['k']} / {r['v']} | {'on' if r['rotation'] else 'off (LLAMA_ATTN_ROT_DISABLE=1)'} | "
+                         f"{r['llama_cpp_kld']:.3g} | {r['quantkit_kld']:.3g} | {diff} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model", nargs="?")
+    parser.add_argument("--windows", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--num-samples", type=int, default=32, help="--gated: calibration windows")
+    parser.add_argument("--pad-vocab", type=int, metavar="N", help="MODEL with its vocabulary padded to N entries "
+                        "(scripts/bench_auto.py's padding, written once beside it)")
+    parser.add_argument("--gated", action="store_true")
+    parser.add_argument("--llama-cpp", action="store_true")
+    parser.add_argument("--json")
+    parser.add_argument("--render", metavar="JSON")
+    args = parser.parse_args()
+    if args.render:
+        print(render(json.loads(Path(args.render).read_text())))
+        return
+    if args.model:
+        model = Path(args.model)
+    else:
+        from quantkit.toy import make_toy_model
+
+        model = make_toy_model(Path("/tmp/quantkit-bench/micro"), "micro")
+    if args.pad_vocab:
+        sys.path.insert(0, str(Path(__file__).parent))
+        from bench_auto import padded
+
+        model = padded(model, args.pad_vocab)
+    data = {"model": model.name + (f" (vocabulary padded to {args.pad_vocab})" if args.pad_vocab else ""),
+            "machine": machine(), "table": kv_table(model, args)}
+    if args.gated:
+        data["gated"] = gated(model, args)
+    if args.llama_cpp:
+        data["llama_cpp"] = llama_agreement(model)
+    print(render(data))
     if args.json:
-        Path(args.json).write_text(json.dumps({"model": str(model), "gate_s": gate_s, "kv_s": kv_s,
-                                               "types": [r.as_dict(shape) for r in rows]}, indent=1))
+        Path(args.json).write_text(json.dumps(data, indent=1))
 
 
 if __name__ == "__main__":

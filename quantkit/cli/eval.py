@@ -67,9 +67,9 @@ def eval_command(
     gate: GateFlags,
     llama_perplexity: bool = typer.Option(False, "--llama-perplexity", help="For a .gguf, also score the held-out text with llama.cpp's llama-perplexity (needs a llama.cpp build).", rich_help_panel=GATE),
     kv_cache: Optional[str] = typer.Option(None, "--kv-cache", help="Also measure KV-cache types: TYPE[,TYPE...] "
-                                           "(vllm:fp8, vllm:turboquant_k3v4_nc, llama.cpp:q8_0/q4_0, mlx:4, ...) or "
-                                           "auto (every type of the target engine; the smallest that passes is "
-                                           "chosen). Per type: KV bytes per token, its own KLD / Δppl / top-1 over "
+                                           "(vllm:fp8, vllm:turboquant_k3v4_nc, llama.cpp:q8_0/q4_0, mlx:4, ...), "
+                                           "auto (the target engine's types measured smallest first; the first "
+                                           "that passes is chosen) or all (every type measured). Per type: KV bytes per token, its own KLD / Δppl / top-1 over "
                                            "the same weights, and the total against the base.", rich_help_panel=GATE),
     kv_engine: Optional[str] = typer.Option(None, "--kv-engine", help="The engine --kv-cache auto targets: vllm, "
                                             "vllm-cpu, llama.cpp or mlx (default: the artifact's engine).",
@@ -182,6 +182,7 @@ def measure(request: EvalRequest, trust_remote_code: bool) -> tuple:
     llama_cpp = llama_cpp_check(r.artifact, tokenizer, windows) if r.llama_perplexity else None
     kv_rows = None
     if kv_kinds:
+        from quantkit.eval.kv import stops_at_first_pass
         from quantkit.eval.kv.measure import measure_types
         from quantkit.formats.gate import opened_for_kv
 
@@ -194,7 +195,7 @@ def measure(request: EvalRequest, trust_remote_code: bool) -> tuple:
                                                 trust_remote_code=trust_remote_code, progress=progress)
         reading, model = opened_for_kv(r.artifact, base.path, r.device, trust_remote_code)
         kv_rows = measure_types(reading, model, kv_windows, kv_baseline, kv_kinds, kv_shape(base), r.gate, r.device,
-                                progress)
+                                progress, until_pass=stops_at_first_pass(r.kv_cache))
     return base, metrics, verdict, task_rows, llama_cpp, kv_rows
 
 

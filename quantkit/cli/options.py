@@ -345,8 +345,9 @@ METHOD_OPTIONS = Lazy("quantkit.run.recipe:MethodOptions", {
     "kv_cache": method_flag(Optional[str], "--kv-cache", help="fp8: calibrated per-layer FP8 k/v scales stored in a "
                             "compressed-tensors artifact (fp8, gptq, nvfp4, mxfp4), served with vLLM's "
                             "--kv-cache-dtype fp8. Any other value is measured by the gate: TYPE[,TYPE...] "
-                            "(vllm:turboquant_k3v4_nc, llama.cpp:q8_0/q4_0, mlx:4, ...) or auto (the smallest type "
-                            "of the target engine that passes goes into the serve command)."),
+                            "(vllm:turboquant_k3v4_nc, llama.cpp:q8_0/q4_0, mlx:4, ...), auto (the target engine's "
+                            "types measured smallest first: the first that passes goes into the serve command) or "
+                            "all (every type measured, the smallest passing one chosen)."),
     "rotate": method_flag(Optional[str], "--rotate", help="Rotate before quantizing, through llm-compressor's "
                           "transform modifiers (gptq, autoround, smoothquant, fp8, nvfp4, mxfp4): none (default) | "
                           "hadamard (QuIP: random Hadamard on each quantized Linear's input, applied online by the "

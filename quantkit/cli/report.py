@@ -206,6 +206,19 @@ def serve_checks_table(report: ServeReport) -> Table:
     return table
 
 
+def metric_cells(metrics: dict | None) -> tuple[str, str, str]:
+    """KLD, Δppl and top-1 of a KV row's metrics; blank where the type was not measured."""
+    if metrics is None:
+        return "", "", ""
+    return f"{metrics['kld_mean']:.5f}", f"{metrics['ppl_increase']:+.2%}", f"{metrics['top1']:.2%}"
+
+
+def kv_mark(row: dict, chosen: str | None) -> str:
+    if row.get("status") == "unneeded":
+        return "· unneeded"
+    return ("PASS (chosen)" if row["type"] == chosen else "PASS") if row["passed"] else "FAIL"
+
+
 def kv_table(section: dict, title: str) -> Table:
     """A report's KV-cache section (quantkit.eval.kv.measure: "types", "chosen"), one row per type: bytes per
     token, its own damage over the same weights, the total against the base, and the chosen one marked."""
@@ -215,9 +228,6 @@ def kv_table(section: dict, title: str) -> Table:
                    "total top-1", "gate"):
         table.add_column(column, justify="right", no_wrap=True)
     for row in section["types"]:
-        own, total = row["own"], row["total"]
-        mark = ("PASS (chosen)" if row["type"] == section["chosen"] else "PASS") if row["passed"] else "FAIL"
         table.add_row(row["type"], f"{row['bytes_per_token']:,.0f}", f"{1 - row['saving']:.0%}",
-                      f"{own['kld_mean']:.5f}", f"{own['ppl_increase']:+.2%}", f"{own['top1']:.2%}",
-                      f"{total['kld_mean']:.5f}", f"{total['ppl_increase']:+.2%}", f"{total['top1']:.2%}", mark)
+                      *metric_cells(row["own"]), *metric_cells(row["total"]), kv_mark(row, section["chosen"]))
     return table

@@ -59,3 +59,56 @@ def perplexity(gguf_path: Path, text: str, context: int, threads: int = 2) -> di
     chunks = CHUNKS_LINE.search(result.stdout + result.stderr)
     return {"ppl": float(match.group(1)), "ppl_stderr": float(match.group(2)), "context": context,
             "chunks": int(chunks.group(1)) if chunks else None}
+
+
+KLD_LINE = re.compile(r"Mean\s+KLD:\s+([-0-9.eE+]+)")
+
+
+def run_perplexity(args: list, context: int, chunks: int, env: dict | None = None, threads: int = 2) -> str:
+    """llama-perplexity's output for `args` over `chunks` chunks of `context` tokens (retried where its log thread
+    dropped the last lines)."""
+    exe = find_binary()
+    if exe is None:
+        raise InputError("llama-perplexity not found", hint="build it with scripts/build_llamacpp.sh")
+    cmd = [str(exe), *map(str, args), "-t", str(threads), "-c", str(context), "-b", str(context), "--chunks",
+           str(chunks)]
+    for _attempt in range(6):
+        result = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env={**os.environ, **(env or {})})
+        if "Mean    KLD" in result.stdout or "Final estimate" in result.stdout:
+            return result.stdout
+    raise InternalError(f"llama-perplexity failed: {result.stdout.strip().splitlines()[-1:]}")
+
+
+def kl_divergence(gguf: Path, text_file: Path, base_file: Path, context: int, chunks: int, flags: list,
+                  env: dict | None = None) -> float:
+    """llama-perplexity --kl-divergence of `gguf` run with `flags` against the log-probs in `base_file` (written
+    by a --kl-divergence-base run on the same text): its mean KLD over the second half of each chunk."""
+    out = run_perplexity(["-m", gguf, "-f", text_file, "--kl-divergence-base", base_file, "--kl-divergence",
+                          *flags], context, chunks, env)
+    return float(KLD_LINE.search(out).group(1))
+
+
+def chunk_windows(ids: list[int], bos: int | None, context: int, chunks: int):
+    """The token windows llama-perplexity scores: BOS first where the vocabulary adds one, cut in chunks of
+    `context`, each chunk's first token replaced by BOS. It scores positions context/2 .. context-2 of each."""
+    import numpy as np
+
+    ids = ([bos] if bos is not None else []) + list(ids)
+    windows = np.array(ids[:chunks * context]).reshape(chunks, context)
+    if bos is not None:
+        windows[:, 0] = bos
+    return windows
+
+
+def added_bos(gguf: Path) -> int | None:
+    """The BOS id llama.cpp adds to a prompt of this file, or None."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(gguf).fields
+
+    def field(key, default=None):
+        f = fields.get(key)
+        return default if f is None else f.contents()
+
+    return field("tokenizer.ggml.bos_token_id") if field("tokenizer.ggml.add_bos_token", False) else None

@@ -917,8 +917,14 @@ def measure_kv_types(job: QuantizeJob, resolved: ResolvedTarget, artifact: Path,
     kinds = kv.for_artifact(gate.kv_cache, shape, resolved.method.format.engines, gate.kv_engine)
     windows, base = (kv_long or {}).get(gate.kv_context, (job.windows.eval, baseline))
     opts.progress(f"[{resolved.name}] measuring {len(kinds)} KV-cache type(s) on windows of {windows.shape[1]} tokens")
-    reading, model = opened_for_kv(artifact, job.info.path, job.device, job.trust_remote_code)
-    rows = measure_types(reading, model, windows, base, kinds, shape, gate, job.device, opts.progress)
+    with PeakTracker() as tracked:
+        reading, model = opened_for_kv(artifact, job.info.path, job.device, job.trust_remote_code)
+        rows = measure_types(reading, model, windows, base, kinds, shape, gate, job.device, opts.progress,
+                             until_pass=kv.stops_at_first_pass(gate.kv_cache))
+        del reading, model
+    entry.timings["kv_cache_s"] = tracked.seconds
+    entry.peak_rss_by_step["kv cache"] = tracked.peak_rss
+    entry.peak_rss_bytes = max(entry.peak_rss_bytes or 0, tracked.peak_rss)
     chosen = smallest_passing(rows)
     entry.details["kv_cache_types"] = {"types": [r.as_dict(shape) for r in rows], "context": windows.shape[1],
                                        "chosen": chosen.kind.name if chosen else None,

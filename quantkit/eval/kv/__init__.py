@@ -159,7 +159,7 @@ def vllm_offered() -> list[str]:
 
 def valid_names() -> str:
     return ("vllm:" + "|".join(vllm.TYPES) + "; llama.cpp:K[/V] with K, V in " + "|".join(llamacpp.TYPES)
-            + "; mlx:BITS[gGROUP] with BITS in " + "|".join(map(str, mlx.BITS)) + "; auto")
+            + "; mlx:BITS[gGROUP] with BITS in " + "|".join(map(str, mlx.BITS)) + "; auto; all")
 
 
 def engine_of(spec: str) -> tuple[str, str]:
@@ -191,7 +191,7 @@ def parse_one(spec: str, shape: Shape, flash_attention: bool = True, cpu: bool =
         v_type = v_type or k_type
         if llamacpp.quantized(v_type) and not flash_attention:
             raise UnsupportedError(f"llama.cpp: a quantized V cache ({v_type}) needs flash attention (-fa on)",
-                                   hint=f"serve with -fa on, or -ctv f16")
+                                   hint="serve with -fa on, or -ctv f16")
         return llamacpp_type(k_type, v_type, shape, rotation)
     bits, _, group = rest.partition("g")
     if not bits.isdigit() or (group and not group.isdigit()):
@@ -200,13 +200,23 @@ def parse_one(spec: str, shape: Shape, flash_attention: bool = True, cpu: bool =
     return mlx_type(int(bits), int(group) if group else mlx.DEFAULT_GROUP, shape)
 
 
+SEARCHES = ("auto", "all")  # auto: the smallest passing type, measured smallest first; all: every type measured
+
+
+def stops_at_first_pass(specs: str) -> bool:
+    """--kv-cache auto: the types are measured from the smallest up until one passes (the types of its size are
+    measured too); the larger ones are not measured."""
+    return specs.strip() == "auto"
+
+
 def parse(specs: str, shape: Shape, engine: str | None = None, flash_attention: bool = True,
           cpu: bool = False) -> list[KvType]:
-    """--kv-cache TYPE[,TYPE...] or auto (every type of `engine` this model's shape and the device take)."""
+    """--kv-cache TYPE[,TYPE...], or auto / all (every type of `engine` this model's shape and the device take)."""
     items = [s.strip() for s in specs.split(",") if s.strip()]
-    if items == ["auto"]:
+    if len(items) == 1 and items[0] in SEARCHES:
         if engine is None:
-            raise UnsupportedError("--kv-cache auto needs a target engine", hint="pass --kv-engine vllm|llama.cpp|mlx")
+            raise UnsupportedError(f"--kv-cache {items[0]} needs a target engine",
+                                   hint="pass --kv-engine vllm|llama.cpp|mlx")
         items = offered(engine, shape)
         kinds = []
         for item in items:
@@ -215,8 +225,9 @@ def parse(specs: str, shape: Shape, engine: str | None = None, flash_attention: 
             except UnsupportedError:
                 continue  # a type this model's shape cannot take is not offered
         return kinds
-    if "auto" in items:
-        raise UnsupportedError("--kv-cache auto stands alone", hint="--kv-cache auto, or a list of types")
+    if searched := [i for i in items if i in SEARCHES]:
+        raise UnsupportedError(f"--kv-cache {searched[0]} stands alone", hint=f"--kv-cache {searched[0]}, or a list "
+                               "of types")
     return [parse_one(item, shape, flash_attention, cpu) for item in items]
 
 

@@ -6,7 +6,6 @@ forward per type; `auto` keeps the smallest type that passes.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
@@ -20,17 +19,22 @@ DEFAULT_MAX_KLD = 0.01  # --kv-cache auto's bound on a type's own mean KLD when 
 class KvRow:
     kind: KvType
     bytes_per_token: float
-    own: object  # evaluate.Metrics: against the artifact with a 16-bit cache
-    total: object  # evaluate.Metrics: against the 16-bit base
+    own: object  # evaluate.Metrics: against the artifact with a 16-bit cache; None: not measured
+    total: object  # evaluate.Metrics: against the 16-bit base; None: not measured
     passed: bool
+
+    @property
+    def status(self) -> str:
+        """passed | failed | unneeded (not measured: a smaller type passed first, --kv-cache auto)."""
+        return "unneeded" if self.own is None else "passed" if self.passed else "failed"
 
     def as_dict(self, shape: Shape) -> dict:
         return {"type": self.kind.name, "engine": self.kind.engine, "serve_flags": list(self.kind.flag),
                 "bytes_per_token": self.bytes_per_token,
                 "saving": 1 - self.bytes_per_token / bf16_bytes_per_token(shape),
                 "skipped_layers": list(self.kind.skip), "raw_prefill": self.kind.raw_prefill,
-                "notes": list(self.kind.notes), "own": self.own.as_dict(), "total": self.total.as_dict(),
-                "passed": self.passed}
+                "notes": list(self.kind.notes), "own": self.own.as_dict() if self.own else None,
+                "total": self.total.as_dict() if self.total else None, "passed": self.passed, "status": self.status}
 
 
 def set_attention(model, name: str):
@@ -64,22 +68,31 @@ def implementation_of(config) -> str:
     return getattr(text, "_attn_implementation", None) or "sdpa"
 
 
-def dual_compare(chunks, own, base) -> tuple:
-    """(metrics against `own`, metrics against `base`) of one forward's chunks; both baselines stored."""
+def base_rows(chunks, windows, base):
+    """(offset, the base's float16 rows, the chunk) for a type's chunks: from the kept baseline, or from the base
+    scored beside them where the baseline is lockstep (quantkit.eval.evaluate.lockstep_rows)."""
+    from quantkit.eval.evaluate import lockstep_rows, stored_rows
+
+    if base.scorer is None:
+        return stored_rows(chunks, base)
+    return lockstep_rows(base.scorer(windows), chunks, base)
+
+
+def dual_compare(rows, own, base) -> tuple:
+    """(metrics against `own`, metrics against `base`) of one forward's (offset, base rows, chunk) triples
+    (base_rows): the artifact's own baseline is kept (in memory or a file), the base's as `rows` bring it."""
     from quantkit.eval.evaluate import kl_rows, summarize, target_nll, top1_and_finite
 
     acc = {"own": ([], [], []), "base": ([], [], [])}
-    offset = 0
-    for chunk in chunks:
+    for offset, base16, chunk in rows:
         end = offset + chunk.logprobs.shape[0]
         top1, finite = top1_and_finite(chunk.logprobs)
         nll = target_nll(chunk)
-        for key, baseline in (("own", own), ("base", base)):
+        for key, reference, baseline in (("own", own.logprobs[offset:end], own), ("base", base16, base)):
             kls, nlls, agree = acc[key]
-            kls.append(kl_rows(baseline.logprobs[offset:end], chunk.logprobs, finite).cpu().numpy())
+            kls.append(kl_rows(reference, chunk.logprobs, finite).cpu().numpy())
             nlls.append(nll)
             agree.append(top1.cpu().numpy() == baseline.top1[offset:end])
-        offset = end
     return tuple(summarize(np.concatenate(k), np.concatenate(n), int(np.concatenate(a).sum()), b.nll)
                  for (k, n, a), b in ((acc["own"], own), (acc["base"], base)))
 
@@ -92,14 +105,21 @@ def passes(own, total, gate) -> bool:
     return verdict.passed and (thresholds or own.kld_mean <= DEFAULT_MAX_KLD)
 
 
+def search_order(kinds: list[KvType], shape: Shape) -> list[KvType]:
+    """The types smallest first (bytes per token; at equal size, the order given)."""
+    return sorted(kinds, key=lambda k: k.bytes_per_token(shape))
+
+
 def measure_types(reading, model, windows, baseline, kinds: list[KvType], shape: Shape, gate, device: str = "cpu",
-                  progress=lambda _m: None) -> list[KvRow]:
+                  progress=lambda _m: None, until_pass: bool = False) -> list[KvRow]:
     """One row per KV type: its bytes per token, its own damage and the total, and whether it passes. The artifact
     is read as the gate reads it: its `reading` (quantkit.formats.gate.artifact_reading), or where it has none, the
-    transformers `model` it loads as (load_artifact)."""
+    transformers `model` it loads as (load_artifact). `until_pass` (--kv-cache auto): the types are measured
+    smallest first, and once one passes the larger types' rows are unneeded (not measured); the others of the
+    passing one's size are measured, so the choice is the one measuring every type would make."""
     import torch
 
-    from quantkit.eval.evaluate import compare, compute_baseline, model_scorer
+    from quantkit.eval.evaluate import compute_baseline, model_scorer
     from quantkit.eval.scorers import reading_scorer
 
     config = reading.config if reading is not None else model.config
@@ -112,15 +132,15 @@ def measure_types(reading, model, windows, baseline, kinds: list[KvType], shape:
         return model_scorer(set_attention(model, name or implementation))
 
     progress(f"KV cache: the artifact with a 16-bit cache on {len(windows)} windows of {windows.shape[1]} tokens")
-    own_baseline = compute_baseline(scorer(None), windows, spill=False)
+    own_baseline = compute_baseline(scorer(None), windows)
     rows = []
-    for kind in kinds:
+    for kind in search_order(kinds, shape) if until_pass else kinds:
+        if until_pass and any(r.passed and r.bytes_per_token < kind.bytes_per_token(shape) for r in rows):
+            rows.append(KvRow(kind, kind.bytes_per_token(shape), None, None, False))
+            continue
         progress(f"KV cache: {kind.name}")
         with registered(kind, implementation, prefill) as name, torch.inference_mode():
-            if baseline.logprobs is not None:
-                own, total = dual_compare(scorer(name)(windows), own_baseline, baseline)
-            else:
-                own, total = compare(scorer(name), windows, own_baseline), compare(scorer(name), windows, baseline)
+            own, total = dual_compare(base_rows(scorer(name)(windows), windows, baseline), own_baseline, baseline)
         restore(model, config, implementation)
         rows.append(KvRow(kind, kind.bytes_per_token(shape), own, total, passes(own, total, gate)))
     return rows
@@ -133,3 +153,20 @@ def smallest_passing(rows: list[KvRow]) -> KvRow | None:
 
 def serve_flags(row: KvRow | None) -> list[str]:
     return list(row.kind.flag) if row is not None else []
+
+
+def second_half_kld(model, windows, kind: KvType) -> float:
+    """Mean KL divergence of `model` read through `kind` from the same model with a 16-bit cache, over the
+    positions llama-perplexity --kl-divergence scores: the second half of each window (quantkit.eval.llamacpp.
+    chunk_windows) but its last."""
+    import torch
+
+    from quantkit.eval.kv.attention import kv_cache
+
+    ids = torch.as_tensor(windows)
+    first, end = ids.shape[1] // 2, ids.shape[1] - 1
+    with torch.no_grad():
+        base = model(ids).logits[:, first:end].float().log_softmax(-1)
+        with kv_cache(model, kind):
+            cand = model(ids).logits[:, first:end].float().log_softmax(-1)
+    return float((base.exp() * (base - cand)).sum(-1).mean())
