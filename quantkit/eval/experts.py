@@ -414,11 +414,13 @@ class RequantizedGateUp:
 
         if name not in self.partner:
             return self.weights.get(name)
-        scale = self.stored.get(f"{name}_scale").float().reshape(())
+        stored_scale = self.stored.get(f"{name}_scale")
+        scale = stored_scale.float().reshape(())
         larger = torch.maximum(scale, self.stored.get(f"{self.partner[name]}_scale").float().reshape(()))
         values = self.stored.get(name).to(torch.float16) * scale
         requantized = (values * (1.0 / larger)).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
-        return (requantized.float() * larger).to(self.weights.get(name).dtype)
+        # in the dtype compressed-tensors decompresses to: its scale's (0.19 dequantize: dtype = scale.dtype)
+        return (requantized.float() * larger).to(stored_scale.dtype)
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self.weights.shape(name)
