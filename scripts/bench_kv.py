@@ -156,7 +156,8 @@ def render(data: dict) -> str:
     lines = [f"Model: {data['model']}; {data['machine']}; head_dim {table['shape']['head_dim']}, "
              f"{table['shape']['kv_heads']} KV heads, {table['shape']['layers']} layers; {table['windows']} windows "
              f"of {table['seq_len']} tokens; 16-bit KV {table['bf16_bytes_per_token']:,.0f} B/token.", "",
-             "| KV type | bytes/token | vs 16-bit | KLD | Δppl | top-1 | left 16-bit |", "|---|---:|---:|---:|---:|---:|---|"]
+             "| KV type | bytes/token | vs 16-bit | KLD | Δppl | top-1 | left 16-bit |",
+             "|---|---:|---:|---:|---:|---:|---|"]
     for t in table["types"]:
         lines.append(f"| `{t['type']}` | {t['bytes_per_token']:,.0f} | {1 - t['saving']:.0%} | "
                      f"{t['own']['kld_mean']:.3g} | {t['own']['ppl_increase']:+.2%} | {t['own']['top1']:.1%} | "
@@ -170,8 +171,9 @@ def render(data: dict) -> str:
             method = " ".join(GATED[r["engine"]][1::2][:2])
             ratio = f"{r['kv_cache_s'] / r['eval_s']:.2f}x" if r["kv_cache_s"] and r["eval_s"] else ""
             counts = f"{r['measured']} / {r['offered']}" if r["kv_cache"] else ""
-            lines.append(f"| {r['engine']} ({method}) | {r['kv_cache'] or '—'} | {r['exit']} | {r['eval_s'] or 0:.1f} "
-                         f"| {r['kv_cache_s'] or 0:.1f} | {ratio} | {counts} | {r['chosen'] or ''} | {r['wall_s']:.1f} |")
+            lines.append(f"| {r['engine']} ({method}) | {r['kv_cache'] or '—'} | {r['exit']} | "
+                         f"{r['eval_s'] or 0:.1f} | {r['kv_cache_s'] or 0:.1f} | {ratio} | {counts} | "
+                         f"{r['chosen'] or ''} | {r['wall_s']:.1f} |")
     if data.get("llama_cpp"):
         lines += ["", "| -ctk / -ctv | rotation | llama-perplexity KLD | quantkit simulated KLD | difference |",
                   "|---|---|---:|---:|---:|"]

@@ -82,8 +82,9 @@ class Gate(Strict):
     task_limit: int | None = Field(None, ge=1, description="samples per task (lm-eval --limit); None: all")
     serve: ServeGate | None = Field(None, description="also check the artifact in the engine that serves it")
     kv_cache: str | None = Field(None, description="KV-cache types measured on the artifact: TYPE[,TYPE...] "
-                                 "(vllm:fp8, llama.cpp:q8_0/q4_0, mlx:4, ...) or auto (the smallest passing type of "
-                                 "the target engine goes into the serve command)")
+                                 "(vllm:fp8, llama.cpp:q8_0/q4_0, mlx:4, ...), auto (the smallest passing type of "
+                                 "the target engine goes into the serve command; measured smallest first, the "
+                                 "larger ones not measured) or all (every type measured)")
     kv_engine: str | None = Field(None, description="the engine --kv-cache auto targets: vllm | vllm-cpu | "
                                   "llama.cpp | mlx (default: the artifact's)")
     kv_context: int | None = Field(None, ge=8, description="tokens per held-out window the KV-cache types are "
