@@ -72,6 +72,41 @@ def fuses_experts(config: dict) -> bool:
     ]
 
 
+# transformers' loading conversion of an MoE family that stacks its experts: each layer's per-expert gate and up
+# projections stacked and concatenated along the rows, and its down projections stacked (MergeModulelist dim 0,
+# Concatenate dim 1), as FusedExperts stacks them
+STACKING = {"gate_up_proj": [("MergeModulelist", {"dim": 0}), ("Concatenate", {"dim": 1})],
+            "down_proj": [("MergeModulelist", {"dim": 0})]}
+
+
+def stacks_experts(config: dict) -> bool:
+    """Whether transformers' loading conversion for this MoE config renames tensors (its WeightRenaming rows) and
+    stacks the experts as STACKING says, and does nothing else: its per-expert sources the family's expert
+    projections (quantkit.arch.moe.moe_layout's expert_names: Mixtral's w1 / w3 for gate and up, w2 for down), gate
+    before up. Such a checkpoint reads as transformers' model by RenamedWeights and then FusedExperts."""
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming
+
+    from quantkit.arch.moe import moe_layout
+
+    layout = moe_layout(config)
+    if layout is None:
+        return False
+    stored = [layout.expert_names.get(p, p) for p in ("gate_proj", "up_proj", "down_proj")]
+    expected = {"gate_up_proj": stored[:2], "down_proj": stored[2:]}
+    rows = get_checkpoint_conversion_mapping(text_model_type(config)) or []
+    found = {}
+    for row in (r for r in rows if not isinstance(r, WeightRenaming)):
+        target = "".join(row.target_patterns).rsplit(".", 1)[-1]
+        sources = [re.fullmatch(r".*experts\.\*\.(\w+)\.weight", p) for p in row.source_patterns]
+        operations = [(type(o).__name__, {k: getattr(o, k, None) for k in ("dim",)}) for o in row.operations]
+        if (target not in expected or not all(sources) or [m.group(1) for m in sources] != expected[target]
+                or operations != STACKING[target]):
+            return False
+        found[target] = True
+    return sorted(found) == sorted(expected)
+
+
 def reads(path: Path) -> bool:
     """Whether the gate reads this compressed-tensors artifact here: an MoE text decoder of a family with an expert
     layout row, no KV-cache scheme, transforms or sparsity, every config group in a format decompressed here."""

@@ -133,6 +133,13 @@ def mixed(options: "Options") -> bool:
     return options.auto_precision is not None or options.fallback is not None
 
 
+def measures(options: "Options") -> bool:
+    """Whether the per-tensor types are measured in KL divergence through the streamed forward: auto_precision's
+    probes (measure_windows > 0), or the fallback's (which takes auto_precision's settings, else its defaults)."""
+    auto = options.auto_precision or AutoPrecision()
+    return mixed(options) and auto.measure_windows > 0
+
+
 def default_gate(options: "Options") -> dict:
     for prefixes, gate in GATE_BY_PREFIX:
         if options.gguf_type.startswith(prefixes):
@@ -210,6 +217,10 @@ def check(info, options: Options, calibration=None) -> None:
                                "which quantkit's sensitivity measurement does not read yet",
                                hint="quantize it with one --gguf-type (per-tensor types: llama-quantize "
                                     "--tensor-type on the converted file)")
+    if measures(options):
+        from quantkit.mixed.sensitivity import check_streamable
+
+        check_streamable(info.path, "auto_precision.measure_windows: 0")
     if spec.vocab_check is not None:
         from quantkit.gguf.convert import load_hparams
 

@@ -209,15 +209,49 @@ class Probe:
 
 def check_streamable(model_dir: Path, setting: str) -> None:
     """UnsupportedError when the checkpoint has no layer-streamed forward (`setting`: the option
-    that turns the measurement off, for the hint)."""
+    that turns the measurement off, for the hint): a mixture of experts streams where its per-expert tensors stack
+    as transformers' loading stacks them (stored_as_read)."""
     from quantkit.eval.stream import streamable
     from quantkit.io.checkpoint import check_model_dir
 
     info = check_model_dir(Path(model_dir))
-    if not streamable(info.config, info.tensors):
+    if not streamable(info.config, info.tensors) and stored_as_read(info.config) is None:
         raise UnsupportedError(f"measured sensitivity needs the layer-streamed forward, which {info.architecture} "
-                               "does not have (a VLM, or tensors transformers converts while loading)",
-                               hint=f"set {setting} (the weighted error alone)")
+                               "does not have (a VLM, or a checkpoint whose tensors transformers converts when it "
+                               "reads them, beyond stacking the experts)", hint=f"set {setting} (the weighted error alone)")
+
+
+def stored_as_read(config: dict) -> Callable | None:
+    """source -> the WeightSource the streamed model of a mixture of experts reads over a source of the
+    checkpoint's stored tensors, for a full-precision text decoder whose loading conversion renames tensors and
+    stacks the per-expert projections (quantkit.eval.experts.stacks_experts): the names renamed as transformers
+    renames them (RenamedWeights: Mixtral's block_sparse_moe -> mlp, w1 -> gate_proj), the experts then stacked
+    into the fused tensors (FusedExperts), so a probe patches the stored tensors. None for any other model."""
+    from quantkit.arch.families.base import ExpertCheckpoint
+    from quantkit.arch.moe import expert_count, moe_layout
+    from quantkit.arch.vlm import is_vlm
+    from quantkit.eval.experts import FusedExperts, RenamedWeights, stacks_experts, text_model_type
+
+    if (is_vlm(config) or "quantization_config" in config or config.get("auto_map") or not expert_count(config)
+            or not stacks_experts(config)):
+        return None
+    layout, model_type, stacked = moe_layout(config), text_model_type(config), ExpertCheckpoint()
+    return lambda source: FusedExperts(RenamedWeights(source, layout, model_type), stacked)
+
+
+def streamed_checkpoint(config, stored, dtype):
+    """(the streamed model of a checkpoint over its `stored` tensors, source -> the source that model reads over a
+    source of the stored tensors); a mixture of experts' stored buffers (DeepSeek-V3's and GLM-4.5's router
+    correction bias) read into its model."""
+    from quantkit.eval.experts import load_buffers
+    from quantkit.eval.stream import build_meta_model, stream_built, stream_model
+
+    as_read = stored_as_read(config.to_dict())
+    if as_read is None:
+        return stream_model(config, stored, dtype), lambda source: source
+    model, source = build_meta_model(config, dtype), as_read(stored)
+    load_buffers(model, source)
+    return stream_built(model, config, source), as_read
 
 
 def layer_count(model_dir: Path) -> int:
@@ -267,7 +301,7 @@ def probe_klds(model_dir: Path, probes: Iterable[Probe], windows, setting: str, 
     from quantkit.engines.llmcompressor.distributed import gather_positions, measured_share
     from quantkit.engines.transformers import hf_config
     from quantkit.eval import evaluate
-    from quantkit.eval.stream import recording_scorer, start_scorer, stream_model
+    from quantkit.eval.stream import recording_scorer, start_scorer
     from quantkit.io.checkpoint import SafetensorsWeights
 
     windows, split = measured_share(windows, ranks)
@@ -276,15 +310,16 @@ def probe_klds(model_dir: Path, probes: Iterable[Probe], windows, setting: str, 
     check_streamable(model_dir, setting)
     config = hf_config(model_dir)
     probes = [replace(p, start=resumable_start(config.to_dict(), p.start)) for p in probes]
-    base = SafetensorsWeights(model_dir)
-    streamed = stream_model(config, base, torch.float32)
+    stored = SafetensorsWeights(model_dir)
+    streamed, as_read = streamed_checkpoint(config, stored, torch.float32)
+    base = as_read(stored)  # what the probes' forwards go back to
     text, record = config.get_text_config(), {}
     baseline = evaluate.compute_baseline(recording_scorer(streamed, text, {p.start for p in probes}, record),
                                          windows, workdir)
     klds = {}
     for index, probe in enumerate(probes):
         progress(f"sensitivity: {probe.name} alone ({index + 1}/{len(probes)})")
-        streamed.weights.source = PatchedWeights(base, probe.patch())
+        streamed.weights.source = as_read(PatchedWeights(stored, probe.patch()))
         hooks = transform_inputs(streamed.model, probe.inputs)
         try:
             metrics = evaluate.compare(start_scorer(streamed, text, probe.start, record), windows, baseline,

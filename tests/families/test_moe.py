@@ -5,7 +5,8 @@ with every router kept 16-bit and every expert's scales finite (common.assert_mo
 Fast: fp8 on every family, gptq on DeepSeek-V3 and on GLM-4.5 with an expert no calibration token reaches (the
 same path for every family: llm-compressor's linear experts, then quantkit's reading), GGUF Q4_K_M of ERNIE 4.5
 MoE, MiniMax-M2, GLM-4.5 and Qwen3.5-MoE (with and without their MTP layer, and with its experts stored fused as its
-releases store them), DeepSeek-V3 and Qwen3-Next, MLX of the families mlx-lm loads stacked (with the older
+releases store them), DeepSeek-V3, Qwen3-Next and Qwen2-MoE (its shared expert), GGUF --auto-precision of Qwen3-MoE
+and Mixtral (the probes stream the experts stacked; the other families' in the slow suite), MLX of the families mlx-lm loads stacked (with the older
 Qwen2-MoE, Qwen3-MoE and Mixtral; Qwen3.5-MoE for mlx-lm's qwen3_5_moe, Qwen3-Next with the values its sanitize
 changes; GPT-OSS, its fused experts cut as mlx-lm's gpt_oss holds them, and equal to mlx_lm.convert's) read by
 mlx-lm, and the refusals (GGUF of the other families and of Qwen3-Next's MTP layers, MLX of the other families,
@@ -168,12 +169,14 @@ def test_unsupported_layouts_refused_before_work(cli, models, tmp_path, family, 
 # GGUF: llama.cpp's converter class of each family with a conversion, and the pre-tokenizer it is told for the toy
 # BPE tokenizer (None: the family's SentencePiece vocabulary)
 GGUF = {"ernie4_5_moe": None, "minimax_m2": "gpt-2", "glm4_moe": "gpt-2", "deepseek_v3": "gpt-2",
-        "qwen3_5_moe_text": "gpt-2", "qwen3_next": "gpt-2"}
+        "qwen3_5_moe_text": "gpt-2", "qwen3_next": "gpt-2", "qwen2_moe": "gpt-2"}
 # the converter's options: the hybrid Qwen checkpoints have no MTP layer (its default asserts there is one)
 CONVERTER_ARGS = {"qwen3_5_moe_text": ("--no-mtp",), "qwen3_next": ("--no-mtp",)}
 # the routing tensors of each family's MoE layer 1 beside its stacked experts (the router's correction bias; the
-# hybrid Qwen ones' shared expert and its one-output gate), and its other own tensors
-ROUTING = {"qwen3_5_moe_text": ("blk.1.ffn_gate_inp_shexp.weight", "blk.1.ffn_up_shexp.weight",
+# Qwen ones' shared expert and its one-output gate), and its other own tensors
+SHARED_EXPERT = ("blk.1.ffn_gate_inp_shexp.weight", "blk.1.ffn_up_shexp.weight", "blk.1.ffn_gate_shexp.weight",
+                 "blk.1.ffn_down_shexp.weight")
+ROUTING = {"qwen2_moe": SHARED_EXPERT,"qwen3_5_moe_text": ("blk.1.ffn_gate_inp_shexp.weight", "blk.1.ffn_up_shexp.weight",
                                 "blk.0.ssm_alpha.weight", "blk.0.ssm_beta.weight"),
            "qwen3_next": ("blk.1.ffn_gate_inp_shexp.weight", "blk.1.ffn_up_shexp.weight", "blk.0.attn_qkv.weight",
                           "blk.0.attn_gate.weight", "blk.0.ssm_ba.weight")}
@@ -502,7 +505,7 @@ def test_mlx_of_experts_fused_otherwise_refused_before_work(cli, fused_moe, tmp_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_5_moe_text", "qwen3_next"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "qwen3_5_moe_text", "qwen3_next"])
 def test_gguf_of_fused_stored_experts_equals_llama_cpp(fused_moe, tmp_path, family):
     model = fused_moe(family)
     if family == "qwen3_moe":  # llama.cpp's qwen3moe renormalises the top-k weights
@@ -1165,3 +1168,28 @@ def test_mlx_of_gpt_oss_stores_the_tensors_mlx_lm_convert_stores(cli, gpt_oss_ml
         (".scales", ".biases"))]
     assert any(k.endswith("experts.gate_proj.bias") for k in plain)
     assert all(torch.equal(ours_16[k], theirs_16[k]) for k in plain), plain
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", *(
+    pytest.param(f, marks=pytest.mark.slow) for f in ("qwen2_moe", "glm4_moe", "minimax_m2", "ernie4_5_moe",
+                                                      "qwen3_5_moe_text"))])
+def test_gguf_auto_precision_measures_the_experts(cli, models, tmp_path, family):
+    """--auto-precision on a mixture of experts: the probes' forwards stream the checkpoint renamed and its experts
+    stacked as transformers' loading does it (quantkit.mixed.sensitivity.stored_as_read: Mixtral's
+    block_sparse_moe.experts.N.w1 / w3 / w2 too), so the stacked expert tensors get measured gains, and the file
+    holds the types the budget chose."""
+    import gguf
+
+    model, out = models(family), tmp_path / "out"
+    if family == "qwen3_moe":  # llama.cpp's qwen3moe renormalises the top-k weights
+        model = common.copy_with_config(model, tmp_path / "renormalised", norm_topk_prob=True)
+    entry = common.assert_passed(common.quantize(cli, model, out, "gguf", "--gguf-type", "Q4_K_M",
+                                                 "--auto-precision"), out)
+    sensitivity = entry["details"]["sensitivity"]
+    measured = {t["tensor"] for t in sensitivity["tensors"] if t.get("kld") is not None}
+    assert sensitivity["measured"] and any("_exps." in name for name in measured), measured
+    (path,) = out.glob("*.gguf")
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
+    chosen = entry["details"]["mixed_precision"]["types"]
+    assert chosen and all(types[name] == qtype for name, qtype in chosen.items())
+

@@ -79,6 +79,16 @@ def test_vlm_without_image_processor_config_is_refused_before_work(cli, hub_vlm,
     assert leftovers(tmp_path, "out") == []
 
 
+@pytest.mark.parametrize("flag", ["--auto-precision", "--fallback"])
+def test_measured_per_tensor_types_of_a_vlm_refused_before_work(cli, hub_vlm, tmp_path, flag):
+    """The sensitivity probes stream a text decoder; a VLM's forward is not one: exit 2 before any work, with the
+    setting that chooses the types by the weighted error alone."""
+    result = quantize(cli, hub_vlm("gemma3"), tmp_path / "out", flag)
+    assert result.exit_code == 2, result.output
+    assert "layer-streamed forward" in result.stderr and "measure_windows: 0" in result.stderr
+    assert "baseline" not in result.stderr and leftovers(tmp_path, "out") == []
+
+
 def test_mmproj_type_f16_names_and_types_the_file(cli, hub_vlm, tmp_path):
     import gguf
 

@@ -65,3 +65,33 @@ def test_probe_windows_grow_with_the_calibration_and_stop_at_the_limit():
     assert sensitivity.probe_windows(8, 6, 6, starts) == 3  # 42 // 12
     assert sensitivity.probe_windows(8, 1, 6, starts) == 1  # at least one
     assert sensitivity.probe_windows(8, 100, 6, []) == 8
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "glm4_moe", "mixtral", "minimax_m2", "ernie4_5_moe",
+                                    "deepseek_v3", "qwen3_5_moe_text", "qwen3_next", "hunyuan_v1_moe"])
+def test_a_probe_of_one_expert_measures_the_model_with_that_expert_changed(tmp_path, family):
+    """A mixture of experts streams for the probes (its tensors renamed and its per-expert tensors stacked as
+    transformers' loading does it; the routers' correction biases read in): a probe patching one stored expert
+    tensor measures the KL divergence of the resident float32 model with that expert's weight changed, to float32
+    rounding."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tests.families.test_moe import build
+
+    model_dir = build(tmp_path / "model", family)
+    layer = 1  # an MoE layer in every family (GLM-4.5's and DeepSeek-V3's first_k_dense_replace 1)
+    block, down = ("block_sparse_moe", "w2") if family in ("mixtral", "minimax_m2") else ("mlp", "down_proj")
+    name = f"model.layers.{layer}.{block}.experts.2.{down}.weight"
+    resident = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    experts = resident.model.layers[layer].mlp.experts
+    changed = experts.down_proj[2].detach().flip(0)
+    windows = torch.randint(0, resident.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        base = torch.log_softmax(resident(windows).logits.float(), -1)
+        experts.down_proj[2].copy_(changed)
+        patched = torch.log_softmax(resident(windows).logits.float(), -1)
+    expected = (base.exp() * (base - patched)).sum(-1)[:, :-1].mean().item()  # the positions that predict a token
+    probe = sensitivity.Probe(name, layer, lambda: {name: changed.clone()})
+    measured = sensitivity.probe_klds(model_dir, [probe], windows, "setting")[name]
+    assert expected > 1e-5 and measured == pytest.approx(expected, rel=1e-3)

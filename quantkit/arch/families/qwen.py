@@ -1,7 +1,7 @@
 """Qwen2 / 2.5 (Qwen2ForCausalLM), Qwen3 (Qwen3ForCausalLM), Qwen2-MoE, Qwen3-MoE, and the text models of
 Qwen2-VL, Qwen2.5-VL and Qwen3-VL (their decoder layers are Qwen2's / Qwen3's).
 
-GGUF: llama.cpp conversion/qwen.py (Qwen2Model, Qwen3Model, Qwen3MoeModel) and qwenvl.py / qwen3vl.py for the
+GGUF: llama.cpp conversion/qwen.py (Qwen2Model, Qwen2MoeModel, Qwen3Model, Qwen3MoeModel) and qwenvl.py / qwen3vl.py for the
 VLMs' language models (multimodal RoPE sections; Qwen3-VL's deepstack layer count).
 
 MLX: mlx-lm's qwen2_moe and qwen3_moe, the routed experts stacked as `mlp.switch_mlp.*`, the routers (`mlp.gate`,
@@ -50,10 +50,13 @@ def mlp_only_layers(hp: dict, kwargs: dict) -> None:
 
 
 def add_qwen_moe_params(writer, hp: dict, ftype: int) -> None:
-    """Qwen2MoeModel.set_gguf_parameters: TextModel's + the expert feed-forward length."""
+    """Qwen2MoeModel.set_gguf_parameters: TextModel's + the expert and shared-expert feed-forward lengths (where
+    config.json has them: Qwen3-MoE has no shared expert)."""
     text.add_text_params(writer, hp, ftype)
     if (n_ff := hp.get("moe_intermediate_size")) is not None:
         writer.add_expert_feed_forward_length(n_ff)
+    if (n_ff := hp.get("shared_expert_intermediate_size")) is not None:
+        writer.add_expert_shared_feed_forward_length(n_ff)
 
 
 def add_qwen3vl_params(writer, hp: dict, ftype: int) -> None:
@@ -68,6 +71,18 @@ def check_topk_renormalised(arch: str, hp: dict) -> None:
             f"GGUF conversion of {arch}: norm_topk_prob = false (llama.cpp's qwen3moe always renormalises the "
             "top-k weights)", hint="supported: every layer a routed-expert layer, top-k weights renormalised, "
                                    "no shared experts")
+
+
+def check_qwen2_moe_routing(arch: str, hp: dict) -> None:
+    """llama.cpp's qwen2moe: the top-k weights never renormalised, a shared expert in every layer."""
+    hint = "supported: norm_topk_prob false and a shared expert (shared_expert_intermediate_size > 0), as " \
+           "Qwen1.5-MoE and Qwen2-MoE are released"
+    if hp.get("norm_topk_prob", False):
+        raise UnsupportedError(f"GGUF conversion of {arch}: norm_topk_prob = true (llama.cpp's qwen2moe never "
+                               "renormalises the top-k weights)", hint=hint)
+    if not hp.get("shared_expert_intermediate_size"):
+        raise UnsupportedError(f"GGUF conversion of {arch}: no shared expert (llama.cpp's qwen2moe loads one in "
+                               "every layer)", hint=hint)
 
 
 def mlx_expert_count(config: dict) -> dict:
@@ -92,9 +107,6 @@ QWEN2 = Family("qwen2", "Qwen2ForCausalLM", "Qwen2.5", smoothing=LLAMA_LIKE, ggu
                mlx="qwen2", config=QWEN_RULES)
 QWEN3 = Family("qwen3", "Qwen3ForCausalLM", "Qwen3", smoothing=LLAMA_LIKE,
                gguf={"Qwen3ForCausalLM": Gguf("QWEN3", text.add_text_params, "qwen2")}, mlx="qwen3", config=QWEN_RULES)
-QWEN2_MOE = Family("qwen2_moe", "Qwen2MoeForCausalLM", "Qwen2-MoE", smoothing=QWEN2_MOE_ROWS, moe=MoeLayout(),
-                   mlx="qwen2_moe", mlx_experts=MlxExperts(), mlx_fields=mlx_expert_count,
-                   mlx_checks=(check_mlx_qwen2_moe,))
 # Qwen2MoeModel.modify_tensors (and its subclasses': Qwen3-MoE, Qwen3.5-MoE, Qwen3-Next) takes routed experts stored
 # fused as well as one tensor per expert: gate_up_proj ([experts, 2 x intermediate, hidden]) cut into its gate and
 # up halves along the rows, down_proj ([experts, hidden, intermediate]) as it is, each written as the stacked per-expert
@@ -104,6 +116,14 @@ FUSED_EXPERT_RULES = (
                split=((r"gate_up_proj$", "gate_proj.weight"), (r"gate_up_proj$", "up_proj.weight"))),
     TensorRule(r"\.mlp\.experts\.down_proj$", rename=(r"down_proj$", "down_proj.weight")),
 )
+# Qwen2MoeModel: TextModel's vocabulary (BPE), the experts stacked (or cut from fused storage), the shared expert
+# and its one-output gate as ffn_*_shexp and ffn_gate_inp_shexp
+QWEN2_MOE = Family("qwen2_moe", "Qwen2MoeForCausalLM", "Qwen2-MoE", smoothing=QWEN2_MOE_ROWS, moe=MoeLayout(),
+                   gguf={"Qwen2MoeForCausalLM": Gguf("QWEN2MOE", add_qwen_moe_params, "gpt2", experts="qwen",
+                                                     shared_expert=True, checks=(check_qwen2_moe_routing,),
+                                                     rules=FUSED_EXPERT_RULES)},
+                   mlx="qwen2_moe", mlx_experts=MlxExperts(), mlx_fields=mlx_expert_count,
+                   mlx_checks=(check_mlx_qwen2_moe,))
 QWEN3_MOE = Family(
     "qwen3_moe", "Qwen3MoeForCausalLM", "Qwen3-MoE", smoothing=MOE_ROWS, moe=MoeLayout(),
     experts_by_name=ExpertCheckpoint(),
