@@ -161,6 +161,18 @@ def restore(config: dict, hf: str, data: np.ndarray) -> np.ndarray:
     return data
 
 
+def from_written(config: dict, hf: str, parts: list[np.ndarray]) -> np.ndarray:
+    """A Hugging Face tensor from the float32 values the converter writes for it: one tensor, or a split's pieces
+    in split order, joined as the family's step cut them (row blocks along the second-to-last axis, or
+    TensorRule.pieces' own join), then restored (restore)."""
+    rule = tensor_rule(config, hf)
+    if rule is None or not rule.split:
+        (data,) = parts
+    else:
+        data = np.concatenate(parts, axis=-2) if rule.pieces is None else rule.pieces.join(parts, text_hparams(config))
+    return restore(config, hf, data)
+
+
 def restored_shape(hf: str, shape: tuple[int, ...], hp: dict) -> tuple[int, ...]:
     """The shape restore() gives a stored tensor: Gemma 3's trimmed embedding with its vocab_size rows."""
     if hf == "model.embed_tokens.weight" and shape[0] < hp["vocab_size"]:
@@ -243,10 +255,7 @@ class GGUFTensors:
         if name in self.tensors:
             data = restore(self.config, name, dequantize_checked(self.tensors[name], self.path))
         elif name in self.pieces:
-            rule, parts = tensor_rule(self.config, name), [dequantize_checked(t, self.path) for t in self.pieces[name]]
-            joined = np.concatenate(parts, axis=-2) if rule.pieces is None else \
-                rule.pieces.join(parts, text_hparams(self.config))
-            data = restore(self.config, name, joined)
+            data = from_written(self.config, name, [dequantize_checked(t, self.path) for t in self.pieces[name]])
         else:
             layer, kinds = self.expert_parts(name)
             data = np.concatenate([dequantize_checked(self.experts[layer, k], self.path) for k in kinds], axis=1)

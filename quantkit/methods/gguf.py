@@ -197,26 +197,10 @@ def check(info, options: Options, calibration=None) -> None:
     """Architecture and its features supported (from config.json and the tensor names), a tokenizer
     llama.cpp reads as transformers does (quantkit.gguf.vocab.check_vocab), type known (validated in
     Options), imatrix file present and made for this model."""
-    from quantkit.arch.moe import expert_count
     from quantkit.gguf.convert import check_convertible
     from quantkit.gguf.vocab import check_vocab
 
     spec = check_convertible(info.config, info.tensors)
-    if mixed(options) and spec.experts == "stacked" and expert_count(info.config):  # before the pieces: GPT-OSS's
-        raise UnsupportedError("per-tensor GGUF types (--auto-precision, --fallback) for this checkpoint: its experts "
-                               "are stored stacked, one 3-D tensor per layer (Granite 4's block_sparse_moe."
-                               "input_linear / output_linear, GPT-OSS's mlp.experts.gate_up_proj / down_proj, Llama 4's "
-                               "feed_forward.experts.gate_up_proj / down_proj), which "
-                               "quantkit's sensitivity measurement does not read yet",
-                               hint="quantize it with one --gguf-type (per-tensor types: llama-quantize "
-                                    "--tensor-type on the converted file)")
-    if mixed(options) and any(rule.pieces is not None or rule.split_rows is not None for rule in spec.rules):
-        raise UnsupportedError("per-tensor GGUF types (--auto-precision, --fallback) for this architecture: its "
-                               "conversion cuts tensors into pieces of their own shapes (DeepSeek's kv_b_proj into "
-                               "attn_k_b and attn_v_b, Qwen3-Next's in_proj_qkvz into attn_qkv and attn_gate), "
-                               "which quantkit's sensitivity measurement does not read yet",
-                               hint="quantize it with one --gguf-type (per-tensor types: llama-quantize "
-                                    "--tensor-type on the converted file)")
     if measures(options):
         from quantkit.mixed.sensitivity import check_streamable
 

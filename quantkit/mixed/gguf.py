@@ -218,7 +218,101 @@ def piece_handle(handles, plan, hf: str):
     return handles[hf] if plan.source_rows is None else RowBlock(handles[hf], plan.source_rows[0])
 
 
-def tensor_errors(handles, plan, quant_imatrix, importance, row_weights, threads: int = 1) -> dict[str, float]:
+def rewritten(plan) -> bool:
+    """Whether a plan's matrices are the converter's written values rather than rows of its source as stored: the
+    family's step changes them (a transposition, a de-interleave, a reordering of columns, a cut into pieces of
+    their own shapes), or a 3-D source is written as it is stored (one matrix per expert)."""
+    return (not plan.sources and plan.values is None and len(plan.shape) >= 2
+            and (plan.transform is not None or len(plan.shape) == 3))
+
+
+class ArrayRows:
+    """A handle over a matrix in memory: a rewritten plan's (`rewritten`) matrix read as a source's rows."""
+
+    def __init__(self, data: np.ndarray):
+        self.data = data
+
+    def read(self, name: str, start: int, stop: int) -> np.ndarray:
+        return np.array(self.data[start:stop], dtype=np.float32)
+
+
+class Written:
+    """The written values of the rewritten plans of a checkpoint and the way back to its tensors: each source the
+    converter changes is read, changed as the converter changes it (its plan's transform), and its Hugging Face
+    values are got back from its pieces as the gate reads the file (quantkit.gguf.loader.from_written, with the
+    configuration the plans were made with: a text decoder's, whose stored names are the ones the converter maps)."""
+
+    def __init__(self, handles, plans, config: dict):
+        self.handles, self.config, self.pieces = handles, config, {}
+        for p in plans:
+            if rewritten(p):
+                self.pieces.setdefault(p.hf_name, []).append(p)
+        if config:
+            self.pieces = {hf: split_order(config, hf, pieces) if len(pieces) > 1 else pieces
+                           for hf, pieces in self.pieces.items()}
+
+    def values(self, plan) -> np.ndarray:
+        """A plan's float32 values in its written shape (what quantkit.gguf.convert.matrix_data quantizes)."""
+        handle = self.handles[plan.hf_name]
+        source = handle.header[plan.hf_name]
+        data = handle.read(plan.hf_name, 0, source["shape"][0] if len(source["shape"]) > 1 else 1)
+        if plan.transform is not None:
+            data = plan.transform(data, source["dtype"])
+        return np.ascontiguousarray(np.reshape(data, plan.shape), dtype=np.float32)
+
+    def source(self, hf: str, replaced: dict[str, np.ndarray]) -> np.ndarray:
+        """The source `hf` from its pieces' written values, those `replaced` names ({GGUF name: values}) in place."""
+        from quantkit.gguf.loader import from_written
+
+        parts = [replaced[p.name] if p.name in replaced else self.values(p) for p in self.pieces[hf]]
+        return np.ascontiguousarray(from_written(self.config, hf, parts), dtype=np.float32)
+
+
+def split_order(config: dict, hf: str, pieces: list) -> list:
+    """A source's plans in the order its split cuts it (the order the reading joins them in), not the file's."""
+    from quantkit.gguf.convert import gguf_name, name_map, split_names, tensor_rule
+
+    tmap = name_map(config)
+    order = [gguf_name(tmap, n) for n in split_names(tensor_rule(config, hf), hf)]
+    return sorted(pieces, key=lambda p: order.index(p.name))
+
+
+def split_matrices(values: np.ndarray, quant_imatrix, importance) -> Iterator[tuple[np.ndarray, object, object]]:
+    """(matrix, quantizer's imatrix, importance) of each matrix of written values: the tensor, or each matrix of a
+    3-D one with its own row-sized slice of the vectors (llama-quantize's importance per expert or head)."""
+    if values.ndim == 2:
+        yield values, quant_imatrix, importance
+        return
+    n = values.shape[-1]
+    for i, matrix in enumerate(values):
+        part = slice(i * n, (i + 1) * n)
+        yield (matrix, None if quant_imatrix is None else quant_imatrix[part],
+               None if importance is None else importance[part])
+
+
+def plan_matrices(handles, written: Written, plan, quant_imatrix, importance) -> Iterator[tuple]:
+    """(handle, name, rows, quantizer's imatrix, importance) of each 2-D matrix a plan quantizes: rows of its
+    sources as stored (`matrices`), or of its written values where the converter changes them (`rewritten`)."""
+    if rewritten(plan):
+        for matrix, qim, imp in split_matrices(written.values(plan), quant_imatrix, importance):
+            yield ArrayRows(matrix), plan.name, matrix.shape[0], qim, imp
+        return
+    for hf, rows, qim, imp in matrices(handles, plan, quant_imatrix, importance):
+        yield piece_handle(handles, plan, hf), hf, rows, qim, imp
+
+
+def round_trip(values: np.ndarray, qtype: T, quant_imatrix, threads: int = 1) -> np.ndarray:
+    """Written values quantized at qtype and dequantized as the file holds them (each matrix of a 3-D tensor with
+    its own importance vector)."""
+    from quantkit.gguf.quants import dequantize, quantize
+
+    out = [dequantize(quantize(m, qtype, qim, threads=threads), qtype).reshape(m.shape)
+           for m, qim, _ in split_matrices(values, quant_imatrix, None)]
+    return out[0] if values.ndim == 2 else np.stack(out)
+
+
+def tensor_errors(handles, plan, quant_imatrix, importance, row_weights, threads: int = 1,
+                  written: Written | None = None) -> dict[str, float]:
     """Importance-weighted squared error of one tensor at each candidate type, from the rows `error_sample`
     picks (scaled to the whole matrix where they are a sample); the candidates of a slab quantized on
     `threads` threads (the kernels release the GIL), each candidate's sum taken in the same order."""
@@ -226,9 +320,9 @@ def tensor_errors(handles, plan, quant_imatrix, importance, row_weights, threads
 
     cands = candidates(plan.shape[-1], quant_imatrix is not None)
     errors = dict.fromkeys((c.name for c in cands), 0.0)
+    written = written or Written(handles, [plan], {})
     with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
-        for hf, rows, qim, imp in matrices(handles, plan, quant_imatrix, importance):
-            handle = piece_handle(handles, plan, hf)
+        for handle, hf, rows, qim, imp in plan_matrices(handles, written, plan, quant_imatrix, importance):
             index, scale = error_sample(handle, hf, rows, plan.shape[-1], imp, row_weights)
             for part, data in sampled_slabs(handle, hf, index, plan.shape[-1]):
                 weights = None if row_weights is None else row_weights[part]
@@ -246,14 +340,14 @@ def error_table(model_dir: Path, plans, quant_imatrix: dict | None, importance: 
     from quantkit.io.checkpoint import check_model_dir
 
     handles = open_handles(check_model_dir(Path(model_dir)).weight_files)
-    table = []
+    table, written = [], Written(handles, plans, {})
     budgeted = quantized_plans(plans)
     try:
         for index, p in enumerate(budgeted):
             progress(f"sensitivity: weighted errors of {p.name} ({index + 1}/{len(budgeted)})")
             imp = imatrix_for(p, importance)
             row_weights = token_frequencies(calib_windows, p.shape[0]) if p.name == "token_embd.weight" else None
-            errors = tensor_errors(handles, p, imatrix_for(p, quant_imatrix), imp, row_weights, threads)
+            errors = tensor_errors(handles, p, imatrix_for(p, quant_imatrix), imp, row_weights, threads, written)
             table.append(table_row(p.name, p.shape, p.qtype.name, errors))
     finally:
         for h in set(handles.values()):
@@ -264,13 +358,24 @@ def error_table(model_dir: Path, plans, quant_imatrix: dict | None, importance: 
 # ------------------------------------------------------------------ measured KL divergence
 
 
-def quantized_matrices(handles, plan, qtype: T, quant_imatrix, threads: int = 1) -> dict:
+def written_of(model_dir: Path, handles, plans) -> Written:
+    """The checkpoint's rewritten plans (Written), with the configuration the plans are made with."""
+    from quantkit.gguf.convert import load_hparams
+
+    return Written(handles, plans, load_hparams(Path(model_dir)))
+
+
+def quantized_matrices(handles, plan, qtype: T, quant_imatrix, threads: int = 1, written: Written | None = None) -> dict:
     """{HF name: float32 torch tensor} of a plan's matrices quantized at qtype and dequantized (a split's piece:
-    the whole source matrix with that piece's rows so)."""
+    the whole source matrix with that piece's rows so; a rewritten plan's source got back from its written values
+    with this one quantized, `written`)."""
     import torch
 
     from quantkit.gguf.quants import dequantize, quantize
 
+    if rewritten(plan):
+        values = round_trip(written.values(plan), qtype, quant_imatrix, threads)
+        return {plan.hf_name: torch.from_numpy(written.source(plan.hf_name, {plan.name: values}))}
     out = {}
     for hf, rows, qim, _ in matrices(handles, plan, quant_imatrix, None):
         data = piece_handle(handles, plan, hf).read(hf, 0, rows)
@@ -305,11 +410,13 @@ def measure_klds(model_dir: Path, rows: list[SensitivityRow], plans, quant_imatr
 
     plan_of, layers = {p.name: p for p in plans}, layer_count(model_dir)
     handles = open_handles(check_model_dir(Path(model_dir)).weight_files)
+    written = written_of(model_dir, handles, plans)
 
     def probe(row: SensitivityRow) -> Probe:
         plan = plan_of[row.name]
         return Probe(row.name, start_layer(row.name, layers),
-                     lambda: quantized_matrices(handles, plan, T[row.probe], imatrix_for(plan, quant_imatrix), threads))
+                     lambda: quantized_matrices(handles, plan, T[row.probe], imatrix_for(plan, quant_imatrix), threads,
+                                                written))
 
     try:
         klds = probe_klds(model_dir, [probe(r) for r in rows], windows, "auto_precision.measure_windows: 0", workdir,
@@ -328,13 +435,16 @@ class TypedMatrices(Mapping):
 
     CACHED = 2
 
-    def __init__(self, handles, plans, types: dict[str, T], quant_imatrix: dict | None, threads: int = 1):
+    def __init__(self, handles, plans, types: dict[str, T], quant_imatrix: dict | None, threads: int = 1,
+                 written: Written | None = None):
         from quantkit.gguf.convert import imatrix_for
 
-        self.handles, self.cache, self.threads = handles, {}, threads
+        self.handles, self.cache, self.threads, self.written = handles, {}, threads, written
         self.sources: dict[str, list] = {}  # HF name -> (plan, rows, type, imatrix) of each plan reading it
         for p in plans:
-            if p.name in types:
+            if p.name in types and rewritten(p):
+                self.sources.setdefault(p.hf_name, []).append((p, None, types[p.name], imatrix_for(p, quant_imatrix)))
+            elif p.name in types:
                 for hf, rows, qim, _ in matrices(handles, p, imatrix_for(p, quant_imatrix), None):
                     self.sources.setdefault(hf, []).append((p, rows, types[p.name], qim))
 
@@ -352,6 +462,9 @@ class TypedMatrices(Mapping):
         from quantkit.gguf.quants import dequantize, quantize
 
         pieces = self.sources[hf]
+        if rewritten(pieces[0][0]):  # the source got back from its written pieces, each typed one quantized
+            return self.written.source(hf, {plan.name: round_trip(self.written.values(plan), qtype, qim, self.threads)
+                                            for plan, _, qtype, qim in pieces})
         whole = None
         for plan, rows, qtype, qim in pieces:
             values = dequantize(quantize(piece_handle(self.handles, plan, hf).read(hf, 0, rows), qtype, qim,
@@ -380,7 +493,8 @@ def measure_type_maps(model_dir: Path, plans, maps: dict[str, dict[str, T]], qua
     from quantkit.mixed.sensitivity import Probe, probe_klds
 
     handles = open_handles(check_model_dir(Path(model_dir)).weight_files)
-    probes = [Probe(label, 0, lambda types=types: TypedMatrices(handles, plans, types, quant_imatrix, threads))
+    written = written_of(model_dir, handles, plans)
+    probes = [Probe(label, 0, lambda types=types: TypedMatrices(handles, plans, types, quant_imatrix, threads, written))
               for label, types in maps.items()]
     try:
         return probe_klds(model_dir, probes, windows, "auto_precision.measure_windows: 0", workdir, progress)

@@ -226,17 +226,32 @@ def stored_as_read(config: dict) -> Callable | None:
     checkpoint's stored tensors, for a full-precision text decoder whose loading conversion renames tensors and
     stacks the per-expert projections (quantkit.eval.experts.stacks_experts): the names renamed as transformers
     renames them (RenamedWeights: Mixtral's block_sparse_moe -> mlp, w1 -> gate_proj), the experts then stacked
-    into the fused tensors (FusedExperts), so a probe patches the stored tensors. None for any other model."""
+    into the fused tensors (FusedExperts), so a probe patches the stored tensors; or only renames them (Granite 4
+    MoE's stacked experts, load_named). None for any other model."""
     from quantkit.arch.families.base import ExpertCheckpoint
     from quantkit.arch.moe import expert_count, moe_layout
     from quantkit.arch.vlm import is_vlm
-    from quantkit.eval.experts import FusedExperts, RenamedWeights, stacks_experts, text_model_type
+    from quantkit.eval.experts import FusedExperts, RenamedWeights, load_named, stacks_experts, text_model_type
 
-    if (is_vlm(config) or "quantization_config" in config or config.get("auto_map") or not expert_count(config)
-            or not stacks_experts(config)):
+    if is_vlm(config) or "quantization_config" in config or config.get("auto_map") or not expert_count(config):
         return None
-    layout, model_type, stacked = moe_layout(config), text_model_type(config), ExpertCheckpoint()
+    model_type = text_model_type(config)
+    if renames_only(model_type):  # Granite 4 MoE's stacked experts: input_linear -> experts.gate_up_proj
+        return lambda source: load_named(source, model_type)
+    if not stacks_experts(config):
+        return None
+    layout, stacked = moe_layout(config), ExpertCheckpoint()
     return lambda source: FusedExperts(RenamedWeights(source, layout, model_type), stacked)
+
+
+def renames_only(model_type: str) -> bool:
+    """Whether transformers' loading conversion of the model type renames checkpoint tensors and does nothing else."""
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+    from quantkit.arch.moe import load_renamings
+
+    rows = get_checkpoint_conversion_mapping(model_type) or []
+    return bool(rows) and len(load_renamings(model_type)) == len(rows)
 
 
 def streamed_checkpoint(config, stored, dtype):

@@ -103,6 +103,20 @@ def test_gguf_auto_precision_measures_the_shared_mlp_s_pieces(cli, model, tmp_pa
     assert gate["kld"] is not None and up["kld"] is not None
 
 
+@pytest.mark.slow
+def test_gguf_auto_precision_measures_the_stacked_experts_of_the_moe_variant(cli, moe_model, tmp_path):
+    """The MoE variant streams with its stacked experts renamed as transformers' loading renames them
+    (input_linear -> experts.gate_up_proj), and its input_linear, written as ffn_gate_exps and ffn_up_exps, is
+    measured on the written pieces (one matrix per expert)."""
+    out = tmp_path / "out"
+    entry = common.assert_passed(common.quantize(cli, moe_model, out, "gguf", "--gguf-type", "Q4_K_M",
+                                                 "--auto-precision"), out)
+    rows = {t["tensor"]: t for t in entry["details"]["sensitivity"]["tensors"]}
+    gate, up = rows["blk.0.ffn_gate_exps.weight"], rows["blk.0.ffn_up_exps.weight"]
+    assert gate["shape"] == up["shape"] == [4, 256, 256] and gate["errors"] != up["errors"]
+    assert any(rows[n]["kld"] is not None for n in rows if "_exps." in n)
+
+
 def test_gguf_refuses_a_dense_model_that_routes_to_experts(cli, model, tmp_path):
     """transformers' default num_experts_per_tok (2) with no experts: a file llama.cpp refuses to load."""
     variant = common.copy_with_config(model, tmp_path / "model", num_experts_per_tok=2)

@@ -1170,14 +1170,17 @@ def test_mlx_of_gpt_oss_stores_the_tensors_mlx_lm_convert_stores(cli, gpt_oss_ml
     assert all(torch.equal(ours_16[k], theirs_16[k]) for k in plain), plain
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", *(
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss", *(
     pytest.param(f, marks=pytest.mark.slow) for f in ("qwen2_moe", "glm4_moe", "minimax_m2", "ernie4_5_moe",
-                                                      "qwen3_5_moe_text"))])
+                                                      "qwen3_5_moe_text", "deepseek_v3", "qwen3_next",
+                                                      "llama4_text"))])
 def test_gguf_auto_precision_measures_the_experts(cli, models, tmp_path, family):
     """--auto-precision on a mixture of experts: the probes' forwards stream the checkpoint renamed and its experts
     stacked as transformers' loading does it (quantkit.mixed.sensitivity.stored_as_read: Mixtral's
-    block_sparse_moe.experts.N.w1 / w3 / w2 too), so the stacked expert tensors get measured gains, and the file
-    holds the types the budget chose."""
+    block_sparse_moe.experts.N.w1 / w3 / w2 too), or as stored where the experts are stored stacked (GPT-OSS, Llama
+    4; the converter's transposed, de-interleaved and cut tensors measured on their written values, DeepSeek's
+    attn_k_b / attn_v_b and Qwen3-Next's attn_qkv / attn_gate too), so the stacked expert tensors get measured
+    gains, and the file holds the types the budget chose."""
     import gguf
 
     model, out = models(family), tmp_path / "out"

@@ -384,3 +384,62 @@ def test_a_budget_no_type_can_meet_is_refused_before_work(cli, odd_model, tmp_pa
     assert "gguf auto_precision: a budget of" in result.stderr and "cannot be met" in result.stderr
     assert "the cheapest types take" in result.stderr and "imatrix" not in result.stderr
     assert not out.exists()
+
+
+def rewritten_model(tmp_path: Path, family: str) -> Path:
+    """A tiny checkpoint of a family whose conversion changes tensors before writing them."""
+    if family == "granitemoehybrid":
+        from tests.families import test_granite
+
+        return test_granite.build(tmp_path / "model", **test_granite.MOE)
+    if family == "qwen3_5_text":
+        from tests.families import test_qwen35
+
+        return test_qwen35.build(tmp_path / "model")
+    from tests.families.test_moe import build
+
+    return build(tmp_path / "model", family)
+
+
+REWRITTEN = ["deepseek_v3", "qwen3_next", "gpt_oss", "llama4_text", "granitemoehybrid", "qwen3_5_text"]
+
+
+@pytest.mark.parametrize("family", REWRITTEN)
+def test_a_type_map_of_rewritten_tensors_is_what_the_file_reads_back(tmp_path, family):
+    """Where the converter changes a tensor before writing it (DeepSeek's kv_b_proj cut into attn_k_b / attn_v_b,
+    Qwen3-Next's in_proj_qkvz into attn_qkv / attn_gate, GPT-OSS's and Llama 4's stacked experts transposed and
+    de-interleaved, Granite 4's stacked input_linear split, Qwen3.5's value heads reordered), the sensitivity reads
+    the written values: the source got back with nothing quantized is the stored tensor, and with the mixture's
+    types applied it is the tensor the gate reads from the converted file, element for element; each rewritten
+    tensor's weighted error is measured on its written matrices."""
+    import numpy as np
+    import torch
+
+    from quantkit.eval.experts import RenamedWeights
+    from quantkit.gguf.convert import convert, open_handles
+    from quantkit.gguf.loader import GGUFTensors
+    from quantkit.gguf.mixture import UNQUANTIZED
+    from quantkit.io.checkpoint import check_model_dir
+    from quantkit.methods.gguf import model_plans
+    from quantkit.mixed.gguf import TypedMatrices, rewritten, tensor_errors, written_of
+
+    model_dir = rewritten_model(tmp_path, family)
+    info = check_model_dir(model_dir)
+    plans = model_plans(info, "Q4_K_M", False)
+    handles = open_handles(info.weight_files)
+    written = written_of(model_dir, handles, plans)
+    quantized = {p.name: p.qtype for p in plans if p.qtype not in UNQUANTIZED}
+    sources = {hf for hf, pieces in written.pieces.items() if all(p.name in quantized for p in pieces)}
+    assert sources, [p.name for p in plans if rewritten(p)]
+    for hf in sources:
+        stored = handles[hf].read(hf, 0, handles[hf].header[hf]["shape"][0])
+        assert np.array_equal(written.source(hf, {}), stored.reshape(written.source(hf, {}).shape)), hf
+    convert(model_dir, tmp_path / "model.gguf", "Q4_K_M")
+    reading = GGUFTensors(tmp_path / "model.gguf", json.loads((model_dir / "config.json").read_text()))
+    typed = TypedMatrices(handles, plans, quantized, None, written=written)
+    read_as = {stored: name for name, stored in RenamedWeights(typed, None, info.config["model_type"]).names.items()}
+    for hf in sources:  # the reading names tensors as transformers' model does (Granite 4 MoE's experts renamed)
+        assert torch.equal(typed[hf], reading.get(read_as[hf]).reshape(typed[hf].shape)), hf
+    plan = next(p for p in plans if p.hf_name in sources)
+    errors = tensor_errors(handles, plan, None, None, None, written=written)
+    assert errors and all(np.isfinite(v) and v > 0 for v in errors.values())
