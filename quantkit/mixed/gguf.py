@@ -366,27 +366,13 @@ def written_of(model_dir: Path, handles, plans) -> Written:
 
 
 def quantized_matrices(handles, plan, qtype: T, quant_imatrix, threads: int = 1, written: Written | None = None) -> dict:
-    """{HF name: float32 torch tensor} of a plan's matrices quantized at qtype and dequantized (a split's piece:
-    the whole source matrix with that piece's rows so; a rewritten plan's source got back from its written values
-    with this one quantized, `written`)."""
+    """{HF name: float32 torch tensor} of a plan's matrices quantized at qtype and dequantized (TypedMatrices of
+    that plan alone: a split's piece, the whole source matrix with that piece's rows so; a rewritten plan's
+    source got back from its written values with this one quantized)."""
     import torch
 
-    from quantkit.gguf.quants import dequantize, quantize
-
-    if rewritten(plan):
-        values = round_trip(written.values(plan), qtype, quant_imatrix, threads)
-        return {plan.hf_name: torch.from_numpy(written.source(plan.hf_name, {plan.name: values}))}
-    out = {}
-    for hf, rows, qim, _ in matrices(handles, plan, quant_imatrix, None):
-        data = piece_handle(handles, plan, hf).read(hf, 0, rows)
-        values = dequantize(quantize(data, qtype, qim, threads=threads), qtype)
-        if plan.source_rows is not None:
-            first, end = plan.source_rows
-            whole = handles[hf].read(hf, 0, handles[hf].header[hf]["shape"][0])
-            whole[first:end] = values
-            values = whole
-        out[hf] = torch.from_numpy(values)
-    return out
+    typed = TypedMatrices.of(handles, [(plan, qtype, quant_imatrix)], threads, written)
+    return {hf: torch.from_numpy(typed.matrix(hf)) for hf in typed}
 
 
 def start_layer(name: str, layers: int) -> int:
@@ -442,11 +428,23 @@ class TypedMatrices(Mapping):
         self.handles, self.cache, self.threads, self.written = handles, {}, threads, written
         self.sources: dict[str, list] = {}  # HF name -> (plan, rows, type, imatrix) of each plan reading it
         for p in plans:
-            if p.name in types and rewritten(p):
-                self.sources.setdefault(p.hf_name, []).append((p, None, types[p.name], imatrix_for(p, quant_imatrix)))
-            elif p.name in types:
-                for hf, rows, qim, _ in matrices(handles, p, imatrix_for(p, quant_imatrix), None):
-                    self.sources.setdefault(hf, []).append((p, rows, types[p.name], qim))
+            if p.name in types:
+                self.add(p, types[p.name], imatrix_for(p, quant_imatrix))
+
+    @classmethod
+    def of(cls, handles, entries: list, threads: int = 1, written: Written | None = None) -> "TypedMatrices":
+        """The matrices of (plan, type, the quantizer's imatrix vector) entries."""
+        typed = cls(handles, [], {}, None, threads, written)
+        for plan, qtype, qim in entries:
+            typed.add(plan, qtype, qim)
+        return typed
+
+    def add(self, plan, qtype: T, quant_imatrix) -> None:
+        if rewritten(plan):
+            self.sources.setdefault(plan.hf_name, []).append((plan, None, qtype, quant_imatrix))
+            return
+        for hf, rows, qim, _ in matrices(self.handles, plan, quant_imatrix, None):
+            self.sources.setdefault(hf, []).append((plan, rows, qtype, qim))
 
     def __getitem__(self, hf: str):
         import torch
