@@ -68,6 +68,7 @@ def test_second_run_into_a_busy_output_exits_2_at_once(cli, micro_model, tmp_pat
         assert live.is_dir() and export.owner_file(live).is_file()  # the live run's files untouched
 
 
+@pytest.mark.slow  # the same refusal fast against a live owner: test_second_run_into_a_busy_output_exits_2_at_once
 def test_two_real_runs_into_one_output(micro_model, tmp_path):
     out = tmp_path / "out"
     first = quantize_process(micro_model, out)

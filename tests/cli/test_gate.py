@@ -107,7 +107,9 @@ def test_eval_missing_artifact(cli, tmp_path, args):
     assert result.exit_code == 2
 
 
-@pytest.mark.parametrize("method,kind", [("gptq", "compressed-tensors"), ("nf4", "bitsandbytes")])
+# a compressed-tensors artifact evaluated fast: test_eval_compressed_tensors_artifact_finds_its_base
+@pytest.mark.parametrize("method,kind", [pytest.param("gptq", "compressed-tensors", marks=pytest.mark.slow),
+                                         ("nf4", "bitsandbytes")])
 def test_eval_every_artifact_kind(cli, micro_model, tmp_path, method, kind):
     out = tmp_path / method
     result = cli("quantize", micro_model, "--method", method, "-o", out, "--num-samples", "16", "--seq-len", "64",

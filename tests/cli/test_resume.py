@@ -193,7 +193,9 @@ def toy_moe(tmp_path_factory):
     return build_moe("qwen3_moe", tmp_path_factory.mktemp("moe") / "qwen3_moe")
 
 
-@pytest.mark.parametrize("model, scheme", [("micro_model", "fp8-dynamic"),
+# the model-free path's resume by shard fast without a run: tests/methods/test_model_free.py
+# (test_an_interrupted_write_resumes_after_its_last_finished_shard)
+@pytest.mark.parametrize("model, scheme", [pytest.param("micro_model", "fp8-dynamic", marks=pytest.mark.slow),
                                            pytest.param("toy_moe", "fp8-block", marks=pytest.mark.slow)])
 def test_fp8_model_free_resumes_after_its_last_shard(cli, request, tmp_path_factory, tmp_path, model, scheme):
     """fp8's model-free paths (fp8-dynamic on a dense model, fp8-block on an MoE one by its checkpoint names):
@@ -286,8 +288,10 @@ def assert_saved_progress_within_the_estimate(micro_model, out, name: str) -> No
     assert samples * seq_len * info.config["hidden_size"] * 2 <= activations[0] <= (estimate - weights) / 2  # bf16
 
 
+# killed and resumed runs fast: the GGUF ones above; the layer-by-layer resume fast without a run:
+# tests/engines/test_layer_resume.py
 @pytest.mark.parametrize("name, after", [
-    ("gptq", 1),
+    pytest.param("gptq", 1, marks=pytest.mark.slow),
     pytest.param("gptq", 2, marks=pytest.mark.slow),
     pytest.param("awq", 1, marks=pytest.mark.slow),  # a smoothing method: its scales resumed with the layers
     pytest.param("smoothquant", 1, marks=pytest.mark.slow),

@@ -117,6 +117,8 @@ def test_a_weight_off_the_grid_the_conversion_knows_is_refused():
         signed_zero_points(weight, scale, zero_point + 3, 4, "q_proj")
 
 
+# a whole run in a subprocess; the patch's mechanism fast: test_a_patch_on_import_waits_for_its_trigger
+@pytest.mark.slow
 def test_a_quantize_run_never_imports_scikit_learn(micro_model, tmp_path):
     """lm-eval installs scikit-learn; transformers would import it (with scipy and pandas) in every run."""
     import subprocess

@@ -11,7 +11,7 @@ and read by mlx-lm as quantkit reads it, its tensors those mlx_lm.convert writes
 names, shapes, dtypes; 16-bit: every value), what mlx-lm's llama4 would compute otherwise refused key by key; the
 compressed-tensors methods and nf4 refused with their reason. Slow: llama.cpp's runtime scores the file as
 transformers scores the checkpoint, bf16 / Q4_K_M / IQ4_XS equal to convert_hf_to_gguf.py + llama-quantize, the
-imatrix equal to llama-imatrix's.
+imatrix equal to llama-imatrix's, MLX with Scout's rms_norm_eps (1e-5) read by mlx-lm as quantkit reads it.
 """
 
 from __future__ import annotations
@@ -135,14 +135,6 @@ def test_llama4_temperature_tuning_stated_as_a_number_is_on(model):
     with pytest.raises(UnsupportedError, match="attn_temperature_tuning 0"):
         arch_spec({**config, "attn_temperature_tuning": 0})
     check_mlx({**config, "attn_temperature_tuning": 0})
-
-
-def test_gguf_per_tensor_types_of_llama4_refused(cli, model, tmp_path):
-    """--auto-precision measures each tensor from the checkpoint's values, which Llama 4's fused experts are not
-    read as: refused before work, naming them."""
-    out = tmp_path / "out"
-    common.assert_refused(common.quantize(cli, model, out, "gguf", "--auto-precision"), out,
-                          "feed_forward.experts.gate_up_proj")
 
 
 @pytest.mark.slow
@@ -331,6 +323,7 @@ MLX_OTHERWISE = {
 MLX_KEYS = {"yarn": "rope_parameters.rope_type"}
 
 
+@pytest.mark.slow  # the same conversion and mlx-lm reading at 1e-6: test_mlx_of_llama4_cuts_its_fused_experts_...
 def test_mlx_of_llama4_with_scout_s_norm_eps_reads_as_quantkit(cli, model, tmp_path):
     """rms_norm_eps 1e-5 (Llama 4 Scout's), where mlx-lm's llama4 normalizes queries and keys with 1e-6: written, and
     mlx-lm's logits still follow quantkit's reading within the tolerance every family is held to."""

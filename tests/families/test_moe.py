@@ -2,20 +2,25 @@
 4 experts, 2 per token): every compressed-tensors method and nf4, each artifact reloaded strictly by transformers
 with every router kept 16-bit and every expert's scales finite (common.assert_moe_artifact).
 
-Fast: fp8 on every family, gptq on DeepSeek-V3 and on GLM-4.5 with an expert no calibration token reaches (the
-same path for every family: llm-compressor's linear experts, then quantkit's reading), GGUF Q4_K_M of ERNIE 4.5
-MoE, MiniMax-M2, GLM-4.5 and Qwen3.5-MoE (with and without their MTP layer, and with its experts stored fused as its
-releases store them), DeepSeek-V3, Qwen3-Next and Qwen2-MoE (its shared expert), GGUF --auto-precision of Qwen3-MoE
-and Mixtral (the probes stream the experts stacked; the other families' in the slow suite), MLX of the families mlx-lm loads stacked (with the older
-Qwen2-MoE, Qwen3-MoE and Mixtral; Qwen3.5-MoE for mlx-lm's qwen3_5_moe, Qwen3-Next with the values its sanitize
-changes; GPT-OSS, its fused experts cut as mlx-lm's gpt_oss holds them, and equal to mlx_lm.convert's) read by
-mlx-lm, and the refusals (GGUF of the other families and of Qwen3-Next's MTP layers, MLX of the other families,
+Fast: fp8 on every family but GLM-4.5, gptq on DeepSeek-V3 and on GLM-4.5 with an expert no calibration token
+reaches (the same path for every family: llm-compressor's linear experts, then quantkit's reading), nvfp4 W4A4 on
+GLM-4.5, GGUF Q4_K_M of ERNIE 4.5 MoE, MiniMax-M2, DeepSeek-V3 (and without q_lora_rank, with YaRN and its MTP
+layer), Qwen2-MoE (its shared expert), and GLM-4.5, Qwen3.5-MoE and Qwen3-Next with their MTP layer (Qwen3.5-MoE
+also with its experts stored fused as its releases store them), GGUF --auto-precision of Mixtral (the probes stream
+the experts stacked) and GPT-OSS (its experts measured as written; the other families' in the slow suite), MLX
+stacked and read by mlx-lm of Mixtral, DeepSeek-V3 and Qwen3-Next, Qwen3-MoE with a precision per stacked
+projection, Qwen3.5-MoE without its MTP layer and with its experts stored fused, GLM-4.5 without its MTP layer, the
+tensors mlx_lm.convert writes of Qwen3-MoE, Mixtral and Qwen3-Next (with the values its sanitize changes), GPT-OSS,
+its fused experts cut as mlx-lm's gpt_oss holds them, and equal to mlx_lm.convert's, and the refusals (GGUF of the
+other families and of Qwen3-Next's MTP layers, MLX of the other families,
 each with its reason; MLX of what an mlx-lm model would read otherwise; GGUF of Hunyuan MoE with the converter's
 reason). GPT-OSS: GGUF Q4_K_M through the CLI (its experts de-interleaved, their biases, the sinks), the
 compressed-tensors methods and nf4 refused with their reason, GGUF of an MXFP4 checkpoint and of a window pattern
-llama.cpp would not follow refused. Slow: the other methods on every family, GGUF against llama.cpp's converter and
-llama-quantize (GPT-OSS and fused-stored Qwen experts too, and GPT-OSS's imatrix against llama-imatrix's), and
-llama.cpp's converter failing on Hunyuan MoE as that refusal says.
+llama.cpp would not follow refused. Slow: the other methods on every family (GLM-4.5's fp8 too), GGUF of GLM-4.5,
+Qwen3.5-MoE and Qwen3-Next without their MTP layer (test_gguf_experts_stacked_and_read_back), MLX stacked of the
+other families (Qwen3-MoE and Qwen3.5-MoE among them), GPT-OSS's MLX min/max with layer_bits, GGUF against
+llama.cpp's converter and llama-quantize (GPT-OSS and fused-stored Qwen experts too, and GPT-OSS's imatrix against
+llama-imatrix's), and llama.cpp's converter failing on Hunyuan MoE as that refusal says.
 """
 
 from __future__ import annotations
@@ -81,7 +86,9 @@ OLDER = {
 # the MoE families' method flags: nvfp4 weights only (its w4a4 activation scales need the FP4 experts reloaded)
 METHODS = {**{m: args for m, args in common.COMPRESSED.items() if m not in ("awq", "smoothquant")},  # below
            "nvfp4": ["--scheme", "a16"]}
-FAST = {("deepseek_v3", "gptq"), *((family, "fp8") for family in FAMILIES)}
+# GLM-4.5's fp8 in the slow suite: its fast compressed-tensors runs are gptq with an expert no token reaches and
+# nvfp4 W4A4 (below)
+FAST = {("deepseek_v3", "gptq"), *((family, "fp8") for family in FAMILIES if family != "glm4_moe")}
 
 
 def build(out: Path, family: str, **config) -> Path:
@@ -196,9 +203,11 @@ def test_formats_without_a_conversion_refuse_before_work(cli, models, tmp_path, 
     common.assert_refused(common.quantize(cli, models(family), out, method), out, *words)
 
 
-# the fast suite takes Qwen3-MoE, Mixtral (Mixtral's expert names) and DeepSeek-V3 (its 16-bit kv_b_proj); the same
-# stacking of the others in the slow suite
-MLX_SLOW = {"qwen2_moe", "glm4_moe", "minimax_m2"}
+# the fast suite takes Mixtral (Mixtral's expert names), DeepSeek-V3 (its 16-bit kv_b_proj) and Qwen3-Next (its only
+# fast mlx-lm reading); Qwen3-MoE and Qwen3.5-MoE are read by mlx-lm in their own fast MLX tests below
+# (test_mlx_precision_per_stacked_projection; the MTP layer dropped, the experts stored fused); the same stacking of
+# the others in the slow suite
+MLX_SLOW = {"qwen2_moe", "glm4_moe", "minimax_m2", "qwen3_moe", "qwen3_5_moe_text"}
 
 
 @pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.slow) if f in MLX_SLOW else f for f in MLX])
@@ -356,7 +365,12 @@ def test_mlx_of_what_mlx_lm_would_read_otherwise_refused(cli, models, tmp_path, 
     common.assert_refused(common.quantize(cli, model, out, "mlx"), out, "mlx", words)
 
 
-@pytest.mark.parametrize("family", list(GGUF))
+# their MTP-layer tests below write these families' stacked experts (and the shared expert, and GLM-4.5's router
+# correction bias) and the gate reads the whole file back; the same without the MTP layer in the slow suite
+GGUF_SLOW = {"glm4_moe", "qwen3_5_moe_text", "qwen3_next"}
+
+
+@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.slow) if f in GGUF_SLOW else f for f in GGUF])
 def test_gguf_experts_stacked_and_read_back(cli, models, tmp_path, family):
     """Q4_K_M through the CLI: the experts stacked per projection, the routers' correction bias (the hybrid Qwen
     ones: the shared expert and its gate, F32 as llama-quantize keeps a single-row weight) written and read back
@@ -809,15 +823,6 @@ def test_gguf_of_deepseek_v3_llama_cpp_would_run_otherwise_refused(cli, models, 
     common.assert_refused(common.quantize(cli, model, out, "gguf"), out, words)
 
 
-@pytest.mark.parametrize("family,piece", [("deepseek_v3", "attn_k_b"), ("qwen3_next", "attn_gate")])
-@pytest.mark.parametrize("flag", [["--auto-precision"], ["--fallback"]])
-def test_gguf_per_tensor_types_of_cut_tensors_refused(cli, models, tmp_path, flag, family, piece):
-    """--auto-precision / --fallback measure each tensor from the checkpoint's values, which the pieces of
-    DeepSeek's kv_b_proj and Qwen3-Next's in_proj_qkvz are not: refused before work, naming them."""
-    out = tmp_path / "out"
-    common.assert_refused(common.quantize(cli, models(family), out, "gguf", *flag), out, piece)
-
-
 def test_an_expert_no_token_reaches_gets_finite_scales(cli, tmp_path):
     """GLM-4.5's expert 3 with a correction bias of -10: the router chooses among sigmoid scores in (0, 1) plus the
     bias, so it never picks expert 3. gptq still calibrates it (every expert sees every token), its stored scales
@@ -987,14 +992,6 @@ def test_gguf_of_gpt_oss_in_mxfp4_refused(cli, models, tmp_path):
                           "convert_hf_to_gguf.py", "Mxfp4Config(dequantize=True)")
 
 
-@pytest.mark.parametrize("flag", [["--auto-precision"], ["--fallback"]])
-def test_gguf_per_tensor_types_of_gpt_oss_refused(cli, models, tmp_path, flag):
-    """--auto-precision / --fallback measure each tensor from the checkpoint's values, which GPT-OSS's stacked,
-    interleaved experts are not read as: refused before work, naming them."""
-    out = tmp_path / "out"
-    common.assert_refused(common.quantize(cli, models("gpt_oss"), out, "gguf", *flag), out, "mlp.experts.gate_up_proj")
-
-
 @pytest.mark.parametrize("change", [dict(layer_types=["full_attention", "full_attention"]),
                                     dict(layer_types=["full_attention", "sliding_attention"]),
                                     dict(attention_bias=False)], ids=["no-window", "window-second", "no-bias"])
@@ -1102,6 +1099,9 @@ targets:
 """
 
 
+# GPT-OSS's fast MLX runs: its cut experts and mlx_lm.convert's tensors (above); layer_bits on stacked projections
+# fast: test_mlx_precision_per_stacked_projection
+@pytest.mark.slow
 def test_mlx_of_gpt_oss_min_max_with_layer_bits(cli, gpt_oss_mlx, tmp_path):
     """8-bit min/max rounding, layer_bits taking the SwitchGLU projections by their mlx-lm names (down_proj at 4 bits,
     one layer's up_proj 16-bit: entry false, a float [experts, out, in] mlx-lm loads as a SwitchLinear); mlx-lm reads
@@ -1170,9 +1170,11 @@ def test_mlx_of_gpt_oss_stores_the_tensors_mlx_lm_convert_stores(cli, gpt_oss_ml
     assert all(torch.equal(ours_16[k], theirs_16[k]) for k in plain), plain
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss", *(
-    pytest.param(f, marks=pytest.mark.slow) for f in ("qwen2_moe", "glm4_moe", "minimax_m2", "ernie4_5_moe",
-                                                      "qwen3_5_moe_text", "deepseek_v3", "qwen3_next",
+# Mixtral's probes stream its renamed, stacked experts (the path Qwen3-MoE takes too), GPT-OSS's its experts as
+# written
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss", *(
+    pytest.param(f, marks=pytest.mark.slow) for f in ("qwen3_moe", "qwen2_moe", "glm4_moe", "minimax_m2",
+                                                      "ernie4_5_moe", "qwen3_5_moe_text", "deepseek_v3", "qwen3_next",
                                                       "llama4_text"))])
 def test_gguf_auto_precision_measures_the_experts(cli, models, tmp_path, family):
     """--auto-precision on a mixture of experts: the probes' forwards stream the checkpoint renamed and its experts

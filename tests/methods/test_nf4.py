@@ -11,7 +11,7 @@ from tests.methods.conftest import LOOSE_TOP1, assert_metrics, assert_nothing_wr
 FAST_ARGS = ["--num-samples", "2", "--seq-len", "64", "--eval-windows", "4"]
 
 
-@pytest.mark.parametrize("scheme, double_quant", [("nf4", True), ("int8", False),
+@pytest.mark.parametrize("scheme, double_quant", [("nf4", True), pytest.param("int8", False, marks=pytest.mark.slow),
                                                   pytest.param("fp4", False, marks=pytest.mark.slow)])
 def test_nf4_end_to_end(cli, micro_model, tmp_path, scheme, double_quant):
     import bitsandbytes as bnb

@@ -87,6 +87,7 @@ def test_engines_ask_for_their_own_ids(stub_server):
     assert vllm_server.tokenize(stub_server, None, ["Hello world"]) == [[1, 15043, 3186]]
 
 
+@pytest.mark.slow  # fast through mlx_lm.server: tests/serve/test_serve_check_mlx.py's tokenization check
 def test_mlx_lm_tokenizes_with_the_tokenizer_its_server_loads(micro_model):
     """mlx_lm.server has no /tokenize: the engine's python loads the served directory's tokenizer as the server
     does (here: this interpreter, which has mlx-lm) and gives the Hugging Face tokenizer's ids."""

@@ -53,6 +53,9 @@ def test_serve_check_runs_a_registered_engine(cli, micro_model, model_copy, tmp_
     assert {c["name"] for c in report["checks"]} == {"reading_kld", "ppl_drift", "tokenization"}
 
 
+# the verdict fast: tests/serve/test_tokens.py (test_a_differing_tokenization_fails_the_verdict); serve-check's exit 3
+# fast: tests/serve/test_serve_gate.py
+@pytest.mark.slow
 def test_an_engine_that_tokenizes_differently_fails_the_check(cli, micro_model, model_copy, tmp_path, toy,
                                                              monkeypatch):
     """The same server, its tokenizer splitting text one character at a time: the log-probs of the ids agree,
