@@ -195,7 +195,8 @@ def measure(request: EvalRequest, trust_remote_code: bool) -> tuple:
                                                 trust_remote_code=trust_remote_code, progress=progress)
         reading, model = opened_for_kv(r.artifact, base.path, r.device, trust_remote_code)
         kv_rows = measure_types(reading, model, kv_windows, kv_baseline, kv_kinds, kv_shape(base), r.gate, r.device,
-                                progress, until_pass=stops_at_first_pass(r.kv_cache))
+                                progress, until_pass=stops_at_first_pass(r.kv_cache),
+                                placement=placement if kv_windows is windows else None)
     return base, metrics, verdict, task_rows, llama_cpp, kv_rows
 
 

@@ -920,7 +920,8 @@ def measure_kv_types(job: QuantizeJob, resolved: ResolvedTarget, artifact: Path,
     with PeakTracker() as tracked:
         reading, model = opened_for_kv(artifact, job.info.path, job.device, job.trust_remote_code)
         rows = measure_types(reading, model, windows, base, kinds, shape, gate, job.device, opts.progress,
-                             until_pass=kv.stops_at_first_pass(gate.kv_cache))
+                             until_pass=kv.stops_at_first_pass(gate.kv_cache),
+                             placement=job.placement if windows is job.windows.eval else None)
         del reading, model
     entry.timings["kv_cache_s"] = tracked.seconds
     entry.peak_rss_by_step["kv cache"] = tracked.peak_rss

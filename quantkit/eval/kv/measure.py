@@ -111,16 +111,17 @@ def search_order(kinds: list[KvType], shape: Shape) -> list[KvType]:
 
 
 def measure_types(reading, model, windows, baseline, kinds: list[KvType], shape: Shape, gate, device: str = "cpu",
-                  progress=lambda _m: None, until_pass: bool = False) -> list[KvRow]:
+                  progress=lambda _m: None, until_pass: bool = False, placement=None) -> list[KvRow]:
     """One row per KV type: its bytes per token, its own damage and the total, and whether it passes. The artifact
-    is read as the gate reads it: its `reading` (quantkit.formats.gate.artifact_reading), or where it has none, the
+    is read as the gate reads it: its `reading` (quantkit.formats.gate.artifact_reading; resident or streamed as
+    the gate's `placement` says, streamed without one), or where it has none, the
     transformers `model` it loads as (load_artifact). `until_pass` (--kv-cache auto): the types are measured
     smallest first, and once one passes the larger types' rows are unneeded (not measured); the others of the
     passing one's size are measured, so the choice is the one measuring every type would make."""
     import torch
 
     from quantkit.eval.evaluate import compute_baseline, model_scorer
-    from quantkit.eval.scorers import reading_scorer
+    from quantkit.eval.scorers import STREAMED, reading_scorer
 
     config = reading.config if reading is not None else model.config
     implementation = implementation_of(config)
@@ -128,7 +129,7 @@ def measure_types(reading, model, windows, baseline, kinds: list[KvType], shape:
 
     def scorer(name: str | None):
         if reading is not None:
-            return reading_scorer(kv_reading(reading, name) if name else reading, device)
+            return reading_scorer(kv_reading(reading, name) if name else reading, device, placement or STREAMED)
         return model_scorer(set_attention(model, name or implementation))
 
     progress(f"KV cache: the artifact with a 16-bit cache on {len(windows)} windows of {windows.shape[1]} tokens")
