@@ -61,6 +61,9 @@ METHODS = {
 # the older families of tests/gguf/families.py: name in the matrix -> its builder's family name
 OLDER = {"llama": "llama31", "gemma3_text": "gemma3", "phi3": "phi3", "mistral": "mistral", "mixtral": "mixtral",
          "qwen2": "qwen25", "qwen3moe": "qwen3moe"}
+# the tokenizer a family's checkpoints ship where it is not the toy byte-level BPE (tests/gguf/families.build_family):
+# Phi-3's SentencePiece tokenizer.model
+TOKENIZERS = {"phi3": "spm"}
 
 
 def family_builders() -> dict:
@@ -75,7 +78,7 @@ def family_builders() -> dict:
     from tests.gguf.families import build_family
 
     for name, family in OLDER.items():
-        builders.setdefault(name, lambda out, family=family: build_family(family, out))
+        builders.setdefault(name, lambda out, family=family: build_family(family, out, TOKENIZERS.get(family, "bpe")))
     return builders
 
 
