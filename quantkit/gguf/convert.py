@@ -755,9 +755,7 @@ def matrix_data(handle, plan: TensorPlan, hf_name: str, shape: tuple[int, ...], 
     """One 1-D or 2-D source tensor: permuted / shifted / changed by the family's step whole, otherwise
     streamed by row slabs."""
     if plan.transform is not None:
-        source = handle.header[hf_name]
-        data = read_rows(handle, hf_name, 0, source["shape"][0] if len(source["shape"]) > 1 else 1)
-        data = np.ascontiguousarray(plan.transform(data, source["dtype"]).reshape(shape), dtype=np.float32)
+        data = written_values(handle, plan, hf_name, shape)
         if imatrix is not None and data.ndim == 3:  # one row-sized vector per matrix (DeepSeek's attn_k_b: per head)
             n = data.shape[-1]
             return np.stack([quantize_rows(m, plan.qtype, imatrix[i * n:(i + 1) * n], threads)
@@ -774,6 +772,16 @@ def matrix_data(handle, plan: TensorPlan, hf_name: str, shape: tuple[int, ...], 
             data = shift_norm(data, handle.header[hf_name]["dtype"])
         return quantize_rows(data, plan.qtype, imatrix, threads)
     return SlabbedTensor(handle, hf_name, plan, shape, imatrix, threads)
+
+
+def written_values(handle, plan: TensorPlan, hf_name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """A source tensor read whole and changed by the family's step (plan.transform, where it has one) into the
+    float32 values written in `shape`, before quantization."""
+    source = handle.header[hf_name]
+    data = read_rows(handle, hf_name, 0, source["shape"][0] if len(source["shape"]) > 1 else 1)
+    if plan.transform is not None:
+        data = plan.transform(data, source["dtype"])
+    return np.ascontiguousarray(np.reshape(data, shape), dtype=np.float32)
 
 
 def stacked_data(handle, plan: TensorPlan, hf_name: str, shape: tuple[int, ...], imatrix, threads: int) -> np.ndarray:

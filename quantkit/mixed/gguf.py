@@ -253,12 +253,9 @@ class Written:
 
     def values(self, plan) -> np.ndarray:
         """A plan's float32 values in its written shape (what quantkit.gguf.convert.matrix_data quantizes)."""
-        handle = self.handles[plan.hf_name]
-        source = handle.header[plan.hf_name]
-        data = handle.read(plan.hf_name, 0, source["shape"][0] if len(source["shape"]) > 1 else 1)
-        if plan.transform is not None:
-            data = plan.transform(data, source["dtype"])
-        return np.ascontiguousarray(np.reshape(data, plan.shape), dtype=np.float32)
+        from quantkit.gguf.convert import written_values
+
+        return written_values(self.handles[plan.hf_name], plan, plan.hf_name, plan.shape)
 
     def source(self, hf: str, replaced: dict[str, np.ndarray]) -> np.ndarray:
         """The source `hf` from its pieces' written values, those `replaced` names ({GGUF name: values}) in place."""
