@@ -520,3 +520,24 @@ def test_an_artifact_loaded_whole_counts_the_tables_it_keeps_16_bit(micro_model)
     assert steps["nf4: quantize"] >= whole + max(layers.values())
     assert working_set(target, big) == whole + max(layers.values())
     assert steps["nf4: gate"] >= whole
+
+
+def test_a_gate_measuring_kv_types_counts_the_artifacts_kept_reading(micro_model, tmp_path):
+    """With --kv-cache the gate keeps the artifact's reading for the types (in memory below the spill size): its
+    step holds those rows more, and the KV step, named as the report names its peak, as much."""
+    from quantkit.io.checkpoint import check_model_dir
+    from quantkit.run.pipeline import RunOptions, prepare
+    from quantkit.run.preflight import baseline_bytes, chunk_bytes, ram_estimate
+    from quantkit.run.recipe import validate
+
+    info = check_model_dir(micro_model)
+    calibration = {"num_samples": 16, "seq_len": 64, "eval_windows": 2}
+    steps = {}
+    for kv in (None, "mlx:4"):
+        recipe = validate({"model": str(micro_model), "calibration": calibration, "gate": {"kv_cache": kv},
+                           "targets": [{"name": "m", "method": "mlx"}]})
+        _info, targets, placement = prepare(recipe, RunOptions(model=str(micro_model), out=tmp_path / "x"))
+        steps[kv] = ram_estimate(info, recipe, targets, placement).steps
+    assert steps["mlx:4"]["m: gate"] == steps[None]["m: gate"] + baseline_bytes(info, 64, 2)
+    assert steps["mlx:4"]["m: kv cache"] == steps["mlx:4"]["m: gate"] + chunk_bytes(info, 64, 2)
+    assert "m: kv cache" not in steps[None]

@@ -170,8 +170,12 @@ def measure(request: EvalRequest, trust_remote_code: bool) -> tuple:
     baseline = scorers.base_baseline(base, windows, device=r.device, trust_remote_code=trust_remote_code,
                                      placement=placement, progress=progress)
     progress(f"candidate: {r.artifact} ({r.kind})")
+    longer_kv = bool(r.kv_context and r.kv_context != seq_len)
+    keeper = evaluate.Keeper(evaluate.positions(windows)) if kv_kinds and not longer_kv else None
+    alone = keeper is not None and not r.gate.flip_prompts and not r.gate.tasks  # nothing else reads it between
+    held = reading.held_artifact(r.artifact, base.path, r.device, placement, trust_remote_code) if alone else None
     metrics = reading.evaluate_artifact(r.artifact, base.path, windows, baseline, r.device, trust_remote_code,
-                                        placement=placement, progress=progress)
+                                        placement=placement, progress=progress, keep=keeper, held=held)
     metrics.flips, task_rows = measure_extras(r.artifact, base, tokenizer, windows, r.gate, r.device,
                                               trust_remote_code, placement)
     verdict = evaluate.gate_verdict(metrics, r.gate)
@@ -187,16 +191,18 @@ def measure(request: EvalRequest, trust_remote_code: bool) -> tuple:
         from quantkit.formats.gate import opened_for_kv
 
         kv_windows, kv_baseline = windows, baseline
-        if r.kv_context and r.kv_context != seq_len:
+        if longer_kv:
             longer = r.calibration.model_copy(update={"seq_len": r.kv_context})
             kv_windows = make_windows(tokenizer, longer).eval
             progress(f"KV cache: the base on {len(kv_windows)} windows of {r.kv_context} tokens (streamed)")
             kv_baseline = scorers.base_baseline(base, kv_windows, device=r.device,
                                                 trust_remote_code=trust_remote_code, progress=progress)
-        reading, model = opened_for_kv(r.artifact, base.path, r.device, trust_remote_code)
-        kv_rows = measure_types(reading, model, kv_windows, kv_baseline, kv_kinds, kv_shape(base), r.gate, r.device,
+        artifact, model = (held.reading, None) if held else opened_for_kv(r.artifact, base.path, r.device,
+                                                                           trust_remote_code)
+        kv_rows = measure_types(artifact, model, kv_windows, kv_baseline, kv_kinds, kv_shape(base), r.gate, r.device,
                                 progress, until_pass=stops_at_first_pass(r.kv_cache),
-                                placement=placement if kv_windows is windows else None)
+                                placement=placement if kv_windows is windows else None,
+                                own=keeper.baseline if keeper else None, held=held)
     return base, metrics, verdict, task_rows, llama_cpp, kv_rows
 
 

@@ -424,22 +424,42 @@ def store_rows(rows, offset: int, logprobs) -> None:
         rows[offset : offset + logprobs.shape[0]] = logprobs.to(torch.float16).cpu().numpy()
 
 
+def keep_chunk(baseline: Baseline, offset: int, chunk: ScoredChunk) -> int:
+    """What the gate needs of one scored chunk kept in rows offset.. of `baseline`; the next chunk's offset."""
+    end = offset + chunk.logprobs.shape[0]
+    store_rows(baseline.logprobs, offset, chunk.logprobs)
+    baseline.nll[offset:end] = target_nll(chunk)
+    baseline.top1[offset:end] = top1_and_finite(chunk.logprobs)[0].cpu().numpy()
+    baseline.targets[offset:end] = chunk.targets.cpu().numpy()
+    return end
+
+
+class Keeper:
+    """Scored chunks kept as a Baseline while they pass on to what consumes them (`compare(..., keep=)`): a
+    candidate's own reading kept as it is measured, for what compares other readings of it with it later (the
+    KV-cache types against the artifact's 16-bit-cache reading) without scoring it again. The log-probs are
+    rounded to float16, in a file above SPILL_THRESHOLD bytes unless `spill` is False."""
+
+    def __init__(self, n_positions: int, workdir: Path | None = None, spill: bool = True):
+        self.n_positions, self.workdir, self.spill = n_positions, workdir, spill
+        self.baseline: Baseline | None = None
+
+    def passing(self, chunks: Iterable[ScoredChunk]) -> Iterator[ScoredChunk]:
+        offset = 0
+        for chunk in chunks:
+            if self.baseline is None:
+                self.baseline = empty_baseline(self.n_positions, chunk.logprobs.shape[-1], self.workdir, self.spill)
+            offset = keep_chunk(self.baseline, offset, chunk)
+            yield chunk
+
+
 def baseline_from_chunks(chunks: Iterable[ScoredChunk], n_positions: int, workdir: Path | None = None,
                          spill: bool = True) -> Baseline:
-    """Keep what the gate needs from the base's scored chunks (log-probs rounded to float16; in a file
-    above SPILL_THRESHOLD bytes unless `spill` is False)."""
-    import torch
-
-    baseline, offset = None, 0
-    for chunk in chunks:
-        baseline = baseline or empty_baseline(n_positions, chunk.logprobs.shape[-1], workdir, spill)
-        end = offset + chunk.logprobs.shape[0]
-        store_rows(baseline.logprobs, offset, chunk.logprobs)
-        baseline.nll[offset:end] = target_nll(chunk)
-        baseline.top1[offset:end] = top1_and_finite(chunk.logprobs)[0].cpu().numpy()
-        baseline.targets[offset:end] = chunk.targets.cpu().numpy()
-        offset = end
-    return baseline
+    """Keep what the gate needs from the base's scored chunks (Keeper)."""
+    keeper = Keeper(n_positions, workdir, spill)
+    for _ in keeper.passing(chunks):
+        pass
+    return keeper.baseline
 
 
 def compute_baseline(scorer: Scorer, windows, workdir: Path | None = None, spill: bool = True) -> Baseline:
@@ -476,24 +496,48 @@ def kl_rows(base16, cand, finite=None, buffers: Buffers | None = None) -> "torch
     large finite term. A candidate position whose log-probs hold a NaN gets a NaN (`finite`: the positions
     without one, when the caller has them). Computed on the candidate's device (the base's rows, float16 as a
     numpy array or a tensor, are copied there) in `buffers` (reused from chunk to chunk where given)."""
+    return kl_rows_of([base16], cand, finite, buffers)[0]
+
+
+def kl_rows_of(bases: list, cand, finite=None, buffers: Buffers | None = None) -> list:
+    """kl_rows of one candidate against each of `bases` (float16 rows of the same positions), the candidate's
+    own terms (its float16 rounding and log Z) computed once."""
     import torch
 
     buffers = buffers or Buffers()
+    if finite is None:
+        finite = top1_and_finite(cand)[1]
+    rounded, log_z_cand = candidate_terms(cand, buffers)
+    last = len(bases) - 1
+    return [torch.where(finite, kl_from(b, rounded, log_z_cand, buffers, reuse=i == last), math.nan)
+            for i, b in enumerate(bases)]
+
+
+def candidate_terms(cand, buffers: Buffers) -> tuple:
+    """(the candidate's log-probs rounded to float16, as float32 with -inf read as FLOAT16_MIN; its log Z)."""
+    import torch
+
     n, vocab = cand.shape
-    base16 = torch.from_numpy(np.asarray(base16)) if isinstance(base16, np.ndarray) else base16
     half = buffers.get("kl half", n, vocab, torch.float16, cand.device).copy_(cand)
-    diff = buffers.get("kl diff", n, vocab, torch.float32, cand.device).copy_(half).clamp_min_(FLOAT16_MIN)
-    base = buffers.get("kl base", n, vocab, torch.float32, cand.device)
-    log_z_cand = torch.exp(diff, out=base).sum(-1).log_()
-    base.copy_(base16).clamp_min_(FLOAT16_MIN)
-    torch.sub(base, diff, out=diff)
+    rounded = buffers.get("kl cand", n, vocab, torch.float32, cand.device).copy_(half).clamp_min_(FLOAT16_MIN)
+    scratch = buffers.get("kl base", n, vocab, torch.float32, cand.device)
+    return rounded, torch.exp(rounded, out=scratch).sum(-1).log_()
+
+
+def kl_from(base16, rounded, log_z_cand, buffers: Buffers, reuse: bool = True):
+    """KL(base || cand) per position from the candidate's terms (candidate_terms); `reuse`: the candidate's
+    rows are not needed again and hold the difference (no buffer more)."""
+    import torch
+
+    n, vocab = rounded.shape
+    base16 = torch.from_numpy(np.asarray(base16)) if isinstance(base16, np.ndarray) else base16
+    base = buffers.get("kl base", n, vocab, torch.float32, rounded.device).copy_(base16).clamp_min_(FLOAT16_MIN)
+    diff = rounded if reuse else buffers.get("kl diff", n, vocab, torch.float32, rounded.device)
+    torch.sub(base, rounded, out=diff)
     weights = base.exp_()
     z_base = weights.sum(-1)
     dot = torch.mul(weights, diff, out=diff).sum(-1)
-    kl = (dot / z_base - z_base.log() + log_z_cand).clamp_min(0.0)
-    if finite is None:
-        finite = top1_and_finite(cand)[1]
-    return torch.where(finite, kl, math.nan)
+    return (dot / z_base - z_base.log() + log_z_cand).clamp_min(0.0)
 
 
 def compare_chunks(chunks: Iterable[ScoredChunk], baseline: Baseline, gather: Gather | None = None) -> Metrics:
@@ -570,15 +614,18 @@ def delta_p(nll: np.ndarray, base_nll: np.ndarray) -> float:
     return float(np.mean(np.abs(np.exp(-nll.astype(np.float64)) - np.exp(-base_nll.astype(np.float64)))))
 
 
-def compare(scorer: Scorer, windows, baseline: Baseline, gather: Gather | None = None) -> Metrics:
+def compare(scorer: Scorer, windows, baseline: Baseline, gather: Gather | None = None,
+            keep: Keeper | None = None) -> Metrics:
     """Metrics of a candidate against the baseline, streaming over the windows (this rank's share of them
-    with `gather`: compare_chunks); a lockstep baseline's base is scored beside it (lockstep_rows)."""
+    with `gather`: compare_chunks); a lockstep baseline's base is scored beside it (lockstep_rows). With `keep`,
+    the candidate's own chunks are kept as they pass (Keeper)."""
     import torch
 
     with torch.inference_mode():
+        chunks = scorer(windows) if keep is None else keep.passing(scorer(windows))
         if baseline.scorer is None:
-            return compare_chunks(scorer(windows), baseline, gather)
-        return compare_rows(lockstep_rows(baseline.scorer(windows), scorer(windows), baseline), baseline, gather)
+            return compare_chunks(chunks, baseline, gather)
+        return compare_rows(lockstep_rows(baseline.scorer(windows), chunks, baseline), baseline, gather)
 
 
 def perplexity(nll: np.ndarray) -> float:

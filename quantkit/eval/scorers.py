@@ -185,6 +185,45 @@ def reading_scorer(reading: Reading, device: str = "cpu", placement: Placement =
     return resident.falling_back(whole, streamed, progress)
 
 
+class HeldReading:
+    """A Reading scored several times on one resident model, built when first scored and kept until this object
+    goes (reading_scorer builds its model afresh for every scoring, the artifact read and dequantized each time):
+    for readings of one artifact that differ only in what `prepare` sets on the model before each scoring (the
+    KV-cache types' attention). Where the placement streams it, each scoring streams as reading_scorer does."""
+
+    def __init__(self, reading: Reading, device: str = "cpu", placement: Placement = STREAMED):
+        self.reading, self.device, self.placement = reading, device, placement
+        self.resident = None
+
+    def model(self):
+        if self.resident is None:
+            self.resident = resident_reading(self.reading, self._target())
+        return self.resident
+
+    def _target(self):
+        from quantkit.engines.transformers import device_map
+
+        return device_map(self.device)
+
+    def scorer(self, reading: Reading, prepare: Callable) -> Scorer:
+        """The held model after `prepare(model)`; `reading` (the held one as this scoring reads it) where it is
+        streamed, or finishes streamed out of memory."""
+        from quantkit.eval import resident
+
+        if not self.placement.resident:
+            return reading_scorer(reading, self.device, self.placement)
+
+        def make():
+            held = self.model()
+            prepare(held.model)
+            return held
+
+        text_config = reading.config.get_text_config()
+        whole = resident.resident_scorer(make, text_config, self.placement.activation_bytes)
+        streamed = group_scorer(lambda: streamed_reading(reading, self._target()), text_config, ACTIVATION_BYTES)
+        return resident.falling_back(whole, streamed, ignore)
+
+
 def checkpoint_scorer(model_dir: Path, dtype: str = "auto", device: str = "cpu",
                       activation_bytes: int = ACTIVATION_BYTES, workdir: Path | None = None) -> Scorer:
     """A full-precision checkpoint streamed from its safetensors, in `dtype`."""

@@ -10,8 +10,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from quantkit.eval.evaluate import Baseline, Gather, LogitsFn, Metrics, ScoredChunk, Scorer, compare, model_logits_fn, model_scorer
-from quantkit.eval.scorers import STREAMED, Placement, Progress, ignore, reading_logits, reading_scorer
+from quantkit.eval.evaluate import Baseline, Gather, Keeper, LogitsFn, Metrics, ScoredChunk, Scorer, compare, model_logits_fn, model_scorer
+from quantkit.eval.scorers import STREAMED, HeldReading, Placement, Progress, ignore, reading_logits, reading_scorer
 from quantkit.eval.stream import Reading
 from quantkit.formats import detect
 
@@ -51,14 +51,30 @@ def artifact_scorer(path: Path, base_dir: Path | None = None, device: str = "cpu
 def evaluate_artifact(artifact: Path, base_dir: Path, windows, baseline: Baseline, device: str = "cpu",
                       trust_remote_code: bool = False, workdir: Path | None = None,
                       placement: Placement = STREAMED, progress: Progress = ignore,
-                      gather: Gather | None = None) -> Metrics:
+                      gather: Gather | None = None, keep: Keeper | None = None,
+                      held: HeldReading | None = None) -> Metrics:
     """Read an artifact back from disk the way a user would and measure it against the baseline: the
     one measuring step shared by the pipeline's gate and `quantkit eval` (artifact_scorer; beside the base
     for a lockstep baseline). Under torchrun `windows` and `baseline` are this rank's share and `gather`
-    collects the positions (evaluate.compare)."""
-    scorer = artifact_scorer(artifact, base_dir, device, trust_remote_code, workdir, placement, progress,
-                             baseline.shared)
-    return compare(scorer, windows, baseline, gather)
+    collects the positions (evaluate.compare); `keep` keeps the artifact's own reading as it is measured, and
+    `held` (held_artifact) its resident model, for what reads it again (the KV-cache types)."""
+    if held is not None:
+        scorer = held.scorer(held.reading, lambda _model: None)
+    else:
+        scorer = artifact_scorer(artifact, base_dir, device, trust_remote_code, workdir, placement, progress,
+                                 baseline.shared)
+    return compare(scorer, windows, baseline, gather, keep)
+
+
+def held_artifact(artifact: Path, base_dir: Path | None, device: str, placement: Placement,
+                  trust_remote_code: bool = False) -> HeldReading | None:
+    """The artifact's reading to be held resident from the gate's measurement to the KV-cache types' (scorers.
+    HeldReading: read and dequantized once), where the placement holds it resident on its own (not in lockstep
+    beside the base, whose tensors it would borrow) and quantkit reads it; else None."""
+    if not placement.resident or placement.lockstep:
+        return None
+    reading = artifact_reading(artifact, base_dir, trust_remote_code)
+    return HeldReading(reading, device, placement) if reading is not None else None
 
 
 def artifact_logits(path: Path, base_dir: Path | None = None, device: str = "cpu", trust_remote_code: bool = False,

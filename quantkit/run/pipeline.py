@@ -764,18 +764,41 @@ def score_base_extras(info: ModelInfo, recipe: Recipe, targets: list[ResolvedTar
         baseline.tasks = tasks.TaskBaseline(scores, tokenizer, length)
 
 
+@dataclass
+class KeptReading:
+    """What the gate kept of its reading of the artifact for the KV-cache types (measure_kv_types): its log-probs
+    on the held-out windows (evaluate.Keeper's Baseline) and, where nothing else reads the artifact in between,
+    its resident model (quantkit.formats.gate.held_artifact; else None)."""
+
+    own: object
+    held: object = None
+
+
+def holds_artifact(gate, artifact: Path) -> bool:
+    """Whether the gate's resident model can wait for the KV-cache types: no flips or tasks read the artifact
+    in between with a model of their own, nor the fp8 KV scheme's own measurement (measure_kv_cache)."""
+    from quantkit.eval.scorers import kv_cache_scheme
+
+    return not gate.flip_prompts and not gate.tasks and not kv_cache_scheme(artifact)
+
+
 def measure(job: QuantizeJob, resolved: ResolvedTarget, artifact: Path, baseline, entry: TargetReport,
-            opts: RunOptions) -> None:
+            opts: RunOptions, keep_own: bool = False) -> KeptReading | None:
     """The artifact read back and measured against the base: the gate's metrics on the held-out
-    windows, its lm-eval tasks when the gate names some, and the verdict, into `entry`."""
+    windows, its lm-eval tasks when the gate names some, and the verdict, into `entry`. With `keep_own`, what
+    the gate read is kept and returned (KeptReading; else None)."""
     from quantkit.eval import evaluate, generate
     from quantkit.formats import gate as reading
 
     gate = resolved.gate
+    keeper = evaluate.Keeper(evaluate.positions(job.windows.eval), job.workdir) if keep_own else None
+    held = reading.held_artifact(artifact, job.info.path, job.device, job.placement, job.trust_remote_code) \
+        if keep_own and holds_artifact(gate, artifact) else None
     announce(job.ranks, "measure", str(artifact))  # the other ranks score their shares of the windows with it
     entry.metrics = reading.evaluate_artifact(artifact, job.info.path, eval_share(job.windows.eval, job.ranks),
                                                baseline, job.device, job.trust_remote_code, job.workdir,
-                                               job.placement, job.progress, gather=gather_for(job.ranks))
+                                               job.placement, job.progress, gather=gather_for(job.ranks),
+                                               keep=keeper, held=held)
     logits = None
     if gate.flip_prompts or gate.tasks:
         with rank_zero_alone(job.ranks):
@@ -796,6 +819,7 @@ def measure(job: QuantizeJob, resolved: ResolvedTarget, artifact: Path, baseline
         entry.tasks = [r.as_dict() for r in results]
         entry.gate = evaluate.with_checks(entry.gate, tasks.task_checks(results))
         entry.timings["tasks_s"] = round(entry.timings.get("tasks_s", 0.0) + time.time() - started, 3)
+    return KeptReading(keeper.baseline, held) if keeper else None
 
 
 def serve_gate(job: QuantizeJob, resolved: ResolvedTarget, artifact: Path, entry: TargetReport) -> None:
@@ -904,11 +928,18 @@ def kv_baseline(info: ModelInfo, recipe: Recipe, windows, workdir: Path, progres
                                  progress=progress)
 
 
+def keeps_own_reading(job: QuantizeJob, gate, kv_long: dict | None) -> bool:
+    """Whether the gate keeps the artifact's reading as it measures it, for the KV-cache types to be compared with
+    (measure_kv_types): they are measured on the gate's own windows, in one process."""
+    return gate.kv_cache is not None and not job.ranks.distributed and gate.kv_context not in (kv_long or {})
+
+
 def measure_kv_types(job: QuantizeJob, resolved: ResolvedTarget, artifact: Path, baseline, entry: TargetReport,
-                     opts: RunOptions, kv_long: dict | None = None) -> None:
+                     opts: RunOptions, kv_long: dict | None = None, kept: KeptReading | None = None) -> None:
     """The gate's --kv-cache types on the final artifact (quantkit.eval.kv.measure) into
     entry.details["kv_cache_types"]; the smallest passing type's flags go into the serve command. On the windows
-    of --kv-context where it is set (`kv_long`: context -> (windows, the base's baseline)), else the gate's."""
+    of --kv-context where it is set (`kv_long`: context -> (windows, the base's baseline)), else the gate's, with
+    what the gate `kept` of its reading (measure)."""
     from quantkit.eval import kv
     from quantkit.eval.kv.measure import measure_types, smallest_passing
     from quantkit.formats.gate import opened_for_kv
@@ -918,11 +949,15 @@ def measure_kv_types(job: QuantizeJob, resolved: ResolvedTarget, artifact: Path,
     windows, base = (kv_long or {}).get(gate.kv_context, (job.windows.eval, baseline))
     opts.progress(f"[{resolved.name}] measuring {len(kinds)} KV-cache type(s) on windows of {windows.shape[1]} tokens")
     with PeakTracker() as tracked:
-        reading, model = opened_for_kv(artifact, job.info.path, job.device, job.trust_remote_code)
+        gates = windows is job.windows.eval and kept is not None  # on the gate's windows, its reading kept
+        held = kept.held if gates else None
+        reading, model = (held.reading, None) if held else opened_for_kv(artifact, job.info.path, job.device,
+                                                                          job.trust_remote_code)
         rows = measure_types(reading, model, windows, base, kinds, shape, gate, job.device, opts.progress,
                              until_pass=kv.stops_at_first_pass(gate.kv_cache),
-                             placement=job.placement if windows is job.windows.eval else None)
-        del reading, model
+                             placement=job.placement if windows is job.windows.eval else None,
+                             own=kept.own if gates else None, held=held)
+        del reading, model, held
     entry.timings["kv_cache_s"] = tracked.seconds
     entry.peak_rss_by_step["kv cache"] = tracked.peak_rss
     entry.peak_rss_bytes = max(entry.peak_rss_bytes or 0, tracked.peak_rss)
@@ -967,16 +1002,19 @@ def run_target(job: QuantizeJob, resolved: ResolvedTarget, baseline, opts: RunOp
         return entry
     opts.progress(f"[{resolved.name}] measuring the artifact against the base")
     with PeakTracker() as et:
-        measure(job, resolved, result.artifact, baseline, entry, opts)
+        kept = measure(job, resolved, result.artifact, baseline, entry, opts,
+                       keep_own=keeps_own_reading(job, resolved.gate, kv_long))
     entry.timings["eval_s"] = et.seconds
     entry.peak_rss_bytes = max(qt.peak_rss, et.peak_rss)
     entry.peak_rss_by_step["eval"] = et.peak_rss
     if not entry.gate.passed and fallback_options(resolved) is not None:
+        kept = None  # the guide changes the artifact: it is read again
         run_fallback(job, resolved, result, entry, baseline, opts)
     with rank_zero_alone(job.ranks):  # the other ranks are done with this target
         measure_kv_cache(job, resolved, result.artifact, entry, opts)  # the final artifact's, after any fallback
         if resolved.gate.kv_cache is not None:
-            measure_kv_types(job, resolved, result.artifact, baseline, entry, opts, kv_long)
+            measure_kv_types(job, resolved, result.artifact, baseline, entry, opts, kv_long, kept)
+        del kept
         if resolved.gate.serve is not None:
             serve_or_say_why_not(job, resolved, result.artifact, entry)
     if entry.failed_enforced_gate:

@@ -135,7 +135,10 @@ def ram_estimate(info, recipe, targets, placement=None) -> RamEstimate:
       decompressed at a time (quantkit.eval.compressed); any other compressed-tensors or bitsandbytes
       artifact is reloaded whole at its bits;
     - a target with a gate-driven fallback adds the fallback's steps (fallback_steps);
-    - every step after the baseline also holds the baseline's log-probs kept in memory (kept_baseline_bytes)."""
+    - every step after the baseline also holds the baseline's log-probs kept in memory (kept_baseline_bytes);
+    - a gate measuring KV-cache types keeps the artifact's own reading as well (in memory below
+      evaluate.SPILL_THRESHOLD), and its KV step reads the artifact again as the gate does, comparing each chunk
+      with both readings."""
     from quantkit.eval.scorers import Placement
     from quantkit.eval.stream import ACTIVATION_BYTES
 
@@ -160,6 +163,11 @@ def ram_estimate(info, recipe, targets, placement=None) -> RamEstimate:
             steps[f"{t.name}: quantize"] = working + kept
         if c.eval_windows:
             steps[f"{t.name}: gate"] = gate_bytes(t, info, recipe, placement, whole, streamed) + kept
+        if c.eval_windows and getattr(getattr(t, "gate", None), "kv_cache", None) is not None:
+            own = kept_baseline_bytes(info, c.seq_len, c.eval_windows, Placement(False))  # the artifact's reading
+            steps[f"{t.name}: gate"] += own
+            # the KV step compares each chunk with both (evaluate.kl_rows_of): one float32 chunk more
+            steps[f"{t.name}: kv cache"] = steps[f"{t.name}: gate"] + chunk_bytes(info, c.seq_len, c.eval_windows)
         if c.eval_windows and getattr(t.options, "fallback", None) is not None:
             steps.update(fallback_steps(t.name, steps, info, recipe, kept))
     return RamEstimate(steps)

@@ -65,6 +65,7 @@ def test_eval_measures_types_and_chooses_the_smallest(cli, micro_model, tmp_path
     assert 0 < rows["mlx:8"]["own"]["kld_mean"] < rows["mlx:4"]["own"]["kld_mean"]
     assert rows["mlx:8"]["total"]["kld_mean"] == pytest.approx(rows["mlx:8"]["own"]["kld_mean"], rel=0.05)
     assert section["chosen"] == "mlx:4" and section["serve_flags"] == ["--kv-bits", "4"]
+    assert "the artifact with a 16-bit cache on" not in result.stderr  # the gate's reading of it, kept
 
 
 def test_serve_command_carries_the_chosen_flags():
@@ -143,3 +144,16 @@ def test_quantize_measures_kv_types_at_kv_context(cli, micro_model, tmp_path):
     (row,) = section["types"]
     assert row["type"] == "llama.cpp:q4_0" and row["own"]["kld_mean"] > 0
     assert "windows of 128 tokens" in result.stderr
+    assert "the artifact with a 16-bit cache on" in result.stderr  # not the gate's windows: scored for the types
+
+
+def test_quantize_compares_the_types_with_the_gates_own_reading(cli, micro_model, tmp_path):
+    """On the gate's windows the types are compared with the artifact's reading the gate kept as it measured it:
+    no forward of its own for a 16-bit cache; the type's own damage is measured against it."""
+    out = tmp_path / "out"
+    result = cli("quantize", micro_model, "--method", "gguf", "--gguf-type", "Q8_0", "-o", out, *FAST_CALIB,
+                 "--kv-cache", "llama.cpp:q4_0")
+    assert result.exit_code == 0, result.output
+    (row,) = json.loads((out / "quantkit.json").read_text())["targets"][0]["details"]["kv_cache_types"]["types"]
+    assert row["own"]["kld_mean"] > 0 and row["total"]["kld_mean"] >= row["own"]["kld_mean"] * 0.5
+    assert "the artifact with a 16-bit cache on" not in result.stderr

@@ -81,16 +81,17 @@ def base_rows(chunks, windows, base):
 def dual_compare(rows, own, base) -> tuple:
     """(metrics against `own`, metrics against `base`) of one forward's (offset, base rows, chunk) triples
     (base_rows): the artifact's own baseline is kept (in memory or a file), the base's as `rows` bring it."""
-    from quantkit.eval.evaluate import kl_rows, summarize, target_nll, top1_and_finite
+    from quantkit.eval.evaluate import Buffers, kl_rows_of, summarize, target_nll, top1_and_finite
 
-    acc = {"own": ([], [], []), "base": ([], [], [])}
+    acc, buffers = {"own": ([], [], []), "base": ([], [], [])}, Buffers()
     for offset, base16, chunk in rows:
         end = offset + chunk.logprobs.shape[0]
         top1, finite = top1_and_finite(chunk.logprobs)
         nll = target_nll(chunk)
-        for key, reference, baseline in (("own", own.logprobs[offset:end], own), ("base", base16, base)):
+        divergences = kl_rows_of([own.logprobs[offset:end], base16], chunk.logprobs, finite, buffers)
+        for key, kl, baseline in zip(("own", "base"), divergences, (own, base)):
             kls, nlls, agree = acc[key]
-            kls.append(kl_rows(reference, chunk.logprobs, finite).cpu().numpy())
+            kls.append(kl.cpu().numpy())
             nlls.append(nll)
             agree.append(top1.cpu().numpy() == baseline.top1[offset:end])
     return tuple(summarize(np.concatenate(k), np.concatenate(n), int(np.concatenate(a).sum()), b.nll)
@@ -111,29 +112,38 @@ def search_order(kinds: list[KvType], shape: Shape) -> list[KvType]:
 
 
 def measure_types(reading, model, windows, baseline, kinds: list[KvType], shape: Shape, gate, device: str = "cpu",
-                  progress=lambda _m: None, until_pass: bool = False, placement=None) -> list[KvRow]:
+                  progress=lambda _m: None, until_pass: bool = False, placement=None, own=None,
+                  held=None) -> list[KvRow]:
     """One row per KV type: its bytes per token, its own damage and the total, and whether it passes. The artifact
     is read as the gate reads it: its `reading` (quantkit.formats.gate.artifact_reading; resident or streamed as
-    the gate's `placement` says, streamed without one), or where it has none, the
+    the gate's `placement` says, streamed without one; resident, built once for every type), or where it has none, the
     transformers `model` it loads as (load_artifact). `until_pass` (--kv-cache auto): the types are measured
     smallest first, and once one passes the larger types' rows are unneeded (not measured); the others of the
-    passing one's size are measured, so the choice is the one measuring every type would make."""
+    passing one's size are measured, so the choice is the one measuring every type would make. `own`: the
+    artifact's 16-bit-cache reading on these windows where the gate kept it as it measured the artifact
+    (evaluate.Keeper: the same reading, placement and attention, so the same numbers); else it is scored first.
+    `held`: the reading's resident model the gate held (quantkit.formats.gate.held_artifact), `reading` its own."""
     import torch
 
     from quantkit.eval.evaluate import compute_baseline, model_scorer
-    from quantkit.eval.scorers import STREAMED, reading_scorer
+    from quantkit.eval.scorers import STREAMED, HeldReading
 
     config = reading.config if reading is not None else model.config
     implementation = implementation_of(config)
     prefill = windows.shape[1] // 2
+    if held is None and reading is not None:
+        held = HeldReading(reading, device, placement or STREAMED)
 
     def scorer(name: str | None):
-        if reading is not None:
-            return reading_scorer(kv_reading(reading, name) if name else reading, device, placement or STREAMED)
+        if held is not None:  # resident: one model for every type, its attention set for each
+            return held.scorer(kv_reading(reading, name) if name else reading,
+                               lambda m: set_attention(m, name or implementation))
         return model_scorer(set_attention(model, name or implementation))
 
-    progress(f"KV cache: the artifact with a 16-bit cache on {len(windows)} windows of {windows.shape[1]} tokens")
-    own_baseline = compute_baseline(scorer(None), windows)
+    own_baseline = own
+    if own_baseline is None:
+        progress(f"KV cache: the artifact with a 16-bit cache on {len(windows)} windows of {windows.shape[1]} tokens")
+        own_baseline = compute_baseline(scorer(None), windows)
     rows = []
     for kind in search_order(kinds, shape) if until_pass else kinds:
         if until_pass and any(r.passed and r.bytes_per_token < kind.bytes_per_token(shape) for r in rows):

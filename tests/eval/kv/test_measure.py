@@ -61,6 +61,41 @@ def test_one_forward_per_type(model, windows):
     assert len(calls) == batches * (1 + 3)  # the artifact with a 16-bit cache once, then each type once
 
 
+def test_the_gates_kept_reading_is_the_one_scored_again(model, windows):
+    """The artifact's reading kept as the gate compares it (evaluate.Keeper) holds what scoring it again would,
+    bit for bit, so the types measured against it give the same numbers with one forward fewer."""
+    baseline = evaluate.compute_baseline(evaluate.model_scorer(model), windows, spill=False)
+    keeper = evaluate.Keeper(evaluate.positions(windows), spill=False)
+    metrics = evaluate.compare(evaluate.model_scorer(model), windows, baseline, keep=keeper)
+    assert metrics.kld_mean == 0 and keeper.baseline is not None
+    for field in ("logprobs", "nll", "top1", "targets"):
+        assert (getattr(keeper.baseline, field) == getattr(baseline, field)).all(), field
+    kinds = mlx_types(3, 8)
+    calls = []
+    hook = model.model.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        kept = measure_types(None, model, windows, baseline, kinds, SHAPE, Gate(), own=keeper.baseline)
+    finally:
+        hook.remove()
+    batches = len(list(evaluate.iter_batches(windows, evaluate.batch_size_for(windows, 256))))
+    assert len(calls) == batches * len(kinds)  # each type once, no 16-bit-cache forward
+    again = measure_types(None, model, windows, baseline, kinds, SHAPE, Gate())
+    for x, y in zip(kept, again):
+        assert x.own == y.own and x.total == y.total and x.passed == y.passed
+
+
+def test_one_candidate_against_two_bases_is_each_kl_rows(windows):
+    """kl_rows_of's shared candidate terms give each base's kl_rows bit for bit."""
+    generator = torch.Generator().manual_seed(2)
+    cand = torch.randn(5, 300, generator=generator).log_softmax(-1)
+    cand[0, 7] = float("-inf")
+    bases = [torch.randn(5, 300, generator=generator).log_softmax(-1).half().numpy() for _ in range(2)]
+    pair = evaluate.kl_rows_of(bases, cand, buffers=evaluate.Buffers())
+    for base, kl in zip(bases, pair):
+        assert torch.equal(kl, evaluate.kl_rows(base, cand))
+    assert torch.equal(evaluate.kl_rows_of([cand.half().numpy()], cand)[0], torch.zeros(5))
+
+
 def test_auto_stops_at_the_smallest_passing_type(model, windows):
     baseline = evaluate.compute_baseline(evaluate.model_scorer(model), windows, spill=False)
     given = mlx_types(8, 2, 4, 3, 6)
@@ -93,3 +128,54 @@ def test_auto_and_all_parse_the_same_types():
     assert [k.name for k in kv.parse("all", SHAPE, "mlx")] == [k.name for k in kv.parse("auto", SHAPE, "mlx")]
     with pytest.raises(kv.UnsupportedError, match="all stands alone"):
         kv.parse("all,mlx:4", SHAPE, "mlx")
+
+
+def test_a_resident_reading_is_built_once_for_every_type(micro_model, monkeypatch):
+    """Resident, the artifact is read onto one model for all its types (its attention set for each), with the
+    numbers a model built afresh for each type gives."""
+    from quantkit.eval import scorers
+    from quantkit.formats.gate import artifact_reading
+
+    reading = artifact_reading(micro_model)
+    placement = scorers.Placement(True)
+    windows = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(3))
+    baseline = evaluate.compute_baseline(scorers.reading_scorer(reading, "cpu", placement), windows)
+    shape = kv.shape_of(reading.config)
+    kinds = [kv.parse_one(name, shape) for name in ("mlx:4", "mlx:8", "llama.cpp:q4_0")]
+    built, real = [], scorers.resident_reading
+    monkeypatch.setattr(scorers, "resident_reading", lambda *a, **k: built.append(1) or real(*a, **k))
+    together = measure_types(reading, None, windows, baseline, kinds, shape, Gate(), placement=placement)
+    assert len(built) == 1
+    alone = [measure_types(reading, None, windows, baseline, [k], shape, Gate(), placement=placement)[0]
+             for k in kinds]
+    assert len(built) == 1 + len(kinds)
+    for x, y in zip(together, alone):
+        assert x.own == y.own and x.total == y.total and x.own.kld_mean > 0
+
+
+def test_the_gates_resident_model_serves_the_types(micro_model, monkeypatch):
+    """The model the gate read the artifact onto (formats.gate.held_artifact) is the one the types are read on:
+    the artifact is read once for the gate, its kept reading and every type."""
+    from quantkit.eval import scorers
+    from quantkit.formats import gate
+
+    placement = scorers.Placement(True)
+    windows = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(4))
+    reading = gate.artifact_reading(micro_model)
+    baseline = evaluate.compute_baseline(scorers.reading_scorer(reading, "cpu", placement), windows)
+    shape = kv.shape_of(reading.config)
+    kinds = [kv.parse_one(name, shape) for name in ("mlx:4", "llama.cpp:q8_0")]
+    built, real = [], scorers.resident_reading
+    monkeypatch.setattr(scorers, "resident_reading", lambda *a, **k: built.append(1) or real(*a, **k))
+    held = gate.held_artifact(micro_model, None, "cpu", placement)
+    keeper = evaluate.Keeper(evaluate.positions(windows))
+    metrics = gate.evaluate_artifact(micro_model, None, windows, baseline, placement=placement, keep=keeper,
+                                     held=held)
+    rows = measure_types(held.reading, None, windows, baseline, kinds, shape, Gate(), placement=placement,
+                         own=keeper.baseline, held=held)
+    assert len(built) == 1 and metrics.kld_mean == 0
+    fresh = measure_types(reading, None, windows, baseline, kinds, shape, Gate(), placement=placement)
+    for x, y in zip(rows, fresh):
+        assert x.own == y.own and x.total == y.total
+    assert gate.held_artifact(micro_model, None, "cpu", scorers.STREAMED) is None
+    assert gate.held_artifact(micro_model, None, "cpu", scorers.Placement(True, lockstep=True)) is None
