@@ -2,7 +2,8 @@
 scripts/setup_engines.sh ($QUANTKIT_ENGINES/vllm/bin/python): the Lloyd-Max centroids of
 vllm.model_executor.layers.quantization.turboquant.centroids, and TurboQuant's store kernel
 (vllm/v1/attention/ops/triton_turboquant_store.py) run by Triton's interpreter (TRITON_INTERPRET=1) on CPU
-tensors: the stored key codes, norms, value codes, scales and minima, element for element."""
+tensors: the stored key codes, norms, value codes, scales and minima, element for element (Triton itself handed
+to the kernels where the CPU build's import would replace it)."""
 
 import json
 import subprocess
@@ -19,7 +20,11 @@ HAS_VLLM = PYTHON.is_file() and subprocess.run([str(PYTHON), "-c", "import vllm"
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not HAS_VLLM, reason="vLLM not installed (setup_engines.sh)")]
 
 VLLM_SIDE = r"""
-import json, math, sys
+import json, math, sys, types
+import triton, triton.language as tl
+# vLLM's CPU build disables Triton when Triton has no CPU backend (vllm.triton_utils.importing puts placeholders in
+# its place); the interpreter needs none, so the kernels are given Triton itself, as a GPU build's import gives it
+sys.modules["vllm.triton_utils"] = types.SimpleNamespace(triton=triton, tl=tl, HAS_TRITON=True)
 import numpy as np, torch
 from vllm.model_executor.layers.quantization.turboquant.centroids import solve_lloyd_max
 from vllm.model_executor.layers.quantization.turboquant.config import TurboQuantConfig
