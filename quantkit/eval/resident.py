@@ -219,14 +219,18 @@ def score_batch(resident: ResidentModel, ids, buffers: Buffers | None = None) ->
     if resident.tables is not None:
         return score_group(resident.view(), ids, TABLE_LOGITS_BYTES)
     targets = ids[:, 1:].reshape(-1).to(resident.device)
-    return score_hidden(last_hidden(resident, ids), targets, resident.head, resident.finish, buffers)
+    hidden = last_hidden(resident, ids)
+    release_freed_memory()  # the decoder's freed activations go back before the head's logits are taken
+    return score_hidden(hidden, targets, resident.head, resident.finish, buffers)
 
 
 def resident_scorer(make: Callable[[], ResidentModel], text_config, activation_bytes: int,
-                    lends: Shared | None = None) -> Scorer:
-    """A Scorer over the resident model `make` builds when scoring starts (and drops when it ends):
-    windows go through it in batches sized for `text_config`'s activations within activation_bytes. With
-    `lends`, its parameters are lent (Shared) while it scores."""
+                    lends: Shared | None = None, drops: bool = True) -> Scorer:
+    """A Scorer over the resident model `make` builds when scoring starts (and drops when it ends, its memory
+    collected and handed back then: a transformers model's reference cycles would hold it until the collector
+    next runs, into the next step; `drops` False: `make` hands out a model held elsewhere, kept): windows go
+    through it in batches sized for `text_config`'s activations within activation_bytes. With `lends`, its
+    parameters are lent (Shared) while it scores."""
 
     @inference_generator
     def scorer(windows) -> Iterator[ScoredChunk]:
@@ -242,6 +246,10 @@ def resident_scorer(make: Callable[[], ResidentModel], text_config, activation_b
         finally:
             if lends is not None:
                 lends.tensors = {}
+            del buffers, resident
+            if drops:
+                free_device_memory()
+                release_freed_memory()
 
     return scorer
 

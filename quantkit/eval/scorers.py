@@ -219,7 +219,7 @@ class HeldReading:
             return held
 
         text_config = reading.config.get_text_config()
-        whole = resident.resident_scorer(make, text_config, self.placement.activation_bytes)
+        whole = resident.resident_scorer(make, text_config, self.placement.activation_bytes, drops=False)
         streamed = group_scorer(lambda: streamed_reading(reading, self._target()), text_config, ACTIVATION_BYTES)
         return resident.falling_back(whole, streamed, ignore)
 
