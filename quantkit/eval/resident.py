@@ -224,13 +224,20 @@ def score_batch(resident: ResidentModel, ids, buffers: Buffers | None = None) ->
     return score_hidden(hidden, targets, resident.head, resident.finish, buffers)
 
 
+COLLECTED_BYTES = 64 * 1024 * 1024  # a dropped model this large is collected at once (a collection: about 0.25 s)
+
+
+def model_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
 def resident_scorer(make: Callable[[], ResidentModel], text_config, activation_bytes: int,
                     lends: Shared | None = None, drops: bool = True) -> Scorer:
     """A Scorer over the resident model `make` builds when scoring starts (and drops when it ends, its memory
-    collected and handed back then: a transformers model's reference cycles would hold it until the collector
-    next runs, into the next step; `drops` False: `make` hands out a model held elsewhere, kept): windows go
-    through it in batches sized for `text_config`'s activations within activation_bytes. With `lends`, its
-    parameters are lent (Shared) while it scores."""
+    collected and handed back then where it is COLLECTED_BYTES or more: a transformers model's reference cycles
+    would hold it until the collector next runs, into the next step; `drops` False: `make` hands out a model
+    held elsewhere, kept): windows go through it in batches sized for `text_config`'s activations within
+    activation_bytes. With `lends`, its parameters are lent (Shared) while it scores."""
 
     @inference_generator
     def scorer(windows) -> Iterator[ScoredChunk]:
@@ -246,8 +253,9 @@ def resident_scorer(make: Callable[[], ResidentModel], text_config, activation_b
         finally:
             if lends is not None:
                 lends.tensors = {}
+            worth = drops and model_bytes(resident.model) >= COLLECTED_BYTES
             del buffers, resident
-            if drops:
+            if worth:
                 free_device_memory()
                 release_freed_memory()
 
