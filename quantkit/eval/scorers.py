@@ -191,8 +191,9 @@ class HeldReading:
     for readings of one artifact that differ only in what `prepare` sets on the model before each scoring (the
     KV-cache types' attention). Where the placement streams it, each scoring streams as reading_scorer does."""
 
-    def __init__(self, reading: Reading, device: str = "cpu", placement: Placement = STREAMED):
-        self.reading, self.device, self.placement = reading, device, placement
+    def __init__(self, reading: Reading, device: str = "cpu", placement: Placement = STREAMED,
+                 progress: Progress = ignore):
+        self.reading, self.device, self.placement, self.progress = reading, device, placement, progress
         self.resident = None
 
     def model(self):
@@ -221,7 +222,7 @@ class HeldReading:
         text_config = reading.config.get_text_config()
         whole = resident.resident_scorer(make, text_config, self.placement.activation_bytes, drops=False)
         streamed = group_scorer(lambda: streamed_reading(reading, self._target()), text_config, ACTIVATION_BYTES)
-        return resident.falling_back(whole, streamed, ignore)
+        return resident.falling_back(whole, streamed, self.progress)
 
 
 def checkpoint_scorer(model_dir: Path, dtype: str = "auto", device: str = "cpu",

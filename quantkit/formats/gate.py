@@ -67,14 +67,14 @@ def evaluate_artifact(artifact: Path, base_dir: Path, windows, baseline: Baselin
 
 
 def held_artifact(artifact: Path, base_dir: Path | None, device: str, placement: Placement,
-                  trust_remote_code: bool = False) -> HeldReading | None:
+                  trust_remote_code: bool = False, progress: Progress = ignore) -> HeldReading | None:
     """The artifact's reading to be held resident from the gate's measurement to the KV-cache types' (scorers.
     HeldReading: read and dequantized once), where the placement holds it resident on its own (not in lockstep
     beside the base, whose tensors it would borrow) and quantkit reads it; else None."""
     if not placement.resident or placement.lockstep:
         return None
     reading = artifact_reading(artifact, base_dir, trust_remote_code)
-    return HeldReading(reading, device, placement) if reading is not None else None
+    return HeldReading(reading, device, placement, progress) if reading is not None else None
 
 
 def artifact_logits(path: Path, base_dir: Path | None = None, device: str = "cpu", trust_remote_code: bool = False,

@@ -792,8 +792,8 @@ def measure(job: QuantizeJob, resolved: ResolvedTarget, artifact: Path, baseline
 
     gate = resolved.gate
     keeper = evaluate.Keeper(evaluate.positions(job.windows.eval), job.workdir) if keep_own else None
-    held = reading.held_artifact(artifact, job.info.path, job.device, job.placement, job.trust_remote_code) \
-        if keep_own and holds_artifact(gate, artifact) else None
+    held = reading.held_artifact(artifact, job.info.path, job.device, job.placement, job.trust_remote_code,
+                                 job.progress) if keep_own and holds_artifact(gate, artifact) else None
     announce(job.ranks, "measure", str(artifact))  # the other ranks score their shares of the windows with it
     entry.metrics = reading.evaluate_artifact(artifact, job.info.path, eval_share(job.windows.eval, job.ranks),
                                                baseline, job.device, job.trust_remote_code, job.workdir,

@@ -132,7 +132,7 @@ def measure_types(reading, model, windows, baseline, kinds: list[KvType], shape:
     implementation = implementation_of(config)
     prefill = windows.shape[1] // 2
     if held is None and reading is not None:
-        held = HeldReading(reading, device, placement or STREAMED)
+        held = HeldReading(reading, device, placement or STREAMED, progress)
 
     def scorer(name: str | None):
         if held is not None:  # resident: one model for every type, its attention set for each
