@@ -172,7 +172,7 @@ def measure(request: EvalRequest, trust_remote_code: bool) -> tuple:
     progress(f"candidate: {r.artifact} ({r.kind})")
     longer_kv = bool(r.kv_context and r.kv_context != seq_len)
     keeper = evaluate.Keeper(evaluate.positions(windows)) if kv_kinds and not longer_kv else None
-    alone = keeper is not None and not r.gate.flip_prompts and not r.gate.tasks  # nothing else reads it between
+    alone = keeper is not None and reading.holds_artifact(r.gate) and not r.llama_perplexity
     held = reading.held_artifact(r.artifact, base.path, r.device, placement, trust_remote_code, progress) \
         if alone else None
     metrics = reading.evaluate_artifact(r.artifact, base.path, windows, baseline, r.device, trust_remote_code,

@@ -227,10 +227,6 @@ def score_batch(resident: ResidentModel, ids, buffers: Buffers | None = None) ->
 COLLECTED_BYTES = 64 * 1024 * 1024  # a dropped model this large is collected at once (a collection: about 0.25 s)
 
 
-def model_bytes(model) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
-
-
 def resident_scorer(make: Callable[[], ResidentModel], text_config, activation_bytes: int,
                     lends: Shared | None = None, drops: bool = True) -> Scorer:
     """A Scorer over the resident model `make` builds when scoring starts (and drops when it ends, its memory
@@ -253,7 +249,7 @@ def resident_scorer(make: Callable[[], ResidentModel], text_config, activation_b
         finally:
             if lends is not None:
                 lends.tensors = {}
-            worth = drops and model_bytes(resident.model) >= COLLECTED_BYTES
+            worth = drops and weight_bytes(resident.model) >= COLLECTED_BYTES
             del buffers, resident
             if worth:
                 free_device_memory()

@@ -66,6 +66,13 @@ def evaluate_artifact(artifact: Path, base_dir: Path, windows, baseline: Baselin
     return compare(scorer, windows, baseline, gather, keep)
 
 
+def holds_artifact(gate) -> bool:
+    """Whether the gate's resident model can wait for the KV-cache types (held_artifact) as far as the gate goes:
+    no flips or tasks read the artifact in between with a model of their own (a caller adds what else it runs
+    in between)."""
+    return not gate.flip_prompts and not gate.tasks
+
+
 def held_artifact(artifact: Path, base_dir: Path | None, device: str, placement: Placement,
                   trust_remote_code: bool = False, progress: Progress = ignore) -> HeldReading | None:
     """The artifact's reading to be held resident from the gate's measurement to the KV-cache types' (scorers.

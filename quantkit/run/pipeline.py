@@ -774,26 +774,20 @@ class KeptReading:
     held: object = None
 
 
-def holds_artifact(gate, artifact: Path) -> bool:
-    """Whether the gate's resident model can wait for the KV-cache types: no flips or tasks read the artifact
-    in between with a model of their own, nor the fp8 KV scheme's own measurement (measure_kv_cache)."""
-    from quantkit.eval.scorers import kv_cache_scheme
-
-    return not gate.flip_prompts and not gate.tasks and not kv_cache_scheme(artifact)
-
-
 def measure(job: QuantizeJob, resolved: ResolvedTarget, artifact: Path, baseline, entry: TargetReport,
             opts: RunOptions, keep_own: bool = False) -> KeptReading | None:
     """The artifact read back and measured against the base: the gate's metrics on the held-out
     windows, its lm-eval tasks when the gate names some, and the verdict, into `entry`. With `keep_own`, what
     the gate read is kept and returned (KeptReading; else None)."""
     from quantkit.eval import evaluate, generate
+    from quantkit.eval.scorers import kv_cache_scheme
     from quantkit.formats import gate as reading
 
     gate = resolved.gate
     keeper = evaluate.Keeper(evaluate.positions(job.windows.eval), job.workdir) if keep_own else None
+    alone = keep_own and reading.holds_artifact(gate) and not kv_cache_scheme(artifact)  # nor measure_kv_cache
     held = reading.held_artifact(artifact, job.info.path, job.device, job.placement, job.trust_remote_code,
-                                 job.progress) if keep_own and holds_artifact(gate, artifact) else None
+                                 job.progress) if alone else None
     announce(job.ranks, "measure", str(artifact))  # the other ranks score their shares of the windows with it
     entry.metrics = reading.evaluate_artifact(artifact, job.info.path, eval_share(job.windows.eval, job.ranks),
                                                baseline, job.device, job.trust_remote_code, job.workdir,

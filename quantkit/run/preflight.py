@@ -163,7 +163,7 @@ def ram_estimate(info, recipe, targets, placement=None) -> RamEstimate:
             steps[f"{t.name}: quantize"] = working + kept
         if c.eval_windows:
             steps[f"{t.name}: gate"] = gate_bytes(t, info, recipe, placement, whole, streamed) + kept
-        if c.eval_windows and getattr(getattr(t, "gate", None), "kv_cache", None) is not None:
+        if c.eval_windows and t.gate.kv_cache is not None:
             own = kept_baseline_bytes(info, c.seq_len, c.eval_windows, Placement(False))  # the artifact's reading
             steps[f"{t.name}: gate"] += own
             # the KV step compares each chunk with both (evaluate.kl_rows_of): one float32 chunk more
