@@ -38,6 +38,7 @@ def test_generated_tables_name_the_code_tables():
     from quantkit.arch.vlm import FAMILIES
     from quantkit.gguf.convert import supported_architectures
     from quantkit.methods import METHODS, get_method, runtimes_for
+    from quantkit.methods.nf4 import moe_model_types
     from quantkit.mlx.checkpoint import MLX_MODEL_TYPES
     from quantkit.run.support import docs_tables
 
@@ -50,7 +51,10 @@ def test_generated_tables_name_the_code_tables():
     assert cell("`awq`, `smoothquant`") == supported_model_types()
     assert cell("`gguf`") == supported_architectures()
     assert cell("`mlx`") == sorted(MLX_MODEL_TYPES)
-    assert cell("`fp8`, `gptq`, `autoround`, `nf4`") == sorted(MOE_LAYOUTS)
+    assert cell("`fp8`, `gptq`, `autoround`") == sorted(MOE_LAYOUTS)
+    nf4_types = cell("`nf4`")
+    assert nf4_types[: len(moe_model_types())] == moe_model_types()
+    assert set(MOE_LAYOUTS) <= set(moe_model_types())
     assert [re.search(r"\(`(\w+)`\)", line).group(1) for line in tables["vlm-towers"][2:]] == list(FAMILIES)
     runtime_names = {line.split(" | ")[1] for line in tables["runtimes"][2:]}
     assert {r.name for m in METHODS for r in runtimes_for(get_method(m), get_method(m).options())} <= runtime_names

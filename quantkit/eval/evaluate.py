@@ -234,11 +234,18 @@ def model_scorer(model) -> Scorer:
     return scorer
 
 
+def decoder_of(model):
+    """A CausalLM's decoder, the module returning last_hidden_state: its base model, or its `model` where
+    base_model is the CausalLM itself (Llama4ForCausalLM's base_model_prefix is the VLM's language_model)."""
+    base = model.base_model
+    return getattr(model, "model", base) if base is model else base
+
+
 def score_model_batch(model, ids, buffers: Buffers | None = None) -> Iterator[ScoredChunk]:
     """Log-probs of predictions 0..L-2 of each window of `ids` from a model object (score_hidden), its head's
     logits in `buffers` where given."""
     device = next(model.parameters()).device
-    hidden = model.base_model(input_ids=ids.to(device), use_cache=False).last_hidden_state
+    hidden = decoder_of(model)(input_ids=ids.to(device), use_cache=False).last_hidden_state
     hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1])
     return score_hidden(hidden, ids[:, 1:].reshape(-1).to(device), model.get_output_embeddings(),
                         finish_of(model.config.get_text_config()), buffers)

@@ -72,7 +72,8 @@ def check(info, options: Options, calibration) -> None:
     from quantkit.arch.moe import check_supported
 
     require("bitsandbytes", "nf4", "the nf4 method (bitsandbytes 4-bit)")
-    check_supported(info, "nf4")  # an unknown layout crashed reloading the artifact (Llama 4)
+    if not known_experts(info):
+        check_supported(info, "nf4")  # an unknown layout may not reload as bitsandbytes saved it
     layers = quantizable_layers(info)
     if layers and not any(fits_kernels(options, shape) for shape in layers.values()):
         name, shape = next(iter(layers.items()))
@@ -86,6 +87,64 @@ def check(info, options: Options, calibration) -> None:
         intmix.check_streamable(info, "nf4: fallback", "--fallback")
         check_max_size(options.fallback, intmix.artifact_estimate(info, fallback_layers(info, options, []),
                                                                   sized_for(options), options.scheme), "nf4 fallback")
+
+
+def known_experts(info) -> bool:
+    """A text mixture of experts whose family's record says how its experts are stored (an expert layout, or
+    experts fused across experts: mlx_experts.fused), so the artifact reloads as it is saved: experts fused as
+    transformers holds them stay 16-bit, and where transformers' bitsandbytes reload builds one Linear per expert
+    projection, each is written so (split_experts: Llama 4); its stored experts checked complete."""
+    from quantkit.arch.families import of_config
+    from quantkit.arch.moe import check_experts_stored, expert_count
+    from quantkit.arch.vlm import is_vlm
+
+    family = of_config(info.config)
+    if not expert_count(info.config) or is_vlm(info.config) or family is None or not stores_experts_known(family):
+        return False
+    check_experts_stored(info)
+    return True
+
+
+def stores_experts_known(family) -> bool:
+    return family.moe is not None or (family.mlx_experts is not None and bool(family.mlx_experts.fused))
+
+
+def moe_model_types() -> list[str]:
+    """The mixture-of-experts model types nf4 takes (known_experts), for docs/models.md."""
+    from quantkit.arch.families import all_families
+
+    return sorted({f.model_type for f in all_families() if stores_experts_known(f)})
+
+
+def reload_splits(info) -> list[str]:
+    """The fused-experts classes of this model that transformers' bitsandbytes reload builds one Linear per expert
+    projection (transformers.quantizers.base.MODULES_TO_PATCH_FOR_QUANTIZATION: Llama 4's Llama4TextExperts, as
+    SequentialLlama4TextExperts of Llama4TextMLP): those its model's module defines."""
+    import importlib
+
+    import transformers
+    from transformers.quantizers.base import MODULES_TO_PATCH_FOR_QUANTIZATION
+    from transformers.utils.quantization_config import QuantizationMethod
+
+    model_class = getattr(transformers, info.architecture, None)
+    defined = vars(importlib.import_module(model_class.__module__)) if model_class is not None else {}
+    return [name for name, row in MODULES_TO_PATCH_FOR_QUANTIZATION.items()
+            if name in defined and QuantizationMethod.BITS_AND_BYTES in row["quantization_methods"]]
+
+
+def split_modules(info) -> dict[str, list[int]]:
+    """{expert projection module: [out, in]} of the fused experts split_experts writes one Linear per expert
+    projection (`model.layers.1.feed_forward.experts.0.gate_proj`), cut as the family record's mlx_experts.fused
+    says they are fused; {} for a model whose experts transformers reloads fused (reload_splits)."""
+    from quantkit.mlx.checkpoint import fused_modules
+
+    if not reload_splits(info):
+        return {}
+    out = {}
+    for module, (_fused, (experts, rows, columns)) in fused_modules(info.config, info.tensors).items():
+        block, projection = module.rsplit(".", 1)
+        out |= {f"{block}.{e}.{projection}": [rows, columns] for e in range(experts)}
+    return out
 
 
 def quantizable_layers(info) -> dict[str, list[int]]:
@@ -151,23 +210,104 @@ def quantize(job: QuantizeJob) -> QuantizeResult:
 def write(job: QuantizeJob, kept: list[str]) -> QuantizeResult:
     """The checkpoint loaded with a bitsandbytes config and saved; `kept` layers stay 16-bit too (a
     fallback plan)."""
+    from quantkit.arch.roles import matches
     from quantkit.engines.patches import plain_writes
     from quantkit.engines.transformers import torch_dtype
 
     require("bitsandbytes", "nf4", "the nf4 method (bitsandbytes 4-bit)")
     dtype = torch_dtype(job.dtype, job.info)
     odd = kept_for_kernels(job.info, job.options)
-    skip = skip_modules(job.ignore) + [exact_module(name) for name in [*odd, *kept]]
+    split = split_modules(job.info)
+    odd_experts = sorted(n for n, shape in split.items() if not fits_kernels(job.options, shape)
+                         or matches(n, job.ignore))
+    skip = skip_modules(job.ignore) + [exact_module(name) for name in [*odd, *kept, *odd_experts]]
     config = bnb_config(job.options, compute_dtype(job.options, dtype), skip)
     model = load_quantized(job.info, dtype, config, job.device, job.trust_remote_code)
+    quantized_experts = split_experts(model, job.info, config, set(odd_experts))
     with plain_writes():  # no memory map of the output beside the model (quantkit.io.shards.save_file)
         model.save_pretrained(job.out_dir)  # the tokenizer files are copied beside it by the pipeline
     details = {"bnb_quantization_config": model.config.quantization_config.to_dict(),
                "kept_for_bnb_kernels": odd,
                "kept_moe_experts": len([n for n in quantizable_layers(job.info) if is_expert_weight(n)]),
+               **({"split_moe_experts": {"quantized": quantized_experts, "kept_16bit": odd_experts}} if split else
+                  fused_experts_kept(job.info)),
                **mtp_not_written(job.info)}
     del model
     return QuantizeResult(job.out_dir, details)
+
+
+def fused_experts_kept(info) -> dict:
+    """The report's word on experts stored fused across experts (3-D tensors, GPT-OSS's gate_up_proj), which
+    transformers' bitsandbytes integration does not quantize: their names, kept 16-bit."""
+    names = sorted(n for n, (_dtype, shape) in info.tensors.items() if len(shape) == 3 and ".experts." in n)
+    return {"kept_fused_experts": names} if names else {}
+
+
+def split_experts(model, info, config, kept: set[str]) -> int:
+    """Each fused-experts module of the loaded model that transformers' bitsandbytes reload builds one Linear per
+    expert projection (reload_splits) replaced by the module it builds, each expert's projections cut from the fused
+    tensors (quantkit.mlx.checkpoint.fused_pieces, as the family record's mlx_experts.fused says) and quantized as
+    transformers quantizes a Linear while loading (its replace_with_bnb_linear and Params4bit / Int8Params), those in
+    `kept` (module names) left 16-bit; the number of expert projections quantized."""
+    from transformers.quantizers.base import MODULES_TO_PATCH_FOR_QUANTIZATION
+
+    from quantkit.arch.families import of_config
+
+    classes = reload_splits(info)
+    fused = of_config(info.config).mlx_experts.fused if classes else ()
+    quantized = 0
+    for name, module in [(n, m) for n, m in model.named_modules() if type(m).__name__ in classes]:
+        builder = MODULES_TO_PATCH_FOR_QUANTIZATION[type(module).__name__]["module_name"]
+        weights = expert_weights(module, fused)
+        split = expert_linears(builder, model.config.get_text_config(), config,
+                               [n for n in weights if f"{name}.{n}" in kept])
+        for piece, value in weights.items():
+            quantized += set_weight(split.get_submodule(piece), value.to(next(module.parameters()).device))
+        model.set_submodule(name, split)
+    return quantized
+
+
+def expert_weights(module, fused) -> dict:
+    """{'<expert>.<projection>': its F.linear weight [out, in]} of a fused-experts module's tensors, cut by the
+    family's FusedExperts rows (their tensor's last name part the module's parameter)."""
+    from quantkit.mlx.checkpoint import fused_pieces
+
+    out = {}
+    for row in fused:
+        pieces = fused_pieces(row, getattr(module, row.tensor.rsplit(".", 1)[-1]).data, bias=False)
+        for projection, stacked in zip(row.projections, pieces, strict=True):
+            out |= {f"{e}.{projection}": stacked[e].contiguous() for e in range(stacked.shape[0])}
+    return out
+
+
+def expert_linears(builder, text_config, config, kept: list[str]):
+    """transformers' per-expert module (`builder`) on the meta device with its Linears replaced by bitsandbytes'
+    as transformers replaces them while loading, those in `kept` (names within it) left Linear."""
+    import torch
+    from transformers.integrations.bitsandbytes import replace_with_bnb_linear
+
+    with torch.device("meta"):
+        split = builder(text_config)
+    return replace_with_bnb_linear(split, modules_to_not_convert=kept or None, quantization_config=config)
+
+
+def set_weight(linear, value) -> int:
+    """A Linear's weight set to `value`, quantized where it is a bitsandbytes layer (transformers' Bnb4bitQuantize
+    / Bnb8bitQuantize: the parameter rebuilt from the meta one's attributes, quantized on its move to the device);
+    1 where it was quantized."""
+    import bitsandbytes as bnb
+    import torch
+
+    old = linear.weight
+    if isinstance(old, bnb.nn.Params4bit):
+        linear.weight = bnb.nn.Params4bit(value, requires_grad=False, **old.__dict__).to(value.device)
+    elif isinstance(old, bnb.nn.Int8Params):
+        kwargs = {k: v for k, v in old.__dict__.items() if k != "SCB"}
+        linear.weight = bnb.nn.Int8Params(value.to("cpu"), requires_grad=False, **kwargs).to(value.device)
+    else:
+        linear.weight = torch.nn.Parameter(value, requires_grad=False)
+        return 0
+    return 1
 
 
 def mtp_not_written(info) -> dict:

@@ -51,13 +51,16 @@ def architectures_table() -> list[str]:
     from quantkit.arch.mappings import supported_model_types
     from quantkit.arch.moe import EXPERT_CHECKPOINTS, MOE_LAYOUTS
     from quantkit.gguf.convert import supported_architectures
+    from quantkit.methods.nf4 import moe_model_types
     from quantkit.mlx.checkpoint import MLX_MODEL_TYPES
 
     return [
         "| method | architectures |",
         "|---|---|",
-        "| `fp8`, `gptq`, `autoround`, `nf4` | any transformers causal LM or VLM; mixture-of-experts `model_type`: "
+        "| `fp8`, `gptq`, `autoround` | any transformers causal LM or VLM; mixture-of-experts `model_type`: "
         + code_list(sorted(MOE_LAYOUTS)) + " |",
+        "| `nf4` | any transformers causal LM or VLM; mixture-of-experts `model_type`: " + code_list(moe_model_types())
+        + " (" + code_list(sorted(set(moe_model_types()) - set(MOE_LAYOUTS))) + ": text models) |",
         "| `nvfp4`, `mxfp4` | any transformers causal LM or VLM without experts |",
         ("| `fp8` fp8-block, `nvfp4` a16, `mxfp4` on mixture-of-experts | model-free, by checkpoint names "
          "(no model object, no GPU): `model_type` " + code_list(sorted(EXPERT_CHECKPOINTS)) + " |"),

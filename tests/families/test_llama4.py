@@ -8,8 +8,9 @@ keys with).
 Fast: GGUF Q4_K_M through the CLI with llama.cpp's llama4 keys and tensors, the bf16 file read back as stored, what
 llama.cpp's llama4 would run otherwise refused key by key; MLX 4-bit through the CLI cut as mlx-lm's llama4 holds it
 and read by mlx-lm as quantkit reads it, its tensors those mlx_lm.convert writes of the same checkpoint (quantized:
-names, shapes, dtypes; 16-bit: every value), what mlx-lm's llama4 would compute otherwise refused key by key; the
-compressed-tensors methods and nf4 refused with their reason. Slow: llama.cpp's runtime scores the file as
+names, shapes, dtypes; 16-bit: every value), what mlx-lm's llama4 would compute otherwise refused key by key; nf4 (and LLM.int8) with each
+expert a bitsandbytes Linear of its own, reloaded strictly and bit for bit bitsandbytes' NF4 of the fused tensors'
+cut, an ignored expert 16-bit; the compressed-tensors methods refused with their reason. Slow: llama.cpp's runtime scores the file as
 transformers scores the checkpoint, bf16 / Q4_K_M / IQ4_XS equal to convert_hf_to_gguf.py + llama-quantize, the
 imatrix equal to llama-imatrix's, MLX with Scout's rms_norm_eps (1e-5) read by mlx-lm as quantkit reads it.
 """
@@ -346,12 +347,71 @@ def test_mlx_of_llama4_mlx_lm_would_compute_otherwise_refused(cli, model, tmp_pa
 # ---------------------------------------------------------------- the llm-compressor methods and nf4
 
 
-@pytest.mark.parametrize("method", ["fp8", "gptq", "nvfp4", "nf4"])
+@pytest.mark.parametrize("method", ["fp8", "gptq", "nvfp4"])
 def test_llama4_compressed_methods_refused_with_the_reason(cli, model, tmp_path, method):
-    """Every method but gguf and mlx still refuses Llama 4's text model before work with its reason, and points at
-    both."""
+    """Every llm-compressor method still refuses Llama 4's text model before work with its reason, and points at
+    gguf and mlx."""
     out = tmp_path / "out"
     args = ["--scheme", "a16"] if method == "nvfp4" else []
     common.assert_refused(common.quantize(cli, model, out, method, *args), out,
                           f"{method}: Llama 4's text model (llama4_text) is not supported yet",
                           "--method gguf converts it", "--method mlx")
+
+
+def test_nf4_of_llama4_writes_each_expert_as_transformers_reloads_it(cli, model, tmp_path):
+    """nf4: the experts one 4-bit Linear per expert projection, as transformers' bitsandbytes reload builds Llama 4's
+    experts (SequentialLlama4TextExperts); transformers reloads the artifact strictly, and each expert's gate, up
+    and down weights are bit for bit bitsandbytes' NF4 of the fused tensors' cut (gate the first half of
+    gate_up_proj's columns, up the second, each transposed; down_proj transposed); the routers stay 16-bit."""
+    import bitsandbytes.functional as bnbf
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "out"
+    entry = common.assert_passed(common.quantize(cli, model, out, "nf4"), out)
+    assert entry["details"]["split_moe_experts"] == {"quantized": 2 * 4 * 3, "kept_16bit": []}
+    common.assert_strict_reload(out)
+    read = AutoModelForCausalLM.from_pretrained(out, device_map="cpu")
+    base = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16)
+    for layer in (1, 3):
+        experts = read.model.layers[layer].feed_forward.experts
+        fused = base.model.layers[layer].feed_forward.experts
+        assert type(experts).__name__ == "SequentialLlama4TextExperts"
+        assert type(read.model.layers[layer].feed_forward.router) is type(base.model.layers[layer].feed_forward.router)
+        half = fused.gate_up_proj.shape[-1] // 2
+        for e in range(4):
+            cut = {"gate_proj": fused.gate_up_proj[e][:, :half].T, "up_proj": fused.gate_up_proj[e][:, half:].T,
+                   "down_proj": fused.down_proj[e].T}
+            for projection, weight in cut.items():
+                stored = getattr(experts[e], projection).weight
+                packed, state = bnbf.quantize_4bit(weight.contiguous(), blocksize=64, quant_type="nf4",
+                                                   compress_statistics=True)
+                assert torch.equal(bnbf.dequantize_4bit(stored.data, stored.quant_state),
+                                   bnbf.dequantize_4bit(packed, state)), (layer, e, projection)
+
+
+def test_nf4_of_llama4_keeps_the_experts_ignore_names(cli, model, tmp_path):
+    """An expert `ignore` names stays a 16-bit Linear, listed in the report and in the skip list, and the artifact
+    still reloads strictly with it equal to the fused tensor's cut."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "out"
+    entry = common.assert_passed(common.quantize(cli, model, out, "nf4", "--ignore",
+                                                 r"re:.*layers\.1\.feed_forward\.experts\.2\..*"), out)
+    kept = [f"model.layers.1.feed_forward.experts.2.{p}" for p in ("down_proj", "gate_proj", "up_proj")]
+    assert entry["details"]["split_moe_experts"] == {"quantized": 2 * 4 * 3 - 3, "kept_16bit": kept}
+    common.assert_strict_reload(out)
+    read = AutoModelForCausalLM.from_pretrained(out, device_map="cpu")
+    fused = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).model.layers[1].feed_forward.experts
+    expert = read.model.layers[1].feed_forward.experts[2]
+    assert type(expert.gate_proj) is torch.nn.Linear
+    assert torch.equal(expert.down_proj.weight, fused.down_proj[2].T)
+
+
+def test_int8_of_llama4_splits_the_experts_too(cli, model, tmp_path):
+    """LLM.int8 (`--scheme int8`): the same per-expert Linears, 8-bit, reloaded strictly."""
+    out = tmp_path / "out"
+    entry = common.assert_passed(common.quantize(cli, model, out, "nf4", "--scheme", "int8"), out)
+    assert entry["details"]["split_moe_experts"] == {"quantized": 2 * 4 * 3, "kept_16bit": []}
+    common.assert_strict_reload(out)

@@ -14,8 +14,8 @@ tensors mlx_lm.convert writes of Qwen3-MoE, Mixtral and Qwen3-Next (with the val
 its fused experts cut as mlx-lm's gpt_oss holds them, and equal to mlx_lm.convert's, and the refusals (GGUF of the
 other families and of Qwen3-Next's MTP layers, MLX of the other families,
 each with its reason; MLX of what an mlx-lm model would read otherwise; GGUF of Hunyuan MoE with the converter's
-reason). GPT-OSS: GGUF Q4_K_M through the CLI (its experts de-interleaved, their biases, the sinks), the
-compressed-tensors methods and nf4 refused with their reason, GGUF of an MXFP4 checkpoint and of a window pattern
+reason). GPT-OSS: GGUF Q4_K_M through the CLI (its experts de-interleaved, their biases, the sinks), nf4 with its
+fused experts 16-bit, the compressed-tensors methods refused with their reason, GGUF of an MXFP4 checkpoint and of a window pattern
 llama.cpp would not follow refused. Slow: the other methods on every family (GLM-4.5's fp8 too), GGUF of GLM-4.5,
 Qwen3.5-MoE and Qwen3-Next without their MTP layer (test_gguf_experts_stacked_and_read_back), MLX stacked of the
 other families (Qwen3-MoE and Qwen3.5-MoE among them), GPT-OSS's MLX min/max with layer_bits, GGUF against
@@ -65,7 +65,7 @@ FAMILIES = {
     "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", HYBRID),
     "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", HYBRID),
 }
-# not supported yet: refused by every compressed-tensors method and nf4 before work, naming the family (GPT-OSS
+# not supported yet: refused by every compressed-tensors method before work (nf4 takes them), naming the family (GPT-OSS
 # converts to GGUF and MLX: its tests below; its experts 512 wide, not the hidden size, so a transposition shows;
 # Llama 4's text model too: tests/families/test_llama4.py)
 REFUSED = {
@@ -946,12 +946,29 @@ def test_gguf_of_gpt_oss_reads_back_as_stored(models, tmp_path):
         assert torch.equal(read[name], tensor.float()), name
 
 
-@pytest.mark.parametrize("method", ["fp8", "gptq", "nvfp4", "nf4"])
+@pytest.mark.parametrize("method", ["fp8", "gptq", "nvfp4"])
 def test_gpt_oss_compressed_methods_refused_with_the_reason(cli, models, tmp_path, method):
-    """Every method but gguf (and mlx) still refuses GPT-OSS before work with its reason, and points at gguf."""
+    """Every llm-compressor method still refuses GPT-OSS before work with its reason, and points at gguf."""
     out = tmp_path / "out"
     common.assert_refused(common.quantize(cli, models("gpt_oss"), out, method, *METHODS.get(method, [])), out,
                           f"{method}: GPT-OSS (gpt_oss) is not supported yet", "--method gguf converts it")
+
+
+def test_nf4_of_gpt_oss_keeps_its_fused_experts_16bit(cli, models, tmp_path):
+    """nf4: attention in 4 bits, the experts as stored (fused across experts: transformers' bitsandbytes
+    integration quantizes Linear layers only), named in the report; transformers reloads the artifact strictly."""
+    out = tmp_path / "out"
+    entry = common.assert_passed(common.quantize(cli, models("gpt_oss"), out, "nf4"), out)
+    assert entry["details"]["kept_fused_experts"] == [f"model.layers.{i}.mlp.experts.{t}" for i in (0, 1)
+                                                      for t in ("down_proj", "gate_up_proj")]
+    assert "split_moe_experts" not in entry["details"]
+    common.assert_strict_reload(out)
+    from safetensors import safe_open
+
+    with safe_open(next(out.glob("*.safetensors")), "pt") as f:
+        names = set(f.keys())
+    assert "model.layers.0.self_attn.q_proj.weight.absmax" in names
+    assert "model.layers.0.mlp.experts.gate_up_proj" in names
 
 
 def with_mxfp4_experts(source: Path, dest: Path) -> Path:

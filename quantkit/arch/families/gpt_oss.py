@@ -21,7 +21,10 @@ checkpoint says, since the converter writes no pattern; attention without biases
 checkpoint stored in MXFP4 (`*_blocks` / `*_scales` experts, as openai ships gpt-oss: quantkit.gguf.convert's
 check_quantized names it, with the way to convert it).
 
-The llm-compressor methods and nf4 refuse it before any work: llm-compressor writes GPT-OSS's calibrated experts
+nf4 quantizes its attention and keeps the fused experts and the router 16-bit, as transformers' bitsandbytes
+integration (Linear layers only) leaves them; the report names the fused experts (`kept_fused_experts`).
+
+The llm-compressor methods refuse it before any work: llm-compressor writes GPT-OSS's calibrated experts
 one Linear per expert projection (with biases), which transformers' GPT-OSS, reading only the fused tensors, does
 not reload, quantkit's reading of such experts does not know the interleaved, clamped layout, and vLLM 0.32's
 GptOssModel.load_weights does not load them either: outside MXFP4 and Quark checkpoints it reads the experts as fused

@@ -37,7 +37,11 @@ transformers takes rms_norm_eps (1e-5 in Llama 4 Scout's config.json): accepted,
 the tiny test model, mean relative logit difference 1.4e-5 with eps 1e-5 against 1.4e-6 with
 1e-6).
 
-The llm-compressor methods and nf4 refuse it before any work (`moe_refusal`): llm-compressor 0.14 linearizes
+nf4 writes each expert's projections as a 4-bit Linear of their own (quantkit.methods.nf4.split_experts), as
+transformers' bitsandbytes reload builds Llama 4's experts (SequentialLlama4TextExperts), cut from the fused
+tensors as LLAMA4_MLX.fused says; the routers stay 16-bit.
+
+The llm-compressor methods refuse it before any work (`moe_refusal`): llm-compressor 0.14 linearizes
 Llama 4's fused experts only inside the multimodal Llama4ForConditionalGeneration (its Llama4LinearExperts reads
 the VLM config's text_config), and its router returns scores without the expert indices the calibration report
 counts.
