@@ -51,7 +51,7 @@ def test_generated_tables_name_the_code_tables():
     assert cell("`awq`, `smoothquant`") == supported_model_types()
     assert cell("`gguf`") == supported_architectures()
     assert cell("`mlx`") == sorted(MLX_MODEL_TYPES)
-    assert cell("`fp8`, `gptq`, `autoround`") == sorted(MOE_LAYOUTS)
+    assert cell("`fp8`, `gptq`, `autoround`")[: len(MOE_LAYOUTS)] == sorted(MOE_LAYOUTS)
     nf4_types = cell("`nf4`")
     assert nf4_types[: len(moe_model_types())] == moe_model_types()
     assert set(MOE_LAYOUTS) <= set(moe_model_types())

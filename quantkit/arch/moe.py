@@ -51,10 +51,12 @@ def is_moe(model_type: str) -> bool:
 
 def moe_model_type(config: dict) -> str:
     """The model_type a checkpoint's expert layout is keyed by: its own, or a VLM's text model's
-    (Qwen3_5MoeForConditionalGeneration: qwen3_5_moe_text) where that one has the layout."""
+    (Qwen3_5MoeForConditionalGeneration: qwen3_5_moe_text) where that one has the layout and it holds for the VLM
+    (MoeLayout.vlm)."""
     text = config.get("text_config")
     own = config.get("model_type", "")
-    if not is_moe(own) and isinstance(text, dict) and is_moe(text.get("model_type", "")):
+    if not is_moe(own) and isinstance(text, dict) and is_moe(text.get("model_type", "")) \
+            and MOE_LAYOUTS[text["model_type"]].vlm:
         return text["model_type"]
     return own
 
@@ -163,6 +165,21 @@ def set_save_names(model, model_type: str) -> None:
         set_save_conversion_mapping(model, rows)
 
 
+def linearize(model, config: dict) -> None:
+    """Replace each fused-experts module by llm-compressor's linear experts where the family's layout builds them
+    (MoeLayout.linear_experts: Llama 4's text model, whose class oneshot's linearize_moe cannot build); a no-op for
+    every other model, which oneshot linearizes itself."""
+    from llmcompressor.modeling.moe.linear_experts import LinearExperts2D
+    from llmcompressor.modeling.moe.linearize import get_non_linearized_moes
+
+    layout = moe_layout(config)
+    if layout is None or layout.linear_experts is None:
+        return
+    for name, module in get_non_linearized_moes(model):
+        linear = LinearExperts2D.get_linear_experts_cls(type(module))
+        model.set_submodule(name, layout.linear_experts(linear, module, getattr(module, "config", model.config), True))
+
+
 def routers(model, layout: MoeLayout) -> dict[str, object]:
     pattern = re.compile(layout.router)
     return {name: module for name, module in model.named_modules() if pattern.match(name)}
@@ -181,6 +198,8 @@ def count_routed_tokens(model, layout: MoeLayout, num_experts: int, windows, dev
     def hook(name):
         def record(module, args, output):
             indices = output[layout.router_indices]  # (tokens, top_k) expert indices
+            if layout.router_logits:  # (tokens, experts) logits: the top_k the router takes
+                indices = torch.topk(indices, module.top_k, dim=-1).indices
             counts[name] += torch.bincount(indices.reshape(-1).cpu(), minlength=num_experts)
         return record
 

@@ -235,10 +235,14 @@ def model_scorer(model) -> Scorer:
 
 
 def decoder_of(model):
-    """A CausalLM's decoder, the module returning last_hidden_state: its base model, or its `model` where
-    base_model is the CausalLM itself (Llama4ForCausalLM's base_model_prefix is the VLM's language_model)."""
+    """A CausalLM's decoder, the module returning last_hidden_state: its base model, or, where that is the CausalLM
+    itself or a CausalLM in turn, the decoder of its `model` or `language_model` (Llama 4: Llama4ForCausalLM's
+    base_model_prefix is the VLM's language_model, and Llama4ForConditionalGeneration holds a Llama4ForCausalLM)."""
     base = model.base_model
-    return getattr(model, "model", base) if base is model else base
+    if base is model:
+        inner = getattr(model, "model", None) or getattr(model, "language_model", None)
+        return model if inner is None else decoder_of(inner)
+    return decoder_of(base) if hasattr(base, "lm_head") else base
 
 
 def score_model_batch(model, ids, buffers: Buffers | None = None) -> Iterator[ScoredChunk]:

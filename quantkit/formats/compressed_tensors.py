@@ -173,10 +173,10 @@ def reading(path: Path, base_dir: Path | None, trust_remote_code: bool):
 
     if trust_remote_code:
         return None
+    if experts.reads(path):  # first: Llama 4's text model, which transformers loads unconverted, has experts too
+        return experts.experts_reading(path)
     if compressed.streams(path):
         return compressed_reading(path)
-    if experts.reads(path):
-        return experts.experts_reading(path)
     return None
 
 

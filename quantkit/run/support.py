@@ -46,6 +46,10 @@ def code_list(names) -> str:
     return ", ".join(f"`{name}`" for name in names)
 
 
+def text_only(model_types: list[str]) -> str:
+    return f" ({code_list(model_types)}: text models only)" if model_types else ""
+
+
 def architectures_table() -> list[str]:
     """Which checkpoints each method takes, from the tables its checks read."""
     from quantkit.arch.mappings import supported_model_types
@@ -58,9 +62,10 @@ def architectures_table() -> list[str]:
         "| method | architectures |",
         "|---|---|",
         "| `fp8`, `gptq`, `autoround` | any transformers causal LM or VLM; mixture-of-experts `model_type`: "
-        + code_list(sorted(MOE_LAYOUTS)) + " |",
+        + code_list(sorted(MOE_LAYOUTS)) + text_only(sorted(t for t, layout in MOE_LAYOUTS.items() if not layout.vlm))
+        + " |",
         "| `nf4` | any transformers causal LM or VLM; mixture-of-experts `model_type`: " + code_list(moe_model_types())
-        + " (" + code_list(sorted(set(moe_model_types()) - set(MOE_LAYOUTS))) + ": text models) |",
+        + text_only(sorted(t for t in moe_model_types() if t not in MOE_LAYOUTS or not MOE_LAYOUTS[t].vlm)) + " |",
         "| `nvfp4`, `mxfp4` | any transformers causal LM or VLM without experts |",
         ("| `fp8` fp8-block, `nvfp4` a16, `mxfp4` on mixture-of-experts | model-free, by checkpoint names "
          "(no model object, no GPU): `model_type` " + code_list(sorted(EXPERT_CHECKPOINTS)) + " |"),

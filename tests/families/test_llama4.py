@@ -8,11 +8,14 @@ keys with).
 Fast: GGUF Q4_K_M through the CLI with llama.cpp's llama4 keys and tensors, the bf16 file read back as stored, what
 llama.cpp's llama4 would run otherwise refused key by key; MLX 4-bit through the CLI cut as mlx-lm's llama4 holds it
 and read by mlx-lm as quantkit reads it, its tensors those mlx_lm.convert writes of the same checkpoint (quantized:
-names, shapes, dtypes; 16-bit: every value), what mlx-lm's llama4 would compute otherwise refused key by key; nf4 (and LLM.int8) with each
-expert a bitsandbytes Linear of its own, reloaded strictly and bit for bit bitsandbytes' NF4 of the fused tensors'
-cut, an ignored expert 16-bit; the compressed-tensors methods refused with their reason. Slow: llama.cpp's runtime scores the file as
+names, shapes, dtypes; 16-bit: every value), what mlx-lm's llama4 would compute otherwise refused key by key; nf4 with each expert a bitsandbytes
+Linear of its own, reloaded strictly and bit for bit bitsandbytes' NF4 of the fused tensors' cut; fp8 with every
+expert its own quantized Linears, reloaded strictly and read by the gate as transformers reloads it, bit for bit;
+AWQ and SmoothQuant refused. Slow: llama.cpp's runtime scores the file as
 transformers scores the checkpoint, bf16 / Q4_K_M / IQ4_XS equal to convert_hf_to_gguf.py + llama-quantize, the
-imatrix equal to llama-imatrix's, MLX with Scout's rms_norm_eps (1e-5) read by mlx-lm as quantkit reads it.
+imatrix equal to llama-imatrix's, MLX with Scout's rms_norm_eps (1e-5) read by mlx-lm as quantkit reads it, gptq,
+fp8-block, nvfp4 and mxfp4 as fp8 is, gptq's routed-token counts, nf4 with an ignored expert 16-bit, LLM.int8's
+experts split as nf4's.
 """
 
 from __future__ import annotations
@@ -347,15 +350,70 @@ def test_mlx_of_llama4_mlx_lm_would_compute_otherwise_refused(cli, model, tmp_pa
 # ---------------------------------------------------------------- the llm-compressor methods and nf4
 
 
-@pytest.mark.parametrize("method", ["fp8", "gptq", "nvfp4"])
-def test_llama4_compressed_methods_refused_with_the_reason(cli, model, tmp_path, method):
-    """Every llm-compressor method still refuses Llama 4's text model before work with its reason, and points at
-    gguf and mlx."""
+def reading_and_reload_logits(out: Path):
+    """The gate's reading of the artifact (quantkit.eval.experts: llm-compressor's linear experts, each decompressed
+    as it runs) and transformers' strict reload of it (its SequentialLlama4TextExperts), over the same tokens."""
+    import torch
+
+    from quantkit.eval.resident import resident_built
+    from quantkit.formats import gate
+
+    ids = torch.randint(0, 500, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        reloaded = gate.load_artifact(out)(ids).logits.float()
+        reading = gate.artifact_reading(out)
+        model, source = reading.open()
+        read = resident_built(model, reading.config, source, "cpu").model(ids).logits.float()
+    return read, reloaded
+
+
+@pytest.mark.parametrize("method,args", [("fp8", []), pytest.param("gptq", [], marks=pytest.mark.slow),
+                                         pytest.param("fp8", ["--scheme", "fp8-block"], marks=pytest.mark.slow),
+                                         pytest.param("nvfp4", ["--scheme", "a16"], marks=pytest.mark.slow),
+                                         pytest.param("mxfp4", [], marks=pytest.mark.slow)])
+def test_llm_compressor_methods_write_each_expert_as_vllm_and_transformers_load_it(cli, model, tmp_path, method,
+                                                                                   args):
+    """llm-compressor's Llama4LinearExperts built for the text model (quantkit.arch.moe.linearize): every expert's
+    gate, up and down quantized under `feed_forward.experts.<e>.<projection>` (the names vLLM's llama4 maps into its
+    fused experts, and transformers' reload builds as SequentialLlama4TextExperts), the routers 16-bit; transformers
+    reloads it strictly and the gate's reading of it equals that reload bit for bit."""
+    import torch
+    from safetensors import safe_open
+
     out = tmp_path / "out"
-    args = ["--scheme", "a16"] if method == "nvfp4" else []
-    common.assert_refused(common.quantize(cli, model, out, method, *args), out,
-                          f"{method}: Llama 4's text model (llama4_text) is not supported yet",
-                          "--method gguf converts it", "--method mlx")
+    common.assert_passed(common.quantize(cli, model, out, method, *args), out)
+    common.assert_strict_reload(out)
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        stored = {k: f.get_slice(k).get_dtype() for k in f.keys()}  # noqa: SIM118  (a safetensors file, not a dict)
+    for layer in (1, 3):
+        block = f"model.layers.{layer}.feed_forward."
+        assert not any(k.startswith(block + "experts.gate_up_proj") for k in stored)
+        assert stored[block + "router.weight"] == "BF16"
+        for e in range(4):
+            for projection in ("gate_proj", "up_proj", "down_proj"):
+                weights = [k for k in stored if k.startswith(f"{block}experts.{e}.{projection}.weight")]
+                assert weights and all(stored[k] != "BF16" for k in weights if "scale" not in k), weights
+    read, reloaded = reading_and_reload_logits(out)
+    assert torch.equal(read, reloaded)
+
+
+@pytest.mark.slow
+def test_gptq_counts_each_experts_routed_tokens(cli, model, tmp_path):
+    """Llama 4's router returns (scores, logits): the report counts the top-k of its logits, one expert per token,
+    so each router's counts add up to the calibration tokens."""
+    out = tmp_path / "out"
+    entry = common.assert_passed(common.quantize(cli, model, out, "gptq"), out)
+    counts = entry["details"]["expert_routed_tokens"]
+    assert sorted(counts) == ["model.layers.1.feed_forward.router", "model.layers.3.feed_forward.router"]
+    samples, seq_len = (int(common.CALIB[i + 1]) for i in (0, 2))
+    assert all(len(row) == 4 and sum(row) == samples * seq_len for row in counts.values())
+
+
+@pytest.mark.parametrize("method", ["awq", "smoothquant"])
+def test_smoothing_methods_refused_with_the_reason(cli, model, tmp_path, method):
+    """AWQ and SmoothQuant have no smoothing rows for Llama 4's text model: refused before work."""
+    out = tmp_path / "out"
+    common.assert_refused(common.quantize(cli, model, out, method), out, "no smoothing mappings", "llama4_text")
 
 
 def test_nf4_of_llama4_writes_each_expert_as_transformers_reloads_it(cli, model, tmp_path):
@@ -390,6 +448,7 @@ def test_nf4_of_llama4_writes_each_expert_as_transformers_reloads_it(cli, model,
                                    bnbf.dequantize_4bit(packed, state)), (layer, e, projection)
 
 
+@pytest.mark.slow
 def test_nf4_of_llama4_keeps_the_experts_ignore_names(cli, model, tmp_path):
     """An expert `ignore` names stays a 16-bit Linear, listed in the report and in the skip list, and the artifact
     still reloads strictly with it equal to the fused tensor's cut."""
@@ -409,6 +468,7 @@ def test_nf4_of_llama4_keeps_the_experts_ignore_names(cli, model, tmp_path):
     assert torch.equal(expert.down_proj.weight, fused.down_proj[2].T)
 
 
+@pytest.mark.slow
 def test_int8_of_llama4_splits_the_experts_too(cli, model, tmp_path):
     """LLM.int8 (`--scheme int8`): the same per-expert Linears, 8-bit, reloaded strictly."""
     out = tmp_path / "out"

@@ -165,7 +165,7 @@ class VlmRow:
 
     @property
     def is_moe(self) -> bool:
-        return self.text_family is not None and self.text_family.moe is not None
+        return self.text_family is not None and self.text_family.moe is not None and self.text_family.moe.vlm
 
     @property
     def cross_attention(self) -> bool:
@@ -183,6 +183,9 @@ class VlmRow:
     def expert_refusal(self) -> str | None:
         """A mixture-of-experts language model without an expert layout: refused by every method that
         quantizes the experts (None: nothing refused)."""
+        if self.experts and not self.is_moe and self.text_family is not None and self.text_family.moe is not None:
+            return (f"refused: its text model `{self.text_type}`'s expert layout holds for the text checkpoint "
+                    "only (quantkit.arch.families)")
         if self.experts and not self.is_moe:
             return f"refused: no expert layout row for its text model `{self.text_type}` (quantkit.arch.families)"
         return None

@@ -61,6 +61,16 @@ class MoeLayout:
     # where the router's forward output holds the top-k expert indices ([tokens, top_k]): last of (logits, weights,
     # indices) for transformers 5's routers, first for Granite's (indices, weights, logits)
     router_indices: int = 2
+    # the router's output at router_indices holds its logits ([tokens, experts]), whose top `top_k` (the router's
+    # attribute) are the experts it routes to (Llama 4's Llama4Router: (scores, logits))
+    router_logits: bool = False
+    # linear_experts(cls, module, config, copy) -> llm-compressor's linear experts (`cls`, a LinearExperts2D) of a
+    # fused-experts module, its weights copied (copy) or not (on the meta device), where oneshot's own linearization
+    # cannot build them (Llama 4's text model: its class reads the multimodal config); None: oneshot's
+    linear_experts: Callable[[type, object, object, bool], object] | None = None
+    # the layout holds for the family's VLM checkpoints too (False: the text checkpoint only; Llama 4's multimodal
+    # checkpoint fails llm-compressor's tracing of its forward and stays refused)
+    vlm: bool = True
 
 
 @dataclass(frozen=True)

@@ -41,10 +41,16 @@ nf4 writes each expert's projections as a 4-bit Linear of their own (quantkit.me
 transformers' bitsandbytes reload builds Llama 4's experts (SequentialLlama4TextExperts), cut from the fused
 tensors as LLAMA4_MLX.fused says; the routers stay 16-bit.
 
-The llm-compressor methods refuse it before any work (`moe_refusal`): llm-compressor 0.14 linearizes
-Llama 4's fused experts only inside the multimodal Llama4ForConditionalGeneration (its Llama4LinearExperts reads
-the VLM config's text_config), and its router returns scores without the expert indices the calibration report
-counts.
+The llm-compressor methods (fp8, gptq, autoround, nvfp4, mxfp4) take the text checkpoint (LLAMA4_MOE): quantkit
+builds llm-compressor's Llama4LinearExperts itself (quantkit.arch.moe.linearize; its class reads the multimodal
+config's text_config, which oneshot's linearization cannot give a text model), so every expert's gate, up and down
+is a Linear calibrated on the tokens routed to it (the router scales each expert's input by its sigmoid score, so
+the others see zeros), written as `feed_forward.experts.<e>.<projection>`: the names vLLM's llama4 maps into its
+fused experts and transformers' reload builds as SequentialLlama4TextExperts (it reloads the artifact strictly;
+the gate reads it as llm-compressor's linear experts, equal to that reload). The router returns (scores, logits):
+its routed-token counts are the top-k of the logits. The routers stay 16-bit. AWQ and SmoothQuant have no rows
+(refused). The multimodal Llama4ForConditionalGeneration stays refused by these methods and nf4 (MoeLayout.vlm
+false: its calibration fails llm-compressor's tracing of the multimodal forward).
 
 No `name`: not a row of docs/models.md's tables; its prose states what converts and what is refused.
 """
@@ -54,7 +60,7 @@ from __future__ import annotations
 import re
 
 from quantkit.arch.families import llama
-from quantkit.arch.families.base import Family, FusedExperts, Gguf, MlxExperts, MlxLayout, TensorRule
+from quantkit.arch.families.base import Family, FusedExperts, Gguf, MlxExperts, MlxLayout, MoeLayout, TensorRule
 from quantkit.arch.families.gpt_oss import swapped_shape, transposed, transposed_back
 from quantkit.errors import UnsupportedError
 
@@ -267,15 +273,29 @@ LLAMA4_MLX = MlxExperts(
     inputs=expert_rows,
 )
 
+def linear_experts(cls, module, config, copy: bool):
+    """llm-compressor's Llama4LinearExperts of Llama4TextExperts: from the module (its from_experts_module, which
+    reads the text config as the multimodal config's text_config: the text model's config is given it under that
+    name), or without weights (on the meta device)."""
+    from types import SimpleNamespace
+
+    multimodal = config if hasattr(config, "text_config") else SimpleNamespace(text_config=config)
+    if copy:
+        return cls.from_experts_module(module, multimodal)
+    return cls(module.num_experts, module.hidden_size, module.expert_dim, multimodal.text_config)
+
+
+# the router feed_forward.router returns (scores, logits); llm-compressor linearizes the experts as
+# Llama4LinearExperts, each expert's gate the first half of gate_up_proj's columns; the text checkpoint only (the
+# multimodal Llama4ForConditionalGeneration fails llm-compressor's tracing of its forward: refused)
+LLAMA4_MOE = MoeLayout(router=r".*\.feed_forward\.router$", router_indices=1, router_logits=True,
+                       linear_experts=linear_experts, vlm=False)
+
 LLAMA4_TEXT = Family(
-    "llama4_text", ARCH,
+    "llama4_text", ARCH, moe=LLAMA4_MOE,
     gguf={ARCH: LLAMA4_GGUF},
     mlx="llama4", mlx_layout=MlxLayout(prefix="language_model."), mlx_experts=LLAMA4_MLX, mlx_fields=mlx_fields,
     mlx_checks=(check_mlx,),
-    moe_refusal="{method}: Llama 4's text model (llama4_text) is not supported yet: llm-compressor 0.14 "
-                "linearizes its fused experts (feed_forward.experts.gate_up_proj) only inside the multimodal "
-                "Llama4ForConditionalGeneration; --method gguf converts it as llama.cpp's converter does, "
-                "--method mlx as mlx-lm's llama4 holds it",
 )
 
 FAMILIES = (LLAMA4_TEXT,)

@@ -130,6 +130,7 @@ def run_oneshot(job, recipe, calibrate: bool, reads_weights_only: bool = False) 
     does), so a subgraph's weights need not stay onloaded (onloaded_per_forward)."""
     from llmcompressor import oneshot
 
+    from quantkit.arch.moe import linearize
     from quantkit.engines.llmcompressor import lean_hessian
     from quantkit.engines.llmcompressor.distributed import synchronized
     from quantkit.engines.patches import OFFSET_NORMS, patched
@@ -149,6 +150,7 @@ def run_oneshot(job, recipe, calibrate: bool, reads_weights_only: bool = False) 
             **sequential_options(job.info.config),
         )
     rotation_ready(job)
+    linearize(job.model, job.info.config)  # the experts oneshot's linearization cannot build (Llama 4's text model)
     towers = tower_modifiers(job)
     if towers:  # data-free first: the sequential pipeline computes scales only for modules that run
         with patched(*OFFSET_NORMS):
