@@ -165,19 +165,30 @@ def set_save_names(model, model_type: str) -> None:
         set_save_conversion_mapping(model, rows)
 
 
+def linear_experts(module, model_config, layout: MoeLayout | None, copy: bool):
+    """llm-compressor's linear experts (LinearExperts2D) of a fused-experts module: built by the family's layout where
+    it says how (MoeLayout.linear_experts: Llama 4), else by their class from the module's config or the model's;
+    the module's weights copied into them (copy) or not (a model on the meta device)."""
+    from llmcompressor.modeling.moe.linear_experts import LinearExperts2D
+
+    linear = LinearExperts2D.get_linear_experts_cls(type(module))
+    config = getattr(module, "config", model_config)
+    if layout is not None and layout.linear_experts is not None:
+        return layout.linear_experts(linear, module, config, copy)
+    return linear.from_experts_module(module, config) if copy else linear(config)
+
+
 def linearize(model, config: dict) -> None:
     """Replace each fused-experts module by llm-compressor's linear experts where the family's layout builds them
     (MoeLayout.linear_experts: Llama 4's text model, whose class oneshot's linearize_moe cannot build); a no-op for
     every other model, which oneshot linearizes itself."""
-    from llmcompressor.modeling.moe.linear_experts import LinearExperts2D
     from llmcompressor.modeling.moe.linearize import get_non_linearized_moes
 
     layout = moe_layout(config)
     if layout is None or layout.linear_experts is None:
         return
     for name, module in get_non_linearized_moes(model):
-        linear = LinearExperts2D.get_linear_experts_cls(type(module))
-        model.set_submodule(name, layout.linear_experts(linear, module, getattr(module, "config", model.config), True))
+        model.set_submodule(name, linear_experts(module, model.config, layout, copy=True))
 
 
 def routers(model, layout: MoeLayout) -> dict[str, object]:

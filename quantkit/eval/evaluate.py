@@ -234,22 +234,15 @@ def model_scorer(model) -> Scorer:
     return scorer
 
 
-def decoder_of(model):
-    """A CausalLM's decoder, the module returning last_hidden_state: its base model, or, where that is the CausalLM
-    itself or a CausalLM in turn, the decoder of its `model` or `language_model` (Llama 4: Llama4ForCausalLM's
-    base_model_prefix is the VLM's language_model, and Llama4ForConditionalGeneration holds a Llama4ForCausalLM)."""
-    base = model.base_model
-    if base is model:
-        inner = getattr(model, "model", None) or getattr(model, "language_model", None)
-        return model if inner is None else decoder_of(inner)
-    return decoder_of(base) if hasattr(base, "lm_head") else base
-
-
 def score_model_batch(model, ids, buffers: Buffers | None = None) -> Iterator[ScoredChunk]:
     """Log-probs of predictions 0..L-2 of each window of `ids` from a model object (score_hidden), its head's
     logits in `buffers` where given."""
+    from quantkit.arch.modules import decoder
+
     device = next(model.parameters()).device
-    hidden = decoder_of(model)(input_ids=ids.to(device), use_cache=False).last_hidden_state
+    base = model.base_model  # the CausalLM itself where its prefix names no attribute (Llama4ForCausalLM)
+    body = decoder(model) if base is model else base
+    hidden = body(input_ids=ids.to(device), use_cache=False).last_hidden_state
     hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1])
     return score_hidden(hidden, ids[:, 1:].reshape(-1).to(device), model.get_output_embeddings(),
                         finish_of(model.config.get_text_config()), buffers)

@@ -300,23 +300,16 @@ def linear_experts_model(config, dtype):
     forward, its input activations quantized as the scheme says (per token for fp8-dynamic and W8A8, with the
     static scale for fp8-static, per group for fp8-block), as vLLM's fused-MoE kernels quantize them."""
     import torch
-    from llmcompressor.modeling.moe.linear_experts import LinearExperts2D
     from llmcompressor.modeling.moe.linearize import get_non_linearized_moes
 
-    from quantkit.arch.moe import moe_layout
+    from quantkit.arch.moe import linear_experts, moe_layout
     from quantkit.eval.stream import build_meta_model
 
     model = build_meta_model(config, dtype)
     layout = moe_layout(config.to_dict())
     for name, module in get_non_linearized_moes(model):
-        linear = LinearExperts2D.get_linear_experts_cls(type(module))
         with torch.device("meta"):
-            own = getattr(module, "config", model.config)
-            if layout is not None and layout.linear_experts is not None:  # built by the family (Llama 4)
-                built = layout.linear_experts(linear, module, own, False)
-            else:
-                built = linear(own)
-            model.set_submodule(name, built.to(dtype))
+            model.set_submodule(name, linear_experts(module, model.config, layout, copy=False).to(dtype))
     return model
 
 

@@ -223,7 +223,7 @@ def write(job: QuantizeJob, kept: list[str]) -> QuantizeResult:
     skip = skip_modules(job.ignore) + [exact_module(name) for name in [*odd, *kept, *odd_experts]]
     config = bnb_config(job.options, compute_dtype(job.options, dtype), skip)
     model = load_quantized(job.info, dtype, config, job.device, job.trust_remote_code)
-    quantized_experts = split_experts(model, job.info, config, set(odd_experts))
+    quantized_experts = split_experts(model, job.info, config, set(odd_experts)) if split else 0
     with plain_writes():  # no memory map of the output beside the model (quantkit.io.shards.save_file)
         model.save_pretrained(job.out_dir)  # the tokenizer files are copied beside it by the pipeline
     details = {"bnb_quantization_config": model.config.quantization_config.to_dict(),
@@ -258,11 +258,11 @@ def split_experts(model, info, config, kept: set[str]) -> int:
     quantized = 0
     for name, module in [(n, m) for n, m in model.named_modules() if type(m).__name__ in classes]:
         builder = MODULES_TO_PATCH_FOR_QUANTIZATION[type(module).__name__]["module_name"]
-        weights = expert_weights(module, fused)
+        weights, device = expert_weights(module, fused), next(module.parameters()).device
         split = expert_linears(builder, model.config.get_text_config(), config,
                                [n for n in weights if f"{name}.{n}" in kept])
         for piece, value in weights.items():
-            quantized += set_weight(split.get_submodule(piece), value.to(next(module.parameters()).device))
+            quantized += set_weight(split.get_submodule(piece), value.to(device))
         model.set_submodule(name, split)
     return quantized
 

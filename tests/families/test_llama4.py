@@ -355,16 +355,12 @@ def reading_and_reload_logits(out: Path):
     as it runs) and transformers' strict reload of it (its SequentialLlama4TextExperts), over the same tokens."""
     import torch
 
-    from quantkit.eval.resident import resident_built
     from quantkit.formats import gate
+    from tests.eval.test_experts import IDS, resident_logits
 
-    ids = torch.randint(0, 500, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        reloaded = gate.load_artifact(out)(ids).logits.float()
-        reading = gate.artifact_reading(out)
-        model, source = reading.open()
-        read = resident_built(model, reading.config, source, "cpu").model(ids).logits.float()
-    return read, reloaded
+        reloaded = gate.load_artifact(out)(IDS).logits.float()
+    return resident_logits(gate.artifact_reading(out)), reloaded
 
 
 @pytest.mark.parametrize("method,args", [("fp8", []), pytest.param("gptq", [], marks=pytest.mark.slow),

@@ -183,12 +183,12 @@ class VlmRow:
     def expert_refusal(self) -> str | None:
         """A mixture-of-experts language model without an expert layout: refused by every method that
         quantizes the experts (None: nothing refused)."""
-        if self.experts and not self.is_moe and self.text_family is not None and self.text_family.moe is not None:
+        if not self.experts or self.is_moe:
+            return None
+        if self.text_family is not None and self.text_family.moe is not None:  # MoeLayout.vlm false (Llama 4)
             return (f"refused: its text model `{self.text_type}`'s expert layout holds for the text checkpoint "
                     "only (quantkit.arch.families)")
-        if self.experts and not self.is_moe:
-            return f"refused: no expert layout row for its text model `{self.text_type}` (quantkit.arch.families)"
-        return None
+        return f"refused: no expert layout row for its text model `{self.text_type}` (quantkit.arch.families)"
 
     def expert_reload_refusal(self, stored: str) -> str | None:
         """What transformers' reload of the artifact, on which the towers are proven, cannot decompress in the
