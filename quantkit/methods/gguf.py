@@ -189,8 +189,23 @@ def plan_types(info, options: Options) -> dict[str, str]:
         plans = plan_tensors(info.config, info.tensors, options.gguf_type, uses_imatrix(options))
     except UnsupportedError:
         return {}
-    return {p.hf_name.removesuffix(".weight"): f"gguf {p.qtype.name}"
-            for p in plans if p.hf_name.endswith(".weight")}
+    types = {p.hf_name.removesuffix(".weight"): f"gguf {p.qtype.name}" for p in plans if p.hf_name.endswith(".weight")}
+    return types | fused_expert_types(info, plans)
+
+
+def fused_expert_types(info, plans) -> dict[str, str]:
+    """The plan's entries of experts stored fused across experts (quantkit.arch.moe.fused_expert_linears): each
+    expert's projection the type of the GGUF expert tensor written from it (`blk.N.ffn_gate_exps` for gate_proj)."""
+    from quantkit.arch.moe import fused_expert_linears
+
+    types = {}
+    for name, (tensor, _shape) in fused_expert_linears(info.config, info.tensors).items():
+        stem = name.rsplit(".", 1)[1].removesuffix("_proj")
+        written = [p for p in plans if p.hf_name == tensor and p.name.endswith(".weight")]
+        chosen = next((p for p in written if f".ffn_{stem}_exps." in p.name), written[0] if written else None)
+        if chosen is not None:
+            types[name] = f"gguf {chosen.qtype.name}"
+    return types
 
 
 def check(info, options: Options, calibration=None) -> None:
@@ -666,7 +681,7 @@ METHOD = MethodSpec(
     layers=Layers(
         keeps_lm_head=lambda options: False,  # the mixture gives output.weight its own type (Q6_K for most mixes)
         takes_ignore=False,  # per-tensor types come from llama-quantize's mixture rules
-        exact_types=plan_types),
+        exact_types=plan_types, quantizes_fused_experts=lambda info, options: True),  # as stacked expert tensors
     sizes=Sizes(stored_bits=stored_bits, precision_bits=precision_bits),
     fallback=FallbackSteps(fallback_ladder, requantize),
     resume=Resume("the last written tensor", bytes=resume_bytes),

@@ -649,7 +649,7 @@ METHOD = MethodSpec(
     scheme=compressed_scheme, engine=llmc.ENGINE, options=Options, quantize=quantize, precision=precision,
     default_gate=fixed_gate(DEFAULT_GATE), resolve=resolve, check=check, needs_calibration=needs_calibration,
     support=support,
-    layers=Layers(shape_problems=shape_problems),
+    layers=Layers(shape_problems=shape_problems, quantizes_fused_experts=llmc.quantizes_fused_experts),
     sizes=Sizes(stored_bits=stored_bits, working_set=working_set),
     fallback=FallbackSteps(fallback_ladder, requantize),
     resume=Resume(**layer_resume.resume_fields()),

@@ -149,14 +149,20 @@ def layer_plan(info, options: Options, ignore: list[str]) -> dict[str, Precision
 
 
 def exact_types(info, options: Options) -> dict[str, str]:
-    """The plan's entries of the routed experts: each expert the precision of the stacked module it is written in."""
-    from quantkit.mlx.checkpoint import expert_stacks, per_expert_info
+    """The plan's entries of the routed experts: each expert the precision of the stacked module it is written in
+    (experts stored fused: the SwitchGLU projection cut from the fused tensor, quantkit.arch.moe.fused_expert_linears)."""
+    from quantkit.arch.moe import fused_expert_linears
+    from quantkit.mlx.checkpoint import expert_stacks, fused_piece_name, fused_tensor, per_expert_info
 
     info = per_expert_info(info)
     plan = layer_plan(info, options, [])
     stacks = expert_stacks(info.config, info.tensors)
-    return {name.removesuffix(".weight"): precision_text(plan[module], options)
-            for module, names in stacks.items() if plan.get(module) is not None for name in names}
+    written = {name.removesuffix(".weight"): module for module, names in stacks.items() for name in names}
+    for name, (tensor, _shape) in fused_expert_linears(info.config, info.tensors).items():
+        block, _fused, _bias = fused_tensor(info.config, tensor)
+        written[name] = fused_piece_name(info.config, block, name.rsplit(".", 1)[1], False).removesuffix(".weight")
+    return {name: precision_text(plan[module], options) for name, module in written.items()
+            if plan.get(module) is not None}
 
 
 def check_ignore(info, options: Options, ignore: list[str]) -> None:
@@ -556,7 +562,8 @@ METHOD = MethodSpec(
     needs_model=lambda info, options: False,  # reads the checkpoint; the importances stream it
     support=support, rotation_refused=ROTATION_REFUSED,
     layers=Layers(keeps_lm_head=lambda options: False,  # quantized as mlx_lm.convert does (--ignore lm_head keeps it)
-                  exact_types=exact_types, check_ignore=check_ignore),
+                  exact_types=exact_types, check_ignore=check_ignore,
+                  quantizes_fused_experts=lambda info, options: True),  # its SwitchGLU quantizes every expert
     sizes=Sizes(stored_bits=stored_bits, working_set=working_set, precision_bits=precision_bits),
     ranks=OnRanks(lambda options: RANKS_REFUSED),  # converts in one process: refused on ranks, saying why,
     auto=AUTO_RUNGS,

@@ -93,7 +93,7 @@ METHOD = MethodSpec(
     scheme=lambda options: "mxfp4", engine=llmc.ENGINE, options=Options, quantize=quantize, precision=precision,
     default_gate=fixed_gate(DEFAULT_GATE), check=check, needs_calibration=needs_calibration,
     needs_model=nvfp4.needs_model, support=nvfp4.fp4_support,
-    layers=Layers(shape_problems=shape_problems),
+    layers=Layers(shape_problems=shape_problems, quantizes_fused_experts=llmc.quantizes_fused_experts),
     sizes=Sizes(stored_bits=stored_bits, working_set=working_set),
     resume=Resume(**layer_resume.resume_fields(calibrates=needs_calibration)),
     ranks=OnRanks(),

@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict
 from quantkit.arch.moe import is_expert_weight
 from quantkit.errors import UnsupportedError, require
 from quantkit.formats import bitsandbytes
-from quantkit.methods import AutoRung, FallbackSteps, MethodSpec, OnRanks, QuantizeJob, QuantizeResult, Sizes, fixed_gate
+from quantkit.methods import AutoRung, FallbackSteps, Layers, MethodSpec, OnRanks, QuantizeJob, QuantizeResult, Sizes, fixed_gate
 from quantkit.mixed import layers as intmix
 from quantkit.mixed.budget import Fallback
 
@@ -58,7 +58,20 @@ def needs_calibration(options: Options) -> bool:
 
 
 def precision(role: str, options: Options, name: str, shape: list[int]) -> str | None:
-    if role not in QUANTIZED_ROLES or not fits_kernels(options, shape) or is_expert_weight(name):
+    if role not in QUANTIZED_ROLES or is_expert_weight(name):  # experts: exact_types
+        return None
+    return linear_precision(options, shape)
+
+
+def exact_types(info, options: Options) -> dict[str, str]:
+    """The plan's entries of the experts split_experts writes one Linear per expert projection (Llama 4's), each at
+    the precision of a Linear of its shape; {} for any other model."""
+    return {module: text for module, shape in split_modules(info).items() if (text := linear_precision(options, shape))}
+
+
+def linear_precision(options: Options, shape: list[int]) -> str | None:
+    """A quantized Linear's precision text, None where the kernels cannot take its shape (it stays 16-bit)."""
+    if not fits_kernels(options, shape):
         return None
     if options.scheme == "int8":
         return "int8 per-row absmax (LLM.int8, bitsandbytes)"
@@ -135,16 +148,14 @@ def reload_splits(info) -> list[str]:
 def split_modules(info) -> dict[str, list[int]]:
     """{expert projection module: [out, in]} of the fused experts split_experts writes one Linear per expert
     projection (`model.layers.1.feed_forward.experts.0.gate_proj`), cut as the family record's mlx_experts.fused
-    says they are fused; {} for a model whose experts transformers reloads fused (reload_splits)."""
-    from quantkit.mlx.checkpoint import fused_modules
+    says they are fused (quantkit.arch.moe.fused_expert_linears); {} for a model whose experts transformers reloads
+    fused (reload_splits)."""
+    from quantkit.arch.moe import fused_expert_linears
 
-    if not reload_splits(info):
+    linears = fused_expert_linears(info.config, info.tensors)
+    if not linears or not reload_splits(info):
         return {}
-    out = {}
-    for module, (_fused, (experts, rows, columns)) in fused_modules(info.config, info.tensors).items():
-        block, projection = module.rsplit(".", 1)
-        out |= {f"{block}.{e}.{projection}": [rows, columns] for e in range(experts)}
-    return out
+    return {module: shape for module, (_fused, shape) in linears.items()}
 
 
 def quantizable_layers(info) -> dict[str, list[int]]:
@@ -438,6 +449,7 @@ METHOD = MethodSpec(
     precision=precision, default_gate=fixed_gate(DEFAULT_GATE), check=check, needs_calibration=needs_calibration,
     needs_model=lambda info, options: False,  # transformers re-loads the checkpoint with a bnb config
     support=support, rotation_refused=ROTATION_REFUSED,
+    layers=Layers(exact_types=exact_types, quantizes_fused_experts=lambda info, options: bool(split_modules(info))),
     sizes=Sizes(stored_bits=stored_bits, working_set=working_set),
     fallback=FallbackSteps(fallback_ladder, requantize),
     ranks=OnRanks(lambda options: RANKS_REFUSED),  # converts in one process: refused on ranks, saying why,

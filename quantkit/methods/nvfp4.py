@@ -189,7 +189,7 @@ METHOD = MethodSpec(
     name="nvfp4", format=compressed_tensors.FORMAT, label="compressed-tensors (nvfp4-pack-quantized)", scheme=scheme,
     engine=llmc.ENGINE, options=Options, quantize=quantize, precision=precision, default_gate=default_gate,
     check=check, needs_calibration=needs_calibration, needs_model=needs_model, support=support,
-    layers=Layers(shape_problems=shape_problems),
+    layers=Layers(shape_problems=shape_problems, quantizes_fused_experts=llmc.quantizes_fused_experts),
     sizes=Sizes(stored_bits=stored_bits, working_set=working_set),
     resume=Resume(**layer_resume.resume_fields(calibrates=needs_calibration)),
     ranks=OnRanks(),

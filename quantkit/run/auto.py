@@ -210,12 +210,12 @@ def place(info, candidate: Candidate, destination: Destination, per_token: int, 
         return None
     try:
         resolved, _choices = method.resolve(info, given)
-        quantized, count, other = serving.weight_parts(info, method, resolved)
+        quantized, count, other, experts = serving.weight_parts(info, method, resolved)
     except QuantkitError as exc:
         return Rung(candidate, status="skipped", why=f"refused for this model: {exc.message}")
     every = runtimes_for(method, resolved)
     runtimes = tuple(r for r in every if r.name.startswith(prefix))
-    placed = serving.fit(int(quantized + other), per_token, tokens, runtimes, destination.device)
+    placed = serving.fit(int(quantized + other), per_token, tokens, runtimes, destination.device, experts)
     runtime = next((r for r in runtimes if r.name == placed.runtime), None)
     rung = Rung(candidate, int(quantized + other), quantized * 8 / count if count else 16.0, placed.runtime,
                 runtime.rank if runtime else 0, method.needs_calibration(resolved),
@@ -228,7 +228,8 @@ def skip_reason(placed: serving.Fit, rung: Rung, destination: Destination, optio
     device = destination.device
     if placed.verdict == "no runtime":
         lacks = f" (its CPU kernel needs {', '.join(placed.lacks)}, which this CPU lacks)" if placed.lacks else ""
-        return "skipped", f"no {destination.engine} kernel serves it on {device.name}{lacks}"
+        refused = f" ({placed.refused})" if placed.refused else ""
+        return "skipped", f"no {destination.engine} kernel serves it on {device.name}{lacks}{refused}"
     if placed.verdict == "too small":
         return "skipped", (f"needs {human_bytes(placed.needs)} with {options.context} tokens x {options.batch} of KV "
                            f"cache; {device.name} offers {human_bytes(placed.usable)}")

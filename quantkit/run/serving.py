@@ -18,6 +18,7 @@ OVERHEAD = 0.10  # activations, buffers and allocator slack on top of weights + 
 KV_SHARE = 0.40  # below this share of the usable memory left for the KV cache, batching has little room
 KV_BYTES = {"fp16": 2, "fp8": 1}  # per cached value; llama.cpp's nearest to fp8 is --cache-type-k/v q8_0
 GB = 10**9
+EXPERTS_REFUSED = "no kernel there for its quantized experts"
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,7 @@ class Fit:
     usable: int
     kv_tokens: int
     lacks: tuple[str, ...] = ()  # the CPU features the format's CPU runtime needs and this CPU lacks
+    refused: str = ""  # why no runtime serves this model's artifact where one serves the format (EXPERTS_REFUSED)
 
     @property
     def needs(self) -> int:
@@ -133,17 +135,21 @@ class Fit:
     def as_dict(self) -> dict:
         return {"device": self.device, "runtime": self.runtime, "verdict": self.verdict, "needs_bytes": self.needs,
                 "usable_bytes": self.usable, "kv_room": round(self.kv_room, 3), "kv_tokens": self.kv_tokens,
-                "lacks_cpu_features": list(self.lacks)}
+                "lacks_cpu_features": list(self.lacks), "refused": self.refused}
 
 
-def fit(weights: int, kv_per_token: int, tokens: int, runtimes: tuple[Runtime, ...], target: Device) -> Fit:
-    """How an artifact of `weights` bytes with a KV cache of `tokens` tokens fits a device."""
-    runtime = first_runtime(runtimes, target)
+def fit(weights: int, kv_per_token: int, tokens: int, runtimes: tuple[Runtime, ...], target: Device,
+        experts: bool = False) -> Fit:
+    """How an artifact of `weights` bytes with a KV cache of `tokens` tokens fits a device; `experts`: the artifact
+    quantizes routed experts, which some kernels cannot serve (Runtime.quantized_experts)."""
+    served = tuple(r for r in runtimes if r.quantized_experts) if experts else runtimes
+    runtime = first_runtime(served, target)
+    refused = EXPERTS_REFUSED if runtime is None and first_runtime(runtimes, target) is not None else ""
     held = math.ceil(weights * (1 + OVERHEAD))
     per_token = kv_per_token * (1 + OVERHEAD)
     kv_tokens = max(0, int((target.usable_bytes - held) / per_token)) if per_token else 0
     return Fit(target.name, runtime.name if runtime else None, held, math.ceil(per_token * tokens),
-               target.usable_bytes, kv_tokens, () if runtime else lacking(runtimes, target))
+               target.usable_bytes, kv_tokens, () if runtime else lacking(runtimes, target), refused)
 
 
 def source_bytes(info) -> int:
@@ -156,29 +162,28 @@ def source_bytes(info) -> int:
 def weight_bytes(info, method: MethodSpec, options) -> int:
     """The artifact's weights as the method's precision plan gives them: each quantized weight at its
     precision's bits (the method's Sizes.precision_bits, else stored_bits), everything else at 16 bits."""
-    quantized, _count, other = weight_parts(info, method, options)
+    quantized, _count, other, _experts = weight_parts(info, method, options)
     return int(quantized + other)
 
 
-def weight_parts(info, method: MethodSpec, options) -> tuple[float, int, int]:
+def weight_parts(info, method: MethodSpec, options) -> tuple[float, int, int, bool]:
     """(bytes of the weights the method quantizes, how many values they hold, bytes of everything else at 16
-    bits), as weight_bytes sizes them."""
+    bits, whether it quantizes routed experts), as weight_bytes sizes them: experts stored fused are counted by
+    the plan's expert projections they hold (quantkit.run.plan.build_plan)."""
+    from quantkit.arch.moe import is_expert_weight
     from quantkit.methods import ignore_patterns
     from quantkit.run.plan import build_plan
 
     entries = build_plan(info, method, options, ignore_patterns(info, [], method.layers.keeps_lm_head(options)))
-    quantized = {e.name + ".weight": e.precision for e in entries if not e.kept}
+    quantized = [e for e in entries if not e.kept]
     sizes = method.sizes
-    total, count, other = 0.0, 0, 0
-    for name, (dtype, shape) in info.tensors.items():
-        values = math.prod(shape)
-        if name in quantized:
-            bits = sizes.precision_bits(options, quantized[name]) if sizes.precision_bits else sizes.stored_bits(options)
-            total += values * bits / 8
-            count += values
-        else:
-            other += values * 2
-    return total, count, other
+    total, count = 0.0, 0
+    for entry in quantized:
+        bits = sizes.precision_bits(options, entry.precision) if sizes.precision_bits else sizes.stored_bits(options)
+        total += entry.params * bits / 8
+        count += entry.params
+    other = sum(math.prod(shape) for _dtype, shape in info.tensors.values()) * 2 - count * 2
+    return total, count, other, any(is_expert_weight(e.name + ".weight") for e in quantized)
 
 
 def memory_rows(info, context: int) -> dict[str, dict]:
@@ -225,9 +230,11 @@ def serving_plan(info, devices: list[Device], context: int, batch: int, kv_cache
     for name in methods or list(METHODS):
         method = get_method(name)
         options, _choices = method.resolve(info, method.options())
-        weights = weight_bytes(info, method, options)
+        quantized, _count, other, experts = weight_parts(info, method, options)
+        weights = int(quantized + other)
+        runtimes = runtimes_for(method, options)
         rows.append(FormatPlan(name, method.label, weights,
-                               [fit(weights, per_token, tokens, runtimes_for(method, options), d) for d in devices],
+                               [fit(weights, per_token, tokens, runtimes, d, experts) for d in devices],
                                method.format.serve_command("OUT")))
     return {"model": str(info.path), "context": context, "batch": batch, "kv_cache": kv_cache,
             "kv_bytes_per_token": per_token, "overhead": OVERHEAD, "kv_share": KV_SHARE,

@@ -122,6 +122,15 @@ def kv_suffix(options) -> str:
     return " + KV fp8 (calibrated per layer)" if getattr(options, "kv_cache", None) else ""
 
 
+def quantizes_fused_experts(info, options) -> bool:
+    """Layers.quantizes_fused_experts of every llm-compressor method: oneshot quantizes the experts a checkpoint
+    stores fused wherever their family has an expert layout (they are linearized first, one Linear per expert
+    projection: quantkit.arch.moe.linearize, or oneshot's own linearization: Llama 4, Granite 4)."""
+    from quantkit.arch.moe import moe_layout
+
+    return moe_layout(info.config) is not None
+
+
 def run_oneshot(job, recipe, calibrate: bool, reads_weights_only: bool = False) -> None:
     """Apply llm-compressor modifiers to job.model in place (layer by layer when calibrating). GPTQ keeps
     one copy of each Hessian (quantkit.engines.llmcompressor.lean_hessian). Under torchrun each rank calibrates on
