@@ -65,7 +65,12 @@ def smoothquant_mappings(model_type: str) -> list[Mapping]:
 
 def inside(component: str, rows: list[Mapping]) -> list[Mapping]:
     """`rows` with every pattern resolved only under the module `component` (a VLM's language model)."""
-    prefix = rf"re:(.*\.)?{re.escape(component)}\."
+    return under(re.escape(component), rows)
+
+
+def under(modules: str, rows: list[Mapping]) -> list[Mapping]:
+    """`rows` with every pattern resolved only under the modules whose names end with the regex `modules`."""
+    prefix = rf"re:(.*\.)?{modules}\."
 
     def anchored(pattern: str) -> str:
         return prefix + pattern.removeprefix("re:")
@@ -98,8 +103,18 @@ def model_mappings(info, method: str) -> list[Mapping]:
 
 
 def holding(rows: list[Mapping], config: dict) -> list[Mapping]:
-    """The rows that hold for this config.json (Mapping.when: Granite 4's norm row only in its dense hybrids)."""
-    return [row for row in rows if row.when is None or row.when(config)]
+    """The rows that hold for this config.json (Mapping.when: Granite 4's norm row only in its dense hybrids), each
+    resolved only in the decoder layers it holds in (Mapping.layers: Llama 4's MoE and dense MLP rows)."""
+    held = []
+    for row in rows:
+        if row.when is not None and not row.when(config):
+            continue
+        layers = None if row.layers is None else row.layers(config)
+        if layers is None:
+            held.append(row)
+        elif layers:
+            held.extend(under(rf"layers\.({'|'.join(str(i) for i in layers)})", [row]))
+    return held
 
 
 def rows_for(model_type: str, method: str, what: str = "") -> list[Mapping]:

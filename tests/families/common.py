@@ -259,7 +259,10 @@ def smoothed_kld(model_dir: Path, rows, low: float = 0.1, high: float = 10.0, se
     if linear_experts:
         from llmcompressor.modeling.moe.linearize import linearize_moe
 
+        from quantkit.arch.moe import linearize
+
         with torch.no_grad():
+            linearize(model, json.loads((Path(model_dir) / "config.json").read_text()))  # those oneshot cannot
             linearize_moe(model)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad(), patched(*OFFSET_NORMS) if exact_offsets else nullcontext(), norm_calibration_context(model):

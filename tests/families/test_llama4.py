@@ -405,11 +405,61 @@ def test_gptq_counts_each_experts_routed_tokens(cli, model, tmp_path):
     assert all(len(row) == 4 and sum(row) == samples * seq_len for row in counts.values())
 
 
+def held_rows(model: Path):
+    from quantkit.arch.families import by_model_type
+    from quantkit.arch.mappings import holding
+
+    return holding(list(by_model_type("llama4_text").smoothing), json.loads((model / "config.json").read_text()))
+
+
+def test_smoothing_rows_preserve_the_function(model):
+    """Llama 4's rows as this checkpoint holds them (MoE layers 1 and 3, dense 0 and 2): a random per-channel scale
+    divided out of each smooth layer and multiplied into its balance layers, the experts linearized as AWQ smooths
+    them, leaves the logits as they were at float32 rounding; the router is a balance layer of the MoE layers' norm,
+    so the routing is unchanged."""
+    from dataclasses import replace
+
+    rows = held_rows(model)
+    assert common.smoothed_kld(model, rows, linear_experts=True) < 1e-6
+    unrouted = [replace(row, balance=tuple(b for b in row.balance if "router" not in b)) for row in rows]
+    assert common.smoothed_kld(model, unrouted, linear_experts=True) > 1e-4  # the routing moves without it
+
+
+def test_llm_compressor_resolves_each_row_in_the_layers_it_holds_in(model):
+    """llm-compressor groups a row's matches layer by layer and fails where a group has several smooth layers (its
+    own Llama 4 row, on a checkpoint with dense layers): each held row resolves to one smooth layer per group, the
+    MoE layers' norm balancing the router, the shared expert and every routed expert."""
+    import torch
+    from compressed_tensors.utils.match import match_modules_set
+    from transformers import AutoModelForCausalLM
+
+    from quantkit.arch.moe import linearize
+
+    loaded = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    linearize(loaded, json.loads((model / "config.json").read_text()))
+    names = {m: n for n, m in loaded.named_modules()}
+    groups = {}
+    for row in held_rows(model):
+        for smooth, *balance in match_modules_set(loaded, (row.smooth, *row.balance)):
+            assert len(smooth) == 1
+            groups[names[smooth[0]]] = sorted(names[b].rsplit("feed_forward.", 1)[-1] for b in sum(balance, []))
+    assert groups["model.layers.1.post_attention_layernorm"] == sorted(
+        ["router", "shared_expert.gate_proj", "shared_expert.up_proj",
+         *(f"experts.{e}.{p}" for e in range(4) for p in ("gate_proj", "up_proj"))])
+    assert groups["model.layers.2.post_attention_layernorm"] == ["gate_proj", "up_proj"]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["awq", "smoothquant"])
-def test_smoothing_methods_refused_with_the_reason(cli, model, tmp_path, method):
-    """AWQ and SmoothQuant have no smoothing rows for Llama 4's text model: refused before work."""
+def test_smoothing_methods_quantize_every_expert(cli, model, tmp_path, method):
+    """AWQ (every row) and SmoothQuant (the attention norm's row: as for every MoE family, not the norm that feeds the
+    experts) write every expert quantized; transformers reloads the artifact strictly."""
     out = tmp_path / "out"
-    common.assert_refused(common.quantize(cli, model, out, method), out, "no smoothing mappings", "llama4_text")
+    common.assert_passed(common.quantize(cli, model, out, method), out)
+    common.assert_strict_reload(out)
+    stored = common.stored_tensors(out)
+    for e in range(4):
+        assert stored[f"model.layers.1.feed_forward.experts.{e}.down_proj.weight_scale"].isfinite().all()
 
 
 def test_nf4_of_llama4_writes_each_expert_as_transformers_reloads_it(cli, model, tmp_path):

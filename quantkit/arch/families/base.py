@@ -44,6 +44,9 @@ class Mapping:
     smoothquant: bool  # SmoothQuant uses this row (a norm's row)
     awq: bool = True  # False: AWQ leaves this row out
     when: Callable[[dict], bool] | None = None  # when(config.json) -> whether the row holds; None: always
+    # layers(config.json) -> the decoder layers the row holds in (Llama 4's MoE and dense MLPs in alternate layers;
+    # llm-compressor resolves a row layer by layer and fails where one of its balance layers is missing); None: all
+    layers: Callable[[dict], list[int]] | None = None
 
 
 # ---------------------------------------------------------------- mixture of experts

@@ -48,8 +48,9 @@ is a Linear calibrated on the tokens routed to it (the router scales each expert
 the others see zeros), written as `feed_forward.experts.<e>.<projection>`: the names vLLM's llama4 maps into its
 fused experts and transformers' reload builds as SequentialLlama4TextExperts (it reloads the artifact strictly;
 the gate reads it as llm-compressor's linear experts, equal to that reload). The router returns (scores, logits):
-its routed-token counts are the top-k of the logits. The routers stay 16-bit. AWQ and SmoothQuant have no rows
-(refused). The multimodal Llama4ForConditionalGeneration stays refused by these methods and nf4 (MoeLayout.vlm
+its routed-token counts are the top-k of the logits. The routers stay 16-bit. AWQ and SmoothQuant smooth by
+LLAMA4_ROWS: the MLP norm's row balances the router with the experts in the MoE layers and the dense MLP in the
+others, one row each (Mapping.layers); SmoothQuant leaves that norm out. The multimodal Llama4ForConditionalGeneration stays refused by these methods and nf4 (MoeLayout.vlm
 false: its calibration fails llm-compressor's tracing of the multimodal forward).
 
 No `name`: not a row of docs/models.md's tables; its prose states what converts and what is refused.
@@ -60,7 +61,8 @@ from __future__ import annotations
 import re
 
 from quantkit.arch.families import llama
-from quantkit.arch.families.base import Family, FusedExperts, Gguf, MlxExperts, MlxLayout, MoeLayout, TensorRule
+from quantkit.arch.families.base import (Family, FusedExperts, Gguf, Mapping, MlxExperts, MlxLayout, MoeLayout,
+                                         TensorRule)
 from quantkit.arch.families.gpt_oss import swapped_shape, transposed, transposed_back
 from quantkit.errors import UnsupportedError
 
@@ -291,8 +293,32 @@ def linear_experts(cls, module, config, copy: bool):
 LLAMA4_MOE = MoeLayout(router=r".*\.feed_forward\.router$", router_indices=1, router_logits=True,
                        linear_experts=linear_experts, vlm=False)
 
+def dense_layers(config: dict) -> list[int]:
+    """The decoder layers whose MLP is dense (Llama4TextMLP): those moe_layers leaves out."""
+    return sorted(set(range(config["num_hidden_layers"])) - set(moe_layers(config)))
+
+
+# the smoothing rows of Llama4TextDecoderLayer (its MLP the block `feed_forward`), as llm-compressor's
+# _llama4_default_mappings, whose one MLP-norm row resolves only where every layer is MoE (Scout): here one row for the
+# MoE layers and one for the dense ones (Mapping.layers). In the MoE layers the norm balances the router (Llama4Router,
+# a Linear) with the routed experts' and the shared expert's gate/up: the routed experts take the norm's output times
+# the router's scores, so scaling it leaves both the routing and their input unchanged. SmoothQuant leaves that norm
+# out, as for every MoE family (quantkit.arch.mappings).
+QKV_ROW, VO_ROW, _MLP_ROW, UP_DOWN_ROW = llama.LLAMA_LIKE
+LLAMA4_ROWS = (
+    QKV_ROW, VO_ROW,
+    Mapping("re:.*post_attention_layernorm$", ("re:.*feed_forward.router$", "re:.*feed_forward.experts.*.gate_proj$",
+                                               "re:.*feed_forward.experts.*.up_proj$",
+                                               "re:.*feed_forward.shared_expert.gate_proj$",
+                                               "re:.*feed_forward.shared_expert.up_proj$"),
+            smoothquant=False, layers=moe_layers),
+    Mapping("re:.*post_attention_layernorm$", ("re:.*feed_forward.gate_proj$", "re:.*feed_forward.up_proj$"),
+            smoothquant=False, layers=dense_layers),
+    UP_DOWN_ROW,
+)
+
 LLAMA4_TEXT = Family(
-    "llama4_text", ARCH, moe=LLAMA4_MOE,
+    "llama4_text", ARCH, moe=LLAMA4_MOE, smoothing=LLAMA4_ROWS,
     gguf={ARCH: LLAMA4_GGUF},
     mlx="llama4", mlx_layout=MlxLayout(prefix="language_model."), mlx_experts=LLAMA4_MLX, mlx_fields=mlx_fields,
     mlx_checks=(check_mlx,),
