@@ -442,7 +442,7 @@ def test_llm_compressor_resolves_each_row_in_the_layers_it_holds_in(model):
     for row in held_rows(model):
         for smooth, *balance in match_modules_set(loaded, (row.smooth, *row.balance)):
             assert len(smooth) == 1
-            groups[names[smooth[0]]] = sorted(names[b].rsplit("feed_forward.", 1)[-1] for b in sum(balance, []))
+            groups[names[smooth[0]]] = sorted(names[b].rsplit("feed_forward.", 1)[-1] for layers in balance for b in layers)
     assert groups["model.layers.1.post_attention_layernorm"] == sorted(
         ["router", "shared_expert.gate_proj", "shared_expert.up_proj",
          *(f"experts.{e}.{p}" for e in range(4) for p in ("gate_proj", "up_proj"))])

@@ -61,8 +61,16 @@ from __future__ import annotations
 import re
 
 from quantkit.arch.families import llama
-from quantkit.arch.families.base import (Family, FusedExperts, Gguf, Mapping, MlxExperts, MlxLayout, MoeLayout,
-                                         TensorRule)
+from quantkit.arch.families.base import (
+    Family,
+    FusedExperts,
+    Gguf,
+    Mapping,
+    MlxExperts,
+    MlxLayout,
+    MoeLayout,
+    TensorRule,
+)
 from quantkit.arch.families.gpt_oss import swapped_shape, transposed, transposed_back
 from quantkit.errors import UnsupportedError
 
