@@ -130,8 +130,8 @@ def check_backend(backend: str) -> None:
 
 def check(info, options: Options, calibration) -> None:
     check_backend(options.backend)
+    gptq.check_moe(info, options.symmetric, "none", "awq")  # first: an MoE layout it lacks refuses every method
     model_mappings(info, "awq")
-    gptq.check_moe(info, options.symmetric, "none", "awq")
     gptq.check_bits(options.bits, "awq")
     gptq.check_group_size(options.group_size, "awq")
     least = MIN_GRID[options.duo_scaling]

@@ -109,10 +109,10 @@ def check(info, options: Options, calibration) -> None:
     if not 0 <= options.smoothing_strength <= 1:
         raise InputError(f"smoothquant: smoothing_strength={options.smoothing_strength} must be in [0, 1]",
                          hint="e.g. --smoothing-strength 0.8")
+    moe.check_supported(info, "smoothquant")  # first: an MoE layout it lacks refuses every method
     mappings_for(info)
     check_rotation(options.rotate)
     llmc.check_rotation(info, options.rotate, "smoothquant")
-    moe.check_supported(info, "smoothquant")
     gptq.check_calibration_tokens(calibration, "smoothquant")
     if options.fallback is not None:
         from quantkit.mixed.budget import check_max_size

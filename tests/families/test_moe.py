@@ -946,9 +946,10 @@ def test_gguf_of_gpt_oss_reads_back_as_stored(models, tmp_path):
         assert torch.equal(read[name], tensor.float()), name
 
 
-@pytest.mark.parametrize("method", ["fp8", "gptq", "nvfp4"])
+@pytest.mark.parametrize("method", ["fp8", "gptq", "nvfp4", "awq", "smoothquant"])
 def test_gpt_oss_compressed_methods_refused_with_the_reason(cli, models, tmp_path, method):
-    """Every llm-compressor method still refuses GPT-OSS before work with its reason, and points at gguf."""
+    """Every llm-compressor method still refuses GPT-OSS before work with its reason, and points at gguf (the
+    smoothing methods too: its experts, not their rows, are what they lack first)."""
     out = tmp_path / "out"
     common.assert_refused(common.quantize(cli, models("gpt_oss"), out, method, *METHODS.get(method, [])), out,
                           f"{method}: GPT-OSS (gpt_oss) is not supported yet", "--method gguf converts it")
