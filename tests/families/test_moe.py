@@ -203,11 +203,11 @@ def test_formats_without_a_conversion_refuse_before_work(cli, models, tmp_path, 
     common.assert_refused(common.quantize(cli, models(family), out, method), out, *words)
 
 
-# the fast suite takes Mixtral (Mixtral's expert names), DeepSeek-V3 (its 16-bit kv_b_proj) and Qwen3-Next (its only
-# fast mlx-lm reading); Qwen3-MoE and Qwen3.5-MoE are read by mlx-lm in their own fast MLX tests below
-# (test_mlx_precision_per_stacked_projection; the MTP layer dropped, the experts stored fused); the same stacking of
-# the others in the slow suite
-MLX_SLOW = {"qwen2_moe", "glm4_moe", "minimax_m2", "qwen3_moe", "qwen3_5_moe_text"}
+# the fast suite takes DeepSeek-V3 (its 16-bit kv_b_proj) and Qwen3-Next (its only fast mlx-lm reading); Mixtral's
+# expert names are checked fast against mlx_lm.convert's tensors (test_mlx_stores_the_tensors_mlx_lm_convert_stores),
+# Qwen3-MoE and Qwen3.5-MoE are read by mlx-lm in their own fast MLX tests below (test_mlx_precision_per_stacked_
+# projection; the MTP layer dropped, the experts stored fused); the same stacking of the others in the slow suite
+MLX_SLOW = {"qwen2_moe", "glm4_moe", "minimax_m2", "qwen3_moe", "qwen3_5_moe_text", "mixtral"}
 
 
 @pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.slow) if f in MLX_SLOW else f for f in MLX])
@@ -253,7 +253,7 @@ def stored_headers(path: Path) -> dict:
     return headers
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen3_next"])
+@pytest.mark.parametrize("family", [pytest.param("qwen3_moe", marks=pytest.mark.slow), "mixtral", "qwen3_next"])
 def test_mlx_stores_the_tensors_mlx_lm_convert_stores(cli, models, tmp_path, family):
     """The artifact holds exactly the tensors mlx_lm.convert -q writes for the same checkpoint (names, shapes,
     dtypes: the stacked experts included), the routers and what the family keeps 16-bit (Qwen3-Next's in_proj_ba)
@@ -1190,8 +1190,8 @@ def test_mlx_of_gpt_oss_stores_the_tensors_mlx_lm_convert_stores(cli, gpt_oss_ml
 
 # Mixtral's probes stream its renamed, stacked experts (the path Qwen3-MoE takes too), GPT-OSS's its experts as
 # written
-@pytest.mark.parametrize("family", ["mixtral", "gpt_oss", *(
-    pytest.param(f, marks=pytest.mark.slow) for f in ("qwen3_moe", "qwen2_moe", "glm4_moe", "minimax_m2",
+@pytest.mark.parametrize("family", ["gpt_oss", *(
+    pytest.param(f, marks=pytest.mark.slow) for f in ("mixtral", "qwen3_moe", "qwen2_moe", "glm4_moe", "minimax_m2",
                                                       "ernie4_5_moe", "qwen3_5_moe_text", "deepseek_v3", "qwen3_next",
                                                       "llama4_text"))])
 def test_gguf_auto_precision_measures_the_experts(cli, models, tmp_path, family):
