@@ -89,7 +89,7 @@ def plan_data(info, method, options, ignore: list[str], context: int, towers: di
     from quantkit.arch.vlm import tower_summary
     from quantkit.methods import ignore_patterns, runtimes_for
     from quantkit.run.plan import MEMORY_NOTE, build_plan, role_summary
-    from quantkit.run.serving import memory_rows
+    from quantkit.run.serving import memory_rows, quantizes_experts, served_runtimes
 
     towers = {role: value for role, value in (towers or {}).items() if value != "keep"}
     options, choices = method.resolve(info, options)
@@ -98,7 +98,7 @@ def plan_data(info, method, options, ignore: list[str], context: int, towers: di
     patterns = patterns + sorted(kept)
     entries = [replace(e, precision=f"{e.precision.split(' (')[0]} (kept: {rule_reason(kept[e.name])})")
                if e.name in kept else e for e in build_plan(info, method, options, patterns, towers)]
-    runtimes = runtimes_for(method, options)
+    runtimes = served_runtimes(runtimes_for(method, options), quantizes_experts(entries))
     return {
         "model": str(info.path),
         "architecture": info.architecture,

@@ -142,14 +142,26 @@ def fit(weights: int, kv_per_token: int, tokens: int, runtimes: tuple[Runtime, .
         experts: bool = False) -> Fit:
     """How an artifact of `weights` bytes with a KV cache of `tokens` tokens fits a device; `experts`: the artifact
     quantizes routed experts, which some kernels cannot serve (Runtime.quantized_experts)."""
-    served = tuple(r for r in runtimes if r.quantized_experts) if experts else runtimes
-    runtime = first_runtime(served, target)
+    runtime = first_runtime(served_runtimes(runtimes, experts), target)
     refused = EXPERTS_REFUSED if runtime is None and first_runtime(runtimes, target) is not None else ""
     held = math.ceil(weights * (1 + OVERHEAD))
     per_token = kv_per_token * (1 + OVERHEAD)
     kv_tokens = max(0, int((target.usable_bytes - held) / per_token)) if per_token else 0
     return Fit(target.name, runtime.name if runtime else None, held, math.ceil(per_token * tokens),
                target.usable_bytes, kv_tokens, () if runtime else lacking(runtimes, target), refused)
+
+
+def served_runtimes(runtimes: tuple[Runtime, ...], experts: bool) -> tuple[Runtime, ...]:
+    """The runtimes that serve an artifact: without those that serve no quantized routed experts
+    (Runtime.quantized_experts: vLLM's CPU kernels) where it quantizes some (`experts`)."""
+    return tuple(r for r in runtimes if r.quantized_experts) if experts else runtimes
+
+
+def quantizes_experts(entries) -> bool:
+    """Whether a plan (quantkit.run.plan.build_plan) quantizes routed experts."""
+    from quantkit.arch.moe import is_expert_weight
+
+    return any(not e.kept and is_expert_weight(e.name + ".weight") for e in entries)
 
 
 def source_bytes(info) -> int:
@@ -170,7 +182,6 @@ def weight_parts(info, method: MethodSpec, options) -> tuple[float, int, int, bo
     """(bytes of the weights the method quantizes, how many values they hold, bytes of everything else at 16
     bits, whether it quantizes routed experts), as weight_bytes sizes them: experts stored fused are counted by
     the plan's expert projections they hold (quantkit.run.plan.build_plan)."""
-    from quantkit.arch.moe import is_expert_weight
     from quantkit.methods import ignore_patterns
     from quantkit.run.plan import build_plan
 
@@ -183,7 +194,7 @@ def weight_parts(info, method: MethodSpec, options) -> tuple[float, int, int, bo
         total += entry.params * bits / 8
         count += entry.params
     other = sum(math.prod(shape) for _dtype, shape in info.tensors.values()) * 2 - count * 2
-    return total, count, other, any(is_expert_weight(e.name + ".weight") for e in quantized)
+    return total, count, other, quantizes_experts(quantized)
 
 
 def memory_rows(info, context: int) -> dict[str, dict]:

@@ -77,6 +77,19 @@ def test_inspect_names_the_kernels_that_take_each_layer(cli, micro_model):
     assert kernels(w4a4, [96, 256]) == ["vLLM: NVFP4 W4A4 (CUTLASS FP4) (sm 10+)"]  # Marlin: out % 64
 
 
+def test_inspect_leaves_out_the_cpu_kernels_of_quantized_experts(cli, micro_model, tmp_path):
+    """vLLM's CPU kernels serve no mixture of experts whose experts are quantized: an MoE model's gptq layers list
+    the GPU kernels only, a dense model's the CPU one too."""
+    from tests.families import test_moe
+
+    moe = test_moe.build(tmp_path / "qwen3_moe", "qwen3_moe")
+    dense, experts = (json.loads(cli("inspect", m, "--method", "gptq", "--json", "-").stdout) for m in (micro_model, moe))
+    assert "vLLM CPU backend: WNA16" in [r["name"] for r in dense["runtimes"]]
+    assert [r["name"] for r in experts["runtimes"]] == ["vLLM: Machete WNA16", "vLLM: Marlin WNA16"]
+    layer = next(m for m in experts["modules"] if m["name"] == "model.layers.0.mlp.experts.1.down_proj")
+    assert layer["kernels"] == ["vLLM: Machete WNA16 (sm 9+)", "vLLM: Marlin WNA16 (sm 7.5+)"]
+
+
 def test_inspect_drops_a_kernel_whose_tiles_do_not_fit(odd_model, cli):
     """fp8-block on hidden 192: the block kernels take no layer reading the hidden state (128 does not divide it)."""
     data = json.loads(cli("inspect", odd_model, "--method", "fp8", "--json", "-").stdout)
