@@ -151,11 +151,11 @@ def fused_expert_linears(config: dict, tensors: dict) -> dict[str, tuple[str, li
     out = {}
     for name, (_dtype, shape) in tensors.items():
         for fused in (f for f in rows if name.endswith("." + f.tensor) and len(shape) == 3):
-            experts, outputs, inputs = shape if fused.layout == "rows" else (shape[0], shape[2], shape[1])
+            experts, outputs, inputs = fused.piece_shape(shape)
             parent = fused.tensor.removesuffix(".weight").rpartition(".")[0]
             module = name[: -len(fused.tensor)] + (parent if parent.endswith("experts") else
                                                    ".".join(filter(None, (parent, "experts"))))
-            out |= {f"{module}.{e}.{projection}": (name, [outputs // len(fused.projections), inputs])
+            out |= {f"{module}.{e}.{projection}": (name, [outputs, inputs])
                     for projection in fused.projections for e in range(experts)}
     return out
 

@@ -198,11 +198,16 @@ def fused_expert_types(info, plans) -> dict[str, str]:
     expert's projection the type of the GGUF expert tensor written from it (`blk.N.ffn_gate_exps` for gate_proj)."""
     from quantkit.arch.moe import fused_expert_linears
 
+    linears = fused_expert_linears(info.config, info.tensors)
+    sources = {tensor for tensor, _shape in linears.values()}
+    written: dict[str, list] = {}
+    for plan in plans:
+        if plan.hf_name in sources and plan.name.endswith(".weight"):
+            written.setdefault(plan.hf_name, []).append(plan)
     types = {}
-    for name, (tensor, _shape) in fused_expert_linears(info.config, info.tensors).items():
-        stem = name.rsplit(".", 1)[1].removesuffix("_proj")
-        written = [p for p in plans if p.hf_name == tensor and p.name.endswith(".weight")]
-        chosen = next((p for p in written if f".ffn_{stem}_exps." in p.name), written[0] if written else None)
+    for name, (tensor, _shape) in linears.items():
+        stem, found = name.rsplit(".", 1)[1].removesuffix("_proj"), written.get(tensor, [])
+        chosen = next((p for p in found if f".ffn_{stem}_exps." in p.name), found[0] if found else None)
         if chosen is not None:
             types[name] = f"gguf {chosen.qtype.name}"
     return types

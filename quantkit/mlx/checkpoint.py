@@ -237,10 +237,9 @@ def fused_modules(config: dict, tensors: dict) -> dict[str, tuple[str, list[int]
     for name, (_dtype, shape) in tensors.items():
         if (found := fused_tensor(config, name)) is not None and not found[2]:
             block, fused, _bias = found
-            experts, outputs, inputs = shape if fused.layout == "rows" else (shape[0], shape[2], shape[1])
             for projection in fused.projections:
                 module = fused_piece_name(config, block, projection, False).removesuffix(".weight")
-                out[module] = (name, [experts, outputs // len(fused.projections), inputs])
+                out[module] = (name, list(fused.piece_shape(shape)))
     return out
 
 

@@ -110,6 +110,11 @@ class FusedExperts:
     bias: str = ""  # its bias's name after `<block>.` ("experts.gate_up_proj_bias"); "": none
     layout: str = "interleaved"  # "interleaved", "blocks" (both x @ W) or "rows" ([experts, out, in])
 
+    def piece_shape(self, shape) -> tuple[int, int, int]:
+        """(experts, out, in) of each projection's piece of the fused weight of this `shape`, as F.linear holds it."""
+        experts, outputs, inputs = shape if self.layout == "rows" else (shape[0], shape[2], shape[1])
+        return experts, outputs // len(self.projections), inputs
+
 
 @dataclass(frozen=True)
 class MlxExperts:
