@@ -248,9 +248,12 @@ def write(job: QuantizeJob, kept: list[str]) -> QuantizeResult:
 
 
 def fused_experts_kept(info) -> dict:
-    """The report's word on experts stored fused across experts (3-D tensors, GPT-OSS's gate_up_proj), which
-    transformers' bitsandbytes integration does not quantize: their names, kept 16-bit."""
-    names = sorted(n for n, (_dtype, shape) in info.tensors.items() if len(shape) == 3 and ".experts." in n)
+    """The report's word on experts stored fused across experts (quantkit.arch.moe.fused_expert_linears: GPT-OSS's
+    gate_up_proj, Granite 4's input_linear.weight), which transformers' bitsandbytes integration does not quantize:
+    the fused tensors' names, kept 16-bit."""
+    from quantkit.arch.moe import fused_expert_linears
+
+    names = sorted({tensor for tensor, _shape in fused_expert_linears(info.config, info.tensors).values()})
     return {"kept_fused_experts": names} if names else {}
 
 
@@ -449,7 +452,7 @@ METHOD = MethodSpec(
     precision=precision, default_gate=fixed_gate(DEFAULT_GATE), check=check, needs_calibration=needs_calibration,
     needs_model=lambda info, options: False,  # transformers re-loads the checkpoint with a bnb config
     support=support, rotation_refused=ROTATION_REFUSED,
-    layers=Layers(exact_types=exact_types, quantizes_fused_experts=lambda info, options: bool(split_modules(info))),
+    layers=Layers(exact_types=exact_types, quantizes_fused_experts=lambda info, options: bool(reload_splits(info))),
     sizes=Sizes(stored_bits=stored_bits, working_set=working_set),
     fallback=FallbackSteps(fallback_ladder, requantize),
     ranks=OnRanks(lambda options: RANKS_REFUSED),  # converts in one process: refused on ranks, saying why,
