@@ -119,7 +119,7 @@ def test_experts_stored_fused_are_planned_one_weight_per_expert_projection(fused
         assert all(not e.kept and len(e.shape) == 2 for e in experts)
         assert count == linear + fused_expert_values(info)
     else:
-        assert experts == [] and count == linear
+        assert experts and all(e.kept for e in experts) and count == linear
     assert other == (everything - count) * 2
 
 
@@ -133,3 +133,25 @@ def test_a_fused_experts_plan_names_what_the_artifact_writes(fused_moe):
     entries = {e.name: e for e in build_plan(info, nf4, nf4.options(), ["lm_head"])}
     assert set(split_modules(info)) <= set(entries)
     assert {entries[name].precision for name in split_modules(info)} == {"nf4 blocks of 64 + double quant (bitsandbytes)"}
+
+
+@pytest.mark.parametrize("method", ["fp8", "gptq", "nf4", "mlx", "gguf"])
+def test_experts_stored_fused_or_one_tensor_each_plan_alike(tmp_path_factory, method):
+    """Qwen3.5-MoE's experts as its releases store them (transformers' fused gate_up_proj / down_proj) and one tensor
+    per expert: the same weights, so the same plan, each expert at its stacked tensor's precision (gguf: the type
+    llama-quantize's mixture gives `blk.N.ffn_down_exps`, for every expert, not the first alone)."""
+    from quantkit.methods import get_method
+    from quantkit.run.serving import weight_parts
+    from tests.families import common, test_moe
+
+    root = tmp_path_factory.getbasetemp() / "qwen35_moe_plan"
+    if not (root / "fused").is_dir():
+        common.with_fused_experts(test_moe.build(root / "per_expert", "qwen3_5_moe_text"), root / "fused")
+    spec = get_method(method)
+    per_expert, fused = (check_model_dir(root / kind) for kind in ("per_expert", "fused"))
+    plans = [{e.name: e.precision for e in build_plan(info, spec, spec.options(), ["lm_head"])}
+             for info in (per_expert, fused)]
+    assert plans[0] == plans[1]
+    assert weight_parts(per_expert, spec, spec.options()) == weight_parts(fused, spec, spec.options())
+    downs = {name: text for name, text in plans[0].items() if ".experts." in name and name.endswith("down_proj")}
+    assert len({text for name, text in downs.items() if name.startswith("model.layers.1.")}) == 1

@@ -189,7 +189,8 @@ def plan_types(info, options: Options) -> dict[str, str]:
         plans = plan_tensors(info.config, info.tensors, options.gguf_type, uses_imatrix(options))
     except UnsupportedError:
         return {}
-    types = {p.hf_name.removesuffix(".weight"): f"gguf {p.qtype.name}" for p in plans if p.hf_name.endswith(".weight")}
+    types = {name.removesuffix(".weight"): f"gguf {p.qtype.name}"  # a stacked expert tensor: each expert's source
+             for p in plans for name in (p.sources or (p.hf_name,)) if name.endswith(".weight")}
     return types | fused_expert_types(info, plans)
 
 

@@ -45,23 +45,23 @@ def tower_precision_text(precision: str, forced: bool) -> str:
 
 def build_plan(info: ModelInfo, method: MethodSpec, options, ignore: list[str],
                towers: dict[str, str] | None = None) -> list[PlanEntry]:
-    """One entry per linear weight with the precision the method will give it, and one per routed expert's
-    projection of experts stored fused that the method quantizes (Layers.quantizes_fused_experts); `towers` maps the
-    tower roles a target quantizes to their precision (int8/int4), {} keeps every tower 16-bit."""
-    exact_types = method.layers.exact_types(info, options)
-    return [plan_entry(info, name, shape, exact_types.get(name) or method.precision(
-        classify(name + ".weight", info.towers), options, name, shape), ignore, towers or {})
-        for name, shape in (linear_weights(info) | quantized_fused_experts(info, method, options)).items()]
-
-
-def quantized_fused_experts(info: ModelInfo, method: MethodSpec, options) -> dict[str, list[int]]:
-    """{expert projection: [out, in]} of the experts the checkpoint stores fused, where the method quantizes them."""
+    """One entry per linear weight with the precision the method will give it, experts stored fused across experts
+    one entry per expert projection (quantkit.arch.moe.fused_expert_linears), kept 16-bit where the method does not
+    quantize them (Layers.quantizes_fused_experts); `towers` maps the tower roles a target quantizes to their
+    precision (int8/int4), {} keeps every tower 16-bit."""
     from quantkit.arch.moe import fused_expert_linears
 
-    linears = fused_expert_linears(info.config, info.tensors)
-    if not linears or not method.layers.quantizes_fused_experts(info, options):
-        return {}
-    return {module: shape for module, (_fused, shape) in linears.items()}
+    exact_types = method.layers.exact_types(info, options)
+    fused = {name: shape for name, (_tensor, shape) in fused_expert_linears(info.config, info.tensors).items()}
+    keeps_fused = bool(fused) and not method.layers.quantizes_fused_experts(info, options)
+
+    def chosen(name: str, shape: list[int]) -> str | None:
+        if keeps_fused and name in fused:
+            return None
+        return exact_types.get(name) or method.precision(classify(name + ".weight", info.towers), options, name, shape)
+
+    return [plan_entry(info, name, shape, chosen(name, shape), ignore, towers or {})
+            for name, shape in (linear_weights(info) | fused).items()]
 
 
 def plan_entry(info: ModelInfo, name: str, shape: list[int], chosen: str | None, ignore: list[str],
